@@ -1,0 +1,496 @@
+#!/usr/bin/env python3
+"""Make mla-diff's GGUF fixtures and HF float64 goldens from seeded random DeepSeek models.
+
+Why this exists: no model hub is reachable and real DeepSeek checkpoints are far too big for a
+repository, yet mla-diff must be tested on GGUF files whose key names, tensor splits, layouts and
+quant blocks are exactly what llama.cpp's tools produce. So, for every fixture below, this script
+
+  1. builds a tiny random HF `DeepseekV3ForCausalLM` (2 layers, vocab 256, every layer a dense
+     FFN) and re-initialises every parameter with seeded normal data whose std makes attention
+     informative (scaled logit std between 1 and 3, measured and printed);
+  2. converts it to F32 GGUF with llama.cpp's official converter (convert_offline.py: the real
+     convert_hf_to_gguf.py, only its tokenizer step swapped for a synthetic 256-token vocab);
+  3. derives the special variants with gguf-py (legacy `attn_kv_b` file; a `q_lora_rank = 0` copy
+     when llama.cpp's quantizer refuses a file without the key);
+  4. quantizes with llama.cpp's own quantizer (quantize_gguf.py);
+  5. runs the HF model in float64 on seeded tokens, captures every MLA site (hf_hooks.py), checks
+     the capture against an independent numpy recomputation (mla_check.py) and against the GGUF's
+     own tensors, and writes golden/hf/<fixture>.safetensors.
+
+Everything is deterministic for a given --seed: re-running reproduces the same bytes.
+Large intermediates (HF checkpoints, the k256 F32 file, extra quant types, logs, report.json) go
+to --tmp, outside the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+DEFAULT_TMP = Path("/work/fixtures-tmp")
+SDIST = "llama_cpp_python-0.3.36"
+
+# --------------------------------------------------------------------------------------------
+# fixture table
+# --------------------------------------------------------------------------------------------
+
+YARN_V3 = dict(factor=40.0, mscale=0.707, mscale_all_dim=0.707, original_max_position_embeddings=16,
+               beta_fast=32.0, beta_slow=1.0)
+YARN_LITE = dict(YARN_V3, original_max_position_embeddings=32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fixture:
+    name: str
+    N: int                      # attention heads
+    H: int                      # hidden size
+    Lq: int | None              # q_lora_rank (None: no q compression, q_proj)
+    L: int                      # kv_lora_rank
+    P: int                      # qk_nope_head_dim
+    R: int                      # qk_rope_head_dim
+    V: int                      # v_head_dim
+    inter: int                  # dense FFN intermediate size
+    seed_offset: int            # fixture seed = --seed + seed_offset
+    attn_gain: float            # std multiplier of q_b/q_proj and kv_b weights (see init_weights)
+    yarn: dict | None = None    # YaRN rope parameters (None: plain rope)
+    tokens: int = 24            # golden sequence length
+    quants: tuple[str, ...] = ()        # committed quantized files (llama.cpp ftype names)
+    tmp_quants: tuple[str, ...] = ()    # extra quantized files kept in --tmp (dequant vectors)
+    commit_f32: bool = True             # F32 file goes to golden/models (else --tmp)
+    golden: bool = True                 # write golden/hf/<name>.safetensors
+    legacy_kvb: bool = False            # rewrite to one attn_kv_b + legacy keys
+
+    def dims(self) -> dict:
+        return dict(N=self.N, H=self.H, Lq=self.Lq, L=self.L, P=self.P, R=self.R, V=self.V)
+
+
+FIXTURES = [
+    Fixture("tiny-v3", N=6, H=256, Lq=64, L=96, P=32, R=16, V=64, inter=128, seed_offset=100,
+            attn_gain=1.45, quants=("Q8_0", "Q4_K_M", "Q6_K")),
+    Fixture("yarn-v3", N=4, H=256, Lq=96, L=64, P=32, R=32, V=32, inter=128, seed_offset=200,
+            attn_gain=1.2, yarn=YARN_V3, tokens=80, quants=("Q8_0",)),
+    Fixture("lite-v2", N=3, H=192, Lq=None, L=128, P=32, R=16, V=64, inter=128, seed_offset=300,
+            attn_gain=1.2, yarn=YARN_LITE, quants=("Q8_0",)),
+    # V = 64 != P+R = 48, so a reader that swaps key_length and value_length is caught.
+    Fixture("legacy-kvb", N=4, H=128, Lq=64, L=64, P=32, R=16, V=64, inter=128, seed_offset=400,
+            attn_gain=1.45, legacy_kvb=True),
+    # H, Lq, L and N·V = 512 are multiples of 256 (real K-quant blocks on the MLA matrices);
+    # N·V/2 = 256 keeps a TP-2 cut of o_proj on a block boundary, while TP 4 (128) is not.
+    Fixture("k256", N=4, H=256, Lq=256, L=256, P=64, R=32, V=128, inter=256, seed_offset=500,
+            attn_gain=1.45, quants=("Q4_K_M", "Q6_K"),
+            tmp_quants=("Q2_K", "Q3_K_M", "Q5_K_M", "IQ4_NL", "IQ4_XS"),
+            commit_f32=False, golden=False),
+]
+
+COMMON = dict(vocab_size=256, num_hidden_layers=2, rms_norm_eps=1e-6, rope_theta=10000.0,
+              max_position_embeddings=1024)
+
+LOGIT_STD_RANGE = (1.0, 3.0)
+
+
+# --------------------------------------------------------------------------------------------
+# HF model
+# --------------------------------------------------------------------------------------------
+
+def hf_config(fx: Fixture):
+    from transformers import DeepseekV3Config
+
+    if fx.yarn is None:
+        rope = {"rope_type": "default", "rope_theta": COMMON["rope_theta"]}
+    else:
+        rope = {"rope_type": "yarn", "rope_theta": COMMON["rope_theta"], **fx.yarn}
+    cfg = DeepseekV3Config(
+        vocab_size=COMMON["vocab_size"], hidden_size=fx.H, intermediate_size=fx.inter,
+        num_hidden_layers=COMMON["num_hidden_layers"],
+        num_attention_heads=fx.N, num_key_value_heads=fx.N,
+        q_lora_rank=fx.Lq, kv_lora_rank=fx.L, qk_nope_head_dim=fx.P, qk_rope_head_dim=fx.R,
+        v_head_dim=fx.V,
+        # MoE present in the config but never used: every layer is dense
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+        moe_intermediate_size=64, first_k_dense_replace=COMMON["num_hidden_layers"],
+        max_position_embeddings=COMMON["max_position_embeddings"], rms_norm_eps=COMMON["rms_norm_eps"],
+        rope_parameters=rope, rope_interleave=True, attention_bias=False,
+        tie_word_embeddings=False, num_mtp_layers=0, bos_token_id=0, eos_token_id=1,
+    )
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def init_weights(model, fx: Fixture, seed: int) -> None:
+    """Seeded normal re-initialisation of every parameter (float32).
+
+    * token embedding: N(0, 1) (so the residual stream starts at unit scale);
+    * RMSNorm weights (every 1-D parameter): 1 + 0.2 * N(0, 1);
+    * linear weights [out, in]: N(0, (g / sqrt(in))^2): g = 1 keeps unit-scale activations;
+      g = fx.attn_gain on the q projection (q_b_proj or q_proj) and on kv_b_proj, tuned per fixture
+      so that the scaled attention logits have a std between 1 and 3.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(noise)
+            elif p.ndim == 2:
+                gain = fx.attn_gain if name.endswith(("q_b_proj.weight", "q_proj.weight",
+                                                      "kv_b_proj.weight")) else 1.0
+                p.copy_(noise * (gain / math.sqrt(p.shape[1])))
+            else:
+                raise ValueError(f"unexpected parameter {name} {tuple(p.shape)}")
+
+
+def build_model(fx: Fixture, seed: int):
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)                    # construction-time init is overwritten anyway
+    model = DeepseekV3ForCausalLM(hf_config(fx))
+    init_weights(model, fx, seed)
+    model.eval()
+    return model
+
+
+def token_ids(fx: Fixture, seed: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    # ids 0..2 are the synthetic vocab's control tokens: keep to ordinary tokens
+    return torch.randint(3, COMMON["vocab_size"], (fx.tokens,), generator=gen, dtype=torch.long)
+
+
+# --------------------------------------------------------------------------------------------
+# conversion, rewriting, quantization
+# --------------------------------------------------------------------------------------------
+
+def run_converter(hf_dir: Path, out: Path, name: str, llama_dir: Path, log: Path) -> None:
+    cmd = [sys.executable, str(HERE / "convert_offline.py"), "--llama-cpp-dir", str(llama_dir),
+           str(hf_dir), "--outfile", str(out), "--outtype", "f32", "--model-name", name]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as fh:
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise SystemExit(f"converter failed for {name} (rc {rc}), see {log}")
+
+
+def make_legacy_kvb(src: Path, dst: Path, fx: Fixture) -> None:
+    """Rewrite the converter's split-kv_b file into the legacy layout (one attn_kv_b per layer)."""
+    import gguf
+    from gguf_tools import rewrite_gguf
+
+    arch = "deepseek2"
+    drop = {f"{arch}.attention.key_length_mla", f"{arch}.attention.value_length_mla"}
+    set_u32 = {f"{arch}.attention.key_length": fx.P + fx.R,
+               f"{arch}.attention.value_length": fx.V,
+               f"{arch}.attention.head_count_kv": fx.N}
+    pending: dict[int, np.ndarray] = {}
+
+    def key_edit(name, val, vtype, sub):
+        if name in drop:
+            return
+        if name in set_u32:
+            yield name, set_u32[name], gguf.GGUFValueType.UINT32, None
+            return
+        yield name, val, vtype, sub
+
+    def tensor_edit(name, arr):
+        if ".attn_k_b." in name:                       # [N, L, P] (PyTorch order)
+            pending[int(name.split(".")[1])] = arr
+            return
+        if ".attn_v_b." in name:                       # [N, V, L]
+            i = int(name.split(".")[1])
+            k_b = pending.pop(i)
+            kv_b = np.concatenate([k_b.transpose(0, 2, 1), arr], axis=1)   # [N, P+V, L]
+            yield f"blk.{i}.attn_kv_b.weight", kv_b.reshape(fx.N * (fx.P + fx.V), fx.L)
+            return
+        yield name, arr
+
+    rewrite_gguf(src, dst, key_edit, tensor_edit)
+    assert not pending
+
+
+def add_q_lora_rank_zero(src: Path, dst: Path) -> None:
+    """Copy a no-Lq file adding deepseek2.attention.q_lora_rank = 0 (before kv_lora_rank)."""
+    import gguf
+    from gguf_tools import rewrite_gguf
+
+    def key_edit(name, val, vtype, sub):
+        if name == "deepseek2.attention.kv_lora_rank":
+            yield "deepseek2.attention.q_lora_rank", 0, gguf.GGUFValueType.UINT32, None
+        yield name, val, vtype, sub
+
+    rewrite_gguf(src, dst, key_edit)
+
+
+# --------------------------------------------------------------------------------------------
+# checks
+# --------------------------------------------------------------------------------------------
+
+def check_gguf_matches_hf(gguf_path: Path, model, fx: Fixture) -> int:
+    """Every tensor of an F32 GGUF must equal (bit for bit) the HF weight it came from."""
+    from gguf_tools import load_f32_tensors
+
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    g = load_f32_tensors(gguf_path)
+    simple = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+              "output_norm.weight": "model.norm.weight"}
+    per_layer = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                 "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+                 "attn_q_b": "self_attn.q_b_proj", "attn_q": "self_attn.q_proj",
+                 "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                 "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+                 "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    checked = 0
+    for name, arr in g.items():
+        if name in simple:
+            ref = sd[simple[name]]
+        else:
+            _, i, base, _w = name.split(".")
+            kv_b = sd[f"model.layers.{i}.self_attn.kv_b_proj.weight"].reshape(fx.N, fx.P + fx.V, fx.L)
+            if base == "attn_k_b":      # stored transposed: [N, L, P]
+                ref = kv_b[:, : fx.P, :].transpose(0, 2, 1)
+            elif base == "attn_v_b":    # [N, V, L]
+                ref = kv_b[:, fx.P:, :]
+            else:
+                ref = sd[f"model.layers.{i}.{per_layer[base]}.weight"]
+        if arr.shape != ref.shape or not np.array_equal(arr, ref):
+            raise SystemExit(f"{gguf_path.name}: {name} differs from the HF weight")
+        checked += 1
+    return checked
+
+
+# --------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def make_one(fx: Fixture, args, report: dict) -> None:
+    import torch
+    import transformers
+    import st_io
+    from gguf_tools import quantize, read_kv, tensor_types
+    import hf_hooks
+    import mla_check
+
+    t0 = time.time()
+    seed = args.seed + fx.seed_offset
+    models_dir = args.out / "models"
+    tmp = args.tmp
+    models_dir.mkdir(parents=True, exist_ok=True)
+    rep: dict = {"dims": fx.dims(), "inter": fx.inter, "yarn": fx.yarn, "seed": seed,
+                 "attn_gain": fx.attn_gain, "files": {}}
+    report[fx.name] = rep
+    print(f"\n=== {fx.name}  (seed {seed}) " + "=" * 40)
+
+    # 1. HF model -> checkpoint
+    model = build_model(fx, seed)
+    hf_dir = tmp / "hf" / fx.name
+    model.save_pretrained(hf_dir)
+
+    # 2. official converter -> F32
+    f32_dir = models_dir if fx.commit_f32 else tmp / "models"
+    f32_dir.mkdir(parents=True, exist_ok=True)
+    f32 = f32_dir / f"{fx.name}-f32.gguf"
+    if fx.legacy_kvb:
+        split = tmp / "models" / f"{fx.name}-split-f32.gguf"
+        split.parent.mkdir(parents=True, exist_ok=True)
+        run_converter(hf_dir, split, fx.name, args.llama_cpp_dir, tmp / "logs" / f"convert-{fx.name}.log")
+        make_legacy_kvb(split, f32, fx)
+    else:
+        run_converter(hf_dir, f32, fx.name, args.llama_cpp_dir, tmp / "logs" / f"convert-{fx.name}.log")
+    n = check_gguf_matches_hf(f32, model, fx)
+    print(f"{rel(f32)}: {n} tensors, all bit-identical to the HF weights")
+    rep["gguf_tensors_checked"] = n
+    rep["f32_keys"] = {k: v for k, v in read_kv(f32).items() if k.startswith("deepseek2.")}
+
+    # 3. quantize
+    quant_src = f32
+    for ft, committed in [(q, True) for q in fx.quants] + [(q, False) for q in fx.tmp_quants]:
+        dst = (models_dir if committed else tmp / "models") / f"{fx.name}-{ft.lower()}.gguf"
+        log = tmp / "logs" / f"quantize-{dst.stem}.log"
+        rc = quantize(quant_src, dst, ft, log)
+        if rc != 0 and fx.Lq is None and quant_src == f32:
+            # llama.cpp reads q_lora_rank unconditionally unless the layer count looks like a
+            # known "lite" model; the converter omits the key when q_lora_rank is null.
+            refused = log.with_name(log.stem + "-refused.log")
+            log.replace(refused)
+            print(f"llama.cpp's quantizer refused {f32.name} (rc {rc}, see {refused}); "
+                  f"retrying from a copy with q_lora_rank = 0")
+            rep["quantizer_refused_absent_q_lora_rank"] = True
+            quant_src = tmp / "models" / f"{fx.name}-f32-qlora0.gguf"
+            add_q_lora_rank_zero(f32, quant_src)
+            rc = quantize(quant_src, dst, ft, log)
+        if rc != 0:
+            raise SystemExit(f"quantizing {fx.name} to {ft} failed (rc {rc}), see {log}")
+        types = tensor_types(dst)
+        rep["files"][dst.name] = {"path": rel(dst), "committed": committed,
+                                  "types": {n: t for n, t, _ in types}}
+        counts: dict[str, int] = {}
+        for _, t, _ in types:
+            counts[t] = counts.get(t, 0) + 1
+        print(f"{rel(dst)}: " + ", ".join(f"{t} x{c}" for t, c in sorted(counts.items())))
+    if fx.Lq is None and quant_src == f32 and fx.quants:
+        rep["quantizer_refused_absent_q_lora_rank"] = False
+
+    # 4. golden (captured for every fixture, for the logit-std measurement; saved if fx.golden)
+    ids = token_ids(fx, seed)
+    # the plain HF f32 run, only to report how far it is from the f64 golden
+    with torch.no_grad():
+        logits32 = model(input_ids=ids[None]).logits[0].double().numpy()
+    model64 = model.to(torch.float64)
+    cap = hf_hooks.capture(model64, ids)
+    t = cap.tensors
+    rep["hf_f32_vs_f64_logits_max_abs"] = float(np.abs(logits32 - t["logits"]).max())
+    rep["inv_freq_rel_err_vs_hf_f32"] = cap.extras["inv_freq_rel_err_vs_hf_f32"]
+
+    scale = mla_check.softmax_scale(fx.P, fx.R, fx.yarn)
+    rep["softmax_scale"] = scale
+    rep["logit_stats"] = cap.extras["logit_stats"]
+    rep["checks"] = {}
+    for layer in range(COMMON["num_hidden_layers"]):
+        hf_scale = cap.extras["hf_scaling"][layer]
+        if not math.isclose(hf_scale, scale, rel_tol=1e-14):
+            raise SystemExit(f"HF softmax scale {hf_scale} != MLA.md scale {scale}")
+        res = mla_check.check_layer(t, layer, fx.dims(), scale, cap.extras["cos"], cap.extras["sin"])
+        rep["checks"][layer] = res
+        st = cap.extras["logit_stats"][layer]
+        print(f"L{layer}: logit std {st['std']:.3f} (absmax {st['absmax']:.2f})  "
+              f"rope q/k err {res['rope_q_max_err']:.1e}/{res['rope_k_max_err']:.1e} "
+              f"(NeoX would differ by {res['rope_k_neox_max_diff']:.2f})  "
+              f"attn_out err {res['attn_out_max_err']:.1e} (absorbed {res['absorbed_attn_out_max_err']:.1e})  "
+              f"lse err {res['lse_max_err']:.1e} (absorbed {res['absorbed_lse_max_err']:.1e})  "
+              f"kv_b split err {max(res['kv_b_k_nope_max_err'], res['kv_b_v_max_err']):.1e}")
+        lo, hi = LOGIT_STD_RANGE
+        if not lo <= st["std"] <= hi:
+            raise SystemExit(f"{fx.name} L{layer}: logit std {st['std']:.3f} outside [{lo}, {hi}]; "
+                             f"adjust attn_gain")
+        worst = max(res["rope_q_max_err"], res["rope_k_max_err"], res["attn_out_max_err"],
+                    res["lse_max_err"], res["absorbed_attn_out_max_err"], res["absorbed_lse_max_err"],
+                    res["kv_b_k_nope_max_err"], res["kv_b_v_max_err"])
+        if worst > 1e-9:
+            raise SystemExit(f"{fx.name} L{layer}: golden self-check failed (max err {worst:.2e})")
+    print(f"HF plain f32 vs f64 golden logits: max |diff| {rep['hf_f32_vs_f64_logits_max_abs']:.2e}; "
+          f"f64 vs HF f32 inv_freq rel err {rep['inv_freq_rel_err_vs_hf_f32']:.1e}")
+
+    if not fx.golden:
+        golden = tmp / "hf" / f"{fx.name}.safetensors"        # scratch copy only
+    else:
+        golden = args.out / "hf" / f"{fx.name}.safetensors"
+    golden.parent.mkdir(parents=True, exist_ok=True)
+    # The w.* sites are the GGUF's F32 weights upcast, bit for bit (check_gguf_matches_hf
+    # proves it above), so they are not stored: that keeps golden/ inside its size budget.
+    names = [k for k in hf_hooks.ordered_names(t) if ".w." not in k]
+    tensors = {k: np.ascontiguousarray(t[k]) for k in names}
+    meta = {
+        "fixture": fx.name,
+        "gguf": rel(f32),
+        "source": f"transformers {transformers.__version__} DeepseekV3ForCausalLM float64 eager",
+        "rope_order": "interleaved",
+        "tokens": str(fx.tokens),
+        "seed": str(seed),
+        "softmax_scale": repr(scale),
+        "f64_patches": "RMSNorm, rotary table and eager softmax kept in float64 (HF forces f32 there)",
+        "torch": torch.__version__,
+    }
+    st_io.save(tensors, golden, metadata=meta)
+    rep["golden"] = {"path": rel(golden), "bytes": golden.stat().st_size, "tensors": len(tensors),
+                     "committed": fx.golden}
+    print(f"{rel(golden)}: {len(tensors)} tensors, {golden.stat().st_size} bytes")
+
+    # 5. end-to-end cross-check: llama.cpp on the GGUF vs the HF float64 golden logits
+    if not args.no_llama_check:
+        rep["llama_cpp_vs_golden"] = {}
+        candidates = [f32] + ([quant_src] if quant_src != f32 else [])
+        candidates += [models_dir / f"{fx.name}-{q.lower()}.gguf" for q in fx.quants]
+        for path in candidates:
+            proc = subprocess.run([sys.executable, str(HERE / "llama_logits.py"), str(path), str(golden)],
+                                  capture_output=True, text=True)
+            lines = proc.stdout.strip().splitlines()
+            res = json.loads(lines[-1]) if lines else {"error": proc.stderr[-300:]}
+            rep["llama_cpp_vs_golden"][path.name] = res
+            if "error" in res:
+                print(f"llama.cpp vs golden logits, {path.name}: does not load ({res['error'][:80]})")
+            else:
+                print(f"llama.cpp vs golden logits, {path.name}: max |diff| {res['max_abs']:.2e}, "
+                      f"rel_l2 {res['rel_l2']:.2e}")
+                if path in (f32, quant_src) and res["max_abs"] > 1e-4:
+                    raise SystemExit(f"llama.cpp disagrees with the golden on {path.name}")
+
+    for p in sorted(models_dir.glob(f"{fx.name}-*.gguf")):
+        rep["files"].setdefault(p.name, {"path": rel(p), "committed": True})
+        rep["files"][p.name].update(bytes=p.stat().st_size, sha256=sha256(p))
+    if not fx.commit_f32:
+        rep["files"][f32.name] = {"path": str(f32), "committed": False, "bytes": f32.stat().st_size}
+    print(f"({time.time() - t0:.1f} s)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seed", type=int, default=20250, help="base seed (fixture seed = base + offset)")
+    ap.add_argument("--only", nargs="+", metavar="NAME", choices=[f.name for f in FIXTURES],
+                    help="make only these fixtures (default: all)")
+    ap.add_argument("--out", type=Path, default=REPO / "golden", help="golden folder (default: repo/golden)")
+    ap.add_argument("--tmp", type=Path, default=DEFAULT_TMP,
+                    help=f"scratch folder outside the repo (default {DEFAULT_TMP})")
+    ap.add_argument("--llama-cpp-dir", type=Path, default=None,
+                    help=f"vendor/llama.cpp of the unpacked llama-cpp-python sdist "
+                         f"(default: TMP/{SDIST}/vendor/llama.cpp)")
+    ap.add_argument("--no-llama-check", action="store_true",
+                    help="skip the llama.cpp-vs-golden logits cross-check")
+    ap.add_argument("--list", action="store_true", help="print the fixture table and exit")
+    args = ap.parse_args()
+
+    if args.list:
+        for f in FIXTURES:
+            print(f)
+        return
+    args.tmp.mkdir(parents=True, exist_ok=True)
+    if args.llama_cpp_dir is None:
+        args.llama_cpp_dir = args.tmp / SDIST / "vendor" / "llama.cpp"
+    if not (args.llama_cpp_dir / "convert_hf_to_gguf.py").is_file():
+        raise SystemExit(f"converter not found under {args.llama_cpp_dir}; unpack the {SDIST} sdist "
+                         f"there (see golden/README.md) or pass --llama-cpp-dir")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+    report_path = args.tmp / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    for fx in FIXTURES:
+        if args.only and fx.name not in args.only:
+            continue
+        make_one(fx, args, report)
+    report_path.write_text(json.dumps(report, indent=1, default=str))
+    print(f"\nreport: {report_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Independent numpy float64 checks of captured MLA goldens, written from shared/MLA.md.
+
+Why this exists: a golden is only useful if it is internally consistent. These checks recompute,
+from the captured tensors alone, what the HF run should have produced, using the formulas of
+MLA.md rather than HF's code:
+  * RoPE: the interleaved (GPT-J) rotation of the un-rotated `k_pe` / `q[..., P:]` with HF's
+    cos/sin must equal the stored (order-converted) `k_pe_roped` / `q_pe_roped`;
+  * expanded attention (MLA.md step 5) with scale (P+R)^-0.5 * m^2 must reproduce `attn_out`
+    and `lse`;
+  * absorbed attention (step 6) through `w.W_UK_T` / `w.W_UV` and `kv_c_normed` must agree too;
+  * kv_b split (step 5) must reproduce `k_nope` / `v` from `kv_c_normed` and `w.kv_b`.
+All errors are max |difference|, returned as a dict so callers can print and record them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def softmax_scale(P: int, R: int, yarn: dict | None) -> float:
+    """(P+R)^-0.5 * m^2, m = 0.1 * mscale_all_dim * ln(factor) + 1 with YaRN (factor > 1), else 1."""
+    m = 1.0
+    if yarn is not None and yarn["factor"] > 1 and yarn.get("mscale_all_dim"):
+        m = 0.1 * yarn["mscale_all_dim"] * math.log(yarn["factor"]) + 1.0
+    return (P + R) ** -0.5 * m * m
+
+
+def _logsumexp(x: np.ndarray, axis: int) -> np.ndarray:
+    mx = np.max(x, axis=axis, keepdims=True)
+    return (mx + np.log(np.sum(np.exp(x - mx), axis=axis, keepdims=True))).squeeze(axis)
+
+
+def check_layer(t: dict[str, np.ndarray], layer: int, dims: dict, scale: float,
+                cos: np.ndarray, sin: np.ndarray) -> dict[str, float]:
+    """Return max-abs errors of the recomputations for one layer.
+
+    dims: N, P, R, V, L. cos/sin: HF's tables [T, R] (= cat(per-pair, per-pair)).
+    """
+    N, P, R, V, L = (dims[k] for k in ("N", "P", "R", "V", "L"))
+    g = lambda s: t[f"L{layer}.{s}"]  # noqa: E731
+    q, k_pe, kvc = g("q"), g("k_pe"), g("kv_c_normed")
+    T = q.shape[0]
+    ch, sh = cos[:, : R // 2], sin[:, : R // 2]
+
+    res: dict[str, float] = {}
+    # --- RoPE (interleaved pairs) -------------------------------------------------------------
+    k_rot = _rope(k_pe, ch, sh)
+    q_rot = _rope(q[:, :, P:], ch[:, None, :], sh[:, None, :])
+    res["rope_k_max_err"] = float(np.abs(k_rot - g("k_pe_roped")).max())
+    res["rope_q_max_err"] = float(np.abs(q_rot - g("q_pe_roped")).max())
+    # the classic wrong choice (NeoX pairing) must NOT match: proves the check can fail
+    k_neox = np.concatenate([k_pe[:, : R // 2] * ch - k_pe[:, R // 2:] * sh,
+                             k_pe[:, R // 2:] * ch + k_pe[:, : R // 2] * sh], axis=-1)
+    res["rope_k_neox_max_diff"] = float(np.abs(k_neox - g("k_pe_roped")).max())
+
+    # --- kv_b expansion, per-head [k_nope | v] --------------------------------------------------
+    kv = (kvc @ g("w.kv_b").T).reshape(T, N, P + V)
+    res["kv_b_k_nope_max_err"] = float(np.abs(kv[:, :, :P] - g("k_nope")).max())
+    res["kv_b_v_max_err"] = float(np.abs(kv[:, :, P:] - g("v")).max())
+
+    # --- expanded attention (step 5) -------------------------------------------------------------
+    q_nope, q_pe = q[:, :, :P], g("q_pe_roped")
+    k_nope, v, k_pe_r = g("k_nope"), g("v"), g("k_pe_roped")
+    Q = np.concatenate([q_nope, q_pe], axis=-1)                                   # [T, N, P+R]
+    K = np.concatenate([k_nope, np.broadcast_to(k_pe_r[:, None, :], (T, N, R))], axis=-1)
+    logits = np.einsum("tnd,snd->nts", Q, K) * scale                              # [N, T, S]
+    causal = np.tril(np.ones((T, T), dtype=bool))
+    logits = np.where(causal[None], logits, -np.inf)
+    lse = _logsumexp(logits, axis=-1)                                             # [N, T]
+    probs = np.exp(logits - lse[..., None])
+    out = np.einsum("nts,snv->tnv", probs, v)
+    res["attn_out_max_err"] = float(np.abs(out - g("attn_out")).max())
+    res["attn_out_max_abs"] = float(np.abs(g("attn_out")).max())
+    res["lse_max_err"] = float(np.abs(lse.T - g("lse")).max())
+
+    # --- absorbed attention (step 6) -------------------------------------------------------------
+    ql_nope = np.einsum("tnp,npl->tnl", q_nope, g("w.W_UK_T"))                    # [T, N, L]
+    logits_a = (np.einsum("tnl,sl->nts", ql_nope, kvc)
+                + np.einsum("tnr,sr->nts", q_pe, k_pe_r)) * scale
+    logits_a = np.where(causal[None], logits_a, -np.inf)
+    lse_a = _logsumexp(logits_a, axis=-1)
+    latent = np.einsum("nts,sl->tnl", np.exp(logits_a - lse_a[..., None]), kvc)   # [T, N, L]
+    out_a = np.einsum("tnl,nlv->tnv", latent, g("w.W_UV"))
+    res["absorbed_attn_out_max_err"] = float(np.abs(out_a - g("attn_out")).max())
+    res["absorbed_lse_max_err"] = float(np.abs(lse_a.T - g("lse")).max())
+    return res
+
+
+def _rope(x: np.ndarray, cos_half: np.ndarray, sin_half: np.ndarray) -> np.ndarray:
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = x0 * cos_half - x1 * sin_half
+    out[..., 1::2] = x1 * cos_half + x0 * sin_half
+    return out

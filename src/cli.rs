@@ -1,0 +1,302 @@
+//! Command-line interface: argument definitions and the commands behind them.
+//!
+//! The binary is a thin shell over this module so that commands can be tested (and snapshotted)
+//! in-process. Every command returns an [`Outcome`] (0 = within tolerance, 1 = divergence found)
+//! or a library [`Error`] (exit 2), the exit-code contract of DESIGN.md.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::batch::{Batch, SeqSpec};
+use crate::config::MlaConfig;
+use crate::error::{Error, Result};
+use crate::faults::{Fault, FaultSet};
+use crate::gguf::GgufFile;
+use crate::paths::{PathKind, PathOptions};
+use crate::report;
+use crate::run::{self, InputMode, RunConfig};
+use crate::tolerance::Dtype;
+
+/// Name under which the embedded default fixture is reported.
+pub const EMBEDDED_NAME: &str = "<embedded tiny-v3-q4_k_m.gguf>";
+
+/// The embedded default fixture: the smallest quantized fixture of `golden/models/`, so that
+/// `mla-diff run` works with no `--model` anywhere.
+pub static EMBEDDED_GGUF: &[u8] = include_bytes!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/golden/models/tiny-v3-q4_k_m.gguf"
+));
+
+/// What a successful command concluded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Everything within tolerance (exit 0).
+    Pass,
+    /// A divergence or finding (exit 1).
+    Divergence,
+}
+
+/// mla-diff: find the first tensor where an MLA forward path goes wrong, and what kind of wrong.
+#[derive(Debug, Parser)]
+#[command(name = "mla-diff", version, about, long_about = None)]
+pub struct Cli {
+    /// The command.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the reference and the engine paths on a GGUF model and diff every site.
+    Run(RunArgs),
+    /// Show a GGUF file's metadata, derived MLA config and per-tensor types.
+    Inspect(InspectArgs),
+}
+
+/// `--path` choices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PathChoice {
+    /// Expanded MHA prefill (vLLM forward_mha).
+    Mha,
+    /// Absorbed MQA decode over a paged latent cache (vLLM forward_mqa).
+    Mqa,
+    /// Chunked-context prefill merged by LSE.
+    Chunked,
+    /// Mixed batch: decode tokens first, prefill tokens after.
+    Mixed,
+    /// Every path.
+    All,
+}
+
+impl PathChoice {
+    /// The paths selected.
+    pub fn paths(self) -> Vec<PathKind> {
+        match self {
+            PathChoice::Mha => vec![PathKind::Mha],
+            PathChoice::Mqa => vec![PathKind::Mqa],
+            PathChoice::Chunked => vec![PathKind::Chunked],
+            PathChoice::Mixed => vec![PathKind::Mixed],
+            PathChoice::All => PathKind::ALL.to_vec(),
+        }
+    }
+}
+
+/// `--backend` choices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendChoice {
+    /// The CUDA backend when a device answers, else the CPU (and say which).
+    Auto,
+    /// The CPU backend.
+    Cpu,
+}
+
+/// Arguments of `mla-diff run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// GGUF model file (default: the embedded tiny-v3 Q4_K_M fixture).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Layer to check.
+    #[arg(long, conflicts_with = "layers")]
+    pub layer: Option<usize>,
+    /// Layers to check: `A..B` (B excluded), `A..=B`, or `all`.
+    #[arg(long)]
+    pub layers: Option<String>,
+    /// Tokens in the batch (one sequence; see --seqs for several).
+    #[arg(long, default_value_t = 19)]
+    pub tokens: usize,
+    /// Sequence lengths of a multi-sequence batch, e.g. `1,15,16,17,53` (overrides --tokens).
+    #[arg(long, value_delimiter = ',')]
+    pub seqs: Option<Vec<usize>>,
+    /// Position of the first token (tests RoPE/YaRN far from position 0).
+    #[arg(long, default_value_t = 0)]
+    pub start_pos: usize,
+    /// Seed of the random inputs, token ids and block-table shuffle.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Layer input: seeded random hidden states, or seeded token ids through the embedding and
+    /// the reference forward of the preceding layers.
+    #[arg(long, value_enum, default_value_t = InputMode::Random)]
+    pub input: InputMode,
+    /// Engine path(s) to run.
+    #[arg(long, value_enum, default_value_t = PathChoice::All)]
+    pub path: PathChoice,
+    /// Compute backend.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+    /// Tokens per page of the paged latent cache.
+    #[arg(long, default_value_t = 16)]
+    pub page_size: usize,
+    /// KV splits per decode query (mqa, mixed).
+    #[arg(long, default_value_t = 4)]
+    pub splits: usize,
+    /// Simulated tensor-parallel ranks (must divide the head count).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Context tokens per chunk (chunked).
+    #[arg(long, default_value_t = 8)]
+    pub chunk_size: usize,
+    /// New (uncached) tokens per sequence (chunked); the rest of each sequence is context.
+    #[arg(long, default_value_t = 5)]
+    pub new_tokens: usize,
+    /// Inject a fault from the catalogue into the paths (repeatable).
+    #[arg(long, value_enum)]
+    pub inject: Vec<Fault>,
+    /// Write the JSON report here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Overwrite existing output files.
+    #[arg(long)]
+    pub force: bool,
+    /// Print only the verdict lines.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Arguments of `mla-diff inspect`.
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    /// GGUF model file.
+    pub path: PathBuf,
+    /// Show only this layer's tensors (and the non-layer ones).
+    #[arg(long)]
+    pub layer: Option<usize>,
+}
+
+/// Opens `--model`, or the embedded fixture when absent.
+pub fn open_model(model: Option<&PathBuf>) -> Result<GgufFile> {
+    match model {
+        Some(p) => GgufFile::open(p),
+        None => GgufFile::from_static(EMBEDDED_NAME, EMBEDDED_GGUF),
+    }
+}
+
+/// Parses `--layers`: `A..B`, `A..=B`, `all`, or a single number.
+pub fn parse_layers(spec: &str, n_layer: usize) -> Result<Vec<usize>> {
+    let bad = || {
+        Error::Usage(format!(
+            "--layers `{spec}`: expected `A..B` (B excluded), `A..=B`, `all` or a number"
+        ))
+    };
+    let v: Vec<usize> = if spec == "all" {
+        (0..n_layer).collect()
+    } else if let Some((a, b)) = spec.split_once("..=") {
+        let (a, b) = (
+            a.parse::<usize>().map_err(|_| bad())?,
+            b.parse::<usize>().map_err(|_| bad())?,
+        );
+        (a..=b).collect()
+    } else if let Some((a, b)) = spec.split_once("..") {
+        let (a, b) = (
+            a.parse::<usize>().map_err(|_| bad())?,
+            b.parse::<usize>().map_err(|_| bad())?,
+        );
+        (a..b).collect()
+    } else {
+        vec![spec.parse::<usize>().map_err(|_| bad())?]
+    };
+    if v.is_empty() {
+        return Err(Error::Usage(format!("--layers `{spec}` selects no layer")));
+    }
+    Ok(v)
+}
+
+/// `mla-diff run`.
+pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
+    let file = open_model(a.model.as_ref())?;
+    let cfg = MlaConfig::from_gguf(&file)?;
+    let layers = match (&a.layers, a.layer) {
+        (Some(spec), _) => parse_layers(spec, cfg.n_layer)?,
+        (None, Some(l)) => vec![l],
+        (None, None) => vec![0],
+    };
+    if a.page_size == 0 || a.splits == 0 || a.chunk_size == 0 {
+        return Err(Error::Usage(
+            "--page-size, --splits and --chunk-size must be at least 1".into(),
+        ));
+    }
+    let batch = match &a.seqs {
+        Some(lens) => {
+            if lens.is_empty() || lens.contains(&0) {
+                return Err(Error::Usage("--seqs: every sequence needs at least one token".into()));
+            }
+            Batch {
+                seqs: lens
+                    .iter()
+                    .map(|&len| SeqSpec {
+                        len,
+                        start_pos: a.start_pos,
+                    })
+                    .collect(),
+            }
+        }
+        None => Batch::single(a.tokens, a.start_pos),
+    };
+    if a.backend == BackendChoice::Auto {
+        eprintln!("mla-diff: backend cpu (auto: this build has no CUDA backend yet)");
+    }
+    let rc = RunConfig {
+        layers,
+        batch,
+        seed: a.seed,
+        input: a.input,
+        paths: a.path.paths(),
+        path_options: PathOptions {
+            page_size: a.page_size,
+            num_splits: a.splits,
+            tp: a.tp,
+            chunk_size: a.chunk_size,
+            new_tokens: a.new_tokens,
+            faults: FaultSet(a.inject.clone()),
+            ..PathOptions::default()
+        },
+        dtype: Dtype::F32,
+    };
+    let rep = run::run(&file, &cfg, &rc)?;
+    if let Some(j) = &a.json {
+        report::write_file_atomic(j, &report::to_json_bytes(&report::json(&rep)), a.force)?;
+    }
+    let text = if a.quiet {
+        let mut lines = report::verdict_lines(&rep);
+        lines.extend(report::finding_lines(&rep));
+        lines.join("\n") + "\n"
+    } else {
+        report::terminal(&rep)
+    };
+    out.write_all(text.as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    Ok(if rep.all_pass() {
+        Outcome::Pass
+    } else {
+        Outcome::Divergence
+    })
+}
+
+/// `mla-diff inspect`.
+pub fn cmd_inspect(a: &InspectArgs, out: &mut dyn Write) -> Result<Outcome> {
+    let file = GgufFile::open(&a.path)?;
+    if let Some(l) = a.layer {
+        let n = MlaConfig::from_gguf(&file)?.n_layer;
+        if l >= n {
+            return Err(Error::LayerOutOfRange {
+                path: a.path.clone(),
+                layer: l,
+                n_layers: n,
+            });
+        }
+    }
+    out.write_all(crate::inspect::inspect(&file, a.layer).as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    Ok(Outcome::Pass)
+}
+
+/// Runs a parsed command line, writing human output to `out`.
+pub fn dispatch(cli: &Cli, out: &mut dyn Write) -> Result<Outcome> {
+    match &cli.command {
+        Command::Run(a) => cmd_run(a, out),
+        Command::Inspect(a) => cmd_inspect(a, out),
+    }
+}

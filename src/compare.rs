@@ -1,0 +1,396 @@
+//! One comparison function for every site: reference vs candidate.
+//!
+//! A bare `allclose` hides what went wrong; this module computes, per site, every metric of
+//! DESIGN.md (shape, NaN/Inf positions, norms and their ratio, `rel_l2`, max |Δ| with its index
+//! and both values, max relative error above a floor, cosine difference in f64, the fraction of
+//! elements within `atol + rtol·|ref|`) and decides pass/fail against the tolerance table. The
+//! order of checks follows FlashMLA's `tests/kernelkit/compare.py`: non-finite positions first,
+//! then an element passes on abs OR rel, cosine in f64, and the worst element is reported with
+//! both values. Every sum runs sequentially in element order, so results are bit-reproducible.
+
+use serde::Serialize;
+
+use crate::paths::CANARY_BITS;
+use crate::tolerance::{Dtype, Tolerance, tolerance};
+use crate::trace::{Site, Trace, TraceTensor};
+
+/// Sign and quiet bit cleared: a canary that went through arithmetic (which sets the quiet bit
+/// and may flip the sign) still matches `CANARY_BITS` under this mask.
+const CANARY_MASK: u32 = 0x7FBF_FFFF;
+
+/// True for the canary or a canary quieted by arithmetic (NaN payload preserved).
+pub fn is_canary_like(x: f32) -> bool {
+    x.is_nan() && (x.to_bits() & CANARY_MASK) == CANARY_BITS
+}
+
+/// Every number computed for one site.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Metrics {
+    /// Elements compared.
+    pub numel: usize,
+    /// Non-finite elements in the reference.
+    pub nonfinite_ref: usize,
+    /// Non-finite elements in the candidate.
+    pub nonfinite_cand: usize,
+    /// Positions where exactly one side is non-finite.
+    pub nonfinite_mismatch: usize,
+    /// First such position (flat index).
+    pub first_nonfinite_mismatch: Option<usize>,
+    /// Candidate elements holding the canary (exact or quieted).
+    pub canary: usize,
+    /// Candidate elements that are exactly 0 where the reference is not.
+    pub zero_where_ref_nonzero: usize,
+    /// `‖ref‖₂` over elements finite on both sides.
+    pub norm_ref: f64,
+    /// `‖cand‖₂` over the same elements.
+    pub norm_cand: f64,
+    /// `‖cand‖ / ‖ref‖` (1 when both are 0).
+    pub norm_ratio: f64,
+    /// `‖cand − ref‖₂ / ‖ref‖₂` (the absolute norm when `‖ref‖ = 0`).
+    pub rel_l2: f64,
+    /// Largest |cand − ref|.
+    pub max_abs: f64,
+    /// Multi-index of that element.
+    pub max_abs_index: Vec<usize>,
+    /// Reference value there.
+    pub max_abs_ref: f64,
+    /// Candidate value there.
+    pub max_abs_cand: f64,
+    /// Largest |cand − ref| / |ref| over elements with |ref| > 1e-3·rms(ref).
+    pub max_rel: f64,
+    /// `1 − 2Σab / Σ(a²+b²)`, f64.
+    pub cos_diff: f64,
+    /// Fraction of elements with |c − r| ≤ atol_rms·rms(ref) + rtol·|r| (non-finite mismatches fail).
+    pub pass_fraction: f64,
+}
+
+/// Outcome for one site.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Status {
+    /// Every metric within tolerance.
+    Pass,
+    /// At least one metric out of tolerance.
+    Fail,
+    /// Shapes disagree (and are not a flattening of each other).
+    ShapeMismatch,
+    /// The candidate recorded the site but the reference has no counterpart.
+    NoReference,
+}
+
+/// The comparison of one site.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SiteDiff {
+    /// The site.
+    pub site: Site,
+    /// Pass / fail.
+    pub status: Status,
+    /// Reference shape.
+    pub shape_ref: Vec<usize>,
+    /// Candidate shape.
+    pub shape_cand: Vec<usize>,
+    /// Metrics (absent on shape mismatch or without reference).
+    pub metrics: Option<Metrics>,
+    /// Names of the metrics that failed (`rel_l2`, `cos_diff`, `norm_ratio`, `nonfinite`,
+    /// `pass_fraction`).
+    pub failed: Vec<&'static str>,
+    /// The tolerance row applied.
+    pub tolerance: Tolerance,
+}
+
+impl SiteDiff {
+    /// True unless the site passed.
+    pub fn is_failure(&self) -> bool {
+        self.status != Status::Pass
+    }
+}
+
+/// Converts a flat index to a multi-index of `shape`.
+pub fn unravel(mut i: usize, shape: &[usize]) -> Vec<usize> {
+    let mut idx = vec![0; shape.len()];
+    for d in (0..shape.len()).rev() {
+        let n = shape[d].max(1);
+        idx[d] = i % n;
+        i /= n;
+    }
+    idx
+}
+
+/// True when two shapes hold the same elements in the same order: equal, or equal after
+/// flattening trailing dims (`[T, N, X]` vs `[T, N·X]`).
+pub fn shapes_compatible(a: &[usize], b: &[usize]) -> bool {
+    if a == b {
+        return true;
+    }
+    let pa: usize = a.iter().product();
+    let pb: usize = b.iter().product();
+    pa == pb && !a.is_empty() && !b.is_empty() && a[0] == b[0]
+}
+
+/// Computes the metrics of `cand` against `reference` under `tol`.
+///
+/// Shapes must be compatible (see [`shapes_compatible`]); the multi-index of the worst element
+/// is reported in the reference's shape.
+pub fn metrics(reference: &TraceTensor, cand: &TraceTensor, tol: &Tolerance) -> Metrics {
+    let n = reference.len().min(cand.len());
+    let cand_f32 = cand.f32_data();
+    let (mut nf_r, mut nf_c, mut nf_mis, mut first_mis, mut canary, mut zeros) = (0, 0, 0, None, 0, 0);
+    let (mut rr, mut cc, mut dd, mut rc) = (0f64, 0f64, 0f64, 0f64);
+    for i in 0..n {
+        let r = reference.get(i);
+        let c = cand.get(i);
+        if cand_f32.is_some_and(|cf| is_canary_like(cf[i])) {
+            canary += 1;
+        }
+        let (rf, cf) = (r.is_finite(), c.is_finite());
+        if !rf {
+            nf_r += 1;
+        }
+        if !cf {
+            nf_c += 1;
+        }
+        if rf != cf {
+            nf_mis += 1;
+            first_mis.get_or_insert(i);
+        }
+        if rf && cf {
+            rr += r * r;
+            cc += c * c;
+            dd += (c - r) * (c - r);
+            rc += r * c;
+            if c == 0.0 && r != 0.0 {
+                zeros += 1;
+            }
+        }
+    }
+    let norm_ref = rr.sqrt();
+    let norm_cand = cc.sqrt();
+    let rms = if n > 0 { (rr / n as f64).sqrt() } else { 0.0 };
+    let floor = 1e-3 * rms;
+    let atol = tol.atol_rms * rms;
+    let (mut max_abs, mut max_i, mut max_rel, mut passed) = (0f64, 0usize, 0f64, 0usize);
+    for i in 0..n {
+        let r = reference.get(i);
+        let c = cand.get(i);
+        if r.is_finite() && c.is_finite() {
+            let d = (c - r).abs();
+            if d > max_abs {
+                max_abs = d;
+                max_i = i;
+            }
+            if r.abs() > floor {
+                max_rel = max_rel.max(d / r.abs());
+            }
+            if d <= atol + tol.rtol * r.abs() {
+                passed += 1;
+            }
+        } else if r.is_finite() == c.is_finite() && (r.is_nan() == c.is_nan()) && (r.is_nan() || r == c) {
+            // Both non-finite in the same way (NaN/NaN or the same infinity) counts as agreement.
+            passed += 1;
+        } else if !r.is_finite() || !c.is_finite() {
+            // Mismatched non-finite: worst possible element; report the first one.
+            if max_abs != f64::INFINITY {
+                max_abs = f64::INFINITY;
+                max_i = i;
+            }
+        }
+    }
+    let denom = rr + cc;
+    let cos_diff = if denom > 0.0 { 1.0 - 2.0 * rc / denom } else { 0.0 };
+    let norm_ratio = if norm_ref > 0.0 {
+        norm_cand / norm_ref
+    } else if norm_cand == 0.0 {
+        1.0
+    } else {
+        f64::INFINITY
+    };
+    let rel_l2 = if norm_ref > 0.0 {
+        dd.sqrt() / norm_ref
+    } else {
+        dd.sqrt()
+    };
+    Metrics {
+        numel: n,
+        nonfinite_ref: nf_r,
+        nonfinite_cand: nf_c,
+        nonfinite_mismatch: nf_mis,
+        first_nonfinite_mismatch: first_mis,
+        canary,
+        zero_where_ref_nonzero: zeros,
+        norm_ref,
+        norm_cand,
+        norm_ratio,
+        rel_l2,
+        max_abs,
+        max_abs_index: unravel(max_i, &reference.shape),
+        max_abs_ref: if n > 0 { reference.get(max_i) } else { 0.0 },
+        max_abs_cand: if n > 0 { cand.get(max_i) } else { 0.0 },
+        max_rel,
+        cos_diff,
+        pass_fraction: if n > 0 { passed as f64 / n as f64 } else { 1.0 },
+    }
+}
+
+/// `x ≤ limit`, false for NaN (a NaN metric never passes).
+fn within(x: f64, limit: f64) -> bool {
+    x <= limit
+}
+
+/// Judges metrics against a tolerance; returns the names of the failing metrics.
+pub fn judge(m: &Metrics, tol: &Tolerance) -> Vec<&'static str> {
+    let mut failed = Vec::new();
+    if m.nonfinite_mismatch > 0 {
+        failed.push("nonfinite");
+    }
+    if !within(m.rel_l2, tol.rel_l2) {
+        failed.push("rel_l2");
+    }
+    if !within(m.cos_diff, tol.cos_diff) {
+        failed.push("cos_diff");
+    }
+    if !within((m.norm_ratio - 1.0).abs(), tol.norm_ratio) {
+        failed.push("norm_ratio");
+    }
+    if !within(tol.min_pass_fraction, m.pass_fraction) {
+        failed.push("pass_fraction");
+    }
+    failed
+}
+
+/// Compares one site.
+pub fn diff_site(site: Site, reference: Option<&TraceTensor>, cand: &TraceTensor, dtype: Dtype) -> SiteDiff {
+    let (tol, _) = tolerance(site.stage, dtype);
+    let Some(reference) = reference else {
+        return SiteDiff {
+            site,
+            status: Status::NoReference,
+            shape_ref: vec![],
+            shape_cand: cand.shape.clone(),
+            metrics: None,
+            failed: vec!["no_reference"],
+            tolerance: tol,
+        };
+    };
+    if !shapes_compatible(&reference.shape, &cand.shape) {
+        return SiteDiff {
+            site,
+            status: Status::ShapeMismatch,
+            shape_ref: reference.shape.clone(),
+            shape_cand: cand.shape.clone(),
+            metrics: None,
+            failed: vec!["shape"],
+            tolerance: tol,
+        };
+    }
+    let m = metrics(reference, cand, &tol);
+    let failed = judge(&m, &tol);
+    SiteDiff {
+        site,
+        status: if failed.is_empty() { Status::Pass } else { Status::Fail },
+        shape_ref: reference.shape.clone(),
+        shape_cand: cand.shape.clone(),
+        metrics: Some(m),
+        failed,
+        tolerance: tol,
+    }
+}
+
+/// Compares every site the candidate recorded against the reference, in data-flow order.
+pub fn diff(reference: &Trace, cand: &Trace, dtype: Dtype) -> Vec<SiteDiff> {
+    cand.sites_in_order()
+        .into_iter()
+        .filter_map(|site| cand.get(&site).map(|c| diff_site(site, reference.get(&site), c, dtype)))
+        .collect()
+}
+
+/// The first failing site in data-flow order (DESIGN.md: the first divergence, per path).
+pub fn first_divergence(diffs: &[SiteDiff]) -> Option<&SiteDiff> {
+    diffs.iter().filter(|d| d.is_failure()).min_by_key(|d| d.site.order())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::paths::CANARY;
+    use crate::trace::Stage;
+
+    fn t32(shape: &[usize], v: Vec<f32>) -> TraceTensor {
+        TraceTensor::f32(shape.to_vec(), v)
+    }
+    fn t64(shape: &[usize], v: Vec<f64>) -> TraceTensor {
+        TraceTensor::f64(shape.to_vec(), v)
+    }
+
+    #[test]
+    fn identical_tensors_pass_with_zero_error() {
+        let r = t64(&[2, 2], vec![1.0, -2.0, 3.0, 0.5]);
+        let c = t32(&[2, 2], vec![1.0, -2.0, 3.0, 0.5]);
+        let d = diff_site(Site::new(0, Stage::QC), Some(&r), &c, Dtype::F32);
+        assert_eq!(d.status, Status::Pass);
+        let m = d.metrics.unwrap();
+        assert_eq!(m.rel_l2, 0.0);
+        assert_eq!(m.cos_diff, 0.0);
+        assert_eq!(m.norm_ratio, 1.0);
+    }
+
+    #[test]
+    fn worst_element_is_located_with_both_values() {
+        let r = t64(&[2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        let c = t32(&[2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.5, 6.0]);
+        let d = diff_site(Site::new(1, Stage::KvA), Some(&r), &c, Dtype::F32);
+        let m = d.metrics.unwrap();
+        assert_eq!(d.status, Status::Fail);
+        assert_eq!(m.max_abs_index, vec![1, 1]);
+        assert_eq!((m.max_abs_ref, m.max_abs_cand), (5.0, 5.5));
+        approx::assert_abs_diff_eq!(m.max_abs, 0.5);
+        approx::assert_abs_diff_eq!(m.pass_fraction, 5.0 / 6.0);
+        let rr: f64 = 1. + 4. + 9. + 16. + 25. + 36.;
+        approx::assert_relative_eq!(m.rel_l2, 0.5 / rr.sqrt(), max_relative = 1e-12);
+    }
+
+    #[test]
+    fn a_pure_scale_passes_cosine_but_fails_norm_ratio() {
+        let r = t64(&[4], vec![1.0, -1.0, 2.0, 0.5]);
+        let c = t32(&[4], vec![1.1, -1.1, 2.2, 0.55]);
+        let m = metrics(&r, &c, &tolerance(Stage::Q, Dtype::F32).0);
+        assert!(m.cos_diff < 5e-3);
+        approx::assert_abs_diff_eq!(m.norm_ratio, 1.1, epsilon = 1e-6);
+        assert!(judge(&m, &tolerance(Stage::Q, Dtype::F32).0).contains(&"norm_ratio"));
+    }
+
+    #[test]
+    fn canary_and_nonfinite_positions_are_counted() {
+        let r = t64(&[3], vec![1.0, 2.0, 3.0]);
+        let quieted = f32::from_bits(CANARY_BITS | 0x0040_0000);
+        let c = t32(&[3], vec![CANARY, quieted, 3.0]);
+        let m = metrics(&r, &c, &tolerance(Stage::AttnOut, Dtype::F32).0);
+        assert_eq!(m.canary, 2);
+        assert_eq!(m.nonfinite_mismatch, 2);
+        assert_eq!(m.first_nonfinite_mismatch, Some(0));
+        assert!(!is_canary_like(f32::NAN));
+    }
+
+    #[test]
+    fn flattened_shapes_are_compatible_but_transposes_are_not() {
+        assert!(shapes_compatible(&[4, 6, 8], &[4, 48]));
+        assert!(!shapes_compatible(&[4, 6, 8], &[6, 4, 8]));
+    }
+
+    #[test]
+    fn first_divergence_follows_data_flow_order() {
+        let r = {
+            let mut t = Trace::new();
+            t.record(Site::new(0, Stage::Lse), t64(&[1], vec![1.0]));
+            t.record(Site::new(0, Stage::Q), t64(&[1], vec![1.0]));
+            t
+        };
+        let c = {
+            let mut t = Trace::new();
+            t.record(Site::new(0, Stage::Lse), t32(&[1], vec![2.0]));
+            t.record(Site::new(0, Stage::Q), t32(&[1], vec![3.0]));
+            t
+        };
+        let d = diff(&r, &c, Dtype::F32);
+        assert_eq!(first_divergence(&d).unwrap().site.stage, Stage::Q);
+    }
+}

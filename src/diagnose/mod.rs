@@ -1,0 +1,1092 @@
+//! Diagnosis: naming the bug class of each path's first divergence, with numeric evidence.
+//!
+//! "Tensor X differs" sends an engineer back to printing norms by hand; "`w.fused_qkv_a` holds
+//! the reference shards in order [1,0]" points at the line to fix. For each path's first
+//! divergence, the detectors below each test one hypothesis against the reference trace (re-rotate
+//! with the other RoPE style, re-split kv_b grouped, fit a softmax scale, match blocks to shards,
+//! …). The first detector in DESIGN.md's precedence list whose hypothesis explains the candidate
+//! names the [`Class`]; evidence always compares the explained error with the error as is. A clean
+//! run produces no finding: every detector only runs on a site that already failed.
+
+pub mod blocks;
+
+use std::collections::BTreeSet;
+
+use serde::Serialize;
+
+use crate::batch::Batch;
+use crate::compare::{self, SiteDiff, Status, is_canary_like};
+use crate::config::MlaConfig;
+use crate::paths::{PathKind, Unservable};
+use crate::reference::rope_inv_freq;
+use crate::tolerance::{Dtype, tolerance};
+use crate::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
+use blocks::{BlockMatch, find_blocks};
+
+/// Bug classes, in DESIGN.md's precedence order (earlier wins when several explain a site).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Class {
+    /// The output buffer was never written (canary everywhere, or all zero).
+    PhantomOutput,
+    /// Some rows keep the canary.
+    UnwrittenRows,
+    /// A fused weight's shards are in the wrong order.
+    ShardOrder,
+    /// TP rank blocks are permuted or duplicated.
+    TpRankOrder,
+    /// kv_b per-head interleave vs grouped, or k_b transpose.
+    KvBLayout,
+    /// A quantized weight was cut off a quant block boundary.
+    QuantBlockMisaligned,
+    /// The other RoPE rotation style explains the values.
+    RopeStyle,
+    /// A constant logit scale explains the attention output.
+    SoftmaxScale,
+    /// Sentinel or log-base error in an LSE merge.
+    LseMerge,
+    /// NaN/Inf where the reference is finite.
+    Nonfinite,
+    /// Cosine ≈ 1 but the norm ratio is off.
+    ScaleOnly,
+    /// Only this path fails a site the other paths pass.
+    PathDisagreement,
+    /// None of the above.
+    Mismatch,
+    /// The GGUF weights themselves hold NaN/Inf.
+    WeightNonfinite,
+}
+
+impl Class {
+    /// kebab-case name (`shard-order`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Class::PhantomOutput => "phantom-output",
+            Class::UnwrittenRows => "unwritten-rows",
+            Class::ShardOrder => "shard-order",
+            Class::TpRankOrder => "tp-rank-order",
+            Class::KvBLayout => "kv-b-layout",
+            Class::QuantBlockMisaligned => "quant-block-misaligned",
+            Class::RopeStyle => "rope-style",
+            Class::SoftmaxScale => "softmax-scale",
+            Class::LseMerge => "lse-merge",
+            Class::Nonfinite => "nonfinite",
+            Class::ScaleOnly => "scale-only",
+            Class::PathDisagreement => "path-disagreement",
+            Class::Mismatch => "mismatch",
+            Class::WeightNonfinite => "weight-nonfinite",
+        }
+    }
+}
+
+impl std::fmt::Display for Class {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One diagnosis: what kind of wrong, where, the numbers that show it, and where to look.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Finding {
+    /// The bug class.
+    pub class: Class,
+    /// The site it was found at (the path's first divergence).
+    pub site: Site,
+    /// The path (absent for findings about the file itself).
+    pub path: Option<PathKind>,
+    /// Numeric evidence, e.g. "cos 0.999999 vs permuted block; 0.012 as is".
+    pub evidence: String,
+    /// Where to look.
+    pub hint: String,
+}
+
+/// One path's results, as the detectors need them.
+#[derive(Debug, Clone, Copy)]
+pub struct PathEvidence<'a> {
+    /// The path.
+    pub kind: PathKind,
+    /// Its trace.
+    pub trace: &'a Trace,
+    /// Its per-site comparison.
+    pub diffs: &'a [SiteDiff],
+    /// Packed token rows whose merge had an empty partial.
+    pub empty_partial_rows: &'a [usize],
+    /// Set when the configuration could not be served.
+    pub unservable: Option<&'a Unservable>,
+}
+
+/// Everything diagnosis looks at for one layer.
+#[derive(Debug, Clone)]
+pub struct DiagnoseInput<'a> {
+    /// Model configuration.
+    pub cfg: &'a MlaConfig,
+    /// The batch both sides ran.
+    pub batch: &'a Batch,
+    /// The reference trace (f64).
+    pub reference: &'a Trace,
+    /// Every path that ran on the same inputs.
+    pub paths: Vec<PathEvidence<'a>>,
+    /// TP ranks the paths used.
+    pub tp: usize,
+    /// Compute dtype of the paths.
+    pub dtype: Dtype,
+}
+
+/// What every detector sees for one failing site of one path.
+struct SiteCtx<'a> {
+    input: &'a DiagnoseInput<'a>,
+    path: PathEvidence<'a>,
+    site: Site,
+    diff: &'a SiteDiff,
+    refr: &'a TraceTensor,
+    cand: &'a TraceTensor,
+    /// Relative L2 under which an alternative hypothesis "explains" the candidate.
+    explain: f64,
+}
+
+type Detected = Option<(String, String)>;
+
+fn fmt_e(x: f64) -> String {
+    if x == 0.0 { "0".into() } else { format!("{x:.2e}") }
+}
+
+fn rel_l2(a: &[f64], b: &[f64]) -> f64 {
+    let (mut d, mut n) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        d += (x - y) * (x - y);
+        n += y * y;
+    }
+    if n > 0.0 { (d / n).sqrt() } else { d.sqrt() }
+}
+
+impl SiteCtx<'_> {
+    fn as_is(&self) -> f64 {
+        self.diff.metrics.as_ref().map_or(f64::NAN, |m| m.rel_l2)
+    }
+
+    fn ref_site(&self, stage: Stage) -> Option<&TraceTensor> {
+        self.input.reference.get(&Site::new(self.site.layer, stage))
+    }
+
+    /// Compares the candidate with an alternative built from the reference: Some(rel) if it
+    /// explains.
+    fn explained_by(&self, alt: &[f64]) -> Option<f64> {
+        let c = self.cand.to_f64();
+        if alt.len() != c.len() {
+            return None;
+        }
+        let e = rel_l2(&c, alt);
+        (e <= self.explain && e < self.as_is()).then_some(e)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Detectors, in precedence order.
+
+fn phantom_output(x: &SiteCtx<'_>) -> Detected {
+    let m = x.diff.metrics.as_ref()?;
+    if m.numel > 0 && m.canary == m.numel {
+        return Some((
+            format!(
+                "all {} elements still hold the canary (f32 bits 0x{:08X}): the output buffer was never written",
+                m.numel,
+                crate::paths::CANARY_BITS
+            ),
+            "the attention op wrote its result into a tensor the caller never reads; it must write the \
+             caller-allocated `output` in place (vLLM custom op with mutates_args=[\"output\"])"
+                .into(),
+        ));
+    }
+    let all_zero = (0..x.cand.len()).all(|i| x.cand.get(i) == 0.0);
+    if all_zero && m.norm_ref > 0.0 {
+        return Some((
+            format!("all {} elements are 0 while ‖ref‖ = {}", m.numel, fmt_e(m.norm_ref)),
+            "an output buffer allocated with zeros was returned unwritten (the op's result went elsewhere)".into(),
+        ));
+    }
+    None
+}
+
+/// Token rows (dim 0) holding at least one element that satisfies `bad`.
+fn rows_where(t: &TraceTensor, bad: impl Fn(usize) -> bool) -> Vec<usize> {
+    let rows = t.shape.first().copied().unwrap_or(0).max(1);
+    let per = t.len() / rows;
+    (0..rows).filter(|&r| (r * per..(r + 1) * per).any(&bad)).collect()
+}
+
+fn list(v: &[usize]) -> String {
+    if v.len() <= 10 {
+        format!("{v:?}")
+    } else {
+        format!("{:?}… ({} in all)", &v[..10], v.len())
+    }
+}
+
+fn unwritten_rows(x: &SiteCtx<'_>) -> Detected {
+    let m = x.diff.metrics.as_ref()?;
+    let cf = x.cand.f32_data()?;
+    if m.canary == 0 || m.canary == m.numel {
+        return None;
+    }
+    let exact = cf.iter().filter(|v| v.to_bits() == crate::paths::CANARY_BITS).count();
+    let rows = rows_where(x.cand, |i| is_canary_like(cf[i]));
+    if exact == 0 && x.site.stage != Stage::Lse {
+        // Only quieted canaries: unwritten memory was read by arithmetic. If the same rows'
+        // LSE is a computed (non-canary) NaN, a merge used an unwritten partial because its
+        // sentinel was wrong: that is an LSE-merge bug, not an unwritten output.
+        if let Some(lse) = x
+            .path
+            .trace
+            .get(&Site::new(x.site.layer, Stage::Lse))
+            .and_then(|t| t.f32_data())
+        {
+            let per = lse.len() / x.cand.shape[0].max(1);
+            let merge_nan = rows.iter().any(|&r| {
+                lse[r * per..(r + 1) * per]
+                    .iter()
+                    .any(|v| v.is_nan() && !is_canary_like(*v))
+            });
+            if merge_nan {
+                return None;
+            }
+        }
+    }
+    Some((
+        format!(
+            "{} of {} elements hold the canary ({} exact, {} quieted by arithmetic) in token rows {}",
+            m.canary,
+            m.numel,
+            exact,
+            m.canary - exact,
+            list(&rows)
+        ),
+        "rows were skipped instead of written: a row with no keys in a context chunk must still get \
+         output 0 and LSE −inf (or be excluded from the merge)"
+            .into(),
+    ))
+}
+
+fn shard_order(x: &SiteCtx<'_>) -> Detected {
+    let cfg = x.input.cfg;
+    let lq = cfg.q_lora_rank?;
+    let (l, r) = (cfg.kv_lora_rank, cfg.qk_rope_head_dim);
+    match x.site.stage {
+        Stage::WFusedQkvA => {
+            let m = find_blocks(
+                &x.cand.to_f64(),
+                &x.refr.to_f64(),
+                &x.refr.shape,
+                0,
+                &[lq, l + r],
+                x.explain,
+            )?;
+            m.explains().then(|| {
+                (
+                    format!(
+                        "rows are the reference shards (q_a_proj {lq} rows, kv_a_proj_with_mqa {} rows) in order {}: rel_l2 {} per shard vs {} as is",
+                        l + r,
+                        m.map_text(),
+                        fmt_e(m.errors.iter().copied().filter(|e| e.is_finite()).fold(0.0, f64::max)),
+                        fmt_e(x.as_is())
+                    ),
+                    "fused_qkv_a_proj must be [q_a_proj | kv_a_proj_with_mqa] (shard 0 then 1): merge GGUF shards \
+                     by shard id, not by the order the file delivers them (vLLM GGUF loader fix)"
+                        .into(),
+                )
+            })
+        }
+        Stage::QC => {
+            // Without the weight: q_c would be the first Lq columns of the fused output in the
+            // swapped order, i.e. kv_a's first Lq columns.
+            let kv_a = x.ref_site(Stage::KvA)?;
+            let t = x.refr.shape[0];
+            if lq > l + r {
+                return None;
+            }
+            let alt: Vec<f64> = (0..t)
+                .flat_map(|i| (0..lq).map(move |j| (i, j)))
+                .map(|(i, j)| kv_a.get(i * (l + r) + j))
+                .collect();
+            let e = x.explained_by(&alt)?;
+            Some((
+                format!(
+                    "q_c equals the first {lq} columns of kv_a: the fused output is [kv_a | q_c], shard order [1,0] (rel_l2 {} vs {} as is)",
+                    fmt_e(e),
+                    fmt_e(x.as_is())
+                ),
+                "fused_qkv_a_proj shards are in load order, not shard-id order".into(),
+            ))
+        }
+        _ => None,
+    }
+}
+
+/// The axis and block sizes along which TP ranks split a site, if any.
+fn rank_axis(stage: Stage, cfg: &MlaConfig, tp: usize) -> Option<(usize, usize)> {
+    let n = cfg.n_head;
+    match stage {
+        Stage::Q
+        | Stage::QPeRoped
+        | Stage::KNope
+        | Stage::V
+        | Stage::QlNope
+        | Stage::AttnLatent
+        | Stage::AttnOut
+        | Stage::Lse => Some((1, n / tp)),
+        Stage::WUkT | Stage::WUv => Some((0, n / tp)),
+        Stage::WKvB => Some((0, n / tp * (cfg.qk_nope_head_dim + cfg.v_head_dim))),
+        _ => None,
+    }
+}
+
+fn describe_ranks(m: &BlockMatch, what: &str, x: &SiteCtx<'_>) -> (String, String) {
+    (
+        format!(
+            "{what}: {}; matched shards rel_l2 ≤ {} vs {} as is",
+            m.describe("rank"),
+            fmt_e(m.errors.iter().copied().filter(|e| e.is_finite()).fold(0.0, f64::max)),
+            fmt_e(x.as_is())
+        ),
+        "rank r must load heads [r·N/tp, (r+1)·N/tp) of q_b_proj, kv_b_proj and o_proj; check the rank \
+         index the loader slices with (every rank loading rank 0's slice was the vLLM GGUF plugin bug)"
+            .into(),
+    )
+}
+
+fn tp_rank_order(x: &SiteCtx<'_>) -> Detected {
+    let tp = x.input.tp;
+    if tp < 2 {
+        return None;
+    }
+    if let Stage::WRank(w, _) = x.site.stage {
+        // Gather every rank's shard of this weight on both sides and match them as blocks.
+        let gather = |tr: &Trace| -> Option<Vec<Vec<f64>>> {
+            (0..tp as u32)
+                .map(|r| tr.get(&Site::new(x.site.layer, Stage::WRank(w, r))).map(|t| t.to_f64()))
+                .collect()
+        };
+        let c = gather(x.path.trace)?;
+        let rf = gather(x.input.reference)?;
+        let len = rf[0].len();
+        let shape = [tp, len];
+        let m = find_blocks(&c.concat(), &rf.concat(), &shape, 0, &vec![1; tp], x.explain)?;
+        return m
+            .explains()
+            .then(|| describe_ranks(&m, &format!("per-rank shards of {}", w.as_str()), x));
+    }
+    let (axis, block) = rank_axis(x.site.stage, x.input.cfg, tp)?;
+    let dim = *x.refr.shape.get(axis)?;
+    if dim % block != 0 || dim / block != tp {
+        return None;
+    }
+    let m = find_blocks(
+        &x.cand.to_f64(),
+        &x.refr.to_f64(),
+        &x.refr.shape,
+        axis,
+        &vec![block; tp],
+        x.explain,
+    )?;
+    m.explains()
+        .then(|| describe_ranks(&m, &format!("rank blocks of {}", x.site.stage.name()), x))
+}
+
+/// Reference kv_b rows regrouped per rank as `[all k rows | all v rows]`.
+fn grouped_kv_b_rows(kv_b: &[f64], cfg: &MlaConfig, tp: usize) -> Vec<f64> {
+    let (n, l, p, v) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
+    let nh = n / tp;
+    let mut out = Vec::with_capacity(kv_b.len());
+    for rank in 0..tp {
+        let heads = rank * nh..(rank + 1) * nh;
+        for h in heads.clone() {
+            out.extend_from_slice(&kv_b[h * (p + v) * l..(h * (p + v) + p) * l]);
+        }
+        for h in heads {
+            out.extend_from_slice(&kv_b[(h * (p + v) + p) * l..(h + 1) * (p + v) * l]);
+        }
+    }
+    out
+}
+
+fn kv_b_layout(x: &SiteCtx<'_>) -> Detected {
+    let cfg = x.input.cfg;
+    let (n, l, p, v) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
+    let tp = x.input.tp.max(1);
+    let nh = n / tp;
+    let grouped_hint = "kv_b_proj rows are per head [k_nope_h | v_h]: view the output as [T, N, P+V] and split \
+                        the last dim, not [all k_nope | all v]";
+    let untransposed_hint = "attn_k_b is stored [N, L, P] (transposed): kv_b / W_UK_T need k_b.transpose(1, 2), \
+                             not a reshape of the same bytes";
+    let kv_b_ref = x.ref_site(Stage::WKvB).map(|t| t.to_f64());
+    // The untransposed hypothesis, per head: K rows [P, L] = reshape(k_b[h] as [L, P]).
+    let untransposed_k = |kvb: &[f64], h: usize| -> Vec<f64> {
+        let k_rows = &kvb[h * (p + v) * l..(h * (p + v) + p) * l]; // [P, L] = k_b[h]ᵀ
+        let mut kb = vec![0f64; l * p]; // k_b[h] as [L, P], row-major
+        for pi in 0..p {
+            for li in 0..l {
+                kb[li * p + pi] = k_rows[pi * l + li];
+            }
+        }
+        kb // read as [P, L] row-major: the reshape
+    };
+    match x.site.stage {
+        Stage::WKvB => {
+            let kvb = kv_b_ref?;
+            let mut alt = kvb.clone();
+            for h in 0..n {
+                let k = untransposed_k(&kvb, h);
+                alt[h * (p + v) * l..(h * (p + v) + p) * l].copy_from_slice(&k);
+            }
+            if let Some(e) = x.explained_by(&alt) {
+                return Some((
+                    format!(
+                        "w.kv_b's k rows equal k_b reshaped [N, L, P] → [N, P, L] instead of transposed (rel_l2 {} vs {} as is)",
+                        fmt_e(e),
+                        fmt_e(x.as_is())
+                    ),
+                    untransposed_hint.into(),
+                ));
+            }
+            let e = x.explained_by(&grouped_kv_b_rows(&kvb, cfg, tp))?;
+            Some((
+                format!(
+                    "w.kv_b rows are grouped [all k | all v] per rank (rel_l2 {} vs {} as is)",
+                    fmt_e(e),
+                    fmt_e(x.as_is())
+                ),
+                grouped_hint.into(),
+            ))
+        }
+        Stage::KNope | Stage::V => {
+            let kn = x.ref_site(Stage::KNope)?;
+            let vv = x.ref_site(Stage::V)?;
+            let t = kn.shape[0];
+            let mut alt = Vec::with_capacity(x.cand.len());
+            for ti in 0..t {
+                for rank in 0..tp {
+                    // The rank's kv_b output row: per head [k_nope_h | v_h].
+                    let mut row = Vec::with_capacity(nh * (p + v));
+                    for h in rank * nh..(rank + 1) * nh {
+                        row.extend((0..p).map(|d| kn.get((ti * n + h) * p + d)));
+                        row.extend((0..v).map(|d| vv.get((ti * n + h) * v + d)));
+                    }
+                    if x.site.stage == Stage::KNope {
+                        alt.extend_from_slice(&row[..nh * p]);
+                    } else {
+                        alt.extend_from_slice(&row[nh * p..]);
+                    }
+                }
+            }
+            let e = x.explained_by(&alt)?;
+            Some((
+                format!(
+                    "{} equals the reference kv_b_proj output split grouped as [all k_nope | all v] (rel_l2 {} vs {} as is)",
+                    x.site.stage.name(),
+                    fmt_e(e),
+                    fmt_e(x.as_is())
+                ),
+                grouped_hint.into(),
+            ))
+        }
+        Stage::WUkT => {
+            let kvb = kv_b_ref?;
+            // Grouped: per rank, the first nh·P rows of the (per-head interleaved) kv_b, read as
+            // [nh, P, L].
+            let mut alt = Vec::with_capacity(n * p * l);
+            for rank in 0..tp {
+                let base = rank * nh * (p + v) * l;
+                alt.extend_from_slice(&kvb[base..base + nh * p * l]);
+            }
+            if let Some(e) = x.explained_by(&alt) {
+                return Some((
+                    format!(
+                        "W_UK_T equals kv_b's rows split grouped [all k | all v] (rel_l2 {} vs {} as is)",
+                        fmt_e(e),
+                        fmt_e(x.as_is())
+                    ),
+                    grouped_hint.into(),
+                ));
+            }
+            let alt: Vec<f64> = (0..n).flat_map(|h| untransposed_k(&kvb, h)).collect();
+            let e = x.explained_by(&alt)?;
+            Some((
+                format!(
+                    "W_UK_T equals k_b reshaped [N, L, P] → [N, P, L] instead of transposed (rel_l2 {} vs {} as is)",
+                    fmt_e(e),
+                    fmt_e(x.as_is())
+                ),
+                untransposed_hint.into(),
+            ))
+        }
+        Stage::WUv => {
+            let kvb = kv_b_ref?;
+            // Grouped: per rank, the last nh·V rows read as [nh, V, L], then permuted to [nh, L, V].
+            let mut alt = Vec::with_capacity(n * l * v);
+            for rank in 0..tp {
+                let base = rank * nh * (p + v) * l + nh * p * l;
+                let rows = &kvb[base..base + nh * v * l];
+                for h in 0..nh {
+                    for li in 0..l {
+                        for vi in 0..v {
+                            alt.push(rows[(h * v + vi) * l + li]);
+                        }
+                    }
+                }
+            }
+            let e = x.explained_by(&alt)?;
+            Some((
+                format!(
+                    "W_UV equals kv_b's rows split grouped [all k | all v] (rel_l2 {} vs {} as is)",
+                    fmt_e(e),
+                    fmt_e(x.as_is())
+                ),
+                grouped_hint.into(),
+            ))
+        }
+        _ => None,
+    }
+}
+
+/// NeoX rotation of rope vectors `[rows, R]` at per-row positions, f64.
+fn rotate_neox(data: &[f64], r: usize, positions: &[usize], inv_freq: &[f64]) -> Vec<f64> {
+    let half = r / 2;
+    let mut out = data.to_vec();
+    for (row, &pos) in out.chunks_mut(r).zip(positions) {
+        for i in 0..half {
+            let (s, c) = (pos as f64 * inv_freq[i]).sin_cos();
+            let (a, b) = (row[i], row[i + half]);
+            row[i] = a * c - b * s;
+            row[i + half] = b * c + a * s;
+        }
+    }
+    out
+}
+
+fn rope_style(x: &SiteCtx<'_>) -> Detected {
+    let cfg = x.input.cfg;
+    let (n, p, r) = (cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim);
+    let pos = x.input.batch.positions();
+    let inv = rope_inv_freq(cfg);
+    let (raw, positions): (Vec<f64>, Vec<usize>) = match x.site.stage {
+        Stage::QPeRoped => {
+            let q = x.ref_site(Stage::Q)?;
+            let t = q.shape[0];
+            let raw = (0..t * n)
+                .flat_map(|i| (0..r).map(move |d| (i, d)))
+                .map(|(i, d)| q.get(i * (p + r) + p + d))
+                .collect();
+            (raw, (0..t * n).map(|i| pos[i / n]).collect())
+        }
+        Stage::KPeRoped => (x.ref_site(Stage::KPe)?.to_f64(), pos.clone()),
+        _ => return None,
+    };
+    let alt = rotate_neox(&raw, r, &positions, &inv);
+    let e = x.explained_by(&alt)?;
+    Some((
+        format!(
+            "NeoX rotation (x[i], x[i+R/2]) of the reference's un-rotated input explains {} (rel_l2 {} vs {} as is)",
+            x.site.stage.name(),
+            fmt_e(e),
+            fmt_e(x.as_is())
+        ),
+        "DeepSeek MLA rotates adjacent pairs (x[2i], x[2i+1]): vLLM is_neox_style=False, llama.cpp rope type NORM"
+            .into(),
+    ))
+}
+
+/// Reference attention recomputed with the logit scale multiplied by `c`, for the stage asked
+/// (`lse` [T,N], `attn_latent` [T,N,L] or `attn_out` [T,N,V]). `None` if an input is missing.
+struct AttnRecompute {
+    /// Per (t, h): raw logits `q·k` (unscaled) over visible keys, and the key rows.
+    logits: Vec<(Vec<f64>, Vec<usize>)>,
+    /// Rows that are averaged: kv_c_normed [T, L] (latent) or v [T, N, V].
+    values: Vec<f64>,
+    width: usize,
+    per_head_values: bool,
+    n: usize,
+    scale: f64,
+}
+
+impl AttnRecompute {
+    fn build(x: &SiteCtx<'_>) -> Option<Self> {
+        let cfg = x.input.cfg;
+        let (n, l, p, r, v) = (
+            cfg.n_head,
+            cfg.kv_lora_rank,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+        );
+        let q = x.ref_site(Stage::Q)?;
+        let qpe = x.ref_site(Stage::QPeRoped)?;
+        let kn = x.ref_site(Stage::KNope)?;
+        let kpe = x.ref_site(Stage::KPeRoped)?;
+        let (values, width, per_head_values) = match x.site.stage {
+            Stage::AttnLatent => (x.ref_site(Stage::KvCNormed)?.to_f64(), l, false),
+            Stage::AttnOut => (x.ref_site(Stage::V)?.to_f64(), v, true),
+            Stage::Lse => (Vec::new(), 0, false),
+            _ => return None,
+        };
+        let mut logits = Vec::new();
+        for (sq, off) in x.input.batch.seqs.iter().zip(x.input.batch.offsets()) {
+            for i in 0..sq.len {
+                let ti = off + i;
+                for h in 0..n {
+                    let keys: Vec<usize> = (off..=ti).collect();
+                    let z = keys
+                        .iter()
+                        .map(|&tj| {
+                            let a: f64 = (0..p)
+                                .map(|d| q.get((ti * n + h) * (p + r) + d) * kn.get((tj * n + h) * p + d))
+                                .sum();
+                            let b: f64 = (0..r)
+                                .map(|d| qpe.get((ti * n + h) * r + d) * kpe.get(tj * r + d))
+                                .sum();
+                            a + b
+                        })
+                        .collect();
+                    logits.push((z, keys));
+                }
+            }
+        }
+        Some(AttnRecompute {
+            logits,
+            values,
+            width,
+            per_head_values,
+            n,
+            scale: cfg.softmax_scale,
+        })
+    }
+
+    fn eval(&self, c: f64) -> Vec<f64> {
+        let mut out = Vec::new();
+        for (idx, (z, keys)) in self.logits.iter().enumerate() {
+            let h = idx % self.n;
+            let s: Vec<f64> = z.iter().map(|v| v * self.scale * c).collect();
+            let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            if self.width == 0 {
+                out.push(m + sum.ln());
+                continue;
+            }
+            let mut o = vec![0f64; self.width];
+            for (ej, &tj) in e.iter().zip(keys) {
+                let base = if self.per_head_values {
+                    (tj * self.n + h) * self.width
+                } else {
+                    tj * self.width
+                };
+                for d in 0..self.width {
+                    o[d] += ej / sum * self.values[base + d];
+                }
+            }
+            out.extend(o);
+        }
+        out
+    }
+}
+
+fn softmax_scale(x: &SiteCtx<'_>) -> Detected {
+    if !matches!(x.site.stage, Stage::Lse | Stage::AttnLatent | Stage::AttnOut) {
+        return None;
+    }
+    let m = x.diff.metrics.as_ref()?;
+    if m.nonfinite_mismatch > 0 {
+        return None;
+    }
+    let rc = AttnRecompute::build(x)?;
+    let cand = x.cand.to_f64();
+    let err = |c: f64| rel_l2(&cand, &rc.eval(c));
+    // Coarse log-spaced grid over ×0.1 … ×10, then golden-section refinement.
+    let grid: Vec<f64> = (0..=40)
+        .map(|i| (0.1f64.ln() + i as f64 * (100f64.ln() / 40.0)).exp())
+        .collect();
+    let (mut best_c, mut best_e) = (1.0, err(1.0));
+    for &c in &grid {
+        let e = err(c);
+        if e < best_e {
+            best_c = c;
+            best_e = e;
+        }
+    }
+    let (mut a, mut b) = (best_c / 1.13, best_c * 1.13);
+    let g = (5f64.sqrt() - 1.0) / 2.0;
+    for _ in 0..40 {
+        let c1 = b - g * (b - a);
+        let c2 = a + g * (b - a);
+        if err(c1) < err(c2) {
+            b = c2;
+        } else {
+            a = c1;
+        }
+    }
+    let c = (a + b) / 2.0;
+    let e = err(c);
+    if !(e <= x.explain && e < x.as_is() && (c - 1.0).abs() > 1e-3) {
+        return None;
+    }
+    let cfg = x.input.cfg;
+    let msq = cfg.mscale() * cfg.mscale();
+    let named = [
+        (
+            1.0 / msq,
+            format!("the YaRN m² = {msq:.4} factor is missing from the softmax scale"),
+        ),
+        (msq, format!("the YaRN m² = {msq:.4} factor is applied twice")),
+        (
+            1.0 / cfg.mscale(),
+            format!("only one m = {:.4} of the YaRN m² factor is applied", cfg.mscale()),
+        ),
+        (
+            (cfg.qk_head_dim() as f64 / (cfg.kv_lora_rank + cfg.qk_rope_head_dim) as f64).sqrt(),
+            format!(
+                "the scale uses (L+R)^-0.5 = {}^-0.5 (the absorbed width) instead of (P+R)^-0.5",
+                cfg.kv_lora_rank + cfg.qk_rope_head_dim
+            ),
+        ),
+    ];
+    let cause = named
+        .iter()
+        .filter(|(f, _)| (c / f - 1.0).abs() < 5e-3 && (f - 1.0).abs() > 1e-3)
+        .map(|(_, s)| s.clone())
+        .next()
+        .unwrap_or_else(|| format!("the logits are scaled by ×{c:.4} relative to (P+R)^-0.5 · m²"));
+    Some((
+        format!(
+            "a logit scale of ×{c:.4} explains {} (rel_l2 {} vs {} as is)",
+            x.site.stage.name(),
+            fmt_e(e),
+            fmt_e(x.as_is())
+        ),
+        format!(
+            "{cause}; the right scale is (P+R)^-0.5 · m² = {:.6} (MLA.md step 7)",
+            cfg.softmax_scale
+        ),
+    ))
+}
+
+/// Token rows where the candidate fails the element check (or is non-finite unlike the reference).
+fn failing_rows(x: &SiteCtx<'_>) -> Vec<usize> {
+    let (tol, _) = tolerance(x.site.stage, x.input.dtype);
+    let n = x.refr.len();
+    let rms = (x
+        .refr
+        .to_f64()
+        .iter()
+        .filter(|v| v.is_finite())
+        .map(|v| v * v)
+        .sum::<f64>()
+        / n.max(1) as f64)
+        .sqrt();
+    let atol = tol.atol_rms * rms;
+    rows_where(x.cand, |i| {
+        let (r, c) = (x.refr.get(i), x.cand.get(i));
+        if r.is_finite() != c.is_finite() {
+            return true;
+        }
+        r.is_finite() && (c - r).abs() > atol + tol.rtol * r.abs()
+    })
+}
+
+fn lse_merge(x: &SiteCtx<'_>) -> Detected {
+    if !matches!(x.site.stage, Stage::Lse | Stage::AttnLatent | Stage::AttnOut) {
+        return None;
+    }
+    let hint_sentinel = "an empty partial (a split or context chunk with no keys) must carry LSE = −inf and \
+                         contribute nothing to the merge; +inf (or a base-2 LSE) poisons it";
+    let bad = failing_rows(x);
+    let empty: BTreeSet<usize> = x.path.empty_partial_rows.iter().copied().collect();
+    if !bad.is_empty() && !empty.is_empty() && bad.iter().all(|r| empty.contains(r)) {
+        return Some((
+            format!(
+                "the {} wrong token rows {} all merged an empty partial (an empty split or context chunk); the other {} rows pass",
+                bad.len(),
+                list(&bad),
+                x.refr.shape[0] - bad.len()
+            ),
+            hint_sentinel.into(),
+        ));
+    }
+    if x.site.stage == Stage::Lse {
+        let m = x.diff.metrics.as_ref()?;
+        for (f, what) in [
+            (1.0 / std::f64::consts::LN_2, "log2 (base-2 LSE)"),
+            (std::f64::consts::LN_2, "a base-2 LSE read as natural log"),
+        ] {
+            if (m.norm_ratio / f - 1.0).abs() < 2e-3 && m.cos_diff < 1e-6 {
+                return Some((
+                    format!("LSE is the reference times {f:.4}: {what}"),
+                    "merge states in one log base: natural log everywhere, or convert with ln 2".into(),
+                ));
+            }
+        }
+    }
+    None
+}
+
+fn nonfinite(x: &SiteCtx<'_>) -> Detected {
+    let m = x.diff.metrics.as_ref()?;
+    if m.nonfinite_mismatch == 0 {
+        return None;
+    }
+    let idx = m
+        .first_nonfinite_mismatch
+        .map(|i| compare::unravel(i, &x.refr.shape))
+        .unwrap_or_default();
+    Some((
+        format!(
+            "{} elements are NaN/Inf where the reference is finite ({} non-finite in all); first at {:?}",
+            m.nonfinite_mismatch, m.nonfinite_cand, idx
+        ),
+        "look for an exp without max subtraction, a division by a zero sum, or reads of uninitialised memory".into(),
+    ))
+}
+
+fn scale_only(x: &SiteCtx<'_>) -> Detected {
+    let m = x.diff.metrics.as_ref()?;
+    let (tol, _) = tolerance(x.site.stage, x.input.dtype);
+    if m.nonfinite_mismatch > 0 || (m.norm_ratio - 1.0).abs() <= tol.norm_ratio {
+        return None;
+    }
+    // The true cosine similarity (DESIGN's cos_diff is not scale-blind, this is).
+    let (r, c) = (x.refr.to_f64(), x.cand.to_f64());
+    let dot: f64 = r
+        .iter()
+        .zip(&c)
+        .filter(|(a, b)| a.is_finite() && b.is_finite())
+        .map(|(a, b)| a * b)
+        .sum();
+    let cos = if m.norm_ref > 0.0 && m.norm_cand > 0.0 {
+        dot / (m.norm_ref * m.norm_cand)
+    } else {
+        0.0
+    };
+    // The direction must be as right as the path's precision allows: 1 − cos ≈ rel_l2² / 2.
+    if 1.0 - cos > (tol.rel_l2 * tol.rel_l2).max(1e-10) {
+        return None;
+    }
+    let cfg = x.input.cfg;
+    let named = [
+        (
+            cfg.mscale(),
+            "the YaRN m(factor, mscale_all_dim): RoPE cos/sin must be scaled by m(factor, mscale)/m(factor, mscale_all_dim) = 1 for DeepSeek GGUFs, not by m",
+        ),
+        (cfg.mscale() * cfg.mscale(), "the YaRN m²"),
+        (1.0 / std::f64::consts::LN_2, "1/ln 2 (a base-2 log)"),
+    ];
+    let ratio = m.norm_ratio;
+    let cause = named
+        .iter()
+        .find(|(f, _)| (f - 1.0).abs() > 1e-3 && (ratio / f - 1.0).abs() < 2e-3)
+        .map(|(f, s)| format!("the ratio is {f:.4} = {s}"))
+        .unwrap_or_else(|| "a constant factor multiplies this tensor".into());
+    Some((
+        format!(
+            "cosine similarity 1 − {} (direction right) but norm ratio {ratio:.4}: a pure scale",
+            fmt_e(1.0 - cos)
+        ),
+        cause,
+    ))
+}
+
+fn path_disagreement(x: &SiteCtx<'_>) -> Detected {
+    let others: Vec<String> = x
+        .input
+        .paths
+        .iter()
+        .filter(|p| p.kind != x.path.kind)
+        .filter_map(|p| {
+            p.diffs
+                .iter()
+                .find(|d| d.site == x.site)
+                .filter(|d| d.status == Status::Pass)
+                .map(|d| {
+                    format!(
+                        "{} (rel_l2 {})",
+                        p.kind,
+                        fmt_e(d.metrics.as_ref().map_or(0.0, |m| m.rel_l2))
+                    )
+                })
+        })
+        .collect();
+    if others.is_empty() {
+        return None;
+    }
+    Some((
+        format!(
+            "{} passes here but {} has rel_l2 {}",
+            others.join(", "),
+            x.path.kind,
+            fmt_e(x.as_is())
+        ),
+        format!(
+            "the bug is specific to the {} path's code for this stage, not to the shared weights or inputs",
+            x.path.kind
+        ),
+    ))
+}
+
+fn mismatch(x: &SiteCtx<'_>) -> (String, String) {
+    let rows = x.refr.shape.first().copied().unwrap_or(1).max(1);
+    let per = x.refr.len() / rows;
+    let r = x.refr.to_f64();
+    let c = x.cand.to_f64();
+    let row_err: Vec<f64> = (0..rows)
+        .map(|i| rel_l2(&c[i * per..(i + 1) * per], &r[i * per..(i + 1) * per]))
+        .collect();
+    let (tol, _) = tolerance(x.site.stage, x.input.dtype);
+    let ok: Vec<usize> = (0..rows).filter(|&i| row_err[i] <= tol.rel_l2.max(1e-6)).collect();
+    let worst = x.diff.metrics.as_ref();
+    let mut ev = format!("rel_l2 {}", fmt_e(x.as_is()));
+    if let Some(m) = worst {
+        ev.push_str(&format!(
+            ", worst at {:?}: ref {} → cand {}; {:.1}% of elements within tolerance",
+            m.max_abs_index,
+            fmt_e(m.max_abs_ref),
+            fmt_e(m.max_abs_cand),
+            100.0 * m.pass_fraction
+        ));
+    }
+    if !ok.is_empty() && ok.len() < rows {
+        let bad_min = row_err
+            .iter()
+            .copied()
+            .enumerate()
+            .filter(|(i, _)| !ok.contains(i))
+            .map(|(_, e)| e)
+            .fold(f64::INFINITY, f64::min);
+        ev.push_str(&format!(
+            "; rows {} exact (rel ≤ {}), the other {} rows wrong (rel ≥ {})",
+            list(&ok),
+            fmt_e(ok.iter().map(|&i| row_err[i]).fold(0.0, f64::max)),
+            rows - ok.len(),
+            fmt_e(bad_min)
+        ));
+    }
+    let hint = if ok == [0] && rows > 1 {
+        "row 0 right and later rows wrong is the signature of a wrong row stride (a strided view read as contiguous)"
+            .to_string()
+    } else {
+        "no known bug class explains this; compare the stage's inputs, which passed, with its code".to_string()
+    };
+    (ev, hint)
+}
+
+/// Classifies one failing site.
+fn classify(x: &SiteCtx<'_>) -> Finding {
+    type Det = fn(&SiteCtx<'_>) -> Detected;
+    let detectors: [(Class, Det); 11] = [
+        (Class::PhantomOutput, phantom_output),
+        (Class::UnwrittenRows, unwritten_rows),
+        (Class::ShardOrder, shard_order),
+        (Class::TpRankOrder, tp_rank_order),
+        (Class::KvBLayout, kv_b_layout),
+        (Class::RopeStyle, rope_style),
+        (Class::SoftmaxScale, softmax_scale),
+        (Class::LseMerge, lse_merge),
+        (Class::Nonfinite, nonfinite),
+        (Class::ScaleOnly, scale_only),
+        (Class::PathDisagreement, path_disagreement),
+    ];
+    for (class, det) in detectors {
+        if let Some((evidence, hint)) = det(x) {
+            return Finding {
+                class,
+                site: x.site,
+                path: Some(x.path.kind),
+                evidence,
+                hint,
+            };
+        }
+    }
+    let (evidence, hint) = mismatch(x);
+    Finding {
+        class: Class::Mismatch,
+        site: x.site,
+        path: Some(x.path.kind),
+        evidence,
+        hint,
+    }
+}
+
+/// A finding for a TP cut that falls inside a quant block.
+pub fn misaligned_finding(u: &Unservable, path: PathKind) -> Finding {
+    Finding {
+        class: Class::QuantBlockMisaligned,
+        site: u.site,
+        path: Some(path),
+        evidence: format!(
+            "{} ({}, blocks of {} along ne[0]) would be cut at element {} of ne[0], inside a block; not run",
+            u.tensor, u.ggml_type, u.block_size, u.at
+        ),
+        hint: format!(
+            "{}: a quantized shard must start and end on a {}-element block boundary",
+            u.reason, u.block_size
+        ),
+    }
+}
+
+/// The threshold under which an alternative hypothesis explains a candidate: 100× the site's
+/// rel_l2 tolerance, at least 1e-4 (far below the O(1) error of a real layout bug).
+fn explain_threshold(stage: Stage, dtype: Dtype) -> f64 {
+    (100.0 * tolerance(stage, dtype).0.rel_l2).max(1e-4)
+}
+
+/// Diagnoses every path of one layer: one finding per path at its first divergence (or the
+/// unservable cut), none for a path that passes.
+pub fn diagnose(input: &DiagnoseInput<'_>) -> Vec<Finding> {
+    let mut out = Vec::new();
+    for path in &input.paths {
+        if let Some(u) = path.unservable {
+            out.push(misaligned_finding(u, path.kind));
+            continue;
+        }
+        let Some(first) = compare::first_divergence(path.diffs) else {
+            continue;
+        };
+        let (Some(refr), Some(cand)) = (input.reference.get(&first.site), path.trace.get(&first.site)) else {
+            out.push(Finding {
+                class: Class::Mismatch,
+                site: first.site,
+                path: Some(path.kind),
+                evidence: format!(
+                    "site {} has no reference counterpart or no candidate tensor",
+                    first.site
+                ),
+                hint: "the trace is incomplete".into(),
+            });
+            continue;
+        };
+        if first.status == Status::ShapeMismatch {
+            out.push(Finding {
+                class: Class::Mismatch,
+                site: first.site,
+                path: Some(path.kind),
+                evidence: format!(
+                    "shape {:?} where the reference has {:?}",
+                    first.shape_cand, first.shape_ref
+                ),
+                hint: "check the view/reshape that produced this tensor".into(),
+            });
+            continue;
+        }
+        let x = SiteCtx {
+            input,
+            path: *path,
+            site: first.site,
+            diff: first,
+            refr,
+            cand,
+            explain: explain_threshold(first.site.stage, input.dtype),
+        };
+        out.push(classify(&x));
+    }
+    out
+}
+
+/// The stage order of rank weights for a weight name (helper for reports and tests).
+pub fn rank_site(layer: usize, w: RankedWeight, rank: u32) -> Site {
+    Site::new(layer, Stage::WRank(w, rank))
+}

@@ -1,0 +1,174 @@
+//! The fault catalogue: real MLA bugs, injectable into a path with `--inject NAME`.
+//!
+//! A bug finder that has never been shown a bug proves nothing. Each [`Fault`] here reproduces one
+//! row of FAULTS.md *inside* a path, at the point where the real bug lived (the shard assembly,
+//! the norm kernel's stride, the merge's empty-row sentinel, …), never by editing a result
+//! afterwards, so that the detectors see what they would see in a broken engine. The metadata
+//! here (applicability, expected class, expected first site) is what `mla-diff selftest` checks
+//! the detectors against.
+
+use serde::Serialize;
+
+use crate::config::{KvBLayout, MlaConfig};
+use crate::diagnose::Class;
+use crate::paths::PathKind;
+use crate::trace::{RankedWeight, Stage};
+
+/// One injectable bug (FAULTS.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fault {
+    /// Attention writes into a private buffer; the caller reads its untouched output buffer.
+    PhantomOutput,
+    /// Rows whose context chunk has no keys are skipped (output and LSE keep the canary).
+    UnwrittenRows,
+    /// `fused_qkv_a_proj` assembled as `[kv_a | q_a]`.
+    FusedShardSwap,
+    /// TP rank shards of `q_b_proj`/`kv_b_proj` handed out in a rotated rank order.
+    TpRankOrder,
+    /// Every TP rank loads rank 0's shards.
+    TpRank0Everywhere,
+    /// `kv_b_proj` output split as `[all k_nope | all v]` instead of per head.
+    KvBGrouped,
+    /// `attn_k_b` ([N, L, P]) reshaped to [N, P, L] instead of transposed.
+    #[value(name = "k-b-untransposed")]
+    #[serde(rename = "k-b-untransposed")]
+    KBUntransposed,
+    /// NeoX rotation instead of DeepSeek's interleaved rotation.
+    RopeNeox,
+    /// Softmax scale without the YaRN m² factor.
+    NoMscale,
+    /// cos/sin multiplied by m(factor, mscale_all_dim) instead of the ratio (1).
+    RopeCosScaled,
+    /// An empty partial reports LSE = +inf instead of −inf.
+    LsePlusInf,
+    /// A TP loader shards `kv_b_proj` along its input (latent) dim, off the quant blocks.
+    QuantSliceMisaligned,
+    /// RMSNorm reads `kv_c` rows with row stride L instead of L+R.
+    StridedKvC,
+}
+
+impl Fault {
+    /// Every fault, in FAULTS.md order.
+    pub const ALL: &'static [Fault] = &[
+        Fault::PhantomOutput,
+        Fault::UnwrittenRows,
+        Fault::FusedShardSwap,
+        Fault::TpRankOrder,
+        Fault::TpRank0Everywhere,
+        Fault::KvBGrouped,
+        Fault::KBUntransposed,
+        Fault::RopeNeox,
+        Fault::NoMscale,
+        Fault::RopeCosScaled,
+        Fault::LsePlusInf,
+        Fault::QuantSliceMisaligned,
+        Fault::StridedKvC,
+    ];
+
+    /// The `--inject` name (`fused-shard-swap`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::PhantomOutput => "phantom-output",
+            Fault::UnwrittenRows => "unwritten-rows",
+            Fault::FusedShardSwap => "fused-shard-swap",
+            Fault::TpRankOrder => "tp-rank-order",
+            Fault::TpRank0Everywhere => "tp-rank0-everywhere",
+            Fault::KvBGrouped => "kv-b-grouped",
+            Fault::KBUntransposed => "k-b-untransposed",
+            Fault::RopeNeox => "rope-neox",
+            Fault::NoMscale => "no-mscale",
+            Fault::RopeCosScaled => "rope-cos-scaled",
+            Fault::LsePlusInf => "lse-plus-inf",
+            Fault::QuantSliceMisaligned => "quant-slice-misaligned",
+            Fault::StridedKvC => "strided-kv-c",
+        }
+    }
+
+    /// The class the detectors must name (FAULTS.md "expected class").
+    pub fn expected_class(self) -> Class {
+        match self {
+            Fault::PhantomOutput => Class::PhantomOutput,
+            Fault::UnwrittenRows => Class::UnwrittenRows,
+            Fault::FusedShardSwap => Class::ShardOrder,
+            Fault::TpRankOrder | Fault::TpRank0Everywhere => Class::TpRankOrder,
+            Fault::KvBGrouped | Fault::KBUntransposed => Class::KvBLayout,
+            Fault::RopeNeox => Class::RopeStyle,
+            Fault::NoMscale => Class::SoftmaxScale,
+            Fault::RopeCosScaled => Class::ScaleOnly,
+            Fault::LsePlusInf => Class::LseMerge,
+            Fault::QuantSliceMisaligned => Class::QuantBlockMisaligned,
+            Fault::StridedKvC => Class::Mismatch,
+        }
+    }
+
+    /// The first site that must flag on `path` (FAULTS.md "first site"), as stages that are
+    /// accepted (the first accepted stage is the canonical one).
+    pub fn expected_stages(self, path: PathKind) -> Vec<Stage> {
+        use PathKind::*;
+        match (self, path) {
+            (Fault::PhantomOutput, _) => vec![Stage::AttnOut],
+            (Fault::UnwrittenRows, _) => vec![Stage::Lse, Stage::AttnOut],
+            (Fault::FusedShardSwap, _) => vec![Stage::WFusedQkvA],
+            (Fault::TpRankOrder, _) => vec![Stage::WRank(RankedWeight::QProj, 0)],
+            (Fault::TpRank0Everywhere, _) => vec![Stage::WRank(RankedWeight::QProj, 1)],
+            (Fault::KvBGrouped, Mqa) => vec![Stage::WUkT],
+            (Fault::KvBGrouped, _) => vec![Stage::KNope],
+            (Fault::KBUntransposed, Mqa) => vec![Stage::WUkT],
+            (Fault::KBUntransposed, _) => vec![Stage::WKvB],
+            (Fault::RopeNeox, _) => vec![Stage::QPeRoped],
+            (Fault::NoMscale, Mqa) => vec![Stage::AttnLatent],
+            (Fault::NoMscale, _) => vec![Stage::Lse],
+            (Fault::RopeCosScaled, _) => vec![Stage::QPeRoped],
+            (Fault::LsePlusInf, Mqa) => vec![Stage::AttnLatent],
+            (Fault::LsePlusInf, _) => vec![Stage::Lse],
+            (Fault::QuantSliceMisaligned, _) => vec![Stage::WKvB],
+            (Fault::StridedKvC, _) => vec![Stage::KvCNormed],
+        }
+    }
+
+    /// Whether the fault can act on `path` for this model and TP size (and why not).
+    /// `latent_block` is the quant block size of the tensor whose rows run along the latent
+    /// dim L (`attn_v_b`, or legacy `attn_kv_b`): 1 for unquantized files.
+    pub fn applies(self, path: PathKind, cfg: &MlaConfig, tp: usize, latent_block: u64) -> Result<(), &'static str> {
+        match self {
+            Fault::UnwrittenRows if path != PathKind::Chunked => Err("only chunked prefill has context chunks"),
+            Fault::FusedShardSwap if cfg.q_lora_rank.is_none() => Err("no q_lora_rank: no fused_qkv_a_proj"),
+            Fault::TpRankOrder | Fault::TpRank0Everywhere if tp < 2 => Err("needs --tp ≥ 2"),
+            Fault::KBUntransposed if cfg.kv_b_layout != KvBLayout::Split => {
+                Err("legacy attn_kv_b: nothing to transpose")
+            }
+            Fault::NoMscale | Fault::RopeCosScaled if cfg.yarn.is_none() => Err("needs a YaRN model"),
+            Fault::LsePlusInf if !matches!(path, PathKind::Chunked | PathKind::Mqa) => {
+                Err("only chunked prefill and split-KV decode merge partials")
+            }
+            Fault::QuantSliceMisaligned if tp < 2 => Err("needs --tp ≥ 2"),
+            Fault::QuantSliceMisaligned if ((cfg.kv_lora_rank / tp) as u64).is_multiple_of(latent_block) => {
+                Err("a cut of L into TP shards lands on quant block boundaries here")
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The set of faults injected into a run.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct FaultSet(pub Vec<Fault>);
+
+impl FaultSet {
+    /// True when `f` is injected.
+    pub fn has(&self, f: Fault) -> bool {
+        self.0.contains(&f)
+    }
+
+    /// True when nothing is injected.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}

@@ -1,0 +1,515 @@
+//! The CPU backend's kernels: f32 building blocks shaped like an engine's GPU kernels.
+//!
+//! Each function mirrors one kernel of a real MLA engine (vLLM's `rms_norm`,
+//! `rotary_embedding`, `concat_and_cache_mla`, flash-attention prefill with LSE, Triton MLA decode
+//! stage 1 and the attention-state merge of stage 2), with the same inputs, the same in-place
+//! outputs and the same edge cases (rows with no keys, empty splits), so that their bugs can be
+//! reproduced here. All arithmetic is f32 with f32 accumulation, as engines accumulate. Work is
+//! parallel over independent outputs only (rows, heads), with fixed loop orders inside, so the
+//! bits of every result are the same for any thread count.
+
+use ndarray::Array2;
+use rayon::prelude::*;
+
+use super::super::canary_vec;
+
+/// `y = x · Wᵀ` in f32 (an engine GEMM): x [T, K], W [O, K] → [T, O].
+///
+/// The output buffer is allocated with the canary and fully overwritten (beta = 0).
+pub fn linear(x: &Array2<f32>, w: &Array2<f32>) -> Array2<f32> {
+    let (t, o) = (x.nrows(), w.nrows());
+    let mut y = Array2::from_shape_vec((t, o), canary_vec(t * o)).expect("shape matches length");
+    ndarray::linalg::general_mat_mul(1.0, x, &w.t(), 0.0, &mut y);
+    y
+}
+
+/// RMSNorm over `n_rows` rows of `width` elements read from `src` with row stride `row_stride`
+/// (vLLM `rms_norm` on a strided view: `kv_c` rows live inside `kv_a` rows of width L+R).
+///
+/// Returns contiguous [n_rows, width]. Accumulates `Σx²` in f32 in element order.
+pub fn rms_norm_strided(src: &[f32], n_rows: usize, row_stride: usize, width: usize, g: &[f32], eps: f32) -> Vec<f32> {
+    let mut out = canary_vec(n_rows * width);
+    out.par_chunks_mut(width).enumerate().for_each(|(i, o)| {
+        let start = i * row_stride;
+        // A stride bug may read past the source; the engine kernel would read garbage, we read
+        // zeros rather than crash, which still shows as wrong rows.
+        let row: Vec<f32> = (0..width).map(|j| src.get(start + j).copied().unwrap_or(0.0)).collect();
+        let ss: f32 = row.iter().map(|v| v * v).sum();
+        let inv = 1.0 / (ss / width as f32 + eps).sqrt();
+        for ((oj, &x), &gj) in o.iter_mut().zip(&row).zip(g) {
+            *oj = x * inv * gj;
+        }
+    });
+    out
+}
+
+/// RoPE style: which elements form a rotated pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// GPT-J / DeepSeek: adjacent pairs `(x[2i], x[2i+1])` (vLLM `is_neox_style=False`).
+    Interleaved,
+    /// NeoX: `(x[i], x[i+R/2])`.
+    Neox,
+}
+
+/// A cos/sin cache [positions, R/2] in f32, built once per layer (vLLM `cos_sin_cache`).
+#[derive(Debug, Clone)]
+pub struct RopeCache {
+    half: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeCache {
+    /// Builds the cache for positions `0..max_pos` from inverse frequencies `inv_freq` [R/2],
+    /// with cos and sin multiplied by `mscale` (1 for DeepSeek GGUFs; see MLA.md step 7).
+    /// Angles are formed in f64 and rounded to f32 once.
+    pub fn new(inv_freq: &[f64], max_pos: usize, mscale: f64) -> Self {
+        let half = inv_freq.len();
+        let mut cos = Vec::with_capacity(max_pos * half);
+        let mut sin = Vec::with_capacity(max_pos * half);
+        for pos in 0..max_pos {
+            for &f in inv_freq {
+                let (s, c) = (pos as f64 * f).sin_cos();
+                cos.push((c * mscale) as f32);
+                sin.push((s * mscale) as f32);
+            }
+        }
+        RopeCache { half, cos, sin }
+    }
+
+    /// Rotates one rope vector `x` [R] in place at position `pos`.
+    pub fn apply(&self, x: &mut [f32], pos: usize, style: RopeStyle) {
+        let c = &self.cos[pos * self.half..(pos + 1) * self.half];
+        let s = &self.sin[pos * self.half..(pos + 1) * self.half];
+        for i in 0..self.half {
+            let (ia, ib) = match style {
+                RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                RopeStyle::Neox => (i, i + self.half),
+            };
+            let (a, b) = (x[ia], x[ib]);
+            x[ia] = a * c[i] - b * s[i];
+            x[ib] = b * c[i] + a * s[i];
+        }
+    }
+}
+
+/// Output of one (segment, head, query tile) work item: indices, rows of output, rows of LSE.
+type TileResult = (usize, usize, usize, Vec<f32>, Vec<Option<f32>>);
+
+/// One attention segment for [`flash_attention`]: `q_len` query rows starting at packed row
+/// `q_off` attend to `k_len` key rows starting at `k_off`. With `causal`, local query `i` sees
+/// local key `j` iff `j ≤ i + (k_len − q_len)` (the queries are the last `q_len` positions of
+/// the keys' span, flash-attention's bottom-right alignment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// First query row (packed token index).
+    pub q_off: usize,
+    /// Number of query rows.
+    pub q_len: usize,
+    /// First key row.
+    pub k_off: usize,
+    /// Number of key rows.
+    pub k_len: usize,
+    /// Causal masking within the segment.
+    pub causal: bool,
+}
+
+/// What an attention kernel does with a query row that has no visible key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EmptyRows {
+    /// Write output 0 and LSE −inf (flash-attention's convention; correct).
+    ZeroMinusInf,
+    /// Write output 0 and LSE +inf (the wrong sentinel of the `lse-plus-inf` fault).
+    ZeroPlusInf,
+    /// Write nothing: output and LSE keep whatever the caller allocated (`unwritten-rows`).
+    Skip,
+}
+
+/// Tiled online-softmax attention with LSE (flash-attention forward), f32.
+///
+/// - `q` [Tq, N, Dqk], `k` [Tk, N, Dqk], `v` [Tk, N, Dv], all packed row-major;
+/// - `out` [Tq, N, Dv] and `lse` [Tq, N] are caller-allocated and written in place;
+/// - `scale` multiplies `q·k`; `lse` is natural-log;
+/// - a query row with no visible key is handled by `empty` (correct: `lse = −inf`, output 0);
+///   rows not covered by any segment are not touched.
+///
+/// Queries and keys are processed in tiles of `tile` rows with the running max / running sum
+/// rescaling of FlashAttention-2 (Dao 2023).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n_head: usize,
+    dqk: usize,
+    dv: usize,
+    segments: &[Segment],
+    scale: f32,
+    tile: usize,
+    empty: EmptyRows,
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    let tile = tile.max(1);
+    // Work items: (segment, head, query tile). Each produces its own rows; written after.
+    let mut items = Vec::new();
+    for (si, sg) in segments.iter().enumerate() {
+        for h in 0..n_head {
+            for qt in (0..sg.q_len).step_by(tile) {
+                items.push((si, h, qt));
+            }
+        }
+    }
+    let results: Vec<TileResult> = items
+        .par_iter()
+        .map(|&(si, h, qt)| {
+            let sg = segments[si];
+            let rows = tile.min(sg.q_len - qt);
+            let shift = sg.k_len as isize - sg.q_len as isize;
+            let mut m = vec![f32::NEG_INFINITY; rows];
+            let mut l = vec![0f32; rows];
+            let mut acc = vec![0f32; rows * dv];
+            let mut s = vec![0f32; tile];
+            for kt in (0..sg.k_len).step_by(tile) {
+                let cols = tile.min(sg.k_len - kt);
+                for r in 0..rows {
+                    let i = qt + r;
+                    let qrow = &q[((sg.q_off + i) * n_head + h) * dqk..][..dqk];
+                    let mut row_max = f32::NEG_INFINITY;
+                    for c in 0..cols {
+                        let j = kt + c;
+                        let visible = !sg.causal || (j as isize) <= i as isize + shift;
+                        s[c] = if visible {
+                            let krow = &k[((sg.k_off + j) * n_head + h) * dqk..][..dqk];
+                            let mut dot = 0f32;
+                            for d in 0..dqk {
+                                dot += qrow[d] * krow[d];
+                            }
+                            dot * scale
+                        } else {
+                            f32::NEG_INFINITY
+                        };
+                        row_max = row_max.max(s[c]);
+                    }
+                    if row_max == f32::NEG_INFINITY {
+                        continue; // nothing visible in this key tile
+                    }
+                    let m_new = m[r].max(row_max);
+                    let alpha = (m[r] - m_new).exp();
+                    let a = &mut acc[r * dv..(r + 1) * dv];
+                    for x in a.iter_mut() {
+                        *x *= alpha;
+                    }
+                    let mut psum = 0f32;
+                    for c in 0..cols {
+                        if s[c] == f32::NEG_INFINITY {
+                            continue;
+                        }
+                        let pc = (s[c] - m_new).exp();
+                        psum += pc;
+                        let vrow = &v[((sg.k_off + kt + c) * n_head + h) * dv..][..dv];
+                        for d in 0..dv {
+                            a[d] += pc * vrow[d];
+                        }
+                    }
+                    l[r] = l[r] * alpha + psum;
+                    m[r] = m_new;
+                }
+            }
+            let mut o = vec![0f32; rows * dv];
+            let mut ls = vec![Some(f32::NEG_INFINITY); rows];
+            for r in 0..rows {
+                if l[r] > 0.0 {
+                    for d in 0..dv {
+                        o[r * dv + d] = acc[r * dv + d] / l[r];
+                    }
+                    ls[r] = Some(m[r] + l[r].ln());
+                } else {
+                    ls[r] = match empty {
+                        EmptyRows::ZeroMinusInf => Some(f32::NEG_INFINITY),
+                        EmptyRows::ZeroPlusInf => Some(f32::INFINITY),
+                        EmptyRows::Skip => None,
+                    };
+                }
+            }
+            (si, h, qt, o, ls)
+        })
+        .collect();
+    for (si, h, qt, o, ls) in results {
+        let sg = segments[si];
+        for (r, lr) in ls.iter().enumerate() {
+            let Some(lr) = lr else { continue };
+            let row = sg.q_off + qt + r;
+            out[(row * n_head + h) * dv..][..dv].copy_from_slice(&o[r * dv..(r + 1) * dv]);
+            lse[row * n_head + h] = *lr;
+        }
+    }
+}
+
+/// A paged latent cache `[num_blocks, block_size, L+R]` (vLLM's MLA KV cache): each row is
+/// `[kv_c_normed | k_pe_roped]`. Fresh caches are filled with the canary, so reading a slot that
+/// was never written yields NaN (FlashMLA's tests poison past-the-end rows the same way).
+#[derive(Debug, Clone)]
+pub struct PagedLatentCache {
+    /// Row-major `[num_blocks, block_size, width]` storage.
+    pub data: Vec<f32>,
+    /// Tokens per block (page).
+    pub block_size: usize,
+    /// Row width, L+R.
+    pub width: usize,
+}
+
+impl PagedLatentCache {
+    /// A canary-filled cache of `num_blocks` pages.
+    pub fn new(num_blocks: usize, block_size: usize, width: usize) -> Self {
+        PagedLatentCache {
+            data: canary_vec(num_blocks * block_size * width),
+            block_size,
+            width,
+        }
+    }
+
+    /// `concat_and_cache_mla`: writes `[kv_c | k_pe]` into physical slot `slot`
+    /// (slot = block · block_size + offset).
+    pub fn write(&mut self, slot: usize, kv_c: &[f32], k_pe: &[f32]) {
+        let row = &mut self.data[slot * self.width..(slot + 1) * self.width];
+        row[..kv_c.len()].copy_from_slice(kv_c);
+        row[kv_c.len()..].copy_from_slice(k_pe);
+    }
+
+    /// The row at logical position `pos` of a sequence with block table `block_table`.
+    pub fn row(&self, block_table: &[usize], pos: usize) -> &[f32] {
+        let slot = block_table[pos / self.block_size] * self.block_size + pos % self.block_size;
+        &self.data[slot * self.width..(slot + 1) * self.width]
+    }
+}
+
+/// Stage 1 of split-KV decode for one query row and one split: online softmax over the keys at
+/// logical positions `keys` of a sequence, read from the paged cache through `block_table`.
+///
+/// `q` [L+R] is `[ql_nope | q_pe_roped]` of one head; the value is the first `dv` (= L) columns of
+/// each cache row. Writes the partial output into `out` [dv] and returns its LSE; an empty range
+/// writes nothing and returns `empty_lse` (−inf is right: Triton MLA decode's empty split).
+#[allow(clippy::too_many_arguments)]
+pub fn decode_split(
+    q: &[f32],
+    cache: &PagedLatentCache,
+    block_table: &[usize],
+    keys: std::ops::Range<usize>,
+    scale: f32,
+    dv: usize,
+    empty_lse: f32,
+    out: &mut [f32],
+) -> f32 {
+    if keys.is_empty() {
+        return empty_lse;
+    }
+    let mut m = f32::NEG_INFINITY;
+    let mut l = 0f32;
+    let mut acc = vec![0f32; dv];
+    for pos in keys {
+        let row = cache.row(block_table, pos);
+        let mut dot = 0f32;
+        for d in 0..q.len() {
+            dot += q[d] * row[d];
+        }
+        let s = dot * scale;
+        let m_new = m.max(s);
+        let alpha = (m - m_new).exp();
+        let p = (s - m_new).exp();
+        for d in 0..dv {
+            acc[d] = acc[d] * alpha + p * row[d];
+        }
+        l = l * alpha + p;
+        m = m_new;
+    }
+    for d in 0..dv {
+        out[d] = acc[d] / l;
+    }
+    m + l.ln()
+}
+
+/// Merges partial attention states `(o_i, lse_i)` (MLA.md "Attention state merge"):
+/// `m = max lse_i`, `o = Σ o_i·e^(lse_i−m) / Σ e^(lse_i−m)`, `lse = m + ln Σ e^(lse_i−m)`.
+///
+/// A partial with `lse = −inf` contributes nothing and its output is not read (it may hold the
+/// canary). Returns the merged LSE; when every partial is empty, writes 0 and returns −inf.
+pub fn merge_states(parts: &[(&[f32], f32)], out: &mut [f32]) -> f32 {
+    let m = parts.iter().map(|p| p.1).fold(f32::NEG_INFINITY, f32::max);
+    if m == f32::NEG_INFINITY {
+        out.iter_mut().for_each(|x| *x = 0.0);
+        return f32::NEG_INFINITY;
+    }
+    let mut denom = 0f32;
+    out.iter_mut().for_each(|x| *x = 0.0);
+    for &(o, lse) in parts {
+        if lse == f32::NEG_INFINITY {
+            continue;
+        }
+        let w = (lse - m).exp();
+        denom += w;
+        for (x, &oi) in out.iter_mut().zip(o) {
+            *x += w * oi;
+        }
+    }
+    out.iter_mut().for_each(|x| *x /= denom);
+    m + denom.ln()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::batch::normal_f32;
+
+    /// Naive softmax attention of one query row over visible keys, f64.
+    fn naive(q: &[f32], ks: &[&[f32]], vs: &[&[f32]], scale: f64) -> (Vec<f64>, f64) {
+        let s: Vec<f64> = ks
+            .iter()
+            .map(|k| q.iter().zip(*k).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale)
+            .collect();
+        let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        let dv = vs[0].len();
+        let mut o = vec![0f64; dv];
+        for (ei, v) in e.iter().zip(vs) {
+            for d in 0..dv {
+                o[d] += ei / sum * v[d] as f64;
+            }
+        }
+        (o, m + sum.ln())
+    }
+
+    #[test]
+    fn flash_attention_matches_naive_causal_with_odd_tiles() {
+        let (t, nh, dqk, dv) = (11, 3, 5, 4);
+        let q = normal_f32(1, t * nh * dqk);
+        let k = normal_f32(2, t * nh * dqk);
+        let v = normal_f32(3, t * nh * dv);
+        let mut out = canary_vec(t * nh * dv);
+        let mut lse = canary_vec(t * nh);
+        let seg = [Segment {
+            q_off: 0,
+            q_len: t,
+            k_off: 0,
+            k_len: t,
+            causal: true,
+        }];
+        flash_attention(
+            &q,
+            &k,
+            &v,
+            nh,
+            dqk,
+            dv,
+            &seg,
+            0.7,
+            4,
+            EmptyRows::ZeroMinusInf,
+            &mut out,
+            &mut lse,
+        );
+        for i in 0..t {
+            for h in 0..nh {
+                let ks: Vec<&[f32]> = (0..=i).map(|j| &k[(j * nh + h) * dqk..][..dqk]).collect();
+                let vs: Vec<&[f32]> = (0..=i).map(|j| &v[(j * nh + h) * dv..][..dv]).collect();
+                let (o, l) = naive(&q[(i * nh + h) * dqk..][..dqk], &ks, &vs, 0.7);
+                approx::assert_abs_diff_eq!(lse[i * nh + h] as f64, l, epsilon = 1e-5);
+                for d in 0..dv {
+                    approx::assert_abs_diff_eq!(out[(i * nh + h) * dv + d] as f64, o[d], epsilon = 1e-5);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn flash_attention_row_without_keys_gets_minus_inf_and_zeros() {
+        // 3 queries that are the last 3 of a 2-key span shifted so query 0 sees nothing:
+        // q_len 3, k_len 2 → shift −1 → query 0 sees j ≤ −1.
+        let q = normal_f32(4, 3 * 2);
+        let k = normal_f32(5, 2 * 2);
+        let v = normal_f32(6, 2 * 2);
+        let mut out = canary_vec(3 * 2);
+        let mut lse = canary_vec(3);
+        let seg = [Segment {
+            q_off: 0,
+            q_len: 3,
+            k_off: 0,
+            k_len: 2,
+            causal: true,
+        }];
+        flash_attention(
+            &q,
+            &k,
+            &v,
+            1,
+            2,
+            2,
+            &seg,
+            1.0,
+            2,
+            EmptyRows::ZeroMinusInf,
+            &mut out,
+            &mut lse,
+        );
+        assert_eq!(lse[0], f32::NEG_INFINITY);
+        assert_eq!(&out[..2], &[0.0, 0.0]);
+        assert!(lse[1].is_finite() && lse[2].is_finite());
+    }
+
+    #[test]
+    fn split_decode_then_merge_equals_single_pass() {
+        let (width, dv, ctx, bs) = (6, 4, 13, 4);
+        let mut cache = PagedLatentCache::new(5, bs, width);
+        let table = vec![3, 0, 4, 1];
+        let rows = normal_f32(7, ctx * width);
+        for pos in 0..ctx {
+            let slot = table[pos / bs] * bs + pos % bs;
+            cache.write(
+                slot,
+                &rows[pos * width..pos * width + dv],
+                &rows[pos * width + dv..(pos + 1) * width],
+            );
+        }
+        let q = normal_f32(8, width);
+        let mut whole = vec![0f32; dv];
+        let l_whole = decode_split(&q, &cache, &table, 0..ctx, 0.5, dv, f32::NEG_INFINITY, &mut whole);
+        let mut parts = vec![canary_vec(dv); 4];
+        let mut lses = [0f32; 4];
+        let split = ctx.div_ceil(4);
+        for (s, p) in parts.iter_mut().enumerate() {
+            let r = (s * split).min(ctx)..((s + 1) * split).min(ctx);
+            lses[s] = decode_split(&q, &cache, &table, r, 0.5, dv, f32::NEG_INFINITY, p);
+        }
+        let views: Vec<(&[f32], f32)> = parts.iter().map(|p| p.as_slice()).zip(lses.iter().copied()).collect();
+        let mut merged = canary_vec(dv);
+        let l = merge_states(&views, &mut merged);
+        approx::assert_abs_diff_eq!(l, l_whole, epsilon = 1e-5);
+        for d in 0..dv {
+            approx::assert_abs_diff_eq!(merged[d], whole[d], epsilon = 1e-5);
+        }
+    }
+
+    #[test]
+    fn merge_ignores_empty_partials_holding_the_canary() {
+        let a = [1.0f32, 2.0];
+        let empty = canary_vec(2);
+        let mut out = canary_vec(2);
+        let l = merge_states(&[(&a, 0.3), (&empty, f32::NEG_INFINITY)], &mut out);
+        assert_eq!(out, vec![1.0, 2.0]);
+        approx::assert_abs_diff_eq!(l, 0.3, epsilon = 1e-7);
+    }
+
+    #[test]
+    fn rope_styles_rotate_different_pairs() {
+        let cache = RopeCache::new(&[1.0, 0.5], 4, 1.0);
+        let mut a = [1.0f32, 0.0, 0.0, 0.0];
+        cache.apply(&mut a, 1, RopeStyle::Interleaved);
+        approx::assert_abs_diff_eq!(a[1], 1f32.sin(), epsilon = 1e-7);
+        let mut b = [1.0f32, 0.0, 0.0, 0.0];
+        cache.apply(&mut b, 1, RopeStyle::Neox);
+        approx::assert_abs_diff_eq!(b[2], 1f32.sin(), epsilon = 1e-7);
+        assert_eq!(b[1], 0.0);
+    }
+}

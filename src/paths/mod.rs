@@ -1,0 +1,178 @@
+//! Engine-style MLA forward paths, the things mla-diff judges.
+//!
+//! Bugs live in the structure engines give MLA, not in the maths: a fused projection assembled
+//! from shards, a paged latent cache written through a slot mapping and read through a block
+//! table, split-KV partials merged by log-sum-exp, caller-allocated output buffers. Each path here
+//! reproduces one of vLLM's MLA code paths with that structure, so that the bug classes of
+//! FAULTS.md can occur (and be injected) exactly where they occur in real engines:
+//!
+//! - [`PathKind::Mha`]: expanded prefill (vLLM `forward_mha`);
+//! - [`PathKind::Mqa`]: absorbed decode over a paged latent cache (vLLM `forward_mqa`);
+//! - [`PathKind::Chunked`]: prefill whose cached context is processed in chunks, merged by LSE
+//!   (vLLM `_compute_prefill_context`);
+//! - [`PathKind::Mixed`]: one batch with decode tokens first and prefill tokens after, each part
+//!   through its own path, written into one caller-allocated output (vLLM's MLA batch split).
+//!
+//! Every path can run under simulated tensor parallelism (`--tp N`): heads split across ranks,
+//! shards cut from the raw quantized bytes, per-rank compute, reassembly and an all-reduce.
+//! Paths compute in f32 (an engine's accumulation precision) on a backend; the CPU backend lives
+//! in [`cpu`]. Output buffers are filled with the NaN [`CANARY`] before every step, so an output
+//! that was never written is told apart from one computed wrong.
+
+pub mod cpu;
+
+use ndarray::Array2;
+use serde::Serialize;
+
+use crate::batch::Batch;
+use crate::config::MlaConfig;
+use crate::error::Result;
+use crate::faults::FaultSet;
+use crate::gguf::{GgmlType, GgufFile};
+use crate::trace::{Site, Trace};
+use crate::weights::LayerWeights;
+
+/// Bit pattern of the canary: an f32 NaN with a signalling-style payload that no arithmetic
+/// produces (arithmetic on a NaN yields a quiet NaN, bit 22 set; this has bit 22 clear).
+pub const CANARY_BITS: u32 = 0x7FA5_A5A5;
+
+/// The canary value (see [`CANARY_BITS`]). Compare with [`is_canary`], never with `==`.
+pub const CANARY: f32 = f32::from_bits(CANARY_BITS);
+
+/// True when `x` carries exactly the canary's bits (an output element never written).
+pub fn is_canary(x: f32) -> bool {
+    x.to_bits() == CANARY_BITS
+}
+
+/// A buffer of `n` canary values: what every path allocates for an output before a step.
+pub fn canary_vec(n: usize) -> Vec<f32> {
+    vec![CANARY; n]
+}
+
+/// Which engine path to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum PathKind {
+    /// Expanded MHA prefill (vLLM `forward_mha`).
+    Mha,
+    /// Absorbed MQA decode over a paged latent cache (vLLM `forward_mqa`).
+    Mqa,
+    /// Chunked-context prefill with LSE merging.
+    Chunked,
+    /// Mixed decode + prefill batch (decode tokens first).
+    Mixed,
+}
+
+impl PathKind {
+    /// Every path, in report order.
+    pub const ALL: &'static [PathKind] = &[PathKind::Mha, PathKind::Mqa, PathKind::Chunked, PathKind::Mixed];
+
+    /// Lower-case name (`mha`, `mqa`, `chunked`, `mixed`).
+    pub fn name(self) -> &'static str {
+        match self {
+            PathKind::Mha => "mha",
+            PathKind::Mqa => "mqa",
+            PathKind::Chunked => "chunked",
+            PathKind::Mixed => "mixed",
+        }
+    }
+}
+
+impl std::fmt::Display for PathKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Options shared by every path.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PathOptions {
+    /// Tokens per page of the latent cache (`block_size` in vLLM), ≥ 1.
+    pub page_size: usize,
+    /// KV splits per decode query in `mqa` (vLLM's Triton MLA decode uses 4).
+    pub num_splits: usize,
+    /// Query/key tile size of the tiled attention kernels (rows).
+    pub tile: usize,
+    /// Seed for the block-table shuffle.
+    pub seed: u64,
+    /// Simulated tensor-parallel ranks (must divide N).
+    pub tp: usize,
+    /// Context tokens per chunk in `chunked` (vLLM `max_context_chunk`).
+    pub chunk_size: usize,
+    /// New (uncached) tokens per sequence in `chunked`; the rest of each sequence is context.
+    pub new_tokens: usize,
+    /// Faults injected into the path.
+    pub faults: FaultSet,
+}
+
+impl Default for PathOptions {
+    fn default() -> Self {
+        PathOptions {
+            page_size: 16,
+            num_splits: 4,
+            tile: 16,
+            seed: 0,
+            tp: 1,
+            chunk_size: 8,
+            new_tokens: 5,
+            faults: FaultSet::default(),
+        }
+    }
+}
+
+/// A weight cut that an engine with quantized weights cannot serve: the TP shard boundary falls
+/// inside a quant block. Reported as a `quant-block-misaligned` finding; the path does not run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Unservable {
+    /// The weight site of the sliced weight.
+    pub site: Site,
+    /// GGUF tensor that was cut.
+    pub tensor: String,
+    /// Its ggml type.
+    pub ggml_type: GgmlType,
+    /// Elements per quant block along `ne[0]`.
+    pub block_size: u64,
+    /// The element offset of the offending cut along `ne[0]`.
+    pub at: u64,
+    /// What was being cut and why.
+    pub reason: String,
+}
+
+/// Everything a path needs to run one layer.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerInput<'a> {
+    /// The GGUF file (paths assemble and, under TP, re-slice weights from it).
+    pub file: &'a GgufFile,
+    /// The model's MLA configuration.
+    pub cfg: &'a MlaConfig,
+    /// The layer's dequantized weights.
+    pub weights: &'a LayerWeights,
+    /// Layer input `hidden_in` [T, H], f32.
+    pub hidden_in: &'a Array2<f32>,
+    /// Which tokens belong to which sequence, and their positions.
+    pub batch: &'a Batch,
+}
+
+/// What one path produced for one layer.
+#[derive(Debug, Clone)]
+pub struct PathRun {
+    /// The path.
+    pub kind: PathKind,
+    /// Every site the path recorded, f32 (empty when the configuration is unservable).
+    pub trace: Trace,
+    /// Token rows (packed index) whose attention merged at least one empty partial (an empty
+    /// decode split or context chunk): where sentinel bugs show.
+    pub empty_partial_rows: Vec<usize>,
+    /// Set when the weights cannot be sharded as asked; nothing ran.
+    pub unservable: Option<Unservable>,
+    /// What injected faults did (or that they had nothing to act on).
+    pub notes: Vec<String>,
+}
+
+/// Runs path `kind` on the CPU backend.
+///
+/// Errors: only input errors (shapes inconsistent with the configuration); numerical trouble is a
+/// result for the comparison, never an error.
+pub fn run_cpu(kind: PathKind, input: &LayerInput<'_>, opts: &PathOptions) -> Result<PathRun> {
+    cpu::run(kind, input, opts)
+}

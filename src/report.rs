@@ -1,0 +1,289 @@
+//! Human and machine output of a run: the terminal table and the versioned JSON document.
+//!
+//! The person reading the terminal wants the verdict first (per path: everything passes, or the
+//! first divergence and what kind of wrong it is) and then a table per path and layer with every
+//! site's numbers. Machines get the same content as JSON with a `schema` version. Floats are
+//! formatted with fixed rules (`{:.3e}` in tables; shortest round-trip in JSON), so two runs on
+//! the same inputs print the same bytes.
+
+use std::io::Write;
+use std::path::Path;
+
+use comfy_table::{Cell, ContentArrangement, Table, presets};
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::compare::{SiteDiff, Status};
+use crate::error::{Error, Result};
+use crate::run::RunReport;
+
+/// Version of the `--json` document. Bump on any incompatible change.
+pub const JSON_SCHEMA_VERSION: u32 = 1;
+
+fn sci(x: f64) -> String {
+    if x == 0.0 {
+        "0".into()
+    } else if x.is_finite() {
+        format!("{x:.3e}")
+    } else {
+        format!("{x}")
+    }
+}
+
+fn status_word(d: &SiteDiff) -> String {
+    match d.status {
+        Status::Pass => "pass".into(),
+        Status::Fail => format!("FAIL ({})", d.failed.join(",")),
+        Status::ShapeMismatch => format!("SHAPE {:?} vs {:?}", d.shape_cand, d.shape_ref),
+        Status::NoReference => "no reference".into(),
+    }
+}
+
+/// The per-site table of one (layer, path) as text.
+pub fn site_table(diffs: &[SiteDiff]) -> String {
+    let mut t = Table::new();
+    t.load_style(presets::UTF8_BORDERS_ONLY)
+        .set_content_arrangement(ContentArrangement::Disabled)
+        .set_header(vec![
+            "site",
+            "shape",
+            "status",
+            "rel_l2",
+            "cos_diff",
+            "norm ratio",
+            "max |Δ| at [idx] (ref → cand)",
+            "pass",
+        ]);
+    for d in diffs {
+        let (rel, cos, ratio, worst, pass) = match &d.metrics {
+            Some(m) => (
+                sci(m.rel_l2),
+                sci(m.cos_diff),
+                format!("{:.6}", m.norm_ratio),
+                format!(
+                    "{} at {:?} ({} → {})",
+                    sci(m.max_abs),
+                    m.max_abs_index,
+                    sci(m.max_abs_ref),
+                    sci(m.max_abs_cand)
+                ),
+                format!("{:.2}%", 100.0 * m.pass_fraction),
+            ),
+            None => Default::default(),
+        };
+        t.add_row(vec![
+            Cell::new(d.site.to_string()),
+            Cell::new(format!("{:?}", d.shape_cand)),
+            Cell::new(status_word(d)),
+            Cell::new(rel),
+            Cell::new(cos),
+            Cell::new(ratio),
+            Cell::new(worst),
+            Cell::new(pass),
+        ]);
+    }
+    t.to_string()
+}
+
+/// One line per path: all pass, or where the first divergence is.
+pub fn verdict_lines(report: &RunReport) -> Vec<String> {
+    let mut out = Vec::new();
+    for (path, first) in report.first_divergence() {
+        let n_sites: usize = report
+            .results
+            .iter()
+            .filter(|r| r.path == path)
+            .map(|r| r.diffs.len())
+            .sum();
+        match first {
+            None if n_sites == 0 => out.push(format!("{path}: not run")),
+            None => out.push(format!("{path}: all {n_sites} sites within tolerance")),
+            Some(d) => {
+                let detail = d
+                    .metrics
+                    .as_ref()
+                    .map(|m| {
+                        format!(
+                            " (rel_l2 {}, cos_diff {}, norm ratio {:.4})",
+                            sci(m.rel_l2),
+                            sci(m.cos_diff),
+                            m.norm_ratio
+                        )
+                    })
+                    .unwrap_or_default();
+                out.push(format!(
+                    "{path}: first divergence at {} [{}]{detail}",
+                    d.site,
+                    status_word(d)
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// The whole terminal report: header, one table per (layer, path), verdict lines.
+pub fn terminal(report: &RunReport) -> String {
+    let mut s = String::new();
+    let c = &report.model.config;
+    s.push_str(&format!(
+        "model {} ({}, {} layers, {}; softmax scale {:.6})\n",
+        report.model.path,
+        c.arch,
+        c.n_layer,
+        c.dims_line(),
+        c.softmax_scale
+    ));
+    s.push_str(&format!("{}\n", run_line(report)));
+    for r in &report.results {
+        s.push_str(&format!("\n== layer {} · path {} ==\n", r.layer, r.path));
+        if r.diffs.is_empty() {
+            s.push_str("(not run)\n");
+        } else {
+            s.push_str(&site_table(&r.diffs));
+            s.push('\n');
+        }
+        for n in &r.notes {
+            s.push_str(&format!("note: {n}\n"));
+        }
+    }
+    s.push('\n');
+    for l in verdict_lines(report) {
+        s.push_str(&l);
+        s.push('\n');
+    }
+    for l in finding_lines(report) {
+        s.push_str(&l);
+        s.push('\n');
+    }
+    s
+}
+
+/// One line describing what ran: input, batch, seed, dtype, paging, TP, faults.
+pub fn run_line(report: &RunReport) -> String {
+    let r = &report.run;
+    let o = &r.path_options;
+    let lens: Vec<String> = r.batch.seqs.iter().map(|s| s.len.to_string()).collect();
+    let start = r.batch.seqs.first().map_or(0, |s| s.start_pos);
+    let faults: Vec<&str> = o.faults.0.iter().map(|f| f.name()).collect();
+    format!(
+        "input {:?}, T={} in {} sequence(s) [{}] from position {}, seed {}, dtype {}, page size {}, splits {}, tp {}, chunk {}{}",
+        r.input,
+        r.batch.n_tokens(),
+        r.batch.seqs.len(),
+        lens.join(","),
+        start,
+        r.seed,
+        r.dtype,
+        o.page_size,
+        o.num_splits,
+        o.tp,
+        o.chunk_size,
+        if faults.is_empty() {
+            String::new()
+        } else {
+            format!(", injected: {}", faults.join(", "))
+        }
+    )
+}
+
+/// One paragraph per finding: class, site, path, evidence, hint.
+pub fn finding_lines(report: &RunReport) -> Vec<String> {
+    report
+        .findings
+        .iter()
+        .map(|f| {
+            format!(
+                "finding [{}] {} at {}: {}\n  hint: {}",
+                f.path.map_or("file".to_string(), |p| p.to_string()),
+                f.class,
+                f.site,
+                f.evidence,
+                f.hint
+            )
+        })
+        .collect()
+}
+
+/// The `--json` document (schema [`JSON_SCHEMA_VERSION`]).
+pub fn json(report: &RunReport) -> Value {
+    let sites: Vec<Value> = report
+        .results
+        .iter()
+        .flat_map(|r| {
+            r.diffs.iter().map(move |d| {
+                json!({
+                    "path": r.path,
+                    "site": d.site,
+                    "status": d.status,
+                    "shape": d.shape_cand,
+                    "shape_ref": d.shape_ref,
+                    "failed": d.failed,
+                    "metrics": d.metrics,
+                })
+            })
+        })
+        .collect();
+    let first: serde_json::Map<String, Value> = report
+        .first_divergence()
+        .into_iter()
+        .map(|(p, d)| {
+            (
+                p.name().to_string(),
+                d.map_or(
+                    Value::Null,
+                    |d| json!({"site": d.site, "status": d.status, "failed": d.failed, "metrics": d.metrics}),
+                ),
+            )
+        })
+        .collect();
+    json!({
+        "schema": JSON_SCHEMA_VERSION,
+        "tool": {"name": "mla-diff", "version": env!("CARGO_PKG_VERSION")},
+        "model": report.model,
+        "run": report.run,
+        "token_ids": report.token_ids,
+        "sites": sites,
+        "first_divergence": first,
+        "findings": report.findings,
+    })
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same folder and a rename, refusing
+/// to replace an existing file unless `force`.
+///
+/// Errors: [`Error::Usage`] when the file exists and `force` is false; [`Error::Io`] otherwise.
+pub fn write_file_atomic(path: &Path, bytes: &[u8], force: bool) -> Result<()> {
+    if path.exists() && !force {
+        return Err(Error::Usage(format!(
+            "{} exists; pass --force to overwrite it",
+            path.display()
+        )));
+    }
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "out".into());
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let res = (|| {
+        let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, "create", e))?;
+        f.write_all(bytes).map_err(|e| Error::io(&tmp, "write", e))?;
+        f.sync_all().map_err(|e| Error::io(&tmp, "sync", e))?;
+        std::fs::rename(&tmp, path).map_err(|e| Error::io(path, "rename", e))
+    })();
+    if res.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// Serializes `value` as pretty JSON with a trailing newline.
+pub fn to_json_bytes<T: Serialize>(value: &T) -> Vec<u8> {
+    let mut v = serde_json::to_vec_pretty(value).unwrap_or_default();
+    v.push(b'\n');
+    v
+}

@@ -1,0 +1,340 @@
+//! The main job: run the reference and the engine paths on the same layer inputs and diff them.
+//!
+//! This module ties the data flow of DESIGN.md together for `mla-diff run` (and for golden
+//! checks and selftest): it builds each requested layer's input (seeded random hidden states, or
+//! token ids pushed through the embedding and the reference forward of the preceding layers),
+//! runs the reference and every requested path on it, collects the per-site comparisons, and
+//! hands each layer's traces to [`crate::diagnose`] for the findings.
+
+use std::collections::BTreeMap;
+
+use ndarray::Array2;
+use serde::Serialize;
+
+use crate::batch::{Batch, SplitMix64, normal_f32};
+use crate::compare::{self, SiteDiff};
+use crate::config::MlaConfig;
+use crate::diagnose::{self, DiagnoseInput, Finding, PathEvidence};
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::paths::{self, LayerInput, PathKind, PathOptions, PathRun};
+use crate::reference;
+use crate::tolerance::Dtype;
+use crate::trace::Trace;
+use crate::weights::{LayerWeights, TensorType, embed_tokens};
+
+/// Where the layer input comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum InputMode {
+    /// Seeded standard-normal hidden states, independently per layer.
+    Random,
+    /// Seeded token ids → `token_embd` → reference forward of the preceding layers.
+    Tokens,
+}
+
+/// What to run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunConfig {
+    /// Layers to compare, ascending.
+    pub layers: Vec<usize>,
+    /// The batch: sequence lengths and start positions.
+    pub batch: Batch,
+    /// Seed of the inputs and of the block-table shuffle.
+    pub seed: u64,
+    /// Input mode.
+    pub input: InputMode,
+    /// Paths to run.
+    pub paths: Vec<PathKind>,
+    /// Path options (page size, splits, TP, chunking, faults).
+    pub path_options: PathOptions,
+    /// Compute dtype of the paths.
+    pub dtype: Dtype,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig {
+            layers: vec![0],
+            batch: Batch::single(19, 0),
+            seed: 0,
+            input: InputMode::Random,
+            paths: PathKind::ALL.to_vec(),
+            path_options: PathOptions::default(),
+            dtype: Dtype::F32,
+        }
+    }
+}
+
+/// A short description of the model for reports.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelSummary {
+    /// File path as given (or the embedded fixture's name).
+    pub path: String,
+    /// The MLA configuration.
+    pub config: MlaConfig,
+    /// ggml types of the MLA tensors of the first requested layer.
+    pub tensor_types: Vec<TensorType>,
+}
+
+/// The comparison of one path at one layer.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PathResult {
+    /// The path.
+    pub path: PathKind,
+    /// Layer index.
+    pub layer: usize,
+    /// Per-site comparisons in data-flow order.
+    pub diffs: Vec<SiteDiff>,
+    /// What injected faults did.
+    pub notes: Vec<String>,
+}
+
+/// Everything `run` produced.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunReport {
+    /// The model.
+    pub model: ModelSummary,
+    /// What was run.
+    pub run: RunConfig,
+    /// Token ids used (token input mode only).
+    pub token_ids: Option<Vec<u32>>,
+    /// One entry per (layer, path), layers ascending, paths in run order.
+    pub results: Vec<PathResult>,
+    /// One finding per path at its first divergence (the earliest layer that diverges).
+    pub findings: Vec<Finding>,
+}
+
+impl RunReport {
+    /// The first failing site of each path, over all layers in order (DESIGN.md: per path).
+    pub fn first_divergence(&self) -> BTreeMap<PathKind, Option<&SiteDiff>> {
+        let mut m = BTreeMap::new();
+        for &p in &self.run.paths {
+            let first = self
+                .results
+                .iter()
+                .filter(|r| r.path == p)
+                .find_map(|r| compare::first_divergence(&r.diffs));
+            m.insert(p, first);
+        }
+        m
+    }
+
+    /// True when every site of every path passed and nothing was found.
+    pub fn all_pass(&self) -> bool {
+        self.findings.is_empty() && self.results.iter().all(|r| r.diffs.iter().all(|d| !d.is_failure()))
+    }
+}
+
+/// Seed of layer `layer`'s random input.
+fn layer_seed(seed: u64, layer: usize) -> u64 {
+    seed ^ (layer as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// Seeded token ids in `0..vocab`.
+pub fn seeded_tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
+    let mut r = SplitMix64::new(seed ^ 0x70C3_E115);
+    (0..n).map(|_| r.below(vocab.max(1)) as u32).collect()
+}
+
+/// The reference trace of one layer, with the per-rank weight sites for `tp`.
+pub struct RefOutput {
+    /// Every site, f64.
+    pub trace: Trace,
+    /// `hidden_out`, when the layer's FFN is dense.
+    pub hidden_out: Option<Array2<f64>>,
+}
+
+/// Runs the reference on one layer (plus its rank weight sites under TP).
+pub fn reference_layer(
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    hidden: &Array2<f64>,
+    batch: &Batch,
+    tp: usize,
+) -> Result<RefOutput> {
+    let r = reference::forward(cfg, w, hidden, batch)?;
+    let mut trace = r.trace;
+    trace.extend(reference::rank_weight_sites(cfg, w, tp));
+    Ok(RefOutput {
+        trace,
+        hidden_out: r.hidden_out,
+    })
+}
+
+/// Runs the requested paths on one layer, compares them with the reference and diagnoses them.
+pub fn compare_layer(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    hidden: &Array2<f64>,
+    reference: &Trace,
+    rc: &RunConfig,
+) -> Result<(Vec<PathResult>, Vec<Finding>, Vec<PathRun>)> {
+    let hidden32 = hidden.mapv(|x| x as f32);
+    let input = LayerInput {
+        file,
+        cfg,
+        weights: w,
+        hidden_in: &hidden32,
+        batch: &rc.batch,
+    };
+    let mut opts = rc.path_options.clone();
+    opts.seed = rc.seed;
+    let mut runs = Vec::new();
+    for &kind in &rc.paths {
+        runs.push(paths::run_cpu(kind, &input, &opts)?);
+    }
+    let diffs: Vec<Vec<SiteDiff>> = runs
+        .iter()
+        .map(|pr| compare::diff(reference, &pr.trace, rc.dtype))
+        .collect();
+    let findings = diagnose::diagnose(&DiagnoseInput {
+        cfg,
+        batch: &rc.batch,
+        reference,
+        paths: runs
+            .iter()
+            .zip(&diffs)
+            .map(|(pr, d)| PathEvidence {
+                kind: pr.kind,
+                trace: &pr.trace,
+                diffs: d,
+                empty_partial_rows: &pr.empty_partial_rows,
+                unservable: pr.unservable.as_ref(),
+            })
+            .collect(),
+        tp: opts.tp,
+        dtype: rc.dtype,
+    });
+    let results = runs
+        .iter()
+        .zip(diffs)
+        .map(|(pr, d)| PathResult {
+            path: pr.kind,
+            layer: w.layer,
+            diffs: d,
+            notes: pr.notes.clone(),
+        })
+        .collect();
+    Ok((results, findings, runs))
+}
+
+/// Runs the reference and the requested paths on every requested layer.
+///
+/// Errors: a layer out of range, missing tensors, token input on a model without embedding, a
+/// preceding layer whose FFN the reference cannot run (MoE, not yet supported), a TP size that
+/// does not divide N.
+pub fn run(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<RunReport> {
+    let t = rc.batch.n_tokens();
+    if t == 0 || rc.batch.seqs.iter().any(|s| s.len == 0) {
+        return Err(Error::Usage("every sequence needs at least one token".into()));
+    }
+    let tp = rc.path_options.tp;
+    if tp == 0 || !cfg.n_head.is_multiple_of(tp) {
+        return Err(Error::Usage(format!(
+            "--tp {tp} does not divide the {} attention heads of {}",
+            cfg.n_head,
+            file.path().display()
+        )));
+    }
+    for &l in &rc.layers {
+        if l >= cfg.n_layer {
+            return Err(Error::LayerOutOfRange {
+                path: file.path().to_path_buf(),
+                layer: l,
+                n_layers: cfg.n_layer,
+            });
+        }
+    }
+    let mut results = Vec::new();
+    let mut findings: Vec<Finding> = Vec::new();
+    let mut tensor_types = Vec::new();
+    let mut token_ids = None;
+
+    let mut carried: Option<Array2<f64>> = None;
+    if rc.input == InputMode::Tokens {
+        if cfg.vocab == 0 {
+            return Err(Error::MissingTensor {
+                path: file.path().to_path_buf(),
+                tensor: "token_embd.weight".into(),
+            });
+        }
+        let ids = seeded_tokens(rc.seed, t, cfg.vocab);
+        carried = Some(embed_tokens(file, cfg, &ids)?.mapv(f64::from));
+        token_ids = Some(ids);
+    }
+    let last = rc.layers.iter().copied().max().unwrap_or(0);
+    let first_layer = if rc.input == InputMode::Tokens { 0 } else { rc.layers[0] };
+    for layer in first_layer..=last {
+        let wanted = rc.layers.contains(&layer);
+        if !wanted && rc.input == InputMode::Random {
+            continue;
+        }
+        let w = LayerWeights::load(file, cfg, layer)?;
+        if tensor_types.is_empty() && wanted {
+            tensor_types = w.types.clone();
+        }
+        let hidden = match rc.input {
+            InputMode::Random => {
+                let v = normal_f32(layer_seed(rc.seed, layer), t * cfg.hidden);
+                Array2::from_shape_vec((t, cfg.hidden), v.into_iter().map(f64::from).collect())
+                    .map_err(|e| Error::Usage(e.to_string()))?
+            }
+            InputMode::Tokens => carried.take().ok_or_else(|| {
+                Error::NotSupported(format!(
+                    "layer {layer}: the token path stops at layer {}: its FFN is not dense (MoE is not supported yet); use --input random",
+                    layer.saturating_sub(1)
+                ))
+            })?,
+        };
+        let refo = reference_layer(cfg, &w, &hidden, &rc.batch, if wanted { tp } else { 1 })?;
+        if wanted {
+            let (res, f, _) = compare_layer(file, cfg, &w, &hidden, &refo.trace, rc)?;
+            results.extend(res);
+            for fi in f {
+                if !findings.iter().any(|g| g.path == fi.path) {
+                    findings.push(fi);
+                }
+            }
+        }
+        carried = refo.hidden_out;
+    }
+    Ok(RunReport {
+        model: ModelSummary {
+            path: file.path().display().to_string(),
+            config: cfg.clone(),
+            tensor_types,
+        },
+        run: rc.clone(),
+        token_ids,
+        results,
+        findings,
+    })
+}
+
+/// The reference forward of layers `0..=last` on given token ids (no paths): one trace per
+/// layer. This is what HF-golden tests compare against.
+///
+/// Errors: ids outside the vocabulary, a MoE layer before `last`, missing tensors.
+pub fn reference_chain(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    tokens: &[u32],
+    batch: &Batch,
+    last: usize,
+) -> Result<Vec<Trace>> {
+    let mut hidden = embed_tokens(file, cfg, tokens)?.mapv(f64::from);
+    let mut out = Vec::new();
+    for layer in 0..=last {
+        let w = LayerWeights::load(file, cfg, layer)?;
+        let r = reference::forward(cfg, &w, &hidden, batch)?;
+        out.push(r.trace);
+        if layer < last {
+            hidden = r.hidden_out.ok_or_else(|| {
+                Error::NotSupported(format!("layer {layer} has no dense FFN (MoE is not supported yet)"))
+            })?;
+        }
+    }
+    Ok(out)
+}

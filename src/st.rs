@@ -1,0 +1,214 @@
+//! Reading and writing traces as safetensors files.
+//!
+//! HF intermediates, golden traces and engine dumps all travel as safetensors files whose tensor
+//! names are our site names (`L3.kv_c_normed`). This module turns such a file into a [`Trace`]
+//! plus its non-site tensors (`tokens`, `positions`, `logits`) and `__metadata__`, checking
+//! dtypes and byte lengths so that a malformed file is an error naming the file and tensor, and
+//! writes traces back (f32) for golden records.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use safetensors::{Dtype as StDtype, SafeTensors, tensor::TensorView};
+
+use crate::error::{Error, Result};
+use crate::trace::{Site, TensorData, Trace, TraceTensor};
+
+/// A non-site tensor of a trace file, widened to f64.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExtraTensor {
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Values (integers converted exactly up to 2^53).
+    pub data: Vec<f64>,
+}
+
+/// Everything read from a trace file.
+#[derive(Debug, Clone, Default)]
+pub struct TraceFile {
+    /// Tensors whose names parse as sites.
+    pub trace: Trace,
+    /// Other tensors by name (`tokens`, `positions`, `logits`, …).
+    pub extra: BTreeMap<String, ExtraTensor>,
+    /// `__metadata__`.
+    pub metadata: BTreeMap<String, String>,
+    /// Names that look like sites (`L…`) but name no known stage.
+    pub unknown_sites: Vec<String>,
+}
+
+fn bad(path: &Path, what: &str, reason: impl Into<String>) -> Error {
+    Error::Safetensors {
+        path: path.to_path_buf(),
+        what: what.to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// Decodes a tensor view: floats keep their width class (f32/f16/bf16 → f32 data, f64 → f64
+/// data); integers go to f64.
+fn decode(path: &Path, name: &str, v: &TensorView<'_>) -> Result<TensorData> {
+    let d = v.data();
+    let n: usize = v.shape().iter().product();
+    let width = match v.dtype() {
+        StDtype::F64 | StDtype::I64 | StDtype::U64 => 8,
+        StDtype::F32 | StDtype::I32 | StDtype::U32 => 4,
+        StDtype::F16 | StDtype::BF16 | StDtype::I16 | StDtype::U16 => 2,
+        StDtype::I8 | StDtype::U8 | StDtype::BOOL => 1,
+        other => return Err(bad(path, name, format!("unsupported dtype {other:?}"))),
+    };
+    if d.len() != n * width {
+        return Err(bad(
+            path,
+            name,
+            format!("{} bytes for shape {:?} of {:?}", d.len(), v.shape(), v.dtype()),
+        ));
+    }
+    let c = |i: usize| &d[i * width..(i + 1) * width];
+    Ok(match v.dtype() {
+        StDtype::F32 => TensorData::F32(
+            (0..n)
+                .map(|i| f32::from_le_bytes(c(i).try_into().unwrap_or([0; 4])))
+                .collect(),
+        ),
+        StDtype::F16 => TensorData::F32(
+            (0..n)
+                .map(|i| half::f16::from_le_bytes([c(i)[0], c(i)[1]]).to_f32())
+                .collect(),
+        ),
+        StDtype::BF16 => TensorData::F32(
+            (0..n)
+                .map(|i| half::bf16::from_le_bytes([c(i)[0], c(i)[1]]).to_f32())
+                .collect(),
+        ),
+        StDtype::F64 => TensorData::F64(
+            (0..n)
+                .map(|i| f64::from_le_bytes(c(i).try_into().unwrap_or([0; 8])))
+                .collect(),
+        ),
+        StDtype::I64 => TensorData::F64(
+            (0..n)
+                .map(|i| i64::from_le_bytes(c(i).try_into().unwrap_or([0; 8])) as f64)
+                .collect(),
+        ),
+        StDtype::U64 => TensorData::F64(
+            (0..n)
+                .map(|i| u64::from_le_bytes(c(i).try_into().unwrap_or([0; 8])) as f64)
+                .collect(),
+        ),
+        StDtype::I32 => TensorData::F64(
+            (0..n)
+                .map(|i| i32::from_le_bytes(c(i).try_into().unwrap_or([0; 4])) as f64)
+                .collect(),
+        ),
+        StDtype::U32 => TensorData::F64(
+            (0..n)
+                .map(|i| u32::from_le_bytes(c(i).try_into().unwrap_or([0; 4])) as f64)
+                .collect(),
+        ),
+        StDtype::I16 => TensorData::F64((0..n).map(|i| i16::from_le_bytes([c(i)[0], c(i)[1]]) as f64).collect()),
+        StDtype::U16 => TensorData::F64((0..n).map(|i| u16::from_le_bytes([c(i)[0], c(i)[1]]) as f64).collect()),
+        StDtype::I8 => TensorData::F64(d.iter().map(|&b| b as i8 as f64).collect()),
+        _ => TensorData::F64(d.iter().map(|&b| b as f64).collect()),
+    })
+}
+
+/// Reads a trace file from bytes (`path` is used in error messages).
+///
+/// Errors: [`Error::Safetensors`] for a malformed header, an unsupported dtype or a byte length
+/// that disagrees with the shape.
+pub fn read_bytes(path: &Path, bytes: &[u8]) -> Result<TraceFile> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| bad(path, "header", e.to_string()))?;
+    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| bad(path, "header", e.to_string()))?;
+    let mut out = TraceFile {
+        metadata: meta.metadata().clone().unwrap_or_default().into_iter().collect(),
+        ..TraceFile::default()
+    };
+    let mut tensors = st.tensors();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, view) in tensors {
+        let data = decode(path, &name, &view)?;
+        let shape = view.shape().to_vec();
+        match Site::parse(&name) {
+            Some(site) => out.trace.record(site, TraceTensor { shape, data }),
+            None if name.starts_with('L')
+                && name[1..].split('.').next().is_some_and(|x| x.parse::<usize>().is_ok()) =>
+            {
+                out.unknown_sites.push(name)
+            }
+            None => {
+                let data = match data {
+                    TensorData::F32(v) => v.into_iter().map(f64::from).collect(),
+                    TensorData::F64(v) => v,
+                };
+                out.extra.insert(name, ExtraTensor { shape, data });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Reads a trace file from disk.
+pub fn read(path: &Path) -> Result<TraceFile> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
+    read_bytes(path, &bytes)
+}
+
+/// Serializes a trace (every tensor as f32, or f64 where the trace holds f64 and `keep_f64`)
+/// plus extra i64 tensors and metadata to safetensors bytes. Sites are written in data-flow
+/// order; the bytes are deterministic for the same input.
+pub fn to_bytes(
+    trace: &Trace,
+    extra_i64: &[(&str, Vec<i64>)],
+    metadata: &BTreeMap<String, String>,
+    keep_f64: bool,
+) -> Result<Vec<u8>> {
+    struct Owned {
+        dtype: StDtype,
+        shape: Vec<usize>,
+        bytes: Vec<u8>,
+    }
+    impl safetensors::View for &Owned {
+        fn dtype(&self) -> StDtype {
+            self.dtype
+        }
+        fn shape(&self) -> &[usize] {
+            &self.shape
+        }
+        fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+            std::borrow::Cow::Borrowed(&self.bytes)
+        }
+        fn data_len(&self) -> usize {
+            self.bytes.len()
+        }
+    }
+    let mut owned: Vec<(String, Owned)> = Vec::new();
+    for site in trace.sites_in_order() {
+        let t = trace.get(&site).expect("site listed by the trace");
+        let (dtype, bytes) = match (&t.data, keep_f64) {
+            (TensorData::F64(v), true) => (StDtype::F64, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            (TensorData::F64(v), false) => (StDtype::F32, v.iter().flat_map(|x| (*x as f32).to_le_bytes()).collect()),
+            (TensorData::F32(v), _) => (StDtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        };
+        owned.push((
+            site.to_string(),
+            Owned {
+                dtype,
+                shape: t.shape.clone(),
+                bytes,
+            },
+        ));
+    }
+    for (name, v) in extra_i64 {
+        owned.push((
+            name.to_string(),
+            Owned {
+                dtype: StDtype::I64,
+                shape: vec![v.len()],
+                bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            },
+        ));
+    }
+    let meta: std::collections::HashMap<String, String> = metadata.clone().into_iter().collect();
+    safetensors::serialize(owned.iter().map(|(n, o)| (n.clone(), o)), Some(meta))
+        .map_err(|e| Error::Usage(format!("safetensors serialization: {e}")))
+}

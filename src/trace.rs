@@ -1,0 +1,368 @@
+//! Sites (the names of intermediates) and traces (the tensors a forward pass recorded at them).
+//!
+//! Everything mla-diff compares is keyed by a [`Site`]: a layer and a [`Stage`] such as
+//! `kv_c_normed`, printed `L3.kv_c_normed`. The reference, every engine path, an engine's dump and
+//! a golden file all produce a [`Trace`] of such sites, so one comparison serves them all. The
+//! stage list, its data-flow order and each stage's shape are DESIGN.md's site table; the order is
+//! what "first divergence" means.
+
+use std::fmt;
+
+use serde::Serialize;
+
+/// A weight that tensor parallelism splits across ranks; its per-rank shards are recorded as
+/// `w.<name>.rank<r>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub enum RankedWeight {
+    /// `q_b_proj` (with `Lq`) or `q_proj` (without): column-parallel, rows split by heads.
+    QProj,
+    /// `kv_b_proj`: column-parallel, rows split by heads.
+    KvB,
+    /// `o_proj`: row-parallel, the input dim split by heads.
+    OProj,
+}
+
+impl RankedWeight {
+    /// Name used in the site: `q_b`, `kv_b`, `o_proj`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RankedWeight::QProj => "q_b",
+            RankedWeight::KvB => "kv_b",
+            RankedWeight::OProj => "o_proj",
+        }
+    }
+}
+
+/// A stage of one MLA layer, in DESIGN.md's data-flow order (the declaration order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum Stage {
+    /// `hidden_in`: residual stream entering the layer, [T, H].
+    HiddenIn,
+    /// `attn_in`: after `attn_norm`, [T, H].
+    AttnIn,
+    /// `w.fused_qkv_a`: `[q_a | kv_a_mqa]` rows, [Lq+L+R, H] (only with Lq).
+    WFusedQkvA,
+    /// `q_c`: `q_a_proj` output, [T, Lq].
+    QC,
+    /// `q_c_normed`: after `q_a_layernorm`, [T, Lq].
+    QCNormed,
+    /// `q`: [T, N, P+R].
+    Q,
+    /// `kv_a`: `kv_a_proj_with_mqa` output, [T, L+R].
+    KvA,
+    /// `kv_c_normed`: [T, L].
+    KvCNormed,
+    /// `k_pe` before RoPE, [T, R].
+    KPe,
+    /// `q_pe_roped`: [T, N, R], interleaved pair order.
+    QPeRoped,
+    /// `k_pe_roped`: [T, R].
+    KPeRoped,
+    /// `w.kv_b`: [N·(P+V), L].
+    WKvB,
+    /// `k_nope`: [T, N, P].
+    KNope,
+    /// `v`: [T, N, V].
+    V,
+    /// `w.W_UK_T`: [N, P, L].
+    WUkT,
+    /// `w.W_UV`: [N, L, V].
+    WUv,
+    /// `ql_nope`: `q_nope · W_UK_T`, [T, N, L].
+    QlNope,
+    /// `attn_latent`: attention output in latent space, [T, N, L].
+    AttnLatent,
+    /// `lse`: natural-log log-sum-exp of the scaled logits, [T, N].
+    Lse,
+    /// `attn_out`: the `o_proj` input, [T, N, V].
+    AttnOut,
+    /// `o_proj`: [T, H].
+    OProj,
+    /// `hidden_out`: after the attention residual and the FFN, [T, H].
+    HiddenOut,
+    /// `w.<weight>.rank<r>`: one TP rank's shard of a split weight.
+    WRank(RankedWeight, u32),
+}
+
+/// Stages in data-flow order (without the per-rank weight sites).
+pub const STAGES: &[Stage] = &[
+    Stage::HiddenIn,
+    Stage::AttnIn,
+    Stage::WFusedQkvA,
+    Stage::QC,
+    Stage::QCNormed,
+    Stage::Q,
+    Stage::KvA,
+    Stage::KvCNormed,
+    Stage::KPe,
+    Stage::QPeRoped,
+    Stage::KPeRoped,
+    Stage::WKvB,
+    Stage::KNope,
+    Stage::V,
+    Stage::WUkT,
+    Stage::WUv,
+    Stage::QlNope,
+    Stage::AttnLatent,
+    Stage::Lse,
+    Stage::AttnOut,
+    Stage::OProj,
+    Stage::HiddenOut,
+];
+
+impl Stage {
+    /// The site-table name (`kv_c_normed`, `w.W_UK_T`, `w.kv_b.rank1`).
+    pub fn name(&self) -> String {
+        match self {
+            Stage::WRank(w, r) => format!("w.{}.rank{r}", w.as_str()),
+            s => s.base_name().to_string(),
+        }
+    }
+
+    fn base_name(&self) -> &'static str {
+        match self {
+            Stage::HiddenIn => "hidden_in",
+            Stage::AttnIn => "attn_in",
+            Stage::WFusedQkvA => "w.fused_qkv_a",
+            Stage::QC => "q_c",
+            Stage::QCNormed => "q_c_normed",
+            Stage::Q => "q",
+            Stage::KvA => "kv_a",
+            Stage::KvCNormed => "kv_c_normed",
+            Stage::KPe => "k_pe",
+            Stage::QPeRoped => "q_pe_roped",
+            Stage::KPeRoped => "k_pe_roped",
+            Stage::WKvB => "w.kv_b",
+            Stage::KNope => "k_nope",
+            Stage::V => "v",
+            Stage::WUkT => "w.W_UK_T",
+            Stage::WUv => "w.W_UV",
+            Stage::QlNope => "ql_nope",
+            Stage::AttnLatent => "attn_latent",
+            Stage::Lse => "lse",
+            Stage::AttnOut => "attn_out",
+            Stage::OProj => "o_proj",
+            Stage::HiddenOut => "hidden_out",
+            Stage::WRank(..) => "w.rank",
+        }
+    }
+
+    /// Parses a site-table name (inverse of [`Stage::name`]).
+    pub fn parse(s: &str) -> Option<Stage> {
+        if let Some((w, r)) = s.strip_prefix("w.").and_then(|rest| rest.split_once(".rank")) {
+            let rw = match w {
+                "q_b" => RankedWeight::QProj,
+                "kv_b" => RankedWeight::KvB,
+                "o_proj" => RankedWeight::OProj,
+                _ => return None,
+            };
+            return r.parse().ok().map(|r| Stage::WRank(rw, r));
+        }
+        STAGES.iter().copied().find(|st| st.base_name() == s)
+    }
+
+    /// Sort key in data-flow order. A rank shard sorts just before the stage that consumes it
+    /// (`q` for q_b, right after `w.kv_b` for kv_b, `o_proj` for o_proj), ranks in order.
+    pub fn order(&self) -> (u32, u32) {
+        let idx = |s: Stage| STAGES.iter().position(|&x| x == s).unwrap_or(0) as u32 * 2;
+        match *self {
+            Stage::WRank(RankedWeight::QProj, r) => (idx(Stage::Q) - 1, r),
+            Stage::WRank(RankedWeight::KvB, r) => (idx(Stage::WKvB) + 1, r),
+            Stage::WRank(RankedWeight::OProj, r) => (idx(Stage::OProj) - 1, r),
+            s => (idx(s), 0),
+        }
+    }
+
+    /// True for weight sites (`w.*`).
+    pub fn is_weight(&self) -> bool {
+        self.base_name().starts_with("w.")
+    }
+}
+
+/// A site: one stage of one layer, printed `L3.kv_c_normed`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Site {
+    /// Layer index.
+    pub layer: usize,
+    /// Stage within the layer.
+    pub stage: Stage,
+}
+
+impl Site {
+    /// A site.
+    pub fn new(layer: usize, stage: Stage) -> Self {
+        Site { layer, stage }
+    }
+
+    /// Parses `L3.kv_c_normed`.
+    pub fn parse(s: &str) -> Option<Site> {
+        let rest = s.strip_prefix('L')?;
+        let (layer, stage) = rest.split_once('.')?;
+        Some(Site {
+            layer: layer.parse().ok()?,
+            stage: Stage::parse(stage)?,
+        })
+    }
+
+    /// Sort key: layer, then data-flow order.
+    pub fn order(&self) -> (usize, u32, u32) {
+        let (a, b) = self.stage.order();
+        (self.layer, a, b)
+    }
+}
+
+impl fmt::Display for Site {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "L{}.{}", self.layer, self.stage.name())
+    }
+}
+
+impl Serialize for Site {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// Element data of a recorded tensor. Engine paths record f32 (so a NaN canary keeps its exact
+/// bits); the reference records f64.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TensorData {
+    /// f32 values (engine paths, dumps).
+    F32(Vec<f32>),
+    /// f64 values (the reference).
+    F64(Vec<f64>),
+}
+
+/// A recorded tensor: row-major data and its shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceTensor {
+    /// Shape in DESIGN.md's site-table form, e.g. [T, N, P+R].
+    pub shape: Vec<usize>,
+    /// Row-major values.
+    pub data: TensorData,
+}
+
+impl TraceTensor {
+    /// An f32 tensor. `data.len()` must equal the product of `shape` (checked in debug builds).
+    pub fn f32(shape: Vec<usize>, data: Vec<f32>) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), data.len());
+        TraceTensor {
+            shape,
+            data: TensorData::F32(data),
+        }
+    }
+
+    /// An f64 tensor.
+    pub fn f64(shape: Vec<usize>, data: Vec<f64>) -> Self {
+        debug_assert_eq!(shape.iter().product::<usize>(), data.len());
+        TraceTensor {
+            shape,
+            data: TensorData::F64(data),
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match &self.data {
+            TensorData::F32(v) => v.len(),
+            TensorData::F64(v) => v.len(),
+        }
+    }
+
+    /// True when the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Element `i` widened to f64.
+    pub fn get(&self, i: usize) -> f64 {
+        match &self.data {
+            TensorData::F32(v) => v[i] as f64,
+            TensorData::F64(v) => v[i],
+        }
+    }
+
+    /// All elements widened to f64.
+    pub fn to_f64(&self) -> Vec<f64> {
+        match &self.data {
+            TensorData::F32(v) => v.iter().map(|&x| x as f64).collect(),
+            TensorData::F64(v) => v.clone(),
+        }
+    }
+
+    /// The f32 bits of each element, when the data is f32 (for canary detection).
+    pub fn f32_data(&self) -> Option<&[f32]> {
+        match &self.data {
+            TensorData::F32(v) => Some(v),
+            TensorData::F64(_) => None,
+        }
+    }
+}
+
+/// An ordered record of (site, tensor) pairs from one forward path.
+#[derive(Debug, Clone, Default)]
+pub struct Trace {
+    entries: Vec<(Site, TraceTensor)>,
+}
+
+impl Trace {
+    /// An empty trace.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records `tensor` at `site`, replacing an earlier record of the same site.
+    pub fn record(&mut self, site: Site, tensor: TraceTensor) {
+        if let Some(e) = self.entries.iter_mut().find(|(s, _)| *s == site) {
+            e.1 = tensor;
+        } else {
+            self.entries.push((site, tensor));
+        }
+    }
+
+    /// The tensor recorded at `site`.
+    pub fn get(&self, site: &Site) -> Option<&TraceTensor> {
+        self.entries.iter().find(|(s, _)| s == site).map(|(_, t)| t)
+    }
+
+    /// All entries in recording order.
+    pub fn entries(&self) -> &[(Site, TraceTensor)] {
+        &self.entries
+    }
+
+    /// All sites, sorted in data-flow order.
+    pub fn sites_in_order(&self) -> Vec<Site> {
+        let mut s: Vec<Site> = self.entries.iter().map(|(s, _)| *s).collect();
+        s.sort_by_key(|s| s.order());
+        s
+    }
+
+    /// Appends every entry of `other`.
+    pub fn extend(&mut self, other: Trace) {
+        for (s, t) in other.entries {
+            self.record(s, t);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn site_names_round_trip_and_order() {
+        for &st in STAGES {
+            let site = Site::new(3, st);
+            assert_eq!(Site::parse(&site.to_string()), Some(site));
+        }
+        let r = Site::new(0, Stage::WRank(RankedWeight::KvB, 1));
+        assert_eq!(r.to_string(), "L0.w.kv_b.rank1");
+        assert_eq!(Site::parse("L0.w.kv_b.rank1"), Some(r));
+        assert!(Stage::WRank(RankedWeight::QProj, 0).order() < Stage::Q.order());
+        assert!(Stage::WRank(RankedWeight::QProj, 0).order() > Stage::QCNormed.order());
+        assert!(Stage::WKvB.order() < Stage::WRank(RankedWeight::KvB, 0).order());
+        assert!(Stage::WRank(RankedWeight::KvB, 3).order() < Stage::KNope.order());
+        assert!(Stage::KvCNormed.order() < Stage::QPeRoped.order());
+        assert_eq!(Site::parse("L1.nonsense"), None);
+    }
+}

@@ -1,0 +1,366 @@
+//! Loading one layer's MLA weights from a GGUF file, dequantized to f32.
+//!
+//! Asking about layer 3 of a 400 GB model must cost about one layer, so this module looks up the
+//! tensors of that layer only, checks their shapes against [`MlaConfig`] (naming the tensor and the
+//! dims on mismatch) and dequantizes them. It also hands out row and column slices cut from the
+//! RAW quantized bytes, the way an engine with quantized weights shards them across TP ranks; a
+//! cut that does not fall on a quant block boundary is refused with [`SliceError::Misaligned`].
+//!
+//! Tensor names and layouts are llama.cpp's (`src/llama-arch.cpp`, `LLM_ARCH_DEEPSEEK2`). Every
+//! matrix here is in PyTorch `[out, in]` layout (the GGUF `ne` reversed).
+
+use ndarray::{Array1, Array2, Array3};
+use serde::Serialize;
+
+use crate::config::{KvBLayout, MlaConfig};
+use crate::error::{Error, Result};
+use crate::gguf::{GgmlType, GgufFile, TensorInfo, dequant};
+
+/// The query projection of one layer.
+#[derive(Debug, Clone)]
+pub enum QWeights {
+    /// With `Lq`: `attn_q_a` [Lq, H], `attn_q_a_norm` [Lq], `attn_q_b` [N·(P+R), Lq].
+    Lora {
+        /// `q_a_proj`, [Lq, H].
+        q_a: Array2<f32>,
+        /// `q_a_layernorm` weight, [Lq].
+        q_a_norm: Array1<f32>,
+        /// `q_b_proj`, [N·(P+R), Lq].
+        q_b: Array2<f32>,
+    },
+    /// Without `Lq`: `attn_q` [N·(P+R), H] (vLLM `q_proj`).
+    Direct {
+        /// `q_proj`, [N·(P+R), H].
+        q: Array2<f32>,
+    },
+}
+
+/// The `kv_b_proj` up-projection as the file stores it.
+#[derive(Debug, Clone)]
+pub enum KvBWeights {
+    /// MLA-era split pair: `attn_k_b` [N, L, P] (stored transposed) and `attn_v_b` [N, V, L].
+    Split {
+        /// `attn_k_b`, PyTorch [N, L, P].
+        k_b: Array3<f32>,
+        /// `attn_v_b`, PyTorch [N, V, L].
+        v_b: Array3<f32>,
+    },
+    /// Legacy `attn_kv_b`, [N·(P+V), L], per head `[k_nope rows | v rows]`.
+    Fused {
+        /// `kv_b_proj`, [N·(P+V), L].
+        kv_b: Array2<f32>,
+    },
+}
+
+/// Dense SwiGLU FFN of a layer (`ffn_norm`, `ffn_gate`, `ffn_up`, `ffn_down`).
+#[derive(Debug, Clone)]
+pub struct DenseFfn {
+    /// `ffn_norm` weight, [H].
+    pub norm: Array1<f32>,
+    /// `ffn_gate`, [F, H].
+    pub gate: Array2<f32>,
+    /// `ffn_up`, [F, H].
+    pub up: Array2<f32>,
+    /// `ffn_down`, [H, F].
+    pub down: Array2<f32>,
+}
+
+/// One tensor's name and storage type, for reports.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TensorType {
+    /// GGUF tensor name.
+    pub name: String,
+    /// ggml storage type.
+    pub ggml_type: GgmlType,
+}
+
+/// All weights of one MLA layer, dequantized to f32 in PyTorch layout.
+///
+/// Built by [`LayerWeights::load`]; shapes are in MLA.md's dim names.
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    /// Layer index.
+    pub layer: usize,
+    /// `attn_norm` weight, [H].
+    pub attn_norm: Array1<f32>,
+    /// Query projection.
+    pub q: QWeights,
+    /// `attn_kv_a_mqa` (vLLM `kv_a_proj_with_mqa`), [L+R, H].
+    pub kv_a_mqa: Array2<f32>,
+    /// `attn_kv_a_norm` (vLLM `kv_a_layernorm`), [L].
+    pub kv_a_norm: Array1<f32>,
+    /// `kv_b_proj` as stored.
+    pub kv_b: KvBWeights,
+    /// `attn_output` (vLLM `o_proj`), [H, N·V].
+    pub o_proj: Array2<f32>,
+    /// Dense FFN; `None` for an MoE layer (not supported by the token path yet).
+    pub ffn: Option<DenseFfn>,
+    /// Storage type of every tensor loaded, in load order.
+    pub types: Vec<TensorType>,
+}
+
+/// Why a slice of a quantized tensor cannot be cut.
+#[derive(Debug)]
+pub enum SliceError {
+    /// The cut is not on a quant block boundary (it splits a block's shared scale).
+    Misaligned {
+        /// Tensor name.
+        tensor: String,
+        /// ggml type of the tensor.
+        ggml_type: GgmlType,
+        /// Elements per block along `ne[0]`.
+        block_size: u64,
+        /// The offending column (input-dim) offset or length.
+        at: u64,
+    },
+    /// Any other failure (missing tensor, bad range, dequantization).
+    Other(Error),
+}
+
+/// `blk.{layer}.{name}.weight`.
+pub fn tensor_name(layer: usize, name: &str) -> String {
+    format!("blk.{layer}.{name}.weight")
+}
+
+/// Looks up a tensor and checks its PyTorch-order shape.
+fn checked<'f>(file: &'f GgufFile, name: &str, expected: &[usize], why: &str) -> Result<&'f TensorInfo> {
+    let t = file.require_tensor(name)?;
+    let got = t.shape();
+    if got.len() != expected.len() || got.iter().zip(expected).any(|(&g, &e)| g != e as u64) {
+        return Err(Error::TensorShape {
+            path: file.path().to_path_buf(),
+            tensor: name.to_string(),
+            expected: expected.iter().map(|&e| e as u64).collect(),
+            got,
+            why: why.to_string(),
+        });
+    }
+    Ok(t)
+}
+
+/// Dequantizes a whole tensor to f32 (ggml element order).
+pub fn dequant_tensor(file: &GgufFile, t: &TensorInfo) -> Result<Vec<f32>> {
+    dequant::dequantize(t.ggml_type, file.tensor_bytes(t), t.n_elements() as usize).map_err(|reason| Error::Dequant {
+        path: file.path().to_path_buf(),
+        tensor: t.name.clone(),
+        reason,
+    })
+}
+
+fn load_1d(file: &GgufFile, types: &mut Vec<TensorType>, name: &str, n: usize, why: &str) -> Result<Array1<f32>> {
+    let t = checked(file, name, &[n], why)?;
+    types.push(TensorType {
+        name: name.to_string(),
+        ggml_type: t.ggml_type,
+    });
+    Ok(Array1::from(dequant_tensor(file, t)?))
+}
+
+fn load_2d(
+    file: &GgufFile,
+    types: &mut Vec<TensorType>,
+    name: &str,
+    shape: [usize; 2],
+    why: &str,
+) -> Result<Array2<f32>> {
+    let t = checked(file, name, &shape, why)?;
+    types.push(TensorType {
+        name: name.to_string(),
+        ggml_type: t.ggml_type,
+    });
+    Array2::from_shape_vec(shape, dequant_tensor(file, t)?).map_err(|e| Error::Dequant {
+        path: file.path().to_path_buf(),
+        tensor: name.to_string(),
+        reason: e.to_string(),
+    })
+}
+
+fn load_3d(
+    file: &GgufFile,
+    types: &mut Vec<TensorType>,
+    name: &str,
+    shape: [usize; 3],
+    why: &str,
+) -> Result<Array3<f32>> {
+    let t = checked(file, name, &shape, why)?;
+    types.push(TensorType {
+        name: name.to_string(),
+        ggml_type: t.ggml_type,
+    });
+    Array3::from_shape_vec(shape, dequant_tensor(file, t)?).map_err(|e| Error::Dequant {
+        path: file.path().to_path_buf(),
+        tensor: name.to_string(),
+        reason: e.to_string(),
+    })
+}
+
+impl LayerWeights {
+    /// Loads and dequantizes layer `layer`'s attention (and dense FFN, if any) weights.
+    ///
+    /// Touches only this layer's tensor data. Errors: [`Error::LayerOutOfRange`],
+    /// [`Error::MissingTensor`], [`Error::TensorShape`] (with the dims the expectation came
+    /// from), [`Error::Dequant`].
+    pub fn load(file: &GgufFile, cfg: &MlaConfig, layer: usize) -> Result<Self> {
+        if layer >= cfg.n_layer {
+            return Err(Error::LayerOutOfRange {
+                path: file.path().to_path_buf(),
+                layer,
+                n_layers: cfg.n_layer,
+            });
+        }
+        let (h, n, l, p, r, v) = (
+            cfg.hidden,
+            cfg.n_head,
+            cfg.kv_lora_rank,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+        );
+        let name = |s: &str| tensor_name(layer, s);
+        let mut types = Vec::new();
+        let ty = &mut types;
+        let attn_norm = load_1d(file, ty, &name("attn_norm"), h, "H")?;
+        let q = match cfg.q_lora_rank {
+            Some(lq) => QWeights::Lora {
+                q_a: load_2d(file, ty, &name("attn_q_a"), [lq, h], "Lq × H")?,
+                q_a_norm: load_1d(file, ty, &name("attn_q_a_norm"), lq, "Lq")?,
+                q_b: load_2d(file, ty, &name("attn_q_b"), [n * (p + r), lq], "N·(P+R) × Lq")?,
+            },
+            None => QWeights::Direct {
+                q: load_2d(file, ty, &name("attn_q"), [n * (p + r), h], "N·(P+R) × H")?,
+            },
+        };
+        let kv_a_mqa = load_2d(file, ty, &name("attn_kv_a_mqa"), [l + r, h], "(L+R) × H")?;
+        let kv_a_norm = load_1d(file, ty, &name("attn_kv_a_norm"), l, "L")?;
+        let kv_b = match cfg.kv_b_layout {
+            KvBLayout::Split => KvBWeights::Split {
+                k_b: load_3d(
+                    file,
+                    ty,
+                    &name("attn_k_b"),
+                    [n, l, p],
+                    "N × L × P (k_b is stored transposed)",
+                )?,
+                v_b: load_3d(file, ty, &name("attn_v_b"), [n, v, l], "N × V × L")?,
+            },
+            KvBLayout::Fused => KvBWeights::Fused {
+                kv_b: load_2d(file, ty, &name("attn_kv_b"), [n * (p + v), l], "N·(P+V) × L")?,
+            },
+        };
+        let o_proj = load_2d(file, ty, &name("attn_output"), [h, n * v], "H × N·V")?;
+        let ffn = if file.tensor(&name("ffn_gate_inp")).is_some() {
+            None
+        } else {
+            let gate_t = file.require_tensor(&name("ffn_gate"))?;
+            let f = gate_t.shape()[0] as usize;
+            Some(DenseFfn {
+                norm: load_1d(file, ty, &name("ffn_norm"), h, "H")?,
+                gate: load_2d(file, ty, &name("ffn_gate"), [f, h], "F × H")?,
+                up: load_2d(file, ty, &name("ffn_up"), [f, h], "F × H")?,
+                down: load_2d(file, ty, &name("ffn_down"), [h, f], "H × F")?,
+            })
+        };
+        Ok(LayerWeights {
+            layer,
+            attn_norm,
+            q,
+            kv_a_mqa,
+            kv_a_norm,
+            kv_b,
+            o_proj,
+            ffn,
+            types,
+        })
+    }
+}
+
+/// Dequantizes rows `rows` (PyTorch dim 0 of a 2-D view `[n_rows, ne0]`) of tensor `name`, cut
+/// from the raw bytes. Whole rows are always block-aligned (quant blocks run along `ne[0]`).
+///
+/// Returns `[rows.len(), ne0]` f32. Errors: missing tensor, range past the end, dequantization.
+pub fn dequant_rows(file: &GgufFile, name: &str, rows: std::ops::Range<usize>) -> Result<Array2<f32>> {
+    let t = file.require_tensor(name)?;
+    let ne0 = t.row_len() as usize;
+    let n_rows = t.n_rows() as usize;
+    if rows.start > rows.end || rows.end > n_rows {
+        return Err(Error::Usage(format!(
+            "{}: row range {rows:?} outside tensor `{name}` with {n_rows} rows",
+            file.path().display()
+        )));
+    }
+    let rb = t.row_bytes() as usize;
+    let bytes = &file.tensor_bytes(t)[rows.start * rb..rows.end * rb];
+    let data = dequant::dequantize(t.ggml_type, bytes, rows.len() * ne0).map_err(|reason| Error::Dequant {
+        path: file.path().to_path_buf(),
+        tensor: name.to_string(),
+        reason,
+    })?;
+    Array2::from_shape_vec((rows.len(), ne0), data).map_err(|e| Error::Usage(e.to_string()))
+}
+
+/// Dequantizes columns `cols` (the input dim, `ne[0]`) of every row of the 2-D tensor `name`,
+/// cut from the raw quantized bytes as a row-parallel TP shard (e.g. `o_proj`) is.
+///
+/// Returns `[n_rows, cols.len()]` f32, or [`SliceError::Misaligned`] when `cols` does not start
+/// and end on a quant block boundary of the tensor's type.
+pub fn dequant_cols(file: &GgufFile, name: &str, cols: std::ops::Range<usize>) -> Result<Array2<f32>, SliceError> {
+    let t = file.require_tensor(name).map_err(SliceError::Other)?;
+    let bs = t.ggml_type.block_size();
+    for at in [cols.start as u64, cols.end as u64] {
+        if at % bs != 0 {
+            return Err(SliceError::Misaligned {
+                tensor: name.to_string(),
+                ggml_type: t.ggml_type,
+                block_size: bs,
+                at,
+            });
+        }
+    }
+    let ne0 = t.row_len() as usize;
+    let n_rows = t.n_rows() as usize;
+    if cols.start > cols.end || cols.end > ne0 {
+        return Err(SliceError::Other(Error::Usage(format!(
+            "{}: column range {cols:?} outside tensor `{name}` with {ne0} columns",
+            file.path().display()
+        ))));
+    }
+    let rb = t.row_bytes() as usize;
+    let ts = t.ggml_type.type_size() as usize;
+    let b0 = cols.start / bs as usize * ts;
+    let b1 = cols.end / bs as usize * ts;
+    let all = file.tensor_bytes(t);
+    let mut bytes = Vec::with_capacity(n_rows * (b1 - b0));
+    for r in 0..n_rows {
+        bytes.extend_from_slice(&all[r * rb + b0..r * rb + b1]);
+    }
+    let data = dequant::dequantize(t.ggml_type, &bytes, n_rows * cols.len()).map_err(|reason| {
+        SliceError::Other(Error::Dequant {
+            path: file.path().to_path_buf(),
+            tensor: name.to_string(),
+            reason,
+        })
+    })?;
+    Array2::from_shape_vec((n_rows, cols.len()), data).map_err(|e| SliceError::Other(Error::Usage(e.to_string())))
+}
+
+/// Embedding rows for `tokens` from `token_embd.weight` ([vocab, H]), dequantizing only those rows.
+///
+/// Errors: missing embedding, a token id ≥ vocab (naming the id and position), dequantization.
+pub fn embed_tokens(file: &GgufFile, cfg: &MlaConfig, tokens: &[u32]) -> Result<Array2<f32>> {
+    let name = "token_embd.weight";
+    let t = checked(file, name, &[cfg.vocab, cfg.hidden], "vocab × H")?;
+    let mut out = Array2::zeros((tokens.len(), cfg.hidden));
+    for (i, &tok) in tokens.iter().enumerate() {
+        if tok as usize >= cfg.vocab {
+            return Err(Error::Usage(format!(
+                "token id {tok} at position {i} is outside the vocabulary of {} tokens ({})",
+                cfg.vocab,
+                file.path().display()
+            )));
+        }
+        let row = dequant_rows(file, name, tok as usize..tok as usize + 1)?;
+        out.row_mut(i).assign(&row.row(0));
+    }
+    let _ = t;
+    Ok(out)
+}

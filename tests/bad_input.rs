@@ -1,0 +1,233 @@
+//! Bad input never panics: every malformed or unusable GGUF, and every impossible request, exits
+//! with code 2 and ONE line naming the file and the field or tensor.
+
+mod common;
+
+use common::{Dims, GgufBuilder, Val, deepseek2, run_bin, write_temp};
+
+/// Runs `mla-diff <args…> --model FILE` (or `inspect FILE`) on `bytes` and checks the contract:
+/// exit 2, one stderr line, naming the file and every string in `must_name`.
+fn expect_exit2(bytes: &[u8], cmd: &[&str], must_name: &[&str]) -> String {
+    let (_dir, path) = write_temp(bytes, "bad.gguf");
+    let p = path.to_str().unwrap();
+    let mut args: Vec<&str> = cmd.to_vec();
+    if cmd[0] == "inspect" {
+        args.push(p);
+    } else {
+        args.extend(["--model", p]);
+    }
+    let (code, _out, err) = run_bin(&args);
+    assert_eq!(code, 2, "exit code for {must_name:?}; stderr: {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.starts_with("mla-diff: backend")).collect();
+    assert_eq!(lines.len(), 1, "one error line expected, got: {err}");
+    assert!(lines[0].contains("bad.gguf"), "error must name the file: {err}");
+    for s in must_name {
+        assert!(lines[0].contains(s), "error must name `{s}`: {err}");
+    }
+    assert!(!err.contains("panicked"), "{err}");
+    lines[0].to_string()
+}
+
+fn good() -> GgufBuilder {
+    deepseek2(Dims::default(), false)
+}
+
+#[test]
+fn a_valid_built_model_passes_both_paths() {
+    let b = good().build();
+    let (_d, p) = write_temp(&b.bytes, "good.gguf");
+    let (code, out, err) = run_bin(&["run", "--model", p.to_str().unwrap(), "--layer", "1", "--quiet"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("mha: all") && out.contains("mqa: all"), "{out}");
+}
+
+#[test]
+fn truncated_in_header() {
+    let b = good().build();
+    expect_exit2(&b.bytes[..10], &["run"], &["tensor_count", "truncated"]);
+}
+
+#[test]
+fn truncated_inside_metadata() {
+    let b = good().build();
+    let (at, name) = b
+        .fields
+        .iter()
+        .find(|(_, n)| n.starts_with("deepseek2.attention.kv_lora_rank: value"))
+        .unwrap()
+        .clone();
+    let msg = expect_exit2(&b.bytes[..at + 2], &["run"], &["truncated"]);
+    assert!(msg.contains("deepseek2.attention.kv_lora_rank"), "{msg} ({name})");
+}
+
+#[test]
+fn truncated_inside_tensor_data() {
+    let b = good().build();
+    let (at, _) = b
+        .fields
+        .iter()
+        .find(|(_, n)| n == "blk.1.attn_output.weight: data")
+        .unwrap()
+        .clone();
+    expect_exit2(&b.bytes[..at + 8], &["run"], &["blk.1.attn_output.weight", "offset"]);
+}
+
+#[test]
+fn wrong_magic() {
+    let mut g = good();
+    g.magic = *b"GGML";
+    expect_exit2(&g.build().bytes, &["run"], &["magic"]);
+}
+
+#[test]
+fn unsupported_versions() {
+    for (v, hint) in [
+        (1u32, "obsolete"),
+        (4, "unsupported version 4"),
+        (3u32.swap_bytes(), "big-endian"),
+    ] {
+        let mut g = good();
+        g.version = v;
+        expect_exit2(&g.build().bytes, &["run"], &["version", hint]);
+    }
+}
+
+#[test]
+fn tensor_offset_past_end_of_file() {
+    let mut g = good();
+    let i = g
+        .tensors
+        .iter()
+        .position(|t| t.name == "blk.0.attn_q_b.weight")
+        .unwrap();
+    g.tensors[i].offset_override = Some(1 << 40);
+    expect_exit2(
+        &g.build().bytes,
+        &["run"],
+        &["blk.0.attn_q_b.weight", "offset", "past the end"],
+    );
+}
+
+#[test]
+fn absurd_counts() {
+    let mut g = good();
+    g.tensor_count_override = Some(1 << 63);
+    expect_exit2(&g.build().bytes, &["run"], &["tensor_count"]);
+    let mut g = good();
+    g.kv_count_override = Some(u64::MAX);
+    expect_exit2(&g.build().bytes, &["run"], &["metadata_kv_count"]);
+    let mut g = good();
+    g.kv(
+        "tokenizer.ggml.scores",
+        Val::Raw(9, {
+            let mut v = 6u32.to_le_bytes().to_vec();
+            v.extend_from_slice(&(1u64 << 62).to_le_bytes());
+            v
+        }),
+    );
+    expect_exit2(&g.build().bytes, &["run"], &["tokenizer.ggml.scores", "array"]);
+}
+
+#[test]
+fn huge_string_length() {
+    let mut g = good();
+    g.kv("general.name", Val::Raw(8, (u64::MAX / 2).to_le_bytes().to_vec()));
+    expect_exit2(&g.build().bytes, &["run"], &["general.name", "string length"]);
+}
+
+#[test]
+fn unknown_quant_type() {
+    let mut g = good();
+    let i = g
+        .tensors
+        .iter()
+        .position(|t| t.name == "blk.0.attn_kv_a_mqa.weight")
+        .unwrap();
+    g.tensors[i].type_id = 99;
+    expect_exit2(
+        &g.build().bytes,
+        &["run"],
+        &["blk.0.attn_kv_a_mqa.weight", "ggml type id 99"],
+    );
+}
+
+#[test]
+fn missing_mla_tensor() {
+    let mut g = good();
+    g.tensors.retain(|t| t.name != "blk.1.attn_kv_a_mqa.weight");
+    expect_exit2(
+        &g.build().bytes,
+        &["run", "--layer", "1"],
+        &["blk.1.attn_kv_a_mqa.weight", "missing tensor"],
+    );
+}
+
+#[test]
+fn wrong_tensor_shape_names_the_dims() {
+    let mut g = good();
+    let i = g
+        .tensors
+        .iter()
+        .position(|t| t.name == "blk.0.attn_k_b.weight")
+        .unwrap();
+    g.tensors[i].ne.swap(0, 1);
+    expect_exit2(&g.build().bytes, &["run"], &["blk.0.attn_k_b.weight", "N × L × P"]);
+}
+
+#[test]
+fn layer_out_of_range() {
+    let b = good().build();
+    expect_exit2(&b.bytes, &["run", "--layer", "7"], &["layer 7", "block_count"]);
+}
+
+#[test]
+fn missing_key_and_non_mla_architecture() {
+    let mut g = good();
+    g.remove_kv("deepseek2.attention.kv_lora_rank");
+    expect_exit2(&g.build().bytes, &["run"], &["deepseek2.attention.kv_lora_rank"]);
+    let mut g = good();
+    g.set_kv("general.architecture", Val::Str("llama".into()));
+    expect_exit2(&g.build().bytes, &["run"], &["general.architecture", "llama"]);
+}
+
+#[test]
+fn alignment_zero_and_overflowing_dims_and_duplicates() {
+    let mut g = good();
+    g.kv("general.alignment", Val::U32(0));
+    expect_exit2(&g.build().bytes, &["inspect"], &["general.alignment"]);
+    let mut g = good();
+    let i = g
+        .tensors
+        .iter()
+        .position(|t| t.name == "blk.0.attn_norm.weight")
+        .unwrap();
+    g.tensors[i].ne = vec![1 << 32, 1 << 32, 1 << 32];
+    expect_exit2(&g.build().bytes, &["inspect"], &["blk.0.attn_norm.weight", "overflows"]);
+    let mut g = good();
+    let dup = g.tensors[3].clone();
+    g.tensors.push(dup);
+    expect_exit2(&g.build().bytes, &["inspect"], &["duplicate tensor name"]);
+}
+
+#[test]
+fn output_file_is_not_overwritten_without_force() {
+    let b = good().build();
+    let (dir, p) = write_temp(&b.bytes, "good.gguf");
+    let json = dir.path().join("r.json");
+    std::fs::write(&json, "keep me").unwrap();
+    let (code, _, err) = run_bin(&["run", "--model", p.to_str().unwrap(), "--json", json.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--force"), "{err}");
+    assert_eq!(std::fs::read_to_string(&json).unwrap(), "keep me");
+    let (code, _, err) = run_bin(&[
+        "run",
+        "--model",
+        p.to_str().unwrap(),
+        "--json",
+        json.to_str().unwrap(),
+        "--force",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["schema"], 1);
+}

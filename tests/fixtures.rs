@@ -1,0 +1,91 @@
+//! The main job on every committed fixture: `run --model F --layer 0` and `--layer 1` exit 0 with
+//! every site of every path within tolerance; `inspect` shows per-tensor quant types.
+
+mod common;
+
+use common::run_bin;
+
+fn fixtures() -> Vec<std::path::PathBuf> {
+    let mut v: Vec<_> = std::fs::read_dir(common::repo().join("golden/models"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn every_fixture_passes_both_layers_on_every_path() {
+    let all = fixtures();
+    assert!(all.len() >= 9, "{all:?}");
+    for f in &all {
+        for layer in ["0", "1"] {
+            let (code, out, err) = run_bin(&["run", "--model", f.to_str().unwrap(), "--layer", layer, "--quiet"]);
+            assert_eq!(code, 0, "{}: layer {layer}: {out}{err}", f.display());
+            for p in ["mha", "mqa", "chunked", "mixed"] {
+                assert!(out.contains(&format!("{p}: all ")), "{}: {out}", f.display());
+            }
+        }
+    }
+}
+
+#[test]
+fn token_input_walks_every_layer_of_every_f32_fixture() {
+    for f in fixtures().iter().filter(|p| p.to_string_lossy().contains("f32")) {
+        let (code, out, err) = run_bin(&[
+            "run",
+            "--model",
+            f.to_str().unwrap(),
+            "--layers",
+            "all",
+            "--input",
+            "tokens",
+            "--start-pos",
+            "200",
+            "--quiet",
+        ]);
+        assert_eq!(code, 0, "{}: {out}{err}", f.display());
+    }
+}
+
+#[test]
+fn default_run_uses_the_embedded_fixture() {
+    let (code, out, err) = run_bin(&["run", "--layer", "1"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("<embedded tiny-v3-q4_k_m.gguf>"), "{out}");
+    assert!(
+        err.contains("backend cpu"),
+        "auto must say which backend it picked: {err}"
+    );
+    for p in ["mha", "mqa"] {
+        assert!(out.contains(&format!("{p}: all ")), "{out}");
+    }
+}
+
+#[test]
+fn inspect_shows_quant_types_including_fallbacks() {
+    let f = common::repo().join("golden/models/tiny-v3-q4_k_m.gguf");
+    let (code, out, err) = run_bin(&["inspect", f.to_str().unwrap(), "--layer", "0"]);
+    assert_eq!(code, 0, "{err}");
+    let row = |name: &str| {
+        out.lines()
+            .find(|l| l.contains(name))
+            .unwrap_or_else(|| panic!("no row for {name}:\n{out}"))
+            .to_string()
+    };
+    // K-quant where rows are a multiple of 256 (H = 256) …
+    assert!(row("blk.0.attn_kv_a_mqa.weight").contains("Q4_K"));
+    assert!(row("blk.0.attn_q_a.weight").contains("Q4_K"));
+    // … and the quantizer's fallback where they are not (k_b rows are P = 32 long).
+    assert!(row("blk.0.attn_k_b.weight").contains("Q5_0"));
+    assert!(
+        row("blk.0.attn_k_b.weight").contains("[6, 96, 32]"),
+        "PyTorch shape [N, L, P]"
+    );
+    assert!(
+        out.contains("MLA config (deepseek2): N=6 H=256 Lq=64 L=96 P=32 R=16 V=64"),
+        "{out}"
+    );
+    assert!(!out.contains("blk.1."), "--layer 0 filters other layers");
+}

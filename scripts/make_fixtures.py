@@ -88,9 +88,10 @@ FIXTURES = [
     # V = 64 != P+R = 48, so a reader that swaps key_length and value_length is caught.
     Fixture("legacy-kvb", N=4, H=128, Lq=64, L=64, P=32, R=16, V=64, inter=128, seed_offset=400,
             attn_gain=1.45, legacy_kvb=True),
-    # H, Lq, L and N·V = 512 are multiples of 256 (real K-quant blocks on the MLA matrices);
-    # N·V/2 = 256 keeps a TP-2 cut of o_proj on a block boundary, while TP 4 (128) is not.
-    Fixture("k256", N=4, H=256, Lq=256, L=256, P=64, R=32, V=128, inter=256, seed_offset=500,
+    # H, Lq, L and N·V = 1024 are multiples of 256 (real K-quant blocks on the MLA matrices), and
+    # N·V/tp stays a multiple of 256 for every TP size dividing N (1, 2, 4), so every clean TP cut
+    # of o_proj lands on a block boundary.
+    Fixture("k256", N=4, H=256, Lq=256, L=256, P=64, R=32, V=256, inter=256, seed_offset=500,
             attn_gain=1.45, quants=("Q4_K_M", "Q6_K"),
             tmp_quants=("Q2_K", "Q3_K_M", "Q5_K_M", "IQ4_NL", "IQ4_XS"),
             commit_f32=False, golden=False),

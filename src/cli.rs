@@ -17,6 +17,7 @@ use crate::gguf::GgufFile;
 use crate::paths::{PathKind, PathOptions};
 use crate::report;
 use crate::run::{self, InputMode, RunConfig};
+use crate::selftest::{self, ModelSource, SelftestOptions};
 use crate::tolerance::Dtype;
 
 /// Name under which the embedded default fixture is reported.
@@ -54,6 +55,35 @@ pub enum Command {
     Run(RunArgs),
     /// Show a GGUF file's metadata, derived MLA config and per-tensor types.
     Inspect(InspectArgs),
+    /// Inject every fault into every path of every fixture, and run every path clean: prove the
+    /// detectors find each bug class at its first site and nothing on clean runs.
+    Selftest(SelftestArgs),
+}
+
+/// Arguments of `mla-diff selftest`.
+#[derive(Debug, Args)]
+pub struct SelftestArgs {
+    /// Folder of GGUF fixtures (default: `golden/models` of this checkout, else the embedded one).
+    #[arg(long)]
+    pub models: Option<PathBuf>,
+    /// A subset: three fixtures, page size 16, TP 1 and the smallest TP > 1.
+    #[arg(long)]
+    pub quick: bool,
+    /// Layer to test in each fixture.
+    #[arg(long, default_value_t = 1)]
+    pub layer: usize,
+    /// Compute backend.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+    /// Seed of the inputs.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write every case as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Overwrite an existing JSON file.
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// `--path` choices.
@@ -293,10 +323,69 @@ pub fn cmd_inspect(a: &InspectArgs, out: &mut dyn Write) -> Result<Outcome> {
     Ok(Outcome::Pass)
 }
 
+/// The fixtures selftest uses: every `*.gguf` in `dir`, or in `golden/models` of the current
+/// directory or of this build's source tree; the embedded fixture when none is found.
+pub fn selftest_models(dir: Option<&PathBuf>) -> Result<Vec<ModelSource>> {
+    let candidates: Vec<PathBuf> = match dir {
+        Some(d) => vec![d.clone()],
+        None => vec![
+            PathBuf::from("golden/models"),
+            PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/golden/models")),
+        ],
+    };
+    for d in candidates {
+        if !d.is_dir() {
+            if dir.is_some() {
+                return Err(Error::Usage(format!("--models {}: not a folder", d.display())));
+            }
+            continue;
+        }
+        let mut v: Vec<PathBuf> = std::fs::read_dir(&d)
+            .map_err(|e| Error::io(&d, "read folder", e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+            .collect();
+        v.sort();
+        if v.is_empty() && dir.is_some() {
+            return Err(Error::Usage(format!("--models {}: no .gguf files", d.display())));
+        }
+        if !v.is_empty() {
+            return Ok(v.into_iter().map(ModelSource::File).collect());
+        }
+    }
+    Ok(vec![ModelSource::Embedded])
+}
+
+/// `mla-diff selftest`.
+pub fn cmd_selftest(a: &SelftestArgs, out: &mut dyn Write) -> Result<Outcome> {
+    if a.backend == BackendChoice::Auto {
+        eprintln!("mla-diff: backend cpu (auto: this build has no CUDA backend yet)");
+    }
+    let opts = SelftestOptions {
+        models: selftest_models(a.models.as_ref())?,
+        layer: a.layer,
+        quick: a.quick,
+        seed: a.seed,
+        dtype: Dtype::F32,
+    };
+    let rep = selftest::run(&opts)?;
+    if let Some(j) = &a.json {
+        report::write_file_atomic(j, &report::to_json_bytes(&rep), a.force)?;
+    }
+    out.write_all(selftest::confusion_table(&rep).as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    Ok(if rep.all_ok() {
+        Outcome::Pass
+    } else {
+        Outcome::Divergence
+    })
+}
+
 /// Runs a parsed command line, writing human output to `out`.
 pub fn dispatch(cli: &Cli, out: &mut dyn Write) -> Result<Outcome> {
     match &cli.command {
         Command::Run(a) => cmd_run(a, out),
         Command::Inspect(a) => cmd_inspect(a, out),
+        Command::Selftest(a) => cmd_selftest(a, out),
     }
 }

@@ -25,6 +25,7 @@ pub mod paths;
 pub mod reference;
 pub mod report;
 pub mod run;
+pub mod selftest;
 pub mod st;
 pub mod tolerance;
 pub mod trace;

@@ -12,6 +12,7 @@
 //! vLLM `model_executor/models/deepseek_v2.py`.
 
 use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2, Axis, s};
+use rayon::prelude::*;
 
 use crate::batch::Batch;
 use crate::config::MlaConfig;
@@ -232,39 +233,74 @@ pub fn forward(cfg: &MlaConfig, w: &LayerWeights, hidden_in: &Array2<f64>, batch
     }
     rec3(&mut tr, layer, Stage::QlNope, &ql_nope);
 
-    // Attention, causal within each sequence, softmax scale of step 7.
+    // Attention, causal within each sequence, softmax scale of step 7. Each (token, head) row
+    // is computed on its own, in a fixed order, so the result does not depend on threading.
     let scale = cfg.softmax_scale;
+    let qs = q.as_standard_layout();
+    let qs = qs.as_slice().unwrap_or(&[]);
+    let (kn, qpe, kpe, vs, kvc) = (
+        k_nope.as_standard_layout(),
+        q_pe_roped.as_standard_layout(),
+        k_pe_roped.as_standard_layout(),
+        vv.as_standard_layout(),
+        kv_c_normed.as_standard_layout(),
+    );
+    let (kn, qpe, kpe, vs, kvc) = (
+        kn.as_slice().unwrap_or(&[]),
+        qpe.as_slice().unwrap_or(&[]),
+        kpe.as_slice().unwrap_or(&[]),
+        vs.as_slice().unwrap_or(&[]),
+        kvc.as_slice().unwrap_or(&[]),
+    );
+    let offsets = batch.offsets();
+    let seq_of: Vec<(usize, usize)> = batch
+        .seqs
+        .iter()
+        .zip(&offsets)
+        .flat_map(|(sq, &off)| (0..sq.len).map(move |i| (off, i)))
+        .collect();
+    let rows: Vec<(Vec<f64>, Vec<f64>, f64)> = (0..t * n)
+        .into_par_iter()
+        .map(|row| {
+            let (ti, h) = (row / n, row % n);
+            let (off, i) = seq_of[ti];
+            let qrow = &qs[(ti * n + h) * (p + r)..(ti * n + h) * (p + r) + p];
+            let qpr = &qpe[(ti * n + h) * r..(ti * n + h + 1) * r];
+            let logits: Vec<f64> = (off..=off + i)
+                .map(|tj| {
+                    let krow = &kn[(tj * n + h) * p..(tj * n + h + 1) * p];
+                    let kp = &kpe[tj * r..(tj + 1) * r];
+                    let nope: f64 = qrow.iter().zip(krow).map(|(a, b)| a * b).sum();
+                    let pe: f64 = qpr.iter().zip(kp).map(|(a, b)| a * b).sum();
+                    scale * (nope + pe)
+                })
+                .collect();
+            let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = logits.iter().map(|&z| (z - m).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            let mut out = vec![0f64; v];
+            let mut lat = vec![0f64; l];
+            for (j, &ej) in e.iter().enumerate() {
+                let pj = ej / sum;
+                let tj = off + j;
+                for (o, x) in out.iter_mut().zip(&vs[(tj * n + h) * v..(tj * n + h + 1) * v]) {
+                    *o += pj * x;
+                }
+                for (o, x) in lat.iter_mut().zip(&kvc[tj * l..(tj + 1) * l]) {
+                    *o += pj * x;
+                }
+            }
+            (out, lat, m + sum.ln())
+        })
+        .collect();
     let mut attn_out = Array3::<f64>::zeros((t, n, v));
     let mut attn_latent = Array3::<f64>::zeros((t, n, l));
     let mut lse = Array2::<f64>::zeros((t, n));
-    for (seq, off) in batch.seqs.iter().zip(batch.offsets()) {
-        for i in 0..seq.len {
-            let ti = off + i;
-            for h in 0..n {
-                let logits: Vec<f64> = (0..=i)
-                    .map(|j| {
-                        let tj = off + j;
-                        let nope: f64 = (0..p).map(|d| q[[ti, h, d]] * k_nope[[tj, h, d]]).sum();
-                        let pe: f64 = (0..r).map(|d| q_pe_roped[[ti, h, d]] * k_pe_roped[[tj, d]]).sum();
-                        scale * (nope + pe)
-                    })
-                    .collect();
-                let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = logits.iter().map(|&z| (z - m).exp()).collect();
-                let sum: f64 = e.iter().sum();
-                lse[[ti, h]] = m + sum.ln();
-                for (j, &ej) in e.iter().enumerate() {
-                    let pj = ej / sum;
-                    let tj = off + j;
-                    for d in 0..v {
-                        attn_out[[ti, h, d]] += pj * vv[[tj, h, d]];
-                    }
-                    for d in 0..l {
-                        attn_latent[[ti, h, d]] += pj * kv_c_normed[[tj, d]];
-                    }
-                }
-            }
-        }
+    for (row, (o, lat, ls)) in rows.into_iter().enumerate() {
+        let (ti, h) = (row / n, row % n);
+        attn_out.slice_mut(s![ti, h, ..]).assign(&Array1::from(o));
+        attn_latent.slice_mut(s![ti, h, ..]).assign(&Array1::from(lat));
+        lse[[ti, h]] = ls;
     }
     rec3(&mut tr, layer, Stage::AttnLatent, &attn_latent);
     rec2(&mut tr, layer, Stage::Lse, &lse);

@@ -1,0 +1,441 @@
+//! `mla-diff selftest`: proof that the detectors find every bug class, and nothing on clean runs.
+//!
+//! A diagnosis tool earns trust by catching known bugs and staying quiet on correct code. For
+//! every fixture, selftest injects every fault of the catalogue into every path it applies to and
+//! checks that the finding names the expected class at the expected first site; it also runs every
+//! path clean under every TP size that divides the head count (up to 4) and page sizes 1, 16 and
+//! 64, where any finding is a false alarm. Batches use the sequence lengths that break paged and
+//! split kernels: 1, page−1, page, page+1 and a few pages plus a remainder.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use comfy_table::{Table, presets};
+use ndarray::Array2;
+use serde::Serialize;
+
+use crate::batch::{Batch, SeqSpec, normal_f32};
+use crate::config::{KvBLayout, MlaConfig};
+use crate::diagnose::{Class, Finding};
+use crate::error::{Error, Result};
+use crate::faults::{Fault, FaultSet};
+use crate::gguf::GgufFile;
+use crate::paths::{PathKind, PathOptions};
+use crate::reference;
+use crate::run::{RunConfig, compare_layer};
+use crate::tolerance::Dtype;
+use crate::trace::{Site, Stage};
+use crate::weights::{LayerWeights, tensor_name};
+
+/// Where the fixtures come from.
+#[derive(Debug, Clone)]
+pub enum ModelSource {
+    /// A GGUF file on disk.
+    File(PathBuf),
+    /// The embedded default fixture.
+    Embedded,
+}
+
+/// What selftest runs.
+#[derive(Debug, Clone)]
+pub struct SelftestOptions {
+    /// Fixtures to test.
+    pub models: Vec<ModelSource>,
+    /// Layer to test in each fixture (clamped to the model's last layer).
+    pub layer: usize,
+    /// A subset: fewer fixtures, page size 16 only, TP 1 and the smallest TP > 1.
+    pub quick: bool,
+    /// Seed of the inputs.
+    pub seed: u64,
+    /// Compute dtype of the paths.
+    pub dtype: Dtype,
+}
+
+/// One selftest case.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CaseResult {
+    /// Fixture name (file stem).
+    pub fixture: String,
+    /// `clean` or the fault's name.
+    pub case: String,
+    /// The path.
+    pub path: PathKind,
+    /// TP ranks.
+    pub tp: usize,
+    /// Page size.
+    pub page: usize,
+    /// Expected class and accepted first sites (`None` for a clean run).
+    pub expected: Option<(Class, Vec<String>)>,
+    /// What diagnosis found.
+    pub found: Option<Finding>,
+    /// `ok`, `miss`, `wrong class`, `wrong site`, `false alarm`.
+    pub verdict: String,
+}
+
+impl CaseResult {
+    /// True when the case came out as expected.
+    pub fn ok(&self) -> bool {
+        self.verdict == "ok"
+    }
+}
+
+/// All cases of a selftest run.
+#[derive(Debug, Clone, Serialize)]
+pub struct SelftestReport {
+    /// Every case.
+    pub cases: Vec<CaseResult>,
+    /// Wall time in seconds.
+    pub seconds: f64,
+}
+
+impl SelftestReport {
+    /// True when every case came out as expected.
+    pub fn all_ok(&self) -> bool {
+        self.cases.iter().all(CaseResult::ok)
+    }
+}
+
+/// The selftest batch for page size `page`: sequence lengths 1, page−1, page, page+1 and three
+/// pages plus a remainder (zero lengths dropped).
+pub fn selftest_batch(page: usize) -> Batch {
+    let lens = [1, page.saturating_sub(1), page, page + 1, 3 * page + 5];
+    Batch {
+        seqs: lens
+            .iter()
+            .filter(|&&l| l > 0)
+            .map(|&len| SeqSpec { len, start_pos: 0 })
+            .collect(),
+    }
+}
+
+/// TP sizes that divide N, up to 4.
+fn tp_sizes(n: usize) -> Vec<usize> {
+    (1..=4).filter(|t| n.is_multiple_of(*t)).collect()
+}
+
+fn verdict(expected: &Option<(Class, Vec<Stage>)>, found: Option<&Finding>, layer: usize) -> String {
+    match (expected, found) {
+        (None, None) => "ok".into(),
+        (None, Some(_)) => "false alarm".into(),
+        (Some(_), None) => "miss".into(),
+        (Some((class, stages)), Some(f)) => {
+            if f.class != *class {
+                "wrong class".into()
+            } else if f.site.layer != layer || !stages.contains(&f.site.stage) {
+                "wrong site".into()
+            } else {
+                "ok".into()
+            }
+        }
+    }
+}
+
+/// Block size of the tensor whose rows run along the latent dim L (for `quant-slice-misaligned`).
+fn latent_block(file: &GgufFile, cfg: &MlaConfig, layer: usize) -> u64 {
+    let name = match cfg.kv_b_layout {
+        KvBLayout::Split => tensor_name(layer, "attn_v_b"),
+        KvBLayout::Fused => tensor_name(layer, "attn_kv_b"),
+    };
+    file.tensor(&name).map_or(1, |t| t.ggml_type.block_size())
+}
+
+/// Whether a clean TP cut of `o_proj` falls inside a quant block (then the right answer is a
+/// `quant-block-misaligned` finding, not silence).
+fn natural_misalignment(file: &GgufFile, cfg: &MlaConfig, layer: usize, tp: usize) -> Option<Site> {
+    let t = file.tensor(&tensor_name(layer, "attn_output"))?;
+    let cut = (cfg.n_head / tp * cfg.v_head_dim) as u64;
+    (tp > 1 && !cut.is_multiple_of(t.ggml_type.block_size()))
+        .then(|| Site::new(layer, Stage::WRank(crate::trace::RankedWeight::OProj, 1)))
+}
+
+fn fixture_name(src: &ModelSource) -> String {
+    match src {
+        ModelSource::File(p) => p.file_stem().map_or("?".into(), |s| s.to_string_lossy().into_owned()),
+        ModelSource::Embedded => "embedded".into(),
+    }
+}
+
+/// Runs the whole selftest.
+///
+/// Errors: a fixture that cannot be opened or run (input errors); detection outcomes are results.
+pub fn run(opts: &SelftestOptions) -> Result<SelftestReport> {
+    let start = std::time::Instant::now();
+    let mut cases = Vec::new();
+    let models: Vec<&ModelSource> = if opts.quick {
+        let pick: Vec<&ModelSource> = opts
+            .models
+            .iter()
+            .filter(|m| {
+                let n = fixture_name(m);
+                ["tiny-v3-q8_0", "yarn-v3-f32", "k256-q4_k_m", "embedded"].contains(&n.as_str())
+            })
+            .collect();
+        if pick.is_empty() {
+            opts.models.iter().collect()
+        } else {
+            pick
+        }
+    } else {
+        opts.models.iter().collect()
+    };
+    for src in models {
+        let file = match src {
+            ModelSource::File(p) => GgufFile::open(p)?,
+            ModelSource::Embedded => crate::cli::open_model(None)?,
+        };
+        let name = fixture_name(src);
+        let cfg = MlaConfig::from_gguf(&file)?;
+        let layer = opts.layer.min(cfg.n_layer - 1);
+        let w = LayerWeights::load(&file, &cfg, layer)?;
+        let tps = tp_sizes(cfg.n_head);
+        let tps: Vec<usize> = if opts.quick {
+            tps.iter()
+                .copied()
+                .filter(|&t| t == 1 || Some(t) == tps.get(1).copied())
+                .collect()
+        } else {
+            tps
+        };
+        let pages: &[usize] = if opts.quick { &[16] } else { &[1, 16, 64] };
+        for &page in pages {
+            let batch = selftest_batch(page);
+            let t = batch.n_tokens();
+            let hidden = Array2::from_shape_vec(
+                (t, cfg.hidden),
+                normal_f32(opts.seed ^ page as u64, t * cfg.hidden)
+                    .into_iter()
+                    .map(f64::from)
+                    .collect(),
+            )
+            .map_err(|e| Error::Usage(e.to_string()))?;
+            let base = reference::forward(&cfg, &w, &hidden, &batch)?.trace;
+            let run_cfg = |tp: usize, paths: Vec<PathKind>, faults: Vec<Fault>| RunConfig {
+                layers: vec![layer],
+                batch: batch.clone(),
+                seed: opts.seed,
+                input: crate::run::InputMode::Random,
+                paths,
+                path_options: PathOptions {
+                    page_size: page,
+                    tp,
+                    faults: FaultSet(faults),
+                    ..PathOptions::default()
+                },
+                dtype: opts.dtype,
+            };
+            let reference_for = |tp: usize| {
+                let mut r = base.clone();
+                r.extend(reference::rank_weight_sites(&cfg, &w, tp));
+                r
+            };
+            // Clean runs.
+            for &tp in &tps {
+                let rc = run_cfg(tp, PathKind::ALL.to_vec(), vec![]);
+                let (_, findings, _) = compare_layer(&file, &cfg, &w, &hidden, &reference_for(tp), &rc)?;
+                let expected =
+                    natural_misalignment(&file, &cfg, layer, tp).map(|s| (Class::QuantBlockMisaligned, vec![s.stage]));
+                for &path in PathKind::ALL {
+                    let found = findings.iter().find(|f| f.path == Some(path));
+                    cases.push(CaseResult {
+                        fixture: name.clone(),
+                        case: "clean".into(),
+                        path,
+                        tp,
+                        page,
+                        verdict: verdict(&expected, found, layer),
+                        expected: expected
+                            .as_ref()
+                            .map(|(c, s)| (*c, s.iter().map(|x| x.name()).collect())),
+                        found: found.cloned(),
+                    });
+                }
+            }
+            // Faults, at page 16 only (the batch already spans page boundaries).
+            if page != 16 {
+                continue;
+            }
+            let lblock = latent_block(&file, &cfg, layer);
+            for &fault in Fault::ALL {
+                // Pick the TP size: 1 unless the fault needs ranks; then the smallest that works.
+                let tp = tps
+                    .iter()
+                    .copied()
+                    .find(|&tp| {
+                        PathKind::ALL
+                            .iter()
+                            .any(|&p| fault.applies(p, &cfg, tp, lblock).is_ok())
+                    })
+                    .or_else(|| {
+                        tp_sizes(cfg.n_head).into_iter().find(|&tp| {
+                            PathKind::ALL
+                                .iter()
+                                .any(|&p| fault.applies(p, &cfg, tp, lblock).is_ok())
+                        })
+                    });
+                let Some(tp) = tp else { continue };
+                let paths: Vec<PathKind> = PathKind::ALL
+                    .iter()
+                    .copied()
+                    .filter(|&p| fault.applies(p, &cfg, tp, lblock).is_ok())
+                    .collect();
+                if paths.is_empty() {
+                    continue;
+                }
+                let rc = run_cfg(tp, paths.clone(), vec![fault]);
+                let (_, findings, _) = compare_layer(&file, &cfg, &w, &hidden, &reference_for(tp), &rc)?;
+                for path in paths {
+                    let stages = fault.expected_stages(path);
+                    let expected = Some((fault.expected_class(), stages.clone()));
+                    let found = findings.iter().find(|f| f.path == Some(path));
+                    cases.push(CaseResult {
+                        fixture: name.clone(),
+                        case: fault.name().into(),
+                        path,
+                        tp,
+                        page,
+                        verdict: verdict(&expected, found, layer),
+                        expected: Some((fault.expected_class(), stages.iter().map(|s| s.name()).collect())),
+                        found: found.cloned(),
+                    });
+                }
+            }
+        }
+    }
+    Ok(SelftestReport {
+        cases,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+/// The confusion table (fault × found class × first site), the clean-run summary and every case
+/// that did not come out as expected.
+pub fn confusion_table(rep: &SelftestReport) -> String {
+    let mut s = String::new();
+    let mut by_fault: BTreeMap<String, Vec<&CaseResult>> = BTreeMap::new();
+    for c in rep.cases.iter().filter(|c| c.case != "clean") {
+        by_fault.entry(c.case.clone()).or_default().push(c);
+    }
+    let mut t = Table::new();
+    t.load_style(presets::UTF8_BORDERS_ONLY).set_header(vec![
+        "fault",
+        "expected class",
+        "expected first site",
+        "found class @ first site (cases)",
+        "ok",
+    ]);
+    for f in Fault::ALL {
+        let Some(cs) = by_fault.get(f.name()) else {
+            t.add_row(vec![
+                f.name().to_string(),
+                f.expected_class().to_string(),
+                "-".into(),
+                "not applicable to any fixture".into(),
+                "-".into(),
+            ]);
+            continue;
+        };
+        let mut found: BTreeMap<String, usize> = BTreeMap::new();
+        let mut sites: Vec<String> = Vec::new();
+        for c in cs {
+            if let Some((_, st)) = &c.expected {
+                for x in st {
+                    let x = format!("{}: {x}", c.path);
+                    if !sites.contains(&x) {
+                        sites.push(x);
+                    }
+                }
+            }
+            let k = match &c.found {
+                Some(fi) => format!("{}: {} @ {}", c.path, fi.class, fi.site.stage.name()),
+                None => format!("{}: nothing", c.path),
+            };
+            *found.entry(k).or_default() += 1;
+        }
+        let ok = cs.iter().filter(|c| c.ok()).count();
+        t.add_row(vec![
+            f.name().to_string(),
+            f.expected_class().to_string(),
+            sites.join("\n"),
+            found
+                .iter()
+                .map(|(k, v)| format!("{k} ({v})"))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            format!("{ok}/{}", cs.len()),
+        ]);
+    }
+    s.push_str("faults (every fixture, every path each applies to)\n");
+    s.push_str(&t.to_string());
+    s.push('\n');
+
+    let mut by_fix: BTreeMap<String, (usize, usize, String, String)> = BTreeMap::new();
+    for c in rep.cases.iter().filter(|c| c.case == "clean") {
+        let e = by_fix.entry(c.fixture.clone()).or_default();
+        e.0 += 1;
+        if !c.ok() {
+            e.1 += 1;
+        }
+        if !e.2.split(',').any(|x| x == c.tp.to_string()) {
+            if !e.2.is_empty() {
+                e.2.push(',');
+            }
+            e.2.push_str(&c.tp.to_string());
+        }
+        if !e.3.split(',').any(|x| x == c.page.to_string()) {
+            if !e.3.is_empty() {
+                e.3.push(',');
+            }
+            e.3.push_str(&c.page.to_string());
+        }
+    }
+    let mut t = Table::new();
+    t.load_style(presets::UTF8_BORDERS_ONLY).set_header(vec![
+        "fixture",
+        "clean runs (path × tp × page)",
+        "tp sizes",
+        "page sizes",
+        "false alarms",
+    ]);
+    for (f, (n, bad, tps, pages)) in &by_fix {
+        t.add_row(vec![
+            f.clone(),
+            n.to_string(),
+            tps.clone(),
+            pages.clone(),
+            bad.to_string(),
+        ]);
+    }
+    s.push_str("\nclean runs\n");
+    s.push_str(&t.to_string());
+    s.push('\n');
+
+    let bad: Vec<&CaseResult> = rep.cases.iter().filter(|c| !c.ok()).collect();
+    if !bad.is_empty() {
+        s.push_str("\nnot as expected:\n");
+        for c in bad {
+            s.push_str(&format!(
+                "  {} {} path {} tp {} page {}: {} (expected {}; found {})\n",
+                c.fixture,
+                c.case,
+                c.path,
+                c.tp,
+                c.page,
+                c.verdict,
+                c.expected
+                    .as_ref()
+                    .map_or("no finding".into(), |(cl, st)| format!("{cl} at {}", st.join("|"))),
+                c.found.as_ref().map_or("nothing".into(), |f| format!(
+                    "{} at {}: {}",
+                    f.class, f.site, f.evidence
+                )),
+            ));
+        }
+    }
+    let total = rep.cases.len();
+    let ok = rep.cases.iter().filter(|c| c.ok()).count();
+    s.push_str(&format!(
+        "\nselftest: {ok}/{total} cases as expected in {:.1} s\n",
+        rep.seconds
+    ));
+    s
+}

@@ -1,0 +1,170 @@
+//! Every row of FAULTS.md through the binary: `run --inject NAME` exits 1 and names the expected
+//! class at the expected first site on every path the fault applies to, in the JSON report.
+
+mod common;
+
+use common::{repo, run_bin};
+use serde_json::Value;
+
+/// Runs `mla-diff run --layer 1 --json … <args>` and returns (exit code, findings).
+fn findings(args: &[&str]) -> (i32, Vec<Value>) {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let mut a = vec!["run", "--layer", "1", "--quiet", "--json", json.to_str().unwrap()];
+    a.extend_from_slice(args);
+    let (code, out, err) = run_bin(&a);
+    assert!(code == 0 || code == 1, "{out}{err}");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    (code, v["findings"].as_array().unwrap().clone())
+}
+
+/// Asserts one finding per path in `expect` = [(path, class, site)].
+fn expect(args: &[&str], want: &[(&str, &str, &str)]) -> Vec<Value> {
+    let (code, f) = findings(args);
+    assert_eq!(code, 1, "{args:?}: a finding must exit 1");
+    for (path, class, site) in want {
+        let got = f
+            .iter()
+            .find(|x| x["path"] == *path)
+            .unwrap_or_else(|| panic!("{args:?}: no finding for {path}: {f:#?}"));
+        assert_eq!(got["class"], *class, "{args:?} {path}: {got:#?}");
+        assert_eq!(got["site"], *site, "{args:?} {path}: {got:#?}");
+        assert!(!got["evidence"].as_str().unwrap().is_empty() && !got["hint"].as_str().unwrap().is_empty());
+    }
+    f
+}
+
+const ALL4: [&str; 4] = ["mha", "mqa", "chunked", "mixed"];
+
+fn model(name: &str) -> String {
+    repo().join("golden/models").join(name).to_string_lossy().into_owned()
+}
+
+#[test]
+fn phantom_output() {
+    let want: Vec<_> = ALL4.iter().map(|p| (*p, "phantom-output", "L1.attn_out")).collect();
+    expect(&["--inject", "phantom-output"], &want);
+}
+
+#[test]
+fn unwritten_rows() {
+    expect(
+        &[
+            "--inject",
+            "unwritten-rows",
+            "--path",
+            "chunked",
+            "--seqs",
+            "1,15,16,17,53",
+        ],
+        &[("chunked", "unwritten-rows", "L1.lse")],
+    );
+}
+
+#[test]
+fn fused_shard_swap_reports_permutation_1_0() {
+    let want: Vec<_> = ALL4.iter().map(|p| (*p, "shard-order", "L1.w.fused_qkv_a")).collect();
+    let f = expect(&["--inject", "fused-shard-swap"], &want);
+    assert!(f[0]["evidence"].as_str().unwrap().contains("[1,0]"), "{f:#?}");
+}
+
+#[test]
+fn tp_rank_order_and_rank0_everywhere() {
+    let want: Vec<_> = ALL4.iter().map(|p| (*p, "tp-rank-order", "L1.w.q_b.rank0")).collect();
+    let f = expect(&["--inject", "tp-rank-order", "--tp", "2"], &want);
+    assert!(f[0]["evidence"].as_str().unwrap().contains("[1,0]"));
+    let want: Vec<_> = ALL4.iter().map(|p| (*p, "tp-rank-order", "L1.w.q_b.rank1")).collect();
+    let f = expect(&["--inject", "tp-rank0-everywhere", "--tp", "3"], &want);
+    assert!(f[0]["evidence"].as_str().unwrap().contains("rank 0 everywhere"));
+}
+
+#[test]
+fn kv_b_grouped_and_k_b_untransposed() {
+    expect(
+        &["--inject", "kv-b-grouped"],
+        &[
+            ("mha", "kv-b-layout", "L1.k_nope"),
+            ("mqa", "kv-b-layout", "L1.w.W_UK_T"),
+            ("chunked", "kv-b-layout", "L1.k_nope"),
+            ("mixed", "kv-b-layout", "L1.k_nope"),
+        ],
+    );
+    expect(
+        &["--inject", "k-b-untransposed"],
+        &[
+            ("mha", "kv-b-layout", "L1.w.kv_b"),
+            ("mqa", "kv-b-layout", "L1.w.W_UK_T"),
+            ("chunked", "kv-b-layout", "L1.w.kv_b"),
+            ("mixed", "kv-b-layout", "L1.w.kv_b"),
+        ],
+    );
+}
+
+#[test]
+fn rope_neox() {
+    let want: Vec<_> = ALL4.iter().map(|p| (*p, "rope-style", "L1.q_pe_roped")).collect();
+    expect(&["--inject", "rope-neox"], &want);
+}
+
+#[test]
+fn no_mscale_names_the_missing_m_squared() {
+    let m = model("yarn-v3-f32.gguf");
+    let f = expect(
+        &["--model", &m, "--inject", "no-mscale"],
+        &[
+            ("mha", "softmax-scale", "L1.lse"),
+            ("mqa", "softmax-scale", "L1.attn_latent"),
+            ("chunked", "softmax-scale", "L1.lse"),
+            ("mixed", "softmax-scale", "L1.lse"),
+        ],
+    );
+    assert!(f[0]["hint"].as_str().unwrap().contains("m² = 1.5896"), "{f:#?}");
+}
+
+#[test]
+fn rope_cos_scaled_is_scale_only() {
+    let m = model("lite-v2-f32.gguf");
+    let want: Vec<_> = ALL4.iter().map(|p| (*p, "scale-only", "L1.q_pe_roped")).collect();
+    let f = expect(&["--model", &m, "--inject", "rope-cos-scaled"], &want);
+    assert!(
+        f[0]["evidence"].as_str().unwrap().contains("norm ratio 1.2608"),
+        "{f:#?}"
+    );
+}
+
+#[test]
+fn lse_plus_inf() {
+    expect(
+        &["--inject", "lse-plus-inf", "--path", "all", "--seqs", "1,15,16,17,53"],
+        &[
+            ("mqa", "lse-merge", "L1.attn_latent"),
+            ("chunked", "lse-merge", "L1.lse"),
+        ],
+    );
+}
+
+#[test]
+fn quant_slice_misaligned_is_reported_without_running() {
+    let want: Vec<_> = ALL4
+        .iter()
+        .map(|p| (*p, "quant-block-misaligned", "L1.w.kv_b"))
+        .collect();
+    let f = expect(&["--inject", "quant-slice-misaligned", "--tp", "2"], &want);
+    assert!(f[0]["evidence"].as_str().unwrap().contains("attn_v_b"), "{f:#?}");
+}
+
+#[test]
+fn strided_kv_c_is_a_mismatch_with_row_zero_exact() {
+    let want: Vec<_> = ALL4.iter().map(|p| (*p, "mismatch", "L1.kv_c_normed")).collect();
+    let f = expect(&["--inject", "strided-kv-c"], &want);
+    assert!(f[0]["evidence"].as_str().unwrap().contains("rows [0] exact"), "{f:#?}");
+}
+
+#[test]
+fn clean_run_has_no_finding_and_bad_tp_is_an_input_error() {
+    let (code, f) = findings(&["--tp", "3", "--seqs", "1,15,16,17,53"]);
+    assert_eq!((code, f.len()), (0, 0));
+    let (code, _, err) = run_bin(&["run", "--tp", "4"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--tp 4 does not divide the 6 attention heads"), "{err}");
+}

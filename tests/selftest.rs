@@ -1,0 +1,43 @@
+//! The whole selftest in-process: every fault found with the right class at the right first
+//! site on every fixture and path, and no finding on any clean run across all fixtures × quant
+//! types × paths × TP sizes dividing the head count (≤ 4) × page sizes {1, 16, 64}.
+
+mod common;
+
+use mla_diff::selftest::{self, ModelSource, SelftestOptions};
+use mla_diff::tolerance::Dtype;
+
+#[test]
+fn selftest_finds_every_fault_and_nothing_on_clean_runs() {
+    let models = mla_diff::cli::selftest_models(Some(&common::repo().join("golden/models"))).unwrap();
+    assert!(models.len() >= 9);
+    assert!(models.iter().all(|m| matches!(m, ModelSource::File(_))));
+    let rep = selftest::run(&SelftestOptions {
+        models,
+        layer: 1,
+        quick: false,
+        seed: 0,
+        dtype: Dtype::F32,
+    })
+    .unwrap();
+    let bad: Vec<_> = rep.cases.iter().filter(|c| !c.ok()).collect();
+    assert!(bad.is_empty(), "{}", selftest::confusion_table(&rep));
+    let clean: Vec<_> = rep.cases.iter().filter(|c| c.case == "clean").collect();
+    assert!(
+        clean.iter().all(|c| c.found.is_none()),
+        "a clean run produced a finding"
+    );
+    // 11 fixtures: 9 with 3 TP sizes and 2 (N=3) with 2, × 3 page sizes × 4 paths.
+    assert!(
+        clean.len() >= 9 * 3 * 3 * 4 + 2 * 2 * 3 * 4,
+        "{} clean cases",
+        clean.len()
+    );
+    for fault in mla_diff::faults::Fault::ALL {
+        assert!(
+            rep.cases.iter().any(|c| c.case == fault.name()),
+            "{} ran on no fixture",
+            fault.name()
+        );
+    }
+}

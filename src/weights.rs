@@ -274,11 +274,35 @@ impl LayerWeights {
     }
 }
 
-/// Dequantizes rows `rows` (PyTorch dim 0 of a 2-D view `[n_rows, ne0]`) of tensor `name`, cut
-/// from the raw bytes. Whole rows are always block-aligned (quant blocks run along `ne[0]`).
+/// A block-aligned piece of a tensor's raw GGUF bytes: whole rows, or a column range of every
+/// row, as an engine with quantized weights cuts TP shards. Dequantize it with
+/// [`dequant::dequantize`] (CPU) or a backend's dequant kernel.
+#[derive(Debug, Clone)]
+pub struct RawSlice<'a> {
+    /// The tensor's name.
+    pub tensor: String,
+    /// Its ggml type.
+    pub ggml_type: GgmlType,
+    /// The raw bytes of the slice, rows back to back.
+    pub bytes: std::borrow::Cow<'a, [u8]>,
+    /// Rows in the slice (PyTorch dim 0 of the 2-D view `[n_rows, ne0]`).
+    pub rows: usize,
+    /// Elements per row in the slice.
+    pub cols: usize,
+}
+
+impl RawSlice<'_> {
+    /// Elements in the slice.
+    pub fn n_elements(&self) -> usize {
+        self.rows * self.cols
+    }
+}
+
+/// Rows `rows` of the 2-D view `[n_rows, ne0]` of tensor `name`, as raw bytes. Whole rows are
+/// always block-aligned (quant blocks run along `ne[0]`).
 ///
-/// Returns `[rows.len(), ne0]` f32. Errors: missing tensor, range past the end, dequantization.
-pub fn dequant_rows(file: &GgufFile, name: &str, rows: std::ops::Range<usize>) -> Result<Array2<f32>> {
+/// Errors: missing tensor, a range past the tensor's rows.
+pub fn row_slice<'f>(file: &'f GgufFile, name: &str, rows: std::ops::Range<usize>) -> Result<RawSlice<'f>> {
     let t = file.require_tensor(name)?;
     let ne0 = t.row_len() as usize;
     let n_rows = t.n_rows() as usize;
@@ -289,21 +313,21 @@ pub fn dequant_rows(file: &GgufFile, name: &str, rows: std::ops::Range<usize>) -
         )));
     }
     let rb = t.row_bytes() as usize;
-    let bytes = &file.tensor_bytes(t)[rows.start * rb..rows.end * rb];
-    let data = dequant::dequantize(t.ggml_type, bytes, rows.len() * ne0).map_err(|reason| Error::Dequant {
-        path: file.path().to_path_buf(),
+    Ok(RawSlice {
         tensor: name.to_string(),
-        reason,
-    })?;
-    Array2::from_shape_vec((rows.len(), ne0), data).map_err(|e| Error::Usage(e.to_string()))
+        ggml_type: t.ggml_type,
+        bytes: std::borrow::Cow::Borrowed(&file.tensor_bytes(t)[rows.start * rb..rows.end * rb]),
+        rows: rows.len(),
+        cols: ne0,
+    })
 }
 
-/// Dequantizes columns `cols` (the input dim, `ne[0]`) of every row of the 2-D tensor `name`,
-/// cut from the raw quantized bytes as a row-parallel TP shard (e.g. `o_proj`) is.
+/// Columns `cols` (the input dim, `ne[0]`) of every row of tensor `name`, as raw bytes gathered
+/// row by row, the way a row-parallel TP shard (e.g. `o_proj`) is cut.
 ///
-/// Returns `[n_rows, cols.len()]` f32, or [`SliceError::Misaligned`] when `cols` does not start
-/// and end on a quant block boundary of the tensor's type.
-pub fn dequant_cols(file: &GgufFile, name: &str, cols: std::ops::Range<usize>) -> Result<Array2<f32>, SliceError> {
+/// Returns [`SliceError::Misaligned`] when `cols` does not start and end on a quant block
+/// boundary of the tensor's type.
+pub fn col_slice<'f>(file: &'f GgufFile, name: &str, cols: std::ops::Range<usize>) -> Result<RawSlice<'f>, SliceError> {
     let t = file.require_tensor(name).map_err(SliceError::Other)?;
     let bs = t.ggml_type.block_size();
     for at in [cols.start as u64, cols.end as u64] {
@@ -333,14 +357,28 @@ pub fn dequant_cols(file: &GgufFile, name: &str, cols: std::ops::Range<usize>) -
     for r in 0..n_rows {
         bytes.extend_from_slice(&all[r * rb + b0..r * rb + b1]);
     }
-    let data = dequant::dequantize(t.ggml_type, &bytes, n_rows * cols.len()).map_err(|reason| {
-        SliceError::Other(Error::Dequant {
-            path: file.path().to_path_buf(),
-            tensor: name.to_string(),
-            reason,
-        })
+    Ok(RawSlice {
+        tensor: name.to_string(),
+        ggml_type: t.ggml_type,
+        bytes: std::borrow::Cow::Owned(bytes),
+        rows: n_rows,
+        cols: cols.len(),
+    })
+}
+
+/// Dequantizes a raw slice on the CPU to `[rows, cols]` f32.
+pub fn dequant_slice(file: &GgufFile, raw: &RawSlice<'_>) -> Result<Array2<f32>> {
+    let data = dequant::dequantize(raw.ggml_type, &raw.bytes, raw.n_elements()).map_err(|reason| Error::Dequant {
+        path: file.path().to_path_buf(),
+        tensor: raw.tensor.clone(),
+        reason,
     })?;
-    Array2::from_shape_vec((n_rows, cols.len()), data).map_err(|e| SliceError::Other(Error::Usage(e.to_string())))
+    Array2::from_shape_vec((raw.rows, raw.cols), data).map_err(|e| Error::Usage(e.to_string()))
+}
+
+/// Dequantizes rows `rows` of tensor `name` (see [`row_slice`]) to `[rows.len(), ne0]` f32.
+pub fn dequant_rows(file: &GgufFile, name: &str, rows: std::ops::Range<usize>) -> Result<Array2<f32>> {
+    dequant_slice(file, &row_slice(file, name, rows)?)
 }
 
 /// Embedding rows for `tokens` from `token_embd.weight` ([vocab, H]), dequantizing only those rows.

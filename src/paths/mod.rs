@@ -20,6 +20,8 @@
 //! that was never written is told apart from one computed wrong.
 
 pub mod cpu;
+pub mod engine;
+pub mod ops;
 
 use ndarray::Array2;
 use serde::Serialize;
@@ -91,8 +93,6 @@ pub struct PathOptions {
     pub page_size: usize,
     /// KV splits per decode query in `mqa` (vLLM's Triton MLA decode uses 4).
     pub num_splits: usize,
-    /// Query/key tile size of the tiled attention kernels (rows).
-    pub tile: usize,
     /// Seed for the block-table shuffle.
     pub seed: u64,
     /// Simulated tensor-parallel ranks (must divide N).
@@ -110,7 +110,6 @@ impl Default for PathOptions {
         PathOptions {
             page_size: 16,
             num_splits: 4,
-            tile: 16,
             seed: 0,
             tp: 1,
             chunk_size: 8,
@@ -169,10 +168,10 @@ pub struct PathRun {
     pub notes: Vec<String>,
 }
 
-/// Runs path `kind` on the CPU backend.
+/// Runs path `kind` on the CPU backend (f32).
 ///
 /// Errors: only input errors (shapes inconsistent with the configuration); numerical trouble is a
 /// result for the comparison, never an error.
 pub fn run_cpu(kind: PathKind, input: &LayerInput<'_>, opts: &PathOptions) -> Result<PathRun> {
-    cpu::run(kind, input, opts)
+    engine::run(&cpu::CpuOps::new(crate::tolerance::Dtype::F32), kind, input, opts)
 }

@@ -8,29 +8,41 @@
 //! parallel over independent outputs only (rows, heads), with fixed loop orders inside, so the
 //! bits of every result are the same for any thread count.
 
-use ndarray::Array2;
+use ndarray::{Array2, ArrayView2};
 use rayon::prelude::*;
 
 use super::super::canary_vec;
+use super::super::ops::{EmptyRows, RopeStyle, Segment};
+
+/// Query/key tile of [`flash_attention`] (rows).
+pub const TILE: usize = 16;
 
 /// `y = x · Wᵀ` in f32 (an engine GEMM): x [T, K], W [O, K] → [T, O].
 ///
 /// The output buffer is allocated with the canary and fully overwritten (beta = 0).
-pub fn linear(x: &Array2<f32>, w: &Array2<f32>) -> Array2<f32> {
+pub fn linear(x: ArrayView2<f32>, w: ArrayView2<f32>) -> Array2<f32> {
     let (t, o) = (x.nrows(), w.nrows());
     let mut y = Array2::from_shape_vec((t, o), canary_vec(t * o)).expect("shape matches length");
-    ndarray::linalg::general_mat_mul(1.0, x, &w.t(), 0.0, &mut y);
+    ndarray::linalg::general_mat_mul(1.0, &x, &w.t(), 0.0, &mut y);
     y
 }
 
-/// RMSNorm over `n_rows` rows of `width` elements read from `src` with row stride `row_stride`
-/// (vLLM `rms_norm` on a strided view: `kv_c` rows live inside `kv_a` rows of width L+R).
+/// RMSNorm over `n_rows` rows of `width` elements read from `src[off + r·row_stride ..]` (vLLM
+/// `rms_norm` on a strided view: `kv_c` rows live inside `kv_a` rows of width L+R).
 ///
 /// Returns contiguous [n_rows, width]. Accumulates `Σx²` in f32 in element order.
-pub fn rms_norm_strided(src: &[f32], n_rows: usize, row_stride: usize, width: usize, g: &[f32], eps: f32) -> Vec<f32> {
+pub fn rms_norm_strided(
+    src: &[f32],
+    n_rows: usize,
+    off: usize,
+    row_stride: usize,
+    width: usize,
+    g: &[f32],
+    eps: f32,
+) -> Vec<f32> {
     let mut out = canary_vec(n_rows * width);
-    out.par_chunks_mut(width).enumerate().for_each(|(i, o)| {
-        let start = i * row_stride;
+    out.par_chunks_mut(width.max(1)).enumerate().for_each(|(i, o)| {
+        let start = off + i * row_stride;
         // A stride bug may read past the source; the engine kernel would read garbage, we read
         // zeros rather than crash, which still shows as wrong rows.
         let row: Vec<f32> = (0..width).map(|j| src.get(start + j).copied().unwrap_or(0.0)).collect();
@@ -43,88 +55,23 @@ pub fn rms_norm_strided(src: &[f32], n_rows: usize, row_stride: usize, width: us
     out
 }
 
-/// RoPE style: which elements form a rotated pair.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RopeStyle {
-    /// GPT-J / DeepSeek: adjacent pairs `(x[2i], x[2i+1])` (vLLM `is_neox_style=False`).
-    Interleaved,
-    /// NeoX: `(x[i], x[i+R/2])`.
-    Neox,
-}
-
-/// A cos/sin cache [positions, R/2] in f32, built once per layer (vLLM `cos_sin_cache`).
-#[derive(Debug, Clone)]
-pub struct RopeCache {
-    half: usize,
-    cos: Vec<f32>,
-    sin: Vec<f32>,
-}
-
-impl RopeCache {
-    /// Builds the cache for positions `0..max_pos` from inverse frequencies `inv_freq` [R/2],
-    /// with cos and sin multiplied by `mscale` (1 for DeepSeek GGUFs; see MLA.md step 7).
-    /// Angles are formed in f64 and rounded to f32 once.
-    pub fn new(inv_freq: &[f64], max_pos: usize, mscale: f64) -> Self {
-        let half = inv_freq.len();
-        let mut cos = Vec::with_capacity(max_pos * half);
-        let mut sin = Vec::with_capacity(max_pos * half);
-        for pos in 0..max_pos {
-            for &f in inv_freq {
-                let (s, c) = (pos as f64 * f).sin_cos();
-                cos.push((c * mscale) as f32);
-                sin.push((s * mscale) as f32);
-            }
-        }
-        RopeCache { half, cos, sin }
-    }
-
-    /// Rotates one rope vector `x` [R] in place at position `pos`.
-    pub fn apply(&self, x: &mut [f32], pos: usize, style: RopeStyle) {
-        let c = &self.cos[pos * self.half..(pos + 1) * self.half];
-        let s = &self.sin[pos * self.half..(pos + 1) * self.half];
-        for i in 0..self.half {
-            let (ia, ib) = match style {
-                RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-                RopeStyle::Neox => (i, i + self.half),
-            };
-            let (a, b) = (x[ia], x[ib]);
-            x[ia] = a * c[i] - b * s[i];
-            x[ib] = b * c[i] + a * s[i];
-        }
+/// Rotates one rope vector `x` [R] in place with the cos/sin row of its position (`[R/2]` each).
+pub fn rope_row(x: &mut [f32], cos: &[f32], sin: &[f32], style: RopeStyle) {
+    let half = cos.len();
+    for i in 0..half {
+        let (ia, ib) = match style {
+            RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+            RopeStyle::Neox => (i, i + half),
+        };
+        let (a, b) = (x[ia], x[ib]);
+        x[ia] = a * cos[i] - b * sin[i];
+        x[ib] = b * cos[i] + a * sin[i];
     }
 }
 
-/// Output of one (segment, head, query tile) work item: indices, rows of output, rows of LSE.
+/// Output of one (segment, head, query tile) work item: indices, rows of output, rows of LSE
+/// (`None`: row left unwritten).
 type TileResult = (usize, usize, usize, Vec<f32>, Vec<Option<f32>>);
-
-/// One attention segment for [`flash_attention`]: `q_len` query rows starting at packed row
-/// `q_off` attend to `k_len` key rows starting at `k_off`. With `causal`, local query `i` sees
-/// local key `j` iff `j ≤ i + (k_len − q_len)` (the queries are the last `q_len` positions of
-/// the keys' span, flash-attention's bottom-right alignment).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Segment {
-    /// First query row (packed token index).
-    pub q_off: usize,
-    /// Number of query rows.
-    pub q_len: usize,
-    /// First key row.
-    pub k_off: usize,
-    /// Number of key rows.
-    pub k_len: usize,
-    /// Causal masking within the segment.
-    pub causal: bool,
-}
-
-/// What an attention kernel does with a query row that has no visible key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EmptyRows {
-    /// Write output 0 and LSE −inf (flash-attention's convention; correct).
-    ZeroMinusInf,
-    /// Write output 0 and LSE +inf (the wrong sentinel of the `lse-plus-inf` fault).
-    ZeroPlusInf,
-    /// Write nothing: output and LSE keep whatever the caller allocated (`unwritten-rows`).
-    Skip,
-}
 
 /// Tiled online-softmax attention with LSE (flash-attention forward), f32.
 ///
@@ -134,7 +81,7 @@ pub enum EmptyRows {
 /// - a query row with no visible key is handled by `empty` (correct: `lse = −inf`, output 0);
 ///   rows not covered by any segment are not touched.
 ///
-/// Queries and keys are processed in tiles of `tile` rows with the running max / running sum
+/// Queries and keys are processed in tiles of [`TILE`] rows with the running max / running sum
 /// rescaling of FlashAttention-2 (Dao 2023).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention(
@@ -146,13 +93,11 @@ pub fn flash_attention(
     dv: usize,
     segments: &[Segment],
     scale: f32,
-    tile: usize,
     empty: EmptyRows,
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    let tile = tile.max(1);
-    // Work items: (segment, head, query tile). Each produces its own rows; written after.
+    let tile = TILE;
     let mut items = Vec::new();
     for (si, sg) in segments.iter().enumerate() {
         for h in 0..n_head {
@@ -247,46 +192,15 @@ pub fn flash_attention(
     }
 }
 
-/// A paged latent cache `[num_blocks, block_size, L+R]` (vLLM's MLA KV cache): each row is
-/// `[kv_c_normed | k_pe_roped]`. Fresh caches are filled with the canary, so reading a slot that
-/// was never written yields NaN (FlashMLA's tests poison past-the-end rows the same way).
-#[derive(Debug, Clone)]
-pub struct PagedLatentCache {
-    /// Row-major `[num_blocks, block_size, width]` storage.
-    pub data: Vec<f32>,
-    /// Tokens per block (page).
-    pub block_size: usize,
-    /// Row width, L+R.
-    pub width: usize,
-}
-
-impl PagedLatentCache {
-    /// A canary-filled cache of `num_blocks` pages.
-    pub fn new(num_blocks: usize, block_size: usize, width: usize) -> Self {
-        PagedLatentCache {
-            data: canary_vec(num_blocks * block_size * width),
-            block_size,
-            width,
-        }
-    }
-
-    /// `concat_and_cache_mla`: writes `[kv_c | k_pe]` into physical slot `slot`
-    /// (slot = block · block_size + offset).
-    pub fn write(&mut self, slot: usize, kv_c: &[f32], k_pe: &[f32]) {
-        let row = &mut self.data[slot * self.width..(slot + 1) * self.width];
-        row[..kv_c.len()].copy_from_slice(kv_c);
-        row[kv_c.len()..].copy_from_slice(k_pe);
-    }
-
-    /// The row at logical position `pos` of a sequence with block table `block_table`.
-    pub fn row(&self, block_table: &[usize], pos: usize) -> &[f32] {
-        let slot = block_table[pos / self.block_size] * self.block_size + pos % self.block_size;
-        &self.data[slot * self.width..(slot + 1) * self.width]
-    }
+/// The row of logical position `pos` in a paged cache `[blocks·block_size, width]` read through
+/// `table`.
+pub fn cache_row<'c>(cache: &'c [f32], block_size: usize, width: usize, table: &[usize], pos: usize) -> &'c [f32] {
+    let slot = table[pos / block_size] * block_size + pos % block_size;
+    &cache[slot * width..(slot + 1) * width]
 }
 
 /// Stage 1 of split-KV decode for one query row and one split: online softmax over the keys at
-/// logical positions `keys` of a sequence, read from the paged cache through `block_table`.
+/// logical positions `keys`, read from the paged cache through `table`.
 ///
 /// `q` [L+R] is `[ql_nope | q_pe_roped]` of one head; the value is the first `dv` (= L) columns of
 /// each cache row. Writes the partial output into `out` [dv] and returns its LSE; an empty range
@@ -294,8 +208,10 @@ impl PagedLatentCache {
 #[allow(clippy::too_many_arguments)]
 pub fn decode_split(
     q: &[f32],
-    cache: &PagedLatentCache,
-    block_table: &[usize],
+    cache: &[f32],
+    block_size: usize,
+    width: usize,
+    table: &[usize],
     keys: std::ops::Range<usize>,
     scale: f32,
     dv: usize,
@@ -309,7 +225,7 @@ pub fn decode_split(
     let mut l = 0f32;
     let mut acc = vec![0f32; dv];
     for pos in keys {
-        let row = cache.row(block_table, pos);
+        let row = cache_row(cache, block_size, width, table, pos);
         let mut dot = 0f32;
         for d in 0..q.len() {
             dot += q[d] * row[d];
@@ -382,8 +298,8 @@ mod tests {
     }
 
     #[test]
-    fn flash_attention_matches_naive_causal_with_odd_tiles() {
-        let (t, nh, dqk, dv) = (11, 3, 5, 4);
+    fn flash_attention_matches_naive_causal_across_tiles() {
+        let (t, nh, dqk, dv) = (37, 3, 5, 4);
         let q = normal_f32(1, t * nh * dqk);
         let k = normal_f32(2, t * nh * dqk);
         let v = normal_f32(3, t * nh * dv);
@@ -405,7 +321,6 @@ mod tests {
             dv,
             &seg,
             0.7,
-            4,
             EmptyRows::ZeroMinusInf,
             &mut out,
             &mut lse,
@@ -424,14 +339,11 @@ mod tests {
     }
 
     #[test]
-    fn flash_attention_row_without_keys_gets_minus_inf_and_zeros() {
-        // 3 queries that are the last 3 of a 2-key span shifted so query 0 sees nothing:
-        // q_len 3, k_len 2 → shift −1 → query 0 sees j ≤ −1.
+    fn flash_attention_empty_rows_follow_the_policy() {
+        // 3 queries that are the last 3 of a 2-key span: query 0 sees j ≤ −1, i.e. nothing.
         let q = normal_f32(4, 3 * 2);
         let k = normal_f32(5, 2 * 2);
         let v = normal_f32(6, 2 * 2);
-        let mut out = canary_vec(3 * 2);
-        let mut lse = canary_vec(3);
         let seg = [Segment {
             q_off: 0,
             q_len: 3,
@@ -439,6 +351,8 @@ mod tests {
             k_len: 2,
             causal: true,
         }];
+        let mut out = canary_vec(3 * 2);
+        let mut lse = canary_vec(3);
         flash_attention(
             &q,
             &k,
@@ -448,7 +362,6 @@ mod tests {
             2,
             &seg,
             1.0,
-            2,
             EmptyRows::ZeroMinusInf,
             &mut out,
             &mut lse,
@@ -456,31 +369,57 @@ mod tests {
         assert_eq!(lse[0], f32::NEG_INFINITY);
         assert_eq!(&out[..2], &[0.0, 0.0]);
         assert!(lse[1].is_finite() && lse[2].is_finite());
+        let mut out = canary_vec(3 * 2);
+        let mut lse = canary_vec(3);
+        flash_attention(&q, &k, &v, 1, 2, 2, &seg, 1.0, EmptyRows::Skip, &mut out, &mut lse);
+        assert!(crate::paths::is_canary(lse[0]) && crate::paths::is_canary(out[0]));
+        let mut lse = canary_vec(3);
+        flash_attention(
+            &q,
+            &k,
+            &v,
+            1,
+            2,
+            2,
+            &seg,
+            1.0,
+            EmptyRows::ZeroPlusInf,
+            &mut out,
+            &mut lse,
+        );
+        assert_eq!(lse[0], f32::INFINITY);
     }
 
     #[test]
     fn split_decode_then_merge_equals_single_pass() {
         let (width, dv, ctx, bs) = (6, 4, 13, 4);
-        let mut cache = PagedLatentCache::new(5, bs, width);
+        let mut cache = canary_vec(5 * bs * width);
         let table = vec![3, 0, 4, 1];
         let rows = normal_f32(7, ctx * width);
         for pos in 0..ctx {
             let slot = table[pos / bs] * bs + pos % bs;
-            cache.write(
-                slot,
-                &rows[pos * width..pos * width + dv],
-                &rows[pos * width + dv..(pos + 1) * width],
-            );
+            cache[slot * width..(slot + 1) * width].copy_from_slice(&rows[pos * width..(pos + 1) * width]);
         }
         let q = normal_f32(8, width);
         let mut whole = vec![0f32; dv];
-        let l_whole = decode_split(&q, &cache, &table, 0..ctx, 0.5, dv, f32::NEG_INFINITY, &mut whole);
+        let l_whole = decode_split(
+            &q,
+            &cache,
+            bs,
+            width,
+            &table,
+            0..ctx,
+            0.5,
+            dv,
+            f32::NEG_INFINITY,
+            &mut whole,
+        );
         let mut parts = vec![canary_vec(dv); 4];
         let mut lses = [0f32; 4];
         let split = ctx.div_ceil(4);
         for (s, p) in parts.iter_mut().enumerate() {
             let r = (s * split).min(ctx)..((s + 1) * split).min(ctx);
-            lses[s] = decode_split(&q, &cache, &table, r, 0.5, dv, f32::NEG_INFINITY, p);
+            lses[s] = decode_split(&q, &cache, bs, width, &table, r, 0.5, dv, f32::NEG_INFINITY, p);
         }
         let views: Vec<(&[f32], f32)> = parts.iter().map(|p| p.as_slice()).zip(lses.iter().copied()).collect();
         let mut merged = canary_vec(dv);
@@ -503,12 +442,12 @@ mod tests {
 
     #[test]
     fn rope_styles_rotate_different_pairs() {
-        let cache = RopeCache::new(&[1.0, 0.5], 4, 1.0);
+        let (c, s) = ([1f32.cos(), 0.5f32.cos()], [1f32.sin(), 0.5f32.sin()]);
         let mut a = [1.0f32, 0.0, 0.0, 0.0];
-        cache.apply(&mut a, 1, RopeStyle::Interleaved);
+        rope_row(&mut a, &c, &s, RopeStyle::Interleaved);
         approx::assert_abs_diff_eq!(a[1], 1f32.sin(), epsilon = 1e-7);
         let mut b = [1.0f32, 0.0, 0.0, 0.0];
-        cache.apply(&mut b, 1, RopeStyle::Neox);
+        rope_row(&mut b, &c, &s, RopeStyle::Neox);
         approx::assert_abs_diff_eq!(b[2], 1f32.sin(), epsilon = 1e-7);
         assert_eq!(b[1], 0.0);
     }

@@ -1,0 +1,208 @@
+//! The kernel interface every backend implements.
+//!
+//! The engine paths ([`super::engine`]) are written once against this trait, so the CPU and CUDA
+//! backends run the same structure (the same shards, views, caches, splits and merges, and the
+//! same faults at the same places) and differ only in where each kernel runs. Buffers are opaque
+//! row-major f32 tensors owned by the backend (host vectors, or device memory); every dimension
+//! is passed explicitly in MLA.md's names. Output buffers are allocated holding the NaN canary.
+//! Every method returns [`Result`] so that a device error surfaces as an error, never a panic.
+
+use crate::error::Result;
+use crate::gguf::GgmlType;
+use crate::tolerance::Dtype;
+
+/// RoPE pairing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// GPT-J / DeepSeek: adjacent pairs `(x[2i], x[2i+1])` (vLLM `is_neox_style=False`).
+    Interleaved,
+    /// NeoX: `(x[i], x[i+R/2])`.
+    Neox,
+}
+
+/// What an attention kernel does with a query row that has no visible key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EmptyRows {
+    /// Write output 0 and LSE −inf (flash-attention's convention; correct).
+    ZeroMinusInf,
+    /// Write output 0 and LSE +inf (the wrong sentinel of the `lse-plus-inf` fault).
+    ZeroPlusInf,
+    /// Write nothing: output and LSE keep what the caller allocated (`unwritten-rows`).
+    Skip,
+}
+
+impl EmptyRows {
+    /// Integer code passed to kernels: 0, 1, 2.
+    pub fn code(self) -> i32 {
+        match self {
+            EmptyRows::ZeroMinusInf => 0,
+            EmptyRows::ZeroPlusInf => 1,
+            EmptyRows::Skip => 2,
+        }
+    }
+}
+
+/// One attention segment: `q_len` query rows from packed row `q_off` attend to `k_len` key rows
+/// from `k_off`. With `causal`, local query `i` sees local key `j` iff `j ≤ i + (k_len − q_len)`
+/// (bottom-right alignment, as flash-attention).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// First query row.
+    pub q_off: usize,
+    /// Query rows.
+    pub q_len: usize,
+    /// First key row.
+    pub k_off: usize,
+    /// Key rows.
+    pub k_len: usize,
+    /// Causal masking.
+    pub causal: bool,
+}
+
+/// A strided 2-D block copy: `rows` rows of `width` elements from `src[src_off + (r / src_row_div)
+/// · src_stride ..]` to `dst[dst_off + r · dst_stride ..]`. `src_row_div > 1` repeats source rows
+/// (a broadcast, e.g. `k_pe` to every head).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Copy2d {
+    /// Rows to copy.
+    pub rows: usize,
+    /// Elements per row.
+    pub width: usize,
+    /// Source element offset.
+    pub src_off: usize,
+    /// Source row stride (elements).
+    pub src_stride: usize,
+    /// Source row = destination row / `src_row_div`.
+    pub src_row_div: usize,
+    /// Destination element offset.
+    pub dst_off: usize,
+    /// Destination row stride.
+    pub dst_stride: usize,
+}
+
+/// The kernels an MLA engine path needs.
+pub trait Ops {
+    /// A row-major f32 tensor owned by the backend.
+    type Buf;
+
+    /// Backend name (`cpu`, `cuda`).
+    fn name(&self) -> &'static str;
+    /// Compute dtype: with `Bf16`, GEMM and attention inputs are bf16, accumulation f32.
+    fn dtype(&self) -> Dtype;
+    /// Copies host data into a new buffer.
+    fn upload(&self, data: &[f32]) -> Result<Self::Buf>;
+    /// Copies a buffer back to the host.
+    fn download(&self, b: &Self::Buf) -> Result<Vec<f32>>;
+    /// A new buffer of `n` canary values.
+    fn canary(&self, n: usize) -> Result<Self::Buf>;
+    /// Dequantizes `n` elements of raw GGUF bytes (whole blocks of `ty`).
+    fn dequant(&self, ty: GgmlType, bytes: &[u8], n: usize, label: &str) -> Result<Self::Buf>;
+
+    /// `y [t, o] = x [t, k] · wᵀ` with `w [o, k]` (PyTorch `F.linear`; cuBLAS on the GPU).
+    fn linear(&self, x: &Self::Buf, t: usize, k: usize, w: &Self::Buf, o: usize) -> Result<Self::Buf>;
+    /// `a + b` elementwise (`n` elements).
+    fn add(&self, a: &Self::Buf, b: &Self::Buf, n: usize) -> Result<Self::Buf>;
+    /// `silu(g) · u` elementwise (SwiGLU).
+    fn silu_mul(&self, g: &Self::Buf, u: &Self::Buf, n: usize) -> Result<Self::Buf>;
+    /// RMSNorm of `rows` rows of `width` read at `src[off + r·stride]`: `[rows, width]`.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm(
+        &self,
+        src: &Self::Buf,
+        rows: usize,
+        off: usize,
+        stride: usize,
+        width: usize,
+        g: &Self::Buf,
+        eps: f32,
+    ) -> Result<Self::Buf>;
+    /// Strided block copy into `dst` (see [`Copy2d`]).
+    fn copy2d(&self, src: &Self::Buf, dst: &mut Self::Buf, c: Copy2d) -> Result<()>;
+    /// Per-matrix transpose: `src [batch, rows, cols]` → `[batch, cols, rows]`.
+    fn transpose(&self, src: &Self::Buf, batch: usize, rows: usize, cols: usize) -> Result<Self::Buf>;
+    /// Rows `idx` of `src` (`row_len` each) → `[idx.len(), row_len]`.
+    fn gather_rows(&self, src: &Self::Buf, row_len: usize, idx: &[usize]) -> Result<Self::Buf>;
+    /// Writes row `i` of `src` into row `idx[i]` of `dst`.
+    fn scatter_rows(&self, dst: &mut Self::Buf, src: &Self::Buf, row_len: usize, idx: &[usize]) -> Result<()>;
+    /// Rotates `x [rows, R]` in place: row `r` at `positions[r]`, with a cos/sin table
+    /// `[max_pos, R/2]` each (built on the host from the YaRN frequencies).
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &self,
+        x: &mut Self::Buf,
+        rows: usize,
+        r: usize,
+        positions: &[usize],
+        cos: &Self::Buf,
+        sin: &Self::Buf,
+        style: RopeStyle,
+    ) -> Result<()>;
+    /// Per-head matrix product: `out [t, nh, b] = x [t, nh, a] · w [nh, a, b]`.
+    #[allow(clippy::too_many_arguments)]
+    fn bmm_heads(&self, x: &Self::Buf, t: usize, nh: usize, a: usize, w: &Self::Buf, b: usize) -> Result<Self::Buf>;
+    /// Tiled online-softmax attention with LSE over `segments`; writes `out [Tq, nh, dv]` and
+    /// `lse [Tq, nh]` in place (`q [Tq, nh, dqk]`, `k [Tk, nh, dqk]`, `v [Tk, nh, dv]`).
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        nh: usize,
+        dqk: usize,
+        dv: usize,
+        segments: &[Segment],
+        scale: f32,
+        empty: EmptyRows,
+        out: &mut Self::Buf,
+        lse: &mut Self::Buf,
+    ) -> Result<()>;
+    /// `concat_and_cache_mla`: writes row `i` of `kv_c [n, L]` / `k_pe [n, R]` into cache slot
+    /// `slots[i]` of `cache [num_blocks·block_size, L+R]`.
+    #[allow(clippy::too_many_arguments)]
+    fn cache_write(
+        &self,
+        cache: &mut Self::Buf,
+        width: usize,
+        kv_c: &Self::Buf,
+        k_pe: &Self::Buf,
+        l: usize,
+        r: usize,
+        slots: &[usize],
+    ) -> Result<()>;
+    /// Split-KV decode, stage 1: for query row `i` (`q [n, nh, L+R]`) with context length
+    /// `ctx[i]` read through `tables[i]` (block ids) of the paged cache, each of `splits` splits
+    /// of `⌈ctx/splits⌉` positions writes a partial output into `parts [splits, n, nh, dv]`
+    /// (value = the first `dv` columns of each cache row) and its LSE into
+    /// `lses [splits, n, nh]`; an empty split writes no output and LSE `empty_lse`.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_split(
+        &self,
+        q: &Self::Buf,
+        n: usize,
+        nh: usize,
+        cache: &Self::Buf,
+        block_size: usize,
+        width: usize,
+        tables: &[Vec<usize>],
+        ctx: &[usize],
+        splits: usize,
+        dv: usize,
+        scale: f32,
+        empty_lse: f32,
+        parts: &mut Self::Buf,
+        lses: &mut Self::Buf,
+    ) -> Result<()>;
+    /// LSE merge of `k` stacked partials `parts [k, rows, nh, dv]`, `lses [k, rows, nh]` into
+    /// `(out [rows, nh, dv], lse [rows, nh])` (MLA.md "Attention state merge"; a partial with
+    /// LSE −inf contributes nothing and is not read).
+    fn merge(
+        &self,
+        parts: &Self::Buf,
+        lses: &Self::Buf,
+        k: usize,
+        rows: usize,
+        nh: usize,
+        dv: usize,
+    ) -> Result<(Self::Buf, Self::Buf)>;
+}

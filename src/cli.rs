@@ -14,6 +14,8 @@ use crate::config::MlaConfig;
 use crate::error::{Error, Result};
 use crate::faults::{Fault, FaultSet};
 use crate::gguf::GgufFile;
+use crate::paths::Backend;
+use crate::paths::cpu::CpuOps;
 use crate::paths::{PathKind, PathOptions};
 use crate::report;
 use crate::run::{self, InputMode, RunConfig};
@@ -58,6 +60,71 @@ pub enum Command {
     /// Inject every fault into every path of every fixture, and run every path clean: prove the
     /// detectors find each bug class at its first site and nothing on clean runs.
     Selftest(SelftestArgs),
+    /// Compile every CUDA kernel with NVRTC (no GPU needed) and print registers and spills.
+    Kernels(KernelsArgs),
+}
+
+/// Arguments of `mla-diff kernels`.
+#[derive(Debug, Args)]
+pub struct KernelsArgs {
+    /// Only compile (the only mode so far; kept explicit for scripts and CI).
+    #[arg(long)]
+    pub compile_only: bool,
+    /// Target architectures, e.g. `sm_90,sm_80`.
+    #[arg(long, value_delimiter = ',', default_value = "sm_90,sm_80")]
+    pub arch: Vec<String>,
+    /// CUDA include folder (holding cuda_bf16.h).
+    #[arg(long)]
+    pub cuda_include: Option<PathBuf>,
+}
+
+/// `mla-diff kernels --compile-only`: NVRTC-compiles every module for every architecture.
+pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
+    let include = crate::cuda::include_dir(a.cuda_include.as_deref())?;
+    let (maj, min) = crate::cuda::nvrtc_version()?;
+    let mut t = comfy_table::Table::new();
+    t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(vec![
+        "module",
+        "arch",
+        "kernel",
+        "registers",
+        "spill stores",
+        "spill loads",
+    ]);
+    for arch in &a.arch {
+        for &m in crate::cuda::Module::ALL {
+            let c = crate::cuda::compile(m, arch, &include, true)?;
+            let usage = crate::cuda::parse_usage(&c.log);
+            if usage.is_empty() {
+                t.add_row(vec![
+                    m.file().to_string(),
+                    arch.clone(),
+                    "(no ptxas report)".into(),
+                    String::new(),
+                    String::new(),
+                    String::new(),
+                ]);
+            }
+            for u in usage {
+                t.add_row(vec![
+                    m.file().to_string(),
+                    arch.clone(),
+                    u.kernel,
+                    u.registers.to_string(),
+                    u.spill_stores.to_string(),
+                    u.spill_loads.to_string(),
+                ]);
+            }
+        }
+    }
+    let text = format!(
+        "NVRTC {maj}.{min}, include {}: every kernel module compiled for {}\n{t}\n",
+        include.display(),
+        a.arch.join(", ")
+    );
+    out.write_all(text.as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    Ok(Outcome::Pass)
 }
 
 /// Arguments of `mla-diff selftest`.
@@ -72,9 +139,13 @@ pub struct SelftestArgs {
     /// Layer to test in each fixture.
     #[arg(long, default_value_t = 1)]
     pub layer: usize,
-    /// Compute backend.
-    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
-    pub backend: BackendChoice,
+    /// Backend and dtype.
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Also run every case on the CPU and compare the findings (class and first site) with the
+    /// chosen backend's.
+    #[arg(long)]
+    pub cross_check: bool,
     /// Seed of the inputs.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -121,6 +192,54 @@ pub enum BackendChoice {
     Auto,
     /// The CPU backend.
     Cpu,
+    /// The CUDA backend (an error if no device answers).
+    Cuda,
+}
+
+/// Where the device backend finds things.
+#[derive(Debug, Clone, Args)]
+pub struct DeviceArgs {
+    /// Compute backend.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+    /// Compute dtype of the paths: f32, or bf16 inputs with f32 accumulation.
+    #[arg(long, value_enum, default_value_t = Dtype::F32)]
+    pub dtype: Dtype,
+    /// CUDA include folder for NVRTC (holding cuda_bf16.h); default $CUDA_HOME/include, else
+    /// /usr/local/cuda/include.
+    #[arg(long)]
+    pub cuda_include: Option<PathBuf>,
+}
+
+/// Picks the backend and says which on stderr: `auto` takes CUDA when a device answers.
+///
+/// Errors: `--backend cuda` without a usable device, library or include folder.
+pub fn select_backend(d: &DeviceArgs) -> Result<Backend> {
+    let cuda = || crate::cuda::CudaOps::new(d.dtype, d.cuda_include.as_deref()).map(Backend::Cuda);
+    let b = match d.backend {
+        BackendChoice::Cpu => Backend::Cpu(CpuOps::new(d.dtype)),
+        BackendChoice::Cuda => cuda()?,
+        BackendChoice::Auto => match crate::cuda::probe() {
+            Ok(_) => match cuda() {
+                Ok(b) => {
+                    eprintln!("mla-diff: backend {} (auto: a CUDA device answered)", b.describe());
+                    return Ok(b);
+                }
+                Err(e) => {
+                    eprintln!("mla-diff: backend cpu (auto: CUDA unusable: {e})");
+                    Backend::Cpu(CpuOps::new(d.dtype))
+                }
+            },
+            Err(e) => {
+                eprintln!("mla-diff: backend cpu (auto: {e})");
+                Backend::Cpu(CpuOps::new(d.dtype))
+            }
+        },
+    };
+    if d.backend != BackendChoice::Auto {
+        eprintln!("mla-diff: backend {}", b.describe());
+    }
+    Ok(b)
 }
 
 /// Arguments of `mla-diff run`.
@@ -154,9 +273,9 @@ pub struct RunArgs {
     /// Engine path(s) to run.
     #[arg(long, value_enum, default_value_t = PathChoice::All)]
     pub path: PathChoice,
-    /// Compute backend.
-    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
-    pub backend: BackendChoice,
+    /// Backend and dtype.
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// Tokens per page of the paged latent cache.
     #[arg(long, default_value_t = 16)]
     pub page_size: usize,
@@ -265,9 +384,7 @@ pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
         }
         None => Batch::single(a.tokens, a.start_pos),
     };
-    if a.backend == BackendChoice::Auto {
-        eprintln!("mla-diff: backend cpu (auto: this build has no CUDA backend yet)");
-    }
+    let backend = select_backend(&a.device)?;
     let rc = RunConfig {
         layers,
         batch,
@@ -283,9 +400,10 @@ pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
             faults: FaultSet(a.inject.clone()),
             ..PathOptions::default()
         },
-        dtype: Dtype::F32,
+        dtype: a.device.dtype,
+        backend: backend.describe(),
     };
-    let rep = run::run(&file, &cfg, &rc)?;
+    let rep = run::run(&backend, &file, &cfg, &rc)?;
     if let Some(j) = &a.json {
         report::write_file_atomic(j, &report::to_json_bytes(&report::json(&rep)), a.force)?;
     }
@@ -358,27 +476,30 @@ pub fn selftest_models(dir: Option<&PathBuf>) -> Result<Vec<ModelSource>> {
 
 /// `mla-diff selftest`.
 pub fn cmd_selftest(a: &SelftestArgs, out: &mut dyn Write) -> Result<Outcome> {
-    if a.backend == BackendChoice::Auto {
-        eprintln!("mla-diff: backend cpu (auto: this build has no CUDA backend yet)");
-    }
+    let backend = select_backend(&a.device)?;
     let opts = SelftestOptions {
         models: selftest_models(a.models.as_ref())?,
         layer: a.layer,
         quick: a.quick,
         seed: a.seed,
-        dtype: Dtype::F32,
+        dtype: a.device.dtype,
     };
-    let rep = selftest::run(&opts)?;
+    let rep = selftest::run(&backend, &opts)?;
     if let Some(j) = &a.json {
         report::write_file_atomic(j, &report::to_json_bytes(&rep), a.force)?;
     }
-    out.write_all(selftest::confusion_table(&rep).as_bytes())
+    let mut text = format!("backend {}, dtype {}\n", backend.describe(), a.device.dtype);
+    text.push_str(&selftest::confusion_table(&rep));
+    let mut ok = rep.all_ok();
+    if a.cross_check {
+        let cpu = selftest::run(&Backend::Cpu(CpuOps::new(a.device.dtype)), &opts)?;
+        let (summary, same) = selftest::cross_check(&rep, &cpu);
+        text.push_str(&summary);
+        ok &= same;
+    }
+    out.write_all(text.as_bytes())
         .map_err(|e| Error::io("<stdout>", "write", e))?;
-    Ok(if rep.all_ok() {
-        Outcome::Pass
-    } else {
-        Outcome::Divergence
-    })
+    Ok(if ok { Outcome::Pass } else { Outcome::Divergence })
 }
 
 /// Runs a parsed command line, writing human output to `out`.
@@ -387,5 +508,6 @@ pub fn dispatch(cli: &Cli, out: &mut dyn Write) -> Result<Outcome> {
         Command::Run(a) => cmd_run(a, out),
         Command::Inspect(a) => cmd_inspect(a, out),
         Command::Selftest(a) => cmd_selftest(a, out),
+        Command::Kernels(a) => cmd_kernels(a, out),
     }
 }

@@ -160,6 +160,11 @@ pub enum Error {
     /// A feature of the model that this version does not implement yet (e.g. MoE in the token path).
     #[error("{0}")]
     NotSupported(String),
+
+    /// The CUDA backend is unavailable or failed: a missing library or device, a kernel that
+    /// does not compile (with NVRTC's whole log), a failed launch (naming the kernel).
+    #[error("CUDA: {0}")]
+    Cuda(String),
 }
 
 impl Error {

@@ -16,6 +16,7 @@ pub mod batch;
 pub mod cli;
 pub mod compare;
 pub mod config;
+pub mod cuda;
 pub mod diagnose;
 pub mod error;
 pub mod faults;

@@ -17,7 +17,7 @@ use crate::config::MlaConfig;
 use crate::diagnose::{self, DiagnoseInput, Finding, PathEvidence};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
-use crate::paths::{self, LayerInput, PathKind, PathOptions, PathRun};
+use crate::paths::{Backend, LayerInput, PathKind, PathOptions, PathRun};
 use crate::reference;
 use crate::tolerance::Dtype;
 use crate::trace::Trace;
@@ -50,6 +50,8 @@ pub struct RunConfig {
     pub path_options: PathOptions,
     /// Compute dtype of the paths.
     pub dtype: Dtype,
+    /// The backend, as reported (`cpu`, or the GPU and its versions).
+    pub backend: String,
 }
 
 impl Default for RunConfig {
@@ -62,6 +64,7 @@ impl Default for RunConfig {
             paths: PathKind::ALL.to_vec(),
             path_options: PathOptions::default(),
             dtype: Dtype::F32,
+            backend: "cpu".into(),
         }
     }
 }
@@ -164,6 +167,7 @@ pub fn reference_layer(
 
 /// Runs the requested paths on one layer, compares them with the reference and diagnoses them.
 pub fn compare_layer(
+    backend: &Backend,
     file: &GgufFile,
     cfg: &MlaConfig,
     w: &LayerWeights,
@@ -183,7 +187,7 @@ pub fn compare_layer(
     opts.seed = rc.seed;
     let mut runs = Vec::new();
     for &kind in &rc.paths {
-        runs.push(paths::run_cpu(kind, &input, &opts)?);
+        runs.push(backend.run(kind, &input, &opts)?);
     }
     let diffs: Vec<Vec<SiteDiff>> = runs
         .iter()
@@ -225,7 +229,7 @@ pub fn compare_layer(
 /// Errors: a layer out of range, missing tensors, token input on a model without embedding, a
 /// preceding layer whose FFN the reference cannot run (MoE, not yet supported), a TP size that
 /// does not divide N.
-pub fn run(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<RunReport> {
+pub fn run(backend: &Backend, file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<RunReport> {
     let t = rc.batch.n_tokens();
     if t == 0 || rc.batch.seqs.iter().any(|s| s.len == 0) {
         return Err(Error::Usage("every sequence needs at least one token".into()));
@@ -290,7 +294,7 @@ pub fn run(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<RunReport
         };
         let refo = reference_layer(cfg, &w, &hidden, &rc.batch, if wanted { tp } else { 1 })?;
         if wanted {
-            let (res, f, _) = compare_layer(file, cfg, &w, &hidden, &refo.trace, rc)?;
+            let (res, f, _) = compare_layer(backend, file, cfg, &w, &hidden, &refo.trace, rc)?;
             results.extend(res);
             for fi in f {
                 if !findings.iter().any(|g| g.path == fi.path) {

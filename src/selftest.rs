@@ -20,7 +20,7 @@ use crate::diagnose::{Class, Finding};
 use crate::error::{Error, Result};
 use crate::faults::{Fault, FaultSet};
 use crate::gguf::GgufFile;
-use crate::paths::{PathKind, PathOptions};
+use crate::paths::{Backend, PathKind, PathOptions};
 use crate::reference;
 use crate::run::{RunConfig, compare_layer};
 use crate::tolerance::Dtype;
@@ -79,20 +79,72 @@ impl CaseResult {
     }
 }
 
+/// The backend's dequantization of every tensor of every fixture, bit for bit against the CPU.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct DequantCheck {
+    /// Tensors compared.
+    pub tensors: usize,
+    /// Elements compared.
+    pub elements: usize,
+    /// Elements whose bits differ.
+    pub mismatches: usize,
+    /// ggml types covered.
+    pub types: Vec<String>,
+    /// The first mismatching tensor, if any.
+    pub first_mismatch: Option<String>,
+}
+
 /// All cases of a selftest run.
 #[derive(Debug, Clone, Serialize)]
 pub struct SelftestReport {
     /// Every case.
     pub cases: Vec<CaseResult>,
+    /// The backend's dequantization against the CPU's (absent for the CPU backend itself).
+    pub dequant: Option<DequantCheck>,
     /// Wall time in seconds.
     pub seconds: f64,
 }
 
 impl SelftestReport {
-    /// True when every case came out as expected.
+    /// True when every case came out as expected and dequantization matched bit for bit.
     pub fn all_ok(&self) -> bool {
-        self.cases.iter().all(CaseResult::ok)
+        self.cases.iter().all(CaseResult::ok) && self.dequant.as_ref().is_none_or(|d| d.mismatches == 0)
     }
+}
+
+/// Dequantizes every tensor of `file` with the backend and with the CPU decoder and compares
+/// the bits.
+fn dequant_check_file(backend: &Backend, file: &GgufFile, acc: &mut DequantCheck) -> Result<()> {
+    use crate::paths::ops::Ops;
+    let Backend::Cuda(ops) = backend else { return Ok(()) };
+    for t in file.tensors() {
+        let raw = crate::weights::row_slice(file, &t.name, 0..t.n_rows() as usize)?;
+        let n = raw.n_elements();
+        let gpu = ops.download(&ops.dequant(t.ggml_type, &raw.bytes, n, &t.name)?)?;
+        let cpu = crate::gguf::dequant::dequantize(t.ggml_type, &raw.bytes, n).map_err(|reason| Error::Dequant {
+            path: file.path().to_path_buf(),
+            tensor: t.name.clone(),
+            reason,
+        })?;
+        let bad = gpu.iter().zip(&cpu).filter(|(a, b)| a.to_bits() != b.to_bits()).count()
+            + cpu.len().abs_diff(gpu.len().min(n));
+        if bad > 0 && acc.first_mismatch.is_none() {
+            acc.first_mismatch = Some(format!(
+                "{}: {} ({}): {bad} of {n} values differ",
+                file.path().display(),
+                t.name,
+                t.ggml_type
+            ));
+        }
+        acc.tensors += 1;
+        acc.elements += n;
+        acc.mismatches += bad;
+        let ty = t.ggml_type.name().to_string();
+        if !acc.types.contains(&ty) {
+            acc.types.push(ty);
+        }
+    }
+    Ok(())
 }
 
 /// The selftest batch for page size `page`: sequence lengths 1, page−1, page, page+1 and three
@@ -158,9 +210,10 @@ fn fixture_name(src: &ModelSource) -> String {
 /// Runs the whole selftest.
 ///
 /// Errors: a fixture that cannot be opened or run (input errors); detection outcomes are results.
-pub fn run(opts: &SelftestOptions) -> Result<SelftestReport> {
+pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> {
     let start = std::time::Instant::now();
     let mut cases = Vec::new();
+    let mut dq = matches!(backend, Backend::Cuda(_)).then(DequantCheck::default);
     let models: Vec<&ModelSource> = if opts.quick {
         let pick: Vec<&ModelSource> = opts
             .models
@@ -184,6 +237,9 @@ pub fn run(opts: &SelftestOptions) -> Result<SelftestReport> {
             ModelSource::Embedded => crate::cli::open_model(None)?,
         };
         let name = fixture_name(src);
+        if let Some(acc) = dq.as_mut() {
+            dequant_check_file(backend, &file, acc)?;
+        }
         let cfg = MlaConfig::from_gguf(&file)?;
         let layer = opts.layer.min(cfg.n_layer - 1);
         let w = LayerWeights::load(&file, &cfg, layer)?;
@@ -222,6 +278,7 @@ pub fn run(opts: &SelftestOptions) -> Result<SelftestReport> {
                     ..PathOptions::default()
                 },
                 dtype: opts.dtype,
+                backend: backend.name().into(),
             };
             let reference_for = |tp: usize| {
                 let mut r = base.clone();
@@ -231,7 +288,7 @@ pub fn run(opts: &SelftestOptions) -> Result<SelftestReport> {
             // Clean runs.
             for &tp in &tps {
                 let rc = run_cfg(tp, PathKind::ALL.to_vec(), vec![]);
-                let (_, findings, _) = compare_layer(&file, &cfg, &w, &hidden, &reference_for(tp), &rc)?;
+                let (_, findings, _) = compare_layer(backend, &file, &cfg, &w, &hidden, &reference_for(tp), &rc)?;
                 let expected =
                     natural_misalignment(&file, &cfg, layer, tp).map(|s| (Class::QuantBlockMisaligned, vec![s.stage]));
                 for &path in PathKind::ALL {
@@ -282,7 +339,7 @@ pub fn run(opts: &SelftestOptions) -> Result<SelftestReport> {
                     continue;
                 }
                 let rc = run_cfg(tp, paths.clone(), vec![fault]);
-                let (_, findings, _) = compare_layer(&file, &cfg, &w, &hidden, &reference_for(tp), &rc)?;
+                let (_, findings, _) = compare_layer(backend, &file, &cfg, &w, &hidden, &reference_for(tp), &rc)?;
                 for path in paths {
                     let stages = fault.expected_stages(path);
                     let expected = Some((fault.expected_class(), stages.clone()));
@@ -301,8 +358,12 @@ pub fn run(opts: &SelftestOptions) -> Result<SelftestReport> {
             }
         }
     }
+    if let Some(acc) = dq.as_mut() {
+        acc.types.sort();
+    }
     Ok(SelftestReport {
         cases,
+        dequant: dq,
         seconds: start.elapsed().as_secs_f64(),
     })
 }
@@ -431,6 +492,18 @@ pub fn confusion_table(rep: &SelftestReport) -> String {
             ));
         }
     }
+    if let Some(d) = &rep.dequant {
+        s.push_str(&format!(
+            "\ndequantization on the device vs the CPU: {} tensors, {} values, {} bit mismatches (types {})\n",
+            d.tensors,
+            d.elements,
+            d.mismatches,
+            d.types.join(", ")
+        ));
+        if let Some(m) = &d.first_mismatch {
+            s.push_str(&format!("  first mismatch: {m}\n"));
+        }
+    }
     let total = rep.cases.len();
     let ok = rep.cases.iter().filter(|c| c.ok()).count();
     s.push_str(&format!(
@@ -438,4 +511,38 @@ pub fn confusion_table(rep: &SelftestReport) -> String {
         rep.seconds
     ));
     s
+}
+
+/// Compares two selftest runs case by case (class and first site of the finding). Returns the
+/// summary text and whether every case agreed.
+pub fn cross_check(a: &SelftestReport, b: &SelftestReport) -> (String, bool) {
+    let key = |c: &CaseResult| (c.fixture.clone(), c.case.clone(), c.path, c.tp, c.page);
+    let found = |c: &CaseResult| c.found.as_ref().map(|f| (f.class, f.site));
+    let mut differ = Vec::new();
+    let mut same = 0;
+    for ca in &a.cases {
+        match b.cases.iter().find(|cb| key(cb) == key(ca)) {
+            Some(cb) if found(cb) == found(ca) => same += 1,
+            Some(cb) => differ.push(format!(
+                "  {} {} {} tp {} page {}: {:?} vs cpu {:?}",
+                ca.fixture,
+                ca.case,
+                ca.path,
+                ca.tp,
+                ca.page,
+                found(ca).map(|(c, s)| format!("{c} at {s}")),
+                found(cb).map(|(c, s)| format!("{c} at {s}"))
+            )),
+            None => differ.push(format!("  {} {} {}: no CPU counterpart", ca.fixture, ca.case, ca.path)),
+        }
+    }
+    let mut s = format!(
+        "\ncross-check against the CPU backend: {same}/{} cases with the same finding (class and first site)\n",
+        a.cases.len()
+    );
+    for d in &differ {
+        s.push_str(d);
+        s.push('\n');
+    }
+    (s, differ.is_empty() && a.cases.len() == b.cases.len())
 }

@@ -12,13 +12,17 @@ fn selftest_finds_every_fault_and_nothing_on_clean_runs() {
     let models = mla_diff::cli::selftest_models(Some(&common::repo().join("golden/models"))).unwrap();
     assert!(models.len() >= 9);
     assert!(models.iter().all(|m| matches!(m, ModelSource::File(_))));
-    let rep = selftest::run(&SelftestOptions {
-        models,
-        layer: 1,
-        quick: false,
-        seed: 0,
-        dtype: Dtype::F32,
-    })
+    let cpu = mla_diff::paths::Backend::Cpu(mla_diff::paths::cpu::CpuOps::new(Dtype::F32));
+    let rep = selftest::run(
+        &cpu,
+        &SelftestOptions {
+            models,
+            layer: 1,
+            quick: false,
+            seed: 0,
+            dtype: Dtype::F32,
+        },
+    )
     .unwrap();
     let bad: Vec<_> = rep.cases.iter().filter(|c| !c.ok()).collect();
     assert!(bad.is_empty(), "{}", selftest::confusion_table(&rep));

@@ -168,6 +168,58 @@ pub struct PathRun {
     pub notes: Vec<String>,
 }
 
+/// A backend the engine paths run on.
+#[derive(Debug, Clone)]
+pub enum Backend {
+    /// Host kernels ([`cpu::CpuOps`]).
+    Cpu(cpu::CpuOps),
+    /// GPU kernels ([`crate::cuda::CudaOps`]).
+    Cuda(crate::cuda::CudaOps),
+}
+
+impl Backend {
+    /// `cpu` or `cuda`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Backend::Cpu(_) => "cpu",
+            Backend::Cuda(_) => "cuda",
+        }
+    }
+
+    /// Compute dtype.
+    pub fn dtype(&self) -> crate::tolerance::Dtype {
+        use ops::Ops;
+        match self {
+            Backend::Cpu(o) => o.dtype(),
+            Backend::Cuda(o) => o.dtype(),
+        }
+    }
+
+    /// The same backend computing in `dtype`.
+    pub fn with_dtype(&self, dtype: crate::tolerance::Dtype) -> Backend {
+        match self {
+            Backend::Cpu(_) => Backend::Cpu(cpu::CpuOps::new(dtype)),
+            Backend::Cuda(o) => Backend::Cuda(o.with_dtype(dtype)),
+        }
+    }
+
+    /// One line for reports: `cpu` or the GPU, its compute capability and NVRTC version.
+    pub fn describe(&self) -> String {
+        match self {
+            Backend::Cpu(_) => format!("cpu ({} threads)", rayon::current_num_threads()),
+            Backend::Cuda(o) => format!("cuda: {}", crate::cuda::ops::describe(o.device())),
+        }
+    }
+
+    /// Runs path `kind` for one layer.
+    pub fn run(&self, kind: PathKind, input: &LayerInput<'_>, opts: &PathOptions) -> Result<PathRun> {
+        match self {
+            Backend::Cpu(o) => engine::run(o, kind, input, opts),
+            Backend::Cuda(o) => crate::cuda::ops::run(o, kind, input, opts),
+        }
+    }
+}
+
 /// Runs path `kind` on the CPU backend (f32).
 ///
 /// Errors: only input errors (shapes inconsistent with the configuration); numerical trouble is a

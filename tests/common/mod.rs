@@ -335,7 +335,10 @@ pub fn run_bin(args: &[&str]) -> (i32, String, String) {
     )
 }
 
-/// The repository root.
+/// The repository root: `$MLA_DIFF_REPO` when set (test binaries carried to another machine),
+/// else the source tree the tests were built from.
 pub fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    std::env::var_os("MLA_DIFF_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }

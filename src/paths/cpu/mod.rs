@@ -254,8 +254,8 @@ impl Ops for CpuOps {
         for (i, &s) in slots.iter().enumerate() {
             check(cache, (s + 1) * width, "cache_write slot")?;
             let row = &mut cache[s * width..(s + 1) * width];
-            row[..l].copy_from_slice(&kv_c[i * l..(i + 1) * l]);
-            row[l..l + r].copy_from_slice(&k_pe[i * r..(i + 1) * r]);
+            row[..l].copy_from_slice(&self.rounded(&kv_c[i * l..(i + 1) * l]));
+            row[l..l + r].copy_from_slice(&self.rounded(&k_pe[i * r..(i + 1) * r]));
         }
         Ok(())
     }
@@ -287,8 +287,9 @@ impl Ops for CpuOps {
                 )));
             }
         }
+        // The cache already holds dtype-rounded rows (cache_write stores what a bf16 cache holds).
         let qr = self.rounded(q);
-        let cr = self.rounded(cache);
+        let cr = cache;
         let results: Vec<(usize, Vec<f32>, f32)> = (0..n * nh * splits)
             .into_par_iter()
             .map(|job| {
@@ -300,7 +301,7 @@ impl Ops for CpuOps {
                 let qrow = &qr[(i * nh + h) * width..(i * nh + h + 1) * width];
                 let ls = ops::decode_split(
                     qrow,
-                    &cr,
+                    cr,
                     block_size,
                     width,
                     &tables[i],

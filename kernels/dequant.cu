@@ -1,0 +1,155 @@
+// GGUF dequantization on the GPU, straight from the file's raw bytes.
+//
+// dequant_<type>(b [nblocks · block_bytes] u8, y [nblocks · block_elems] f32, nblocks)
+//   One thread per output element. Block layouts are ggml's (ggml-common.h). The arithmetic
+//   mirrors the CPU decoder operation for operation, and this module is compiled with
+//   --fmad=false, so every value is bit-identical to the CPU's (checked by `mla-diff selftest
+//   --backend cuda` and the device tests).
+//   F32 [1 el / 4 B], F16 [1/2], BF16 [1/2], Q8_0 [32/34], Q4_0 [32/18], Q4_1 [32/20],
+//   Q5_0 [32/22], Q5_1 [32/24], Q4_K [256/144], Q5_K [256/176], Q6_K [256/210].
+
+typedef unsigned char u8;
+
+__device__ __forceinline__ float f16le(const u8* p) {
+    unsigned short h = (unsigned short)p[0] | ((unsigned short)p[1] << 8);
+    return __half2float(__ushort_as_half(h));
+}
+
+__device__ __forceinline__ unsigned u32le(const u8* p) {
+    return (unsigned)p[0] | ((unsigned)p[1] << 8) | ((unsigned)p[2] << 16) | ((unsigned)p[3] << 24);
+}
+
+#define ELEM_INDEX(block_elems)                               \
+    i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x;        \
+    if (e >= nblocks * (block_elems)) return;                   \
+    i64 blk = e / (block_elems);                                \
+    int j = (int)(e % (block_elems));
+
+extern "C" __global__ void dequant_f32(const u8* b, float* y, i64 nblocks) {
+    ELEM_INDEX(1)
+    y[e] = __uint_as_float(u32le(b + 4 * blk));
+    (void)j;
+}
+
+extern "C" __global__ void dequant_f16(const u8* b, float* y, i64 nblocks) {
+    ELEM_INDEX(1)
+    y[e] = f16le(b + 2 * blk);
+    (void)j;
+}
+
+extern "C" __global__ void dequant_bf16(const u8* b, float* y, i64 nblocks) {
+    ELEM_INDEX(1)
+    unsigned bits = ((unsigned)b[2 * blk] | ((unsigned)b[2 * blk + 1] << 8)) << 16;
+    y[e] = __uint_as_float(bits);
+    (void)j;
+}
+
+extern "C" __global__ void dequant_q8_0(const u8* b, float* y, i64 nblocks) {
+    ELEM_INDEX(32)
+    const u8* p = b + 34 * blk;
+    y[e] = f16le(p) * (float)(signed char)p[2 + j];
+}
+
+extern "C" __global__ void dequant_q4_0(const u8* b, float* y, i64 nblocks) {
+    ELEM_INDEX(32)
+    const u8* p = b + 18 * blk;
+    int q = j < 16 ? (p[2 + j] & 0x0F) : (p[2 + j - 16] >> 4);
+    y[e] = f16le(p) * (float)(q - 8);
+}
+
+extern "C" __global__ void dequant_q4_1(const u8* b, float* y, i64 nblocks) {
+    ELEM_INDEX(32)
+    const u8* p = b + 20 * blk;
+    int q = j < 16 ? (p[4 + j] & 0x0F) : (p[4 + j - 16] >> 4);
+    y[e] = f16le(p) * (float)q + f16le(p + 2);
+}
+
+extern "C" __global__ void dequant_q5_0(const u8* b, float* y, i64 nblocks) {
+    ELEM_INDEX(32)
+    const u8* p = b + 22 * blk;
+    unsigned qh = u32le(p + 2);
+    int q;
+    if (j < 16) q = (p[6 + j] & 0x0F) | (((qh >> j) & 1) << 4);
+    else q = (p[6 + j - 16] >> 4) | (((qh >> j) & 1) << 4);
+    y[e] = f16le(p) * (float)(q - 16);
+}
+
+extern "C" __global__ void dequant_q5_1(const u8* b, float* y, i64 nblocks) {
+    ELEM_INDEX(32)
+    const u8* p = b + 24 * blk;
+    unsigned qh = u32le(p + 4);
+    int q;
+    if (j < 16) q = (p[8 + j] & 0x0F) | (((qh >> j) & 1) << 4);
+    else q = (p[8 + j - 16] >> 4) | (((qh >> j) & 1) << 4);
+    y[e] = f16le(p) * (float)q + f16le(p + 2);
+}
+
+// 6-bit scale and min of sub-block `is` (0..8) from the 12-byte K-quant scales field.
+__device__ __forceinline__ void scale_min_k4(int is, const u8* q, int* sc, int* m) {
+    if (is < 4) {
+        *sc = q[is] & 63;
+        *m = q[is + 4] & 63;
+    } else {
+        *sc = (q[is + 4] & 0x0F) | ((q[is - 4] >> 6) << 4);
+        *m = (q[is + 4] >> 4) | ((q[is] >> 6) << 4);
+    }
+}
+
+extern "C" __global__ void dequant_q4_k(const u8* b, float* y, i64 nblocks) {
+    ELEM_INDEX(256)
+    const u8* p = b + 144 * blk;
+    const float d = f16le(p), dmin = f16le(p + 2);
+    const u8* scales = p + 4;
+    const u8* qs = p + 16;
+    int chunk = j / 64, within = j % 64;  // 64 elements per pair of sub-blocks
+    int is = 2 * chunk + (within >= 32 ? 1 : 0);
+    int l = within % 32;
+    int sc, m;
+    scale_min_k4(is, scales, &sc, &m);
+    const float dd = d * (float)sc, mm = dmin * (float)m;
+    u8 byte = qs[32 * chunk + l];
+    int q = within < 32 ? (byte & 0x0F) : (byte >> 4);
+    y[e] = dd * (float)q - mm;
+}
+
+extern "C" __global__ void dequant_q5_k(const u8* b, float* y, i64 nblocks) {
+    ELEM_INDEX(256)
+    const u8* p = b + 176 * blk;
+    const float d = f16le(p), dmin = f16le(p + 2);
+    const u8* scales = p + 4;
+    const u8* qh = p + 16;
+    const u8* qs = p + 48;
+    int chunk = j / 64, within = j % 64;
+    int is = 2 * chunk + (within >= 32 ? 1 : 0);
+    int l = within % 32;
+    int sc, m;
+    scale_min_k4(is, scales, &sc, &m);
+    const float dd = d * (float)sc, mm = dmin * (float)m;
+    u8 byte = qs[32 * chunk + l];
+    unsigned bit = within < 32 ? (1u << (2 * chunk)) : (2u << (2 * chunk));
+    int lo = within < 32 ? (byte & 0x0F) : (byte >> 4);
+    int hi = (qh[l] & bit) ? 16 : 0;
+    y[e] = dd * (float)(lo + hi) - mm;
+}
+
+extern "C" __global__ void dequant_q6_k(const u8* b, float* y, i64 nblocks) {
+    ELEM_INDEX(256)
+    const u8* p = b + 210 * blk;
+    const u8* ql = p;
+    const u8* qh = p + 128;
+    const signed char* sc = (const signed char*)(p + 192);
+    const float d = f16le(p + 208);
+    int half = j / 128, r = j % 128;
+    int quarter = r / 32, l = r % 32;  // quarter 0..3 → q1..q4
+    int is = l / 16;
+    const u8* qlh = ql + 64 * half;
+    u8 qhb = qh[32 * half + l];
+    int q;
+    switch (quarter) {
+        case 0: q = (qlh[l] & 0x0F) | ((qhb & 3) << 4); break;
+        case 1: q = (qlh[l + 32] & 0x0F) | (((qhb >> 2) & 3) << 4); break;
+        case 2: q = (qlh[l] >> 4) | (((qhb >> 4) & 3) << 4); break;
+        default: q = (qlh[l + 32] >> 4) | (((qhb >> 6) & 3) << 4); break;
+    }
+    y[e] = d * (float)sc[8 * half + is + 2 * quarter] * (float)(q - 32);
+}

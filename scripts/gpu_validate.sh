@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# GPU validation of the CUDA backend, run from the repository root on a machine with an NVIDIA
+# GPU and CUDA in /usr/local/cuda. Build on a development machine first:
+#   cargo build --release && cargo test --release --no-run
+#   mkdir -p .gpu && strip -o .gpu/mla-diff target/release/mla-diff
+#   strip -o .gpu/cuda-tests "$(ls target/release/deps/cuda-* | grep -v '\.d$' | head -1)"
+# then run `bash scripts/gpu_validate.sh STAGE...` there. Logs go to $OUT (or ./gpu-logs).
+# Stages: smoke, tests, selftest-f32, selftest-bf16, memcheck, racecheck.
+set -u
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+B=${MLA_DIFF_BIN:-.gpu/mla-diff}
+step() {  # step NAME TIMEOUT CMD...
+  local name=$1 t=$2; shift 2
+  echo "=== $name: $*" | tee -a "$OUT/summary.log"
+  local start=$(date +%s%N)
+  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  local ms=$(( ($(date +%s%N) - start) / 1000000 ))
+  echo "=== $name: exit $rc in $((ms / 1000)).$(( (ms % 1000) / 100 )) s" | tee -a "$OUT/summary.log"
+  tail -n 25 "$OUT/$name.log"
+}
+for stage in "$@"; do
+  case $stage in
+    smoke)
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/summary.log"
+      step kernels 120 "$B" kernels --compile-only --arch sm_90,sm_80
+      step run 120 "$B" run --backend cuda --layer 1 --seqs 1,15,16,17,53 --tp 2 --quiet
+      ;;
+    tests)
+      step cuda-tests 300 env MLA_DIFF_REPO="$PWD" .gpu/cuda-tests --nocapture --test-threads 1
+      ;;
+    quick)
+      step selftest-quick 300 "$B" selftest --backend cuda --quick --cross-check
+      ;;
+    selftest-f32)
+      step selftest-f32 590 "$B" selftest --backend cuda --cross-check
+      ;;
+    selftest-bf16)
+      step selftest-bf16 590 "$B" selftest --backend cuda --dtype bf16 --cross-check
+      ;;
+    memcheck)
+      step memcheck 590 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 3 "$B" selftest --backend cuda --quick
+      ;;
+    racecheck)
+      step racecheck 590 /usr/local/cuda/bin/compute-sanitizer --tool racecheck --error-exitcode 3 "$B" selftest --backend cuda --quick
+      ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done

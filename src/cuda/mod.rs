@@ -1,0 +1,288 @@
+//! The CUDA backend: real MLA kernels on the GPU, compiled at run time with NVRTC.
+//!
+//! The engine paths only become evidence about GPU engines when their kernels run on a GPU:
+//! tiled flash prefill, split-KV decode over a paged cache, the LSE merge and GGUF dequantization
+//! are where real MLA bugs live. This module owns the device: it checks that the driver, NVRTC and
+//! cuBLAS libraries are present before touching cudarc (which panics on a missing library),
+//! compiles the `kernels/*.cu` sources once per process for the device's compute capability
+//! (or for given architectures, with `kernels --compile-only`), loads them, and exposes
+//! [`CudaOps`], the [`crate::paths::ops::Ops`] implementation. Every launch is followed by a
+//! synchronize and an error check that names the kernel.
+
+pub mod ops;
+
+use std::ffi::{CStr, CString};
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+
+pub use ops::CudaOps;
+
+/// The prelude prepended to every kernel module.
+pub const COMMON: &str = include_str!("../../kernels/common.cuh");
+
+/// A kernel module (one `kernels/*.cu` file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Module {
+    /// `elementwise.cu`: fills, copies, gathers, the cache write, per-head products.
+    Elementwise,
+    /// `norm_rope.cu`: RMSNorm over strided rows, RoPE.
+    NormRope,
+    /// `attention.cu`: flash prefill, split-KV decode, LSE merge.
+    Attention,
+    /// `dequant.cu`: GGUF dequantization (compiled with `--fmad=false`, bit-exact).
+    Dequant,
+}
+
+impl Module {
+    /// Every module.
+    pub const ALL: &'static [Module] = &[
+        Module::Elementwise,
+        Module::NormRope,
+        Module::Attention,
+        Module::Dequant,
+    ];
+
+    /// File name under `kernels/`.
+    pub fn file(self) -> &'static str {
+        match self {
+            Module::Elementwise => "elementwise.cu",
+            Module::NormRope => "norm_rope.cu",
+            Module::Attention => "attention.cu",
+            Module::Dequant => "dequant.cu",
+        }
+    }
+
+    /// The module's source (embedded at build time).
+    pub fn source(self) -> &'static str {
+        match self {
+            Module::Elementwise => include_str!("../../kernels/elementwise.cu"),
+            Module::NormRope => include_str!("../../kernels/norm_rope.cu"),
+            Module::Attention => include_str!("../../kernels/attention.cu"),
+            Module::Dequant => include_str!("../../kernels/dequant.cu"),
+        }
+    }
+
+    /// NVRTC options beyond the architecture and include path.
+    fn extra_options(self) -> &'static [&'static str] {
+        match self {
+            // No FMA contraction: every dequantized value must match the CPU decoder's bits.
+            Module::Dequant => &["--fmad=false"],
+            _ => &[],
+        }
+    }
+}
+
+/// Output of one NVRTC compilation.
+#[derive(Debug, Clone)]
+pub struct Compiled {
+    /// CUBIN for the requested architecture.
+    pub cubin: Vec<u8>,
+    /// NVRTC's log (ptxas resource usage when `verbose`).
+    pub log: String,
+}
+
+fn cuda_err(what: impl std::fmt::Display) -> Error {
+    Error::Cuda(what.to_string())
+}
+
+/// Checks that the CUDA driver library is loadable (without panicking, unlike cudarc).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the library by name.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Checks that NVRTC is loadable.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen the library by name.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Checks that cuBLAS is loadable.
+pub fn cublas_present() -> bool {
+    // SAFETY: only tries to dlopen the library by name.
+    unsafe { cudarc::cublas::sys::is_culib_present() }
+}
+
+/// NVRTC's version, e.g. (13, 0).
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    if !nvrtc_present() {
+        return Err(cuda_err(
+            "NVRTC (libnvrtc.so) not found; put CUDA's lib64 on LD_LIBRARY_PATH",
+        ));
+    }
+    let (mut a, mut b) = (0, 0);
+    // SAFETY: NVRTC is present; the pointers are valid.
+    let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut a, &mut b) };
+    if r != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(cuda_err(format!("nvrtcVersion failed: {r:?}")));
+    }
+    Ok((a, b))
+}
+
+/// The CUDA include folder: `explicit`, else `$CUDA_HOME/include`, else `/usr/local/cuda/include`.
+/// It must hold `cuda_bf16.h`.
+///
+/// Errors: [`Error::Cuda`] naming the folder that lacks the header.
+pub fn include_dir(explicit: Option<&Path>) -> Result<PathBuf> {
+    let dir = match explicit {
+        Some(d) => d.to_path_buf(),
+        None => match std::env::var_os("CUDA_HOME") {
+            Some(h) => PathBuf::from(h).join("include"),
+            None => PathBuf::from("/usr/local/cuda/include"),
+        },
+    };
+    if !dir.join("cuda_bf16.h").is_file() {
+        return Err(cuda_err(format!(
+            "{}: no cuda_bf16.h (pass --cuda-include DIR or set CUDA_HOME)",
+            dir.display()
+        )));
+    }
+    Ok(dir)
+}
+
+/// Compiles `module` for `arch` (e.g. `sm_90`) with NVRTC, returning the CUBIN and the log.
+///
+/// Errors: [`Error::Cuda`] with NVRTC's whole log when the source does not compile.
+pub fn compile(module: Module, arch: &str, include: &Path, verbose: bool) -> Result<Compiled> {
+    use cudarc::nvrtc::sys as nv;
+    if !nvrtc_present() {
+        return Err(cuda_err(
+            "NVRTC (libnvrtc.so) not found; put CUDA's lib64 on LD_LIBRARY_PATH",
+        ));
+    }
+    let src = format!("{COMMON}\n#line 1 \"{}\"\n{}", module.file(), module.source());
+    let csrc = CString::new(src).map_err(|_| cuda_err("kernel source holds a NUL byte"))?;
+    let cname = CString::new(module.file()).map_err(|_| cuda_err("bad module name"))?;
+    let mut opts: Vec<String> = vec![
+        format!("--gpu-architecture={arch}"),
+        format!("-I{}", include.display()),
+        "--std=c++17".into(),
+    ];
+    opts.extend(module.extra_options().iter().map(|s| s.to_string()));
+    if verbose {
+        opts.push("--ptxas-options=-v".into());
+    }
+    let copts: Vec<CString> = opts
+        .iter()
+        .map(|o| CString::new(o.as_str()).map_err(|_| cuda_err("bad NVRTC option")))
+        .collect::<Result<_>>()?;
+    let ptrs: Vec<*const std::ffi::c_char> = copts.iter().map(|c| c.as_ptr()).collect();
+    let mut prog: nv::nvrtcProgram = std::ptr::null_mut();
+    // SAFETY: NVRTC is present; all pointers outlive the calls; the program is destroyed below.
+    unsafe {
+        let r = nv::nvrtcCreateProgram(
+            &mut prog,
+            csrc.as_ptr(),
+            cname.as_ptr(),
+            0,
+            std::ptr::null(),
+            std::ptr::null(),
+        );
+        if r != nv::nvrtcResult::NVRTC_SUCCESS {
+            return Err(cuda_err(format!("{}: nvrtcCreateProgram: {r:?}", module.file())));
+        }
+        let rc = nv::nvrtcCompileProgram(prog, ptrs.len() as i32, ptrs.as_ptr());
+        let mut log_len = 0usize;
+        nv::nvrtcGetProgramLogSize(prog, &mut log_len);
+        let mut log = vec![0u8; log_len.max(1)];
+        nv::nvrtcGetProgramLog(prog, log.as_mut_ptr().cast());
+        let log = CStr::from_bytes_until_nul(&log)
+            .map(|c| c.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if rc != nv::nvrtcResult::NVRTC_SUCCESS {
+            nv::nvrtcDestroyProgram(&mut prog);
+            return Err(cuda_err(format!(
+                "{} does not compile for {arch} ({rc:?}); NVRTC options {opts:?}; log:\n{log}",
+                module.file()
+            )));
+        }
+        let mut n = 0usize;
+        nv::nvrtcGetCUBINSize(prog, &mut n);
+        let mut cubin = vec![0u8; n];
+        let r = nv::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast());
+        nv::nvrtcDestroyProgram(&mut prog);
+        if r != nv::nvrtcResult::NVRTC_SUCCESS || n == 0 {
+            return Err(cuda_err(format!("{}: nvrtcGetCUBIN for {arch}: {r:?}", module.file())));
+        }
+        Ok(Compiled { cubin, log })
+    }
+}
+
+/// Resource usage of one kernel, parsed from ptxas's verbose log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelUsage {
+    /// Kernel name.
+    pub kernel: String,
+    /// Registers per thread.
+    pub registers: u32,
+    /// Bytes of spill stores.
+    pub spill_stores: u32,
+    /// Bytes of spill loads.
+    pub spill_loads: u32,
+}
+
+/// Parses `ptxas info` lines into per-kernel register and spill counts.
+pub fn parse_usage(log: &str) -> Vec<KernelUsage> {
+    let mut out: Vec<KernelUsage> = Vec::new();
+    let mut current: Option<String> = None;
+    let num_before = |s: &str, key: &str| -> Option<u32> {
+        let i = s.find(key)?;
+        s[..i].split_whitespace().last()?.parse().ok()
+    };
+    for line in log.lines() {
+        if let Some(i) = line.find("Compiling entry function '") {
+            let rest = &line[i + "Compiling entry function '".len()..];
+            current = rest.split('\'').next().map(str::to_string);
+        } else if let Some(i) = line.find("Function properties for ") {
+            current = Some(line[i + "Function properties for ".len()..].trim().to_string());
+        }
+        let Some(k) = current.clone() else { continue };
+        let entry = |out: &mut Vec<KernelUsage>| -> usize {
+            match out.iter().position(|u| u.kernel == k) {
+                Some(p) => p,
+                None => {
+                    out.push(KernelUsage {
+                        kernel: k.clone(),
+                        registers: 0,
+                        spill_stores: 0,
+                        spill_loads: 0,
+                    });
+                    out.len() - 1
+                }
+            }
+        };
+        if line.contains("spill stores") {
+            let p = entry(&mut out);
+            out[p].spill_stores = num_before(line, "bytes spill stores").unwrap_or(0);
+            out[p].spill_loads = num_before(line, "bytes spill loads").unwrap_or(0);
+        }
+        if line.contains("Used ") && line.contains(" registers") {
+            let p = entry(&mut out);
+            out[p].registers = num_before(line, "registers").unwrap_or(0);
+        }
+    }
+    out
+}
+
+/// Why the CUDA backend cannot be used here, or `Ok` with the device count.
+pub fn probe() -> Result<usize> {
+    if !driver_present() {
+        return Err(cuda_err("no CUDA driver library (libcuda.so) found"));
+    }
+    if !nvrtc_present() {
+        return Err(cuda_err(
+            "no NVRTC library (libnvrtc.so) found; put CUDA's lib64 on LD_LIBRARY_PATH",
+        ));
+    }
+    if !cublas_present() {
+        return Err(cuda_err(
+            "no cuBLAS library (libcublas.so) found; put CUDA's lib64 on LD_LIBRARY_PATH",
+        ));
+    }
+    let n = cudarc::driver::CudaContext::device_count().map_err(|e| cuda_err(format!("cuDeviceGetCount: {e:?}")))?;
+    if n < 1 {
+        return Err(cuda_err("the CUDA driver reports no device"));
+    }
+    Ok(n as usize)
+}

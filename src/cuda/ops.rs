@@ -1,0 +1,909 @@
+//! [`CudaOps`]: the engine's kernel interface on an NVIDIA GPU.
+//!
+//! Buffers are `CudaSlice<f32>` on one stream. GEMMs go through cuBLAS (f32, or bf16 inputs
+//! with f32 accumulation for `--dtype bf16`); every other kernel is ours, from `kernels/`. Each
+//! launch is followed by a stream synchronize and an error check naming the kernel, which costs
+//! speed and buys exact error attribution (this backend is for correctness; speed is the fast
+//! kernels' job).
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys as cb};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+
+use super::{Module, compile, include_dir, probe};
+use crate::error::{Error, Result};
+use crate::gguf::{GgmlType, dequant};
+use crate::paths::ops::{Copy2d, EmptyRows, Ops, RopeStyle, Segment};
+use crate::paths::{CANARY_BITS, PathKind};
+use crate::tolerance::Dtype;
+
+/// Threads per block of the elementwise kernels.
+const THREADS: u32 = 256;
+/// Rows of one flash-prefill block (one warp each), as `FLASH_ROWS` in attention.cu.
+const FLASH_ROWS: usize = 4;
+/// Keys per flash-prefill shared-memory tile, as `FLASH_BK` in attention.cu.
+const FLASH_BK: usize = 16;
+/// Largest per-row width the attention kernels' per-lane registers hold (32 lanes × 16).
+const MAX_WIDTH: usize = 512;
+
+fn cerr(what: impl std::fmt::Display) -> Error {
+    Error::Cuda(what.to_string())
+}
+
+/// The device, its stream, cuBLAS and the loaded kernel modules, shared by every `CudaOps`.
+pub struct Device {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    modules: HashMap<Module, Arc<CudaModule>>,
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// Device name, e.g. "NVIDIA H200".
+    pub name: String,
+    /// Compute capability.
+    pub compute_capability: (i32, i32),
+    /// The architecture the kernels were compiled for, e.g. `sm_90`.
+    pub arch: String,
+    /// The CUDA include folder NVRTC used.
+    pub include: PathBuf,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("name", &self.name)
+            .field("arch", &self.arch)
+            .finish()
+    }
+}
+
+/// The CUDA backend.
+#[derive(Clone, Debug)]
+pub struct CudaOps {
+    dev: Arc<Device>,
+    dtype: Dtype,
+    notes: Arc<Mutex<Vec<String>>>,
+}
+
+fn grid1(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(THREADS).max(1), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl CudaOps {
+    /// Opens device 0, compiles every kernel module with NVRTC for its compute capability and
+    /// loads it, and creates a cuBLAS handle.
+    ///
+    /// Errors: [`Error::Cuda`] when a library or the device is missing (checked before cudarc
+    /// is called), when the include folder lacks `cuda_bf16.h`, or with NVRTC's whole log when a
+    /// kernel does not compile.
+    pub fn new(dtype: Dtype, include: Option<&Path>) -> Result<Self> {
+        probe()?;
+        let include = include_dir(include)?;
+        let ctx = CudaContext::new(0).map_err(|e| cerr(format!("cuCtxCreate on device 0: {e:?}")))?;
+        let name = ctx.name().map_err(|e| cerr(format!("cuDeviceGetName: {e:?}")))?;
+        let cc = ctx
+            .compute_capability()
+            .map_err(|e| cerr(format!("compute capability: {e:?}")))?;
+        let arch = format!("sm_{}{}", cc.0, cc.1);
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| cerr(format!("cublasCreate: {e:?}")))?;
+        let mut modules = HashMap::new();
+        for &m in Module::ALL {
+            let c = compile(m, &arch, &include, false)?;
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))
+                .map_err(|e| cerr(format!("{}: cuModuleLoadData: {e:?}", m.file())))?;
+            modules.insert(m, module);
+        }
+        Ok(CudaOps {
+            dev: Arc::new(Device {
+                ctx,
+                stream,
+                blas,
+                modules,
+                functions: Mutex::new(HashMap::new()),
+                name,
+                compute_capability: cc,
+                arch,
+                include,
+            }),
+            dtype,
+            notes: Arc::new(Mutex::new(Vec::new())),
+        })
+    }
+
+    /// The same device and kernels, computing in another dtype.
+    pub fn with_dtype(&self, dtype: Dtype) -> Self {
+        CudaOps {
+            dev: self.dev.clone(),
+            dtype,
+            notes: self.notes.clone(),
+        }
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    /// Notes collected so far (types dequantized on the CPU), deduplicated.
+    pub fn take_notes(&self) -> Vec<String> {
+        let mut n = self
+            .notes
+            .lock()
+            .map(|mut v| std::mem::take(&mut *v))
+            .unwrap_or_default();
+        n.sort();
+        n.dedup();
+        n
+    }
+
+    fn func(&self, module: Module, name: &'static str) -> Result<CudaFunction> {
+        let mut cache = self.dev.functions.lock().map_err(|_| cerr("kernel cache poisoned"))?;
+        if let Some(f) = cache.get(name) {
+            return Ok(f.clone());
+        }
+        let m = self
+            .dev
+            .modules
+            .get(&module)
+            .ok_or_else(|| cerr(format!("module {} not loaded", module.file())))?;
+        let f = m
+            .load_function(name)
+            .map_err(|e| cerr(format!("{}: kernel `{name}` not found: {e:?}", module.file())))?;
+        cache.insert(name, f.clone());
+        Ok(f)
+    }
+
+    /// Waits for the stream and turns any asynchronous error into one naming `kernel`.
+    fn sync(&self, kernel: &str) -> Result<()> {
+        self.dev
+            .stream
+            .synchronize()
+            .map_err(|e| cerr(format!("kernel `{kernel}` failed: {e:?}")))
+    }
+
+    fn alloc(&self, n: usize) -> Result<CudaSlice<f32>> {
+        // SAFETY: the memory is filled by the canary kernel (or fully written) before any read.
+        unsafe { self.dev.stream.alloc::<f32>(n.max(1)) }.map_err(|e| cerr(format!("cuMemAlloc of {n} floats: {e:?}")))
+    }
+
+    fn idx(&self, v: &[usize]) -> Result<CudaSlice<i64>> {
+        let w: Vec<i64> = if v.is_empty() {
+            vec![0]
+        } else {
+            v.iter().map(|&x| x as i64).collect()
+        };
+        self.dev
+            .stream
+            .clone_htod(&w)
+            .map_err(|e| cerr(format!("upload indices: {e:?}")))
+    }
+
+    /// A bf16 copy of `x` (`n` elements), for kernels and GEMMs that read bf16.
+    fn to_bf16(&self, x: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<half::bf16>> {
+        // SAFETY: every element is written by cast_bf16 below.
+        let mut y =
+            unsafe { self.dev.stream.alloc::<half::bf16>(n.max(1)) }.map_err(|e| cerr(format!("alloc bf16: {e:?}")))?;
+        let f = self.func(Module::Elementwise, "cast_bf16")?;
+        let nn = n as i64;
+        let mut b = self.dev.stream.launch_builder(&f);
+        b.arg(x).arg(&mut y).arg(&nn);
+        // SAFETY: argument types match the kernel signature in elementwise.cu.
+        unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch cast_bf16: {e:?}")))?;
+        self.sync("cast_bf16")?;
+        Ok(y)
+    }
+
+    fn check_len(b: &CudaSlice<f32>, need: usize, what: &str) -> Result<()> {
+        if b.len() < need {
+            return Err(cerr(format!("{what}: needs {need} elements, buffer has {}", b.len())));
+        }
+        Ok(())
+    }
+
+    /// Dequantizes on the GPU when a kernel exists for `ty`.
+    fn gpu_dequant(&self, ty: GgmlType, bytes: &[u8], n: usize) -> Result<Option<CudaSlice<f32>>> {
+        let kernel = match ty {
+            GgmlType::F32 => "dequant_f32",
+            GgmlType::F16 => "dequant_f16",
+            GgmlType::BF16 => "dequant_bf16",
+            GgmlType::Q8_0 => "dequant_q8_0",
+            GgmlType::Q4_0 => "dequant_q4_0",
+            GgmlType::Q4_1 => "dequant_q4_1",
+            GgmlType::Q5_0 => "dequant_q5_0",
+            GgmlType::Q5_1 => "dequant_q5_1",
+            GgmlType::Q4_K => "dequant_q4_k",
+            GgmlType::Q5_K => "dequant_q5_k",
+            GgmlType::Q6_K => "dequant_q6_k",
+            _ => return Ok(None),
+        };
+        let bs = ty.block_size() as usize;
+        let ts = ty.type_size() as usize;
+        if !n.is_multiple_of(bs) || bytes.len() != n / bs * ts {
+            return Err(cerr(format!("{ty}: {} bytes do not hold {n} elements", bytes.len())));
+        }
+        let raw = self
+            .dev
+            .stream
+            .clone_htod(bytes)
+            .map_err(|e| cerr(format!("upload raw {ty}: {e:?}")))?;
+        let mut y = self.alloc(n)?;
+        let nblocks = (n / bs) as i64;
+        let f = self.func(Module::Dequant, kernel)?;
+        let mut b = self.dev.stream.launch_builder(&f);
+        b.arg(&raw).arg(&mut y).arg(&nblocks);
+        // SAFETY: argument types match dequant.cu.
+        unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch {kernel}: {e:?}")))?;
+        self.sync(kernel)?;
+        Ok(Some(y))
+    }
+}
+
+macro_rules! launch {
+    ($self:ident, $module:expr, $name:literal, $cfg:expr, $($arg:expr),* $(,)?) => {{
+        let f = $self.func($module, $name)?;
+        let mut b = $self.dev.stream.launch_builder(&f);
+        $( b.arg($arg); )*
+        // SAFETY: the argument list matches the kernel's signature in kernels/*.cu, and every
+        // buffer was length-checked by the caller.
+        unsafe { b.launch($cfg) }.map_err(|e| cerr(format!("launch {}: {e:?}", $name)))?;
+        $self.sync($name)?;
+    }};
+}
+
+impl Ops for CudaOps {
+    type Buf = CudaSlice<f32>;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    fn upload(&self, data: &[f32]) -> Result<CudaSlice<f32>> {
+        if data.is_empty() {
+            return self.canary(0);
+        }
+        self.dev
+            .stream
+            .clone_htod(data)
+            .map_err(|e| cerr(format!("upload: {e:?}")))
+    }
+
+    fn download(&self, b: &CudaSlice<f32>) -> Result<Vec<f32>> {
+        self.dev
+            .stream
+            .clone_dtoh(b)
+            .map_err(|e| cerr(format!("download: {e:?}")))
+    }
+
+    fn canary(&self, n: usize) -> Result<CudaSlice<f32>> {
+        let mut x = self.alloc(n)?;
+        let len = x.len();
+        let (nn, bits) = (len as i64, CANARY_BITS);
+        launch!(self, Module::Elementwise, "fill_bits", grid1(len), &mut x, &nn, &bits);
+        Ok(x)
+    }
+
+    fn dequant(&self, ty: GgmlType, bytes: &[u8], n: usize, label: &str) -> Result<CudaSlice<f32>> {
+        if let Some(y) = self.gpu_dequant(ty, bytes, n)? {
+            return Ok(y);
+        }
+        if let Ok(mut notes) = self.notes.lock() {
+            notes.push(format!(
+                "{ty} has no GPU dequantization kernel: dequantized on the CPU and uploaded ({label})"
+            ));
+        }
+        let v = dequant::dequantize(ty, bytes, n).map_err(|reason| Error::Dequant {
+            path: "<engine>".into(),
+            tensor: label.to_string(),
+            reason,
+        })?;
+        self.upload(&v)
+    }
+
+    fn linear(&self, x: &CudaSlice<f32>, t: usize, k: usize, w: &CudaSlice<f32>, o: usize) -> Result<CudaSlice<f32>> {
+        Self::check_len(x, t * k, "linear x")?;
+        Self::check_len(w, o * k, "linear w")?;
+        let mut y = self.canary(t * o)?;
+        if t == 0 || o == 0 || k == 0 {
+            return Ok(y);
+        }
+        // Row-major y[t,o] = x[t,k]·w[o,k]ᵀ is column-major yᵀ = W·xᵀ: C(o×t) = Aᵀ(o×k)·B(k×t)
+        // with A = w as a k×o column-major matrix and B = x as k×t.
+        match self.dtype {
+            Dtype::F32 => {
+                let cfg = GemmConfig {
+                    transa: cb::cublasOperation_t::CUBLAS_OP_T,
+                    transb: cb::cublasOperation_t::CUBLAS_OP_N,
+                    m: o as i32,
+                    n: t as i32,
+                    k: k as i32,
+                    alpha: 1.0f32,
+                    lda: k as i32,
+                    ldb: k as i32,
+                    beta: 0.0f32,
+                    ldc: o as i32,
+                };
+                // SAFETY: dims and leading dimensions match the buffers checked above.
+                unsafe { self.dev.blas.gemm(cfg, w, x, &mut y) }.map_err(|e| cerr(format!("cublasSgemm: {e:?}")))?;
+            }
+            Dtype::Bf16 => {
+                let (wb, xb) = (self.to_bf16(w, o * k)?, self.to_bf16(x, t * k)?);
+                let (alpha, beta) = (1.0f32, 0.0f32);
+                let stream = &self.dev.stream;
+                let (wp, _gw) = wb.device_ptr(stream);
+                let (xp, _gx) = xb.device_ptr(stream);
+                let (yp, _gy) = y.device_ptr_mut(stream);
+                // SAFETY: bf16 inputs, f32 output, f32 compute; dims as above.
+                unsafe {
+                    cudarc::cublas::result::gemm_ex(
+                        *self.dev.blas.handle(),
+                        cb::cublasOperation_t::CUBLAS_OP_T,
+                        cb::cublasOperation_t::CUBLAS_OP_N,
+                        o as i32,
+                        t as i32,
+                        k as i32,
+                        (&alpha as *const f32).cast::<c_void>(),
+                        wp as *const c_void,
+                        cb::cudaDataType_t::CUDA_R_16BF,
+                        k as i32,
+                        xp as *const c_void,
+                        cb::cudaDataType_t::CUDA_R_16BF,
+                        k as i32,
+                        (&beta as *const f32).cast::<c_void>(),
+                        yp as *mut c_void,
+                        cb::cudaDataType_t::CUDA_R_32F,
+                        o as i32,
+                        cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+                .map_err(|e| cerr(format!("cublasGemmEx (bf16 in, f32 out): {e:?}")))?;
+            }
+        }
+        self.sync("cublas gemm")?;
+        Ok(y)
+    }
+
+    fn add(&self, a: &CudaSlice<f32>, b: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<f32>> {
+        Self::check_len(a, n, "add a")?;
+        Self::check_len(b, n, "add b")?;
+        let mut out = self.alloc(n)?;
+        let nn = n as i64;
+        launch!(self, Module::Elementwise, "add", grid1(n), a, b, &mut out, &nn);
+        Ok(out)
+    }
+
+    fn silu_mul(&self, g: &CudaSlice<f32>, u: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<f32>> {
+        Self::check_len(g, n, "silu_mul g")?;
+        Self::check_len(u, n, "silu_mul u")?;
+        let mut out = self.alloc(n)?;
+        let nn = n as i64;
+        launch!(self, Module::Elementwise, "silu_mul", grid1(n), g, u, &mut out, &nn);
+        Ok(out)
+    }
+
+    fn rms_norm(
+        &self,
+        src: &CudaSlice<f32>,
+        rows: usize,
+        off: usize,
+        stride: usize,
+        width: usize,
+        g: &CudaSlice<f32>,
+        eps: f32,
+    ) -> Result<CudaSlice<f32>> {
+        Self::check_len(g, width, "rms_norm weight")?;
+        let mut out = self.canary(rows * width)?;
+        if rows == 0 {
+            return Ok(out);
+        }
+        let (r, o, s, w, len) = (rows as i64, off as i64, stride as i64, width as i64, src.len() as i64);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            self,
+            Module::NormRope,
+            "rms_norm",
+            cfg,
+            src,
+            g,
+            &mut out,
+            &r,
+            &o,
+            &s,
+            &w,
+            &len,
+            &eps
+        );
+        Ok(out)
+    }
+
+    fn copy2d(&self, src: &CudaSlice<f32>, dst: &mut CudaSlice<f32>, c: Copy2d) -> Result<()> {
+        if c.rows == 0 || c.width == 0 {
+            return Ok(());
+        }
+        let div = c.src_row_div.max(1);
+        Self::check_len(
+            src,
+            c.src_off + ((c.rows - 1) / div) * c.src_stride + c.width,
+            "copy2d source",
+        )?;
+        Self::check_len(
+            dst,
+            c.dst_off + (c.rows - 1) * c.dst_stride + c.width,
+            "copy2d destination",
+        )?;
+        let a = [c.rows, c.width, c.src_off, c.src_stride, div, c.dst_off, c.dst_stride].map(|x| x as i64);
+        launch!(
+            self,
+            Module::Elementwise,
+            "copy2d",
+            grid1(c.rows * c.width),
+            src,
+            dst,
+            &a[0],
+            &a[1],
+            &a[2],
+            &a[3],
+            &a[4],
+            &a[5],
+            &a[6]
+        );
+        Ok(())
+    }
+
+    fn transpose(&self, src: &CudaSlice<f32>, batch: usize, rows: usize, cols: usize) -> Result<CudaSlice<f32>> {
+        Self::check_len(src, batch * rows * cols, "transpose")?;
+        let mut out = self.canary(batch * rows * cols)?;
+        let (b, r, c) = (batch as i64, rows as i64, cols as i64);
+        launch!(
+            self,
+            Module::Elementwise,
+            "transpose",
+            grid1(batch * rows * cols),
+            src,
+            &mut out,
+            &b,
+            &r,
+            &c
+        );
+        Ok(out)
+    }
+
+    fn gather_rows(&self, src: &CudaSlice<f32>, row_len: usize, idx: &[usize]) -> Result<CudaSlice<f32>> {
+        if let Some(&m) = idx.iter().max() {
+            Self::check_len(src, (m + 1) * row_len, "gather_rows")?;
+        }
+        let mut out = self.canary(idx.len() * row_len)?;
+        if idx.is_empty() {
+            return Ok(out);
+        }
+        let d = self.idx(idx)?;
+        let (n, rl) = (idx.len() as i64, row_len as i64);
+        launch!(
+            self,
+            Module::Elementwise,
+            "gather_rows",
+            grid1(idx.len() * row_len),
+            src,
+            &d,
+            &mut out,
+            &n,
+            &rl
+        );
+        Ok(out)
+    }
+
+    fn scatter_rows(
+        &self,
+        dst: &mut CudaSlice<f32>,
+        src: &CudaSlice<f32>,
+        row_len: usize,
+        idx: &[usize],
+    ) -> Result<()> {
+        if idx.is_empty() {
+            return Ok(());
+        }
+        Self::check_len(src, idx.len() * row_len, "scatter_rows source")?;
+        if let Some(&m) = idx.iter().max() {
+            Self::check_len(dst, (m + 1) * row_len, "scatter_rows destination")?;
+        }
+        let d = self.idx(idx)?;
+        let (n, rl) = (idx.len() as i64, row_len as i64);
+        launch!(
+            self,
+            Module::Elementwise,
+            "scatter_rows",
+            grid1(idx.len() * row_len),
+            dst,
+            src,
+            &d,
+            &n,
+            &rl
+        );
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaSlice<f32>,
+        rows: usize,
+        r: usize,
+        positions: &[usize],
+        cos: &CudaSlice<f32>,
+        sin: &CudaSlice<f32>,
+        style: RopeStyle,
+    ) -> Result<()> {
+        Self::check_len(x, rows * r, "rope")?;
+        let half = r / 2;
+        if let Some(&m) = positions.iter().take(rows).max() {
+            Self::check_len(cos, (m + 1) * half, "rope cos table")?;
+            Self::check_len(sin, (m + 1) * half, "rope sin table")?;
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let pos = self.idx(&positions[..rows])?;
+        let (rr, rl, neox) = (rows as i64, r as i64, i32::from(style == RopeStyle::Neox));
+        launch!(
+            self,
+            Module::NormRope,
+            "rope",
+            grid1(rows * half),
+            x,
+            &pos,
+            cos,
+            sin,
+            &rr,
+            &rl,
+            &neox
+        );
+        Ok(())
+    }
+
+    fn bmm_heads(
+        &self,
+        x: &CudaSlice<f32>,
+        t: usize,
+        nh: usize,
+        a: usize,
+        w: &CudaSlice<f32>,
+        b: usize,
+    ) -> Result<CudaSlice<f32>> {
+        Self::check_len(x, t * nh * a, "bmm_heads x")?;
+        Self::check_len(w, nh * a * b, "bmm_heads w")?;
+        let mut out = self.canary(t * nh * b)?;
+        let (tt, n, aa, bb, bf) = (
+            t as i64,
+            nh as i64,
+            a as i64,
+            b as i64,
+            i32::from(self.dtype == Dtype::Bf16),
+        );
+        launch!(
+            self,
+            Module::Elementwise,
+            "bmm_heads",
+            grid1(t * nh * b),
+            x,
+            w,
+            &mut out,
+            &tt,
+            &n,
+            &aa,
+            &bb,
+            &bf
+        );
+        Ok(out)
+    }
+
+    fn flash_attention(
+        &self,
+        q: &CudaSlice<f32>,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        nh: usize,
+        dqk: usize,
+        dv: usize,
+        segments: &[Segment],
+        scale: f32,
+        empty: EmptyRows,
+        out: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        if dqk > MAX_WIDTH || dv > MAX_WIDTH {
+            return Err(cerr(format!(
+                "flash_prefill supports head widths up to {MAX_WIDTH}, got P+R={dqk}, V={dv}"
+            )));
+        }
+        let mut segs = Vec::new();
+        let mut tiles = Vec::new();
+        for (si, sg) in segments.iter().enumerate() {
+            Self::check_len(q, (sg.q_off + sg.q_len) * nh * dqk, "flash q")?;
+            Self::check_len(k, (sg.k_off + sg.k_len) * nh * dqk, "flash k")?;
+            Self::check_len(v, (sg.k_off + sg.k_len) * nh * dv, "flash v")?;
+            Self::check_len(out, (sg.q_off + sg.q_len) * nh * dv, "flash out")?;
+            Self::check_len(lse, (sg.q_off + sg.q_len) * nh, "flash lse")?;
+            segs.extend([sg.q_off, sg.q_len, sg.k_off, sg.k_len, usize::from(sg.causal)]);
+            for q0 in (0..sg.q_len).step_by(FLASH_ROWS) {
+                tiles.extend([si, q0]);
+            }
+        }
+        if tiles.is_empty() {
+            return Ok(());
+        }
+        let n_tiles = tiles.len() / 2;
+        let (segs_d, tiles_d) = (self.idx(&segs)?, self.idx(&tiles)?);
+        let cfg = LaunchConfig {
+            grid_dim: (n_tiles as u32, nh as u32, 1),
+            block_dim: (32 * FLASH_ROWS as u32, 1, 1),
+            shared_mem_bytes: ((FLASH_BK * (dqk + dv) + FLASH_ROWS * dqk) * 4) as u32,
+        };
+        let (h, a, b, em) = (nh as i64, dqk as i64, dv as i64, empty.code());
+        match self.dtype {
+            Dtype::F32 => {
+                launch!(
+                    self,
+                    Module::Attention,
+                    "flash_prefill_f32",
+                    cfg,
+                    q,
+                    k,
+                    v,
+                    out,
+                    lse,
+                    &segs_d,
+                    &tiles_d,
+                    &h,
+                    &a,
+                    &b,
+                    &scale,
+                    &em
+                );
+            }
+            Dtype::Bf16 => {
+                let (qb, kb, vb) = (
+                    self.to_bf16(q, q.len())?,
+                    self.to_bf16(k, k.len())?,
+                    self.to_bf16(v, v.len())?,
+                );
+                launch!(
+                    self,
+                    Module::Attention,
+                    "flash_prefill_bf16",
+                    cfg,
+                    &qb,
+                    &kb,
+                    &vb,
+                    out,
+                    lse,
+                    &segs_d,
+                    &tiles_d,
+                    &h,
+                    &a,
+                    &b,
+                    &scale,
+                    &em
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn cache_write(
+        &self,
+        cache: &mut CudaSlice<f32>,
+        width: usize,
+        kv_c: &CudaSlice<f32>,
+        k_pe: &CudaSlice<f32>,
+        l: usize,
+        r: usize,
+        slots: &[usize],
+    ) -> Result<()> {
+        if slots.is_empty() {
+            return Ok(());
+        }
+        if l + r != width {
+            return Err(cerr(format!("cache_write: row width {width} != L+R = {}", l + r)));
+        }
+        Self::check_len(kv_c, slots.len() * l, "cache_write kv_c")?;
+        Self::check_len(k_pe, slots.len() * r, "cache_write k_pe")?;
+        if let Some(&m) = slots.iter().max() {
+            Self::check_len(cache, (m + 1) * width, "cache_write slot")?;
+        }
+        let s = self.idx(slots)?;
+        let (n, ll, rr) = (slots.len() as i64, l as i64, r as i64);
+        launch!(
+            self,
+            Module::Elementwise,
+            "cache_write",
+            grid1(slots.len() * width),
+            cache,
+            kv_c,
+            k_pe,
+            &s,
+            &n,
+            &ll,
+            &rr
+        );
+        Ok(())
+    }
+
+    fn decode_split(
+        &self,
+        q: &CudaSlice<f32>,
+        n: usize,
+        nh: usize,
+        cache: &CudaSlice<f32>,
+        block_size: usize,
+        width: usize,
+        tables: &[Vec<usize>],
+        ctx: &[usize],
+        splits: usize,
+        dv: usize,
+        scale: f32,
+        empty_lse: f32,
+        parts: &mut CudaSlice<f32>,
+        lses: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if dv > MAX_WIDTH {
+            return Err(cerr(format!(
+                "decode_split supports value widths up to {MAX_WIDTH}, got L={dv}"
+            )));
+        }
+        Self::check_len(q, n * nh * width, "decode q")?;
+        Self::check_len(parts, splits * n * nh * dv, "decode parts")?;
+        Self::check_len(lses, splits * n * nh, "decode lses")?;
+        let max_blocks = tables.iter().map(Vec::len).max().unwrap_or(1).max(1);
+        let mut flat = vec![0usize; n * max_blocks];
+        for (i, (t, &c)) in tables.iter().zip(ctx).enumerate() {
+            if c.div_ceil(block_size) > t.len() {
+                return Err(cerr(format!("decode: context {c} exceeds row {i}'s block table")));
+            }
+            for (j, &b) in t.iter().enumerate() {
+                Self::check_len(cache, (b + 1) * block_size * width, "decode block")?;
+                flat[i * max_blocks + j] = b;
+            }
+        }
+        let (tables_d, ctx_d) = (self.idx(&flat)?, self.idx(ctx)?);
+        let cfg = LaunchConfig {
+            grid_dim: ((n * nh) as u32, splits as u32, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: (width * 4) as u32,
+        };
+        let a = [n, nh, width, dv, block_size, max_blocks, splits].map(|x| x as i64);
+        match self.dtype {
+            Dtype::F32 => {
+                launch!(
+                    self,
+                    Module::Attention,
+                    "decode_split_f32",
+                    cfg,
+                    q,
+                    cache,
+                    &tables_d,
+                    &ctx_d,
+                    parts,
+                    lses,
+                    &a[0],
+                    &a[1],
+                    &a[2],
+                    &a[3],
+                    &a[4],
+                    &a[5],
+                    &a[6],
+                    &scale,
+                    &empty_lse
+                );
+            }
+            Dtype::Bf16 => {
+                let (qb, cb16) = (self.to_bf16(q, q.len())?, self.to_bf16(cache, cache.len())?);
+                launch!(
+                    self,
+                    Module::Attention,
+                    "decode_split_bf16",
+                    cfg,
+                    &qb,
+                    &cb16,
+                    &tables_d,
+                    &ctx_d,
+                    parts,
+                    lses,
+                    &a[0],
+                    &a[1],
+                    &a[2],
+                    &a[3],
+                    &a[4],
+                    &a[5],
+                    &a[6],
+                    &scale,
+                    &empty_lse
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn merge(
+        &self,
+        parts: &CudaSlice<f32>,
+        lses: &CudaSlice<f32>,
+        k: usize,
+        rows: usize,
+        nh: usize,
+        dv: usize,
+    ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+        Self::check_len(parts, k * rows * nh * dv, "merge parts")?;
+        Self::check_len(lses, k * rows * nh, "merge lses")?;
+        let mut out = self.canary(rows * nh * dv)?;
+        let mut lse = self.canary(rows * nh)?;
+        if rows * nh == 0 {
+            return Ok((out, lse));
+        }
+        let a = [k, rows, nh, dv].map(|x| x as i64);
+        launch!(
+            self,
+            Module::Attention,
+            "merge_states",
+            grid1(rows * nh),
+            parts,
+            lses,
+            &mut out,
+            &mut lse,
+            &a[0],
+            &a[1],
+            &a[2],
+            &a[3]
+        );
+        Ok((out, lse))
+    }
+}
+
+/// A one-line description of the device for reports: name, compute capability, driver and
+/// CUDA versions.
+pub fn describe(dev: &Device) -> String {
+    let nv = super::nvrtc_version()
+        .map(|(a, b)| format!("{a}.{b}"))
+        .unwrap_or_else(|_| "?".into());
+    format!(
+        "{} (compute {}.{}, kernels {}, NVRTC {nv}, include {})",
+        dev.name,
+        dev.compute_capability.0,
+        dev.compute_capability.1,
+        dev.arch,
+        dev.include.display()
+    )
+}
+
+/// Runs path `kind` on the GPU.
+pub fn run(
+    ops: &CudaOps,
+    kind: PathKind,
+    input: &crate::paths::LayerInput<'_>,
+    opts: &crate::paths::PathOptions,
+) -> Result<crate::paths::PathRun> {
+    let mut r = crate::paths::engine::run(ops, kind, input, opts)?;
+    r.notes.extend(ops.take_notes());
+    let _ = &ops.dev.ctx;
+    Ok(r)
+}

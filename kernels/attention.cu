@@ -164,8 +164,11 @@ extern "C" __global__ void decode_split_bf16(const __nv_bfloat16* q, const __nv_
 
 extern "C" __global__ void merge_states(const float* parts, const float* lses, float* out, float* lse, i64 k,
                                         i64 rows, i64 nh, i64 dv) {
-    const i64 rh = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (rh >= rows * nh) return;
+    // One thread per output element (coalesced); each recomputes its row's max and weights from
+    // the k LSEs (k is small: the splits or chunks of one query row).
+    const i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= rows * nh * dv) return;
+    const i64 rh = e / dv, d = e % dv;
     const i64 stride = rows * nh;
     float m = -INFINITY;
     bool has_nan = false;
@@ -179,29 +182,26 @@ extern "C" __global__ void merge_states(const float* parts, const float* lses, f
             m = fmaxf(m, x);
         }
     }
-    float* o = out + rh * dv;
     if (has_nan) {
         // An unwritten (canary) LSE poisons the merge; keep its payload visible.
         const float q = mla_quiet(nan_val);
-        for (i64 d = 0; d < dv; ++d) o[d] = q;
-        lse[rh] = q;
+        out[e] = q;
+        if (d == 0) lse[rh] = q;
         return;
     }
     if (m == -INFINITY) {
-        for (i64 d = 0; d < dv; ++d) o[d] = 0.0f;
-        lse[rh] = -INFINITY;
+        out[e] = 0.0f;
+        if (d == 0) lse[rh] = -INFINITY;
         return;
     }
-    float denom = 0.0f;
-    for (i64 d = 0; d < dv; ++d) o[d] = 0.0f;
+    float denom = 0.0f, acc = 0.0f;
     for (i64 s = 0; s < k; ++s) {
         const float x = lses[s * stride + rh];
         if (x == -INFINITY) continue;
         const float w = expf(x - m);
         denom += w;
-        const float* p = parts + (s * stride + rh) * dv;
-        for (i64 d = 0; d < dv; ++d) o[d] += w * p[d];
+        acc += w * parts[(s * stride + rh) * dv + d];
     }
-    for (i64 d = 0; d < dv; ++d) o[d] /= denom;
-    lse[rh] = m + logf(denom);
+    out[e] = acc / denom;
+    if (d == 0) lse[rh] = m + logf(denom);
 }

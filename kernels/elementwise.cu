@@ -86,3 +86,9 @@ extern "C" __global__ void bmm_heads(const float* x, const float* w, float* out,
     for (i64 k = 0; k < a; ++k) acc += mla_in(xr[k], bf16) * mla_in(wh[k * b + bi], bf16);
     out[i] = acc;
 }
+
+// round_bf16(x [n], y [n]): y = float(bf16(x)), round to nearest even (bf16 GEMM emulation).
+extern "C" __global__ void round_bf16(const float* x, float* y, i64 n) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = __bfloat162float(__float2bfloat16_rn(x[i]));
+}

@@ -5,7 +5,8 @@
 #   mkdir -p .gpu && strip -o .gpu/mla-diff target/release/mla-diff
 #   strip -o .gpu/cuda-tests "$(ls target/release/deps/cuda-* | grep -v '\.d$' | head -1)"
 # then run `bash scripts/gpu_validate.sh STAGE...` there. Logs go to $OUT (or ./gpu-logs).
-# Stages: smoke, tests, selftest-f32, selftest-bf16, memcheck, racecheck.
+# Stages: smoke, tests, quick, selftest-f32, selftest-bf16, fast-quick, fast-bf16, memcheck,
+# racecheck, racecheck-fast, sass.
 set -u
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
@@ -39,6 +40,27 @@ for stage in "$@"; do
       ;;
     selftest-bf16)
       step selftest-bf16 590 "$B" selftest --backend cuda --dtype bf16 --cross-check
+      ;;
+    fast-quick)
+      step selftest-fast-quick 300 "$B" selftest --backend cuda --kernels fast --dtype bf16 --quick --cross-check
+      ;;
+    fast-bf16)
+      step selftest-fast-bf16 590 "$B" selftest --backend cuda --kernels fast --dtype bf16 --cross-check
+      ;;
+    sass)
+      mkdir -p "$OUT/cubin"
+      step sass-compile 120 "$B" kernels --compile-only --arch sm_90 --out "$OUT/cubin"
+      for m in fast_prefill fast_decode; do
+        echo "$m.cu: $(/usr/local/cuda/bin/cuobjdump --dump-sass "$OUT/cubin/$m.cu.sm_90.cubin" | grep -c HMMA) HMMA, $(/usr/local/cuda/bin/cuobjdump --dump-sass "$OUT/cubin/$m.cu.sm_90.cubin" | grep -c LDGSTS) LDGSTS (cp.async), $(/usr/local/cuda/bin/cuobjdump --dump-sass "$OUT/cubin/$m.cu.sm_90.cubin" | grep -c LDSM) LDSM (ldmatrix) instructions" | tee -a "$OUT/summary.log"
+      done
+      rm -rf "$OUT/cubin"
+      ;;
+    racecheck-fast)
+      # compute-sanitizer cannot handle cuBLAS's bf16 GEMM kernels (an internal error at the first
+      # cublasGemmEx): MLA_DIFF_BF16_GEMM=emulate runs the same bf16-input, f32-accumulate GEMMs
+      # through cublasSgemm on bf16-rounded inputs.
+      # One fixture (tiny-v3-q8_0, copied to .gpu/one/) keeps the instrumented run short.
+      step racecheck-fast 590 env MLA_DIFF_BF16_GEMM=emulate /usr/local/cuda/bin/compute-sanitizer --tool racecheck --error-exitcode 3 "$B" selftest --backend cuda --kernels fast --dtype bf16 --quick --models .gpu/one
       ;;
     memcheck)
       step memcheck 590 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 3 "$B" selftest --backend cuda --quick

@@ -62,6 +62,52 @@ pub enum Command {
     Selftest(SelftestArgs),
     /// Compile every CUDA kernel with NVRTC (no GPU needed) and print registers and spills.
     Kernels(KernelsArgs),
+    /// Time the fast CUDA kernels at DeepSeek-V3 sizes (needs a GPU).
+    Bench(BenchArgs),
+}
+
+/// Arguments of `mla-diff bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// CUDA include folder (holding cuda_bf16.h).
+    #[arg(long)]
+    pub cuda_include: Option<PathBuf>,
+    /// Write the figures as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Overwrite an existing JSON file.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// `mla-diff bench`.
+pub fn cmd_bench(a: &BenchArgs, out: &mut dyn Write) -> Result<Outcome> {
+    let ops = crate::cuda::CudaOps::new(Dtype::Bf16, a.cuda_include.as_deref())?;
+    let figs = crate::cuda::bench::all(&ops)?;
+    let mut t = comfy_table::Table::new();
+    t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(vec![
+        "benchmark",
+        "shape",
+        "median time",
+        "figure",
+        "note",
+    ]);
+    for f in &figs {
+        t.add_row(vec![
+            f.name.clone(),
+            f.shape.clone(),
+            format!("{:.1} µs", f.micros),
+            format!("{:.1} {}", f.value, f.unit),
+            f.note.clone(),
+        ]);
+    }
+    let text = format!("{}\n{t}\n", crate::cuda::ops::describe(ops.device()));
+    out.write_all(text.as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    if let Some(j) = &a.json {
+        report::write_file_atomic(j, &report::to_json_bytes(&figs), a.force)?;
+    }
+    Ok(Outcome::Pass)
 }
 
 /// Arguments of `mla-diff kernels`.
@@ -76,6 +122,9 @@ pub struct KernelsArgs {
     /// CUDA include folder (holding cuda_bf16.h).
     #[arg(long)]
     pub cuda_include: Option<PathBuf>,
+    /// Also write each module's CUBIN here (`<module>.<arch>.cubin`), e.g. for cuobjdump.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
 }
 
 /// `mla-diff kernels --compile-only`: NVRTC-compiles every module for every architecture.
@@ -93,7 +142,11 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
     ]);
     for arch in &a.arch {
         for &m in crate::cuda::Module::ALL {
-            let c = crate::cuda::compile(m, arch, &include, true)?;
+            let c = crate::cuda::compile(m, arch, &include, true, &[])?;
+            if let Some(dir) = &a.out {
+                let path = dir.join(format!("{}.{arch}.cubin", m.file()));
+                report::write_file_atomic(&path, &c.cubin, true)?;
+            }
             let usage = crate::cuda::parse_usage(&c.log);
             if usage.is_empty() {
                 t.add_row(vec![
@@ -209,13 +262,18 @@ pub struct DeviceArgs {
     /// /usr/local/cuda/include.
     #[arg(long)]
     pub cuda_include: Option<PathBuf>,
+    /// CUDA attention kernels: tensor-core ones for bf16 (fast) or the plain FMA ones (simple).
+    #[arg(long, value_enum, default_value_t = crate::cuda::Kernels::Fast)]
+    pub kernels: crate::cuda::Kernels,
 }
 
 /// Picks the backend and says which on stderr: `auto` takes CUDA when a device answers.
 ///
 /// Errors: `--backend cuda` without a usable device, library or include folder.
 pub fn select_backend(d: &DeviceArgs) -> Result<Backend> {
-    let cuda = || crate::cuda::CudaOps::new(d.dtype, d.cuda_include.as_deref()).map(Backend::Cuda);
+    let cuda = || {
+        crate::cuda::CudaOps::new(d.dtype, d.cuda_include.as_deref()).map(|o| Backend::Cuda(o.with_kernels(d.kernels)))
+    };
     let b = match d.backend {
         BackendChoice::Cpu => Backend::Cpu(CpuOps::new(d.dtype)),
         BackendChoice::Cuda => cuda()?,
@@ -493,9 +551,16 @@ pub fn cmd_selftest(a: &SelftestArgs, out: &mut dyn Write) -> Result<Outcome> {
     let mut ok = rep.all_ok();
     if a.cross_check {
         let cpu = selftest::run(&Backend::Cpu(CpuOps::new(a.device.dtype)), &opts)?;
-        let (summary, same) = selftest::cross_check(&rep, &cpu);
+        let (summary, same) = selftest::cross_check(&rep, &cpu, "the CPU backend");
         text.push_str(&summary);
         ok &= same;
+        if let Backend::Cuda(o) = backend.clone().filter_fast() {
+            let simple = Backend::Cuda(o.with_kernels(crate::cuda::Kernels::Simple));
+            let srep = selftest::run(&simple, &opts)?;
+            let (summary, same) = selftest::cross_check(&rep, &srep, "the simple CUDA kernels");
+            text.push_str(&summary);
+            ok &= same && srep.all_ok();
+        }
     }
     out.write_all(text.as_bytes())
         .map_err(|e| Error::io("<stdout>", "write", e))?;
@@ -509,5 +574,6 @@ pub fn dispatch(cli: &Cli, out: &mut dyn Write) -> Result<Outcome> {
         Command::Inspect(a) => cmd_inspect(a, out),
         Command::Selftest(a) => cmd_selftest(a, out),
         Command::Kernels(a) => cmd_kernels(a, out),
+        Command::Bench(a) => cmd_bench(a, out),
     }
 }

@@ -515,7 +515,7 @@ pub fn confusion_table(rep: &SelftestReport) -> String {
 
 /// Compares two selftest runs case by case (class and first site of the finding). Returns the
 /// summary text and whether every case agreed.
-pub fn cross_check(a: &SelftestReport, b: &SelftestReport) -> (String, bool) {
+pub fn cross_check(a: &SelftestReport, b: &SelftestReport, against: &str) -> (String, bool) {
     let key = |c: &CaseResult| (c.fixture.clone(), c.case.clone(), c.path, c.tp, c.page);
     let found = |c: &CaseResult| c.found.as_ref().map(|f| (f.class, f.site));
     let mut differ = Vec::new();
@@ -524,7 +524,7 @@ pub fn cross_check(a: &SelftestReport, b: &SelftestReport) -> (String, bool) {
         match b.cases.iter().find(|cb| key(cb) == key(ca)) {
             Some(cb) if found(cb) == found(ca) => same += 1,
             Some(cb) => differ.push(format!(
-                "  {} {} {} tp {} page {}: {:?} vs cpu {:?}",
+                "  {} {} {} tp {} page {}: {:?} vs {:?}",
                 ca.fixture,
                 ca.case,
                 ca.path,
@@ -537,7 +537,7 @@ pub fn cross_check(a: &SelftestReport, b: &SelftestReport) -> (String, bool) {
         }
     }
     let mut s = format!(
-        "\ncross-check against the CPU backend: {same}/{} cases with the same finding (class and first site)\n",
+        "\ncross-check against {against}: {same}/{} cases with the same finding (class and first site)\n",
         a.cases.len()
     );
     for d in &differ {

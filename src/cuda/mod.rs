@@ -9,6 +9,7 @@
 //! [`CudaOps`], the [`crate::paths::ops::Ops`] implementation. Every launch is followed by a
 //! synchronize and an error check that names the kernel.
 
+pub mod bench;
 pub mod ops;
 
 use std::ffi::{CStr, CString};
@@ -16,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 
-pub use ops::CudaOps;
+pub use ops::{CudaOps, Kernels};
 
 /// The prelude prepended to every kernel module.
 pub const COMMON: &str = include_str!("../../kernels/common.cuh");
@@ -32,11 +33,25 @@ pub enum Module {
     Attention,
     /// `dequant.cu`: GGUF dequantization (compiled with `--fmad=false`, bit-exact).
     Dequant,
+    /// `fast_prefill.cu`: tensor-core flash prefill, compiled per (P+R, V).
+    FastPrefill,
+    /// `fast_decode.cu`: tensor-core split-KV decode, compiled per (L+R, L).
+    FastDecode,
 }
 
 impl Module {
     /// Every module.
     pub const ALL: &'static [Module] = &[
+        Module::Elementwise,
+        Module::NormRope,
+        Module::Attention,
+        Module::Dequant,
+        Module::FastPrefill,
+        Module::FastDecode,
+    ];
+
+    /// The modules every run loads up front (the fast ones are compiled per shape on demand).
+    pub const SIMPLE: &'static [Module] = &[
         Module::Elementwise,
         Module::NormRope,
         Module::Attention,
@@ -50,6 +65,8 @@ impl Module {
             Module::NormRope => "norm_rope.cu",
             Module::Attention => "attention.cu",
             Module::Dequant => "dequant.cu",
+            Module::FastPrefill => "fast_prefill.cu",
+            Module::FastDecode => "fast_decode.cu",
         }
     }
 
@@ -60,6 +77,8 @@ impl Module {
             Module::NormRope => include_str!("../../kernels/norm_rope.cu"),
             Module::Attention => include_str!("../../kernels/attention.cu"),
             Module::Dequant => include_str!("../../kernels/dequant.cu"),
+            Module::FastPrefill => include_str!("../../kernels/fast_prefill.cu"),
+            Module::FastDecode => include_str!("../../kernels/fast_decode.cu"),
         }
     }
 
@@ -68,6 +87,9 @@ impl Module {
         match self {
             // No FMA contraction: every dequantized value must match the CPU decoder's bits.
             Module::Dequant => &["--fmad=false"],
+            // Tensor-core kernels: bf16 inputs, so the hardware exp2 (2^-22 relative error) is
+            // far below the input rounding.
+            Module::FastPrefill | Module::FastDecode => &["--use_fast_math"],
             _ => &[],
         }
     }
@@ -142,9 +164,16 @@ pub fn include_dir(explicit: Option<&Path>) -> Result<PathBuf> {
 }
 
 /// Compiles `module` for `arch` (e.g. `sm_90`) with NVRTC, returning the CUBIN and the log.
+/// `defines` become `-DNAME=VALUE` (the fast kernels' shape constants).
 ///
 /// Errors: [`Error::Cuda`] with NVRTC's whole log when the source does not compile.
-pub fn compile(module: Module, arch: &str, include: &Path, verbose: bool) -> Result<Compiled> {
+pub fn compile(
+    module: Module,
+    arch: &str,
+    include: &Path,
+    verbose: bool,
+    defines: &[(&str, usize)],
+) -> Result<Compiled> {
     use cudarc::nvrtc::sys as nv;
     if !nvrtc_present() {
         return Err(cuda_err(
@@ -160,6 +189,7 @@ pub fn compile(module: Module, arch: &str, include: &Path, verbose: bool) -> Res
         "--std=c++17".into(),
     ];
     opts.extend(module.extra_options().iter().map(|s| s.to_string()));
+    opts.extend(defines.iter().map(|(k, v)| format!("-D{k}={v}")));
     if verbose {
         opts.push("--ptxas-options=-v".into());
     }

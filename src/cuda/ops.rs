@@ -43,6 +43,8 @@ pub struct Device {
     blas: CudaBlas,
     modules: HashMap<Module, Arc<CudaModule>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// Fast kernels, compiled per shape on first use: (module, dim a, dim b) → function.
+    fast: Mutex<HashMap<(Module, usize, usize), CudaFunction>>,
     /// Device name, e.g. "NVIDIA H200".
     pub name: String,
     /// Compute capability.
@@ -62,11 +64,24 @@ impl std::fmt::Debug for Device {
     }
 }
 
+/// Which attention kernels the CUDA backend launches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Kernels {
+    /// Tensor-core kernels (mma.sync) for bf16 prefill and decode; the simple ones elsewhere.
+    Fast,
+    /// The plain f32-FMA kernels everywhere (the cross-check).
+    Simple,
+}
+
 /// The CUDA backend.
 #[derive(Clone, Debug)]
 pub struct CudaOps {
     dev: Arc<Device>,
     dtype: Dtype,
+    kernels: Kernels,
+    /// Synchronize and check after every launch (off only for benchmarks, which check at the end).
+    sync_each: bool,
     notes: Arc<Mutex<Vec<String>>>,
 }
 
@@ -97,8 +112,8 @@ impl CudaOps {
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone()).map_err(|e| cerr(format!("cublasCreate: {e:?}")))?;
         let mut modules = HashMap::new();
-        for &m in Module::ALL {
-            let c = compile(m, &arch, &include, false)?;
+        for &m in Module::SIMPLE {
+            let c = compile(m, &arch, &include, false, &[])?;
             let module = ctx
                 .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))
                 .map_err(|e| cerr(format!("{}: cuModuleLoadData: {e:?}", m.file())))?;
@@ -111,23 +126,92 @@ impl CudaOps {
                 blas,
                 modules,
                 functions: Mutex::new(HashMap::new()),
+                fast: Mutex::new(HashMap::new()),
                 name,
                 compute_capability: cc,
                 arch,
                 include,
             }),
             dtype,
+            kernels: Kernels::Fast,
+            sync_each: true,
             notes: Arc::new(Mutex::new(Vec::new())),
         })
     }
 
     /// The same device and kernels, computing in another dtype.
     pub fn with_dtype(&self, dtype: Dtype) -> Self {
+        CudaOps { dtype, ..self.clone() }
+    }
+
+    /// The same device, launching `kernels`.
+    pub fn with_kernels(&self, kernels: Kernels) -> Self {
         CudaOps {
-            dev: self.dev.clone(),
-            dtype,
-            notes: self.notes.clone(),
+            kernels,
+            ..self.clone()
         }
+    }
+
+    /// The same device, synchronizing after every launch or not (benchmarks time back-to-back
+    /// launches and check errors once at the end with [`CudaOps::synchronize`]).
+    pub fn with_sync_each(&self, sync_each: bool) -> Self {
+        CudaOps {
+            sync_each,
+            ..self.clone()
+        }
+    }
+
+    /// Waits for every launched kernel and reports any error.
+    pub fn synchronize(&self) -> Result<()> {
+        self.dev
+            .stream
+            .synchronize()
+            .map_err(|e| cerr(format!("stream synchronize: {e:?}")))
+    }
+
+    /// Which attention kernels this backend launches.
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
+    }
+
+    /// True when the tensor-core kernels serve this dtype (they take bf16 inputs).
+    pub fn uses_fast(&self) -> bool {
+        self.kernels == Kernels::Fast && self.dtype == Dtype::Bf16
+    }
+
+    /// A fast kernel compiled for shape `(a, b)` (prefill: P+R, V; decode: L+R, L), with its
+    /// dynamic shared memory limit raised to `smem` bytes.
+    pub fn fast_function(&self, module: Module, a: usize, b: usize, smem: usize) -> Result<CudaFunction> {
+        let mut cache = self.dev.fast.lock().map_err(|_| cerr("fast kernel cache poisoned"))?;
+        if let Some(f) = cache.get(&(module, a, b)) {
+            return Ok(f.clone());
+        }
+        let (defines, name): (Vec<(&str, usize)>, &str) = match module {
+            Module::FastPrefill => (vec![("MLA_DQK", a), ("MLA_DV", b)], "flash_prefill_mma"),
+            Module::FastDecode => (vec![("MLA_W", a), ("MLA_DV", b)], "decode_split_mma"),
+            _ => return Err(cerr(format!("{} is not a fast kernel module", module.file()))),
+        };
+        let c = compile(module, &self.dev.arch, &self.dev.include, false, &defines)?;
+        let m = self
+            .dev
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))
+            .map_err(|e| cerr(format!("{}: cuModuleLoadData: {e:?}", module.file())))?;
+        let f = m
+            .load_function(name)
+            .map_err(|e| cerr(format!("{}: kernel `{name}` not found: {e:?}", module.file())))?;
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(|e| cerr(format!("{name}: cannot allow {smem} bytes of shared memory: {e:?}")))?;
+        cache.insert((module, a, b), f.clone());
+        Ok(f)
+    }
+
+    /// The stream (for benchmarks).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.dev.stream
     }
 
     /// The device.
@@ -166,18 +250,21 @@ impl CudaOps {
 
     /// Waits for the stream and turns any asynchronous error into one naming `kernel`.
     fn sync(&self, kernel: &str) -> Result<()> {
+        if !self.sync_each {
+            return Ok(());
+        }
         self.dev
             .stream
             .synchronize()
             .map_err(|e| cerr(format!("kernel `{kernel}` failed: {e:?}")))
     }
 
-    fn alloc(&self, n: usize) -> Result<CudaSlice<f32>> {
+    pub(crate) fn alloc(&self, n: usize) -> Result<CudaSlice<f32>> {
         // SAFETY: the memory is filled by the canary kernel (or fully written) before any read.
         unsafe { self.dev.stream.alloc::<f32>(n.max(1)) }.map_err(|e| cerr(format!("cuMemAlloc of {n} floats: {e:?}")))
     }
 
-    fn idx(&self, v: &[usize]) -> Result<CudaSlice<i64>> {
+    pub(crate) fn idx(&self, v: &[usize]) -> Result<CudaSlice<i64>> {
         let w: Vec<i64> = if v.is_empty() {
             vec![0]
         } else {
@@ -190,7 +277,7 @@ impl CudaOps {
     }
 
     /// A bf16 copy of `x` (`n` elements), for kernels and GEMMs that read bf16.
-    fn to_bf16(&self, x: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<half::bf16>> {
+    pub(crate) fn to_bf16(&self, x: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<half::bf16>> {
         // SAFETY: every element is written by cast_bf16 below.
         let mut y =
             unsafe { self.dev.stream.alloc::<half::bf16>(n.max(1)) }.map_err(|e| cerr(format!("alloc bf16: {e:?}")))?;
@@ -201,6 +288,19 @@ impl CudaOps {
         // SAFETY: argument types match the kernel signature in elementwise.cu.
         unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch cast_bf16: {e:?}")))?;
         self.sync("cast_bf16")?;
+        Ok(y)
+    }
+
+    /// `x` rounded to bf16 and held in f32 (`n` elements).
+    fn round_bf16(&self, x: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<f32>> {
+        let mut y = self.alloc(n)?;
+        let nn = n as i64;
+        let f = self.func(Module::Elementwise, "round_bf16")?;
+        let mut b = self.dev.stream.launch_builder(&f);
+        b.arg(x).arg(&mut y).arg(&nn);
+        // SAFETY: argument types match round_bf16 in elementwise.cu.
+        unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch round_bf16: {e:?}")))?;
+        self.sync("round_bf16")?;
         Ok(y)
     }
 
@@ -247,6 +347,185 @@ impl CudaOps {
         self.sync(kernel)?;
         Ok(Some(y))
     }
+}
+
+impl CudaOps {
+    /// Shared memory of `flash_prefill_mma` for (P+R, V): Q tile and two K/V stages, bf16.
+    pub fn prefill_smem(dqk: usize, dv: usize) -> usize {
+        (64 * (dqk + 8) * 3 + 2 * 64 * (dv + 8)) * 2
+    }
+
+    /// Shared memory of `decode_split_mma` for (L+R, L).
+    pub fn decode_smem(width: usize) -> usize {
+        16 * (width + 8) * 2 + 2 * 32 * (width + 8) * 2 + 16 * 32 * 4 + 16 * 40 * 2 + 48 * 4
+    }
+
+    /// Tensor-core flash prefill on bf16 copies of `q`, `k`, `v`.
+    #[allow(clippy::too_many_arguments)]
+    fn flash_prefill_fast(
+        &self,
+        q: &CudaSlice<f32>,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        nh: usize,
+        dqk: usize,
+        dv: usize,
+        segments: &[Segment],
+        scale: f32,
+        empty: EmptyRows,
+        out: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (qb, kb, vb) = (
+            self.to_bf16(q, q.len())?,
+            self.to_bf16(k, k.len())?,
+            self.to_bf16(v, v.len())?,
+        );
+        self.prefill_mma(&qb, &kb, &vb, nh, dqk, dv, segments, scale, empty, out, lse)
+    }
+
+    /// Launches `flash_prefill_mma` on bf16 inputs `q [Tq, nh, dqk]`, `k [Tk, nh, dqk]`,
+    /// `v [Tk, nh, dv]`, writing `out [Tq, nh, dv]` and `lse [Tq, nh]` (see fast_prefill.cu).
+    #[allow(clippy::too_many_arguments)]
+    pub fn prefill_mma(
+        &self,
+        qb: &CudaSlice<half::bf16>,
+        kb: &CudaSlice<half::bf16>,
+        vb: &CudaSlice<half::bf16>,
+        nh: usize,
+        dqk: usize,
+        dv: usize,
+        segments: &[Segment],
+        scale: f32,
+        empty: EmptyRows,
+        out: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let mut segs = Vec::new();
+        let mut tiles = Vec::new();
+        for (si, sg) in segments.iter().enumerate() {
+            segs.extend([sg.q_off, sg.q_len, sg.k_off, sg.k_len, usize::from(sg.causal)]);
+            // Causal tiles further down see more keys: schedule the heaviest first.
+            for q0 in (0..sg.q_len).step_by(64).rev() {
+                tiles.extend([si, q0]);
+            }
+        }
+        if tiles.is_empty() {
+            return Ok(());
+        }
+        let smem = Self::prefill_smem(dqk, dv);
+        let f = self.fast_function(Module::FastPrefill, dqk, dv, smem)?;
+        let (segs_d, tiles_d) = (self.idx(&segs)?, self.idx(&tiles)?);
+        let cfg = LaunchConfig {
+            grid_dim: ((tiles.len() / 2) as u32, nh as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let (h, em) = (nh as i64, empty.code());
+        let mut b = self.dev.stream.launch_builder(&f);
+        b.arg(qb)
+            .arg(kb)
+            .arg(vb)
+            .arg(out)
+            .arg(lse)
+            .arg(&segs_d)
+            .arg(&tiles_d)
+            .arg(&h)
+            .arg(&scale)
+            .arg(&em);
+        // SAFETY: arguments match flash_prefill_mma in fast_prefill.cu.
+        unsafe { b.launch(cfg) }.map_err(|e| cerr(format!("launch flash_prefill_mma: {e:?}")))?;
+        self.sync("flash_prefill_mma")
+    }
+
+    /// Tensor-core split-KV decode stage 1 on bf16 `q` [n, nh, W] and cache.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_split_fast(
+        &self,
+        q: &CudaSlice<half::bf16>,
+        n: usize,
+        nh: usize,
+        cache: &CudaSlice<half::bf16>,
+        block_size: usize,
+        width: usize,
+        flat_tables: &[usize],
+        max_blocks: usize,
+        ctx: &[usize],
+        splits: usize,
+        dv: usize,
+        scale: f32,
+        empty_lse: f32,
+        parts: &mut CudaSlice<f32>,
+        lses: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (tables_d, ctx_d) = (self.idx(flat_tables)?, self.idx(ctx)?);
+        let shape = DecodeShape {
+            n,
+            nh,
+            block_size,
+            width,
+            max_blocks,
+            splits,
+            dv,
+        };
+        self.decode_mma(q, cache, &tables_d, &ctx_d, shape, scale, empty_lse, parts, lses)
+    }
+
+    /// Launches `decode_split_mma` with block tables and context lengths already on the device
+    /// (`tables_d` [n, max_blocks], `ctx_d` [n], i64).
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_mma(
+        &self,
+        q: &CudaSlice<half::bf16>,
+        cache: &CudaSlice<half::bf16>,
+        tables_d: &CudaSlice<i64>,
+        ctx_d: &CudaSlice<i64>,
+        sh: DecodeShape,
+        scale: f32,
+        empty_lse: f32,
+        parts: &mut CudaSlice<f32>,
+        lses: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let smem = Self::decode_smem(sh.width);
+        let f = self.fast_function(Module::FastDecode, sh.width, sh.dv, smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: ((sh.n * sh.nh.div_ceil(16)) as u32, sh.splits as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let a = [sh.n, sh.nh, sh.block_size, sh.max_blocks, sh.splits].map(|x| x as i64);
+        let mut b = self.dev.stream.launch_builder(&f);
+        b.arg(q).arg(cache).arg(tables_d).arg(ctx_d).arg(parts).arg(lses);
+        b.arg(&a[0])
+            .arg(&a[1])
+            .arg(&a[2])
+            .arg(&a[3])
+            .arg(&a[4])
+            .arg(&scale)
+            .arg(&empty_lse);
+        // SAFETY: arguments match decode_split_mma in fast_decode.cu.
+        unsafe { b.launch(cfg) }.map_err(|e| cerr(format!("launch decode_split_mma: {e:?}")))?;
+        self.sync("decode_split_mma")
+    }
+}
+
+/// Shape of a split-KV decode launch.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeShape {
+    /// Query rows (decode tokens).
+    pub n: usize,
+    /// Heads per row.
+    pub nh: usize,
+    /// Tokens per cache page.
+    pub block_size: usize,
+    /// Cache row width, L+R.
+    pub width: usize,
+    /// Columns of the block-table array.
+    pub max_blocks: usize,
+    /// KV splits per row.
+    pub splits: usize,
+    /// Value width, L.
+    pub dv: usize,
 }
 
 macro_rules! launch {
@@ -339,6 +618,27 @@ impl Ops for CudaOps {
                 };
                 // SAFETY: dims and leading dimensions match the buffers checked above.
                 unsafe { self.dev.blas.gemm(cfg, w, x, &mut y) }.map_err(|e| cerr(format!("cublasSgemm: {e:?}")))?;
+            }
+            Dtype::Bf16 if std::env::var_os("MLA_DIFF_BF16_GEMM").is_some_and(|v| v == "emulate") => {
+                // bf16 inputs held exactly in f32, f32 accumulation: the same arithmetic as the
+                // bf16 GEMM, through cublasSgemm. For compute-sanitizer runs, which cannot handle
+                // cuBLAS's bf16 kernels.
+                let (xr, wr) = (self.round_bf16(x, t * k)?, self.round_bf16(w, o * k)?);
+                let cfg = GemmConfig {
+                    transa: cb::cublasOperation_t::CUBLAS_OP_T,
+                    transb: cb::cublasOperation_t::CUBLAS_OP_N,
+                    m: o as i32,
+                    n: t as i32,
+                    k: k as i32,
+                    alpha: 1.0f32,
+                    lda: k as i32,
+                    ldb: k as i32,
+                    beta: 0.0f32,
+                    ldc: o as i32,
+                };
+                // SAFETY: dims and leading dimensions match the buffers checked above.
+                unsafe { self.dev.blas.gemm(cfg, &wr, &xr, &mut y) }
+                    .map_err(|e| cerr(format!("cublasSgemm: {e:?}")))?;
             }
             Dtype::Bf16 => {
                 let (wb, xb) = (self.to_bf16(w, o * k)?, self.to_bf16(x, t * k)?);
@@ -657,6 +957,9 @@ impl Ops for CudaOps {
             shared_mem_bytes: ((FLASH_BK * (dqk + dv) + FLASH_ROWS * dqk) * 4) as u32,
         };
         let (h, a, b, em) = (nh as i64, dqk as i64, dv as i64, empty.code());
+        if self.uses_fast() && dqk.is_multiple_of(16) && dv.is_multiple_of(16) {
+            return self.flash_prefill_fast(q, k, v, nh, dqk, dv, segments, scale, empty, out, lse);
+        }
         match self.dtype {
             Dtype::F32 => {
                 launch!(
@@ -791,6 +1094,13 @@ impl Ops for CudaOps {
             block_dim: (32, 1, 1),
             shared_mem_bytes: (width * 4) as u32,
         };
+        if self.uses_fast() && width.is_multiple_of(16) && dv.is_multiple_of(32) && dv <= width {
+            let qb = self.to_bf16(q, q.len())?;
+            let cb16 = self.to_bf16(cache, cache.len())?;
+            return self.decode_split_fast(
+                &qb, n, nh, &cb16, block_size, width, &flat, max_blocks, ctx, splits, dv, scale, empty_lse, parts, lses,
+            );
+        }
         let a = [n, nh, width, dv, block_size, max_blocks, splits].map(|x| x as i64);
         match self.dtype {
             Dtype::F32 => {
@@ -865,7 +1175,7 @@ impl Ops for CudaOps {
             self,
             Module::Attention,
             "merge_states",
-            grid1(rows * nh),
+            grid1(rows * nh * dv),
             parts,
             lses,
             &mut out,

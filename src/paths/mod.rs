@@ -211,6 +211,15 @@ impl Backend {
         }
     }
 
+    /// This backend when it runs tensor-core kernels (CUDA, fast kernels, bf16), else the CPU
+    /// variant (used to decide whether a fast-vs-simple cross-check applies).
+    pub fn filter_fast(self) -> Backend {
+        match self {
+            Backend::Cuda(o) if o.uses_fast() => Backend::Cuda(o),
+            other => Backend::Cpu(cpu::CpuOps::new(other.dtype())),
+        }
+    }
+
     /// Runs path `kind` for one layer.
     pub fn run(&self, kind: PathKind, input: &LayerInput<'_>, opts: &PathOptions) -> Result<PathRun> {
         match self {

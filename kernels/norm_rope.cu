@@ -6,8 +6,9 @@
 //        such a strided view of kv_a (width L, stride L+R). Reads past src_len give 0.
 //        One block per row; the sum of squares uses a fixed-shape tree, so results are
 //        deterministic.
-//   rope(x [rows, R] in place, positions [rows] i64, cos [max_pos, R/2], sin [max_pos, R/2],
-//        rows, R, neox)
+//   rope(x [rows, R] in place, positions [rows] i64, cos [n, R/2], sin [n, R/2], rows, R, neox)
+//        positions[r] is the row of the cos/sin tables for row r (the tables hold one row per
+//        token, built on the host from the token's position and the YaRN frequencies).
 //        neox = 0: DeepSeek/GPT-J interleaved pairs (x[2i], x[2i+1]); neox = 1: (x[i], x[i+R/2]).
 //        cos/sin come from the host's YaRN frequency table.
 

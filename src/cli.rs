@@ -373,6 +373,44 @@ pub struct InspectArgs {
     pub layer: Option<usize>,
 }
 
+/// Largest RoPE position accepted (`--start-pos` plus the sequence length): 2^31, far past any
+/// released context length, and exact in the f64 angle computation.
+pub const MAX_POSITION: usize = 1 << 31;
+
+/// Rejects injected faults that act on none of the requested paths (a run that "passes" with an
+/// inert fault would read as a detector failure), and notes the paths a fault skips.
+fn check_faults(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<()> {
+    let layer = rc.layers.first().copied().unwrap_or(0);
+    let latent = match cfg.kv_b_layout {
+        crate::config::KvBLayout::Split => crate::weights::tensor_name(layer, "attn_v_b"),
+        crate::config::KvBLayout::Fused => crate::weights::tensor_name(layer, "attn_kv_b"),
+    };
+    let block = file.tensor(&latent).map_or(1, |t| t.ggml_type.block_size());
+    for &f in &rc.path_options.faults.0 {
+        let verdicts: Vec<(PathKind, std::result::Result<(), &str>)> = rc
+            .paths
+            .iter()
+            .map(|&p| (p, f.applies(p, cfg, rc.path_options.tp, block)))
+            .collect();
+        if verdicts.iter().all(|(_, v)| v.is_err()) {
+            let why: Vec<String> = verdicts
+                .iter()
+                .filter_map(|(p, v)| v.err().map(|e| format!("{p}: {e}")))
+                .collect();
+            return Err(Error::Usage(format!(
+                "--inject {f} acts on none of the requested paths ({}); see `mla-diff run --help` and README's fault table",
+                why.join("; ")
+            )));
+        }
+        for (p, v) in verdicts {
+            if let Err(e) = v {
+                eprintln!("mla-diff: note: --inject {f} does not act on path {p} ({e})");
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Opens `--model`, or the embedded fixture when absent.
 pub fn open_model(model: Option<&PathBuf>) -> Result<GgufFile> {
     match model {
@@ -420,6 +458,12 @@ pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
         (None, Some(l)) => vec![l],
         (None, None) => vec![0],
     };
+    if a.tokens == 0 {
+        return Err(Error::Usage("--tokens must be at least 1".into()));
+    }
+    if a.tp == 0 {
+        return Err(Error::Usage("--tp must be at least 1".into()));
+    }
     if a.page_size == 0 || a.splits == 0 || a.chunk_size == 0 {
         return Err(Error::Usage(
             "--page-size, --splits and --chunk-size must be at least 1".into(),
@@ -442,7 +486,20 @@ pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
         }
         None => Batch::single(a.tokens, a.start_pos),
     };
-    let backend = select_backend(&a.device)?;
+    let last_pos = batch
+        .seqs
+        .iter()
+        .map(|s| s.len)
+        .max()
+        .unwrap_or(0)
+        .checked_add(a.start_pos);
+    if last_pos.is_none_or(|p| p > MAX_POSITION) {
+        return Err(Error::Usage(format!(
+            "--start-pos {}: positions must stay below {MAX_POSITION} (2^31)",
+            a.start_pos
+        )));
+    }
+
     let rc = RunConfig {
         layers,
         batch,
@@ -459,7 +516,19 @@ pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
             ..PathOptions::default()
         },
         dtype: a.device.dtype,
+        backend: String::new(),
+    };
+    check_faults(&file, &cfg, &rc)?;
+    if let Some(j) = a.json.as_ref().filter(|j| j.exists() && !a.force) {
+        return Err(Error::Usage(format!(
+            "{} exists; pass --force to overwrite it",
+            j.display()
+        )));
+    }
+    let backend = select_backend(&a.device)?;
+    let rc = RunConfig {
         backend: backend.describe(),
+        ..rc
     };
     let rep = run::run(&backend, &file, &cfg, &rc)?;
     if let Some(j) = &a.json {
@@ -467,6 +536,9 @@ pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
     }
     let text = if a.quiet {
         let mut lines = report::verdict_lines(&rep);
+        for r in &rep.results {
+            lines.extend(r.notes.iter().map(|n| format!("note ({} L{}): {n}", r.path, r.layer)));
+        }
         lines.extend(report::finding_lines(&rep));
         lines.join("\n") + "\n"
     } else {
@@ -534,9 +606,27 @@ pub fn selftest_models(dir: Option<&PathBuf>) -> Result<Vec<ModelSource>> {
 
 /// `mla-diff selftest`.
 pub fn cmd_selftest(a: &SelftestArgs, out: &mut dyn Write) -> Result<Outcome> {
+    if a.cross_check && a.device.backend == BackendChoice::Cpu {
+        return Err(Error::Usage(
+            "--cross-check compares a GPU backend with the CPU; --backend cpu has nothing to compare".into(),
+        ));
+    }
+    let models = selftest_models(a.models.as_ref())?;
+    if let Some(j) = a.json.as_ref().filter(|j| j.exists() && !a.force) {
+        return Err(Error::Usage(format!(
+            "{} exists; pass --force to overwrite it",
+            j.display()
+        )));
+    }
     let backend = select_backend(&a.device)?;
+    if a.cross_check && matches!(backend, Backend::Cpu(_)) {
+        return Err(Error::Usage(
+            "--cross-check needs a CUDA device to compare with the CPU; none answered (see the backend line above)"
+                .into(),
+        ));
+    }
     let opts = SelftestOptions {
-        models: selftest_models(a.models.as_ref())?,
+        models,
         layer: a.layer,
         quick: a.quick,
         seed: a.seed,

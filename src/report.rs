@@ -31,16 +31,29 @@ fn sci(x: f64) -> String {
 }
 
 fn status_word(d: &SiteDiff) -> String {
+    fn short(m: &&'static str) -> &'static str {
+        match *m {
+            "rel_l2" => "rel",
+            "cos_diff" => "cos",
+            "norm_ratio" => "norm",
+            "pass_fraction" => "elem",
+            "nonfinite" => "nan",
+            other => other,
+        }
+    }
     match d.status {
         Status::Pass => "pass".into(),
-        Status::Fail => format!("FAIL ({})", d.failed.join(",")),
+        Status::Fail => format!("FAIL {}", d.failed.iter().map(short).collect::<Vec<_>>().join(",")),
         Status::ShapeMismatch => format!("SHAPE {:?} vs {:?}", d.shape_cand, d.shape_ref),
         Status::NoReference => "no reference".into(),
     }
 }
 
-/// The per-site table of one (layer, path) as text.
+/// The per-site table of one (layer, path) as text. The first failing site is marked
+/// `◀ first`. Failed metrics are abbreviated: rel (rel_l2), cos (cos_diff), norm (norm ratio),
+/// elem (fraction of elements within atol + rtol), nan (non-finite positions).
 pub fn site_table(diffs: &[SiteDiff]) -> String {
+    let first = crate::compare::first_divergence(diffs).map(|d| d.site);
     let mut t = Table::new();
     t.load_style(presets::UTF8_BORDERS_ONLY)
         .set_content_arrangement(ContentArrangement::Disabled)
@@ -56,6 +69,13 @@ pub fn site_table(diffs: &[SiteDiff]) -> String {
         ]);
     for d in diffs {
         let (rel, cos, ratio, worst, pass) = match &d.metrics {
+            Some(m) if m.numel > 0 && m.nonfinite_mismatch == m.numel => (
+                "n/a".into(),
+                "n/a".into(),
+                "n/a".into(),
+                format!("all {} elements non-finite", m.numel),
+                format!("{:.2}%", 100.0 * m.pass_fraction),
+            ),
             Some(m) => (
                 sci(m.rel_l2),
                 sci(m.cos_diff),
@@ -74,7 +94,11 @@ pub fn site_table(diffs: &[SiteDiff]) -> String {
         t.add_row(vec![
             Cell::new(d.site.to_string()),
             Cell::new(format!("{:?}", d.shape_cand)),
-            Cell::new(status_word(d)),
+            Cell::new(if first == Some(d.site) {
+                format!("{} ◀ first", status_word(d))
+            } else {
+                status_word(d)
+            }),
             Cell::new(rel),
             Cell::new(cos),
             Cell::new(ratio),
@@ -103,12 +127,19 @@ pub fn verdict_lines(report: &RunReport) -> Vec<String> {
                     .metrics
                     .as_ref()
                     .map(|m| {
-                        format!(
-                            " (rel_l2 {}, cos_diff {}, norm ratio {:.4})",
-                            sci(m.rel_l2),
-                            sci(m.cos_diff),
-                            m.norm_ratio
-                        )
+                        if m.nonfinite_mismatch > 0 {
+                            format!(
+                                " ({} of {} elements non-finite where the reference is finite)",
+                                m.nonfinite_mismatch, m.numel
+                            )
+                        } else {
+                            format!(
+                                " (rel_l2 {}, cos_diff {}, norm ratio {:.4})",
+                                sci(m.rel_l2),
+                                sci(m.cos_diff),
+                                m.norm_ratio
+                            )
+                        }
                     })
                     .unwrap_or_default();
                 out.push(format!(
@@ -167,8 +198,11 @@ pub fn run_line(report: &RunReport) -> String {
     let start = r.batch.seqs.first().map_or(0, |s| s.start_pos);
     let faults: Vec<&str> = o.faults.0.iter().map(|f| f.name()).collect();
     format!(
-        "input {:?}, T={} in {} sequence(s) [{}] from position {}, seed {}, dtype {}, page size {}, splits {}, tp {}, chunk {}{}",
-        r.input,
+        "input {}, T={} in {} sequence(s) [{}] from position {}, seed {}, dtype {}, page size {}, splits {}, tp {}, chunk {}{}",
+        match r.input {
+            crate::run::InputMode::Random => "random",
+            crate::run::InputMode::Tokens => "tokens",
+        },
         r.batch.n_tokens(),
         r.batch.seqs.len(),
         lens.join(","),
@@ -245,6 +279,8 @@ pub fn json(report: &RunReport) -> Value {
         "token_ids": report.token_ids,
         "sites": sites,
         "first_divergence": first,
+        "verdict": if report.all_pass() { "pass" } else { "divergence" },
+        "exit_code": if report.all_pass() { 0 } else { 1 },
         "findings": report.findings,
     })
 }
@@ -269,10 +305,11 @@ pub fn write_file_atomic(path: &Path, bytes: &[u8], force: bool) -> Result<()> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "out".into());
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    // Errors name the file the user asked for; the temporary name is an implementation detail.
     let res = (|| {
-        let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, "create", e))?;
-        f.write_all(bytes).map_err(|e| Error::io(&tmp, "write", e))?;
-        f.sync_all().map_err(|e| Error::io(&tmp, "sync", e))?;
+        let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(path, "create", e))?;
+        f.write_all(bytes).map_err(|e| Error::io(path, "write", e))?;
+        f.sync_all().map_err(|e| Error::io(path, "sync", e))?;
         std::fs::rename(&tmp, path).map_err(|e| Error::io(path, "rename", e))
     })();
     if res.is_err() {

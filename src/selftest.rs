@@ -395,7 +395,8 @@ pub fn confusion_table(rep: &SelftestReport) -> String {
             ]);
             continue;
         };
-        let mut found: BTreeMap<String, usize> = BTreeMap::new();
+        // Keyed by (path order, text) so both columns list mha, mqa, chunked, mixed in order.
+        let mut found: BTreeMap<(usize, String), usize> = BTreeMap::new();
         let mut sites: Vec<String> = Vec::new();
         for c in cs {
             if let Some((_, st)) = &c.expected {
@@ -410,7 +411,8 @@ pub fn confusion_table(rep: &SelftestReport) -> String {
                 Some(fi) => format!("{}: {} @ {}", c.path, fi.class, fi.site.stage.name()),
                 None => format!("{}: nothing", c.path),
             };
-            *found.entry(k).or_default() += 1;
+            let order = PathKind::ALL.iter().position(|&p| p == c.path).unwrap_or(0);
+            *found.entry((order, k)).or_default() += 1;
         }
         let ok = cs.iter().filter(|c| c.ok()).count();
         t.add_row(vec![
@@ -419,7 +421,7 @@ pub fn confusion_table(rep: &SelftestReport) -> String {
             sites.join("\n"),
             found
                 .iter()
-                .map(|(k, v)| format!("{k} ({v})"))
+                .map(|((_, k), v)| format!("{k} ({v})"))
                 .collect::<Vec<_>>()
                 .join("\n"),
             format!("{ok}/{}", cs.len()),

@@ -231,3 +231,28 @@ fn output_file_is_not_overwritten_without_force() {
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(v["schema"], 1);
 }
+
+/// Runs the binary on the embedded fixture and returns (code, stderr).
+fn embedded(args: &[&str]) -> (i32, String) {
+    let (code, _, err) = run_bin(args);
+    (code, err)
+}
+
+#[test]
+fn flags_out_of_range_are_usage_errors_not_crashes() {
+    for (args, needle) in [
+        (&["run", "--start-pos", "18446744073709551615"][..], "--start-pos"),
+        (&["run", "--start-pos", "4294967296"][..], "2^31"),
+        (&["run", "--tp", "0"][..], "--tp must be at least 1"),
+        (&["run", "--tokens", "0"][..], "--tokens must be at least 1"),
+        (&["run", "--model", "/"][..], "is a directory"),
+        (&["run", "--inject", "tp-rank-order"][..], "needs --tp ≥ 2"),
+        (&["run", "--inject", "no-mscale"][..], "needs a YaRN model"),
+        (&["selftest", "--backend", "cpu", "--cross-check"][..], "--cross-check"),
+    ] {
+        let (code, err) = embedded(args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}

@@ -342,9 +342,12 @@ fn rank_axis(stage: Stage, cfg: &MlaConfig, tp: usize) -> Option<(usize, usize)>
 fn describe_ranks(m: &BlockMatch, what: &str, x: &SiteCtx<'_>) -> (String, String) {
     (
         format!(
-            "{what}: {}; matched shards rel_l2 ≤ {} vs {} as is",
+            "{what}: {}; matched shards {} vs rel_l2 {} as is",
             m.describe("rank"),
-            fmt_e(m.errors.iter().copied().filter(|e| e.is_finite()).fold(0.0, f64::max)),
+            match m.errors.iter().copied().filter(|e| e.is_finite()).fold(0.0, f64::max) {
+                0.0 => "exactly".to_string(),
+                e => format!("within rel_l2 {}", fmt_e(e)),
+            },
             fmt_e(x.as_is())
         ),
         "rank r must load heads [r·N/tp, (r+1)·N/tp) of q_b_proj, kv_b_proj and o_proj; check the rank \
@@ -761,7 +764,7 @@ fn softmax_scale(x: &SiteCtx<'_>) -> Detected {
             fmt_e(x.as_is())
         ),
         format!(
-            "{cause}; the right scale is (P+R)^-0.5 · m² = {:.6} (MLA.md step 7)",
+            "{cause}; the right scale is (P+R)^-0.5 · m² = {:.6}, m = 0.1·mscale_all_dim·ln(factor) + 1 (DeepSeek-V2 with YaRN)",
             cfg.softmax_scale
         ),
     ))

@@ -276,6 +276,12 @@ impl GgufFile {
     /// [`Error::GgufFormat`] / [`Error::UnsupportedType`] when it is malformed.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
+        if path.is_dir() {
+            return Err(Error::Usage(format!(
+                "{}: is a directory, not a GGUF file",
+                path.display()
+            )));
+        }
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, "open", e))?;
         let len = file.metadata().map_err(|e| Error::io(path, "stat", e))?.len();
         let backing = if len == 0 {

@@ -326,12 +326,13 @@ fn engine_inv_freq(cfg: &MlaConfig) -> Vec<f64> {
         .collect()
 }
 
-/// The cos/sin cache `[max_pos, R/2]` (vLLM `cos_sin_cache`): angles formed in f64, rounded to
-/// f32 once, times `mscale`.
-pub fn cos_sin_table(inv_freq: &[f64], max_pos: usize, mscale: f64) -> (Vec<f32>, Vec<f32>) {
-    let mut cos = Vec::with_capacity(max_pos * inv_freq.len());
-    let mut sin = Vec::with_capacity(max_pos * inv_freq.len());
-    for pos in 0..max_pos {
+/// The cos/sin table `[rows, R/2]` for the given positions (one row per token, as an engine
+/// gathers rows of its `cos_sin_cache` by position): angles formed in f64, rounded to f32 once,
+/// times `mscale`.
+pub fn cos_sin_table(inv_freq: &[f64], positions: &[usize], mscale: f64) -> (Vec<f32>, Vec<f32>) {
+    let mut cos = Vec::with_capacity(positions.len() * inv_freq.len());
+    let mut sin = Vec::with_capacity(positions.len() * inv_freq.len());
+    for &pos in positions {
         for &f in inv_freq {
             let (s, c) = (pos as f64 * f).sin_cos();
             cos.push((c * mscale) as f32);
@@ -426,25 +427,26 @@ fn prologue<O: Ops>(
     rec(ops, tr, layer, Stage::KPe, &[t, r], &k_pe)?;
 
     let positions = input.batch.positions();
-    let max_pos = positions.iter().copied().max().unwrap_or(0) + 1;
     let cos_scale = if f.has(Fault::RopeCosScaled) { cfg.mscale() } else { 1.0 };
     let style = if f.has(Fault::RopeNeox) {
         RopeStyle::Neox
     } else {
         RopeStyle::Interleaved
     };
-    let (cos_h, sin_h) = cos_sin_table(&engine_inv_freq(cfg), max_pos, cos_scale);
+    let (cos_h, sin_h) = cos_sin_table(&engine_inv_freq(cfg), &positions, cos_scale);
     let (cos, sin) = (ops.upload(&cos_h)?, ops.upload(&sin_h)?);
-    let head_positions: Vec<usize> = positions.iter().flat_map(|&pp| std::iter::repeat_n(pp, nh)).collect();
+    // Table row of each rotated row: its token (q rows are token-major, nh heads each).
+    let token_rows: Vec<usize> = (0..t).collect();
+    let head_rows: Vec<usize> = (0..t).flat_map(|ti| std::iter::repeat_n(ti, nh)).collect();
     let mut q_pe_roped = Vec::with_capacity(tp);
     for qr in &q {
         let mut x = ops.canary(t * nh * r)?;
         ops.copy2d(qr, &mut x, cp(t * nh, r, p, p + r, 0, r))?;
-        ops.rope(&mut x, t * nh, r, &head_positions, &cos, &sin, style)?;
+        ops.rope(&mut x, t * nh, r, &head_rows, &cos, &sin, style)?;
         q_pe_roped.push(x);
     }
     let mut k_pe_roped = k_pe;
-    ops.rope(&mut k_pe_roped, t, r, &positions, &cos, &sin, style)?;
+    ops.rope(&mut k_pe_roped, t, r, &token_rows, &cos, &sin, style)?;
     let qp: Vec<&O::Buf> = q_pe_roped.iter().collect();
     tr.record(
         Site::new(layer, Stage::QPeRoped),

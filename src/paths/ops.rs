@@ -124,15 +124,15 @@ pub trait Ops {
     fn gather_rows(&self, src: &Self::Buf, row_len: usize, idx: &[usize]) -> Result<Self::Buf>;
     /// Writes row `i` of `src` into row `idx[i]` of `dst`.
     fn scatter_rows(&self, dst: &mut Self::Buf, src: &Self::Buf, row_len: usize, idx: &[usize]) -> Result<()>;
-    /// Rotates `x [rows, R]` in place: row `r` at `positions[r]`, with a cos/sin table
-    /// `[max_pos, R/2]` each (built on the host from the YaRN frequencies).
+    /// Rotates `x [rows, R]` in place: row `r` with row `table_rows[r]` of the cos/sin tables
+    /// (`[n, R/2]` each, built on the host from the YaRN frequencies and the tokens' positions).
     #[allow(clippy::too_many_arguments)]
     fn rope(
         &self,
         x: &mut Self::Buf,
         rows: usize,
         r: usize,
-        positions: &[usize],
+        table_rows: &[usize],
         cos: &Self::Buf,
         sin: &Self::Buf,
         style: RopeStyle,

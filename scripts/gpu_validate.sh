@@ -5,7 +5,7 @@
 #   mkdir -p .gpu && strip -o .gpu/mla-diff target/release/mla-diff
 #   strip -o .gpu/cuda-tests "$(ls target/release/deps/cuda-* | grep -v '\.d$' | head -1)"
 # then run `bash scripts/gpu_validate.sh STAGE...` there. Logs go to $OUT (or ./gpu-logs).
-# Stages: smoke, tests, quick, selftest-f32, selftest-bf16, fast-quick, fast-bf16, memcheck,
+# Stages: smoke, report, tests, quick, selftest-f32, selftest-bf16, fast-quick, fast-bf16, memcheck,
 # racecheck, racecheck-fast, sass.
 set -u
 OUT=${OUT:-gpu-logs}
@@ -28,6 +28,13 @@ for stage in "$@"; do
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/summary.log"
       step kernels 120 "$B" kernels --compile-only --arch sm_90,sm_80
       step run 120 "$B" run --backend cuda --layer 1 --seqs 1,15,16,17,53 --tp 2 --quiet
+      ;;
+    report)
+      # The golden gate on this machine's CPU (another CPU than the recording one), and a triage
+      # report from the CUDA backend (GPU, driver, NVRTC and cuBLAS lines filled in).
+      step golden-check 120 "$B" golden check --all
+      step report-cuda 120 "$B" run --backend cuda --layer 1 --inject phantom-output --report "$OUT/r-cuda.md" --force --quiet
+      step report-cuda-bf16 120 "$B" run --backend cuda --dtype bf16 --layer 1 --seqs 3,17 --page-size 4 --report "$OUT/r-cuda-bf16.md" --force --quiet
       ;;
     tests)
       step cuda-tests 300 env MLA_DIFF_REPO="$PWD" .gpu/cuda-tests --nocapture --test-threads 1

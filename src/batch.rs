@@ -8,11 +8,11 @@
 //! seed and must regenerate the same inputs with every future version of the tool, a
 //! value-stability promise `rand`'s distributions do not make.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// One sequence of a batch: `len` tokens at positions `start_pos .. start_pos + len`, attending
 /// causally to each other (and to nothing before `start_pos`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SeqSpec {
     /// Number of tokens.
     pub len: usize,
@@ -21,7 +21,7 @@ pub struct SeqSpec {
 }
 
 /// A batch of sequences, packed token-major.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Batch {
     /// The sequences, in packing order.
     pub seqs: Vec<SeqSpec>,

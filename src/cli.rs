@@ -60,10 +60,176 @@ pub enum Command {
     /// Inject every fault into every path of every fixture, and run every path clean: prove the
     /// detectors find each bug class at its first site and nothing on clean runs.
     Selftest(SelftestArgs),
+    /// Record a passing run as a golden case, or check golden cases (the CI gate).
+    #[command(subcommand)]
+    Golden(GoldenCommand),
     /// Compile every CUDA kernel with NVRTC (no GPU needed) and print registers and spills.
     Kernels(KernelsArgs),
     /// Time the fast CUDA kernels at DeepSeek-V3 sizes (needs a GPU).
     Bench(BenchArgs),
+}
+
+/// `mla-diff golden …`.
+#[derive(Debug, Subcommand)]
+pub enum GoldenCommand {
+    /// Run once and write golden/<CASE>/{manifest.json,trace.safetensors} (the run must pass).
+    Record(GoldenRecordArgs),
+    /// Recompute golden cases and compare every site (exit 0 match, 1 differ, 2 cannot check).
+    Check(GoldenCheckArgs),
+}
+
+/// Arguments of `mla-diff golden record`.
+#[derive(Debug, Args)]
+pub struct GoldenRecordArgs {
+    /// Case name (folder under the golden folder).
+    #[arg(long)]
+    pub case: String,
+    /// What to run (the model must lie inside the repository, or be the embedded default).
+    #[command(flatten)]
+    pub spec: RunSpec,
+    /// The golden folder; its parent is the repository root (default: ./golden).
+    #[arg(long, default_value = "golden")]
+    pub golden_dir: PathBuf,
+    /// Replace an existing case.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// Arguments of `mla-diff golden check`.
+#[derive(Debug, Args)]
+pub struct GoldenCheckArgs {
+    /// Case(s) to check (repeatable).
+    #[arg(long, required_unless_present = "all", conflicts_with = "all")]
+    pub case: Vec<String>,
+    /// Check every case under the golden folder.
+    #[arg(long)]
+    pub all: bool,
+    /// The golden folder (default: ./golden, else this build's source tree's golden/).
+    #[arg(long)]
+    pub golden_dir: Option<PathBuf>,
+    /// CUDA include folder, for cases recorded on CUDA.
+    #[arg(long)]
+    pub cuda_include: Option<PathBuf>,
+    /// Print one line per case, and the differing sites only.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// `mla-diff golden record`.
+pub fn cmd_golden_record(a: &GoldenRecordArgs, out: &mut dyn Write) -> Result<Outcome> {
+    crate::golden::validate_case_name(&a.case)?;
+    if !a.golden_dir.is_dir() {
+        return Err(Error::Usage(format!(
+            "{}: no such folder; run from the repository root or pass --golden-dir",
+            a.golden_dir.display()
+        )));
+    }
+    let (file, cfg, rc) = build_run(&a.spec)?;
+    let backend = select_backend(&a.spec.device)?;
+    let (rep, summary) = crate::golden::record(&crate::golden::RecordRequest {
+        case: &a.case,
+        golden_dir: &a.golden_dir,
+        model: a.spec.model.as_deref(),
+        file: &file,
+        cfg: &cfg,
+        rc: &rc,
+        backend: &backend,
+        force: a.force,
+    })?;
+    let text = match summary {
+        Some(s) => format!(
+            "recorded golden case `{}` in {}: {} sites, {} distinct tensors, {} bytes of trace\n",
+            a.case,
+            s.dir.display(),
+            s.sites,
+            s.tensors,
+            s.trace_bytes
+        ),
+        None => format!(
+            "{}\nnot recorded: the run diverges from the reference, and a golden case must be a passing run\n",
+            report::verdict_lines(&rep).join("\n")
+        ),
+    };
+    out.write_all(text.as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    Ok(if rep.all_pass() {
+        Outcome::Pass
+    } else {
+        Outcome::Divergence
+    })
+}
+
+/// The golden folder: `--golden-dir`, else `./golden`, else this build's source tree's.
+fn golden_dir(arg: Option<&PathBuf>) -> Result<PathBuf> {
+    if let Some(d) = arg {
+        return if d.is_dir() {
+            Ok(d.clone())
+        } else {
+            Err(Error::Usage(format!("--golden-dir {}: not a folder", d.display())))
+        };
+    }
+    [
+        PathBuf::from("golden"),
+        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/golden")),
+    ]
+    .into_iter()
+    .find(|d| d.is_dir())
+    .ok_or_else(|| Error::Usage("no golden folder here; run from the repository root or pass --golden-dir".into()))
+}
+
+/// `mla-diff golden check`: every case is checked even after a failure; exit 2 if any case could
+/// not be checked, else 1 if any differs, else 0.
+pub fn cmd_golden_check(a: &GoldenCheckArgs, out: &mut dyn Write) -> Result<Outcome> {
+    let dir = golden_dir(a.golden_dir.as_ref())?;
+    let cases = if a.all {
+        let c = crate::golden::list_cases(&dir)?;
+        if c.is_empty() {
+            return Err(Error::Usage(format!("{}: no golden cases", dir.display())));
+        }
+        c
+    } else {
+        for c in &a.case {
+            crate::golden::validate_case_name(c)?;
+        }
+        a.case.clone()
+    };
+    let include = a.cuda_include.clone();
+    let cuda = move |dtype: Dtype, k: crate::cuda::Kernels| {
+        crate::cuda::CudaOps::new(dtype, include.as_deref()).map(|o| Backend::Cuda(o.with_kernels(k)))
+    };
+    let mut text = String::new();
+    let (mut n_pass, mut n_fail, mut errors) = (0, 0, Vec::new());
+    for case in &cases {
+        match crate::golden::check(&dir, case, &cuda) {
+            Ok(c) => {
+                text.push_str(&crate::golden::summary(&c, a.quiet));
+                if c.passed() {
+                    n_pass += 1;
+                } else {
+                    n_fail += 1;
+                }
+            }
+            Err(e) => {
+                text.push_str(&format!("golden {case}: ERROR: {e}\n"));
+                errors.push(e);
+            }
+        }
+    }
+    text.push_str(&format!(
+        "golden check: {} case(s): {n_pass} match, {n_fail} differ, {} could not be checked\n",
+        cases.len(),
+        errors.len()
+    ));
+    out.write_all(text.as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    if let Some(e) = errors.into_iter().next() {
+        return Err(e);
+    }
+    Ok(if n_fail == 0 {
+        Outcome::Pass
+    } else {
+        Outcome::Divergence
+    })
 }
 
 /// Arguments of `mla-diff bench`.
@@ -300,9 +466,10 @@ pub fn select_backend(d: &DeviceArgs) -> Result<Backend> {
     Ok(b)
 }
 
-/// Arguments of `mla-diff run`.
-#[derive(Debug, Args)]
-pub struct RunArgs {
+/// What to run: the model, layers, batch, backend, paths and path options (shared by `run` and
+/// `golden record`).
+#[derive(Debug, Clone, Args)]
+pub struct RunSpec {
     /// GGUF model file (default: the embedded tiny-v3 Q4_K_M fixture).
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -352,13 +519,25 @@ pub struct RunArgs {
     /// Inject a fault from the catalogue into the paths (repeatable).
     #[arg(long, value_enum)]
     pub inject: Vec<Fault>,
-    /// Write the JSON report here.
+}
+
+/// Arguments of `mla-diff run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// What to run.
+    #[command(flatten)]
+    pub spec: RunSpec,
+    /// Write the JSON report here (schema: docs/json-schema.md).
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Write a Markdown triage report here (GitHub-flavoured, for a bug ticket), with its error
+    /// heat map next to it (`<name>.svg`).
+    #[arg(long)]
+    pub report: Option<PathBuf>,
     /// Overwrite existing output files.
     #[arg(long)]
     pub force: bool,
-    /// Print only the verdict lines.
+    /// Print only the verdict lines (and no progress bar).
     #[arg(long)]
     pub quiet: bool,
 }
@@ -449,8 +628,12 @@ pub fn parse_layers(spec: &str, n_layer: usize) -> Result<Vec<usize>> {
     Ok(v)
 }
 
-/// `mla-diff run`.
-pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
+/// Validates a [`RunSpec`] and opens its model: the file, its configuration and the run
+/// configuration (with an empty `backend` field).
+///
+/// Errors: [`Error::Usage`] for zero sizes, empty sequences, positions past [`MAX_POSITION`] and
+/// faults that act on no requested path; model and configuration errors.
+pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
     let file = open_model(a.model.as_ref())?;
     let cfg = MlaConfig::from_gguf(&file)?;
     let layers = match (&a.layers, a.layer) {
@@ -519,20 +702,93 @@ pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
         backend: String::new(),
     };
     check_faults(&file, &cfg, &rc)?;
-    if let Some(j) = a.json.as_ref().filter(|j| j.exists() && !a.force) {
-        return Err(Error::Usage(format!(
+    Ok((file, cfg, rc))
+}
+
+/// Refuses to replace `path` unless `force`.
+fn refuse_overwrite(path: Option<&PathBuf>, force: bool) -> Result<()> {
+    match path {
+        Some(p) if p.exists() && !force => Err(Error::Usage(format!(
             "{} exists; pass --force to overwrite it",
-            j.display()
-        )));
+            p.display()
+        ))),
+        _ => Ok(()),
     }
-    let backend = select_backend(&a.device)?;
+}
+
+/// A progress bar on stderr for multi-layer runs: drawn only when stderr is a terminal, the run
+/// is not `--quiet`, more than one layer is computed, and the work is still going after a second.
+struct LayerProgress {
+    bar: Option<indicatif::ProgressBar>,
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl LayerProgress {
+    fn new(quiet: bool, total: usize) -> Self {
+        use std::io::IsTerminal;
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        if quiet || total < 2 || !std::io::stderr().is_terminal() {
+            return LayerProgress { bar: None, done };
+        }
+        let bar = indicatif::ProgressBar::with_draw_target(Some(total as u64), indicatif::ProgressDrawTarget::hidden());
+        if let Ok(style) = indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] layer {pos}/{len}") {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        let (b, d) = (bar.clone(), done.clone());
+        std::thread::spawn(move || {
+            for _ in 0..20 {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                if d.load(std::sync::atomic::Ordering::Relaxed) {
+                    return;
+                }
+            }
+            b.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+            b.enable_steady_tick(std::time::Duration::from_millis(200));
+        });
+        LayerProgress { bar: Some(bar), done }
+    }
+
+    fn update(&self, done: usize) {
+        if let Some(b) = &self.bar {
+            b.set_position(done as u64);
+        }
+    }
+
+    fn finish(self) {
+        self.done.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(b) = self.bar {
+            b.finish_and_clear();
+        }
+    }
+}
+
+/// `mla-diff run`.
+pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
+    let (file, cfg, rc) = build_run(&a.spec)?;
+    refuse_overwrite(a.json.as_ref(), a.force)?;
+    refuse_overwrite(a.report.as_ref(), a.force)?;
+    if let Some(r) = &a.report {
+        refuse_overwrite(Some(&crate::triage::plot_path(r)), a.force)?;
+    }
+    let backend = select_backend(&a.spec.device)?;
     let rc = RunConfig {
         backend: backend.describe(),
         ..rc
     };
-    let rep = run::run(&backend, &file, &cfg, &rc)?;
+    let computed = match rc.input {
+        InputMode::Tokens => rc.layers.iter().max().map_or(0, |l| l + 1),
+        InputMode::Random => rc.layers.len(),
+    };
+    let progress = LayerProgress::new(a.quiet, computed);
+    let rep = run::run_with_progress(&backend, &file, &cfg, &rc, &mut |d, _| progress.update(d));
+    progress.finish();
+    let rep = rep?;
     if let Some(j) = &a.json {
         report::write_file_atomic(j, &report::to_json_bytes(&report::json(&rep)), a.force)?;
+    }
+    if let Some(r) = &a.report {
+        let env = crate::triage::Environment::detect(&backend);
+        crate::triage::write(r, &rep, &env, &reproduce_command(), &file, a.force)?;
     }
     let text = if a.quiet {
         let mut lines = report::verdict_lines(&rep);
@@ -551,6 +807,23 @@ pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
     } else {
         Outcome::Divergence
     })
+}
+
+/// The command line of this process, shell-quoted, for "how to reproduce" lines.
+pub fn reproduce_command() -> String {
+    let args: Vec<String> = std::env::args().collect();
+    let mut v = vec!["mla-diff".to_string()];
+    v.extend(args.into_iter().skip(1));
+    v.iter().map(|a| shell_quote(a)).collect::<Vec<_>>().join(" ")
+}
+
+/// Quotes `s` for a POSIX shell when it holds anything but safe characters.
+pub fn shell_quote(s: &str) -> String {
+    if !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=,:+@%".contains(c)) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
 }
 
 /// `mla-diff inspect`.
@@ -663,6 +936,8 @@ pub fn dispatch(cli: &Cli, out: &mut dyn Write) -> Result<Outcome> {
         Command::Run(a) => cmd_run(a, out),
         Command::Inspect(a) => cmd_inspect(a, out),
         Command::Selftest(a) => cmd_selftest(a, out),
+        Command::Golden(GoldenCommand::Record(a)) => cmd_golden_record(a, out),
+        Command::Golden(GoldenCommand::Check(a)) => cmd_golden_check(a, out),
         Command::Kernels(a) => cmd_kernels(a, out),
         Command::Bench(a) => cmd_bench(a, out),
     }

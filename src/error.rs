@@ -157,6 +157,18 @@ pub enum Error {
         reason: String,
     },
 
+    /// A golden case cannot be checked: its GGUF changed (sha256 mismatch), a site is missing
+    /// on one side, the manifest disagrees with the recomputation's configuration. Never a pass.
+    #[error("golden case `{case}` ({path}): {reason}")]
+    Golden {
+        /// The case name.
+        case: String,
+        /// The file involved (manifest, trace or GGUF).
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// A feature of the model that this version does not implement yet (e.g. MoE in the token path).
     #[error("{0}")]
     NotSupported(String),

@@ -7,7 +7,7 @@
 //! here (applicability, expected class, expected first site) is what `mla-diff selftest` checks
 //! the detectors against.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::config::{KvBLayout, MlaConfig};
 use crate::diagnose::Class;
@@ -15,7 +15,7 @@ use crate::paths::PathKind;
 use crate::trace::{RankedWeight, Stage};
 
 /// One injectable bug (FAULTS.md).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Fault {
     /// Attention writes into a private buffer; the caller reads its untouched output buffer.
@@ -158,7 +158,7 @@ impl std::fmt::Display for Fault {
 }
 
 /// The set of faults injected into a run.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FaultSet(pub Vec<Fault>);
 
 impl FaultSet {

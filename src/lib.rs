@@ -21,6 +21,7 @@ pub mod diagnose;
 pub mod error;
 pub mod faults;
 pub mod gguf;
+pub mod golden;
 pub mod inspect;
 pub mod paths;
 pub mod reference;
@@ -30,6 +31,7 @@ pub mod selftest;
 pub mod st;
 pub mod tolerance;
 pub mod trace;
+pub mod triage;
 pub mod weights;
 
 pub use error::{Error, Result};

@@ -49,6 +49,35 @@ fn status_word(d: &SiteDiff) -> String {
     }
 }
 
+/// The numeric cells of one site's row, shared by the terminal table and the Markdown report:
+/// rel_l2, cos_diff, norm ratio, the worst element (`max |Δ| at [idx] (ref → cand)`) and the
+/// pass fraction; `n/a` when every element is a non-finite mismatch, empty without metrics.
+pub fn metric_cells(d: &SiteDiff) -> [String; 5] {
+    match &d.metrics {
+        Some(m) if m.numel > 0 && m.nonfinite_mismatch == m.numel => [
+            "n/a".into(),
+            "n/a".into(),
+            "n/a".into(),
+            format!("all {} elements non-finite", m.numel),
+            format!("{:.2}%", 100.0 * m.pass_fraction),
+        ],
+        Some(m) => [
+            sci(m.rel_l2),
+            sci(m.cos_diff),
+            format!("{:.6}", m.norm_ratio),
+            format!(
+                "{} at {:?} ({} → {})",
+                sci(m.max_abs),
+                m.max_abs_index,
+                sci(m.max_abs_ref),
+                sci(m.max_abs_cand)
+            ),
+            format!("{:.2}%", 100.0 * m.pass_fraction),
+        ],
+        None => Default::default(),
+    }
+}
+
 /// The per-site table of one (layer, path) as text. The first failing site is marked
 /// `◀ first`. Failed metrics are abbreviated: rel (rel_l2), cos (cos_diff), norm (norm ratio),
 /// elem (fraction of elements within atol + rtol), nan (non-finite positions).
@@ -68,29 +97,7 @@ pub fn site_table(diffs: &[SiteDiff]) -> String {
             "pass",
         ]);
     for d in diffs {
-        let (rel, cos, ratio, worst, pass) = match &d.metrics {
-            Some(m) if m.numel > 0 && m.nonfinite_mismatch == m.numel => (
-                "n/a".into(),
-                "n/a".into(),
-                "n/a".into(),
-                format!("all {} elements non-finite", m.numel),
-                format!("{:.2}%", 100.0 * m.pass_fraction),
-            ),
-            Some(m) => (
-                sci(m.rel_l2),
-                sci(m.cos_diff),
-                format!("{:.6}", m.norm_ratio),
-                format!(
-                    "{} at {:?} ({} → {})",
-                    sci(m.max_abs),
-                    m.max_abs_index,
-                    sci(m.max_abs_ref),
-                    sci(m.max_abs_cand)
-                ),
-                format!("{:.2}%", 100.0 * m.pass_fraction),
-            ),
-            None => Default::default(),
-        };
+        let [rel, cos, ratio, worst, pass] = metric_cells(d);
         t.add_row(vec![
             Cell::new(d.site.to_string()),
             Cell::new(format!("{:?}", d.shape_cand)),

@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use ndarray::Array2;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::batch::{Batch, SplitMix64, normal_f32};
 use crate::compare::{self, SiteDiff};
@@ -24,7 +24,7 @@ use crate::trace::Trace;
 use crate::weights::{LayerWeights, TensorType, embed_tokens};
 
 /// Where the layer input comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum InputMode {
     /// Seeded standard-normal hidden states, independently per layer.
@@ -34,7 +34,7 @@ pub enum InputMode {
 }
 
 /// What to run.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunConfig {
     /// Layers to compare, ascending.
     pub layers: Vec<usize>,
@@ -224,12 +224,59 @@ pub fn compare_layer(
     Ok((results, findings, runs))
 }
 
+/// The traces behind one layer of a [`RunReport`]: what golden files record.
+#[derive(Debug, Clone)]
+pub struct LayerTraces {
+    /// Layer index.
+    pub layer: usize,
+    /// The reference trace (f64), including the per-rank weight sites under TP.
+    pub reference: Trace,
+    /// Each path's trace (f32), in run order.
+    pub paths: Vec<(PathKind, Trace)>,
+}
+
 /// Runs the reference and the requested paths on every requested layer.
 ///
 /// Errors: a layer out of range, missing tensors, token input on a model without embedding, a
 /// preceding layer whose FFN the reference cannot run (MoE, not yet supported), a TP size that
 /// does not divide N.
 pub fn run(backend: &Backend, file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<RunReport> {
+    run_inner(backend, file, cfg, rc, false, &mut |_, _| {}).map(|(r, _)| r)
+}
+
+/// [`run`], also returning every trace (one [`LayerTraces`] per requested layer, ascending).
+///
+/// Errors: as [`run`].
+pub fn run_with_traces(
+    backend: &Backend,
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    rc: &RunConfig,
+) -> Result<(RunReport, Vec<LayerTraces>)> {
+    run_inner(backend, file, cfg, rc, true, &mut |_, _| {})
+}
+
+/// [`run`], calling `progress(done, total)` after each layer that is computed (for progress bars).
+///
+/// Errors: as [`run`].
+pub fn run_with_progress(
+    backend: &Backend,
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    rc: &RunConfig,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<RunReport> {
+    run_inner(backend, file, cfg, rc, false, progress).map(|(r, _)| r)
+}
+
+fn run_inner(
+    backend: &Backend,
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    rc: &RunConfig,
+    keep_traces: bool,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(RunReport, Vec<LayerTraces>)> {
     let t = rc.batch.n_tokens();
     if t == 0 || rc.batch.seqs.iter().any(|s| s.len == 0) {
         return Err(Error::Usage("every sequence needs at least one token".into()));
@@ -270,6 +317,13 @@ pub fn run(backend: &Backend, file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) 
     }
     let last = rc.layers.iter().copied().max().unwrap_or(0);
     let first_layer = if rc.input == InputMode::Tokens { 0 } else { rc.layers[0] };
+    let mut traces = Vec::new();
+    let total = if rc.input == InputMode::Tokens {
+        last + 1
+    } else {
+        rc.layers.len()
+    };
+    let mut done = 0;
     for layer in first_layer..=last {
         let wanted = rc.layers.contains(&layer);
         if !wanted && rc.input == InputMode::Random {
@@ -294,17 +348,26 @@ pub fn run(backend: &Backend, file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) 
         };
         let refo = reference_layer(cfg, &w, &hidden, &rc.batch, if wanted { tp } else { 1 })?;
         if wanted {
-            let (res, f, _) = compare_layer(backend, file, cfg, &w, &hidden, &refo.trace, rc)?;
+            let (res, f, runs) = compare_layer(backend, file, cfg, &w, &hidden, &refo.trace, rc)?;
             results.extend(res);
             for fi in f {
                 if !findings.iter().any(|g| g.path == fi.path) {
                     findings.push(fi);
                 }
             }
+            if keep_traces {
+                traces.push(LayerTraces {
+                    layer,
+                    reference: refo.trace,
+                    paths: runs.into_iter().map(|r| (r.kind, r.trace)).collect(),
+                });
+            }
         }
         carried = refo.hidden_out;
+        done += 1;
+        progress(done, total);
     }
-    Ok(RunReport {
+    let report = RunReport {
         model: ModelSummary {
             path: file.path().display().to_string(),
             config: cfg.clone(),
@@ -314,7 +377,8 @@ pub fn run(backend: &Backend, file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) 
         token_ids,
         results,
         findings,
-    })
+    };
+    Ok((report, traces))
 }
 
 /// The reference forward of layers `0..=last` on given token ids (no paths): one trace per

@@ -211,4 +211,32 @@ pub fn to_bytes(
     let meta: std::collections::HashMap<String, String> = metadata.clone().into_iter().collect();
     safetensors::serialize(owned.iter().map(|(n, o)| (n.clone(), o)), Some(meta))
         .map_err(|e| Error::Usage(format!("safetensors serialization: {e}")))
+        .and_then(canonical_header)
+}
+
+/// Rewrites a safetensors file's JSON header with its keys sorted (including `__metadata__`'s),
+/// padded with spaces to a multiple of 8 bytes as the format asks. `safetensors::serialize` takes
+/// metadata as a `HashMap`, whose order differs between processes; this makes the bytes a
+/// function of the content alone. Tensor data and offsets are unchanged.
+///
+/// Errors: [`Error::Usage`] when `bytes` is not a safetensors image (never for the output of
+/// `safetensors::serialize`).
+pub fn canonical_header(bytes: Vec<u8>) -> Result<Vec<u8>> {
+    let bad = |w: &str| Error::Usage(format!("safetensors canonicalization: {w}"));
+    let n = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize)
+        .ok_or_else(|| bad("no header length"))?;
+    let header = bytes.get(8..8 + n).ok_or_else(|| bad("header past the end"))?;
+    // serde_json's Map is ordered by key (no `preserve_order`), so re-serializing sorts it.
+    let v: serde_json::Value = serde_json::from_slice(header).map_err(|e| bad(&e.to_string()))?;
+    let mut h = serde_json::to_vec(&v).map_err(|e| bad(&e.to_string()))?;
+    while h.len() % 8 != 0 {
+        h.push(b' ');
+    }
+    let mut out = Vec::with_capacity(8 + h.len() + bytes.len() - 8 - n);
+    out.extend_from_slice(&(h.len() as u64).to_le_bytes());
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&bytes[8 + n..]);
+    Ok(out)
 }

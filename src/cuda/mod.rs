@@ -142,6 +142,56 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((a, b))
 }
 
+/// The CUDA version the driver supports, e.g. (13, 0) (`cuDriverGetVersion`).
+///
+/// Errors: [`Error::Cuda`] when the driver library is missing or the call fails.
+pub fn driver_cuda_version() -> Result<(i32, i32)> {
+    if !driver_present() {
+        return Err(cuda_err("CUDA driver library (libcuda.so) not found"));
+    }
+    let mut v = 0;
+    // SAFETY: the library is present; the pointer is valid. cuDriverGetVersion needs no cuInit.
+    let r = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+    if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        return Err(cuda_err(format!("cuDriverGetVersion failed: {r:?}")));
+    }
+    Ok((v / 1000, (v % 1000) / 10))
+}
+
+/// The kernel driver's release (e.g. `580.159.04`) from `/proc/driver/nvidia/version`.
+pub fn kernel_driver_release() -> Option<String> {
+    let s = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
+    let line = s.lines().next()?;
+    line.split_whitespace()
+        .find(|w| w.chars().next().is_some_and(|c| c.is_ascii_digit()) && w.contains('.'))
+        .map(str::to_string)
+}
+
+/// cuBLAS's version (major, minor, patch) from `cublasGetProperty`.
+///
+/// Errors: [`Error::Cuda`] when cuBLAS is missing or the call fails.
+pub fn cublas_version() -> Result<(i32, i32, i32)> {
+    use cudarc::cublas::sys::{cublasGetProperty, cublasStatus_t, libraryPropertyType};
+    if !cublas_present() {
+        return Err(cuda_err("cuBLAS (libcublas.so) not found"));
+    }
+    let get = |p: libraryPropertyType| {
+        let mut v = 0;
+        // SAFETY: the library is present; the pointer is valid; no handle is needed.
+        let r = unsafe { cublasGetProperty(p, &mut v) };
+        if r == cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            Ok(v)
+        } else {
+            Err(cuda_err(format!("cublasGetProperty failed: {r:?}")))
+        }
+    };
+    Ok((
+        get(libraryPropertyType::MAJOR_VERSION)?,
+        get(libraryPropertyType::MINOR_VERSION)?,
+        get(libraryPropertyType::PATCH_LEVEL)?,
+    ))
+}
+
 /// The CUDA include folder: `explicit`, else `$CUDA_HOME/include`, else `/usr/local/cuda/include`.
 /// It must hold `cuda_bf16.h`.
 ///

@@ -333,6 +333,12 @@ impl GgufFile {
         })
     }
 
+    /// SHA-256 of the whole file as lowercase hex. Reads every byte of the file (golden
+    /// manifests pin their GGUF with it; nothing else touches tensor data wholesale).
+    pub fn sha256_hex(&self) -> String {
+        sha256_hex(self.inner.backing.bytes())
+    }
+
     /// The path the file was opened from (or the embedded fixture's name).
     pub fn path(&self) -> &Path {
         &self.inner.path
@@ -825,4 +831,11 @@ fn parse_header(path: &Path, buf: &[u8]) -> Result<Header> {
         alignment,
         data_offset,
     })
+}
+
+/// SHA-256 of `bytes` as lowercase hex.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    let d = sha2::Sha256::digest(bytes);
+    d.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -24,7 +24,7 @@ pub mod engine;
 pub mod ops;
 
 use ndarray::Array2;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::batch::Batch;
 use crate::config::MlaConfig;
@@ -52,7 +52,7 @@ pub fn canary_vec(n: usize) -> Vec<f32> {
 }
 
 /// Which engine path to run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum PathKind {
     /// Expanded MHA prefill (vLLM `forward_mha`).
@@ -87,7 +87,7 @@ impl std::fmt::Display for PathKind {
 }
 
 /// Options shared by every path.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PathOptions {
     /// Tokens per page of the latent cache (`block_size` in vLLM), ≥ 1.
     pub page_size: usize,

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Records every committed golden case (golden/<case>/{manifest.json,trace.safetensors}).
+#
+# One case per fixture in golden/models/, plus the embedded default. Every case runs all four
+# paths on layer 1 of a small two-sequence batch (2 and 5 tokens; page size 4, so one sequence
+# fits in a page and one spans two; 2 decode splits; chunks of 2 context tokens), varying one
+# thing per fixture so that the goldens also pin the token path, TP, bf16 and YaRN far from
+# position 0. Re-recording replaces the cases (--force); review the diff before committing.
+#
+# Usage: scripts/record_goldens.sh [path/to/mla-diff]   (default: cargo run --release)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ $# -ge 1 ]]; then BIN=("$1"); else cargo build --release --quiet; BIN=(target/release/mla-diff); fi
+COMMON=(--layer 1 --seqs 2,5 --page-size 4 --splits 2 --chunk-size 2 --new-tokens 2 --backend cpu --force)
+rec() { local case=$1; shift; "${BIN[@]}" golden record --case "$case" "${COMMON[@]}" "$@"; }
+M=golden/models
+rec embedded-default                                          # the embedded tiny-v3 Q4_K_M
+rec tiny-v3-f32      --model $M/tiny-v3-f32.gguf --input tokens
+rec tiny-v3-q8_0     --model $M/tiny-v3-q8_0.gguf
+rec tiny-v3-q4_k_m   --model $M/tiny-v3-q4_k_m.gguf --tp 2
+rec tiny-v3-q6_k     --model $M/tiny-v3-q6_k.gguf --dtype bf16
+rec yarn-v3-f32      --model $M/yarn-v3-f32.gguf --start-pos 40
+rec yarn-v3-q8_0     --model $M/yarn-v3-q8_0.gguf --input tokens
+rec lite-v2-f32      --model $M/lite-v2-f32.gguf --input tokens
+rec lite-v2-q8_0     --model $M/lite-v2-q8_0.gguf
+rec legacy-kvb-f32   --model $M/legacy-kvb-f32.gguf
+rec k256-q4_k_m      --model $M/k256-q4_k_m.gguf --tp 2
+rec k256-q6_k        --model $M/k256-q6_k.gguf --dtype bf16

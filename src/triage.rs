@@ -1,0 +1,499 @@
+//! Triage reports: a run written as GitHub-flavoured Markdown for a bug ticket, with an error heat
+//! map next to it.
+//!
+//! Whoever files the bug is rarely whoever fixes it. The report carries what the fixer needs
+//! without asking back: the verdict first (first divergence and the named bug class with its
+//! evidence and hint), the exact command, the machine (backend, GPU, driver, CUDA/NVRTC/cuBLAS,
+//! CPU, tool version and git revision), the model's dims and quant types, every site's numbers
+//! folded into `<details>`, and a per-(layer, path) × per-site `rel_l2` heat map drawn with
+//! plotters. Floats use fixed formats and nothing depends on hash order or time apart from the
+//! one `Date:` line, so two reports of the same run differ only there.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use plotters::prelude::*;
+
+use crate::compare::{SiteDiff, Status};
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::paths::Backend;
+use crate::report::{finding_lines, run_line, verdict_lines, write_file_atomic};
+use crate::run::RunReport;
+
+/// The machine a run happened on. Fields that do not apply (no GPU) are `None`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Environment {
+    /// The backend's one-line description.
+    pub backend: String,
+    /// GPU name and compute capability.
+    pub gpu: Option<String>,
+    /// Kernel driver release and the CUDA version it supports.
+    pub driver: Option<String>,
+    /// NVRTC version.
+    pub nvrtc: Option<String>,
+    /// cuBLAS version.
+    pub cublas: Option<String>,
+    /// CPU model (Linux `/proc/cpuinfo`), else the architecture.
+    pub cpu: String,
+    /// Operating system and architecture.
+    pub os: String,
+    /// `mla-diff` version.
+    pub tool_version: String,
+    /// Git revision the binary was built from (`-dirty` when the tree had changes), if known.
+    pub git_revision: Option<String>,
+    /// UTC date and time of the report (RFC 3339, seconds).
+    pub date: String,
+}
+
+impl Environment {
+    /// Describes this machine and `backend`. Never fails: unknown fields read `unknown`.
+    pub fn detect(backend: &Backend) -> Environment {
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split_once(':'))
+                    .map(|(_, v)| v.trim().to_string())
+            })
+            .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut env = Environment {
+            backend: backend.describe(),
+            gpu: None,
+            driver: None,
+            nvrtc: None,
+            cublas: None,
+            cpu: format!("{cpu} ({threads} threads)"),
+            os: format!("{} {}", std::env::consts::OS, std::env::consts::ARCH),
+            tool_version: env!("CARGO_PKG_VERSION").to_string(),
+            git_revision: option_env!("MLA_DIFF_GIT_REV")
+                .filter(|s| !s.is_empty())
+                .map(str::to_string),
+            date: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        };
+        if let Backend::Cuda(o) = backend {
+            let d = o.device();
+            env.gpu = Some(format!(
+                "{} (compute {}.{}, code for {}, {} kernels)",
+                d.name,
+                d.compute_capability.0,
+                d.compute_capability.1,
+                d.arch,
+                match o.kernels() {
+                    crate::cuda::Kernels::Fast => "fast (tensor-core)",
+                    crate::cuda::Kernels::Simple => "simple (f32 FMA)",
+                }
+            ));
+            let unknown = || "unknown".to_string();
+            env.driver = Some(format!(
+                "{} (CUDA {})",
+                crate::cuda::kernel_driver_release().unwrap_or_else(unknown),
+                crate::cuda::driver_cuda_version().map_or_else(|_| unknown(), |(a, b)| format!("{a}.{b}"))
+            ));
+            env.nvrtc = Some(crate::cuda::nvrtc_version().map_or_else(|_| unknown(), |(a, b)| format!("{a}.{b}")));
+            env.cublas =
+                Some(crate::cuda::cublas_version().map_or_else(|_| unknown(), |(a, b, c)| format!("{a}.{b}.{c}")));
+        }
+        env
+    }
+}
+
+/// The heat map's file: the report's path with the extension `svg` (`r.md` → `r.svg`).
+pub fn plot_path(report: &Path) -> PathBuf {
+    report.with_extension("svg")
+}
+
+/// Escapes text for GFM: `|` (table cells), `*`, `\\`, `<` and `>`. Backquoted spans stay code
+/// spans; intraword `_` is not emphasis in GFM and stays as is.
+pub fn md_escape(s: &str) -> String {
+    let mut o = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '|' | '*' | '\\' => {
+                o.push('\\');
+                o.push(c);
+            }
+            '<' => o.push_str("&lt;"),
+            '>' => o.push_str("&gt;"),
+            '\n' => o.push(' '),
+            _ => o.push(c),
+        }
+    }
+    o
+}
+
+/// Findings grouped by (class, site): the paths that share them, and the first one's evidence
+/// and hint.
+fn grouped_findings(rep: &RunReport) -> Vec<(&crate::diagnose::Finding, Vec<String>)> {
+    let mut g: Vec<(&crate::diagnose::Finding, Vec<String>)> = Vec::new();
+    for f in &rep.findings {
+        let p = f.path.map_or("file".to_string(), |x| x.to_string());
+        match g.iter_mut().find(|(h, _)| h.class == f.class && h.site == f.site) {
+            Some((_, paths)) => paths.push(p),
+            None => g.push((f, vec![p])),
+        }
+    }
+    g
+}
+
+fn status_cell(d: &SiteDiff, first: bool) -> String {
+    let s = match d.status {
+        Status::Pass => "pass".to_string(),
+        Status::Fail => format!("**FAIL** {}", d.failed.join(", ")),
+        Status::ShapeMismatch => format!("**SHAPE** {:?} vs {:?}", d.shape_cand, d.shape_ref),
+        Status::NoReference => "no reference".to_string(),
+    };
+    if first { format!("{s} ◀ first") } else { s }
+}
+
+/// The GFM table of one (layer, path).
+fn site_table_md(diffs: &[SiteDiff]) -> String {
+    let first = crate::compare::first_divergence(diffs).map(|d| d.site);
+    let mut s = String::from(
+        "| site | shape | status | rel_l2 | cos_diff | norm ratio | max abs diff at [idx] (ref → cand) | pass |\n\
+         |---|---|---|---:|---:|---:|---|---:|\n",
+    );
+    for d in diffs {
+        let [rel, cos, ratio, worst, pass] = crate::report::metric_cells(d);
+        let _ = writeln!(
+            s,
+            "| `{}` | {:?} | {} | {rel} | {cos} | {ratio} | {} | {pass} |",
+            d.site,
+            d.shape_cand,
+            status_cell(d, first == Some(d.site)),
+            md_escape(&worst)
+        );
+    }
+    s
+}
+
+/// The one-paragraph verdict.
+fn verdict_paragraph(rep: &RunReport) -> String {
+    let layers: Vec<String> = rep.run.layers.iter().map(|l| l.to_string()).collect();
+    let paths: Vec<&str> = rep.run.paths.iter().map(|p| p.name()).collect();
+    let mut p = format!(
+        "mla-diff ran the f64 reference and the {} path(s) on layer(s) {} of `{}`. ",
+        paths.join(", "),
+        layers.join(", "),
+        rep.model.path.replace('`', "'")
+    );
+    if rep.all_pass() {
+        p.push_str("Every site of every path is within tolerance; nothing was found.");
+        return p;
+    }
+    let mut firsts: Vec<(String, Vec<String>)> = Vec::new();
+    for (path, d) in rep.first_divergence() {
+        if let Some(d) = d {
+            let site = d.site.to_string();
+            match firsts.iter_mut().find(|(s, _)| *s == site) {
+                Some((_, v)) => v.push(path.to_string()),
+                None => firsts.push((site, vec![path.to_string()])),
+            }
+        }
+    }
+    if !firsts.is_empty() {
+        let parts: Vec<String> = firsts
+            .iter()
+            .map(|(site, paths)| format!("`{site}` on {}", paths.join(", ")))
+            .collect();
+        let _ = write!(p, "First divergence: {}. ", parts.join("; "));
+    }
+    for (f, paths) in grouped_findings(rep) {
+        let _ = write!(
+            p,
+            "Finding **{}** at `{}` (path {}): {}. Hint: {}. ",
+            f.class,
+            f.site,
+            paths.join(", "),
+            md_escape(f.evidence.trim_end_matches('.')),
+            md_escape(f.hint.trim_end_matches('.'))
+        );
+    }
+    p.trim_end().to_string()
+}
+
+/// The report's headline: the first finding's class and site, or the verdict.
+fn headline(rep: &RunReport) -> String {
+    let groups = grouped_findings(rep);
+    if let Some((f, paths)) = groups.first() {
+        let more = if groups.len() > 1 {
+            format!(" (+{} more finding(s))", groups.len() - 1)
+        } else {
+            String::new()
+        };
+        return format!("{} at {} on path {}{more}", f.class, f.site, paths.join(", "));
+    }
+    if rep.all_pass() {
+        "all paths within tolerance".to_string()
+    } else {
+        "divergence found (no class named)".to_string()
+    }
+}
+
+/// The Markdown report. `plot_name` is the heat map's file name (linked relative to the report).
+pub fn markdown(rep: &RunReport, env: &Environment, command: &str, file: &GgufFile, plot_name: &str) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "# mla-diff triage: {}\n", headline(rep));
+    let _ = writeln!(s, "{}\n", verdict_paragraph(rep));
+    let _ = writeln!(s, "Date: {}\n", env.date);
+
+    s.push_str("## Reproduce\n\n```sh\n");
+    s.push_str(command);
+    s.push_str("\n```\n\n");
+    let _ = writeln!(s, "Run: {}\n", md_escape(&run_line(rep)));
+
+    s.push_str("## Findings and verdict per path\n\n");
+    for l in verdict_lines(rep) {
+        let _ = writeln!(s, "- {}", md_escape(&l));
+    }
+    for l in finding_lines(rep) {
+        let _ = writeln!(s, "- {}", md_escape(&l.replace("\n  ", " — ")));
+    }
+    s.push('\n');
+
+    s.push_str("## Environment\n\n| | |\n|---|---|\n");
+    let none = "— (CPU backend)".to_string();
+    for (k, v) in [
+        ("backend", env.backend.clone()),
+        ("GPU", env.gpu.clone().unwrap_or_else(|| none.clone())),
+        ("driver", env.driver.clone().unwrap_or_else(|| none.clone())),
+        ("NVRTC", env.nvrtc.clone().unwrap_or_else(|| none.clone())),
+        ("cuBLAS", env.cublas.clone().unwrap_or_else(|| none.clone())),
+        ("CPU", env.cpu.clone()),
+        ("OS", env.os.clone()),
+        ("mla-diff", env.tool_version.clone()),
+        (
+            "git revision",
+            env.git_revision.clone().unwrap_or_else(|| "unknown".into()),
+        ),
+    ] {
+        let _ = writeln!(s, "| {k} | {} |", md_escape(&v));
+    }
+    s.push('\n');
+
+    let c = &rep.model.config;
+    s.push_str("## Model\n\n");
+    let _ = writeln!(
+        s,
+        "`{}`: arch `{}`, {} layers, {}, softmax scale {:.6}, RoPE base {}, YaRN {}, rms eps {:.3e}, kv_b {}, {} leading dense layer(s).\n",
+        rep.model.path.replace('`', "'"),
+        c.arch,
+        c.n_layer,
+        c.dims_line(),
+        c.softmax_scale,
+        c.rope_base,
+        c.yarn
+            .as_ref()
+            .map_or("off".to_string(), |y| format!("factor {}", y.factor)),
+        c.rms_eps,
+        match c.kv_b_layout {
+            crate::config::KvBLayout::Split => "split (attn_k_b, attn_v_b)",
+            crate::config::KvBLayout::Fused => "fused (legacy attn_kv_b)",
+        },
+        c.leading_dense_block_count
+    );
+    s.push_str("| tensor | ggml type | shape (ggml order) |\n|---|---|---|\n");
+    for t in &rep.model.tensor_types {
+        let shape = file.tensor(&t.name).map(|i| i.shape()).unwrap_or_default();
+        let _ = writeln!(s, "| `{}` | {} | {:?} |", t.name, t.ggml_type.name(), shape);
+    }
+    s.push('\n');
+
+    s.push_str("## Error heat map\n\n");
+    let _ = writeln!(
+        s,
+        "![rel_l2 per layer and path (rows) and site (columns), log scale]({plot_name})\n\n\
+         Each cell is a site's `rel_l2` against the reference on a log scale; cells outlined in \
+         red failed; grey cells were not recorded by that path.\n"
+    );
+
+    s.push_str("## Per-site tables\n\n");
+    for r in &rep.results {
+        let first = crate::compare::first_divergence(&r.diffs).map_or("all sites within tolerance".to_string(), |d| {
+            format!("first divergence {}", d.site)
+        });
+        let _ = writeln!(
+            s,
+            "<details>\n<summary>layer {} · path {} — {}</summary>\n",
+            r.layer, r.path, first
+        );
+        if r.diffs.is_empty() {
+            s.push_str("(not run)\n");
+        } else {
+            s.push_str(&site_table_md(&r.diffs));
+        }
+        for n in &r.notes {
+            let _ = writeln!(s, "\nnote: {}", md_escape(n));
+        }
+        s.push_str("\n</details>\n\n");
+    }
+    s
+}
+
+/// Heat-map colour for `log10(rel_l2)` in [-16, 0]: dark blue (exact) to yellow (order 1).
+fn heat_color(v: f64) -> RGBColor {
+    let t = ((v + 16.0) / 16.0).clamp(0.0, 1.0);
+    let stops = [
+        (0.0, (13.0, 8.0, 135.0)),
+        (0.25, (126.0, 3.0, 168.0)),
+        (0.5, (204.0, 71.0, 120.0)),
+        (0.75, (248.0, 149.0, 64.0)),
+        (1.0, (240.0, 249.0, 33.0)),
+    ];
+    let i = stops
+        .iter()
+        .rposition(|(p, _)| *p <= t)
+        .unwrap_or(0)
+        .min(stops.len() - 2);
+    let (p0, c0) = stops[i];
+    let (p1, c1) = stops[i + 1];
+    let f = (t - p0) / (p1 - p0);
+    let mix = |a: f64, b: f64| (a + (b - a) * f).round() as u8;
+    RGBColor(mix(c0.0, c1.0), mix(c0.1, c1.1), mix(c0.2, c1.2))
+}
+
+/// Draws the per-(layer, path) × per-site `log10(rel_l2)` heat map as SVG text.
+///
+/// Errors: [`Error::Usage`] when plotters fails (it does not for SVG output in memory).
+pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
+    let mut stages: Vec<crate::trace::Stage> = Vec::new();
+    for r in &rep.results {
+        for d in &r.diffs {
+            if !stages.contains(&d.site.stage) {
+                stages.push(d.site.stage);
+            }
+        }
+    }
+    stages.sort_by_key(|s| s.order());
+    let rows: Vec<String> = rep.results.iter().map(|r| format!("L{} {}", r.layer, r.path)).collect();
+    let (nc, nr) = (stages.len().max(1), rows.len().max(1));
+    let (w, h) = ((260 + 26 * nc) as u32, (140 + 26 * nr) as u32);
+    let mut svg = String::new();
+    let perr = |e: &dyn std::fmt::Display| Error::Usage(format!("heat map: {e}"));
+    {
+        let root = SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| perr(&e))?;
+        let (plot, legend) = root.split_horizontally(w - 110);
+        let mut chart = ChartBuilder::on(&plot)
+            .caption("rel_l2 vs reference (log10)", ("sans-serif", 16))
+            .margin(8)
+            .x_label_area_size(95)
+            .y_label_area_size(110)
+            .build_cartesian_2d(0f64..nc as f64, 0f64..nr as f64)
+            .map_err(|e| perr(&e))?;
+        let stage_names: Vec<String> = stages.iter().map(|s| s.name()).collect();
+        let row_names = rows.clone();
+        chart
+            .configure_mesh()
+            .disable_mesh()
+            .x_labels(0)
+            .y_labels(nr * 2 + 1)
+            .y_label_formatter(&|y| {
+                let i = y.floor() as usize;
+                if (y - y.floor() - 0.5).abs() < 1e-6 {
+                    row_names.get(nr - 1 - i.min(nr - 1)).cloned().unwrap_or_default()
+                } else {
+                    String::new()
+                }
+            })
+            .y_label_style(("sans-serif", 11))
+            .draw()
+            .map_err(|e| perr(&e))?;
+        // Column labels, rotated to run downwards from under each column.
+        let label_style = ("sans-serif", 11)
+            .into_font()
+            .transform(FontTransform::Rotate90)
+            .color(&BLACK)
+            .pos(plotters::style::text_anchor::Pos::new(
+                plotters::style::text_anchor::HPos::Left,
+                plotters::style::text_anchor::VPos::Center,
+            ));
+        for (ci, name) in stage_names.iter().enumerate() {
+            let (px, py) = chart.backend_coord(&(ci as f64 + 0.5, 0.0));
+            root.draw(&Text::new(name.clone(), (px, py + 6), label_style.clone()))
+                .map_err(|e| perr(&e))?;
+        }
+        for (ri, r) in rep.results.iter().enumerate() {
+            let y0 = (nr - 1 - ri) as f64;
+            for (ci, st) in stages.iter().enumerate() {
+                let x0 = ci as f64;
+                let d = r.diffs.iter().find(|d| d.site.stage == *st);
+                let (color, failed) =
+                    match d {
+                        None => (RGBColor(200, 200, 200), false),
+                        Some(d) => {
+                            let v =
+                                match (&d.metrics, d.status) {
+                                    (Some(m), _) if m.nonfinite_mismatch == 0 && m.rel_l2.is_finite() => {
+                                        if m.rel_l2 > 0.0 { m.rel_l2.log10() } else { -16.0 }
+                                    }
+                                    _ => 0.0,
+                                };
+                            (heat_color(v), d.is_failure())
+                        }
+                    };
+                chart
+                    .draw_series(std::iter::once(Rectangle::new(
+                        [(x0 + 0.04, y0 + 0.04), (x0 + 0.96, y0 + 0.96)],
+                        color.filled(),
+                    )))
+                    .map_err(|e| perr(&e))?;
+                if failed {
+                    chart
+                        .draw_series(std::iter::once(Rectangle::new(
+                            [(x0 + 0.04, y0 + 0.04), (x0 + 0.96, y0 + 0.96)],
+                            RED.stroke_width(3),
+                        )))
+                        .map_err(|e| perr(&e))?;
+                }
+            }
+        }
+        // Colour legend: log10(rel_l2) from -16 to 0.
+        let lh = (h as i32 - 150).max(60);
+        for k in 0..=32 {
+            let v = -16.0 + 0.5 * k as f64;
+            let y = 40 + lh - (lh * k / 32);
+            legend
+                .draw(&Rectangle::new(
+                    [(10, y - lh / 32 - 1), (30, y)],
+                    heat_color(v).filled(),
+                ))
+                .map_err(|e| perr(&e))?;
+            if k % 8 == 0 {
+                legend
+                    .draw(&Text::new(format!("1e{}", v as i32), (36, y - 6), ("sans-serif", 11)))
+                    .map_err(|e| perr(&e))?;
+            }
+        }
+        legend
+            .draw(&Text::new("rel_l2", (10, 20), ("sans-serif", 12)))
+            .map_err(|e| perr(&e))?;
+        root.present().map_err(|e| perr(&e))?;
+    }
+    Ok(svg)
+}
+
+/// Writes the report to `path` and the heat map next to it ([`plot_path`]), each through a
+/// temporary file and a rename.
+///
+/// Errors: [`Error::Usage`] when either file exists and `force` is false; [`Error::Io`].
+pub fn write(
+    path: &Path,
+    rep: &RunReport,
+    env: &Environment,
+    command: &str,
+    file: &GgufFile,
+    force: bool,
+) -> Result<()> {
+    let plot = plot_path(path);
+    let plot_name = plot
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "plot.svg".into());
+    let md = markdown(rep, env, command, file, &plot_name);
+    let svg = heatmap_svg(rep)?;
+    write_file_atomic(&plot, svg.as_bytes(), force)?;
+    write_file_atomic(path, md.as_bytes(), force)
+}

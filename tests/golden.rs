@@ -1,0 +1,270 @@
+//! The golden gate: the committed cases pass, and every way a case can go wrong is caught —
+//! a 1% edit of one stored value (exit 1, naming the site), a changed GGUF and a missing site
+//! (exit 2, never a pass), an overwrite without `--force`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{repo, run_bin};
+
+/// Copies case `case` (and, for a file-backed case, its GGUF) into a fresh repository-shaped
+/// temporary folder; returns (tempdir guard, its golden folder).
+fn copy_case(case: &str) -> (tempfile::TempDir, PathBuf) {
+    let src = repo().join("golden");
+    let tmp = tempfile::tempdir().unwrap();
+    let g = tmp.path().join("golden");
+    std::fs::create_dir_all(g.join(case)).unwrap();
+    for f in ["manifest.json", "trace.safetensors"] {
+        std::fs::copy(src.join(case).join(f), g.join(case).join(f)).unwrap();
+    }
+    let m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join(case).join("manifest.json")).unwrap()).unwrap();
+    let gguf = m["gguf"]["path"].as_str().unwrap().to_string();
+    if gguf != "<embedded>" {
+        let dst = tmp.path().join(&gguf);
+        std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+        std::fs::copy(repo().join(&gguf), dst).unwrap();
+    }
+    (tmp, g)
+}
+
+/// Offset (in the file) and current value of element `idx` of tensor `name` (F32).
+fn locate(path: &Path, name: &str, idx: usize) -> (usize, f32) {
+    let b = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let h: serde_json::Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    let start = h[name]["data_offsets"][0].as_u64().unwrap() as usize;
+    let off = 8 + n + start + 4 * idx;
+    (off, f32::from_le_bytes(b[off..off + 4].try_into().unwrap()))
+}
+
+fn check(g: &Path, case: &str) -> (i32, String, String) {
+    run_bin(&["golden", "check", "--golden-dir", g.to_str().unwrap(), "--case", case])
+}
+
+#[test]
+fn committed_cases_all_match() {
+    let g = repo().join("golden");
+    let (code, out, err) = run_bin(&["golden", "check", "--all", "--golden-dir", g.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    // Every fixture has a case, plus the embedded default.
+    let n_models = std::fs::read_dir(g.join("models"))
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "gguf"))
+        .count();
+    assert!(
+        out.contains(&format!("{} case(s): {} match, 0 differ", n_models + 1, n_models + 1)),
+        "{out}"
+    );
+    for line in out
+        .lines()
+        .filter(|l| l.starts_with("golden ") && l.contains(": match"))
+    {
+        assert!(
+            line.contains("max |Δ| vs golden 0)"),
+            "a rerun must reproduce the bits: {line}"
+        );
+    }
+}
+
+#[test]
+fn one_percent_edit_of_one_value_fails_naming_the_site() {
+    // Three sites of three cases, at the first, a middle and a late element.
+    for (case, tensor, site, idx) in [
+        ("tiny-v3-q8_0", "mha.L1.attn_out", "L1.attn_out", 0usize),
+        ("yarn-v3-f32", "mha.L1.q_pe_roped", "L1.q_pe_roped", 17),
+        ("k256-q4_k_m", "mqa.L1.attn_latent", "L1.attn_latent", 500),
+    ] {
+        let (_t, g) = copy_case(case);
+        let (code, out, err) = check(&g, case);
+        assert_eq!(code, 0, "unedited copy of {case} must pass: {out}\n{err}");
+        let file = g.join(case).join("trace.safetensors");
+        let (off, v) = locate(&file, tensor, idx);
+        assert!(v != 0.0 && v.is_finite());
+        let mut b = std::fs::read(&file).unwrap();
+        b[off..off + 4].copy_from_slice(&(v * 1.01).to_le_bytes());
+        std::fs::write(&file, b).unwrap();
+        let (code, out, err) = check(&g, case);
+        assert_eq!(code, 1, "{case}: {out}\n{err}");
+        assert!(
+            out.contains(&format!(
+                "DIFFERS: first at {} {site}",
+                tensor.split('.').next().unwrap()
+            )),
+            "{case}: {out}"
+        );
+        assert!(out.contains("◀ first"), "{out}");
+    }
+}
+
+#[test]
+fn changed_gguf_is_an_error_not_a_pass() {
+    let case = "tiny-v3-q8_0";
+    let (t, g) = copy_case(case);
+    let gguf = t.path().join("golden/models/tiny-v3-q8_0.gguf");
+    let mut b = std::fs::read(&gguf).unwrap();
+    let n = b.len();
+    b[n - 100] ^= 0x01; // one bit of tensor data
+    std::fs::write(&gguf, b).unwrap();
+    let (code, out, err) = check(&g, case);
+    assert_eq!(code, 2, "{out}\n{err}");
+    assert!(err.contains("GGUF changed: sha256"), "{err}");
+    assert!(err.contains("tiny-v3-q8_0.gguf"), "{err}");
+
+    std::fs::remove_file(&gguf).unwrap();
+    let (code, _, err) = check(&g, case);
+    assert_eq!(code, 2);
+    assert!(err.contains("the case's GGUF is missing"), "{err}");
+}
+
+#[test]
+fn missing_or_extra_site_is_an_error() {
+    let case = "legacy-kvb-f32";
+    // A site in the golden that the recomputation does not produce.
+    let (_t, g) = copy_case(case);
+    let mpath = g.join(case).join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    let mut extra = m["sites"][0].clone();
+    extra["site"] = "L0.attn_out".into();
+    m["sites"].as_array_mut().unwrap().push(extra);
+    std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    let (code, _, err) = check(&g, case);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("missing site(s): L0.attn_out of trace"), "{err}");
+
+    // A recomputed site the golden lacks.
+    let (_t2, g2) = copy_case(case);
+    let mpath = g2.join(case).join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    let removed = m["sites"].as_array_mut().unwrap().remove(3);
+    std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    let (code, _, err) = check(&g2, case);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains(&format!(
+            "site {} of trace {} is recomputed but not in the golden",
+            removed["site"].as_str().unwrap(),
+            removed["trace"].as_str().unwrap()
+        )),
+        "{err}"
+    );
+
+    // A tensor missing from trace.safetensors.
+    let (_t3, g3) = copy_case(case);
+    let mpath = g3.join(case).join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    let i = m["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .position(|s| s["tensor"].is_string())
+        .unwrap();
+    m["sites"][i]["tensor"] = "no.such.tensor".into();
+    std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    let (code, _, err) = check(&g3, case);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("tensor `no.such.tensor`"), "{err}");
+}
+
+#[test]
+fn record_refuses_to_overwrite_without_force_and_writes_atomically() {
+    let case = "tiny-v3-q8_0";
+    let (t, g) = copy_case(case);
+    let model = t.path().join("golden/models/tiny-v3-q8_0.gguf");
+    let before = std::fs::read(g.join(case).join("trace.safetensors")).unwrap();
+    let args = |force: bool| {
+        let mut v = vec![
+            "golden",
+            "record",
+            "--case",
+            case,
+            "--golden-dir",
+            g.to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+            "--layer",
+            "1",
+            "--seqs",
+            "2,5",
+            "--page-size",
+            "4",
+            "--splits",
+            "2",
+            "--chunk-size",
+            "2",
+            "--new-tokens",
+            "2",
+            "--backend",
+            "cpu",
+        ];
+        if force {
+            v.push("--force");
+        }
+        v.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let a = args(false);
+    let (code, _, err) = run_bin(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(code, 2);
+    assert!(err.contains("exists") && err.contains("--force"), "{err}");
+    assert!(std::fs::read(g.join(case).join("trace.safetensors")).unwrap() == before);
+
+    let a = args(true);
+    let (code, out, err) = run_bin(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(code, 0, "{out}\n{err}");
+    // Same inputs: the same bytes, and no temporary file left behind.
+    assert!(
+        std::fs::read(g.join(case).join("trace.safetensors")).unwrap() == before,
+        "re-recording the same run must give the same bytes"
+    );
+    let names: Vec<String> = std::fs::read_dir(g.join(case))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    let m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(g.join(case).join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["gguf"]["path"], "golden/models/tiny-v3-q8_0.gguf");
+    assert_eq!(m["schema"], 1);
+    assert_eq!(m["run"]["layers"], serde_json::json!([1]));
+    assert_eq!(m["backend"]["kind"], "cpu");
+    assert!(m["tolerance"]["golden"]["rtol"].as_f64().unwrap() <= 1e-3);
+}
+
+#[test]
+fn record_refuses_a_model_outside_the_repository_and_a_diverging_run() {
+    let (_t, g) = copy_case("tiny-v3-q8_0");
+    let outside = repo().join("golden/models/tiny-v3-q8_0.gguf");
+    let (code, _, err) = run_bin(&[
+        "golden",
+        "record",
+        "--case",
+        "new-case",
+        "--golden-dir",
+        g.to_str().unwrap(),
+        "--model",
+        outside.to_str().unwrap(),
+        "--backend",
+        "cpu",
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("inside the repository"), "{err}");
+
+    let (code, out, _) = run_bin(&[
+        "golden",
+        "record",
+        "--case",
+        "bad-case",
+        "--golden-dir",
+        g.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--layer",
+        "1",
+        "--inject",
+        "phantom-output",
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("not recorded"), "{out}");
+    assert!(!g.join("bad-case").exists());
+}

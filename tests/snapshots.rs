@@ -1,0 +1,163 @@
+//! Snapshot tests (insta) of what people read: the terminal table, the Markdown triage report and
+//! `inspect`. Machine-specific fields (CPU, GPU, thread counts, paths, dates, git revision) are
+//! redacted by filters, and noise-level floats (below 1e-3, where another CPU's GEMM kernel may
+//! move the last digits) are rounded to their decade. CI runs with `INSTA_UPDATE=no`, so a
+//! changed snapshot fails; `snapshots_are_all_referenced` fails on an orphaned `.snap` file.
+//!
+//! To accept an intended change: `INSTA_UPDATE=always cargo test --release --test snapshots`,
+//! then review `git diff tests/snapshots/`.
+
+mod common;
+
+use common::repo;
+use mla_diff::batch::Batch;
+use mla_diff::config::MlaConfig;
+use mla_diff::faults::{Fault, FaultSet};
+use mla_diff::gguf::GgufFile;
+use mla_diff::paths::cpu::CpuOps;
+use mla_diff::paths::{Backend, PathKind, PathOptions};
+use mla_diff::run::{RunConfig, RunReport};
+use mla_diff::tolerance::Dtype;
+
+/// Every snapshot name asserted in this file (checked against tests/snapshots/ below).
+const SNAPSHOTS: &[&str] = &[
+    "terminal_clean",
+    "terminal_phantom",
+    "report_phantom",
+    "report_clean_tp2",
+    "inspect_tiny_v3_q8_0",
+    "inspect_layer1_k256",
+];
+
+fn settings() -> insta::Settings {
+    let mut s = insta::Settings::clone_current();
+    s.set_snapshot_path(repo().join("tests/snapshots"));
+    s.set_prepend_module_to_snapshot(false);
+    s.set_omit_expression(true);
+    // Noise-level floats: keep sign and decade only.
+    s.add_filter(r"-?\d\.\d{3}e-(?:[4-9]|\d\d)\b", "~1e-N");
+    s.add_filter(r"cpu \(\d+ threads\)", "cpu ([threads])");
+    s.add_filter(r"Date: \S+", "Date: [date]");
+    s.add_filter(r"\| CPU \| .* \|", "| CPU | [cpu] |");
+    s.add_filter(r"\| OS \| .* \|", "| OS | [os] |");
+    s.add_filter(r"\| git revision \| .* \|", "| git revision | [git revision] |");
+    s.add_filter(r"\| mla-diff \| .* \|", "| mla-diff | [version] |");
+    s.add_filter(r"/\S*/golden/models/", "[repo]/golden/models/");
+    s
+}
+
+fn run(model: Option<&str>, rc: RunConfig) -> (GgufFile, RunReport) {
+    let file = match model {
+        Some(m) => GgufFile::open(repo().join("golden/models").join(m)).unwrap(),
+        None => GgufFile::from_static(mla_diff::cli::EMBEDDED_NAME, mla_diff::cli::EMBEDDED_GGUF).unwrap(),
+    };
+    let cfg = MlaConfig::from_gguf(&file).unwrap();
+    let rep = mla_diff::run::run(&Backend::Cpu(CpuOps::new(Dtype::F32)), &file, &cfg, &rc).unwrap();
+    (file, rep)
+}
+
+fn rc(layers: Vec<usize>, seqs: &[usize], faults: Vec<Fault>, tp: usize, paths: Vec<PathKind>) -> RunConfig {
+    RunConfig {
+        layers,
+        batch: Batch {
+            seqs: seqs
+                .iter()
+                .map(|&len| mla_diff::batch::SeqSpec { len, start_pos: 0 })
+                .collect(),
+        },
+        paths,
+        path_options: PathOptions {
+            page_size: 4,
+            num_splits: 2,
+            tp,
+            chunk_size: 3,
+            new_tokens: 2,
+            faults: FaultSet(faults),
+            ..PathOptions::default()
+        },
+        backend: "cpu (2 threads)".into(),
+        ..RunConfig::default()
+    }
+}
+
+#[test]
+fn terminal_tables() {
+    let (_, clean) = run(
+        None,
+        rc(vec![1], &[3, 6], vec![], 1, vec![PathKind::Mha, PathKind::Mqa]),
+    );
+    assert!(clean.all_pass());
+    let (_, bad) = run(
+        None,
+        rc(vec![1], &[3, 6], vec![Fault::PhantomOutput], 1, vec![PathKind::Mqa]),
+    );
+    settings().bind(|| {
+        insta::assert_snapshot!("terminal_clean", mla_diff::report::terminal(&clean));
+        insta::assert_snapshot!("terminal_phantom", mla_diff::report::terminal(&bad));
+    });
+}
+
+#[test]
+fn markdown_reports() {
+    let backend = Backend::Cpu(CpuOps::new(Dtype::F32));
+    let env = mla_diff::triage::Environment::detect(&backend);
+    let (file, bad) = run(
+        None,
+        rc(vec![1], &[3, 6], vec![Fault::PhantomOutput], 1, PathKind::ALL.to_vec()),
+    );
+    let cmd = "mla-diff run --layer 1 --inject phantom-output --report /tmp/r.md";
+    let md = mla_diff::triage::markdown(&bad, &env, cmd, &file, "r.svg");
+    assert!(md.lines().next().unwrap().contains("phantom-output at L1.attn_out"));
+    let (file2, clean) = run(
+        Some("k256-q4_k_m.gguf"),
+        rc(vec![0, 1], &[5], vec![], 2, vec![PathKind::Mha, PathKind::Chunked]),
+    );
+    let md2 = mla_diff::triage::markdown(&clean, &env, "mla-diff run --layers 0..=1 --tp 2", &file2, "k.svg");
+    settings().bind(|| {
+        insta::assert_snapshot!("report_phantom", md);
+        insta::assert_snapshot!("report_clean_tp2", md2);
+    });
+}
+
+#[test]
+fn inspect_output() {
+    let f = GgufFile::open(repo().join("golden/models/tiny-v3-q8_0.gguf")).unwrap();
+    let k = GgufFile::open(repo().join("golden/models/k256-q6_k.gguf")).unwrap();
+    settings().bind(|| {
+        insta::assert_snapshot!("inspect_tiny_v3_q8_0", mla_diff::inspect::inspect(&f, None));
+        insta::assert_snapshot!("inspect_layer1_k256", mla_diff::inspect::inspect(&k, Some(1)));
+    });
+}
+
+#[test]
+fn snapshots_are_all_referenced() {
+    let dir = repo().join("tests/snapshots");
+    let mut orphans = Vec::new();
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let name = e.unwrap().file_name().to_string_lossy().into_owned();
+        let stem = name.strip_suffix(".snap").or_else(|| name.strip_suffix(".snap.new"));
+        match stem {
+            Some(s) if SNAPSHOTS.contains(&s) && name.ends_with(".snap") => {}
+            _ => orphans.push(name),
+        }
+    }
+    assert!(
+        orphans.is_empty(),
+        "unreferenced or pending snapshot files in tests/snapshots: {orphans:?}"
+    );
+    // SNAPSHOTS must be exactly the names this file asserts.
+    let src = include_str!("snapshots.rs");
+    let marker = concat!("assert_snapshot", "!(\"");
+    let asserted: Vec<&str> = src
+        .match_indices(marker)
+        .filter_map(|(i, _)| src[i + marker.len()..].split('"').next())
+        .collect();
+    let mut a = asserted.clone();
+    a.sort_unstable();
+    let mut b = SNAPSHOTS.to_vec();
+    b.sort_unstable();
+    assert_eq!(a, b, "SNAPSHOTS and the asserted names differ");
+    for s in SNAPSHOTS {
+        assert!(dir.join(format!("{s}.snap")).is_file(), "missing snapshot {s}.snap");
+    }
+}

@@ -20,7 +20,8 @@ Every patch is undone when `capture()` exits. Nothing else in the model is chang
 Rope order. HF's `apply_rotary_pos_emb_interleave` returns each rotated rope vector as
 [rotated even elements | rotated odd elements]; DeepSeek/vLLM/llama.cpp keep the interleaved pair
 order. `q_pe_roped` and `k_pe_roped` are stored converted to interleaved order
-(interleaved[2i] = hf[i], interleaved[2i+1] = hf[i + R/2]), see `hf_rope_to_interleaved`.
+(interleaved[2i] = hf[i], interleaved[2i+1] = hf[i + R/2]), see `hf_rope_to_interleaved`;
+`capture(..., raw_rope=True)` keeps HF's own order instead (dump_hf.py writes raw dumps).
 
 Usage:
     from hf_hooks import capture
@@ -161,12 +162,15 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float64).cpu().numpy().copy()
 
 
-def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool = True) -> CaptureResult:
+def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool = True,
+            raw_rope: bool = False, with_weights: bool = True) -> CaptureResult:
     """Run one forward pass of a DeepseekV3ForCausalLM on one sequence and capture all sites.
 
     input_ids: [T] or [1, T] int64 token ids; positions are 0..T-1. The model must use eager
     attention and `rope_interleave=True`. With `exact_f64` (default) the f32-forcing spots of
     HF's code are patched (see module docstring); the model itself should already be float64.
+    `raw_rope=True` stores q_pe_roped/k_pe_roped in HF's [even | odd] order (not converted);
+    `with_weights=False` skips the weight sites (w.*).
     """
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as mdl
 
@@ -247,6 +251,8 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
         handles.append(attn.o_proj.register_forward_hook(out_hook("o_proj")))
 
         # weights, as HF holds them (the f32 values, upcast)
+        if not with_weights:
+            continue
         if Lq is not None:
             put(n, "w.fused_qkv_a", np.concatenate(
                 [_np(attn.q_a_proj.weight), _np(attn.kv_a_proj_with_mqa.weight)], axis=0))
@@ -260,12 +266,14 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
     orig_rope = mdl.apply_rotary_pos_emb_interleave
     orig_eager = mdl.eager_attention_forward
 
+    reorder = (lambda a: a) if raw_rope else hf_rope_to_interleaved
+
     def rope_wrapper(q, k, cos, sin, *args, **kwargs):
         q_embed, k_embed = orig_rope(q, k, cos, sin, *args, **kwargs)
         n = current["layer"]
         # q_embed [1, N, T, R], k_embed [1, 1, T, R], both in HF's [even | odd] order
-        put(n, "q_pe_roped", hf_rope_to_interleaved(_np(q_embed[0]).transpose(1, 0, 2)))
-        put(n, "k_pe_roped", hf_rope_to_interleaved(_np(k_embed[0, 0])))
+        put(n, "q_pe_roped", reorder(_np(q_embed[0]).transpose(1, 0, 2)))
+        put(n, "k_pe_roped", reorder(_np(k_embed[0, 0])))
         if "cos" not in extras:
             extras["cos"] = _np(cos[0])     # [T, R] = cat(per-pair cos, per-pair cos)
             extras["sin"] = _np(sin[0])
@@ -314,6 +322,8 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
     for n in range(len(layers)):
         for stage in HF_STAGES:
             if Lq is None and stage in ("w.fused_qkv_a", "q_c", "q_c_normed"):
+                continue
+            if not with_weights and stage.startswith("w."):
                 continue
             if f"L{n}.{stage}" not in out:
                 raise RuntimeError(f"site L{n}.{stage} was not captured")

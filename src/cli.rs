@@ -60,6 +60,10 @@ pub enum Command {
     /// Inject every fault into every path of every fixture, and run every path clean: prove the
     /// detectors find each bug class at its first site and nothing on clean runs.
     Selftest(SelftestArgs),
+    /// Diff an engine's dump (safetensors of our site names) against the reference on the same GGUF.
+    Compare(CompareArgs),
+    /// Check an engine's weights as loaded (fused, sharded per TP rank) against the GGUF.
+    Weights(WeightsArgs),
     /// Record a passing run as a golden case, or check golden cases (the CI gate).
     #[command(subcommand)]
     Golden(GoldenCommand),
@@ -67,6 +71,157 @@ pub enum Command {
     Kernels(KernelsArgs),
     /// Time the fast CUDA kernels at DeepSeek-V3 sizes (needs a GPU).
     Bench(BenchArgs),
+}
+
+/// Arguments of `mla-diff compare`.
+#[derive(Debug, Args)]
+pub struct CompareArgs {
+    /// GGUF model file the engine loaded (default: the embedded tiny-v3 Q4_K_M fixture).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// The engine's dump (docs/dump-format.md).
+    #[arg(long)]
+    pub dump: PathBuf,
+    /// Undo an engine's names and layouts: `hf`, `vllm`, `llama.cpp`, or a map JSON file.
+    #[arg(long)]
+    pub map: Option<String>,
+    /// Tolerance rows to judge by (default: the dump's `dtype` metadata, else f32).
+    #[arg(long, value_enum)]
+    pub dtype: Option<Dtype>,
+    /// Write the JSON report here (schema: docs/json-schema.md).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write a Markdown triage report here, with its heat map next to it.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    /// Overwrite existing output files.
+    #[arg(long)]
+    pub force: bool,
+    /// Print only the verdict lines.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Where a report goes besides the terminal.
+struct Outputs<'a> {
+    json: Option<&'a PathBuf>,
+    md: Option<&'a PathBuf>,
+    force: bool,
+    quiet: bool,
+}
+
+/// Writes `--json`/`--report` outputs and the terminal text of a report; the outcome by verdict.
+fn finish_report(
+    rep: &run::RunReport,
+    file: &GgufFile,
+    backend: &Backend,
+    o: Outputs<'_>,
+    out: &mut dyn Write,
+) -> Result<Outcome> {
+    let Outputs { json, md, force, quiet } = o;
+    if let Some(j) = json {
+        report::write_file_atomic(j, &report::to_json_bytes(&report::json(rep)), force)?;
+    }
+    if let Some(r) = md {
+        let env = crate::triage::Environment::detect(backend);
+        crate::triage::write(r, rep, &env, &reproduce_command(), file, force)?;
+    }
+    let text = if quiet {
+        let mut lines = report::verdict_lines(rep);
+        for r in &rep.results {
+            lines.extend(r.notes.iter().map(|n| format!("note ({} L{}): {n}", r.path, r.layer)));
+        }
+        lines.extend(report::finding_lines(rep));
+        lines.join("\n") + "\n"
+    } else {
+        report::terminal(rep)
+    };
+    out.write_all(text.as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    Ok(if rep.all_pass() {
+        Outcome::Pass
+    } else {
+        Outcome::Divergence
+    })
+}
+
+/// Refuses to start when an output file exists and `--force` is absent (before any work).
+fn check_outputs(json: Option<&PathBuf>, md: Option<&PathBuf>, force: bool) -> Result<()> {
+    refuse_overwrite(json, force)?;
+    refuse_overwrite(md, force)?;
+    if let Some(r) = md {
+        refuse_overwrite(Some(&crate::triage::plot_path(r)), force)?;
+    }
+    Ok(())
+}
+
+/// `mla-diff compare`.
+pub fn cmd_compare(a: &CompareArgs, out: &mut dyn Write) -> Result<Outcome> {
+    let file = open_model(a.model.as_ref())?;
+    let cfg = MlaConfig::from_gguf(&file)?;
+    let map = a.map.as_deref().map(crate::dump::Map::load).transpose()?;
+    check_outputs(a.json.as_ref(), a.report.as_ref(), a.force)?;
+    let dump = crate::dump::load(&a.dump, map.as_ref(), &cfg)?;
+    let map_name = map
+        .as_ref()
+        .map(|m| m.name.clone().unwrap_or_else(|| a.map.clone().unwrap_or_default()));
+    let rep = crate::dump::compare_dump(&file, &cfg, &dump, map_name, a.dtype)?;
+    let backend = Backend::Cpu(CpuOps::new(rep.run.dtype));
+    let o = Outputs {
+        json: a.json.as_ref(),
+        md: a.report.as_ref(),
+        force: a.force,
+        quiet: a.quiet,
+    };
+    finish_report(&rep, &file, &backend, o, out)
+}
+
+/// Arguments of `mla-diff weights`.
+#[derive(Debug, Args)]
+pub struct WeightsArgs {
+    /// GGUF model file the engine loaded (default: the embedded tiny-v3 Q4_K_M fixture).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// The engine's weights as loaded: `L{n}.{param}[.rank{r}]`, vLLM parameter names, [out, in].
+    #[arg(long)]
+    pub check: PathBuf,
+    /// Rename the engine's tensor names: a map JSON file whose targets are `param` (with `{n}`)
+    /// or `L{n}.param[.rank{r}]`.
+    #[arg(long)]
+    pub map: Option<String>,
+    /// Write the result as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Overwrite an existing JSON file.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// `mla-diff weights --check`.
+pub fn cmd_weights(a: &WeightsArgs, out: &mut dyn Write) -> Result<Outcome> {
+    let file = open_model(a.model.as_ref())?;
+    let cfg = MlaConfig::from_gguf(&file)?;
+    let map = a.map.as_deref().map(crate::dump::Map::load).transpose()?;
+    refuse_overwrite(a.json.as_ref(), a.force)?;
+    let rep = crate::weights_check::check(&file, &cfg, &a.check, map.as_ref())?;
+    if let Some(j) = &a.json {
+        let doc = serde_json::json!({
+            "schema": report::JSON_SCHEMA_VERSION,
+            "kind": "weights",
+            "tool": {"name": "mla-diff", "version": env!("CARGO_PKG_VERSION")},
+            "report": rep,
+            "verdict": if rep.all_pass() { "pass" } else { "divergence" },
+            "exit_code": if rep.all_pass() { 0 } else { 1 },
+        });
+        report::write_file_atomic(j, &report::to_json_bytes(&doc), a.force)?;
+    }
+    out.write_all(crate::weights_check::terminal(&rep).as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    Ok(if rep.all_pass() {
+        Outcome::Pass
+    } else {
+        Outcome::Divergence
+    })
 }
 
 /// `mla-diff golden …`.
@@ -110,7 +265,7 @@ pub struct GoldenCheckArgs {
     /// CUDA include folder, for cases recorded on CUDA.
     #[arg(long)]
     pub cuda_include: Option<PathBuf>,
-    /// Print one line per case, and the differing sites only.
+    /// One line per case; for a case that differs, only its differing sites.
     #[arg(long)]
     pub quiet: bool,
 }
@@ -125,7 +280,7 @@ pub fn cmd_golden_record(a: &GoldenRecordArgs, out: &mut dyn Write) -> Result<Ou
         )));
     }
     let (file, cfg, rc) = build_run(&a.spec)?;
-    let backend = select_backend(&a.spec.device)?;
+    let backend = select_backend(&a.spec.device, false)?;
     let (rep, summary) = crate::golden::record(&crate::golden::RecordRequest {
         case: &a.case,
         golden_dir: &a.golden_dir,
@@ -198,7 +353,7 @@ pub fn cmd_golden_check(a: &GoldenCheckArgs, out: &mut dyn Write) -> Result<Outc
         crate::cuda::CudaOps::new(dtype, include.as_deref()).map(|o| Backend::Cuda(o.with_kernels(k)))
     };
     let mut text = String::new();
-    let (mut n_pass, mut n_fail, mut errors) = (0, 0, Vec::new());
+    let (mut n_pass, mut n_fail, mut errors) = (0, 0, Vec::<Error>::new());
     for case in &cases {
         match crate::golden::check(&dir, case, &cuda) {
             Ok(c) => {
@@ -222,8 +377,14 @@ pub fn cmd_golden_check(a: &GoldenCheckArgs, out: &mut dyn Write) -> Result<Outc
     ));
     out.write_all(text.as_bytes())
         .map_err(|e| Error::io("<stdout>", "write", e))?;
-    if let Some(e) = errors.into_iter().next() {
-        return Err(e);
+    match errors.len() {
+        0 => {}
+        1 => return Err(errors.remove(0)),
+        k => {
+            return Err(Error::Usage(format!(
+                "{k} golden cases could not be checked (the lines marked ERROR above)"
+            )));
+        }
     }
     Ok(if n_fail == 0 {
         Outcome::Pass
@@ -433,10 +594,11 @@ pub struct DeviceArgs {
     pub kernels: crate::cuda::Kernels,
 }
 
-/// Picks the backend and says which on stderr: `auto` takes CUDA when a device answers.
+/// Picks the backend and says which on stderr (unless `quiet`): `auto` takes CUDA when a device
+/// answers.
 ///
 /// Errors: `--backend cuda` without a usable device, library or include folder.
-pub fn select_backend(d: &DeviceArgs) -> Result<Backend> {
+pub fn select_backend(d: &DeviceArgs, quiet: bool) -> Result<Backend> {
     let cuda = || {
         crate::cuda::CudaOps::new(d.dtype, d.cuda_include.as_deref()).map(|o| Backend::Cuda(o.with_kernels(d.kernels)))
     };
@@ -446,21 +608,27 @@ pub fn select_backend(d: &DeviceArgs) -> Result<Backend> {
         BackendChoice::Auto => match crate::cuda::probe() {
             Ok(_) => match cuda() {
                 Ok(b) => {
-                    eprintln!("mla-diff: backend {} (auto: a CUDA device answered)", b.describe());
+                    if !quiet {
+                        eprintln!("mla-diff: backend {} (auto: a CUDA device answered)", b.describe());
+                    }
                     return Ok(b);
                 }
                 Err(e) => {
-                    eprintln!("mla-diff: backend cpu (auto: CUDA unusable: {e})");
+                    if !quiet {
+                        eprintln!("mla-diff: backend cpu (auto: CUDA unusable: {e})");
+                    }
                     Backend::Cpu(CpuOps::new(d.dtype))
                 }
             },
             Err(e) => {
-                eprintln!("mla-diff: backend cpu (auto: {e})");
+                if !quiet {
+                    eprintln!("mla-diff: backend cpu (auto: {e})");
+                }
                 Backend::Cpu(CpuOps::new(d.dtype))
             }
         },
     };
-    if d.backend != BackendChoice::Auto {
+    if d.backend != BackendChoice::Auto && !quiet {
         eprintln!("mla-diff: backend {}", b.describe());
     }
     Ok(b)
@@ -765,55 +933,53 @@ impl LayerProgress {
 /// `mla-diff run`.
 pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
     let (file, cfg, rc) = build_run(&a.spec)?;
-    refuse_overwrite(a.json.as_ref(), a.force)?;
-    refuse_overwrite(a.report.as_ref(), a.force)?;
-    if let Some(r) = &a.report {
-        refuse_overwrite(Some(&crate::triage::plot_path(r)), a.force)?;
-    }
-    let backend = select_backend(&a.spec.device)?;
+    check_outputs(a.json.as_ref(), a.report.as_ref(), a.force)?;
+    let backend = select_backend(&a.spec.device, a.quiet)?;
     let rc = RunConfig {
         backend: backend.describe(),
         ..rc
     };
     let computed = match rc.input {
         InputMode::Tokens => rc.layers.iter().max().map_or(0, |l| l + 1),
-        InputMode::Random => rc.layers.len(),
+        InputMode::Random | InputMode::Dump => rc.layers.len(),
     };
     let progress = LayerProgress::new(a.quiet, computed);
     let rep = run::run_with_progress(&backend, &file, &cfg, &rc, &mut |d, _| progress.update(d));
     progress.finish();
     let rep = rep?;
-    if let Some(j) = &a.json {
-        report::write_file_atomic(j, &report::to_json_bytes(&report::json(&rep)), a.force)?;
-    }
-    if let Some(r) = &a.report {
-        let env = crate::triage::Environment::detect(&backend);
-        crate::triage::write(r, &rep, &env, &reproduce_command(), &file, a.force)?;
-    }
-    let text = if a.quiet {
-        let mut lines = report::verdict_lines(&rep);
-        for r in &rep.results {
-            lines.extend(r.notes.iter().map(|n| format!("note ({} L{}): {n}", r.path, r.layer)));
-        }
-        lines.extend(report::finding_lines(&rep));
-        lines.join("\n") + "\n"
-    } else {
-        report::terminal(&rep)
+    let o = Outputs {
+        json: a.json.as_ref(),
+        md: a.report.as_ref(),
+        force: a.force,
+        quiet: a.quiet,
     };
-    out.write_all(text.as_bytes())
-        .map_err(|e| Error::io("<stdout>", "write", e))?;
-    Ok(if rep.all_pass() {
-        Outcome::Pass
-    } else {
-        Outcome::Divergence
-    })
+    finish_report(&rep, &file, &backend, o, out)
 }
 
-/// The command line of this process, shell-quoted, for "how to reproduce" lines.
+/// The command line of this process, shell-quoted, without its output flags (`--report`,
+/// `--json` and their values, `--force`), so that it reruns as is: for "how to reproduce" lines.
 pub fn reproduce_command() -> String {
-    let args: Vec<String> = std::env::args().collect();
+    reproduce_from(std::env::args().skip(1))
+}
+
+/// [`reproduce_command`] for given arguments (without the program name).
+pub fn reproduce_from(args: impl IntoIterator<Item = String>) -> String {
     let mut v = vec!["mla-diff".to_string()];
-    v.extend(args.into_iter().skip(1));
+    let mut skip_value = false;
+    for a in args {
+        if skip_value {
+            skip_value = false;
+            continue;
+        }
+        if a == "--report" || a == "--json" {
+            skip_value = true;
+            continue;
+        }
+        if a == "--force" || a.starts_with("--report=") || a.starts_with("--json=") {
+            continue;
+        }
+        v.push(a);
+    }
     v.iter().map(|a| shell_quote(a)).collect::<Vec<_>>().join(" ")
 }
 
@@ -891,7 +1057,7 @@ pub fn cmd_selftest(a: &SelftestArgs, out: &mut dyn Write) -> Result<Outcome> {
             j.display()
         )));
     }
-    let backend = select_backend(&a.device)?;
+    let backend = select_backend(&a.device, false)?;
     if a.cross_check && matches!(backend, Backend::Cpu(_)) {
         return Err(Error::Usage(
             "--cross-check needs a CUDA device to compare with the CPU; none answered (see the backend line above)"
@@ -936,6 +1102,8 @@ pub fn dispatch(cli: &Cli, out: &mut dyn Write) -> Result<Outcome> {
         Command::Run(a) => cmd_run(a, out),
         Command::Inspect(a) => cmd_inspect(a, out),
         Command::Selftest(a) => cmd_selftest(a, out),
+        Command::Compare(a) => cmd_compare(a, out),
+        Command::Weights(a) => cmd_weights(a, out),
         Command::Golden(GoldenCommand::Record(a)) => cmd_golden_record(a, out),
         Command::Golden(GoldenCommand::Check(a)) => cmd_golden_check(a, out),
         Command::Kernels(a) => cmd_kernels(a, out),

@@ -195,6 +195,9 @@ pub fn metrics(reference: &TraceTensor, cand: &TraceTensor, tol: &Tolerance) -> 
             }
         }
     }
+    // No element finite on both sides (and some mismatch): the norm-based metrics are undefined
+    // (NaN, written as `null` in JSON), not a perfect 0.
+    let undefined = n > 0 && nf_mis > 0 && n - nf_r.max(nf_c) == 0;
     let denom = rr + cc;
     let cos_diff = if denom > 0.0 { 1.0 - 2.0 * rc / denom } else { 0.0 };
     let norm_ratio = if norm_ref > 0.0 {
@@ -219,14 +222,14 @@ pub fn metrics(reference: &TraceTensor, cand: &TraceTensor, tol: &Tolerance) -> 
         zero_where_ref_nonzero: zeros,
         norm_ref,
         norm_cand,
-        norm_ratio,
-        rel_l2,
+        norm_ratio: if undefined { f64::NAN } else { norm_ratio },
+        rel_l2: if undefined { f64::NAN } else { rel_l2 },
         max_abs,
         max_abs_index: unravel(max_i, &reference.shape),
         max_abs_ref: if n > 0 { reference.get(max_i) } else { 0.0 },
         max_abs_cand: if n > 0 { cand.get(max_i) } else { 0.0 },
-        max_rel,
-        cos_diff,
+        max_rel: if undefined { f64::NAN } else { max_rel },
+        cos_diff: if undefined { f64::NAN } else { cos_diff },
         pass_fraction: if n > 0 { passed as f64 / n as f64 } else { 1.0 },
     }
 }
@@ -241,6 +244,14 @@ pub fn judge(m: &Metrics, tol: &Tolerance) -> Vec<&'static str> {
     let mut failed = Vec::new();
     if m.nonfinite_mismatch > 0 {
         failed.push("nonfinite");
+        if m.rel_l2.is_nan() {
+            // No element finite on both sides: the norm metrics are undefined, not separate
+            // failures; the element check still counts.
+            if !within(tol.min_pass_fraction, m.pass_fraction) {
+                failed.push("pass_fraction");
+            }
+            return failed;
+        }
     }
     if !within(m.rel_l2, tol.rel_l2) {
         failed.push("rel_l2");

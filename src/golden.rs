@@ -724,10 +724,15 @@ pub fn summary(c: &CaseCheck, quiet: bool) -> String {
                 })
                 .unwrap_or_default();
             s.push_str(&format!(
-                "golden {}: DIFFERS: first at {trace} {} [{}]{detail}; {n_bad} of {n_sites} sites differ\n",
+                "golden {}: DIFFERS: first at {trace} {} [{}]{detail}; {n_bad} of {n_sites} sites differ{}\n",
                 c.case,
                 d.site,
-                d.failed.join(",")
+                d.failed.join(","),
+                if n_bad > 1 {
+                    " (paths share identical tensors in the golden, so one stored change shows in every path that shares it)"
+                } else {
+                    ""
+                }
             ));
             for t in c.traces.iter().filter(|t| t.diffs.iter().any(|d| d.is_failure())) {
                 let rows: Vec<SiteDiff> = if quiet {

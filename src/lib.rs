@@ -18,6 +18,7 @@ pub mod compare;
 pub mod config;
 pub mod cuda;
 pub mod diagnose;
+pub mod dump;
 pub mod error;
 pub mod faults;
 pub mod gguf;
@@ -33,5 +34,6 @@ pub mod tolerance;
 pub mod trace;
 pub mod triage;
 pub mod weights;
+pub mod weights_check;
 
 pub use error::{Error, Result};

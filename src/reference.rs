@@ -29,7 +29,8 @@ pub struct RefLayer {
     pub hidden_out: Option<Array2<f64>>,
 }
 
-fn f64m(a: &Array2<f32>) -> Array2<f64> {
+/// Widens an f32 matrix to f64 (exact).
+pub fn f64m(a: &Array2<f32>) -> Array2<f64> {
     a.mapv(f64::from)
 }
 
@@ -87,7 +88,7 @@ fn rope_interleaved(x: &mut [f64], pos: usize, inv_freq: &[f64]) {
 
 /// Rebuilds `kv_b_proj` [N·(P+V), L] from the file's tensors (MLA.md "Rebuilding kv_b"):
 /// `W[h·(P+V) + p, l] = k_b[h, l, p]`, `W[h·(P+V) + P + v, l] = v_b[h, v, l]`.
-fn assemble_kv_b(cfg: &MlaConfig, w: &KvBWeights) -> Array2<f64> {
+pub fn assemble_kv_b(cfg: &MlaConfig, w: &KvBWeights) -> Array2<f64> {
     let (n, l, p, v) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
     match w {
         KvBWeights::Fused { kv_b } => f64m(kv_b),

@@ -30,7 +30,9 @@ fn sci(x: f64) -> String {
     }
 }
 
-fn status_word(d: &SiteDiff) -> String {
+/// The status cell: `pass`, or `FAIL` with the failed metrics abbreviated (rel, cos, norm, elem,
+/// nan), `SHAPE …`, `no reference`.
+pub fn status_word(d: &SiteDiff) -> String {
     fn short(m: &&'static str) -> &'static str {
         match *m {
             "rel_l2" => "rel",
@@ -173,6 +175,10 @@ pub fn terminal(report: &RunReport) -> String {
         c.softmax_scale
     ));
     s.push_str(&format!("{}\n", run_line(report)));
+    for l in dump_lines(report) {
+        s.push_str(&l);
+        s.push('\n');
+    }
     for r in &report.results {
         s.push_str(&format!("\n== layer {} · path {} ==\n", r.layer, r.path));
         if r.diffs.is_empty() {
@@ -197,9 +203,25 @@ pub fn terminal(report: &RunReport) -> String {
     s
 }
 
-/// One line describing what ran: input, batch, seed, dtype, paging, TP, faults.
+/// One line describing what ran: input, batch, seed, dtype, paging, TP, faults; for a dump,
+/// the file, engine, batch, dtype and map.
 pub fn run_line(report: &RunReport) -> String {
     let r = &report.run;
+    if let Some(d) = &report.dump {
+        let lens: Vec<String> = r.batch.seqs.iter().map(|s| s.len.to_string()).collect();
+        let starts: Vec<String> = r.batch.seqs.iter().map(|s| s.start_pos.to_string()).collect();
+        return format!(
+            "dump {} from engine `{}`, T={} in {} sequence(s) [{}] from position(s) [{}], tolerance dtype {}, map {}",
+            d.path,
+            d.engine,
+            r.batch.n_tokens(),
+            r.batch.seqs.len(),
+            lens.join(","),
+            starts.join(","),
+            r.dtype,
+            d.map.as_deref().unwrap_or("none")
+        );
+    }
     let o = &r.path_options;
     let lens: Vec<String> = r.batch.seqs.iter().map(|s| s.len.to_string()).collect();
     let start = r.batch.seqs.first().map_or(0, |s| s.start_pos);
@@ -209,6 +231,7 @@ pub fn run_line(report: &RunReport) -> String {
         match r.input {
             crate::run::InputMode::Random => "random",
             crate::run::InputMode::Tokens => "tokens",
+            crate::run::InputMode::Dump => "dump",
         },
         r.batch.n_tokens(),
         r.batch.seqs.len(),
@@ -228,6 +251,35 @@ pub fn run_line(report: &RunReport) -> String {
     )
 }
 
+/// For a dump: the conversions applied, the sites not dumped and the tensors ignored (one line
+/// each, lists shortened past 12 entries). Empty for `run`.
+pub fn dump_lines(report: &RunReport) -> Vec<String> {
+    let Some(d) = &report.dump else {
+        return Vec::new();
+    };
+    fn short(v: &[String]) -> String {
+        if v.len() <= 12 {
+            v.join(", ")
+        } else {
+            format!("{}, … ({} in all)", v[..12].join(", "), v.len())
+        }
+    }
+    let mut out = Vec::new();
+    for c in &d.conversions {
+        out.push(format!("converted {c}"));
+    }
+    if !d.not_dumped.is_empty() {
+        out.push(format!("not dumped (not compared): {}", short(&d.not_dumped)));
+    }
+    if !d.ignored.is_empty() {
+        out.push(format!(
+            "ignored (not sites, not renamed by a map): {}",
+            short(&d.ignored)
+        ));
+    }
+    out
+}
+
 /// One paragraph per finding: class, site, path, evidence, hint.
 pub fn finding_lines(report: &RunReport) -> Vec<String> {
     report
@@ -242,6 +294,30 @@ pub fn finding_lines(report: &RunReport) -> Vec<String> {
                 f.evidence,
                 f.hint
             )
+        })
+        .collect()
+}
+
+/// Per path: `pass` (every site within tolerance), `divergence`, or `not-run` (no site recorded,
+/// e.g. a TP cut inside a quant block; its finding says why).
+pub fn path_status(report: &RunReport) -> serde_json::Map<String, Value> {
+    report
+        .first_divergence()
+        .into_iter()
+        .map(|(p, d)| {
+            let n_sites: usize = report
+                .results
+                .iter()
+                .filter(|r| r.path == p)
+                .map(|r| r.diffs.len())
+                .sum();
+            let st = match d {
+                _ if n_sites == 0 => "not-run",
+                None if report.findings.iter().any(|f| f.path == Some(p)) => "divergence",
+                None => "pass",
+                Some(_) => "divergence",
+            };
+            (p.name().to_string(), Value::from(st))
         })
         .collect()
 }
@@ -286,9 +362,11 @@ pub fn json(report: &RunReport) -> Value {
         "token_ids": report.token_ids,
         "sites": sites,
         "first_divergence": first,
+        "path_status": path_status(report),
         "verdict": if report.all_pass() { "pass" } else { "divergence" },
         "exit_code": if report.all_pass() { 0 } else { 1 },
         "findings": report.findings,
+        "dump": report.dump,
     })
 }
 

@@ -31,6 +31,9 @@ pub enum InputMode {
     Random,
     /// Seeded token ids → `token_embd` → reference forward of the preceding layers.
     Tokens,
+    /// An engine dump's own layer inputs (`mla-diff compare`).
+    #[value(skip)]
+    Dump,
 }
 
 /// What to run.
@@ -106,6 +109,8 @@ pub struct RunReport {
     pub results: Vec<PathResult>,
     /// One finding per path at its first divergence (the earliest layer that diverges).
     pub findings: Vec<Finding>,
+    /// The engine dump compared (`mla-diff compare`); `None` for `run`.
+    pub dump: Option<crate::dump::DumpSummary>,
 }
 
 impl RunReport {
@@ -339,6 +344,11 @@ fn run_inner(
                 Array2::from_shape_vec((t, cfg.hidden), v.into_iter().map(f64::from).collect())
                     .map_err(|e| Error::Usage(e.to_string()))?
             }
+            InputMode::Dump => {
+                return Err(Error::Usage(
+                    "input mode `dump` belongs to `mla-diff compare`, not to `run`".into(),
+                ));
+            }
             InputMode::Tokens => carried.take().ok_or_else(|| {
                 Error::NotSupported(format!(
                     "layer {layer}: the token path stops at layer {}: its FFN is not dense (MoE is not supported yet); use --input random",
@@ -377,6 +387,7 @@ fn run_inner(
         token_ids,
         results,
         findings,
+        dump: None,
     };
     Ok((report, traces))
 }

@@ -112,6 +112,22 @@ fn decode(path: &Path, name: &str, v: &TensorView<'_>) -> Result<TensorData> {
     })
 }
 
+/// Decodes one safetensors tensor (any float or integer dtype) into a [`TraceTensor`].
+///
+/// Errors: [`Error::Safetensors`] for an unsupported dtype or a byte length that disagrees with
+/// the shape.
+pub fn decode_tensor(path: &Path, name: &str, v: &TensorView<'_>) -> Result<TraceTensor> {
+    Ok(TraceTensor {
+        shape: v.shape().to_vec(),
+        data: decode(path, name, v)?,
+    })
+}
+
+/// True for the float dtypes a site may have (F64, F32, F16, BF16).
+pub fn is_float_dtype(d: StDtype) -> bool {
+    matches!(d, StDtype::F64 | StDtype::F32 | StDtype::F16 | StDtype::BF16)
+}
+
 /// Reads a trace file from bytes (`path` is used in error messages).
 ///
 /// Errors: [`Error::Safetensors`] for a malformed header, an unsupported dtype or a byte length

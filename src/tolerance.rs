@@ -182,7 +182,7 @@ pub const GOLDEN_TOLERANCE: (Tolerance, &str) = (
         rtol: 1e-3,
         min_pass_fraction: 1.0,
     },
-    "same inputs, same backend, same dtype: DESIGN.md's fixed-order reductions make a rerun \
+    "same inputs, same backend, same dtype: every reduction runs in a fixed order, so a rerun is \
      bit-identical (measured: max |Δ| = 0 on every committed case, on two machines); the \
      element limits are the loosest that still fail a 1% change of any element above 1.1e-4 \
      of its tensor's RMS, leaving room only for last-bit differences between matrixmultiply's \

@@ -139,11 +139,11 @@ fn grouped_findings(rep: &RunReport) -> Vec<(&crate::diagnose::Finding, Vec<Stri
 }
 
 fn status_cell(d: &SiteDiff, first: bool) -> String {
-    let s = match d.status {
-        Status::Pass => "pass".to_string(),
-        Status::Fail => format!("**FAIL** {}", d.failed.join(", ")),
-        Status::ShapeMismatch => format!("**SHAPE** {:?} vs {:?}", d.shape_cand, d.shape_ref),
-        Status::NoReference => "no reference".to_string(),
+    let w = crate::report::status_word(d);
+    let s = if d.status == Status::Pass {
+        w
+    } else {
+        format!("**{w}**")
     };
     if first { format!("{s} ◀ first") } else { s }
 }
@@ -305,8 +305,10 @@ pub fn markdown(rep: &RunReport, env: &Environment, command: &str, file: &GgufFi
     let _ = writeln!(
         s,
         "![rel_l2 per layer and path (rows) and site (columns), log scale]({plot_name})\n\n\
-         Each cell is a site's `rel_l2` against the reference on a log scale; cells outlined in \
-         red failed; grey cells were not recorded by that path.\n"
+         Each cell is a site's `rel_l2` against the reference on a log scale (viridis: purple \
+         exact, teal f32 rounding, yellow order 1); red outlines fail, `1st` marks each row's \
+         first divergence, black cells are non-finite (`NaN`), grey cells were not recorded by \
+         that path.\n"
     );
 
     s.push_str("## Per-site tables\n\n");
@@ -332,15 +334,16 @@ pub fn markdown(rep: &RunReport, env: &Environment, command: &str, file: &GgufFi
     s
 }
 
-/// Heat-map colour for `log10(rel_l2)` in [-16, 0]: dark blue (exact) to yellow (order 1).
+/// Heat-map colour for `log10(rel_l2)` in [-16, 0] (viridis stops): dark purple (exact) through
+/// teal (f32 rounding, ~1e-7) to yellow (order 1).
 fn heat_color(v: f64) -> RGBColor {
     let t = ((v + 16.0) / 16.0).clamp(0.0, 1.0);
     let stops = [
-        (0.0, (13.0, 8.0, 135.0)),
-        (0.25, (126.0, 3.0, 168.0)),
-        (0.5, (204.0, 71.0, 120.0)),
-        (0.75, (248.0, 149.0, 64.0)),
-        (1.0, (240.0, 249.0, 33.0)),
+        (0.0, (68.0, 1.0, 84.0)),
+        (0.25, (59.0, 82.0, 139.0)),
+        (0.5, (33.0, 145.0, 140.0)),
+        (0.75, (94.0, 201.0, 98.0)),
+        (1.0, (253.0, 231.0, 37.0)),
     ];
     let i = stops
         .iter()
@@ -354,7 +357,19 @@ fn heat_color(v: f64) -> RGBColor {
     RGBColor(mix(c0.0, c1.0), mix(c0.1, c1.1), mix(c0.2, c1.2))
 }
 
-/// Draws the per-(layer, path) × per-site `log10(rel_l2)` heat map as SVG text.
+/// What one heat-map cell shows.
+enum Cell {
+    /// Not recorded by that path.
+    Absent,
+    /// Non-finite where the reference is finite (NaN canary, computed NaN/Inf).
+    NonFinite,
+    /// `log10(rel_l2)`, clamped to [-16, 0].
+    Value(f64),
+}
+
+/// Draws the per-(layer, path) × per-site `log10(rel_l2)` heat map as SVG text: failing cells
+/// outlined in red, the first divergence of each row marked `1st`, non-finite cells black with
+/// `NaN`, absent cells grey.
 ///
 /// Errors: [`Error::Usage`] when plotters fails (it does not for SVG output in memory).
 pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
@@ -369,92 +384,113 @@ pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
     stages.sort_by_key(|s| s.order());
     let rows: Vec<String> = rep.results.iter().map(|r| format!("L{} {}", r.layer, r.path)).collect();
     let (nc, nr) = (stages.len().max(1), rows.len().max(1));
-    let (w, h) = ((260 + 26 * nc) as u32, (140 + 26 * nr) as u32);
+    let cell = 30u32;
+    let (w, h) = (300 + cell * nc as u32, 170 + cell * nr as u32);
     let mut svg = String::new();
     let perr = |e: &dyn std::fmt::Display| Error::Usage(format!("heat map: {e}"));
     {
         let root = SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| perr(&e))?;
-        let (plot, legend) = root.split_horizontally(w - 110);
+        let (plot, legend) = root.split_horizontally(w - 130);
         let mut chart = ChartBuilder::on(&plot)
-            .caption("rel_l2 vs reference (log10)", ("sans-serif", 16))
+            .caption("rel_l2 against the reference (log10)", ("sans-serif", 17))
             .margin(8)
-            .x_label_area_size(95)
+            .x_label_area_size(105)
             .y_label_area_size(110)
             .build_cartesian_2d(0f64..nc as f64, 0f64..nr as f64)
             .map_err(|e| perr(&e))?;
-        let stage_names: Vec<String> = stages.iter().map(|s| s.name()).collect();
-        let row_names = rows.clone();
         chart
             .configure_mesh()
             .disable_mesh()
             .x_labels(0)
-            .y_labels(nr * 2 + 1)
-            .y_label_formatter(&|y| {
-                let i = y.floor() as usize;
-                if (y - y.floor() - 0.5).abs() < 1e-6 {
-                    row_names.get(nr - 1 - i.min(nr - 1)).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            })
-            .y_label_style(("sans-serif", 11))
+            .y_labels(0)
             .draw()
             .map_err(|e| perr(&e))?;
-        // Column labels, rotated to run downwards from under each column.
-        let label_style = ("sans-serif", 11)
+        let anchor = |h, v| plotters::style::text_anchor::Pos::new(h, v);
+        use plotters::style::text_anchor::{HPos, VPos};
+        // Column labels, rotated to run downwards from under each column; row labels left.
+        let col_style = ("sans-serif", 13)
             .into_font()
             .transform(FontTransform::Rotate90)
             .color(&BLACK)
-            .pos(plotters::style::text_anchor::Pos::new(
-                plotters::style::text_anchor::HPos::Left,
-                plotters::style::text_anchor::VPos::Center,
-            ));
-        for (ci, name) in stage_names.iter().enumerate() {
+            .pos(anchor(HPos::Left, VPos::Center));
+        for (ci, st) in stages.iter().enumerate() {
             let (px, py) = chart.backend_coord(&(ci as f64 + 0.5, 0.0));
-            root.draw(&Text::new(name.clone(), (px, py + 6), label_style.clone()))
+            root.draw(&Text::new(st.name(), (px, py + 6), col_style.clone()))
                 .map_err(|e| perr(&e))?;
         }
+        let row_style = ("sans-serif", 13)
+            .into_font()
+            .color(&BLACK)
+            .pos(anchor(HPos::Right, VPos::Center));
+        for (ri, name) in rows.iter().enumerate() {
+            let (px, py) = chart.backend_coord(&(0.0, (nr - 1 - ri) as f64 + 0.5));
+            root.draw(&Text::new(name.clone(), (px - 8, py), row_style.clone()))
+                .map_err(|e| perr(&e))?;
+        }
+        let mark_style = ("sans-serif", 11)
+            .into_font()
+            .color(&WHITE)
+            .pos(anchor(HPos::Center, VPos::Center));
         for (ri, r) in rep.results.iter().enumerate() {
             let y0 = (nr - 1 - ri) as f64;
+            let first = crate::compare::first_divergence(&r.diffs).map(|d| d.site.stage);
             for (ci, st) in stages.iter().enumerate() {
                 let x0 = ci as f64;
                 let d = r.diffs.iter().find(|d| d.site.stage == *st);
-                let (color, failed) =
-                    match d {
-                        None => (RGBColor(200, 200, 200), false),
-                        Some(d) => {
-                            let v =
-                                match (&d.metrics, d.status) {
-                                    (Some(m), _) if m.nonfinite_mismatch == 0 && m.rel_l2.is_finite() => {
-                                        if m.rel_l2 > 0.0 { m.rel_l2.log10() } else { -16.0 }
-                                    }
-                                    _ => 0.0,
-                                };
-                            (heat_color(v), d.is_failure())
-                        }
-                    };
+                let c = match d {
+                    None => Cell::Absent,
+                    Some(d) => match &d.metrics {
+                        Some(m) if m.nonfinite_mismatch > 0 => Cell::NonFinite,
+                        Some(m) if m.rel_l2.is_finite() => Cell::Value(if m.rel_l2 > 0.0 {
+                            m.rel_l2.log10().clamp(-16.0, 0.0)
+                        } else {
+                            -16.0
+                        }),
+                        _ => Cell::Value(0.0),
+                    },
+                };
+                let fill = match c {
+                    Cell::Absent => RGBColor(215, 215, 215),
+                    Cell::NonFinite => BLACK,
+                    Cell::Value(v) => heat_color(v),
+                };
+                let rect = [(x0 + 0.05, y0 + 0.05), (x0 + 0.95, y0 + 0.95)];
                 chart
-                    .draw_series(std::iter::once(Rectangle::new(
-                        [(x0 + 0.04, y0 + 0.04), (x0 + 0.96, y0 + 0.96)],
-                        color.filled(),
-                    )))
+                    .draw_series(std::iter::once(Rectangle::new(rect, fill.filled())))
                     .map_err(|e| perr(&e))?;
-                if failed {
+                let (cx, cy) = chart.backend_coord(&(x0 + 0.5, y0 + 0.5));
+                if matches!(c, Cell::NonFinite) {
+                    root.draw(&Text::new("NaN", (cx, cy), mark_style.clone()))
+                        .map_err(|e| perr(&e))?;
+                }
+                if d.is_some_and(|d| d.is_failure()) {
                     chart
-                        .draw_series(std::iter::once(Rectangle::new(
-                            [(x0 + 0.04, y0 + 0.04), (x0 + 0.96, y0 + 0.96)],
-                            RED.stroke_width(3),
-                        )))
+                        .draw_series(std::iter::once(Rectangle::new(rect, RED.stroke_width(4))))
+                        .map_err(|e| perr(&e))?;
+                }
+                if first == Some(*st) && !matches!(c, Cell::NonFinite) {
+                    let style = ("sans-serif", 11)
+                        .into_font()
+                        .color(&BLACK)
+                        .pos(anchor(HPos::Center, VPos::Center));
+                    root.draw(&Text::new("1st", (cx, cy), style)).map_err(|e| perr(&e))?;
+                } else if first == Some(*st) {
+                    let style = ("sans-serif", 9)
+                        .into_font()
+                        .color(&WHITE)
+                        .pos(anchor(HPos::Center, VPos::Top));
+                    root.draw(&Text::new("1st", (cx, cy + 4), style))
                         .map_err(|e| perr(&e))?;
                 }
             }
         }
-        // Colour legend: log10(rel_l2) from -16 to 0.
-        let lh = (h as i32 - 150).max(60);
+        // Legend: the colour scale from 1e-16 to 1, then the special cells.
+        let lh = (h as i32 - 210).max(64);
+        let top = 40;
         for k in 0..=32 {
-            let v = -16.0 + 0.5 * k as f64;
-            let y = 40 + lh - (lh * k / 32);
+            let v = -16.0 + 0.5 * f64::from(k);
+            let y = top + lh - (lh * k / 32);
             legend
                 .draw(&Rectangle::new(
                     [(10, y - lh / 32 - 1), (30, y)],
@@ -463,12 +499,34 @@ pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
                 .map_err(|e| perr(&e))?;
             if k % 8 == 0 {
                 legend
-                    .draw(&Text::new(format!("1e{}", v as i32), (36, y - 6), ("sans-serif", 11)))
+                    .draw(&Text::new(format!("1e{}", v as i32), (36, y - 7), ("sans-serif", 12)))
                     .map_err(|e| perr(&e))?;
             }
         }
         legend
-            .draw(&Text::new("rel_l2", (10, 20), ("sans-serif", 12)))
+            .draw(&Text::new("rel_l2", (10, 18), ("sans-serif", 13)))
+            .map_err(|e| perr(&e))?;
+        let y = top + lh + 14;
+        legend
+            .draw(&Rectangle::new([(10, y), (30, y + 16)], BLACK.filled()))
+            .map_err(|e| perr(&e))?;
+        legend
+            .draw(&Text::new("non-finite", (36, y + 2), ("sans-serif", 12)))
+            .map_err(|e| perr(&e))?;
+        legend
+            .draw(&Rectangle::new([(10, y + 24), (30, y + 40)], RED.stroke_width(3)))
+            .map_err(|e| perr(&e))?;
+        legend
+            .draw(&Text::new("fails", (36, y + 26), ("sans-serif", 12)))
+            .map_err(|e| perr(&e))?;
+        legend
+            .draw(&Rectangle::new(
+                [(10, y + 48), (30, y + 64)],
+                RGBColor(215, 215, 215).filled(),
+            ))
+            .map_err(|e| perr(&e))?;
+        legend
+            .draw(&Text::new("not recorded", (36, y + 50), ("sans-serif", 12)))
             .map_err(|e| perr(&e))?;
         root.present().map_err(|e| perr(&e))?;
     }

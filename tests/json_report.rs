@@ -89,3 +89,34 @@ fn same_inputs_give_byte_identical_json() {
     assert_eq!((c1, c2), (1, 1));
     assert!(a == b, "two runs with the same inputs wrote different JSON");
 }
+
+#[test]
+fn undefined_metrics_are_null_and_paths_that_did_not_run_say_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, bytes) = produce(dir.path(), "p.json", &["--layer", "1", "--inject", "phantom-output"]);
+    let doc: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    let site = doc["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["path"] == "mha" && s["site"] == "L1.attn_out")
+        .unwrap();
+    // Every element still holds the NaN canary: nothing to measure, never a perfect 0.
+    assert!(site["metrics"]["rel_l2"].is_null(), "{site}");
+    assert!(site["metrics"]["cos_diff"].is_null() && site["metrics"]["norm_ratio"].is_null());
+    assert_eq!(site["failed"], serde_json::json!(["nonfinite", "pass_fraction"]));
+    assert_eq!(doc["path_status"]["mha"], "divergence");
+
+    let (_, bytes) = produce(
+        dir.path(),
+        "q.json",
+        &["--layer", "1", "--tp", "2", "--inject", "quant-slice-misaligned"],
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    for p in ["mha", "mqa", "chunked", "mixed"] {
+        assert_eq!(doc["path_status"][p], "not-run", "{p}");
+        assert!(doc["first_divergence"][p].is_null());
+    }
+    assert_eq!(doc["findings"][0]["class"], "quant-block-misaligned");
+    assert_eq!(doc["verdict"], "divergence");
+}

@@ -30,7 +30,11 @@ fn report_names_the_class_and_writes_the_plot() {
         verdict.contains("Finding **phantom-output** at `L1.attn_out`"),
         "{verdict}"
     );
-    assert!(text.contains("```sh\nmla-diff run --backend cpu --layer 1 --inject phantom-output"));
+    // The reproduce command reruns as is: output flags removed.
+    assert!(
+        text.contains("```sh\nmla-diff run --backend cpu --layer 1 --inject phantom-output --quiet\n```"),
+        "{text}"
+    );
     assert!(text.contains("![rel_l2 per layer and path"));
     assert!(text.contains("(r.svg)"));
     assert_eq!(text.matches("<details>").count(), 4);
@@ -60,4 +64,23 @@ fn report_names_the_class_and_writes_the_plot() {
     };
     assert_eq!(strip(&text), strip(&again));
     assert_eq!(std::fs::read_to_string(dir.path().join("r.svg")).unwrap(), svg);
+}
+
+#[test]
+fn reproduce_command_drops_output_flags() {
+    let args = [
+        "run",
+        "--layer",
+        "3",
+        "--report",
+        "r.md",
+        "--json=x.json",
+        "--force",
+        "--model",
+        "my model.gguf",
+    ];
+    assert_eq!(
+        mla_diff::cli::reproduce_from(args.iter().map(|s| s.to_string())),
+        "mla-diff run --layer 3 --model 'my model.gguf'"
+    );
 }

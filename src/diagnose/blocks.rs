@@ -92,8 +92,8 @@ impl BlockMatch {
     }
 }
 
-/// Relative L2 distance of two equal-length slices (‖a−b‖/‖b‖; ‖a‖ when b = 0).
-fn rel(a: &[f64], b: &[f64]) -> f64 {
+/// Relative L2 distance of two equal-length slices (‖a−b‖/‖b‖; ‖a−b‖ when b = 0), f64.
+pub fn rel_l2(a: &[f64], b: &[f64]) -> f64 {
     let (mut d, mut n) = (0f64, 0f64);
     for (x, y) in a.iter().zip(b) {
         d += (x - y) * (x - y);
@@ -155,7 +155,7 @@ pub fn find_blocks(
             if off + s > shape[axis] {
                 continue;
             }
-            let e = rel(&take_along(cand, shape, axis, off, s), &ref_blocks[j]);
+            let e = rel_l2(&take_along(cand, shape, axis, off, s), &ref_blocks[j]);
             if e <= threshold && best.is_none_or(|(_, be)| e < be) {
                 best = Some((j, e));
             }

@@ -21,6 +21,7 @@ use crate::paths::{PathKind, Unservable};
 use crate::reference::rope_inv_freq;
 use crate::tolerance::{Dtype, tolerance};
 use crate::trace::{Site, Stage, Trace, TraceTensor};
+use blocks::rel_l2;
 use blocks::{BlockMatch, find_blocks};
 
 /// Bug classes, in DESIGN.md's precedence order (earlier wins when several explain a site).
@@ -39,6 +40,8 @@ pub enum Class {
     KvBLayout,
     /// A quantized weight was cut off a quant block boundary.
     QuantBlockMisaligned,
+    /// A loaded weight holds the expected matrix transposed (`[in, out]` for `[out, in]`).
+    Transposed,
     /// The other RoPE rotation style explains the values.
     RopeStyle,
     /// A constant logit scale explains the attention output.
@@ -67,6 +70,7 @@ impl Class {
             Class::TpRankOrder => "tp-rank-order",
             Class::KvBLayout => "kv-b-layout",
             Class::QuantBlockMisaligned => "quant-block-misaligned",
+            Class::Transposed => "transposed",
             Class::RopeStyle => "rope-style",
             Class::SoftmaxScale => "softmax-scale",
             Class::LseMerge => "lse-merge",
@@ -148,15 +152,6 @@ type Detected = Option<(String, String)>;
 
 fn fmt_e(x: f64) -> String {
     if x == 0.0 { "0".into() } else { format!("{x:.2e}") }
-}
-
-fn rel_l2(a: &[f64], b: &[f64]) -> f64 {
-    let (mut d, mut n) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        d += (x - y) * (x - y);
-        n += y * y;
-    }
-    if n > 0.0 { (d / n).sqrt() } else { d.sqrt() }
 }
 
 impl SiteCtx<'_> {
@@ -584,11 +579,25 @@ fn rope_style(x: &SiteCtx<'_>) -> Detected {
         _ => return None,
     };
     let alt = rotate_neox(&raw, r, &positions, &inv);
-    let e = x.explained_by(&alt)?;
+    // An engine dump read with `rope_order = hf` has had its halves re-interleaved; a NeoX
+    // rotation there comes out in natural order, so also try NeoX seen through that conversion.
+    let alt_hf: Vec<f64> = alt
+        .chunks(r)
+        .flat_map(|c| (0..r).map(move |k| if k % 2 == 0 { c[k / 2] } else { c[r / 2 + k / 2] }))
+        .collect();
+    let (e, through_hf) = match x.explained_by(&alt) {
+        Some(e) => (e, false),
+        None => (x.explained_by(&alt_hf)?, true),
+    };
     Some((
         format!(
-            "NeoX rotation (x[i], x[i+R/2]) of the reference's un-rotated input explains {} (rel_l2 {} vs {} as is)",
+            "NeoX rotation (x[i], x[i+R/2]) of the reference's un-rotated input explains {}{} (rel_l2 {} vs {} as is)",
             x.site.stage.name(),
+            if through_hf {
+                " once the dump's HF [even | odd] rope-order conversion is undone"
+            } else {
+                ""
+            },
             fmt_e(e),
             fmt_e(x.as_is())
         ),

@@ -1098,6 +1098,11 @@ fn pick_all<B>(outs: &[RankOut<B>], f: fn(&RankOut<B>) -> Option<&B>) -> Option<
 pub fn run<O: Ops>(ops: &O, kind: PathKind, input: &LayerInput<'_>, opts: &PathOptions) -> Result<PathRun> {
     let cfg = input.cfg;
     let t = input.batch.n_tokens();
+    if kind == PathKind::Dump {
+        return Err(Error::Usage(
+            "`dump` is an external engine's trace, not a path mla-diff runs".into(),
+        ));
+    }
     if input.hidden_in.shape() != [t, cfg.hidden] {
         return Err(Error::Usage(format!(
             "hidden_in has shape {:?}, expected [T={t}, H={}]",
@@ -1221,6 +1226,7 @@ pub fn run<O: Ops>(ops: &O, kind: PathKind, input: &LayerInput<'_>, opts: &PathO
             PathKind::Mqa => mqa_rank(&a, input.batch, &mut empty_rows)?,
             PathKind::Chunked => chunked_rank(&a, input.batch, &mut empty_rows, &mut notes)?,
             PathKind::Mixed => mixed_rank(&a, input.batch, &mut empty_rows)?,
+            PathKind::Dump => unreachable!("rejected at the top of run"),
         });
     }
     let pick = |f: fn(&RankOut<O::Buf>) -> Option<&O::Buf>| pick_all(&outs, f);

@@ -63,19 +63,23 @@ pub enum PathKind {
     Chunked,
     /// Mixed decode + prefill batch (decode tokens first).
     Mixed,
+    /// An external engine's dump (`mla-diff compare`): not run by mla-diff, only compared.
+    #[value(skip)]
+    Dump,
 }
 
 impl PathKind {
     /// Every path, in report order.
     pub const ALL: &'static [PathKind] = &[PathKind::Mha, PathKind::Mqa, PathKind::Chunked, PathKind::Mixed];
 
-    /// Lower-case name (`mha`, `mqa`, `chunked`, `mixed`).
+    /// Lower-case name (`mha`, `mqa`, `chunked`, `mixed`, `dump`).
     pub fn name(self) -> &'static str {
         match self {
             PathKind::Mha => "mha",
             PathKind::Mqa => "mqa",
             PathKind::Chunked => "chunked",
             PathKind::Mixed => "mixed",
+            PathKind::Dump => "dump",
         }
     }
 }

@@ -1,0 +1,1022 @@
+#!/usr/bin/env python3
+"""Dump vLLM's MLA intermediates (and its weights as loaded) for `mla-diff compare`.
+
+STATUS: UNTESTED ON A LIVE vLLM. This module has only been run against the plain-torch mock
+tree in scripts/test_dump_vllm.py, which copies vLLM's module names, parameter names and the
+forward-call signatures of the hooked modules (no GPU and no vLLM install were available); there,
+a dump of the mock loaded from golden/models/tiny-v3-f32.gguf passes `mla-diff compare`. Every
+vLLM fact it relies on is listed below with the file and commit it was read from; when vLLM moves
+one of them, expect a clear error or a site listed as "not dumped", not a silent wrong value.
+
+Why this exists. `mla-diff compare --model M.gguf --dump D.safetensors` diffs what an engine
+really computed against mla-diff's float64 reference on the same weights. This is vLLM's side:
+imported INSIDE the vLLM worker process, it registers forward hooks on the decoder layers and the
+MLA attention modules of a DeepseekV2/V3ForCausalLM, records ONE forward pass (the prefill of a
+prompt) and writes
+  (a) an activation dump in docs/dump-format.md's format (version 1), and
+  (b) a WEIGHTS file: the engine's MLA weights as loaded, under vLLM's own parameter names.
+
+Usage (vLLM V1, offline LLM; the worker runs in another process, so the hooks are shipped there
+with `LLM.apply_model`, which pickles the callable: scripts/ must be importable in the worker,
+and vLLM only accepts pickled callables with VLLM_ALLOW_INSECURE_SERIALIZATION=1):
+
+    # PYTHONPATH=/path/to/mla-diff/scripts VLLM_ALLOW_INSECURE_SERIALIZATION=1 python ...
+    import functools, dump_vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    llm = LLM(model=M, enforce_eager=True, enable_prefix_caching=False, tensor_parallel_size=TP)
+    llm.apply_model(dump_vllm.arm)                       # hooks on, in every worker
+    llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1))
+    res = llm.apply_model(functools.partial(dump_vllm.finish, dump_path="out/d.safetensors",
+                                            weights_path="out/w.safetensors", expect_tokens=ids))
+    dump_vllm.merge_rank_dumps([r["dump"] for r in res], "out/d.safetensors")   # only if TP > 1
+
+or the same in one command (also untested): `python scripts/dump_vllm.py MODEL --tokens 1,2,3
+--dump out/d.safetensors --weights out/w.safetensors [--tp 2] [--dtype bfloat16]`.
+`llm.collective_rpc(fn)` works too: arm/finish accept a worker (they take `worker.get_model()`
+or `worker.model_runner.model`). In-process use (VLLM_ENABLE_V1_MULTIPROCESSING=0, or any
+nn.Module tree): `cap = VllmCapture(model); cap.arm(); <forward>; cap.write_dump(...)`.
+
+Requirements the hooks need (each is checked, or noted in the dump's metadata):
+  * enforce_eager=True. vLLM compiles DeepseekV2Model (@support_torch_compile) and replays CUDA
+    graphs; hooks registered after start-up never run inside a compiled graph. `finish` raises
+    when no hook fired.
+  * One prefill step: enable_prefix_caching=False (cached prefix tokens are not recomputed), the
+    prompt(s) within max_num_batched_tokens (no chunked prefill), max_tokens=1 (one forward). The
+    first forward after `arm` is recorded (`forward_index` picks another); later ones are ignored.
+  * Several prompts are packed token-major in scheduler order; `seq_lens` is inferred from the
+    positions (a new sequence wherever a position does not follow its predecessor) and
+    `expect_tokens` (the concatenated prompt ids) checks order and trims any padding rows.
+
+What is dumped (sites of DESIGN.md; token-major, values upcast exactly to float32):
+  hidden_in    DeepseekV2DecoderLayer input. vLLM passes the residual stream SPLIT:
+               forward(positions, hidden_states, residual, llama_4_scaling=None) returns
+               (hidden_states, residual). Layer 0 gets residual=None (then hidden_in =
+               hidden_states); later layers get the previous layer's un-added pair and the fused
+               add + RMSNorm `input_layernorm(hidden_states, residual)` returns (normed, sum), so
+               hidden_in = hidden_states + residual. It is taken from that tuple's second element
+               (the engine's own sum, rounded to the model dtype), else the pre-hook's sum.
+  attn_in      input_layernorm output (first element of the tuple when residual is given).
+  q_c, kv_a    columns [:Lq] and [Lq:] of fused_qkv_a_proj's output (q_lora_rank models); older
+               trees with separate q_a_proj / kv_a_proj_with_mqa, and models without q_lora_rank
+               (kv_a_proj_with_mqa, q_proj), are hooked under those names. k_pe = kv_a[:, L:].
+  q_c_normed   q_a_layernorm output.          kv_c_normed  kv_a_layernorm output.
+  q            q_b_proj (or q_proj) output viewed [T, N, P+R], before RoPE (copied in the hook:
+               the wrapper then writes the roped q_pe into q in place).
+  q_pe_roped, k_pe_roped   the (query, key) returned by rotary_emb(positions, q_pe, k_pe), first
+               call per layer. get_rope() caches instances, so one rotary module is shared by all
+               layers (and can be the V3.2 indexer's too): the call is attributed to the layer
+               whose forward is running, and later calls in the same layer are ignored.
+  k_nope, v    first kv_b_proj call in the layer, split per head [k_nope | v]: that call is
+               MLACommonImpl.forward_mha's `self.kv_b_proj(kv_c_normed)` on the NEW prefill tokens.
+               Dumped only when it covered all T tokens (no decode tokens in the batch).
+  attn_out     o_proj's input (= the mla_attn / MLAAttention output), [T, N, V].
+  o_proj       o_proj output (after the TP all-reduce; not dumped when reduce_results=False).
+  hidden_out   hidden_states + residual of the layer's returned pair (what the next layer's fused
+               add, or the final norm, computes).
+  w.fused_qkv_a, w.kv_b, w.W_UK_T, w.W_UV  the weight sites, from the engine's weights (below).
+  tokens, positions (int64); metadata format, engine="vllm <version>", dtype (from the
+  activations' dtype), rope_order="interleaved", layout="token-major", kv_a_order="latent-rope",
+  seq_lens (several sequences), model, plus informational keys (notes, tp_size, ...).
+rope_order is "interleaved" because DeepseekV2MLAAttention builds its rotary module with
+get_rope(..., is_neox_style=False) (DeepseekScalingRotaryEmbedding for YaRN, RotaryEmbedding
+otherwise), whose forward_native rotates adjacent pairs (rotate_gptj, cos/sin
+repeat_interleave(2)) and returns q_pe/k_pe in their natural element order: DeepSeek's layout, no
+permutation to undo (the built-in `--map vllm` says the same).
+NOT dumped (inside the attention backend's kernels, no module boundary to hook without editing
+vLLM): lse, ql_nope, attn_latent (forward_mqa / decode path), and the prefill attention output
+before o_proj other than attn_out itself.
+
+fp16 models: DeepseekV2DecoderLayer divides the attention output (and, at layer 0, the residual)
+by routed_scaling_factor when hidden_states are float16, so vLLM's residual stream is the true
+one / routed_scaling_factor. With undo_fp16_residual_scaling (default) hidden_out, and hidden_in
+of layers > 0, are multiplied back (noted in the metadata). bf16/f32 are unaffected.
+
+WEIGHTS file (`weights_path`): float32, PyTorch [out, in] layout, named `L{n}.{param}`, or
+`L{n}.{param}.rank{r}` when tensor parallel size > 1 (r = vLLM's TP rank; every param of that rank
+carries the suffix, replicated ones too). Params (as present on DeepseekV2MLAAttention):
+fused_qkv_a_proj [Lq+L+R, H], q_b_proj [N_r(P+R), Lq] or q_proj [N_r(P+R), H], kv_a_proj_with_mqa
+[L+R, H] (no-Lq models), kv_b_proj [N_r(P+V), L], o_proj [H, N_r V], W_UK_T [N_r, P, L],
+W_UV [N_r, L, V] (N_r = heads on this rank). With fused_qkv_a_proj, `q_a_proj` and
+`kv_a_proj_with_mqa` are ALSO written as its row slices [:Lq] and [Lq:] (vLLM has no such
+parameters; the slices are what the loader put in shards 0 and 1, listed in metadata `derived`).
+Metadata: format, engine, tp_size, rank, pp_size, pp_rank, dims, quantized, dequant, w_uk_t_holder.
+Quantized layers: the weight is dequantized to float32 with vLLM's own
+quant_utils.get_and_maybe_dequant_weights(layer, out_dtype=torch.float32) when that exists,
+else the way MLACommonImpl.process_weights_after_loading does it for kv_b_proj: an identity
+matrix (model dtype) pushed through `layer.quant_method.apply(layer, eye, bias=None)`, transposed
+to [out, in]. That path runs the layer's own quantized kernel (shard logic included), so it shows
+what the engine multiplies by, rounded to the activation dtype (documented per layer in
+`dequant`). Unquantized layers (UnquantizedLinearMethod) are read directly. W_UK_T/W_UV are the
+16-bit copies vLLM keeps; ROCm's aiter fp8/fp4 BMM paths store W_K/W_V instead and are not read.
+
+Tensor parallelism: each rank writes its own files (`<stem>.rank{r}<suffix>`, `.pp{p}` added
+under pipeline parallelism) with its local heads; `merge_rank_dumps` concatenates the
+head-sharded sites (q, q_pe_roped, k_nope, v, attn_out on the head axis, w.kv_b, w.W_UK_T,
+w.W_UV on axis 0) in rank order and takes replicated sites from rank 0, noting any rank that
+disagrees. Pipeline ranks hold disjoint layers and are unioned. Not handled: decode context
+parallelism, sequence-parallel MoE (token-sharded residual stream: noted, those sites skipped),
+data parallelism (run one DP rank).
+
+vLLM source this relies on (github.com/vllm-project/vllm main as stored in the search index;
+no release tag could be pinned; commit of each file read):
+  * vllm/model_executor/models/deepseek_v2.py @ 002d6073aa034d4f5545d45021b0e56d1f3c3593:
+    DeepseekV2Model.forward calls layer(positions, hidden_states, residual, llama_4_scaling) over
+    self.layers[start_layer:end_layer] and ends with self.norm(hidden_states, residual);
+    DeepseekV2DecoderLayer: self_attn, input_layernorm, post_attention_layernorm, mlp,
+    routed_scaling_factor, layer_idx, forward as described above (fp16 rescale included);
+    DeepseekV2MLAAttention: fused_qkv_a_proj (DeepSeekV2FusedQkvAProjLinear, a
+    MergedColumnParallelLinear [q_lora_rank, kv_lora_rank + qk_rope_head_dim], disable_tp) or
+    kv_a_proj_with_mqa (ReplicatedLinear), q_a_layernorm, q_b_proj / q_proj
+    (ColumnParallelLinear), kv_a_layernorm, kv_b_proj (ColumnParallelLinear), o_proj
+    (RowParallelLinear), rotary_emb = get_rope(qk_rope_head_dim, ..., is_neox_style=False),
+    mla_attn (MultiHeadLatentAttentionWrapper), num_local_heads, qk_nope_head_dim,
+    qk_rope_head_dim, qk_head_dim, v_head_dim, q_lora_rank, kv_lora_rank;
+    load_weights maps q_a_proj -> fused_qkv_a_proj shard 0, kv_a_proj_with_mqa -> shard 1.
+  * vllm/model_executor/layers/mla.py @ 00b9b7ad3a37ff624e5816d1b7ae713ecb0a705f:
+    MultiHeadLatentAttentionWrapper.forward(positions, hidden_states, llama_4_scaling):
+    fused_qkv_a_proj(h)[0].split([Lq, L+R]) -> q_a_layernorm -> q_b_proj(q_c)[0];
+    kv_a_layernorm(kv_c); q.view(-1, N, P+R); q[..., P:], k_pe = rotary_emb(positions,
+    q[..., P:], k_pe.unsqueeze(1)); attn_out = self.mla_attn(q, kv_c_normed, k_pe,
+    output_shape=(T, N*V)) (an MLAAttention); return self.o_proj(attn_out)[0].
+  * vllm/model_executor/layers/attention/mla_attention.py @ 0014ca6b9929614f1b72c4bb11e5238de49cba89:
+    MLAAttention (self.impl, self.kv_b_proj) holds W_UK_T [N, P, L] and W_UV [N, L, V], set in
+    MLAAttention.process_weights_after_loading from get_and_maybe_dequant_weights(kv_b_proj,
+    out_dtype=act_dtype); forward_impl sends rows [num_decode_tokens:] to impl.forward_mha,
+    whose first op is self.kv_b_proj(kv_c_normed)[0].view(-1, N, P+V).split([P, V]).
+  * vllm/v1/attention/backends/mla/common.py @ 00a817ada81626793c9e2432903ee4c5b33ab33a (older
+    layout, also supported): W_UK_T / W_UV live on the backend impl (MLACommonImpl /
+    MLACommonBaseImpl.process_weights_after_loading), i.e. <MLAAttention>.impl.W_UK_T. The
+    holder is searched under self_attn.mla_attn{.mla_attn}{.impl} and its path recorded.
+  * vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py @
+    00d678e109f09c2d1845e7a6626ba9fd5980e4f0: DeepseekScalingRotaryEmbedding.forward_native
+    (rotate_gptj when not is_neox_style), forward_cuda (flashinfer, in place, returns (q, k)).
+  * vllm/entrypoints/llm.py: LLM.apply_model(func) -> collective_rpc("apply_model"), func(model)
+    in each worker; vllm.distributed get_tensor_model_parallel_rank / _world_size, get_pp_group.
+  * vllm/model_executor/layers/quantization/utils/quant_utils.py:
+    get_and_maybe_dequant_weights(layer, out_dtype=torch.float32) (newer trees only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import st_io  # noqa: E402  (byte-reproducible safetensors writer, scripts/st_io.py)
+
+# Activation stages in DESIGN.md's canonical order (those a hook can reach), then weight sites.
+ACT_STAGES = [
+    "hidden_in", "attn_in", "q_c", "q_c_normed", "q", "kv_a", "kv_c_normed", "k_pe",
+    "q_pe_roped", "k_pe_roped", "k_nope", "v", "attn_out", "o_proj", "hidden_out",
+]
+WEIGHT_SITES = ["w.fused_qkv_a", "w.kv_b", "w.W_UK_T", "w.W_UV"]
+SITE_ORDER = [
+    "hidden_in", "attn_in", "w.fused_qkv_a", "q_c", "q_c_normed", "q", "kv_a", "kv_c_normed",
+    "k_pe", "q_pe_roped", "k_pe_roped", "w.kv_b", "k_nope", "v", "w.W_UK_T", "w.W_UV",
+    "attn_out", "o_proj", "hidden_out",
+]
+# Sites whose heads are split across TP ranks, with the axis holding the heads.
+HEAD_SHARDED = {"q": 1, "q_pe_roped": 1, "k_nope": 1, "v": 1, "attn_out": 1,
+                "w.kv_b": 0, "w.W_UK_T": 0, "w.W_UV": 0}
+NOT_HOOKABLE = ["lse", "ql_nope", "attn_latent"]
+# vLLM parameter names written to the WEIGHTS file, in this order when present.
+WEIGHT_PARAMS = ["fused_qkv_a_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "q_proj",
+                 "kv_b_proj", "o_proj"]
+
+_ACTIVE: "VllmCapture | None" = None      # the capture armed in this process (apply_model API)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+def _torch():
+    import torch
+    return torch
+
+
+def _np(t) -> np.ndarray:
+    """A detached host COPY (vLLM mutates many of these tensors in place right after the hook)."""
+    torch = _torch()
+    t = t.detach()
+    want = torch.float64 if t.dtype == torch.float64 else torch.float32
+    return np.array(t.to(want).cpu().numpy(), copy=True)
+
+
+def _first(x):
+    """vLLM linears return (output, bias); RMSNorm with a residual returns (normed, residual)."""
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+def _dtype_name(dtype) -> str:
+    torch = _torch()
+    return {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32",
+            torch.float64: "f32"}.get(dtype, "f32")
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+        return f"vllm {vllm.__version__}"
+    except Exception:  # noqa: BLE001 - not installed (mock) or broken install
+        return "vllm (version unknown)"
+
+
+def parallel_info() -> tuple[int, int, int, int]:
+    """(tp_rank, tp_size, pp_rank, pp_size) from vLLM's parallel state; (0, 1, 0, 1) without it."""
+    tp_rank, tp_size, pp_rank, pp_size = 0, 1, 0, 1
+    try:
+        from vllm.distributed import (get_tensor_model_parallel_rank,
+                                      get_tensor_model_parallel_world_size)
+        tp_rank, tp_size = int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
+    except Exception:  # noqa: BLE001 - no vLLM, or distributed state not initialised
+        pass
+    try:
+        from vllm.distributed import get_pp_group
+        g = get_pp_group()
+        pp_rank, pp_size = int(g.rank_in_group), int(g.world_size)
+    except Exception:  # noqa: BLE001
+        pass
+    return tp_rank, tp_size, pp_rank, pp_size
+
+
+def rank_path(path, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> Path:
+    """`out/d.safetensors` -> `out/d.rank1.safetensors` (+ `.pp2`) when there is more than one rank."""
+    path = Path(path)
+    tag = (f".rank{tp_rank}" if tp_size > 1 else "") + (f".pp{pp_rank}" if pp_size > 1 else "")
+    return path.with_name(path.stem + tag + path.suffix) if tag else path
+
+
+def find_model(obj) -> Any:
+    """The nn.Module behind what apply_model / collective_rpc hands us (model or worker)."""
+    torch = _torch()
+    if isinstance(obj, torch.nn.Module):
+        return obj
+    if hasattr(obj, "get_model"):
+        return obj.get_model()
+    runner = getattr(obj, "model_runner", None)
+    if runner is not None:
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+    raise TypeError(f"cannot find a model in {type(obj).__name__}")
+
+
+def find_decoder_layers(root) -> list[tuple[int, Any]]:
+    """(layer index, DeepseekV2DecoderLayer) for every layer of this pipeline rank.
+
+    Layers of other pipeline ranks are PPMissingLayer (no self_attn) and are skipped.
+    """
+    torch = _torch()
+    cands = []
+    inner = getattr(root, "model", None)
+    if inner is not None and hasattr(inner, "layers"):
+        cands.append(inner.layers)
+    if hasattr(root, "layers"):
+        cands.append(root.layers)
+    if not cands:
+        for _, mod in root.named_modules():
+            if isinstance(getattr(mod, "layers", None), torch.nn.ModuleList):
+                cands.append(mod.layers)
+                break
+    for layers in cands:
+        found = [(i, layer) for i, layer in enumerate(layers) if hasattr(layer, "self_attn")]
+        if found:
+            return found
+    raise RuntimeError(f"{type(root).__name__}: no decoder layers with `self_attn` found "
+                       "(expected model.model.layers of a DeepseekV2/V3ForCausalLM)")
+
+
+def find_w_uk_holder(attn) -> tuple[Any, str] | tuple[None, None]:
+    """The object holding W_UK_T / W_UV, and its attribute path from self_attn.
+
+    Newer vLLM: the MLAAttention layer itself (self_attn.mla_attn.mla_attn); older: its backend
+    impl (....impl, MLACommonImpl). Breadth-first over the attributes mla_attn, attn, impl.
+    """
+    queue = [(attn, "self_attn")]
+    seen = set()
+    while queue:
+        obj, path = queue.pop(0)
+        if id(obj) in seen or path.count(".") > 4:
+            continue
+        seen.add(id(obj))
+        if getattr(obj, "W_UK_T", None) is not None and getattr(obj, "W_UV", None) is not None:
+            return obj, path
+        for name in ("mla_attn", "attn", "impl"):
+            child = getattr(obj, name, None)
+            if child is not None:
+                queue.append((child, f"{path}.{name}"))
+    return None, None
+
+
+def dequant_weight(linear, act_dtype) -> tuple[np.ndarray, str]:
+    """A vLLM linear layer's weight as float32 [out, in], and how it was obtained."""
+    torch = _torch()
+    qm = getattr(linear, "quant_method", None)
+    if qm is None or type(qm).__name__ == "UnquantizedLinearMethod":
+        return _np(linear.weight).astype(np.float32), "unquantized"
+    try:
+        from vllm.model_executor.layers.quantization.utils.quant_utils import (
+            get_and_maybe_dequant_weights)
+        w = get_and_maybe_dequant_weights(linear, out_dtype=torch.float32)
+        return _np(w).astype(np.float32), f"{type(qm).__name__} via vllm get_and_maybe_dequant_weights"
+    except (ImportError, TypeError):
+        pass
+    # MLACommonImpl.process_weights_after_loading's own method: identity through the quant kernel.
+    dev = None
+    for name in ("weight", "qweight", "weight_packed"):
+        if hasattr(linear, name):
+            dev = getattr(linear, name).device
+            break
+    eye = torch.eye(int(linear.input_size_per_partition), dtype=act_dtype, device=dev)
+    with torch.no_grad():
+        out = qm.apply(linear, eye, bias=None)
+    return (_np(out).T.copy().astype(np.float32),
+            f"{type(qm).__name__} via quant_method.apply(identity, {_dtype_name(act_dtype)})")
+
+
+def infer_seq_lens(positions: np.ndarray) -> list[int]:
+    """Sequence lengths of a token-major batch: a new sequence where a position does not follow."""
+    if len(positions) == 0:
+        return []
+    lens = [1]
+    for a, b in zip(positions[:-1], positions[1:]):
+        if b == a + 1:
+            lens[-1] += 1
+        else:
+            lens.append(1)
+    return lens
+
+
+def _site_key(name: str):
+    if name.startswith("L") and "." in name:
+        layer, stage = name[1:].split(".", 1)
+        if layer.isdigit():
+            return (0, int(layer), SITE_ORDER.index(stage) if stage in SITE_ORDER else 99, stage)
+    return (1, 0, 0, name)
+
+
+# --------------------------------------------------------------------------------------------
+# the capture
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Dims:
+    n_local: int
+    p: int
+    r: int
+    v: int
+    l: int
+    lq: int | None
+
+
+def _dims(attn) -> _Dims:
+    n = getattr(attn, "num_local_heads", None) or getattr(attn, "num_heads")
+    return _Dims(int(n), int(attn.qk_nope_head_dim), int(attn.qk_rope_head_dim),
+                 int(attn.v_head_dim), int(attn.kv_lora_rank),
+                 None if attn.q_lora_rank is None else int(attn.q_lora_rank))
+
+
+class VllmCapture:
+    """Forward hooks on a vLLM DeepSeek MLA model; records one forward pass.
+
+    model: DeepseekV2ForCausalLM / DeepseekV3ForCausalLM (anything with model.layers[i].self_attn).
+    forward_index: which forward after arm() to record (0 = the first).
+    tp_rank/tp_size/pp_rank/pp_size: default from vLLM's parallel state (override for tests).
+    """
+
+    def __init__(self, model, *, forward_index: int = 0, tp_rank: int | None = None,
+                 tp_size: int | None = None, pp_rank: int | None = None, pp_size: int | None = None,
+                 undo_fp16_residual_scaling: bool = True, engine: str | None = None):
+        self.root = find_model(model)
+        self.layers = find_decoder_layers(self.root)
+        self.forward_index = forward_index
+        p = parallel_info()
+        self.tp_rank = p[0] if tp_rank is None else tp_rank
+        self.tp_size = p[1] if tp_size is None else tp_size
+        self.pp_rank = p[2] if pp_rank is None else pp_rank
+        self.pp_size = p[3] if pp_size is None else pp_size
+        self.undo_fp16 = undo_fp16_residual_scaling
+        self.engine = engine or vllm_version()
+        self.handles: list = []
+        self.reset()
+
+    # ---- state ---------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.forwards = 0              # forwards seen since arm()
+        self.capturing = False
+        self.done = False
+        self.cur_layer: int | None = None
+        self.t: dict[str, np.ndarray] = {}
+        self.tokens: np.ndarray | None = None
+        self.positions: np.ndarray | None = None
+        self.act_dtype = None
+        self.notes: list[str] = []
+        self.repeats: dict[str, int] = {}
+        self._pending_hidden_in: dict[int, np.ndarray] = {}
+        self._kv_b_seen: set[int] = set()
+        self._hooks_fired = 0
+        self._weights_cache = None
+
+    def note(self, msg: str) -> None:
+        if msg not in self.notes:
+            self.notes.append(msg)
+
+    def put(self, layer: int, stage: str, value: np.ndarray) -> None:
+        key = f"L{layer}.{stage}"
+        if key in self.t:           # first value wins (e.g. a second rotary call in the layer)
+            self.repeats[key] = self.repeats.get(key, 1) + 1
+            return
+        self.t[key] = value
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def arm(self) -> "VllmCapture":
+        """Register every hook (idempotent: re-arming removes the old ones first)."""
+        self.remove()
+        self.reset()
+        torch = _torch()
+        inner = getattr(self.root, "model", None)
+        if isinstance(inner, torch.nn.Module):
+            self.handles.append(inner.register_forward_pre_hook(self._model_pre, with_kwargs=True))
+        hooked_rotary: set[int] = set()
+        for n, layer in self.layers:
+            attn = layer.self_attn
+            self.handles.append(layer.register_forward_pre_hook(
+                functools.partial(self._layer_pre, n), with_kwargs=True))
+            self.handles.append(layer.register_forward_hook(
+                functools.partial(self._layer_post, n), with_kwargs=True))
+            self.handles.append(layer.input_layernorm.register_forward_hook(
+                functools.partial(self._input_norm, n)))
+            d = _dims(attn)
+
+            def hook(mod_name: str, fn: Callable) -> None:
+                mod = getattr(attn, mod_name, None)
+                if mod is not None:
+                    self.handles.append(mod.register_forward_hook(fn))
+
+            hook("fused_qkv_a_proj", functools.partial(self._fused_qkv_a, n, d))
+            hook("q_a_proj", functools.partial(self._simple, n, "q_c"))
+            hook("kv_a_proj_with_mqa", functools.partial(self._kv_a, n, d))
+            hook("q_a_layernorm", functools.partial(self._simple, n, "q_c_normed"))
+            hook("q_b_proj", functools.partial(self._q, n, d))
+            hook("q_proj", functools.partial(self._q, n, d))
+            hook("kv_a_layernorm", functools.partial(self._simple, n, "kv_c_normed"))
+            hook("kv_b_proj", functools.partial(self._kv_b, n, d))
+            o_proj = attn.o_proj
+            self.handles.append(o_proj.register_forward_pre_hook(functools.partial(self._o_pre, n, d)))
+            self.handles.append(o_proj.register_forward_hook(functools.partial(self._o_post, n, o_proj)))
+            rot = getattr(attn, "rotary_emb", None)
+            if rot is not None and id(rot) not in hooked_rotary:   # shared across layers
+                hooked_rotary.add(id(rot))
+                self.handles.append(rot.register_forward_hook(self._rotary))
+        return self
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _on(self) -> bool:
+        return self.capturing and not self.done
+
+    def _model_pre(self, mod, args, kwargs):
+        self.forwards += 1
+        self.capturing = (self.forwards - 1 == self.forward_index) and not self.done
+        if not self.capturing:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        if ids is not None:
+            self.tokens = _np(ids).astype(np.int64).reshape(-1)
+        if pos is not None:
+            self.positions = _np(pos).astype(np.int64).reshape(-1)
+
+    def _layer_pre(self, n, mod, args, kwargs):
+        if not self.handles_have_model_hook and self.cur_layer is None and not self.done:
+            # no inner-model hook: the first hooked layer marks a new forward
+            if n == self.layers[0][0]:
+                self._model_pre(mod, (), {})
+        if not self._on():
+            return
+        self._hooks_fired += 1
+        self.cur_layer = n
+        names = ["positions", "hidden_states", "residual"]
+        vals = {k: kwargs[k] for k in names if k in kwargs}
+        for k, a in zip(names, args):
+            vals.setdefault(k, a)
+        pos, hs, res = vals.get("positions"), vals.get("hidden_states"), vals.get("residual")
+        if self.act_dtype is None and hs is not None:
+            self.act_dtype = hs.dtype
+        if pos is not None and self.positions is None:
+            self.positions = _np(pos).astype(np.int64).reshape(-1)
+        if hs is None:
+            return
+        if pos is not None and hs.shape[0] != pos.shape[0]:
+            self.note(f"L{n}: hidden_states has {hs.shape[0]} rows for {pos.shape[0]} positions "
+                      "(sequence-parallel MoE?): hidden_in/hidden_out not dumped")
+            return
+        # residual None (first layer): hidden_states IS the stream; else the fused add's sum, in
+        # the model dtype (what RMSNorm(x, residual) stores as its new residual).
+        summed = hs if res is None else hs + res
+        self._pending_hidden_in[n] = _np(summed)
+
+    def _input_norm(self, n, mod, args, output):
+        if not self._on():
+            return
+        self.put(n, "attn_in", _np(_first(output)))
+        pending = self._pending_hidden_in.pop(n, None)
+        if isinstance(output, (tuple, list)) and len(output) > 1 and output[1] is not None:
+            engine_sum = _np(output[1])            # the engine's own residual sum
+            if pending is not None and pending.shape == engine_sum.shape:
+                diff = float(np.max(np.abs(pending - engine_sum))) if pending.size else 0.0
+                if diff != 0.0:
+                    self.note(f"L{n}.hidden_in: fused add differs from hidden_states + residual "
+                              f"by up to {diff:.3g} (engine's sum kept)")
+            self.put(n, "hidden_in", engine_sum)
+        elif pending is not None:
+            self.put(n, "hidden_in", pending)
+
+    def _layer_post(self, n, mod, args, kwargs, output):
+        if not self._on():
+            return
+        if isinstance(output, (tuple, list)):
+            hs, res = output[0], (output[1] if len(output) > 1 else None)
+            out = hs if res is None else hs + res
+        else:
+            out = output
+        pos = kwargs.get("positions", args[0] if args else None)
+        if pos is not None and out.shape[0] != pos.shape[0]:
+            pass                                     # noted in _layer_pre
+        else:
+            self.put(n, "hidden_out", _np(out))
+        self.cur_layer = None
+        if n == self.layers[-1][0]:
+            self.done = True
+
+    def _simple(self, n, stage, mod, args, output):
+        if self._on():
+            self.put(n, stage, _np(_first(output)))
+
+    def _fused_qkv_a(self, n, d: _Dims, mod, args, output):
+        if not self._on():
+            return
+        out = _np(_first(output))
+        lq = d.lq or 0
+        if out.shape[-1] != lq + d.l + d.r:
+            self.note(f"L{n}: fused_qkv_a_proj output width {out.shape[-1]} != Lq+L+R = "
+                      f"{lq + d.l + d.r}: q_c/kv_a not dumped")
+            return
+        self.put(n, "q_c", out[:, :lq].copy())
+        self.put(n, "kv_a", out[:, lq:].copy())
+        self.put(n, "k_pe", out[:, lq + d.l:].copy())
+
+    def _kv_a(self, n, d: _Dims, mod, args, output):
+        if not self._on():
+            return
+        kv_a = _np(_first(output))
+        self.put(n, "kv_a", kv_a)
+        self.put(n, "k_pe", kv_a[:, d.l:].copy())
+
+    def _q(self, n, d: _Dims, mod, args, output):
+        if self._on():
+            q = _np(_first(output))
+            self.put(n, "q", q.reshape(q.shape[0], d.n_local, d.p + d.r))
+
+    def _kv_b(self, n, d: _Dims, mod, args, output):
+        if not self._on() or n in self._kv_b_seen:
+            return
+        self._kv_b_seen.add(n)          # only the first call: forward_mha's new prefill tokens
+        kv = _np(_first(output))
+        rows = kv.shape[0]
+        t = self._t_of(n)
+        if t is None or rows != t:
+            self.note(f"L{n}: first kv_b_proj call had {rows} rows for T = {t} (decode tokens or "
+                      "chunked context in the batch): k_nope/v not dumped")
+            return
+        kv = kv.reshape(rows, d.n_local, d.p + d.v)
+        self.put(n, "k_nope", kv[:, :, :d.p].copy())
+        self.put(n, "v", kv[:, :, d.p:].copy())
+
+    def _t_of(self, n) -> int | None:
+        for st in ("hidden_in", "attn_in", "kv_a"):
+            a = self.t.get(f"L{n}.{st}")
+            if a is not None:
+                return a.shape[0]
+        return None
+
+    def _rotary(self, mod, args, output):
+        if not self._on() or self.cur_layer is None:
+            return
+        n = self.cur_layer
+        if f"L{n}.q_pe_roped" in self.t:
+            self.repeats[f"L{n}.q_pe_roped"] = self.repeats.get(f"L{n}.q_pe_roped", 1) + 1
+            return
+        q_pe, k_pe = output[0], output[1]
+        q = _np(q_pe)
+        t = q.shape[0]
+        r = q.shape[-1]
+        self.put(n, "q_pe_roped", q.reshape(t, -1, r))
+        if k_pe is not None:
+            self.put(n, "k_pe_roped", _np(k_pe).reshape(t, r))
+
+    def _o_pre(self, n, d: _Dims, mod, args):
+        if self._on():
+            x = _np(args[0])
+            self.put(n, "attn_out", x.reshape(x.shape[0], d.n_local, d.v))
+
+    def _o_post(self, n, o_proj, mod, args, output):
+        if not self._on():
+            return
+        if self.tp_size > 1 and getattr(o_proj, "reduce_results", True) is False:
+            self.note(f"L{n}: o_proj has reduce_results=False under TP (a partial sum): not dumped")
+            return
+        self.put(n, "o_proj", _np(_first(output)))
+
+    @property
+    def handles_have_model_hook(self) -> bool:
+        torch = _torch()
+        return isinstance(getattr(self.root, "model", None), torch.nn.Module)
+
+    # ---- results -------------------------------------------------------------------------
+    def weights(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """The WEIGHTS file's tensors (vLLM names, float32 [out, in]) and metadata (cached)."""
+        if self._weights_cache is None:
+            self._weights_cache = self._collect_weights()
+        return self._weights_cache
+
+    def _collect_weights(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        torch = _torch()
+        act = self.act_dtype or _model_dtype(self.root) or torch.bfloat16
+        suffix = f".rank{self.tp_rank}" if self.tp_size > 1 else ""
+        out: dict[str, np.ndarray] = {}
+        quantized, dequant, derived, holders = [], [], [], []
+        dims = None
+        for n, layer in self.layers:
+            attn = layer.self_attn
+            d = _dims(attn)
+            dims = d
+            for pname in WEIGHT_PARAMS:
+                mod = getattr(attn, pname, None)
+                if mod is None:
+                    continue
+                w, how = dequant_weight(mod, act)
+                out[f"L{n}.{pname}{suffix}"] = w
+                if how != "unquantized":
+                    quantized.append(f"L{n}.{pname}")
+                    dequant.append(f"L{n}.{pname}: {how}")
+            fused = out.get(f"L{n}.fused_qkv_a_proj{suffix}")
+            if fused is not None and d.lq is not None:
+                for pname, part in (("q_a_proj", fused[:d.lq]), ("kv_a_proj_with_mqa", fused[d.lq:])):
+                    key = f"L{n}.{pname}{suffix}"
+                    if key not in out:
+                        out[key] = part.copy()
+                        derived.append(f"L{n}.{pname}")
+            holder, path = find_w_uk_holder(attn)
+            if holder is None:
+                self.note(f"L{n}: no W_UK_T/W_UV found under self_attn (ROCm aiter BMM path, or "
+                          "process_weights_after_loading not run): not written")
+            else:
+                out[f"L{n}.W_UK_T{suffix}"] = _np(holder.W_UK_T).astype(np.float32)
+                out[f"L{n}.W_UV{suffix}"] = _np(holder.W_UV).astype(np.float32)
+                holders.append(path)
+        meta = {
+            "format": "mla-diff vllm weights 1",
+            "engine": self.engine,
+            "tp_size": str(self.tp_size),
+            "rank": str(self.tp_rank),
+            "pp_size": str(self.pp_size),
+            "pp_rank": str(self.pp_rank),
+            "layout": "[out, in] float32 (W_UK_T [N_r, P, L], W_UV [N_r, L, V])",
+            "quantized": ",".join(quantized) or "none",
+            "dequant": "; ".join(dequant) or "none (all unquantized; values exact)",
+            "derived": ("; ".join(derived) + ": row slices [:Lq] / [Lq:] of fused_qkv_a_proj")
+                       if derived else "none",
+            "w_uk_t_holder": ",".join(sorted(set(holders))) or "not found",
+        }
+        if dims is not None:
+            meta["dims"] = (f"N_local={dims.n_local},P={dims.p},R={dims.r},V={dims.v},"
+                            f"L={dims.l},Lq={dims.lq if dims.lq is not None else 'none'}")
+        return out, meta
+
+    def _weight_sites(self) -> dict[str, np.ndarray]:
+        """w.fused_qkv_a / w.kv_b / w.W_UK_T / w.W_UV of this rank, from the engine's weights."""
+        w, _ = self.weights()
+        suffix = f".rank{self.tp_rank}" if self.tp_size > 1 else ""
+        out = {}
+        for n, layer in self.layers:
+            g = lambda name: w.get(f"L{n}.{name}{suffix}")  # noqa: E731
+            if g("fused_qkv_a_proj") is not None and layer.self_attn.q_lora_rank is not None:
+                out[f"L{n}.w.fused_qkv_a"] = g("fused_qkv_a_proj")
+            elif g("q_a_proj") is not None and g("kv_a_proj_with_mqa") is not None:
+                out[f"L{n}.w.fused_qkv_a"] = np.concatenate([g("q_a_proj"), g("kv_a_proj_with_mqa")])
+            if g("kv_b_proj") is not None:
+                out[f"L{n}.w.kv_b"] = g("kv_b_proj")
+            if g("W_UK_T") is not None:
+                out[f"L{n}.w.W_UK_T"] = g("W_UK_T")
+                out[f"L{n}.w.W_UV"] = g("W_UV")
+        return out
+
+    def result(self, *, num_tokens: int | None = None, expect_tokens=None,
+               weight_sites: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """The dump's tensors (ordered) and metadata, for this rank."""
+        if self._hooks_fired == 0 or not self.t:
+            raise RuntimeError(
+                f"no vLLM forward was captured ({self.forwards} forward(s) seen after arm()). "
+                "Hooks do not run inside torch.compile'd / CUDA-graph code: start vLLM with "
+                "enforce_eager=True, and run the prompt between arm() and finish().")
+        torch = _torch()
+        tensors = dict(self.t)
+        tokens, positions = self.tokens, self.positions
+        if expect_tokens is not None:
+            exp = np.asarray(list(expect_tokens), dtype=np.int64)
+            if tokens is None or len(tokens) < len(exp) or not np.array_equal(tokens[:len(exp)], exp):
+                got = None if tokens is None else tokens[: len(exp) + 4].tolist()
+                raise RuntimeError(f"captured tokens {got} do not start with the expected "
+                                   f"{exp.tolist()} (prefix caching on? several steps? request order?)")
+            num_tokens = len(exp)
+        if num_tokens is not None:
+            for k, a in tensors.items():
+                if a.shape[0] < num_tokens:
+                    raise RuntimeError(f"{k} has {a.shape[0]} rows, fewer than {num_tokens} tokens")
+                tensors[k] = a[:num_tokens]
+            tokens = None if tokens is None else tokens[:num_tokens]
+            positions = None if positions is None else positions[:num_tokens]
+        # fp16 residual-stream rescale (see module docstring)
+        if self.undo_fp16 and self.act_dtype == torch.float16:
+            undone = []
+            for n, layer in self.layers:
+                rsf = float(getattr(layer, "routed_scaling_factor", 1.0) or 1.0)
+                if rsf == 1.0 or type(layer.self_attn).__name__ == "DeepseekAttention":
+                    continue
+                layer_idx = getattr(layer, "layer_idx", n)
+                if layer_idx > 0 and f"L{n}.hidden_in" in tensors:
+                    tensors[f"L{n}.hidden_in"] = tensors[f"L{n}.hidden_in"] * np.float32(rsf)
+                    undone.append(f"L{n}.hidden_in")
+                if f"L{n}.hidden_out" in tensors:
+                    tensors[f"L{n}.hidden_out"] = tensors[f"L{n}.hidden_out"] * np.float32(rsf)
+                    undone.append(f"L{n}.hidden_out")
+            if undone:
+                self.note("fp16: vLLM's residual stream is scaled by 1/routed_scaling_factor; "
+                          f"multiplied back on {', '.join(undone)}")
+        if weight_sites:
+            tensors.update(self._weight_sites())
+        ordered = {k: np.ascontiguousarray(tensors[k]) for k in sorted(tensors, key=_site_key)}
+        if tokens is not None:
+            ordered["tokens"] = tokens.astype(np.int64)
+        if positions is not None:
+            ordered["positions"] = positions.astype(np.int64)
+        missing = []
+        for n, layer in self.layers:
+            for st in ACT_STAGES:
+                if st in ("q_c", "q_c_normed") and layer.self_attn.q_lora_rank is None:
+                    continue
+                if f"L{n}.{st}" not in ordered:
+                    missing.append(f"L{n}.{st}")
+        for k, c in sorted(self.repeats.items()):
+            self.note(f"{k}: {c} calls in one forward, the first kept")
+        meta = {
+            "format": "mla-diff dump 1",
+            "engine": self.engine,
+            "dtype": _dtype_name(self.act_dtype) if self.act_dtype is not None else "bf16",
+            "rope_order": "interleaved",
+            "layout": "token-major",
+            "kv_a_order": "latent-rope",
+            "model": _model_name(self.root),
+            "tp_size": str(self.tp_size),
+            "tp_rank": str(self.tp_rank),
+            "pp_size": str(self.pp_size),
+            "pp_rank": str(self.pp_rank),
+            "capture": f"forward #{self.forward_index} after arm(); hooks on DeepseekV2DecoderLayer, "
+                       "input_layernorm, self_attn.{fused_qkv_a_proj|q_a_proj|kv_a_proj_with_mqa, "
+                       "q_a_layernorm, q_b_proj|q_proj, kv_a_layernorm, kv_b_proj, rotary_emb, o_proj}",
+            "not_dumped": ",".join(NOT_HOOKABLE + sorted(set(m.split(".", 1)[1] for m in missing)))
+                          + " (inside the attention backend, or see notes)",
+        }
+        if self.tp_size > 1:
+            meta["sharded_sites"] = ",".join(f"{k}:{v}" for k, v in HEAD_SHARDED.items())
+        if positions is not None:
+            lens = infer_seq_lens(positions)
+            if len(lens) > 1:
+                meta["seq_lens"] = ",".join(str(x) for x in lens)
+            starts = []
+            off = 0
+            for ln in lens:
+                if positions[off] != 0:
+                    starts.append(f"token {off} starts at position {int(positions[off])}")
+                off += ln
+            if starts:
+                self.note("sequences not starting at position 0 (prefix cache or a continued "
+                          "chunk: the earlier context is not in this dump): " + "; ".join(starts))
+        if self.notes:
+            meta["notes"] = " | ".join(self.notes)
+        return ordered, meta
+
+    def write_dump(self, path, **kw) -> Path:
+        tensors, meta = self.result(**kw)
+        st_io.save(tensors, Path(path), metadata=meta)
+        return Path(path)
+
+    def write_weights(self, path) -> Path:
+        tensors, meta = self.weights()
+        st_io.save(tensors, Path(path), metadata=meta)
+        return Path(path)
+
+
+def _model_dtype(root):
+    torch = _torch()
+    for p in root.parameters():
+        if p.dtype in (torch.bfloat16, torch.float16, torch.float32):
+            return p.dtype
+    return None
+
+
+def _model_name(root) -> str:
+    cfg = getattr(root, "config", None)
+    name = getattr(cfg, "_name_or_path", "") if cfg is not None else ""
+    return str(name) or type(root).__name__
+
+
+# --------------------------------------------------------------------------------------------
+# apply_model / collective_rpc entry points (run inside each worker)
+# --------------------------------------------------------------------------------------------
+
+def arm(model_or_worker, **kwargs) -> str:
+    """Hooks on (in this worker). kwargs go to VllmCapture. Returns a one-line summary."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE.remove()
+    _ACTIVE = VllmCapture(model_or_worker, **kwargs).arm()
+    c = _ACTIVE
+    return (f"armed {len(c.layers)} layers, {len(c.handles)} hooks, tp {c.tp_rank}/{c.tp_size}, "
+            f"pp {c.pp_rank}/{c.pp_size}")
+
+
+def finish(model_or_worker=None, *, dump_path, weights_path=None, num_tokens=None,
+           expect_tokens=None, weight_sites: bool = True) -> dict:
+    """Hooks off; write this rank's dump (and weights). Returns paths and a summary.
+
+    With TP/PP > 1 the files are per rank (rank_path); merge with merge_rank_dumps.
+    """
+    global _ACTIVE
+    cap = _ACTIVE
+    if cap is None:
+        raise RuntimeError("finish() without arm() in this process")
+    cap.remove()
+    _ACTIVE = None
+    dp = rank_path(dump_path, cap.tp_rank, cap.tp_size, cap.pp_rank, cap.pp_size)
+    cap.write_dump(dp, num_tokens=num_tokens, expect_tokens=expect_tokens, weight_sites=weight_sites)
+    res = {"dump": str(dp), "tp_rank": cap.tp_rank, "tp_size": cap.tp_size,
+           "pp_rank": cap.pp_rank, "pp_size": cap.pp_size, "sites": len(cap.t),
+           "notes": list(cap.notes)}
+    if weights_path is not None:
+        wp = rank_path(weights_path, cap.tp_rank, cap.tp_size, cap.pp_rank, cap.pp_size)
+        cap.write_weights(wp)
+        res["weights"] = str(wp)
+    return res
+
+
+def write_weights(model_or_worker, *, weights_path, **kwargs) -> str:
+    """Only the WEIGHTS file (no forward needed). Returns the path written by this rank."""
+    cap = VllmCapture(model_or_worker, **kwargs)
+    wp = rank_path(weights_path, cap.tp_rank, cap.tp_size, cap.pp_rank, cap.pp_size)
+    cap.write_weights(wp)
+    return str(wp)
+
+
+# --------------------------------------------------------------------------------------------
+# merging per-rank files (driver side; needs only numpy + safetensors)
+# --------------------------------------------------------------------------------------------
+
+def _read(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    from safetensors import safe_open
+    with safe_open(str(path), framework="np") as f:
+        meta = dict(f.metadata() or {})
+        return {k: f.get_tensor(k) for k in f.keys()}, meta
+
+
+def merge_rank_dumps(paths, out_path) -> Path:
+    """Merge per-rank dumps into one (TP: concatenate head-sharded sites in rank order; PP: union)."""
+    parts = [(_read(p), p) for p in paths]
+    if not parts:
+        raise ValueError("no dumps to merge")
+    groups: dict[int, list] = {}
+    for (t, m), p in parts:
+        groups.setdefault(int(m.get("pp_rank", "0")), []).append((int(m.get("tp_rank", "0")), t, m, p))
+    merged: dict[str, np.ndarray] = {}
+    notes: list[str] = []
+    meta0 = None
+    for pp in sorted(groups):
+        ranks = sorted(groups[pp], key=lambda x: x[0])
+        tp_size = int(ranks[0][2].get("tp_size", "1"))
+        if [r[0] for r in ranks] != list(range(tp_size)):
+            raise ValueError(f"pp rank {pp}: have TP ranks {[r[0] for r in ranks]}, need 0..{tp_size - 1}")
+        meta0 = meta0 or ranks[0][2]
+        for m in (r[2] for r in ranks):
+            if m.get("notes"):
+                notes.append(m["notes"])
+        names = list(ranks[0][1].keys())
+        for name in names:
+            arrs = [r[1].get(name) for r in ranks]
+            if any(a is None for a in arrs):
+                notes.append(f"{name}: missing on some rank, dropped")
+                continue
+            stage = name.split(".", 1)[1] if name.startswith("L") and "." in name else name
+            if stage in HEAD_SHARDED and tp_size > 1:
+                merged[name] = np.concatenate(arrs, axis=HEAD_SHARDED[stage])
+            else:
+                for r, a in zip(ranks[1:], arrs[1:]):
+                    if a.shape != arrs[0].shape or not np.array_equal(a, arrs[0]):
+                        diff = (float(np.max(np.abs(a.astype(np.float64) - arrs[0])))
+                                if a.shape == arrs[0].shape else "shape")
+                        notes.append(f"{name}: rank {r[0]} differs from rank 0 ({diff}); rank 0 kept")
+                if name in merged and not np.array_equal(merged[name], arrs[0]):
+                    notes.append(f"{name}: differs between pipeline ranks; first kept")
+                merged.setdefault(name, arrs[0])
+    meta = {k: v for k, v in meta0.items() if k not in ("tp_rank", "pp_rank", "notes", "sharded_sites")}
+    meta["merged_from"] = ",".join(Path(p).name for _, p in parts)
+    if notes:
+        meta["notes"] = " | ".join(dict.fromkeys(notes))
+    ordered = {k: merged[k] for k in sorted((k for k in merged if k not in ("tokens", "positions")),
+                                            key=_site_key)}
+    for k in ("tokens", "positions"):
+        if k in merged:
+            ordered[k] = merged[k]
+    st_io.save(ordered, Path(out_path), metadata=meta)
+    return Path(out_path)
+
+
+def merge_weight_files(paths, out_path) -> Path:
+    """Union of per-rank WEIGHTS files (names already carry .rank{r})."""
+    out: dict[str, np.ndarray] = {}
+    meta = None
+    for p in paths:
+        t, m = _read(p)
+        meta = meta or m
+        for k, a in t.items():
+            if k in out and not np.array_equal(out[k], a):
+                raise ValueError(f"{k}: two files disagree")
+            out[k] = a
+    meta = {k: v for k, v in (meta or {}).items() if k not in ("rank", "pp_rank")}
+    meta["merged_from"] = ",".join(Path(p).name for p in paths)
+    st_io.save({k: out[k] for k in sorted(out, key=_site_key)}, Path(out_path), metadata=meta)
+    return Path(out_path)
+
+
+# --------------------------------------------------------------------------------------------
+# command line: run vLLM end to end (UNTESTED: needs a GPU and vLLM)
+# --------------------------------------------------------------------------------------------
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="model path or name for vllm.LLM (a HF folder or a .gguf)")
+    ap.add_argument("--tokens", required=True, help="comma-separated prompt token ids")
+    ap.add_argument("--dump", required=True, type=Path, help="activation dump to write")
+    ap.add_argument("--weights", type=Path, default=None, help="WEIGHTS file to write")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (default 1)")
+    ap.add_argument("--dtype", default="auto", help="vllm dtype (default auto)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer (needed for .gguf models)")
+    ap.add_argument("--no-weight-sites", action="store_true", help="leave w.* sites out of the dump")
+    ap.add_argument("--force", action="store_true", help="overwrite existing outputs")
+    args = ap.parse_args()
+    for p in (args.dump, args.weights):
+        if p is not None and p.exists() and not args.force:
+            raise SystemExit(f"{p} exists (use --force to overwrite)")
+    ids = [int(x) for x in args.tokens.split(",") if x.strip()]
+    # the worker processes unpickle arm/finish by module name, and must accept pickled callables
+    os.environ["PYTHONPATH"] = str(HERE) + (os.pathsep + os.environ["PYTHONPATH"]
+                                            if os.environ.get("PYTHONPATH") else "")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = dict(model=args.model, enforce_eager=True, enable_prefix_caching=False,
+              tensor_parallel_size=args.tp, dtype=args.dtype)
+    if args.tokenizer:
+        kw["tokenizer"] = args.tokenizer
+    llm = LLM(**kw)
+    print(llm.apply_model(arm))
+    llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1))
+    dump_tmp = args.dump if args.tp == 1 else args.dump.with_name(args.dump.stem + ".part" + args.dump.suffix)
+    res = llm.apply_model(functools.partial(
+        finish, dump_path=str(dump_tmp), weights_path=None if args.weights is None else str(args.weights),
+        expect_tokens=ids, weight_sites=not args.no_weight_sites))
+    if args.tp > 1:
+        merge_rank_dumps([r["dump"] for r in res], args.dump)
+        if args.weights is not None:
+            merge_weight_files([r["weights"] for r in res], args.weights)
+    for r in res:
+        print(r)
+    print(f"{args.dump}: written" + (f"; {args.weights}: written" if args.weights else ""))
+
+
+if __name__ == "__main__":
+    main()

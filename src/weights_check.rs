@@ -1,0 +1,714 @@
+//! `mla-diff weights --check`: an engine's MLA weights as loaded, against the GGUF.
+//!
+//! The second bug behind this project was in the weights, not in a kernel: the shards of a fused
+//! projection came out of GGUF dequantization in the wrong order. An engine's loaded weights
+//! (dequantized, fused, sharded per tensor-parallel rank, absorbed into `W_UK_T`/`W_UV`) can be
+//! dumped with vLLM's parameter names and checked here against the same tensors rebuilt from the
+//! GGUF. A tensor that differs is explained with the block-permutation finder: fused shards in
+//! the wrong order, a rank holding another rank's slice (or every rank holding rank 0's), a
+//! missing shard, a transposed matrix, or a shard cut inside a quant block.
+//!
+//! File format: safetensors, tensors `L{n}.{param}` (whole) or `L{n}.{param}.rank{r}` (one TP
+//! rank's shard), PyTorch `[out, in]` layout, any float dtype; params are vLLM's names
+//! (`vllm/model_executor/models/deepseek_v2.py`): `fused_qkv_a_proj`, `q_a_proj`, `q_b_proj`,
+//! `q_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`, `o_proj`, and the MLA backend's `W_UK_T`
+//! `[N, P, L]` and `W_UV` `[N, L, V]` (`vllm/v1/attention/backends/mla/common.py`). Metadata:
+//! `tp_size` (else the largest rank + 1), `dtype` (`f32` exact, `bf16`/`f16` judged by the bf16
+//! weight row), `engine`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use safetensors::SafeTensors;
+use serde::Serialize;
+
+use crate::compare::{self, Metrics};
+use crate::config::MlaConfig;
+use crate::diagnose::Class;
+use crate::diagnose::blocks::find_blocks;
+use crate::diagnose::blocks::rel_l2 as rel;
+use crate::dump::Map;
+use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
+use crate::reference::{assemble_kv_b, f64m};
+use crate::tolerance::{Dtype, tolerance};
+use crate::trace::{Stage, TraceTensor};
+use crate::weights::{LayerWeights, QWeights, tensor_name};
+
+/// How tensor parallelism splits a parameter (vLLM's linear layer kinds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Split {
+    /// Every rank holds the whole tensor (`ReplicatedLinear`: `fused_qkv_a_proj`, `q_a_proj`,
+    /// `kv_a_proj_with_mqa`).
+    Replicated,
+    /// Rows (dim 0) split by heads, `unit` rows per head (`ColumnParallelLinear`: `q_b_proj`,
+    /// `q_proj`, `kv_b_proj`; and `W_UK_T`/`W_UV` by their head dim with unit 1).
+    Rows(usize),
+    /// Columns (dim 1) split by heads, `unit` columns per head (`RowParallelLinear`: `o_proj`).
+    Cols(usize),
+}
+
+/// One parameter rebuilt from the GGUF.
+struct Param {
+    data: Vec<f64>,
+    shape: Vec<usize>,
+    split: Split,
+    /// Fused shards along dim 0 (name, rows), for shard-order findings.
+    shards: Vec<(&'static str, usize)>,
+    /// GGUF tensor it comes from and its quant block size along ne[0] (for column cuts).
+    source: String,
+    block: u64,
+    ggml_type: String,
+}
+
+fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'static str, Param> {
+    let (n, l, p, r, v) = (
+        cfg.n_head,
+        cfg.kv_lora_rank,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+    );
+    let layer = w.layer;
+    let info = |name: &str| {
+        let t = tensor_name(layer, name);
+        match file.tensor(&t) {
+            Some(i) => (t, i.ggml_type.block_size(), i.ggml_type.name().to_string()),
+            None => (t, 1, "?".into()),
+        }
+    };
+    let flat = |a: &ndarray::Array2<f64>| (a.iter().copied().collect::<Vec<f64>>(), a.shape().to_vec());
+    let mut m = BTreeMap::new();
+    let mut put = |name: &'static str, (data, shape): (Vec<f64>, Vec<usize>), split, shards, src: &str| {
+        let (source, block, ggml_type) = info(src);
+        m.insert(
+            name,
+            Param {
+                data,
+                shape,
+                split,
+                shards,
+                source,
+                block,
+                ggml_type,
+            },
+        );
+    };
+    let kv_a = f64m(&w.kv_a_mqa);
+    put(
+        "kv_a_proj_with_mqa",
+        flat(&kv_a),
+        Split::Replicated,
+        vec![],
+        "attn_kv_a_mqa",
+    );
+    match &w.q {
+        QWeights::Lora { q_a, q_b, .. } => {
+            let qa = f64m(q_a);
+            let lq = qa.shape()[0];
+            let fused = ndarray::concatenate(ndarray::Axis(0), &[qa.view(), kv_a.view()]).expect("same H");
+            put(
+                "fused_qkv_a_proj",
+                flat(&fused),
+                Split::Replicated,
+                vec![("q_a_proj", lq), ("kv_a_proj_with_mqa", l + r)],
+                "attn_q_a",
+            );
+            put("q_a_proj", flat(&qa), Split::Replicated, vec![], "attn_q_a");
+            put("q_b_proj", flat(&f64m(q_b)), Split::Rows(p + r), vec![], "attn_q_b");
+        }
+        QWeights::Direct { q } => put("q_proj", flat(&f64m(q)), Split::Rows(p + r), vec![], "attn_q"),
+    }
+    let kv_b = assemble_kv_b(cfg, &w.kv_b);
+    let kv_b_src = if matches!(w.kv_b, crate::weights::KvBWeights::Fused { .. }) {
+        "attn_kv_b"
+    } else {
+        "attn_v_b"
+    };
+    put("kv_b_proj", flat(&kv_b), Split::Rows(p + v), vec![], kv_b_src);
+    put("o_proj", flat(&f64m(&w.o_proj)), Split::Cols(v), vec![], "attn_output");
+    let mut uk = Vec::with_capacity(n * p * l);
+    let mut uv = Vec::with_capacity(n * l * v);
+    for h in 0..n {
+        for pi in 0..p {
+            for li in 0..l {
+                uk.push(kv_b[[h * (p + v) + pi, li]]);
+            }
+        }
+    }
+    for h in 0..n {
+        for li in 0..l {
+            for vi in 0..v {
+                uv.push(kv_b[[h * (p + v) + p + vi, li]]);
+            }
+        }
+    }
+    put("W_UK_T", (uk, vec![n, p, l]), Split::Rows(1), vec![], kv_b_src);
+    put("W_UV", (uv, vec![n, l, v]), Split::Rows(1), vec![], kv_b_src);
+    m
+}
+
+/// The slice of `p` that rank `rank` of `tp` holds, with its shape and the range it covers
+/// along the split dim.
+fn rank_slice(p: &Param, n_head: usize, tp: usize, rank: usize) -> (Vec<f64>, Vec<usize>, (usize, usize)) {
+    let nh = n_head / tp;
+    match p.split {
+        Split::Replicated => (p.data.clone(), p.shape.clone(), (0, p.shape[0])),
+        Split::Rows(unit) => {
+            let rows = nh * unit;
+            let inner: usize = p.shape[1..].iter().product();
+            let d = p.data[rank * rows * inner..(rank + 1) * rows * inner].to_vec();
+            let mut s = p.shape.clone();
+            s[0] = rows;
+            (d, s, (rank * rows, (rank + 1) * rows))
+        }
+        Split::Cols(unit) => {
+            let cols = nh * unit;
+            let d = crate::diagnose::blocks::take_along(&p.data, &p.shape, 1, rank * cols, cols);
+            (d, vec![p.shape[0], cols], (rank * cols, (rank + 1) * cols))
+        }
+    }
+}
+
+/// The check of one tensor of the weights file.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TensorCheck {
+    /// Name in the weights file.
+    pub name: String,
+    /// Layer.
+    pub layer: usize,
+    /// vLLM parameter name.
+    pub param: String,
+    /// TP rank, for a shard.
+    pub rank: Option<usize>,
+    /// Shape in the file.
+    pub shape: Vec<usize>,
+    /// Shape expected from the GGUF.
+    pub expected_shape: Vec<usize>,
+    /// Pass / fail.
+    pub pass: bool,
+    /// Metrics against the expected tensor (absent when shapes differ).
+    pub metrics: Option<Metrics>,
+}
+
+/// A finding about the loaded weights.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WeightFinding {
+    /// Bug class.
+    pub class: Class,
+    /// The tensor(s) involved, e.g. `L0.kv_b_proj.rank1`.
+    pub tensor: String,
+    /// What the numbers show, naming the blocks.
+    pub evidence: String,
+    /// Where to look.
+    pub hint: String,
+}
+
+/// Everything `weights --check` found.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WeightsReport {
+    /// The GGUF.
+    pub model: String,
+    /// The weights file.
+    pub weights: String,
+    /// Its `engine` metadata.
+    pub engine: String,
+    /// TP size used to cut shards.
+    pub tp: usize,
+    /// Dtype whose weight tolerance applied.
+    pub dtype: Dtype,
+    /// One entry per tensor checked, by layer, param, rank.
+    pub tensors: Vec<TensorCheck>,
+    /// Findings, one per problem.
+    pub findings: Vec<WeightFinding>,
+    /// File tensors that are not MLA params (ignored).
+    pub ignored: Vec<String>,
+}
+
+impl WeightsReport {
+    /// True when every tensor passed and nothing was found.
+    pub fn all_pass(&self) -> bool {
+        self.findings.is_empty() && self.tensors.iter().all(|t| t.pass)
+    }
+}
+
+/// One MLA param tensor read from the weights file.
+struct Entry {
+    name: String,
+    layer: usize,
+    param: String,
+    rank: Option<usize>,
+    shape: Vec<usize>,
+    data: Vec<f64>,
+}
+
+/// Per (layer, param): each file shard's rank and the rank whose slice it holds.
+type Holds = BTreeMap<(usize, String), Vec<(usize, Option<usize>)>>;
+
+const PARAMS: &[&str] = &[
+    "fused_qkv_a_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "q_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "o_proj",
+    "W_UK_T",
+    "W_UV",
+];
+
+/// Parses `L{n}.{param}` or `L{n}.{param}.rank{r}`.
+fn parse_name(name: &str) -> Option<(usize, String, Option<usize>)> {
+    let rest = name.strip_prefix('L')?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer = layer.parse().ok()?;
+    let (param, rank) = match rest.rsplit_once(".rank") {
+        Some((p, r)) => (p, Some(r.parse().ok()?)),
+        None => (rest, None),
+    };
+    PARAMS.contains(&param).then(|| (layer, param.to_string(), rank))
+}
+
+/// Threshold under which a block "is" another block: 1e-6 for exact dtypes, 1e-2 for bf16.
+fn match_threshold(dtype: Dtype) -> f64 {
+    match dtype {
+        Dtype::F32 => 1e-6,
+        Dtype::Bf16 => 1e-2,
+    }
+}
+
+/// Checks the weights in `path` against the GGUF.
+///
+/// Errors: an unreadable or malformed file, a tensor with an integer dtype, a layer out of range,
+/// GGUF tensors that cannot be loaded, no MLA param at all in the file.
+pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -> Result<WeightsReport> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
+    let bad = |what: &str, reason: String| Error::Safetensors {
+        path: path.to_path_buf(),
+        what: what.to_string(),
+        reason,
+    };
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| bad("header", e.to_string()))?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| bad("header", e.to_string()))?;
+    let metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();
+    let dtype = match metadata.get("dtype").map(String::as_str) {
+        None | Some("f32" | "float32" | "f64") => Dtype::F32,
+        Some("bf16" | "bfloat16" | "f16" | "float16") => Dtype::Bf16,
+        Some(o) => return Err(bad("__metadata__.dtype", format!("`{o}`: expected f32, bf16 or f16"))),
+    };
+
+    // Read every MLA param tensor.
+    let mut entries: Vec<Entry> = Vec::new();
+    let mut ignored = Vec::new();
+    let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
+    names.sort();
+    for name in names {
+        let target = map.and_then(|m| m.rename_match(&name)).map(|(l, t)| match l {
+            Some(l) => format!("L{l}.{t}"),
+            None => t.to_string(),
+        });
+        let Some((layer, param, rank)) = parse_name(target.as_deref().unwrap_or(&name)) else {
+            ignored.push(name);
+            continue;
+        };
+        if layer >= cfg.n_layer {
+            return Err(bad(
+                &name,
+                format!("layer {layer} out of range: the model has {} layers", cfg.n_layer),
+            ));
+        }
+        let view = st.tensor(&name).map_err(|e| bad(&name, e.to_string()))?;
+        let tt = crate::st::decode_tensor(path, &name, &view)?;
+        if !crate::st::is_float_dtype(view.dtype()) {
+            return Err(bad(
+                &name,
+                format!("integer dtype {:?}; weights must be floats", view.dtype()),
+            ));
+        }
+        entries.push(Entry {
+            name,
+            layer,
+            param,
+            rank,
+            shape: view.shape().to_vec(),
+            data: tt.to_f64(),
+        });
+    }
+    if entries.is_empty() {
+        return Err(bad(
+            "tensors",
+            format!(
+                "no MLA weight found (names like `L0.kv_b_proj` or `L0.kv_b_proj.rank1`; params {}); {} other tensor(s)",
+                PARAMS.join(", "),
+                ignored.len()
+            ),
+        ));
+    }
+    let tp = match metadata.get("tp_size") {
+        Some(s) => s
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|&t| t >= 1)
+            .ok_or_else(|| bad("__metadata__.tp_size", format!("`{s}` is not a positive integer")))?,
+        None => entries.iter().filter_map(|e| e.rank).max().map_or(1, |r| r + 1),
+    };
+    if !cfg.n_head.is_multiple_of(tp) {
+        return Err(bad(
+            "__metadata__.tp_size",
+            format!("{tp} does not divide the {} heads", cfg.n_head),
+        ));
+    }
+
+    let tol = tolerance(Stage::WKvB, dtype).0;
+    let thr = match_threshold(dtype);
+    let mut tensors = Vec::new();
+    let mut findings = Vec::new();
+    let mut layers: Vec<usize> = entries.iter().map(|e| e.layer).collect();
+    layers.dedup();
+    let mut cache: BTreeMap<usize, BTreeMap<&'static str, Param>> = BTreeMap::new();
+    for &layer in &layers {
+        let w = LayerWeights::load(file, cfg, layer)?;
+        cache.insert(layer, params(file, cfg, &w));
+    }
+
+    // Per (layer, param): which rank's slice each file shard holds.
+    let mut holds: Holds = BTreeMap::new();
+    for Entry {
+        name,
+        layer,
+        param,
+        rank,
+        shape,
+        data,
+    } in &entries
+    {
+        let Some(p) = cache[layer].get(param.as_str()) else {
+            findings.push(WeightFinding {
+                class: Class::Mismatch,
+                tensor: name.clone(),
+                evidence: format!("the model has no `{param}` (q_lora_rank {:?})", cfg.q_lora_rank),
+                hint: "q_a_proj/q_b_proj/fused_qkv_a_proj exist only with q_lora_rank; q_proj only without".into(),
+            });
+            continue;
+        };
+        let (exp, exp_shape, range) = match rank {
+            Some(r) if *r < tp => rank_slice(p, cfg.n_head, tp, *r),
+            Some(r) => {
+                findings.push(WeightFinding {
+                    class: Class::TpRankOrder,
+                    tensor: name.clone(),
+                    evidence: format!("rank {r} ≥ tp_size {tp}"),
+                    hint: "shard names must use ranks 0..tp_size".into(),
+                });
+                continue;
+            }
+            None => (p.data.clone(), p.shape.clone(), (0, 0)),
+        };
+        let mut tc = TensorCheck {
+            name: name.clone(),
+            layer: *layer,
+            param: param.clone(),
+            rank: *rank,
+            shape: shape.clone(),
+            expected_shape: exp_shape.clone(),
+            pass: false,
+            metrics: None,
+        };
+        if *shape == exp_shape {
+            let m = compare::metrics(
+                &TraceTensor::f64(exp_shape.clone(), exp.clone()),
+                &TraceTensor::f64(shape.clone(), data.clone()),
+                &tol,
+            );
+            tc.pass = compare::judge(&m, &tol).is_empty();
+            tc.metrics = Some(m);
+        }
+        let mut held_other = false;
+        if let Some(r) = rank {
+            // Which rank's slice does this shard hold? Another rank's is a rank-level finding.
+            let held = (0..tp).find(|&k| {
+                let (e, s, _) = rank_slice(p, cfg.n_head, tp, k);
+                s == *shape && rel(data, &e) <= thr
+            });
+            held_other = held.is_some_and(|k| k != *r);
+            holds.entry((*layer, param.clone())).or_default().push((*r, held));
+        }
+        if !tc.pass
+            && !held_other
+            && let Some(f) = explain(
+                name,
+                p,
+                data,
+                shape,
+                &exp,
+                &exp_shape,
+                rank.map(|r| (r, range)),
+                cfg,
+                thr,
+            )
+        {
+            findings.push(f);
+        }
+        tensors.push(tc);
+    }
+
+    // Rank-level findings: permuted, duplicated or missing shards.
+    for ((layer, param), mut v) in holds {
+        v.sort();
+        let p = &cache[&layer][param.as_str()];
+        if p.split == Split::Replicated {
+            continue;
+        }
+        let ranks: Vec<usize> = v.iter().map(|x| x.0).collect();
+        let missing: Vec<usize> = (0..tp).filter(|r| !ranks.contains(r)).collect();
+        let held: Vec<Option<usize>> = v.iter().map(|x| x.1).collect();
+        let wrong = v.iter().any(|(r, h)| h.is_some_and(|h| h != *r));
+        let text = |h: &[Option<usize>]| {
+            let parts: Vec<String> = h.iter().map(|x| x.map_or("?".into(), |k| k.to_string())).collect();
+            format!("[{}]", parts.join(","))
+        };
+        if wrong {
+            let mut dup: Vec<usize> = held.iter().flatten().copied().collect();
+            dup.sort();
+            let duplicated: Vec<usize> = dup.windows(2).filter(|w| w[0] == w[1]).map(|w| w[0]).collect();
+            let lost: Vec<usize> = (0..tp).filter(|k| !held.contains(&Some(*k))).collect();
+            let evidence = if held.iter().all(|h| *h == Some(0)) && tp > 1 {
+                format!(
+                    "every rank holds rank 0's slice: ranks {:?} hold slices {} (duplicated shard 0; slices {:?} of {} are missing)",
+                    ranks,
+                    text(&held),
+                    lost,
+                    p.source
+                )
+            } else {
+                format!(
+                    "ranks {:?} hold slices {}{}{}",
+                    ranks,
+                    text(&held),
+                    if duplicated.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; duplicated slices {duplicated:?}")
+                    },
+                    if lost.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; slices {lost:?} held by no rank")
+                    }
+                )
+            };
+            findings.push(WeightFinding {
+                class: Class::TpRankOrder,
+                tensor: format!("L{layer}.{param}.rank*"),
+                evidence,
+                hint: "each rank must take its own slice of the head dim (vLLM weight_loader: narrow(dim, tp_rank * shard_size, shard_size)); check the rank index the loader uses".into(),
+            });
+        }
+        if !missing.is_empty() && tp > 1 {
+            findings.push(WeightFinding {
+                class: Class::TpRankOrder,
+                tensor: format!("L{layer}.{param}.rank*"),
+                evidence: format!("missing shard(s): rank(s) {missing:?} of tp {tp} not in the file"),
+                hint: "dump every rank's shard (or set tp_size metadata)".into(),
+            });
+        }
+    }
+    Ok(WeightsReport {
+        model: file.path().display().to_string(),
+        weights: path.display().to_string(),
+        engine: metadata.get("engine").cloned().unwrap_or_else(|| "unknown".into()),
+        tp,
+        dtype,
+        tensors,
+        findings,
+        ignored,
+    })
+}
+
+/// Explains one failing tensor: transposed, fused shards permuted, heads permuted, a column cut
+/// inside a quant block, or (fallback) where the differences are.
+#[allow(clippy::too_many_arguments)]
+fn explain(
+    name: &str,
+    p: &Param,
+    data: &[f64],
+    shape: &[usize],
+    exp: &[f64],
+    exp_shape: &[usize],
+    rank: Option<(usize, (usize, usize))>,
+    cfg: &MlaConfig,
+    thr: f64,
+) -> Option<WeightFinding> {
+    // Transposed: [in, out] for [out, in] (2-D), or the last two dims swapped (3-D).
+    let k = exp_shape.len();
+    if k >= 2 && shape.len() == k && shape[k - 1] == exp_shape[k - 2] && shape[k - 2] == exp_shape[k - 1] {
+        let (a, b) = (exp_shape[k - 2], exp_shape[k - 1]);
+        let batch: usize = exp_shape[..k - 2].iter().product();
+        let mut t = vec![0.0; data.len()];
+        for z in 0..batch {
+            for i in 0..a {
+                for j in 0..b {
+                    t[z * a * b + i * b + j] = data[z * a * b + j * a + i];
+                }
+            }
+        }
+        let e = rel(&t, exp);
+        if e <= thr {
+            let (class, hint) = if p.shape.len() == 3 {
+                (
+                    Class::KvBLayout,
+                    "W_UK_T is [N, P, L]: the split GGUF attn_k_b is stored [N, L, P] and needs a transpose, not a reshape".to_string(),
+                )
+            } else {
+                (
+                    Class::Transposed,
+                    "PyTorch linear weights are [out, in]; the GGUF's ne order is [in, out]: reverse the dims when loading".to_string(),
+                )
+            };
+            return Some(WeightFinding {
+                class,
+                tensor: name.into(),
+                evidence: format!(
+                    "holds the expected {exp_shape:?} transposed (shape {shape:?}; rel_l2 {e:.2e} after transposing back)"
+                ),
+                hint,
+            });
+        }
+    }
+    if shape != exp_shape {
+        return Some(WeightFinding {
+            class: Class::Mismatch,
+            tensor: name.into(),
+            evidence: format!("shape {shape:?}, expected {exp_shape:?} from {}", p.source),
+            hint: "check the loader's reshape/narrow of this parameter".into(),
+        });
+    }
+    // Fused shards in the wrong order.
+    if !p.shards.is_empty() {
+        let sizes: Vec<usize> = p.shards.iter().map(|s| s.1).collect();
+        if let Some(m) = find_blocks(data, exp, shape, 0, &sizes, thr)
+            && m.explains()
+        {
+            let names: Vec<String> = p
+                .shards
+                .iter()
+                .enumerate()
+                .map(|(i, (n, r))| format!("{i} = {n} ({r} rows)"))
+                .collect();
+            return Some(WeightFinding {
+                class: Class::ShardOrder,
+                tensor: name.into(),
+                evidence: format!("shard-order {}: {} (shards {})", m.map_text(), m.describe("shard"), names.join(", ")),
+                hint: "the fused projection must be [q_a_proj | kv_a_proj_with_mqa], shard 0 then 1 (vLLM MergedReplicatedLinear loaded_shard_id order); check the order the GGUF shards are dequantized and concatenated".into(),
+            });
+        }
+    }
+    // Heads permuted within a head-split tensor.
+    let head_axis_unit = match p.split {
+        Split::Rows(u) => Some((0, u)),
+        Split::Cols(u) => Some((1, u)),
+        Split::Replicated => None,
+    };
+    if let Some((axis, unit)) = head_axis_unit {
+        let heads = shape[axis] / unit;
+        if heads > 1
+            && let Some(m) = find_blocks(data, exp, shape, axis, &vec![unit; heads], thr)
+            && m.explains()
+        {
+            return Some(WeightFinding {
+                class: Class::TpRankOrder,
+                tensor: name.into(),
+                evidence: format!("per-head blocks of {unit} along dim {axis}: {}", m.describe("head")),
+                hint: "heads are cut or concatenated in the wrong order".into(),
+            });
+        }
+    }
+    // A column cut inside a quant block (o_proj shards: the input dim is the GGUF's ne[0]).
+    if let (Split::Cols(_), Some((r, (start, end)))) = (p.split, rank)
+        && p.block > 1
+        && (!(start as u64).is_multiple_of(p.block) || !(end as u64).is_multiple_of(p.block))
+    {
+        let bad_at = if (start as u64).is_multiple_of(p.block) {
+            end
+        } else {
+            start
+        };
+        let b0 = bad_at as u64 / p.block;
+        return Some(WeightFinding {
+            class: Class::QuantBlockMisaligned,
+            tensor: name.into(),
+            evidence: format!(
+                "rank {r} covers columns {start}..{end} of {} ({}, blocks of {} along ne[0]): the cut at column {bad_at} falls inside block {b0} (columns {}..{}), and the shard differs from the dequantized slice",
+                p.source,
+                p.ggml_type,
+                p.block,
+                b0 * p.block,
+                (b0 + 1) * p.block
+            ),
+            hint: "dequantize before slicing, or keep TP cuts on block boundaries (N·V/tp must be a multiple of the block size)".into(),
+        });
+    }
+    // Fallback: where the differences are.
+    let rows = shape[0];
+    let inner: usize = shape[1..].iter().product();
+    let bad: Vec<usize> = (0..rows)
+        .filter(|&i| rel(&data[i * inner..(i + 1) * inner], &exp[i * inner..(i + 1) * inner]) > thr)
+        .collect();
+    let _ = cfg;
+    Some(WeightFinding {
+        class: Class::Mismatch,
+        tensor: name.into(),
+        evidence: format!(
+            "{} of {rows} rows differ (first {:?}); rel_l2 {:.2e} overall",
+            bad.len(),
+            &bad[..bad.len().min(8)],
+            rel(data, exp)
+        ),
+        hint: "no block permutation, duplicate or transpose explains it: compare the loader's dequantization of these rows".into(),
+    })
+}
+
+/// The terminal table and findings of a weights check.
+pub fn terminal(rep: &WeightsReport) -> String {
+    let mut t = comfy_table::Table::new();
+    t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY)
+        .set_header(vec!["tensor", "shape", "expected", "status", "rel_l2", "max |Δ|"]);
+    for c in &rep.tensors {
+        let (rel, max) = c.metrics.as_ref().map_or((String::new(), String::new()), |m| {
+            (format!("{:.3e}", m.rel_l2), format!("{:.3e}", m.max_abs))
+        });
+        t.add_row(vec![
+            c.name.clone(),
+            format!("{:?}", c.shape),
+            format!("{:?}", c.expected_shape),
+            if c.pass { "pass".into() } else { "FAIL".into() },
+            rel,
+            max,
+        ]);
+    }
+    let mut s = format!(
+        "weights {} (engine `{}`, tp {}, dtype {}) against {}\n{t}\n",
+        rep.weights, rep.engine, rep.tp, rep.dtype, rep.model
+    );
+    if !rep.ignored.is_empty() {
+        s.push_str(&format!("ignored (not MLA params): {}\n", rep.ignored.join(", ")));
+    }
+    if rep.findings.is_empty() {
+        s.push_str(&format!(
+            "{}\n",
+            if rep.all_pass() {
+                format!("all {} tensors match the GGUF", rep.tensors.len())
+            } else {
+                "some tensors differ (see the table)".into()
+            }
+        ));
+    }
+    for f in &rep.findings {
+        s.push_str(&format!(
+            "finding {} at {}: {}\n  hint: {}\n",
+            f.class, f.tensor, f.evidence, f.hint
+        ));
+    }
+    s
+}

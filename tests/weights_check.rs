@@ -1,0 +1,178 @@
+//! `mla-diff weights --check`: an engine's loaded weights against the GGUF. A correct file
+//! passes; swapped fused_qkv_a_proj halves are `shard-order [1,0]`; every TP rank holding rank
+//! 0's kv_b_proj slice is reported as the duplication; transposes are named.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{repo, run_bin};
+use mla_diff::config::MlaConfig;
+use mla_diff::gguf::GgufFile;
+use mla_diff::reference::{assemble_kv_b, f64m};
+use mla_diff::weights::{LayerWeights, QWeights};
+use ndarray::{Array2, Axis, concatenate, s};
+
+/// vLLM-named weights of `layer`, as a correct engine holds them with `tp` ranks.
+/// (name, shape, values) of each tensor of a weights file.
+type Tensors = Vec<(String, Vec<usize>, Vec<f32>)>;
+
+fn engine_weights(model: &str, layer: usize, tp: usize) -> (MlaConfig, Tensors) {
+    let file = GgufFile::open(repo().join("golden/models").join(model)).unwrap();
+    let cfg = MlaConfig::from_gguf(&file).unwrap();
+    let w = LayerWeights::load(&file, &cfg, layer).unwrap();
+    let (n, l, p, v) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
+    let r = cfg.qk_rope_head_dim;
+    let nh = n / tp;
+    let mut out = Vec::new();
+    let mut put = |name: String, a: Array2<f64>| {
+        out.push((name, a.shape().to_vec(), a.iter().map(|&x| x as f32).collect()));
+    };
+    let QWeights::Lora { q_a, q_b, .. } = &w.q else {
+        panic!("needs q_lora")
+    };
+    let fused = concatenate(Axis(0), &[f64m(q_a).view(), f64m(&w.kv_a_mqa).view()]).unwrap();
+    put(format!("L{layer}.fused_qkv_a_proj"), fused);
+    let kv_b = assemble_kv_b(&cfg, &w.kv_b);
+    let qb = f64m(q_b);
+    let o = f64m(&w.o_proj);
+    for rank in 0..tp {
+        let h = rank * nh..(rank + 1) * nh;
+        put(
+            format!("L{layer}.q_b_proj.rank{rank}"),
+            qb.slice(s![h.start * (p + r)..h.end * (p + r), ..]).to_owned(),
+        );
+        put(
+            format!("L{layer}.kv_b_proj.rank{rank}"),
+            kv_b.slice(s![h.start * (p + v)..h.end * (p + v), ..]).to_owned(),
+        );
+        put(
+            format!("L{layer}.o_proj.rank{rank}"),
+            o.slice(s![.., h.start * v..h.end * v]).to_owned(),
+        );
+    }
+    let _ = l;
+    (cfg, out)
+}
+
+fn write(
+    dir: &std::path::Path,
+    name: &str,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+    tp: usize,
+) -> std::path::PathBuf {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|t| t.2.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|(t, b)| {
+            (
+                t.0.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, t.1.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    let meta: HashMap<String, String> = [
+        ("engine".to_string(), "test".to_string()),
+        ("tp_size".to_string(), tp.to_string()),
+    ]
+    .into_iter()
+    .collect();
+    let p = dir.join(name);
+    std::fs::write(&p, safetensors::serialize(views, Some(meta)).unwrap()).unwrap();
+    p
+}
+
+fn check(path: &std::path::Path) -> (i32, String, String) {
+    let m = repo().join("golden/models/tiny-v3-q8_0.gguf");
+    run_bin(&[
+        "weights",
+        "--model",
+        m.to_str().unwrap(),
+        "--check",
+        path.to_str().unwrap(),
+    ])
+}
+
+#[test]
+fn correct_weights_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, w) = engine_weights("tiny-v3-q8_0.gguf", 1, 2);
+    let p = write(dir.path(), "ok.safetensors", &w, 2);
+    let (code, out, err) = check(&p);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains(&format!("all {} tensors match the GGUF", w.len())),
+        "{out}"
+    );
+}
+
+#[test]
+fn swapped_fused_halves_are_shard_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, mut w) = engine_weights("tiny-v3-q8_0.gguf", 1, 2);
+    let lq = cfg.q_lora_rank.unwrap();
+    let h = cfg.hidden;
+    let f = &mut w[0];
+    assert!(f.0.ends_with("fused_qkv_a_proj"));
+    let (qa, kva) = f.2.split_at(lq * h);
+    f.2 = [kva, qa].concat();
+    let p = write(dir.path(), "swap.safetensors", &w, 2);
+    let (code, out, err) = check(&p);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        out.contains("finding shard-order at L1.fused_qkv_a_proj: shard-order [1,0]"),
+        "{out}"
+    );
+    assert!(
+        out.contains("0 = q_a_proj (64 rows), 1 = kv_a_proj_with_mqa (112 rows)"),
+        "{out}"
+    );
+}
+
+#[test]
+fn every_rank_holding_rank0_kv_b_is_the_duplication() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, mut w) = engine_weights("tiny-v3-q8_0.gguf", 1, 2);
+    let r0 = w.iter().find(|t| t.0 == "L1.kv_b_proj.rank0").unwrap().2.clone();
+    w.iter_mut().find(|t| t.0 == "L1.kv_b_proj.rank1").unwrap().2 = r0;
+    let p = write(dir.path(), "dup.safetensors", &w, 2);
+    let (code, out, err) = check(&p);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        out.contains("finding tp-rank-order at L1.kv_b_proj.rank*: every rank holds rank 0's slice: ranks [0, 1] hold slices [0,0] (duplicated shard 0; slices [1] of blk.1.attn_v_b.weight are missing)"),
+        "{out}"
+    );
+    // Only kv_b is named: the other params pass.
+    assert_eq!(out.matches("finding ").count(), 1, "{out}");
+}
+
+#[test]
+fn transposes_and_missing_shards_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, mut w) = engine_weights("tiny-v3-q8_0.gguf", 1, 2);
+    // o_proj rank 0 stored [in, out].
+    let o = w.iter_mut().find(|t| t.0 == "L1.o_proj.rank0").unwrap();
+    let (a, b) = (o.1[0], o.1[1]);
+    let mut t = vec![0f32; a * b];
+    for i in 0..a {
+        for j in 0..b {
+            t[j * a + i] = o.2[i * b + j];
+        }
+    }
+    o.2 = t;
+    o.1 = vec![b, a];
+    // q_b rank 1 missing.
+    w.retain(|t| t.0 != "L1.q_b_proj.rank1");
+    let p = write(dir.path(), "tr.safetensors", &w, 2);
+    let (code, out, err) = check(&p);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        out.contains("finding transposed at L1.o_proj.rank0: holds the expected [256, 192] transposed"),
+        "{out}"
+    );
+    assert!(out.contains("missing shard(s): rank(s) [1] of tp 2"), "{out}");
+}

@@ -293,7 +293,10 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
             else:
                 allowed = attention_mask[0, 0] == 0
                 logits_m = logits + attention_mask
-            lse = torch.logsumexp(logits_m, dim=-1)                           # [1, N, T]
+            # In at least f32, as HF's eager softmax itself runs (softmax(..., dtype=float32)):
+            # a bf16 model's LSE is not rounded to bf16. f32/f64 runs are unchanged.
+            work = torch.promote_types(logits_m.dtype, torch.float32)
+            lse = torch.logsumexp(logits_m.to(work), dim=-1)                  # [1, N, T]
             put(n, "lse", _np(lse[0]).T.copy())                               # [T, N]
             vals = _np(logits[0])[:, _np(allowed.to(torch.float64)) > 0]       # [N, #allowed]
             extras["logit_stats"][n] = {"std": float(vals.std()), "mean": float(vals.mean()),

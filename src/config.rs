@@ -141,6 +141,20 @@ impl MlaConfig {
             .f64(&k("attention.layer_norm_rms_epsilon"))?
             .ok_or_else(|| m.missing(&k("attention.layer_norm_rms_epsilon")))?;
         let rope_base = m.f64(&k("rope.freq_base"))?.unwrap_or(10000.0);
+        // A NaN, infinite or non-positive epsilon or base would not fail loudly: every normalized
+        // activation turns NaN or 0, and the run would blame the engine paths instead of the file.
+        if !(rms_eps.is_finite() && rms_eps > 0.0) {
+            return Err(m.bad(
+                &k("attention.layer_norm_rms_epsilon"),
+                format!("{rms_eps} is not a positive finite number"),
+            ));
+        }
+        if !(rope_base.is_finite() && rope_base > 0.0) {
+            return Err(m.bad(
+                &k("rope.freq_base"),
+                format!("{rope_base} is not a positive finite number"),
+            ));
+        }
 
         let scaling = m.str(&k("rope.scaling.type"))?.unwrap_or("none").to_string();
         let yarn = match scaling.as_str() {

@@ -15,8 +15,24 @@ fn main() -> ExitCode {
         Ok(Outcome::Pass) => ExitCode::SUCCESS,
         Ok(Outcome::Divergence) => ExitCode::from(1),
         Err(e) => {
-            eprintln!("mla-diff: error: {e:#}");
+            // Keys, tensor names and strings come from the (possibly hostile) file: escape control
+            // characters so the error stays one line and nothing reaches the terminal raw.
+            eprintln!("mla-diff: error: {}", one_line(&format!("{e:#}")));
             ExitCode::from(2)
         }
     }
+}
+
+/// `msg` with every control character (newline, CR, ESC, NUL, …) written as a Rust escape, e.g.
+/// `\n` or `\u{1b}`, so an error built from file contents prints as one inert line.
+fn one_line(msg: &str) -> String {
+    msg.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
 }

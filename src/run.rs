@@ -338,6 +338,11 @@ fn run_inner(
         if tensor_types.is_empty() && wanted {
             tensor_types = w.types.clone();
         }
+        let bad = w.nonfinite();
+        if !bad.is_empty() {
+            let numel = |t: &str| file.tensor(t).map_or(0, |i| i.n_elements() as usize);
+            findings.extend(diagnose::weight_nonfinite_findings(layer, &bad, numel));
+        }
         let hidden = match rc.input {
             InputMode::Random => {
                 let v = normal_f32(layer_seed(rc.seed, layer), t * cfg.hidden);

@@ -274,6 +274,53 @@ impl LayerWeights {
     }
 }
 
+impl LayerWeights {
+    /// Tensors of this layer holding NaN or ±Inf after dequantization: (GGUF tensor name, count
+    /// of non-finite values, flat index of the first one in PyTorch layout), in load order.
+    pub fn nonfinite(&self) -> Vec<(String, usize, usize)> {
+        fn scan<'a>(name: String, v: impl Iterator<Item = &'a f32>, out: &mut Vec<(String, usize, usize)>) {
+            let (mut count, mut first) = (0usize, None);
+            for (i, x) in v.enumerate() {
+                if !x.is_finite() {
+                    count += 1;
+                    first.get_or_insert(i);
+                }
+            }
+            if let Some(f) = first {
+                out.push((name, count, f));
+            }
+        }
+        let n = |s: &str| tensor_name(self.layer, s);
+        let mut out = Vec::new();
+        scan(n("attn_norm"), self.attn_norm.iter(), &mut out);
+        match &self.q {
+            QWeights::Lora { q_a, q_a_norm, q_b } => {
+                scan(n("attn_q_a"), q_a.iter(), &mut out);
+                scan(n("attn_q_a_norm"), q_a_norm.iter(), &mut out);
+                scan(n("attn_q_b"), q_b.iter(), &mut out);
+            }
+            QWeights::Direct { q } => scan(n("attn_q"), q.iter(), &mut out),
+        }
+        scan(n("attn_kv_a_mqa"), self.kv_a_mqa.iter(), &mut out);
+        scan(n("attn_kv_a_norm"), self.kv_a_norm.iter(), &mut out);
+        match &self.kv_b {
+            KvBWeights::Split { k_b, v_b } => {
+                scan(n("attn_k_b"), k_b.iter(), &mut out);
+                scan(n("attn_v_b"), v_b.iter(), &mut out);
+            }
+            KvBWeights::Fused { kv_b } => scan(n("attn_kv_b"), kv_b.iter(), &mut out),
+        }
+        scan(n("attn_output"), self.o_proj.iter(), &mut out);
+        if let Some(f) = &self.ffn {
+            scan(n("ffn_norm"), f.norm.iter(), &mut out);
+            scan(n("ffn_gate"), f.gate.iter(), &mut out);
+            scan(n("ffn_up"), f.up.iter(), &mut out);
+            scan(n("ffn_down"), f.down.iter(), &mut out);
+        }
+        out
+    }
+}
+
 /// A block-aligned piece of a tensor's raw GGUF bytes: whole rows, or a column range of every
 /// row, as an engine with quantized weights cuts TP shards. Dequantize it with
 /// [`dequant::dequantize`] (CPU) or a backend's dequant kernel.

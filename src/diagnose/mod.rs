@@ -1034,6 +1034,40 @@ pub fn misaligned_finding(u: &Unservable, path: PathKind) -> Finding {
     }
 }
 
+/// Findings for GGUF weights that hold NaN/Inf after dequantization: one per tensor, at the
+/// first site that consumes it, for no path (the file itself is wrong; every path inherits it).
+pub fn weight_nonfinite_findings(
+    layer: usize,
+    bad: &[(String, usize, usize)],
+    numel: impl Fn(&str) -> usize,
+) -> Vec<Finding> {
+    bad.iter()
+        .map(|(tensor, count, first)| {
+            let stage = match tensor.rsplit('.').nth(1).unwrap_or("") {
+                "attn_norm" => Stage::AttnIn,
+                "attn_q_a" => Stage::QC,
+                "attn_q_a_norm" => Stage::QCNormed,
+                "attn_q_b" | "attn_q" => Stage::Q,
+                "attn_kv_a_mqa" => Stage::KvA,
+                "attn_kv_a_norm" => Stage::KvCNormed,
+                "attn_k_b" | "attn_v_b" | "attn_kv_b" => Stage::WKvB,
+                "attn_output" => Stage::OProj,
+                _ => Stage::HiddenOut,
+            };
+            Finding {
+                class: Class::WeightNonfinite,
+                site: Site::new(layer, stage),
+                path: None,
+                evidence: format!(
+                    "{tensor} holds {count} non-finite value(s) of {} after dequantization, the first at flat index {first} (PyTorch layout)",
+                    numel(tensor)
+                ),
+                hint: "the GGUF itself is corrupt (a quant block with a NaN/Inf scale, or a bad conversion): every engine loading it computes garbage; re-convert or re-download the file".into(),
+            }
+        })
+        .collect()
+}
+
 /// The threshold under which an alternative hypothesis explains a candidate: 5× the site's
 /// rel_l2 tolerance, at least 1e-4 (f32: the explained error is ~1e-7; bf16: ~1e-2; a wrong
 /// hypothesis leaves an O(1) error).

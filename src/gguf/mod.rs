@@ -249,6 +249,10 @@ pub struct GgufFile {
 struct Inner {
     path: PathBuf,
     backing: Backing,
+    /// Bytes the header parser read (the header, metadata and tensor index only).
+    header_bytes_read: usize,
+    /// Every tensor-data read, in order: (tensor index, byte offset in the file, length).
+    data_reads: std::sync::Mutex<Vec<(usize, u64, u64)>>,
     version: u32,
     metadata: Vec<(String, MetaValue)>,
     meta_index: HashMap<String, usize>,
@@ -329,8 +333,27 @@ impl GgufFile {
                 tensors: header.tensors,
                 alignment: header.alignment,
                 data_offset: header.data_offset,
+                header_bytes_read: header.bytes_read,
+                data_reads: std::sync::Mutex::new(Vec::new()),
             }),
         })
+    }
+
+    /// How many bytes of the file opening it read: the header, metadata and tensor index, never
+    /// tensor data (always ≤ [`GgufFile::data_offset`]).
+    pub fn header_bytes_read(&self) -> usize {
+        self.inner.header_bytes_read
+    }
+
+    /// Every read of tensor data so far, in order: the tensor's name, the byte offset of its data
+    /// in the file and the length read. Lets tests and `--stats` prove that asking about one
+    /// layer touches only that layer's tensors.
+    pub fn data_reads(&self) -> Vec<(String, u64, u64)> {
+        let reads = self.inner.data_reads.lock().map(|g| g.clone()).unwrap_or_default();
+        reads
+            .into_iter()
+            .map(|(i, off, len)| (self.inner.tensors[i].name.clone(), off, len))
+            .collect()
     }
 
     /// SHA-256 of the whole file as lowercase hex. Reads every byte of the file (golden
@@ -398,6 +421,9 @@ impl GgufFile {
     /// tensor are read.
     pub fn tensor_bytes(&self, t: &TensorInfo) -> &[u8] {
         let start = (self.inner.data_offset + t.offset) as usize;
+        if let (Some(&i), Ok(mut log)) = (self.inner.tensor_index.get(&t.name), self.inner.data_reads.lock()) {
+            log.push((i, start as u64, t.n_bytes));
+        }
         &self.inner.backing.bytes()[start..start + t.n_bytes as usize]
     }
 
@@ -472,6 +498,8 @@ struct Header {
     tensors: Vec<TensorInfo>,
     alignment: u64,
     data_offset: u64,
+    /// Bytes of the image the parser read (everything before this offset, nothing after).
+    bytes_read: usize,
 }
 
 /// A bounds-checked little-endian reader over the file image that names the field it reads.
@@ -830,6 +858,7 @@ fn parse_header(path: &Path, buf: &[u8]) -> Result<Header> {
         tensors,
         alignment,
         data_offset,
+        bytes_read: c.pos,
     })
 }
 

@@ -342,3 +342,61 @@ pub fn repo() -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
+
+impl Built {
+    /// Offset of the first field called `name` (a test bug, so a panic, when absent).
+    pub fn field(&self, name: &str) -> usize {
+        self.fields
+            .iter()
+            .find(|(_, n)| n == name)
+            .map(|(o, _)| *o)
+            .unwrap_or_else(|| panic!("no field `{name}` in the built file"))
+    }
+
+    /// Overwrites the bytes at `off` with `bytes`.
+    pub fn patch(mut self, off: usize, bytes: &[u8]) -> Self {
+        self.bytes[off..off + bytes.len()].copy_from_slice(bytes);
+        self
+    }
+
+    /// Overwrites the little-endian u32 that starts field `field`.
+    pub fn patch_u32(self, field: &str, v: u32) -> Self {
+        let at = self.field(field);
+        self.patch(at, &v.to_le_bytes())
+    }
+
+    /// Overwrites the little-endian u64 that starts field `field`.
+    pub fn patch_u64(self, field: &str, v: u64) -> Self {
+        let at = self.field(field);
+        self.patch(at, &v.to_le_bytes())
+    }
+}
+
+/// The payload of a GGUF array value (element type, count, element bytes), for `Val::Raw(9, …)`.
+/// The count is written as given, so it may disagree with the bytes (hostile files).
+pub fn raw_array(elem_type: u32, count: u64, elems: &[u8]) -> Vec<u8> {
+    let mut v = elem_type.to_le_bytes().to_vec();
+    v.extend_from_slice(&count.to_le_bytes());
+    v.extend_from_slice(elems);
+    v
+}
+
+/// Offsets (relative to the data section) that `GgufBuilder::build` gives each tensor.
+pub fn data_offsets(g: &GgufBuilder) -> Vec<u64> {
+    let mut out = Vec::new();
+    let mut off = 0u64;
+    for t in &g.tensors {
+        out.push(t.offset_override.unwrap_or(off));
+        off += t.data.len() as u64;
+        off = off.div_ceil(g.alignment) * g.alignment;
+    }
+    out
+}
+
+/// Index of tensor `name` in the builder (a test bug, so a panic, when absent).
+pub fn tensor_pos(g: &GgufBuilder, name: &str) -> usize {
+    g.tensors
+        .iter()
+        .position(|t| t.name == name)
+        .unwrap_or_else(|| panic!("no tensor `{name}` in the builder"))
+}

@@ -1465,3 +1465,39 @@ pub fn run(
     let _ = &ops.dev.ctx;
     Ok(r)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{DecodeCfg, wave_splits};
+
+    #[test]
+    fn wave_splits_fill_whole_waves() {
+        // The bench's shapes on 132 SMs: 64 blocks per split on 264 slots → 4 splits (256
+        // blocks, 97 %); 128 blocks on 132 slots → 1 split (97 %).
+        assert_eq!(wave_splits(64, 264, 64), 4);
+        assert_eq!(wave_splits(128, 132, 64), 1);
+        assert_eq!(wave_splits(64, 132, 64), 2);
+        // Never more than allowed; the best fill when no count reaches 90 %.
+        assert_eq!(wave_splits(64, 264, 1), 1);
+        assert_eq!(wave_splits(100, 132, 1), 1);
+        assert_eq!(wave_splits(0, 0, 0), 1);
+    }
+
+    #[test]
+    fn decode_cfg_parse_and_check() {
+        let c = DecodeCfg::parse("16,8,2,0,2,2").unwrap();
+        assert_eq!(c, DecodeCfg::for_heads(16));
+        assert_eq!(DecodeCfg::parse("64,8,2,0,2").unwrap(), DecodeCfg::for_heads(128));
+        assert!(DecodeCfg::parse("16,8,2,1,4,1,1").unwrap().fused);
+        // 16-head blocks of 8 warps with 3 k-parts do not tile the 4 key n-tiles.
+        assert!(DecodeCfg::parse("16,8,3,0,2").is_err());
+        assert!(DecodeCfg::parse("16,8,2,0,1").is_err());
+        assert!(DecodeCfg::parse("24,8,2,0,2").is_err());
+        assert!(DecodeCfg::parse("16,8,2").is_err());
+        // Shared memory of the default at W = 576 leaves room for two blocks per SM (228 KiB).
+        assert!(2 * (DecodeCfg::for_heads(16).smem(576) + 1536) <= 228 * 1024);
+        // fit() drops stages until a block fits.
+        let big = DecodeCfg::parse("16,8,2,0,6").unwrap().fit(1152);
+        assert!(big.smem(1152) <= 227 * 1024 || big.stages == 2);
+    }
+}

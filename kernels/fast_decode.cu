@@ -1,6 +1,22 @@
 // Fast MQA decode, split-KV stage 1 on tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate)
 // over the paged latent cache. Compiled per shape with -DMLA_W=<L+R> -DMLA_DV=<L> (W a multiple
-// of 16, DV a multiple of 32).
+// of 16, DV a multiple of 32) and per launch configuration with
+//   FD_HM      heads per block (the MMA's M: a multiple of 16; heads past nh are zero rows)
+//   FD_WARPS   warps per block
+//   FD_P       parts the W (k) dimension of Q·Kᵀ is cut into (partial scores summed in shared
+//              memory by the softmax)
+//   FD_QREG    1: each warp keeps its Q fragments in registers for the whole kernel; 0: read with
+//              ldmatrix from shared memory at every tile
+//   FD_STAGES  cache tiles in the cp.async pipeline (2..6)
+//   FD_MINB    blocks per SM the registers must allow (__launch_bounds__)
+//   FD_FUSED   1: every warp reads the whole score tile in the MMA accumulator layout and runs
+//              the online softmax itself, in registers (same inputs, same order: every warp
+//              holds the same running max and sum), building P's A fragments directly — no P,
+//              α or sum in shared memory and no third barrier per tile; 0: one warp per head
+//              row, P and α through shared memory
+// FD_WARPS must equal (FD_HM/16) · FD_P · NG with NG dividing FD_BK/8 (the key n-tiles): warp w
+// computes scores for m-tile w % MT, k-part (w / MT) % P (k-steps [part·KPP, (part+1)·KPP)) and
+// key n-tiles of group w / (MT·P).
 //
 // decode_split_mma(q, cache, tables, ctx, parts, lses, n, nh, block_size, max_blocks, splits,
 //                  scale, empty_lse)
@@ -8,13 +24,16 @@
 //   cache  [num_blocks·block_size, W] bf16   rows [kv_c_normed | k_pe_roped]; value = first DV
 //   tables [n, max_blocks] i64 block ids      ctx [n] i64 context length of each token
 //   parts  [splits, n, nh, DV] f32            lses [splits, n, nh] f32 (natural log)
-//   grid (n · ⌈nh/16⌉, splits), 128 threads: one block takes 16 heads of one token (the M = 16
-//   rows of the MMA; heads past nh are zero rows) and the positions of one split,
-//   [s·⌈ctx/splits⌉, …) ∩ [0, ctx). An empty split writes no output and lse = empty_lse.
-// Per tile of 32 cache rows (double-buffered with cp.async): each warp computes S for 8 keys
-// (Q·Kᵀ over W), the block applies the online softmax, and each warp
-// accumulates O for its quarter of the DV value columns (P·V, V fragments via ldmatrix.trans).
-// The softmax runs one warp per four head rows, one lane per key, with shuffles for max and sum.
+//   grid (n · ⌈nh/HM⌉, splits), 32·FD_WARPS threads: one block takes HM heads of one token and
+//   the positions of one split, [s·⌈ctx/splits⌉, …) ∩ [0, ctx). An empty split writes no output
+//   and lse = empty_lse.
+// Per tile of 32 cache rows (FD_STAGES-deep cp.async pipeline; a tile's row slots are computed
+// one tile ahead from a block-table entry prefetched into a register one more tile ahead):
+//   sync A (tile landed, previous tile fully consumed) → issue the copy of tile it+STAGES-1 →
+//   partial S = Q·Kᵀ per warp → sync B → online softmax (one warp per HM/WARPS head rows, one
+//   lane per key; running max and sum in registers) → sync C → O = O·α + P·V, each warp taking
+//   the value n-tiles w, w + WARPS, … for all HM rows (V fragments via ldmatrix.trans, reused
+//   across the m-tiles).
 
 #ifndef MLA_W
 #define MLA_W 576
@@ -22,13 +41,52 @@
 #ifndef MLA_DV
 #define MLA_DV 512
 #endif
+#ifndef FD_HM
+#define FD_HM 16
+#endif
+#ifndef FD_WARPS
+#define FD_WARPS 8
+#endif
+#ifndef FD_P
+#define FD_P 2
+#endif
+#ifndef FD_QREG
+#define FD_QREG 0
+#endif
+#ifndef FD_STAGES
+#define FD_STAGES 2
+#endif
+#ifndef FD_FUSED
+#define FD_FUSED 0                 // softmax in registers by every warp (no P in shared memory)
+#endif
+#ifndef FD_MINB
+#define FD_MINB 2                  // blocks per SM the register allocation must allow
+#endif
 
-#define FD_BK 32
+#define FD_BK 32                   // cache rows per tile (= lanes: one key per lane in softmax)
 #define FD_LD (MLA_W + 8)          // bf16 row stride of Q and cache tiles
 #define FD_KSTEPS (MLA_W / 16)
-#define FD_WDV (MLA_DV / 4)        // value columns per warp
-#define FD_NT (FD_WDV / 8)
+#define FD_MT (FD_HM / 16)         // m-tiles
+#define FD_NG (FD_WARPS / (FD_MT * FD_P))  // key n-tile groups
+#define FD_NTW ((FD_BK / 8) / FD_NG)       // key n-tiles per warp
+#define FD_KPP ((FD_KSTEPS + FD_P - 1) / FD_P)  // k-steps per part
+#define FD_NTV (MLA_DV / 8)        // value n-tiles
+#define FD_NVW ((FD_NTV + FD_WARPS - 1) / FD_WARPS)  // value n-tiles per warp
+#define FD_RPW (FD_HM / FD_WARPS)  // softmax rows per warp (0: fewer rows than warps)
 #define FD_LDP (FD_BK + 8)         // bf16 row stride of P
+#define FD_LDS (FD_BK + 8)         // f32 row stride of S (conflict-free float2 stores)
+#define FD_CH (FD_NTW >= 2 ? 1 : 2)  // independent accumulator chains in Q·Kᵀ
+#define FD_THREADS (32 * FD_WARPS)
+
+#if FD_MT * FD_P * FD_NG != FD_WARPS || (FD_BK / 8) % FD_NG != 0 || FD_HM % 16 != 0
+#error "fast_decode.cu: FD_WARPS must be (FD_HM/16) * FD_P * NG with NG dividing 4"
+#endif
+#if FD_HM >= FD_WARPS && FD_HM % FD_WARPS != 0
+#error "fast_decode.cu: FD_HM must be a multiple of FD_WARPS, or at most FD_WARPS"
+#endif
+#if FD_STAGES < 2 || FD_STAGES > 6
+#error "fast_decode.cu: FD_STAGES must be 2..6"
+#endif
 
 typedef __nv_bfloat16 bf16;
 
@@ -49,174 +107,413 @@ __device__ __forceinline__ void fd_cp16(void* dst, const void* src, bool valid) 
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(fd_smem_addr(dst)), "l"(src), "r"(n));
 }
 
-extern "C" __global__ void __launch_bounds__(128)
+// A fragment (16 rows × 16 k) of a row-major bf16 tile with row stride FD_LD.
+__device__ __forceinline__ void fd_load_a(unsigned* a, const bf16* base, int g, int t) {
+    const bf16* p = base + g * FD_LD + 2 * t;
+    a[0] = *reinterpret_cast<const unsigned*>(p);
+    a[1] = *reinterpret_cast<const unsigned*>(p + 8 * FD_LD);
+    a[2] = *reinterpret_cast<const unsigned*>(p + 8);
+    a[3] = *reinterpret_cast<const unsigned*>(p + 8 * FD_LD + 8);
+}
+
+extern "C" __global__ void __launch_bounds__(FD_THREADS, FD_MINB)
     decode_split_mma(const bf16* q, const bf16* cache, const i64* tables, const i64* ctx, float* parts,
                      float* lses, i64 n, i64 nh, i64 block_size, i64 max_blocks, i64 splits, float scale,
                      float empty_lse) {
     extern __shared__ __align__(16) unsigned char fd_smem[];
-    bf16* Qs = reinterpret_cast<bf16*>(fd_smem);           // [16][LD]
-    bf16* Cs = Qs + 16 * FD_LD;                              // [2][BK][LD]
-    float* Ss = reinterpret_cast<float*>(Cs + 2 * FD_BK * FD_LD);  // [16][BK]
-    bf16* Ps = reinterpret_cast<bf16*>(Ss + 16 * FD_BK);    // [16][LDP]
-    float* Ms = reinterpret_cast<float*>(Ps + 16 * FD_LDP);  // [16] running max (log2 units)
-    float* Ls = Ms + 16;                                      // [16] running sum
-    float* As = Ls + 16;                                      // [16] rescale factor of this tile
+    bf16* Qs = reinterpret_cast<bf16*>(fd_smem);                     // [HM][LD]
+    bf16* Cs = Qs + FD_HM * FD_LD;                                     // [STAGES][BK][LD]
+    float* Ss = reinterpret_cast<float*>(Cs + FD_STAGES * FD_BK * FD_LD);  // [P][HM][LDS]
+    bf16* Ps = reinterpret_cast<bf16*>(Ss + FD_P * FD_HM * FD_LDS);    // [HM][LDP]
+    float* As = reinterpret_cast<float*>(Ps + FD_HM * FD_LDP);        // [HM] rescale of this tile
+    float* Ls = As + FD_HM;                                             // [HM] final sums
+    __shared__ long long fd_slots[2][FD_BK];
 
-    const i64 groups = (nh + 15) / 16;
-    const i64 i = blockIdx.x / groups, h0 = (blockIdx.x % groups) * 16;
+    const i64 groups = (nh + FD_HM - 1) / FD_HM;
+    const i64 i = blockIdx.x / groups, h0 = (blockIdx.x % groups) * FD_HM;
     const i64 s = blockIdx.y;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const i64 c = ctx[i];
     const i64 sl = (c + splits - 1) / splits;
     const i64 k0 = min(s * sl, c), k1 = min((s + 1) * sl, c);
     if (k0 == k1) {
-        if (tid < 16 && h0 + tid < nh) lses[(s * n + i) * nh + h0 + tid] = empty_lse;
+        for (int r = tid; r < FD_HM; r += FD_THREADS)
+            if (h0 + r < nh) lses[(s * n + i) * nh + h0 + r] = empty_lse;
         return;
     }
-    for (int e = tid; e < 16 * (MLA_W / 8); e += 128) {
+    for (int e = tid; e < FD_HM * (MLA_W / 8); e += FD_THREADS) {
         int r = e / (MLA_W / 8), col = (e % (MLA_W / 8)) * 8;
         bool ok = h0 + r < nh;
         fd_cp16(Qs + r * FD_LD + col, q + ((i * nh + (ok ? h0 + r : 0)) * MLA_W) + col, ok);
     }
     asm volatile("cp.async.commit_group;\n" ::);
     const i64* table = tables + i * max_blocks;
-    __shared__ long long fd_slots[2][FD_BK];
-    // Slots of a tile's rows are computed once per row (one division each), then every thread
-    // issues its 16-byte copies.
-    auto slots_of = [&](int stage, i64 kt) {
-        if (tid < FD_BK) {
-            const i64 pos = kt + tid;
-            fd_slots[stage][tid] = pos < k1 ? table[pos / block_size] * block_size + pos % block_size : -1;
-        }
-    };
-    auto load_tile = [&](int stage) {
-        bf16* dst = Cs + stage * FD_BK * FD_LD;
-        for (int e = tid; e < FD_BK * (MLA_W / 8); e += 128) {
-            const int r = e / (MLA_W / 8), col = (e % (MLA_W / 8)) * 8;
-            const i64 slot = fd_slots[stage][r];
-            fd_cp16(dst + r * FD_LD + col, cache + (slot < 0 ? 0 : slot) * MLA_W + col, slot >= 0);
-        }
-    };
     const int n_tiles = (int)((k1 - k0 + FD_BK - 1) / FD_BK);
-    slots_of(0, k0);
-    __syncthreads();
-    load_tile(0);
-    asm volatile("cp.async.commit_group;\n" ::);
-    if (tid < 16) {
-        Ms[tid] = -INFINITY;
-        Ls[tid] = 0.0f;
-    }
-    float o[FD_NT][4];
+    // Lane `tid` (< BK) of warp 0 owns row tid of every tile's slot list.
+    auto table_entry = [&](int tile) -> i64 {
+        const i64 pos = k0 + (i64)tile * FD_BK + tid;
+        return tile < n_tiles && pos < k1 ? table[pos / block_size] : -1;
+    };
+    auto slot_of = [&](int tile, i64 entry) -> long long {
+        const i64 pos = k0 + (i64)tile * FD_BK + tid;
+        return entry < 0 ? -1 : entry * block_size + pos % block_size;
+    };
+    // Warp w copies rows w, w + WARPS, …: one slot read and one base address per row, then
+    // 16-byte copies at lane·16 + 512·j (each warp instruction moves 512 contiguous bytes).
+    auto load_tile = [&](int tile) {
+        bf16* dst = Cs + (tile % FD_STAGES) * FD_BK * FD_LD;
+        const long long* sl_ = fd_slots[tile & 1];
 #pragma unroll
-    for (int nn = 0; nn < FD_NT; ++nn) o[nn][0] = o[nn][1] = o[nn][2] = o[nn][3] = 0.0f;
+        for (int r = warp; r < FD_BK; r += FD_WARPS) {
+            const long long slot = sl_[r];
+            const bf16* src = cache + (slot < 0 ? 0 : slot) * MLA_W + lane * 8;
+            bf16* d = dst + r * FD_LD + lane * 8;
+#pragma unroll
+            for (int c = 0; c < MLA_W; c += 256)
+                if (c + lane * 8 < MLA_W) fd_cp16(d + c, src + c, slot >= 0);
+        }
+    };
+    // Prologue: tiles 0 .. STAGES-2 in flight, slots of tile STAGES-1 ready, table entry of tile
+    // STAGES prefetched.
+    i64 entry_next = -1;
+#pragma unroll
+    for (int j = 0; j < FD_STAGES - 1; ++j) {
+        if (tid < FD_BK) fd_slots[j & 1][tid] = slot_of(j, table_entry(j));
+        __syncthreads();
+        if (j < n_tiles) load_tile(j);
+        asm volatile("cp.async.commit_group;\n" ::);
+    }
+    if (tid < FD_BK) {
+        fd_slots[(FD_STAGES - 1) & 1][tid] = slot_of(FD_STAGES - 1, table_entry(FD_STAGES - 1));
+        entry_next = table_entry(FD_STAGES);
+    }
+
+    // Score mapping of this warp.
+    const int mt_s = warp % FD_MT, part = (warp / FD_MT) % FD_P, ng = warp / (FD_MT * FD_P);
+#if FD_QREG
+    unsigned qa[FD_KPP][4];
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(FD_STAGES - 1));
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < FD_KPP; ++j) {
+        const int kk = part * FD_KPP + j;
+        if (kk < FD_KSTEPS) fd_load_a(qa[j], Qs + mt_s * 16 * FD_LD + kk * 16, g, t);
+    }
+#endif
+
+    float o[FD_MT][FD_NVW][4];
+#pragma unroll
+    for (int m = 0; m < FD_MT; ++m)
+#pragma unroll
+        for (int v = 0; v < FD_NVW; ++v) o[m][v][0] = o[m][v][1] = o[m][v][2] = o[m][v][3] = 0.0f;
+#if FD_FUSED
+    // Running max (log2 units) and sum of rows m·16 + g + 8·half, in registers of every warp.
+    float m_run[FD_MT][2], l_run[FD_MT][2];
+#pragma unroll
+    for (int m = 0; m < FD_MT; ++m) m_run[m][0] = m_run[m][1] = -INFINITY, l_run[m][0] = l_run[m][1] = 0.0f;
+#else
+    // Running max (log2 units) and sum of this warp's softmax rows, in registers.
+    float m_run[FD_RPW > 0 ? FD_RPW : 1], l_run[FD_RPW > 0 ? FD_RPW : 1];
+#pragma unroll
+    for (int rr = 0; rr < (FD_RPW > 0 ? FD_RPW : 1); ++rr) {
+        m_run[rr] = -INFINITY;
+        l_run[rr] = 0.0f;
+    }
+#endif
     const float sl2 = scale * 1.4426950408889634f;
 
     for (int it = 0; it < n_tiles; ++it) {
         const i64 kt = k0 + (i64)it * FD_BK;
-        if (it + 1 < n_tiles) {
-            slots_of((it + 1) & 1, kt + FD_BK);
-            __syncthreads();
-            load_tile((it + 1) & 1);
-            asm volatile("cp.async.commit_group;\n" ::);
-            asm volatile("cp.async.wait_group 1;\n" ::);
-        } else {
-            asm volatile("cp.async.wait_group 0;\n" ::);
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(FD_STAGES - 2));
+        __syncthreads();  // A
+        if (it + FD_STAGES - 1 < n_tiles) load_tile(it + FD_STAGES - 1);
+        asm volatile("cp.async.commit_group;\n" ::);
+        if (tid < FD_BK) {
+            fd_slots[(it + FD_STAGES) & 1][tid] = slot_of(it + FD_STAGES, entry_next);
+            entry_next = table_entry(it + FD_STAGES + 1);
         }
-        __syncthreads();
-        const bf16* Ct = Cs + (it & 1) * FD_BK * FD_LD;
-        // S for keys [8·warp, 8·warp + 8) of the tile: 16 heads × 8 keys.
+        const bf16* Ct = Cs + (it % FD_STAGES) * FD_BK * FD_LD;
+        // Partial S: m-tile mt_s, k-steps [part·KPP, (part+1)·KPP), key n-tiles ng·NTW + u.
         {
-            // Four independent accumulator chains (k-steps mod 4) keep the tensor cores busy.
-            float acc4[4][4] = {};
-            const bf16* kb = Ct + (warp * 8 + g) * FD_LD + 2 * t;
-            const bf16* qb = Qs + g * FD_LD + 2 * t;
-#pragma unroll 4
-            for (int kk = 0; kk < FD_KSTEPS; ++kk) {
-                unsigned a[4];
-                a[0] = *reinterpret_cast<const unsigned*>(qb + kk * 16);
-                a[1] = *reinterpret_cast<const unsigned*>(qb + 8 * FD_LD + kk * 16);
-                a[2] = *reinterpret_cast<const unsigned*>(qb + kk * 16 + 8);
-                a[3] = *reinterpret_cast<const unsigned*>(qb + 8 * FD_LD + kk * 16 + 8);
-                unsigned b0 = *reinterpret_cast<const unsigned*>(kb + kk * 16);
-                unsigned b1 = *reinterpret_cast<const unsigned*>(kb + kk * 16 + 8);
-                fd_mma(acc4[kk & 3], a, b0, b1);
+            float acc[FD_CH][FD_NTW][4];
+#pragma unroll
+            for (int ch = 0; ch < FD_CH; ++ch)
+#pragma unroll
+                for (int u = 0; u < FD_NTW; ++u) acc[ch][u][0] = acc[ch][u][1] = acc[ch][u][2] = acc[ch][u][3] = 0.0f;
+            // k-steps in pairs: one ldmatrix.x4 gives the B fragments of two k-steps.
+#pragma unroll
+            for (int j = 0; j < FD_KPP; j += 2) {
+                const int kk = part * FD_KPP + j;
+                if (kk < FD_KSTEPS) {
+                    const bool two = j + 1 < FD_KPP && kk + 1 < FD_KSTEPS;
+                    unsigned a0[4], a1[4];
+#if FD_QREG
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        a0[e] = qa[j][e];
+                        a1[e] = qa[j + 1 < FD_KPP ? j + 1 : j][e];
+                    }
+#else
+                    {
+                        const bf16* p = Qs + (mt_s * 16 + (lane & 15)) * FD_LD + kk * 16 + (lane >> 4) * 8;
+                        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                                     : "=r"(a0[0]), "=r"(a0[1]), "=r"(a0[2]), "=r"(a0[3])
+                                     : "r"(fd_smem_addr(p)));
+                        if (two)
+                            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                                         : "=r"(a1[0]), "=r"(a1[1]), "=r"(a1[2]), "=r"(a1[3])
+                                         : "r"(fd_smem_addr(p + 16)));
+                    }
+#endif
+#pragma unroll
+                    for (int u = 0; u < FD_NTW; ++u) {
+                        const bf16* kb = Ct + (ng * FD_NTW + u) * 8 * FD_LD;
+                        if (two) {
+                            unsigned b0, b1, b2, b3;
+                            asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                                         : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                                         : "r"(fd_smem_addr(kb + (lane & 7) * FD_LD + kk * 16 + (lane >> 3) * 8)));
+                            fd_mma(acc[j % FD_CH][u], a0, b0, b1);
+                            fd_mma(acc[(j + 1) % FD_CH][u], a1, b2, b3);
+                        } else {
+                            const bf16* kr = kb + g * FD_LD + kk * 16 + 2 * t;
+                            fd_mma(acc[j % FD_CH][u], a0, *reinterpret_cast<const unsigned*>(kr),
+                                   *reinterpret_cast<const unsigned*>(kr + 8));
+                        }
+                    }
+                }
             }
-            float sacc[4];
+            float* Sp = Ss + part * FD_HM * FD_LDS;
 #pragma unroll
-            for (int j = 0; j < 4; ++j) sacc[j] = (acc4[0][j] + acc4[1][j]) + (acc4[2][j] + acc4[3][j]);
-            const int key = warp * 8 + 2 * t;
-            Ss[g * FD_BK + key] = sacc[0];
-            Ss[g * FD_BK + key + 1] = sacc[1];
-            Ss[(g + 8) * FD_BK + key] = sacc[2];
-            Ss[(g + 8) * FD_BK + key + 1] = sacc[3];
-        }
-        __syncthreads();
-        // Online softmax: warp w takes head rows 4w..4w+3, lane j takes key j of the tile.
+            for (int u = 0; u < FD_NTW; ++u) {
+                float sv[4];
 #pragma unroll
-        for (int rr = 0; rr < 4; ++rr) {
-            const int row = warp * 4 + rr;
-            const float x = kt + lane < k1 ? Ss[row * FD_BK + lane] * sl2 : -INFINITY;
-            float mx = x;
+                for (int e = 0; e < 4; ++e) {
+                    sv[e] = acc[0][u][e];
 #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-            const float m_old = Ms[row];
-            const float mn = fmaxf(m_old, mx);
-            const float p = exp2f(x - mn);
-            float sum = p;
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-            Ps[row * FD_LDP + lane] = __float2bfloat16_rn(p);
-            __syncwarp();
-            if (lane == 0) {
-                const float al = exp2f(m_old - mn);
-                Ls[row] = Ls[row] * al + sum;
-                Ms[row] = mn;
-                As[row] = al;
+                    for (int ch = 1; ch < FD_CH; ++ch) sv[e] += acc[ch][u][e];
+                }
+                const int key = (ng * FD_NTW + u) * 8 + 2 * t, row = mt_s * 16 + g;
+                *reinterpret_cast<float2*>(Sp + row * FD_LDS + key) = make_float2(sv[0], sv[1]);
+                *reinterpret_cast<float2*>(Sp + (row + 8) * FD_LDS + key) = make_float2(sv[2], sv[3]);
             }
         }
-        __syncthreads();
-        // O[:, warp quarter] = O·alpha + P · V.
-        const float al_lo = As[g], al_hi = As[g + 8];
+        __syncthreads();  // B
+#if FD_FUSED
+        // Online softmax in the accumulator layout: this thread holds keys kk·16 + 8·e2 + 2t + {0,1}
+        // of rows m·16 + g + 8·half; max and sum over the row's 4 lanes by two shuffles.
+        unsigned pa[FD_MT][FD_BK / 16][4];
+        float alpha[FD_MT][2];
 #pragma unroll
-        for (int nn = 0; nn < FD_NT; ++nn) {
-            o[nn][0] *= al_lo;
-            o[nn][1] *= al_lo;
-            o[nn][2] *= al_hi;
-            o[nn][3] *= al_hi;
+        for (int m = 0; m < FD_MT; ++m) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = m * 16 + g + 8 * half;
+                float x[FD_BK / 16][4];
+                float mx = -INFINITY;
+#pragma unroll
+                for (int kk = 0; kk < FD_BK / 16; ++kk) {
+#pragma unroll
+                    for (int e2 = 0; e2 < 2; ++e2) {
+                        const int key = kk * 16 + 8 * e2 + 2 * t;
+                        float2 v = *reinterpret_cast<const float2*>(Ss + row * FD_LDS + key);
+#pragma unroll
+                        for (int p = 1; p < FD_P; ++p) {
+                            const float2 w2 = *reinterpret_cast<const float2*>(Ss + (p * FD_HM + row) * FD_LDS + key);
+                            v.x += w2.x;
+                            v.y += w2.y;
+                        }
+                        x[kk][2 * e2] = kt + key < k1 ? v.x * sl2 : -INFINITY;
+                        x[kk][2 * e2 + 1] = kt + key + 1 < k1 ? v.y * sl2 : -INFINITY;
+                        mx = fmaxf(mx, fmaxf(x[kk][2 * e2], x[kk][2 * e2 + 1]));
+                    }
+                }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float mn = fmaxf(m_run[m][half], mx);
+                float sum = 0.0f;
+#pragma unroll
+                for (int kk = 0; kk < FD_BK / 16; ++kk)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        x[kk][e] = exp2f(x[kk][e] - mn);
+                        sum += x[kk][e];
+                    }
+                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+                const float al = exp2f(m_run[m][half] - mn);
+                l_run[m][half] = l_run[m][half] * al + sum;
+                m_run[m][half] = mn;
+                alpha[m][half] = al;
+#pragma unroll
+                for (int kk = 0; kk < FD_BK / 16; ++kk) {
+                    __nv_bfloat162 lo = __floats2bfloat162_rn(x[kk][0], x[kk][1]);
+                    __nv_bfloat162 hi = __floats2bfloat162_rn(x[kk][2], x[kk][3]);
+                    pa[m][kk][half] = *reinterpret_cast<unsigned*>(&lo);
+                    pa[m][kk][2 + half] = *reinterpret_cast<unsigned*>(&hi);
+                }
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < FD_MT; ++m) {
+#pragma unroll
+            for (int v = 0; v < FD_NVW; ++v) {
+                o[m][v][0] *= alpha[m][0];
+                o[m][v][1] *= alpha[m][0];
+                o[m][v][2] *= alpha[m][1];
+                o[m][v][3] *= alpha[m][1];
+            }
         }
 #pragma unroll
         for (int kk = 0; kk < FD_BK / 16; ++kk) {
-            unsigned a[4];
-            const bf16* pb = Ps + g * FD_LDP + kk * 16 + 2 * t;
-            a[0] = *reinterpret_cast<const unsigned*>(pb);
-            a[1] = *reinterpret_cast<const unsigned*>(pb + 8 * FD_LDP);
-            a[2] = *reinterpret_cast<const unsigned*>(pb + 8);
-            a[3] = *reinterpret_cast<const unsigned*>(pb + 8 * FD_LDP + 8);
-            const bf16* vrow = Ct + (kk * 16 + (lane & 15)) * FD_LD + warp * FD_WDV;
+            const bf16* vrow = Ct + (kk * 16 + (lane & 15)) * FD_LD;
 #pragma unroll
-            for (int nn = 0; nn < FD_NT; ++nn) {
-                unsigned b0, b1;
-                asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-                             : "=r"(b0), "=r"(b1)
-                             : "r"(fd_smem_addr(vrow + nn * 8)));
-                fd_mma(o[nn], a, b0, b1);
+            for (int v = 0; v < FD_NVW; ++v) {
+                const int nt = warp + FD_WARPS * v;
+                if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV) {
+                    unsigned b0, b1;
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                                 : "=r"(b0), "=r"(b1)
+                                 : "r"(fd_smem_addr(vrow + nt * 8)));
+#pragma unroll
+                    for (int m = 0; m < FD_MT; ++m) fd_mma(o[m][v], pa[m][kk], b0, b1);
+                }
             }
         }
-        __syncthreads();
-    }
-    // Partial output and its natural-log LSE.
-    const float ln2 = 0.6931471805599453f;
+#else
+        // Online softmax: warp w takes head rows w·RPW …, lane j takes key j of the tile.
+        const bool key_ok = kt + lane < k1;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = g + 8 * half;
-        if (h0 + r >= nh) continue;
-        const float l = Ls[r];
-        const i64 base = ((s * n + i) * nh + h0 + r) * MLA_DV + warp * FD_WDV;
+        for (int rr = 0; rr < FD_RPW; ++rr) {
+            const int row = warp * FD_RPW + rr;
+            float x = Ss[row * FD_LDS + lane];
 #pragma unroll
-        for (int nn = 0; nn < FD_NT; ++nn) {
-            parts[base + nn * 8 + 2 * t] = o[nn][2 * half] / l;
-            parts[base + nn * 8 + 2 * t + 1] = o[nn][2 * half + 1] / l;
+            for (int p = 1; p < FD_P; ++p) x += Ss[(p * FD_HM + row) * FD_LDS + lane];
+            x = key_ok ? x * sl2 : -INFINITY;
+            float mx = x;
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            const float mn = fmaxf(m_run[rr], mx);
+            const float pv = exp2f(x - mn);
+            float sum = pv;
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+            Ps[row * FD_LDP + lane] = __float2bfloat16_rn(pv);
+            const float al = exp2f(m_run[rr] - mn);
+            l_run[rr] = l_run[rr] * al + sum;
+            m_run[rr] = mn;
+            if (lane == 0) As[row] = al;
         }
-        if (warp == 0 && t == 0) lses[(s * n + i) * nh + h0 + r] = Ms[r] * ln2 + logf(l);
+#if FD_RPW == 0
+        if (warp < FD_HM) {
+            const int row = warp;
+            float x = Ss[row * FD_LDS + lane];
+#pragma unroll
+            for (int p = 1; p < FD_P; ++p) x += Ss[(p * FD_HM + row) * FD_LDS + lane];
+            x = key_ok ? x * sl2 : -INFINITY;
+            float mx = x;
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            const float mn = fmaxf(m_run[0], mx);
+            const float pv = exp2f(x - mn);
+            float sum = pv;
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+            Ps[row * FD_LDP + lane] = __float2bfloat16_rn(pv);
+            const float al = exp2f(m_run[0] - mn);
+            l_run[0] = l_run[0] * al + sum;
+            m_run[0] = mn;
+            if (lane == 0) As[row] = al;
+        }
+#endif
+        __syncthreads();  // C
+        // O[:, value n-tiles of this warp] = O·α + P · V.
+#pragma unroll
+        for (int m = 0; m < FD_MT; ++m) {
+            const float al_lo = As[m * 16 + g], al_hi = As[m * 16 + g + 8];
+#pragma unroll
+            for (int v = 0; v < FD_NVW; ++v) {
+                o[m][v][0] *= al_lo;
+                o[m][v][1] *= al_lo;
+                o[m][v][2] *= al_hi;
+                o[m][v][3] *= al_hi;
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < FD_BK / 16; ++kk) {
+            unsigned a[FD_MT][4];
+#pragma unroll
+            for (int m = 0; m < FD_MT; ++m) {
+                const bf16* pb = Ps + (m * 16 + g) * FD_LDP + kk * 16 + 2 * t;
+                a[m][0] = *reinterpret_cast<const unsigned*>(pb);
+                a[m][1] = *reinterpret_cast<const unsigned*>(pb + 8 * FD_LDP);
+                a[m][2] = *reinterpret_cast<const unsigned*>(pb + 8);
+                a[m][3] = *reinterpret_cast<const unsigned*>(pb + 8 * FD_LDP + 8);
+            }
+            const bf16* vrow = Ct + (kk * 16 + (lane & 15)) * FD_LD;
+#pragma unroll
+            for (int v = 0; v < FD_NVW; ++v) {
+                const int nt = warp + FD_WARPS * v;
+                if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV) {
+                    unsigned b0, b1;
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                                 : "=r"(b0), "=r"(b1)
+                                 : "r"(fd_smem_addr(vrow + nt * 8)));
+#pragma unroll
+                    for (int m = 0; m < FD_MT; ++m) fd_mma(o[m][v], a[m], b0, b1);
+                }
+            }
+        }
+#endif
     }
+    const float ln2 = 0.6931471805599453f;
+#if FD_FUSED
+    // Every warp holds the sums of its rows; warp 0 writes the LSE (natural log).
+#pragma unroll
+    for (int m = 0; m < FD_MT; ++m) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = m * 16 + g + 8 * half;
+            if (h0 + r >= nh) continue;
+            const float l = l_run[m][half];
+            if (warp == 0 && t == 0) lses[(s * n + i) * nh + h0 + r] = m_run[m][half] * ln2 + logf(l);
+            const i64 base = ((s * n + i) * nh + h0 + r) * MLA_DV;
+#pragma unroll
+            for (int v = 0; v < FD_NVW; ++v) {
+                const int nt = warp + FD_WARPS * v;
+                if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV)
+                    *reinterpret_cast<float2*>(parts + base + nt * 8 + 2 * t) =
+                        make_float2(o[m][v][2 * half] / l, o[m][v][2 * half + 1] / l);
+            }
+        }
+    }
+#else
+    // Final sums to shared memory for the value warps; LSE (natural log) by the softmax owners.
+#pragma unroll
+    for (int rr = 0; rr < (FD_RPW > 0 ? FD_RPW : 1); ++rr) {
+        const int row = FD_RPW > 0 ? warp * FD_RPW + rr : warp;
+        if ((FD_RPW > 0 || warp < FD_HM) && lane == 0) {
+            Ls[row] = l_run[rr];
+            if (h0 + row < nh) lses[(s * n + i) * nh + h0 + row] = m_run[rr] * ln2 + logf(l_run[rr]);
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < FD_MT; ++m) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = m * 16 + g + 8 * half;
+            if (h0 + r >= nh) continue;
+            const float l = Ls[r];
+            const i64 base = ((s * n + i) * nh + h0 + r) * MLA_DV;
+#pragma unroll
+            for (int v = 0; v < FD_NVW; ++v) {
+                const int nt = warp + FD_WARPS * v;
+                if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV)
+                    *reinterpret_cast<float2*>(parts + base + nt * 8 + 2 * t) =
+                        make_float2(o[m][v][2 * half] / l, o[m][v][2 * half + 1] / l);
+            }
+        }
+    }
+#endif
 }

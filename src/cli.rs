@@ -470,16 +470,34 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
         "spill loads",
     ]);
     for arch in &a.arch {
-        for &m in crate::cuda::Module::ALL {
-            let c = crate::cuda::compile(m, arch, &include, true, &[])?;
-            if let Some(dir) = &a.out {
+        // The decode kernel also in its 64-head configuration (the macros' defaults are the
+        // 16-head one) and with the in-register softmax.
+        let hm64 = crate::cuda::ops::DecodeCfg::for_heads(128);
+        let fused = crate::cuda::ops::DecodeCfg::parse("16,8,2,1,4,1,1")?;
+        type Job = (crate::cuda::Module, String, Vec<(&'static str, usize)>);
+        let mut jobs: Vec<Job> = crate::cuda::Module::ALL
+            .iter()
+            .map(|&m| (m, m.file().to_string(), Vec::new()))
+            .collect();
+        for c in [hm64, fused] {
+            jobs.push((
+                crate::cuda::Module::FastDecode,
+                format!("{} ({})", crate::cuda::Module::FastDecode.file(), c.label()),
+                c.defines(),
+            ));
+        }
+        for (m, label, defines) in jobs {
+            let c = crate::cuda::compile(m, arch, &include, true, &defines)?;
+            if let Some(dir) = &a.out
+                && defines.is_empty()
+            {
                 let path = dir.join(format!("{}.{arch}.cubin", m.file()));
                 report::write_file_atomic(&path, &c.cubin, true)?;
             }
             let usage = crate::cuda::parse_usage(&c.log);
             if usage.is_empty() {
                 t.add_row(vec![
-                    m.file().to_string(),
+                    label.clone(),
                     arch.clone(),
                     "(no ptxas report)".into(),
                     String::new(),
@@ -489,7 +507,7 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
             }
             for u in usage {
                 t.add_row(vec![
-                    m.file().to_string(),
+                    label.clone(),
                     arch.clone(),
                     u.kernel,
                     u.registers.to_string(),

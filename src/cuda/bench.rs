@@ -15,7 +15,7 @@
 use cudarc::driver::CudaSlice;
 use serde::Serialize;
 
-use super::ops::CudaOps;
+use super::ops::{CudaOps, DecodeCfg, DecodeShape};
 use crate::batch::SplitMix64;
 use crate::error::{Error, Result};
 use crate::paths::ops::{EmptyRows, Ops, Segment};
@@ -91,64 +91,129 @@ pub fn copy_bandwidth(ops: &CudaOps, bytes: usize) -> Result<BenchFigure> {
     })
 }
 
-/// Split-KV decode over a paged latent cache of `b` sequences × `seq` tokens, `nh` heads.
-#[allow(clippy::too_many_arguments)]
+/// One decode benchmark shape: `b` sequences × `seq` tokens of a paged latent cache, `nh`
+/// heads.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeBench {
+    /// Sequences (decode tokens).
+    pub b: usize,
+    /// Heads.
+    pub nh: usize,
+    /// Context length of every sequence.
+    pub seq: usize,
+    /// Tokens per cache page.
+    pub page: usize,
+    /// kv_lora_rank.
+    pub l: usize,
+    /// qk_rope_head_dim.
+    pub r: usize,
+    /// Report TFLOP/s (else latent-cache GB/s).
+    pub compute_bound: bool,
+}
+
+/// Device inputs of a decode benchmark shape (made once, shared by the configurations timed).
+pub struct DecodeInputs {
+    cache: CudaSlice<half::bf16>,
+    q: CudaSlice<half::bf16>,
+    tables_d: CudaSlice<i64>,
+    ctx_d: CudaSlice<i64>,
+}
+
+/// Random cache and queries of shape `d`, pages in random order (in order with
+/// `MLA_DIFF_BENCH_SEQUENTIAL=1`, to tell page-table effects apart); block tables and context
+/// lengths uploaded once, outside any timed loop.
+pub fn decode_inputs(ops: &CudaOps, d: DecodeBench) -> Result<DecodeInputs> {
+    let w = d.l + d.r;
+    let blocks_per_seq = d.seq / d.page;
+    let num_blocks = d.b * blocks_per_seq;
+    let cache = random_bf16(ops, num_blocks * d.page * w, 1, 1.0)?;
+    let q = random_bf16(ops, d.b * d.nh * w, 2, 0.05)?;
+    let mut phys: Vec<usize> = (0..num_blocks).collect();
+    if std::env::var("MLA_DIFF_BENCH_SEQUENTIAL").as_deref() != Ok("1") {
+        SplitMix64::new(3).shuffle(&mut phys);
+    }
+    let ctx = vec![d.seq; d.b];
+    Ok(DecodeInputs {
+        cache,
+        q,
+        tables_d: ops.idx(&phys)?,
+        ctx_d: ops.idx(&ctx)?,
+    })
+}
+
+/// Split-KV decode (stage 1 + merge) of shape `d` on `inp` in configuration `cfg` (default: the
+/// real path's) with `splits` (default: [`CudaOps::decode_splits_for`]). Also returns the merged
+/// output, for comparing configurations.
 pub fn decode(
     ops: &CudaOps,
-    b: usize,
-    nh: usize,
-    seq: usize,
-    page: usize,
-    l: usize,
-    r: usize,
-    compute_bound: bool,
-) -> Result<BenchFigure> {
+    d: DecodeBench,
+    inp: &DecodeInputs,
+    cfg: Option<DecodeCfg>,
+    splits: Option<usize>,
+) -> Result<(BenchFigure, Vec<f32>)> {
+    let DecodeBench {
+        b,
+        nh,
+        seq,
+        page,
+        l,
+        r,
+        compute_bound,
+    } = d;
     let w = l + r;
     let blocks_per_seq = seq / page;
-    let num_blocks = b * blocks_per_seq;
-    let cache = random_bf16(ops, num_blocks * page * w, 1, 1.0)?;
-    let q = random_bf16(ops, b * nh * w, 2, 0.05)?;
-    let mut phys: Vec<usize> = (0..num_blocks).collect();
-    SplitMix64::new(3).shuffle(&mut phys);
-    let groups = nh.div_ceil(16);
-    // Splits sized so the grid covers the SMs about twice.
-    let sms = 132usize;
-    let splits = (2 * sms).div_ceil(b * groups).clamp(1, seq / 64);
-    let ctx = vec![seq; b];
+    let cfg = cfg.unwrap_or_else(|| DecodeCfg::for_heads(nh).fit(w));
+    let splits = match splits {
+        Some(s) => s.max(1),
+        None => ops.decode_splits_for(b, nh, w, l, cfg, seq.div_ceil(64))?,
+    };
+    let shape = DecodeShape {
+        n: b,
+        nh,
+        block_size: page,
+        width: w,
+        max_blocks: blocks_per_seq,
+        splits,
+        dv: l,
+        cfg,
+    };
     let mut parts = ops.alloc(splits * b * nh * l)?;
     let mut lses = ops.alloc(splits * b * nh)?;
     let scale = (192f64).powf(-0.5) as f32;
-    let us = time_us(ops, 2, 10, || {
-        ops.decode_split_fast(
-            &q,
-            b,
-            nh,
-            &cache,
-            page,
-            w,
-            &phys,
-            blocks_per_seq,
-            &ctx,
-            splits,
-            l,
+    let mut run = || -> Result<CudaSlice<f32>> {
+        ops.decode_mma(
+            &inp.q,
+            &inp.cache,
+            &inp.tables_d,
+            &inp.ctx_d,
+            shape,
             scale,
             f32::NEG_INFINITY,
             &mut parts,
             &mut lses,
         )?;
-        ops.merge(&parts, &lses, splits, b, nh, l).map(|_| ())
-    })?;
+        ops.merge(&parts, &lses, splits, b, nh, l).map(|(o, _)| o)
+    };
+    let out = run()?;
+    let out = ops
+        .stream()
+        .clone_dtoh(&out)
+        .map_err(|e| cerr(format!("download: {e:?}")))?;
+    let us = time_us(ops, 2, 10, || run().map(|_| ()))?;
     let cache_bytes = (b * seq * w * 2) as f64;
     let flops = 2.0 * (b * nh * seq) as f64 * (2 * l + r) as f64;
     let shape = format!("B={b} N={nh} seq={seq} page={page} L={l} R={r} bf16");
-    Ok(if compute_bound {
+    let fig = if compute_bound {
         BenchFigure {
             name: "mqa decode, compute-bound".into(),
             shape,
             micros: us,
             value: flops / (us * 1e-6) / 1e12,
             unit: "TFLOP/s".into(),
-            note: format!("{splits} splits; counts 2·B·N·seq·(2L+R); stage 1 + merge"),
+            note: format!(
+                "{splits} splits; {}; counts 2·B·N·seq·(2L+R); stage 1 + merge",
+                cfg.label()
+            ),
         }
     } else {
         BenchFigure {
@@ -157,9 +222,53 @@ pub fn decode(
             micros: us,
             value: cache_bytes / (us * 1e-6) / 1e9,
             unit: "GB/s".into(),
-            note: format!("{splits} splits; latent-cache bytes read; stage 1 + merge"),
+            note: format!(
+                "{splits} splits; {}; latent-cache bytes read; stage 1 + merge",
+                cfg.label()
+            ),
         }
-    })
+    };
+    Ok((fig, out))
+}
+
+/// Extra decode variants from `MLA_DIFF_BENCH_DECODE`: `;`-separated entries
+/// `m|c:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS][@SPLITS]` (m: the memory-bound shape, c: the compute-bound
+/// one), each timed and compared with the default configuration's merged output.
+fn variants() -> Result<Vec<(bool, DecodeCfg, Option<usize>)>> {
+    let Ok(spec) = std::env::var("MLA_DIFF_BENCH_DECODE") else {
+        return Ok(Vec::new());
+    };
+    let mut v = Vec::new();
+    for e in spec.split(';').map(str::trim).filter(|e| !e.is_empty()) {
+        let bad = || {
+            cerr(format!(
+                "MLA_DIFF_BENCH_DECODE entry `{e}`: expected m|c:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS][@SPLITS]"
+            ))
+        };
+        let (kind, rest) = e.split_once(':').ok_or_else(bad)?;
+        let (cfg, splits) = match rest.split_once('@') {
+            Some((c, s)) => (c, Some(s.parse::<usize>().map_err(|_| bad())?)),
+            None => (rest, None),
+        };
+        let compute_bound = match kind {
+            "m" => false,
+            "c" => true,
+            _ => return Err(bad()),
+        };
+        v.push((compute_bound, DecodeCfg::parse(cfg)?, splits));
+    }
+    Ok(v)
+}
+
+/// Largest |a − b| over two equally long outputs (NaN when they differ in length or hold NaN).
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f64 {
+    if a.len() != b.len() {
+        return f64::NAN;
+    }
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() as f64)
+        .fold(0.0, |m, d| if d.is_nan() || m.is_nan() { f64::NAN } else { m.max(d) })
 }
 
 /// Causal MHA prefill of one sequence of `t` tokens.
@@ -206,10 +315,43 @@ pub fn prefill(ops: &CudaOps, t: usize, nh: usize, dqk: usize, dv: usize) -> Res
 /// Every benchmark of the CUDA issue, in one run.
 pub fn all(ops: &CudaOps) -> Result<Vec<BenchFigure>> {
     let ops = ops.with_sync_each(false);
-    Ok(vec![
+    let mem = DecodeBench {
+        b: 64,
+        nh: 16,
+        seq: 4096,
+        page: 64,
+        l: 512,
+        r: 64,
+        compute_bound: false,
+    };
+    let comp = DecodeBench {
+        nh: 128,
+        compute_bound: true,
+        ..mem
+    };
+    let (im, ic) = (decode_inputs(&ops, mem)?, decode_inputs(&ops, comp)?);
+    let (fm, om) = decode(&ops, mem, &im, None, None)?;
+    let (fc, oc) = decode(&ops, comp, &ic, None, None)?;
+    let mut figs = vec![
         copy_bandwidth(&ops, 2 << 30)?,
-        decode(&ops, 64, 16, 4096, 64, 512, 64, false)?,
-        decode(&ops, 64, 128, 4096, 64, 512, 64, true)?,
+        fm,
+        fc,
         prefill(&ops, 4096, 16, 192, 128)?,
-    ])
+    ];
+    for (compute_bound, cfg, splits) in variants()? {
+        let (d, inp, base) = if compute_bound {
+            (comp, &ic, &oc)
+        } else {
+            (mem, &im, &om)
+        };
+        let (mut f, o) = decode(&ops, d, inp, Some(cfg), splits)?;
+        f.name = format!("{} [{}]", f.name, cfg.label());
+        f.note = format!(
+            "{}; max |Δ| vs the default configuration {:.3e}",
+            f.note,
+            max_abs_diff(&o, base)
+        );
+        figs.push(f);
+    }
+    Ok(figs)
 }

@@ -36,6 +36,9 @@ fn cerr(what: impl std::fmt::Display) -> Error {
     Error::Cuda(what.to_string())
 }
 
+/// Cache key of a fast kernel: module, its two shape dims, its configuration defines.
+type FastKey = (Module, usize, usize, Vec<(&'static str, usize)>);
+
 /// The device, its stream, cuBLAS and the loaded kernel modules, shared by every `CudaOps`.
 pub struct Device {
     ctx: Arc<CudaContext>,
@@ -43,8 +46,9 @@ pub struct Device {
     blas: CudaBlas,
     modules: HashMap<Module, Arc<CudaModule>>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
-    /// Fast kernels, compiled per shape on first use: (module, dim a, dim b) → function.
-    fast: Mutex<HashMap<(Module, usize, usize), CudaFunction>>,
+    /// Fast kernels, compiled per shape on first use: (module, dim a, dim b, launch
+    /// configuration's defines) → function.
+    fast: Mutex<HashMap<FastKey, CudaFunction>>,
     /// Device name, e.g. "NVIDIA H200".
     pub name: String,
     /// Compute capability.
@@ -179,18 +183,28 @@ impl CudaOps {
         self.kernels == Kernels::Fast && self.dtype == Dtype::Bf16
     }
 
-    /// A fast kernel compiled for shape `(a, b)` (prefill: P+R, V; decode: L+R, L), with its
-    /// dynamic shared memory limit raised to `smem` bytes.
-    pub fn fast_function(&self, module: Module, a: usize, b: usize, smem: usize) -> Result<CudaFunction> {
+    /// A fast kernel compiled for shape `(a, b)` (prefill: P+R, V; decode: L+R, L) and the
+    /// configuration `extra` (more `-D` defines), with its dynamic shared memory limit raised to
+    /// `smem` bytes.
+    pub fn fast_function(
+        &self,
+        module: Module,
+        a: usize,
+        b: usize,
+        extra: &[(&'static str, usize)],
+        smem: usize,
+    ) -> Result<CudaFunction> {
         let mut cache = self.dev.fast.lock().map_err(|_| cerr("fast kernel cache poisoned"))?;
-        if let Some(f) = cache.get(&(module, a, b)) {
+        let key = (module, a, b, extra.to_vec());
+        if let Some(f) = cache.get(&key) {
             return Ok(f.clone());
         }
-        let (defines, name): (Vec<(&str, usize)>, &str) = match module {
+        let (mut defines, name): (Vec<(&str, usize)>, &str) = match module {
             Module::FastPrefill => (vec![("MLA_DQK", a), ("MLA_DV", b)], "flash_prefill_mma"),
             Module::FastDecode => (vec![("MLA_W", a), ("MLA_DV", b)], "decode_split_mma"),
             _ => return Err(cerr(format!("{} is not a fast kernel module", module.file()))),
         };
+        defines.extend_from_slice(extra);
         let c = compile(module, &self.dev.arch, &self.dev.include, false, &defines)?;
         let m = self
             .dev
@@ -205,7 +219,7 @@ impl CudaOps {
             smem as i32,
         )
         .map_err(|e| cerr(format!("{name}: cannot allow {smem} bytes of shared memory: {e:?}")))?;
-        cache.insert((module, a, b), f.clone());
+        cache.insert(key, f.clone());
         Ok(f)
     }
 
@@ -355,9 +369,65 @@ impl CudaOps {
         (64 * (dqk + 8) * 3 + 2 * 64 * (dv + 8)) * 2
     }
 
-    /// Shared memory of `decode_split_mma` for (L+R, L).
-    pub fn decode_smem(width: usize) -> usize {
-        16 * (width + 8) * 2 + 2 * 32 * (width + 8) * 2 + 16 * 32 * 4 + 16 * 40 * 2 + 48 * 4
+    /// Number of streaming multiprocessors of the device.
+    pub fn sm_count(&self) -> Result<usize> {
+        self.dev
+            .ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map(|x| x.max(1) as usize)
+            .map_err(|e| cerr(format!("multiprocessor count: {e:?}")))
+    }
+
+    /// Blocks of `decode_split_mma` in configuration `cfg` resident per SM, for (L+R, L): the
+    /// least of the thread, register and shared-memory limits (from the compiled kernel's
+    /// attributes and the device's).
+    pub fn decode_blocks_per_sm(&self, width: usize, dv: usize, cfg: DecodeCfg) -> Result<usize> {
+        use cudarc::driver::sys::{CUdevice_attribute as D, CUfunction_attribute as F};
+        let smem = cfg.smem(width);
+        let f = self.fast_function(Module::FastDecode, width, dv, &cfg.defines(), smem)?;
+        let fa = |a: F| {
+            f.get_attribute(a)
+                .map(|x| x.max(0) as usize)
+                .map_err(|e| cerr(format!("decode_split_mma attribute {a:?}: {e:?}")))
+        };
+        let da = |a: D| {
+            self.dev
+                .ctx
+                .attribute(a)
+                .map(|x| x.max(0) as usize)
+                .map_err(|e| cerr(format!("device attribute {a:?}: {e:?}")))
+        };
+        let (regs, static_smem) = (
+            fa(F::CU_FUNC_ATTRIBUTE_NUM_REGS)?,
+            fa(F::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?,
+        );
+        let sm_threads = da(D::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?;
+        let sm_regs = da(D::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR)?;
+        let sm_smem = da(D::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?;
+        let threads = cfg.warps * 32;
+        // Registers are allocated per warp in units of 256 (8 per thread); each block reserves
+        // 1 KiB of shared memory for the system.
+        let warp_regs = regs.max(1).div_ceil(8) * 8 * 32;
+        let by_threads = sm_threads / threads;
+        let by_regs = (sm_regs / warp_regs) / cfg.warps;
+        let by_smem = sm_smem / (smem + static_smem + 1024);
+        Ok(by_threads.min(by_regs).min(by_smem).clamp(1, 32))
+    }
+
+    /// KV splits that fill whole waves: the `s` in `1..=max_splits` minimizing
+    /// `⌈rows·groups·s / slots⌉ / s` (time in units of one unsplit block), the smallest on ties,
+    /// where `slots` = SMs × resident blocks per SM.
+    pub fn decode_splits_for(
+        &self,
+        rows: usize,
+        nh: usize,
+        width: usize,
+        dv: usize,
+        cfg: DecodeCfg,
+        max_splits: usize,
+    ) -> Result<usize> {
+        let slots = self.sm_count()? * self.decode_blocks_per_sm(width, dv, cfg)?;
+        Ok(wave_splits(rows * nh.div_ceil(cfg.hm), slots, max_splits))
     }
 
     /// Tensor-core flash prefill on bf16 copies of `q`, `k`, `v`.
@@ -414,7 +484,7 @@ impl CudaOps {
             return Ok(());
         }
         let smem = Self::prefill_smem(dqk, dv);
-        let f = self.fast_function(Module::FastPrefill, dqk, dv, smem)?;
+        let f = self.fast_function(Module::FastPrefill, dqk, dv, &[], smem)?;
         let (segs_d, tiles_d) = (self.idx(&segs)?, self.idx(&tiles)?);
         let cfg = LaunchConfig {
             grid_dim: ((tiles.len() / 2) as u32, nh as u32, 1),
@@ -467,6 +537,7 @@ impl CudaOps {
             max_blocks,
             splits,
             dv,
+            cfg: DecodeCfg::from_env()?.unwrap_or_else(|| DecodeCfg::for_heads(nh).fit(width)),
         };
         self.decode_mma(q, cache, &tables_d, &ctx_d, shape, scale, empty_lse, parts, lses)
     }
@@ -486,11 +557,12 @@ impl CudaOps {
         parts: &mut CudaSlice<f32>,
         lses: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        let smem = Self::decode_smem(sh.width);
-        let f = self.fast_function(Module::FastDecode, sh.width, sh.dv, smem)?;
+        let dc = sh.cfg;
+        let smem = dc.smem(sh.width);
+        let f = self.fast_function(Module::FastDecode, sh.width, sh.dv, &dc.defines(), smem)?;
         let cfg = LaunchConfig {
-            grid_dim: ((sh.n * sh.nh.div_ceil(16)) as u32, sh.splits as u32, 1),
-            block_dim: (128, 1, 1),
+            grid_dim: ((sh.n * sh.nh.div_ceil(dc.hm)) as u32, sh.splits as u32, 1),
+            block_dim: ((dc.warps * 32) as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
         let a = [sh.n, sh.nh, sh.block_size, sh.max_blocks, sh.splits].map(|x| x as i64);
@@ -526,6 +598,182 @@ pub struct DecodeShape {
     pub splits: usize,
     /// Value width, L.
     pub dv: usize,
+    /// Launch configuration.
+    pub cfg: DecodeCfg,
+}
+
+/// The split count for a grid of `blocks` blocks per split on `slots` resident blocks: the
+/// smallest `s` in `1..=max_splits` whose `blocks·s` blocks fill their waves to at least 90 %
+/// (`blocks·s / (⌈blocks·s / slots⌉·slots)`), else the one filling them best. More splits than
+/// needed only add merge work and per-block start-up.
+pub fn wave_splits(blocks: usize, slots: usize, max_splits: usize) -> usize {
+    let (blocks, slots) = (blocks.max(1), slots.max(1));
+    let fill = |s: usize| (blocks * s) as f64 / ((blocks * s).div_ceil(slots) * slots) as f64;
+    let max_splits = max_splits.max(1);
+    (1..=max_splits)
+        .find(|&s| fill(s) >= 0.9)
+        .unwrap_or_else(|| (1..=max_splits).fold(1, |b, s| if fill(s) > fill(b) + 1e-9 { s } else { b }))
+}
+
+/// Launch configuration of `decode_split_mma` (the `FD_*` macros of fast_decode.cu).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DecodeCfg {
+    /// Heads per block (the MMA's M), a multiple of 16.
+    pub hm: usize,
+    /// Warps per block.
+    pub warps: usize,
+    /// Parts the W dimension of Q·Kᵀ is cut into.
+    pub parts: usize,
+    /// Q fragments held in registers.
+    pub qreg: bool,
+    /// Cache tiles in the cp.async pipeline.
+    pub stages: usize,
+    /// Blocks per SM the register allocation must allow (`__launch_bounds__`).
+    pub min_blocks: usize,
+    /// Softmax in registers by every warp (no P in shared memory, two barriers per tile).
+    pub fused: bool,
+}
+
+impl DecodeCfg {
+    /// The default for `nh` heads: 64-head blocks when there are at least 64 heads (the cache
+    /// is read once per 64 heads; one block of 8 warps per SM), else 16-head blocks of 8 warps,
+    /// two per SM, double-buffered (the fastest measured on the H200, BENCHMARKS.md).
+    pub fn for_heads(nh: usize) -> Self {
+        if nh >= 64 {
+            DecodeCfg {
+                hm: 64,
+                warps: 8,
+                parts: 2,
+                qreg: false,
+                stages: 2,
+                min_blocks: 1,
+                fused: false,
+            }
+        } else {
+            DecodeCfg {
+                hm: 16,
+                warps: 8,
+                parts: 2,
+                qreg: false,
+                stages: 2,
+                min_blocks: 2,
+                fused: false,
+            }
+        }
+    }
+
+    /// Parses `HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED]]` (QREG and FUSED 0 or 1;
+    /// MINBLOCKS defaults to 1, FUSED to 0).
+    pub fn parse(s: &str) -> Result<Self> {
+        let v: Vec<usize> = s
+            .split(',')
+            .map(|x| x.trim().parse::<usize>())
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|_| {
+                cerr(format!(
+                    "decode configuration `{s}`: expected HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED]]"
+                ))
+            })?;
+        let (hm, warps, parts, qreg, stages, min_blocks, fused) = match v[..] {
+            [a, b, c, d, e] => (a, b, c, d, e, 1, 0),
+            [a, b, c, d, e, f] => (a, b, c, d, e, f, 0),
+            [a, b, c, d, e, f, g] => (a, b, c, d, e, f, g),
+            _ => {
+                return Err(cerr(format!(
+                    "decode configuration `{s}`: expected HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED]]"
+                )));
+            }
+        };
+        let c = DecodeCfg {
+            hm,
+            warps,
+            parts,
+            qreg: qreg != 0,
+            stages,
+            min_blocks,
+            fused: fused != 0,
+        };
+        c.check()?;
+        Ok(c)
+    }
+
+    /// The configuration named by `MLA_DIFF_DECODE_CFG`, if set.
+    pub fn from_env() -> Result<Option<Self>> {
+        match std::env::var("MLA_DIFF_DECODE_CFG") {
+            Ok(s) if !s.is_empty() => Self::parse(&s).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        let mt = self.hm / 16;
+        let ok = self.hm >= 16
+            && self.hm.is_multiple_of(16)
+            && (1..=32).contains(&self.warps)
+            && self.parts >= 1
+            && (2..=6).contains(&self.stages)
+            && (1..=4).contains(&self.min_blocks)
+            && self.warps.is_multiple_of(mt * self.parts)
+            && 4usize.is_multiple_of(self.warps / (mt * self.parts))
+            && (self.hm < self.warps || self.hm.is_multiple_of(self.warps));
+        if ok {
+            Ok(())
+        } else {
+            Err(cerr(format!("invalid decode configuration {self:?}")))
+        }
+    }
+
+    /// The same with fewer pipeline stages (down to 2) until its shared memory fits in the
+    /// 227 KiB a block may use, for cache rows of `width`.
+    pub fn fit(mut self, width: usize) -> Self {
+        while self.stages > 2 && self.smem(width) > 227 * 1024 {
+            self.stages -= 1;
+        }
+        self
+    }
+
+    /// `-D` defines of this configuration.
+    pub fn defines(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            ("FD_HM", self.hm),
+            ("FD_WARPS", self.warps),
+            ("FD_P", self.parts),
+            ("FD_QREG", usize::from(self.qreg)),
+            ("FD_STAGES", self.stages),
+            ("FD_MINB", self.min_blocks),
+            ("FD_FUSED", usize::from(self.fused)),
+        ]
+    }
+
+    /// Dynamic shared memory for cache rows of `width` = L+R: Q tile, cache stages, partial
+    /// scores, P, α and the final sums (as laid out in fast_decode.cu).
+    pub fn smem(&self, width: usize) -> usize {
+        let ld = width + 8;
+        self.hm * ld * 2
+            + self.stages * 32 * ld * 2
+            + self.parts * self.hm * 40 * 4
+            + self.hm * 40 * 2
+            + 2 * self.hm * 4
+    }
+
+    /// Short label, e.g. `hm16 w8 p2 qreg s4 fused` (` b2` when two blocks per SM are asked
+    /// for, ` fused` for the in-register softmax).
+    pub fn label(&self) -> String {
+        format!(
+            "hm{} w{} p{} {} s{}{}{}",
+            self.hm,
+            self.warps,
+            self.parts,
+            if self.qreg { "qreg" } else { "qsmem" },
+            self.stages,
+            if self.min_blocks > 1 {
+                format!(" b{}", self.min_blocks)
+            } else {
+                String::new()
+            },
+            if self.fused { " fused" } else { "" }
+        )
+    }
 }
 
 macro_rules! launch {
@@ -1216,4 +1464,40 @@ pub fn run(
     r.notes.extend(ops.take_notes());
     let _ = &ops.dev.ctx;
     Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{DecodeCfg, wave_splits};
+
+    #[test]
+    fn wave_splits_fill_whole_waves() {
+        // The bench's shapes on 132 SMs: 64 blocks per split on 264 slots → 4 splits (256
+        // blocks, 97 %); 128 blocks on 132 slots → 1 split (97 %).
+        assert_eq!(wave_splits(64, 264, 64), 4);
+        assert_eq!(wave_splits(128, 132, 64), 1);
+        assert_eq!(wave_splits(64, 132, 64), 2);
+        // Never more than allowed; the best fill when no count reaches 90 %.
+        assert_eq!(wave_splits(64, 264, 1), 1);
+        assert_eq!(wave_splits(100, 132, 1), 1);
+        assert_eq!(wave_splits(0, 0, 0), 1);
+    }
+
+    #[test]
+    fn decode_cfg_parse_and_check() {
+        let c = DecodeCfg::parse("16,8,2,0,2,2").unwrap();
+        assert_eq!(c, DecodeCfg::for_heads(16));
+        assert_eq!(DecodeCfg::parse("64,8,2,0,2").unwrap(), DecodeCfg::for_heads(128));
+        assert!(DecodeCfg::parse("16,8,2,1,4,1,1").unwrap().fused);
+        // 16-head blocks of 8 warps with 3 k-parts do not tile the 4 key n-tiles.
+        assert!(DecodeCfg::parse("16,8,3,0,2").is_err());
+        assert!(DecodeCfg::parse("16,8,2,0,1").is_err());
+        assert!(DecodeCfg::parse("24,8,2,0,2").is_err());
+        assert!(DecodeCfg::parse("16,8,2").is_err());
+        // Shared memory of the default at W = 576 leaves room for two blocks per SM (228 KiB).
+        assert!(2 * (DecodeCfg::for_heads(16).smem(576) + 1536) <= 228 * 1024);
+        // fit() drops stages until a block fits.
+        let big = DecodeCfg::parse("16,8,2,0,6").unwrap().fit(1152);
+        assert!(big.smem(1152) <= 227 * 1024 || big.stages == 2);
+    }
 }

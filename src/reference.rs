@@ -515,31 +515,36 @@ pub fn moe_ffn(
     let ids: Vec<f64> = selected.iter().flat_map(|s| s.iter().map(|&e| e as f64)).collect();
     trace.record(Site::new(layer, Stage::MoeTopk), TraceTensor::f64(vec![t, k], ids));
 
-    // Routed experts, one at a time, in id order; each only for the tokens that selected it.
-    let mut per_token: Vec<Vec<(usize, Array1<f64>)>> = vec![Vec::new(); t];
-    for expert in 0..moe.n_expert {
-        let users: Vec<(usize, f64)> = selected
+    // Routed experts: each selected expert is dequantized on its own (in parallel across
+    // experts, one expert's slices per task) and run only on the tokens that selected it; the
+    // weighted outputs are then summed per token in expert-id order, so the result does not
+    // depend on threading.
+    let users_of = |expert: usize| -> Vec<(usize, f64)> {
+        selected
             .iter()
             .zip(&weights)
             .enumerate()
             .filter_map(|(ti, (sel, w))| sel.iter().position(|&e| e == expert).map(|j| (ti, w[j])))
-            .collect();
-        if users.is_empty() {
-            continue;
-        }
-        let f = mw.expert(file, expert)?;
-        nonfinite.extend(f.nonfinite(layer, "exps", Some(expert)));
-        let xs = Array2::from_shape_fn((users.len(), hd), |(i, c)| x[[users[i].0, c]]);
-        let y = swiglu(&xs, &f);
-        for (i, &(ti, wt)) in users.iter().enumerate() {
-            per_token[ti].push((expert, y.row(i).mapv(|v| v * wt)));
-        }
-    }
+            .collect()
+    };
+    let used: Vec<usize> = (0..moe.n_expert).filter(|&e| !users_of(e).is_empty()).collect();
+    type ExpertRun = (Vec<(usize, f64)>, Array2<f64>, Vec<(String, usize, usize)>);
+    let runs: Vec<ExpertRun> = used
+        .par_iter()
+        .map(|&expert| -> Result<ExpertRun> {
+            let users = users_of(expert);
+            let f = mw.expert(file, expert)?;
+            let bad = f.nonfinite(layer, "exps", Some(expert));
+            let xs = Array2::from_shape_fn((users.len(), hd), |(i, c)| x[[users[i].0, c]]);
+            Ok((users, swiglu(&xs, &f), bad))
+        })
+        .collect::<Result<_>>()?;
     let mut moe_out = Array2::<f64>::zeros((t, hd));
-    for (ti, outs) in per_token.iter().enumerate() {
-        for (_, y) in outs {
+    for (users, y, bad) in runs {
+        nonfinite.extend(bad);
+        for (i, &(ti, wt)) in users.iter().enumerate() {
             let mut row = moe_out.row_mut(ti);
-            row += y;
+            row.scaled_add(wt, &y.row(i));
         }
     }
     rec2(trace, layer, Stage::MoeOut, &moe_out);

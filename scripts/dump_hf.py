@@ -20,10 +20,10 @@ What is written (docs/dump-format.md, version 1):
   * `tokens` and `positions` (int64, [T]).
   * metadata: format="mla-diff dump 1", engine="transformers <version>", dtype=<run dtype>,
     rope_order="hf", model=<checkpoint folder name>, and break=<name> when --break is used.
-  Values are what HF computed in the run dtype, stored as float32 (bf16 values are exact in f32;
+  Values are what HF computed in the run dtype, stored as float32 (bf16/f16 values are exact in f32;
   an f64 run is rounded to f32 on output). The logits are not dumped (not a site).
 
-Raw values. This is an engine dump, not a golden: for f32 and bf16 runs hf_hooks' float64
+Raw values. This is an engine dump, not a golden: for f32, bf16 and f16 runs hf_hooks' float64
 patches are NOT applied (`capture(exact_f64=False)`), so HF's own f32 spots (RMSNorm upcast,
 f32 rotary table, f32 softmax) stay as they are. For `--dtype f64` they are applied (as for the
 goldens), so an f64 run is HF's formula in f64 throughout. The rope order is raw as well:
@@ -61,7 +61,7 @@ outputs (lse is always recorded from the real logits):
 
 Usage:
     dump_hf.py HF_MODEL_DIR OUT.safetensors [--tokens 1,2,3 | --n-tokens T --seed S]
-               [--dtype f32|bf16|f64] [--with-weights] [--break neox|no-mscale|zero-attn-out]
+               [--dtype f32|bf16|f16|f64] [--with-weights] [--break neox|no-mscale|zero-attn-out]
                [--threads N] [--force]
   Without --tokens, T ids are drawn uniformly from [3, vocab) with torch.Generator(seed)
   (defaults: T = 6, S = 0). Nothing is overwritten without --force.
@@ -79,6 +79,13 @@ checkpoints made by scripts/make_fixtures.py), made from the repository root wit
         --tokens 7,194,164,83,207,250 --threads 1 --break no-mscale
     $PY scripts/dump_hf.py $HF/tiny-v3 golden/dumps/tiny-v3-f32.hf-zero-attn-out.safetensors \\
         --tokens 235,74,241,141,43,185 --threads 1 --break zero-attn-out
+    $PY scripts/dump_hf.py $HF/tiny-v3 golden/dumps/tiny-v3-f32.hf-bf16.safetensors \\
+        --tokens 235,74,241,141,43,185 --threads 1 --dtype bf16
+The engine-bf16 / engine-f16 rows of src/tolerance.rs were measured with this script:
+`--dtype bf16|f16 --with-weights --threads 1` and `--n-tokens 16 --seed 0..4` on tiny-v3, lite-v2,
+yarn-v3 and legacy-kvb, plus `--n-tokens 64 --seed 10,11` on tiny-v3, lite-v2 and yarn-v3, each
+compared with `mla-diff compare --model golden/models/<fixture>-f32.gguf` (docs/dump-format.md,
+"Tolerances").
 No network access is needed (HF_HUB_OFFLINE is set).
 """
 
@@ -96,14 +103,14 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-DTYPES = ("f32", "bf16", "f64")
+DTYPES = ("f32", "bf16", "f16", "f64")
 BREAKS = ("neox", "no-mscale", "zero-attn-out")
 
 
 def torch_dtype(name: str):
     """The torch dtype of a --dtype name."""
     import torch
-    return {"f32": torch.float32, "bf16": torch.bfloat16, "f64": torch.float64}[name]
+    return {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "f64": torch.float64}[name]
 
 
 def load_model(model_dir: Path, dtype: str):

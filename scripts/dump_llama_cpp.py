@@ -10,7 +10,8 @@ then renames them to mla-diff's stages.
 
 Usage:
     dump_llama_cpp.py MODEL.gguf OUT.safetensors [--tokens 5,17,3,...] [--n-tokens T --seed S]
-                      [--layers 0,1] [--all] [--exclude embd#0] [--map src/maps/llama.cpp.json]
+                      [--layers 0,1] [--all] [--exclude embd#0] [--include kqv-0#0]
+                      [--map src/maps/llama.cpp.json]
                       [--threads 1] [--verbose]
 
     --tokens       explicit token ids (positions are 0..T-1, one sequence)
@@ -19,6 +20,8 @@ Usage:
     --all          keep every F32 node of those layers (and the layer-less ones), not only the
                    names the map uses (the default, to keep committed fixtures small)
     --exclude      keys not to store, e.g. embd#0 (layer 0's input: the tokens suffice)
+    --include      extra keys to store besides the mapped ones, e.g. kqv-0#0 (an unmapped node,
+                   for a test that it stays unmapped)
 
 Keys. llama.cpp names a node "<name>-<layer>" (cb(cur, name, il) in the graph builders; "<name>"
 alone for il = -1) and reuses names, so each node is stored as "<name>-<layer>#<k>" ("<name>#<k>"
@@ -40,6 +43,17 @@ keyed "<weight>-<layer>#<k>" after its weight "blk.<layer>.<weight>.weight" (so
     kqv_mla-N             x W_UV, {V, T, N}: head-major
     kqv_out-N             attention output, {N*V, T} (the o_proj input)
     ffn_inp-N, ffn_norm-N, ffn_out-N, l_out-N (the layer output)
+  That is the absorbed MLA graph, which llama.cpp runs for files with attn_k_b/attn_v_b (its
+  hparams.is_mla(): the key_length_mla/value_length_mla keys are set). For a legacy file with one
+  attn_kv_b it runs the expanded MHA graph instead (deepseek2.cpp, the `else` branch): no q_pe-N,
+  q_nope_absorbed_perm-N or kqv_mla-N; instead
+    kv-N                  wkv_b x kv_cmpr, {N*(P+V), T}
+    k_nope_view-N         {P, N, T} view of kv (k_nope)
+    Vcur_view-N, Vcur_cont-N  {V, N, T} view of kv and its contiguous copy (v)
+    Qcur-N, Kcur-N        full roped q {P+R, N, T}; [k_nope | k_pe repeated] {P+R, N, T}
+    kqv-N                 softmax(QK) x V, {V, T, N}: per-head VALUE output (not the latent)
+  The map's rules carry conditions (split_kv_b / fused_kv_b / q_lora / no_q_lora) for these
+  differences; this script dumps only the keys of rules whose condition holds for the GGUF.
 Arrays are stored in numpy order (reversed ggml ne, a trailing ne[3] = 1 and then ne[2] = 1
 dropped), gathered through the byte strides nb, so views come out as their logical values. The
 head-major attention nodes (HEAD_MAJOR below: ne {X, T, N}) are stored transposed to token-major
@@ -49,8 +63,8 @@ one by its shape.
 
 Models without q compression: the converter writes no deepseek2.attention.q_lora_rank key, and
 llama.cpp refuses such a file unless its layer count looks like a released "lite" model, so it is
-loaded with the KV override q_lora_rank = 0. Its q-N occurrences differ (#0 wq, #1 reshape), so by
-default the map's q-N#k keys (written for q_lora models) are not dumped for it.
+loaded with the KV override q_lora_rank = 0. Its q-N occurrences differ (#0 wq, #1 reshape): the
+map's q-N#k rules carry the conditions q_lora / no_q_lora, so q-N#1 is dumped as q there.
 
 Set up as an oracle: CPU only, F32 K/V cache, flash attention off (CPU flash attention rounds K/V
 to F16), logits requested for every token so the last layer keeps all rows, one thread so the
@@ -180,12 +194,28 @@ class Recorder:
             return False
 
 
-def map_keys(map_path: Path, layers: list[int]) -> set[str]:
+CONDITIONS = ("split_kv_b", "fused_kv_b", "q_lora", "no_q_lora")
+
+
+def condition_holds(cond: str | None, q_lora: bool, fused_kv_b: bool) -> bool:
+    """A map rule's optional condition (src/dump.rs `Condition`) for a model's facts."""
+    if cond is None:
+        return True
+    if cond not in CONDITIONS:
+        raise ValueError(f"unknown map condition {cond!r} (expected one of {', '.join(CONDITIONS)})")
+    return {"split_kv_b": not fused_kv_b, "fused_kv_b": fused_kv_b,
+            "q_lora": q_lora, "no_q_lora": not q_lora}[cond]
+
+
+def map_keys(map_path: Path, layers: list[int], q_lora: bool = True, fused_kv_b: bool = False) -> set[str]:
     """Dump keys that the map renames, for the given layers ({n} expanded; "L<k>." literals kept
-    when k is one of the layers)."""
+    when k is one of the layers), skipping rules whose condition does not hold for the model."""
     m = json.loads(Path(map_path).read_text())
     keys = set()
-    for src, dst in m.get("rename", []):
+    for rule in m.get("rename", []):
+        src, dst = rule[0], rule[1]
+        if not condition_holds(rule[2] if len(rule) > 2 else None, q_lora, fused_kv_b):
+            continue
         if "{n}" in src:
             keys.update(src.replace("{n}", str(n)) for n in layers)
         else:
@@ -195,15 +225,17 @@ def map_keys(map_path: Path, layers: list[int]) -> set[str]:
     return keys
 
 
-def gguf_facts(model_path: Path) -> tuple[int, int, bool, bool]:
-    """(n_vocab, n_layer, has q_lora (rank > 0), q_lora_rank key present) from the GGUF header."""
+def gguf_facts(model_path: Path) -> tuple[int, int, bool, bool, bool]:
+    """(n_vocab, n_layer, has q_lora (rank > 0), q_lora_rank key present, legacy fused kv_b
+    (blk.0.attn_kv_b.weight present)) from the GGUF header."""
     import gguf
     r = gguf.GGUFReader(str(model_path))
     arch = r.fields["general.architecture"].contents()
     n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
     n_layer = int(r.fields[f"{arch}.block_count"].contents())
     f = r.fields.get(f"{arch}.attention.q_lora_rank")
-    return n_vocab, n_layer, f is not None and int(f.contents()) > 0, f is not None
+    fused_kv_b = any(t.name == "blk.0.attn_kv_b.weight" for t in r.tensors)
+    return n_vocab, n_layer, f is not None and int(f.contents()) > 0, f is not None, fused_kv_b
 
 
 def run(model_path: Path, tokens: list[int], keep, n_threads: int = 1, verbose: bool = False,
@@ -293,11 +325,13 @@ def main(argv=None) -> int:
     ap.add_argument("--map", type=Path, default=HERE.parent / "src" / "maps" / "llama.cpp.json")
     ap.add_argument("--exclude", type=lambda x: [k for k in x.split(",") if k], default=[],
                     help="comma-separated keys not to store (e.g. embd#0: tokens suffice)")
+    ap.add_argument("--include", type=lambda x: [k for k in x.split(",") if k], default=[],
+                    help="comma-separated extra keys to store besides the mapped ones (e.g. kqv-0#0)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
     a = ap.parse_args(argv)
 
-    n_vocab, n_layer, q_lora, has_q_lora_key = gguf_facts(a.model)
+    n_vocab, n_layer, q_lora, has_q_lora_key, fused_kv_b = gguf_facts(a.model)
     if a.tokens is not None:
         tokens = a.tokens
     else:
@@ -315,15 +349,8 @@ def main(argv=None) -> int:
             layer = layer_of(key.rsplit("#", 1)[0])
             return (layer is None or layer in layers) and key not in a.exclude
     else:
-        wanted = map_keys(a.map, layers)
-        if not q_lora:
-            # Without q_lora the q-N occurrences shift (#0 wq, #1 reshape, no q_c), so the map's
-            # q-N#k, written for q_lora models, would name the wrong tensors: leave them out.
-            skipped = sorted(k for k in wanted if re.match(r"^q-\d+#\d+$", k))
-            wanted -= set(skipped)
-            print(f"note: no q_lora: not dumping {', '.join(skipped)} (the map's q-N#k assume q_lora)",
-                  file=sys.stderr)
-
+        wanted = map_keys(a.map, layers, q_lora=q_lora, fused_kv_b=fused_kv_b)
+        wanted |= set(a.include)
         wanted -= set(a.exclude)
 
         def keep(key: str) -> bool:

@@ -85,9 +85,10 @@ pub struct CompareArgs {
     /// Undo an engine's names and layouts: `hf`, `vllm`, `llama.cpp`, or a map JSON file.
     #[arg(long)]
     pub map: Option<String>,
-    /// Tolerance rows to judge by (default: the dump's `dtype` metadata, else f32).
+    /// The dtype the engine computed in, which picks the tolerance rows (f32, or the engine-bf16 /
+    /// engine-f16 rows); default: the dump's `dtype` metadata, else f32.
     #[arg(long, value_enum)]
-    pub dtype: Option<Dtype>,
+    pub dtype: Option<crate::dump::EngineDtype>,
     /// Write the JSON report here (schema: docs/json-schema.md).
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -182,11 +183,12 @@ pub struct WeightsArgs {
     /// GGUF model file the engine loaded (default: the embedded tiny-v3 Q4_K_M fixture).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// The engine's weights as loaded: `L{n}.{param}[.rank{r}]`, vLLM parameter names, [out, in].
+    /// The engine's weights as loaded: tensors `L<n>.<param>` or `L<n>.<param>.rank<r>`, vLLM
+    /// parameter names, PyTorch [out, in] layout.
     #[arg(long)]
     pub check: PathBuf,
-    /// Rename the engine's tensor names: a map JSON file whose targets are `param` (with `{n}`)
-    /// or `L{n}.param[.rank{r}]`.
+    /// Rename the engine's tensor names: a map JSON file (docs/dump-format.md, "Maps") whose
+    /// targets are `<param>` (the layer taken from the pattern) or `L<n>.<param>[.rank<r>]`.
     #[arg(long)]
     pub map: Option<String>,
     /// Write the result as JSON here.
@@ -1160,5 +1162,63 @@ pub fn dispatch(cli: &Cli, out: &mut dyn Write) -> Result<Outcome> {
         Command::Golden(GoldenCommand::Check(a)) => cmd_golden_check(a, out),
         Command::Kernels(a) => cmd_kernels(a, out),
         Command::Bench(a) => cmd_bench(a, out),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every help string of `c` and its subcommands: about, argument help, value help.
+    fn help_texts(c: &clap::Command, out: &mut Vec<(String, String)>) {
+        let name = c.get_name().to_string();
+        for t in [c.get_about(), c.get_long_about()].into_iter().flatten() {
+            out.push((name.clone(), t.to_string()));
+        }
+        for a in c.get_arguments() {
+            for t in [a.get_help(), a.get_long_help()].into_iter().flatten() {
+                out.push((format!("{name} --{}", a.get_id()), t.to_string()));
+            }
+            for pv in a.get_possible_values() {
+                if let Some(t) = pv.get_help() {
+                    out.push((format!("{name} --{} {}", a.get_id(), pv.get_name()), t.to_string()));
+                }
+            }
+        }
+        for s in c.get_subcommands() {
+            help_texts(s, out);
+        }
+    }
+
+    /// clap renders `{n}` in help text as a line break (`L{n}.{param}` came out as "L" and a
+    /// new line), so help strings spell placeholders `L<n>.<param>` instead.
+    #[test]
+    fn help_texts_have_no_brace_placeholders() {
+        let mut texts = Vec::new();
+        help_texts(&Cli::command(), &mut texts);
+        assert!(texts.len() > 50, "{}", texts.len());
+        let bad: Vec<&(String, String)> = texts
+            .iter()
+            .filter(|(_, t)| {
+                t.match_indices('{').any(|(i, _)| {
+                    let rest = &t[i + 1..];
+                    let word: String = rest
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    !word.is_empty() && rest[word.len()..].starts_with('}')
+                })
+            })
+            .collect();
+        assert!(bad.is_empty(), "{bad:#?}");
+        let mut cmd = Cli::command();
+        let help = cmd
+            .find_subcommand_mut("weights")
+            .expect("weights subcommand")
+            .render_help()
+            .to_string();
+        assert!(help.contains("`L<n>.<param>` or `L<n>.<param>.rank<r>`"), "{help}");
+        assert!(help.contains("`L<n>.<param>[.rank<r>]`"), "{help}");
     }
 }

@@ -11,7 +11,7 @@
 use serde::Serialize;
 
 use crate::paths::CANARY_BITS;
-use crate::tolerance::{Dtype, Tolerance, tolerance};
+use crate::tolerance::{Precision, Tolerance, tolerance};
 use crate::trace::{Site, Trace, TraceTensor};
 
 /// Sign and quiet bit cleared: a canary that went through arithmetic (which sets the quiet bit
@@ -268,9 +268,17 @@ pub fn judge(m: &Metrics, tol: &Tolerance) -> Vec<&'static str> {
     failed
 }
 
-/// Compares one site.
-pub fn diff_site(site: Site, reference: Option<&TraceTensor>, cand: &TraceTensor, dtype: Dtype) -> SiteDiff {
-    let (tol, _) = tolerance(site.stage, dtype);
+/// Compares one site under the tolerance row of its stage at `precision` (a [`Dtype`] of
+/// mla-diff's own paths, or an engine dump's [`Precision`]).
+///
+/// [`Dtype`]: crate::tolerance::Dtype
+pub fn diff_site(
+    site: Site,
+    reference: Option<&TraceTensor>,
+    cand: &TraceTensor,
+    precision: impl Into<Precision>,
+) -> SiteDiff {
+    let (tol, _) = tolerance(site.stage, precision);
     let Some(reference) = reference else {
         return SiteDiff {
             site,
@@ -325,11 +333,16 @@ pub fn sorted_rows(t: &TraceTensor) -> TraceTensor {
     TraceTensor::f64(t.shape.clone(), v)
 }
 
-/// Compares every site the candidate recorded against the reference, in data-flow order.
-pub fn diff(reference: &Trace, cand: &Trace, dtype: Dtype) -> Vec<SiteDiff> {
+/// Compares every site the candidate recorded against the reference, in data-flow order, under
+/// the tolerance rows of `precision` (see [`diff_site`]).
+pub fn diff(reference: &Trace, cand: &Trace, precision: impl Into<Precision>) -> Vec<SiteDiff> {
+    let precision = precision.into();
     cand.sites_in_order()
         .into_iter()
-        .filter_map(|site| cand.get(&site).map(|c| diff_site(site, reference.get(&site), c, dtype)))
+        .filter_map(|site| {
+            cand.get(&site)
+                .map(|c| diff_site(site, reference.get(&site), c, precision))
+        })
         .collect()
 }
 
@@ -342,6 +355,7 @@ pub fn first_divergence(diffs: &[SiteDiff]) -> Option<&SiteDiff> {
 mod tests {
     use super::*;
     use crate::paths::CANARY;
+    use crate::tolerance::Dtype;
     use crate::trace::Stage;
 
     fn t32(shape: &[usize], v: Vec<f32>) -> TraceTensor {

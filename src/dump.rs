@@ -17,13 +17,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::batch::{Batch, SeqSpec};
 use crate::compare;
-use crate::config::MlaConfig;
+use crate::config::{KvBLayout, MlaConfig};
 use crate::diagnose::{self, DiagnoseInput, PathEvidence};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 use crate::paths::{PathKind, PathOptions};
 use crate::run::{InputMode, ModelSummary, PathResult, RunConfig, RunReport};
-use crate::tolerance::Dtype;
+use crate::tolerance::{Dtype, Precision};
 use crate::trace::{Site, Stage, Trace, TraceTensor};
 use crate::weights::{LayerWeights, embed_tokens};
 
@@ -39,6 +39,16 @@ pub enum RopeOrder {
     Hf,
 }
 
+impl RopeOrder {
+    /// The metadata value (`interleaved`, `hf`).
+    pub fn name(self) -> &'static str {
+        match self {
+            RopeOrder::Interleaved => "interleaved",
+            RopeOrder::Hf => "hf",
+        }
+    }
+}
+
 /// Axis order of `[T, N, X]` sites in a dump.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Layout {
@@ -48,6 +58,16 @@ pub enum Layout {
     /// `[N, T, X]` (HF's attention tensors before the final transpose).
     #[serde(rename = "head-major")]
     HeadMajor,
+}
+
+impl Layout {
+    /// The metadata value (`token-major`, `head-major`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::TokenMajor => "token-major",
+            Layout::HeadMajor => "head-major",
+        }
+    }
 }
 
 /// Column order of `kv_a` rows.
@@ -61,6 +81,124 @@ pub enum KvAOrder {
     RopeLatent,
 }
 
+impl KvAOrder {
+    /// The metadata value (`latent-rope`, `rope-latent`).
+    pub fn name(self) -> &'static str {
+        match self {
+            KvAOrder::LatentRope => "latent-rope",
+            KvAOrder::RopeLatent => "rope-latent",
+        }
+    }
+}
+
+/// A condition on a map's rename rule, evaluated from the model's [`MlaConfig`]: some engine
+/// names mean different tensors depending on the model (llama.cpp's `kqv-N` is the latent
+/// attention output `[T, N, L]` in the absorbed graph of split-kv_b files, but the per-head value
+/// output `[T, N, V]` in the expanded graph it runs for legacy fused-kv_b files).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Condition {
+    /// The file stores `attn_k_b`/`attn_v_b` ([`KvBLayout::Split`]; llama.cpp runs its absorbed
+    /// MLA graph).
+    #[serde(rename = "split_kv_b")]
+    SplitKvB,
+    /// The file stores one legacy `attn_kv_b` ([`KvBLayout::Fused`]; llama.cpp runs the expanded
+    /// MHA graph).
+    #[serde(rename = "fused_kv_b")]
+    FusedKvB,
+    /// The model compresses q (`q_lora_rank` > 0: `q_a_proj`, `q_a_layernorm`, `q_b_proj`).
+    #[serde(rename = "q_lora")]
+    QLora,
+    /// The model projects q directly (`q_proj`; no or zero `q_lora_rank`).
+    #[serde(rename = "no_q_lora")]
+    NoQLora,
+}
+
+impl Condition {
+    /// The condition's name in map files (`split_kv_b`, `fused_kv_b`, `q_lora`, `no_q_lora`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Condition::SplitKvB => "split_kv_b",
+            Condition::FusedKvB => "fused_kv_b",
+            Condition::QLora => "q_lora",
+            Condition::NoQLora => "no_q_lora",
+        }
+    }
+
+    /// True when the condition holds for `cfg` (its `kv_b_layout` and `q_lora_rank`).
+    pub fn holds(self, cfg: &MlaConfig) -> bool {
+        match self {
+            Condition::SplitKvB => cfg.kv_b_layout == KvBLayout::Split,
+            Condition::FusedKvB => cfg.kv_b_layout == KvBLayout::Fused,
+            Condition::QLora => cfg.q_lora_rank.is_some_and(|r| r > 0),
+            Condition::NoQLora => !Condition::QLora.holds(cfg),
+        }
+    }
+}
+
+/// One rename rule of a [`Map`]. JSON: `[pattern, target]` or `[pattern, target, condition]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rename {
+    /// Dump tensor name; `{n}` matches a layer number (decimal digits).
+    pub pattern: String,
+    /// A stage (`kv_c_normed`, completed with the layer `{n}` matched) or a full site
+    /// (`L0.hidden_in`); for `weights --check`, a param or `L<n>.<param>[.rank<r>]`.
+    pub target: String,
+    /// The rule applies only when this holds for the model (absent: always).
+    pub when: Option<Condition>,
+}
+
+impl Rename {
+    /// An unconditional rule.
+    pub fn new(pattern: impl Into<String>, target: impl Into<String>) -> Rename {
+        Rename {
+            pattern: pattern.into(),
+            target: target.into(),
+            when: None,
+        }
+    }
+
+    /// True when the rule applies to `cfg` (no condition, or the condition holds).
+    pub fn applies(&self, cfg: &MlaConfig) -> bool {
+        self.when.is_none_or(|c| c.holds(cfg))
+    }
+}
+
+impl Serialize for Rename {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeSeq;
+        let mut q = s.serialize_seq(Some(if self.when.is_some() { 3 } else { 2 }))?;
+        q.serialize_element(&self.pattern)?;
+        q.serialize_element(&self.target)?;
+        if let Some(c) = &self.when {
+            q.serialize_element(c)?;
+        }
+        q.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for Rename {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Rename, D::Error> {
+        use serde::de::{Error as _, IgnoredAny, SeqAccess, Visitor};
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Rename;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("[pattern, target] or [pattern, target, condition]")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> std::result::Result<Rename, A::Error> {
+                let pattern: String = a.next_element()?.ok_or_else(|| A::Error::invalid_length(0, &self))?;
+                let target: String = a.next_element()?.ok_or_else(|| A::Error::invalid_length(1, &self))?;
+                let when: Option<Condition> = a.next_element()?;
+                if a.next_element::<IgnoredAny>()?.is_some() {
+                    return Err(A::Error::invalid_length(4, &self));
+                }
+                Ok(Rename { pattern, target, when })
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
+
 /// A map from an engine's dump to our sites (docs/dump-format.md, "Maps").
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -68,18 +206,18 @@ pub struct Map {
     /// Name shown in reports.
     #[serde(default)]
     pub name: Option<String>,
-    /// Overrides the dump's `rope_order` metadata.
+    /// Overrides the dump's `rope_order` metadata (listed among the conversions).
     #[serde(default)]
     pub rope_order: Option<RopeOrder>,
-    /// Overrides the dump's `layout` metadata.
+    /// Overrides the dump's `layout` metadata (listed among the conversions).
     #[serde(default)]
     pub layout: Option<Layout>,
-    /// Overrides the dump's `kv_a_order` metadata.
+    /// Overrides the dump's `kv_a_order` metadata (listed among the conversions).
     #[serde(default)]
     pub kv_a_order: Option<KvAOrder>,
-    /// `(dump tensor name pattern, stage or full site)`; `{n}` in the pattern matches the layer.
+    /// Rename rules, tried in order; the first that matches and applies to the model wins.
     #[serde(default)]
-    pub rename: Vec<(String, String)>,
+    pub rename: Vec<Rename>,
 }
 
 /// The built-in `llama.cpp` map (graph-callback names written by `scripts/dump_llama_cpp.py`).
@@ -88,8 +226,12 @@ const LLAMA_CPP_MAP: &str = include_str!("maps/llama.cpp.json");
 impl Map {
     /// A built-in map (`hf`, `vllm`, `llama.cpp`) or a JSON file.
     ///
+    /// `hf` sets `rope_order = hf` (HF's `[even | odd]` rotated halves); `vllm` changes nothing
+    /// (vLLM's DeepSeek rope is interleaved and its tensors token-major, the defaults: the dump's
+    /// own metadata stands); `llama.cpp` is `src/maps/llama.cpp.json`.
+    ///
     /// Errors: [`Error::Io`] / [`Error::Json`] for an unreadable or invalid file (naming the field
-    /// serde rejects).
+    /// serde rejects, e.g. an unknown condition).
     pub fn load(spec: &str) -> Result<Map> {
         match spec {
             "hf" => Ok(Map {
@@ -99,8 +241,6 @@ impl Map {
             }),
             "vllm" => Ok(Map {
                 name: Some("vllm".into()),
-                rope_order: Some(RopeOrder::Interleaved),
-                layout: Some(Layout::TokenMajor),
                 ..Map::default()
             }),
             "llama.cpp" => serde_json::from_str(LLAMA_CPP_MAP).map_err(|e| Error::Json {
@@ -118,10 +258,14 @@ impl Map {
         }
     }
 
-    /// The first rename rule matching `name`: the layer matched by `{n}` (`None` for a literal
-    /// pattern) and the rule's target.
-    pub fn rename_match(&self, name: &str) -> Option<(Option<usize>, &str)> {
-        for (pat, target) in &self.rename {
+    /// The first rename rule that matches `name` and applies to `cfg` (see [`Condition`]): the
+    /// layer matched by `{n}` (`None` for a literal pattern) and the rule's target.
+    pub fn rename_match(&self, name: &str, cfg: &MlaConfig) -> Option<(Option<usize>, &str)> {
+        for rule in &self.rename {
+            if !rule.applies(cfg) {
+                continue;
+            }
+            let pat = rule.pattern.as_str();
             let layer = match pat.split_once("{n}") {
                 Some((pre, post)) => {
                     let Some(d) = name.strip_prefix(pre).and_then(|rest| rest.strip_suffix(post)) else {
@@ -138,16 +282,85 @@ impl Map {
                 None if pat == name => None,
                 None => continue,
             };
-            return Some((layer, target.as_str()));
+            return Some((layer, rule.target.as_str()));
         }
         None
     }
 
-    /// The site a dump tensor name maps to, if a rename rule matches: the target is a full site
-    /// (`L0.hidden_in`), or a stage completed with the layer matched by `{n}`.
-    pub fn rename_of(&self, name: &str) -> Option<Site> {
-        let (layer, target) = self.rename_match(name)?;
+    /// The site a dump tensor name maps to, if a rename rule matches and applies to `cfg`: the
+    /// target is a full site (`L0.hidden_in`), or a stage completed with the layer matched by
+    /// `{n}`.
+    pub fn rename_of(&self, name: &str, cfg: &MlaConfig) -> Option<Site> {
+        let (layer, target) = self.rename_match(name, cfg)?;
         Site::parse(target).or_else(|| Some(Site::new(layer?, Stage::parse(target)?)))
+    }
+
+    /// One line per setting this map overrides (`rope_order`, `layout`, `kv_a_order`), naming the
+    /// dump's own metadata value: for the report's conversions.
+    pub fn override_lines(&self, metadata: &BTreeMap<String, String>) -> Vec<String> {
+        let name = self.name.as_deref().unwrap_or("map");
+        let mut out = Vec::new();
+        let settings = [
+            ("rope_order", self.rope_order.map(RopeOrder::name)),
+            ("layout", self.layout.map(Layout::name)),
+            ("kv_a_order", self.kv_a_order.map(KvAOrder::name)),
+        ];
+        for (key, value) in settings {
+            let Some(v) = value else { continue };
+            let dump = metadata.get(key).map(|s| s.trim());
+            out.push(format!(
+                "map `{name}` sets {key} = {v} ({})",
+                match dump {
+                    None => "the dump has no such metadata".to_string(),
+                    Some(d) if d == v => format!("the dump's metadata says {d} too"),
+                    Some(d) => format!("overrides the dump's metadata {key} = {d}"),
+                }
+            ));
+        }
+        out
+    }
+}
+
+/// The dtype an engine computed in (dump metadata `dtype`, or `compare --dtype`): picks the
+/// tolerance rows ([`EngineDtype::precision`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineDtype {
+    /// f32 (or f64): judged by the f32 rows.
+    F32,
+    /// bf16 throughout: judged by the `engine-bf16` rows.
+    Bf16,
+    /// f16 throughout: judged by the `engine-f16` rows.
+    F16,
+}
+
+impl EngineDtype {
+    /// The tolerance rows for a dump computed in this dtype.
+    pub fn precision(self) -> Precision {
+        match self {
+            EngineDtype::F32 => Precision::F32,
+            EngineDtype::Bf16 => Precision::EngineBf16,
+            EngineDtype::F16 => Precision::EngineF16,
+        }
+    }
+
+    /// The closest compute dtype of mla-diff's own paths (`run.dtype` of a compare report):
+    /// f32 for f32, bf16 for bf16 and f16.
+    pub fn compute_dtype(self) -> Dtype {
+        match self {
+            EngineDtype::F32 => Dtype::F32,
+            EngineDtype::Bf16 | EngineDtype::F16 => Dtype::Bf16,
+        }
+    }
+}
+
+impl std::fmt::Display for EngineDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            EngineDtype::F32 => "f32",
+            EngineDtype::Bf16 => "bf16",
+            EngineDtype::F16 => "f16",
+        })
     }
 }
 
@@ -164,8 +377,8 @@ pub struct Dump {
     pub tokens: Option<Vec<u32>>,
     /// The batch: sequence lengths and start positions.
     pub batch: Batch,
-    /// The engine's compute dtype (tolerance rows).
-    pub dtype: Dtype,
+    /// The engine's compute dtype (metadata `dtype`; picks the tolerance rows).
+    pub dtype: EngineDtype,
     /// Conversions applied (one line each), e.g. "L0.q_pe_roped: hf rope order → interleaved".
     pub conversions: Vec<String>,
     /// Tensors that are not sites and that no map rule renamed.
@@ -189,6 +402,10 @@ pub struct DumpSummary {
     pub ignored: Vec<String>,
     /// Reference sites of the dumped layers that the dump lacks.
     pub not_dumped: Vec<String>,
+    /// The dtype the engine computed in (metadata `dtype`, or `--dtype`).
+    pub dtype: EngineDtype,
+    /// The tolerance rows applied (`f32`, `engine-bf16`, `engine-f16`).
+    pub tolerance_rows: Precision,
 }
 
 /// A dumped site before normalization.
@@ -307,13 +524,16 @@ pub fn expected_shape(stage: Stage, cfg: &MlaConfig, t: usize) -> Option<Vec<usi
 }
 
 /// Brings a dumped tensor to the site's shape: equal, flattened trailing dims, `[T, 1, X]` for
-/// `[T, X]`, or head-major `[N, T, X]` (transposed). Returns the data in our order and a note
-/// when something was converted.
+/// `[T, X]`, or head-major (transposed): `[N, T, X]` for a `[T, N, X]` site and, when `per_head`
+/// (the `[T, N]` lse), `[N, T]` for `[T, N]`. Under `layout = head-major` the head-major form is
+/// expected; otherwise it is taken only when `N ≠ T` and it is the only reading that fits.
+/// Returns the data in our order and a note when something was converted.
 fn normalize_shape(
     data: Vec<f64>,
     shape: &[usize],
     want: &[usize],
     layout: Layout,
+    per_head: bool,
 ) -> std::result::Result<(Vec<f64>, Option<String>), String> {
     let numel: usize = want.iter().product();
     let head_major = |data: &[f64], nn: usize, tt: usize, x: usize| {
@@ -327,17 +547,28 @@ fn normalize_shape(
         }
         out
     };
-    let is_3d = want.len() == 3;
-    let hm_shape_ok = is_3d && shape.len() == 3 && shape == [want[1], want[0], want[2]];
-    if layout == Layout::HeadMajor && is_3d {
+    // (T, N, X) of a site with a head axis: [T, N, X], or the [T, N] lse with X = 1.
+    let dims = match want {
+        [t, n, x] => Some((*t, *n, *x)),
+        [t, n] if per_head => Some((*t, *n, 1)),
+        _ => None,
+    };
+    let (hm_shape, hm_text, tm_text) = match want {
+        [t, n, x] => (vec![*n, *t, *x], "[N, T, X]", "[T, N, X]"),
+        [t, n] => (vec![*n, *t], "[N, T]", "[T, N]"),
+        _ => (Vec::new(), "", ""),
+    };
+    let hm_shape_ok = dims.is_some() && shape == hm_shape.as_slice();
+    if layout == Layout::HeadMajor
+        && let Some((tt, nn, x)) = dims
+    {
         if hm_shape_ok {
-            let out = head_major(&data, want[1], want[0], want[2]);
-            return Ok((out, Some("head-major [N, T, X] transposed to [T, N, X]".into())));
+            let out = head_major(&data, nn, tt, x);
+            return Ok((out, Some(format!("head-major {hm_text} transposed to {tm_text}"))));
         }
-        return Err(format!(
-            "layout=head-major expects [N, T, X] = {:?}",
-            [want[1], want[0], want[2]]
-        ));
+        if !(want.len() == 2 && shape == want && tt != nn) {
+            return Err(format!("layout=head-major expects {hm_text} = {hm_shape:?}"));
+        }
     }
     if shape == want {
         return Ok((data, None));
@@ -349,14 +580,26 @@ fn normalize_shape(
             return Ok((data, Some(format!("shape {shape:?} read as {want:?}"))));
         }
     }
-    if hm_shape_ok && want[0] != want[1] {
-        let out = head_major(&data, want[1], want[0], want[2]);
+    if hm_shape_ok
+        && let Some((tt, nn, x)) = dims
+        && tt != nn
+    {
+        let out = head_major(&data, nn, tt, x);
         return Ok((
             out,
-            Some("head-major [N, T, X] transposed to [T, N, X] (the only reading that fits)".into()),
+            Some(format!(
+                "head-major {hm_text} transposed to {tm_text} (the only reading that fits)"
+            )),
         ));
     }
-    Err(format!("expected {want:?} (or a flattened [T, …] form)"))
+    Err(format!(
+        "expected {want:?} (or a flattened [T, …] form{})",
+        if dims.is_some() {
+            format!(", or head-major {hm_text} = {hm_shape:?}")
+        } else {
+            String::new()
+        }
+    ))
 }
 
 /// `[even | odd]` halves of every `r`-wide vector back to interleaved pairs.
@@ -451,8 +694,9 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
         }
     };
     let dtype = match meta_enum("dtype")?.as_deref() {
-        None | Some("f32") | Some("float32") | Some("f64") | Some("float64") => Dtype::F32,
-        Some("bf16") | Some("bfloat16") | Some("f16") | Some("float16") => Dtype::Bf16,
+        None | Some("f32") | Some("float32") | Some("f64") | Some("float64") => EngineDtype::F32,
+        Some("bf16") | Some("bfloat16") => EngineDtype::Bf16,
+        Some("f16") | Some("float16") => EngineDtype::F16,
         Some(o) => {
             return Err(derr(
                 path,
@@ -472,7 +716,7 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
     for name in names {
         let view = st.tensor(&name).map_err(|e| derr(path, &name, e.to_string()))?;
         let shape = view.shape().to_vec();
-        let site = map.and_then(|m| m.rename_of(&name)).or_else(|| Site::parse(&name));
+        let site = map.and_then(|m| m.rename_of(&name, cfg)).or_else(|| Site::parse(&name));
         let is_special = name == "tokens" || name == "positions";
         if site.is_none() && !is_special {
             ignored.push(name);
@@ -621,7 +865,7 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
     // Normalize every site.
     let (l, r) = (cfg.kv_lora_rank, cfg.qk_rope_head_dim);
     let mut layers: BTreeMap<usize, Trace> = BTreeMap::new();
-    let mut conversions = Vec::new();
+    let mut conversions = map.map(|m| m.override_lines(&metadata)).unwrap_or_default();
     for RawSite {
         site,
         name,
@@ -650,6 +894,7 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
                     } else {
                         layout
                     },
+                    site.stage == Stage::Lse,
                 )
                 .map_err(|why| derr(path, &name, format!("site {site} has shape {shape:?}; {why}")))?;
                 if let Some(n) = note {
@@ -692,7 +937,8 @@ fn to_array(t: &TraceTensor, rows: usize, cols: usize) -> Result<Array2<f64>> {
 }
 
 /// Compares a dump with the reference on the same GGUF: every dumped site, the same metrics,
-/// tolerances (the dump's dtype, or `dtype` when given) and detectors as `run`.
+/// detectors and table as `run`; the tolerance rows are those of the dtype the engine computed in
+/// (the dump's `dtype` metadata, or `dtype` when given): [`EngineDtype::precision`].
 ///
 /// Each dumped layer runs the reference from the dump's own `L{n}.hidden_in`; without it, from
 /// the dump's `L{n-1}.hidden_out`, or (first layer only) from `tokens` through the embedding and
@@ -710,9 +956,10 @@ pub fn compare_dump(
     cfg: &MlaConfig,
     dump: &Dump,
     map_name: Option<String>,
-    dtype: Option<Dtype>,
+    dtype: Option<EngineDtype>,
 ) -> Result<RunReport> {
     let dtype = dtype.unwrap_or(dump.dtype);
+    let precision = dtype.precision();
     let t = dump.batch.n_tokens();
     let layers: Vec<usize> = dump.layers.keys().copied().collect();
     let mut results = Vec::new();
@@ -777,7 +1024,7 @@ pub fn compare_dump(
                 not_dumped.push(s.to_string());
             }
         }
-        let diffs = compare::diff(&reference, dl, dtype);
+        let diffs = compare::diff(&reference, dl, precision);
         let evidence = PathEvidence {
             kind: PathKind::Dump,
             trace: dl,
@@ -791,7 +1038,7 @@ pub fn compare_dump(
             reference: &reference,
             paths: vec![evidence],
             tp: 1,
-            dtype,
+            precision,
         });
         if findings.is_empty() {
             findings.extend(f);
@@ -817,6 +1064,8 @@ pub fn compare_dump(
         conversions: dump.conversions.clone(),
         ignored: dump.ignored.clone(),
         not_dumped,
+        dtype,
+        tolerance_rows: precision,
     };
     Ok(RunReport {
         model: ModelSummary {
@@ -831,7 +1080,7 @@ pub fn compare_dump(
             input: InputMode::Dump,
             paths: vec![PathKind::Dump],
             path_options: PathOptions::default(),
-            dtype,
+            dtype: dtype.compute_dtype(),
             backend: format!("dump: {engine}"),
         },
         token_ids: dump.tokens.clone(),
@@ -849,17 +1098,89 @@ mod tests {
     fn rename_patterns() {
         let m = Map {
             rename: vec![
-                ("kv_cmpr-{n}#1".into(), "kv_c_normed".into()),
-                ("inp_embd#0".into(), "L0.hidden_in".into()),
-                ("l_out-{n}#0".into(), "hidden_out".into()),
+                Rename::new("kv_cmpr-{n}#1", "kv_c_normed"),
+                Rename::new("inp_embd#0", "L0.hidden_in"),
+                Rename::new("l_out-{n}#0", "hidden_out"),
             ],
             ..Map::default()
         };
-        assert_eq!(m.rename_of("kv_cmpr-12#1"), Site::parse("L12.kv_c_normed"));
-        assert_eq!(m.rename_of("kv_cmpr-12#0"), None);
-        assert_eq!(m.rename_of("kv_cmpr-x#1"), None);
-        assert_eq!(m.rename_of("inp_embd#0"), Site::parse("L0.hidden_in"));
-        assert_eq!(m.rename_of("l_out-0#0"), Site::parse("L0.hidden_out"));
+        let cfg = cfg(KvBLayout::Split, Some(64));
+        assert_eq!(m.rename_of("kv_cmpr-12#1", &cfg), Site::parse("L12.kv_c_normed"));
+        assert_eq!(m.rename_of("kv_cmpr-12#0", &cfg), None);
+        assert_eq!(m.rename_of("kv_cmpr-x#1", &cfg), None);
+        assert_eq!(m.rename_of("inp_embd#0", &cfg), Site::parse("L0.hidden_in"));
+        assert_eq!(m.rename_of("l_out-0#0", &cfg), Site::parse("L0.hidden_out"));
+    }
+
+    /// A config with the given kv_b layout and q_lora_rank (other dims irrelevant here).
+    fn cfg(kv_b_layout: KvBLayout, q_lora_rank: Option<usize>) -> MlaConfig {
+        MlaConfig {
+            arch: "deepseek2".into(),
+            n_layer: 2,
+            hidden: 8,
+            n_head: 2,
+            q_lora_rank,
+            kv_lora_rank: 4,
+            qk_nope_head_dim: 2,
+            qk_rope_head_dim: 2,
+            v_head_dim: 2,
+            rms_eps: 1e-6,
+            rope_base: 10000.0,
+            yarn: None,
+            softmax_scale: 0.5,
+            kv_b_layout,
+            leading_dense_block_count: 2,
+            vocab: 0,
+            moe: None,
+        }
+    }
+
+    #[test]
+    fn rename_conditions_select_rules_by_model() {
+        let m: Map = serde_json::from_str(
+            r#"{"rename": [["q-{n}#1", "q_c_normed", "q_lora"], ["q-{n}#1", "q", "no_q_lora"],
+                           ["kqv-{n}#0", "attn_latent", "split_kv_b"], ["kv-{n}#0", "k_nope", "fused_kv_b"]]}"#,
+        )
+        .unwrap();
+        assert_eq!(m.rename[0].when, Some(Condition::QLora));
+        let (split_lora, fused_plain) = (cfg(KvBLayout::Split, Some(64)), cfg(KvBLayout::Fused, None));
+        assert_eq!(m.rename_of("q-3#1", &split_lora), Site::parse("L3.q_c_normed"));
+        assert_eq!(m.rename_of("q-3#1", &fused_plain), Site::parse("L3.q"));
+        assert_eq!(m.rename_of("kqv-0#0", &split_lora), Site::parse("L0.attn_latent"));
+        assert_eq!(m.rename_of("kqv-0#0", &fused_plain), None);
+        assert_eq!(m.rename_of("kv-0#0", &split_lora), None);
+        assert_eq!(m.rename_of("kv-0#0", &fused_plain), Site::parse("L0.k_nope"));
+        // q_lora_rank 0 counts as no q_lora.
+        assert!(Condition::NoQLora.holds(&cfg(KvBLayout::Split, Some(0))));
+        // Round trip: two- and three-element rules.
+        let back: Map = serde_json::from_str(&serde_json::to_string(&m).unwrap()).unwrap();
+        assert_eq!(back, m);
+        assert!(serde_json::to_string(&Rename::new("a", "b")).unwrap() == r#"["a","b"]"#);
+        // Unknown condition, too short or too long: serde errors naming what is wrong.
+        let e = serde_json::from_str::<Map>(r#"{"rename": [["a", "b", "absorbed"]]}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown variant `absorbed`"), "{e}");
+        let e = serde_json::from_str::<Map>(r#"{"rename": [["a"]]}"#).unwrap_err();
+        assert!(e.to_string().contains("invalid length 1"), "{e}");
+        assert!(serde_json::from_str::<Map>(r#"{"rename": [["a", "b", "q_lora", "x"]]}"#).is_err());
+    }
+
+    #[test]
+    fn map_overrides_are_listed() {
+        let meta: BTreeMap<String, String> = [("rope_order".to_string(), "hf".to_string())].into_iter().collect();
+        let m = Map {
+            name: Some("m".into()),
+            rope_order: Some(RopeOrder::Interleaved),
+            kv_a_order: Some(KvAOrder::RopeLatent),
+            ..Map::default()
+        };
+        assert_eq!(
+            m.override_lines(&meta),
+            vec![
+                "map `m` sets rope_order = interleaved (overrides the dump's metadata rope_order = hf)".to_string(),
+                "map `m` sets kv_a_order = rope-latent (the dump has no such metadata)".to_string(),
+            ]
+        );
+        assert!(Map::load("vllm").unwrap().override_lines(&meta).is_empty());
     }
 
     #[test]
@@ -876,13 +1197,37 @@ mod tests {
     fn shapes_accepted_and_rejected() {
         let d: Vec<f64> = (0..24).map(f64::from).collect();
         // [T=2, N=3, X=4]: flattened ok, head-major transposed, wrong rejected.
-        let (o, note) = normalize_shape(d.clone(), &[2, 12], &[2, 3, 4], Layout::TokenMajor).unwrap();
+        let (o, note) = normalize_shape(d.clone(), &[2, 12], &[2, 3, 4], Layout::TokenMajor, false).unwrap();
         assert_eq!(o, d);
         assert!(note.unwrap().contains("read as"));
-        let (o, note) = normalize_shape(d.clone(), &[3, 2, 4], &[2, 3, 4], Layout::TokenMajor).unwrap();
+        let (o, note) = normalize_shape(d.clone(), &[3, 2, 4], &[2, 3, 4], Layout::TokenMajor, false).unwrap();
         assert!(note.unwrap().contains("head-major"));
         assert_eq!(&o[4..8], &d[8..12]); // [t=0, h=1] came from [h=1, t=0]
-        assert!(normalize_shape(d.clone(), &[4, 6], &[2, 3, 4], Layout::TokenMajor).is_err());
-        assert!(normalize_shape(d, &[2, 3, 4], &[2, 3, 4], Layout::HeadMajor).is_err());
+        assert!(normalize_shape(d.clone(), &[4, 6], &[2, 3, 4], Layout::TokenMajor, false).is_err());
+        assert!(normalize_shape(d, &[2, 3, 4], &[2, 3, 4], Layout::HeadMajor, false).is_err());
+    }
+
+    #[test]
+    fn lse_is_accepted_head_major() {
+        // lse [T=2, N=3] given as [N, T]: transposed, noted.
+        let hm: Vec<f64> = vec![0.0, 1.0, 10.0, 11.0, 20.0, 21.0]; // [h][t] = 10h + t
+        let (o, note) = normalize_shape(hm.clone(), &[3, 2], &[2, 3], Layout::TokenMajor, true).unwrap();
+        assert_eq!(o, vec![0.0, 10.0, 20.0, 1.0, 11.0, 21.0]);
+        assert_eq!(
+            note.unwrap(),
+            "head-major [N, T] transposed to [T, N] (the only reading that fits)"
+        );
+        // A [T, H] site is never transposed.
+        assert!(normalize_shape(hm.clone(), &[3, 2], &[2, 3], Layout::TokenMajor, false).is_err());
+        // N = T: token-major unless the metadata says head-major.
+        let sq: Vec<f64> = vec![0.0, 1.0, 10.0, 11.0]; // [h][t]
+        let (o, note) = normalize_shape(sq.clone(), &[2, 2], &[2, 2], Layout::TokenMajor, true).unwrap();
+        assert_eq!((o, note), (sq.clone(), None));
+        let (o, note) = normalize_shape(sq, &[2, 2], &[2, 2], Layout::HeadMajor, true).unwrap();
+        assert_eq!(o, vec![0.0, 10.0, 1.0, 11.0]);
+        assert_eq!(note.unwrap(), "head-major [N, T] transposed to [T, N]");
+        // Under layout=head-major a token-major lse is still read when only that fits (N ≠ T).
+        let (o, note) = normalize_shape(hm.clone(), &[2, 3], &[2, 3], Layout::HeadMajor, true).unwrap();
+        assert_eq!((o, note), (hm, None));
     }
 }

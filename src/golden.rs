@@ -84,8 +84,8 @@ pub struct GoldenSite {
 pub struct ToleranceRow {
     /// Stage group (`Weights`, `Lse`, `Activations`).
     pub group: String,
-    /// Dtype.
-    pub dtype: crate::tolerance::Dtype,
+    /// The rows' precision (`f32`, `bf16`, `engine-bf16`, `engine-f16`).
+    pub dtype: crate::tolerance::Precision,
     /// The limits.
     pub tolerance: Tolerance,
     /// Where the numbers come from.

@@ -209,21 +209,22 @@ pub fn terminal(report: &RunReport) -> String {
 }
 
 /// One line describing what ran: input, batch, seed, dtype, paging, TP, faults; for a dump,
-/// the file, engine, batch, dtype and map.
+/// the file, engine, batch, the engine's dtype, the tolerance rows applied and the map.
 pub fn run_line(report: &RunReport) -> String {
     let r = &report.run;
     if let Some(d) = &report.dump {
         let lens: Vec<String> = r.batch.seqs.iter().map(|s| s.len.to_string()).collect();
         let starts: Vec<String> = r.batch.seqs.iter().map(|s| s.start_pos.to_string()).collect();
         return format!(
-            "dump {} from engine `{}`, T={} in {} sequence(s) [{}] from position(s) [{}], tolerance dtype {}, map {}",
+            "dump {} from engine `{}`, T={} in {} sequence(s) [{}] from position(s) [{}], engine dtype {}, tolerance rows {}, map {}",
             d.path,
             d.engine,
             r.batch.n_tokens(),
             r.batch.seqs.len(),
             lens.join(","),
             starts.join(","),
-            r.dtype,
+            d.dtype,
+            d.tolerance_rows,
             d.map.as_deref().unwrap_or("none")
         );
     }

@@ -240,7 +240,7 @@ pub fn compare_layer(
             })
             .collect(),
         tp: opts.tp,
-        dtype: rc.dtype,
+        precision: rc.dtype.into(),
     });
     let results = runs
         .iter()

@@ -243,6 +243,7 @@ pub fn markdown(rep: &RunReport, env: &Environment, command: &str, file: &GgufFi
     s.push_str(command);
     s.push_str("\n```\n\n");
     let _ = writeln!(s, "Run: {}\n", md_escape(&run_line(rep)));
+    s.push_str(&dump_section(rep));
 
     s.push_str("## Findings and verdict per path\n\n");
     for l in verdict_lines(rep) {
@@ -340,6 +341,59 @@ pub fn markdown(rep: &RunReport, env: &Environment, command: &str, file: &GgufFi
         }
         s.push_str("\n</details>\n\n");
     }
+    s
+}
+
+/// For `mla-diff compare`: the dump (file, engine, dtype, tolerance rows, map) and three lists:
+/// the conversions applied (map overrides, renames, reshapes, rope and kv_a reorders), the
+/// reference sites the dump lacks ("not dumped", not compared) and the dump tensors that were
+/// ignored. Empty for `run`.
+fn dump_section(rep: &RunReport) -> String {
+    let Some(d) = &rep.dump else {
+        return String::new();
+    };
+    let mut s = String::from("## Dump\n\n| | |\n|---|---|\n");
+    for (k, v) in [
+        ("file", format!("`{}`", d.path.replace('`', "'"))),
+        ("engine", md_escape(&d.engine)),
+        ("engine dtype", d.dtype.to_string()),
+        ("tolerance rows", format!("`{}`", d.tolerance_rows)),
+        ("map", d.map.as_deref().map_or("none".to_string(), md_escape)),
+    ] {
+        let _ = writeln!(s, "| {k} | {v} |");
+    }
+    s.push('\n');
+    let list = |s: &mut String, title: &str, items: &[String], empty: &str| {
+        let _ = writeln!(s, "### {title} ({})\n", items.len());
+        if items.is_empty() {
+            let _ = writeln!(s, "{empty}\n");
+            return;
+        }
+        for i in items {
+            let _ = writeln!(s, "- {}", md_escape(i));
+        }
+        s.push('\n');
+    };
+    list(
+        &mut s,
+        "Conversions",
+        &d.conversions,
+        "None: every tensor was read as dumped.",
+    );
+    let not_dumped: Vec<String> = d.not_dumped.iter().map(|x| format!("`{x}`")).collect();
+    list(
+        &mut s,
+        "Not dumped (not compared)",
+        &not_dumped,
+        "None: the dump holds every site the reference computes.",
+    );
+    let ignored: Vec<String> = d.ignored.iter().map(|x| format!("`{}`", x.replace('`', "'"))).collect();
+    list(
+        &mut s,
+        "Ignored dump tensors (not sites, not renamed by the map)",
+        &ignored,
+        "None.",
+    );
     s
 }
 

@@ -23,7 +23,7 @@ use safetensors::SafeTensors;
 use serde::Serialize;
 
 use crate::compare::{self, Metrics};
-use crate::config::MlaConfig;
+use crate::config::{KvBLayout, MlaConfig};
 use crate::diagnose::Class;
 use crate::diagnose::blocks::find_blocks;
 use crate::diagnose::blocks::rel_l2 as rel;
@@ -48,6 +48,16 @@ enum Split {
     Cols(usize),
 }
 
+/// One GGUF tensor a parameter is built from.
+struct Source {
+    /// GGUF tensor name, e.g. `blk.1.attn_k_b.weight`.
+    name: String,
+    /// Its ggml type name (`F32`, `Q8_0`, `Q4_K`, …; `?` when the file lacks the tensor).
+    ggml_type: String,
+    /// Its quant block size along ne[0] (1 for float types).
+    block: u64,
+}
+
 /// One parameter rebuilt from the GGUF.
 struct Param {
     data: Vec<f64>,
@@ -55,10 +65,28 @@ struct Param {
     split: Split,
     /// Fused shards along dim 0 (name, rows), for shard-order findings.
     shards: Vec<(&'static str, usize)>,
-    /// GGUF tensor it comes from and its quant block size along ne[0] (for column cuts).
-    source: String,
-    block: u64,
-    ggml_type: String,
+    /// The GGUF tensors it is built from, in order (the first one's block size serves the
+    /// column-cut check of `o_proj`).
+    sources: Vec<Source>,
+}
+
+impl Param {
+    /// The source tensors as text: `blk.1.attn_k_b.weight (Q8_0)`, joined by `+`.
+    fn source_text(&self) -> String {
+        self.sources
+            .iter()
+            .map(|s| format!("{} ({})", s.name, s.ggml_type))
+            .collect::<Vec<_>>()
+            .join(" + ")
+    }
+
+    /// The source tensor names only.
+    fn source_names(&self) -> Vec<String> {
+        self.sources
+            .iter()
+            .map(|s| format!("{} ({})", s.name, s.ggml_type))
+            .collect()
+    }
 }
 
 fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'static str, Param> {
@@ -73,14 +101,22 @@ fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'stat
     let info = |name: &str| {
         let t = tensor_name(layer, name);
         match file.tensor(&t) {
-            Some(i) => (t, i.ggml_type.block_size(), i.ggml_type.name().to_string()),
-            None => (t, 1, "?".into()),
+            Some(i) => Source {
+                name: t,
+                ggml_type: i.ggml_type.name().to_string(),
+                block: i.ggml_type.block_size(),
+            },
+            None => Source {
+                name: t,
+                ggml_type: "?".into(),
+                block: 1,
+            },
         }
     };
     let flat = |a: &ndarray::Array2<f64>| (a.iter().copied().collect::<Vec<f64>>(), a.shape().to_vec());
     let mut m = BTreeMap::new();
-    let mut put = |name: &'static str, (data, shape): (Vec<f64>, Vec<usize>), split, shards, src: &str| {
-        let (source, block, ggml_type) = info(src);
+    let mut put = |name: &'static str, (data, shape): (Vec<f64>, Vec<usize>), split, shards, srcs: &[&str]| {
+        let sources = srcs.iter().map(|s| info(s)).collect();
         m.insert(
             name,
             Param {
@@ -88,9 +124,7 @@ fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'stat
                 shape,
                 split,
                 shards,
-                source,
-                block,
-                ggml_type,
+                sources,
             },
         );
     };
@@ -100,7 +134,7 @@ fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'stat
         flat(&kv_a),
         Split::Replicated,
         vec![],
-        "attn_kv_a_mqa",
+        &["attn_kv_a_mqa"],
     );
     match &w.q {
         QWeights::Lora { q_a, q_b, .. } => {
@@ -112,21 +146,30 @@ fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'stat
                 flat(&fused),
                 Split::Replicated,
                 vec![("q_a_proj", lq), ("kv_a_proj_with_mqa", l + r)],
-                "attn_q_a",
+                &["attn_q_a", "attn_kv_a_mqa"],
             );
-            put("q_a_proj", flat(&qa), Split::Replicated, vec![], "attn_q_a");
-            put("q_b_proj", flat(&f64m(q_b)), Split::Rows(p + r), vec![], "attn_q_b");
+            put("q_a_proj", flat(&qa), Split::Replicated, vec![], &["attn_q_a"]);
+            put("q_b_proj", flat(&f64m(q_b)), Split::Rows(p + r), vec![], &["attn_q_b"]);
         }
-        QWeights::Direct { q } => put("q_proj", flat(&f64m(q)), Split::Rows(p + r), vec![], "attn_q"),
+        QWeights::Direct { q } => put("q_proj", flat(&f64m(q)), Split::Rows(p + r), vec![], &["attn_q"]),
     }
     let kv_b = assemble_kv_b(cfg, &w.kv_b);
-    let kv_b_src = if matches!(w.kv_b, crate::weights::KvBWeights::Fused { .. }) {
-        "attn_kv_b"
+    // W_UK_T comes from attn_k_b, W_UV from attn_v_b, kv_b_proj from both (interleaved per head);
+    // a legacy file holds all three in attn_kv_b.
+    let fused = matches!(w.kv_b, crate::weights::KvBWeights::Fused { .. });
+    let (kv_b_src, uk_src, uv_src): (&[&str], &[&str], &[&str]) = if fused {
+        (&["attn_kv_b"], &["attn_kv_b"], &["attn_kv_b"])
     } else {
-        "attn_v_b"
+        (&["attn_k_b", "attn_v_b"], &["attn_k_b"], &["attn_v_b"])
     };
     put("kv_b_proj", flat(&kv_b), Split::Rows(p + v), vec![], kv_b_src);
-    put("o_proj", flat(&f64m(&w.o_proj)), Split::Cols(v), vec![], "attn_output");
+    put(
+        "o_proj",
+        flat(&f64m(&w.o_proj)),
+        Split::Cols(v),
+        vec![],
+        &["attn_output"],
+    );
     let mut uk = Vec::with_capacity(n * p * l);
     let mut uv = Vec::with_capacity(n * l * v);
     for h in 0..n {
@@ -143,8 +186,8 @@ fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'stat
             }
         }
     }
-    put("W_UK_T", (uk, vec![n, p, l]), Split::Rows(1), vec![], kv_b_src);
-    put("W_UV", (uv, vec![n, l, v]), Split::Rows(1), vec![], kv_b_src);
+    put("W_UK_T", (uk, vec![n, p, l]), Split::Rows(1), vec![], uk_src);
+    put("W_UV", (uv, vec![n, l, v]), Split::Rows(1), vec![], uv_src);
     m
 }
 
@@ -189,6 +232,11 @@ pub struct TensorCheck {
     pub pass: bool,
     /// Metrics against the expected tensor (absent when shapes differ).
     pub metrics: Option<Metrics>,
+    /// Data type of the tensor in the weights file (safetensors dtype string, e.g. `BF16`).
+    pub file_dtype: String,
+    /// The GGUF tensors the expected values are rebuilt from, each with its ggml type name
+    /// (`blk.1.attn_k_b.weight (Q8_0)`); empty when the model has no such param.
+    pub source: Vec<String>,
 }
 
 /// A finding about the loaded weights.
@@ -202,6 +250,9 @@ pub struct WeightFinding {
     pub evidence: String,
     /// Where to look.
     pub hint: String,
+    /// The GGUF tensors the correct values come from, each with its ggml type name, e.g.
+    /// `blk.1.attn_k_b.weight (Q8_0)` for `W_UK_T` (empty when the model has no such param).
+    pub source: Vec<String>,
 }
 
 /// Everything `weights --check` found.
@@ -215,7 +266,9 @@ pub struct WeightsReport {
     pub engine: String,
     /// TP size used to cut shards.
     pub tp: usize,
-    /// Dtype whose weight tolerance applied.
+    /// The file's `dtype` metadata as written (`bf16`, `float16`, …), `None` when absent.
+    pub metadata_dtype: Option<String>,
+    /// Dtype whose weight tolerance applied (`bf16` also for f16 files).
     pub dtype: Dtype,
     /// One entry per tensor checked, by layer, param, rank.
     pub tensors: Vec<TensorCheck>,
@@ -240,6 +293,8 @@ struct Entry {
     rank: Option<usize>,
     shape: Vec<usize>,
     data: Vec<f64>,
+    /// safetensors dtype string (`F32`, `BF16`, …).
+    dtype: String,
 }
 
 /// Per (layer, param): each file shard's rank and the rank whose slice it holds.
@@ -303,7 +358,7 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
     let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
     names.sort();
     for name in names {
-        let target = map.and_then(|m| m.rename_match(&name)).map(|(l, t)| match l {
+        let target = map.and_then(|m| m.rename_match(&name, cfg)).map(|(l, t)| match l {
             Some(l) => format!("L{l}.{t}"),
             None => t.to_string(),
         });
@@ -332,6 +387,7 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
             rank,
             shape: view.shape().to_vec(),
             data: tt.to_f64(),
+            dtype: format!("{:?}", view.dtype()),
         });
     }
     if entries.is_empty() {
@@ -381,6 +437,7 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
         rank,
         shape,
         data,
+        dtype: file_dtype,
     } in &entries
     {
         let Some(p) = cache[layer].get(param.as_str()) else {
@@ -389,6 +446,7 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
                 tensor: name.clone(),
                 evidence: format!("the model has no `{param}` (q_lora_rank {:?})", cfg.q_lora_rank),
                 hint: "q_a_proj/q_b_proj/fused_qkv_a_proj exist only with q_lora_rank; q_proj only without".into(),
+                source: Vec::new(),
             });
             continue;
         };
@@ -400,6 +458,7 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
                     tensor: name.clone(),
                     evidence: format!("rank {r} ≥ tp_size {tp}"),
                     hint: "shard names must use ranks 0..tp_size".into(),
+                    source: p.source_names(),
                 });
                 continue;
             }
@@ -414,6 +473,8 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
             expected_shape: exp_shape.clone(),
             pass: false,
             metrics: None,
+            file_dtype: file_dtype.clone(),
+            source: p.source_names(),
         };
         if *shape == exp_shape {
             let m = compare::metrics(
@@ -438,6 +499,7 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
             && !held_other
             && let Some(f) = explain(
                 name,
+                param,
                 p,
                 data,
                 shape,
@@ -479,7 +541,7 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
                     ranks,
                     text(&held),
                     lost,
-                    p.source
+                    p.source_text()
                 )
             } else {
                 format!(
@@ -503,6 +565,7 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
                 tensor: format!("L{layer}.{param}.rank*"),
                 evidence,
                 hint: "each rank must take its own slice of the head dim (vLLM weight_loader: narrow(dim, tp_rank * shard_size, shard_size)); check the rank index the loader uses".into(),
+                source: p.source_names(),
             });
         }
         if !missing.is_empty() && tp > 1 {
@@ -511,6 +574,7 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
                 tensor: format!("L{layer}.{param}.rank*"),
                 evidence: format!("missing shard(s): rank(s) {missing:?} of tp {tp} not in the file"),
                 hint: "dump every rank's shard (or set tp_size metadata)".into(),
+                source: p.source_names(),
             });
         }
     }
@@ -519,6 +583,7 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
         weights: path.display().to_string(),
         engine: metadata.get("engine").cloned().unwrap_or_else(|| "unknown".into()),
         tp,
+        metadata_dtype: metadata.get("dtype").cloned(),
         dtype,
         tensors,
         findings,
@@ -531,6 +596,7 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
 #[allow(clippy::too_many_arguments)]
 fn explain(
     name: &str,
+    param: &str,
     p: &Param,
     data: &[f64],
     shape: &[usize],
@@ -555,20 +621,44 @@ fn explain(
         }
         let e = rel(&t, exp);
         if e <= thr {
-            let (class, hint) = if p.shape.len() == 3 {
-                (
+            let src = p.source_text();
+            let fused = cfg.kv_b_layout == KvBLayout::Fused;
+            let (class, hint) = match (param, fused) {
+                ("W_UK_T", false) => (
                     Class::KvBLayout,
-                    "W_UK_T is [N, P, L]: the split GGUF attn_k_b is stored [N, L, P] and needs a transpose, not a reshape".to_string(),
-                )
-            } else {
-                (
+                    format!(
+                        "W_UK_T is [N, P, L]; {src} is stored [N, L, P] (ggml ne [P, L, N]) and needs a transpose of its last two dims, not a reshape"
+                    ),
+                ),
+                ("W_UK_T", true) => (
+                    Class::KvBLayout,
+                    format!(
+                        "W_UK_T is [N, P, L]: per head, the first P rows of {src} ([N·(P+V), L]) as stored; this tensor holds them transposed"
+                    ),
+                ),
+                ("W_UV", false) => (
+                    Class::KvBLayout,
+                    format!(
+                        "W_UV is [N, L, V]; this tensor holds it transposed, [N, V, L], the layout {src} is stored in: transpose its last two dims when loading, not a reshape"
+                    ),
+                ),
+                ("W_UV", true) => (
+                    Class::KvBLayout,
+                    format!(
+                        "W_UV is [N, L, V]: per head, the last V rows of {src} ([N·(P+V), L]) transposed; this tensor holds them untransposed ([N, V, L])"
+                    ),
+                ),
+                _ => (
                     Class::Transposed,
-                    "PyTorch linear weights are [out, in]; the GGUF's ne order is [in, out]: reverse the dims when loading".to_string(),
-                )
+                    format!(
+                        "PyTorch linear weights are [out, in]; the GGUF's ne order is [in, out]: reverse the dims of {src} when loading"
+                    ),
+                ),
             };
             return Some(WeightFinding {
                 class,
                 tensor: name.into(),
+                source: p.source_names(),
                 evidence: format!(
                     "holds the expected {exp_shape:?} transposed (shape {shape:?}; rel_l2 {e:.2e} after transposing back)"
                 ),
@@ -580,7 +670,8 @@ fn explain(
         return Some(WeightFinding {
             class: Class::Mismatch,
             tensor: name.into(),
-            evidence: format!("shape {shape:?}, expected {exp_shape:?} from {}", p.source),
+            source: p.source_names(),
+            evidence: format!("shape {shape:?}, expected {exp_shape:?} from {}", p.source_text()),
             hint: "check the loader's reshape/narrow of this parameter".into(),
         });
     }
@@ -599,6 +690,7 @@ fn explain(
             return Some(WeightFinding {
                 class: Class::ShardOrder,
                 tensor: name.into(),
+                source: p.source_names(),
                 evidence: format!("shard-order {}: {} (shards {})", m.map_text(), m.describe("shard"), names.join(", ")),
                 hint: "the fused projection must be [q_a_proj | kv_a_proj_with_mqa], shard 0 then 1 (vLLM MergedReplicatedLinear loaded_shard_id order); check the order the GGUF shards are dequantized and concatenated".into(),
             });
@@ -619,32 +711,35 @@ fn explain(
             return Some(WeightFinding {
                 class: Class::TpRankOrder,
                 tensor: name.into(),
+                source: p.source_names(),
                 evidence: format!("per-head blocks of {unit} along dim {axis}: {}", m.describe("head")),
                 hint: "heads are cut or concatenated in the wrong order".into(),
             });
         }
     }
     // A column cut inside a quant block (o_proj shards: the input dim is the GGUF's ne[0]).
-    if let (Split::Cols(_), Some((r, (start, end)))) = (p.split, rank)
-        && p.block > 1
-        && (!(start as u64).is_multiple_of(p.block) || !(end as u64).is_multiple_of(p.block))
+    if let (Split::Cols(_), Some((r, (start, end))), Some(src0)) = (p.split, rank, p.sources.first())
+        && let block = src0.block
+        && block > 1
+        && (!(start as u64).is_multiple_of(block) || !(end as u64).is_multiple_of(block))
     {
-        let bad_at = if (start as u64).is_multiple_of(p.block) {
+        let bad_at = if (start as u64).is_multiple_of(block) {
             end
         } else {
             start
         };
-        let b0 = bad_at as u64 / p.block;
+        let b0 = bad_at as u64 / block;
         return Some(WeightFinding {
             class: Class::QuantBlockMisaligned,
             tensor: name.into(),
+            source: p.source_names(),
             evidence: format!(
                 "rank {r} covers columns {start}..{end} of {} ({}, blocks of {} along ne[0]): the cut at column {bad_at} falls inside block {b0} (columns {}..{}), and the shard differs from the dequantized slice",
-                p.source,
-                p.ggml_type,
-                p.block,
-                b0 * p.block,
-                (b0 + 1) * p.block
+                src0.name,
+                src0.ggml_type,
+                block,
+                b0 * block,
+                (b0 + 1) * block
             ),
             hint: "dequantize before slicing, or keep TP cuts on block boundaries (N·V/tp must be a multiple of the block size)".into(),
         });
@@ -655,10 +750,10 @@ fn explain(
     let bad: Vec<usize> = (0..rows)
         .filter(|&i| rel(&data[i * inner..(i + 1) * inner], &exp[i * inner..(i + 1) * inner]) > thr)
         .collect();
-    let _ = cfg;
     Some(WeightFinding {
         class: Class::Mismatch,
         tensor: name.into(),
+        source: p.source_names(),
         evidence: format!(
             "{} of {rows} rows differ (first {:?}); rel_l2 {:.2e} overall",
             bad.len(),
@@ -669,27 +764,47 @@ fn explain(
     })
 }
 
-/// The terminal table and findings of a weights check.
+/// The terminal table and findings of a weights check: a header (file, engine, TP size, the
+/// `dtype` metadata string as written and the weight row it selects), one row per tensor (its
+/// safetensors dtype, shape, expected shape, the GGUF tensors it is rebuilt from with their ggml
+/// type names, status, `rel_l2` and max |Δ|), then the findings, each with its GGUF source.
 pub fn terminal(rep: &WeightsReport) -> String {
     let mut t = comfy_table::Table::new();
-    t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY)
-        .set_header(vec!["tensor", "shape", "expected", "status", "rel_l2", "max |Δ|"]);
+    t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(vec![
+        "tensor",
+        "dtype",
+        "shape",
+        "expected",
+        "GGUF source (ggml type)",
+        "status",
+        "rel_l2",
+        "max |Δ|",
+    ]);
     for c in &rep.tensors {
         let (rel, max) = c.metrics.as_ref().map_or((String::new(), String::new()), |m| {
             (format!("{:.3e}", m.rel_l2), format!("{:.3e}", m.max_abs))
         });
         t.add_row(vec![
             c.name.clone(),
+            c.file_dtype.clone(),
             format!("{:?}", c.shape),
             format!("{:?}", c.expected_shape),
+            c.source.join(" + "),
             if c.pass { "pass".into() } else { "FAIL".into() },
             rel,
             max,
         ]);
     }
     let mut s = format!(
-        "weights {} (engine `{}`, tp {}, dtype {}) against {}\n{t}\n",
-        rep.weights, rep.engine, rep.tp, rep.dtype, rep.model
+        "weights {} (engine `{}`, tp {}, dtype metadata {}, judged by the {} weight row) against {}\n{t}\n",
+        rep.weights,
+        rep.engine,
+        rep.tp,
+        rep.metadata_dtype
+            .as_deref()
+            .map_or("absent (f32)".to_string(), |d| format!("`{d}`")),
+        rep.dtype,
+        rep.model
     );
     if !rep.ignored.is_empty() {
         s.push_str(&format!("ignored (not MLA params): {}\n", rep.ignored.join(", ")));
@@ -709,6 +824,9 @@ pub fn terminal(rep: &WeightsReport) -> String {
             "finding {} at {}: {}\n  hint: {}\n",
             f.class, f.tensor, f.evidence, f.hint
         ));
+        if !f.source.is_empty() {
+            s.push_str(&format!("  GGUF source: {}\n", f.source.join(" + ")));
+        }
     }
     s
 }

@@ -143,7 +143,12 @@ fn every_rank_holding_rank0_kv_b_is_the_duplication() {
     let (code, out, err) = check(&p);
     assert_eq!(code, 1, "{out}\n{err}");
     assert!(
-        out.contains("finding tp-rank-order at L1.kv_b_proj.rank*: every rank holds rank 0's slice: ranks [0, 1] hold slices [0,0] (duplicated shard 0; slices [1] of blk.1.attn_v_b.weight are missing)"),
+        out.contains("finding tp-rank-order at L1.kv_b_proj.rank*: every rank holds rank 0's slice: ranks [0, 1] hold slices [0,0] (duplicated shard 0; slices [1] of blk.1.attn_k_b.weight (Q8_0) + blk.1.attn_v_b.weight (Q8_0) are missing)"),
+        "{out}"
+    );
+    // kv_b_proj is rebuilt from both split tensors: the finding names both.
+    assert!(
+        out.contains("  GGUF source: blk.1.attn_k_b.weight (Q8_0) + blk.1.attn_v_b.weight (Q8_0)\n"),
         "{out}"
     );
     // Only kv_b is named: the other params pass.
@@ -175,4 +180,173 @@ fn transposes_and_missing_shards_are_named() {
         "{out}"
     );
     assert!(out.contains("missing shard(s): rank(s) [1] of tp 2"), "{out}");
+}
+
+/// `W_UK_T` [N, P, L] and `W_UV` [N, L, V] of `layer`, as vLLM's MLA backend holds them.
+fn absorbed(model: &str, layer: usize) -> (MlaConfig, Tensors) {
+    let file = GgufFile::open(repo().join("golden/models").join(model)).unwrap();
+    let cfg = MlaConfig::from_gguf(&file).unwrap();
+    let w = LayerWeights::load(&file, &cfg, layer).unwrap();
+    let (n, l, p, v) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
+    let kv_b = assemble_kv_b(&cfg, &w.kv_b);
+    let mut uk = Vec::new();
+    let mut uv = Vec::new();
+    for h in 0..n {
+        for pi in 0..p {
+            for li in 0..l {
+                uk.push(kv_b[[h * (p + v) + pi, li]] as f32);
+            }
+        }
+    }
+    for h in 0..n {
+        for li in 0..l {
+            for vi in 0..v {
+                uv.push(kv_b[[h * (p + v) + p + vi, li]] as f32);
+            }
+        }
+    }
+    let whole = kv_b.iter().map(|&x| x as f32).collect();
+    let out = vec![
+        (format!("L{layer}.W_UK_T"), vec![n, p, l], uk),
+        (format!("L{layer}.W_UV"), vec![n, l, v], uv),
+        (format!("L{layer}.kv_b_proj"), vec![n * (p + v), l], whole),
+    ];
+    (cfg, out)
+}
+
+fn check_model(model: &str, path: &std::path::Path) -> (i32, String, String) {
+    let m = repo().join("golden/models").join(model);
+    run_bin(&[
+        "weights",
+        "--model",
+        m.to_str().unwrap(),
+        "--check",
+        path.to_str().unwrap(),
+    ])
+}
+
+#[test]
+fn absorbed_weights_name_their_gguf_sources() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, w) = absorbed("tiny-v3-q8_0.gguf", 1);
+    let p = write(dir.path(), "ok.safetensors", &w, 1);
+    let (code, out, err) = check(&p);
+    assert_eq!(code, 0, "{out}\n{err}");
+    // The table names each tensor's file dtype and its GGUF source with the ggml type.
+    let row = |name: &str| out.lines().find(|l| l.contains(name)).unwrap_or_default().to_string();
+    assert!(
+        row("L1.W_UK_T ").contains("F32") && row("L1.W_UK_T ").contains("blk.1.attn_k_b.weight (Q8_0)"),
+        "{out}"
+    );
+    assert!(row("L1.W_UV ").contains("blk.1.attn_v_b.weight (Q8_0)"), "{out}");
+    assert!(
+        out.contains("dtype metadata absent (f32), judged by the f32 weight row"),
+        "{out}"
+    );
+
+    // W_UK_T with one head's values off: a mismatch whose source is attn_k_b alone.
+    let (n, l, p_, v) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
+    let mut bad = w.clone();
+    for x in &mut bad[0].2[2 * p_ * l..3 * p_ * l] {
+        *x *= 1.5;
+    }
+    let p = write(dir.path(), "uk.safetensors", &bad, 1);
+    let (code, out, _) = check(&p);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("finding mismatch at L1.W_UK_T: 1 of 6 rows differ (first [2])"),
+        "{out}"
+    );
+    let finding = out
+        .split("finding ")
+        .find(|f| f.starts_with("mismatch at L1.W_UK_T"))
+        .unwrap();
+    assert!(
+        finding.contains("  GGUF source: blk.1.attn_k_b.weight (Q8_0)\n"),
+        "{finding}"
+    );
+    assert!(!finding.contains("attn_v_b"), "{finding}");
+    assert_eq!(out.matches("finding ").count(), 1, "{out}");
+
+    // W_UV held as attn_v_b is stored, [N, V, L]: "transposed", naming attn_v_b.
+    let mut tr = w.clone();
+    let uv = &tr[1].2;
+    let mut t = vec![0f32; uv.len()];
+    for h in 0..n {
+        for li in 0..l {
+            for vi in 0..v {
+                t[(h * v + vi) * l + li] = uv[(h * l + li) * v + vi];
+            }
+        }
+    }
+    tr[1].2 = t;
+    tr[1].1 = vec![n, v, l];
+    let p = write(dir.path(), "uv.safetensors", &tr, 1);
+    let (code, out, _) = check(&p);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(&format!(
+            "finding kv-b-layout at L1.W_UV: holds the expected [{n}, {l}, {v}] transposed (shape [{n}, {v}, {l}]"
+        )),
+        "{out}"
+    );
+    let hint = out.lines().skip_while(|x| !x.contains("at L1.W_UV")).nth(1).unwrap();
+    assert!(
+        hint.contains("hint: W_UV is [N, L, V]; this tensor holds it transposed, [N, V, L], the layout blk.1.attn_v_b.weight (Q8_0) is stored in"),
+        "{hint}"
+    );
+    assert!(out.contains("  GGUF source: blk.1.attn_v_b.weight (Q8_0)\n"), "{out}");
+}
+
+#[test]
+fn legacy_kv_b_mismatches_name_attn_kv_b() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, mut w) = absorbed("legacy-kvb-f32.gguf", 1);
+    // kv_b_proj: one head's rows off.
+    let (p, v, l) = (cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank);
+    for x in &mut w[2].2[(p + v) * l..2 * (p + v) * l] {
+        *x += 0.25;
+    }
+    let path = write(dir.path(), "legacy.safetensors", &w, 1);
+    let (code, out, _) = check_model("legacy-kvb-f32.gguf", &path);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("finding mismatch at L1.kv_b_proj:"), "{out}");
+    assert!(out.contains("  GGUF source: blk.1.attn_kv_b.weight (F32)\n"), "{out}");
+    // W_UK_T and W_UV of a legacy file come from attn_kv_b too (and pass here).
+    let row = |name: &str| out.lines().find(|x| x.contains(name)).unwrap_or_default().to_string();
+    assert!(
+        row("L1.W_UK_T ").contains("blk.1.attn_kv_b.weight (F32)") && row("L1.W_UK_T ").contains("pass"),
+        "{out}"
+    );
+    assert!(row("L1.W_UV ").contains("blk.1.attn_kv_b.weight (F32)"), "{out}");
+}
+
+#[test]
+fn weights_header_shows_the_dtype_metadata_string() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, w) = absorbed("tiny-v3-q8_0.gguf", 1);
+    let bytes: Vec<Vec<u8>> = w
+        .iter()
+        .map(|t| t.2.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = w
+        .iter()
+        .zip(&bytes)
+        .map(|(t, b)| {
+            (
+                t.0.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, t.1.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    let meta: HashMap<String, String> = [("dtype".to_string(), "float16".to_string())].into_iter().collect();
+    let p = dir.path().join("f16.safetensors");
+    std::fs::write(&p, safetensors::serialize(views, Some(meta)).unwrap()).unwrap();
+    let (code, out, err) = check(&p);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains("dtype metadata `float16`, judged by the bf16 weight row"),
+        "{out}"
+    );
+    assert!(out.contains("GGUF source (ggml type)"), "{out}");
 }

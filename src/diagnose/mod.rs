@@ -19,7 +19,7 @@ use crate::compare::{self, SiteDiff, Status, is_canary_like};
 use crate::config::MlaConfig;
 use crate::paths::{PathKind, Unservable};
 use crate::reference::rope_inv_freq;
-use crate::tolerance::{Dtype, tolerance};
+use crate::tolerance::{Precision, tolerance};
 use crate::trace::{Site, Stage, Trace, TraceTensor};
 use blocks::rel_l2;
 use blocks::{BlockMatch, find_blocks};
@@ -135,8 +135,9 @@ pub struct DiagnoseInput<'a> {
     pub paths: Vec<PathEvidence<'a>>,
     /// TP ranks the paths used.
     pub tp: usize,
-    /// Compute dtype of the paths.
-    pub dtype: Dtype,
+    /// The tolerance rows the diffs were judged by (a path's compute dtype, or a dump's engine
+    /// dtype).
+    pub precision: Precision,
 }
 
 /// What every detector sees for one failing site of one path.
@@ -786,7 +787,7 @@ fn softmax_scale(x: &SiteCtx<'_>) -> Detected {
 /// or that hold a non-finite value where the reference is finite: rows that are clearly wrong,
 /// not merely noisy at the path's precision.
 fn failing_rows(x: &SiteCtx<'_>) -> Vec<usize> {
-    let (tol, _) = tolerance(x.site.stage, x.input.dtype);
+    let (tol, _) = tolerance(x.site.stage, x.input.precision);
     let rows = x.refr.shape.first().copied().unwrap_or(1).max(1);
     let per = x.refr.len() / rows;
     let (r, c) = (x.refr.to_f64(), x.cand.to_f64());
@@ -930,7 +931,7 @@ fn nonfinite(x: &SiteCtx<'_>) -> Detected {
 
 fn scale_only(x: &SiteCtx<'_>) -> Detected {
     let m = x.diff.metrics.as_ref()?;
-    let (tol, _) = tolerance(x.site.stage, x.input.dtype);
+    let (tol, _) = tolerance(x.site.stage, x.input.precision);
     if m.nonfinite_mismatch > 0 || (m.norm_ratio - 1.0).abs() <= tol.norm_ratio {
         return None;
     }
@@ -1020,7 +1021,7 @@ fn mismatch(x: &SiteCtx<'_>) -> (String, String) {
     let row_err: Vec<f64> = (0..rows)
         .map(|i| rel_l2(&c[i * per..(i + 1) * per], &r[i * per..(i + 1) * per]))
         .collect();
-    let (tol, _) = tolerance(x.site.stage, x.input.dtype);
+    let (tol, _) = tolerance(x.site.stage, x.input.precision);
     let ok: Vec<usize> = (0..rows).filter(|&i| row_err[i] <= tol.rel_l2.max(1e-6)).collect();
     let worst = x.diff.metrics.as_ref();
     let mut ev = format!("rel_l2 {}", fmt_e(x.as_is()));
@@ -1158,8 +1159,8 @@ pub fn weight_nonfinite_findings(
 /// The threshold under which an alternative hypothesis explains a candidate: 5× the site's
 /// rel_l2 tolerance, at least 1e-4 (f32: the explained error is ~1e-7; bf16: ~1e-2; a wrong
 /// hypothesis leaves an O(1) error).
-fn explain_threshold(stage: Stage, dtype: Dtype) -> f64 {
-    (5.0 * tolerance(stage, dtype).0.rel_l2).max(1e-4)
+fn explain_threshold(stage: Stage, precision: Precision) -> f64 {
+    (5.0 * tolerance(stage, precision).0.rel_l2).max(1e-4)
 }
 
 /// Diagnoses every path of one layer: one finding per path at its first divergence (or the
@@ -1207,7 +1208,7 @@ pub fn diagnose(input: &DiagnoseInput<'_>) -> Vec<Finding> {
             diff: first,
             refr,
             cand,
-            explain: explain_threshold(first.site.stage, input.dtype),
+            explain: explain_threshold(first.site.stage, input.precision),
         };
         out.push(classify(&x));
     }
@@ -1223,6 +1224,7 @@ mod tests {
     use crate::gguf::GgufFile;
     use crate::paths::{LayerInput, PathOptions, PathRun, run_cpu};
     use crate::run::reference_layer;
+    use crate::tolerance::Dtype;
     use crate::weights::LayerWeights;
 
     struct Fixture {
@@ -1307,7 +1309,7 @@ mod tests {
                 })
                 .collect(),
             tp: fx.tp,
-            dtype: Dtype::F32,
+            precision: Precision::F32,
         };
         let first = compare::first_divergence(&fx.diffs[i]).expect("the fault makes a divergence");
         let x = SiteCtx {
@@ -1317,7 +1319,7 @@ mod tests {
             diff: first,
             refr: fx.reference.get(&first.site).unwrap(),
             cand: fx.runs[i].trace.get(&first.site).unwrap(),
-            explain: explain_threshold(first.site.stage, Dtype::F32),
+            explain: explain_threshold(first.site.stage, Precision::F32),
         };
         det(&x)
     }
@@ -1473,7 +1475,7 @@ mod tests {
                 unservable: None,
             }],
             tp: 1,
-            dtype: Dtype::F32,
+            precision: Precision::F32,
         };
         let f = diagnose(&input);
         assert_eq!(f.len(), 1);

@@ -12,7 +12,9 @@ and detectors can be tested on real engine output.
 What is written (docs/dump-format.md, version 1):
   * `L{n}.{stage}` for every layer n and every stage scripts/hf_hooks.py captures: hidden_in,
     attn_in, q_c, q_c_normed (only with q_lora_rank), q, kv_a, kv_c_normed, k_pe, q_pe_roped,
-    k_pe_roped, k_nope, v, lse, attn_out, o_proj, hidden_out; with `--with-weights` also the
+    k_pe_roped, k_nope, v, lse, attn_out, o_proj, hidden_out, and in MoE layers
+    moe_router_logits, moe_topk (the selected expert ids, as numbers), moe_out and shared_out;
+    with `--with-weights` also the
     weight sites w.fused_qkv_a (only with q_lora_rank), w.kv_b, w.W_UK_T, w.W_UV. Token-major
     shapes ([T, H], [T, N, X], lse [T, N]) as in DESIGN.md's site table.
   * `tokens` and `positions` (int64, [T]).
@@ -118,8 +120,11 @@ def load_model(model_dir: Path, dtype: str):
     cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     if cfg.model_type != "deepseek_v3":
         raise SystemExit(f"{model_dir}: model_type {cfg.model_type!r}, expected 'deepseek_v3'")
+    # eager experts: the per-expert loop whose router/experts/shared-experts outputs hf_hooks
+    # records as moe_router_logits, moe_topk, moe_out and shared_out in MoE layers
     model = DeepseekV3ForCausalLM.from_pretrained(
-        model_dir, dtype=torch_dtype(dtype), attn_implementation="eager", local_files_only=True)
+        model_dir, dtype=torch_dtype(dtype), attn_implementation="eager", experts_implementation="eager",
+        local_files_only=True)
     model.eval()
     return model
 

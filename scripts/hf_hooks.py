@@ -15,7 +15,15 @@ frequencies and f32 angles, eager attention runs its softmax with dtype=f32). In
     torch.float/float32 aliased to float64 for that one call (checked against HF's f32 buffer),
     angles position * inv_freq in f64;
   * eager_attention_forward: HF's function itself, with its softmax allowed to stay in f64.
+  * DeepseekV3TopkRouter.forward: HF's routing formula (router logits, sigmoid, score-correction
+    bias for the choice only, group-limited top-k, normalisation, routed scaling factor), with
+    the logits computed in the input dtype instead of HF's forced float32.
 Every patch is undone when `capture()` exits. Nothing else in the model is changed.
+
+MoE layers (DeepseekV3MoE) add four sites: `moe_router_logits` [T, E] (the router's raw logits),
+`moe_topk` [T, K] (the selected expert ids, int64, in HF's unsorted top-k order: compare them as
+sets), `moe_out` [T, H] (the routed experts' weighted sum) and `shared_out` [T, H] (the shared
+experts' output); `hidden_out` is the residual plus both.
 
 Rope order. HF's `apply_rotary_pos_emb_interleave` returns each rotated rope vector as
 [rotated even elements | rotated odd elements]; DeepSeek/vLLM/llama.cpp keep the interleaved pair
@@ -45,8 +53,10 @@ import torch
 HF_STAGES = [
     "hidden_in", "attn_in", "w.fused_qkv_a", "q_c", "q_c_normed", "q", "kv_a", "kv_c_normed",
     "k_pe", "q_pe_roped", "k_pe_roped", "w.kv_b", "k_nope", "v", "w.W_UK_T", "w.W_UV", "lse",
-    "attn_out", "o_proj", "hidden_out",
+    "attn_out", "o_proj", "moe_router_logits", "moe_topk", "moe_out", "shared_out", "hidden_out",
 ]
+# Stages only MoE layers (DeepseekV3MoE) have.
+MOE_STAGES = ("moe_router_logits", "moe_topk", "moe_out", "shared_out")
 
 
 def hf_rope_to_interleaved(x: np.ndarray) -> np.ndarray:
@@ -147,6 +157,39 @@ def _float64_patches(model: torch.nn.Module, mdl):
         return orig_softmax(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
 
     patch(torch.nn.functional, "softmax", softmax)
+
+    # 4. MoE router: HF's DeepseekV3TopkRouter.forward computes the logits in float32
+    #    (hidden_states.type(torch.float32), weight.type(torch.float32)). Same formula, in
+    #    max(input dtype, f32).
+    def router_forward(self, hidden_states):
+        work = torch.promote_types(hidden_states.dtype, torch.float32)
+        hidden_states = hidden_states.view(-1, self.hidden_dim)
+        router_logits = torch.nn.functional.linear(hidden_states.to(work), self.weight.to(work))
+        scores = router_logits.sigmoid()
+        scores_for_choice = scores + self.e_score_correction_bias.to(work)
+        group_scores = (
+            scores_for_choice.view(-1, self.num_group, self.num_experts // self.num_group)
+            .topk(2, dim=-1)[0]
+            .sum(dim=-1)
+        )
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = (
+            group_mask.unsqueeze(-1)
+            .expand(-1, self.num_group, self.num_experts // self.num_group)
+            .reshape(-1, self.num_experts)
+        )
+        scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+        topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_indices)
+        if self.norm_topk_prob:
+            denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+            topk_weights /= denominator
+        topk_weights = topk_weights * self.routed_scaling_factor
+        return router_logits, topk_weights, topk_indices
+
+    patch(mdl.DeepseekV3TopkRouter, "forward", router_forward)
     try:
         yield {"inv_freq_f64": inv64.numpy().copy(), "inv_freq_rel_err_vs_hf_f32": inv_rel}
     finally:
@@ -179,6 +222,10 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
         raise ValueError("capture() expects rope_interleave=True (DeepSeek-style rope)")
     if getattr(cfg, "_attn_implementation", "eager") != "eager":
         raise ValueError(f"capture() needs eager attention, model uses {cfg._attn_implementation!r}")
+    impl = getattr(cfg, "_experts_implementation", None)
+    has_moe = any(isinstance(layer.mlp, mdl.DeepseekV3MoE) for layer in model.model.layers)
+    if has_moe and impl not in (None, "eager"):
+        raise ValueError(f"capture() needs eager experts (config._experts_implementation), model uses {impl!r}")
     ids = input_ids.reshape(1, -1).to(torch.long)
     T = ids.shape[1]
     N, P, R, V, L = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -249,6 +296,22 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
 
         handles.append(attn.o_proj.register_forward_pre_hook(o_pre))
         handles.append(attn.o_proj.register_forward_hook(out_hook("o_proj")))
+
+        # MoE FFN (DeepseekV3MoE): router outputs, routed experts' sum, shared experts
+        if isinstance(layer.mlp, mdl.DeepseekV3MoE):
+            moe = layer.mlp
+
+            def gate_hook(mod, args, output, n=n):
+                router_logits, _weights, topk_indices = output      # [T, E], [T, K], [T, K]
+                put(n, "moe_router_logits", _np(router_logits))
+                put(n, "moe_topk", topk_indices.detach().cpu().numpy().astype(np.int64))
+
+            def experts_hook(mod, args, output, n=n):
+                put(n, "moe_out", _np(output))                       # [T, H] (tokens flattened)
+
+            handles.append(moe.gate.register_forward_hook(gate_hook))
+            handles.append(moe.experts.register_forward_hook(experts_hook))
+            handles.append(moe.shared_experts.register_forward_hook(out_hook("shared_out")))
 
         # weights, as HF holds them (the f32 values, upcast)
         if not with_weights:
@@ -323,7 +386,10 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
 
     # every expected site must be there, once
     for n in range(len(layers)):
+        is_moe = isinstance(layers[n].mlp, mdl.DeepseekV3MoE)
         for stage in HF_STAGES:
+            if stage in MOE_STAGES and not is_moe:
+                continue
             if Lq is None and stage in ("w.fused_qkv_a", "q_c", "q_c_normed"):
                 continue
             if not with_weights and stage.startswith("w."):

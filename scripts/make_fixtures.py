@@ -6,16 +6,19 @@ repository, yet mla-diff must be tested on GGUF files whose key names, tensor sp
 quant blocks are exactly what llama.cpp's tools produce. So, for every fixture below, this script
 
   1. builds a tiny random HF `DeepseekV3ForCausalLM` (2 layers, vocab 256, every layer a dense
-     FFN) and re-initialises every parameter with seeded normal data whose std makes attention
-     informative (scaled logit std between 1 and 3, measured and printed);
+     FFN; or, for `moe-v3`, 3 layers, vocab 128, a dense layer 0 and MoE layers 1 and 2) and
+     re-initialises every parameter with seeded normal data whose std makes attention
+     informative (scaled logit std between 1 and 3, measured and printed); MoE fixtures also get
+     a seeded random score-correction bias (HF initialises it to zeros, which would hide it);
   2. converts it to F32 GGUF with llama.cpp's official converter (convert_offline.py: the real
      convert_hf_to_gguf.py, only its tokenizer step swapped for a synthetic 256-token vocab);
   3. derives the special variants with gguf-py (legacy `attn_kv_b` file; a `q_lora_rank = 0` copy
      when llama.cpp's quantizer refuses a file without the key);
   4. quantizes with llama.cpp's own quantizer (quantize_gguf.py);
-  5. runs the HF model in float64 on seeded tokens, captures every MLA site (hf_hooks.py), checks
-     the capture against an independent numpy recomputation (mla_check.py) and against the GGUF's
-     own tensors, and writes golden/hf/<fixture>.safetensors.
+  5. runs the HF model in float64 on seeded tokens, captures every MLA site and, in MoE layers,
+     the MoE sites (hf_hooks.py), checks the capture against an independent numpy recomputation
+     (mla_check.py: attention from the captured tensors, MoE from the F32 GGUF's own tensors and
+     metadata) and against the GGUF's own tensors, and writes golden/hf/<fixture>.safetensors.
 
 Everything is deterministic for a given --seed: re-running reproduces the same bytes.
 Large intermediates (HF checkpoints, the k256 F32 file, extra quant types, logs, report.json) go
@@ -51,6 +54,13 @@ SDIST = "llama_cpp_python-0.3.36"
 YARN_V3 = dict(factor=40.0, mscale=0.707, mscale_all_dim=0.707, original_max_position_embeddings=16,
                beta_fast=32.0, beta_slow=1.0)
 YARN_LITE = dict(YARN_V3, original_max_position_embeddings=32)
+# HF config of the MoE fixture (DeepSeek-V3's routing; `scoring_func`/`topk_method` are not
+# DeepseekV3Config fields, but real DeepSeek-V3 config.json files carry them and the converter
+# turns `scoring_func` into `expert_gating_func` = 2, sigmoid).
+MOE_V3 = dict(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, n_shared_experts=1,
+              moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5,
+              norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+              bias_std=0.1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +83,9 @@ class Fixture:
     commit_f32: bool = True             # F32 file goes to golden/models (else --tmp)
     golden: bool = True                 # write golden/hf/<name>.safetensors
     legacy_kvb: bool = False            # rewrite to one attn_kv_b + legacy keys
+    layers: int = 2                     # num_hidden_layers
+    vocab: int = 256                    # vocab_size (the converter's synthetic vocab follows it)
+    moe: dict | None = None             # MoE config (None: every layer dense, no expert tensors)
 
     def dims(self) -> dict:
         return dict(N=self.N, H=self.H, Lq=self.Lq, L=self.L, P=self.P, R=self.R, V=self.V)
@@ -95,9 +108,17 @@ FIXTURES = [
             attn_gain=1.45, quants=("Q4_K_M", "Q6_K"),
             tmp_quants=("Q2_K", "Q3_K_M", "Q5_K_M", "IQ4_NL", "IQ4_XS"),
             commit_f32=False, golden=False),
+    # DeepSeek-V3-style MoE: layer 0 dense, layers 1-2 MoE with 8 routed experts in 4 groups
+    # (2 groups used, 2 experts per token), 1 shared expert, sigmoid scores with a random
+    # score-correction bias, normalised top-k weights and a routed scaling factor != 1. Every row
+    # length is a multiple of 32 (Q8_0 blocks); the dims are as small as that allows, so that
+    # golden/ stays near its size budget.
+    Fixture("moe-v3", N=2, H=64, Lq=32, L=96, P=32, R=16, V=16, inter=96, seed_offset=600,
+            attn_gain=1.45, tokens=16, quants=("Q8_0",), layers=3, vocab=128,
+            moe=MOE_V3),
 ]
 
-COMMON = dict(vocab_size=256, num_hidden_layers=2, rms_norm_eps=1e-6, rope_theta=10000.0,
+COMMON = dict(rms_norm_eps=1e-6, rope_theta=10000.0,
               max_position_embeddings=1024)
 
 LOGIT_STD_RANGE = (1.0, 3.0)
@@ -114,20 +135,29 @@ def hf_config(fx: Fixture):
         rope = {"rope_type": "default", "rope_theta": COMMON["rope_theta"]}
     else:
         rope = {"rope_type": "yarn", "rope_theta": COMMON["rope_theta"], **fx.yarn}
+    if fx.moe is None:
+        # MoE present in the config but never used: every layer is dense
+        moe = dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                   moe_intermediate_size=64, first_k_dense_replace=fx.layers)
+        extra = {}
+    else:
+        moe = {k: v for k, v in fx.moe.items() if k not in ("scoring_func", "topk_method", "bias_std")}
+        extra = {k: fx.moe[k] for k in ("scoring_func", "topk_method")}
     cfg = DeepseekV3Config(
-        vocab_size=COMMON["vocab_size"], hidden_size=fx.H, intermediate_size=fx.inter,
-        num_hidden_layers=COMMON["num_hidden_layers"],
+        vocab_size=fx.vocab, hidden_size=fx.H, intermediate_size=fx.inter,
+        num_hidden_layers=fx.layers,
         num_attention_heads=fx.N, num_key_value_heads=fx.N,
         q_lora_rank=fx.Lq, kv_lora_rank=fx.L, qk_nope_head_dim=fx.P, qk_rope_head_dim=fx.R,
-        v_head_dim=fx.V,
-        # MoE present in the config but never used: every layer is dense
-        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-        moe_intermediate_size=64, first_k_dense_replace=COMMON["num_hidden_layers"],
+        v_head_dim=fx.V, **moe,
         max_position_embeddings=COMMON["max_position_embeddings"], rms_norm_eps=COMMON["rms_norm_eps"],
         rope_parameters=rope, rope_interleave=True, attention_bias=False,
         tie_word_embeddings=False, num_mtp_layers=0, bos_token_id=0, eos_token_id=1,
     )
+    for k, v in extra.items():          # saved to config.json like any other field
+        setattr(cfg, k, v)
     cfg._attn_implementation = "eager"
+    if fx.moe is not None:
+        cfg._experts_implementation = "eager"    # the per-expert loop (hf_hooks needs it)
     return cfg
 
 
@@ -138,7 +168,12 @@ def init_weights(model, fx: Fixture, seed: int) -> None:
     * RMSNorm weights (every 1-D parameter): 1 + 0.2 * N(0, 1);
     * linear weights [out, in]: N(0, (g / sqrt(in))^2): g = 1 keeps unit-scale activations;
       g = fx.attn_gain on the q projection (q_b_proj or q_proj) and on kv_b_proj, tuned per fixture
-      so that the scaled attention logits have a std between 1 and 3.
+      so that the scaled attention logits have a std between 1 and 3;
+    * MoE experts (3-D [E, out, in]: experts.gate_up_proj, experts.down_proj): N(0, 1/in) per
+      expert, like a linear weight; the router (mlp.gate.weight) like a linear weight, so its
+      logits have a std near 1 and sigmoid scores spread over (0, 1);
+    * MoE score-correction bias (a buffer, e_score_correction_bias [E]): N(0, bias_std^2), drawn
+      after every parameter (HF initialises it to zeros, which would leave the bias untested).
     """
     import torch
 
@@ -154,8 +189,14 @@ def init_weights(model, fx: Fixture, seed: int) -> None:
                 gain = fx.attn_gain if name.endswith(("q_b_proj.weight", "q_proj.weight",
                                                       "kv_b_proj.weight")) else 1.0
                 p.copy_(noise * (gain / math.sqrt(p.shape[1])))
+            elif p.ndim == 3 and ".mlp.experts." in name:
+                p.copy_(noise / math.sqrt(p.shape[2]))
             else:
                 raise ValueError(f"unexpected parameter {name} {tuple(p.shape)}")
+        if fx.moe is not None:
+            for name, buf in sorted(model.named_buffers()):
+                if name.endswith("e_score_correction_bias"):
+                    buf.copy_(fx.moe["bias_std"] * torch.randn(buf.shape, generator=gen, dtype=torch.float32))
 
 
 def build_model(fx: Fixture, seed: int):
@@ -174,7 +215,7 @@ def token_ids(fx: Fixture, seed: int):
 
     gen = torch.Generator().manual_seed(seed + 1)
     # ids 0..2 are the synthetic vocab's control tokens: keep to ordinary tokens
-    return torch.randint(3, COMMON["vocab_size"], (fx.tokens,), generator=gen, dtype=torch.long)
+    return torch.randint(3, fx.vocab, (fx.tokens,), generator=gen, dtype=torch.long)
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,13 +299,30 @@ def check_gguf_matches_hf(gguf_path: Path, model, fx: Fixture) -> int:
                  "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
                  "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
-                 "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+                 "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+                 "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+                 "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                 "ffn_down_shexp": "mlp.shared_experts.down_proj"}
+    F = fx.moe["moe_intermediate_size"] if fx.moe else 0
     checked = 0
     for name, arr in g.items():
         if name in simple:
             ref = sd[simple[name]]
         else:
             _, i, base, _w = name.split(".")
+            pre = f"model.layers.{i}.mlp."
+            if base == "exp_probs_b":     # the score-correction bias (a buffer)
+                ref = sd[pre + "gate.e_score_correction_bias"]
+            elif base in ("ffn_gate_exps", "ffn_up_exps"):    # gate_up_proj [E, 2F, H] = [gate; up]
+                gu = sd[pre + "experts.gate_up_proj"]
+                ref = gu[:, :F, :] if base == "ffn_gate_exps" else gu[:, F:, :]
+            elif base == "ffn_down_exps":                      # [E, H, F]
+                ref = sd[pre + "experts.down_proj"]
+            if base in ("exp_probs_b", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+                if arr.shape != ref.shape or not np.array_equal(arr, ref):
+                    raise SystemExit(f"{gguf_path.name}: {name} differs from the HF weight")
+                checked += 1
+                continue
             kv_b = sd[f"model.layers.{i}.self_attn.kv_b_proj.weight"].reshape(fx.N, fx.P + fx.V, fx.L)
             if base == "attn_k_b":      # stored transposed: [N, L, P]
                 ref = kv_b[:, : fx.P, :].transpose(0, 2, 1)
@@ -281,6 +339,52 @@ def check_gguf_matches_hf(gguf_path: Path, model, fx: Fixture) -> int:
 # --------------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------------
+
+def check_moe(fx: Fixture, f32: Path, t: dict, rep: dict) -> None:
+    """Independent numpy check of every MoE layer of the capture (mla_check.check_moe_layer),
+    from the F32 GGUF's own tensors and MoE metadata; the fixture must exercise the bias and the
+    group limit (each changes at least one token's selection) and have no near tie at the top-k
+    cut (an f32 engine would then legitimately pick another expert)."""
+    import mla_check
+    from gguf_tools import load_f32_tensors, read_kv
+
+    kv = read_kv(f32)
+    a = "deepseek2."
+    meta = dict(E=int(kv[a + "expert_count"]), K=int(kv[a + "expert_used_count"]),
+                G=int(kv.get(a + "expert_group_count", 1)), G_used=int(kv.get(a + "expert_group_used_count", 1)),
+                gating=int(kv.get(a + "expert_gating_func", 1)), norm=bool(kv.get(a + "expert_weights_norm", False)),
+                scale=float(kv.get(a + "expert_weights_scale", 0.0)) or 1.0,
+                first_moe=int(kv[a + "leading_dense_block_count"]))
+    m = fx.moe
+    want = dict(E=m["n_routed_experts"], K=m["num_experts_per_tok"], G=m["n_group"], G_used=m["topk_group"],
+                gating=2 if m["scoring_func"] == "sigmoid" else 1, norm=m["norm_topk_prob"],
+                scale=m["routed_scaling_factor"], first_moe=m["first_k_dense_replace"])
+    if meta != want:
+        raise SystemExit(f"{f32.name}: MoE metadata {meta} != HF config {want}")
+    rep["moe_metadata"] = meta
+    w = load_f32_tensors(f32)
+    rep["moe_checks"] = {}
+    bias_changes = group_changes = 0
+    for layer in range(meta["first_moe"], fx.layers):
+        res = mla_check.check_moe_layer(t, layer, w, meta, COMMON["rms_norm_eps"])
+        rep["moe_checks"][layer] = res
+        print(f"L{layer} MoE: router logits err {res['router_logits_max_err']:.1e}  "
+              f"moe_out err {res['moe_out_max_err']:.1e}  shared_out err {res['shared_out_max_err']:.1e}  "
+              f"hidden_out err {res['hidden_out_max_err']:.1e}  top-k set mismatches {res['topk_set_mismatches']}  "
+              f"tokens changed by the bias {res['tokens_bias_changes_selection']}, by the group limit "
+              f"{res['tokens_group_limit_changes_selection']}  min gap at the cut {res['min_choice_gap_at_cut']:.2e}")
+        worst = max(res["router_logits_max_err"], res["moe_out_max_err"], res["shared_out_max_err"],
+                    res["hidden_out_max_err"])
+        if worst > 1e-9 or res["topk_set_mismatches"]:
+            raise SystemExit(f"{fx.name} L{layer}: MoE self-check failed ({res})")
+        if res["min_choice_gap_at_cut"] < 1e-5:
+            raise SystemExit(f"{fx.name} L{layer}: near tie at the top-k cut ({res['min_choice_gap_at_cut']:.2e})")
+        bias_changes += res["tokens_bias_changes_selection"]
+        group_changes += res["tokens_group_limit_changes_selection"]
+    if bias_changes == 0 or group_changes == 0:
+        raise SystemExit(f"{fx.name}: the bias changes {bias_changes} and the group limit {group_changes} "
+                         f"token selections; both must change at least one (adjust bias_std or the seed)")
+
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
@@ -306,7 +410,7 @@ def make_one(fx: Fixture, args, report: dict) -> None:
     models_dir = args.out / "models"
     tmp = args.tmp
     models_dir.mkdir(parents=True, exist_ok=True)
-    rep: dict = {"dims": fx.dims(), "inter": fx.inter, "yarn": fx.yarn, "seed": seed,
+    rep: dict = {"dims": fx.dims(), "inter": fx.inter, "yarn": fx.yarn, "seed": seed, "moe": fx.moe,
                  "attn_gain": fx.attn_gain, "files": {}}
     report[fx.name] = rep
     print(f"\n=== {fx.name}  (seed {seed}) " + "=" * 40)
@@ -376,7 +480,7 @@ def make_one(fx: Fixture, args, report: dict) -> None:
     rep["softmax_scale"] = scale
     rep["logit_stats"] = cap.extras["logit_stats"]
     rep["checks"] = {}
-    for layer in range(COMMON["num_hidden_layers"]):
+    for layer in range(fx.layers):
         hf_scale = cap.extras["hf_scaling"][layer]
         if not math.isclose(hf_scale, scale, rel_tol=1e-14):
             raise SystemExit(f"HF softmax scale {hf_scale} != MLA.md scale {scale}")
@@ -398,6 +502,8 @@ def make_one(fx: Fixture, args, report: dict) -> None:
                     res["kv_b_k_nope_max_err"], res["kv_b_v_max_err"])
         if worst > 1e-9:
             raise SystemExit(f"{fx.name} L{layer}: golden self-check failed (max err {worst:.2e})")
+    if fx.moe is not None:
+        check_moe(fx, f32, t, rep)
     print(f"HF plain f32 vs f64 golden logits: max |diff| {rep['hf_f32_vs_f64_logits_max_abs']:.2e}; "
           f"f64 vs HF f32 inv_freq rel err {rep['inv_freq_rel_err_vs_hf_f32']:.1e}")
 
@@ -418,7 +524,8 @@ def make_one(fx: Fixture, args, report: dict) -> None:
         "tokens": str(fx.tokens),
         "seed": str(seed),
         "softmax_scale": repr(scale),
-        "f64_patches": "RMSNorm, rotary table and eager softmax kept in float64 (HF forces f32 there)",
+        "f64_patches": "RMSNorm, rotary table and eager softmax kept in float64 (HF forces f32 there)"
+                       + (", MoE router logits in float64" if fx.moe is not None else ""),
         "torch": torch.__version__,
     }
     st_io.save(tensors, golden, metadata=meta)

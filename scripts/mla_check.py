@@ -94,3 +94,98 @@ def _rope(x: np.ndarray, cos_half: np.ndarray, sin_half: np.ndarray) -> np.ndarr
     out[..., 0::2] = x0 * cos_half - x1 * sin_half
     out[..., 1::2] = x1 * cos_half + x0 * sin_half
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# MoE FFN (DeepSeek-V3 routing), from the F32 GGUF's own tensors and metadata
+# --------------------------------------------------------------------------------------------
+
+def _top(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest values, largest first, ties to the lower index (stable)."""
+    return np.argsort(-values, kind="stable")[:k]
+
+
+def moe_select(choice: np.ndarray, k: int, n_group: int, n_group_used: int) -> np.ndarray:
+    """Group-limited top-k of one token's choice scores [E] (llama.cpp build_moe_ffn, HF
+    DeepseekV3TopkRouter): group score = sum of the group's two largest choice scores; keep the
+    n_group_used best groups; top-k over their experts. Returns the k expert ids."""
+    return moe_allowed(choice, k, n_group, n_group_used)[0]
+
+
+def moe_allowed(choice: np.ndarray, k: int, n_group: int, n_group_used: int) -> tuple[np.ndarray, np.ndarray]:
+    """(selected ids, choice scores with the experts of dropped groups set to -inf)."""
+    e = choice.shape[0]
+    allowed = np.ones(e, dtype=bool)
+    if n_group > 1:
+        per = e // n_group
+        groups = choice.reshape(n_group, per)
+        gscore = np.sort(groups, axis=1)[:, ::-1][:, :2].sum(axis=1)
+        keep = _top(gscore, n_group_used)
+        allowed[:] = False
+        for g in keep:
+            allowed[g * per:(g + 1) * per] = True
+    masked = np.where(allowed, choice, -np.inf)
+    return _top(masked, k), masked
+
+
+def check_moe_layer(t: dict[str, np.ndarray], layer: int, w: dict[str, np.ndarray], moe: dict,
+                    eps: float) -> dict[str, float]:
+    """Recompute one MoE layer's sites from the captured `hidden_in` and `o_proj`, the GGUF's
+    tensors `w` (PyTorch order: ffn_gate_exps [E, F, H], ffn_down_exps [E, H, F]) and the GGUF's
+    MoE metadata `moe` (E, K, G, G_used, gating 1 softmax / 2 sigmoid, norm, scale).
+
+    Returns max-abs errors, the count of tokens whose selected set differs from the capture, and
+    how many token selections the score-correction bias and the group limit change (a fixture
+    whose bias or groups change nothing would not test them), plus the smallest gap between the
+    k-th and (k+1)-th allowed choice score (a near tie would make f32 engines flip experts)."""
+    g = lambda s: t[f"L{layer}.{s}"]  # noqa: E731
+    b = lambda s: w[f"blk.{layer}.{s}"]  # noqa: E731
+    h1 = g("hidden_in") + g("o_proj")
+    xn = h1 / np.sqrt(np.mean(h1 * h1, axis=-1, keepdims=True) + eps) * b("ffn_norm.weight")
+    logits = xn @ b("ffn_gate_inp.weight").T.astype(np.float64)                # [T, E]
+    res: dict[str, float] = {"router_logits_max_err": float(np.abs(logits - g("moe_router_logits")).max())}
+    if moe["gating"] == 2:
+        probs = 1.0 / (1.0 + np.exp(-logits))
+    else:
+        ex = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs = ex / ex.sum(axis=-1, keepdims=True)
+    bias = w.get(f"blk.{layer}.exp_probs_b.bias")
+    choice = probs + (bias if bias is not None else 0.0)
+    K, G, Gu = moe["K"], moe["G"], moe["G_used"]
+    T, H = h1.shape
+    moe_out = np.zeros((T, H))
+    mismatch = bias_changes = group_changes = 0
+    min_gap = np.inf
+    gate_e, up_e, down_e = (b("ffn_gate_exps.weight"), b("ffn_up_exps.weight"), b("ffn_down_exps.weight"))
+    for ti in range(T):
+        sel, masked = moe_allowed(choice[ti], K, G, Gu)
+        if set(sel.tolist()) != set(g("moe_topk")[ti].tolist()):
+            mismatch += 1
+        if set(moe_select(probs[ti], K, G, Gu).tolist()) != set(sel.tolist()):
+            bias_changes += 1
+        if set(moe_select(choice[ti], K, 1, 1).tolist()) != set(sel.tolist()):
+            group_changes += 1
+        # gap at the cut, among the allowed experts (those of dropped groups are -inf)
+        ordered = np.sort(masked)[::-1]
+        if np.isfinite(ordered[K]):
+            min_gap = min(min_gap, float(ordered[K - 1] - ordered[K]))
+        wts = probs[ti, sel]
+        if moe["norm"]:
+            wts = wts / (wts.sum() + 1e-20)
+        wts = wts * moe["scale"]
+        x = xn[ti]
+        for e, wt in zip(sel, wts):
+            gate = gate_e[e] @ x
+            up = up_e[e] @ x
+            moe_out[ti] += wt * (down_e[e] @ (gate / (1.0 + np.exp(-gate)) * up))
+    gs, us, ds = b("ffn_gate_shexp.weight"), b("ffn_up_shexp.weight"), b("ffn_down_shexp.weight")
+    sg, su = xn @ gs.T, xn @ us.T
+    shared = (sg / (1.0 + np.exp(-sg)) * su) @ ds.T
+    res["moe_out_max_err"] = float(np.abs(moe_out - g("moe_out")).max())
+    res["shared_out_max_err"] = float(np.abs(shared - g("shared_out")).max())
+    res["hidden_out_max_err"] = float(np.abs(h1 + moe_out + shared - g("hidden_out")).max())
+    res["topk_set_mismatches"] = mismatch
+    res["tokens_bias_changes_selection"] = bias_changes
+    res["tokens_group_limit_changes_selection"] = group_changes
+    res["min_choice_gap_at_cut"] = min_gap
+    return res

@@ -2,7 +2,7 @@
 # Records every committed golden case (golden/<case>/{manifest.json,trace.safetensors}).
 #
 # One case per fixture in golden/models/, plus the embedded default. Every case runs all four
-# paths on layer 1 of a small two-sequence batch (2 and 5 tokens; page size 4, so one sequence
+# paths on layer 1 (layer 2 for the MoE fixture) of a small two-sequence batch (2 and 5 tokens; page size 4, so one sequence
 # fits in a page and one spans two; 2 decode splits; chunks of 2 context tokens), varying one
 # thing per fixture so that the goldens also pin the token path, TP, bf16 and YaRN far from
 # position 0. Re-recording replaces the cases (--force); review the diff before committing.
@@ -11,8 +11,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ $# -ge 1 ]]; then BIN=("$1"); else cargo build --release --quiet; BIN=(target/release/mla-diff); fi
-COMMON=(--layer 1 --seqs 2,5 --page-size 4 --splits 2 --chunk-size 2 --new-tokens 2 --backend cpu --force)
-rec() { local case=$1; shift; "${BIN[@]}" golden record --case "$case" "${COMMON[@]}" "$@"; }
+BASE=(--seqs 2,5 --page-size 4 --splits 2 --chunk-size 2 --new-tokens 2 --backend cpu --force)
+rec() { local case=$1; shift; "${BIN[@]}" golden record --case "$case" --layer 1 "${BASE[@]}" "$@"; }
+# The MoE fixture's cases record layer 2: with --input tokens its input is the reference's
+# output of MoE layer 1, so the case pins the MoE FFN of the token path too.
+rec_layer2() { local case=$1; shift; "${BIN[@]}" golden record --case "$case" --layer 2 "${BASE[@]}" "$@"; }
 M=golden/models
 rec embedded-default                                          # the embedded tiny-v3 Q4_K_M
 rec tiny-v3-f32      --model $M/tiny-v3-f32.gguf --input tokens
@@ -26,3 +29,5 @@ rec lite-v2-q8_0     --model $M/lite-v2-q8_0.gguf
 rec legacy-kvb-f32   --model $M/legacy-kvb-f32.gguf
 rec k256-q4_k_m      --model $M/k256-q4_k_m.gguf --tp 2
 rec k256-q6_k        --model $M/k256-q6_k.gguf --dtype bf16
+rec_layer2 moe-v3-f32  --model $M/moe-v3-f32.gguf --input tokens
+rec_layer2 moe-v3-q8_0 --model $M/moe-v3-q8_0.gguf --input tokens

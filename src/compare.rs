@@ -301,8 +301,16 @@ pub fn diff_site(
             tolerance: tol,
         };
     }
-    let m = metrics(reference, cand, &tol);
-    let failed = judge(&m, &tol);
+    let (m, failed) = if site.stage.is_id_set() {
+        let (r, c) = (sorted_rows(reference), sorted_rows(cand));
+        let m = metrics(&r, &c, &tol);
+        let failed = judge(&m, &tol);
+        (m, failed)
+    } else {
+        let m = metrics(reference, cand, &tol);
+        let failed = judge(&m, &tol);
+        (m, failed)
+    };
     SiteDiff {
         site,
         status: if failed.is_empty() { Status::Pass } else { Status::Fail },
@@ -312,6 +320,17 @@ pub fn diff_site(
         failed,
         tolerance: tol,
     }
+}
+
+/// An id site (`moe_topk`, [T, K]) with every row sorted ascending: the canonical form of a set
+/// per token, so that two selections compare equal whatever order each side listed them in.
+pub fn sorted_rows(t: &TraceTensor) -> TraceTensor {
+    let k = t.shape.last().copied().unwrap_or(1).max(1);
+    let mut v = t.to_f64();
+    for row in v.chunks_mut(k) {
+        row.sort_by(f64::total_cmp);
+    }
+    TraceTensor::f64(t.shape.clone(), v)
 }
 
 /// Compares every site the candidate recorded against the reference, in data-flow order, under
@@ -393,6 +412,21 @@ mod tests {
         assert_eq!(m.nonfinite_mismatch, 2);
         assert_eq!(m.first_nonfinite_mismatch, Some(0));
         assert!(!is_canary_like(f32::NAN));
+    }
+
+    #[test]
+    fn expert_ids_compare_as_sets_per_token() {
+        // Seeded, non-trivial ids: token rows [5, 2], [0, 7], [3, 6].
+        let r = t64(&[3, 2], vec![5.0, 2.0, 0.0, 7.0, 3.0, 6.0]);
+        let reordered = t32(&[3, 2], vec![2.0, 5.0, 7.0, 0.0, 3.0, 6.0]);
+        let d = diff_site(Site::new(1, Stage::MoeTopk), Some(&r), &reordered, Dtype::F32);
+        assert_eq!(d.status, Status::Pass, "{:?}", d.failed);
+        assert_eq!(d.metrics.unwrap().rel_l2, 0.0);
+        // One token routed to expert 4 instead of 6: a failure, even in bf16.
+        let other = t32(&[3, 2], vec![2.0, 5.0, 7.0, 0.0, 3.0, 4.0]);
+        let d = diff_site(Site::new(1, Stage::MoeTopk), Some(&r), &other, Dtype::Bf16);
+        assert_eq!(d.status, Status::Fail);
+        approx::assert_abs_diff_eq!(d.metrics.unwrap().pass_fraction, 5.0 / 6.0);
     }
 
     #[test]

@@ -49,6 +49,89 @@ impl YarnConfig {
     }
 }
 
+/// How the router turns logits into expert scores: GGUF `expert_gating_func`, with llama.cpp's
+/// enum values (`src/llama-hparams.h`, `llama_expert_gating_func_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GatingFunc {
+    /// 1: softmax over all `E` logits of a token (DeepSeek-V2/V2.5; also what llama.cpp assumes
+    /// when the key is absent or 0, for older V2 files).
+    Softmax,
+    /// 2: elementwise sigmoid (DeepSeek-V3, Kimi-K2).
+    Sigmoid,
+}
+
+impl GatingFunc {
+    /// llama.cpp's enum value (1 softmax, 2 sigmoid).
+    pub fn id(self) -> u64 {
+        match self {
+            GatingFunc::Softmax => 1,
+            GatingFunc::Sigmoid => 2,
+        }
+    }
+}
+
+/// The routed-expert FFN of the MoE layers (layers `leading_dense_block_count..block_count`), from
+/// the `deepseek2.expert_*` keys. Names: `E` routed experts, `K` experts used per token, `G`
+/// expert groups, `F_e` expert FFN width.
+///
+/// Semantics (HF `modeling_deepseek_v3.py` `DeepseekV3TopkRouter`/`DeepseekV3MoE`, llama.cpp
+/// `src/llama-graph.cpp` `build_moe_ffn`): scores = gating(router logits); the experts are chosen
+/// on `scores + exp_probs_b` (the score-correction bias, for the choice only), group-limited to
+/// the `G_used` best groups when `G > 1`; their weights are the unbiased scores, normalised to sum
+/// 1 when `weights_norm`, then multiplied by `weights_scale`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MoeConfig {
+    /// `E`: `expert_count`, routed experts per MoE layer.
+    pub n_expert: usize,
+    /// `K`: `expert_used_count`, experts each token is routed to (1 ≤ K ≤ E).
+    pub n_expert_used: usize,
+    /// `expert_shared_count`: shared experts, run on every token as one SwiGLU FFN of width
+    /// `n_expert_shared · F_e` (0 when absent).
+    pub n_expert_shared: usize,
+    /// `F_e`: `expert_feed_forward_length`, the intermediate width of one routed expert.
+    pub expert_ffn: usize,
+    /// `expert_weights_scale` (HF `routed_scaling_factor`): multiplies the routing weights after
+    /// any normalisation; 1 when the key is absent or 0 (llama.cpp skips the scale for 0 and 1).
+    pub weights_scale: f64,
+    /// `expert_weights_norm` (HF `norm_topk_prob`): normalise the K weights to sum 1 (false when
+    /// absent).
+    pub weights_norm: bool,
+    /// `expert_gating_func`: softmax (1, also when absent or 0) or sigmoid (2).
+    pub gating: GatingFunc,
+    /// `G`: `expert_group_count` (HF `n_group`); 1 when absent or 0 (no group limit).
+    pub n_group: usize,
+    /// `G_used`: `expert_group_used_count` (HF `topk_group`), groups kept per token; `G` when
+    /// absent.
+    pub n_group_used: usize,
+}
+
+impl MoeConfig {
+    /// Routed experts per group, `E / G`.
+    pub fn experts_per_group(&self) -> usize {
+        self.n_expert / self.n_group.max(1)
+    }
+
+    /// One-line summary, e.g. `E=256 K=8 G=8/4 F_e=2048 shared=1 sigmoid norm scale=2.5`.
+    pub fn line(&self) -> String {
+        format!(
+            "E={} K={} G={}/{} F_e={} shared={} {}{} scale={}",
+            self.n_expert,
+            self.n_expert_used,
+            self.n_group,
+            self.n_group_used,
+            self.expert_ffn,
+            self.n_expert_shared,
+            match self.gating {
+                GatingFunc::Softmax => "softmax",
+                GatingFunc::Sigmoid => "sigmoid",
+            },
+            if self.weights_norm { " norm" } else { "" },
+            self.weights_scale
+        )
+    }
+}
+
 /// The MLA attention configuration of one model, in MLA.md's dim names.
 ///
 /// Built by [`MlaConfig::from_gguf`]. Dims are element counts; `softmax_scale` multiplies the raw
@@ -87,6 +170,10 @@ pub struct MlaConfig {
     pub leading_dense_block_count: usize,
     /// Vocabulary size (rows of `token_embd.weight`), 0 when the file has no embedding.
     pub vocab: usize,
+    /// The routed-expert FFN of layers `leading_dense_block_count..n_layer`; `None` when the file
+    /// has no `expert_count` (or 0) or every layer is dense. Absent from JSON when `None`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeConfig>,
 }
 
 impl MlaConfig {
@@ -95,8 +182,10 @@ impl MlaConfig {
     ///
     /// Errors: [`Error::NotMla`] for a non-MLA architecture, [`Error::MissingKey`] naming the
     /// first required key that is absent, [`Error::BadKey`] for a value of the wrong type or an
-    /// impossible value (e.g. `key_length_mla ≤ rope.dimension_count`), [`Error::NotSupported`]
-    /// for a RoPE scaling type other than none/yarn.
+    /// impossible value (e.g. `key_length_mla ≤ rope.dimension_count`, or MoE counts that do not
+    /// fit: `expert_used_count > expert_count`, groups that do not divide the experts, …),
+    /// [`Error::NotSupported`] for a RoPE scaling type other than none/yarn or an
+    /// `expert_gating_func` other than softmax/sigmoid.
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let m = Meta { file };
         let arch = m
@@ -199,6 +288,11 @@ impl MlaConfig {
         };
         let vocab = file.tensor("token_embd.weight").map_or(0, |t| t.shape()[0] as usize);
         let leading_dense_block_count = m.usize(&k("leading_dense_block_count"))?.unwrap_or(0);
+        let moe = if leading_dense_block_count < n_layer {
+            moe_config(&m, &arch, hidden)?
+        } else {
+            None
+        };
 
         for (key, v) in [
             (k("block_count"), n_layer),
@@ -228,7 +322,14 @@ impl MlaConfig {
             kv_b_layout,
             leading_dense_block_count,
             vocab,
+            moe,
         })
+    }
+
+    /// True when layer `layer` runs the routed-expert FFN (MoE) instead of a dense one: the file
+    /// has an MoE config and `layer ≥ leading_dense_block_count`.
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        self.moe.is_some() && layer >= self.leading_dense_block_count
     }
 
     /// `P + R`: the per-head query/key width of the expanded path (192 for DeepSeek-V3).
@@ -254,6 +355,133 @@ impl MlaConfig {
             self.v_head_dim
         )
     }
+}
+
+/// Reads and validates the `{arch}.expert_*` keys (llama.cpp `llama_model::load_hparams` and
+/// `deepseek2.cpp` `load_arch_hparams`). `None` when `expert_count` is absent or 0 (a dense model
+/// whose converter omitted `leading_dense_block_count`).
+///
+/// Errors name the key: [`Error::MissingKey`] for `expert_used_count` or
+/// `expert_feed_forward_length`; [`Error::BadKey`] for K = 0 or K > E, groups that do not divide
+/// E, `G_used` = 0 or > G, fewer than 2 experts per group (the group score sums a group's two best
+/// experts), fewer than K experts in the kept groups, a non-finite or negative scale;
+/// [`Error::NotSupported`] for a gating function other than softmax/sigmoid.
+fn moe_config(m: &Meta<'_>, arch: &str, hidden: usize) -> Result<Option<MoeConfig>> {
+    let k = |s: &str| format!("{arch}.{s}");
+    let n_expert = match m.usize(&k("expert_count"))? {
+        None | Some(0) => return Ok(None),
+        Some(e) => e,
+    };
+    // llama.cpp's LLAMA_MAX_EXPERTS.
+    if n_expert > 1024 {
+        return Err(m.bad(&k("expert_count"), format!("{n_expert} exceeds 1024 experts")));
+    }
+    let n_expert_used = m.req_usize(&k("expert_used_count"))?;
+    if n_expert_used == 0 || n_expert_used > n_expert {
+        return Err(m.bad(
+            &k("expert_used_count"),
+            format!("{n_expert_used} must be between 1 and expert_count {n_expert}"),
+        ));
+    }
+    let expert_ffn = m.req_usize(&k("expert_feed_forward_length"))?;
+    if expert_ffn == 0 {
+        return Err(m.bad(&k("expert_feed_forward_length"), "must be positive".into()));
+    }
+    let n_expert_shared = m.usize(&k("expert_shared_count"))?.unwrap_or(0);
+    if n_expert_shared > 64 {
+        return Err(m.bad(
+            &k("expert_shared_count"),
+            format!("{n_expert_shared} is implausibly large"),
+        ));
+    }
+    // Shared experts are one FFN of width n_shared · F_e; keep every product bounded.
+    if (n_expert_shared.max(1) * expert_ffn).saturating_mul(hidden) > 1 << 34 {
+        return Err(m.bad(
+            &k("expert_feed_forward_length"),
+            format!("{expert_ffn} × H {hidden} is implausibly large"),
+        ));
+    }
+    let weights_scale = match m.f64(&k("expert_weights_scale"))? {
+        None => 1.0,
+        Some(0.0) => 1.0,
+        Some(x) if x.is_finite() && x > 0.0 => x,
+        Some(x) => {
+            return Err(m.bad(
+                &k("expert_weights_scale"),
+                format!("{x} is not a positive finite number"),
+            ));
+        }
+    };
+    let weights_norm = match m.file.meta(&k("expert_weights_norm")) {
+        None => false,
+        Some(v) => v.as_bool().ok_or_else(|| {
+            m.bad(
+                &k("expert_weights_norm"),
+                format!("expected a bool, found {}", v.type_name()),
+            )
+        })?,
+    };
+    let gating = match m.usize(&k("expert_gating_func"))? {
+        None | Some(0) | Some(1) => GatingFunc::Softmax,
+        Some(2) => GatingFunc::Sigmoid,
+        Some(other) => {
+            return Err(Error::NotSupported(format!(
+                "{}: metadata key `{}` is {other} ({}); only 1 (softmax) and 2 (sigmoid) are supported",
+                m.file.path().display(),
+                k("expert_gating_func"),
+                match other {
+                    3 => "softmax_weight",
+                    4 => "sqrt_softplus",
+                    _ => "unknown",
+                }
+            )));
+        }
+    };
+    let n_group = m.usize(&k("expert_group_count"))?.unwrap_or(1).max(1);
+    if !n_expert.is_multiple_of(n_group) {
+        return Err(m.bad(
+            &k("expert_group_count"),
+            format!("{n_group} groups do not divide expert_count {n_expert}"),
+        ));
+    }
+    let n_group_used = m.usize(&k("expert_group_used_count"))?.unwrap_or(n_group);
+    if n_group > 1 {
+        if n_group_used == 0 || n_group_used > n_group {
+            return Err(m.bad(
+                &k("expert_group_used_count"),
+                format!("{n_group_used} must be between 1 and expert_group_count {n_group}"),
+            ));
+        }
+        if n_expert / n_group < 2 {
+            return Err(m.bad(
+                &k("expert_group_count"),
+                format!(
+                    "{n_group} groups of {n_expert} experts leave {} per group; the group score sums a group's two best experts",
+                    n_expert / n_group
+                ),
+            ));
+        }
+        if n_group_used * (n_expert / n_group) < n_expert_used {
+            return Err(m.bad(
+                &k("expert_group_used_count"),
+                format!(
+                    "{n_group_used} kept groups of {} experts hold fewer than expert_used_count {n_expert_used}",
+                    n_expert / n_group
+                ),
+            ));
+        }
+    }
+    Ok(Some(MoeConfig {
+        n_expert,
+        n_expert_used,
+        n_expert_shared,
+        expert_ffn,
+        weights_scale,
+        weights_norm,
+        gating,
+        n_group,
+        n_group_used: if n_group > 1 { n_group_used } else { 1 },
+    }))
 }
 
 /// Typed metadata access that names the key in every error.

@@ -516,6 +516,9 @@ pub fn expected_shape(stage: Stage, cfg: &MlaConfig, t: usize) -> Option<Vec<usi
         Stage::WKvB => vec![n * (p + v), l],
         Stage::WUkT => vec![n, p, l],
         Stage::WUv => vec![n, l, v],
+        Stage::MoeRouterLogits => vec![t, cfg.moe.as_ref()?.n_expert],
+        Stage::MoeTopk => vec![t, cfg.moe.as_ref()?.n_expert_used],
+        Stage::MoeOut | Stage::SharedOut => vec![t, h],
         Stage::WRank(..) => return None,
     })
 }
@@ -730,12 +733,12 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
             continue;
         }
         let site = site.expect("checked above");
-        if !is_float {
+        if !is_float && !site.stage.is_id_set() {
             return Err(derr(
                 path,
                 &name,
                 format!(
-                    "site {site} has integer dtype {:?}; sites must be F32, F16, BF16 or F64",
+                    "site {site} has integer dtype {:?}; sites must be F32, F16, BF16 or F64 (only id sites such as moe_topk may be integers)",
                     view.dtype()
                 ),
             ));
@@ -943,8 +946,11 @@ fn to_array(t: &TraceTensor, rows: usize, cols: usize) -> Result<Array2<f64>> {
 /// `hidden_in` is judged against the token-derived input; each later dumped `L{n}.hidden_in` is
 /// judged against the dump's own `L{n-1}.hidden_out`.
 ///
-/// Errors: no input for a layer; a reference layer that cannot run (missing tensors, MoE before
-/// the first dumped layer in token mode).
+/// An MoE layer's reference runs its MoE FFN (sites `moe_*`, `shared_out`, `hidden_out`) when the
+/// dump holds any of them for that layer; a token-derived input runs every earlier layer whole.
+///
+/// Errors: no input for a layer; a reference layer that cannot run (missing tensors, an MoE
+/// layer in a file without `expert_count`).
 pub fn compare_dump(
     file: &GgufFile,
     cfg: &MlaConfig,
@@ -975,13 +981,9 @@ pub fn compare_dump(
                 let mut h = embed_tokens(file, cfg, tk)?.mapv(f64::from);
                 for k in 0..layer {
                     let wk = LayerWeights::load(file, cfg, k)?;
-                    h = crate::reference::forward(cfg, &wk, &h, &dump.batch)?
+                    h = crate::reference::forward_full(file, cfg, &wk, &h, &dump.batch)?
                         .hidden_out
-                        .ok_or_else(|| {
-                            Error::NotSupported(format!(
-                                "layer {k} has no dense FFN (MoE is not supported yet): dump L{layer}.hidden_in to start at layer {layer}"
-                            ))
-                        })?;
+                        .ok_or_else(|| Error::Usage(format!("reference: layer {k} produced no hidden_out")))?;
                 }
                 expected_in = Some(h);
             }
@@ -1001,7 +1003,15 @@ pub fn compare_dump(
                 )));
             }
         };
-        let mut reference = crate::run::reference_layer(cfg, &w, &input, &dump.batch, 1)?.trace;
+        let wants_ffn = dl
+            .entries()
+            .iter()
+            .any(|(s, _)| s.stage.is_moe() || s.stage == Stage::HiddenOut);
+        let mut reference = if cfg.is_moe_layer(layer) && wants_ffn {
+            crate::run::reference_layer_full(file, cfg, &w, &input, &dump.batch, 1)?.trace
+        } else {
+            crate::run::reference_layer(cfg, &w, &input, &dump.batch, 1)?.trace
+        };
         if let Some(e) = expected_in {
             let flat: Vec<f64> = e.iter().copied().collect();
             reference.record(
@@ -1121,6 +1131,7 @@ mod tests {
             kv_b_layout,
             leading_dense_block_count: 2,
             vocab: 0,
+            moe: None,
         }
     }
 

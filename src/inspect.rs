@@ -94,11 +94,20 @@ pub fn inspect(file: &GgufFile, layer: Option<usize>) -> String {
             ));
             match c.yarn {
                 Some(y) => s.push_str(&format!(
-                    "  YaRN factor {}, original context {}, log multiplier {} (0.1·mscale_all_dim), beta fast {} slow {}\n\n",
+                    "  YaRN factor {}, original context {}, log multiplier {} (0.1·mscale_all_dim), beta fast {} slow {}\n",
                     y.factor, y.original_context, y.log_multiplier, y.beta_fast, y.beta_slow
                 )),
-                None => s.push_str("  no RoPE scaling\n\n"),
+                None => s.push_str("  no RoPE scaling\n"),
             }
+            if let Some(m) = &c.moe {
+                s.push_str(&format!(
+                    "  MoE from layer {} ({} dense): {}\n",
+                    c.leading_dense_block_count,
+                    c.leading_dense_block_count,
+                    m.line()
+                ));
+            }
+            s.push('\n');
         }
         Err(e) => s.push_str(&format!("MLA config: not derivable: {e}\n\n")),
     }

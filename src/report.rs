@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::run::RunReport;
 
 /// Version of the `--json` document. Bump on any incompatible change.
-pub const JSON_SCHEMA_VERSION: u32 = 1;
+pub const JSON_SCHEMA_VERSION: u32 = 2;
 
 fn sci(x: f64) -> String {
     if x == 0.0 {
@@ -167,12 +167,17 @@ pub fn terminal(report: &RunReport) -> String {
     let mut s = String::new();
     let c = &report.model.config;
     s.push_str(&format!(
-        "model {} ({}, {} layers, {}; softmax scale {:.6})\n",
+        "model {} ({}, {} layers, {}; softmax scale {:.6}{})\n",
         report.model.path,
         c.arch,
         c.n_layer,
         c.dims_line(),
-        c.softmax_scale
+        c.softmax_scale,
+        c.moe.as_ref().map_or(String::new(), |m| format!(
+            "; MoE from layer {}: {}",
+            c.leading_dense_block_count,
+            m.line()
+        ))
     ));
     s.push_str(&format!("{}\n", run_line(report)));
     for l in dump_lines(report) {

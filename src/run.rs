@@ -149,11 +149,14 @@ pub fn seeded_tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
 pub struct RefOutput {
     /// Every site, f64.
     pub trace: Trace,
-    /// `hidden_out`, when the layer's FFN is dense.
+    /// `hidden_out`, when the layer's FFN is dense or its MoE FFN was run.
     pub hidden_out: Option<Array2<f64>>,
+    /// Non-finite MoE weights met on the way (see [`reference::RefLayer::moe_nonfinite`]).
+    pub moe_nonfinite: Vec<(String, usize, usize)>,
 }
 
-/// Runs the reference on one layer (plus its rank weight sites under TP).
+/// Runs the reference on one layer (plus its rank weight sites under TP): attention and a dense
+/// FFN; an MoE layer stops at `o_proj` (see [`reference_layer_full`]).
 pub fn reference_layer(
     cfg: &MlaConfig,
     w: &LayerWeights,
@@ -167,6 +170,29 @@ pub fn reference_layer(
     Ok(RefOutput {
         trace,
         hidden_out: r.hidden_out,
+        moe_nonfinite: Vec::new(),
+    })
+}
+
+/// [`reference_layer`], and for an MoE layer also its MoE FFN ([`reference::forward_full`]):
+/// the MoE sites and `hidden_out`.
+///
+/// Errors: as [`reference::forward_full`].
+pub fn reference_layer_full(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    hidden: &Array2<f64>,
+    batch: &Batch,
+    tp: usize,
+) -> Result<RefOutput> {
+    let r = reference::forward_full(file, cfg, w, hidden, batch)?;
+    let mut trace = r.trace;
+    trace.extend(reference::rank_weight_sites(cfg, w, tp));
+    Ok(RefOutput {
+        trace,
+        hidden_out: r.hidden_out,
+        moe_nonfinite: r.moe_nonfinite,
     })
 }
 
@@ -242,9 +268,12 @@ pub struct LayerTraces {
 
 /// Runs the reference and the requested paths on every requested layer.
 ///
-/// Errors: a layer out of range, missing tensors, token input on a model without embedding, a
-/// preceding layer whose FFN the reference cannot run (MoE, not yet supported), a TP size that
-/// does not divide N.
+/// With `--input tokens` every layer up to the last requested one runs whole, MoE FFN included
+/// (its sites are in the reference trace; the paths stop at `o_proj` there); with random inputs
+/// an MoE layer's reference stops at `o_proj`, since no path computes its FFN.
+///
+/// Errors: a layer out of range, missing tensors, token input on a model without embedding, an
+/// MoE layer in a file without `expert_count`, a TP size that does not divide N.
 pub fn run(backend: &Backend, file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<RunReport> {
     run_inner(backend, file, cfg, rc, false, &mut |_, _| {}).map(|(r, _)| r)
 }
@@ -355,13 +384,22 @@ fn run_inner(
                 ));
             }
             InputMode::Tokens => carried.take().ok_or_else(|| {
-                Error::NotSupported(format!(
-                    "layer {layer}: the token path stops at layer {}: its FFN is not dense (MoE is not supported yet); use --input random",
+                Error::Usage(format!(
+                    "layer {layer}: no hidden state carried from layer {}",
                     layer.saturating_sub(1)
                 ))
             })?,
         };
-        let refo = reference_layer(cfg, &w, &hidden, &rc.batch, if wanted { tp } else { 1 })?;
+        let layer_tp = if wanted { tp } else { 1 };
+        let refo = if rc.input == InputMode::Tokens {
+            reference_layer_full(file, cfg, &w, &hidden, &rc.batch, layer_tp)?
+        } else {
+            reference_layer(cfg, &w, &hidden, &rc.batch, layer_tp)?
+        };
+        if !refo.moe_nonfinite.is_empty() {
+            let numel = |t: &str| file.tensor(t).map_or(0, |i| i.n_elements() as usize);
+            findings.extend(diagnose::weight_nonfinite_findings(layer, &refo.moe_nonfinite, numel));
+        }
         if wanted {
             let (res, f, runs) = compare_layer(backend, file, cfg, &w, &hidden, &refo.trace, rc)?;
             results.extend(res);
@@ -397,10 +435,11 @@ fn run_inner(
     Ok((report, traces))
 }
 
-/// The reference forward of layers `0..=last` on given token ids (no paths): one trace per
-/// layer. This is what HF-golden tests compare against.
+/// The reference forward of layers `0..=last` on given token ids (no paths), MoE layers whole:
+/// one trace per layer. This is what HF-golden tests compare against.
 ///
-/// Errors: ids outside the vocabulary, a MoE layer before `last`, missing tensors.
+/// Errors: ids outside the vocabulary, missing tensors, an MoE layer in a file without
+/// `expert_count`.
 pub fn reference_chain(
     file: &GgufFile,
     cfg: &MlaConfig,
@@ -412,12 +451,10 @@ pub fn reference_chain(
     let mut out = Vec::new();
     for layer in 0..=last {
         let w = LayerWeights::load(file, cfg, layer)?;
-        let r = reference::forward(cfg, &w, &hidden, batch)?;
+        let r = reference::forward_full(file, cfg, &w, &hidden, batch)?;
         out.push(r.trace);
-        if layer < last {
-            hidden = r.hidden_out.ok_or_else(|| {
-                Error::NotSupported(format!("layer {layer} has no dense FFN (MoE is not supported yet)"))
-            })?;
+        if let Some(h) = r.hidden_out {
+            hidden = h;
         }
     }
     Ok(out)

@@ -112,6 +112,8 @@ pub enum StageGroup {
     Weights,
     /// Log-sum-exp values.
     Lse,
+    /// Expert ids (`moe_topk`), compared as a set per token.
+    ExpertIds,
     /// Every other activation.
     Activations,
 }
@@ -123,6 +125,8 @@ impl StageGroup {
             StageGroup::Weights
         } else if stage == Stage::Lse {
             StageGroup::Lse
+        } else if stage.is_id_set() {
+            StageGroup::ExpertIds
         } else {
             StageGroup::Activations
         }
@@ -327,6 +331,22 @@ pub const TOLERANCES: &[(StageGroup, Precision, Tolerance, &str)] = &[
     ),
 ];
 
+/// The row of id sites (`moe_topk`), for both dtypes: exact.
+const EXACT_IDS: Tolerance = Tolerance {
+    rel_l2: 0.0,
+    cos_diff: 0.0,
+    norm_ratio: 0.0,
+    atol_rms: 0.0,
+    rtol: 0.0,
+    min_pass_fraction: 1.0,
+};
+
+/// Why [`EXACT_IDS`] is exact.
+const EXACT_IDS_WHY: &str = "expert ids are compared as a set per token (both sides sorted \
+     first, so their order does not matter): a token routed to another expert runs another \
+     computation, which no rounding tolerance can cover. A near tie at the k-th choice score can \
+     still flip in f32; the finding lists the tokens and ids so that a tie can be told from a bug";
+
 /// The golden row: a recomputed trace against the same trace recorded earlier by the same
 /// backend and dtype (`mla-diff golden check`), for every site and both dtypes.
 ///
@@ -352,9 +372,12 @@ pub const GOLDEN_TOLERANCE: (Tolerance, &str) = (
 );
 
 /// The row for `stage` judged at `precision` (a [`Dtype`] converts to the rows of mla-diff's own
-/// paths), with its provenance.
+/// paths), with its provenance. Id sites (`moe_topk`) are exact at every precision.
 pub fn tolerance(stage: Stage, precision: impl Into<Precision>) -> (Tolerance, &'static str) {
     let (group, precision) = (StageGroup::of(stage), precision.into());
+    if group == StageGroup::ExpertIds {
+        return (EXACT_IDS, EXACT_IDS_WHY);
+    }
     TOLERANCES
         .iter()
         .find(|(g, d, _, _)| *g == group && *d == precision)
@@ -386,5 +409,7 @@ mod tests {
             }
         }
         assert_eq!(tolerance(Stage::WKvB, Dtype::F32).0.rel_l2, 0.0);
+        assert_eq!(tolerance(Stage::MoeTopk, Dtype::Bf16).0.min_pass_fraction, 1.0);
+        assert_eq!(tolerance(Stage::MoeOut, Dtype::F32).0.rel_l2, 1e-5);
     }
 }

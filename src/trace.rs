@@ -78,6 +78,16 @@ pub enum Stage {
     AttnOut,
     /// `o_proj`: [T, H].
     OProj,
+    /// `moe_router_logits`: the router's raw logits `RMSNorm(h)·ffn_gate_inpᵀ`, [T, E] (MoE
+    /// layers only).
+    MoeRouterLogits,
+    /// `moe_topk`: the ids of the K experts each token selected, [T, K] (as numbers; compared as
+    /// a set per token, so their order does not matter).
+    MoeTopk,
+    /// `moe_out`: the weighted sum of the selected routed experts' outputs, [T, H].
+    MoeOut,
+    /// `shared_out`: the shared experts' output, [T, H] (MoE layers with shared experts).
+    SharedOut,
     /// `hidden_out`: after the attention residual and the FFN, [T, H].
     HiddenOut,
     /// `w.<weight>.rank<r>`: one TP rank's shard of a split weight.
@@ -107,6 +117,10 @@ pub const STAGES: &[Stage] = &[
     Stage::Lse,
     Stage::AttnOut,
     Stage::OProj,
+    Stage::MoeRouterLogits,
+    Stage::MoeTopk,
+    Stage::MoeOut,
+    Stage::SharedOut,
     Stage::HiddenOut,
 ];
 
@@ -142,6 +156,10 @@ impl Stage {
             Stage::Lse => "lse",
             Stage::AttnOut => "attn_out",
             Stage::OProj => "o_proj",
+            Stage::MoeRouterLogits => "moe_router_logits",
+            Stage::MoeTopk => "moe_topk",
+            Stage::MoeOut => "moe_out",
+            Stage::SharedOut => "shared_out",
             Stage::HiddenOut => "hidden_out",
             Stage::WRank(..) => "w.rank",
         }
@@ -176,6 +194,19 @@ impl Stage {
     /// True for weight sites (`w.*`).
     pub fn is_weight(&self) -> bool {
         self.base_name().starts_with("w.")
+    }
+
+    /// True for sites holding ids, not values (`moe_topk`): compared as a set per row.
+    pub fn is_id_set(&self) -> bool {
+        matches!(self, Stage::MoeTopk)
+    }
+
+    /// True for the stages only MoE layers have.
+    pub fn is_moe(&self) -> bool {
+        matches!(
+            self,
+            Stage::MoeRouterLogits | Stage::MoeTopk | Stage::MoeOut | Stage::SharedOut
+        )
     }
 }
 
@@ -363,6 +394,12 @@ mod tests {
         assert!(Stage::WKvB.order() < Stage::WRank(RankedWeight::KvB, 0).order());
         assert!(Stage::WRank(RankedWeight::KvB, 3).order() < Stage::KNope.order());
         assert!(Stage::KvCNormed.order() < Stage::QPeRoped.order());
+        assert!(Stage::OProj.order() < Stage::MoeRouterLogits.order());
+        assert!(Stage::MoeRouterLogits.order() < Stage::MoeTopk.order());
+        assert!(Stage::MoeTopk.order() < Stage::MoeOut.order());
+        assert!(Stage::SharedOut.order() < Stage::HiddenOut.order());
+        assert_eq!(Site::parse("L3.moe_topk"), Some(Site::new(3, Stage::MoeTopk)));
+        assert!(Stage::MoeTopk.is_id_set() && !Stage::MoeOut.is_id_set());
         assert_eq!(Site::parse("L1.nonsense"), None);
     }
 }

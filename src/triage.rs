@@ -295,6 +295,15 @@ pub fn markdown(rep: &RunReport, env: &Environment, command: &str, file: &GgufFi
         },
         c.leading_dense_block_count
     );
+    if let Some(m) = &c.moe {
+        let _ = writeln!(
+            s,
+            "MoE layers {}..{}: {} (E experts, K used, G groups / kept, F_e expert width).\n",
+            c.leading_dense_block_count,
+            c.n_layer,
+            m.line()
+        );
+    }
     s.push_str("| tensor | ggml type | shape (ggml order) |\n|---|---|---|\n");
     for t in &rep.model.tensor_types {
         let shape = file.tensor(&t.name).map(|i| i.shape()).unwrap_or_default();

@@ -65,6 +65,201 @@ pub struct DenseFfn {
     pub down: Array2<f32>,
 }
 
+/// One SwiGLU FFN in PyTorch layout: `down(silu(gate·x) ⊙ up·x)`. Used for one routed expert
+/// (width `F_e`) and for the shared experts (width `n_shared · F_e`).
+#[derive(Debug, Clone)]
+pub struct SwiGlu {
+    /// `gate_proj`, [F, H].
+    pub gate: Array2<f32>,
+    /// `up_proj`, [F, H].
+    pub up: Array2<f32>,
+    /// `down_proj`, [H, F].
+    pub down: Array2<f32>,
+}
+
+/// The small, always-needed weights of one MoE layer, dequantized to f32; the routed experts
+/// stay in the file and are dequantized one at a time by [`MoeWeights::expert`], so that a layer
+/// of a 256-expert model costs only the experts its tokens select.
+///
+/// Tensors (llama.cpp `LLM_ARCH_DEEPSEEK2`, PyTorch shapes): `ffn_norm` [H], `ffn_gate_inp`
+/// [E, H] (the router), `exp_probs_b.bias` [E] (optional), `ffn_{gate,up}_exps` [E, F_e, H],
+/// `ffn_down_exps` [E, H, F_e], `ffn_{gate,up}_shexp` [n_shared·F_e, H], `ffn_down_shexp`
+/// [H, n_shared·F_e] (absent when `expert_shared_count` is 0).
+#[derive(Debug, Clone)]
+pub struct MoeWeights {
+    /// Layer index.
+    pub layer: usize,
+    /// `ffn_norm` weight, [H].
+    pub norm: Array1<f32>,
+    /// `ffn_gate_inp` (HF `mlp.gate.weight`), the router, [E, H].
+    pub router: Array2<f32>,
+    /// `exp_probs_b.bias` (HF `e_score_correction_bias`), [E]: added to the scores to choose the
+    /// experts, never to their weights. `None` when the file has none (DeepSeek-V2).
+    pub exp_probs_b: Option<Array1<f32>>,
+    /// The shared experts as one FFN of width `n_shared · F_e`; `None` without shared experts.
+    pub shared: Option<SwiGlu>,
+    /// Storage type of every tensor of the layer's FFN (experts included), in load order.
+    pub types: Vec<TensorType>,
+    /// `F_e`.
+    expert_ffn: usize,
+    /// `H`.
+    hidden: usize,
+    /// `E`.
+    n_expert: usize,
+}
+
+impl MoeWeights {
+    /// Loads layer `layer`'s router, bias, norm and shared experts, and checks the shapes of the
+    /// three routed-expert tensors without reading their data.
+    ///
+    /// Errors: [`Error::Usage`] when `cfg` has no MoE config for this layer,
+    /// [`Error::MissingTensor`] (naming the tensor), [`Error::TensorShape`] (with the dims the
+    /// expectation came from), [`Error::Dequant`].
+    pub fn load(file: &GgufFile, cfg: &MlaConfig, layer: usize) -> Result<Self> {
+        let moe = match &cfg.moe {
+            Some(m) if cfg.is_moe_layer(layer) && layer < cfg.n_layer => m,
+            _ => {
+                return Err(Error::Usage(format!(
+                    "{}: layer {layer} is not an MoE layer (leading_dense_block_count {}, expert_count {})",
+                    file.path().display(),
+                    cfg.leading_dense_block_count,
+                    cfg.moe.as_ref().map_or(0, |m| m.n_expert)
+                )));
+            }
+        };
+        let (h, e, fe) = (cfg.hidden, moe.n_expert, moe.expert_ffn);
+        let name = |s: &str| tensor_name(layer, s);
+        let mut types = Vec::new();
+        let ty = &mut types;
+        let norm = load_1d(file, ty, &name("ffn_norm"), h, "H")?;
+        let router = load_2d(file, ty, &name("ffn_gate_inp"), [e, h], "E × H (expert_count × H)")?;
+        let bias_name = format!("blk.{layer}.exp_probs_b.bias");
+        let exp_probs_b = match file.tensor(&bias_name) {
+            Some(_) => Some(load_1d(file, ty, &bias_name, e, "E (expert_count)")?),
+            None => None,
+        };
+        for (t, shape, why) in [
+            (
+                "ffn_gate_exps",
+                [e, fe, h],
+                "E × F_e × H (expert_count × expert_feed_forward_length × H)",
+            ),
+            (
+                "ffn_up_exps",
+                [e, fe, h],
+                "E × F_e × H (expert_count × expert_feed_forward_length × H)",
+            ),
+            (
+                "ffn_down_exps",
+                [e, h, fe],
+                "E × H × F_e (expert_count × H × expert_feed_forward_length)",
+            ),
+        ] {
+            let info = checked(file, &name(t), &shape, why)?;
+            ty.push(TensorType {
+                name: name(t),
+                ggml_type: info.ggml_type,
+            });
+        }
+        let shared = if moe.n_expert_shared > 0 {
+            let fs = moe.n_expert_shared * fe;
+            let why = "n_shared·F_e × H (expert_shared_count · expert_feed_forward_length × H)";
+            Some(SwiGlu {
+                gate: load_2d(file, ty, &name("ffn_gate_shexp"), [fs, h], why)?,
+                up: load_2d(file, ty, &name("ffn_up_shexp"), [fs, h], why)?,
+                down: load_2d(
+                    file,
+                    ty,
+                    &name("ffn_down_shexp"),
+                    [h, fs],
+                    "H × n_shared·F_e (H × expert_shared_count · expert_feed_forward_length)",
+                )?,
+            })
+        } else {
+            None
+        };
+        Ok(MoeWeights {
+            layer,
+            norm,
+            router,
+            exp_probs_b,
+            shared,
+            types,
+            expert_ffn: fe,
+            hidden: h,
+            n_expert: e,
+        })
+    }
+
+    /// Routed expert `expert`'s three matrices, dequantized from that expert's slice of the raw
+    /// bytes of the 3-D tensors only: `ffn_{gate,up}_exps` viewed as [E·F_e, H] (rows
+    /// `expert·F_e..(expert+1)·F_e`) and `ffn_down_exps` as [E·H, F_e] (rows
+    /// `expert·H..(expert+1)·H`). Whole rows are always block-aligned.
+    ///
+    /// Errors: [`Error::Usage`] for `expert ≥ E`; missing tensor; dequantization.
+    pub fn expert(&self, file: &GgufFile, expert: usize) -> Result<SwiGlu> {
+        if expert >= self.n_expert {
+            return Err(Error::Usage(format!(
+                "{}: expert {expert} out of range: layer {} has {} experts",
+                file.path().display(),
+                self.layer,
+                self.n_expert
+            )));
+        }
+        let (fe, h) = (self.expert_ffn, self.hidden);
+        let name = |s: &str| tensor_name(self.layer, s);
+        Ok(SwiGlu {
+            gate: dequant_rows(file, &name("ffn_gate_exps"), expert * fe..(expert + 1) * fe)?,
+            up: dequant_rows(file, &name("ffn_up_exps"), expert * fe..(expert + 1) * fe)?,
+            down: dequant_rows(file, &name("ffn_down_exps"), expert * h..(expert + 1) * h)?,
+        })
+    }
+
+    /// Tensors of the loaded part (norm, router, bias, shared experts) holding NaN or ±Inf, as
+    /// [`LayerWeights::nonfinite`] reports them. Routed experts are checked as they are
+    /// dequantized ([`SwiGlu::nonfinite`]).
+    pub fn nonfinite(&self) -> Vec<(String, usize, usize)> {
+        let n = |s: &str| tensor_name(self.layer, s);
+        let mut out = Vec::new();
+        scan_nonfinite(n("ffn_norm"), self.norm.iter(), &mut out);
+        scan_nonfinite(n("ffn_gate_inp"), self.router.iter(), &mut out);
+        if let Some(b) = &self.exp_probs_b {
+            scan_nonfinite(format!("blk.{}.exp_probs_b.bias", self.layer), b.iter(), &mut out);
+        }
+        if let Some(sh) = &self.shared {
+            out.extend(sh.nonfinite(self.layer, "shexp", None));
+        }
+        out
+    }
+}
+
+impl SwiGlu {
+    /// Non-finite values of the three matrices, named `blk.{layer}.ffn_{gate,up,down}_{suffix}`
+    /// (with ` (expert e)` for a routed expert): (name, count, first flat index).
+    pub fn nonfinite(&self, layer: usize, suffix: &str, expert: Option<usize>) -> Vec<(String, usize, usize)> {
+        let mut out = Vec::new();
+        let tag = expert.map_or(String::new(), |e| format!(" (expert {e})"));
+        for (w, m) in [("gate", &self.gate), ("up", &self.up), ("down", &self.down)] {
+            scan_nonfinite(format!("blk.{layer}.ffn_{w}_{suffix}.weight{tag}"), m.iter(), &mut out);
+        }
+        out
+    }
+}
+
+/// Appends (name, count of non-finite values, first flat index) when `v` holds any.
+fn scan_nonfinite<'a>(name: String, v: impl Iterator<Item = &'a f32>, out: &mut Vec<(String, usize, usize)>) {
+    let (mut count, mut first) = (0usize, None);
+    for (i, x) in v.enumerate() {
+        if !x.is_finite() {
+            count += 1;
+            first.get_or_insert(i);
+        }
+    }
+    if let Some(f) = first {
+        out.push((name, count, f));
+    }
+}
+
 /// One tensor's name and storage type, for reports.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct TensorType {
@@ -93,7 +288,7 @@ pub struct LayerWeights {
     pub kv_b: KvBWeights,
     /// `attn_output` (vLLM `o_proj`), [H, N·V].
     pub o_proj: Array2<f32>,
-    /// Dense FFN; `None` for an MoE layer (not supported by the token path yet).
+    /// Dense FFN; `None` for an MoE layer (its FFN is [`MoeWeights`], loaded on its own).
     pub ffn: Option<DenseFfn>,
     /// Storage type of every tensor loaded, in load order.
     pub types: Vec<TensorType>,
@@ -248,7 +443,7 @@ impl LayerWeights {
             },
         };
         let o_proj = load_2d(file, ty, &name("attn_output"), [h, n * v], "H × N·V")?;
-        let ffn = if file.tensor(&name("ffn_gate_inp")).is_some() {
+        let ffn = if cfg.is_moe_layer(layer) || file.tensor(&name("ffn_gate_inp")).is_some() {
             None
         } else {
             let gate_t = file.require_tensor(&name("ffn_gate"))?;
@@ -278,44 +473,32 @@ impl LayerWeights {
     /// Tensors of this layer holding NaN or ±Inf after dequantization: (GGUF tensor name, count
     /// of non-finite values, flat index of the first one in PyTorch layout), in load order.
     pub fn nonfinite(&self) -> Vec<(String, usize, usize)> {
-        fn scan<'a>(name: String, v: impl Iterator<Item = &'a f32>, out: &mut Vec<(String, usize, usize)>) {
-            let (mut count, mut first) = (0usize, None);
-            for (i, x) in v.enumerate() {
-                if !x.is_finite() {
-                    count += 1;
-                    first.get_or_insert(i);
-                }
-            }
-            if let Some(f) = first {
-                out.push((name, count, f));
-            }
-        }
         let n = |s: &str| tensor_name(self.layer, s);
         let mut out = Vec::new();
-        scan(n("attn_norm"), self.attn_norm.iter(), &mut out);
+        scan_nonfinite(n("attn_norm"), self.attn_norm.iter(), &mut out);
         match &self.q {
             QWeights::Lora { q_a, q_a_norm, q_b } => {
-                scan(n("attn_q_a"), q_a.iter(), &mut out);
-                scan(n("attn_q_a_norm"), q_a_norm.iter(), &mut out);
-                scan(n("attn_q_b"), q_b.iter(), &mut out);
+                scan_nonfinite(n("attn_q_a"), q_a.iter(), &mut out);
+                scan_nonfinite(n("attn_q_a_norm"), q_a_norm.iter(), &mut out);
+                scan_nonfinite(n("attn_q_b"), q_b.iter(), &mut out);
             }
-            QWeights::Direct { q } => scan(n("attn_q"), q.iter(), &mut out),
+            QWeights::Direct { q } => scan_nonfinite(n("attn_q"), q.iter(), &mut out),
         }
-        scan(n("attn_kv_a_mqa"), self.kv_a_mqa.iter(), &mut out);
-        scan(n("attn_kv_a_norm"), self.kv_a_norm.iter(), &mut out);
+        scan_nonfinite(n("attn_kv_a_mqa"), self.kv_a_mqa.iter(), &mut out);
+        scan_nonfinite(n("attn_kv_a_norm"), self.kv_a_norm.iter(), &mut out);
         match &self.kv_b {
             KvBWeights::Split { k_b, v_b } => {
-                scan(n("attn_k_b"), k_b.iter(), &mut out);
-                scan(n("attn_v_b"), v_b.iter(), &mut out);
+                scan_nonfinite(n("attn_k_b"), k_b.iter(), &mut out);
+                scan_nonfinite(n("attn_v_b"), v_b.iter(), &mut out);
             }
-            KvBWeights::Fused { kv_b } => scan(n("attn_kv_b"), kv_b.iter(), &mut out),
+            KvBWeights::Fused { kv_b } => scan_nonfinite(n("attn_kv_b"), kv_b.iter(), &mut out),
         }
-        scan(n("attn_output"), self.o_proj.iter(), &mut out);
+        scan_nonfinite(n("attn_output"), self.o_proj.iter(), &mut out);
         if let Some(f) = &self.ffn {
-            scan(n("ffn_norm"), f.norm.iter(), &mut out);
-            scan(n("ffn_gate"), f.gate.iter(), &mut out);
-            scan(n("ffn_up"), f.up.iter(), &mut out);
-            scan(n("ffn_down"), f.down.iter(), &mut out);
+            scan_nonfinite(n("ffn_norm"), f.norm.iter(), &mut out);
+            scan_nonfinite(n("ffn_gate"), f.gate.iter(), &mut out);
+            scan_nonfinite(n("ffn_up"), f.up.iter(), &mut out);
+            scan_nonfinite(n("ffn_down"), f.down.iter(), &mut out);
         }
         out
     }
@@ -360,10 +543,18 @@ pub fn row_slice<'f>(file: &'f GgufFile, name: &str, rows: std::ops::Range<usize
         )));
     }
     let rb = t.row_bytes() as usize;
+    let bytes = file
+        .tensor_bytes_range(t, rows.start * rb..rows.end * rb)
+        .ok_or_else(|| {
+            Error::Usage(format!(
+                "{}: rows {rows:?} of `{name}` past its data",
+                file.path().display()
+            ))
+        })?;
     Ok(RawSlice {
         tensor: name.to_string(),
         ggml_type: t.ggml_type,
-        bytes: std::borrow::Cow::Borrowed(&file.tensor_bytes(t)[rows.start * rb..rows.end * rb]),
+        bytes: std::borrow::Cow::Borrowed(bytes),
         rows: rows.len(),
         cols: ne0,
     })

@@ -229,7 +229,7 @@ fn output_file_is_not_overwritten_without_force() {
     ]);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    assert_eq!(v["schema"], 1);
+    assert_eq!(v["schema"], mla_diff::report::JSON_SCHEMA_VERSION);
 }
 
 /// Runs the binary on the embedded fixture and returns (code, stderr).

@@ -24,6 +24,7 @@ fn produced_files_validate_against_the_schema() {
     let dir = tempfile::tempdir().unwrap();
     let legacy = repo().join("golden/models/legacy-kvb-f32.gguf");
     let yarn = repo().join("golden/models/yarn-v3-q8_0.gguf");
+    let moe = repo().join("golden/models/moe-v3-q8_0.gguf");
     let cases: Vec<(&str, Vec<&str>, i32)> = vec![
         ("clean.json", vec!["--layer", "1"], 0),
         ("phantom.json", vec!["--layer", "1", "--inject", "phantom-output"], 1),
@@ -40,6 +41,11 @@ fn produced_files_validate_against_the_schema() {
         (
             "yarn.json",
             vec!["--model", yarn.to_str().unwrap(), "--path", "mqa", "--dtype", "bf16"],
+            0,
+        ),
+        (
+            "moe.json",
+            vec!["--model", moe.to_str().unwrap(), "--layers", "all", "--input", "tokens"],
             0,
         ),
     ];

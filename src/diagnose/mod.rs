@@ -48,6 +48,8 @@ pub enum Class {
     SoftmaxScale,
     /// Sentinel or log-base error in an LSE merge.
     LseMerge,
+    /// The tokens select other experts than the reference (`moe_topk`, compared as sets).
+    MoeRouting,
     /// NaN/Inf where the reference is finite.
     Nonfinite,
     /// Cosine ≈ 1 but the norm ratio is off.
@@ -74,6 +76,7 @@ impl Class {
             Class::RopeStyle => "rope-style",
             Class::SoftmaxScale => "softmax-scale",
             Class::LseMerge => "lse-merge",
+            Class::MoeRouting => "moe-routing",
             Class::Nonfinite => "nonfinite",
             Class::ScaleOnly => "scale-only",
             Class::PathDisagreement => "path-disagreement",
@@ -833,6 +836,81 @@ fn lse_merge(x: &SiteCtx<'_>) -> Detected {
     None
 }
 
+/// `moe_topk` differs as a set: lists the tokens and the ids only one side selected, with the
+/// reference's router logits at those ids and whether the candidate's router logits matched.
+fn moe_routing(x: &SiteCtx<'_>) -> Detected {
+    if !x.site.stage.is_id_set() {
+        return None;
+    }
+    let k = x.refr.shape.last().copied().unwrap_or(1).max(1);
+    let (r, c) = (
+        compare::sorted_rows(x.refr).to_f64(),
+        compare::sorted_rows(x.cand).to_f64(),
+    );
+    let tokens = r.len() / k;
+    let logits = x.ref_site(Stage::MoeRouterLogits);
+    let n_exp = logits.map_or(0, |l| l.shape.last().copied().unwrap_or(0));
+    let id = |v: f64| v as i64;
+    let mut rows = Vec::new();
+    for t in 0..tokens {
+        let (rr, cc) = (&r[t * k..(t + 1) * k], &c[t * k..(t + 1) * k]);
+        let only_ref: Vec<i64> = rr.iter().filter(|v| !cc.contains(v)).map(|&v| id(v)).collect();
+        let only_cand: Vec<i64> = cc.iter().filter(|v| !rr.contains(v)).map(|&v| id(v)).collect();
+        if only_ref.is_empty() && only_cand.is_empty() {
+            continue;
+        }
+        let logit = |e: i64| {
+            logits
+                .filter(|_| e >= 0 && (e as usize) < n_exp)
+                .map_or("n/a".to_string(), |l| format!("{:.4}", l.get(t * n_exp + e as usize)))
+        };
+        let show = |v: &[i64]| {
+            v.iter()
+                .map(|&e| format!("{e} (logit {})", logit(e)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let set = |v: &[f64]| v.iter().map(|&x| id(x).to_string()).collect::<Vec<_>>().join(", ");
+        rows.push(format!(
+            "token {t}: reference {{{}}}, candidate {{{}}} (only reference: {}; only candidate: {})",
+            set(rr),
+            set(cc),
+            show(&only_ref),
+            show(&only_cand)
+        ));
+    }
+    if rows.is_empty() {
+        return None;
+    }
+    let logit_site = Site::new(x.site.layer, Stage::MoeRouterLogits);
+    let logits_state = match x.path.diffs.iter().find(|d| d.site == logit_site) {
+        Some(d) if d.status == Status::Pass => format!(
+            "the router logits match (rel_l2 {}), so the selection rule differs",
+            fmt_e(d.metrics.as_ref().map_or(0.0, |m| m.rel_l2))
+        ),
+        Some(_) => "the router logits differ too".to_string(),
+        None => "the candidate's router logits were not compared".to_string(),
+    };
+    let shown = rows.len().min(4);
+    Some((
+        format!(
+            "{} of {tokens} tokens select other experts ({logits_state}): {}{}",
+            rows.len(),
+            rows[..shown].join("; "),
+            if rows.len() > shown {
+                format!("; … {} more", rows.len() - shown)
+            } else {
+                String::new()
+            }
+        ),
+        "experts are chosen on scores + exp_probs_b (the score-correction bias: for the choice only, never in the \
+         weights), within the expert_group_used_count best groups (a group scores the sum of its two best \
+         experts), with scores = sigmoid or softmax of the logits per expert_gating_func; check each against \
+         the engine. A difference only where two scores tie at the k-th place is rounding, not a bug"
+            .into(),
+    ))
+}
+
 fn nonfinite(x: &SiteCtx<'_>) -> Detected {
     let m = x.diff.metrics.as_ref()?;
     if m.nonfinite_mismatch == 0 {
@@ -984,7 +1062,7 @@ fn mismatch(x: &SiteCtx<'_>) -> (String, String) {
 /// Classifies one failing site.
 fn classify(x: &SiteCtx<'_>) -> Finding {
     type Det = fn(&SiteCtx<'_>) -> Detected;
-    let detectors: [(Class, Det); 11] = [
+    let detectors: [(Class, Det); 12] = [
         (Class::PhantomOutput, phantom_output),
         (Class::UnwrittenRows, unwritten_rows),
         (Class::ShardOrder, shard_order),
@@ -993,11 +1071,16 @@ fn classify(x: &SiteCtx<'_>) -> Finding {
         (Class::RopeStyle, rope_style),
         (Class::SoftmaxScale, softmax_scale),
         (Class::LseMerge, lse_merge),
+        (Class::MoeRouting, moe_routing),
         (Class::Nonfinite, nonfinite),
         (Class::ScaleOnly, scale_only),
         (Class::PathDisagreement, path_disagreement),
     ];
     for (class, det) in detectors {
+        // Id sites hold expert ids, not values: only the set comparison applies to them.
+        if x.site.stage.is_id_set() && class != Class::MoeRouting {
+            continue;
+        }
         if let Some((evidence, hint)) = det(x) {
             return Finding {
                 class,
@@ -1053,6 +1136,10 @@ pub fn weight_nonfinite_findings(
                 "attn_kv_a_norm" => Stage::KvCNormed,
                 "attn_k_b" | "attn_v_b" | "attn_kv_b" => Stage::WKvB,
                 "attn_output" => Stage::OProj,
+                "ffn_gate_inp" => Stage::MoeRouterLogits,
+                "exp_probs_b" => Stage::MoeTopk,
+                "ffn_gate_exps" | "ffn_up_exps" | "ffn_down_exps" => Stage::MoeOut,
+                "ffn_gate_shexp" | "ffn_up_shexp" | "ffn_down_shexp" => Stage::SharedOut,
                 _ => Stage::HiddenOut,
             };
             Finding {

@@ -427,6 +427,20 @@ impl GgufFile {
         &self.inner.backing.bytes()[start..start + t.n_bytes as usize]
     }
 
+    /// Bytes `range` (relative to the start of the tensor's data) of a tensor, logged in
+    /// [`GgufFile::data_reads`] as a read of that range only: what reading one expert's rows of
+    /// a 3-D expert tensor costs. `None` when the range does not lie within the tensor.
+    pub fn tensor_bytes_range(&self, t: &TensorInfo, range: std::ops::Range<usize>) -> Option<&[u8]> {
+        if range.start > range.end || range.end as u64 > t.n_bytes {
+            return None;
+        }
+        let start = (self.inner.data_offset + t.offset) as usize;
+        if let (Some(&i), Ok(mut log)) = (self.inner.tensor_index.get(&t.name), self.inner.data_reads.lock()) {
+            log.push((i, (start + range.start) as u64, range.len() as u64));
+        }
+        Some(&self.inner.backing.bytes()[start + range.start..start + range.end])
+    }
+
     /// Decodes a string-array metadata value (e.g. `tokenizer.ggml.tokens`) up to `max` entries.
     pub fn meta_string_array(&self, arr: &MetaArray, max: usize) -> Vec<String> {
         let mut out = Vec::new();

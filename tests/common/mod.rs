@@ -400,3 +400,104 @@ pub fn tensor_pos(g: &GgufBuilder, name: &str) -> usize {
         .position(|t| t.name == name)
         .unwrap_or_else(|| panic!("no tensor `{name}` in the builder"))
 }
+
+/// MoE settings of a test model (the `deepseek2.expert_*` keys and the expert tensors).
+#[derive(Debug, Clone, Copy)]
+pub struct MoeDims {
+    /// E: routed experts.
+    pub e: usize,
+    /// K: experts per token.
+    pub k: usize,
+    /// G: expert groups (0: key absent).
+    pub g: usize,
+    /// Groups kept per token.
+    pub g_used: usize,
+    /// Shared experts.
+    pub shared: usize,
+    /// F_e: expert FFN width.
+    pub fe: usize,
+    /// First MoE layer (`leading_dense_block_count`).
+    pub first: usize,
+    /// `expert_weights_scale`.
+    pub scale: f32,
+    /// `expert_weights_norm`.
+    pub norm: bool,
+    /// `expert_gating_func` (1 softmax, 2 sigmoid).
+    pub gating: u32,
+    /// Write `exp_probs_b.bias` tensors.
+    pub bias: bool,
+}
+
+impl Default for MoeDims {
+    fn default() -> Self {
+        MoeDims {
+            e: 16,
+            k: 2,
+            g: 4,
+            g_used: 2,
+            shared: 1,
+            fe: 8,
+            first: 1,
+            scale: 2.5,
+            norm: true,
+            gating: 2,
+            bias: true,
+        }
+    }
+}
+
+/// [`deepseek2`] turned into a DeepSeek-V3-style MoE model: layers `m.first..` lose their dense
+/// FFN and get a router, a score-correction bias, 3-D expert tensors and shared experts (seeded
+/// values), with the matching `expert_*` keys.
+pub fn deepseek2_moe(d: Dims, m: MoeDims) -> GgufBuilder {
+    let mut g = deepseek2(d, false);
+    let a = "deepseek2";
+    g.kv(&format!("{a}.leading_dense_block_count"), Val::U32(m.first as u32));
+    g.kv(&format!("{a}.expert_count"), Val::U32(m.e as u32));
+    g.kv(&format!("{a}.expert_used_count"), Val::U32(m.k as u32));
+    if m.g > 0 {
+        g.kv(&format!("{a}.expert_group_count"), Val::U32(m.g as u32));
+        g.kv(&format!("{a}.expert_group_used_count"), Val::U32(m.g_used as u32));
+    }
+    g.kv(&format!("{a}.expert_shared_count"), Val::U32(m.shared as u32));
+    g.kv(&format!("{a}.expert_feed_forward_length"), Val::U32(m.fe as u32));
+    g.kv(&format!("{a}.expert_weights_scale"), Val::F32(m.scale));
+    g.kv(&format!("{a}.expert_weights_norm"), Val::Bool(m.norm));
+    g.kv(&format!("{a}.expert_gating_func"), Val::U32(m.gating));
+    let moe_layer = |name: &str| {
+        name.strip_prefix("blk.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|n| n.parse::<usize>().ok())
+            .is_some_and(|l| l >= m.first)
+    };
+    g.tensors.retain(|t| {
+        !(moe_layer(&t.name)
+            && ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
+                .iter()
+                .any(|s| t.name.ends_with(s)))
+    });
+    let mut seed = 5000;
+    let mut t = |g: &mut GgufBuilder, name: &str, shape: &[usize], scale: f32| {
+        seed += 1;
+        let n: usize = shape.iter().product();
+        let sh: Vec<u64> = shape.iter().map(|&x| x as u64).collect();
+        g.f32_tensor(name, &sh, &vals(seed, n, scale));
+    };
+    let (h, e, fe) = (d.h, m.e, m.fe);
+    for i in m.first..d.n_layer {
+        let b = |s: &str| format!("blk.{i}.{s}.weight");
+        t(&mut g, &b("ffn_gate_inp"), &[e, h], 0.5);
+        if m.bias {
+            t(&mut g, &format!("blk.{i}.exp_probs_b.bias"), &[e], 0.2);
+        }
+        t(&mut g, &b("ffn_gate_exps"), &[e, fe, h], 0.3);
+        t(&mut g, &b("ffn_up_exps"), &[e, fe, h], 0.3);
+        t(&mut g, &b("ffn_down_exps"), &[e, h, fe], 0.3);
+        if m.shared > 0 {
+            t(&mut g, &b("ffn_gate_shexp"), &[m.shared * fe, h], 0.3);
+            t(&mut g, &b("ffn_up_shexp"), &[m.shared * fe, h], 0.3);
+            t(&mut g, &b("ffn_down_shexp"), &[h, m.shared * fe], 0.3);
+        }
+    }
+    g
+}

@@ -5,7 +5,7 @@
 //! or a library [`Error`] (exit 2), the exit-code contract of DESIGN.md.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
@@ -147,13 +147,43 @@ fn finish_report(
 }
 
 /// Refuses to start when an output file exists and `--force` is absent (before any work).
+///
+/// Also refuses two outputs that name the same file (`--json x.md --report x.md`, or a `--json`
+/// path equal to the report's `<name>.svg` heat map): one would silently replace the other.
 fn check_outputs(json: Option<&PathBuf>, md: Option<&PathBuf>, force: bool) -> Result<()> {
     refuse_overwrite(json, force)?;
     refuse_overwrite(md, force)?;
     if let Some(r) = md {
-        refuse_overwrite(Some(&crate::triage::plot_path(r)), force)?;
+        let plot = crate::triage::plot_path(r);
+        refuse_overwrite(Some(&plot), force)?;
+        if let Some(j) = json {
+            for (other, what) in [(r, "--report"), (&plot, "the report's heat map")] {
+                if same_file(j, other) {
+                    return Err(Error::Usage(format!(
+                        "--json {} is the same file as {what} ({}); give them different paths",
+                        j.display(),
+                        other.display()
+                    )));
+                }
+            }
+        }
     }
     Ok(())
+}
+
+/// Whether two output paths name the same file: equal as written, or equal once their existing
+/// parent folders are canonicalized (`./x.md` and `x.md`).
+fn same_file(a: &Path, b: &Path) -> bool {
+    let canon = |p: &Path| {
+        let dir = p
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        dir.canonicalize()
+            .ok()
+            .map(|d| d.join(p.file_name().unwrap_or_default()))
+    };
+    a == b || matches!((canon(a), canon(b)), (Some(x), Some(y)) if x == y)
 }
 
 /// `mla-diff compare`.
@@ -896,8 +926,41 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
     Ok((file, cfg, rc))
 }
 
+/// A run that injected faults, found nothing, and whose paths said a fault had nothing to act on
+/// is not a pass: the user asked to see a bug and the batch gave it no chance (e.g.
+/// `unwritten-rows` on one sequence, where no context chunk is empty for any row).
+///
+/// Errors: [`Error::Usage`] quoting the path's note, which says what batch would exercise it.
+fn refuse_idle_fault(rep: &run::RunReport) -> Result<()> {
+    if rep.run.path_options.faults.is_empty() || !rep.all_pass() {
+        return Ok(());
+    }
+    let idle: Vec<String> = rep
+        .results
+        .iter()
+        .flat_map(|r| {
+            r.notes
+                .iter()
+                .filter(|n| n.contains("nothing to act on"))
+                .map(move |n| (r.path, n))
+        })
+        .map(|(p, n)| format!("{}: {n}", p.name()))
+        .collect();
+    match idle.first() {
+        Some(first) => Err(Error::Usage(format!(
+            "the injected fault did not act on this batch, so the clean result says nothing: {first}"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Refuses to replace `path` unless `force`.
+///
+/// A folder is refused even with `--force`: the output is a file, and `--force` would not help.
 fn refuse_overwrite(path: Option<&PathBuf>, force: bool) -> Result<()> {
+    if let Some(p) = path.filter(|p| p.is_dir()) {
+        return Err(Error::Usage(format!("{} is a folder; give a file path", p.display())));
+    }
     match path {
         Some(p) if p.exists() && !force => Err(Error::Usage(format!(
             "{} exists; pass --force to overwrite it",
@@ -974,6 +1037,7 @@ pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
     if a.stats {
         eprintln!("{}", stats_line(&file, started.elapsed()));
     }
+    refuse_idle_fault(&rep)?;
     let o = Outputs {
         json: a.json.as_ref(),
         md: a.report.as_ref(),
@@ -1029,7 +1093,8 @@ pub fn stats_line(file: &GgufFile, wall: std::time::Duration) -> String {
 }
 
 /// The command line of this process, shell-quoted, without its output flags (`--report`,
-/// `--json` and their values, `--force`), so that it reruns as is: for "how to reproduce" lines.
+/// `--json` and their values, `--force`, `--quiet`, `--stats`), so that it reruns as is and prints
+/// the full table: for "how to reproduce" lines.
 pub fn reproduce_command() -> String {
     reproduce_from(std::env::args().skip(1))
 }
@@ -1047,7 +1112,10 @@ pub fn reproduce_from(args: impl IntoIterator<Item = String>) -> String {
             skip_value = true;
             continue;
         }
-        if a == "--force" || a.starts_with("--report=") || a.starts_with("--json=") {
+        if matches!(a.as_str(), "--force" | "--quiet" | "--stats")
+            || a.starts_with("--report=")
+            || a.starts_with("--json=")
+        {
             continue;
         }
         v.push(a);

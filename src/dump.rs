@@ -249,6 +249,11 @@ impl Map {
             }),
             path => {
                 let p = Path::new(path);
+                if !p.exists() {
+                    return Err(Error::Usage(format!(
+                        "--map {path}: not a built-in map (hf, vllm, llama.cpp) and no such file"
+                    )));
+                }
                 let bytes = std::fs::read(p).map_err(|e| Error::io(p, "read map", e))?;
                 serde_json::from_slice(&bytes).map_err(|e| Error::Json {
                     path: p.to_path_buf(),
@@ -653,6 +658,13 @@ pub fn load(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<Dump> {
 
 /// [`load`] from bytes (`path` names the file in errors).
 pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig) -> Result<Dump> {
+    if bytes.starts_with(b"GGUF") {
+        return Err(derr(
+            path,
+            "header",
+            "this is a GGUF file, not a safetensors dump; pass it as --model",
+        ));
+    }
     let st = SafeTensors::deserialize(bytes).map_err(|e| derr(path, "header", e.to_string()))?;
     let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| derr(path, "header", e.to_string()))?;
     let metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();

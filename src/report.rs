@@ -379,8 +379,15 @@ pub fn json(report: &RunReport) -> Value {
 /// Writes `bytes` to `path` through a temporary file in the same folder and a rename, refusing
 /// to replace an existing file unless `force`.
 ///
-/// Errors: [`Error::Usage`] when the file exists and `force` is false; [`Error::Io`] otherwise.
+/// Errors: [`Error::Usage`] when `path` is a folder, or when the file exists and `force` is
+/// false; [`Error::Io`] otherwise.
 pub fn write_file_atomic(path: &Path, bytes: &[u8], force: bool) -> Result<()> {
+    if path.is_dir() {
+        return Err(Error::Usage(format!(
+            "{} is a folder; give a file path",
+            path.display()
+        )));
+    }
     if path.exists() && !force {
         return Err(Error::Usage(format!(
             "{} exists; pass --force to overwrite it",

@@ -256,3 +256,65 @@ fn flags_out_of_range_are_usage_errors_not_crashes() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
 }
+
+/// Output-path mistakes are refused before anything is written: the same file for `--json` and
+/// `--report` (or its heat map), and a folder given where a file is expected (even with --force).
+#[test]
+fn output_paths_that_collide_or_name_a_folder_are_refused_before_writing() {
+    let dir = tempfile_dir();
+    let md = dir.join("x.md");
+    let m = md.to_str().unwrap();
+    let (code, _, err) = run_bin(&["run", "--layer", "1", "--report", m, "--json", m]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("same file as --report"), "{err}");
+    let svg = dir.join("x.svg");
+    let (code, _, err) = run_bin(&["run", "--layer", "1", "--report", m, "--json", svg.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("same file as the report's heat map"), "{err}");
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "nothing may be written");
+    let d = dir.to_str().unwrap();
+    let (code, _, err) = run_bin(&["run", "--layer", "1", "--json", d, "--force"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("is a folder; give a file path"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A fault that had nothing to act on in the requested batch is an input error, not a pass:
+/// `unwritten-rows` on one sequence leaves no context chunk empty for any row.
+#[test]
+fn an_injected_fault_that_did_not_act_exits_2_with_the_hint() {
+    let (code, out, err) = run_bin(&["run", "--layer", "1", "--inject", "unwritten-rows", "--quiet"]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("did not act on this batch"), "{err}");
+    assert!(
+        err.contains("use several --seqs"),
+        "the hint must say what batch exercises it: {err}"
+    );
+    // With sequences of different lengths it acts, and is found.
+    let (code, out, _) = run_bin(&[
+        "run",
+        "--layer",
+        "1",
+        "--inject",
+        "unwritten-rows",
+        "--path",
+        "chunked",
+        "--seqs",
+        "1,15,16,17,53",
+        "--quiet",
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("unwritten-rows at L1.lse"), "{out}");
+}
+
+/// A fresh empty folder under the system temp folder.
+fn tempfile_dir() -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "mla-diff-outputs-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}

@@ -668,3 +668,20 @@ fn compare_report_lists_conversions_and_not_dumped() {
         "{text}"
     );
 }
+
+/// Common mix-ups get errors that say what to do: a GGUF given as the dump, an unknown map name.
+#[test]
+fn a_gguf_as_dump_and_an_unknown_map_name_say_what_to_do() {
+    let m = repo().join("golden/models/tiny-v3-f32.gguf");
+    let m = m.to_str().unwrap();
+    let (code, _, err) = run_bin(&["compare", "--model", m, "--dump", m]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("this is a GGUF file, not a safetensors dump; pass it as --model"),
+        "{err}"
+    );
+    let d = repo().join("golden/dumps/tiny-v3-f32.hf.safetensors");
+    let (code, _, err) = run_bin(&["compare", "--model", m, "--dump", d.to_str().unwrap(), "--map", "bogus"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("not a built-in map (hf, vllm, llama.cpp)"), "{err}");
+}

@@ -30,9 +30,9 @@ fn report_names_the_class_and_writes_the_plot() {
         verdict.contains("Finding **phantom-output** at `L1.attn_out`"),
         "{verdict}"
     );
-    // The reproduce command reruns as is: output flags removed.
+    // The reproduce command reruns as is: output flags and --quiet removed.
     assert!(
-        text.contains("```sh\nmla-diff run --backend cpu --layer 1 --inject phantom-output --quiet\n```"),
+        text.contains("```sh\nmla-diff run --backend cpu --layer 1 --inject phantom-output\n```"),
         "{text}"
     );
     assert!(text.contains("![rel_l2 per layer and path"));
@@ -76,8 +76,10 @@ fn reproduce_command_drops_output_flags() {
         "r.md",
         "--json=x.json",
         "--force",
+        "--quiet",
         "--model",
         "my model.gguf",
+        "--stats",
     ];
     assert_eq!(
         mla_diff::cli::reproduce_from(args.iter().map(|s| s.to_string())),

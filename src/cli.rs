@@ -69,7 +69,8 @@ pub enum Command {
     Golden(GoldenCommand),
     /// Compile every CUDA kernel with NVRTC (no GPU needed) and print registers and spills.
     Kernels(KernelsArgs),
-    /// Time the fast CUDA kernels at DeepSeek-V3 sizes (needs a GPU).
+    /// Time the fast CUDA kernels at DeepSeek-V3 sizes (needs a GPU); with --dequant or
+    /// --reference, time CPU dequantization or one reference layer forward instead.
     Bench(BenchArgs),
 }
 
@@ -431,6 +432,28 @@ pub struct BenchArgs {
     /// CUDA include folder (holding cuda_bf16.h).
     #[arg(long)]
     pub cuda_include: Option<PathBuf>,
+    /// CPU, no GPU needed: time the library's dequantization of every quantized tensor of this
+    /// GGUF (output GB/s of f32), at 1 thread and at all threads.
+    #[arg(long, value_name = "GGUF", conflicts_with = "reference")]
+    pub dequant: Option<PathBuf>,
+    /// CPU, no GPU needed: time one reference layer forward (f64) and the CPU engine's mha path
+    /// on this GGUF, weights loaded and dequantized before the clock starts.
+    #[arg(long, value_name = "GGUF")]
+    pub reference: Option<PathBuf>,
+    /// Layer for --reference.
+    #[arg(long, default_value_t = 0, requires = "reference")]
+    pub layer: usize,
+    /// Tokens T for --reference (one sequence, positions 0..T).
+    #[arg(long, default_value_t = 128, requires = "reference")]
+    pub tokens: usize,
+    /// Timed repetitions per figure for --dequant/--reference (after one warm-up); the median
+    /// is reported.
+    #[arg(long, default_value_t = 5)]
+    pub repeat: usize,
+    /// Rayon thread counts for --dequant/--reference, e.g. `1,2` (default: 1 and all threads,
+    /// as RAYON_NUM_THREADS or the core count sets them).
+    #[arg(long, value_delimiter = ',')]
+    pub threads: Option<Vec<usize>>,
     /// Write the figures as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -439,8 +462,96 @@ pub struct BenchArgs {
     pub force: bool,
 }
 
-/// `mla-diff bench`.
+/// `mla-diff bench --dequant FILE`: the table of [`crate::bench_cpu::dequant_bench`].
+fn cmd_bench_dequant(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Result<Outcome> {
+    refuse_overwrite(a.json.as_ref(), a.force)?;
+    let file = GgufFile::open(path)?;
+    let threads = crate::bench_cpu::thread_counts(a.threads.as_deref());
+    let figs = crate::bench_cpu::dequant_bench(&file, a.repeat, &threads)?;
+    let mut t = comfy_table::Table::new();
+    t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(vec![
+        "tensor",
+        "type",
+        "MB out (f32)",
+        "threads",
+        "median",
+        "GB/s out",
+        "warm buffer GB/s out",
+    ]);
+    for f in &figs {
+        t.add_row(vec![
+            f.tensor.clone(),
+            f.ggml_type.to_string(),
+            format!("{:.1}", 4.0 * f.elements as f64 / 1e6),
+            f.threads.to_string(),
+            format!("{:.2} ms", f.median_s * 1e3),
+            format!("{:.2}", f.gb_per_s_out),
+            format!("{:.2}", f.warm_gb_per_s_out),
+        ]);
+    }
+    let text = format!(
+        "{}: dequantization, median of {} timed calls after 1 warm-up\n{t}\n",
+        path.display(),
+        a.repeat
+    );
+    out.write_all(text.as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    if let Some(j) = &a.json {
+        let doc = serde_json::json!({"kind": "dequant", "file": path.display().to_string(), "figures": figs});
+        report::write_file_atomic(j, &report::to_json_bytes(&doc), a.force)?;
+    }
+    Ok(Outcome::Pass)
+}
+
+/// `mla-diff bench --reference FILE`: the table of [`crate::bench_cpu::reference`].
+fn cmd_bench_reference(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Result<Outcome> {
+    refuse_overwrite(a.json.as_ref(), a.force)?;
+    let file = GgufFile::open(path)?;
+    let cfg = MlaConfig::from_gguf(&file)?;
+    let threads = crate::bench_cpu::thread_counts(a.threads.as_deref());
+    let b = crate::bench_cpu::reference(&file, &cfg, a.layer, a.tokens, a.repeat, &threads)?;
+    let mut t = comfy_table::Table::new();
+    t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY)
+        .set_header(vec!["forward", "layer", "T", "threads", "median", "runs"]);
+    for f in &b.figures {
+        t.add_row(vec![
+            f.what.clone(),
+            f.layer.to_string(),
+            f.tokens.to_string(),
+            f.threads.to_string(),
+            format!("{:.3} s", f.median_s),
+            f.runs_s.iter().map(|s| format!("{s:.3}")).collect::<Vec<_>>().join(" "),
+        ]);
+    }
+    let text = format!(
+        "{}: N={} H={} Lq={} L={} P={} R={} V={}; weights loaded and dequantized in {:.2} s (not timed)\n{t}\n",
+        path.display(),
+        cfg.n_head,
+        cfg.hidden,
+        cfg.q_lora_rank.map_or("-".into(), |q| q.to_string()),
+        cfg.kv_lora_rank,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+        b.load_s
+    );
+    out.write_all(text.as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    if let Some(j) = &a.json {
+        let doc = serde_json::json!({"kind": "reference", "bench": b});
+        report::write_file_atomic(j, &report::to_json_bytes(&doc), a.force)?;
+    }
+    Ok(Outcome::Pass)
+}
+
+/// `mla-diff bench`: the CPU benchmarks with `--dequant` or `--reference`, else the CUDA ones.
 pub fn cmd_bench(a: &BenchArgs, out: &mut dyn Write) -> Result<Outcome> {
+    if let Some(p) = &a.dequant {
+        return cmd_bench_dequant(a, p, out);
+    }
+    if let Some(p) = &a.reference {
+        return cmd_bench_reference(a, p, out);
+    }
     let ops = crate::cuda::CudaOps::new(Dtype::Bf16, a.cuda_include.as_deref())?;
     let figs = crate::cuda::bench::all(&ops)?;
     let mut t = comfy_table::Table::new();

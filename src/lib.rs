@@ -13,6 +13,7 @@
 #![allow(clippy::needless_range_loop)]
 
 pub mod batch;
+pub mod bench_cpu;
 pub mod cli;
 pub mod compare;
 pub mod config;

@@ -16,7 +16,7 @@
 //! `expert_*` keys describe them (see `docs/architectures.md`), with ties in every top-k broken
 //! towards the lower index so that the selection is deterministic.
 
-use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2, Axis, s};
+use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayViewMut2, Axis, CowArray, Ix2, s};
 use rayon::prelude::*;
 
 use crate::batch::Batch;
@@ -44,9 +44,41 @@ pub fn f64m(a: &Array2<f32>) -> Array2<f64> {
     a.mapv(f64::from)
 }
 
-/// `y = x · Wᵀ` (PyTorch `F.linear`): x [T, K], W [O, K] → [T, O].
+/// Rows of W (output columns) per parallel work item of [`linear`]: fixed, so the split never
+/// depends on the thread count.
+const OUT_BLOCK: usize = 256;
+
+/// `y = x · Wᵀ` (PyTorch `F.linear`): x [T, K], W [O, K] → [T, O], f64.
+///
+/// W's rows are cut into blocks of [`OUT_BLOCK`] run in parallel with rayon, each block one
+/// matrixmultiply dgemm over the whole K writing its own output columns. matrixmultiply
+/// accumulates every output element over K in the same order whatever the other dims (k-blocks
+/// in order, one FMA chain per block), so the result is bit-identical to `x.dot(&w.t())` for any
+/// thread count (tested below, and by the golden traces).
 fn linear(x: &Array2<f64>, w: &Array2<f64>) -> Array2<f64> {
-    x.dot(&w.t())
+    linear_blocks(x, w.nrows(), |r| CowArray::from(w.slice(s![r, ..])))
+}
+
+/// [`linear`] with f32 weights, widened to f64 (exactly) one block at a time inside each work
+/// item: the same bits as `linear(x, &f64m(w))` without a whole f64 copy of W (940 MB for
+/// DeepSeek-V3's `o_proj`).
+fn linear32(x: &Array2<f64>, w: &Array2<f32>) -> Array2<f64> {
+    linear_blocks(x, w.nrows(), |r| CowArray::from(w.slice(s![r, ..]).mapv(f64::from)))
+}
+
+/// The block loop of [`linear`]: `block(rows)` gives W's rows `rows` as f64 [rows.len(), K].
+fn linear_blocks<'w, F>(x: &Array2<f64>, o: usize, block: F) -> Array2<f64>
+where
+    F: Fn(std::ops::Range<usize>) -> CowArray<'w, f64, Ix2> + Sync,
+{
+    let mut y = Array2::<f64>::zeros((x.nrows(), o));
+    let blocks: Vec<(usize, ArrayViewMut2<f64>)> = y.axis_chunks_iter_mut(Axis(1), OUT_BLOCK).enumerate().collect();
+    blocks.into_par_iter().for_each(|(i, mut yb)| {
+        let r0 = i * OUT_BLOCK;
+        let wb = block(r0..r0 + yb.ncols());
+        ndarray::linalg::general_mat_mul(1.0, x, &wb.t(), 0.0, &mut yb);
+    });
+    y
 }
 
 /// RMSNorm over the last dim: `x / sqrt(mean(x²) + eps) · g`.
@@ -174,9 +206,9 @@ pub fn forward(cfg: &MlaConfig, w: &LayerWeights, hidden_in: &Array2<f64>, batch
             rec2(&mut tr, layer, Stage::QC, &q_c);
             let q_c_normed = rms_norm(q_c.view(), q_a_norm.view(), eps);
             rec2(&mut tr, layer, Stage::QCNormed, &q_c_normed);
-            linear(&q_c_normed, &f64m(q_b))
+            linear32(&q_c_normed, q_b)
         }
-        QWeights::Direct { q } => linear(&x, &f64m(q)),
+        QWeights::Direct { q } => linear32(&x, q),
     };
     let q = q_flat
         .into_shape_with_order((t, n, p + r))
@@ -184,7 +216,7 @@ pub fn forward(cfg: &MlaConfig, w: &LayerWeights, hidden_in: &Array2<f64>, batch
     rec3(&mut tr, layer, Stage::Q, &q);
 
     // Step 3: kv path. kv_c is a view of kv_a; the norm applies to kv_c only.
-    let kv_a = linear(&x, &f64m(&w.kv_a_mqa));
+    let kv_a = linear32(&x, &w.kv_a_mqa);
     rec2(&mut tr, layer, Stage::KvA, &kv_a);
     let kv_c_normed = rms_norm(kv_a.slice(s![.., ..l]), w.kv_a_norm.view(), eps);
     rec2(&mut tr, layer, Stage::KvCNormed, &kv_c_normed);
@@ -321,19 +353,19 @@ pub fn forward(cfg: &MlaConfig, w: &LayerWeights, hidden_in: &Array2<f64>, batch
     let attn_flat = attn_out
         .into_shape_with_order((t, n * v))
         .map_err(|e| Error::Usage(e.to_string()))?;
-    let o = linear(&attn_flat, &f64m(&w.o_proj));
+    let o = linear32(&attn_flat, &w.o_proj);
     rec2(&mut tr, layer, Stage::OProj, &o);
 
     // Residual and dense SwiGLU FFN.
     let hidden_out = w.ffn.as_ref().map(|ffn| {
         let h1 = hidden_in + &o;
         let xn = rms_norm(h1.view(), ffn.norm.view(), eps);
-        let gate = linear(&xn, &f64m(&ffn.gate));
-        let up = linear(&xn, &f64m(&ffn.up));
+        let gate = linear32(&xn, &ffn.gate);
+        let up = linear32(&xn, &ffn.up);
         let act = ndarray::Zip::from(&gate)
             .and(&up)
             .map_collect(|&g, &u| g / (1.0 + (-g).exp()) * u);
-        h1 + linear(&act, &f64m(&ffn.down))
+        h1 + linear32(&act, &ffn.down)
     });
     if let Some(ho) = &hidden_out {
         rec2(&mut tr, layer, Stage::HiddenOut, ho);
@@ -674,5 +706,28 @@ mod tests {
 
     fn set_of(v: &[usize]) -> std::collections::BTreeSet<usize> {
         v.iter().copied().collect()
+    }
+
+    #[test]
+    fn parallel_linear_is_bit_identical_to_one_dgemm() {
+        // Odd sizes: partial output blocks, partial matrixmultiply tiles and several k-blocks.
+        let (t, k, o) = (37, 700, 1000);
+        let xs = crate::batch::normal_f32(1, t * k);
+        let ws = crate::batch::normal_f32(2, o * k);
+        let x = Array2::from_shape_vec((t, k), xs.iter().map(|&v| v as f64 * 1.7).collect()).unwrap();
+        let w = Array2::from_shape_vec((o, k), ws).unwrap();
+        let expected = x.dot(&f64m(&w).t());
+        for threads in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let (a, b) = pool.install(|| (linear32(&x, &w), linear(&x, &f64m(&w))));
+            for got in [a, b] {
+                let differ = got
+                    .iter()
+                    .zip(&expected)
+                    .filter(|(g, e)| g.to_bits() != e.to_bits())
+                    .count();
+                assert_eq!(differ, 0, "{threads} threads: {differ} values differ in bits");
+            }
+        }
     }
 }

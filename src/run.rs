@@ -135,7 +135,7 @@ impl RunReport {
 }
 
 /// Seed of layer `layer`'s random input.
-fn layer_seed(seed: u64, layer: usize) -> u64 {
+pub(crate) fn layer_seed(seed: u64, layer: usize) -> u64 {
     seed ^ (layer as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 

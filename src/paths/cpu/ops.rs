@@ -17,13 +17,25 @@ use super::super::ops::{EmptyRows, RopeStyle, Segment};
 /// Query/key tile of [`flash_attention`] (rows).
 pub const TILE: usize = 16;
 
+/// Rows of W (output columns) per parallel work item of [`linear`]; fixed, never thread-dependent.
+pub const LINEAR_OUT_BLOCK: usize = 256;
+
 /// `y = x · Wᵀ` in f32 (an engine GEMM): x [T, K], W [O, K] → [T, O].
 ///
-/// The output buffer is allocated with the canary and fully overwritten (beta = 0).
+/// The output buffer is allocated with the canary and fully overwritten (beta = 0). W's rows are
+/// cut into blocks of [`LINEAR_OUT_BLOCK`] run in parallel, each one matrixmultiply sgemm over
+/// the whole K into its own output columns; matrixmultiply's order of accumulation over K does
+/// not depend on the other dims, so the bits equal one sgemm over the whole matrix.
 pub fn linear(x: ArrayView2<f32>, w: ArrayView2<f32>) -> Array2<f32> {
     let (t, o) = (x.nrows(), w.nrows());
     let mut y = Array2::from_shape_vec((t, o), canary_vec(t * o)).expect("shape matches length");
-    ndarray::linalg::general_mat_mul(1.0, &x, &w.t(), 0.0, &mut y);
+    let blocks: Vec<_> = y
+        .axis_chunks_iter_mut(ndarray::Axis(1), LINEAR_OUT_BLOCK)
+        .zip(w.axis_chunks_iter(ndarray::Axis(0), LINEAR_OUT_BLOCK))
+        .collect();
+    blocks.into_par_iter().for_each(|(mut yb, wb)| {
+        ndarray::linalg::general_mat_mul(1.0, &x, &wb.t(), 0.0, &mut yb);
+    });
     y
 }
 
@@ -277,6 +289,25 @@ pub fn merge_states(parts: &[(&[f32], f32)], out: &mut [f32]) -> f32 {
 mod tests {
     use super::*;
     use crate::batch::normal_f32;
+
+    #[test]
+    fn parallel_linear_is_bit_identical_to_one_sgemm() {
+        let (t, k, o) = (37, 700, 1000);
+        let x = Array2::from_shape_vec((t, k), normal_f32(3, t * k)).unwrap();
+        let w = Array2::from_shape_vec((o, k), normal_f32(4, o * k)).unwrap();
+        let mut expected = Array2::<f32>::zeros((t, o));
+        ndarray::linalg::general_mat_mul(1.0, &x, &w.t(), 0.0, &mut expected);
+        for threads in [1, 2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let got = pool.install(|| linear(x.view(), w.view()));
+            let differ = got
+                .iter()
+                .zip(&expected)
+                .filter(|(g, e)| g.to_bits() != e.to_bits())
+                .count();
+            assert_eq!(differ, 0, "{threads} threads: {differ} values differ in bits");
+        }
+    }
 
     /// Naive softmax attention of one query row over visible keys, f64.
     fn naive(q: &[f32], ks: &[&[f32]], vs: &[&[f32]], scale: f64) -> (Vec<f64>, f64) {

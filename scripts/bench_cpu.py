@@ -21,15 +21,17 @@ Sections (Markdown tables on stdout, progress on stderr, raw figures in WORKDIR/
       llama-cpp-python's libggml-base; about 10-18 MB in, 64 MB of f32 out each). Then ROUNDS
       rounds of: gguf-py `gguf.quants.dequantize` on each tensor (numpy, one thread), ggml's C
       `to_float` on each tensor (one thread, for scale), and one `mla-diff bench --dequant
-      --repeat 1` process (1 thread and all threads, fresh output vector per call). Checks that
-      mla-diff's output bits equal gguf-py's (SHA-256 of the f32 bytes).
+      --repeat 1` process (1 thread and all threads; a fresh output vector per call, as weight
+      loading does, and a reused buffer). Checks that mla-diff's output bits equal gguf-py's
+      (SHA-256 of the f32 bytes) and exits 1 if not.
   p1  `mla-diff run --model M --layer 3 --path mha --backend cpu --stats` on the sparse 61-layer
       and 4-layer DeepSeek-V3 files of scripts/make_sparse_gguf.py (layers 0-3 hold data),
       ROUNDS rounds in ABBA order after one untimed run of each; wall time and peak RSS from
       `--stats` and from /usr/bin/time.
   p3  `mla-diff bench --reference M61 --layer 3 --tokens T` (reference f64 forward and the
       CPU engine's mha path, 1 thread and all threads) and scripts/bench_p3_hf.py (transformers
-      DeepseekV3Attention, eager, f32 and f64, all threads), alternated for P3_ROUNDS rounds.
+      DeepseekV3Attention, eager, f32 and f64, 1 thread and all threads), alternated for
+      P3_ROUNDS rounds; ratios at equal thread counts.
 """
 
 from __future__ import annotations
@@ -205,7 +207,6 @@ def section_p2(a, results: dict) -> None:
         log(f"  P2 round {rnd}/{a.rounds} done, load {loads[-1]}")
     loads.append(load3())
     threads = sorted({k for v in ours.values() for k in v["fresh"]})
-    hi = threads[-1]
     rows = []
     for name in TYPES:
         n, nin = meta[name]
@@ -220,21 +221,24 @@ def section_p2(a, results: dict) -> None:
         row["ggml_c_gbps"] = gb(row["ggml_c_s"])
         row["ours_gbps"] = {k: gb(v) for k, v in row["ours_s"].items()}
         row["ours_warm_gbps"] = {k: gb(v) for k, v in row["ours_warm_s"].items()}
-        row["ratio_all_threads"] = row["gguf_py_s"] / row["ours_s"][hi]
-        row["ratio_1_thread"] = row["gguf_py_s"] / row["ours_s"][threads[0]]
+        row["ratio"] = {k: row["gguf_py_s"] / row["ours_s"][k] for k in threads}
+        row["ratio_warm"] = {k: row["gguf_py_s"] / row["ours_warm_s"][k] for k in threads}
         rows.append(row)
     results["p2"] = {"file": str(path), "rounds": a.rounds, "threads": threads, "loadavg": loads, "rows": rows}
     print(f"\n### P2: dequantization throughput (GB/s of f32 written; median of {a.rounds} interleaved rounds)\n")
     print(f"load average during the run (1/5/15 min): {loads[0]} -> {loads[-1]}\n")
-    t_hdr = " | ".join(f"mla-diff {k} thr" for k in threads)
-    print(f"| type | MB in | MB out | gguf-py | ggml C (1 thr) | {t_hdr} | warm buffer, {hi} thr | "
-          f"ratio {threads[0]} thr | ratio {hi} thr | bits = gguf-py |")
-    print("|---|---|---|---|---|" + "---|" * len(threads) + "---|---|---|---|")
+    print("fresh = `dequantize` (a new output vector per call, as weight loading does); "
+          "warm = `dequantize_into` a reused buffer; ratio = gguf-py time / mla-diff time\n")
+    cols = [f"mla-diff fresh {k} thr" for k in threads] + [f"mla-diff warm {k} thr" for k in threads]
+    rcols = [f"ratio fresh {k} thr" for k in threads] + [f"ratio warm {k} thr" for k in threads]
+    print("| type | MB in | MB out | gguf-py | ggml C (1 thr) | " + " | ".join(cols) + " | " + " | ".join(rcols)
+          + " | bits = gguf-py |")
+    print("|---|---|---|---|---|" + "---|" * (len(cols) + len(rcols)) + "---|")
     for r in rows:
-        ours_cols = " | ".join(f"{r['ours_gbps'][k]:.2f}" for k in threads)
+        vals = [f"{r['ours_gbps'][k]:.2f}" for k in threads] + [f"{r['ours_warm_gbps'][k]:.2f}" for k in threads]
+        rats = [f"{r['ratio'][k]:.1f}x" for k in threads] + [f"{r['ratio_warm'][k]:.1f}x" for k in threads]
         print(f"| {r['type']} | {r['mb_in']:.1f} | {r['mb_out']:.1f} | {r['gguf_py_gbps']:.2f} | "
-              f"{r['ggml_c_gbps']:.2f} | {ours_cols} | {r['ours_warm_gbps'][hi]:.2f} | "
-              f"{r['ratio_1_thread']:.1f}x | **{r['ratio_all_threads']:.1f}x** | yes |")
+              f"{r['ggml_c_gbps']:.2f} | " + " | ".join(vals) + " | " + " | ".join(rats) + " | yes |")
 
 
 def parse_stats(stderr: str) -> tuple[float, float, float]:
@@ -306,42 +310,43 @@ def section_p3(a, results: dict) -> None:
     if not model.exists():
         sys.exit(f"error: {model} missing: run scripts/make_sparse_gguf.py {a.workdir}")
     ncpu = os.cpu_count() or 1
+    counts = sorted({1, ncpu})
     ours: dict[tuple[str, int], list[float]] = {}
-    hf: dict[str, list[float]] = {"f32": [], "f64": []}
+    hf: dict[tuple[str, int], list[float]] = {}
     loads = [load3()]
     for rnd in range(a.p3_rounds):
         doc = run_json([str(a.bin), "bench", "--reference", str(model), "--layer", "3", "--tokens",
-                        str(a.p3_tokens), "--repeat", str(a.p3_runs), "--threads", f"1,{ncpu}"])
+                        str(a.p3_tokens), "--repeat", str(a.p3_runs), "--threads", ",".join(map(str, counts))])
         for f in doc["bench"]["figures"]:
             ours.setdefault((f["what"], f["threads"]), []).extend(f["runs_s"])
         log(f"  P3 round {rnd + 1}: mla-diff " + ", ".join(
             f"{f['what']} {f['threads']} thr {f['median_s']:.2f} s" for f in doc["bench"]["figures"]))
-        for dt in ("f32", "f64"):
-            p = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_p3_hf.py"), str(model), "--layer", "3",
-                                "--tokens", str(a.p3_tokens), "--runs", str(a.p3_runs), "--dtype", dt,
-                                "--threads", str(ncpu)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            if p.returncode != 0:
-                sys.exit(f"error: bench_p3_hf.py exited {p.returncode}:\n{p.stderr}")
-            h = json.loads(p.stdout.strip().splitlines()[-1])
-            hf[dt].extend(h["runs"])
-            results.setdefault("p3_hf_meta", h)
-            log(f"  P3 round {rnd + 1}: HF {dt} {h['threads']} thr {h['t_median_s']:.2f} s")
+        for k in counts:
+            for dt in ("f32", "f64"):
+                p = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_p3_hf.py"), str(model), "--layer",
+                                    "3", "--tokens", str(a.p3_tokens), "--runs", str(a.p3_runs), "--dtype", dt,
+                                    "--threads", str(k)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                if p.returncode != 0:
+                    sys.exit(f"error: bench_p3_hf.py exited {p.returncode}:\n{p.stderr}")
+                h = json.loads(p.stdout.strip().splitlines()[-1])
+                hf.setdefault((dt, h["threads"]), []).extend(h["runs"])
+                results.setdefault("p3_hf_meta", h)
+                log(f"  P3 round {rnd + 1}: HF {dt} {h['threads']} thr {h['t_median_s']:.2f} s")
         loads.append(load3())
-    summ = {f"{w} {k} thr": med(v) for (w, k), v in ours.items()}
-    ref_all = med(ours[("reference", ncpu)])
-    rows = [("transformers DeepseekV3Attention, eager, f32", ncpu, med(hf["f32"])),
-            ("transformers DeepseekV3Attention, eager, f64", ncpu, med(hf["f64"]))]
-    rows += [(f"mla-diff {w} ({'f64' if w == 'reference' else 'f32, CPU backend'})", k, med(v))
-             for (w, k), v in sorted(ours.items())]
     results["p3"] = {"tokens": a.p3_tokens, "rounds": a.p3_rounds, "runs_per_round": a.p3_runs, "loadavg": loads,
-                     "ours": {f"{w}/{k}": v for (w, k), v in ours.items()}, "hf": hf, "median": summ}
+                     "ours": {f"{w}/{k}": v for (w, k), v in ours.items()},
+                     "hf": {f"{d}/{k}": v for (d, k), v in hf.items()}}
     print(f"\n### P3: one MLA layer at DeepSeek-V3 dims, T = {a.p3_tokens} (median of "
           f"{a.p3_rounds} x {a.p3_runs} runs, interleaved)\n")
     print(f"load average during the run: {loads[0]} -> {loads[-1]}\n")
-    print("| forward | threads | median | reference / this |")
-    print("|---|---|---|---|")
-    for name, k, s in rows:
-        print(f"| {name} | {k} | {s:.3f} s | {ref_all / s:.2f} |")
+    print("| threads | transformers f32 | transformers f64 | mla-diff reference (f64) | mla-diff engine mha (f32) | "
+          "reference / transformers f64 | reference / transformers f32 | engine / transformers f32 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for k in counts:
+        h32, h64 = med(hf[("f32", k)]), med(hf[("f64", k)])
+        r, e = med(ours[("reference", k)]), med(ours[("engine mha", k)])
+        print(f"| {k} | {h32:.3f} s | {h64:.3f} s | {r:.3f} s | {e:.3f} s | **{r / h64:.2f}x** | {r / h32:.2f}x | "
+              f"{e / h32:.2f}x |")
 
 
 def main() -> None:
@@ -354,7 +359,7 @@ def main() -> None:
     ap.add_argument("--regen", action="store_true", help="rewrite the P2 bench GGUF")
     ap.add_argument("--p1-tokens", type=int, default=19, help="run's default --tokens")
     ap.add_argument("--p3-tokens", type=int, default=128)
-    ap.add_argument("--p3-rounds", type=int, default=3)
+    ap.add_argument("--p3-rounds", type=int, default=4)
     ap.add_argument("--p3-runs", type=int, default=3, help="timed runs per process per round")
     ap.add_argument("--out-json", type=Path, default=None, help="default WORKDIR/bench_cpu.json")
     a = ap.parse_args()

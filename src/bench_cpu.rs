@@ -73,7 +73,7 @@ pub struct ForwardFigure {
     pub runs_s: Vec<f64>,
 }
 
-/// Result of [`reference`]: the untimed load and the timed forwards.
+/// Result of [`reference()`]: the untimed load and the timed forwards.
 #[derive(Debug, Clone, Serialize)]
 pub struct ReferenceBench {
     /// The GGUF file.

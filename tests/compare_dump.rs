@@ -4,29 +4,10 @@
 
 mod common;
 
-use common::{repo, run_bin};
+use common::{compare_json, repo, run_bin};
 
 fn compare(model: &str, dump: &str, extra: &[&str]) -> (i32, String, String, serde_json::Value) {
-    let dir = tempfile::tempdir().unwrap();
-    let j = dir.path().join("c.json");
-    let m = repo().join("golden/models").join(model);
-    let d = repo().join("golden/dumps").join(dump);
-    let mut args = vec![
-        "compare",
-        "--model",
-        m.to_str().unwrap(),
-        "--dump",
-        d.to_str().unwrap(),
-        "--json",
-        j.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    let (code, out, err) = run_bin(&args);
-    let doc = std::fs::read(&j)
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or(serde_json::Value::Null);
-    (code, out, err, doc)
+    compare_path(model, &repo().join("golden/dumps").join(dump), extra)
 }
 
 /// Every dumped site of every layer passed, and the expected number of sites was compared.
@@ -307,25 +288,7 @@ fn rewrite_dump(
 }
 
 fn compare_path(model: &str, dump: &std::path::Path, extra: &[&str]) -> (i32, String, String, serde_json::Value) {
-    let dir = tempfile::tempdir().unwrap();
-    let j = dir.path().join("c.json");
-    let m = repo().join("golden/models").join(model);
-    let mut args = vec![
-        "compare",
-        "--model",
-        m.to_str().unwrap(),
-        "--dump",
-        dump.to_str().unwrap(),
-        "--json",
-        j.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    let (code, out, err) = run_bin(&args);
-    let doc = std::fs::read(&j)
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or(serde_json::Value::Null);
-    (code, out, err, doc)
+    compare_json(&repo().join("golden/models").join(model), dump, extra)
 }
 
 fn schema_errors(doc: &serde_json::Value) -> Vec<String> {

@@ -9,7 +9,7 @@ mod common;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use common::{repo, run_bin};
+use common::{compare_json, repo, run_bin};
 use mla_diff::batch::Batch;
 use mla_diff::config::MlaConfig;
 use mla_diff::gguf::GgufFile;
@@ -115,19 +115,9 @@ fn compare(dump: &[u8]) -> (i32, String, serde_json::Value) {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().join("dump.safetensors");
     std::fs::write(&d, dump).unwrap();
-    let j = dir.path().join("c.json");
-    let m = repo().join(F32);
-    let (code, out, err) = run_bin(&[
-        "compare",
-        "--model",
-        m.to_str().unwrap(),
-        "--dump",
-        d.to_str().unwrap(),
-        "--json",
-        j.to_str().unwrap(),
-    ]);
+    let (code, out, err, doc) = compare_json(&repo().join(F32), &d, &[]);
     assert!(code == 0 || code == 1, "{out}{err}");
-    let doc = serde_json::from_slice(&std::fs::read(&j).unwrap()).unwrap();
+    assert!(!doc.is_null(), "no JSON report: {err}");
     (code, out, doc)
 }
 

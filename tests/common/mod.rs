@@ -501,3 +501,30 @@ pub fn deepseek2_moe(d: Dims, m: MoeDims) -> GgufBuilder {
     }
     g
 }
+
+/// Runs `mla-diff compare --model MODEL --dump DUMP --json <tmp> EXTRA…` and returns the exit
+/// code, stdout, stderr and the JSON report (`Null` when none was written).
+pub fn compare_json(
+    model: &std::path::Path,
+    dump: &std::path::Path,
+    extra: &[&str],
+) -> (i32, String, String, serde_json::Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let j = dir.path().join("c.json");
+    let mut args = vec![
+        "compare",
+        "--model",
+        model.to_str().unwrap(),
+        "--dump",
+        dump.to_str().unwrap(),
+        "--json",
+        j.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let (code, out, err) = run_bin(&args);
+    let doc = std::fs::read(&j)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or(serde_json::Value::Null);
+    (code, out, err, doc)
+}

@@ -51,7 +51,7 @@ impl Batch {
         o
     }
 
-    /// RoPE position of every packed token, [T].
+    /// RoPE position of every packed token, \[T].
     pub fn positions(&self) -> Vec<usize> {
         self.seqs
             .iter()

@@ -260,7 +260,7 @@ pub fn cmd_weights(a: &WeightsArgs, out: &mut dyn Write) -> Result<Outcome> {
 /// `mla-diff golden …`.
 #[derive(Debug, Subcommand)]
 pub enum GoldenCommand {
-    /// Run once and write golden/<CASE>/{manifest.json,trace.safetensors} (the run must pass).
+    /// Run once and write `golden/<CASE>/{manifest.json,trace.safetensors}` (the run must pass).
     Record(GoldenRecordArgs),
     /// Recompute golden cases and compare every site (exit 0 match, 1 differ, 2 cannot check).
     Check(GoldenCheckArgs),

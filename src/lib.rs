@@ -6,7 +6,7 @@
 //! points at the first tensor that diverges. The data flow, one direction only (DESIGN.md):
 //!
 //! GGUF file → [`gguf`] (validated, lazy) → [`config`] → [`weights`] (one layer, dequantized)
-//! → [`reference`] and [`paths`] → [`trace`] → [`compare`] (against [`tolerance`])
+//! → [`reference`](mod@reference) and [`paths`] → [`trace`] → [`compare`] (against [`tolerance`])
 //! → [`report`] / [`cli`].
 
 // Index loops are kept where they mirror a kernel's thread/element indexing.

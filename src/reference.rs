@@ -421,7 +421,7 @@ pub fn forward_full(
 pub struct MoeOut {
     /// `hidden_out` = `h1 + moe_out + shared_out`, [T, H].
     pub hidden_out: Array2<f64>,
-    /// The selected experts of every token, in selection order, [T][K].
+    /// The selected experts of every token, in selection order, \[T]\[K].
     pub selected: Vec<Vec<usize>>,
     /// Non-finite weights met (router, bias, shared experts, selected experts).
     pub nonfinite: Vec<(String, usize, usize)>,
@@ -429,7 +429,7 @@ pub struct MoeOut {
 
 /// The routing of one token: the `K` selected experts, best first, and their weights.
 ///
-/// From `scores` [E] (the gated router logits) and `choice` [E] (`scores + exp_probs_b`, or
+/// From `scores` \[E] (the gated router logits) and `choice` \[E] (`scores + exp_probs_b`, or
 /// `scores` without a bias): with `G > 1`, each group's score is the sum of its two largest
 /// choice values and only the `G_used` best groups stay eligible; the `K` eligible experts with
 /// the largest choice values are selected; their weights are their UNBIASED `scores`, divided by

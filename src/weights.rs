@@ -19,11 +19,11 @@ use crate::gguf::{GgmlType, GgufFile, TensorInfo, dequant};
 /// The query projection of one layer.
 #[derive(Debug, Clone)]
 pub enum QWeights {
-    /// With `Lq`: `attn_q_a` [Lq, H], `attn_q_a_norm` [Lq], `attn_q_b` [N·(P+R), Lq].
+    /// With `Lq`: `attn_q_a` \[Lq, H], `attn_q_a_norm` \[Lq], `attn_q_b` \[N·(P+R), Lq].
     Lora {
         /// `q_a_proj`, [Lq, H].
         q_a: Array2<f32>,
-        /// `q_a_layernorm` weight, [Lq].
+        /// `q_a_layernorm` weight, \[Lq].
         q_a_norm: Array1<f32>,
         /// `q_b_proj`, [N·(P+R), Lq].
         q_b: Array2<f32>,
@@ -55,7 +55,7 @@ pub enum KvBWeights {
 /// Dense SwiGLU FFN of a layer (`ffn_norm`, `ffn_gate`, `ffn_up`, `ffn_down`).
 #[derive(Debug, Clone)]
 pub struct DenseFfn {
-    /// `ffn_norm` weight, [H].
+    /// `ffn_norm` weight, \[H].
     pub norm: Array1<f32>,
     /// `ffn_gate`, [F, H].
     pub gate: Array2<f32>,
@@ -81,19 +81,19 @@ pub struct SwiGlu {
 /// stay in the file and are dequantized one at a time by [`MoeWeights::expert`], so that a layer
 /// of a 256-expert model costs only the experts its tokens select.
 ///
-/// Tensors (llama.cpp `LLM_ARCH_DEEPSEEK2`, PyTorch shapes): `ffn_norm` [H], `ffn_gate_inp`
-/// [E, H] (the router), `exp_probs_b.bias` [E] (optional), `ffn_{gate,up}_exps` [E, F_e, H],
+/// Tensors (llama.cpp `LLM_ARCH_DEEPSEEK2`, PyTorch shapes): `ffn_norm` \[H], `ffn_gate_inp`
+/// \[E, H] (the router), `exp_probs_b.bias` \[E] (optional), `ffn_{gate,up}_exps` \[E, F_e, H],
 /// `ffn_down_exps` [E, H, F_e], `ffn_{gate,up}_shexp` [n_shared·F_e, H], `ffn_down_shexp`
 /// [H, n_shared·F_e] (absent when `expert_shared_count` is 0).
 #[derive(Debug, Clone)]
 pub struct MoeWeights {
     /// Layer index.
     pub layer: usize,
-    /// `ffn_norm` weight, [H].
+    /// `ffn_norm` weight, \[H].
     pub norm: Array1<f32>,
     /// `ffn_gate_inp` (HF `mlp.gate.weight`), the router, [E, H].
     pub router: Array2<f32>,
-    /// `exp_probs_b.bias` (HF `e_score_correction_bias`), [E]: added to the scores to choose the
+    /// `exp_probs_b.bias` (HF `e_score_correction_bias`), \[E]: added to the scores to choose the
     /// experts, never to their weights. `None` when the file has none (DeepSeek-V2).
     pub exp_probs_b: Option<Array1<f32>>,
     /// The shared experts as one FFN of width `n_shared · F_e`; `None` without shared experts.
@@ -276,13 +276,13 @@ pub struct TensorType {
 pub struct LayerWeights {
     /// Layer index.
     pub layer: usize,
-    /// `attn_norm` weight, [H].
+    /// `attn_norm` weight, \[H].
     pub attn_norm: Array1<f32>,
     /// Query projection.
     pub q: QWeights,
     /// `attn_kv_a_mqa` (vLLM `kv_a_proj_with_mqa`), [L+R, H].
     pub kv_a_mqa: Array2<f32>,
-    /// `attn_kv_a_norm` (vLLM `kv_a_layernorm`), [L].
+    /// `attn_kv_a_norm` (vLLM `kv_a_layernorm`), \[L].
     pub kv_a_norm: Array1<f32>,
     /// `kv_b_proj` as stored.
     pub kv_b: KvBWeights,

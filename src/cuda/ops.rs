@@ -543,7 +543,7 @@ impl CudaOps {
     }
 
     /// Launches `decode_split_mma` with block tables and context lengths already on the device
-    /// (`tables_d` [n, max_blocks], `ctx_d` [n], i64).
+    /// (`tables_d` \[n, max_blocks], `ctx_d` \[n], i64).
     #[allow(clippy::too_many_arguments)]
     pub fn decode_mma(
         &self,

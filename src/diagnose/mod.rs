@@ -1,7 +1,7 @@
 //! Diagnosis: naming the bug class of each path's first divergence, with numeric evidence.
 //!
 //! "Tensor X differs" sends an engineer back to printing norms by hand; "`w.fused_qkv_a` holds
-//! the reference shards in order [1,0]" points at the line to fix. For each path's first
+//! the reference shards in order \[1,0]" points at the line to fix. For each path's first
 //! divergence, the detectors below each test one hypothesis against the reference trace (re-rotate
 //! with the other RoPE style, re-split kv_b grouped, fit a softmax scale, match blocks to shards,
 //! …). The first detector in DESIGN.md's precedence list whose hypothesis explains the candidate

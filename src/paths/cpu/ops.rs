@@ -67,7 +67,7 @@ pub fn rms_norm_strided(
     out
 }
 
-/// Rotates one rope vector `x` [R] in place with the cos/sin row of its position (`[R/2]` each).
+/// Rotates one rope vector `x` \[R] in place with the cos/sin row of its position (`[R/2]` each).
 pub fn rope_row(x: &mut [f32], cos: &[f32], sin: &[f32], style: RopeStyle) {
     let half = cos.len();
     for i in 0..half {
@@ -215,7 +215,7 @@ pub fn cache_row<'c>(cache: &'c [f32], block_size: usize, width: usize, table: &
 /// logical positions `keys`, read from the paged cache through `table`.
 ///
 /// `q` [L+R] is `[ql_nope | q_pe_roped]` of one head; the value is the first `dv` (= L) columns of
-/// each cache row. Writes the partial output into `out` [dv] and returns its LSE; an empty range
+/// each cache row. Writes the partial output into `out` \[dv] and returns its LSE; an empty range
 /// writes nothing and returns `empty_lse` (−inf is right: Triton MLA decode's empty split).
 #[allow(clippy::too_many_arguments)]
 pub fn decode_split(

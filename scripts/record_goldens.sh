@@ -21,7 +21,6 @@ rec embedded-default                                          # the embedded tin
 rec tiny-v3-f32      --model $M/tiny-v3-f32.gguf --input tokens
 rec tiny-v3-q8_0     --model $M/tiny-v3-q8_0.gguf
 rec tiny-v3-q4_k_m   --model $M/tiny-v3-q4_k_m.gguf --tp 2
-rec tiny-v3-q6_k     --model $M/tiny-v3-q6_k.gguf --dtype bf16
 rec yarn-v3-f32      --model $M/yarn-v3-f32.gguf --start-pos 40
 rec yarn-v3-q8_0     --model $M/yarn-v3-q8_0.gguf --input tokens
 rec lite-v2-f32      --model $M/lite-v2-f32.gguf --input tokens

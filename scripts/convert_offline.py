@@ -4,7 +4,8 @@
 Why this exists: the fixtures must come out of the real converter (so mla-diff is tested on the
 key names, tensor splits and layouts that real DeepSeek GGUFs have), but the converter insists on
 loading a real tokenizer in its vocab step, and our random-initialised models have none. This
-wrapper imports the converter as a module, swaps the DeepSeek-V2/V3 class's ``set_vocab`` for one
+wrapper imports the converter as a module, swaps the ``set_vocab`` of the MLA classes (DeepSeek-V2/V3,
+DeepSeek-V3.2, GLM-MoE-DSA, MiniCPM3) for one
 that writes a tiny synthetic byte-level BPE vocab, and then calls the converter's own ``main()``
 with the remaining command-line arguments. Nothing in the converter's tensor or metadata path is
 touched, and no modified copy of the converter is stored anywhere.
@@ -24,7 +25,8 @@ import os
 import sys
 from pathlib import Path
 
-# Synthetic vocab layout (vocab size must equal the model's vocab_size, 256 for every fixture):
+# Synthetic vocab layout (vocab size must equal the model's vocab_size: 256, or 128 for the
+# small MoE/DSA/MiniCPM3 fixtures):
 #   0..2   control tokens  <s> </s> <unk>
 #   3..254 single bytes 0x00..0xFB in GPT-2 byte-to-unicode spelling
 #   255    one merged token (two spaces, "ĠĠ") so that the merge list is non-empty and valid
@@ -66,8 +68,11 @@ def synthetic_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
 
 
 def install_vocab_patch() -> None:
-    """Replace DeepseekV2Model.set_vocab (shared by the V2 and V3 HF classes) at run time."""
-    from conversion import deepseek  # the converter's package (vendor/llama.cpp/conversion)
+    """Replace set_vocab at run time on every converter class the fixtures use: DeepseekV2Model
+    (shared by the V2 and V3 HF classes) and the classes that override it with their own
+    tokenizer step: DeepseekV32Model (AutoTokenizer + GPT-2 BPE), GlmMoeDsaModel (GLM's
+    tokenizer) and MiniCPM3Model (sentencepiece). All get the same synthetic GPT-2 vocab."""
+    from conversion import deepseek, glm, minicpm  # the converter's package (vendor/llama.cpp/conversion)
 
     def set_vocab(self) -> None:
         vocab_size = int(self.hparams["vocab_size"])
@@ -83,7 +88,9 @@ def install_vocab_patch() -> None:
         w.add_unk_token_id(2)
         w.add_add_bos_token(False)
 
-    deepseek.DeepseekV2Model.set_vocab = set_vocab
+    for cls in (deepseek.DeepseekV2Model, deepseek.DeepseekV32Model, glm.GlmMoeDsaModel,
+                minicpm.MiniCPM3Model):
+        cls.set_vocab = set_vocab
 
 
 def main() -> None:

@@ -52,11 +52,41 @@ import torch
 # (ql_nope and attn_latent exist only on the absorbed path; HF runs the expanded path.)
 HF_STAGES = [
     "hidden_in", "attn_in", "w.fused_qkv_a", "q_c", "q_c_normed", "q", "kv_a", "kv_c_normed",
-    "k_pe", "q_pe_roped", "k_pe_roped", "w.kv_b", "k_nope", "v", "w.W_UK_T", "w.W_UV", "lse",
+    "k_pe", "q_pe_roped", "k_pe_roped", "w.kv_b", "k_nope", "v", "w.W_UK_T", "w.W_UV",
+    "idx_q", "idx_k", "idx_weights", "idx_scores", "idx_topk", "lse",
     "attn_out", "o_proj", "moe_router_logits", "moe_topk", "moe_out", "shared_out", "hidden_out",
 ]
 # Stages only MoE layers (DeepseekV3MoE) have.
 MOE_STAGES = ("moe_router_logits", "moe_topk", "moe_out", "shared_out")
+# Stages of a layer that runs its own DSA indexer; a GLM "shared" layer has only idx_topk.
+IDX_STAGES = ("idx_q", "idx_k", "idx_weights", "idx_scores", "idx_topk")
+
+
+def _family_classes(mdl) -> dict[str, Any]:
+    """The modeling module's own classes (transformers generates one copy per model family)."""
+    out = {}
+    for suffix in ("RMSNorm", "RotaryEmbedding", "TopkRouter", "MoE"):
+        found = [v for k, v in vars(mdl).items()
+                 if isinstance(v, type) and k.endswith(suffix) and v.__module__ == mdl.__name__]
+        out[suffix] = found[0] if len(found) == 1 else None
+    return out
+
+
+def topk_rows(topk: np.ndarray) -> np.ndarray:
+    """HF's indexer top-k [T, K] -> per row sorted ascending, with the entries past the query
+    (key > i: masked keys that topk returns when row i has fewer than K causal keys) replaced by
+    -1 and moved to the end."""
+    T, K = topk.shape
+    out = np.full((T, K), -1, dtype=np.int64)
+    for i in range(T):
+        row = np.asarray(topk[i], dtype=np.int64)
+        if len(set(row.tolist())) != K:
+            raise RuntimeError(f"indexer top-k row {i} repeats a key: {row.tolist()}")
+        keep = np.sort(row[row <= i])
+        if len(keep) != min(K, i + 1):
+            raise RuntimeError(f"indexer top-k row {i} selects {len(keep)} causal keys, want {min(K, i + 1)}")
+        out[i, : len(keep)] = keep
+    return out
 
 
 def hf_rope_to_interleaved(x: np.ndarray) -> np.ndarray:
@@ -113,6 +143,7 @@ def _rope_init_f64(rotary: torch.nn.Module) -> tuple[torch.Tensor, float]:
 def _float64_patches(model: torch.nn.Module, mdl):
     """Patch HF's f32-forcing spots (RMSNorm, rotary table, eager softmax) while active."""
     saved: list[tuple[Any, str, Any]] = []
+    cls = _family_classes(mdl)
 
     def patch(obj, name, value):
         saved.append((obj, name, getattr(obj, name)))
@@ -127,7 +158,7 @@ def _float64_patches(model: torch.nn.Module, mdl):
         h = h * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * h.to(input_dtype)
 
-    patch(mdl.DeepseekV3RMSNorm, "forward", rms_forward)
+    patch(cls["RMSNorm"], "forward", rms_forward)
 
     # 2. Rotary table in f64: HF's formula (cat(freqs, freqs), cos/sin times attention_scaling).
     rotary = model.model.rotary_emb
@@ -146,7 +177,7 @@ def _float64_patches(model: torch.nn.Module, mdl):
         sin = emb.sin() * att_scale
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
-    patch(mdl.DeepseekV3RotaryEmbedding, "forward", rotary_forward)
+    patch(cls["RotaryEmbedding"], "forward", rotary_forward)
 
     # 3. Softmax: HF's eager function asks for dtype=float32; keep f64 inputs in f64.
     orig_softmax = torch.nn.functional.softmax
@@ -189,7 +220,8 @@ def _float64_patches(model: torch.nn.Module, mdl):
         topk_weights = topk_weights * self.routed_scaling_factor
         return router_logits, topk_weights, topk_indices
 
-    patch(mdl.DeepseekV3TopkRouter, "forward", router_forward)
+    if cls["TopkRouter"] is not None:
+        patch(cls["TopkRouter"], "forward", router_forward)
     try:
         yield {"inv_freq_f64": inv64.numpy().copy(), "inv_freq_rel_err_vs_hf_f32": inv_rel}
     finally:
@@ -215,15 +247,24 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
     `raw_rope=True` stores q_pe_roped/k_pe_roped in HF's [even | odd] order (not converted);
     `with_weights=False` skips the weight sites (w.*).
     """
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as mdl
+    import sys
 
+    mdl = sys.modules[type(model).__module__]
+    family = _family_classes(mdl)
+    moe_cls = family["MoE"] or ()
     cfg = model.config
-    if not getattr(cfg, "rope_interleave", False):
+    # main-attention rope: DeepSeek families pair adjacent elements (HF's *_interleave function);
+    # MiniCPM3 rotates halves (NeoX, HF's apply_rotary_pos_emb), stored as it is
+    neox_main = cfg.model_type == "minicpm3"
+    rope_fn_name = "apply_rotary_pos_emb" if neox_main else "apply_rotary_pos_emb_interleave"
+    if cfg.model_type == "deepseek_v3" and not getattr(cfg, "rope_interleave", False):
         raise ValueError("capture() expects rope_interleave=True (DeepSeek-style rope)")
+    if cfg.model_type not in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "minicpm3"):
+        raise ValueError(f"capture() does not know model type {cfg.model_type!r}")
     if getattr(cfg, "_attn_implementation", "eager") != "eager":
         raise ValueError(f"capture() needs eager attention, model uses {cfg._attn_implementation!r}")
     impl = getattr(cfg, "_experts_implementation", None)
-    has_moe = any(isinstance(layer.mlp, mdl.DeepseekV3MoE) for layer in model.model.layers)
+    has_moe = any(isinstance(layer.mlp, moe_cls) for layer in model.model.layers)
     if has_moe and impl not in (None, "eager"):
         raise ValueError(f"capture() needs eager experts (config._experts_implementation), model uses {impl!r}")
     ids = input_ids.reshape(1, -1).to(torch.long)
@@ -233,8 +274,8 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
     Lq = cfg.q_lora_rank
 
     out: dict[str, np.ndarray] = {}
-    extras: dict[str, Any] = {"logit_stats": {}, "hf_scaling": {}}
-    current = {"layer": None}
+    extras: dict[str, Any] = {"logit_stats": {}, "hf_scaling": {}, "idx_scores_dtype": {}}
+    current = {"layer": None, "in_indexer": False}
     handles = []
 
     def put(layer: int, stage: str, value: np.ndarray) -> None:
@@ -297,8 +338,35 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
         handles.append(attn.o_proj.register_forward_pre_hook(o_pre))
         handles.append(attn.o_proj.register_forward_hook(out_hook("o_proj")))
 
+        # DSA lightning indexer (DeepSeek-V3.2, GLM-MoE-DSA)
+        indexer = getattr(attn, "indexer", None)
+        if indexer is not None:
+            nI, dI = indexer.n_heads, indexer.head_dim
+
+            def idx_pre(mod, args, n=n):
+                current["in_indexer"] = True
+
+            def idx_post(mod, args, output, n=n):
+                current["in_indexer"] = False
+                put(n, "idx_topk", topk_rows(output[0].detach().cpu().numpy()))
+
+            handles.append(indexer.register_forward_pre_hook(idx_pre))
+            handles.append(indexer.register_forward_hook(idx_post))
+            handles.append(indexer.wq_b.register_forward_hook(out_hook("idx_q", lambda a: a.reshape(T, nI, dI))))
+            handles.append(indexer.k_norm.register_forward_hook(out_hook("idx_k")))
+            handles.append(indexer.weights_proj.register_forward_hook(out_hook("idx_weights")))
+        elif hasattr(attn, "skip_topk") and attn.skip_topk:
+            # GLM "shared" layer: the top-k it is handed (the previous full layer's)
+            def shared_pre(mod, args, kwargs, n=n):
+                prev = kwargs.get("prev_topk_indices")
+                if prev is None:
+                    raise RuntimeError(f"shared DSA layer {n} got no prev_topk_indices")
+                put(n, "idx_topk", topk_rows(prev[0].detach().cpu().numpy()))
+
+            handles.append(attn.register_forward_pre_hook(shared_pre, with_kwargs=True))
+
         # MoE FFN (DeepseekV3MoE): router outputs, routed experts' sum, shared experts
-        if isinstance(layer.mlp, mdl.DeepseekV3MoE):
+        if isinstance(layer.mlp, moe_cls):
             moe = layer.mlp
 
             def gate_hook(mod, args, output, n=n):
@@ -326,13 +394,15 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
         put(n, "w.W_UV", per_head[:, P:, :].transpose(0, 2, 1).copy())  # [N, L, V]
 
     # ---- wrapped functions ------------------------------------------------------------------
-    orig_rope = mdl.apply_rotary_pos_emb_interleave
+    orig_rope = getattr(mdl, rope_fn_name)
     orig_eager = mdl.eager_attention_forward
 
-    reorder = (lambda a: a) if raw_rope else hf_rope_to_interleaved
+    reorder = (lambda a: a) if (raw_rope or neox_main) else hf_rope_to_interleaved
 
     def rope_wrapper(q, k, cos, sin, *args, **kwargs):
         q_embed, k_embed = orig_rope(q, k, cos, sin, *args, **kwargs)
+        if current["in_indexer"]:       # GLM's indexer uses the same function: not a main-attention site
+            return q_embed, k_embed
         n = current["layer"]
         # q_embed [1, N, T, R], k_embed [1, 1, T, R], both in HF's [even | odd] order
         put(n, "q_pe_roped", reorder(_np(q_embed[0]).transpose(1, 0, 2)))
@@ -367,15 +437,31 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
             extras["hf_scaling"][n] = float(scaling)
         return orig_eager(module, query, key, value, attention_mask, scaling, *args, **kwargs)
 
-    mdl.apply_rotary_pos_emb_interleave = rope_wrapper
+    class TopkRecorder(torch.overrides.TorchFunctionMode):
+        """Records the tensor on which the indexer calls `.topk` (HF's own index scores)."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if current["in_indexer"] and func in (torch.Tensor.topk, torch.topk):
+                n = current["layer"]
+                scores = args[0]                                  # [1, T, T]
+                extras["idx_scores_dtype"][n] = str(scores.dtype)
+                sc = _np(scores[0])
+                causal = np.tril(np.ones((T, T), dtype=bool))
+                if not np.all(sc[~causal] < -1e30):
+                    raise RuntimeError(f"L{n}: indexer scores past the query are not masked")
+                put(n, "idx_scores", np.where(causal, sc, 0.0))
+            return func(*args, **kwargs)
+
+    setattr(mdl, rope_fn_name, rope_wrapper)
     mdl.eager_attention_forward = eager_wrapper
     try:
         ctx = _float64_patches(model, mdl) if exact_f64 else contextlib.nullcontext({})
-        with ctx as patch_info, torch.no_grad():
+        with ctx as patch_info, torch.no_grad(), TopkRecorder():
             extras.update(patch_info or {})
             res = model(input_ids=ids, position_ids=torch.arange(T).reshape(1, T), use_cache=False)
     finally:
-        mdl.apply_rotary_pos_emb_interleave = orig_rope
+        setattr(mdl, rope_fn_name, orig_rope)
         mdl.eager_attention_forward = orig_eager
         for h in handles:
             h.remove()
@@ -386,9 +472,13 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
 
     # every expected site must be there, once
     for n in range(len(layers)):
-        is_moe = isinstance(layers[n].mlp, mdl.DeepseekV3MoE)
+        is_moe = isinstance(layers[n].mlp, moe_cls)
+        own_idx = getattr(layers[n].self_attn, "indexer", None) is not None
+        shared_idx = bool(getattr(layers[n].self_attn, "skip_topk", False))
         for stage in HF_STAGES:
             if stage in MOE_STAGES and not is_moe:
+                continue
+            if stage in IDX_STAGES and not own_idx and not (shared_idx and stage == "idx_topk"):
                 continue
             if Lq is None and stage in ("w.fused_qkv_a", "q_c", "q_c_normed"):
                 continue

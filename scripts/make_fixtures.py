@@ -61,6 +61,18 @@ MOE_V3 = dict(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2
               moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5,
               norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
               bias_std=0.1)
+# MoE of the DSA fixtures: as small as possible (one group, so no group limit).
+MOE_DSA = dict(n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2, n_shared_experts=1,
+               moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5,
+               norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+               bias_std=0.1)
+# DSA lightning indexer: 8 heads (more heads, fewer exact-zero ReLU ties), top-k 8, head dim 64:
+# it must be >= R, and llama.cpp multiplies the indexer q and k by a Hadamard matrix of at least
+# 64 x 64 (llama_kv_cache::build_input_k_rot), so with 32 its graph aborts in ggml_mul_mat
+# (GGML_ASSERT(ggml_can_mul_mat(a, b))). `gain` multiplies the std of wq_b and wk (init_weights).
+DSA_INDEXER = dict(index_n_heads=8, index_head_dim=64, index_topk=8, gain=1.0)
+# llama.cpp's minicpm3 graph hard-codes these three (src/models/minicpm3.cpp).
+MINICPM3 = dict(scale_emb=12, scale_depth=1.4, dim_model_base=256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,14 +98,34 @@ class Fixture:
     layers: int = 2                     # num_hidden_layers
     vocab: int = 256                    # vocab_size (the converter's synthetic vocab follows it)
     moe: dict | None = None             # MoE config (None: every layer dense, no expert tensors)
+    family: str = "v3"                  # HF class / GGUF arch, see FAMILIES
+    indexer: dict | None = None         # DSA indexer config (v32, glm families)
+    minicpm: dict | None = None         # MiniCPM3 scalings (scale_emb, scale_depth, dim_model_base)
 
     def dims(self) -> dict:
         return dict(N=self.N, H=self.H, Lq=self.Lq, L=self.L, P=self.P, R=self.R, V=self.V)
 
+    @property
+    def arch(self) -> str:
+        return FAMILIES[self.family]["arch"]
+
+
+# HF class and GGUF architecture per family. Main-attention rope order: every DeepSeek-style
+# family pairs adjacent elements (interleaved); MiniCPM3 uses NeoX (rotate_half). The DSA
+# indexer's own rope: NeoX half-split in DeepSeek-V3.2, interleaved in GLM-MoE-DSA.
+FAMILIES = {
+    "v3": dict(arch="deepseek2", hf_class="DeepseekV3ForCausalLM", rope="interleaved"),
+    "v32": dict(arch="deepseek32", hf_class="DeepseekV32ForCausalLM", rope="interleaved",
+                idx_rope="neox"),
+    "glm": dict(arch="glm-dsa", hf_class="GlmMoeDsaForCausalLM", rope="interleaved",
+                idx_rope="interleaved"),
+    "minicpm3": dict(arch="minicpm3", hf_class="MiniCPM3ForCausalLM", rope="neox"),
+}
+
 
 FIXTURES = [
     Fixture("tiny-v3", N=6, H=256, Lq=64, L=96, P=32, R=16, V=64, inter=128, seed_offset=100,
-            attn_gain=1.45, quants=("Q8_0", "Q4_K_M", "Q6_K")),
+            attn_gain=1.45, quants=("Q8_0", "Q4_K_M")),
     Fixture("yarn-v3", N=4, H=256, Lq=96, L=64, P=32, R=32, V=32, inter=128, seed_offset=200,
             attn_gain=1.2, yarn=YARN_V3, tokens=40, quants=("Q8_0",)),
     Fixture("lite-v2", N=3, H=192, Lq=None, L=128, P=32, R=16, V=64, inter=128, seed_offset=300,
@@ -116,6 +148,22 @@ FIXTURES = [
     Fixture("moe-v3", N=2, H=64, Lq=32, L=96, P=32, R=16, V=16, inter=96, seed_offset=600,
             attn_gain=1.45, tokens=16, quants=("Q8_0",), layers=3, vocab=128,
             moe=MOE_V3),
+    # DeepSeek-V3.2 (DSA): layer 0 dense, layer 1 MoE (4 experts, 2 used, one group, sigmoid with
+    # a random score-correction bias, 1 shared expert); every layer has a lightning indexer.
+    # 24 golden tokens, 3x the indexer's top-k of 8, so most rows really select.
+    Fixture("dsa-v32", N=2, H=64, Lq=32, L=64, P=32, R=16, V=16, inter=64, seed_offset=700,
+            attn_gain=1.45, tokens=24, quants=("Q8_0",), layers=2, vocab=128, moe=MOE_DSA,
+            family="v32", indexer=DSA_INDEXER),
+    # GLM-MoE-DSA (GLM-5): layer 0 dense, layers 1-2 MoE; layer 2's indexer is "shared": it
+    # reuses layer 1's top-k (glm-dsa.attention.indexer.types = [true, true, false]).
+    Fixture("dsa-glm", N=2, H=64, Lq=32, L=64, P=32, R=16, V=32, inter=64, seed_offset=800,
+            attn_gain=1.45, tokens=24, quants=("Q8_0",), layers=3, vocab=128, moe=MOE_DSA,
+            family="glm", indexer=dict(DSA_INDEXER, types=["full", "full", "shared"])),
+    # MiniCPM3: 2 dense layers, q_lora, plain NeoX rope, llama.cpp's hard-coded scalings, one
+    # fused attn_kv_b, V = H / N (the converter writes no value_length).
+    Fixture("minicpm3", N=2, H=64, Lq=32, L=64, P=32, R=16, V=32, inter=64, seed_offset=900,
+            attn_gain=1.45, tokens=24, quants=("Q8_0",), layers=2, vocab=128,
+            family="minicpm3", minicpm=MINICPM3),
 ]
 
 COMMON = dict(rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -129,6 +177,8 @@ LOGIT_STD_RANGE = (1.0, 3.0)
 # --------------------------------------------------------------------------------------------
 
 def hf_config(fx: Fixture):
+    if fx.family != "v3":
+        return hf_config_other(fx)
     from transformers import DeepseekV3Config
 
     if fx.yarn is None:
@@ -161,6 +211,38 @@ def hf_config(fx: Fixture):
     return cfg
 
 
+def hf_config_other(fx: Fixture):
+    """Config of the DeepSeek-V3.2, GLM-MoE-DSA and MiniCPM3 fixtures (plain rope, no YaRN)."""
+    import transformers
+
+    rope = {"rope_type": "default", "rope_theta": COMMON["rope_theta"]}
+    common = dict(vocab_size=fx.vocab, hidden_size=fx.H, intermediate_size=fx.inter,
+                  num_hidden_layers=fx.layers, num_attention_heads=fx.N, num_key_value_heads=fx.N,
+                  q_lora_rank=fx.Lq, kv_lora_rank=fx.L, qk_nope_head_dim=fx.P, qk_rope_head_dim=fx.R,
+                  v_head_dim=fx.V, max_position_embeddings=COMMON["max_position_embeddings"],
+                  rms_norm_eps=COMMON["rms_norm_eps"], rope_parameters=rope, attention_bias=False,
+                  tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    extra = {}
+    if fx.family == "minicpm3":
+        assert fx.V == fx.H // fx.N, "llama.cpp's minicpm3 takes V = H / N"
+        cfg = transformers.MiniCPM3Config(**common, **fx.minicpm)
+    else:
+        assert fx.Lq is not None and fx.moe is not None and fx.indexer is not None
+        moe = {k: v for k, v in fx.moe.items() if k not in ("scoring_func", "topk_method", "bias_std")}
+        extra = {k: fx.moe[k] for k in ("scoring_func", "topk_method")}
+        idx = {k: fx.indexer[k] for k in ("index_n_heads", "index_head_dim", "index_topk")}
+        if fx.family == "v32":
+            cfg = transformers.DeepseekV32Config(**common, **moe, **idx)
+        else:
+            cfg = transformers.GlmMoeDsaConfig(**common, **moe, **idx, indexer_types=list(fx.indexer["types"]))
+    for k, v in extra.items():          # saved to config.json like any other field
+        setattr(cfg, k, v)
+    cfg._attn_implementation = "eager"
+    if fx.moe is not None:
+        cfg._experts_implementation = "eager"
+    return cfg
+
+
 def init_weights(model, fx: Fixture, seed: int) -> None:
     """Seeded normal re-initialisation of every parameter (float32).
 
@@ -181,13 +263,18 @@ def init_weights(model, fx: Fixture, seed: int) -> None:
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if p.ndim == 1:
+            if p.ndim == 1 and name.endswith(".bias"):       # LayerNorm bias (DSA indexer k_norm)
+                p.copy_(0.1 * noise)
+            elif p.ndim == 1:
                 p.copy_(1.0 + 0.2 * noise)
             elif name.endswith("embed_tokens.weight"):
-                p.copy_(noise)
+                # MiniCPM3 multiplies the embedding by scale_emb: keep the residual stream unit-scale
+                p.copy_(noise / (fx.minicpm["scale_emb"] if fx.minicpm else 1.0))
             elif p.ndim == 2:
                 gain = fx.attn_gain if name.endswith(("q_b_proj.weight", "q_proj.weight",
                                                       "kv_b_proj.weight")) else 1.0
+                if name.endswith(("indexer.wq_b.weight", "indexer.wk.weight")):
+                    gain = fx.indexer["gain"]
                 p.copy_(noise * (gain / math.sqrt(p.shape[1])))
             elif p.ndim == 3 and ".mlp.experts." in name:
                 p.copy_(noise / math.sqrt(p.shape[2]))
@@ -201,10 +288,10 @@ def init_weights(model, fx: Fixture, seed: int) -> None:
 
 def build_model(fx: Fixture, seed: int):
     import torch
-    from transformers import DeepseekV3ForCausalLM
+    import transformers
 
     torch.manual_seed(seed)                    # construction-time init is overwritten anyway
-    model = DeepseekV3ForCausalLM(hf_config(fx))
+    model = getattr(transformers, FAMILIES[fx.family]["hf_class"])(hf_config(fx))
     init_weights(model, fx, seed)
     model.eval()
     return model
@@ -303,11 +390,20 @@ def check_gguf_matches_hf(gguf_path: Path, model, fx: Fixture) -> int:
                  "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
                  "ffn_up_shexp": "mlp.shared_experts.up_proj",
                  "ffn_down_shexp": "mlp.shared_experts.down_proj"}
+    # DSA indexer (blk.N.indexer.<base>.<weight|bias>)
+    indexer = {"k_norm": "k_norm", "proj": "weights_proj", "attn_k": "wk", "attn_q_b": "wq_b"}
     F = fx.moe["moe_intermediate_size"] if fx.moe else 0
     checked = 0
+    hf_indexer_params = {k for k in sd if ".self_attn.indexer." in k}
+    seen_indexer = set()
     for name, arr in g.items():
         if name in simple:
             ref = sd[simple[name]]
+        elif ".indexer." in name:
+            _, i, _idx, base, kind = name.split(".")
+            key = f"model.layers.{i}.self_attn.indexer.{indexer[base]}.{kind}"
+            ref = sd[key]
+            seen_indexer.add(key)
         else:
             _, i, base, _w = name.split(".")
             pre = f"model.layers.{i}.mlp."
@@ -333,6 +429,14 @@ def check_gguf_matches_hf(gguf_path: Path, model, fx: Fixture) -> int:
         if arr.shape != ref.shape or not np.array_equal(arr, ref):
             raise SystemExit(f"{gguf_path.name}: {name} differs from the HF weight")
         checked += 1
+    if seen_indexer != hf_indexer_params:
+        raise SystemExit(f"{gguf_path.name}: indexer tensors missing: {sorted(hf_indexer_params - seen_indexer)}")
+    # every HF tensor is in the file: gate_up_proj and a split kv_b_proj give two GGUF tensors each
+    want = len(sd) + sum(1 for k in sd if k.endswith("experts.gate_up_proj"))
+    if any(".attn_k_b." in k for k in g):
+        want += sum(1 for k in sd if k.endswith("kv_b_proj.weight"))
+    if checked != want:
+        raise SystemExit(f"{gguf_path.name}: {checked} GGUF tensors for {len(sd)} HF tensors (want {want})")
     return checked
 
 
@@ -349,7 +453,7 @@ def check_moe(fx: Fixture, f32: Path, t: dict, rep: dict) -> None:
     from gguf_tools import load_f32_tensors, read_kv
 
     kv = read_kv(f32)
-    a = "deepseek2."
+    a = fx.arch + "."
     meta = dict(E=int(kv[a + "expert_count"]), K=int(kv[a + "expert_used_count"]),
                 G=int(kv.get(a + "expert_group_count", 1)), G_used=int(kv.get(a + "expert_group_used_count", 1)),
                 gating=int(kv.get(a + "expert_gating_func", 1)), norm=bool(kv.get(a + "expert_weights_norm", False)),
@@ -381,9 +485,64 @@ def check_moe(fx: Fixture, f32: Path, t: dict, rep: dict) -> None:
             raise SystemExit(f"{fx.name} L{layer}: near tie at the top-k cut ({res['min_choice_gap_at_cut']:.2e})")
         bias_changes += res["tokens_bias_changes_selection"]
         group_changes += res["tokens_group_limit_changes_selection"]
-    if bias_changes == 0 or group_changes == 0:
+    if bias_changes == 0 or (group_changes == 0 and meta["G"] > 1):
         raise SystemExit(f"{fx.name}: the bias changes {bias_changes} and the group limit {group_changes} "
-                         f"token selections; both must change at least one (adjust bias_std or the seed)")
+                         f"token selections; both must change at least one (the group limit only with "
+                         f"G > 1; adjust bias_std or the seed)")
+
+
+IDX_MIN_REL_GAP = 1e-4     # smallest allowed (K-th - (K+1)-th score) / row max at the top-k cut
+
+
+def check_indexer(fx: Fixture, f32: Path, t: dict, extras: dict, rep: dict) -> None:
+    """Independent numpy check of every DSA indexer layer (mla_check.check_indexer) from the F32
+    GGUF's own tensors and indexer metadata; the selection must match HF's and have no near tie
+    at the top-k cut (HF scores in float32: a near tie could flip in another engine), and no
+    exact-zero (ReLU) score may sit at the cut."""
+    import mla_check
+    from gguf_tools import load_f32_tensors, read_kv
+
+    kv = read_kv(f32)
+    a = fx.arch + ".attention.indexer."
+    meta = dict(index_n_heads=int(kv[a + "head_count"]), index_head_dim=int(kv[a + "key_length"]),
+                index_topk=int(kv[a + "top_k"]))
+    want = {k: fx.indexer[k] for k in meta}
+    if meta != want:
+        raise SystemExit(f"{f32.name}: indexer metadata {meta} != HF config {want}")
+    types = fx.indexer.get("types")
+    if types is not None and list(kv.get(a + "types", [])) != [x == "full" for x in types]:
+        raise SystemExit(f"{f32.name}: {a}types = {kv.get(a + 'types')} != {types}")
+    rep["indexer_metadata"] = dict(meta, types=kv.get(a + "types"))
+    w = load_f32_tensors(f32)
+    rep["indexer_checks"] = {}
+    rope = FAMILIES[fx.family]["idx_rope"]
+    for layer in range(fx.layers):
+        if f"L{layer}.idx_scores" not in t:
+            if f"L{layer}.idx_topk" in t:           # GLM shared layer: the previous full layer's top-k
+                prev = max(n for n in range(layer) if f"L{n}.idx_scores" in t)
+                same = np.array_equal(t[f"L{layer}.idx_topk"], t[f"L{prev}.idx_topk"])
+                print(f"L{layer} indexer: shared, reuses L{prev}'s top-k (identical: {same})")
+                rep["indexer_checks"][layer] = {"shared_from": prev, "identical": same}
+                if not same:
+                    raise SystemExit(f"{fx.name} L{layer}: shared top-k differs from L{prev}'s")
+            continue
+        res = mla_check.check_indexer(t, layer, w, fx.indexer, fx.R, extras["cos"], extras["sin"], rope)
+        res["hf_scores_dtype"] = extras["idx_scores_dtype"].get(layer)
+        rep["indexer_checks"][layer] = res
+        print(f"L{layer} indexer ({rope} rope): idx_q/k/weights rel err {res['idx_q_max_rel_err']:.1e}/"
+              f"{res['idx_k_max_rel_err']:.1e}/{res['idx_weights_max_rel_err']:.1e}  scores rel err "
+              f"{res['idx_scores_max_rel_err']:.1e} (other rope order {res['idx_scores_other_rope_max_rel_diff']:.2f})  "
+              f"top-k set mismatches {res['topk_set_mismatches']}  min rel gap at the cut "
+              f"{res['min_rel_gap_at_cut']:.2e} over {res['rows_with_cut']} rows  exact-zero scores "
+              f"{res['exact_zero_scores']} (HF {res['hf_exact_zero_scores']}), at the cut {res['zero_score_at_cut_rows']}")
+        if max(res["idx_q_max_rel_err"], res["idx_k_max_rel_err"], res["idx_weights_max_rel_err"]) > 1e-12:
+            raise SystemExit(f"{fx.name} L{layer}: indexer projections self-check failed ({res})")
+        if res["idx_scores_max_rel_err"] > 1e-5 or res["topk_set_mismatches"]:
+            raise SystemExit(f"{fx.name} L{layer}: indexer scores/top-k self-check failed ({res})")
+        if res["min_rel_gap_at_cut"] < IDX_MIN_REL_GAP or res["zero_score_at_cut_rows"]:
+            raise SystemExit(f"{fx.name} L{layer}: near tie at the indexer top-k cut "
+                             f"({res['min_rel_gap_at_cut']:.2e}, zero at cut {res['zero_score_at_cut_rows']}); "
+                             f"change the seed or the indexer gain")
 
 
 def sha256(path: Path) -> str:
@@ -401,7 +560,7 @@ def make_one(fx: Fixture, args, report: dict) -> None:
     import torch
     import transformers
     import st_io
-    from gguf_tools import quantize, read_kv, tensor_types
+    from gguf_tools import load_f32_tensors, quantize, read_kv, tensor_types
     import hf_hooks
     import mla_check
 
@@ -434,7 +593,7 @@ def make_one(fx: Fixture, args, report: dict) -> None:
     n = check_gguf_matches_hf(f32, model, fx)
     print(f"{rel(f32)}: {n} tensors, all bit-identical to the HF weights")
     rep["gguf_tensors_checked"] = n
-    rep["f32_keys"] = {k: v for k, v in read_kv(f32).items() if k.startswith("deepseek2.")}
+    rep["f32_keys"] = {k: v for k, v in read_kv(f32).items() if k.startswith(fx.arch + ".")}
 
     # 3. quantize
     quant_src = f32
@@ -484,12 +643,16 @@ def make_one(fx: Fixture, args, report: dict) -> None:
         hf_scale = cap.extras["hf_scaling"][layer]
         if not math.isclose(hf_scale, scale, rel_tol=1e-14):
             raise SystemExit(f"HF softmax scale {hf_scale} != MLA.md scale {scale}")
-        res = mla_check.check_layer(t, layer, fx.dims(), scale, cap.extras["cos"], cap.extras["sin"])
+        allowed = None
+        if f"L{layer}.idx_topk" in t:       # DSA: attention restricted to the selected keys
+            allowed = mla_check.topk_mask(t[f"L{layer}.idx_topk"], fx.tokens)
+        res = mla_check.check_layer(t, layer, fx.dims(), scale, cap.extras["cos"], cap.extras["sin"],
+                                    rope=FAMILIES[fx.family]["rope"], allowed=allowed)
         rep["checks"][layer] = res
         st = cap.extras["logit_stats"][layer]
         print(f"L{layer}: logit std {st['std']:.3f} (absmax {st['absmax']:.2f})  "
               f"rope q/k err {res['rope_q_max_err']:.1e}/{res['rope_k_max_err']:.1e} "
-              f"(NeoX would differ by {res['rope_k_neox_max_diff']:.2f})  "
+              f"(the other rope order would differ by {res['rope_k_other_order_max_diff']:.2f})  "
               f"attn_out err {res['attn_out_max_err']:.1e} (absorbed {res['absorbed_attn_out_max_err']:.1e})  "
               f"lse err {res['lse_max_err']:.1e} (absorbed {res['absorbed_lse_max_err']:.1e})  "
               f"kv_b split err {max(res['kv_b_k_nope_max_err'], res['kv_b_v_max_err']):.1e}")
@@ -504,6 +667,18 @@ def make_one(fx: Fixture, args, report: dict) -> None:
             raise SystemExit(f"{fx.name} L{layer}: golden self-check failed (max err {worst:.2e})")
     if fx.moe is not None:
         check_moe(fx, f32, t, rep)
+    if fx.indexer is not None:
+        check_indexer(fx, f32, t, cap.extras, rep)
+    if fx.minicpm is not None:
+        w = load_f32_tensors(f32)
+        res = mla_check.check_minicpm3(t, w, fx.layers, fx.minicpm, COMMON["rms_norm_eps"])
+        rep["minicpm3_checks"] = res
+        print(f"MiniCPM3 scalings: embedding x{fx.minicpm['scale_emb']} err {res['embed_max_err']:.1e}  "
+              f"hidden_out (residual x{fx.minicpm['scale_depth']}/sqrt({fx.layers})) err "
+              f"{res['hidden_out_max_err']:.1e}  logits (/(H/{fx.minicpm['dim_model_base']})) err "
+              f"{res['logits_max_err']:.1e}")
+        if max(res["embed_max_err"], res["hidden_out_max_err"], res["logits_max_err"]) > 1e-9:
+            raise SystemExit(f"{fx.name}: MiniCPM3 self-check failed ({res})")
     print(f"HF plain f32 vs f64 golden logits: max |diff| {rep['hf_f32_vs_f64_logits_max_abs']:.2e}; "
           f"f64 vs HF f32 inv_freq rel err {rep['inv_freq_rel_err_vs_hf_f32']:.1e}")
 
@@ -519,8 +694,8 @@ def make_one(fx: Fixture, args, report: dict) -> None:
     meta = {
         "fixture": fx.name,
         "gguf": rel(f32),
-        "source": f"transformers {transformers.__version__} DeepseekV3ForCausalLM float64 eager",
-        "rope_order": "interleaved",
+        "source": f"transformers {transformers.__version__} {FAMILIES[fx.family]['hf_class']} float64 eager",
+        "rope_order": FAMILIES[fx.family]["rope"],
         "tokens": str(fx.tokens),
         "seed": str(seed),
         "softmax_scale": repr(scale),
@@ -528,6 +703,17 @@ def make_one(fx: Fixture, args, report: dict) -> None:
                        + (", MoE router logits in float64" if fx.moe is not None else ""),
         "torch": torch.__version__,
     }
+    if fx.indexer is not None:
+        meta["idx_rope_order"] = FAMILIES[fx.family]["idx_rope"]
+        meta["idx_scores_precision"] = ("float32: HF casts the indexer q and k to float32 (q.float()) "
+                                        "even in a float64 model; stored as float64")
+        meta["idx_topk_layout"] = "per row sorted ascending; keys past the query are -1, at the end"
+        if fx.indexer.get("types"):
+            meta["indexer_types"] = ",".join(fx.indexer["types"])
+    if fx.minicpm is not None:
+        meta["scalings"] = (f"scale_emb={fx.minicpm['scale_emb']} (L0.hidden_in is after it), "
+                            f"residual scale_depth/sqrt(layers)={fx.minicpm['scale_depth']}/sqrt({fx.layers}), "
+                            f"logits divided by hidden/dim_model_base={fx.H}/{fx.minicpm['dim_model_base']}")
     st_io.save(tensors, golden, metadata=meta)
     rep["golden"] = {"path": rel(golden), "bytes": golden.stat().st_size, "tensors": len(tensors),
                      "committed": fx.golden}
@@ -542,7 +728,11 @@ def make_one(fx: Fixture, args, report: dict) -> None:
             proc = subprocess.run([sys.executable, str(HERE / "llama_logits.py"), str(path), str(golden)],
                                   capture_output=True, text=True)
             lines = proc.stdout.strip().splitlines()
-            res = json.loads(lines[-1]) if lines else {"error": proc.stderr[-300:]}
+            try:
+                res = json.loads(lines[-1]) if lines else {"error": proc.stderr[-300:]}
+            except json.JSONDecodeError:        # llama.cpp aborted (GGML_ASSERT) and printed a backtrace
+                asserts = [x for x in (proc.stdout + proc.stderr).splitlines() if "GGML_ASSERT" in x]
+                res = {"error": f"rc {proc.returncode}: " + (asserts[0] if asserts else proc.stderr[-300:])}
             rep["llama_cpp_vs_golden"][path.name] = res
             if "error" in res:
                 print(f"llama.cpp vs golden logits, {path.name}: does not load ({res['error'][:80]})")

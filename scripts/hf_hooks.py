@@ -25,6 +25,18 @@ MoE layers (DeepseekV3MoE) add four sites: `moe_router_logits` [T, E] (the route
 sets), `moe_out` [T, H] (the routed experts' weighted sum) and `shared_out` [T, H] (the shared
 experts' output); `hidden_out` is the residual plus both.
 
+DSA layers (DeepSeek-V3.2, GLM-MoE-DSA: `self_attn.indexer`) add `idx_q` [T, N_idx, D_idx]
+(`indexer.wq_b(q_c_normed)`, before RoPE), `idx_k` [T, D_idx] (`indexer.k_norm(indexer.wk(x))`,
+before RoPE), `idx_weights` [T, N_idx] (`indexer.weights_proj(x)`, raw), `idx_scores` [T, T] (the
+tensor HF calls `.topk` on inside the indexer, recorded through a TorchFunctionMode, with the
+masked entries past the query set to 0; HF computes it in float32 even in a float64 model) and
+`idx_topk` [T, K] (int64, each row sorted ascending, keys past the query -1 at the end, see
+`topk_rows`). A GLM "shared" layer has only `idx_topk`: the `prev_topk_indices` it is handed.
+These functions and classes are looked up in the model's own modeling module (transformers
+generates one copy per family), so the same capture serves DeepseekV3, DeepseekV32,
+GlmMoeDsa and MiniCPM3; MiniCPM3's rope is NeoX (`apply_rotary_pos_emb`) and its
+`q_pe_roped`/`k_pe_roped` are stored as HF gives them (NeoX order, no conversion).
+
 Rope order. HF's `apply_rotary_pos_emb_interleave` returns each rotated rope vector as
 [rotated even elements | rotated odd elements]; DeepSeek/vLLM/llama.cpp keep the interleaved pair
 order. `q_pe_roped` and `k_pe_roped` are stored converted to interleaved order

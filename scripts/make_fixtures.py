@@ -10,6 +10,10 @@ quant blocks are exactly what llama.cpp's tools produce. So, for every fixture b
      re-initialises every parameter with seeded normal data whose std makes attention
      informative (scaled logit std between 1 and 3, measured and printed); MoE fixtures also get
      a seeded random score-correction bias (HF initialises it to zeros, which would hide it);
+     `dsa-v32`, `dsa-glm` and `minicpm3` are the same recipe on transformers'
+     `DeepseekV32ForCausalLM`, `GlmMoeDsaForCausalLM` and `MiniCPM3ForCausalLM` (GGUF archs
+     deepseek32, glm-dsa, minicpm3; see FAMILIES): DSA lightning indexers, a GLM "shared"
+     indexer layer, MiniCPM3's embedding/residual/logit scalings;
   2. converts it to F32 GGUF with llama.cpp's official converter (convert_offline.py: the real
      convert_hf_to_gguf.py, only its tokenizer step swapped for a synthetic 256-token vocab);
   3. derives the special variants with gguf-py (legacy `attn_kv_b` file; a `q_lora_rank = 0` copy
@@ -18,7 +22,8 @@ quant blocks are exactly what llama.cpp's tools produce. So, for every fixture b
   5. runs the HF model in float64 on seeded tokens, captures every MLA site and, in MoE layers,
      the MoE sites (hf_hooks.py), checks the capture against an independent numpy recomputation
      (mla_check.py: attention from the captured tensors, MoE from the F32 GGUF's own tensors and
-     metadata) and against the GGUF's own tensors, and writes golden/hf/<fixture>.safetensors.
+     metadata; DSA indexers: projections, scores, top-k and the gap at the top-k cut; MiniCPM3:
+     the scalings) and against the GGUF's own tensors, and writes golden/hf/<fixture>.safetensors.
 
 Everything is deterministic for a given --seed: re-running reproduces the same bytes.
 Large intermediates (HF checkpoints, the k256 F32 file, extra quant types, logs, report.json) go
@@ -648,6 +653,13 @@ def make_one(fx: Fixture, args, report: dict) -> None:
             allowed = mla_check.topk_mask(t[f"L{layer}.idx_topk"], fx.tokens)
         res = mla_check.check_layer(t, layer, fx.dims(), scale, cap.extras["cos"], cap.extras["sin"],
                                     rope=FAMILIES[fx.family]["rope"], allowed=allowed)
+        if allowed is not None:
+            # control: plain causal attention (no top-k) must NOT reproduce the sparse golden
+            dense = mla_check.check_layer(t, layer, fx.dims(), scale, cap.extras["cos"], cap.extras["sin"],
+                                          rope=FAMILIES[fx.family]["rope"])
+            res["dense_causal_attn_out_max_diff"] = dense["attn_out_max_err"]
+            if dense["attn_out_max_err"] < 1e-3:
+                raise SystemExit(f"{fx.name} L{layer}: the indexer's top-k changes nothing")
         rep["checks"][layer] = res
         st = cap.extras["logit_stats"][layer]
         print(f"L{layer}: logit std {st['std']:.3f} (absmax {st['absmax']:.2f})  "
@@ -655,7 +667,9 @@ def make_one(fx: Fixture, args, report: dict) -> None:
               f"(the other rope order would differ by {res['rope_k_other_order_max_diff']:.2f})  "
               f"attn_out err {res['attn_out_max_err']:.1e} (absorbed {res['absorbed_attn_out_max_err']:.1e})  "
               f"lse err {res['lse_max_err']:.1e} (absorbed {res['absorbed_lse_max_err']:.1e})  "
-              f"kv_b split err {max(res['kv_b_k_nope_max_err'], res['kv_b_v_max_err']):.1e}")
+              f"kv_b split err {max(res['kv_b_k_nope_max_err'], res['kv_b_v_max_err']):.1e}"
+              + (f"  (dense causal instead of top-k: attn_out differs by {res['dense_causal_attn_out_max_diff']:.2f})"
+                 if "dense_causal_attn_out_max_diff" in res else ""))
         lo, hi = LOGIT_STD_RANGE
         if not lo <= st["std"] <= hi:
             raise SystemExit(f"{fx.name} L{layer}: logit std {st['std']:.3f} outside [{lo}, {hi}]; "

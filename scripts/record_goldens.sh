@@ -22,11 +22,20 @@ rec tiny-v3-f32      --model $M/tiny-v3-f32.gguf --input tokens
 rec tiny-v3-q8_0     --model $M/tiny-v3-q8_0.gguf
 rec tiny-v3-q4_k_m   --model $M/tiny-v3-q4_k_m.gguf --tp 2
 rec yarn-v3-f32      --model $M/yarn-v3-f32.gguf --start-pos 40
-rec yarn-v3-q8_0     --model $M/yarn-v3-q8_0.gguf --input tokens
 rec lite-v2-f32      --model $M/lite-v2-f32.gguf --input tokens
 rec lite-v2-q8_0     --model $M/lite-v2-q8_0.gguf
 rec legacy-kvb-f32   --model $M/legacy-kvb-f32.gguf
 rec k256-q4_k_m      --model $M/k256-q4_k_m.gguf --tp 2
-rec k256-q6_k        --model $M/k256-q6_k.gguf --dtype bf16
 rec_layer2 moe-v3-f32  --model $M/moe-v3-f32.gguf --input tokens
 rec_layer2 moe-v3-q8_0 --model $M/moe-v3-q8_0.gguf --input tokens
+# DSA (deepseek32, glm-dsa) and MiniCPM3. The DSA cases use a 12-token sequence, past the
+# indexer's top-k of 8, so the sparse selection (not all keys) is pinned; the glm-dsa F32 case
+# records layer 2, a shared-indexer layer, on the token path (it reuses layer 1's selection).
+DSA=(--seqs 3,12 --page-size 4 --splits 2 --chunk-size 2 --new-tokens 3 --backend cpu --force)
+rec_dsa() { local case=$1 layer=$2; shift 2; "${BIN[@]}" golden record --case "$case" --layer "$layer" "${DSA[@]}" "$@"; }
+rec_dsa dsa-v32-f32  1 --model $M/dsa-v32-f32.gguf --input tokens --tp 2
+rec_dsa dsa-v32-q8_0 1 --model $M/dsa-v32-q8_0.gguf
+rec_dsa dsa-glm-f32  2 --model $M/dsa-glm-f32.gguf --input tokens
+rec_dsa dsa-glm-q8_0 1 --model $M/dsa-glm-q8_0.gguf --dtype bf16
+rec minicpm3-f32     --model $M/minicpm3-f32.gguf --input tokens
+rec minicpm3-q8_0    --model $M/minicpm3-q8_0.gguf

@@ -246,6 +246,7 @@ pub fn reference(
         weights: &w,
         hidden_in: &h32,
         batch: &batch,
+        shared_selection: None,
     };
     let opts = PathOptions::default();
     let mut times = vec![[Vec::<f64>::new(), Vec::new()]; pools.len()];

@@ -969,7 +969,7 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
     let file = open_model(a.model.as_ref())?;
     let cfg = MlaConfig::from_gguf(&file)?;
     let layers = match (&a.layers, a.layer) {
-        (Some(spec), _) => parse_layers(spec, cfg.n_layer)?,
+        (Some(spec), _) => parse_layers(spec, cfg.trunk_layers())?,
         (None, Some(l)) => vec![l],
         (None, None) => vec![0],
     };

@@ -12,8 +12,79 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 
-/// GGUF architectures whose attention is MLA and which this build loads.
-pub const SUPPORTED_ARCHS: &[&str] = &["deepseek2"];
+/// GGUF architectures whose attention is MLA and which this build loads (docs/architectures.md):
+/// `deepseek2` (DeepSeek-V2/V2.5/V3, Kimi-K2, GLM-4.7-Flash), `deepseek32` (DeepSeek-V3.2, DSA),
+/// `glm-dsa` (GLM-5, DSA) and `minicpm3` (MiniCPM3).
+pub const SUPPORTED_ARCHS: &[&str] = &["deepseek2", "deepseek32", "glm-dsa", "minicpm3"];
+
+/// RoPE pairing (which elements of a rotated vector form a pair).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RopeStyle {
+    /// GPT-J / DeepSeek: adjacent pairs `(x[2i], x[2i+1])` (vLLM `is_neox_style=False`, llama.cpp
+    /// `LLAMA_ROPE_TYPE_NORM`).
+    Interleaved,
+    /// NeoX: `(x[i], x[i+R/2])` (HF `rotate_half`, llama.cpp `LLAMA_ROPE_TYPE_NEOX`).
+    Neox,
+}
+
+impl RopeStyle {
+    /// The other pairing.
+    pub fn other(self) -> RopeStyle {
+        match self {
+            RopeStyle::Interleaved => RopeStyle::Neox,
+            RopeStyle::Neox => RopeStyle::Interleaved,
+        }
+    }
+
+    /// `interleaved` or `neox`.
+    pub fn name(self) -> &'static str {
+        match self {
+            RopeStyle::Interleaved => "interleaved",
+            RopeStyle::Neox => "neox",
+        }
+    }
+}
+
+/// The DSA lightning indexer of `deepseek32` and `glm-dsa` files (DeepSeek-V3.2 paper; HF
+/// `DeepseekV32Indexer`/`GlmMoeDsaIndexer`; llama.cpp `src/models/deepseek32.cpp`,
+/// `glm-dsa.cpp`). Names: `N_idx` indexer heads, `D_idx` indexer head width, `K_idx` top-k.
+///
+/// Per token `i` and key `j ≤ i` of its sequence: `score[i,j] = Σ_h w[i,h]·N_idx^-½ ·
+/// ReLU(D_idx^-½ · q_idx[i,h]·k_idx[j])`, with `q_idx = attn_q_b_idx·q_c_normed` and
+/// `k_idx = LayerNorm(attn_k_idx·attn_in)` rotated on their first `R` dims, `w =
+/// indexer.proj·attn_in`; the `K_idx` best keys (ties to the lower position) are the only keys
+/// the token's MLA attention sees.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct IndexerConfig {
+    /// `N_idx`: `attention.indexer.head_count`.
+    pub n_head: usize,
+    /// `D_idx`: `attention.indexer.key_length` (≥ R; each head is `[rope R | nope D_idx−R]`).
+    pub head_dim: usize,
+    /// `K_idx`: `attention.indexer.top_k`, keys kept per query token.
+    pub top_k: usize,
+    /// Pairing of the indexer's RoPE: NeoX for `deepseek32` (unlike its interleaved main path),
+    /// interleaved for `glm-dsa`.
+    pub rope_style: RopeStyle,
+    /// Epsilon of the indexer key LayerNorm: 1e-6 (hard-coded by HF and llama.cpp's deepseek32).
+    pub norm_eps: f64,
+    /// Per trunk layer: true when the layer runs its own indexer ("full"), false when it reuses
+    /// the selection of the nearest earlier full layer ("shared", GLM-5.2's
+    /// `attention.indexer.types`); all true when the key is absent (mla-diff follows the file,
+    /// not llama.cpp's built-in GLM-5.2 table for ≥ 1M-context files without the key). MTP
+    /// blocks past the trunk have no entry and no indexer.
+    pub full: Vec<bool>,
+}
+
+impl IndexerConfig {
+    /// The layer whose indexer selects `layer`'s keys: `layer` itself when full, else the
+    /// nearest earlier full layer (`None` when there is none, which the config rejects).
+    pub fn source_layer(&self, layer: usize) -> Option<usize> {
+        (0..=layer.min(self.full.len().saturating_sub(1)))
+            .rev()
+            .find(|&l| self.full[l])
+    }
+}
 
 /// How the file stores the `kv_b_proj` up-projection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -174,6 +245,29 @@ pub struct MlaConfig {
     /// has no `expert_count` (or 0) or every layer is dense. Absent from JSON when `None`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub moe: Option<MoeConfig>,
+    /// Pairing of the main MLA RoPE (`q_pe`, `k_pe`): interleaved for the DeepSeek and GLM
+    /// families, NeoX for `minicpm3` (llama.cpp `llama_model_rope_type`).
+    pub rope_style: RopeStyle,
+    /// Per-pair RoPE frequency divisors (`rope_factors_short.weight`, LongRoPE, \[R/2]; MiniCPM3):
+    /// `θ_i = base^(−2i/R) / factor_i`. `None` when the file has none. Absent from JSON when `None`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rope_factors: Option<Vec<f64>>,
+    /// The DSA lightning indexer (`deepseek32`, `glm-dsa`); `None` for dense-attention MLA.
+    /// Absent from JSON when `None`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub indexer: Option<IndexerConfig>,
+    /// `nextn_predict_layers`: MTP (NextN) blocks the converter appended after the trunk
+    /// (`blk.{n_layer − nextn}..`, counted in `block_count`); 0 when absent. They are not on the
+    /// token path (`--layers all` stops before them); an explicit `--layer` in them runs their
+    /// attention as dense MLA, as llama.cpp's MTP graph does (no indexer).
+    pub nextn_predict_layers: usize,
+    /// Multiplies the token embedding on the token path: 12 for `minicpm3` (llama.cpp's
+    /// hard-coded `scale_emb`), 1 otherwise.
+    pub embedding_scale: f64,
+    /// Multiplies each residual branch (attention and FFN output) before it is added:
+    /// `scale_depth/√n_layer` = 1.4/√n_layer for `minicpm3` (llama.cpp's hard-coded
+    /// `scale_depth`), 1 otherwise.
+    pub residual_scale: f64,
 }
 
 impl MlaConfig {
@@ -212,7 +306,13 @@ impl MlaConfig {
             (k("attention.key_length"), k("attention.value_length"))
         };
         let key_len = m.req_usize(&key_len_key)?;
-        let v_head_dim = m.req_usize(&val_len_key)?;
+        // MiniCPM3's converter writes no value_length; llama.cpp then uses H/N (its n_embd_head_v
+        // default), which equals v_head_dim in every released MiniCPM3.
+        let v_head_dim = match m.usize(&val_len_key)? {
+            Some(v) => v,
+            None if arch == "minicpm3" && n_head > 0 && hidden.is_multiple_of(n_head) => hidden / n_head,
+            None => return Err(m.missing(&val_len_key)),
+        };
         if key_len <= rope_dim {
             return Err(m.bad(
                 &key_len_key,
@@ -287,12 +387,32 @@ impl MlaConfig {
             KvBLayout::Split
         };
         let vocab = file.tensor("token_embd.weight").map_or(0, |t| t.shape()[0] as usize);
+        let nextn_predict_layers = m.usize(&k("nextn_predict_layers"))?.unwrap_or(0);
+        if nextn_predict_layers >= n_layer.max(1) {
+            return Err(m.bad(
+                &k("nextn_predict_layers"),
+                format!("{nextn_predict_layers} MTP blocks leave no trunk in block_count {n_layer}"),
+            ));
+        }
+        let trunk = n_layer - nextn_predict_layers;
         let leading_dense_block_count = m.usize(&k("leading_dense_block_count"))?.unwrap_or(0);
         let moe = if leading_dense_block_count < n_layer {
-            moe_config(&m, &arch, hidden)?
+            moe_config(&m, &arch, hidden, trunk, vocab)?
         } else {
             None
         };
+        let indexer = if matches!(arch.as_str(), "deepseek32" | "glm-dsa") {
+            Some(indexer_config(&m, &arch, trunk, rope_dim, q_lora_rank)?)
+        } else {
+            None
+        };
+        let minicpm3 = arch == "minicpm3";
+        let rope_style = if minicpm3 {
+            RopeStyle::Neox
+        } else {
+            RopeStyle::Interleaved
+        };
+        let rope_factors = rope_factors(file, rope_dim)?;
 
         for (key, v) in [
             (k("block_count"), n_layer),
@@ -323,7 +443,19 @@ impl MlaConfig {
             leading_dense_block_count,
             vocab,
             moe,
+            rope_style,
+            rope_factors,
+            indexer,
+            nextn_predict_layers,
+            embedding_scale: if minicpm3 { 12.0 } else { 1.0 },
+            residual_scale: if minicpm3 { 1.4 / (n_layer as f64).sqrt() } else { 1.0 },
         })
+    }
+
+    /// Trunk layers, `block_count − nextn_predict_layers`: what `--layers all` and the token path
+    /// cover.
+    pub fn trunk_layers(&self) -> usize {
+        self.n_layer - self.nextn_predict_layers
     }
 
     /// True when layer `layer` runs the routed-expert FFN (MoE) instead of a dense one: the file
@@ -340,6 +472,41 @@ impl MlaConfig {
     /// `m` of MLA.md step 7 (1 without YaRN).
     pub fn mscale(&self) -> f64 {
         self.yarn.map_or(1.0, |y| y.mscale())
+    }
+
+    /// The architecture's departures from plain DeepSeek MLA, one phrase each (empty for
+    /// `deepseek2`): the DSA indexer (`DSA indexer N_idx=8 D_idx=64 top-k 8, neox RoPE, shared
+    /// layers [2]`), a NeoX main RoPE, LongRoPE factors, embedding and residual scales.
+    pub fn quirks(&self) -> Vec<String> {
+        let mut q = Vec::new();
+        if let Some(ix) = &self.indexer {
+            let shared: Vec<usize> = (0..ix.full.len()).filter(|&l| !ix.full[l]).collect();
+            q.push(format!(
+                "DSA indexer N_idx={} D_idx={} top-k {}, {} RoPE{}",
+                ix.n_head,
+                ix.head_dim,
+                ix.top_k,
+                ix.rope_style.name(),
+                if shared.is_empty() {
+                    String::new()
+                } else {
+                    format!(", shared layers {shared:?}")
+                }
+            ));
+        }
+        if self.rope_style != RopeStyle::Interleaved {
+            q.push(format!("{} main RoPE", self.rope_style.name()));
+        }
+        if self.rope_factors.is_some() {
+            q.push("LongRoPE short factors".into());
+        }
+        if self.embedding_scale != 1.0 {
+            q.push(format!("embedding ×{}", self.embedding_scale));
+        }
+        if self.residual_scale != 1.0 {
+            q.push(format!("residual branches ×{:.6}", self.residual_scale));
+        }
+        q
     }
 
     /// One-line summary in MLA.md's dim names, e.g. `N=6 H=256 Lq=64 L=96 P=32 R=16 V=64`.
@@ -366,7 +533,7 @@ impl MlaConfig {
 /// E, `G_used` = 0 or > G, fewer than 2 experts per group (the group score sums a group's two best
 /// experts), fewer than K experts in the kept groups, a non-finite or negative scale;
 /// [`Error::NotSupported`] for a gating function other than softmax/sigmoid.
-fn moe_config(m: &Meta<'_>, arch: &str, hidden: usize) -> Result<Option<MoeConfig>> {
+fn moe_config(m: &Meta<'_>, arch: &str, hidden: usize, trunk: usize, vocab: usize) -> Result<Option<MoeConfig>> {
     let k = |s: &str| format!("{arch}.{s}");
     let n_expert = match m.usize(&k("expert_count"))? {
         None | Some(0) => return Ok(None),
@@ -422,6 +589,13 @@ fn moe_config(m: &Meta<'_>, arch: &str, hidden: usize) -> Result<Option<MoeConfi
         })?,
     };
     let gating = match m.usize(&k("expert_gating_func"))? {
+        // llama.cpp's glm-dsa loader turns an absent key into sigmoid (GLM's router); deepseek32
+        // requires the key; deepseek2 falls back to softmax (old V2 files).
+        None if arch == "glm-dsa" => GatingFunc::Sigmoid,
+        None if arch == "deepseek32" => return Err(m.missing(&k("expert_gating_func"))),
+        // GLM-4.7-Flash (converted as deepseek2 without the key): llama.cpp's deepseek2 loader
+        // recognises it by 47/48 trunk layers and a 154880-token vocabulary and uses sigmoid.
+        None if arch == "deepseek2" && matches!(trunk, 47 | 48) && vocab == 154_880 => GatingFunc::Sigmoid,
         None | Some(0) | Some(1) => GatingFunc::Softmax,
         Some(2) => GatingFunc::Sigmoid,
         Some(other) => {
@@ -482,6 +656,114 @@ fn moe_config(m: &Meta<'_>, arch: &str, hidden: usize) -> Result<Option<MoeConfi
         n_group,
         n_group_used: if n_group > 1 { n_group_used } else { 1 },
     }))
+}
+
+/// Reads the `{arch}.attention.indexer.*` keys (llama.cpp `deepseek32.cpp` / `glm-dsa.cpp`
+/// `load_arch_hparams`).
+///
+/// Errors name the key: [`Error::MissingKey`] for `head_count`, `key_length`, `top_k` or an
+/// absent `q_lora_rank` (the indexer query reads `q_c_normed`); [`Error::BadKey`] for zero
+/// counts, `key_length < rope.dimension_count`, a `types` array of the wrong length or type, or
+/// a first layer that is not full (a shared layer needs an earlier full one).
+fn indexer_config(
+    m: &Meta<'_>,
+    arch: &str,
+    n_layer: usize,
+    rope_dim: usize,
+    q_lora_rank: Option<usize>,
+) -> Result<IndexerConfig> {
+    let k = |s: &str| format!("{arch}.{s}");
+    if q_lora_rank.is_none() {
+        return Err(m.missing(&k("attention.q_lora_rank")));
+    }
+    let n_head = m.req_usize(&k("attention.indexer.head_count"))?;
+    let head_dim = m.req_usize(&k("attention.indexer.key_length"))?;
+    let top_k = m.req_usize(&k("attention.indexer.top_k"))?;
+    for (key, v) in [("head_count", n_head), ("key_length", head_dim), ("top_k", top_k)] {
+        if v == 0 {
+            return Err(m.bad(&k(&format!("attention.indexer.{key}")), "must be positive".into()));
+        }
+    }
+    if head_dim < rope_dim {
+        return Err(m.bad(
+            &k("attention.indexer.key_length"),
+            format!("{head_dim} is smaller than rope.dimension_count {rope_dim} (each indexer head is [rope | nope])"),
+        ));
+    }
+    let types_key = k("attention.indexer.types");
+    let full = match m.file.meta(&types_key) {
+        None => vec![true; n_layer],
+        Some(crate::gguf::MetaValue::Array(arr)) => {
+            if arr.len < n_layer as u64 {
+                return Err(m.bad(&types_key, format!("{} entries for block_count {n_layer}", arr.len)));
+            }
+            let vals = m.file.meta_numeric_array(arr, n_layer);
+            if vals.len() != n_layer || vals.iter().any(|x| !(*x == 0.0 || *x == 1.0)) {
+                return Err(m.bad(
+                    &types_key,
+                    format!(
+                        "expected {n_layer} bools (or 0/1), found {}",
+                        crate::gguf::MetaValue::Array(arr.clone()).type_name()
+                    ),
+                ));
+            }
+            vals.into_iter().map(|x| x == 1.0).collect()
+        }
+        Some(v) => {
+            return Err(m.bad(
+                &types_key,
+                format!("expected an array of bools, found {}", v.type_name()),
+            ));
+        }
+    };
+    if n_layer > 0 && !full[0] {
+        return Err(m.bad(
+            &types_key,
+            "layer 0 is `shared` but a shared layer reuses an earlier full layer's selection".into(),
+        ));
+    }
+    Ok(IndexerConfig {
+        n_head,
+        head_dim,
+        top_k,
+        rope_style: if arch == "deepseek32" {
+            RopeStyle::Neox
+        } else {
+            RopeStyle::Interleaved
+        },
+        norm_eps: 1e-6,
+        full,
+    })
+}
+
+/// The LongRoPE short factors (`rope_factors_short.weight`, \[R/2], F32), when the file has them.
+/// llama.cpp switches to `rope_factors_long` only when its context exceeds the original
+/// training context; mla-diff's sequences never do, so the short factors apply.
+///
+/// Errors: a factor tensor of the wrong length ([`Error::BadKey`] naming the tensor), a
+/// non-finite or non-positive factor, dequantization errors.
+fn rope_factors(file: &GgufFile, rope_dim: usize) -> Result<Option<Vec<f64>>> {
+    let name = "rope_factors_short.weight";
+    let Some(t) = file.tensor(name) else {
+        return Ok(None);
+    };
+    let bad = |reason: String| Error::BadKey {
+        path: file.path().to_path_buf(),
+        key: name.to_string(),
+        reason,
+    };
+    if t.n_elements() as usize != rope_dim / 2 {
+        return Err(bad(format!(
+            "{} factors for rope.dimension_count {rope_dim} (expected R/2 = {})",
+            t.n_elements(),
+            rope_dim / 2
+        )));
+    }
+    let v = crate::weights::dequant_tensor(file, t)?;
+    if let Some(x) = v.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+        return Err(bad(format!("factor {x} is not a positive finite number")));
+    }
+    Ok(Some(v.into_iter().map(f64::from).collect()))
 }
 
 /// Typed metadata access that names the key in every error.

@@ -25,7 +25,7 @@ use crate::paths::{PathKind, PathOptions};
 use crate::run::{InputMode, ModelSummary, PathResult, RunConfig, RunReport};
 use crate::tolerance::{Dtype, Precision};
 use crate::trace::{Site, Stage, Trace, TraceTensor};
-use crate::weights::{LayerWeights, embed_tokens};
+use crate::weights::{LayerWeights, embed_hidden};
 
 /// Order of the elements of every rotated rope vector in a dump.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -524,6 +524,15 @@ pub fn expected_shape(stage: Stage, cfg: &MlaConfig, t: usize) -> Option<Vec<usi
         Stage::MoeRouterLogits => vec![t, cfg.moe.as_ref()?.n_expert],
         Stage::MoeTopk => vec![t, cfg.moe.as_ref()?.n_expert_used],
         Stage::MoeOut | Stage::SharedOut => vec![t, h],
+        // Dumps hold one sequence, so S = T.
+        Stage::IdxQ => {
+            let ix = cfg.indexer.as_ref()?;
+            vec![t, ix.n_head, ix.head_dim]
+        }
+        Stage::IdxK => vec![t, cfg.indexer.as_ref()?.head_dim],
+        Stage::IdxWeights => vec![t, cfg.indexer.as_ref()?.n_head],
+        Stage::IdxScores => vec![t, t],
+        Stage::IdxTopk => vec![t, cfg.indexer.as_ref()?.top_k.min(t)],
         Stage::WRank(..) => return None,
     })
 }
@@ -979,6 +988,8 @@ pub fn compare_dump(
     let mut not_dumped = Vec::new();
     let mut tensor_types = Vec::new();
     let mut prev: Option<(usize, Option<Array2<f64>>)> = None; // (layer, dump's hidden_out)
+    // The reference selection of the latest full DSA indexer layer, for GLM's shared layers.
+    let mut prev_sel: Option<crate::indexer::Selection> = None;
     for (i, &layer) in layers.iter().enumerate() {
         let dl = &dump.layers[&layer];
         let w = LayerWeights::load(file, cfg, layer)?;
@@ -990,10 +1001,14 @@ pub fn compare_dump(
         let mut expected_in: Option<Array2<f64>> = None;
         if i == 0 {
             if let Some(tk) = &dump.tokens {
-                let mut h = embed_tokens(file, cfg, tk)?.mapv(f64::from);
+                let mut h = embed_hidden(file, cfg, tk)?;
                 for k in 0..layer {
                     let wk = LayerWeights::load(file, cfg, k)?;
-                    h = crate::reference::forward_full(file, cfg, &wk, &h, &dump.batch)?
+                    let r = crate::reference::forward_full_sel(file, cfg, &wk, &h, &dump.batch, prev_sel.as_ref())?;
+                    if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(k) == Some(&true)) {
+                        prev_sel = r.selection;
+                    }
+                    h = r
                         .hidden_out
                         .ok_or_else(|| Error::Usage(format!("reference: layer {k} produced no hidden_out")))?;
                 }
@@ -1019,11 +1034,15 @@ pub fn compare_dump(
             .entries()
             .iter()
             .any(|(s, _)| s.stage.is_moe() || s.stage == Stage::HiddenOut);
-        let mut reference = if cfg.is_moe_layer(layer) && wants_ffn {
-            crate::run::reference_layer_full(file, cfg, &w, &input, &dump.batch, 1)?.trace
+        let refo = if cfg.is_moe_layer(layer) && wants_ffn {
+            crate::run::reference_layer_full(file, cfg, &w, &input, &dump.batch, 1, prev_sel.as_ref())?
         } else {
-            crate::run::reference_layer(cfg, &w, &input, &dump.batch, 1)?.trace
+            crate::run::reference_layer(cfg, &w, &input, &dump.batch, 1, prev_sel.as_ref())?
         };
+        if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(layer) == Some(&true)) {
+            prev_sel = refo.selection.clone();
+        }
+        let mut reference = refo.trace;
         if let Some(e) = expected_in {
             let flat: Vec<f64> = e.iter().copied().collect();
             reference.record(
@@ -1144,6 +1163,12 @@ mod tests {
             leading_dense_block_count: 2,
             vocab: 0,
             moe: None,
+            rope_style: crate::config::RopeStyle::Interleaved,
+            rope_factors: None,
+            indexer: None,
+            nextn_predict_layers: 0,
+            embedding_scale: 1.0,
+            residual_scale: 1.0,
         }
     }
 

@@ -46,6 +46,11 @@ pub enum Fault {
     QuantSliceMisaligned,
     /// RMSNorm reads `kv_c` rows with row stride L instead of L+R.
     StridedKvC,
+    /// The DSA indexer rotates its q/k with interleaved pairs instead of NeoX halves (the
+    /// DeepSeek-V3.2 indexer bug; `deepseek32` only).
+    IndexerRopeInterleaved,
+    /// Chunked prefill reuses the previous chunk's indexer top-k for the new tokens.
+    IndexerTopkStale,
 }
 
 impl Fault {
@@ -64,6 +69,8 @@ impl Fault {
         Fault::LsePlusInf,
         Fault::QuantSliceMisaligned,
         Fault::StridedKvC,
+        Fault::IndexerRopeInterleaved,
+        Fault::IndexerTopkStale,
     ];
 
     /// The `--inject` name (`fused-shard-swap`).
@@ -82,6 +89,8 @@ impl Fault {
             Fault::LsePlusInf => "lse-plus-inf",
             Fault::QuantSliceMisaligned => "quant-slice-misaligned",
             Fault::StridedKvC => "strided-kv-c",
+            Fault::IndexerRopeInterleaved => "indexer-rope-interleaved",
+            Fault::IndexerTopkStale => "indexer-topk-stale",
         }
     }
 
@@ -99,6 +108,8 @@ impl Fault {
             Fault::LsePlusInf => Class::LseMerge,
             Fault::QuantSliceMisaligned => Class::QuantBlockMisaligned,
             Fault::StridedKvC => Class::Mismatch,
+            Fault::IndexerRopeInterleaved => Class::IndexerRopeStyle,
+            Fault::IndexerTopkStale => Class::IndexerTopkStale,
         }
     }
 
@@ -124,6 +135,8 @@ impl Fault {
             (Fault::LsePlusInf, _) => vec![Stage::Lse],
             (Fault::QuantSliceMisaligned, _) => vec![Stage::WKvB],
             (Fault::StridedKvC, _) => vec![Stage::KvCNormed],
+            (Fault::IndexerRopeInterleaved, _) => vec![Stage::IdxScores],
+            (Fault::IndexerTopkStale, _) => vec![Stage::IdxTopk],
         }
     }
 
@@ -146,6 +159,18 @@ impl Fault {
             Fault::QuantSliceMisaligned if ((cfg.kv_lora_rank / tp) as u64).is_multiple_of(latent_block) => {
                 Err("a cut of L into TP shards lands on quant block boundaries here")
             }
+            Fault::IndexerRopeInterleaved | Fault::IndexerTopkStale if cfg.indexer.is_none() => {
+                Err("no DSA indexer (deepseek32 / glm-dsa only)")
+            }
+            Fault::IndexerRopeInterleaved
+                if cfg
+                    .indexer
+                    .as_ref()
+                    .is_some_and(|ix| ix.rope_style != crate::config::RopeStyle::Neox) =>
+            {
+                Err("this indexer's RoPE is interleaved already (glm-dsa)")
+            }
+            Fault::IndexerTopkStale if path != PathKind::Chunked => Err("only chunked prefill has a previous chunk"),
             _ => Ok(()),
         }
     }

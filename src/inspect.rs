@@ -107,6 +107,9 @@ pub fn inspect(file: &GgufFile, layer: Option<usize>) -> String {
                     m.line()
                 ));
             }
+            for q in c.quirks() {
+                s.push_str(&format!("  {q}\n"));
+            }
             s.push('\n');
         }
         Err(e) => s.push_str(&format!("MLA config: not derivable: {e}\n\n")),

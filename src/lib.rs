@@ -24,6 +24,7 @@ pub mod error;
 pub mod faults;
 pub mod gguf;
 pub mod golden;
+pub mod indexer;
 pub mod inspect;
 pub mod paths;
 pub mod reference;

@@ -23,6 +23,7 @@ use crate::batch::Batch;
 use crate::config::{GatingFunc, MlaConfig, MoeConfig};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
+use crate::indexer::{self, Selection};
 use crate::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
 use crate::weights::{KvBWeights, LayerWeights, MoeWeights, QWeights, SwiGlu};
 
@@ -37,6 +38,9 @@ pub struct RefLayer {
     /// Weights found non-finite while computing the layer's MoE FFN (router, bias, shared and
     /// the selected experts): (tensor, count, first flat index), as [`LayerWeights::nonfinite`].
     pub moe_nonfinite: Vec<(String, usize, usize)>,
+    /// The DSA selection this layer's attention used (`deepseek32`/`glm-dsa`), for a later
+    /// shared-indexer layer; `None` without an indexer.
+    pub selection: Option<Selection>,
 }
 
 /// Widens an f32 matrix to f64 (exact).
@@ -99,7 +103,13 @@ fn rms_norm(x: ArrayView2<f64>, g: ArrayView1<f32>, eps: f64) -> Array2<f64> {
 pub fn rope_inv_freq(cfg: &MlaConfig) -> Vec<f64> {
     let r = cfg.qk_rope_head_dim;
     let base = cfg.rope_base;
-    let plain: Vec<f64> = (0..r / 2).map(|i| base.powf(-(2.0 * i as f64) / r as f64)).collect();
+    let plain: Vec<f64> = (0..r / 2)
+        .map(|i| {
+            // LongRoPE (MiniCPM3): each pair's frequency divided by its factor.
+            let f = cfg.rope_factors.as_ref().and_then(|v| v.get(i)).copied().unwrap_or(1.0);
+            base.powf(-(2.0 * i as f64) / r as f64) / f
+        })
+        .collect();
     let Some(y) = cfg.yarn else { return plain };
     let corr =
         |n_rot: f64| r as f64 * (y.original_context / (n_rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
@@ -116,16 +126,6 @@ pub fn rope_inv_freq(cfg: &MlaConfig) -> Vec<f64> {
             f / y.factor * ramp + f * (1.0 - ramp)
         })
         .collect()
-}
-
-/// Interleaved (GPT-J) rotation of one rope vector at `pos`: pairs `(x[2i], x[2i+1])`.
-fn rope_interleaved(x: &mut [f64], pos: usize, inv_freq: &[f64]) {
-    for (i, &f) in inv_freq.iter().enumerate() {
-        let (sin, cos) = (pos as f64 * f).sin_cos();
-        let (a, b) = (x[2 * i], x[2 * i + 1]);
-        x[2 * i] = a * cos - b * sin;
-        x[2 * i + 1] = a * sin + b * cos;
-    }
 }
 
 /// Rebuilds `kv_b_proj` [N·(P+V), L] from the file's tensors (MLA.md "Rebuilding kv_b"):
@@ -170,6 +170,25 @@ fn rec3(trace: &mut Trace, layer: usize, stage: Stage, a: &Array3<f64>) {
 ///
 /// Errors: [`Error::Usage`] when `hidden_in` has the wrong shape for `cfg`/`batch`.
 pub fn forward(cfg: &MlaConfig, w: &LayerWeights, hidden_in: &Array2<f64>, batch: &Batch) -> Result<RefLayer> {
+    forward_sel(cfg, w, hidden_in, batch, None)
+}
+
+/// [`forward`] for a DSA model, where a GLM "shared" layer takes `shared` (the selection of the
+/// nearest earlier full layer on the token path) instead of computing one. With `shared = None`
+/// a shared layer runs the borrowed indexer ([`LayerWeights::indexer`]) on its own input: what
+/// single-layer runs on random inputs do, since there is no earlier layer to borrow from.
+///
+/// DSA sites (full layers): `idx_q`, `idx_k`, `idx_weights`, `idx_scores`, `idx_topk`; shared
+/// layers record `idx_topk` only. The attention of each token then runs over its selected keys.
+///
+/// Errors: as [`forward`].
+pub fn forward_sel(
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    hidden_in: &Array2<f64>,
+    batch: &Batch,
+    shared: Option<&Selection>,
+) -> Result<RefLayer> {
     let t = batch.n_tokens();
     let (hd, n, l, p, r, v) = (
         cfg.hidden,
@@ -195,6 +214,7 @@ pub fn forward(cfg: &MlaConfig, w: &LayerWeights, hidden_in: &Array2<f64>, batch
     rec2(&mut tr, layer, Stage::AttnIn, &x);
 
     // Step 2: q path.
+    let mut q_c_normed_keep: Option<Array2<f64>> = None;
     let q_flat = match &w.q {
         QWeights::Lora { q_a, q_a_norm, q_b } => {
             let kv_a_w = f64m(&w.kv_a_mqa);
@@ -206,7 +226,9 @@ pub fn forward(cfg: &MlaConfig, w: &LayerWeights, hidden_in: &Array2<f64>, batch
             rec2(&mut tr, layer, Stage::QC, &q_c);
             let q_c_normed = rms_norm(q_c.view(), q_a_norm.view(), eps);
             rec2(&mut tr, layer, Stage::QCNormed, &q_c_normed);
-            linear32(&q_c_normed, q_b)
+            let q = linear32(&q_c_normed, q_b);
+            q_c_normed_keep = Some(q_c_normed);
+            q
         }
         QWeights::Direct { q } => linear32(&x, q),
     };
@@ -223,7 +245,8 @@ pub fn forward(cfg: &MlaConfig, w: &LayerWeights, hidden_in: &Array2<f64>, batch
     let k_pe = kv_a.slice(s![.., l..]).to_owned();
     rec2(&mut tr, layer, Stage::KPe, &k_pe);
 
-    // Step 4: RoPE (interleaved pairs), positions from the batch.
+    // Step 4: RoPE (interleaved pairs; NeoX for MiniCPM3), positions from the batch.
+    let style = cfg.rope_style;
     let inv_freq = rope_inv_freq(cfg);
     let positions = batch.positions();
     let mut q_pe_roped = q.slice(s![.., .., p..]).to_owned();
@@ -231,15 +254,38 @@ pub fn forward(cfg: &MlaConfig, w: &LayerWeights, hidden_in: &Array2<f64>, batch
     for ti in 0..t {
         for h in 0..n {
             let mut row: Vec<f64> = q_pe_roped.slice(s![ti, h, ..]).to_vec();
-            rope_interleaved(&mut row, positions[ti], &inv_freq);
+            indexer::rope_f64(&mut row, positions[ti], &inv_freq, style);
             q_pe_roped.slice_mut(s![ti, h, ..]).assign(&Array1::from(row));
         }
         let mut row: Vec<f64> = k_pe_roped.row(ti).to_vec();
-        rope_interleaved(&mut row, positions[ti], &inv_freq);
+        indexer::rope_f64(&mut row, positions[ti], &inv_freq, style);
         k_pe_roped.row_mut(ti).assign(&Array1::from(row));
     }
     rec3(&mut tr, layer, Stage::QPeRoped, &q_pe_roped);
     rec2(&mut tr, layer, Stage::KPeRoped, &k_pe_roped);
+
+    // DSA lightning indexer: which keys each token keeps.
+    let selection = match (&cfg.indexer, &w.indexer, &q_c_normed_keep) {
+        (Some(ix), Some(iw), Some(qcn)) => {
+            let full = ix.full.get(layer).copied().unwrap_or(true);
+            let sel = match shared {
+                Some(sel) if !full => sel.clone(),
+                _ => {
+                    let (sel, sites) = reference_indexer(ix, iw, &x, qcn, batch, &inv_freq);
+                    if full {
+                        for (stage, shape, v) in sites {
+                            tr.record(Site::new(layer, stage), TraceTensor::f64(shape, v));
+                        }
+                    }
+                    sel
+                }
+            };
+            let (shape, v) = indexer::topk_tensor(ix.top_k, batch, &sel);
+            tr.record(Site::new(layer, Stage::IdxTopk), TraceTensor::f64(shape, v));
+            Some(sel)
+        }
+        _ => None,
+    };
 
     // Step 5: expanded K/V through kv_b (per-head interleaved rows).
     let kv_b = assemble_kv_b(cfg, &w.kv_b);
@@ -309,8 +355,13 @@ pub fn forward(cfg: &MlaConfig, w: &LayerWeights, hidden_in: &Array2<f64>, batch
             let (off, i) = seq_of[ti];
             let qrow = &qs[(ti * n + h) * (p + r)..(ti * n + h) * (p + r) + p];
             let qpr = &qpe[(ti * n + h) * r..(ti * n + h + 1) * r];
-            let logits: Vec<f64> = (off..=off + i)
-                .map(|tj| {
+            let keys: Vec<usize> = match &selection {
+                Some(sel) => sel.rows[ti].iter().map(|&j| off + j).collect(),
+                None => (off..=off + i).collect(),
+            };
+            let logits: Vec<f64> = keys
+                .iter()
+                .map(|&tj| {
                     let krow = &kn[(tj * n + h) * p..(tj * n + h + 1) * p];
                     let kp = &kpe[tj * r..(tj + 1) * r];
                     let nope: f64 = qrow.iter().zip(krow).map(|(a, b)| a * b).sum();
@@ -323,9 +374,8 @@ pub fn forward(cfg: &MlaConfig, w: &LayerWeights, hidden_in: &Array2<f64>, batch
             let sum: f64 = e.iter().sum();
             let mut out = vec![0f64; v];
             let mut lat = vec![0f64; l];
-            for (j, &ej) in e.iter().enumerate() {
+            for (&ej, &tj) in e.iter().zip(&keys) {
                 let pj = ej / sum;
-                let tj = off + j;
                 for (o, x) in out.iter_mut().zip(&vs[(tj * n + h) * v..(tj * n + h + 1) * v]) {
                     *o += pj * x;
                 }
@@ -356,16 +406,17 @@ pub fn forward(cfg: &MlaConfig, w: &LayerWeights, hidden_in: &Array2<f64>, batch
     let o = linear32(&attn_flat, &w.o_proj);
     rec2(&mut tr, layer, Stage::OProj, &o);
 
-    // Residual and dense SwiGLU FFN.
+    // Residual and dense SwiGLU FFN (each branch times the residual scale: MiniCPM3).
+    let rs = cfg.residual_scale;
     let hidden_out = w.ffn.as_ref().map(|ffn| {
-        let h1 = hidden_in + &o;
+        let h1 = hidden_in + &(&o * rs);
         let xn = rms_norm(h1.view(), ffn.norm.view(), eps);
         let gate = linear32(&xn, &ffn.gate);
         let up = linear32(&xn, &ffn.up);
         let act = ndarray::Zip::from(&gate)
             .and(&up)
             .map_collect(|&g, &u| g / (1.0 + (-g).exp()) * u);
-        h1 + linear32(&act, &ffn.down)
+        h1 + linear32(&act, &ffn.down) * rs
     });
     if let Some(ho) = &hidden_out {
         rec2(&mut tr, layer, Stage::HiddenOut, ho);
@@ -374,7 +425,61 @@ pub fn forward(cfg: &MlaConfig, w: &LayerWeights, hidden_in: &Array2<f64>, batch
         trace: tr,
         hidden_out,
         moe_nonfinite: Vec::new(),
+        selection,
     })
+}
+
+/// One recorded site of a layer: stage, shape, values.
+type StageValues = (Stage, Vec<usize>, Vec<f64>);
+
+/// The indexer of one layer in f64: `idx_q` = `q_b·q_c_normed` [T, N_idx, D_idx], `idx_k` =
+/// `LayerNorm(k·attn_in)` [T, D_idx], `idx_weights` = `proj·attn_in` [T, N_idx]; RoPE on the first
+/// R dims of each head with the indexer's own pairing; scores and the top-k selection
+/// ([`indexer::scores`], [`indexer::select`]). Returns the selection and the four value sites.
+fn reference_indexer(
+    ix: &crate::config::IndexerConfig,
+    iw: &crate::weights::IndexerWeights,
+    x: &Array2<f64>,
+    q_c_normed: &Array2<f64>,
+    batch: &Batch,
+    inv_freq: &[f64],
+) -> (Selection, Vec<StageValues>) {
+    let t = batch.n_tokens();
+    let (ni, d) = (ix.n_head, ix.head_dim);
+    let r = inv_freq.len() * 2;
+    let q = linear32(q_c_normed, &iw.q_b);
+    let k_raw = linear32(x, &iw.k);
+    let wts = linear32(x, &iw.proj);
+    let (g, b) = (iw.k_norm.to_vec(), iw.k_norm_b.to_vec());
+    let k: Vec<f64> = k_raw
+        .rows()
+        .into_iter()
+        .flat_map(|row| indexer::layer_norm(&row.to_vec(), &g, &b, ix.norm_eps))
+        .collect();
+    let qv: Vec<f64> = q.iter().copied().collect();
+    let positions = batch.positions();
+    let mut q_roped = qv.clone();
+    let mut k_roped = k.clone();
+    for ti in 0..t {
+        for h in 0..ni {
+            let o = (ti * ni + h) * d;
+            indexer::rope_f64(&mut q_roped[o..o + r], positions[ti], inv_freq, ix.rope_style);
+        }
+        indexer::rope_f64(&mut k_roped[ti * d..ti * d + r], positions[ti], inv_freq, ix.rope_style);
+    }
+    let wv: Vec<f64> = wts.iter().copied().collect();
+    let sc = indexer::scores(ix, batch, &q_roped, &k_roped, &wv);
+    let sel = indexer::select(ix.top_k, batch, &sc);
+    let s = batch.seqs.iter().map(|x| x.len).max().unwrap_or(0);
+    (
+        sel,
+        vec![
+            (Stage::IdxQ, vec![t, ni, d], qv),
+            (Stage::IdxK, vec![t, d], k),
+            (Stage::IdxWeights, vec![t, ni], wv),
+            (Stage::IdxScores, vec![t, s], sc),
+        ],
+    )
 }
 
 /// [`forward`], plus the MoE FFN ([`moe_ffn`]) when `cfg` says layer `w.layer` is an MoE layer:
@@ -390,7 +495,21 @@ pub fn forward_full(
     hidden_in: &Array2<f64>,
     batch: &Batch,
 ) -> Result<RefLayer> {
-    let mut r = forward(cfg, w, hidden_in, batch)?;
+    forward_full_sel(file, cfg, w, hidden_in, batch, None)
+}
+
+/// [`forward_full`] with a shared-indexer layer's borrowed selection (see [`forward_sel`]).
+///
+/// Errors: as [`forward_full`].
+pub fn forward_full_sel(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    hidden_in: &Array2<f64>,
+    batch: &Batch,
+    shared: Option<&Selection>,
+) -> Result<RefLayer> {
+    let mut r = forward_sel(cfg, w, hidden_in, batch, shared)?;
     if r.hidden_out.is_some() {
         return Ok(r);
     }
@@ -408,7 +527,8 @@ pub fn forward_full(
         .get(&Site::new(w.layer, Stage::OProj))
         .ok_or_else(|| Error::Usage("reference: o_proj not recorded".into()))?;
     let h1 = hidden_in
-        + &Array2::from_shape_vec(hidden_in.raw_dim(), o.to_f64()).map_err(|e| Error::Usage(e.to_string()))?;
+        + &(Array2::from_shape_vec(hidden_in.raw_dim(), o.to_f64()).map_err(|e| Error::Usage(e.to_string()))?
+            * cfg.residual_scale);
     let mw = MoeWeights::load(file, cfg, w.layer)?;
     let out = moe_ffn(file, cfg, &mw, &h1, &mut r.trace)?;
     r.hidden_out = Some(out.hidden_out);

@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::run::RunReport;
 
 /// Version of the `--json` document. Bump on any incompatible change.
-pub const JSON_SCHEMA_VERSION: u32 = 2;
+pub const JSON_SCHEMA_VERSION: u32 = 3;
 
 fn sci(x: f64) -> String {
     if x == 0.0 {
@@ -177,7 +177,7 @@ pub fn terminal(report: &RunReport) -> String {
             "; MoE from layer {}: {}",
             c.leading_dense_block_count,
             m.line()
-        ))
+        )) + &c.quirks().iter().map(|q| format!("; {q}")).collect::<String>()
     ));
     s.push_str(&format!("{}\n", run_line(report)));
     for l in dump_lines(report) {

@@ -17,11 +17,12 @@ use crate::config::MlaConfig;
 use crate::diagnose::{self, DiagnoseInput, Finding, PathEvidence};
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
+use crate::indexer::Selection;
 use crate::paths::{Backend, LayerInput, PathKind, PathOptions, PathRun};
 use crate::reference;
 use crate::tolerance::Dtype;
 use crate::trace::Trace;
-use crate::weights::{LayerWeights, TensorType, embed_tokens};
+use crate::weights::{LayerWeights, TensorType, embed_hidden};
 
 /// Where the layer input comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -153,24 +154,29 @@ pub struct RefOutput {
     pub hidden_out: Option<Array2<f64>>,
     /// Non-finite MoE weights met on the way (see [`reference::RefLayer::moe_nonfinite`]).
     pub moe_nonfinite: Vec<(String, usize, usize)>,
+    /// The DSA selection the layer used (see [`reference::RefLayer::selection`]).
+    pub selection: Option<Selection>,
 }
 
 /// Runs the reference on one layer (plus its rank weight sites under TP): attention and a dense
-/// FFN; an MoE layer stops at `o_proj` (see [`reference_layer_full`]).
+/// FFN; an MoE layer stops at `o_proj` (see [`reference_layer_full`]). `shared` is the selection
+/// a GLM shared-indexer layer borrows ([`reference::forward_sel`]).
 pub fn reference_layer(
     cfg: &MlaConfig,
     w: &LayerWeights,
     hidden: &Array2<f64>,
     batch: &Batch,
     tp: usize,
+    shared: Option<&Selection>,
 ) -> Result<RefOutput> {
-    let r = reference::forward(cfg, w, hidden, batch)?;
+    let r = reference::forward_sel(cfg, w, hidden, batch, shared)?;
     let mut trace = r.trace;
     trace.extend(reference::rank_weight_sites(cfg, w, tp));
     Ok(RefOutput {
         trace,
         hidden_out: r.hidden_out,
         moe_nonfinite: Vec::new(),
+        selection: r.selection,
     })
 }
 
@@ -185,18 +191,21 @@ pub fn reference_layer_full(
     hidden: &Array2<f64>,
     batch: &Batch,
     tp: usize,
+    shared: Option<&Selection>,
 ) -> Result<RefOutput> {
-    let r = reference::forward_full(file, cfg, w, hidden, batch)?;
+    let r = reference::forward_full_sel(file, cfg, w, hidden, batch, shared)?;
     let mut trace = r.trace;
     trace.extend(reference::rank_weight_sites(cfg, w, tp));
     Ok(RefOutput {
         trace,
         hidden_out: r.hidden_out,
         moe_nonfinite: r.moe_nonfinite,
+        selection: r.selection,
     })
 }
 
 /// Runs the requested paths on one layer, compares them with the reference and diagnoses them.
+#[allow(clippy::too_many_arguments)]
 pub fn compare_layer(
     backend: &Backend,
     file: &GgufFile,
@@ -205,6 +214,7 @@ pub fn compare_layer(
     hidden: &Array2<f64>,
     reference: &Trace,
     rc: &RunConfig,
+    shared: Option<&Selection>,
 ) -> Result<(Vec<PathResult>, Vec<Finding>, Vec<PathRun>)> {
     let hidden32 = hidden.mapv(|x| x as f32);
     let input = LayerInput {
@@ -213,6 +223,7 @@ pub fn compare_layer(
         weights: w,
         hidden_in: &hidden32,
         batch: &rc.batch,
+        shared_selection: shared,
     };
     let mut opts = rc.path_options.clone();
     opts.seed = rc.seed;
@@ -338,6 +349,8 @@ fn run_inner(
     let mut token_ids = None;
 
     let mut carried: Option<Array2<f64>> = None;
+    // The selection of the latest full DSA indexer layer, for GLM's shared layers (token path).
+    let mut prev_sel: Option<Selection> = None;
     if rc.input == InputMode::Tokens {
         if cfg.vocab == 0 {
             return Err(Error::MissingTensor {
@@ -346,7 +359,7 @@ fn run_inner(
             });
         }
         let ids = seeded_tokens(rc.seed, t, cfg.vocab);
-        carried = Some(embed_tokens(file, cfg, &ids)?.mapv(f64::from));
+        carried = Some(embed_hidden(file, cfg, &ids)?);
         token_ids = Some(ids);
     }
     let last = rc.layers.iter().copied().max().unwrap_or(0);
@@ -391,17 +404,22 @@ fn run_inner(
             })?,
         };
         let layer_tp = if wanted { tp } else { 1 };
-        let refo = if rc.input == InputMode::Tokens {
-            reference_layer_full(file, cfg, &w, &hidden, &rc.batch, layer_tp)?
+        let shared = if rc.input == InputMode::Tokens {
+            prev_sel.as_ref()
         } else {
-            reference_layer(cfg, &w, &hidden, &rc.batch, layer_tp)?
+            None
+        };
+        let refo = if rc.input == InputMode::Tokens {
+            reference_layer_full(file, cfg, &w, &hidden, &rc.batch, layer_tp, shared)?
+        } else {
+            reference_layer(cfg, &w, &hidden, &rc.batch, layer_tp, shared)?
         };
         if !refo.moe_nonfinite.is_empty() {
             let numel = |t: &str| file.tensor(t).map_or(0, |i| i.n_elements() as usize);
             findings.extend(diagnose::weight_nonfinite_findings(layer, &refo.moe_nonfinite, numel));
         }
         if wanted {
-            let (res, f, runs) = compare_layer(backend, file, cfg, &w, &hidden, &refo.trace, rc)?;
+            let (res, f, runs) = compare_layer(backend, file, cfg, &w, &hidden, &refo.trace, rc, shared)?;
             results.extend(res);
             for fi in f {
                 if !findings.iter().any(|g| g.path == fi.path) {
@@ -415,6 +433,9 @@ fn run_inner(
                     paths: runs.into_iter().map(|r| (r.kind, r.trace)).collect(),
                 });
             }
+        }
+        if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(layer) == Some(&true)) {
+            prev_sel = refo.selection;
         }
         carried = refo.hidden_out;
         done += 1;
@@ -447,11 +468,15 @@ pub fn reference_chain(
     batch: &Batch,
     last: usize,
 ) -> Result<Vec<Trace>> {
-    let mut hidden = embed_tokens(file, cfg, tokens)?.mapv(f64::from);
+    let mut hidden = embed_hidden(file, cfg, tokens)?;
     let mut out = Vec::new();
+    let mut prev_sel: Option<Selection> = None;
     for layer in 0..=last {
         let w = LayerWeights::load(file, cfg, layer)?;
-        let r = reference::forward_full(file, cfg, &w, &hidden, batch)?;
+        let r = reference::forward_full_sel(file, cfg, &w, &hidden, batch, prev_sel.as_ref())?;
+        if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(layer) == Some(&true)) {
+            prev_sel = r.selection.clone();
+        }
         out.push(r.trace);
         if let Some(h) = r.hidden_out {
             hidden = h;

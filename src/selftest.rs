@@ -221,7 +221,7 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
             .iter()
             .filter(|m| {
                 let n = fixture_name(m);
-                ["tiny-v3-q8_0", "yarn-v3-f32", "k256-q4_k_m", "embedded"].contains(&n.as_str())
+                ["tiny-v3-q8_0", "yarn-v3-f32", "k256-q4_k_m", "dsa-glm-q8_0", "embedded"].contains(&n.as_str())
             })
             .collect();
         if pick.is_empty() {
@@ -289,7 +289,7 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
             // Clean runs.
             for &tp in &tps {
                 let rc = run_cfg(tp, PathKind::ALL.to_vec(), vec![]);
-                let (_, findings, _) = compare_layer(backend, &file, &cfg, &w, &hidden, &reference_for(tp), &rc)?;
+                let (_, findings, _) = compare_layer(backend, &file, &cfg, &w, &hidden, &reference_for(tp), &rc, None)?;
                 let expected =
                     natural_misalignment(&file, &cfg, layer, tp).map(|s| (Class::QuantBlockMisaligned, vec![s.stage]));
                 for &path in PathKind::ALL {
@@ -348,7 +348,7 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
                     continue;
                 }
                 let rc = run_cfg(tp, paths.clone(), vec![fault]);
-                let (_, findings, _) = compare_layer(backend, &file, &cfg, &w, &hidden, &reference_for(tp), &rc)?;
+                let (_, findings, _) = compare_layer(backend, &file, &cfg, &w, &hidden, &reference_for(tp), &rc, None)?;
                 for path in paths {
                     let stages = fault.expected_stages(path);
                     let expected = Some((fault.expected_class(), stages.clone()));

@@ -58,6 +58,21 @@ pub enum Stage {
     QPeRoped,
     /// `k_pe_roped`: [T, R].
     KPeRoped,
+    /// `idx_q`: the DSA indexer's query projection `indexer.attn_q_b · q_c_normed`, before its
+    /// RoPE, [T, N_idx, D_idx] (`deepseek32`/`glm-dsa` layers with their own indexer).
+    IdxQ,
+    /// `idx_k`: the indexer key `LayerNorm(indexer.attn_k · attn_in)`, before its RoPE,
+    /// [T, D_idx].
+    IdxK,
+    /// `idx_weights`: the per-head score weights `indexer.proj · attn_in`, unscaled, [T, N_idx].
+    IdxWeights,
+    /// `idx_scores`: `Σ_h w·N_idx^-½·ReLU(D_idx^-½·q·k)` after the indexer RoPE, [T, S]
+    /// (S = longest sequence; entry [i, j] is key position j of token i's sequence; masked
+    /// entries, j > position of i, are 0).
+    IdxScores,
+    /// `idx_topk`: the key positions each token keeps, [T, K] (K = min(top_k, S); ascending, −1
+    /// padding where fewer keys are visible; compared as a set per token).
+    IdxTopk,
     /// `w.kv_b`: [N·(P+V), L].
     WKvB,
     /// `k_nope`: [T, N, P].
@@ -107,6 +122,11 @@ pub const STAGES: &[Stage] = &[
     Stage::KPe,
     Stage::QPeRoped,
     Stage::KPeRoped,
+    Stage::IdxQ,
+    Stage::IdxK,
+    Stage::IdxWeights,
+    Stage::IdxScores,
+    Stage::IdxTopk,
     Stage::WKvB,
     Stage::KNope,
     Stage::V,
@@ -146,6 +166,11 @@ impl Stage {
             Stage::KPe => "k_pe",
             Stage::QPeRoped => "q_pe_roped",
             Stage::KPeRoped => "k_pe_roped",
+            Stage::IdxQ => "idx_q",
+            Stage::IdxK => "idx_k",
+            Stage::IdxWeights => "idx_weights",
+            Stage::IdxScores => "idx_scores",
+            Stage::IdxTopk => "idx_topk",
             Stage::WKvB => "w.kv_b",
             Stage::KNope => "k_nope",
             Stage::V => "v",
@@ -196,9 +221,18 @@ impl Stage {
         self.base_name().starts_with("w.")
     }
 
-    /// True for sites holding ids, not values (`moe_topk`): compared as a set per row.
+    /// True for sites holding ids, not values (`moe_topk`, `idx_topk`): compared as a set per
+    /// row.
     pub fn is_id_set(&self) -> bool {
-        matches!(self, Stage::MoeTopk)
+        matches!(self, Stage::MoeTopk | Stage::IdxTopk)
+    }
+
+    /// True for the DSA indexer's stages (`idx_*`).
+    pub fn is_indexer(&self) -> bool {
+        matches!(
+            self,
+            Stage::IdxQ | Stage::IdxK | Stage::IdxWeights | Stage::IdxScores | Stage::IdxTopk
+        )
     }
 
     /// True for the stages only MoE layers have.

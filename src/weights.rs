@@ -290,8 +290,30 @@ pub struct LayerWeights {
     pub o_proj: Array2<f32>,
     /// Dense FFN; `None` for an MoE layer (its FFN is [`MoeWeights`], loaded on its own).
     pub ffn: Option<DenseFfn>,
+    /// The DSA lightning indexer that selects this layer's keys (`deepseek32`/`glm-dsa`): this
+    /// layer's own, or for a GLM "shared" layer the nearest earlier full layer's. `None` for
+    /// dense-attention MLA.
+    pub indexer: Option<IndexerWeights>,
     /// Storage type of every tensor loaded, in load order.
     pub types: Vec<TensorType>,
+}
+
+/// The DSA lightning indexer's weights (llama.cpp `blk.N.indexer.*`; HF `self_attn.indexer.*`),
+/// dequantized to f32 in PyTorch layout. Dims: `N_idx`, `D_idx` of [`crate::config::IndexerConfig`].
+#[derive(Debug, Clone)]
+pub struct IndexerWeights {
+    /// The layer these tensors belong to (differs from the layer using them on a shared layer).
+    pub source_layer: usize,
+    /// `indexer.attn_q_b` (HF `wq_b`), [N_idx·D_idx, Lq].
+    pub q_b: Array2<f32>,
+    /// `indexer.attn_k` (HF `wk`), [D_idx, H].
+    pub k: Array2<f32>,
+    /// `indexer.k_norm.weight` (HF `k_norm.weight`, a LayerNorm gain), \[D_idx].
+    pub k_norm: Array1<f32>,
+    /// `indexer.k_norm.bias` (HF `k_norm.bias`), \[D_idx].
+    pub k_norm_b: Array1<f32>,
+    /// `indexer.proj` (HF `weights_proj`), [N_idx, H].
+    pub proj: Array2<f32>,
 }
 
 /// Why a slice of a quantized tensor cannot be cut.
@@ -455,6 +477,24 @@ impl LayerWeights {
                 down: load_2d(file, ty, &name("ffn_down"), [h, f], "H × F")?,
             })
         };
+        let indexer = match (&cfg.indexer, cfg.q_lora_rank) {
+            // MTP blocks run without the indexer (llama.cpp `graph_mtp`).
+            (Some(ix), Some(lq)) if layer < ix.full.len() => {
+                let src = ix.source_layer(layer).unwrap_or(layer);
+                let nm = |s: &str| tensor_name(src, s);
+                let (ni, di) = (ix.n_head, ix.head_dim);
+                let bias = format!("blk.{src}.indexer.k_norm.bias");
+                Some(IndexerWeights {
+                    source_layer: src,
+                    q_b: load_2d(file, ty, &nm("indexer.attn_q_b"), [ni * di, lq], "N_idx·D_idx × Lq")?,
+                    k: load_2d(file, ty, &nm("indexer.attn_k"), [di, h], "D_idx × H")?,
+                    k_norm: load_1d(file, ty, &nm("indexer.k_norm"), di, "D_idx")?,
+                    k_norm_b: load_1d(file, ty, &bias, di, "D_idx")?,
+                    proj: load_2d(file, ty, &nm("indexer.proj"), [ni, h], "N_idx × H")?,
+                })
+            }
+            _ => None,
+        };
         Ok(LayerWeights {
             layer,
             attn_norm,
@@ -464,6 +504,7 @@ impl LayerWeights {
             kv_b,
             o_proj,
             ffn,
+            indexer,
             types,
         })
     }
@@ -499,6 +540,18 @@ impl LayerWeights {
             scan_nonfinite(n("ffn_gate"), f.gate.iter(), &mut out);
             scan_nonfinite(n("ffn_up"), f.up.iter(), &mut out);
             scan_nonfinite(n("ffn_down"), f.down.iter(), &mut out);
+        }
+        if let Some(ix) = &self.indexer {
+            let n = |s: &str| tensor_name(ix.source_layer, s);
+            scan_nonfinite(n("indexer.attn_q_b"), ix.q_b.iter(), &mut out);
+            scan_nonfinite(n("indexer.attn_k"), ix.k.iter(), &mut out);
+            scan_nonfinite(n("indexer.k_norm"), ix.k_norm.iter(), &mut out);
+            scan_nonfinite(
+                format!("blk.{}.indexer.k_norm.bias", ix.source_layer),
+                ix.k_norm_b.iter(),
+                &mut out,
+            );
+            scan_nonfinite(n("indexer.proj"), ix.proj.iter(), &mut out);
         }
         out
     }
@@ -617,6 +670,16 @@ pub fn dequant_slice(file: &GgufFile, raw: &RawSlice<'_>) -> Result<Array2<f32>>
 /// Dequantizes rows `rows` of tensor `name` (see [`row_slice`]) to `[rows.len(), ne0]` f32.
 pub fn dequant_rows(file: &GgufFile, name: &str, rows: std::ops::Range<usize>) -> Result<Array2<f32>> {
     dequant_slice(file, &row_slice(file, name, rows)?)
+}
+
+/// The token path's first `hidden_in` [T, H], f64: [`embed_tokens`] times the architecture's
+/// embedding scale (`MlaConfig::embedding_scale`, 12 for MiniCPM3), multiplied in f64 as HF's
+/// float64 model does.
+///
+/// Errors: as [`embed_tokens`].
+pub fn embed_hidden(file: &GgufFile, cfg: &MlaConfig, tokens: &[u32]) -> Result<Array2<f64>> {
+    let s = cfg.embedding_scale;
+    Ok(embed_tokens(file, cfg, tokens)?.mapv(|x| f64::from(x) * s))
 }
 
 /// Embedding rows for `tokens` from `token_embd.weight` ([vocab, H]), dequantizing only those rows.

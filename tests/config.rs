@@ -95,3 +95,62 @@ fn wrong_value_type_names_the_key_and_type() {
         "{e}"
     );
 }
+
+#[test]
+fn mtp_blocks_are_outside_the_trunk() {
+    // The V3.2 / GLM-5 / GLM-4.7-Flash converters append NextN (MTP) blocks and count them in
+    // block_count; `--layers all` and the token path cover the trunk only.
+    let g0 = deepseek2(Dims::default(), false);
+    let n = cfg_of(&g0).unwrap().n_layer;
+    let mut g = g0.clone();
+    g.kv("deepseek2.nextn_predict_layers", Val::U32(1));
+    let c = cfg_of(&g).unwrap();
+    assert_eq!((c.n_layer, c.nextn_predict_layers, c.trunk_layers()), (n, 1, n - 1));
+    let mut g = g0.clone();
+    g.kv("deepseek2.nextn_predict_layers", Val::U32(n as u32));
+    let e = cfg_of(&g).unwrap_err().to_string();
+    assert!(
+        e.contains("deepseek2.nextn_predict_layers") && e.contains("no trunk"),
+        "{e}"
+    );
+}
+
+#[test]
+fn dsa_and_minicpm3_fixtures_read_their_architecture_keys() {
+    let open = |m: &str| {
+        let f = GgufFile::open(common::repo().join("golden/models").join(m)).unwrap();
+        MlaConfig::from_gguf(&f).unwrap()
+    };
+    use mla_diff::config::RopeStyle;
+    let v32 = open("dsa-v32-q8_0.gguf");
+    let ix = v32.indexer.as_ref().unwrap();
+    assert_eq!(
+        (ix.n_head, ix.head_dim, ix.top_k, ix.rope_style),
+        (8, 64, 8, RopeStyle::Neox)
+    );
+    assert_eq!(
+        (ix.full.clone(), v32.rope_style),
+        (vec![true, true], RopeStyle::Interleaved)
+    );
+    let glm = open("dsa-glm-f32.gguf");
+    let ix = glm.indexer.as_ref().unwrap();
+    assert_eq!(
+        (ix.rope_style, ix.full.clone()),
+        (RopeStyle::Interleaved, vec![true, true, false])
+    );
+    assert_eq!(ix.source_layer(2), Some(1));
+    let m3 = open("minicpm3-f32.gguf");
+    assert!(m3.indexer.is_none());
+    assert_eq!(
+        (m3.rope_style, m3.kv_b_layout, m3.v_head_dim),
+        (RopeStyle::Neox, KvBLayout::Fused, 32)
+    );
+    assert_eq!(m3.embedding_scale, 12.0);
+    approx::assert_relative_eq!(m3.residual_scale, 1.4 / 2f64.sqrt(), max_relative = 1e-15);
+    // deepseek2 keeps the plain settings.
+    let t = open("tiny-v3-f32.gguf");
+    assert_eq!(
+        (t.rope_style, t.embedding_scale, t.residual_scale),
+        (RopeStyle::Interleaved, 1.0, 1.0)
+    );
+}

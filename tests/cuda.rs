@@ -69,6 +69,7 @@ fn device_paths_match_the_cpu_paths() {
         weights: &w,
         hidden_in: &hidden,
         batch: &batch,
+        shared_selection: None,
     };
     let gpu = Backend::Cuda(ops);
     let cpu = Backend::Cpu(CpuOps::new(Dtype::F32));

@@ -168,3 +168,84 @@ fn clean_run_has_no_finding_and_bad_tp_is_an_input_error() {
     assert_eq!(code, 2);
     assert!(err.contains("--tp 4 does not divide the 6 attention heads"), "{err}");
 }
+
+#[test]
+fn indexer_rope_interleaved_is_named_at_idx_scores() {
+    // DeepSeek-V3.2's indexer rotates NeoX halves; the interleaved pairing of its main RoPE is
+    // the real bug. The 19-token batch is past top-k 8, so attention sees other keys too.
+    let want: Vec<_> = ALL4
+        .iter()
+        .map(|p| (*p, "indexer-rope-style", "L1.idx_scores"))
+        .collect();
+    for m in ["dsa-v32-f32.gguf", "dsa-v32-q8_0.gguf"] {
+        let f = expect(&["--model", &model(m), "--inject", "indexer-rope-interleaved"], &want);
+        let ev = f[0]["evidence"].as_str().unwrap();
+        assert!(
+            ev.contains("interleaved rotation") && ev.contains("longer than top-k"),
+            "{ev}"
+        );
+    }
+}
+
+#[test]
+fn indexer_topk_stale_is_named_at_idx_topk_with_the_chunk_stride() {
+    // GLM-5 (glm-dsa): layer 1 runs its own indexer.
+    let stale = [
+        "--path",
+        "chunked",
+        "--new-tokens",
+        "6",
+        "--inject",
+        "indexer-topk-stale",
+    ];
+    let m = model("dsa-glm-f32.gguf");
+    let mut args = vec!["--model", m.as_str()];
+    args.extend_from_slice(&stale);
+    let f = expect(&args, &[("chunked", "indexer-topk-stale", "L1.idx_topk")]);
+    let ev = f[0]["evidence"].as_str().unwrap();
+    assert!(ev.contains("6 positions earlier"), "{ev}");
+    // Layer 2 is a shared layer: it reuses layer 1's selection, and a stale buffer there too.
+    let mut a = vec!["run", "--model", m.as_str(), "--layer", "2", "--quiet"];
+    a.extend_from_slice(&stale);
+    let (code, out, err) = run_bin(&a);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.contains("finding [chunked] indexer-topk-stale at L2.idx_topk"),
+        "{out}"
+    );
+}
+
+#[test]
+fn indexer_faults_are_refused_where_they_cannot_act() {
+    // No indexer on deepseek2; glm-dsa's indexer RoPE is interleaved already; staleness needs a
+    // previous chunk.
+    for (m, fault, path) in [
+        ("tiny-v3-f32.gguf", "indexer-rope-interleaved", "mha"),
+        ("dsa-glm-f32.gguf", "indexer-rope-interleaved", "mha"),
+        ("dsa-v32-f32.gguf", "indexer-topk-stale", "mqa"),
+    ] {
+        let (code, out, err) = run_bin(&[
+            "run",
+            "--model",
+            &model(m),
+            "--layer",
+            "1",
+            "--path",
+            path,
+            "--inject",
+            fault,
+        ]);
+        assert_eq!(code, 2, "{m} {fault}: {out}{err}");
+    }
+}
+
+#[test]
+fn rope_neox_on_a_neox_model_swaps_to_interleaved() {
+    // MiniCPM3's main RoPE is NeoX; the fault applies the other pairing and the detector says so.
+    let want: Vec<_> = ALL4.iter().map(|p| (*p, "rope-style", "L1.q_pe_roped")).collect();
+    let f = expect(
+        &["--model", &model("minicpm3-q8_0.gguf"), "--inject", "rope-neox"],
+        &want,
+    );
+    assert!(f[0]["evidence"].as_str().unwrap().contains("interleaved rotation"));
+}

@@ -1,5 +1,6 @@
 //! The main job on every committed fixture: `run --model F --layer 0` and `--layer 1` exit 0 with
-//! every site of every path within tolerance; `inspect` shows per-tensor quant types.
+//! every site of every path within tolerance, `run --layers all --input tokens` exits 0 on every
+//! fixture of every architecture; `inspect` shows per-tensor quant types.
 
 mod common;
 
@@ -31,8 +32,20 @@ fn every_fixture_passes_both_layers_on_every_path() {
 }
 
 #[test]
-fn token_input_walks_every_layer_of_every_f32_fixture() {
-    for f in fixtures().iter().filter(|p| p.to_string_lossy().contains("f32")) {
+fn token_input_walks_every_layer_of_every_fixture() {
+    // Every family (deepseek2 dense and MoE, deepseek32 and glm-dsa with the DSA indexer and a
+    // shared-indexer layer, minicpm3), F32 and quantized: the token path through every layer.
+    let all = fixtures();
+    for arch in ["deepseek2", "deepseek32", "glm-dsa", "minicpm3"] {
+        assert!(
+            all.iter().any(|f| {
+                let file = mla_diff::gguf::GgufFile::open(f).unwrap();
+                mla_diff::config::MlaConfig::from_gguf(&file).unwrap().arch == arch
+            }),
+            "no committed {arch} fixture"
+        );
+    }
+    for f in &all {
         let (code, out, err) = run_bin(&[
             "run",
             "--model",

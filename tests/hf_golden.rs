@@ -4,7 +4,12 @@
 //! within rel_l2 ≤ 1e-5 (an independent implementation of MLA.md reaches about 1e-6). On the MoE
 //! fixture this covers the MoE sites too: `moe_router_logits`, `moe_out`, `shared_out` and the
 //! `hidden_out` built from them by rel_l2, and `moe_topk` as the same set of expert ids for every
-//! token (HF lists them in its unsorted top-k order).
+//! token (HF lists them in its unsorted top-k order). On the DSA fixtures (`dsa-v32`, DeepSeek-V3.2
+//! / `deepseek32`; `dsa-glm`, GLM-5 / `glm-dsa` with a shared-indexer layer) it covers the
+//! lightning indexer's `idx_q`, `idx_k`, `idx_weights`, `idx_scores` (HF computes them in float32:
+//! rel_l2 about 4e-7) and `idx_topk` (the same key set per token, 24 tokens past top-k 8), and
+//! the sparse attention that follows; on `minicpm3` the NeoX RoPE, the fused kv_b, the embedding
+//! scale and the residual scaling.
 
 mod common;
 
@@ -14,7 +19,6 @@ use mla_diff::config::MlaConfig;
 use mla_diff::gguf::GgufFile;
 use mla_diff::run::reference_chain;
 use mla_diff::st;
-use mla_diff::trace::Stage;
 
 /// Bound of the issue: rel_l2 ≤ 1e-5 at every site.
 const MAX_REL_L2: f64 = 1e-5;
@@ -30,12 +34,14 @@ fn check(fixture: &str, min_sites: usize) -> Vec<(String, f64)> {
     let root = common::repo();
     let golden = st::read(&root.join(format!("golden/hf/{fixture}.safetensors"))).unwrap();
     let gguf = golden.metadata.get("gguf").expect("golden names its GGUF");
-    assert_eq!(
-        golden.metadata.get("rope_order").map(String::as_str),
-        Some("interleaved")
-    );
     let file = GgufFile::open(root.join(gguf)).unwrap();
     let cfg = MlaConfig::from_gguf(&file).unwrap();
+    // Rope sites are stored in the model's own pairing order (interleaved for DeepSeek/GLM,
+    // NeoX for MiniCPM3).
+    assert_eq!(
+        golden.metadata.get("rope_order").map(String::as_str),
+        Some(cfg.rope_style.name())
+    );
     let tokens: Vec<u32> = golden.extra["tokens"].data.iter().map(|&x| x as u32).collect();
     let positions = &golden.extra["positions"].data;
     assert!(positions.iter().enumerate().all(|(i, &p)| p == i as f64));
@@ -49,10 +55,11 @@ fn check(fixture: &str, min_sites: usize) -> Vec<(String, f64)> {
             .get(site)
             .unwrap_or_else(|| panic!("{fixture}: reference lacks {site}"));
         assert_eq!(ours.shape, hf.shape, "{fixture}: {site} shape");
-        if site.stage == Stage::MoeTopk {
-            // Expert ids: the same set per token, whatever order each side lists them in.
+        if site.stage.is_id_set() {
+            // Expert ids / indexer key positions: the same set per token, whatever order each
+            // side lists them in (−1 padding sorts first on both sides).
             let (a, b) = (sorted_rows(ours).to_f64(), sorted_rows(hf).to_f64());
-            assert_eq!(a, b, "{fixture}: {site}: selected experts differ");
+            assert_eq!(a, b, "{fixture}: {site}: selected ids differ");
             all.push((site.to_string(), 0.0));
             checked += 1;
             continue;
@@ -107,4 +114,38 @@ fn lite_v2_without_q_lora_matches_hf() {
 #[test]
 fn legacy_kv_b_matches_hf() {
     let _ = check("legacy-kvb", 2 * 16);
+}
+
+/// The indexer sites every DSA layer with its own indexer must have been compared at.
+fn assert_indexer_sites(sites: &[(String, f64)], layers: &[usize]) {
+    for &layer in layers {
+        for stage in ["idx_q", "idx_k", "idx_weights", "idx_scores", "idx_topk"] {
+            let name = format!("L{layer}.{stage}");
+            assert!(sites.iter().any(|(s, _)| *s == name), "golden lacks {name}");
+        }
+    }
+}
+
+#[test]
+fn dsa_v32_matches_hf_indexer_and_sparse_attention_included() {
+    let sites = check("dsa-v32", 2 * 16 + 2 * 5 + 4);
+    assert_indexer_sites(&sites, &[0, 1]);
+    for (s, e) in sites.iter().filter(|(s, _)| s.contains(".idx_")) {
+        eprintln!("  {s:<20} rel_l2 {e:.2e}");
+    }
+}
+
+#[test]
+fn dsa_glm_matches_hf_shared_indexer_layer_included() {
+    let sites = check("dsa-glm", 3 * 16 + 2 * 5 + 1 + 2 * 4);
+    assert_indexer_sites(&sites, &[0, 1]);
+    // Layer 2 is a shared layer: it reuses layer 1's selection and has no indexer of its own.
+    assert!(sites.iter().any(|(s, _)| s == "L2.idx_topk"));
+    assert!(!sites.iter().any(|(s, _)| s == "L2.idx_scores"));
+}
+
+#[test]
+fn minicpm3_matches_hf_neox_rope_and_scalings() {
+    let sites = check("minicpm3", 2 * 14);
+    assert!(sites.iter().any(|(s, _)| s == "L1.hidden_out"));
 }

@@ -23,7 +23,8 @@ fn produced_files_validate_against_the_schema() {
     let validator = jsonschema::validator_for(&schema()).expect("the schema itself is valid");
     let dir = tempfile::tempdir().unwrap();
     let legacy = repo().join("golden/models/legacy-kvb-f32.gguf");
-    let yarn = repo().join("golden/models/yarn-v3-q8_0.gguf");
+    let yarn = repo().join("golden/models/yarn-v3-f32.gguf");
+    let dsa = repo().join("golden/models/dsa-glm-q8_0.gguf");
     let moe = repo().join("golden/models/moe-v3-q8_0.gguf");
     let cases: Vec<(&str, Vec<&str>, i32)> = vec![
         ("clean.json", vec!["--layer", "1"], 0),
@@ -47,6 +48,20 @@ fn produced_files_validate_against_the_schema() {
             "moe.json",
             vec!["--model", moe.to_str().unwrap(), "--layers", "all", "--input", "tokens"],
             0,
+        ),
+        (
+            "dsa.json",
+            vec![
+                "--model",
+                dsa.to_str().unwrap(),
+                "--layer",
+                "1",
+                "--inject",
+                "indexer-topk-stale",
+                "--path",
+                "chunked",
+            ],
+            1,
         ),
     ];
     for (name, args, want) in cases {

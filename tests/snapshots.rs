@@ -27,6 +27,7 @@ const SNAPSHOTS: &[&str] = &[
     "report_clean_tp2",
     "inspect_tiny_v3_q8_0",
     "inspect_layer1_k256",
+    "inspect_layer1_dsa_glm",
 ];
 
 fn settings() -> insta::Settings {
@@ -122,10 +123,13 @@ fn markdown_reports() {
 #[test]
 fn inspect_output() {
     let f = GgufFile::open(repo().join("golden/models/tiny-v3-q8_0.gguf")).unwrap();
-    let k = GgufFile::open(repo().join("golden/models/k256-q6_k.gguf")).unwrap();
+    let k = GgufFile::open(repo().join("golden/models/k256-q4_k_m.gguf")).unwrap();
+    // A DSA file: inspect names the architecture, its MLA dims and the indexer (a shared layer).
+    let g = GgufFile::open(repo().join("golden/models/dsa-glm-q8_0.gguf")).unwrap();
     settings().bind(|| {
         insta::assert_snapshot!("inspect_tiny_v3_q8_0", mla_diff::inspect::inspect(&f, None));
         insta::assert_snapshot!("inspect_layer1_k256", mla_diff::inspect::inspect(&k, Some(1)));
+        insta::assert_snapshot!("inspect_layer1_dsa_glm", mla_diff::inspect::inspect(&g, Some(1)));
     });
 }
 

@@ -16,7 +16,8 @@ use serde::Serialize;
 
 use crate::batch::Batch;
 use crate::compare::{self, SiteDiff, Status, is_canary_like};
-use crate::config::MlaConfig;
+use crate::config::{MlaConfig, RopeStyle};
+use crate::indexer;
 use crate::paths::{PathKind, Unservable};
 use crate::reference::rope_inv_freq;
 use crate::tolerance::{Precision, tolerance};
@@ -50,6 +51,12 @@ pub enum Class {
     LseMerge,
     /// The tokens select other experts than the reference (`moe_topk`, compared as sets).
     MoeRouting,
+    /// The DSA indexer's scores are explained by the other RoPE pairing (`idx_scores`).
+    IndexerRopeStyle,
+    /// The DSA indexer's selection is an earlier token's selection (`idx_topk`).
+    IndexerTopkStale,
+    /// The DSA indexer keeps other keys than the reference (`idx_topk`, compared as sets).
+    IndexerSelection,
     /// NaN/Inf where the reference is finite.
     Nonfinite,
     /// Cosine ≈ 1 but the norm ratio is off.
@@ -77,6 +84,9 @@ impl Class {
             Class::SoftmaxScale => "softmax-scale",
             Class::LseMerge => "lse-merge",
             Class::MoeRouting => "moe-routing",
+            Class::IndexerRopeStyle => "indexer-rope-style",
+            Class::IndexerTopkStale => "indexer-topk-stale",
+            Class::IndexerSelection => "indexer-selection",
             Class::Nonfinite => "nonfinite",
             Class::ScaleOnly => "scale-only",
             Class::PathDisagreement => "path-disagreement",
@@ -550,16 +560,11 @@ fn kv_b_layout(x: &SiteCtx<'_>) -> Detected {
 }
 
 /// NeoX rotation of rope vectors `[rows, R]` at per-row positions, f64.
-fn rotate_neox(data: &[f64], r: usize, positions: &[usize], inv_freq: &[f64]) -> Vec<f64> {
-    let half = r / 2;
+/// Rotates every `r`-wide row of `data` at its position with the given pairing.
+fn rotate(data: &[f64], r: usize, positions: &[usize], inv_freq: &[f64], style: RopeStyle) -> Vec<f64> {
     let mut out = data.to_vec();
     for (row, &pos) in out.chunks_mut(r).zip(positions) {
-        for i in 0..half {
-            let (s, c) = (pos as f64 * inv_freq[i]).sin_cos();
-            let (a, b) = (row[i], row[i + half]);
-            row[i] = a * c - b * s;
-            row[i + half] = b * c + a * s;
-        }
+        indexer::rope_f64(row, pos, inv_freq, style);
     }
     out
 }
@@ -582,7 +587,8 @@ fn rope_style(x: &SiteCtx<'_>) -> Detected {
         Stage::KPeRoped => (x.ref_site(Stage::KPe)?.to_f64(), pos.clone()),
         _ => return None,
     };
-    let alt = rotate_neox(&raw, r, &positions, &inv);
+    let wrong = cfg.rope_style.other();
+    let alt = rotate(&raw, r, &positions, &inv, wrong);
     // An engine dump read with `rope_order = hf` has had its halves re-interleaved; a NeoX
     // rotation there comes out in natural order, so also try NeoX seen through that conversion.
     let alt_hf: Vec<f64> = alt
@@ -591,8 +597,23 @@ fn rope_style(x: &SiteCtx<'_>) -> Detected {
         .collect();
     let (e, through_hf) = match x.explained_by(&alt) {
         Some(e) => (e, false),
-        None => (x.explained_by(&alt_hf)?, true),
+        None if wrong == RopeStyle::Neox => (x.explained_by(&alt_hf)?, true),
+        None => return None,
     };
+    if wrong == RopeStyle::Interleaved {
+        return Some((
+            format!(
+                "interleaved rotation (x[2i], x[2i+1]) of the reference's un-rotated input explains {} (rel_l2 {} vs {} as is)",
+                x.site.stage.name(),
+                fmt_e(e),
+                fmt_e(x.as_is())
+            ),
+            format!(
+                "{} rotates NeoX halves (x[i], x[i+R/2]): vLLM is_neox_style=True, llama.cpp rope type NEOX",
+                cfg.arch
+            ),
+        ));
+    }
     Some((
         format!(
             "NeoX rotation (x[i], x[i+R/2]) of the reference's un-rotated input explains {}{} (rel_l2 {} vs {} as is)",
@@ -644,11 +665,19 @@ impl AttnRecompute {
             _ => return None,
         };
         let mut logits = Vec::new();
+        // DSA models attend over the indexer's selection, which the reference recorded.
+        let sel = x.ref_site(Stage::IdxTopk).map(|t| {
+            let k = t.shape.last().copied().unwrap_or(0);
+            indexer::topk_sets(&t.to_f64(), k)
+        });
         for (sq, off) in x.input.batch.seqs.iter().zip(x.input.batch.offsets()) {
             for i in 0..sq.len {
                 let ti = off + i;
                 for h in 0..n {
-                    let keys: Vec<usize> = (off..=ti).collect();
+                    let keys: Vec<usize> = match &sel {
+                        Some(sel) => sel.get(ti).map_or(Vec::new(), |v| v.iter().map(|&j| off + j).collect()),
+                        None => (off..=ti).collect(),
+                    };
                     let z = keys
                         .iter()
                         .map(|&tj| {
@@ -836,10 +865,177 @@ fn lse_merge(x: &SiteCtx<'_>) -> Detected {
     None
 }
 
+/// The reference's indexer inputs of this layer, re-scored with `style` (f64): `idx_scores`
+/// [T, S] as the reference lays it out. `None` when a site is missing.
+fn rescore_indexer(x: &SiteCtx<'_>, style: RopeStyle) -> Option<Vec<f64>> {
+    let ix = x.input.cfg.indexer.as_ref()?;
+    let q = x.ref_site(Stage::IdxQ)?.to_f64();
+    let k = x.ref_site(Stage::IdxK)?.to_f64();
+    let w = x.ref_site(Stage::IdxWeights)?.to_f64();
+    let (ni, d, r) = (ix.n_head, ix.head_dim, x.input.cfg.qk_rope_head_dim);
+    let inv = rope_inv_freq(x.input.cfg);
+    let pos = x.input.batch.positions();
+    let t = pos.len();
+    if q.len() != t * ni * d || k.len() != t * d || w.len() != t * ni {
+        return None;
+    }
+    let (mut qr, mut kr) = (q, k);
+    for ti in 0..t {
+        for h in 0..ni {
+            let o = (ti * ni + h) * d;
+            indexer::rope_f64(&mut qr[o..o + r], pos[ti], &inv, style);
+        }
+        indexer::rope_f64(&mut kr[ti * d..ti * d + r], pos[ti], &inv, style);
+    }
+    Some(indexer::scores(ix, x.input.batch, &qr, &kr, &w))
+}
+
+/// `idx_scores` differs while the indexer's q and k matched: the other RoPE pairing applied to
+/// the reference's own un-rotated `idx_q`/`idx_k` explains the candidate's scores (the
+/// DeepSeek-V3.2 indexer bug: interleaved pairs where the indexer wants NeoX halves).
+fn indexer_rope_style(x: &SiteCtx<'_>) -> Detected {
+    if x.site.stage != Stage::IdxScores {
+        return None;
+    }
+    let ix = x.input.cfg.indexer.as_ref()?;
+    let wrong = ix.rope_style.other();
+    let alt = rescore_indexer(x, wrong)?;
+    let e = x.explained_by(&alt)?;
+    let sel = x.ref_site(Stage::IdxTopk);
+    let k = sel.map_or(0, |t| t.shape.last().copied().unwrap_or(0));
+    let longer = x.input.batch.seqs.iter().any(|s| s.len > ix.top_k);
+    Some((
+        format!(
+            "{} rotation of the reference's un-rotated idx_q/idx_k explains idx_scores (rel_l2 {} vs {} as is){}",
+            wrong.name(),
+            fmt_e(e),
+            fmt_e(x.as_is()),
+            if longer {
+                format!(
+                    "; the sequences are longer than top-k {k}, so the wrong scores change which keys attention sees"
+                )
+            } else {
+                format!(
+                    "; every sequence is at most top-k {} long, so attention is unaffected here (it shows past top-k)",
+                    ix.top_k
+                )
+            }
+        ),
+        format!(
+            "the {} indexer rotates {} (x[i], x[i+R/2]) on the first R dims of each indexer head, unlike its main MLA RoPE; check the indexer's rotary call (is_neox_style / rope type)",
+            x.input.cfg.arch,
+            match ix.rope_style {
+                RopeStyle::Neox => "NeoX halves",
+                RopeStyle::Interleaved => "adjacent pairs",
+            }
+        ),
+    ))
+}
+
+/// Per token, a set of kept key indices.
+type KeySets = Vec<Vec<usize>>;
+
+/// Per token, the reference's and the candidate's `idx_topk` sets.
+fn topk_pairs(x: &SiteCtx<'_>) -> Option<(KeySets, KeySets)> {
+    if x.site.stage != Stage::IdxTopk {
+        return None;
+    }
+    let k = x.refr.shape.last().copied().unwrap_or(0);
+    let kc = x.cand.shape.last().copied().unwrap_or(0);
+    let r = indexer::topk_sets(&x.refr.to_f64(), k);
+    let c = indexer::topk_sets(&x.cand.to_f64(), kc);
+    (r.len() == c.len()).then_some((r, c))
+}
+
+/// `idx_topk` differs while `idx_scores` matched, and each differing token's set equals the
+/// reference's set of an earlier token of its sequence at one common distance: a top-k buffer
+/// from a previous chunk was reused.
+fn indexer_topk_stale(x: &SiteCtx<'_>) -> Detected {
+    let (r, c) = topk_pairs(x)?;
+    let bad: Vec<usize> = (0..r.len()).filter(|&i| r[i] != c[i]).collect();
+    if bad.is_empty() {
+        return None;
+    }
+    let seq = indexer::seq_index(x.input.batch);
+    let mut shift = None;
+    for d in 1..=seq.iter().copied().max().unwrap_or(0) {
+        if bad.iter().all(|&i| seq[i] >= d && c[i] == r[i - d]) {
+            shift = Some(d);
+            break;
+        }
+    }
+    let d = shift?;
+    let scores_state = match x
+        .path
+        .diffs
+        .iter()
+        .find(|s| s.site == Site::new(x.site.layer, Stage::IdxScores))
+    {
+        Some(s) if s.status == Status::Pass => "idx_scores match, so the scores were right and the selection is old",
+        Some(_) => "idx_scores differ too",
+        None => "idx_scores were not compared",
+    };
+    let j = indexer::jaccard(&r[bad[0]], &c[bad[0]]);
+    Some((
+        format!(
+            "{} of {} tokens keep the reference's selection of the token {d} positions earlier ({scores_state}); token {}: Jaccard {:.3} with its own selection",
+            bad.len(),
+            r.len(),
+            bad[0],
+            j
+        ),
+        format!(
+            "a top-k index buffer is reused across chunks: the new tokens read the previous chunk's indices (stride {d} = the chunk length); recompute or re-slice the indexer output per chunk"
+        ),
+    ))
+}
+
+/// `idx_topk` differs as a set: the tokens, their Jaccard overlap, and whether the scores matched
+/// (then ties at the cut or a wrong selection rule) or not.
+fn indexer_selection(x: &SiteCtx<'_>) -> Detected {
+    let (r, c) = topk_pairs(x)?;
+    let bad: Vec<usize> = (0..r.len()).filter(|&i| r[i] != c[i]).collect();
+    if bad.is_empty() {
+        return None;
+    }
+    let jac: Vec<f64> = bad.iter().map(|&i| indexer::jaccard(&r[i], &c[i])).collect();
+    let mean = jac.iter().sum::<f64>() / jac.len() as f64;
+    let scores_pass = x
+        .path
+        .diffs
+        .iter()
+        .find(|s| s.site == Site::new(x.site.layer, Stage::IdxScores))
+        .map(|s| s.status == Status::Pass);
+    let shown: Vec<String> = bad
+        .iter()
+        .zip(&jac)
+        .take(4)
+        .map(|(&i, j)| {
+            let only_r: Vec<usize> = r[i].iter().filter(|p| !c[i].contains(p)).copied().collect();
+            let only_c: Vec<usize> = c[i].iter().filter(|p| !r[i].contains(p)).copied().collect();
+            format!("token {i}: Jaccard {j:.3}, only reference {only_r:?}, only candidate {only_c:?}")
+        })
+        .collect();
+    Some((
+        format!(
+            "{} of {} tokens keep other keys (mean Jaccard {mean:.3}; {}): {}",
+            bad.len(),
+            r.len(),
+            match scores_pass {
+                Some(true) => "idx_scores match, so the selection rule differs (k, masking, tie order)",
+                Some(false) => "idx_scores differ too",
+                None => "idx_scores were not compared",
+            },
+            shown.join("; ")
+        ),
+        "keep the top_k largest scores among keys at or before the token (ties to the lower position); a shared-indexer layer reuses the latest full layer's selection".into(),
+    ))
+}
+
 /// `moe_topk` differs as a set: lists the tokens and the ids only one side selected, with the
 /// reference's router logits at those ids and whether the candidate's router logits matched.
 fn moe_routing(x: &SiteCtx<'_>) -> Detected {
-    if !x.site.stage.is_id_set() {
+    if x.site.stage != Stage::MoeTopk {
         return None;
     }
     let k = x.refr.shape.last().copied().unwrap_or(1).max(1);
@@ -1062,7 +1258,7 @@ fn mismatch(x: &SiteCtx<'_>) -> (String, String) {
 /// Classifies one failing site.
 fn classify(x: &SiteCtx<'_>) -> Finding {
     type Det = fn(&SiteCtx<'_>) -> Detected;
-    let detectors: [(Class, Det); 12] = [
+    let detectors: [(Class, Det); 15] = [
         (Class::PhantomOutput, phantom_output),
         (Class::UnwrittenRows, unwritten_rows),
         (Class::ShardOrder, shard_order),
@@ -1072,13 +1268,20 @@ fn classify(x: &SiteCtx<'_>) -> Finding {
         (Class::SoftmaxScale, softmax_scale),
         (Class::LseMerge, lse_merge),
         (Class::MoeRouting, moe_routing),
+        (Class::IndexerRopeStyle, indexer_rope_style),
+        (Class::IndexerTopkStale, indexer_topk_stale),
+        (Class::IndexerSelection, indexer_selection),
         (Class::Nonfinite, nonfinite),
         (Class::ScaleOnly, scale_only),
         (Class::PathDisagreement, path_disagreement),
     ];
     for (class, det) in detectors {
-        // Id sites hold expert ids, not values: only the set comparison applies to them.
-        if x.site.stage.is_id_set() && class != Class::MoeRouting {
+        // Id sites hold ids, not values: only the set comparisons apply to them.
+        let set_class = matches!(
+            class,
+            Class::MoeRouting | Class::IndexerTopkStale | Class::IndexerSelection
+        );
+        if x.site.stage.is_id_set() != set_class {
             continue;
         }
         if let Some((evidence, hint)) = det(x) {
@@ -1255,7 +1458,7 @@ mod tests {
                 .collect(),
         )
         .unwrap();
-        let reference = reference_layer(&cfg, &w, &hidden, &batch, tp).unwrap().trace;
+        let reference = reference_layer(&cfg, &w, &hidden, &batch, tp, None).unwrap().trace;
         let mut path_cfg = cfg.clone();
         tweak(&mut path_cfg);
         let h32 = hidden.mapv(|x| x as f32);
@@ -1265,6 +1468,7 @@ mod tests {
             weights: &w,
             hidden_in: &h32,
             batch: &batch,
+            shared_selection: None,
         };
         let opts = PathOptions {
             tp,

@@ -459,7 +459,8 @@ impl GgufFile {
         out
     }
 
-    /// Decodes a numeric metadata array (any integer or float element type) up to `max` entries.
+    /// Decodes a numeric metadata array (any integer, float or bool element type; bools as 0/1) up
+    /// to `max` entries.
     pub fn meta_numeric_array(&self, arr: &MetaArray, max: usize) -> Vec<f64> {
         let size = match scalar_size(arr.elem_type) {
             Some(s) if arr.elem_type != vt::STRING && arr.elem_type != vt::ARRAY => s,
@@ -469,7 +470,12 @@ impl GgufFile {
         bytes
             .chunks_exact(size)
             .take(max)
-            .map(|c| decode_scalar(arr.elem_type, c).as_f64().unwrap_or(f64::NAN))
+            .map(|c| {
+                let v = decode_scalar(arr.elem_type, c);
+                v.as_f64()
+                    .or_else(|| v.as_bool().map(|b| f64::from(u8::from(b))))
+                    .unwrap_or(f64::NAN)
+            })
             .collect()
     }
 }

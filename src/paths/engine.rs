@@ -12,13 +12,14 @@
 use std::collections::BTreeSet;
 use std::ops::Range;
 
-use super::ops::{Copy2d, EmptyRows, Ops, RopeStyle, Segment};
+use super::ops::{Copy2d, EmptyRows, Ops, Segment};
 use super::{LayerInput, PathKind, PathOptions, PathRun, Unservable};
 use crate::batch::{Batch, SplitMix64};
 use crate::config::{KvBLayout, MlaConfig};
 use crate::error::{Error, Result};
 use crate::faults::Fault;
 use crate::gguf::GgufFile;
+use crate::indexer::{self, Selection};
 use crate::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
 use crate::weights::{RawSlice, SliceError, col_slice, row_slice, tensor_name};
 
@@ -309,7 +310,11 @@ fn engine_inv_freq(cfg: &MlaConfig) -> Vec<f64> {
     let r = cfg.qk_rope_head_dim as f64;
     let base = cfg.rope_base;
     let half = cfg.qk_rope_head_dim / 2;
-    let extrapolation: Vec<f64> = (0..half).map(|i| 1.0 / base.powf(2.0 * i as f64 / r)).collect();
+    // LongRoPE factors (MiniCPM3) divide each pair's frequency, as llama.cpp's rope_factors do.
+    let factor = |i: usize| cfg.rope_factors.as_ref().and_then(|v| v.get(i)).copied().unwrap_or(1.0);
+    let extrapolation: Vec<f64> = (0..half)
+        .map(|i| 1.0 / (base.powf(2.0 * i as f64 / r) * factor(i)))
+        .collect();
     let Some(y) = cfg.yarn else { return extrapolation };
     let correction_dim =
         |rot: f64| (r * (y.original_context / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * base.ln());
@@ -354,6 +359,10 @@ struct Prologue<B> {
     k_pe_roped: B,
     /// The layer input, [T, H].
     hidden: B,
+    /// `attn_in` [T, H] (the indexer's key and weight input).
+    attn_in: B,
+    /// `q_c_normed` [T, Lq], when the model compresses q (the indexer's query input).
+    q_c_normed: Option<B>,
 }
 
 fn prologue<O: Ops>(
@@ -383,7 +392,7 @@ fn prologue<O: Ops>(
     let attn_in = ops.rms_norm(&hidden, t, 0, hd, hd, &ew.attn_norm, eps)?;
     rec(ops, tr, layer, Stage::AttnIn, &[t, hd], &attn_in)?;
 
-    let (q_input, q_k, kv_a) = match (&ew.fused_qkv_a, &ew.q_a_norm, &ew.kv_a) {
+    let (q_c_normed_keep, q_k, kv_a) = match (&ew.fused_qkv_a, &ew.q_a_norm, &ew.kv_a) {
         (Some(fused), Some(q_a_norm), _) => {
             let lq = cfg.q_lora_rank.unwrap_or(0);
             rec(ops, tr, layer, Stage::WFusedQkvA, &[lq + l + r, hd], fused)?;
@@ -397,19 +406,20 @@ fn prologue<O: Ops>(
             rec(ops, tr, layer, Stage::QCNormed, &[t, lq], &q_c_normed)?;
             let mut kv_a = ops.canary(t * (l + r))?;
             ops.copy2d(&qkv, &mut kv_a, cp(t, l + r, lq, lq + l + r, 0, l + r))?;
-            (q_c_normed, lq, kv_a)
+            (Some(q_c_normed), lq, kv_a)
         }
         (None, _, Some(kv_a_w)) => {
             let kv_a = ops.linear(&attn_in, t, hd, kv_a_w, l + r)?;
-            (attn_in, hd, kv_a)
+            (None, hd, kv_a)
         }
         _ => return Err(Error::Usage("engine: inconsistent q weights".into())),
     };
+    let q_input = q_c_normed_keep.as_ref().unwrap_or(&attn_in);
     // Column-parallel q projection, per rank.
     let q: Vec<O::Buf> = ew
         .ranks
         .iter()
-        .map(|rw| ops.linear(&q_input, t, q_k, &rw.q_proj, nh * (p + r)))
+        .map(|rw| ops.linear(q_input, t, q_k, &rw.q_proj, nh * (p + r)))
         .collect::<Result<_>>()?;
     let qs: Vec<&O::Buf> = q.iter().collect();
     tr.record(
@@ -428,10 +438,11 @@ fn prologue<O: Ops>(
 
     let positions = input.batch.positions();
     let cos_scale = if f.has(Fault::RopeCosScaled) { cfg.mscale() } else { 1.0 };
+    // The model's pairing (interleaved; NeoX for MiniCPM3); `rope-neox` applies the other one.
     let style = if f.has(Fault::RopeNeox) {
-        RopeStyle::Neox
+        cfg.rope_style.other()
     } else {
-        RopeStyle::Interleaved
+        cfg.rope_style
     };
     let (cos_h, sin_h) = cos_sin_table(&engine_inv_freq(cfg), &positions, cos_scale);
     let (cos, sin) = (ops.upload(&cos_h)?, ops.upload(&sin_h)?);
@@ -459,7 +470,131 @@ fn prologue<O: Ops>(
         kv_c_normed,
         k_pe_roped,
         hidden,
+        attn_in,
+        q_c_normed: q_c_normed_keep,
     })
+}
+
+/// The engine's DSA lightning indexer for one layer (vLLM's sparse MLA indexer: its own GEMMs on
+/// the backend, then LayerNorm, RoPE, ReLU scores and top-k on the host in f32). Records
+/// `idx_q`, `idx_k`, `idx_weights`, `idx_scores` and `idx_topk` (a shared layer given the
+/// earlier layer's selection records `idx_topk` only) and returns the selection the attention
+/// uses; `None` for a model without an indexer.
+///
+/// Faults: `indexer-rope-interleaved` rotates with adjacent pairs; `indexer-topk-stale` (chunked
+/// path) hands each new token the selection of the token one chunk (the new-token count) earlier.
+fn engine_indexer<O: Ops>(
+    ops: &O,
+    input: &LayerInput<'_>,
+    opts: &PathOptions,
+    kind: PathKind,
+    pro: &Prologue<O::Buf>,
+    tr: &mut Trace,
+) -> Result<Option<Selection>> {
+    let cfg = input.cfg;
+    let (Some(ix), Some(iw)) = (&cfg.indexer, &input.weights.indexer) else {
+        return Ok(None);
+    };
+    let Some(qcn) = &pro.q_c_normed else {
+        return Ok(None);
+    };
+    let layer = input.weights.layer;
+    let batch = input.batch;
+    let t = batch.n_tokens();
+    let full = ix.full.get(layer).copied().unwrap_or(true);
+    let record_topk = |tr: &mut Trace, sel: &Selection| {
+        let (shape, v) = indexer::topk_tensor(ix.top_k, batch, sel);
+        tr.record(
+            Site::new(layer, Stage::IdxTopk),
+            TraceTensor::f32(shape, v.into_iter().map(|x| x as f32).collect()),
+        );
+    };
+    if let (false, Some(sel)) = (full, input.shared_selection) {
+        record_topk(tr, sel);
+        return Ok(Some(sel.clone()));
+    }
+    let (ni, d, hd) = (ix.n_head, ix.head_dim, cfg.hidden);
+    let lq = cfg.q_lora_rank.unwrap_or(0);
+    let r = cfg.qk_rope_head_dim;
+    let up = |a: &ndarray::Array2<f32>| ops.upload(&a.iter().copied().collect::<Vec<f32>>());
+    let q = ops.download(&ops.linear(qcn, t, lq, &up(&iw.q_b)?, ni * d)?)?;
+    let k_raw = ops.download(&ops.linear(&pro.attn_in, t, hd, &up(&iw.k)?, d)?)?;
+    let w = ops.download(&ops.linear(&pro.attn_in, t, hd, &up(&iw.proj)?, ni)?)?;
+    // LayerNorm in f32 (two passes: mean, then variance).
+    let eps = ix.norm_eps as f32;
+    let mut k = k_raw.clone();
+    for row in k.chunks_mut(d) {
+        let mean = row.iter().sum::<f32>() / d as f32;
+        let var = row.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / d as f32;
+        let inv = 1.0 / (var + eps).sqrt();
+        for (i, x) in row.iter_mut().enumerate() {
+            *x = (*x - mean) * inv * iw.k_norm[i] + iw.k_norm_b[i];
+        }
+    }
+    let style = if opts.faults.has(Fault::IndexerRopeInterleaved) {
+        crate::config::RopeStyle::Interleaved
+    } else {
+        ix.rope_style
+    };
+    let positions = batch.positions();
+    let (cos, sin) = cos_sin_table(&engine_inv_freq(cfg), &positions, 1.0);
+    let half = r / 2;
+    let (mut qr, mut kr) = (q.clone(), k.clone());
+    for ti in 0..t {
+        let (c, s) = (&cos[ti * half..(ti + 1) * half], &sin[ti * half..(ti + 1) * half]);
+        for h in 0..ni {
+            let o = (ti * ni + h) * d;
+            super::cpu::ops::rope_row(&mut qr[o..o + r], c, s, style);
+        }
+        super::cpu::ops::rope_row(&mut kr[ti * d..ti * d + r], c, s, style);
+    }
+    // Scores in f32: Σ_h w·N_idx^-½·ReLU(D_idx^-½·q·k), causal within each sequence.
+    let smax = batch.seqs.iter().map(|x| x.len).max().unwrap_or(0);
+    let (hs, ds) = ((ni as f32).powf(-0.5), (d as f32).powf(-0.5));
+    let mut scores = vec![0f32; t * smax];
+    for (sq, off) in batch.seqs.iter().zip(batch.offsets()) {
+        for i in 0..sq.len {
+            let ti = off + i;
+            for j in 0..=i {
+                let kk = &kr[(off + j) * d..(off + j + 1) * d];
+                let mut acc = 0f32;
+                for h in 0..ni {
+                    let qq = &qr[(ti * ni + h) * d..(ti * ni + h + 1) * d];
+                    let dot: f32 = qq.iter().zip(kk).map(|(a, b)| a * b).sum();
+                    acc += w[ti * ni + h] * hs * (dot * ds).max(0.0);
+                }
+                scores[ti * smax + j] = acc;
+            }
+        }
+    }
+    let sc64: Vec<f64> = scores.iter().map(|&x| f64::from(x)).collect();
+    let mut sel = indexer::select(ix.top_k, batch, &sc64);
+    if opts.faults.has(Fault::IndexerTopkStale) && kind == PathKind::Chunked {
+        // The new tokens read the top-k buffer the previous chunk left behind.
+        let fresh = sel.clone();
+        for ((&(c, n), off), sq) in chunked_split(batch, opts.new_tokens)
+            .iter()
+            .zip(batch.offsets())
+            .zip(&batch.seqs)
+        {
+            for i in c..sq.len.min(c + n) {
+                if i >= n {
+                    sel.rows[off + i] = fresh.rows[off + i - n].clone();
+                }
+            }
+        }
+    }
+    if full {
+        tr.record(Site::new(layer, Stage::IdxQ), TraceTensor::f32(vec![t, ni, d], q));
+        tr.record(Site::new(layer, Stage::IdxK), TraceTensor::f32(vec![t, d], k));
+        tr.record(Site::new(layer, Stage::IdxWeights), TraceTensor::f32(vec![t, ni], w));
+        tr.record(
+            Site::new(layer, Stage::IdxScores),
+            TraceTensor::f32(vec![t, smax], scores),
+        );
+    }
+    record_topk(tr, &sel);
+    Ok(Some(sel))
 }
 
 /// Per-rank attention inputs and settings shared by the attention variants.
@@ -480,6 +615,8 @@ struct RankAttn<'a, O: Ops> {
     /// Softmax scale the kernels use.
     scale: f32,
     opts: &'a PathOptions,
+    /// The DSA selection (packed token → kept key indices of its sequence); `None`: dense.
+    sel: Option<&'a Selection>,
 }
 
 /// What one rank's attention op produced. `out` is what the CALLER's buffer holds afterwards.
@@ -589,6 +726,129 @@ impl<O: Ops> RankAttn<'_, O> {
     }
 }
 
+impl<O: Ops> RankAttn<'_, O> {
+    /// Sparse attention of query rows `q_rows` of `q` [·, nh, P+R] over per-row key lists
+    /// (`keys[i]`: rows of `k` [·, nh, P+R] / `v` [·, nh, V]): the keys of every row are
+    /// gathered into one packed buffer and each row is its own non-causal segment (what a sparse
+    /// MLA prefill kernel does with the indexer's indices). A row with no key gets `empty`.
+    /// Returns (`out` [n, nh, V], `lse` [n, nh]) in `q_rows` order.
+    #[allow(clippy::too_many_arguments)]
+    fn sparse_rows(
+        &self,
+        q: &O::Buf,
+        q_rows: &[usize],
+        k: &O::Buf,
+        v: &O::Buf,
+        keys: &[Vec<usize>],
+        empty: EmptyRows,
+    ) -> Result<(O::Buf, O::Buf)> {
+        let (p, r, dv, nh) = (
+            self.cfg.qk_nope_head_dim,
+            self.cfg.qk_rope_head_dim,
+            self.cfg.v_head_dim,
+            self.nh,
+        );
+        let ops = self.ops;
+        let n = q_rows.len();
+        let mut flat: Vec<usize> = keys.iter().flatten().copied().collect();
+        let mut segs = Vec::with_capacity(n);
+        let mut k_off = 0;
+        for (i, kr) in keys.iter().enumerate() {
+            segs.push(Segment {
+                q_off: i,
+                q_len: 1,
+                k_off,
+                k_len: kr.len(),
+                causal: false,
+            });
+            k_off += kr.len();
+        }
+        if flat.is_empty() {
+            // Never read (every segment is empty); keeps the gathers non-empty.
+            flat.push(0);
+        }
+        let qg = ops.gather_rows(q, nh * (p + r), q_rows)?;
+        let kg = ops.gather_rows(k, nh * (p + r), &flat)?;
+        let vg = ops.gather_rows(v, nh * dv, &flat)?;
+        let mut out = ops.canary(n * nh * dv)?;
+        let mut lse = ops.canary(n * nh)?;
+        ops.flash_attention(
+            &qg,
+            &kg,
+            &vg,
+            nh,
+            p + r,
+            dv,
+            &segs,
+            self.scale,
+            empty,
+            &mut out,
+            &mut lse,
+        )?;
+        Ok((out, lse))
+    }
+
+    /// Causal attention of every row of the sequences `seqs` ((first packed row, length)) over
+    /// its own sequence, written into those rows of `out` [T, nh, V] / `lse` [T, nh]; with a DSA
+    /// selection, over the kept keys only.
+    fn causal_into(
+        &self,
+        q: &O::Buf,
+        k: &O::Buf,
+        v: &O::Buf,
+        seqs: &[(usize, usize)],
+        out: &mut O::Buf,
+        lse: &mut O::Buf,
+    ) -> Result<()> {
+        let (p, r, dv, nh) = (
+            self.cfg.qk_nope_head_dim,
+            self.cfg.qk_rope_head_dim,
+            self.cfg.v_head_dim,
+            self.nh,
+        );
+        if self.sel.is_none() {
+            return self.ops.flash_attention(
+                q,
+                k,
+                v,
+                nh,
+                p + r,
+                dv,
+                &Self::causal_segments(seqs),
+                self.scale,
+                EmptyRows::ZeroMinusInf,
+                out,
+                lse,
+            );
+        }
+        let rows: Vec<usize> = seqs.iter().flat_map(|&(off, len)| off..off + len).collect();
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let keys: Vec<Vec<usize>> = seqs
+            .iter()
+            .flat_map(|&(off, len)| (0..len).map(move |i| (off, i)))
+            .map(|(off, i)| self.kept(off + i, off, 0..i + 1))
+            .collect();
+        let (o, l) = self.sparse_rows(q, &rows, k, v, &keys, EmptyRows::ZeroMinusInf)?;
+        self.ops.scatter_rows(out, &o, nh * dv, &rows)?;
+        self.ops.scatter_rows(lse, &l, nh, &rows)
+    }
+
+    /// The kept keys of packed token `row` as packed rows (`off` = its sequence's first row),
+    /// limited to key indices in `range`.
+    fn kept(&self, row: usize, off: usize, range: Range<usize>) -> Vec<usize> {
+        match self.sel {
+            Some(sel) => sel.rows[row]
+                .iter()
+                .filter(|j| range.contains(j))
+                .map(|&j| off + j)
+                .collect(),
+            None => range.map(|j| off + j).collect(),
+        }
+    }
+}
+
 /// The paged latent cache and each sequence's (shuffled) block table.
 struct CacheState<B> {
     cache: B,
@@ -694,6 +954,52 @@ fn decode_rows<O: Ops>(
     a.ops.merge(&parts, &lses, splits, n, nh, l)
 }
 
+/// [`decode_rows`] over the DSA selection: each row's kept cache slots (`slots[i]`) are gathered
+/// into a compact paged cache, one run of pages per row, and decoded there (FlashMLA's sparse
+/// decode reads the same rows through the indexer's indices).
+fn decode_rows_sparse<O: Ops>(
+    a: &RankAttn<'_, O>,
+    cs: &CacheState<O::Buf>,
+    qrow: &O::Buf,
+    rows: &[usize],
+    slots: &[Vec<usize>],
+    empty_rows: &mut BTreeSet<usize>,
+) -> Result<(O::Buf, O::Buf)> {
+    let bs = cs.block_size;
+    let mut gather = Vec::new();
+    let mut tables = Vec::with_capacity(rows.len());
+    for sl in slots {
+        let pages = sl.len().div_ceil(bs).max(1);
+        let first = gather.len() / bs;
+        tables.push((first..first + pages).collect::<Vec<usize>>());
+        let pad = sl.first().copied().unwrap_or(0);
+        gather.extend(sl.iter().copied());
+        gather.extend(std::iter::repeat_n(pad, pages * bs - sl.len()));
+    }
+    let compact = CacheState {
+        cache: a.ops.gather_rows(&cs.cache, cs.width, &gather)?,
+        tables,
+        block_size: bs,
+        width: cs.width,
+    };
+    let idx: Vec<usize> = (0..rows.len()).collect();
+    let ctx: Vec<usize> = slots.iter().map(Vec::len).collect();
+    decode_rows(a, &compact, qrow, rows, &idx, &ctx, empty_rows)
+}
+
+/// The cache slots of the keys row `row` (sequence `seq`, first packed row `off`) keeps among
+/// key indices `0..ctx` (all of them without an indexer).
+fn kept_slots<O: Ops>(a: &RankAttn<'_, O>, cs: &CacheState<O::Buf>, row: usize, seq: usize, ctx: usize) -> Vec<usize> {
+    match a.sel {
+        Some(sel) => sel.rows[row]
+            .iter()
+            .filter(|&&j| j < ctx)
+            .map(|&j| cs.slot(seq, j))
+            .collect(),
+        None => (0..ctx).map(|j| cs.slot(seq, j)).collect(),
+    }
+}
+
 /// Absorbed decode (vLLM `forward_mqa`): decode steps over the batch. At step i every sequence
 /// longer than i writes its token i into the paged cache and decodes it against positions 0..=i.
 fn mqa_rank<O: Ops>(a: &RankAttn<'_, O>, batch: &Batch, empty_rows: &mut BTreeSet<usize>) -> Result<RankOut<O::Buf>> {
@@ -714,8 +1020,17 @@ fn mqa_rank<O: Ops>(a: &RankAttn<'_, O>, batch: &Batch, empty_rows: &mut BTreeSe
         let rows: Vec<usize> = seqs.iter().map(|&s| offsets[s] + i).collect();
         let pos = vec![i; seqs.len()];
         cs.write(a, &rows, &seqs, &pos)?;
-        let ctx = vec![i + 1; seqs.len()];
-        let (lat, ls) = decode_rows(a, &cs, &qrow, &rows, &seqs, &ctx, empty_rows)?;
+        let (lat, ls) = if a.sel.is_some() {
+            let slots: Vec<Vec<usize>> = rows
+                .iter()
+                .zip(&seqs)
+                .map(|(&row, &s)| kept_slots(a, &cs, row, s, i + 1))
+                .collect();
+            decode_rows_sparse(a, &cs, &qrow, &rows, &slots, empty_rows)?
+        } else {
+            let ctx = vec![i + 1; seqs.len()];
+            decode_rows(a, &cs, &qrow, &rows, &seqs, &ctx, empty_rows)?
+        };
         ops.scatter_rows(&mut attn_latent, &lat, nh * l, &rows)?;
         ops.scatter_rows(&mut lse, &ls, nh, &rows)?;
     }
@@ -744,21 +1059,32 @@ fn mha_rank<O: Ops>(a: &RankAttn<'_, O>, batch: &Batch) -> Result<RankOut<O::Buf
         .into_iter()
         .zip(batch.seqs.iter().map(|s| s.len))
         .collect();
-    let mut result = ops.canary(t * nh * v)?;
-    let mut lse = ops.canary(t * nh)?;
-    ops.flash_attention(
-        &qf,
-        &kf,
-        &vv,
-        nh,
-        p + r,
-        v,
-        &RankAttn::<O>::causal_segments(&seqs),
-        a.scale,
-        EmptyRows::ZeroMinusInf,
-        &mut result,
-        &mut lse,
-    )?;
+    let (result, lse) = if a.sel.is_some() {
+        let rows: Vec<usize> = (0..t).collect();
+        let keys: Vec<Vec<usize>> = seqs
+            .iter()
+            .flat_map(|&(off, len)| (0..len).map(move |i| (off, i)))
+            .map(|(off, i)| a.kept(off + i, off, 0..i + 1))
+            .collect();
+        a.sparse_rows(&qf, &rows, &kf, &vv, &keys, EmptyRows::ZeroMinusInf)?
+    } else {
+        let mut result = ops.canary(t * nh * v)?;
+        let mut lse = ops.canary(t * nh)?;
+        ops.flash_attention(
+            &qf,
+            &kf,
+            &vv,
+            nh,
+            p + r,
+            v,
+            &RankAttn::<O>::causal_segments(&seqs),
+            a.scale,
+            EmptyRows::ZeroMinusInf,
+            &mut result,
+            &mut lse,
+        )?;
+        (result, lse)
+    };
     Ok(RankOut {
         out: a.deliver(result, t * nh * v)?,
         lse,
@@ -819,19 +1145,7 @@ fn chunked_rank<O: Ops>(
         .filter(|(x, _)| x.0 > 0)
         .map(|(x, &off)| (off, x.0))
         .collect();
-    ops.flash_attention(
-        &qf,
-        &kf,
-        &vv,
-        nh,
-        p + r,
-        v,
-        &RankAttn::<O>::causal_segments(&ctx_seqs),
-        a.scale,
-        EmptyRows::ZeroMinusInf,
-        &mut result,
-        &mut lse,
-    )?;
+    a.causal_into(&qf, &kf, &vv, &ctx_seqs, &mut result, &mut lse)?;
     let mut cs = CacheState::new(ops, batch, a.cfg, a.opts)?;
     let (mut rows, mut seqs, mut pos) = (Vec::new(), Vec::new(), Vec::new());
     for (si, (&(c, _), &off)) in split.iter().zip(&offsets).enumerate() {
@@ -872,6 +1186,32 @@ fn chunked_rank<O: Ops>(
         let mut q_off = 0;
         for (si, &(c, n)) in split.iter().enumerate() {
             let keys = c0.min(c)..(c0 + chunk).min(c);
+            if let Some(sel) = a.sel {
+                // DSA: each new token reads only its kept keys of this chunk.
+                for j in 0..n {
+                    let row = offsets[si] + c + j;
+                    let k_off = slots.len();
+                    slots.extend(
+                        sel.rows[row]
+                            .iter()
+                            .filter(|p| keys.contains(p))
+                            .map(|&p| cs.slot(si, p)),
+                    );
+                    if slots.len() == k_off {
+                        skipped += 1;
+                        empty_rows.insert(row);
+                    }
+                    segs.push(Segment {
+                        q_off: q_off + j,
+                        q_len: 1,
+                        k_off,
+                        k_len: slots.len() - k_off,
+                        causal: false,
+                    });
+                }
+                q_off += n;
+                continue;
+            }
             let k_off = slots.len();
             for pos in keys.clone() {
                 slots.push(cs.slot(si, pos));
@@ -890,6 +1230,13 @@ fn chunked_rank<O: Ops>(
                 causal: false,
             });
             q_off += n;
+        }
+        if slots.is_empty() {
+            // No row keeps a key of this chunk: one written slot, never read, keeps the gather
+            // non-empty.
+            if let Some(si) = split.iter().position(|x| x.0 > 0) {
+                slots.push(cs.slot(si, 0));
+            }
         }
         let nk = slots.len();
         let rows_c = ops.gather_rows(&cs.cache, cs.width, &slots)?;
@@ -912,33 +1259,44 @@ fn chunked_rank<O: Ops>(
             "no context chunk was empty for any row: the empty-row fault had nothing to act on (use several --seqs of different lengths)".into()
         });
     }
-    // The new tokens among themselves, causal.
-    let sk = ops.gather_rows(&kf, nh * (p + r), &new_rows)?;
-    let sv = ops.gather_rows(&vv, nh * v, &new_rows)?;
-    let mut q_off = 0;
-    let suffix: Vec<(usize, usize)> = split
-        .iter()
-        .map(|&(_, n)| {
-            let s = (q_off, n);
-            q_off += n;
-            s
-        })
-        .collect();
-    let mut so = ops.canary(t_new * nh * v)?;
-    let mut sl = ops.canary(t_new * nh)?;
-    ops.flash_attention(
-        &qn,
-        &sk,
-        &sv,
-        nh,
-        p + r,
-        v,
-        &RankAttn::<O>::causal_segments(&suffix),
-        a.scale,
-        EmptyRows::ZeroMinusInf,
-        &mut so,
-        &mut sl,
-    )?;
+    // The new tokens among themselves, causal (DSA: their kept keys among them).
+    let (so, sl) = if a.sel.is_some() {
+        let keys: Vec<Vec<usize>> = split
+            .iter()
+            .zip(&offsets)
+            .flat_map(|(&(c, n), &off)| (c..c + n).map(move |i| (off, c, i)))
+            .map(|(off, c, i)| a.kept(off + i, off, c..i + 1))
+            .collect();
+        a.sparse_rows(&qf, &new_rows, &kf, &vv, &keys, EmptyRows::ZeroMinusInf)?
+    } else {
+        let sk = ops.gather_rows(&kf, nh * (p + r), &new_rows)?;
+        let sv = ops.gather_rows(&vv, nh * v, &new_rows)?;
+        let mut q_off = 0;
+        let suffix: Vec<(usize, usize)> = split
+            .iter()
+            .map(|&(_, n)| {
+                let s = (q_off, n);
+                q_off += n;
+                s
+            })
+            .collect();
+        let mut so = ops.canary(t_new * nh * v)?;
+        let mut sl = ops.canary(t_new * nh)?;
+        ops.flash_attention(
+            &qn,
+            &sk,
+            &sv,
+            nh,
+            p + r,
+            v,
+            &RankAttn::<O>::causal_segments(&suffix),
+            a.scale,
+            EmptyRows::ZeroMinusInf,
+            &mut so,
+            &mut sl,
+        )?;
+        (so, sl)
+    };
     ops.copy2d(
         &so,
         &mut parts,
@@ -992,19 +1350,7 @@ fn mixed_rank<O: Ops>(a: &RankAttn<'_, O>, batch: &Batch, empty_rows: &mut BTree
         .filter(|&si| batch.seqs[si].len > 1)
         .map(|si| (offsets[si], batch.seqs[si].len - 1))
         .collect();
-    ops.flash_attention(
-        &qf,
-        &kf,
-        &vv,
-        nh,
-        p + r,
-        v,
-        &RankAttn::<O>::causal_segments(&early),
-        a.scale,
-        EmptyRows::ZeroMinusInf,
-        &mut result,
-        &mut lse,
-    )?;
+    a.causal_into(&qf, &kf, &vv, &early, &mut result, &mut lse)?;
     let mut cs = CacheState::new(ops, batch, a.cfg, a.opts)?;
     let (mut rows, mut seqs, mut pos) = (Vec::new(), Vec::new(), Vec::new());
     for si in 0..n_dec {
@@ -1034,13 +1380,32 @@ fn mixed_rank<O: Ops>(a: &RankAttn<'_, O>, batch: &Batch, empty_rows: &mut BTree
         ops.copy2d(a.q_pe_roped, &mut qrow, cp(t * nh, r, 0, r, l, l + r))?;
         let dec_seqs: Vec<usize> = (0..n_dec).collect();
         let ctx: Vec<usize> = dec_seqs.iter().map(|&s| batch.seqs[s].len).collect();
-        let (lat, ls) = decode_rows(a, &cs, &qrow, &dec_rows, &dec_seqs, &ctx, empty_rows)?;
+        let (lat, ls) = if a.sel.is_some() {
+            let slots: Vec<Vec<usize>> = dec_rows
+                .iter()
+                .zip(&dec_seqs)
+                .zip(&ctx)
+                .map(|((&row, &s), &c)| kept_slots(a, &cs, row, s, c))
+                .collect();
+            decode_rows_sparse(a, &cs, &qrow, &dec_rows, &slots, empty_rows)?
+        } else {
+            decode_rows(a, &cs, &qrow, &dec_rows, &dec_seqs, &ctx, empty_rows)?
+        };
         let dec_out = ops.bmm_heads(&lat, n_dec, nh, l, &a.rw.w_uv, v)?;
         ops.copy2d(&dec_out, &mut step_out, cp(1, n_dec * nh * v, 0, 0, 0, 0))?;
         ops.copy2d(&ls, &mut step_lse, cp(1, n_dec * nh, 0, 0, 0, 0))?;
     }
     // Prefill part: rows [num_decodes, n_step), expanded, causal per sequence.
-    if !pre_rows.is_empty() {
+    if !pre_rows.is_empty() && a.sel.is_some() {
+        let keys: Vec<Vec<usize>> = (n_dec..batch.seqs.len())
+            .flat_map(|si| (0..batch.seqs[si].len).map(move |i| (si, i)))
+            .map(|(si, i)| a.kept(offsets[si] + i, offsets[si], 0..i + 1))
+            .collect();
+        let np = pre_rows.len();
+        let (po, pl) = a.sparse_rows(&qf, &pre_rows, &kf, &vv, &keys, EmptyRows::ZeroMinusInf)?;
+        ops.copy2d(&po, &mut step_out, cp(1, np * nh * v, 0, 0, n_dec * nh * v, 0))?;
+        ops.copy2d(&pl, &mut step_lse, cp(1, np * nh, 0, 0, n_dec * nh, 0))?;
+    } else if !pre_rows.is_empty() {
         let pq = ops.gather_rows(&qf, nh * (p + r), &pre_rows)?;
         let pk = ops.gather_rows(&kf, nh * (p + r), &pre_rows)?;
         let pv = ops.gather_rows(&vv, nh * v, &pre_rows)?;
@@ -1138,6 +1503,7 @@ pub fn run<O: Ops>(ops: &O, kind: PathKind, input: &LayerInput<'_>, opts: &PathO
     };
     let mut tr = Trace::new();
     let pro = prologue(ops, input, &ew, opts, &mut tr)?;
+    let sel = engine_indexer(ops, input, opts, kind, &pro, &mut tr)?;
     let (n, hd, l, p, r, v) = (
         cfg.n_head,
         cfg.hidden,
@@ -1220,6 +1586,7 @@ pub fn run<O: Ops>(ops: &O, kind: PathKind, input: &LayerInput<'_>, opts: &PathO
             k_pe_roped: &pro.k_pe_roped,
             scale,
             opts,
+            sel: sel.as_ref(),
         };
         outs.push(match kind {
             PathKind::Mha => mha_rank(&a, input.batch)?,
@@ -1277,12 +1644,23 @@ pub fn run<O: Ops>(ops: &O, kind: PathKind, input: &LayerInput<'_>, opts: &PathO
     let o = o.ok_or_else(|| Error::Usage("no TP rank".into()))?;
     rec(ops, &mut tr, layer, Stage::OProj, &[t, hd], &o)?;
     if let Some(ffn) = &ew.ffn {
-        let h1 = ops.add(&pro.hidden, &o, t * hd)?;
+        // MiniCPM3 scales each residual branch (llama.cpp `scale_res`); on the host, once.
+        let rs = cfg.residual_scale as f32;
+        let scaled = |b: &O::Buf| -> Result<O::Buf> {
+            let v: Vec<f32> = ops.download(b)?.into_iter().map(|x| x * rs).collect();
+            ops.upload(&v)
+        };
+        let h1 = if rs != 1.0 {
+            ops.add(&pro.hidden, &scaled(&o)?, t * hd)?
+        } else {
+            ops.add(&pro.hidden, &o, t * hd)?
+        };
         let xn = ops.rms_norm(&h1, t, 0, hd, hd, &ffn.norm, cfg.rms_eps as f32)?;
         let gate = ops.linear(&xn, t, hd, &ffn.gate, ffn.f)?;
         let up = ops.linear(&xn, t, hd, &ffn.up, ffn.f)?;
         let act = ops.silu_mul(&gate, &up, t * ffn.f)?;
         let down = ops.linear(&act, t, ffn.f, &ffn.down, hd)?;
+        let down = if rs != 1.0 { scaled(&down)? } else { down };
         let out = ops.add(&h1, &down, t * hd)?;
         rec(ops, &mut tr, layer, Stage::HiddenOut, &[t, hd], &out)?;
     }

@@ -154,6 +154,10 @@ pub struct LayerInput<'a> {
     pub hidden_in: &'a Array2<f32>,
     /// Which tokens belong to which sequence, and their positions.
     pub batch: &'a Batch,
+    /// For a GLM shared-indexer layer on the token path: the selection of the nearest earlier
+    /// full layer, which the layer reuses. `None` elsewhere (a shared layer then runs the
+    /// borrowed indexer on its own input, as the reference does).
+    pub shared_selection: Option<&'a crate::indexer::Selection>,
 }
 
 /// What one path produced for one layer.

@@ -11,14 +11,8 @@ use crate::error::Result;
 use crate::gguf::GgmlType;
 use crate::tolerance::Dtype;
 
-/// RoPE pairing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RopeStyle {
-    /// GPT-J / DeepSeek: adjacent pairs `(x[2i], x[2i+1])` (vLLM `is_neox_style=False`).
-    Interleaved,
-    /// NeoX: `(x[i], x[i+R/2])`.
-    Neox,
-}
+/// RoPE pairing (defined with the model configuration, which says which one a model uses).
+pub use crate::config::RopeStyle;
 
 /// What an attention kernel does with a query row that has no visible key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

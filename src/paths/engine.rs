@@ -673,9 +673,7 @@ fn decode_rows<O: Ops>(
             empty_rows.insert(row);
         }
     }
-    let mut parts = a.ops.canary(splits * n * nh * l)?;
-    let mut lses = a.ops.canary(splits * n * nh)?;
-    a.ops.decode_split(
+    a.ops.decode_merged(
         &q,
         n,
         nh,
@@ -688,10 +686,7 @@ fn decode_rows<O: Ops>(
         l,
         a.scale,
         empty_lse,
-        &mut parts,
-        &mut lses,
-    )?;
-    a.ops.merge(&parts, &lses, splits, n, nh, l)
+    )
 }
 
 /// Absorbed decode (vLLM `forward_mqa`): decode steps over the batch. At step i every sequence

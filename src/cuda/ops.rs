@@ -695,8 +695,9 @@ pub struct DecodeCfg {
 
 impl DecodeCfg {
     /// The default for `nh` heads: 64-head blocks when there are at least 64 heads (the cache
-    /// is read once per 64 heads; one block of 8 warps per SM), else 16-head blocks of 8 warps,
-    /// two per SM, double-buffered (the fastest measured on the H200, BENCHMARKS.md).
+    /// is read once per 64 heads; one block of 8 warps per SM), else 16-head blocks of 8
+    /// consumer warps and a producer warp streaming the cache with bulk copies (TMA), two
+    /// blocks per SM, double-buffered (the fastest measured on the H200, BENCHMARKS.md).
     pub fn for_heads(nh: usize) -> Self {
         if nh >= 64 {
             DecodeCfg {
@@ -718,7 +719,7 @@ impl DecodeCfg {
                 stages: 2,
                 min_blocks: 2,
                 fused: false,
-                tma: false,
+                tma: true,
             }
         }
     }
@@ -1617,11 +1618,10 @@ mod tests {
 
     #[test]
     fn decode_cfg_parse_and_check() {
-        let c = DecodeCfg::parse("16,8,2,0,2,2").unwrap();
+        let c = DecodeCfg::parse("16,8,2,0,2,2,0,1").unwrap();
         assert_eq!(c, DecodeCfg::for_heads(16));
-        let t = DecodeCfg::parse("16,8,2,0,2,2,0,1").unwrap();
-        assert!(t.tma && !c.tma);
-        assert_eq!(t.threads(), 288);
+        assert!(c.tma && !DecodeCfg::parse("16,8,2,0,2,2").unwrap().tma);
+        assert_eq!(c.threads(), 288);
         assert!(DecodeCfg::parse("16,32,8,0,2").is_ok() && DecodeCfg::parse("16,32,8,0,2,1,0,1").is_err());
         assert_eq!(DecodeCfg::parse("64,8,2,0,2").unwrap(), DecodeCfg::for_heads(128));
         assert!(DecodeCfg::parse("16,8,2,1,4,1,1").unwrap().fused);

@@ -9,8 +9,12 @@
 //! - MHA prefill: T = 4096, N = 16, P+R = 192, V = 128, causal: TFLOP/s counting
 //!   N·T²·(P+R+V) (the causal half of 2·T²·(P+R) + 2·T²·V per head).
 //!
-//! Each figure is the median of timed repetitions after warm-up, with CUDA events around
-//! back-to-back launches; errors are checked once after each timing loop.
+//! Each figure is the median of timed repetitions after warm-up, with CUDA events around each
+//! repetition and all repetitions enqueued back to back (one host synchronization after the
+//! last, as Triton's `do_bench`), so a figure is GPU time without the host's launch latency;
+//! `MLA_DIFF_BENCH_SYNC=1` synchronizes after every repetition instead (the method before
+//! 2026-11-29 16:00 UTC, which adds one launch latency to every call). Errors are checked once
+//! after each timing loop.
 
 use cudarc::driver::CudaSlice;
 use serde::Serialize;
@@ -41,23 +45,32 @@ fn cerr(what: impl std::fmt::Display) -> Error {
     Error::Cuda(what.to_string())
 }
 
-/// Median of a timing loop: `reps` timed calls of `f` (each between two events) after `warm`.
+/// Median of a timing loop: `reps` timed calls of `f` (each between two events) after `warm`,
+/// enqueued back to back (see the module documentation; `MLA_DIFF_BENCH_SYNC=1`: a host
+/// synchronization after each).
 fn time_us(ops: &CudaOps, warm: usize, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     for _ in 0..warm {
         f()?;
     }
     ops.synchronize()?;
+    let sync_each = std::env::var("MLA_DIFF_BENCH_SYNC").as_deref() == Ok("1");
     let stream = ops.stream();
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let mut times = Vec::with_capacity(reps);
+    let mut events = Vec::with_capacity(reps);
     for _ in 0..reps {
         let a = stream.record_event(flags).map_err(|e| cerr(format!("event: {e:?}")))?;
         f()?;
         let b = stream.record_event(flags).map_err(|e| cerr(format!("event: {e:?}")))?;
-        b.synchronize().map_err(|e| cerr(format!("event sync: {e:?}")))?;
-        times.push(a.elapsed_ms(&b).map_err(|e| cerr(format!("elapsed: {e:?}")))? as f64 * 1000.0);
+        if sync_each {
+            b.synchronize().map_err(|e| cerr(format!("event sync: {e:?}")))?;
+        }
+        events.push((a, b));
     }
     ops.synchronize()?;
+    let mut times = Vec::with_capacity(reps);
+    for (a, b) in &events {
+        times.push(a.elapsed_ms(b).map_err(|e| cerr(format!("elapsed: {e:?}")))? as f64 * 1000.0);
+    }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
 }

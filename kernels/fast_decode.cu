@@ -9,6 +9,11 @@
 //              ldmatrix from shared memory at every tile
 //   FD_STAGES  cache tiles in the cp.async pipeline (2..6)
 //   FD_MINB    blocks per SM the registers must allow (__launch_bounds__)
+//   FD_TMA     1: one extra producer warp streams the cache with bulk copies (cp.async.bulk, one
+//              per row, the TMA engine) into FD_STAGES stages tracked by mbarriers (full: bytes
+//              landed; empty: all FD_WARPS consumer warps done with the stage), so the consumer
+//              warps issue no copies, never wait on copies they issued, and need only the score
+//              and softmax barriers (named, consumers only) per tile; 0: cp.async by all warps
 //   FD_FUSED   1: every warp reads the whole score tile in the MMA accumulator layout and runs
 //              the online softmax itself, in registers (same inputs, same order: every warp
 //              holds the same running max and sum), building P's A fragments directly — no P,
@@ -19,7 +24,7 @@
 // key n-tiles of group w / (MT·P).
 //
 // decode_split_mma(q, cache, tables, ctx, parts, lses, n, nh, block_size, max_blocks, splits,
-//                  scale, empty_lse)
+//                  scale, empty_lse, out, out_lse, counters)
 //   q      [n, nh, W] bf16        query rows [ql_nope | q_pe_roped] of n decode tokens
 //   cache  [num_blocks·block_size, W] bf16   rows [kv_c_normed | k_pe_roped]; value = first DV
 //   tables [n, max_blocks] i64 block ids      ctx [n] i64 context length of each token
@@ -27,6 +32,11 @@
 //   grid (n · ⌈nh/HM⌉, splits), 32·FD_WARPS threads: one block takes HM heads of one token and
 //   the positions of one split, [s·⌈ctx/splits⌉, …) ∩ [0, ctx). An empty split writes no output
 //   and lse = empty_lse.
+//   out    [n, nh, DV] f32, out_lse [n, nh] f32, counters [n · ⌈nh/HM⌉] i32 (zero before the launch,
+//          zero again after it): when out is not null, the last block of each (token, head
+//          group) to finish — counted with an atomic after its parts and LSEs are fenced —
+//          merges the splits' partials exactly as attention.cu's merge_states does (same order,
+//          IEEE exp, log and division), so no merge launch is needed. null: parts and lses only.
 // Per tile of 32 cache rows (FD_STAGES-deep cp.async pipeline; a tile's row slots are computed
 // one tile ahead from a block-table entry prefetched into a register one more tile ahead):
 //   sync A (tile landed, previous tile fully consumed) → issue the copy of tile it+STAGES-1 →
@@ -59,6 +69,9 @@
 #ifndef FD_FUSED
 #define FD_FUSED 0                 // softmax in registers by every warp (no P in shared memory)
 #endif
+#ifndef FD_TMA
+#define FD_TMA 0                   // producer warp + bulk copies + mbarrier pipeline
+#endif
 #ifndef FD_MINB
 #define FD_MINB 2                  // blocks per SM the register allocation must allow
 #endif
@@ -76,7 +89,11 @@
 #define FD_LDP (FD_BK + 8)         // bf16 row stride of P
 #define FD_LDS (FD_BK + 8)         // f32 row stride of S (conflict-free float2 stores)
 #define FD_CH (FD_NTW >= 2 ? 1 : 2)  // independent accumulator chains in Q·Kᵀ
-#define FD_THREADS (32 * FD_WARPS)
+#define FD_THREADS (32 * FD_WARPS)  // consumer threads (every thread without FD_TMA)
+#define FD_BLOCK (FD_THREADS + (FD_TMA ? 32 : 0))  // threads per block (+ the producer warp)
+#define FD_SBUF (FD_TMA ? 2 : 1)   // score buffers (TMA: by tile parity; the fused path has no
+                                   // barrier between one tile's softmax reads and the next's
+                                   // score writes)
 
 #if FD_MT * FD_P * FD_NG != FD_WARPS || (FD_BK / 8) % FD_NG != 0 || FD_HM % 16 != 0
 #error "fast_decode.cu: FD_WARPS must be (FD_HM/16) * FD_P * NG with NG dividing 4"
@@ -107,6 +124,227 @@ __device__ __forceinline__ void fd_cp16(void* dst, const void* src, bool valid) 
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(fd_smem_addr(dst)), "l"(src), "r"(n));
 }
 
+// mbarrier and bulk-copy helpers (sm_90).
+__device__ __forceinline__ void fd_bar_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(fd_smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fd_bar_expect(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(fd_smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void fd_bar_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(fd_smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void fd_bar_wait(unsigned long long* bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(fd_smem_addr(bar)), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void fd_bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     fd_smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(fd_smem_addr(bar))
+                 : "memory");
+}
+// Barrier of the FD_THREADS consumer threads (all threads without FD_TMA).
+__device__ __forceinline__ void fd_sync() {
+#if FD_TMA
+    asm volatile("bar.sync 1, %0;\n" ::"n"(FD_THREADS) : "memory");
+#else
+    __syncthreads();
+#endif
+}
+
+// libdevice's IEEE exp and log: this module is compiled with --use_fast_math, which maps expf and
+// logf to the hardware approximations; the merge must match merge_states (compiled without it).
+extern "C" __device__ float __nv_expf(float);
+extern "C" __device__ float __nv_logf(float);
+
+// The merge of merge_states for heads [h0, h0 + HM) ∩ [0, nh) of token i, by `nt` threads, one
+// element at a time (each thread's loads in sequence: slow; the fallback of fd_merge_fast when
+// the splits' weights do not fit in shared memory). Partials written by other blocks are read
+// through L2 (ld.global.cg).
+__device__ __forceinline__ void fd_merge(const float* parts, const float* lses, float* out, float* out_lse, i64 n,
+                                         i64 nh, i64 splits, i64 i, i64 h0, int tid, int nt) {
+    const i64 stride = n * nh;
+    for (int e = tid; e < FD_HM * MLA_DV; e += nt) {
+        const int r = e / MLA_DV, d = e % MLA_DV;
+        if (h0 + r >= nh) continue;
+        const i64 rh = i * nh + h0 + r;
+        float m = -INFINITY;
+        bool has_nan = false;
+        float nan_val = 0.0f;
+        for (i64 s = 0; s < splits; ++s) {
+            const float x = __ldcg(lses + s * stride + rh);
+            if (isnan(x)) {
+                if (!has_nan) nan_val = x;
+                has_nan = true;
+            } else {
+                m = fmaxf(m, x);
+            }
+        }
+        if (has_nan) {
+            const float qn = mla_quiet(nan_val);
+            out[rh * MLA_DV + d] = qn;
+            if (d == 0) out_lse[rh] = qn;
+            continue;
+        }
+        if (m == -INFINITY) {
+            out[rh * MLA_DV + d] = 0.0f;
+            if (d == 0) out_lse[rh] = -INFINITY;
+            continue;
+        }
+        float denom = 0.0f, acc = 0.0f;
+        for (i64 s = 0; s < splits; ++s) {
+            const float x = __ldcg(lses + s * stride + rh);
+            if (x == -INFINITY) continue;
+            const float w = __nv_expf(x - m);
+            denom += w;
+            acc = __fmaf_rn(w, __ldcg(parts + (s * stride + rh) * MLA_DV + d), acc);
+        }
+        out[rh * MLA_DV + d] = __fdiv_rn(acc, denom);
+        if (d == 0) out_lse[rh] = m + __nv_logf(denom);
+    }
+}
+
+#define FD_MU 4  // float4 chunks of the merge per thread and pass (their loads are in flight together)
+
+// The same merge, fast: the splits' LSEs are read once into shared memory `ws` (2·splits·HM + 3·HM
+// floats), each head's max, weights exp(lse − max) (−1: a −inf LSE, skipped), sum and state are
+// computed once per head (in merge_states' order), then every thread merges FD_MU float4 chunks
+// of values per pass, the loads of all its chunks issued before their FMAs.
+template <typename Sync>
+__device__ __forceinline__ void fd_merge_fast(const float* parts, const float* lses, float* out, float* out_lse,
+                                              i64 n, i64 nh, int splits, i64 i, i64 h0, int tid, int nt, float* ws,
+                                              Sync sync) {
+    const i64 stride = n * nh;
+    float* X = ws;                         // [splits][HM] LSEs
+    float* W = X + splits * FD_HM;         // [splits][HM] weights (−1: skipped)
+    float* D = W + splits * FD_HM;         // [HM] sums
+    float* Z = D + FD_HM;                  // [HM] NaN payload of a NaN LSE
+    int* St = reinterpret_cast<int*>(Z + FD_HM);  // [HM] 0: merge, 1: NaN, 2: every LSE −inf
+    for (int e = tid; e < splits * FD_HM; e += nt) {
+        const int sp = e / FD_HM, r = e % FD_HM;
+        X[e] = h0 + r < nh ? __ldcg(lses + sp * stride + i * nh + h0 + r) : 0.0f;
+    }
+    sync();
+    if (tid < FD_HM && h0 + tid < nh) {
+        const int r = tid;
+        float m = -INFINITY;
+        bool has_nan = false;
+        float nan_val = 0.0f;
+        for (int sp = 0; sp < splits; ++sp) {
+            const float x = X[sp * FD_HM + r];
+            if (isnan(x)) {
+                if (!has_nan) nan_val = x;
+                has_nan = true;
+            } else {
+                m = fmaxf(m, x);
+            }
+        }
+        const i64 rh = i * nh + h0 + r;
+        if (has_nan) {
+            St[r] = 1;
+            Z[r] = mla_quiet(nan_val);
+            out_lse[rh] = Z[r];
+        } else if (m == -INFINITY) {
+            St[r] = 2;
+            out_lse[rh] = -INFINITY;
+        } else {
+            float denom = 0.0f;
+            for (int sp = 0; sp < splits; ++sp) {
+                const float x = X[sp * FD_HM + r];
+                if (x == -INFINITY) {
+                    W[sp * FD_HM + r] = -1.0f;
+                    continue;
+                }
+                const float w = __nv_expf(x - m);
+                W[sp * FD_HM + r] = w;
+                denom += w;
+            }
+            St[r] = 0;
+            D[r] = denom;
+            out_lse[rh] = m + __nv_logf(denom);
+        }
+    }
+    sync();
+    constexpr int C4 = MLA_DV / 4;        // float4 chunks per head
+    for (int base = 0; base < FD_HM * C4; base += nt * FD_MU) {
+        float4 acc[FD_MU];
+#pragma unroll
+        for (int u = 0; u < FD_MU; ++u) acc[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int sp = 0; sp < splits; ++sp) {
+            float4 p[FD_MU];
+#pragma unroll
+            for (int u = 0; u < FD_MU; ++u) {
+                const int c = base + u * nt + tid, r = c / C4;
+                if (c < FD_HM * C4 && h0 + r < nh && St[r] == 0 && W[sp * FD_HM + r] >= 0.0f)
+                    p[u] = __ldcg(reinterpret_cast<const float4*>(parts + (sp * stride + i * nh + h0 + r) * MLA_DV) +
+                                  c % C4);
+            }
+#pragma unroll
+            for (int u = 0; u < FD_MU; ++u) {
+                const int c = base + u * nt + tid, r = c / C4;
+                if (c < FD_HM * C4 && h0 + r < nh && St[r] == 0) {
+                    const float w = W[sp * FD_HM + r];
+                    if (w >= 0.0f) {
+                        acc[u].x = __fmaf_rn(w, p[u].x, acc[u].x);
+                        acc[u].y = __fmaf_rn(w, p[u].y, acc[u].y);
+                        acc[u].z = __fmaf_rn(w, p[u].z, acc[u].z);
+                        acc[u].w = __fmaf_rn(w, p[u].w, acc[u].w);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < FD_MU; ++u) {
+            const int c = base + u * nt + tid, r = c / C4;
+            if (c < FD_HM * C4 && h0 + r < nh) {
+                float4 v;
+                if (St[r] == 1) {
+                    v = make_float4(Z[r], Z[r], Z[r], Z[r]);
+                } else if (St[r] == 2) {
+                    v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                } else {
+                    const float d = D[r];
+                    v = make_float4(__fdiv_rn(acc[u].x, d), __fdiv_rn(acc[u].y, d), __fdiv_rn(acc[u].z, d),
+                                    __fdiv_rn(acc[u].w, d));
+                }
+                reinterpret_cast<float4*>(out + (i * nh + h0 + r) * MLA_DV)[c % C4] = v;
+            }
+        }
+    }
+}
+
+// After this block's parts and LSEs: count it in; the last of the token's splits merges, with
+// `ws_floats` floats of shared memory at `ws` that no thread reads or writes any more.
+// `nt` threads (all of the block's threads still running) call it together; `sync` is their barrier.
+// Not inlined: its registers stay out of the main loop's allocation (inlined, ptxas spilled in
+// the 96-register TMA configuration).
+template <typename Sync>
+__device__ __noinline__ void fd_merge_tail(const float* parts, const float* lses, float* out, float* out_lse,
+                                              int* counters, i64 n, i64 nh, i64 splits, i64 i, i64 h0, int tid,
+                                              int nt, float* ws, int ws_floats, Sync sync) {
+    __shared__ int fd_last;
+    __threadfence();  // this thread's parts and LSEs, visible device-wide before the count
+    sync();
+    if (tid == 0) fd_last = atomicAdd(counters + blockIdx.x, 1) == (int)(splits - 1);
+    sync();
+    if (fd_last) {
+        __threadfence();
+        if (2 * splits * FD_HM + 3 * FD_HM <= ws_floats)
+            fd_merge_fast(parts, lses, out, out_lse, n, nh, (int)splits, i, h0, tid, nt, ws, sync);
+        else
+            fd_merge(parts, lses, out, out_lse, n, nh, splits, i, h0, tid, nt);
+        if (tid == 0) counters[blockIdx.x] = 0;  // ready for the next launch
+    }
+}
+
 // A fragment (16 rows × 16 k) of a row-major bf16 tile with row stride FD_LD.
 __device__ __forceinline__ void fd_load_a(unsigned* a, const bf16* base, int g, int t) {
     const bf16* p = base + g * FD_LD + 2 * t;
@@ -116,18 +354,26 @@ __device__ __forceinline__ void fd_load_a(unsigned* a, const bf16* base, int g, 
     a[3] = *reinterpret_cast<const unsigned*>(p + 8 * FD_LD + 8);
 }
 
-extern "C" __global__ void __launch_bounds__(FD_THREADS, FD_MINB)
+// With the producer warp a block has 9 warps. Registers are allocated per SM sub-partition (4 of
+// them, 16384 registers each) and a block's warps are spread over all four, so two such blocks per
+// SM need at most 96 registers per thread (5 warps of 3072 per sub-partition), which is what
+// ptxas's cap for __launch_bounds__(288, 2) is; a higher cap (112 was tried) leaves one block per SM.
+extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB)
     decode_split_mma(const bf16* q, const bf16* cache, const i64* tables, const i64* ctx, float* parts,
                      float* lses, i64 n, i64 nh, i64 block_size, i64 max_blocks, i64 splits, float scale,
-                     float empty_lse) {
+                     float empty_lse, float* out, float* out_lse, int* counters) {
     extern __shared__ __align__(16) unsigned char fd_smem[];
     bf16* Qs = reinterpret_cast<bf16*>(fd_smem);                     // [HM][LD]
     bf16* Cs = Qs + FD_HM * FD_LD;                                     // [STAGES][BK][LD]
-    float* Ss = reinterpret_cast<float*>(Cs + FD_STAGES * FD_BK * FD_LD);  // [P][HM][LDS]
-    bf16* Ps = reinterpret_cast<bf16*>(Ss + FD_P * FD_HM * FD_LDS);    // [HM][LDP]
+    float* Ss = reinterpret_cast<float*>(Cs + FD_STAGES * FD_BK * FD_LD);  // [SBUF][P][HM][LDS]
+    bf16* Ps = reinterpret_cast<bf16*>(Ss + FD_SBUF * FD_P * FD_HM * FD_LDS);  // [HM][LDP]
     float* As = reinterpret_cast<float*>(Ps + FD_HM * FD_LDP);        // [HM] rescale of this tile
     float* Ls = As + FD_HM;                                             // [HM] final sums
+#if FD_TMA
+    __shared__ __align__(8) unsigned long long fd_full[FD_STAGES], fd_empty[FD_STAGES];
+#else
     __shared__ long long fd_slots[2][FD_BK];
+#endif
 
     const i64 groups = (nh + FD_HM - 1) / FD_HM;
     const i64 i = blockIdx.x / groups, h0 = (blockIdx.x % groups) * FD_HM;
@@ -137,11 +383,14 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS, FD_MINB)
     const i64 sl = (c + splits - 1) / splits;
     const i64 k0 = min(s * sl, c), k1 = min((s + 1) * sl, c);
     if (k0 == k1) {
-        for (int r = tid; r < FD_HM; r += FD_THREADS)
+        for (int r = tid; r < FD_HM; r += FD_BLOCK)
             if (h0 + r < nh) lses[(s * n + i) * nh + h0 + r] = empty_lse;
+        if (out != nullptr)
+            fd_merge_tail(parts, lses, out, out_lse, counters, n, nh, splits, i, h0, tid, FD_BLOCK,
+                          reinterpret_cast<float*>(Cs), FD_STAGES * FD_BK * FD_LD / 2, [] { __syncthreads(); });
         return;
     }
-    for (int e = tid; e < FD_HM * (MLA_W / 8); e += FD_THREADS) {
+    for (int e = tid; e < FD_HM * (MLA_W / 8); e += FD_BLOCK) {
         int r = e / (MLA_W / 8), col = (e % (MLA_W / 8)) * 8;
         bool ok = h0 + r < nh;
         fd_cp16(Qs + r * FD_LD + col, q + ((i * nh + (ok ? h0 + r : 0)) * MLA_W) + col, ok);
@@ -149,6 +398,57 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS, FD_MINB)
     asm volatile("cp.async.commit_group;\n" ::);
     const i64* table = tables + i * max_blocks;
     const int n_tiles = (int)((k1 - k0 + FD_BK - 1) / FD_BK);
+#if FD_TMA
+    if (tid == 0) {
+#pragma unroll
+        for (int st = 0; st < FD_STAGES; ++st) {
+            fd_bar_init(&fd_full[st], 32);         // the producer warp's lanes
+            fd_bar_init(&fd_empty[st], FD_WARPS);  // one lane per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();  // Q landed, barriers initialized
+    if (warp == FD_WARPS) {
+        // Producer: lane r streams row r of every tile. Page and offset in 32-bit arithmetic
+        // when positions and the page size fit (the usual case), else 64-bit.
+        const bool narrow = k1 < 0x7fffffffLL && block_size < 0x7fffffffLL;
+        for (int j = 0; j < n_tiles; ++j) {
+            const int st = j % FD_STAGES;
+            const i64 pos = k0 + (i64)j * FD_BK + lane;
+            const bool ok = pos < k1;
+            long long slot = 0;
+            if (ok) {
+                i64 page, off;
+                if (narrow) {
+                    const unsigned p32 = (unsigned)pos, b32 = (unsigned)block_size;
+                    page = p32 / b32;
+                    off = p32 - (unsigned)page * b32;
+                } else {
+                    page = pos / block_size;
+                    off = pos - page * block_size;
+                }
+                slot = table[page] * block_size + off;
+            }
+            const unsigned valid = __popc(__ballot_sync(0xffffffffu, ok));
+            if (j >= FD_STAGES) fd_bar_wait(&fd_empty[st], ((j / FD_STAGES) - 1) & 1);
+            if (lane == 0) fd_bar_expect(&fd_full[st], valid * (MLA_W * 2));
+            __syncwarp();
+            bf16* dst = Cs + (st * FD_BK + lane) * FD_LD;
+            if (ok) {
+                fd_bulk_copy(dst, cache + slot * MLA_W, MLA_W * 2, &fd_full[st]);
+            } else {
+                // Rows past the split's end read as zeros (as cp.async's zero fill): P is 0 there,
+                // and 0 · garbage could be NaN.
+                uint4* d4 = reinterpret_cast<uint4*>(dst);
+                for (int c = 0; c < MLA_W / 8; ++c) d4[c] = make_uint4(0u, 0u, 0u, 0u);
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            }
+            fd_bar_arrive(&fd_full[st]);
+        }
+        return;
+    }
+#else
     // Lane `tid` (< BK) of warp 0 owns row tid of every tile's slot list.
     auto table_entry = [&](int tile) -> i64 {
         const i64 pos = k0 + (i64)tile * FD_BK + tid;
@@ -187,13 +487,16 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS, FD_MINB)
         fd_slots[(FD_STAGES - 1) & 1][tid] = slot_of(FD_STAGES - 1, table_entry(FD_STAGES - 1));
         entry_next = table_entry(FD_STAGES);
     }
+#endif
 
     // Score mapping of this warp.
     const int mt_s = warp % FD_MT, part = (warp / FD_MT) % FD_P, ng = warp / (FD_MT * FD_P);
 #if FD_QREG
     unsigned qa[FD_KPP][4];
+#if !FD_TMA
     asm volatile("cp.async.wait_group %0;\n" ::"n"(FD_STAGES - 1));
     __syncthreads();
+#endif
 #pragma unroll
     for (int j = 0; j < FD_KPP; ++j) {
         const int kk = part * FD_KPP + j;
@@ -224,6 +527,10 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS, FD_MINB)
 
     for (int it = 0; it < n_tiles; ++it) {
         const i64 kt = k0 + (i64)it * FD_BK;
+#if FD_TMA
+        fd_bar_wait(&fd_full[it % FD_STAGES], (it / FD_STAGES) & 1);  // tile landed
+        float* const Sb = Ss + (it & 1) * (FD_P * FD_HM * FD_LDS);
+#else
         asm volatile("cp.async.wait_group %0;\n" ::"n"(FD_STAGES - 2));
         __syncthreads();  // A
         if (it + FD_STAGES - 1 < n_tiles) load_tile(it + FD_STAGES - 1);
@@ -232,6 +539,8 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS, FD_MINB)
             fd_slots[(it + FD_STAGES) & 1][tid] = slot_of(it + FD_STAGES, entry_next);
             entry_next = table_entry(it + FD_STAGES + 1);
         }
+        float* const Sb = Ss;
+#endif
         const bf16* Ct = Cs + (it % FD_STAGES) * FD_BK * FD_LD;
         // Partial S: m-tile mt_s, k-steps [part·KPP, (part+1)·KPP), key n-tiles ng·NTW + u.
         {
@@ -283,7 +592,7 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS, FD_MINB)
                     }
                 }
             }
-            float* Sp = Ss + part * FD_HM * FD_LDS;
+            float* Sp = Sb + part * FD_HM * FD_LDS;
 #pragma unroll
             for (int u = 0; u < FD_NTW; ++u) {
                 float sv[4];
@@ -298,7 +607,7 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS, FD_MINB)
                 *reinterpret_cast<float2*>(Sp + (row + 8) * FD_LDS + key) = make_float2(sv[2], sv[3]);
             }
         }
-        __syncthreads();  // B
+        fd_sync();  // B
 #if FD_FUSED
         // Online softmax in the accumulator layout: this thread holds keys kk·16 + 8·e2 + 2t + {0,1}
         // of rows m·16 + g + 8·half; max and sum over the row's 4 lanes by two shuffles.
@@ -316,10 +625,10 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS, FD_MINB)
 #pragma unroll
                     for (int e2 = 0; e2 < 2; ++e2) {
                         const int key = kk * 16 + 8 * e2 + 2 * t;
-                        float2 v = *reinterpret_cast<const float2*>(Ss + row * FD_LDS + key);
+                        float2 v = *reinterpret_cast<const float2*>(Sb + row * FD_LDS + key);
 #pragma unroll
                         for (int p = 1; p < FD_P; ++p) {
-                            const float2 w2 = *reinterpret_cast<const float2*>(Ss + (p * FD_HM + row) * FD_LDS + key);
+                            const float2 w2 = *reinterpret_cast<const float2*>(Sb + (p * FD_HM + row) * FD_LDS + key);
                             v.x += w2.x;
                             v.y += w2.y;
                         }
@@ -386,9 +695,9 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS, FD_MINB)
 #pragma unroll
         for (int rr = 0; rr < FD_RPW; ++rr) {
             const int row = warp * FD_RPW + rr;
-            float x = Ss[row * FD_LDS + lane];
+            float x = Sb[row * FD_LDS + lane];
 #pragma unroll
-            for (int p = 1; p < FD_P; ++p) x += Ss[(p * FD_HM + row) * FD_LDS + lane];
+            for (int p = 1; p < FD_P; ++p) x += Sb[(p * FD_HM + row) * FD_LDS + lane];
             x = key_ok ? x * sl2 : -INFINITY;
             float mx = x;
 #pragma unroll
@@ -407,9 +716,9 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS, FD_MINB)
 #if FD_RPW == 0
         if (warp < FD_HM) {
             const int row = warp;
-            float x = Ss[row * FD_LDS + lane];
+            float x = Sb[row * FD_LDS + lane];
 #pragma unroll
-            for (int p = 1; p < FD_P; ++p) x += Ss[(p * FD_HM + row) * FD_LDS + lane];
+            for (int p = 1; p < FD_P; ++p) x += Sb[(p * FD_HM + row) * FD_LDS + lane];
             x = key_ok ? x * sl2 : -INFINITY;
             float mx = x;
 #pragma unroll
@@ -426,7 +735,7 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS, FD_MINB)
             if (lane == 0) As[row] = al;
         }
 #endif
-        __syncthreads();  // C
+        fd_sync();  // C
         // O[:, value n-tiles of this warp] = O·α + P · V.
 #pragma unroll
         for (int m = 0; m < FD_MT; ++m) {
@@ -465,6 +774,10 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS, FD_MINB)
             }
         }
 #endif
+#if FD_TMA
+        __syncwarp();
+        if (lane == 0) fd_bar_arrive(&fd_empty[it % FD_STAGES]);  // this warp is done with the stage
+#endif
     }
     const float ln2 = 0.6931471805599453f;
 #if FD_FUSED
@@ -497,7 +810,7 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS, FD_MINB)
             if (h0 + row < nh) lses[(s * n + i) * nh + h0 + row] = m_run[rr] * ln2 + logf(l_run[rr]);
         }
     }
-    __syncthreads();
+    fd_sync();
 #pragma unroll
     for (int m = 0; m < FD_MT; ++m) {
 #pragma unroll
@@ -516,4 +829,7 @@ extern "C" __global__ void __launch_bounds__(FD_THREADS, FD_MINB)
         }
     }
 #endif
+    if (out != nullptr)
+        fd_merge_tail(parts, lses, out, out_lse, counters, n, nh, splits, i, h0, tid, FD_THREADS,
+                      reinterpret_cast<float*>(Cs), FD_STAGES * FD_BK * FD_LD / 2, [] { fd_sync(); });
 }

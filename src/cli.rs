@@ -612,15 +612,16 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
     ]);
     for arch in &a.arch {
         // The decode kernel also in its 64-head configuration (the macros' defaults are the
-        // 16-head one) and with the in-register softmax.
+        // 16-head one), with the in-register softmax and with the TMA producer warp.
         let hm64 = crate::cuda::ops::DecodeCfg::for_heads(128);
         let fused = crate::cuda::ops::DecodeCfg::parse("16,8,2,1,4,1,1")?;
+        let tma = crate::cuda::ops::DecodeCfg::parse("16,8,2,0,2,2,0,1")?;
         type Job = (crate::cuda::Module, String, Vec<(&'static str, usize)>);
         let mut jobs: Vec<Job> = crate::cuda::Module::ALL
             .iter()
             .map(|&m| (m, m.file().to_string(), Vec::new()))
             .collect();
-        for c in [hm64, fused] {
+        for c in [hm64, fused, tma] {
             jobs.push((
                 crate::cuda::Module::FastDecode,
                 format!("{} ({})", crate::cuda::Module::FastDecode.file(), c.label()),

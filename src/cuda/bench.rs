@@ -9,13 +9,17 @@
 //! - MHA prefill: T = 4096, N = 16, P+R = 192, V = 128, causal: TFLOP/s counting
 //!   N·T²·(P+R+V) (the causal half of 2·T²·(P+R) + 2·T²·V per head).
 //!
-//! Each figure is the median of timed repetitions after warm-up, with CUDA events around
-//! back-to-back launches; errors are checked once after each timing loop.
+//! Each figure is the median of timed repetitions after warm-up, with CUDA events around each
+//! repetition and all repetitions enqueued back to back (one host synchronization after the
+//! last, as Triton's `do_bench`), so a figure is GPU time without the host's launch latency;
+//! `MLA_DIFF_BENCH_SYNC=1` synchronizes after every repetition instead (the method before
+//! 2026-11-29 16:00 UTC, which adds one launch latency to every call). Errors are checked once
+//! after each timing loop.
 
 use cudarc::driver::CudaSlice;
 use serde::Serialize;
 
-use super::ops::{CudaOps, DecodeCfg, DecodeShape};
+use super::ops::{CudaOps, DecodeCfg, DecodeMerge, DecodeShape};
 use crate::batch::SplitMix64;
 use crate::error::{Error, Result};
 use crate::paths::ops::{EmptyRows, Ops, Segment};
@@ -41,23 +45,32 @@ fn cerr(what: impl std::fmt::Display) -> Error {
     Error::Cuda(what.to_string())
 }
 
-/// Median of a timing loop: `reps` timed calls of `f` (each between two events) after `warm`.
+/// Median of a timing loop: `reps` timed calls of `f` (each between two events) after `warm`,
+/// enqueued back to back (see the module documentation; `MLA_DIFF_BENCH_SYNC=1`: a host
+/// synchronization after each).
 fn time_us(ops: &CudaOps, warm: usize, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     for _ in 0..warm {
         f()?;
     }
     ops.synchronize()?;
+    let sync_each = std::env::var("MLA_DIFF_BENCH_SYNC").as_deref() == Ok("1");
     let stream = ops.stream();
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let mut times = Vec::with_capacity(reps);
+    let mut events = Vec::with_capacity(reps);
     for _ in 0..reps {
         let a = stream.record_event(flags).map_err(|e| cerr(format!("event: {e:?}")))?;
         f()?;
         let b = stream.record_event(flags).map_err(|e| cerr(format!("event: {e:?}")))?;
-        b.synchronize().map_err(|e| cerr(format!("event sync: {e:?}")))?;
-        times.push(a.elapsed_ms(&b).map_err(|e| cerr(format!("elapsed: {e:?}")))? as f64 * 1000.0);
+        if sync_each {
+            b.synchronize().map_err(|e| cerr(format!("event sync: {e:?}")))?;
+        }
+        events.push((a, b));
     }
     ops.synchronize()?;
+    let mut times = Vec::with_capacity(reps);
+    for (a, b) in &events {
+        times.push(a.elapsed_ms(b).map_err(|e| cerr(format!("elapsed: {e:?}")))? as f64 * 1000.0);
+    }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
 }
@@ -142,14 +155,17 @@ pub fn decode_inputs(ops: &CudaOps, d: DecodeBench) -> Result<DecodeInputs> {
 }
 
 /// Split-KV decode (stage 1 + merge) of shape `d` on `inp` in configuration `cfg` (default: the
-/// real path's) with `splits` (default: [`CudaOps::decode_splits_for`]). Also returns the merged
-/// output, for comparing configurations.
+/// real path's) with `splits` (default: [`CudaOps::decode_splits_for`]); the merge fused into
+/// the kernel when `fused_merge`, else the separate merge kernel ([`Ops::merge`], into fresh
+/// canary-filled buffers, as the engine did before). Also returns the merged output, for
+/// comparing configurations.
 pub fn decode(
     ops: &CudaOps,
     d: DecodeBench,
     inp: &DecodeInputs,
     cfg: Option<DecodeCfg>,
     splits: Option<usize>,
+    fused_merge: bool,
 ) -> Result<(BenchFigure, Vec<f32>)> {
     let DecodeBench {
         b,
@@ -179,8 +195,19 @@ pub fn decode(
     };
     let mut parts = ops.alloc(splits * b * nh * l)?;
     let mut lses = ops.alloc(splits * b * nh)?;
+    let mut mout = ops.alloc(b * nh * l)?;
+    let mut mlse = ops.alloc(b * nh)?;
+    let mut counters = ops
+        .stream()
+        .alloc_zeros::<i32>(b * nh.div_ceil(cfg.hm))
+        .map_err(|e| cerr(format!("counters: {e:?}")))?;
     let scale = (192f64).powf(-0.5) as f32;
-    let mut run = || -> Result<CudaSlice<f32>> {
+    let mut run = || -> Result<Option<CudaSlice<f32>>> {
+        let merge = fused_merge.then_some(DecodeMerge {
+            out: &mut mout,
+            lse: &mut mlse,
+            counters: &mut counters,
+        });
         ops.decode_mma(
             &inp.q,
             &inp.cache,
@@ -191,18 +218,44 @@ pub fn decode(
             f32::NEG_INFINITY,
             &mut parts,
             &mut lses,
+            merge,
         )?;
-        ops.merge(&parts, &lses, splits, b, nh, l).map(|(o, _)| o)
+        if fused_merge {
+            Ok(None)
+        } else {
+            ops.merge(&parts, &lses, splits, b, nh, l).map(|(o, _)| Some(o))
+        }
     };
-    let out = run()?;
+    let separate = run()?;
+    let us = time_us(ops, 2, 10, || run().map(|_| ()))?;
+    // Every call writes the same merged output; the last timed one's is read.
     let out = ops
         .stream()
-        .clone_dtoh(&out)
+        .clone_dtoh(separate.as_ref().unwrap_or(&mout))
         .map_err(|e| cerr(format!("download: {e:?}")))?;
-    let us = time_us(ops, 2, 10, || run().map(|_| ()))?;
+    // Stage 1 alone, for telling the kernel from the merge and the launches around it.
+    let us1 = time_us(ops, 2, 10, || {
+        ops.decode_mma(
+            &inp.q,
+            &inp.cache,
+            &inp.tables_d,
+            &inp.ctx_d,
+            shape,
+            scale,
+            f32::NEG_INFINITY,
+            &mut parts,
+            &mut lses,
+            None,
+        )
+    })?;
     let cache_bytes = (b * seq * w * 2) as f64;
     let flops = 2.0 * (b * nh * seq) as f64 * (2 * l + r) as f64;
     let shape = format!("B={b} N={nh} seq={seq} page={page} L={l} R={r} bf16");
+    let merge_kind = if fused_merge {
+        "merge fused into the kernel"
+    } else {
+        "separate merge kernel"
+    };
     let fig = if compute_bound {
         BenchFigure {
             name: "mqa decode, compute-bound".into(),
@@ -211,8 +264,9 @@ pub fn decode(
             value: flops / (us * 1e-6) / 1e12,
             unit: "TFLOP/s".into(),
             note: format!(
-                "{splits} splits; {}; counts 2·B·N·seq·(2L+R); stage 1 + merge",
-                cfg.label()
+                "{splits} splits; {}; {merge_kind}; counts 2·B·N·seq·(2L+R); stage 1 + merge; stage 1 alone {us1:.1} µs = {:.1} TFLOP/s",
+                cfg.label(),
+                flops / (us1 * 1e-6) / 1e12
             ),
         }
     } else {
@@ -223,18 +277,24 @@ pub fn decode(
             value: cache_bytes / (us * 1e-6) / 1e9,
             unit: "GB/s".into(),
             note: format!(
-                "{splits} splits; {}; latent-cache bytes read; stage 1 + merge",
-                cfg.label()
+                "{splits} splits; {}; {merge_kind}; latent-cache bytes read; stage 1 + merge; stage 1 alone {us1:.1} µs = {:.0} GB/s",
+                cfg.label(),
+                cache_bytes / (us1 * 1e-6) / 1e9
             ),
         }
     };
     Ok((fig, out))
 }
 
+/// One decode variant: compute-bound shape, configuration, splits, merge fused.
+type Variant = (bool, DecodeCfg, Option<usize>, bool);
+
 /// Extra decode variants from `MLA_DIFF_BENCH_DECODE`: `;`-separated entries
-/// `m|c:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS][@SPLITS]` (m: the memory-bound shape, c: the compute-bound
-/// one), each timed and compared with the default configuration's merged output.
-fn variants() -> Result<Vec<(bool, DecodeCfg, Option<usize>)>> {
+/// `m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA]]][@SPLITS]` (m: the memory-bound
+/// shape, c: the compute-bound one, merge fused into the kernel; M, C: the same with the
+/// separate merge kernel), each timed and compared with the default configuration's merged
+/// output.
+fn variants() -> Result<Vec<Variant>> {
     let Ok(spec) = std::env::var("MLA_DIFF_BENCH_DECODE") else {
         return Ok(Vec::new());
     };
@@ -242,7 +302,7 @@ fn variants() -> Result<Vec<(bool, DecodeCfg, Option<usize>)>> {
     for e in spec.split(';').map(str::trim).filter(|e| !e.is_empty()) {
         let bad = || {
             cerr(format!(
-                "MLA_DIFF_BENCH_DECODE entry `{e}`: expected m|c:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS][@SPLITS]"
+                "MLA_DIFF_BENCH_DECODE entry `{e}`: expected m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA]]][@SPLITS]"
             ))
         };
         let (kind, rest) = e.split_once(':').ok_or_else(bad)?;
@@ -250,12 +310,14 @@ fn variants() -> Result<Vec<(bool, DecodeCfg, Option<usize>)>> {
             Some((c, s)) => (c, Some(s.parse::<usize>().map_err(|_| bad())?)),
             None => (rest, None),
         };
-        let compute_bound = match kind {
-            "m" => false,
-            "c" => true,
+        let (compute_bound, fused_merge) = match kind {
+            "m" => (false, true),
+            "c" => (true, true),
+            "M" => (false, false),
+            "C" => (true, false),
             _ => return Err(bad()),
         };
-        v.push((compute_bound, DecodeCfg::parse(cfg)?, splits));
+        v.push((compute_bound, DecodeCfg::parse(cfg)?, splits, fused_merge));
     }
     Ok(v)
 }
@@ -330,22 +392,27 @@ pub fn all(ops: &CudaOps) -> Result<Vec<BenchFigure>> {
         ..mem
     };
     let (im, ic) = (decode_inputs(&ops, mem)?, decode_inputs(&ops, comp)?);
-    let (fm, om) = decode(&ops, mem, &im, None, None)?;
-    let (fc, oc) = decode(&ops, comp, &ic, None, None)?;
+    let (fm, om) = decode(&ops, mem, &im, None, None, true)?;
+    let (fc, oc) = decode(&ops, comp, &ic, None, None, true)?;
     let mut figs = vec![
         copy_bandwidth(&ops, 2 << 30)?,
         fm,
         fc,
         prefill(&ops, 4096, 16, 192, 128)?,
     ];
-    for (compute_bound, cfg, splits) in variants()? {
+    for (compute_bound, cfg, splits, fused_merge) in variants()? {
         let (d, inp, base) = if compute_bound {
             (comp, &ic, &oc)
         } else {
             (mem, &im, &om)
         };
-        let (mut f, o) = decode(&ops, d, inp, Some(cfg), splits)?;
-        f.name = format!("{} [{}]", f.name, cfg.label());
+        let (mut f, o) = decode(&ops, d, inp, Some(cfg), splits, fused_merge)?;
+        f.name = format!(
+            "{} [{}{}]",
+            f.name,
+            cfg.label(),
+            if fused_merge { "" } else { ", separate merge" }
+        );
         f.note = format!(
             "{}; max |Δ| vs the default configuration {:.3e}",
             f.note,

@@ -369,6 +369,29 @@ impl CudaOps {
         (64 * (dqk + 8) * 3 + 2 * 64 * (dv + 8)) * 2
     }
 
+    /// Block tables as one `[n, max_blocks]` array (rows padded with block 0), checked against
+    /// the context lengths and the cache's size; returns it and `max_blocks`.
+    fn flat_tables(
+        cache: &CudaSlice<f32>,
+        block_size: usize,
+        width: usize,
+        tables: &[Vec<usize>],
+        ctx: &[usize],
+    ) -> Result<(Vec<usize>, usize)> {
+        let max_blocks = tables.iter().map(Vec::len).max().unwrap_or(1).max(1);
+        let mut flat = vec![0usize; tables.len() * max_blocks];
+        for (i, (t, &c)) in tables.iter().zip(ctx).enumerate() {
+            if c.div_ceil(block_size) > t.len() {
+                return Err(cerr(format!("decode: context {c} exceeds row {i}'s block table")));
+            }
+            for (j, &b) in t.iter().enumerate() {
+                Self::check_len(cache, (b + 1) * block_size * width, "decode block")?;
+                flat[i * max_blocks + j] = b;
+            }
+        }
+        Ok((flat, max_blocks))
+    }
+
     /// Number of streaming multiprocessors of the device.
     pub fn sm_count(&self) -> Result<usize> {
         self.dev
@@ -404,12 +427,13 @@ impl CudaOps {
         let sm_threads = da(D::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR)?;
         let sm_regs = da(D::CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR)?;
         let sm_smem = da(D::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?;
-        let threads = cfg.warps * 32;
-        // Registers are allocated per warp in units of 256 (8 per thread); each block reserves
-        // 1 KiB of shared memory for the system.
+        let threads = cfg.threads();
+        // Registers are allocated per warp in units of 256 (8 per thread), from the SM's four
+        // sub-partitions (a quarter of the register file each; a block's warps are spread over
+        // all four: cuda_occupancy.h); each block reserves 1 KiB of shared memory for the system.
         let warp_regs = regs.max(1).div_ceil(8) * 8 * 32;
         let by_threads = sm_threads / threads;
-        let by_regs = (sm_regs / warp_regs) / cfg.warps;
+        let by_regs = ((sm_regs / 4) / warp_regs * 4) / (threads / 32);
         let by_smem = sm_smem / (smem + static_smem + 1024);
         Ok(by_threads.min(by_regs).min(by_smem).clamp(1, 32))
     }
@@ -539,11 +563,13 @@ impl CudaOps {
             dv,
             cfg: DecodeCfg::from_env()?.unwrap_or_else(|| DecodeCfg::for_heads(nh).fit(width)),
         };
-        self.decode_mma(q, cache, &tables_d, &ctx_d, shape, scale, empty_lse, parts, lses)
+        self.decode_mma(q, cache, &tables_d, &ctx_d, shape, scale, empty_lse, parts, lses, None)
     }
 
     /// Launches `decode_split_mma` with block tables and context lengths already on the device
-    /// (`tables_d` \[n, max_blocks], `ctx_d` \[n], i64).
+    /// (`tables_d` \[n, max_blocks], `ctx_d` \[n], i64). With `merge`, the kernel also merges
+    /// the splits (the last block of each token and head group to finish), as
+    /// [`Ops::merge`] would, into `merge.out` and `merge.lse`.
     #[allow(clippy::too_many_arguments)]
     pub fn decode_mma(
         &self,
@@ -556,13 +582,14 @@ impl CudaOps {
         empty_lse: f32,
         parts: &mut CudaSlice<f32>,
         lses: &mut CudaSlice<f32>,
+        merge: Option<DecodeMerge<'_>>,
     ) -> Result<()> {
         let dc = sh.cfg;
         let smem = dc.smem(sh.width);
         let f = self.fast_function(Module::FastDecode, sh.width, sh.dv, &dc.defines(), smem)?;
         let cfg = LaunchConfig {
             grid_dim: ((sh.n * sh.nh.div_ceil(dc.hm)) as u32, sh.splits as u32, 1),
-            block_dim: ((dc.warps * 32) as u32, 1, 1),
+            block_dim: (dc.threads() as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
         let a = [sh.n, sh.nh, sh.block_size, sh.max_blocks, sh.splits].map(|x| x as i64);
@@ -575,10 +602,39 @@ impl CudaOps {
             .arg(&a[4])
             .arg(&scale)
             .arg(&empty_lse);
-        // SAFETY: arguments match decode_split_mma in fast_decode.cu.
+        let null = 0u64;
+        match merge {
+            Some(m) => {
+                let groups = sh.n * sh.nh.div_ceil(dc.hm);
+                Self::check_len(m.out, sh.n * sh.nh * sh.dv, "decode merged out")?;
+                Self::check_len(m.lse, sh.n * sh.nh, "decode merged lse")?;
+                if m.counters.len() < groups {
+                    return Err(cerr(format!(
+                        "decode merge counters: {} for {groups} blocks per split",
+                        m.counters.len()
+                    )));
+                }
+                b.arg(m.out).arg(m.lse).arg(m.counters);
+            }
+            None => {
+                b.arg(&null).arg(&null).arg(&null);
+            }
+        }
+        // SAFETY: arguments match decode_split_mma in fast_decode.cu (null out: no merge).
         unsafe { b.launch(cfg) }.map_err(|e| cerr(format!("launch decode_split_mma: {e:?}")))?;
         self.sync("decode_split_mma")
     }
+}
+
+/// Outputs of the merge fused into `decode_split_mma` ([`CudaOps::decode_mma`]).
+pub struct DecodeMerge<'a> {
+    /// Merged output `[n, nh, dv]`.
+    pub out: &'a mut CudaSlice<f32>,
+    /// Merged LSE `[n, nh]`.
+    pub lse: &'a mut CudaSlice<f32>,
+    /// One counter per (token, head group), `n·⌈nh/hm⌉` of them: zero before the launch, zero
+    /// again after it.
+    pub counters: &'a mut CudaSlice<i32>,
 }
 
 /// Shape of a split-KV decode launch.
@@ -632,12 +688,16 @@ pub struct DecodeCfg {
     pub min_blocks: usize,
     /// Softmax in registers by every warp (no P in shared memory, two barriers per tile).
     pub fused: bool,
+    /// One extra producer warp streams the cache with bulk copies (TMA) into mbarrier-tracked
+    /// stages; the `warps` consumer warps issue no copies.
+    pub tma: bool,
 }
 
 impl DecodeCfg {
     /// The default for `nh` heads: 64-head blocks when there are at least 64 heads (the cache
-    /// is read once per 64 heads; one block of 8 warps per SM), else 16-head blocks of 8 warps,
-    /// two per SM, double-buffered (the fastest measured on the H200, BENCHMARKS.md).
+    /// is read once per 64 heads; one block of 8 warps per SM), else 16-head blocks of 8
+    /// consumer warps and a producer warp streaming the cache with bulk copies (TMA), two
+    /// blocks per SM, double-buffered (the fastest measured on the H200, BENCHMARKS.md).
     pub fn for_heads(nh: usize) -> Self {
         if nh >= 64 {
             DecodeCfg {
@@ -648,6 +708,7 @@ impl DecodeCfg {
                 stages: 2,
                 min_blocks: 1,
                 fused: false,
+                tma: false,
             }
         } else {
             DecodeCfg {
@@ -658,12 +719,13 @@ impl DecodeCfg {
                 stages: 2,
                 min_blocks: 2,
                 fused: false,
+                tma: true,
             }
         }
     }
 
-    /// Parses `HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED]]` (QREG and FUSED 0 or 1;
-    /// MINBLOCKS defaults to 1, FUSED to 0).
+    /// Parses `HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA]]]` (QREG, FUSED and TMA 0 or
+    /// 1; MINBLOCKS defaults to 1, FUSED and TMA to 0).
     pub fn parse(s: &str) -> Result<Self> {
         let v: Vec<usize> = s
             .split(',')
@@ -671,16 +733,17 @@ impl DecodeCfg {
             .collect::<std::result::Result<_, _>>()
             .map_err(|_| {
                 cerr(format!(
-                    "decode configuration `{s}`: expected HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED]]"
+                    "decode configuration `{s}`: expected HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA]]]"
                 ))
             })?;
-        let (hm, warps, parts, qreg, stages, min_blocks, fused) = match v[..] {
-            [a, b, c, d, e] => (a, b, c, d, e, 1, 0),
-            [a, b, c, d, e, f] => (a, b, c, d, e, f, 0),
-            [a, b, c, d, e, f, g] => (a, b, c, d, e, f, g),
+        let (hm, warps, parts, qreg, stages, min_blocks, fused, tma) = match v[..] {
+            [a, b, c, d, e] => (a, b, c, d, e, 1, 0, 0),
+            [a, b, c, d, e, f] => (a, b, c, d, e, f, 0, 0),
+            [a, b, c, d, e, f, g] => (a, b, c, d, e, f, g, 0),
+            [a, b, c, d, e, f, g, h] => (a, b, c, d, e, f, g, h),
             _ => {
                 return Err(cerr(format!(
-                    "decode configuration `{s}`: expected HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED]]"
+                    "decode configuration `{s}`: expected HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA]]]"
                 )));
             }
         };
@@ -692,6 +755,7 @@ impl DecodeCfg {
             stages,
             min_blocks,
             fused: fused != 0,
+            tma: tma != 0,
         };
         c.check()?;
         Ok(c)
@@ -709,7 +773,7 @@ impl DecodeCfg {
         let mt = self.hm / 16;
         let ok = self.hm >= 16
             && self.hm.is_multiple_of(16)
-            && (1..=32).contains(&self.warps)
+            && (1..=32 - usize::from(self.tma)).contains(&self.warps)
             && self.parts >= 1
             && (2..=6).contains(&self.stages)
             && (1..=4).contains(&self.min_blocks)
@@ -742,25 +806,31 @@ impl DecodeCfg {
             ("FD_STAGES", self.stages),
             ("FD_MINB", self.min_blocks),
             ("FD_FUSED", usize::from(self.fused)),
+            ("FD_TMA", usize::from(self.tma)),
         ]
     }
 
+    /// Threads per block: the consumer warps, and the producer warp with `tma`.
+    pub fn threads(&self) -> usize {
+        (self.warps + usize::from(self.tma)) * 32
+    }
+
     /// Dynamic shared memory for cache rows of `width` = L+R: Q tile, cache stages, partial
-    /// scores, P, α and the final sums (as laid out in fast_decode.cu).
+    /// scores (two buffers with `tma`), P, α and the final sums (as laid out in fast_decode.cu).
     pub fn smem(&self, width: usize) -> usize {
         let ld = width + 8;
         self.hm * ld * 2
             + self.stages * 32 * ld * 2
-            + self.parts * self.hm * 40 * 4
+            + (1 + usize::from(self.tma)) * self.parts * self.hm * 40 * 4
             + self.hm * 40 * 2
             + 2 * self.hm * 4
     }
 
     /// Short label, e.g. `hm16 w8 p2 qreg s4 fused` (` b2` when two blocks per SM are asked
-    /// for, ` fused` for the in-register softmax).
+    /// for, ` fused` for the in-register softmax, ` tma` for the producer warp with bulk copies).
     pub fn label(&self) -> String {
         format!(
-            "hm{} w{} p{} {} s{}{}{}",
+            "hm{} w{} p{} {} s{}{}{}{}",
             self.hm,
             self.warps,
             self.parts,
@@ -771,7 +841,8 @@ impl DecodeCfg {
             } else {
                 String::new()
             },
-            if self.fused { " fused" } else { "" }
+            if self.fused { " fused" } else { "" },
+            if self.tma { " tma" } else { "" }
         )
     }
 }
@@ -1325,17 +1396,7 @@ impl Ops for CudaOps {
         Self::check_len(q, n * nh * width, "decode q")?;
         Self::check_len(parts, splits * n * nh * dv, "decode parts")?;
         Self::check_len(lses, splits * n * nh, "decode lses")?;
-        let max_blocks = tables.iter().map(Vec::len).max().unwrap_or(1).max(1);
-        let mut flat = vec![0usize; n * max_blocks];
-        for (i, (t, &c)) in tables.iter().zip(ctx).enumerate() {
-            if c.div_ceil(block_size) > t.len() {
-                return Err(cerr(format!("decode: context {c} exceeds row {i}'s block table")));
-            }
-            for (j, &b) in t.iter().enumerate() {
-                Self::check_len(cache, (b + 1) * block_size * width, "decode block")?;
-                flat[i * max_blocks + j] = b;
-            }
-        }
+        let (flat, max_blocks) = Self::flat_tables(cache, block_size, width, tables, ctx)?;
         let (tables_d, ctx_d) = (self.idx(&flat)?, self.idx(ctx)?);
         let cfg = LaunchConfig {
             grid_dim: ((n * nh) as u32, splits as u32, 1),
@@ -1400,6 +1461,78 @@ impl Ops for CudaOps {
             }
         }
         Ok(())
+    }
+
+    fn decode_merged(
+        &self,
+        q: &CudaSlice<f32>,
+        n: usize,
+        nh: usize,
+        cache: &CudaSlice<f32>,
+        block_size: usize,
+        width: usize,
+        tables: &[Vec<usize>],
+        ctx: &[usize],
+        splits: usize,
+        dv: usize,
+        scale: f32,
+        empty_lse: f32,
+    ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+        let fast = n > 0
+            && dv <= MAX_WIDTH
+            && self.uses_fast()
+            && width.is_multiple_of(16)
+            && dv.is_multiple_of(32)
+            && dv <= width;
+        if !fast {
+            return crate::paths::ops::decode_then_merge(
+                self, q, n, nh, cache, block_size, width, tables, ctx, splits, dv, scale, empty_lse,
+            );
+        }
+        // The fast kernel with the merge fused in: same partials (canary-filled first, as the
+        // unfused path), same merge arithmetic, one launch.
+        Self::check_len(q, n * nh * width, "decode q")?;
+        let (flat, max_blocks) = Self::flat_tables(cache, block_size, width, tables, ctx)?;
+        let mut parts = self.canary(splits * n * nh * dv)?;
+        let mut lses = self.canary(splits * n * nh)?;
+        let mut out = self.canary(n * nh * dv)?;
+        let mut lse = self.canary(n * nh)?;
+        let cfg = DecodeCfg::from_env()?.unwrap_or_else(|| DecodeCfg::for_heads(nh).fit(width));
+        let mut counters = self
+            .dev
+            .stream
+            .alloc_zeros::<i32>(n * nh.div_ceil(cfg.hm))
+            .map_err(|e| cerr(format!("decode merge counters: {e:?}")))?;
+        let (qb, cb16) = (self.to_bf16(q, q.len())?, self.to_bf16(cache, cache.len())?);
+        let (tables_d, ctx_d) = (self.idx(&flat)?, self.idx(ctx)?);
+        let shape = DecodeShape {
+            n,
+            nh,
+            block_size,
+            width,
+            max_blocks,
+            splits,
+            dv,
+            cfg,
+        };
+        let merge = DecodeMerge {
+            out: &mut out,
+            lse: &mut lse,
+            counters: &mut counters,
+        };
+        self.decode_mma(
+            &qb,
+            &cb16,
+            &tables_d,
+            &ctx_d,
+            shape,
+            scale,
+            empty_lse,
+            &mut parts,
+            &mut lses,
+            Some(merge),
+        )?;
+        Ok((out, lse))
     }
 
     fn merge(
@@ -1485,8 +1618,11 @@ mod tests {
 
     #[test]
     fn decode_cfg_parse_and_check() {
-        let c = DecodeCfg::parse("16,8,2,0,2,2").unwrap();
+        let c = DecodeCfg::parse("16,8,2,0,2,2,0,1").unwrap();
         assert_eq!(c, DecodeCfg::for_heads(16));
+        assert!(c.tma && !DecodeCfg::parse("16,8,2,0,2,2").unwrap().tma);
+        assert_eq!(c.threads(), 288);
+        assert!(DecodeCfg::parse("16,32,8,0,2").is_ok() && DecodeCfg::parse("16,32,8,0,2,1,0,1").is_err());
         assert_eq!(DecodeCfg::parse("64,8,2,0,2").unwrap(), DecodeCfg::for_heads(128));
         assert!(DecodeCfg::parse("16,8,2,1,4,1,1").unwrap().fused);
         // 16-head blocks of 8 warps with 3 k-parts do not tile the 4 key n-tiles.

@@ -933,9 +933,7 @@ fn decode_rows<O: Ops>(
             empty_rows.insert(row);
         }
     }
-    let mut parts = a.ops.canary(splits * n * nh * l)?;
-    let mut lses = a.ops.canary(splits * n * nh)?;
-    a.ops.decode_split(
+    a.ops.decode_merged(
         &q,
         n,
         nh,
@@ -948,10 +946,7 @@ fn decode_rows<O: Ops>(
         l,
         a.scale,
         empty_lse,
-        &mut parts,
-        &mut lses,
-    )?;
-    a.ops.merge(&parts, &lses, splits, n, nh, l)
+    )
 }
 
 /// [`decode_rows`] over the DSA selection: each row's kept cache slots (`slots[i]`) are gathered

@@ -199,4 +199,51 @@ pub trait Ops {
         nh: usize,
         dv: usize,
     ) -> Result<(Self::Buf, Self::Buf)>;
+    /// [`Ops::decode_split`] into canary-filled partials, then [`Ops::merge`] of them:
+    /// `(out [n, nh, dv], lse [n, nh])`. A backend may fuse the two (the CUDA fast kernels do).
+    #[allow(clippy::too_many_arguments)]
+    fn decode_merged(
+        &self,
+        q: &Self::Buf,
+        n: usize,
+        nh: usize,
+        cache: &Self::Buf,
+        block_size: usize,
+        width: usize,
+        tables: &[Vec<usize>],
+        ctx: &[usize],
+        splits: usize,
+        dv: usize,
+        scale: f32,
+        empty_lse: f32,
+    ) -> Result<(Self::Buf, Self::Buf)> {
+        decode_then_merge(
+            self, q, n, nh, cache, block_size, width, tables, ctx, splits, dv, scale, empty_lse,
+        )
+    }
+}
+
+/// The unfused [`Ops::decode_merged`]: stage 1 into canary-filled partials, then the merge.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_then_merge<O: Ops + ?Sized>(
+    ops: &O,
+    q: &O::Buf,
+    n: usize,
+    nh: usize,
+    cache: &O::Buf,
+    block_size: usize,
+    width: usize,
+    tables: &[Vec<usize>],
+    ctx: &[usize],
+    splits: usize,
+    dv: usize,
+    scale: f32,
+    empty_lse: f32,
+) -> Result<(O::Buf, O::Buf)> {
+    let mut parts = ops.canary(splits * n * nh * dv)?;
+    let mut lses = ops.canary(splits * n * nh)?;
+    ops.decode_split(
+        q, n, nh, cache, block_size, width, tables, ctx, splits, dv, scale, empty_lse, &mut parts, &mut lses,
+    )?;
+    ops.merge(&parts, &lses, splits, n, nh, dv)
 }

@@ -621,7 +621,9 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
             .iter()
             .map(|&m| (m, m.file().to_string(), Vec::new()))
             .collect();
-        for c in [hm64, fused, tma] {
+        // The TMA producer warp needs sm_90+: an older architecture compiles the variant it
+        // would run instead (the same block without the producer warp).
+        for c in [hm64, fused, tma.for_arch(arch)] {
             jobs.push((
                 crate::cuda::Module::FastDecode,
                 format!("{} ({})", crate::cuda::Module::FastDecode.file(), c.label()),

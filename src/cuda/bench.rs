@@ -178,7 +178,7 @@ pub fn decode(
     } = d;
     let w = l + r;
     let blocks_per_seq = seq / page;
-    let cfg = cfg.unwrap_or_else(|| DecodeCfg::for_heads(nh).fit(w));
+    let cfg = cfg.unwrap_or_else(|| DecodeCfg::for_heads(nh).fit(w).for_arch(ops.arch()));
     let splits = match splits {
         Some(s) => s.max(1),
         None => ops.decode_splits_for(b, nh, w, l, cfg, seq.div_ceil(64))?,

@@ -98,6 +98,11 @@ fn grid1(n: usize) -> LaunchConfig {
 }
 
 impl CudaOps {
+    /// The device's compute capability as NVRTC names it (`sm_90`).
+    pub fn arch(&self) -> &str {
+        &self.dev.arch
+    }
+
     /// Opens device 0, compiles every kernel module with NVRTC for its compute capability and
     /// loads it, and creates a cuBLAS handle.
     ///
@@ -561,7 +566,9 @@ impl CudaOps {
             max_blocks,
             splits,
             dv,
-            cfg: DecodeCfg::from_env()?.unwrap_or_else(|| DecodeCfg::for_heads(nh).fit(width)),
+            cfg: DecodeCfg::from_env()?
+                .unwrap_or_else(|| DecodeCfg::for_heads(nh).fit(width))
+                .for_arch(&self.dev.arch),
         };
         self.decode_mma(q, cache, &tables_d, &ctx_d, shape, scale, empty_lse, parts, lses, None)
     }
@@ -693,6 +700,15 @@ pub struct DecodeCfg {
     pub tma: bool,
 }
 
+/// True for `sm_90` and newer (`sm_90a`, `sm_100`, …): the architectures with bulk async copies
+/// and transaction-count mbarriers. An unparsable name counts as older.
+pub fn supports_tma(arch: &str) -> bool {
+    arch.strip_prefix("sm_")
+        .map(|v| v.trim_end_matches(|c: char| c.is_ascii_alphabetic()))
+        .and_then(|v| v.parse::<u32>().ok())
+        .is_some_and(|v| v >= 90)
+}
+
 impl DecodeCfg {
     /// The default for `nh` heads: 64-head blocks when there are at least 64 heads (the cache
     /// is read once per 64 heads; one block of 8 warps per SM), else 16-head blocks of 8
@@ -721,6 +737,17 @@ impl DecodeCfg {
                 fused: false,
                 tma: true,
             }
+        }
+    }
+
+    /// This configuration as `arch` can run it: the TMA producer warp (bulk copies, mbarriers)
+    /// needs sm_90 or newer, so below that the same block runs with its consumer warps copying
+    /// (the pre-TMA default).
+    pub fn for_arch(self, arch: &str) -> Self {
+        if self.tma && !supports_tma(arch) {
+            DecodeCfg { tma: false, ..self }
+        } else {
+            self
         }
     }
 
@@ -1497,7 +1524,9 @@ impl Ops for CudaOps {
         let mut lses = self.canary(splits * n * nh)?;
         let mut out = self.canary(n * nh * dv)?;
         let mut lse = self.canary(n * nh)?;
-        let cfg = DecodeCfg::from_env()?.unwrap_or_else(|| DecodeCfg::for_heads(nh).fit(width));
+        let cfg = DecodeCfg::from_env()?
+            .unwrap_or_else(|| DecodeCfg::for_heads(nh).fit(width))
+            .for_arch(&self.dev.arch);
         let mut counters = self
             .dev
             .stream
@@ -1621,6 +1650,8 @@ mod tests {
         let c = DecodeCfg::parse("16,8,2,0,2,2,0,1").unwrap();
         assert_eq!(c, DecodeCfg::for_heads(16));
         assert!(c.tma && !DecodeCfg::parse("16,8,2,0,2,2").unwrap().tma);
+        assert!(!c.for_arch("sm_80").tma && c.for_arch("sm_90").tma && c.for_arch("sm_90a").tma);
+        assert!(super::supports_tma("sm_100") && !super::supports_tma("sm_89") && !super::supports_tma("x"));
         assert_eq!(c.threads(), 288);
         assert!(DecodeCfg::parse("16,32,8,0,2").is_ok() && DecodeCfg::parse("16,32,8,0,2,1,0,1").is_err());
         assert_eq!(DecodeCfg::parse("64,8,2,0,2").unwrap(), DecodeCfg::for_heads(128));

@@ -247,6 +247,7 @@ pub fn reference(
         hidden_in: &h32,
         batch: &batch,
         shared_selection: None,
+        forced_selection: None,
     };
     let opts = PathOptions::default();
     let mut times = vec![[Vec::<f64>::new(), Vec::new()]; pools.len()];

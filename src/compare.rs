@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use crate::paths::CANARY_BITS;
 use crate::tolerance::{Precision, Tolerance, tolerance};
-use crate::trace::{Site, Trace, TraceTensor};
+use crate::trace::{Site, Stage, Trace, TraceTensor};
 
 /// Sign and quiet bit cleared: a canary that went through arithmetic (which sets the quiet bit
 /// and may flip the sign) still matches `CANARY_BITS` under this mask.
@@ -96,6 +96,9 @@ pub struct SiteDiff {
     pub failed: Vec<&'static str>,
     /// The tolerance row applied.
     pub tolerance: Tolerance,
+    /// Why a site whose values differ still passes (`idx_topk`: the tokens whose kept keys
+    /// differ only at ties within the precision's band, [`crate::tolerance::selection_tie_band`]).
+    pub note: Option<String>,
 }
 
 impl SiteDiff {
@@ -288,6 +291,7 @@ pub fn diff_site(
             metrics: None,
             failed: vec!["no_reference"],
             tolerance: tol,
+            note: None,
         };
     };
     if !shapes_compatible(&reference.shape, &cand.shape) {
@@ -299,6 +303,7 @@ pub fn diff_site(
             metrics: None,
             failed: vec!["shape"],
             tolerance: tol,
+            note: None,
         };
     }
     let (m, failed) = if site.stage.is_id_set() {
@@ -319,6 +324,7 @@ pub fn diff_site(
         metrics: Some(m),
         failed,
         tolerance: tol,
+        note: None,
     }
 }
 
@@ -340,10 +346,57 @@ pub fn diff(reference: &Trace, cand: &Trace, precision: impl Into<Precision>) ->
     cand.sites_in_order()
         .into_iter()
         .filter_map(|site| {
-            cand.get(&site)
-                .map(|c| diff_site(site, reference.get(&site), c, precision))
+            cand.get(&site).map(|c| {
+                let mut d = diff_site(site, reference.get(&site), c, precision);
+                if site.stage == Stage::IdxTopk && d.status == Status::Fail {
+                    accept_selection_ties(&mut d, reference, c, precision);
+                }
+                d
+            })
         })
         .collect()
+}
+
+/// Passes an `idx_topk` site whose differing tokens differ only by keys whose reference scores
+/// tie with the row's K-th score within the precision's band
+/// ([`crate::tolerance::selection_tie_band`]), and says so in the note. Leaves it failing when
+/// the reference has no `idx_scores` for the layer (a shared layer) or any flip is not a tie.
+fn accept_selection_ties(d: &mut SiteDiff, reference: &Trace, cand: &TraceTensor, precision: Precision) {
+    let layer = d.site.layer;
+    let (Some(rsel), Some(rsc)) = (
+        reference.get(&d.site),
+        reference.get(&Site::new(layer, Stage::IdxScores)),
+    ) else {
+        return;
+    };
+    let k = rsel.shape.last().copied().unwrap_or(0);
+    let s = rsc.shape.last().copied().unwrap_or(0);
+    let (r, c) = (
+        crate::indexer::topk_sets(&rsel.to_f64(), k),
+        crate::indexer::topk_sets(&cand.to_f64(), cand.shape.last().copied().unwrap_or(0)),
+    );
+    let scores = rsc.to_f64();
+    if r.len() != c.len() || scores.len() != r.len() * s {
+        return;
+    }
+    let (band, _) = crate::tolerance::selection_tie_band(precision);
+    let mut ties = Vec::new();
+    for (t, (rr, cc)) in r.iter().zip(&c).enumerate() {
+        if rr == cc {
+            continue;
+        }
+        let Some(gap) = crate::indexer::tie_gap(rr, cc, &scores[t * s..(t + 1) * s], band) else {
+            return;
+        };
+        ties.push(format!("token {t} (gap {gap:.1e})"));
+    }
+    d.status = Status::Pass;
+    d.failed.clear();
+    d.note = Some(format!(
+        "{} token(s) keep other keys only at ties within {band:e} of the row's largest score: {}",
+        ties.len(),
+        ties.iter().take(4).cloned().collect::<Vec<_>>().join(", ")
+    ));
 }
 
 /// The first failing site in data-flow order (DESIGN.md: the first divergence, per path).

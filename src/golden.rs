@@ -641,6 +641,7 @@ fn golden_diff(
         metrics: None,
         failed: vec![],
         tolerance: *tol,
+        note: None,
     };
     if !shape_ok {
         d.status = Status::ShapeMismatch;

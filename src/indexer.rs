@@ -158,6 +158,37 @@ pub fn topk_sets(values: &[f64], k: usize) -> Vec<Vec<usize>> {
         .collect()
 }
 
+/// When the two selections `r` (reference) and `c` of one token differ only by keys whose
+/// reference scores (`row`, the token's `idx_scores` row) lie within `band · max|row|` of the
+/// reference's K-th score, the largest such gap (relative to the row maximum); `None` when a
+/// differing key is farther (a real difference) or a key is out of range. Equal sets give 0.
+pub fn tie_gap(r: &[usize], c: &[usize], row: &[f64], band: f64) -> Option<f64> {
+    if r == c {
+        return Some(0.0);
+    }
+    let kth = r.iter().map(|&j| row.get(j).copied()).collect::<Option<Vec<f64>>>()?;
+    let kth = kth.into_iter().reduce(f64::min)?;
+    let visible = r.iter().chain(c).copied().max().unwrap_or(0);
+    let max = row
+        .get(..=visible)?
+        .iter()
+        .fold(0f64, |m, x| m.max(x.abs()))
+        .max(f64::MIN_POSITIVE);
+    let mut worst = 0f64;
+    for &j in r
+        .iter()
+        .filter(|j| !c.contains(j))
+        .chain(c.iter().filter(|j| !r.contains(j)))
+    {
+        let gap = (row.get(j)? - kth).abs() / max;
+        if gap.is_nan() || gap > band {
+            return None;
+        }
+        worst = worst.max(gap);
+    }
+    Some(worst)
+}
+
 /// Jaccard overlap |a ∩ b| / |a ∪ b| of two ascending position sets (1 for two empty sets).
 pub fn jaccard(a: &[usize], b: &[usize]) -> f64 {
     let (mut i, mut j, mut inter) = (0, 0, 0usize);
@@ -238,6 +269,22 @@ mod tests {
         let n = |x: &[f64]| x.iter().map(|v| v * v).sum::<f64>();
         assert!((n(&a) - 30.0).abs() < 1e-12 && (n(&b) - 30.0).abs() < 1e-12);
         assert!(a.iter().zip(&b).any(|(x, y)| (x - y).abs() > 1e-3));
+    }
+
+    #[test]
+    fn tie_gap_accepts_only_flips_at_the_kth_score() {
+        // Reference keeps {0, 2}; its K-th score is 0.50. Key 1 scores 0.495 (a near tie), key 3
+        // 0.1 (far below).
+        let row = [0.9, 0.495, 0.50, 0.1];
+        assert_eq!(tie_gap(&[0, 2], &[0, 2], &row, 1e-2), Some(0.0));
+        let g = tie_gap(&[0, 2], &[0, 1], &row, 1e-2).unwrap();
+        assert!((g - 0.005 / 0.9).abs() < 1e-12);
+        assert_eq!(tie_gap(&[0, 2], &[0, 1], &row, 1e-3), None, "outside a tighter band");
+        assert_eq!(
+            tie_gap(&[0, 2], &[0, 3], &row, 1e-2),
+            None,
+            "a far key is a real difference"
+        );
     }
 
     #[test]

@@ -195,6 +195,9 @@ pub fn terminal(report: &RunReport) -> String {
         for n in &r.notes {
             s.push_str(&format!("note: {n}\n"));
         }
+        for d in r.diffs.iter().filter(|d| d.note.is_some()) {
+            s.push_str(&format!("note: {}: {}\n", d.site, d.note.as_deref().unwrap_or("")));
+        }
     }
     s.push('\n');
     for l in verdict_lines(report) {
@@ -335,7 +338,7 @@ pub fn json(report: &RunReport) -> Value {
         .iter()
         .flat_map(|r| {
             r.diffs.iter().map(move |d| {
-                json!({
+                let mut v = json!({
                     "path": r.path,
                     "site": d.site,
                     "status": d.status,
@@ -343,7 +346,11 @@ pub fn json(report: &RunReport) -> Value {
                     "shape_ref": d.shape_ref,
                     "failed": d.failed,
                     "metrics": d.metrics,
-                })
+                });
+                if let (Some(n), Some(o)) = (&d.note, v.as_object_mut()) {
+                    o.insert("note".into(), json!(n));
+                }
+                v
             })
         })
         .collect();

@@ -21,7 +21,7 @@ use crate::indexer::Selection;
 use crate::paths::{Backend, LayerInput, PathKind, PathOptions, PathRun};
 use crate::reference;
 use crate::tolerance::Dtype;
-use crate::trace::Trace;
+use crate::trace::{Site, Stage, Trace};
 use crate::weights::{LayerWeights, TensorType, embed_hidden};
 
 /// Where the layer input comes from.
@@ -217,6 +217,14 @@ pub fn compare_layer(
     shared: Option<&Selection>,
 ) -> Result<(Vec<PathResult>, Vec<Finding>, Vec<PathRun>)> {
     let hidden32 = hidden.mapv(|x| x as f32);
+    // Reduced precision: the paths' attention runs on the reference's DSA selection (their own
+    // is still recorded and judged at idx_topk, with the tie band of the dtype).
+    let forced = (rc.dtype != crate::tolerance::Dtype::F32)
+        .then(|| reference.get(&Site::new(w.layer, Stage::IdxTopk)))
+        .flatten()
+        .map(|t| Selection {
+            rows: crate::indexer::topk_sets(&t.to_f64(), t.shape.last().copied().unwrap_or(0)),
+        });
     let input = LayerInput {
         file,
         cfg,
@@ -224,6 +232,7 @@ pub fn compare_layer(
         hidden_in: &hidden32,
         batch: &rc.batch,
         shared_selection: shared,
+        forced_selection: forced.as_ref(),
     };
     let mut opts = rc.path_options.clone();
     opts.seed = rc.seed;

@@ -347,6 +347,27 @@ const EXACT_IDS_WHY: &str = "expert ids are compared as a set per token (both si
      computation, which no rounding tolerance can cover. A near tie at the k-th choice score can \
      still flip in f32; the finding lists the tokens and ids so that a tie can be told from a bug";
 
+/// The tie band of the DSA selection (`idx_topk`) at `precision`: a key that only one side kept
+/// counts as a rounding flip, not a bug, when its reference score is within `band · max|score|`
+/// of the row's K-th reference score (the row's largest visible |score|). Returns the band and
+/// its provenance.
+pub fn selection_tie_band(precision: impl Into<Precision>) -> (f64, &'static str) {
+    match precision.into() {
+        Precision::F32 => (
+            1e-5,
+            "f32 engine scores vs the f64 reference: idx_scores rel_l2 ≤ 1.5e-7 and HF's float32              scores ≤ 2.1e-7 on the DSA fixtures; 1e-5 of the row maximum is 50× that",
+        ),
+        Precision::EngineF16 => (
+            1e-2,
+            "f16 has 3 more mantissa bits than bf16: a quarter of the bf16 band, rounded up",
+        ),
+        Precision::Bf16 | Precision::EngineBf16 => (
+            4e-2,
+            "bf16 engine scores vs the f64 reference on dsa-v32-q8_0 and dsa-glm-f32 (batches              [1,15,16,17,53] and [3,40], layer 1): idx_scores rel_l2 ≤ 5.1e-3, largest error              1.8e-2 at a row maximum of 2.6 (0.7%); both keys of a flipped pair move, so 2×, and              2× margin again: 4e-2 (the flips seen there were all inside 1%)",
+        ),
+    }
+}
+
 /// The golden row: a recomputed trace against the same trace recorded earlier by the same
 /// backend and dtype (`mla-diff golden check`), for every site and both dtypes.
 ///

@@ -70,6 +70,7 @@ fn device_paths_match_the_cpu_paths() {
         hidden_in: &hidden,
         batch: &batch,
         shared_selection: None,
+        forced_selection: None,
     };
     let gpu = Backend::Cuda(ops);
     let cpu = Backend::Cpu(CpuOps::new(Dtype::F32));

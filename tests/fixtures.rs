@@ -102,3 +102,29 @@ fn inspect_shows_quant_types_including_fallbacks() {
     );
     assert!(!out.contains("blk.1."), "--layer 0 filters other layers");
 }
+
+#[test]
+fn bf16_dsa_runs_judge_selection_flips_as_ties_not_bugs() {
+    // A bf16 indexer flips near-tied keys against the f64 reference: the flip is reported as a
+    // tie at idx_topk (within the bf16 band of the tolerance module), the attention after it runs
+    // on the reference's selection (teacher forcing), and the run passes.
+    let m = common::repo().join("golden/models/dsa-glm-f32.gguf");
+    let (code, out, err) = run_bin(&[
+        "run",
+        "--model",
+        m.to_str().unwrap(),
+        "--layer",
+        "1",
+        "--dtype",
+        "bf16",
+        "--seqs",
+        "1,15,16,17,53",
+        "--path",
+        "mha",
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("note: L1.idx_topk:") && out.contains("ties within 4e-2"),
+        "{out}"
+    );
+}

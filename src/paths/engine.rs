@@ -1498,7 +1498,11 @@ pub fn run<O: Ops>(ops: &O, kind: PathKind, input: &LayerInput<'_>, opts: &PathO
     };
     let mut tr = Trace::new();
     let pro = prologue(ops, input, &ew, opts, &mut tr)?;
-    let sel = engine_indexer(ops, input, opts, kind, &pro, &mut tr)?;
+    let own_sel = engine_indexer(ops, input, opts, kind, &pro, &mut tr)?;
+    let sel = match (&own_sel, input.forced_selection) {
+        (Some(_), Some(forced)) => Some(forced.clone()),
+        _ => own_sel,
+    };
     let (n, hd, l, p, r, v) = (
         cfg.n_head,
         cfg.hidden,

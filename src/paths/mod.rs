@@ -158,6 +158,10 @@ pub struct LayerInput<'a> {
     /// full layer, which the layer reuses. `None` elsewhere (a shared layer then runs the
     /// borrowed indexer on its own input, as the reference does).
     pub shared_selection: Option<&'a crate::indexer::Selection>,
+    /// Teacher forcing for reduced-precision runs: the selection the attention uses instead of
+    /// the path's own (which is still computed and recorded at `idx_*`). A near-tie flip of a
+    /// bf16 indexer is judged once, at `idx_topk`, instead of cascading into every attention site.
+    pub forced_selection: Option<&'a crate::indexer::Selection>,
 }
 
 /// What one path produced for one layer.

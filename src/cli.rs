@@ -677,7 +677,9 @@ pub struct SelftestArgs {
     /// Folder of GGUF fixtures (default: `golden/models` of this checkout, else the embedded one).
     #[arg(long)]
     pub models: Option<PathBuf>,
-    /// A subset: three fixtures, page size 16, TP 1 and the smallest TP > 1.
+    /// A subset: of the fixtures given, those named tiny-v3-q8_0, yarn-v3-f32, k256-q4_k_m,
+    /// dsa-glm-q8_0 or the embedded one (all given fixtures when none of these is among them);
+    /// page size 16, TP 1 and the smallest TP > 1.
     #[arg(long)]
     pub quick: bool,
     /// Layer to test in each fixture.

@@ -2,7 +2,9 @@
 //!
 //! Nothing else decides what is right, so this module is written to be read against MLA.md steps
 //! 1–9 line by line, and shares no code with the engine paths it judges beyond loading and
-//! dequantizing weights: its own RMSNorm, RoPE (interleaved, with YaRN frequencies), kv_b
+//! dequantizing weights and the DSA top-k rule and trace layout of [`crate::indexer`] (which HF's
+//! goldens check independently: the same key sets at every indexer layer): its own RMSNorm, RoPE
+//! (interleaved, NeoX for MiniCPM3, with YaRN frequencies), kv_b
 //! assembly and attention. Every product accumulates in f64 from the f32 dequantized weights, over
 //! the whole sequence, causal, with no cache and no fusion. It records EVERY site of DESIGN.md's
 //! table, the absorbed-only ones (`ql_nope`, `attn_latent`, `w.W_UK_T`, `w.W_UV`) included,

@@ -984,6 +984,11 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
     if a.tp == 0 {
         return Err(Error::Usage("--tp must be at least 1".into()));
     }
+    if a.new_tokens == 0 {
+        return Err(Error::Usage(
+            "--new-tokens must be at least 1 (the tokens each chunked-prefill step adds)".into(),
+        ));
+    }
     if a.page_size == 0 || a.splits == 0 || a.chunk_size == 0 {
         return Err(Error::Usage(
             "--page-size, --splits and --chunk-size must be at least 1".into(),

@@ -498,7 +498,7 @@ impl MlaConfig {
             q.push(format!("{} main RoPE", self.rope_style.name()));
         }
         if self.rope_factors.is_some() {
-            q.push("LongRoPE short factors".into());
+            q.push("RoPE frequencies divided by the LongRoPE short factors (rope_factors_short)".into());
         }
         if self.embedding_scale != 1.0 {
             q.push(format!("embedding ×{}", self.embedding_scale));
@@ -740,28 +740,29 @@ fn indexer_config(
 /// llama.cpp switches to `rope_factors_long` only when its context exceeds the original
 /// training context; mla-diff's sequences never do, so the short factors apply.
 ///
-/// Errors: a factor tensor of the wrong length ([`Error::BadKey`] naming the tensor), a
-/// non-finite or non-positive factor, dequantization errors.
+/// Errors: [`Error::TensorShape`] for a factor tensor of the wrong length, [`Error::Dequant`] for
+/// a non-finite or non-positive factor or undecodable bytes.
 fn rope_factors(file: &GgufFile, rope_dim: usize) -> Result<Option<Vec<f64>>> {
     let name = "rope_factors_short.weight";
     let Some(t) = file.tensor(name) else {
         return Ok(None);
     };
-    let bad = |reason: String| Error::BadKey {
-        path: file.path().to_path_buf(),
-        key: name.to_string(),
-        reason,
-    };
     if t.n_elements() as usize != rope_dim / 2 {
-        return Err(bad(format!(
-            "{} factors for rope.dimension_count {rope_dim} (expected R/2 = {})",
-            t.n_elements(),
-            rope_dim / 2
-        )));
+        return Err(Error::TensorShape {
+            path: file.path().to_path_buf(),
+            tensor: name.to_string(),
+            expected: vec![(rope_dim / 2) as u64],
+            got: t.shape(),
+            why: format!("R/2 for rope.dimension_count {rope_dim}"),
+        });
     }
     let v = crate::weights::dequant_tensor(file, t)?;
     if let Some(x) = v.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
-        return Err(bad(format!("factor {x} is not a positive finite number")));
+        return Err(Error::Dequant {
+            path: file.path().to_path_buf(),
+            tensor: name.to_string(),
+            reason: format!("LongRoPE factor {x} is not a positive finite number"),
+        });
     }
     Ok(Some(v.into_iter().map(f64::from).collect()))
 }

@@ -291,7 +291,7 @@ pub fn markdown(rep: &RunReport, env: &Environment, command: &str, file: &GgufFi
         c.rms_eps,
         match c.kv_b_layout {
             crate::config::KvBLayout::Split => "split (attn_k_b, attn_v_b)",
-            crate::config::KvBLayout::Fused => "fused (legacy attn_kv_b)",
+            crate::config::KvBLayout::Fused => "fused (one attn_kv_b)",
         },
         c.leading_dense_block_count
     );
@@ -304,7 +304,11 @@ pub fn markdown(rep: &RunReport, env: &Environment, command: &str, file: &GgufFi
             m.line()
         );
     }
-    s.push_str("| tensor | ggml type | shape (ggml order) |\n|---|---|---|\n");
+    let quirks = c.quirks();
+    if !quirks.is_empty() {
+        let _ = writeln!(s, "Architecture specifics: {}.\n", quirks.join("; "));
+    }
+    s.push_str("| tensor | ggml type | shape (PyTorch order) |\n|---|---|---|\n");
     for t in &rep.model.tensor_types {
         let shape = file.tensor(&t.name).map(|i| i.shape()).unwrap_or_default();
         let _ = writeln!(s, "| `{}` | {} | {:?} |", t.name, t.ggml_type.name(), shape);

@@ -154,3 +154,33 @@ fn dsa_and_minicpm3_fixtures_read_their_architecture_keys() {
         (RopeStyle::Interleaved, 1.0, 1.0)
     );
 }
+
+#[test]
+fn longrope_short_factors_divide_the_rope_frequencies() {
+    // MiniCPM3-style `rope_factors_short.weight` [R/2]: θ_i = base^(−2i/R) / factor_i, in the
+    // reference and, through the same config, the engine paths.
+    let d = Dims::default();
+    let r = cfg_of(&deepseek2(d, false)).unwrap().qk_rope_head_dim;
+    let factors: Vec<f32> = (0..r / 2).map(|i| 1.0 + i as f32).collect();
+    let mut g = deepseek2(d, false);
+    g.f32_tensor("rope_factors_short.weight", &[(r / 2) as u64], &factors);
+    let c = cfg_of(&g).unwrap();
+    assert_eq!(
+        c.rope_factors.as_deref(),
+        Some(&factors.iter().map(|&x| f64::from(x)).collect::<Vec<_>>()[..])
+    );
+    let plain = mla_diff::reference::rope_inv_freq(&cfg_of(&deepseek2(d, false)).unwrap());
+    let scaled = mla_diff::reference::rope_inv_freq(&c);
+    for (i, (p, s)) in plain.iter().zip(&scaled).enumerate() {
+        approx::assert_relative_eq!(*s, p / (1.0 + i as f64), max_relative = 1e-15);
+    }
+    // A factor tensor of the wrong length is an error naming the tensor.
+    let mut bad = deepseek2(d, false);
+    bad.f32_tensor(
+        "rope_factors_short.weight",
+        &[(r / 2 + 1) as u64],
+        &vec![1.0; r / 2 + 1],
+    );
+    let e = cfg_of(&bad).unwrap_err().to_string();
+    assert!(e.contains("rope_factors_short.weight"), "{e}");
+}

@@ -995,7 +995,11 @@ fn indexer_topk_stale(x: &SiteCtx<'_>) -> Detected {
             stale >= 0.6 && stale > indexer::jaccard(&c[i], &r[i])
         }
     };
-    let d = (1..=seq.iter().copied().max().unwrap_or(0)).find(|&d| bad.iter().all(|&i| explained(d, i)))?;
+    // The stride that explains every differing token best (the largest summed overlap).
+    let fit = |d: usize| bad.iter().map(|&i| indexer::jaccard(&c[i], &r[i - d])).sum::<f64>();
+    let d = (1..=seq.iter().copied().max().unwrap_or(0))
+        .filter(|&d| bad.iter().all(|&i| explained(d, i)))
+        .max_by(|&a, &b| fit(a).total_cmp(&fit(b)).then(b.cmp(&a)))?;
     let scores_state = match x
         .path
         .diffs
@@ -1016,7 +1020,7 @@ fn indexer_topk_stale(x: &SiteCtx<'_>) -> Detected {
             j
         ),
         format!(
-            "a top-k index buffer is reused across chunks: the new tokens read the previous chunk's indices (stride {d} = the chunk length); recompute or re-slice the indexer output per chunk"
+            "a top-k index buffer is reused across chunks: the new tokens read the previous chunk's indices (stride {d} = the tokens each chunked-prefill step adds, --new-tokens here); recompute or re-slice the indexer output per chunk"
         ),
     ))
 }

@@ -490,6 +490,7 @@ fn engine_indexer<O: Ops>(
     kind: PathKind,
     pro: &Prologue<O::Buf>,
     tr: &mut Trace,
+    notes: &mut Vec<String>,
 ) -> Result<Option<Selection>> {
     let cfg = input.cfg;
     let (Some(ix), Some(iw)) = (&cfg.indexer, &input.weights.indexer) else {
@@ -572,6 +573,7 @@ fn engine_indexer<O: Ops>(
     if opts.faults.has(Fault::IndexerTopkStale) && kind == PathKind::Chunked {
         // The new tokens read the top-k buffer the previous chunk left behind.
         let fresh = sel.clone();
+        let mut changed = 0usize;
         for ((&(c, n), off), sq) in chunked_split(batch, opts.new_tokens)
             .iter()
             .zip(batch.offsets())
@@ -580,9 +582,21 @@ fn engine_indexer<O: Ops>(
             for i in c..sq.len.min(c + n) {
                 if i >= n {
                     sel.rows[off + i] = fresh.rows[off + i - n].clone();
+                    changed += usize::from(sel.rows[off + i] != fresh.rows[off + i]);
                 }
             }
         }
+        notes.push(if changed > 0 {
+            format!(
+                "{changed} new token(s) read the top-k of the token --new-tokens {} positions earlier",
+                opts.new_tokens
+            )
+        } else {
+            format!(
+                "no new token's selection changed: the stale top-k fault had nothing to act on (it needs a sequence longer than --new-tokens {} whose tokens see more keys than the indexer's top-k {})",
+                opts.new_tokens, ix.top_k
+            )
+        });
     }
     if full {
         tr.record(Site::new(layer, Stage::IdxQ), TraceTensor::f32(vec![t, ni, d], q));
@@ -1498,7 +1512,15 @@ pub fn run<O: Ops>(ops: &O, kind: PathKind, input: &LayerInput<'_>, opts: &PathO
     };
     let mut tr = Trace::new();
     let pro = prologue(ops, input, &ew, opts, &mut tr)?;
-    let own_sel = engine_indexer(ops, input, opts, kind, &pro, &mut tr)?;
+    let own_sel = engine_indexer(ops, input, opts, kind, &pro, &mut tr, &mut notes)?;
+    if (opts.faults.has(Fault::RopeNeox) || opts.faults.has(Fault::IndexerRopeInterleaved))
+        && input.batch.positions().iter().all(|&p| p == 0)
+    {
+        notes.push(
+            "every token is at position 0, where RoPE is the identity: the RoPE fault had nothing to act on (use more tokens or --start-pos)"
+                .into(),
+        );
+    }
     let sel = match (&own_sel, input.forced_selection) {
         (Some(_), Some(forced)) => Some(forced.clone()),
         _ => own_sel,

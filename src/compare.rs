@@ -96,8 +96,10 @@ pub struct SiteDiff {
     pub failed: Vec<&'static str>,
     /// The tolerance row applied.
     pub tolerance: Tolerance,
-    /// Why a site whose values differ still passes (`idx_topk`: the tokens whose kept keys
-    /// differ only at ties within the precision's band, [`crate::tolerance::selection_tie_band`]).
+    /// A remark on the comparison: for a failing id site (`moe_topk`, `idx_topk`), how many
+    /// tokens differ as sets and their mean Jaccard overlap; for an `idx_topk` that passes
+    /// although its values differ, the tokens whose kept keys differ only at ties within the
+    /// precision's band ([`crate::tolerance::selection_tie_band`]).
     pub note: Option<String>,
 }
 
@@ -365,6 +367,12 @@ pub fn diff(reference: &Trace, cand: &Trace, precision: impl Into<Precision>) ->
         .filter_map(|site| {
             cand.get(&site).map(|c| {
                 let mut d = diff_site(site, reference.get(&site), c, precision);
+                if site.stage.is_id_set()
+                    && d.status == Status::Fail
+                    && let Some(r) = reference.get(&site)
+                {
+                    d.note = Some(set_summary(r, c));
+                }
                 if site.stage == Stage::IdxTopk && d.status == Status::Fail {
                     accept_selection_ties(&mut d, reference, c, precision);
                 }
@@ -372,6 +380,32 @@ pub fn diff(reference: &Trace, cand: &Trace, precision: impl Into<Precision>) ->
             })
         })
         .collect()
+}
+
+/// How two id sites ([T, K], −1 padding) differ as sets per token: the element metrics of the
+/// table mean little for ids, so the note says how many tokens differ and their mean Jaccard
+/// overlap.
+fn set_summary(r: &TraceTensor, c: &TraceTensor) -> String {
+    let (kr, kc) = (
+        r.shape.last().copied().unwrap_or(0),
+        c.shape.last().copied().unwrap_or(0),
+    );
+    let (a, b) = (
+        crate::indexer::topk_sets(&r.to_f64(), kr),
+        crate::indexer::topk_sets(&c.to_f64(), kc),
+    );
+    let j: Vec<f64> = a
+        .iter()
+        .zip(&b)
+        .filter(|(x, y)| x != y)
+        .map(|(x, y)| crate::indexer::jaccard(x, y))
+        .collect();
+    format!(
+        "compared as sets: {} of {} tokens differ (mean Jaccard {:.3} over those)",
+        j.len(),
+        a.len(),
+        j.iter().sum::<f64>() / j.len().max(1) as f64
+    )
 }
 
 /// Passes an `idx_topk` site whose differing tokens differ only by keys whose reference scores

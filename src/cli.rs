@@ -909,9 +909,18 @@ fn check_faults(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<()> 
             .map(|&p| (p, f.applies(p, cfg, rc.path_options.tp, block)))
             .collect();
         if verdicts.iter().all(|(_, v)| v.is_err()) {
-            let why: Vec<String> = verdicts
-                .iter()
-                .filter_map(|(p, v)| v.err().map(|e| format!("{p}: {e}")))
+            // One reason per distinct cause, with the paths that share it.
+            let mut why: Vec<(String, Vec<String>)> = Vec::new();
+            for (p, v) in &verdicts {
+                let e = v.err().unwrap_or_default().to_string();
+                match why.iter_mut().find(|(r, _)| *r == e) {
+                    Some((_, ps)) => ps.push(p.to_string()),
+                    None => why.push((e, vec![p.to_string()])),
+                }
+            }
+            let why: Vec<String> = why
+                .into_iter()
+                .map(|(e, ps)| format!("{}: {e}", ps.join(", ")))
                 .collect();
             return Err(Error::Usage(format!(
                 "--inject {f} acts on none of the requested paths ({}); see `mla-diff run --help` and README's fault table",

@@ -55,6 +55,31 @@ pub fn rope_f64(x: &mut [f64], pos: usize, inv_freq: &[f64], style: RopeStyle) {
     }
 }
 
+/// The indexer's RoPE, in place: the first `R = 2·inv_freq.len()` dims of every head of
+/// `q` [T, N_idx, D_idx] and of `k` [T, D_idx] (each head is `[rope R | nope D_idx−R]`), token `t`
+/// at `positions[t]`, with the indexer's pairing `style`. f64.
+pub fn rope_indexer(
+    q: &mut [f64],
+    k: &mut [f64],
+    ix: &IndexerConfig,
+    positions: &[usize],
+    inv_freq: &[f64],
+    style: RopeStyle,
+) {
+    let (ni, d, r) = (ix.n_head, ix.head_dim, inv_freq.len() * 2);
+    for (t, &pos) in positions.iter().enumerate() {
+        for h in 0..ni {
+            let o = (t * ni + h) * d;
+            if let Some(x) = q.get_mut(o..o + r) {
+                rope_f64(x, pos, inv_freq, style);
+            }
+        }
+        if let Some(x) = k.get_mut(t * d..t * d + r) {
+            rope_f64(x, pos, inv_freq, style);
+        }
+    }
+}
+
 /// LayerNorm of one row with gain `g` and bias `b` (population variance, `eps` inside the
 /// square root), f64: HF `nn.LayerNorm`, llama.cpp `LLM_NORM`.
 pub fn layer_norm(x: &[f64], g: &[f32], b: &[f32], eps: f64) -> Vec<f64> {

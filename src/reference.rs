@@ -448,7 +448,6 @@ fn reference_indexer(
 ) -> (Selection, Vec<StageValues>) {
     let t = batch.n_tokens();
     let (ni, d) = (ix.n_head, ix.head_dim);
-    let r = inv_freq.len() * 2;
     let q = linear32(q_c_normed, &iw.q_b);
     let k_raw = linear32(x, &iw.k);
     let wts = linear32(x, &iw.proj);
@@ -459,16 +458,16 @@ fn reference_indexer(
         .flat_map(|row| indexer::layer_norm(&row.to_vec(), &g, &b, ix.norm_eps))
         .collect();
     let qv: Vec<f64> = q.iter().copied().collect();
-    let positions = batch.positions();
     let mut q_roped = qv.clone();
     let mut k_roped = k.clone();
-    for ti in 0..t {
-        for h in 0..ni {
-            let o = (ti * ni + h) * d;
-            indexer::rope_f64(&mut q_roped[o..o + r], positions[ti], inv_freq, ix.rope_style);
-        }
-        indexer::rope_f64(&mut k_roped[ti * d..ti * d + r], positions[ti], inv_freq, ix.rope_style);
-    }
+    indexer::rope_indexer(
+        &mut q_roped,
+        &mut k_roped,
+        ix,
+        &batch.positions(),
+        inv_freq,
+        ix.rope_style,
+    );
     let wv: Vec<f64> = wts.iter().copied().collect();
     let sc = indexer::scores(ix, batch, &q_roped, &k_roped, &wv);
     let sel = indexer::select(ix.top_k, batch, &sc);

@@ -170,14 +170,19 @@ pub fn reference_layer(
     shared: Option<&Selection>,
 ) -> Result<RefOutput> {
     let r = reference::forward_sel(cfg, w, hidden, batch, shared)?;
+    Ok(with_rank_sites(r, cfg, w, tp))
+}
+
+/// A reference layer's output plus the per-rank weight sites for `tp`.
+fn with_rank_sites(r: reference::RefLayer, cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> RefOutput {
     let mut trace = r.trace;
     trace.extend(reference::rank_weight_sites(cfg, w, tp));
-    Ok(RefOutput {
+    RefOutput {
         trace,
         hidden_out: r.hidden_out,
-        moe_nonfinite: Vec::new(),
+        moe_nonfinite: r.moe_nonfinite,
         selection: r.selection,
-    })
+    }
 }
 
 /// [`reference_layer`], and for an MoE layer also its MoE FFN ([`reference::forward_full`]):
@@ -194,14 +199,7 @@ pub fn reference_layer_full(
     shared: Option<&Selection>,
 ) -> Result<RefOutput> {
     let r = reference::forward_full_sel(file, cfg, w, hidden, batch, shared)?;
-    let mut trace = r.trace;
-    trace.extend(reference::rank_weight_sites(cfg, w, tp));
-    Ok(RefOutput {
-        trace,
-        hidden_out: r.hidden_out,
-        moe_nonfinite: r.moe_nonfinite,
-        selection: r.selection,
-    })
+    Ok(with_rank_sites(r, cfg, w, tp))
 }
 
 /// Runs the requested paths on one layer, compares them with the reference and diagnoses them.

@@ -880,7 +880,7 @@ fn rescore_indexer(x: &SiteCtx<'_>, style: RopeStyle) -> Option<Vec<f64>> {
     let q = x.ref_site(Stage::IdxQ)?.to_f64();
     let k = x.ref_site(Stage::IdxK)?.to_f64();
     let w = x.ref_site(Stage::IdxWeights)?.to_f64();
-    let (ni, d, r) = (ix.n_head, ix.head_dim, x.input.cfg.qk_rope_head_dim);
+    let (ni, d) = (ix.n_head, ix.head_dim);
     let inv = rope_inv_freq(x.input.cfg);
     let pos = x.input.batch.positions();
     let t = pos.len();
@@ -888,13 +888,7 @@ fn rescore_indexer(x: &SiteCtx<'_>, style: RopeStyle) -> Option<Vec<f64>> {
         return None;
     }
     let (mut qr, mut kr) = (q, k);
-    for ti in 0..t {
-        for h in 0..ni {
-            let o = (ti * ni + h) * d;
-            indexer::rope_f64(&mut qr[o..o + r], pos[ti], &inv, style);
-        }
-        indexer::rope_f64(&mut kr[ti * d..ti * d + r], pos[ti], &inv, style);
-    }
+    indexer::rope_indexer(&mut qr, &mut kr, ix, &pos, &inv, style);
     Some(indexer::scores(ix, x.input.batch, &qr, &kr, &w))
 }
 

@@ -630,6 +630,16 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
                 c.defines(),
             ));
         }
+        // The prefill kernel in the other layouts its configurations select (Q in registers,
+        // 32-key tiles, a deeper pipeline, 8 warps).
+        for s in ["4,64,2,1,1", "8,32,3,0,2"] {
+            let c = crate::cuda::prefill::PrefillCfg::parse(s)?;
+            jobs.push((
+                crate::cuda::Module::FastPrefill,
+                format!("{} ({})", crate::cuda::Module::FastPrefill.file(), c.label()),
+                c.defines(),
+            ));
+        }
         for (m, label, defines) in jobs {
             let c = crate::cuda::compile(m, arch, &include, true, &defines)?;
             if let Some(dir) = &a.out

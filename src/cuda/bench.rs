@@ -20,6 +20,7 @@ use cudarc::driver::CudaSlice;
 use serde::Serialize;
 
 use super::ops::{CudaOps, DecodeCfg, DecodeMerge, DecodeShape};
+use super::prefill::{PrefillCfg, bench_variants};
 use crate::batch::SplitMix64;
 use crate::error::{Error, Result};
 use crate::paths::ops::{EmptyRows, Ops, Segment};
@@ -333,8 +334,16 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f64 {
         .fold(0.0, |m, d| if d.is_nan() || m.is_nan() { f64::NAN } else { m.max(d) })
 }
 
-/// Causal MHA prefill of one sequence of `t` tokens.
-pub fn prefill(ops: &CudaOps, t: usize, nh: usize, dqk: usize, dv: usize) -> Result<BenchFigure> {
+/// Causal MHA prefill of one sequence of `t` tokens in configuration `cfg` (None: the
+/// engine's), and its output (`out` then `lse`, for comparing configurations).
+pub fn prefill(
+    ops: &CudaOps,
+    cfg: Option<PrefillCfg>,
+    t: usize,
+    nh: usize,
+    dqk: usize,
+    dv: usize,
+) -> Result<(BenchFigure, Vec<f32>)> {
     let q = random_bf16(ops, t * nh * dqk, 4, 1.0)?;
     let k = random_bf16(ops, t * nh * dqk, 5, 1.0)?;
     let v = random_bf16(ops, t * nh * dv, 6, 1.0)?;
@@ -350,6 +359,7 @@ pub fn prefill(ops: &CudaOps, t: usize, nh: usize, dqk: usize, dv: usize) -> Res
     let scale = (dqk as f64).powf(-0.5) as f32;
     let us = time_us(ops, 2, 10, || {
         ops.prefill_mma(
+            cfg,
             &q,
             &k,
             &v,
@@ -364,14 +374,18 @@ pub fn prefill(ops: &CudaOps, t: usize, nh: usize, dqk: usize, dv: usize) -> Res
         )
     })?;
     let flops = (nh as f64) * (t as f64) * (t as f64) * (dqk + dv) as f64;
-    Ok(BenchFigure {
+    let used = cfg.or(PrefillCfg::from_env()?).unwrap_or_default().for_shape(dqk, dv);
+    let mut o = ops.download(&out)?;
+    o.extend(ops.download(&lse)?);
+    let fig = BenchFigure {
         name: "mha prefill".into(),
         shape: format!("T={t} N={nh} P+R={dqk} V={dv} causal bf16"),
         micros: us,
         value: flops / (us * 1e-6) / 1e12,
         unit: "TFLOP/s".into(),
-        note: "counts N·T²·(P+R+V)".into(),
-    })
+        note: format!("counts N·T²·(P+R+V); {}", used.label()),
+    };
+    Ok((fig, o))
 }
 
 /// Every benchmark of the CUDA issue, in one run.
@@ -394,12 +408,18 @@ pub fn all(ops: &CudaOps) -> Result<Vec<BenchFigure>> {
     let (im, ic) = (decode_inputs(&ops, mem)?, decode_inputs(&ops, comp)?);
     let (fm, om) = decode(&ops, mem, &im, None, None, true)?;
     let (fc, oc) = decode(&ops, comp, &ic, None, None, true)?;
-    let mut figs = vec![
-        copy_bandwidth(&ops, 2 << 30)?,
-        fm,
-        fc,
-        prefill(&ops, 4096, 16, 192, 128)?,
-    ];
+    let (fp, op) = prefill(&ops, None, 4096, 16, 192, 128)?;
+    let mut figs = vec![copy_bandwidth(&ops, 2 << 30)?, fm, fc, fp];
+    for cfg in bench_variants()? {
+        let (mut f, o) = prefill(&ops, Some(cfg), 4096, 16, 192, 128)?;
+        f.name = format!("{} [{}]", f.name, cfg.label());
+        f.note = format!(
+            "{}; max |Δ| vs the default configuration {:.3e}",
+            f.note,
+            max_abs_diff(&o, &op)
+        );
+        figs.push(f);
+    }
     for (compute_bound, cfg, splits, fused_merge) in variants()? {
         let (d, inp, base) = if compute_bound {
             (comp, &ic, &oc)

@@ -11,6 +11,7 @@
 
 pub mod bench;
 pub mod ops;
+pub mod prefill;
 
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};

@@ -16,6 +16,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 
+use super::prefill::PrefillCfg;
 use super::{Module, compile, include_dir, probe};
 use crate::error::{Error, Result};
 use crate::gguf::{GgmlType, dequant};
@@ -369,11 +370,6 @@ impl CudaOps {
 }
 
 impl CudaOps {
-    /// Shared memory of `flash_prefill_mma` for (P+R, V): Q tile and two K/V stages, bf16.
-    pub fn prefill_smem(dqk: usize, dv: usize) -> usize {
-        (64 * (dqk + 8) * 3 + 2 * 64 * (dv + 8)) * 2
-    }
-
     /// Block tables as one `[n, max_blocks]` array (rows padded with block 0), checked against
     /// the context lengths and the cache's size; returns it and `max_blocks`.
     fn flat_tables(
@@ -480,14 +476,20 @@ impl CudaOps {
             self.to_bf16(k, k.len())?,
             self.to_bf16(v, v.len())?,
         );
-        self.prefill_mma(&qb, &kb, &vb, nh, dqk, dv, segments, scale, empty, out, lse)
+        self.prefill_mma(None, &qb, &kb, &vb, nh, dqk, dv, segments, scale, empty, out, lse)
     }
 
     /// Launches `flash_prefill_mma` on bf16 inputs `q [Tq, nh, dqk]`, `k [Tk, nh, dqk]`,
-    /// `v [Tk, nh, dv]`, writing `out [Tq, nh, dv]` and `lse [Tq, nh]` (see fast_prefill.cu).
+    /// `v [Tk, nh, dv]`, writing `out [Tq, nh, dv]` and `lse [Tq, nh]` (see fast_prefill.cu), in
+    /// configuration `cfg` (None: `MLA_DIFF_PREFILL_CFG` if set, else the default), adapted to
+    /// the head widths by [`PrefillCfg::for_shape`].
+    ///
+    /// Errors: a bad `MLA_DIFF_PREFILL_CFG`, an NVRTC compile or module load failure, or a
+    /// launch failure, each naming the kernel.
     #[allow(clippy::too_many_arguments)]
     pub fn prefill_mma(
         &self,
+        cfg: Option<PrefillCfg>,
         qb: &CudaSlice<half::bf16>,
         kb: &CudaSlice<half::bf16>,
         vb: &CudaSlice<half::bf16>,
@@ -500,24 +502,36 @@ impl CudaOps {
         out: &mut CudaSlice<f32>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        let pc = match cfg {
+            Some(c) => c,
+            None => PrefillCfg::from_env()?.unwrap_or_default(),
+        }
+        .for_shape(dqk, dv);
+        // The kernel's offsets inside one K/V tile are 32-bit.
+        if pc.bk * nh * dqk.max(dv) > i32::MAX as usize {
+            return Err(cerr(format!(
+                "flash_prefill_mma: {nh} heads of width {} overflow the kernel's 32-bit tile offsets",
+                dqk.max(dv)
+            )));
+        }
         let mut segs = Vec::new();
         let mut tiles = Vec::new();
         for (si, sg) in segments.iter().enumerate() {
             segs.extend([sg.q_off, sg.q_len, sg.k_off, sg.k_len, usize::from(sg.causal)]);
             // Causal tiles further down see more keys: schedule the heaviest first.
-            for q0 in (0..sg.q_len).step_by(64).rev() {
+            for q0 in (0..sg.q_len).step_by(pc.rows()).rev() {
                 tiles.extend([si, q0]);
             }
         }
         if tiles.is_empty() {
             return Ok(());
         }
-        let smem = Self::prefill_smem(dqk, dv);
-        let f = self.fast_function(Module::FastPrefill, dqk, dv, &[], smem)?;
+        let smem = pc.smem(dqk, dv);
+        let f = self.fast_function(Module::FastPrefill, dqk, dv, &pc.defines(), smem)?;
         let (segs_d, tiles_d) = (self.idx(&segs)?, self.idx(&tiles)?);
         let cfg = LaunchConfig {
             grid_dim: ((tiles.len() / 2) as u32, nh as u32, 1),
-            block_dim: (128, 1, 1),
+            block_dim: (pc.threads() as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
         let (h, em) = (nh as i64, empty.code());

@@ -1,0 +1,294 @@
+//! Launch configurations of the tensor-core MHA prefill kernel (`kernels/fast_prefill.cu`).
+//!
+//! The prefill kernel is compiled per configuration (warps per block, keys per K/V tile,
+//! pipeline depth, where Q's fragments live, blocks per SM), because those choices set its
+//! register and shared-memory budget and so how many warps an SM keeps in flight, which is what
+//! decides its speed on a given GPU. This module names a configuration, checks it, gives its
+//! `-D` defines, its shared memory and its query-tile height, and reads one from
+//! `MLA_DIFF_PREFILL_CFG` (engine) or `MLA_DIFF_BENCH_PREFILL` (extra benchmark variants).
+//! The kernel's arithmetic is the same in every configuration (FlashAttention-2, Dao 2023): only
+//! the order of the online-softmax updates over key tiles changes with the tile width.
+
+use crate::error::{Error, Result};
+
+fn cerr(what: impl std::fmt::Display) -> Error {
+    Error::Cuda(what.to_string())
+}
+
+/// Largest dynamic shared memory one block may use on sm_80/sm_90 (227 KiB).
+const MAX_SMEM: usize = 227 * 1024;
+
+/// One compile-time configuration of `flash_prefill_mma`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PrefillCfg {
+    /// Warps per block (1..=16).
+    pub warps: usize,
+    /// 16-row m-tiles per warp (1 or 2): a block holds `16·mt·warps` query rows, and every K/V
+    /// fragment read from shared memory feeds `mt` MMAs. 2 needs Q in shared memory.
+    pub mt: usize,
+    /// Keys per K/V tile: 32 or 64.
+    pub bk: usize,
+    /// K/V tiles in the cp.async pipeline (2..=4).
+    pub stages: usize,
+    /// Q's A fragments in registers, loaded once from global memory (no Q tile in shared
+    /// memory); false: Q in shared memory, read with `ldmatrix` at every tile.
+    pub qreg: bool,
+    /// Blocks per SM the register allocation must allow (`__launch_bounds__`, 1..=4).
+    pub min_blocks: usize,
+}
+
+/// Usage of the configuration string, for errors.
+const SYNTAX: &str = "WARPS,BK,STAGES,QREG,MINBLOCKS[,MT]";
+
+impl Default for PrefillCfg {
+    /// The configuration the engine and the benchmark run unless told otherwise: 4 warps (64
+    /// query rows), 64-key tiles, double-buffered, Q in shared memory (221 registers, no
+    /// spills; two blocks per SM by registers and by shared memory), the fastest of the nine
+    /// measured on the H200 (BENCHMARKS.md, "Prefill configurations").
+    fn default() -> Self {
+        PrefillCfg {
+            warps: 4,
+            mt: 1,
+            bk: 64,
+            stages: 2,
+            qreg: false,
+            min_blocks: 1,
+        }
+    }
+}
+
+impl PrefillCfg {
+    /// Parses `WARPS,BK,STAGES,QREG,MINBLOCKS[,MT]` (QREG 0 or 1; MT 1 when left out), e.g.
+    /// `4,32,3,0,3` or `4,32,2,0,1,2`.
+    ///
+    /// Errors: [`Error::Cuda`] naming the string when a field is missing or not a number, or
+    /// when the configuration fails [`PrefillCfg::check`].
+    pub fn parse(s: &str) -> Result<Self> {
+        let v: Vec<usize> = s
+            .split(',')
+            .map(|x| x.trim().parse::<usize>())
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|_| cerr(format!("prefill configuration `{s}`: expected {SYNTAX}")))?;
+        let (warps, bk, stages, qreg, min_blocks, mt) = match v[..] {
+            [a, b, c, d, e] => (a, b, c, d, e, 1),
+            [a, b, c, d, e, f] => (a, b, c, d, e, f),
+            _ => return Err(cerr(format!("prefill configuration `{s}`: expected {SYNTAX}"))),
+        };
+        if qreg > 1 {
+            return Err(cerr(format!("prefill configuration `{s}`: QREG must be 0 or 1")));
+        }
+        let c = PrefillCfg {
+            warps,
+            mt,
+            bk,
+            stages,
+            qreg: qreg == 1,
+            min_blocks,
+        };
+        c.check()?;
+        Ok(c)
+    }
+
+    /// The configuration named by `MLA_DIFF_PREFILL_CFG`, if set and not empty.
+    ///
+    /// Errors: as [`PrefillCfg::parse`].
+    pub fn from_env() -> Result<Option<Self>> {
+        match std::env::var("MLA_DIFF_PREFILL_CFG") {
+            Ok(s) if !s.is_empty() => Self::parse(&s).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Checks the ranges the kernel supports (its `#error` line and the launch limits).
+    ///
+    /// Errors: [`Error::Cuda`] with the configuration when a field is out of range.
+    pub fn check(&self) -> Result<()> {
+        let ok = (1..=16).contains(&self.warps)
+            && matches!(self.mt, 1 | 2)
+            && !(self.qreg && self.mt > 1)
+            && matches!(self.bk, 32 | 64)
+            && (2..=4).contains(&self.stages)
+            && (1..=4).contains(&self.min_blocks);
+        if ok {
+            Ok(())
+        } else {
+            Err(cerr(format!(
+                "invalid prefill configuration {self:?}: warps 1..=16, MT 1 or 2 (1 with QREG), BK 32 or 64, stages 2..=4, min blocks 1..=4"
+            )))
+        }
+    }
+
+    /// Query rows per block (`16·mt·warps`): the step of the `(segment, first row)` tile list.
+    pub fn rows(&self) -> usize {
+        16 * self.mt * self.warps
+    }
+
+    /// Threads per block.
+    pub fn threads(&self) -> usize {
+        32 * self.warps
+    }
+
+    /// Dynamic shared memory in bytes for head widths `dqk` = P+R and `dv` = V: the K/V stages
+    /// (bf16 rows padded by 8 elements) and, without `qreg`, the Q tile.
+    pub fn smem(&self, dqk: usize, dv: usize) -> usize {
+        let stage = self.bk * ((dqk + 8) + (dv + 8));
+        let q = if self.qreg { 0 } else { self.rows() * (dqk + 8) };
+        (self.stages * stage + q) * 2
+    }
+
+    /// This configuration if its shared memory fits one block (227 KiB) at `dqk`, `dv`;
+    /// otherwise the same with fewer stages, then 32-key tiles, then Q in registers, until it
+    /// fits (the smallest, 2 stages of 32 keys with Q in registers, holds head widths up to
+    /// ~1700).
+    pub fn fit(mut self, dqk: usize, dv: usize) -> Self {
+        while self.smem(dqk, dv) > MAX_SMEM {
+            if self.stages > 2 {
+                self.stages -= 1;
+            } else if self.bk > 32 {
+                self.bk = 32;
+            } else if !self.qreg && self.mt == 1 {
+                self.qreg = true;
+            } else {
+                break;
+            }
+        }
+        self
+    }
+
+    /// This configuration as it runs at head widths `dqk`, `dv`: Q moves to shared memory when
+    /// `dqk` > 256 (Q in registers would take `dqk/4` registers per thread and spill), then
+    /// [`PrefillCfg::fit`].
+    pub fn for_shape(self, dqk: usize, dv: usize) -> Self {
+        let c = if self.qreg && dqk > 256 {
+            PrefillCfg { qreg: false, ..self }
+        } else {
+            self
+        };
+        c.fit(dqk, dv)
+    }
+
+    /// `-D` defines of this configuration (the names in fast_prefill.cu's header).
+    pub fn defines(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            ("FP_WARPS", self.warps),
+            ("FP_MT", self.mt),
+            ("FP_BK", self.bk),
+            ("FP_STAGES", self.stages),
+            ("FP_QREG", usize::from(self.qreg)),
+            ("FP_MINB", self.min_blocks),
+        ]
+    }
+
+    /// Short label, e.g. `w4 k64 s2 qreg` (` m2` for two m-tiles per warp, ` b2` when two
+    /// blocks per SM are asked for).
+    pub fn label(&self) -> String {
+        format!(
+            "w{}{} k{} s{} {}{}",
+            self.warps,
+            if self.mt > 1 {
+                format!(" m{}", self.mt)
+            } else {
+                String::new()
+            },
+            self.bk,
+            self.stages,
+            if self.qreg { "qreg" } else { "qsmem" },
+            if self.min_blocks > 1 {
+                format!(" b{}", self.min_blocks)
+            } else {
+                String::new()
+            }
+        )
+    }
+}
+
+/// Extra prefill configurations from `MLA_DIFF_BENCH_PREFILL`: `;`-separated
+/// `WARPS,BK,STAGES,QREG,MINBLOCKS[,MT]` entries (empty when unset).
+///
+/// Errors: [`Error::Cuda`] naming the first entry that does not parse or check.
+pub fn bench_variants() -> Result<Vec<PrefillCfg>> {
+    let Ok(spec) = std::env::var("MLA_DIFF_BENCH_PREFILL") else {
+        return Ok(Vec::new());
+    };
+    spec.split(';')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .map(PrefillCfg::parse)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_round_trips_and_checks() {
+        let c = PrefillCfg::parse("8, 32, 3, 0, 2").unwrap();
+        assert_eq!(
+            c,
+            PrefillCfg {
+                warps: 8,
+                mt: 1,
+                bk: 32,
+                stages: 3,
+                qreg: false,
+                min_blocks: 2
+            }
+        );
+        assert_eq!(c.label(), "w8 k32 s3 qsmem b2");
+        assert_eq!(c.rows(), 128);
+        assert_eq!(c.threads(), 256);
+        assert_eq!(
+            c.defines(),
+            vec![
+                ("FP_WARPS", 8),
+                ("FP_MT", 1),
+                ("FP_BK", 32),
+                ("FP_STAGES", 3),
+                ("FP_QREG", 0),
+                ("FP_MINB", 2)
+            ]
+        );
+        for bad in [
+            "4,48,2,1,1",
+            "4,64,1,1,1",
+            "4,64,2,2,1",
+            "0,64,2,1,1",
+            "4,64,2,1",
+            "4,x,2,1,1",
+        ] {
+            let e = PrefillCfg::parse(bad).unwrap_err().to_string();
+            assert!(e.contains("prefill configuration"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn shared_memory_matches_the_kernel_layout() {
+        // V3 dims (P+R = 192, V = 128): a stage of 64 keys is 64·(200 + 136)·2 = 43008 bytes.
+        let d = PrefillCfg::default();
+        assert_eq!(d.smem(192, 128), 2 * 43008 + 25600, "the Q tile adds 64·200·2 bytes");
+        // Two such blocks fit an SM.
+        assert!(2 * d.smem(192, 128) <= MAX_SMEM);
+        let q = PrefillCfg { qreg: true, ..d };
+        assert_eq!(q.smem(192, 128), 2 * 43008);
+        // 32-key tiles halve each stage.
+        let s3 = PrefillCfg::parse("4,32,3,1,3").unwrap();
+        assert_eq!(s3.smem(192, 128), 3 * 21504);
+        // Three such blocks fit an SM's 227 KiB.
+        assert!(3 * s3.smem(192, 128) <= MAX_SMEM);
+    }
+
+    #[test]
+    fn fit_shrinks_until_one_block_fits() {
+        let big = PrefillCfg::parse("8,64,4,0,1").unwrap();
+        assert_eq!(big.fit(192, 128), big, "fits as is: {}", big.smem(192, 128));
+        // Head width 576 (an absorbed-style shape): 4 stages of 64 keys need 4·64·(584+520)·2.
+        let f = big.fit(576, 512);
+        assert!(f.smem(576, 512) <= MAX_SMEM, "{f:?}");
+        assert_eq!((f.stages, f.bk), (2, 32));
+        // Past 256, Q leaves the registers when shared memory allows it.
+        let wide = PrefillCfg::default().for_shape(512, 512);
+        assert!(!wide.qreg && wide.smem(512, 512) <= MAX_SMEM, "{wide:?}");
+        assert_eq!(PrefillCfg::default().for_shape(192, 128), PrefillCfg::default());
+    }
+}

@@ -254,7 +254,15 @@ pub fn decode(
     let shape = format!("B={b} N={nh} seq={seq} page={page} L={l} R={r} bf16");
     let cluster = cfg.cluster_size(ops.arch(), splits, l, fused_merge);
     let merge_kind = if cluster > 0 {
-        format!("merge fused into the kernel, through a cluster of {cluster} blocks")
+        // The clusters resident at once against those launched: more launched than resident
+        // is a second wave.
+        let resident = ops
+            .decode_max_active_clusters(w, l, cfg, cluster)
+            .map_or_else(|e| format!("? ({e})"), |x| x.to_string());
+        format!(
+            "merge fused into the kernel, through a cluster of {cluster} blocks ({} clusters launched, at most {resident} resident)",
+            b * nh.div_ceil(cfg.hm)
+        )
     } else if fused_merge {
         "merge fused into the kernel".to_string()
     } else {

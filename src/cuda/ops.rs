@@ -443,6 +443,27 @@ impl CudaOps {
         Ok(by_threads.min(by_regs).min(by_smem).clamp(1, 32))
     }
 
+    /// Clusters of `cluster` blocks of `decode_split_mma` in configuration `cfg` (compiled with
+    /// `FD_CLUSTER` = `cluster`, for (L+R, L) = (`width`, `dv`)) that the device can hold at
+    /// once (`cuOccupancyMaxActiveClusters`): a launch of more clusters than this runs in more
+    /// than one wave.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the kernel does not compile or the driver refuses the query (e.g.
+    /// below sm_90).
+    pub fn decode_max_active_clusters(&self, width: usize, dv: usize, cfg: DecodeCfg, cluster: usize) -> Result<usize> {
+        let smem = cfg.smem(width);
+        let f = self.fast_function(Module::FastDecode, width, dv, &cfg.defines_for(cluster), smem)?;
+        let lc = LaunchConfig {
+            grid_dim: (1, cluster.max(1) as u32, 1),
+            block_dim: (cfg.threads() as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        f.occupancy_max_active_clusters(lc, &self.dev.stream)
+            .map(|x| x as usize)
+            .map_err(|e| cerr(format!("decode_split_mma: max active clusters of {cluster}: {e:?}")))
+    }
+
     /// KV splits that fill whole waves: the `s` in `1..=max_splits` minimizing
     /// `⌈rows·groups·s / slots⌉ / s` (time in units of one unsplit block), the smallest on ties,
     /// where `slots` = SMs × resident blocks per SM.

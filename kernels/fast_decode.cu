@@ -19,6 +19,21 @@
 //              holds the same running max and sum), building P's A fragments directly — no P,
 //              α or sum in shared memory and no third barrier per tile; 0: one warp per head
 //              row, P and α through shared memory
+//   FD_CLUSTER 0: the merge as below (global partials, atomic counter, last block merges);
+//              c in 2..8 with DV a multiple of 4c (needs FD_TMA, sm_90+, splits == c and out
+//              not null; the host picks c = splits when these hold, else 0): the `splits`
+//              blocks of one (token, head group) form one thread-block cluster
+//              (__cluster_dims__(1, c, 1): grid.y = splits = c, so cluster rank = split index).
+//              Each block leaves its partial O [HM, DV] f32 (row stride FD_LDO) at the start of
+//              its own dynamic shared memory (Q, cache stages, scores and P are free by then) and
+//              its LSE per head in fd_lse [HM]; a cluster barrier (arrive.release/wait.acquire);
+//              then the block of rank r merges value columns [r·DV/c, (r+1)·DV/c) of all HM
+//              heads, reading the c blocks' LSEs and partials through distributed shared memory
+//              (mapa + ld.shared::cluster.v4), in split order with fd_merge_fast's arithmetic
+//              (bit-identical output), writes out and (rank 0) out_lse; a second cluster barrier
+//              keeps every block's shared memory alive until all reads are done. No parts, lses,
+//              counters or atomics are touched (they may be null). An empty split's block
+//              stores LSE empty_lse and a zero partial.
 // FD_WARPS must equal (FD_HM/16) · FD_P · NG with NG dividing FD_BK/8 (the key n-tiles): warp w
 // computes scores for m-tile w % MT, k-part (w / MT) % P (k-steps [part·KPP, (part+1)·KPP)) and
 // key n-tiles of group w / (MT·P).
@@ -75,6 +90,9 @@
 #ifndef FD_MINB
 #define FD_MINB 2                  // blocks per SM the register allocation must allow
 #endif
+#ifndef FD_CLUSTER
+#define FD_CLUSTER 0               // blocks per cluster merging through distributed shared memory
+#endif
 
 #define FD_BK 32                   // cache rows per tile (= lanes: one key per lane in softmax)
 #define FD_LD (MLA_W + 8)          // bf16 row stride of Q and cache tiles
@@ -103,6 +121,23 @@
 #endif
 #if FD_STAGES < 2 || FD_STAGES > 6
 #error "fast_decode.cu: FD_STAGES must be 2..6"
+#endif
+#if FD_CLUSTER != 0
+#if FD_CLUSTER < 2 || FD_CLUSTER > 8 || MLA_DV % (4 * FD_CLUSTER) != 0
+#error "fast_decode.cu: FD_CLUSTER must be 0, or 2..8 with MLA_DV a multiple of 4 * FD_CLUSTER"
+#endif
+#if !FD_TMA
+#error "fast_decode.cu: FD_CLUSTER needs FD_TMA (sm_90+)"
+#endif
+#define FD_LDO (MLA_DV + 8)        // f32 row stride of a block's partial O in shared memory
+#define FD_CW (MLA_DV / FD_CLUSTER)  // value columns merged by each block of the cluster
+#define FD_CU (8 / FD_CLUSTER)     // float4 chunks per thread and pass of the cluster merge (the
+                                   // loads of all splits' chunks are in flight together)
+// The partial O and the merge's per-head state must fit below Ls (the last dynamic array).
+#if (FD_HM * FD_LDO + (2 * FD_CLUSTER + 3) * FD_HM) * 4 > \
+    FD_HM * FD_LD * 2 + FD_STAGES * FD_BK * FD_LD * 2 + FD_SBUF * FD_P * FD_HM * FD_LDS * 4 + FD_HM * FD_LDP * 2 + FD_HM * 4
+#error "fast_decode.cu: FD_CLUSTER: the partial O [FD_HM, MLA_DV] f32 does not fit in the block's shared memory"
+#endif
 #endif
 
 typedef __nv_bfloat16 bf16;
@@ -345,6 +380,151 @@ __device__ __noinline__ void fd_merge_tail(const float* parts, const float* lses
     }
 }
 
+#if FD_CLUSTER
+// Cluster helpers (sm_90): barrier of all non-exited threads of the cluster, with release /
+// acquire semantics at cluster scope (the .aligned form: every thread of a warp executes it);
+// this block's rank; a shared::cluster address of `p` in the block of rank `rank`; loads from it.
+__device__ __forceinline__ void fd_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ unsigned fd_cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ unsigned fd_map(const void* p, unsigned rank) {
+    unsigned a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(fd_smem_addr(p)), "r"(rank));
+    return a;
+}
+__device__ __forceinline__ float fd_ld_cluster(unsigned addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ float4 fd_ld_cluster4(unsigned addr) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+
+// The merge of the FD_CLUSTER blocks (splits) of one cluster, by this block's FD_THREADS consumer
+// threads (the producer warp has exited; `sync` is the consumers' barrier). On entry this block's
+// partial O is in `Os` [HM][FD_LDO] (its rows past nh unused) and its LSEs (natural log) in `Lse`
+// [HM]; `ws` holds (2·FD_CLUSTER + 3)·HM floats that no other block reads. Same order and
+// arithmetic as fd_merge_fast (per head: max over the non-NaN LSEs, weights exp(lse − max) with
+// −1 marking a −inf LSE, their sum in split order; per element: FMAs in split order, IEEE
+// division), for value columns [rank·FD_CW, (rank+1)·FD_CW) of heads [h0, h0 + HM) ∩ [0, nh);
+// rank 0 writes out_lse. Begins and ends with a cluster barrier: the first publishes every
+// block's Os and Lse, the second keeps them alive until every block is done reading.
+template <typename Sync>
+__device__ __noinline__ void fd_cluster_merge(const float* Os, const float* Lse, float* ws, float* out,
+                                              float* out_lse, i64 nh, i64 i, i64 h0, int tid, Sync sync) {
+    constexpr int C = FD_CLUSTER, nt = FD_THREADS;
+    fd_cluster_sync();
+    const unsigned rank = fd_cluster_rank();
+    float* X = ws;                         // [C][HM] LSEs
+    float* W = X + C * FD_HM;              // [C][HM] weights (−1: skipped)
+    float* D = W + C * FD_HM;              // [HM] sums
+    float* Z = D + FD_HM;                  // [HM] NaN payload of a NaN LSE
+    int* St = reinterpret_cast<int*>(Z + FD_HM);  // [HM] 0: merge, 1: NaN, 2: every LSE −inf
+    for (int e = tid; e < C * FD_HM; e += nt) {
+        const int sp = e / FD_HM, r = e % FD_HM;
+        X[e] = h0 + r < nh ? fd_ld_cluster(fd_map(Lse + r, sp)) : 0.0f;
+    }
+    sync();
+    if (tid < FD_HM && h0 + tid < nh) {
+        const int r = tid;
+        float m = -INFINITY;
+        bool has_nan = false;
+        float nan_val = 0.0f;
+#pragma unroll
+        for (int sp = 0; sp < C; ++sp) {
+            const float x = X[sp * FD_HM + r];
+            if (isnan(x)) {
+                if (!has_nan) nan_val = x;
+                has_nan = true;
+            } else {
+                m = fmaxf(m, x);
+            }
+        }
+        const i64 rh = i * nh + h0 + r;
+        if (has_nan) {
+            St[r] = 1;
+            Z[r] = mla_quiet(nan_val);
+            if (rank == 0) out_lse[rh] = Z[r];
+        } else if (m == -INFINITY) {
+            St[r] = 2;
+            if (rank == 0) out_lse[rh] = -INFINITY;
+        } else {
+            float denom = 0.0f;
+#pragma unroll
+            for (int sp = 0; sp < C; ++sp) {
+                const float x = X[sp * FD_HM + r];
+                if (x == -INFINITY) {
+                    W[sp * FD_HM + r] = -1.0f;
+                    continue;
+                }
+                const float w = __nv_expf(x - m);
+                W[sp * FD_HM + r] = w;
+                denom += w;
+            }
+            St[r] = 0;
+            D[r] = denom;
+            if (rank == 0) out_lse[rh] = m + __nv_logf(denom);
+        }
+    }
+    sync();
+    constexpr int C4 = FD_CW / 4;          // float4 chunks per head in this block's columns
+    unsigned ob[C];                        // Os of every block of the cluster
+#pragma unroll
+    for (int sp = 0; sp < C; ++sp) ob[sp] = fd_map(Os, sp);
+    for (int base = 0; base < FD_HM * C4; base += nt * FD_CU) {
+        float4 p[C][FD_CU];
+#pragma unroll
+        for (int sp = 0; sp < C; ++sp)
+#pragma unroll
+            for (int u = 0; u < FD_CU; ++u) {
+                const int c = base + u * nt + tid, r = c / C4;
+                p[sp][u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (c < FD_HM * C4 && h0 + r < nh && St[r] == 0 && W[sp * FD_HM + r] >= 0.0f)
+                    p[sp][u] = fd_ld_cluster4(ob[sp] + 4u * (unsigned)(r * FD_LDO + rank * FD_CW + (c % C4) * 4));
+            }
+#pragma unroll
+        for (int u = 0; u < FD_CU; ++u) {
+            const int c = base + u * nt + tid, r = c / C4;
+            if (c >= FD_HM * C4 || h0 + r >= nh) continue;
+            float4 v;
+            if (St[r] == 1) {
+                v = make_float4(Z[r], Z[r], Z[r], Z[r]);
+            } else if (St[r] == 2) {
+                v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            } else {
+                float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                for (int sp = 0; sp < C; ++sp) {
+                    const float w = W[sp * FD_HM + r];
+                    if (w >= 0.0f) {
+                        acc.x = __fmaf_rn(w, p[sp][u].x, acc.x);
+                        acc.y = __fmaf_rn(w, p[sp][u].y, acc.y);
+                        acc.z = __fmaf_rn(w, p[sp][u].z, acc.z);
+                        acc.w = __fmaf_rn(w, p[sp][u].w, acc.w);
+                    }
+                }
+                const float d = D[r];
+                v = make_float4(__fdiv_rn(acc.x, d), __fdiv_rn(acc.y, d), __fdiv_rn(acc.z, d), __fdiv_rn(acc.w, d));
+            }
+            reinterpret_cast<float4*>(out + (i * nh + h0 + r) * MLA_DV + rank * FD_CW)[c % C4] = v;
+        }
+    }
+    fd_cluster_sync();  // no block exits while another may still read its shared memory
+}
+#endif
+
 // A fragment (16 rows × 16 k) of a row-major bf16 tile with row stride FD_LD.
 __device__ __forceinline__ void fd_load_a(unsigned* a, const bf16* base, int g, int t) {
     const bf16* p = base + g * FD_LD + 2 * t;
@@ -358,7 +538,12 @@ __device__ __forceinline__ void fd_load_a(unsigned* a, const bf16* base, int g, 
 // them, 16384 registers each) and a block's warps are spread over all four, so two such blocks per
 // SM need at most 96 registers per thread (5 warps of 3072 per sub-partition), which is what
 // ptxas's cap for __launch_bounds__(288, 2) is; a higher cap (112 was tried) leaves one block per SM.
-extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB)
+#if FD_CLUSTER
+#define FD_CLUSTER_DIMS __cluster_dims__(1, FD_CLUSTER, 1)
+#else
+#define FD_CLUSTER_DIMS
+#endif
+extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
     decode_split_mma(const bf16* q, const bf16* cache, const i64* tables, const i64* ctx, float* parts,
                      float* lses, i64 n, i64 nh, i64 block_size, i64 max_blocks, i64 splits, float scale,
                      float empty_lse, float* out, float* out_lse, int* counters) {
@@ -374,6 +559,11 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB)
 #else
     __shared__ long long fd_slots[2][FD_BK];
 #endif
+#if FD_CLUSTER
+    __shared__ float fd_lse[FD_HM];  // this block's LSE per head, read by the whole cluster
+    float* const Os = reinterpret_cast<float*>(fd_smem);  // [HM][LDO] partial O, after the tiles
+    float* const Ws = Os + FD_HM * FD_LDO;                  // the cluster merge's per-head state
+#endif
 
     const i64 groups = (nh + FD_HM - 1) / FD_HM;
     const i64 i = blockIdx.x / groups, h0 = (blockIdx.x % groups) * FD_HM;
@@ -383,6 +573,17 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB)
     const i64 sl = (c + splits - 1) / splits;
     const i64 k0 = min(s * sl, c), k1 = min((s + 1) * sl, c);
     if (k0 == k1) {
+#if FD_CLUSTER
+        // LSE empty_lse and a zero partial (read only with a finite empty_lse); the producer
+        // warp exits (cluster barriers wait for non-exited threads only).
+        if (tid >= FD_THREADS) return;
+        for (int r = tid; r < FD_HM; r += FD_THREADS) fd_lse[r] = empty_lse;
+        for (int e = tid; e < FD_HM * (MLA_DV / 4); e += FD_THREADS)
+            reinterpret_cast<float4*>(Os + (e / (MLA_DV / 4)) * FD_LDO)[e % (MLA_DV / 4)] =
+                make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        fd_cluster_merge(Os, fd_lse, Ws, out, out_lse, nh, i, h0, tid, [] { fd_sync(); });
+        return;
+#endif
         for (int r = tid; r < FD_HM; r += FD_BLOCK)
             if (h0 + r < nh) lses[(s * n + i) * nh + h0 + r] = empty_lse;
         if (out != nullptr)
@@ -782,6 +983,9 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB)
     const float ln2 = 0.6931471805599453f;
 #if FD_FUSED
     // Every warp holds the sums of its rows; warp 0 writes the LSE (natural log).
+#if FD_CLUSTER
+    fd_sync();  // every warp done with the last tile: Os overwrites Q, the stages and the scores
+#endif
 #pragma unroll
     for (int m = 0; m < FD_MT; ++m) {
 #pragma unroll
@@ -789,13 +993,18 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB)
             const int r = m * 16 + g + 8 * half;
             if (h0 + r >= nh) continue;
             const float l = l_run[m][half];
+#if FD_CLUSTER
+            if (warp == 0 && t == 0) fd_lse[r] = m_run[m][half] * ln2 + logf(l);
+            float* const orow = Os + r * FD_LDO;
+#else
             if (warp == 0 && t == 0) lses[(s * n + i) * nh + h0 + r] = m_run[m][half] * ln2 + logf(l);
-            const i64 base = ((s * n + i) * nh + h0 + r) * MLA_DV;
+            float* const orow = parts + ((s * n + i) * nh + h0 + r) * MLA_DV;
+#endif
 #pragma unroll
             for (int v = 0; v < FD_NVW; ++v) {
                 const int nt = warp + FD_WARPS * v;
                 if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV)
-                    *reinterpret_cast<float2*>(parts + base + nt * 8 + 2 * t) =
+                    *reinterpret_cast<float2*>(orow + nt * 8 + 2 * t) =
                         make_float2(o[m][v][2 * half] / l, o[m][v][2 * half + 1] / l);
             }
         }
@@ -807,10 +1016,14 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB)
         const int row = FD_RPW > 0 ? warp * FD_RPW + rr : warp;
         if ((FD_RPW > 0 || warp < FD_HM) && lane == 0) {
             Ls[row] = l_run[rr];
+#if FD_CLUSTER
+            if (h0 + row < nh) fd_lse[row] = m_run[rr] * ln2 + logf(l_run[rr]);
+#else
             if (h0 + row < nh) lses[(s * n + i) * nh + h0 + row] = m_run[rr] * ln2 + logf(l_run[rr]);
+#endif
         }
     }
-    fd_sync();
+    fd_sync();  // also: every warp done with the last tile (Os overwrites Q, the stages, scores, P)
 #pragma unroll
     for (int m = 0; m < FD_MT; ++m) {
 #pragma unroll
@@ -818,18 +1031,26 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB)
             const int r = m * 16 + g + 8 * half;
             if (h0 + r >= nh) continue;
             const float l = Ls[r];
-            const i64 base = ((s * n + i) * nh + h0 + r) * MLA_DV;
+#if FD_CLUSTER
+            float* const orow = Os + r * FD_LDO;
+#else
+            float* const orow = parts + ((s * n + i) * nh + h0 + r) * MLA_DV;
+#endif
 #pragma unroll
             for (int v = 0; v < FD_NVW; ++v) {
                 const int nt = warp + FD_WARPS * v;
                 if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV)
-                    *reinterpret_cast<float2*>(parts + base + nt * 8 + 2 * t) =
+                    *reinterpret_cast<float2*>(orow + nt * 8 + 2 * t) =
                         make_float2(o[m][v][2 * half] / l, o[m][v][2 * half + 1] / l);
             }
         }
     }
 #endif
+#if FD_CLUSTER
+    fd_cluster_merge(Os, fd_lse, Ws, out, out_lse, nh, i, h0, tid, [] { fd_sync(); });
+#else
     if (out != nullptr)
         fd_merge_tail(parts, lses, out, out_lse, counters, n, nh, splits, i, h0, tid, FD_THREADS,
                       reinterpret_cast<float*>(Cs), FD_STAGES * FD_BK * FD_LD / 2, [] { fd_sync(); });
+#endif
 }

@@ -612,10 +612,15 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
     ]);
     for arch in &a.arch {
         // The decode kernel also in its 64-head configuration (the macros' defaults are the
-        // 16-head one), with the in-register softmax and with the TMA producer warp.
-        let hm64 = crate::cuda::ops::DecodeCfg::for_heads(128);
-        let fused = crate::cuda::ops::DecodeCfg::parse("16,8,2,1,4,1,1")?;
-        let tma = crate::cuda::ops::DecodeCfg::parse("16,8,2,0,2,2,0,1")?;
+        // 16-head one), with the in-register softmax, with the TMA producer warp (the merge
+        // through global memory), and as the N < 64 default (TMA, the merge through a cluster of
+        // 4 blocks: the bench shape's splits) and the 64-head block with TMA and a cluster of 8.
+        use crate::cuda::ops::DecodeCfg;
+        let hm64 = DecodeCfg::for_heads(128);
+        let fused = DecodeCfg::parse("16,8,2,1,4,1,1")?;
+        let tma = DecodeCfg::parse("16,8,2,0,2,2,0,1")?;
+        let default16 = DecodeCfg::for_heads(16).for_arch(arch);
+        let hm64_cluster = DecodeCfg::parse("64,8,2,0,2,1,0,1,1")?.for_arch(arch);
         type Job = (crate::cuda::Module, String, Vec<(&'static str, usize)>);
         let mut jobs: Vec<Job> = crate::cuda::Module::ALL
             .iter()
@@ -623,12 +628,29 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
             .collect();
         // The TMA producer warp needs sm_90+: an older architecture compiles the variant it
         // would run instead (the same block without the producer warp).
-        for c in [hm64, fused, tma.for_arch(arch)] {
-            jobs.push((
-                crate::cuda::Module::FastDecode,
-                format!("{} ({})", crate::cuda::Module::FastDecode.file(), c.label()),
-                c.defines(),
-            ));
+        // (Below sm_90 the cluster variants fall back to the fused merge and the same block
+        // without the producer warp: compiled once.)
+        for (c, splits) in [
+            (hm64, 0),
+            (fused, 0),
+            (tma.for_arch(arch), 0),
+            (default16, 4),
+            (hm64_cluster, 8),
+        ] {
+            let cluster = c.cluster_size(arch, splits, 512, true);
+            let size = if cluster > 0 {
+                format!("{cluster}")
+            } else {
+                String::new()
+            };
+            let defines = c.defines_for(cluster);
+            if jobs.iter().all(|j| j.2 != defines) {
+                jobs.push((
+                    crate::cuda::Module::FastDecode,
+                    format!("{} ({}{size})", crate::cuda::Module::FastDecode.file(), c.label()),
+                    defines,
+                ));
+            }
         }
         // The prefill kernel in the other layouts its configurations select (Q in registers,
         // 32-key tiles, a deeper pipeline, 8 warps).

@@ -157,9 +157,10 @@ pub fn decode_inputs(ops: &CudaOps, d: DecodeBench) -> Result<DecodeInputs> {
 
 /// Split-KV decode (stage 1 + merge) of shape `d` on `inp` in configuration `cfg` (default: the
 /// real path's) with `splits` (default: [`CudaOps::decode_splits_for`]); the merge fused into
-/// the kernel when `fused_merge`, else the separate merge kernel ([`Ops::merge`], into fresh
-/// canary-filled buffers, as the engine did before). Also returns the merged output, for
-/// comparing configurations.
+/// the kernel when `fused_merge` (through a thread-block cluster where
+/// [`DecodeCfg::cluster_size`] allows, else through global memory), else the separate merge
+/// kernel ([`Ops::merge`], into fresh canary-filled buffers, as the engine did before). Also
+/// returns the merged output, for comparing configurations.
 pub fn decode(
     ops: &CudaOps,
     d: DecodeBench,
@@ -252,10 +253,21 @@ pub fn decode(
     let cache_bytes = (b * seq * w * 2) as f64;
     let flops = 2.0 * (b * nh * seq) as f64 * (2 * l + r) as f64;
     let shape = format!("B={b} N={nh} seq={seq} page={page} L={l} R={r} bf16");
-    let merge_kind = if fused_merge {
-        "merge fused into the kernel"
+    let cluster = cfg.cluster_size(ops.arch(), splits, l, fused_merge);
+    let merge_kind = if cluster > 0 {
+        // The clusters resident at once against those launched: more launched than resident
+        // is a second wave.
+        let resident = ops
+            .decode_max_active_clusters(w, l, cfg, cluster)
+            .map_or_else(|e| format!("? ({e})"), |x| x.to_string());
+        format!(
+            "merge fused into the kernel, through a cluster of {cluster} blocks ({} clusters launched, at most {resident} resident)",
+            b * nh.div_ceil(cfg.hm)
+        )
+    } else if fused_merge {
+        "merge fused into the kernel".to_string()
     } else {
-        "separate merge kernel"
+        "separate merge kernel".to_string()
     };
     let fig = if compute_bound {
         BenchFigure {
@@ -291,10 +303,13 @@ pub fn decode(
 type Variant = (bool, DecodeCfg, Option<usize>, bool);
 
 /// Extra decode variants from `MLA_DIFF_BENCH_DECODE`: `;`-separated entries
-/// `m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA]]][@SPLITS]` (m: the memory-bound
-/// shape, c: the compute-bound one, merge fused into the kernel; M, C: the same with the
-/// separate merge kernel), each timed and compared with the default configuration's merged
-/// output.
+/// `m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER]]]][@SPLITS]` (m: the
+/// memory-bound shape, c: the compute-bound one, merge fused into the kernel; M, C: the same
+/// with the separate merge kernel; CLUSTER 1: the fused merge through a thread-block cluster
+/// of SPLITS blocks where [`DecodeCfg::cluster_size`] allows), each timed and compared with the
+/// default configuration's merged output. E.g. `m:16,8,2,0,2,2,0,1,1@4` is the N < 64 default
+/// (cluster merge) at 4 splits, `m:16,8,2,0,2,2,0,1@4` the same with the merge through global
+/// memory (the default before the cluster merge).
 fn variants() -> Result<Vec<Variant>> {
     let Ok(spec) = std::env::var("MLA_DIFF_BENCH_DECODE") else {
         return Ok(Vec::new());
@@ -303,7 +318,7 @@ fn variants() -> Result<Vec<Variant>> {
     for e in spec.split(';').map(str::trim).filter(|e| !e.is_empty()) {
         let bad = || {
             cerr(format!(
-                "MLA_DIFF_BENCH_DECODE entry `{e}`: expected m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA]]][@SPLITS]"
+                "MLA_DIFF_BENCH_DECODE entry `{e}`: expected m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER]]]][@SPLITS]"
             ))
         };
         let (kind, rest) = e.split_once(':').ok_or_else(bad)?;

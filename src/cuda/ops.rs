@@ -439,6 +439,27 @@ impl CudaOps {
         Ok(by_threads.min(by_regs).min(by_smem).clamp(1, 32))
     }
 
+    /// Clusters of `cluster` blocks of `decode_split_mma` in configuration `cfg` (compiled with
+    /// `FD_CLUSTER` = `cluster`, for (L+R, L) = (`width`, `dv`)) that the device can hold at
+    /// once (`cuOccupancyMaxActiveClusters`): a launch of more clusters than this runs in more
+    /// than one wave.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the kernel does not compile or the driver refuses the query (e.g.
+    /// below sm_90).
+    pub fn decode_max_active_clusters(&self, width: usize, dv: usize, cfg: DecodeCfg, cluster: usize) -> Result<usize> {
+        let smem = cfg.smem(width);
+        let f = self.fast_function(Module::FastDecode, width, dv, &cfg.defines_for(cluster), smem)?;
+        let lc = LaunchConfig {
+            grid_dim: (1, cluster.max(1) as u32, 1),
+            block_dim: (cfg.threads() as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        f.occupancy_max_active_clusters(lc, &self.dev.stream)
+            .map(|x| x as usize)
+            .map_err(|e| cerr(format!("decode_split_mma: max active clusters of {cluster}: {e:?}")))
+    }
+
     /// KV splits that fill whole waves: the `s` in `1..=max_splits` minimizing
     /// `⌈rows·groups·s / slots⌉ / s` (time in units of one unsplit block), the smallest on ties,
     /// where `slots` = SMs × resident blocks per SM.
@@ -589,8 +610,16 @@ impl CudaOps {
 
     /// Launches `decode_split_mma` with block tables and context lengths already on the device
     /// (`tables_d` \[n, max_blocks], `ctx_d` \[n], i64). With `merge`, the kernel also merges
-    /// the splits (the last block of each token and head group to finish), as
-    /// [`Ops::merge`] would, into `merge.out` and `merge.lse`.
+    /// the splits, as [`Ops::merge`] would, into `merge.out` and `merge.lse`: through a
+    /// thread-block cluster of the `splits` blocks of each token and head group where
+    /// [`DecodeCfg::cluster_size`] is not 0 for this device (then `parts`, `lses` and
+    /// `merge.counters` are not touched), else by the last block of each token and head group
+    /// to finish, through `parts` and `lses`.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when a merge output or the counters are too short, when the cluster
+    /// merge's partials do not fit in a block's shared memory ([`DecodeCfg::cluster_fits`]), or
+    /// on a compile or launch failure.
     #[allow(clippy::too_many_arguments)]
     pub fn decode_mma(
         &self,
@@ -607,7 +636,18 @@ impl CudaOps {
     ) -> Result<()> {
         let dc = sh.cfg;
         let smem = dc.smem(sh.width);
-        let f = self.fast_function(Module::FastDecode, sh.width, sh.dv, &dc.defines(), smem)?;
+        let cluster = dc.cluster_size(&self.dev.arch, sh.splits, sh.dv, merge.is_some());
+        if cluster > 0 && !dc.cluster_fits(sh.width, sh.dv, cluster) {
+            return Err(cerr(format!(
+                "decode configuration {}: the cluster merge's partial output [{}, {}] f32 does not fit in the block's {smem} bytes of shared memory (use CLUSTER 0 or fewer heads per block)",
+                dc.label(),
+                dc.hm,
+                sh.dv
+            )));
+        }
+        let f = self.fast_function(Module::FastDecode, sh.width, sh.dv, &dc.defines_for(cluster), smem)?;
+        // With a cluster, grid.y = splits = the cluster's y size (__cluster_dims__(1, c, 1)):
+        // one cluster per (token, head group).
         let cfg = LaunchConfig {
             grid_dim: ((sh.n * sh.nh.div_ceil(dc.hm)) as u32, sh.splits as u32, 1),
             block_dim: (dc.threads() as u32, 1, 1),
@@ -712,6 +752,11 @@ pub struct DecodeCfg {
     /// One extra producer warp streams the cache with bulk copies (TMA) into mbarrier-tracked
     /// stages; the `warps` consumer warps issue no copies.
     pub tma: bool,
+    /// Merge the splits on chip: the `splits` blocks of one (token, head group) form a
+    /// thread-block cluster and merge through distributed shared memory (`FD_CLUSTER` =
+    /// splits), instead of global partials, an atomic counter and a last-block merge. Needs
+    /// `tma`; applies only where [`DecodeCfg::cluster_size`] says so, else the fused merge runs.
+    pub cluster: bool,
 }
 
 /// True for `sm_90` and newer (`sm_90a`, `sm_100`, …): the architectures with bulk async copies
@@ -727,7 +772,9 @@ impl DecodeCfg {
     /// The default for `nh` heads: 64-head blocks when there are at least 64 heads (the cache
     /// is read once per 64 heads; one block of 8 warps per SM), else 16-head blocks of 8
     /// consumer warps and a producer warp streaming the cache with bulk copies (TMA), two
-    /// blocks per SM, double-buffered (the fastest measured on the H200, BENCHMARKS.md).
+    /// blocks per SM, double-buffered (the fastest measured on the H200, BENCHMARKS.md), with
+    /// the splits merged through a thread-block cluster where [`DecodeCfg::cluster_size`]
+    /// allows (`16,8,2,0,2,2,0,1,1`; `16,8,2,0,2,2,0,1` is the same with the fused merge).
     pub fn for_heads(nh: usize) -> Self {
         if nh >= 64 {
             DecodeCfg {
@@ -739,6 +786,7 @@ impl DecodeCfg {
                 min_blocks: 1,
                 fused: false,
                 tma: false,
+                cluster: false,
             }
         } else {
             DecodeCfg {
@@ -750,23 +798,34 @@ impl DecodeCfg {
                 min_blocks: 2,
                 fused: false,
                 tma: true,
+                cluster: true,
             }
         }
     }
 
     /// This configuration as `arch` can run it: the TMA producer warp (bulk copies, mbarriers)
     /// needs sm_90 or newer, so below that the same block runs with its consumer warps copying
-    /// (the pre-TMA default).
+    /// (the pre-TMA default) and the fused merge (no clusters either).
     pub fn for_arch(self, arch: &str) -> Self {
         if self.tma && !supports_tma(arch) {
-            DecodeCfg { tma: false, ..self }
+            DecodeCfg {
+                tma: false,
+                cluster: false,
+                ..self
+            }
         } else {
             self
         }
     }
 
-    /// Parses `HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA]]]` (QREG, FUSED and TMA 0 or
-    /// 1; MINBLOCKS defaults to 1, FUSED and TMA to 0).
+    /// Parses `HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER]]]]` (QREG, FUSED,
+    /// TMA and CLUSTER 0 or 1; MINBLOCKS defaults to 1, FUSED, TMA and CLUSTER to 0). CLUSTER
+    /// 1 merges the splits through a thread-block cluster of `splits` blocks where
+    /// [`DecodeCfg::cluster_size`] allows, and needs TMA 1.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] naming the string when it is not 5 to 9 unsigned integers or the
+    /// configuration does not tile (see `fast_decode.cu`'s header).
     pub fn parse(s: &str) -> Result<Self> {
         let v: Vec<usize> = s
             .split(',')
@@ -774,17 +833,18 @@ impl DecodeCfg {
             .collect::<std::result::Result<_, _>>()
             .map_err(|_| {
                 cerr(format!(
-                    "decode configuration `{s}`: expected HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA]]]"
+                    "decode configuration `{s}`: expected HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER]]]]"
                 ))
             })?;
-        let (hm, warps, parts, qreg, stages, min_blocks, fused, tma) = match v[..] {
-            [a, b, c, d, e] => (a, b, c, d, e, 1, 0, 0),
-            [a, b, c, d, e, f] => (a, b, c, d, e, f, 0, 0),
-            [a, b, c, d, e, f, g] => (a, b, c, d, e, f, g, 0),
-            [a, b, c, d, e, f, g, h] => (a, b, c, d, e, f, g, h),
+        let (hm, warps, parts, qreg, stages, min_blocks, fused, tma, cluster) = match v[..] {
+            [a, b, c, d, e] => (a, b, c, d, e, 1, 0, 0, 0),
+            [a, b, c, d, e, f] => (a, b, c, d, e, f, 0, 0, 0),
+            [a, b, c, d, e, f, g] => (a, b, c, d, e, f, g, 0, 0),
+            [a, b, c, d, e, f, g, h] => (a, b, c, d, e, f, g, h, 0),
+            [a, b, c, d, e, f, g, h, k] => (a, b, c, d, e, f, g, h, k),
             _ => {
                 return Err(cerr(format!(
-                    "decode configuration `{s}`: expected HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA]]]"
+                    "decode configuration `{s}`: expected HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER]]]]"
                 )));
             }
         };
@@ -797,7 +857,13 @@ impl DecodeCfg {
             min_blocks,
             fused: fused != 0,
             tma: tma != 0,
+            cluster: cluster != 0,
         };
+        if c.cluster && !c.tma {
+            return Err(cerr(format!(
+                "decode configuration `{s}`: CLUSTER 1 (merge through a thread-block cluster) needs TMA 1"
+            )));
+        }
         c.check()?;
         Ok(c)
     }
@@ -820,7 +886,8 @@ impl DecodeCfg {
             && (1..=4).contains(&self.min_blocks)
             && self.warps.is_multiple_of(mt * self.parts)
             && 4usize.is_multiple_of(self.warps / (mt * self.parts))
-            && (self.hm < self.warps || self.hm.is_multiple_of(self.warps));
+            && (self.hm < self.warps || self.hm.is_multiple_of(self.warps))
+            && (self.tma || !self.cluster);
         if ok {
             Ok(())
         } else {
@@ -837,8 +904,38 @@ impl DecodeCfg {
         self
     }
 
-    /// `-D` defines of this configuration.
+    /// The cluster size the merge of a launch runs through (`FD_CLUSTER`): `splits` when
+    /// `cluster` and `tma` are on, `arch` is sm_90 or newer ([`supports_tma`]), the merge is
+    /// fused into the launch (`merged`: `out` not null), `2 <= splits <= 8` and `dv` is a
+    /// multiple of `4·splits` (each block of the cluster merges `dv/splits` value columns in
+    /// float4s); else 0 (the fused merge through global memory, or none).
+    pub fn cluster_size(&self, arch: &str, splits: usize, dv: usize, merged: bool) -> usize {
+        let on = self.cluster
+            && self.tma
+            && supports_tma(arch)
+            && merged
+            && (2..=8).contains(&splits)
+            && dv.is_multiple_of(4 * splits);
+        if on { splits } else { 0 }
+    }
+
+    /// True when a block's partial output `[hm, dv]` f32 (row stride dv+8) and the cluster
+    /// merge's per-head state for a cluster of `c` fit in the shared memory below its final
+    /// sums, for cache rows of `width` = L+R (the `#error` check of fast_decode.cu). At
+    /// W = 576, L = 512 this holds for 16 and 64 heads (33 KB of 105 KB; 131 KB of 196 KB with
+    /// TMA).
+    pub fn cluster_fits(&self, width: usize, dv: usize, c: usize) -> bool {
+        (self.hm * (dv + 8) + (2 * c + 3) * self.hm) * 4 <= self.smem(width) - self.hm * 4
+    }
+
+    /// `-D` defines of this configuration with the fused merge (`FD_CLUSTER=0`).
     pub fn defines(&self) -> Vec<(&'static str, usize)> {
+        self.defines_for(0)
+    }
+
+    /// `-D` defines of this configuration with the merge through a cluster of `cluster` blocks
+    /// (0: the fused merge; see [`DecodeCfg::cluster_size`]).
+    pub fn defines_for(&self, cluster: usize) -> Vec<(&'static str, usize)> {
         vec![
             ("FD_HM", self.hm),
             ("FD_WARPS", self.warps),
@@ -848,6 +945,7 @@ impl DecodeCfg {
             ("FD_MINB", self.min_blocks),
             ("FD_FUSED", usize::from(self.fused)),
             ("FD_TMA", usize::from(self.tma)),
+            ("FD_CLUSTER", cluster),
         ]
     }
 
@@ -868,10 +966,11 @@ impl DecodeCfg {
     }
 
     /// Short label, e.g. `hm16 w8 p2 qreg s4 fused` (` b2` when two blocks per SM are asked
-    /// for, ` fused` for the in-register softmax, ` tma` for the producer warp with bulk copies).
+    /// for, ` fused` for the in-register softmax, ` tma` for the producer warp with bulk copies,
+    /// ` cluster` for the merge through a thread-block cluster).
     pub fn label(&self) -> String {
         format!(
-            "hm{} w{} p{} {} s{}{}{}{}",
+            "hm{} w{} p{} {} s{}{}{}{}{}",
             self.hm,
             self.warps,
             self.parts,
@@ -883,7 +982,8 @@ impl DecodeCfg {
                 String::new()
             },
             if self.fused { " fused" } else { "" },
-            if self.tma { " tma" } else { "" }
+            if self.tma { " tma" } else { "" },
+            if self.cluster { " cluster" } else { "" }
         )
     }
 }
@@ -1531,16 +1631,18 @@ impl Ops for CudaOps {
             );
         }
         // The fast kernel with the merge fused in: same partials (canary-filled first, as the
-        // unfused path), same merge arithmetic, one launch.
+        // unfused path; not used by the cluster merge, which keeps them on chip), same merge
+        // arithmetic, one launch.
         Self::check_len(q, n * nh * width, "decode q")?;
         let (flat, max_blocks) = Self::flat_tables(cache, block_size, width, tables, ctx)?;
-        let mut parts = self.canary(splits * n * nh * dv)?;
-        let mut lses = self.canary(splits * n * nh)?;
-        let mut out = self.canary(n * nh * dv)?;
-        let mut lse = self.canary(n * nh)?;
         let cfg = DecodeCfg::from_env()?
             .unwrap_or_else(|| DecodeCfg::for_heads(nh).fit(width))
             .for_arch(&self.dev.arch);
+        let on_chip = cfg.cluster_size(&self.dev.arch, splits, dv, true) > 0;
+        let mut parts = self.canary(if on_chip { 1 } else { splits * n * nh * dv })?;
+        let mut lses = self.canary(if on_chip { 1 } else { splits * n * nh })?;
+        let mut out = self.canary(n * nh * dv)?;
+        let mut lse = self.canary(n * nh)?;
         let mut counters = self
             .dev
             .stream
@@ -1661,8 +1763,12 @@ mod tests {
 
     #[test]
     fn decode_cfg_parse_and_check() {
-        let c = DecodeCfg::parse("16,8,2,0,2,2,0,1").unwrap();
+        let c = DecodeCfg::parse("16,8,2,0,2,2,0,1,1").unwrap();
         assert_eq!(c, DecodeCfg::for_heads(16));
+        assert_eq!(
+            DecodeCfg::parse("16,8,2,0,2,2,0,1").unwrap(),
+            DecodeCfg { cluster: false, ..c }
+        );
         assert!(c.tma && !DecodeCfg::parse("16,8,2,0,2,2").unwrap().tma);
         assert!(!c.for_arch("sm_80").tma && c.for_arch("sm_90").tma && c.for_arch("sm_90a").tma);
         assert!(super::supports_tma("sm_100") && !super::supports_tma("sm_89") && !super::supports_tma("x"));
@@ -1680,5 +1786,66 @@ mod tests {
         // fit() drops stages until a block fits.
         let big = DecodeCfg::parse("16,8,2,0,6").unwrap().fit(1152);
         assert!(big.smem(1152) <= 227 * 1024 || big.stages == 2);
+    }
+
+    #[test]
+    fn decode_cfg_cluster_field() {
+        // The 9th field; 0 and absent are the fused merge.
+        let on = DecodeCfg::parse("16,8,2,0,2,2,0,1,1").unwrap();
+        assert!(on.cluster && on.tma);
+        assert!(!DecodeCfg::parse("16,8,2,0,2,2,0,1,0").unwrap().cluster);
+        assert!(!DecodeCfg::parse("16,8,2,0,2,2,0,1").unwrap().cluster);
+        assert!(DecodeCfg::parse("64,8,2,0,2,1,0,1,1").unwrap().cluster);
+        // A cluster needs the TMA producer warp; 10 fields are refused.
+        let e = DecodeCfg::parse("16,8,2,0,2,2,0,0,1").unwrap_err().to_string();
+        assert!(e.contains("needs TMA 1"), "{e}");
+        assert!(DecodeCfg::parse("16,8,2,0,2,2,0,1,1,1").is_err());
+        // The N >= 64 default is unchanged; the 16-head one merges through a cluster.
+        assert!(!DecodeCfg::for_heads(128).cluster && DecodeCfg::for_heads(16).cluster);
+        // Below sm_90 no TMA and no cluster.
+        let old = DecodeCfg::for_heads(16).for_arch("sm_80");
+        assert!(!old.tma && !old.cluster);
+        assert_eq!(DecodeCfg::for_heads(16).for_arch("sm_90"), DecodeCfg::for_heads(16));
+        assert!(on.label().ends_with(" tma cluster"), "{}", on.label());
+    }
+
+    #[test]
+    fn decode_cfg_cluster_selection() {
+        let on = DecodeCfg::for_heads(16);
+        let off = DecodeCfg { cluster: false, ..on };
+        // sm_90+, merged, 2..=8 splits with dv a multiple of 4·splits: the splits.
+        assert_eq!(on.cluster_size("sm_90", 4, 512, true), 4);
+        assert_eq!(on.cluster_size("sm_90a", 2, 512, true), 2);
+        assert_eq!(on.cluster_size("sm_100", 8, 512, true), 8);
+        // Else 0 (the fused merge through global memory).
+        assert_eq!(on.cluster_size("sm_90", 1, 512, true), 0);
+        assert_eq!(on.cluster_size("sm_90", 16, 512, true), 0);
+        assert_eq!(on.cluster_size("sm_90", 3, 512, true), 0);
+        assert_eq!(on.cluster_size("sm_90", 3, 96, true), 3);
+        assert_eq!(on.cluster_size("sm_90", 4, 512, false), 0);
+        assert_eq!(on.cluster_size("sm_80", 4, 512, true), 0);
+        assert_eq!(on.cluster_size("sm_89", 4, 512, true), 0);
+        assert_eq!(off.cluster_size("sm_90", 4, 512, true), 0);
+        let no_tma = DecodeCfg { tma: false, ..on };
+        assert_eq!(no_tma.cluster_size("sm_90", 4, 512, true), 0);
+    }
+
+    #[test]
+    fn decode_cfg_cluster_defines_and_fit() {
+        let on = DecodeCfg::for_heads(16);
+        let d = on.defines_for(4);
+        assert_eq!(d.last(), Some(&("FD_CLUSTER", 4)));
+        assert!(d.contains(&("FD_TMA", 1)) && d.contains(&("FD_HM", 16)) && d.contains(&("FD_MINB", 2)));
+        assert_eq!(on.defines().last(), Some(&("FD_CLUSTER", 0)));
+        assert_eq!(on.defines()[..8], d[..8]);
+        // DeepSeek's W = 576, L = 512: 16 heads need 33 KB (of 105 KB), 64 heads with TMA 133 KB
+        // (of 196 KB); 128 heads at W = L = 512 (266 KB of partials in 252 KB) cannot.
+        assert_eq!(on.smem(576), 105_088);
+        assert!(on.cluster_fits(576, 512, 8));
+        let hm64 = DecodeCfg::parse("64,8,2,0,2,1,0,1,1").unwrap();
+        assert_eq!(hm64.smem(576), 196_096);
+        assert!(hm64.cluster_fits(576, 512, 8));
+        let hm128 = DecodeCfg::parse("128,8,1,0,2,1,0,1,1").unwrap();
+        assert!(!hm128.cluster_fits(512, 512, 2));
     }
 }

@@ -247,7 +247,12 @@ __device__ __forceinline__ void fd_merge(const float* parts, const float* lses, 
     }
 }
 
-#define FD_MU 4  // float4 chunks of the merge per thread and pass (their loads are in flight together)
+#ifndef FD_MU
+#define FD_MU 2  // float4 chunks of the merge per thread and pass
+#endif
+#ifndef FD_MS
+#define FD_MS 4  // splits of the merge whose loads (FD_MU chunks each) are in flight together
+#endif
 
 // The same merge, fast: the splits' LSEs are read once into shared memory `ws` (2·splits·HM + 3·HM
 // floats), each head's max, weights exp(lse − max) (−1: a −inf LSE, skipped), sum and state are
@@ -309,29 +314,75 @@ __device__ __forceinline__ void fd_merge_fast(const float* parts, const float* l
     }
     sync();
     constexpr int C4 = MLA_DV / 4;        // float4 chunks per head
+    if (splits == 1) {
+        // One split: FD_MS·FD_MU chunks per thread and pass, all loads in flight together; the
+        // same arithmetic as below (w = 1 and d = 1 unless the LSE was not finite).
+        constexpr int U1 = FD_MS * FD_MU;
+        for (int base = 0; base < FD_HM * C4; base += nt * U1) {
+            float4 p[U1];
+#pragma unroll
+            for (int u = 0; u < U1; ++u) {
+                const int c = base + u * nt + tid, r = c / C4;
+                if (c < FD_HM * C4 && h0 + r < nh && St[r] == 0 && W[r] >= 0.0f)
+                    p[u] = __ldcg(reinterpret_cast<const float4*>(parts + (i * nh + h0 + r) * MLA_DV) + c % C4);
+            }
+#pragma unroll
+            for (int u = 0; u < U1; ++u) {
+                const int c = base + u * nt + tid, r = c / C4;
+                if (c < FD_HM * C4 && h0 + r < nh) {
+                    float4 v;
+                    if (St[r] == 1) {
+                        v = make_float4(Z[r], Z[r], Z[r], Z[r]);
+                    } else if (St[r] == 2) {
+                        v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    } else {
+                        const float w = W[r], d = D[r];
+                        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                        if (w >= 0.0f)
+                            a = make_float4(__fmaf_rn(w, p[u].x, 0.0f), __fmaf_rn(w, p[u].y, 0.0f),
+                                            __fmaf_rn(w, p[u].z, 0.0f), __fmaf_rn(w, p[u].w, 0.0f));
+                        v = make_float4(__fdiv_rn(a.x, d), __fdiv_rn(a.y, d), __fdiv_rn(a.z, d), __fdiv_rn(a.w, d));
+                    }
+                    reinterpret_cast<float4*>(out + (i * nh + h0 + r) * MLA_DV)[c % C4] = v;
+                }
+            }
+        }
+        return;
+    }
     for (int base = 0; base < FD_HM * C4; base += nt * FD_MU) {
         float4 acc[FD_MU];
 #pragma unroll
         for (int u = 0; u < FD_MU; ++u) acc[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int sp = 0; sp < splits; ++sp) {
-            float4 p[FD_MU];
+        // FD_MS splits at a time: the loads of all their chunks in flight together, then the
+        // FMAs in split order (so the sums are merge_states' to the bit).
+        for (int s0 = 0; s0 < splits; s0 += FD_MS) {
+            float4 p[FD_MS][FD_MU];
 #pragma unroll
-            for (int u = 0; u < FD_MU; ++u) {
-                const int c = base + u * nt + tid, r = c / C4;
-                if (c < FD_HM * C4 && h0 + r < nh && St[r] == 0 && W[sp * FD_HM + r] >= 0.0f)
-                    p[u] = __ldcg(reinterpret_cast<const float4*>(parts + (sp * stride + i * nh + h0 + r) * MLA_DV) +
-                                  c % C4);
+            for (int ss = 0; ss < FD_MS; ++ss) {
+                const int sp = s0 + ss;
+#pragma unroll
+                for (int u = 0; u < FD_MU; ++u) {
+                    const int c = base + u * nt + tid, r = c / C4;
+                    if (sp < splits && c < FD_HM * C4 && h0 + r < nh && St[r] == 0 && W[sp * FD_HM + r] >= 0.0f)
+                        p[ss][u] = __ldcg(
+                            reinterpret_cast<const float4*>(parts + (sp * stride + i * nh + h0 + r) * MLA_DV) +
+                            c % C4);
+                }
             }
 #pragma unroll
-            for (int u = 0; u < FD_MU; ++u) {
-                const int c = base + u * nt + tid, r = c / C4;
-                if (c < FD_HM * C4 && h0 + r < nh && St[r] == 0) {
-                    const float w = W[sp * FD_HM + r];
-                    if (w >= 0.0f) {
-                        acc[u].x = __fmaf_rn(w, p[u].x, acc[u].x);
-                        acc[u].y = __fmaf_rn(w, p[u].y, acc[u].y);
-                        acc[u].z = __fmaf_rn(w, p[u].z, acc[u].z);
-                        acc[u].w = __fmaf_rn(w, p[u].w, acc[u].w);
+            for (int ss = 0; ss < FD_MS; ++ss) {
+                const int sp = s0 + ss;
+#pragma unroll
+                for (int u = 0; u < FD_MU; ++u) {
+                    const int c = base + u * nt + tid, r = c / C4;
+                    if (sp < splits && c < FD_HM * C4 && h0 + r < nh && St[r] == 0) {
+                        const float w = W[sp * FD_HM + r];
+                        if (w >= 0.0f) {
+                            acc[u].x = __fmaf_rn(w, p[ss][u].x, acc[u].x);
+                            acc[u].y = __fmaf_rn(w, p[ss][u].y, acc[u].y);
+                            acc[u].z = __fmaf_rn(w, p[ss][u].z, acc[u].z);
+                            acc[u].w = __fmaf_rn(w, p[ss][u].w, acc[u].w);
+                        }
                     }
                 }
             }

@@ -613,13 +613,13 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
     for arch in &a.arch {
         // The decode kernel also in its 64-head configuration (the macros' defaults are the
         // 16-head one), with the in-register softmax, with the TMA producer warp (the merge
-        // through global memory), and as the N < 64 default (TMA, the merge through a cluster of
-        // 4 blocks: the bench shape's splits) and the 64-head block with TMA and a cluster of 8.
+        // through global memory: the N < 64 default), with the merge through a cluster of 4
+        // blocks (the bench shape's splits), and the 64-head block with TMA and a cluster of 8.
         use crate::cuda::ops::DecodeCfg;
         let hm64 = DecodeCfg::for_heads(128);
         let fused = DecodeCfg::parse("16,8,2,1,4,1,1")?;
         let tma = DecodeCfg::parse("16,8,2,0,2,2,0,1")?;
-        let default16 = DecodeCfg::for_heads(16).for_arch(arch);
+        let cluster16 = DecodeCfg::parse("16,8,2,0,2,2,0,1,1")?.for_arch(arch);
         let hm64_cluster = DecodeCfg::parse("64,8,2,0,2,1,0,1,1")?.for_arch(arch);
         type Job = (crate::cuda::Module, String, Vec<(&'static str, usize)>);
         let mut jobs: Vec<Job> = crate::cuda::Module::ALL
@@ -634,7 +634,7 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
             (hm64, 0),
             (fused, 0),
             (tma.for_arch(arch), 0),
-            (default16, 4),
+            (cluster16, 4),
             (hm64_cluster, 8),
         ] {
             let cluster = c.cluster_size(arch, splits, 512, true);

@@ -100,8 +100,8 @@ fn device_paths_match_the_cpu_paths() {
     }
 }
 
-/// The merge through a thread-block cluster (`FD_CLUSTER`, the N < 64 default on sm_90+) gives
-/// the same bits as the merge through global memory (`16,8,2,0,2,2,0,1`, the previous default),
+/// The merge through a thread-block cluster (`FD_CLUSTER`, `16,8,2,0,2,2,0,1,1` on sm_90+) gives
+/// the same bits as the merge through global memory (`16,8,2,0,2,2,0,1`, the N < 64 default),
 /// at 2, 4 and 8 splits, with a token of no positions (every split empty), tokens with fewer
 /// positions than splits (empty splits), 20 heads (a second head group of 4 real heads and 12
 /// zero rows) and both empty-split LSEs (−inf, and the +inf of the `lse-plus-inf` fault).
@@ -138,7 +138,7 @@ fn device_cluster_merge_matches_the_fused_merge_bit_for_bit() {
         .clone_htod(&ctx.iter().map(|&x| x as i64).collect::<Vec<_>>())
         .unwrap();
     let global = DecodeCfg::parse("16,8,2,0,2,2,0,1").unwrap();
-    let cluster = DecodeCfg::for_heads(nh).for_arch(ops.arch());
+    let cluster = DecodeCfg::parse("16,8,2,0,2,2,0,1,1").unwrap().for_arch(ops.arch());
     let scale = (192f64).powf(-0.5) as f32;
     for splits in [2usize, 4, 8] {
         assert_eq!(cluster.cluster_size(ops.arch(), splits, l, true), splits);

@@ -39,7 +39,7 @@
 // key n-tiles of group w / (MT·P).
 //
 // decode_split_mma(q, cache, tables, ctx, parts, lses, n, nh, block_size, max_blocks, splits,
-//                  scale, empty_lse, out, out_lse, counters)
+//                  scale, empty_lse, out, out_lse, counters, spin)
 //   q      [n, nh, W] bf16        query rows [ql_nope | q_pe_roped] of n decode tokens
 //   cache  [num_blocks·block_size, W] bf16   rows [kv_c_normed | k_pe_roped]; value = first DV
 //   tables [n, max_blocks] i64 block ids      ctx [n] i64 context length of each token
@@ -52,6 +52,9 @@
 //          group) to finish — counted with an atomic after its parts and LSEs are fenced —
 //          merges the splits' partials exactly as attention.cu's merge_states does (same order,
 //          IEEE exp, log and division), so no merge launch is needed. null: parts and lses only.
+//   spin   1: instead, every block waits for its token's other splits and merges its share of
+//          the value columns (see fd_merge_tail; the host sets it only when every block of the
+//          launch is resident at once); 0: the last block merges everything.
 // Per tile of 32 cache rows (FD_STAGES-deep cp.async pipeline; a tile's row slots are computed
 // one tile ahead from a block-table entry prefetched into a register one more tile ahead):
 //   sync A (tile landed, previous tile fully consumed) → issue the copy of tile it+STAGES-1 →
@@ -205,10 +208,12 @@ extern "C" __device__ float __nv_logf(float);
 // the splits' weights do not fit in shared memory). Partials written by other blocks are read
 // through L2 (ld.global.cg).
 __device__ __forceinline__ void fd_merge(const float* parts, const float* lses, float* out, float* out_lse, i64 n,
-                                         i64 nh, i64 splits, i64 i, i64 h0, int tid, int nt) {
+                                         i64 nh, i64 splits, i64 i, i64 h0, int tid, int nt, int d_lo, int d_hi,
+                                         bool write_lse) {
     const i64 stride = n * nh;
-    for (int e = tid; e < FD_HM * MLA_DV; e += nt) {
-        const int r = e / MLA_DV, d = e % MLA_DV;
+    const int dw = d_hi - d_lo;
+    for (int e = tid; e < FD_HM * dw; e += nt) {
+        const int r = e / dw, d = d_lo + e % dw;
         if (h0 + r >= nh) continue;
         const i64 rh = i * nh + h0 + r;
         float m = -INFINITY;
@@ -226,12 +231,12 @@ __device__ __forceinline__ void fd_merge(const float* parts, const float* lses, 
         if (has_nan) {
             const float qn = mla_quiet(nan_val);
             out[rh * MLA_DV + d] = qn;
-            if (d == 0) out_lse[rh] = qn;
+            if (write_lse && d == d_lo) out_lse[rh] = qn;
             continue;
         }
         if (m == -INFINITY) {
             out[rh * MLA_DV + d] = 0.0f;
-            if (d == 0) out_lse[rh] = -INFINITY;
+            if (write_lse && d == d_lo) out_lse[rh] = -INFINITY;
             continue;
         }
         float denom = 0.0f, acc = 0.0f;
@@ -243,7 +248,7 @@ __device__ __forceinline__ void fd_merge(const float* parts, const float* lses, 
             acc = __fmaf_rn(w, __ldcg(parts + (s * stride + rh) * MLA_DV + d), acc);
         }
         out[rh * MLA_DV + d] = __fdiv_rn(acc, denom);
-        if (d == 0) out_lse[rh] = m + __nv_logf(denom);
+        if (write_lse && d == d_lo) out_lse[rh] = m + __nv_logf(denom);
     }
 }
 
@@ -261,7 +266,7 @@ __device__ __forceinline__ void fd_merge(const float* parts, const float* lses, 
 template <typename Sync>
 __device__ __forceinline__ void fd_merge_fast(const float* parts, const float* lses, float* out, float* out_lse,
                                               i64 n, i64 nh, int splits, i64 i, i64 h0, int tid, int nt, float* ws,
-                                              Sync sync) {
+                                              Sync sync, int c_lo, int c_hi, bool write_lse) {
     const i64 stride = n * nh;
     float* X = ws;                         // [splits][HM] LSEs
     float* W = X + splits * FD_HM;         // [splits][HM] weights (−1: skipped)
@@ -291,10 +296,10 @@ __device__ __forceinline__ void fd_merge_fast(const float* parts, const float* l
         if (has_nan) {
             St[r] = 1;
             Z[r] = mla_quiet(nan_val);
-            out_lse[rh] = Z[r];
+            if (write_lse) out_lse[rh] = Z[r];
         } else if (m == -INFINITY) {
             St[r] = 2;
-            out_lse[rh] = -INFINITY;
+            if (write_lse) out_lse[rh] = -INFINITY;
         } else {
             float denom = 0.0f;
             for (int sp = 0; sp < splits; ++sp) {
@@ -309,27 +314,33 @@ __device__ __forceinline__ void fd_merge_fast(const float* parts, const float* l
             }
             St[r] = 0;
             D[r] = denom;
-            out_lse[rh] = m + __nv_logf(denom);
+            if (write_lse) out_lse[rh] = m + __nv_logf(denom);
         }
     }
     sync();
-    constexpr int C4 = MLA_DV / 4;        // float4 chunks per head
+    const int CW = c_hi - c_lo;           // chunks per head merged here: [c_lo, c_hi)
+    // Chunk c of this range is head c / CW, column c_lo + c % CW: shifts when CW is a power of two
+    // (every split count that divides DV/4), else divisions.
+    const bool pow2 = (CW & (CW - 1)) == 0;
+    const int cw_log = __ffs(CW) - 1;
+    auto head_of = [&](int c) { return pow2 ? c >> cw_log : c / CW; };
+    auto col_of = [&](int c) { return c_lo + (pow2 ? c & (CW - 1) : c % CW); };
     if (splits == 1) {
         // One split: FD_MS·FD_MU chunks per thread and pass, all loads in flight together; the
         // same arithmetic as below (w = 1 and d = 1 unless the LSE was not finite).
         constexpr int U1 = FD_MS * FD_MU;
-        for (int base = 0; base < FD_HM * C4; base += nt * U1) {
+        for (int base = 0; base < FD_HM * CW; base += nt * U1) {
             float4 p[U1];
 #pragma unroll
             for (int u = 0; u < U1; ++u) {
-                const int c = base + u * nt + tid, r = c / C4;
-                if (c < FD_HM * C4 && h0 + r < nh && St[r] == 0 && W[r] >= 0.0f)
-                    p[u] = __ldcg(reinterpret_cast<const float4*>(parts + (i * nh + h0 + r) * MLA_DV) + c % C4);
+                const int c = base + u * nt + tid, r = head_of(c);
+                if (c < FD_HM * CW && h0 + r < nh && St[r] == 0 && W[r] >= 0.0f)
+                    p[u] = __ldcg(reinterpret_cast<const float4*>(parts + (i * nh + h0 + r) * MLA_DV) + col_of(c));
             }
 #pragma unroll
             for (int u = 0; u < U1; ++u) {
-                const int c = base + u * nt + tid, r = c / C4;
-                if (c < FD_HM * C4 && h0 + r < nh) {
+                const int c = base + u * nt + tid, r = head_of(c);
+                if (c < FD_HM * CW && h0 + r < nh) {
                     float4 v;
                     if (St[r] == 1) {
                         v = make_float4(Z[r], Z[r], Z[r], Z[r]);
@@ -343,13 +354,13 @@ __device__ __forceinline__ void fd_merge_fast(const float* parts, const float* l
                                             __fmaf_rn(w, p[u].z, 0.0f), __fmaf_rn(w, p[u].w, 0.0f));
                         v = make_float4(__fdiv_rn(a.x, d), __fdiv_rn(a.y, d), __fdiv_rn(a.z, d), __fdiv_rn(a.w, d));
                     }
-                    reinterpret_cast<float4*>(out + (i * nh + h0 + r) * MLA_DV)[c % C4] = v;
+                    reinterpret_cast<float4*>(out + (i * nh + h0 + r) * MLA_DV)[col_of(c)] = v;
                 }
             }
         }
         return;
     }
-    for (int base = 0; base < FD_HM * C4; base += nt * FD_MU) {
+    for (int base = 0; base < FD_HM * CW; base += nt * FD_MU) {
         float4 acc[FD_MU];
 #pragma unroll
         for (int u = 0; u < FD_MU; ++u) acc[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -362,11 +373,11 @@ __device__ __forceinline__ void fd_merge_fast(const float* parts, const float* l
                 const int sp = s0 + ss;
 #pragma unroll
                 for (int u = 0; u < FD_MU; ++u) {
-                    const int c = base + u * nt + tid, r = c / C4;
-                    if (sp < splits && c < FD_HM * C4 && h0 + r < nh && St[r] == 0 && W[sp * FD_HM + r] >= 0.0f)
+                    const int c = base + u * nt + tid, r = head_of(c);
+                    if (sp < splits && c < FD_HM * CW && h0 + r < nh && St[r] == 0 && W[sp * FD_HM + r] >= 0.0f)
                         p[ss][u] = __ldcg(
                             reinterpret_cast<const float4*>(parts + (sp * stride + i * nh + h0 + r) * MLA_DV) +
-                            c % C4);
+                            col_of(c));
                 }
             }
 #pragma unroll
@@ -374,8 +385,8 @@ __device__ __forceinline__ void fd_merge_fast(const float* parts, const float* l
                 const int sp = s0 + ss;
 #pragma unroll
                 for (int u = 0; u < FD_MU; ++u) {
-                    const int c = base + u * nt + tid, r = c / C4;
-                    if (sp < splits && c < FD_HM * C4 && h0 + r < nh && St[r] == 0) {
+                    const int c = base + u * nt + tid, r = head_of(c);
+                    if (sp < splits && c < FD_HM * CW && h0 + r < nh && St[r] == 0) {
                         const float w = W[sp * FD_HM + r];
                         if (w >= 0.0f) {
                             acc[u].x = __fmaf_rn(w, p[ss][u].x, acc[u].x);
@@ -389,8 +400,8 @@ __device__ __forceinline__ void fd_merge_fast(const float* parts, const float* l
         }
 #pragma unroll
         for (int u = 0; u < FD_MU; ++u) {
-            const int c = base + u * nt + tid, r = c / C4;
-            if (c < FD_HM * C4 && h0 + r < nh) {
+            const int c = base + u * nt + tid, r = head_of(c);
+            if (c < FD_HM * CW && h0 + r < nh) {
                 float4 v;
                 if (St[r] == 1) {
                     v = make_float4(Z[r], Z[r], Z[r], Z[r]);
@@ -401,33 +412,91 @@ __device__ __forceinline__ void fd_merge_fast(const float* parts, const float* l
                     v = make_float4(__fdiv_rn(acc[u].x, d), __fdiv_rn(acc[u].y, d), __fdiv_rn(acc[u].z, d),
                                     __fdiv_rn(acc[u].w, d));
                 }
-                reinterpret_cast<float4*>(out + (i * nh + h0 + r) * MLA_DV)[c % C4] = v;
+                reinterpret_cast<float4*>(out + (i * nh + h0 + r) * MLA_DV)[col_of(c)] = v;
             }
         }
     }
 }
 
-// After this block's parts and LSEs: count it in; the last of the token's splits merges, with
-// `ws_floats` floats of shared memory at `ws` that no thread reads or writes any more.
-// `nt` threads (all of the block's threads still running) call it together; `sync` is their barrier.
+// The counter word of one (token, head group): arrivals in the low byte, FD_ABANDON once a
+// waiting block gave up (spin mode), and blocks done with the counter from bit 16 on.
+#define FD_COUNT 0xff
+#define FD_ABANDON 0x8000
+#define FD_DONE 0x10000
+#ifndef FD_SPIN_POLLS
+#define FD_SPIN_POLLS (1 << 16)  // polls (≥ 64 ns apart) before a waiting block gives up (a few ms on an H200)
+#endif
+
+__device__ __forceinline__ int fd_ld_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// After this block's parts and LSEs: count it in, then merge, with `ws_floats` floats of shared
+// memory at `ws` that no thread reads or writes any more. `nt` threads (all of the block's
+// threads still running) call it together; `sync` is their barrier.
+//   spin 0: the last of the token's splits to arrive merges every value column.
+//   spin 1 (the host asks for it only when every block of the launch is resident at once, and
+//        with at most 255 splits): every block waits until all of its token's splits have
+//        arrived, then merges its share of the value columns (split s: float4 chunks
+//        [s·⌈DV/4/splits⌉, …)), split 0 also the LSE; so the merge after the last split is
+//        1/splits of the work and runs on all the token's blocks. A block that has waited
+//        FD_SPIN_POLLS polls (a launch whose blocks are not all resident after all) marks the
+//        word FD_ABANDON with a compare-and-swap that succeeds only while arrivals are missing,
+//        and leaves; the other waiting blocks then leave too and the last to arrive merges
+//        every column, as in spin 0, so the launch always finishes.
+// Either way the counter is zero again when the last block leaves.
 // Not inlined: its registers stay out of the main loop's allocation (inlined, ptxas spilled in
 // the 96-register TMA configuration).
 template <typename Sync>
 __device__ __noinline__ void fd_merge_tail(const float* parts, const float* lses, float* out, float* out_lse,
                                               int* counters, i64 n, i64 nh, i64 splits, i64 i, i64 h0, int tid,
-                                              int nt, float* ws, int ws_floats, Sync sync) {
-    __shared__ int fd_last;
+                                              int nt, float* ws, int ws_floats, Sync sync, int spin) {
+    __shared__ int fd_mode;  // 0: no merge here, 1: every value column, 2: this split's share
+    int* const cnt = counters + blockIdx.x;
     __threadfence();  // this thread's parts and LSEs, visible device-wide before the count
     sync();
-    if (tid == 0) fd_last = atomicAdd(counters + blockIdx.x, 1) == (int)(splits - 1);
+    if (tid == 0) {
+        const int old = atomicAdd(cnt, 1);
+        const bool last = spin ? (old & FD_COUNT) == (int)(splits - 1) : old == (int)(splits - 1);
+        int mode = 0;
+        if (!spin || (old & FD_ABANDON)) {
+            mode = last ? 1 : 0;
+        } else if (last) {
+            mode = 2;
+        } else {
+            for (unsigned polls = 0;; ++polls) {
+                const int v = fd_ld_acquire(cnt);
+                if (v & FD_ABANDON) break;  // the last to arrive merges everything
+                if ((v & FD_COUNT) == (int)splits) {
+                    mode = 2;
+                    break;
+                }
+                if (polls >= FD_SPIN_POLLS && atomicCAS(cnt, v, v | FD_ABANDON) == v) break;
+                __nanosleep(64);
+            }
+        }
+        fd_mode = mode;
+    }
     sync();
-    if (fd_last) {
+    const int mode = fd_mode;
+    constexpr int C4 = MLA_DV / 4;  // float4 chunks per head
+    if (mode != 0) {
         __threadfence();
+        const int share = (C4 + (int)splits - 1) / (int)splits, s = (int)blockIdx.y;
+        const int c_lo = mode == 1 ? 0 : min(s * share, C4), c_hi = mode == 1 ? C4 : min((s + 1) * share, C4);
         if (2 * splits * FD_HM + 3 * FD_HM <= ws_floats)
-            fd_merge_fast(parts, lses, out, out_lse, n, nh, (int)splits, i, h0, tid, nt, ws, sync);
+            fd_merge_fast(parts, lses, out, out_lse, n, nh, (int)splits, i, h0, tid, nt, ws, sync, c_lo, c_hi,
+                          mode == 1 || s == 0);
         else
-            fd_merge(parts, lses, out, out_lse, n, nh, splits, i, h0, tid, nt);
-        if (tid == 0) counters[blockIdx.x] = 0;  // ready for the next launch
+            fd_merge(parts, lses, out, out_lse, n, nh, splits, i, h0, tid, nt, c_lo * 4, c_hi * 4, mode == 1 || s == 0);
+    }
+    if (!spin) {
+        if (mode == 1 && tid == 0) *cnt = 0;  // ready for the next launch
+    } else if (tid == 0) {
+        // Done with the word: the last block to be done zeroes it for the next launch.
+        if ((atomicAdd(cnt, FD_DONE) >> 16) == (int)(splits - 1)) atomicExch(cnt, 0);
     }
 }
 
@@ -597,7 +666,7 @@ __device__ __forceinline__ void fd_load_a(unsigned* a, const bf16* base, int g, 
 extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
     decode_split_mma(const bf16* q, const bf16* cache, const i64* tables, const i64* ctx, float* parts,
                      float* lses, i64 n, i64 nh, i64 block_size, i64 max_blocks, i64 splits, float scale,
-                     float empty_lse, float* out, float* out_lse, int* counters) {
+                     float empty_lse, float* out, float* out_lse, int* counters, int spin) {
     extern __shared__ __align__(16) unsigned char fd_smem[];
     bf16* Qs = reinterpret_cast<bf16*>(fd_smem);                     // [HM][LD]
     bf16* Cs = Qs + FD_HM * FD_LD;                                     // [STAGES][BK][LD]
@@ -639,7 +708,7 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
             if (h0 + r < nh) lses[(s * n + i) * nh + h0 + r] = empty_lse;
         if (out != nullptr)
             fd_merge_tail(parts, lses, out, out_lse, counters, n, nh, splits, i, h0, tid, FD_BLOCK,
-                          reinterpret_cast<float*>(Cs), FD_STAGES * FD_BK * FD_LD / 2, [] { __syncthreads(); });
+                          reinterpret_cast<float*>(Cs), FD_STAGES * FD_BK * FD_LD / 2, [] { __syncthreads(); }, spin);
         return;
     }
     for (int e = tid; e < FD_HM * (MLA_W / 8); e += FD_BLOCK) {
@@ -1102,6 +1171,6 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
 #else
     if (out != nullptr)
         fd_merge_tail(parts, lses, out, out_lse, counters, n, nh, splits, i, h0, tid, FD_THREADS,
-                      reinterpret_cast<float*>(Cs), FD_STAGES * FD_BK * FD_LD / 2, [] { fd_sync(); });
+                      reinterpret_cast<float*>(Cs), FD_STAGES * FD_BK * FD_LD / 2, [] { fd_sync(); }, spin);
 #endif
 }

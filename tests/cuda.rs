@@ -100,111 +100,188 @@ fn device_paths_match_the_cpu_paths() {
     }
 }
 
-/// The merge through a thread-block cluster (`FD_CLUSTER`, `16,8,2,0,2,2,0,1,1` on sm_90+) gives
-/// the same bits as the merge through global memory (`16,8,2,0,2,2,0,1`, the N < 64 default),
+/// Inputs of a merged-decode comparison: bf16 cache and queries from seeded normals, pages in a
+/// shuffled order, one token per entry of `ctx` (its context length).
+struct MergeCase {
+    ctx: Vec<usize>,
+    nh: usize,
+    l: usize,
+    page: usize,
+    max_blocks: usize,
+    cache: cudarc::driver::CudaSlice<half::bf16>,
+    q: cudarc::driver::CudaSlice<half::bf16>,
+    tables: cudarc::driver::CudaSlice<i64>,
+    ctx_d: cudarc::driver::CudaSlice<i64>,
+}
+
+impl MergeCase {
+    fn new(ops: &CudaOps, ctx: &[usize], nh: usize) -> Self {
+        use mla_diff::batch::SplitMix64;
+        let (l, r, page) = (512usize, 64usize, 16usize);
+        let w = l + r;
+        let n = ctx.len();
+        let max_blocks = ctx.iter().copied().max().unwrap_or(1).max(1).div_ceil(page);
+        let num_blocks = n * max_blocks;
+        let mut phys: Vec<usize> = (0..num_blocks).collect();
+        SplitMix64::new(7).shuffle(&mut phys);
+        let mut rng = SplitMix64::new(1);
+        let cache: Vec<half::bf16> = (0..num_blocks * page * w)
+            .map(|_| half::bf16::from_f64(rng.normal()))
+            .collect();
+        let q: Vec<half::bf16> = (0..n * nh * w)
+            .map(|_| half::bf16::from_f64(rng.normal() * 0.05))
+            .collect();
+        let s = ops.stream();
+        MergeCase {
+            ctx: ctx.to_vec(),
+            nh,
+            l,
+            page,
+            max_blocks,
+            cache: s.clone_htod(&cache).unwrap(),
+            q: s.clone_htod(&q).unwrap(),
+            tables: s
+                .clone_htod(&phys.iter().map(|&x| x as i64).collect::<Vec<_>>())
+                .unwrap(),
+            ctx_d: s
+                .clone_htod(&ctx.iter().map(|&x| x as i64).collect::<Vec<_>>())
+                .unwrap(),
+        }
+    }
+
+    /// Merged output `[n, nh, L]`, merged LSE `[n, nh]` and the counters after the launch, every
+    /// output buffer NaN-poisoned first.
+    fn run(
+        &self,
+        ops: &CudaOps,
+        cfg: mla_diff::cuda::ops::DecodeCfg,
+        splits: usize,
+        empty_lse: f32,
+        spin: Option<bool>,
+    ) -> (Vec<f32>, Vec<f32>, Vec<i32>) {
+        use mla_diff::cuda::ops::{DecodeMerge, DecodeShape};
+        let (n, nh, l) = (self.ctx.len(), self.nh, self.l);
+        let shape = DecodeShape {
+            n,
+            nh,
+            block_size: self.page,
+            width: l + 64,
+            max_blocks: self.max_blocks,
+            splits,
+            dv: l,
+            cfg,
+            spin,
+        };
+        let mut parts = ops.canary(splits * n * nh * l).unwrap();
+        let mut lses = ops.canary(splits * n * nh).unwrap();
+        let mut out = ops.canary(n * nh * l).unwrap();
+        let mut lse = ops.canary(n * nh).unwrap();
+        let mut counters = ops.stream().alloc_zeros::<i32>(n * nh.div_ceil(cfg.hm)).unwrap();
+        let merge = DecodeMerge {
+            out: &mut out,
+            lse: &mut lse,
+            counters: &mut counters,
+        };
+        let scale = (192f64).powf(-0.5) as f32;
+        ops.decode_mma(
+            &self.q,
+            &self.cache,
+            &self.tables,
+            &self.ctx_d,
+            shape,
+            scale,
+            empty_lse,
+            &mut parts,
+            &mut lses,
+            Some(merge),
+        )
+        .unwrap();
+        let counts = ops.stream().clone_dtoh(&counters).unwrap();
+        (ops.download(&out).unwrap(), ops.download(&lse).unwrap(), counts)
+    }
+}
+
+/// Index of the first element whose bits differ (NaNs of any payload count as equal).
+fn first_bit_difference(a: &[f32], b: &[f32]) -> Option<usize> {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .position(|(x, y)| x.to_bits() != y.to_bits() && !(x.is_nan() && y.is_nan()))
+}
+
+/// The merge through a thread-block cluster (`FD_CLUSTER`, `16,8,2,0,2,2,0,1,1` on sm_90+) and
+/// the fused merge through global memory (`16,8,2,0,2,2,0,1`, the N < 64 default) with the last
+/// split merging everything and with every split merging its share (spin) give the same bits,
 /// at 2, 4 and 8 splits, with a token of no positions (every split empty), tokens with fewer
 /// positions than splits (empty splits), 20 heads (a second head group of 4 real heads and 12
-/// zero rows) and both empty-split LSEs (−inf, and the +inf of the `lse-plus-inf` fault).
+/// zero rows) and both empty-split LSEs (−inf, and the +inf of the `lse-plus-inf` fault); the
+/// counters are zero again after every launch.
 #[test]
 fn device_cluster_merge_matches_the_fused_merge_bit_for_bit() {
-    use mla_diff::batch::SplitMix64;
-    use mla_diff::cuda::ops::{DecodeCfg, DecodeMerge, DecodeShape, supports_tma};
+    use mla_diff::cuda::ops::{DecodeCfg, supports_tma};
     let Some(ops) = device() else { return };
     if !supports_tma(ops.arch()) {
         eprintln!("skipped: {} has no thread-block clusters (sm_90+)", ops.arch());
         return;
     }
-    let (nh, l, r, page) = (20usize, 512usize, 64usize, 16usize);
-    let w = l + r;
-    let ctx = [0usize, 1, 3, 7, 31, 64, 100, 257];
-    let n = ctx.len();
-    let max_blocks = 257usize.div_ceil(page);
-    let num_blocks = n * max_blocks;
-    let mut phys: Vec<usize> = (0..num_blocks).collect();
-    SplitMix64::new(7).shuffle(&mut phys);
-    let mut rng = SplitMix64::new(1);
-    let cache: Vec<half::bf16> = (0..num_blocks * page * w)
-        .map(|_| half::bf16::from_f64(rng.normal()))
-        .collect();
-    let q: Vec<half::bf16> = (0..n * nh * w)
-        .map(|_| half::bf16::from_f64(rng.normal() * 0.05))
-        .collect();
-    let s = ops.stream();
-    let (cd, qd) = (s.clone_htod(&cache).unwrap(), s.clone_htod(&q).unwrap());
-    let tables_d = s
-        .clone_htod(&phys.iter().map(|&x| x as i64).collect::<Vec<_>>())
-        .unwrap();
-    let ctx_d = s
-        .clone_htod(&ctx.iter().map(|&x| x as i64).collect::<Vec<_>>())
-        .unwrap();
+    let case = MergeCase::new(&ops, &[0, 1, 3, 7, 31, 64, 100, 257], 20);
+    let (n, nh, l) = (case.ctx.len(), case.nh, case.l);
     let global = DecodeCfg::parse("16,8,2,0,2,2,0,1").unwrap();
     let cluster = DecodeCfg::parse("16,8,2,0,2,2,0,1,1").unwrap().for_arch(ops.arch());
-    let scale = (192f64).powf(-0.5) as f32;
     for splits in [2usize, 4, 8] {
         assert_eq!(cluster.cluster_size(ops.arch(), splits, l, true), splits);
         for empty_lse in [f32::NEG_INFINITY, f32::INFINITY] {
-            let run = |cfg: DecodeCfg| -> (Vec<f32>, Vec<f32>) {
-                let shape = DecodeShape {
-                    n,
-                    nh,
-                    block_size: page,
-                    width: w,
-                    max_blocks,
-                    splits,
-                    dv: l,
-                    cfg,
-                };
-                let mut parts = ops.canary(splits * n * nh * l).unwrap();
-                let mut lses = ops.canary(splits * n * nh).unwrap();
-                let mut out = ops.canary(n * nh * l).unwrap();
-                let mut lse = ops.canary(n * nh).unwrap();
-                let mut counters = s.alloc_zeros::<i32>(n * nh.div_ceil(16)).unwrap();
-                let merge = DecodeMerge {
-                    out: &mut out,
-                    lse: &mut lse,
-                    counters: &mut counters,
-                };
-                ops.decode_mma(
-                    &qd,
-                    &cd,
-                    &tables_d,
-                    &ctx_d,
-                    shape,
-                    scale,
-                    empty_lse,
-                    &mut parts,
-                    &mut lses,
-                    Some(merge),
-                )
-                .unwrap();
-                (ops.download(&out).unwrap(), ops.download(&lse).unwrap())
-            };
-            let (go, gl) = run(global);
-            let (co, cl) = run(cluster);
-            let same = |a: &[f32], b: &[f32]| {
-                a.iter()
-                    .zip(b)
-                    .position(|(x, y)| x.to_bits() != y.to_bits() && !(x.is_nan() && y.is_nan()))
-            };
-            assert_eq!(go.len(), co.len());
-            if let Some(e) = same(&go, &co) {
-                panic!(
-                    "splits {splits}, empty lse {empty_lse}: out[{e}] (token {}, head {}, column {}) global {} cluster {}",
-                    e / (nh * l),
-                    e / l % nh,
-                    e % l,
-                    go[e],
-                    co[e]
-                );
-            }
-            if let Some(e) = same(&gl, &cl) {
-                panic!(
-                    "splits {splits}, empty lse {empty_lse}: lse[{e}] global {} cluster {}",
-                    gl[e], cl[e]
-                );
+            let (co, cl, _) = case.run(&ops, cluster, splits, empty_lse, None);
+            for spin in [Some(false), Some(true)] {
+                let (go, gl, counts) = case.run(&ops, global, splits, empty_lse, spin);
+                let what = format!("splits {splits}, empty lse {empty_lse}, spin {spin:?}");
+                if let Some(e) = first_bit_difference(&go, &co) {
+                    panic!(
+                        "{what}: out[{e}] (token {}, head {}, column {}) global {} cluster {}",
+                        e / (nh * l),
+                        e / l % nh,
+                        e % l,
+                        go[e],
+                        co[e]
+                    );
+                }
+                if let Some(e) = first_bit_difference(&gl, &cl) {
+                    panic!("{what}: lse[{e}] global {} cluster {}", gl[e], cl[e]);
+                }
+                assert!(counts.iter().all(|&c| c == 0), "{what}: counters left {counts:?}");
             }
             // Not vacuous: the token with 257 positions has finite, non-zero outputs.
             assert!(co[(n - 1) * nh * l..].iter().any(|&x| x != 0.0 && x.is_finite()));
         }
     }
+}
+
+/// Every split merging its share (spin) forced on a launch whose blocks cannot all be resident
+/// (64 tokens × 2 head groups × 8 splits = 1024 blocks): waiting blocks give up, the last split
+/// of each token merges everything, and the output is bit-identical to the last-split merge,
+/// with the counters zero again.
+#[test]
+fn device_spin_merge_gives_up_when_blocks_are_not_resident() {
+    use mla_diff::cuda::ops::DecodeCfg;
+    let Some(ops) = device() else { return };
+    let ctx: Vec<usize> = (0..64).map(|i| [0, 5, 40, 300][i % 4] + i).collect();
+    let case = MergeCase::new(&ops, &ctx, 20);
+    let cfg = DecodeCfg::for_heads(20).for_arch(ops.arch());
+    let blocks = ctx.len() * 2 * 8;
+    let resident = ops.sm_count().unwrap() * ops.decode_blocks_per_sm(576, 512, cfg).unwrap();
+    assert!(
+        blocks > resident,
+        "{blocks} blocks fit in {resident}: not a give-up case"
+    );
+    let (lo, ll, _) = case.run(&ops, cfg, 8, f32::NEG_INFINITY, Some(false));
+    let start = std::time::Instant::now();
+    let (so, sl, counts) = case.run(&ops, cfg, 8, f32::NEG_INFINITY, Some(true));
+    eprintln!(
+        "forced spin on {blocks} blocks ({resident} resident): {:?}",
+        start.elapsed()
+    );
+    assert_eq!(first_bit_difference(&so, &lo), None, "out");
+    assert_eq!(first_bit_difference(&sl, &ll), None, "lse");
+    assert!(counts.iter().all(|&c| c == 0), "counters left {counts:?}");
+    assert!(so.iter().any(|&x| x != 0.0 && x.is_finite()));
 }

@@ -194,6 +194,7 @@ pub fn decode(
         splits,
         dv: l,
         cfg,
+        spin: None,
     };
     let mut parts = ops.alloc(splits * b * nh * l)?;
     let mut lses = ops.alloc(splits * b * nh)?;

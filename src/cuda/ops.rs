@@ -604,6 +604,7 @@ impl CudaOps {
             cfg: DecodeCfg::from_env()?
                 .unwrap_or_else(|| DecodeCfg::for_heads(nh).fit(width))
                 .for_arch(&self.dev.arch),
+            spin: None,
         };
         self.decode_mma(q, cache, &tables_d, &ctx_d, shape, scale, empty_lse, parts, lses, None)
     }
@@ -664,6 +665,24 @@ impl CudaOps {
             .arg(&scale)
             .arg(&empty_lse);
         let null = 0u64;
+        // Every split merges its share of the value columns once all have arrived (the kernel's
+        // spin mode) when every block of the launch is resident at once. `MLA_DIFF_DECODE_SPIN`:
+        // `0` keeps the last block merging everything; `force` spins even when the blocks do not
+        // all fit (for testing the kernel's give-up path).
+        let spin_env = std::env::var("MLA_DIFF_DECODE_SPIN").unwrap_or_default();
+        let possible = merge.is_some() && cluster == 0 && (2..=255).contains(&sh.splits);
+        let spin = i32::from(
+            possible
+                && match sh.spin {
+                    Some(on) => on,
+                    None if spin_env == "0" => false,
+                    None if spin_env == "force" => true,
+                    None => {
+                        sh.n * sh.nh.div_ceil(dc.hm) * sh.splits
+                            <= self.sm_count()? * self.decode_blocks_per_sm(sh.width, sh.dv, dc)?
+                    }
+                },
+        );
         match merge {
             Some(m) => {
                 let groups = sh.n * sh.nh.div_ceil(dc.hm);
@@ -681,6 +700,7 @@ impl CudaOps {
                 b.arg(&null).arg(&null).arg(&null);
             }
         }
+        b.arg(&spin);
         // SAFETY: arguments match decode_split_mma in fast_decode.cu (null out: no merge).
         unsafe { b.launch(cfg) }.map_err(|e| cerr(format!("launch decode_split_mma: {e:?}")))?;
         self.sync("decode_split_mma")
@@ -717,6 +737,13 @@ pub struct DecodeShape {
     pub dv: usize,
     /// Launch configuration.
     pub cfg: DecodeCfg,
+    /// How the fused merge is shared out (see fast_decode.cu's `fd_merge_tail`): `None` lets
+    /// [`CudaOps::decode_mma`] choose (every split merges its share when every block of the
+    /// launch is resident at once, unless `MLA_DIFF_DECODE_SPIN=0`; `force` spins regardless);
+    /// `Some(false)`: the last split merges everything; `Some(true)`: every split merges its
+    /// share even when the blocks do not all fit (the kernel then gives up waiting after a few ms
+    /// per block and falls back to the last split merging everything: for tests).
+    pub spin: Option<bool>,
 }
 
 /// The split count for a grid of `blocks` blocks per split on `slots` resident blocks: the
@@ -1661,6 +1688,7 @@ impl Ops for CudaOps {
             splits,
             dv,
             cfg,
+            spin: None,
         };
         let merge = DecodeMerge {
             out: &mut out,

@@ -259,6 +259,58 @@ __device__ __forceinline__ void fd_merge(const float* parts, const float* lses, 
 #define FD_MS 4  // splits of the merge whose loads (FD_MU chunks each) are in flight together
 #endif
 
+// The per-head state of the merge, in merge_states' order, for head row r of `splits` LSEs
+// X [splits][HM]: St[r] = 1 (a NaN LSE: Z[r] its quieted payload), 2 (every LSE −inf) or 0 (then
+// W[sp][r] = exp(lse − max), −1 for a −inf LSE, skipped, and D[r] their sum). Returns the
+// merged LSE (Z[r], −inf, or max + log D[r]).
+__device__ __forceinline__ float fd_head_state(const float* X, float* W, float* D, float* Z, int* St, int splits,
+                                               int r) {
+    float m = -INFINITY;
+    bool has_nan = false;
+    float nan_val = 0.0f;
+    for (int sp = 0; sp < splits; ++sp) {
+        const float x = X[sp * FD_HM + r];
+        if (isnan(x)) {
+            if (!has_nan) nan_val = x;
+            has_nan = true;
+        } else {
+            m = fmaxf(m, x);
+        }
+    }
+    if (has_nan) {
+        St[r] = 1;
+        Z[r] = mla_quiet(nan_val);
+        return Z[r];
+    }
+    if (m == -INFINITY) {
+        St[r] = 2;
+        return -INFINITY;
+    }
+    float denom = 0.0f;
+    for (int sp = 0; sp < splits; ++sp) {
+        const float x = X[sp * FD_HM + r];
+        if (x == -INFINITY) {
+            W[sp * FD_HM + r] = -1.0f;
+            continue;
+        }
+        const float w = __nv_expf(x - m);
+        W[sp * FD_HM + r] = w;
+        denom += w;
+    }
+    St[r] = 0;
+    D[r] = denom;
+    return m + __nv_logf(denom);
+}
+
+// A merged float4 of head r from its weighted sum `acc` and the state of fd_head_state: the
+// quieted NaN, zeros (every split empty), or acc / D[r] (IEEE division, as merge_states).
+__device__ __forceinline__ float4 fd_merged4(const int* St, const float* Z, const float* D, int r, float4 acc) {
+    if (St[r] == 1) return make_float4(Z[r], Z[r], Z[r], Z[r]);
+    if (St[r] == 2) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float d = D[r];
+    return make_float4(__fdiv_rn(acc.x, d), __fdiv_rn(acc.y, d), __fdiv_rn(acc.z, d), __fdiv_rn(acc.w, d));
+}
+
 // The same merge, fast: the splits' LSEs are read once into shared memory `ws` (2·splits·HM + 3·HM
 // floats), each head's max, weights exp(lse − max) (−1: a −inf LSE, skipped), sum and state are
 // computed once per head (in merge_states' order), then every thread merges FD_MU float4 chunks
@@ -279,43 +331,8 @@ __device__ __forceinline__ void fd_merge_fast(const float* parts, const float* l
     }
     sync();
     if (tid < FD_HM && h0 + tid < nh) {
-        const int r = tid;
-        float m = -INFINITY;
-        bool has_nan = false;
-        float nan_val = 0.0f;
-        for (int sp = 0; sp < splits; ++sp) {
-            const float x = X[sp * FD_HM + r];
-            if (isnan(x)) {
-                if (!has_nan) nan_val = x;
-                has_nan = true;
-            } else {
-                m = fmaxf(m, x);
-            }
-        }
-        const i64 rh = i * nh + h0 + r;
-        if (has_nan) {
-            St[r] = 1;
-            Z[r] = mla_quiet(nan_val);
-            if (write_lse) out_lse[rh] = Z[r];
-        } else if (m == -INFINITY) {
-            St[r] = 2;
-            if (write_lse) out_lse[rh] = -INFINITY;
-        } else {
-            float denom = 0.0f;
-            for (int sp = 0; sp < splits; ++sp) {
-                const float x = X[sp * FD_HM + r];
-                if (x == -INFINITY) {
-                    W[sp * FD_HM + r] = -1.0f;
-                    continue;
-                }
-                const float w = __nv_expf(x - m);
-                W[sp * FD_HM + r] = w;
-                denom += w;
-            }
-            St[r] = 0;
-            D[r] = denom;
-            if (write_lse) out_lse[rh] = m + __nv_logf(denom);
-        }
+        const float lse = fd_head_state(X, W, D, Z, St, splits, tid);
+        if (write_lse) out_lse[i * nh + h0 + tid] = lse;
     }
     sync();
     const int CW = c_hi - c_lo;           // chunks per head merged here: [c_lo, c_hi)
@@ -341,20 +358,12 @@ __device__ __forceinline__ void fd_merge_fast(const float* parts, const float* l
             for (int u = 0; u < U1; ++u) {
                 const int c = base + u * nt + tid, r = head_of(c);
                 if (c < FD_HM * CW && h0 + r < nh) {
-                    float4 v;
-                    if (St[r] == 1) {
-                        v = make_float4(Z[r], Z[r], Z[r], Z[r]);
-                    } else if (St[r] == 2) {
-                        v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    } else {
-                        const float w = W[r], d = D[r];
-                        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                        if (w >= 0.0f)
-                            a = make_float4(__fmaf_rn(w, p[u].x, 0.0f), __fmaf_rn(w, p[u].y, 0.0f),
-                                            __fmaf_rn(w, p[u].z, 0.0f), __fmaf_rn(w, p[u].w, 0.0f));
-                        v = make_float4(__fdiv_rn(a.x, d), __fdiv_rn(a.y, d), __fdiv_rn(a.z, d), __fdiv_rn(a.w, d));
-                    }
-                    reinterpret_cast<float4*>(out + (i * nh + h0 + r) * MLA_DV)[col_of(c)] = v;
+                    const float w = W[r];
+                    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (St[r] == 0 && w >= 0.0f)
+                        a = make_float4(__fmaf_rn(w, p[u].x, 0.0f), __fmaf_rn(w, p[u].y, 0.0f),
+                                        __fmaf_rn(w, p[u].z, 0.0f), __fmaf_rn(w, p[u].w, 0.0f));
+                    reinterpret_cast<float4*>(out + (i * nh + h0 + r) * MLA_DV)[col_of(c)] = fd_merged4(St, Z, D, r, a);
                 }
             }
         }
@@ -401,19 +410,8 @@ __device__ __forceinline__ void fd_merge_fast(const float* parts, const float* l
 #pragma unroll
         for (int u = 0; u < FD_MU; ++u) {
             const int c = base + u * nt + tid, r = head_of(c);
-            if (c < FD_HM * CW && h0 + r < nh) {
-                float4 v;
-                if (St[r] == 1) {
-                    v = make_float4(Z[r], Z[r], Z[r], Z[r]);
-                } else if (St[r] == 2) {
-                    v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                } else {
-                    const float d = D[r];
-                    v = make_float4(__fdiv_rn(acc[u].x, d), __fdiv_rn(acc[u].y, d), __fdiv_rn(acc[u].z, d),
-                                    __fdiv_rn(acc[u].w, d));
-                }
-                reinterpret_cast<float4*>(out + (i * nh + h0 + r) * MLA_DV)[col_of(c)] = v;
-            }
+            if (c < FD_HM * CW && h0 + r < nh)
+                reinterpret_cast<float4*>(out + (i * nh + h0 + r) * MLA_DV)[col_of(c)] = fd_merged4(St, Z, D, r, acc[u]);
         }
     }
 }
@@ -558,45 +556,8 @@ __device__ __noinline__ void fd_cluster_merge(const float* Os, const float* Lse,
     }
     sync();
     if (tid < FD_HM && h0 + tid < nh) {
-        const int r = tid;
-        float m = -INFINITY;
-        bool has_nan = false;
-        float nan_val = 0.0f;
-#pragma unroll
-        for (int sp = 0; sp < C; ++sp) {
-            const float x = X[sp * FD_HM + r];
-            if (isnan(x)) {
-                if (!has_nan) nan_val = x;
-                has_nan = true;
-            } else {
-                m = fmaxf(m, x);
-            }
-        }
-        const i64 rh = i * nh + h0 + r;
-        if (has_nan) {
-            St[r] = 1;
-            Z[r] = mla_quiet(nan_val);
-            if (rank == 0) out_lse[rh] = Z[r];
-        } else if (m == -INFINITY) {
-            St[r] = 2;
-            if (rank == 0) out_lse[rh] = -INFINITY;
-        } else {
-            float denom = 0.0f;
-#pragma unroll
-            for (int sp = 0; sp < C; ++sp) {
-                const float x = X[sp * FD_HM + r];
-                if (x == -INFINITY) {
-                    W[sp * FD_HM + r] = -1.0f;
-                    continue;
-                }
-                const float w = __nv_expf(x - m);
-                W[sp * FD_HM + r] = w;
-                denom += w;
-            }
-            St[r] = 0;
-            D[r] = denom;
-            if (rank == 0) out_lse[rh] = m + __nv_logf(denom);
-        }
+        const float lse = fd_head_state(X, W, D, Z, St, C, tid);
+        if (rank == 0) out_lse[i * nh + h0 + tid] = lse;
     }
     sync();
     constexpr int C4 = FD_CW / 4;          // float4 chunks per head in this block's columns

@@ -20,7 +20,7 @@ use super::prefill::PrefillCfg;
 use super::{Module, compile, include_dir, probe};
 use crate::error::{Error, Result};
 use crate::gguf::{GgmlType, dequant};
-use crate::paths::ops::{Copy2d, EmptyRows, Ops, RopeStyle, Segment};
+use crate::paths::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, RopeStyle, Segment};
 use crate::paths::{CANARY_BITS, PathKind};
 use crate::tolerance::Dtype;
 
@@ -1540,21 +1540,24 @@ impl Ops for CudaOps {
 
     fn decode_split(
         &self,
-        q: &CudaSlice<f32>,
-        n: usize,
-        nh: usize,
-        cache: &CudaSlice<f32>,
-        block_size: usize,
-        width: usize,
-        tables: &[Vec<usize>],
-        ctx: &[usize],
-        splits: usize,
-        dv: usize,
-        scale: f32,
-        empty_lse: f32,
+        d: &DecodeArgs<'_, CudaSlice<f32>>,
         parts: &mut CudaSlice<f32>,
         lses: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        let DecodeArgs {
+            q,
+            n,
+            nh,
+            cache,
+            block_size,
+            width,
+            tables,
+            ctx,
+            splits,
+            dv,
+            scale,
+            empty_lse,
+        } = *d;
         if n == 0 {
             return Ok(());
         }
@@ -1633,21 +1636,21 @@ impl Ops for CudaOps {
         Ok(())
     }
 
-    fn decode_merged(
-        &self,
-        q: &CudaSlice<f32>,
-        n: usize,
-        nh: usize,
-        cache: &CudaSlice<f32>,
-        block_size: usize,
-        width: usize,
-        tables: &[Vec<usize>],
-        ctx: &[usize],
-        splits: usize,
-        dv: usize,
-        scale: f32,
-        empty_lse: f32,
-    ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    fn decode_merged(&self, d: &DecodeArgs<'_, CudaSlice<f32>>) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+        let DecodeArgs {
+            q,
+            n,
+            nh,
+            cache,
+            block_size,
+            width,
+            tables,
+            ctx,
+            splits,
+            dv,
+            scale,
+            empty_lse,
+        } = *d;
         let fast = n > 0
             && dv <= MAX_WIDTH
             && self.uses_fast()
@@ -1655,9 +1658,7 @@ impl Ops for CudaOps {
             && dv.is_multiple_of(32)
             && dv <= width;
         if !fast {
-            return crate::paths::ops::decode_then_merge(
-                self, q, n, nh, cache, block_size, width, tables, ctx, splits, dv, scale, empty_lse,
-            );
+            return crate::paths::ops::decode_then_merge(self, d);
         }
         // The fast kernel with the merge fused in: same partials (canary-filled first, as the
         // unfused path; not used by the cluster merge, which keeps them on chip), same merge

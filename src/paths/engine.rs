@@ -12,7 +12,7 @@
 use std::collections::BTreeSet;
 use std::ops::Range;
 
-use super::ops::{Copy2d, EmptyRows, Ops, Segment};
+use super::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, Segment};
 use super::{LayerInput, PathKind, PathOptions, PathRun, Unservable};
 use crate::batch::{Batch, SplitMix64};
 use crate::config::{KvBLayout, MlaConfig};
@@ -947,20 +947,20 @@ fn decode_rows<O: Ops>(
             empty_rows.insert(row);
         }
     }
-    a.ops.decode_merged(
-        &q,
+    a.ops.decode_merged(&DecodeArgs {
+        q: &q,
         n,
         nh,
-        &cs.cache,
-        cs.block_size,
-        cs.width,
-        &tables,
+        cache: &cs.cache,
+        block_size: cs.block_size,
+        width: cs.width,
+        tables: &tables,
         ctx,
         splits,
-        l,
-        a.scale,
+        dv: l,
+        scale: a.scale,
         empty_lse,
-    )
+    })
 }
 
 /// [`decode_rows`] over the DSA selection: each row's kept cache slots (`slots[i]`) are gathered

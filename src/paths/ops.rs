@@ -164,29 +164,11 @@ pub trait Ops {
         r: usize,
         slots: &[usize],
     ) -> Result<()>;
-    /// Split-KV decode, stage 1: for query row `i` (`q [n, nh, L+R]`) with context length
-    /// `ctx[i]` read through `tables[i]` (block ids) of the paged cache, each of `splits` splits
-    /// of `⌈ctx/splits⌉` positions writes a partial output into `parts [splits, n, nh, dv]`
-    /// (value = the first `dv` columns of each cache row) and its LSE into
-    /// `lses [splits, n, nh]`; an empty split writes no output and LSE `empty_lse`.
-    #[allow(clippy::too_many_arguments)]
-    fn decode_split(
-        &self,
-        q: &Self::Buf,
-        n: usize,
-        nh: usize,
-        cache: &Self::Buf,
-        block_size: usize,
-        width: usize,
-        tables: &[Vec<usize>],
-        ctx: &[usize],
-        splits: usize,
-        dv: usize,
-        scale: f32,
-        empty_lse: f32,
-        parts: &mut Self::Buf,
-        lses: &mut Self::Buf,
-    ) -> Result<()>;
+    /// Split-KV decode, stage 1 of the launch `d` (see [`DecodeArgs`]): each of `d.splits`
+    /// splits of `⌈ctx/splits⌉` positions of every query row writes a partial output into
+    /// `parts [splits, n, nh, dv]` (value = the first `dv` columns of each cache row) and its LSE
+    /// into `lses [splits, n, nh]`; an empty split writes no output and LSE `d.empty_lse`.
+    fn decode_split(&self, d: &DecodeArgs<'_, Self::Buf>, parts: &mut Self::Buf, lses: &mut Self::Buf) -> Result<()>;
     /// LSE merge of `k` stacked partials `parts [k, rows, nh, dv]`, `lses [k, rows, nh]` into
     /// `(out [rows, nh, dv], lse [rows, nh])` (MLA.md "Attention state merge"; a partial with
     /// LSE −inf contributes nothing and is not read).
@@ -201,49 +183,53 @@ pub trait Ops {
     ) -> Result<(Self::Buf, Self::Buf)>;
     /// [`Ops::decode_split`] into canary-filled partials, then [`Ops::merge`] of them:
     /// `(out [n, nh, dv], lse [n, nh])`. A backend may fuse the two (the CUDA fast kernels do).
-    #[allow(clippy::too_many_arguments)]
-    fn decode_merged(
-        &self,
-        q: &Self::Buf,
-        n: usize,
-        nh: usize,
-        cache: &Self::Buf,
-        block_size: usize,
-        width: usize,
-        tables: &[Vec<usize>],
-        ctx: &[usize],
-        splits: usize,
-        dv: usize,
-        scale: f32,
-        empty_lse: f32,
-    ) -> Result<(Self::Buf, Self::Buf)> {
-        decode_then_merge(
-            self, q, n, nh, cache, block_size, width, tables, ctx, splits, dv, scale, empty_lse,
-        )
+    fn decode_merged(&self, d: &DecodeArgs<'_, Self::Buf>) -> Result<(Self::Buf, Self::Buf)> {
+        decode_then_merge(self, d)
     }
 }
 
+/// The inputs of one split-KV decode launch ([`Ops::decode_split`], [`Ops::decode_merged`]),
+/// vLLM's `forward_mqa` over a paged latent cache.
+pub struct DecodeArgs<'a, B> {
+    /// Query rows `[n, nh, L+R]` (`ql_nope` absorbed through `W_UK_T`, then `q_pe` roped).
+    pub q: &'a B,
+    /// Query rows (decode tokens).
+    pub n: usize,
+    /// Heads per row.
+    pub nh: usize,
+    /// The paged cache `[num_blocks·block_size, width]`, rows `[kv_c_normed | k_pe]`.
+    pub cache: &'a B,
+    /// Tokens per cache page.
+    pub block_size: usize,
+    /// Cache row width, L+R.
+    pub width: usize,
+    /// Block ids of each row's pages, in position order.
+    pub tables: &'a [Vec<usize>],
+    /// Context length of each row.
+    pub ctx: &'a [usize],
+    /// KV splits per row.
+    pub splits: usize,
+    /// Value width (the first `dv` columns of a cache row), L.
+    pub dv: usize,
+    /// Softmax scale.
+    pub scale: f32,
+    /// LSE an empty split reports.
+    pub empty_lse: f32,
+}
+
+impl<B> Clone for DecodeArgs<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B> Copy for DecodeArgs<'_, B> {}
+
 /// The unfused [`Ops::decode_merged`]: stage 1 into canary-filled partials, then the merge.
-#[allow(clippy::too_many_arguments)]
-pub fn decode_then_merge<O: Ops + ?Sized>(
-    ops: &O,
-    q: &O::Buf,
-    n: usize,
-    nh: usize,
-    cache: &O::Buf,
-    block_size: usize,
-    width: usize,
-    tables: &[Vec<usize>],
-    ctx: &[usize],
-    splits: usize,
-    dv: usize,
-    scale: f32,
-    empty_lse: f32,
-) -> Result<(O::Buf, O::Buf)> {
+pub fn decode_then_merge<O: Ops + ?Sized>(ops: &O, d: &DecodeArgs<'_, O::Buf>) -> Result<(O::Buf, O::Buf)> {
+    let (n, nh, splits, dv) = (d.n, d.nh, d.splits, d.dv);
     let mut parts = ops.canary(splits * n * nh * dv)?;
     let mut lses = ops.canary(splits * n * nh)?;
-    ops.decode_split(
-        q, n, nh, cache, block_size, width, tables, ctx, splits, dv, scale, empty_lse, &mut parts, &mut lses,
-    )?;
+    ops.decode_split(d, &mut parts, &mut lses)?;
     ops.merge(&parts, &lses, splits, n, nh, dv)
 }

@@ -10,7 +10,7 @@ use ndarray::ArrayView2;
 use rayon::prelude::*;
 
 use super::canary_vec;
-use super::ops::{Copy2d, EmptyRows, Ops, RopeStyle, Segment};
+use super::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, RopeStyle, Segment};
 use crate::error::{Error, Result};
 use crate::gguf::{GgmlType, dequant};
 use crate::tolerance::Dtype;
@@ -260,23 +260,21 @@ impl Ops for CpuOps {
         Ok(())
     }
 
-    fn decode_split(
-        &self,
-        q: &Vec<f32>,
-        n: usize,
-        nh: usize,
-        cache: &Vec<f32>,
-        block_size: usize,
-        width: usize,
-        tables: &[Vec<usize>],
-        ctx: &[usize],
-        splits: usize,
-        dv: usize,
-        scale: f32,
-        empty_lse: f32,
-        parts: &mut Vec<f32>,
-        lses: &mut Vec<f32>,
-    ) -> Result<()> {
+    fn decode_split(&self, d: &DecodeArgs<'_, Vec<f32>>, parts: &mut Vec<f32>, lses: &mut Vec<f32>) -> Result<()> {
+        let DecodeArgs {
+            q,
+            n,
+            nh,
+            cache,
+            block_size,
+            width,
+            tables,
+            ctx,
+            splits,
+            dv,
+            scale,
+            empty_lse,
+        } = *d;
         check(q, n * nh * width, "decode q")?;
         check(parts, splits * n * nh * dv, "decode parts")?;
         check(lses, splits * n * nh, "decode lses")?;

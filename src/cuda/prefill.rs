@@ -94,7 +94,9 @@ impl PrefillCfg {
     /// Errors: as [`PrefillCfg::parse`].
     pub fn from_env() -> Result<Option<Self>> {
         match std::env::var("MLA_DIFF_PREFILL_CFG") {
-            Ok(s) if !s.is_empty() => Self::parse(&s).map(Some),
+            Ok(s) if !s.is_empty() => Self::parse(&s)
+                .map(Some)
+                .map_err(|e| cerr(format!("MLA_DIFF_PREFILL_CFG: {e}"))),
             _ => Ok(None),
         }
     }
@@ -213,7 +215,7 @@ pub fn bench_variants() -> Result<Vec<PrefillCfg>> {
     spec.split(';')
         .map(str::trim)
         .filter(|e| !e.is_empty())
-        .map(PrefillCfg::parse)
+        .map(|e| PrefillCfg::parse(e).map_err(|err| cerr(format!("MLA_DIFF_BENCH_PREFILL: {err}"))))
         .collect()
 }
 

@@ -93,6 +93,9 @@
 #ifndef FD_MINB
 #define FD_MINB 2                  // blocks per SM the register allocation must allow
 #endif
+#ifndef FD_WG
+#define FD_WG 0                    // 1: the wgmma (sm_90a) kernel at the end of this file
+#endif
 #ifndef FD_CLUSTER
 #define FD_CLUSTER 0               // blocks per cluster merging through distributed shared memory
 #endif
@@ -606,6 +609,305 @@ __device__ __noinline__ void fd_cluster_merge(const float* Os, const float* Lse,
 }
 #endif
 
+#if FD_WG
+// ---------------------------------------------------------------------------------------------
+// FD_WG 1: the same launch (grid, arguments, outputs, fused merge) on Hopper's warpgroup MMA
+// (wgmma.mma_async, sm_90a only; the host compiles this variant for sm_90a), FlashMLA's layout:
+// FD_HM = 64 heads per block (the wgmma M), 64 cache rows per tile, two warpgroups (8 warps).
+//   Shared memory (1024-byte aligned): Q [64 heads][W] and two cache stages [64 rows][W], each in
+//   the 128-byte-swizzled K-major layout wgmma reads through a matrix descriptor (W cut into
+//   panels of 64 columns; panel p, row r, 16-byte chunk c at p·8192 + r·128 + ((c ^ r%8)·16)),
+//   filled by cp.async from all 256 threads (a row's slot from its block-table entry, computed
+//   one tile ahead into `slots`); P [64][64] bf16 in the same layout; α and the final sums.
+//   Per tile (one barrier for the copies, one for P):
+//     warpgroup 0: S = Q·Kᵀ (W/16 wgmma m64n64k16, A and B from shared memory), online softmax
+//       in the accumulator registers (a head row's 4 lanes reduce by two shuffles; running max in
+//       log2 units; each thread keeps its own partial sum, reduced at the end), P as A fragments
+//       in registers, and to shared memory for warpgroup 1 with α;
+//     both: O·α, then O[:, half] += P·V (wgmma m64n64k16 per 64 value columns, V read in place
+//       from the cache tile as an MN-major B operand): warpgroup 0 value columns [0, DV/2) with P
+//       from registers, warpgroup 1 columns [DV/2, DV) with P from shared memory.
+//   Then parts/lses and fd_merge_tail exactly as the mma.sync kernel.
+// Needs W a multiple of 16 (≤ 576 for the shared memory to fit) and DV a multiple of 128.
+#if MLA_DV % 128 != 0
+#error "fast_decode.cu: FD_WG needs MLA_DV a multiple of 128 (64 value columns per wgmma per warpgroup)"
+#endif
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "fast_decode.cu: FD_WG (wgmma) needs --gpu-architecture=sm_90a"
+#endif
+#define WG_BK 64                                    // cache rows per tile (= heads per block)
+#define WG_PANEL (WG_BK * 128)                      // bytes of one 64-column panel of a tile
+#define WG_TILE (((MLA_W + 63) / 64) * WG_PANEL)    // bytes of a Q or cache tile
+#define WG_NCH (MLA_DV / 128)                       // 64-column chunks of O per warpgroup
+
+// Byte offset of 16-byte chunk c of row r in a swizzled [64][W] tile.
+__device__ __forceinline__ unsigned wg_off(int r, int c) {
+    return (unsigned)((c >> 3) * WG_PANEL + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+// A wgmma matrix descriptor: 128-byte swizzle, leading / stride byte offsets `lbo` / `sbo`.
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lbo, unsigned sbo) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(sbo >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Pins N accumulator registers at this point (no reads or writes move across it).
+template <int N = 32>
+__device__ __forceinline__ void wg_pin(float* d) {
+#pragma unroll
+    for (int e = 0; e < N; ++e) asm volatile("" : "+f"(d[e])::"memory");
+}
+#define WG_D32                                                                                            \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+    "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WG_OUT32(d)                                                                                      \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),     \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),        \
+        "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),      \
+        "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),      \
+        "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#if FD_WG == 1
+#if FD_HM != 64 || FD_WARPS != 8 || FD_TMA || FD_CLUSTER || FD_STAGES != 2 || FD_FUSED || FD_QREG
+#error "fast_decode.cu: FD_WG 1 needs FD_HM=64, FD_WARPS=8, FD_STAGES=2 and no TMA, cluster, fused softmax or QREG"
+#endif
+// d[64×64] (+)= A·B, A [64][16] K-major and B [16][64] from shared memory; B K-major (`TB` 0:
+// [64 n][16 k], the cache rows as keys) or MN-major (1: [16 k][64 n], the cache rows as values).
+template <int TB>
+__device__ __forceinline__ void wg_mma_ss(float* d, unsigned long long da, unsigned long long db, int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_D32 ", %32, %33, p, 1, 1, 0, %35;\n}\n"
+                 : WG_OUT32(d)
+                 : "l"(da), "l"(db), "r"(acc), "n"(TB));
+}
+// d[64×64] += A·B with A [64][16] as register fragments (mma.sync's A layout per warp) and B
+// [16][64] MN-major from shared memory.
+__device__ __forceinline__ void wg_mma_rs(float* d, const unsigned* a, unsigned long long db) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_D32
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                 : WG_OUT32(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+    decode_split_mma(const bf16* q, const bf16* cache, const i64* tables, const i64* ctx, float* parts,
+                     float* lses, i64 n, i64 nh, i64 block_size, i64 max_blocks, i64 splits, float scale,
+                     float empty_lse, float* out, float* out_lse, int* counters, int spin) {
+    extern __shared__ __align__(16) unsigned char fd_smem[];
+    unsigned char* const base = fd_smem + ((1024u - (fd_smem_addr(fd_smem) & 1023u)) & 1023u);
+    unsigned char* const Qs = base;                          // [64][W] swizzled
+    unsigned char* const Cs = Qs + WG_TILE;                  // [2][64][W] swizzled
+    unsigned char* const Ps = Cs + 2 * WG_TILE;              // [64][64] bf16 swizzled
+    float* const As = reinterpret_cast<float*>(Ps + WG_PANEL);  // [64] rescale of this tile
+    float* const Ls = As + WG_BK;                            // [64] final sums
+    long long* const slots = reinterpret_cast<long long*>(Ls + WG_BK);  // [2][64] row slots
+
+    const i64 groups = (nh + FD_HM - 1) / FD_HM;
+    const i64 i = blockIdx.x / groups, h0 = (blockIdx.x % groups) * FD_HM;
+    const i64 s = blockIdx.y;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    // Warpgroup (read through a shuffle so that the compiler knows it is warp-uniform: wgmma in a
+    // branch it cannot prove uniform is serialized) and warp in it (rows 16·wr …).
+    const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), wr = warp % 4;
+    const i64 c = ctx[i];
+    const i64 sl = (c + splits - 1) / splits;
+    const i64 k0 = min(s * sl, c), k1 = min((s + 1) * sl, c);
+    if (k0 == k1) {
+        for (int r = tid; r < FD_HM; r += 256)
+            if (h0 + r < nh) lses[(s * n + i) * nh + h0 + r] = empty_lse;
+        if (out != nullptr)
+            fd_merge_tail(parts, lses, out, out_lse, counters, n, nh, splits, i, h0, tid, 256,
+                          reinterpret_cast<float*>(Cs), 2 * WG_TILE / 4, [] { __syncthreads(); }, spin);
+        return;
+    }
+    const i64* table = tables + i * max_blocks;
+    const int n_tiles = (int)((k1 - k0 + WG_BK - 1) / WG_BK);
+    auto slot_of = [&](int tile) -> long long {
+        const i64 pos = k0 + (i64)tile * WG_BK + tid;
+        if (tile >= n_tiles || pos >= k1) return -1;
+        const i64 page = pos / block_size;
+        return table[page] * block_size + (pos - page * block_size);
+    };
+    // Warp w copies rows w, w + 8, …: 512 contiguous bytes per warp instruction.
+    auto load_tile = [&](int tile) {
+        unsigned char* dst = Cs + (tile & 1) * WG_TILE;
+        const long long* sl_ = slots + (tile & 1) * WG_BK;
+#pragma unroll
+        for (int j = 0; j < WG_BK / 8; ++j) {
+            const int r = warp + 8 * j;
+            const long long slot = sl_[r];
+            const bf16* src = cache + (slot < 0 ? 0 : slot) * MLA_W;
+#pragma unroll
+            for (int cc = lane; cc < MLA_W / 8; cc += 32) fd_cp16(dst + wg_off(r, cc), src + cc * 8, slot >= 0);
+        }
+    };
+    for (int e = tid; e < FD_HM * (MLA_W / 8); e += 256) {
+        const int r = e / (MLA_W / 8), cc = e % (MLA_W / 8);
+        const bool ok = h0 + r < nh;
+        fd_cp16(Qs + wg_off(r, cc), q + (i * nh + (ok ? h0 + r : 0)) * MLA_W + cc * 8, ok);
+    }
+    if (tid < WG_BK) slots[tid] = slot_of(0);
+    __syncthreads();
+    load_tile(0);
+    asm volatile("cp.async.commit_group;\n" ::);
+    if (tid < WG_BK) slots[WG_BK + tid] = slot_of(1);
+
+    float o[WG_NCH][32];
+#pragma unroll
+    for (int j = 0; j < WG_NCH; ++j)
+#pragma unroll
+        for (int e = 0; e < 32; ++e) o[j][e] = 0.0f;
+    // Warpgroup 0: running max (log2 units) and this thread's partial sum of rows 16·wr + g + 8·h.
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+    const float sl2 = scale * 1.4426950408889634f;
+    const unsigned q_addr = fd_smem_addr(Qs), p_addr = fd_smem_addr(Ps);
+
+    for (int it = 0; it < n_tiles; ++it) {
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // for wgmma's reads
+        __syncthreads();  // tile `it` landed; tile it-1, P and α of it-1 consumed
+        if (it + 1 < n_tiles) load_tile(it + 1);
+        asm volatile("cp.async.commit_group;\n" ::);
+        if (tid < WG_BK) slots[(it & 1) * WG_BK + tid] = slot_of(it + 2);
+        const unsigned c_addr = fd_smem_addr(Cs + (it & 1) * WG_TILE);
+        const i64 kt = k0 + (i64)it * WG_BK;
+        unsigned pa[WG_BK / 16][4];
+        if (wg == 0) {
+            float sacc[32];
+#pragma unroll
+            for (int e = 0; e < 32; ++e) sacc[e] = 0.0f;
+            wg_pin(sacc);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < MLA_W / 16; ++kk) {
+                const unsigned off = (kk >> 2) * WG_PANEL + (kk & 3) * 32;
+                wg_mma_ss<0>(sacc, wg_desc(q_addr + off, 16, 1024), wg_desc(c_addr + off, 16, 1024), kk > 0);
+            }
+            wg_commit();
+            wg_wait0();
+            wg_pin(sacc);
+            // Online softmax: this thread holds keys 8j + 2t + {0,1} of rows 16·wr + g + 8·h in
+            // sacc[4j + 2h + {0,1}].
+            float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const bool ok = kt + 8 * j + 2 * t + e < k1;
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float& x = sacc[4 * j + 2 * h + e];
+                        x = ok ? x * sl2 : -INFINITY;
+                        mx[h] = fmaxf(mx[h], x);
+                    }
+                }
+            float al[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+                const float mn = fmaxf(m_run[h], mx[h]);
+                al[h] = exp2f(m_run[h] - mn);
+                m_run[h] = mn;
+                float sum = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& x = sacc[4 * j + 2 * h + e];
+                        x = exp2f(x - mn);
+                        sum += x;
+                    }
+                l_run[h] = l_run[h] * al[h] + sum;
+            }
+            // P as A fragments (keys 16·kk …) and, for warpgroup 1, to shared memory.
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    __nv_bfloat162 v = __floats2bfloat162_rn(sacc[4 * j + 2 * h], sacc[4 * j + 2 * h + 1]);
+                    const unsigned u = *reinterpret_cast<unsigned*>(&v);
+                    pa[j / 2][(j & 1) * 2 + h] = u;
+                    const int r = 16 * wr + g + 8 * h;
+                    *reinterpret_cast<unsigned*>(Ps + r * 128 + ((j ^ (r & 7)) << 4) + 4 * t) = u;
+                }
+            if (t == 0) {
+                As[16 * wr + g] = al[0];
+                As[16 * wr + g + 8] = al[1];
+            }
+#pragma unroll
+            for (int j = 0; j < WG_NCH; ++j)
+#pragma unroll
+                for (int e = 0; e < 32; ++e) o[j][e] *= al[(e >> 1) & 1];
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // P, for wgmma's reads
+        }
+        __syncthreads();  // P and α ready
+        if (wg == 1) {
+            const float a0 = As[16 * wr + g], a1 = As[16 * wr + g + 8];
+#pragma unroll
+            for (int j = 0; j < WG_NCH; ++j)
+#pragma unroll
+                for (int e = 0; e < 32; ++e) o[j][e] *= (e & 2) ? a1 : a0;
+        }
+#pragma unroll
+        for (int j = 0; j < WG_NCH; ++j) wg_pin(o[j]);
+        wg_fence();
+        // V rows 16·kk … of value panel wg·NCH + j: MN-major, 8-row groups 1024 bytes apart
+        // (stride), panels 8192 apart (leading; one panel per wgmma).
+        auto v_desc = [&](int kk, int j) {
+            return wg_desc(c_addr + (wg * WG_NCH + j) * WG_PANEL + kk * 16 * 128, WG_PANEL, 1024);
+        };
+        if (wg == 0) {
+#pragma unroll
+            for (int kk = 0; kk < WG_BK / 16; ++kk)
+#pragma unroll
+                for (int j = 0; j < WG_NCH; ++j) wg_mma_rs(o[j], pa[kk], v_desc(kk, j));
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < WG_BK / 16; ++kk)
+#pragma unroll
+                for (int j = 0; j < WG_NCH; ++j) wg_mma_ss<1>(o[j], wg_desc(p_addr + kk * 32, 16, 1024), v_desc(kk, j), 1);
+        }
+        wg_commit();
+        wg_wait0();
+#pragma unroll
+        for (int j = 0; j < WG_NCH; ++j) wg_pin(o[j]);
+    }
+    const float ln2 = 0.6931471805599453f;
+    if (wg == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float l = l_run[h];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const int r = 16 * wr + g + 8 * h;
+            if (t == 0) {
+                Ls[r] = l;
+                if (h0 + r < nh) lses[(s * n + i) * nh + h0 + r] = m_run[h] * ln2 + logf(l);
+            }
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = 16 * wr + g + 8 * h;
+        if (h0 + r >= nh) continue;
+        const float l = Ls[r];
+        float* const orow = parts + ((s * n + i) * nh + h0 + r) * MLA_DV + wg * (MLA_DV / 2);
+#pragma unroll
+        for (int j = 0; j < WG_NCH; ++j)
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj)
+                *reinterpret_cast<float2*>(orow + j * 64 + jj * 8 + 2 * t) =
+                    make_float2(o[j][4 * jj + 2 * h] / l, o[j][4 * jj + 2 * h + 1] / l);
+    }
+    if (out != nullptr)
+        fd_merge_tail(parts, lses, out, out_lse, counters, n, nh, splits, i, h0, tid, 256,
+                      reinterpret_cast<float*>(Cs), 2 * WG_TILE / 4, [] { __syncthreads(); }, spin);
+}
+#endif  // FD_WG == 1
+#else
 // A fragment (16 rows × 16 k) of a row-major bf16 tile with row stride FD_LD.
 __device__ __forceinline__ void fd_load_a(unsigned* a, const bf16* base, int g, int t) {
     const bf16* p = base + g * FD_LD + 2 * t;
@@ -1135,3 +1437,4 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
                       reinterpret_cast<float*>(Cs), FD_STAGES * FD_BK * FD_LD / 2, [] { fd_sync(); }, spin);
 #endif
 }
+#endif  // FD_WG

@@ -4,14 +4,19 @@
 #   cargo build --release && cargo test --release --no-run
 #   mkdir -p .gpu && strip -o .gpu/mla-diff target/release/mla-diff
 #   strip -o .gpu/cuda-tests "$(ls target/release/deps/cuda-* | grep -v '\.d$' | head -1)"
+#   mkdir -p .gpu/one .gpu/wg && cp golden/models/tiny-v3-q8_0.gguf .gpu/one/
+#   cp golden/models/lite-v2-q8_0.gguf golden/models/k256-q4_k_m.gguf .gpu/wg/
 # then run `bash scripts/gpu_validate.sh STAGE...` there. Logs go to $OUT (or ./gpu-logs).
-# Stages: smoke, report, tests, quick, selftest-f32, selftest-bf16, fast-quick, fast-bf16, memcheck,
-# racecheck, racecheck-fast, sass.
+# Stages: smoke, report, tests, quick, selftest-f32, selftest-bf16, fast-quick, fast-bf16,
+# fast-wgmma, memcheck, racecheck, racecheck-fast, memcheck-wgmma, racecheck-wgmma, sass.
+# The *-wgmma stages force the decode's wgmma block (MLA_DIFF_DECODE_CFG, below) on every fixture
+# it fits (L a multiple of 128: lite-v2 and k256; the others run the 64-head mma.sync block).
 set -u
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 B=${MLA_DIFF_BIN:-.gpu/mla-diff}
+WGMMA=64,8,1,0,2,1,0,0,0,1
 step() {  # step NAME TIMEOUT CMD...
   local name=$1 t=$2; shift 2
   echo "=== $name: $*" | tee -a "$OUT/summary.log"
@@ -54,9 +59,20 @@ for stage in "$@"; do
     fast-bf16)
       step selftest-fast-bf16 590 "$B" selftest --backend cuda --kernels fast --dtype bf16 --cross-check
       ;;
+    fast-wgmma)
+      step selftest-fast-wgmma 590 env MLA_DIFF_DECODE_CFG=$WGMMA "$B" selftest --backend cuda --kernels fast --dtype bf16 --cross-check
+      ;;
+    memcheck-wgmma)
+      step memcheck-wgmma 590 env MLA_DIFF_DECODE_CFG=$WGMMA /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 3 "$B" selftest --backend cuda --kernels fast --dtype bf16 --quick --models .gpu/wg
+      ;;
+    racecheck-wgmma)
+      step racecheck-wgmma 590 env MLA_DIFF_BF16_GEMM=emulate MLA_DIFF_DECODE_CFG=$WGMMA /usr/local/cuda/bin/compute-sanitizer --tool racecheck --error-exitcode 3 "$B" selftest --backend cuda --kernels fast --dtype bf16 --quick --models .gpu/wg
+      ;;
     sass)
       mkdir -p "$OUT/cubin"
       step sass-compile 120 "$B" kernels --compile-only --arch sm_90 --out "$OUT/cubin"
+      f="$OUT/cubin/fast_decode.cu.hm64-w8-p1-qsmem-s2-wgmma.sm_90a.cubin"
+      echo "fast_decode.cu (wgmma): $(/usr/local/cuda/bin/cuobjdump --dump-sass "$f" | grep -c HGMMA) HGMMA, $(/usr/local/cuda/bin/cuobjdump --dump-sass "$f" | grep -c LDGSTS) LDGSTS (cp.async) instructions" | tee -a "$OUT/summary.log"
       for m in fast_prefill fast_decode; do
         echo "$m.cu: $(/usr/local/cuda/bin/cuobjdump --dump-sass "$OUT/cubin/$m.cu.sm_90.cubin" | grep -c HMMA) HMMA, $(/usr/local/cuda/bin/cuobjdump --dump-sass "$OUT/cubin/$m.cu.sm_90.cubin" | grep -c LDGSTS) LDGSTS (cp.async), $(/usr/local/cuda/bin/cuobjdump --dump-sass "$OUT/cubin/$m.cu.sm_90.cubin" | grep -c LDSM) LDSM (ldmatrix) instructions" | tee -a "$OUT/summary.log"
       done

@@ -592,7 +592,9 @@ pub struct KernelsArgs {
     /// CUDA include folder (holding cuda_bf16.h).
     #[arg(long)]
     pub cuda_include: Option<PathBuf>,
-    /// Also write each module's CUBIN here (`<module>.<arch>.cubin`), e.g. for cuobjdump.
+    /// Also write each compiled CUBIN here (`<module>.<arch>.cubin`, and
+    /// `<module>.<configuration>.<arch>.cubin` for each kernel configuration, e.g.
+    /// `fast_decode.cu.hm64-w8-p1-qsmem-s2-wgmma.sm_90a.cubin`), e.g. for cuobjdump.
     #[arg(long)]
     pub out: Option<PathBuf>,
 }
@@ -611,12 +613,13 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
         "spill loads",
     ]);
     for arch in &a.arch {
-        // The decode kernel also in its 64-head configuration (the macros' defaults are the
-        // 16-head one), with the in-register softmax, with the TMA producer warp (the merge
+        // The decode kernel also in its 64-head configurations (wgmma, compiled for sm_90a on
+        // sm_90, and mma.sync; the macros' defaults are the 16-head one), with the in-register softmax, with the TMA producer warp (the merge
         // through global memory: the N < 64 default), with the merge through a cluster of 4
         // blocks (the bench shape's splits), and the 64-head block with TMA and a cluster of 8.
         use crate::cuda::ops::DecodeCfg;
-        let hm64 = DecodeCfg::for_heads(128);
+        let wgmma = DecodeCfg::WGMMA.for_arch(arch);
+        let hm64 = DecodeCfg::MMA64;
         let fused = DecodeCfg::parse("16,8,2,1,4,1,1")?;
         let tma = DecodeCfg::parse("16,8,2,0,2,2,0,1")?;
         let cluster16 = DecodeCfg::parse("16,8,2,0,2,2,0,1,1")?.for_arch(arch);
@@ -631,6 +634,7 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
         // (Below sm_90 the cluster variants fall back to the fused merge and the same block
         // without the producer warp: compiled once.)
         for (c, splits) in [
+            (wgmma, 0),
             (hm64, 0),
             (fused, 0),
             (tma.for_arch(arch), 0),
@@ -663,18 +667,24 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
             ));
         }
         for (m, label, defines) in jobs {
-            let c = crate::cuda::compile(m, arch, &include, true, &defines)?;
-            if let Some(dir) = &a.out
-                && defines.is_empty()
-            {
-                let path = dir.join(format!("{}.{arch}.cubin", m.file()));
-                report::write_file_atomic(&path, &c.cubin, true)?;
+            let target = crate::cuda::ops::target_arch(arch, &defines);
+            let c = crate::cuda::compile(m, &target, &include, true, &defines)?;
+            if let Some(dir) = &a.out {
+                // `<module>.<arch>.cubin` for the default build, `<module>.<label>.<target>.cubin`
+                // (label without parentheses, spaces as `-`) for each configuration.
+                let name = if defines.is_empty() {
+                    format!("{}.{arch}.cubin", m.file())
+                } else {
+                    let inner = label.split_once(" (").map_or("", |(_, r)| r.trim_end_matches(')'));
+                    format!("{}.{}.{target}.cubin", m.file(), inner.replace(' ', "-"))
+                };
+                report::write_file_atomic(&dir.join(name), &c.cubin, true)?;
             }
             let usage = crate::cuda::parse_usage(&c.log);
             if usage.is_empty() {
                 t.add_row(vec![
                     label.clone(),
-                    arch.clone(),
+                    target.clone(),
                     "(no ptxas report)".into(),
                     String::new(),
                     String::new(),
@@ -684,7 +694,7 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
             for u in usage {
                 t.add_row(vec![
                     label.clone(),
-                    arch.clone(),
+                    target.clone(),
                     u.kernel,
                     u.registers.to_string(),
                     u.spill_stores.to_string(),

@@ -285,3 +285,114 @@ fn device_spin_merge_gives_up_when_blocks_are_not_resident() {
     assert!(counts.iter().all(|&c| c == 0), "counters left {counts:?}");
     assert!(so.iter().any(|&x| x != 0.0 && x.is_finite()));
 }
+
+/// Merged split-KV decode through [`Ops::decode_merged`] (the engine's call) on `ops`, for
+/// queries `q [n, nh, L+R]` and a paged `cache [blocks·page, L+R]` (f32 holding bf16 values):
+/// merged output `[n, nh, L]` and LSE `[n, nh]`.
+#[allow(clippy::too_many_arguments)]
+fn decode_merged_on<O: Ops>(
+    ops: &O,
+    q: &[f32],
+    cache: &[f32],
+    nh: usize,
+    (l, r, page): (usize, usize, usize),
+    tables: &[Vec<usize>],
+    ctx: &[usize],
+    splits: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    use mla_diff::paths::ops::DecodeArgs;
+    let (qb, cb) = (ops.upload(q).unwrap(), ops.upload(cache).unwrap());
+    let (o, lse) = ops
+        .decode_merged(&DecodeArgs {
+            q: &qb,
+            n: ctx.len(),
+            nh,
+            cache: &cb,
+            block_size: page,
+            width: l + r,
+            tables,
+            ctx,
+            splits,
+            dv: l,
+            scale: (192f64).powf(-0.5) as f32,
+            empty_lse: f32::NEG_INFINITY,
+        })
+        .unwrap();
+    (ops.download(&o).unwrap(), ops.download(&lse).unwrap())
+}
+
+/// The wgmma decode block (the N >= 64 default on sm_90) at DeepSeek-V3's L = 512, R = 64,
+/// through the engine's merged-decode call, against the simple f32 kernels and the CPU bf16
+/// reference on the same bf16-valued inputs, judged by the tolerance table's bf16 rows for the
+/// attention latent and the LSE: 128 heads (two full head groups) and 80 (a second group of 16
+/// real heads and 48 zero rows), contexts that end inside, at and past a 64-row tile, pages of 16
+/// and 64 in shuffled order, 1 split (the compute-bound bench's) and 3 (the fused merge).
+#[test]
+fn device_wgmma_decode_matches_the_simple_kernels_and_the_cpu() {
+    use mla_diff::compare::{judge, metrics};
+    use mla_diff::cuda::ops::{DecodeCfg, Kernels, supports_wgmma};
+    use mla_diff::tolerance::tolerance;
+    use mla_diff::trace::{Stage, TraceTensor};
+    let Some(dev) = device() else { return };
+    if !supports_wgmma(dev.arch()) {
+        eprintln!("skipped: {} has no wgmma (sm_90 only)", dev.arch());
+        return;
+    }
+    let (l, r) = (512usize, 64usize);
+    assert!(DecodeCfg::for_heads(128).fit(l + r, l).for_arch(dev.arch()).wgmma);
+    let fast = dev.with_dtype(Dtype::Bf16).with_kernels(Kernels::Fast);
+    let simple = dev.with_dtype(Dtype::Bf16).with_kernels(Kernels::Simple);
+    let cpu = CpuOps::new(Dtype::Bf16);
+    let ctx = [1usize, 3, 63, 64, 65, 200, 1000];
+    let bf = |x: f64| half::bf16::from_f64(x).to_f32();
+    let mut rng = mla_diff::batch::SplitMix64::new(11);
+    for (nh, page) in [(128usize, 16usize), (80, 64)] {
+        let per = ctx.iter().map(|c| c.div_ceil(page)).collect::<Vec<_>>();
+        let mut phys: Vec<usize> = (0..per.iter().sum()).collect();
+        rng.shuffle(&mut phys);
+        let mut tables = Vec::new();
+        let mut at = 0;
+        for p in &per {
+            tables.push(phys[at..at + p].to_vec());
+            at += p;
+        }
+        let cache: Vec<f32> = (0..phys.len() * page * (l + r)).map(|_| bf(rng.normal())).collect();
+        let q: Vec<f32> = (0..ctx.len() * nh * (l + r)).map(|_| bf(rng.normal() * 0.5)).collect();
+        for splits in [1usize, 3] {
+            let dims = (l, r, page);
+            let (fo, fl) = decode_merged_on(&fast, &q, &cache, nh, dims, &tables, &ctx, splits);
+            let (so, sl) = decode_merged_on(&simple, &q, &cache, nh, dims, &tables, &ctx, splits);
+            let (co, cl) = decode_merged_on(&cpu, &q, &cache, nh, dims, &tables, &ctx, splits);
+            assert!(fo.iter().all(|x| x.is_finite()) && fo.iter().any(|&x| x != 0.0));
+            for (what, (cand, c_lse)) in [("simple", (&so, &sl)), ("cpu", (&co, &cl))] {
+                let (to, _) = tolerance(Stage::AttnLatent, Dtype::Bf16);
+                let (tl, _) = tolerance(Stage::Lse, Dtype::Bf16);
+                let shape = vec![ctx.len(), nh, l];
+                let m = metrics(
+                    &TraceTensor::f32(shape.clone(), cand.clone()),
+                    &TraceTensor::f32(shape, fo.clone()),
+                    &to,
+                );
+                let bad = judge(&m, &to);
+                assert!(
+                    bad.is_empty(),
+                    "nh {nh} page {page} splits {splits}: out vs {what}: {bad:?} {m:?}"
+                );
+                let ml = metrics(
+                    &TraceTensor::f32(vec![ctx.len(), nh], c_lse.clone()),
+                    &TraceTensor::f32(vec![ctx.len(), nh], fl.clone()),
+                    &tl,
+                );
+                let bad = judge(&ml, &tl);
+                assert!(
+                    bad.is_empty(),
+                    "nh {nh} page {page} splits {splits}: lse vs {what}: {bad:?} {ml:?}"
+                );
+                eprintln!(
+                    "wgmma vs {what}: nh {nh} page {page} splits {splits}: out rel_l2 {:.2e}, lse rel_l2 {:.2e}",
+                    m.rel_l2, ml.rel_l2
+                );
+            }
+        }
+    }
+}

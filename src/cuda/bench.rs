@@ -180,7 +180,7 @@ pub fn decode(
     } = d;
     let w = l + r;
     let blocks_per_seq = seq / page;
-    let cfg = cfg.unwrap_or_else(|| DecodeCfg::for_heads(nh).fit(w).for_arch(ops.arch()));
+    let cfg = cfg.unwrap_or_else(|| DecodeCfg::for_heads(nh).fit(w, l).for_arch(ops.arch()));
     let splits = match splits {
         Some(s) => s.max(1),
         None => ops.decode_splits_for(b, nh, w, l, cfg, seq.div_ceil(64))?,
@@ -304,7 +304,7 @@ pub fn decode(
 type Variant = (bool, DecodeCfg, Option<usize>, bool);
 
 /// Extra decode variants from `MLA_DIFF_BENCH_DECODE`: `;`-separated entries
-/// `m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER]]]][@SPLITS]` (m: the
+/// `m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA]]]]][@SPLITS]` (m: the
 /// memory-bound shape, c: the compute-bound one, merge fused into the kernel; M, C: the same
 /// with the separate merge kernel; CLUSTER 1: the fused merge through a thread-block cluster
 /// of SPLITS blocks where [`DecodeCfg::cluster_size`] allows), each timed and compared with the
@@ -319,7 +319,7 @@ fn variants() -> Result<Vec<Variant>> {
     for e in spec.split(';').map(str::trim).filter(|e| !e.is_empty()) {
         let bad = || {
             cerr(format!(
-                "MLA_DIFF_BENCH_DECODE entry `{e}`: expected m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER]]]][@SPLITS]"
+                "MLA_DIFF_BENCH_DECODE entry `{e}`: expected m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA]]]]][@SPLITS]"
             ))
         };
         let (kind, rest) = e.split_once(':').ok_or_else(bad)?;

@@ -211,7 +211,13 @@ impl CudaOps {
             _ => return Err(cerr(format!("{} is not a fast kernel module", module.file()))),
         };
         defines.extend_from_slice(extra);
-        let c = compile(module, &self.dev.arch, &self.dev.include, false, &defines)?;
+        let c = compile(
+            module,
+            &target_arch(&self.dev.arch, &defines),
+            &self.dev.include,
+            false,
+            &defines,
+        )?;
         let m = self
             .dev
             .ctx
@@ -602,7 +608,8 @@ impl CudaOps {
             splits,
             dv,
             cfg: DecodeCfg::from_env()?
-                .unwrap_or_else(|| DecodeCfg::for_heads(nh).fit(width))
+                .unwrap_or_else(|| DecodeCfg::for_heads(nh))
+                .fit(width, dv)
                 .for_arch(&self.dev.arch),
             spin: None,
         };
@@ -618,7 +625,9 @@ impl CudaOps {
     /// to finish, through `parts` and `lses`.
     ///
     /// # Errors
-    /// [`Error::Cuda`] when a merge output or the counters are too short, when the cluster
+    /// [`Error::Cuda`] when a merge output or the counters are too short, when `sh.cfg` is the
+    /// wgmma block and the device is not sm_90 or the shape is outside
+    /// [`DecodeCfg::wgmma_fits`], when the cluster
     /// merge's partials do not fit in a block's shared memory ([`DecodeCfg::cluster_fits`]), or
     /// on a compile or launch failure.
     #[allow(clippy::too_many_arguments)]
@@ -636,6 +645,15 @@ impl CudaOps {
         merge: Option<DecodeMerge<'_>>,
     ) -> Result<()> {
         let dc = sh.cfg;
+        if dc.wgmma && !(supports_wgmma(&self.dev.arch) && DecodeCfg::wgmma_fits(sh.width, sh.dv)) {
+            return Err(cerr(format!(
+                "decode configuration {}: wgmma needs sm_90 (this device is {}) and L a multiple of 128 with L+R <= 576 (here L+R = {}, L = {})",
+                dc.label(),
+                self.dev.arch,
+                sh.width,
+                sh.dv
+            )));
+        }
         let smem = dc.smem(sh.width);
         let cluster = dc.cluster_size(&self.dev.arch, sh.splits, sh.dv, merge.is_some());
         if cluster > 0 && !dc.cluster_fits(sh.width, sh.dv, cluster) {
@@ -784,6 +802,27 @@ pub struct DecodeCfg {
     /// splits), instead of global partials, an atomic counter and a last-block merge. Needs
     /// `tma`; applies only where [`DecodeCfg::cluster_size`] says so, else the fused merge runs.
     pub cluster: bool,
+    /// Hopper's warpgroup MMA (`FD_WG`: `wgmma.mma_async`, compiled for sm_90a) instead of
+    /// `mma.sync`: 64 heads and 64 cache rows per tile, two warpgroups, FlashMLA's layout (see
+    /// fast_decode.cu). Needs `hm` 64, `warps` 8, `stages` 2, no TMA, cluster, fused softmax or
+    /// QREG; runs only on sm_90 ([`supports_wgmma`]) with L a multiple of 128 and L+R ≤ 576
+    /// ([`DecodeCfg::wgmma_fits`]).
+    pub wgmma: bool,
+}
+
+/// True for `sm_90` and `sm_90a`: the architectures with `wgmma.mma_async` (sm_100 replaced it).
+pub fn supports_wgmma(arch: &str) -> bool {
+    arch == "sm_90" || arch == "sm_90a"
+}
+
+/// The NVRTC target for kernels of configuration `defines` on `arch`: `sm_90a` (the
+/// architecture-specific features wgmma needs) when `FD_WG` is 1 on sm_90, else `arch`.
+pub fn target_arch(arch: &str, defines: &[(&str, usize)]) -> String {
+    if arch == "sm_90" && defines.contains(&("FD_WG", 1)) {
+        "sm_90a".into()
+    } else {
+        arch.into()
+    }
 }
 
 /// True for `sm_90` and newer (`sm_90a`, `sm_100`, …): the architectures with bulk async copies
@@ -796,8 +835,10 @@ pub fn supports_tma(arch: &str) -> bool {
 }
 
 impl DecodeCfg {
-    /// The default for `nh` heads: 64-head blocks when there are at least 64 heads (the cache
-    /// is read once per 64 heads; one block of 8 warps per SM), else 16-head blocks of 8
+    /// The default for `nh` heads: the 64-head wgmma block when there are at least 64 heads
+    /// ([`DecodeCfg::WGMMA`]: the cache is read once per 64 heads; one block of two warpgroups
+    /// per SM; [`DecodeCfg::for_arch`] and [`DecodeCfg::fit`] turn it into the `mma.sync`
+    /// [`DecodeCfg::MMA64`] where it cannot run), else 16-head blocks of 8
     /// consumer warps and a producer warp streaming the cache with bulk copies (TMA), two
     /// blocks per SM, double-buffered (the fastest measured on the H200, BENCHMARKS.md), with
     /// the merge fused into the kernel (`16,8,2,0,2,2,0,1`). The merge through a thread-block
@@ -806,17 +847,7 @@ impl DecodeCfg {
     /// (136 µs against 99.6 µs, BENCHMARKS.md).
     pub fn for_heads(nh: usize) -> Self {
         if nh >= 64 {
-            DecodeCfg {
-                hm: 64,
-                warps: 8,
-                parts: 2,
-                qreg: false,
-                stages: 2,
-                min_blocks: 1,
-                fused: false,
-                tma: false,
-                cluster: false,
-            }
+            DecodeCfg::WGMMA
         } else {
             DecodeCfg {
                 hm: 16,
@@ -828,15 +859,60 @@ impl DecodeCfg {
                 fused: false,
                 tma: true,
                 cluster: false,
+                wgmma: false,
             }
         }
     }
 
+    /// The wgmma block (`64,8,1,0,2,1,0,0,0,1`): 64 heads, two warpgroups, one block per SM.
+    pub const WGMMA: DecodeCfg = DecodeCfg {
+        hm: 64,
+        warps: 8,
+        parts: 1,
+        qreg: false,
+        stages: 2,
+        min_blocks: 1,
+        fused: false,
+        tma: false,
+        cluster: false,
+        wgmma: true,
+    };
+
+    /// The 64-head `mma.sync` block (`64,8,2,0,2`): what [`DecodeCfg::WGMMA`] falls back to where
+    /// wgmma cannot run (not sm_90, or L+R and L outside [`DecodeCfg::wgmma_fits`]).
+    pub const MMA64: DecodeCfg = DecodeCfg {
+        hm: 64,
+        warps: 8,
+        parts: 2,
+        qreg: false,
+        stages: 2,
+        min_blocks: 1,
+        fused: false,
+        tma: false,
+        cluster: false,
+        wgmma: false,
+    };
+
+    /// True when the wgmma block handles cache rows of `width` = L+R with `dv` = L value
+    /// columns: L a multiple of 128 (64 value columns per wgmma and warpgroup), L ≤ L+R, L+R a
+    /// multiple of 16 (the wgmma K) and its shared memory ([`DecodeCfg::smem`]) within the
+    /// 227 KiB a block may use (L+R ≤ 576).
+    pub fn wgmma_fits(width: usize, dv: usize) -> bool {
+        dv > 0
+            && dv.is_multiple_of(128)
+            && dv <= width
+            && width.is_multiple_of(16)
+            && DecodeCfg::WGMMA.smem(width) <= 227 * 1024
+    }
+
     /// This configuration as `arch` can run it: the TMA producer warp (bulk copies, mbarriers)
     /// needs sm_90 or newer, so below that the same block runs with its consumer warps copying
-    /// (the pre-TMA default) and the fused merge (no clusters either).
+    /// (the pre-TMA default) and the fused merge (no clusters either); the wgmma block needs
+    /// sm_90 exactly ([`supports_wgmma`]) and becomes [`DecodeCfg::MMA64`] elsewhere.
     pub fn for_arch(self, arch: &str) -> Self {
-        if self.tma && !supports_tma(arch) {
+        if self.wgmma && !supports_wgmma(arch) {
+            DecodeCfg::MMA64
+        } else if self.tma && !supports_tma(arch) {
             DecodeCfg {
                 tma: false,
                 cluster: false,
@@ -847,13 +923,14 @@ impl DecodeCfg {
         }
     }
 
-    /// Parses `HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER]]]]` (QREG, FUSED,
-    /// TMA and CLUSTER 0 or 1; MINBLOCKS defaults to 1, FUSED, TMA and CLUSTER to 0). CLUSTER
-    /// 1 merges the splits through a thread-block cluster of `splits` blocks where
-    /// [`DecodeCfg::cluster_size`] allows, and needs TMA 1.
+    /// Parses `HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA]]]]]` (QREG,
+    /// FUSED, TMA, CLUSTER and WGMMA 0 or 1; MINBLOCKS defaults to 1, the others to 0).
+    /// CLUSTER 1 merges the splits through a thread-block cluster of `splits` blocks where
+    /// [`DecodeCfg::cluster_size`] allows, and needs TMA 1. WGMMA 1 is the warpgroup-MMA block
+    /// and needs `64,8,P,0,2,1,0,0,0,1` (P is unused).
     ///
     /// # Errors
-    /// [`Error::Cuda`] naming the string when it is not 5 to 9 unsigned integers or the
+    /// [`Error::Cuda`] naming the string when it is not 5 to 10 unsigned integers or the
     /// configuration does not tile (see `fast_decode.cu`'s header).
     pub fn parse(s: &str) -> Result<Self> {
         let v: Vec<usize> = s
@@ -862,18 +939,19 @@ impl DecodeCfg {
             .collect::<std::result::Result<_, _>>()
             .map_err(|_| {
                 cerr(format!(
-                    "decode configuration `{s}`: expected HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER]]]]"
+                    "decode configuration `{s}`: expected HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA]]]]]"
                 ))
             })?;
-        let (hm, warps, parts, qreg, stages, min_blocks, fused, tma, cluster) = match v[..] {
-            [a, b, c, d, e] => (a, b, c, d, e, 1, 0, 0, 0),
-            [a, b, c, d, e, f] => (a, b, c, d, e, f, 0, 0, 0),
-            [a, b, c, d, e, f, g] => (a, b, c, d, e, f, g, 0, 0),
-            [a, b, c, d, e, f, g, h] => (a, b, c, d, e, f, g, h, 0),
-            [a, b, c, d, e, f, g, h, k] => (a, b, c, d, e, f, g, h, k),
+        let (hm, warps, parts, qreg, stages, min_blocks, fused, tma, cluster, wgmma) = match v[..] {
+            [a, b, c, d, e] => (a, b, c, d, e, 1, 0, 0, 0, 0),
+            [a, b, c, d, e, f] => (a, b, c, d, e, f, 0, 0, 0, 0),
+            [a, b, c, d, e, f, g] => (a, b, c, d, e, f, g, 0, 0, 0),
+            [a, b, c, d, e, f, g, h] => (a, b, c, d, e, f, g, h, 0, 0),
+            [a, b, c, d, e, f, g, h, k] => (a, b, c, d, e, f, g, h, k, 0),
+            [a, b, c, d, e, f, g, h, k, w] => (a, b, c, d, e, f, g, h, k, w),
             _ => {
                 return Err(cerr(format!(
-                    "decode configuration `{s}`: expected HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER]]]]"
+                    "decode configuration `{s}`: expected HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA]]]]]"
                 )));
             }
         };
@@ -887,7 +965,16 @@ impl DecodeCfg {
             fused: fused != 0,
             tma: tma != 0,
             cluster: cluster != 0,
+            wgmma: wgmma != 0,
         };
+        if c.wgmma
+            && (c.hm, c.warps, c.stages, c.min_blocks, c.qreg, c.fused, c.tma, c.cluster)
+                != (64, 8, 2, 1, false, false, false, false)
+        {
+            return Err(cerr(format!(
+                "decode configuration `{s}`: WGMMA 1 (the warpgroup-MMA block) needs 64,8,P,0,2,1,0,0,0,1"
+            )));
+        }
         if c.cluster && !c.tma {
             return Err(cerr(format!(
                 "decode configuration `{s}`: CLUSTER 1 (merge through a thread-block cluster) needs TMA 1"
@@ -925,8 +1012,12 @@ impl DecodeCfg {
     }
 
     /// The same with fewer pipeline stages (down to 2) until its shared memory fits in the
-    /// 227 KiB a block may use, for cache rows of `width`.
-    pub fn fit(mut self, width: usize) -> Self {
+    /// 227 KiB a block may use, for cache rows of `width` = L+R; the wgmma block becomes
+    /// [`DecodeCfg::MMA64`] where [`DecodeCfg::wgmma_fits`] does not hold for (`width`, `dv`).
+    pub fn fit(mut self, width: usize, dv: usize) -> Self {
+        if self.wgmma && !DecodeCfg::wgmma_fits(width, dv) {
+            return DecodeCfg::MMA64;
+        }
         while self.stages > 2 && self.smem(width) > 227 * 1024 {
             self.stages -= 1;
         }
@@ -974,6 +1065,7 @@ impl DecodeCfg {
             ("FD_MINB", self.min_blocks),
             ("FD_FUSED", usize::from(self.fused)),
             ("FD_TMA", usize::from(self.tma)),
+            ("FD_WG", usize::from(self.wgmma)),
             ("FD_CLUSTER", cluster),
         ]
     }
@@ -986,6 +1078,12 @@ impl DecodeCfg {
     /// Dynamic shared memory for cache rows of `width` = L+R: Q tile, cache stages, partial
     /// scores (two buffers with `tma`), P, α and the final sums (as laid out in fast_decode.cu).
     pub fn smem(&self, width: usize) -> usize {
+        if self.wgmma {
+            // Q and two stages of 64 rows in 128-byte panels of 64 columns, P [64][64] bf16, α
+            // and sums [64] f32, row slots [2][64] i64, and 1 KiB to align the base to 1024.
+            let tile = width.div_ceil(64) * 64 * 128;
+            return 3 * tile + 64 * 128 + 2 * 64 * 4 + 2 * 64 * 8 + 1024;
+        }
         let ld = width + 8;
         self.hm * ld * 2
             + self.stages * 32 * ld * 2
@@ -999,7 +1097,7 @@ impl DecodeCfg {
     /// ` cluster` for the merge through a thread-block cluster).
     pub fn label(&self) -> String {
         format!(
-            "hm{} w{} p{} {} s{}{}{}{}{}",
+            "hm{} w{} p{} {} s{}{}{}{}{}{}",
             self.hm,
             self.warps,
             self.parts,
@@ -1012,7 +1110,8 @@ impl DecodeCfg {
             },
             if self.fused { " fused" } else { "" },
             if self.tma { " tma" } else { "" },
-            if self.cluster { " cluster" } else { "" }
+            if self.cluster { " cluster" } else { "" },
+            if self.wgmma { " wgmma" } else { "" }
         )
     }
 }
@@ -1666,7 +1765,8 @@ impl Ops for CudaOps {
         Self::check_len(q, n * nh * width, "decode q")?;
         let (flat, max_blocks) = Self::flat_tables(cache, block_size, width, tables, ctx)?;
         let cfg = DecodeCfg::from_env()?
-            .unwrap_or_else(|| DecodeCfg::for_heads(nh).fit(width))
+            .unwrap_or_else(|| DecodeCfg::for_heads(nh))
+            .fit(width, dv)
             .for_arch(&self.dev.arch);
         let on_chip = cfg.cluster_size(&self.dev.arch, splits, dv, true) > 0;
         let mut parts = self.canary(if on_chip { 1 } else { splits * n * nh * dv })?;
@@ -1805,7 +1905,11 @@ mod tests {
         assert!(super::supports_tma("sm_100") && !super::supports_tma("sm_89") && !super::supports_tma("x"));
         assert_eq!(c.threads(), 288);
         assert!(DecodeCfg::parse("16,32,8,0,2").is_ok() && DecodeCfg::parse("16,32,8,0,2,1,0,1").is_err());
-        assert_eq!(DecodeCfg::parse("64,8,2,0,2").unwrap(), DecodeCfg::for_heads(128));
+        assert_eq!(DecodeCfg::parse("64,8,2,0,2").unwrap(), DecodeCfg::MMA64);
+        assert_eq!(
+            DecodeCfg::parse("64,8,1,0,2,1,0,0,0,1").unwrap(),
+            DecodeCfg::for_heads(128)
+        );
         assert!(DecodeCfg::parse("16,8,2,1,4,1,1").unwrap().fused);
         // 16-head blocks of 8 warps with 3 k-parts do not tile the 4 key n-tiles.
         assert!(DecodeCfg::parse("16,8,3,0,2").is_err());
@@ -1815,7 +1919,7 @@ mod tests {
         // Shared memory of the default at W = 576 leaves room for two blocks per SM (228 KiB).
         assert!(2 * (DecodeCfg::for_heads(16).smem(576) + 1536) <= 228 * 1024);
         // fit() drops stages until a block fits.
-        let big = DecodeCfg::parse("16,8,2,0,6").unwrap().fit(1152);
+        let big = DecodeCfg::parse("16,8,2,0,6").unwrap().fit(1152, 512);
         assert!(big.smem(1152) <= 227 * 1024 || big.stages == 2);
     }
 
@@ -1831,6 +1935,7 @@ mod tests {
         let e = DecodeCfg::parse("16,8,2,0,2,2,0,0,1").unwrap_err().to_string();
         assert!(e.contains("needs TMA 1"), "{e}");
         assert!(DecodeCfg::parse("16,8,2,0,2,2,0,1,1,1").is_err());
+        assert!(DecodeCfg::parse("64,8,2,0,2,1,0,0,0,1,0").is_err());
         // Neither default merges through a cluster (measured slower on the H200: two waves).
         assert!(!DecodeCfg::for_heads(128).cluster && !DecodeCfg::for_heads(16).cluster);
         // Below sm_90 no TMA and no cluster.
@@ -1881,5 +1986,37 @@ mod tests {
         assert!(hm64.cluster_fits(576, 512, 8));
         let hm128 = DecodeCfg::parse("128,8,1,0,2,1,0,1,1").unwrap();
         assert!(!hm128.cluster_fits(512, 512, 2));
+    }
+
+    #[test]
+    fn decode_cfg_wgmma_selection() {
+        use super::{supports_wgmma, target_arch};
+        let wg = DecodeCfg::WGMMA;
+        // The N >= 64 default; its label, defines and NVRTC target.
+        assert!(DecodeCfg::for_heads(64).wgmma && !DecodeCfg::for_heads(63).wgmma);
+        assert!(wg.label().ends_with(" wgmma"), "{}", wg.label());
+        assert!(wg.defines().contains(&("FD_WG", 1)));
+        assert!(DecodeCfg::MMA64.defines().contains(&("FD_WG", 0)));
+        assert_eq!(target_arch("sm_90", &wg.defines()), "sm_90a");
+        assert_eq!(target_arch("sm_90", &DecodeCfg::MMA64.defines()), "sm_90");
+        assert_eq!(target_arch("sm_80", &wg.defines()), "sm_80");
+        // Only sm_90 runs wgmma; elsewhere the 64-head mma.sync block.
+        assert!(supports_wgmma("sm_90") && supports_wgmma("sm_90a") && !supports_wgmma("sm_100"));
+        assert_eq!(wg.for_arch("sm_90"), wg);
+        assert_eq!(wg.for_arch("sm_80"), DecodeCfg::MMA64);
+        assert_eq!(wg.for_arch("sm_100"), DecodeCfg::MMA64);
+        // DeepSeek's W = 576, L = 512: Q and two 64-row stages in 73 728-byte swizzled tiles, P,
+        // α, sums, slots and the alignment slack: 231 936 bytes, within 227 KiB (232 448).
+        assert_eq!(wg.smem(576), 231_936);
+        assert!(DecodeCfg::wgmma_fits(576, 512) && DecodeCfg::wgmma_fits(192, 128));
+        // L not a multiple of 128, L > L+R, or a row too wide for the shared memory: mma.sync.
+        assert!(!DecodeCfg::wgmma_fits(96, 64) && !DecodeCfg::wgmma_fits(128, 256));
+        assert!(!DecodeCfg::wgmma_fits(640, 512));
+        assert_eq!(wg.fit(576, 512), wg);
+        assert_eq!(wg.fit(96, 64), DecodeCfg::MMA64);
+        // WGMMA 1 needs the 64-head two-warpgroup block.
+        let e = DecodeCfg::parse("16,8,2,0,2,1,0,0,0,1").unwrap_err().to_string();
+        assert!(e.contains("needs 64,8,P,0,2,1,0,0,0,1"), "{e}");
+        assert!(DecodeCfg::parse("64,8,1,0,2,1,0,1,0,1").is_err());
     }
 }

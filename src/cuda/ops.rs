@@ -881,16 +881,9 @@ impl DecodeCfg {
     /// The 64-head `mma.sync` block (`64,8,2,0,2`): what [`DecodeCfg::WGMMA`] falls back to where
     /// wgmma cannot run (not sm_90, or L+R and L outside [`DecodeCfg::wgmma_fits`]).
     pub const MMA64: DecodeCfg = DecodeCfg {
-        hm: 64,
-        warps: 8,
         parts: 2,
-        qreg: false,
-        stages: 2,
-        min_blocks: 1,
-        fused: false,
-        tma: false,
-        cluster: false,
         wgmma: false,
+        ..DecodeCfg::WGMMA
     };
 
     /// True when the wgmma block handles cache rows of `width` = L+R with `dv` = L value

@@ -34,6 +34,9 @@
 //              keeps every block's shared memory alive until all reads are done. No parts, lses,
 //              counters or atomics are touched (they may be null). An empty split's block
 //              stores LSE empty_lse and a zero partial.
+//   FD_WG      1: the same launch on Hopper's warpgroup MMA instead (wgmma.mma_async, sm_90a;
+//              FD_HM 64, FD_WARPS 8, FD_STAGES 2, no TMA, cluster, fused softmax or QREG): the
+//              kernel after fd_merge_tail, described there. 0: mma.sync, below.
 // FD_WARPS must equal (FD_HM/16) · FD_P · NG with NG dividing FD_BK/8 (the key n-tiles): warp w
 // computes scores for m-tile w % MT, k-part (w / MT) % P (k-steps [part·KPP, (part+1)·KPP)) and
 // key n-tiles of group w / (MT·P).

@@ -750,6 +750,8 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         const bool ok = h0 + r < nh;
         fd_cp16(Qs + wg_off(r, cc), q + (i * nh + (ok ? h0 + r : 0)) * MLA_W + cc * 8, ok);
     }
+    __shared__ int wg_direct;  // 1 while every LSE of the block is finite (see the epilogue)
+    if (tid == 0) wg_direct = 1;
     if (tid < WG_BK) slots[tid] = slot_of(0);
     __syncthreads();
     load_tile(0);
@@ -877,7 +879,14 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 #pragma unroll
         for (int j = 0; j < WG_NCH; ++j) wg_pin(o[j]);
     }
+    // With one split the merge would return each head's partial unchanged when its LSE is
+    // finite (weight exp(0) = 1, sum 1: fma(1, p, 0) / 1 = p + 0, LSE + log 1), so a block whose
+    // LSEs are all finite writes `out` and `out_lse` directly (the same bits: `+ 0` as the
+    // merge's FMA turns −0 into +0) and skips the merge; otherwise parts, LSEs and
+    // fd_merge_tail as with more splits (the counter is untouched either way: one split's
+    // merge leaves it zero).
     const float ln2 = 0.6931471805599453f;
+    float lse[2] = {0.0f, 0.0f};
     if (wg == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -885,27 +894,39 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
             const int r = 16 * wr + g + 8 * h;
+            lse[h] = m_run[h] * ln2 + logf(l);
             if (t == 0) {
                 Ls[r] = l;
-                if (h0 + r < nh) lses[(s * n + i) * nh + h0 + r] = m_run[h] * ln2 + logf(l);
+                if (h0 + r < nh && !isfinite(lse[h])) wg_direct = 0;
             }
         }
     }
     __syncthreads();
+    const bool direct = splits == 1 && out != nullptr && wg_direct;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = 16 * wr + g + 8 * h;
         if (h0 + r >= nh) continue;
+        if (wg == 0 && t == 0) {
+            if (direct)
+                out_lse[i * nh + h0 + r] = __fadd_rn(lse[h], 0.0f);
+            else
+                lses[(s * n + i) * nh + h0 + r] = lse[h];
+        }
         const float l = Ls[r];
-        float* const orow = parts + ((s * n + i) * nh + h0 + r) * MLA_DV + wg * (MLA_DV / 2);
+        float* const orow = (direct ? out + (i * nh + h0 + r) * MLA_DV
+                                    : parts + ((s * n + i) * nh + h0 + r) * MLA_DV) +
+                            wg * (MLA_DV / 2);
 #pragma unroll
         for (int j = 0; j < WG_NCH; ++j)
 #pragma unroll
-            for (int jj = 0; jj < 8; ++jj)
-                *reinterpret_cast<float2*>(orow + j * 64 + jj * 8 + 2 * t) =
-                    make_float2(o[j][4 * jj + 2 * h] / l, o[j][4 * jj + 2 * h + 1] / l);
+            for (int jj = 0; jj < 8; ++jj) {
+                float2 v = make_float2(o[j][4 * jj + 2 * h] / l, o[j][4 * jj + 2 * h + 1] / l);
+                if (direct) v = make_float2(__fadd_rn(v.x, 0.0f), __fadd_rn(v.y, 0.0f));
+                *reinterpret_cast<float2*>(orow + j * 64 + jj * 8 + 2 * t) = v;
+            }
     }
-    if (out != nullptr)
+    if (out != nullptr && !direct)
         fd_merge_tail(parts, lses, out, out_lse, counters, n, nh, splits, i, h0, tid, 256,
                       reinterpret_cast<float*>(Cs), 2 * WG_TILE / 4, [] { __syncthreads(); }, spin);
 }

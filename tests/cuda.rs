@@ -28,6 +28,18 @@ fn device() -> Option<CudaOps> {
     }
 }
 
+/// [`device`] when its architecture passes `supported`, else `None` with the skip printed
+/// (`lacks`: what the device lacks, e.g. "wgmma (sm_90 only)").
+fn device_with(supported: fn(&str) -> bool, lacks: &str) -> Option<CudaOps> {
+    let ops = device()?;
+    if supported(ops.arch()) {
+        Some(ops)
+    } else {
+        eprintln!("skipped: {} has no {lacks}", ops.arch());
+        None
+    }
+}
+
 #[test]
 fn device_dequantization_is_bit_exact_on_every_vector() {
     let Some(ops) = device() else { return };
@@ -159,6 +171,22 @@ impl MergeCase {
         empty_lse: f32,
         spin: Option<bool>,
     ) -> (Vec<f32>, Vec<f32>, Vec<i32>) {
+        let (o, l, c) = self.launch(ops, cfg, splits, empty_lse, spin, true);
+        (o, l, c.unwrap_or_default())
+    }
+
+    /// One `decode_mma` launch: with `merged`, the merged output, merged LSE and the counters
+    /// after it (as [`MergeCase::run`]); without, stage 1's partials `[splits, n, nh, L]` and
+    /// LSEs `[splits, n, nh]` (no counters). Every output buffer NaN-poisoned first.
+    fn launch(
+        &self,
+        ops: &CudaOps,
+        cfg: mla_diff::cuda::ops::DecodeCfg,
+        splits: usize,
+        empty_lse: f32,
+        spin: Option<bool>,
+        merged: bool,
+    ) -> (Vec<f32>, Vec<f32>, Option<Vec<i32>>) {
         use mla_diff::cuda::ops::{DecodeMerge, DecodeShape};
         let (n, nh, l) = (self.ctx.len(), self.nh, self.l);
         let shape = DecodeShape {
@@ -177,11 +205,11 @@ impl MergeCase {
         let mut out = ops.canary(n * nh * l).unwrap();
         let mut lse = ops.canary(n * nh).unwrap();
         let mut counters = ops.stream().alloc_zeros::<i32>(n * nh.div_ceil(cfg.hm)).unwrap();
-        let merge = DecodeMerge {
+        let merge = merged.then_some(DecodeMerge {
             out: &mut out,
             lse: &mut lse,
             counters: &mut counters,
-        };
+        });
         let scale = (192f64).powf(-0.5) as f32;
         ops.decode_mma(
             &self.q,
@@ -193,11 +221,14 @@ impl MergeCase {
             empty_lse,
             &mut parts,
             &mut lses,
-            Some(merge),
+            merge,
         )
         .unwrap();
+        if !merged {
+            return (ops.download(&parts).unwrap(), ops.download(&lses).unwrap(), None);
+        }
         let counts = ops.stream().clone_dtoh(&counters).unwrap();
-        (ops.download(&out).unwrap(), ops.download(&lse).unwrap(), counts)
+        (ops.download(&out).unwrap(), ops.download(&lse).unwrap(), Some(counts))
     }
 }
 
@@ -219,11 +250,9 @@ fn first_bit_difference(a: &[f32], b: &[f32]) -> Option<usize> {
 #[test]
 fn device_cluster_merge_matches_the_fused_merge_bit_for_bit() {
     use mla_diff::cuda::ops::{DecodeCfg, supports_tma};
-    let Some(ops) = device() else { return };
-    if !supports_tma(ops.arch()) {
-        eprintln!("skipped: {} has no thread-block clusters (sm_90+)", ops.arch());
+    let Some(ops) = device_with(supports_tma, "thread-block clusters (sm_90+)") else {
         return;
-    }
+    };
     let case = MergeCase::new(&ops, &[0, 1, 3, 7, 31, 64, 100, 257], 20);
     let (n, nh, l) = (case.ctx.len(), case.nh, case.l);
     let global = DecodeCfg::parse("16,8,2,0,2,2,0,1").unwrap();
@@ -333,11 +362,9 @@ fn device_wgmma_decode_matches_the_simple_kernels_and_the_cpu() {
     use mla_diff::cuda::ops::{DecodeCfg, Kernels, supports_wgmma};
     use mla_diff::tolerance::tolerance;
     use mla_diff::trace::{Stage, TraceTensor};
-    let Some(dev) = device() else { return };
-    if !supports_wgmma(dev.arch()) {
-        eprintln!("skipped: {} has no wgmma (sm_90 only)", dev.arch());
+    let Some(dev) = device_with(supports_wgmma, "wgmma (sm_90 only)") else {
         return;
-    }
+    };
     let (l, r) = (512usize, 64usize);
     assert!(DecodeCfg::for_heads(128).fit(l + r, l).for_arch(dev.arch()).wgmma);
     let fast = dev.with_dtype(Dtype::Bf16).with_kernels(Kernels::Fast);
@@ -395,4 +422,33 @@ fn device_wgmma_decode_matches_the_simple_kernels_and_the_cpu() {
             }
         }
     }
+}
+
+/// With one split the wgmma block writes the merged output directly when every LSE of a block
+/// is finite: the same bits as its stage-1 partials passed through the merge (`p + 0`, LSE
+/// `+ 0`), checked against the partials and LSEs of a launch without the merge, at 80 heads
+/// (a second head group of 16 real heads), V3 dims, with a token of no positions (its block
+/// takes the merge path: LSE −inf); the counters stay zero.
+#[test]
+fn device_wgmma_one_split_writes_the_merge_directly() {
+    use mla_diff::cuda::ops::{DecodeCfg, supports_wgmma};
+    let Some(ops) = device_with(supports_wgmma, "wgmma (sm_90 only)") else {
+        return;
+    };
+    let case = MergeCase::new(&ops, &[0, 1, 3, 64, 65, 257, 1000], 80);
+    let (nh, l) = (case.nh, case.l);
+    let (p, pl, _) = case.launch(&ops, DecodeCfg::WGMMA, 1, f32::NEG_INFINITY, None, false);
+    let (mo, ml, counts) = case.run(&ops, DecodeCfg::WGMMA, 1, f32::NEG_INFINITY, None);
+    assert!(counts.iter().all(|&c| c == 0), "counters left {counts:?}");
+    // Token 0 has no positions: merged output zeros and LSE −inf; every other token's merged
+    // output is its partial + 0 (−0 becomes +0), bit for bit.
+    let plus0 = |x: f32| x + 0.0;
+    for (e, (&m, &q)) in mo.iter().zip(&p).enumerate().skip(nh * l) {
+        assert_eq!(m.to_bits(), plus0(q).to_bits(), "out[{e}]: merged {m} partial {q}");
+    }
+    assert!(mo[..nh * l].iter().all(|&x| x == 0.0) && ml[..nh].iter().all(|&x| x == f32::NEG_INFINITY));
+    for (e, (&m, &q)) in ml.iter().zip(&pl).enumerate().skip(nh) {
+        assert_eq!(m.to_bits(), plus0(q).to_bits(), "lse[{e}]: merged {m} partial {q}");
+    }
+    assert!(mo[nh * l..].iter().any(|&x| x != 0.0 && x.is_finite()));
 }

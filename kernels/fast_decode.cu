@@ -897,7 +897,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             lse[h] = m_run[h] * ln2 + logf(l);
             if (t == 0) {
                 Ls[r] = l;
-                if (h0 + r < nh && !isfinite(lse[h])) wg_direct = 0;
+                if (h0 + r < nh && !isfinite(lse[h])) atomicExch(&wg_direct, 0);  // several may clear it
             }
         }
     }

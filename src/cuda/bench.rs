@@ -334,7 +334,12 @@ fn variants() -> Result<Vec<Variant>> {
             "C" => (true, false),
             _ => return Err(bad()),
         };
-        v.push((compute_bound, DecodeCfg::parse(cfg)?, splits, fused_merge));
+        v.push((
+            compute_bound,
+            DecodeCfg::parse_named("MLA_DIFF_BENCH_DECODE", cfg)?,
+            splits,
+            fused_merge,
+        ));
     }
     Ok(v)
 }

@@ -109,6 +109,16 @@ fn cuda_err(what: impl std::fmt::Display) -> Error {
     Error::Cuda(what.to_string())
 }
 
+/// `e` (a kernel-configuration parse error) read from the environment variable `var`: its
+/// message prefixed with `var`, once (`CUDA: MLA_DIFF_DECODE_CFG: decode configuration …`, not
+/// the whole error's text with a second `CUDA:` inside); other errors unchanged.
+pub(crate) fn env_err(var: &str, e: Error) -> Error {
+    match e {
+        Error::Cuda(m) => Error::Cuda(format!("{var}: {m}")),
+        other => other,
+    }
+}
+
 /// Checks that the CUDA driver library is loadable (without panicking, unlike cudarc).
 pub fn driver_present() -> bool {
     // SAFETY: only tries to dlopen the library by name.

@@ -978,11 +978,23 @@ impl DecodeCfg {
     }
 
     /// The configuration named by `MLA_DIFF_DECODE_CFG`, if set.
+    ///
+    /// # Errors
+    /// [`DecodeCfg::parse_named`]'s, naming `MLA_DIFF_DECODE_CFG`.
     pub fn from_env() -> Result<Option<Self>> {
         match std::env::var("MLA_DIFF_DECODE_CFG") {
-            Ok(s) if !s.is_empty() => Self::parse(&s).map(Some),
+            Ok(s) if !s.is_empty() => Self::parse_named("MLA_DIFF_DECODE_CFG", &s).map(Some),
             _ => Ok(None),
         }
+    }
+
+    /// [`DecodeCfg::parse`] of `s` read from the environment variable `var`.
+    ///
+    /// # Errors
+    /// [`DecodeCfg::parse`]'s, prefixed with `var` (one line, e.g. `MLA_DIFF_DECODE_CFG: decode
+    /// configuration `…`: …`).
+    pub fn parse_named(var: &str, s: &str) -> Result<Self> {
+        Self::parse(s).map_err(|e| super::env_err(var, e))
     }
 
     fn check(&self) -> Result<()> {
@@ -2011,5 +2023,18 @@ mod tests {
         let e = DecodeCfg::parse("16,8,2,0,2,1,0,0,0,1").unwrap_err().to_string();
         assert!(e.contains("needs 64,8,P,0,2,1,0,0,0,1"), "{e}");
         assert!(DecodeCfg::parse("64,8,1,0,2,1,0,1,0,1").is_err());
+        // From the environment, the error names the variable too.
+        let e = DecodeCfg::parse_named("MLA_DIFF_DECODE_CFG", "16,8,2,0,2,1,0,0,0,1")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("MLA_DIFF_DECODE_CFG: decode configuration `16,8,2,0,2,1,0,0,0,1`"),
+            "{e}"
+        );
+        assert!(!e.contains('\n'), "{e}");
+        assert_eq!(
+            DecodeCfg::parse_named("X", "64,8,1,0,2,1,0,0,0,1").unwrap(),
+            DecodeCfg::WGMMA
+        );
     }
 }

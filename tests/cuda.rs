@@ -161,23 +161,9 @@ impl MergeCase {
         }
     }
 
-    /// Merged output `[n, nh, L]`, merged LSE `[n, nh]` and the counters after the launch, every
-    /// output buffer NaN-poisoned first.
-    fn run(
-        &self,
-        ops: &CudaOps,
-        cfg: mla_diff::cuda::ops::DecodeCfg,
-        splits: usize,
-        empty_lse: f32,
-        spin: Option<bool>,
-    ) -> (Vec<f32>, Vec<f32>, Vec<i32>) {
-        let (o, l, c) = self.launch(ops, cfg, splits, empty_lse, spin, true);
-        (o, l, c.unwrap_or_default())
-    }
-
-    /// One `decode_mma` launch: with `merged`, the merged output, merged LSE and the counters
-    /// after it (as [`MergeCase::run`]); without, stage 1's partials `[splits, n, nh, L]` and
-    /// LSEs `[splits, n, nh]` (no counters). Every output buffer NaN-poisoned first.
+    /// One `decode_mma` launch: with `merged`, the merged output `[n, nh, L]`, merged LSE
+    /// `[n, nh]` and the counters after it; without, stage 1's partials `[splits, n, nh, L]` and
+    /// LSEs `[splits, n, nh]` (and no counters: empty). Every output buffer NaN-poisoned first.
     fn launch(
         &self,
         ops: &CudaOps,
@@ -186,7 +172,7 @@ impl MergeCase {
         empty_lse: f32,
         spin: Option<bool>,
         merged: bool,
-    ) -> (Vec<f32>, Vec<f32>, Option<Vec<i32>>) {
+    ) -> (Vec<f32>, Vec<f32>, Vec<i32>) {
         use mla_diff::cuda::ops::{DecodeMerge, DecodeShape};
         let (n, nh, l) = (self.ctx.len(), self.nh, self.l);
         let shape = DecodeShape {
@@ -225,10 +211,10 @@ impl MergeCase {
         )
         .unwrap();
         if !merged {
-            return (ops.download(&parts).unwrap(), ops.download(&lses).unwrap(), None);
+            return (ops.download(&parts).unwrap(), ops.download(&lses).unwrap(), Vec::new());
         }
         let counts = ops.stream().clone_dtoh(&counters).unwrap();
-        (ops.download(&out).unwrap(), ops.download(&lse).unwrap(), Some(counts))
+        (ops.download(&out).unwrap(), ops.download(&lse).unwrap(), counts)
     }
 }
 
@@ -260,9 +246,9 @@ fn device_cluster_merge_matches_the_fused_merge_bit_for_bit() {
     for splits in [2usize, 4, 8] {
         assert_eq!(cluster.cluster_size(ops.arch(), splits, l, true), splits);
         for empty_lse in [f32::NEG_INFINITY, f32::INFINITY] {
-            let (co, cl, _) = case.run(&ops, cluster, splits, empty_lse, None);
+            let (co, cl, _) = case.launch(&ops, cluster, splits, empty_lse, None, true);
             for spin in [Some(false), Some(true)] {
-                let (go, gl, counts) = case.run(&ops, global, splits, empty_lse, spin);
+                let (go, gl, counts) = case.launch(&ops, global, splits, empty_lse, spin, true);
                 let what = format!("splits {splits}, empty lse {empty_lse}, spin {spin:?}");
                 if let Some(e) = first_bit_difference(&go, &co) {
                     panic!(
@@ -302,9 +288,9 @@ fn device_spin_merge_gives_up_when_blocks_are_not_resident() {
         blocks > resident,
         "{blocks} blocks fit in {resident}: not a give-up case"
     );
-    let (lo, ll, _) = case.run(&ops, cfg, 8, f32::NEG_INFINITY, Some(false));
+    let (lo, ll, _) = case.launch(&ops, cfg, 8, f32::NEG_INFINITY, Some(false), true);
     let start = std::time::Instant::now();
-    let (so, sl, counts) = case.run(&ops, cfg, 8, f32::NEG_INFINITY, Some(true));
+    let (so, sl, counts) = case.launch(&ops, cfg, 8, f32::NEG_INFINITY, Some(true), true);
     eprintln!(
         "forced spin on {blocks} blocks ({resident} resident): {:?}",
         start.elapsed()
@@ -438,7 +424,7 @@ fn device_wgmma_one_split_writes_the_merge_directly() {
     let case = MergeCase::new(&ops, &[0, 1, 3, 64, 65, 257, 1000], 80);
     let (nh, l) = (case.nh, case.l);
     let (p, pl, _) = case.launch(&ops, DecodeCfg::WGMMA, 1, f32::NEG_INFINITY, None, false);
-    let (mo, ml, counts) = case.run(&ops, DecodeCfg::WGMMA, 1, f32::NEG_INFINITY, None);
+    let (mo, ml, counts) = case.launch(&ops, DecodeCfg::WGMMA, 1, f32::NEG_INFINITY, None, true);
     assert!(counts.iter().all(|&c| c == 0), "counters left {counts:?}");
     // Token 0 has no positions: merged output zeros and LSE −inf; every other token's merged
     // output is its partial + 0 (−0 becomes +0), bit for bit.

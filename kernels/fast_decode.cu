@@ -9,11 +9,27 @@
 //              ldmatrix from shared memory at every tile
 //   FD_STAGES  cache tiles in the cp.async pipeline (2..6)
 //   FD_MINB    blocks per SM the registers must allow (__launch_bounds__)
-//   FD_TMA     1: one extra producer warp streams the cache with bulk copies (cp.async.bulk, one
-//              per row, the TMA engine) into FD_STAGES stages tracked by mbarriers (full: bytes
-//              landed; empty: all FD_WARPS consumer warps done with the stage), so the consumer
+//   FD_TMA     p ≥ 1: p extra producer warps stream the cache with bulk copies (cp.async.bulk,
+//              one per row, the TMA engine; producer warp w copies rows [w·32/p, (w+1)·32/p) of
+//              every tile) into FD_STAGES stages tracked by mbarriers (full: bytes landed; empty:
+//              the FD_WARPS warps of the consuming team done with the stage), so the consumer
 //              warps issue no copies, never wait on copies they issued, and need only the score
-//              and softmax barriers (named, consumers only) per tile; 0: cp.async by all warps
+//              and softmax barriers (named, consumers only) per tile; 0: cp.async by all warps.
+//              p divides 32.
+//   FD_TEAMS   consumer teams of FD_WARPS warps each (needs FD_TMA, the unfused softmax, and
+//              FD_TEAMS dividing 2·FD_STAGES with FD_STAGES ≥ FD_TEAMS). Team k takes tiles k,
+//              k + TEAMS, … from the one stage ring, with its own running max, sum and O and its
+//              own score, P and α buffers; a team barrier (below) replaces the block's two
+//              per-tile barriers. Every team runs ⌈tiles/TEAMS⌉ iterations (one without a tile
+//              passes its barriers only), so all teams execute the same barrier sequence. After
+//              the loop the teams' states are combined in shared memory (max, weights
+//              exp2(m_k − max), sum, Σ weight·O) into the block's partial, which then goes on as
+//              with one team (parts/LSEs and the fused merge, or the cluster merge). With one
+//              block per SM this keeps one Q copy and a deep ring while 2·FD_WARPS warps compute:
+//              the layout that reached 80 % of copy on the memory-bound bench (BENCHMARKS.md).
+//   FD_TSYNC   the team barrier: 0 named barriers (bar.sync 2 + team, 32·FD_WARPS threads); 1 one
+//              mbarrier per team (each warp arrives once after __syncwarp, every lane waits on the
+//              phase: the stage barriers' pattern)
 //   FD_FUSED   1: every warp reads the whole score tile in the MMA accumulator layout and runs
 //              the online softmax itself, in registers (same inputs, same order: every warp
 //              holds the same running max and sum), building P's A fragments directly — no P,
@@ -102,6 +118,12 @@
 #ifndef FD_CLUSTER
 #define FD_CLUSTER 0               // blocks per cluster merging through distributed shared memory
 #endif
+#ifndef FD_TEAMS
+#define FD_TEAMS 1                 // consumer teams taking alternate tiles of one stage ring
+#endif
+#ifndef FD_TSYNC
+#define FD_TSYNC 0                 // team barrier: 0 named barriers, 1 mbarriers
+#endif
 
 #define FD_BK 32                   // cache rows per tile (= lanes: one key per lane in softmax)
 #define FD_LD (MLA_W + 8)          // bf16 row stride of Q and cache tiles
@@ -116,8 +138,14 @@
 #define FD_LDP (FD_BK + 8)         // bf16 row stride of P
 #define FD_LDS (FD_BK + 8)         // f32 row stride of S (conflict-free float2 stores)
 #define FD_CH (FD_NTW >= 2 ? 1 : 2)  // independent accumulator chains in Q·Kᵀ
-#define FD_THREADS (32 * FD_WARPS)  // consumer threads (every thread without FD_TMA)
-#define FD_BLOCK (FD_THREADS + (FD_TMA ? 32 : 0))  // threads per block (+ the producer warp)
+#define FD_TT (32 * FD_WARPS)       // threads of one consumer team
+#define FD_THREADS (FD_TT * FD_TEAMS)  // consumer threads (every thread without FD_TMA)
+#define FD_BLOCK (FD_THREADS + 32 * FD_TMA)  // threads per block (+ the producer warps)
+#define FD_LDO (MLA_DV + 8)        // f32 row stride of a partial O in shared memory
+// Bytes of one team's score buffers, P and α; the block's dynamic shared memory is Q, the stages,
+// FD_TEAMS of these, then the final sums [TEAMS][HM] (and with teams the final maxima [TEAMS][HM]).
+#define FD_TEAM_BYTES (FD_SBUF * FD_P * FD_HM * FD_LDS * 4 + FD_HM * FD_LDP * 2 + FD_HM * 4)
+#define FD_SUMS_AT (FD_HM * FD_LD * 2 + FD_STAGES * FD_BK * FD_LD * 2 + FD_TEAMS * FD_TEAM_BYTES)
 #define FD_SBUF (FD_TMA ? 2 : 1)   // score buffers (TMA: by tile parity; the fused path has no
                                    // barrier between one tile's softmax reads and the next's
                                    // score writes)
@@ -131,6 +159,23 @@
 #if FD_STAGES < 2 || FD_STAGES > 6
 #error "fast_decode.cu: FD_STAGES must be 2..6"
 #endif
+#if FD_TMA < 0 || FD_TMA > 32 || (FD_TMA > 0 && 32 % FD_TMA != 0)
+#error "fast_decode.cu: FD_TMA (producer warps) must be 0 or divide 32"
+#endif
+#if FD_TEAMS < 1 || FD_TEAMS > 4
+#error "fast_decode.cu: FD_TEAMS must be 1..4"
+#endif
+#if FD_TEAMS > 1 && (!FD_TMA || FD_FUSED || FD_WG)
+#error "fast_decode.cu: FD_TEAMS > 1 needs FD_TMA and the unfused mma.sync softmax"
+#endif
+// A team waiting for tile it polls the stage's full barrier with round it/STAGES's parity, which
+// is exact only when the stage's previous round (tile it − STAGES) has landed. With TEAMS dividing
+// STAGES that tile is the team's own; otherwise the team first waits for that tile's release,
+// which is exact when tile it − 2·STAGES is its own (TEAMS divides 2·STAGES) and the team's warps
+// have all released it (a team barrier of a later own tile: STAGES ≥ TEAMS).
+#if FD_TEAMS > 1 && ((2 * FD_STAGES) % FD_TEAMS != 0 || FD_STAGES < FD_TEAMS)
+#error "fast_decode.cu: FD_TEAMS must divide 2 * FD_STAGES, with FD_STAGES >= FD_TEAMS"
+#endif
 #if FD_CLUSTER != 0
 #if FD_CLUSTER < 2 || FD_CLUSTER > 8 || MLA_DV % (4 * FD_CLUSTER) != 0
 #error "fast_decode.cu: FD_CLUSTER must be 0, or 2..8 with MLA_DV a multiple of 4 * FD_CLUSTER"
@@ -138,15 +183,22 @@
 #if !FD_TMA
 #error "fast_decode.cu: FD_CLUSTER needs FD_TMA (sm_90+)"
 #endif
-#define FD_LDO (MLA_DV + 8)        // f32 row stride of a block's partial O in shared memory
 #define FD_CW (MLA_DV / FD_CLUSTER)  // value columns merged by each block of the cluster
 #define FD_CU (8 / FD_CLUSTER)     // float4 chunks per thread and pass of the cluster merge (the
                                    // loads of all splits' chunks are in flight together)
-// The partial O and the merge's per-head state must fit below Ls (the last dynamic array).
-#if (FD_HM * FD_LDO + (2 * FD_CLUSTER + 3) * FD_HM) * 4 > \
-    FD_HM * FD_LD * 2 + FD_STAGES * FD_BK * FD_LD * 2 + FD_SBUF * FD_P * FD_HM * FD_LDS * 4 + FD_HM * FD_LDP * 2 + FD_HM * 4
-#error "fast_decode.cu: FD_CLUSTER: the partial O [FD_HM, MLA_DV] f32 does not fit in the block's shared memory"
 #endif
+// Where the teams' weighted partial O go for the combine (floats from the start of the dynamic
+// shared memory): after the cluster merge's partial O and per-head state, else at the start.
+#if FD_CLUSTER
+#define FD_XOFF (((FD_HM * FD_LDO + (2 * FD_CLUSTER + 3) * FD_HM) + 3) / 4 * 4)
+#else
+#define FD_XOFF 0
+#endif
+// The partial O, the merge's per-head state and the teams' partials [TEAMS−1][HM][LDO] must fit
+// below the final sums (the last dynamic arrays).
+#if (FD_CLUSTER || FD_TEAMS > 1) && \
+    (FD_XOFF + (FD_TEAMS - 1) * FD_HM * FD_LDO) * 4 > FD_SUMS_AT
+#error "fast_decode.cu: the partial O [FD_HM, MLA_DV] f32 of the cluster merge or the team combine does not fit in the block's shared memory"
 #endif
 
 typedef __nv_bfloat16 bf16;
@@ -941,10 +993,11 @@ __device__ __forceinline__ void fd_load_a(unsigned* a, const bf16* base, int g, 
     a[3] = *reinterpret_cast<const unsigned*>(p + 8 * FD_LD + 8);
 }
 
-// With the producer warp a block has 9 warps. Registers are allocated per SM sub-partition (4 of
+// With one producer warp a block has 9 warps. Registers are allocated per SM sub-partition (4 of
 // them, 16384 registers each) and a block's warps are spread over all four, so two such blocks per
 // SM need at most 96 registers per thread (5 warps of 3072 per sub-partition), which is what
 // ptxas's cap for __launch_bounds__(288, 2) is; a higher cap (112 was tried) leaves one block per SM.
+// The teams block (2 teams of 4 warps and 4 producer warps, one block per SM) has 168.
 #if FD_CLUSTER
 #define FD_CLUSTER_DIMS __cluster_dims__(1, FD_CLUSTER, 1)
 #else
@@ -955,14 +1008,28 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
                      float* lses, i64 n, i64 nh, i64 block_size, i64 max_blocks, i64 splits, float scale,
                      float empty_lse, float* out, float* out_lse, int* counters, int spin) {
     extern __shared__ __align__(16) unsigned char fd_smem[];
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    // This thread's consumer team and its warp within the team (producer warps: the last team's
+    // buffers, unused).
+    const int team = FD_TEAMS > 1 ? min(warp / FD_WARPS, FD_TEAMS - 1) : 0;
+    const int wt = warp - team * FD_WARPS;
     bf16* Qs = reinterpret_cast<bf16*>(fd_smem);                     // [HM][LD]
     bf16* Cs = Qs + FD_HM * FD_LD;                                     // [STAGES][BK][LD]
-    float* Ss = reinterpret_cast<float*>(Cs + FD_STAGES * FD_BK * FD_LD);  // [SBUF][P][HM][LDS]
+    unsigned char* const Tb = reinterpret_cast<unsigned char*>(Cs + FD_STAGES * FD_BK * FD_LD) + team * FD_TEAM_BYTES;
+    float* Ss = reinterpret_cast<float*>(Tb);                          // [SBUF][P][HM][LDS] this team's
     bf16* Ps = reinterpret_cast<bf16*>(Ss + FD_SBUF * FD_P * FD_HM * FD_LDS);  // [HM][LDP]
     float* As = reinterpret_cast<float*>(Ps + FD_HM * FD_LDP);        // [HM] rescale of this tile
-    float* Ls = As + FD_HM;                                             // [HM] final sums
+    float* const Lall = reinterpret_cast<float*>(fd_smem + FD_SUMS_AT);  // [TEAMS][HM] final sums
+    float* Ls = Lall + team * FD_HM;                                    // this team's
+#if FD_TEAMS > 1
+    float* const Mall = Lall + FD_TEAMS * FD_HM;                        // [TEAMS][HM] final maxima
+#endif
 #if FD_TMA
     __shared__ __align__(8) unsigned long long fd_full[FD_STAGES], fd_empty[FD_STAGES];
+#if FD_TEAMS > 1 && FD_TSYNC
+    __shared__ __align__(8) unsigned long long fd_tbar[FD_TEAMS];  // the team barriers
+    unsigned tphase = 0;
+#endif
 #else
     __shared__ long long fd_slots[2][FD_BK];
 #endif
@@ -975,7 +1042,6 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
     const i64 groups = (nh + FD_HM - 1) / FD_HM;
     const i64 i = blockIdx.x / groups, h0 = (blockIdx.x % groups) * FD_HM;
     const i64 s = blockIdx.y;
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const i64 c = ctx[i];
     const i64 sl = (c + splits - 1) / splits;
     const i64 k0 = min(s * sl, c), k1 = min((s + 1) * sl, c);
@@ -1010,21 +1076,28 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
     if (tid == 0) {
 #pragma unroll
         for (int st = 0; st < FD_STAGES; ++st) {
-            fd_bar_init(&fd_full[st], 32);         // the producer warp's lanes
-            fd_bar_init(&fd_empty[st], FD_WARPS);  // one lane per consumer warp
+            fd_bar_init(&fd_full[st], 32);         // one producer lane per row
+            fd_bar_init(&fd_empty[st], FD_WARPS);  // one lane per warp of the consuming team
         }
+#if FD_TEAMS > 1 && FD_TSYNC
+        for (int k = 0; k < FD_TEAMS; ++k) fd_bar_init(&fd_tbar[k], FD_WARPS);
+#endif
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // Q landed, barriers initialized
-    if (warp == FD_WARPS) {
-        // Producer: lane r streams row r of every tile. Page and offset in 32-bit arithmetic
-        // when positions and the page size fit (the usual case), else 64-bit.
+    if (warp >= FD_WARPS * FD_TEAMS) {
+        // Producer warp pw of FD_TMA: lane r < RPP streams row pw·RPP + r of every tile (one
+        // arrival per row on the full barrier). Page and offset in 32-bit arithmetic when
+        // positions and the page size fit (the usual case), else 64-bit.
+        constexpr int RPP = FD_BK / FD_TMA;  // rows per producer warp
+        const int row = (warp - FD_WARPS * FD_TEAMS) * RPP + lane;
+        const bool mine = FD_TMA == 1 || lane < RPP;
         const bool narrow = k1 < 0x7fffffffLL && block_size < 0x7fffffffLL;
         for (int j = 0; j < n_tiles; ++j) {
             const int st = j % FD_STAGES;
-            const i64 pos = k0 + (i64)j * FD_BK + lane;
-            const bool ok = pos < k1;
+            const i64 pos = k0 + (i64)j * FD_BK + row;
+            const bool ok = mine && pos < k1;
             long long slot = 0;
             if (ok) {
                 i64 page, off;
@@ -1042,17 +1115,19 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
             if (j >= FD_STAGES) fd_bar_wait(&fd_empty[st], ((j / FD_STAGES) - 1) & 1);
             if (lane == 0) fd_bar_expect(&fd_full[st], valid * (MLA_W * 2));
             __syncwarp();
-            bf16* dst = Cs + (st * FD_BK + lane) * FD_LD;
-            if (ok) {
-                fd_bulk_copy(dst, cache + slot * MLA_W, MLA_W * 2, &fd_full[st]);
-            } else {
-                // Rows past the split's end read as zeros (as cp.async's zero fill): P is 0 there,
-                // and 0 · garbage could be NaN.
-                uint4* d4 = reinterpret_cast<uint4*>(dst);
-                for (int c = 0; c < MLA_W / 8; ++c) d4[c] = make_uint4(0u, 0u, 0u, 0u);
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            if (mine) {
+                bf16* dst = Cs + (st * FD_BK + row) * FD_LD;
+                if (ok) {
+                    fd_bulk_copy(dst, cache + slot * MLA_W, MLA_W * 2, &fd_full[st]);
+                } else {
+                    // Rows past the split's end read as zeros (as cp.async's zero fill): P is 0
+                    // there, and 0 · garbage could be NaN.
+                    uint4* d4 = reinterpret_cast<uint4*>(dst);
+                    for (int c = 0; c < MLA_W / 8; ++c) d4[c] = make_uint4(0u, 0u, 0u, 0u);
+                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                }
+                fd_bar_arrive(&fd_full[st]);
             }
-            fd_bar_arrive(&fd_full[st]);
         }
         return;
     }
@@ -1098,7 +1173,7 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
 #endif
 
     // Score mapping of this warp.
-    const int mt_s = warp % FD_MT, part = (warp / FD_MT) % FD_P, ng = warp / (FD_MT * FD_P);
+    const int mt_s = wt % FD_MT, part = (wt / FD_MT) % FD_P, ng = wt / (FD_MT * FD_P);
 #if FD_QREG
     unsigned qa[FD_KPP][4];
 #if !FD_TMA
@@ -1132,13 +1207,42 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
     }
 #endif
     const float sl2 = scale * 1.4426950408889634f;
-
-    for (int it = 0; it < n_tiles; ++it) {
-        const i64 kt = k0 + (i64)it * FD_BK;
-#if FD_TMA
-        fd_bar_wait(&fd_full[it % FD_STAGES], (it / FD_STAGES) & 1);  // tile landed
-        float* const Sb = Ss + (it & 1) * (FD_P * FD_HM * FD_LDS);
+    // The per-tile barrier of this thread's team (all consumers with one team).
+    auto team_sync = [&]() {
+#if FD_TEAMS > 1 && FD_TSYNC
+        __syncwarp();
+        if (lane == 0) fd_bar_arrive(&fd_tbar[team]);
+        fd_bar_wait(&fd_tbar[team], tphase);
+        tphase ^= 1u;
+#elif FD_TEAMS > 1
+        asm volatile("bar.sync %0, %1;\n" ::"r"(2 + team), "n"(FD_TT) : "memory");
 #else
+        fd_sync();
+#endif
+    };
+
+#if FD_TMA
+    // Iteration jt of team k is tile jt·TEAMS + k; a team whose last iteration has no tile
+    // (`live` false) passes its barriers only.
+    const int n_iter = (n_tiles + FD_TEAMS - 1) / FD_TEAMS;
+    for (int jt = 0; jt < n_iter; ++jt) {
+        const int it = jt * FD_TEAMS + team;
+        const bool live = FD_TEAMS == 1 || it < n_tiles;
+        const i64 kt = k0 + (i64)it * FD_BK;
+        if (live) {
+#if FD_TEAMS > 1
+            // The stage's previous tile is another team's: wait for its release first, so the
+            // parity wait below is for this round (see the FD_TEAMS check at the top).
+            if (FD_STAGES % FD_TEAMS != 0 && it >= FD_STAGES)
+                fd_bar_wait(&fd_empty[it % FD_STAGES], ((it / FD_STAGES) - 1) & 1);
+#endif
+            fd_bar_wait(&fd_full[it % FD_STAGES], (it / FD_STAGES) & 1);  // tile landed
+        }
+        float* const Sb = Ss + (jt & 1) * (FD_P * FD_HM * FD_LDS);
+#else
+    for (int it = 0; it < n_tiles; ++it) {
+        constexpr bool live = true;
+        const i64 kt = k0 + (i64)it * FD_BK;
         asm volatile("cp.async.wait_group %0;\n" ::"n"(FD_STAGES - 2));
         __syncthreads();  // A
         if (it + FD_STAGES - 1 < n_tiles) load_tile(it + FD_STAGES - 1);
@@ -1151,7 +1255,7 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
 #endif
         const bf16* Ct = Cs + (it % FD_STAGES) * FD_BK * FD_LD;
         // Partial S: m-tile mt_s, k-steps [part·KPP, (part+1)·KPP), key n-tiles ng·NTW + u.
-        {
+        if (live) {
             float acc[FD_CH][FD_NTW][4];
 #pragma unroll
             for (int ch = 0; ch < FD_CH; ++ch)
@@ -1215,7 +1319,7 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
                 *reinterpret_cast<float2*>(Sp + (row + 8) * FD_LDS + key) = make_float2(sv[2], sv[3]);
             }
         }
-        fd_sync();  // B
+        team_sync();  // B
 #if FD_FUSED
         // Online softmax in the accumulator layout: this thread holds keys kk·16 + 8·e2 + 2t + {0,1}
         // of rows m·16 + g + 8·half; max and sum over the row's 4 lanes by two shuffles.
@@ -1286,7 +1390,7 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
             const bf16* vrow = Ct + (kk * 16 + (lane & 15)) * FD_LD;
 #pragma unroll
             for (int v = 0; v < FD_NVW; ++v) {
-                const int nt = warp + FD_WARPS * v;
+                const int nt = wt + FD_WARPS * v;
                 if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV) {
                     unsigned b0, b1;
                     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
@@ -1298,11 +1402,12 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
             }
         }
 #else
-        // Online softmax: warp w takes head rows w·RPW …, lane j takes key j of the tile.
+        // Online softmax: (team) warp w takes head rows w·RPW …, lane j takes key j of the tile.
         const bool key_ok = kt + lane < k1;
 #pragma unroll
         for (int rr = 0; rr < FD_RPW; ++rr) {
-            const int row = warp * FD_RPW + rr;
+            if (!live) break;
+            const int row = wt * FD_RPW + rr;
             float x = Sb[row * FD_LDS + lane];
 #pragma unroll
             for (int p = 1; p < FD_P; ++p) x += Sb[(p * FD_HM + row) * FD_LDS + lane];
@@ -1322,8 +1427,8 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
             if (lane == 0) As[row] = al;
         }
 #if FD_RPW == 0
-        if (warp < FD_HM) {
-            const int row = warp;
+        if (live && wt < FD_HM) {
+            const int row = wt;
             float x = Sb[row * FD_LDS + lane];
 #pragma unroll
             for (int p = 1; p < FD_P; ++p) x += Sb[(p * FD_HM + row) * FD_LDS + lane];
@@ -1343,8 +1448,9 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
             if (lane == 0) As[row] = al;
         }
 #endif
-        fd_sync();  // C
+        team_sync();  // C
         // O[:, value n-tiles of this warp] = O·α + P · V.
+        if (live) {
 #pragma unroll
         for (int m = 0; m < FD_MT; ++m) {
             const float al_lo = As[m * 16 + g], al_hi = As[m * 16 + g + 8];
@@ -1370,7 +1476,7 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
             const bf16* vrow = Ct + (kk * 16 + (lane & 15)) * FD_LD;
 #pragma unroll
             for (int v = 0; v < FD_NVW; ++v) {
-                const int nt = warp + FD_WARPS * v;
+                const int nt = wt + FD_WARPS * v;
                 if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV) {
                     unsigned b0, b1;
                     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
@@ -1381,13 +1487,30 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
                 }
             }
         }
+        }  // live
 #endif
 #if FD_TMA
         __syncwarp();
-        if (lane == 0) fd_bar_arrive(&fd_empty[it % FD_STAGES]);  // this warp is done with the stage
+        if (live && lane == 0) fd_bar_arrive(&fd_empty[it % FD_STAGES]);  // this warp is done with the stage
 #endif
     }
     const float ln2 = 0.6931471805599453f;
+    // Head row r of this block's partial output and its LSE (natural log): in shared memory for
+    // the cluster merge, else in parts / lses.
+    auto part_row = [&](int r) -> float* {
+#if FD_CLUSTER
+        return Os + r * FD_LDO;
+#else
+        return parts + ((s * n + i) * nh + h0 + r) * MLA_DV;
+#endif
+    };
+    auto store_lse = [&](int r, float lse) {
+#if FD_CLUSTER
+        fd_lse[r] = lse;
+#else
+        lses[(s * n + i) * nh + h0 + r] = lse;
+#endif
+    };
 #if FD_FUSED
     // Every warp holds the sums of its rows; warp 0 writes the LSE (natural log).
 #if FD_CLUSTER
@@ -1400,19 +1523,87 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
             const int r = m * 16 + g + 8 * half;
             if (h0 + r >= nh) continue;
             const float l = l_run[m][half];
-#if FD_CLUSTER
-            if (warp == 0 && t == 0) fd_lse[r] = m_run[m][half] * ln2 + logf(l);
-            float* const orow = Os + r * FD_LDO;
-#else
-            if (warp == 0 && t == 0) lses[(s * n + i) * nh + h0 + r] = m_run[m][half] * ln2 + logf(l);
-            float* const orow = parts + ((s * n + i) * nh + h0 + r) * MLA_DV;
-#endif
+            if (wt == 0 && t == 0) store_lse(r, m_run[m][half] * ln2 + logf(l));
+            float* const orow = part_row(r);
 #pragma unroll
             for (int v = 0; v < FD_NVW; ++v) {
-                const int nt = warp + FD_WARPS * v;
+                const int nt = wt + FD_WARPS * v;
                 if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV)
                     *reinterpret_cast<float2*>(orow + nt * 8 + 2 * t) =
                         make_float2(o[m][v][2 * half] / l, o[m][v][2 * half + 1] / l);
+            }
+        }
+    }
+#elif FD_TEAMS > 1
+    // Teams: each team's final max and sum to shared memory; then each team k > 0 leaves its
+    // O·exp2(m_k − max) in X [k−1][HM][LDO], and team 0 combines: max over the teams, weights
+    // a_k = exp2(m_k − max) (0 for a team without a tile: m −inf, sum 0, O 0), sum Σ a_k·l_k,
+    // O = (a_0·O_0 + Σ X_k) / sum, LSE = max·ln2 + log(sum).
+#pragma unroll
+    for (int rr = 0; rr < (FD_RPW > 0 ? FD_RPW : 1); ++rr) {
+        const int row = FD_RPW > 0 ? wt * FD_RPW + rr : wt;
+        if ((FD_RPW > 0 || wt < FD_HM) && lane == 0) {
+            Ls[row] = l_run[rr];
+            Mall[team * FD_HM + row] = m_run[rr];
+        }
+    }
+    fd_sync();  // every team done with its last tile (X overwrites Q and the stages)
+    float* const X = reinterpret_cast<float*>(fd_smem) + FD_XOFF;
+    auto team_max = [&](int r) {
+        float mx = Mall[r];
+#pragma unroll
+        for (int k = 1; k < FD_TEAMS; ++k) mx = fmaxf(mx, Mall[k * FD_HM + r]);
+        return mx;
+    };
+    if (team > 0) {
+#pragma unroll
+        for (int m = 0; m < FD_MT; ++m) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = m * 16 + g + 8 * half;
+                if (h0 + r >= nh) continue;
+                const float a = exp2f(Mall[team * FD_HM + r] - team_max(r));
+                float* const xrow = X + ((team - 1) * FD_HM + r) * FD_LDO;
+#pragma unroll
+                for (int v = 0; v < FD_NVW; ++v) {
+                    const int nt = wt + FD_WARPS * v;
+                    if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV)
+                        *reinterpret_cast<float2*>(xrow + nt * 8 + 2 * t) =
+                            make_float2(o[m][v][2 * half] * a, o[m][v][2 * half + 1] * a);
+                }
+            }
+        }
+    }
+    fd_sync();  // X written
+    if (team == 0) {
+#pragma unroll
+        for (int m = 0; m < FD_MT; ++m) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = m * 16 + g + 8 * half;
+                if (h0 + r >= nh) continue;
+                const float mx = team_max(r);
+                const float a0 = exp2f(Mall[r] - mx);
+                float l = a0 * Lall[r];
+#pragma unroll
+                for (int k = 1; k < FD_TEAMS; ++k) l += exp2f(Mall[k * FD_HM + r] - mx) * Lall[k * FD_HM + r];
+                if (wt == 0 && t == 0) store_lse(r, mx * ln2 + logf(l));
+                float* const orow = part_row(r);
+#pragma unroll
+                for (int v = 0; v < FD_NVW; ++v) {
+                    const int nt = wt + FD_WARPS * v;
+                    if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV) {
+                        float2 acc = make_float2(o[m][v][2 * half] * a0, o[m][v][2 * half + 1] * a0);
+#pragma unroll
+                        for (int k = 1; k < FD_TEAMS; ++k) {
+                            const float2 x =
+                                *reinterpret_cast<const float2*>(X + ((k - 1) * FD_HM + r) * FD_LDO + nt * 8 + 2 * t);
+                            acc.x += x.x;
+                            acc.y += x.y;
+                        }
+                        *reinterpret_cast<float2*>(orow + nt * 8 + 2 * t) = make_float2(acc.x / l, acc.y / l);
+                    }
+                }
             }
         }
     }
@@ -1420,14 +1611,10 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
     // Final sums to shared memory for the value warps; LSE (natural log) by the softmax owners.
 #pragma unroll
     for (int rr = 0; rr < (FD_RPW > 0 ? FD_RPW : 1); ++rr) {
-        const int row = FD_RPW > 0 ? warp * FD_RPW + rr : warp;
-        if ((FD_RPW > 0 || warp < FD_HM) && lane == 0) {
+        const int row = FD_RPW > 0 ? wt * FD_RPW + rr : wt;
+        if ((FD_RPW > 0 || wt < FD_HM) && lane == 0) {
             Ls[row] = l_run[rr];
-#if FD_CLUSTER
-            if (h0 + row < nh) fd_lse[row] = m_run[rr] * ln2 + logf(l_run[rr]);
-#else
-            if (h0 + row < nh) lses[(s * n + i) * nh + h0 + row] = m_run[rr] * ln2 + logf(l_run[rr]);
-#endif
+            if (h0 + row < nh) store_lse(row, m_run[rr] * ln2 + logf(l_run[rr]));
         }
     }
     fd_sync();  // also: every warp done with the last tile (Os overwrites Q, the stages, scores, P)
@@ -1438,14 +1625,10 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
             const int r = m * 16 + g + 8 * half;
             if (h0 + r >= nh) continue;
             const float l = Ls[r];
-#if FD_CLUSTER
-            float* const orow = Os + r * FD_LDO;
-#else
-            float* const orow = parts + ((s * n + i) * nh + h0 + r) * MLA_DV;
-#endif
+            float* const orow = part_row(r);
 #pragma unroll
             for (int v = 0; v < FD_NVW; ++v) {
-                const int nt = warp + FD_WARPS * v;
+                const int nt = wt + FD_WARPS * v;
                 if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV)
                     *reinterpret_cast<float2*>(orow + nt * 8 + 2 * t) =
                         make_float2(o[m][v][2 * half] / l, o[m][v][2 * half + 1] / l);

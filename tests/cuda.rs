@@ -161,6 +161,28 @@ impl MergeCase {
         }
     }
 
+    /// Panics at the first element whose bits differ (NaNs count as equal) between two merged
+    /// outputs `[n, nh, L]` and LSEs `[n, nh]` of this case, each given as (name, out, lse),
+    /// naming the token, head and column.
+    fn assert_same_bits(&self, what: &str, a: (&str, &[f32], &[f32]), b: (&str, &[f32], &[f32])) {
+        let (nh, l) = (self.nh, self.l);
+        if let Some(e) = first_bit_difference(a.1, b.1) {
+            panic!(
+                "{what}: out[{e}] (token {}, head {}, column {}) {} {} vs {} {}",
+                e / (nh * l),
+                e / l % nh,
+                e % l,
+                a.0,
+                a.1[e],
+                b.0,
+                b.1[e]
+            );
+        }
+        if let Some(e) = first_bit_difference(a.2, b.2) {
+            panic!("{what}: lse[{e}] {} {} vs {} {}", a.0, a.2[e], b.0, b.2[e]);
+        }
+    }
+
     /// One `decode_mma` launch: with `merged`, the merged output `[n, nh, L]`, merged LSE
     /// `[n, nh]` and the counters after it; without, stage 1's partials `[splits, n, nh, L]` and
     /// LSEs `[splits, n, nh]` (and no counters: empty). Every output buffer NaN-poisoned first.
@@ -250,19 +272,7 @@ fn device_cluster_merge_matches_the_fused_merge_bit_for_bit() {
             for spin in [Some(false), Some(true)] {
                 let (go, gl, counts) = case.launch(&ops, global, splits, empty_lse, spin, true);
                 let what = format!("splits {splits}, empty lse {empty_lse}, spin {spin:?}");
-                if let Some(e) = first_bit_difference(&go, &co) {
-                    panic!(
-                        "{what}: out[{e}] (token {}, head {}, column {}) global {} cluster {}",
-                        e / (nh * l),
-                        e / l % nh,
-                        e % l,
-                        go[e],
-                        co[e]
-                    );
-                }
-                if let Some(e) = first_bit_difference(&gl, &cl) {
-                    panic!("{what}: lse[{e}] global {} cluster {}", gl[e], cl[e]);
-                }
+                case.assert_same_bits(&what, ("global", &go, &gl), ("cluster", &co, &cl));
                 assert!(counts.iter().all(|&c| c == 0), "{what}: counters left {counts:?}");
             }
             // Not vacuous: the token with 257 positions has finite, non-zero outputs.
@@ -281,7 +291,7 @@ fn device_spin_merge_gives_up_when_blocks_are_not_resident() {
     let Some(ops) = device() else { return };
     let ctx: Vec<usize> = (0..64).map(|i| [0, 5, 40, 300][i % 4] + i).collect();
     let case = MergeCase::new(&ops, &ctx, 20);
-    let cfg = DecodeCfg::for_heads(20).for_arch(ops.arch());
+    let cfg = DecodeCfg::TMA16.for_arch(ops.arch());
     let blocks = ctx.len() * 2 * 8;
     let resident = ops.sm_count().unwrap() * ops.decode_blocks_per_sm(576, 512, cfg).unwrap();
     assert!(
@@ -336,30 +346,24 @@ fn decode_merged_on<O: Ops>(
     (ops.download(&o).unwrap(), ops.download(&lse).unwrap())
 }
 
-/// The wgmma decode block (the N >= 64 default on sm_90) at DeepSeek-V3's L = 512, R = 64,
-/// through the engine's merged-decode call, against the simple f32 kernels and the CPU bf16
-/// reference on the same bf16-valued inputs, judged by the tolerance table's bf16 rows for the
-/// attention latent and the LSE: 128 heads (two full head groups) and 80 (a second group of 16
-/// real heads and 48 zero rows), contexts that end inside, at and past a 64-row tile, pages of 16
-/// and 64 in shuffled order, 1 split (the compute-bound bench's) and 3 (the fused merge).
-#[test]
-fn device_wgmma_decode_matches_the_simple_kernels_and_the_cpu() {
+/// The fast merged decode through the engine's call ([`Ops::decode_merged`], default
+/// configuration for the head count) at DeepSeek-V3's L = 512, R = 64, against the simple f32
+/// kernels and the CPU bf16 reference on the same bf16-valued inputs, judged by the tolerance
+/// table's bf16 rows for the attention latent and the LSE, for each (heads, page) of `cases`
+/// (pages in shuffled order) and each split count of `splits`, with contexts `ctx`. `what`
+/// names the block in messages.
+fn check_fast_decode_at_v3(dev: &CudaOps, what: &str, cases: &[(usize, usize)], splits: &[usize], ctx: &[usize]) {
     use mla_diff::compare::{judge, metrics};
-    use mla_diff::cuda::ops::{DecodeCfg, Kernels, supports_wgmma};
+    use mla_diff::cuda::ops::Kernels;
     use mla_diff::tolerance::tolerance;
     use mla_diff::trace::{Stage, TraceTensor};
-    let Some(dev) = device_with(supports_wgmma, "wgmma (sm_90 only)") else {
-        return;
-    };
     let (l, r) = (512usize, 64usize);
-    assert!(DecodeCfg::for_heads(128).fit(l + r, l).for_arch(dev.arch()).wgmma);
     let fast = dev.with_dtype(Dtype::Bf16).with_kernels(Kernels::Fast);
     let simple = dev.with_dtype(Dtype::Bf16).with_kernels(Kernels::Simple);
     let cpu = CpuOps::new(Dtype::Bf16);
-    let ctx = [1usize, 3, 63, 64, 65, 200, 1000];
     let bf = |x: f64| half::bf16::from_f64(x).to_f32();
     let mut rng = mla_diff::batch::SplitMix64::new(11);
-    for (nh, page) in [(128usize, 16usize), (80, 64)] {
+    for &(nh, page) in cases {
         let per = ctx.iter().map(|c| c.div_ceil(page)).collect::<Vec<_>>();
         let mut phys: Vec<usize> = (0..per.iter().sum()).collect();
         rng.shuffle(&mut phys);
@@ -371,13 +375,13 @@ fn device_wgmma_decode_matches_the_simple_kernels_and_the_cpu() {
         }
         let cache: Vec<f32> = (0..phys.len() * page * (l + r)).map(|_| bf(rng.normal())).collect();
         let q: Vec<f32> = (0..ctx.len() * nh * (l + r)).map(|_| bf(rng.normal() * 0.5)).collect();
-        for splits in [1usize, 3] {
+        for &splits in splits {
             let dims = (l, r, page);
-            let (fo, fl) = decode_merged_on(&fast, &q, &cache, nh, dims, &tables, &ctx, splits);
-            let (so, sl) = decode_merged_on(&simple, &q, &cache, nh, dims, &tables, &ctx, splits);
-            let (co, cl) = decode_merged_on(&cpu, &q, &cache, nh, dims, &tables, &ctx, splits);
+            let (fo, fl) = decode_merged_on(&fast, &q, &cache, nh, dims, &tables, ctx, splits);
+            let (so, sl) = decode_merged_on(&simple, &q, &cache, nh, dims, &tables, ctx, splits);
+            let (co, cl) = decode_merged_on(&cpu, &q, &cache, nh, dims, &tables, ctx, splits);
             assert!(fo.iter().all(|x| x.is_finite()) && fo.iter().any(|&x| x != 0.0));
-            for (what, (cand, c_lse)) in [("simple", (&so, &sl)), ("cpu", (&co, &cl))] {
+            for (other, (cand, c_lse)) in [("simple", (&so, &sl)), ("cpu", (&co, &cl))] {
                 let (to, _) = tolerance(Stage::AttnLatent, Dtype::Bf16);
                 let (tl, _) = tolerance(Stage::Lse, Dtype::Bf16);
                 let shape = vec![ctx.len(), nh, l];
@@ -389,7 +393,7 @@ fn device_wgmma_decode_matches_the_simple_kernels_and_the_cpu() {
                 let bad = judge(&m, &to);
                 assert!(
                     bad.is_empty(),
-                    "nh {nh} page {page} splits {splits}: out vs {what}: {bad:?} {m:?}"
+                    "{what}: nh {nh} page {page} splits {splits}: out vs {other}: {bad:?} {m:?}"
                 );
                 let ml = metrics(
                     &TraceTensor::f32(vec![ctx.len(), nh], c_lse.clone()),
@@ -399,13 +403,90 @@ fn device_wgmma_decode_matches_the_simple_kernels_and_the_cpu() {
                 let bad = judge(&ml, &tl);
                 assert!(
                     bad.is_empty(),
-                    "nh {nh} page {page} splits {splits}: lse vs {what}: {bad:?} {ml:?}"
+                    "{what}: nh {nh} page {page} splits {splits}: lse vs {other}: {bad:?} {ml:?}"
                 );
                 eprintln!(
-                    "wgmma vs {what}: nh {nh} page {page} splits {splits}: out rel_l2 {:.2e}, lse rel_l2 {:.2e}",
+                    "{what} vs {other}: nh {nh} page {page} splits {splits}: out rel_l2 {:.2e}, lse rel_l2 {:.2e}",
                     m.rel_l2, ml.rel_l2
                 );
             }
+        }
+    }
+}
+
+/// The wgmma decode block (the N >= 64 default on sm_90) against the simple kernels and the CPU
+/// ([`check_fast_decode_at_v3`]): 128 heads (two full head groups) and 80 (a second group of 16
+/// real heads and 48 zero rows), contexts that end inside, at and past a 64-row tile, pages of 16
+/// and 64, 1 split (the compute-bound bench's) and 3 (the fused merge).
+#[test]
+fn device_wgmma_decode_matches_the_simple_kernels_and_the_cpu() {
+    use mla_diff::cuda::ops::{DecodeCfg, supports_wgmma};
+    let Some(dev) = device_with(supports_wgmma, "wgmma (sm_90 only)") else {
+        return;
+    };
+    assert!(DecodeCfg::for_heads(128).fit(576, 512).for_arch(dev.arch()).wgmma);
+    let ctx = [1usize, 3, 63, 64, 65, 200, 1000];
+    check_fast_decode_at_v3(&dev, "wgmma", &[(128, 16), (80, 64)], &[1, 3], &ctx);
+}
+
+/// The teams block (the N < 64 default on sm_90+: two consumer teams, four producer warps, four
+/// stages, the splits merged through a thread-block cluster) against the simple kernels and
+/// the CPU ([`check_fast_decode_at_v3`]): 16 heads and 20 (a second head group of 4 real heads
+/// and 12 zero rows), contexts of 1 tile (team 1 idle) to 1000 positions, pages of 64 and 16,
+/// 1 split (no merge), 2 (the cluster merge), 3 and 12 (the merge through global memory: 512
+/// value columns do not split into 3 float4 shares, and 12 blocks are past a cluster).
+#[test]
+fn device_teams_decode_matches_the_simple_kernels_and_the_cpu() {
+    use mla_diff::cuda::ops::{DecodeCfg, supports_tma};
+    let Some(dev) = device_with(supports_tma, "bulk copies (sm_90+)") else {
+        return;
+    };
+    assert_eq!(
+        DecodeCfg::for_heads(16).fit(576, 512).for_arch(dev.arch()),
+        DecodeCfg::TEAMS
+    );
+    let ctx = [1usize, 3, 31, 32, 33, 64, 65, 200, 1000];
+    check_fast_decode_at_v3(&dev, "teams", &[(16, 64), (20, 16)], &[1, 2, 3, 12], &ctx);
+}
+
+/// The teams block's variants give the bits of the default: mbarrier team barriers, 5 stages
+/// (a team also waits for the other team's release of a stage), 1 and 2 producer warps, and the merge through global
+/// memory (last split, and every split its share) instead of the cluster, at 1, 2, 3 and 8
+/// splits, with a token of no positions, tokens shorter than a tile, and 20 heads; the
+/// counters are zero again after every launch.
+#[test]
+fn device_teams_variants_give_the_same_bits() {
+    use mla_diff::cuda::ops::{DecodeCfg, supports_tma};
+    let Some(ops) = device_with(supports_tma, "bulk copies (sm_90+)") else {
+        return;
+    };
+    let case = MergeCase::new(&ops, &[0, 1, 3, 7, 31, 32, 33, 64, 100, 257, 1000], 20);
+    let (nh, l) = (case.nh, case.l);
+    let t = DecodeCfg::TEAMS;
+    let variants = [
+        (DecodeCfg { team_mbar: true, ..t }, None),
+        (DecodeCfg { stages: 5, ..t }, None),
+        (DecodeCfg { producers: 1, ..t }, None),
+        (DecodeCfg { producers: 2, ..t }, None),
+        (DecodeCfg { cluster: false, ..t }, Some(false)),
+        (DecodeCfg { cluster: false, ..t }, Some(true)),
+    ];
+    for splits in [1usize, 2, 3, 8] {
+        let (bo, bl, counts) = case.launch(&ops, t, splits, f32::NEG_INFINITY, None, true);
+        assert!(
+            counts.iter().all(|&c| c == 0),
+            "splits {splits}: counters left {counts:?}"
+        );
+        assert!(
+            bo[(case.ctx.len() - 1) * nh * l..]
+                .iter()
+                .any(|&x| x != 0.0 && x.is_finite())
+        );
+        for (cfg, spin) in variants {
+            let (vo, vl, counts) = case.launch(&ops, cfg, splits, f32::NEG_INFINITY, spin, true);
+            let what = format!("{} spin {spin:?} splits {splits}", cfg.label());
+            case.assert_same_bits(&what, (&cfg.label(), &vo, &vl), ("the default", &bo, &bl));
+            assert!(counts.iter().all(|&c| c == 0), "{what}: counters left {counts:?}");
         }
     }
 }

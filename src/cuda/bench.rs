@@ -9,7 +9,7 @@
 //! - MHA prefill: T = 4096, N = 16, P+R = 192, V = 128, causal: TFLOP/s counting
 //!   N·T²·(P+R+V) (the causal half of 2·T²·(P+R) + 2·T²·V per head).
 //!
-//! Each figure is the median of timed repetitions after warm-up, with CUDA events around each
+//! Each figure is the median of [`REPS`] timed repetitions after [`WARM`] warm-up calls, with CUDA events around each
 //! repetition and all repetitions enqueued back to back (one host synchronization after the
 //! last, as Triton's `do_bench`), so a figure is GPU time without the host's launch latency;
 //! `MLA_DIFF_BENCH_SYNC=1` synchronizes after every repetition instead (the method before
@@ -45,6 +45,12 @@ pub struct BenchFigure {
 fn cerr(what: impl std::fmt::Display) -> Error {
     Error::Cuda(what.to_string())
 }
+
+/// Warm-up calls before each timing loop.
+const WARM: usize = 3;
+/// Timed calls per figure (the median is reported). 30 since 2026-12-01 (stop 16); 10 before,
+/// when the memory-bound decode's median moved by up to 2 % between runs of the same kernel.
+const REPS: usize = 30;
 
 /// Median of a timing loop: `reps` timed calls of `f` (each between two events) after `warm`,
 /// enqueued back to back (see the module documentation; `MLA_DIFF_BENCH_SYNC=1`: a host
@@ -90,7 +96,7 @@ pub fn copy_bandwidth(ops: &CudaOps, bytes: usize) -> Result<BenchFigure> {
     let n = bytes / 4;
     let src = ops.alloc(n)?;
     let mut dst = ops.alloc(n)?;
-    let us = time_us(ops, 3, 10, || {
+    let us = time_us(ops, WARM, REPS, || {
         ops.stream()
             .memcpy_dtod(&src, &mut dst)
             .map_err(|e| cerr(format!("memcpy_dtod: {e:?}")))
@@ -230,14 +236,14 @@ pub fn decode(
         }
     };
     let separate = run()?;
-    let us = time_us(ops, 2, 10, || run().map(|_| ()))?;
+    let us = time_us(ops, WARM, REPS, || run().map(|_| ()))?;
     // Every call writes the same merged output; the last timed one's is read.
     let out = ops
         .stream()
         .clone_dtoh(separate.as_ref().unwrap_or(&mout))
         .map_err(|e| cerr(format!("download: {e:?}")))?;
     // Stage 1 alone, for telling the kernel from the merge and the launches around it.
-    let us1 = time_us(ops, 2, 10, || {
+    let us1 = time_us(ops, WARM, REPS, || {
         ops.decode_mma(
             &inp.q,
             &inp.cache,
@@ -304,13 +310,14 @@ pub fn decode(
 type Variant = (bool, DecodeCfg, Option<usize>, bool);
 
 /// Extra decode variants from `MLA_DIFF_BENCH_DECODE`: `;`-separated entries
-/// `m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA]]]]][@SPLITS]` (m: the
-/// memory-bound shape, c: the compute-bound one, merge fused into the kernel; M, C: the same
-/// with the separate merge kernel; CLUSTER 1: the fused merge through a thread-block cluster
-/// of SPLITS blocks where [`DecodeCfg::cluster_size`] allows), each timed and compared with the
-/// default configuration's merged output. E.g. `m:16,8,2,0,2,2,0,1,1@4` is the N < 64 default
-/// (cluster merge) at 4 splits, `m:16,8,2,0,2,2,0,1@4` the same with the merge through global
-/// memory (the default before the cluster merge).
+/// `m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS[,TSYNC]]]]]]]][@SPLITS]`
+/// (the fields of [`DecodeCfg::parse`]; m: the memory-bound shape, c: the compute-bound one,
+/// merge fused into the kernel; M, C: the same with the separate merge kernel; CLUSTER 1: the
+/// fused merge through a thread-block cluster of SPLITS blocks where
+/// [`DecodeCfg::cluster_size`] allows), each timed and compared with the default
+/// configuration's merged output. E.g. `m:16,4,1,0,5,1,0,4,1,0,2` is the N < 64 default (the
+/// teams block) with 5 stages, `m:16,8,2,0,2,2,0,1@4` the one-team block with one producer warp
+/// at 4 splits, merging through global memory (the default before stop 16).
 fn variants() -> Result<Vec<Variant>> {
     let Ok(spec) = std::env::var("MLA_DIFF_BENCH_DECODE") else {
         return Ok(Vec::new());
@@ -319,7 +326,7 @@ fn variants() -> Result<Vec<Variant>> {
     for e in spec.split(';').map(str::trim).filter(|e| !e.is_empty()) {
         let bad = || {
             cerr(format!(
-                "MLA_DIFF_BENCH_DECODE entry `{e}`: expected m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA]]]]][@SPLITS]"
+                "MLA_DIFF_BENCH_DECODE entry `{e}`: expected m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS[,TSYNC]]]]]]]][@SPLITS]"
             ))
         };
         let (kind, rest) = e.split_once(':').ok_or_else(bad)?;
@@ -378,7 +385,7 @@ pub fn prefill(
         causal: true,
     }];
     let scale = (dqk as f64).powf(-0.5) as f32;
-    let us = time_us(ops, 2, 10, || {
+    let us = time_us(ops, WARM, REPS, || {
         ops.prefill_mma(
             cfg,
             &q,

@@ -26,10 +26,11 @@
 //              exp2(m_k − max), sum, Σ weight·O) into the block's partial, which then goes on as
 //              with one team (parts/LSEs and the fused merge, or the cluster merge). With one
 //              block per SM this keeps one Q copy and a deep ring while 2·FD_WARPS warps compute:
-//              the layout that reached 80 % of copy on the memory-bound bench (BENCHMARKS.md).
-//   FD_TSYNC   the team barrier: 0 named barriers (bar.sync 2 + team, 32·FD_WARPS threads); 1 one
-//              mbarrier per team (each warp arrives once after __syncwarp, every lane waits on the
-//              phase: the stage barriers' pattern)
+//              the layout that reached 82 % of copy on the memory-bound bench (BENCHMARKS.md
+//              "Stop 16", with 4 stages). FD_TEAMS is 1 or 2 (more compile, but never ran).
+//              The team barrier is a named barrier (bar.sync 2 + team, 32·FD_WARPS threads). One
+//              mbarrier per team instead (lane 0 of each warp arriving after __syncwarp) was
+//              1–4 % slower and drew racecheck hazards (stop 16), so it was removed.
 //   FD_FUSED   1: every warp reads the whole score tile in the MMA accumulator layout and runs
 //              the online softmax itself, in registers (same inputs, same order: every warp
 //              holds the same running max and sum), building P's A fragments directly — no P,
@@ -63,7 +64,7 @@
 //   cache  [num_blocks·block_size, W] bf16   rows [kv_c_normed | k_pe_roped]; value = first DV
 //   tables [n, max_blocks] i64 block ids      ctx [n] i64 context length of each token
 //   parts  [splits, n, nh, DV] f32            lses [splits, n, nh] f32 (natural log)
-//   grid (n · ⌈nh/HM⌉, splits), 32·FD_WARPS threads: one block takes HM heads of one token and
+//   grid (n · ⌈nh/HM⌉, splits), 32·(FD_WARPS·FD_TEAMS + FD_TMA) threads: one block takes HM heads of one token and
 //   the positions of one split, [s·⌈ctx/splits⌉, …) ∩ [0, ctx). An empty split writes no output
 //   and lse = empty_lse.
 //   out    [n, nh, DV] f32, out_lse [n, nh] f32, counters [n · ⌈nh/HM⌉] i32 (zero before the launch,
@@ -121,9 +122,6 @@
 #ifndef FD_TEAMS
 #define FD_TEAMS 1                 // consumer teams taking alternate tiles of one stage ring
 #endif
-#ifndef FD_TSYNC
-#define FD_TSYNC 0                 // team barrier: 0 named barriers, 1 mbarriers
-#endif
 
 #define FD_BK 32                   // cache rows per tile (= lanes: one key per lane in softmax)
 #define FD_LD (MLA_W + 8)          // bf16 row stride of Q and cache tiles
@@ -162,8 +160,8 @@
 #if FD_TMA < 0 || FD_TMA > 32 || (FD_TMA > 0 && 32 % FD_TMA != 0)
 #error "fast_decode.cu: FD_TMA (producer warps) must be 0 or divide 32"
 #endif
-#if FD_TEAMS < 1 || FD_TEAMS > 4
-#error "fast_decode.cu: FD_TEAMS must be 1..4"
+#if FD_TEAMS < 1 || FD_TEAMS > 2
+#error "fast_decode.cu: FD_TEAMS must be 1 or 2 (3 and 4 compile with the rules below but never ran on a GPU)"
 #endif
 #if FD_TEAMS > 1 && (!FD_TMA || FD_FUSED || FD_WG)
 #error "fast_decode.cu: FD_TEAMS > 1 needs FD_TMA and the unfused mma.sync softmax"
@@ -997,7 +995,8 @@ __device__ __forceinline__ void fd_load_a(unsigned* a, const bf16* base, int g, 
 // them, 16384 registers each) and a block's warps are spread over all four, so two such blocks per
 // SM need at most 96 registers per thread (5 warps of 3072 per sub-partition), which is what
 // ptxas's cap for __launch_bounds__(288, 2) is; a higher cap (112 was tried) leaves one block per SM.
-// The teams block (2 teams of 4 warps and 4 producer warps, one block per SM) has 168.
+// The teams block (2 teams of 4 warps and 4 producer warps, one block per SM) is capped at 168
+// (65536 / 384, rounded down to 8); ptxas uses 150.
 #if FD_CLUSTER
 #define FD_CLUSTER_DIMS __cluster_dims__(1, FD_CLUSTER, 1)
 #else
@@ -1026,10 +1025,6 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
 #endif
 #if FD_TMA
     __shared__ __align__(8) unsigned long long fd_full[FD_STAGES], fd_empty[FD_STAGES];
-#if FD_TEAMS > 1 && FD_TSYNC
-    __shared__ __align__(8) unsigned long long fd_tbar[FD_TEAMS];  // the team barriers
-    unsigned tphase = 0;
-#endif
 #else
     __shared__ long long fd_slots[2][FD_BK];
 #endif
@@ -1079,9 +1074,6 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
             fd_bar_init(&fd_full[st], 32);         // one producer lane per row
             fd_bar_init(&fd_empty[st], FD_WARPS);  // one lane per warp of the consuming team
         }
-#if FD_TEAMS > 1 && FD_TSYNC
-        for (int k = 0; k < FD_TEAMS; ++k) fd_bar_init(&fd_tbar[k], FD_WARPS);
-#endif
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
@@ -1209,12 +1201,7 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
     const float sl2 = scale * 1.4426950408889634f;
     // The per-tile barrier of this thread's team (all consumers with one team).
     auto team_sync = [&]() {
-#if FD_TEAMS > 1 && FD_TSYNC
-        __syncwarp();
-        if (lane == 0) fd_bar_arrive(&fd_tbar[team]);
-        fd_bar_wait(&fd_tbar[team], tphase);
-        tphase ^= 1u;
-#elif FD_TEAMS > 1
+#if FD_TEAMS > 1
         asm volatile("bar.sync %0, %1;\n" ::"r"(2 + team), "n"(FD_TT) : "memory");
 #else
         fd_sync();

@@ -8,19 +8,20 @@
 #   cp golden/models/lite-v2-q8_0.gguf golden/models/k256-q4_k_m.gguf .gpu/wg/
 # then run `bash scripts/gpu_validate.sh STAGE...` there. Logs go to $OUT (or ./gpu-logs).
 # Stages: smoke, report, tests, quick, selftest-f32, selftest-bf16, fast-quick, fast-bf16,
-# fast-wgmma, memcheck, racecheck, memcheck-fast, racecheck-fast, racecheck-mbar, memcheck-wgmma,
-# racecheck-wgmma, sass.
+# fast-wgmma, memcheck, racecheck, memcheck-fast, racecheck-fast, racecheck-teams-global,
+# memcheck-wgmma, racecheck-wgmma, sass.
 # The *-wgmma stages force the decode's wgmma block (MLA_DIFF_DECODE_CFG, below) on every fixture
 # it fits (L a multiple of 128: lite-v2 and k256; the others run the 64-head mma.sync block).
-# racecheck-mbar forces the teams block with mbarrier team barriers (TEAMS_MBAR, below); the
-# fixtures have 2-6 heads, so every other fast stage runs the default teams block.
+# racecheck-teams-global forces the teams block with the merge through global memory
+# (TEAMS_GLOBAL, below) and checks only the decode kernel; the fixtures have 2-6 heads, so every
+# other fast stage runs the default teams block (the cluster merge where the splits allow).
 set -u
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 B=${MLA_DIFF_BIN:-.gpu/mla-diff}
 WGMMA=64,8,1,0,2,1,0,0,0,1
-TEAMS_MBAR=16,4,1,0,4,1,0,4,1,0,2,1
+TEAMS_GLOBAL=16,4,1,0,4,1,0,4,0,0,2
 step() {  # step NAME TIMEOUT CMD... (MLA_DIFF_STEP_CAP, if set, caps every TIMEOUT in seconds)
   local name=$1 t=$2; shift 2
   if [[ -n ${MLA_DIFF_STEP_CAP:-} ]] && (( t > MLA_DIFF_STEP_CAP )); then t=$MLA_DIFF_STEP_CAP; fi
@@ -93,8 +94,8 @@ for stage in "$@"; do
     memcheck-fast)
       step memcheck-fast 590 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 3 "$B" selftest --backend cuda --kernels fast --dtype bf16 --quick --models .gpu/one
       ;;
-    racecheck-mbar)
-      step racecheck-mbar 590 env MLA_DIFF_BF16_GEMM=emulate MLA_DIFF_DECODE_CFG=$TEAMS_MBAR /usr/local/cuda/bin/compute-sanitizer --tool racecheck --error-exitcode 3 "$B" selftest --backend cuda --kernels fast --dtype bf16 --quick --models .gpu/one
+    racecheck-teams-global)
+      step racecheck-teams-global 590 env MLA_DIFF_BF16_GEMM=emulate MLA_DIFF_DECODE_CFG=$TEAMS_GLOBAL /usr/local/cuda/bin/compute-sanitizer --tool racecheck --error-exitcode 3 --kernel-name kns=decode_split_mma "$B" selftest --backend cuda --kernels fast --dtype bf16 --quick --models .gpu/one
       ;;
     memcheck)
       step memcheck 590 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 3 "$B" selftest --backend cuda --quick

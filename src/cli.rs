@@ -618,8 +618,7 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
         // softmax, with the TMA producer warp (the merge through global memory), with the
         // merge through a cluster of 4 blocks, the 64-head block with TMA and a cluster of 8,
         // and the teams block (the N < 64 default) with the cluster of the bench shape's 2
-        // splits and with the merge through global memory, with mbarrier team barriers, and
-        // with 5 stages (a team then also waits for the other team's release of a stage).
+        // splits and with the merge through global memory, and with 5 stages (a team then also waits for the other team's release of a stage).
         use crate::cuda::ops::DecodeCfg;
         let wgmma = DecodeCfg::WGMMA.for_arch(arch);
         let hm64 = DecodeCfg::MMA64;
@@ -628,11 +627,6 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
         let cluster16 = DecodeCfg::parse("16,8,2,0,2,2,0,1,1")?.for_arch(arch);
         let hm64_cluster = DecodeCfg::parse("64,8,2,0,2,1,0,1,1")?.for_arch(arch);
         let teams = DecodeCfg::TEAMS.for_arch(arch);
-        let teams_mbar = DecodeCfg {
-            team_mbar: true,
-            ..DecodeCfg::TEAMS
-        }
-        .for_arch(arch);
         let teams_s5 = DecodeCfg {
             stages: 5,
             ..DecodeCfg::TEAMS
@@ -655,8 +649,13 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
             (cluster16, 4),
             (hm64_cluster, 8),
             (teams, 2),
-            (teams, 0),
-            (teams_mbar, 2),
+            (
+                DecodeCfg {
+                    cluster: false,
+                    ..teams
+                },
+                0,
+            ),
             (teams_s5, 2),
         ] {
             let cluster = c.cluster_size(arch, splits, 512, true);

@@ -449,7 +449,7 @@ fn device_teams_decode_matches_the_simple_kernels_and_the_cpu() {
     check_fast_decode_at_v3(&dev, "teams", &[(16, 64), (20, 16)], &[1, 2, 3, 12], &ctx);
 }
 
-/// The teams block's variants give the bits of the default: mbarrier team barriers, 5 stages
+/// The teams block's variants give the bits of the default: 5 stages
 /// (a team also waits for the other team's release of a stage), 1 and 2 producer warps, and the merge through global
 /// memory (last split, and every split its share) instead of the cluster, at 1, 2, 3 and 8
 /// splits, with a token of no positions, tokens shorter than a tile, and 20 heads; the
@@ -464,7 +464,6 @@ fn device_teams_variants_give_the_same_bits() {
     let (nh, l) = (case.nh, case.l);
     let t = DecodeCfg::TEAMS;
     let variants = [
-        (DecodeCfg { team_mbar: true, ..t }, None),
         (DecodeCfg { stages: 5, ..t }, None),
         (DecodeCfg { producers: 1, ..t }, None),
         (DecodeCfg { producers: 2, ..t }, None),

@@ -310,7 +310,7 @@ pub fn decode(
 type Variant = (bool, DecodeCfg, Option<usize>, bool);
 
 /// Extra decode variants from `MLA_DIFF_BENCH_DECODE`: `;`-separated entries
-/// `m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS[,TSYNC]]]]]]]][@SPLITS]`
+/// `m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS]]]]]]][@SPLITS]`
 /// (the fields of [`DecodeCfg::parse`]; m: the memory-bound shape, c: the compute-bound one,
 /// merge fused into the kernel; M, C: the same with the separate merge kernel; CLUSTER 1: the
 /// fused merge through a thread-block cluster of SPLITS blocks where
@@ -326,7 +326,7 @@ fn variants() -> Result<Vec<Variant>> {
     for e in spec.split(';').map(str::trim).filter(|e| !e.is_empty()) {
         let bad = || {
             cerr(format!(
-                "MLA_DIFF_BENCH_DECODE entry `{e}`: expected m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS[,TSYNC]]]]]]]][@SPLITS]"
+                "MLA_DIFF_BENCH_DECODE entry `{e}`: expected m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS]]]]]]][@SPLITS]"
             ))
         };
         let (kind, rest) = e.split_once(':').ok_or_else(bad)?;

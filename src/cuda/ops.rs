@@ -815,14 +815,12 @@ pub struct DecodeCfg {
     /// QREG; runs only on sm_90 ([`supports_wgmma`]) with L a multiple of 128 and L+R ≤ 576
     /// ([`DecodeCfg::wgmma_fits`]).
     pub wgmma: bool,
-    /// Consumer teams of `warps` warps taking alternate tiles of one stage ring (`FD_TEAMS`,
-    /// 1..=4): one block per SM keeps one Q copy and a deep ring while several teams compute.
+    /// Consumer teams of `warps` warps taking alternate tiles of one stage ring (`FD_TEAMS`, 1
+    /// or 2: the kernel's rules would allow 4, but 3 and 4 never ran on a GPU): one block per SM
+    /// keeps one Q copy and a deep ring while two teams compute.
     /// More than one needs producers, the unfused softmax, and `teams` dividing `2·stages`
     /// with `stages ≥ teams` (the parity waits of fast_decode.cu).
     pub teams: usize,
-    /// The teams' per-tile barrier (`FD_TSYNC`): false, named barriers (`bar.sync 2 + team`);
-    /// true, one mbarrier per team. Only with more than one team.
-    pub team_mbar: bool,
 }
 
 /// True for `sm_90` and `sm_90a`: the architectures with `wgmma.mma_async` (sm_100 replaced it).
@@ -877,7 +875,6 @@ impl DecodeCfg {
         cluster: false,
         wgmma: false,
         teams: 1,
-        team_mbar: false,
     };
 
     /// The teams block (`16,4,1,0,4,1,0,4,1,0,2`): 16 heads, two teams of 4 consumer warps (one
@@ -897,7 +894,6 @@ impl DecodeCfg {
         cluster: true,
         wgmma: false,
         teams: 2,
-        team_mbar: false,
     };
 
     /// The wgmma block (`64,8,1,0,2,1,0,0,0,1`): 64 heads, two warpgroups, one block per SM.
@@ -913,7 +909,6 @@ impl DecodeCfg {
         cluster: false,
         wgmma: true,
         teams: 1,
-        team_mbar: false,
     };
 
     /// The 64-head `mma.sync` block (`64,8,2,0,2`): what [`DecodeCfg::WGMMA`] falls back to where
@@ -962,29 +957,29 @@ impl DecodeCfg {
     }
 
     /// Parses
-    /// `HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS[,TSYNC]]]]]]]`
-    /// (QREG, FUSED, CLUSTER, WGMMA and TSYNC 0 or 1; TMA the number of producer warps, 0 for
+    /// `HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS]]]]]]`
+    /// (QREG, FUSED, CLUSTER and WGMMA 0 or 1; TMA the number of producer warps, 0 for
     /// none; MINBLOCKS and TEAMS default to 1, the others to 0). CLUSTER 1 merges the splits
     /// through a thread-block cluster of `splits` blocks where [`DecodeCfg::cluster_size`]
     /// allows, and needs TMA ≥ 1. WGMMA 1 is the warpgroup-MMA block and needs
     /// `64,8,P,0,2,1,0,0,0,1` (P is unused). TEAMS > 1 needs TMA ≥ 1, FUSED 0 and TEAMS dividing
-    /// 2·STAGES with STAGES ≥ TEAMS; TSYNC 1 (mbarrier team barriers) needs TEAMS > 1.
+    /// 2·STAGES with STAGES ≥ TEAMS, MINBLOCKS 1, and is at most 2.
     ///
     /// # Errors
-    /// [`Error::Cuda`] naming the string when it is not 5 to 12 unsigned integers or the
+    /// [`Error::Cuda`] naming the string when it is not 5 to 11 unsigned integers or the
     /// configuration does not tile (see `fast_decode.cu`'s header).
     pub fn parse(s: &str) -> Result<Self> {
-        const FORM: &str = "HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS[,TSYNC]]]]]]]";
+        const FORM: &str = "HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS]]]]]]";
         let v: Vec<usize> = s
             .split(',')
             .map(|x| x.trim().parse::<usize>())
             .collect::<std::result::Result<_, _>>()
             .map_err(|_| cerr(format!("decode configuration `{s}`: expected {FORM}")))?;
-        if !(5..=12).contains(&v.len()) {
+        if !(5..=11).contains(&v.len()) {
             return Err(cerr(format!("decode configuration `{s}`: expected {FORM}")));
         }
         // Absent trailing fields: MINBLOCKS 1, TEAMS 1, the others 0.
-        let defaults = [0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0];
+        let defaults = [0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1];
         let f = |k: usize| v.get(k).copied().unwrap_or(defaults[k]);
         let c = DecodeCfg {
             hm: f(0),
@@ -998,7 +993,6 @@ impl DecodeCfg {
             cluster: f(8) != 0,
             wgmma: f(9) != 0,
             teams: f(10),
-            team_mbar: f(11) != 0,
         };
         if c.wgmma
             && (
@@ -1028,9 +1022,22 @@ impl DecodeCfg {
                 c.teams
             )));
         }
-        if c.team_mbar && c.teams < 2 {
+        if c.teams > 2 {
             return Err(cerr(format!(
-                "decode configuration `{s}`: TSYNC 1 (mbarrier team barriers) needs TEAMS 2 or more"
+                "decode configuration `{s}`: TEAMS {} (1 or 2; more were never run on a GPU)",
+                c.teams
+            )));
+        }
+        if c.teams > 1 && c.min_blocks > 1 {
+            return Err(cerr(format!(
+                "decode configuration `{s}`: TEAMS {} is one block per SM: MINBLOCKS must be 1 (more only caps the registers: ptxas spills)",
+                c.teams
+            )));
+        }
+        if c.tma() && (!32usize.is_multiple_of(c.producers) || c.warps * c.teams + c.producers > 32) {
+            return Err(cerr(format!(
+                "decode configuration `{s}`: TMA {} producer warps must divide 32 and, with WARPS·TEAMS consumer warps, make at most 32 warps",
+                c.producers
             )));
         }
         c.check()?;
@@ -1062,7 +1069,7 @@ impl DecodeCfg {
         let ok = self.hm >= 16
             && self.hm.is_multiple_of(16)
             && self.warps >= 1
-            && (1..=4).contains(&self.teams)
+            && (1..=2).contains(&self.teams)
             && (self.producers == 0 || 32usize.is_multiple_of(self.producers))
             && self.warps * self.teams + self.producers <= 32
             && self.parts >= 1
@@ -1072,8 +1079,7 @@ impl DecodeCfg {
             && 4usize.is_multiple_of(self.warps / (mt * self.parts))
             && (self.hm < self.warps || self.hm.is_multiple_of(self.warps))
             && (self.tma() || !self.cluster)
-            && (self.teams == 1 || self.team_valid(self.stages))
-            && (self.teams > 1 || !self.team_mbar);
+            && (self.teams == 1 || self.team_valid(self.stages));
         if ok {
             Ok(())
         } else {
@@ -1137,7 +1143,7 @@ impl DecodeCfg {
     /// weighted partials `[teams−1, hm, dv]` fit in the shared memory below its final sums,
     /// for cache rows of `width` = L+R (the `#error` check of fast_decode.cu). At W = 576,
     /// L = 512 this holds for 16 and 64 heads (33 KB of 105 KB; 131 KB of 196 KB with TMA) and
-    /// for the teams block (67 KB of 218 KB).
+    /// for the teams block (67 KB of 181 KB).
     pub fn cluster_fits(&self, width: usize, dv: usize, c: usize) -> bool {
         let own = if c > 0 {
             (self.hm * (dv + 8) + (2 * c + 3) * self.hm).div_ceil(4) * 4
@@ -1166,7 +1172,6 @@ impl DecodeCfg {
             ("FD_TMA", self.producers),
             ("FD_WG", usize::from(self.wgmma)),
             ("FD_TEAMS", self.teams),
-            ("FD_TSYNC", usize::from(self.team_mbar)),
             ("FD_CLUSTER", cluster),
         ]
     }
@@ -1192,11 +1197,11 @@ impl DecodeCfg {
 
     /// Short label, e.g. `hm16 w8 p2 qreg s4 fused` (` b2` when two blocks per SM are asked
     /// for, ` fused` for the in-register softmax, ` tma` for one producer warp with bulk copies
-    /// and ` tmaN` for N of them, ` tN` for N consumer teams and ` mbar` for their mbarrier
-    /// barriers, ` cluster` for the merge through a thread-block cluster).
+    /// and ` tmaN` for N of them, ` tN` for N consumer teams, ` cluster` for the merge through
+    /// a thread-block cluster).
     pub fn label(&self) -> String {
         format!(
-            "hm{} w{} p{} {} s{}{}{}{}{}{}{}{}",
+            "hm{} w{} p{} {} s{}{}{}{}{}{}{}",
             self.hm,
             self.warps,
             self.parts,
@@ -1218,7 +1223,6 @@ impl DecodeCfg {
             } else {
                 String::new()
             },
-            if self.team_mbar { " mbar" } else { "" },
             if self.cluster { " cluster" } else { "" },
             if self.wgmma { " wgmma" } else { "" }
         )
@@ -2114,17 +2118,11 @@ mod tests {
         assert_eq!(t, DecodeCfg::TEAMS);
         assert_eq!(DecodeCfg::for_heads(16), t);
         assert_eq!(DecodeCfg::for_heads(63), t);
-        assert_eq!((t.teams, t.producers, t.team_mbar), (2, 4, false));
+        assert_eq!((t.teams, t.producers), (2, 4));
         assert_eq!(t.threads(), 384);
         assert_eq!(t.label(), "hm16 w4 p1 qsmem s4 tma4 t2 cluster");
         let d = t.defines_for(2);
-        for x in [
-            ("FD_TMA", 4),
-            ("FD_TEAMS", 2),
-            ("FD_TSYNC", 0),
-            ("FD_WARPS", 4),
-            ("FD_CLUSTER", 2),
-        ] {
+        for x in [("FD_TMA", 4), ("FD_TEAMS", 2), ("FD_WARPS", 4), ("FD_CLUSTER", 2)] {
             assert!(d.contains(&x), "{x:?} not in {d:?}");
         }
         // W = 576: Q 18 688 + 4 stages 149 504 + 2 teams' scores, P and α 12 928 + final sums and
@@ -2138,33 +2136,27 @@ mod tests {
         // The cluster merge's partial, its state and team 1's weighted partial fit below the sums.
         assert!(t.cluster_fits(576, 512, 2) && t.cluster_fits(576, 512, 0));
         assert_eq!(t.cluster_size("sm_90", 2, 512, true), 2);
-        // The 12th field: mbarrier team barriers; the label says so.
-        let m = DecodeCfg::parse("16,4,1,0,4,1,0,4,1,0,2,1").unwrap();
-        assert!(m.team_mbar && m.label().ends_with(" t2 mbar cluster"), "{}", m.label());
-        assert!(m.defines().contains(&("FD_TSYNC", 1)));
         // Parity rules: TEAMS divides 2·STAGES, STAGES >= TEAMS; teams need producers and the
-        // unfused softmax; TSYNC needs teams; producers divide 32; at most 32 warps.
+        // unfused softmax; producers divide 32; at most 32 warps; 11 fields at most (a 12th,
+        // mbarrier team barriers, was removed in stop 16).
         for (bad, why) in [
             ("16,4,1,0,5,1,0,4,1,0,3", "TEAMS 3 needs"),
             ("16,4,1,0,2,1,0,4,1,0,4", "TEAMS 4 needs"),
+            ("16,4,1,0,6,1,0,4,1,0,3", "TEAMS 3 (1 or 2"),
             ("16,4,1,0,5,1,0,0,0,0,2", "TEAMS 2 needs"),
             ("16,4,1,0,5,1,1,4,1,0,2", "TEAMS 2 needs"),
-            ("16,8,2,0,2,2,0,1,0,0,1,1", "TSYNC 1"),
-            ("16,4,1,0,5,1,0,3,1,0,2", "invalid decode configuration"),
-            ("16,4,1,0,5,1,0,4,1,0,5", "invalid decode configuration"),
-            ("16,8,2,0,4,1,0,8,1,0,4", "invalid decode configuration"),
-            ("16,4,1,0,5,1,0,4,1,0,2,0,0", "expected HM,WARPS"),
+            ("16,4,1,0,5,1,0,3,1,0,2", "TMA 3 producer warps must divide 32"),
+            ("16,4,1,0,4,2,0,4,1,0,2", "MINBLOCKS must be 1"),
+            ("16,8,2,0,4,1,0,8,1,0,4", "TEAMS 4 (1 or 2"),
+            ("16,8,2,0,4,1,0,32,1,0,2", "TMA 32 producer warps"),
+            ("16,4,1,0,5,1,0,4,1,0,2,0", "expected HM,WARPS"),
         ] {
             let e = DecodeCfg::parse(bad).unwrap_err().to_string();
             assert!(e.contains(why), "{bad}: {e}");
         }
-        assert!(DecodeCfg::parse("16,4,1,0,6,1,0,4,1,0,3").is_ok());
-        assert!(DecodeCfg::parse("16,4,1,0,4,1,0,2,0,0,4").is_ok());
-        // fit() keeps the teams' parity rule: W = 1152 leaves 2 stages for two teams; four
-        // teams need an even count of at least 4, so none fits and the count stays.
+        assert!(DecodeCfg::parse("16,4,1,0,4,1,0,2,0,0,2").is_ok());
+        // fit() drops stages within the teams' parity rule: W = 1152 leaves 2 for two teams.
         assert_eq!(t.fit(1152, 512).stages, 2);
-        let four = DecodeCfg::parse("16,4,1,0,4,1,0,4,1,0,4").unwrap();
-        assert_eq!(four.fit(1152, 512).stages, 4);
         // Below sm_90 (no bulk copies): the one-team block, copying with cp.async.
         let old = t.for_arch("sm_80");
         assert_eq!(

@@ -618,7 +618,8 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
         // softmax, with the TMA producer warp (the merge through global memory), with the
         // merge through a cluster of 4 blocks, the 64-head block with TMA and a cluster of 8,
         // and the teams block (the N < 64 default) with the cluster of the bench shape's 2
-        // splits and with the merge through global memory, and with 5 stages (a team then also waits for the other team's release of a stage).
+        // splits and with the merge through global memory, and with 5 stages (a team then also
+        // waits for the other team's release of a stage).
         use crate::cuda::ops::DecodeCfg;
         let wgmma = DecodeCfg::WGMMA.for_arch(arch);
         let hm64 = DecodeCfg::MMA64;

@@ -881,7 +881,7 @@ impl DecodeCfg {
     /// k-part each), 4 producer warps, 4 stages (so each stage always serves the same team), one
     /// block per SM, the merge through a cluster of the token's splits where
     /// [`DecodeCfg::cluster_size`] allows. With 5 stages (`16,4,1,0,5,1,0,4,1,0,2`) a team also
-    /// waits for the other team's release of a stage: 2.5 % slower on the H200 (BENCHMARKS.md).
+    /// waits for the other team's release of a stage: 2.5–3 % slower on the H200 (BENCHMARKS.md).
     pub const TEAMS: DecodeCfg = DecodeCfg {
         hm: 16,
         warps: 4,
@@ -1016,7 +1016,7 @@ impl DecodeCfg {
                 "decode configuration `{s}`: CLUSTER 1 (merge through a thread-block cluster) needs TMA 1 or more"
             )));
         }
-        if c.teams > 1 && !(c.tma() && !c.fused && (2 * c.stages).is_multiple_of(c.teams) && c.stages >= c.teams) {
+        if c.teams > 1 && !c.team_valid(c.stages) {
             return Err(cerr(format!(
                 "decode configuration `{s}`: TEAMS {} needs TMA 1 or more, FUSED 0, and TEAMS dividing 2·STAGES with STAGES >= TEAMS",
                 c.teams

@@ -1,6 +1,6 @@
 // Shared prelude of every mla-diff kernel module (prepended to each .cu source at run time).
 //
-// Conventions (MLA.md dim names): T tokens, N heads (nh per TP rank), H hidden, Lq q_lora_rank,
+// Conventions (docs/mla.md dim names): T tokens, N heads (nh per TP rank), H hidden, Lq q_lora_rank,
 // L kv_lora_rank, P qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim. Every buffer is a
 // row-major float32 tensor unless its type says otherwise; sizes and offsets are element counts
 // passed as long long. Output buffers arrive holding the NaN canary (bits 0x7FA5A5A5).

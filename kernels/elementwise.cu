@@ -1,6 +1,6 @@
 // Elementwise and data-movement kernels of the engine paths.
 //
-// Pointer arguments (shapes in MLA.md dims; every size an element count):
+// Pointer arguments (shapes in docs/mla.md dims; every size an element count):
 //   fill_bits(x [n])                                      x[i] = bits
 //   add(a [n], b [n], out [n])                            out = a + b
 //   silu_mul(g [n], u [n], out [n])                       out = silu(g)·u (SwiGLU)

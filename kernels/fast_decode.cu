@@ -26,11 +26,11 @@
 //              exp2(m_k − max), sum, Σ weight·O) into the block's partial, which then goes on as
 //              with one team (parts/LSEs and the fused merge, or the cluster merge). With one
 //              block per SM this keeps one Q copy and a deep ring while 2·FD_WARPS warps compute:
-//              the layout that reached 82 % of copy on the memory-bound bench (BENCHMARKS.md
-//              "Stop 16", with 4 stages). FD_TEAMS is 1 or 2 (more compile, but never ran).
+//              the layout that reached 82 % of copy on the memory-bound bench (BENCHMARKS.md,
+//              with 4 stages). FD_TEAMS is 1 or 2 (more compile, but never ran).
 //              The team barrier is a named barrier (bar.sync 2 + team, 32·FD_WARPS threads). One
 //              mbarrier per team instead (lane 0 of each warp arriving after __syncwarp) was
-//              1–4 % slower and drew racecheck hazards (stop 16), so it was removed.
+//              1–4 % slower and drew racecheck hazards, so it was removed.
 //   FD_FUSED   1: every warp reads the whole score tile in the MMA accumulator layout and runs
 //              the online softmax itself, in registers (same inputs, same order: every warp
 //              holds the same running max and sum), building P's A fragments directly — no P,

@@ -1,6 +1,6 @@
 // RMSNorm over strided rows and rotary position embedding.
 //
-// Pointer arguments (MLA.md dims; element counts):
+// Pointer arguments (docs/mla.md dims; element counts):
 //   rms_norm(src [src_len], g [width], out [rows, width], rows, off, stride, width, src_len, eps)
 //        out[r] = x / sqrt(mean(x²) + eps) · g with x = src[off + r·stride .. + width]; kv_c is
 //        such a strided view of kv_a (width L, stride L+R). Reads past src_len give 0.

@@ -16,7 +16,7 @@ What is written (docs/dump-format.md, version 1):
     moe_router_logits, moe_topk (the selected expert ids, as numbers), moe_out and shared_out;
     with `--with-weights` also the
     weight sites w.fused_qkv_a (only with q_lora_rank), w.kv_b, w.W_UK_T, w.W_UV. Token-major
-    shapes ([T, H], [T, N, X], lse [T, N]) as in DESIGN.md's site table.
+    shapes ([T, H], [T, N, X], lse [T, N]) as in docs/design.md's site table.
   * `tokens` and `positions` (int64, [T]).
   * metadata: format="mla-diff dump 1", engine="transformers <version>", dtype=<run dtype>,
     rope_order="hf", model=<checkpoint folder name>, and break=<name> when --break is used.
@@ -81,7 +81,7 @@ checkpoints made by scripts/make_fixtures.py), made from the repository root wit
         --tokens 235,74,241,141,43,185 --threads 1 --break zero-attn-out
     $PY scripts/dump_hf.py $HF/tiny-v3 golden/dumps/tiny-v3-f32.hf-bf16.safetensors \\
         --tokens 235,74,241,141,43,185 --threads 1 --dtype bf16
-The engine-bf16 / engine-f16 rows of src/tolerance.rs were measured with this script:
+The engine-bf16 / engine-f16 rows of src/judge/tolerance.rs were measured with this script:
 `--dtype bf16|f16 --with-weights --threads 1` and `--n-tokens 16 --seed 0..4` on tiny-v3, lite-v2,
 yarn-v3 and legacy-kvb, plus `--n-tokens 64 --seed 10,11` on tiny-v3, lite-v2 and yarn-v3, each
 compared with `mla-diff compare --model golden/models/<fixture>-f32.gguf` (docs/dump-format.md,

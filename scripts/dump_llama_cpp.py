@@ -5,13 +5,13 @@ Why this exists: llama.cpp runs DeepSeek MLA in its own graph (src/models/deepse
 absorbed/MQA form) and exposes intermediates only through the scheduler's eval callback. This
 script hooks that callback with llama-cpp-python's LOW-LEVEL API, copies every computed F32 node
 it is asked for, and writes them to one safetensors file in the engine dump format
-(docs/dump-format.md) under llama.cpp's own node names. `--map llama.cpp` (src/maps/llama.cpp.json)
+(docs/dump-format.md) under llama.cpp's own node names. `--map llama.cpp` (src/model/maps/llama.cpp.json)
 then renames them to mla-diff's stages.
 
 Usage:
     dump_llama_cpp.py MODEL.gguf OUT.safetensors [--tokens 5,17,3,...] [--n-tokens T --seed S]
                       [--layers 0,1] [--all] [--exclude embd#0] [--include kqv-0#0]
-                      [--map src/maps/llama.cpp.json]
+                      [--map src/model/maps/llama.cpp.json]
                       [--threads 1] [--verbose]
 
     --tokens       explicit token ids (positions are 0..T-1, one sequence)
@@ -198,7 +198,7 @@ CONDITIONS = ("split_kv_b", "fused_kv_b", "q_lora", "no_q_lora")
 
 
 def condition_holds(cond: str | None, q_lora: bool, fused_kv_b: bool) -> bool:
-    """A map rule's optional condition (src/dump.rs `Condition`) for a model's facts."""
+    """A map rule's optional condition (src/model/dump.rs `Condition`) for a model's facts."""
     if cond is None:
         return True
     if cond not in CONDITIONS:

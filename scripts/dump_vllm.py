@@ -48,7 +48,7 @@ Requirements the hooks need (each is checked, or noted in the dump's metadata):
     positions (a new sequence wherever a position does not follow its predecessor) and
     `expect_tokens` (the concatenated prompt ids) checks order and trims any padding rows.
 
-What is dumped (sites of DESIGN.md; token-major, values upcast exactly to float32):
+What is dumped (sites of docs/design.md; token-major, values upcast exactly to float32):
   hidden_in    DeepseekV2DecoderLayer input. vLLM passes the residual stream SPLIT:
                forward(positions, hidden_states, residual, llama_4_scaling=None) returns
                (hidden_states, residual). Layer 0 gets residual=None (then hidden_in =
@@ -175,7 +175,7 @@ if str(HERE) not in sys.path:
 
 import st_io  # noqa: E402  (byte-reproducible safetensors writer, scripts/st_io.py)
 
-# Activation stages in DESIGN.md's canonical order (those a hook can reach), then weight sites.
+# Activation stages in docs/design.md's canonical order (those a hook can reach), then weight sites.
 ACT_STAGES = [
     "hidden_in", "attn_in", "q_c", "q_c_normed", "q", "kv_a", "kv_c_normed", "k_pe",
     "q_pe_roped", "k_pe_roped", "k_nope", "v", "attn_out", "o_proj", "hidden_out",

@@ -1,7 +1,7 @@
 """Capture every MLA intermediate of a HF transformers DeepSeek-V3 forward pass, in float64.
 
 Why this exists: mla-diff's goldens (and, later, dump_hf.py for user models) need the HF model's
-per-layer intermediates under the site names of DESIGN.md ("L{n}.{stage}"). Most of them are the
+per-layer intermediates under the site names of docs/design.md ("L{n}.{stage}"). Most of them are the
 inputs or outputs of a submodule and are taken with forward hooks; the rest live inside plain
 functions (the rotary application and the eager attention function) and are taken by wrapping
 those functions for the duration of one forward pass.
@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 import torch
 
-# Canonical stage order (DESIGN.md "Sites" table) of the stages an HF run can provide.
+# Canonical stage order (docs/design.md "Sites" table) of the stages an HF run can provide.
 # (ql_nope and attn_latent exist only on the absorbed path; HF runs the expanded path.)
 HF_STAGES = [
     "hidden_in", "attn_in", "w.fused_qkv_a", "q_c", "q_c_normed", "q", "kv_a", "kv_c_normed",

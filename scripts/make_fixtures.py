@@ -647,7 +647,7 @@ def make_one(fx: Fixture, args, report: dict) -> None:
     for layer in range(fx.layers):
         hf_scale = cap.extras["hf_scaling"][layer]
         if not math.isclose(hf_scale, scale, rel_tol=1e-14):
-            raise SystemExit(f"HF softmax scale {hf_scale} != MLA.md scale {scale}")
+            raise SystemExit(f"HF softmax scale {hf_scale} != docs/mla.md scale {scale}")
         allowed = None
         if f"L{layer}.idx_topk" in t:       # DSA: attention restricted to the selected keys
             allowed = mla_check.topk_mask(t[f"L{layer}.idx_topk"], fx.tokens)

@@ -1,11 +1,11 @@
-"""Independent numpy float64 checks of captured MLA goldens, written from shared/MLA.md.
+"""Independent numpy float64 checks of captured MLA goldens, written from docs/mla.md.
 
 Why this exists: a golden is only useful if it is internally consistent. These checks recompute,
 from the captured tensors alone, what the HF run should have produced, using the formulas of
-MLA.md rather than HF's code:
+docs/mla.md rather than HF's code:
   * RoPE: the interleaved (GPT-J) rotation of the un-rotated `k_pe` / `q[..., P:]` with HF's
     cos/sin must equal the stored (order-converted) `k_pe_roped` / `q_pe_roped`;
-  * expanded attention (MLA.md step 5) with scale (P+R)^-0.5 * m^2 must reproduce `attn_out`
+  * expanded attention (docs/mla.md step 5) with scale (P+R)^-0.5 * m^2 must reproduce `attn_out`
     and `lse`;
   * absorbed attention (step 6) through `w.W_UK_T` / `w.W_UV` and `kv_c_normed` must agree too;
   * kv_b split (step 5) must reproduce `k_nope` / `v` from `kv_c_normed` and `w.kv_b`.

@@ -481,7 +481,7 @@ def run(model, tokens=TOKENS, seq_lens=SEQ_LENS):
 
 
 # ============================================================================================
-# float64 reference maths (from MLA.md, independent of the mock)
+# float64 reference maths (from docs/mla.md, independent of the mock)
 # ============================================================================================
 
 def f64(t) -> np.ndarray:
@@ -591,7 +591,7 @@ def test_single_rank(tmp: Path, ck) -> dict:
     check(set(t) == want, f"dump holds exactly the {len(want)} expected tensors "
                           f"({len(shapes)} sites x {N_LAYERS} layers + tokens, positions)")
     bad = [(k, t[k].shape) for k in t if k.startswith("L") and t[k].shape != shapes[k.split('.', 1)[1]]]
-    check(not bad, f"every site has DESIGN.md's shape (mismatches: {bad})")
+    check(not bad, f"every site has docs/design.md's shape (mismatches: {bad})")
     check(all(t[k].dtype == np.float32 for k in t if k.startswith("L")), "sites stored as F32")
     check(t["tokens"].tolist() == TOKENS and t["positions"].tolist() == POSITIONS,
           f"tokens {t['tokens'].tolist()} / positions {t['positions'].tolist()} are the recorded forward's")

@@ -1,9 +1,7 @@
 //! Bad input never panics: every malformed or unusable GGUF, and every impossible request, exits
 //! with code 2 and ONE line naming the file and the field or tensor.
 
-mod common;
-
-use common::{Dims, GgufBuilder, Val, deepseek2, run_bin, write_temp};
+use crate::common::{Dims, GgufBuilder, Val, deepseek2, run_bin, write_temp};
 
 /// Runs `mla-diff <args…> --model FILE` (or `inspect FILE`) on `bytes` and checks the contract:
 /// exit 2, one stderr line, naming the file and every string in `must_name`.
@@ -229,7 +227,7 @@ fn output_file_is_not_overwritten_without_force() {
     ]);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    assert_eq!(v["schema"], mla_diff::report::JSON_SCHEMA_VERSION);
+    assert_eq!(v["schema"], mla_diff::output::report::JSON_SCHEMA_VERSION);
 }
 
 /// Runs the binary on the embedded fixture and returns (code, stderr).

@@ -3,10 +3,8 @@
 //! same output bits at every thread count, and refuse bad input with exit 2 and one line naming
 //! the file. Speed itself is measured by `scripts/bench_cpu.py`, never asserted here.
 
-mod common;
-
-use common::{Dims, deepseek2, repo, run_bin, write_temp};
-use mla_diff::gguf::{GgufFile, dequant::dequantize, sha256_hex};
+use crate::common::{Dims, deepseek2, repo, run_bin, write_temp};
+use mla_diff::model::gguf::{GgufFile, dequant::dequantize, sha256_hex};
 
 fn json(path: &std::path::Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()

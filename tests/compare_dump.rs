@@ -2,9 +2,7 @@
 //! scripts/dump_hf.py and scripts/dump_llama_cpp.py on the F32 fixtures) pass with every dumped
 //! site within tolerance, and deliberately broken HF attention is named by class and site.
 
-mod common;
-
-use common::{compare_json, repo, run_bin};
+use crate::common::{compare_json, repo, run_bin};
 
 fn compare(model: &str, dump: &str, extra: &[&str]) -> (i32, String, String, serde_json::Value) {
     compare_path(model, &repo().join("golden/dumps").join(dump), extra)
@@ -317,9 +315,9 @@ fn bf16_dump_is_judged_by_the_engine_bf16_rows() {
         .map(|s| s["metrics"]["rel_l2"].as_f64().unwrap())
         .fold(0.0, f64::max);
     assert!(worst > 5e-3 && worst < 3e-2, "worst rel_l2 {worst}");
-    let row = mla_diff::tolerance::tolerance(
-        mla_diff::trace::Stage::AttnOut,
-        mla_diff::tolerance::Precision::EngineBf16,
+    let row = mla_diff::judge::tolerance::tolerance(
+        mla_diff::core::trace::Stage::AttnOut,
+        mla_diff::judge::tolerance::Precision::EngineBf16,
     )
     .0;
     assert_eq!((row.rel_l2, row.cos_diff, row.norm_ratio), (3e-2, 2e-4, 6e-3));
@@ -398,7 +396,7 @@ fn bf16_dump_with_a_fault_like_perturbation_fails() {
 #[test]
 fn maps_list_their_overrides_and_vllm_overrides_nothing() {
     // vllm: no overrides, so the dump's own rope_order = hf metadata stands and it passes.
-    let v = mla_diff::dump::Map::load("vllm").unwrap();
+    let v = mla_diff::model::dump::Map::load("vllm").unwrap();
     assert_eq!((v.rope_order, v.layout, v.kv_a_order), (None, None, None));
     assert!(v.rename.is_empty());
     let (code, out, err, doc) = compare("tiny-v3-f32.gguf", "tiny-v3-f32.hf.safetensors", &["--map", "vllm"]);
@@ -442,10 +440,10 @@ fn maps_list_their_overrides_and_vllm_overrides_nothing() {
 
 #[test]
 fn llama_cpp_map_conditions_follow_the_graph_llama_cpp_builds() {
-    use mla_diff::config::MlaConfig;
-    use mla_diff::dump::Map;
-    use mla_diff::gguf::GgufFile;
-    use mla_diff::trace::Site;
+    use mla_diff::core::trace::Site;
+    use mla_diff::model::config::MlaConfig;
+    use mla_diff::model::dump::Map;
+    use mla_diff::model::gguf::GgufFile;
     let cfg = |m: &str| MlaConfig::from_gguf(&GgufFile::open(repo().join("golden/models").join(m)).unwrap()).unwrap();
     let (tiny, lite, legacy) = (
         cfg("tiny-v3-f32.gguf"),
@@ -494,7 +492,7 @@ fn llama_cpp_map_conditions_follow_the_graph_llama_cpp_builds() {
     // The unconditional rule it replaces maps that value output to attn_latent (here V = L, so
     // the shapes even agree) and reports a false divergence.
     let mut old: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(repo().join("src/maps/llama.cpp.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(repo().join("src/model/maps/llama.cpp.json")).unwrap()).unwrap();
     for r in old["rename"].as_array_mut().unwrap() {
         r.as_array_mut().unwrap().truncate(2);
     }

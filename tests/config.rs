@@ -1,10 +1,10 @@
 //! `MlaConfig::from_gguf` on every metadata variant real converters write.
 
-mod common;
+use crate::common;
 
-use common::{Dims, Val, deepseek2};
-use mla_diff::config::{KvBLayout, MlaConfig};
-use mla_diff::gguf::GgufFile;
+use crate::common::{Dims, Val, deepseek2};
+use mla_diff::model::config::{KvBLayout, MlaConfig};
+use mla_diff::model::gguf::GgufFile;
 
 fn cfg_of(g: &common::GgufBuilder) -> Result<MlaConfig, mla_diff::Error> {
     MlaConfig::from_gguf(&GgufFile::from_bytes("t.gguf", g.build().bytes).unwrap())
@@ -52,7 +52,7 @@ fn legacy_file_reads_head_dims_from_key_and_value_length() {
 
 #[test]
 fn yarn_softmax_scale_matches_mla_md() {
-    // DeepSeek-V2-Lite: P+R = 192, factor 40, mscale_all_dim 0.707 → 0.114721 (MLA.md step 7).
+    // DeepSeek-V2-Lite: P+R = 192, factor 40, mscale_all_dim 0.707 → 0.114721 (docs/mla.md step 7).
     let d = Dims {
         p: 128,
         r: 64,
@@ -121,7 +121,7 @@ fn dsa_and_minicpm3_fixtures_read_their_architecture_keys() {
         let f = GgufFile::open(common::repo().join("golden/models").join(m)).unwrap();
         MlaConfig::from_gguf(&f).unwrap()
     };
-    use mla_diff::config::RopeStyle;
+    use mla_diff::model::config::RopeStyle;
     let v32 = open("dsa-v32-q8_0.gguf");
     let ix = v32.indexer.as_ref().unwrap();
     assert_eq!(
@@ -169,8 +169,8 @@ fn longrope_short_factors_divide_the_rope_frequencies() {
         c.rope_factors.as_deref(),
         Some(&factors.iter().map(|&x| f64::from(x)).collect::<Vec<_>>()[..])
     );
-    let plain = mla_diff::reference::rope_inv_freq(&cfg_of(&deepseek2(d, false)).unwrap());
-    let scaled = mla_diff::reference::rope_inv_freq(&c);
+    let plain = mla_diff::compute::reference::rope_inv_freq(&cfg_of(&deepseek2(d, false)).unwrap());
+    let scaled = mla_diff::compute::reference::rope_inv_freq(&c);
     for (i, (p, s)) in plain.iter().zip(&scaled).enumerate() {
         approx::assert_relative_eq!(*s, p / (1.0 + i as f64), max_relative = 1e-15);
     }

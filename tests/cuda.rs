@@ -5,14 +5,16 @@
 
 mod common;
 
-use mla_diff::batch::{Batch, SeqSpec, normal_f32};
-use mla_diff::config::MlaConfig;
-use mla_diff::cuda::CudaOps;
-use mla_diff::gguf::{GgmlType, dequant::dequantize};
-use mla_diff::paths::ops::Ops;
-use mla_diff::paths::{Backend, LayerInput, PathKind, PathOptions, cpu::CpuOps};
-use mla_diff::tolerance::Dtype;
-use mla_diff::weights::LayerWeights;
+use mla_diff::backend::Backend;
+use mla_diff::backend::cpu::CpuOps;
+use mla_diff::backend::cuda::ops::CudaOps;
+use mla_diff::compute::ops::Ops;
+use mla_diff::compute::path::{LayerInput, PathKind, PathOptions};
+use mla_diff::core::batch::{Batch, SeqSpec, normal_f32};
+use mla_diff::core::dtype::Dtype;
+use mla_diff::model::config::MlaConfig;
+use mla_diff::model::gguf::{GgmlType, dequant::dequantize};
+use mla_diff::model::weights::LayerWeights;
 
 fn device() -> Option<CudaOps> {
     match CudaOps::new(Dtype::F32, None) {
@@ -64,7 +66,7 @@ fn device_dequantization_is_bit_exact_on_every_vector() {
 #[test]
 fn device_paths_match_the_cpu_paths() {
     let Some(ops) = device() else { return };
-    let file = mla_diff::cli::open_model(None).unwrap();
+    let file = mla_diff::model::fixture::open_model(None).unwrap();
     let cfg = MlaConfig::from_gguf(&file).unwrap();
     let w = LayerWeights::load(&file, &cfg, 1).unwrap();
     let batch = Batch {
@@ -128,7 +130,7 @@ struct MergeCase {
 
 impl MergeCase {
     fn new(ops: &CudaOps, ctx: &[usize], nh: usize) -> Self {
-        use mla_diff::batch::SplitMix64;
+        use mla_diff::core::batch::SplitMix64;
         let (l, r, page) = (512usize, 64usize, 16usize);
         let w = l + r;
         let n = ctx.len();
@@ -189,13 +191,13 @@ impl MergeCase {
     fn launch(
         &self,
         ops: &CudaOps,
-        cfg: mla_diff::cuda::ops::DecodeCfg,
+        cfg: mla_diff::backend::decode_cfg::DecodeCfg,
         splits: usize,
         empty_lse: f32,
         spin: Option<bool>,
         merged: bool,
     ) -> (Vec<f32>, Vec<f32>, Vec<i32>) {
-        use mla_diff::cuda::ops::{DecodeMerge, DecodeShape};
+        use mla_diff::backend::cuda::ops::{DecodeMerge, DecodeShape};
         let (n, nh, l) = (self.ctx.len(), self.nh, self.l);
         let shape = DecodeShape {
             n,
@@ -257,7 +259,8 @@ fn first_bit_difference(a: &[f32], b: &[f32]) -> Option<usize> {
 /// counters are zero again after every launch.
 #[test]
 fn device_cluster_merge_matches_the_fused_merge_bit_for_bit() {
-    use mla_diff::cuda::ops::{DecodeCfg, supports_tma};
+    use mla_diff::backend::decode_cfg::DecodeCfg;
+    use mla_diff::device::supports_tma;
     let Some(ops) = device_with(supports_tma, "thread-block clusters (sm_90+)") else {
         return;
     };
@@ -287,7 +290,7 @@ fn device_cluster_merge_matches_the_fused_merge_bit_for_bit() {
 /// with the counters zero again.
 #[test]
 fn device_spin_merge_gives_up_when_blocks_are_not_resident() {
-    use mla_diff::cuda::ops::DecodeCfg;
+    use mla_diff::backend::decode_cfg::DecodeCfg;
     let Some(ops) = device() else { return };
     let ctx: Vec<usize> = (0..64).map(|i| [0, 5, 40, 300][i % 4] + i).collect();
     let case = MergeCase::new(&ops, &ctx, 20);
@@ -325,7 +328,7 @@ fn decode_merged_on<O: Ops>(
     ctx: &[usize],
     splits: usize,
 ) -> (Vec<f32>, Vec<f32>) {
-    use mla_diff::paths::ops::DecodeArgs;
+    use mla_diff::compute::ops::DecodeArgs;
     let (qb, cb) = (ops.upload(q).unwrap(), ops.upload(cache).unwrap());
     let (o, lse) = ops
         .decode_merged(&DecodeArgs {
@@ -353,16 +356,16 @@ fn decode_merged_on<O: Ops>(
 /// (pages in shuffled order) and each split count of `splits`, with contexts `ctx`. `what`
 /// names the block in messages.
 fn check_fast_decode_at_v3(dev: &CudaOps, what: &str, cases: &[(usize, usize)], splits: &[usize], ctx: &[usize]) {
-    use mla_diff::compare::{judge, metrics};
-    use mla_diff::cuda::ops::Kernels;
-    use mla_diff::tolerance::tolerance;
-    use mla_diff::trace::{Stage, TraceTensor};
+    use mla_diff::backend::cuda::ops::Kernels;
+    use mla_diff::core::trace::{Stage, TraceTensor};
+    use mla_diff::judge::metrics::{judge, metrics};
+    use mla_diff::judge::tolerance::tolerance;
     let (l, r) = (512usize, 64usize);
     let fast = dev.with_dtype(Dtype::Bf16).with_kernels(Kernels::Fast);
     let simple = dev.with_dtype(Dtype::Bf16).with_kernels(Kernels::Simple);
     let cpu = CpuOps::new(Dtype::Bf16);
     let bf = |x: f64| half::bf16::from_f64(x).to_f32();
-    let mut rng = mla_diff::batch::SplitMix64::new(11);
+    let mut rng = mla_diff::core::batch::SplitMix64::new(11);
     for &(nh, page) in cases {
         let per = ctx.iter().map(|c| c.div_ceil(page)).collect::<Vec<_>>();
         let mut phys: Vec<usize> = (0..per.iter().sum()).collect();
@@ -420,7 +423,8 @@ fn check_fast_decode_at_v3(dev: &CudaOps, what: &str, cases: &[(usize, usize)], 
 /// and 64, 1 split (the compute-bound bench's) and 3 (the fused merge).
 #[test]
 fn device_wgmma_decode_matches_the_simple_kernels_and_the_cpu() {
-    use mla_diff::cuda::ops::{DecodeCfg, supports_wgmma};
+    use mla_diff::backend::decode_cfg::DecodeCfg;
+    use mla_diff::device::supports_wgmma;
     let Some(dev) = device_with(supports_wgmma, "wgmma (sm_90 only)") else {
         return;
     };
@@ -437,7 +441,8 @@ fn device_wgmma_decode_matches_the_simple_kernels_and_the_cpu() {
 /// value columns do not split into 3 float4 shares, and 12 blocks are past a cluster).
 #[test]
 fn device_teams_decode_matches_the_simple_kernels_and_the_cpu() {
-    use mla_diff::cuda::ops::{DecodeCfg, supports_tma};
+    use mla_diff::backend::decode_cfg::DecodeCfg;
+    use mla_diff::device::supports_tma;
     let Some(dev) = device_with(supports_tma, "bulk copies (sm_90+)") else {
         return;
     };
@@ -456,7 +461,8 @@ fn device_teams_decode_matches_the_simple_kernels_and_the_cpu() {
 /// counters are zero again after every launch.
 #[test]
 fn device_teams_variants_give_the_same_bits() {
-    use mla_diff::cuda::ops::{DecodeCfg, supports_tma};
+    use mla_diff::backend::decode_cfg::DecodeCfg;
+    use mla_diff::device::supports_tma;
     let Some(ops) = device_with(supports_tma, "bulk copies (sm_90+)") else {
         return;
     };
@@ -497,7 +503,8 @@ fn device_teams_variants_give_the_same_bits() {
 /// takes the merge path: LSE −inf); the counters stay zero.
 #[test]
 fn device_wgmma_one_split_writes_the_merge_directly() {
-    use mla_diff::cuda::ops::{DecodeCfg, supports_wgmma};
+    use mla_diff::backend::decode_cfg::DecodeCfg;
+    use mla_diff::device::supports_wgmma;
     let Some(ops) = device_with(supports_wgmma, "wgmma (sm_90 only)") else {
         return;
     };

@@ -3,9 +3,9 @@
 //! vector file carries. Vectors: `golden/dequant/vectors.safetensors`, made by
 //! `scripts/make_dequant_vectors.py` (raw blocks from the real fixtures where a type occurs).
 
-mod common;
+use crate::common;
 
-use mla_diff::gguf::{GgmlType, GgufFile, dequant::dequantize};
+use mla_diff::model::gguf::{GgmlType, GgufFile, dequant::dequantize};
 use safetensors::SafeTensors;
 
 #[test]

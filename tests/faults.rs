@@ -1,9 +1,7 @@
-//! Every row of FAULTS.md through the binary: `run --inject NAME` exits 1 and names the expected
+//! Every row of docs/faults.md through the binary: `run --inject NAME` exits 1 and names the expected
 //! class at the expected first site on every path the fault applies to, in the JSON report.
 
-mod common;
-
-use common::{repo, run_bin};
+use crate::common::{repo, run_bin};
 use serde_json::Value;
 
 /// Runs `mla-diff run --layer 1 --json … <args>` and returns (exit code, findings).

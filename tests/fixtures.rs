@@ -2,9 +2,9 @@
 //! every site of every path within tolerance, `run --layers all --input tokens` exits 0 on every
 //! fixture of every architecture; `inspect` shows per-tensor quant types.
 
-mod common;
+use crate::common;
 
-use common::run_bin;
+use crate::common::run_bin;
 
 fn fixtures() -> Vec<std::path::PathBuf> {
     let mut v: Vec<_> = std::fs::read_dir(common::repo().join("golden/models"))
@@ -39,8 +39,8 @@ fn token_input_walks_every_layer_of_every_fixture() {
     for arch in ["deepseek2", "deepseek32", "glm-dsa", "minicpm3"] {
         assert!(
             all.iter().any(|f| {
-                let file = mla_diff::gguf::GgufFile::open(f).unwrap();
-                mla_diff::config::MlaConfig::from_gguf(&file).unwrap().arch == arch
+                let file = mla_diff::model::gguf::GgufFile::open(f).unwrap();
+                mla_diff::model::config::MlaConfig::from_gguf(&file).unwrap().arch == arch
             }),
             "no committed {arch} fixture"
         );

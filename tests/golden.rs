@@ -2,11 +2,9 @@
 //! a 1% edit of one stored value (exit 1, naming the site), a changed GGUF and a missing site
 //! (exit 2, never a pass), an overwrite without `--force`.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 
-use common::{repo, run_bin};
+use crate::common::{repo, run_bin};
 
 /// Copies case `case` (and, for a file-backed case, its GGUF) into a fresh repository-shaped
 /// temporary folder; returns (tempdir guard, its golden folder).

@@ -1,7 +1,7 @@
 //! The reference against HF transformers: on every committed F32 fixture, every site of every
 //! layer recorded from `DeepseekV3ForCausalLM` (float64, `golden/hf/*.safetensors`, made by
 //! `scripts/make_fixtures.py`) must match the reference run on the GGUF with the same token ids,
-//! within rel_l2 ≤ 1e-5 (an independent implementation of MLA.md reaches about 1e-6). On the MoE
+//! within rel_l2 ≤ 1e-5 (an independent implementation of docs/mla.md reaches about 1e-6). On the MoE
 //! fixture this covers the MoE sites too: `moe_router_logits`, `moe_out`, `shared_out` and the
 //! `hidden_out` built from them by rel_l2, and `moe_topk` as the same set of expert ids for every
 //! token (HF lists them in its unsorted top-k order). On the DSA fixtures (`dsa-v32`, DeepSeek-V3.2
@@ -11,14 +11,14 @@
 //! the sparse attention that follows; on `minicpm3` the NeoX RoPE, the fused kv_b, the embedding
 //! scale and the residual scaling.
 
-mod common;
+use crate::common;
 
-use mla_diff::batch::Batch;
-use mla_diff::compare::sorted_rows;
-use mla_diff::config::MlaConfig;
-use mla_diff::gguf::GgufFile;
-use mla_diff::run::reference_chain;
-use mla_diff::st;
+use mla_diff::core::batch::Batch;
+use mla_diff::core::st;
+use mla_diff::jobs::run::reference_chain;
+use mla_diff::judge::metrics::sorted_rows;
+use mla_diff::model::config::MlaConfig;
+use mla_diff::model::gguf::GgufFile;
 
 /// Bound of the issue: rel_l2 ≤ 1e-5 at every site.
 const MAX_REL_L2: f64 = 1e-5;

@@ -15,9 +15,9 @@
 //! (case name, check) instead of being removed from the corpus; the summary line says how many of
 //! those still fail and names any that now pass (remove them from the list then).
 //!
-//! `cargo test --release --test hostile -- --nocapture` prints the per-category summary.
+//! `cargo test --release --test tests hostile:: -- --nocapture` prints the per-category summary.
 
-mod common;
+use crate::common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::BTreeMap;
@@ -25,10 +25,12 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use common::{Dims, GgufBuilder, TensorSpec, Val, data_offsets, deepseek2, raw_array, run_bin, tensor_pos, write_temp};
-use mla_diff::config::MlaConfig;
-use mla_diff::gguf::GgufFile;
-use mla_diff::weights::{LayerWeights, dequant_tensor};
+use crate::common::{
+    Dims, GgufBuilder, TensorSpec, Val, data_offsets, deepseek2, raw_array, run_bin, tensor_pos, write_temp,
+};
+use mla_diff::model::config::MlaConfig;
+use mla_diff::model::gguf::GgufFile;
+use mla_diff::model::weights::{LayerWeights, dequant_tensor};
 
 // ---------------------------------------------------------------------------------------------
 // Counting allocator
@@ -1467,7 +1469,7 @@ fn non_finite_weights_are_a_finding() {
     );
 }
 
-/// `HOSTILE_DUMP_DIR=DIR cargo test --release --test hostile dump_corpus` writes every case to
+/// `HOSTILE_DUMP_DIR=DIR cargo test --release --test tests hostile::dump_corpus` writes every case to
 /// `DIR/hostile-NNN-<category>.gguf` (the names the other tests use) and `DIR/index.tsv` (file,
 /// case, expected outcome), to reproduce a failure by hand or seed a fuzzer. A no-op otherwise.
 #[test]

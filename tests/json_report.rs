@@ -1,9 +1,7 @@
 //! The `--json` document: every produced file validates against the published schema
 //! (docs/run-report.schema.json), and the same inputs give byte-identical files.
 
-mod common;
-
-use common::{repo, run_bin};
+use crate::common::{repo, run_bin};
 
 fn schema() -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(repo().join("docs/run-report.schema.json")).unwrap()).unwrap()
@@ -73,7 +71,7 @@ fn produced_files_validate_against_the_schema() {
             .map(|e| format!("{} at {}", e, e.instance_path()))
             .collect();
         assert!(errors.is_empty(), "{name}: {errors:#?}");
-        assert_eq!(doc["schema"], mla_diff::report::JSON_SCHEMA_VERSION);
+        assert_eq!(doc["schema"], mla_diff::output::report::JSON_SCHEMA_VERSION);
         assert_eq!(doc["exit_code"], want);
     }
 }

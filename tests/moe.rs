@@ -4,16 +4,16 @@
 //! select; bad MoE files exit 2 naming the key or tensor. (HF agreement at every site is
 //! tests/hf_golden.rs; the `moe_topk` finding is tests/moe_findings.rs.)
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 
-use common::{Dims, MoeDims, Val, deepseek2_moe, run_bin, write_temp};
-use mla_diff::batch::Batch;
-use mla_diff::config::{GatingFunc, MlaConfig};
-use mla_diff::gguf::GgufFile;
-use mla_diff::run::{reference_chain, seeded_tokens};
-use mla_diff::trace::{Site, Stage};
+use crate::common::{Dims, MoeDims, Val, deepseek2_moe, run_bin, write_temp};
+use mla_diff::core::batch::Batch;
+use mla_diff::core::trace::{Site, Stage};
+use mla_diff::jobs::run::{reference_chain, seeded_tokens};
+use mla_diff::model::config::{GatingFunc, MlaConfig};
+use mla_diff::model::gguf::GgufFile;
 
 fn dims() -> Dims {
     Dims {
@@ -146,7 +146,7 @@ fn impossible_expert_counts_are_errors_naming_the_key() {
 }
 
 /// The reference trace of every layer for 3 seeded tokens, and the file (with its read log).
-fn chain(g: &common::GgufBuilder) -> (GgufFile, MlaConfig, Vec<mla_diff::trace::Trace>) {
+fn chain(g: &common::GgufBuilder) -> (GgufFile, MlaConfig, Vec<mla_diff::core::trace::Trace>) {
     let file = GgufFile::from_bytes("moe.gguf", g.build().bytes).unwrap();
     let cfg = MlaConfig::from_gguf(&file).unwrap();
     let tokens = seeded_tokens(7, 3, cfg.vocab);

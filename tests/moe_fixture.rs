@@ -4,17 +4,17 @@
 //! `moe_topk` with the tokens and expert ids: one that dropped the score-correction bias (its
 //! router logits still match) and one with a corrupted router weight (dumping only the ids).
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use common::{compare_json, repo, run_bin};
-use mla_diff::batch::Batch;
-use mla_diff::config::MlaConfig;
-use mla_diff::gguf::GgufFile;
-use mla_diff::run::{reference_chain, seeded_tokens};
-use mla_diff::trace::{Stage, Trace};
+use crate::common::{compare_json, repo, run_bin};
+use mla_diff::core::batch::Batch;
+use mla_diff::core::trace::{Stage, Trace};
+use mla_diff::jobs::run::{reference_chain, seeded_tokens};
+use mla_diff::model::config::MlaConfig;
+use mla_diff::model::gguf::GgufFile;
 use safetensors::{Dtype, tensor::TensorView};
 
 const F32: &str = "golden/models/moe-v3-f32.gguf";

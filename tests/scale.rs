@@ -3,13 +3,11 @@
 //! 3's tensor data. The full-size DeepSeek-V3 version of this file is made by
 //! scripts/make_sparse_gguf.py and measured in BENCHMARKS.md (P1).
 
-mod common;
-
 use std::io::{Seek, SeekFrom, Write};
 
-use common::{GgufBuilder, TensorSpec, Val, run_bin, vals};
-use mla_diff::config::MlaConfig;
-use mla_diff::gguf::GgufFile;
+use crate::common::{GgufBuilder, TensorSpec, Val, run_bin, vals};
+use mla_diff::model::config::MlaConfig;
+use mla_diff::model::gguf::GgufFile;
 
 const A: &str = "deepseek2";
 const LAYERS: usize = 61;
@@ -142,13 +140,14 @@ fn opening_reads_no_tensor_data_and_one_layer_reads_one_layer() {
     assert!(file.data_reads().is_empty(), "deriving the config read tensor data");
 
     // The whole run (reference and all four paths) on layer 3 of the in-process library.
-    let rc = mla_diff::run::RunConfig {
+    let rc = mla_diff::judge::report::RunConfig {
         layers: vec![3],
-        batch: mla_diff::batch::Batch::single(9, 0),
-        ..mla_diff::run::RunConfig::default()
+        batch: mla_diff::core::batch::Batch::single(9, 0),
+        ..mla_diff::judge::report::RunConfig::default()
     };
-    let backend = mla_diff::paths::Backend::Cpu(mla_diff::paths::cpu::CpuOps::new(mla_diff::tolerance::Dtype::F32));
-    let rep = mla_diff::run::run(&backend, &file, &cfg, &rc).unwrap();
+    let backend =
+        mla_diff::backend::Backend::Cpu(mla_diff::backend::cpu::CpuOps::new(mla_diff::core::dtype::Dtype::F32));
+    let rep = mla_diff::jobs::run::run(&backend, &file, &cfg, &rc).unwrap();
     assert!(rep.all_pass());
     let reads = file.data_reads();
     assert!(!reads.is_empty());

@@ -2,17 +2,17 @@
 //! site on every fixture and path, and no finding on any clean run across all fixtures × quant
 //! types × paths × TP sizes dividing the head count (≤ 4) × page sizes {1, 16, 64}.
 
-mod common;
+use crate::common;
 
-use mla_diff::selftest::{self, ModelSource, SelftestOptions};
-use mla_diff::tolerance::Dtype;
+use mla_diff::core::dtype::Dtype;
+use mla_diff::jobs::selftest::{self, ModelSource, SelftestOptions};
 
 #[test]
 fn selftest_finds_every_fault_and_nothing_on_clean_runs() {
     let models = mla_diff::cli::selftest_models(Some(&common::repo().join("golden/models"))).unwrap();
     assert!(models.len() >= 9);
     assert!(models.iter().all(|m| matches!(m, ModelSource::File(_))));
-    let cpu = mla_diff::paths::Backend::Cpu(mla_diff::paths::cpu::CpuOps::new(Dtype::F32));
+    let cpu = mla_diff::backend::Backend::Cpu(mla_diff::backend::cpu::CpuOps::new(Dtype::F32));
     let rep = selftest::run(
         &cpu,
         &SelftestOptions {
@@ -34,7 +34,7 @@ fn selftest_finds_every_fault_and_nothing_on_clean_runs() {
         clean.iter().all(|c| c
             .found
             .as_ref()
-            .is_none_or(|f| c.expected.is_some() && f.class == mla_diff::diagnose::Class::QuantBlockMisaligned)),
+            .is_none_or(|f| c.expected.is_some() && f.class == mla_diff::core::class::Class::QuantBlockMisaligned)),
         "a clean run produced a finding"
     );
     assert!(
@@ -50,7 +50,7 @@ fn selftest_finds_every_fault_and_nothing_on_clean_runs() {
         "{} clean cases",
         clean.len()
     );
-    for fault in mla_diff::faults::Fault::ALL {
+    for fault in mla_diff::compute::faults::Fault::ALL {
         assert!(
             rep.cases.iter().any(|c| c.case == fault.name()),
             "{} ran on no fixture",

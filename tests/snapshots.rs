@@ -4,20 +4,19 @@
 //! move the last digits) are rounded to their decade. CI runs with `INSTA_UPDATE=no`, so a
 //! changed snapshot fails; `snapshots_are_all_referenced` fails on an orphaned `.snap` file.
 //!
-//! To accept an intended change: `INSTA_UPDATE=always cargo test --release --test snapshots`,
+//! To accept an intended change: `INSTA_UPDATE=always cargo test --release --test tests snapshots::`,
 //! then review `git diff tests/snapshots/`.
 
-mod common;
-
-use common::repo;
-use mla_diff::batch::Batch;
-use mla_diff::config::MlaConfig;
-use mla_diff::faults::{Fault, FaultSet};
-use mla_diff::gguf::GgufFile;
-use mla_diff::paths::cpu::CpuOps;
-use mla_diff::paths::{Backend, PathKind, PathOptions};
-use mla_diff::run::{RunConfig, RunReport};
-use mla_diff::tolerance::Dtype;
+use crate::common::repo;
+use mla_diff::backend::Backend;
+use mla_diff::backend::cpu::CpuOps;
+use mla_diff::compute::faults::{Fault, FaultSet};
+use mla_diff::compute::path::{PathKind, PathOptions};
+use mla_diff::core::batch::Batch;
+use mla_diff::core::dtype::Dtype;
+use mla_diff::judge::report::{RunConfig, RunReport};
+use mla_diff::model::config::MlaConfig;
+use mla_diff::model::gguf::GgufFile;
 
 /// Every snapshot name asserted in this file (checked against tests/snapshots/ below).
 const SNAPSHOTS: &[&str] = &[
@@ -50,10 +49,14 @@ fn settings() -> insta::Settings {
 fn run(model: Option<&str>, rc: RunConfig) -> (GgufFile, RunReport) {
     let file = match model {
         Some(m) => GgufFile::open(repo().join("golden/models").join(m)).unwrap(),
-        None => GgufFile::from_static(mla_diff::cli::EMBEDDED_NAME, mla_diff::cli::EMBEDDED_GGUF).unwrap(),
+        None => GgufFile::from_static(
+            mla_diff::model::fixture::EMBEDDED_NAME,
+            mla_diff::model::fixture::EMBEDDED_GGUF,
+        )
+        .unwrap(),
     };
     let cfg = MlaConfig::from_gguf(&file).unwrap();
-    let rep = mla_diff::run::run(&Backend::Cpu(CpuOps::new(Dtype::F32)), &file, &cfg, &rc).unwrap();
+    let rep = mla_diff::jobs::run::run(&Backend::Cpu(CpuOps::new(Dtype::F32)), &file, &cfg, &rc).unwrap();
     (file, rep)
 }
 
@@ -63,7 +66,7 @@ fn rc(layers: Vec<usize>, seqs: &[usize], faults: Vec<Fault>, tp: usize, paths: 
         batch: Batch {
             seqs: seqs
                 .iter()
-                .map(|&len| mla_diff::batch::SeqSpec { len, start_pos: 0 })
+                .map(|&len| mla_diff::core::batch::SeqSpec { len, start_pos: 0 })
                 .collect(),
         },
         paths,
@@ -93,27 +96,27 @@ fn terminal_tables() {
         rc(vec![1], &[3, 6], vec![Fault::PhantomOutput], 1, vec![PathKind::Mqa]),
     );
     settings().bind(|| {
-        insta::assert_snapshot!("terminal_clean", mla_diff::report::terminal(&clean));
-        insta::assert_snapshot!("terminal_phantom", mla_diff::report::terminal(&bad));
+        insta::assert_snapshot!("terminal_clean", mla_diff::output::report::terminal(&clean));
+        insta::assert_snapshot!("terminal_phantom", mla_diff::output::report::terminal(&bad));
     });
 }
 
 #[test]
 fn markdown_reports() {
     let backend = Backend::Cpu(CpuOps::new(Dtype::F32));
-    let env = mla_diff::triage::Environment::detect(&backend);
+    let env = mla_diff::output::triage::Environment::detect(&backend);
     let (file, bad) = run(
         None,
         rc(vec![1], &[3, 6], vec![Fault::PhantomOutput], 1, PathKind::ALL.to_vec()),
     );
     let cmd = "mla-diff run --layer 1 --inject phantom-output --report /tmp/r.md";
-    let md = mla_diff::triage::markdown(&bad, &env, cmd, &file, "r.svg");
+    let md = mla_diff::output::triage::markdown(&bad, &env, cmd, &file, "r.svg");
     assert!(md.lines().next().unwrap().contains("phantom-output at L1.attn_out"));
     let (file2, clean) = run(
         Some("k256-q4_k_m.gguf"),
         rc(vec![0, 1], &[5], vec![], 2, vec![PathKind::Mha, PathKind::Chunked]),
     );
-    let md2 = mla_diff::triage::markdown(&clean, &env, "mla-diff run --layers 0..=1 --tp 2", &file2, "k.svg");
+    let md2 = mla_diff::output::triage::markdown(&clean, &env, "mla-diff run --layers 0..=1 --tp 2", &file2, "k.svg");
     settings().bind(|| {
         insta::assert_snapshot!("report_phantom", md);
         insta::assert_snapshot!("report_clean_tp2", md2);
@@ -127,9 +130,9 @@ fn inspect_output() {
     // A DSA file: inspect names the architecture, its MLA dims and the indexer (a shared layer).
     let g = GgufFile::open(repo().join("golden/models/dsa-glm-q8_0.gguf")).unwrap();
     settings().bind(|| {
-        insta::assert_snapshot!("inspect_tiny_v3_q8_0", mla_diff::inspect::inspect(&f, None));
-        insta::assert_snapshot!("inspect_layer1_k256", mla_diff::inspect::inspect(&k, Some(1)));
-        insta::assert_snapshot!("inspect_layer1_dsa_glm", mla_diff::inspect::inspect(&g, Some(1)));
+        insta::assert_snapshot!("inspect_tiny_v3_q8_0", mla_diff::jobs::inspect::inspect(&f, None));
+        insta::assert_snapshot!("inspect_layer1_k256", mla_diff::jobs::inspect::inspect(&k, Some(1)));
+        insta::assert_snapshot!("inspect_layer1_dsa_glm", mla_diff::jobs::inspect::inspect(&g, Some(1)));
     });
 }
 

@@ -1,8 +1,6 @@
 //! `run --report`: the Markdown triage report and its heat map, written safely and reproducibly.
 
-mod common;
-
-use common::run_bin;
+use crate::common::run_bin;
 
 #[test]
 fn report_names_the_class_and_writes_the_plot() {

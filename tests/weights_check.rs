@@ -2,15 +2,13 @@
 //! passes; swapped fused_qkv_a_proj halves are `shard-order [1,0]`; every TP rank holding rank
 //! 0's kv_b_proj slice is reported as the duplication; transposes are named.
 
-mod common;
-
 use std::collections::HashMap;
 
-use common::{repo, run_bin};
-use mla_diff::config::MlaConfig;
-use mla_diff::gguf::GgufFile;
-use mla_diff::reference::{assemble_kv_b, f64m};
-use mla_diff::weights::{LayerWeights, QWeights};
+use crate::common::{repo, run_bin};
+use mla_diff::compute::reference::{assemble_kv_b, f64m};
+use mla_diff::model::config::MlaConfig;
+use mla_diff::model::gguf::GgufFile;
+use mla_diff::model::weights::{LayerWeights, QWeights};
 use ndarray::{Array2, Axis, concatenate, s};
 
 /// vLLM-named weights of `layer`, as a correct engine holds them with `tp` ranks.

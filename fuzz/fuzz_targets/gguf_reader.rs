@@ -7,9 +7,9 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use mla_diff::config::MlaConfig;
-use mla_diff::gguf::GgufFile;
-use mla_diff::weights::{LayerWeights, dequant_tensor};
+use mla_diff::model::config::MlaConfig;
+use mla_diff::model::gguf::GgufFile;
+use mla_diff::model::weights::{LayerWeights, dequant_tensor};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(file) = GgufFile::from_bytes("fuzz.gguf", data.to_vec()) else {
@@ -20,7 +20,7 @@ fuzz_target!(|data: &[u8]| {
     for t in file.tensors() {
         let _ = dequant_tensor(&file, t);
     }
-    let _ = mla_diff::inspect::inspect(&file, None);
+    let _ = mla_diff::jobs::inspect::inspect(&file, None);
     let Ok(cfg) = MlaConfig::from_gguf(&file) else {
         return;
     };

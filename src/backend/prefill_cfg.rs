@@ -9,7 +9,7 @@
 //! The kernel's arithmetic is the same in every configuration (FlashAttention-2, Dao 2023): only
 //! the order of the online-softmax updates over key tiles changes with the tile width.
 
-use crate::error::{Error, Result};
+use crate::core::error::{Error, Result};
 
 fn cerr(what: impl std::fmt::Display) -> Error {
     Error::Cuda(what.to_string())
@@ -96,7 +96,7 @@ impl PrefillCfg {
         match std::env::var("MLA_DIFF_PREFILL_CFG") {
             Ok(s) if !s.is_empty() => Self::parse(&s)
                 .map(Some)
-                .map_err(|e| super::env_err("MLA_DIFF_PREFILL_CFG", e)),
+                .map_err(|e| crate::device::env_err("MLA_DIFF_PREFILL_CFG", e)),
             _ => Ok(None),
         }
     }
@@ -215,7 +215,7 @@ pub fn bench_variants() -> Result<Vec<PrefillCfg>> {
     spec.split(';')
         .map(str::trim)
         .filter(|e| !e.is_empty())
-        .map(|e| PrefillCfg::parse(e).map_err(|err| super::env_err("MLA_DIFF_BENCH_PREFILL", err)))
+        .map(|e| PrefillCfg::parse(e).map_err(|err| crate::device::env_err("MLA_DIFF_BENCH_PREFILL", err)))
         .collect()
 }
 

@@ -2,35 +2,26 @@
 //!
 //! The binary is a thin shell over this module so that commands can be tested (and snapshotted)
 //! in-process. Every command returns an [`Outcome`] (0 = within tolerance, 1 = divergence found)
-//! or a library [`Error`] (exit 2), the exit-code contract of DESIGN.md.
+//! or a library [`Error`] (exit 2), the exit-code contract of docs/design.md.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::batch::{Batch, SeqSpec};
-use crate::config::MlaConfig;
-use crate::error::{Error, Result};
-use crate::faults::{Fault, FaultSet};
-use crate::gguf::GgufFile;
-use crate::paths::Backend;
-use crate::paths::cpu::CpuOps;
-use crate::paths::{PathKind, PathOptions};
-use crate::report;
-use crate::run::{self, InputMode, RunConfig};
-use crate::selftest::{self, ModelSource, SelftestOptions};
-use crate::tolerance::Dtype;
-
-/// Name under which the embedded default fixture is reported.
-pub const EMBEDDED_NAME: &str = "<embedded tiny-v3-q4_k_m.gguf>";
-
-/// The embedded default fixture: the smallest quantized fixture of `golden/models/`, so that
-/// `mla-diff run` works with no `--model` anywhere.
-pub static EMBEDDED_GGUF: &[u8] = include_bytes!(concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/golden/models/tiny-v3-q4_k_m.gguf"
-));
+use crate::backend::Backend;
+use crate::backend::cpu::CpuOps;
+use crate::compute::faults::{Fault, FaultSet};
+use crate::compute::path::{PathKind, PathOptions};
+use crate::core::batch::{Batch, SeqSpec};
+use crate::core::dtype::Dtype;
+use crate::core::error::{Error, Result};
+use crate::jobs::run;
+use crate::jobs::selftest::{self, ModelSource, SelftestOptions};
+use crate::judge::report::{InputMode, RunConfig, RunReport};
+use crate::model::config::MlaConfig;
+use crate::model::gguf::GgufFile;
+use crate::output::report;
 
 /// What a successful command concluded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,7 +80,7 @@ pub struct CompareArgs {
     /// The dtype the engine computed in, which picks the tolerance rows (f32, or the engine-bf16 /
     /// engine-f16 rows); default: the dump's `dtype` metadata, else f32.
     #[arg(long, value_enum)]
-    pub dtype: Option<crate::dump::EngineDtype>,
+    pub dtype: Option<crate::model::dump::EngineDtype>,
     /// Write the JSON report here (schema: docs/json-schema.md).
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -114,7 +105,7 @@ struct Outputs<'a> {
 
 /// Writes `--json`/`--report` outputs and the terminal text of a report; the outcome by verdict.
 fn finish_report(
-    rep: &run::RunReport,
+    rep: &RunReport,
     file: &GgufFile,
     backend: &Backend,
     o: Outputs<'_>,
@@ -122,11 +113,11 @@ fn finish_report(
 ) -> Result<Outcome> {
     let Outputs { json, md, force, quiet } = o;
     if let Some(j) = json {
-        report::write_file_atomic(j, &report::to_json_bytes(&report::json(rep)), force)?;
+        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&report::json(rep)), force)?;
     }
     if let Some(r) = md {
-        let env = crate::triage::Environment::detect(backend);
-        crate::triage::write(r, rep, &env, &reproduce_command(), file, force)?;
+        let env = crate::output::triage::Environment::detect(backend);
+        crate::output::triage::write(r, rep, &env, &reproduce_command(), file, force)?;
     }
     let text = if quiet {
         let mut lines = report::verdict_lines(rep);
@@ -155,7 +146,7 @@ fn check_outputs(json: Option<&PathBuf>, md: Option<&PathBuf>, force: bool) -> R
     refuse_overwrite(json, force)?;
     refuse_overwrite(md, force)?;
     if let Some(r) = md {
-        let plot = crate::triage::plot_path(r);
+        let plot = crate::output::triage::plot_path(r);
         refuse_overwrite(Some(&plot), force)?;
         if let Some(j) = json {
             for (other, what) in [(r, "--report"), (&plot, "the report's heat map")] {
@@ -189,15 +180,15 @@ fn same_file(a: &Path, b: &Path) -> bool {
 
 /// `mla-diff compare`.
 pub fn cmd_compare(a: &CompareArgs, out: &mut dyn Write) -> Result<Outcome> {
-    let file = open_model(a.model.as_ref())?;
+    let file = crate::model::fixture::open_model(a.model.as_ref())?;
     let cfg = MlaConfig::from_gguf(&file)?;
-    let map = a.map.as_deref().map(crate::dump::Map::load).transpose()?;
+    let map = a.map.as_deref().map(crate::model::dump::Map::load).transpose()?;
     check_outputs(a.json.as_ref(), a.report.as_ref(), a.force)?;
-    let dump = crate::dump::load(&a.dump, map.as_ref(), &cfg)?;
+    let dump = crate::model::dump::load(&a.dump, map.as_ref(), &cfg)?;
     let map_name = map
         .as_ref()
         .map(|m| m.name.clone().unwrap_or_else(|| a.map.clone().unwrap_or_default()));
-    let rep = crate::dump::compare_dump(&file, &cfg, &dump, map_name, a.dtype)?;
+    let rep = crate::jobs::compare::compare_dump(&file, &cfg, &dump, map_name, a.dtype)?;
     let backend = Backend::Cpu(CpuOps::new(rep.run.dtype));
     let o = Outputs {
         json: a.json.as_ref(),
@@ -232,11 +223,11 @@ pub struct WeightsArgs {
 
 /// `mla-diff weights --check`.
 pub fn cmd_weights(a: &WeightsArgs, out: &mut dyn Write) -> Result<Outcome> {
-    let file = open_model(a.model.as_ref())?;
+    let file = crate::model::fixture::open_model(a.model.as_ref())?;
     let cfg = MlaConfig::from_gguf(&file)?;
-    let map = a.map.as_deref().map(crate::dump::Map::load).transpose()?;
+    let map = a.map.as_deref().map(crate::model::dump::Map::load).transpose()?;
     refuse_overwrite(a.json.as_ref(), a.force)?;
-    let rep = crate::weights_check::check(&file, &cfg, &a.check, map.as_ref())?;
+    let rep = crate::jobs::weights_check::check(&file, &cfg, &a.check, map.as_ref())?;
     if let Some(j) = &a.json {
         let doc = serde_json::json!({
             "schema": report::JSON_SCHEMA_VERSION,
@@ -246,9 +237,9 @@ pub fn cmd_weights(a: &WeightsArgs, out: &mut dyn Write) -> Result<Outcome> {
             "verdict": if rep.all_pass() { "pass" } else { "divergence" },
             "exit_code": if rep.all_pass() { 0 } else { 1 },
         });
-        report::write_file_atomic(j, &report::to_json_bytes(&doc), a.force)?;
+        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&doc), a.force)?;
     }
-    out.write_all(crate::weights_check::terminal(&rep).as_bytes())
+    out.write_all(crate::jobs::weights_check::terminal(&rep).as_bytes())
         .map_err(|e| Error::io("<stdout>", "write", e))?;
     Ok(if rep.all_pass() {
         Outcome::Pass
@@ -305,7 +296,7 @@ pub struct GoldenCheckArgs {
 
 /// `mla-diff golden record`.
 pub fn cmd_golden_record(a: &GoldenRecordArgs, out: &mut dyn Write) -> Result<Outcome> {
-    crate::golden::validate_case_name(&a.case)?;
+    crate::jobs::golden::validate_case_name(&a.case)?;
     if !a.golden_dir.is_dir() {
         return Err(Error::Usage(format!(
             "{}: no such folder; run from the repository root or pass --golden-dir",
@@ -314,7 +305,7 @@ pub fn cmd_golden_record(a: &GoldenRecordArgs, out: &mut dyn Write) -> Result<Ou
     }
     let (file, cfg, rc) = build_run(&a.spec)?;
     let backend = select_backend(&a.spec.device, false)?;
-    let (rep, summary) = crate::golden::record(&crate::golden::RecordRequest {
+    let (rep, summary) = crate::jobs::golden::record(&crate::jobs::golden::RecordRequest {
         case: &a.case,
         golden_dir: &a.golden_dir,
         model: a.spec.model.as_deref(),
@@ -370,27 +361,27 @@ fn golden_dir(arg: Option<&PathBuf>) -> Result<PathBuf> {
 pub fn cmd_golden_check(a: &GoldenCheckArgs, out: &mut dyn Write) -> Result<Outcome> {
     let dir = golden_dir(a.golden_dir.as_ref())?;
     let cases = if a.all {
-        let c = crate::golden::list_cases(&dir)?;
+        let c = crate::jobs::golden::list_cases(&dir)?;
         if c.is_empty() {
             return Err(Error::Usage(format!("{}: no golden cases", dir.display())));
         }
         c
     } else {
         for c in &a.case {
-            crate::golden::validate_case_name(c)?;
+            crate::jobs::golden::validate_case_name(c)?;
         }
         a.case.clone()
     };
     let include = a.cuda_include.clone();
-    let cuda = move |dtype: Dtype, k: crate::cuda::Kernels| {
-        crate::cuda::CudaOps::new(dtype, include.as_deref()).map(|o| Backend::Cuda(o.with_kernels(k)))
+    let cuda = move |dtype: Dtype, k: crate::backend::cuda::ops::Kernels| {
+        crate::backend::cuda::ops::CudaOps::new(dtype, include.as_deref()).map(|o| Backend::Cuda(o.with_kernels(k)))
     };
     let mut text = String::new();
     let (mut n_pass, mut n_fail, mut errors) = (0, 0, Vec::<Error>::new());
     for case in &cases {
-        match crate::golden::check(&dir, case, &cuda) {
+        match crate::jobs::golden::check(&dir, case, &cuda) {
             Ok(c) => {
-                text.push_str(&crate::golden::summary(&c, a.quiet));
+                text.push_str(&crate::jobs::golden::summary(&c, a.quiet));
                 if c.passed() {
                     n_pass += 1;
                 } else {
@@ -462,12 +453,12 @@ pub struct BenchArgs {
     pub force: bool,
 }
 
-/// `mla-diff bench --dequant FILE`: the table of [`crate::bench_cpu::dequant_bench`].
+/// `mla-diff bench --dequant FILE`: the table of [`crate::jobs::bench_cpu::dequant_bench`].
 fn cmd_bench_dequant(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Result<Outcome> {
     refuse_overwrite(a.json.as_ref(), a.force)?;
     let file = GgufFile::open(path)?;
-    let threads = crate::bench_cpu::thread_counts(a.threads.as_deref());
-    let figs = crate::bench_cpu::dequant_bench(&file, a.repeat, &threads)?;
+    let threads = crate::jobs::bench_cpu::thread_counts(a.threads.as_deref());
+    let figs = crate::jobs::bench_cpu::dequant_bench(&file, a.repeat, &threads)?;
     let mut t = comfy_table::Table::new();
     t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(vec![
         "tensor",
@@ -498,18 +489,18 @@ fn cmd_bench_dequant(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Resu
         .map_err(|e| Error::io("<stdout>", "write", e))?;
     if let Some(j) = &a.json {
         let doc = serde_json::json!({"kind": "dequant", "file": path.display().to_string(), "figures": figs});
-        report::write_file_atomic(j, &report::to_json_bytes(&doc), a.force)?;
+        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&doc), a.force)?;
     }
     Ok(Outcome::Pass)
 }
 
-/// `mla-diff bench --reference FILE`: the table of [`crate::bench_cpu::reference`].
+/// `mla-diff bench --reference FILE`: the table of [`crate::jobs::bench_cpu::reference`].
 fn cmd_bench_reference(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Result<Outcome> {
     refuse_overwrite(a.json.as_ref(), a.force)?;
     let file = GgufFile::open(path)?;
     let cfg = MlaConfig::from_gguf(&file)?;
-    let threads = crate::bench_cpu::thread_counts(a.threads.as_deref());
-    let b = crate::bench_cpu::reference(&file, &cfg, a.layer, a.tokens, a.repeat, &threads)?;
+    let threads = crate::jobs::bench_cpu::thread_counts(a.threads.as_deref());
+    let b = crate::jobs::bench_cpu::reference(&file, &cfg, a.layer, a.tokens, a.repeat, &threads)?;
     let mut t = comfy_table::Table::new();
     t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY)
         .set_header(vec!["forward", "layer", "T", "threads", "median", "runs"]);
@@ -539,7 +530,7 @@ fn cmd_bench_reference(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Re
         .map_err(|e| Error::io("<stdout>", "write", e))?;
     if let Some(j) = &a.json {
         let doc = serde_json::json!({"kind": "reference", "bench": b});
-        report::write_file_atomic(j, &report::to_json_bytes(&doc), a.force)?;
+        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&doc), a.force)?;
     }
     Ok(Outcome::Pass)
 }
@@ -552,8 +543,8 @@ pub fn cmd_bench(a: &BenchArgs, out: &mut dyn Write) -> Result<Outcome> {
     if let Some(p) = &a.reference {
         return cmd_bench_reference(a, p, out);
     }
-    let ops = crate::cuda::CudaOps::new(Dtype::Bf16, a.cuda_include.as_deref())?;
-    let figs = crate::cuda::bench::all(&ops)?;
+    let ops = crate::backend::cuda::ops::CudaOps::new(Dtype::Bf16, a.cuda_include.as_deref())?;
+    let figs = crate::jobs::bench_gpu::all(&ops)?;
     let mut t = comfy_table::Table::new();
     t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(vec![
         "benchmark",
@@ -571,11 +562,11 @@ pub fn cmd_bench(a: &BenchArgs, out: &mut dyn Write) -> Result<Outcome> {
             f.note.clone(),
         ]);
     }
-    let text = format!("{}\n{t}\n", crate::cuda::ops::describe(ops.device()));
+    let text = format!("{}\n{t}\n", crate::backend::cuda::ops::describe(ops.device()));
     out.write_all(text.as_bytes())
         .map_err(|e| Error::io("<stdout>", "write", e))?;
     if let Some(j) = &a.json {
-        report::write_file_atomic(j, &report::to_json_bytes(&figs), a.force)?;
+        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&figs), a.force)?;
     }
     Ok(Outcome::Pass)
 }
@@ -601,8 +592,8 @@ pub struct KernelsArgs {
 
 /// `mla-diff kernels --compile-only`: NVRTC-compiles every module for every architecture.
 pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
-    let include = crate::cuda::include_dir(a.cuda_include.as_deref())?;
-    let (maj, min) = crate::cuda::nvrtc_version()?;
+    let include = crate::device::include_dir(a.cuda_include.as_deref())?;
+    let (maj, min) = crate::device::nvrtc_version()?;
     let mut t = comfy_table::Table::new();
     t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(vec![
         "module",
@@ -620,7 +611,7 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
         // and the teams block (the N < 64 default) with the cluster of the bench shape's 2
         // splits and with the merge through global memory, and with 5 stages (a team then also
         // waits for the other team's release of a stage).
-        use crate::cuda::ops::DecodeCfg;
+        use crate::backend::decode_cfg::DecodeCfg;
         let wgmma = DecodeCfg::WGMMA.for_arch(arch);
         let hm64 = DecodeCfg::MMA64;
         let fused = DecodeCfg::parse("16,8,2,1,4,1,1")?;
@@ -633,8 +624,8 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
             ..DecodeCfg::TEAMS
         }
         .for_arch(arch);
-        type Job = (crate::cuda::Module, String, Vec<(&'static str, usize)>);
-        let mut jobs: Vec<Job> = crate::cuda::Module::ALL
+        type Job = (crate::device::Module, String, Vec<(&'static str, usize)>);
+        let mut jobs: Vec<Job> = crate::device::Module::ALL
             .iter()
             .map(|&m| (m, m.file().to_string(), Vec::new()))
             .collect();
@@ -668,8 +659,8 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
             let defines = c.defines_for(cluster);
             if jobs.iter().all(|j| j.2 != defines) {
                 jobs.push((
-                    crate::cuda::Module::FastDecode,
-                    format!("{} ({}{size})", crate::cuda::Module::FastDecode.file(), c.label()),
+                    crate::device::Module::FastDecode,
+                    format!("{} ({}{size})", crate::device::Module::FastDecode.file(), c.label()),
                     defines,
                 ));
             }
@@ -677,16 +668,16 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
         // The prefill kernel in the other layouts its configurations select (Q in registers,
         // 32-key tiles, a deeper pipeline, 8 warps).
         for s in ["4,64,2,1,1", "8,32,3,0,2"] {
-            let c = crate::cuda::prefill::PrefillCfg::parse(s)?;
+            let c = crate::backend::prefill_cfg::PrefillCfg::parse(s)?;
             jobs.push((
-                crate::cuda::Module::FastPrefill,
-                format!("{} ({})", crate::cuda::Module::FastPrefill.file(), c.label()),
+                crate::device::Module::FastPrefill,
+                format!("{} ({})", crate::device::Module::FastPrefill.file(), c.label()),
                 c.defines(),
             ));
         }
         for (m, label, defines) in jobs {
-            let target = crate::cuda::ops::target_arch(arch, &defines);
-            let c = crate::cuda::compile(m, &target, &include, true, &defines)?;
+            let target = crate::device::target_arch(arch, &defines);
+            let c = crate::device::compile(m, &target, &include, true, &defines)?;
             if let Some(dir) = &a.out {
                 // `<module>.<arch>.cubin` for the default build, `<module>.<label>.<target>.cubin`
                 // (label without parentheses, spaces as `-`) for each configuration.
@@ -696,9 +687,9 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
                     let inner = label.split_once(" (").map_or("", |(_, r)| r.trim_end_matches(')'));
                     format!("{}.{}.{target}.cubin", m.file(), inner.replace(' ', "-"))
                 };
-                report::write_file_atomic(&dir.join(name), &c.cubin, true)?;
+                crate::core::fsio::write_file_atomic(&dir.join(name), &c.cubin, true)?;
             }
-            let usage = crate::cuda::parse_usage(&c.log);
+            let usage = crate::device::parse_usage(&c.log);
             if usage.is_empty() {
                 t.add_row(vec![
                     label.clone(),
@@ -816,8 +807,8 @@ pub struct DeviceArgs {
     #[arg(long)]
     pub cuda_include: Option<PathBuf>,
     /// CUDA attention kernels: tensor-core ones for bf16 (fast) or the plain FMA ones (simple).
-    #[arg(long, value_enum, default_value_t = crate::cuda::Kernels::Fast)]
-    pub kernels: crate::cuda::Kernels,
+    #[arg(long, value_enum, default_value_t = crate::backend::cuda::ops::Kernels::Fast)]
+    pub kernels: crate::backend::cuda::ops::Kernels,
 }
 
 /// Picks the backend and says which on stderr (unless `quiet`): `auto` takes CUDA when a device
@@ -826,12 +817,13 @@ pub struct DeviceArgs {
 /// Errors: `--backend cuda` without a usable device, library or include folder.
 pub fn select_backend(d: &DeviceArgs, quiet: bool) -> Result<Backend> {
     let cuda = || {
-        crate::cuda::CudaOps::new(d.dtype, d.cuda_include.as_deref()).map(|o| Backend::Cuda(o.with_kernels(d.kernels)))
+        crate::backend::cuda::ops::CudaOps::new(d.dtype, d.cuda_include.as_deref())
+            .map(|o| Backend::Cuda(o.with_kernels(d.kernels)))
     };
     let b = match d.backend {
         BackendChoice::Cpu => Backend::Cpu(CpuOps::new(d.dtype)),
         BackendChoice::Cuda => cuda()?,
-        BackendChoice::Auto => match crate::cuda::probe() {
+        BackendChoice::Auto => match crate::device::probe() {
             Ok(_) => match cuda() {
                 Ok(b) => {
                     if !quiet {
@@ -958,8 +950,8 @@ pub const MAX_POSITION: usize = 1 << 31;
 fn check_faults(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<()> {
     let layer = rc.layers.first().copied().unwrap_or(0);
     let latent = match cfg.kv_b_layout {
-        crate::config::KvBLayout::Split => crate::weights::tensor_name(layer, "attn_v_b"),
-        crate::config::KvBLayout::Fused => crate::weights::tensor_name(layer, "attn_kv_b"),
+        crate::model::config::KvBLayout::Split => crate::model::weights::tensor_name(layer, "attn_v_b"),
+        crate::model::config::KvBLayout::Fused => crate::model::weights::tensor_name(layer, "attn_kv_b"),
     };
     let block = file.tensor(&latent).map_or(1, |t| t.ggml_type.block_size());
     for &f in &rc.path_options.faults.0 {
@@ -994,14 +986,6 @@ fn check_faults(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<()> 
         }
     }
     Ok(())
-}
-
-/// Opens `--model`, or the embedded fixture when absent.
-pub fn open_model(model: Option<&PathBuf>) -> Result<GgufFile> {
-    match model {
-        Some(p) => GgufFile::open(p),
-        None => GgufFile::from_static(EMBEDDED_NAME, EMBEDDED_GGUF),
-    }
 }
 
 /// Parses `--layers`: `A..B`, `A..=B`, `all`, or a single number.
@@ -1040,7 +1024,7 @@ pub fn parse_layers(spec: &str, n_layer: usize) -> Result<Vec<usize>> {
 /// Errors: [`Error::Usage`] for zero sizes, empty sequences, positions past [`MAX_POSITION`] and
 /// faults that act on no requested path; model and configuration errors.
 pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
-    let file = open_model(a.model.as_ref())?;
+    let file = crate::model::fixture::open_model(a.model.as_ref())?;
     let cfg = MlaConfig::from_gguf(&file)?;
     let layers = match (&a.layers, a.layer) {
         (Some(spec), _) => parse_layers(spec, cfg.trunk_layers())?,
@@ -1121,7 +1105,7 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
 /// `unwritten-rows` on one sequence, where no context chunk is empty for any row).
 ///
 /// Errors: [`Error::Usage`] quoting the path's note, which says what batch would exercise it.
-fn refuse_idle_fault(rep: &run::RunReport) -> Result<()> {
+fn refuse_idle_fault(rep: &RunReport) -> Result<()> {
     if rep.run.path_options.faults.is_empty() || !rep.all_pass() {
         return Ok(());
     }
@@ -1335,7 +1319,7 @@ pub fn cmd_inspect(a: &InspectArgs, out: &mut dyn Write) -> Result<Outcome> {
             });
         }
     }
-    out.write_all(crate::inspect::inspect(&file, a.layer).as_bytes())
+    out.write_all(crate::jobs::inspect::inspect(&file, a.layer).as_bytes())
         .map_err(|e| Error::io("<stdout>", "write", e))?;
     Ok(Outcome::Pass)
 }
@@ -1403,7 +1387,7 @@ pub fn cmd_selftest(a: &SelftestArgs, out: &mut dyn Write) -> Result<Outcome> {
     };
     let rep = selftest::run(&backend, &opts)?;
     if let Some(j) = &a.json {
-        report::write_file_atomic(j, &report::to_json_bytes(&rep), a.force)?;
+        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&rep), a.force)?;
     }
     let mut text = format!("backend {}, dtype {}\n", backend.describe(), a.device.dtype);
     text.push_str(&selftest::confusion_table(&rep));
@@ -1414,7 +1398,7 @@ pub fn cmd_selftest(a: &SelftestArgs, out: &mut dyn Write) -> Result<Outcome> {
         text.push_str(&summary);
         ok &= same;
         if let Backend::Cuda(o) = backend.clone().filter_fast() {
-            let simple = Backend::Cuda(o.with_kernels(crate::cuda::Kernels::Simple));
+            let simple = Backend::Cuda(o.with_kernels(crate::backend::cuda::ops::Kernels::Simple));
             let srep = selftest::run(&simple, &opts)?;
             let (summary, same) = selftest::cross_check(&rep, &srep, "the simple CUDA kernels");
             text.push_str(&summary);

@@ -6,22 +6,22 @@
 //! as vLLM's `process_weights_after_loading` does, a paged latent cache behind a shuffled block
 //! table, decode steps with split-KV partials merged by LSE, chunked context, mixed
 //! decode/prefill batches, and simulated tensor parallelism with shards cut from the raw quantized
-//! bytes and dequantized per rank. Faults of [`crate::faults`] act at the place the real bug
+//! bytes and dequantized per rank. Faults of [`crate::compute::faults`] act at the place the real bug
 //! lived. Every backend (CPU, CUDA) runs exactly this code; only the kernels differ.
 
 use std::collections::BTreeSet;
 use std::ops::Range;
 
-use super::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, Segment};
-use super::{LayerInput, PathKind, PathOptions, PathRun, Unservable};
-use crate::batch::{Batch, SplitMix64};
-use crate::config::{KvBLayout, MlaConfig};
-use crate::error::{Error, Result};
-use crate::faults::Fault;
-use crate::gguf::GgufFile;
-use crate::indexer::{self, Selection};
-use crate::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
-use crate::weights::{RawSlice, SliceError, col_slice, row_slice, tensor_name};
+use crate::compute::faults::Fault;
+use crate::compute::indexer::{self, Selection};
+use crate::compute::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, Segment};
+use crate::compute::path::{LayerInput, PathKind, PathOptions, PathRun, Unservable};
+use crate::core::batch::{Batch, SplitMix64};
+use crate::core::error::{Error, Result};
+use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
+use crate::model::config::{KvBLayout, MlaConfig};
+use crate::model::gguf::GgufFile;
+use crate::model::weights::{RawSlice, SliceError, col_slice, row_slice, tensor_name};
 
 /// One TP rank's shards, as that rank's loader produced them.
 struct RankWeights<B> {
@@ -533,7 +533,7 @@ fn engine_indexer<O: Ops>(
         }
     }
     let style = if opts.faults.has(Fault::IndexerRopeInterleaved) {
-        crate::config::RopeStyle::Interleaved
+        crate::model::config::RopeStyle::Interleaved
     } else {
         ix.rope_style
     };
@@ -545,9 +545,9 @@ fn engine_indexer<O: Ops>(
         let (c, s) = (&cos[ti * half..(ti + 1) * half], &sin[ti * half..(ti + 1) * half]);
         for h in 0..ni {
             let o = (ti * ni + h) * d;
-            super::cpu::ops::rope_row(&mut qr[o..o + r], c, s, style);
+            crate::compute::ops::rope_row(&mut qr[o..o + r], c, s, style);
         }
-        super::cpu::ops::rope_row(&mut kr[ti * d..ti * d + r], c, s, style);
+        crate::compute::ops::rope_row(&mut kr[ti * d..ti * d + r], c, s, style);
     }
     // Scores in f32: Σ_h w·N_idx^-½·ReLU(D_idx^-½·q·k), causal within each sequence.
     let smax = batch.seqs.iter().map(|x| x.len).max().unwrap_or(0);

@@ -1,7 +1,7 @@
 //! The fault catalogue: real MLA bugs, injectable into a path with `--inject NAME`.
 //!
 //! A bug finder that has never been shown a bug proves nothing. Each [`Fault`] here reproduces one
-//! row of FAULTS.md *inside* a path, at the point where the real bug lived (the shard assembly,
+//! row of docs/faults.md *inside* a path, at the point where the real bug lived (the shard assembly,
 //! the norm kernel's stride, the merge's empty-row sentinel, …), never by editing a result
 //! afterwards, so that the detectors see what they would see in a broken engine. The metadata
 //! here (applicability, expected class, expected first site) is what `mla-diff selftest` checks
@@ -9,12 +9,12 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{KvBLayout, MlaConfig};
-use crate::diagnose::Class;
-use crate::paths::PathKind;
-use crate::trace::{RankedWeight, Stage};
+use crate::compute::path::PathKind;
+use crate::core::class::Class;
+use crate::core::trace::{RankedWeight, Stage};
+use crate::model::config::{KvBLayout, MlaConfig};
 
-/// One injectable bug (FAULTS.md).
+/// One injectable bug (docs/faults.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Fault {
@@ -54,7 +54,7 @@ pub enum Fault {
 }
 
 impl Fault {
-    /// Every fault, in FAULTS.md order.
+    /// Every fault, in the order of docs/faults.md.
     pub const ALL: &'static [Fault] = &[
         Fault::PhantomOutput,
         Fault::UnwrittenRows,
@@ -94,7 +94,7 @@ impl Fault {
         }
     }
 
-    /// The class the detectors must name (FAULTS.md "expected class").
+    /// The class the detectors must name (docs/faults.md, "expected class").
     pub fn expected_class(self) -> Class {
         match self {
             Fault::PhantomOutput => Class::PhantomOutput,
@@ -113,7 +113,7 @@ impl Fault {
         }
     }
 
-    /// The first site that must flag on `path` (FAULTS.md "first site"), as stages that are
+    /// The first site that must flag on `path` (docs/faults.md, "first site"), as stages that are
     /// accepted (the first accepted stage is the canonical one).
     pub fn expected_stages(self, path: PathKind) -> Vec<Stage> {
         use PathKind::*;
@@ -166,7 +166,7 @@ impl Fault {
                 if cfg
                     .indexer
                     .as_ref()
-                    .is_some_and(|ix| ix.rope_style != crate::config::RopeStyle::Neox) =>
+                    .is_some_and(|ix| ix.rope_style != crate::model::config::RopeStyle::Neox) =>
             {
                 Err("this indexer's RoPE is interleaved already (glm-dsa)")
             }

@@ -12,8 +12,8 @@
 //! modeling_deepseek_v32.py` (`DeepseekV32Indexer`) and `models/glm_moe_dsa/` (`GlmMoeDsaIndexer`,
 //! interleaved RoPE, shared layers); llama.cpp `src/models/deepseek32.cpp`, `glm-dsa.cpp`.
 
-use crate::batch::Batch;
-use crate::config::{IndexerConfig, RopeStyle};
+use crate::core::batch::Batch;
+use crate::model::config::{IndexerConfig, RopeStyle};
 
 /// The keys each packed token keeps: for token `i`, ascending key indices within its own
 /// sequence (0 = the sequence's first packed token, whatever its RoPE `start_pos`), all ≤ the
@@ -235,7 +235,7 @@ pub fn jaccard(a: &[usize], b: &[usize]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::batch::SeqSpec;
+    use crate::core::batch::SeqSpec;
 
     fn batch(lens: &[usize]) -> Batch {
         Batch {

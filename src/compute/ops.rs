@@ -1,18 +1,18 @@
 //! The kernel interface every backend implements.
 //!
-//! The engine paths ([`super::engine`]) are written once against this trait, so the CPU and CUDA
+//! The engine paths ([`crate::compute::engine`]) are written once against this trait, so the CPU and CUDA
 //! backends run the same structure (the same shards, views, caches, splits and merges, and the
 //! same faults at the same places) and differ only in where each kernel runs. Buffers are opaque
 //! row-major f32 tensors owned by the backend (host vectors, or device memory); every dimension
-//! is passed explicitly in MLA.md's names. Output buffers are allocated holding the NaN canary.
+//! is passed explicitly in the dim names of docs/mla.md. Output buffers are allocated holding the NaN canary.
 //! Every method returns [`Result`] so that a device error surfaces as an error, never a panic.
 
-use crate::error::Result;
-use crate::gguf::GgmlType;
-use crate::tolerance::Dtype;
+use crate::core::dtype::Dtype;
+use crate::core::error::Result;
+use crate::model::gguf::GgmlType;
 
 /// RoPE pairing (defined with the model configuration, which says which one a model uses).
-pub use crate::config::RopeStyle;
+pub use crate::model::config::RopeStyle;
 
 /// What an attention kernel does with a query row that has no visible key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,7 +170,7 @@ pub trait Ops {
     /// into `lses [splits, n, nh]`; an empty split writes no output and LSE `d.empty_lse`.
     fn decode_split(&self, d: &DecodeArgs<'_, Self::Buf>, parts: &mut Self::Buf, lses: &mut Self::Buf) -> Result<()>;
     /// LSE merge of `k` stacked partials `parts [k, rows, nh, dv]`, `lses [k, rows, nh]` into
-    /// `(out [rows, nh, dv], lse [rows, nh])` (MLA.md "Attention state merge"; a partial with
+    /// `(out [rows, nh, dv], lse [rows, nh])` (docs/mla.md "Attention state merge"; a partial with
     /// LSE −inf contributes nothing and is not read).
     fn merge(
         &self,
@@ -232,4 +232,19 @@ pub fn decode_then_merge<O: Ops + ?Sized>(ops: &O, d: &DecodeArgs<'_, O::Buf>) -
     let mut lses = ops.canary(splits * n * nh)?;
     ops.decode_split(d, &mut parts, &mut lses)?;
     ops.merge(&parts, &lses, splits, n, nh, dv)
+}
+
+/// Rotates one rope vector `x` \[R] in place with the cos/sin row of its position (`[R/2]` each).
+/// Host code, shared by the CPU backend's rope kernel and the engine's host-side indexer.
+pub fn rope_row(x: &mut [f32], cos: &[f32], sin: &[f32], style: RopeStyle) {
+    let half = cos.len();
+    for i in 0..half {
+        let (ia, ib) = match style {
+            RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+            RopeStyle::Neox => (i, i + half),
+        };
+        let (a, b) = (x[ia], x[ib]);
+        x[ia] = a * cos[i] - b * sin[i];
+        x[ib] = b * cos[i] + a * sin[i];
+    }
 }

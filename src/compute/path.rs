@@ -4,7 +4,7 @@
 //! from shards, a paged latent cache written through a slot mapping and read through a block
 //! table, split-KV partials merged by log-sum-exp, caller-allocated output buffers. Each path here
 //! reproduces one of vLLM's MLA code paths with that structure, so that the bug classes of
-//! FAULTS.md can occur (and be injected) exactly where they occur in real engines:
+//! docs/faults.md can occur (and be injected) exactly where they occur in real engines:
 //!
 //! - [`PathKind::Mha`]: expanded prefill (vLLM `forward_mha`);
 //! - [`PathKind::Mqa`]: absorbed decode over a paged latent cache (vLLM `forward_mqa`);
@@ -19,37 +19,15 @@
 //! in [`cpu`]. Output buffers are filled with the NaN [`CANARY`] before every step, so an output
 //! that was never written is told apart from one computed wrong.
 
-pub mod cpu;
-pub mod engine;
-pub mod ops;
-
 use ndarray::Array2;
 use serde::{Deserialize, Serialize};
 
-use crate::batch::Batch;
-use crate::config::MlaConfig;
-use crate::error::Result;
-use crate::faults::FaultSet;
-use crate::gguf::{GgmlType, GgufFile};
-use crate::trace::{Site, Trace};
-use crate::weights::LayerWeights;
-
-/// Bit pattern of the canary: an f32 NaN with a signalling-style payload that no arithmetic
-/// produces (arithmetic on a NaN yields a quiet NaN, bit 22 set; this has bit 22 clear).
-pub const CANARY_BITS: u32 = 0x7FA5_A5A5;
-
-/// The canary value (see [`CANARY_BITS`]). Compare with [`is_canary`], never with `==`.
-pub const CANARY: f32 = f32::from_bits(CANARY_BITS);
-
-/// True when `x` carries exactly the canary's bits (an output element never written).
-pub fn is_canary(x: f32) -> bool {
-    x.to_bits() == CANARY_BITS
-}
-
-/// A buffer of `n` canary values: what every path allocates for an output before a step.
-pub fn canary_vec(n: usize) -> Vec<f32> {
-    vec![CANARY; n]
-}
+use crate::compute::faults::FaultSet;
+use crate::core::batch::Batch;
+use crate::core::trace::{Site, Trace};
+use crate::model::config::MlaConfig;
+use crate::model::gguf::{GgmlType, GgufFile};
+use crate::model::weights::LayerWeights;
 
 /// Which engine path to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, clap::ValueEnum)]
@@ -157,11 +135,11 @@ pub struct LayerInput<'a> {
     /// For a GLM shared-indexer layer on the token path: the selection of the nearest earlier
     /// full layer, which the layer reuses. `None` elsewhere (a shared layer then runs the
     /// borrowed indexer on its own input, as the reference does).
-    pub shared_selection: Option<&'a crate::indexer::Selection>,
+    pub shared_selection: Option<&'a crate::compute::indexer::Selection>,
     /// Teacher forcing for reduced-precision runs: the selection the attention uses instead of
     /// the path's own (which is still computed and recorded at `idx_*`). A near-tie flip of a
     /// bf16 indexer is judged once, at `idx_topk`, instead of cascading into every attention site.
-    pub forced_selection: Option<&'a crate::indexer::Selection>,
+    pub forced_selection: Option<&'a crate::compute::indexer::Selection>,
 }
 
 /// What one path produced for one layer.
@@ -178,73 +156,4 @@ pub struct PathRun {
     pub unservable: Option<Unservable>,
     /// What injected faults did (or that they had nothing to act on).
     pub notes: Vec<String>,
-}
-
-/// A backend the engine paths run on.
-#[derive(Debug, Clone)]
-pub enum Backend {
-    /// Host kernels ([`cpu::CpuOps`]).
-    Cpu(cpu::CpuOps),
-    /// GPU kernels ([`crate::cuda::CudaOps`]).
-    Cuda(crate::cuda::CudaOps),
-}
-
-impl Backend {
-    /// `cpu` or `cuda`.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Backend::Cpu(_) => "cpu",
-            Backend::Cuda(_) => "cuda",
-        }
-    }
-
-    /// Compute dtype.
-    pub fn dtype(&self) -> crate::tolerance::Dtype {
-        use ops::Ops;
-        match self {
-            Backend::Cpu(o) => o.dtype(),
-            Backend::Cuda(o) => o.dtype(),
-        }
-    }
-
-    /// The same backend computing in `dtype`.
-    pub fn with_dtype(&self, dtype: crate::tolerance::Dtype) -> Backend {
-        match self {
-            Backend::Cpu(_) => Backend::Cpu(cpu::CpuOps::new(dtype)),
-            Backend::Cuda(o) => Backend::Cuda(o.with_dtype(dtype)),
-        }
-    }
-
-    /// One line for reports: `cpu` or the GPU, its compute capability and NVRTC version.
-    pub fn describe(&self) -> String {
-        match self {
-            Backend::Cpu(_) => format!("cpu ({} threads)", rayon::current_num_threads()),
-            Backend::Cuda(o) => format!("cuda: {}", crate::cuda::ops::describe(o.device())),
-        }
-    }
-
-    /// This backend when it runs tensor-core kernels (CUDA, fast kernels, bf16), else the CPU
-    /// variant (used to decide whether a fast-vs-simple cross-check applies).
-    pub fn filter_fast(self) -> Backend {
-        match self {
-            Backend::Cuda(o) if o.uses_fast() => Backend::Cuda(o),
-            other => Backend::Cpu(cpu::CpuOps::new(other.dtype())),
-        }
-    }
-
-    /// Runs path `kind` for one layer.
-    pub fn run(&self, kind: PathKind, input: &LayerInput<'_>, opts: &PathOptions) -> Result<PathRun> {
-        match self {
-            Backend::Cpu(o) => engine::run(o, kind, input, opts),
-            Backend::Cuda(o) => crate::cuda::ops::run(o, kind, input, opts),
-        }
-    }
-}
-
-/// Runs path `kind` on the CPU backend (f32).
-///
-/// Errors: only input errors (shapes inconsistent with the configuration); numerical trouble is a
-/// result for the comparison, never an error.
-pub fn run_cpu(kind: PathKind, input: &LayerInput<'_>, opts: &PathOptions) -> Result<PathRun> {
-    engine::run(&cpu::CpuOps::new(crate::tolerance::Dtype::F32), kind, input, opts)
 }

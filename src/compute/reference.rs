@@ -1,12 +1,12 @@
 //! The reference: textbook expanded MLA in f64, the judge of every other path.
 //!
-//! Nothing else decides what is right, so this module is written to be read against MLA.md steps
+//! Nothing else decides what is right, so this module is written to be read against docs/mla.md steps
 //! 1–9 line by line, and shares no code with the engine paths it judges beyond loading and
-//! dequantizing weights and the DSA top-k rule and trace layout of [`crate::indexer`] (which HF's
+//! dequantizing weights and the DSA top-k rule and trace layout of [`crate::compute::indexer`] (which HF's
 //! goldens check independently: the same key sets at every indexer layer): its own RMSNorm, RoPE
 //! (interleaved, NeoX for MiniCPM3, with YaRN frequencies), kv_b
 //! assembly and attention. Every product accumulates in f64 from the f32 dequantized weights, over
-//! the whole sequence, causal, with no cache and no fusion. It records EVERY site of DESIGN.md's
+//! the whole sequence, causal, with no cache and no fusion. It records EVERY site of docs/design.md's
 //! table, the absorbed-only ones (`ql_nope`, `attn_latent`, `w.W_UK_T`, `w.W_UV`) included,
 //! computed from its own weights and probabilities, so any path's record has a counterpart.
 //!
@@ -21,13 +21,13 @@
 use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayViewMut2, Axis, CowArray, Ix2, s};
 use rayon::prelude::*;
 
-use crate::batch::Batch;
-use crate::config::{GatingFunc, MlaConfig, MoeConfig};
-use crate::error::{Error, Result};
-use crate::gguf::GgufFile;
-use crate::indexer::{self, Selection};
-use crate::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
-use crate::weights::{KvBWeights, LayerWeights, MoeWeights, QWeights, SwiGlu};
+use crate::compute::indexer::{self, Selection};
+use crate::core::batch::Batch;
+use crate::core::error::{Error, Result};
+use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
+use crate::model::config::{GatingFunc, MlaConfig, MoeConfig};
+use crate::model::gguf::GgufFile;
+use crate::model::weights::{KvBWeights, LayerWeights, MoeWeights, QWeights, SwiGlu};
 
 /// Output of one reference layer.
 #[derive(Debug, Clone)]
@@ -101,7 +101,7 @@ fn rms_norm(x: ArrayView2<f64>, g: ArrayView1<f32>, eps: f64) -> Array2<f64> {
 }
 
 /// Rotary inverse frequencies `f_i`, i < R/2, with YaRN interpolation when configured
-/// (MLA.md step 9).
+/// (docs/mla.md step 9).
 pub fn rope_inv_freq(cfg: &MlaConfig) -> Vec<f64> {
     let r = cfg.qk_rope_head_dim;
     let base = cfg.rope_base;
@@ -130,7 +130,7 @@ pub fn rope_inv_freq(cfg: &MlaConfig) -> Vec<f64> {
         .collect()
 }
 
-/// Rebuilds `kv_b_proj` [N·(P+V), L] from the file's tensors (MLA.md "Rebuilding kv_b"):
+/// Rebuilds `kv_b_proj` [N·(P+V), L] from the file's tensors (docs/mla.md "Rebuilding kv_b"):
 /// `W[h·(P+V) + p, l] = k_b[h, l, p]`, `W[h·(P+V) + P + v, l] = v_b[h, v, l]`.
 pub fn assemble_kv_b(cfg: &MlaConfig, w: &KvBWeights) -> Array2<f64> {
     let (n, l, p, v) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
@@ -439,8 +439,8 @@ type StageValues = (Stage, Vec<usize>, Vec<f64>);
 /// R dims of each head with the indexer's own pairing; scores and the top-k selection
 /// ([`indexer::scores`], [`indexer::select`]). Returns the selection and the four value sites.
 fn reference_indexer(
-    ix: &crate::config::IndexerConfig,
-    iw: &crate::weights::IndexerWeights,
+    ix: &crate::model::config::IndexerConfig,
+    iw: &crate::model::weights::IndexerWeights,
     x: &Array2<f64>,
     q_c_normed: &Array2<f64>,
     batch: &Batch,
@@ -748,10 +748,66 @@ pub fn rank_weight_sites(cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> Trace 
     tr
 }
 
+/// The reference trace of one layer, with the per-rank weight sites for `tp`.
+pub struct RefOutput {
+    /// Every site, f64.
+    pub trace: Trace,
+    /// `hidden_out`, when the layer's FFN is dense or its MoE FFN was run.
+    pub hidden_out: Option<Array2<f64>>,
+    /// Non-finite MoE weights met on the way (see [`RefLayer::moe_nonfinite`]).
+    pub moe_nonfinite: Vec<(String, usize, usize)>,
+    /// The DSA selection the layer used (see [`RefLayer::selection`]).
+    pub selection: Option<Selection>,
+}
+
+/// Runs the reference on one layer (plus its rank weight sites under TP): attention and a dense
+/// FFN; an MoE layer stops at `o_proj` (see [`reference_layer_full`]). `shared` is the selection
+/// a GLM shared-indexer layer borrows ([`forward_sel`]).
+pub fn reference_layer(
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    hidden: &Array2<f64>,
+    batch: &Batch,
+    tp: usize,
+    shared: Option<&Selection>,
+) -> Result<RefOutput> {
+    let r = forward_sel(cfg, w, hidden, batch, shared)?;
+    Ok(with_rank_sites(r, cfg, w, tp))
+}
+
+/// A reference layer's output plus the per-rank weight sites for `tp`.
+fn with_rank_sites(r: RefLayer, cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> RefOutput {
+    let mut trace = r.trace;
+    trace.extend(rank_weight_sites(cfg, w, tp));
+    RefOutput {
+        trace,
+        hidden_out: r.hidden_out,
+        moe_nonfinite: r.moe_nonfinite,
+        selection: r.selection,
+    }
+}
+
+/// [`reference_layer`], and for an MoE layer also its MoE FFN ([`forward_full`]):
+/// the MoE sites and `hidden_out`.
+///
+/// Errors: as [`forward_full`].
+pub fn reference_layer_full(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    hidden: &Array2<f64>,
+    batch: &Batch,
+    tp: usize,
+    shared: Option<&Selection>,
+) -> Result<RefOutput> {
+    let r = forward_full_sel(file, cfg, w, hidden, batch, shared)?;
+    Ok(with_rank_sites(r, cfg, w, tp))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::batch::normal_f32;
+    use crate::core::batch::normal_f32;
 
     fn moe(norm: bool, n_group: usize, n_group_used: usize) -> MoeConfig {
         MoeConfig {
@@ -833,8 +889,8 @@ mod tests {
     fn parallel_linear_is_bit_identical_to_one_dgemm() {
         // Odd sizes: partial output blocks, partial matrixmultiply tiles and several k-blocks.
         let (t, k, o) = (37, 700, 1000);
-        let xs = crate::batch::normal_f32(1, t * k);
-        let ws = crate::batch::normal_f32(2, o * k);
+        let xs = crate::core::batch::normal_f32(1, t * k);
+        let ws = crate::core::batch::normal_f32(2, o * k);
         let x = Array2::from_shape_vec((t, k), xs.iter().map(|&v| v as f64 * 1.7).collect()).unwrap();
         let w = Array2::from_shape_vec((o, k), ws).unwrap();
         let expected = x.dot(&f64m(&w).t());

@@ -13,7 +13,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong before a comparison produces a verdict.
 ///
-/// Each variant's message is one line and names the file and the field or tensor, as DESIGN.md's
+/// Each variant's message is one line and names the file and the field or tensor, as docs/design.md's
 /// "Rules of the road" ask. The binary maps every variant to exit code 2.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

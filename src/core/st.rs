@@ -11,8 +11,8 @@ use std::path::Path;
 
 use safetensors::{Dtype as StDtype, SafeTensors, tensor::TensorView};
 
-use crate::error::{Error, Result};
-use crate::trace::{Site, TensorData, Trace, TraceTensor};
+use crate::core::error::{Error, Result};
+use crate::core::trace::{Site, TensorData, Trace, TraceTensor};
 
 /// A non-site tensor of a trace file, widened to f64.
 #[derive(Debug, Clone, PartialEq)]

@@ -3,7 +3,7 @@
 //! Everything mla-diff compares is keyed by a [`Site`]: a layer and a [`Stage`] such as
 //! `kv_c_normed`, printed `L3.kv_c_normed`. The reference, every engine path, an engine's dump and
 //! a golden file all produce a [`Trace`] of such sites, so one comparison serves them all. The
-//! stage list, its data-flow order and each stage's shape are DESIGN.md's site table; the order is
+//! stage list, its data-flow order and each stage's shape are the site table of docs/design.md; the order is
 //! what "first divergence" means.
 
 use std::fmt;
@@ -33,7 +33,7 @@ impl RankedWeight {
     }
 }
 
-/// A stage of one MLA layer, in DESIGN.md's data-flow order (the declaration order).
+/// A stage of one MLA layer, in the data-flow order of docs/design.md ("Sites") (the declaration order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub enum Stage {
     /// `hidden_in`: residual stream entering the layer, [T, H].
@@ -301,7 +301,7 @@ pub enum TensorData {
 /// A recorded tensor: row-major data and its shape.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TraceTensor {
-    /// Shape in DESIGN.md's site-table form, e.g. [T, N, P+R].
+    /// Shape in the site-table form of docs/design.md, e.g. [T, N, P+R].
     pub shape: Vec<usize>,
     /// Row-major values.
     pub data: TensorData,
@@ -408,6 +408,17 @@ impl Trace {
             self.record(s, t);
         }
     }
+}
+
+/// True when two shapes hold the same elements in the same order: equal, or equal after
+/// flattening trailing dims (`[T, N, X]` vs `[T, N·X]`).
+pub fn shapes_compatible(a: &[usize], b: &[usize]) -> bool {
+    if a == b {
+        return true;
+    }
+    let pa: usize = a.iter().product();
+    let pb: usize = b.iter().product();
+    pa == pb && !a.is_empty() && !b.is_empty() && a[0] == b[0]
 }
 
 #[cfg(test)]

@@ -6,19 +6,13 @@
 //! cuBLAS libraries are present before touching cudarc (which panics on a missing library),
 //! compiles the `kernels/*.cu` sources once per process for the device's compute capability
 //! (or for given architectures, with `kernels --compile-only`), loads them, and exposes
-//! [`CudaOps`], the [`crate::paths::ops::Ops`] implementation. Every launch is followed by a
+//! [`CudaOps`], the [`crate::compute::ops::Ops`] implementation. Every launch is followed by a
 //! synchronize and an error check that names the kernel.
-
-pub mod bench;
-pub mod ops;
-pub mod prefill;
 
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, Result};
-
-pub use ops::{CudaOps, Kernels};
+use crate::core::error::{Error, Result};
 
 /// The prelude prepended to every kernel module.
 pub const COMMON: &str = include_str!("../../kernels/common.cuh");
@@ -376,4 +370,28 @@ pub fn probe() -> Result<usize> {
         return Err(cuda_err("the CUDA driver reports no device"));
     }
     Ok(n as usize)
+}
+
+/// True for `sm_90` and `sm_90a`: the architectures with `wgmma.mma_async` (sm_100 replaced it).
+pub fn supports_wgmma(arch: &str) -> bool {
+    arch == "sm_90" || arch == "sm_90a"
+}
+
+/// The NVRTC target for kernels of configuration `defines` on `arch`: `sm_90a` (the
+/// architecture-specific features wgmma needs) when `FD_WG` is 1 on sm_90, else `arch`.
+pub fn target_arch(arch: &str, defines: &[(&str, usize)]) -> String {
+    if arch == "sm_90" && defines.contains(&("FD_WG", 1)) {
+        "sm_90a".into()
+    } else {
+        arch.into()
+    }
+}
+
+/// True for `sm_90` and newer (`sm_90a`, `sm_100`, …): the architectures with bulk async copies
+/// and transaction-count mbarriers. An unparsable name counts as older.
+pub fn supports_tma(arch: &str) -> bool {
+    arch.strip_prefix("sm_")
+        .map(|v| v.trim_end_matches(|c: char| c.is_ascii_alphabetic()))
+        .and_then(|v| v.parse::<u32>().ok())
+        .is_some_and(|v| v >= 90)
 }

@@ -3,8 +3,8 @@
 //! The performance goals of the scale issue are ratios against other tools measured on the same
 //! machine in the same run (BENCHMARKS.md, P2 and P3), so mla-diff needs entry points that time
 //! exactly one piece of work and nothing around it: dequantizing one tensor with the library's
-//! own decoder ([`crate::gguf::dequant`]), and one reference layer forward
-//! ([`crate::reference::forward`]) with its weights loaded and dequantized before the clock
+//! own decoder ([`crate::model::gguf::dequant`]), and one reference layer forward
+//! ([`crate::compute::reference::forward`]) with its weights loaded and dequantized before the clock
 //! starts. `scripts/bench_cpu.py` runs these next to gguf-py and transformers, interleaved.
 //!
 //! Every figure is the median of `repeat` timed calls after one untimed warm-up call, with
@@ -18,12 +18,12 @@ use std::time::Instant;
 use ndarray::Array2;
 use serde::Serialize;
 
-use crate::batch::{Batch, normal_f32};
-use crate::config::MlaConfig;
-use crate::error::{Error, Result};
-use crate::gguf::{GgmlType, GgufFile, dequant};
-use crate::paths::{LayerInput, PathKind, PathOptions};
-use crate::weights::LayerWeights;
+use crate::compute::path::{LayerInput, PathKind, PathOptions};
+use crate::core::batch::{Batch, normal_f32};
+use crate::core::error::{Error, Result};
+use crate::model::config::MlaConfig;
+use crate::model::gguf::{GgmlType, GgufFile, dequant};
+use crate::model::weights::LayerWeights;
 
 /// Dequantization throughput of one tensor at one thread count.
 #[derive(Debug, Clone, Serialize)]
@@ -57,8 +57,8 @@ pub struct DequantFigure {
 /// Time of one layer forward (reference or an engine path) at one thread count.
 #[derive(Debug, Clone, Serialize)]
 pub struct ForwardFigure {
-    /// What ran: `reference` (f64, [`crate::reference::forward`]) or `engine mha` (CPU backend,
-    /// f32, [`crate::paths::run_cpu`] with [`PathKind::Mha`], which dequantizes its own weights
+    /// What ran: `reference` (f64, [`crate::compute::reference::forward`]) or `engine mha` (CPU backend,
+    /// f32, [`crate::backend::run_cpu`] with [`PathKind::Mha`], which dequantizes its own weights
     /// from the file inside the timed call, as in `run`).
     pub what: String,
     /// Layer index.
@@ -176,7 +176,7 @@ pub fn dequant_bench(file: &GgufFile, repeat: usize, threads: &[usize]) -> Resul
                 let warm_s = t0.elapsed().as_secs_f64();
                 if round == 0 {
                     let raw: Vec<u8> = out.iter().flat_map(|x| x.to_le_bytes()).collect();
-                    digests[ti][pi] = crate::gguf::sha256_hex(&raw);
+                    digests[ti][pi] = crate::model::gguf::sha256_hex(&raw);
                 } else {
                     fresh[ti][pi].push(fresh_s);
                     warm[ti][pi].push(warm_s);
@@ -208,7 +208,7 @@ pub fn dequant_bench(file: &GgufFile, repeat: usize, threads: &[usize]) -> Resul
     Ok(figs)
 }
 
-/// Times one reference layer forward ([`crate::reference::forward`], f64) and the CPU engine's
+/// Times one reference layer forward ([`crate::compute::reference::forward`], f64) and the CPU engine's
 /// `mha` path (f32) on layer `layer` of `file`, for one sequence of `tokens` tokens at positions
 /// `0..tokens` with `run`'s random layer input (seed 0), at each of `threads`.
 ///
@@ -236,7 +236,7 @@ pub fn reference(
     let w = LayerWeights::load(file, cfg, layer)?;
     let load_s = t0.elapsed().as_secs_f64();
     let batch = Batch::single(tokens, 0);
-    let seed = crate::run::layer_seed(0, layer);
+    let seed = crate::jobs::run::layer_seed(0, layer);
     let h32 = Array2::from_shape_vec((tokens, cfg.hidden), normal_f32(seed, tokens * cfg.hidden))
         .map_err(|e| Error::Usage(e.to_string()))?;
     let h64 = h32.mapv(f64::from);
@@ -254,11 +254,11 @@ pub fn reference(
     for round in 0..=repeat {
         for (pi, p) in pools.iter().enumerate() {
             let t0 = Instant::now();
-            let r = p.install(|| crate::reference::forward(cfg, &w, &h64, &batch))?;
+            let r = p.install(|| crate::compute::reference::forward(cfg, &w, &h64, &batch))?;
             let ref_s = t0.elapsed().as_secs_f64();
             drop(r);
             let t0 = Instant::now();
-            let e = p.install(|| crate::paths::run_cpu(PathKind::Mha, &input, &opts))?;
+            let e = p.install(|| crate::backend::run_cpu(PathKind::Mha, &input, &opts))?;
             let eng_s = t0.elapsed().as_secs_f64();
             drop(e);
             if round > 0 {

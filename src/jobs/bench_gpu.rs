@@ -12,25 +12,26 @@
 //! Each figure is the median of [`REPS`] timed repetitions after [`WARM`] warm-up calls, with CUDA events around each
 //! repetition and all repetitions enqueued back to back (one host synchronization after the
 //! last, as Triton's `do_bench`), so a figure is GPU time without the host's launch latency;
-//! `MLA_DIFF_BENCH_SYNC=1` synchronizes after every repetition instead (the method before
-//! 2026-11-29 16:00 UTC, which adds one launch latency to every call). Errors are checked once
+//! `MLA_DIFF_BENCH_SYNC=1` synchronizes after every repetition instead (which adds one launch
+//! latency to every call). Errors are checked once
 //! after each timing loop.
 
 use cudarc::driver::CudaSlice;
 use serde::Serialize;
 
-use super::ops::{CudaOps, DecodeCfg, DecodeMerge, DecodeShape};
-use super::prefill::{PrefillCfg, bench_variants};
-use crate::batch::SplitMix64;
-use crate::error::{Error, Result};
-use crate::paths::ops::{EmptyRows, Ops, Segment};
+use crate::backend::cuda::ops::{CudaOps, DecodeMerge, DecodeShape};
+use crate::backend::decode_cfg::DecodeCfg;
+use crate::backend::prefill_cfg::{PrefillCfg, bench_variants};
+use crate::compute::ops::{EmptyRows, Ops, Segment};
+use crate::core::batch::SplitMix64;
+use crate::core::error::{Error, Result};
 
 /// One benchmark figure.
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchFigure {
     /// Benchmark name.
     pub name: String,
-    /// The shape, in MLA.md's dim names.
+    /// The shape, in the dim names of docs/mla.md.
     pub shape: String,
     /// Median time per call, microseconds.
     pub micros: f64,
@@ -48,8 +49,8 @@ fn cerr(what: impl std::fmt::Display) -> Error {
 
 /// Warm-up calls before each timing loop.
 const WARM: usize = 3;
-/// Timed calls per figure (the median is reported). 30 since 2026-12-01 (stop 16); 10 before,
-/// when the memory-bound decode's median moved by up to 2 % between runs of the same kernel.
+/// Timed calls per figure (the median is reported). With 10, the memory-bound decode's median
+/// moved by up to 2 % between runs of the same kernel.
 const REPS: usize = 30;
 
 /// Median of a timing loop: `reps` timed calls of `f` (each between two events) after `warm`,
@@ -317,7 +318,7 @@ type Variant = (bool, DecodeCfg, Option<usize>, bool);
 /// [`DecodeCfg::cluster_size`] allows), each timed and compared with the default
 /// configuration's merged output. E.g. `m:16,4,1,0,5,1,0,4,1,0,2` is the N < 64 default (the
 /// teams block) with 5 stages, `m:16,8,2,0,2,2,0,1@4` the one-team block with one producer warp
-/// at 4 splits, merging through global memory (the default before stop 16).
+/// at 4 splits, merging through global memory.
 fn variants() -> Result<Vec<Variant>> {
     let Ok(spec) = std::env::var("MLA_DIFF_BENCH_DECODE") else {
         return Ok(Vec::new());

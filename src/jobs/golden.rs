@@ -5,7 +5,7 @@
 //! config derivation or the reference itself), nor a change small enough to stay inside the
 //! reference tolerances. A golden case pins everything: the GGUF by sha256, the derived
 //! `MlaConfig`, the run's inputs, and every site of every path. Because
-//! every reduction runs in a fixed order (DESIGN.md), a rerun on the same backend reproduces the
+//! every reduction runs in a fixed order (docs/design.md, "Metrics"), a rerun on the same backend reproduces the
 //! same bits, so [`GOLDEN_TOLERANCE`] can be tight enough that a 1% change of one element fails.
 //!
 //! Layout of a case, `golden/<case>/`:
@@ -20,16 +20,17 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::compare::{self, SiteDiff, Status};
-use crate::config::MlaConfig;
-use crate::error::{Error, Result};
-use crate::gguf::{GgufFile, sha256_hex};
-use crate::paths::Backend;
-use crate::paths::cpu::CpuOps;
-use crate::report::write_file_atomic;
-use crate::run::{self, LayerTraces, RunConfig, RunReport};
-use crate::tolerance::{GOLDEN_TOLERANCE, TOLERANCES, Tolerance};
-use crate::trace::{Site, TensorData, Trace, TraceTensor};
+use crate::backend::Backend;
+use crate::backend::cpu::CpuOps;
+use crate::core::error::{Error, Result};
+use crate::core::fsio::write_file_atomic;
+use crate::core::trace::{Site, TensorData, Trace, TraceTensor};
+use crate::jobs::run::{self, LayerTraces};
+use crate::judge::metrics::{self, SiteDiff, Status};
+use crate::judge::report::{RunConfig, RunReport};
+use crate::judge::tolerance::{GOLDEN_TOLERANCE, TOLERANCES, Tolerance};
+use crate::model::config::MlaConfig;
+use crate::model::gguf::{GgufFile, sha256_hex};
 
 /// Version of `manifest.json`. Bump on any incompatible change.
 pub const GOLDEN_SCHEMA_VERSION: u32 = 1;
@@ -59,7 +60,7 @@ pub struct BackendRef {
     /// `cpu` or `cuda`.
     pub kind: String,
     /// CUDA kernels (`fast`/`simple`); absent for the CPU.
-    pub kernels: Option<crate::cuda::Kernels>,
+    pub kernels: Option<crate::backend::cuda::ops::Kernels>,
     /// The backend's description at record time (informational).
     pub recorded_on: String,
 }
@@ -85,7 +86,7 @@ pub struct ToleranceRow {
     /// Stage group (`Weights`, `Lse`, `Activations`).
     pub group: String,
     /// The rows' precision (`f32`, `bf16`, `engine-bf16`, `engine-f16`).
-    pub dtype: crate::tolerance::Precision,
+    pub dtype: crate::judge::tolerance::Precision,
     /// The limits.
     pub tolerance: Tolerance,
     /// Where the numbers come from.
@@ -312,7 +313,7 @@ pub fn record(req: &RecordRequest<'_>) -> Result<(RunReport, Option<RecordSummar
     let st_bytes = safetensors_bytes(&tensors, req.case)?;
     std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, "create folder", e))?;
     write_file_atomic(&trace_path, &st_bytes, true)?;
-    write_file_atomic(&manifest_path, &crate::report::to_json_bytes(&manifest), true)?;
+    write_file_atomic(&manifest_path, &crate::output::report::to_json_bytes(&manifest), true)?;
     Ok((
         rep,
         Some(RecordSummary {
@@ -372,7 +373,7 @@ fn safetensors_bytes(tensors: &[(String, Vec<usize>, Vec<u8>)], case: &str) -> R
     .collect();
     safetensors::serialize(tensors.iter().map(|(n, s, b)| (n.clone(), V(s, b))), Some(meta))
         .map_err(|e| Error::Usage(format!("safetensors serialization: {e}")))
-        .and_then(crate::st::canonical_header)
+        .and_then(crate::core::st::canonical_header)
 }
 
 /// The golden comparison of one path's trace.
@@ -452,7 +453,7 @@ pub fn read_manifest(golden_dir: &Path, case: &str) -> Result<Manifest> {
 }
 
 /// How `check` obtains the CUDA backend for cases recorded on CUDA.
-pub type CudaFactory<'a> = &'a dyn Fn(crate::tolerance::Dtype, crate::cuda::Kernels) -> Result<Backend>;
+pub type CudaFactory<'a> = &'a dyn Fn(crate::core::dtype::Dtype, crate::backend::cuda::ops::Kernels) -> Result<Backend>;
 
 /// Recomputes case `case` and compares it with its golden.
 ///
@@ -483,7 +484,10 @@ pub fn check(golden_dir: &Path, case: &str, cuda: CudaFactory<'_>) -> Result<Cas
 
     // The GGUF, pinned by sha256.
     let file = if m.gguf.path == EMBEDDED_PATH {
-        GgufFile::from_static(crate::cli::EMBEDDED_NAME, crate::cli::EMBEDDED_GGUF)?
+        GgufFile::from_static(
+            crate::model::fixture::EMBEDDED_NAME,
+            crate::model::fixture::EMBEDDED_GGUF,
+        )?
     } else {
         let p = repo_root(golden_dir)?.join(&m.gguf.path);
         if !p.is_file() {
@@ -534,7 +538,11 @@ pub fn check(golden_dir: &Path, case: &str, cuda: CudaFactory<'_>) -> Result<Cas
     let dtype = m.run.dtype;
     let backend = match m.backend.kind.as_str() {
         "cpu" => Backend::Cpu(CpuOps::new(dtype)),
-        "cuda" => cuda(dtype, m.backend.kernels.unwrap_or(crate::cuda::Kernels::Fast)).map_err(|e| {
+        "cuda" => cuda(
+            dtype,
+            m.backend.kernels.unwrap_or(crate::backend::cuda::ops::Kernels::Fast),
+        )
+        .map_err(|e| {
             err(
                 &case_dir.join(MANIFEST_FILE),
                 format!("recorded on CUDA, which is unavailable here: {e}"),
@@ -550,7 +558,7 @@ pub fn check(golden_dir: &Path, case: &str, cuda: CudaFactory<'_>) -> Result<Cas
 
     // The golden tensors.
     let trace_path = case_dir.join(TRACE_FILE);
-    let tf = crate::st::read(&trace_path)?;
+    let tf = crate::core::st::read(&trace_path)?;
     let mut golden: BTreeMap<(String, String), &GoldenSite> = BTreeMap::new();
     for s in &m.sites {
         if golden.insert((s.trace.clone(), s.site.clone()), s).is_some() {
@@ -629,10 +637,10 @@ fn golden_diff(
     site: Site,
     gs: &GoldenSite,
     new: &TraceTensor,
-    tf: &crate::st::TraceFile,
+    tf: &crate::core::st::TraceFile,
     tol: &Tolerance,
 ) -> std::result::Result<SiteDiff, String> {
-    let shape_ok = compare::shapes_compatible(&gs.shape, &new.shape);
+    let shape_ok = crate::core::trace::shapes_compatible(&gs.shape, &new.shape);
     let mut d = SiteDiff {
         site,
         status: Status::Pass,
@@ -677,8 +685,8 @@ fn golden_diff(
             TensorData::F64(v) => v.iter().map(|&x| x as f32).collect(),
         },
     );
-    let m = compare::metrics(&golden, &new32, tol);
-    let failed = compare::judge(&m, tol);
+    let m = metrics::metrics(&golden, &new32, tol);
+    let failed = metrics::judge(&m, tol);
     d.status = if failed.is_empty() { Status::Pass } else { Status::Fail };
     d.failed = failed;
     d.metrics = Some(m);
@@ -745,7 +753,7 @@ pub fn summary(c: &CaseCheck, quiet: bool) -> String {
                     "== {} · trace {} vs golden (ref = golden, cand = recomputed) ==\n{}\n",
                     c.case,
                     t.trace,
-                    crate::report::site_table(&rows)
+                    crate::output::report::site_table(&rows)
                 ));
             }
         }
@@ -754,10 +762,10 @@ pub fn summary(c: &CaseCheck, quiet: bool) -> String {
         s.push_str(&format!("  note: {n}\n"));
     }
     if !c.report.all_pass() {
-        for l in crate::report::verdict_lines(&c.report) {
+        for l in crate::output::report::verdict_lines(&c.report) {
             s.push_str(&format!("  run: {l}\n"));
         }
-        for l in crate::report::finding_lines(&c.report) {
+        for l in crate::output::report::finding_lines(&c.report) {
             s.push_str(&format!("  {l}\n"));
         }
     }
@@ -782,10 +790,10 @@ mod tests {
     #[test]
     fn one_percent_of_one_element_fails() {
         let (tol, _) = GOLDEN_TOLERANCE;
-        let data = crate::batch::normal_f32(7, 4096);
+        let data = crate::core::batch::normal_f32(7, 4096);
         let rms = (data.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>() / 4096.0).sqrt();
         let g = TraceTensor::f32(vec![64, 64], data.clone());
-        assert!(compare::judge(&compare::metrics(&g, &g, &tol), &tol).is_empty());
+        assert!(metrics::judge(&metrics::metrics(&g, &g, &tol), &tol).is_empty());
         let mut checked = 0;
         for i in 0..data.len() {
             if f64::from(data[i].abs()) < 1.1e-4 * rms {
@@ -795,7 +803,7 @@ mod tests {
                 let mut e = data.clone();
                 e[i] *= s;
                 let c = TraceTensor::f32(vec![64, 64], e);
-                let failed = compare::judge(&compare::metrics(&g, &c, &tol), &tol);
+                let failed = metrics::judge(&metrics::metrics(&g, &c, &tol), &tol);
                 assert!(failed.contains(&"pass_fraction"), "element {i} ×{s} passed");
             }
             checked += 1;

@@ -8,8 +8,8 @@
 
 use comfy_table::{Table, presets};
 
-use crate::config::MlaConfig;
-use crate::gguf::{GgufFile, MetaValue};
+use crate::model::config::MlaConfig;
+use crate::model::gguf::{GgufFile, MetaValue};
 
 /// Longest metadata value shown in full; longer strings and arrays are elided.
 const MAX_VALUE_CHARS: usize = 80;

@@ -1,139 +1,27 @@
 //! The main job: run the reference and the engine paths on the same layer inputs and diff them.
 //!
-//! This module ties the data flow of DESIGN.md together for `mla-diff run` (and for golden
+//! This module ties the data flow of docs/design.md together for `mla-diff run` (and for golden
 //! checks and selftest): it builds each requested layer's input (seeded random hidden states, or
 //! token ids pushed through the embedding and the reference forward of the preceding layers),
 //! runs the reference and every requested path on it, collects the per-site comparisons, and
-//! hands each layer's traces to [`crate::diagnose`] for the findings.
-
-use std::collections::BTreeMap;
+//! hands each layer's traces to [`crate::judge::diagnose`] for the findings.
 
 use ndarray::Array2;
-use serde::{Deserialize, Serialize};
 
-use crate::batch::{Batch, SplitMix64, normal_f32};
-use crate::compare::{self, SiteDiff};
-use crate::config::MlaConfig;
-use crate::diagnose::{self, DiagnoseInput, Finding, PathEvidence};
-use crate::error::{Error, Result};
-use crate::gguf::GgufFile;
-use crate::indexer::Selection;
-use crate::paths::{Backend, LayerInput, PathKind, PathOptions, PathRun};
-use crate::reference;
-use crate::tolerance::Dtype;
-use crate::trace::{Site, Stage, Trace};
-use crate::weights::{LayerWeights, TensorType, embed_hidden};
-
-/// Where the layer input comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum InputMode {
-    /// Seeded standard-normal hidden states, independently per layer.
-    Random,
-    /// Seeded token ids → `token_embd` → reference forward of the preceding layers.
-    Tokens,
-    /// An engine dump's own layer inputs (`mla-diff compare`).
-    #[value(skip)]
-    Dump,
-}
-
-/// What to run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RunConfig {
-    /// Layers to compare, ascending.
-    pub layers: Vec<usize>,
-    /// The batch: sequence lengths and start positions.
-    pub batch: Batch,
-    /// Seed of the inputs and of the block-table shuffle.
-    pub seed: u64,
-    /// Input mode.
-    pub input: InputMode,
-    /// Paths to run.
-    pub paths: Vec<PathKind>,
-    /// Path options (page size, splits, TP, chunking, faults).
-    pub path_options: PathOptions,
-    /// Compute dtype of the paths.
-    pub dtype: Dtype,
-    /// The backend, as reported (`cpu`, or the GPU and its versions).
-    pub backend: String,
-}
-
-impl Default for RunConfig {
-    fn default() -> Self {
-        RunConfig {
-            layers: vec![0],
-            batch: Batch::single(19, 0),
-            seed: 0,
-            input: InputMode::Random,
-            paths: PathKind::ALL.to_vec(),
-            path_options: PathOptions::default(),
-            dtype: Dtype::F32,
-            backend: "cpu".into(),
-        }
-    }
-}
-
-/// A short description of the model for reports.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ModelSummary {
-    /// File path as given (or the embedded fixture's name).
-    pub path: String,
-    /// The MLA configuration.
-    pub config: MlaConfig,
-    /// ggml types of the MLA tensors of the first requested layer.
-    pub tensor_types: Vec<TensorType>,
-}
-
-/// The comparison of one path at one layer.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct PathResult {
-    /// The path.
-    pub path: PathKind,
-    /// Layer index.
-    pub layer: usize,
-    /// Per-site comparisons in data-flow order.
-    pub diffs: Vec<SiteDiff>,
-    /// What injected faults did.
-    pub notes: Vec<String>,
-}
-
-/// Everything `run` produced.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct RunReport {
-    /// The model.
-    pub model: ModelSummary,
-    /// What was run.
-    pub run: RunConfig,
-    /// Token ids used (token input mode only).
-    pub token_ids: Option<Vec<u32>>,
-    /// One entry per (layer, path), layers ascending, paths in run order.
-    pub results: Vec<PathResult>,
-    /// One finding per path at its first divergence (the earliest layer that diverges).
-    pub findings: Vec<Finding>,
-    /// The engine dump compared (`mla-diff compare`); `None` for `run`.
-    pub dump: Option<crate::dump::DumpSummary>,
-}
-
-impl RunReport {
-    /// The first failing site of each path, over all layers in order (DESIGN.md: per path).
-    pub fn first_divergence(&self) -> BTreeMap<PathKind, Option<&SiteDiff>> {
-        let mut m = BTreeMap::new();
-        for &p in &self.run.paths {
-            let first = self
-                .results
-                .iter()
-                .filter(|r| r.path == p)
-                .find_map(|r| compare::first_divergence(&r.diffs));
-            m.insert(p, first);
-        }
-        m
-    }
-
-    /// True when every site of every path passed and nothing was found.
-    pub fn all_pass(&self) -> bool {
-        self.findings.is_empty() && self.results.iter().all(|r| r.diffs.iter().all(|d| !d.is_failure()))
-    }
-}
+use crate::backend::Backend;
+use crate::compute::indexer::Selection;
+use crate::compute::path::{LayerInput, PathKind, PathRun};
+use crate::compute::reference;
+use crate::compute::reference::{reference_layer, reference_layer_full};
+use crate::core::batch::{Batch, SplitMix64, normal_f32};
+use crate::core::error::{Error, Result};
+use crate::core::trace::{Site, Stage, Trace};
+use crate::judge::diagnose::{self, DiagnoseInput, Finding, PathEvidence};
+use crate::judge::metrics::{self, SiteDiff};
+use crate::judge::report::{InputMode, ModelSummary, PathResult, RunConfig, RunReport};
+use crate::model::config::MlaConfig;
+use crate::model::gguf::GgufFile;
+use crate::model::weights::{LayerWeights, embed_hidden};
 
 /// Seed of layer `layer`'s random input.
 pub(crate) fn layer_seed(seed: u64, layer: usize) -> u64 {
@@ -144,62 +32,6 @@ pub(crate) fn layer_seed(seed: u64, layer: usize) -> u64 {
 pub fn seeded_tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
     let mut r = SplitMix64::new(seed ^ 0x70C3_E115);
     (0..n).map(|_| r.below(vocab.max(1)) as u32).collect()
-}
-
-/// The reference trace of one layer, with the per-rank weight sites for `tp`.
-pub struct RefOutput {
-    /// Every site, f64.
-    pub trace: Trace,
-    /// `hidden_out`, when the layer's FFN is dense or its MoE FFN was run.
-    pub hidden_out: Option<Array2<f64>>,
-    /// Non-finite MoE weights met on the way (see [`reference::RefLayer::moe_nonfinite`]).
-    pub moe_nonfinite: Vec<(String, usize, usize)>,
-    /// The DSA selection the layer used (see [`reference::RefLayer::selection`]).
-    pub selection: Option<Selection>,
-}
-
-/// Runs the reference on one layer (plus its rank weight sites under TP): attention and a dense
-/// FFN; an MoE layer stops at `o_proj` (see [`reference_layer_full`]). `shared` is the selection
-/// a GLM shared-indexer layer borrows ([`reference::forward_sel`]).
-pub fn reference_layer(
-    cfg: &MlaConfig,
-    w: &LayerWeights,
-    hidden: &Array2<f64>,
-    batch: &Batch,
-    tp: usize,
-    shared: Option<&Selection>,
-) -> Result<RefOutput> {
-    let r = reference::forward_sel(cfg, w, hidden, batch, shared)?;
-    Ok(with_rank_sites(r, cfg, w, tp))
-}
-
-/// A reference layer's output plus the per-rank weight sites for `tp`.
-fn with_rank_sites(r: reference::RefLayer, cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> RefOutput {
-    let mut trace = r.trace;
-    trace.extend(reference::rank_weight_sites(cfg, w, tp));
-    RefOutput {
-        trace,
-        hidden_out: r.hidden_out,
-        moe_nonfinite: r.moe_nonfinite,
-        selection: r.selection,
-    }
-}
-
-/// [`reference_layer`], and for an MoE layer also its MoE FFN ([`reference::forward_full`]):
-/// the MoE sites and `hidden_out`.
-///
-/// Errors: as [`reference::forward_full`].
-pub fn reference_layer_full(
-    file: &GgufFile,
-    cfg: &MlaConfig,
-    w: &LayerWeights,
-    hidden: &Array2<f64>,
-    batch: &Batch,
-    tp: usize,
-    shared: Option<&Selection>,
-) -> Result<RefOutput> {
-    let r = reference::forward_full_sel(file, cfg, w, hidden, batch, shared)?;
-    Ok(with_rank_sites(r, cfg, w, tp))
 }
 
 /// Runs the requested paths on one layer, compares them with the reference and diagnoses them.
@@ -217,11 +49,11 @@ pub fn compare_layer(
     let hidden32 = hidden.mapv(|x| x as f32);
     // Reduced precision: the paths' attention runs on the reference's DSA selection (their own
     // is still recorded and judged at idx_topk, with the tie band of the dtype).
-    let forced = (rc.dtype != crate::tolerance::Dtype::F32)
+    let forced = (rc.dtype != crate::core::dtype::Dtype::F32)
         .then(|| reference.get(&Site::new(w.layer, Stage::IdxTopk)))
         .flatten()
         .map(|t| Selection {
-            rows: crate::indexer::topk_sets(&t.to_f64(), t.shape.last().copied().unwrap_or(0)),
+            rows: crate::compute::indexer::topk_sets(&t.to_f64(), t.shape.last().copied().unwrap_or(0)),
         });
     let input = LayerInput {
         file,
@@ -240,7 +72,7 @@ pub fn compare_layer(
     }
     let diffs: Vec<Vec<SiteDiff>> = runs
         .iter()
-        .map(|pr| compare::diff(reference, &pr.trace, rc.dtype))
+        .map(|pr| metrics::diff(reference, &pr.trace, rc.dtype))
         .collect();
     let findings = diagnose::diagnose(&DiagnoseInput {
         cfg,

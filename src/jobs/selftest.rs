@@ -14,18 +14,21 @@ use comfy_table::{Table, presets};
 use ndarray::Array2;
 use serde::Serialize;
 
-use crate::batch::{Batch, SeqSpec, normal_f32};
-use crate::config::{KvBLayout, MlaConfig};
-use crate::diagnose::{Class, Finding};
-use crate::error::{Error, Result};
-use crate::faults::{Fault, FaultSet};
-use crate::gguf::GgufFile;
-use crate::paths::{Backend, PathKind, PathOptions};
-use crate::reference;
-use crate::run::{RunConfig, compare_layer};
-use crate::tolerance::Dtype;
-use crate::trace::{Site, Stage};
-use crate::weights::{LayerWeights, tensor_name};
+use crate::backend::Backend;
+use crate::compute::faults::{Fault, FaultSet};
+use crate::compute::path::{PathKind, PathOptions};
+use crate::compute::reference;
+use crate::core::batch::{Batch, SeqSpec, normal_f32};
+use crate::core::class::Class;
+use crate::core::dtype::Dtype;
+use crate::core::error::{Error, Result};
+use crate::core::trace::{Site, Stage};
+use crate::jobs::run::compare_layer;
+use crate::judge::diagnose::Finding;
+use crate::judge::report::RunConfig;
+use crate::model::config::{KvBLayout, MlaConfig};
+use crate::model::gguf::GgufFile;
+use crate::model::weights::{LayerWeights, tensor_name};
 
 /// Where the fixtures come from.
 #[derive(Debug, Clone)]
@@ -115,17 +118,18 @@ impl SelftestReport {
 /// Dequantizes every tensor of `file` with the backend and with the CPU decoder and compares
 /// the bits.
 fn dequant_check_file(backend: &Backend, file: &GgufFile, acc: &mut DequantCheck) -> Result<()> {
-    use crate::paths::ops::Ops;
+    use crate::compute::ops::Ops;
     let Backend::Cuda(ops) = backend else { return Ok(()) };
     for t in file.tensors() {
-        let raw = crate::weights::row_slice(file, &t.name, 0..t.n_rows() as usize)?;
+        let raw = crate::model::weights::row_slice(file, &t.name, 0..t.n_rows() as usize)?;
         let n = raw.n_elements();
         let gpu = ops.download(&ops.dequant(t.ggml_type, &raw.bytes, n, &t.name)?)?;
-        let cpu = crate::gguf::dequant::dequantize(t.ggml_type, &raw.bytes, n).map_err(|reason| Error::Dequant {
-            path: file.path().to_path_buf(),
-            tensor: t.name.clone(),
-            reason,
-        })?;
+        let cpu =
+            crate::model::gguf::dequant::dequantize(t.ggml_type, &raw.bytes, n).map_err(|reason| Error::Dequant {
+                path: file.path().to_path_buf(),
+                tensor: t.name.clone(),
+                reason,
+            })?;
         let bad = gpu.iter().zip(&cpu).filter(|(a, b)| a.to_bits() != b.to_bits()).count()
             + cpu.len().abs_diff(gpu.len().min(n));
         if bad > 0 && acc.first_mismatch.is_none() {
@@ -198,7 +202,7 @@ fn natural_misalignment(file: &GgufFile, cfg: &MlaConfig, layer: usize, tp: usiz
     let t = file.tensor(&tensor_name(layer, "attn_output"))?;
     let cut = (cfg.n_head / tp * cfg.v_head_dim) as u64;
     (tp > 1 && !cut.is_multiple_of(t.ggml_type.block_size()))
-        .then(|| Site::new(layer, Stage::WRank(crate::trace::RankedWeight::OProj, 0)))
+        .then(|| Site::new(layer, Stage::WRank(crate::core::trace::RankedWeight::OProj, 0)))
 }
 
 fn fixture_name(src: &ModelSource) -> String {
@@ -235,7 +239,7 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
     for src in models {
         let file = match src {
             ModelSource::File(p) => GgufFile::open(p)?,
-            ModelSource::Embedded => crate::cli::open_model(None)?,
+            ModelSource::Embedded => crate::model::fixture::open_model(None)?,
         };
         let name = fixture_name(src);
         if let Some(acc) = dq.as_mut() {
@@ -270,7 +274,7 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
                 layers: vec![layer],
                 batch: batch.clone(),
                 seed: opts.seed,
-                input: crate::run::InputMode::Random,
+                input: crate::judge::report::InputMode::Random,
                 paths,
                 path_options: PathOptions {
                     page_size: page,

@@ -22,18 +22,19 @@ use std::path::Path;
 use safetensors::SafeTensors;
 use serde::Serialize;
 
-use crate::compare::{self, Metrics};
-use crate::config::{KvBLayout, MlaConfig};
-use crate::diagnose::Class;
-use crate::diagnose::blocks::find_blocks;
-use crate::diagnose::blocks::rel_l2 as rel;
-use crate::dump::Map;
-use crate::error::{Error, Result};
-use crate::gguf::GgufFile;
-use crate::reference::{assemble_kv_b, f64m};
-use crate::tolerance::{Dtype, tolerance};
-use crate::trace::{Stage, TraceTensor};
-use crate::weights::{LayerWeights, QWeights, tensor_name};
+use crate::compute::reference::{assemble_kv_b, f64m};
+use crate::core::class::Class;
+use crate::core::dtype::Dtype;
+use crate::core::error::{Error, Result};
+use crate::core::trace::{Stage, TraceTensor};
+use crate::judge::diagnose::blocks::find_blocks;
+use crate::judge::diagnose::blocks::rel_l2 as rel;
+use crate::judge::metrics::{self, Metrics};
+use crate::judge::tolerance::tolerance;
+use crate::model::config::{KvBLayout, MlaConfig};
+use crate::model::dump::Map;
+use crate::model::gguf::GgufFile;
+use crate::model::weights::{LayerWeights, QWeights, tensor_name};
 
 /// How tensor parallelism splits a parameter (vLLM's linear layer kinds).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,7 +157,7 @@ fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'stat
     let kv_b = assemble_kv_b(cfg, &w.kv_b);
     // W_UK_T comes from attn_k_b, W_UV from attn_v_b, kv_b_proj from both (interleaved per head);
     // a legacy file holds all three in attn_kv_b.
-    let fused = matches!(w.kv_b, crate::weights::KvBWeights::Fused { .. });
+    let fused = matches!(w.kv_b, crate::model::weights::KvBWeights::Fused { .. });
     let (kv_b_src, uk_src, uv_src): (&[&str], &[&str], &[&str]) = if fused {
         (&["attn_kv_b"], &["attn_kv_b"], &["attn_kv_b"])
     } else {
@@ -207,7 +208,7 @@ fn rank_slice(p: &Param, n_head: usize, tp: usize, rank: usize) -> (Vec<f64>, Ve
         }
         Split::Cols(unit) => {
             let cols = nh * unit;
-            let d = crate::diagnose::blocks::take_along(&p.data, &p.shape, 1, rank * cols, cols);
+            let d = crate::judge::diagnose::blocks::take_along(&p.data, &p.shape, 1, rank * cols, cols);
             (d, vec![p.shape[0], cols], (rank * cols, (rank + 1) * cols))
         }
     }
@@ -373,8 +374,8 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
             ));
         }
         let view = st.tensor(&name).map_err(|e| bad(&name, e.to_string()))?;
-        let tt = crate::st::decode_tensor(path, &name, &view)?;
-        if !crate::st::is_float_dtype(view.dtype()) {
+        let tt = crate::core::st::decode_tensor(path, &name, &view)?;
+        if !crate::core::st::is_float_dtype(view.dtype()) {
             return Err(bad(
                 &name,
                 format!("integer dtype {:?}; weights must be floats", view.dtype()),
@@ -477,12 +478,12 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
             source: p.source_names(),
         };
         if *shape == exp_shape {
-            let m = compare::metrics(
+            let m = metrics::metrics(
                 &TraceTensor::f64(exp_shape.clone(), exp.clone()),
                 &TraceTensor::f64(shape.clone(), data.clone()),
                 &tol,
             );
-            tc.pass = compare::judge(&m, &tol).is_empty();
+            tc.pass = metrics::judge(&m, &tol).is_empty();
             tc.metrics = Some(m);
         }
         let mut held_other = false;

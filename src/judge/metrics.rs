@@ -1,7 +1,7 @@
 //! One comparison function for every site: reference vs candidate.
 //!
 //! A bare `allclose` hides what went wrong; this module computes, per site, every metric of
-//! DESIGN.md (shape, NaN/Inf positions, norms and their ratio, `rel_l2`, max |Δ| with its index
+//! docs/design.md, "Metrics" (shape, NaN/Inf positions, norms and their ratio, `rel_l2`, max |Δ| with its index
 //! and both values, max relative error above a floor, cosine difference in f64, the fraction of
 //! elements within `atol + rtol·|ref|`) and decides pass/fail against the tolerance table. The
 //! order of checks follows FlashMLA's `tests/kernelkit/compare.py`: non-finite positions first,
@@ -10,9 +10,9 @@
 
 use serde::Serialize;
 
-use crate::paths::CANARY_BITS;
-use crate::tolerance::{Precision, Tolerance, tolerance};
-use crate::trace::{Site, Stage, Trace, TraceTensor};
+use crate::core::canary::CANARY_BITS;
+use crate::core::trace::{Site, Stage, Trace, TraceTensor, shapes_compatible};
+use crate::judge::tolerance::{Precision, Tolerance, tolerance};
 
 /// Sign and quiet bit cleared: a canary that went through arithmetic (which sets the quiet bit
 /// and may flip the sign) still matches `CANARY_BITS` under this mask.
@@ -99,7 +99,7 @@ pub struct SiteDiff {
     /// A remark on the comparison: for a failing id site (`moe_topk`, `idx_topk`), how many
     /// tokens differ as sets and their mean Jaccard overlap; for an `idx_topk` that passes
     /// although its values differ, the tokens whose kept keys differ only at ties within the
-    /// precision's band ([`crate::tolerance::selection_tie_band`]).
+    /// precision's band ([`crate::judge::tolerance::selection_tie_band`]).
     pub note: Option<String>,
 }
 
@@ -119,17 +119,6 @@ pub fn unravel(mut i: usize, shape: &[usize]) -> Vec<usize> {
         i /= n;
     }
     idx
-}
-
-/// True when two shapes hold the same elements in the same order: equal, or equal after
-/// flattening trailing dims (`[T, N, X]` vs `[T, N·X]`).
-pub fn shapes_compatible(a: &[usize], b: &[usize]) -> bool {
-    if a == b {
-        return true;
-    }
-    let pa: usize = a.iter().product();
-    let pb: usize = b.iter().product();
-    pa == pb && !a.is_empty() && !b.is_empty() && a[0] == b[0]
 }
 
 /// Computes the metrics of `cand` against `reference` under `tol`.
@@ -293,7 +282,7 @@ pub fn judge(m: &Metrics, tol: &Tolerance) -> Vec<&'static str> {
 /// Compares one site under the tolerance row of its stage at `precision` (a [`Dtype`] of
 /// mla-diff's own paths, or an engine dump's [`Precision`]).
 ///
-/// [`Dtype`]: crate::tolerance::Dtype
+/// [`Dtype`]: crate::core::dtype::Dtype
 pub fn diff_site(
     site: Site,
     reference: Option<&TraceTensor>,
@@ -391,14 +380,14 @@ fn set_summary(r: &TraceTensor, c: &TraceTensor) -> String {
         c.shape.last().copied().unwrap_or(0),
     );
     let (a, b) = (
-        crate::indexer::topk_sets(&r.to_f64(), kr),
-        crate::indexer::topk_sets(&c.to_f64(), kc),
+        crate::compute::indexer::topk_sets(&r.to_f64(), kr),
+        crate::compute::indexer::topk_sets(&c.to_f64(), kc),
     );
     let j: Vec<f64> = a
         .iter()
         .zip(&b)
         .filter(|(x, y)| x != y)
-        .map(|(x, y)| crate::indexer::jaccard(x, y))
+        .map(|(x, y)| crate::compute::indexer::jaccard(x, y))
         .collect();
     format!(
         "compared as sets: {} of {} tokens differ (mean Jaccard {:.3} over those)",
@@ -410,7 +399,7 @@ fn set_summary(r: &TraceTensor, c: &TraceTensor) -> String {
 
 /// Passes an `idx_topk` site whose differing tokens differ only by keys whose reference scores
 /// tie with the row's K-th score within the precision's band
-/// ([`crate::tolerance::selection_tie_band`]), and says so in the note. Leaves it failing when
+/// ([`crate::judge::tolerance::selection_tie_band`]), and says so in the note. Leaves it failing when
 /// the reference has no `idx_scores` for the layer (a shared layer) or any flip is not a tie.
 fn accept_selection_ties(d: &mut SiteDiff, reference: &Trace, cand: &TraceTensor, precision: Precision) {
     let layer = d.site.layer;
@@ -423,20 +412,20 @@ fn accept_selection_ties(d: &mut SiteDiff, reference: &Trace, cand: &TraceTensor
     let k = rsel.shape.last().copied().unwrap_or(0);
     let s = rsc.shape.last().copied().unwrap_or(0);
     let (r, c) = (
-        crate::indexer::topk_sets(&rsel.to_f64(), k),
-        crate::indexer::topk_sets(&cand.to_f64(), cand.shape.last().copied().unwrap_or(0)),
+        crate::compute::indexer::topk_sets(&rsel.to_f64(), k),
+        crate::compute::indexer::topk_sets(&cand.to_f64(), cand.shape.last().copied().unwrap_or(0)),
     );
     let scores = rsc.to_f64();
     if r.len() != c.len() || scores.len() != r.len() * s {
         return;
     }
-    let (band, _) = crate::tolerance::selection_tie_band(precision);
+    let (band, _) = crate::judge::tolerance::selection_tie_band(precision);
     let mut ties = Vec::new();
     for (t, (rr, cc)) in r.iter().zip(&c).enumerate() {
         if rr == cc {
             continue;
         }
-        let Some(gap) = crate::indexer::tie_gap(rr, cc, &scores[t * s..(t + 1) * s], band) else {
+        let Some(gap) = crate::compute::indexer::tie_gap(rr, cc, &scores[t * s..(t + 1) * s], band) else {
             return;
         };
         ties.push(format!("token {t} (gap {gap:.1e})"));
@@ -450,7 +439,7 @@ fn accept_selection_ties(d: &mut SiteDiff, reference: &Trace, cand: &TraceTensor
     ));
 }
 
-/// The first failing site in data-flow order (DESIGN.md: the first divergence, per path).
+/// The first failing site in data-flow order (docs/design.md, "Metrics": the first divergence, per path).
 pub fn first_divergence(diffs: &[SiteDiff]) -> Option<&SiteDiff> {
     diffs.iter().filter(|d| d.is_failure()).min_by_key(|d| d.site.order())
 }
@@ -484,9 +473,9 @@ mod tests {
         };
         assert!(pass_fraction_ok(&m(24, 0), &exact) && !pass_fraction_ok(&m(24, 1), &exact));
     }
-    use crate::paths::CANARY;
-    use crate::tolerance::Dtype;
-    use crate::trace::Stage;
+    use crate::core::canary::CANARY;
+    use crate::core::dtype::Dtype;
+    use crate::core::trace::Stage;
 
     fn t32(shape: &[usize], v: Vec<f32>) -> TraceTensor {
         TraceTensor::f32(shape.to_vec(), v)

@@ -7,26 +7,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::trace::Stage;
+use crate::core::dtype::Dtype;
+use crate::model::dump::EngineDtype;
 
-/// The compute dtype of a path (what its activations are rounded to between kernels).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Dtype {
-    /// f32 activations, f32 accumulation.
-    F32,
-    /// bf16 activations and weights, f32 accumulation.
-    Bf16,
-}
-
-impl std::fmt::Display for Dtype {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Dtype::F32 => "f32",
-            Dtype::Bf16 => "bf16",
-        })
-    }
-}
+use crate::core::trace::Stage;
 
 /// Which rows of the tolerance table judge a comparison: one of mla-diff's own paths in its
 /// compute [`Dtype`], or an engine dump in the dtype the engine computed in (`mla-diff compare`).
@@ -67,6 +51,18 @@ impl Precision {
             Precision::Bf16 => "bf16",
             Precision::EngineBf16 => "engine-bf16",
             Precision::EngineF16 => "engine-f16",
+        }
+    }
+}
+
+impl EngineDtype {
+    /// The tolerance rows for a dump computed in this dtype (the dump reader knows the dtype; the
+    /// judge owns the rows, so the mapping lives here).
+    pub fn precision(self) -> Precision {
+        match self {
+            EngineDtype::F32 => Precision::F32,
+            EngineDtype::Bf16 => Precision::EngineBf16,
+            EngineDtype::F16 => Precision::EngineF16,
         }
     }
 }
@@ -409,7 +405,7 @@ pub fn tolerance(stage: Stage, precision: impl Into<Precision>) -> (Tolerance, &
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::STAGES;
+    use crate::core::trace::STAGES;
 
     #[test]
     fn table_covers_every_stage_and_dtype() {

@@ -5,12 +5,12 @@
 //! converter since llama.cpp's MLA support) split `kv_b` and add `*_mla` key/value lengths; legacy
 //! files have one `attn_kv_b` and put the MLA head widths in `key_length`/`value_length`. This
 //! module reads both, treats an absent or zero `q_lora_rank` as "no q compression", and derives
-//! the YaRN softmax scale of MLA.md step 7. A missing or unusable key is an error naming the key.
+//! the YaRN softmax scale of docs/mla.md step 7. A missing or unusable key is an error naming the key.
 
 use serde::Serialize;
 
-use crate::error::{Error, Result};
-use crate::gguf::GgufFile;
+use crate::core::error::{Error, Result};
+use crate::model::gguf::GgufFile;
 
 /// GGUF architectures whose attention is MLA and which this build loads (docs/architectures.md):
 /// `deepseek2` (DeepSeek-V2/V2.5/V3, Kimi-K2, GLM-4.7-Flash), `deepseek32` (DeepSeek-V3.2, DSA),
@@ -96,7 +96,7 @@ pub enum KvBLayout {
     Fused,
 }
 
-/// YaRN RoPE scaling parameters (MLA.md step 9), present only when the file asks for YaRN with
+/// YaRN RoPE scaling parameters (docs/mla.md step 9), present only when the file asks for YaRN with
 /// `factor > 1`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct YarnConfig {
@@ -113,7 +113,7 @@ pub struct YarnConfig {
 }
 
 impl YarnConfig {
-    /// `m = yarn_log_multiplier · ln(factor) + 1` (MLA.md step 7): the square of it multiplies
+    /// `m = yarn_log_multiplier · ln(factor) + 1` (docs/mla.md step 7): the square of it multiplies
     /// the softmax scale. V2-Lite (mscale_all_dim 0.707, factor 40): m ≈ 1.2608, m² ≈ 1.5896.
     pub fn mscale(&self) -> f64 {
         self.log_multiplier * self.factor.ln() + 1.0
@@ -203,7 +203,7 @@ impl MoeConfig {
     }
 }
 
-/// The MLA attention configuration of one model, in MLA.md's dim names.
+/// The MLA attention configuration of one model, in the dim names of docs/mla.md.
 ///
 /// Built by [`MlaConfig::from_gguf`]. Dims are element counts; `softmax_scale` multiplies the raw
 /// `q·k` logits (natural-log softmax).
@@ -233,7 +233,7 @@ pub struct MlaConfig {
     pub rope_base: f64,
     /// YaRN parameters, when `rope.scaling.type` is `yarn` and the factor exceeds 1.
     pub yarn: Option<YarnConfig>,
-    /// `(P+R)^-0.5 · m²` (MLA.md step 7). Never `(L+R)^-0.5`, even on the absorbed path.
+    /// `(P+R)^-0.5 · m²` (docs/mla.md step 7). Never `(L+R)^-0.5`, even on the absorbed path.
     pub softmax_scale: f64,
     /// How `kv_b_proj` is stored (from the tensor index of layer 0).
     pub kv_b_layout: KvBLayout,
@@ -469,7 +469,7 @@ impl MlaConfig {
         self.qk_nope_head_dim + self.qk_rope_head_dim
     }
 
-    /// `m` of MLA.md step 7 (1 without YaRN).
+    /// `m` of docs/mla.md step 7 (1 without YaRN).
     pub fn mscale(&self) -> f64 {
         self.yarn.map_or(1.0, |y| y.mscale())
     }
@@ -509,7 +509,7 @@ impl MlaConfig {
         q
     }
 
-    /// One-line summary in MLA.md's dim names, e.g. `N=6 H=256 Lq=64 L=96 P=32 R=16 V=64`.
+    /// One-line summary in the dim names of docs/mla.md, e.g. `N=6 H=256 Lq=64 L=96 P=32 R=16 V=64`.
     pub fn dims_line(&self) -> String {
         format!(
             "N={} H={} Lq={} L={} P={} R={} V={}",
@@ -693,7 +693,7 @@ fn indexer_config(
     let types_key = k("attention.indexer.types");
     let full = match m.file.meta(&types_key) {
         None => vec![true; n_layer],
-        Some(crate::gguf::MetaValue::Array(arr)) => {
+        Some(crate::model::gguf::MetaValue::Array(arr)) => {
             if arr.len < n_layer as u64 {
                 return Err(m.bad(&types_key, format!("{} entries for block_count {n_layer}", arr.len)));
             }
@@ -703,7 +703,7 @@ fn indexer_config(
                     &types_key,
                     format!(
                         "expected {n_layer} bools (or 0/1), found {}",
-                        crate::gguf::MetaValue::Array(arr.clone()).type_name()
+                        crate::model::gguf::MetaValue::Array(arr.clone()).type_name()
                     ),
                 ));
             }
@@ -756,7 +756,7 @@ fn rope_factors(file: &GgufFile, rope_dim: usize) -> Result<Option<Vec<f64>>> {
             why: format!("R/2 for rope.dimension_count {rope_dim}"),
         });
     }
-    let v = crate::weights::dequant_tensor(file, t)?;
+    let v = crate::model::weights::dequant_tensor(file, t)?;
     if let Some(x) = v.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
         return Err(Error::Dequant {
             path: file.path().to_path_buf(),

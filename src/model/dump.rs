@@ -11,21 +11,14 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use ndarray::Array2;
 use safetensors::{Dtype as StDtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
-use crate::batch::{Batch, SeqSpec};
-use crate::compare;
-use crate::config::{KvBLayout, MlaConfig};
-use crate::diagnose::{self, DiagnoseInput, PathEvidence};
-use crate::error::{Error, Result};
-use crate::gguf::GgufFile;
-use crate::paths::{PathKind, PathOptions};
-use crate::run::{InputMode, ModelSummary, PathResult, RunConfig, RunReport};
-use crate::tolerance::{Dtype, Precision};
-use crate::trace::{Site, Stage, Trace, TraceTensor};
-use crate::weights::{LayerWeights, embed_hidden};
+use crate::core::batch::{Batch, SeqSpec};
+use crate::core::dtype::Dtype;
+use crate::core::error::{Error, Result};
+use crate::core::trace::{Site, Stage, Trace, TraceTensor};
+use crate::model::config::{KvBLayout, MlaConfig};
 
 /// Order of the elements of every rotated rope vector in a dump.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -327,7 +320,7 @@ impl Map {
 }
 
 /// The dtype an engine computed in (dump metadata `dtype`, or `compare --dtype`): picks the
-/// tolerance rows ([`EngineDtype::precision`]).
+/// tolerance rows (`EngineDtype::precision`, in [`crate::judge::tolerance`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum EngineDtype {
@@ -340,15 +333,6 @@ pub enum EngineDtype {
 }
 
 impl EngineDtype {
-    /// The tolerance rows for a dump computed in this dtype.
-    pub fn precision(self) -> Precision {
-        match self {
-            EngineDtype::F32 => Precision::F32,
-            EngineDtype::Bf16 => Precision::EngineBf16,
-            EngineDtype::F16 => Precision::EngineF16,
-        }
-    }
-
     /// The closest compute dtype of mla-diff's own paths (`run.dtype` of a compare report):
     /// f32 for f32, bf16 for bf16 and f16.
     pub fn compute_dtype(self) -> Dtype {
@@ -388,29 +372,6 @@ pub struct Dump {
     pub conversions: Vec<String>,
     /// Tensors that are not sites and that no map rule renamed.
     pub ignored: Vec<String>,
-}
-
-/// A summary of the dump for reports and JSON.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct DumpSummary {
-    /// The dump file, as given.
-    pub path: String,
-    /// `engine` metadata, or `unknown`.
-    pub engine: String,
-    /// The map applied, if any.
-    pub map: Option<String>,
-    /// All metadata.
-    pub metadata: BTreeMap<String, String>,
-    /// Conversions applied.
-    pub conversions: Vec<String>,
-    /// Dump tensors that were not compared (not sites, not renamed).
-    pub ignored: Vec<String>,
-    /// Reference sites of the dumped layers that the dump lacks.
-    pub not_dumped: Vec<String>,
-    /// The dtype the engine computed in (metadata `dtype`, or `--dtype`).
-    pub dtype: EngineDtype,
-    /// The tolerance rows applied (`f32`, `engine-bf16`, `engine-f16`).
-    pub tolerance_rows: Precision,
 }
 
 /// A dumped site before normalization.
@@ -590,7 +551,9 @@ fn normalize_shape(
     let n: usize = shape.iter().product();
     if n == numel && !shape.is_empty() && shape[0] == want[0] {
         // [T, N·X] for [T, N, X], [T, 1, X] for [T, X], or any other split of the trailing dims.
-        if compare::shapes_compatible(want, shape) || shape.iter().skip(1).product::<usize>() == numel / want[0] {
+        if crate::core::trace::shapes_compatible(want, shape)
+            || shape.iter().skip(1).product::<usize>() == numel / want[0]
+        {
             return Ok((data, Some(format!("shape {shape:?} read as {want:?}"))));
         }
     }
@@ -953,174 +916,6 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
     })
 }
 
-fn to_array(t: &TraceTensor, rows: usize, cols: usize) -> Result<Array2<f64>> {
-    Array2::from_shape_vec((rows, cols), t.to_f64()).map_err(|e| Error::Usage(e.to_string()))
-}
-
-/// Compares a dump with the reference on the same GGUF: every dumped site, the same metrics,
-/// detectors and table as `run`; the tolerance rows are those of the dtype the engine computed in
-/// (the dump's `dtype` metadata, or `dtype` when given): [`EngineDtype::precision`].
-///
-/// Each dumped layer runs the reference from the dump's own `L{n}.hidden_in`; without it, from
-/// the dump's `L{n-1}.hidden_out`, or (first layer only) from `tokens` through the embedding and
-/// the reference forward of layers `0..n`. When `tokens` are dumped, the first layer's dumped
-/// `hidden_in` is judged against the token-derived input; each later dumped `L{n}.hidden_in` is
-/// judged against the dump's own `L{n-1}.hidden_out`.
-///
-/// An MoE layer's reference runs its MoE FFN (sites `moe_*`, `shared_out`, `hidden_out`) when the
-/// dump holds any of them for that layer; a token-derived input runs every earlier layer whole.
-///
-/// Errors: no input for a layer; a reference layer that cannot run (missing tensors, an MoE
-/// layer in a file without `expert_count`).
-pub fn compare_dump(
-    file: &GgufFile,
-    cfg: &MlaConfig,
-    dump: &Dump,
-    map_name: Option<String>,
-    dtype: Option<EngineDtype>,
-) -> Result<RunReport> {
-    let dtype = dtype.unwrap_or(dump.dtype);
-    let precision = dtype.precision();
-    let t = dump.batch.n_tokens();
-    let layers: Vec<usize> = dump.layers.keys().copied().collect();
-    let mut results = Vec::new();
-    let mut findings = Vec::new();
-    let mut not_dumped = Vec::new();
-    let mut tensor_types = Vec::new();
-    let mut prev: Option<(usize, Option<Array2<f64>>)> = None; // (layer, dump's hidden_out)
-    // The reference selection of the latest full DSA indexer layer, for GLM's shared layers.
-    let mut prev_sel: Option<crate::indexer::Selection> = None;
-    for (i, &layer) in layers.iter().enumerate() {
-        let dl = &dump.layers[&layer];
-        let w = LayerWeights::load(file, cfg, layer)?;
-        if tensor_types.is_empty() {
-            tensor_types = w.types.clone();
-        }
-        let own_in = dl.get(&Site::new(layer, Stage::HiddenIn));
-        // The expected input (what hidden_in is judged against), when known independently.
-        let mut expected_in: Option<Array2<f64>> = None;
-        if i == 0 {
-            if let Some(tk) = &dump.tokens {
-                let mut h = embed_hidden(file, cfg, tk)?;
-                for k in 0..layer {
-                    let wk = LayerWeights::load(file, cfg, k)?;
-                    let r = crate::reference::forward_full_sel(file, cfg, &wk, &h, &dump.batch, prev_sel.as_ref())?;
-                    if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(k) == Some(&true)) {
-                        prev_sel = r.selection;
-                    }
-                    h = r
-                        .hidden_out
-                        .ok_or_else(|| Error::Usage(format!("reference: layer {k} produced no hidden_out")))?;
-                }
-                expected_in = Some(h);
-            }
-        } else if let Some((pl, Some(ho))) = &prev
-            && *pl + 1 == layer
-        {
-            expected_in = Some(ho.clone());
-        }
-        let input = match (own_in, &expected_in, &prev) {
-            (Some(x), _, _) => to_array(x, t, cfg.hidden)?,
-            (None, Some(e), _) => e.clone(),
-            _ => {
-                return Err(Error::Usage(format!(
-                    "{}: layer {layer} has no input: dump L{layer}.hidden_in{}",
-                    dump.path.display(),
-                    if i == 0 { " or tokens" } else { "" }
-                )));
-            }
-        };
-        let wants_ffn = dl
-            .entries()
-            .iter()
-            .any(|(s, _)| s.stage.is_moe() || s.stage == Stage::HiddenOut);
-        let refo = if cfg.is_moe_layer(layer) && wants_ffn {
-            crate::run::reference_layer_full(file, cfg, &w, &input, &dump.batch, 1, prev_sel.as_ref())?
-        } else {
-            crate::run::reference_layer(cfg, &w, &input, &dump.batch, 1, prev_sel.as_ref())?
-        };
-        if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(layer) == Some(&true)) {
-            prev_sel = refo.selection.clone();
-        }
-        let mut reference = refo.trace;
-        if let Some(e) = expected_in {
-            let flat: Vec<f64> = e.iter().copied().collect();
-            reference.record(
-                Site::new(layer, Stage::HiddenIn),
-                TraceTensor::f64(vec![t, cfg.hidden], flat),
-            );
-        }
-        for s in reference.sites_in_order() {
-            if dl.get(&s).is_none() {
-                not_dumped.push(s.to_string());
-            }
-        }
-        let diffs = compare::diff(&reference, dl, precision);
-        let evidence = PathEvidence {
-            kind: PathKind::Dump,
-            trace: dl,
-            diffs: &diffs,
-            empty_partial_rows: &[],
-            unservable: None,
-        };
-        let f = diagnose::diagnose(&DiagnoseInput {
-            cfg,
-            batch: &dump.batch,
-            reference: &reference,
-            paths: vec![evidence],
-            tp: 1,
-            precision,
-        });
-        if findings.is_empty() {
-            findings.extend(f);
-        }
-        results.push(PathResult {
-            path: PathKind::Dump,
-            layer,
-            diffs,
-            notes: Vec::new(),
-        });
-        let ho = dl
-            .get(&Site::new(layer, Stage::HiddenOut))
-            .map(|x| to_array(x, t, cfg.hidden))
-            .transpose()?;
-        prev = Some((layer, ho));
-    }
-    let engine = dump.metadata.get("engine").cloned().unwrap_or_else(|| "unknown".into());
-    let summary = DumpSummary {
-        path: dump.path.display().to_string(),
-        engine: engine.clone(),
-        map: map_name,
-        metadata: dump.metadata.clone(),
-        conversions: dump.conversions.clone(),
-        ignored: dump.ignored.clone(),
-        not_dumped,
-        dtype,
-        tolerance_rows: precision,
-    };
-    Ok(RunReport {
-        model: ModelSummary {
-            path: file.path().display().to_string(),
-            config: cfg.clone(),
-            tensor_types,
-        },
-        run: RunConfig {
-            layers,
-            batch: dump.batch.clone(),
-            seed: 0,
-            input: InputMode::Dump,
-            paths: vec![PathKind::Dump],
-            path_options: PathOptions::default(),
-            dtype: dtype.compute_dtype(),
-            backend: format!("dump: {engine}"),
-        },
-        token_ids: dump.tokens.clone(),
-        results,
-        findings,
-        dump: Some(summary),
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1163,7 +958,7 @@ mod tests {
             leading_dense_block_count: 2,
             vocab: 0,
             moe: None,
-            rope_style: crate::config::RopeStyle::Interleaved,
+            rope_style: crate::model::config::RopeStyle::Interleaved,
             rope_factors: None,
             indexer: None,
             nextn_predict_layers: 0,

@@ -12,9 +12,9 @@
 use ndarray::{Array1, Array2, Array3};
 use serde::Serialize;
 
-use crate::config::{KvBLayout, MlaConfig};
-use crate::error::{Error, Result};
-use crate::gguf::{GgmlType, GgufFile, TensorInfo, dequant};
+use crate::core::error::{Error, Result};
+use crate::model::config::{KvBLayout, MlaConfig};
+use crate::model::gguf::{GgmlType, GgufFile, TensorInfo, dequant};
 
 /// The query projection of one layer.
 #[derive(Debug, Clone)]
@@ -271,7 +271,7 @@ pub struct TensorType {
 
 /// All weights of one MLA layer, dequantized to f32 in PyTorch layout.
 ///
-/// Built by [`LayerWeights::load`]; shapes are in MLA.md's dim names.
+/// Built by [`LayerWeights::load`]; shapes are in the dim names of docs/mla.md.
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
     /// Layer index.
@@ -299,7 +299,7 @@ pub struct LayerWeights {
 }
 
 /// The DSA lightning indexer's weights (llama.cpp `blk.N.indexer.*`; HF `self_attn.indexer.*`),
-/// dequantized to f32 in PyTorch layout. Dims: `N_idx`, `D_idx` of [`crate::config::IndexerConfig`].
+/// dequantized to f32 in PyTorch layout. Dims: `N_idx`, `D_idx` of [`crate::model::config::IndexerConfig`].
 #[derive(Debug, Clone)]
 pub struct IndexerWeights {
     /// The layer these tensors belong to (differs from the layer using them on a shared layer).

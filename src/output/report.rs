@@ -6,16 +6,13 @@
 //! formatted with fixed rules (`{:.3e}` in tables; shortest round-trip in JSON), so two runs on
 //! the same inputs print the same bytes.
 
-use std::io::Write;
-use std::path::Path;
-
 use comfy_table::{Cell, ContentArrangement, Table, presets};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::compare::{SiteDiff, Status};
-use crate::error::{Error, Result};
-use crate::run::RunReport;
+use crate::judge::metrics::{SiteDiff, Status};
+
+use crate::judge::report::RunReport;
 
 /// Version of the `--json` document. Bump on any incompatible change.
 pub const JSON_SCHEMA_VERSION: u32 = 3;
@@ -84,7 +81,7 @@ pub fn metric_cells(d: &SiteDiff) -> [String; 5] {
 /// `◀ first`. Failed metrics are abbreviated: rel (rel_l2), cos (cos_diff), norm (norm ratio),
 /// elem (fraction of elements within atol + rtol), nan (non-finite positions).
 pub fn site_table(diffs: &[SiteDiff]) -> String {
-    let first = crate::compare::first_divergence(diffs).map(|d| d.site);
+    let first = crate::judge::metrics::first_divergence(diffs).map(|d| d.site);
     let mut t = Table::new();
     t.load_style(presets::UTF8_BORDERS_ONLY)
         .set_content_arrangement(ContentArrangement::Disabled)
@@ -238,9 +235,9 @@ pub fn run_line(report: &RunReport) -> String {
     format!(
         "input {}, T={} in {} sequence(s) [{}] from position {}, seed {}, dtype {}, page size {}, splits {}, tp {}, chunk {}{}",
         match r.input {
-            crate::run::InputMode::Random => "random",
-            crate::run::InputMode::Tokens => "tokens",
-            crate::run::InputMode::Dump => "dump",
+            crate::judge::report::InputMode::Random => "random",
+            crate::judge::report::InputMode::Tokens => "tokens",
+            crate::judge::report::InputMode::Dump => "dump",
         },
         r.batch.n_tokens(),
         r.batch.seqs.len(),
@@ -381,46 +378,6 @@ pub fn json(report: &RunReport) -> Value {
         "findings": report.findings,
         "dump": report.dump,
     })
-}
-
-/// Writes `bytes` to `path` through a temporary file in the same folder and a rename, refusing
-/// to replace an existing file unless `force`.
-///
-/// Errors: [`Error::Usage`] when `path` is a folder, or when the file exists and `force` is
-/// false; [`Error::Io`] otherwise.
-pub fn write_file_atomic(path: &Path, bytes: &[u8], force: bool) -> Result<()> {
-    if path.is_dir() {
-        return Err(Error::Usage(format!(
-            "{} is a folder; give a file path",
-            path.display()
-        )));
-    }
-    if path.exists() && !force {
-        return Err(Error::Usage(format!(
-            "{} exists; pass --force to overwrite it",
-            path.display()
-        )));
-    }
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "out".into());
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    // Errors name the file the user asked for; the temporary name is an implementation detail.
-    let res = (|| {
-        let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(path, "create", e))?;
-        f.write_all(bytes).map_err(|e| Error::io(path, "write", e))?;
-        f.sync_all().map_err(|e| Error::io(path, "sync", e))?;
-        std::fs::rename(&tmp, path).map_err(|e| Error::io(path, "rename", e))
-    })();
-    if res.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    res
 }
 
 /// Serializes `value` as pretty JSON with a trailing newline.

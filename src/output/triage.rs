@@ -14,12 +14,13 @@ use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
 
-use crate::compare::{SiteDiff, Status};
-use crate::error::{Error, Result};
-use crate::gguf::GgufFile;
-use crate::paths::Backend;
-use crate::report::{finding_lines, run_line, verdict_lines, write_file_atomic};
-use crate::run::RunReport;
+use crate::backend::Backend;
+use crate::core::error::{Error, Result};
+use crate::core::fsio::write_file_atomic;
+use crate::judge::metrics::{SiteDiff, Status};
+use crate::judge::report::RunReport;
+use crate::model::gguf::GgufFile;
+use crate::output::report::{finding_lines, run_line, verdict_lines};
 
 /// The machine a run happened on. Fields that do not apply (no GPU) are `None`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,19 +83,19 @@ impl Environment {
                 d.compute_capability.1,
                 d.arch,
                 match o.kernels() {
-                    crate::cuda::Kernels::Fast => "fast (tensor-core)",
-                    crate::cuda::Kernels::Simple => "simple (f32 FMA)",
+                    crate::backend::cuda::ops::Kernels::Fast => "fast (tensor-core)",
+                    crate::backend::cuda::ops::Kernels::Simple => "simple (f32 FMA)",
                 }
             ));
             let unknown = || "unknown".to_string();
             env.driver = Some(format!(
                 "{} (CUDA {})",
-                crate::cuda::kernel_driver_release().unwrap_or_else(unknown),
-                crate::cuda::driver_cuda_version().map_or_else(|_| unknown(), |(a, b)| format!("{a}.{b}"))
+                crate::device::kernel_driver_release().unwrap_or_else(unknown),
+                crate::device::driver_cuda_version().map_or_else(|_| unknown(), |(a, b)| format!("{a}.{b}"))
             ));
-            env.nvrtc = Some(crate::cuda::nvrtc_version().map_or_else(|_| unknown(), |(a, b)| format!("{a}.{b}")));
+            env.nvrtc = Some(crate::device::nvrtc_version().map_or_else(|_| unknown(), |(a, b)| format!("{a}.{b}")));
             env.cublas =
-                Some(crate::cuda::cublas_version().map_or_else(|_| unknown(), |(a, b, c)| format!("{a}.{b}.{c}")));
+                Some(crate::device::cublas_version().map_or_else(|_| unknown(), |(a, b, c)| format!("{a}.{b}.{c}")));
         }
         env
     }
@@ -126,8 +127,8 @@ pub fn md_escape(s: &str) -> String {
 
 /// Findings grouped by (class, site): the paths that share them, and the first one's evidence
 /// and hint.
-fn grouped_findings(rep: &RunReport) -> Vec<(&crate::diagnose::Finding, Vec<String>)> {
-    let mut g: Vec<(&crate::diagnose::Finding, Vec<String>)> = Vec::new();
+fn grouped_findings(rep: &RunReport) -> Vec<(&crate::judge::diagnose::Finding, Vec<String>)> {
+    let mut g: Vec<(&crate::judge::diagnose::Finding, Vec<String>)> = Vec::new();
     for f in &rep.findings {
         let p = f.path.map_or("file".to_string(), |x| x.to_string());
         match g.iter_mut().find(|(h, _)| h.class == f.class && h.site == f.site) {
@@ -139,7 +140,7 @@ fn grouped_findings(rep: &RunReport) -> Vec<(&crate::diagnose::Finding, Vec<Stri
 }
 
 fn status_cell(d: &SiteDiff, first: bool) -> String {
-    let w = crate::report::status_word(d);
+    let w = crate::output::report::status_word(d);
     let s = if d.status == Status::Pass {
         w
     } else {
@@ -150,13 +151,13 @@ fn status_cell(d: &SiteDiff, first: bool) -> String {
 
 /// The GFM table of one (layer, path).
 fn site_table_md(diffs: &[SiteDiff]) -> String {
-    let first = crate::compare::first_divergence(diffs).map(|d| d.site);
+    let first = crate::judge::metrics::first_divergence(diffs).map(|d| d.site);
     let mut s = String::from(
         "| site | shape | status | rel_l2 | cos_diff | norm ratio | max abs diff at [idx] (ref → cand) | pass |\n\
          |---|---|---|---:|---:|---:|---|---:|\n",
     );
     for d in diffs {
-        let [rel, cos, ratio, worst, pass] = crate::report::metric_cells(d);
+        let [rel, cos, ratio, worst, pass] = crate::output::report::metric_cells(d);
         let _ = writeln!(
             s,
             "| `{}` | {:?} | {} | {rel} | {cos} | {ratio} | {} | {pass} |",
@@ -290,8 +291,8 @@ pub fn markdown(rep: &RunReport, env: &Environment, command: &str, file: &GgufFi
             .map_or("off".to_string(), |y| format!("factor {}", y.factor)),
         c.rms_eps,
         match c.kv_b_layout {
-            crate::config::KvBLayout::Split => "split (attn_k_b, attn_v_b)",
-            crate::config::KvBLayout::Fused => "fused (one attn_kv_b)",
+            crate::model::config::KvBLayout::Split => "split (attn_k_b, attn_v_b)",
+            crate::model::config::KvBLayout::Fused => "fused (one attn_kv_b)",
         },
         c.leading_dense_block_count
     );
@@ -327,9 +328,10 @@ pub fn markdown(rep: &RunReport, env: &Environment, command: &str, file: &GgufFi
 
     s.push_str("## Per-site tables\n\n");
     for r in &rep.results {
-        let first = crate::compare::first_divergence(&r.diffs).map_or("all sites within tolerance".to_string(), |d| {
-            format!("first divergence {}", d.site)
-        });
+        let first = crate::judge::metrics::first_divergence(&r.diffs)
+            .map_or("all sites within tolerance".to_string(), |d| {
+                format!("first divergence {}", d.site)
+            });
         let _ = writeln!(
             s,
             "<details>\n<summary>layer {} · path {} — {}</summary>\n",
@@ -440,7 +442,7 @@ enum Cell {
 ///
 /// Errors: [`Error::Usage`] when plotters fails (it does not for SVG output in memory).
 pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
-    let mut stages: Vec<crate::trace::Stage> = Vec::new();
+    let mut stages: Vec<crate::core::trace::Stage> = Vec::new();
     for r in &rep.results {
         for d in &r.diffs {
             if !stages.contains(&d.site.stage) {
@@ -501,7 +503,7 @@ pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
             .pos(anchor(HPos::Center, VPos::Center));
         for (ri, r) in rep.results.iter().enumerate() {
             let y0 = (nr - 1 - ri) as f64;
-            let first = crate::compare::first_divergence(&r.diffs).map(|d| d.site.stage);
+            let first = crate::judge::metrics::first_divergence(&r.diffs).map(|d| d.site.stage);
             for (ci, st) in stages.iter().enumerate() {
                 let x0 = ci as f64;
                 let d = r.diffs.iter().find(|d| d.site.stage == *st);

@@ -9,11 +9,11 @@ pub mod ops;
 use ndarray::ArrayView2;
 use rayon::prelude::*;
 
-use super::canary_vec;
-use super::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, RopeStyle, Segment};
-use crate::error::{Error, Result};
-use crate::gguf::{GgmlType, dequant};
-use crate::tolerance::Dtype;
+use crate::compute::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, RopeStyle, Segment};
+use crate::core::canary::canary_vec;
+use crate::core::dtype::Dtype;
+use crate::core::error::{Error, Result};
+use crate::model::gguf::{GgmlType, dequant};
 
 /// The CPU backend.
 #[derive(Debug, Clone, Copy)]
@@ -182,7 +182,7 @@ impl Ops for CpuOps {
         check(x, rows * r, "rope")?;
         for (row, &pos) in x.chunks_mut(r).take(rows).zip(positions) {
             check(cos, (pos + 1) * half, "rope table")?;
-            ops::rope_row(
+            crate::compute::ops::rope_row(
                 row,
                 &cos[pos * half..(pos + 1) * half],
                 &sin[pos * half..(pos + 1) * half],

@@ -11,8 +11,8 @@
 use ndarray::{Array2, ArrayView2};
 use rayon::prelude::*;
 
-use super::super::canary_vec;
-use super::super::ops::{EmptyRows, RopeStyle, Segment};
+use crate::compute::ops::{EmptyRows, Segment};
+use crate::core::canary::canary_vec;
 
 /// Query/key tile of [`flash_attention`] (rows).
 pub const TILE: usize = 16;
@@ -65,20 +65,6 @@ pub fn rms_norm_strided(
         }
     });
     out
-}
-
-/// Rotates one rope vector `x` \[R] in place with the cos/sin row of its position (`[R/2]` each).
-pub fn rope_row(x: &mut [f32], cos: &[f32], sin: &[f32], style: RopeStyle) {
-    let half = cos.len();
-    for i in 0..half {
-        let (ia, ib) = match style {
-            RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-            RopeStyle::Neox => (i, i + half),
-        };
-        let (a, b) = (x[ia], x[ib]);
-        x[ia] = a * cos[i] - b * sin[i];
-        x[ib] = b * cos[i] + a * sin[i];
-    }
 }
 
 /// Output of one (segment, head, query tile) work item: indices, rows of output, rows of LSE
@@ -258,7 +244,7 @@ pub fn decode_split(
     m + l.ln()
 }
 
-/// Merges partial attention states `(o_i, lse_i)` (MLA.md "Attention state merge"):
+/// Merges partial attention states `(o_i, lse_i)` (docs/mla.md "Attention state merge"):
 /// `m = max lse_i`, `o = Σ o_i·e^(lse_i−m) / Σ e^(lse_i−m)`, `lse = m + ln Σ e^(lse_i−m)`.
 ///
 /// A partial with `lse = −inf` contributes nothing and its output is not read (it may hold the
@@ -288,7 +274,8 @@ pub fn merge_states(parts: &[(&[f32], f32)], out: &mut [f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::batch::normal_f32;
+    use crate::compute::ops::{RopeStyle, rope_row};
+    use crate::core::batch::normal_f32;
 
     #[test]
     fn parallel_linear_is_bit_identical_to_one_sgemm() {
@@ -403,7 +390,7 @@ mod tests {
         let mut out = canary_vec(3 * 2);
         let mut lse = canary_vec(3);
         flash_attention(&q, &k, &v, 1, 2, 2, &seg, 1.0, EmptyRows::Skip, &mut out, &mut lse);
-        assert!(crate::paths::is_canary(lse[0]) && crate::paths::is_canary(out[0]));
+        assert!(crate::core::canary::is_canary(lse[0]) && crate::core::canary::is_canary(out[0]));
         let mut lse = canary_vec(3);
         flash_attention(
             &q,

@@ -186,7 +186,7 @@ pub fn find_blocks(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::batch::SplitMix64;
+    use crate::core::batch::SplitMix64;
 
     fn randv(seed: u64, n: usize) -> Vec<f64> {
         let mut r = SplitMix64::new(seed);

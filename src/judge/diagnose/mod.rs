@@ -4,7 +4,7 @@
 //! the reference shards in order \[1,0]" points at the line to fix. For each path's first
 //! divergence, the detectors below each test one hypothesis against the reference trace (re-rotate
 //! with the other RoPE style, re-split kv_b grouped, fit a softmax scale, match blocks to shards,
-//! …). The first detector in DESIGN.md's precedence list whose hypothesis explains the candidate
+//! …). The first detector in precedence list of docs/design.md ("Diagnosis") whose hypothesis explains the candidate
 //! names the [`Class`]; evidence always compares the explained error with the error as is. A clean
 //! run produces no finding: every detector only runs on a site that already failed.
 
@@ -14,93 +14,17 @@ use std::collections::BTreeSet;
 
 use serde::Serialize;
 
-use crate::batch::Batch;
-use crate::compare::{self, SiteDiff, Status, is_canary_like};
-use crate::config::{MlaConfig, RopeStyle};
-use crate::indexer;
-use crate::paths::{PathKind, Unservable};
-use crate::reference::rope_inv_freq;
-use crate::tolerance::{Precision, tolerance};
-use crate::trace::{Site, Stage, Trace, TraceTensor};
+use crate::compute::indexer;
+use crate::compute::path::{PathKind, Unservable};
+use crate::compute::reference::rope_inv_freq;
+use crate::core::batch::Batch;
+use crate::core::class::Class;
+use crate::core::trace::{Site, Stage, Trace, TraceTensor};
+use crate::judge::metrics::{self, SiteDiff, Status, is_canary_like};
+use crate::judge::tolerance::{Precision, tolerance};
+use crate::model::config::{MlaConfig, RopeStyle};
 use blocks::rel_l2;
 use blocks::{BlockMatch, find_blocks};
-
-/// Bug classes, in DESIGN.md's precedence order (earlier wins when several explain a site).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Class {
-    /// The output buffer was never written (canary everywhere, or all zero).
-    PhantomOutput,
-    /// Some rows keep the canary.
-    UnwrittenRows,
-    /// A fused weight's shards are in the wrong order.
-    ShardOrder,
-    /// TP rank blocks are permuted or duplicated.
-    TpRankOrder,
-    /// kv_b per-head interleave vs grouped, or k_b transpose.
-    KvBLayout,
-    /// A quantized weight was cut off a quant block boundary.
-    QuantBlockMisaligned,
-    /// A loaded weight holds the expected matrix transposed (`[in, out]` for `[out, in]`).
-    Transposed,
-    /// The other RoPE rotation style explains the values.
-    RopeStyle,
-    /// A constant logit scale explains the attention output.
-    SoftmaxScale,
-    /// Sentinel or log-base error in an LSE merge.
-    LseMerge,
-    /// The tokens select other experts than the reference (`moe_topk`, compared as sets).
-    MoeRouting,
-    /// The DSA indexer's scores are explained by the other RoPE pairing (`idx_scores`).
-    IndexerRopeStyle,
-    /// The DSA indexer's selection is an earlier token's selection (`idx_topk`).
-    IndexerTopkStale,
-    /// The DSA indexer keeps other keys than the reference (`idx_topk`, compared as sets).
-    IndexerSelection,
-    /// NaN/Inf where the reference is finite.
-    Nonfinite,
-    /// Cosine ≈ 1 but the norm ratio is off.
-    ScaleOnly,
-    /// Only this path fails a site the other paths pass.
-    PathDisagreement,
-    /// None of the above.
-    Mismatch,
-    /// The GGUF weights themselves hold NaN/Inf.
-    WeightNonfinite,
-}
-
-impl Class {
-    /// kebab-case name (`shard-order`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Class::PhantomOutput => "phantom-output",
-            Class::UnwrittenRows => "unwritten-rows",
-            Class::ShardOrder => "shard-order",
-            Class::TpRankOrder => "tp-rank-order",
-            Class::KvBLayout => "kv-b-layout",
-            Class::QuantBlockMisaligned => "quant-block-misaligned",
-            Class::Transposed => "transposed",
-            Class::RopeStyle => "rope-style",
-            Class::SoftmaxScale => "softmax-scale",
-            Class::LseMerge => "lse-merge",
-            Class::MoeRouting => "moe-routing",
-            Class::IndexerRopeStyle => "indexer-rope-style",
-            Class::IndexerTopkStale => "indexer-topk-stale",
-            Class::IndexerSelection => "indexer-selection",
-            Class::Nonfinite => "nonfinite",
-            Class::ScaleOnly => "scale-only",
-            Class::PathDisagreement => "path-disagreement",
-            Class::Mismatch => "mismatch",
-            Class::WeightNonfinite => "weight-nonfinite",
-        }
-    }
-}
-
-impl std::fmt::Display for Class {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
 
 /// One diagnosis: what kind of wrong, where, the numbers that show it, and where to look.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -199,7 +123,7 @@ fn phantom_output(x: &SiteCtx<'_>) -> Detected {
             format!(
                 "all {} elements still hold the canary (f32 bits 0x{:08X}): the output buffer was never written",
                 m.numel,
-                crate::paths::CANARY_BITS
+                crate::core::canary::CANARY_BITS
             ),
             "the attention op wrote its result into a tensor the caller never reads; it must write the \
              caller-allocated `output` in place (vLLM custom op with mutates_args=[\"output\"])"
@@ -237,7 +161,10 @@ fn unwritten_rows(x: &SiteCtx<'_>) -> Detected {
     if m.canary == 0 || m.canary == m.numel {
         return None;
     }
-    let exact = cf.iter().filter(|v| v.to_bits() == crate::paths::CANARY_BITS).count();
+    let exact = cf
+        .iter()
+        .filter(|v| v.to_bits() == crate::core::canary::CANARY_BITS)
+        .count();
     let rows = rows_where(x.cand, |i| is_canary_like(cf[i]));
     if exact == 0 && x.site.stage != Stage::Lse {
         // Only quieted canaries: unwritten memory was read by arithmetic. If the same rows'
@@ -938,14 +865,14 @@ fn indexer_rope_style(x: &SiteCtx<'_>) -> Detected {
 type KeySets = Vec<Vec<usize>>;
 
 /// Tokens whose selections differ only at ties within the precision's band (see
-/// [`crate::tolerance::selection_tie_band`]); empty without the reference's `idx_scores`.
+/// [`crate::judge::tolerance::selection_tie_band`]); empty without the reference's `idx_scores`.
 fn tie_rows(x: &SiteCtx<'_>, r: &KeySets, c: &KeySets) -> BTreeSet<usize> {
     let Some(sc) = x.ref_site(Stage::IdxScores) else {
         return BTreeSet::new();
     };
     let s = sc.shape.last().copied().unwrap_or(0);
     let scores = sc.to_f64();
-    let (band, _) = crate::tolerance::selection_tie_band(x.input.precision);
+    let (band, _) = crate::judge::tolerance::selection_tie_band(x.input.precision);
     (0..r.len().min(c.len()))
         .filter(|&i| {
             r[i] != c[i]
@@ -1069,8 +996,8 @@ fn moe_routing(x: &SiteCtx<'_>) -> Detected {
     }
     let k = x.refr.shape.last().copied().unwrap_or(1).max(1);
     let (r, c) = (
-        compare::sorted_rows(x.refr).to_f64(),
-        compare::sorted_rows(x.cand).to_f64(),
+        metrics::sorted_rows(x.refr).to_f64(),
+        metrics::sorted_rows(x.cand).to_f64(),
     );
     let tokens = r.len() / k;
     let logits = x.ref_site(Stage::MoeRouterLogits);
@@ -1143,7 +1070,7 @@ fn nonfinite(x: &SiteCtx<'_>) -> Detected {
     }
     let idx = m
         .first_nonfinite_mismatch
-        .map(|i| compare::unravel(i, &x.refr.shape))
+        .map(|i| metrics::unravel(i, &x.refr.shape))
         .unwrap_or_default();
     Some((
         format!(
@@ -1404,7 +1331,7 @@ pub fn diagnose(input: &DiagnoseInput<'_>) -> Vec<Finding> {
             out.push(misaligned_finding(u, path.kind));
             continue;
         }
-        let Some(first) = compare::first_divergence(path.diffs) else {
+        let Some(first) = metrics::first_divergence(path.diffs) else {
             continue;
         };
         let (Some(refr), Some(cand)) = (input.reference.get(&first.site), path.trace.get(&first.site)) else {
@@ -1452,12 +1379,13 @@ mod tests {
     //! Each detector on real traces of the embedded fixture: it explains the fault it is for, and
     //! stays silent on another fault's divergence.
     use super::*;
-    use crate::faults::{Fault, FaultSet};
-    use crate::gguf::GgufFile;
-    use crate::paths::{LayerInput, PathOptions, PathRun, run_cpu};
-    use crate::run::reference_layer;
-    use crate::tolerance::Dtype;
-    use crate::weights::LayerWeights;
+    use crate::backend::run_cpu;
+    use crate::compute::faults::{Fault, FaultSet};
+    use crate::compute::path::{LayerInput, PathOptions, PathRun};
+    use crate::compute::reference::reference_layer;
+    use crate::core::dtype::Dtype;
+    use crate::model::gguf::GgufFile;
+    use crate::model::weights::LayerWeights;
 
     struct Fixture {
         cfg: MlaConfig,
@@ -1469,19 +1397,19 @@ mod tests {
     }
 
     fn fixture_with(faults: &[Fault], tp: usize, paths: &[PathKind], tweak: impl Fn(&mut MlaConfig)) -> Fixture {
-        let file: GgufFile = crate::cli::open_model(None).unwrap();
+        let file: GgufFile = crate::model::fixture::open_model(None).unwrap();
         let cfg = MlaConfig::from_gguf(&file).unwrap();
         let w = LayerWeights::load(&file, &cfg, 1).unwrap();
         let batch = Batch {
             seqs: [1usize, 15, 16, 17, 21]
                 .iter()
-                .map(|&len| crate::batch::SeqSpec { len, start_pos: 0 })
+                .map(|&len| crate::core::batch::SeqSpec { len, start_pos: 0 })
                 .collect(),
         };
         let t = batch.n_tokens();
         let hidden = ndarray::Array2::from_shape_vec(
             (t, cfg.hidden),
-            crate::batch::normal_f32(3, t * cfg.hidden)
+            crate::core::batch::normal_f32(3, t * cfg.hidden)
                 .into_iter()
                 .map(f64::from)
                 .collect(),
@@ -1508,7 +1436,7 @@ mod tests {
         let runs: Vec<PathRun> = paths.iter().map(|&p| run_cpu(p, &input, &opts).unwrap()).collect();
         let diffs = runs
             .iter()
-            .map(|r| compare::diff(&reference, &r.trace, Dtype::F32))
+            .map(|r| metrics::diff(&reference, &r.trace, Dtype::F32))
             .collect();
         Fixture {
             cfg,
@@ -1545,7 +1473,7 @@ mod tests {
             tp: fx.tp,
             precision: Precision::F32,
         };
-        let first = compare::first_divergence(&fx.diffs[i]).expect("the fault makes a divergence");
+        let first = metrics::first_divergence(&fx.diffs[i]).expect("the fault makes a divergence");
         let x = SiteCtx {
             input: &input,
             path: input.paths[i],
@@ -1562,7 +1490,7 @@ mod tests {
     fn clean_runs_have_no_divergence_to_diagnose() {
         let fx = fixture(&[], 2, PathKind::ALL);
         for d in &fx.diffs {
-            assert!(compare::first_divergence(d).is_none());
+            assert!(metrics::first_divergence(d).is_none());
         }
     }
 
@@ -1666,11 +1594,11 @@ mod tests {
         let mut fx = fixture(&[], 1, &[PathKind::Mha]);
         let site = Site::new(1, Stage::QPeRoped);
         let mut t = fx.runs[0].trace.get(&site).unwrap().clone();
-        if let crate::trace::TensorData::F32(v) = &mut t.data {
+        if let crate::core::trace::TensorData::F32(v) = &mut t.data {
             v.iter_mut().for_each(|x| *x *= 1.3);
         }
         fx.runs[0].trace.record(site, t);
-        fx.diffs[0] = compare::diff(&fx.reference, &fx.runs[0].trace, Dtype::F32);
+        fx.diffs[0] = metrics::diff(&fx.reference, &fx.runs[0].trace, Dtype::F32);
         let (ev, _) = detect(&fx, 0, scale_only).unwrap();
         assert!(ev.contains("norm ratio 1.3000"), "{ev}");
         let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mha]);

@@ -14,7 +14,7 @@
 
 use rayon::prelude::*;
 
-use super::GgmlType;
+use crate::model::gguf::GgmlType;
 
 /// Blocks per parallel work item. Fixed, so results never depend on the thread count.
 const BLOCKS_PER_TASK: usize = 1024;
@@ -332,7 +332,7 @@ mod tests {
     #[test]
     fn local_decoders_match_rlx_gguf_bit_for_bit() {
         // Random bytes, so the f16 scales cover subnormals, infinities and NaNs too.
-        let mut r = crate::batch::SplitMix64::new(7);
+        let mut r = crate::core::batch::SplitMix64::new(7);
         for ty in [GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::IQ4_NL] {
             let blocks = 3000;
             let n = blocks * ty.block_size() as usize;

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 pub use types::GgmlType;
 
-use crate::error::{Error, Result};
+use crate::core::error::{Error, Result};
 
 /// The GGUF magic, `"GGUF"` read as little-endian bytes.
 pub const GGUF_MAGIC: &[u8; 4] = b"GGUF";

@@ -1,0 +1,85 @@
+//! The backends the engine paths run on, each carrying its compute dtype.
+//!
+//! The paths in [`crate::compute`] are written once against the [`crate::compute::ops::Ops`]
+//! trait; a backend supplies the kernels: [`cpu`] (Rust, rayon) everywhere, [`cuda`] (NVRTC
+//! kernels and cuBLAS on top of [`crate::device`]) where a GPU answers. A [`Backend`] is built
+//! with its dtype, and everything that judges its output asks the backend for it, so the rows of
+//! the tolerance table can never disagree with what the kernels computed in.
+
+pub mod cpu;
+pub mod cuda;
+pub mod decode_cfg;
+pub mod prefill_cfg;
+
+use crate::compute::path::{LayerInput, PathKind, PathOptions, PathRun};
+use crate::core::dtype::Dtype;
+use crate::core::error::Result;
+
+/// A backend the engine paths run on.
+#[derive(Debug, Clone)]
+pub enum Backend {
+    /// Host kernels ([`cpu::CpuOps`]).
+    Cpu(cpu::CpuOps),
+    /// GPU kernels ([`cuda::ops::CudaOps`]).
+    Cuda(cuda::ops::CudaOps),
+}
+
+impl Backend {
+    /// `cpu` or `cuda`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Backend::Cpu(_) => "cpu",
+            Backend::Cuda(_) => "cuda",
+        }
+    }
+
+    /// Compute dtype.
+    pub fn dtype(&self) -> Dtype {
+        use crate::compute::ops::Ops;
+        match self {
+            Backend::Cpu(o) => o.dtype(),
+            Backend::Cuda(o) => o.dtype(),
+        }
+    }
+
+    /// The same backend computing in `dtype`.
+    pub fn with_dtype(&self, dtype: Dtype) -> Backend {
+        match self {
+            Backend::Cpu(_) => Backend::Cpu(cpu::CpuOps::new(dtype)),
+            Backend::Cuda(o) => Backend::Cuda(o.with_dtype(dtype)),
+        }
+    }
+
+    /// One line for reports: `cpu` or the GPU, its compute capability and NVRTC version.
+    pub fn describe(&self) -> String {
+        match self {
+            Backend::Cpu(_) => format!("cpu ({} threads)", rayon::current_num_threads()),
+            Backend::Cuda(o) => format!("cuda: {}", cuda::ops::describe(o.device())),
+        }
+    }
+
+    /// This backend when it runs tensor-core kernels (CUDA, fast kernels, bf16), else the CPU
+    /// variant (used to decide whether a fast-vs-simple cross-check applies).
+    pub fn filter_fast(self) -> Backend {
+        match self {
+            Backend::Cuda(o) if o.uses_fast() => Backend::Cuda(o),
+            other => Backend::Cpu(cpu::CpuOps::new(other.dtype())),
+        }
+    }
+
+    /// Runs path `kind` for one layer.
+    pub fn run(&self, kind: PathKind, input: &LayerInput<'_>, opts: &PathOptions) -> Result<PathRun> {
+        match self {
+            Backend::Cpu(o) => crate::compute::engine::run(o, kind, input, opts),
+            Backend::Cuda(o) => cuda::ops::run(o, kind, input, opts),
+        }
+    }
+}
+
+/// Runs path `kind` on the CPU backend (f32).
+///
+/// Errors: only input errors (shapes inconsistent with the configuration); numerical trouble is a
+/// result for the comparison, never an error.
+pub fn run_cpu(kind: PathKind, input: &LayerInput<'_>, opts: &PathOptions) -> Result<PathRun> {
+    crate::compute::engine::run(&cpu::CpuOps::new(Dtype::F32), kind, input, opts)
+}

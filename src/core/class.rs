@@ -1,0 +1,84 @@
+//! The bug classes mla-diff names.
+//!
+//! A class is what a finding claims and what a fault is expected to produce, so both the fault
+//! catalogue (which runs inside the engine paths) and the detectors (which judge them) refer to
+//! it. It sits at the bottom so that neither has to import the other.
+
+use serde::Serialize;
+
+/// Bug classes, in the precedence order of docs/design.md ("Diagnosis") (earlier wins when several explain a site).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Class {
+    /// The output buffer was never written (canary everywhere, or all zero).
+    PhantomOutput,
+    /// Some rows keep the canary.
+    UnwrittenRows,
+    /// A fused weight's shards are in the wrong order.
+    ShardOrder,
+    /// TP rank blocks are permuted or duplicated.
+    TpRankOrder,
+    /// kv_b per-head interleave vs grouped, or k_b transpose.
+    KvBLayout,
+    /// A quantized weight was cut off a quant block boundary.
+    QuantBlockMisaligned,
+    /// A loaded weight holds the expected matrix transposed (`[in, out]` for `[out, in]`).
+    Transposed,
+    /// The other RoPE rotation style explains the values.
+    RopeStyle,
+    /// A constant logit scale explains the attention output.
+    SoftmaxScale,
+    /// Sentinel or log-base error in an LSE merge.
+    LseMerge,
+    /// The tokens select other experts than the reference (`moe_topk`, compared as sets).
+    MoeRouting,
+    /// The DSA indexer's scores are explained by the other RoPE pairing (`idx_scores`).
+    IndexerRopeStyle,
+    /// The DSA indexer's selection is an earlier token's selection (`idx_topk`).
+    IndexerTopkStale,
+    /// The DSA indexer keeps other keys than the reference (`idx_topk`, compared as sets).
+    IndexerSelection,
+    /// NaN/Inf where the reference is finite.
+    Nonfinite,
+    /// Cosine ≈ 1 but the norm ratio is off.
+    ScaleOnly,
+    /// Only this path fails a site the other paths pass.
+    PathDisagreement,
+    /// None of the above.
+    Mismatch,
+    /// The GGUF weights themselves hold NaN/Inf.
+    WeightNonfinite,
+}
+
+impl Class {
+    /// kebab-case name (`shard-order`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Class::PhantomOutput => "phantom-output",
+            Class::UnwrittenRows => "unwritten-rows",
+            Class::ShardOrder => "shard-order",
+            Class::TpRankOrder => "tp-rank-order",
+            Class::KvBLayout => "kv-b-layout",
+            Class::QuantBlockMisaligned => "quant-block-misaligned",
+            Class::Transposed => "transposed",
+            Class::RopeStyle => "rope-style",
+            Class::SoftmaxScale => "softmax-scale",
+            Class::LseMerge => "lse-merge",
+            Class::MoeRouting => "moe-routing",
+            Class::IndexerRopeStyle => "indexer-rope-style",
+            Class::IndexerTopkStale => "indexer-topk-stale",
+            Class::IndexerSelection => "indexer-selection",
+            Class::Nonfinite => "nonfinite",
+            Class::ScaleOnly => "scale-only",
+            Class::PathDisagreement => "path-disagreement",
+            Class::Mismatch => "mismatch",
+            Class::WeightNonfinite => "weight-nonfinite",
+        }
+    }
+}
+
+impl std::fmt::Display for Class {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}

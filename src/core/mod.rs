@@ -1,0 +1,14 @@
+//! The bottom layer: the types every other layer speaks.
+//!
+//! Sites and traces, the NaN canary, batches and the seeded generator, the compute dtype, the
+//! bug classes, the error type, safetensors reading and atomic file writes. Nothing here knows
+//! about GGUF, kernels or verdicts, so any layer above may use it.
+
+pub mod batch;
+pub mod canary;
+pub mod class;
+pub mod dtype;
+pub mod error;
+pub mod fsio;
+pub mod st;
+pub mod trace;

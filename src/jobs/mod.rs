@@ -1,0 +1,15 @@
+//! The commands' work, one module per job, callable as a library.
+//!
+//! `run` (reference and paths on the same layer), `compare` (an engine dump against the
+//! reference), `weights_check`, `golden`, `selftest`, `inspect`, the CPU and GPU benchmarks and
+//! the kernel compile check. Each takes typed options and returns a typed result; the command
+//! line in [`crate::cli`] only parses arguments and prints.
+
+pub mod bench_cpu;
+pub mod bench_gpu;
+pub mod compare;
+pub mod golden;
+pub mod inspect;
+pub mod run;
+pub mod selftest;
+pub mod weights_check;

@@ -1,0 +1,28 @@
+//! The embedded default fixture and the one way to open a model.
+//!
+//! `mla-diff run` must work with no `--model` anywhere, so the smallest quantized fixture of
+//! `golden/models/` is compiled into the binary. Jobs (run, golden, selftest) and the command line
+//! open models through [`open_model`], which falls back to it.
+
+use std::path::PathBuf;
+
+use crate::core::error::Result;
+use crate::model::gguf::GgufFile;
+
+/// Name under which the embedded default fixture is reported.
+pub const EMBEDDED_NAME: &str = "<embedded tiny-v3-q4_k_m.gguf>";
+
+/// The embedded default fixture: the smallest quantized fixture of `golden/models/`, so that
+/// `mla-diff run` works with no `--model` anywhere.
+pub static EMBEDDED_GGUF: &[u8] = include_bytes!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/golden/models/tiny-v3-q4_k_m.gguf"
+));
+
+/// Opens `--model`, or the embedded fixture when absent.
+pub fn open_model(model: Option<&PathBuf>) -> Result<GgufFile> {
+    match model {
+        Some(p) => GgufFile::open(p),
+        None => GgufFile::from_static(EMBEDDED_NAME, EMBEDDED_GGUF),
+    }
+}

@@ -1,0 +1,25 @@
+//! The integration tests, one binary (a module per area): one link instead of one per file, and
+//! `tests/common` compiled once. The CUDA tests are their own binary (`tests/cuda.rs`), since
+//! they skip as a whole where no GPU answers.
+
+mod common;
+
+mod bad_input;
+mod bench_cpu;
+mod compare_dump;
+mod config;
+mod dequant_vectors;
+mod faults;
+mod fixtures;
+mod golden;
+mod hf_golden;
+mod hostile;
+mod json_report;
+mod layering;
+mod moe;
+mod moe_fixture;
+mod scale;
+mod selftest;
+mod snapshots;
+mod triage_report;
+mod weights_check;

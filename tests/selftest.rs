@@ -20,7 +20,6 @@ fn selftest_finds_every_fault_and_nothing_on_clean_runs() {
             layer: 1,
             quick: false,
             seed: 0,
-            dtype: Dtype::F32,
         },
     )
     .unwrap();

@@ -9,6 +9,7 @@ mod bench_cpu;
 mod compare_dump;
 mod config;
 mod dequant_vectors;
+mod dtype;
 mod faults;
 mod fixtures;
 mod golden;

@@ -4,6 +4,8 @@
 //! in-process. Every command returns an [`Outcome`] (0 = within tolerance, 1 = divergence found)
 //! or a library [`Error`] (exit 2), the exit-code contract of docs/design.md.
 
+pub mod values;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -22,6 +24,7 @@ use crate::judge::report::{InputMode, RunConfig, RunReport};
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
 use crate::output::report;
+use values::{DtypeArg, EngineDtypeArg, InputArg, KernelsArg};
 
 /// What a successful command concluded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,7 +83,7 @@ pub struct CompareArgs {
     /// The dtype the engine computed in, which picks the tolerance rows (f32, or the engine-bf16 /
     /// engine-f16 rows); default: the dump's `dtype` metadata, else f32.
     #[arg(long, value_enum)]
-    pub dtype: Option<crate::model::dump::EngineDtype>,
+    pub dtype: Option<EngineDtypeArg>,
     /// Write the JSON report here (schema: docs/json-schema.md).
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -188,7 +191,7 @@ pub fn cmd_compare(a: &CompareArgs, out: &mut dyn Write) -> Result<Outcome> {
     let map_name = map
         .as_ref()
         .map(|m| m.name.clone().unwrap_or_else(|| a.map.clone().unwrap_or_default()));
-    let rep = crate::jobs::compare::compare_dump(&file, &cfg, &dump, map_name, a.dtype)?;
+    let rep = crate::jobs::compare::compare_dump(&file, &cfg, &dump, map_name, a.dtype.map(Into::into))?;
     let backend = Backend::Cpu(CpuOps::new(rep.run.dtype));
     let o = Outputs {
         json: a.json.as_ref(),
@@ -800,15 +803,15 @@ pub struct DeviceArgs {
     #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
     pub backend: BackendChoice,
     /// Compute dtype of the paths: f32, or bf16 inputs with f32 accumulation.
-    #[arg(long, value_enum, default_value_t = Dtype::F32)]
-    pub dtype: Dtype,
+    #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
+    pub dtype: DtypeArg,
     /// CUDA include folder for NVRTC (holding cuda_bf16.h); default $CUDA_HOME/include, else
     /// /usr/local/cuda/include.
     #[arg(long)]
     pub cuda_include: Option<PathBuf>,
     /// CUDA attention kernels: tensor-core ones for bf16 (fast) or the plain FMA ones (simple).
-    #[arg(long, value_enum, default_value_t = crate::backend::cuda::ops::Kernels::Fast)]
-    pub kernels: crate::backend::cuda::ops::Kernels,
+    #[arg(long, value_enum, default_value_t = KernelsArg::Fast)]
+    pub kernels: KernelsArg,
 }
 
 /// Picks the backend and says which on stderr (unless `quiet`): `auto` takes CUDA when a device
@@ -817,11 +820,11 @@ pub struct DeviceArgs {
 /// Errors: `--backend cuda` without a usable device, library or include folder.
 pub fn select_backend(d: &DeviceArgs, quiet: bool) -> Result<Backend> {
     let cuda = || {
-        crate::backend::cuda::ops::CudaOps::new(d.dtype, d.cuda_include.as_deref())
-            .map(|o| Backend::Cuda(o.with_kernels(d.kernels)))
+        crate::backend::cuda::ops::CudaOps::new(d.dtype.into(), d.cuda_include.as_deref())
+            .map(|o| Backend::Cuda(o.with_kernels(d.kernels.into())))
     };
     let b = match d.backend {
-        BackendChoice::Cpu => Backend::Cpu(CpuOps::new(d.dtype)),
+        BackendChoice::Cpu => Backend::Cpu(CpuOps::new(d.dtype.into())),
         BackendChoice::Cuda => cuda()?,
         BackendChoice::Auto => match crate::device::probe() {
             Ok(_) => match cuda() {
@@ -835,14 +838,14 @@ pub fn select_backend(d: &DeviceArgs, quiet: bool) -> Result<Backend> {
                     if !quiet {
                         eprintln!("mla-diff: backend cpu (auto: CUDA unusable: {e})");
                     }
-                    Backend::Cpu(CpuOps::new(d.dtype))
+                    Backend::Cpu(CpuOps::new(d.dtype.into()))
                 }
             },
             Err(e) => {
                 if !quiet {
                     eprintln!("mla-diff: backend cpu (auto: {e})");
                 }
-                Backend::Cpu(CpuOps::new(d.dtype))
+                Backend::Cpu(CpuOps::new(d.dtype.into()))
             }
         },
     };
@@ -879,8 +882,8 @@ pub struct RunSpec {
     pub seed: u64,
     /// Layer input: seeded random hidden states, or seeded token ids through the embedding and
     /// the reference forward of the preceding layers.
-    #[arg(long, value_enum, default_value_t = InputMode::Random)]
-    pub input: InputMode,
+    #[arg(long, value_enum, default_value_t = InputArg::Random)]
+    pub input: InputArg,
     /// Engine path(s) to run.
     #[arg(long, value_enum, default_value_t = PathChoice::All)]
     pub path: PathChoice,
@@ -903,7 +906,7 @@ pub struct RunSpec {
     #[arg(long, default_value_t = 5)]
     pub new_tokens: usize,
     /// Inject a fault from the catalogue into the paths (repeatable).
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = values::fault_parser())]
     pub inject: Vec<Fault>,
 }
 
@@ -1082,7 +1085,7 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
         layers,
         batch,
         seed: a.seed,
-        input: a.input,
+        input: a.input.into(),
         paths: a.path.paths(),
         path_options: PathOptions {
             page_size: a.page_size,
@@ -1093,7 +1096,6 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
             faults: FaultSet(a.inject.clone()),
             ..PathOptions::default()
         },
-        dtype: a.device.dtype,
         backend: String::new(),
     };
     check_faults(&file, &cfg, &rc)?;
@@ -1383,17 +1385,16 @@ pub fn cmd_selftest(a: &SelftestArgs, out: &mut dyn Write) -> Result<Outcome> {
         layer: a.layer,
         quick: a.quick,
         seed: a.seed,
-        dtype: a.device.dtype,
     };
     let rep = selftest::run(&backend, &opts)?;
     if let Some(j) = &a.json {
         crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&rep), a.force)?;
     }
-    let mut text = format!("backend {}, dtype {}\n", backend.describe(), a.device.dtype);
+    let mut text = format!("backend {}, dtype {}\n", backend.describe(), backend.dtype());
     text.push_str(&selftest::confusion_table(&rep));
     let mut ok = rep.all_ok();
     if a.cross_check {
-        let cpu = selftest::run(&Backend::Cpu(CpuOps::new(a.device.dtype)), &opts)?;
+        let cpu = selftest::run(&Backend::Cpu(CpuOps::new(backend.dtype())), &opts)?;
         let (summary, same) = selftest::cross_check(&rep, &cpu, "the CPU backend");
         text.push_str(&summary);
         ok &= same;

@@ -15,7 +15,7 @@ use crate::core::trace::{RankedWeight, Stage};
 use crate::model::config::{KvBLayout, MlaConfig};
 
 /// One injectable bug (docs/faults.md).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Fault {
     /// Attention writes into a private buffer; the caller reads its untouched output buffer.
@@ -31,7 +31,6 @@ pub enum Fault {
     /// `kv_b_proj` output split as `[all k_nope | all v]` instead of per head.
     KvBGrouped,
     /// `attn_k_b` ([N, L, P]) reshaped to [N, P, L] instead of transposed.
-    #[value(name = "k-b-untransposed")]
     #[serde(rename = "k-b-untransposed")]
     KBUntransposed,
     /// NeoX rotation instead of DeepSeek's interleaved rotation.
@@ -91,6 +90,33 @@ impl Fault {
             Fault::StridedKvC => "strided-kv-c",
             Fault::IndexerRopeInterleaved => "indexer-rope-interleaved",
             Fault::IndexerTopkStale => "indexer-topk-stale",
+        }
+    }
+
+    /// One line on what the fault does (the help beside `--inject NAME`).
+    pub fn summary(self) -> &'static str {
+        match self {
+            Fault::PhantomOutput => {
+                "Attention writes into a private buffer; the caller reads its untouched output buffer"
+            }
+            Fault::UnwrittenRows => "Rows whose context chunk has no keys are skipped (output and LSE keep the canary)",
+            Fault::FusedShardSwap => "`fused_qkv_a_proj` assembled as `[kv_a | q_a]`",
+            Fault::TpRankOrder => "TP rank shards of `q_b_proj`/`kv_b_proj` handed out in a rotated rank order",
+            Fault::TpRank0Everywhere => "Every TP rank loads rank 0's shards",
+            Fault::KvBGrouped => "`kv_b_proj` output split as `[all k_nope | all v]` instead of per head",
+            Fault::KBUntransposed => "`attn_k_b` ([N, L, P]) reshaped to [N, P, L] instead of transposed",
+            Fault::RopeNeox => "NeoX rotation instead of DeepSeek's interleaved rotation",
+            Fault::NoMscale => "Softmax scale without the YaRN m² factor",
+            Fault::RopeCosScaled => "cos/sin multiplied by m(factor, mscale_all_dim) instead of the ratio (1)",
+            Fault::LsePlusInf => "An empty partial reports LSE = +inf instead of −inf",
+            Fault::QuantSliceMisaligned => {
+                "A TP loader shards `kv_b_proj` along its input (latent) dim, off the quant blocks"
+            }
+            Fault::StridedKvC => "RMSNorm reads `kv_c` rows with row stride L instead of L+R",
+            Fault::IndexerRopeInterleaved => {
+                "The DSA indexer rotates its q/k with interleaved pairs instead of NeoX halves (the DeepSeek-V3.2 indexer bug; `deepseek32` only)"
+            }
+            Fault::IndexerTopkStale => "Chunked prefill reuses the previous chunk's indexer top-k for the new tokens",
         }
     }
 

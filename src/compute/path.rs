@@ -30,7 +30,7 @@ use crate::model::gguf::{GgmlType, GgufFile};
 use crate::model::weights::LayerWeights;
 
 /// Which engine path to run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum PathKind {
     /// Expanded MHA prefill (vLLM `forward_mha`).
@@ -42,7 +42,6 @@ pub enum PathKind {
     /// Mixed decode + prefill batch (decode tokens first).
     Mixed,
     /// An external engine's dump (`mla-diff compare`): not run by mla-diff, only compared.
-    #[value(skip)]
     Dump,
 }
 

@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 /// The compute dtype of a path (what its activations are rounded to between kernels).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
     /// f32 activations, f32 accumulation.

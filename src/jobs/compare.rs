@@ -13,7 +13,7 @@ use crate::core::error::{Error, Result};
 use crate::core::trace::{Site, Stage, TraceTensor};
 use crate::judge::diagnose::{self, DiagnoseInput, PathEvidence};
 use crate::judge::metrics;
-use crate::judge::report::{DumpSummary, InputMode, ModelSummary, PathResult, RunConfig, RunReport};
+use crate::judge::report::{DumpSummary, InputMode, ModelSummary, PathResult, RunRecord, RunReport};
 use crate::model::config::MlaConfig;
 use crate::model::dump::{Dump, EngineDtype};
 use crate::model::gguf::GgufFile;
@@ -177,7 +177,7 @@ pub fn compare_dump(
             config: cfg.clone(),
             tensor_types,
         },
-        run: RunConfig {
+        run: RunRecord {
             layers,
             batch: dump.batch.clone(),
             seed: 0,

@@ -27,7 +27,7 @@ use crate::core::fsio::write_file_atomic;
 use crate::core::trace::{Site, TensorData, Trace, TraceTensor};
 use crate::jobs::run::{self, LayerTraces};
 use crate::judge::metrics::{self, SiteDiff, Status};
-use crate::judge::report::{RunConfig, RunReport};
+use crate::judge::report::{RunConfig, RunRecord, RunReport};
 use crate::judge::tolerance::{GOLDEN_TOLERANCE, TOLERANCES, Tolerance};
 use crate::model::config::MlaConfig;
 use crate::model::gguf::{GgufFile, sha256_hex};
@@ -117,8 +117,9 @@ pub struct Manifest {
     pub gguf: GgufRef,
     /// `MlaConfig` derived from the GGUF (as JSON; `check` re-derives and compares).
     pub config: serde_json::Value,
-    /// Layers, batch, seed, input mode, paths, path options and dtype.
-    pub run: RunConfig,
+    /// Layers, batch, seed, input mode, paths, path options and dtype (the dtype builds the
+    /// backend `check` runs on, which then judges with its own).
+    pub run: RunRecord,
     /// Token ids (token input mode).
     pub token_ids: Option<Vec<u32>>,
     /// Backend.
@@ -297,7 +298,7 @@ pub fn record(req: &RecordRequest<'_>) -> Result<(RunReport, Option<RecordSummar
             bytes: req.file.file_len(),
         },
         config: serde_json::to_value(req.cfg).map_err(|e| json_err(&manifest_path, e))?,
-        run: rc,
+        run: RunRecord::new(&rc, req.backend.dtype()),
         token_ids: rep.token_ids.clone(),
         backend: BackendRef {
             kind: req.backend.name().to_string(),
@@ -569,7 +570,7 @@ pub fn check(golden_dir: &Path, case: &str, cuda: CudaFactory<'_>) -> Result<Cas
         }
     }
 
-    let (report, layers) = run::run_with_traces(&backend, &file, &cfg, &m.run)?;
+    let (report, layers) = run::run_with_traces(&backend, &file, &cfg, &m.run.config())?;
     if report.token_ids != m.token_ids {
         return Err(err(
             &case_dir.join(MANIFEST_FILE),

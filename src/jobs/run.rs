@@ -18,7 +18,7 @@ use crate::core::error::{Error, Result};
 use crate::core::trace::{Site, Stage, Trace};
 use crate::judge::diagnose::{self, DiagnoseInput, Finding, PathEvidence};
 use crate::judge::metrics::{self, SiteDiff};
-use crate::judge::report::{InputMode, ModelSummary, PathResult, RunConfig, RunReport};
+use crate::judge::report::{InputMode, ModelSummary, PathResult, RunConfig, RunRecord, RunReport};
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
 use crate::model::weights::{LayerWeights, embed_hidden};
@@ -49,7 +49,8 @@ pub fn compare_layer(
     let hidden32 = hidden.mapv(|x| x as f32);
     // Reduced precision: the paths' attention runs on the reference's DSA selection (their own
     // is still recorded and judged at idx_topk, with the tie band of the dtype).
-    let forced = (rc.dtype != crate::core::dtype::Dtype::F32)
+    let dtype = backend.dtype();
+    let forced = (dtype != crate::core::dtype::Dtype::F32)
         .then(|| reference.get(&Site::new(w.layer, Stage::IdxTopk)))
         .flatten()
         .map(|t| Selection {
@@ -72,7 +73,7 @@ pub fn compare_layer(
     }
     let diffs: Vec<Vec<SiteDiff>> = runs
         .iter()
-        .map(|pr| metrics::diff(reference, &pr.trace, rc.dtype))
+        .map(|pr| metrics::diff(reference, &pr.trace, dtype))
         .collect();
     let findings = diagnose::diagnose(&DiagnoseInput {
         cfg,
@@ -90,7 +91,7 @@ pub fn compare_layer(
             })
             .collect(),
         tp: opts.tp,
-        precision: rc.dtype.into(),
+        precision: dtype.into(),
     });
     let results = runs
         .iter()
@@ -286,7 +287,7 @@ fn run_inner(
             config: cfg.clone(),
             tensor_types,
         },
-        run: rc.clone(),
+        run: RunRecord::new(rc, backend.dtype()),
         token_ids,
         results,
         findings,

@@ -20,7 +20,6 @@ use crate::compute::path::{PathKind, PathOptions};
 use crate::compute::reference;
 use crate::core::batch::{Batch, SeqSpec, normal_f32};
 use crate::core::class::Class;
-use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
 use crate::core::trace::{Site, Stage};
 use crate::jobs::run::compare_layer;
@@ -50,8 +49,6 @@ pub struct SelftestOptions {
     pub quick: bool,
     /// Seed of the inputs.
     pub seed: u64,
-    /// Compute dtype of the paths.
-    pub dtype: Dtype,
 }
 
 /// One selftest case.
@@ -282,7 +279,6 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
                     faults: FaultSet(faults),
                     ..PathOptions::default()
                 },
-                dtype: opts.dtype,
                 backend: backend.name().into(),
             };
             let reference_for = |tp: usize| {

@@ -20,7 +20,7 @@ use crate::model::dump::EngineDtype;
 use crate::model::weights::TensorType;
 
 /// Where the layer input comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum InputMode {
     /// Seeded standard-normal hidden states, independently per layer.
@@ -28,7 +28,6 @@ pub enum InputMode {
     /// Seeded token ids → `token_embd` → reference forward of the preceding layers.
     Tokens,
     /// An engine dump's own layer inputs (`mla-diff compare`).
-    #[value(skip)]
     Dump,
 }
 
@@ -47,9 +46,9 @@ pub struct RunConfig {
     pub paths: Vec<PathKind>,
     /// Path options (page size, splits, TP, chunking, faults).
     pub path_options: PathOptions,
-    /// Compute dtype of the paths.
-    pub dtype: Dtype,
-    /// The backend, as reported (`cpu`, or the GPU and its versions).
+    /// The backend, as reported (`cpu`, or the GPU and its versions). A label only: the compute
+    /// dtype, and so the tolerance rows, come from the [`crate::backend::Backend`] the run is
+    /// given, never from here.
     pub backend: String,
 }
 
@@ -62,8 +61,60 @@ impl Default for RunConfig {
             input: InputMode::Random,
             paths: PathKind::ALL.to_vec(),
             path_options: PathOptions::default(),
-            dtype: Dtype::F32,
             backend: "cpu".into(),
+        }
+    }
+}
+
+/// What was run, as reports and golden manifests record it: the [`RunConfig`] and the compute
+/// dtype of the backend that ran it (in that field order, which the JSON documents keep).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunRecord {
+    /// Layers compared, ascending.
+    pub layers: Vec<usize>,
+    /// The batch: sequence lengths and start positions.
+    pub batch: Batch,
+    /// Seed of the inputs and of the block-table shuffle.
+    pub seed: u64,
+    /// Input mode.
+    pub input: InputMode,
+    /// Paths run.
+    pub paths: Vec<PathKind>,
+    /// Path options (page size, splits, TP, chunking, faults).
+    pub path_options: PathOptions,
+    /// Compute dtype of the paths: the backend's ([`crate::backend::Backend::dtype`]); for a dump,
+    /// the closest dtype of mla-diff's own paths to the engine's.
+    pub dtype: Dtype,
+    /// The backend, as reported.
+    pub backend: String,
+}
+
+impl RunRecord {
+    /// The record of `rc` run in `dtype`.
+    pub fn new(rc: &RunConfig, dtype: Dtype) -> Self {
+        let rc = rc.clone();
+        RunRecord {
+            layers: rc.layers,
+            batch: rc.batch,
+            seed: rc.seed,
+            input: rc.input,
+            paths: rc.paths,
+            path_options: rc.path_options,
+            dtype,
+            backend: rc.backend,
+        }
+    }
+
+    /// What to run to reproduce this record (the dtype goes to the backend).
+    pub fn config(&self) -> RunConfig {
+        RunConfig {
+            layers: self.layers.clone(),
+            batch: self.batch.clone(),
+            seed: self.seed,
+            input: self.input,
+            paths: self.paths.clone(),
+            path_options: self.path_options.clone(),
+            backend: self.backend.clone(),
         }
     }
 }
@@ -98,7 +149,7 @@ pub struct RunReport {
     /// The model.
     pub model: ModelSummary,
     /// What was run.
-    pub run: RunConfig,
+    pub run: RunRecord,
     /// Token ids used (token input mode only).
     pub token_ids: Option<Vec<u32>>,
     /// One entry per (layer, path), layers ascending, paths in run order.

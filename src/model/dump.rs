@@ -321,7 +321,7 @@ impl Map {
 
 /// The dtype an engine computed in (dump metadata `dtype`, or `compare --dtype`): picks the
 /// tolerance rows (`EngineDtype::precision`, in [`crate::judge::tolerance`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EngineDtype {
     /// f32 (or f64): judged by the f32 rows.

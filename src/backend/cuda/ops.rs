@@ -73,7 +73,7 @@ impl std::fmt::Debug for Device {
 }
 
 /// Which attention kernels the CUDA backend launches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Kernels {
     /// Tensor-core kernels (mma.sync) for bf16 prefill and decode; the simple ones elsewhere.

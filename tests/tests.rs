@@ -9,6 +9,7 @@ mod bench_cpu;
 mod compare_dump;
 mod config;
 mod dequant_vectors;
+mod diagnose;
 mod dtype;
 mod faults;
 mod fixtures;

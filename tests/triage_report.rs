@@ -80,7 +80,7 @@ fn reproduce_command_drops_output_flags() {
         "--stats",
     ];
     assert_eq!(
-        mla_diff::cli::reproduce_from(args.iter().map(|s| s.to_string())),
+        mla_diff::output::triage::reproduce_from(args.iter().map(|s| s.to_string())),
         "mla-diff run --layer 3 --model 'my model.gguf'"
     );
 }

@@ -54,7 +54,7 @@ impl Backend {
     pub fn describe(&self) -> String {
         match self {
             Backend::Cpu(_) => format!("cpu ({} threads)", rayon::current_num_threads()),
-            Backend::Cuda(o) => format!("cuda: {}", cuda::ops::describe(o.device())),
+            Backend::Cuda(o) => format!("cuda: {}", o.device().describe()),
         }
     }
 

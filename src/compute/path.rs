@@ -41,22 +41,19 @@ pub enum PathKind {
     Chunked,
     /// Mixed decode + prefill batch (decode tokens first).
     Mixed,
-    /// An external engine's dump (`mla-diff compare`): not run by mla-diff, only compared.
-    Dump,
 }
 
 impl PathKind {
     /// Every path, in report order.
     pub const ALL: &'static [PathKind] = &[PathKind::Mha, PathKind::Mqa, PathKind::Chunked, PathKind::Mixed];
 
-    /// Lower-case name (`mha`, `mqa`, `chunked`, `mixed`, `dump`).
+    /// Lower-case name (`mha`, `mqa`, `chunked`, `mixed`).
     pub fn name(self) -> &'static str {
         match self {
             PathKind::Mha => "mha",
             PathKind::Mqa => "mqa",
             PathKind::Chunked => "chunked",
             PathKind::Mixed => "mixed",
-            PathKind::Dump => "dump",
         }
     }
 }

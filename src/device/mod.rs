@@ -9,6 +9,8 @@
 //! [`CudaOps`], the [`crate::compute::ops::Ops`] implementation. Every launch is followed by a
 //! synchronize and an error check that names the kernel.
 
+pub mod context;
+
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
 

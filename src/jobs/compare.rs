@@ -7,13 +7,14 @@
 
 use ndarray::Array2;
 
-use crate::compute::path::{PathKind, PathOptions};
+use crate::compute::path::PathOptions;
 use crate::compute::reference::{reference_layer, reference_layer_full};
 use crate::core::error::{Error, Result};
 use crate::core::trace::{Site, Stage, TraceTensor};
 use crate::judge::diagnose::{self, DiagnoseInput, PathEvidence};
+use crate::judge::label::PathLabel;
 use crate::judge::metrics;
-use crate::judge::report::{DumpSummary, InputMode, ModelSummary, PathResult, RunRecord, RunReport};
+use crate::judge::report::{DumpSummary, InputSource, ModelSummary, PathResult, RunRecord, RunReport};
 use crate::model::config::MlaConfig;
 use crate::model::dump::{Dump, EngineDtype};
 use crate::model::gguf::GgufFile;
@@ -130,7 +131,7 @@ pub fn compare_dump(
         }
         let diffs = metrics::diff(&reference, dl, precision);
         let evidence = PathEvidence {
-            kind: PathKind::Dump,
+            kind: PathLabel::Dump,
             trace: dl,
             diffs: &diffs,
             empty_partial_rows: &[],
@@ -148,7 +149,7 @@ pub fn compare_dump(
             findings.extend(f);
         }
         results.push(PathResult {
-            path: PathKind::Dump,
+            path: PathLabel::Dump,
             layer,
             diffs,
             notes: Vec::new(),
@@ -181,8 +182,8 @@ pub fn compare_dump(
             layers,
             batch: dump.batch.clone(),
             seed: 0,
-            input: InputMode::Dump,
-            paths: vec![PathKind::Dump],
+            input: InputSource::Dump,
+            paths: vec![PathLabel::Dump],
             path_options: PathOptions::default(),
             dtype: dtype.compute_dtype(),
             backend: format!("dump: {engine}"),

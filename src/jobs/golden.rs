@@ -570,7 +570,13 @@ pub fn check(golden_dir: &Path, case: &str, cuda: CudaFactory<'_>) -> Result<Cas
         }
     }
 
-    let (report, layers) = run::run_with_traces(&backend, &file, &cfg, &m.run.config())?;
+    let rc = m.run.config().ok_or_else(|| {
+        err(
+            &case_dir.join(MANIFEST_FILE),
+            "field `run`: records a dump comparison (input or path `dump`), which no run reproduces".into(),
+        )
+    })?;
+    let (report, layers) = run::run_with_traces(&backend, &file, &cfg, &rc)?;
     if report.token_ids != m.token_ids {
         return Err(err(
             &case_dir.join(MANIFEST_FILE),

@@ -10,6 +10,7 @@ pub mod bench_gpu;
 pub mod compare;
 pub mod golden;
 pub mod inspect;
+pub mod kernels;
 pub mod run;
 pub mod selftest;
 pub mod weights_check;

@@ -83,7 +83,7 @@ pub fn compare_layer(
             .iter()
             .zip(&diffs)
             .map(|(pr, d)| PathEvidence {
-                kind: pr.kind,
+                kind: pr.kind.into(),
                 trace: &pr.trace,
                 diffs: d,
                 empty_partial_rows: &pr.empty_partial_rows,
@@ -97,7 +97,7 @@ pub fn compare_layer(
         .iter()
         .zip(diffs)
         .map(|(pr, d)| PathResult {
-            path: pr.kind,
+            path: pr.kind.into(),
             layer: w.layer,
             diffs: d,
             notes: pr.notes.clone(),
@@ -230,11 +230,6 @@ fn run_inner(
                 let v = normal_f32(layer_seed(rc.seed, layer), t * cfg.hidden);
                 Array2::from_shape_vec((t, cfg.hidden), v.into_iter().map(f64::from).collect())
                     .map_err(|e| Error::Usage(e.to_string()))?
-            }
-            InputMode::Dump => {
-                return Err(Error::Usage(
-                    "input mode `dump` belongs to `mla-diff compare`, not to `run`".into(),
-                ));
             }
             InputMode::Tokens => carried.take().ok_or_else(|| {
                 Error::Usage(format!(

@@ -293,7 +293,7 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
                 let expected =
                     natural_misalignment(&file, &cfg, layer, tp).map(|s| (Class::QuantBlockMisaligned, vec![s.stage]));
                 for &path in PathKind::ALL {
-                    let found = findings.iter().find(|f| f.path == Some(path));
+                    let found = findings.iter().find(|f| f.path == Some(path.into()));
                     cases.push(CaseResult {
                         fixture: name.clone(),
                         case: "clean".into(),
@@ -352,7 +352,7 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
                 for path in paths {
                     let stages = fault.expected_stages(path);
                     let expected = Some((fault.expected_class(), stages.clone()));
-                    let found = findings.iter().find(|f| f.path == Some(path));
+                    let found = findings.iter().find(|f| f.path == Some(path.into()));
                     cases.push(CaseResult {
                         fixture: name.clone(),
                         case: fault.name().into(),

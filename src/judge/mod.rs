@@ -6,6 +6,7 @@
 //! render.
 
 pub mod diagnose;
+pub mod label;
 pub mod metrics;
 pub mod report;
 pub mod tolerance;

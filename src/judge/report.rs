@@ -13,6 +13,7 @@ use crate::compute::path::{PathKind, PathOptions};
 use crate::core::batch::Batch;
 use crate::core::dtype::Dtype;
 use crate::judge::diagnose::Finding;
+use crate::judge::label::PathLabel;
 use crate::judge::metrics::{self, SiteDiff};
 use crate::judge::tolerance::Precision;
 use crate::model::config::MlaConfig;
@@ -27,8 +28,48 @@ pub enum InputMode {
     Random,
     /// Seeded token ids → `token_embd` → reference forward of the preceding layers.
     Tokens,
-    /// An engine dump's own layer inputs (`mla-diff compare`).
+}
+
+/// Where a reported run's layer inputs came from: an [`InputMode`] of `run`, or an engine dump's
+/// own inputs (`mla-diff compare`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InputSource {
+    /// [`InputMode::Random`].
+    Random,
+    /// [`InputMode::Tokens`].
+    Tokens,
+    /// An engine dump's own layer inputs.
     Dump,
+}
+
+impl InputSource {
+    /// Lower-case name (`random`, `tokens`, `dump`).
+    pub fn name(self) -> &'static str {
+        match self {
+            InputSource::Random => "random",
+            InputSource::Tokens => "tokens",
+            InputSource::Dump => "dump",
+        }
+    }
+
+    /// The input mode that reproduces it (`None` for a dump: only `compare` reads dumps).
+    pub fn mode(self) -> Option<InputMode> {
+        match self {
+            InputSource::Random => Some(InputMode::Random),
+            InputSource::Tokens => Some(InputMode::Tokens),
+            InputSource::Dump => None,
+        }
+    }
+}
+
+impl From<InputMode> for InputSource {
+    fn from(m: InputMode) -> InputSource {
+        match m {
+            InputMode::Random => InputSource::Random,
+            InputMode::Tokens => InputSource::Tokens,
+        }
+    }
 }
 
 /// What to run.
@@ -76,10 +117,10 @@ pub struct RunRecord {
     pub batch: Batch,
     /// Seed of the inputs and of the block-table shuffle.
     pub seed: u64,
-    /// Input mode.
-    pub input: InputMode,
-    /// Paths run.
-    pub paths: Vec<PathKind>,
+    /// Where the inputs came from.
+    pub input: InputSource,
+    /// Paths run (or the dump).
+    pub paths: Vec<PathLabel>,
     /// Path options (page size, splits, TP, chunking, faults).
     pub path_options: PathOptions,
     /// Compute dtype of the paths: the backend's ([`crate::backend::Backend::dtype`]); for a dump,
@@ -97,25 +138,26 @@ impl RunRecord {
             layers: rc.layers,
             batch: rc.batch,
             seed: rc.seed,
-            input: rc.input,
-            paths: rc.paths,
+            input: rc.input.into(),
+            paths: rc.paths.into_iter().map(PathLabel::Path).collect(),
             path_options: rc.path_options,
             dtype,
             backend: rc.backend,
         }
     }
 
-    /// What to run to reproduce this record (the dtype goes to the backend).
-    pub fn config(&self) -> RunConfig {
-        RunConfig {
+    /// What to run to reproduce this record (the dtype goes to the backend); `None` for the
+    /// record of a dump comparison, which no `run` reproduces.
+    pub fn config(&self) -> Option<RunConfig> {
+        Some(RunConfig {
             layers: self.layers.clone(),
             batch: self.batch.clone(),
             seed: self.seed,
-            input: self.input,
-            paths: self.paths.clone(),
+            input: self.input.mode()?,
+            paths: self.paths.iter().map(|p| p.path()).collect::<Option<Vec<_>>>()?,
             path_options: self.path_options.clone(),
             backend: self.backend.clone(),
-        }
+        })
     }
 }
 
@@ -134,7 +176,7 @@ pub struct ModelSummary {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PathResult {
     /// The path.
-    pub path: PathKind,
+    pub path: PathLabel,
     /// Layer index.
     pub layer: usize,
     /// Per-site comparisons in data-flow order.
@@ -162,7 +204,7 @@ pub struct RunReport {
 
 impl RunReport {
     /// The first failing site of each path, over all layers in order (docs/design.md, "Metrics": per path).
-    pub fn first_divergence(&self) -> BTreeMap<PathKind, Option<&SiteDiff>> {
+    pub fn first_divergence(&self) -> BTreeMap<PathLabel, Option<&SiteDiff>> {
         let mut m = BTreeMap::new();
         for &p in &self.run.paths {
             let first = self

@@ -5,4 +5,5 @@
 //! these functions, which is why this layer sits below [`crate::jobs`].
 
 pub mod report;
+pub mod stats;
 pub mod triage;

@@ -234,11 +234,7 @@ pub fn run_line(report: &RunReport) -> String {
     let faults: Vec<&str> = o.faults.0.iter().map(|f| f.name()).collect();
     format!(
         "input {}, T={} in {} sequence(s) [{}] from position {}, seed {}, dtype {}, page size {}, splits {}, tp {}, chunk {}{}",
-        match r.input {
-            crate::judge::report::InputMode::Random => "random",
-            crate::judge::report::InputMode::Tokens => "tokens",
-            crate::judge::report::InputMode::Dump => "dump",
-        },
+        r.input.name(),
         r.batch.n_tokens(),
         r.batch.seqs.len(),
         lens.join(","),

@@ -624,3 +624,43 @@ pub fn write(
     write_file_atomic(&plot, svg.as_bytes(), force)?;
     write_file_atomic(path, md.as_bytes(), force)
 }
+
+/// The command line of this process, shell-quoted, without its output flags (`--report`,
+/// `--json` and their values, `--force`, `--quiet`, `--stats`), so that it reruns as is and prints
+/// the full table: for "how to reproduce" lines.
+pub fn reproduce_command() -> String {
+    reproduce_from(std::env::args().skip(1))
+}
+
+/// [`reproduce_command`] for given arguments (without the program name).
+pub fn reproduce_from(args: impl IntoIterator<Item = String>) -> String {
+    let mut v = vec!["mla-diff".to_string()];
+    let mut skip_value = false;
+    for a in args {
+        if skip_value {
+            skip_value = false;
+            continue;
+        }
+        if a == "--report" || a == "--json" {
+            skip_value = true;
+            continue;
+        }
+        if matches!(a.as_str(), "--force" | "--quiet" | "--stats")
+            || a.starts_with("--report=")
+            || a.starts_with("--json=")
+        {
+            continue;
+        }
+        v.push(a);
+    }
+    v.iter().map(|a| shell_quote(a)).collect::<Vec<_>>().join(" ")
+}
+
+/// Quotes `s` for a POSIX shell when it holds anything but safe characters.
+pub fn shell_quote(s: &str) -> String {
+    if !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=,:+@%".contains(c)) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}

@@ -6,15 +6,12 @@
 //! speed and buys exact error attribution (this backend is for correctness; speed is the fast
 //! kernels' job).
 
-use std::collections::HashMap;
 use std::ffi::c_void;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys as cb};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
-};
+use cudarc::cublas::{Gemm, GemmConfig, sys as cb};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use crate::backend::decode_cfg::{DecodeCfg, wave_splits};
 use crate::backend::prefill_cfg::PrefillCfg;
@@ -23,12 +20,11 @@ use crate::compute::path::PathKind;
 use crate::core::canary::CANARY_BITS;
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
-use crate::device::{Module, compile, include_dir, probe};
-use crate::device::{supports_wgmma, target_arch};
+use crate::device::Module;
+use crate::device::context::{Device, grid1};
+use crate::device::supports_wgmma;
 use crate::model::gguf::{GgmlType, dequant};
 
-/// Threads per block of the elementwise kernels.
-const THREADS: u32 = 256;
 /// Rows of one flash-prefill block (one warp each), as `FLASH_ROWS` in attention.cu.
 const FLASH_ROWS: usize = 4;
 /// Keys per flash-prefill shared-memory tile, as `FLASH_BK` in attention.cu.
@@ -38,38 +34,6 @@ const MAX_WIDTH: usize = 512;
 
 fn cerr(what: impl std::fmt::Display) -> Error {
     Error::Cuda(what.to_string())
-}
-
-/// Cache key of a fast kernel: module, its two shape dims, its configuration defines.
-type FastKey = (Module, usize, usize, Vec<(&'static str, usize)>);
-
-/// The device, its stream, cuBLAS and the loaded kernel modules, shared by every `CudaOps`.
-pub struct Device {
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    blas: CudaBlas,
-    modules: HashMap<Module, Arc<CudaModule>>,
-    functions: Mutex<HashMap<&'static str, CudaFunction>>,
-    /// Fast kernels, compiled per shape on first use: (module, dim a, dim b, launch
-    /// configuration's defines) → function.
-    fast: Mutex<HashMap<FastKey, CudaFunction>>,
-    /// Device name, e.g. "NVIDIA H200".
-    pub name: String,
-    /// Compute capability.
-    pub compute_capability: (i32, i32),
-    /// The architecture the kernels were compiled for, e.g. `sm_90`.
-    pub arch: String,
-    /// The CUDA include folder NVRTC used.
-    pub include: PathBuf,
-}
-
-impl std::fmt::Debug for Device {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Device")
-            .field("name", &self.name)
-            .field("arch", &self.arch)
-            .finish()
-    }
 }
 
 /// Which attention kernels the CUDA backend launches.
@@ -93,58 +57,18 @@ pub struct CudaOps {
     notes: Arc<Mutex<Vec<String>>>,
 }
 
-fn grid1(n: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: ((n as u32).div_ceil(THREADS).max(1), 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
 impl CudaOps {
     /// The device's compute capability as NVRTC names it (`sm_90`).
     pub fn arch(&self) -> &str {
         &self.dev.arch
     }
 
-    /// Opens device 0, compiles every kernel module with NVRTC for its compute capability and
-    /// loads it, and creates a cuBLAS handle.
+    /// Opens device 0 ([`Device::open`]) for a backend computing in `dtype` with the fast kernels.
     ///
-    /// Errors: [`Error::Cuda`] when a library or the device is missing (checked before cudarc
-    /// is called), when the include folder lacks `cuda_bf16.h`, or with NVRTC's whole log when a
-    /// kernel does not compile.
+    /// Errors: as [`Device::open`].
     pub fn new(dtype: Dtype, include: Option<&Path>) -> Result<Self> {
-        probe()?;
-        let include = include_dir(include)?;
-        let ctx = CudaContext::new(0).map_err(|e| cerr(format!("cuCtxCreate on device 0: {e:?}")))?;
-        let name = ctx.name().map_err(|e| cerr(format!("cuDeviceGetName: {e:?}")))?;
-        let cc = ctx
-            .compute_capability()
-            .map_err(|e| cerr(format!("compute capability: {e:?}")))?;
-        let arch = format!("sm_{}{}", cc.0, cc.1);
-        let stream = ctx.default_stream();
-        let blas = CudaBlas::new(stream.clone()).map_err(|e| cerr(format!("cublasCreate: {e:?}")))?;
-        let mut modules = HashMap::new();
-        for &m in Module::SIMPLE {
-            let c = compile(m, &arch, &include, false, &[])?;
-            let module = ctx
-                .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))
-                .map_err(|e| cerr(format!("{}: cuModuleLoadData: {e:?}", m.file())))?;
-            modules.insert(m, module);
-        }
         Ok(CudaOps {
-            dev: Arc::new(Device {
-                ctx,
-                stream,
-                blas,
-                modules,
-                functions: Mutex::new(HashMap::new()),
-                fast: Mutex::new(HashMap::new()),
-                name,
-                compute_capability: cc,
-                arch,
-                include,
-            }),
+            dev: Arc::new(Device::open(include)?),
             dtype,
             kernels: Kernels::Fast,
             sync_each: true,
@@ -177,7 +101,7 @@ impl CudaOps {
     /// Waits for every launched kernel and reports any error.
     pub fn synchronize(&self) -> Result<()> {
         self.dev
-            .stream
+            .stream()
             .synchronize()
             .map_err(|e| cerr(format!("stream synchronize: {e:?}")))
     }
@@ -192,9 +116,8 @@ impl CudaOps {
         self.kernels == Kernels::Fast && self.dtype == Dtype::Bf16
     }
 
-    /// A fast kernel compiled for shape `(a, b)` (prefill: P+R, V; decode: L+R, L) and the
-    /// configuration `extra` (more `-D` defines), with its dynamic shared memory limit raised to
-    /// `smem` bytes.
+    /// A fast kernel compiled for shape `(a, b)` and configuration `extra`, with `smem` bytes of
+    /// dynamic shared memory allowed ([`Device::fast_function`]).
     pub fn fast_function(
         &self,
         module: Module,
@@ -203,44 +126,12 @@ impl CudaOps {
         extra: &[(&'static str, usize)],
         smem: usize,
     ) -> Result<CudaFunction> {
-        let mut cache = self.dev.fast.lock().map_err(|_| cerr("fast kernel cache poisoned"))?;
-        let key = (module, a, b, extra.to_vec());
-        if let Some(f) = cache.get(&key) {
-            return Ok(f.clone());
-        }
-        let (mut defines, name): (Vec<(&str, usize)>, &str) = match module {
-            Module::FastPrefill => (vec![("MLA_DQK", a), ("MLA_DV", b)], "flash_prefill_mma"),
-            Module::FastDecode => (vec![("MLA_W", a), ("MLA_DV", b)], "decode_split_mma"),
-            _ => return Err(cerr(format!("{} is not a fast kernel module", module.file()))),
-        };
-        defines.extend_from_slice(extra);
-        let c = compile(
-            module,
-            &target_arch(&self.dev.arch, &defines),
-            &self.dev.include,
-            false,
-            &defines,
-        )?;
-        let m = self
-            .dev
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))
-            .map_err(|e| cerr(format!("{}: cuModuleLoadData: {e:?}", module.file())))?;
-        let f = m
-            .load_function(name)
-            .map_err(|e| cerr(format!("{}: kernel `{name}` not found: {e:?}", module.file())))?;
-        f.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .map_err(|e| cerr(format!("{name}: cannot allow {smem} bytes of shared memory: {e:?}")))?;
-        cache.insert(key, f.clone());
-        Ok(f)
+        self.dev.fast_function(module, a, b, extra, smem)
     }
 
     /// The stream (for benchmarks).
     pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.dev.stream
+        self.dev.stream()
     }
 
     /// The device.
@@ -261,20 +152,7 @@ impl CudaOps {
     }
 
     fn func(&self, module: Module, name: &'static str) -> Result<CudaFunction> {
-        let mut cache = self.dev.functions.lock().map_err(|_| cerr("kernel cache poisoned"))?;
-        if let Some(f) = cache.get(name) {
-            return Ok(f.clone());
-        }
-        let m = self
-            .dev
-            .modules
-            .get(&module)
-            .ok_or_else(|| cerr(format!("module {} not loaded", module.file())))?;
-        let f = m
-            .load_function(name)
-            .map_err(|e| cerr(format!("{}: kernel `{name}` not found: {e:?}", module.file())))?;
-        cache.insert(name, f.clone());
-        Ok(f)
+        self.dev.func(module, name)
     }
 
     /// Waits for the stream and turns any asynchronous error into one naming `kernel`.
@@ -283,36 +161,27 @@ impl CudaOps {
             return Ok(());
         }
         self.dev
-            .stream
+            .stream()
             .synchronize()
             .map_err(|e| cerr(format!("kernel `{kernel}` failed: {e:?}")))
     }
 
     pub(crate) fn alloc(&self, n: usize) -> Result<CudaSlice<f32>> {
-        // SAFETY: the memory is filled by the canary kernel (or fully written) before any read.
-        unsafe { self.dev.stream.alloc::<f32>(n.max(1)) }.map_err(|e| cerr(format!("cuMemAlloc of {n} floats: {e:?}")))
+        self.dev.alloc(n)
     }
 
     pub(crate) fn idx(&self, v: &[usize]) -> Result<CudaSlice<i64>> {
-        let w: Vec<i64> = if v.is_empty() {
-            vec![0]
-        } else {
-            v.iter().map(|&x| x as i64).collect()
-        };
-        self.dev
-            .stream
-            .clone_htod(&w)
-            .map_err(|e| cerr(format!("upload indices: {e:?}")))
+        self.dev.idx(v)
     }
 
     /// A bf16 copy of `x` (`n` elements), for kernels and GEMMs that read bf16.
     pub(crate) fn to_bf16(&self, x: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<half::bf16>> {
         // SAFETY: every element is written by cast_bf16 below.
-        let mut y =
-            unsafe { self.dev.stream.alloc::<half::bf16>(n.max(1)) }.map_err(|e| cerr(format!("alloc bf16: {e:?}")))?;
+        let mut y = unsafe { self.dev.stream().alloc::<half::bf16>(n.max(1)) }
+            .map_err(|e| cerr(format!("alloc bf16: {e:?}")))?;
         let f = self.func(Module::Elementwise, "cast_bf16")?;
         let nn = n as i64;
-        let mut b = self.dev.stream.launch_builder(&f);
+        let mut b = self.dev.stream().launch_builder(&f);
         b.arg(x).arg(&mut y).arg(&nn);
         // SAFETY: argument types match the kernel signature in elementwise.cu.
         unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch cast_bf16: {e:?}")))?;
@@ -325,7 +194,7 @@ impl CudaOps {
         let mut y = self.alloc(n)?;
         let nn = n as i64;
         let f = self.func(Module::Elementwise, "round_bf16")?;
-        let mut b = self.dev.stream.launch_builder(&f);
+        let mut b = self.dev.stream().launch_builder(&f);
         b.arg(x).arg(&mut y).arg(&nn);
         // SAFETY: argument types match round_bf16 in elementwise.cu.
         unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch round_bf16: {e:?}")))?;
@@ -340,41 +209,15 @@ impl CudaOps {
         Ok(())
     }
 
-    /// Dequantizes on the GPU when a kernel exists for `ty`.
+    /// Dequantizes on the GPU when a kernel exists for `ty` ([`Device::dequant`]).
     fn gpu_dequant(&self, ty: GgmlType, bytes: &[u8], n: usize) -> Result<Option<CudaSlice<f32>>> {
-        let kernel = match ty {
-            GgmlType::F32 => "dequant_f32",
-            GgmlType::F16 => "dequant_f16",
-            GgmlType::BF16 => "dequant_bf16",
-            GgmlType::Q8_0 => "dequant_q8_0",
-            GgmlType::Q4_0 => "dequant_q4_0",
-            GgmlType::Q4_1 => "dequant_q4_1",
-            GgmlType::Q5_0 => "dequant_q5_0",
-            GgmlType::Q5_1 => "dequant_q5_1",
-            GgmlType::Q4_K => "dequant_q4_k",
-            GgmlType::Q5_K => "dequant_q5_k",
-            GgmlType::Q6_K => "dequant_q6_k",
-            _ => return Ok(None),
-        };
-        let bs = ty.block_size() as usize;
-        let ts = ty.type_size() as usize;
-        if !n.is_multiple_of(bs) || bytes.len() != n / bs * ts {
-            return Err(cerr(format!("{ty}: {} bytes do not hold {n} elements", bytes.len())));
+        match self.dev.dequant(ty, bytes, n)? {
+            Some((y, kernel)) => {
+                self.sync(kernel)?;
+                Ok(Some(y))
+            }
+            None => Ok(None),
         }
-        let raw = self
-            .dev
-            .stream
-            .clone_htod(bytes)
-            .map_err(|e| cerr(format!("upload raw {ty}: {e:?}")))?;
-        let mut y = self.alloc(n)?;
-        let nblocks = (n / bs) as i64;
-        let f = self.func(Module::Dequant, kernel)?;
-        let mut b = self.dev.stream.launch_builder(&f);
-        b.arg(&raw).arg(&mut y).arg(&nblocks);
-        // SAFETY: argument types match dequant.cu.
-        unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch {kernel}: {e:?}")))?;
-        self.sync(kernel)?;
-        Ok(Some(y))
     }
 }
 
@@ -405,7 +248,7 @@ impl CudaOps {
     /// Number of streaming multiprocessors of the device.
     pub fn sm_count(&self) -> Result<usize> {
         self.dev
-            .ctx
+            .context()
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map(|x| x.max(1) as usize)
             .map_err(|e| cerr(format!("multiprocessor count: {e:?}")))
@@ -425,7 +268,7 @@ impl CudaOps {
         };
         let da = |a: D| {
             self.dev
-                .ctx
+                .context()
                 .attribute(a)
                 .map(|x| x.max(0) as usize)
                 .map_err(|e| cerr(format!("device attribute {a:?}: {e:?}")))
@@ -464,7 +307,7 @@ impl CudaOps {
             block_dim: (cfg.threads() as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        f.occupancy_max_active_clusters(lc, &self.dev.stream)
+        f.occupancy_max_active_clusters(lc, self.dev.stream())
             .map(|x| x as usize)
             .map_err(|e| cerr(format!("decode_split_mma: max active clusters of {cluster}: {e:?}")))
     }
@@ -565,7 +408,7 @@ impl CudaOps {
             shared_mem_bytes: smem as u32,
         };
         let (h, em) = (nh as i64, empty.code());
-        let mut b = self.dev.stream.launch_builder(&f);
+        let mut b = self.dev.stream().launch_builder(&f);
         b.arg(qb)
             .arg(kb)
             .arg(vb)
@@ -681,7 +524,7 @@ impl CudaOps {
             shared_mem_bytes: smem as u32,
         };
         let a = [sh.n, sh.nh, sh.block_size, sh.max_blocks, sh.splits].map(|x| x as i64);
-        let mut b = self.dev.stream.launch_builder(&f);
+        let mut b = self.dev.stream().launch_builder(&f);
         b.arg(q).arg(cache).arg(tables_d).arg(ctx_d).arg(parts).arg(lses);
         b.arg(&a[0])
             .arg(&a[1])
@@ -775,7 +618,7 @@ pub struct DecodeShape {
 macro_rules! launch {
     ($self:ident, $module:expr, $name:literal, $cfg:expr, $($arg:expr),* $(,)?) => {{
         let f = $self.func($module, $name)?;
-        let mut b = $self.dev.stream.launch_builder(&f);
+        let mut b = $self.dev.stream().launch_builder(&f);
         $( b.arg($arg); )*
         // SAFETY: the argument list matches the kernel's signature in kernels/*.cu, and every
         // buffer was length-checked by the caller.
@@ -800,14 +643,14 @@ impl Ops for CudaOps {
             return self.canary(0);
         }
         self.dev
-            .stream
+            .stream()
             .clone_htod(data)
             .map_err(|e| cerr(format!("upload: {e:?}")))
     }
 
     fn download(&self, b: &CudaSlice<f32>) -> Result<Vec<f32>> {
         self.dev
-            .stream
+            .stream()
             .clone_dtoh(b)
             .map_err(|e| cerr(format!("download: {e:?}")))
     }
@@ -861,7 +704,7 @@ impl Ops for CudaOps {
                     ldc: o as i32,
                 };
                 // SAFETY: dims and leading dimensions match the buffers checked above.
-                unsafe { self.dev.blas.gemm(cfg, w, x, &mut y) }.map_err(|e| cerr(format!("cublasSgemm: {e:?}")))?;
+                unsafe { self.dev.blas().gemm(cfg, w, x, &mut y) }.map_err(|e| cerr(format!("cublasSgemm: {e:?}")))?;
             }
             Dtype::Bf16 if std::env::var_os("MLA_DIFF_BF16_GEMM").is_some_and(|v| v == "emulate") => {
                 // bf16 inputs held exactly in f32, f32 accumulation: the same arithmetic as the
@@ -881,20 +724,20 @@ impl Ops for CudaOps {
                     ldc: o as i32,
                 };
                 // SAFETY: dims and leading dimensions match the buffers checked above.
-                unsafe { self.dev.blas.gemm(cfg, &wr, &xr, &mut y) }
+                unsafe { self.dev.blas().gemm(cfg, &wr, &xr, &mut y) }
                     .map_err(|e| cerr(format!("cublasSgemm: {e:?}")))?;
             }
             Dtype::Bf16 => {
                 let (wb, xb) = (self.to_bf16(w, o * k)?, self.to_bf16(x, t * k)?);
                 let (alpha, beta) = (1.0f32, 0.0f32);
-                let stream = &self.dev.stream;
+                let stream = &self.dev.stream();
                 let (wp, _gw) = wb.device_ptr(stream);
                 let (xp, _gx) = xb.device_ptr(stream);
                 let (yp, _gy) = y.device_ptr_mut(stream);
                 // SAFETY: bf16 inputs, f32 output, f32 compute; dims as above.
                 unsafe {
                     cudarc::cublas::result::gemm_ex(
-                        *self.dev.blas.handle(),
+                        *self.dev.blas().handle(),
                         cb::cublasOperation_t::CUBLAS_OP_T,
                         cb::cublasOperation_t::CUBLAS_OP_N,
                         o as i32,
@@ -1431,7 +1274,7 @@ impl Ops for CudaOps {
         let mut lse = self.canary(n * nh)?;
         let mut counters = self
             .dev
-            .stream
+            .stream()
             .alloc_zeros::<i32>(n * nh.div_ceil(cfg.hm))
             .map_err(|e| cerr(format!("decode merge counters: {e:?}")))?;
         let (qb, cb16) = (self.to_bf16(q, q.len())?, self.to_bf16(cache, cache.len())?);
@@ -1502,22 +1345,6 @@ impl Ops for CudaOps {
     }
 }
 
-/// A one-line description of the device for reports: name, compute capability, driver and
-/// CUDA versions.
-pub fn describe(dev: &Device) -> String {
-    let nv = crate::device::nvrtc_version()
-        .map(|(a, b)| format!("{a}.{b}"))
-        .unwrap_or_else(|_| "?".into());
-    format!(
-        "{} (compute {}.{}, kernels {}, NVRTC {nv}, include {})",
-        dev.name,
-        dev.compute_capability.0,
-        dev.compute_capability.1,
-        dev.arch,
-        dev.include.display()
-    )
-}
-
 /// Runs path `kind` on the GPU.
 pub fn run(
     ops: &CudaOps,
@@ -1527,6 +1354,5 @@ pub fn run(
 ) -> Result<crate::compute::path::PathRun> {
     let mut r = crate::compute::engine::run(ops, kind, input, opts)?;
     r.notes.extend(ops.take_notes());
-    let _ = &ops.dev.ctx;
     Ok(r)
 }

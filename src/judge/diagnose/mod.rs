@@ -15,11 +15,12 @@ use std::collections::BTreeSet;
 use serde::Serialize;
 
 use crate::compute::indexer;
-use crate::compute::path::{PathKind, Unservable};
+use crate::compute::path::Unservable;
 use crate::compute::reference::rope_inv_freq;
 use crate::core::batch::Batch;
 use crate::core::class::Class;
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
+use crate::judge::label::PathLabel;
 use crate::judge::metrics::{self, SiteDiff, Status, is_canary_like};
 use crate::judge::tolerance::{Precision, tolerance};
 use crate::model::config::{MlaConfig, RopeStyle};
@@ -33,8 +34,8 @@ pub struct Finding {
     pub class: Class,
     /// The site it was found at (the path's first divergence).
     pub site: Site,
-    /// The path (absent for findings about the file itself).
-    pub path: Option<PathKind>,
+    /// The path or dump (absent for findings about the file itself).
+    pub path: Option<PathLabel>,
     /// Numeric evidence, e.g. "cos 0.999999 vs permuted block; 0.012 as is".
     pub evidence: String,
     /// Where to look.
@@ -44,8 +45,8 @@ pub struct Finding {
 /// One path's results, as the detectors need them.
 #[derive(Debug, Clone, Copy)]
 pub struct PathEvidence<'a> {
-    /// The path.
-    pub kind: PathKind,
+    /// The path, or the dump.
+    pub kind: PathLabel,
     /// Its trace.
     pub trace: &'a Trace,
     /// Its per-site comparison.
@@ -86,7 +87,8 @@ struct SiteCtx<'a> {
     explain: f64,
 }
 
-type Detected = Option<(String, String)>;
+/// A detector's answer: `(evidence, hint)` when its hypothesis explains the site.
+pub type Detected = Option<(String, String)>;
 
 fn fmt_e(x: f64) -> String {
     if x == 0.0 { "0".into() } else { format!("{x:.2e}") }
@@ -1212,26 +1214,53 @@ fn mismatch(x: &SiteCtx<'_>) -> (String, String) {
 }
 
 /// Classifies one failing site.
+/// A detector: one hypothesis tested on one failing site.
+type Detector = fn(&SiteCtx<'_>) -> Detected;
+
+/// Every detector with the class it names, in precedence order (earlier wins).
+const DETECTORS: [(Class, Detector); 15] = [
+    (Class::PhantomOutput, phantom_output),
+    (Class::UnwrittenRows, unwritten_rows),
+    (Class::ShardOrder, shard_order),
+    (Class::TpRankOrder, tp_rank_order),
+    (Class::KvBLayout, kv_b_layout),
+    (Class::RopeStyle, rope_style),
+    (Class::SoftmaxScale, softmax_scale),
+    (Class::LseMerge, lse_merge),
+    (Class::MoeRouting, moe_routing),
+    (Class::IndexerRopeStyle, indexer_rope_style),
+    (Class::IndexerTopkStale, indexer_topk_stale),
+    (Class::IndexerSelection, indexer_selection),
+    (Class::Nonfinite, nonfinite),
+    (Class::ScaleOnly, scale_only),
+    (Class::PathDisagreement, path_disagreement),
+];
+
+/// Runs the detector of `class` alone on the first divergence of path `path` of `input` (no
+/// precedence, no other detector): whether that one hypothesis explains the divergence, as
+/// `(evidence, hint)`.
+///
+/// `None` when the path has no divergence, when `class` has no site detector (`mismatch`,
+/// `quant-block-misaligned`, `transposed`, `weight-nonfinite` come from elsewhere), or when the
+/// hypothesis does not explain it. For tests and for callers that ask about one bug class.
+pub fn detect_at(input: &DiagnoseInput<'_>, path: usize, class: Class) -> Detected {
+    let ev = *input.paths.get(path)?;
+    let first = metrics::first_divergence(ev.diffs)?;
+    let x = SiteCtx {
+        input,
+        path: ev,
+        site: first.site,
+        diff: first,
+        refr: input.reference.get(&first.site)?,
+        cand: ev.trace.get(&first.site)?,
+        explain: explain_threshold(first.site.stage, input.precision),
+    };
+    let (_, det) = DETECTORS.iter().find(|(c, _)| *c == class)?;
+    det(&x)
+}
+
 fn classify(x: &SiteCtx<'_>) -> Finding {
-    type Det = fn(&SiteCtx<'_>) -> Detected;
-    let detectors: [(Class, Det); 15] = [
-        (Class::PhantomOutput, phantom_output),
-        (Class::UnwrittenRows, unwritten_rows),
-        (Class::ShardOrder, shard_order),
-        (Class::TpRankOrder, tp_rank_order),
-        (Class::KvBLayout, kv_b_layout),
-        (Class::RopeStyle, rope_style),
-        (Class::SoftmaxScale, softmax_scale),
-        (Class::LseMerge, lse_merge),
-        (Class::MoeRouting, moe_routing),
-        (Class::IndexerRopeStyle, indexer_rope_style),
-        (Class::IndexerTopkStale, indexer_topk_stale),
-        (Class::IndexerSelection, indexer_selection),
-        (Class::Nonfinite, nonfinite),
-        (Class::ScaleOnly, scale_only),
-        (Class::PathDisagreement, path_disagreement),
-    ];
-    for (class, det) in detectors {
+    for (class, det) in DETECTORS {
         // Id sites hold ids, not values: only the set comparisons apply to them.
         let set_class = matches!(
             class,
@@ -1261,7 +1290,7 @@ fn classify(x: &SiteCtx<'_>) -> Finding {
 }
 
 /// A finding for a TP cut that falls inside a quant block.
-pub fn misaligned_finding(u: &Unservable, path: PathKind) -> Finding {
+pub fn misaligned_finding(u: &Unservable, path: PathLabel) -> Finding {
     Finding {
         class: Class::QuantBlockMisaligned,
         site: u.site,
@@ -1372,277 +1401,4 @@ pub fn diagnose(input: &DiagnoseInput<'_>) -> Vec<Finding> {
         out.push(classify(&x));
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    //! Each detector on real traces of the embedded fixture: it explains the fault it is for, and
-    //! stays silent on another fault's divergence.
-    use super::*;
-    use crate::backend::run_cpu;
-    use crate::compute::faults::{Fault, FaultSet};
-    use crate::compute::path::{LayerInput, PathOptions, PathRun};
-    use crate::compute::reference::reference_layer;
-    use crate::core::dtype::Dtype;
-    use crate::model::gguf::GgufFile;
-    use crate::model::weights::LayerWeights;
-
-    struct Fixture {
-        cfg: MlaConfig,
-        batch: Batch,
-        reference: Trace,
-        runs: Vec<PathRun>,
-        diffs: Vec<Vec<SiteDiff>>,
-        tp: usize,
-    }
-
-    fn fixture_with(faults: &[Fault], tp: usize, paths: &[PathKind], tweak: impl Fn(&mut MlaConfig)) -> Fixture {
-        let file: GgufFile = crate::model::fixture::open_model(None).unwrap();
-        let cfg = MlaConfig::from_gguf(&file).unwrap();
-        let w = LayerWeights::load(&file, &cfg, 1).unwrap();
-        let batch = Batch {
-            seqs: [1usize, 15, 16, 17, 21]
-                .iter()
-                .map(|&len| crate::core::batch::SeqSpec { len, start_pos: 0 })
-                .collect(),
-        };
-        let t = batch.n_tokens();
-        let hidden = ndarray::Array2::from_shape_vec(
-            (t, cfg.hidden),
-            crate::core::batch::normal_f32(3, t * cfg.hidden)
-                .into_iter()
-                .map(f64::from)
-                .collect(),
-        )
-        .unwrap();
-        let reference = reference_layer(&cfg, &w, &hidden, &batch, tp, None).unwrap().trace;
-        let mut path_cfg = cfg.clone();
-        tweak(&mut path_cfg);
-        let h32 = hidden.mapv(|x| x as f32);
-        let input = LayerInput {
-            file: &file,
-            cfg: &path_cfg,
-            weights: &w,
-            hidden_in: &h32,
-            batch: &batch,
-            shared_selection: None,
-            forced_selection: None,
-        };
-        let opts = PathOptions {
-            tp,
-            faults: FaultSet(faults.to_vec()),
-            ..PathOptions::default()
-        };
-        let runs: Vec<PathRun> = paths.iter().map(|&p| run_cpu(p, &input, &opts).unwrap()).collect();
-        let diffs = runs
-            .iter()
-            .map(|r| metrics::diff(&reference, &r.trace, Dtype::F32))
-            .collect();
-        Fixture {
-            cfg,
-            batch,
-            reference,
-            runs,
-            diffs,
-            tp,
-        }
-    }
-
-    fn fixture(faults: &[Fault], tp: usize, paths: &[PathKind]) -> Fixture {
-        fixture_with(faults, tp, paths, |_| {})
-    }
-
-    /// Runs `det` on path `i`'s first divergence.
-    fn detect(fx: &Fixture, i: usize, det: fn(&SiteCtx<'_>) -> Detected) -> Detected {
-        let input = DiagnoseInput {
-            cfg: &fx.cfg,
-            batch: &fx.batch,
-            reference: &fx.reference,
-            paths: fx
-                .runs
-                .iter()
-                .zip(&fx.diffs)
-                .map(|(r, d)| PathEvidence {
-                    kind: r.kind,
-                    trace: &r.trace,
-                    diffs: d,
-                    empty_partial_rows: &r.empty_partial_rows,
-                    unservable: r.unservable.as_ref(),
-                })
-                .collect(),
-            tp: fx.tp,
-            precision: Precision::F32,
-        };
-        let first = metrics::first_divergence(&fx.diffs[i]).expect("the fault makes a divergence");
-        let x = SiteCtx {
-            input: &input,
-            path: input.paths[i],
-            site: first.site,
-            diff: first,
-            refr: fx.reference.get(&first.site).unwrap(),
-            cand: fx.runs[i].trace.get(&first.site).unwrap(),
-            explain: explain_threshold(first.site.stage, Precision::F32),
-        };
-        det(&x)
-    }
-
-    #[test]
-    fn clean_runs_have_no_divergence_to_diagnose() {
-        let fx = fixture(&[], 2, PathKind::ALL);
-        for d in &fx.diffs {
-            assert!(metrics::first_divergence(d).is_none());
-        }
-    }
-
-    #[test]
-    fn phantom_output_sees_the_untouched_canary() {
-        let fx = fixture(&[Fault::PhantomOutput], 1, &[PathKind::Mqa]);
-        let (ev, _) = detect(&fx, 0, phantom_output).unwrap();
-        assert!(ev.contains("canary"), "{ev}");
-        let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mha]);
-        assert!(detect(&fx, 0, phantom_output).is_none());
-    }
-
-    #[test]
-    fn unwritten_rows_names_the_rows() {
-        let fx = fixture(&[Fault::UnwrittenRows], 1, &[PathKind::Chunked]);
-        let (ev, _) = detect(&fx, 0, unwritten_rows).unwrap();
-        assert!(ev.contains("in token rows [0]"), "{ev}");
-        // lse-plus-inf reads an unwritten partial too, but through a wrong sentinel: not this.
-        let fx = fixture(&[Fault::LsePlusInf], 1, &[PathKind::Mqa]);
-        assert!(detect(&fx, 0, unwritten_rows).is_none());
-    }
-
-    #[test]
-    fn shard_order_reports_the_permutation() {
-        let fx = fixture(&[Fault::FusedShardSwap], 1, &[PathKind::Mha]);
-        let (ev, hint) = detect(&fx, 0, shard_order).unwrap();
-        assert!(ev.contains("in order [1,0]"), "{ev}");
-        assert!(hint.contains("shard id"), "{hint}");
-        let fx = fixture(&[Fault::StridedKvC], 1, &[PathKind::Mha]);
-        assert!(detect(&fx, 0, shard_order).is_none());
-    }
-
-    #[test]
-    fn tp_rank_order_reports_permutation_and_duplicate() {
-        let fx = fixture(&[Fault::TpRankOrder], 3, &[PathKind::Mha]);
-        let (ev, _) = detect(&fx, 0, tp_rank_order).unwrap();
-        assert!(ev.contains("[1,2,0]"), "{ev}");
-        let fx = fixture(&[Fault::TpRank0Everywhere], 2, &[PathKind::Mqa]);
-        let (ev, _) = detect(&fx, 0, tp_rank_order).unwrap();
-        assert!(ev.contains("rank 0 everywhere"), "{ev}");
-        let fx = fixture(&[Fault::RopeNeox], 2, &[PathKind::Mha]);
-        assert!(detect(&fx, 0, tp_rank_order).is_none());
-    }
-
-    #[test]
-    fn kv_b_layout_tells_grouped_from_untransposed() {
-        let fx = fixture(&[Fault::KvBGrouped], 2, &[PathKind::Mha, PathKind::Mqa]);
-        assert!(detect(&fx, 0, kv_b_layout).unwrap().0.contains("grouped"));
-        assert!(detect(&fx, 1, kv_b_layout).unwrap().0.contains("grouped"));
-        let fx = fixture(&[Fault::KBUntransposed], 1, &[PathKind::Mha, PathKind::Mqa]);
-        assert!(detect(&fx, 0, kv_b_layout).unwrap().0.contains("instead of transposed"));
-        assert!(detect(&fx, 1, kv_b_layout).unwrap().0.contains("instead of transposed"));
-        let fx = fixture(&[Fault::PhantomOutput], 1, &[PathKind::Mha]);
-        assert!(detect(&fx, 0, kv_b_layout).is_none());
-    }
-
-    #[test]
-    fn rope_style_re_rotates_with_neox() {
-        let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mqa]);
-        let (ev, _) = detect(&fx, 0, rope_style).unwrap();
-        assert!(ev.contains("NeoX"), "{ev}");
-        let fx = fixture(&[Fault::StridedKvC], 1, &[PathKind::Mqa]);
-        assert!(detect(&fx, 0, rope_style).is_none());
-    }
-
-    #[test]
-    fn softmax_scale_fits_the_factor() {
-        // The path runs with half the softmax scale; the reference with the right one.
-        let fx = fixture_with(&[], 1, &[PathKind::Mha, PathKind::Mqa], |c| c.softmax_scale *= 0.5);
-        for i in 0..2 {
-            let (ev, _) = detect(&fx, i, softmax_scale).unwrap();
-            assert!(ev.contains("×0.500"), "{ev}");
-        }
-        let fx = fixture(&[Fault::PhantomOutput], 1, &[PathKind::Mha]);
-        assert!(detect(&fx, 0, softmax_scale).is_none());
-    }
-
-    #[test]
-    fn lse_merge_ties_bad_rows_to_empty_partials() {
-        let fx = fixture(&[Fault::LsePlusInf], 1, &[PathKind::Chunked, PathKind::Mqa]);
-        for i in 0..2 {
-            let (ev, _) = detect(&fx, i, lse_merge).unwrap();
-            assert!(ev.contains("merged an empty partial"), "{ev}");
-        }
-        let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mqa]);
-        assert!(detect(&fx, 0, lse_merge).is_none());
-    }
-
-    #[test]
-    fn nonfinite_counts_nans_that_are_not_canaries() {
-        let fx = fixture(&[Fault::LsePlusInf], 1, &[PathKind::Chunked]);
-        let (ev, _) = detect(&fx, 0, nonfinite).unwrap();
-        assert!(ev.contains("NaN/Inf where the reference is finite"), "{ev}");
-        let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mha]);
-        assert!(detect(&fx, 0, nonfinite).is_none());
-    }
-
-    #[test]
-    fn scale_only_sees_what_cosine_cannot() {
-        // A clean trace whose q_pe_roped is scaled by 1.3 afterwards (a detector unit test).
-        let mut fx = fixture(&[], 1, &[PathKind::Mha]);
-        let site = Site::new(1, Stage::QPeRoped);
-        let mut t = fx.runs[0].trace.get(&site).unwrap().clone();
-        if let crate::core::trace::TensorData::F32(v) = &mut t.data {
-            v.iter_mut().for_each(|x| *x *= 1.3);
-        }
-        fx.runs[0].trace.record(site, t);
-        fx.diffs[0] = metrics::diff(&fx.reference, &fx.runs[0].trace, Dtype::F32);
-        let (ev, _) = detect(&fx, 0, scale_only).unwrap();
-        assert!(ev.contains("norm ratio 1.3000"), "{ev}");
-        let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mha]);
-        assert!(detect(&fx, 0, scale_only).is_none());
-    }
-
-    #[test]
-    fn path_disagreement_needs_another_path_passing() {
-        // mha clean, mqa with the strided norm bug: only mqa fails kv_c_normed.
-        let clean = fixture(&[], 1, &[PathKind::Mha]);
-        let broken = fixture(&[Fault::StridedKvC], 1, &[PathKind::Mqa]);
-        let fx = Fixture {
-            runs: vec![clean.runs[0].clone(), broken.runs[0].clone()],
-            diffs: vec![clean.diffs[0].clone(), broken.diffs[0].clone()],
-            ..clean
-        };
-        let (ev, _) = detect(&fx, 1, path_disagreement).unwrap();
-        assert!(ev.contains("mha (rel_l2"), "{ev}");
-        // The same bug in both paths disagrees with nobody.
-        let fx = fixture(&[Fault::StridedKvC], 1, &[PathKind::Mha, PathKind::Mqa]);
-        assert!(detect(&fx, 1, path_disagreement).is_none());
-    }
-
-    #[test]
-    fn mismatch_localises_rows() {
-        let fx = fixture(&[Fault::StridedKvC], 1, &[PathKind::Mha]);
-        let input = DiagnoseInput {
-            cfg: &fx.cfg,
-            batch: &fx.batch,
-            reference: &fx.reference,
-            paths: vec![PathEvidence {
-                kind: PathKind::Mha,
-                trace: &fx.runs[0].trace,
-                diffs: &fx.diffs[0],
-                empty_partial_rows: &[],
-                unservable: None,
-            }],
-            tp: 1,
-            precision: Precision::F32,
-        };
-        let f = diagnose(&input);
-        assert_eq!(f.len(), 1);
-        assert_eq!(f[0].class, Class::Mismatch);
-        assert!(f[0].evidence.contains("rows [0] exact"), "{}", f[0].evidence);
-        assert!(f[0].hint.contains("row stride"), "{}", f[0].hint);
-    }
 }

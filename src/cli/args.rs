@@ -1,0 +1,370 @@
+//! The argument schema of every command, with the groups several commands share.
+//!
+//! `--model`, `--json`/`--force` and `--report`/`--quiet` mean the same on every command that
+//! takes them, so each is declared once ([`ModelArgs`], [`OutputArgs`], [`ReportArgs`],
+//! [`DeviceArgs`]) and flattened into the commands.
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand, ValueEnum};
+
+use super::values::{self, DtypeArg, EngineDtypeArg, InputArg, KernelsArg};
+use crate::compute::faults::Fault;
+use crate::compute::path::PathKind;
+use crate::core::error::Result;
+use crate::model::gguf::GgufFile;
+
+/// `--model`: the GGUF file.
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// GGUF model file (default: the embedded tiny-v3 Q4_K_M fixture; for `compare` and
+    /// `weights`, the file the engine loaded).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+}
+
+impl ModelArgs {
+    /// The file given, if any.
+    pub fn path(&self) -> Option<&PathBuf> {
+        self.model.as_ref()
+    }
+
+    /// Opens `--model`, or the embedded fixture when absent.
+    ///
+    /// Errors: as [`GgufFile::open`].
+    pub fn open(&self) -> Result<GgufFile> {
+        crate::model::fixture::open_model(self.model.as_ref())
+    }
+}
+
+/// `--json` and `--force`: a machine-readable result file.
+#[derive(Debug, Clone, Args)]
+pub struct OutputArgs {
+    /// Write the result as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Overwrite existing output files.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// `--json`, `--report`, `--force` and `--quiet`: the outputs of a verdict (`run`, `compare`).
+#[derive(Debug, Clone, Args)]
+pub struct ReportArgs {
+    /// Write the JSON report here (schema: docs/json-schema.md).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write a Markdown triage report here (GitHub-flavoured, for a bug ticket), with its error
+    /// heat map next to it (`<name>.svg`).
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    /// Overwrite existing output files.
+    #[arg(long)]
+    pub force: bool,
+    /// Print only the verdict lines (and no progress bar).
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Arguments of `mla-diff compare`.
+#[derive(Debug, Args)]
+pub struct CompareArgs {
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The engine's dump (docs/dump-format.md).
+    #[arg(long)]
+    pub dump: PathBuf,
+    /// Undo an engine's names and layouts: `hf`, `vllm`, `llama.cpp`, or a map JSON file.
+    #[arg(long)]
+    pub map: Option<String>,
+    /// The dtype the engine computed in, which picks the tolerance rows (f32, or the engine-bf16 /
+    /// engine-f16 rows); default: the dump's `dtype` metadata, else f32.
+    #[arg(long, value_enum)]
+    pub dtype: Option<EngineDtypeArg>,
+    /// Where the result goes.
+    #[command(flatten)]
+    pub output: ReportArgs,
+}
+
+/// Arguments of `mla-diff weights`.
+#[derive(Debug, Args)]
+pub struct WeightsArgs {
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The engine's weights as loaded: tensors `L<n>.<param>` or `L<n>.<param>.rank<r>`, vLLM
+    /// parameter names, PyTorch [out, in] layout.
+    #[arg(long)]
+    pub check: PathBuf,
+    /// Rename the engine's tensor names: a map JSON file (docs/dump-format.md, "Maps") whose
+    /// targets are `<param>` (the layer taken from the pattern) or `L<n>.<param>[.rank<r>]`.
+    #[arg(long)]
+    pub map: Option<String>,
+    /// Where the result goes.
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+/// `mla-diff golden …`.
+#[derive(Debug, Subcommand)]
+pub enum GoldenCommand {
+    /// Run once and write `golden/<CASE>/{manifest.json,trace.safetensors}` (the run must pass).
+    Record(GoldenRecordArgs),
+    /// Recompute golden cases and compare every site (exit 0 match, 1 differ, 2 cannot check).
+    Check(GoldenCheckArgs),
+}
+
+/// Arguments of `mla-diff golden record`.
+#[derive(Debug, Args)]
+pub struct GoldenRecordArgs {
+    /// Case name (folder under the golden folder).
+    #[arg(long)]
+    pub case: String,
+    /// What to run (the model must lie inside the repository, or be the embedded default).
+    #[command(flatten)]
+    pub spec: RunSpec,
+    /// The golden folder; its parent is the repository root (default: ./golden).
+    #[arg(long, default_value = "golden")]
+    pub golden_dir: PathBuf,
+    /// Replace an existing case.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// Arguments of `mla-diff golden check`.
+#[derive(Debug, Args)]
+pub struct GoldenCheckArgs {
+    /// Case(s) to check (repeatable).
+    #[arg(long, required_unless_present = "all", conflicts_with = "all")]
+    pub case: Vec<String>,
+    /// Check every case under the golden folder.
+    #[arg(long)]
+    pub all: bool,
+    /// The golden folder (default: ./golden, else this build's source tree's golden/).
+    #[arg(long)]
+    pub golden_dir: Option<PathBuf>,
+    /// CUDA include folder, for cases recorded on CUDA.
+    #[arg(long)]
+    pub cuda_include: Option<PathBuf>,
+    /// One line per case; for a case that differs, only its differing sites.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Arguments of `mla-diff bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// CUDA include folder (holding cuda_bf16.h).
+    #[arg(long)]
+    pub cuda_include: Option<PathBuf>,
+    /// CPU, no GPU needed: time the library's dequantization of every quantized tensor of this
+    /// GGUF (output GB/s of f32), at 1 thread and at all threads.
+    #[arg(long, value_name = "GGUF", conflicts_with = "reference")]
+    pub dequant: Option<PathBuf>,
+    /// CPU, no GPU needed: time one reference layer forward (f64) and the CPU engine's mha path
+    /// on this GGUF, weights loaded and dequantized before the clock starts.
+    #[arg(long, value_name = "GGUF")]
+    pub reference: Option<PathBuf>,
+    /// Layer for --reference.
+    #[arg(long, default_value_t = 0, requires = "reference")]
+    pub layer: usize,
+    /// Tokens T for --reference (one sequence, positions 0..T).
+    #[arg(long, default_value_t = 128, requires = "reference")]
+    pub tokens: usize,
+    /// Timed repetitions per figure for --dequant/--reference (after one warm-up); the median
+    /// is reported.
+    #[arg(long, default_value_t = 5)]
+    pub repeat: usize,
+    /// Rayon thread counts for --dequant/--reference, e.g. `1,2` (default: 1 and all threads,
+    /// as RAYON_NUM_THREADS or the core count sets them).
+    #[arg(long, value_delimiter = ',')]
+    pub threads: Option<Vec<usize>>,
+    /// Where the result goes.
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+/// Arguments of `mla-diff kernels`.
+#[derive(Debug, Args)]
+pub struct KernelsArgs {
+    /// Only compile (the only mode so far; kept explicit for scripts and CI).
+    #[arg(long)]
+    pub compile_only: bool,
+    /// Target architectures, e.g. `sm_90,sm_80`.
+    #[arg(long, value_delimiter = ',', default_value = "sm_90,sm_80")]
+    pub arch: Vec<String>,
+    /// CUDA include folder (holding cuda_bf16.h).
+    #[arg(long)]
+    pub cuda_include: Option<PathBuf>,
+    /// Also write each compiled CUBIN here (`<module>.<arch>.cubin`, and
+    /// `<module>.<configuration>.<arch>.cubin` for each kernel configuration, e.g.
+    /// `fast_decode.cu.hm64-w8-p1-qsmem-s2-wgmma.sm_90a.cubin`), e.g. for cuobjdump.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// Arguments of `mla-diff selftest`.
+#[derive(Debug, Args)]
+pub struct SelftestArgs {
+    /// Folder of GGUF fixtures (default: `golden/models` of this checkout, else the embedded one).
+    #[arg(long)]
+    pub models: Option<PathBuf>,
+    /// A subset: of the fixtures given, those named tiny-v3-q8_0, yarn-v3-f32, k256-q4_k_m,
+    /// dsa-glm-q8_0 or the embedded one (all given fixtures when none of these is among them);
+    /// page size 16, TP 1 and the smallest TP > 1.
+    #[arg(long)]
+    pub quick: bool,
+    /// Layer to test in each fixture.
+    #[arg(long, default_value_t = 1)]
+    pub layer: usize,
+    /// Backend and dtype.
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Also run every case on the CPU and compare the findings (class and first site) with the
+    /// chosen backend's.
+    #[arg(long)]
+    pub cross_check: bool,
+    /// Seed of the inputs.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Where the result goes.
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+/// `--path` choices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PathChoice {
+    /// Expanded MHA prefill (vLLM forward_mha).
+    Mha,
+    /// Absorbed MQA decode over a paged latent cache (vLLM forward_mqa).
+    Mqa,
+    /// Chunked-context prefill merged by LSE.
+    Chunked,
+    /// Mixed batch: decode tokens first, prefill tokens after.
+    Mixed,
+    /// Every path.
+    All,
+}
+
+impl PathChoice {
+    /// The paths selected.
+    pub fn paths(self) -> Vec<PathKind> {
+        match self {
+            PathChoice::Mha => vec![PathKind::Mha],
+            PathChoice::Mqa => vec![PathKind::Mqa],
+            PathChoice::Chunked => vec![PathKind::Chunked],
+            PathChoice::Mixed => vec![PathKind::Mixed],
+            PathChoice::All => PathKind::ALL.to_vec(),
+        }
+    }
+}
+
+/// `--backend` choices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendChoice {
+    /// The CUDA backend when a device answers, else the CPU (and say which).
+    Auto,
+    /// The CPU backend.
+    Cpu,
+    /// The CUDA backend (an error if no device answers).
+    Cuda,
+}
+
+/// Where the device backend finds things.
+#[derive(Debug, Clone, Args)]
+pub struct DeviceArgs {
+    /// Compute backend.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+    /// Compute dtype of the paths: f32, or bf16 inputs with f32 accumulation.
+    #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
+    pub dtype: DtypeArg,
+    /// CUDA include folder for NVRTC (holding cuda_bf16.h); default $CUDA_HOME/include, else
+    /// /usr/local/cuda/include.
+    #[arg(long)]
+    pub cuda_include: Option<PathBuf>,
+    /// CUDA attention kernels: tensor-core ones for bf16 (fast) or the plain FMA ones (simple).
+    #[arg(long, value_enum, default_value_t = KernelsArg::Fast)]
+    pub kernels: KernelsArg,
+}
+
+/// What to run: the model, layers, batch, backend, paths and path options (shared by `run` and
+/// `golden record`).
+#[derive(Debug, Clone, Args)]
+pub struct RunSpec {
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Layer to check.
+    #[arg(long, conflicts_with = "layers")]
+    pub layer: Option<usize>,
+    /// Layers to check: `A..B` (B excluded), `A..=B`, or `all`.
+    #[arg(long)]
+    pub layers: Option<String>,
+    /// Tokens in the batch (one sequence; see --seqs for several).
+    #[arg(long, default_value_t = 19)]
+    pub tokens: usize,
+    /// Sequence lengths of a multi-sequence batch, e.g. `1,15,16,17,53` (overrides --tokens).
+    #[arg(long, value_delimiter = ',')]
+    pub seqs: Option<Vec<usize>>,
+    /// Position of the first token (tests RoPE/YaRN far from position 0).
+    #[arg(long, default_value_t = 0)]
+    pub start_pos: usize,
+    /// Seed of the random inputs, token ids and block-table shuffle.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Layer input: seeded random hidden states, or seeded token ids through the embedding and
+    /// the reference forward of the preceding layers.
+    #[arg(long, value_enum, default_value_t = InputArg::Random)]
+    pub input: InputArg,
+    /// Engine path(s) to run.
+    #[arg(long, value_enum, default_value_t = PathChoice::All)]
+    pub path: PathChoice,
+    /// Backend and dtype.
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Tokens per page of the paged latent cache.
+    #[arg(long, default_value_t = 16)]
+    pub page_size: usize,
+    /// KV splits per decode query (mqa, mixed).
+    #[arg(long, default_value_t = 4)]
+    pub splits: usize,
+    /// Simulated tensor-parallel ranks (must divide the head count).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Context tokens per chunk (chunked).
+    #[arg(long, default_value_t = 8)]
+    pub chunk_size: usize,
+    /// New (uncached) tokens per sequence (chunked); the rest of each sequence is context.
+    #[arg(long, default_value_t = 5)]
+    pub new_tokens: usize,
+    /// Inject a fault from the catalogue into the paths (repeatable).
+    #[arg(long, value_parser = values::fault_parser())]
+    pub inject: Vec<Fault>,
+}
+
+/// Arguments of `mla-diff run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// What to run.
+    #[command(flatten)]
+    pub spec: RunSpec,
+    /// Where the result goes.
+    #[command(flatten)]
+    pub output: ReportArgs,
+    /// Print resource use on stderr: wall time, peak RSS, and which tensors' data was read.
+    #[arg(long)]
+    pub stats: bool,
+}
+
+/// Arguments of `mla-diff inspect`.
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    /// GGUF model file.
+    pub path: PathBuf,
+    /// Show only this layer's tensors (and the non-layer ones).
+    #[arg(long)]
+    pub layer: Option<usize>,
+}

@@ -1,0 +1,434 @@
+//! The other commands: `weights`, `golden record|check`, `bench`, `kernels`, `inspect` and
+//! `selftest`. Each parses nothing (clap did), calls its job and prints the job's result.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use super::Outcome;
+use super::args::*;
+use super::run::{build_run, refuse_overwrite, select_backend};
+use crate::backend::Backend;
+use crate::backend::cpu::CpuOps;
+use crate::core::dtype::Dtype;
+use crate::core::error::{Error, Result};
+use crate::jobs::selftest::{self, ModelSource, SelftestOptions};
+use crate::model::config::MlaConfig;
+use crate::model::gguf::GgufFile;
+use crate::output::report;
+
+/// `mla-diff weights --check`.
+pub fn cmd_weights(a: &WeightsArgs, out: &mut dyn Write) -> Result<Outcome> {
+    let file = crate::model::fixture::open_model(a.model.path())?;
+    let cfg = MlaConfig::from_gguf(&file)?;
+    let map = a.map.as_deref().map(crate::model::dump::Map::load).transpose()?;
+    refuse_overwrite(a.output.json.as_ref(), a.output.force)?;
+    let rep = crate::jobs::weights_check::check(&file, &cfg, &a.check, map.as_ref())?;
+    if let Some(j) = &a.output.json {
+        let doc = serde_json::json!({
+            "schema": report::JSON_SCHEMA_VERSION,
+            "kind": "weights",
+            "tool": {"name": "mla-diff", "version": env!("CARGO_PKG_VERSION")},
+            "report": rep,
+            "verdict": if rep.all_pass() { "pass" } else { "divergence" },
+            "exit_code": if rep.all_pass() { 0 } else { 1 },
+        });
+        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&doc), a.output.force)?;
+    }
+    out.write_all(crate::jobs::weights_check::terminal(&rep).as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    Ok(if rep.all_pass() {
+        Outcome::Pass
+    } else {
+        Outcome::Divergence
+    })
+}
+
+/// `mla-diff golden record`.
+pub fn cmd_golden_record(a: &GoldenRecordArgs, out: &mut dyn Write) -> Result<Outcome> {
+    crate::jobs::golden::validate_case_name(&a.case)?;
+    if !a.golden_dir.is_dir() {
+        return Err(Error::Usage(format!(
+            "{}: no such folder; run from the repository root or pass --golden-dir",
+            a.golden_dir.display()
+        )));
+    }
+    let (file, cfg, rc) = build_run(&a.spec)?;
+    let backend = select_backend(&a.spec.device, false)?;
+    let (rep, summary) = crate::jobs::golden::record(&crate::jobs::golden::RecordRequest {
+        case: &a.case,
+        golden_dir: &a.golden_dir,
+        model: a.spec.model.path().map(|p| p.as_path()),
+        file: &file,
+        cfg: &cfg,
+        rc: &rc,
+        backend: &backend,
+        force: a.force,
+    })?;
+    let text = match summary {
+        Some(s) => format!(
+            "recorded golden case `{}` in {}: {} sites, {} distinct tensors, {} bytes of trace\n",
+            a.case,
+            s.dir.display(),
+            s.sites,
+            s.tensors,
+            s.trace_bytes
+        ),
+        None => format!(
+            "{}\nnot recorded: the run diverges from the reference, and a golden case must be a passing run\n",
+            report::verdict_lines(&rep).join("\n")
+        ),
+    };
+    out.write_all(text.as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    Ok(if rep.all_pass() {
+        Outcome::Pass
+    } else {
+        Outcome::Divergence
+    })
+}
+
+/// The golden folder: `--golden-dir`, else `./golden`, else this build's source tree's.
+fn golden_dir(arg: Option<&PathBuf>) -> Result<PathBuf> {
+    if let Some(d) = arg {
+        return if d.is_dir() {
+            Ok(d.clone())
+        } else {
+            Err(Error::Usage(format!("--golden-dir {}: not a folder", d.display())))
+        };
+    }
+    [
+        PathBuf::from("golden"),
+        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/golden")),
+    ]
+    .into_iter()
+    .find(|d| d.is_dir())
+    .ok_or_else(|| Error::Usage("no golden folder here; run from the repository root or pass --golden-dir".into()))
+}
+
+/// `mla-diff golden check`: every case is checked even after a failure; exit 2 if any case could
+/// not be checked, else 1 if any differs, else 0.
+pub fn cmd_golden_check(a: &GoldenCheckArgs, out: &mut dyn Write) -> Result<Outcome> {
+    let dir = golden_dir(a.golden_dir.as_ref())?;
+    let cases = if a.all {
+        let c = crate::jobs::golden::list_cases(&dir)?;
+        if c.is_empty() {
+            return Err(Error::Usage(format!("{}: no golden cases", dir.display())));
+        }
+        c
+    } else {
+        for c in &a.case {
+            crate::jobs::golden::validate_case_name(c)?;
+        }
+        a.case.clone()
+    };
+    let include = a.cuda_include.clone();
+    let cuda = move |dtype: Dtype, k: crate::backend::cuda::ops::Kernels| {
+        crate::backend::cuda::ops::CudaOps::new(dtype, include.as_deref()).map(|o| Backend::Cuda(o.with_kernels(k)))
+    };
+    let mut text = String::new();
+    let (mut n_pass, mut n_fail, mut errors) = (0, 0, Vec::<Error>::new());
+    for case in &cases {
+        match crate::jobs::golden::check(&dir, case, &cuda) {
+            Ok(c) => {
+                text.push_str(&crate::jobs::golden::summary(&c, a.quiet));
+                if c.passed() {
+                    n_pass += 1;
+                } else {
+                    n_fail += 1;
+                }
+            }
+            Err(e) => {
+                text.push_str(&format!("golden {case}: ERROR: {e}\n"));
+                errors.push(e);
+            }
+        }
+    }
+    text.push_str(&format!(
+        "golden check: {} case(s): {n_pass} match, {n_fail} differ, {} could not be checked\n",
+        cases.len(),
+        errors.len()
+    ));
+    out.write_all(text.as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    match errors.len() {
+        0 => {}
+        1 => return Err(errors.remove(0)),
+        k => {
+            return Err(Error::Usage(format!(
+                "{k} golden cases could not be checked (the lines marked ERROR above)"
+            )));
+        }
+    }
+    Ok(if n_fail == 0 {
+        Outcome::Pass
+    } else {
+        Outcome::Divergence
+    })
+}
+
+/// `mla-diff bench --dequant FILE`: the table of [`crate::jobs::bench_cpu::dequant_bench`].
+fn cmd_bench_dequant(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Result<Outcome> {
+    refuse_overwrite(a.output.json.as_ref(), a.output.force)?;
+    let file = GgufFile::open(path)?;
+    let threads = crate::jobs::bench_cpu::thread_counts(a.threads.as_deref());
+    let figs = crate::jobs::bench_cpu::dequant_bench(&file, a.repeat, &threads)?;
+    let mut t = comfy_table::Table::new();
+    t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(vec![
+        "tensor",
+        "type",
+        "MB out (f32)",
+        "threads",
+        "median",
+        "GB/s out",
+        "warm buffer GB/s out",
+    ]);
+    for f in &figs {
+        t.add_row(vec![
+            f.tensor.clone(),
+            f.ggml_type.to_string(),
+            format!("{:.1}", 4.0 * f.elements as f64 / 1e6),
+            f.threads.to_string(),
+            format!("{:.2} ms", f.median_s * 1e3),
+            format!("{:.2}", f.gb_per_s_out),
+            format!("{:.2}", f.warm_gb_per_s_out),
+        ]);
+    }
+    let text = format!(
+        "{}: dequantization, median of {} timed calls after 1 warm-up\n{t}\n",
+        path.display(),
+        a.repeat
+    );
+    out.write_all(text.as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    if let Some(j) = &a.output.json {
+        let doc = serde_json::json!({"kind": "dequant", "file": path.display().to_string(), "figures": figs});
+        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&doc), a.output.force)?;
+    }
+    Ok(Outcome::Pass)
+}
+
+/// `mla-diff bench --reference FILE`: the table of [`crate::jobs::bench_cpu::reference`].
+fn cmd_bench_reference(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Result<Outcome> {
+    refuse_overwrite(a.output.json.as_ref(), a.output.force)?;
+    let file = GgufFile::open(path)?;
+    let cfg = MlaConfig::from_gguf(&file)?;
+    let threads = crate::jobs::bench_cpu::thread_counts(a.threads.as_deref());
+    let b = crate::jobs::bench_cpu::reference(&file, &cfg, a.layer, a.tokens, a.repeat, &threads)?;
+    let mut t = comfy_table::Table::new();
+    t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY)
+        .set_header(vec!["forward", "layer", "T", "threads", "median", "runs"]);
+    for f in &b.figures {
+        t.add_row(vec![
+            f.what.clone(),
+            f.layer.to_string(),
+            f.tokens.to_string(),
+            f.threads.to_string(),
+            format!("{:.3} s", f.median_s),
+            f.runs_s.iter().map(|s| format!("{s:.3}")).collect::<Vec<_>>().join(" "),
+        ]);
+    }
+    let text = format!(
+        "{}: N={} H={} Lq={} L={} P={} R={} V={}; weights loaded and dequantized in {:.2} s (not timed)\n{t}\n",
+        path.display(),
+        cfg.n_head,
+        cfg.hidden,
+        cfg.q_lora_rank.map_or("-".into(), |q| q.to_string()),
+        cfg.kv_lora_rank,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+        b.load_s
+    );
+    out.write_all(text.as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    if let Some(j) = &a.output.json {
+        let doc = serde_json::json!({"kind": "reference", "bench": b});
+        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&doc), a.output.force)?;
+    }
+    Ok(Outcome::Pass)
+}
+
+/// `mla-diff bench`: the CPU benchmarks with `--dequant` or `--reference`, else the CUDA ones.
+pub fn cmd_bench(a: &BenchArgs, out: &mut dyn Write) -> Result<Outcome> {
+    if let Some(p) = &a.dequant {
+        return cmd_bench_dequant(a, p, out);
+    }
+    if let Some(p) = &a.reference {
+        return cmd_bench_reference(a, p, out);
+    }
+    let ops = crate::backend::cuda::ops::CudaOps::new(Dtype::Bf16, a.cuda_include.as_deref())?;
+    let figs = crate::jobs::bench_gpu::all(&ops)?;
+    let mut t = comfy_table::Table::new();
+    t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(vec![
+        "benchmark",
+        "shape",
+        "median time",
+        "figure",
+        "note",
+    ]);
+    for f in &figs {
+        t.add_row(vec![
+            f.name.clone(),
+            f.shape.clone(),
+            format!("{:.1} µs", f.micros),
+            format!("{:.1} {}", f.value, f.unit),
+            f.note.clone(),
+        ]);
+    }
+    let text = format!("{}\n{t}\n", ops.device().describe());
+    out.write_all(text.as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    if let Some(j) = &a.output.json {
+        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&figs), a.output.force)?;
+    }
+    Ok(Outcome::Pass)
+}
+
+/// `mla-diff inspect`.
+pub fn cmd_inspect(a: &InspectArgs, out: &mut dyn Write) -> Result<Outcome> {
+    let file = GgufFile::open(&a.path)?;
+    if let Some(l) = a.layer {
+        let n = MlaConfig::from_gguf(&file)?.n_layer;
+        if l >= n {
+            return Err(Error::LayerOutOfRange {
+                path: a.path.clone(),
+                layer: l,
+                n_layers: n,
+            });
+        }
+    }
+    out.write_all(crate::jobs::inspect::inspect(&file, a.layer).as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    Ok(Outcome::Pass)
+}
+
+/// The fixtures selftest uses: every `*.gguf` in `dir`, or in `golden/models` of the current
+/// directory or of this build's source tree; the embedded fixture when none is found.
+pub fn selftest_models(dir: Option<&PathBuf>) -> Result<Vec<ModelSource>> {
+    let candidates: Vec<PathBuf> = match dir {
+        Some(d) => vec![d.clone()],
+        None => vec![
+            PathBuf::from("golden/models"),
+            PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/golden/models")),
+        ],
+    };
+    for d in candidates {
+        if !d.is_dir() {
+            if dir.is_some() {
+                return Err(Error::Usage(format!("--models {}: not a folder", d.display())));
+            }
+            continue;
+        }
+        let mut v: Vec<PathBuf> = std::fs::read_dir(&d)
+            .map_err(|e| Error::io(&d, "read folder", e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+            .collect();
+        v.sort();
+        if v.is_empty() && dir.is_some() {
+            return Err(Error::Usage(format!("--models {}: no .gguf files", d.display())));
+        }
+        if !v.is_empty() {
+            return Ok(v.into_iter().map(ModelSource::File).collect());
+        }
+    }
+    Ok(vec![ModelSource::Embedded])
+}
+
+/// `mla-diff selftest`.
+pub fn cmd_selftest(a: &SelftestArgs, out: &mut dyn Write) -> Result<Outcome> {
+    if a.cross_check && a.device.backend == BackendChoice::Cpu {
+        return Err(Error::Usage(
+            "--cross-check compares a GPU backend with the CPU; --backend cpu has nothing to compare".into(),
+        ));
+    }
+    let models = selftest_models(a.models.as_ref())?;
+    if let Some(j) = a.output.json.as_ref().filter(|j| j.exists() && !a.output.force) {
+        return Err(Error::Usage(format!(
+            "{} exists; pass --force to overwrite it",
+            j.display()
+        )));
+    }
+    let backend = select_backend(&a.device, false)?;
+    if a.cross_check && matches!(backend, Backend::Cpu(_)) {
+        return Err(Error::Usage(
+            "--cross-check needs a CUDA device to compare with the CPU; none answered (see the backend line above)"
+                .into(),
+        ));
+    }
+    let opts = SelftestOptions {
+        models,
+        layer: a.layer,
+        quick: a.quick,
+        seed: a.seed,
+    };
+    let rep = selftest::run(&backend, &opts)?;
+    if let Some(j) = &a.output.json {
+        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&rep), a.output.force)?;
+    }
+    let mut text = format!("backend {}, dtype {}\n", backend.describe(), backend.dtype());
+    text.push_str(&selftest::confusion_table(&rep));
+    let mut ok = rep.all_ok();
+    if a.cross_check {
+        let cpu = selftest::run(&Backend::Cpu(CpuOps::new(backend.dtype())), &opts)?;
+        let (summary, same) = selftest::cross_check(&rep, &cpu, "the CPU backend");
+        text.push_str(&summary);
+        ok &= same;
+        if let Backend::Cuda(o) = backend.clone().filter_fast() {
+            let simple = Backend::Cuda(o.with_kernels(crate::backend::cuda::ops::Kernels::Simple));
+            let srep = selftest::run(&simple, &opts)?;
+            let (summary, same) = selftest::cross_check(&rep, &srep, "the simple CUDA kernels");
+            text.push_str(&summary);
+            ok &= same && srep.all_ok();
+        }
+    }
+    out.write_all(text.as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    Ok(if ok { Outcome::Pass } else { Outcome::Divergence })
+}
+
+/// `mla-diff kernels --compile-only`: NVRTC-compiles every module for every architecture.
+pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
+    let m = crate::jobs::kernels::compile_all(&a.arch, a.cuda_include.as_deref(), a.out.as_deref())?;
+    let mut t = comfy_table::Table::new();
+    t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(vec![
+        "module",
+        "arch",
+        "kernel",
+        "registers",
+        "spill stores",
+        "spill loads",
+    ]);
+    for b in &m.builds {
+        if b.usage.is_empty() {
+            t.add_row(vec![
+                b.label.clone(),
+                b.target.clone(),
+                "(no ptxas report)".into(),
+                String::new(),
+                String::new(),
+                String::new(),
+            ]);
+        }
+        for u in &b.usage {
+            t.add_row(vec![
+                b.label.clone(),
+                b.target.clone(),
+                u.kernel.clone(),
+                u.registers.to_string(),
+                u.spill_stores.to_string(),
+                u.spill_loads.to_string(),
+            ]);
+        }
+    }
+    let text = format!(
+        "NVRTC {}.{}, include {}: every kernel module compiled for {}\n{t}\n",
+        m.nvrtc.0,
+        m.nvrtc.1,
+        m.include.display(),
+        a.arch.join(", ")
+    );
+    out.write_all(text.as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    Ok(Outcome::Pass)
+}

@@ -1,0 +1,446 @@
+//! `mla-diff run` and `mla-diff compare`: building what to run from the arguments, checking every
+//! argument and output path before the work, choosing the backend, and writing the verdict.
+//!
+//! Both commands end in the same report (terminal table, `--json`, `--report`), so their output
+//! handling lives together; the work itself is [`crate::jobs::run`] and [`crate::jobs::compare`].
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use super::Outcome;
+use super::args::*;
+use crate::backend::Backend;
+use crate::backend::cpu::CpuOps;
+use crate::compute::faults::FaultSet;
+use crate::compute::path::{PathKind, PathOptions};
+use crate::core::batch::{Batch, SeqSpec};
+use crate::core::error::{Error, Result};
+use crate::jobs::run;
+use crate::judge::report::{InputMode, RunConfig, RunReport};
+use crate::model::config::MlaConfig;
+use crate::model::gguf::GgufFile;
+use crate::output::report;
+
+/// Where a report goes besides the terminal.
+struct Outputs<'a> {
+    json: Option<&'a PathBuf>,
+    md: Option<&'a PathBuf>,
+    force: bool,
+    quiet: bool,
+}
+
+/// Writes `--json`/`--report` outputs and the terminal text of a report; the outcome by verdict.
+fn finish_report(
+    rep: &RunReport,
+    file: &GgufFile,
+    backend: &Backend,
+    o: Outputs<'_>,
+    out: &mut dyn Write,
+) -> Result<Outcome> {
+    let Outputs { json, md, force, quiet } = o;
+    if let Some(j) = json {
+        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&report::json(rep)), force)?;
+    }
+    if let Some(r) = md {
+        let env = crate::output::triage::Environment::detect(backend);
+        crate::output::triage::write(r, rep, &env, &crate::output::triage::reproduce_command(), file, force)?;
+    }
+    let text = if quiet {
+        let mut lines = report::verdict_lines(rep);
+        for r in &rep.results {
+            lines.extend(r.notes.iter().map(|n| format!("note ({} L{}): {n}", r.path, r.layer)));
+        }
+        lines.extend(report::finding_lines(rep));
+        lines.join("\n") + "\n"
+    } else {
+        report::terminal(rep)
+    };
+    out.write_all(text.as_bytes())
+        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    Ok(if rep.all_pass() {
+        Outcome::Pass
+    } else {
+        Outcome::Divergence
+    })
+}
+
+/// Refuses to start when an output file exists and `--force` is absent (before any work).
+///
+/// Also refuses two outputs that name the same file (`--json x.md --report x.md`, or a `--json`
+/// path equal to the report's `<name>.svg` heat map): one would silently replace the other.
+fn check_outputs(json: Option<&PathBuf>, md: Option<&PathBuf>, force: bool) -> Result<()> {
+    refuse_overwrite(json, force)?;
+    refuse_overwrite(md, force)?;
+    if let Some(r) = md {
+        let plot = crate::output::triage::plot_path(r);
+        refuse_overwrite(Some(&plot), force)?;
+        if let Some(j) = json {
+            for (other, what) in [(r, "--report"), (&plot, "the report's heat map")] {
+                if same_file(j, other) {
+                    return Err(Error::Usage(format!(
+                        "--json {} is the same file as {what} ({}); give them different paths",
+                        j.display(),
+                        other.display()
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether two output paths name the same file: equal as written, or equal once their existing
+/// parent folders are canonicalized (`./x.md` and `x.md`).
+fn same_file(a: &Path, b: &Path) -> bool {
+    let canon = |p: &Path| {
+        let dir = p
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        dir.canonicalize()
+            .ok()
+            .map(|d| d.join(p.file_name().unwrap_or_default()))
+    };
+    a == b || matches!((canon(a), canon(b)), (Some(x), Some(y)) if x == y)
+}
+
+/// `mla-diff compare`.
+pub fn cmd_compare(a: &CompareArgs, out: &mut dyn Write) -> Result<Outcome> {
+    let file = crate::model::fixture::open_model(a.model.path())?;
+    let cfg = MlaConfig::from_gguf(&file)?;
+    let map = a.map.as_deref().map(crate::model::dump::Map::load).transpose()?;
+    check_outputs(a.output.json.as_ref(), a.output.report.as_ref(), a.output.force)?;
+    let dump = crate::model::dump::load(&a.dump, map.as_ref(), &cfg)?;
+    let map_name = map
+        .as_ref()
+        .map(|m| m.name.clone().unwrap_or_else(|| a.map.clone().unwrap_or_default()));
+    let rep = crate::jobs::compare::compare_dump(&file, &cfg, &dump, map_name, a.dtype.map(Into::into))?;
+    let backend = Backend::Cpu(CpuOps::new(rep.run.dtype));
+    let o = Outputs {
+        json: a.output.json.as_ref(),
+        md: a.output.report.as_ref(),
+        force: a.output.force,
+        quiet: a.output.quiet,
+    };
+    finish_report(&rep, &file, &backend, o, out)
+}
+
+/// Picks the backend and says which on stderr (unless `quiet`): `auto` takes CUDA when a device
+/// answers.
+///
+/// Errors: `--backend cuda` without a usable device, library or include folder.
+pub fn select_backend(d: &DeviceArgs, quiet: bool) -> Result<Backend> {
+    let cuda = || {
+        crate::backend::cuda::ops::CudaOps::new(d.dtype.into(), d.cuda_include.as_deref())
+            .map(|o| Backend::Cuda(o.with_kernels(d.kernels.into())))
+    };
+    let b = match d.backend {
+        BackendChoice::Cpu => Backend::Cpu(CpuOps::new(d.dtype.into())),
+        BackendChoice::Cuda => cuda()?,
+        BackendChoice::Auto => match crate::device::probe() {
+            Ok(_) => match cuda() {
+                Ok(b) => {
+                    if !quiet {
+                        eprintln!("mla-diff: backend {} (auto: a CUDA device answered)", b.describe());
+                    }
+                    return Ok(b);
+                }
+                Err(e) => {
+                    if !quiet {
+                        eprintln!("mla-diff: backend cpu (auto: CUDA unusable: {e})");
+                    }
+                    Backend::Cpu(CpuOps::new(d.dtype.into()))
+                }
+            },
+            Err(e) => {
+                if !quiet {
+                    eprintln!("mla-diff: backend cpu (auto: {e})");
+                }
+                Backend::Cpu(CpuOps::new(d.dtype.into()))
+            }
+        },
+    };
+    if d.backend != BackendChoice::Auto && !quiet {
+        eprintln!("mla-diff: backend {}", b.describe());
+    }
+    Ok(b)
+}
+
+/// Largest RoPE position accepted (`--start-pos` plus the sequence length): 2^31, far past any
+/// released context length, and exact in the f64 angle computation.
+pub const MAX_POSITION: usize = 1 << 31;
+
+/// Rejects injected faults that act on none of the requested paths (a run that "passes" with an
+/// inert fault would read as a detector failure), and notes the paths a fault skips.
+fn check_faults(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<()> {
+    let layer = rc.layers.first().copied().unwrap_or(0);
+    let latent = match cfg.kv_b_layout {
+        crate::model::config::KvBLayout::Split => crate::model::weights::tensor_name(layer, "attn_v_b"),
+        crate::model::config::KvBLayout::Fused => crate::model::weights::tensor_name(layer, "attn_kv_b"),
+    };
+    let block = file.tensor(&latent).map_or(1, |t| t.ggml_type.block_size());
+    for &f in &rc.path_options.faults.0 {
+        let verdicts: Vec<(PathKind, std::result::Result<(), &str>)> = rc
+            .paths
+            .iter()
+            .map(|&p| (p, f.applies(p, cfg, rc.path_options.tp, block)))
+            .collect();
+        if verdicts.iter().all(|(_, v)| v.is_err()) {
+            // One reason per distinct cause, with the paths that share it.
+            let mut why: Vec<(String, Vec<String>)> = Vec::new();
+            for (p, v) in &verdicts {
+                let e = v.err().unwrap_or_default().to_string();
+                match why.iter_mut().find(|(r, _)| *r == e) {
+                    Some((_, ps)) => ps.push(p.to_string()),
+                    None => why.push((e, vec![p.to_string()])),
+                }
+            }
+            let why: Vec<String> = why
+                .into_iter()
+                .map(|(e, ps)| format!("{}: {e}", ps.join(", ")))
+                .collect();
+            return Err(Error::Usage(format!(
+                "--inject {f} acts on none of the requested paths ({}); see `mla-diff run --help` and README's fault table",
+                why.join("; ")
+            )));
+        }
+        for (p, v) in verdicts {
+            if let Err(e) = v {
+                eprintln!("mla-diff: note: --inject {f} does not act on path {p} ({e})");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Parses `--layers`: `A..B`, `A..=B`, `all`, or a single number.
+pub fn parse_layers(spec: &str, n_layer: usize) -> Result<Vec<usize>> {
+    let bad = || {
+        Error::Usage(format!(
+            "--layers `{spec}`: expected `A..B` (B excluded), `A..=B`, `all` or a number"
+        ))
+    };
+    let v: Vec<usize> = if spec == "all" {
+        (0..n_layer).collect()
+    } else if let Some((a, b)) = spec.split_once("..=") {
+        let (a, b) = (
+            a.parse::<usize>().map_err(|_| bad())?,
+            b.parse::<usize>().map_err(|_| bad())?,
+        );
+        (a..=b).collect()
+    } else if let Some((a, b)) = spec.split_once("..") {
+        let (a, b) = (
+            a.parse::<usize>().map_err(|_| bad())?,
+            b.parse::<usize>().map_err(|_| bad())?,
+        );
+        (a..b).collect()
+    } else {
+        vec![spec.parse::<usize>().map_err(|_| bad())?]
+    };
+    if v.is_empty() {
+        return Err(Error::Usage(format!("--layers `{spec}` selects no layer")));
+    }
+    Ok(v)
+}
+
+/// Validates a [`RunSpec`] and opens its model: the file, its configuration and the run
+/// configuration (with an empty `backend` field).
+///
+/// Errors: [`Error::Usage`] for zero sizes, empty sequences, positions past [`MAX_POSITION`] and
+/// faults that act on no requested path; model and configuration errors.
+pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
+    let file = crate::model::fixture::open_model(a.model.path())?;
+    let cfg = MlaConfig::from_gguf(&file)?;
+    let layers = match (&a.layers, a.layer) {
+        (Some(spec), _) => parse_layers(spec, cfg.trunk_layers())?,
+        (None, Some(l)) => vec![l],
+        (None, None) => vec![0],
+    };
+    if a.tokens == 0 {
+        return Err(Error::Usage("--tokens must be at least 1".into()));
+    }
+    if a.tp == 0 {
+        return Err(Error::Usage("--tp must be at least 1".into()));
+    }
+    if a.new_tokens == 0 {
+        return Err(Error::Usage(
+            "--new-tokens must be at least 1 (the tokens each chunked-prefill step adds)".into(),
+        ));
+    }
+    if a.page_size == 0 || a.splits == 0 || a.chunk_size == 0 {
+        return Err(Error::Usage(
+            "--page-size, --splits and --chunk-size must be at least 1".into(),
+        ));
+    }
+    let batch = match &a.seqs {
+        Some(lens) => {
+            if lens.is_empty() || lens.contains(&0) {
+                return Err(Error::Usage("--seqs: every sequence needs at least one token".into()));
+            }
+            Batch {
+                seqs: lens
+                    .iter()
+                    .map(|&len| SeqSpec {
+                        len,
+                        start_pos: a.start_pos,
+                    })
+                    .collect(),
+            }
+        }
+        None => Batch::single(a.tokens, a.start_pos),
+    };
+    let last_pos = batch
+        .seqs
+        .iter()
+        .map(|s| s.len)
+        .max()
+        .unwrap_or(0)
+        .checked_add(a.start_pos);
+    if last_pos.is_none_or(|p| p > MAX_POSITION) {
+        return Err(Error::Usage(format!(
+            "--start-pos {}: positions must stay below {MAX_POSITION} (2^31)",
+            a.start_pos
+        )));
+    }
+
+    let rc = RunConfig {
+        layers,
+        batch,
+        seed: a.seed,
+        input: a.input.into(),
+        paths: a.path.paths(),
+        path_options: PathOptions {
+            page_size: a.page_size,
+            num_splits: a.splits,
+            tp: a.tp,
+            chunk_size: a.chunk_size,
+            new_tokens: a.new_tokens,
+            faults: FaultSet(a.inject.clone()),
+            ..PathOptions::default()
+        },
+        backend: String::new(),
+    };
+    check_faults(&file, &cfg, &rc)?;
+    Ok((file, cfg, rc))
+}
+
+/// A run that injected faults, found nothing, and whose paths said a fault had nothing to act on
+/// is not a pass: the user asked to see a bug and the batch gave it no chance (e.g.
+/// `unwritten-rows` on one sequence, where no context chunk is empty for any row).
+///
+/// Errors: [`Error::Usage`] quoting the path's note, which says what batch would exercise it.
+fn refuse_idle_fault(rep: &RunReport) -> Result<()> {
+    if rep.run.path_options.faults.is_empty() || !rep.all_pass() {
+        return Ok(());
+    }
+    let idle: Vec<String> = rep
+        .results
+        .iter()
+        .flat_map(|r| {
+            r.notes
+                .iter()
+                .filter(|n| n.contains("nothing to act on"))
+                .map(move |n| (r.path, n))
+        })
+        .map(|(p, n)| format!("{}: {n}", p.name()))
+        .collect();
+    match idle.first() {
+        Some(first) => Err(Error::Usage(format!(
+            "the injected fault did not act on this batch, so the clean result says nothing: {first}"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Refuses to replace `path` unless `force`.
+///
+/// A folder is refused even with `--force`: the output is a file, and `--force` would not help.
+pub(crate) fn refuse_overwrite(path: Option<&PathBuf>, force: bool) -> Result<()> {
+    if let Some(p) = path.filter(|p| p.is_dir()) {
+        return Err(Error::Usage(format!("{} is a folder; give a file path", p.display())));
+    }
+    match path {
+        Some(p) if p.exists() && !force => Err(Error::Usage(format!(
+            "{} exists; pass --force to overwrite it",
+            p.display()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// A progress bar on stderr for multi-layer runs: drawn only when stderr is a terminal, the run
+/// is not `--quiet`, more than one layer is computed, and the work is still going after a second.
+struct LayerProgress {
+    bar: Option<indicatif::ProgressBar>,
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl LayerProgress {
+    fn new(quiet: bool, total: usize) -> Self {
+        use std::io::IsTerminal;
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        if quiet || total < 2 || !std::io::stderr().is_terminal() {
+            return LayerProgress { bar: None, done };
+        }
+        let bar = indicatif::ProgressBar::with_draw_target(Some(total as u64), indicatif::ProgressDrawTarget::hidden());
+        if let Ok(style) = indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] layer {pos}/{len}") {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        let (b, d) = (bar.clone(), done.clone());
+        std::thread::spawn(move || {
+            for _ in 0..20 {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                if d.load(std::sync::atomic::Ordering::Relaxed) {
+                    return;
+                }
+            }
+            b.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+            b.enable_steady_tick(std::time::Duration::from_millis(200));
+        });
+        LayerProgress { bar: Some(bar), done }
+    }
+
+    fn update(&self, done: usize) {
+        if let Some(b) = &self.bar {
+            b.set_position(done as u64);
+        }
+    }
+
+    fn finish(self) {
+        self.done.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(b) = self.bar {
+            b.finish_and_clear();
+        }
+    }
+}
+
+/// `mla-diff run`.
+pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
+    let started = std::time::Instant::now();
+    let (file, cfg, rc) = build_run(&a.spec)?;
+    check_outputs(a.output.json.as_ref(), a.output.report.as_ref(), a.output.force)?;
+    let backend = select_backend(&a.spec.device, a.output.quiet)?;
+    let rc = RunConfig {
+        backend: backend.describe(),
+        ..rc
+    };
+    let computed = match rc.input {
+        InputMode::Tokens => rc.layers.iter().max().map_or(0, |l| l + 1),
+        InputMode::Random => rc.layers.len(),
+    };
+    let progress = LayerProgress::new(a.output.quiet, computed);
+    let rep = run::run_with_progress(&backend, &file, &cfg, &rc, &mut |d, _| progress.update(d));
+    progress.finish();
+    let rep = rep?;
+    if a.stats {
+        eprintln!("{}", crate::output::stats::stats_line(&file, started.elapsed()));
+    }
+    refuse_idle_fault(&rep)?;
+    let o = Outputs {
+        json: a.output.json.as_ref(),
+        md: a.output.report.as_ref(),
+        force: a.output.force,
+        quiet: a.output.quiet,
+    };
+    finish_report(&rep, &file, &backend, o, out)
+}

@@ -1,0 +1,312 @@
+//! One rank's attention context (its heads, weights and prologue outputs), the causal and sparse
+//! attention helpers every path uses, and the paged latent cache with its shuffled block table.
+
+use super::*;
+
+/// Per-rank attention inputs and settings shared by the attention variants.
+pub(super) struct RankAttn<'a, O: Ops> {
+    pub(super) ops: &'a O,
+    pub(super) cfg: &'a MlaConfig,
+    pub(super) rw: &'a RankWeights<O::Buf>,
+    /// Heads on this rank.
+    pub(super) nh: usize,
+    /// `q` [T, nh, P+R].
+    pub(super) q: &'a O::Buf,
+    /// `q_pe_roped` [T, nh, R].
+    pub(super) q_pe_roped: &'a O::Buf,
+    /// `kv_c_normed` [T, L] (replicated).
+    pub(super) kv_c_normed: &'a O::Buf,
+    /// `k_pe_roped` [T, R] (replicated).
+    pub(super) k_pe_roped: &'a O::Buf,
+    /// Softmax scale the kernels use.
+    pub(super) scale: f32,
+    pub(super) opts: &'a PathOptions,
+    /// The DSA selection (packed token → kept key indices of its sequence); `None`: dense.
+    pub(super) sel: Option<&'a Selection>,
+}
+
+/// What one rank's attention op produced. `out` is what the CALLER's buffer holds afterwards.
+pub(super) struct RankOut<B> {
+    /// `attn_out` [T, nh, V] as the caller sees it.
+    pub(super) out: B,
+    /// `lse` [T, nh].
+    pub(super) lse: B,
+    /// `k_nope` [T, nh, P] and `v` [T, nh, V] (expanded paths).
+    pub(super) k_nope: Option<B>,
+    pub(super) v: Option<B>,
+    /// `ql_nope` and `attn_latent` [T, nh, L] (absorbed path).
+    pub(super) ql_nope: Option<B>,
+    pub(super) attn_latent: Option<B>,
+}
+
+impl<O: Ops> RankAttn<'_, O> {
+    /// Expanded K/V of `rows` latent rows: `kv_b_proj`, then the per-head split (or the grouped
+    /// split of the `kv-b-grouped` fault). Returns (`k_nope` [rows, nh, P], `v` [rows, nh, V]).
+    pub(super) fn expand_kv(&self, kv_c: &O::Buf, rows: usize) -> Result<(O::Buf, O::Buf)> {
+        let (l, p, v, nh) = (
+            self.cfg.kv_lora_rank,
+            self.cfg.qk_nope_head_dim,
+            self.cfg.v_head_dim,
+            self.nh,
+        );
+        let ops = self.ops;
+        let kv = ops.linear(kv_c, rows, l, &self.rw.kv_b, nh * (p + v))?;
+        let mut k_nope = ops.canary(rows * nh * p)?;
+        let mut vv = ops.canary(rows * nh * v)?;
+        if self.opts.faults.has(Fault::KvBGrouped) {
+            ops.copy2d(&kv, &mut k_nope, cp(rows, nh * p, 0, nh * (p + v), 0, nh * p))?;
+            ops.copy2d(&kv, &mut vv, cp(rows, nh * v, nh * p, nh * (p + v), 0, nh * v))?;
+        } else {
+            ops.copy2d(&kv, &mut k_nope, cp(rows * nh, p, 0, p + v, 0, p))?;
+            ops.copy2d(&kv, &mut vv, cp(rows * nh, v, p, p + v, 0, v))?;
+        }
+        Ok((k_nope, vv))
+    }
+
+    /// `[q_nope | q_pe_roped]` for all T rows, [T, nh, P+R].
+    pub(super) fn full_q(&self, t: usize) -> Result<O::Buf> {
+        let (p, r, nh) = (self.cfg.qk_nope_head_dim, self.cfg.qk_rope_head_dim, self.nh);
+        let mut qf = self.ops.canary(t * nh * (p + r))?;
+        self.ops.copy2d(self.q, &mut qf, cp(t * nh, p, 0, p + r, 0, p + r))?;
+        self.ops
+            .copy2d(self.q_pe_roped, &mut qf, cp(t * nh, r, 0, r, p, p + r))?;
+        Ok(qf)
+    }
+
+    /// `[k_nope | k_pe_roped broadcast over heads]` for `rows` rows, [rows, nh, P+R].
+    pub(super) fn full_k(&self, k_nope: &O::Buf, k_pe_roped: &O::Buf, rows: usize) -> Result<O::Buf> {
+        let (p, r, nh) = (self.cfg.qk_nope_head_dim, self.cfg.qk_rope_head_dim, self.nh);
+        let mut kf = self.ops.canary(rows * nh * (p + r))?;
+        self.ops.copy2d(k_nope, &mut kf, cp(rows * nh, p, 0, p, 0, p + r))?;
+        self.ops.copy2d(
+            k_pe_roped,
+            &mut kf,
+            Copy2d {
+                rows: rows * nh,
+                width: r,
+                src_off: 0,
+                src_stride: r,
+                src_row_div: nh,
+                dst_off: p,
+                dst_stride: p + r,
+            },
+        )?;
+        Ok(kf)
+    }
+
+    /// The attention custom op's output contract: the op gets the caller-allocated output and
+    /// must write it in place. With `phantom-output`, the op's result lands in a private tensor
+    /// and the caller's buffer stays as allocated (the canary).
+    pub(super) fn deliver(&self, result: O::Buf, n: usize) -> Result<O::Buf> {
+        if self.opts.faults.has(Fault::PhantomOutput) {
+            self.ops.canary(n)
+        } else {
+            Ok(result)
+        }
+    }
+
+    /// `ql_nope = q_nope · W_UK_T` per head, [T, nh, L].
+    pub(super) fn absorb_q(&self, t: usize) -> Result<O::Buf> {
+        let (l, p, r, nh) = (
+            self.cfg.kv_lora_rank,
+            self.cfg.qk_nope_head_dim,
+            self.cfg.qk_rope_head_dim,
+            self.nh,
+        );
+        let mut q_nope = self.ops.canary(t * nh * p)?;
+        self.ops.copy2d(self.q, &mut q_nope, cp(t * nh, p, 0, p + r, 0, p))?;
+        self.ops.bmm_heads(&q_nope, t, nh, p, &self.rw.w_uk_t, l)
+    }
+
+    /// Per-sequence causal segments over packed rows.
+    pub(super) fn causal_segments(seqs: &[(usize, usize)]) -> Vec<Segment> {
+        seqs.iter()
+            .map(|&(off, len)| Segment {
+                q_off: off,
+                q_len: len,
+                k_off: off,
+                k_len: len,
+                causal: true,
+            })
+            .collect()
+    }
+}
+
+impl<O: Ops> RankAttn<'_, O> {
+    /// Sparse attention of query rows `q_rows` of `q` [·, nh, P+R] over per-row key lists
+    /// (`keys[i]`: rows of `k` [·, nh, P+R] / `v` [·, nh, V]): the keys of every row are
+    /// gathered into one packed buffer and each row is its own non-causal segment (what a sparse
+    /// MLA prefill kernel does with the indexer's indices). A row with no key gets `empty`.
+    /// Returns (`out` [n, nh, V], `lse` [n, nh]) in `q_rows` order.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn sparse_rows(
+        &self,
+        q: &O::Buf,
+        q_rows: &[usize],
+        k: &O::Buf,
+        v: &O::Buf,
+        keys: &[Vec<usize>],
+        empty: EmptyRows,
+    ) -> Result<(O::Buf, O::Buf)> {
+        let (p, r, dv, nh) = (
+            self.cfg.qk_nope_head_dim,
+            self.cfg.qk_rope_head_dim,
+            self.cfg.v_head_dim,
+            self.nh,
+        );
+        let ops = self.ops;
+        let n = q_rows.len();
+        let mut flat: Vec<usize> = keys.iter().flatten().copied().collect();
+        let mut segs = Vec::with_capacity(n);
+        let mut k_off = 0;
+        for (i, kr) in keys.iter().enumerate() {
+            segs.push(Segment {
+                q_off: i,
+                q_len: 1,
+                k_off,
+                k_len: kr.len(),
+                causal: false,
+            });
+            k_off += kr.len();
+        }
+        if flat.is_empty() {
+            // Never read (every segment is empty); keeps the gathers non-empty.
+            flat.push(0);
+        }
+        let qg = ops.gather_rows(q, nh * (p + r), q_rows)?;
+        let kg = ops.gather_rows(k, nh * (p + r), &flat)?;
+        let vg = ops.gather_rows(v, nh * dv, &flat)?;
+        let mut out = ops.canary(n * nh * dv)?;
+        let mut lse = ops.canary(n * nh)?;
+        ops.flash_attention(
+            &qg,
+            &kg,
+            &vg,
+            nh,
+            p + r,
+            dv,
+            &segs,
+            self.scale,
+            empty,
+            &mut out,
+            &mut lse,
+        )?;
+        Ok((out, lse))
+    }
+
+    /// Causal attention of every row of the sequences `seqs` ((first packed row, length)) over
+    /// its own sequence, written into those rows of `out` [T, nh, V] / `lse` [T, nh]; with a DSA
+    /// selection, over the kept keys only.
+    pub(super) fn causal_into(
+        &self,
+        q: &O::Buf,
+        k: &O::Buf,
+        v: &O::Buf,
+        seqs: &[(usize, usize)],
+        out: &mut O::Buf,
+        lse: &mut O::Buf,
+    ) -> Result<()> {
+        let (p, r, dv, nh) = (
+            self.cfg.qk_nope_head_dim,
+            self.cfg.qk_rope_head_dim,
+            self.cfg.v_head_dim,
+            self.nh,
+        );
+        if self.sel.is_none() {
+            return self.ops.flash_attention(
+                q,
+                k,
+                v,
+                nh,
+                p + r,
+                dv,
+                &Self::causal_segments(seqs),
+                self.scale,
+                EmptyRows::ZeroMinusInf,
+                out,
+                lse,
+            );
+        }
+        let rows: Vec<usize> = seqs.iter().flat_map(|&(off, len)| off..off + len).collect();
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let keys: Vec<Vec<usize>> = seqs
+            .iter()
+            .flat_map(|&(off, len)| (0..len).map(move |i| (off, i)))
+            .map(|(off, i)| self.kept(off + i, off, 0..i + 1))
+            .collect();
+        let (o, l) = self.sparse_rows(q, &rows, k, v, &keys, EmptyRows::ZeroMinusInf)?;
+        self.ops.scatter_rows(out, &o, nh * dv, &rows)?;
+        self.ops.scatter_rows(lse, &l, nh, &rows)
+    }
+
+    /// The kept keys of packed token `row` as packed rows (`off` = its sequence's first row),
+    /// limited to key indices in `range`.
+    pub(super) fn kept(&self, row: usize, off: usize, range: Range<usize>) -> Vec<usize> {
+        match self.sel {
+            Some(sel) => sel.rows[row]
+                .iter()
+                .filter(|j| range.contains(j))
+                .map(|&j| off + j)
+                .collect(),
+            None => range.map(|j| off + j).collect(),
+        }
+    }
+}
+
+/// The paged latent cache and each sequence's (shuffled) block table.
+pub(super) struct CacheState<B> {
+    pub(super) cache: B,
+    pub(super) tables: Vec<Vec<usize>>,
+    pub(super) block_size: usize,
+    pub(super) width: usize,
+}
+
+impl<B> CacheState<B> {
+    /// Enough pages for every sequence plus one spare, handed out in a shuffled order; the cache
+    /// is canary-filled, so reading a slot never written yields NaN.
+    pub(super) fn new<O: Ops<Buf = B>>(ops: &O, batch: &Batch, cfg: &MlaConfig, opts: &PathOptions) -> Result<Self> {
+        let page = opts.page_size.max(1);
+        let pages: Vec<usize> = batch.seqs.iter().map(|s| s.len.div_ceil(page)).collect();
+        let num_blocks = pages.iter().sum::<usize>() + 1;
+        let mut physical: Vec<usize> = (0..num_blocks).collect();
+        SplitMix64::new(opts.seed ^ 0x5EED_B10C).shuffle(&mut physical);
+        let mut tables = Vec::new();
+        let mut next = 0;
+        for &np in &pages {
+            tables.push(physical[next..next + np].to_vec());
+            next += np;
+        }
+        let width = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
+        Ok(CacheState {
+            cache: ops.canary(num_blocks * page * width)?,
+            tables,
+            block_size: page,
+            width,
+        })
+    }
+
+    /// The cache slot of position `i` of sequence `seq` (slot = block · block_size + offset).
+    pub(super) fn slot(&self, seq: usize, i: usize) -> usize {
+        self.tables[seq][i / self.block_size] * self.block_size + i % self.block_size
+    }
+
+    /// `concat_and_cache_mla` for packed rows `rows` (positions `pos` of sequences `seqs`).
+    pub(super) fn write<O: Ops<Buf = B>>(
+        &mut self,
+        a: &RankAttn<'_, O>,
+        rows: &[usize],
+        seqs: &[usize],
+        pos: &[usize],
+    ) -> Result<()> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let (l, r) = (a.cfg.kv_lora_rank, a.cfg.qk_rope_head_dim);
+        let kv = a.ops.gather_rows(a.kv_c_normed, l, rows)?;
+        let kp = a.ops.gather_rows(a.k_pe_roped, r, rows)?;
+        let slots: Vec<usize> = seqs.iter().zip(pos).map(|(&s, &i)| self.slot(s, i)).collect();
+        a.ops.cache_write(&mut self.cache, self.width, &kv, &kp, l, r, &slots)
+    }
+}

@@ -1,0 +1,226 @@
+//! The chunked-context prefill path (vLLM `_compute_prefill_context`): new tokens attend to their
+//! cached context chunk by chunk and to themselves, the partial states merged by LSE.
+
+use super::*;
+
+/// Per sequence of the chunked path: (context length, new tokens).
+pub fn chunked_split(batch: &Batch, new_tokens: usize) -> Vec<(usize, usize)> {
+    batch
+        .seqs
+        .iter()
+        .map(|s| {
+            let new = new_tokens.clamp(1, s.len.max(1)).min(s.len);
+            (s.len - new, new)
+        })
+        .collect()
+}
+
+/// Chunked prefill (vLLM `_compute_prefill_context` + `_forward_prefill`) on one rank.
+///
+/// Phase 1 (an earlier step): each sequence's context tokens are prefilled causally and their
+/// latent rows written to the paged cache. Phase 2: the new tokens attend to the cached context
+/// in chunks of `chunk_size` positions across the whole batch (a sequence whose context is
+/// shorter than a chunk's start has no keys there: LSE −inf), each chunk's K/V re-expanded from
+/// the cache through `kv_b_proj`, then to themselves causally; all partials are merged by LSE.
+pub(super) fn chunked_rank<O: Ops>(
+    a: &RankAttn<'_, O>,
+    batch: &Batch,
+    empty_rows: &mut BTreeSet<usize>,
+    notes: &mut Vec<String>,
+) -> Result<RankOut<O::Buf>> {
+    let t = batch.n_tokens();
+    let (l, p, r, v, nh) = (
+        a.cfg.kv_lora_rank,
+        a.cfg.qk_nope_head_dim,
+        a.cfg.qk_rope_head_dim,
+        a.cfg.v_head_dim,
+        a.nh,
+    );
+    let ops = a.ops;
+    let f = &a.opts.faults;
+    let split = chunked_split(batch, a.opts.new_tokens);
+    let offsets = batch.offsets();
+    let (k_nope, vv) = a.expand_kv(a.kv_c_normed, t)?;
+    let qf = a.full_q(t)?;
+    let kf = a.full_k(&k_nope, a.k_pe_roped, t)?;
+    let mut result = ops.canary(t * nh * v)?;
+    let mut lse = ops.canary(t * nh)?;
+
+    // Phase 1: context tokens, causal, and into the cache.
+    let ctx_seqs: Vec<(usize, usize)> = split
+        .iter()
+        .zip(&offsets)
+        .filter(|(x, _)| x.0 > 0)
+        .map(|(x, &off)| (off, x.0))
+        .collect();
+    a.causal_into(&qf, &kf, &vv, &ctx_seqs, &mut result, &mut lse)?;
+    let mut cs = CacheState::new(ops, batch, a.cfg, a.opts)?;
+    let (mut rows, mut seqs, mut pos) = (Vec::new(), Vec::new(), Vec::new());
+    for (si, (&(c, _), &off)) in split.iter().zip(&offsets).enumerate() {
+        for i in 0..c {
+            rows.push(off + i);
+            seqs.push(si);
+            pos.push(i);
+        }
+    }
+    cs.write(a, &rows, &seqs, &pos)?;
+
+    // Phase 2: the new tokens, packed [T_new, nh, ·].
+    let new_rows: Vec<usize> = split
+        .iter()
+        .zip(&offsets)
+        .flat_map(|(&(c, n), &off)| off + c..off + c + n)
+        .collect();
+    let t_new = new_rows.len();
+    let qn = ops.gather_rows(&qf, nh * (p + r), &new_rows)?;
+    let max_ctx = split.iter().map(|x| x.0).max().unwrap_or(0);
+    let chunk = a.opts.chunk_size.max(1);
+    let n_chunks = max_ctx.div_ceil(chunk);
+    let empty = if f.has(Fault::UnwrittenRows) {
+        EmptyRows::Skip
+    } else if f.has(Fault::LsePlusInf) {
+        EmptyRows::ZeroPlusInf
+    } else {
+        EmptyRows::ZeroMinusInf
+    };
+    let k_parts = n_chunks + 1;
+    let mut parts = ops.canary(k_parts * t_new * nh * v)?;
+    let mut lses = ops.canary(k_parts * t_new * nh)?;
+    let mut skipped = 0usize;
+    for (ci, c0) in (0..max_ctx).step_by(chunk).enumerate() {
+        // Gather this chunk's context rows of every sequence from the cache and expand them.
+        let mut slots = Vec::new();
+        let mut segs = Vec::new();
+        let mut q_off = 0;
+        for (si, &(c, n)) in split.iter().enumerate() {
+            let keys = c0.min(c)..(c0 + chunk).min(c);
+            if let Some(sel) = a.sel {
+                // DSA: each new token reads only its kept keys of this chunk.
+                for j in 0..n {
+                    let row = offsets[si] + c + j;
+                    let k_off = slots.len();
+                    slots.extend(
+                        sel.rows[row]
+                            .iter()
+                            .filter(|p| keys.contains(p))
+                            .map(|&p| cs.slot(si, p)),
+                    );
+                    if slots.len() == k_off {
+                        skipped += 1;
+                        empty_rows.insert(row);
+                    }
+                    segs.push(Segment {
+                        q_off: q_off + j,
+                        q_len: 1,
+                        k_off,
+                        k_len: slots.len() - k_off,
+                        causal: false,
+                    });
+                }
+                q_off += n;
+                continue;
+            }
+            let k_off = slots.len();
+            for pos in keys.clone() {
+                slots.push(cs.slot(si, pos));
+            }
+            if keys.is_empty() {
+                skipped += n;
+                for j in 0..n {
+                    empty_rows.insert(offsets[si] + c + j);
+                }
+            }
+            segs.push(Segment {
+                q_off,
+                q_len: n,
+                k_off,
+                k_len: keys.len(),
+                causal: false,
+            });
+            q_off += n;
+        }
+        if slots.is_empty() {
+            // No row keeps a key of this chunk: one written slot, never read, keeps the gather
+            // non-empty.
+            if let Some(si) = split.iter().position(|x| x.0 > 0) {
+                slots.push(cs.slot(si, 0));
+            }
+        }
+        let nk = slots.len();
+        let rows_c = ops.gather_rows(&cs.cache, cs.width, &slots)?;
+        let mut kv_c = ops.canary(nk * l)?;
+        ops.copy2d(&rows_c, &mut kv_c, cp(nk, l, 0, cs.width, 0, l))?;
+        let mut kpe = ops.canary(nk * r)?;
+        ops.copy2d(&rows_c, &mut kpe, cp(nk, r, l, cs.width, 0, r))?;
+        let (ck, cv) = a.expand_kv(&kv_c, nk)?;
+        let ckf = a.full_k(&ck, &kpe, nk)?;
+        let mut po = ops.canary(t_new * nh * v)?;
+        let mut pl = ops.canary(t_new * nh)?;
+        ops.flash_attention(&qn, &ckf, &cv, nh, p + r, v, &segs, a.scale, empty, &mut po, &mut pl)?;
+        ops.copy2d(&po, &mut parts, cp(1, t_new * nh * v, 0, 0, ci * t_new * nh * v, 0))?;
+        ops.copy2d(&pl, &mut lses, cp(1, t_new * nh, 0, 0, ci * t_new * nh, 0))?;
+    }
+    if f.has(Fault::UnwrittenRows) || f.has(Fault::LsePlusInf) {
+        notes.push(if skipped > 0 {
+            format!("{skipped} (new token, chunk) rows had no context keys and got the faulty empty-row handling")
+        } else {
+            "no context chunk was empty for any row: the empty-row fault had nothing to act on (use several --seqs of different lengths)".into()
+        });
+    }
+    // The new tokens among themselves, causal (DSA: their kept keys among them).
+    let (so, sl) = if a.sel.is_some() {
+        let keys: Vec<Vec<usize>> = split
+            .iter()
+            .zip(&offsets)
+            .flat_map(|(&(c, n), &off)| (c..c + n).map(move |i| (off, c, i)))
+            .map(|(off, c, i)| a.kept(off + i, off, c..i + 1))
+            .collect();
+        a.sparse_rows(&qf, &new_rows, &kf, &vv, &keys, EmptyRows::ZeroMinusInf)?
+    } else {
+        let sk = ops.gather_rows(&kf, nh * (p + r), &new_rows)?;
+        let sv = ops.gather_rows(&vv, nh * v, &new_rows)?;
+        let mut q_off = 0;
+        let suffix: Vec<(usize, usize)> = split
+            .iter()
+            .map(|&(_, n)| {
+                let s = (q_off, n);
+                q_off += n;
+                s
+            })
+            .collect();
+        let mut so = ops.canary(t_new * nh * v)?;
+        let mut sl = ops.canary(t_new * nh)?;
+        ops.flash_attention(
+            &qn,
+            &sk,
+            &sv,
+            nh,
+            p + r,
+            v,
+            &RankAttn::<O>::causal_segments(&suffix),
+            a.scale,
+            EmptyRows::ZeroMinusInf,
+            &mut so,
+            &mut sl,
+        )?;
+        (so, sl)
+    };
+    ops.copy2d(
+        &so,
+        &mut parts,
+        cp(1, t_new * nh * v, 0, 0, n_chunks * t_new * nh * v, 0),
+    )?;
+    ops.copy2d(&sl, &mut lses, cp(1, t_new * nh, 0, 0, n_chunks * t_new * nh, 0))?;
+    // merge_attn_states over all partials.
+    let (mo, ml) = ops.merge(&parts, &lses, k_parts, t_new, nh, v)?;
+    ops.scatter_rows(&mut result, &mo, nh * v, &new_rows)?;
+    ops.scatter_rows(&mut lse, &ml, nh, &new_rows)?;
+    Ok(RankOut {
+        out: a.deliver(result, t * nh * v)?,
+        lse,
+        k_nope: Some(k_nope),
+        v: Some(vv),
+        ql_nope: None,
+        attn_latent: None,
+    })
+}

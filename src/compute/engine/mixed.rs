@@ -1,0 +1,141 @@
+//! The mixed batch: decode tokens first, prefill tokens after, each part through its own path,
+//! written into one caller-allocated output (vLLM's MLA batch split).
+
+use super::*;
+
+/// Which sequences of a mixed batch are decodes: the first ⌈S/2⌉ (vLLM puts decodes first).
+pub fn mixed_decode_seqs(batch: &Batch) -> usize {
+    batch.seqs.len().div_ceil(2)
+}
+
+/// A mixed batch (vLLM `MLACommonImpl.forward`) on one rank. Earlier steps prefilled every
+/// decode sequence except its last token (into the cache). This step's packed batch is
+/// `[one decode token per decode sequence | every token of the prefill sequences]`; decode rows
+/// `[:num_decodes]` go through the absorbed path, the rest through the expanded path, and both
+/// write into ONE caller-allocated output by row offset.
+pub(super) fn mixed_rank<O: Ops>(
+    a: &RankAttn<'_, O>,
+    batch: &Batch,
+    empty_rows: &mut BTreeSet<usize>,
+) -> Result<RankOut<O::Buf>> {
+    let t = batch.n_tokens();
+    let (l, p, r, v, nh) = (
+        a.cfg.kv_lora_rank,
+        a.cfg.qk_nope_head_dim,
+        a.cfg.qk_rope_head_dim,
+        a.cfg.v_head_dim,
+        a.nh,
+    );
+    let ops = a.ops;
+    let n_dec = mixed_decode_seqs(batch);
+    let offsets = batch.offsets();
+    let (k_nope, vv) = a.expand_kv(a.kv_c_normed, t)?;
+    let qf = a.full_q(t)?;
+    let kf = a.full_k(&k_nope, a.k_pe_roped, t)?;
+    let mut result = ops.canary(t * nh * v)?;
+    let mut lse = ops.canary(t * nh)?;
+
+    // Earlier steps: decode sequences' tokens before the last, causal, and into the cache.
+    let early: Vec<(usize, usize)> = (0..n_dec)
+        .filter(|&si| batch.seqs[si].len > 1)
+        .map(|si| (offsets[si], batch.seqs[si].len - 1))
+        .collect();
+    a.causal_into(&qf, &kf, &vv, &early, &mut result, &mut lse)?;
+    let mut cs = CacheState::new(ops, batch, a.cfg, a.opts)?;
+    let (mut rows, mut seqs, mut pos) = (Vec::new(), Vec::new(), Vec::new());
+    for si in 0..n_dec {
+        for i in 0..batch.seqs[si].len {
+            rows.push(offsets[si] + i);
+            seqs.push(si);
+            pos.push(i);
+        }
+    }
+    cs.write(a, &rows, &seqs, &pos)?;
+
+    // This step. Packed step rows: decode tokens first, then prefill tokens.
+    let dec_rows: Vec<usize> = (0..n_dec).map(|si| offsets[si] + batch.seqs[si].len - 1).collect();
+    let pre_rows: Vec<usize> = (n_dec..batch.seqs.len())
+        .flat_map(|si| offsets[si]..offsets[si] + batch.seqs[si].len)
+        .collect();
+    let step_rows: Vec<usize> = dec_rows.iter().chain(&pre_rows).copied().collect();
+    let n_step = step_rows.len();
+    let mut step_out = ops.canary(n_step * nh * v)?; // the caller-allocated output of the step
+    let mut step_lse = ops.canary(n_step * nh)?;
+
+    // Decode part: rows [0, num_decodes).
+    if n_dec > 0 {
+        let ql_nope = a.absorb_q(t)?;
+        let mut qrow = ops.canary(t * nh * (l + r))?;
+        ops.copy2d(&ql_nope, &mut qrow, cp(t * nh, l, 0, l, 0, l + r))?;
+        ops.copy2d(a.q_pe_roped, &mut qrow, cp(t * nh, r, 0, r, l, l + r))?;
+        let dec_seqs: Vec<usize> = (0..n_dec).collect();
+        let ctx: Vec<usize> = dec_seqs.iter().map(|&s| batch.seqs[s].len).collect();
+        let (lat, ls) = if a.sel.is_some() {
+            let slots: Vec<Vec<usize>> = dec_rows
+                .iter()
+                .zip(&dec_seqs)
+                .zip(&ctx)
+                .map(|((&row, &s), &c)| kept_slots(a, &cs, row, s, c))
+                .collect();
+            decode_rows_sparse(a, &cs, &qrow, &dec_rows, &slots, empty_rows)?
+        } else {
+            decode_rows(a, &cs, &qrow, &dec_rows, &dec_seqs, &ctx, empty_rows)?
+        };
+        let dec_out = ops.bmm_heads(&lat, n_dec, nh, l, &a.rw.w_uv, v)?;
+        ops.copy2d(&dec_out, &mut step_out, cp(1, n_dec * nh * v, 0, 0, 0, 0))?;
+        ops.copy2d(&ls, &mut step_lse, cp(1, n_dec * nh, 0, 0, 0, 0))?;
+    }
+    // Prefill part: rows [num_decodes, n_step), expanded, causal per sequence.
+    if !pre_rows.is_empty() && a.sel.is_some() {
+        let keys: Vec<Vec<usize>> = (n_dec..batch.seqs.len())
+            .flat_map(|si| (0..batch.seqs[si].len).map(move |i| (si, i)))
+            .map(|(si, i)| a.kept(offsets[si] + i, offsets[si], 0..i + 1))
+            .collect();
+        let np = pre_rows.len();
+        let (po, pl) = a.sparse_rows(&qf, &pre_rows, &kf, &vv, &keys, EmptyRows::ZeroMinusInf)?;
+        ops.copy2d(&po, &mut step_out, cp(1, np * nh * v, 0, 0, n_dec * nh * v, 0))?;
+        ops.copy2d(&pl, &mut step_lse, cp(1, np * nh, 0, 0, n_dec * nh, 0))?;
+    } else if !pre_rows.is_empty() {
+        let pq = ops.gather_rows(&qf, nh * (p + r), &pre_rows)?;
+        let pk = ops.gather_rows(&kf, nh * (p + r), &pre_rows)?;
+        let pv = ops.gather_rows(&vv, nh * v, &pre_rows)?;
+        let mut q_off = 0;
+        let segs: Vec<(usize, usize)> = (n_dec..batch.seqs.len())
+            .map(|si| {
+                let s = (q_off, batch.seqs[si].len);
+                q_off += batch.seqs[si].len;
+                s
+            })
+            .collect();
+        let np = pre_rows.len();
+        let mut po = ops.canary(np * nh * v)?;
+        let mut pl = ops.canary(np * nh)?;
+        ops.flash_attention(
+            &pq,
+            &pk,
+            &pv,
+            nh,
+            p + r,
+            v,
+            &RankAttn::<O>::causal_segments(&segs),
+            a.scale,
+            EmptyRows::ZeroMinusInf,
+            &mut po,
+            &mut pl,
+        )?;
+        ops.copy2d(&po, &mut step_out, cp(1, np * nh * v, 0, 0, n_dec * nh * v, 0))?;
+        ops.copy2d(&pl, &mut step_lse, cp(1, np * nh, 0, 0, n_dec * nh, 0))?;
+    }
+    // Scatter the step's rows back to packed token order.
+    ops.scatter_rows(&mut result, &step_out, nh * v, &step_rows)?;
+    ops.scatter_rows(&mut lse, &step_lse, nh, &step_rows)?;
+    // Every invocation of the attention op (earlier steps and this one) has the same contract.
+    Ok(RankOut {
+        out: a.deliver(result, t * nh * v)?,
+        lse,
+        k_nope: Some(k_nope),
+        v: Some(vv),
+        ql_nope: None,
+        attn_latent: None,
+    })
+}

@@ -1,0 +1,319 @@
+//! vLLM's MLA layer, step by step, written once against the kernel interface [`Ops`].
+//!
+//! This is where the engine *structure* lives, the structure real bugs hide in: the
+//! `fused_qkv_a_proj` weight merged from its two GGUF shards, strided views for `q_c`/`kv_c`, a
+//! cos/sin cache, `kv_b_proj` rebuilt from the split GGUF pair, `W_UK_T`/`W_UV` derived from it
+//! as vLLM's `process_weights_after_loading` does, a paged latent cache behind a shuffled block
+//! table, decode steps with split-KV partials merged by LSE, chunked context, mixed
+//! decode/prefill batches, and simulated tensor parallelism with shards cut from the raw quantized
+//! bytes and dequantized per rank. Faults of [`crate::compute::faults`] act at the place the real bug
+//! lived. Every backend (CPU, CUDA) runs exactly this code; only the kernels differ.
+//!
+//! [`run`] here drives one layer: the engine's weights (`weights.rs`), the shared prologue
+//! (`prologue.rs`), each rank's attention context and the paged cache (`attn.rs`), one of the
+//! paths (`mha.rs`, `mqa.rs`, `chunked.rs`, `mixed.rs`), then the rank reassembly, `o_proj`
+//! with its all-reduce, and the FFN.
+
+mod attn;
+mod chunked;
+mod mha;
+mod mixed;
+mod mqa;
+mod prologue;
+mod weights;
+
+use std::collections::BTreeSet;
+use std::ops::Range;
+
+use crate::compute::faults::Fault;
+use crate::compute::indexer::{self, Selection};
+use crate::compute::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, Segment};
+use crate::compute::path::{LayerInput, PathKind, PathOptions, PathRun, Unservable};
+use crate::core::batch::{Batch, SplitMix64};
+use crate::core::error::{Error, Result};
+use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
+use crate::model::config::{KvBLayout, MlaConfig};
+use crate::model::gguf::GgufFile;
+use crate::model::weights::{RawSlice, SliceError, col_slice, row_slice, tensor_name};
+
+use attn::*;
+use chunked::*;
+use mha::*;
+use mixed::*;
+use mqa::*;
+use prologue::*;
+use weights::*;
+
+pub use chunked::chunked_split;
+pub use mixed::mixed_decode_seqs;
+pub use prologue::cos_sin_table;
+
+/// Heads of rank `r` of `tp`.
+fn rank_heads(n: usize, tp: usize, r: usize) -> Range<usize> {
+    let nh = n / tp;
+    r * nh..(r + 1) * nh
+}
+
+fn cp(rows: usize, width: usize, src_off: usize, src_stride: usize, dst_off: usize, dst_stride: usize) -> Copy2d {
+    Copy2d {
+        rows,
+        width,
+        src_off,
+        src_stride,
+        src_row_div: 1,
+        dst_off,
+        dst_stride,
+    }
+}
+
+/// Records a backend buffer (downloaded) at `stage`.
+fn rec<O: Ops>(ops: &O, tr: &mut Trace, layer: usize, stage: Stage, shape: &[usize], b: &O::Buf) -> Result<()> {
+    tr.record(
+        Site::new(layer, stage),
+        TraceTensor::f32(shape.to_vec(), ops.download(b)?),
+    );
+    Ok(())
+}
+
+/// Downloads per-rank `[T, nh, X]` buffers and concatenates them along heads into `[T, N, X]`.
+fn reassemble<O: Ops>(ops: &O, parts: &[&O::Buf], t: usize, nh: usize, x: usize) -> Result<Vec<f32>> {
+    let tp = parts.len();
+    let host: Vec<Vec<f32>> = parts.iter().map(|b| ops.download(b)).collect::<Result<_>>()?;
+    let mut out = vec![0f32; t * tp * nh * x];
+    for ti in 0..t {
+        for (r, part) in host.iter().enumerate() {
+            out[(ti * tp + r) * nh * x..(ti * tp + r + 1) * nh * x]
+                .copy_from_slice(&part[ti * nh * x..(ti + 1) * nh * x]);
+        }
+    }
+    Ok(out)
+}
+
+/// One optional per-rank output from every rank, or `None` if any rank lacks it.
+fn pick_all<B>(outs: &[RankOut<B>], f: fn(&RankOut<B>) -> Option<&B>) -> Option<Vec<&B>> {
+    outs.iter().map(f).collect()
+}
+
+/// Runs one path for one layer on backend `ops`.
+///
+/// Errors: `--tp` not dividing N, shapes inconsistent with the configuration, a sequence of
+/// length 0, backend errors. An unservable TP cut is not an error: it comes back in
+/// [`PathRun::unservable`].
+pub fn run<O: Ops>(ops: &O, kind: PathKind, input: &LayerInput<'_>, opts: &PathOptions) -> Result<PathRun> {
+    let cfg = input.cfg;
+    let t = input.batch.n_tokens();
+    if input.hidden_in.shape() != [t, cfg.hidden] {
+        return Err(Error::Usage(format!(
+            "hidden_in has shape {:?}, expected [T={t}, H={}]",
+            input.hidden_in.shape(),
+            cfg.hidden
+        )));
+    }
+    if opts.tp == 0 || !cfg.n_head.is_multiple_of(opts.tp) {
+        return Err(Error::Usage(format!(
+            "--tp {} does not divide the {} attention heads of {}",
+            opts.tp,
+            cfg.n_head,
+            input.file.path().display()
+        )));
+    }
+    if input.batch.seqs.iter().any(|s| s.len == 0) {
+        return Err(Error::Usage("every sequence needs at least one token".into()));
+    }
+    let layer = input.weights.layer;
+    let mut notes = Vec::new();
+    let ew = match EngineWeights::load(ops, input, opts, &mut notes) {
+        Ok(ew) => ew,
+        Err(LoadError::Unservable(u)) => {
+            return Ok(PathRun {
+                kind,
+                trace: Trace::new(),
+                empty_partial_rows: Vec::new(),
+                unservable: Some(u),
+                notes,
+            });
+        }
+        Err(LoadError::Other(e)) => return Err(e),
+    };
+    let mut tr = Trace::new();
+    let pro = prologue(ops, input, &ew, opts, &mut tr)?;
+    let own_sel = engine_indexer(ops, input, opts, kind, &pro, &mut tr, &mut notes)?;
+    if (opts.faults.has(Fault::RopeNeox) || opts.faults.has(Fault::IndexerRopeInterleaved))
+        && input.batch.positions().iter().all(|&p| p == 0)
+    {
+        notes.push(
+            "every token is at position 0, where RoPE is the identity: the RoPE fault had nothing to act on (use more tokens or --start-pos)"
+                .into(),
+        );
+    }
+    let sel = match (&own_sel, input.forced_selection) {
+        (Some(_), Some(forced)) => Some(forced.clone()),
+        _ => own_sel,
+    };
+    let (n, hd, l, p, r, v) = (
+        cfg.n_head,
+        cfg.hidden,
+        cfg.kv_lora_rank,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+    );
+    let q_k = cfg.q_lora_rank.unwrap_or(hd);
+    let tp = opts.tp;
+    let nh = n / tp;
+    if tp > 1 {
+        for (rank, rw) in ew.ranks.iter().enumerate() {
+            let rk = rank as u32;
+            rec(
+                ops,
+                &mut tr,
+                layer,
+                Stage::WRank(RankedWeight::QProj, rk),
+                &[nh * (p + r), q_k],
+                &rw.q_proj,
+            )?;
+            // The absorbed path never holds kv_b itself (only W_UK_T / W_UV derived from it).
+            if kind != PathKind::Mqa {
+                rec(
+                    ops,
+                    &mut tr,
+                    layer,
+                    Stage::WRank(RankedWeight::KvB, rk),
+                    &[nh * (p + v), l],
+                    &rw.kv_b,
+                )?;
+            }
+            rec(
+                ops,
+                &mut tr,
+                layer,
+                Stage::WRank(RankedWeight::OProj, rk),
+                &[hd, nh * v],
+                &rw.o_proj,
+            )?;
+        }
+    }
+    let gather_host = |bufs: Vec<&O::Buf>| -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        for b in bufs {
+            out.extend(ops.download(b)?);
+        }
+        Ok(out)
+    };
+    if kind != PathKind::Mqa {
+        let kvb = gather_host(ew.ranks.iter().map(|rw| &rw.kv_b).collect())?;
+        tr.record(
+            Site::new(layer, Stage::WKvB),
+            TraceTensor::f32(vec![n * (p + v), l], kvb),
+        );
+    }
+    if matches!(kind, PathKind::Mqa | PathKind::Mixed) {
+        let wk = gather_host(ew.ranks.iter().map(|rw| &rw.w_uk_t).collect())?;
+        let wv = gather_host(ew.ranks.iter().map(|rw| &rw.w_uv).collect())?;
+        tr.record(Site::new(layer, Stage::WUkT), TraceTensor::f32(vec![n, p, l], wk));
+        tr.record(Site::new(layer, Stage::WUv), TraceTensor::f32(vec![n, l, v], wv));
+    }
+    let scale = if opts.faults.has(Fault::NoMscale) {
+        (cfg.qk_head_dim() as f64).powf(-0.5) as f32
+    } else {
+        cfg.softmax_scale as f32
+    };
+    let mut empty_rows = BTreeSet::new();
+    let mut outs = Vec::with_capacity(tp);
+    for (rank, rw) in ew.ranks.iter().enumerate() {
+        let a = RankAttn {
+            ops,
+            cfg,
+            rw,
+            nh,
+            q: &pro.q[rank],
+            q_pe_roped: &pro.q_pe_roped[rank],
+            kv_c_normed: &pro.kv_c_normed,
+            k_pe_roped: &pro.k_pe_roped,
+            scale,
+            opts,
+            sel: sel.as_ref(),
+        };
+        outs.push(match kind {
+            PathKind::Mha => mha_rank(&a, input.batch)?,
+            PathKind::Mqa => mqa_rank(&a, input.batch, &mut empty_rows)?,
+            PathKind::Chunked => chunked_rank(&a, input.batch, &mut empty_rows, &mut notes)?,
+            PathKind::Mixed => mixed_rank(&a, input.batch, &mut empty_rows)?,
+        });
+    }
+    let pick = |f: fn(&RankOut<O::Buf>) -> Option<&O::Buf>| pick_all(&outs, f);
+    if let Some(k) = pick(|o| o.k_nope.as_ref()) {
+        tr.record(
+            Site::new(layer, Stage::KNope),
+            TraceTensor::f32(vec![t, n, p], reassemble(ops, &k, t, nh, p)?),
+        );
+    }
+    if let Some(x) = pick(|o| o.v.as_ref()) {
+        tr.record(
+            Site::new(layer, Stage::V),
+            TraceTensor::f32(vec![t, n, v], reassemble(ops, &x, t, nh, v)?),
+        );
+    }
+    if let Some(x) = pick(|o| o.ql_nope.as_ref()) {
+        tr.record(
+            Site::new(layer, Stage::QlNope),
+            TraceTensor::f32(vec![t, n, l], reassemble(ops, &x, t, nh, l)?),
+        );
+    }
+    if let Some(x) = pick(|o| o.attn_latent.as_ref()) {
+        tr.record(
+            Site::new(layer, Stage::AttnLatent),
+            TraceTensor::f32(vec![t, n, l], reassemble(ops, &x, t, nh, l)?),
+        );
+    }
+    let lse: Vec<&O::Buf> = outs.iter().map(|o| &o.lse).collect();
+    tr.record(
+        Site::new(layer, Stage::Lse),
+        TraceTensor::f32(vec![t, n], reassemble(ops, &lse, t, nh, 1)?),
+    );
+    let attn: Vec<&O::Buf> = outs.iter().map(|o| &o.out).collect();
+    tr.record(
+        Site::new(layer, Stage::AttnOut),
+        TraceTensor::f32(vec![t, n, v], reassemble(ops, &attn, t, nh, v)?),
+    );
+
+    // o_proj is row-parallel: per-rank partial sums, all-reduced in rank order.
+    let mut o: Option<O::Buf> = None;
+    for (rw, ro) in ew.ranks.iter().zip(&outs) {
+        let part = ops.linear(&ro.out, t, nh * v, &rw.o_proj, hd)?;
+        o = Some(match o {
+            None => part,
+            Some(acc) => ops.add(&acc, &part, t * hd)?,
+        });
+    }
+    let o = o.ok_or_else(|| Error::Usage("no TP rank".into()))?;
+    rec(ops, &mut tr, layer, Stage::OProj, &[t, hd], &o)?;
+    if let Some(ffn) = &ew.ffn {
+        // MiniCPM3 scales each residual branch (llama.cpp `scale_res`); on the host, once.
+        let rs = cfg.residual_scale as f32;
+        let scaled = |b: &O::Buf| -> Result<O::Buf> {
+            let v: Vec<f32> = ops.download(b)?.into_iter().map(|x| x * rs).collect();
+            ops.upload(&v)
+        };
+        let h1 = if rs != 1.0 {
+            ops.add(&pro.hidden, &scaled(&o)?, t * hd)?
+        } else {
+            ops.add(&pro.hidden, &o, t * hd)?
+        };
+        let xn = ops.rms_norm(&h1, t, 0, hd, hd, &ffn.norm, cfg.rms_eps as f32)?;
+        let gate = ops.linear(&xn, t, hd, &ffn.gate, ffn.f)?;
+        let up = ops.linear(&xn, t, hd, &ffn.up, ffn.f)?;
+        let act = ops.silu_mul(&gate, &up, t * ffn.f)?;
+        let down = ops.linear(&act, t, ffn.f, &ffn.down, hd)?;
+        let down = if rs != 1.0 { scaled(&down)? } else { down };
+        let out = ops.add(&h1, &down, t * hd)?;
+        rec(ops, &mut tr, layer, Stage::HiddenOut, &[t, hd], &out)?;
+    }
+    Ok(PathRun {
+        kind,
+        trace: tr,
+        empty_partial_rows: empty_rows.into_iter().collect(),
+        unservable: None,
+        notes,
+    })
+}

@@ -1,0 +1,149 @@
+//! The absorbed MQA decode path (vLLM `forward_mqa`): queries absorbed through `W_UK_T`, split-KV
+//! attention over the paged latent cache, partials merged by LSE, output through `W_UV`.
+
+use super::*;
+
+/// Split-KV absorbed decode of query rows `rows` (packed) of sequences `seqs` with context
+/// lengths `ctx`: stage 1 writes `splits` partials, stage 2 merges them. Returns
+/// (latent [n, nh, L], lse [n, nh]) and records rows that merged an empty split.
+pub(super) fn decode_rows<O: Ops>(
+    a: &RankAttn<'_, O>,
+    cs: &CacheState<O::Buf>,
+    qrow: &O::Buf,
+    rows: &[usize],
+    seqs: &[usize],
+    ctx: &[usize],
+    empty_rows: &mut BTreeSet<usize>,
+) -> Result<(O::Buf, O::Buf)> {
+    let (l, r, nh) = (a.cfg.kv_lora_rank, a.cfg.qk_rope_head_dim, a.nh);
+    let splits = a.opts.num_splits.max(1);
+    let n = rows.len();
+    let q = a.ops.gather_rows(qrow, nh * (l + r), rows)?;
+    let tables: Vec<Vec<usize>> = seqs.iter().map(|&s| cs.tables[s].clone()).collect();
+    let empty_lse = if a.opts.faults.has(Fault::LsePlusInf) {
+        f32::INFINITY
+    } else {
+        f32::NEG_INFINITY
+    };
+    for (&row, &c) in rows.iter().zip(ctx) {
+        let sl = c.div_ceil(splits);
+        if (0..splits).any(|s| (s * sl).min(c) == ((s + 1) * sl).min(c)) {
+            empty_rows.insert(row);
+        }
+    }
+    a.ops.decode_merged(&DecodeArgs {
+        q: &q,
+        n,
+        nh,
+        cache: &cs.cache,
+        block_size: cs.block_size,
+        width: cs.width,
+        tables: &tables,
+        ctx,
+        splits,
+        dv: l,
+        scale: a.scale,
+        empty_lse,
+    })
+}
+
+/// [`decode_rows`] over the DSA selection: each row's kept cache slots (`slots[i]`) are gathered
+/// into a compact paged cache, one run of pages per row, and decoded there (FlashMLA's sparse
+/// decode reads the same rows through the indexer's indices).
+pub(super) fn decode_rows_sparse<O: Ops>(
+    a: &RankAttn<'_, O>,
+    cs: &CacheState<O::Buf>,
+    qrow: &O::Buf,
+    rows: &[usize],
+    slots: &[Vec<usize>],
+    empty_rows: &mut BTreeSet<usize>,
+) -> Result<(O::Buf, O::Buf)> {
+    let bs = cs.block_size;
+    let mut gather = Vec::new();
+    let mut tables = Vec::with_capacity(rows.len());
+    for sl in slots {
+        let pages = sl.len().div_ceil(bs).max(1);
+        let first = gather.len() / bs;
+        tables.push((first..first + pages).collect::<Vec<usize>>());
+        let pad = sl.first().copied().unwrap_or(0);
+        gather.extend(sl.iter().copied());
+        gather.extend(std::iter::repeat_n(pad, pages * bs - sl.len()));
+    }
+    let compact = CacheState {
+        cache: a.ops.gather_rows(&cs.cache, cs.width, &gather)?,
+        tables,
+        block_size: bs,
+        width: cs.width,
+    };
+    let idx: Vec<usize> = (0..rows.len()).collect();
+    let ctx: Vec<usize> = slots.iter().map(Vec::len).collect();
+    decode_rows(a, &compact, qrow, rows, &idx, &ctx, empty_rows)
+}
+
+/// The cache slots of the keys row `row` (sequence `seq`, first packed row `off`) keeps among
+/// key indices `0..ctx` (all of them without an indexer).
+pub(super) fn kept_slots<O: Ops>(
+    a: &RankAttn<'_, O>,
+    cs: &CacheState<O::Buf>,
+    row: usize,
+    seq: usize,
+    ctx: usize,
+) -> Vec<usize> {
+    match a.sel {
+        Some(sel) => sel.rows[row]
+            .iter()
+            .filter(|&&j| j < ctx)
+            .map(|&j| cs.slot(seq, j))
+            .collect(),
+        None => (0..ctx).map(|j| cs.slot(seq, j)).collect(),
+    }
+}
+
+/// Absorbed decode (vLLM `forward_mqa`): decode steps over the batch. At step i every sequence
+/// longer than i writes its token i into the paged cache and decodes it against positions 0..=i.
+pub(super) fn mqa_rank<O: Ops>(
+    a: &RankAttn<'_, O>,
+    batch: &Batch,
+    empty_rows: &mut BTreeSet<usize>,
+) -> Result<RankOut<O::Buf>> {
+    let t = batch.n_tokens();
+    let (l, r, v, nh) = (a.cfg.kv_lora_rank, a.cfg.qk_rope_head_dim, a.cfg.v_head_dim, a.nh);
+    let ops = a.ops;
+    let ql_nope = a.absorb_q(t)?;
+    let mut qrow = ops.canary(t * nh * (l + r))?;
+    ops.copy2d(&ql_nope, &mut qrow, cp(t * nh, l, 0, l, 0, l + r))?;
+    ops.copy2d(a.q_pe_roped, &mut qrow, cp(t * nh, r, 0, r, l, l + r))?;
+    let mut cs = CacheState::new(ops, batch, a.cfg, a.opts)?;
+    let mut attn_latent = ops.canary(t * nh * l)?;
+    let mut lse = ops.canary(t * nh)?;
+    let offsets = batch.offsets();
+    let max_len = batch.seqs.iter().map(|s| s.len).max().unwrap_or(0);
+    for i in 0..max_len {
+        let seqs: Vec<usize> = (0..batch.seqs.len()).filter(|&s| batch.seqs[s].len > i).collect();
+        let rows: Vec<usize> = seqs.iter().map(|&s| offsets[s] + i).collect();
+        let pos = vec![i; seqs.len()];
+        cs.write(a, &rows, &seqs, &pos)?;
+        let (lat, ls) = if a.sel.is_some() {
+            let slots: Vec<Vec<usize>> = rows
+                .iter()
+                .zip(&seqs)
+                .map(|(&row, &s)| kept_slots(a, &cs, row, s, i + 1))
+                .collect();
+            decode_rows_sparse(a, &cs, &qrow, &rows, &slots, empty_rows)?
+        } else {
+            let ctx = vec![i + 1; seqs.len()];
+            decode_rows(a, &cs, &qrow, &rows, &seqs, &ctx, empty_rows)?
+        };
+        ops.scatter_rows(&mut attn_latent, &lat, nh * l, &rows)?;
+        ops.scatter_rows(&mut lse, &ls, nh, &rows)?;
+    }
+    let result = ops.bmm_heads(&attn_latent, t, nh, l, &a.rw.w_uv, v)?;
+    Ok(RankOut {
+        out: a.deliver(result, t * nh * v)?,
+        lse,
+        k_nope: None,
+        v: None,
+        ql_nope: Some(ql_nope),
+        attn_latent: Some(attn_latent),
+    })
+}

@@ -1,0 +1,311 @@
+//! The layer's prologue, shared by every path: norms, the query and latent projections, RoPE with
+//! the engine's cos/sin cache, and the DSA indexer's selection.
+
+use super::*;
+
+/// Inverse RoPE frequencies with YaRN, computed the way vLLM's `DeepseekScalingRotaryEmbedding`
+/// does (correction range from beta_fast/beta_slow, linear ramp, interpolation blend).
+pub(super) fn engine_inv_freq(cfg: &MlaConfig) -> Vec<f64> {
+    let r = cfg.qk_rope_head_dim as f64;
+    let base = cfg.rope_base;
+    let half = cfg.qk_rope_head_dim / 2;
+    // LongRoPE factors (MiniCPM3) divide each pair's frequency, as llama.cpp's rope_factors do.
+    let factor = |i: usize| cfg.rope_factors.as_ref().and_then(|v| v.get(i)).copied().unwrap_or(1.0);
+    let extrapolation: Vec<f64> = (0..half)
+        .map(|i| 1.0 / (base.powf(2.0 * i as f64 / r) * factor(i)))
+        .collect();
+    let Some(y) = cfg.yarn else { return extrapolation };
+    let correction_dim =
+        |rot: f64| (r * (y.original_context / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * base.ln());
+    let low = correction_dim(y.beta_fast).floor().max(0.0);
+    let high = correction_dim(y.beta_slow).ceil().min(r - 1.0);
+    let high = if low == high { high + 0.001 } else { high };
+    (0..half)
+        .map(|i| {
+            let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+            let extrapolation_mask = 1.0 - ramp;
+            let interp = extrapolation[i] / y.factor;
+            interp * (1.0 - extrapolation_mask) + extrapolation[i] * extrapolation_mask
+        })
+        .collect()
+}
+
+/// The cos/sin table `[rows, R/2]` for the given positions (one row per token, as an engine
+/// gathers rows of its `cos_sin_cache` by position): angles formed in f64, rounded to f32 once,
+/// times `mscale`.
+pub fn cos_sin_table(inv_freq: &[f64], positions: &[usize], mscale: f64) -> (Vec<f32>, Vec<f32>) {
+    let mut cos = Vec::with_capacity(positions.len() * inv_freq.len());
+    let mut sin = Vec::with_capacity(positions.len() * inv_freq.len());
+    for &pos in positions {
+        for &f in inv_freq {
+            let (s, c) = (pos as f64 * f).sin_cos();
+            cos.push((c * mscale) as f32);
+            sin.push((s * mscale) as f32);
+        }
+    }
+    (cos, sin)
+}
+
+/// The shared MLA prologue's outputs, and each rank's query.
+pub(super) struct Prologue<B> {
+    /// Per rank: `q` [T, nh, P+R] (q_pe part not yet rotated).
+    pub(super) q: Vec<B>,
+    /// Per rank: `q_pe_roped` [T, nh, R].
+    pub(super) q_pe_roped: Vec<B>,
+    /// `kv_c_normed` [T, L].
+    pub(super) kv_c_normed: B,
+    /// `k_pe_roped` [T, R].
+    pub(super) k_pe_roped: B,
+    /// The layer input, [T, H].
+    pub(super) hidden: B,
+    /// `attn_in` [T, H] (the indexer's key and weight input).
+    pub(super) attn_in: B,
+    /// `q_c_normed` [T, Lq], when the model compresses q (the indexer's query input).
+    pub(super) q_c_normed: Option<B>,
+}
+
+pub(super) fn prologue<O: Ops>(
+    ops: &O,
+    input: &LayerInput<'_>,
+    ew: &EngineWeights<O::Buf>,
+    opts: &PathOptions,
+    tr: &mut Trace,
+) -> Result<Prologue<O::Buf>> {
+    let cfg = input.cfg;
+    let layer = input.weights.layer;
+    let t = input.batch.n_tokens();
+    let f = &opts.faults;
+    let (hd, n, l, p, r) = (
+        cfg.hidden,
+        cfg.n_head,
+        cfg.kv_lora_rank,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+    );
+    let tp = ew.ranks.len();
+    let nh = n / tp;
+    let eps = cfg.rms_eps as f32;
+    let hidden_host: Vec<f32> = input.hidden_in.iter().copied().collect();
+    let hidden = ops.upload(&hidden_host)?;
+    rec(ops, tr, layer, Stage::HiddenIn, &[t, hd], &hidden)?;
+    let attn_in = ops.rms_norm(&hidden, t, 0, hd, hd, &ew.attn_norm, eps)?;
+    rec(ops, tr, layer, Stage::AttnIn, &[t, hd], &attn_in)?;
+
+    let (q_c_normed_keep, q_k, kv_a) = match (&ew.fused_qkv_a, &ew.q_a_norm, &ew.kv_a) {
+        (Some(fused), Some(q_a_norm), _) => {
+            let lq = cfg.q_lora_rank.unwrap_or(0);
+            rec(ops, tr, layer, Stage::WFusedQkvA, &[lq + l + r, hd], fused)?;
+            // One GEMM; the output is split by the fixed sizes [Lq | L+R].
+            let qkv = ops.linear(&attn_in, t, hd, fused, lq + l + r)?;
+            let mut q_c = ops.canary(t * lq)?;
+            ops.copy2d(&qkv, &mut q_c, cp(t, lq, 0, lq + l + r, 0, lq))?;
+            rec(ops, tr, layer, Stage::QC, &[t, lq], &q_c)?;
+            // q_c is a strided view of the fused output (row stride Lq+L+R).
+            let q_c_normed = ops.rms_norm(&qkv, t, 0, lq + l + r, lq, q_a_norm, eps)?;
+            rec(ops, tr, layer, Stage::QCNormed, &[t, lq], &q_c_normed)?;
+            let mut kv_a = ops.canary(t * (l + r))?;
+            ops.copy2d(&qkv, &mut kv_a, cp(t, l + r, lq, lq + l + r, 0, l + r))?;
+            (Some(q_c_normed), lq, kv_a)
+        }
+        (None, _, Some(kv_a_w)) => {
+            let kv_a = ops.linear(&attn_in, t, hd, kv_a_w, l + r)?;
+            (None, hd, kv_a)
+        }
+        _ => return Err(Error::Usage("engine: inconsistent q weights".into())),
+    };
+    let q_input = q_c_normed_keep.as_ref().unwrap_or(&attn_in);
+    // Column-parallel q projection, per rank.
+    let q: Vec<O::Buf> = ew
+        .ranks
+        .iter()
+        .map(|rw| ops.linear(q_input, t, q_k, &rw.q_proj, nh * (p + r)))
+        .collect::<Result<_>>()?;
+    let qs: Vec<&O::Buf> = q.iter().collect();
+    tr.record(
+        Site::new(layer, Stage::Q),
+        TraceTensor::f32(vec![t, n, p + r], reassemble(ops, &qs, t, nh, p + r)?),
+    );
+    rec(ops, tr, layer, Stage::KvA, &[t, l + r], &kv_a)?;
+
+    // kv_c is a strided view of kv_a: rows of width L, row stride L+R.
+    let stride = if f.has(Fault::StridedKvC) { l } else { l + r };
+    let kv_c_normed = ops.rms_norm(&kv_a, t, 0, stride, l, &ew.kv_a_norm, eps)?;
+    rec(ops, tr, layer, Stage::KvCNormed, &[t, l], &kv_c_normed)?;
+    let mut k_pe = ops.canary(t * r)?;
+    ops.copy2d(&kv_a, &mut k_pe, cp(t, r, l, l + r, 0, r))?;
+    rec(ops, tr, layer, Stage::KPe, &[t, r], &k_pe)?;
+
+    let positions = input.batch.positions();
+    let cos_scale = if f.has(Fault::RopeCosScaled) { cfg.mscale() } else { 1.0 };
+    // The model's pairing (interleaved; NeoX for MiniCPM3); `rope-neox` applies the other one.
+    let style = if f.has(Fault::RopeNeox) {
+        cfg.rope_style.other()
+    } else {
+        cfg.rope_style
+    };
+    let (cos_h, sin_h) = cos_sin_table(&engine_inv_freq(cfg), &positions, cos_scale);
+    let (cos, sin) = (ops.upload(&cos_h)?, ops.upload(&sin_h)?);
+    // Table row of each rotated row: its token (q rows are token-major, nh heads each).
+    let token_rows: Vec<usize> = (0..t).collect();
+    let head_rows: Vec<usize> = (0..t).flat_map(|ti| std::iter::repeat_n(ti, nh)).collect();
+    let mut q_pe_roped = Vec::with_capacity(tp);
+    for qr in &q {
+        let mut x = ops.canary(t * nh * r)?;
+        ops.copy2d(qr, &mut x, cp(t * nh, r, p, p + r, 0, r))?;
+        ops.rope(&mut x, t * nh, r, &head_rows, &cos, &sin, style)?;
+        q_pe_roped.push(x);
+    }
+    let mut k_pe_roped = k_pe;
+    ops.rope(&mut k_pe_roped, t, r, &token_rows, &cos, &sin, style)?;
+    let qp: Vec<&O::Buf> = q_pe_roped.iter().collect();
+    tr.record(
+        Site::new(layer, Stage::QPeRoped),
+        TraceTensor::f32(vec![t, n, r], reassemble(ops, &qp, t, nh, r)?),
+    );
+    rec(ops, tr, layer, Stage::KPeRoped, &[t, r], &k_pe_roped)?;
+    Ok(Prologue {
+        q,
+        q_pe_roped,
+        kv_c_normed,
+        k_pe_roped,
+        hidden,
+        attn_in,
+        q_c_normed: q_c_normed_keep,
+    })
+}
+
+/// The engine's DSA lightning indexer for one layer (vLLM's sparse MLA indexer: its own GEMMs on
+/// the backend, then LayerNorm, RoPE, ReLU scores and top-k on the host in f32). Records
+/// `idx_q`, `idx_k`, `idx_weights`, `idx_scores` and `idx_topk` (a shared layer given the
+/// earlier layer's selection records `idx_topk` only) and returns the selection the attention
+/// uses; `None` for a model without an indexer.
+///
+/// Faults: `indexer-rope-interleaved` rotates with adjacent pairs; `indexer-topk-stale` (chunked
+/// path) hands each new token the selection of the token one chunk (the new-token count) earlier.
+pub(super) fn engine_indexer<O: Ops>(
+    ops: &O,
+    input: &LayerInput<'_>,
+    opts: &PathOptions,
+    kind: PathKind,
+    pro: &Prologue<O::Buf>,
+    tr: &mut Trace,
+    notes: &mut Vec<String>,
+) -> Result<Option<Selection>> {
+    let cfg = input.cfg;
+    let (Some(ix), Some(iw)) = (&cfg.indexer, &input.weights.indexer) else {
+        return Ok(None);
+    };
+    let Some(qcn) = &pro.q_c_normed else {
+        return Ok(None);
+    };
+    let layer = input.weights.layer;
+    let batch = input.batch;
+    let t = batch.n_tokens();
+    let full = ix.full.get(layer).copied().unwrap_or(true);
+    let record_topk = |tr: &mut Trace, sel: &Selection| {
+        let (shape, v) = indexer::topk_tensor(ix.top_k, batch, sel);
+        tr.record(
+            Site::new(layer, Stage::IdxTopk),
+            TraceTensor::f32(shape, v.into_iter().map(|x| x as f32).collect()),
+        );
+    };
+    if let (false, Some(sel)) = (full, input.shared_selection) {
+        record_topk(tr, sel);
+        return Ok(Some(sel.clone()));
+    }
+    let (ni, d, hd) = (ix.n_head, ix.head_dim, cfg.hidden);
+    let lq = cfg.q_lora_rank.unwrap_or(0);
+    let r = cfg.qk_rope_head_dim;
+    let up = |a: &ndarray::Array2<f32>| ops.upload(&a.iter().copied().collect::<Vec<f32>>());
+    let q = ops.download(&ops.linear(qcn, t, lq, &up(&iw.q_b)?, ni * d)?)?;
+    let k_raw = ops.download(&ops.linear(&pro.attn_in, t, hd, &up(&iw.k)?, d)?)?;
+    let w = ops.download(&ops.linear(&pro.attn_in, t, hd, &up(&iw.proj)?, ni)?)?;
+    // LayerNorm in f32 (two passes: mean, then variance).
+    let eps = ix.norm_eps as f32;
+    let mut k = k_raw.clone();
+    for row in k.chunks_mut(d) {
+        let mean = row.iter().sum::<f32>() / d as f32;
+        let var = row.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / d as f32;
+        let inv = 1.0 / (var + eps).sqrt();
+        for (i, x) in row.iter_mut().enumerate() {
+            *x = (*x - mean) * inv * iw.k_norm[i] + iw.k_norm_b[i];
+        }
+    }
+    let style = if opts.faults.has(Fault::IndexerRopeInterleaved) {
+        crate::model::config::RopeStyle::Interleaved
+    } else {
+        ix.rope_style
+    };
+    let positions = batch.positions();
+    let (cos, sin) = cos_sin_table(&engine_inv_freq(cfg), &positions, 1.0);
+    let half = r / 2;
+    let (mut qr, mut kr) = (q.clone(), k.clone());
+    for ti in 0..t {
+        let (c, s) = (&cos[ti * half..(ti + 1) * half], &sin[ti * half..(ti + 1) * half]);
+        for h in 0..ni {
+            let o = (ti * ni + h) * d;
+            crate::compute::ops::rope_row(&mut qr[o..o + r], c, s, style);
+        }
+        crate::compute::ops::rope_row(&mut kr[ti * d..ti * d + r], c, s, style);
+    }
+    // Scores in f32: Σ_h w·N_idx^-½·ReLU(D_idx^-½·q·k), causal within each sequence.
+    let smax = batch.seqs.iter().map(|x| x.len).max().unwrap_or(0);
+    let (hs, ds) = ((ni as f32).powf(-0.5), (d as f32).powf(-0.5));
+    let mut scores = vec![0f32; t * smax];
+    for (sq, off) in batch.seqs.iter().zip(batch.offsets()) {
+        for i in 0..sq.len {
+            let ti = off + i;
+            for j in 0..=i {
+                let kk = &kr[(off + j) * d..(off + j + 1) * d];
+                let mut acc = 0f32;
+                for h in 0..ni {
+                    let qq = &qr[(ti * ni + h) * d..(ti * ni + h + 1) * d];
+                    let dot: f32 = qq.iter().zip(kk).map(|(a, b)| a * b).sum();
+                    acc += w[ti * ni + h] * hs * (dot * ds).max(0.0);
+                }
+                scores[ti * smax + j] = acc;
+            }
+        }
+    }
+    let sc64: Vec<f64> = scores.iter().map(|&x| f64::from(x)).collect();
+    let mut sel = indexer::select(ix.top_k, batch, &sc64);
+    if opts.faults.has(Fault::IndexerTopkStale) && kind == PathKind::Chunked {
+        // The new tokens read the top-k buffer the previous chunk left behind.
+        let fresh = sel.clone();
+        let mut changed = 0usize;
+        for ((&(c, n), off), sq) in chunked_split(batch, opts.new_tokens)
+            .iter()
+            .zip(batch.offsets())
+            .zip(&batch.seqs)
+        {
+            for i in c..sq.len.min(c + n) {
+                if i >= n {
+                    sel.rows[off + i] = fresh.rows[off + i - n].clone();
+                    changed += usize::from(sel.rows[off + i] != fresh.rows[off + i]);
+                }
+            }
+        }
+        notes.push(if changed > 0 {
+            format!(
+                "{changed} new token(s) read the top-k of the token --new-tokens {} positions earlier",
+                opts.new_tokens
+            )
+        } else {
+            format!(
+                "no new token's selection changed: the stale top-k fault had nothing to act on (it needs a sequence longer than --new-tokens {} whose tokens see more keys than the indexer's top-k {})",
+                opts.new_tokens, ix.top_k
+            )
+        });
+    }
+    if full {
+        tr.record(Site::new(layer, Stage::IdxQ), TraceTensor::f32(vec![t, ni, d], q));
+        tr.record(Site::new(layer, Stage::IdxK), TraceTensor::f32(vec![t, d], k));
+        tr.record(Site::new(layer, Stage::IdxWeights), TraceTensor::f32(vec![t, ni], w));
+        tr.record(
+            Site::new(layer, Stage::IdxScores),
+            TraceTensor::f32(vec![t, smax], scores),
+        );
+    }
+    record_topk(tr, &sel);
+    Ok(Some(sel))
+}

@@ -1,0 +1,245 @@
+//! Engine-side weights: what each TP rank's loader builds from the GGUF (shards cut from the raw
+//! quantized bytes, the fused `q_a`/`kv_a` weight, `kv_b_proj`, `W_UK_T`/`W_UV`), where the
+//! weight-loading faults act.
+
+use super::*;
+
+/// One TP rank's shards, as that rank's loader produced them.
+pub(super) struct RankWeights<B> {
+    /// `q_b_proj` / `q_proj` rows of this rank's heads, [nh·(P+R), Lq or H].
+    pub(super) q_proj: B,
+    /// `kv_b_proj` rows of this rank's heads, [nh·(P+V), L].
+    pub(super) kv_b: B,
+    /// `W_UK_T` of this rank's heads, [nh, P, L].
+    pub(super) w_uk_t: B,
+    /// `W_UV` of this rank's heads, [nh, L, V].
+    pub(super) w_uv: B,
+    /// `o_proj` columns (input dim) of this rank's heads, [H, nh·V].
+    pub(super) o_proj: B,
+}
+
+/// The dense FFN weights: norm [H], gate/up [F, H], down [H, F], and F.
+pub(super) struct Ffn<B> {
+    pub(super) norm: B,
+    pub(super) gate: B,
+    pub(super) up: B,
+    pub(super) down: B,
+    pub(super) f: usize,
+}
+
+/// The weights as an engine holds them after loading.
+pub(super) struct EngineWeights<B> {
+    pub(super) attn_norm: B,
+    /// `fused_qkv_a_proj` [Lq+L+R, H] (with Lq), replicated on every rank.
+    pub(super) fused_qkv_a: Option<B>,
+    /// `q_a_layernorm` [Lq].
+    pub(super) q_a_norm: Option<B>,
+    /// `kv_a_proj_with_mqa` [L+R, H] (without Lq), replicated.
+    pub(super) kv_a: Option<B>,
+    pub(super) kv_a_norm: B,
+    pub(super) ranks: Vec<RankWeights<B>>,
+    pub(super) ffn: Option<Ffn<B>>,
+}
+
+/// Why the engine could not load its weights.
+pub(super) enum LoadError {
+    Unservable(Unservable),
+    Other(Error),
+}
+
+impl From<Error> for LoadError {
+    fn from(e: Error) -> Self {
+        LoadError::Other(e)
+    }
+}
+
+pub(super) fn slice_to_load(site: Site, reason: &str, e: SliceError) -> LoadError {
+    match e {
+        SliceError::Misaligned {
+            tensor,
+            ggml_type,
+            block_size,
+            at,
+        } => LoadError::Unservable(Unservable {
+            site,
+            tensor,
+            ggml_type,
+            block_size,
+            at,
+            reason: reason.to_string(),
+        }),
+        SliceError::Other(e) => LoadError::Other(e),
+    }
+}
+
+/// Dequantizes a raw slice with the backend's dequantizer.
+pub(super) fn dq<O: Ops>(ops: &O, raw: &RawSlice<'_>) -> Result<O::Buf> {
+    ops.dequant(raw.ggml_type, &raw.bytes, raw.n_elements(), &raw.tensor)
+}
+
+pub(super) fn whole<O: Ops>(ops: &O, file: &GgufFile, name: &str) -> Result<O::Buf> {
+    let t = file.require_tensor(name)?;
+    dq(ops, &row_slice(file, name, 0..t.n_rows() as usize)?)
+}
+
+impl<B> EngineWeights<B> {
+    pub(super) fn load<O: Ops<Buf = B>>(
+        ops: &O,
+        input: &LayerInput<'_>,
+        opts: &PathOptions,
+        notes: &mut Vec<String>,
+    ) -> Result<Self, LoadError> {
+        let cfg = input.cfg;
+        let file = input.file;
+        let layer = input.weights.layer;
+        let (n, h, l, p, r, v) = (
+            cfg.n_head,
+            cfg.hidden,
+            cfg.kv_lora_rank,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+        );
+        let f = &opts.faults;
+        let tp = opts.tp;
+        let name = |s: &str| tensor_name(layer, s);
+
+        let attn_norm = whole(ops, file, &name("attn_norm"))?;
+        let kv_a_norm = whole(ops, file, &name("attn_kv_a_norm"))?;
+        let kv_a_w = whole(ops, file, &name("attn_kv_a_mqa"))?;
+        let (fused_qkv_a, q_a_norm, kv_a) = match cfg.q_lora_rank {
+            Some(lq) => {
+                // MergedColumnParallelLinear: shard 0 = q_a_proj, shard 1 = kv_a_proj_with_mqa.
+                let q_a = whole(ops, file, &name("attn_q_a"))?;
+                let mut fused = ops.canary((lq + l + r) * h)?;
+                let (first, first_rows, second, second_rows) = if f.has(Fault::FusedShardSwap) {
+                    (&kv_a_w, l + r, &q_a, lq)
+                } else {
+                    (&q_a, lq, &kv_a_w, l + r)
+                };
+                ops.copy2d(first, &mut fused, cp(first_rows, h, 0, h, 0, h))?;
+                ops.copy2d(second, &mut fused, cp(second_rows, h, 0, h, first_rows * h, h))?;
+                (Some(fused), Some(whole(ops, file, &name("attn_q_a_norm"))?), None)
+            }
+            None => (None, None, Some(kv_a_w)),
+        };
+        let q_tensor = if cfg.q_lora_rank.is_some() {
+            name("attn_q_b")
+        } else {
+            name("attn_q")
+        };
+
+        // Which rank's shard each rank's loader reads (faults reorder or duplicate ranks).
+        let source = |rank: usize, weight: RankedWeight| -> usize {
+            if f.has(Fault::TpRank0Everywhere) {
+                0
+            } else if f.has(Fault::TpRankOrder) && weight != RankedWeight::OProj {
+                (rank + 1) % tp
+            } else {
+                rank
+            }
+        };
+        if tp > 1 && f.has(Fault::QuantSliceMisaligned) {
+            // The broken loader shards kv_b_proj along its input (latent) dim, as if it were
+            // row-parallel. The cut tensor is the one whose rows run along L.
+            let t = match cfg.kv_b_layout {
+                KvBLayout::Split => name("attn_v_b"),
+                KvBLayout::Fused => name("attn_kv_b"),
+            };
+            for rank in 0..tp {
+                let cols = rank * l / tp..(rank + 1) * l / tp;
+                if let Err(e) = col_slice(file, &t, cols) {
+                    return Err(slice_to_load(
+                        Site::new(layer, Stage::WKvB),
+                        "kv_b_proj sharded along its input (latent) dim L instead of by heads",
+                        e,
+                    ));
+                }
+            }
+            notes.push(
+                "quant-slice-misaligned: the L cut lands on quant block boundaries here; the fault had no effect"
+                    .into(),
+            );
+        }
+        let mut ranks = Vec::with_capacity(tp);
+        for rank in 0..tp {
+            let qh = rank_heads(n, tp, source(rank, RankedWeight::QProj));
+            let q_proj = dq(ops, &row_slice(file, &q_tensor, qh.start * (p + r)..qh.end * (p + r))?)?;
+            let kh = rank_heads(n, tp, source(rank, RankedWeight::KvB));
+            let nh = kh.len();
+            let kv_b = match cfg.kv_b_layout {
+                KvBLayout::Fused => dq(
+                    ops,
+                    &row_slice(file, &name("attn_kv_b"), kh.start * (p + v)..kh.end * (p + v))?,
+                )?,
+                KvBLayout::Split => {
+                    // attn_k_b is [N, L, P] (rows of P); attn_v_b is [N, V, L] (rows of L).
+                    let k_b = dq(ops, &row_slice(file, &name("attn_k_b"), kh.start * l..kh.end * l)?)?;
+                    let v_b = dq(ops, &row_slice(file, &name("attn_v_b"), kh.start * v..kh.end * v)?)?;
+                    // The k rows of kv_b are k_b transposed per head; the bug reads the same
+                    // bytes as [P, L] (a reshape).
+                    let k_rows = if f.has(Fault::KBUntransposed) {
+                        k_b
+                    } else {
+                        ops.transpose(&k_b, nh, l, p)?
+                    };
+                    let mut kv_b = ops.canary(nh * (p + v) * l)?;
+                    for hh in 0..nh {
+                        ops.copy2d(&k_rows, &mut kv_b, cp(p, l, hh * p * l, l, hh * (p + v) * l, l))?;
+                        ops.copy2d(&v_b, &mut kv_b, cp(v, l, hh * v * l, l, (hh * (p + v) + p) * l, l))?;
+                    }
+                    kv_b
+                }
+            };
+            // process_weights_after_loading: W_UK_T [nh, P, L] and W_UV [nh, L, V] from kv_b.
+            let mut w_uk_t = ops.canary(nh * p * l)?;
+            let mut w_uv_t = ops.canary(nh * v * l)?; // [nh, V, L] before the transpose
+            if f.has(Fault::KvBGrouped) {
+                // [all k rows | all v rows] instead of per head.
+                ops.copy2d(&kv_b, &mut w_uk_t, cp(nh * p, l, 0, l, 0, l))?;
+                ops.copy2d(&kv_b, &mut w_uv_t, cp(nh * v, l, nh * p * l, l, 0, l))?;
+            } else {
+                for hh in 0..nh {
+                    ops.copy2d(&kv_b, &mut w_uk_t, cp(p, l, hh * (p + v) * l, l, hh * p * l, l))?;
+                    ops.copy2d(&kv_b, &mut w_uv_t, cp(v, l, (hh * (p + v) + p) * l, l, hh * v * l, l))?;
+                }
+            }
+            let w_uv = ops.transpose(&w_uv_t, nh, v, l)?;
+            let oh = rank_heads(n, tp, source(rank, RankedWeight::OProj));
+            let o_raw = col_slice(file, &name("attn_output"), oh.start * v..oh.end * v).map_err(|e| {
+                slice_to_load(
+                    Site::new(layer, Stage::WRank(RankedWeight::OProj, rank as u32)),
+                    "o_proj is row-parallel: its input dim N·V is cut by heads",
+                    e,
+                )
+            })?;
+            let o_proj = dq(ops, &o_raw)?;
+            ranks.push(RankWeights {
+                q_proj,
+                kv_b,
+                w_uk_t,
+                w_uv,
+                o_proj,
+            });
+        }
+        let ffn = match &input.weights.ffn {
+            Some(fw) => Some(Ffn {
+                norm: whole(ops, file, &name("ffn_norm"))?,
+                gate: whole(ops, file, &name("ffn_gate"))?,
+                up: whole(ops, file, &name("ffn_up"))?,
+                down: whole(ops, file, &name("ffn_down"))?,
+                f: fw.gate.nrows(),
+            }),
+            None => None,
+        };
+        Ok(EngineWeights {
+            attn_norm,
+            fused_qkv_a,
+            q_a_norm,
+            kv_a,
+            kv_a_norm,
+            ranks,
+            ffn,
+        })
+    }
+}

@@ -1,0 +1,256 @@
+//! The CUDA device: context, stream, cuBLAS handle, compiled kernel modules and their cache.
+//!
+//! Everything a GPU computation needs before it decides what to compute: opening device 0,
+//! compiling `kernels/*.cu` with NVRTC for its architecture, caching kernels by name (and the fast
+//! kernels by shape and configuration), allocation, index upload and dequantization of GGUF bytes.
+//! It sits below the computations so that the CUDA backend and any later GPU reference share it.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+
+use crate::core::error::{Error, Result};
+use crate::device::{Module, compile, include_dir, probe, target_arch};
+use crate::model::gguf::GgmlType;
+
+/// Threads per block of the elementwise kernels.
+pub const THREADS: u32 = 256;
+
+fn cerr(what: impl std::fmt::Display) -> Error {
+    Error::Cuda(what.to_string())
+}
+
+/// A one-dimensional grid of [`THREADS`]-thread blocks covering `n` elements (at least one block).
+pub fn grid1(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(THREADS).max(1), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Cache key of a fast kernel: module, its two shape dims, its configuration defines.
+type FastKey = (Module, usize, usize, Vec<(&'static str, usize)>);
+
+/// The device, its stream, cuBLAS and the loaded kernel modules, shared by every `CudaOps`.
+pub struct Device {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    modules: HashMap<Module, Arc<CudaModule>>,
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// Fast kernels, compiled per shape on first use: (module, dim a, dim b, launch
+    /// configuration's defines) → function.
+    fast: Mutex<HashMap<FastKey, CudaFunction>>,
+    /// Device name, e.g. "NVIDIA H200".
+    pub name: String,
+    /// Compute capability.
+    pub compute_capability: (i32, i32),
+    /// The architecture the kernels were compiled for, e.g. `sm_90`.
+    pub arch: String,
+    /// The CUDA include folder NVRTC used.
+    pub include: PathBuf,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("name", &self.name)
+            .field("arch", &self.arch)
+            .finish()
+    }
+}
+
+impl Device {
+    /// Opens device 0, compiles every kernel module with NVRTC for its compute capability and
+    /// loads it, and creates a cuBLAS handle.
+    ///
+    /// Errors: [`Error::Cuda`] when a library or the device is missing (checked before cudarc
+    /// is called), when the include folder lacks `cuda_bf16.h`, or with NVRTC's whole log when a
+    /// kernel does not compile.
+    pub fn open(include: Option<&Path>) -> Result<Self> {
+        probe()?;
+        let include = include_dir(include)?;
+        let ctx = CudaContext::new(0).map_err(|e| cerr(format!("cuCtxCreate on device 0: {e:?}")))?;
+        let name = ctx.name().map_err(|e| cerr(format!("cuDeviceGetName: {e:?}")))?;
+        let cc = ctx
+            .compute_capability()
+            .map_err(|e| cerr(format!("compute capability: {e:?}")))?;
+        let arch = format!("sm_{}{}", cc.0, cc.1);
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| cerr(format!("cublasCreate: {e:?}")))?;
+        let mut modules = HashMap::new();
+        for &m in Module::SIMPLE {
+            let c = compile(m, &arch, &include, false, &[])?;
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))
+                .map_err(|e| cerr(format!("{}: cuModuleLoadData: {e:?}", m.file())))?;
+            modules.insert(m, module);
+        }
+        Ok(Device {
+            ctx,
+            stream,
+            blas,
+            modules,
+            functions: Mutex::new(HashMap::new()),
+            fast: Mutex::new(HashMap::new()),
+            name,
+            compute_capability: cc,
+            arch,
+            include,
+        })
+    }
+
+    /// The stream every launch goes to.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The CUDA context (for attribute queries).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The cuBLAS handle, bound to [`Device::stream`].
+    pub fn blas(&self) -> &CudaBlas {
+        &self.blas
+    }
+
+    /// One line for reports: name, compute capability, kernel architecture, NVRTC version and
+    /// include folder.
+    pub fn describe(&self) -> String {
+        let nv = crate::device::nvrtc_version()
+            .map(|(a, b)| format!("{a}.{b}"))
+            .unwrap_or_else(|_| "?".into());
+        format!(
+            "{} (compute {}.{}, kernels {}, NVRTC {nv}, include {})",
+            self.name,
+            self.compute_capability.0,
+            self.compute_capability.1,
+            self.arch,
+            self.include.display()
+        )
+    }
+
+    /// A fast kernel compiled for shape `(a, b)` (prefill: P+R, V; decode: L+R, L) and the
+    /// configuration `extra` (more `-D` defines), with its dynamic shared memory limit raised to
+    /// `smem` bytes.
+    pub fn fast_function(
+        &self,
+        module: Module,
+        a: usize,
+        b: usize,
+        extra: &[(&'static str, usize)],
+        smem: usize,
+    ) -> Result<CudaFunction> {
+        let mut cache = self.fast.lock().map_err(|_| cerr("fast kernel cache poisoned"))?;
+        let key = (module, a, b, extra.to_vec());
+        if let Some(f) = cache.get(&key) {
+            return Ok(f.clone());
+        }
+        let (mut defines, name): (Vec<(&str, usize)>, &str) = match module {
+            Module::FastPrefill => (vec![("MLA_DQK", a), ("MLA_DV", b)], "flash_prefill_mma"),
+            Module::FastDecode => (vec![("MLA_W", a), ("MLA_DV", b)], "decode_split_mma"),
+            _ => return Err(cerr(format!("{} is not a fast kernel module", module.file()))),
+        };
+        defines.extend_from_slice(extra);
+        let c = compile(
+            module,
+            &target_arch(&self.arch, &defines),
+            &self.include,
+            false,
+            &defines,
+        )?;
+        let m = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))
+            .map_err(|e| cerr(format!("{}: cuModuleLoadData: {e:?}", module.file())))?;
+        let f = m
+            .load_function(name)
+            .map_err(|e| cerr(format!("{}: kernel `{name}` not found: {e:?}", module.file())))?;
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(|e| cerr(format!("{name}: cannot allow {smem} bytes of shared memory: {e:?}")))?;
+        cache.insert(key, f.clone());
+        Ok(f)
+    }
+
+    /// A kernel of a module loaded at [`Device::open`], looked up once.
+    pub fn func(&self, module: Module, name: &'static str) -> Result<CudaFunction> {
+        let mut cache = self.functions.lock().map_err(|_| cerr("kernel cache poisoned"))?;
+        if let Some(f) = cache.get(name) {
+            return Ok(f.clone());
+        }
+        let m = self
+            .modules
+            .get(&module)
+            .ok_or_else(|| cerr(format!("module {} not loaded", module.file())))?;
+        let f = m
+            .load_function(name)
+            .map_err(|e| cerr(format!("{}: kernel `{name}` not found: {e:?}", module.file())))?;
+        cache.insert(name, f.clone());
+        Ok(f)
+    }
+
+    /// An uninitialized buffer of `n` floats (at least one): the caller fills it before any read.
+    pub fn alloc(&self, n: usize) -> Result<CudaSlice<f32>> {
+        // SAFETY: the memory is filled by the canary kernel (or fully written) before any read.
+        unsafe { self.stream.alloc::<f32>(n.max(1)) }.map_err(|e| cerr(format!("cuMemAlloc of {n} floats: {e:?}")))
+    }
+
+    /// Uploads indices as i64 (one zero for an empty list, so the pointer is valid).
+    pub fn idx(&self, v: &[usize]) -> Result<CudaSlice<i64>> {
+        let w: Vec<i64> = if v.is_empty() {
+            vec![0]
+        } else {
+            v.iter().map(|&x| x as i64).collect()
+        };
+        self.stream
+            .clone_htod(&w)
+            .map_err(|e| cerr(format!("upload indices: {e:?}")))
+    }
+
+    /// Dequantizes `n` elements of ggml type `ty` from their raw `bytes` on the GPU, when a kernel
+    /// exists for `ty` (`None` otherwise), with the kernel's name; the launch is not waited for.
+    ///
+    /// Errors: [`Error::Cuda`] when `bytes` does not hold `n` elements of `ty`, or on a failed
+    /// upload, allocation or launch.
+    pub fn dequant(&self, ty: GgmlType, bytes: &[u8], n: usize) -> Result<Option<(CudaSlice<f32>, &'static str)>> {
+        let kernel = match ty {
+            GgmlType::F32 => "dequant_f32",
+            GgmlType::F16 => "dequant_f16",
+            GgmlType::BF16 => "dequant_bf16",
+            GgmlType::Q8_0 => "dequant_q8_0",
+            GgmlType::Q4_0 => "dequant_q4_0",
+            GgmlType::Q4_1 => "dequant_q4_1",
+            GgmlType::Q5_0 => "dequant_q5_0",
+            GgmlType::Q5_1 => "dequant_q5_1",
+            GgmlType::Q4_K => "dequant_q4_k",
+            GgmlType::Q5_K => "dequant_q5_k",
+            GgmlType::Q6_K => "dequant_q6_k",
+            _ => return Ok(None),
+        };
+        let bs = ty.block_size() as usize;
+        let ts = ty.type_size() as usize;
+        if !n.is_multiple_of(bs) || bytes.len() != n / bs * ts {
+            return Err(cerr(format!("{ty}: {} bytes do not hold {n} elements", bytes.len())));
+        }
+        let raw = self
+            .stream
+            .clone_htod(bytes)
+            .map_err(|e| cerr(format!("upload raw {ty}: {e:?}")))?;
+        let mut y = self.alloc(n)?;
+        let nblocks = (n / bs) as i64;
+        let f = self.func(Module::Dequant, kernel)?;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&raw).arg(&mut y).arg(&nblocks);
+        // SAFETY: argument types match dequant.cu.
+        unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch {kernel}: {e:?}")))?;
+        Ok(Some((y, kernel)))
+    }
+}

@@ -1,0 +1,281 @@
+//! Each detector on real traces of the embedded fixture: it explains the fault it is for, and
+//! stays silent on another fault's divergence. These run the whole pipeline (reference, a CPU
+//! path with a fault, the metrics), so they live with the integration tests.
+
+use mla_diff::backend::run_cpu;
+use mla_diff::compute::faults::{Fault, FaultSet};
+use mla_diff::compute::path::{LayerInput, PathKind, PathOptions, PathRun};
+use mla_diff::compute::reference::reference_layer;
+use mla_diff::core::batch::Batch;
+use mla_diff::core::class::Class;
+use mla_diff::core::dtype::Dtype;
+use mla_diff::core::trace::{Site, Stage, Trace};
+use mla_diff::judge::diagnose::{Detected, DiagnoseInput, PathEvidence, detect_at, diagnose};
+use mla_diff::judge::metrics::{self, SiteDiff};
+use mla_diff::judge::tolerance::Precision;
+use mla_diff::model::config::MlaConfig;
+use mla_diff::model::gguf::GgufFile;
+use mla_diff::model::weights::LayerWeights;
+
+struct Fixture {
+    cfg: MlaConfig,
+    batch: Batch,
+    reference: Trace,
+    runs: Vec<PathRun>,
+    diffs: Vec<Vec<SiteDiff>>,
+    tp: usize,
+}
+
+fn fixture_with(faults: &[Fault], tp: usize, paths: &[PathKind], tweak: impl Fn(&mut MlaConfig)) -> Fixture {
+    let file: GgufFile = mla_diff::model::fixture::open_model(None).unwrap();
+    let cfg = MlaConfig::from_gguf(&file).unwrap();
+    let w = LayerWeights::load(&file, &cfg, 1).unwrap();
+    let batch = Batch {
+        seqs: [1usize, 15, 16, 17, 21]
+            .iter()
+            .map(|&len| mla_diff::core::batch::SeqSpec { len, start_pos: 0 })
+            .collect(),
+    };
+    let t = batch.n_tokens();
+    let hidden = ndarray::Array2::from_shape_vec(
+        (t, cfg.hidden),
+        mla_diff::core::batch::normal_f32(3, t * cfg.hidden)
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+    )
+    .unwrap();
+    let reference = reference_layer(&cfg, &w, &hidden, &batch, tp, None).unwrap().trace;
+    let mut path_cfg = cfg.clone();
+    tweak(&mut path_cfg);
+    let h32 = hidden.mapv(|x| x as f32);
+    let input = LayerInput {
+        file: &file,
+        cfg: &path_cfg,
+        weights: &w,
+        hidden_in: &h32,
+        batch: &batch,
+        shared_selection: None,
+        forced_selection: None,
+    };
+    let opts = PathOptions {
+        tp,
+        faults: FaultSet(faults.to_vec()),
+        ..PathOptions::default()
+    };
+    let runs: Vec<PathRun> = paths.iter().map(|&p| run_cpu(p, &input, &opts).unwrap()).collect();
+    let diffs = runs
+        .iter()
+        .map(|r| metrics::diff(&reference, &r.trace, Dtype::F32))
+        .collect();
+    Fixture {
+        cfg,
+        batch,
+        reference,
+        runs,
+        diffs,
+        tp,
+    }
+}
+
+fn fixture(faults: &[Fault], tp: usize, paths: &[PathKind]) -> Fixture {
+    fixture_with(faults, tp, paths, |_| {})
+}
+
+/// Runs the detector of `class` alone on path `i`'s first divergence.
+fn detect(fx: &Fixture, i: usize, class: Class) -> Detected {
+    let input = DiagnoseInput {
+        cfg: &fx.cfg,
+        batch: &fx.batch,
+        reference: &fx.reference,
+        paths: fx
+            .runs
+            .iter()
+            .zip(&fx.diffs)
+            .map(|(r, d)| PathEvidence {
+                kind: r.kind.into(),
+                trace: &r.trace,
+                diffs: d,
+                empty_partial_rows: &r.empty_partial_rows,
+                unservable: r.unservable.as_ref(),
+            })
+            .collect(),
+        tp: fx.tp,
+        precision: Precision::F32,
+    };
+    assert!(
+        metrics::first_divergence(&fx.diffs[i]).is_some(),
+        "the fault makes a divergence"
+    );
+    detect_at(&input, i, class)
+}
+
+#[test]
+fn clean_runs_have_no_divergence_to_diagnose() {
+    let fx = fixture(&[], 2, PathKind::ALL);
+    for d in &fx.diffs {
+        assert!(metrics::first_divergence(d).is_none());
+    }
+}
+
+#[test]
+fn phantom_output_sees_the_untouched_canary() {
+    let fx = fixture(&[Fault::PhantomOutput], 1, &[PathKind::Mqa]);
+    let (ev, _) = detect(&fx, 0, Class::PhantomOutput).unwrap();
+    assert!(ev.contains("canary"), "{ev}");
+    let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mha]);
+    assert!(detect(&fx, 0, Class::PhantomOutput).is_none());
+}
+
+#[test]
+fn unwritten_rows_names_the_rows() {
+    let fx = fixture(&[Fault::UnwrittenRows], 1, &[PathKind::Chunked]);
+    let (ev, _) = detect(&fx, 0, Class::UnwrittenRows).unwrap();
+    assert!(ev.contains("in token rows [0]"), "{ev}");
+    // lse-plus-inf reads an unwritten partial too, but through a wrong sentinel: not this.
+    let fx = fixture(&[Fault::LsePlusInf], 1, &[PathKind::Mqa]);
+    assert!(detect(&fx, 0, Class::UnwrittenRows).is_none());
+}
+
+#[test]
+fn shard_order_reports_the_permutation() {
+    let fx = fixture(&[Fault::FusedShardSwap], 1, &[PathKind::Mha]);
+    let (ev, hint) = detect(&fx, 0, Class::ShardOrder).unwrap();
+    assert!(ev.contains("in order [1,0]"), "{ev}");
+    assert!(hint.contains("shard id"), "{hint}");
+    let fx = fixture(&[Fault::StridedKvC], 1, &[PathKind::Mha]);
+    assert!(detect(&fx, 0, Class::ShardOrder).is_none());
+}
+
+#[test]
+fn tp_rank_order_reports_permutation_and_duplicate() {
+    let fx = fixture(&[Fault::TpRankOrder], 3, &[PathKind::Mha]);
+    let (ev, _) = detect(&fx, 0, Class::TpRankOrder).unwrap();
+    assert!(ev.contains("[1,2,0]"), "{ev}");
+    let fx = fixture(&[Fault::TpRank0Everywhere], 2, &[PathKind::Mqa]);
+    let (ev, _) = detect(&fx, 0, Class::TpRankOrder).unwrap();
+    assert!(ev.contains("rank 0 everywhere"), "{ev}");
+    let fx = fixture(&[Fault::RopeNeox], 2, &[PathKind::Mha]);
+    assert!(detect(&fx, 0, Class::TpRankOrder).is_none());
+}
+
+#[test]
+fn kv_b_layout_tells_grouped_from_untransposed() {
+    let fx = fixture(&[Fault::KvBGrouped], 2, &[PathKind::Mha, PathKind::Mqa]);
+    assert!(detect(&fx, 0, Class::KvBLayout).unwrap().0.contains("grouped"));
+    assert!(detect(&fx, 1, Class::KvBLayout).unwrap().0.contains("grouped"));
+    let fx = fixture(&[Fault::KBUntransposed], 1, &[PathKind::Mha, PathKind::Mqa]);
+    assert!(
+        detect(&fx, 0, Class::KvBLayout)
+            .unwrap()
+            .0
+            .contains("instead of transposed")
+    );
+    assert!(
+        detect(&fx, 1, Class::KvBLayout)
+            .unwrap()
+            .0
+            .contains("instead of transposed")
+    );
+    let fx = fixture(&[Fault::PhantomOutput], 1, &[PathKind::Mha]);
+    assert!(detect(&fx, 0, Class::KvBLayout).is_none());
+}
+
+#[test]
+fn rope_style_re_rotates_with_neox() {
+    let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mqa]);
+    let (ev, _) = detect(&fx, 0, Class::RopeStyle).unwrap();
+    assert!(ev.contains("NeoX"), "{ev}");
+    let fx = fixture(&[Fault::StridedKvC], 1, &[PathKind::Mqa]);
+    assert!(detect(&fx, 0, Class::RopeStyle).is_none());
+}
+
+#[test]
+fn softmax_scale_fits_the_factor() {
+    // The path runs with half the softmax scale; the reference with the right one.
+    let fx = fixture_with(&[], 1, &[PathKind::Mha, PathKind::Mqa], |c| c.softmax_scale *= 0.5);
+    for i in 0..2 {
+        let (ev, _) = detect(&fx, i, Class::SoftmaxScale).unwrap();
+        assert!(ev.contains("×0.500"), "{ev}");
+    }
+    let fx = fixture(&[Fault::PhantomOutput], 1, &[PathKind::Mha]);
+    assert!(detect(&fx, 0, Class::SoftmaxScale).is_none());
+}
+
+#[test]
+fn lse_merge_ties_bad_rows_to_empty_partials() {
+    let fx = fixture(&[Fault::LsePlusInf], 1, &[PathKind::Chunked, PathKind::Mqa]);
+    for i in 0..2 {
+        let (ev, _) = detect(&fx, i, Class::LseMerge).unwrap();
+        assert!(ev.contains("merged an empty partial"), "{ev}");
+    }
+    let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mqa]);
+    assert!(detect(&fx, 0, Class::LseMerge).is_none());
+}
+
+#[test]
+fn nonfinite_counts_nans_that_are_not_canaries() {
+    let fx = fixture(&[Fault::LsePlusInf], 1, &[PathKind::Chunked]);
+    let (ev, _) = detect(&fx, 0, Class::Nonfinite).unwrap();
+    assert!(ev.contains("NaN/Inf where the reference is finite"), "{ev}");
+    let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mha]);
+    assert!(detect(&fx, 0, Class::Nonfinite).is_none());
+}
+
+#[test]
+fn scale_only_sees_what_cosine_cannot() {
+    // A clean trace whose q_pe_roped is scaled by 1.3 afterwards (a detector unit test).
+    let mut fx = fixture(&[], 1, &[PathKind::Mha]);
+    let site = Site::new(1, Stage::QPeRoped);
+    let mut t = fx.runs[0].trace.get(&site).unwrap().clone();
+    if let mla_diff::core::trace::TensorData::F32(v) = &mut t.data {
+        v.iter_mut().for_each(|x| *x *= 1.3);
+    }
+    fx.runs[0].trace.record(site, t);
+    fx.diffs[0] = metrics::diff(&fx.reference, &fx.runs[0].trace, Dtype::F32);
+    let (ev, _) = detect(&fx, 0, Class::ScaleOnly).unwrap();
+    assert!(ev.contains("norm ratio 1.3000"), "{ev}");
+    let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mha]);
+    assert!(detect(&fx, 0, Class::ScaleOnly).is_none());
+}
+
+#[test]
+fn path_disagreement_needs_another_path_passing() {
+    // mha clean, mqa with the strided norm bug: only mqa fails kv_c_normed.
+    let clean = fixture(&[], 1, &[PathKind::Mha]);
+    let broken = fixture(&[Fault::StridedKvC], 1, &[PathKind::Mqa]);
+    let fx = Fixture {
+        runs: vec![clean.runs[0].clone(), broken.runs[0].clone()],
+        diffs: vec![clean.diffs[0].clone(), broken.diffs[0].clone()],
+        ..clean
+    };
+    let (ev, _) = detect(&fx, 1, Class::PathDisagreement).unwrap();
+    assert!(ev.contains("mha (rel_l2"), "{ev}");
+    // The same bug in both paths disagrees with nobody.
+    let fx = fixture(&[Fault::StridedKvC], 1, &[PathKind::Mha, PathKind::Mqa]);
+    assert!(detect(&fx, 1, Class::PathDisagreement).is_none());
+}
+
+#[test]
+fn mismatch_localises_rows() {
+    let fx = fixture(&[Fault::StridedKvC], 1, &[PathKind::Mha]);
+    let input = DiagnoseInput {
+        cfg: &fx.cfg,
+        batch: &fx.batch,
+        reference: &fx.reference,
+        paths: vec![PathEvidence {
+            kind: PathKind::Mha.into(),
+            trace: &fx.runs[0].trace,
+            diffs: &fx.diffs[0],
+            empty_partial_rows: &[],
+            unservable: None,
+        }],
+        tp: 1,
+        precision: Precision::F32,
+    };
+    let f = diagnose(&input);
+    assert_eq!(f.len(), 1);
+    assert_eq!(f[0].class, Class::Mismatch);
+    assert!(f[0].evidence.contains("rows [0] exact"), "{}", f[0].evidence);
+    assert!(f[0].hint.contains("row stride"), "{}", f[0].hint);
+}

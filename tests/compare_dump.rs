@@ -646,3 +646,210 @@ fn a_gguf_as_dump_and_an_unknown_map_name_say_what_to_do() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("not a built-in map (hf, vllm, llama.cpp)"), "{err}");
 }
+
+/// A weight the engine never loaded (all zeros where the GGUF's is not) is `weight-not-loaded` at
+/// its weight site, with the GGUF tensors the loader's mapping lacks; not `phantom-output`, which
+/// is an activation never written.
+#[test]
+fn an_all_zero_weight_site_is_weight_not_loaded() {
+    use safetensors::SafeTensors;
+    let src = std::fs::read(repo().join("golden/dumps/tiny-v3-f32.hf.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&src).unwrap();
+    let (_, m) = SafeTensors::read_metadata(&src).unwrap();
+    let metadata = m.metadata().clone().unwrap_or_default();
+    let file = mla_diff::model::gguf::GgufFile::open(repo().join("golden/models/tiny-v3-f32.gguf")).unwrap();
+    let cfg = mla_diff::model::config::MlaConfig::from_gguf(&file).unwrap();
+    let rows = cfg.n_head * (cfg.qk_nope_head_dim + cfg.v_head_dim);
+    let zeros = vec![0u8; rows * cfg.kv_lora_rank * 4];
+    let mut views: Vec<(String, safetensors::tensor::TensorView<'_>)> = st.tensors();
+    views.push((
+        "L0.w.kv_b".into(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![rows, cfg.kv_lora_rank], &zeros).unwrap(),
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("unloaded.safetensors");
+    std::fs::write(&p, safetensors::serialize(views, Some(metadata)).unwrap()).unwrap();
+    let (code, out, err, doc) = compare_path("tiny-v3-f32.gguf", &p, &[]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    let f = &doc["findings"][0];
+    assert_eq!(f["class"], "weight-not-loaded", "{f}");
+    assert_eq!(f["site"], "L0.w.kv_b", "{f}");
+    let hint = f["hint"].as_str().unwrap();
+    assert!(
+        hint.contains("`blk.0.attn_k_b.weight` and `blk.0.attn_v_b.weight`"),
+        "{hint}"
+    );
+    assert!(schema_errors(&doc).is_empty(), "{:?}", schema_errors(&doc));
+}
+
+/// A format-2 dump made from a format-1 one: the first `t - decode` tokens as the prefill step,
+/// then one decode step per remaining token (a causal engine computes the same rows either way).
+/// `index_sha256` overrides the model identity (to plant another model's).
+fn split_into_steps(
+    dump: &str,
+    model: &str,
+    decode: usize,
+    index_sha256: Option<&str>,
+) -> (tempfile::TempDir, std::path::PathBuf) {
+    use safetensors::SafeTensors;
+    let src = std::fs::read(repo().join("golden/dumps").join(dump)).unwrap();
+    let st = SafeTensors::deserialize(&src).unwrap();
+    let (_, m) = SafeTensors::read_metadata(&src).unwrap();
+    let meta = m.metadata().clone().unwrap_or_default();
+    let file = mla_diff::model::gguf::GgufFile::open(repo().join("golden/models").join(model)).unwrap();
+    let hidden = st.tensor("L0.hidden_in").unwrap();
+    let t = hidden.shape()[0];
+    let prefill = t - decode;
+    let mut steps = vec![serde_json::json!({"name": "prefill", "seqs": [{"new": prefill, "context": 0}]})];
+    for j in 0..decode {
+        steps.push(
+            serde_json::json!({"name": format!("decode-{}", j + 1), "seqs": [{"new": 1, "context": prefill + j}]}),
+        );
+    }
+    let mut layers = serde_json::Map::new();
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in st.tensors() {
+        let Some(rest) = name.strip_prefix('L') else { continue };
+        let layer: usize = rest.split('.').next().unwrap().parse().unwrap();
+        layers.insert(layer.to_string(), file.layer_sha256_hex(layer).into());
+        let shape = view.shape().to_vec();
+        assert_eq!(shape[0], t, "{name}: token rows first");
+        let per = view.data().len() / t;
+        let ranges: Vec<(usize, std::ops::Range<usize>)> = std::iter::once((0, 0..prefill))
+            .chain((0..decode).map(|j| (j + 1, prefill + j..prefill + j + 1)))
+            .collect();
+        for (k, r) in ranges {
+            let mut s = shape.clone();
+            s[0] = r.len();
+            tensors.push((
+                format!("s{k}.{name}"),
+                view.dtype(),
+                s,
+                view.data()[r.start * per..r.end * per].to_vec(),
+            ));
+        }
+    }
+    let header = serde_json::json!({
+        "model": {
+            "file": model,
+            "bytes": file.file_len(),
+            "index_sha256": index_sha256.map(str::to_string).unwrap_or_else(|| file.index_sha256_hex()),
+            "layer_sha256": layers,
+        },
+        "hook": {"name": "tests/compare_dump.rs", "version": "1"},
+        "engine": {"name": meta.get("engine").cloned().unwrap_or_default(), "version": "", "attention_backend": "eager"},
+        "dtype": meta.get("dtype").cloned().unwrap_or_else(|| "f32".into()),
+        "conventions": {"rope_order": meta.get("rope_order").cloned().unwrap_or_else(|| "interleaved".into())},
+        "steps": steps,
+        "patches": [{"name": "split-from-format-1", "reason": "a test builds the steps from one forward"}],
+    });
+    let md: std::collections::HashMap<String, String> = [
+        ("format".to_string(), "mla-diff dump 2".to_string()),
+        ("header".to_string(), header.to_string()),
+    ]
+    .into_iter()
+    .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("steps.safetensors");
+    std::fs::write(&p, safetensors::serialize(views, Some(md)).unwrap()).unwrap();
+    (dir, p)
+}
+
+#[test]
+fn format2_steps_are_judged_against_the_cached_context() {
+    let (_dir, p) = split_into_steps("tiny-v3-f32.hf.safetensors", "tiny-v3-f32.gguf", 2, None);
+    let (code, out, err, doc) = compare_path("tiny-v3-f32.gguf", &p, &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(schema_errors(&doc).is_empty(), "{:?}", schema_errors(&doc));
+    let sites = doc["sites"].as_array().unwrap();
+    let steps: std::collections::BTreeSet<&str> = sites.iter().map(|s| s["step"].as_str().unwrap()).collect();
+    assert_eq!(steps, ["decode-1", "decode-2", "prefill"].into_iter().collect());
+    // Every step judges both layers' attention output, each on its own rows.
+    for step in ["prefill", "decode-1", "decode-2"] {
+        for layer in [0, 1] {
+            let s = sites
+                .iter()
+                .find(|s| s["step"] == step && s["site"] == format!("L{layer}.attn_out"))
+                .unwrap_or_else(|| panic!("{step} L{layer}.attn_out missing"));
+            assert_eq!(s["status"], "pass", "{s}");
+            let rows = s["shape"][0].as_u64().unwrap();
+            assert_eq!(
+                rows,
+                if step == "prefill" {
+                    s["shape_ref"][0].as_u64().unwrap()
+                } else {
+                    1
+                }
+            );
+        }
+    }
+    assert!(
+        out.contains("step decode-2") || doc["dump"]["metadata"]["steps"] == "prefill,decode-1,decode-2",
+        "{out}"
+    );
+    let conv: Vec<&str> = doc["dump"]["conversions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap())
+        .collect();
+    assert!(
+        conv.iter().any(|c| c.starts_with("patch `split-from-format-1`")),
+        "{conv:?}"
+    );
+}
+
+#[test]
+fn format2_refuses_another_models_dump_and_finds_its_model() {
+    let other = mla_diff::model::gguf::GgufFile::open(repo().join("golden/models/tiny-v3-q8_0.gguf")).unwrap();
+    let (_dir, p) = split_into_steps(
+        "tiny-v3-f32.hf.safetensors",
+        "tiny-v3-f32.gguf",
+        1,
+        Some(&other.index_sha256_hex()),
+    );
+    let (code, _, err, _) = compare_path("tiny-v3-f32.gguf", &p, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("steps.safetensors") && err.contains("tiny-v3-f32.gguf"),
+        "{err}"
+    );
+    assert!(err.contains("header.model.index_sha256"), "{err}");
+
+    // Without --model: the GGUF the header names, next to the dump; else exit 2 naming it.
+    let (dir, p) = split_into_steps("tiny-v3-f32.hf.safetensors", "tiny-v3-f32.gguf", 1, None);
+    let (code, out, err) = run_bin(&["compare", "--dump", p.to_str().unwrap(), "--quiet"]);
+    assert_eq!(code, 2, "{out}\n{err}");
+    assert!(err.contains("`tiny-v3-f32.gguf`, which is not next to it"), "{err}");
+    std::fs::copy(
+        repo().join("golden/models/tiny-v3-f32.gguf"),
+        dir.path().join("tiny-v3-f32.gguf"),
+    )
+    .unwrap();
+    let (code, out, err) = run_bin(&["compare", "--dump", p.to_str().unwrap(), "--quiet"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+}
+
+#[test]
+fn format2_decode_steps_show_a_broken_attention_on_their_own_rows() {
+    let (_dir, p) = split_into_steps("tiny-v3-f32.hf-zero-attn-out.safetensors", "tiny-v3-f32.gguf", 1, None);
+    let (code, out, err, doc) = compare_path("tiny-v3-f32.gguf", &p, &[]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    let sites = doc["sites"].as_array().unwrap();
+    let decode_out = sites
+        .iter()
+        .find(|s| s["step"] == "decode-1" && s["site"] == "L0.attn_out")
+        .unwrap();
+    assert_eq!(decode_out["status"], "fail", "{decode_out}");
+    assert_eq!(decode_out["shape"][0], 1);
+    assert_eq!(doc["findings"][0]["site"], "L0.attn_out", "{}", doc["findings"]);
+}

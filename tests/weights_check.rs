@@ -348,3 +348,70 @@ fn weights_header_shows_the_dtype_metadata_string() {
     );
     assert!(out.contains("GGUF source (ggml type)"), "{out}");
 }
+
+#[test]
+fn an_unloaded_kv_b_is_weight_not_loaded() {
+    // vllm-gguf-plugin 0.0.5 maps `attn_kv_b` but not the split `attn_k_b`/`attn_v_b`: kv_b_proj
+    // keeps the zeros it was allocated with. Every rank's shard is zero here.
+    let dir = tempfile::tempdir().unwrap();
+    let (_, mut w) = engine_weights("tiny-v3-q8_0.gguf", 1, 2);
+    let mut zeroed = 0;
+    for t in w.iter_mut().filter(|t| t.0.contains(".kv_b_proj.")) {
+        t.2.iter_mut().for_each(|x| *x = 0.0);
+        zeroed += 1;
+    }
+    assert_eq!(zeroed, 2);
+    let p = write(dir.path(), "unloaded.safetensors", &w, 2);
+    let (code, out, err) = check(&p);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(out.contains("finding weight-not-loaded at L1.kv_b_proj.rank0"), "{out}");
+    assert!(
+        out.contains("blk.1.attn_k_b.weight"),
+        "the hint names the GGUF tensors: {out}"
+    );
+    assert!(out.contains("never loaded"), "{out}");
+    assert!(!out.contains("phantom-output"), "{out}");
+}
+
+#[test]
+fn format2_dumps_carry_weights_for_weights_check() {
+    // The same weights under `weights.` next to a step's activation (which weights --check skips),
+    // with the format-2 header's dtype.
+    let dir = tempfile::tempdir().unwrap();
+    let (_, w) = engine_weights("tiny-v3-q8_0.gguf", 1, 2);
+    let mut t: Vec<(String, Vec<usize>, Vec<f32>)> = w
+        .iter()
+        .map(|(n, s, v)| (format!("weights.{n}"), s.clone(), v.clone()))
+        .collect();
+    t.push(("s0.L1.attn_out".into(), vec![2, 3], vec![0.5; 6]));
+    let bytes: Vec<Vec<u8>> = t
+        .iter()
+        .map(|x| x.2.iter().flat_map(|f| f.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = t
+        .iter()
+        .zip(&bytes)
+        .map(|(x, b)| {
+            (
+                x.0.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, x.1.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    let header = r#"{"model":{"file":"tiny-v3-q8_0.gguf","bytes":0,"index_sha256":"","layer_sha256":{}},"dtype":"f32","steps":[{"name":"prefill","seqs":[{"new":2,"context":0}]}]}"#;
+    let meta: HashMap<String, String> = [
+        ("format".to_string(), "mla-diff dump 2".to_string()),
+        ("header".to_string(), header.to_string()),
+        ("tp_size".to_string(), "2".to_string()),
+    ]
+    .into_iter()
+    .collect();
+    let p = dir.path().join("f2.safetensors");
+    std::fs::write(&p, safetensors::serialize(views, Some(meta)).unwrap()).unwrap();
+    let (code, out, err) = check(&p);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(
+        out.contains(&format!("all {} tensors match the GGUF", w.len())),
+        "{out}"
+    );
+}

@@ -18,7 +18,7 @@ use crate::model::gguf::GgufFile;
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
     /// GGUF model file (default: the embedded tiny-v3 Q4_K_M fixture; for `compare` and
-    /// `weights`, the file the engine loaded).
+    /// `weights`, the file the engine loaded; a format-2 dump names it, found next to the dump).
     #[arg(long)]
     pub model: Option<PathBuf>,
 }

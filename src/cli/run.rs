@@ -106,15 +106,41 @@ fn same_file(a: &Path, b: &Path) -> bool {
 
 /// `mla-diff compare`.
 pub fn cmd_compare(a: &CompareArgs, out: &mut dyn Write) -> Result<Outcome> {
-    let file = crate::model::fixture::open_model(a.model.path())?;
+    use crate::model::dump::{self, DumpFile};
+    // A format-2 dump names its model: without --model, the GGUF next to the dump.
+    let header = dump::peek_header(&a.dump)?;
+    let file = match (a.model.path(), &header) {
+        (Some(m), _) => GgufFile::open(m)?,
+        (None, Some(h)) => {
+            let beside = a.dump.parent().unwrap_or(Path::new(".")).join(&h.model.file);
+            if !beside.is_file() {
+                return Err(Error::Usage(format!(
+                    "{}: the dump was made from `{}`, which is not next to it ({}); pass --model",
+                    a.dump.display(),
+                    h.model.file,
+                    beside.display()
+                )));
+            }
+            GgufFile::open(&beside)?
+        }
+        (None, None) => crate::model::fixture::open_model(None)?,
+    };
     let cfg = MlaConfig::from_gguf(&file)?;
-    let map = a.map.as_deref().map(crate::model::dump::Map::load).transpose()?;
+    let map = a.map.as_deref().map(dump::Map::load).transpose()?;
     check_outputs(a.output.json.as_ref(), a.output.report.as_ref(), a.output.force)?;
-    let dump = crate::model::dump::load(&a.dump, map.as_ref(), &cfg)?;
     let map_name = map
         .as_ref()
         .map(|m| m.name.clone().unwrap_or_else(|| a.map.clone().unwrap_or_default()));
-    let rep = crate::jobs::compare::compare_dump(&file, &cfg, &dump, map_name, a.dtype.map(Into::into))?;
+    let rep = match dump::read(&a.dump, map.as_ref(), &cfg)? {
+        DumpFile::One(d) => crate::jobs::compare::compare_dump(&file, &cfg, &d, map_name, a.dtype.map(Into::into))?,
+        DumpFile::Steps(sd) => {
+            let mut layers: Vec<usize> = sd.steps.iter().flat_map(|(_, d)| d.layers.keys().copied()).collect();
+            layers.sort_unstable();
+            layers.dedup();
+            dump::check_identity(&a.dump, &sd.header, &file, &layers)?;
+            crate::jobs::compare::compare_steps(&file, &cfg, &sd, map_name, a.dtype.map(Into::into))?
+        }
+    };
     let backend = Backend::Cpu(CpuOps::new(rep.run.dtype));
     let o = Outputs {
         json: a.output.json.as_ref(),

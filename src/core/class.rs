@@ -10,6 +10,8 @@ use serde::Serialize;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Class {
+    /// A weight the engine never loaded: all zeros or the canary where the GGUF tensor is not.
+    WeightNotLoaded,
     /// The output buffer was never written (canary everywhere, or all zero).
     PhantomOutput,
     /// Some rows keep the canary.
@@ -54,6 +56,7 @@ impl Class {
     /// kebab-case name (`shard-order`).
     pub fn name(self) -> &'static str {
         match self {
+            Class::WeightNotLoaded => "weight-not-loaded",
             Class::PhantomOutput => "phantom-output",
             Class::UnwrittenRows => "unwritten-rows",
             Class::ShardOrder => "shard-order",

@@ -9,6 +9,7 @@ use ndarray::Array2;
 
 use crate::compute::path::PathOptions;
 use crate::compute::reference::{reference_layer, reference_layer_full};
+use crate::core::batch::{Batch, SeqSpec};
 use crate::core::error::{Error, Result};
 use crate::core::trace::{Site, Stage, TraceTensor};
 use crate::judge::diagnose::{self, DiagnoseInput, PathEvidence};
@@ -16,7 +17,7 @@ use crate::judge::label::PathLabel;
 use crate::judge::metrics;
 use crate::judge::report::{DumpSummary, InputSource, ModelSummary, PathResult, RunRecord, RunReport};
 use crate::model::config::MlaConfig;
-use crate::model::dump::{Dump, EngineDtype};
+use crate::model::dump::{Dump, EngineDtype, StepsDump};
 use crate::model::gguf::GgufFile;
 use crate::model::weights::{LayerWeights, embed_hidden};
 
@@ -153,6 +154,7 @@ pub fn compare_dump(
             layer,
             diffs,
             notes: Vec::new(),
+            step: None,
         });
         let ho = dl
             .get(&Site::new(layer, Stage::HiddenOut))
@@ -192,5 +194,211 @@ pub fn compare_dump(
         results,
         findings,
         dump: Some(summary),
+    })
+}
+
+/// The rows `rows` (dim 0) of `t` when its first dim is `t_full` tokens; weights and other
+/// tensors that are not per token come back whole.
+fn take_rows(t: &TraceTensor, rows: &[usize], t_full: usize) -> TraceTensor {
+    if t.shape.first() != Some(&t_full) || t_full == 0 {
+        return t.clone();
+    }
+    let per = t.len() / t_full;
+    let all = t.to_f64();
+    let mut v = Vec::with_capacity(rows.len() * per);
+    for &r in rows {
+        v.extend_from_slice(&all[r * per..(r + 1) * per]);
+    }
+    let mut shape = t.shape.clone();
+    shape[0] = rows.len();
+    TraceTensor::f64(shape, v)
+}
+
+/// Compares a format-2 dump with the reference: every step of every dumped layer, each step
+/// against the reference run from position 0 over the sequences' cached context and new tokens
+/// (fed with the `hidden_in` rows of the steps up to it), judging only the step's new rows. The
+/// model's identity has been checked by the caller ([`crate::model::dump::check_identity`]).
+///
+/// Errors: a step that lacks `L{n}.hidden_in` for a layer it dumps (exit 2, naming step and
+/// layer); a reference layer that cannot run.
+pub fn compare_steps(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    sd: &StepsDump,
+    map_name: Option<String>,
+    dtype: Option<EngineDtype>,
+) -> Result<RunReport> {
+    let h = &sd.header;
+    let dtype = dtype.unwrap_or(sd.steps[0].1.dtype);
+    let precision = dtype.precision();
+    let mut results = Vec::new();
+    let mut findings = Vec::new();
+    let mut not_dumped = Vec::new();
+    let mut conversions = Vec::new();
+    let mut tensor_types = Vec::new();
+    let mut layers: Vec<usize> = sd.steps.iter().flat_map(|(_, d)| d.layers.keys().copied()).collect();
+    layers.sort_unstable();
+    layers.dedup();
+    let n_seq = h.steps[0].seqs.len();
+    for (k, (spec, d)) in sd.steps.iter().enumerate() {
+        for c in &d.conversions {
+            conversions.push(format!("{}: {c}", spec.name));
+        }
+        let t_new = d.batch.n_tokens();
+        // The full batch: each sequence with new tokens in this step, from position 0.
+        let live: Vec<usize> = (0..n_seq).filter(|&i| spec.seqs[i].new > 0).collect();
+        let full = Batch {
+            seqs: live
+                .iter()
+                .map(|&i| SeqSpec {
+                    len: spec.seqs[i].context + spec.seqs[i].new,
+                    start_pos: 0,
+                })
+                .collect(),
+        };
+        let t_full = full.n_tokens();
+        // Rows of the step's new tokens within the full batch.
+        let mut new_rows = Vec::with_capacity(t_new);
+        let mut off = 0;
+        for &i in &live {
+            let q = spec.seqs[i];
+            new_rows.extend(off + q.context..off + q.context + q.new);
+            off += q.context + q.new;
+        }
+        let mut prev_sel: Option<crate::compute::indexer::Selection> = None;
+        for (&layer, dl) in &d.layers {
+            let w = LayerWeights::load(file, cfg, layer)?;
+            if tensor_types.is_empty() {
+                tensor_types = w.types.clone();
+            }
+            // hidden_in of the full sequences, gathered from steps 0..=k.
+            let mut full_in = Array2::<f64>::zeros((t_full, cfg.hidden));
+            let mut row = 0;
+            for &i in &live {
+                for (j, (sj, dj)) in sd.steps[..=k].iter().enumerate() {
+                    let nj = sj.seqs[i].new;
+                    if nj == 0 {
+                        continue;
+                    }
+                    let x = dj
+                        .layers
+                        .get(&layer)
+                        .and_then(|t| t.get(&Site::new(layer, Stage::HiddenIn)))
+                        .ok_or_else(|| {
+                            Error::Usage(format!(
+                                "{}: step {j} `{}` has no L{layer}.hidden_in, which step {k} `{}` attends to: a format-2 dump needs every step's hidden_in of each layer it judges",
+                                sd.path.display(),
+                                sj.name,
+                                spec.name
+                            ))
+                        })?;
+                    let t_j = dj.batch.n_tokens();
+                    let a = to_array(x, t_j, cfg.hidden)?;
+                    let start: usize = (0..i).map(|p| sj.seqs[p].new).sum();
+                    for r in 0..nj {
+                        full_in.row_mut(row).assign(&a.row(start + r));
+                        row += 1;
+                    }
+                }
+            }
+            let wants_ffn = dl
+                .entries()
+                .iter()
+                .any(|(s, _)| s.stage.is_moe() || s.stage == Stage::HiddenOut);
+            let refo = if cfg.is_moe_layer(layer) && wants_ffn {
+                reference_layer_full(file, cfg, &w, &full_in, &full, 1, prev_sel.as_ref())?
+            } else {
+                reference_layer(cfg, &w, &full_in, &full, 1, prev_sel.as_ref())?
+            };
+            if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(layer) == Some(&true)) {
+                prev_sel = refo.selection.clone();
+            }
+            let mut reference = crate::core::trace::Trace::new();
+            for (s, t) in refo.trace.entries() {
+                reference.record(*s, take_rows(t, &new_rows, t_full));
+            }
+            for s in reference.sites_in_order() {
+                let name = s.to_string();
+                if dl.get(&s).is_none() && !not_dumped.contains(&name) {
+                    not_dumped.push(name);
+                }
+            }
+            let diffs = metrics::diff(&reference, dl, precision);
+            let f = diagnose::diagnose(&DiagnoseInput {
+                cfg,
+                batch: &d.batch,
+                reference: &reference,
+                paths: vec![PathEvidence {
+                    kind: PathLabel::Dump,
+                    trace: dl,
+                    diffs: &diffs,
+                    empty_partial_rows: &[],
+                    unservable: None,
+                }],
+                tp: 1,
+                precision,
+            });
+            if findings.is_empty() {
+                findings.extend(f);
+            }
+            results.push(PathResult {
+                path: PathLabel::Dump,
+                layer,
+                diffs,
+                notes: Vec::new(),
+                step: Some(spec.name.clone()),
+            });
+        }
+    }
+    for p in &h.patches {
+        conversions.push(format!("patch `{}`: {}", p.name, p.reason));
+    }
+    let engine = format!("{} {}", h.engine.name, h.engine.version).trim().to_string();
+    let mut metadata = std::collections::BTreeMap::new();
+    metadata.insert("format".to_string(), crate::model::dump::FORMAT2.to_string());
+    metadata.insert("model".to_string(), h.model.file.clone());
+    metadata.insert(
+        "hook".to_string(),
+        format!("{} {}", h.hook.name, h.hook.version).trim().to_string(),
+    );
+    if let Some(b) = &h.engine.attention_backend {
+        metadata.insert("attention_backend".to_string(), b.clone());
+    }
+    if let Some(b) = &h.engine.prefill_backend {
+        metadata.insert("prefill_backend".to_string(), b.clone());
+    }
+    let steps: Vec<String> = h.steps.iter().map(|s| s.name.clone()).collect();
+    metadata.insert("steps".to_string(), steps.join(","));
+    let first = &sd.steps[0].1;
+    Ok(RunReport {
+        model: ModelSummary {
+            path: file.path().display().to_string(),
+            config: cfg.clone(),
+            tensor_types,
+        },
+        run: RunRecord {
+            layers,
+            batch: first.batch.clone(),
+            seed: 0,
+            input: InputSource::Dump,
+            paths: vec![PathLabel::Dump],
+            path_options: PathOptions::default(),
+            dtype: dtype.compute_dtype(),
+            backend: format!("dump: {engine}"),
+        },
+        token_ids: first.tokens.clone(),
+        results,
+        findings,
+        dump: Some(DumpSummary {
+            path: sd.path.display().to_string(),
+            engine,
+            map: map_name,
+            metadata,
+            conversions,
+            ignored: sd.ignored.clone(),
+            not_dumped,
+            dtype,
+            tolerance_rows: precision,
+        }),
     })
 }

@@ -101,6 +101,7 @@ pub fn compare_layer(
             layer: w.layer,
             diffs: d,
             notes: pr.notes.clone(),
+            step: None,
         })
         .collect();
     Ok((results, findings, runs))

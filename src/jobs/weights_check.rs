@@ -347,7 +347,15 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
     let st = SafeTensors::deserialize(&bytes).map_err(|e| bad("header", e.to_string()))?;
     let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| bad("header", e.to_string()))?;
     let metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();
-    let dtype = match metadata.get("dtype").map(String::as_str) {
+    // A format-2 dump carries the weights as `weights.L{n}.{param}` next to its steps, and its
+    // dtype in the header.
+    let format2 = metadata.get("format").map(|f| f.trim()) == Some(crate::model::dump::FORMAT2);
+    let header_dtype = format2
+        .then(|| metadata.get("header"))
+        .flatten()
+        .and_then(|h| serde_json::from_str::<serde_json::Value>(h).ok())
+        .and_then(|h| h["dtype"].as_str().map(str::to_string));
+    let dtype = match header_dtype.as_deref().or(metadata.get("dtype").map(String::as_str)) {
         None | Some("f32" | "float32" | "f64") => Dtype::F32,
         Some("bf16" | "bfloat16" | "f16" | "float16") => Dtype::Bf16,
         Some(o) => return Err(bad("__metadata__.dtype", format!("`{o}`: expected f32, bf16 or f16"))),
@@ -358,7 +366,16 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
     let mut ignored = Vec::new();
     let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
     names.sort();
-    for name in names {
+    for full_name in names {
+        let name = if format2 {
+            match full_name.strip_prefix("weights.") {
+                Some(rest) => rest.to_string(),
+                // The steps' activations: `compare`'s business.
+                None => continue,
+            }
+        } else {
+            full_name.clone()
+        };
         let target = map.and_then(|m| m.rename_match(&name, cfg)).map(|(l, t)| match l {
             Some(l) => format!("L{l}.{t}"),
             None => t.to_string(),
@@ -373,8 +390,8 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
                 format!("layer {layer} out of range: the model has {} layers", cfg.n_layer),
             ));
         }
-        let view = st.tensor(&name).map_err(|e| bad(&name, e.to_string()))?;
-        let tt = crate::core::st::decode_tensor(path, &name, &view)?;
+        let view = st.tensor(&full_name).map_err(|e| bad(&full_name, e.to_string()))?;
+        let tt = crate::core::st::decode_tensor(path, &full_name, &view)?;
         if !crate::core::st::is_float_dtype(view.dtype()) {
             return Err(bad(
                 &name,
@@ -607,6 +624,31 @@ fn explain(
     cfg: &MlaConfig,
     thr: f64,
 ) -> Option<WeightFinding> {
+    // Never loaded: every element zero (or NaN, the canary of a dump) where the GGUF's is not.
+    let expected_nonzero = exp.iter().any(|&x| x != 0.0);
+    if expected_nonzero && !data.is_empty() && data.len() == exp.len() {
+        let what = if data.iter().all(|&x| x == 0.0) {
+            Some("0")
+        } else if data.iter().all(|x| x.is_nan()) {
+            Some("NaN")
+        } else {
+            None
+        };
+        if let Some(what) = what {
+            let src = p.source_text();
+            return Some(WeightFinding {
+                class: Class::WeightNotLoaded,
+                tensor: name.into(),
+                source: p.source_names(),
+                evidence: format!("all {} elements are {what}; {src} is not", data.len()),
+                hint: format!(
+                    "the engine never loaded this weight: its loader's tensor mapping has no entry for {src} \
+                     (vllm-gguf-plugin 0.0.5 maps `attn_kv_b` but not the split `attn_k_b`/`attn_v_b` that \
+                     current llama.cpp writes)"
+                ),
+            });
+        }
+    }
     // Transposed: [in, out] for [out, in] (2-D), or the last two dims swapped (3-D).
     let k = exp_shape.len();
     if k >= 2 && shape.len() == k && shape[k - 1] == exp_shape[k - 2] && shape[k - 2] == exp_shape[k - 1] {

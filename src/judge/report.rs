@@ -183,6 +183,9 @@ pub struct PathResult {
     pub diffs: Vec<SiteDiff>,
     /// What injected faults did.
     pub notes: Vec<String>,
+    /// The engine step judged (format-2 dumps: `prefill`, `decode-1`, …); `None` otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step: Option<String>,
 }
 
 /// Everything `run` produced.

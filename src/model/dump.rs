@@ -19,6 +19,7 @@ use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::model::config::{KvBLayout, MlaConfig};
+use crate::model::gguf::GgufFile;
 
 /// Order of the elements of every rotated rope vector in a dump.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -351,6 +352,357 @@ impl std::fmt::Display for EngineDtype {
             EngineDtype::F16 => "f16",
         })
     }
+}
+
+/// The `format` metadata value of a format-2 dump.
+pub const FORMAT2: &str = "mla-diff dump 2";
+
+/// The model a format-2 dump was made from (`header.model`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelIdentity {
+    /// The GGUF's file name, no folders.
+    pub file: String,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// SHA-256 (hex) of the bytes before the tensor data ([`GgufFile::index_sha256_hex`]).
+    pub index_sha256: String,
+    /// Per dumped layer (decimal key): SHA-256 (hex) of the layer's raw tensor bytes
+    /// ([`GgufFile::layer_sha256_hex`]).
+    #[serde(default)]
+    pub layer_sha256: BTreeMap<String, String>,
+}
+
+/// The hook that wrote a dump, or the engine that computed it (`header.hook`, `header.engine`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Software {
+    /// Name, e.g. `dump_vllm.py`, `vllm`.
+    pub name: String,
+    /// Version string.
+    #[serde(default)]
+    pub version: String,
+    /// The attention (decode) backend, for an engine (`TRITON_MLA`, `FLASHMLA`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_backend: Option<String>,
+    /// The prefill backend, for an engine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_backend: Option<String>,
+}
+
+/// Declared layout conventions that `compare` undoes (`header.conventions`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Conventions {
+    /// As format 1's `rope_order` (`interleaved`, `hf`).
+    #[serde(default)]
+    pub rope_order: Option<String>,
+    /// As format 1's `layout` (`token-major`, `head-major`).
+    #[serde(default)]
+    pub layout: Option<String>,
+    /// As format 1's `kv_a_order` (`latent-rope`, `rope-latent`).
+    #[serde(default)]
+    pub kv_a_order: Option<String>,
+    /// `e` (default) or `2`: the base of the dumped `lse`.
+    #[serde(default)]
+    pub lse_base: Option<String>,
+    /// Reserved: a residual-stream scale an engine applies on purpose; must be null.
+    #[serde(default)]
+    pub residual_scale: Option<serde_json::Value>,
+}
+
+/// One sequence's share of a step (`header.steps[k].seqs[i]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepSeq {
+    /// New tokens of the sequence computed in this step.
+    pub new: usize,
+    /// Tokens of the sequence that earlier steps computed and cached.
+    pub context: usize,
+}
+
+/// One engine step (`header.steps[k]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepSpec {
+    /// Its name in reports, e.g. `prefill`, `decode-1`.
+    pub name: String,
+    /// One entry per sequence (the same request in every step).
+    pub seqs: Vec<StepSeq>,
+}
+
+/// A change a harness made to the engine's code path (`header.patches[i]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Patch {
+    /// Short name.
+    pub name: String,
+    /// Why it was needed.
+    #[serde(default)]
+    pub reason: String,
+}
+
+/// The header of a format-2 dump (`__metadata__.header`, JSON).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DumpHeader {
+    /// The model the dump was made from.
+    pub model: ModelIdentity,
+    /// The hook that wrote it.
+    #[serde(default)]
+    pub hook: Software,
+    /// The engine that computed it.
+    #[serde(default)]
+    pub engine: Software,
+    /// As format 1's `dtype` (default f32).
+    #[serde(default)]
+    pub dtype: Option<String>,
+    /// Layout conventions.
+    #[serde(default)]
+    pub conventions: Conventions,
+    /// The steps, in order.
+    pub steps: Vec<StepSpec>,
+    /// Changes a harness made to the engine's code path.
+    #[serde(default)]
+    pub patches: Vec<Patch>,
+}
+
+/// A format-2 dump: its header and one [`Dump`] per step (the step's sites, rows = its new
+/// tokens in sequence order).
+#[derive(Debug, Clone)]
+pub struct StepsDump {
+    /// The dump file.
+    pub path: PathBuf,
+    /// The header.
+    pub header: DumpHeader,
+    /// `(step, its sites)`, in step order.
+    pub steps: Vec<(StepSpec, Dump)>,
+    /// Tensors that belong to no step and are not weights.
+    pub ignored: Vec<String>,
+}
+
+/// What a dump file holds: format 1 (one forward) or format 2 (steps with an identity).
+#[derive(Debug, Clone)]
+pub enum DumpFile {
+    /// Format 1.
+    One(Dump),
+    /// Format 2.
+    Steps(Box<StepsDump>),
+}
+
+/// The header of a format-2 dump without reading its tensors; `None` for format 1.
+///
+/// Errors: [`Error::Io`] when the file cannot be read; [`Error::Safetensors`] naming
+/// `__metadata__.header` when a format-2 header is not valid JSON of the documented shape.
+pub fn peek_header(path: &Path) -> Result<Option<DumpHeader>> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, "open", e))?;
+    let mut len = [0u8; 8];
+    if f.read_exact(&mut len).is_err() {
+        return Ok(None);
+    }
+    let n = u64::from_le_bytes(len);
+    // The safetensors header is small; a huge declared length is not a dump this can peek at
+    // (the full read reports it properly).
+    if n > 64 << 20 {
+        return Ok(None);
+    }
+    let mut head = vec![0u8; n as usize];
+    if f.read_exact(&mut head).is_err() {
+        return Ok(None);
+    }
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(&head) else {
+        return Ok(None);
+    };
+    let meta = &v["__metadata__"];
+    if meta["format"].as_str().map(str::trim) != Some(FORMAT2) {
+        return Ok(None);
+    }
+    parse_header(path, meta["header"].as_str()).map(Some)
+}
+
+fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader> {
+    let text = text.ok_or_else(|| {
+        derr(
+            path,
+            "__metadata__.header",
+            format!("missing: a `{FORMAT2}` dump needs it"),
+        )
+    })?;
+    let h: DumpHeader = serde_json::from_str(text).map_err(|e| derr(path, "__metadata__.header", e.to_string()))?;
+    if h.steps.is_empty() {
+        return Err(derr(path, "__metadata__.header.steps", "no step"));
+    }
+    if h.conventions.residual_scale.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(derr(
+            path,
+            "__metadata__.header.conventions.residual_scale",
+            "reserved: must be absent or null",
+        ));
+    }
+    if let Some(b) = h.conventions.lse_base.as_deref()
+        && b != "e"
+        && b != "2"
+    {
+        return Err(derr(
+            path,
+            "__metadata__.header.conventions.lse_base",
+            format!("`{b}`: expected `e` or `2`"),
+        ));
+    }
+    let n = h.steps[0].seqs.len();
+    for (k, st) in h.steps.iter().enumerate() {
+        if st.seqs.len() != n {
+            return Err(derr(
+                path,
+                format!("__metadata__.header.steps[{k}].seqs"),
+                format!(
+                    "{} sequences, step 0 has {n}: every step lists every sequence",
+                    st.seqs.len()
+                ),
+            ));
+        }
+        if st.seqs.iter().all(|q| q.new == 0) {
+            return Err(derr(
+                path,
+                format!("__metadata__.header.steps[{k}].seqs"),
+                "no new token",
+            ));
+        }
+        for (i, q) in st.seqs.iter().enumerate() {
+            let before: usize = h.steps[..k].iter().map(|p| p.seqs[i].new).sum();
+            if q.new > 0 && q.context != before {
+                return Err(derr(
+                    path,
+                    format!("__metadata__.header.steps[{k}].seqs[{i}].context"),
+                    format!(
+                        "{}, but earlier steps computed {before} tokens of that sequence",
+                        q.context
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(h)
+}
+
+/// Reads a dump of either format. Format 2's steps are each read as a format-1 dump of the step's
+/// new tokens (tensors `s{k}.…` without the prefix), with the header's dtype and conventions;
+/// `weights.…` tensors are for `weights --check` and skipped here.
+///
+/// Errors: as [`load_bytes`], with the file named `<dump> [step k `name`]` for a step's tensors;
+/// a malformed header names its field.
+pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
+    if bytes.starts_with(b"GGUF") {
+        return load_bytes(path, &bytes, map, cfg).map(DumpFile::One);
+    }
+    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| derr(path, "header", e.to_string()))?;
+    let metadata = meta.metadata().clone().unwrap_or_default();
+    if metadata.get("format").map(|s| s.trim()) != Some(FORMAT2) {
+        return load_bytes(path, &bytes, map, cfg).map(DumpFile::One);
+    }
+    let header = parse_header(path, metadata.get("header").map(String::as_str))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| derr(path, "header", e.to_string()))?;
+    let mut ignored = Vec::new();
+    for name in st.names() {
+        let stepped = name
+            .strip_prefix('s')
+            .and_then(|r| r.split_once('.'))
+            .is_some_and(|(k, _)| k.parse::<usize>().is_ok_and(|k| k < header.steps.len()));
+        if !stepped && !name.starts_with("weights.") {
+            ignored.push(name.to_string());
+        }
+    }
+    ignored.sort();
+    let mut steps = Vec::new();
+    for (k, spec) in header.steps.iter().enumerate() {
+        let prefix = format!("s{k}.");
+        let mut meta1: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+        let lens: Vec<String> = spec
+            .seqs
+            .iter()
+            .filter(|q| q.new > 0)
+            .map(|q| q.new.to_string())
+            .collect();
+        meta1.insert("seq_lens".into(), lens.join(","));
+        meta1.insert(
+            "engine".into(),
+            format!("{} {}", header.engine.name, header.engine.version),
+        );
+        if let Some(d) = &header.dtype {
+            meta1.insert("dtype".into(), d.clone());
+        }
+        for (key, v) in [
+            ("rope_order", &header.conventions.rope_order),
+            ("layout", &header.conventions.layout),
+            ("kv_a_order", &header.conventions.kv_a_order),
+        ] {
+            if let Some(v) = v {
+                meta1.insert(key.into(), v.clone());
+            }
+        }
+        let mut views = Vec::new();
+        for name in st.names() {
+            if let Some(rest) = name.strip_prefix(&prefix) {
+                let view = st.tensor(name).map_err(|e| derr(path, name, e.to_string()))?;
+                views.push((rest.to_string(), view));
+            }
+        }
+        let step_bytes = safetensors::serialize(views, Some(meta1)).map_err(|e| derr(path, &prefix, e.to_string()))?;
+        let label = PathBuf::from(format!("{} [step {k} `{}`]", path.display(), spec.name));
+        let mut d = load_bytes(&label, &step_bytes, map, cfg)?;
+        d.path = path.to_path_buf();
+        if header.conventions.lse_base.as_deref() == Some("2") {
+            let ln2 = std::f64::consts::LN_2;
+            for trace in d.layers.values_mut() {
+                let lse: Vec<(Site, TraceTensor)> = trace
+                    .entries()
+                    .iter()
+                    .filter(|(s, _)| s.stage == Stage::Lse)
+                    .cloned()
+                    .collect();
+                for (site, t) in lse {
+                    let v: Vec<f64> = t.to_f64().iter().map(|x| x * ln2).collect();
+                    trace.record(site, TraceTensor::f64(t.shape.clone(), v));
+                    d.conversions.push(format!("{site}: base-2 LSE → natural log (×ln 2)"));
+                }
+            }
+        }
+        steps.push((spec.clone(), d));
+    }
+    Ok(DumpFile::Steps(Box::new(StepsDump {
+        path: path.to_path_buf(),
+        header,
+        steps,
+        ignored,
+    })))
+}
+
+/// Checks that `file` is the model a format-2 dump was made from: the header-and-index hash, and
+/// the raw-byte hash of every layer in `layers`.
+///
+/// Errors: [`Error::Usage`] naming the dump, the GGUF and the field that differs (exit 2).
+pub fn check_identity(dump: &Path, h: &DumpHeader, file: &GgufFile, layers: &[usize]) -> Result<()> {
+    let refuse = |field: &str, want: &str, got: &str| {
+        Error::Usage(format!(
+            "{}: field `header.model.{field}` is {want}, but {} gives {got}: the dump was made from another model ({}); pass the GGUF it names",
+            dump.display(),
+            file.path().display(),
+            h.model.file
+        ))
+    };
+    let idx = file.index_sha256_hex();
+    if !idx.eq_ignore_ascii_case(h.model.index_sha256.trim()) {
+        return Err(refuse("index_sha256", h.model.index_sha256.trim(), &idx));
+    }
+    for &l in layers {
+        let key = l.to_string();
+        let Some(want) = h.model.layer_sha256.get(&key) else {
+            return Err(Error::Usage(format!(
+                "{}: field `header.model.layer_sha256` has no entry for layer {l}, which the dump holds",
+                dump.display()
+            )));
+        };
+        let got = file.layer_sha256_hex(l);
+        if !got.eq_ignore_ascii_case(want.trim()) {
+            return Err(refuse(&format!("layer_sha256.{key}"), want.trim(), &got));
+        }
+    }
+    Ok(())
 }
 
 /// What was read from a dump, in our sites and layouts.

@@ -182,7 +182,10 @@ pub fn terminal(report: &RunReport) -> String {
         s.push('\n');
     }
     for r in &report.results {
-        s.push_str(&format!("\n== layer {} · path {} ==\n", r.layer, r.path));
+        match &r.step {
+            Some(k) => s.push_str(&format!("\n== layer {} · path {} · step {k} ==\n", r.layer, r.path)),
+            None => s.push_str(&format!("\n== layer {} · path {} ==\n", r.layer, r.path)),
+        }
         if r.diffs.is_empty() {
             s.push_str("(not run)\n");
         } else {
@@ -342,6 +345,9 @@ pub fn json(report: &RunReport) -> Value {
                 });
                 if let (Some(n), Some(o)) = (&d.note, v.as_object_mut()) {
                     o.insert("note".into(), json!(n));
+                }
+                if let (Some(k), Some(o)) = (&r.step, v.as_object_mut()) {
+                    o.insert("step".into(), json!(k));
                 }
                 v
             })

@@ -142,6 +142,70 @@ fn phantom_output(x: &SiteCtx<'_>) -> Detected {
     None
 }
 
+/// The GGUF tensors of layer `layer` that an engine's loader turns into weight site `stage`, in
+/// this file's layout (split `attn_k_b`/`attn_v_b` or fused `attn_kv_b`; `attn_q_b` with a query
+/// LoRA, `attn_q` without).
+pub fn gguf_sources(cfg: &MlaConfig, layer: usize, stage: Stage) -> Vec<String> {
+    use crate::core::trace::RankedWeight;
+    use crate::model::config::KvBLayout;
+    let kv_b = || match cfg.kv_b_layout {
+        KvBLayout::Split => vec!["attn_k_b", "attn_v_b"],
+        KvBLayout::Fused => vec!["attn_kv_b"],
+    };
+    let names = match stage {
+        Stage::WFusedQkvA => vec!["attn_q_a", "attn_kv_a_mqa"],
+        Stage::WKvB | Stage::WUkT | Stage::WUv | Stage::WRank(RankedWeight::KvB, _) => kv_b(),
+        Stage::WRank(RankedWeight::QProj, _) if cfg.q_lora_rank.is_some() => vec!["attn_q_b"],
+        Stage::WRank(RankedWeight::QProj, _) => vec!["attn_q"],
+        Stage::WRank(RankedWeight::OProj, _) => vec!["attn_output"],
+        _ => vec![],
+    };
+    names
+        .into_iter()
+        .map(|n| crate::model::weights::tensor_name(layer, n))
+        .collect()
+}
+
+/// A weight site whose every element is zero or the canary while the reference's is not: the
+/// engine's loader never filled the parameter (its GGUF name map lacks the file's tensors for
+/// it). An activation that was never written is `phantom-output`; this is its weight twin.
+fn weight_not_loaded(x: &SiteCtx<'_>) -> Detected {
+    if !x.site.stage.is_weight() {
+        return None;
+    }
+    let m = x.diff.metrics.as_ref()?;
+    if m.numel == 0 || m.norm_ref == 0.0 {
+        return None;
+    }
+    let what = if m.canary == m.numel {
+        "hold the canary"
+    } else if (0..x.cand.len()).all(|i| x.cand.get(i) == 0.0) {
+        "are 0"
+    } else {
+        return None;
+    };
+    let sources = gguf_sources(x.input.cfg, x.site.layer, x.site.stage);
+    let names = if sources.is_empty() {
+        "the GGUF tensors of this weight".to_string()
+    } else {
+        sources
+            .iter()
+            .map(|s| format!("`{s}`"))
+            .collect::<Vec<_>>()
+            .join(" and ")
+    };
+    Some((
+        format!(
+            "all {} elements {what} while ‖ref‖ = {} (rebuilt from {names})",
+            m.numel,
+            fmt_e(m.norm_ref)
+        ),
+        format!(
+            "the engine never loaded this weight: its loader's tensor mapping has no entry for {names}              (vllm-gguf-plugin 0.0.5 maps `attn_kv_b` but not the split `attn_k_b`/`attn_v_b` that              current llama.cpp writes)"
+        ),
+    ))
+}
+
 /// Token rows (dim 0) holding at least one element that satisfies `bad`.
 fn rows_where(t: &TraceTensor, bad: impl Fn(usize) -> bool) -> Vec<usize> {
     let rows = t.shape.first().copied().unwrap_or(0).max(1);
@@ -1218,7 +1282,8 @@ fn mismatch(x: &SiteCtx<'_>) -> (String, String) {
 type Detector = fn(&SiteCtx<'_>) -> Detected;
 
 /// Every detector with the class it names, in precedence order (earlier wins).
-const DETECTORS: [(Class, Detector); 15] = [
+const DETECTORS: [(Class, Detector); 16] = [
+    (Class::WeightNotLoaded, weight_not_loaded),
     (Class::PhantomOutput, phantom_output),
     (Class::UnwrittenRows, unwritten_rows),
     (Class::ShardOrder, shard_order),

@@ -362,6 +362,27 @@ impl GgufFile {
         sha256_hex(self.inner.backing.bytes())
     }
 
+    /// SHA-256 (lowercase hex) of the bytes before the tensor data: magic, version, metadata,
+    /// tensor index and alignment padding. Identifies a file's structure without reading its
+    /// tensors (format-2 dumps carry it as `model.index_sha256`).
+    pub fn index_sha256_hex(&self) -> String {
+        let all = self.inner.backing.bytes();
+        sha256_hex(all.get(..self.inner.data_offset as usize).unwrap_or(all))
+    }
+
+    /// SHA-256 (lowercase hex) of the raw bytes of every tensor named `blk.{layer}.*`,
+    /// concatenated in the order of the tensor index (format-2 dumps: `model.layer_sha256`).
+    /// Reads only that layer's tensor data.
+    pub fn layer_sha256_hex(&self, layer: usize) -> String {
+        use sha2::Digest;
+        let prefix = format!("blk.{layer}.");
+        let mut h = sha2::Sha256::new();
+        for t in self.tensors().iter().filter(|t| t.name.starts_with(&prefix)) {
+            h.update(self.tensor_bytes(t));
+        }
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
     /// The path the file was opened from (or the embedded fixture's name).
     pub fn path(&self) -> &Path {
         &self.inner.path

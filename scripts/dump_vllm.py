@@ -1,49 +1,74 @@
 #!/usr/bin/env python3
 """Dump vLLM's MLA intermediates (and its weights as loaded) for `mla-diff compare`.
 
-STATUS: UNTESTED ON A LIVE vLLM. This module has only been run against the plain-torch mock
-tree in scripts/test_dump_vllm.py, which copies vLLM's module names, parameter names and the
-forward-call signatures of the hooked modules (no GPU and no vLLM install were available); there,
-a dump of the mock loaded from golden/models/tiny-v3-f32.gguf passes `mla-diff compare`. Every
-vLLM fact it relies on is listed below with the file and commit it was read from; when vLLM moves
-one of them, expect a clear error or a site listed as "not dumped", not a silent wrong value.
+STATUS: tested with vLLM 0.26.0 (TESTED_VLLM), on the CPU: scripts/vllm_cpu.py runs vLLM's real
+DeepseekV3ForCausalLM (GGUF through vllm-gguf-plugin 0.0.5, prefill through a torch SDPA prefill
+backend, decode through TritonMLAImpl's Triton kernel under TRITON_INTERPRET=1, float32) with
+these hooks, and `mla-diff compare` passes its dump of golden/models/legacy-kvb-f32.gguf. The
+`LLM` path below (GPU, a worker process) is not yet run. scripts/test_dump_vllm.py checks the
+same code on a plain-torch mock of 0.26.0's module tree (CI installs no vLLM). On another vLLM
+version, VllmCapture checks the names it relies on (check_layout) and says, on stderr and in the
+dump's notes, that it was tested with 0.26.0 and which names it could not find.
 
 Why this exists. `mla-diff compare --model M.gguf --dump D.safetensors` diffs what an engine
 really computed against mla-diff's float64 reference on the same weights. This is vLLM's side:
-imported INSIDE the vLLM worker process, it registers forward hooks on the decoder layers and the
-MLA attention modules of a DeepseekV2/V3ForCausalLM, records ONE forward pass (the prefill of a
-prompt) and writes
-  (a) an activation dump in docs/dump-format.md's format (version 1), and
-  (b) a WEIGHTS file: the engine's MLA weights as loaded, under vLLM's own parameter names.
+imported INSIDE the process that runs the model, it registers forward hooks on the root model,
+the decoder layers and the MLA modules of a DeepseekV2/V3ForCausalLM, wraps each MLAAttention's
+backend `impl.forward_mqa` (the decode path), records one or several consecutive forwards
+("steps": a prefill, then decode steps) and writes
+  (a) an activation dump in docs/dump-format.md's format: format 2 (every step, the model's
+      identity, the hook and engine, conventions, a harness's patches; write_format2) or
+      format 1 (one step; write_dump / write_steps), and
+  (b) a WEIGHTS file: the engine's MLA weights as loaded, under vLLM's own parameter names
+      (inside a format-2 dump as weights.L{n}.{param}).
 
-Usage (vLLM V1, offline LLM; the worker runs in another process, so the hooks are shipped there
-with `LLM.apply_model`, which pickles the callable: scripts/ must be importable in the worker,
-and vLLM only accepts pickled callables with VLLM_ALLOW_INSECURE_SERIALIZATION=1):
+Which module to hook. vLLM's runner calls the ROOT module (`self.model(input_ids=...,
+positions=...)` in vllm/v1/worker/gpu_model_runner.py), a plain nn.Module; its inner
+DeepseekV2Model is decorated with @support_torch_compile (vllm/compilation/decorators.py), whose
+__call__ calls self.forward() directly, so a hook on the inner model never fires, even with
+enforce_eager. A step therefore starts in the root's pre-hook and ends in its post-hook (a caller
+that runs the layers without the root: the first layer starts a step, the last one ends it).
+
+Usage on a CPU (no GPU; vLLM's real model code; one command, see its docstring):
+    python3 scripts/vllm_cpu.py setup --venv .venv-vllm
+    python3 scripts/vllm_cpu.py run --venv .venv-vllm --gguf M.gguf --tokens 1,2,3 \
+        --decode-steps 2 --out out/d.safetensors
+
+Usage with vLLM's offline LLM (GPU; the worker runs in another process, so the hooks are shipped
+there with `LLM.apply_model`, which pickles the callable: scripts/ must be importable in the
+worker, and vLLM only accepts pickled callables with VLLM_ALLOW_INSECURE_SERIALIZATION=1). GGUF
+files are loaded by vllm-gguf-plugin (vLLM 0.26.0 itself has no GGUF loader), which needs the
+HF config.json (`hf_config_path`; `scripts/vllm_cpu.py config --gguf M.gguf --out DIR` derives
+one from the GGUF's metadata):
 
     # PYTHONPATH=/path/to/mla-diff/scripts VLLM_ALLOW_INSECURE_SERIALIZATION=1 python ...
     import functools, dump_vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    llm = LLM(model=M, enforce_eager=True, enable_prefix_caching=False, tensor_parallel_size=TP)
-    llm.apply_model(dump_vllm.arm)                       # hooks on, in every worker
-    llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1))
+    llm = LLM(model="M.gguf", hf_config_path=CFG_DIR, skip_tokenizer_init=True,
+              enforce_eager=True, enable_prefix_caching=False, tensor_parallel_size=TP)
+    llm.apply_model(functools.partial(dump_vllm.arm, steps=1 + K))   # hooks on, every worker
+    llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1 + K))
     res = llm.apply_model(functools.partial(dump_vllm.finish, dump_path="out/d.safetensors",
-                                            weights_path="out/w.safetensors", expect_tokens=ids))
+                                            model_path="M.gguf", expect_tokens=ids))
+    # without model_path (or with TP > 1): format 1 of the prefill, per rank; then
     dump_vllm.merge_rank_dumps([r["dump"] for r in res], "out/d.safetensors")   # only if TP > 1
 
-or the same in one command (also untested): `python scripts/dump_vllm.py MODEL --tokens 1,2,3
---dump out/d.safetensors --weights out/w.safetensors [--tp 2] [--dtype bfloat16]`.
+or the same in one command: `python scripts/dump_vllm.py M.gguf --hf-config-path CFG_DIR
+--tokens 1,2,3 --decode-steps 2 --dump out/d.safetensors [--tp 2]`.
 `llm.collective_rpc(fn)` works too: arm/finish accept a worker (they take `worker.get_model()`
 or `worker.model_runner.model`). In-process use (VLLM_ENABLE_V1_MULTIPROCESSING=0, or any
-nn.Module tree): `cap = VllmCapture(model); cap.arm(); <forward>; cap.write_dump(...)`.
+nn.Module tree): `cap = VllmCapture(model, steps=S); cap.arm(); <forwards>; cap.remove();
+cap.write_format2(path, model_path=gguf)`.
 
 Requirements the hooks need (each is checked, or noted in the dump's metadata):
-  * enforce_eager=True. vLLM compiles DeepseekV2Model (@support_torch_compile) and replays CUDA
-    graphs; hooks registered after start-up never run inside a compiled graph. `finish` raises
-    when no hook fired.
-  * One prefill step: enable_prefix_caching=False (cached prefix tokens are not recomputed), the
-    prompt(s) within max_num_batched_tokens (no chunked prefill), max_tokens=1 (one forward). The
-    first forward after `arm` is recorded (`forward_index` picks another); later ones are ignored.
+  * enforce_eager=True. Hooks registered after start-up never run inside a torch.compile'd graph
+    or a CUDA-graph replay. `finish` raises when no hook fired.
+  * enable_prefix_caching=False (cached prefix tokens are not recomputed, so a prefill would
+    start past position 0), the prompt(s) within max_num_batched_tokens (no chunked prefill).
+    The first `steps` forwards after `arm` are recorded (`forward_index` skips some); later ones
+    are ignored. Format 2 needs every sequence in every step, in the same order (checked: each
+    sequence's first position must equal the tokens earlier steps computed for it).
   * Several prompts are packed token-major in scheduler order; `seq_lens` is inferred from the
     positions (a new sequence wherever a position does not follow its predecessor) and
     `expect_tokens` (the concatenated prompt ids) checks order and trims any padding rows.
@@ -68,8 +93,15 @@ What is dumped (sites of docs/design.md; token-major, values upcast exactly to f
                layers (and can be the V3.2 indexer's too): the call is attributed to the layer
                whose forward is running, and later calls in the same layer are ignored.
   k_nope, v    first kv_b_proj call in the layer, split per head [k_nope | v]: that call is
-               MLACommonImpl.forward_mha's `self.kv_b_proj(kv_c_normed)` on the NEW prefill tokens.
-               Dumped only when it covered all T tokens (no decode tokens in the batch).
+               MLACommonBaseImpl.forward_mha's `self.kv_b_proj(kv_c_normed)` on the NEW prefill
+               tokens. Dumped only when it covered all T tokens (no decode tokens in the batch);
+               a decode step never expands the latent, so it has neither.
+  ql_nope, attn_latent, lse   decode tokens only, around MLAAttention.impl.forward_mqa(q,
+               kv_cache, attn_metadata, layer): q is (ql_nope [B, N, L], q_pe) with ql_nope =
+               q_nope x W_UK_T (MLAAttention.forward_impl), and it returns (o, lse): o [B, N, L]
+               the attention output in the latent space (attn_latent, before W_UV) and lse
+               [B, N] (natural log: the Triton kernel's e_max + log(e_sum)). B = the decode
+               tokens, which vLLM puts first in a batch; dumped when they are the whole step.
   attn_out     o_proj's input (= the mla_attn / MLAAttention output), [T, N, V].
   o_proj       o_proj output (after the TP all-reduce; not dumped when reduce_results=False).
   hidden_out   hidden_states + residual of the layer's returned pair (what the next layer's fused
@@ -83,9 +115,8 @@ get_rope(..., is_neox_style=False) (DeepseekScalingRotaryEmbedding for YaRN, Rot
 otherwise), whose forward_native rotates adjacent pairs (rotate_gptj, cos/sin
 repeat_interleave(2)) and returns q_pe/k_pe in their natural element order: DeepSeek's layout, no
 permutation to undo (the built-in `--map vllm` says the same).
-NOT dumped (inside the attention backend's kernels, no module boundary to hook without editing
-vLLM): lse, ql_nope, attn_latent (forward_mqa / decode path), and the prefill attention output
-before o_proj other than attn_out itself.
+NOT dumped: the prefill attention's lse (a prefill backend returns it only for chunked
+context), and the prefill attention output other than attn_out itself.
 
 fp16 models: DeepseekV2DecoderLayer divides the attention output (and, at layer 0, the residual)
 by routed_scaling_factor when hidden_states are float16, so vLLM's residual stream is the true
@@ -103,8 +134,8 @@ parameters; the slices are what the loader put in shards 0 and 1, listed in meta
 Metadata: format, engine, tp_size, rank, pp_size, pp_rank, dims, quantized, dequant, w_uk_t_holder.
 Quantized layers: the weight is dequantized to float32 with vLLM's own
 quant_utils.get_and_maybe_dequant_weights(layer, out_dtype=torch.float32) when that exists,
-else the way MLACommonImpl.process_weights_after_loading does it for kv_b_proj: an identity
-matrix (model dtype) pushed through `layer.quant_method.apply(layer, eye, bias=None)`, transposed
+else the way older vLLM's MLACommonImpl.process_weights_after_loading does it for kv_b_proj:
+an identity matrix (model dtype) pushed through `layer.quant_method.apply(layer, eye, bias=None)`, transposed
 to [out, in]. That path runs the layer's own quantized kernel (shard logic included), so it shows
 what the engine multiplies by, rounded to the activation dtype (documented per layer in
 `dequant`). Unquantized layers (UnquantizedLinearMethod) are read directly. W_UK_T/W_UV are the
@@ -118,10 +149,9 @@ disagrees. Pipeline ranks hold disjoint layers and are unioned. Not handled: dec
 parallelism, sequence-parallel MoE (token-sharded residual stream: noted, those sites skipped),
 data parallelism (run one DP rank).
 
-vLLM source this relies on (github.com/vllm-project/vllm main as stored in the search index;
-no release tag could be pinned; commit of each file read):
-  * vllm/model_executor/models/deepseek_v2.py @ 002d6073aa034d4f5545d45021b0e56d1f3c3593:
-    DeepseekV2Model.forward calls layer(positions, hidden_states, residual, llama_4_scaling) over
+vLLM source this relies on (vLLM 0.26.0 wheel):
+  * vllm/model_executor/models/deepseek_v2.py: DeepseekV2Model (@support_torch_compile) calls
+    layer(positions, hidden_states, residual, llama_4_scaling) over
     self.layers[start_layer:end_layer] and ends with self.norm(hidden_states, residual);
     DeepseekV2DecoderLayer: self_attn, input_layernorm, post_attention_layernorm, mlp,
     routed_scaling_factor, layer_idx, forward as described above (fp16 rescale included);
@@ -133,28 +163,28 @@ no release tag could be pinned; commit of each file read):
     mla_attn (MultiHeadLatentAttentionWrapper), num_local_heads, qk_nope_head_dim,
     qk_rope_head_dim, qk_head_dim, v_head_dim, q_lora_rank, kv_lora_rank;
     load_weights maps q_a_proj -> fused_qkv_a_proj shard 0, kv_a_proj_with_mqa -> shard 1.
-  * vllm/model_executor/layers/mla.py @ 00b9b7ad3a37ff624e5816d1b7ae713ecb0a705f:
-    MultiHeadLatentAttentionWrapper.forward(positions, hidden_states, llama_4_scaling):
-    fused_qkv_a_proj(h)[0].split([Lq, L+R]) -> q_a_layernorm -> q_b_proj(q_c)[0];
-    kv_a_layernorm(kv_c); q.view(-1, N, P+R); q[..., P:], k_pe = rotary_emb(positions,
-    q[..., P:], k_pe.unsqueeze(1)); attn_out = self.mla_attn(q, kv_c_normed, k_pe,
-    output_shape=(T, N*V)) (an MLAAttention); return self.o_proj(attn_out)[0].
-  * vllm/model_executor/layers/attention/mla_attention.py @ 0014ca6b9929614f1b72c4bb11e5238de49cba89:
-    MLAAttention (self.impl, self.kv_b_proj) holds W_UK_T [N, P, L] and W_UV [N, L, V], set in
+  * vllm/model_executor/layers/mla.py: MultiHeadLatentAttentionWrapper.forward(positions,
+    hidden_states, llama_4_scaling): fused_qkv_a_proj(h)[0].split([Lq, L+R]) -> q_a_layernorm ->
+    q_b_proj(q_c)[0]; kv_a_layernorm(kv_c); q.view(-1, N, P+R); q[..., P:], k_pe =
+    rotary_emb(positions, q[..., P:], k_pe.unsqueeze(1)); attn_out = self.mla_attn(q,
+    kv_c_normed, k_pe, output_shape=(T, N*V)) (an MLAAttention); return self.o_proj(attn_out)[0].
+  * vllm/model_executor/layers/attention/mla_attention.py: MLAAttention (self.impl,
+    self.kv_b_proj) holds W_UK_T [N, P, L] and W_UV [N, L, V], set in
     MLAAttention.process_weights_after_loading from get_and_maybe_dequant_weights(kv_b_proj,
-    out_dtype=act_dtype); forward_impl sends rows [num_decode_tokens:] to impl.forward_mha,
-    whose first op is self.kv_b_proj(kv_c_normed)[0].view(-1, N, P+V).split([P, V]).
-  * vllm/v1/attention/backends/mla/common.py @ 00a817ada81626793c9e2432903ee4c5b33ab33a (older
-    layout, also supported): W_UK_T / W_UV live on the backend impl (MLACommonImpl /
-    MLACommonBaseImpl.process_weights_after_loading), i.e. <MLAAttention>.impl.W_UK_T. The
-    holder is searched under self_attn.mla_attn{.mla_attn}{.impl} and its path recorded.
-  * vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py @
-    00d678e109f09c2d1845e7a6626ba9fd5980e4f0: DeepseekScalingRotaryEmbedding.forward_native
-    (rotate_gptj when not is_neox_style), forward_cuda (flashinfer, in place, returns (q, k)).
+    out_dtype=act_dtype); forward_impl sends rows [num_decode_tokens:] to impl.forward_mha (first
+    op self.kv_b_proj(kv_c_normed)[0].view(-1, N, P+V).split([P, V])) and rows
+    [:num_decode_tokens] through torch.bmm(q_nope, W_UK_T) to impl.forward_mqa((ql_nope, q_pe),
+    kv_cache, attn_metadata, self) -> (o, lse), then _v_up_proj (o x W_UV). Older trees kept
+    W_UK_T / W_UV on the impl (MLACommonImpl); the holder is searched under
+    self_attn.mla_attn{.mla_attn}{.impl} and its path recorded.
+  * vllm/v1/attention/backends/mla/triton_mla.py: TritonMLAImpl.forward_mqa returns o [B, N, L]
+    and lse [B, N] in q's dtype (vllm/v1/attention/ops/triton_decode_attention.py: natural log).
+  * vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py:
+    DeepseekScalingRotaryEmbedding.forward_native (rotate_gptj when not is_neox_style).
   * vllm/entrypoints/llm.py: LLM.apply_model(func) -> collective_rpc("apply_model"), func(model)
     in each worker; vllm.distributed get_tensor_model_parallel_rank / _world_size, get_pp_group.
   * vllm/model_executor/layers/quantization/utils/quant_utils.py:
-    get_and_maybe_dequant_weights(layer, out_dtype=torch.float32) (newer trees only).
+    get_and_maybe_dequant_weights(layer, out_dtype=torch.float32).
 """
 
 from __future__ import annotations
@@ -162,6 +192,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import os
 import sys
 from pathlib import Path
@@ -189,7 +220,12 @@ SITE_ORDER = [
 # Sites whose heads are split across TP ranks, with the axis holding the heads.
 HEAD_SHARDED = {"q": 1, "q_pe_roped": 1, "k_nope": 1, "v": 1, "attn_out": 1,
                 "w.kv_b": 0, "w.W_UK_T": 0, "w.W_UV": 0}
-NOT_HOOKABLE = ["lse", "ql_nope", "attn_latent"]
+# decode-only sites: captured around the backend's forward_mqa (the MQA/absorbed path vLLM runs for
+# decode tokens); a prefill step never computes them
+DECODE_SITES = ["ql_nope", "attn_latent", "lse"]
+TESTED_VLLM = "0.26.0"
+HOOK_NAME, HOOK_VERSION = "dump_vllm.py", "2"
+FORMAT2 = "mla-diff dump 2"
 # vLLM parameter names written to the WEIGHTS file, in this order when present.
 WEIGHT_PARAMS = ["fused_qkv_a_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "q_proj",
                  "kv_b_proj", "o_proj"]
@@ -318,6 +354,63 @@ def find_w_uk_holder(attn) -> tuple[Any, str] | tuple[None, None]:
     return None, None
 
 
+def find_mqa_impl(attn) -> Any:
+    """The attention backend impl whose forward_mqa runs the decode tokens (MLAAttention.impl)."""
+    queue, seen = [(attn, 0)], set()
+    while queue:
+        obj, depth = queue.pop(0)
+        if id(obj) in seen or depth > 4:
+            continue
+        seen.add(id(obj))
+        impl = getattr(obj, "impl", None)
+        if impl is not None and callable(getattr(impl, "forward_mqa", None)):
+            return impl
+        for name in ("mla_attn", "attn"):
+            child = getattr(obj, name, None)
+            if child is not None:
+                queue.append((child, depth + 1))
+    return None
+
+
+def check_layout(root) -> list[str]:
+    """The names this hook relies on (as in vLLM 0.26.0) that the model lacks, empty if none.
+
+    Checked: decoder layers with self_attn / input_layernorm; on self_attn: fused_qkv_a_proj (or
+    q_a_proj, or kv_a_proj_with_mqa + q_proj), q_a_layernorm (q_lora models), q_b_proj or q_proj,
+    kv_a_layernorm, kv_b_proj, o_proj, rotary_emb, the MLAAttention holding W_UK_T / W_UV after
+    process_weights_after_loading, and its impl.forward_mqa (decode sites).
+    """
+    missing = []
+    try:
+        layers = find_decoder_layers(root)
+    except RuntimeError:
+        return [f"{type(root).__name__}.model.layers[i].self_attn (DeepseekV2DecoderLayer)"]
+    n, layer = layers[0]
+    if not hasattr(layer, "input_layernorm"):
+        missing.append(f"{type(layer).__name__}.input_layernorm")
+    attn = layer.self_attn
+    an = type(attn).__name__
+    if not any(hasattr(attn, x) for x in ("fused_qkv_a_proj", "q_a_proj", "kv_a_proj_with_mqa")):
+        missing.append(f"{an}.fused_qkv_a_proj (or q_a_proj / kv_a_proj_with_mqa)")
+    if getattr(attn, "q_lora_rank", None) is not None and not hasattr(attn, "q_a_layernorm"):
+        missing.append(f"{an}.q_a_layernorm")
+    if not any(hasattr(attn, x) for x in ("q_b_proj", "q_proj")):
+        missing.append(f"{an}.q_b_proj (or q_proj)")
+    for x in ("kv_a_layernorm", "kv_b_proj", "o_proj", "rotary_emb", "qk_nope_head_dim",
+              "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank"):
+        if not hasattr(attn, x):
+            missing.append(f"{an}.{x}")
+    if find_mqa_impl(attn) is None:
+        missing.append(f"{an}.mla_attn.mla_attn.impl.forward_mqa (MLAAttention's backend impl)")
+    return missing
+
+
+def version_note(missing: list[str]) -> str:
+    return (f"dump_vllm.py was tested with vLLM {TESTED_VLLM}; this is {vllm_version()}; "
+            + (f"not found: {', '.join(missing)}" if missing else
+               "every module and attribute it relies on was found"))
+
+
 def dequant_weight(linear, act_dtype) -> tuple[np.ndarray, str]:
     """A vLLM linear layer's weight as float32 [out, in], and how it was obtained."""
     torch = _torch()
@@ -331,7 +424,7 @@ def dequant_weight(linear, act_dtype) -> tuple[np.ndarray, str]:
         return _np(w).astype(np.float32), f"{type(qm).__name__} via vllm get_and_maybe_dequant_weights"
     except (ImportError, TypeError):
         pass
-    # MLACommonImpl.process_weights_after_loading's own method: identity through the quant kernel.
+    # older vLLM's MLACommonImpl.process_weights_after_loading method: identity through the quant kernel.
     dev = None
     for name in ("weight", "qweight", "weight_packed"):
         if hasattr(linear, name):
@@ -394,12 +487,17 @@ class VllmCapture:
     tp_rank/tp_size/pp_rank/pp_size: default from vLLM's parallel state (override for tests).
     """
 
-    def __init__(self, model, *, forward_index: int = 0, tp_rank: int | None = None,
+    def __init__(self, model, *, forward_index: int = 0, steps: int = 1, tp_rank: int | None = None,
                  tp_size: int | None = None, pp_rank: int | None = None, pp_size: int | None = None,
                  undo_fp16_residual_scaling: bool = True, engine: str | None = None):
         self.root = find_model(model)
+        self.missing = check_layout(self.root)      # names this vLLM lacks (see check_layout)
+        ver = vllm_version()
+        other = ver.startswith("vllm ") and "unknown" not in ver and ver != f"vllm {TESTED_VLLM}"
+        self.version_msg = version_note(self.missing) if (self.missing or other) else None
         self.layers = find_decoder_layers(self.root)
         self.forward_index = forward_index
+        self.n_steps = steps
         p = parallel_info()
         self.tp_rank = p[0] if tp_rank is None else tp_rank
         self.tp_size = p[1] if tp_size is None else tp_size
@@ -408,28 +506,50 @@ class VllmCapture:
         self.undo_fp16 = undo_fp16_residual_scaling
         self.engine = engine or vllm_version()
         self.handles: list = []
+        self._wrapped: list = []       # (object, attribute) wrapped at instance level
         self.reset()
+        if self.version_msg:
+            print("dump_vllm: " + self.version_msg, file=sys.stderr)
 
     # ---- state ---------------------------------------------------------------------------
     def reset(self) -> None:
         self.forwards = 0              # forwards seen since arm()
         self.capturing = False
+        self.act_dtype = None
+        self.notes: list[str] = [self.version_msg] if getattr(self, "version_msg", None) else []
+        self.steps: list[dict] = []    # finished steps: t, tokens, positions, repeats, notes
+        self._in_root = False
+        self.lse_base = "e"
+        self._hooks_fired = 0
+        self._weights_cache = None
+        self._new_step()
+
+    def _new_step(self) -> None:
+        """Per-forward state (one step: the prefill, or one decode step)."""
         self.done = False
         self.cur_layer: int | None = None
         self.t: dict[str, np.ndarray] = {}
         self.tokens: np.ndarray | None = None
         self.positions: np.ndarray | None = None
-        self.act_dtype = None
-        self.notes: list[str] = []
         self.repeats: dict[str, int] = {}
+        self.step_notes: list[str] = []
         self._pending_hidden_in: dict[int, np.ndarray] = {}
         self._kv_b_seen: set[int] = set()
-        self._hooks_fired = 0
-        self._weights_cache = None
+
+    def _end_step(self) -> None:
+        if self.capturing and self.t:
+            self.steps.append({"t": self.t, "tokens": self.tokens, "positions": self.positions,
+                               "repeats": self.repeats, "notes": self.step_notes})
+        self.capturing = False
+        self.done = True
 
     def note(self, msg: str) -> None:
         if msg not in self.notes:
             self.notes.append(msg)
+
+    def step_note(self, msg: str) -> None:
+        if msg not in self.step_notes:
+            self.step_notes.append(msg)
 
     def put(self, layer: int, stage: str, value: np.ndarray) -> None:
         key = f"L{layer}.{stage}"
@@ -443,10 +563,11 @@ class VllmCapture:
         """Register every hook (idempotent: re-arming removes the old ones first)."""
         self.remove()
         self.reset()
-        torch = _torch()
-        inner = getattr(self.root, "model", None)
-        if isinstance(inner, torch.nn.Module):
-            self.handles.append(inner.register_forward_pre_hook(self._model_pre, with_kwargs=True))
+        # The root (DeepseekV3ForCausalLM) is what vLLM's runner calls. Not its inner
+        # DeepseekV2Model: @support_torch_compile gives that class a __call__ that calls
+        # self.forward() directly, so hooks on it never run (vllm/compilation/decorators.py).
+        self.handles.append(self.root.register_forward_pre_hook(self._model_pre, with_kwargs=True))
+        self.handles.append(self.root.register_forward_hook(self._model_post, with_kwargs=True))
         hooked_rotary: set[int] = set()
         for n, layer in self.layers:
             attn = layer.self_attn
@@ -478,19 +599,36 @@ class VllmCapture:
             if rot is not None and id(rot) not in hooked_rotary:   # shared across layers
                 hooked_rotary.add(id(rot))
                 self.handles.append(rot.register_forward_hook(self._rotary))
+            impl = find_mqa_impl(attn)
+            if impl is not None:
+                self._wrap(impl, "forward_mqa", functools.partial(self._forward_mqa, n, d))
+                # FlashInfer / TokenSpeed MLA return a base-2 lse (their lse_base_on_e = False)
+                self.lse_base = "e" if getattr(impl, "lse_base_on_e", True) else "2"
         return self
+
+    def _wrap(self, obj, attr: str, make: Callable) -> None:
+        """Replace obj.attr (a bound method) by make(original) on this instance only."""
+        orig = getattr(obj, attr)
+        setattr(obj, attr, make(orig))
+        self._wrapped.append((obj, attr))
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
+        for obj, attr in self._wrapped:
+            try:
+                delattr(obj, attr)           # the class's method shows through again
+            except AttributeError:
+                pass
+        self._wrapped = []
 
     def _on(self) -> bool:
         return self.capturing and not self.done
 
     def _model_pre(self, mod, args, kwargs):
-        self.forwards += 1
-        self.capturing = (self.forwards - 1 == self.forward_index) and not self.done
+        self._in_root = True
+        self._begin_forward()
         if not self.capturing:
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -500,11 +638,21 @@ class VllmCapture:
         if pos is not None:
             self.positions = _np(pos).astype(np.int64).reshape(-1)
 
+    def _begin_forward(self) -> None:
+        self.forwards += 1
+        idx = self.forwards - 1 - self.forward_index
+        self._new_step()
+        self.capturing = 0 <= idx < self.n_steps
+
+    def _model_post(self, mod, args, kwargs, output):
+        self._in_root = False
+        self._end_step()
+
     def _layer_pre(self, n, mod, args, kwargs):
-        if not self.handles_have_model_hook and self.cur_layer is None and not self.done:
-            # no inner-model hook: the first hooked layer marks a new forward
-            if n == self.layers[0][0]:
-                self._model_pre(mod, (), {})
+        if not self._in_root and n == self.layers[0][0]:
+            # the layers were called without the root (a caller running the inner model itself):
+            # the first layer marks a new forward, the last one ends it (_layer_post)
+            self._begin_forward()
         if not self._on():
             return
         self._hooks_fired += 1
@@ -560,7 +708,10 @@ class VllmCapture:
             self.put(n, "hidden_out", _np(out))
         self.cur_layer = None
         if n == self.layers[-1][0]:
-            self.done = True
+            if self._in_root:
+                self.done = True             # the root's post hook stores the step
+            else:
+                self._end_step()
 
     def _simple(self, n, stage, mod, args, output):
         if self._on():
@@ -628,6 +779,38 @@ class VllmCapture:
         if k_pe is not None:
             self.put(n, "k_pe_roped", _np(k_pe).reshape(t, r))
 
+    def _forward_mqa(self, n, d: _Dims, orig):
+        """Wraps impl.forward_mqa(q, kv_cache, attn_metadata, layer) -> (o, lse) of layer n.
+
+        q is (ql_nope [B, N, L], q_pe [B, N, R]) or their concatenation: ql_nope is
+        q_nope x W_UK_T, computed by MLAAttention.forward_impl; o [B, N, L] is the attention
+        output in the latent space (before W_UV), lse [B, N] its log-sum-exp. B = the decode
+        tokens, which vLLM orders first in a batch.
+        """
+        def wrapped(q, *args, **kwargs):
+            on = self._on()
+            ql = None
+            if on:
+                ql = _np(q[0]) if isinstance(q, (tuple, list)) else _np(q[..., :d.l])
+            res = orig(q, *args, **kwargs)
+            if on:
+                o, lse = (res[0], res[1]) if isinstance(res, (tuple, list)) else (res, None)
+                t = self._t_of(n)
+                b = ql.shape[0]
+                if t is not None and b != t:
+                    self.step_note(f"L{n}: forward_mqa ran on {b} of {t} tokens (prefill and decode "
+                                   "mixed in one batch): ql_nope/attn_latent/lse not dumped")
+                    return res
+                self.put(n, "ql_nope", ql.reshape(b, -1, d.l))
+                self.put(n, "attn_latent", _np(o)[:b].reshape(b, -1, d.l))
+                if lse is not None:
+                    lse_np = _np(lse)
+                    if lse_np.shape[0] != b and lse_np.ndim == 2 and lse_np.shape[1] == b:
+                        lse_np = lse_np.T.copy()          # head-major [N, B]
+                    self.put(n, "lse", lse_np.reshape(b, -1))
+            return res
+        return wrapped
+
     def _o_pre(self, n, d: _Dims, mod, args):
         if self._on():
             x = _np(args[0])
@@ -640,11 +823,6 @@ class VllmCapture:
             self.note(f"L{n}: o_proj has reduce_results=False under TP (a partial sum): not dumped")
             return
         self.put(n, "o_proj", _np(_first(output)))
-
-    @property
-    def handles_have_model_hook(self) -> bool:
-        torch = _torch()
-        return isinstance(getattr(self.root, "model", None), torch.nn.Module)
 
     # ---- results -------------------------------------------------------------------------
     def weights(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -725,17 +903,30 @@ class VllmCapture:
                 out[f"L{n}.w.W_UV"] = g("W_UV")
         return out
 
-    def result(self, *, num_tokens: int | None = None, expect_tokens=None,
-               weight_sites: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-        """The dump's tensors (ordered) and metadata, for this rank."""
-        if self._hooks_fired == 0 or not self.t:
-            raise RuntimeError(
-                f"no vLLM forward was captured ({self.forwards} forward(s) seen after arm()). "
-                "Hooks do not run inside torch.compile'd / CUDA-graph code: start vLLM with "
-                "enforce_eager=True, and run the prompt between arm() and finish().")
+    def _no_capture_error(self) -> RuntimeError:
+        msg = (f"no vLLM forward was captured ({self.forwards} forward(s) of "
+               f"{type(self.root).__name__} seen after arm(), {self._hooks_fired} layer hook(s) "
+               "fired). Hooks do not run inside torch.compile'd / CUDA-graph code: start vLLM "
+               "with enforce_eager=True, and run the prompt between arm() and finish().")
+        if self.version_msg:
+            msg += " " + self.version_msg
+        return RuntimeError(msg)
+
+    def result(self, *, num_tokens: int | None = None, expect_tokens=None, weight_sites: bool = True,
+               step: int = 0, lse_natural: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """The dump's tensors (ordered) and metadata of one recorded step, for this rank.
+
+        lse_natural: a base-2 lse (see lse_base) is converted to natural log (format 1 has no
+        field for the base; format 2 declares it and keeps the engine's values)."""
+        if self._hooks_fired == 0 or not self.steps:
+            raise self._no_capture_error()
+        if step >= len(self.steps):
+            raise RuntimeError(f"step {step} not recorded ({len(self.steps)} step(s) captured)")
         torch = _torch()
-        tensors = dict(self.t)
-        tokens, positions = self.tokens, self.positions
+        rec = self.steps[step]
+        tensors = dict(rec["t"])
+        tokens, positions = rec["tokens"], rec["positions"]
+        notes = list(self.notes) + list(rec["notes"])
         if expect_tokens is not None:
             exp = np.asarray(list(expect_tokens), dtype=np.int64)
             if tokens is None or len(tokens) < len(exp) or not np.array_equal(tokens[:len(exp)], exp):
@@ -765,8 +956,14 @@ class VllmCapture:
                     tensors[f"L{n}.hidden_out"] = tensors[f"L{n}.hidden_out"] * np.float32(rsf)
                     undone.append(f"L{n}.hidden_out")
             if undone:
-                self.note("fp16: vLLM's residual stream is scaled by 1/routed_scaling_factor; "
-                          f"multiplied back on {', '.join(undone)}")
+                notes.append("fp16: vLLM's residual stream is scaled by 1/routed_scaling_factor; "
+                             f"multiplied back on {', '.join(undone)}")
+        if lse_natural and self.lse_base == "2":
+            conv = [k for k in tensors if k.endswith(".lse")]
+            for k in conv:
+                tensors[k] = (tensors[k].astype(np.float64) * np.log(2.0)).astype(np.float32)
+            if conv:
+                notes.append("lse: the backend returns log2; multiplied by ln 2")
         if weight_sites:
             tensors.update(self._weight_sites())
         ordered = {k: np.ascontiguousarray(tensors[k]) for k in sorted(tensors, key=_site_key)}
@@ -774,15 +971,16 @@ class VllmCapture:
             ordered["tokens"] = tokens.astype(np.int64)
         if positions is not None:
             ordered["positions"] = positions.astype(np.int64)
+        decode = any(k.endswith((".ql_nope", ".attn_latent")) for k in ordered)
         missing = []
         for n, layer in self.layers:
-            for st in ACT_STAGES:
+            for st in ACT_STAGES + DECODE_SITES:
                 if st in ("q_c", "q_c_normed") and layer.self_attn.q_lora_rank is None:
                     continue
                 if f"L{n}.{st}" not in ordered:
                     missing.append(f"L{n}.{st}")
-        for k, c in sorted(self.repeats.items()):
-            self.note(f"{k}: {c} calls in one forward, the first kept")
+        for k, c in sorted(rec["repeats"].items()):
+            notes.append(f"{k}: {c} calls in one forward, the first kept")
         meta = {
             "format": "mla-diff dump 1",
             "engine": self.engine,
@@ -795,11 +993,16 @@ class VllmCapture:
             "tp_rank": str(self.tp_rank),
             "pp_size": str(self.pp_size),
             "pp_rank": str(self.pp_rank),
-            "capture": f"forward #{self.forward_index} after arm(); hooks on DeepseekV2DecoderLayer, "
-                       "input_layernorm, self_attn.{fused_qkv_a_proj|q_a_proj|kv_a_proj_with_mqa, "
-                       "q_a_layernorm, q_b_proj|q_proj, kv_a_layernorm, kv_b_proj, rotary_emb, o_proj}",
-            "not_dumped": ",".join(NOT_HOOKABLE + sorted(set(m.split(".", 1)[1] for m in missing)))
-                          + " (inside the attention backend, or see notes)",
+            "capture": f"forward #{self.forward_index + step} after arm() "
+                       f"({'decode' if decode else 'prefill'} step {step}); hooks on "
+                       f"{type(self.root).__name__} (root), DeepseekV2DecoderLayer, input_layernorm, "
+                       "self_attn.{fused_qkv_a_proj|q_a_proj|kv_a_proj_with_mqa, q_a_layernorm, "
+                       "q_b_proj|q_proj, kv_a_layernorm, kv_b_proj, rotary_emb, o_proj}; "
+                       "MLAAttention.impl.forward_mqa wrapped",
+            "hook": f"scripts/dump_vllm.py (tested with vLLM {TESTED_VLLM})",
+            "not_dumped": ",".join(sorted(set(m.split(".", 1)[1] for m in missing)))
+                          + (" (k_nope/v: the decode path never expands the latent)" if decode else
+                             " (ql_nope/attn_latent/lse: computed only for decode tokens)"),
         }
         if self.tp_size > 1:
             meta["sharded_sites"] = ",".join(f"{k}:{v}" for k, v in HEAD_SHARDED.items())
@@ -814,10 +1017,12 @@ class VllmCapture:
                     starts.append(f"token {off} starts at position {int(positions[off])}")
                 off += ln
             if starts:
-                self.note("sequences not starting at position 0 (prefix cache or a continued "
-                          "chunk: the earlier context is not in this dump): " + "; ".join(starts))
-        if self.notes:
-            meta["notes"] = " | ".join(self.notes)
+                notes.append("sequences not starting at position 0 (prefix cache, a continued "
+                             "chunk or a decode step: the earlier context is not in this dump): "
+                             + "; ".join(starts))
+        notes = list(dict.fromkeys(notes))
+        if notes:
+            meta["notes"] = " | ".join(notes)
         return ordered, meta
 
     def write_dump(self, path, **kw) -> Path:
@@ -825,10 +1030,128 @@ class VllmCapture:
         st_io.save(tensors, Path(path), metadata=meta)
         return Path(path)
 
+    def write_format2(self, path, *, model_path, step_names: list[str] | None = None,
+                      engine: dict | None = None, patches: list[tuple[str, str]] | None = None,
+                      weights: bool = True, extra_meta: dict[str, str] | None = None) -> Path:
+        """Every recorded step in one file, docs/dump-format.md's format 2.
+
+        Tensors s{k}.L{n}.{stage} (weight sites w.* in step 0 only), s{k}.tokens,
+        s{k}.positions and, with weights=True, weights.L{n}.{param} (the WEIGHTS file's
+        tensors). The header names the GGUF (`model_path`: size, sha256 of the bytes before the
+        tensor data and of each dumped layer's raw tensor bytes), this hook, the engine
+        (`engine`: name, version, attention_backend, prefill_backend), the conventions and the
+        harness's `patches` [(name, reason)]. Steps: every step holds the same sequences in the
+        same order (split where a position does not follow its predecessor); a sequence's
+        context is the position of its first new token, which must equal the tokens earlier
+        steps computed for it.
+        """
+        if self._hooks_fired == 0 or not self.steps:
+            raise self._no_capture_error()
+        tensors: dict[str, np.ndarray] = {}
+        specs, notes, dtypes = [], [], set()
+        done_per_seq: list[int] | None = None
+        for k in range(len(self.steps)):
+            t, meta = self.result(step=k, weight_sites=(k == 0), lse_natural=False)
+            dtypes.add(meta["dtype"])
+            pos = t.get("positions")
+            n_rows = next(a.shape[0] for name, a in t.items()
+                          if name.startswith("L") and ".w." not in name)
+            lens = infer_seq_lens(pos) if pos is not None else [n_rows]
+            starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(int)
+            ctx = [int(pos[a]) if pos is not None else 0 for a in starts]
+            if done_per_seq is None:
+                done_per_seq = [0] * len(lens)
+            if len(lens) != len(done_per_seq):
+                raise RuntimeError(f"step {k} has {len(lens)} sequence(s), step 0 had "
+                                   f"{len(done_per_seq)}: format 2 needs every sequence in every step")
+            for i, (c, n) in enumerate(zip(ctx, lens)):
+                if c != done_per_seq[i]:
+                    raise RuntimeError(f"step {k}, sequence {i}: first position {c}, but the recorded "
+                                       f"steps computed {done_per_seq[i]} of its tokens (a step "
+                                       "missed, prefix caching, or sequences reordered)")
+                done_per_seq[i] += n
+            name = (step_names[k] if step_names and k < len(step_names)
+                    else ("prefill" if k == 0 else f"decode-{k}"))
+            specs.append({"name": name, "seqs": [{"new": int(n), "context": int(c)}
+                                                 for c, n in zip(ctx, lens)]})
+            for nm, a in t.items():
+                tensors[f"s{k}.{nm}"] = a
+            if meta.get("notes"):
+                notes.append(f"{name}: {meta['notes']}")
+        if weights:
+            w, _ = self.weights()
+            for nm in sorted(w, key=_site_key):
+                tensors[f"weights.{nm}"] = w[nm]
+        layers = sorted({int(nm.split(".")[1][1:]) for nm in tensors
+                         if nm.startswith("s") and nm.split(".")[1].startswith("L")})
+        eng = {"name": "vllm", "version": self.engine.split()[1] if self.engine.startswith("vllm ")
+               else self.engine}
+        eng.update(engine or {})
+        header = {
+            "model": model_identity(model_path, layers),
+            "hook": {"name": HOOK_NAME, "version": f"{HOOK_VERSION} (tested with vLLM {TESTED_VLLM})"},
+            "engine": eng,
+            "dtype": sorted(dtypes)[0] if len(dtypes) == 1 else ",".join(sorted(dtypes)),
+            "conventions": {"rope_order": "interleaved", "layout": "token-major",
+                            "kv_a_order": "latent-rope", "lse_base": self.lse_base,
+                            "residual_scale": None},
+            "steps": specs,
+            "patches": [{"name": n, "reason": r} for n, r in (patches or [])],
+        }
+        meta = {"format": FORMAT2, "header": json.dumps(header, separators=(",", ":"))}
+        if notes:
+            meta["notes"] = " | ".join(notes)
+        meta.update(extra_meta or {})
+        st_io.save(tensors, Path(path), metadata=meta)
+        return Path(path)
+
+    def write_steps(self, path, *, extra_meta: dict[str, str] | None = None,
+                    weight_sites: bool = True) -> list[Path]:
+        """Format 1: step 0 (the prefill) to `path`, what `mla-diff compare` reads as format 1;
+        decode step k to `<stem>.decode{k}<suffix>` (same names; the cached context they attended
+        to is in the earlier files, so format 1 cannot judge them: use write_format2)."""
+        if self._hooks_fired == 0 or not self.steps:
+            raise self._no_capture_error()
+        path = Path(path)
+        out = []
+        for i in range(len(self.steps)):
+            tensors, meta = self.result(step=i, weight_sites=weight_sites)
+            meta.update(extra_meta or {})
+            p = path if i == 0 else path.with_name(f"{path.stem}.decode{i}{path.suffix}")
+            if i > 0:
+                pos = self.steps[i]["positions"]
+                meta["step"] = f"decode {i} of {len(self.steps) - 1}"
+                meta["context"] = (f"positions 0..{int(pos[0]) - 1} from the earlier steps "
+                                   f"({path.name} and its decode files)" if pos is not None else "")
+            st_io.save(tensors, p, metadata=meta)
+            out.append(p)
+        return out
+
     def write_weights(self, path) -> Path:
         tensors, meta = self.weights()
         st_io.save(tensors, Path(path), metadata=meta)
         return Path(path)
+
+
+def model_identity(model_path, layers: list[int]) -> dict:
+    """header.model of a format-2 dump: file name, size, sha256 of the bytes before the tensor
+    data (magic, version, metadata, tensor index, padding) and of each layer's raw tensor bytes
+    (every `blk.{n}.*` tensor, in tensor-index order). Needs gguf-py."""
+    import hashlib
+    import gguf
+    path = Path(model_path)
+    rd = gguf.GGUFReader(str(path))
+    data = rd.data
+    ident = {"file": path.name, "bytes": int(path.stat().st_size),
+             "index_sha256": hashlib.sha256(data[: rd.data_offset].tobytes()).hexdigest(),
+             "layer_sha256": {}}
+    for n in layers:
+        h = hashlib.sha256()
+        for t in rd.tensors:
+            if t.name.startswith(f"blk.{n}."):
+                h.update(data[t.data_offset: t.data_offset + t.n_bytes].tobytes())
+        ident["layer_sha256"][str(n)] = h.hexdigest()
+    return ident
 
 
 def _model_dtype(root):
@@ -861,10 +1184,13 @@ def arm(model_or_worker, **kwargs) -> str:
 
 
 def finish(model_or_worker=None, *, dump_path, weights_path=None, num_tokens=None,
-           expect_tokens=None, weight_sites: bool = True) -> dict:
+           expect_tokens=None, weight_sites: bool = True, model_path=None,
+           engine_info: dict | None = None) -> dict:
     """Hooks off; write this rank's dump (and weights). Returns paths and a summary.
 
-    With TP/PP > 1 the files are per rank (rank_path); merge with merge_rank_dumps.
+    With `model_path` (the GGUF the engine loaded) and one rank: every recorded step in format 2
+    (write_format2; the weights go into the dump as weights.*). Otherwise format 1 of the first
+    step; with TP/PP > 1 the files are per rank (rank_path); merge with merge_rank_dumps.
     """
     global _ACTIVE
     cap = _ACTIVE
@@ -873,9 +1199,20 @@ def finish(model_or_worker=None, *, dump_path, weights_path=None, num_tokens=Non
     cap.remove()
     _ACTIVE = None
     dp = rank_path(dump_path, cap.tp_rank, cap.tp_size, cap.pp_rank, cap.pp_size)
-    cap.write_dump(dp, num_tokens=num_tokens, expect_tokens=expect_tokens, weight_sites=weight_sites)
+    if model_path is not None and cap.tp_size == 1 and cap.pp_size == 1:
+        if expect_tokens is not None and cap.steps:
+            got = cap.steps[0]["tokens"]
+            exp = list(expect_tokens)
+            if got is None or got[:len(exp)].tolist() != exp:
+                raise RuntimeError(f"captured prefill tokens {None if got is None else got.tolist()} "
+                                   f"are not the expected {exp} (prefix caching on? request order?)")
+        cap.write_format2(dp, model_path=model_path, engine=engine_info)
+    else:
+        cap.write_dump(dp, num_tokens=num_tokens, expect_tokens=expect_tokens,
+                       weight_sites=weight_sites)
     res = {"dump": str(dp), "tp_rank": cap.tp_rank, "tp_size": cap.tp_size,
-           "pp_rank": cap.pp_rank, "pp_size": cap.pp_size, "sites": len(cap.t),
+           "pp_rank": cap.pp_rank, "pp_size": cap.pp_size,
+           "sites": len(cap.steps[0]["t"]) if cap.steps else 0,
            "notes": list(cap.notes)}
     if weights_path is not None:
         wp = rank_path(weights_path, cap.tp_rank, cap.tp_size, cap.pp_rank, cap.pp_size)
@@ -972,18 +1309,24 @@ def merge_weight_files(paths, out_path) -> Path:
 
 
 # --------------------------------------------------------------------------------------------
-# command line: run vLLM end to end (UNTESTED: needs a GPU and vLLM)
+# command line: run vLLM's LLM end to end (needs a GPU; on a CPU use scripts/vllm_cpu.py)
 # --------------------------------------------------------------------------------------------
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", help="model path or name for vllm.LLM (a HF folder or a .gguf)")
+    ap.add_argument("model", help="model path or name for vllm.LLM (a HF folder or a .gguf, which "
+                    "vllm-gguf-plugin loads)")
+    ap.add_argument("--hf-config-path", default=None, help="folder with the HF config.json for a "
+                    ".gguf (vllm-gguf-plugin needs one; scripts/vllm_cpu.py config derives it)")
+    ap.add_argument("--decode-steps", type=int, default=0,
+                    help="also record this many decode steps (format 2, .gguf models only)")
     ap.add_argument("--tokens", required=True, help="comma-separated prompt token ids")
     ap.add_argument("--dump", required=True, type=Path, help="activation dump to write")
     ap.add_argument("--weights", type=Path, default=None, help="WEIGHTS file to write")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (default 1)")
     ap.add_argument("--dtype", default="auto", help="vllm dtype (default auto)")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer (needed for .gguf models)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer (default: none is loaded; the "
+                    "prompt is token ids)")
     ap.add_argument("--no-weight-sites", action="store_true", help="leave w.* sites out of the dump")
     ap.add_argument("--force", action="store_true", help="overwrite existing outputs")
     args = ap.parse_args()
@@ -1002,13 +1345,22 @@ def main() -> None:
               tensor_parallel_size=args.tp, dtype=args.dtype)
     if args.tokenizer:
         kw["tokenizer"] = args.tokenizer
+    else:
+        kw["skip_tokenizer_init"] = True
+    if args.hf_config_path:
+        kw["hf_config_path"] = args.hf_config_path
+    gguf = args.model.endswith(".gguf") and Path(args.model).is_file()
+    if args.decode_steps and (not gguf or args.tp > 1):
+        raise SystemExit("--decode-steps needs a local .gguf and --tp 1 (format 2)")
     llm = LLM(**kw)
-    print(llm.apply_model(arm))
-    llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1))
+    print(llm.apply_model(functools.partial(arm, steps=1 + args.decode_steps)))
+    llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                 SamplingParams(max_tokens=1 + args.decode_steps, temperature=0.0))
     dump_tmp = args.dump if args.tp == 1 else args.dump.with_name(args.dump.stem + ".part" + args.dump.suffix)
     res = llm.apply_model(functools.partial(
         finish, dump_path=str(dump_tmp), weights_path=None if args.weights is None else str(args.weights),
-        expect_tokens=ids, weight_sites=not args.no_weight_sites))
+        expect_tokens=ids, weight_sites=not args.no_weight_sites,
+        model_path=str(Path(args.model).resolve()) if gguf and args.tp == 1 else None))
     if args.tp > 1:
         merge_rank_dumps([r["dump"] for r in res], args.dump)
         if args.weights is not None:

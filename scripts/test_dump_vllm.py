@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
 """Test scripts/dump_vllm.py against a plain-torch mock of vLLM's DeepSeek MLA module tree.
 
-Why a mock: vLLM cannot run here (no GPU, not installed), so this file rebuilds, in plain torch,
-the parts of vLLM that dump_vllm.py hooks, with vLLM's module and parameter NAMES and the
-forward-call SIGNATURES of the vLLM source it cites (deepseek_v2.py, layers/mla.py,
-layers/attention/mla_attention.py, v1/attention/backends/mla/common.py):
-  DeepseekV3ForCausalLM.model = DeepseekV2Model(embed_tokens, layers, norm)
+Why a mock: CI installs no vLLM (3.6 GiB of wheels), so this file rebuilds, in plain torch, the
+parts of vLLM 0.26.0 that dump_vllm.py hooks, with vLLM's module and parameter NAMES and the
+forward-call SIGNATURES of its source (model_executor/models/deepseek_v2.py, layers/mla.py,
+layers/attention/mla_attention.py, compilation/decorators.py). The real vLLM is exercised by
+`scripts/vllm_cpu.py test` (run by hand).
+  DeepseekV3ForCausalLM.model = DeepseekV2Model(embed_tokens, layers, norm), the inner model
+      decorated like @support_torch_compile: its __call__ calls self.forward() directly, so a
+      hook on it never fires (the real vLLM's behaviour, which the hook must survive: it hooks
+      the root, which vLLM's runner calls);
   DeepseekV2DecoderLayer.forward(positions, hidden_states, residual, llama_4_scaling=None)
       -> (hidden_states, residual), with vLLM's fused add + RMSNorm (input_layernorm /
       post_attention_layernorm(x, residual) -> (normed, sum), IN PLACE like the CUDA op) and
@@ -15,7 +19,9 @@ layers/attention/mla_attention.py, v1/attention/backends/mla/common.py):
   mla_attn = MultiHeadLatentAttentionWrapper.forward(positions, hidden_states, llama_4_scaling)
       (copied from vLLM: split, q_a_layernorm, q_b_proj, view, rotary written back into q[..., P:]);
   mla_attn.mla_attn = MLAAttention.forward(q, kv_c_normed, k_pe, output_shape) writing a
-      caller-allocated output through impl.forward_mha (kv_b_proj(kv_c_normed) -> k_nope | v);
+      caller-allocated output through impl.forward_mha (kv_b_proj(kv_c_normed) -> k_nope | v)
+      for a prefill, and for decode tokens the MQA path: ql_nope = q_nope W_UK_T,
+      impl.forward_mqa((ql_nope, q_pe), latent cache) -> (o, lse), then o W_UV;
   W_UK_T / W_UV set by process_weights_after_loading: on the MLAAttention layer (newer vLLM) in
       layer 0 and on the impl object (older vLLM) in layer 1, so both lookups are exercised;
   one rotary module SHARED by all layers (vLLM's get_rope cache), interleaved (is_neox_style
@@ -37,9 +43,14 @@ the TP=1 dump; fp16 rescale undone; a clear error when no hook fired. Finally [5
 whole model), dumps two packed sequences and runs `mla-diff compare --map vllm` on the result
 (all sites, w.* included, must pass; the same tensors labelled rope_order=hf must fail). The
 binary is $MLA_DIFF or target/{release,debug}/mla-diff; without one that has `compare` that last
-part is skipped (and says so).
+part is skipped (and says so). [6] records a prefill and two decode steps (steps=3): ql_nope,
+attn_latent and lse from the wrapped forward_mqa against a float64 MQA over the dumped cached
+context, and the format-2 file (docs/dump-format.md): header (model identity hashes recomputed
+here, steps with their contexts, conventions, patches) and tensor names.
 
-Run: /work/venv/fx/bin/python scripts/test_dump_vllm.py   (exit 0 = all checks passed)
+Run with a Python that has torch, numpy, safetensors and gguf but NOT vLLM (with vLLM importable,
+dump_vllm.py dequantizes the mock's int8 layer through vLLM's own helper instead):
+    python scripts/test_dump_vllm.py   (exit 0 = all checks passed)
 """
 
 from __future__ import annotations
@@ -93,11 +104,12 @@ _FORWARD_CONTEXT = SimpleNamespace(attn_metadata=None)   # vllm.forward_context 
 
 
 @contextlib.contextmanager
-def set_forward_context(seq_lens):
+def set_forward_context(seq_lens, decode=False):
     qsl = torch.tensor(np.concatenate([[0], np.cumsum(seq_lens)]), dtype=torch.int32)
+    n = int(sum(seq_lens))
     _FORWARD_CONTEXT.attn_metadata = SimpleNamespace(
-        num_actual_tokens=int(sum(seq_lens)), num_decode_tokens=0, num_decodes=0,
-        num_prefills=len(seq_lens), query_start_loc=qsl)
+        num_actual_tokens=n, num_decode_tokens=n if decode else 0, num_decodes=n if decode else 0,
+        num_prefills=0 if decode else len(seq_lens), query_start_loc=qsl)
     try:
         yield
     finally:
@@ -247,6 +259,16 @@ class MLACommonImpl:
             outs.append(torch.einsum("nts,snv->tnv", probs, vs))
         output.copy_(torch.cat(outs).to(output.dtype).reshape(output.shape))
 
+    def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
+        """Decode: q = (ql_nope [B, N, L], q_pe [B, N, R]) against the latent cache [S, L+R] of
+        one sequence; returns (o [B, N, L], lse [B, N]) like TritonMLAImpl.forward_mqa."""
+        qf = torch.cat(q, -1).float()
+        cache = kv_c_and_k_pe_cache.float()
+        logits = torch.einsum("bnd,sd->bns", qf, cache) * self.scale
+        lse = logits.logsumexp(-1)
+        o = torch.einsum("bns,sl->bnl", (logits - lse[..., None]).exp(), cache[:, :self.kv_lora_rank])
+        return o.to(q[0].dtype), lse.to(q[0].dtype)
+
 
 class MLAAttention(nn.Module):
     def __init__(self, c, num_heads, scale, kv_b_proj, holder):
@@ -274,7 +296,20 @@ class MLAAttention(nn.Module):
     def forward(self, q, kv_c_normed, k_pe, output_shape=None):
         output = torch.empty(output_shape, dtype=q.dtype)
         md = _FORWARD_CONTEXT.attn_metadata
-        self.impl.forward_mha(q, kv_c_normed, k_pe, None, md, None, output=output)
+        rows = torch.cat([kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)], -1)
+        if md.num_decode_tokens == 0:          # prefill: the cache restarts (one sequence)
+            self.kv_cache = rows.clone()
+            self.impl.forward_mha(q, kv_c_normed, k_pe, None, md, None, output=output)
+            return output
+        # decode, as MLAAttention.forward_impl: absorb W_UK into q, MQA over the latent cache,
+        # then W_UV
+        self.kv_cache = torch.cat([self.kv_cache, rows])
+        holder = self if getattr(self, "W_UK_T", None) is not None else self.impl
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        ql_nope = torch.bmm(q_nope.transpose(0, 1), holder.W_UK_T).transpose(0, 1)
+        o, lse = self.impl.forward_mqa((ql_nope, q_pe), self.kv_cache, md, self)
+        out = torch.bmm(o.transpose(0, 1), holder.W_UV).transpose(0, 1)
+        output.copy_(out.reshape(output.shape))
         return output
 
 
@@ -377,6 +412,17 @@ class DeepseekV2DecoderLayer(nn.Module):
         return hidden_states, residual
 
 
+def support_torch_compile(cls):
+    """As vllm/compilation/decorators.py: the class gets a __call__ that calls self.forward()
+    directly (dispatching to the compiled graph when there is one), so nn.Module hooks registered
+    on an instance of it never run."""
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+    cls.__call__ = __call__
+    return cls
+
+
+@support_torch_compile
 class DeepseekV2Model(nn.Module):
     def __init__(self, c, dtype, tp_rank, tp_size, tp_group, rsf):
         super().__init__()
@@ -473,10 +519,10 @@ def build_model(ck, dtype=torch.bfloat16, tp_rank=0, tp_size=1, tp_group=None, c
     return m.eval()
 
 
-def run(model, tokens=TOKENS, seq_lens=SEQ_LENS):
+def run(model, tokens=TOKENS, seq_lens=SEQ_LENS, start=0, decode=False):
     ids = torch.tensor(tokens, dtype=torch.long)
-    pos = torch.tensor([p for n in seq_lens for p in range(n)], dtype=torch.long)
-    with torch.no_grad(), set_forward_context(seq_lens):
+    pos = torch.tensor([start + p for n in seq_lens for p in range(n)], dtype=torch.long)
+    with torch.no_grad(), set_forward_context(seq_lens, decode=decode):
         return model(input_ids=ids, positions=pos)
 
 
@@ -780,6 +826,97 @@ def test_no_forward(tmp: Path, ck) -> None:
     else:
         check(False, "finish() without a forward should raise")
     check(all_hooks(model) == 0, "hooks removed even so")
+    fired = []
+    h = model.model.register_forward_pre_hook(lambda *a: fired.append(1))
+    run(model)
+    h.remove()
+    check(not fired, "a hook on the inner DeepseekV2Model never fires (@support_torch_compile's "
+                     "__call__ calls forward() directly): the capture hooks the root instead")
+    for layer in model.model.layers:          # a tree that moved a name the hook relies on
+        layer.self_attn.mla_attn.mla_attn.impl.forward_mqa = None
+        del layer.self_attn.kv_a_layernorm
+    cap = dump_vllm.VllmCapture(model, engine=ENGINE)
+    check(cap.version_msg is not None and "tested with vLLM 0.26.0" in cap.version_msg
+          and "DeepseekV2MLAAttention.kv_a_layernorm" in cap.version_msg
+          and "impl.forward_mqa" in cap.version_msg and cap.version_msg in cap.notes,
+          f"another layout: says what it was tested with and what it lacks: {cap.version_msg[:90]}...")
+
+
+def test_decode_steps(tmp: Path, ck) -> None:
+    print("[6] prefill + 2 decode steps (f32, one sequence): ql_nope / attn_latent / lse around "
+          "forward_mqa, format 2")
+    model = build_model(ck, dtype=torch.float32)
+    cap = dump_vllm.VllmCapture(model, steps=3, engine=ENGINE).arm()
+    prompt, dec = [7, 3, 41, 12], [29, 5]
+    run(model, tokens=prompt, seq_lens=[len(prompt)])
+    for i, tok in enumerate(dec):
+        run(model, tokens=[tok], seq_lens=[1], start=len(prompt) + i, decode=True)
+    run(model, tokens=[9], seq_lens=[1], start=6, decode=True)          # a 4th forward: ignored
+    cap.remove()
+    check(all_hooks(model) == 0 and all("forward_mqa" not in vars(l.self_attn.mla_attn.mla_attn.impl)
+                                        for l in model.model.layers),
+          "remove(): hooks gone and forward_mqa unwrapped")
+    check(len(cap.steps) == 3, f"3 steps recorded of {cap.forwards} forwards")
+    t1, m1 = cap.result(step=1)
+    shapes = {k: t1[k].shape for k in ("L0.ql_nope", "L0.attn_latent", "L0.lse", "L1.lse")}
+    check(shapes == {"L0.ql_nope": (1, N, L), "L0.attn_latent": (1, N, L), "L0.lse": (1, N),
+                     "L1.lse": (1, N)} and "L0.k_nope" not in t1,
+          f"decode step: ql_nope/attn_latent/lse dumped, k_nope/v not (never computed): {shapes}")
+    t0, _ = cap.result(step=0)
+    check(not any(k.endswith((".ql_nope", ".lse")) for k in t0), "prefill step: no decode-only sites")
+    worst = {}
+    for k in (1, 2):
+        tk, _ = cap.result(step=k)
+        steps = [cap.result(step=j)[0] for j in range(k + 1)]
+        for n, layer in enumerate(model.model.layers):
+            a = layer.self_attn.mla_attn.mla_attn
+            hold = a if getattr(a, "W_UK_T", None) is not None else a.impl
+            wk, wv = f64(hold.W_UK_T), f64(hold.W_UV)
+            kv = np.concatenate([f64(st[f"L{n}.kv_c_normed"]) for st in steps])
+            kp = np.concatenate([f64(st[f"L{n}.k_pe_roped"]) for st in steps])
+            q, qpe = f64(tk[f"L{n}.q"]), f64(tk[f"L{n}.q_pe_roped"])
+            ql = np.einsum("tnp,npl->tnl", q[..., :P], wk)
+            sc = (np.einsum("tnl,sl->tns", ql, kv) + np.einsum("tnr,sr->tns", qpe, kp)) * (P + R) ** -0.5
+            lse = np.log(np.exp(sc).sum(-1))
+            lat = np.einsum("tns,sl->tnl", np.exp(sc - lse[..., None]), kv)
+            for site, ref in (("ql_nope", ql), ("lse", lse), ("attn_latent", lat),
+                              ("attn_out", np.einsum("tnl,nlv->tnv", lat, wv))):
+                worst[site] = max(worst.get(site, 0), rel(tk[f"L{n}.{site}"], ref))
+    check(max(worst.values()) < 1e-5, "decode sites vs float64 over the cached context from the "
+          "dumped steps: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+    gguf_path = HERE.parent / "golden" / "models" / "tiny-v3-f32.gguf"
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        print("  skip format 2 (no gguf-py for the model identity)")
+        return
+    out = cap.write_format2(tmp / "f2.safetensors", model_path=gguf_path,
+                            engine={"attention_backend": "MOCK_MLA"}, patches=[("mock", "a test")])
+    t, meta = read(out)
+    import hashlib
+    import json
+    h = json.loads(meta["header"])
+    raw = gguf_path.read_bytes()
+    rd = gguf.GGUFReader(str(gguf_path))
+    want_l0 = hashlib.sha256(b"".join(raw[x.data_offset:x.data_offset + x.n_bytes]
+                                      for x in rd.tensors if x.name.startswith("blk.0."))).hexdigest()
+    check(meta["format"] == "mla-diff dump 2" and h["model"]["file"] == "tiny-v3-f32.gguf"
+          and h["model"]["bytes"] == len(raw)
+          and h["model"]["index_sha256"] == hashlib.sha256(raw[:rd.data_offset]).hexdigest()
+          and h["model"]["layer_sha256"]["0"] == want_l0 and set(h["model"]["layer_sha256"]) == {"0", "1"},
+          "format 2 header: model file, bytes, index and layer sha256 (recomputed here)")
+    check([(st["name"], st["seqs"]) for st in h["steps"]] ==
+          [("prefill", [{"new": 4, "context": 0}]), ("decode-1", [{"new": 1, "context": 4}]),
+           ("decode-2", [{"new": 1, "context": 5}])],
+          f"format 2 steps: {[(st['name'], st['seqs']) for st in h['steps']]}")
+    check(h["conventions"] == {"rope_order": "interleaved", "layout": "token-major",
+                               "kv_a_order": "latent-rope", "lse_base": "e", "residual_scale": None}
+          and h["patches"] == [{"name": "mock", "reason": "a test"}]
+          and h["engine"]["attention_backend"] == "MOCK_MLA" and h["hook"]["name"] == "dump_vllm.py",
+          "format 2 conventions, patches, engine, hook")
+    check(np.array_equal(t["s1.L0.lse"], t1["L0.lse"]) and "s0.L0.w.kv_b" in t and "s1.L0.w.kv_b" not in t
+          and "weights.L0.kv_b_proj" in t and t["s2.positions"].tolist() == [5],
+          "format 2 tensors: s{k}.L{n}.{stage}, weight sites in step 0, weights.L{n}.{param}, s{k}.positions")
 
 
 def find_mla_diff() -> Path | None:
@@ -884,7 +1021,9 @@ def main() -> None:
         test_fp16(tmp, ck)
         test_no_forward(tmp, ck)
         test_gguf_compare(tmp)
-    print(f"all {len(CHECKS)} checks passed (mock vLLM tree; dump_vllm.py is untested on a live vLLM)")
+        test_decode_steps(tmp, ck)
+    print(f"all {len(CHECKS)} checks passed (mock vLLM tree; the real vLLM 0.26.0: "
+          "scripts/vllm_cpu.py test)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,854 @@
+#!/usr/bin/env python3
+"""Run vLLM's real DeepSeek MLA model code on a CPU and dump it for `mla-diff compare`.
+
+vLLM ships CUDA kernels for everything MLA does; on a machine without a GPU its own code refuses to
+start. This harness runs the unmodified vLLM 0.26.0 Python code of `DeepseekV3ForCausalLM`
+(vllm/model_executor/models/deepseek_v2.py, MLAAttention in
+vllm/model_executor/layers/attention/mla_attention.py) on the CPU, with the GGUF loaded through the
+unmodified vllm-gguf-plugin, and records it with scripts/dump_vllm.py:
+
+  * prefill: one step through vLLM's MLAAttention.forward_impl -> MLACommonBaseImpl.forward_mha,
+    whose attention call goes to a prefill backend registered here (torch SDPA; vLLM's own
+    prefill backends are FlashAttention / FlashInfer / TRT-LLM kernels that need a GPU);
+  * decode: K steps through vLLM's MQA path (W_UK_T absorption, TritonMLAImpl.forward_mqa and its
+    real Triton kernel vllm/v1/attention/ops/triton_decode_attention.py) executed by Triton's
+    interpreter (TRITON_INTERPRET=1), reading the paged latent cache written by the prefill;
+  * float32 throughout: numpy (under the interpreter) has no bfloat16.
+
+Nothing in vLLM's files is edited: the harness changes behaviour at import time, from outside, and
+every change is listed in PATCHES (name and reason) and recorded in the dump's metadata. The
+attention metadata the GPU runner would build is built here by hand (MLACommonMetadata with
+MLACommonPrefillMetadata or MLACommonDecodeMetadata, passed through set_forward_context), and
+torch.distributed is initialised with the gloo backend, world size 1.
+
+Subcommands (Python 3.10+; only the standard library is needed to start):
+
+  setup --venv DIR       create a venv and pip-install the exact versions in PINS (about 3.6 GiB
+                         of wheels, mostly torch and the CUDA libraries vLLM depends on)
+  config --gguf M.gguf --out DIR
+                         write DIR/config.json (a HF DeepseekV3 config derived from the GGUF's
+                         metadata; the plugin needs one, transformers cannot build it from a GGUF)
+  run --venv DIR --gguf M.gguf [--config-dir DIR] --tokens 1,2,3 --decode-steps K
+      --out D.safetensors [--weights W.safetensors] [--format 2|1] [--zero-unloaded]
+                         run vLLM in the venv (re-launched there with TRITON_INTERPRET=1) and
+                         write the dump; without --config-dir a config.json is derived from the
+                         GGUF into a temporary folder; --decode-tokens picks the decode steps'
+                         tokens (default: greedy from vLLM's own logits)
+  test --venv DIR [--keep]
+                         end-to-end test on the real vLLM (CI installs none: run it by hand):
+                         1. golden/models/legacy-kvb-f32.gguf (fused attn_kv_b, which the plugin
+                            maps; P = 32, V = 64): prefill + 2 decode steps, `mla-diff compare`
+                            must exit 0, and the decode steps' ql_nope / lse / attn_latent /
+                            attn_out must match a float64 MQA over the dumped context (1e-5);
+                         2. golden/models/tiny-v3-f32.gguf (split attn_k_b / attn_v_b, which the
+                            plugin does not map): vLLM must fail at load, in
+                            process_weights_after_loading, with kv_b_proj reported as never loaded;
+                         3. the same with --zero-unloaded: `mla-diff compare` must exit 1 at
+                            L0.w.kv_b
+                         With an mla-diff that reads only format 1, the prefill step is converted
+                         to format 1 for it.
+
+The venv defaults to .venv-vllm/ in the repository (ignored by git) or $MLA_VLLM_VENV.
+$MLA_VLLM_CPU_SKIP=name[,name] leaves patches out, to see what each is for. Measured with
+vLLM 0.26.0 on legacy-kvb-f32.gguf, without each patch:
+  triton-interpreter    AttributeError: module 'triton' has no attribute 'next_power_of_2'
+                        (the placeholder, in TritonMLAImpl.forward_mqa)
+  cpu-mla-backend       NotImplementedError: MLA is not supported on CPU.
+  sdpa-prefill-backend  ImportError: cannot import name 'compile_flash_attn_varlen_func_from_specs'
+                        (FlashAttention's prefill backend)
+  native-custom-ops     AttributeError: '_OpNamespace' '_C' object has no attribute 'rotary_embedding'
+  silu-and-mul-init     AttributeError: '_OpNamespace' '_C' object has no attribute 'silu_and_mul'
+  latent-cache-write    AttributeError: '_OpNamespace' '_C_cache_ops' object has no attribute
+                        'concat_and_cache_mla'
+(cpu-platform is needed for anything to start; unquantized linear layers need no patch: on the
+CPU platform UnquantizedLinearMethod.process_weights_after_loading sets layer.cpu_linear.)
+
+--zero-unloaded: vllm-gguf-plugin 0.0.5 maps attn_kv_b -> kv_b_proj but not the split
+attn_k_b / attn_v_b that current llama.cpp writes, so on such a file kv_b_proj keeps an empty GGUF
+parameter and vLLM fails in MLAAttention.process_weights_after_loading ("size mismatch, got input
+(96), mat (96x96), vec (0)" on tiny-v3, F32 and Q8_0 alike). The harness names the layers the
+loader never filled; with --zero-unloaded it gives them an all-zero weight instead (recorded as
+the patch `zero-unloaded-weights`), so the run completes and the dump shows what a weight that
+was never loaded computes.
+
+Example:
+    python3 scripts/vllm_cpu.py setup --venv .venv-vllm
+    python3 scripts/vllm_cpu.py run --venv .venv-vllm --gguf golden/models/legacy-kvb-f32.gguf \
+        --tokens 5,17,42,99,7,3 --decode-steps 2 --out /tmp/vllm-legacy.safetensors
+    ./target/release/mla-diff compare --model golden/models/legacy-kvb-f32.gguf \
+        --dump /tmp/vllm-legacy.safetensors
+
+Output: D.safetensors in docs/dump-format.md's format 2 (the default): the prefill step and
+each decode step (`s{k}.L{n}.{stage}`, with ql_nope, attn_latent and lse from the MQA path for
+the decode tokens), the model's identity hashes, vLLM's version and backends, every patch, and
+vLLM's MLA weights as loaded (`weights.L{n}.{param}`, unless --no-weights) for
+`mla-diff weights --check`. `--format 1` writes the prefill step alone in format 1 and each
+decode step k next to it as D.decode{k}.safetensors; `--weights W` also writes the weights to a
+file of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+# exact versions; gguf: vllm-gguf-plugin 0.0.5 asks for gguf>=0.17.0, pinned to the newest
+PINS = ["vllm==0.26.0", "vllm-gguf-plugin==0.0.5", "gguf==0.19.0"]
+TESTED_VLLM = "0.26.0"
+
+# (name, reason) of every change the harness makes to vLLM's behaviour, in the order applied.
+# only with --zero-unloaded (changes what the engine computes; recorded in the dump when applied)
+ZERO_UNLOADED = ("zero-unloaded-weights",
+                 "a linear layer whose GGUF weight the loader never filled gets an all-zero float32 "
+                 "weight (UnquantizedLinearMethod) instead of an empty GGUF parameter, so vLLM "
+                 "loads and runs and the dump shows what a never-loaded weight computes")
+
+PATCHES = [
+    ("cpu-platform",
+     "no GPU driver: vLLM cannot infer a device (UnspecifiedPlatform); use vllm.platforms.cpu.CpuPlatform"),
+    ("triton-interpreter",
+     "vllm.triton_utils disables Triton when no GPU driver is active (placeholders instead of "
+     "triton / tl); bind the real triton, which TRITON_INTERPRET=1 runs on the CPU"),
+    ("cpu-mla-backend",
+     "CpuPlatform.get_attn_backend_cls raises 'MLA is not supported on CPU'; hand out TRITON_MLA"),
+    ("sdpa-prefill-backend",
+     "vLLM's MLA prefill backends (FlashAttention, FlashInfer, TRT-LLM) need a GPU; register a torch "
+     "SDPA backend as MLAPrefillBackendEnum.CUSTOM and select it (the selector picks FlashAttention "
+     "whenever the device has no compute capability)"),
+    ("native-custom-ops",
+     "vllm._C is absent on a CPU: compilation_config.custom_ops=['none'] runs RMSNorm, RoPE and "
+     "SiluAndMul through their forward_native"),
+    ("silu-and-mul-init",
+     "SiluAndMul.__init__ looks up torch.ops._C.silu_and_mul (absent on CPU); skip the lookup"),
+    ("latent-cache-write",
+     "MLA's KV-cache write calls vllm._custom_ops.concat_and_cache_mla (a CUDA op): write "
+     "[kv_c_normed | k_pe] into the paged cache at slot_mapping with torch indexing"),
+    ("unloaded-weights-report",
+     "observes only: before vLLM's process_weights_after_loading, list the linear layers whose GGUF "
+     "weight the loader never filled (vLLM then fails on them with its own error)"),
+    ("attention-metadata-by-hand",
+     "the GPU model runner builds the attention metadata: built here as MLACommonMetadata "
+     "(+ MLACommonPrefillMetadata or MLACommonDecodeMetadata) inside set_forward_context"),
+]
+
+
+# =============================================================================================
+# setup
+# =============================================================================================
+
+def venv_python(venv: Path) -> Path:
+    return Path(venv) / "bin" / "python"
+
+
+def _in_venv(venv) -> bool:
+    return Path(sys.prefix).resolve() == Path(venv).resolve()
+
+
+def cmd_setup(args) -> int:
+    venv = Path(args.venv)
+    t0 = time.time()
+    if not venv_python(venv).exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = str(venv_python(venv))
+    subprocess.run([py, "-m", "pip", "install", "--disable-pip-version-check", *PINS], check=True)
+    dt = time.time() - t0
+    out = subprocess.run([py, "-m", "pip", "list", "--format=freeze"], capture_output=True,
+                         text=True, check=True).stdout
+    names = {p.split("==")[0].lower(): p for p in out.split()}
+    want = ["vllm", "vllm-gguf-plugin", "gguf", "torch", "triton", "transformers", "numpy",
+            "safetensors"]
+    print("installed:", ", ".join(names.get(w, f"{w} (missing)") for w in want))
+    print(f"{len(names)} distributions in {venv}, {dt:.0f} s")
+    bad = [p for p in PINS if p.lower() not in (v.lower() for v in names.values())]
+    if bad:
+        print(f"error: not installed at the pinned version: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# =============================================================================================
+# config.json from GGUF metadata
+# =============================================================================================
+
+def config_from_gguf(gguf_path: Path) -> dict:
+    """A HF DeepseekV3 config.json from a deepseek2 GGUF's metadata (needs the gguf package)."""
+    import gguf
+    rd = gguf.GGUFReader(str(gguf_path))
+    kv = {}
+    for k, f in rd.fields.items():
+        try:
+            kv[k] = f.contents()
+        except Exception:  # noqa: BLE001 - array fields we do not need
+            pass
+    arch = kv.get("general.architecture")
+    if arch != "deepseek2":
+        raise SystemExit(f"{gguf_path}: architecture {arch!r}, expected deepseek2")
+    a = "deepseek2."
+    g = lambda k, d=None: kv.get(a + k, d)  # noqa: E731
+    names = {t.name for t in rd.tensors}
+    n_layers = int(g("block_count"))
+    heads = int(g("attention.head_count"))
+    rope = int(g("rope.dimension_count"))
+    # key_length_mla / value_length_mla exist when the file has split attn_k_b / attn_v_b (and on
+    # newer files); otherwise key_length / value_length are the per-head MHA sizes P+R and V
+    key_len = g("attention.key_length_mla") or g("attention.key_length")
+    val_len = g("attention.value_length_mla") or g("attention.value_length")
+    vocab = g("vocab_size")
+    if vocab is None:
+        emb = next(t for t in rd.tensors if t.name == "token_embd.weight")
+        vocab = int(emb.shape[-1] if emb.shape[0] == g("embedding_length") else emb.shape[0])
+    n_dense = int(g("leading_dense_block_count", n_layers))
+    n_experts = int(g("expert_count", 0) or 0)
+    cfg = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": int(g("embedding_length")),
+        "intermediate_size": int(g("feed_forward_length")),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "q_lora_rank": int(g("attention.q_lora_rank")) if g("attention.q_lora_rank") else None,
+        "kv_lora_rank": int(g("attention.kv_lora_rank")),
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": int(key_len) - rope,
+        "v_head_dim": int(val_len),
+        "vocab_size": int(vocab),
+        "max_position_embeddings": int(g("context_length", 4096)),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "first_k_dense_replace": n_dense if n_experts else n_layers,
+        "n_routed_experts": n_experts if n_experts else None,
+        "n_shared_experts": int(g("expert_shared_count", 0) or 0) or None,
+        "num_experts_per_tok": int(g("expert_used_count", 0) or 0) or None,
+        "moe_intermediate_size": int(g("expert_feed_forward_length", 0) or 0) or None,
+        "routed_scaling_factor": float(g("expert_weights_scale", 1.0) or 1.0),
+        "norm_topk_prob": bool(g("expert_weights_norm", False)),
+        "scoring_func": {2: "sigmoid", 1: "softmax"}.get(int(g("expert_gating_func", 0) or 0), "softmax"),
+        "topk_method": "noaux_tc" if int(g("expert_gating_func", 0) or 0) == 2 else "greedy",
+        "n_group": 1,
+        "topk_group": 1,
+        "moe_layer_freq": 1,
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": False,
+        "torch_dtype": "float32",
+        "bos_token_id": int(kv.get("tokenizer.ggml.bos_token_id", 0) or 0),
+        "eos_token_id": int(kv.get("tokenizer.ggml.eos_token_id", 1) or 1),
+    }
+    stype = g("rope.scaling.type")
+    if stype == "yarn":
+        cfg["rope_scaling"] = {
+            "type": "yarn", "rope_type": "yarn",
+            "factor": float(g("rope.scaling.factor")),
+            "original_max_position_embeddings": int(g("rope.scaling.original_context_length")),
+            "beta_fast": float(g("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
+            "beta_slow": float(g("rope.scaling.yarn_beta_slow", 1.0) or 1.0),
+            "mscale": 1.0,
+            "mscale_all_dim": float(g("rope.scaling.yarn_log_multiplier", 0.0) or 0.0) / 0.1
+            if g("rope.scaling.yarn_log_multiplier") else 0.0,
+        }
+    elif stype not in (None, "none"):
+        raise SystemExit(f"{gguf_path}: rope scaling {stype!r} not handled by this harness")
+    return {k: v for k, v in cfg.items() if v is not None or k == "q_lora_rank"}
+
+
+def cmd_config(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = config_from_gguf(Path(args.gguf))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    print(f"{out / 'config.json'}: {json.dumps(cfg)}")
+    return 0
+
+
+# =============================================================================================
+# run (inside the venv)
+# =============================================================================================
+
+def _relaunch_in_venv(args) -> int:
+    """Run this file's `_inner` subcommand with the venv's python, TRITON_INTERPRET=1."""
+    py = venv_python(Path(args.venv))
+    if not py.exists():
+        raise SystemExit(f"{py} missing: run `{Path(__file__).name} setup --venv {args.venv}` first")
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "1"
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env["PYTHONPATH"] = str(HERE) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    argv = [str(py), str(Path(__file__).resolve()), "_inner"] + sys.argv[2:]
+    return subprocess.run(argv, env=env).returncode
+
+
+def cmd_run(args) -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1" or not _in_venv(args.venv):
+        return _relaunch_in_venv(args)
+    return inner_run(args)
+
+
+def inner_run(args) -> int:
+    t_start = time.time()
+    tokens = [int(x) for x in args.tokens.split(",") if x.strip()]
+    gguf_path = Path(args.gguf).resolve()
+    tmpdir = None
+    if args.config_dir:
+        config_dir = Path(args.config_dir).resolve()
+        if not (config_dir / "config.json").is_file():
+            raise SystemExit(f"{config_dir}/config.json missing")
+    else:
+        tmpdir = tempfile.mkdtemp(prefix="vllm-cpu-cfg-")
+        config_dir = Path(tmpdir)
+        (config_dir / "config.json").write_text(json.dumps(config_from_gguf(gguf_path), indent=2))
+    try:
+        return _run(args, tokens, gguf_path, config_dir, t_start)
+    finally:
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _on(name: str) -> bool:
+    """False for a patch named in $MLA_VLLM_CPU_SKIP (comma-separated): to see what it is for."""
+    return name not in os.environ.get("MLA_VLLM_CPU_SKIP", "").split(",")
+
+
+def _apply_patches(sdpa_cls_holder: dict) -> None:
+    """Every patch of PATCHES, in order (attention metadata is built in _step)."""
+    import torch
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    # cpu-platform
+    platforms._current_platform = CpuPlatform()
+
+    # triton-interpreter (before any module decorates a kernel with vllm.triton_utils.triton)
+    if _on('triton-interpreter'):
+        import triton
+        import triton.language as tl
+        import triton.language.extra.libdevice as tldevice
+        import vllm.triton_utils as vtu
+        import vllm.triton_utils.importing as vtu_imp
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("TRITON_INTERPRET=1 must be set before triton is imported")
+        vtu_imp.HAS_TRITON = vtu.HAS_TRITON = True
+        vtu.triton, vtu.tl, vtu.tldevice = triton, tl, tldevice
+
+    # cpu-mla-backend
+    if _on('cpu-mla-backend'):
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        orig_backend = CpuPlatform.get_attn_backend_cls.__func__
+
+        def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+            if attn_selector_config.use_mla and not attn_selector_config.use_sparse:
+                return AttentionBackendEnum.TRITON_MLA.get_path()
+            return orig_backend(cls, selected_backend, attn_selector_config, num_heads)
+        CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+    # sdpa-prefill-backend
+    if _on('sdpa-prefill-backend'):
+        from vllm.v1.attention.backends.mla.prefill.base import MLAPrefillBackend
+        from vllm.v1.attention.backends.mla.prefill.registry import (MLAPrefillBackendEnum,
+                                                                     register_mla_prefill_backend)
+
+        class SdpaPrefillBackend(MLAPrefillBackend):
+            """Causal attention of the new prefill tokens with torch SDPA, per sequence."""
+            supported_dtypes = [torch.float32, torch.float16, torch.bfloat16]
+
+            @staticmethod
+            def get_name() -> str:
+                return "TORCH_SDPA_CPU"
+
+            def run_prefill_new_tokens(self, q, k, v, return_softmax_lse, out=None, output_scale=None):
+                qsl = self._prefill_metadata.query_start_loc.tolist()
+                res = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
+                lses = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
+                for a, b in zip(qsl[:-1], qsl[1:]):
+                    qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))   # [N, t, d]
+                    res[a:b] = torch.nn.functional.scaled_dot_product_attention(
+                        qs, ks, vs, is_causal=True, scale=self.scale).transpose(0, 1)
+                    if return_softmax_lse:
+                        lg = (qs.float() @ ks.float().transpose(1, 2)) * self.scale
+                        mask = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+                        lses[:, a:b] = lg.masked_fill(~mask, float("-inf")).logsumexp(-1)
+                if out is not None:
+                    out.copy_(res)
+                    res = out
+                return (res, lses) if return_softmax_lse else res
+
+            def run_prefill_context_chunk(self, chunk_idx, q, k, v):
+                raise NotImplementedError("chunked prefill context is not used by this harness")
+
+        SdpaPrefillBackend.__module__ = __name__
+        SdpaPrefillBackend.__qualname__ = "SdpaPrefillBackend"
+        globals()["SdpaPrefillBackend"] = SdpaPrefillBackend
+        register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM)(SdpaPrefillBackend)
+        sdpa_cls_holder["cls"] = SdpaPrefillBackend
+        sdpa_cls_holder["enum"] = MLAPrefillBackendEnum.CUSTOM
+        import vllm.model_executor.layers.attention.mla_attention as mla_mod
+
+        def get_mla_prefill_backend(vllm_config):
+            sel = vllm_config.attention_config.mla_prefill_backend
+            if sel is not None:
+                return sel.get_class()
+            return SdpaPrefillBackend
+        mla_mod.get_mla_prefill_backend = get_mla_prefill_backend
+
+    # native-custom-ops: set in the config (_build_config)
+
+    # silu-and-mul-init
+    if _on('silu-and-mul-init'):
+        from vllm.model_executor.layers import activation as act
+        from vllm.model_executor.custom_op import CustomOp
+
+        def silu_init(self, *a, **kw):
+            CustomOp.__init__(self)
+        act.SiluAndMul.__init__ = silu_init
+
+    # latent-cache-write
+    if _on('latent-cache-write'):
+        from vllm.v1.attention import backend as be
+
+        def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale):
+            if kv_cache.numel() == 0:
+                return
+            flat = kv_cache.view(-1, kv_cache.shape[-1])
+            row = torch.cat([kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)], -1).to(flat.dtype)
+            flat[slot_mapping.flatten().long()] = row
+        for name in dir(be):
+            cls = getattr(be, name)
+            if isinstance(cls, type) and "do_kv_cache_update" in cls.__dict__:
+                cls.do_kv_cache_update = do_kv_cache_update
+
+
+def _unloaded_linears(model) -> list[tuple[str, object]]:
+    """(name, module) of linear layers whose GGUF weight parameter holds no data after loading."""
+    import torch
+    out = []
+    for name, mod in model.named_modules():
+        qw = getattr(mod, "qweight", None)
+        if qw is None:
+            continue
+        lazy = isinstance(qw, torch.nn.parameter.UninitializedParameter)
+        if lazy or qw.numel() == 0:
+            out.append((name, mod))
+    return out
+
+
+def _patch_unloaded(zero: bool, applied: list) -> None:
+    """unloaded-weights-report (and, with zero=True, zero-unloaded-weights)."""
+    import torch
+    import vllm_gguf_plugin.loader as gl
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    orig = gl.process_weights_after_loading
+
+    def process_weights_after_loading(model, model_config, target_device):
+        bad = _unloaded_linears(model)
+        if bad:
+            print("vllm_cpu: linear layers the GGUF loader never filled: "
+                  + ", ".join(n for n, _ in bad), file=sys.stderr)
+            if zero:
+                for _, mod in bad:
+                    for attr in ("qweight", "qweight_type"):
+                        if attr in mod._parameters:
+                            del mod._parameters[attr]
+                    mod.quant_method = UnquantizedLinearMethod()
+                    mod.weight = torch.nn.Parameter(torch.zeros(
+                        int(mod.output_size_per_partition), int(mod.input_size_per_partition),
+                        dtype=torch.float32), requires_grad=False)
+                applied.append(ZERO_UNLOADED)
+                applied.append(("zeroed", ", ".join(n for n, _ in bad)))
+        return orig(model, model_config, target_device)
+    gl.process_weights_after_loading = process_weights_after_loading
+
+
+def _build_config(gguf_path: Path, config_dir: Path, max_len: int, block_size: int):
+    from vllm.engine.arg_utils import EngineArgs
+    ea = EngineArgs(
+        model=str(gguf_path), hf_config_path=str(config_dir), tokenizer=None,
+        skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+        max_model_len=max_len, block_size=block_size, enable_prefix_caching=False,
+        compilation_config={"custom_ops": ["none"] if _on("native-custom-ops") else [], "mode": 0},
+        attention_config={"mla_prefill_backend": "CUSTOM"},
+        distributed_executor_backend="uni",
+    )
+    return ea.create_engine_config()
+
+
+def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
+    import numpy as np
+    import torch
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    holder: dict = {}
+    _apply_patches(holder)
+    import vllm
+    if vllm.__version__ != TESTED_VLLM:
+        print(f"warning: vLLM {vllm.__version__}; this harness was tested with {TESTED_VLLM}",
+              file=sys.stderr)
+    import vllm_gguf_plugin
+    vllm_gguf_plugin_register = getattr(vllm_gguf_plugin, "register", None)
+    if vllm_gguf_plugin_register is not None:
+        vllm_gguf_plugin_register()
+    applied: list = []
+    _patch_unloaded(args.zero_unloaded, applied)
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.model_loader import get_model_loader
+
+    import dump_vllm
+
+    block_size = 16
+    total = len(tokens) + args.decode_steps
+    max_len = max(block_size * 2, ((total + block_size - 1) // block_size + 1) * block_size)
+    vcfg = _build_config(gguf_path, config_dir, max_len, block_size)
+    t_cfg = time.time()
+    with set_current_vllm_config(vcfg):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        ensure_model_parallel_initialized(1, 1)
+        loader = get_model_loader(vcfg.load_config)
+        model = loader.load_model(vcfg, vcfg.model_config)
+    model.eval()
+    t_load = time.time()
+    layers = _mla_layers(vcfg)
+    L_R = next(iter(layers.values())).head_size
+    n_blocks = (total + block_size - 1) // block_size + 1
+    for lay in layers.values():
+        lay.kv_cache = torch.zeros(n_blocks, block_size, L_R, dtype=torch.float32)
+    block_table = torch.arange(n_blocks, dtype=torch.int32)[None, :]
+
+    cap = dump_vllm.VllmCapture(model, steps=1 + args.decode_steps,
+                                engine=f"vllm {vllm.__version__} (scripts/vllm_cpu.py, CPU)")
+    cap.arm()
+    seq = list(tokens)
+    decode_ids: list[int] = []
+    with set_current_vllm_config(vcfg), torch.no_grad():
+        # prefill
+        pos = list(range(len(tokens)))
+        h = _step(model, vcfg, layers, seq_tokens=tokens, positions=pos, ctx_len=0,
+                  block_table=block_table, block_size=block_size, holder=holder, decode=False)
+        t_prefill = time.time()
+        for k in range(args.decode_steps):
+            nxt = _next_token(model, h, args, k)
+            decode_ids.append(nxt)
+            p = len(seq)
+            seq.append(nxt)
+            h = _step(model, vcfg, layers, seq_tokens=[nxt], positions=[p], ctx_len=p,
+                      block_table=block_table, block_size=block_size, holder=holder, decode=True)
+    t_end = time.time()
+    cap.remove()
+    loader = f"vllm-gguf-plugin {_dist_version('vllm-gguf-plugin')}"
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.format == 2:
+        engine = {"name": "vllm", "version": vllm.__version__, "attention_backend": "TRITON_MLA",
+                  "prefill_backend": "TORCH_SDPA_CPU (scripts/vllm_cpu.py, MLAPrefillBackendEnum.CUSTOM)"}
+        written = [cap.write_format2(out, model_path=gguf_path, engine=engine,
+                                     patches=PATCHES + applied, weights=not args.no_weights,
+                                     extra_meta={"harness": "scripts/vllm_cpu.py", "loader": loader,
+                                                 "triton": "TRITON_INTERPRET=1 " + _dist_version("triton")})]
+    else:
+        extra = {"harness": "scripts/vllm_cpu.py",
+                 "patches": "; ".join(f"{n}: {r}" for n, r in PATCHES + applied),
+                 "attention_backend": "TRITON_MLA (decode, Triton interpreter), TORCH_SDPA_CPU (prefill)",
+                 "model": gguf_path.name, "loader": loader}
+        written = cap.write_steps(out, extra_meta=extra)
+    if args.weights:
+        cap.write_weights(args.weights)
+        written.append(Path(args.weights))
+    print(f"tokens {tokens}; decode tokens {decode_ids}")
+    print(f"config {t_cfg - t_start:.1f} s, load {t_load - t_cfg:.1f} s, prefill "
+          f"{t_prefill - t_load:.1f} s, {args.decode_steps} decode step(s) {t_end - t_prefill:.1f} s")
+    for p in written:
+        print(f"wrote {p}")
+    return 0
+
+
+def _dist_version(name: str) -> str:
+    try:
+        from importlib.metadata import version
+        return version(name)
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mla_layers(vcfg) -> dict:
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    ctx = vcfg.compilation_config.static_forward_context
+    out = {k: v for k, v in ctx.items() if isinstance(v, MLAAttention)}
+    if not out:
+        raise SystemExit("no MLAAttention layer registered in static_forward_context")
+    return out
+
+
+def _step(model, vcfg, layers, *, seq_tokens, positions, ctx_len, block_table, block_size, holder,
+          decode: bool):
+    """One forward of one sequence: prefill of `seq_tokens` from position 0, or one decode token."""
+    import torch
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.attention.mla_attention import (MLACommonDecodeMetadata,
+                                                                    MLACommonMetadata,
+                                                                    MLACommonPrefillMetadata)
+    t = len(seq_tokens)
+    ids = torch.tensor(seq_tokens, dtype=torch.long)
+    pos = torch.tensor(positions, dtype=torch.long)
+    slots = torch.tensor([int(block_table[0, p // block_size]) * block_size + p % block_size
+                          for p in positions], dtype=torch.long)
+    seq_len = ctx_len + t
+    qsl = torch.tensor([0, t], dtype=torch.int32)
+    md = {}
+    slot_map = {}
+    for name, lay in layers.items():
+        if decode:
+            dec = MLACommonDecodeMetadata(block_table=block_table,
+                                          seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+                                          dcp_tot_seq_lens=None)
+            m = MLACommonMetadata(num_reqs=1, max_query_len=t, max_seq_len=seq_len,
+                                  num_actual_tokens=t, query_start_loc=qsl, slot_mapping=slots,
+                                  num_decodes=1, num_decode_tokens=t, num_prefills=0,
+                                  prefill=None, decode=dec)
+        else:
+            pre = MLACommonPrefillMetadata(block_table=block_table, query_start_loc=qsl,
+                                           max_query_len=t, chunked_context=None,
+                                           q_data_type=torch.float32, output_dtype=torch.float32,
+                                           prefill_backend=lay.prefill_backend)
+            lay.prefill_backend.prepare_metadata(pre)
+            m = MLACommonMetadata(num_reqs=1, max_query_len=t, max_seq_len=seq_len,
+                                  num_actual_tokens=t, query_start_loc=qsl, slot_mapping=slots,
+                                  num_decodes=0, num_decode_tokens=0, num_prefills=1,
+                                  prefill=pre, decode=None)
+        md[name] = m
+        slot_map[name] = slots
+    with set_forward_context(md, vcfg, num_tokens=t, slot_mapping=slot_map):
+        return model(input_ids=ids, positions=pos)
+
+
+def _next_token(model, hidden, args, k) -> int:
+    """Greedy next token from vLLM's own logits (or --decode-tokens when given)."""
+    if args.decode_tokens:
+        ids = [int(x) for x in args.decode_tokens.split(",") if x.strip()]
+        return ids[k % len(ids)]
+    logits = model.compute_logits(hidden[-1:])
+    return int(logits[0].argmax())
+
+
+# =============================================================================================
+# test
+# =============================================================================================
+
+def _mla_diff() -> Path:
+    for c in (os.environ.get("MLA_DIFF"), ROOT / "target" / "release" / "mla-diff",
+              ROOT / "target" / "debug" / "mla-diff"):
+        if c and Path(c).is_file():
+            return Path(c)
+    raise SystemExit("no mla-diff binary: cargo build --release (or set MLA_DIFF)")
+
+
+def _reads_format2(exe: Path) -> bool:
+    """Whether this mla-diff build knows format 2 (its reader carries the format string)."""
+    return b"mla-diff dump 2" in exe.read_bytes()
+
+
+def _read_st(path: Path):
+    from safetensors import safe_open
+    with safe_open(str(path), framework="np") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+
+
+def prefill_as_format1(src: Path, dst: Path) -> Path:
+    """Step 0 of a format-2 dump as a format-1 dump (for an mla-diff that reads only format 1)."""
+    import st_io
+    t, meta = _read_st(src)
+    h = json.loads(meta["header"])
+    out = {k[3:]: v for k, v in t.items() if k.startswith("s0.")}
+    c = h.get("conventions", {})
+    m1 = {"format": "mla-diff dump 1", "engine": f"{h['engine']['name']} {h['engine']['version']}",
+          "dtype": h.get("dtype", "f32"), "rope_order": c.get("rope_order", "interleaved"),
+          "layout": c.get("layout", "token-major"), "kv_a_order": c.get("kv_a_order", "latent-rope"),
+          "model": h["model"]["file"], "converted_from": f"{src.name} (format 2, step 0)"}
+    st_io.save(out, dst, metadata=m1)
+    return dst
+
+
+def check_decode(path: Path) -> tuple[list[str], float]:
+    """float64 check of every decode step's MQA sites from the dump's own inputs.
+
+    For layer n and decode step k: the latent cache is [kv_c_normed | k_pe_roped] of steps 0..k;
+    ql_nope = q_nope W_UK_T, scores = (ql_nope kv_c^T + q_pe k_pe^T) / sqrt(P+R) (no YaRN
+    mscale: for the plain-RoPE fixtures), lse = logsumexp, attn_latent = softmax kv_c,
+    attn_out = attn_latent W_UV. Returns one line per site: its worst rel_l2 over steps/layers.
+    """
+    import numpy as np
+    t, meta = _read_st(path)
+    h = json.loads(meta["header"])
+    layers = sorted({int(k.split(".")[1][1:]) for k in t if k.startswith("s0.L")})
+    worst: dict[str, float] = {}
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+    for n in layers:
+        wk = t[f"s0.L{n}.w.W_UK_T"].astype(np.float64)       # [N, P, L]
+        wv = t[f"s0.L{n}.w.W_UV"].astype(np.float64)         # [N, L, V]
+        P = wk.shape[1]
+        for k in range(1, len(h["steps"])):
+            g = lambda s, j=k: t[f"s{j}.L{n}.{s}"].astype(np.float64)  # noqa: E731
+            kv = np.concatenate([g("kv_c_normed", j) for j in range(k + 1)])     # [S, L]
+            kp = np.concatenate([g("k_pe_roped", j) for j in range(k + 1)])      # [S, R]
+            q, qpe = g("q"), g("q_pe_roped")
+            R = qpe.shape[-1]
+            ql = np.einsum("tnp,npl->tnl", q[..., :P], wk)
+            sc = (np.einsum("tnl,sl->tns", ql, kv) + np.einsum("tnr,sr->tns", qpe, kp)) / np.sqrt(P + R)
+            mx = sc.max(-1, keepdims=True)
+            lse = (mx[..., 0] + np.log(np.exp(sc - mx).sum(-1)))
+            lat = np.einsum("tns,sl->tnl", np.exp(sc - lse[..., None]), kv)
+            ref = {"ql_nope": ql, "lse": lse, "attn_latent": lat,
+                   "attn_out": np.einsum("tnl,nlv->tnv", lat, wv)}
+            for site, r in ref.items():
+                worst[site] = max(worst.get(site, 0.0), rel(g(site), r))
+    return [f"{s}: rel_l2 {v:.2e}" for s, v in worst.items()], max(worst.values()) if worst else 0.0
+
+
+def _show(text: str, n: int = 12) -> None:
+    print("\n".join("  " + ln for ln in text.strip().splitlines()[-n:]))
+
+
+def cmd_test(args) -> int:
+    py = venv_python(Path(args.venv))
+    if not py.exists():
+        raise SystemExit(f"{py} missing: run `{Path(__file__).name} setup --venv {args.venv}` first")
+    if not _in_venv(args.venv):                  # numpy/safetensors for the checks
+        return subprocess.run([str(py), str(Path(__file__).resolve())] + sys.argv[1:]).returncode
+    sys.path.insert(0, str(HERE))
+    exe = _mla_diff()
+    f2 = _reads_format2(exe)
+    out_dir = Path(tempfile.mkdtemp(prefix="vllm-cpu-test-"))
+    me = [sys.executable, str(Path(__file__).resolve())]
+    base = ["--venv", args.venv, "--tokens", args.tokens, "--decode-steps", str(args.decode_steps)]
+    ok = True
+
+    def harness(name, extra=()):
+        gguf_path = ROOT / "golden" / "models" / name
+        dump = out_dir / (gguf_path.stem + ("-zeroed" if extra else "") + ".safetensors")
+        cmd = me + ["run", "--gguf", str(gguf_path), "--out", str(dump), *base, *extra]
+        print("$ " + " ".join(cmd), flush=True)
+        t0 = time.time()
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        print(f"  harness exit {r.returncode} in {time.time() - t0:.1f} s")
+        return gguf_path, dump, r
+
+    def compare(gguf_path, dump, want_rc, want_text):
+        judged = dump if f2 else prefill_as_format1(dump, dump.with_suffix(".f1.safetensors"))
+        cmd = [str(exe), "compare", "--model", str(gguf_path), "--dump", str(judged)]
+        print("$ " + " ".join(cmd) + ("" if f2 else "   (this mla-diff reads format 1: the prefill step)"))
+        c = subprocess.run(cmd, capture_output=True, text=True)
+        text = c.stdout + c.stderr
+        _show(text)
+        good = c.returncode == want_rc and want_text in text
+        print(f"  {'ok' if good else 'FAIL'}: compare exit {c.returncode} (want {want_rc}, "
+              f"output containing {want_text!r})")
+        return good
+
+    # 1. fused attn_kv_b: loads, runs, passes
+    g, d, r = harness("legacy-kvb-f32.gguf")
+    _show(r.stdout, 4)
+    if r.returncode != 0:
+        _show(r.stderr)
+        ok = False
+    else:
+        ok &= compare(g, d, 0, "within tolerance")
+        if args.decode_steps:
+            lines, worst = check_decode(d)
+            good = worst < 1e-5
+            print(f"  {'ok' if good else 'FAIL'}: decode steps' MQA sites vs float64 from the dump's "
+                  f"own inputs (bound 1e-5): " + "; ".join(lines))
+            ok &= good
+    # 2. split attn_k_b/attn_v_b: the unmodified plugin never loads kv_b_proj; vLLM fails at load
+    g, d, r = harness("tiny-v3-f32.gguf")
+    err = r.stderr
+    good = (r.returncode != 0 and "never filled: model.layers.0.self_attn.kv_b_proj" in err
+            and "size mismatch" in err)
+    _show("\n".join(ln for ln in err.splitlines() if "never filled" in ln or "Error" in ln), 3)
+    print(f"  {'ok' if good else 'FAIL'}: vLLM fails in process_weights_after_loading, "
+          "kv_b_proj named as never loaded")
+    ok &= good
+    # 3. the same with the never-loaded weight zeroed: runs, and compare fails at w.kv_b
+    g, d, r = harness("tiny-v3-f32.gguf", ["--zero-unloaded"])
+    if r.returncode != 0:
+        _show(r.stderr)
+        ok = False
+    else:
+        ok &= compare(g, d, 1, "L0.w.kv_b")
+    if args.keep:
+        print(f"dumps kept in {out_dir}")
+    else:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    print("all passed" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+# =============================================================================================
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("setup", help="create the venv with the pinned vLLM")
+    s.add_argument("--venv", required=True)
+    c = sub.add_parser("config", help="write config.json derived from a GGUF")
+    c.add_argument("--gguf", required=True)
+    c.add_argument("--out", required=True, help="folder for config.json")
+    for name in ("run", "_inner"):
+        r = sub.add_parser(name, help="run vLLM on the CPU and dump" if name == "run" else argparse.SUPPRESS)
+        r.add_argument("--venv", default=os.environ.get("MLA_VLLM_VENV", str(ROOT / ".venv-vllm")))
+        r.add_argument("--gguf", required=True)
+        r.add_argument("--config-dir", default=None, help="folder with the HF config.json "
+                       "(default: derived from the GGUF's metadata)")
+        r.add_argument("--tokens", required=True, help="prompt token ids, comma-separated")
+        r.add_argument("--decode-steps", type=int, default=0)
+        r.add_argument("--decode-tokens", default=None,
+                       help="token ids fed to the decode steps (default: greedy from vLLM's logits)")
+        r.add_argument("--out", required=True, help="dump to write (the prefill step)")
+        r.add_argument("--weights", default=None, help="also write vLLM's loaded MLA weights")
+        r.add_argument("--no-weights", action="store_true",
+                       help="format 2: leave vLLM's loaded weights (weights.*) out of the dump (the "
+                       "w.* sites stay)")
+        r.add_argument("--format", type=int, choices=(1, 2), default=2,
+                       help="2 (default): one file with every step, model identity and patches "
+                       "(docs/dump-format.md, format 2); 1: the prefill step in format 1, decode "
+                       "step k in <out stem>.decode{k}.safetensors")
+        r.add_argument("--zero-unloaded", action="store_true",
+                       help="give linear layers the GGUF loader never filled an all-zero weight "
+                       "(recorded as a patch) instead of letting vLLM fail at load")
+    t = sub.add_parser("test", help="end-to-end test on real vLLM (run by hand; CI has no vLLM)")
+    t.add_argument("--venv", default=os.environ.get("MLA_VLLM_VENV", str(ROOT / ".venv-vllm")))
+    t.add_argument("--tokens", default="1,7,42,99,3,250,17,8")
+    t.add_argument("--decode-steps", type=int, default=2)
+    t.add_argument("--keep", action="store_true", help="keep the dumps")
+    args = ap.parse_args()
+    if args.cmd == "setup":
+        return cmd_setup(args)
+    if args.cmd == "config":
+        return cmd_config(args)
+    if args.cmd == "run":
+        return cmd_run(args)
+    if args.cmd == "_inner":
+        return inner_run(args)
+    return cmd_test(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -24,4 +24,5 @@ mod scale;
 mod selftest;
 mod snapshots;
 mod triage_report;
+mod vllm_dumps;
 mod weights_check;

@@ -1,0 +1,100 @@
+//! The committed dumps of vLLM's real code (`golden/dumps/*.vllm*.safetensors`, format 2), made by
+//! `scripts/vllm_cpu.py` with vLLM 0.26.0 and vllm-gguf-plugin 0.0.5 on the CPU: a prefill and two
+//! decode steps through vLLM's own MLA layer and its Triton decode kernel. Each must keep the
+//! verdict it had when it was made; a new committed vLLM dump must be listed here.
+
+use crate::common::{compare_json, repo, run_bin};
+
+/// A committed dump: (file, its model, exit code, finding `(class, site)` or none).
+type Case = (&'static str, &'static str, i32, Option<(&'static str, &'static str)>);
+
+const CASES: &[Case] = &[
+    // Legacy fused `attn_kv_b`: the plugin loads every weight; all steps within the f32 rows.
+    ("legacy-kvb-f32.vllm.safetensors", "legacy-kvb-f32.gguf", 0, None),
+    // Split `attn_k_b`/`attn_v_b`: the plugin maps neither, vLLM leaves `kv_b_proj` unloaded
+    // (the harness's recorded `zero-unloaded` patch lets the run go on with zeros).
+    (
+        "tiny-v3-f32.vllm-unloaded.safetensors",
+        "tiny-v3-f32.gguf",
+        1,
+        Some(("weight-not-loaded", "L0.w.kv_b")),
+    ),
+];
+
+#[test]
+fn every_committed_vllm_dump_keeps_its_verdict() {
+    let dir = repo().join("golden/dumps");
+    let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".vllm"))
+        .collect();
+    on_disk.sort();
+    let mut listed: Vec<String> = CASES.iter().map(|c| c.0.to_string()).collect();
+    listed.sort();
+    assert_eq!(on_disk, listed, "every committed vLLM dump is a case here");
+    for &(dump, model, want, finding) in CASES {
+        let (code, out, err, doc) = compare_json(&repo().join("golden/models").join(model), &dir.join(dump), &[]);
+        assert_eq!(code, want, "{dump}: {out}\n{err}");
+        assert_eq!(doc["dump"]["engine"], "vllm 0.26.0", "{dump}");
+        assert_eq!(doc["dump"]["metadata"]["format"], "mla-diff dump 2");
+        assert_eq!(doc["dump"]["metadata"]["attention_backend"], "TRITON_MLA");
+        // Prefill and both decode steps were judged, the decode steps through the MQA sites.
+        let sites = doc["sites"].as_array().unwrap();
+        for step in ["prefill", "decode-1", "decode-2"] {
+            assert!(sites.iter().any(|s| s["step"] == step), "{dump}: no {step}");
+        }
+        for site in ["L0.ql_nope", "L0.attn_latent", "L0.lse"] {
+            let s = sites
+                .iter()
+                .find(|s| s["step"] == "decode-1" && s["site"] == site)
+                .unwrap_or_else(|| panic!("{dump}: decode-1 {site} not judged"));
+            if want == 0 {
+                assert_eq!(s["status"], "pass", "{dump}: {s}");
+            }
+        }
+        let patches: Vec<&str> = doc["dump"]["conversions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|c| c.as_str())
+            .filter(|c| c.starts_with("patch `"))
+            .collect();
+        assert!(
+            patches.iter().any(|p| p.starts_with("patch `cpu-platform`")),
+            "{dump}: {patches:?}"
+        );
+        match finding {
+            None => assert!(doc["findings"].as_array().unwrap().is_empty(), "{dump}"),
+            Some((class, site)) => {
+                assert_eq!(doc["findings"][0]["class"], class, "{dump}");
+                assert_eq!(doc["findings"][0]["site"], site, "{dump}");
+                assert!(!doc["findings"][0]["hint"].as_str().unwrap().contains("  "), "{dump}");
+            }
+        }
+    }
+    // The dump carries vLLM's loaded weights too: `weights --check` reads them from it.
+    let (code, out, err) = run_bin(&[
+        "weights",
+        "--model",
+        repo().join("golden/models/legacy-kvb-f32.gguf").to_str().unwrap(),
+        "--check",
+        dir.join("legacy-kvb-f32.vllm.safetensors").to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("all 16 tensors match the GGUF"), "{out}");
+}
+
+#[test]
+fn a_vllm_dump_against_another_model_is_refused() {
+    let (code, out, err, _) = compare_json(
+        &repo().join("golden/models/tiny-v3-q8_0.gguf"),
+        &repo().join("golden/dumps/tiny-v3-f32.vllm-unloaded.safetensors"),
+        &[],
+    );
+    assert_eq!(code, 2, "{out}\n{err}");
+    assert!(
+        err.contains("header.model.index_sha256") && err.contains("tiny-v3-q8_0.gguf"),
+        "{err}"
+    );
+}

@@ -853,3 +853,14 @@ fn format2_decode_steps_show_a_broken_attention_on_their_own_rows() {
     assert_eq!(decode_out["shape"][0], 1);
     assert_eq!(doc["findings"][0]["site"], "L0.attn_out", "{}", doc["findings"]);
 }
+
+/// Without --model a format-1 dump cannot say which GGUF it was made from: exit 2, never a
+/// verdict against the embedded fixture (which would call two different models an engine bug).
+#[test]
+fn a_format1_dump_without_model_is_refused() {
+    let d = repo().join("golden/dumps/tiny-v3-f32.hf.safetensors");
+    let (code, out, err) = run_bin(&["compare", "--dump", d.to_str().unwrap()]);
+    assert_eq!(code, 2, "{out}\n{err}");
+    assert!(err.contains("does not identify its GGUF; pass --model"), "{err}");
+    assert!(!out.contains("finding"), "{out}");
+}

@@ -17,8 +17,9 @@ use crate::model::gguf::GgufFile;
 /// `--model`: the GGUF file.
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
-    /// GGUF model file (default: the embedded tiny-v3 Q4_K_M fixture; for `compare` and
-    /// `weights`, the file the engine loaded; a format-2 dump names it, found next to the dump).
+    /// GGUF model file (default: the embedded tiny-v3 Q4_K_M fixture). For `compare` and
+    /// `weights`, the file the engine loaded: required with a format-1 dump; a format-2 dump
+    /// names it, and `compare` opens it from the dump's folder.
     #[arg(long)]
     pub model: Option<PathBuf>,
 }

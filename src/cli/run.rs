@@ -123,7 +123,14 @@ pub fn cmd_compare(a: &CompareArgs, out: &mut dyn Write) -> Result<Outcome> {
             }
             GgufFile::open(&beside)?
         }
-        (None, None) => crate::model::fixture::open_model(None)?,
+        // A format-1 dump does not say which file it was made from: judging it against the
+        // embedded fixture would report the difference between two models as an engine bug.
+        (None, None) => {
+            return Err(Error::Usage(format!(
+                "{}: a format-1 dump does not identify its GGUF; pass --model with the file the engine loaded",
+                a.dump.display()
+            )));
+        }
     };
     let cfg = MlaConfig::from_gguf(&file)?;
     let map = a.map.as_deref().map(dump::Map::load).transpose()?;

@@ -201,7 +201,9 @@ fn weight_not_loaded(x: &SiteCtx<'_>) -> Detected {
             fmt_e(m.norm_ref)
         ),
         format!(
-            "the engine never loaded this weight: its loader's tensor mapping has no entry for {names}              (vllm-gguf-plugin 0.0.5 maps `attn_kv_b` but not the split `attn_k_b`/`attn_v_b` that              current llama.cpp writes)"
+            "the engine never loaded this weight: its loader's tensor mapping has no entry for {names} \
+             (vllm-gguf-plugin 0.0.5 maps `attn_kv_b` but not the split `attn_k_b`/`attn_v_b` that \
+             current llama.cpp writes)"
         ),
     ))
 }

@@ -7,15 +7,18 @@
 
 use ndarray::Array2;
 
+use crate::compute::indexer::Selection;
 use crate::compute::path::PathOptions;
-use crate::compute::reference::{reference_layer, reference_layer_full};
+use crate::compute::reference::{RefOutput, reference_layer, reference_layer_full};
 use crate::core::batch::{Batch, SeqSpec};
 use crate::core::error::{Error, Result};
-use crate::core::trace::{Site, Stage, TraceTensor};
+use crate::core::trace::{Site, Stage, Trace, TraceTensor};
+use crate::judge::diagnose::Finding;
 use crate::judge::diagnose::{self, DiagnoseInput, PathEvidence};
 use crate::judge::label::PathLabel;
-use crate::judge::metrics;
+use crate::judge::metrics::{self, SiteDiff};
 use crate::judge::report::{DumpSummary, InputSource, ModelSummary, PathResult, RunRecord, RunReport};
+use crate::judge::tolerance::Precision;
 use crate::model::config::MlaConfig;
 use crate::model::dump::{Dump, EngineDtype, StepsDump};
 use crate::model::gguf::GgufFile;
@@ -57,7 +60,7 @@ pub fn compare_dump(
     let mut tensor_types = Vec::new();
     let mut prev: Option<(usize, Option<Array2<f64>>)> = None; // (layer, dump's hidden_out)
     // The reference selection of the latest full DSA indexer layer, for GLM's shared layers.
-    let mut prev_sel: Option<crate::compute::indexer::Selection> = None;
+    let mut prev_sel: Option<Selection> = None;
     for (i, &layer) in layers.iter().enumerate() {
         let dl = &dump.layers[&layer];
         let w = LayerWeights::load(file, cfg, layer)?;
@@ -105,18 +108,7 @@ pub fn compare_dump(
                 )));
             }
         };
-        let wants_ffn = dl
-            .entries()
-            .iter()
-            .any(|(s, _)| s.stage.is_moe() || s.stage == Stage::HiddenOut);
-        let refo = if cfg.is_moe_layer(layer) && wants_ffn {
-            reference_layer_full(file, cfg, &w, &input, &dump.batch, 1, prev_sel.as_ref())?
-        } else {
-            reference_layer(cfg, &w, &input, &dump.batch, 1, prev_sel.as_ref())?
-        };
-        if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(layer) == Some(&true)) {
-            prev_sel = refo.selection.clone();
-        }
+        let refo = dumped_layer_reference(file, cfg, &w, &input, &dump.batch, dl, &mut prev_sel)?;
         let mut reference = refo.trace;
         if let Some(e) = expected_in {
             let flat: Vec<f64> = e.iter().copied().collect();
@@ -130,22 +122,7 @@ pub fn compare_dump(
                 not_dumped.push(s.to_string());
             }
         }
-        let diffs = metrics::diff(&reference, dl, precision);
-        let evidence = PathEvidence {
-            kind: PathLabel::Dump,
-            trace: dl,
-            diffs: &diffs,
-            empty_partial_rows: &[],
-            unservable: None,
-        };
-        let f = diagnose::diagnose(&DiagnoseInput {
-            cfg,
-            batch: &dump.batch,
-            reference: &reference,
-            paths: vec![evidence],
-            tp: 1,
-            precision,
-        });
+        let (diffs, f) = judge_dumped_layer(cfg, &dump.batch, &reference, dl, precision);
         if findings.is_empty() {
             findings.extend(f);
         }
@@ -195,6 +172,66 @@ pub fn compare_dump(
         findings,
         dump: Some(summary),
     })
+}
+
+/// The reference of one dumped layer on `input` (rows of `batch`): with the layer's MoE FFN when
+/// the dump holds any MoE site or `hidden_out` of it. Keeps `prev_sel`, the selection of the
+/// latest full DSA indexer layer that GLM's shared layers borrow, up to date.
+///
+/// Errors: as [`reference_layer_full`].
+fn dumped_layer_reference(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    input: &Array2<f64>,
+    batch: &Batch,
+    dl: &Trace,
+    prev_sel: &mut Option<Selection>,
+) -> Result<RefOutput> {
+    let wants_ffn = dl
+        .entries()
+        .iter()
+        .any(|(s, _)| s.stage.is_moe() || s.stage == Stage::HiddenOut);
+    let refo = if cfg.is_moe_layer(w.layer) && wants_ffn {
+        reference_layer_full(file, cfg, w, input, batch, 1, prev_sel.as_ref())?
+    } else {
+        reference_layer(cfg, w, input, batch, 1, prev_sel.as_ref())?
+    };
+    if cfg
+        .indexer
+        .as_ref()
+        .is_some_and(|ix| ix.full.get(w.layer) == Some(&true))
+    {
+        prev_sel.clone_from(&refo.selection);
+    }
+    Ok(refo)
+}
+
+/// One dumped layer's sites against its reference (the tolerance rows of `precision`) and the
+/// dump's finding there, judged as the path `dump`.
+fn judge_dumped_layer(
+    cfg: &MlaConfig,
+    batch: &Batch,
+    reference: &Trace,
+    dl: &Trace,
+    precision: Precision,
+) -> (Vec<SiteDiff>, Vec<Finding>) {
+    let diffs = metrics::diff(reference, dl, precision);
+    let findings = diagnose::diagnose(&DiagnoseInput {
+        cfg,
+        batch,
+        reference,
+        paths: vec![PathEvidence {
+            kind: PathLabel::Dump,
+            trace: dl,
+            diffs: &diffs,
+            empty_partial_rows: &[],
+            unservable: None,
+        }],
+        tp: 1,
+        precision,
+    });
+    (diffs, findings)
 }
 
 /// The rows `rows` (dim 0) of `t` when its first dim is `t_full` tokens; weights and other
@@ -265,7 +302,7 @@ pub fn compare_steps(
             new_rows.extend(off + q.context..off + q.context + q.new);
             off += q.context + q.new;
         }
-        let mut prev_sel: Option<crate::compute::indexer::Selection> = None;
+        let mut prev_sel: Option<Selection> = None;
         for (&layer, dl) in &d.layers {
             let w = LayerWeights::load(file, cfg, layer)?;
             if tensor_types.is_empty() {
@@ -301,18 +338,7 @@ pub fn compare_steps(
                     }
                 }
             }
-            let wants_ffn = dl
-                .entries()
-                .iter()
-                .any(|(s, _)| s.stage.is_moe() || s.stage == Stage::HiddenOut);
-            let refo = if cfg.is_moe_layer(layer) && wants_ffn {
-                reference_layer_full(file, cfg, &w, &full_in, &full, 1, prev_sel.as_ref())?
-            } else {
-                reference_layer(cfg, &w, &full_in, &full, 1, prev_sel.as_ref())?
-            };
-            if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(layer) == Some(&true)) {
-                prev_sel = refo.selection.clone();
-            }
+            let refo = dumped_layer_reference(file, cfg, &w, &full_in, &full, dl, &mut prev_sel)?;
             let mut reference = crate::core::trace::Trace::new();
             for (s, t) in refo.trace.entries() {
                 reference.record(*s, take_rows(t, &new_rows, t_full));
@@ -323,21 +349,7 @@ pub fn compare_steps(
                     not_dumped.push(name);
                 }
             }
-            let diffs = metrics::diff(&reference, dl, precision);
-            let f = diagnose::diagnose(&DiagnoseInput {
-                cfg,
-                batch: &d.batch,
-                reference: &reference,
-                paths: vec![PathEvidence {
-                    kind: PathLabel::Dump,
-                    trace: dl,
-                    diffs: &diffs,
-                    empty_partial_rows: &[],
-                    unservable: None,
-                }],
-                tp: 1,
-                precision,
-            });
+            let (diffs, f) = judge_dumped_layer(cfg, &d.batch, &reference, dl, precision);
             if findings.is_empty() {
                 findings.extend(f);
             }

@@ -270,6 +270,16 @@ fn rewrite_dump(
             ));
         }
     }
+    write_dump(dump, &tensors, metadata)
+}
+
+/// Writes `tensors` (name, dtype, shape, little-endian bytes) with `metadata` as `name` in a new
+/// temporary folder.
+fn write_dump(
+    name: &str,
+    tensors: &[(String, safetensors::Dtype, Vec<usize>, Vec<u8>)],
+    metadata: std::collections::HashMap<String, String>,
+) -> (tempfile::TempDir, std::path::PathBuf) {
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
         .iter()
         .map(|(n, d, s, b)| {
@@ -280,7 +290,7 @@ fn rewrite_dump(
         })
         .collect();
     let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join(dump);
+    let p = dir.path().join(name);
     std::fs::write(&p, safetensors::serialize(views, Some(metadata)).unwrap()).unwrap();
     (dir, p)
 }
@@ -749,19 +759,7 @@ fn split_into_steps(
     ]
     .into_iter()
     .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
-        .iter()
-        .map(|(n, d, s, b)| {
-            (
-                n.clone(),
-                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
-            )
-        })
-        .collect();
-    let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join("steps.safetensors");
-    std::fs::write(&p, safetensors::serialize(views, Some(md)).unwrap()).unwrap();
-    (dir, p)
+    write_dump("steps.safetensors", &tensors, md)
 }
 
 #[test]

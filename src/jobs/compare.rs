@@ -16,7 +16,7 @@ use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::judge::diagnose::Finding;
 use crate::judge::diagnose::{self, DiagnoseInput, PathEvidence};
 use crate::judge::label::PathLabel;
-use crate::judge::metrics::{self, SiteDiff};
+use crate::judge::metrics;
 use crate::judge::report::{DumpSummary, InputSource, ModelSummary, PathResult, RunRecord, RunReport};
 use crate::judge::tolerance::Precision;
 use crate::model::config::MlaConfig;
@@ -122,17 +122,11 @@ pub fn compare_dump(
                 not_dumped.push(s.to_string());
             }
         }
-        let (diffs, f) = judge_dumped_layer(cfg, &dump.batch, &reference, dl, precision);
+        let (result, f) = judge_dumped_layer(cfg, &dump.batch, &reference, dl, precision, layer, None);
         if findings.is_empty() {
             findings.extend(f);
         }
-        results.push(PathResult {
-            path: PathLabel::Dump,
-            layer,
-            diffs,
-            notes: Vec::new(),
-            step: None,
-        });
+        results.push(result);
         let ho = dl
             .get(&Site::new(layer, Stage::HiddenOut))
             .map(|x| to_array(x, t, cfg.hidden))
@@ -207,15 +201,17 @@ fn dumped_layer_reference(
     Ok(refo)
 }
 
-/// One dumped layer's sites against its reference (the tolerance rows of `precision`) and the
-/// dump's finding there, judged as the path `dump`.
+/// One dumped layer's sites against its reference (the tolerance rows of `precision`), as the
+/// result of the path `dump` at `layer` (in format-2 step `step`), and the dump's finding there.
 fn judge_dumped_layer(
     cfg: &MlaConfig,
     batch: &Batch,
     reference: &Trace,
     dl: &Trace,
     precision: Precision,
-) -> (Vec<SiteDiff>, Vec<Finding>) {
+    layer: usize,
+    step: Option<String>,
+) -> (PathResult, Vec<Finding>) {
     let diffs = metrics::diff(reference, dl, precision);
     let findings = diagnose::diagnose(&DiagnoseInput {
         cfg,
@@ -231,7 +227,14 @@ fn judge_dumped_layer(
         tp: 1,
         precision,
     });
-    (diffs, findings)
+    let result = PathResult {
+        path: PathLabel::Dump,
+        layer,
+        diffs,
+        notes: Vec::new(),
+        step,
+    };
+    (result, findings)
 }
 
 /// The rows `rows` (dim 0) of `t` when its first dim is `t_full` tokens; weights and other
@@ -349,17 +352,12 @@ pub fn compare_steps(
                     not_dumped.push(name);
                 }
             }
-            let (diffs, f) = judge_dumped_layer(cfg, &d.batch, &reference, dl, precision);
+            let step = Some(spec.name.clone());
+            let (result, f) = judge_dumped_layer(cfg, &d.batch, &reference, dl, precision, layer, step);
             if findings.is_empty() {
                 findings.extend(f);
             }
-            results.push(PathResult {
-                path: PathLabel::Dump,
-                layer,
-                diffs,
-                notes: Vec::new(),
-                step: Some(spec.name.clone()),
-            });
+            results.push(result);
         }
     }
     for p in &h.patches {

@@ -288,17 +288,21 @@ impl Ops for CpuOps {
         // The cache already holds dtype-rounded rows (cache_write stores what a bf16 cache holds).
         let qr = self.rounded(q);
         let cr = cache;
-        let results: Vec<(usize, Vec<f32>, f32)> = (0..n * nh * splits)
+        // One job per (token, split, group of up to LANES heads): the heads share the cache rows.
+        let groups = nh.div_ceil(ops::LANES);
+        let results: Vec<(Vec<f32>, Vec<f32>)> = (0..n * splits * groups)
             .into_par_iter()
             .map(|job| {
-                let (i, h, s) = (job / (nh * splits), (job / splits) % nh, job % splits);
+                let (i, s, g) = (job / (splits * groups), (job / groups) % splits, job % groups);
+                let heads = g * ops::LANES..((g + 1) * ops::LANES).min(nh);
                 let c = ctx[i];
                 let sl = c.div_ceil(splits);
                 let keys = (s * sl).min(c)..((s + 1) * sl).min(c);
-                let mut o = canary_vec(dv);
-                let qrow = &qr[(i * nh + h) * width..(i * nh + h + 1) * width];
+                let mut o = canary_vec(heads.len() * dv);
+                let qrows = &qr[(i * nh + heads.start) * width..(i * nh + heads.end) * width];
                 let ls = ops::decode_split(
-                    qrow,
+                    qrows,
+                    heads.len(),
                     cr,
                     block_size,
                     width,
@@ -309,15 +313,16 @@ impl Ops for CpuOps {
                     empty_lse,
                     &mut o,
                 );
-                (if keys.is_empty() { usize::MAX } else { job }, o, ls)
+                (if keys.is_empty() { Vec::new() } else { o }, ls)
             })
             .collect();
-        for (job, (marker, o, ls)) in results.into_iter().enumerate() {
-            let (i, h, s) = (job / (nh * splits), (job / splits) % nh, job % splits);
-            if marker != usize::MAX {
-                parts[((s * n + i) * nh + h) * dv..][..dv].copy_from_slice(&o);
+        for (job, (o, ls)) in results.into_iter().enumerate() {
+            let (i, s, g) = (job / (splits * groups), (job / groups) % splits, job % groups);
+            let h0 = g * ops::LANES;
+            if !o.is_empty() {
+                parts[((s * n + i) * nh + h0) * dv..][..o.len()].copy_from_slice(&o);
             }
-            lses[(s * n + i) * nh + h] = ls;
+            lses[(s * n + i) * nh + h0..][..ls.len()].copy_from_slice(&ls);
         }
         Ok(())
     }

@@ -17,6 +17,39 @@ use crate::core::canary::canary_vec;
 /// Query/key tile of [`flash_attention`] (rows).
 pub const TILE: usize = 16;
 
+/// Query rows (prefill) or heads (decode) whose `q·k` dot products [`dots_lanes`] computes
+/// together; equal to [`TILE`].
+pub const LANES: usize = TILE;
+
+/// `q_i·k` for [`LANES`] query vectors at once, given transposed as `qt` [D][LANES] (lanes past
+/// the real ones hold anything and are dropped by the caller). Each lane sums in index order
+/// with a separate multiply and add (Rust never fuses them), exactly as one row's plain loop
+/// `for d { dot += q[d] * k[d] }`: the same bits. One such chain is bound by the add latency;
+/// running the lanes side by side lets the compiler use vector instructions across them, which
+/// is what makes the attention kernels several times faster without changing a bit.
+#[inline]
+pub fn dots_lanes(qt: &[f32], k: &[f32]) -> [f32; LANES] {
+    let mut acc = [0f32; LANES];
+    for (qd, &kd) in qt.chunks_exact(LANES).zip(k) {
+        for (a, &x) in acc.iter_mut().zip(qd) {
+            *a += x * kd;
+        }
+    }
+    acc
+}
+
+/// `rows` vectors of length `d` (row `i` at `src[at(i)..][..d]`) transposed into [d][LANES],
+/// lanes past `rows` zero.
+fn transpose_lanes(src: &[f32], rows: usize, d: usize, at: impl Fn(usize) -> usize) -> Vec<f32> {
+    let mut qt = vec![0f32; d * LANES];
+    for i in 0..rows {
+        for (j, &x) in src[at(i)..][..d].iter().enumerate() {
+            qt[j * LANES + i] = x;
+        }
+    }
+    qt
+}
+
 /// Rows of W (output columns) per parallel work item of [`linear`]; fixed, never thread-dependent.
 pub const LINEAR_OUT_BLOCK: usize = 256;
 
@@ -114,25 +147,19 @@ pub fn flash_attention(
             let mut l = vec![0f32; rows];
             let mut acc = vec![0f32; rows * dv];
             let mut s = vec![0f32; tile];
+            let q_t = transpose_lanes(q, rows, dqk, |r| ((sg.q_off + qt + r) * n_head + h) * dqk);
+            let mut dots = vec![[0f32; LANES]; tile];
             for kt in (0..sg.k_len).step_by(tile) {
                 let cols = tile.min(sg.k_len - kt);
+                for (c, dc) in dots.iter_mut().enumerate().take(cols) {
+                    *dc = dots_lanes(&q_t, &k[((sg.k_off + kt + c) * n_head + h) * dqk..][..dqk]);
+                }
                 for r in 0..rows {
                     let i = qt + r;
-                    let qrow = &q[((sg.q_off + i) * n_head + h) * dqk..][..dqk];
                     let mut row_max = f32::NEG_INFINITY;
                     for c in 0..cols {
-                        let j = kt + c;
-                        let visible = !sg.causal || (j as isize) <= i as isize + shift;
-                        s[c] = if visible {
-                            let krow = &k[((sg.k_off + j) * n_head + h) * dqk..][..dqk];
-                            let mut dot = 0f32;
-                            for d in 0..dqk {
-                                dot += qrow[d] * krow[d];
-                            }
-                            dot * scale
-                        } else {
-                            f32::NEG_INFINITY
-                        };
+                        let visible = !sg.causal || ((kt + c) as isize) <= i as isize + shift;
+                        s[c] = if visible { dots[c][r] * scale } else { f32::NEG_INFINITY };
                         row_max = row_max.max(s[c]);
                     }
                     if row_max == f32::NEG_INFINITY {
@@ -197,15 +224,20 @@ pub fn cache_row<'c>(cache: &'c [f32], block_size: usize, width: usize, table: &
     &cache[slot * width..(slot + 1) * width]
 }
 
-/// Stage 1 of split-KV decode for one query row and one split: online softmax over the keys at
-/// logical positions `keys`, read from the paged cache through `table`.
+/// Stage 1 of split-KV decode for one token, a group of up to [`LANES`] of its heads and one
+/// split: online softmax over the keys at logical positions `keys`, read from a paged latent
+/// cache `[blocks·block_size, width]` through the block table (vLLM Triton MLA decode stage 1).
 ///
-/// `q` [L+R] is `[ql_nope | q_pe_roped]` of one head; the value is the first `dv` (= L) columns of
-/// each cache row. Writes the partial output into `out` \[dv] and returns its LSE; an empty range
-/// writes nothing and returns `empty_lse` (−inf is right: Triton MLA decode's empty split).
+/// `q` [heads, width] holds each head's `[ql_nope | q_pe_roped]`; the value is the first `dv`
+/// (= L) columns of each cache row. Writes each head's partial output into `out` [heads, dv] and
+/// returns the heads' LSEs; an empty range writes nothing and returns `empty_lse` for every head
+/// (−inf is right: Triton MLA decode's empty split). The heads share every cache row, so their
+/// dot products run side by side ([`dots_lanes`]); each head's arithmetic, and so every bit, is
+/// that of a loop over the keys for that head alone.
 #[allow(clippy::too_many_arguments)]
 pub fn decode_split(
     q: &[f32],
+    heads: usize,
     cache: &[f32],
     block_size: usize,
     width: usize,
@@ -215,33 +247,35 @@ pub fn decode_split(
     dv: usize,
     empty_lse: f32,
     out: &mut [f32],
-) -> f32 {
+) -> Vec<f32> {
     if keys.is_empty() {
-        return empty_lse;
+        return vec![empty_lse; heads];
     }
-    let mut m = f32::NEG_INFINITY;
-    let mut l = 0f32;
-    let mut acc = vec![0f32; dv];
+    let q_t = transpose_lanes(q, heads, width, |h| h * width);
+    let mut m = vec![f32::NEG_INFINITY; heads];
+    let mut l = vec![0f32; heads];
+    let mut acc = vec![0f32; heads * dv];
     for pos in keys {
-        let row = cache_row(cache, block_size, width, table, pos);
-        let mut dot = 0f32;
-        for d in 0..q.len() {
-            dot += q[d] * row[d];
+        let row = &cache_row(cache, block_size, width, table, pos)[..width];
+        let dots = dots_lanes(&q_t, row);
+        for h in 0..heads {
+            let s = dots[h] * scale;
+            let m_new = m[h].max(s);
+            let alpha = (m[h] - m_new).exp();
+            let p = (s - m_new).exp();
+            for (a, &x) in acc[h * dv..(h + 1) * dv].iter_mut().zip(&row[..dv]) {
+                *a = *a * alpha + p * x;
+            }
+            l[h] = l[h] * alpha + p;
+            m[h] = m_new;
         }
-        let s = dot * scale;
-        let m_new = m.max(s);
-        let alpha = (m - m_new).exp();
-        let p = (s - m_new).exp();
-        for d in 0..dv {
-            acc[d] = acc[d] * alpha + p * row[d];
+    }
+    for h in 0..heads {
+        for (o, &a) in out[h * dv..(h + 1) * dv].iter_mut().zip(&acc[h * dv..(h + 1) * dv]) {
+            *o = a / l[h];
         }
-        l = l * alpha + p;
-        m = m_new;
     }
-    for d in 0..dv {
-        out[d] = acc[d] / l;
-    }
-    m + l.ln()
+    (0..heads).map(|h| m[h] + l[h].ln()).collect()
 }
 
 /// Merges partial attention states `(o_i, lse_i)` (docs/mla.md "Attention state merge"):
@@ -409,6 +443,69 @@ mod tests {
     }
 
     #[test]
+    fn lane_dots_are_bit_identical_to_a_plain_loop_per_row() {
+        for d in [1, 7, 192, 576] {
+            let rows = 11; // fewer than LANES: the padding lanes must not disturb the real ones
+            let q = normal_f32(21 + d as u64, rows * d);
+            let k = normal_f32(22 + d as u64, d);
+            let qt = transpose_lanes(&q, rows, d, |i| i * d);
+            let got = dots_lanes(&qt, &k);
+            for i in 0..rows {
+                let mut plain = 0f32;
+                for j in 0..d {
+                    plain += q[i * d + j] * k[j];
+                }
+                assert_eq!(got[i].to_bits(), plain.to_bits(), "d={d} row {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_heads_decode_is_bit_identical_to_one_head_at_a_time() {
+        let (width, dv, ctx, bs, heads) = (40, 32, 29usize, 4, 5);
+        let table: Vec<usize> = (0..ctx.div_ceil(bs)).rev().collect();
+        let cache = normal_f32(31, table.len() * bs * width);
+        let q = normal_f32(32, heads * width);
+        let mut grouped = canary_vec(heads * dv);
+        let lg = decode_split(
+            &q,
+            heads,
+            &cache,
+            bs,
+            width,
+            &table,
+            3..ctx,
+            0.3,
+            dv,
+            f32::NEG_INFINITY,
+            &mut grouped,
+        );
+        for h in 0..heads {
+            let mut one = canary_vec(dv);
+            let qh = &q[h * width..(h + 1) * width];
+            let l1 = decode_split(
+                qh,
+                1,
+                &cache,
+                bs,
+                width,
+                &table,
+                3..ctx,
+                0.3,
+                dv,
+                f32::NEG_INFINITY,
+                &mut one,
+            );
+            assert_eq!(lg[h].to_bits(), l1[0].to_bits(), "lse of head {h}");
+            let same = one
+                .iter()
+                .zip(&grouped[h * dv..])
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "output of head {h}");
+        }
+    }
+
+    #[test]
     fn split_decode_then_merge_equals_single_pass() {
         let (width, dv, ctx, bs) = (6, 4, 13, 4);
         let mut cache = canary_vec(5 * bs * width);
@@ -422,6 +519,7 @@ mod tests {
         let mut whole = vec![0f32; dv];
         let l_whole = decode_split(
             &q,
+            1,
             &cache,
             bs,
             width,
@@ -431,13 +529,13 @@ mod tests {
             dv,
             f32::NEG_INFINITY,
             &mut whole,
-        );
+        )[0];
         let mut parts = vec![canary_vec(dv); 4];
         let mut lses = [0f32; 4];
         let split = ctx.div_ceil(4);
         for (s, p) in parts.iter_mut().enumerate() {
             let r = (s * split).min(ctx)..((s + 1) * split).min(ctx);
-            lses[s] = decode_split(&q, &cache, bs, width, &table, r, 0.5, dv, f32::NEG_INFINITY, p);
+            lses[s] = decode_split(&q, 1, &cache, bs, width, &table, r, 0.5, dv, f32::NEG_INFINITY, p)[0];
         }
         let views: Vec<(&[f32], f32)> = parts.iter().map(|p| p.as_slice()).zip(lses.iter().copied()).collect();
         let mut merged = canary_vec(dv);

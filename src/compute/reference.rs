@@ -301,6 +301,72 @@ pub fn forward_sel(
     rec3(&mut tr, layer, Stage::V, &vv);
 
     // Step 6 weights: W_UK_T [N, P, L] and W_UV [N, L, V] from the same kv_b.
+    let (w_uk_t, w_uv) = split_kv_b(cfg, &kv_b);
+    rec3(&mut tr, layer, Stage::WUkT, &w_uk_t);
+    rec3(&mut tr, layer, Stage::WUv, &w_uv);
+    // ql_nope = q_nope · W_UK_T per head.
+    let mut ql_nope = Array3::<f64>::zeros((t, n, l));
+    let heads: Vec<(usize, ArrayViewMut2<f64>)> = ql_nope.axis_iter_mut(Axis(1)).enumerate().collect();
+    heads.into_par_iter().for_each(|(h, mut out)| {
+        let qn = q.slice(s![.., h, ..p]);
+        ndarray::linalg::general_mat_mul(1.0, &qn, &w_uk_t.slice(s![h, .., ..]), 0.0, &mut out);
+    });
+    rec3(&mut tr, layer, Stage::QlNope, &ql_nope);
+
+    // Attention, causal within each sequence, softmax scale of step 7.
+    let (attn_out, attn_latent, lse) = match &selection {
+        None => attention_causal(cfg, batch, &q, &k_nope, &q_pe_roped, &k_pe_roped, &vv, &kv_c_normed),
+        Some(sel) => attention_selected(
+            cfg,
+            batch,
+            sel,
+            &q,
+            &k_nope,
+            &q_pe_roped,
+            &k_pe_roped,
+            &vv,
+            &kv_c_normed,
+        ),
+    };
+    rec3(&mut tr, layer, Stage::AttnLatent, &attn_latent);
+    rec2(&mut tr, layer, Stage::Lse, &lse);
+    rec3(&mut tr, layer, Stage::AttnOut, &attn_out);
+
+    // Step 8: o_proj over the head-major [T, N·V] input.
+    let attn_flat = attn_out
+        .into_shape_with_order((t, n * v))
+        .map_err(|e| Error::Usage(e.to_string()))?;
+    let o = linear32(&attn_flat, &w.o_proj);
+    rec2(&mut tr, layer, Stage::OProj, &o);
+
+    // Residual and dense SwiGLU FFN (each branch times the residual scale: MiniCPM3).
+    let rs = cfg.residual_scale;
+    let hidden_out = w.ffn.as_ref().map(|ffn| {
+        let h1 = hidden_in + &(&o * rs);
+        let xn = rms_norm(h1.view(), ffn.norm.view(), eps);
+        let gate = linear32(&xn, &ffn.gate);
+        let up = linear32(&xn, &ffn.up);
+        let act = ndarray::Zip::from(&gate)
+            .and(&up)
+            .map_collect(|&g, &u| g / (1.0 + (-g).exp()) * u);
+        h1 + linear32(&act, &ffn.down) * rs
+    });
+    if let Some(ho) = &hidden_out {
+        rec2(&mut tr, layer, Stage::HiddenOut, ho);
+    }
+    Ok(RefLayer {
+        trace: tr,
+        hidden_out,
+        moe_nonfinite: Vec::new(),
+        selection,
+    })
+}
+
+/// `W_UK_T` [N, P, L] and `W_UV` [N, L, V] out of `kv_b_proj` [N·(P+V), L] (vLLM's
+/// `process_weights_after_loading`): `W_UK_T[h, p, l] = kv_b[h·(P+V) + p, l]`,
+/// `W_UV[h, l, v] = kv_b[h·(P+V) + P + v, l]`.
+pub fn split_kv_b(cfg: &MlaConfig, kv_b: &Array2<f64>) -> (Array3<f64>, Array3<f64>) {
+    let (n, l, p, v) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
     let mut w_uk_t = Array3::<f64>::zeros((n, p, l));
     let mut w_uv = Array3::<f64>::zeros((n, l, v));
     for h in 0..n {
@@ -313,19 +379,112 @@ pub fn forward_sel(
             }
         }
     }
-    rec3(&mut tr, layer, Stage::WUkT, &w_uk_t);
-    rec3(&mut tr, layer, Stage::WUv, &w_uv);
-    // ql_nope = q_nope · W_UK_T per head.
-    let mut ql_nope = Array3::<f64>::zeros((t, n, l));
-    for h in 0..n {
-        let qn = q.slice(s![.., h, ..p]);
-        let prod = qn.dot(&w_uk_t.slice(s![h, .., ..]));
-        ql_nope.slice_mut(s![.., h, ..]).assign(&prod);
-    }
-    rec3(&mut tr, layer, Stage::QlNope, &ql_nope);
+    (w_uk_t, w_uv)
+}
 
-    // Attention, causal within each sequence, softmax scale of step 7. Each (token, head) row
-    // is computed on its own, in a fixed order, so the result does not depend on threading.
+/// Query rows per work item of [`attention_causal`]: fixed, so the work split (and every bit of
+/// the result) never depends on the thread count; small enough that a block's scores
+/// [`ATTN_Q_BLOCK`, T] stay a few MB at T = 4096.
+const ATTN_Q_BLOCK: usize = 64;
+
+/// The reference attention per (head, sequence, block of [`ATTN_Q_BLOCK`] queries), each block
+/// four dgemms: scores `q_nope·k_noperᵀ + q_pe·k_peᵀ` over the keys up to its last query,
+/// causal mask, softmax in f64, then `P·v` (`attn_out`) and `P·kv_c_normed` (`attn_latent`, the
+/// absorbed paths' latent output).
+///
+/// Shapes: `q` [T, N, P+R], `k_nope` [T, N, P], `q_pe` [T, N, R], `k_pe` [T, R], `v` [T, N, V],
+/// `kv_c` [T, L] → (`attn_out` [T, N, V], `attn_latent` [T, N, L], `lse` [T, N], natural log).
+#[allow(clippy::too_many_arguments)]
+fn attention_causal(
+    cfg: &MlaConfig,
+    batch: &Batch,
+    q: &Array3<f64>,
+    k_nope: &Array3<f64>,
+    q_pe: &Array3<f64>,
+    k_pe: &Array2<f64>,
+    v: &Array3<f64>,
+    kv_c: &Array2<f64>,
+) -> (Array3<f64>, Array3<f64>, Array2<f64>) {
+    let t = batch.n_tokens();
+    let (n, l, p, dv) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
+    let scale = cfg.softmax_scale;
+    let mut items = Vec::new();
+    for (sq, off) in batch.seqs.iter().zip(batch.offsets()) {
+        for h in 0..n {
+            for q0 in (0..sq.len).step_by(ATTN_Q_BLOCK) {
+                items.push((h, off, q0, ATTN_Q_BLOCK.min(sq.len - q0)));
+            }
+        }
+    }
+    let blocks: Vec<(Array2<f64>, Array2<f64>, Vec<f64>)> = items
+        .par_iter()
+        .map(|&(h, off, q0, rows)| {
+            // Keys 0..=q0+rows-1 of the sequence; query row i sees keys 0..=q0+i.
+            let nk = q0 + rows;
+            let (qr, kr) = (off + q0..off + q0 + rows, off..off + nk);
+            let mut sc = Array2::<f64>::zeros((rows, nk));
+            let qn = q.slice(s![qr.clone(), h, ..p]);
+            let kn = k_nope.slice(s![kr.clone(), h, ..]);
+            ndarray::linalg::general_mat_mul(1.0, &qn, &kn.t(), 0.0, &mut sc);
+            let qp = q_pe.slice(s![qr, h, ..]);
+            let kp = k_pe.slice(s![kr.clone(), ..]);
+            ndarray::linalg::general_mat_mul(1.0, &qp, &kp.t(), 1.0, &mut sc);
+            let mut lse = Vec::with_capacity(rows);
+            for (i, mut row) in sc.rows_mut().into_iter().enumerate() {
+                let visible = q0 + i + 1;
+                let m = row
+                    .iter()
+                    .take(visible)
+                    .fold(f64::NEG_INFINITY, |a, &z| a.max(z * scale));
+                let mut sum = 0.0;
+                for (j, x) in row.iter_mut().enumerate() {
+                    *x = if j < visible { (*x * scale - m).exp() } else { 0.0 };
+                    sum += *x;
+                }
+                row.mapv_inplace(|x| x / sum);
+                lse.push(m + sum.ln());
+            }
+            let mut out = Array2::<f64>::zeros((rows, dv));
+            ndarray::linalg::general_mat_mul(1.0, &sc, &v.slice(s![kr.clone(), h, ..]), 0.0, &mut out);
+            let mut lat = Array2::<f64>::zeros((rows, l));
+            ndarray::linalg::general_mat_mul(1.0, &sc, &kv_c.slice(s![kr, ..]), 0.0, &mut lat);
+            (out, lat, lse)
+        })
+        .collect();
+    let mut attn_out = Array3::<f64>::zeros((t, n, dv));
+    let mut attn_latent = Array3::<f64>::zeros((t, n, l));
+    let mut lse = Array2::<f64>::zeros((t, n));
+    for (&(h, off, q0, rows), (o, lat, ls)) in items.iter().zip(blocks) {
+        let r = off + q0..off + q0 + rows;
+        attn_out.slice_mut(s![r.clone(), h, ..]).assign(&o);
+        attn_latent.slice_mut(s![r.clone(), h, ..]).assign(&lat);
+        lse.slice_mut(s![r, h]).assign(&Array1::from(ls));
+    }
+    (attn_out, attn_latent, lse)
+}
+
+/// The reference attention when a DSA indexer chose each token's keys: one (token, head) row at
+/// a time over its selected keys, in a fixed order. Shapes as [`attention_causal`].
+#[allow(clippy::too_many_arguments)]
+fn attention_selected(
+    cfg: &MlaConfig,
+    batch: &Batch,
+    sel: &Selection,
+    q: &Array3<f64>,
+    k_nope: &Array3<f64>,
+    q_pe_roped: &Array3<f64>,
+    k_pe_roped: &Array2<f64>,
+    vv: &Array3<f64>,
+    kv_c_normed: &Array2<f64>,
+) -> (Array3<f64>, Array3<f64>, Array2<f64>) {
+    let t = batch.n_tokens();
+    let (n, l, p, r, v) = (
+        cfg.n_head,
+        cfg.kv_lora_rank,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+    );
     let scale = cfg.softmax_scale;
     let qs = q.as_standard_layout();
     let qs = qs.as_slice().unwrap_or(&[]);
@@ -344,23 +503,21 @@ pub fn forward_sel(
         kvc.as_slice().unwrap_or(&[]),
     );
     let offsets = batch.offsets();
-    let seq_of: Vec<(usize, usize)> = batch
+    // The offset of each token's sequence (selected key indices are within the sequence).
+    let seq_of: Vec<usize> = batch
         .seqs
         .iter()
         .zip(&offsets)
-        .flat_map(|(sq, &off)| (0..sq.len).map(move |i| (off, i)))
+        .flat_map(|(sq, &off)| std::iter::repeat_n(off, sq.len))
         .collect();
     let rows: Vec<(Vec<f64>, Vec<f64>, f64)> = (0..t * n)
         .into_par_iter()
         .map(|row| {
             let (ti, h) = (row / n, row % n);
-            let (off, i) = seq_of[ti];
+            let off = seq_of[ti];
             let qrow = &qs[(ti * n + h) * (p + r)..(ti * n + h) * (p + r) + p];
             let qpr = &qpe[(ti * n + h) * r..(ti * n + h + 1) * r];
-            let keys: Vec<usize> = match &selection {
-                Some(sel) => sel.rows[ti].iter().map(|&j| off + j).collect(),
-                None => (off..=off + i).collect(),
-            };
+            let keys: Vec<usize> = sel.rows[ti].iter().map(|&j| off + j).collect();
             let logits: Vec<f64> = keys
                 .iter()
                 .map(|&tj| {
@@ -397,38 +554,7 @@ pub fn forward_sel(
         attn_latent.slice_mut(s![ti, h, ..]).assign(&Array1::from(lat));
         lse[[ti, h]] = ls;
     }
-    rec3(&mut tr, layer, Stage::AttnLatent, &attn_latent);
-    rec2(&mut tr, layer, Stage::Lse, &lse);
-    rec3(&mut tr, layer, Stage::AttnOut, &attn_out);
-
-    // Step 8: o_proj over the head-major [T, N·V] input.
-    let attn_flat = attn_out
-        .into_shape_with_order((t, n * v))
-        .map_err(|e| Error::Usage(e.to_string()))?;
-    let o = linear32(&attn_flat, &w.o_proj);
-    rec2(&mut tr, layer, Stage::OProj, &o);
-
-    // Residual and dense SwiGLU FFN (each branch times the residual scale: MiniCPM3).
-    let rs = cfg.residual_scale;
-    let hidden_out = w.ffn.as_ref().map(|ffn| {
-        let h1 = hidden_in + &(&o * rs);
-        let xn = rms_norm(h1.view(), ffn.norm.view(), eps);
-        let gate = linear32(&xn, &ffn.gate);
-        let up = linear32(&xn, &ffn.up);
-        let act = ndarray::Zip::from(&gate)
-            .and(&up)
-            .map_collect(|&g, &u| g / (1.0 + (-g).exp()) * u);
-        h1 + linear32(&act, &ffn.down) * rs
-    });
-    if let Some(ho) = &hidden_out {
-        rec2(&mut tr, layer, Stage::HiddenOut, ho);
-    }
-    Ok(RefLayer {
-        trace: tr,
-        hidden_out,
-        moe_nonfinite: Vec::new(),
-        selection,
-    })
+    (attn_out, attn_latent, lse)
 }
 
 /// One recorded site of a layer: stage, shape, values.

@@ -6,8 +6,11 @@
 //! elements within `atol + rtol·|ref|`) and decides pass/fail against the tolerance table. The
 //! order of checks follows FlashMLA's `tests/kernelkit/compare.py`: non-finite positions first,
 //! then an element passes on abs OR rel, cosine in f64, and the worst element is reported with
-//! both values. Every sum runs sequentially in element order, so results are bit-reproducible.
+//! both values. Sums run over fixed chunks of [`CHUNK`] elements in parallel, each chunk in
+//! element order, and the chunks combine in order: the results are bit-reproducible whatever the
+//! thread count.
 
+use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::core::canary::CANARY_BITS;
@@ -126,68 +129,151 @@ pub fn unravel(mut i: usize, shape: &[usize]) -> Vec<usize> {
 /// Shapes must be compatible (see [`shapes_compatible`]); the multi-index of the worst element
 /// is reported in the reference's shape.
 pub fn metrics(reference: &TraceTensor, cand: &TraceTensor, tol: &Tolerance) -> Metrics {
-    let n = reference.len().min(cand.len());
-    let cand_f32 = cand.f32_data();
-    let (mut nf_r, mut nf_c, mut nf_mis, mut first_mis, mut canary, mut zeros) = (0, 0, 0, None, 0, 0);
-    let (mut rr, mut cc, mut dd, mut rc) = (0f64, 0f64, 0f64, 0f64);
-    for i in 0..n {
-        let r = reference.get(i);
-        let c = cand.get(i);
-        if cand_f32.is_some_and(|cf| is_canary_like(cf[i])) {
-            canary += 1;
-        }
-        let (rf, cf) = (r.is_finite(), c.is_finite());
-        if !rf {
-            nf_r += 1;
-        }
-        if !cf {
-            nf_c += 1;
-        }
-        if rf != cf {
-            nf_mis += 1;
-            first_mis.get_or_insert(i);
-        }
-        if rf && cf {
-            rr += r * r;
-            cc += c * c;
-            dd += (c - r) * (c - r);
-            rc += r * c;
-            if c == 0.0 && r != 0.0 {
-                zeros += 1;
-            }
-        }
+    use crate::core::trace::TensorData::{F32, F64};
+    match (&reference.data, &cand.data) {
+        (F64(r), F32(c)) => metrics_of(reference, cand, r, c, tol),
+        (F64(r), F64(c)) => metrics_of(reference, cand, r, c, tol),
+        (F32(r), F32(c)) => metrics_of(reference, cand, r, c, tol),
+        (F32(r), F64(c)) => metrics_of(reference, cand, r, c, tol),
     }
+}
+
+/// Elements per parallel chunk of [`metrics`]: fixed, so the sums never depend on threading.
+const CHUNK: usize = 1 << 15;
+
+/// Pass 1 of [`metrics`] over one chunk: non-finite counts, the first mismatch, canaries, zeros
+/// where the reference is not, and the four sums of squares and products.
+#[derive(Default, Clone, Copy)]
+struct Sums {
+    nf_r: usize,
+    nf_c: usize,
+    nf_mis: usize,
+    first_mis: Option<usize>,
+    canary: usize,
+    zeros: usize,
+    rr: f64,
+    cc: f64,
+    dd: f64,
+    rc: f64,
+}
+
+/// Pass 2 of [`metrics`] over one chunk: the worst element, the worst relative error above the
+/// floor, and the elements within tolerance.
+#[derive(Default, Clone, Copy)]
+struct Worst {
+    max_abs: f64,
+    max_i: usize,
+    max_rel: f64,
+    passed: usize,
+}
+
+/// [`metrics`] on the two element slices (`R`, `C`: f32 or f64).
+fn metrics_of<R, C>(reference: &TraceTensor, cand: &TraceTensor, rv: &[R], cv: &[C], tol: &Tolerance) -> Metrics
+where
+    R: Copy + Into<f64> + Sync,
+    C: Copy + Into<f64> + Sync,
+{
+    let n = reference.len().min(cand.len());
+    let (rv, cv) = (&rv[..n], &cv[..n]);
+    let cand_f32 = cand.f32_data();
+    let sums: Vec<Sums> = (0..n.div_ceil(CHUNK))
+        .into_par_iter()
+        .map(|k| {
+            let mut s = Sums::default();
+            for i in k * CHUNK..((k + 1) * CHUNK).min(n) {
+                let (r, c): (f64, f64) = (rv[i].into(), cv[i].into());
+                if cand_f32.is_some_and(|cf| is_canary_like(cf[i])) {
+                    s.canary += 1;
+                }
+                let (rf, cf) = (r.is_finite(), c.is_finite());
+                s.nf_r += usize::from(!rf);
+                s.nf_c += usize::from(!cf);
+                if rf != cf {
+                    s.nf_mis += 1;
+                    s.first_mis.get_or_insert(i);
+                }
+                if rf && cf {
+                    s.rr += r * r;
+                    s.cc += c * c;
+                    s.dd += (c - r) * (c - r);
+                    s.rc += r * c;
+                    if c == 0.0 && r != 0.0 {
+                        s.zeros += 1;
+                    }
+                }
+            }
+            s
+        })
+        .collect();
+    let mut t = Sums::default();
+    for s in &sums {
+        t.nf_r += s.nf_r;
+        t.nf_c += s.nf_c;
+        t.nf_mis += s.nf_mis;
+        t.first_mis = t.first_mis.or(s.first_mis);
+        t.canary += s.canary;
+        t.zeros += s.zeros;
+        t.rr += s.rr;
+        t.cc += s.cc;
+        t.dd += s.dd;
+        t.rc += s.rc;
+    }
+    let Sums {
+        nf_r,
+        nf_c,
+        nf_mis,
+        first_mis,
+        canary,
+        zeros,
+        rr,
+        cc,
+        dd,
+        rc,
+    } = t;
     let norm_ref = rr.sqrt();
     let norm_cand = cc.sqrt();
     let rms = if n > 0 { (rr / n as f64).sqrt() } else { 0.0 };
     let floor = 1e-3 * rms;
     let atol = tol.atol_rms * rms;
+    let worst: Vec<Worst> = (0..n.div_ceil(CHUNK))
+        .into_par_iter()
+        .map(|k| {
+            let mut w = Worst::default();
+            for i in k * CHUNK..((k + 1) * CHUNK).min(n) {
+                let (r, c): (f64, f64) = (rv[i].into(), cv[i].into());
+                if r.is_finite() && c.is_finite() {
+                    let d = (c - r).abs();
+                    if d > w.max_abs {
+                        w.max_abs = d;
+                        w.max_i = i;
+                    }
+                    if r.abs() > floor {
+                        w.max_rel = w.max_rel.max(d / r.abs());
+                    }
+                    if d <= atol + tol.rtol * r.abs() {
+                        w.passed += 1;
+                    }
+                } else if r.is_finite() == c.is_finite() && (r.is_nan() == c.is_nan()) && (r.is_nan() || r == c) {
+                    // Both non-finite in the same way (NaN/NaN or the same infinity) counts as agreement.
+                    w.passed += 1;
+                } else if w.max_abs != f64::INFINITY {
+                    // Mismatched non-finite: worst possible element; report the first one.
+                    w.max_abs = f64::INFINITY;
+                    w.max_i = i;
+                }
+            }
+            w
+        })
+        .collect();
     let (mut max_abs, mut max_i, mut max_rel, mut passed) = (0f64, 0usize, 0f64, 0usize);
-    for i in 0..n {
-        let r = reference.get(i);
-        let c = cand.get(i);
-        if r.is_finite() && c.is_finite() {
-            let d = (c - r).abs();
-            if d > max_abs {
-                max_abs = d;
-                max_i = i;
-            }
-            if r.abs() > floor {
-                max_rel = max_rel.max(d / r.abs());
-            }
-            if d <= atol + tol.rtol * r.abs() {
-                passed += 1;
-            }
-        } else if r.is_finite() == c.is_finite() && (r.is_nan() == c.is_nan()) && (r.is_nan() || r == c) {
-            // Both non-finite in the same way (NaN/NaN or the same infinity) counts as agreement.
-            passed += 1;
-        } else if !r.is_finite() || !c.is_finite() {
-            // Mismatched non-finite: worst possible element; report the first one.
-            if max_abs != f64::INFINITY {
-                max_abs = f64::INFINITY;
-                max_i = i;
-            }
+    for w in &worst {
+        // Strictly greater: the first chunk's index wins a tie, as a single pass would report.
+        if w.max_abs > max_abs {
+            max_abs = w.max_abs;
+            max_i = w.max_i;
         }
+        max_rel = max_rel.max(w.max_rel);
+        passed += w.passed;
     }
     // No element finite on both sides (and some mismatch): the norm-based metrics are undefined
     // (NaN, written as `null` in JSON), not a perfect 0.

@@ -525,3 +525,68 @@ fn device_wgmma_one_split_writes_the_merge_directly() {
     }
     assert!(mo[nh * l..].iter().any(|&x| x != 0.0 && x.is_finite()));
 }
+
+/// The GPU reference against the CPU reference on every committed fixture (and, when
+/// `MLA_DIFF_V3` names the sparse DeepSeek-V3 file of `scripts/make_sparse_gguf.py`, its layer 3
+/// at T = 512): the largest rel_l2 of any site is printed and must be within
+/// `REFERENCE_AGREEMENT`.
+#[test]
+fn device_reference_matches_the_cpu_reference() {
+    use mla_diff::judge::tolerance::REFERENCE_AGREEMENT;
+    let Some(ops) = device() else { return };
+    let mut models: Vec<(std::path::PathBuf, Batch, Option<usize>)> =
+        std::fs::read_dir(common::repo().join("golden/models"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+            .map(|p| (p, mla_diff::jobs::selftest::selftest_batch(16), None))
+            .collect();
+    models.sort_by(|a, b| a.0.cmp(&b.0));
+    if let Some(v3) = std::env::var_os("MLA_DIFF_V3") {
+        models.push((v3.into(), Batch::single(512, 0), Some(3)));
+    }
+    let (mut worst, mut at, mut sites) = (0f64, String::new(), 0);
+    for (path, batch, only) in &models {
+        let file = mla_diff::model::gguf::GgufFile::open(path).unwrap();
+        let cfg = MlaConfig::from_gguf(&file).unwrap();
+        let per_site = match only {
+            None => mla_diff::jobs::selftest::reference_agreement(&ops, &file, &cfg, batch, 7).unwrap(),
+            Some(layer) => {
+                let w = LayerWeights::load(&file, &cfg, *layer).unwrap();
+                let t = batch.n_tokens();
+                let hidden = ndarray::Array2::from_shape_vec((t, cfg.hidden), normal_f32(9, t * cfg.hidden))
+                    .unwrap()
+                    .mapv(f64::from);
+                let cpu = mla_diff::compute::reference::reference_layer(&cfg, &w, &hidden, batch, 1, None).unwrap();
+                let gpu =
+                    mla_diff::backend::cuda::reference::reference_layer(ops.device(), &cfg, &w, &hidden, batch, 1)
+                        .unwrap();
+                let tol = mla_diff::judge::tolerance::GOLDEN_TOLERANCE.0;
+                cpu.trace
+                    .entries()
+                    .iter()
+                    .map(|(s, r)| {
+                        (
+                            *s,
+                            mla_diff::judge::metrics::metrics(r, gpu.trace.get(s).unwrap(), &tol).rel_l2,
+                        )
+                    })
+                    .collect()
+            }
+        };
+        for (site, e) in per_site {
+            sites += 1;
+            // A NaN rel_l2 counts as the worst.
+            if e.is_nan() || e > worst {
+                worst = e;
+                at = format!("{site} of {}", path.display());
+            }
+        }
+    }
+    eprintln!(
+        "GPU vs CPU reference: {sites} sites of {} models, largest rel_l2 {worst:.3e} at {at}",
+        models.len()
+    );
+    assert!(sites > 100, "{sites} sites compared");
+    assert!(worst <= REFERENCE_AGREEMENT, "largest rel_l2 {worst:e} at {at}");
+}

@@ -193,3 +193,127 @@ fn the_binary_reports_what_it_read() {
     assert!(stats.contains("(layer 3: 9 tensors,"), "{stats}");
     assert!(!stats.contains("layer 4") && !stats.contains("token_embd"), "{stats}");
 }
+
+#[test]
+fn stats_name_every_stage_of_the_run() {
+    let (_d, path, _) = sparse_file(3);
+    let (code, out, err) = run_bin(&[
+        "run",
+        "--model",
+        path.to_str().unwrap(),
+        "--layer",
+        "3",
+        "--tokens",
+        "8",
+        "--backend",
+        "cpu",
+        "--quiet",
+        "--stats",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let stages = err.lines().find(|l| l.starts_with("mla-diff: stages:")).unwrap();
+    let names: Vec<&str> = stages
+        .trim_start_matches("mla-diff: stages: ")
+        .split(", ")
+        .map(|s| s.split(" 0.").next().unwrap().split(" 1.").next().unwrap())
+        .collect();
+    for want in [
+        "open",
+        "backend",
+        "dequant",
+        "reference",
+        "path mha",
+        "path mqa",
+        "path chunked",
+        "path mixed",
+        "compare",
+        "diagnose",
+        "report",
+    ] {
+        assert!(
+            names.iter().any(|n| n.starts_with(want)),
+            "{want} missing from {stages}"
+        );
+    }
+    // Four paths, four comparisons.
+    assert!(stages.contains("compare") && stages.contains("(4×)"), "{stages}");
+}
+
+#[test]
+fn a_run_bigger_than_the_memory_limit_is_refused_before_any_work() {
+    let (_d, path, _) = sparse_file(3);
+    let p = path.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut a = vec!["run", "--model", p, "--layer", "3", "--backend", "cpu", "--quiet"];
+        a.extend_from_slice(extra);
+        run_bin(&a)
+    };
+    // A million tokens of this model need far more than any machine here: refused at once, with
+    // the file, the estimate and where the limit came from (MemTotal or a cgroup).
+    let (code, _, err) = run(&["--tokens", "1000000"]);
+    assert_eq!(code, 2, "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains(p) && err.contains("needs about") && err.contains("GiB"),
+        "{err}"
+    );
+    assert!(err.contains("MemTotal") || err.contains("cgroup"), "{err}");
+    // --max-memory sets the limit, both ways.
+    let (code, _, err) = run(&["--tokens", "8", "--max-memory", "1M"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("the limit is 1.0 MiB (--max-memory)"), "{err}");
+    let (code, out, err) = run(&["--tokens", "8", "--path", "mha", "--max-memory", "64G"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let (code, _, err) = run(&["--tokens", "8", "--max-memory", "lots"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("not a size"), "{err}");
+}
+
+#[test]
+fn the_gpu_reference_needs_a_gpu_backend() {
+    let (code, _, err) = run_bin(&["run", "--backend", "cpu", "--reference-backend", "cuda", "--quiet"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--reference-backend cuda") && err.contains("--backend cpu"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_softmax_scale_fit_on_sampled_rows_still_names_the_missing_yarn_factor() {
+    // 64 tokens × the fixture's heads is more rows than the fit samples, so this exercises the
+    // sampled recomputation; the fitted scale must still be 1/m² within 0.5%.
+    let model = crate::common::repo().join("golden/models/yarn-v3-f32.gguf");
+    let (code, out, err) = run_bin(&[
+        "run",
+        "--model",
+        model.to_str().unwrap(),
+        "--tokens",
+        "64",
+        "--path",
+        "mha",
+        "--inject",
+        "no-mscale",
+        "--backend",
+        "cpu",
+        "--quiet",
+    ]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    let finding = out
+        .lines()
+        .find(|l| l.starts_with("finding [mha] softmax-scale"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(out.contains("the YaRN m² ="), "{out}");
+    let c: f64 = finding
+        .split('×')
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let cfg = MlaConfig::from_gguf(&GgufFile::open(&model).unwrap()).unwrap();
+    let msq = cfg.mscale() * cfg.mscale();
+    assert!((c * msq - 1.0).abs() < 5e-3, "fitted ×{c}, 1/m² = {}", 1.0 / msq);
+}

@@ -54,6 +54,9 @@ impl Backend {
     pub fn describe(&self) -> String {
         match self {
             Backend::Cpu(_) => format!("cpu ({} threads)", rayon::current_num_threads()),
+            Backend::Cuda(o) if o.gpu_reference() => {
+                format!("cuda: {}; f64 reference on the GPU", o.device().describe())
+            }
             Backend::Cuda(o) => format!("cuda: {}", o.device().describe()),
         }
     }

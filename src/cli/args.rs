@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand, ValueEnum};
 
-use super::values::{self, DtypeArg, EngineDtypeArg, InputArg, KernelsArg};
+use super::values::{self, DtypeArg, EngineDtypeArg, InputArg, KernelsArg, ReferenceArg};
 use crate::compute::faults::Fault;
 use crate::compute::path::PathKind;
 use crate::core::error::Result;
@@ -289,6 +289,9 @@ pub struct DeviceArgs {
     /// CUDA attention kernels: tensor-core ones for bf16 (fast) or the plain FMA ones (simple).
     #[arg(long, value_enum, default_value_t = KernelsArg::Fast)]
     pub kernels: KernelsArg,
+    /// Where the f64 reference runs: on the GPU when the backend is CUDA (auto), or on the CPU.
+    #[arg(long, value_enum, default_value_t = ReferenceArg::Auto)]
+    pub reference_backend: ReferenceArg,
 }
 
 /// What to run: the model, layers, batch, backend, paths and path options (shared by `run` and
@@ -355,9 +358,15 @@ pub struct RunArgs {
     /// Where the result goes.
     #[command(flatten)]
     pub output: ReportArgs,
-    /// Print resource use on stderr: wall time, peak RSS, and which tensors' data was read.
+    /// Print resource use on stderr: wall time, peak RSS, which tensors' data was read, and the
+    /// wall time of each stage (open, dequant, reference, each path, compare, diagnose, report).
     #[arg(long)]
     pub stats: bool,
+    /// Memory this run may use (e.g. `24G`, `512M`; K/M/G/T are powers of 1024). A run whose
+    /// estimated peak exceeds it is refused before any work. Default: the smallest of the
+    /// cgroup memory limits of this process and MemTotal.
+    #[arg(long, value_name = "SIZE", value_parser = crate::core::memory::parse_size)]
+    pub max_memory: Option<u64>,
 }
 
 /// Arguments of `mla-diff inspect`.

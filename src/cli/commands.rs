@@ -374,6 +374,11 @@ pub fn cmd_selftest(a: &SelftestArgs, out: &mut dyn Write) -> Result<Outcome> {
         let (summary, same) = selftest::cross_check(&rep, &cpu, "the CPU backend");
         text.push_str(&summary);
         ok &= same;
+        if let Backend::Cuda(o) = &backend {
+            let (summary, agree) = reference_cross_check(o, &opts)?;
+            text.push_str(&summary);
+            ok &= agree;
+        }
         if let Backend::Cuda(o) = backend.clone().filter_fast() {
             let simple = Backend::Cuda(o.with_kernels(crate::backend::cuda::ops::Kernels::Simple));
             let srep = selftest::run(&simple, &opts)?;
@@ -385,6 +390,41 @@ pub fn cmd_selftest(a: &SelftestArgs, out: &mut dyn Write) -> Result<Outcome> {
     out.write_all(text.as_bytes())
         .map_err(|e| Error::io("<stdout>", "write", e))?;
     Ok(if ok { Outcome::Pass } else { Outcome::Divergence })
+}
+
+/// `selftest --cross-check`'s reference line: the GPU reference against the CPU reference on
+/// every selftest model (every layer the GPU reference computes), the largest rel_l2 with its
+/// site and model, and whether it is within [`crate::judge::tolerance::REFERENCE_AGREEMENT`].
+fn reference_cross_check(o: &crate::backend::cuda::ops::CudaOps, opts: &SelftestOptions) -> Result<(String, bool)> {
+    use crate::judge::tolerance::REFERENCE_AGREEMENT;
+    let batch = selftest::selftest_batch(16);
+    let (mut worst, mut at, mut sites) = (0f64, String::new(), 0usize);
+    for m in &opts.models {
+        let file = match m {
+            ModelSource::File(p) => GgufFile::open(p)?,
+            ModelSource::Embedded => crate::model::fixture::open_model(None)?,
+        };
+        let cfg = MlaConfig::from_gguf(&file)?;
+        for (site, e) in selftest::reference_agreement(o, &file, &cfg, &batch, opts.seed)? {
+            sites += 1;
+            // A NaN rel_l2 counts as the worst.
+            if e.is_nan() || e > worst {
+                worst = e;
+                at = format!("{site} of {}", file.path().display());
+            }
+        }
+    }
+    let ok = worst <= REFERENCE_AGREEMENT;
+    let line = format!(
+        "GPU reference vs CPU reference: {sites} sites, largest rel_l2 {worst:.3e}{} ({} {REFERENCE_AGREEMENT:e})\n",
+        if at.is_empty() {
+            String::new()
+        } else {
+            format!(" at {at}")
+        },
+        if ok { "within" } else { "ABOVE" }
+    );
+    Ok((line, ok))
 }
 
 /// `mla-diff kernels --compile-only`: NVRTC-compiles every module for every architecture.

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use super::Outcome;
 use super::args::*;
+use super::values::ReferenceArg;
 use crate::backend::Backend;
 use crate::backend::cpu::CpuOps;
 use crate::compute::faults::FaultSet;
@@ -163,9 +164,15 @@ pub fn cmd_compare(a: &CompareArgs, out: &mut dyn Write) -> Result<Outcome> {
 ///
 /// Errors: `--backend cuda` without a usable device, library or include folder.
 pub fn select_backend(d: &DeviceArgs, quiet: bool) -> Result<Backend> {
+    if d.reference_backend == ReferenceArg::Cuda && d.backend == BackendChoice::Cpu {
+        return Err(Error::Usage(
+            "--reference-backend cuda runs the reference on the CUDA backend's device; --backend cpu has none".into(),
+        ));
+    }
+    let gpu_reference = d.reference_backend != ReferenceArg::Cpu;
     let cuda = || {
         crate::backend::cuda::ops::CudaOps::new(d.dtype.into(), d.cuda_include.as_deref())
-            .map(|o| Backend::Cuda(o.with_kernels(d.kernels.into())))
+            .map(|o| Backend::Cuda(o.with_kernels(d.kernels.into()).with_gpu_reference(gpu_reference)))
     };
     let b = match d.backend {
         BackendChoice::Cpu => Backend::Cpu(CpuOps::new(d.dtype.into())),
@@ -193,6 +200,11 @@ pub fn select_backend(d: &DeviceArgs, quiet: bool) -> Result<Backend> {
             }
         },
     };
+    if d.reference_backend == ReferenceArg::Cuda && matches!(b, Backend::Cpu(_)) {
+        return Err(Error::Usage(
+            "--reference-backend cuda needs a CUDA device; none answered (see the backend line above)".into(),
+        ));
+    }
     if d.backend != BackendChoice::Auto && !quiet {
         eprintln!("mla-diff: backend {}", b.describe());
     }
@@ -401,8 +413,9 @@ pub(crate) fn refuse_overwrite(path: Option<&PathBuf>, force: bool) -> Result<()
     }
 }
 
-/// A progress bar on stderr for multi-layer runs: drawn only when stderr is a terminal, the run
-/// is not `--quiet`, more than one layer is computed, and the work is still going after a second.
+/// A progress bar on stderr naming the layer and the stage being run (dequant, reference, each
+/// path, compare, diagnose): drawn only when stderr is a terminal, the run is not `--quiet`, and
+/// the work is still going after a second.
 struct LayerProgress {
     bar: Option<indicatif::ProgressBar>,
     done: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -412,13 +425,17 @@ impl LayerProgress {
     fn new(quiet: bool, total: usize) -> Self {
         use std::io::IsTerminal;
         let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        if quiet || total < 2 || !std::io::stderr().is_terminal() {
+        if quiet || !std::io::stderr().is_terminal() {
             return LayerProgress { bar: None, done };
         }
         let bar = indicatif::ProgressBar::with_draw_target(Some(total as u64), indicatif::ProgressDrawTarget::hidden());
-        if let Ok(style) = indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] layer {pos}/{len}") {
+        if let Ok(style) =
+            indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] layer {pos}/{len}: {msg}")
+        {
             bar.set_style(style.progress_chars("=> "));
         }
+        let named = bar.clone();
+        crate::core::timing::set_listener(Some(Box::new(move |stage| named.set_message(stage.to_string()))));
         let (b, d) = (bar.clone(), done.clone());
         std::thread::spawn(move || {
             for _ in 0..20 {
@@ -440,6 +457,7 @@ impl LayerProgress {
     }
 
     fn finish(self) {
+        crate::core::timing::set_listener(None);
         self.done.store(true, std::sync::atomic::Ordering::Relaxed);
         if let Some(b) = self.bar {
             b.finish_and_clear();
@@ -447,12 +465,43 @@ impl LayerProgress {
     }
 }
 
+/// Refuses a run whose estimated peak memory ([`run::estimate_peak_bytes`]) exceeds the limit:
+/// `--max-memory`, else the cgroup/MemTotal limit ([`crate::core::memory::memory_limit`]).
+fn check_memory(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig, max_memory: Option<u64>) -> Result<()> {
+    use crate::core::memory::{MemoryLimit, human, memory_limit};
+    let limit = match max_memory {
+        Some(bytes) => Some(MemoryLimit {
+            bytes,
+            source: "--max-memory".into(),
+        }),
+        None => memory_limit(),
+    };
+    let need = run::estimate_peak_bytes(cfg, rc);
+    match limit {
+        Some(lim) if need > lim.bytes => Err(Error::Usage(format!(
+            "{}: this run needs about {} of memory (T={}, N={}, H={}, {} path(s)) and the limit is {} ({}): \
+             use fewer --tokens, or pass --max-memory if the limit is wrong",
+            file.path().display(),
+            human(need),
+            rc.batch.n_tokens(),
+            cfg.n_head,
+            cfg.hidden,
+            rc.paths.len(),
+            human(lim.bytes),
+            lim.source
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// `mla-diff run`.
 pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
     let started = std::time::Instant::now();
-    let (file, cfg, rc) = build_run(&a.spec)?;
+    let _ = crate::core::timing::take();
+    let (file, cfg, rc) = crate::core::timing::stage("open", || build_run(&a.spec))?;
     check_outputs(a.output.json.as_ref(), a.output.report.as_ref(), a.output.force)?;
-    let backend = select_backend(&a.spec.device, a.output.quiet)?;
+    check_memory(&file, &cfg, &rc, a.max_memory)?;
+    let backend = crate::core::timing::stage("backend", || select_backend(&a.spec.device, a.output.quiet))?;
     let rc = RunConfig {
         backend: backend.describe(),
         ..rc
@@ -465,9 +514,6 @@ pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
     let rep = run::run_with_progress(&backend, &file, &cfg, &rc, &mut |d, _| progress.update(d));
     progress.finish();
     let rep = rep?;
-    if a.stats {
-        eprintln!("{}", crate::output::stats::stats_line(&file, started.elapsed()));
-    }
     refuse_idle_fault(&rep)?;
     let o = Outputs {
         json: a.output.json.as_ref(),
@@ -475,5 +521,10 @@ pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
         force: a.output.force,
         quiet: a.output.quiet,
     };
-    finish_report(&rep, &file, &backend, o, out)
+    let outcome = crate::core::timing::stage("report", || finish_report(&rep, &file, &backend, o, out));
+    if a.stats {
+        eprintln!("{}", crate::output::stats::stats_line(&file, started.elapsed()));
+        eprintln!("{}", crate::output::stats::stages_line(&crate::core::timing::take()));
+    }
+    outcome
 }

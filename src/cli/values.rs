@@ -33,6 +33,18 @@ impl From<DtypeArg> for Dtype {
     }
 }
 
+/// `--reference-backend`: where the f64 reference runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ReferenceArg {
+    /// On the GPU when the backend is CUDA, else on the CPU.
+    Auto,
+    /// On the CPU (the oracle of CI and of the golden traces).
+    Cpu,
+    /// On the GPU (cuBLAS DGEMM and f64 kernels of its own); needs `--backend cuda` or auto with
+    /// a device. Layers it does not compute (DSA indexer, MoE FFN) run on the CPU.
+    Cuda,
+}
+
 /// `--kernels` of the CUDA backend ([`Kernels`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum KernelsArg {

@@ -1,7 +1,7 @@
 //! The bottom layer: the types every other layer speaks.
 //!
 //! Sites and traces, the NaN canary, batches and the seeded generator, the compute dtype, the
-//! bug classes, the error type, safetensors reading and atomic file writes. Nothing here knows
+//! bug classes, the error type, safetensors reading, atomic file writes, stage timing and the memory limit. Nothing here knows
 //! about GGUF, kernels or verdicts, so any layer above may use it.
 
 pub mod batch;
@@ -10,5 +10,7 @@ pub mod class;
 pub mod dtype;
 pub mod error;
 pub mod fsio;
+pub mod memory;
 pub mod st;
+pub mod timing;
 pub mod trace;

@@ -34,6 +34,8 @@ pub enum Module {
     FastPrefill,
     /// `fast_decode.cu`: tensor-core split-KV decode, compiled per (L+R, L).
     FastDecode,
+    /// `reference.cu`: the GPU reference's f64 kernels (norm, RoPE, causal softmax, SwiGLU).
+    Reference,
 }
 
 impl Module {
@@ -45,6 +47,7 @@ impl Module {
         Module::Dequant,
         Module::FastPrefill,
         Module::FastDecode,
+        Module::Reference,
     ];
 
     /// The modules every run loads up front (the fast ones are compiled per shape on demand).
@@ -53,6 +56,7 @@ impl Module {
         Module::NormRope,
         Module::Attention,
         Module::Dequant,
+        Module::Reference,
     ];
 
     /// File name under `kernels/`.
@@ -64,6 +68,7 @@ impl Module {
             Module::Dequant => "dequant.cu",
             Module::FastPrefill => "fast_prefill.cu",
             Module::FastDecode => "fast_decode.cu",
+            Module::Reference => "reference.cu",
         }
     }
 
@@ -76,6 +81,7 @@ impl Module {
             Module::Dequant => include_str!("../../kernels/dequant.cu"),
             Module::FastPrefill => include_str!("../../kernels/fast_prefill.cu"),
             Module::FastDecode => include_str!("../../kernels/fast_decode.cu"),
+            Module::Reference => include_str!("../../kernels/reference.cu"),
         }
     }
 
@@ -220,8 +226,50 @@ pub fn include_dir(explicit: Option<&Path>) -> Result<PathBuf> {
     Ok(dir)
 }
 
+/// The folder of the on-disk NVRTC cache: `$MLA_DIFF_CACHE_DIR/nvrtc`, else
+/// `$XDG_CACHE_HOME/mla-diff/nvrtc`, else `~/.cache/mla-diff/nvrtc`; `None` when
+/// `MLA_DIFF_NVRTC_CACHE=off` or no home is known.
+pub fn nvrtc_cache_dir() -> Option<PathBuf> {
+    if std::env::var("MLA_DIFF_NVRTC_CACHE").is_ok_and(|v| v == "off") {
+        return None;
+    }
+    let base = match (
+        std::env::var_os("MLA_DIFF_CACHE_DIR"),
+        std::env::var_os("XDG_CACHE_HOME"),
+    ) {
+        (Some(d), _) => PathBuf::from(d),
+        (None, Some(x)) => PathBuf::from(x).join("mla-diff"),
+        (None, None) => PathBuf::from(std::env::var_os("HOME")?).join(".cache/mla-diff"),
+    };
+    Some(base.join("nvrtc"))
+}
+
+/// The cache key of one compilation: sha256 over the full source, the options, the include
+/// folder and NVRTC's version, so a changed kernel, define, architecture or toolkit never hits
+/// an old CUBIN.
+fn cache_key(src: &str, opts: &[String], include: &Path) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(src.as_bytes());
+    for o in opts {
+        h.update([0u8]);
+        h.update(o.as_bytes());
+    }
+    h.update([1u8]);
+    h.update(include.as_os_str().as_encoded_bytes());
+    if let Ok((a, b)) = nvrtc_version() {
+        h.update(format!("nvrtc {a}.{b}").as_bytes());
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Compiles `module` for `arch` (e.g. `sm_90`) with NVRTC, returning the CUBIN and the log.
 /// `defines` become `-DNAME=VALUE` (the fast kernels' shape constants).
+///
+/// A compiled CUBIN is kept in [`nvrtc_cache_dir`] under [`cache_key`], and a later compile of
+/// the same source, options and NVRTC reads it instead of compiling (a second run starts in
+/// milliseconds, not seconds). Verbose compiles (which want ptxas's log) bypass the cache; a
+/// cache that cannot be read or written is ignored.
 ///
 /// Errors: [`Error::Cuda`] with NVRTC's whole log when the source does not compile.
 pub fn compile(
@@ -238,7 +286,7 @@ pub fn compile(
         ));
     }
     let src = format!("{COMMON}\n#line 1 \"{}\"\n{}", module.file(), module.source());
-    let csrc = CString::new(src).map_err(|_| cuda_err("kernel source holds a NUL byte"))?;
+    let csrc = CString::new(src.as_str()).map_err(|_| cuda_err("kernel source holds a NUL byte"))?;
     let cname = CString::new(module.file()).map_err(|_| cuda_err("bad module name"))?;
     let mut opts: Vec<String> = vec![
         format!("--gpu-architecture={arch}"),
@@ -249,6 +297,20 @@ pub fn compile(
     opts.extend(defines.iter().map(|(k, v)| format!("-D{k}={v}")));
     if verbose {
         opts.push("--ptxas-options=-v".into());
+    }
+    let cached = (!verbose)
+        .then(nvrtc_cache_dir)
+        .flatten()
+        .map(|d| d.join(format!("{}.cubin", cache_key(&src, &opts, include))));
+    if let Some(cubin) = cached
+        .as_ref()
+        .and_then(|p| std::fs::read(p).ok())
+        .filter(|c| !c.is_empty())
+    {
+        return Ok(Compiled {
+            cubin,
+            log: String::new(),
+        });
     }
     let copts: Vec<CString> = opts
         .iter()
@@ -291,6 +353,13 @@ pub fn compile(
         nv::nvrtcDestroyProgram(&mut prog);
         if r != nv::nvrtcResult::NVRTC_SUCCESS || n == 0 {
             return Err(cuda_err(format!("{}: nvrtcGetCUBIN for {arch}: {r:?}", module.file())));
+        }
+        if let Some(p) = &cached {
+            // Best effort: a read-only or full disk only costs the next run a compile.
+            let _ = p
+                .parent()
+                .map(std::fs::create_dir_all)
+                .map(|_| crate::core::fsio::write_file_atomic(p, &cubin, true));
         }
         Ok(Compiled { cubin, log })
     }
@@ -396,4 +465,30 @@ pub fn supports_tma(arch: &str) -> bool {
         .map(|v| v.trim_end_matches(|c: char| c.is_ascii_alphabetic()))
         .and_then(|v| v.parse::<u32>().ok())
         .is_some_and(|v| v >= 90)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_nvrtc_cache_key_changes_with_source_options_and_include() {
+        let opts = vec!["--gpu-architecture=sm_90".to_string(), "-DHM=64".to_string()];
+        let inc = Path::new("/usr/local/cuda/include");
+        let k = cache_key("__global__ void f(){}", &opts, inc);
+        assert_eq!(k.len(), 64);
+        assert_eq!(k, cache_key("__global__ void f(){}", &opts, inc), "deterministic");
+        assert_ne!(k, cache_key("__global__ void g(){}", &opts, inc));
+        let other_arch = vec!["--gpu-architecture=sm_80".to_string(), "-DHM=64".to_string()];
+        assert_ne!(k, cache_key("__global__ void f(){}", &other_arch, inc));
+        let other_define = vec!["--gpu-architecture=sm_90".to_string(), "-DHM=128".to_string()];
+        assert_ne!(k, cache_key("__global__ void f(){}", &other_define, inc));
+        // Options are separated in the hash: ["ab", "c"] and ["a", "bc"] differ.
+        let split = |a: &str, b: &str| cache_key("x", &[a.to_string(), b.to_string()], inc);
+        assert_ne!(split("ab", "c"), split("a", "bc"));
+        assert_ne!(
+            k,
+            cache_key("__global__ void f(){}", &opts, Path::new("/opt/cuda-13/include"))
+        );
+    }
 }

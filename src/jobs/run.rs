@@ -15,9 +15,10 @@ use crate::compute::reference;
 use crate::compute::reference::{reference_layer, reference_layer_full};
 use crate::core::batch::{Batch, SplitMix64, normal_f32};
 use crate::core::error::{Error, Result};
+use crate::core::timing;
 use crate::core::trace::{Site, Stage, Trace};
 use crate::judge::diagnose::{self, DiagnoseInput, Finding, PathEvidence};
-use crate::judge::metrics::{self, SiteDiff};
+use crate::judge::metrics;
 use crate::judge::report::{InputMode, ModelSummary, PathResult, RunConfig, RunRecord, RunReport};
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
@@ -35,6 +36,14 @@ pub fn seeded_tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
 }
 
 /// Runs the requested paths on one layer, compares them with the reference and diagnoses them.
+///
+/// The paths run one at a time, each compared as soon as it finishes; a path within tolerance
+/// drops its trace then (unless `keep_traces`, for golden recording), so a clean layer holds at
+/// most one path's trace next to the reference's whatever the number of paths. Diagnosis runs
+/// once over every path (a detector compares a diverging path with the others' verdicts). The
+/// returned runs have empty traces unless `keep_traces`.
+///
+/// Errors: input errors of the paths (shapes inconsistent with the configuration).
 #[allow(clippy::too_many_arguments)]
 pub fn compare_layer(
     backend: &Backend,
@@ -45,6 +54,7 @@ pub fn compare_layer(
     reference: &Trace,
     rc: &RunConfig,
     shared: Option<&Selection>,
+    keep_traces: bool,
 ) -> Result<(Vec<PathResult>, Vec<Finding>, Vec<PathRun>)> {
     let hidden32 = hidden.mapv(|x| x as f32);
     // Reduced precision: the paths' attention runs on the reference's DSA selection (their own
@@ -68,34 +78,40 @@ pub fn compare_layer(
     let mut opts = rc.path_options.clone();
     opts.seed = rc.seed;
     let mut runs = Vec::new();
+    let mut all_diffs = Vec::new();
     for &kind in &rc.paths {
-        runs.push(backend.run(kind, &input, &opts)?);
+        let mut pr = timing::stage(&format!("path {kind}"), || backend.run(kind, &input, &opts))?;
+        let diffs = timing::stage("compare", || metrics::diff(reference, &pr.trace, dtype));
+        // Only a diverging path's trace is diagnosed; a clean one's is dropped at once.
+        if !keep_traces && pr.unservable.is_none() && metrics::first_divergence(&diffs).is_none() {
+            pr.trace = Trace::default();
+        }
+        all_diffs.push(diffs);
+        runs.push(pr);
     }
-    let diffs: Vec<Vec<SiteDiff>> = runs
-        .iter()
-        .map(|pr| metrics::diff(reference, &pr.trace, dtype))
-        .collect();
-    let findings = diagnose::diagnose(&DiagnoseInput {
-        cfg,
-        batch: &rc.batch,
-        reference,
-        paths: runs
-            .iter()
-            .zip(&diffs)
-            .map(|(pr, d)| PathEvidence {
-                kind: pr.kind.into(),
-                trace: &pr.trace,
-                diffs: d,
-                empty_partial_rows: &pr.empty_partial_rows,
-                unservable: pr.unservable.as_ref(),
-            })
-            .collect(),
-        tp: opts.tp,
-        precision: dtype.into(),
+    let findings = timing::stage("diagnose", || {
+        diagnose::diagnose(&DiagnoseInput {
+            cfg,
+            batch: &rc.batch,
+            reference,
+            paths: runs
+                .iter()
+                .zip(&all_diffs)
+                .map(|(pr, d)| PathEvidence {
+                    kind: pr.kind.into(),
+                    trace: &pr.trace,
+                    diffs: d,
+                    empty_partial_rows: &pr.empty_partial_rows,
+                    unservable: pr.unservable.as_ref(),
+                })
+                .collect(),
+            tp: opts.tp,
+            precision: dtype.into(),
+        })
     });
     let results = runs
         .iter()
-        .zip(diffs)
+        .zip(all_diffs)
         .map(|(pr, d)| PathResult {
             path: pr.kind.into(),
             layer: w.layer,
@@ -104,6 +120,11 @@ pub fn compare_layer(
             step: None,
         })
         .collect();
+    if !keep_traces {
+        for pr in &mut runs {
+            pr.trace = Trace::default();
+        }
+    }
     Ok((results, findings, runs))
 }
 
@@ -217,7 +238,7 @@ fn run_inner(
         if !wanted && rc.input == InputMode::Random {
             continue;
         }
-        let w = LayerWeights::load(file, cfg, layer)?;
+        let w = timing::stage("dequant", || LayerWeights::load(file, cfg, layer))?;
         if tensor_types.is_empty() && wanted {
             tensor_types = w.types.clone();
         }
@@ -245,17 +266,20 @@ fn run_inner(
         } else {
             None
         };
-        let refo = if rc.input == InputMode::Tokens {
-            reference_layer_full(file, cfg, &w, &hidden, &rc.batch, layer_tp, shared)?
-        } else {
-            reference_layer(cfg, &w, &hidden, &rc.batch, layer_tp, shared)?
-        };
+        let full = rc.input == InputMode::Tokens;
+        let refo = timing::stage("reference", || match backend {
+            Backend::Cuda(o) if o.gpu_reference() && crate::backend::cuda::reference::supported(cfg, layer, full) => {
+                crate::backend::cuda::reference::reference_layer(o.device(), cfg, &w, &hidden, &rc.batch, layer_tp)
+            }
+            _ if full => reference_layer_full(file, cfg, &w, &hidden, &rc.batch, layer_tp, shared),
+            _ => reference_layer(cfg, &w, &hidden, &rc.batch, layer_tp, shared),
+        })?;
         if !refo.moe_nonfinite.is_empty() {
             let numel = |t: &str| file.tensor(t).map_or(0, |i| i.n_elements() as usize);
             findings.extend(diagnose::weight_nonfinite_findings(layer, &refo.moe_nonfinite, numel));
         }
         if wanted {
-            let (res, f, runs) = compare_layer(backend, file, cfg, &w, &hidden, &refo.trace, rc, shared)?;
+            let (res, f, runs) = compare_layer(backend, file, cfg, &w, &hidden, &refo.trace, rc, shared, keep_traces)?;
             results.extend(res);
             for fi in f {
                 if !findings.iter().any(|g| g.path == fi.path) {
@@ -319,4 +343,45 @@ pub fn reference_chain(
         }
     }
     Ok(out)
+}
+
+/// An upper estimate of a run's peak memory in bytes, from the dims, T, the paths and the input
+/// mode, for refusing a run the machine cannot hold before any work.
+///
+/// Per layer, what is live at the peak: the layer's attention weights in f32 twice (the
+/// reference's copy and the path's) plus the reference's f64 weight sites (`w.fused_qkv_a`,
+/// `w.kv_b`, `w.W_UK_T`, `w.W_UV`); the reference trace in f64 and one path's trace in f32 (the
+/// paths run one at a time and each trace is dropped once judged), each about `T ·` (the
+/// per-token width of every site); and the transient working set of the widest step, the
+/// expanded `[T, N, P+V]` K/V in f64 twice. A 25 % margin covers allocator slack and the
+/// smaller temporaries. Token input adds the dense FFN of one layer and the embedding rows.
+pub fn estimate_peak_bytes(cfg: &MlaConfig, rc: &RunConfig) -> u64 {
+    let t = rc.batch.n_tokens() as u64;
+    let (h, n, l, p, r, v) = (
+        cfg.hidden as u64,
+        cfg.n_head as u64,
+        cfg.kv_lora_rank as u64,
+        cfg.qk_nope_head_dim as u64,
+        cfg.qk_rope_head_dim as u64,
+        cfg.v_head_dim as u64,
+    );
+    let lq = cfg.q_lora_rank.unwrap_or(0) as u64;
+    let q_in = if lq > 0 { lq } else { h };
+    let weights_f32 = h * (lq + l + r) + q_in * n * (p + r) + n * (p + v) * l + h * n * v;
+    let weight_sites_f64 = (lq + l + r) * h + 2 * n * (p + v) * l;
+    // Values per token over every site of the reference trace (see docs/mla.md's site list).
+    let per_token = 4 * h + 2 * lq + n * (p + r) + (l + r) + l + 2 * r + n * r + n * (p + v) + 2 * n * l + n + n * v;
+    let ffn = if rc.input == InputMode::Tokens {
+        // One dense FFN's width is not in the config; bound it by the MoE's shared width or 4·H.
+        let f = cfg
+            .moe
+            .as_ref()
+            .map_or(4 * h, |m| (m.n_expert_shared.max(1) * m.expert_ffn) as u64)
+            .max(4 * h);
+        3 * h * f * 4 + t * h * 8 * 2
+    } else {
+        0
+    };
+    let bytes = 2 * weights_f32 * 4 + weight_sites_f64 * 8 + t * per_token * (8 + 4) + 2 * t * n * (p + v) * 8 + ffn;
+    bytes.saturating_add(bytes / 4)
 }

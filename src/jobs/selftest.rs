@@ -289,7 +289,8 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
             // Clean runs.
             for &tp in &tps {
                 let rc = run_cfg(tp, PathKind::ALL.to_vec(), vec![]);
-                let (_, findings, _) = compare_layer(backend, &file, &cfg, &w, &hidden, &reference_for(tp), &rc, None)?;
+                let (_, findings, _) =
+                    compare_layer(backend, &file, &cfg, &w, &hidden, &reference_for(tp), &rc, None, false)?;
                 let expected =
                     natural_misalignment(&file, &cfg, layer, tp).map(|s| (Class::QuantBlockMisaligned, vec![s.stage]));
                 for &path in PathKind::ALL {
@@ -348,7 +349,8 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
                     continue;
                 }
                 let rc = run_cfg(tp, paths.clone(), vec![fault]);
-                let (_, findings, _) = compare_layer(backend, &file, &cfg, &w, &hidden, &reference_for(tp), &rc, None)?;
+                let (_, findings, _) =
+                    compare_layer(backend, &file, &cfg, &w, &hidden, &reference_for(tp), &rc, None, false)?;
                 for path in paths {
                     let stages = fault.expected_stages(path);
                     let expected = Some((fault.expected_class(), stages.clone()));
@@ -556,4 +558,40 @@ pub fn cross_check(a: &SelftestReport, b: &SelftestReport, against: &str) -> (St
         s.push('\n');
     }
     (s, differ.is_empty() && a.cases.len() == b.cases.len())
+}
+
+/// The GPU reference against the CPU reference on one model: every layer the GPU reference
+/// computes ([`crate::backend::cuda::reference::supported`]), on seeded random inputs over
+/// `batch`; returns each compared site with its rel_l2 (f64 vs f64), in layer and site order.
+/// Layers it does not compute are skipped (the run falls back to the CPU reference there).
+///
+/// Errors: missing tensors, a failed launch or DGEMM.
+pub fn reference_agreement(
+    ops: &crate::backend::cuda::ops::CudaOps,
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    batch: &Batch,
+    seed: u64,
+) -> Result<Vec<(Site, f64)>> {
+    let t = batch.n_tokens();
+    let mut out = Vec::new();
+    for layer in 0..cfg.n_layer {
+        if !crate::backend::cuda::reference::supported(cfg, layer, false) {
+            continue;
+        }
+        let w = LayerWeights::load(file, cfg, layer)?;
+        let v = normal_f32(crate::jobs::run::layer_seed(seed, layer), t * cfg.hidden);
+        let hidden = Array2::from_shape_vec((t, cfg.hidden), v.into_iter().map(f64::from).collect())
+            .map_err(|e| Error::Usage(e.to_string()))?;
+        let cpu = crate::compute::reference::reference_layer(cfg, &w, &hidden, batch, 1, None)?;
+        let gpu = crate::backend::cuda::reference::reference_layer(ops.device(), cfg, &w, &hidden, batch, 1)?;
+        for (site, r) in cpu.trace.entries() {
+            let Some(g) = gpu.trace.get(site) else {
+                return Err(Error::Usage(format!("the GPU reference has no site {site}")));
+            };
+            let m = crate::judge::metrics::metrics(r, g, &crate::judge::tolerance::GOLDEN_TOLERANCE.0);
+            out.push((*site, m.rel_l2));
+        }
+    }
+    Ok(out)
 }

@@ -154,13 +154,16 @@ pub const TOLERANCES: &[(StageGroup, Precision, Tolerance, &str)] = &[
             norm_ratio: 1e-5,
             atol_rms: 1e-4,
             rtol: 1e-4,
-            min_pass_fraction: 1.0,
+            min_pass_fraction: 0.999999,
         },
         "f32 accumulation vs the f64 reference: a K-term f32 dot product has relative error \
          about sqrt(K)·2^-24 ≈ 5e-6 at K = 7168 (DeepSeek-V3's H); measured rel_l2 on the \
-         fixtures is 1e-7..1e-6, so 1e-5 leaves a 10x margin. Element limits follow vLLM \
-         tests/kernels/allclose_default.py (f32: atol 1e-5 at unit scale) widened to 1e-4 \
-         relative for stages downstream of softmax",
+         fixtures is 1e-7..1e-6, and 6.1e-6 at real size (DeepSeek-V3 layer 3, T = 4096, every \
+         path, CUDA and CPU reference on the H200), so 1e-5 holds there. Element limits follow \
+         vLLM tests/kernels/allclose_default.py (f32: atol 1e-5 at unit scale) widened to 1e-4 \
+         relative for stages downstream of softmax; at real size 1 element of the 268M of \
+         mqa's attn_latent fell outside them (an f32 sum over 4096 keys), so one in 10^6 may \
+         (the Poisson allowance keeps tensors below 10^5 elements exact)",
     ),
     (
         StageGroup::Lse,
@@ -195,19 +198,23 @@ pub const TOLERANCES: &[(StageGroup, Precision, Tolerance, &str)] = &[
         StageGroup::Activations,
         Precision::Bf16,
         Tolerance {
-            rel_l2: 2e-2,
+            rel_l2: 3e-2,
             cos_diff: 2e-4,
             norm_ratio: 5e-3,
-            atol_rms: 2e-2,
-            rtol: 2e-2,
+            atol_rms: 4e-2,
+            rtol: 4e-2,
             min_pass_fraction: 0.99,
         },
-        "measured: the CPU backend's bf16 pipeline (bf16 GEMM, attention and cache inputs, f32 \
-         accumulation) against the f64 reference on every committed fixture at T = 390 reaches \
-         rel_l2 7.6e-3, cos_diff 2.9e-5, |norm ratio − 1| 2.2e-4 and a pass fraction of 0.9976 \
-         (attention outputs, where softmax amplifies logit rounding); the limits leave ≥ 2.5× \
-         margin. FlashMLA's tighter bf16 limits (abs 8e-4, cosine diff 5e-6) compare one kernel \
-         with an f32 reference on the same bf16 inputs, not a bf16 pipeline with f64",
+        "measured: mla-diff's bf16 pipeline (bf16 GEMM, attention and cache inputs, f32 \
+         accumulation) against the f64 reference. Fixtures (CPU backend, every committed one, \
+         T = 390): rel_l2 7.6e-3, cos_diff 2.9e-5, |norm ratio − 1| 2.2e-4. Real size \
+         (DeepSeek-V3 layer 3 from scripts/make_sparse_gguf.py, every path): rel_l2 grows with \
+         T, 9.6e-3 at T = 512 and 1.00e-2 at T = 1024 (CPU), 1.09e-2 at T = 4096 (CUDA on the \
+         H200), cos_diff 6.0e-5, |norm ratio − 1| 6.6e-5; at atol_rms = rtol = 4e-2 the worst \
+         pass fraction is 0.99945 (attention outputs at T = 4096, where softmax amplifies logit \
+         rounding; 2e-2 failed 1.1% of them at T = 1024). Limits: 2.8×, 3.3×, 76× and 18× the \
+         failing fraction. FlashMLA's tighter bf16 limits (abs 8e-4, cosine diff 5e-6) compare \
+         one kernel with an f32 reference on the same bf16 inputs, not a bf16 pipeline with f64",
     ),
     (
         StageGroup::Lse,
@@ -363,6 +370,20 @@ pub fn selection_tie_band(precision: impl Into<Precision>) -> (f64, &'static str
         ),
     }
 }
+
+/// The GPU reference against the CPU reference (`selftest --cross-check`, the CUDA tests):
+/// the limit and its provenance.
+pub const REFERENCE_AGREEMENT_ROW: (f64, &str) = (
+    1e-12,
+    "GPU reference (cuBLAS DGEMM, f64 kernels) vs CPU reference (matrixmultiply, sequential \
+     sums), largest rel_l2 of any site: both compute in f64 and differ only in summation order, \
+     a few ulps (1e-16) amplified by the softmax and the K-term products, so the limit sits \
+     four orders above f64 rounding and seven below the f32 rows",
+);
+
+/// [`REFERENCE_AGREEMENT_ROW`]'s limit: the largest rel_l2 between the two references that
+/// `selftest --cross-check` and the CUDA tests accept.
+pub const REFERENCE_AGREEMENT: f64 = REFERENCE_AGREEMENT_ROW.0;
 
 /// The golden row: a recomputed trace against the same trace recorded earlier by the same
 /// backend and dtype (`mla-diff golden check`), for every site and both dtypes.

@@ -1,9 +1,35 @@
 //! `--stats`: what a run cost, for time-to-verdict work at real model size.
 //!
 //! Wall time, the peak resident set (Linux `VmHWM`), and how much of the GGUF was read, grouped by
-//! layer, so a lazy reader that starts reading whole files shows at once.
+//! layer, so a lazy reader that starts reading whole files shows at once; and the wall time of
+//! each stage of the run ([`crate::core::timing`]), so the stage that dominates is named.
 
+use crate::core::timing::StageTime;
 use crate::model::gguf::GgufFile;
+
+/// `--stats`' second line: each stage's summed wall time (and how many times it ran, when more
+/// than once), in the order the stages first ran. `dequant` inside a path is part of that path.
+pub fn stages_line(stages: &[StageTime]) -> String {
+    let parts: Vec<String> = stages
+        .iter()
+        .map(|s| {
+            let n = if s.count > 1 {
+                format!(" ({}×)", s.count)
+            } else {
+                String::new()
+            };
+            format!("{} {:.2} s{n}", s.name, s.wall.as_secs_f64())
+        })
+        .collect();
+    format!(
+        "mla-diff: stages: {}",
+        if parts.is_empty() {
+            "none".into()
+        } else {
+            parts.join(", ")
+        }
+    )
+}
 
 /// Peak resident set size of this process in bytes (Linux `VmHWM`), if known.
 pub fn peak_rss_bytes() -> Option<u64> {

@@ -5,3 +5,4 @@
 //! [`crate::backend::decode_cfg`] and [`crate::backend::prefill_cfg`].
 
 pub mod ops;
+pub mod reference;

@@ -54,6 +54,9 @@ pub struct CudaOps {
     kernels: Kernels,
     /// Synchronize and check after every launch (off only for benchmarks, which check at the end).
     sync_each: bool,
+    /// Run the f64 reference on this device too ([`crate::backend::cuda::reference`]) where it
+    /// computes the layer; the CPU reference otherwise.
+    gpu_reference: bool,
     notes: Arc<Mutex<Vec<String>>>,
 }
 
@@ -72,6 +75,7 @@ impl CudaOps {
             dtype,
             kernels: Kernels::Fast,
             sync_each: true,
+            gpu_reference: false,
             notes: Arc::new(Mutex::new(Vec::new())),
         })
     }
@@ -87,6 +91,19 @@ impl CudaOps {
             kernels,
             ..self.clone()
         }
+    }
+
+    /// The same backend, with the f64 reference on the GPU (`true`) or on the CPU.
+    pub fn with_gpu_reference(&self, gpu_reference: bool) -> Self {
+        CudaOps {
+            gpu_reference,
+            ..self.clone()
+        }
+    }
+
+    /// Whether the f64 reference runs on this device ([`CudaOps::with_gpu_reference`]).
+    pub fn gpu_reference(&self) -> bool {
+        self.gpu_reference
     }
 
     /// The same device, synchronizing after every launch or not (benchmarks time back-to-back

@@ -12,6 +12,7 @@ pub mod blocks;
 
 use std::collections::BTreeSet;
 
+use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::compute::indexer;
@@ -626,11 +627,19 @@ fn rope_style(x: &SiteCtx<'_>) -> Detected {
     ))
 }
 
+/// (token, head) rows the softmax-scale hypothesis is tested on, at most: the recomputation
+/// costs rows × keys × width per trial scale, and about 70 trial scales run, so a bound on the
+/// rows keeps the detector below the cost of the paths it judges at any T (a wrong scale moves
+/// every row, so a spread sample shows it as clearly as the whole tensor).
+const SCALE_SAMPLE_ROWS: usize = 96;
+
 /// Reference attention recomputed with the logit scale multiplied by `c`, for the stage asked
-/// (`lse` [T,N], `attn_latent` [T,N,L] or `attn_out` [T,N,V]). `None` if an input is missing.
+/// (`lse` [T,N], `attn_latent` [T,N,L] or `attn_out` [T,N,V]), on a spread sample of at most
+/// [`SCALE_SAMPLE_ROWS`] (token, head) rows. `None` if an input is missing.
 struct AttnRecompute {
-    /// Per (t, h): raw logits `q·k` (unscaled) over visible keys, and the key rows.
-    logits: Vec<(Vec<f64>, Vec<usize>)>,
+    /// Per sampled row: its flat (token·N + head) index, the raw logits `q·k` (unscaled) over
+    /// its visible keys, and the key rows.
+    logits: Vec<(usize, Vec<f64>, Vec<usize>)>,
     /// Rows that are averaged: kv_c_normed [T, L] (latent) or v [T, N, V].
     values: Vec<f64>,
     width: usize,
@@ -659,36 +668,57 @@ impl AttnRecompute {
             Stage::Lse => (Vec::new(), 0, false),
             _ => return None,
         };
-        let mut logits = Vec::new();
         // DSA models attend over the indexer's selection, which the reference recorded.
         let sel = x.ref_site(Stage::IdxTopk).map(|t| {
             let k = t.shape.last().copied().unwrap_or(0);
             indexer::topk_sets(&t.to_f64(), k)
         });
-        for (sq, off) in x.input.batch.seqs.iter().zip(x.input.batch.offsets()) {
-            for i in 0..sq.len {
-                let ti = off + i;
-                for h in 0..n {
-                    let keys: Vec<usize> = match &sel {
-                        Some(sel) => sel.get(ti).map_or(Vec::new(), |v| v.iter().map(|&j| off + j).collect()),
-                        None => (off..=ti).collect(),
-                    };
-                    let z = keys
-                        .iter()
-                        .map(|&tj| {
-                            let a: f64 = (0..p)
-                                .map(|d| q.get((ti * n + h) * (p + r) + d) * kn.get((tj * n + h) * p + d))
-                                .sum();
-                            let b: f64 = (0..r)
-                                .map(|d| qpe.get((ti * n + h) * r + d) * kpe.get(tj * r + d))
-                                .sum();
-                            a + b
-                        })
-                        .collect();
-                    logits.push((z, keys));
-                }
-            }
-        }
+        let offsets = x.input.batch.offsets();
+        let seq_start: Vec<usize> = x
+            .input
+            .batch
+            .seqs
+            .iter()
+            .zip(&offsets)
+            .flat_map(|(sq, &off)| std::iter::repeat_n(off, sq.len))
+            .collect();
+        let rows = seq_start.len() * n;
+        // Evenly spread tokens; heads stepped by a stride coprime with most head counts, so the
+        // sample does not sit on one head when rows/sample is a multiple of N.
+        let sample: Vec<usize> = if rows <= SCALE_SAMPLE_ROWS {
+            (0..rows).collect()
+        } else {
+            (0..SCALE_SAMPLE_ROWS)
+                .map(|k| {
+                    let ti = (k * seq_start.len() + seq_start.len() / 2) / SCALE_SAMPLE_ROWS;
+                    ti * n + (k * 37 + 11) % n
+                })
+                .collect()
+        };
+        let logits = sample
+            .par_iter()
+            .map(|&row| {
+                let (ti, h) = (row / n, row % n);
+                let off = seq_start[ti];
+                let keys: Vec<usize> = match &sel {
+                    Some(sel) => sel.get(ti).map_or(Vec::new(), |v| v.iter().map(|&j| off + j).collect()),
+                    None => (off..=ti).collect(),
+                };
+                let z = keys
+                    .iter()
+                    .map(|&tj| {
+                        let a: f64 = (0..p)
+                            .map(|d| q.get((ti * n + h) * (p + r) + d) * kn.get((tj * n + h) * p + d))
+                            .sum();
+                        let b: f64 = (0..r)
+                            .map(|d| qpe.get((ti * n + h) * r + d) * kpe.get(tj * r + d))
+                            .sum();
+                        a + b
+                    })
+                    .collect();
+                (row, z, keys)
+            })
+            .collect();
         Some(AttnRecompute {
             logits,
             values,
@@ -699,32 +729,44 @@ impl AttnRecompute {
         })
     }
 
+    /// The sampled rows of `t` (a [T, N, width] or [T, N] tensor), in sample order.
+    fn sampled(&self, t: &TraceTensor) -> Vec<f64> {
+        let w = self.width.max(1);
+        self.logits
+            .iter()
+            .flat_map(|(row, _, _)| (row * w..(row + 1) * w).map(|i| t.get(i)))
+            .collect()
+    }
+
+    /// The sampled rows recomputed with the logit scale times `c`.
     fn eval(&self, c: f64) -> Vec<f64> {
-        let mut out = Vec::new();
-        for (idx, (z, keys)) in self.logits.iter().enumerate() {
-            let h = idx % self.n;
-            let s: Vec<f64> = z.iter().map(|v| v * self.scale * c).collect();
-            let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
-            let sum: f64 = e.iter().sum();
-            if self.width == 0 {
-                out.push(m + sum.ln());
-                continue;
-            }
-            let mut o = vec![0f64; self.width];
-            for (ej, &tj) in e.iter().zip(keys) {
-                let base = if self.per_head_values {
-                    (tj * self.n + h) * self.width
-                } else {
-                    tj * self.width
-                };
-                for d in 0..self.width {
-                    o[d] += ej / sum * self.values[base + d];
+        let per_row: Vec<Vec<f64>> = self
+            .logits
+            .par_iter()
+            .map(|(row, z, keys)| {
+                let h = row % self.n;
+                let s: Vec<f64> = z.iter().map(|v| v * self.scale * c).collect();
+                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                if self.width == 0 {
+                    return vec![m + sum.ln()];
                 }
-            }
-            out.extend(o);
-        }
-        out
+                let mut o = vec![0f64; self.width];
+                for (ej, &tj) in e.iter().zip(keys) {
+                    let base = if self.per_head_values {
+                        (tj * self.n + h) * self.width
+                    } else {
+                        tj * self.width
+                    };
+                    for d in 0..self.width {
+                        o[d] += ej / sum * self.values[base + d];
+                    }
+                }
+                o
+            })
+            .collect();
+        per_row.concat()
     }
 }
 
@@ -737,7 +779,12 @@ fn softmax_scale(x: &SiteCtx<'_>) -> Detected {
         return None;
     }
     let rc = AttnRecompute::build(x)?;
-    let cand = x.cand.to_f64();
+    if x.cand.len() != x.refr.len() {
+        return None;
+    }
+    let cand = rc.sampled(x.cand);
+    // The error as is, on the same rows the hypothesis is tested on.
+    let as_is = rel_l2(&cand, &rc.sampled(x.refr));
     let err = |c: f64| rel_l2(&cand, &rc.eval(c));
     // Coarse log-spaced grid over ×0.1 … ×10, then golden-section refinement.
     let grid: Vec<f64> = (0..=40)
@@ -753,7 +800,7 @@ fn softmax_scale(x: &SiteCtx<'_>) -> Detected {
     }
     let (mut a, mut b) = (best_c / 1.13, best_c * 1.13);
     let g = (5f64.sqrt() - 1.0) / 2.0;
-    for _ in 0..40 {
+    for _ in 0..30 {
         let c1 = b - g * (b - a);
         let c2 = a + g * (b - a);
         if err(c1) < err(c2) {
@@ -764,7 +811,7 @@ fn softmax_scale(x: &SiteCtx<'_>) -> Detected {
     }
     let c = (a + b) / 2.0;
     let e = err(c);
-    if !(e <= x.explain && e < x.as_is() && (c - 1.0).abs() > 1e-3) {
+    if !(e <= x.explain && e < as_is && (c - 1.0).abs() > 1e-3) {
         return None;
     }
     let cfg = x.input.cfg;
@@ -1336,7 +1383,7 @@ fn classify(x: &SiteCtx<'_>) -> Finding {
         if x.site.stage.is_id_set() != set_class {
             continue;
         }
-        if let Some((evidence, hint)) = det(x) {
+        if let Some((evidence, hint)) = crate::core::timing::stage(&format!("detect {}", class.name()), || det(x)) {
             return Finding {
                 class,
                 site: x.site,
@@ -1346,7 +1393,7 @@ fn classify(x: &SiteCtx<'_>) -> Finding {
             };
         }
     }
-    let (evidence, hint) = mismatch(x);
+    let (evidence, hint) = crate::core::timing::stage("detect mismatch", || mismatch(x));
     Finding {
         class: Class::Mismatch,
         site: x.site,

@@ -1,0 +1,583 @@
+//! The f64 reference on the GPU (`--reference-backend cuda`).
+//!
+//! At real size the reference, not the paths, is what a user waits for: one DeepSeek-V3 layer at
+//! T = 4096 is about 2.5 TFLOP of f64 work, minutes on a laptop's cores and seconds on an H200.
+//! This module computes the same maths as [`crate::compute::reference`] (same sites, same order,
+//! same f64 arithmetic up to summation order) with cuBLAS DGEMM for every product and the plain
+//! f64 kernels of `kernels/reference.cu` for RMSNorm, RoPE/YaRN, the causal softmax and the FFN
+//! activation. It shares with the engine paths only the device context and the dequantized
+//! weights; never an attention, GEMM or norm kernel of theirs, since it judges them.
+//!
+//! Scope: attention layers with a dense FFN or stopping at `o_proj` (random input). A DSA
+//! indexer or an MoE FFN (token input) runs on the CPU reference ([`supported`] says which).
+//! The CPU reference stays the oracle: tests and `selftest --cross-check` compare the two.
+
+use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig, sys as cb};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use ndarray::{Array2, Axis};
+
+use crate::compute::reference::{RefOutput, assemble_kv_b, rank_weight_sites, rope_inv_freq, split_kv_b};
+use crate::core::batch::Batch;
+use crate::core::error::{Error, Result};
+use crate::core::trace::{Site, Stage, Trace, TraceTensor};
+use crate::device::Module;
+use crate::device::context::{Device, grid1};
+use crate::model::config::{MlaConfig, RopeStyle};
+use crate::model::weights::{LayerWeights, QWeights};
+
+/// Threads of the one-block-per-row kernels (`REF_THREADS` in reference.cu).
+const ROW_THREADS: u32 = 256;
+/// Bytes of scores one attention step may hold (`[heads, len, len]` f64): heads are taken in
+/// groups small enough to stay under it.
+const SCORE_BYTES: usize = 2 << 30;
+
+fn cerr(what: impl std::fmt::Display) -> Error {
+    Error::Cuda(what.to_string())
+}
+
+/// Whether the GPU reference computes this layer: not with a DSA indexer (its top-k selection
+/// runs on the CPU reference), and not an MoE FFN (`full`: token input runs the whole layer).
+pub fn supported(cfg: &MlaConfig, layer: usize, full: bool) -> bool {
+    cfg.indexer.is_none() && !(full && cfg.is_moe_layer(layer))
+}
+
+/// A row-major matrix operand at an element offset of a device buffer, with its row stride.
+#[derive(Clone, Copy)]
+struct Mat<'a> {
+    buf: &'a CudaSlice<f64>,
+    off: usize,
+    ld: usize,
+}
+
+/// The GPU reference's kernels and products on one device.
+struct Gpu<'d> {
+    dev: &'d Device,
+}
+
+impl Gpu<'_> {
+    fn alloc(&self, n: usize) -> Result<CudaSlice<f64>> {
+        // SAFETY: every buffer is fully written by a kernel or GEMM before it is read.
+        unsafe { self.dev.stream().alloc::<f64>(n.max(1)) }.map_err(|e| cerr(format!("cuMemAlloc of {n} f64: {e:?}")))
+    }
+
+    fn up(&self, host: &[f64]) -> Result<CudaSlice<f64>> {
+        self.dev
+            .stream()
+            .clone_htod(if host.is_empty() { &[0.0][..] } else { host })
+            .map_err(|e| cerr(format!("upload: {e:?}")))
+    }
+
+    /// f32 weights widened to f64 on the device (exact).
+    fn widen(&self, host: &[f32]) -> Result<CudaSlice<f64>> {
+        let src = self
+            .dev
+            .stream()
+            .clone_htod(if host.is_empty() { &[0.0f32][..] } else { host })
+            .map_err(|e| cerr(format!("upload: {e:?}")))?;
+        let n = host.len();
+        let mut out = self.alloc(n)?;
+        let f = self.dev.func(Module::Reference, "ref_widen")?;
+        let nn = n as i64;
+        let mut b = self.dev.stream().launch_builder(&f);
+        b.arg(&src).arg(&mut out).arg(&nn);
+        // SAFETY: argument types match ref_widen in reference.cu.
+        unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch ref_widen: {e:?}")))?;
+        Ok(out)
+    }
+
+    fn down(&self, b: &CudaSlice<f64>, n: usize) -> Result<Vec<f64>> {
+        let mut v = self
+            .dev
+            .stream()
+            .clone_dtoh(b)
+            .map_err(|e| cerr(format!("download: {e:?}")))?;
+        v.truncate(n);
+        Ok(v)
+    }
+
+    fn sync(&self, what: &str) -> Result<()> {
+        self.dev
+            .stream()
+            .synchronize()
+            .map_err(|e| cerr(format!("GPU reference: `{what}` failed: {e:?}")))
+    }
+
+    /// `dst[r, j] = src[off + r·stride + j]`, `[rows, width]`.
+    fn copy_cols(
+        &self,
+        src: &CudaSlice<f64>,
+        rows: usize,
+        stride: usize,
+        off: usize,
+        width: usize,
+    ) -> Result<CudaSlice<f64>> {
+        let mut out = self.alloc(rows * width)?;
+        let f = self.dev.func(Module::Reference, "ref_copy_cols")?;
+        let (r, s, o, w) = (rows as i64, stride as i64, off as i64, width as i64);
+        let mut b = self.dev.stream().launch_builder(&f);
+        b.arg(src).arg(&r).arg(&s).arg(&o).arg(&w).arg(&mut out);
+        // SAFETY: argument types match ref_copy_cols; every read index is < off + rows·stride.
+        unsafe { b.launch(grid1(rows * width)) }.map_err(|e| cerr(format!("launch ref_copy_cols: {e:?}")))?;
+        Ok(out)
+    }
+
+    /// RMSNorm of `rows` rows of `width` read at `src[off + r·stride]`, `[rows, width]`.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm(
+        &self,
+        src: &CudaSlice<f64>,
+        rows: usize,
+        off: usize,
+        stride: usize,
+        width: usize,
+        g: &[f32],
+        eps: f64,
+    ) -> Result<CudaSlice<f64>> {
+        let g = self.widen(g)?;
+        let mut out = self.alloc(rows * width)?;
+        let f = self.dev.func(Module::Reference, "ref_rms_norm")?;
+        let (r, o, s, w) = (rows as i64, off as i64, stride as i64, width as i64);
+        let mut b = self.dev.stream().launch_builder(&f);
+        b.arg(src)
+            .arg(&r)
+            .arg(&o)
+            .arg(&s)
+            .arg(&w)
+            .arg(&g)
+            .arg(&eps)
+            .arg(&mut out);
+        let cfg = LaunchConfig {
+            grid_dim: (rows.max(1) as u32, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types match ref_rms_norm; one block per row.
+        unsafe { b.launch(cfg) }.map_err(|e| cerr(format!("launch ref_rms_norm: {e:?}")))?;
+        Ok(out)
+    }
+
+    /// RoPE in place on `rows` rows of `r` values, `heads` rows per token.
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &self,
+        x: &mut CudaSlice<f64>,
+        rows: usize,
+        heads: usize,
+        r: usize,
+        pos: &CudaSlice<i64>,
+        inv: &CudaSlice<f64>,
+        neox: bool,
+    ) -> Result<()> {
+        let f = self.dev.func(Module::Reference, "ref_rope")?;
+        let (ro, he, rr, nx) = (rows as i64, heads as i64, r as i64, i32::from(neox));
+        let mut b = self.dev.stream().launch_builder(&f);
+        b.arg(x).arg(&ro).arg(&he).arg(&rr).arg(pos).arg(inv).arg(&nx);
+        // SAFETY: argument types match ref_rope; pos holds one entry per token.
+        unsafe { b.launch(grid1(rows * r / 2)) }.map_err(|e| cerr(format!("launch ref_rope: {e:?}")))?;
+        Ok(())
+    }
+
+    fn elementwise(
+        &self,
+        name: &'static str,
+        a: &CudaSlice<f64>,
+        b2: &CudaSlice<f64>,
+        scale: Option<f64>,
+        n: usize,
+    ) -> Result<CudaSlice<f64>> {
+        let mut out = self.alloc(n)?;
+        let f = self.dev.func(Module::Reference, name)?;
+        let nn = n as i64;
+        let mut b = self.dev.stream().launch_builder(&f);
+        b.arg(a).arg(b2);
+        if let Some(s) = &scale {
+            b.arg(s);
+        }
+        b.arg(&mut out).arg(&nn);
+        // SAFETY: argument types match ref_swiglu / ref_add_scaled in reference.cu.
+        unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch {name}: {e:?}")))?;
+        Ok(out)
+    }
+
+    /// Row-major `C[m, n] (+)= A[m, k] · B` with `B` `[k, n]`, or `Bᵀ` when `b_t` (`B` `[n, k]`),
+    /// in f64 (cuBLAS DGEMM); `batch` = (count, stride of A, of B, of C) in elements.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        c: &mut CudaSlice<f64>,
+        c_off: usize,
+        ldc: usize,
+        a: Mat<'_>,
+        b: Mat<'_>,
+        b_t: bool,
+        (m, n, k): (usize, usize, usize),
+        beta: f64,
+        batch: Option<(usize, usize, usize, usize)>,
+    ) -> Result<()> {
+        if m == 0 || n == 0 || k == 0 {
+            return Ok(());
+        }
+        // Row-major C = A·op(B) is column-major Cᵀ = op(B)ᵀ·Aᵀ: cuBLAS's A is our B.
+        let gemm = GemmConfig {
+            transa: if b_t {
+                cb::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cb::cublasOperation_t::CUBLAS_OP_N
+            },
+            transb: cb::cublasOperation_t::CUBLAS_OP_N,
+            m: n as i32,
+            n: m as i32,
+            k: k as i32,
+            alpha: 1.0f64,
+            lda: b.ld as i32,
+            ldb: a.ld as i32,
+            beta,
+            ldc: ldc as i32,
+        };
+        let (bv, av) = (b.buf.slice(b.off..), a.buf.slice(a.off..));
+        let mut cv = c.slice_mut(c_off..);
+        // SAFETY: every operand's extent (offset, leading dimension, batch strides) lies inside
+        // its buffer, as laid out by the callers below.
+        unsafe {
+            match batch {
+                None => self.dev.blas().gemm(gemm, &bv, &av, &mut cv),
+                Some((count, sa, sb, sc)) => self.dev.blas().gemm_strided_batched(
+                    StridedBatchedConfig {
+                        gemm,
+                        batch_size: count as i32,
+                        stride_a: sb as i64,
+                        stride_b: sa as i64,
+                        stride_c: sc as i64,
+                    },
+                    &bv,
+                    &av,
+                    &mut cv,
+                ),
+            }
+        }
+        .map_err(|e| cerr(format!("cublasDgemm: {e:?}")))
+    }
+
+    /// `y = x · Wᵀ` (PyTorch `F.linear`): x [t, k], W [o, k] → [t, o].
+    fn linear(&self, x: &CudaSlice<f64>, t: usize, k: usize, w: &CudaSlice<f64>, o: usize) -> Result<CudaSlice<f64>> {
+        let mut y = self.alloc(t * o)?;
+        self.gemm(
+            &mut y,
+            0,
+            o,
+            Mat { buf: x, off: 0, ld: k },
+            Mat { buf: w, off: 0, ld: k },
+            true,
+            (t, o, k),
+            0.0,
+            None,
+        )?;
+        Ok(y)
+    }
+}
+
+/// Runs the reference on one layer on the GPU, plus its rank weight sites under TP: the same
+/// trace (sites, order, shapes) as [`crate::compute::reference::reference_layer`].
+///
+/// Shapes: `hidden` [T, H] f64; the trace holds every site in f64 on the host.
+///
+/// Errors: [`Error::Usage`] when the layer is not [`supported`] or `hidden` is not [T, H];
+/// [`Error::Cuda`] on a failed allocation, launch or DGEMM.
+pub fn reference_layer(
+    dev: &Device,
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    hidden: &Array2<f64>,
+    batch: &Batch,
+    tp: usize,
+) -> Result<RefOutput> {
+    let t = batch.n_tokens();
+    let (hd, n, l, p, r, v) = (
+        cfg.hidden,
+        cfg.n_head,
+        cfg.kv_lora_rank,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+    );
+    if !supported(cfg, w.layer, false) {
+        return Err(Error::Usage(
+            "the GPU reference does not compute DSA indexer layers".into(),
+        ));
+    }
+    if hidden.shape() != [t, hd] {
+        return Err(Error::Usage(format!(
+            "reference: hidden_in has shape {:?}, expected [T={t}, H={hd}]",
+            hidden.shape()
+        )));
+    }
+    let g = Gpu { dev };
+    let layer = w.layer;
+    let eps = cfg.rms_eps;
+    let mut tr = Trace::new();
+    let rec = |tr: &mut Trace, stage: Stage, shape: Vec<usize>, buf: &CudaSlice<f64>| -> Result<()> {
+        let n: usize = shape.iter().product();
+        tr.record(Site::new(layer, stage), TraceTensor::f64(shape, g.down(buf, n)?));
+        Ok(())
+    };
+    let hidden_std = hidden.as_standard_layout();
+    let x_in = g.up(hidden_std.as_slice().unwrap_or(&[]))?;
+    rec(&mut tr, Stage::HiddenIn, vec![t, hd], &x_in)?;
+
+    // Step 1: attn_norm.
+    let x = g.rms_norm(&x_in, t, 0, hd, hd, w.attn_norm.as_slice().unwrap_or(&[]), eps)?;
+    rec(&mut tr, Stage::AttnIn, vec![t, hd], &x)?;
+
+    // Step 2: q path.
+    let qw = n * (p + r);
+    let q = match &w.q {
+        QWeights::Lora { q_a, q_a_norm, q_b } => {
+            let lq = q_a.nrows();
+            let fused = ndarray::concatenate(Axis(0), &[q_a.view(), w.kv_a_mqa.view()])
+                .map_err(|e| Error::Usage(e.to_string()))?;
+            tr.record(
+                Site::new(layer, Stage::WFusedQkvA),
+                TraceTensor::f64(vec![fused.nrows(), hd], fused.iter().map(|&x| f64::from(x)).collect()),
+            );
+            let q_a_d = g.widen(q_a.as_standard_layout().as_slice().unwrap_or(&[]))?;
+            let q_c = g.linear(&x, t, hd, &q_a_d, lq)?;
+            drop(q_a_d);
+            rec(&mut tr, Stage::QC, vec![t, lq], &q_c)?;
+            let q_c_normed = g.rms_norm(&q_c, t, 0, lq, lq, q_a_norm.as_slice().unwrap_or(&[]), eps)?;
+            rec(&mut tr, Stage::QCNormed, vec![t, lq], &q_c_normed)?;
+            let q_b_d = g.widen(q_b.as_standard_layout().as_slice().unwrap_or(&[]))?;
+            g.linear(&q_c_normed, t, lq, &q_b_d, qw)?
+        }
+        QWeights::Direct { q } => {
+            let q_d = g.widen(q.as_standard_layout().as_slice().unwrap_or(&[]))?;
+            g.linear(&x, t, hd, &q_d, qw)?
+        }
+    };
+    rec(&mut tr, Stage::Q, vec![t, n, p + r], &q)?;
+
+    // Step 3: kv path; kv_c is a view of kv_a, the norm applies to kv_c only.
+    let kv_a_w = g.widen(w.kv_a_mqa.as_standard_layout().as_slice().unwrap_or(&[]))?;
+    let kv_a = g.linear(&x, t, hd, &kv_a_w, l + r)?;
+    drop(kv_a_w);
+    rec(&mut tr, Stage::KvA, vec![t, l + r], &kv_a)?;
+    let kv_c_normed = g.rms_norm(&kv_a, t, 0, l + r, l, w.kv_a_norm.as_slice().unwrap_or(&[]), eps)?;
+    rec(&mut tr, Stage::KvCNormed, vec![t, l], &kv_c_normed)?;
+    let k_pe = g.copy_cols(&kv_a, t, l + r, l, r)?;
+    rec(&mut tr, Stage::KPe, vec![t, r], &k_pe)?;
+
+    // Step 4: RoPE, positions from the batch.
+    let neox = cfg.rope_style == RopeStyle::Neox;
+    let positions: Vec<i64> = batch.positions().iter().map(|&x| x as i64).collect();
+    let pos = dev
+        .stream()
+        .clone_htod(if positions.is_empty() {
+            &[0i64][..]
+        } else {
+            &positions[..]
+        })
+        .map_err(|e| cerr(format!("upload positions: {e:?}")))?;
+    let inv = g.up(&rope_inv_freq(cfg))?;
+    let mut q_pe = g.copy_cols(&q, t * n, p + r, p, r)?;
+    g.rope(&mut q_pe, t * n, n, r, &pos, &inv, neox)?;
+    rec(&mut tr, Stage::QPeRoped, vec![t, n, r], &q_pe)?;
+    let mut k_pe_roped = g.copy_cols(&k_pe, t, r, 0, r)?;
+    g.rope(&mut k_pe_roped, t, 1, r, &pos, &inv, neox)?;
+    rec(&mut tr, Stage::KPeRoped, vec![t, r], &k_pe_roped)?;
+
+    // Step 5: expanded K/V through kv_b (per-head interleaved rows).
+    let kv_b = assemble_kv_b(cfg, &w.kv_b);
+    let kv_b_std = kv_b.as_standard_layout();
+    tr.record(
+        Site::new(layer, Stage::WKvB),
+        TraceTensor::f64(vec![n * (p + v), l], kv_b_std.iter().copied().collect()),
+    );
+    let kv_b_d = g.up(kv_b_std.as_slice().unwrap_or(&[]))?;
+    let kv = g.linear(&kv_c_normed, t, l, &kv_b_d, n * (p + v))?;
+    drop(kv_b_d);
+    let k_nope = g.copy_cols(&kv, t * n, p + v, 0, p)?;
+    let vv = g.copy_cols(&kv, t * n, p + v, p, v)?;
+    drop(kv);
+    rec(&mut tr, Stage::KNope, vec![t, n, p], &k_nope)?;
+    rec(&mut tr, Stage::V, vec![t, n, v], &vv)?;
+
+    // Step 6: W_UK_T [N, P, L] and W_UV [N, L, V] from the same kv_b; ql_nope = q_nope · W_UK_T.
+    let (w_uk_t, w_uv) = split_kv_b(cfg, &kv_b);
+    tr.record(
+        Site::new(layer, Stage::WUkT),
+        TraceTensor::f64(vec![n, p, l], w_uk_t.iter().copied().collect()),
+    );
+    tr.record(
+        Site::new(layer, Stage::WUv),
+        TraceTensor::f64(vec![n, l, v], w_uv.iter().copied().collect()),
+    );
+    let w_uk_t_d = g.up(w_uk_t.as_standard_layout().as_slice().unwrap_or(&[]))?;
+    let mut ql_nope = g.alloc(t * n * l)?;
+    g.gemm(
+        &mut ql_nope,
+        0,
+        n * l,
+        Mat {
+            buf: &q,
+            off: 0,
+            ld: n * (p + r),
+        },
+        Mat {
+            buf: &w_uk_t_d,
+            off: 0,
+            ld: l,
+        },
+        false,
+        (t, l, p),
+        0.0,
+        Some((n, p + r, p * l, l)),
+    )?;
+    drop(w_uk_t_d);
+    rec(&mut tr, Stage::QlNope, vec![t, n, l], &ql_nope)?;
+    drop(ql_nope);
+
+    // Step 7: attention per sequence, heads in groups: scores by two DGEMMs, causal softmax,
+    // then P·v (attn_out) and P·kv_c_normed (attn_latent).
+    let scale = cfg.softmax_scale;
+    let mut attn_out = g.alloc(t * n * v)?;
+    let mut attn_latent = g.alloc(t * n * l)?;
+    let mut lse = g.alloc(t * n)?;
+    let softmax = dev.func(Module::Reference, "ref_softmax_causal")?;
+    for (sq, off) in batch.seqs.iter().zip(batch.offsets()) {
+        let len = sq.len;
+        let group = (SCORE_BYTES / (len * len * 8).max(1)).clamp(1, n);
+        let mut s = g.alloc(group * len * len)?;
+        for h0 in (0..n).step_by(group) {
+            let hc = group.min(n - h0);
+            g.gemm(
+                &mut s,
+                0,
+                len,
+                Mat {
+                    buf: &q,
+                    off: off * n * (p + r) + h0 * (p + r),
+                    ld: n * (p + r),
+                },
+                Mat {
+                    buf: &k_nope,
+                    off: off * n * p + h0 * p,
+                    ld: n * p,
+                },
+                true,
+                (len, len, p),
+                0.0,
+                Some((hc, p + r, p, len * len)),
+            )?;
+            g.gemm(
+                &mut s,
+                0,
+                len,
+                Mat {
+                    buf: &q_pe,
+                    off: off * n * r + h0 * r,
+                    ld: n * r,
+                },
+                Mat {
+                    buf: &k_pe_roped,
+                    off: off * r,
+                    ld: r,
+                },
+                true,
+                (len, len, r),
+                1.0,
+                Some((hc, r, 0, len * len)),
+            )?;
+            let (ll, hh, ls) = (len as i64, hc as i64, n as i64);
+            let mut lse_v = lse.slice_mut(off * n + h0..);
+            let mut b = dev.stream().launch_builder(&softmax);
+            b.arg(&mut s).arg(&ll).arg(&hh).arg(&scale).arg(&mut lse_v).arg(&ls);
+            let cfg_l = LaunchConfig {
+                grid_dim: ((hc * len) as u32, 1, 1),
+                block_dim: (ROW_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument types match ref_softmax_causal; s holds hc·len² scores.
+            unsafe { b.launch(cfg_l) }.map_err(|e| cerr(format!("launch ref_softmax_causal: {e:?}")))?;
+            g.gemm(
+                &mut attn_out,
+                off * n * v + h0 * v,
+                n * v,
+                Mat {
+                    buf: &s,
+                    off: 0,
+                    ld: len,
+                },
+                Mat {
+                    buf: &vv,
+                    off: off * n * v + h0 * v,
+                    ld: n * v,
+                },
+                false,
+                (len, v, len),
+                0.0,
+                Some((hc, len * len, v, v)),
+            )?;
+            g.gemm(
+                &mut attn_latent,
+                off * n * l + h0 * l,
+                n * l,
+                Mat {
+                    buf: &s,
+                    off: 0,
+                    ld: len,
+                },
+                Mat {
+                    buf: &kv_c_normed,
+                    off: off * l,
+                    ld: l,
+                },
+                false,
+                (len, l, len),
+                0.0,
+                Some((hc, len * len, 0, l)),
+            )?;
+        }
+    }
+    g.sync("attention")?;
+    rec(&mut tr, Stage::AttnLatent, vec![t, n, l], &attn_latent)?;
+    drop(attn_latent);
+    rec(&mut tr, Stage::Lse, vec![t, n], &lse)?;
+    rec(&mut tr, Stage::AttnOut, vec![t, n, v], &attn_out)?;
+
+    // Step 8: o_proj over the head-major [T, N·V] input.
+    let o_w = g.widen(w.o_proj.as_standard_layout().as_slice().unwrap_or(&[]))?;
+    let o = g.linear(&attn_out, t, n * v, &o_w, hd)?;
+    drop(o_w);
+    rec(&mut tr, Stage::OProj, vec![t, hd], &o)?;
+
+    // Residual and dense SwiGLU FFN (each branch times the residual scale: MiniCPM3).
+    let rs = cfg.residual_scale;
+    let hidden_out = match &w.ffn {
+        Some(ffn) => {
+            let h1 = g.elementwise("ref_add_scaled", &x_in, &o, Some(rs), t * hd)?;
+            let xn = g.rms_norm(&h1, t, 0, hd, hd, ffn.norm.as_slice().unwrap_or(&[]), eps)?;
+            let f = ffn.gate.nrows();
+            let gate_w = g.widen(ffn.gate.as_standard_layout().as_slice().unwrap_or(&[]))?;
+            let gate = g.linear(&xn, t, hd, &gate_w, f)?;
+            drop(gate_w);
+            let up_w = g.widen(ffn.up.as_standard_layout().as_slice().unwrap_or(&[]))?;
+            let up = g.linear(&xn, t, hd, &up_w, f)?;
+            drop(up_w);
+            let act = g.elementwise("ref_swiglu", &gate, &up, None, t * f)?;
+            let down_w = g.widen(ffn.down.as_standard_layout().as_slice().unwrap_or(&[]))?;
+            let down = g.linear(&act, t, f, &down_w, hd)?;
+            let out = g.elementwise("ref_add_scaled", &h1, &down, Some(rs), t * hd)?;
+            rec(&mut tr, Stage::HiddenOut, vec![t, hd], &out)?;
+            let v = g.down(&out, t * hd)?;
+            Some(Array2::from_shape_vec((t, hd), v).map_err(|e| Error::Usage(e.to_string()))?)
+        }
+        None => None,
+    };
+    g.sync("o_proj")?;
+    tr.extend(rank_weight_sites(cfg, w, tp));
+    Ok(RefOutput {
+        trace: tr,
+        hidden_out,
+        moe_nonfinite: Vec::new(),
+        selection: None,
+    })
+}

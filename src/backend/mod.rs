@@ -77,6 +77,26 @@ impl Backend {
             Backend::Cuda(o) => cuda::ops::run(o, kind, input, opts),
         }
     }
+
+    /// Runs `kinds` on one layer with one weight load, handing each run to `each` as it
+    /// finishes ([`crate::compute::engine::run_paths`]).
+    ///
+    /// Errors: as [`Backend::run`], and whatever `each` returns.
+    pub fn run_paths(
+        &self,
+        kinds: &[PathKind],
+        input: &LayerInput<'_>,
+        opts: &PathOptions,
+        each: &mut dyn FnMut(PathRun) -> Result<()>,
+    ) -> Result<()> {
+        match self {
+            Backend::Cpu(o) => crate::compute::engine::run_paths(o, kinds, input, opts, each),
+            Backend::Cuda(o) => crate::compute::engine::run_paths(o, kinds, input, opts, &mut |mut r| {
+                r.notes.extend(o.take_notes());
+                each(r)
+            }),
+        }
+    }
 }
 
 /// Runs path `kind` on the CPU backend (f32).

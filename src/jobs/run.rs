@@ -79,8 +79,7 @@ pub fn compare_layer(
     opts.seed = rc.seed;
     let mut runs = Vec::new();
     let mut all_diffs = Vec::new();
-    for &kind in &rc.paths {
-        let mut pr = timing::stage(&format!("path {kind}"), || backend.run(kind, &input, &opts))?;
+    backend.run_paths(&rc.paths, &input, &opts, &mut |mut pr| {
         let diffs = timing::stage("compare", || metrics::diff(reference, &pr.trace, dtype));
         // Only a diverging path's trace is diagnosed; a clean one's is dropped at once.
         if !keep_traces && pr.unservable.is_none() && metrics::first_divergence(&diffs).is_none() {
@@ -88,7 +87,8 @@ pub fn compare_layer(
         }
         all_diffs.push(diffs);
         runs.push(pr);
-    }
+        Ok(())
+    })?;
     let findings = timing::stage("diagnose", || {
         diagnose::diagnose(&DiagnoseInput {
             cfg,

@@ -100,6 +100,30 @@ fn pick_all<B>(outs: &[RankOut<B>], f: fn(&RankOut<B>) -> Option<&B>) -> Option<
 /// length 0, backend errors. An unservable TP cut is not an error: it comes back in
 /// [`PathRun::unservable`].
 pub fn run<O: Ops>(ops: &O, kind: PathKind, input: &LayerInput<'_>, opts: &PathOptions) -> Result<PathRun> {
+    let mut out = None;
+    run_paths(ops, &[kind], input, opts, &mut |r| {
+        out = Some(r);
+        Ok(())
+    })?;
+    out.ok_or_else(|| Error::Usage(format!("path {kind} produced no run")))
+}
+
+/// Runs `kinds` one after another on one layer, handing each finished run to `each` before the
+/// next starts (so the caller can judge it and drop its trace).
+///
+/// The engine's weights are loaded once for all of them: every path of a run shares the
+/// options (faults, TP) that decide how the loader builds its weights, so each would build the
+/// same buffers; a path never writes to them. Each run carries the loader's notes. The load is
+/// timed as stage `path weights`, each path as `path <kind>` (`crate::core::timing`).
+///
+/// Errors: as [`run`], and whatever `each` returns.
+pub fn run_paths<O: Ops>(
+    ops: &O,
+    kinds: &[PathKind],
+    input: &LayerInput<'_>,
+    opts: &PathOptions,
+    each: &mut dyn FnMut(PathRun) -> Result<()>,
+) -> Result<()> {
     let cfg = input.cfg;
     let t = input.batch.n_tokens();
     if input.hidden_in.shape() != [t, cfg.hidden] {
@@ -120,23 +144,48 @@ pub fn run<O: Ops>(ops: &O, kind: PathKind, input: &LayerInput<'_>, opts: &PathO
     if input.batch.seqs.iter().any(|s| s.len == 0) {
         return Err(Error::Usage("every sequence needs at least one token".into()));
     }
-    let layer = input.weights.layer;
-    let mut notes = Vec::new();
-    let ew = match EngineWeights::load(ops, input, opts, &mut notes) {
+    let mut load_notes = Vec::new();
+    let ew = match crate::core::timing::stage("path weights", || {
+        EngineWeights::load(ops, input, opts, &mut load_notes)
+    }) {
         Ok(ew) => ew,
         Err(LoadError::Unservable(u)) => {
-            return Ok(PathRun {
-                kind,
-                trace: Trace::new(),
-                empty_partial_rows: Vec::new(),
-                unservable: Some(u),
-                notes,
-            });
+            for &kind in kinds {
+                each(PathRun {
+                    kind,
+                    trace: Trace::new(),
+                    empty_partial_rows: Vec::new(),
+                    unservable: Some(u.clone()),
+                    notes: load_notes.clone(),
+                })?;
+            }
+            return Ok(());
         }
         Err(LoadError::Other(e)) => return Err(e),
     };
+    for &kind in kinds {
+        let r = crate::core::timing::stage(&format!("path {kind}"), || {
+            run_loaded(ops, kind, input, opts, &ew, load_notes.clone())
+        })?;
+        each(r)?;
+    }
+    Ok(())
+}
+
+/// One path on weights already loaded ([`run_paths`]); `notes` starts with the loader's.
+fn run_loaded<O: Ops>(
+    ops: &O,
+    kind: PathKind,
+    input: &LayerInput<'_>,
+    opts: &PathOptions,
+    ew: &EngineWeights<O::Buf>,
+    mut notes: Vec<String>,
+) -> Result<PathRun> {
+    let cfg = input.cfg;
+    let t = input.batch.n_tokens();
+    let layer = input.weights.layer;
     let mut tr = Trace::new();
-    let pro = prologue(ops, input, &ew, opts, &mut tr)?;
+    let pro = prologue(ops, input, ew, opts, &mut tr)?;
     let own_sel = engine_indexer(ops, input, opts, kind, &pro, &mut tr, &mut notes)?;
     if (opts.faults.has(Fault::RopeNeox) || opts.faults.has(Fault::IndexerRopeInterleaved))
         && input.batch.positions().iter().all(|&p| p == 0)

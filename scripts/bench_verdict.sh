@@ -58,7 +58,9 @@ row() {
   rss=$(sed -n 's/.*peak RSS \([0-9.]* GiB\).*/\1/p' "$log")
   stage=$(sed -n 's/^mla-diff: stages: //p' "$log" | tr ',' '\n' | sed 's/^ //' \
     | awk '{t=$(NF-1); if ($NF ~ /×\)$/) t=$(NF-2); if (t+0 > best) {best=t+0; name=$0}} END {print name}')
-  verdict=$(grep -m1 -E "within tolerance|first divergence|error" "$log" | cut -c1-70)
+  # The first divergence or error if any, else how many paths passed.
+  verdict=$(grep -m1 -E "first divergence|error" "$log" | cut -c1-70)
+  [ -n "$verdict" ] || verdict="$(grep -c "within tolerance" "$log") path(s) within tolerance"
   printf '| %s | %s | `%s` | %s | %s | %s (want %s) | %s | %s |\n' \
     "$id" "$desc" "$*" "${wall:-n/a}" "${rss:-n/a}" "$rc" "$expect" "${stage:-n/a}" "${verdict:-n/a}"
   if [ "$rc" != "$expect" ]; then
@@ -84,6 +86,8 @@ if [ "$mode" = gpu ] || [ "$mode" = all ]; then
   row P7-cold 0 "H200, T=4096, all paths, bf16, NVRTC cache empty" \
     --backend cuda --tokens 4096 --dtype bf16
   row P7 0 "H200, T=4096, all paths, bf16, kernels cached" --backend cuda --tokens 4096 --dtype bf16
+  row P7-cpuref 0 "H200, T=4096, all paths, bf16, f64 reference on the CPU" \
+    --backend cuda --tokens 4096 --dtype bf16 --reference-backend cpu
   row P7b-f32 0 "H200, T=4096, all paths, f32" --backend cuda --tokens 4096
   row P7b-seqs 0 "H200, 4 sequences, mqa, bf16" --backend cuda --seqs 1,4000,2000,17 --path mqa --dtype bf16
   row P7-inject 1 "H200, T=4096, mha, bf16, --inject no-mscale (softmax-scale)" \

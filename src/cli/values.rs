@@ -42,6 +42,7 @@ pub enum ReferenceArg {
     Cpu,
     /// On the GPU (cuBLAS DGEMM and f64 kernels of its own); needs `--backend cuda` or auto with
     /// a device. Layers it does not compute (DSA indexer, MoE FFN) run on the CPU.
+    #[value(alias = "gpu")]
     Cuda,
 }
 

@@ -8,9 +8,8 @@ use crate::core::timing::StageTime;
 use crate::model::gguf::GgufFile;
 
 /// `--stats`' second line: each stage's summed wall time (and how many times it ran, when more
-/// than once), in the order the stages first ran. Nested stages are parts of their parent:
-/// `path weights` (a path loading and dequantizing its weights) of each `path …`, and each
-/// `detect …` of `diagnose`.
+/// than once), in the order the stages first ran. Each `detect …` (one detector) is a part of
+/// `diagnose`, not an addition to it; every other stage is disjoint from the rest.
 pub fn stages_line(stages: &[StageTime]) -> String {
     let parts: Vec<String> = stages
         .iter()

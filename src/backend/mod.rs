@@ -11,9 +11,15 @@ pub mod cuda;
 pub mod decode_cfg;
 pub mod prefill_cfg;
 
+use crate::compute::indexer::Selection;
 use crate::compute::path::{LayerInput, PathKind, PathOptions, PathRun};
+use crate::compute::reference::{RefOutput, reference_layer, reference_layer_full};
+use crate::core::batch::Batch;
 use crate::core::dtype::Dtype;
 use crate::core::error::Result;
+use crate::model::config::MlaConfig;
+use crate::model::gguf::GgufFile;
+use crate::model::weights::LayerWeights;
 
 /// A backend the engine paths run on.
 #[derive(Debug, Clone)]
@@ -67,6 +73,35 @@ impl Backend {
         match self {
             Backend::Cuda(o) if o.uses_fast() => Backend::Cuda(o),
             other => Backend::Cpu(cpu::CpuOps::new(other.dtype())),
+        }
+    }
+
+    /// The f64 reference of one layer (plus its rank weight sites for `tp`), where this backend
+    /// runs it: on the GPU for a CUDA backend with the GPU reference on
+    /// ([`cuda::ops::CudaOps::with_gpu_reference`]) when it computes the layer
+    /// ([`cuda::reference::supported`]), else on the CPU. `full` runs an MoE layer's FFN too
+    /// (token input), with `file` for its experts; `shared` is the selection a GLM
+    /// shared-indexer layer borrows.
+    ///
+    /// Errors: as [`reference_layer`] / [`reference_layer_full`], and CUDA failures.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reference(
+        &self,
+        file: &GgufFile,
+        cfg: &MlaConfig,
+        w: &LayerWeights,
+        hidden: &ndarray::Array2<f64>,
+        batch: &Batch,
+        tp: usize,
+        shared: Option<&Selection>,
+        full: bool,
+    ) -> Result<RefOutput> {
+        match self {
+            Backend::Cuda(o) if o.gpu_reference() && cuda::reference::supported(cfg, w.layer, full) => {
+                cuda::reference::reference_layer(o.device(), cfg, w, hidden, batch, tp)
+            }
+            _ if full => reference_layer_full(file, cfg, w, hidden, batch, tp, shared),
+            _ => reference_layer(cfg, w, hidden, batch, tp, shared),
         }
     }
 

@@ -12,7 +12,6 @@ use crate::backend::Backend;
 use crate::compute::indexer::Selection;
 use crate::compute::path::{LayerInput, PathKind, PathRun};
 use crate::compute::reference;
-use crate::compute::reference::{reference_layer, reference_layer_full};
 use crate::core::batch::{Batch, SplitMix64, normal_f32};
 use crate::core::error::{Error, Result};
 use crate::core::timing;
@@ -267,12 +266,8 @@ fn run_inner(
             None
         };
         let full = rc.input == InputMode::Tokens;
-        let refo = timing::stage("reference", || match backend {
-            Backend::Cuda(o) if o.gpu_reference() && crate::backend::cuda::reference::supported(cfg, layer, full) => {
-                crate::backend::cuda::reference::reference_layer(o.device(), cfg, &w, &hidden, &rc.batch, layer_tp)
-            }
-            _ if full => reference_layer_full(file, cfg, &w, &hidden, &rc.batch, layer_tp, shared),
-            _ => reference_layer(cfg, &w, &hidden, &rc.batch, layer_tp, shared),
+        let refo = timing::stage("reference", || {
+            backend.reference(file, cfg, &w, &hidden, &rc.batch, layer_tp, shared, full)
         })?;
         if !refo.moe_nonfinite.is_empty() {
             let numel = |t: &str| file.tensor(t).map_or(0, |i| i.n_elements() as usize);

@@ -258,6 +258,13 @@ impl Gpu<'_> {
         .map_err(|e| cerr(format!("cublasDgemm: {e:?}")))
     }
 
+    /// `y = x · Wᵀ` with the f32 host weight `w` [o, k] widened on the device for this product
+    /// and freed after it: x [t, k] → [t, o].
+    fn linear_w(&self, x: &CudaSlice<f64>, t: usize, w: &Array2<f32>) -> Result<CudaSlice<f64>> {
+        let wd = self.widen(w.as_standard_layout().as_slice().unwrap_or(&[]))?;
+        self.linear(x, t, w.ncols(), &wd, w.nrows())
+    }
+
     /// `y = x · Wᵀ` (PyTorch `F.linear`): x [t, k], W [o, k] → [t, o].
     fn linear(&self, x: &CudaSlice<f64>, t: usize, k: usize, w: &CudaSlice<f64>, o: usize) -> Result<CudaSlice<f64>> {
         let mut y = self.alloc(t * o)?;
@@ -329,7 +336,6 @@ pub fn reference_layer(
     rec(&mut tr, Stage::AttnIn, vec![t, hd], &x)?;
 
     // Step 2: q path.
-    let qw = n * (p + r);
     let q = match &w.q {
         QWeights::Lora { q_a, q_a_norm, q_b } => {
             let lq = q_a.nrows();
@@ -339,26 +345,18 @@ pub fn reference_layer(
                 Site::new(layer, Stage::WFusedQkvA),
                 TraceTensor::f64(vec![fused.nrows(), hd], fused.iter().map(|&x| f64::from(x)).collect()),
             );
-            let q_a_d = g.widen(q_a.as_standard_layout().as_slice().unwrap_or(&[]))?;
-            let q_c = g.linear(&x, t, hd, &q_a_d, lq)?;
-            drop(q_a_d);
+            let q_c = g.linear_w(&x, t, q_a)?;
             rec(&mut tr, Stage::QC, vec![t, lq], &q_c)?;
             let q_c_normed = g.rms_norm(&q_c, t, 0, lq, lq, q_a_norm.as_slice().unwrap_or(&[]), eps)?;
             rec(&mut tr, Stage::QCNormed, vec![t, lq], &q_c_normed)?;
-            let q_b_d = g.widen(q_b.as_standard_layout().as_slice().unwrap_or(&[]))?;
-            g.linear(&q_c_normed, t, lq, &q_b_d, qw)?
+            g.linear_w(&q_c_normed, t, q_b)?
         }
-        QWeights::Direct { q } => {
-            let q_d = g.widen(q.as_standard_layout().as_slice().unwrap_or(&[]))?;
-            g.linear(&x, t, hd, &q_d, qw)?
-        }
+        QWeights::Direct { q } => g.linear_w(&x, t, q)?,
     };
     rec(&mut tr, Stage::Q, vec![t, n, p + r], &q)?;
 
     // Step 3: kv path; kv_c is a view of kv_a, the norm applies to kv_c only.
-    let kv_a_w = g.widen(w.kv_a_mqa.as_standard_layout().as_slice().unwrap_or(&[]))?;
-    let kv_a = g.linear(&x, t, hd, &kv_a_w, l + r)?;
-    drop(kv_a_w);
+    let kv_a = g.linear_w(&x, t, &w.kv_a_mqa)?;
     rec(&mut tr, Stage::KvA, vec![t, l + r], &kv_a)?;
     let kv_c_normed = g.rms_norm(&kv_a, t, 0, l + r, l, w.kv_a_norm.as_slice().unwrap_or(&[]), eps)?;
     rec(&mut tr, Stage::KvCNormed, vec![t, l], &kv_c_normed)?;
@@ -544,9 +542,7 @@ pub fn reference_layer(
     rec(&mut tr, Stage::AttnOut, vec![t, n, v], &attn_out)?;
 
     // Step 8: o_proj over the head-major [T, N·V] input.
-    let o_w = g.widen(w.o_proj.as_standard_layout().as_slice().unwrap_or(&[]))?;
-    let o = g.linear(&attn_out, t, n * v, &o_w, hd)?;
-    drop(o_w);
+    let o = g.linear_w(&attn_out, t, &w.o_proj)?;
     rec(&mut tr, Stage::OProj, vec![t, hd], &o)?;
 
     // Residual and dense SwiGLU FFN (each branch times the residual scale: MiniCPM3).
@@ -556,15 +552,10 @@ pub fn reference_layer(
             let h1 = g.elementwise("ref_add_scaled", &x_in, &o, Some(rs), t * hd)?;
             let xn = g.rms_norm(&h1, t, 0, hd, hd, ffn.norm.as_slice().unwrap_or(&[]), eps)?;
             let f = ffn.gate.nrows();
-            let gate_w = g.widen(ffn.gate.as_standard_layout().as_slice().unwrap_or(&[]))?;
-            let gate = g.linear(&xn, t, hd, &gate_w, f)?;
-            drop(gate_w);
-            let up_w = g.widen(ffn.up.as_standard_layout().as_slice().unwrap_or(&[]))?;
-            let up = g.linear(&xn, t, hd, &up_w, f)?;
-            drop(up_w);
+            let gate = g.linear_w(&xn, t, &ffn.gate)?;
+            let up = g.linear_w(&xn, t, &ffn.up)?;
             let act = g.elementwise("ref_swiglu", &gate, &up, None, t * f)?;
-            let down_w = g.widen(ffn.down.as_standard_layout().as_slice().unwrap_or(&[]))?;
-            let down = g.linear(&act, t, f, &down_w, hd)?;
+            let down = g.linear_w(&act, t, &ffn.down)?;
             let out = g.elementwise("ref_add_scaled", &h1, &down, Some(rs), t * hd)?;
             rec(&mut tr, Stage::HiddenOut, vec![t, hd], &out)?;
             let v = g.down(&out, t * hd)?;

@@ -7,6 +7,7 @@ use clap::Parser;
 use mla_diff::cli::{Cli, Outcome, dispatch};
 
 fn main() -> ExitCode {
+    mla_diff::core::memory::keep_freed_pages();
     // clap exits with code 2 on usage errors by itself.
     let cli = Cli::parse();
     let stdout = std::io::stdout();

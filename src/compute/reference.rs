@@ -57,10 +57,13 @@ const OUT_BLOCK: usize = 256;
 /// `y = x · Wᵀ` (PyTorch `F.linear`): x [T, K], W [O, K] → [T, O], f64.
 ///
 /// W's rows are cut into blocks of [`OUT_BLOCK`] run in parallel with rayon, each block one
-/// matrixmultiply dgemm over the whole K writing its own output columns. matrixmultiply
-/// accumulates every output element over K in the same order whatever the other dims (k-blocks
-/// in order, one FMA chain per block), so the result is bit-identical to `x.dot(&w.t())` for any
-/// thread count (tested below, and by the golden traces).
+/// sequential faer GEMM over the whole K into its own output columns. The block split is fixed
+/// and each block's GEMM runs on one thread, so the bits do not depend on the thread count
+/// (tested below); they may differ in the last place from another f64 GEMM (a different order
+/// of accumulation over K), and between machines with different SIMD widths, which the
+/// tolerances of the reference-agreement row cover. faer rather than ndarray's matrixmultiply
+/// because the reference's largest products (`o_proj`, `q_b`) ran about 1.5× faster in it on
+/// the 2-core machine of BENCHMARKS.md's P8.
 fn linear(x: &Array2<f64>, w: &Array2<f64>) -> Array2<f64> {
     linear_blocks(x, w.nrows(), |r| CowArray::from(w.slice(s![r, ..])))
 }
@@ -77,12 +80,25 @@ fn linear_blocks<'w, F>(x: &Array2<f64>, o: usize, block: F) -> Array2<f64>
 where
     F: Fn(std::ops::Range<usize>) -> CowArray<'w, f64, Ix2> + Sync,
 {
-    let mut y = Array2::<f64>::zeros((x.nrows(), o));
+    let (t, k) = x.dim();
+    let mut y = Array2::<f64>::zeros((t, o));
+    let xs = x.as_standard_layout();
+    let xs = xs.as_slice().unwrap_or(&[]);
+    let lhs = faer::MatRef::from_row_major_slice(xs, t, k);
     let blocks: Vec<(usize, ArrayViewMut2<f64>)> = y.axis_chunks_iter_mut(Axis(1), OUT_BLOCK).enumerate().collect();
     blocks.into_par_iter().for_each(|(i, mut yb)| {
         let r0 = i * OUT_BLOCK;
-        let wb = block(r0..r0 + yb.ncols());
-        ndarray::linalg::general_mat_mul(1.0, x, &wb.t(), 0.0, &mut yb);
+        let cols = yb.ncols();
+        let wb = block(r0..r0 + cols);
+        let wb = wb.as_standard_layout();
+        // W's block [cols, K] row-major is Wᵀ's [K, cols] column-major.
+        let rhs = faer::MatRef::from_column_major_slice(wb.as_slice().unwrap_or(&[]), k, cols);
+        let mut out = vec![0f64; t * cols];
+        let dst = faer::MatMut::from_row_major_slice_mut(&mut out, t, cols);
+        faer::linalg::matmul::matmul(dst, faer::Accum::Replace, lhs, rhs, 1.0, faer::Par::Seq);
+        for (mut row, src) in yb.rows_mut().into_iter().zip(out.chunks_exact(cols.max(1))) {
+            row.iter_mut().zip(src).for_each(|(d, &s)| *d = s);
+        }
     });
     y
 }
@@ -1012,14 +1028,21 @@ mod tests {
     }
 
     #[test]
-    fn parallel_linear_is_bit_identical_to_one_dgemm() {
-        // Odd sizes: partial output blocks, partial matrixmultiply tiles and several k-blocks.
+    fn parallel_linear_is_bit_identical_whatever_the_thread_count() {
+        // Odd sizes: partial output blocks, partial GEMM tiles and several k-blocks.
         let (t, k, o) = (37, 700, 1000);
         let xs = crate::core::batch::normal_f32(1, t * k);
         let ws = crate::core::batch::normal_f32(2, o * k);
         let x = Array2::from_shape_vec((t, k), xs.iter().map(|&v| v as f64 * 1.7).collect()).unwrap();
         let w = Array2::from_shape_vec((o, k), ws).unwrap();
-        let expected = x.dot(&f64m(&w).t());
+        let plain = x.dot(&f64m(&w).t());
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let expected = one.install(|| linear(&x, &f64m(&w)));
+        // Another f64 GEMM agrees to rounding: |Δ| ≤ 1e-13·‖row‖₁ bounds K = 700 roundings.
+        for ((g, e), row) in expected.iter().zip(&plain).zip(0..) {
+            let bound = 1e-13 * x.row(row / o).iter().map(|v| v.abs()).sum::<f64>() * 5.0;
+            assert!((g - e).abs() <= bound, "element {row}: {g} vs {e}");
+        }
         for threads in [1, 2, 3] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             let (a, b) = pool.install(|| (linear32(&x, &w), linear(&x, &f64m(&w))));

@@ -590,3 +590,164 @@ fn device_reference_matches_the_cpu_reference() {
     assert!(sites > 100, "{sites} sites compared");
     assert!(worst <= REFERENCE_AGREEMENT, "largest rel_l2 {worst:e} at {at}");
 }
+
+/// Every site of `a` against the same site of `b`: same status, failed metrics, counts and worst
+/// element; the f64 sums (norms, rel_l2) to 1e-9 relative (block order vs chunk order), cos_diff
+/// to 1e-12 absolute.
+fn assert_same_diffs(a: &[mla_diff::judge::metrics::SiteDiff], b: &[mla_diff::judge::metrics::SiteDiff], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: site counts");
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!((x.site, x.status, &x.failed), (y.site, y.status, &y.failed), "{what}");
+        let (Some(m), Some(n)) = (&x.metrics, &y.metrics) else {
+            assert_eq!(x.metrics.is_none(), y.metrics.is_none(), "{what} {}", x.site);
+            continue;
+        };
+        let counts = |m: &mla_diff::judge::metrics::Metrics| {
+            (
+                m.numel,
+                m.nonfinite_ref,
+                m.nonfinite_cand,
+                m.nonfinite_mismatch,
+                m.first_nonfinite_mismatch,
+                m.canary,
+                m.zero_where_ref_nonzero,
+                m.max_abs_index.clone(),
+                m.pass_fraction.to_bits(),
+            )
+        };
+        assert_eq!(counts(m), counts(n), "{what} {}", x.site);
+        for (u, v, name) in [
+            (m.norm_ref, n.norm_ref, "norm_ref"),
+            (m.norm_cand, n.norm_cand, "norm_cand"),
+            (m.rel_l2, n.rel_l2, "rel_l2"),
+            (m.max_abs, n.max_abs, "max_abs"),
+            (m.max_rel, n.max_rel, "max_rel"),
+        ] {
+            let same = (u.is_nan() && v.is_nan()) || u == v || (u - v).abs() <= 1e-9 * u.abs().max(v.abs());
+            assert!(same, "{what} {}: {name} {u:e} vs {v:e}", x.site);
+        }
+        // 1 − 2Σrc/Σ(r²+c²) cancels: its rounding is absolute, about 1e-16 per term summed.
+        let (u, v) = (m.cos_diff, n.cos_diff);
+        assert!(
+            (u.is_nan() && v.is_nan()) || (u - v).abs() <= 1e-12,
+            "{what} {}: cos_diff {u:e} vs {v:e}",
+            x.site
+        );
+    }
+}
+
+#[test]
+fn device_comparison_counts_special_values_as_the_host_does() {
+    use mla_diff::backend::cuda::compare::SplitTrace;
+    use mla_diff::core::canary::CANARY;
+    use mla_diff::core::trace::{Site, Stage, Trace, TraceTensor};
+    let Some(ops) = device() else { return };
+    // Seeded values with planted NaNs, infinities, canaries (exact and quieted), zeros and a tie
+    // for the worst element in two blocks far apart.
+    let n = 300_001;
+    let r: Vec<f64> = normal_f32(3, n).into_iter().map(|x| x as f64 * 2.0).collect();
+    let mut c: Vec<f32> = r
+        .iter()
+        .zip(normal_f32(4, n))
+        .map(|(&x, e)| (x + 1e-3 * e as f64) as f32)
+        .collect();
+    let mut r = r;
+    c[5] = CANARY;
+    c[70_000] = -f32::from_bits(CANARY.to_bits() | 0x0040_0000);
+    c[9] = f32::NAN;
+    r[11] = f64::NAN;
+    c[11] = f32::NAN;
+    r[13] = f64::INFINITY;
+    c[13] = f32::INFINITY;
+    r[250_000] = f64::NEG_INFINITY;
+    c[20] = 0.0;
+    for i in [1_000, 200_000] {
+        r[i] = 1.0;
+        c[i] = 9.0;
+    }
+    let site = |s| Site::new(0, s);
+    let mut host_ref = Trace::new();
+    let mut cand = Trace::new();
+    host_ref.record(site(Stage::AttnOut), TraceTensor::f64(vec![n], r.clone()));
+    cand.record(site(Stage::AttnOut), TraceTensor::f32(vec![n], c.clone()));
+    // A clean site and one whose reference is all zeros.
+    host_ref.record(
+        site(Stage::Lse),
+        TraceTensor::f64(vec![7, 3], (0..21).map(|i| i as f64).collect()),
+    );
+    cand.record(
+        site(Stage::Lse),
+        TraceTensor::f32(vec![7, 3], (0..21).map(|i| i as f32).collect()),
+    );
+    host_ref.record(site(Stage::OProj), TraceTensor::f64(vec![4, 5], vec![0.0; 20]));
+    cand.record(
+        site(Stage::OProj),
+        TraceTensor::f32(vec![4, 5], (0..20).map(|i| i as f32 * 0.5).collect()),
+    );
+    for dtype in [Dtype::F32, Dtype::Bf16] {
+        let expected = mla_diff::judge::metrics::diff(&host_ref, &cand, dtype);
+        let split = SplitTrace {
+            host: Trace::new(),
+            device: host_ref
+                .entries()
+                .iter()
+                .map(|(s, t)| mla_diff::backend::cuda::compare::DeviceSite {
+                    site: *s,
+                    shape: t.shape.clone(),
+                    buf: mla_diff::backend::cuda::compare::upload_f64(ops.device(), t).unwrap(),
+                })
+                .collect(),
+        };
+        let got = mla_diff::judge::device::diff_host_candidate(ops.device(), &split, &cand, dtype).unwrap();
+        assert_same_diffs(&got, &expected, &format!("{dtype:?}"));
+        let at = got.iter().position(|d| d.site.stage == Stage::AttnOut).unwrap();
+        let m = got[at].metrics.as_ref().unwrap();
+        assert_eq!((m.canary, m.first_nonfinite_mismatch), (2, Some(5)));
+        assert_eq!(m.max_abs_index, vec![5]);
+    }
+}
+
+#[test]
+fn device_comparison_gives_the_verdicts_and_findings_of_the_host_comparison() {
+    use mla_diff::compute::faults::{Fault, FaultSet};
+    use mla_diff::judge::report::RunConfig;
+    let Some(ops) = device() else { return };
+    let path = common::repo().join("golden/models/lite-v2-q8_0.gguf");
+    let file = mla_diff::model::gguf::GgufFile::open(&path).unwrap();
+    let cfg = MlaConfig::from_gguf(&file).unwrap();
+    for (dtype, faults) in [
+        (Dtype::F32, vec![]),
+        (Dtype::Bf16, vec![]),
+        (Dtype::F32, vec![Fault::NoMscale]),
+        (Dtype::Bf16, vec![Fault::PhantomOutput]),
+    ] {
+        let backend = Backend::Cuda(ops.with_dtype(dtype).with_gpu_reference(true));
+        let rc = RunConfig {
+            layers: vec![1],
+            batch: mla_diff::jobs::selftest::selftest_batch(16),
+            path_options: PathOptions {
+                faults: FaultSet(faults.clone()),
+                ..PathOptions::default()
+            },
+            ..RunConfig::default()
+        };
+        // On the device (a plain run) and on the host (a run keeping its traces).
+        let dev = mla_diff::jobs::run::run(&backend, &file, &cfg, &rc).unwrap();
+        let (host, _) = mla_diff::jobs::run::run_with_traces(&backend, &file, &cfg, &rc).unwrap();
+        let what = format!("{dtype:?} {faults:?}");
+        assert_eq!(dev.results.len(), host.results.len(), "{what}");
+        for (a, b) in dev.results.iter().zip(&host.results) {
+            assert_same_diffs(&a.diffs, &b.diffs, &format!("{what} {}", a.path));
+        }
+        let classes = |r: &mla_diff::judge::report::RunReport| {
+            r.findings.iter().map(|f| (f.class, f.site, f.path)).collect::<Vec<_>>()
+        };
+        assert_eq!(classes(&dev), classes(&host), "{what}");
+        assert_eq!(
+            faults.is_empty(),
+            dev.findings.is_empty(),
+            "{what}: {:?}",
+            classes(&dev)
+        );
+    }
+}

@@ -11,6 +11,7 @@ pub mod cuda;
 pub mod decode_cfg;
 pub mod prefill_cfg;
 
+use crate::backend::cuda::compare::DeviceSite;
 use crate::compute::indexer::Selection;
 use crate::compute::path::{LayerInput, PathKind, PathOptions, PathRun};
 use crate::compute::reference::{RefOutput, reference_layer, reference_layer_full};
@@ -83,6 +84,10 @@ impl Backend {
     /// (token input), with `file` for its experts; `shared` is the selection a GLM
     /// shared-indexer layer borrows.
     ///
+    /// With `keep_on_device`, the GPU reference leaves its activation sites on the device
+    /// (returned second, for [`crate::judge::device`]) and the trace holds the rest; the CPU
+    /// reference returns everything in the trace and nothing second.
+    ///
     /// Errors: as [`reference_layer`] / [`reference_layer_full`], and CUDA failures.
     #[allow(clippy::too_many_arguments)]
     pub fn reference(
@@ -95,13 +100,18 @@ impl Backend {
         tp: usize,
         shared: Option<&Selection>,
         full: bool,
-    ) -> Result<RefOutput> {
+        keep_on_device: bool,
+    ) -> Result<(RefOutput, Vec<DeviceSite<f64>>)> {
         match self {
             Backend::Cuda(o) if o.gpu_reference() && cuda::reference::supported(cfg, w.layer, full) => {
-                cuda::reference::reference_layer(o.device(), cfg, w, hidden, batch, tp)
+                if keep_on_device {
+                    cuda::reference::reference_layer_split(o.device(), cfg, w, hidden, batch, tp)
+                } else {
+                    cuda::reference::reference_layer(o.device(), cfg, w, hidden, batch, tp).map(|r| (r, Vec::new()))
+                }
             }
-            _ if full => reference_layer_full(file, cfg, w, hidden, batch, tp, shared),
-            _ => reference_layer(cfg, w, hidden, batch, tp, shared),
+            _ if full => reference_layer_full(file, cfg, w, hidden, batch, tp, shared).map(|r| (r, Vec::new())),
+            _ => reference_layer(cfg, w, hidden, batch, tp, shared).map(|r| (r, Vec::new())),
         }
     }
 

@@ -359,8 +359,9 @@ pub struct RunArgs {
     #[command(flatten)]
     pub output: ReportArgs,
     /// Print resource use on stderr: wall time, peak RSS, which tensors' data was read, and the
-    /// wall time of each stage (open, backend, dequant, reference, path weights, each path,
-    /// compare, diagnose with each detector that ran as a part of it, report).
+    /// wall time of each stage (open, backend, dequant, input, reference, path weights, each
+    /// path, compare, download when a GPU run diverged, diagnose with each detector that ran as a
+    /// part of it, report).
     #[arg(long)]
     pub stats: bool,
     /// Memory this run may use (e.g. `24G`, `512M`; K/M/G/T are powers of 1024). A run whose

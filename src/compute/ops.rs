@@ -9,6 +9,7 @@
 
 use crate::core::dtype::Dtype;
 use crate::core::error::Result;
+use crate::core::trace::Site;
 use crate::model::gguf::GgmlType;
 
 /// RoPE pairing (defined with the model configuration, which says which one a model uses).
@@ -87,6 +88,16 @@ pub trait Ops {
     fn upload(&self, data: &[f32]) -> Result<Self::Buf>;
     /// Copies a buffer back to the host.
     fn download(&self, b: &Self::Buf) -> Result<Vec<f32>>;
+    /// Keeps the site `site` (shape `shape`, the first `shape`-product elements of `b`) that a
+    /// path records: the values for the host trace, or `None` when the backend keeps the site
+    /// itself to compare it where it lives (the CUDA backend's device comparison). The default
+    /// downloads.
+    fn keep_site(&self, site: Site, shape: &[usize], b: &Self::Buf) -> Result<Option<Vec<f32>>> {
+        let _ = site;
+        let mut v = self.download(b)?;
+        v.truncate(shape.iter().product());
+        Ok(Some(v))
+    }
     /// A new buffer of `n` canary values.
     fn canary(&self, n: usize) -> Result<Self::Buf>;
     /// Dequantizes `n` elements of raw GGUF bytes (whole blocks of `ty`).

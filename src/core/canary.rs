@@ -12,6 +12,10 @@ pub const CANARY_BITS: u32 = 0x7FA5_A5A5;
 /// The canary value (see [`CANARY_BITS`]). Compare with [`is_canary`], never with `==`.
 pub const CANARY: f32 = f32::from_bits(CANARY_BITS);
 
+/// Sign and quiet bit cleared: a canary that went through arithmetic (which sets the quiet bit
+/// and may flip the sign) still matches [`CANARY_BITS`] under this mask.
+pub const CANARY_MASK: u32 = 0x7FBF_FFFF;
+
 /// True when `x` carries exactly the canary's bits (an output element never written).
 pub fn is_canary(x: f32) -> bool {
     x.to_bits() == CANARY_BITS

@@ -1,7 +1,8 @@
 //! The bottom layer: the types every other layer speaks.
 //!
 //! Sites and traces, the NaN canary, batches and the seeded generator, the compute dtype, the
-//! bug classes, the error type, safetensors reading, atomic file writes, stage timing and the memory limit. Nothing here knows
+//! bug classes, the error type, safetensors reading, atomic file writes, stage timing, the memory limit and the sums a site
+//! comparison is built from. Nothing here knows
 //! about GGUF, kernels or verdicts, so any layer above may use it.
 
 pub mod batch;
@@ -12,5 +13,6 @@ pub mod error;
 pub mod fsio;
 pub mod memory;
 pub mod st;
+pub mod sums;
 pub mod timing;
 pub mod trace;

@@ -36,6 +36,8 @@ pub enum Module {
     FastDecode,
     /// `reference.cu`: the GPU reference's f64 kernels (norm, RoPE, causal softmax, SwiGLU).
     Reference,
+    /// `compare.cu`: the two passes of a site comparison, reduced per block.
+    Compare,
 }
 
 impl Module {
@@ -48,6 +50,7 @@ impl Module {
         Module::FastPrefill,
         Module::FastDecode,
         Module::Reference,
+        Module::Compare,
     ];
 
     /// The modules every run loads up front (the fast ones are compiled per shape on demand).
@@ -57,6 +60,7 @@ impl Module {
         Module::Attention,
         Module::Dequant,
         Module::Reference,
+        Module::Compare,
     ];
 
     /// File name under `kernels/`.
@@ -69,6 +73,7 @@ impl Module {
             Module::FastPrefill => "fast_prefill.cu",
             Module::FastDecode => "fast_decode.cu",
             Module::Reference => "reference.cu",
+            Module::Compare => "compare.cu",
         }
     }
 
@@ -82,6 +87,7 @@ impl Module {
             Module::FastPrefill => include_str!("../../kernels/fast_prefill.cu"),
             Module::FastDecode => include_str!("../../kernels/fast_decode.cu"),
             Module::Reference => include_str!("../../kernels/reference.cu"),
+            Module::Compare => include_str!("../../kernels/compare.cu"),
         }
     }
 

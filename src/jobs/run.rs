@@ -9,6 +9,7 @@
 use ndarray::Array2;
 
 use crate::backend::Backend;
+use crate::backend::cuda::compare::SplitTrace;
 use crate::compute::indexer::Selection;
 use crate::compute::path::{LayerInput, PathKind, PathRun};
 use crate::compute::reference;
@@ -17,8 +18,8 @@ use crate::core::error::{Error, Result};
 use crate::core::timing;
 use crate::core::trace::{Site, Stage, Trace};
 use crate::judge::diagnose::{self, DiagnoseInput, Finding, PathEvidence};
-use crate::judge::metrics;
 use crate::judge::report::{InputMode, ModelSummary, PathResult, RunConfig, RunRecord, RunReport};
+use crate::judge::{device, metrics};
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
 use crate::model::weights::{LayerWeights, embed_hidden};
@@ -42,7 +43,13 @@ pub fn seeded_tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
 /// once over every path (a detector compares a diverging path with the others' verdicts). The
 /// returned runs have empty traces unless `keep_traces`.
 ///
-/// Errors: input errors of the paths (shapes inconsistent with the configuration).
+/// When the reference left sites on the device (the GPU reference, `reference.device` not
+/// empty), each path's sites stay there too and are judged there ([`crate::judge::device`]); a
+/// path that diverges there runs again with its sites downloaded, and the reference is
+/// downloaded, so that diagnosis sees host traces as on every other backend.
+///
+/// Errors: input errors of the paths (shapes inconsistent with the configuration), CUDA
+/// failures of the device comparison.
 #[allow(clippy::too_many_arguments)]
 pub fn compare_layer(
     backend: &Backend,
@@ -50,17 +57,18 @@ pub fn compare_layer(
     cfg: &MlaConfig,
     w: &LayerWeights,
     hidden: &Array2<f64>,
-    reference: &Trace,
+    reference: &SplitTrace,
     rc: &RunConfig,
     shared: Option<&Selection>,
     keep_traces: bool,
 ) -> Result<(Vec<PathResult>, Vec<Finding>, Vec<PathRun>)> {
-    let hidden32 = hidden.mapv(|x| x as f32);
+    let hidden32 = timing::stage("input", || hidden.mapv(|x| x as f32));
     // Reduced precision: the paths' attention runs on the reference's DSA selection (their own
-    // is still recorded and judged at idx_topk, with the tie band of the dtype).
+    // is still recorded and judged at idx_topk, with the tie band of the dtype). DSA layers run
+    // the CPU reference, so the selection is on the host.
     let dtype = backend.dtype();
     let forced = (dtype != crate::core::dtype::Dtype::F32)
-        .then(|| reference.get(&Site::new(w.layer, Stage::IdxTopk)))
+        .then(|| reference.host.get(&Site::new(w.layer, Stage::IdxTopk)))
         .flatten()
         .map(|t| Selection {
             rows: crate::compute::indexer::topk_sets(&t.to_f64(), t.shape.last().copied().unwrap_or(0)),
@@ -76,23 +84,65 @@ pub fn compare_layer(
     };
     let mut opts = rc.path_options.clone();
     opts.seed = rc.seed;
+    let on_device = match backend {
+        Backend::Cuda(o) if !keep_traces && !reference.device.is_empty() => Some(o),
+        _ => None,
+    };
     let mut runs = Vec::new();
     let mut all_diffs = Vec::new();
-    backend.run_paths(&rc.paths, &input, &opts, &mut |mut pr| {
-        let diffs = timing::stage("compare", || metrics::diff(reference, &pr.trace, dtype));
+    let mut again = Vec::new();
+    if let Some(o) = on_device {
+        o.keep_sites_on_device(true);
+    }
+    let result = backend.run_paths(&rc.paths, &input, &opts, &mut |mut pr| {
+        let diffs = match on_device {
+            Some(o) => {
+                let sites = o.take_device_sites();
+                timing::stage("compare", || {
+                    device::diff(o.device(), reference, &pr.trace, &sites, dtype)
+                })?
+            }
+            None => timing::stage("compare", || metrics::diff(&reference.host, &pr.trace, dtype)),
+        };
+        let clean = pr.unservable.is_none() && metrics::first_divergence(&diffs).is_none();
+        if on_device.is_some() && !clean {
+            again.push(pr.kind);
+        }
         // Only a diverging path's trace is diagnosed; a clean one's is dropped at once.
-        if !keep_traces && pr.unservable.is_none() && metrics::first_divergence(&diffs).is_none() {
+        if !keep_traces && clean {
             pr.trace = Trace::default();
         }
         all_diffs.push(diffs);
         runs.push(pr);
         Ok(())
-    })?;
+    });
+    if let Some(o) = on_device {
+        o.keep_sites_on_device(false);
+    }
+    result?;
+    // Diagnosis reads host traces: download the reference and rerun the paths that diverged on
+    // the device with their sites downloaded (the same kernels, inputs and seed: the same values).
+    let host_reference;
+    let reference_trace = match on_device {
+        Some(o) if !again.is_empty() => {
+            host_reference = timing::stage("download", || reference.to_host(o.device()))?;
+            backend.run_paths(&again, &input, &opts, &mut |pr| {
+                let diffs = timing::stage("compare", || metrics::diff(&host_reference, &pr.trace, dtype));
+                if let Some(i) = runs.iter().position(|r| r.kind == pr.kind) {
+                    all_diffs[i] = diffs;
+                    runs[i] = pr;
+                }
+                Ok(())
+            })?;
+            &host_reference
+        }
+        _ => &reference.host,
+    };
     let findings = timing::stage("diagnose", || {
         diagnose::diagnose(&DiagnoseInput {
             cfg,
             batch: &rc.batch,
-            reference,
+            reference: reference_trace,
             paths: runs
                 .iter()
                 .zip(&all_diffs)
@@ -241,17 +291,17 @@ fn run_inner(
         if tensor_types.is_empty() && wanted {
             tensor_types = w.types.clone();
         }
-        let bad = w.nonfinite();
+        let bad = timing::stage("dequant", || w.nonfinite());
         if !bad.is_empty() {
             let numel = |t: &str| file.tensor(t).map_or(0, |i| i.n_elements() as usize);
             findings.extend(diagnose::weight_nonfinite_findings(layer, &bad, numel));
         }
         let hidden = match rc.input {
-            InputMode::Random => {
+            InputMode::Random => timing::stage("input", || {
                 let v = normal_f32(layer_seed(rc.seed, layer), t * cfg.hidden);
                 Array2::from_shape_vec((t, cfg.hidden), v.into_iter().map(f64::from).collect())
-                    .map_err(|e| Error::Usage(e.to_string()))?
-            }
+                    .map_err(|e| Error::Usage(e.to_string()))
+            })?,
             InputMode::Tokens => carried.take().ok_or_else(|| {
                 Error::Usage(format!(
                     "layer {layer}: no hidden state carried from layer {}",
@@ -266,15 +316,32 @@ fn run_inner(
             None
         };
         let full = rc.input == InputMode::Tokens;
-        let refo = timing::stage("reference", || {
-            backend.reference(file, cfg, &w, &hidden, &rc.batch, layer_tp, shared, full)
+        // The reference stays on the device for a GPU run of a wanted layer (judged there);
+        // golden recording and the layers a token run only passes through need it on the host.
+        let keep_on_device = wanted && !keep_traces;
+        let (refo, device_sites) = timing::stage("reference", || {
+            backend.reference(
+                file,
+                cfg,
+                &w,
+                &hidden,
+                &rc.batch,
+                layer_tp,
+                shared,
+                full,
+                keep_on_device,
+            )
         })?;
         if !refo.moe_nonfinite.is_empty() {
             let numel = |t: &str| file.tensor(t).map_or(0, |i| i.n_elements() as usize);
             findings.extend(diagnose::weight_nonfinite_findings(layer, &refo.moe_nonfinite, numel));
         }
         if wanted {
-            let (res, f, runs) = compare_layer(backend, file, cfg, &w, &hidden, &refo.trace, rc, shared, keep_traces)?;
+            let split = SplitTrace {
+                host: refo.trace,
+                device: device_sites,
+            };
+            let (res, f, runs) = compare_layer(backend, file, cfg, &w, &hidden, &split, rc, shared, keep_traces)?;
             results.extend(res);
             for fi in f {
                 if !findings.iter().any(|g| g.path == fi.path) {
@@ -284,7 +351,7 @@ fn run_inner(
             if keep_traces {
                 traces.push(LayerTraces {
                     layer,
-                    reference: refo.trace,
+                    reference: split.host,
                     paths: runs.into_iter().map(|r| (r.kind, r.trace)).collect(),
                 });
             }
@@ -350,6 +417,10 @@ pub fn reference_chain(
 /// per-token width of every site); and the transient working set of the widest step, the
 /// expanded `[T, N, P+V]` K/V in f64 twice. A 25 % margin covers allocator slack and the
 /// smaller temporaries. Token input adds the dense FFN of one layer and the embedding rows.
+///
+/// A GPU run whose traces stay on the device holds far less on the host while the layer is
+/// clean, but a divergence downloads the reference and the diverging path's trace for the
+/// diagnosis: the estimate covers that case, so it holds for every backend.
 pub fn estimate_peak_bytes(cfg: &MlaConfig, rc: &RunConfig) -> u64 {
     let t = rc.batch.n_tokens() as u64;
     let (h, n, l, p, r, v) = (

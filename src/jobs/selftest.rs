@@ -15,6 +15,7 @@ use ndarray::Array2;
 use serde::Serialize;
 
 use crate::backend::Backend;
+use crate::backend::cuda::compare::SplitTrace;
 use crate::compute::faults::{Fault, FaultSet};
 use crate::compute::path::{PathKind, PathOptions};
 use crate::compute::reference;
@@ -281,10 +282,14 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
                 },
                 backend: backend.name().into(),
             };
+            // The reference on the host: selftest judges on the host on every backend.
             let reference_for = |tp: usize| {
                 let mut r = base.clone();
                 r.extend(reference::rank_weight_sites(&cfg, &w, tp));
-                r
+                SplitTrace {
+                    host: r,
+                    device: Vec::new(),
+                }
             };
             // Clean runs.
             for &tp in &tps {

@@ -13,13 +13,10 @@
 use rayon::prelude::*;
 use serde::Serialize;
 
-use crate::core::canary::CANARY_BITS;
+use crate::core::canary::{CANARY_BITS, CANARY_MASK};
+use crate::core::sums::{ElementSums, Pass1, Pass2};
 use crate::core::trace::{Site, Stage, Trace, TraceTensor, shapes_compatible};
 use crate::judge::tolerance::{Precision, Tolerance, tolerance};
-
-/// Sign and quiet bit cleared: a canary that went through arithmetic (which sets the quiet bit
-/// and may flip the sign) still matches `CANARY_BITS` under this mask.
-const CANARY_MASK: u32 = 0x7FBF_FFFF;
 
 /// True for the canary or a canary quieted by arithmetic (NaN payload preserved).
 pub fn is_canary_like(x: f32) -> bool {
@@ -141,32 +138,6 @@ pub fn metrics(reference: &TraceTensor, cand: &TraceTensor, tol: &Tolerance) -> 
 /// Elements per parallel chunk of [`metrics`]: fixed, so the sums never depend on threading.
 const CHUNK: usize = 1 << 15;
 
-/// Pass 1 of [`metrics`] over one chunk: non-finite counts, the first mismatch, canaries, zeros
-/// where the reference is not, and the four sums of squares and products.
-#[derive(Default, Clone, Copy)]
-struct Sums {
-    nf_r: usize,
-    nf_c: usize,
-    nf_mis: usize,
-    first_mis: Option<usize>,
-    canary: usize,
-    zeros: usize,
-    rr: f64,
-    cc: f64,
-    dd: f64,
-    rc: f64,
-}
-
-/// Pass 2 of [`metrics`] over one chunk: the worst element, the worst relative error above the
-/// floor, and the elements within tolerance.
-#[derive(Default, Clone, Copy)]
-struct Worst {
-    max_abs: f64,
-    max_i: usize,
-    max_rel: f64,
-    passed: usize,
-}
-
 /// [`metrics`] on the two element slices (`R`, `C`: f32 or f64).
 fn metrics_of<R, C>(reference: &TraceTensor, cand: &TraceTensor, rv: &[R], cv: &[C], tol: &Tolerance) -> Metrics
 where
@@ -176,10 +147,10 @@ where
     let n = reference.len().min(cand.len());
     let (rv, cv) = (&rv[..n], &cv[..n]);
     let cand_f32 = cand.f32_data();
-    let sums: Vec<Sums> = (0..n.div_ceil(CHUNK))
+    let chunks: Vec<Pass1> = (0..n.div_ceil(CHUNK))
         .into_par_iter()
         .map(|k| {
-            let mut s = Sums::default();
+            let mut s = Pass1::default();
             for i in k * CHUNK..((k + 1) * CHUNK).min(n) {
                 let (r, c): (f64, f64) = (rv[i].into(), cv[i].into());
                 if cand_f32.is_some_and(|cf| is_canary_like(cf[i])) {
@@ -205,40 +176,15 @@ where
             s
         })
         .collect();
-    let mut t = Sums::default();
-    for s in &sums {
-        t.nf_r += s.nf_r;
-        t.nf_c += s.nf_c;
-        t.nf_mis += s.nf_mis;
-        t.first_mis = t.first_mis.or(s.first_mis);
-        t.canary += s.canary;
-        t.zeros += s.zeros;
-        t.rr += s.rr;
-        t.cc += s.cc;
-        t.dd += s.dd;
-        t.rc += s.rc;
-    }
-    let Sums {
-        nf_r,
-        nf_c,
-        nf_mis,
-        first_mis,
-        canary,
-        zeros,
-        rr,
-        cc,
-        dd,
-        rc,
-    } = t;
-    let norm_ref = rr.sqrt();
-    let norm_cand = cc.sqrt();
-    let rms = if n > 0 { (rr / n as f64).sqrt() } else { 0.0 };
+    let mut pass1 = Pass1::default();
+    chunks.iter().for_each(|c| pass1.absorb(c));
+    let rms = pass1.rms(n);
     let floor = 1e-3 * rms;
     let atol = tol.atol_rms * rms;
-    let worst: Vec<Worst> = (0..n.div_ceil(CHUNK))
+    let chunks: Vec<Pass2> = (0..n.div_ceil(CHUNK))
         .into_par_iter()
         .map(|k| {
-            let mut w = Worst::default();
+            let mut w = Pass2::default();
             for i in k * CHUNK..((k + 1) * CHUNK).min(n) {
                 let (r, c): (f64, f64) = (rv[i].into(), cv[i].into());
                 if r.is_finite() && c.is_finite() {
@@ -265,16 +211,42 @@ where
             w
         })
         .collect();
-    let (mut max_abs, mut max_i, mut max_rel, mut passed) = (0f64, 0usize, 0f64, 0usize);
-    for w in &worst {
-        // Strictly greater: the first chunk's index wins a tie, as a single pass would report.
-        if w.max_abs > max_abs {
-            max_abs = w.max_abs;
-            max_i = w.max_i;
-        }
-        max_rel = max_rel.max(w.max_rel);
-        passed += w.passed;
-    }
+    let mut pass2 = Pass2::default();
+    chunks.iter().for_each(|c| pass2.absorb(c));
+    let sums = ElementSums {
+        n,
+        pass1,
+        pass2,
+        r_at_max: if n > 0 { reference.get(pass2.max_i) } else { 0.0 },
+        c_at_max: if n > 0 { cand.get(pass2.max_i) } else { 0.0 },
+    };
+    metrics_from_sums(&reference.shape, &sums)
+}
+
+/// The metrics of one site from its [`ElementSums`] (computed on the host by [`metrics`] or on
+/// the device by `backend::cuda::compare`), the worst element's multi-index in `shape_ref`.
+pub fn metrics_from_sums(shape_ref: &[usize], s: &ElementSums) -> Metrics {
+    let n = s.n;
+    let Pass1 {
+        nf_r,
+        nf_c,
+        nf_mis,
+        first_mis,
+        canary,
+        zeros,
+        rr,
+        cc,
+        dd,
+        rc,
+    } = s.pass1;
+    let Pass2 {
+        max_abs,
+        max_i,
+        max_rel,
+        passed,
+    } = s.pass2;
+    let norm_ref = rr.sqrt();
+    let norm_cand = cc.sqrt();
     // No element finite on both sides (and some mismatch): the norm-based metrics are undefined
     // (NaN, written as `null` in JSON), not a perfect 0.
     let undefined = n > 0 && nf_mis > 0 && n - nf_r.max(nf_c) == 0;
@@ -305,9 +277,9 @@ where
         norm_ratio: if undefined { f64::NAN } else { norm_ratio },
         rel_l2: if undefined { f64::NAN } else { rel_l2 },
         max_abs,
-        max_abs_index: unravel(max_i, &reference.shape),
-        max_abs_ref: if n > 0 { reference.get(max_i) } else { 0.0 },
-        max_abs_cand: if n > 0 { cand.get(max_i) } else { 0.0 },
+        max_abs_index: unravel(max_i, shape_ref),
+        max_abs_ref: s.r_at_max,
+        max_abs_cand: s.c_at_max,
         max_rel: if undefined { f64::NAN } else { max_rel },
         cos_diff: if undefined { f64::NAN } else { cos_diff },
         pass_fraction: if n > 0 { passed as f64 / n as f64 } else { 1.0 },
@@ -418,6 +390,51 @@ pub fn diff_site(
         metrics: Some(m),
         failed,
         tolerance: tol,
+        note: None,
+    }
+}
+
+/// [`diff_site`] for a site whose [`ElementSums`] were computed where the data lives (the
+/// device comparison of [`crate::judge::device`]): the same tolerance row, judgement and status.
+/// The caller checked that the shapes are compatible and that the stage is not an id set
+/// (whose rows [`diff_site`] sorts first).
+pub fn diff_from_sums(
+    site: Site,
+    shape_ref: &[usize],
+    shape_cand: &[usize],
+    sums: &ElementSums,
+    precision: impl Into<Precision>,
+) -> SiteDiff {
+    let (tol, _) = tolerance(site.stage, precision);
+    let m = metrics_from_sums(shape_ref, sums);
+    let failed = judge(&m, &tol);
+    SiteDiff {
+        site,
+        status: if failed.is_empty() { Status::Pass } else { Status::Fail },
+        shape_ref: shape_ref.to_vec(),
+        shape_cand: shape_cand.to_vec(),
+        metrics: Some(m),
+        failed,
+        tolerance: tol,
+        note: None,
+    }
+}
+
+/// A site's verdict when its shapes disagree: what [`diff_site`] returns then.
+pub fn shape_mismatch(
+    site: Site,
+    shape_ref: &[usize],
+    shape_cand: &[usize],
+    precision: impl Into<Precision>,
+) -> SiteDiff {
+    SiteDiff {
+        site,
+        status: Status::ShapeMismatch,
+        shape_ref: shape_ref.to_vec(),
+        shape_cand: shape_cand.to_vec(),
+        metrics: None,
+        failed: vec!["shape"],
+        tolerance: tolerance(site.stage, precision).0,
         note: None,
     }
 }

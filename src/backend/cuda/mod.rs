@@ -4,5 +4,6 @@
 //! module turns each engine step into launches, with the launch configuration chosen by
 //! [`crate::backend::decode_cfg`] and [`crate::backend::prefill_cfg`].
 
+pub mod compare;
 pub mod ops;
 pub mod reference;

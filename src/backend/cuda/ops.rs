@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::cublas::{Gemm, GemmConfig, sys as cb};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
+use crate::backend::cuda::compare::DeviceSite;
 use crate::backend::decode_cfg::{DecodeCfg, wave_splits};
 use crate::backend::prefill_cfg::PrefillCfg;
 use crate::compute::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, RopeStyle, Segment};
@@ -20,6 +21,7 @@ use crate::compute::path::PathKind;
 use crate::core::canary::CANARY_BITS;
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
+use crate::core::trace::Site;
 use crate::device::Module;
 use crate::device::context::{Device, grid1};
 use crate::device::supports_wgmma;
@@ -58,6 +60,9 @@ pub struct CudaOps {
     /// computes the layer; the CPU reference otherwise.
     gpu_reference: bool,
     notes: Arc<Mutex<Vec<String>>>,
+    /// While `Some`, the sites a path records are copied into device buffers here instead of
+    /// downloaded ([`CudaOps::keep_sites_on_device`]).
+    device_sites: Arc<Mutex<Option<Vec<DeviceSite<f32>>>>>,
 }
 
 impl CudaOps {
@@ -77,6 +82,7 @@ impl CudaOps {
             sync_each: true,
             gpu_reference: false,
             notes: Arc::new(Mutex::new(Vec::new())),
+            device_sites: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -99,6 +105,26 @@ impl CudaOps {
             gpu_reference,
             ..self.clone()
         }
+    }
+
+    /// From now on (`true`) the sites a path records stay on the device, collected for
+    /// [`CudaOps::take_device_sites`], instead of being downloaded into the path's trace; `false`
+    /// goes back to downloading and drops what was collected. Shared by every clone of this
+    /// backend.
+    pub fn keep_sites_on_device(&self, on: bool) {
+        if let Ok(mut g) = self.device_sites.lock() {
+            *g = on.then(Vec::new);
+        }
+    }
+
+    /// The sites collected on the device since the last call, in recording order (empty unless
+    /// [`CudaOps::keep_sites_on_device`] is on).
+    pub fn take_device_sites(&self) -> Vec<DeviceSite<f32>> {
+        self.device_sites
+            .lock()
+            .ok()
+            .and_then(|mut g| g.as_mut().map(std::mem::take))
+            .unwrap_or_default()
     }
 
     /// Whether the f64 reference runs on this device ([`CudaOps::with_gpu_reference`]).
@@ -670,6 +696,38 @@ impl Ops for CudaOps {
             .stream()
             .clone_dtoh(b)
             .map_err(|e| cerr(format!("download: {e:?}")))
+    }
+
+    fn keep_site(&self, site: Site, shape: &[usize], b: &CudaSlice<f32>) -> Result<Option<Vec<f32>>> {
+        let n: usize = shape.iter().product();
+        let mut guard = self
+            .device_sites
+            .lock()
+            .map_err(|_| cerr("device site list poisoned"))?;
+        let Some(sites) = guard.as_mut() else {
+            drop(guard);
+            let mut v = self.download(b)?;
+            v.truncate(n);
+            return Ok(Some(v));
+        };
+        if n > b.len() {
+            return Err(Error::Usage(format!(
+                "site {site}: shape {shape:?} holds {n} elements, its buffer {}",
+                b.len()
+            )));
+        }
+        // A copy: the engine reuses or frees its buffers after recording them.
+        let copy = self
+            .dev
+            .stream()
+            .clone_dtod(&b.slice(0..n.max(1).min(b.len())))
+            .map_err(|e| cerr(format!("copy of site {site}: {e:?}")))?;
+        sites.push(DeviceSite {
+            site,
+            shape: shape.to_vec(),
+            buf: copy,
+        });
+        Ok(None)
     }
 
     fn canary(&self, n: usize) -> Result<CudaSlice<f32>> {

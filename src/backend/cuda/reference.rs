@@ -16,6 +16,7 @@ use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig, sys as cb};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use ndarray::{Array2, Axis};
 
+use crate::backend::cuda::compare::DeviceSite;
 use crate::compute::reference::{RefOutput, assemble_kv_b, rank_weight_sites, rope_inv_freq, split_kv_b};
 use crate::core::batch::Batch;
 use crate::core::error::{Error, Result};
@@ -298,6 +299,34 @@ pub fn reference_layer(
     batch: &Batch,
     tp: usize,
 ) -> Result<RefOutput> {
+    reference_inner(dev, cfg, w, hidden, batch, tp, false).map(|(o, _)| o)
+}
+
+/// [`reference_layer`] with every activation site left on the device: the returned trace holds
+/// the sites built on the host (the weight sites), the device sites the rest (f64, in recording
+/// order), for [`crate::backend::cuda::compare`] to judge the paths against without a copy.
+///
+/// Errors: as [`reference_layer`].
+pub fn reference_layer_split(
+    dev: &Device,
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    hidden: &Array2<f64>,
+    batch: &Batch,
+    tp: usize,
+) -> Result<(RefOutput, Vec<DeviceSite<f64>>)> {
+    reference_inner(dev, cfg, w, hidden, batch, tp, true)
+}
+
+fn reference_inner(
+    dev: &Device,
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    hidden: &Array2<f64>,
+    batch: &Batch,
+    tp: usize,
+    keep: bool,
+) -> Result<(RefOutput, Vec<DeviceSite<f64>>)> {
     let t = batch.n_tokens();
     let (hd, n, l, p, r, v) = (
         cfg.hidden,
@@ -322,10 +351,31 @@ pub fn reference_layer(
     let layer = w.layer;
     let eps = cfg.rms_eps;
     let mut tr = Trace::new();
+    let kept = std::cell::RefCell::new(Vec::new());
     let rec = |tr: &mut Trace, stage: Stage, shape: Vec<usize>, buf: &CudaSlice<f64>| -> Result<()> {
         let n: usize = shape.iter().product();
-        tr.record(Site::new(layer, stage), TraceTensor::f64(shape, g.down(buf, n)?));
+        let site = Site::new(layer, stage);
+        if keep {
+            // A copy: later steps reuse or free the buffer.
+            let copy = dev
+                .stream()
+                .clone_dtod(&buf.slice(0..n.clamp(1, buf.len())))
+                .map_err(|e| cerr(format!("copy of site {site}: {e:?}")))?;
+            kept.borrow_mut().push(DeviceSite { site, shape, buf: copy });
+        } else {
+            tr.record(site, TraceTensor::f64(shape, g.down(buf, n)?));
+        }
         Ok(())
+    };
+    // A site built on the host (the weight sites): on the device too when the activations are.
+    let rec_host = |tr: &mut Trace, stage: Stage, shape: Vec<usize>, values: Vec<f64>| -> Result<()> {
+        if keep {
+            let buf = g.up(&values)?;
+            rec(tr, stage, shape, &buf)
+        } else {
+            tr.record(Site::new(layer, stage), TraceTensor::f64(shape, values));
+            Ok(())
+        }
     };
     let hidden_std = hidden.as_standard_layout();
     let x_in = g.up(hidden_std.as_slice().unwrap_or(&[]))?;
@@ -341,10 +391,12 @@ pub fn reference_layer(
             let lq = q_a.nrows();
             let fused = ndarray::concatenate(Axis(0), &[q_a.view(), w.kv_a_mqa.view()])
                 .map_err(|e| Error::Usage(e.to_string()))?;
-            tr.record(
-                Site::new(layer, Stage::WFusedQkvA),
-                TraceTensor::f64(vec![fused.nrows(), hd], fused.iter().map(|&x| f64::from(x)).collect()),
-            );
+            rec_host(
+                &mut tr,
+                Stage::WFusedQkvA,
+                vec![fused.nrows(), hd],
+                fused.iter().map(|&x| f64::from(x)).collect(),
+            )?;
             let q_c = g.linear_w(&x, t, q_a)?;
             rec(&mut tr, Stage::QC, vec![t, lq], &q_c)?;
             let q_c_normed = g.rms_norm(&q_c, t, 0, lq, lq, q_a_norm.as_slice().unwrap_or(&[]), eps)?;
@@ -385,11 +437,15 @@ pub fn reference_layer(
     // Step 5: expanded K/V through kv_b (per-head interleaved rows).
     let kv_b = assemble_kv_b(cfg, &w.kv_b);
     let kv_b_std = kv_b.as_standard_layout();
-    tr.record(
-        Site::new(layer, Stage::WKvB),
-        TraceTensor::f64(vec![n * (p + v), l], kv_b_std.iter().copied().collect()),
-    );
     let kv_b_d = g.up(kv_b_std.as_slice().unwrap_or(&[]))?;
+    if keep {
+        rec(&mut tr, Stage::WKvB, vec![n * (p + v), l], &kv_b_d)?;
+    } else {
+        tr.record(
+            Site::new(layer, Stage::WKvB),
+            TraceTensor::f64(vec![n * (p + v), l], kv_b_std.iter().copied().collect()),
+        );
+    }
     let kv = g.linear(&kv_c_normed, t, l, &kv_b_d, n * (p + v))?;
     drop(kv_b_d);
     let k_nope = g.copy_cols(&kv, t * n, p + v, 0, p)?;
@@ -400,14 +456,8 @@ pub fn reference_layer(
 
     // Step 6: W_UK_T [N, P, L] and W_UV [N, L, V] from the same kv_b; ql_nope = q_nope · W_UK_T.
     let (w_uk_t, w_uv) = split_kv_b(cfg, &kv_b);
-    tr.record(
-        Site::new(layer, Stage::WUkT),
-        TraceTensor::f64(vec![n, p, l], w_uk_t.iter().copied().collect()),
-    );
-    tr.record(
-        Site::new(layer, Stage::WUv),
-        TraceTensor::f64(vec![n, l, v], w_uv.iter().copied().collect()),
-    );
+    rec_host(&mut tr, Stage::WUkT, vec![n, p, l], w_uk_t.iter().copied().collect())?;
+    rec_host(&mut tr, Stage::WUv, vec![n, l, v], w_uv.iter().copied().collect())?;
     let w_uk_t_d = g.up(w_uk_t.as_standard_layout().as_slice().unwrap_or(&[]))?;
     let mut ql_nope = g.alloc(t * n * l)?;
     g.gemm(
@@ -565,10 +615,13 @@ pub fn reference_layer(
     };
     g.sync("o_proj")?;
     tr.extend(rank_weight_sites(cfg, w, tp));
-    Ok(RefOutput {
-        trace: tr,
-        hidden_out,
-        moe_nonfinite: Vec::new(),
-        selection: None,
-    })
+    Ok((
+        RefOutput {
+            trace: tr,
+            hidden_out,
+            moe_nonfinite: Vec::new(),
+            selection: None,
+        },
+        kept.into_inner(),
+    ))
 }

@@ -66,11 +66,36 @@ fn cp(rows: usize, width: usize, src_off: usize, src_stride: usize, dst_off: usi
     }
 }
 
-/// Records a backend buffer (downloaded) at `stage`.
+/// Records a backend buffer at `stage`: downloaded into `tr`, or kept by the backend
+/// ([`Ops::keep_site`]).
 fn rec<O: Ops>(ops: &O, tr: &mut Trace, layer: usize, stage: Stage, shape: &[usize], b: &O::Buf) -> Result<()> {
+    let site = Site::new(layer, stage);
+    if let Some(v) = ops.keep_site(site, shape, b)? {
+        tr.record(site, TraceTensor::f32(shape.to_vec(), v));
+    }
+    Ok(())
+}
+
+/// Records per-rank `[T, nh, X]` buffers at `stage` as one `[T, N, X]` site (`shape`): one rank's
+/// buffer through [`rec`], several reassembled on the host ([`reassemble`]).
+#[allow(clippy::too_many_arguments)]
+fn rec_heads<O: Ops>(
+    ops: &O,
+    tr: &mut Trace,
+    layer: usize,
+    stage: Stage,
+    shape: &[usize],
+    parts: &[&O::Buf],
+    nh: usize,
+    x: usize,
+) -> Result<()> {
+    if let [one] = parts {
+        return rec(ops, tr, layer, stage, shape, one);
+    }
+    let t = shape.first().copied().unwrap_or(0);
     tr.record(
         Site::new(layer, stage),
-        TraceTensor::f32(shape.to_vec(), ops.download(b)?),
+        TraceTensor::f32(shape.to_vec(), reassemble(ops, parts, t, nh, x)?),
     );
     Ok(())
 }
@@ -249,18 +274,23 @@ fn run_loaded<O: Ops>(
         }
         Ok(out)
     };
+    // The whole-layer weight sites: one rank's buffer is the site; several concatenate on the
+    // host (each rank holds a contiguous block of heads).
+    let weight_site =
+        |tr: &mut Trace, stage: Stage, shape: &[usize], f: fn(&RankWeights<O::Buf>) -> &O::Buf| match &ew.ranks[..] {
+            [one] => rec(ops, tr, layer, stage, shape, f(one)),
+            ranks => {
+                let all = gather_host(ranks.iter().map(f).collect())?;
+                tr.record(Site::new(layer, stage), TraceTensor::f32(shape.to_vec(), all));
+                Ok(())
+            }
+        };
     if kind != PathKind::Mqa {
-        let kvb = gather_host(ew.ranks.iter().map(|rw| &rw.kv_b).collect())?;
-        tr.record(
-            Site::new(layer, Stage::WKvB),
-            TraceTensor::f32(vec![n * (p + v), l], kvb),
-        );
+        weight_site(&mut tr, Stage::WKvB, &[n * (p + v), l], |rw| &rw.kv_b)?;
     }
     if matches!(kind, PathKind::Mqa | PathKind::Mixed) {
-        let wk = gather_host(ew.ranks.iter().map(|rw| &rw.w_uk_t).collect())?;
-        let wv = gather_host(ew.ranks.iter().map(|rw| &rw.w_uv).collect())?;
-        tr.record(Site::new(layer, Stage::WUkT), TraceTensor::f32(vec![n, p, l], wk));
-        tr.record(Site::new(layer, Stage::WUv), TraceTensor::f32(vec![n, l, v], wv));
+        weight_site(&mut tr, Stage::WUkT, &[n, p, l], |rw| &rw.w_uk_t)?;
+        weight_site(&mut tr, Stage::WUv, &[n, l, v], |rw| &rw.w_uv)?;
     }
     let scale = if opts.faults.has(Fault::NoMscale) {
         (cfg.qk_head_dim() as f64).powf(-0.5) as f32
@@ -292,39 +322,21 @@ fn run_loaded<O: Ops>(
     }
     let pick = |f: fn(&RankOut<O::Buf>) -> Option<&O::Buf>| pick_all(&outs, f);
     if let Some(k) = pick(|o| o.k_nope.as_ref()) {
-        tr.record(
-            Site::new(layer, Stage::KNope),
-            TraceTensor::f32(vec![t, n, p], reassemble(ops, &k, t, nh, p)?),
-        );
+        rec_heads(ops, &mut tr, layer, Stage::KNope, &[t, n, p], &k, nh, p)?;
     }
     if let Some(x) = pick(|o| o.v.as_ref()) {
-        tr.record(
-            Site::new(layer, Stage::V),
-            TraceTensor::f32(vec![t, n, v], reassemble(ops, &x, t, nh, v)?),
-        );
+        rec_heads(ops, &mut tr, layer, Stage::V, &[t, n, v], &x, nh, v)?;
     }
     if let Some(x) = pick(|o| o.ql_nope.as_ref()) {
-        tr.record(
-            Site::new(layer, Stage::QlNope),
-            TraceTensor::f32(vec![t, n, l], reassemble(ops, &x, t, nh, l)?),
-        );
+        rec_heads(ops, &mut tr, layer, Stage::QlNope, &[t, n, l], &x, nh, l)?;
     }
     if let Some(x) = pick(|o| o.attn_latent.as_ref()) {
-        tr.record(
-            Site::new(layer, Stage::AttnLatent),
-            TraceTensor::f32(vec![t, n, l], reassemble(ops, &x, t, nh, l)?),
-        );
+        rec_heads(ops, &mut tr, layer, Stage::AttnLatent, &[t, n, l], &x, nh, l)?;
     }
     let lse: Vec<&O::Buf> = outs.iter().map(|o| &o.lse).collect();
-    tr.record(
-        Site::new(layer, Stage::Lse),
-        TraceTensor::f32(vec![t, n], reassemble(ops, &lse, t, nh, 1)?),
-    );
+    rec_heads(ops, &mut tr, layer, Stage::Lse, &[t, n], &lse, nh, 1)?;
     let attn: Vec<&O::Buf> = outs.iter().map(|o| &o.out).collect();
-    tr.record(
-        Site::new(layer, Stage::AttnOut),
-        TraceTensor::f32(vec![t, n, v], reassemble(ops, &attn, t, nh, v)?),
-    );
+    rec_heads(ops, &mut tr, layer, Stage::AttnOut, &[t, n, v], &attn, nh, v)?;
 
     // o_proj is row-parallel: per-rank partial sums, all-reduced in rank order.
     let mut o: Option<O::Buf> = None;

@@ -121,10 +121,7 @@ pub(super) fn prologue<O: Ops>(
         .map(|rw| ops.linear(q_input, t, q_k, &rw.q_proj, nh * (p + r)))
         .collect::<Result<_>>()?;
     let qs: Vec<&O::Buf> = q.iter().collect();
-    tr.record(
-        Site::new(layer, Stage::Q),
-        TraceTensor::f32(vec![t, n, p + r], reassemble(ops, &qs, t, nh, p + r)?),
-    );
+    rec_heads(ops, tr, layer, Stage::Q, &[t, n, p + r], &qs, nh, p + r)?;
     rec(ops, tr, layer, Stage::KvA, &[t, l + r], &kv_a)?;
 
     // kv_c is a strided view of kv_a: rows of width L, row stride L+R.
@@ -158,10 +155,7 @@ pub(super) fn prologue<O: Ops>(
     let mut k_pe_roped = k_pe;
     ops.rope(&mut k_pe_roped, t, r, &token_rows, &cos, &sin, style)?;
     let qp: Vec<&O::Buf> = q_pe_roped.iter().collect();
-    tr.record(
-        Site::new(layer, Stage::QPeRoped),
-        TraceTensor::f32(vec![t, n, r], reassemble(ops, &qp, t, nh, r)?),
-    );
+    rec_heads(ops, tr, layer, Stage::QPeRoped, &[t, n, r], &qp, nh, r)?;
     rec(ops, tr, layer, Stage::KPeRoped, &[t, r], &k_pe_roped)?;
     Ok(Prologue {
         q,

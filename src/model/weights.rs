@@ -221,10 +221,10 @@ impl MoeWeights {
     pub fn nonfinite(&self) -> Vec<(String, usize, usize)> {
         let n = |s: &str| tensor_name(self.layer, s);
         let mut out = Vec::new();
-        scan_nonfinite(n("ffn_norm"), self.norm.iter(), &mut out);
-        scan_nonfinite(n("ffn_gate_inp"), self.router.iter(), &mut out);
+        scan_nonfinite(n("ffn_norm"), &self.norm, &mut out);
+        scan_nonfinite(n("ffn_gate_inp"), &self.router, &mut out);
         if let Some(b) = &self.exp_probs_b {
-            scan_nonfinite(format!("blk.{}.exp_probs_b.bias", self.layer), b.iter(), &mut out);
+            scan_nonfinite(format!("blk.{}.exp_probs_b.bias", self.layer), b, &mut out);
         }
         if let Some(sh) = &self.shared {
             out.extend(sh.nonfinite(self.layer, "shexp", None));
@@ -240,21 +240,37 @@ impl SwiGlu {
         let mut out = Vec::new();
         let tag = expert.map_or(String::new(), |e| format!(" (expert {e})"));
         for (w, m) in [("gate", &self.gate), ("up", &self.up), ("down", &self.down)] {
-            scan_nonfinite(format!("blk.{layer}.ffn_{w}_{suffix}.weight{tag}"), m.iter(), &mut out);
+            scan_nonfinite(format!("blk.{layer}.ffn_{w}_{suffix}.weight{tag}"), m, &mut out);
         }
         out
     }
 }
 
-/// Appends (name, count of non-finite values, first flat index) when `v` holds any.
-fn scan_nonfinite<'a>(name: String, v: impl Iterator<Item = &'a f32>, out: &mut Vec<(String, usize, usize)>) {
-    let (mut count, mut first) = (0usize, None);
-    for (i, x) in v.enumerate() {
-        if !x.is_finite() {
-            count += 1;
-            first.get_or_insert(i);
-        }
-    }
+/// Appends (name, count of non-finite values, first flat index in logical order) when `a`
+/// holds any. A contiguous array is scanned in parallel chunks (a real layer's weights are
+/// hundreds of MB, which one thread took half a second to walk).
+fn scan_nonfinite<S, D>(name: String, a: &ndarray::ArrayBase<S, D>, out: &mut Vec<(String, usize, usize)>)
+where
+    S: ndarray::Data<Elem = f32>,
+    D: ndarray::Dimension,
+{
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 16;
+    let (count, first) = match a.as_slice() {
+        Some(v) => v
+            .par_chunks(CHUNK)
+            .enumerate()
+            .map(|(k, c)| {
+                let bad = c.iter().filter(|x| !x.is_finite()).count();
+                (bad, c.iter().position(|x| !x.is_finite()).map(|i| k * CHUNK + i))
+            })
+            .reduce(|| (0, None), |(a, fa), (b, fb)| (a + b, fa.into_iter().chain(fb).min())),
+        None => a
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| !x.is_finite())
+            .fold((0, None), |(n, f), (i, _)| (n + 1, f.or(Some(i)))),
+    };
     if let Some(f) = first {
         out.push((name, count, f));
     }
@@ -516,42 +532,42 @@ impl LayerWeights {
     pub fn nonfinite(&self) -> Vec<(String, usize, usize)> {
         let n = |s: &str| tensor_name(self.layer, s);
         let mut out = Vec::new();
-        scan_nonfinite(n("attn_norm"), self.attn_norm.iter(), &mut out);
+        scan_nonfinite(n("attn_norm"), &self.attn_norm, &mut out);
         match &self.q {
             QWeights::Lora { q_a, q_a_norm, q_b } => {
-                scan_nonfinite(n("attn_q_a"), q_a.iter(), &mut out);
-                scan_nonfinite(n("attn_q_a_norm"), q_a_norm.iter(), &mut out);
-                scan_nonfinite(n("attn_q_b"), q_b.iter(), &mut out);
+                scan_nonfinite(n("attn_q_a"), q_a, &mut out);
+                scan_nonfinite(n("attn_q_a_norm"), q_a_norm, &mut out);
+                scan_nonfinite(n("attn_q_b"), q_b, &mut out);
             }
-            QWeights::Direct { q } => scan_nonfinite(n("attn_q"), q.iter(), &mut out),
+            QWeights::Direct { q } => scan_nonfinite(n("attn_q"), q, &mut out),
         }
-        scan_nonfinite(n("attn_kv_a_mqa"), self.kv_a_mqa.iter(), &mut out);
-        scan_nonfinite(n("attn_kv_a_norm"), self.kv_a_norm.iter(), &mut out);
+        scan_nonfinite(n("attn_kv_a_mqa"), &self.kv_a_mqa, &mut out);
+        scan_nonfinite(n("attn_kv_a_norm"), &self.kv_a_norm, &mut out);
         match &self.kv_b {
             KvBWeights::Split { k_b, v_b } => {
-                scan_nonfinite(n("attn_k_b"), k_b.iter(), &mut out);
-                scan_nonfinite(n("attn_v_b"), v_b.iter(), &mut out);
+                scan_nonfinite(n("attn_k_b"), k_b, &mut out);
+                scan_nonfinite(n("attn_v_b"), v_b, &mut out);
             }
-            KvBWeights::Fused { kv_b } => scan_nonfinite(n("attn_kv_b"), kv_b.iter(), &mut out),
+            KvBWeights::Fused { kv_b } => scan_nonfinite(n("attn_kv_b"), kv_b, &mut out),
         }
-        scan_nonfinite(n("attn_output"), self.o_proj.iter(), &mut out);
+        scan_nonfinite(n("attn_output"), &self.o_proj, &mut out);
         if let Some(f) = &self.ffn {
-            scan_nonfinite(n("ffn_norm"), f.norm.iter(), &mut out);
-            scan_nonfinite(n("ffn_gate"), f.gate.iter(), &mut out);
-            scan_nonfinite(n("ffn_up"), f.up.iter(), &mut out);
-            scan_nonfinite(n("ffn_down"), f.down.iter(), &mut out);
+            scan_nonfinite(n("ffn_norm"), &f.norm, &mut out);
+            scan_nonfinite(n("ffn_gate"), &f.gate, &mut out);
+            scan_nonfinite(n("ffn_up"), &f.up, &mut out);
+            scan_nonfinite(n("ffn_down"), &f.down, &mut out);
         }
         if let Some(ix) = &self.indexer {
             let n = |s: &str| tensor_name(ix.source_layer, s);
-            scan_nonfinite(n("indexer.attn_q_b"), ix.q_b.iter(), &mut out);
-            scan_nonfinite(n("indexer.attn_k"), ix.k.iter(), &mut out);
-            scan_nonfinite(n("indexer.k_norm"), ix.k_norm.iter(), &mut out);
+            scan_nonfinite(n("indexer.attn_q_b"), &ix.q_b, &mut out);
+            scan_nonfinite(n("indexer.attn_k"), &ix.k, &mut out);
+            scan_nonfinite(n("indexer.k_norm"), &ix.k_norm, &mut out);
             scan_nonfinite(
                 format!("blk.{}.indexer.k_norm.bias", ix.source_layer),
-                ix.k_norm_b.iter(),
+                &ix.k_norm_b,
                 &mut out,
             );
-            scan_nonfinite(n("indexer.proj"), ix.proj.iter(), &mut out);
+            scan_nonfinite(n("indexer.proj"), &ix.proj, &mut out);
         }
         out
     }
@@ -702,4 +718,27 @@ pub fn embed_tokens(file: &GgufFile, cfg: &MlaConfig, tokens: &[u32]) -> Result<
     }
     let _ = t;
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nonfinite_scan_counts_across_chunks_and_reports_the_first_in_logical_order() {
+        let mut a = ndarray::Array2::<f32>::from_shape_fn((3, 70_000), |(i, j)| (i * 7 + j) as f32 * 1e-3);
+        a[[2, 5]] = f32::NAN;
+        a[[0, 69_999]] = f32::INFINITY;
+        a[[1, 3]] = f32::NEG_INFINITY;
+        let mut out = Vec::new();
+        scan_nonfinite("w".into(), &a, &mut out);
+        assert_eq!(out, vec![("w".to_string(), 3, 69_999)]);
+        // A transposed view is not contiguous: scanned in its own (logical) order.
+        let mut out = Vec::new();
+        scan_nonfinite("t".into(), &a.t(), &mut out);
+        assert_eq!(out, vec![("t".to_string(), 3, 3 * 3 + 1)]);
+        let mut out = Vec::new();
+        scan_nonfinite("ok".into(), &ndarray::Array1::<f32>::ones(10), &mut out);
+        assert!(out.is_empty());
+    }
 }

@@ -7,6 +7,8 @@
 //! the host, id sets) on the host with the reference site downloaded. Only the numbers of the
 //! verdict cross PCIe on a clean layer.
 
+use std::borrow::Cow;
+
 use crate::backend::cuda::compare::{DeviceSite, SplitTrace, element_sums, upload_f32, upload_f64};
 use crate::core::error::Result;
 use crate::core::trace::{Trace, shapes_compatible};
@@ -55,24 +57,23 @@ pub fn diff(
                 r.record(site, t);
             }
             metrics::diff(&r, &one, precision).remove(0)
-        } else if let Some(r) = reference.device_site(&site) {
-            if !shapes_compatible(&r.shape, &c.shape) {
-                metrics::shape_mismatch(site, &r.shape, &c.shape, precision)
+        } else if let Some((shape, buf)) = match reference.device_site(&site) {
+            Some(r) => Some((r.shape.clone(), Cow::Borrowed(&r.buf))),
+            // A reference site recorded on the host (the CPU-built weight sites under TP):
+            // copied to the device for this comparison.
+            None => reference
+                .host
+                .get(&site)
+                .map(|t| Ok::<_, crate::core::error::Error>((t.shape.clone(), Cow::Owned(upload_f64(dev, t)?))))
+                .transpose()?,
+        } {
+            if !shapes_compatible(&shape, &c.shape) {
+                metrics::shape_mismatch(site, &shape, &c.shape, precision)
             } else {
                 let (tol, _) = tolerance(site.stage, precision);
-                let n = r.numel().min(c.numel());
-                let sums = element_sums(dev, &r.buf, &c.buf, n, tol.atol_rms, tol.rtol)?;
-                metrics::diff_from_sums(site, &r.shape, &c.shape, &sums, precision)
-            }
-        } else if let Some(r) = reference.host.get(&site) {
-            if !shapes_compatible(&r.shape, &c.shape) {
-                metrics::shape_mismatch(site, &r.shape, &c.shape, precision)
-            } else {
-                let (tol, _) = tolerance(site.stage, precision);
-                let n = r.len().min(c.numel());
-                let rb = upload_f64(dev, r)?;
-                let sums = element_sums(dev, &rb, &c.buf, n, tol.atol_rms, tol.rtol)?;
-                metrics::diff_from_sums(site, &r.shape, &c.shape, &sums, precision)
+                let n = shape.iter().product::<usize>().min(c.numel());
+                let sums = element_sums(dev, &buf, &c.buf, n, tol.atol_rms, tol.rtol)?;
+                metrics::diff_from_sums(site, &shape, &c.shape, &sums, precision)
             }
         } else {
             SiteDiff {

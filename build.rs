@@ -13,7 +13,8 @@ fn git(args: &[&str]) -> Option<String> {
 
 fn main() {
     let rev = git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_default();
-    let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+    let dirty =
+        git(&["--no-optional-locks", "status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
     let value = if rev.is_empty() {
         String::new()
     } else if dirty {

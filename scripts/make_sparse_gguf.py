@@ -15,7 +15,7 @@ weights), so even a stray read of a hole decodes to finite numbers.
 
 Usage
 -----
-    /work/venv/fx/bin/python scripts/make_sparse_gguf.py OUTDIR \
+    python scripts/make_sparse_gguf.py OUTDIR \
         [--layers-with-data 0,1,2,3] [--seed 0] [--k-b-type Q5_0|Q8_0] [--verify full|sample]
 
 writes OUTDIR/deepseek-v3-sparse-61L.gguf (all 61 layers) and

@@ -480,7 +480,7 @@ fn check_memory(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig, max_memory: Op
     match limit {
         Some(lim) if need > lim.bytes => Err(Error::Usage(format!(
             "{}: this run needs about {} of memory (T={}, N={}, H={}, {} path(s)) and the limit is {} ({}): \
-             use fewer --tokens, or pass --max-memory if the limit is wrong",
+             use fewer --tokens, or {} --max-memory if the limit is wrong",
             file.path().display(),
             human(need),
             rc.batch.n_tokens(),
@@ -488,7 +488,8 @@ fn check_memory(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig, max_memory: Op
             cfg.hidden,
             rc.paths.len(),
             human(lim.bytes),
-            lim.source
+            lim.source,
+            if max_memory.is_some() { "raise" } else { "pass" }
         ))),
         _ => Ok(()),
     }

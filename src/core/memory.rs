@@ -46,7 +46,7 @@ pub struct MemoryLimit {
 /// Values at or above this are "no limit" (cgroup v1 writes 2^63 rounded down to a page).
 const UNLIMITED: u64 = 1 << 60;
 
-/// The memory this process may use: the smallest cgroup limit on its path, else `MemTotal`;
+/// The memory this process may use: the smallest of the cgroup limits on its path and `MemTotal`;
 /// `None` when neither can be read (not Linux).
 pub fn memory_limit() -> Option<MemoryLimit> {
     let total = std::fs::read_to_string("/proc/meminfo")

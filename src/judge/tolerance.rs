@@ -375,7 +375,7 @@ pub fn selection_tie_band(precision: impl Into<Precision>) -> (f64, &'static str
 /// the limit and its provenance.
 pub const REFERENCE_AGREEMENT_ROW: (f64, &str) = (
     1e-12,
-    "GPU reference (cuBLAS DGEMM, f64 kernels) vs CPU reference (matrixmultiply, sequential \
+    "GPU reference (cuBLAS DGEMM, f64 kernels) vs CPU reference (faer GEMMs in fixed blocks, sequential \
      sums), largest rel_l2 of any site: both compute in f64 and differ only in summation order, \
      a few ulps (1e-16) amplified by the softmax and the K-term products, so the limit sits \
      four orders above f64 rounding and seven below the f32 rows",

@@ -49,8 +49,8 @@ impl<T> DeviceSite<T> {
 }
 
 /// A trace kept partly on the device: the f64 reference of a layer computed by the GPU reference,
-/// whose activation sites stay on the GPU and whose weight sites (built on the host) stay on the
-/// host.
+/// whose sites stay on the GPU except the per-rank weight sites under TP, which the host builds
+/// and keeps.
 #[derive(Debug, Default)]
 pub struct SplitTrace {
     /// Sites recorded on the host.

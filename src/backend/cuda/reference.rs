@@ -302,9 +302,10 @@ pub fn reference_layer(
     reference_inner(dev, cfg, w, hidden, batch, tp, false).map(|(o, _)| o)
 }
 
-/// [`reference_layer`] with every activation site left on the device: the returned trace holds
-/// the sites built on the host (the weight sites), the device sites the rest (f64, in recording
-/// order), for [`crate::backend::cuda::compare`] to judge the paths against without a copy.
+/// [`reference_layer`] with its sites left on the device: the returned trace holds only the
+/// per-rank weight sites under TP; every other site, the whole-layer weight sites included, comes
+/// back second (f64, on the device, in recording order), for [`crate::judge::device`] to judge
+/// the paths against without a copy.
 ///
 /// Errors: as [`reference_layer`].
 pub fn reference_layer_split(

@@ -65,6 +65,14 @@ impl Ops for CpuOps {
         Ok(data.to_vec())
     }
 
+    fn adopts_host_tensors(&self) -> bool {
+        true
+    }
+
+    fn adopt(&self, data: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(data)
+    }
+
     fn download(&self, b: &Vec<f32>) -> Result<Vec<f32>> {
         Ok(b.clone())
     }
@@ -196,21 +204,7 @@ impl Ops for CpuOps {
         check(x, t * nh * a, "bmm_heads x")?;
         check(w, nh * a * b, "bmm_heads w")?;
         let (xr, wr) = (self.rounded(&x[..t * nh * a]), self.rounded(&w[..nh * a * b]));
-        let mut out = canary_vec(t * nh * b);
-        out.par_chunks_mut((nh * b).max(1)).enumerate().for_each(|(ti, row)| {
-            for h in 0..nh {
-                let xi = &xr[(ti * nh + h) * a..(ti * nh + h + 1) * a];
-                let wh = &wr[h * a * b..(h + 1) * a * b];
-                let o = &mut row[h * b..(h + 1) * b];
-                o.iter_mut().for_each(|v| *v = 0.0);
-                for (ai, &xv) in xi.iter().enumerate() {
-                    for (bi, v) in o.iter_mut().enumerate() {
-                        *v += xv * wh[ai * b + bi];
-                    }
-                }
-            }
-        });
-        Ok(out)
+        Ok(ops::bmm_heads(&xr, t, nh, a, &wr, b))
     }
 
     fn flash_attention(

@@ -21,13 +21,24 @@ pub const TILE: usize = 16;
 /// together; equal to [`TILE`].
 pub const LANES: usize = TILE;
 
+/// Whether the processor runs AVX2, for the kernels that have a copy compiled for it
+/// ([`decode_split`], [`bmm_heads`], [`flash_attention`]). The binary's baseline is x86-64 (SSE2,
+/// 4 lanes); the AVX2 copies run the same code on 8 lanes. Every kernel here uses separate
+/// multiplies and adds in a fixed order per element (Rust never fuses them into FMA, and never
+/// reorders a float sum), so both copies give the same bits (tested); only the speed differs.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn has_avx2() -> bool {
+    std::arch::is_x86_feature_detected!("avx2")
+}
+
 /// `q_i·k` for [`LANES`] query vectors at once, given transposed as `qt` [D][LANES] (lanes past
 /// the real ones hold anything and are dropped by the caller). Each lane sums in index order
 /// with a separate multiply and add (Rust never fuses them), exactly as one row's plain loop
 /// `for d { dot += q[d] * k[d] }`: the same bits. One such chain is bound by the add latency;
 /// running the lanes side by side lets the compiler use vector instructions across them, which
 /// is what makes the attention kernels several times faster without changing a bit.
-#[inline]
+#[inline(always)]
 pub fn dots_lanes(qt: &[f32], k: &[f32]) -> [f32; LANES] {
     let mut acc = [0f32; LANES];
     for (qd, &kd) in qt.chunks_exact(LANES).zip(k) {
@@ -40,6 +51,7 @@ pub fn dots_lanes(qt: &[f32], k: &[f32]) -> [f32; LANES] {
 
 /// `rows` vectors of length `d` (row `i` at `src[at(i)..][..d]`) transposed into [d][LANES],
 /// lanes past `rows` zero.
+#[inline(always)]
 fn transpose_lanes(src: &[f32], rows: usize, d: usize, at: impl Fn(usize) -> usize) -> Vec<f32> {
     let mut qt = vec![0f32; d * LANES];
     for i in 0..rows {
@@ -70,6 +82,56 @@ pub fn linear(x: ArrayView2<f32>, w: ArrayView2<f32>) -> Array2<f32> {
         ndarray::linalg::general_mat_mul(1.0, &x, &wb.t(), 0.0, &mut yb);
     });
     y
+}
+
+/// Tokens per work item of [`bmm_heads`]: each row of a head's W is read once for this many
+/// tokens instead of once per token (the whole W of a head, A·B values, does not fit in L1).
+pub const BMM_TOKEN_TILE: usize = 8;
+
+/// Per-head batched matmul `out[t, h, :] = x[t, h, :] · w[h]` in f32: x [T, nh, A], w [nh, A, B]
+/// → [T, nh, B] (the absorbed `q_nope · W_UK_T` and `attn_latent · W_UV` of the MQA paths).
+///
+/// Every output element starts at 0 and adds `x[t, h, a] · w[h, a, b]` for `a` ascending, a
+/// separate multiply and add (Rust never fuses them): the bits of the plain triple loop over one
+/// token at a time, for any tile and thread count. Work items are tiles of [`BMM_TOKEN_TILE`]
+/// tokens, run in parallel.
+pub fn bmm_heads(x: &[f32], t: usize, nh: usize, a: usize, w: &[f32], b: usize) -> Vec<f32> {
+    let mut out = canary_vec(t * nh * b);
+    let tile = BMM_TOKEN_TILE;
+    out.par_chunks_mut((tile * nh * b).max(1))
+        .enumerate()
+        .for_each(|(ci, rows)| {
+            #[cfg(target_arch = "x86_64")]
+            if has_avx2() {
+                #[target_feature(enable = "avx2")]
+                fn wide(x: &[f32], t0: usize, nh: usize, a: usize, w: &[f32], b: usize, rows: &mut [f32]) {
+                    bmm_tile(x, t0, nh, a, w, b, rows);
+                }
+                // SAFETY: the processor has AVX2 (checked at run time).
+                return unsafe { wide(x, ci * tile, nh, a, w, b, rows) };
+            }
+            bmm_tile(x, ci * tile, nh, a, w, b, rows);
+        });
+    out
+}
+
+/// One work item of [`bmm_heads`]: the output rows `rows` [nt, nh, B] of tokens `t0..t0+nt`.
+#[inline(always)]
+fn bmm_tile(x: &[f32], t0: usize, nh: usize, a: usize, w: &[f32], b: usize, rows: &mut [f32]) {
+    let nt = rows.len() / (nh * b).max(1);
+    rows.iter_mut().for_each(|v| *v = 0.0);
+    for h in 0..nh {
+        let wh = &w[h * a * b..(h + 1) * a * b];
+        for (ai, wrow) in wh.chunks_exact(b.max(1)).enumerate().take(a) {
+            for ti in 0..nt {
+                let xv = x[((t0 + ti) * nh + h) * a + ai];
+                let o = &mut rows[(ti * nh + h) * b..(ti * nh + h + 1) * b];
+                for (v, &wv) in o.iter_mut().zip(wrow) {
+                    *v += xv * wv;
+                }
+            }
+        }
+    }
 }
 
 /// RMSNorm over `n_rows` rows of `width` elements read from `src[off + r·row_stride ..]` (vLLM
@@ -140,69 +202,30 @@ pub fn flash_attention(
     let results: Vec<TileResult> = items
         .par_iter()
         .map(|&(si, h, qt)| {
-            let sg = segments[si];
-            let rows = tile.min(sg.q_len - qt);
-            let shift = sg.k_len as isize - sg.q_len as isize;
-            let mut m = vec![f32::NEG_INFINITY; rows];
-            let mut l = vec![0f32; rows];
-            let mut acc = vec![0f32; rows * dv];
-            let mut s = vec![0f32; tile];
-            let q_t = transpose_lanes(q, rows, dqk, |r| ((sg.q_off + qt + r) * n_head + h) * dqk);
-            let mut dots = vec![[0f32; LANES]; tile];
-            for kt in (0..sg.k_len).step_by(tile) {
-                let cols = tile.min(sg.k_len - kt);
-                for (c, dc) in dots.iter_mut().enumerate().take(cols) {
-                    *dc = dots_lanes(&q_t, &k[((sg.k_off + kt + c) * n_head + h) * dqk..][..dqk]);
+            let args = FlashTile {
+                q,
+                k,
+                v,
+                n_head,
+                dqk,
+                dv,
+                sg: segments[si],
+                h,
+                qt,
+                scale,
+                empty,
+            };
+            #[cfg(target_arch = "x86_64")]
+            if has_avx2() {
+                #[target_feature(enable = "avx2")]
+                fn wide(a: &FlashTile<'_>) -> (Vec<f32>, Vec<Option<f32>>) {
+                    flash_tile(a)
                 }
-                for r in 0..rows {
-                    let i = qt + r;
-                    let mut row_max = f32::NEG_INFINITY;
-                    for c in 0..cols {
-                        let visible = !sg.causal || ((kt + c) as isize) <= i as isize + shift;
-                        s[c] = if visible { dots[c][r] * scale } else { f32::NEG_INFINITY };
-                        row_max = row_max.max(s[c]);
-                    }
-                    if row_max == f32::NEG_INFINITY {
-                        continue; // nothing visible in this key tile
-                    }
-                    let m_new = m[r].max(row_max);
-                    let alpha = (m[r] - m_new).exp();
-                    let a = &mut acc[r * dv..(r + 1) * dv];
-                    for x in a.iter_mut() {
-                        *x *= alpha;
-                    }
-                    let mut psum = 0f32;
-                    for c in 0..cols {
-                        if s[c] == f32::NEG_INFINITY {
-                            continue;
-                        }
-                        let pc = (s[c] - m_new).exp();
-                        psum += pc;
-                        let vrow = &v[((sg.k_off + kt + c) * n_head + h) * dv..][..dv];
-                        for d in 0..dv {
-                            a[d] += pc * vrow[d];
-                        }
-                    }
-                    l[r] = l[r] * alpha + psum;
-                    m[r] = m_new;
-                }
+                // SAFETY: the processor has AVX2 (checked at run time).
+                let (o, ls) = unsafe { wide(&args) };
+                return (si, h, qt, o, ls);
             }
-            let mut o = vec![0f32; rows * dv];
-            let mut ls = vec![Some(f32::NEG_INFINITY); rows];
-            for r in 0..rows {
-                if l[r] > 0.0 {
-                    for d in 0..dv {
-                        o[r * dv + d] = acc[r * dv + d] / l[r];
-                    }
-                    ls[r] = Some(m[r] + l[r].ln());
-                } else {
-                    ls[r] = match empty {
-                        EmptyRows::ZeroMinusInf => Some(f32::NEG_INFINITY),
-                        EmptyRows::ZeroPlusInf => Some(f32::INFINITY),
-                        EmptyRows::Skip => None,
-                    };
-                }
-            }
+            let (o, ls) = flash_tile(&args);
             (si, h, qt, o, ls)
         })
         .collect();
@@ -217,8 +240,109 @@ pub fn flash_attention(
     }
 }
 
+/// The inputs of one (segment, head, query tile) work item of [`flash_attention`].
+struct FlashTile<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    n_head: usize,
+    dqk: usize,
+    dv: usize,
+    sg: Segment,
+    h: usize,
+    qt: usize,
+    scale: f32,
+    empty: EmptyRows,
+}
+
+/// One work item of [`flash_attention`]: the tile's output rows and LSEs.
+#[inline(always)]
+fn flash_tile(a: &FlashTile<'_>) -> (Vec<f32>, Vec<Option<f32>>) {
+    let FlashTile {
+        q,
+        k,
+        v,
+        n_head,
+        dqk,
+        dv,
+        sg,
+        h,
+        qt,
+        scale,
+        empty,
+    } = *a;
+    let tile = TILE;
+    let rows = tile.min(sg.q_len - qt);
+    let shift = sg.k_len as isize - sg.q_len as isize;
+    let mut m = vec![f32::NEG_INFINITY; rows];
+    let mut l = vec![0f32; rows];
+    let mut acc = vec![0f32; rows * dv];
+    let mut s = vec![0f32; tile];
+    let q_t = transpose_lanes(q, rows, dqk, |r| ((sg.q_off + qt + r) * n_head + h) * dqk);
+    let mut dots = vec![[0f32; LANES]; tile];
+    for kt in (0..sg.k_len).step_by(tile) {
+        let cols = tile.min(sg.k_len - kt);
+        for (c, dc) in dots.iter_mut().enumerate().take(cols) {
+            *dc = dots_lanes(&q_t, &k[((sg.k_off + kt + c) * n_head + h) * dqk..][..dqk]);
+        }
+        for r in 0..rows {
+            let i = qt + r;
+            let mut row_max = f32::NEG_INFINITY;
+            for c in 0..cols {
+                let visible = !sg.causal || ((kt + c) as isize) <= i as isize + shift;
+                s[c] = if visible { dots[c][r] * scale } else { f32::NEG_INFINITY };
+                row_max = row_max.max(s[c]);
+            }
+            if row_max == f32::NEG_INFINITY {
+                continue; // nothing visible in this key tile
+            }
+            let m_new = m[r].max(row_max);
+            let alpha = (m[r] - m_new).exp();
+            let a = &mut acc[r * dv..(r + 1) * dv];
+            // The running max rarely moves; `x · 1` is `x`, so skipping it keeps every bit.
+            if alpha != 1.0 {
+                for x in a.iter_mut() {
+                    *x *= alpha;
+                }
+            }
+            let mut psum = 0f32;
+            for c in 0..cols {
+                if s[c] == f32::NEG_INFINITY {
+                    continue;
+                }
+                let pc = (s[c] - m_new).exp();
+                psum += pc;
+                let vrow = &v[((sg.k_off + kt + c) * n_head + h) * dv..][..dv];
+                for d in 0..dv {
+                    a[d] += pc * vrow[d];
+                }
+            }
+            l[r] = l[r] * alpha + psum;
+            m[r] = m_new;
+        }
+    }
+    let mut o = vec![0f32; rows * dv];
+    let mut ls = vec![Some(f32::NEG_INFINITY); rows];
+    for r in 0..rows {
+        if l[r] > 0.0 {
+            for d in 0..dv {
+                o[r * dv + d] = acc[r * dv + d] / l[r];
+            }
+            ls[r] = Some(m[r] + l[r].ln());
+        } else {
+            ls[r] = match empty {
+                EmptyRows::ZeroMinusInf => Some(f32::NEG_INFINITY),
+                EmptyRows::ZeroPlusInf => Some(f32::INFINITY),
+                EmptyRows::Skip => None,
+            };
+        }
+    }
+    (o, ls)
+}
+
 /// The row of logical position `pos` in a paged cache `[blocks·block_size, width]` read through
 /// `table`.
+#[inline(always)]
 pub fn cache_row<'c>(cache: &'c [f32], block_size: usize, width: usize, table: &[usize], pos: usize) -> &'c [f32] {
     let slot = table[pos / block_size] * block_size + pos % block_size;
     &cache[slot * width..(slot + 1) * width]
@@ -248,6 +372,55 @@ pub fn decode_split(
     empty_lse: f32,
     out: &mut [f32],
 ) -> Vec<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        #[target_feature(enable = "avx2")]
+        #[allow(clippy::too_many_arguments)]
+        fn wide(
+            q: &[f32],
+            heads: usize,
+            cache: &[f32],
+            block_size: usize,
+            width: usize,
+            table: &[usize],
+            keys: std::ops::Range<usize>,
+            scale: f32,
+            dv: usize,
+            empty_lse: f32,
+            out: &mut [f32],
+        ) -> Vec<f32> {
+            decode_split_impl(
+                q, heads, cache, block_size, width, table, keys, scale, dv, empty_lse, out,
+            )
+        }
+        // SAFETY: the processor has AVX2 (checked at run time).
+        return unsafe {
+            wide(
+                q, heads, cache, block_size, width, table, keys, scale, dv, empty_lse, out,
+            )
+        };
+    }
+    decode_split_impl(
+        q, heads, cache, block_size, width, table, keys, scale, dv, empty_lse, out,
+    )
+}
+
+/// [`decode_split`]'s body, inlined into a baseline and an AVX2 copy.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn decode_split_impl(
+    q: &[f32],
+    heads: usize,
+    cache: &[f32],
+    block_size: usize,
+    width: usize,
+    table: &[usize],
+    keys: std::ops::Range<usize>,
+    scale: f32,
+    dv: usize,
+    empty_lse: f32,
+    out: &mut [f32],
+) -> Vec<f32> {
     if keys.is_empty() {
         return vec![empty_lse; heads];
     }
@@ -255,19 +428,30 @@ pub fn decode_split(
     let mut m = vec![f32::NEG_INFINITY; heads];
     let mut l = vec![0f32; heads];
     let mut acc = vec![0f32; heads * dv];
-    for pos in keys {
-        let row = &cache_row(cache, block_size, width, table, pos)[..width];
-        let dots = dots_lanes(&q_t, row);
+    let positions: Vec<usize> = keys.collect();
+    for block in positions.chunks(DECODE_KEY_BLOCK) {
+        let rows: Vec<&[f32]> = block
+            .iter()
+            .map(|&pos| &cache_row(cache, block_size, width, table, pos)[..width])
+            .collect();
+        let dots = dots_lanes_keys(&q_t, &rows);
+        let (mut alpha, mut p) = ([1f32; DECODE_KEY_BLOCK], [0f32; DECODE_KEY_BLOCK]);
         for h in 0..heads {
-            let s = dots[h] * scale;
-            let m_new = m[h].max(s);
-            let alpha = (m[h] - m_new).exp();
-            let p = (s - m_new).exp();
-            for (a, &x) in acc[h * dv..(h + 1) * dv].iter_mut().zip(&row[..dv]) {
-                *a = *a * alpha + p * x;
+            // The softmax state moves key by key, as in a loop over single keys.
+            for (k, d) in dots.iter().enumerate() {
+                let s = d[h] * scale;
+                let m_new = m[h].max(s);
+                alpha[k] = (m[h] - m_new).exp();
+                p[k] = (s - m_new).exp();
+                l[h] = l[h] * alpha[k] + p[k];
+                m[h] = m_new;
             }
-            l[h] = l[h] * alpha + p;
-            m[h] = m_new;
+            accumulate_keys(
+                &mut acc[h * dv..(h + 1) * dv],
+                &rows,
+                &alpha[..rows.len()],
+                &p[..rows.len()],
+            );
         }
     }
     for h in 0..heads {
@@ -276,6 +460,54 @@ pub fn decode_split(
         }
     }
     (0..heads).map(|h| m[h] + l[h].ln()).collect()
+}
+
+/// Keys per step of [`decode_split`]: the q tile and the accumulators are read once per block of
+/// keys instead of once per key (both together exceed the L1 cache at L = 512, 16 heads).
+pub const DECODE_KEY_BLOCK: usize = 4;
+
+/// [`dots_lanes`] for up to [`DECODE_KEY_BLOCK`] key rows at once: `out[k][lane]` sums
+/// `q_t[d][lane] · rows[k][d]` for `d` ascending, the bits of `dots_lanes(q_t, rows[k])`.
+#[inline(always)]
+fn dots_lanes_keys(q_t: &[f32], rows: &[&[f32]]) -> Vec<[f32; LANES]> {
+    if rows.len() != DECODE_KEY_BLOCK {
+        return rows.iter().map(|r| dots_lanes(q_t, r)).collect();
+    }
+    let mut acc = [[0f32; LANES]; DECODE_KEY_BLOCK];
+    for (d, qd) in q_t.chunks_exact(LANES).enumerate() {
+        for (a, row) in acc.iter_mut().zip(rows) {
+            let kd = row[d];
+            for (x, &qv) in a.iter_mut().zip(qd) {
+                *x += qv * kd;
+            }
+        }
+    }
+    acc.to_vec()
+}
+
+/// `acc = acc · alpha[k] + p[k] · rows[k][..dv]` for each key `k` in order, per element: the
+/// online-softmax update of one head over a block of keys, with each accumulator held across the
+/// block instead of stored after every key. Every element sees the operations of a loop over
+/// single keys in the same order, so the bits are those of that loop.
+#[inline(always)]
+fn accumulate_keys(acc: &mut [f32], rows: &[&[f32]], alpha: &[f32], p: &[f32]) {
+    const W: usize = 8;
+    let dv = acc.len();
+    let full = dv - dv % W;
+    for c in (0..full).step_by(W) {
+        let mut a: [f32; W] = acc[c..c + W].try_into().unwrap_or([0.0; W]);
+        for ((row, &al), &pk) in rows.iter().zip(alpha).zip(p) {
+            for (x, &v) in a.iter_mut().zip(&row[c..c + W]) {
+                *x = *x * al + pk * v;
+            }
+        }
+        acc[c..c + W].copy_from_slice(&a);
+    }
+    for (i, x) in acc.iter_mut().enumerate().skip(full) {
+        for ((row, &al), &pk) in rows.iter().zip(alpha).zip(p) {
+            *x = *x * al + pk * row[i];
+        }
+    }
 }
 
 /// Merges partial attention states `(o_i, lse_i)` (docs/mla.md "Attention state merge"):
@@ -347,6 +579,118 @@ mod tests {
             }
         }
         (o, m + sum.ln())
+    }
+
+    /// The kernels with an AVX2 copy give the bits of their baseline (SSE2) copy: the dispatching
+    /// entry point against the `#[inline(always)]` body called from this baseline-compiled test.
+    #[test]
+    fn avx2_copies_of_the_kernels_give_the_baseline_bits() {
+        #[cfg(target_arch = "x86_64")]
+        if !has_avx2() {
+            println!("skipped: this processor has no AVX2, so only the baseline copies run");
+            return;
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        // Dims that are not multiples of the vector widths (4, 8) or of the tiles.
+        let (width, dv, ctx, bs, heads) = (45, 37, 23usize, 4, 11);
+        let table: Vec<usize> = (0..ctx.div_ceil(bs)).rev().collect();
+        let cache = normal_f32(51, table.len() * bs * width);
+        let q = normal_f32(52, heads * width);
+        let (mut wide, mut base) = (canary_vec(heads * dv), canary_vec(heads * dv));
+        let lw = decode_split(
+            &q,
+            heads,
+            &cache,
+            bs,
+            width,
+            &table,
+            1..ctx,
+            0.3,
+            dv,
+            f32::NEG_INFINITY,
+            &mut wide,
+        );
+        let lb = decode_split_impl(
+            &q,
+            heads,
+            &cache,
+            bs,
+            width,
+            &table,
+            1..ctx,
+            0.3,
+            dv,
+            f32::NEG_INFINITY,
+            &mut base,
+        );
+        assert_eq!((bits(&lw), bits(&wide)), (bits(&lb), bits(&base)), "decode_split");
+
+        let (t, nh, a, b) = (BMM_TOKEN_TILE + 5, 3, 29, 35);
+        let x = normal_f32(53, t * nh * a);
+        let w = normal_f32(54, nh * a * b);
+        let mut tiled = vec![0f32; t * nh * b];
+        for (ci, rows) in tiled.chunks_mut(BMM_TOKEN_TILE * nh * b).enumerate() {
+            bmm_tile(&x, ci * BMM_TOKEN_TILE, nh, a, &w, b, rows);
+        }
+        assert_eq!(bits(&bmm_heads(&x, t, nh, a, &w, b)), bits(&tiled), "bmm_heads");
+
+        let (t, nh, dqk, dv) = (TILE * 2 + 7, 2, 29, 37);
+        let (q, k, v) = (
+            normal_f32(55, t * nh * dqk),
+            normal_f32(56, t * nh * dqk),
+            normal_f32(57, t * nh * dv),
+        );
+        let sg = Segment {
+            q_off: 0,
+            q_len: t,
+            k_off: 0,
+            k_len: t,
+            causal: true,
+        };
+        let (mut out, mut lse) = (canary_vec(t * nh * dv), canary_vec(t * nh));
+        flash_attention(
+            &q,
+            &k,
+            &v,
+            nh,
+            dqk,
+            dv,
+            &[sg],
+            0.7,
+            EmptyRows::ZeroMinusInf,
+            &mut out,
+            &mut lse,
+        );
+        for h in 0..nh {
+            for qt in (0..t).step_by(TILE) {
+                let (o, ls) = flash_tile(&FlashTile {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    n_head: nh,
+                    dqk,
+                    dv,
+                    sg,
+                    h,
+                    qt,
+                    scale: 0.7,
+                    empty: EmptyRows::ZeroMinusInf,
+                });
+                for (r, l) in ls.iter().enumerate() {
+                    let row = qt + r;
+                    assert_eq!(
+                        l.map(f32::to_bits),
+                        Some(lse[row * nh + h].to_bits()),
+                        "flash lse row {row}"
+                    );
+                    assert_eq!(
+                        bits(&o[r * dv..(r + 1) * dv]),
+                        bits(&out[(row * nh + h) * dv..][..dv]),
+                        "flash row {row}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
@@ -443,6 +787,32 @@ mod tests {
     }
 
     #[test]
+    fn tiled_bmm_heads_is_bit_identical_to_one_token_at_a_time() {
+        // T not a multiple of the tile, so the last tile is partial.
+        let (t, nh, a, b) = (BMM_TOKEN_TILE * 2 + 3, 3, 37, 29);
+        let x = crate::core::batch::normal_f32(11, t * nh * a);
+        let w = crate::core::batch::normal_f32(12, nh * a * b);
+        let got = bmm_heads(&x, t, nh, a, &w, b);
+        let mut want = vec![0f32; t * nh * b];
+        for ti in 0..t {
+            for h in 0..nh {
+                let o = &mut want[(ti * nh + h) * b..(ti * nh + h + 1) * b];
+                for ai in 0..a {
+                    let xv = x[(ti * nh + h) * a + ai];
+                    for (bi, v) in o.iter_mut().enumerate() {
+                        *v += xv * w[(h * a + ai) * b + bi];
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        assert!(got.iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
     fn lane_dots_are_bit_identical_to_a_plain_loop_per_row() {
         for d in [1, 7, 192, 576] {
             let rows = 11; // fewer than LANES: the padding lanes must not disturb the real ones
@@ -502,6 +872,60 @@ mod tests {
                 .zip(&grouped[h * dv..])
                 .all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "output of head {h}");
+        }
+    }
+
+    #[test]
+    fn blocked_decode_is_bit_identical_to_a_loop_over_single_keys() {
+        // dv not a multiple of the vector width, key count not a multiple of the block, and a
+        // large score late in the range so the running max moves inside a block.
+        let (width, dv, ctx, bs, heads) = (45, 37, 23usize, 4, 3);
+        let table: Vec<usize> = (0..ctx.div_ceil(bs)).rev().collect();
+        let mut cache = normal_f32(41, table.len() * bs * width);
+        let q = normal_f32(42, heads * width);
+        let boost = cache_row(&cache, bs, width, &table, 18).as_ptr() as usize - cache.as_ptr() as usize;
+        cache[boost / 4..boost / 4 + width].iter_mut().for_each(|x| *x *= 6.0);
+        let keys = 2..ctx;
+        let mut got = canary_vec(heads * dv);
+        let lse = decode_split(
+            &q,
+            heads,
+            &cache,
+            bs,
+            width,
+            &table,
+            keys.clone(),
+            0.3,
+            dv,
+            f32::NEG_INFINITY,
+            &mut got,
+        );
+        for h in 0..heads {
+            let qh = &q[h * width..(h + 1) * width];
+            let (mut m, mut l, mut acc) = (f32::NEG_INFINITY, 0f32, vec![0f32; dv]);
+            let mut moved = 0;
+            for pos in keys.clone() {
+                let row = cache_row(&cache, bs, width, &table, pos);
+                let mut dot = 0f32;
+                for d in 0..width {
+                    dot += qh[d] * row[d];
+                }
+                let s = dot * 0.3;
+                let m_new = m.max(s);
+                moved += usize::from(m_new != m);
+                let alpha = (m - m_new).exp();
+                let p = (s - m_new).exp();
+                for (a, &x) in acc.iter_mut().zip(&row[..dv]) {
+                    *a = *a * alpha + p * x;
+                }
+                l = l * alpha + p;
+                m = m_new;
+            }
+            assert!(moved > 1, "head {h}: the running max moved {moved} times");
+            assert_eq!(lse[h].to_bits(), (m + l.ln()).to_bits(), "lse of head {h}");
+            for (d, &a) in acc.iter().enumerate() {
+                assert_eq!(got[h * dv + d].to_bits(), (a / l).to_bits(), "head {h}, element {d}");
+            }
         }
     }
 

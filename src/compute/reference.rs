@@ -27,7 +27,7 @@ use crate::core::error::{Error, Result};
 use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
 use crate::model::config::{GatingFunc, MlaConfig, MoeConfig};
 use crate::model::gguf::GgufFile;
-use crate::model::weights::{KvBWeights, LayerWeights, MoeWeights, QWeights, SwiGlu};
+use crate::model::weights::{KvBWeights, LayerWeights, MoeWeights, QWeights, SwiGlu, into_row_major};
 
 /// Output of one reference layer.
 #[derive(Debug, Clone)]
@@ -103,6 +103,32 @@ where
     y
 }
 
+/// `c = a·b`, or `c += a·b` with `accumulate`, in f64: a [m, k], b [k, n],
+/// c [m, n], any strides. One sequential faer GEMM: the callers are parallel over heads and
+/// query blocks, and the result does not depend on the thread count.
+fn gemm_view(a: ArrayView2<f64>, b: ArrayView2<f64>, mut c: ArrayViewMut2<f64>, accumulate: bool) {
+    let (m, k) = a.dim();
+    let n = b.ncols();
+    debug_assert_eq!((b.nrows(), c.dim()), (k, (m, n)));
+    let (sa, sb, sc) = (a.strides(), b.strides(), c.strides());
+    let (sc0, sc1) = (sc[0], sc[1]);
+    // SAFETY: each view's pointer, dims and element strides describe memory that view owns or
+    // borrows for this call (ndarray's invariants); faer reads and writes only within them.
+    let (lhs, rhs, dst) = unsafe {
+        (
+            faer::MatRef::from_raw_parts(a.as_ptr(), m, k, sa[0], sa[1]),
+            faer::MatRef::from_raw_parts(b.as_ptr(), k, n, sb[0], sb[1]),
+            faer::MatMut::from_raw_parts_mut(c.as_mut_ptr(), m, n, sc0, sc1),
+        )
+    };
+    let accum = if accumulate {
+        faer::Accum::Add
+    } else {
+        faer::Accum::Replace
+    };
+    faer::linalg::matmul::matmul(dst, accum, lhs, rhs, 1.0, faer::Par::Seq);
+}
+
 /// RMSNorm over the last dim: `x / sqrt(mean(x²) + eps) · g`.
 fn rms_norm(x: ArrayView2<f64>, g: ArrayView1<f32>, eps: f64) -> Array2<f64> {
     let mut out = x.to_owned();
@@ -169,18 +195,27 @@ pub fn assemble_kv_b(cfg: &MlaConfig, w: &KvBWeights) -> Array2<f64> {
     }
 }
 
+/// Records a copy of `a` (one memcpy when `a` is in standard layout).
+fn rec_copy<D: ndarray::Dimension>(trace: &mut Trace, layer: usize, stage: Stage, a: &ndarray::Array<f64, D>) {
+    let data = a
+        .as_slice()
+        .map_or_else(|| a.iter().copied().collect(), <[f64]>::to_vec);
+    trace.record(Site::new(layer, stage), TraceTensor::f64(a.shape().to_vec(), data));
+}
+
 fn rec2(trace: &mut Trace, layer: usize, stage: Stage, a: &Array2<f64>) {
-    trace.record(
-        Site::new(layer, stage),
-        TraceTensor::f64(a.shape().to_vec(), a.iter().copied().collect()),
-    );
+    rec_copy(trace, layer, stage, a);
 }
 
 fn rec3(trace: &mut Trace, layer: usize, stage: Stage, a: &Array3<f64>) {
-    trace.record(
-        Site::new(layer, stage),
-        TraceTensor::f64(a.shape().to_vec(), a.iter().copied().collect()),
-    );
+    rec_copy(trace, layer, stage, a);
+}
+
+/// Records `a` itself, for a value nothing reads afterwards: no copy of the largest sites
+/// (`ql_nope` and `attn_latent` are [T, N, L]).
+fn rec_move<D: ndarray::Dimension>(trace: &mut Trace, layer: usize, stage: Stage, a: ndarray::Array<f64, D>) {
+    let shape = a.shape().to_vec();
+    trace.record(Site::new(layer, stage), TraceTensor::f64(shape, into_row_major(a)));
 }
 
 /// Runs one MLA layer (attention, attention residual, dense FFN and its residual) on
@@ -239,7 +274,7 @@ pub fn forward_sel(
             let q_a = f64m(q_a);
             let fused =
                 ndarray::concatenate(Axis(0), &[q_a.view(), kv_a_w.view()]).map_err(|e| Error::Usage(e.to_string()))?;
-            rec2(&mut tr, layer, Stage::WFusedQkvA, &fused);
+            rec_move(&mut tr, layer, Stage::WFusedQkvA, fused);
             let q_c = linear(&x, &q_a);
             rec2(&mut tr, layer, Stage::QC, &q_c);
             let q_c_normed = rms_norm(q_c.view(), q_a_norm.view(), eps);
@@ -319,15 +354,15 @@ pub fn forward_sel(
     // Step 6 weights: W_UK_T [N, P, L] and W_UV [N, L, V] from the same kv_b.
     let (w_uk_t, w_uv) = split_kv_b(cfg, &kv_b);
     rec3(&mut tr, layer, Stage::WUkT, &w_uk_t);
-    rec3(&mut tr, layer, Stage::WUv, &w_uv);
+    rec_move(&mut tr, layer, Stage::WUv, w_uv);
     // ql_nope = q_nope · W_UK_T per head.
     let mut ql_nope = Array3::<f64>::zeros((t, n, l));
     let heads: Vec<(usize, ArrayViewMut2<f64>)> = ql_nope.axis_iter_mut(Axis(1)).enumerate().collect();
     heads.into_par_iter().for_each(|(h, mut out)| {
         let qn = q.slice(s![.., h, ..p]);
-        ndarray::linalg::general_mat_mul(1.0, &qn, &w_uk_t.slice(s![h, .., ..]), 0.0, &mut out);
+        gemm_view(qn, w_uk_t.slice(s![h, .., ..]), out.view_mut(), false);
     });
-    rec3(&mut tr, layer, Stage::QlNope, &ql_nope);
+    rec_move(&mut tr, layer, Stage::QlNope, ql_nope);
 
     // Attention, causal within each sequence, softmax scale of step 7.
     let (attn_out, attn_latent, lse) = match &selection {
@@ -344,7 +379,7 @@ pub fn forward_sel(
             &kv_c_normed,
         ),
     };
-    rec3(&mut tr, layer, Stage::AttnLatent, &attn_latent);
+    rec_move(&mut tr, layer, Stage::AttnLatent, attn_latent);
     rec2(&mut tr, layer, Stage::Lse, &lse);
     rec3(&mut tr, layer, Stage::AttnOut, &attn_out);
 
@@ -441,10 +476,10 @@ fn attention_causal(
             let mut sc = Array2::<f64>::zeros((rows, nk));
             let qn = q.slice(s![qr.clone(), h, ..p]);
             let kn = k_nope.slice(s![kr.clone(), h, ..]);
-            ndarray::linalg::general_mat_mul(1.0, &qn, &kn.t(), 0.0, &mut sc);
+            gemm_view(qn, kn.t(), sc.view_mut(), false);
             let qp = q_pe.slice(s![qr, h, ..]);
             let kp = k_pe.slice(s![kr.clone(), ..]);
-            ndarray::linalg::general_mat_mul(1.0, &qp, &kp.t(), 1.0, &mut sc);
+            gemm_view(qp, kp.t(), sc.view_mut(), true);
             let mut lse = Vec::with_capacity(rows);
             for (i, mut row) in sc.rows_mut().into_iter().enumerate() {
                 let visible = q0 + i + 1;
@@ -461,9 +496,9 @@ fn attention_causal(
                 lse.push(m + sum.ln());
             }
             let mut out = Array2::<f64>::zeros((rows, dv));
-            ndarray::linalg::general_mat_mul(1.0, &sc, &v.slice(s![kr.clone(), h, ..]), 0.0, &mut out);
+            gemm_view(sc.view(), v.slice(s![kr.clone(), h, ..]), out.view_mut(), false);
             let mut lat = Array2::<f64>::zeros((rows, l));
-            ndarray::linalg::general_mat_mul(1.0, &sc, &kv_c.slice(s![kr, ..]), 0.0, &mut lat);
+            gemm_view(sc.view(), kv_c.slice(s![kr, ..]), lat.view_mut(), false);
             (out, lat, lse)
         })
         .collect();

@@ -85,6 +85,7 @@ fn device_paths_match_the_cpu_paths() {
         batch: &batch,
         shared_selection: None,
         forced_selection: None,
+        dequantized: None,
     };
     let gpu = Backend::Cuda(ops);
     let cpu = Backend::Cpu(CpuOps::new(Dtype::F32));

@@ -57,6 +57,7 @@ fn fixture_with(faults: &[Fault], tp: usize, paths: &[PathKind], tweak: impl Fn(
         batch: &batch,
         shared_selection: None,
         forced_selection: None,
+        dequantized: None,
     };
     let opts = PathOptions {
         tp,

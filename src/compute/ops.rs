@@ -88,6 +88,17 @@ pub trait Ops {
     fn upload(&self, data: &[f32]) -> Result<Self::Buf>;
     /// Copies a buffer back to the host.
     fn download(&self, b: &Self::Buf) -> Result<Vec<f32>>;
+    /// Whether whole dequantized host tensors ([`crate::model::weights::Dequantized`]) should
+    /// become buffers through [`Ops::adopt`] instead of a dequantization of the raw bytes: true
+    /// where that is a move (host memory), false where it would be a copy to another memory
+    /// (a device dequantizes the raw bytes, a third of the f32 size for 8-bit types, itself).
+    fn adopts_host_tensors(&self) -> bool {
+        false
+    }
+    /// A buffer holding `data` (a move on the host backend, an upload elsewhere).
+    fn adopt(&self, data: Vec<f32>) -> Result<Self::Buf> {
+        self.upload(&data)
+    }
     /// Keeps the site `site` (shape `shape`, the first `shape`-product elements of `b`) that a
     /// path records: the values for the host trace, or `None` when the backend keeps the site
     /// itself to compare it where it lives (the CUDA backend's device comparison). The default

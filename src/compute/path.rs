@@ -136,6 +136,10 @@ pub struct LayerInput<'a> {
     /// the path's own (which is still computed and recorded at `idx_*`). A near-tie flip of a
     /// bf16 indexer is judged once, at `idx_topk`, instead of cascading into every attention site.
     pub forced_selection: Option<&'a crate::compute::indexer::Selection>,
+    /// Whole tensors the reference dequantized and handed on ([`LayerWeights::hand_over`]): a
+    /// backend that computes on the host takes them instead of dequantizing the same bytes
+    /// again. `None`: every tensor is dequantized from the raw bytes.
+    pub dequantized: Option<&'a crate::model::weights::Dequantized>,
 }
 
 /// What one path produced for one layer.

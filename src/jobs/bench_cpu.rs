@@ -248,6 +248,7 @@ pub fn reference(
         batch: &batch,
         shared_selection: None,
         forced_selection: None,
+        dequantized: None,
     };
     let opts = PathOptions::default();
     let mut times = vec![[Vec::<f64>::new(), Vec::new()]; pools.len()];

@@ -10,6 +10,7 @@ use ndarray::Array2;
 
 use crate::backend::Backend;
 use crate::backend::cuda::compare::SplitTrace;
+use crate::compute::engine::same_for_every_path;
 use crate::compute::indexer::Selection;
 use crate::compute::path::{LayerInput, PathKind, PathRun};
 use crate::compute::reference;
@@ -22,7 +23,7 @@ use crate::judge::report::{InputMode, ModelSummary, PathResult, RunConfig, RunRe
 use crate::judge::{device, metrics};
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
-use crate::model::weights::{LayerWeights, embed_hidden};
+use crate::model::weights::{Dequantized, LayerWeights, embed_hidden};
 
 /// Seed of layer `layer`'s random input.
 pub(crate) fn layer_seed(seed: u64, layer: usize) -> u64 {
@@ -60,6 +61,7 @@ pub fn compare_layer(
     reference: &SplitTrace,
     rc: &RunConfig,
     shared: Option<&Selection>,
+    dequantized: Option<&Dequantized>,
     keep_traces: bool,
 ) -> Result<(Vec<PathResult>, Vec<Finding>, Vec<PathRun>)> {
     let hidden32 = timing::stage("input", || hidden.mapv(|x| x as f32));
@@ -81,6 +83,7 @@ pub fn compare_layer(
         batch: &rc.batch,
         shared_selection: shared,
         forced_selection: forced.as_ref(),
+        dequantized,
     };
     let mut opts = rc.path_options.clone();
     opts.seed = rc.seed;
@@ -91,6 +94,8 @@ pub fn compare_layer(
     let mut runs = Vec::new();
     let mut all_diffs = Vec::new();
     let mut again = Vec::new();
+    // Diffs of the sites every path shares (weights, prologue), computed for the first path.
+    let mut seen = Vec::new();
     if let Some(o) = on_device {
         o.keep_sites_on_device(true);
     }
@@ -102,7 +107,9 @@ pub fn compare_layer(
                     device::diff(o.device(), reference, &pr.trace, &sites, dtype)
                 })?
             }
-            None => timing::stage("compare", || metrics::diff(&reference.host, &pr.trace, dtype)),
+            None => timing::stage("compare", || {
+                metrics::diff_reusing(&reference.host, &pr.trace, dtype, same_for_every_path, &mut seen)
+            }),
         };
         let clean = pr.unservable.is_none() && metrics::first_divergence(&diffs).is_none();
         if on_device.is_some() && !clean {
@@ -287,7 +294,7 @@ fn run_inner(
         if !wanted && rc.input == InputMode::Random {
             continue;
         }
-        let w = timing::stage("dequant", || LayerWeights::load(file, cfg, layer))?;
+        let mut w = timing::stage("dequant", || LayerWeights::load(file, cfg, layer))?;
         if tensor_types.is_empty() && wanted {
             tensor_types = w.types.clone();
         }
@@ -341,7 +348,21 @@ fn run_inner(
                 host: refo.trace,
                 device: device_sites,
             };
-            let (res, f, runs) = compare_layer(backend, file, cfg, &w, &hidden, &split, rc, shared, keep_traces)?;
+            // The reference is done with the attention tensors: the paths take them over.
+            let handed = w.hand_over();
+            let (res, f, runs) = compare_layer(
+                backend,
+                file,
+                cfg,
+                &w,
+                &hidden,
+                &split,
+                rc,
+                shared,
+                Some(&handed),
+                keep_traces,
+            )?;
+            drop(handed);
             results.extend(res);
             for fi in f {
                 if !findings.iter().any(|g| g.path == fi.path) {
@@ -410,8 +431,9 @@ pub fn reference_chain(
 /// An upper estimate of a run's peak memory in bytes, from the dims, T, the paths and the input
 /// mode, for refusing a run the machine cannot hold before any work.
 ///
-/// Per layer, what is live at the peak: the layer's attention weights in f32 twice (the
-/// reference's copy and the path's) plus the reference's f64 weight sites (`w.fused_qkv_a`,
+/// Per layer, what is live at the peak: the layer's attention weights in f32 once (the CPU
+/// paths take over the reference's copy; a GPU run's paths hold theirs on the device) plus the
+/// reference's f64 weight sites (`w.fused_qkv_a`,
 /// `w.kv_b`, `w.W_UK_T`, `w.W_UV`); the reference trace in f64 and one path's trace in f32 (the
 /// paths run one at a time and each trace is dropped once judged), each about `T ·` (the
 /// per-token width of every site); and the transient working set of the widest step, the
@@ -448,6 +470,6 @@ pub fn estimate_peak_bytes(cfg: &MlaConfig, rc: &RunConfig) -> u64 {
     } else {
         0
     };
-    let bytes = 2 * weights_f32 * 4 + weight_sites_f64 * 8 + t * per_token * (8 + 4) + 2 * t * n * (p + v) * 8 + ffn;
+    let bytes = weights_f32 * 4 + weight_sites_f64 * 8 + t * per_token * (8 + 4) + 2 * t * n * (p + v) * 8 + ffn;
     bytes.saturating_add(bytes / 4)
 }

@@ -294,8 +294,18 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
             // Clean runs.
             for &tp in &tps {
                 let rc = run_cfg(tp, PathKind::ALL.to_vec(), vec![]);
-                let (_, findings, _) =
-                    compare_layer(backend, &file, &cfg, &w, &hidden, &reference_for(tp), &rc, None, false)?;
+                let (_, findings, _) = compare_layer(
+                    backend,
+                    &file,
+                    &cfg,
+                    &w,
+                    &hidden,
+                    &reference_for(tp),
+                    &rc,
+                    None,
+                    None,
+                    false,
+                )?;
                 let expected =
                     natural_misalignment(&file, &cfg, layer, tp).map(|s| (Class::QuantBlockMisaligned, vec![s.stage]));
                 for &path in PathKind::ALL {
@@ -354,8 +364,18 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
                     continue;
                 }
                 let rc = run_cfg(tp, paths.clone(), vec![fault]);
-                let (_, findings, _) =
-                    compare_layer(backend, &file, &cfg, &w, &hidden, &reference_for(tp), &rc, None, false)?;
+                let (_, findings, _) = compare_layer(
+                    backend,
+                    &file,
+                    &cfg,
+                    &w,
+                    &hidden,
+                    &reference_for(tp),
+                    &rc,
+                    None,
+                    None,
+                    false,
+                )?;
                 for path in paths {
                     let stages = fault.expected_stages(path);
                     let expected = Some((fault.expected_class(), stages.clone()));

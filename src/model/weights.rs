@@ -573,6 +573,92 @@ impl LayerWeights {
     }
 }
 
+/// Whole tensors of one layer as [`LayerWeights::load`] dequantized them, handed on by
+/// [`LayerWeights::hand_over`] once the reference has used them, so that an engine path that
+/// loads a whole tensor takes these values instead of dequantizing the same bytes again (and
+/// the layer's weights are held once, not twice).
+///
+/// Each entry is a GGUF tensor name and its values in the row-major order of the 2-D view
+/// `[n_rows, ne0]` (f32, exactly what the CPU decoder produces). Each tensor can be taken once;
+/// TP shards are not here: they are cut from the raw bytes per rank, where a misaligned cut is
+/// found.
+#[derive(Debug, Default)]
+pub struct Dequantized(std::sync::Mutex<std::collections::HashMap<String, Vec<f32>>>);
+
+impl Dequantized {
+    /// Takes tensor `name` if it was handed over with exactly `n` elements (a whole tensor);
+    /// `None` otherwise (a shard, a tensor already taken, another tensor of the same name).
+    pub fn take(&self, name: &str, n: usize) -> Option<Vec<f32>> {
+        let mut m = self.0.lock().ok()?;
+        if m.get(name).is_some_and(|v| v.len() == n) {
+            m.remove(name)
+        } else {
+            None
+        }
+    }
+
+    /// Tensors still held.
+    pub fn len(&self) -> usize {
+        self.0.lock().map_or(0, |m| m.len())
+    }
+
+    /// True when no tensor is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The values of `a` in row-major order, without a copy when `a` is in standard layout.
+pub(crate) fn into_row_major<A: Clone, D: ndarray::Dimension>(a: ndarray::Array<A, D>) -> Vec<A> {
+    if a.is_standard_layout() {
+        let len = a.len();
+        let (mut v, off) = a.into_raw_vec_and_offset();
+        v.drain(..off.unwrap_or(0).min(v.len()));
+        v.truncate(len);
+        v
+    } else {
+        a.iter().cloned().collect()
+    }
+}
+
+impl LayerWeights {
+    /// Moves the attention tensors an engine loads whole (norms, `q_a`/`q_b` or `q`, `kv_a`,
+    /// `kv_b` or `k_b`/`v_b`, `o_proj`) out of `self` into a [`Dequantized`], leaving empty
+    /// arrays in their place: call it only once nothing reads them here (after the reference).
+    /// The FFN, the indexer and `types` stay.
+    pub fn hand_over(&mut self) -> Dequantized {
+        let n = |s: &str| tensor_name(self.layer, s);
+        let mut m = std::collections::HashMap::new();
+        let take2 = |a: &mut Array2<f32>| into_row_major(std::mem::replace(a, Array2::zeros((0, 0))));
+        let take1 = |a: &mut Array1<f32>| into_row_major(std::mem::replace(a, Array1::zeros(0)));
+        let take3 = |a: &mut Array3<f32>| into_row_major(std::mem::replace(a, Array3::zeros((0, 0, 0))));
+        m.insert(n("attn_norm"), take1(&mut self.attn_norm));
+        match &mut self.q {
+            QWeights::Lora { q_a, q_a_norm, q_b } => {
+                m.insert(n("attn_q_a"), take2(q_a));
+                m.insert(n("attn_q_a_norm"), take1(q_a_norm));
+                m.insert(n("attn_q_b"), take2(q_b));
+            }
+            QWeights::Direct { q } => {
+                m.insert(n("attn_q"), take2(q));
+            }
+        }
+        m.insert(n("attn_kv_a_mqa"), take2(&mut self.kv_a_mqa));
+        m.insert(n("attn_kv_a_norm"), take1(&mut self.kv_a_norm));
+        match &mut self.kv_b {
+            KvBWeights::Split { k_b, v_b } => {
+                m.insert(n("attn_k_b"), take3(k_b));
+                m.insert(n("attn_v_b"), take3(v_b));
+            }
+            KvBWeights::Fused { kv_b } => {
+                m.insert(n("attn_kv_b"), take2(kv_b));
+            }
+        }
+        m.insert(n("attn_output"), take2(&mut self.o_proj));
+        Dequantized(std::sync::Mutex::new(m))
+    }
+}
+
 /// A block-aligned piece of a tensor's raw GGUF bytes: whole rows, or a column range of every
 /// row, as an engine with quantized weights cuts TP shards. Dequantize it with
 /// [`dequant::dequantize`] (CPU) or a backend's dequant kernel.

@@ -33,7 +33,6 @@ use crate::core::batch::{Batch, SplitMix64};
 use crate::core::error::{Error, Result};
 use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
 use crate::model::config::{KvBLayout, MlaConfig};
-use crate::model::gguf::GgufFile;
 use crate::model::weights::{RawSlice, SliceError, col_slice, row_slice, tensor_name};
 
 use attn::*;
@@ -119,6 +118,26 @@ fn pick_all<B>(outs: &[RankOut<B>], f: fn(&RankOut<B>) -> Option<&B>) -> Option<
     outs.iter().map(f).collect()
 }
 
+/// Whether every path of one [`run_paths`] call records the same values at sites of `stage`:
+/// the weights (one load per layer) and the prologue's outputs (one prologue per layer). A
+/// comparison of such a site can be computed once per layer and reused for the other paths.
+pub fn same_for_every_path(stage: Stage) -> bool {
+    stage.is_weight()
+        || matches!(
+            stage,
+            Stage::HiddenIn
+                | Stage::AttnIn
+                | Stage::QC
+                | Stage::QCNormed
+                | Stage::Q
+                | Stage::KvA
+                | Stage::KvCNormed
+                | Stage::KPe
+                | Stage::QPeRoped
+                | Stage::KPeRoped
+        )
+}
+
 /// Runs one path for one layer on backend `ops`.
 ///
 /// Errors: `--tp` not dividing N, shapes inconsistent with the configuration, a sequence of
@@ -188,9 +207,12 @@ pub fn run_paths<O: Ops>(
         }
         Err(LoadError::Other(e)) => return Err(e),
     };
+    // The prologue (projections, norms, RoPE) precedes the attention backend in an engine and
+    // does not depend on it: it runs once and every path starts from its outputs.
+    let pro = crate::core::timing::stage("prologue", || prologue(ops, input, &ew, opts))?;
     for &kind in kinds {
         let r = crate::core::timing::stage(&format!("path {kind}"), || {
-            run_loaded(ops, kind, input, opts, &ew, load_notes.clone())
+            run_loaded(ops, kind, input, opts, &ew, &pro, load_notes.clone())
         })?;
         each(r)?;
     }
@@ -204,14 +226,15 @@ fn run_loaded<O: Ops>(
     input: &LayerInput<'_>,
     opts: &PathOptions,
     ew: &EngineWeights<O::Buf>,
+    pro: &Prologue<O::Buf>,
     mut notes: Vec<String>,
 ) -> Result<PathRun> {
     let cfg = input.cfg;
     let t = input.batch.n_tokens();
     let layer = input.weights.layer;
     let mut tr = Trace::new();
-    let pro = prologue(ops, input, ew, opts, &mut tr)?;
-    let own_sel = engine_indexer(ops, input, opts, kind, &pro, &mut tr, &mut notes)?;
+    pro.record(ops, ew, input, &mut tr)?;
+    let own_sel = engine_indexer(ops, input, opts, kind, pro, &mut tr, &mut notes)?;
     if (opts.faults.has(Fault::RopeNeox) || opts.faults.has(Fault::IndexerRopeInterleaved))
         && input.batch.positions().iter().all(|&p| p == 0)
     {

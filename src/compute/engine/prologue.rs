@@ -62,6 +62,53 @@ pub(super) struct Prologue<B> {
     pub(super) attn_in: B,
     /// `q_c_normed` [T, Lq], when the model compresses q (the indexer's query input).
     pub(super) q_c_normed: Option<B>,
+    /// `q_c` [T, Lq], when the model compresses q (kept for its site).
+    q_c: Option<B>,
+    /// `kv_a` [T, L+R] (kept for its site).
+    kv_a: B,
+    /// `k_pe` [T, R] before RoPE (kept for its site).
+    k_pe: B,
+}
+
+impl<B> Prologue<B> {
+    /// Records the prologue's sites into a path's trace, in the order the prologue computes
+    /// them: every path runs on the same prologue (as in an engine, where it precedes the
+    /// attention backend), and each path's trace holds its sites.
+    pub(super) fn record<O: Ops<Buf = B>>(
+        &self,
+        ops: &O,
+        ew: &EngineWeights<B>,
+        input: &LayerInput<'_>,
+        tr: &mut Trace,
+    ) -> Result<()> {
+        let cfg = input.cfg;
+        let layer = input.weights.layer;
+        let t = input.batch.n_tokens();
+        let (hd, n, l, p, r) = (
+            cfg.hidden,
+            cfg.n_head,
+            cfg.kv_lora_rank,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+        );
+        let nh = n / self.q.len().max(1);
+        rec(ops, tr, layer, Stage::HiddenIn, &[t, hd], &self.hidden)?;
+        rec(ops, tr, layer, Stage::AttnIn, &[t, hd], &self.attn_in)?;
+        if let (Some(fused), Some(q_c), Some(q_c_normed)) = (&ew.fused_qkv_a, &self.q_c, &self.q_c_normed) {
+            let lq = cfg.q_lora_rank.unwrap_or(0);
+            rec(ops, tr, layer, Stage::WFusedQkvA, &[lq + l + r, hd], fused)?;
+            rec(ops, tr, layer, Stage::QC, &[t, lq], q_c)?;
+            rec(ops, tr, layer, Stage::QCNormed, &[t, lq], q_c_normed)?;
+        }
+        let qs: Vec<&B> = self.q.iter().collect();
+        rec_heads(ops, tr, layer, Stage::Q, &[t, n, p + r], &qs, nh, p + r)?;
+        rec(ops, tr, layer, Stage::KvA, &[t, l + r], &self.kv_a)?;
+        rec(ops, tr, layer, Stage::KvCNormed, &[t, l], &self.kv_c_normed)?;
+        rec(ops, tr, layer, Stage::KPe, &[t, r], &self.k_pe)?;
+        let qp: Vec<&B> = self.q_pe_roped.iter().collect();
+        rec_heads(ops, tr, layer, Stage::QPeRoped, &[t, n, r], &qp, nh, r)?;
+        rec(ops, tr, layer, Stage::KPeRoped, &[t, r], &self.k_pe_roped)
+    }
 }
 
 pub(super) fn prologue<O: Ops>(
@@ -69,10 +116,8 @@ pub(super) fn prologue<O: Ops>(
     input: &LayerInput<'_>,
     ew: &EngineWeights<O::Buf>,
     opts: &PathOptions,
-    tr: &mut Trace,
 ) -> Result<Prologue<O::Buf>> {
     let cfg = input.cfg;
-    let layer = input.weights.layer;
     let t = input.batch.n_tokens();
     let f = &opts.faults;
     let (hd, n, l, p, r) = (
@@ -87,25 +132,20 @@ pub(super) fn prologue<O: Ops>(
     let eps = cfg.rms_eps as f32;
     let hidden_host: Vec<f32> = input.hidden_in.iter().copied().collect();
     let hidden = ops.upload(&hidden_host)?;
-    rec(ops, tr, layer, Stage::HiddenIn, &[t, hd], &hidden)?;
     let attn_in = ops.rms_norm(&hidden, t, 0, hd, hd, &ew.attn_norm, eps)?;
-    rec(ops, tr, layer, Stage::AttnIn, &[t, hd], &attn_in)?;
 
-    let (q_c_normed_keep, q_k, kv_a) = match (&ew.fused_qkv_a, &ew.q_a_norm, &ew.kv_a) {
+    let (q_c_keep, q_k, kv_a) = match (&ew.fused_qkv_a, &ew.q_a_norm, &ew.kv_a) {
         (Some(fused), Some(q_a_norm), _) => {
             let lq = cfg.q_lora_rank.unwrap_or(0);
-            rec(ops, tr, layer, Stage::WFusedQkvA, &[lq + l + r, hd], fused)?;
             // One GEMM; the output is split by the fixed sizes [Lq | L+R].
             let qkv = ops.linear(&attn_in, t, hd, fused, lq + l + r)?;
             let mut q_c = ops.canary(t * lq)?;
             ops.copy2d(&qkv, &mut q_c, cp(t, lq, 0, lq + l + r, 0, lq))?;
-            rec(ops, tr, layer, Stage::QC, &[t, lq], &q_c)?;
             // q_c is a strided view of the fused output (row stride Lq+L+R).
             let q_c_normed = ops.rms_norm(&qkv, t, 0, lq + l + r, lq, q_a_norm, eps)?;
-            rec(ops, tr, layer, Stage::QCNormed, &[t, lq], &q_c_normed)?;
             let mut kv_a = ops.canary(t * (l + r))?;
             ops.copy2d(&qkv, &mut kv_a, cp(t, l + r, lq, lq + l + r, 0, l + r))?;
-            (Some(q_c_normed), lq, kv_a)
+            (Some((q_c, q_c_normed)), lq, kv_a)
         }
         (None, _, Some(kv_a_w)) => {
             let kv_a = ops.linear(&attn_in, t, hd, kv_a_w, l + r)?;
@@ -113,24 +153,19 @@ pub(super) fn prologue<O: Ops>(
         }
         _ => return Err(Error::Usage("engine: inconsistent q weights".into())),
     };
-    let q_input = q_c_normed_keep.as_ref().unwrap_or(&attn_in);
+    let q_input = q_c_keep.as_ref().map_or(&attn_in, |(_, qcn)| qcn);
     // Column-parallel q projection, per rank.
     let q: Vec<O::Buf> = ew
         .ranks
         .iter()
         .map(|rw| ops.linear(q_input, t, q_k, &rw.q_proj, nh * (p + r)))
         .collect::<Result<_>>()?;
-    let qs: Vec<&O::Buf> = q.iter().collect();
-    rec_heads(ops, tr, layer, Stage::Q, &[t, n, p + r], &qs, nh, p + r)?;
-    rec(ops, tr, layer, Stage::KvA, &[t, l + r], &kv_a)?;
 
     // kv_c is a strided view of kv_a: rows of width L, row stride L+R.
     let stride = if f.has(Fault::StridedKvC) { l } else { l + r };
     let kv_c_normed = ops.rms_norm(&kv_a, t, 0, stride, l, &ew.kv_a_norm, eps)?;
-    rec(ops, tr, layer, Stage::KvCNormed, &[t, l], &kv_c_normed)?;
     let mut k_pe = ops.canary(t * r)?;
     ops.copy2d(&kv_a, &mut k_pe, cp(t, r, l, l + r, 0, r))?;
-    rec(ops, tr, layer, Stage::KPe, &[t, r], &k_pe)?;
 
     let positions = input.batch.positions();
     let cos_scale = if f.has(Fault::RopeCosScaled) { cfg.mscale() } else { 1.0 };
@@ -152,11 +187,10 @@ pub(super) fn prologue<O: Ops>(
         ops.rope(&mut x, t * nh, r, &head_rows, &cos, &sin, style)?;
         q_pe_roped.push(x);
     }
-    let mut k_pe_roped = k_pe;
+    let mut k_pe_roped = ops.canary(t * r)?;
+    ops.copy2d(&k_pe, &mut k_pe_roped, cp(t, r, 0, r, 0, r))?;
     ops.rope(&mut k_pe_roped, t, r, &token_rows, &cos, &sin, style)?;
-    let qp: Vec<&O::Buf> = q_pe_roped.iter().collect();
-    rec_heads(ops, tr, layer, Stage::QPeRoped, &[t, n, r], &qp, nh, r)?;
-    rec(ops, tr, layer, Stage::KPeRoped, &[t, r], &k_pe_roped)?;
+    let (q_c, q_c_normed) = q_c_keep.unzip();
     Ok(Prologue {
         q,
         q_pe_roped,
@@ -164,7 +198,10 @@ pub(super) fn prologue<O: Ops>(
         k_pe_roped,
         hidden,
         attn_in,
-        q_c_normed: q_c_normed_keep,
+        q_c_normed,
+        q_c,
+        kv_a,
+        k_pe,
     })
 }
 

@@ -72,14 +72,22 @@ pub(super) fn slice_to_load(site: Site, reason: &str, e: SliceError) -> LoadErro
     }
 }
 
-/// Dequantizes a raw slice with the backend's dequantizer.
-pub(super) fn dq<O: Ops>(ops: &O, raw: &RawSlice<'_>) -> Result<O::Buf> {
+/// A raw slice's values as a buffer: the reference's dequantized copy when the slice is a whole
+/// tensor handed over in `input.dequantized` and the backend adopts host tensors; otherwise
+/// the backend's dequantizer on the raw bytes.
+pub(super) fn dq<O: Ops>(ops: &O, input: &LayerInput<'_>, raw: &RawSlice<'_>) -> Result<O::Buf> {
+    if ops.adopts_host_tensors()
+        && let Some(v) = input.dequantized.and_then(|d| d.take(&raw.tensor, raw.n_elements()))
+    {
+        return ops.adopt(v);
+    }
     ops.dequant(raw.ggml_type, &raw.bytes, raw.n_elements(), &raw.tensor)
 }
 
-pub(super) fn whole<O: Ops>(ops: &O, file: &GgufFile, name: &str) -> Result<O::Buf> {
+pub(super) fn whole<O: Ops>(ops: &O, input: &LayerInput<'_>, name: &str) -> Result<O::Buf> {
+    let file = input.file;
     let t = file.require_tensor(name)?;
-    dq(ops, &row_slice(file, name, 0..t.n_rows() as usize)?)
+    dq(ops, input, &row_slice(file, name, 0..t.n_rows() as usize)?)
 }
 
 impl<B> EngineWeights<B> {
@@ -104,13 +112,13 @@ impl<B> EngineWeights<B> {
         let tp = opts.tp;
         let name = |s: &str| tensor_name(layer, s);
 
-        let attn_norm = whole(ops, file, &name("attn_norm"))?;
-        let kv_a_norm = whole(ops, file, &name("attn_kv_a_norm"))?;
-        let kv_a_w = whole(ops, file, &name("attn_kv_a_mqa"))?;
+        let attn_norm = whole(ops, input, &name("attn_norm"))?;
+        let kv_a_norm = whole(ops, input, &name("attn_kv_a_norm"))?;
+        let kv_a_w = whole(ops, input, &name("attn_kv_a_mqa"))?;
         let (fused_qkv_a, q_a_norm, kv_a) = match cfg.q_lora_rank {
             Some(lq) => {
                 // MergedColumnParallelLinear: shard 0 = q_a_proj, shard 1 = kv_a_proj_with_mqa.
-                let q_a = whole(ops, file, &name("attn_q_a"))?;
+                let q_a = whole(ops, input, &name("attn_q_a"))?;
                 let mut fused = ops.canary((lq + l + r) * h)?;
                 let (first, first_rows, second, second_rows) = if f.has(Fault::FusedShardSwap) {
                     (&kv_a_w, l + r, &q_a, lq)
@@ -119,7 +127,7 @@ impl<B> EngineWeights<B> {
                 };
                 ops.copy2d(first, &mut fused, cp(first_rows, h, 0, h, 0, h))?;
                 ops.copy2d(second, &mut fused, cp(second_rows, h, 0, h, first_rows * h, h))?;
-                (Some(fused), Some(whole(ops, file, &name("attn_q_a_norm"))?), None)
+                (Some(fused), Some(whole(ops, input, &name("attn_q_a_norm"))?), None)
             }
             None => (None, None, Some(kv_a_w)),
         };
@@ -164,18 +172,31 @@ impl<B> EngineWeights<B> {
         let mut ranks = Vec::with_capacity(tp);
         for rank in 0..tp {
             let qh = rank_heads(n, tp, source(rank, RankedWeight::QProj));
-            let q_proj = dq(ops, &row_slice(file, &q_tensor, qh.start * (p + r)..qh.end * (p + r))?)?;
+            let q_proj = dq(
+                ops,
+                input,
+                &row_slice(file, &q_tensor, qh.start * (p + r)..qh.end * (p + r))?,
+            )?;
             let kh = rank_heads(n, tp, source(rank, RankedWeight::KvB));
             let nh = kh.len();
             let kv_b = match cfg.kv_b_layout {
                 KvBLayout::Fused => dq(
                     ops,
+                    input,
                     &row_slice(file, &name("attn_kv_b"), kh.start * (p + v)..kh.end * (p + v))?,
                 )?,
                 KvBLayout::Split => {
                     // attn_k_b is [N, L, P] (rows of P); attn_v_b is [N, V, L] (rows of L).
-                    let k_b = dq(ops, &row_slice(file, &name("attn_k_b"), kh.start * l..kh.end * l)?)?;
-                    let v_b = dq(ops, &row_slice(file, &name("attn_v_b"), kh.start * v..kh.end * v)?)?;
+                    let k_b = dq(
+                        ops,
+                        input,
+                        &row_slice(file, &name("attn_k_b"), kh.start * l..kh.end * l)?,
+                    )?;
+                    let v_b = dq(
+                        ops,
+                        input,
+                        &row_slice(file, &name("attn_v_b"), kh.start * v..kh.end * v)?,
+                    )?;
                     // The k rows of kv_b are k_b transposed per head; the bug reads the same
                     // bytes as [P, L] (a reshape).
                     let k_rows = if f.has(Fault::KBUntransposed) {
@@ -213,7 +234,7 @@ impl<B> EngineWeights<B> {
                     e,
                 )
             })?;
-            let o_proj = dq(ops, &o_raw)?;
+            let o_proj = dq(ops, input, &o_raw)?;
             ranks.push(RankWeights {
                 q_proj,
                 kv_b,
@@ -224,10 +245,10 @@ impl<B> EngineWeights<B> {
         }
         let ffn = match &input.weights.ffn {
             Some(fw) => Some(Ffn {
-                norm: whole(ops, file, &name("ffn_norm"))?,
-                gate: whole(ops, file, &name("ffn_gate"))?,
-                up: whole(ops, file, &name("ffn_up"))?,
-                down: whole(ops, file, &name("ffn_down"))?,
+                norm: whole(ops, input, &name("ffn_norm"))?,
+                gate: whole(ops, input, &name("ffn_gate"))?,
+                up: whole(ops, input, &name("ffn_up"))?,
+                down: whole(ops, input, &name("ffn_down"))?,
                 f: fw.gate.nrows(),
             }),
             None => None,

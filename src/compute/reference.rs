@@ -211,6 +211,18 @@ fn rec3(trace: &mut Trace, layer: usize, stage: Stage, a: &Array3<f64>) {
     rec_copy(trace, layer, stage, a);
 }
 
+/// Records a weight site in f32: its values are dequantized f32 weights rearranged (concatenated,
+/// split per head), so f32 holds them exactly, in half the memory of f64.
+fn rec_weight<D: ndarray::Dimension>(trace: &mut Trace, layer: usize, stage: Stage, a: &ndarray::Array<f64, D>) {
+    let data: Vec<f32> = a.iter().map(|&x| x as f32).collect();
+    debug_assert!(
+        a.iter()
+            .zip(&data)
+            .all(|(&x, &y)| x.to_bits() == f64::from(y).to_bits() || x.is_nan())
+    );
+    trace.record(Site::new(layer, stage), TraceTensor::f32(a.shape().to_vec(), data));
+}
+
 /// Records `a` itself, for a value nothing reads afterwards: no copy of the largest sites
 /// (`ql_nope` and `attn_latent` are [T, N, L]).
 fn rec_move<D: ndarray::Dimension>(trace: &mut Trace, layer: usize, stage: Stage, a: ndarray::Array<f64, D>) {
@@ -274,7 +286,7 @@ pub fn forward_sel(
             let q_a = f64m(q_a);
             let fused =
                 ndarray::concatenate(Axis(0), &[q_a.view(), kv_a_w.view()]).map_err(|e| Error::Usage(e.to_string()))?;
-            rec_move(&mut tr, layer, Stage::WFusedQkvA, fused);
+            rec_weight(&mut tr, layer, Stage::WFusedQkvA, &fused);
             let q_c = linear(&x, &q_a);
             rec2(&mut tr, layer, Stage::QC, &q_c);
             let q_c_normed = rms_norm(q_c.view(), q_a_norm.view(), eps);
@@ -342,7 +354,7 @@ pub fn forward_sel(
 
     // Step 5: expanded K/V through kv_b (per-head interleaved rows).
     let kv_b = assemble_kv_b(cfg, &w.kv_b);
-    rec2(&mut tr, layer, Stage::WKvB, &kv_b);
+    rec_weight(&mut tr, layer, Stage::WKvB, &kv_b);
     let kv = linear(&kv_c_normed, &kv_b)
         .into_shape_with_order((t, n, p + v))
         .map_err(|e| Error::Usage(e.to_string()))?;
@@ -353,8 +365,8 @@ pub fn forward_sel(
 
     // Step 6 weights: W_UK_T [N, P, L] and W_UV [N, L, V] from the same kv_b.
     let (w_uk_t, w_uv) = split_kv_b(cfg, &kv_b);
-    rec3(&mut tr, layer, Stage::WUkT, &w_uk_t);
-    rec_move(&mut tr, layer, Stage::WUv, w_uv);
+    rec_weight(&mut tr, layer, Stage::WUkT, &w_uk_t);
+    rec_weight(&mut tr, layer, Stage::WUv, &w_uv);
     // ql_nope = q_nope · W_UK_T per head.
     let mut ql_nope = Array3::<f64>::zeros((t, n, l));
     let heads: Vec<(usize, ArrayViewMut2<f64>)> = ql_nope.axis_iter_mut(Axis(1)).enumerate().collect();
@@ -914,13 +926,13 @@ pub fn rank_weight_sites(cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> Trace 
         let rk = rank as u32;
         let heads = rank * nh..(rank + 1) * nh;
         let qs = q.slice(s![heads.start * (p + r)..heads.end * (p + r), ..]).to_owned();
-        rec2(&mut tr, w.layer, Stage::WRank(RankedWeight::QProj, rk), &qs);
+        rec_weight(&mut tr, w.layer, Stage::WRank(RankedWeight::QProj, rk), &qs);
         let ks = kv_b
             .slice(s![heads.start * (p + v)..heads.end * (p + v), ..])
             .to_owned();
-        rec2(&mut tr, w.layer, Stage::WRank(RankedWeight::KvB, rk), &ks);
+        rec_weight(&mut tr, w.layer, Stage::WRank(RankedWeight::KvB, rk), &ks);
         let os = o.slice(s![.., heads.start * v..heads.end * v]).to_owned();
-        rec2(&mut tr, w.layer, Stage::WRank(RankedWeight::OProj, rk), &os);
+        rec_weight(&mut tr, w.layer, Stage::WRank(RankedWeight::OProj, rk), &os);
     }
     tr
 }

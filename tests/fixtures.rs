@@ -173,7 +173,9 @@ fn fa3_fixture_has_the_head_dims_of_vllm_gpu_kernels_and_a_split_copy_of_the_sam
             assert_eq!(t.ggml_type, GgmlType::F32, "{}", t.name);
             continue;
         }
-        let f = fused.tensor(&t.name).unwrap_or_else(|| panic!("{} not in the fused file", t.name));
+        let f = fused
+            .tensor(&t.name)
+            .unwrap_or_else(|| panic!("{} not in the fused file", t.name));
         assert_eq!((&t.ne, t.ggml_type), (&f.ne, f.ggml_type), "{}", t.name);
         assert!(split.tensor_bytes(t) == fused.tensor_bytes(f), "{} differs", t.name);
     }
@@ -182,12 +184,26 @@ fn fa3_fixture_has_the_head_dims_of_vllm_gpu_kernels_and_a_split_copy_of_the_sam
     let (n, l, p, v) = (c.n_head, c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim);
     for layer in 0..c.n_layer {
         let get = |file: &GgufFile, what: &str| {
-            dequant_tensor(file, file.require_tensor(&format!("blk.{layer}.{what}.weight")).unwrap()).unwrap()
+            dequant_tensor(
+                file,
+                file.require_tensor(&format!("blk.{layer}.{what}.weight")).unwrap(),
+            )
+            .unwrap()
         };
-        let (kv_b, k_b, v_b) = (get(&fused, "attn_kv_b"), get(&split, "attn_k_b"), get(&split, "attn_v_b"));
-        assert_eq!((kv_b.len(), k_b.len(), v_b.len()), (n * (p + v) * l, n * l * p, n * v * l));
+        let (kv_b, k_b, v_b) = (
+            get(&fused, "attn_kv_b"),
+            get(&split, "attn_k_b"),
+            get(&split, "attn_v_b"),
+        );
+        assert_eq!(
+            (kv_b.len(), k_b.len(), v_b.len()),
+            (n * (p + v) * l, n * l * p, n * v * l)
+        );
         let rms = (kv_b.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>() / kv_b.len() as f64).sqrt();
-        assert!((0.03..0.1).contains(&rms), "L{layer} kv_b rms {rms}: 1.45/sqrt(L) = 0.064");
+        assert!(
+            (0.03..0.1).contains(&rms),
+            "L{layer} kv_b rms {rms}: 1.45/sqrt(L) = 0.064"
+        );
         for h in 0..n {
             for r in 0..l {
                 for j in 0..p {
@@ -222,7 +238,10 @@ fn fa3_fixture_has_the_head_dims_of_vllm_gpu_kernels_and_a_split_copy_of_the_sam
     ] {
         assert_eq!(cfg[key].as_u64(), Some(want as u64), "{key}");
     }
-    assert!(cfg["first_k_dense_replace"].as_u64().unwrap() >= c.n_layer as u64, "no MoE layer");
+    assert!(
+        cfg["first_k_dense_replace"].as_u64().unwrap() >= c.n_layer as u64,
+        "no MoE layer"
+    );
     assert_eq!(cfg["rope_theta"].as_f64(), Some(c.rope_base));
     assert!(cfg.get("rope_scaling").is_none());
     assert_eq!(cfg["tie_word_embeddings"], false);

@@ -1,10 +1,11 @@
 """Small GGUF helpers for the fixture pipeline (PyPI gguf-py only; no llama.cpp code in-process).
 
 Why this exists: several fixtures are the official converter's output with a controlled edit (a
-legacy `attn_kv_b` file rebuilt from the split `attn_k_b`/`attn_v_b` pair, or a copy that carries
-`q_lora_rank = 0` for the quantizer), and every quantized file needs a per-tensor type listing
-for golden/README.md. llama.cpp's quantizer is run in a child process (quantize_gguf.py) so that
-its C-level log can be kept and a hard abort inside ggml cannot take the generator down.
+legacy `attn_kv_b` file rebuilt from the split `attn_k_b`/`attn_v_b` pair, a copy that carries
+`q_lora_rank = 0` for the quantizer, or a BF16 file whose `attn_k_b`/`attn_v_b` are stored as
+F32), and every quantized file needs a per-tensor type listing for golden/README.md. llama.cpp's
+quantizer is run in a child process (quantize_gguf.py) so that its C-level log can be kept and a
+hard abort inside ggml cannot take the generator down.
 """
 
 from __future__ import annotations
@@ -63,16 +64,23 @@ def load_f32_tensors(path: Path) -> dict[str, np.ndarray]:
 
 KeyEdit = Callable[[str, Any, "gguf.GGUFValueType", "gguf.GGUFValueType | None"],
                    Iterable[tuple[str, Any, "gguf.GGUFValueType", "gguf.GGUFValueType | None"]]]
-TensorEdit = Callable[[str, np.ndarray], Iterable[tuple[str, np.ndarray]]]
+TensorEdit = Callable[[str, np.ndarray], Iterable[tuple]]
+
+# tensor types rewrite_gguf reads and writes: their values round-trip through float32 exactly
+PLAIN_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.BF16)
 
 
 def rewrite_gguf(src: Path, dst: Path, key_edit: KeyEdit | None = None,
                  tensor_edit: TensorEdit | None = None) -> None:
-    """Copy an all-F32 GGUF, passing every key and tensor through optional edit callbacks.
+    """Copy a GGUF of F32 and BF16 tensors, passing every key and tensor through optional edit
+    callbacks.
 
     key_edit(name, value, type, sub_type) yields zero or more (name, value, type, sub_type);
-    tensor_edit(name, array) yields zero or more (name, array). Order is preserved, so an edit can
-    drop an item, replace it, or insert new ones at that position.
+    tensor_edit(name, array) yields zero or more (name, array) or (name, array, ggml type), the
+    array as float32 in PyTorch order; without a type a tensor keeps the source tensor's type.
+    Order is preserved, so an edit can drop an item, replace it, or insert new ones at that
+    position. Writing BF16 rounds to nearest even (gguf-py's quantizer); a value that is not a
+    bf16 value is refused, so a rewrite never changes a weight silently.
     """
     r = gguf.GGUFReader(str(src))
     arch = r.fields[gguf.Keys.General.ARCHITECTURE].contents()
@@ -88,14 +96,29 @@ def rewrite_gguf(src: Path, dst: Path, key_edit: KeyEdit | None = None,
         for k, v, t, s in items:
             w.add_key_value(k, v, t, sub_type=s)
     for t in r.tensors:
-        if t.tensor_type != gguf.GGMLQuantizationType.F32:
-            raise ValueError(f"{src}: rewrite_gguf handles F32 tensors only, {t.name} is {t.tensor_type.name}")
-        arr = np.array(t.data, dtype=np.float32).reshape(tuple(int(x) for x in reversed(t.shape)))
+        if t.tensor_type not in PLAIN_TYPES:
+            raise ValueError(f"{src}: rewrite_gguf handles F32 and BF16 tensors only, "
+                             f"{t.name} is {t.tensor_type.name}")
+        shape = tuple(int(x) for x in reversed(t.shape))
+        if t.tensor_type == gguf.GGMLQuantizationType.F32:
+            arr = np.array(t.data, dtype=np.float32).reshape(shape)
+        else:
+            arr = gguf.quants.dequantize(np.array(t.data), t.tensor_type).reshape(shape)
         items = [(t.name, arr)]
         if tensor_edit is not None:
             items = list(tensor_edit(t.name, arr))
-        for n, a in items:
-            w.add_tensor(n, np.ascontiguousarray(a, dtype=np.float32))
+        for item in items:
+            n, a = item[0], np.ascontiguousarray(item[1], dtype=np.float32)
+            qtype = item[2] if len(item) > 2 else t.tensor_type
+            if qtype == gguf.GGMLQuantizationType.F32:
+                w.add_tensor(n, a)
+            elif qtype == gguf.GGMLQuantizationType.BF16:
+                q = gguf.quants.quantize(a, qtype)
+                if not np.array_equal(gguf.quants.dequantize(q, qtype).reshape(a.shape), a):
+                    raise ValueError(f"{src}: {n} holds values that are not bf16 values")
+                w.add_tensor(n, q, raw_dtype=qtype)
+            else:
+                raise ValueError(f"{src}: rewrite_gguf writes F32 or BF16, not {qtype!r} ({n})")
     dst.parent.mkdir(parents=True, exist_ok=True)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -17,7 +17,9 @@ quant blocks are exactly what llama.cpp's tools produce. So, for every fixture b
   2. converts it to F32 GGUF with llama.cpp's official converter (convert_offline.py: the real
      convert_hf_to_gguf.py, only its tokenizer step swapped for a synthetic 256-token vocab);
   3. derives the special variants with gguf-py (legacy `attn_kv_b` file; a `q_lora_rank = 0` copy
-     when llama.cpp's quantizer refuses a file without the key);
+     when llama.cpp's quantizer refuses a file without the key); `fa3-v3` instead gets BF16 files
+     (the converter's --outtype bf16 output, fused to a legacy `attn_kv_b`, and a copy keeping
+     the split `attn_k_b`/`attn_v_b` in F32) and the HF config.json vLLM's GGUF plugin needs;
   4. quantizes with llama.cpp's own quantizer (quantize_gguf.py);
   5. runs the HF model in float64 on seeded tokens, captures every MLA site and, in MoE layers,
      the MoE sites (hf_hooks.py), checks the capture against an independent numpy recomputation
@@ -106,6 +108,9 @@ class Fixture:
     family: str = "v3"                  # HF class / GGUF arch, see FAMILIES
     indexer: dict | None = None         # DSA indexer config (v32, glm families)
     minicpm: dict | None = None         # MiniCPM3 scalings (scale_emb, scale_depth, dim_model_base)
+    # BF16 files (see make_bf16_files): every weight rounded to a bf16 value after init, the
+    # converter run with --outtype bf16, the F32 file kept in --tmp for the llama.cpp check
+    bf16: bool = False
 
     def dims(self) -> dict:
         return dict(N=self.N, H=self.H, Lq=self.Lq, L=self.L, P=self.P, R=self.R, V=self.V)
@@ -169,6 +174,18 @@ FIXTURES = [
     Fixture("minicpm3", N=2, H=64, Lq=32, L=64, P=32, R=16, V=32, inter=64, seed_offset=900,
             attn_gain=1.45, tokens=24, quants=("Q8_0",), layers=2, vocab=128,
             family="minicpm3", minicpm=MINICPM3),
+    # DeepSeek-V3's own attention head dims on tiny everything else, for vLLM's GPU kernels: on
+    # sm_90 its only MLA prefill backend (FA3) takes (P, R, V) = (128, 64, 128) among three
+    # shapes, and FlashMLA's decode wants a latent cache row of L + R = 576. BF16, 2 dense
+    # layers, the fused attn_kv_b that vllm-gguf-plugin maps (fa3-v3-bf16.gguf) and a copy with
+    # the converter's split attn_k_b / attn_v_b in F32, which the plugin does not map
+    # (fa3-v3-split.gguf), plus the HF config.json both need (fa3-v3/config.json). N = 4 heads:
+    # kv_b alone is N·(P+V)·L = 4·256·512 values per layer, 2 MiB of the BF16 file. P = V, so
+    # this fixture cannot tell k from v by shape; the P != V fixtures above keep covering that.
+    # No HF golden is committed (size); its checks run all the same.
+    Fixture("fa3-v3", N=4, H=64, Lq=32, L=512, P=128, R=64, V=128, inter=64, seed_offset=1000,
+            attn_gain=1.45, tokens=24, layers=2, vocab=128, commit_f32=False, golden=False,
+            bf16=True),
 ]
 
 COMMON = dict(rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -298,6 +315,12 @@ def build_model(fx: Fixture, seed: int):
     torch.manual_seed(seed)                    # construction-time init is overwritten anyway
     model = getattr(transformers, FAMILIES[fx.family]["hf_class"])(hf_config(fx))
     init_weights(model, fx, seed)
+    if fx.bf16:
+        # the BF16 files must hold the model's own weights: round each to its nearest bf16 value
+        # (kept in float32, so the F32 file and the f64 golden see the same values)
+        with torch.no_grad():
+            for _, p in model.named_parameters():
+                p.copy_(p.to(torch.bfloat16).to(torch.float32))
     model.eval()
     return model
 
@@ -314,9 +337,10 @@ def token_ids(fx: Fixture, seed: int):
 # conversion, rewriting, quantization
 # --------------------------------------------------------------------------------------------
 
-def run_converter(hf_dir: Path, out: Path, name: str, llama_dir: Path, log: Path) -> None:
+def run_converter(hf_dir: Path, out: Path, name: str, llama_dir: Path, log: Path,
+                  outtype: str = "f32") -> None:
     cmd = [sys.executable, str(HERE / "convert_offline.py"), "--llama-cpp-dir", str(llama_dir),
-           str(hf_dir), "--outfile", str(out), "--outtype", "f32", "--model-name", name]
+           str(hf_dir), "--outfile", str(out), "--outtype", outtype, "--model-name", name]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as fh:
         rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT).returncode
@@ -325,7 +349,8 @@ def run_converter(hf_dir: Path, out: Path, name: str, llama_dir: Path, log: Path
 
 
 def make_legacy_kvb(src: Path, dst: Path, fx: Fixture) -> None:
-    """Rewrite the converter's split-kv_b file into the legacy layout (one attn_kv_b per layer)."""
+    """Rewrite the converter's split-kv_b file into the legacy layout (one attn_kv_b per layer,
+    stored in attn_v_b's type: F32, or BF16 for a BF16 file)."""
     import gguf
     from gguf_tools import rewrite_gguf
 
@@ -358,6 +383,75 @@ def make_legacy_kvb(src: Path, dst: Path, fx: Fixture) -> None:
 
     rewrite_gguf(src, dst, key_edit, tensor_edit)
     assert not pending
+
+
+def make_bf16_files(fx: Fixture, hf_dir: Path, model, models_dir: Path, args, rep: dict) -> None:
+    """The committed files of a BF16 fixture, made from the converter's BF16 output (in --tmp):
+
+    * `<name>-bf16.gguf`: rewritten to the legacy layout, one fused `attn_kv_b` per layer in BF16
+      (what vllm-gguf-plugin 0.0.5 maps to kv_b_proj); every other tensor as the converter wrote
+      it (BF16 matrices, F32 norms);
+    * `<name>-split.gguf`: the converter's split `attn_k_b` / `attn_v_b` stored as F32, every other
+      tensor as the converter wrote it (the plugin maps neither: kv_b_proj is never loaded);
+    * `<name>/config.json`: the HF config the plugin needs, derived from the fused file's metadata
+      by vllm_cpu.config_from_gguf with torch_dtype bfloat16 and checked against the HF model's
+      config (the split file must derive the same config).
+
+    Every tensor of every file is checked to hold the HF weight bit for bit (the weights were
+    rounded to bf16 values in build_model).
+    """
+    import gguf
+    import vllm_cpu
+    from gguf_tools import rewrite_gguf, tensor_types
+
+    conv = args.tmp / "models" / f"{fx.name}-converter-bf16.gguf"
+    run_converter(hf_dir, conv, fx.name, args.llama_cpp_dir, args.tmp / "logs" / f"convert-{fx.name}-bf16.log",
+                  outtype="bf16")
+    fused = models_dir / f"{fx.name}-bf16.gguf"
+    make_legacy_kvb(conv, fused, fx)
+    split = models_dir / f"{fx.name}-split.gguf"
+
+    def kv_b_halves_f32(name, arr):
+        if ".attn_k_b." in name or ".attn_v_b." in name:
+            yield name, arr, gguf.GGMLQuantizationType.F32
+        else:
+            yield name, arr
+
+    rewrite_gguf(conv, split, tensor_edit=kv_b_halves_f32)
+    for path in (conv, fused, split):
+        n = check_gguf_matches_hf(path, model, fx)
+        types = tensor_types(path)
+        counts: dict[str, int] = {}
+        for _, t, _ in types:
+            counts[t] = counts.get(t, 0) + 1
+        print(f"{rel(path)}: {n} tensors, all bit-identical to the HF weights; "
+              + ", ".join(f"{t} x{c}" for t, c in sorted(counts.items())))
+        rep["files"][path.name] = {"path": rel(path), "committed": path != conv,
+                                   "types": {name: t for name, t, _ in types}}
+
+    cfg = vllm_cpu.config_from_gguf(fused, torch_dtype="bfloat16")
+    if vllm_cpu.config_from_gguf(split, torch_dtype="bfloat16") != cfg:
+        raise SystemExit(f"{split.name} and {fused.name} derive different HF configs")
+    hf = model.config
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+            "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "vocab_size",
+            "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id")
+    diff = {k: (cfg.get(k), getattr(hf, k)) for k in keys if cfg.get(k) != getattr(hf, k)}
+    if cfg["rope_theta"] != COMMON["rope_theta"] or "rope_scaling" in cfg:
+        diff["rope"] = (cfg["rope_theta"], cfg.get("rope_scaling"))
+    if not math.isclose(cfg["rms_norm_eps"], hf.rms_norm_eps, rel_tol=1e-7):     # stored as f32
+        diff["rms_norm_eps"] = (cfg["rms_norm_eps"], hf.rms_norm_eps)
+    if cfg["architectures"] != [FAMILIES[fx.family]["hf_class"]] or cfg["first_k_dense_replace"] < fx.layers:
+        diff["class / dense layers"] = (cfg["architectures"], cfg["first_k_dense_replace"])
+    if diff:
+        raise SystemExit(f"{fused.name}: derived config.json differs from the HF config: {diff}")
+    cfg_path = models_dir / fx.name / "config.json"
+    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    print(f"{rel(cfg_path)}: DeepseekV3ForCausalLM, first_k_dense_replace {cfg['first_k_dense_replace']} "
+          f"(no MoE layer), torch_dtype {cfg['torch_dtype']}")
+    rep["files"]["config.json"] = {"path": rel(cfg_path), "committed": True, "bytes": cfg_path.stat().st_size,
+                                   "sha256": sha256(cfg_path)}
 
 
 def add_q_lora_rank_zero(src: Path, dst: Path) -> None:
@@ -599,6 +693,8 @@ def make_one(fx: Fixture, args, report: dict) -> None:
     print(f"{rel(f32)}: {n} tensors, all bit-identical to the HF weights")
     rep["gguf_tensors_checked"] = n
     rep["f32_keys"] = {k: v for k, v in read_kv(f32).items() if k.startswith(fx.arch + ".")}
+    if fx.bf16:
+        make_bf16_files(fx, hf_dir, model, models_dir, args, rep)
 
     # 3. quantize
     quant_src = f32
@@ -738,6 +834,8 @@ def make_one(fx: Fixture, args, report: dict) -> None:
         rep["llama_cpp_vs_golden"] = {}
         candidates = [f32] + ([quant_src] if quant_src != f32 else [])
         candidates += [models_dir / f"{fx.name}-{q.lower()}.gguf" for q in fx.quants]
+        if fx.bf16:     # bf16 weights: llama.cpp rounds the activations to bf16 too (reported only)
+            candidates += [models_dir / f"{fx.name}-bf16.gguf", models_dir / f"{fx.name}-split.gguf"]
         for path in candidates:
             proc = subprocess.run([sys.executable, str(HERE / "llama_logits.py"), str(path), str(golden)],
                                   capture_output=True, text=True)

@@ -39,3 +39,7 @@ rec_dsa dsa-glm-f32  2 --model $M/dsa-glm-f32.gguf --input tokens
 rec_dsa dsa-glm-q8_0 1 --model $M/dsa-glm-q8_0.gguf --dtype bf16
 rec minicpm3-f32     --model $M/minicpm3-f32.gguf --input tokens
 rec minicpm3-q8_0    --model $M/minicpm3-q8_0.gguf
+# DeepSeek-V3's head dims (P, R, V, L) = (128, 64, 128, 512) in BF16: the fused file in bf16,
+# the dtype vLLM runs it in on a GPU; the split copy (k_b / v_b in F32) under TP 2.
+rec fa3-v3-bf16      --model $M/fa3-v3-bf16.gguf --dtype bf16
+rec fa3-v3-split     --model $M/fa3-v3-split.gguf --tp 2

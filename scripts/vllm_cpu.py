@@ -25,9 +25,10 @@ Subcommands (Python 3.10+; only the standard library is needed to start):
 
   setup --venv DIR       create a venv and pip-install the exact versions in PINS (about 3.6 GiB
                          of wheels, mostly torch and the CUDA libraries vLLM depends on)
-  config --gguf M.gguf --out DIR
+  config --gguf M.gguf --out DIR [--dtype float32|bfloat16|float16]
                          write DIR/config.json (a HF DeepseekV3 config derived from the GGUF's
-                         metadata; the plugin needs one, transformers cannot build it from a GGUF)
+                         metadata; the plugin needs one, transformers cannot build it from a GGUF;
+                         --dtype sets its torch_dtype, default float32)
   run --venv DIR --gguf M.gguf [--config-dir DIR] --tokens 1,2,3 --decode-steps K
       --out D.safetensors [--weights W.safetensors] [--format 2|1] [--zero-unloaded]
                          run vLLM in the venv (re-launched there with TRITON_INTERPRET=1) and
@@ -180,8 +181,12 @@ def cmd_setup(args) -> int:
 # config.json from GGUF metadata
 # =============================================================================================
 
-def config_from_gguf(gguf_path: Path) -> dict:
-    """A HF DeepseekV3 config.json from a deepseek2 GGUF's metadata (needs the gguf package)."""
+def config_from_gguf(gguf_path: Path, torch_dtype: str = "float32") -> dict:
+    """A HF DeepseekV3 config.json from a deepseek2 GGUF's metadata (needs the gguf package).
+
+    torch_dtype: the model dtype the config declares (what vLLM's dtype="auto" starts from); the
+    CPU harness passes dtype="float32" to vLLM itself, so it runs in float32 whatever this says.
+    """
     import gguf
     rd = gguf.GGUFReader(str(gguf_path))
     kv = {}
@@ -241,7 +246,7 @@ def config_from_gguf(gguf_path: Path) -> dict:
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": False,
-        "torch_dtype": "float32",
+        "torch_dtype": torch_dtype,
         "bos_token_id": int(kv.get("tokenizer.ggml.bos_token_id", 0) or 0),
         "eos_token_id": int(kv.get("tokenizer.ggml.eos_token_id", 1) or 1),
     }
@@ -265,7 +270,7 @@ def config_from_gguf(gguf_path: Path) -> dict:
 def cmd_config(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = config_from_gguf(Path(args.gguf))
+    cfg = config_from_gguf(Path(args.gguf), args.dtype)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     print(f"{out / 'config.json'}: {json.dumps(cfg)}")
     return 0
@@ -811,6 +816,8 @@ def main() -> int:
     c = sub.add_parser("config", help="write config.json derived from a GGUF")
     c.add_argument("--gguf", required=True)
     c.add_argument("--out", required=True, help="folder for config.json")
+    c.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="torch_dtype written into config.json (default float32)")
     for name in ("run", "_inner"):
         r = sub.add_parser(name, help="run vLLM on the CPU and dump" if name == "run" else argparse.SUPPRESS)
         r.add_argument("--venv", default=os.environ.get("MLA_VLLM_VENV", str(ROOT / ".venv-vllm")))

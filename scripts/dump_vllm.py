@@ -372,6 +372,45 @@ def find_mqa_impl(attn) -> Any:
     return None
 
 
+def _backend_name(obj) -> str | None:
+    """A backend object's registered name (its class's get_name()), else its class name."""
+    if obj is None:
+        return None
+    get = getattr(type(obj), "get_name", None)
+    try:
+        name = get() if callable(get) else None
+    except Exception:  # noqa: BLE001 - a name is informative only
+        name = None
+    return str(name) if name else type(obj).__name__
+
+
+def backend_names(root) -> dict:
+    """The attention backends the first MLA layer really uses: `attention_backend` (the impl that
+    runs forward_mqa: FLASHMLA, TRITON_MLA, ...; its impl class in `attention_impl`) and
+    `prefill_backend` (the MLA prefill backend of forward_mha: FLASH_ATTN, ...), as recorded in
+    the dump's engine metadata. Empty when the model has no MLA layer this hook knows."""
+    for _, layer in find_decoder_layers(root):
+        attn = getattr(layer, "self_attn", None)
+        impl = find_mqa_impl(attn) if attn is not None else None
+        if impl is None:
+            continue
+        info = {"attention_impl": type(impl).__name__}
+        backend = getattr(impl, "backend", None) or getattr(getattr(attn, "mla_attn", None), "attn_backend", None)
+        name = _backend_name(backend) if backend is not None and not isinstance(backend, str) else backend
+        if name is None:
+            table = {"FlashMLAImpl": "FLASHMLA", "TritonMLAImpl": "TRITON_MLA",
+                     "FlashAttnMLAImpl": "FLASH_ATTN_MLA", "CutlassMLAImpl": "CUTLASS_MLA"}
+            name = table.get(type(impl).__name__, type(impl).__name__)
+        info["attention_backend"] = str(name)
+        for holder in (impl, getattr(attn, "mla_attn", None), attn):
+            pb = getattr(holder, "prefill_backend", None) if holder is not None else None
+            if pb is not None:
+                info["prefill_backend"] = _backend_name(pb)
+                break
+        return info
+    return {}
+
+
 def check_layout(root) -> list[str]:
     """The names this hook relies on (as in vLLM 0.26.0) that the model lacks, empty if none.
 
@@ -807,6 +846,9 @@ class VllmCapture:
                     lse_np = _np(lse)
                     if lse_np.shape[0] != b and lse_np.ndim == 2 and lse_np.shape[1] == b:
                         lse_np = lse_np.T.copy()          # head-major [N, B]
+                    elif lse_np.ndim == 3 and lse_np.shape[0] * lse_np.shape[2] == b:
+                        # FlashMLA: [requests, N, q_len] (a request's q_len tokens decoded at once)
+                        lse_np = lse_np.transpose(0, 2, 1).copy()
                     self.put(n, "lse", lse_np.reshape(b, -1))
             return res
         return wrapped
@@ -1185,7 +1227,7 @@ def arm(model_or_worker, **kwargs) -> str:
 
 def finish(model_or_worker=None, *, dump_path, weights_path=None, num_tokens=None,
            expect_tokens=None, weight_sites: bool = True, model_path=None,
-           engine_info: dict | None = None) -> dict:
+           engine_info: dict | None = None, patches: list[tuple[str, str]] | None = None) -> dict:
     """Hooks off; write this rank's dump (and weights). Returns paths and a summary.
 
     With `model_path` (the GGUF the engine loaded) and one rank: every recorded step in format 2
@@ -1206,7 +1248,8 @@ def finish(model_or_worker=None, *, dump_path, weights_path=None, num_tokens=Non
             if got is None or got[:len(exp)].tolist() != exp:
                 raise RuntimeError(f"captured prefill tokens {None if got is None else got.tolist()} "
                                    f"are not the expected {exp} (prefix caching on? request order?)")
-        cap.write_format2(dp, model_path=model_path, engine=engine_info)
+        cap.write_format2(dp, model_path=model_path, engine=engine_info or backend_names(cap.root),
+                          patches=patches)
     else:
         cap.write_dump(dp, num_tokens=num_tokens, expect_tokens=expect_tokens,
                        weight_sites=weight_sites)
@@ -1312,6 +1355,45 @@ def merge_weight_files(paths, out_path) -> Path:
 # command line: run vLLM's LLM end to end (needs a GPU; on a CPU use scripts/vllm_cpu.py)
 # --------------------------------------------------------------------------------------------
 
+# (name, reason) of the one change --zero-unloaded makes to vLLM's behaviour (recorded in the dump)
+ZERO_UNLOADED = ("zero-unloaded-weights",
+                 "a linear layer whose GGUF weight the loader never filled gets an all-zero weight "
+                 "in the model dtype (UnquantizedLinearMethod) instead of an empty GGUF parameter, so "
+                 "vLLM loads and runs and the dump shows what a never-loaded weight computes")
+
+
+def zero_unloaded(applied: list) -> None:
+    """Patches vllm-gguf-plugin's process_weights_after_loading, in this process: every linear
+    layer whose GGUF parameter the loader never filled (an empty `qweight`) gets an all-zero
+    weight in the model dtype, and is named on stderr. Without it vLLM 0.26.0 stops at load on
+    such a model (MLAAttention.process_weights_after_loading: `size mismatch, ..., vec (0)`)."""
+    import torch
+    import vllm_gguf_plugin.loader as gl
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    orig = gl.process_weights_after_loading
+
+    def process_weights_after_loading(model, model_config, target_device):
+        bad = []
+        for name, mod in model.named_modules():
+            q = getattr(mod, "qweight", None)
+            if q is not None and (isinstance(q, torch.nn.parameter.UninitializedParameter) or q.numel() == 0):
+                bad.append((name, mod))
+        if bad:
+            print("dump_vllm: linear layers the GGUF loader never filled: "
+                  + ", ".join(n for n, _ in bad), file=sys.stderr)
+            for _, mod in bad:
+                for attr in ("qweight", "qweight_type"):
+                    mod._parameters.pop(attr, None)
+                mod.quant_method = UnquantizedLinearMethod()
+                mod.weight = torch.nn.Parameter(torch.zeros(
+                    int(mod.output_size_per_partition), int(mod.input_size_per_partition),
+                    dtype=model_config.dtype, device=target_device), requires_grad=False)
+            applied.append(ZERO_UNLOADED)
+            applied.append(("zeroed", ", ".join(n for n, _ in bad)))
+        return orig(model, model_config, target_device)
+    gl.process_weights_after_loading = process_weights_after_loading
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="model path or name for vllm.LLM (a HF folder or a .gguf, which "
@@ -1327,6 +1409,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="vllm dtype (default auto)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer (default: none is loaded; the "
                     "prompt is token ids)")
+    ap.add_argument("--attention-backend", default=None, help="vLLM attention backend for the "
+                    "decode (e.g. FLASHMLA, TRITON_MLA; default: vLLM's choice)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="vllm max_model_len (a small "
+                    "value keeps the KV cache small)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="vllm gpu_memory_utilization")
+    ap.add_argument("--zero-unloaded", action="store_true", help="give a linear layer the GGUF "
+                    "loader never filled an all-zero weight so vLLM runs (recorded in the dump as a "
+                    "patch); runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     ap.add_argument("--no-weight-sites", action="store_true", help="leave w.* sites out of the dump")
     ap.add_argument("--force", action="store_true", help="overwrite existing outputs")
     args = ap.parse_args()
@@ -1338,6 +1429,10 @@ def main() -> None:
     os.environ["PYTHONPATH"] = str(HERE) + (os.pathsep + os.environ["PYTHONPATH"]
                                             if os.environ.get("PYTHONPATH") else "")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    applied: list[tuple[str, str]] = []
+    if args.zero_unloaded:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the patch must be in the engine's process
+        zero_unloaded(applied)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -1349,17 +1444,23 @@ def main() -> None:
         kw["skip_tokenizer_init"] = True
     if args.hf_config_path:
         kw["hf_config_path"] = args.hf_config_path
+    if args.attention_backend:
+        kw["attention_backend"] = args.attention_backend
+    if args.max_model_len:
+        kw["max_model_len"] = args.max_model_len
+    if args.gpu_memory_utilization:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     gguf = args.model.endswith(".gguf") and Path(args.model).is_file()
     if args.decode_steps and (not gguf or args.tp > 1):
         raise SystemExit("--decode-steps needs a local .gguf and --tp 1 (format 2)")
     llm = LLM(**kw)
     print(llm.apply_model(functools.partial(arm, steps=1 + args.decode_steps)))
     llm.generate([TokensPrompt(prompt_token_ids=ids)],
-                 SamplingParams(max_tokens=1 + args.decode_steps, temperature=0.0))
+                 SamplingParams(max_tokens=1 + args.decode_steps, temperature=0.0, ignore_eos=True))
     dump_tmp = args.dump if args.tp == 1 else args.dump.with_name(args.dump.stem + ".part" + args.dump.suffix)
     res = llm.apply_model(functools.partial(
         finish, dump_path=str(dump_tmp), weights_path=None if args.weights is None else str(args.weights),
-        expect_tokens=ids, weight_sites=not args.no_weight_sites,
+        expect_tokens=ids, weight_sites=not args.no_weight_sites, patches=applied or None,
         model_path=str(Path(args.model).resolve()) if gguf and args.tp == 1 else None))
     if args.tp > 1:
         merge_rank_dumps([r["dump"] for r in res], args.dump)

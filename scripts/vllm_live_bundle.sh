@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Makes the wheel bundle that scripts/vllm_live_gpu.sh installs on a GPU machine without network:
+# vLLM 0.26.0, vllm-gguf-plugin 0.0.5 and the packages vLLM imports on the offline-engine path
+# that a machine with torch 2.11 (cu130), triton 3.6, transformers 5.x and the usual scientific
+# stack lacks, as cp312 manylinux wheels, packed as a zstd tar cut into parts of 27 MiB.
+#
+# The vLLM wheel is slimmed before packing (it is 290 MiB): FA2's extension (305 MB unpacked; on
+# sm_90 vLLM's MLA prefill uses FA3), the Rust HTTP frontend binary, an sm_100-only attention
+# library and the deep_gemm builds for other Pythons are left out, its RECORD rewritten to match,
+# and its members stored uncompressed so that the outer zstd compresses them.
+#
+# Usage: bash scripts/vllm_live_bundle.sh OUTDIR   (needs pip with network to PyPI, python3, zstd)
+# Writes OUTDIR/wheels/*.whl, OUTDIR/bundle.tar.zst and OUTDIR/parts/{bundle.tar.zst.NN,SHA256SUMS}.
+# Carry the parts with `scripts/vllm_live_gpu.sh receive` (one or two per call).
+set -eu
+out=${1:?usage: vllm_live_bundle.sh OUTDIR}
+mkdir -p "$out/wheels" "$out/parts"
+# Exact versions; why each is needed is in the README ("Debugging a vLLM deployment").
+WHEELS=(
+  vllm==0.26.0 vllm-gguf-plugin==0.0.5 gguf==0.19.0 flashinfer-python==0.6.14
+  apache-tvm-ffi==0.1.10 llguidance==1.7.6 xgrammar==0.2.7 openai-harmony==0.0.8 openai==2.54.0
+  pydantic==2.13.4 pydantic-core==2.46.4 typing-inspection==0.4.2 annotated-types==0.8.0
+  compressed-tensors==0.17.0 loguru==0.7.3 pyzmq==27.3.0 msgspec==0.23.0 cbor2==6.3.0
+  pybase64==1.5.1 jiter==0.19.0 fastapi==0.136.3 starlette==1.10.0 partial-json-parser==0.2.1.1.post7
+  cachetools==8.0.2 distro==1.9.0 sniffio==1.3.1
+)
+python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --abi cp312 --abi abi3 --abi none --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --dest "$out/download" "${WHEELS[@]}"
+cp "$out"/download/*.whl "$out/wheels/"
+whl=$(ls "$out"/download/vllm-0.26.0-*.whl)
+python3 - "$whl" "$out/wheels/$(basename "$whl")" <<'EOF'
+import csv, fnmatch, io, sys, zipfile
+src, dst = sys.argv[1], sys.argv[2]
+drop_globs = ["vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm-rs", "vllm/third_party/fmha_sm100/*",
+              "vllm/third_party/deep_gemm/_C.cpython-310-*", "vllm/third_party/deep_gemm/_C.cpython-311-*",
+              "vllm/third_party/deep_gemm/_C.cpython-313-*", "vllm/third_party/deep_gemm/_C.cpython-314-*"]
+zin = zipfile.ZipFile(src)
+drop = {n for n in zin.namelist() if any(fnmatch.fnmatchcase(n, g) for g in drop_globs)}
+with zipfile.ZipFile(dst, "w", compression=zipfile.ZIP_STORED) as zout:
+    for info in zin.infolist():
+        if info.filename in drop:
+            continue
+        data = zin.read(info.filename)
+        if info.filename.endswith(".dist-info/RECORD"):
+            rows = [r for r in csv.reader(io.StringIO(data.decode())) if r and r[0] not in drop]
+            buf = io.StringIO()
+            csv.writer(buf, lineterminator="\n").writerows(rows)
+            data = buf.getvalue().encode()
+        zi = zipfile.ZipInfo(info.filename, date_time=info.date_time)
+        zi.external_attr = info.external_attr
+        zout.writestr(zi, data)
+print(f"vllm_live_bundle: {dst}: {len(drop)} members left out")
+EOF
+tar -C "$out" -cf "$out/bundle.tar" wheels
+zstd -q -f --long=27 -19 -T0 "$out/bundle.tar" -o "$out/bundle.tar.zst"
+rm -f "$out"/parts/bundle.tar.zst.*
+split -b 27M -d -a 2 "$out/bundle.tar.zst" "$out/parts/bundle.tar.zst."
+(cd "$out/parts" && sha256sum bundle.tar.zst.* && (cd .. && sha256sum bundle.tar.zst)) > "$out/parts/SHA256SUMS.tmp"
+mv "$out/parts/SHA256SUMS.tmp" "$out/parts/SHA256SUMS"
+ls -l "$out/parts"

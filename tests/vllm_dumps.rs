@@ -27,7 +27,7 @@ fn every_committed_vllm_dump_keeps_its_verdict() {
     let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.contains(".vllm"))
+        .filter(|n| n.contains(".vllm") && !n.contains(".vllm-live"))
         .collect();
     on_disk.sort();
     let mut listed: Vec<String> = CASES.iter().map(|c| c.0.to_string()).collect();
@@ -97,4 +97,117 @@ fn a_vllm_dump_against_another_model_is_refused() {
         err.contains("header.model.index_sha256") && err.contains("tiny-v3-q8_0.gguf"),
         "{err}"
     );
+}
+
+/// A committed dump of the live engine (`vllm.LLM` on an H200, `scripts/vllm_live_gpu.sh`): file,
+/// model, exit code, decode backend, the prefill step's attention site (`L0.lse` when the
+/// backend decoded the prompt through forward_mqa, `L0.k_nope` when FA3's forward_mha ran it),
+/// finding `(class, site)` or none. The dumps hold the activation sites only (the weight
+/// sites and loaded weights left out to keep them small), except the split model's `L0.w.kv_b`.
+type LiveCase = (
+    &'static str,
+    &'static str,
+    i32,
+    &'static str,
+    &'static str,
+    Option<(&'static str, &'static str)>,
+);
+
+const LIVE: &[LiveCase] = &[
+    // FlashMLA decodes the 20-token prompt too (vLLM sends short prompts to forward_mqa): its lse
+    // comes as [requests, N, q_len] and the hook makes it token-major.
+    (
+        "fa3-v3-bf16.vllm-live-flashmla.safetensors",
+        "fa3-v3-bf16.gguf",
+        0,
+        "FLASHMLA",
+        "L0.lse",
+        None,
+    ),
+    // Triton MLA decodes one token at a time; the prompt goes through FA3 (forward_mha).
+    (
+        "fa3-v3-bf16.vllm-live-triton-mla.safetensors",
+        "fa3-v3-bf16.gguf",
+        0,
+        "TRITON_MLA",
+        "L0.k_nope",
+        None,
+    ),
+    // Split attn_k_b/attn_v_b: vllm-gguf-plugin 0.0.5 never loads kv_b_proj (vLLM stops at load);
+    // dump_vllm.py --zero-unloaded gives it zeros so the engine runs, and compare names it.
+    (
+        "fa3-v3-split.vllm-live-unloaded.safetensors",
+        "fa3-v3-split.gguf",
+        1,
+        "FLASHMLA",
+        "L0.lse",
+        Some(("weight-not-loaded", "L0.w.kv_b")),
+    ),
+];
+
+#[test]
+fn every_committed_live_vllm_dump_keeps_its_verdict() {
+    let dir = repo().join("golden/dumps");
+    let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".vllm-live"))
+        .collect();
+    on_disk.sort();
+    let mut listed: Vec<String> = LIVE.iter().map(|c| c.0.to_string()).collect();
+    listed.sort();
+    assert_eq!(on_disk, listed, "every committed live vLLM dump is a case here");
+    for &(dump, model, want, backend, prefill_site, finding) in LIVE {
+        let (code, out, err, doc) = compare_json(&repo().join("golden/models").join(model), &dir.join(dump), &[]);
+        assert_eq!(code, want, "{dump}: {out}\n{err}");
+        assert_eq!(doc["dump"]["engine"], "vllm 0.26.0", "{dump}");
+        assert_eq!(doc["dump"]["metadata"]["format"], "mla-diff dump 2", "{dump}");
+        assert_eq!(doc["dump"]["metadata"]["attention_backend"], backend, "{dump}");
+        // bf16 activations: judged with the bf16 engine rows.
+        assert_eq!(doc["run"]["dtype"], "bf16", "{dump}");
+        let sites = doc["sites"].as_array().unwrap();
+        let status = |step: &str, site: &str| -> String {
+            sites
+                .iter()
+                .find(|s| s["step"] == step && s["site"] == site)
+                .unwrap_or_else(|| panic!("{dump}: {step} {site} not judged"))["status"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        };
+        for step in ["decode-1", "decode-2", "decode-3"] {
+            for site in [
+                "L0.ql_nope",
+                "L0.attn_latent",
+                "L0.lse",
+                "L1.lse",
+                "L1.attn_out",
+                "L1.hidden_out",
+            ] {
+                let st = status(step, site);
+                if want == 0 {
+                    assert_eq!(st, "pass", "{dump}: {step} {site}");
+                }
+            }
+        }
+        let st = status("prefill", prefill_site);
+        if want == 0 {
+            assert_eq!(st, "pass", "{dump}: prefill {prefill_site}");
+            assert!(doc["findings"].as_array().unwrap().is_empty(), "{dump}");
+        }
+        if let Some((class, site)) = finding {
+            assert_eq!(doc["findings"][0]["class"], class, "{dump}");
+            assert_eq!(doc["findings"][0]["site"], site, "{dump}");
+            let conv: Vec<&str> = doc["dump"]["conversions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|c| c.as_str())
+                .collect();
+            assert!(
+                conv.iter().any(|c| c.contains("zero-unloaded-weights")),
+                "{dump}: {conv:?}"
+            );
+        }
+    }
 }

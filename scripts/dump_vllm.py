@@ -5,7 +5,8 @@ STATUS: tested with vLLM 0.26.0 (TESTED_VLLM), on the CPU: scripts/vllm_cpu.py r
 DeepseekV3ForCausalLM (GGUF through vllm-gguf-plugin 0.0.5, prefill through a torch SDPA prefill
 backend, decode through TritonMLAImpl's Triton kernel under TRITON_INTERPRET=1, float32) with
 these hooks, and `mla-diff compare` passes its dump of golden/models/legacy-kvb-f32.gguf. The
-`LLM` path below (GPU, a worker process) is not yet run. scripts/test_dump_vllm.py checks the
+`LLM` path below (GPU, a worker process) runs on vLLM 0.26.0's live engine on an H200
+(scripts/vllm_live_gpu.sh: FLASHMLA and TRITON_MLA decode, FA3 prefill, bf16). scripts/test_dump_vllm.py checks the
 same code on a plain-torch mock of 0.26.0's module tree (CI installs no vLLM). On another vLLM
 version, VllmCapture checks the names it relies on (check_layout) and says, on stderr and in the
 dump's notes, that it was tested with 0.26.0 and which names it could not find.

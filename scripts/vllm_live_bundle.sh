@@ -15,7 +15,12 @@
 set -eu
 out=${1:?usage: vllm_live_bundle.sh OUTDIR}
 mkdir -p "$out/wheels" "$out/parts"
-# Exact versions; why each is needed is in the README ("Debugging a vLLM deployment").
+# Exact versions: vLLM, its GGUF plugin and gguf, flashinfer (vLLM's sampler imports it at engine
+# start), xgrammar/llguidance and their tvm-ffi (vllm.v1.request imports the structured-output
+# backends), openai/openai-harmony/fastapi/starlette (imported by vllm.entrypoints.llm),
+# pydantic and its core, compressed-tensors and loguru (imported for every quantization method,
+# GGUF included), pyzmq/msgspec/cbor2/pybase64 (engine-core messaging and hashing), and the small
+# pure-Python rest of that import closure.
 WHEELS=(
   vllm==0.26.0 vllm-gguf-plugin==0.0.5 gguf==0.19.0 flashinfer-python==0.6.14
   apache-tvm-ffi==0.1.10 llguidance==1.7.6 xgrammar==0.2.7 openai-harmony==0.0.8 openai==2.54.0

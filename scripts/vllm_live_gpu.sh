@@ -25,14 +25,16 @@
 # split model's exits 1), 1 otherwise, 2 for a usage error.
 #
 # Environment: STAGE (default /tmp/vllm-live), PYTHON (default python3), MLA_DIFF_BIN (default
-# .gpu/mla-diff), MODEL and CONFIG_DIR (default golden/models/fa3-v3-bf16.gguf and the folder
+# .gpu/mla-diff, else target/release/mla-diff), MODEL and CONFIG_DIR (default golden/models/fa3-v3-bf16.gguf and the folder
 # golden/models/fa3-v3 holding its config.json), SPLIT_MODEL (default
 # golden/models/fa3-v3-split.gguf, same config), BACKENDS (default "FLASHMLA TRITON_MLA"),
-# TOKENS (comma-separated prompt ids), DECODE_STEPS (default 3).
+# TOKENS (comma-separated prompt ids), DECODE_STEPS (default 3), VLLM_TIMEOUT (seconds per vLLM
+# run, default 600).
 set -u
 STAGE=${STAGE:-/tmp/vllm-live}
 PY=${PYTHON:-python3}
 BIN=${MLA_DIFF_BIN:-.gpu/mla-diff}
+[[ -x $BIN || -n ${MLA_DIFF_BIN:-} ]] || BIN=target/release/mla-diff
 MODEL=${MODEL:-golden/models/fa3-v3-bf16.gguf}
 CONFIG_DIR=${CONFIG_DIR:-golden/models/fa3-v3}
 SPLIT_MODEL=${SPLIT_MODEL:-golden/models/fa3-v3-split.gguf}
@@ -61,7 +63,8 @@ status() {
 
 case ${1:-} in
   receive)
-    src=${2:?receive needs the folder of carried parts}
+    src=${2:-}
+    [[ -d $src ]] || { echo "vllm_live: receive needs the folder of carried parts"; exit 2; }
     cp -f "$src"/SHA256SUMS "$STAGE/parts/" 2>/dev/null
     # A zstd binary (and its libraries) may travel with the first part, for a machine without one.
     if [[ -x $src/zstd ]]; then
@@ -109,9 +112,10 @@ EOF
     exit $?
     ;;
   run)
-    out=${2:?run needs an output folder}
+    out=${2:-}
+    [[ -n $out ]] || { echo "vllm_live: run needs an output folder"; exit 2; }
+    [[ -x $BIN ]] || { echo "vllm_live: no mla-diff binary at $BIN (set MLA_DIFF_BIN)"; exit 2; }
     mkdir -p "$out"
-    [[ -x $BIN ]] || { echo "vllm_live: no mla-diff binary at $BIN"; exit 2; }
     rc=0
     one() {  # one NAME MODEL BACKEND WANT [EXTRA dump_vllm.py ARGS]
       local name=$1 model=$2 backend=$3 want=$4
@@ -147,7 +151,7 @@ EOF
     exit $rc
     ;;
   *)
-    sed -n '2,30p' "$0"
+    sed -n '2,32p' "$0"
     exit 2
     ;;
 esac

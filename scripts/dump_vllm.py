@@ -1075,7 +1075,8 @@ class VllmCapture:
 
     def write_format2(self, path, *, model_path, step_names: list[str] | None = None,
                       engine: dict | None = None, patches: list[tuple[str, str]] | None = None,
-                      weights: bool = True, extra_meta: dict[str, str] | None = None) -> Path:
+                      weights: bool = True, extra_meta: dict[str, str] | None = None,
+                      weight_sites: bool = True) -> Path:
         """Every recorded step in one file, docs/dump-format.md's format 2.
 
         Tensors s{k}.L{n}.{stage} (weight sites w.* in step 0 only), s{k}.tokens,
@@ -1094,7 +1095,7 @@ class VllmCapture:
         specs, notes, dtypes = [], [], set()
         done_per_seq: list[int] | None = None
         for k in range(len(self.steps)):
-            t, meta = self.result(step=k, weight_sites=(k == 0), lse_natural=False)
+            t, meta = self.result(step=k, weight_sites=weight_sites and k == 0, lse_natural=False)
             dtypes.add(meta["dtype"])
             pos = t.get("positions")
             n_rows = next(a.shape[0] for name, a in t.items()
@@ -1250,7 +1251,7 @@ def finish(model_or_worker=None, *, dump_path, weights_path=None, num_tokens=Non
                 raise RuntimeError(f"captured prefill tokens {None if got is None else got.tolist()} "
                                    f"are not the expected {exp} (prefix caching on? request order?)")
         cap.write_format2(dp, model_path=model_path, engine=engine_info or backend_names(cap.root),
-                          patches=patches)
+                          patches=patches, weight_sites=weight_sites)
     else:
         cap.write_dump(dp, num_tokens=num_tokens, expect_tokens=expect_tokens,
                        weight_sites=weight_sites)

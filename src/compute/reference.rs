@@ -95,7 +95,7 @@ where
         let rhs = faer::MatRef::from_column_major_slice(wb.as_slice().unwrap_or(&[]), k, cols);
         let mut out = vec![0f64; t * cols];
         let dst = faer::MatMut::from_row_major_slice_mut(&mut out, t, cols);
-        faer::linalg::matmul::matmul(dst, faer::Accum::Replace, lhs, rhs, 1.0, faer::Par::Seq);
+        matmul(dst, faer::Accum::Replace, lhs, rhs);
         for (mut row, src) in yb.rows_mut().into_iter().zip(out.chunks_exact(cols.max(1))) {
             row.iter_mut().zip(src).for_each(|(d, &s)| *d = s);
         }
@@ -126,7 +126,32 @@ fn gemm_view(a: ArrayView2<f64>, b: ArrayView2<f64>, mut c: ArrayViewMut2<f64>, 
     } else {
         faer::Accum::Replace
     };
+    matmul(dst, accum, lhs, rhs);
+}
+
+/// One sequential faer GEMM, `dst = lhs·rhs` or `dst += lhs·rhs`, followed by
+/// [`clear_upper_ymm`].
+fn matmul(dst: faer::MatMut<f64>, accum: faer::Accum, lhs: faer::MatRef<f64>, rhs: faer::MatRef<f64>) {
     faer::linalg::matmul::matmul(dst, accum, lhs, rhs, 1.0, faer::Par::Seq);
+    clear_upper_ymm();
+}
+
+/// Zeroes the upper halves of the YMM registers (`vzeroupper`) where the processor has AVX.
+///
+/// faer's x86 GEMM kernels return with those halves dirty. Until something clears them, every
+/// legacy-SSE instruction on that thread (this crate's baseline code, glibc's `exp`) pays the
+/// AVX–SSE transition penalty: the reference's softmax ran about 10× slower per `exp` after a
+/// GEMM on the machine of BENCHMARKS.md's P8 (1.2 s of its 2.3 s attention). The lower halves,
+/// where SSE code keeps its values, are untouched, so no value changes.
+#[inline]
+fn clear_upper_ymm() {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") {
+        // SAFETY: the processor has AVX (checked), so `vzeroupper` exists; it writes only the
+        // upper 128 bits of YMM registers, which code compiled for this crate's baseline target
+        // never holds a value in.
+        unsafe { std::arch::asm!("vzeroupper", options(nomem, nostack, preserves_flags)) };
+    }
 }
 
 /// RMSNorm over the last dim: `x / sqrt(mean(x²) + eps) · g`.

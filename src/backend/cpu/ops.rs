@@ -115,20 +115,54 @@ pub fn bmm_heads(x: &[f32], t: usize, nh: usize, a: usize, w: &[f32], b: usize) 
     out
 }
 
+/// Output columns accumulated in registers at once by [`bmm_heads`] (for two tokens: 8 AVX
+/// registers of sums, each `w` row segment loaded once for both) and by the P·V sums of
+/// [`flash_attention`]; the plain loops stored every partial sum back to memory, one store per
+/// 8 multiply-adds.
+const BMM_COLS: usize = 32;
+
 /// One work item of [`bmm_heads`]: the output rows `rows` [nt, nh, B] of tokens `t0..t0+nt`.
+///
+/// Each output element is `0 + x[0]·w[0] + x[1]·w[1] + …` in `a` order, whatever the blocking.
 #[inline(always)]
 fn bmm_tile(x: &[f32], t0: usize, nh: usize, a: usize, w: &[f32], b: usize, rows: &mut [f32]) {
     let nt = rows.len() / (nh * b).max(1);
-    rows.iter_mut().for_each(|v| *v = 0.0);
+    let full = b - b % BMM_COLS;
+    // One block of columns of a head's W, [A, BMM_COLS] contiguous: read in order by every token
+    // of the tile (W's rows are B apart, which the loads would otherwise stride across).
+    let mut wc = vec![[0f32; BMM_COLS]; a];
     for h in 0..nh {
         let wh = &w[h * a * b..(h + 1) * a * b];
-        for (ai, wrow) in wh.chunks_exact(b.max(1)).enumerate().take(a) {
-            for ti in 0..nt {
-                let xv = x[((t0 + ti) * nh + h) * a + ai];
-                let o = &mut rows[(ti * nh + h) * b..(ti * nh + h + 1) * b];
-                for (v, &wv) in o.iter_mut().zip(wrow) {
-                    *v += xv * wv;
+        let xrow = |ti: usize| &x[((t0 + ti) * nh + h) * a..][..a];
+        for b0 in (0..full).step_by(BMM_COLS) {
+            for (ai, c) in wc.iter_mut().enumerate() {
+                c.copy_from_slice(&wh[ai * b + b0..][..BMM_COLS]);
+            }
+            for ti in (0..nt).step_by(2) {
+                let pair = ti + 1 < nt;
+                let (x0, x1) = (xrow(ti), xrow(if pair { ti + 1 } else { ti }));
+                let mut acc = [[0f32; BMM_COLS]; 2];
+                for ((wr, &u0), &u1) in wc.iter().zip(x0).zip(x1) {
+                    for j in 0..BMM_COLS {
+                        acc[0][j] += u0 * wr[j];
+                        acc[1][j] += u1 * wr[j];
+                    }
                 }
+                rows[(ti * nh + h) * b + b0..][..BMM_COLS].copy_from_slice(&acc[0]);
+                if pair {
+                    rows[((ti + 1) * nh + h) * b + b0..][..BMM_COLS].copy_from_slice(&acc[1]);
+                }
+            }
+        }
+        // The columns past the last whole block, one at a time.
+        for ti in 0..nt {
+            let xr = xrow(ti);
+            for bi in full..b {
+                let mut sum = 0f32;
+                for (ai, &u) in xr.iter().enumerate() {
+                    sum += u * wh[ai * b + bi];
+                }
+                rows[(ti * nh + h) * b + bi] = sum;
             }
         }
     }
@@ -240,6 +274,30 @@ pub fn flash_attention(
     }
 }
 
+/// `acc[d] += p[j] · v[at[j] + d]` for `j` ascending, for every `d`: each element receives the
+/// plain loop's products in the same order (the same bits), while [`BMM_COLS`] of them stay in
+/// registers as every row streams past (the plain loop stored each partial sum back to memory).
+#[inline(always)]
+fn add_weighted_rows(acc: &mut [f32], v: &[f32], p: &[f32], at: &[usize]) {
+    let dv = acc.len();
+    let full = dv - dv % BMM_COLS;
+    for d0 in (0..full).step_by(BMM_COLS) {
+        let mut sum: [f32; BMM_COLS] = acc[d0..d0 + BMM_COLS].try_into().expect("BMM_COLS wide");
+        for (&pj, &o) in p.iter().zip(at) {
+            let vr: &[f32; BMM_COLS] = v[o + d0..][..BMM_COLS].try_into().expect("BMM_COLS wide");
+            for j in 0..BMM_COLS {
+                sum[j] += pj * vr[j];
+            }
+        }
+        acc[d0..d0 + BMM_COLS].copy_from_slice(&sum);
+    }
+    for (d, x) in acc.iter_mut().enumerate().skip(full) {
+        for (&pj, &o) in p.iter().zip(at) {
+            *x += pj * v[o + d];
+        }
+    }
+}
+
 /// The inputs of one (segment, head, query tile) work item of [`flash_attention`].
 struct FlashTile<'a> {
     q: &'a [f32],
@@ -278,6 +336,8 @@ fn flash_tile(a: &FlashTile<'_>) -> (Vec<f32>, Vec<Option<f32>>) {
     let mut l = vec![0f32; rows];
     let mut acc = vec![0f32; rows * dv];
     let mut s = vec![0f32; tile];
+    // The visible keys of one row in a key tile: their weights and where their v rows start.
+    let (mut p, mut at) = ([0f32; TILE], [0usize; TILE]);
     let q_t = transpose_lanes(q, rows, dqk, |r| ((sg.q_off + qt + r) * n_head + h) * dqk);
     let mut dots = vec![[0f32; LANES]; tile];
     for kt in (0..sg.k_len).step_by(tile) {
@@ -306,17 +366,17 @@ fn flash_tile(a: &FlashTile<'_>) -> (Vec<f32>, Vec<Option<f32>>) {
                 }
             }
             let mut psum = 0f32;
+            let mut live = 0;
             for c in 0..cols {
                 if s[c] == f32::NEG_INFINITY {
                     continue;
                 }
                 let pc = (s[c] - m_new).exp();
                 psum += pc;
-                let vrow = &v[((sg.k_off + kt + c) * n_head + h) * dv..][..dv];
-                for d in 0..dv {
-                    a[d] += pc * vrow[d];
-                }
+                (p[live], at[live]) = (pc, ((sg.k_off + kt + c) * n_head + h) * dv);
+                live += 1;
             }
+            add_weighted_rows(a, v, &p[..live], &at[..live]);
             l[r] = l[r] * alpha + psum;
             m[r] = m_new;
         }
@@ -560,6 +620,28 @@ mod tests {
                 .count();
             assert_eq!(differ, 0, "{threads} threads: {differ} values differ in bits");
         }
+    }
+
+    #[test]
+    fn bmm_heads_has_the_bits_of_the_plain_loop_over_a() {
+        // B = 2·BMM_COLS + 7: whole register blocks and a remainder; T odd: a token without a pair.
+        let (t, nh, a, b) = (2 * BMM_TOKEN_TILE + 3, 3, 29, 2 * BMM_COLS + 7);
+        let x = normal_f32(58, t * nh * a);
+        let w = normal_f32(59, nh * a * b);
+        let mut plain = vec![0f32; t * nh * b];
+        for ti in 0..t {
+            for h in 0..nh {
+                for bi in 0..b {
+                    let mut sum = 0f32;
+                    for ai in 0..a {
+                        sum += x[(ti * nh + h) * a + ai] * w[(h * a + ai) * b + bi];
+                    }
+                    plain[(ti * nh + h) * b + bi] = sum;
+                }
+            }
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&bmm_heads(&x, t, nh, a, &w, b)), bits(&plain));
     }
 
     /// Naive softmax attention of one query row over visible keys, f64.

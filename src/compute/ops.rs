@@ -109,6 +109,12 @@ pub trait Ops {
         v.truncate(shape.iter().product());
         Ok(Some(v))
     }
+    /// [`Ops::keep_site`] of a buffer the path no longer reads: the host backend moves it into
+    /// the trace instead of copying it (a [T, N, L] site is 134 MB at DeepSeek-V3 size and
+    /// T = 512). The default keeps a copy as [`Ops::keep_site`] does.
+    fn keep_site_owned(&self, site: Site, shape: &[usize], b: Self::Buf) -> Result<Option<Vec<f32>>> {
+        self.keep_site(site, shape, &b)
+    }
     /// A new buffer of `n` canary values.
     fn canary(&self, n: usize) -> Result<Self::Buf>;
     /// Dequantizes `n` elements of raw GGUF bytes (whole blocks of `ty`).

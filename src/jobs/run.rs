@@ -299,6 +299,7 @@ fn run_inner(
             tensor_types = w.types.clone();
         }
         let bad = timing::stage("dequant", || w.nonfinite());
+        file.release_resident_pages();
         if !bad.is_empty() {
             let numel = |t: &str| file.tensor(t).map_or(0, |i| i.n_elements() as usize);
             findings.extend(diagnose::weight_nonfinite_findings(layer, &bad, numel));

@@ -13,6 +13,7 @@ use crate::compute::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, RopeStyle, Segment
 use crate::core::canary::canary_vec;
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
+use crate::core::trace::Site;
 use crate::model::gguf::{GgmlType, dequant};
 
 /// The CPU backend.
@@ -75,6 +76,10 @@ impl Ops for CpuOps {
 
     fn download(&self, b: &Vec<f32>) -> Result<Vec<f32>> {
         Ok(b.clone())
+    }
+    fn keep_site_owned(&self, _site: Site, shape: &[usize], mut b: Vec<f32>) -> Result<Option<Vec<f32>>> {
+        b.truncate(shape.iter().product());
+        Ok(Some(b))
     }
 
     fn canary(&self, n: usize) -> Result<Vec<f32>> {

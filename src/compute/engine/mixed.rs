@@ -77,9 +77,9 @@ pub(super) fn mixed_rank<O: Ops>(
                 .zip(&ctx)
                 .map(|((&row, &s), &c)| kept_slots(a, &cs, row, s, c))
                 .collect();
-            decode_rows_sparse(a, &cs, &qrow, &dec_rows, &slots, empty_rows)?
+            decode_rows_sparse(a, &cs, &qrow, 0, &dec_rows, &slots, empty_rows)?
         } else {
-            decode_rows(a, &cs, &qrow, &dec_rows, &dec_seqs, &ctx, empty_rows)?
+            decode_rows(a, &cs, &qrow, 0, &dec_rows, &dec_seqs, &ctx, empty_rows)?
         };
         let dec_out = ops.bmm_heads(&lat, n_dec, nh, l, &a.rw.w_uv, v)?;
         ops.copy2d(&dec_out, &mut step_out, cp(1, n_dec * nh * v, 0, 0, 0, 0))?;

@@ -75,6 +75,16 @@ fn rec<O: Ops>(ops: &O, tr: &mut Trace, layer: usize, stage: Stage, shape: &[usi
     Ok(())
 }
 
+/// [`rec`] of a buffer the path no longer reads ([`Ops::keep_site_owned`]: moved into the trace
+/// on the host).
+fn rec_owned<O: Ops>(ops: &O, tr: &mut Trace, layer: usize, stage: Stage, shape: &[usize], b: O::Buf) -> Result<()> {
+    let site = Site::new(layer, stage);
+    if let Some(v) = ops.keep_site_owned(site, shape, b)? {
+        tr.record(site, TraceTensor::f32(shape.to_vec(), v));
+    }
+    Ok(())
+}
+
 /// Records per-rank `[T, nh, X]` buffers at `stage` as one `[T, N, X]` site (`shape`): one rank's
 /// buffer through [`rec`], several reassembled on the host ([`reassemble`]).
 #[allow(clippy::too_many_arguments)]
@@ -189,7 +199,7 @@ pub fn run_paths<O: Ops>(
         return Err(Error::Usage("every sequence needs at least one token".into()));
     }
     let mut load_notes = Vec::new();
-    let ew = match crate::core::timing::stage("path weights", || {
+    let mut ew = match crate::core::timing::stage("path weights", || {
         EngineWeights::load(ops, input, opts, &mut load_notes)
     }) {
         Ok(ew) => ew,
@@ -210,6 +220,7 @@ pub fn run_paths<O: Ops>(
     // The prologue (projections, norms, RoPE) precedes the attention backend in an engine and
     // does not depend on it: it runs once and every path starts from its outputs.
     let pro = crate::core::timing::stage("prologue", || prologue(ops, input, &ew, opts))?;
+    ew.release_q_proj();
     for &kind in kinds {
         let r = crate::core::timing::stage(&format!("path {kind}"), || {
             run_loaded(ops, kind, input, opts, &ew, &pro, load_notes.clone())
@@ -261,13 +272,17 @@ fn run_loaded<O: Ops>(
     if tp > 1 {
         for (rank, rw) in ew.ranks.iter().enumerate() {
             let rk = rank as u32;
+            let q_proj = rw
+                .q_proj
+                .as_ref()
+                .ok_or_else(|| Error::Usage("engine: q_proj released under TP".into()))?;
             rec(
                 ops,
                 &mut tr,
                 layer,
                 Stage::WRank(RankedWeight::QProj, rk),
                 &[nh * (p + r), q_k],
-                &rw.q_proj,
+                q_proj,
             )?;
             // The absorbed path never holds kv_b itself (only W_UK_T / W_UV derived from it).
             if kind != PathKind::Mqa {
@@ -321,7 +336,7 @@ fn run_loaded<O: Ops>(
         cfg.softmax_scale as f32
     };
     let mut empty_rows = BTreeSet::new();
-    let mut outs = Vec::with_capacity(tp);
+    let mut outs: Vec<RankOut<O::Buf>> = Vec::with_capacity(tp);
     for (rank, rw) in ew.ranks.iter().enumerate() {
         let a = RankAttn {
             ops,
@@ -350,11 +365,23 @@ fn run_loaded<O: Ops>(
     if let Some(x) = pick(|o| o.v.as_ref()) {
         rec_heads(ops, &mut tr, layer, Stage::V, &[t, n, v], &x, nh, v)?;
     }
-    if let Some(x) = pick(|o| o.ql_nope.as_ref()) {
-        rec_heads(ops, &mut tr, layer, Stage::QlNope, &[t, n, l], &x, nh, l)?;
-    }
-    if let Some(x) = pick(|o| o.attn_latent.as_ref()) {
-        rec_heads(ops, &mut tr, layer, Stage::AttnLatent, &[t, n, l], &x, nh, l)?;
+    // Nothing reads ql_nope or attn_latent after the attention: one rank's buffers move into
+    // the trace, several ranks' are reassembled.
+    if let [one] = &mut outs[..] {
+        if let Some(x) = one.ql_nope.take() {
+            rec_owned(ops, &mut tr, layer, Stage::QlNope, &[t, n, l], x)?;
+        }
+        if let Some(x) = one.attn_latent.take() {
+            rec_owned(ops, &mut tr, layer, Stage::AttnLatent, &[t, n, l], x)?;
+        }
+    } else {
+        let pick = |f: fn(&RankOut<O::Buf>) -> Option<&O::Buf>| pick_all(&outs, f);
+        if let Some(x) = pick(|o| o.ql_nope.as_ref()) {
+            rec_heads(ops, &mut tr, layer, Stage::QlNope, &[t, n, l], &x, nh, l)?;
+        }
+        if let Some(x) = pick(|o| o.attn_latent.as_ref()) {
+            rec_heads(ops, &mut tr, layer, Stage::AttnLatent, &[t, n, l], &x, nh, l)?;
+        }
     }
     let lse: Vec<&O::Buf> = outs.iter().map(|o| &o.lse).collect();
     rec_heads(ops, &mut tr, layer, Stage::Lse, &[t, n], &lse, nh, 1)?;

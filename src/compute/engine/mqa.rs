@@ -4,12 +4,15 @@
 use super::*;
 
 /// Split-KV absorbed decode of query rows `rows` (packed) of sequences `seqs` with context
-/// lengths `ctx`: stage 1 writes `splits` partials, stage 2 merges them. Returns
-/// (latent [n, nh, L], lse [n, nh]) and records rows that merged an empty split.
+/// lengths `ctx`: stage 1 writes `splits` partials, stage 2 merges them. `qrow` holds the
+/// queries [rows, nh, L+R] of packed rows `q_first..`. Returns (latent [n, nh, L], lse [n, nh])
+/// and records rows that merged an empty split.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn decode_rows<O: Ops>(
     a: &RankAttn<'_, O>,
     cs: &CacheState<O::Buf>,
     qrow: &O::Buf,
+    q_first: usize,
     rows: &[usize],
     seqs: &[usize],
     ctx: &[usize],
@@ -18,7 +21,8 @@ pub(super) fn decode_rows<O: Ops>(
     let (l, r, nh) = (a.cfg.kv_lora_rank, a.cfg.qk_rope_head_dim, a.nh);
     let splits = a.opts.num_splits.max(1);
     let n = rows.len();
-    let q = a.ops.gather_rows(qrow, nh * (l + r), rows)?;
+    let local: Vec<usize> = rows.iter().map(|&row| row - q_first).collect();
+    let q = a.ops.gather_rows(qrow, nh * (l + r), &local)?;
     let tables: Vec<Vec<usize>> = seqs.iter().map(|&s| cs.tables[s].clone()).collect();
     let empty_lse = if a.opts.faults.has(Fault::LsePlusInf) {
         f32::INFINITY
@@ -54,6 +58,7 @@ pub(super) fn decode_rows_sparse<O: Ops>(
     a: &RankAttn<'_, O>,
     cs: &CacheState<O::Buf>,
     qrow: &O::Buf,
+    q_first: usize,
     rows: &[usize],
     slots: &[Vec<usize>],
     empty_rows: &mut BTreeSet<usize>,
@@ -77,7 +82,7 @@ pub(super) fn decode_rows_sparse<O: Ops>(
     };
     let idx: Vec<usize> = (0..rows.len()).collect();
     let ctx: Vec<usize> = slots.iter().map(Vec::len).collect();
-    decode_rows(a, &compact, qrow, rows, &idx, &ctx, empty_rows)
+    decode_rows(a, &compact, qrow, q_first, rows, &idx, &ctx, empty_rows)
 }
 
 /// The cache slots of the keys row `row` (sequence `seq`, first packed row `off`) keeps among
@@ -114,9 +119,6 @@ pub(super) fn mqa_rank<O: Ops>(
     let (l, r, v, nh) = (a.cfg.kv_lora_rank, a.cfg.qk_rope_head_dim, a.cfg.v_head_dim, a.nh);
     let ops = a.ops;
     let ql_nope = a.absorb_q(t)?;
-    let mut qrow = ops.canary(t * nh * (l + r))?;
-    ops.copy2d(&ql_nope, &mut qrow, cp(t * nh, l, 0, l, 0, l + r))?;
-    ops.copy2d(a.q_pe_roped, &mut qrow, cp(t * nh, r, 0, r, l, l + r))?;
     let mut cs = CacheState::new(ops, batch, a.cfg, a.opts)?;
     let mut attn_latent = ops.canary(t * nh * l)?;
     let mut lse = ops.canary(t * nh)?;
@@ -126,7 +128,8 @@ pub(super) fn mqa_rank<O: Ops>(
     // length, so it sees what a decode step at its position would, and the kernels compute each
     // row on its own (same splits, same order), so the values are those of T single-row steps,
     // in a few launches instead of T (4096 steps took 1.5 s of launches on an H200). Rows go in
-    // blocks of [`DECODE_ROWS`] so the split partials ([splits, rows, nh, L]) stay small.
+    // blocks of [`DECODE_ROWS`] so the split partials ([splits, rows, nh, L]) and the queries
+    // `[ql_nope | q_pe]` ([rows, nh, L+R]) stay small.
     let offsets = batch.offsets();
     let (mut rows, mut seqs, mut pos) = (Vec::with_capacity(t), Vec::with_capacity(t), Vec::with_capacity(t));
     for (s, (sq, off)) in batch.seqs.iter().zip(&offsets).enumerate() {
@@ -140,6 +143,11 @@ pub(super) fn mqa_rank<O: Ops>(
     for b in (0..rows.len()).step_by(DECODE_ROWS) {
         let e = (b + DECODE_ROWS).min(rows.len());
         let (rows, seqs, pos) = (&rows[b..e], &seqs[b..e], &pos[b..e]);
+        // The packed rows are 0..T in order, so this block's queries are rows b..e.
+        let n = e - b;
+        let mut qrow = ops.canary(n * nh * (l + r))?;
+        ops.copy2d(&ql_nope, &mut qrow, cp(n * nh, l, b * nh * l, l, 0, l + r))?;
+        ops.copy2d(a.q_pe_roped, &mut qrow, cp(n * nh, r, b * nh * r, r, l, l + r))?;
         let (lat, ls) = if a.sel.is_some() {
             let slots: Vec<Vec<usize>> = rows
                 .iter()
@@ -147,10 +155,10 @@ pub(super) fn mqa_rank<O: Ops>(
                 .zip(pos)
                 .map(|((&row, &s), &i)| kept_slots(a, &cs, row, s, i + 1))
                 .collect();
-            decode_rows_sparse(a, &cs, &qrow, rows, &slots, empty_rows)?
+            decode_rows_sparse(a, &cs, &qrow, b, rows, &slots, empty_rows)?
         } else {
             let ctx: Vec<usize> = pos.iter().map(|&i| i + 1).collect();
-            decode_rows(a, &cs, &qrow, rows, seqs, &ctx, empty_rows)?
+            decode_rows(a, &cs, &qrow, b, rows, seqs, &ctx, empty_rows)?
         };
         ops.scatter_rows(&mut attn_latent, &lat, nh * l, rows)?;
         ops.scatter_rows(&mut lse, &ls, nh, rows)?;

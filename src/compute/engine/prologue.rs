@@ -158,7 +158,13 @@ pub(super) fn prologue<O: Ops>(
     let q: Vec<O::Buf> = ew
         .ranks
         .iter()
-        .map(|rw| ops.linear(q_input, t, q_k, &rw.q_proj, nh * (p + r)))
+        .map(|rw| {
+            let w = rw
+                .q_proj
+                .as_ref()
+                .ok_or_else(|| Error::Usage("engine: q_proj released".into()))?;
+            ops.linear(q_input, t, q_k, w, nh * (p + r))
+        })
         .collect::<Result<_>>()?;
 
     // kv_c is a strided view of kv_a: rows of width L, row stride L+R.

@@ -6,8 +6,9 @@ use super::*;
 
 /// One TP rank's shards, as that rank's loader produced them.
 pub(super) struct RankWeights<B> {
-    /// `q_b_proj` / `q_proj` rows of this rank's heads, [nh·(P+R), Lq or H].
-    pub(super) q_proj: B,
+    /// `q_b_proj` / `q_proj` rows of this rank's heads, [nh·(P+R), Lq or H]; `None` once the
+    /// prologue no longer needs it ([`EngineWeights::release_q_proj`]).
+    pub(super) q_proj: Option<B>,
     /// `kv_b_proj` rows of this rank's heads, [nh·(P+V), L].
     pub(super) kv_b: B,
     /// `W_UK_T` of this rank's heads, [nh, P, L].
@@ -39,6 +40,16 @@ pub(super) struct EngineWeights<B> {
     pub(super) kv_a_norm: B,
     pub(super) ranks: Vec<RankWeights<B>>,
     pub(super) ffn: Option<Ffn<B>>,
+}
+
+impl<B> EngineWeights<B> {
+    /// Frees each rank's `q_proj` (151 MB of f32 for DeepSeek-V3's `q_b_proj`) once the shared
+    /// prologue has run, when no path records it again: only TP's per-rank weight sites do.
+    pub(super) fn release_q_proj(&mut self) {
+        if self.ranks.len() == 1 {
+            self.ranks.iter_mut().for_each(|rw| rw.q_proj = None);
+        }
+    }
 }
 
 /// Why the engine could not load its weights.
@@ -236,7 +247,7 @@ impl<B> EngineWeights<B> {
             })?;
             let o_proj = dq(ops, input, &o_raw)?;
             ranks.push(RankWeights {
-                q_proj,
+                q_proj: Some(q_proj),
                 kv_b,
                 w_uk_t,
                 w_uv,

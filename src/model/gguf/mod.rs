@@ -383,6 +383,21 @@ impl GgufFile {
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
 
+    /// Drops this process's resident pages of a memory-mapped file (`madvise(MADV_DONTNEED)`);
+    /// a later read faults them in again from the page cache, with the same bytes.
+    ///
+    /// A run calls it once a layer is dequantized: the layer's raw bytes (213 MB for a
+    /// DeepSeek-V3 attention layer) otherwise stay counted in the peak RSS although only TP
+    /// shards and device uploads read them again. A no-op for in-memory images; the advice is
+    /// best effort, so an error is ignored (the pages simply stay).
+    pub fn release_resident_pages(&self) {
+        if let Backing::Mmap(m) = &self.inner.backing {
+            // SAFETY: the mapping is a read-only map of a file, so discarding its pages loses no
+            // writes: the next access reads the file again, as the first one did.
+            let _ = unsafe { m.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+        }
+    }
+
     /// The path the file was opened from (or the embedded fixture's name).
     pub fn path(&self) -> &Path {
         &self.inner.path

@@ -153,24 +153,24 @@ where
             let mut s = Pass1::default();
             for i in k * CHUNK..((k + 1) * CHUNK).min(n) {
                 let (r, c): (f64, f64) = (rv[i].into(), cv[i].into());
-                if cand_f32.is_some_and(|cf| is_canary_like(cf[i])) {
-                    s.canary += 1;
-                }
                 let (rf, cf) = (r.is_finite(), c.is_finite());
-                s.nf_r += usize::from(!rf);
-                s.nf_c += usize::from(!cf);
-                if rf != cf {
-                    s.nf_mis += 1;
-                    s.first_mis.get_or_insert(i);
-                }
                 if rf && cf {
                     s.rr += r * r;
                     s.cc += c * c;
                     s.dd += (c - r) * (c - r);
                     s.rc += r * c;
-                    if c == 0.0 && r != 0.0 {
-                        s.zeros += 1;
-                    }
+                    s.zeros += usize::from(c == 0.0 && r != 0.0);
+                    continue;
+                }
+                // A canary is a NaN, so only a non-finite element can be one.
+                if cand_f32.is_some_and(|cf| is_canary_like(cf[i])) {
+                    s.canary += 1;
+                }
+                s.nf_r += usize::from(!rf);
+                s.nf_c += usize::from(!cf);
+                if rf != cf {
+                    s.nf_mis += 1;
+                    s.first_mis.get_or_insert(i);
                 }
             }
             s

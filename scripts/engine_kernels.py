@@ -1,0 +1,453 @@
+#!/usr/bin/env python3
+"""Run production MLA kernels on inputs exported by `mla-diff run --export-inputs` and write each
+kernel's outputs as a format-2 dump that `mla-diff compare` judges against the f64 reference.
+
+Kernels, each called through its own Python API, unmodified, loaded at run time:
+
+  flashmla    FlashMLA dense decode from vLLM's wheel (`vllm/_flashmla_C.abi3.so` with its interface
+              `vllm/third_party/flashmla/flash_mla_interface.py`): `get_mla_metadata` +
+              `flash_mla_with_kvcache`; bf16 only, page size 64, head dims 576/512.
+  triton-mla  vLLM's Triton MLA decode (`vllm/v1/attention/ops/triton_decode_attention.py`:
+              `decode_attention_fwd`, vLLM's split rule); its two vLLM imports (`vllm.platforms`,
+              `vllm.triton_utils`) are provided through `sys.modules`, the file itself is loaded as is.
+  flashinfer  FlashInfer `BatchMLAPagedAttentionWrapper` (flashinfer-python, JIT-compiled with nvcc on
+              first use); its LSE is base 2 unless asked otherwise, which the dump declares.
+
+`--vllm-root DIR` is a directory holding the `vllm/` files of the vLLM 0.26.0 wheel (or an installed
+site-packages). Outputs: `OUT/<kernel>.safetensors` with `s0.L<n>.hidden_in`, `s0.L<n>.attn_latent`
+[T, nh, L] and `s0.L<n>.lse` [T, nh] and a format-2 header completed from the export's
+`dump_header` (engine name and version, dtype, kernel precision, LSE base, head range).
+
+Faults (`--plant`), planted only through the arguments a caller passes or vLLM's own merge, never by
+editing an output:
+  block-table   the identity block table instead of the shuffled one the cache was written with
+  no-yarn       the softmax scale without YaRN's mscale² (1/sqrt(P+R))
+  lse-base2     (flashinfer) the context split in two at a page boundary, both halves run with
+                FlashInfer's default base-2 LSEs and merged by vLLM's natural-log `merge_attn_states`
+  phantom       (triton-mla) the kernel writes the caller's `o`; the caller returns another buffer
+
+`check` runs each kernel against a plain torch f64 attention on the same inputs (no mla-diff
+needed), a quick test of the calls on a new machine; `synth DIR` writes random inputs in the export
+layout for it.
+"""
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import types
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+KERNELS = ("flashmla", "triton-mla", "flashinfer")
+PLANTS = ("block-table", "no-yarn", "lse-base2", "phantom")
+
+
+def die(msg):
+    print(f"engine_kernels: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+
+
+class Inputs:
+    """`inputs.safetensors` of `mla-diff run --export-inputs` (see docs/dump-format.md)."""
+
+    def __init__(self, path, device):
+        if os.path.isdir(path):
+            path = os.path.join(path, "inputs.safetensors")
+        if not os.path.exists(path):
+            die(f"{path}: no such file (make it with `mla-diff run ... --export-inputs DIR`)")
+        with safe_open(path, framework="pt") as f:
+            self.meta = f.metadata() or {}
+            self.t = {k: f.get_tensor(k).to(device) for k in f.keys()}
+        if self.meta.get("format") != "mla-diff kernel inputs 1":
+            die(f"{path}: metadata `format` is {self.meta.get('format')!r}, not 'mla-diff kernel inputs 1'")
+        m = self.meta
+        self.path = path
+        self.scale = float(m["softmax_scale"])
+        self.page = int(m["page_size"])
+        self.layer = int(m["layer"])
+        self.L = int(m["kv_lora_rank"])
+        self.R = int(m["qk_rope_head_dim"])
+        self.P = int(m["qk_nope_head_dim"])
+        self.V = int(m["v_head_dim"])
+        a, b = (int(x) for x in m["heads"].split(","))
+        self.heads = (a, b)
+        self.header = json.loads(m["dump_header"])
+        for k in ("decode.q", "decode.kv_cache", "decode.block_table", "decode.cache_seqlens", "hidden_in"):
+            if k not in self.t:
+                die(f"{path}: tensor `{k}` missing")
+        self.q = self.t["decode.q"]  # [T, nh, L+R]
+        self.cache = self.t["decode.kv_cache"]  # [blocks, page, L+R]
+        self.table = self.t["decode.block_table"].to(torch.int32)  # [T, max_blocks]
+        self.seqlens = self.t["decode.cache_seqlens"].to(torch.int32)  # [T]
+        T, nh, w = self.q.shape
+        if w != self.L + self.R or self.cache.shape[1] != self.page or self.cache.shape[2] != w:
+            die(f"{path}: decode.q {tuple(self.q.shape)} / decode.kv_cache {tuple(self.cache.shape)} "
+                f"do not match L+R = {self.L + self.R}, page {self.page}")
+        self.T, self.nh = T, nh
+
+
+def synth(out_dir, tokens, heads, page, seed, L=512, R=64, P=128, V=128):
+    """Random inputs in the export layout (one sequence, shuffled pages), for `check` only."""
+    g = torch.Generator().manual_seed(seed)
+    T = tokens
+    q = torch.randn(T, heads, L + R, generator=g)
+    rows = torch.randn(T, L + R, generator=g)
+    blocks = -(-T // page)
+    perm = torch.randperm(blocks, generator=g)
+    cache = torch.zeros(blocks, page, L + R)
+    for i in range(T):
+        cache[perm[i // page], i % page] = rows[i]
+    table = perm.to(torch.int32).unsqueeze(0).repeat(T, 1)
+    seqlens = torch.arange(1, T + 1, dtype=torch.int32)
+    os.makedirs(out_dir, exist_ok=True)
+    meta = {
+        "format": "mla-diff kernel inputs 1",
+        "softmax_scale": repr((P + R) ** -0.5),
+        "page_size": str(page),
+        "n_head": str(heads),
+        "heads": f"0,{heads}",
+        "kv_lora_rank": str(L),
+        "qk_rope_head_dim": str(R),
+        "qk_nope_head_dim": str(P),
+        "v_head_dim": str(V),
+        "layer": "0",
+        "seqs": str(T),
+        "dump_header": json.dumps({"steps": [{"name": "kernel", "seqs": [{"new": T, "context": 0}]}]}),
+    }
+    save_file(
+        {
+            "hidden_in": torch.randn(T, 16, generator=g),
+            "decode.q": q,
+            "decode.kv_cache": cache,
+            "decode.block_table": table,
+            "decode.cache_seqlens": seqlens,
+        },
+        os.path.join(out_dir, "inputs.safetensors"),
+        metadata=meta,
+    )
+    print(f"engine_kernels: wrote {out_dir}/inputs.safetensors (T={T}, heads {heads}, page {page})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading the kernels from their packages
+# ---------------------------------------------------------------------------------------------
+
+
+def vllm_dir(root):
+    d = os.path.join(root, "vllm")
+    if not os.path.isdir(d):
+        die(f"--vllm-root {root}: no vllm/ directory there (unpack the vLLM wheel's vllm/ files into it)")
+    return d
+
+
+def load_file_module(name, path):
+    if not os.path.exists(path):
+        die(f"{path}: not found in the vLLM files")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def stub_vllm(root):
+    """`vllm`, `vllm.platforms` and `vllm.triton_utils` as the Triton files import them; `vllm`'s
+    path is the real package directory, so `import vllm._flashmla_C` loads the wheel's extension."""
+    import triton
+    import triton.language as tl
+
+    pkg = types.ModuleType("vllm")
+    pkg.__path__ = [vllm_dir(root)]
+    sys.modules.setdefault("vllm", pkg)
+    plat = types.ModuleType("vllm.platforms")
+
+    class _Platform:
+        @staticmethod
+        def is_rocm():
+            return False
+
+        @staticmethod
+        def is_cuda():
+            return True
+
+        @staticmethod
+        def fp8_dtype():
+            return torch.float8_e4m3fn
+
+    plat.current_platform = _Platform()
+    sys.modules["vllm.platforms"] = plat
+    tu = types.ModuleType("vllm.triton_utils")
+    tu.triton, tu.tl = triton, tl
+    sys.modules["vllm.triton_utils"] = tu
+
+
+def flashmla_module(root):
+    stub_vllm(root)
+    return load_file_module(
+        "flash_mla_interface", os.path.join(vllm_dir(root), "third_party", "flashmla", "flash_mla_interface.py")
+    )
+
+
+def triton_decode_module(root):
+    stub_vllm(root)
+    return load_file_module(
+        "triton_decode_attention", os.path.join(vllm_dir(root), "v1", "attention", "ops", "triton_decode_attention.py")
+    )
+
+
+def triton_merge_module(root):
+    stub_vllm(root)
+    return load_file_module(
+        "triton_merge_attn_states", os.path.join(vllm_dir(root), "v1", "attention", "ops", "triton_merge_attn_states.py")
+    )
+
+
+def vllm_version(root):
+    for d in os.listdir(root):
+        if d.startswith("vllm-") and d.endswith(".dist-info"):
+            return d[len("vllm-"):-len(".dist-info")]
+    return "0.26.0"
+
+
+# ---------------------------------------------------------------------------------------------
+# One decode call per kernel: q [T, nh, L+R], cache [blocks, page, L+R], table, seqlens
+# -> (latent [T, nh, L] f32, lse [T, nh] f32, lse base)
+# ---------------------------------------------------------------------------------------------
+
+
+def run_flashmla(mod, q, cache, table, seqlens, L, scale):
+    sched, _ = mod.get_mla_metadata()
+    out, lse = mod.flash_mla_with_kvcache(
+        q.unsqueeze(1), cache.unsqueeze(2), table, seqlens, L, sched, None, softmax_scale=scale, causal=False
+    )
+    return out[:, 0].float(), lse[:, :, 0].float(), "e"
+
+
+def triton_splits(seqlens):
+    """vLLM 0.26's rule (triton_mla.py): next power of 2 of max_seq_len // 512, at most 2·SMs."""
+    ideal = 1 << max(0, (max(1, int(seqlens.max()) // 512) - 1).bit_length())
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 1
+    return min(ideal, 2 * sms)
+
+
+def run_triton(mod, q, cache, table, seqlens, L, scale, splits=None, phantom=False):
+    T, nh, _ = q.shape
+    splits = splits or triton_splits(seqlens)
+    o = torch.zeros(T, nh, L, dtype=q.dtype, device=q.device)
+    lse = torch.zeros(T, nh, dtype=q.dtype, device=q.device)
+    logits = torch.empty(T, nh, splits, L + 1, dtype=torch.float32, device=q.device)
+    kv = cache.unsqueeze(2)
+    mod.decode_attention_fwd(
+        q, kv, kv[..., :L], o, lse, table, seqlens, logits, splits, scale, cache.shape[1], is_mla=True
+    )
+    if phantom:
+        # The caller allocated `o`, the kernel wrote it, and the caller returns a buffer of its own.
+        never_written = torch.empty_like(o).fill_(float("nan"))
+        return never_written.float(), lse.float(), "e"
+    return o.float(), lse.float(), "e"
+
+
+def run_flashinfer(q, cache, table, seqlens, L, scale, base_e=False):
+    import flashinfer
+
+    T, nh, _ = q.shape
+    page = cache.shape[1]
+    dev = q.device
+    ws = torch.empty(128 * 1024 * 1024, dtype=torch.int8, device=dev)
+    w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend="auto")
+    pages = [(int(n) + page - 1) // page for n in seqlens.tolist()]
+    kv_indptr = torch.tensor([0] + list(torch.tensor(pages).cumsum(0).tolist()), dtype=torch.int32, device=dev)
+    kv_indices = torch.cat([table[i, : pages[i]] for i in range(T)]).to(torch.int32)
+    qo_indptr = torch.arange(T + 1, dtype=torch.int32, device=dev)
+    w.plan(qo_indptr, kv_indptr, kv_indices, seqlens, nh, L, q.shape[2] - L, page, False, scale, q.dtype, cache.dtype)
+    out, lse = w.run(
+        q[..., :L].contiguous(), q[..., L:].contiguous(), cache[..., :L].contiguous(), cache[..., L:].contiguous(),
+        return_lse=True, return_lse_base_on_e=base_e,
+    )
+    return out.float(), lse.float(), ("e" if base_e else "2")
+
+
+def reference_f64(q, cache, table, seqlens, L, scale):
+    """Plain attention in f64 over each row's context (for `check`)."""
+    T, nh, w = q.shape
+    page = cache.shape[1]
+    lat = torch.empty(T, nh, L, dtype=torch.float64, device=q.device)
+    lse = torch.empty(T, nh, dtype=torch.float64, device=q.device)
+    flat = cache.double().reshape(-1, w)
+    for i in range(T):
+        n = int(seqlens[i])
+        pos = torch.arange(n, device=q.device)
+        slots = table[i, pos // page].long() * page + pos % page
+        k = flat[slots]  # [n, L+R]
+        s = (q[i].double() @ k.T) * scale  # [nh, n]
+        lse[i] = torch.logsumexp(s, dim=-1)
+        lat[i] = torch.softmax(s, dim=-1) @ k[:, :L]
+    return lat, lse
+
+
+def call(kernel, mods, inp, q, cache, table, seqlens, scale, args, phantom=False, base_e=False):
+    if kernel == "flashmla":
+        return run_flashmla(mods["flashmla"], q, cache, table, seqlens, inp.L, scale)
+    if kernel == "triton-mla":
+        return run_triton(mods["triton-mla"], q, cache, table, seqlens, inp.L, scale, args.splits, phantom)
+    return run_flashinfer(q, cache, table, seqlens, inp.L, scale, base_e)
+
+
+def decode(kernel, mods, inp, args):
+    """The kernel over every row, with the fault of `--plant` if any. Returns (latent, lse, base)."""
+    dt = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    q, cache = inp.q.to(dt).contiguous(), inp.cache.to(dt).contiguous()
+    table, seqlens = inp.table.contiguous(), inp.seqlens.contiguous()
+    scale = inp.scale
+    plant = args.plant
+    if plant == "block-table":
+        table = torch.arange(table.shape[1], dtype=torch.int32, device=table.device).expand_as(table).contiguous()
+    if plant == "no-yarn":
+        scale = (inp.P + inp.R) ** -0.5
+    if plant != "lse-base2":
+        return call(kernel, mods, inp, q, cache, table, seqlens, scale, args, phantom=plant == "phantom")
+    # Split every row's context at a page boundary: keys [0, c) and [c, n), each half one kernel
+    # call (the second through the table shifted by c / page), merged by vLLM's merge_attn_states,
+    # which expects natural-log LSEs, with FlashInfer's LSEs as it returns them by default (base 2).
+    if kernel != "flashinfer":
+        die("--plant lse-base2 applies to flashinfer (the kernel whose LSE is base 2 by default)")
+    page = inp.page
+    c = (seqlens // 2) // page * page
+    has_prefix = c > 0
+    first = torch.where(has_prefix, c, seqlens).to(torch.int32).contiguous()
+    o1, l1, _ = call(kernel, mods, inp, q, cache, table, first, scale, args)
+    shift = (c // page).long()
+    idx = (torch.arange(table.shape[1], device=table.device).unsqueeze(0) + shift.unsqueeze(1)).clamp(max=table.shape[1] - 1)
+    table2 = torch.gather(table, 1, idx).contiguous()
+    second = torch.where(has_prefix, seqlens - c, seqlens).to(torch.int32).contiguous()
+    o2, l2, _ = call(kernel, mods, inp, q, cache, table2, second, scale, args)
+    out = torch.empty_like(o1)
+    merged_lse = torch.empty_like(l1)
+    mods["merge"].merge_attn_states(out, o1, l1.contiguous(), o2, l2.contiguous(), merged_lse)
+    # Rows without a prefix are whole in the first call.
+    out = torch.where(has_prefix.view(-1, 1, 1), out, o1)
+    merged_lse = torch.where(has_prefix.view(-1, 1), merged_lse, l1)
+    # The merge's LSE is what the caller believes natural-log.
+    return out, merged_lse, "e"
+
+
+def load_mods(kernels, root, plant):
+    mods = {}
+    if "flashmla" in kernels:
+        mods["flashmla"] = flashmla_module(root)
+    if "triton-mla" in kernels:
+        mods["triton-mla"] = triton_decode_module(root)
+    if plant == "lse-base2":
+        mods["merge"] = triton_merge_module(root)
+    return mods
+
+
+def kernel_version(kernel, root):
+    if kernel == "flashinfer":
+        import flashinfer
+
+        return f"flashinfer-python {flashinfer.__version__}"
+    return f"vllm {vllm_version(root)}"
+
+
+def write_dump(path, inp, kernel, root, args, latent, lse, base):
+    layer = inp.layer
+    h = dict(inp.header)
+    h["hook"] = {"name": "scripts/engine_kernels.py", "version": "1"}
+    h["engine"] = {
+        "name": kernel,
+        "version": kernel_version(kernel, root),
+        "attention_backend": kernel,
+        "prefill_backend": None,
+    }
+    h["dtype"] = args.dtype
+    h["kernel_precision"] = args.dtype
+    conv = dict(h.get("conventions") or {})
+    conv["lse_base"] = base
+    conv.setdefault("layout", "token-major")
+    h["conventions"] = conv
+    h["heads"] = list(inp.heads)
+    patches = list(h.get("patches") or [])
+    if args.plant:
+        patches.append({"name": f"plant:{args.plant}", "reason": "a planted caller bug (engine_kernels.py --plant)"})
+    h["patches"] = patches
+    tensors = {
+        f"s0.L{layer}.hidden_in": inp.t["hidden_in"].float().cpu().contiguous(),
+        f"s0.L{layer}.attn_latent": latent.float().cpu().contiguous(),
+        f"s0.L{layer}.lse": lse.float().cpu().contiguous(),
+    }
+    save_file(tensors, path, metadata={"format": "mla-diff dump 2", "header": json.dumps(h)})
+
+
+def cmd_run(args, check_only=False):
+    kernels = [k for k in args.kernels.split(",") if k]
+    for k in kernels:
+        if k not in KERNELS:
+            die(f"--kernels: unknown kernel {k!r} (known: {', '.join(KERNELS)})")
+    if args.plant and args.plant not in PLANTS:
+        die(f"--plant: unknown fault {args.plant!r} (known: {', '.join(PLANTS)})")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    inp = Inputs(args.inputs, dev)
+    mods = load_mods(kernels, args.vllm_root, args.plant)
+    if not check_only:
+        os.makedirs(args.out, exist_ok=True)
+    ref = None
+    for k in kernels:
+        lat, lse, base = decode(k, mods, inp, args)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        if check_only:
+            if ref is None:
+                ref = reference_f64(inp.q, inp.cache, inp.table, inp.seqlens, inp.L, inp.scale)
+            nat = lse.double() * (math.log(2.0) if base == "2" else 1.0)
+            rl = ((lat.double() - ref[0]).norm() / ref[0].norm()).item()
+            rs = ((nat - ref[1]).norm() / ref[1].norm()).item()
+            print(f"{k}: attn_latent rel_l2 {rl:.3e}, lse rel_l2 {rs:.3e} (lse base {base})")
+            continue
+        name = k + (f".{args.plant}" if args.plant else "")
+        path = os.path.join(args.out, f"{name}.safetensors")
+        if os.path.exists(path) and not args.force:
+            die(f"{path} exists (use --force to overwrite)")
+        write_dump(path, inp, k, args.vllm_root, args, lat, lse, base)
+        print(f"engine_kernels: {k}: wrote {path} (T={inp.T}, heads {inp.heads[0]}..{inp.heads[1]}, lse base {base})")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("run", "check"):
+        p = sub.add_parser(name)
+        p.add_argument("inputs", help="the --export-inputs directory (or its inputs.safetensors)")
+        if name == "run":
+            p.add_argument("out", help="directory for <kernel>.safetensors")
+            p.add_argument("--force", action="store_true", help="overwrite existing dumps")
+        p.add_argument("--kernels", default="flashmla,triton-mla,flashinfer")
+        p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+        p.add_argument("--vllm-root", default=os.environ.get("VLLM_ROOT", "."), help="directory holding vllm/")
+        p.add_argument("--splits", type=int, default=None, help="triton-mla num_kv_splits (default: vLLM's rule)")
+        p.add_argument("--plant", default=None, help="|".join(PLANTS))
+    p = sub.add_parser("synth")
+    p.add_argument("out")
+    p.add_argument("--tokens", type=int, default=300)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--page", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.cmd == "synth":
+        synth(args.out, args.tokens, args.heads, args.page, args.seed)
+    elif args.cmd == "check":
+        cmd_run(args, check_only=True)
+    else:
+        cmd_run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,11 @@
 //! `run --export-inputs`: the kernel inputs it writes reproduce the reference when run through
 //! the CPU backend's own decode and flash-attention kernels (so a production kernel fed the same
-//! file is judged alone), and `--rank` exports the slice of heads of the full export.
+//! file is judged alone), `--rank` exports the slice of heads of the full export, and a format-2
+//! dump built on the export's `dump_header` is judged by `compare` with `kernel_precision` and
+//! `heads`: a clean bf16 kernel passes, a base-2 LSE and shifted heads do not.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use mla_diff::backend::cpu::CpuOps;
 use mla_diff::compute::ops::{DecodeArgs, EmptyRows, Ops, Segment};
@@ -17,7 +19,7 @@ use mla_diff::model::config::MlaConfig;
 use mla_diff::model::gguf::GgufFile;
 use mla_diff::model::weights::LayerWeights;
 
-use crate::common::{repo, run_bin};
+use crate::common::{compare_json, repo, run_bin};
 
 /// An `inputs.safetensors` as read back: tensors (widened to f64) and metadata.
 struct Inputs {
@@ -79,6 +81,20 @@ fn reference(model: Option<&str>, layer: usize, inp: &Inputs) -> (GgufFile, MlaC
     let w = LayerWeights::load(&file, &cfg, layer).unwrap();
     let r = mla_diff::compute::reference::reference_layer(&cfg, &w, &hidden, &batch, 1, None).unwrap();
     (file, cfg, batch, r.trace)
+}
+
+/// The reference site `stage` of `layer`, heads `a..b` of a `[T, N, X]` or `[T, N]` site.
+fn heads_of(tr: &Trace, layer: usize, stage: Stage, n: usize, (a, b): (usize, usize)) -> TraceTensor {
+    let t = tr.get(&Site::new(layer, stage)).unwrap();
+    let rows = t.shape[0];
+    let x = t.len() / (rows * n);
+    let all = t.to_f64();
+    let v: Vec<f64> = (0..rows)
+        .flat_map(|i| all[(i * n + a) * x..(i * n + b) * x].to_vec())
+        .collect();
+    let mut shape = t.shape.clone();
+    shape[1] = b - a;
+    TraceTensor::f64(shape, v)
 }
 
 /// Every site of `cand` within the f32 tolerance rows against `reference`.
@@ -406,4 +422,187 @@ fn export_refusals_are_usage_errors() {
     ]);
     assert_eq!(code, 0, "{out}\n{err}");
     assert_ne!(std::fs::read(&file).unwrap(), before);
+}
+
+/// A kernel's format-2 dump made from an export: `dump_header` completed with engine, dtype and
+/// `kernel_precision`, `hidden_in` from the export, and the given `attn_latent` / `lse` of the
+/// export's heads, written as BF16 next to a copy of nothing (compare gets --model).
+fn kernel_dump(
+    inp: &Inputs,
+    layer: usize,
+    latent: &TraceTensor,
+    lse: &TraceTensor,
+    edit: impl Fn(&mut serde_json::Value),
+) -> (tempfile::TempDir, PathBuf) {
+    use safetensors::Dtype as D;
+    let bf16 = |t: &TraceTensor| -> Vec<u8> {
+        t.to_f64()
+            .iter()
+            .flat_map(|&x| half::bf16::from_f64(x).to_le_bytes())
+            .collect()
+    };
+    let h = inp.get("hidden_in");
+    let hidden: Vec<u8> = h.data.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect();
+    let tensors = [
+        (format!("s0.L{layer}.hidden_in"), D::F32, h.shape.clone(), hidden),
+        (
+            format!("s0.L{layer}.attn_latent"),
+            D::BF16,
+            latent.shape.clone(),
+            bf16(latent),
+        ),
+        (format!("s0.L{layer}.lse"), D::BF16, lse.shape.clone(), bf16(lse)),
+    ];
+    let mut header: serde_json::Value = serde_json::from_str(&inp.meta["dump_header"]).unwrap();
+    header["engine"] = serde_json::json!({"name": "test-kernel", "version": "1", "attention_backend": "CPU_DECODE"});
+    header["hook"] = serde_json::json!({"name": "tests/kernel_inputs.rs", "version": "1"});
+    header["dtype"] = "bf16".into();
+    header["kernel_precision"] = "bf16".into();
+    edit(&mut header);
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    let meta: std::collections::HashMap<String, String> = [
+        ("format".to_string(), "mla-diff dump 2".to_string()),
+        ("header".to_string(), header.to_string()),
+    ]
+    .into_iter()
+    .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("kernel.safetensors");
+    std::fs::write(&p, safetensors::serialize(views, Some(meta)).unwrap()).unwrap();
+    (dir, p)
+}
+
+/// `compare` on a kernel's dump of heads `a..b`: the reference's own values rounded to bf16 pass
+/// under `kernel_precision: bf16` (the rows `run --dtype bf16` applies), fail under
+/// `--precision f32`; an undeclared base-2 LSE is `lse-merge` at `lse`; heads shifted by one fail
+/// at `attn_latent`; a `heads` range outside the model is an input error naming the field.
+#[test]
+fn compare_judges_a_kernel_dump_of_some_heads() {
+    let model = "tiny-v3-q4_k_m.gguf";
+    let model_path = repo().join("golden/models").join(model);
+    let layer = 1;
+    let dir = tempfile::tempdir().unwrap();
+    let inp = export(
+        &[
+            "--model",
+            model_path.to_str().unwrap(),
+            "--layer",
+            "1",
+            "--seqs",
+            "5,14",
+            "--page-size",
+            "4",
+            "--tp",
+            "3",
+            "--rank",
+            "1",
+            "--path",
+            "mha",
+        ],
+        dir.path(),
+    );
+    let (_file, cfg, _batch, tr) = reference(Some(model), layer, &inp);
+    let n = cfg.n_head;
+    let (a, b) = (n / 3, 2 * n / 3);
+    assert_eq!(inp.meta["heads"], format!("{a},{b}"));
+    let latent = heads_of(&tr, layer, Stage::AttnLatent, n, (a, b));
+    let lse = heads_of(&tr, layer, Stage::Lse, n, (a, b));
+
+    // Clean: passes under the bf16 rows, and says so.
+    let (_d, p) = kernel_dump(&inp, layer, &latent, &lse, |_| {});
+    let (code, out, err, doc) = compare_json(&model_path, &p, &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(doc["dump"]["tolerance_rows"], "bf16");
+    assert_eq!(doc["dump"]["metadata"]["heads"], format!("{a},{b}"));
+    assert_eq!(doc["dump"]["metadata"]["kernel_precision"], "bf16");
+    assert!(out.contains("tolerance rows bf16 (kernel precision)"), "{out}");
+    let sites: Vec<&str> = doc["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            assert_eq!(s["status"], "pass", "{s}");
+            s["site"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(sites, ["L1.hidden_in", "L1.attn_latent", "L1.lse"]);
+    let lat_site = doc["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["site"] == "L1.attn_latent")
+        .unwrap();
+    assert_eq!(lat_site["shape_ref"], serde_json::json!([19, b - a, cfg.kv_lora_rank]));
+    // bf16-rounded values are not f32 values: --precision f32 (over the header) fails them.
+    let (code, out, err, doc) = compare_json(&model_path, &p, &["--precision", "f32"]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert_eq!(doc["dump"]["tolerance_rows"], "f32");
+    let (code, _, err, _) = compare_json(&model_path, &p, &["--precision", "fp8"]);
+    assert_eq!(code, 2, "{err}");
+    // Without kernel_precision the dump's dtype picks the engine-bf16 rows.
+    let (_d2, p2) = kernel_dump(&inp, layer, &latent, &lse, |h| {
+        h.as_object_mut().unwrap().remove("kernel_precision");
+    });
+    let (code, out, err, doc) = compare_json(&model_path, &p2, &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(doc["dump"]["tolerance_rows"], "engine-bf16");
+    assert!(!out.contains("(kernel precision)"), "{out}");
+    let (code, _, _, doc) = compare_json(&model_path, &p2, &["--precision", "bf16"]);
+    assert_eq!((code, doc["dump"]["tolerance_rows"].as_str()), (0, Some("bf16")));
+
+    // A base-2 LSE the header does not declare.
+    let lse2 = TraceTensor::f64(
+        lse.shape.clone(),
+        lse.to_f64().iter().map(|x| x / std::f64::consts::LN_2).collect(),
+    );
+    let (_d3, p3) = kernel_dump(&inp, layer, &latent, &lse2, |_| {});
+    let (code, out, err, doc) = compare_json(&model_path, &p3, &[]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert_eq!(doc["findings"][0]["class"], "lse-merge", "{}", doc["findings"]);
+    assert_eq!(doc["findings"][0]["site"], "L1.lse");
+    // Declared, it is converted and passes.
+    let (_d4, p4) = kernel_dump(&inp, layer, &latent, &lse2, |h| {
+        h["conventions"]["lse_base"] = "2".into();
+    });
+    let (code, out, err, _) = compare_json(&model_path, &p4, &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+
+    // The header says heads a..b, the tensors hold a+1..b+1.
+    let (_d5, p5) = kernel_dump(
+        &inp,
+        layer,
+        &heads_of(&tr, layer, Stage::AttnLatent, n, (a + 1, b + 1)),
+        &heads_of(&tr, layer, Stage::Lse, n, (a + 1, b + 1)),
+        |_| {},
+    );
+    let (code, out, err, doc) = compare_json(&model_path, &p5, &[]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert_eq!(doc["findings"][0]["site"], "L1.attn_latent", "{}", doc["findings"]);
+    // No detector knows a head offset: rows with one visible key (each sequence's first token)
+    // match whatever the head, every other row is wrong.
+    assert_eq!(doc["findings"][0]["class"], "mismatch", "{}", doc["findings"]);
+
+    // Bad ranges and precisions: exit 2 naming the file and the field.
+    for (edit, field) in [
+        (serde_json::json!([a, n + 1]), "header.heads"),
+        (serde_json::json!([b, a]), "header.heads"),
+        (serde_json::json!([a]), "header.heads"),
+    ] {
+        let (_d6, p6) = kernel_dump(&inp, layer, &latent, &lse, |h| h["heads"] = edit.clone());
+        let (code, out, err, _) = compare_json(&model_path, &p6, &[]);
+        assert_eq!(code, 2, "{edit}: {out}\n{err}");
+        assert!(err.contains("kernel.safetensors") && err.contains(field), "{err}");
+    }
+    let (_d7, p7) = kernel_dump(&inp, layer, &latent, &lse, |h| h["kernel_precision"] = "fp8".into());
+    let (code, _, err, _) = compare_json(&model_path, &p7, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("header.kernel_precision"), "{err}");
 }

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand, ValueEnum};
 
-use super::values::{self, DtypeArg, EngineDtypeArg, InputArg, KernelsArg, ReferenceArg};
+use super::values::{self, DtypeArg, EngineDtypeArg, InputArg, KernelsArg, PrecisionArg, ReferenceArg};
 use crate::compute::faults::Fault;
 use crate::compute::path::PathKind;
 use crate::core::error::Result;
@@ -83,6 +83,11 @@ pub struct CompareArgs {
     /// engine-f16 rows); default: the dump's `dtype` metadata, else f32.
     #[arg(long, value_enum)]
     pub dtype: Option<EngineDtypeArg>,
+    /// The dump comes from a kernel that read inputs of this dtype and accumulated in f32: judge
+    /// it by the tolerance rows `run --dtype` applies for that dtype (not the engine rows
+    /// --dtype picks). Overrides a format-2 header's `kernel_precision` and --dtype's rows.
+    #[arg(long, value_enum)]
+    pub precision: Option<PrecisionArg>,
     /// Where the result goes.
     #[command(flatten)]
     pub output: ReportArgs,

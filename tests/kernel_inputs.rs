@@ -426,7 +426,7 @@ fn export_refusals_are_usage_errors() {
 
 /// A kernel's format-2 dump made from an export: `dump_header` completed with engine, dtype and
 /// `kernel_precision`, `hidden_in` from the export, and the given `attn_latent` / `lse` of the
-/// export's heads, written as BF16 next to a copy of nothing (compare gets --model).
+/// export's heads, written as BF16 into a new folder (compare is given --model).
 fn kernel_dump(
     inp: &Inputs,
     layer: usize,

@@ -215,6 +215,27 @@ fn lse_merge_ties_bad_rows_to_empty_partials() {
 }
 
 #[test]
+fn lse_merge_names_a_base_2_lse() {
+    // A clean trace whose lse is then given in base 2 (×1/ln 2), or a base-2 LSE read as natural
+    // log (×ln 2): a log-base mix-up, named before the scale-only fallback.
+    for (f, word) in [
+        (1.0 / std::f32::consts::LN_2, "log2"),
+        (std::f32::consts::LN_2, "read as natural log"),
+    ] {
+        let mut fx = fixture(&[], 1, &[PathKind::Mha]);
+        let site = Site::new(1, Stage::Lse);
+        let mut t = fx.runs[0].trace.get(&site).unwrap().clone();
+        if let mla_diff::core::trace::TensorData::F32(v) = &mut t.data {
+            v.iter_mut().for_each(|x| *x *= f);
+        }
+        fx.runs[0].trace.record(site, t);
+        fx.diffs[0] = metrics::diff(&fx.reference, &fx.runs[0].trace, Dtype::F32);
+        let (ev, _) = detect(&fx, 0, Class::LseMerge).unwrap();
+        assert!(ev.contains(word), "{ev}");
+    }
+}
+
+#[test]
 fn nonfinite_counts_nans_that_are_not_canaries() {
     let fx = fixture(&[Fault::LsePlusInf], 1, &[PathKind::Chunked]);
     let (ev, _) = detect(&fx, 0, Class::Nonfinite).unwrap();

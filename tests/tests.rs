@@ -17,6 +17,7 @@ mod golden;
 mod hf_golden;
 mod hostile;
 mod json_report;
+mod kernel_inputs;
 mod layering;
 mod moe;
 mod moe_fixture;

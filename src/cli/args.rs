@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand, ValueEnum};
 
-use super::values::{self, DtypeArg, EngineDtypeArg, InputArg, KernelsArg, ReferenceArg};
+use super::values::{self, DtypeArg, EngineDtypeArg, InputArg, KernelsArg, PrecisionArg, ReferenceArg};
 use crate::compute::faults::Fault;
 use crate::compute::path::PathKind;
 use crate::core::error::Result;
@@ -83,6 +83,11 @@ pub struct CompareArgs {
     /// engine-f16 rows); default: the dump's `dtype` metadata, else f32.
     #[arg(long, value_enum)]
     pub dtype: Option<EngineDtypeArg>,
+    /// The dump comes from a kernel that read inputs of this dtype and accumulated in f32: judge
+    /// it by the tolerance rows `run --dtype` applies for that dtype (not the engine rows
+    /// --dtype picks). Overrides a format-2 header's `kernel_precision` and --dtype's rows.
+    #[arg(long, value_enum)]
+    pub precision: Option<PrecisionArg>,
     /// Where the result goes.
     #[command(flatten)]
     pub output: ReportArgs,
@@ -361,7 +366,7 @@ pub struct RunArgs {
     /// Print resource use on stderr: wall time, peak RSS, which tensors' data was read, and the
     /// wall time of each stage (open, backend, dequant, input, reference, path weights, each
     /// path, compare, download when a GPU run diverged, diagnose with each detector that ran as a
-    /// part of it, report).
+    /// part of it, export, report).
     #[arg(long)]
     pub stats: bool,
     /// Memory this run may use (e.g. `24G`, `512M`; K/M/G/T are powers of 1024). A run whose
@@ -369,6 +374,17 @@ pub struct RunArgs {
     /// cgroup memory limits of this process and MemTotal.
     #[arg(long, value_name = "SIZE", value_parser = crate::core::memory::parse_size)]
     pub max_memory: Option<u64>,
+    /// After the reference of the one requested layer, write its attention inputs for production
+    /// kernels to DIR/inputs.safetensors (created when missing; replaced only with --force):
+    /// decode query and paged latent cache, prefill q/k/v, from the reference rounded to f32,
+    /// with a format-2 dump header for the kernels' outputs (docs/dump-format.md, "Kernel
+    /// inputs"). Needs --start-pos 0.
+    #[arg(long, value_name = "DIR")]
+    pub export_inputs: Option<PathBuf>,
+    /// With --export-inputs: export only the heads of this TP rank of --tp (R·N/TP .. (R+1)·N/TP);
+    /// default all N heads.
+    #[arg(long, value_name = "R", requires = "export_inputs")]
+    pub rank: Option<usize>,
 }
 
 /// Arguments of `mla-diff inspect`.

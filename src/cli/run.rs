@@ -16,6 +16,7 @@ use crate::compute::faults::FaultSet;
 use crate::compute::path::{PathKind, PathOptions};
 use crate::core::batch::{Batch, SeqSpec};
 use crate::core::error::{Error, Result};
+use crate::jobs::export::ExportRequest;
 use crate::jobs::run;
 use crate::judge::report::{InputMode, RunConfig, RunReport};
 use crate::model::config::MlaConfig;
@@ -140,13 +141,27 @@ pub fn cmd_compare(a: &CompareArgs, out: &mut dyn Write) -> Result<Outcome> {
         .as_ref()
         .map(|m| m.name.clone().unwrap_or_else(|| a.map.clone().unwrap_or_default()));
     let rep = match dump::read(&a.dump, map.as_ref(), &cfg)? {
-        DumpFile::One(d) => crate::jobs::compare::compare_dump(&file, &cfg, &d, map_name, a.dtype.map(Into::into))?,
+        DumpFile::One(d) => crate::jobs::compare::compare_dump(
+            &file,
+            &cfg,
+            &d,
+            map_name,
+            a.dtype.map(Into::into),
+            a.precision.map(Into::into),
+        )?,
         DumpFile::Steps(sd) => {
             let mut layers: Vec<usize> = sd.steps.iter().flat_map(|(_, d)| d.layers.keys().copied()).collect();
             layers.sort_unstable();
             layers.dedup();
             dump::check_identity(&a.dump, &sd.header, &file, &layers)?;
-            crate::jobs::compare::compare_steps(&file, &cfg, &sd, map_name, a.dtype.map(Into::into))?
+            crate::jobs::compare::compare_steps(
+                &file,
+                &cfg,
+                &sd,
+                map_name,
+                a.dtype.map(Into::into),
+                a.precision.map(Into::into),
+            )?
         }
     };
     let backend = Backend::Cpu(CpuOps::new(rep.run.dtype));
@@ -465,9 +480,16 @@ impl LayerProgress {
     }
 }
 
-/// Refuses a run whose estimated peak memory ([`run::estimate_peak_bytes`]) exceeds the limit:
-/// `--max-memory`, else the cgroup/MemTotal limit ([`crate::core::memory::memory_limit`]).
-fn check_memory(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig, max_memory: Option<u64>) -> Result<()> {
+/// Refuses a run whose estimated peak memory ([`run::estimate_peak_bytes`], plus twice the
+/// kernel inputs' size with `--export-inputs`: the tensors and the file's image) exceeds the
+/// limit: `--max-memory`, else the cgroup/MemTotal limit ([`crate::core::memory::memory_limit`]).
+fn check_memory(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    rc: &RunConfig,
+    max_memory: Option<u64>,
+    export_bytes: Option<u64>,
+) -> Result<()> {
     use crate::core::memory::{MemoryLimit, human, memory_limit};
     let limit = match max_memory {
         Some(bytes) => Some(MemoryLimit {
@@ -476,10 +498,18 @@ fn check_memory(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig, max_memory: Op
         }),
         None => memory_limit(),
     };
-    let need = run::estimate_peak_bytes(cfg, rc);
+    let run_need = run::estimate_peak_bytes(cfg, rc);
+    let need = run_need.saturating_add(export_bytes.unwrap_or(0).saturating_mul(2));
+    let export = export_bytes.map_or(String::new(), |b| {
+        format!(
+            "; the run about {}, the --export-inputs file about {} held twice",
+            human(run_need),
+            human(b)
+        )
+    });
     match limit {
         Some(lim) if need > lim.bytes => Err(Error::Usage(format!(
-            "{}: this run needs about {} of memory (T={}, N={}, H={}, {} path(s)) and the limit is {} ({}): \
+            "{}: this run needs about {} of memory (T={}, N={}, H={}, {} path(s){export}) and the limit is {} ({}): \
              use fewer --tokens, or {} --max-memory if the limit is wrong",
             file.path().display(),
             human(need),
@@ -501,7 +531,25 @@ pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
     let _ = crate::core::timing::take();
     let (file, cfg, rc) = crate::core::timing::stage("open", || build_run(&a.spec))?;
     check_outputs(a.output.json.as_ref(), a.output.report.as_ref(), a.output.force)?;
-    check_memory(&file, &cfg, &rc, a.max_memory)?;
+    let export = a.export_inputs.as_ref().map(|dir| ExportRequest {
+        dir: dir.clone(),
+        rank: a.rank,
+        force: a.output.force,
+    });
+    if let Some(req) = &export {
+        req.check(&file, &cfg, &rc)?;
+        if let Some(j) = a.output.json.as_ref().filter(|j| same_file(j, &req.path())) {
+            return Err(Error::Usage(format!(
+                "--json {} is the file --export-inputs writes; give them different paths",
+                j.display()
+            )));
+        }
+    }
+    let export_bytes = export.as_ref().map(|req| {
+        let (lo, hi) = req.heads(cfg.n_head, rc.path_options.tp);
+        crate::jobs::export::estimate_bytes(&cfg, &rc, hi - lo)
+    });
+    check_memory(&file, &cfg, &rc, a.max_memory, export_bytes)?;
     let backend = crate::core::timing::stage("backend", || select_backend(&a.spec.device, a.output.quiet))?;
     let rc = RunConfig {
         backend: backend.describe(),
@@ -512,10 +560,20 @@ pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
         InputMode::Random => rc.layers.len(),
     };
     let progress = LayerProgress::new(a.output.quiet, computed);
-    let rep = run::run_with_progress(&backend, &file, &cfg, &rc, &mut |d, _| progress.update(d));
+    let rep = match &export {
+        None => run::run_with_progress(&backend, &file, &cfg, &rc, &mut |d, _| progress.update(d)).map(|r| (r, None)),
+        Some(_) => run::run_keeping_reference(&backend, &file, &cfg, &rc, &mut |d, _| progress.update(d))
+            .map(|(r, refs)| (r, refs.into_iter().next())),
+    };
     progress.finish();
-    let rep = rep?;
+    let (rep, reference) = rep?;
     refuse_idle_fault(&rep)?;
+    let exported = match (&export, reference) {
+        (Some(req), Some((layer, trace))) => Some(crate::core::timing::stage("export", || {
+            crate::jobs::export::write(req, &file, &cfg, &rc, layer, &trace)
+        })?),
+        _ => None,
+    };
     let o = Outputs {
         json: a.output.json.as_ref(),
         md: a.output.report.as_ref(),
@@ -523,6 +581,9 @@ pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
         quiet: a.output.quiet,
     };
     let outcome = crate::core::timing::stage("report", || finish_report(&rep, &file, &backend, o, out));
+    if let Some(e) = exported.as_ref().filter(|_| outcome.is_ok()) {
+        writeln!(out, "{}", e.line(cfg.n_head)).map_err(|e| Error::io("<stdout>", "write", e))?;
+    }
     if a.stats {
         eprintln!("{}", crate::output::stats::stats_line(&file, started.elapsed()));
         eprintln!("{}", crate::output::stats::stages_line(&crate::core::timing::take()));

@@ -33,6 +33,25 @@ impl From<DtypeArg> for Dtype {
     }
 }
 
+/// `compare --precision`: what a kernel judged alone read (its outputs are judged by the rows
+/// `run --dtype` applies for that [`Dtype`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PrecisionArg {
+    /// f32 inputs, f32 accumulation: `run`'s f32 rows.
+    F32,
+    /// bf16 inputs, f32 accumulation: the rows of `run --dtype bf16`.
+    Bf16,
+}
+
+impl From<PrecisionArg> for Dtype {
+    fn from(d: PrecisionArg) -> Dtype {
+        match d {
+            PrecisionArg::F32 => Dtype::F32,
+            PrecisionArg::Bf16 => Dtype::Bf16,
+        }
+    }
+}
+
 /// `--reference-backend`: where the f64 reference runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ReferenceArg {

@@ -15,18 +15,7 @@ use crate::core::error::{Error, Result};
 /// Errors: [`Error::Usage`] when `path` is a folder, or when the file exists and `force` is
 /// false; [`Error::Io`] otherwise.
 pub fn write_file_atomic(path: &Path, bytes: &[u8], force: bool) -> Result<()> {
-    if path.is_dir() {
-        return Err(Error::Usage(format!(
-            "{} is a folder; give a file path",
-            path.display()
-        )));
-    }
-    if path.exists() && !force {
-        return Err(Error::Usage(format!(
-            "{} exists; pass --force to overwrite it",
-            path.display()
-        )));
-    }
+    refuse_existing(path, force)?;
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -47,4 +36,24 @@ pub fn write_file_atomic(path: &Path, bytes: &[u8], force: bool) -> Result<()> {
         let _ = std::fs::remove_file(&tmp);
     }
     res
+}
+
+/// The check [`write_file_atomic`] makes first, for refusing before any work: `path` must not
+/// be a folder, and must not exist unless `force`.
+///
+/// Errors: [`Error::Usage`] naming the file.
+pub fn refuse_existing(path: &Path, force: bool) -> Result<()> {
+    if path.is_dir() {
+        return Err(Error::Usage(format!(
+            "{} is a folder; give a file path",
+            path.display()
+        )));
+    }
+    if path.exists() && !force {
+        return Err(Error::Usage(format!(
+            "{} exists; pass --force to overwrite it",
+            path.display()
+        )));
+    }
+    Ok(())
 }

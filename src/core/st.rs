@@ -4,7 +4,8 @@
 //! names are our site names (`L3.kv_c_normed`). This module turns such a file into a [`Trace`]
 //! plus its non-site tensors (`tokens`, `positions`, `logits`) and `__metadata__`, checking
 //! dtypes and byte lengths so that a malformed file is an error naming the file and tensor, and
-//! writes traces back (f32) for golden records.
+//! writes traces back (f32) for golden records, and named tensors of any dtype (the kernel inputs
+//! of `run --export-inputs`).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -178,26 +179,7 @@ pub fn to_bytes(
     metadata: &BTreeMap<String, String>,
     keep_f64: bool,
 ) -> Result<Vec<u8>> {
-    struct Owned {
-        dtype: StDtype,
-        shape: Vec<usize>,
-        bytes: Vec<u8>,
-    }
-    impl safetensors::View for &Owned {
-        fn dtype(&self) -> StDtype {
-            self.dtype
-        }
-        fn shape(&self) -> &[usize] {
-            &self.shape
-        }
-        fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-            std::borrow::Cow::Borrowed(&self.bytes)
-        }
-        fn data_len(&self) -> usize {
-            self.bytes.len()
-        }
-    }
-    let mut owned: Vec<(String, Owned)> = Vec::new();
+    let mut owned: Vec<(String, RawTensor)> = Vec::new();
     for site in trace.sites_in_order() {
         let t = trace.get(&site).expect("site listed by the trace");
         let (dtype, bytes) = match (&t.data, keep_f64) {
@@ -207,7 +189,7 @@ pub fn to_bytes(
         };
         owned.push((
             site.to_string(),
-            Owned {
+            RawTensor {
                 dtype,
                 shape: t.shape.clone(),
                 bytes,
@@ -215,17 +197,86 @@ pub fn to_bytes(
         ));
     }
     for (name, v) in extra_i64 {
-        owned.push((
-            name.to_string(),
-            Owned {
-                dtype: StDtype::I64,
-                shape: vec![v.len()],
-                bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            },
-        ));
+        owned.push((name.to_string(), RawTensor::i64(vec![v.len()], v)));
+    }
+    raw_to_bytes(&owned, metadata)
+}
+
+/// One tensor to write: its safetensors dtype, shape and little-endian element bytes
+/// (`bytes.len()` = the product of `shape` × the dtype's width).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RawTensor {
+    /// Element dtype.
+    pub dtype: StDtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Little-endian element bytes, row-major.
+    pub bytes: Vec<u8>,
+}
+
+impl RawTensor {
+    /// An F32 tensor of `shape` holding `v`.
+    pub fn f32(shape: Vec<usize>, v: &[f32]) -> Self {
+        RawTensor {
+            dtype: StDtype::F32,
+            shape,
+            bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+
+    /// An I32 tensor of `shape` holding `v`.
+    pub fn i32(shape: Vec<usize>, v: &[i32]) -> Self {
+        RawTensor {
+            dtype: StDtype::I32,
+            shape,
+            bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+
+    /// An I64 tensor of `shape` holding `v`.
+    pub fn i64(shape: Vec<usize>, v: &[i64]) -> Self {
+        RawTensor {
+            dtype: StDtype::I64,
+            shape,
+            bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+}
+
+/// Serializes named tensors and string metadata to safetensors bytes, with the header's keys
+/// sorted ([`canonical_header`]): the bytes are a function of the content alone.
+///
+/// Errors: [`Error::Usage`] when a tensor's byte length disagrees with its shape and dtype, or
+/// two tensors share a name (safetensors refuses both).
+pub fn raw_to_bytes(tensors: &[(String, RawTensor)], metadata: &BTreeMap<String, String>) -> Result<Vec<u8>> {
+    struct View<'a>(&'a RawTensor);
+    impl safetensors::View for View<'_> {
+        fn dtype(&self) -> StDtype {
+            self.0.dtype
+        }
+        fn shape(&self) -> &[usize] {
+            &self.0.shape
+        }
+        fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+            std::borrow::Cow::Borrowed(&self.0.bytes)
+        }
+        fn data_len(&self) -> usize {
+            self.0.bytes.len()
+        }
+    }
+    for (name, t) in tensors {
+        let want = t.shape.iter().product::<usize>() * t.dtype.bitsize() / 8;
+        if t.bytes.len() != want {
+            return Err(Error::Usage(format!(
+                "safetensors serialization: tensor `{name}` holds {} bytes, its shape {:?} of {:?} needs {want}",
+                t.bytes.len(),
+                t.shape,
+                t.dtype
+            )));
+        }
     }
     let meta: std::collections::HashMap<String, String> = metadata.clone().into_iter().collect();
-    safetensors::serialize(owned.iter().map(|(n, o)| (n.clone(), o)), Some(meta))
+    safetensors::serialize(tensors.iter().map(|(n, t)| (n.clone(), View(t))), Some(meta))
         .map_err(|e| Error::Usage(format!("safetensors serialization: {e}")))
         .and_then(canonical_header)
 }

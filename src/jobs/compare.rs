@@ -11,6 +11,7 @@ use crate::compute::indexer::Selection;
 use crate::compute::path::PathOptions;
 use crate::compute::reference::{RefOutput, reference_layer, reference_layer_full};
 use crate::core::batch::{Batch, SeqSpec};
+use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::judge::diagnose::Finding;
@@ -30,7 +31,8 @@ fn to_array(t: &TraceTensor, rows: usize, cols: usize) -> Result<Array2<f64>> {
 
 /// Compares a dump with the reference on the same GGUF: every dumped site, the same metrics,
 /// detectors and table as `run`; the tolerance rows are those of the dtype the engine computed in
-/// (the dump's `dtype` metadata, or `dtype` when given): [`EngineDtype::precision`].
+/// (the dump's `dtype` metadata, or `dtype` when given): [`EngineDtype::precision`], or with
+/// `precision` (`compare --precision`) the rows `run --dtype` applies for that dtype.
 ///
 /// Each dumped layer runs the reference from the dump's own `L{n}.hidden_in`; without it, from
 /// the dump's `L{n-1}.hidden_out`, or (first layer only) from `tokens` through the embedding and
@@ -49,9 +51,10 @@ pub fn compare_dump(
     dump: &Dump,
     map_name: Option<String>,
     dtype: Option<EngineDtype>,
+    precision: Option<Dtype>,
 ) -> Result<RunReport> {
     let dtype = dtype.unwrap_or(dump.dtype);
-    let precision = dtype.precision();
+    let precision = precision.map_or(dtype.precision(), Precision::from);
     let t = dump.batch.n_tokens();
     let layers: Vec<usize> = dump.layers.keys().copied().collect();
     let mut results = Vec::new();
@@ -254,10 +257,47 @@ fn take_rows(t: &TraceTensor, rows: &[usize], t_full: usize) -> TraceTensor {
     TraceTensor::f64(shape, v)
 }
 
+/// The heads `a..b` of a per-head site ([`crate::model::dump::is_per_head`]) of `t`, whose
+/// shape is the site's with the model's N heads; other sites (and a shape that does not fit)
+/// come back whole.
+fn take_heads(t: &TraceTensor, stage: Stage, cfg: &MlaConfig, [a, b]: [usize; 2]) -> TraceTensor {
+    let n = cfg.n_head;
+    if !crate::model::dump::is_per_head(stage) || b > n || a >= b {
+        return t.clone();
+    }
+    // The tensor as [outer, N, inner]: the head blocks sit on axis 1 of activations, on axis 0
+    // of the weights (kv_b's P+V rows per head).
+    let (outer, inner, axis, per_head_rows) = match stage {
+        Stage::WKvB => (1, t.len() / n.max(1), 0, cfg.qk_nope_head_dim + cfg.v_head_dim),
+        Stage::WUkT | Stage::WUv => (1, t.len() / n.max(1), 0, 1),
+        _ => {
+            let rows = t.shape.first().copied().unwrap_or(0);
+            (rows, t.len() / (rows * n).max(1), 1, 1)
+        }
+    };
+    if outer * n * inner != t.len() || t.shape.get(axis) != Some(&(n * per_head_rows)) {
+        return t.clone();
+    }
+    let all = t.to_f64();
+    let mut v = Vec::with_capacity(outer * (b - a) * inner);
+    for o in 0..outer {
+        v.extend_from_slice(&all[(o * n + a) * inner..(o * n + b) * inner]);
+    }
+    let mut shape = t.shape.clone();
+    shape[axis] = (b - a) * per_head_rows;
+    TraceTensor::f64(shape, v)
+}
+
 /// Compares a format-2 dump with the reference: every step of every dumped layer, each step
 /// against the reference run from position 0 over the sequences' cached context and new tokens
 /// (fed with the `hidden_in` rows of the steps up to it), judging only the step's new rows. The
 /// model's identity has been checked by the caller ([`crate::model::dump::check_identity`]).
+///
+/// Tolerance rows, first that applies: `precision` (`compare --precision`), then `dtype`
+/// (`compare --dtype`), then the header's `kernel_precision` (the rows `run --dtype` applies for
+/// that dtype), then the header's `dtype`. With the header's `heads = [a, b]` the reference's
+/// per-head sites ([`crate::model::dump::is_per_head`]) are sliced to heads `a..b` and the
+/// layer is judged and diagnosed as a model of `b − a` heads.
 ///
 /// Errors: a step that lacks `L{n}.hidden_in` for a layer it dumps (exit 2, naming step and
 /// layer); a reference layer that cannot run.
@@ -267,10 +307,18 @@ pub fn compare_steps(
     sd: &StepsDump,
     map_name: Option<String>,
     dtype: Option<EngineDtype>,
+    precision: Option<Dtype>,
 ) -> Result<RunReport> {
     let h = &sd.header;
+    let precision = match (precision, dtype, h.kernel_precision) {
+        (Some(p), _, _) => Precision::from(p),
+        (None, Some(d), _) => d.precision(),
+        (None, None, Some(k)) => Precision::from(k),
+        (None, None, None) => sd.steps[0].1.dtype.precision(),
+    };
     let dtype = dtype.unwrap_or(sd.steps[0].1.dtype);
-    let precision = dtype.precision();
+    let heads_cfg = h.heads.map(|hs| crate::model::dump::heads_config(cfg, hs));
+    let judge_cfg = heads_cfg.as_ref().unwrap_or(cfg);
     let mut results = Vec::new();
     let mut findings = Vec::new();
     let mut not_dumped = Vec::new();
@@ -344,7 +392,12 @@ pub fn compare_steps(
             let refo = dumped_layer_reference(file, cfg, &w, &full_in, &full, dl, &mut prev_sel)?;
             let mut reference = crate::core::trace::Trace::new();
             for (s, t) in refo.trace.entries() {
-                reference.record(*s, take_rows(t, &new_rows, t_full));
+                let rows = take_rows(t, &new_rows, t_full);
+                let t = match h.heads {
+                    Some(hs) => take_heads(&rows, s.stage, cfg, hs),
+                    None => rows,
+                };
+                reference.record(*s, t);
             }
             for s in reference.sites_in_order() {
                 let name = s.to_string();
@@ -353,7 +406,7 @@ pub fn compare_steps(
                 }
             }
             let step = Some(spec.name.clone());
-            let (result, f) = judge_dumped_layer(cfg, &d.batch, &reference, dl, precision, layer, step);
+            let (result, f) = judge_dumped_layer(judge_cfg, &d.batch, &reference, dl, precision, layer, step);
             if findings.is_empty() {
                 findings.extend(f);
             }
@@ -379,6 +432,12 @@ pub fn compare_steps(
     }
     let steps: Vec<String> = h.steps.iter().map(|s| s.name.clone()).collect();
     metadata.insert("steps".to_string(), steps.join(","));
+    if let Some(k) = h.kernel_precision {
+        metadata.insert("kernel_precision".to_string(), k.to_string());
+    }
+    if let Some([a, b]) = h.heads {
+        metadata.insert("heads".to_string(), format!("{a},{b}"));
+    }
     let first = &sd.steps[0].1;
     Ok(RunReport {
         model: ModelSummary {

@@ -204,7 +204,7 @@ pub struct LayerTraces {
 /// Errors: a layer out of range, missing tensors, token input on a model without embedding, an
 /// MoE layer in a file without `expert_count`, a TP size that does not divide N.
 pub fn run(backend: &Backend, file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<RunReport> {
-    run_inner(backend, file, cfg, rc, false, &mut |_, _| {}).map(|(r, _)| r)
+    run_inner(backend, file, cfg, rc, false, false, &mut |_, _| {}).map(|(r, _)| r)
 }
 
 /// [`run`], also returning every trace (one [`LayerTraces`] per requested layer, ascending).
@@ -216,7 +216,7 @@ pub fn run_with_traces(
     cfg: &MlaConfig,
     rc: &RunConfig,
 ) -> Result<(RunReport, Vec<LayerTraces>)> {
-    run_inner(backend, file, cfg, rc, true, &mut |_, _| {})
+    run_inner(backend, file, cfg, rc, true, false, &mut |_, _| {})
 }
 
 /// [`run`], calling `progress(done, total)` after each layer that is computed (for progress bars).
@@ -229,15 +229,34 @@ pub fn run_with_progress(
     rc: &RunConfig,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<RunReport> {
-    run_inner(backend, file, cfg, rc, false, progress).map(|(r, _)| r)
+    run_inner(backend, file, cfg, rc, false, false, progress).map(|(r, _)| r)
 }
 
+/// [`run_with_progress`], also returning the reference trace of every requested layer (ascending,
+/// kept on the host whatever the backend): what `run --export-inputs` writes the kernel inputs
+/// from. The paths' traces are dropped as in [`run`].
+///
+/// Errors: as [`run`].
+pub fn run_keeping_reference(
+    backend: &Backend,
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    rc: &RunConfig,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(RunReport, Vec<(usize, Trace)>)> {
+    run_inner(backend, file, cfg, rc, false, true, progress)
+        .map(|(r, traces)| (r, traces.into_iter().map(|t| (t.layer, t.reference)).collect()))
+}
+
+/// The work of [`run`] and its variants: with `keep_traces` every trace of every requested layer
+/// comes back (golden recording); with `keep_reference` only the reference's (the paths' empty).
 fn run_inner(
     backend: &Backend,
     file: &GgufFile,
     cfg: &MlaConfig,
     rc: &RunConfig,
     keep_traces: bool,
+    keep_reference: bool,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(RunReport, Vec<LayerTraces>)> {
     let t = rc.batch.n_tokens();
@@ -325,8 +344,9 @@ fn run_inner(
         };
         let full = rc.input == InputMode::Tokens;
         // The reference stays on the device for a GPU run of a wanted layer (judged there);
-        // golden recording and the layers a token run only passes through need it on the host.
-        let keep_on_device = wanted && !keep_traces;
+        // golden recording, an export and the layers a token run only passes through need it on
+        // the host.
+        let keep_on_device = wanted && !keep_traces && !keep_reference;
         let (refo, device_sites) = timing::stage("reference", || {
             backend.reference(
                 file,
@@ -370,7 +390,7 @@ fn run_inner(
                     findings.push(fi);
                 }
             }
-            if keep_traces {
+            if keep_traces || keep_reference {
                 traces.push(LayerTraces {
                     layer,
                     reference: split.host,

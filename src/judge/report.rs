@@ -245,6 +245,8 @@ pub struct DumpSummary {
     pub not_dumped: Vec<String>,
     /// The dtype the engine computed in (metadata `dtype`, or `--dtype`).
     pub dtype: EngineDtype,
-    /// The tolerance rows applied (`f32`, `engine-bf16`, `engine-f16`).
+    /// The tolerance rows applied: `f32`, `engine-bf16` or `engine-f16` (the engine dtype's),
+    /// or `bf16` / `f32` chosen by a kernel precision (format 2's `kernel_precision`,
+    /// `compare --precision`).
     pub tolerance_rows: Precision,
 }

@@ -458,6 +458,43 @@ pub struct DumpHeader {
     /// Changes a harness made to the engine's code path.
     #[serde(default)]
     pub patches: Vec<Patch>,
+    /// The dump comes from a kernel that read inputs of this dtype and accumulated in f32: it
+    /// is judged by the rows `run --dtype` of that dtype applies, not by those `dtype` selects.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel_precision: Option<Dtype>,
+    /// `[a, b]`: the per-head sites hold only heads `a..b` (`0 ≤ a < b ≤ N`); see
+    /// [`heads_config`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heads: Option<[usize; 2]>,
+}
+
+/// The stages whose sites hold one block per attention head: `[T, N, X]` activations and the
+/// `[T, N]` lse (head axis 1), and the weights `w.kv_b` ([N·(P+V), L]), `w.W_UK_T` and `w.W_UV`
+/// ([N, …]) (head axis 0). A format-2 dump with `heads` holds these for its heads only.
+pub fn is_per_head(stage: Stage) -> bool {
+    matches!(
+        stage,
+        Stage::Q
+            | Stage::QPeRoped
+            | Stage::KNope
+            | Stage::V
+            | Stage::QlNope
+            | Stage::AttnLatent
+            | Stage::Lse
+            | Stage::AttnOut
+            | Stage::WKvB
+            | Stage::WUkT
+            | Stage::WUv
+    )
+}
+
+/// The configuration a dump of heads `a..b` is read and judged with: `cfg` with `n_head = b − a`
+/// (every per-head site, [`is_per_head`], has `b − a` heads; every other dim is the model's).
+pub fn heads_config(cfg: &MlaConfig, heads: [usize; 2]) -> MlaConfig {
+    MlaConfig {
+        n_head: heads[1].saturating_sub(heads[0]),
+        ..cfg.clone()
+    }
 }
 
 /// A format-2 dump: its header and one [`Dump`] per step (the step's sites, rows = its new
@@ -522,7 +559,36 @@ fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader> {
             format!("missing: a `{FORMAT2}` dump needs it"),
         )
     })?;
-    let h: DumpHeader = serde_json::from_str(text).map_err(|e| derr(path, "__metadata__.header", e.to_string()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| derr(path, "__metadata__.header", e.to_string()))?;
+    match v.get("kernel_precision") {
+        None | Some(serde_json::Value::Null) => {}
+        Some(serde_json::Value::String(p)) if p == "bf16" || p == "f32" => {}
+        Some(other) => {
+            return Err(derr(
+                path,
+                "__metadata__.header.kernel_precision",
+                format!("{other}: expected \"bf16\" or \"f32\""),
+            ));
+        }
+    }
+    match v.get("heads") {
+        None | Some(serde_json::Value::Null) => {}
+        Some(x) => {
+            let pair = x
+                .as_array()
+                .filter(|a| a.len() == 2)
+                .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)));
+            if pair.is_none_or(|(a, b)| a >= b) {
+                return Err(derr(
+                    path,
+                    "__metadata__.header.heads",
+                    format!("{x}: expected [a, b] with integers 0 ≤ a < b ≤ N"),
+                ));
+            }
+        }
+    }
+    let h: DumpHeader = serde_json::from_value(v).map_err(|e| derr(path, "__metadata__.header", e.to_string()))?;
     if h.steps.is_empty() {
         return Err(derr(path, "__metadata__.header.steps", "no step"));
     }
@@ -581,10 +647,11 @@ fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader> {
 
 /// Reads a dump of either format. Format 2's steps are each read as a format-1 dump of the step's
 /// new tokens (tensors `s{k}.…` without the prefix), with the header's dtype and conventions;
+/// with `heads = [a, b]`, the per-head sites ([`is_per_head`]) have `b − a` heads.
 /// `weights.…` tensors are for `weights --check` and skipped here.
 ///
 /// Errors: as [`load_bytes`], with the file named `<dump> [step k `name`]` for a step's tensors;
-/// a malformed header names its field.
+/// a malformed header names its field (`heads` past the model's N heads included).
 pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
     if bytes.starts_with(b"GGUF") {
@@ -596,6 +663,22 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
         return load_bytes(path, &bytes, map, cfg).map(DumpFile::One);
     }
     let header = parse_header(path, metadata.get("header").map(String::as_str))?;
+    let heads_cfg = match header.heads {
+        Some([a, b]) if b > cfg.n_head => {
+            return Err(derr(
+                path,
+                "__metadata__.header.heads",
+                format!(
+                    "[{a}, {b}]: the model has {} heads; expected 0 ≤ a < b ≤ {}",
+                    cfg.n_head, cfg.n_head
+                ),
+            ));
+        }
+        Some(h) => Some(heads_config(cfg, h)),
+        None => None,
+    };
+    // A dump of heads a..b: its per-head sites are read with b − a heads.
+    let cfg = heads_cfg.as_ref().unwrap_or(cfg);
     let st = SafeTensors::deserialize(&bytes).map_err(|e| derr(path, "header", e.to_string()))?;
     let mut ignored = Vec::new();
     for name in st.names() {

@@ -212,14 +212,15 @@ pub fn terminal(report: &RunReport) -> String {
 }
 
 /// One line describing what ran: input, batch, seed, dtype, paging, TP, faults; for a dump,
-/// the file, engine, batch, the engine's dtype, the tolerance rows applied and the map.
+/// the file, engine, batch, the engine's dtype, the tolerance rows applied (marked `(kernel
+/// precision)` when a kernel precision chose them instead of the engine dtype) and the map.
 pub fn run_line(report: &RunReport) -> String {
     let r = &report.run;
     if let Some(d) = &report.dump {
         let lens: Vec<String> = r.batch.seqs.iter().map(|s| s.len.to_string()).collect();
         let starts: Vec<String> = r.batch.seqs.iter().map(|s| s.start_pos.to_string()).collect();
         return format!(
-            "dump {} from engine `{}`, T={} in {} sequence(s) [{}] from position(s) [{}], engine dtype {}, tolerance rows {}, map {}",
+            "dump {} from engine `{}`, T={} in {} sequence(s) [{}] from position(s) [{}], engine dtype {}, tolerance rows {}{}, map {}",
             d.path,
             d.engine,
             r.batch.n_tokens(),
@@ -228,6 +229,12 @@ pub fn run_line(report: &RunReport) -> String {
             starts.join(","),
             d.dtype,
             d.tolerance_rows,
+            // Rows other than the engine dtype's come from a kernel precision (header or flag).
+            if d.tolerance_rows == d.dtype.precision() {
+                ""
+            } else {
+                " (kernel precision)"
+            },
             d.map.as_deref().unwrap_or("none")
         );
     }

@@ -268,16 +268,7 @@ impl<B> CacheState<B> {
     /// is canary-filled, so reading a slot never written yields NaN.
     pub(super) fn new<O: Ops<Buf = B>>(ops: &O, batch: &Batch, cfg: &MlaConfig, opts: &PathOptions) -> Result<Self> {
         let page = opts.page_size.max(1);
-        let pages: Vec<usize> = batch.seqs.iter().map(|s| s.len.div_ceil(page)).collect();
-        let num_blocks = pages.iter().sum::<usize>() + 1;
-        let mut physical: Vec<usize> = (0..num_blocks).collect();
-        SplitMix64::new(opts.seed ^ 0x5EED_B10C).shuffle(&mut physical);
-        let mut tables = Vec::new();
-        let mut next = 0;
-        for &np in &pages {
-            tables.push(physical[next..next + np].to_vec());
-            next += np;
-        }
+        let (num_blocks, tables) = paged_block_tables(batch, page, opts.seed);
         let width = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
         Ok(CacheState {
             cache: ops.canary(num_blocks * page * width)?,
@@ -309,4 +300,24 @@ impl<B> CacheState<B> {
         let slots: Vec<usize> = seqs.iter().zip(pos).map(|(&s, &i)| self.slot(s, i)).collect();
         a.ops.cache_write(&mut self.cache, self.width, &kv, &kp, l, r, &slots)
     }
+}
+
+/// The paged latent cache's layout for `batch` with `page` tokens per page (at least 1): the
+/// number of blocks (every sequence's ⌈len/page⌉ pages plus one spare that no table holds) and
+/// each sequence's block table, its block ids in position order. The blocks are handed out in an
+/// order shuffled from `seed`, so a kernel that reads block `i` where the table says another
+/// reads another sequence's rows. Every engine path's cache and `run --export-inputs` use it.
+pub fn paged_block_tables(batch: &Batch, page: usize, seed: u64) -> (usize, Vec<Vec<usize>>) {
+    let page = page.max(1);
+    let pages: Vec<usize> = batch.seqs.iter().map(|s| s.len.div_ceil(page)).collect();
+    let num_blocks = pages.iter().sum::<usize>() + 1;
+    let mut physical: Vec<usize> = (0..num_blocks).collect();
+    SplitMix64::new(seed ^ 0x5EED_B10C).shuffle(&mut physical);
+    let mut tables = Vec::with_capacity(pages.len());
+    let mut next = 0;
+    for &np in &pages {
+        tables.push(physical[next..next + np].to_vec());
+        next += np;
+    }
+    (num_blocks, tables)
 }

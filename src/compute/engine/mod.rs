@@ -43,6 +43,7 @@ use mqa::*;
 use prologue::*;
 use weights::*;
 
+pub use attn::paged_block_tables;
 pub use chunked::chunked_split;
 pub use mixed::mixed_decode_seqs;
 pub use prologue::cos_sin_table;

@@ -900,11 +900,15 @@ fn lse_merge(x: &SiteCtx<'_>) -> Detected {
     }
     if x.site.stage == Stage::Lse {
         let m = x.diff.metrics.as_ref()?;
+        // A scale moves cos_diff (1 − 2Σab/Σ(a²+b²) is not scale-blind): the direction is judged
+        // by the true cosine, as right as the rows' precision allows.
+        let (tol, _) = tolerance(x.site.stage, x.input.precision);
+        let direction_right = 1.0 - true_cosine(x) <= (tol.rel_l2 * tol.rel_l2).max(1e-10);
         for (f, what) in [
             (1.0 / std::f64::consts::LN_2, "log2 (base-2 LSE)"),
             (std::f64::consts::LN_2, "a base-2 LSE read as natural log"),
         ] {
-            if (m.norm_ratio / f - 1.0).abs() < 2e-3 && m.cos_diff < 1e-6 {
+            if (m.norm_ratio / f - 1.0).abs() < 2e-3 && direction_right {
                 return Some((
                     format!("LSE is the reference times {f:.4}: {what}"),
                     "merge states in one log base: natural log everywhere, or convert with ln 2".into(),
@@ -1196,13 +1200,12 @@ fn nonfinite(x: &SiteCtx<'_>) -> Detected {
     ))
 }
 
-fn scale_only(x: &SiteCtx<'_>) -> Detected {
-    let m = x.diff.metrics.as_ref()?;
-    let (tol, _) = tolerance(x.site.stage, x.input.precision);
-    if m.nonfinite_mismatch > 0 || (m.norm_ratio - 1.0).abs() <= tol.norm_ratio {
-        return None;
-    }
-    // The true cosine similarity (DESIGN's cos_diff is not scale-blind, this is).
+/// The true cosine similarity of candidate and reference over the elements finite on both sides
+/// (the metrics' cos_diff is not scale-blind, this is); 0 without metrics or with a zero norm.
+fn true_cosine(x: &SiteCtx<'_>) -> f64 {
+    let Some(m) = x.diff.metrics.as_ref() else {
+        return 0.0;
+    };
     let (r, c) = (x.refr.to_f64(), x.cand.to_f64());
     let dot: f64 = r
         .iter()
@@ -1210,11 +1213,20 @@ fn scale_only(x: &SiteCtx<'_>) -> Detected {
         .filter(|(a, b)| a.is_finite() && b.is_finite())
         .map(|(a, b)| a * b)
         .sum();
-    let cos = if m.norm_ref > 0.0 && m.norm_cand > 0.0 {
+    if m.norm_ref > 0.0 && m.norm_cand > 0.0 {
         dot / (m.norm_ref * m.norm_cand)
     } else {
         0.0
-    };
+    }
+}
+
+fn scale_only(x: &SiteCtx<'_>) -> Detected {
+    let m = x.diff.metrics.as_ref()?;
+    let (tol, _) = tolerance(x.site.stage, x.input.precision);
+    if m.nonfinite_mismatch > 0 || (m.norm_ratio - 1.0).abs() <= tol.norm_ratio {
+        return None;
+    }
+    let cos = true_cosine(x);
     // The direction must be as right as the path's precision allows: 1 − cos ≈ rel_l2² / 2.
     if 1.0 - cos > (tol.rel_l2 * tol.rel_l2).max(1e-10) {
         return None;

@@ -1,0 +1,608 @@
+//! `run --export-inputs`: the kernel inputs it writes reproduce the reference when run through
+//! the CPU backend's own decode and flash-attention kernels (so a production kernel fed the same
+//! file is judged alone), `--rank` exports the slice of heads of the full export, and a format-2
+//! dump built on the export's `dump_header` is judged by `compare` with `kernel_precision` and
+//! `heads`: a clean bf16 kernel passes, a base-2 LSE and shifted heads do not.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use mla_diff::backend::cpu::CpuOps;
+use mla_diff::compute::ops::{DecodeArgs, EmptyRows, Ops, Segment};
+use mla_diff::core::batch::{Batch, SeqSpec};
+use mla_diff::core::dtype::Dtype;
+use mla_diff::core::st::ExtraTensor;
+use mla_diff::core::trace::{Site, Stage, Trace, TraceTensor};
+use mla_diff::judge::metrics;
+use mla_diff::judge::tolerance::Precision;
+use mla_diff::model::config::MlaConfig;
+use mla_diff::model::gguf::GgufFile;
+use mla_diff::model::weights::LayerWeights;
+
+use crate::common::{compare_json, repo, run_bin};
+
+/// An `inputs.safetensors` as read back: tensors (widened to f64) and metadata.
+struct Inputs {
+    t: BTreeMap<String, ExtraTensor>,
+    meta: BTreeMap<String, String>,
+}
+
+impl Inputs {
+    fn read(p: &Path) -> Inputs {
+        let f = mla_diff::core::st::read(p).unwrap();
+        assert!(f.trace.entries().is_empty(), "no site names in the export");
+        Inputs {
+            t: f.extra,
+            meta: f.metadata,
+        }
+    }
+
+    fn get(&self, name: &str) -> &ExtraTensor {
+        self.t.get(name).unwrap_or_else(|| panic!("{name} missing"))
+    }
+
+    fn f32(&self, name: &str) -> Vec<f32> {
+        self.get(name).data.iter().map(|&x| x as f32).collect()
+    }
+
+    fn usize(&self, name: &str) -> Vec<usize> {
+        self.get(name).data.iter().map(|&x| x as usize).collect()
+    }
+
+    fn meta_usize(&self, key: &str) -> usize {
+        self.meta[key].parse().unwrap()
+    }
+}
+
+/// Runs `mla-diff run ARGS --export-inputs DIR --quiet` (exit 0 asserted) and reads the export.
+fn export(args: &[&str], dir: &Path) -> Inputs {
+    let mut a = vec!["run", "--quiet", "--export-inputs", dir.to_str().unwrap()];
+    a.extend_from_slice(args);
+    let (code, out, err) = run_bin(&a);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let line = out.lines().find(|l| l.starts_with("kernel inputs: wrote")).expect(&out);
+    let file = dir.join("inputs.safetensors");
+    let bytes = std::fs::metadata(&file).unwrap().len();
+    assert!(line.contains(&format!("{bytes} bytes")), "{line}");
+    Inputs::read(&file)
+}
+
+/// The model, its config, and the reference trace of `layer` run on the export's `hidden_in`.
+fn reference(model: Option<&str>, layer: usize, inp: &Inputs) -> (GgufFile, MlaConfig, Batch, Trace) {
+    let file =
+        mla_diff::model::fixture::open_model(model.map(|m| repo().join("golden/models").join(m)).as_ref()).unwrap();
+    let cfg = MlaConfig::from_gguf(&file).unwrap();
+    let seqs: Vec<usize> = inp.meta["seqs"].split(',').map(|s| s.parse().unwrap()).collect();
+    let batch = Batch {
+        seqs: seqs.iter().map(|&len| SeqSpec { len, start_pos: 0 }).collect(),
+    };
+    let h = inp.get("hidden_in");
+    let hidden = ndarray::Array2::from_shape_vec((h.shape[0], h.shape[1]), h.data.clone()).unwrap();
+    let w = LayerWeights::load(&file, &cfg, layer).unwrap();
+    let r = mla_diff::compute::reference::reference_layer(&cfg, &w, &hidden, &batch, 1, None).unwrap();
+    (file, cfg, batch, r.trace)
+}
+
+/// The reference site `stage` of `layer`, heads `a..b` of a `[T, N, X]` or `[T, N]` site.
+fn heads_of(tr: &Trace, layer: usize, stage: Stage, n: usize, (a, b): (usize, usize)) -> TraceTensor {
+    let t = tr.get(&Site::new(layer, stage)).unwrap();
+    let rows = t.shape[0];
+    let x = t.len() / (rows * n);
+    let all = t.to_f64();
+    let v: Vec<f64> = (0..rows)
+        .flat_map(|i| all[(i * n + a) * x..(i * n + b) * x].to_vec())
+        .collect();
+    let mut shape = t.shape.clone();
+    shape[1] = b - a;
+    TraceTensor::f64(shape, v)
+}
+
+/// Every site of `cand` within the f32 tolerance rows against `reference`.
+fn assert_f32_pass(reference: &Trace, cand: &Trace, what: &str) {
+    let diffs = metrics::diff(reference, cand, Precision::F32);
+    assert_eq!(diffs.len(), cand.entries().len());
+    for d in &diffs {
+        assert!(!d.is_failure(), "{what}: {} fails: {d:?}", d.site);
+        let m = d.metrics.as_ref().unwrap();
+        assert!(m.rel_l2 < 1e-5, "{what}: {} rel_l2 {}", d.site, m.rel_l2);
+    }
+}
+
+/// The exported decode inputs through the CPU decode (split-KV partials merged by LSE), and the
+/// prefill inputs through the CPU flash attention, give the reference's `attn_latent`, `lse` and
+/// `attn_out` within the f32 rows; the tensors themselves are the reference's sites rounded to
+/// f32, the cache laid out through the engine paths' block tables with unused slots 0.
+#[test]
+fn exported_inputs_reproduce_the_reference_through_the_cpu_kernels() {
+    // (model, layer, seed, arguments): the embedded default; a YaRN model without q compression
+    // and P ≠ V, several sequences, a page size that divides none of them; the fixture with
+    // DeepSeek-V3's head dims at FlashMLA's page size.
+    let cases: [(Option<&str>, usize, u64, &[&str]); 3] = [
+        (None, 1, 0, &["--layer", "1"]),
+        (
+            Some("lite-v2-f32.gguf"),
+            0,
+            3,
+            &[
+                "--layer",
+                "0",
+                "--seqs",
+                "1,15,17,5",
+                "--page-size",
+                "6",
+                "--seed",
+                "3",
+                "--path",
+                "mqa",
+            ],
+        ),
+        (
+            Some("fa3-v3-bf16.gguf"),
+            1,
+            0,
+            &["--layer", "1", "--seqs", "3,70", "--page-size", "64", "--path", "mha"],
+        ),
+    ];
+    for (model, layer, seed, args) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let mut a: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        if let Some(m) = model {
+            a.extend([
+                "--model".into(),
+                repo().join("golden/models").join(m).display().to_string(),
+            ]);
+        }
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let inp = export(&a, dir.path());
+        let (file, cfg, batch, tr) = reference(model, layer, &inp);
+        let what = model.unwrap_or("embedded");
+        let (n, l, p, r, v) = (
+            cfg.n_head,
+            cfg.kv_lora_rank,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+        );
+        let t = batch.n_tokens();
+        let page = inp.meta_usize("page_size");
+        assert_eq!(inp.meta["format"], "mla-diff kernel inputs 1");
+        assert_eq!(inp.meta["heads"], format!("0,{n}"));
+        assert_eq!(inp.meta_usize("n_head"), n);
+        assert_eq!(inp.meta_usize("layer"), layer);
+        assert_eq!(
+            [
+                inp.meta_usize("kv_lora_rank"),
+                inp.meta_usize("qk_nope_head_dim"),
+                inp.meta_usize("qk_rope_head_dim"),
+                inp.meta_usize("v_head_dim")
+            ],
+            [l, p, r, v]
+        );
+        let scale: f64 = inp.meta["softmax_scale"].parse().unwrap();
+        assert_eq!(scale, cfg.softmax_scale, "{what}: softmax_scale printed in full");
+
+        // The tensors are the reference's sites, rounded to f32.
+        let site = |s: Stage| tr.get(&Site::new(layer, s)).unwrap().to_f64();
+        let (ql, qpe, q, kn, kpe, kvc) = (
+            site(Stage::QlNope),
+            site(Stage::QPeRoped),
+            site(Stage::Q),
+            site(Stage::KNope),
+            site(Stage::KPeRoped),
+            site(Stage::KvCNormed),
+        );
+        let dq = inp.f32("decode.q");
+        let pq = inp.f32("prefill.q");
+        let pk = inp.f32("prefill.k");
+        assert_eq!(inp.get("decode.q").shape, vec![t, n, l + r]);
+        assert_eq!(inp.get("prefill.q").shape, vec![t, n, p + r]);
+        assert_eq!(inp.get("prefill.v").shape, vec![t, n, v]);
+        for (i, h) in [(0, 0), (t - 1, n - 1), (t / 2, n / 2)] {
+            let row = i * n + h;
+            assert_eq!(dq[row * (l + r) + 3], ql[row * l + 3] as f32);
+            assert_eq!(dq[row * (l + r) + l + 1], qpe[row * r + 1] as f32);
+            assert_eq!(pq[row * (p + r) + 2], q[row * (p + r) + 2] as f32);
+            assert_eq!(pq[row * (p + r) + p + 1], qpe[row * r + 1] as f32);
+            assert_eq!(pk[row * (p + r) + 5], kn[row * p + 5] as f32);
+            assert_eq!(
+                pk[row * (p + r) + p + 2],
+                kpe[i * r + 2] as f32,
+                "k_pe broadcast to every head"
+            );
+        }
+
+        // The cache: the engine paths' block tables, every token's row at its slot, the rest 0.
+        let (num_blocks, tables) = mla_diff::compute::engine::paged_block_tables(&batch, page, seed);
+        let cache = inp.f32("decode.kv_cache");
+        assert_eq!(inp.get("decode.kv_cache").shape, vec![num_blocks, page, l + r]);
+        let bt = inp.usize("decode.block_table");
+        let max_blocks = inp.get("decode.block_table").shape[1];
+        assert_eq!(max_blocks, tables.iter().map(Vec::len).max().unwrap());
+        let seqlens = inp.usize("decode.cache_seqlens");
+        let mut written = vec![false; num_blocks * page];
+        let mut row = 0;
+        for (s, sq) in batch.seqs.iter().enumerate() {
+            for i in 0..sq.len {
+                assert_eq!(seqlens[row], i + 1);
+                let tbl = &bt[row * max_blocks..(row + 1) * max_blocks];
+                assert_eq!(&tbl[..tables[s].len()], tables[s].as_slice());
+                assert!(tbl[tables[s].len()..].iter().all(|&b| b == 0), "padded with 0");
+                let slot = tables[s][i / page] * page + i % page;
+                written[slot] = true;
+                assert_eq!(cache[slot * (l + r) + 7], kvc[row * l + 7] as f32);
+                assert_eq!(cache[slot * (l + r) + l + 3], kpe[row * r + 3] as f32);
+                row += 1;
+            }
+        }
+        for (slot, w) in written.iter().enumerate() {
+            if !w {
+                assert!(cache[slot * (l + r)..(slot + 1) * (l + r)].iter().all(|&x| x == 0.0));
+            }
+        }
+        let cu = inp.usize("prefill.cu_seqlens");
+        assert_eq!(cu.len(), batch.seqs.len() + 1);
+        assert_eq!(*cu.last().unwrap(), t);
+
+        // Decode through the CPU backend's split-KV decode and merge.
+        let ops = CpuOps::new(Dtype::F32);
+        let row_tables: Vec<Vec<usize>> = bt.chunks(max_blocks).map(<[usize]>::to_vec).collect();
+        let (lat, lse) = ops
+            .decode_merged(&DecodeArgs {
+                q: &dq,
+                n: t,
+                nh: n,
+                cache: &cache,
+                block_size: page,
+                width: l + r,
+                tables: &row_tables,
+                ctx: &seqlens,
+                splits: 4,
+                dv: l,
+                scale: scale as f32,
+                empty_lse: f32::NEG_INFINITY,
+            })
+            .unwrap();
+        let mut cand = Trace::new();
+        cand.record(
+            Site::new(layer, Stage::AttnLatent),
+            TraceTensor::f32(vec![t, n, l], lat),
+        );
+        cand.record(Site::new(layer, Stage::Lse), TraceTensor::f32(vec![t, n], lse));
+        assert_f32_pass(&tr, &cand, &format!("{what} decode"));
+
+        // Prefill through the CPU flash attention, one causal segment per sequence.
+        let segs: Vec<Segment> = cu
+            .windows(2)
+            .map(|w| Segment {
+                q_off: w[0],
+                q_len: w[1] - w[0],
+                k_off: w[0],
+                k_len: w[1] - w[0],
+                causal: true,
+            })
+            .collect();
+        let mut out = ops.canary(t * n * v).unwrap();
+        let mut lse = ops.canary(t * n).unwrap();
+        ops.flash_attention(
+            &pq,
+            &pk,
+            &inp.f32("prefill.v"),
+            n,
+            p + r,
+            v,
+            &segs,
+            scale as f32,
+            EmptyRows::ZeroMinusInf,
+            &mut out,
+            &mut lse,
+        )
+        .unwrap();
+        let mut cand = Trace::new();
+        cand.record(Site::new(layer, Stage::AttnOut), TraceTensor::f32(vec![t, n, v], out));
+        cand.record(Site::new(layer, Stage::Lse), TraceTensor::f32(vec![t, n], lse));
+        assert_f32_pass(&tr, &cand, &format!("{what} prefill"));
+
+        // The dump header names this model and layer.
+        let h: serde_json::Value = serde_json::from_str(&inp.meta["dump_header"]).unwrap();
+        assert_eq!(h["model"]["index_sha256"], file.index_sha256_hex());
+        assert_eq!(
+            h["model"]["layer_sha256"][layer.to_string()],
+            file.layer_sha256_hex(layer)
+        );
+        assert_eq!(h["model"]["bytes"], file.file_len());
+        assert_eq!(h["heads"], serde_json::json!([0, n]));
+        assert_eq!(h["steps"][0]["name"], "kernel");
+        let news: Vec<usize> = h["steps"][0]["seqs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| {
+                assert_eq!(s["context"], 0);
+                s["new"].as_u64().unwrap() as usize
+            })
+            .collect();
+        assert_eq!(news, batch.seqs.iter().map(|s| s.len).collect::<Vec<_>>());
+    }
+}
+
+/// `--tp TP --rank R` exports heads `R·N/TP .. (R+1)·N/TP`: the per-head tensors are that slice of
+/// the full export, bit for bit, and everything else is the full export's.
+#[test]
+fn a_ranks_export_is_its_slice_of_the_full_export() {
+    let (full_dir, rank_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let base = ["--layer", "1", "--seqs", "4,9", "--page-size", "4", "--path", "mha"];
+    let full = export(&base, full_dir.path());
+    let mut args = base.to_vec();
+    args.extend(["--tp", "3", "--rank", "2"]);
+    let part = export(&args, rank_dir.path());
+    let n = full.meta_usize("n_head");
+    let (a, b) = (2 * n / 3, n);
+    assert_eq!(part.meta["heads"], format!("{a},{b}"));
+    let h: serde_json::Value = serde_json::from_str(&part.meta["dump_header"]).unwrap();
+    assert_eq!(h["heads"], serde_json::json!([a, b]));
+    for (name, x) in [
+        (
+            "decode.q",
+            full.meta_usize("kv_lora_rank") + full.meta_usize("qk_rope_head_dim"),
+        ),
+        (
+            "prefill.q",
+            full.meta_usize("qk_nope_head_dim") + full.meta_usize("qk_rope_head_dim"),
+        ),
+        (
+            "prefill.k",
+            full.meta_usize("qk_nope_head_dim") + full.meta_usize("qk_rope_head_dim"),
+        ),
+        ("prefill.v", full.meta_usize("v_head_dim")),
+    ] {
+        let (f, q) = (full.get(name), part.get(name));
+        let t = f.shape[0];
+        assert_eq!(q.shape, vec![t, b - a, x], "{name}");
+        let want: Vec<f64> = (0..t)
+            .flat_map(|i| f.data[(i * n + a) * x..(i * n + b) * x].to_vec())
+            .collect();
+        assert_eq!(q.data, want, "{name}");
+    }
+    for name in [
+        "hidden_in",
+        "decode.kv_cache",
+        "decode.block_table",
+        "decode.cache_seqlens",
+        "prefill.cu_seqlens",
+    ] {
+        assert_eq!(full.get(name), part.get(name), "{name}");
+    }
+    for key in ["softmax_scale", "page_size", "n_head", "seqs", "layer"] {
+        assert_eq!(full.meta[key], part.meta[key], "{key}");
+    }
+}
+
+/// Refused before any work (exit 2, one line): an existing file without --force, several layers,
+/// a start position, a rank outside --tp, a DSA model, a memory limit the export does not fit.
+#[test]
+fn export_refusals_are_usage_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let (code, out, err) = run_bin(&["run", "--quiet", "--path", "mha", "--export-inputs", d]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let file = dir.path().join("inputs.safetensors");
+    let before = std::fs::read(&file).unwrap();
+    let dsa = repo().join("golden/models/dsa-glm-f32.gguf");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec![], "exists; pass --force"),
+        (vec!["--layers", "0..2"], "one layer"),
+        (vec!["--start-pos", "4", "--force"], "--start-pos 0"),
+        (vec!["--tp", "2", "--rank", "2", "--force"], "--rank 2"),
+        (vec!["--model", dsa.to_str().unwrap(), "--force"], "DSA indexer"),
+        (vec!["--max-memory", "64K", "--force"], "--export-inputs file about"),
+    ];
+    for (extra, want) in cases {
+        let mut a = vec!["run", "--quiet", "--path", "mha", "--export-inputs", d];
+        a.extend(extra.iter().copied());
+        let (code, out, err) = run_bin(&a);
+        assert_eq!(code, 2, "{extra:?}: {out}\n{err}");
+        assert!(err.contains(want), "{extra:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert_eq!(std::fs::read(&file).unwrap(), before, "{extra:?} touched the file");
+    }
+    // --rank needs --export-inputs (clap's usage error, exit 2).
+    let (code, _, _) = run_bin(&["run", "--quiet", "--rank", "0"]);
+    assert_eq!(code, 2);
+    // --force replaces the file.
+    let (code, out, err) = run_bin(&[
+        "run",
+        "--quiet",
+        "--path",
+        "mha",
+        "--seed",
+        "1",
+        "--force",
+        "--export-inputs",
+        d,
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_ne!(std::fs::read(&file).unwrap(), before);
+}
+
+/// A kernel's format-2 dump made from an export: `dump_header` completed with engine, dtype and
+/// `kernel_precision`, `hidden_in` from the export, and the given `attn_latent` / `lse` of the
+/// export's heads, written as BF16 into a new folder (compare is given --model).
+fn kernel_dump(
+    inp: &Inputs,
+    layer: usize,
+    latent: &TraceTensor,
+    lse: &TraceTensor,
+    edit: impl Fn(&mut serde_json::Value),
+) -> (tempfile::TempDir, PathBuf) {
+    use safetensors::Dtype as D;
+    let bf16 = |t: &TraceTensor| -> Vec<u8> {
+        t.to_f64()
+            .iter()
+            .flat_map(|&x| half::bf16::from_f64(x).to_le_bytes())
+            .collect()
+    };
+    let h = inp.get("hidden_in");
+    let hidden: Vec<u8> = h.data.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect();
+    let tensors = [
+        (format!("s0.L{layer}.hidden_in"), D::F32, h.shape.clone(), hidden),
+        (
+            format!("s0.L{layer}.attn_latent"),
+            D::BF16,
+            latent.shape.clone(),
+            bf16(latent),
+        ),
+        (format!("s0.L{layer}.lse"), D::BF16, lse.shape.clone(), bf16(lse)),
+    ];
+    let mut header: serde_json::Value = serde_json::from_str(&inp.meta["dump_header"]).unwrap();
+    header["engine"] = serde_json::json!({"name": "test-kernel", "version": "1", "attention_backend": "CPU_DECODE"});
+    header["hook"] = serde_json::json!({"name": "tests/kernel_inputs.rs", "version": "1"});
+    header["dtype"] = "bf16".into();
+    header["kernel_precision"] = "bf16".into();
+    edit(&mut header);
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    let meta: std::collections::HashMap<String, String> = [
+        ("format".to_string(), "mla-diff dump 2".to_string()),
+        ("header".to_string(), header.to_string()),
+    ]
+    .into_iter()
+    .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("kernel.safetensors");
+    std::fs::write(&p, safetensors::serialize(views, Some(meta)).unwrap()).unwrap();
+    (dir, p)
+}
+
+/// `compare` on a kernel's dump of heads `a..b`: the reference's own values rounded to bf16 pass
+/// under `kernel_precision: bf16` (the rows `run --dtype bf16` applies), fail under
+/// `--precision f32`; an undeclared base-2 LSE is `lse-merge` at `lse`; heads shifted by one fail
+/// at `attn_latent`; a `heads` range outside the model is an input error naming the field.
+#[test]
+fn compare_judges_a_kernel_dump_of_some_heads() {
+    let model = "tiny-v3-q4_k_m.gguf";
+    let model_path = repo().join("golden/models").join(model);
+    let layer = 1;
+    let dir = tempfile::tempdir().unwrap();
+    let inp = export(
+        &[
+            "--model",
+            model_path.to_str().unwrap(),
+            "--layer",
+            "1",
+            "--seqs",
+            "5,14",
+            "--page-size",
+            "4",
+            "--tp",
+            "3",
+            "--rank",
+            "1",
+            "--path",
+            "mha",
+        ],
+        dir.path(),
+    );
+    let (_file, cfg, _batch, tr) = reference(Some(model), layer, &inp);
+    let n = cfg.n_head;
+    let (a, b) = (n / 3, 2 * n / 3);
+    assert_eq!(inp.meta["heads"], format!("{a},{b}"));
+    let latent = heads_of(&tr, layer, Stage::AttnLatent, n, (a, b));
+    let lse = heads_of(&tr, layer, Stage::Lse, n, (a, b));
+
+    // Clean: passes under the bf16 rows, and says so.
+    let (_d, p) = kernel_dump(&inp, layer, &latent, &lse, |_| {});
+    let (code, out, err, doc) = compare_json(&model_path, &p, &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(doc["dump"]["tolerance_rows"], "bf16");
+    assert_eq!(doc["dump"]["metadata"]["heads"], format!("{a},{b}"));
+    assert_eq!(doc["dump"]["metadata"]["kernel_precision"], "bf16");
+    assert!(out.contains("tolerance rows bf16 (kernel precision)"), "{out}");
+    let sites: Vec<&str> = doc["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            assert_eq!(s["status"], "pass", "{s}");
+            s["site"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(sites, ["L1.hidden_in", "L1.attn_latent", "L1.lse"]);
+    let lat_site = doc["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["site"] == "L1.attn_latent")
+        .unwrap();
+    assert_eq!(lat_site["shape_ref"], serde_json::json!([19, b - a, cfg.kv_lora_rank]));
+    // bf16-rounded values are not f32 values: --precision f32 (over the header) fails them.
+    let (code, out, err, doc) = compare_json(&model_path, &p, &["--precision", "f32"]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert_eq!(doc["dump"]["tolerance_rows"], "f32");
+    let (code, _, err, _) = compare_json(&model_path, &p, &["--precision", "fp8"]);
+    assert_eq!(code, 2, "{err}");
+    // Without kernel_precision the dump's dtype picks the engine-bf16 rows.
+    let (_d2, p2) = kernel_dump(&inp, layer, &latent, &lse, |h| {
+        h.as_object_mut().unwrap().remove("kernel_precision");
+    });
+    let (code, out, err, doc) = compare_json(&model_path, &p2, &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(doc["dump"]["tolerance_rows"], "engine-bf16");
+    assert!(!out.contains("(kernel precision)"), "{out}");
+    let (code, _, _, doc) = compare_json(&model_path, &p2, &["--precision", "bf16"]);
+    assert_eq!((code, doc["dump"]["tolerance_rows"].as_str()), (0, Some("bf16")));
+
+    // A base-2 LSE the header does not declare.
+    let lse2 = TraceTensor::f64(
+        lse.shape.clone(),
+        lse.to_f64().iter().map(|x| x / std::f64::consts::LN_2).collect(),
+    );
+    let (_d3, p3) = kernel_dump(&inp, layer, &latent, &lse2, |_| {});
+    let (code, out, err, doc) = compare_json(&model_path, &p3, &[]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert_eq!(doc["findings"][0]["class"], "lse-merge", "{}", doc["findings"]);
+    assert_eq!(doc["findings"][0]["site"], "L1.lse");
+    // Declared, it is converted and passes.
+    let (_d4, p4) = kernel_dump(&inp, layer, &latent, &lse2, |h| {
+        h["conventions"]["lse_base"] = "2".into();
+    });
+    let (code, out, err, _) = compare_json(&model_path, &p4, &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+
+    // The header says heads a..b, the tensors hold a+1..b+1.
+    let (_d5, p5) = kernel_dump(
+        &inp,
+        layer,
+        &heads_of(&tr, layer, Stage::AttnLatent, n, (a + 1, b + 1)),
+        &heads_of(&tr, layer, Stage::Lse, n, (a + 1, b + 1)),
+        |_| {},
+    );
+    let (code, out, err, doc) = compare_json(&model_path, &p5, &[]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert_eq!(doc["findings"][0]["site"], "L1.attn_latent", "{}", doc["findings"]);
+    // No detector knows a head offset: rows with one visible key (each sequence's first token)
+    // match whatever the head, every other row is wrong.
+    assert_eq!(doc["findings"][0]["class"], "mismatch", "{}", doc["findings"]);
+
+    // Bad ranges and precisions: exit 2 naming the file and the field.
+    for (edit, field) in [
+        (serde_json::json!([a, n + 1]), "header.heads"),
+        (serde_json::json!([b, a]), "header.heads"),
+        (serde_json::json!([a]), "header.heads"),
+    ] {
+        let (_d6, p6) = kernel_dump(&inp, layer, &latent, &lse, |h| h["heads"] = edit.clone());
+        let (code, out, err, _) = compare_json(&model_path, &p6, &[]);
+        assert_eq!(code, 2, "{edit}: {out}\n{err}");
+        assert!(err.contains("kernel.safetensors") && err.contains(field), "{err}");
+    }
+    let (_d7, p7) = kernel_dump(&inp, layer, &latent, &lse, |h| h["kernel_precision"] = "fp8".into());
+    let (code, _, err, _) = compare_json(&model_path, &p7, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("header.kernel_precision"), "{err}");
+}

@@ -249,8 +249,9 @@ def run_triton(mod, q, cache, table, seqlens, L, scale, splits=None, phantom=Fal
         q, kv, kv[..., :L], o, lse, table, seqlens, logits, splits, scale, cache.shape[1], is_mla=True
     )
     if phantom:
-        # The caller allocated `o`, the kernel wrote it, and the caller returns a buffer of its own.
-        never_written = torch.empty_like(o).fill_(float("nan"))
+        # The caller allocated `o`, the kernel wrote it, and the caller returns the zero-filled
+        # output buffer it allocated for the layer and never handed to the kernel.
+        never_written = torch.zeros_like(o)
         return never_written.float(), lse.float(), "e"
     return o.float(), lse.float(), "e"
 

@@ -606,3 +606,98 @@ fn compare_judges_a_kernel_dump_of_some_heads() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("header.kernel_precision"), "{err}");
 }
+
+/// The production kernels' dumps made on an H200 by `scripts/kernels_gpu.sh` (case `ci-fa3`:
+/// fa3-v3-bf16 layer 0, sequences 1, 63, 64, 65 at page 64, bf16): (file, engine, LSE base).
+const KERNEL_DUMPS: &[(&str, &str, &str)] = &[
+    ("fa3-v3-bf16.kernel-flashmla.safetensors", "flashmla vllm 0.26.0", "e"),
+    (
+        "fa3-v3-bf16.kernel-triton-mla.safetensors",
+        "triton-mla vllm 0.26.0",
+        "e",
+    ),
+    (
+        "fa3-v3-bf16.kernel-flashinfer.safetensors",
+        "flashinfer flashinfer-python 0.6.14",
+        "2",
+    ),
+];
+
+/// The dump at `src` with its format-2 header's `conventions.lse_base` replaced, written to `dst`.
+fn with_lse_base(src: &Path, dst: &Path, base: &str) {
+    let bytes = std::fs::read(src).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut head: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let h = head["__metadata__"]["header"].as_str().unwrap().to_string();
+    let mut h: serde_json::Value = serde_json::from_str(&h).unwrap();
+    h["conventions"]["lse_base"] = serde_json::Value::String(base.into());
+    head["__metadata__"]["header"] = serde_json::Value::String(h.to_string());
+    let mut text = serde_json::to_vec(&head).unwrap();
+    while text.len() % 8 != 0 {
+        text.push(b' ');
+    }
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(dst, out).unwrap();
+}
+
+#[test]
+fn every_committed_kernel_dump_passes_with_the_kernel_precision_rows() {
+    let dir = repo().join("golden/dumps");
+    let model = repo().join("golden/models/fa3-v3-bf16.gguf");
+    let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".kernel-"))
+        .collect();
+    on_disk.sort();
+    let mut listed: Vec<String> = KERNEL_DUMPS.iter().map(|c| c.0.to_string()).collect();
+    listed.sort();
+    assert_eq!(on_disk, listed, "every committed kernel dump is a case here");
+    for &(dump, engine, base) in KERNEL_DUMPS {
+        let (code, out, err, doc) = compare_json(&model, &dir.join(dump), &[]);
+        assert_eq!(code, 0, "{dump}: {out}\n{err}");
+        assert_eq!(doc["dump"]["engine"], engine, "{dump}");
+        // bf16 inputs, f32 accumulation: run --dtype bf16's rows, not the engine rows.
+        assert_eq!(doc["dump"]["tolerance_rows"], "bf16", "{dump}");
+        assert_eq!(doc["dump"]["metadata"]["kernel_precision"], "bf16", "{dump}");
+        let converted = doc["dump"]["conversions"].to_string().contains("base-2 LSE");
+        assert_eq!(converted, base == "2", "{dump}: {}", doc["dump"]["conversions"]);
+        let sites = doc["sites"].as_array().unwrap();
+        for site in ["L0.hidden_in", "L0.attn_latent", "L0.lse"] {
+            let s = sites
+                .iter()
+                .find(|s| s["site"] == site)
+                .unwrap_or_else(|| panic!("{dump}: {site}"));
+            assert_eq!(s["status"], "pass", "{dump}: {site}");
+            assert_eq!(
+                s["shape"],
+                serde_json::json!(if site == "L0.hidden_in" {
+                    vec![193, 64]
+                } else if site == "L0.lse" {
+                    vec![193, 4]
+                } else {
+                    vec![193, 4, 512]
+                }),
+                "{dump}: {site}"
+            );
+        }
+    }
+}
+
+#[test]
+fn flashinfers_base_2_lse_left_undeclared_is_named_lse_merge() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = repo().join("golden/dumps/fa3-v3-bf16.kernel-flashinfer.safetensors");
+    let dst = tmp.path().join("undeclared.safetensors");
+    with_lse_base(&src, &dst, "e");
+    let (code, out, err, doc) = compare_json(&repo().join("golden/models/fa3-v3-bf16.gguf"), &dst, &[]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    let f = &doc["findings"][0];
+    assert_eq!(
+        (f["class"].as_str(), f["site"].as_str()),
+        (Some("lse-merge"), Some("L0.lse")),
+        "{f}"
+    );
+}

@@ -633,7 +633,7 @@ fn with_lse_base(src: &Path, dst: &Path, base: &str) {
     h["conventions"]["lse_base"] = serde_json::Value::String(base.into());
     head["__metadata__"]["header"] = serde_json::Value::String(h.to_string());
     let mut text = serde_json::to_vec(&head).unwrap();
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(b' ');
     }
     let mut out = (text.len() as u64).to_le_bytes().to_vec();

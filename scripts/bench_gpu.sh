@@ -3,7 +3,8 @@
 # decode memory- and compute-bound, fast MHA prefill), torch's scaled_dot_product_attention on
 # the same prefill shape and, when VLLM_ROOT names the vLLM files of scripts/kernel_bundle.sh
 # (FlashInfer on PYTHONPATH), the production decode kernels FlashMLA, vLLM's Triton MLA and
-# FlashInfer MLA on the same decode shapes (scripts/bench_kernels.py). Run from the repository
+# FlashInfer MLA on the same decode shapes and FA3's prefill on the prefill shape
+# (scripts/bench_kernels.py). Run from the repository
 # root on the GPU machine with the stripped binary in .gpu/ (see scripts/gpu_validate.sh). Writes
 # $OUT/bench.json, $OUT/sdpa.json, $OUT/kernels.jsonl and prints the ratios.
 set -eu
@@ -36,7 +37,9 @@ print(f"mqa decode compute-bound: {comp:.1f} TFLOP/s (goal >= 170; vLLM Triton 8
 print(f"mha prefill: {pre:.1f} TFLOP/s vs torch sdpa ({sdpa.get('backend')}) {sdpa.get('tflops', float('nan')):.1f} TFLOP/s = {pre / sdpa.get('tflops', float('nan')):.2f}x (goal >= 0.5x)")
 print(json.dumps(sdpa))
 for k in kernels:
-    if k["N"] == 16:
+    if k.get("shape") == "prefill":
+        print(f"{k['kernel']} prefill: {k['TFLOP/s']} TFLOP/s; mla-diff/{k['kernel']} = {pre / k['TFLOP/s']:.2f}x; sdpa/{k['kernel']} = {sdpa.get('tflops', float('nan')) / k['TFLOP/s']:.2f}x")
+    elif k["N"] == 16:
         print(f"{k['kernel']} decode N=16: {k['GB/s']} GB/s = {k['GB/s'] / copy:.1%} of copy; mla-diff/{k['kernel']} = {mem / k['GB/s']:.2f}x")
     else:
         print(f"{k['kernel']} decode N=128: {k['TFLOP/s']} TFLOP/s; mla-diff/{k['kernel']} = {comp / k['TFLOP/s']:.2f}x")

@@ -4,8 +4,12 @@ bytes read per second) and N = 128 (compute-bound: TFLOP/s counting 2·B·N·seq
 of `mla-diff bench`). Kernels are loaded as scripts/engine_kernels.py loads them (FlashMLA and
 vLLM's Triton decode from the vLLM files under --vllm-root, FlashInfer from its package).
 
+With `fa3` in --kernels, also FlashAttention-3's varlen prefill from vLLM's wheel (as
+scripts/engine_kernels.py loads it) on the prefill shape of `mla-diff bench`: one causal sequence of
+T = 4096, N = 16, q/k 192 and v 128 columns, bf16, TFLOP/s counting N·T²·(P+R+V) as that bench does.
+
 Prints one JSON object per line: kernel, N, median microseconds over 20 launches after 5 warm-ups,
-GB/s and TFLOP/s.
+GB/s and TFLOP/s (decode), or TFLOP/s with "shape": "prefill".
 """
 import argparse
 import json
@@ -62,12 +66,33 @@ def flashinfer_runner(q, cache, table, seqlens, scale):
     return lambda: w.run(qn, qp, ckv, kpe, return_lse=True)
 
 
+def prefill_fa3(fa):
+    """FA3 varlen causal prefill on `mla-diff bench`'s prefill shape."""
+    t, n, dqk, dv = 4096, 16, 192, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(t, n, dqk, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(t, n, dqk, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(t, n, dv, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
+    us = median_us(
+        lambda: fa.flash_attn_varlen_func(
+            q, k, v, t, cu, t, cu_seqlens_k=cu, softmax_scale=dqk**-0.5, causal=True,
+            return_softmax_lse=True, fa_version=3,
+        )
+    )
+    tflops = n * t * t * (dqk + dv) / (us * 1e-6) / 1e12
+    print(json.dumps({"kernel": "fa3", "N": n, "shape": "prefill", "micros": round(us, 1), "TFLOP/s": round(tflops, 1)}))
+    sys.stdout.flush()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--vllm-root", default=os.environ.get("VLLM_ROOT", "."))
-    ap.add_argument("--kernels", default="flashmla,triton-mla,flashinfer")
+    ap.add_argument("--kernels", default="flashmla,triton-mla,flashinfer,fa3")
     args = ap.parse_args()
     mods = ek.load_mods([k for k in args.kernels.split(",") if k != "flashinfer"], args.vllm_root, None)
+    if "fa3" in mods:
+        prefill_fa3(mods["fa3"])
     scale = (128 + R) ** -0.5
     for n in (16, 128):
         q, cache, table, seqlens = shapes(n)

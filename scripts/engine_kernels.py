@@ -12,6 +12,11 @@ Kernels, each called through its own Python API, unmodified, loaded at run time:
               `vllm.triton_utils`) are provided through `sys.modules`, the file itself is loaded as is.
   flashinfer  FlashInfer `BatchMLAPagedAttentionWrapper` (flashinfer-python, JIT-compiled with nvcc on
               first use); its LSE is base 2 unless asked otherwise, which the dump declares.
+  fa3         FlashAttention-3 varlen prefill from vLLM's wheel (`vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so`
+              with its interface `flash_attn_interface.py`): `flash_attn_varlen_func(..., causal=True,
+              return_softmax_lse=True, fa_version=3)` as vLLM's `forward_mha` calls it on Hopper (q/k
+              with P+R columns, v with V, no padding); the export's `prefill.*` tensors; writes
+              `attn_out` [T, nh, V] and `lse` [T, nh] (natural log) instead of the decode outputs.
 
 `--vllm-root DIR` is a directory holding the `vllm/` files of the vLLM 0.26.0 wheel (or an installed
 site-packages). Outputs: `OUT/<kernel>.safetensors` with `s0.L<n>.hidden_in`, `s0.L<n>.attn_latent`
@@ -42,7 +47,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-KERNELS = ("flashmla", "triton-mla", "flashinfer")
+KERNELS = ("flashmla", "triton-mla", "flashinfer", "fa3")
+PREFILL_KERNELS = ("fa3",)
 PLANTS = ("block-table", "no-yarn", "lse-base2", "phantom")
 
 
@@ -93,6 +99,12 @@ class Inputs:
             die(f"{path}: decode.q {tuple(self.q.shape)} / decode.kv_cache {tuple(self.cache.shape)} "
                 f"do not match L+R = {self.L + self.R}, page {self.page}")
         self.T, self.nh = T, nh
+        # Prefill (varlen, causal per sequence): q/k [T, nh, P+R], v [T, nh, V], cu_seqlens [S+1].
+        self.pq = self.t.get("prefill.q")
+        self.pk = self.t.get("prefill.k")
+        self.pv = self.t.get("prefill.v")
+        cu = self.t.get("prefill.cu_seqlens")
+        self.cu = None if cu is None else cu.to(torch.int32)
 
 
 def synth(out_dir, tokens, heads, page, seed, L=512, R=64, P=128, V=128):
@@ -210,6 +222,36 @@ def triton_merge_module(root):
     )
 
 
+def fa3_module(root):
+    """vLLM's `vllm_flash_attn` package imported from the wheel's files: its `__init__` imports the
+    interface, which loads `_vllm_fa3_C` (FA2's extension may be absent; the interface allows it)."""
+    stub_vllm(root)
+    import importlib
+
+    try:
+        return importlib.import_module("vllm.vllm_flash_attn")
+    except ImportError as e:
+        fai = sys.modules.get("vllm.vllm_flash_attn.flash_attn_interface")
+        why = getattr(fai, "FA3_UNAVAILABLE_REASON", None) or str(e)
+        die(f"vllm.vllm_flash_attn from {vllm_dir(root)}: FA3 not available: {why}")
+
+
+def run_fa3(mod, inp, dt, scale):
+    """FA3 varlen causal prefill over the export's prefill tensors -> (attn_out [T, nh, V] f32,
+    lse [T, nh] f32, natural log)."""
+    if inp.pq is None or inp.cu is None:
+        die(f"{inp.path}: no prefill.* tensors (export again with this mla-diff)")
+    q, k, v = (x.to(dt).contiguous() for x in (inp.pq, inp.pk, inp.pv))
+    cu = inp.cu.contiguous()
+    max_len = int((cu[1:] - cu[:-1]).max().item())
+    out, lse = mod.flash_attn_varlen_func(
+        q, k, v, max_len, cu, max_len, cu_seqlens_k=cu, softmax_scale=scale, causal=True,
+        return_softmax_lse=True, fa_version=3,
+    )
+    # FA returns the LSE head-major, [nh, T].
+    return out.float(), lse.float().transpose(0, 1).contiguous(), "e"
+
+
 def vllm_version(root):
     for d in os.listdir(root):
         if d.startswith("vllm-") and d.endswith(".dist-info"):
@@ -294,9 +336,27 @@ def reference_f64(q, cache, table, seqlens, L, scale):
     return lat, lse
 
 
+def prefill_reference_f64(inp):
+    """Plain causal attention in f64 per sequence over the prefill tensors (for `check`)."""
+    q, k, v = inp.pq.double(), inp.pk.double(), inp.pv.double()
+    T, nh, _ = q.shape
+    out = torch.empty(T, nh, v.shape[2], dtype=torch.float64, device=q.device)
+    lse = torch.empty(T, nh, dtype=torch.float64, device=q.device)
+    cu = inp.cu.tolist()
+    for a, b in zip(cu[:-1], cu[1:]):
+        s = torch.einsum("ihd,jhd->hij", q[a:b], k[a:b]) * inp.scale  # [nh, n, n]
+        n = b - a
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        lse[a:b] = torch.logsumexp(s, dim=-1).transpose(0, 1)
+        out[a:b] = torch.einsum("hij,jhd->ihd", torch.softmax(s, dim=-1), v[a:b])
+    return out, lse
+
+
 def call(kernel, mods, inp, q, cache, table, seqlens, scale, args, phantom=False, base_e=False):
     if kernel == "flashmla":
         return run_flashmla(mods["flashmla"], q, cache, table, seqlens, inp.L, scale)
+    if kernel == "fa3":
+        return run_fa3(mods["fa3"], inp, q.dtype, scale)
     if kernel == "triton-mla":
         return run_triton(mods["triton-mla"], q, cache, table, seqlens, inp.L, scale, args.splits, phantom)
     return run_flashinfer(q, cache, table, seqlens, inp.L, scale, base_e)
@@ -309,6 +369,8 @@ def decode(kernel, mods, inp, args):
     table, seqlens = inp.table.contiguous(), inp.seqlens.contiguous()
     scale = inp.scale
     plant = args.plant
+    if kernel in PREFILL_KERNELS and plant in ("block-table", "lse-base2", "phantom"):
+        die(f"--plant {plant} applies to the decode kernels, not {kernel}")
     if plant == "block-table":
         table = torch.arange(table.shape[1], dtype=torch.int32, device=table.device).expand_as(table).contiguous()
     if plant == "no-yarn":
@@ -331,8 +393,12 @@ def decode(kernel, mods, inp, args):
     second = torch.where(has_prefix, seqlens - c, seqlens).to(torch.int32).contiguous()
     o2, l2, _ = call(kernel, mods, inp, q, cache, table2, second, scale, args)
     out = torch.empty_like(o1)
-    merged_lse = torch.empty_like(l1)
-    mods["merge"].merge_attn_states(out, o1, l1.contiguous(), o2, l2.contiguous(), merged_lse)
+    # merge_attn_states takes and writes its LSEs head-major, [nh, T].
+    head_major = torch.empty(l1.shape[1], l1.shape[0], dtype=l1.dtype, device=l1.device)
+    mods["merge"].merge_attn_states(
+        out, o1, l1.transpose(0, 1).contiguous(), o2, l2.transpose(0, 1).contiguous(), head_major
+    )
+    merged_lse = head_major.transpose(0, 1)
     # Rows without a prefix are whole in the first call.
     out = torch.where(has_prefix.view(-1, 1, 1), out, o1)
     merged_lse = torch.where(has_prefix.view(-1, 1), merged_lse, l1)
@@ -346,6 +412,8 @@ def load_mods(kernels, root, plant):
         mods["flashmla"] = flashmla_module(root)
     if "triton-mla" in kernels:
         mods["triton-mla"] = triton_decode_module(root)
+    if "fa3" in kernels:
+        mods["fa3"] = fa3_module(root)
     if plant == "lse-base2":
         mods["merge"] = triton_merge_module(root)
     return mods
@@ -363,11 +431,12 @@ def write_dump(path, inp, kernel, root, args, latent, lse, base):
     layer = inp.layer
     h = dict(inp.header)
     h["hook"] = {"name": "scripts/engine_kernels.py", "version": "1"}
+    prefill = kernel in PREFILL_KERNELS
     h["engine"] = {
         "name": kernel,
         "version": kernel_version(kernel, root),
-        "attention_backend": kernel,
-        "prefill_backend": None,
+        "attention_backend": None if prefill else kernel,
+        "prefill_backend": kernel if prefill else None,
     }
     h["dtype"] = args.dtype
     h["kernel_precision"] = args.dtype
@@ -382,7 +451,7 @@ def write_dump(path, inp, kernel, root, args, latent, lse, base):
     h["patches"] = patches
     tensors = {
         f"s0.L{layer}.hidden_in": inp.t["hidden_in"].float().cpu().contiguous(),
-        f"s0.L{layer}.attn_latent": latent.float().cpu().contiguous(),
+        f"s0.L{layer}.{'attn_out' if prefill else 'attn_latent'}": latent.float().cpu().contiguous(),
         f"s0.L{layer}.lse": lse.float().cpu().contiguous(),
     }
     save_file(tensors, path, metadata={"format": "mla-diff dump 2", "header": json.dumps(h)})
@@ -400,18 +469,25 @@ def cmd_run(args, check_only=False):
     mods = load_mods(kernels, args.vllm_root, args.plant)
     if not check_only:
         os.makedirs(args.out, exist_ok=True)
-    ref = None
+    refs = {}
     for k in kernels:
         lat, lse, base = decode(k, mods, inp, args)
         if dev == "cuda":
             torch.cuda.synchronize()
         if check_only:
-            if ref is None:
-                ref = reference_f64(inp.q, inp.cache, inp.table, inp.seqlens, inp.L, inp.scale)
+            prefill = k in PREFILL_KERNELS
+            if prefill not in refs:
+                refs[prefill] = (
+                    prefill_reference_f64(inp)
+                    if prefill
+                    else reference_f64(inp.q, inp.cache, inp.table, inp.seqlens, inp.L, inp.scale)
+                )
+            ref = refs[prefill]
             nat = lse.double() * (math.log(2.0) if base == "2" else 1.0)
             rl = ((lat.double() - ref[0]).norm() / ref[0].norm()).item()
             rs = ((nat - ref[1]).norm() / ref[1].norm()).item()
-            print(f"{k}: attn_latent rel_l2 {rl:.3e}, lse rel_l2 {rs:.3e} (lse base {base})")
+            what = "attn_out" if prefill else "attn_latent"
+            print(f"{k}: {what} rel_l2 {rl:.3e}, lse rel_l2 {rs:.3e} (lse base {base})")
             continue
         name = k + (f".{args.plant}" if args.plant else "")
         path = os.path.join(args.out, f"{name}.safetensors")

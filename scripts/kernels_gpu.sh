@@ -9,16 +9,17 @@
 # Environment: MLA_DIFF_BIN (default .gpu/mla-diff), VLLM_ROOT and PYTHONPATH as
 # scripts/kernel_bundle.sh install leaves them, FIXTURE (default golden/models/fa3-v3-bf16.gguf,
 # DeepSeek-V3's head dims at N = 4), V3 (a sparse DeepSeek-V3 file of scripts/make_sparse_gguf.py;
-# its cases are skipped when unset), KERNELS (default flashmla,triton-mla,flashinfer), ONLY (a
+# its cases are skipped when unset), KERNELS (default flashmla,triton-mla,flashinfer,fa3; fa3 is
+# the prefill kernel, judged on attn_out and lse), ONLY (a
 # regular expression: only the cases whose names match); EK_EXTRA,
 # set per case below, passes arguments to engine_kernels.py.
 # Exit: 0 when every row got the exit code it wanted, 1 otherwise, 2 on usage errors.
 set -u
-[ $# -eq 1 ] || { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[ $# -eq 1 ] || { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 WORK=$1
 BIN=${MLA_DIFF_BIN:-.gpu/mla-diff}
 FIXTURE=${FIXTURE:-golden/models/fa3-v3-bf16.gguf}
-KERNELS=${KERNELS:-flashmla,triton-mla,flashinfer}
+KERNELS=${KERNELS:-flashmla,triton-mla,flashinfer,fa3}
 [ -n "${VLLM_ROOT:-}" ] || { echo "kernels_gpu: VLLM_ROOT unset (see scripts/kernel_bundle.sh)" >&2; exit 2; }
 mkdir -p "$WORK"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -69,6 +70,7 @@ one() {
       [ "$fault" = clean ] && fault=
       case "$fault:$k" in
         lse-base2:flashmla | lse-base2:triton-mla | phantom:flashmla | phantom:flashinfer) continue ;;
+        block-table:fa3 | lse-base2:fa3 | phantom:fa3) continue ;;
       esac
       if ! python3 scripts/engine_kernels.py run "$dir/in" "$dir/out" --force --kernels "$k" \
         --vllm-root "$VLLM_ROOT" ${fault:+--plant "$fault"} ${EK_EXTRA:-} >"$dir/$k.${fault:-clean}.log" 2>&1; then

@@ -621,6 +621,7 @@ const KERNEL_DUMPS: &[(&str, &str, &str)] = &[
         "flashinfer flashinfer-python 0.6.14",
         "2",
     ),
+    ("fa3-v3-bf16.kernel-fa3.safetensors", "fa3 vllm 0.26.0", "e"),
 ];
 
 /// The dump at `src` with its format-2 header's `conventions.lse_base` replaced, written to `dst`.
@@ -665,7 +666,14 @@ fn every_committed_kernel_dump_passes_with_the_kernel_precision_rows() {
         let converted = doc["dump"]["conversions"].to_string().contains("base-2 LSE");
         assert_eq!(converted, base == "2", "{dump}: {}", doc["dump"]["conversions"]);
         let sites = doc["sites"].as_array().unwrap();
-        for site in ["L0.hidden_in", "L0.attn_latent", "L0.lse"] {
+        // FA3 is the prefill kernel: its output is attn_out [T, N, V].
+        let out_site = if dump.contains("kernel-fa3") {
+            "L0.attn_out"
+        } else {
+            "L0.attn_latent"
+        };
+        assert_eq!(sites.len(), 3, "{dump}");
+        for site in ["L0.hidden_in", out_site, "L0.lse"] {
             let s = sites
                 .iter()
                 .find(|s| s["site"] == site)
@@ -677,6 +685,8 @@ fn every_committed_kernel_dump_passes_with_the_kernel_precision_rows() {
                     vec![193, 64]
                 } else if site == "L0.lse" {
                     vec![193, 4]
+                } else if site == "L0.attn_out" {
+                    vec![193, 4, 128]
                 } else {
                     vec![193, 4, 512]
                 }),
@@ -700,4 +710,127 @@ fn flashinfers_base_2_lse_left_undeclared_is_named_lse_merge() {
         (Some("lse-merge"), Some("L0.lse")),
         "{f}"
     );
+}
+
+/// A decode kernel's latent output and LSE per the `--plant lse-base2` of
+/// `scripts/engine_kernels.py`, from the reference's own sites in f64: each token's context split
+/// at `c = ⌊n/2 / page⌋·page` keys, each half's state with its LSE in base 2, the halves merged
+/// by the natural-log rule (a token with c = 0 keeps its one state and its base-2 LSE).
+fn base2_split_merge(
+    cfg: &MlaConfig,
+    batch: &Batch,
+    tr: &Trace,
+    layer: usize,
+    page: usize,
+) -> (TraceTensor, TraceTensor) {
+    // The kernel's inputs are bf16 (its accumulation wider).
+    let site = |st| -> Vec<f64> {
+        tr.get(&Site::new(layer, st))
+            .unwrap()
+            .to_f64()
+            .iter()
+            .map(|&x| half::bf16::from_f64(x).to_f64())
+            .collect()
+    };
+    let (ql, qpe, kvc, kpe) = (
+        site(Stage::QlNope),
+        site(Stage::QPeRoped),
+        site(Stage::KvCNormed),
+        site(Stage::KPeRoped),
+    );
+    let (n, l, r) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_rope_head_dim);
+    let t = batch.n_tokens();
+    let ln2 = std::f64::consts::LN_2;
+    let (mut latent, mut lse) = (vec![0f64; t * n * l], vec![0f64; t * n]);
+    let lse_of = |s: &[f64]| {
+        let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        m + s.iter().map(|x| (x - m).exp()).sum::<f64>().ln()
+    };
+    for (sq, off) in batch.seqs.iter().zip(batch.offsets()) {
+        for i in 0..sq.len {
+            let (row, nk) = (off + i, i + 1);
+            let c = (nk / 2) / page * page;
+            for h in 0..n {
+                let s: Vec<f64> = (0..nk)
+                    .map(|j| {
+                        let k = off + j;
+                        let a: f64 = (0..l).map(|d| ql[(row * n + h) * l + d] * kvc[k * l + d]).sum();
+                        let b: f64 = (0..r).map(|d| qpe[(row * n + h) * r + d] * kpe[k * r + d]).sum();
+                        (a + b) * cfg.softmax_scale
+                    })
+                    .collect();
+                let cuts: &[usize] = if c == 0 { &[0, nk] } else { &[0, c, nk] };
+                let halves: Vec<std::ops::Range<usize>> = cuts.windows(2).map(|w| w[0]..w[1]).collect();
+                let part_lse: Vec<f64> = halves.iter().map(|h| lse_of(&s[h.clone()])).collect();
+                let merged = if c == 0 {
+                    part_lse[0] / ln2
+                } else {
+                    let (a, b) = (part_lse[0] / ln2, part_lse[1] / ln2);
+                    let m = a.max(b);
+                    m + ((a - m).exp() + (b - m).exp()).ln()
+                };
+                lse[row * n + h] = merged;
+                let o = &mut latent[(row * n + h) * l..(row * n + h + 1) * l];
+                for (range, pl) in halves.iter().zip(&part_lse) {
+                    let w = if c == 0 { 1.0 } else { (pl / ln2 - merged).exp() };
+                    for j in range.clone() {
+                        let p = (s[j] - pl).exp() * w;
+                        for (od, &v) in o.iter_mut().zip(&kvc[(off + j) * l..(off + j + 1) * l]) {
+                            *od += p * v;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (
+        TraceTensor::f64(vec![t, n, l], latent),
+        TraceTensor::f64(vec![t, n], lse),
+    )
+}
+
+/// FlashInfer's base-2 LSEs fed to vLLM's natural-log `merge_attn_states` (the kernel runner's
+/// `--plant lse-base2`, made here from the reference): `compare` names `lse-merge` at the first
+/// site it spoils, `attn_latent`, on a YaRN model (where a wrong softmax scale is the other
+/// suspect) and on the live-vLLM fixture; the unsplit tokens alone would be the plain ×1/ln 2.
+#[test]
+fn base_2_partials_merged_as_natural_log_are_named_lse_merge() {
+    for (model, layer) in [("yarn-v3-f32.gguf", 1usize), ("fa3-v3-bf16.gguf", 0)] {
+        let model_path = repo().join("golden/models").join(model);
+        let dir = tempfile::tempdir().unwrap();
+        let inp = export(
+            &[
+                "--model",
+                model_path.to_str().unwrap(),
+                "--layer",
+                &layer.to_string(),
+                "--seqs",
+                "1,63,64,65,200",
+                "--page-size",
+                "64",
+                "--path",
+                "mqa",
+            ],
+            dir.path(),
+        );
+        let (_file, cfg, batch, tr) = reference(Some(model), layer, &inp);
+        let (latent, lse) = base2_split_merge(&cfg, &batch, &tr, layer, 64);
+        let (_d, p) = kernel_dump(&inp, layer, &latent, &lse, |_| {});
+        let (code, out, err, doc) = compare_json(&model_path, &p, &[]);
+        assert_eq!(code, 1, "{model}: {out}\n{err}");
+        let f = &doc["findings"][0];
+        let site = format!("L{layer}.attn_latent");
+        assert_eq!(
+            (f["class"].as_str(), f["site"].as_str()),
+            (Some("lse-merge"), Some(site.as_str())),
+            "{model}: {f}"
+        );
+        assert!(
+            f["evidence"]
+                .as_str()
+                .unwrap()
+                .contains("base-2 LSE, merged as natural log"),
+            "{f}"
+        );
+    }
 }

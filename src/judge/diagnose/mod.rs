@@ -650,6 +650,11 @@ struct AttnRecompute {
 
 impl AttnRecompute {
     fn build(x: &SiteCtx<'_>) -> Option<Self> {
+        Self::build_for(x, x.site.stage)
+    }
+
+    /// [`AttnRecompute::build`] for `stage` (of the same layer) instead of the failing site's.
+    fn build_for(x: &SiteCtx<'_>, stage: Stage) -> Option<Self> {
         let cfg = x.input.cfg;
         let (n, l, p, r, v) = (
             cfg.n_head,
@@ -662,7 +667,7 @@ impl AttnRecompute {
         let qpe = x.ref_site(Stage::QPeRoped)?;
         let kn = x.ref_site(Stage::KNope)?;
         let kpe = x.ref_site(Stage::KPeRoped)?;
-        let (values, width, per_head_values) = match x.site.stage {
+        let (values, width, per_head_values) = match stage {
             Stage::AttnLatent => (x.ref_site(Stage::KvCNormed)?.to_f64(), l, false),
             Stage::AttnOut => (x.ref_site(Stage::V)?.to_f64(), v, true),
             Stage::Lse => (Vec::new(), 0, false),
@@ -916,7 +921,139 @@ fn lse_merge(x: &SiteCtx<'_>) -> Detected {
             }
         }
     }
-    None
+    if x.site.stage == Stage::AttnOut && x.path.trace.get(&Site::new(x.site.layer, Stage::AttnLatent)).is_some() {
+        // The merge happened on the latent; its output site judges it.
+        return None;
+    }
+    base2_merge(x)
+}
+
+/// Natural log of `e^a + e^b`, exact for infinities.
+fn log_add_exp(a: f64, b: f64) -> f64 {
+    let m = a.max(b);
+    if m == f64::NEG_INFINITY {
+        return m;
+    }
+    m + ((a - m).exp() + (b - m).exp()).ln()
+}
+
+impl AttnRecompute {
+    /// The sampled rows under "each row's context in one or two partials whose LSEs are in base
+    /// 2, merged by the natural-log rule" (`M = ln(e^a + e^b)`, outputs weighted `e^(a−M)`,
+    /// `e^(b−M)`, with `a`, `b` the partials' natural LSEs divided by ln 2): the split point of
+    /// each row is the one whose merged LSE is nearest the candidate's LSE `cand_lse` [T, N]
+    /// (no split: one partial, LSE/ln 2). Returns the merged outputs of the sampled rows (the
+    /// LSEs when the recompute is for `lse`), their merged LSEs, and how many rows were split.
+    fn base2_merge(&self, cand_lse: &TraceTensor) -> (Vec<f64>, Vec<f64>, usize) {
+        let ln2 = std::f64::consts::LN_2;
+        let per_row: Vec<(Vec<f64>, f64, bool)> = self
+            .logits
+            .par_iter()
+            .map(|(row, z, keys)| {
+                let h = row % self.n;
+                let s: Vec<f64> = z.iter().map(|v| v * self.scale).collect();
+                let nk = s.len();
+                // pre[c] = LSE of keys [0, c), suf[c] = LSE of keys [c, nk).
+                let mut pre = vec![f64::NEG_INFINITY; nk + 1];
+                let mut suf = vec![f64::NEG_INFINITY; nk + 1];
+                for c in 0..nk {
+                    pre[c + 1] = log_add_exp(pre[c], s[c]);
+                    suf[nk - 1 - c] = log_add_exp(suf[nk - c], s[nk - 1 - c]);
+                }
+                let want = cand_lse.get(*row);
+                let merged = |c: usize| -> f64 {
+                    if c == 0 || c == nk {
+                        pre[nk] / ln2
+                    } else {
+                        log_add_exp(pre[c] / ln2, suf[c] / ln2)
+                    }
+                };
+                let c = (0..nk.max(1))
+                    .min_by(|&a, &b| (merged(a) - want).abs().total_cmp(&(merged(b) - want).abs()))
+                    .unwrap_or(0);
+                let lse = merged(c);
+                if self.width == 0 {
+                    return (vec![lse], lse, c > 0);
+                }
+                // Each partial's softmax over its own keys, weighted by e^(a−M) and e^(b−M).
+                let mut o = vec![0f64; self.width];
+                let parts: Vec<(std::ops::Range<usize>, f64, f64)> = if c == 0 {
+                    vec![(0..nk, pre[nk], 1.0)]
+                } else {
+                    let (a, b) = (pre[c], suf[c]);
+                    vec![(0..c, a, (a / ln2 - lse).exp()), (c..nk, b, (b / ln2 - lse).exp())]
+                };
+                for (range, part_lse, weight) in parts {
+                    for j in range {
+                        let pj = (s[j] - part_lse).exp() * weight;
+                        let base = if self.per_head_values {
+                            (keys[j] * self.n + h) * self.width
+                        } else {
+                            keys[j] * self.width
+                        };
+                        for (od, &vd) in o.iter_mut().zip(&self.values[base..base + self.width]) {
+                            *od += pj * vd;
+                        }
+                    }
+                }
+                (o, lse, c > 0)
+            })
+            .collect();
+        let split = per_row.iter().filter(|r| r.2).count();
+        let lses = per_row.iter().map(|r| r.1).collect();
+        (per_row.into_iter().flat_map(|r| r.0).collect(), lses, split)
+    }
+}
+
+/// Partial attention states whose LSEs are in base 2 (FlashInfer's and TRT-LLM's MLA kernels by
+/// default) merged by a natural-log merge (vLLM's `merge_attn_states`): the candidate's LSE picks
+/// each sampled row's split point, and the merged output that split predicts, which nothing was
+/// fitted to, must explain the output site (`attn_latent` or `attn_out`, the failing one or the
+/// one that goes with a failing `lse`).
+fn base2_merge(x: &SiteCtx<'_>) -> Detected {
+    let layer = x.site.layer;
+    let cand_of = |stage| x.path.trace.get(&Site::new(layer, stage));
+    let out_stage = match x.site.stage {
+        Stage::Lse => [Stage::AttnLatent, Stage::AttnOut]
+            .into_iter()
+            .find(|&st| cand_of(st).is_some() && x.ref_site(st).is_some())?,
+        st => st,
+    };
+    let (cand_out, ref_out, cand_lse) = (cand_of(out_stage)?, x.ref_site(out_stage)?, cand_of(Stage::Lse)?);
+    if cand_out.len() != ref_out.len() || cand_lse.len() != x.ref_site(Stage::Lse)?.len() {
+        return None;
+    }
+    let rc = AttnRecompute::build_for(x, out_stage)?;
+    let (pred, pred_lse, split) = rc.base2_merge(cand_lse);
+    if split == 0 {
+        return None;
+    }
+    let cand = rc.sampled(cand_out);
+    let as_is = rel_l2(&cand, &rc.sampled(ref_out));
+    let e = rel_l2(&cand, &pred);
+    let lse_rows: Vec<f64> = rc.logits.iter().map(|(row, _, _)| cand_lse.get(*row)).collect();
+    let e_lse = rel_l2(&lse_rows, &pred_lse);
+    let explain = explain_threshold(out_stage, x.input.precision);
+    let explain_lse = explain_threshold(Stage::Lse, x.input.precision);
+    if e > explain || e >= as_is || e_lse > explain_lse {
+        return None;
+    }
+    Some((
+        format!(
+            "{split} of {} sampled (token, head) rows are two partials over their context, each with a \
+             base-2 LSE, merged as natural log; the rest one partial with a base-2 LSE: {} rel_l2 {} \
+             (as is {}), lse {}",
+            rc.logits.len(),
+            out_stage.name(),
+            fmt_e(e),
+            fmt_e(as_is),
+            fmt_e(e_lse)
+        ),
+        "a kernel returned its LSE in base 2 (FlashInfer's and TRT-LLM's MLA kernels do by default) and \
+         a natural-log merge combined the partials: multiply the LSE by ln 2 before the merge, or ask \
+         the kernel for natural-log LSEs"
+            .into(),
+    ))
 }
 
 /// The reference's indexer inputs of this layer, re-scored with `style` (f64): `idx_scores`
@@ -1351,8 +1488,9 @@ const DETECTORS: [(Class, Detector); 16] = [
     (Class::TpRankOrder, tp_rank_order),
     (Class::KvBLayout, kv_b_layout),
     (Class::RopeStyle, rope_style),
-    (Class::SoftmaxScale, softmax_scale),
+    // Before the scale: a base-2 merge also reweights the logits, and a free scale fits part of it.
     (Class::LseMerge, lse_merge),
+    (Class::SoftmaxScale, softmax_scale),
     (Class::MoeRouting, moe_routing),
     (Class::IndexerRopeStyle, indexer_rope_style),
     (Class::IndexerTopkStale, indexer_topk_stale),

@@ -10,7 +10,7 @@ docs/dump-format.md. It also makes deliberately broken dumps (`--break`), so mla
 and detectors can be tested on real engine output.
 
 What is written (docs/dump-format.md, version 1):
-  * `L{n}.{stage}` for every layer n and every stage scripts/hf_hooks.py captures: hidden_in,
+  * `L{n}.{stage}` for every layer n and every stage mla_diff_hooks/hf_hooks.py captures: hidden_in,
     attn_in, q_c, q_c_normed (only with q_lora_rank), q, kv_a, kv_c_normed, k_pe, q_pe_roped,
     k_pe_roped, k_nope, v, lse, attn_out, o_proj, hidden_out, and in MoE layers
     moe_router_logits, moe_topk (the selected expert ids, as numbers), moe_out and shared_out;
@@ -37,7 +37,7 @@ query, key, scaling and mask as they are passed to the attention function (natur
 in the run dtype.
 
 Hook points relied on (transformers 5.x, models/deepseek_v3/modeling_deepseek_v3.py), all through
-scripts/hf_hooks.py's `capture()`:
+mla_diff_hooks/hf_hooks.py's `capture()`:
   * forward pre/post hooks on each decoder layer (hidden_in, hidden_out), and forward hooks on
     input_layernorm, q_a_proj, q_a_layernorm, q_b_proj / q_proj, kv_a_proj_with_mqa,
     kv_a_layernorm, kv_b_proj and o_proj (pre-hook: attn_out);
@@ -59,7 +59,7 @@ outputs (lse is always recorded from the real logits):
   * zero-attn-out: `eager_attention_forward` runs, then its output is replaced by zeros of the
     same shape (the caller reads a zero buffer); the probabilities are returned unchanged.
 
-Usage:
+Usage (`python -m mla_diff_hooks.hf`, or scripts/dump_hf.py in a checkout):
     dump_hf.py HF_MODEL_DIR OUT.safetensors [--tokens 1,2,3 | --n-tokens T --seed S]
                [--dtype f32|bf16|f16|f64] [--with-weights] [--break neox|no-mscale|zero-attn-out]
                [--threads N] [--force]
@@ -98,10 +98,10 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
+from . import st_io
+from ._deps import optional
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+np = optional("numpy", "mla_diff_hooks.hf", "hf")
 
 DTYPES = ("f32", "bf16", "f16", "f64")
 BREAKS = ("neox", "no-mscale", "zero-attn-out")
@@ -149,6 +149,13 @@ def token_ids(args, vocab_size: int):
     return torch.randint(low, vocab_size, (args.n_tokens,), generator=gen, dtype=torch.long)
 
 
+def capture(model, input_ids, **kwargs):
+    """Run one forward pass of a transformers DeepSeek-family model with every MLA site recorded:
+    mla_diff_hooks.hf_hooks.capture (the hooks are attached for that pass only)."""
+    from . import hf_hooks
+    return hf_hooks.capture(model, input_ids, **kwargs)
+
+
 @contextlib.contextmanager
 def apply_break(model, name: str | None):
     """Install break `name` (see module docstring) for the duration of the block; None: no-op."""
@@ -190,7 +197,7 @@ def apply_break(model, name: str | None):
 
 def dump(model, ids, *, dtype: str, with_weights: bool, brk: str | None) -> dict[str, np.ndarray]:
     """Run one forward pass (under the break, if any) and return the dump's tensors, in order."""
-    import hf_hooks
+    from . import hf_hooks
 
     with apply_break(model, brk):
         cap = hf_hooks.capture(model, ids, exact_f64=(dtype == "f64"), raw_rope=True,
@@ -228,7 +235,6 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
-    import st_io
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

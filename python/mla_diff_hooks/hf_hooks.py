@@ -1,6 +1,6 @@
 """Capture every MLA intermediate of a HF transformers DeepSeek-V3 forward pass, in float64.
 
-Why this exists: mla-diff's goldens (and, later, dump_hf.py for user models) need the HF model's
+Why this exists: mla-diff's goldens (and mla_diff_hooks.hf, dump_hf.py, for user models) need the HF model's
 per-layer intermediates under the site names of docs/design.md ("L{n}.{stage}"). Most of them are the
 inputs or outputs of a submodule and are taken with forward hooks; the rest live inside plain
 functions (the rotary application and the eager attention function) and are taken by wrapping
@@ -44,7 +44,7 @@ order. `q_pe_roped` and `k_pe_roped` are stored converted to interleaved order
 `capture(..., raw_rope=True)` keeps HF's own order instead (dump_hf.py writes raw dumps).
 
 Usage:
-    from hf_hooks import capture
+    from mla_diff_hooks.hf_hooks import capture
     result = capture(model, input_ids)       # model: DeepseekV3ForCausalLM, any dtype
     result.tensors   # {"L0.hidden_in": np.ndarray f64, ..., "logits": ...}
     result.extras    # cos/sin tables, HF softmax scale, per-layer logit statistics
@@ -57,8 +57,10 @@ import dataclasses
 import math
 from typing import Any
 
-import numpy as np
-import torch
+from ._deps import optional
+
+np = optional("numpy", "mla_diff_hooks.hf_hooks", "hf")
+torch = optional("torch", "mla_diff_hooks.hf_hooks", "hf")
 
 # Canonical stage order (docs/design.md "Sites" table) of the stages an HF run can provide.
 # (ql_nope and attn_latent exist only on the absorbed path; HF runs the expanded path.)

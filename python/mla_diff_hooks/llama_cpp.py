@@ -8,10 +8,10 @@ it is asked for, and writes them to one safetensors file in the engine dump form
 (docs/dump-format.md) under llama.cpp's own node names. `--map llama.cpp` (src/model/maps/llama.cpp.json)
 then renames them to mla-diff's stages.
 
-Usage:
+Usage (`python -m mla_diff_hooks.llama_cpp`, or scripts/dump_llama_cpp.py in a checkout):
     dump_llama_cpp.py MODEL.gguf OUT.safetensors [--tokens 5,17,3,...] [--n-tokens T --seed S]
                       [--layers 0,1] [--all] [--exclude embd#0] [--include kqv-0#0]
-                      [--map src/model/maps/llama.cpp.json]
+                      [--map MAP.json]
                       [--threads 1] [--verbose]
 
     --tokens       explicit token ids (positions are 0..T-1, one sequence)
@@ -22,6 +22,8 @@ Usage:
     --exclude      keys not to store, e.g. embd#0 (layer 0's input: the tokens suffice)
     --include      extra keys to store besides the mapped ones, e.g. kqv-0#0 (an unmapped node,
                    for a test that it stays unmapped)
+    --map          the rename map whose keys are dumped (default: the package's llama.cpp.json,
+                   the same file as src/model/maps/llama.cpp.json, which mla-diff embeds)
 
 Keys. llama.cpp names a node "<name>-<layer>" (cb(cur, name, il) in the graph builders; "<name>"
 alone for il = -1) and reuses names, so each node is stored as "<name>-<layer>#<k>" ("<name>#<k>"
@@ -80,11 +82,13 @@ import re
 import sys
 from pathlib import Path
 
-import numpy as np
+from . import st_io
+from ._deps import optional
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import st_io  # noqa: E402
+np = optional("numpy", "mla_diff_hooks.llama_cpp", "llama-cpp")
+
+# src/model/maps/llama.cpp.json (a link to it in the source tree, a copy in the wheel)
+DEFAULT_MAP = Path(__file__).resolve().parent / "llama.cpp.json"
 
 ENGINE = "llama.cpp (llama-cpp-python 0.3.36)"
 GGML_TYPE_F32 = 0
@@ -322,7 +326,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=parse_ints)
     ap.add_argument("--all", action="store_true", help="keep every F32 node, not only the mapped ones")
-    ap.add_argument("--map", type=Path, default=HERE.parent / "src" / "maps" / "llama.cpp.json")
+    ap.add_argument("--map", type=Path, default=DEFAULT_MAP)
     ap.add_argument("--exclude", type=lambda x: [k for k in x.split(",") if k], default=[],
                     help="comma-separated keys not to store (e.g. embd#0: tokens suffice)")
     ap.add_argument("--include", type=lambda x: [k for k in x.split(",") if k], default=[],
@@ -331,6 +335,10 @@ def main(argv=None) -> int:
     ap.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
     a = ap.parse_args(argv)
 
+    if not a.model.is_file():
+        ap.error(f"{a.model}: no such file")
+    if not a.all and not a.map.is_file():
+        ap.error(f"--map {a.map}: no such file (src/model/maps/llama.cpp.json in mla-diff's source)")
     n_vocab, n_layer, q_lora, has_q_lora_key, fused_kv_b = gguf_facts(a.model)
     if a.tokens is not None:
         tokens = a.tokens

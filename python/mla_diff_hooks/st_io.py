@@ -12,16 +12,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
+from ._deps import optional
 
-_DTYPES = {
-    np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
-    np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.uint8): "U8",
-}
+np = optional("numpy", "mla_diff_hooks.st_io")
+
+
+def _dtypes() -> dict:
+    """numpy dtype -> safetensors dtype name (built on first use: numpy is optional to import)."""
+    return {
+        np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
+        np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.uint8): "U8",
+    }
 
 
 def save(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str] | None = None) -> None:
     """Write `tensors` (insertion order kept) and string `metadata` to `path`."""
+    dtypes = _dtypes()
     header: dict = {}
     if metadata:
         header["__metadata__"] = {k: str(metadata[k]) for k in sorted(metadata)}
@@ -29,10 +35,10 @@ def save(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str] | 
     offset = 0
     for name, arr in tensors.items():
         arr = np.ascontiguousarray(arr)
-        if arr.dtype not in _DTYPES:
+        if arr.dtype not in dtypes:
             raise TypeError(f"{name}: unsupported dtype {arr.dtype}")
         data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
-        header[name] = {"dtype": _DTYPES[arr.dtype], "shape": list(arr.shape),
+        header[name] = {"dtype": dtypes[arr.dtype], "shape": list(arr.shape),
                         "data_offsets": [offset, offset + len(data)]}
         blobs.append(data)
         offset += len(data)

@@ -36,14 +36,15 @@ Usage on a CPU (no GPU; vLLM's real model code; one command, see its docstring):
         --decode-steps 2 --out out/d.safetensors
 
 Usage with vLLM's offline LLM (GPU; the worker runs in another process, so the hooks are shipped
-there with `LLM.apply_model`, which pickles the callable: scripts/ must be importable in the
-worker, and vLLM only accepts pickled callables with VLLM_ALLOW_INSECURE_SERIALIZATION=1). GGUF
+there with `LLM.apply_model`, which pickles the callable: mla_diff_hooks must be importable in
+the worker (`pip install mla-diff`, or PYTHONPATH=<checkout>/python), and vLLM only accepts pickled callables with VLLM_ALLOW_INSECURE_SERIALIZATION=1). GGUF
 files are loaded by vllm-gguf-plugin (vLLM 0.26.0 itself has no GGUF loader), which needs the
 HF config.json (`hf_config_path`; `scripts/vllm_cpu.py config --gguf M.gguf --out DIR` derives
 one from the GGUF's metadata):
 
-    # PYTHONPATH=/path/to/mla-diff/scripts VLLM_ALLOW_INSECURE_SERIALIZATION=1 python ...
-    import functools, dump_vllm
+    # VLLM_ALLOW_INSECURE_SERIALIZATION=1 python ...
+    import functools
+    from mla_diff_hooks import vllm as dump_vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     llm = LLM(model="M.gguf", hf_config_path=CFG_DIR, skip_tokenizer_init=True,
@@ -55,11 +56,12 @@ one from the GGUF's metadata):
     # without model_path (or with TP > 1): format 1 of the prefill, per rank; then
     dump_vllm.merge_rank_dumps([r["dump"] for r in res], "out/d.safetensors")   # only if TP > 1
 
-or the same in one command: `python scripts/dump_vllm.py M.gguf --hf-config-path CFG_DIR
---tokens 1,2,3 --decode-steps 2 --dump out/d.safetensors [--tp 2]`.
+or the same in one command: `python -m mla_diff_hooks.vllm M.gguf --hf-config-path CFG_DIR
+--tokens 1,2,3 --decode-steps 2 --dump out/d.safetensors [--tp 2]` (`scripts/dump_vllm.py` in a
+checkout runs the same).
 `llm.collective_rpc(fn)` works too: arm/finish accept a worker (they take `worker.get_model()`
 or `worker.model_runner.model`). In-process use (VLLM_ENABLE_V1_MULTIPROCESSING=0, or any
-nn.Module tree): `cap = VllmCapture(model, steps=S); cap.arm(); <forwards>; cap.remove();
+nn.Module tree): `cap = attach(model, steps=S); <forwards>; cap.remove();
 cap.write_format2(path, model_path=gguf)`.
 
 Requirements the hooks need (each is checked, or noted in the dump's metadata):
@@ -193,19 +195,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
+from . import st_io  # byte-reproducible safetensors writer
+from ._deps import optional
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+np = optional("numpy", "mla_diff_hooks.vllm", "vllm")
 
-import st_io  # noqa: E402  (byte-reproducible safetensors writer, scripts/st_io.py)
+# the folder holding the mla_diff_hooks package (a worker process imports it from there)
+PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 
 # Activation stages in docs/design.md's canonical order (those a hook can reach), then weight sites.
 ACT_STAGES = [
@@ -1216,6 +1219,12 @@ def _model_name(root) -> str:
 # apply_model / collective_rpc entry points (run inside each worker)
 # --------------------------------------------------------------------------------------------
 
+def attach(model_or_worker, **kwargs) -> "VllmCapture":
+    """Hooks on a model (or worker) in this process: `VllmCapture(model_or_worker, **kwargs)`,
+    armed. Run the forwards, then `cap.remove()` and `cap.write_format2(...)` (or write_dump)."""
+    return VllmCapture(model_or_worker, **kwargs).arm()
+
+
 def arm(model_or_worker, **kwargs) -> str:
     """Hooks on (in this worker). kwargs go to VllmCapture. Returns a one-line summary."""
     global _ACTIVE
@@ -1428,8 +1437,10 @@ def main() -> None:
             raise SystemExit(f"{p} exists (use --force to overwrite)")
     ids = [int(x) for x in args.tokens.split(",") if x.strip()]
     # the worker processes unpickle arm/finish by module name, and must accept pickled callables
-    os.environ["PYTHONPATH"] = str(HERE) + (os.pathsep + os.environ["PYTHONPATH"]
-                                            if os.environ.get("PYTHONPATH") else "")
+    os.environ["PYTHONPATH"] = str(PACKAGE_PARENT) + (os.pathsep + os.environ["PYTHONPATH"]
+                                                      if os.environ.get("PYTHONPATH") else "")
+    # under `python -m` this module is __main__: ship the importable module's functions instead
+    hooks = importlib.import_module("mla_diff_hooks.vllm")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     applied: list[tuple[str, str]] = []
     if args.zero_unloaded:
@@ -1456,12 +1467,12 @@ def main() -> None:
     if args.decode_steps and (not gguf or args.tp > 1):
         raise SystemExit("--decode-steps needs a local .gguf and --tp 1 (format 2)")
     llm = LLM(**kw)
-    print(llm.apply_model(functools.partial(arm, steps=1 + args.decode_steps)))
+    print(llm.apply_model(functools.partial(hooks.arm, steps=1 + args.decode_steps)))
     llm.generate([TokensPrompt(prompt_token_ids=ids)],
                  SamplingParams(max_tokens=1 + args.decode_steps, temperature=0.0, ignore_eos=True))
     dump_tmp = args.dump if args.tp == 1 else args.dump.with_name(args.dump.stem + ".part" + args.dump.suffix)
     res = llm.apply_model(functools.partial(
-        finish, dump_path=str(dump_tmp), weights_path=None if args.weights is None else str(args.weights),
+        hooks.finish, dump_path=str(dump_tmp), weights_path=None if args.weights is None else str(args.weights),
         expect_tokens=ids, weight_sites=not args.no_weight_sites, patches=applied or None,
         model_path=str(Path(args.model).resolve()) if gguf and args.tp == 1 else None))
     if args.tp > 1:

@@ -95,7 +95,6 @@ import argparse
 import contextlib
 import math
 import os
-import sys
 from pathlib import Path
 
 from . import st_io

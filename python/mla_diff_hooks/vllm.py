@@ -6,8 +6,8 @@ DeepseekV3ForCausalLM (GGUF through vllm-gguf-plugin 0.0.5, prefill through a to
 backend, decode through TritonMLAImpl's Triton kernel under TRITON_INTERPRET=1, float32) with
 these hooks, and `mla-diff compare` passes its dump of golden/models/legacy-kvb-f32.gguf. The
 `LLM` path below (GPU, a worker process) runs on vLLM 0.26.0's live engine on an H200
-(scripts/vllm_live_gpu.sh: FLASHMLA and TRITON_MLA decode, FA3 prefill, bf16). scripts/test_dump_vllm.py checks the
-same code on a plain-torch mock of 0.26.0's module tree (CI installs no vLLM). On another vLLM
+(scripts/vllm_live_gpu.sh: FLASHMLA and TRITON_MLA decode, FA3 prefill, bf16). python/tests/vllm_mock.py (run by test_vllm.py, with torch) checks the
+same code on a plain-torch mock of 0.26.0's module tree (no vLLM needed). On another vLLM
 version, VllmCapture checks the names it relies on (check_layout) and says, on stderr and in the
 dump's notes, that it was tested with 0.26.0 and which names it could not find.
 

@@ -9,12 +9,15 @@ must work before numpy or torch is ever touched.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 
-from support import ROOT, hooks_module
+from support import ROOT, find_mla_diff, hooks_module
 from test_llama_cpp import _env
 
 MODULES = ["vllm", "hf", "hf_hooks", "llama_cpp", "st_io"]
@@ -90,3 +93,12 @@ def test_scripts_wrappers_are_the_package_modules():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "dump_vllm.py"), "--help"],
                        capture_output=True, text=True)
     assert r.returncode == 0 and "--hf-config-path" in r.stdout, r.stderr
+
+
+@pytest.mark.skipif(os.environ.get("MLA_DIFF_TEST_WHEEL") != "1",
+                    reason="MLA_DIFF_TEST_WHEEL=1 (set by .ci/run) asks for the installed wheel")
+def test_the_installed_wheel_is_what_is_tested():
+    mod = hooks_module("vllm")
+    assert Path(mod.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()), mod.__file__
+    assert not Path(mod.__file__).resolve().is_relative_to(ROOT / "python")
+    assert find_mla_diff() == Path(sysconfig.get_path("scripts")) / "mla-diff"

@@ -1,49 +1,14 @@
-"""Byte-reproducible safetensors writer.
+"""`import st_io` for the scripts in this folder: the module mla_diff_hooks.st_io.
 
-Why this exists: the `safetensors` package stores `__metadata__` through a Rust HashMap, so the
-header's key order (and therefore the file's bytes and sha256) changes from run to run. Goldens
-are checked into the repository and pinned by hash, so they are written here with a fixed
-header: `__metadata__` first (keys sorted), then the tensors in the order given, data laid out in
-that same order. The result is an ordinary safetensors file (any reader loads it).
+Why this exists: scripts here `import st_io` with scripts/ on sys.path; the code lives in
+python/mla_diff_hooks/st_io.py (installed by `pip install mla-diff`). This file puts the
+checkout's python/ first on sys.path and IS that module (sys.modules alias).
 """
 
-from __future__ import annotations
-
-import json
+import sys
 from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+from mla_diff_hooks import st_io as _mod  # noqa: E402
 
-_DTYPES = {
-    np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
-    np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.uint8): "U8",
-}
-
-
-def save(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Write `tensors` (insertion order kept) and string `metadata` to `path`."""
-    header: dict = {}
-    if metadata:
-        header["__metadata__"] = {k: str(metadata[k]) for k in sorted(metadata)}
-    blobs = []
-    offset = 0
-    for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
-        if arr.dtype not in _DTYPES:
-            raise TypeError(f"{name}: unsupported dtype {arr.dtype}")
-        data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
-        header[name] = {"dtype": _DTYPES[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    hjson = json.dumps(header, separators=(",", ":")).encode()
-    hjson += b" " * (-len(hjson) % 8)          # pad so the data section starts 8-aligned
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(len(hjson).to_bytes(8, "little"))
-        fh.write(hjson)
-        for b in blobs:
-            fh.write(b)
-    tmp.replace(path)
+sys.modules[__name__] = _mod

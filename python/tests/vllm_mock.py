@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Test scripts/dump_vllm.py against a plain-torch mock of vLLM's DeepSeek MLA module tree.
+"""Test mla_diff_hooks.vllm (scripts/dump_vllm.py) against a plain-torch mock of vLLM's DeepSeek MLA module tree.
 
 Why a mock: CI installs no vLLM (3.6 GiB of wheels), so this file rebuilds, in plain torch, the
 parts of vLLM 0.26.0 that dump_vllm.py hooks, with vLLM's module and parameter NAMES and the
@@ -50,7 +50,9 @@ here, steps with their contexts, conventions, patches) and tensor names.
 
 Run with a Python that has torch, numpy, safetensors and gguf but NOT vLLM (with vLLM importable,
 dump_vllm.py dequantizes the mock's int8 layer through vLLM's own helper instead):
-    python scripts/test_dump_vllm.py   (exit 0 = all checks passed)
+    python -m pytest python/tests/test_vllm.py   (each group of checks is one pytest test), or
+    python python/tests/vllm_mock.py             (exit 0 = all checks passed)
+mla_diff_hooks is imported as installed (pip install), else from this checkout's python/.
 """
 
 from __future__ import annotations
@@ -68,9 +70,12 @@ import torch.nn.functional as F
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent               # the checkout (golden/, target/)
 sys.path.insert(0, str(HERE))
-sys.dont_write_bytecode = True          # no scripts/__pycache__ left behind
-import dump_vllm  # noqa: E402
+sys.dont_write_bytecode = True          # no __pycache__ left behind
+from support import find_mla_diff, hooks_module  # noqa: E402
+
+dump_vllm = hooks_module("vllm")
 
 N, H, LQ, L, P, R, V = 4, 64, 32, 32, 16, 8, 16
 N_LAYERS, VOCAB, INTER, EPS, BASE = 2, 50, 48, 1e-6, 10000.0
@@ -884,7 +889,7 @@ def test_decode_steps(tmp: Path, ck) -> None:
                 worst[site] = max(worst.get(site, 0), rel(tk[f"L{n}.{site}"], ref))
     check(max(worst.values()) < 1e-5, "decode sites vs float64 over the cached context from the "
           "dumped steps: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
-    gguf_path = HERE.parent / "golden" / "models" / "tiny-v3-f32.gguf"
+    gguf_path = ROOT / "golden" / "models" / "tiny-v3-f32.gguf"
     try:
         import gguf  # noqa: F401
     except ImportError:
@@ -919,24 +924,10 @@ def test_decode_steps(tmp: Path, ck) -> None:
           "format 2 tensors: s{k}.L{n}.{stage}, weight sites in step 0, weights.L{n}.{param}, s{k}.positions")
 
 
-def find_mla_diff() -> Path | None:
-    """An mla-diff binary with the `compare` subcommand: $MLA_DIFF, else target/{release,debug}."""
-    import os
-    import subprocess
-    root = HERE.parent
-    cands = [os.environ.get("MLA_DIFF")] + [str(root / "target" / b / "mla-diff") for b in ("release", "debug")]
-    for c in cands:
-        if c and Path(c).is_file():
-            r = subprocess.run([c, "compare", "--help"], capture_output=True, text=True)
-            if r.returncode == 0:
-                return Path(c)
-    return None
-
-
 def test_gguf_compare(tmp: Path) -> None:
     print("[5] mock loaded from golden/models/tiny-v3-f32.gguf (f32), dumped, judged by `mla-diff compare`")
     import subprocess
-    gguf_path = HERE.parent / "golden" / "models" / "tiny-v3-f32.gguf"
+    gguf_path = ROOT / "golden" / "models" / "tiny-v3-f32.gguf"
     try:
         import gguf
     except ImportError:

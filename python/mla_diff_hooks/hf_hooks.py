@@ -1,0 +1,513 @@
+"""Capture every MLA intermediate of a HF transformers DeepSeek-V3 forward pass, in float64.
+
+Why this exists: mla-diff's goldens (and mla_diff_hooks.hf, dump_hf.py, for user models) need the HF model's
+per-layer intermediates under the site names of docs/design.md ("L{n}.{stage}"). Most of them are the
+inputs or outputs of a submodule and are taken with forward hooks; the rest live inside plain
+functions (the rotary application and the eager attention function) and are taken by wrapping
+those functions for the duration of one forward pass.
+
+Precision. Running `model.to(torch.float64)` is not enough for an f64 golden: HF's code forces
+float32 in three places (RMSNorm upcasts to f32, the rotary table is built from f32 inverse
+frequencies and f32 angles, eager attention runs its softmax with dtype=f32). Inside
+`capture()` those three spots are patched so that, for f64 inputs, the same formulas run in f64:
+  * DeepseekV3RMSNorm.forward: identical formula, computed in the input dtype when wider than f32;
+  * DeepseekV3RotaryEmbedding: inverse frequencies recomputed by HF's own rope-init function with
+    torch.float/float32 aliased to float64 for that one call (checked against HF's f32 buffer),
+    angles position * inv_freq in f64;
+  * eager_attention_forward: HF's function itself, with its softmax allowed to stay in f64.
+  * DeepseekV3TopkRouter.forward: HF's routing formula (router logits, sigmoid, score-correction
+    bias for the choice only, group-limited top-k, normalisation, routed scaling factor), with
+    the logits computed in the input dtype instead of HF's forced float32.
+Every patch is undone when `capture()` exits. Nothing else in the model is changed.
+
+MoE layers (DeepseekV3MoE) add four sites: `moe_router_logits` [T, E] (the router's raw logits),
+`moe_topk` [T, K] (the selected expert ids, int64, in HF's unsorted top-k order: compare them as
+sets), `moe_out` [T, H] (the routed experts' weighted sum) and `shared_out` [T, H] (the shared
+experts' output); `hidden_out` is the residual plus both.
+
+DSA layers (DeepSeek-V3.2, GLM-MoE-DSA: `self_attn.indexer`) add `idx_q` [T, N_idx, D_idx]
+(`indexer.wq_b(q_c_normed)`, before RoPE), `idx_k` [T, D_idx] (`indexer.k_norm(indexer.wk(x))`,
+before RoPE), `idx_weights` [T, N_idx] (`indexer.weights_proj(x)`, raw), `idx_scores` [T, T] (the
+tensor HF calls `.topk` on inside the indexer, recorded through a TorchFunctionMode, with the
+masked entries past the query set to 0; HF computes it in float32 even in a float64 model) and
+`idx_topk` [T, K] (int64, each row sorted ascending, keys past the query -1 at the end, see
+`topk_rows`). A GLM "shared" layer has only `idx_topk`: the `prev_topk_indices` it is handed.
+These functions and classes are looked up in the model's own modeling module (transformers
+generates one copy per family), so the same capture serves DeepseekV3, DeepseekV32,
+GlmMoeDsa and MiniCPM3; MiniCPM3's rope is NeoX (`apply_rotary_pos_emb`) and its
+`q_pe_roped`/`k_pe_roped` are stored as HF gives them (NeoX order, no conversion).
+
+Rope order. HF's `apply_rotary_pos_emb_interleave` returns each rotated rope vector as
+[rotated even elements | rotated odd elements]; DeepSeek/vLLM/llama.cpp keep the interleaved pair
+order. `q_pe_roped` and `k_pe_roped` are stored converted to interleaved order
+(interleaved[2i] = hf[i], interleaved[2i+1] = hf[i + R/2]), see `hf_rope_to_interleaved`;
+`capture(..., raw_rope=True)` keeps HF's own order instead (dump_hf.py writes raw dumps).
+
+Usage:
+    from mla_diff_hooks.hf_hooks import capture
+    result = capture(model, input_ids)       # model: DeepseekV3ForCausalLM, any dtype
+    result.tensors   # {"L0.hidden_in": np.ndarray f64, ..., "logits": ...}
+    result.extras    # cos/sin tables, HF softmax scale, per-layer logit statistics
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any
+
+from ._deps import optional
+
+np = optional("numpy", "mla_diff_hooks.hf_hooks", "hf")
+torch = optional("torch", "mla_diff_hooks.hf_hooks", "hf")
+
+# Canonical stage order (docs/design.md "Sites" table) of the stages an HF run can provide.
+# (ql_nope and attn_latent exist only on the absorbed path; HF runs the expanded path.)
+HF_STAGES = [
+    "hidden_in", "attn_in", "w.fused_qkv_a", "q_c", "q_c_normed", "q", "kv_a", "kv_c_normed",
+    "k_pe", "q_pe_roped", "k_pe_roped", "w.kv_b", "k_nope", "v", "w.W_UK_T", "w.W_UV",
+    "idx_q", "idx_k", "idx_weights", "idx_scores", "idx_topk", "lse",
+    "attn_out", "o_proj", "moe_router_logits", "moe_topk", "moe_out", "shared_out", "hidden_out",
+]
+# Stages only MoE layers (DeepseekV3MoE) have.
+MOE_STAGES = ("moe_router_logits", "moe_topk", "moe_out", "shared_out")
+# Stages of a layer that runs its own DSA indexer; a GLM "shared" layer has only idx_topk.
+IDX_STAGES = ("idx_q", "idx_k", "idx_weights", "idx_scores", "idx_topk")
+
+
+def _family_classes(mdl) -> dict[str, Any]:
+    """The modeling module's own classes (transformers generates one copy per model family)."""
+    out = {}
+    for suffix in ("RMSNorm", "RotaryEmbedding", "TopkRouter", "MoE"):
+        found = [v for k, v in vars(mdl).items()
+                 if isinstance(v, type) and k.endswith(suffix) and v.__module__ == mdl.__name__]
+        out[suffix] = found[0] if len(found) == 1 else None
+    return out
+
+
+def topk_rows(topk: np.ndarray) -> np.ndarray:
+    """HF's indexer top-k [T, K] -> per row sorted ascending, with the entries past the query
+    (key > i: masked keys that topk returns when row i has fewer than K causal keys) replaced by
+    -1 and moved to the end."""
+    T, K = topk.shape
+    out = np.full((T, K), -1, dtype=np.int64)
+    for i in range(T):
+        row = np.asarray(topk[i], dtype=np.int64)
+        if len(set(row.tolist())) != K:
+            raise RuntimeError(f"indexer top-k row {i} repeats a key: {row.tolist()}")
+        keep = np.sort(row[row <= i])
+        if len(keep) != min(K, i + 1):
+            raise RuntimeError(f"indexer top-k row {i} selects {len(keep)} causal keys, want {min(K, i + 1)}")
+        out[i, : len(keep)] = keep
+    return out
+
+
+def hf_rope_to_interleaved(x: np.ndarray) -> np.ndarray:
+    """[even... | odd...] (HF's rotated layout) -> interleaved pairs (DeepSeek's layout), last axis."""
+    r = x.shape[-1]
+    assert r % 2 == 0
+    out = np.empty_like(x)
+    out[..., 0::2] = x[..., : r // 2]
+    out[..., 1::2] = x[..., r // 2:]
+    return out
+
+
+@dataclasses.dataclass
+class CaptureResult:
+    tensors: dict[str, np.ndarray]          # site name -> f64 (or i64) array, ready to save
+    extras: dict[str, Any]                  # cos/sin, HF scaling, logit stats (not saved as sites)
+
+
+# --------------------------------------------------------------------------------------------
+# float64 patches
+# --------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _alias_float32_to_float64():
+    """Make `torch.float` and `torch.float32` mean float64 for the duration of the block.
+
+    Used only around HF's rope-init function, so that its own formula (which names torch.float
+    explicitly) produces f64 inverse frequencies.
+    """
+    saved = (torch.float, torch.float32)
+    torch.float = torch.float64
+    torch.float32 = torch.float64
+    try:
+        yield
+    finally:
+        torch.float, torch.float32 = saved
+
+
+def _rope_init_f64(rotary: torch.nn.Module) -> tuple[torch.Tensor, float]:
+    """Re-run the rope-init function the rotary module used, in float64."""
+    cfg = rotary.config
+    if rotary.rope_type == "default":
+        fn = rotary.compute_default_rope_parameters
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        fn = ROPE_INIT_FUNCTIONS[rotary.rope_type]
+    with _alias_float32_to_float64():
+        inv_freq, attention_scaling = fn(cfg, device=torch.device("cpu"))
+    assert inv_freq.dtype == torch.float64, inv_freq.dtype
+    return inv_freq, float(attention_scaling)
+
+
+@contextlib.contextmanager
+def _float64_patches(model: torch.nn.Module, mdl):
+    """Patch HF's f32-forcing spots (RMSNorm, rotary table, eager softmax) while active."""
+    saved: list[tuple[Any, str, Any]] = []
+    cls = _family_classes(mdl)
+
+    def patch(obj, name, value):
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    # 1. RMSNorm: same formula as HF, computed in max(input dtype, f32).
+    def rms_forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        work = torch.promote_types(input_dtype, torch.float32)
+        h = hidden_states.to(work)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * h.to(input_dtype)
+
+    patch(cls["RMSNorm"], "forward", rms_forward)
+
+    # 2. Rotary table in f64: HF's formula (cat(freqs, freqs), cos/sin times attention_scaling).
+    rotary = model.model.rotary_emb
+    inv64, att_scale = _rope_init_f64(rotary)
+    hf_inv32 = rotary.original_inv_freq.to(torch.float64)
+    inv_rel = float(((inv64 - hf_inv32).abs() / inv64.abs()).max())
+    # HF's buffer holds the same numbers rounded to f32 (rel. error <= 2^-24, plus a few ulps of
+    # the f32 pow it used).
+    assert inv_rel < 1e-6, f"f64 inverse frequencies disagree with HF's f32 buffer ({inv_rel})"
+    assert math.isclose(att_scale, float(rotary.attention_scaling), rel_tol=1e-12)
+
+    def rotary_forward(self, x, position_ids):
+        freqs = position_ids[..., None].to(torch.float64) * inv64.to(x.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * att_scale
+        sin = emb.sin() * att_scale
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+    patch(cls["RotaryEmbedding"], "forward", rotary_forward)
+
+    # 3. Softmax: HF's eager function asks for dtype=float32; keep f64 inputs in f64.
+    orig_softmax = torch.nn.functional.softmax
+
+    def softmax(input, dim=None, _stacklevel=3, dtype=None):
+        if dtype is not None and input.dtype == torch.float64:
+            dtype = torch.float64
+        return orig_softmax(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+
+    patch(torch.nn.functional, "softmax", softmax)
+
+    # 4. MoE router: HF's DeepseekV3TopkRouter.forward computes the logits in float32
+    #    (hidden_states.type(torch.float32), weight.type(torch.float32)). Same formula, in
+    #    max(input dtype, f32).
+    def router_forward(self, hidden_states):
+        work = torch.promote_types(hidden_states.dtype, torch.float32)
+        hidden_states = hidden_states.view(-1, self.hidden_dim)
+        router_logits = torch.nn.functional.linear(hidden_states.to(work), self.weight.to(work))
+        scores = router_logits.sigmoid()
+        scores_for_choice = scores + self.e_score_correction_bias.to(work)
+        group_scores = (
+            scores_for_choice.view(-1, self.num_group, self.num_experts // self.num_group)
+            .topk(2, dim=-1)[0]
+            .sum(dim=-1)
+        )
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = (
+            group_mask.unsqueeze(-1)
+            .expand(-1, self.num_group, self.num_experts // self.num_group)
+            .reshape(-1, self.num_experts)
+        )
+        scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+        topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_indices)
+        if self.norm_topk_prob:
+            denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+            topk_weights /= denominator
+        topk_weights = topk_weights * self.routed_scaling_factor
+        return router_logits, topk_weights, topk_indices
+
+    if cls["TopkRouter"] is not None:
+        patch(cls["TopkRouter"], "forward", router_forward)
+    try:
+        yield {"inv_freq_f64": inv64.numpy().copy(), "inv_freq_rel_err_vs_hf_f32": inv_rel}
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+
+# --------------------------------------------------------------------------------------------
+# capture
+# --------------------------------------------------------------------------------------------
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float64).cpu().numpy().copy()
+
+
+def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool = True,
+            raw_rope: bool = False, with_weights: bool = True) -> CaptureResult:
+    """Run one forward pass of a DeepseekV3ForCausalLM on one sequence and capture all sites.
+
+    input_ids: [T] or [1, T] int64 token ids; positions are 0..T-1. The model must use eager
+    attention and `rope_interleave=True`. With `exact_f64` (default) the f32-forcing spots of
+    HF's code are patched (see module docstring); the model itself should already be float64.
+    `raw_rope=True` stores q_pe_roped/k_pe_roped in HF's [even | odd] order (not converted);
+    `with_weights=False` skips the weight sites (w.*).
+    """
+    import sys
+
+    mdl = sys.modules[type(model).__module__]
+    family = _family_classes(mdl)
+    moe_cls = family["MoE"] or ()
+    cfg = model.config
+    # main-attention rope: DeepSeek families pair adjacent elements (HF's *_interleave function);
+    # MiniCPM3 rotates halves (NeoX, HF's apply_rotary_pos_emb), stored as it is
+    neox_main = cfg.model_type == "minicpm3"
+    rope_fn_name = "apply_rotary_pos_emb" if neox_main else "apply_rotary_pos_emb_interleave"
+    if cfg.model_type == "deepseek_v3" and not getattr(cfg, "rope_interleave", False):
+        raise ValueError("capture() expects rope_interleave=True (DeepSeek-style rope)")
+    if cfg.model_type not in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "minicpm3"):
+        raise ValueError(f"capture() does not know model type {cfg.model_type!r}")
+    if getattr(cfg, "_attn_implementation", "eager") != "eager":
+        raise ValueError(f"capture() needs eager attention, model uses {cfg._attn_implementation!r}")
+    impl = getattr(cfg, "_experts_implementation", None)
+    has_moe = any(isinstance(layer.mlp, moe_cls) for layer in model.model.layers)
+    if has_moe and impl not in (None, "eager"):
+        raise ValueError(f"capture() needs eager experts (config._experts_implementation), model uses {impl!r}")
+    ids = input_ids.reshape(1, -1).to(torch.long)
+    T = ids.shape[1]
+    N, P, R, V, L = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                     cfg.v_head_dim, cfg.kv_lora_rank)
+    Lq = cfg.q_lora_rank
+
+    out: dict[str, np.ndarray] = {}
+    extras: dict[str, Any] = {"logit_stats": {}, "hf_scaling": {}, "idx_scores_dtype": {}}
+    current = {"layer": None, "in_indexer": False}
+    handles = []
+
+    def put(layer: int, stage: str, value: np.ndarray) -> None:
+        key = f"L{layer}.{stage}"
+        if key in out:
+            raise RuntimeError(f"{key} captured twice (is the model called recursively?)")
+        out[key] = value
+
+    layers = model.model.layers[: cfg.num_hidden_layers]
+    for n, layer in enumerate(layers):
+        attn = layer.self_attn
+
+        # residual stream in/out of the decoder layer
+        def layer_pre(mod, args, kwargs, n=n):
+            hs = args[0] if args else kwargs["hidden_states"]
+            current["layer"] = n
+            put(n, "hidden_in", _np(hs[0]))
+
+        def layer_post(mod, args, kwargs, output, n=n):
+            hs = output[0] if isinstance(output, tuple) else output
+            put(n, "hidden_out", _np(hs[0]))
+            current["layer"] = None
+
+        handles.append(layer.register_forward_pre_hook(layer_pre, with_kwargs=True))
+        handles.append(layer.register_forward_hook(layer_post, with_kwargs=True))
+
+        def out_hook(stage, fn=lambda a: a, n=n):
+            def hook(mod, args, output):
+                put(n, stage, fn(_np(output[0])))
+            return hook
+
+        handles.append(layer.input_layernorm.register_forward_hook(out_hook("attn_in")))
+        if Lq is not None:
+            handles.append(attn.q_a_proj.register_forward_hook(out_hook("q_c")))
+            handles.append(attn.q_a_layernorm.register_forward_hook(out_hook("q_c_normed")))
+            q_mod = attn.q_b_proj
+        else:
+            q_mod = attn.q_proj
+        handles.append(q_mod.register_forward_hook(out_hook("q", lambda a: a.reshape(T, N, P + R))))
+
+        def kv_a_hook(mod, args, output, n=n):
+            kv_a = _np(output[0])
+            put(n, "kv_a", kv_a)
+            put(n, "k_pe", kv_a[:, L:].copy())   # the rope part, before RoPE
+
+        handles.append(attn.kv_a_proj_with_mqa.register_forward_hook(kv_a_hook))
+        # kv_a_layernorm sees kv_c only: output [1, T, L]
+        handles.append(attn.kv_a_layernorm.register_forward_hook(out_hook("kv_c_normed")))
+
+        def kv_b_hook(mod, args, output, n=n):
+            kv = _np(output).reshape(T, N, P + V)   # output [1, 1, T, N*(P+V)], per-head [k | v]
+            put(n, "k_nope", kv[:, :, :P].copy())
+            put(n, "v", kv[:, :, P:].copy())
+
+        handles.append(attn.kv_b_proj.register_forward_hook(kv_b_hook))
+
+        def o_pre(mod, args, n=n):
+            put(n, "attn_out", _np(args[0][0]).reshape(T, N, V))
+
+        handles.append(attn.o_proj.register_forward_pre_hook(o_pre))
+        handles.append(attn.o_proj.register_forward_hook(out_hook("o_proj")))
+
+        # DSA lightning indexer (DeepSeek-V3.2, GLM-MoE-DSA)
+        indexer = getattr(attn, "indexer", None)
+        if indexer is not None:
+            nI, dI = indexer.n_heads, indexer.head_dim
+
+            def idx_pre(mod, args, n=n):
+                current["in_indexer"] = True
+
+            def idx_post(mod, args, output, n=n):
+                current["in_indexer"] = False
+                put(n, "idx_topk", topk_rows(output[0].detach().cpu().numpy()))
+
+            handles.append(indexer.register_forward_pre_hook(idx_pre))
+            handles.append(indexer.register_forward_hook(idx_post))
+            handles.append(indexer.wq_b.register_forward_hook(out_hook("idx_q", lambda a: a.reshape(T, nI, dI))))
+            handles.append(indexer.k_norm.register_forward_hook(out_hook("idx_k")))
+            handles.append(indexer.weights_proj.register_forward_hook(out_hook("idx_weights")))
+        elif hasattr(attn, "skip_topk") and attn.skip_topk:
+            # GLM "shared" layer: the top-k it is handed (the previous full layer's)
+            def shared_pre(mod, args, kwargs, n=n):
+                prev = kwargs.get("prev_topk_indices")
+                if prev is None:
+                    raise RuntimeError(f"shared DSA layer {n} got no prev_topk_indices")
+                put(n, "idx_topk", topk_rows(prev[0].detach().cpu().numpy()))
+
+            handles.append(attn.register_forward_pre_hook(shared_pre, with_kwargs=True))
+
+        # MoE FFN (DeepseekV3MoE): router outputs, routed experts' sum, shared experts
+        if isinstance(layer.mlp, moe_cls):
+            moe = layer.mlp
+
+            def gate_hook(mod, args, output, n=n):
+                router_logits, _weights, topk_indices = output      # [T, E], [T, K], [T, K]
+                put(n, "moe_router_logits", _np(router_logits))
+                put(n, "moe_topk", topk_indices.detach().cpu().numpy().astype(np.int64))
+
+            def experts_hook(mod, args, output, n=n):
+                put(n, "moe_out", _np(output))                       # [T, H] (tokens flattened)
+
+            handles.append(moe.gate.register_forward_hook(gate_hook))
+            handles.append(moe.experts.register_forward_hook(experts_hook))
+            handles.append(moe.shared_experts.register_forward_hook(out_hook("shared_out")))
+
+        # weights, as HF holds them (the f32 values, upcast)
+        if not with_weights:
+            continue
+        if Lq is not None:
+            put(n, "w.fused_qkv_a", np.concatenate(
+                [_np(attn.q_a_proj.weight), _np(attn.kv_a_proj_with_mqa.weight)], axis=0))
+        kv_b = _np(attn.kv_b_proj.weight)                    # [N*(P+V), L]
+        put(n, "w.kv_b", kv_b)
+        per_head = kv_b.reshape(N, P + V, L)
+        put(n, "w.W_UK_T", per_head[:, :P, :].copy())        # [N, P, L]
+        put(n, "w.W_UV", per_head[:, P:, :].transpose(0, 2, 1).copy())  # [N, L, V]
+
+    # ---- wrapped functions ------------------------------------------------------------------
+    orig_rope = getattr(mdl, rope_fn_name)
+    orig_eager = mdl.eager_attention_forward
+
+    reorder = (lambda a: a) if (raw_rope or neox_main) else hf_rope_to_interleaved
+
+    def rope_wrapper(q, k, cos, sin, *args, **kwargs):
+        q_embed, k_embed = orig_rope(q, k, cos, sin, *args, **kwargs)
+        if current["in_indexer"]:       # GLM's indexer uses the same function: not a main-attention site
+            return q_embed, k_embed
+        n = current["layer"]
+        # q_embed [1, N, T, R], k_embed [1, 1, T, R], both in HF's [even | odd] order
+        put(n, "q_pe_roped", reorder(_np(q_embed[0]).transpose(1, 0, 2)))
+        put(n, "k_pe_roped", reorder(_np(k_embed[0, 0])))
+        if "cos" not in extras:
+            extras["cos"] = _np(cos[0])     # [T, R] = cat(per-pair cos, per-pair cos)
+            extras["sin"] = _np(sin[0])
+        return q_embed, k_embed
+
+    def eager_wrapper(module, query, key, value, attention_mask, scaling, *args, **kwargs):
+        n = module.layer_idx
+        # HF's own q, k, scaling and mask -> scaled, masked logits -> natural-log LSE per query/head
+        with torch.no_grad():
+            logits = torch.matmul(query, key.transpose(2, 3)) * scaling      # [1, N, T, S]
+            if attention_mask is None:
+                allowed = torch.ones(logits.shape[-2:], dtype=torch.bool).tril()
+                logits_m = logits.masked_fill(~allowed, float("-inf"))
+            elif attention_mask.dtype == torch.bool:
+                allowed = attention_mask[0, 0]
+                logits_m = logits.masked_fill(~allowed, float("-inf"))
+            else:
+                allowed = attention_mask[0, 0] == 0
+                logits_m = logits + attention_mask
+            # In at least f32, as HF's eager softmax itself runs (softmax(..., dtype=float32)):
+            # a bf16 model's LSE is not rounded to bf16. f32/f64 runs are unchanged.
+            work = torch.promote_types(logits_m.dtype, torch.float32)
+            lse = torch.logsumexp(logits_m.to(work), dim=-1)                  # [1, N, T]
+            put(n, "lse", _np(lse[0]).T.copy())                               # [T, N]
+            vals = _np(logits[0])[:, _np(allowed.to(torch.float64)) > 0]       # [N, #allowed]
+            extras["logit_stats"][n] = {"std": float(vals.std()), "mean": float(vals.mean()),
+                                        "absmax": float(np.abs(vals).max()), "count": int(vals.size)}
+            extras["hf_scaling"][n] = float(scaling)
+        return orig_eager(module, query, key, value, attention_mask, scaling, *args, **kwargs)
+
+    class TopkRecorder(torch.overrides.TorchFunctionMode):
+        """Records the tensor on which the indexer calls `.topk` (HF's own index scores)."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if current["in_indexer"] and func in (torch.Tensor.topk, torch.topk):
+                n = current["layer"]
+                scores = args[0]                                  # [1, T, T]
+                extras["idx_scores_dtype"][n] = str(scores.dtype)
+                sc = _np(scores[0])
+                causal = np.tril(np.ones((T, T), dtype=bool))
+                if not np.all(sc[~causal] < -1e30):
+                    raise RuntimeError(f"L{n}: indexer scores past the query are not masked")
+                put(n, "idx_scores", np.where(causal, sc, 0.0))
+            return func(*args, **kwargs)
+
+    setattr(mdl, rope_fn_name, rope_wrapper)
+    mdl.eager_attention_forward = eager_wrapper
+    try:
+        ctx = _float64_patches(model, mdl) if exact_f64 else contextlib.nullcontext({})
+        with ctx as patch_info, torch.no_grad(), TopkRecorder():
+            extras.update(patch_info or {})
+            res = model(input_ids=ids, position_ids=torch.arange(T).reshape(1, T), use_cache=False)
+    finally:
+        setattr(mdl, rope_fn_name, orig_rope)
+        mdl.eager_attention_forward = orig_eager
+        for h in handles:
+            h.remove()
+
+    out["logits"] = _np(res.logits[0])
+    out["tokens"] = ids[0].cpu().numpy().astype(np.int64)
+    out["positions"] = np.arange(T, dtype=np.int64)
+
+    # every expected site must be there, once
+    for n in range(len(layers)):
+        is_moe = isinstance(layers[n].mlp, moe_cls)
+        own_idx = getattr(layers[n].self_attn, "indexer", None) is not None
+        shared_idx = bool(getattr(layers[n].self_attn, "skip_topk", False))
+        for stage in HF_STAGES:
+            if stage in MOE_STAGES and not is_moe:
+                continue
+            if stage in IDX_STAGES and not own_idx and not (shared_idx and stage == "idx_topk"):
+                continue
+            if Lq is None and stage in ("w.fused_qkv_a", "q_c", "q_c_normed"):
+                continue
+            if not with_weights and stage.startswith("w."):
+                continue
+            if f"L{n}.{stage}" not in out:
+                raise RuntimeError(f"site L{n}.{stage} was not captured")
+    return CaptureResult(tensors=out, extras=extras)
+
+
+def ordered_names(tensors: dict[str, np.ndarray]) -> list[str]:
+    """Site names in (layer, canonical stage) order, then tokens/positions/logits."""
+    def key(name: str):
+        if name.startswith("L") and "." in name:
+            layer, stage = name[1:].split(".", 1)
+            return (0, int(layer), HF_STAGES.index(stage) if stage in HF_STAGES else 99, stage)
+        return (1, 0, 0, name)
+    return sorted(tensors, key=key)

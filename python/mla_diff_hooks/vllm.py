@@ -1,0 +1,1488 @@
+#!/usr/bin/env python3
+"""Dump vLLM's MLA intermediates (and its weights as loaded) for `mla-diff compare`.
+
+STATUS: tested with vLLM 0.26.0 (TESTED_VLLM), on the CPU: scripts/vllm_cpu.py runs vLLM's real
+DeepseekV3ForCausalLM (GGUF through vllm-gguf-plugin 0.0.5, prefill through a torch SDPA prefill
+backend, decode through TritonMLAImpl's Triton kernel under TRITON_INTERPRET=1, float32) with
+these hooks, and `mla-diff compare` passes its dump of golden/models/legacy-kvb-f32.gguf. The
+`LLM` path below (GPU, a worker process) runs on vLLM 0.26.0's live engine on an H200
+(scripts/vllm_live_gpu.sh: FLASHMLA and TRITON_MLA decode, FA3 prefill, bf16). python/tests/vllm_mock.py (run by test_vllm.py, with torch) checks the
+same code on a plain-torch mock of 0.26.0's module tree (no vLLM needed). On another vLLM
+version, VllmCapture checks the names it relies on (check_layout) and says, on stderr and in the
+dump's notes, that it was tested with 0.26.0 and which names it could not find.
+
+Why this exists. `mla-diff compare --model M.gguf --dump D.safetensors` diffs what an engine
+really computed against mla-diff's float64 reference on the same weights. This is vLLM's side:
+imported INSIDE the process that runs the model, it registers forward hooks on the root model,
+the decoder layers and the MLA modules of a DeepseekV2/V3ForCausalLM, wraps each MLAAttention's
+backend `impl.forward_mqa` (the decode path), records one or several consecutive forwards
+("steps": a prefill, then decode steps) and writes
+  (a) an activation dump in docs/dump-format.md's format: format 2 (every step, the model's
+      identity, the hook and engine, conventions, a harness's patches; write_format2) or
+      format 1 (one step; write_dump / write_steps), and
+  (b) a WEIGHTS file: the engine's MLA weights as loaded, under vLLM's own parameter names
+      (inside a format-2 dump as weights.L{n}.{param}).
+
+Which module to hook. vLLM's runner calls the ROOT module (`self.model(input_ids=...,
+positions=...)` in vllm/v1/worker/gpu_model_runner.py), a plain nn.Module; its inner
+DeepseekV2Model is decorated with @support_torch_compile (vllm/compilation/decorators.py), whose
+__call__ calls self.forward() directly, so a hook on the inner model never fires, even with
+enforce_eager. A step therefore starts in the root's pre-hook and ends in its post-hook (a caller
+that runs the layers without the root: the first layer starts a step, the last one ends it).
+
+Usage on a CPU (no GPU; vLLM's real model code; one command, see its docstring):
+    python3 scripts/vllm_cpu.py setup --venv .venv-vllm
+    python3 scripts/vllm_cpu.py run --venv .venv-vllm --gguf M.gguf --tokens 1,2,3 \
+        --decode-steps 2 --out out/d.safetensors
+
+Usage with vLLM's offline LLM (GPU; the worker runs in another process, so the hooks are shipped
+there with `LLM.apply_model`, which pickles the callable: mla_diff_hooks must be importable in
+the worker (`pip install mla-diff`, or PYTHONPATH=<checkout>/python), and vLLM only accepts pickled callables with VLLM_ALLOW_INSECURE_SERIALIZATION=1). GGUF
+files are loaded by vllm-gguf-plugin (vLLM 0.26.0 itself has no GGUF loader), which needs the
+HF config.json (`hf_config_path`; `scripts/vllm_cpu.py config --gguf M.gguf --out DIR` derives
+one from the GGUF's metadata):
+
+    # VLLM_ALLOW_INSECURE_SERIALIZATION=1 python ...
+    import functools
+    from mla_diff_hooks import vllm as dump_vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    llm = LLM(model="M.gguf", hf_config_path=CFG_DIR, skip_tokenizer_init=True,
+              enforce_eager=True, enable_prefix_caching=False, tensor_parallel_size=TP)
+    llm.apply_model(functools.partial(dump_vllm.arm, steps=1 + K))   # hooks on, every worker
+    llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1 + K))
+    res = llm.apply_model(functools.partial(dump_vllm.finish, dump_path="out/d.safetensors",
+                                            model_path="M.gguf", expect_tokens=ids))
+    # without model_path (or with TP > 1): format 1 of the prefill, per rank; then
+    dump_vllm.merge_rank_dumps([r["dump"] for r in res], "out/d.safetensors")   # only if TP > 1
+
+or the same in one command: `python -m mla_diff_hooks.vllm M.gguf --hf-config-path CFG_DIR
+--tokens 1,2,3 --decode-steps 2 --dump out/d.safetensors [--tp 2]` (`scripts/dump_vllm.py` in a
+checkout runs the same).
+`llm.collective_rpc(fn)` works too: arm/finish accept a worker (they take `worker.get_model()`
+or `worker.model_runner.model`). In-process use (VLLM_ENABLE_V1_MULTIPROCESSING=0, or any
+nn.Module tree): `cap = attach(model, steps=S); <forwards>; cap.remove();
+cap.write_format2(path, model_path=gguf)`.
+
+Requirements the hooks need (each is checked, or noted in the dump's metadata):
+  * enforce_eager=True. Hooks registered after start-up never run inside a torch.compile'd graph
+    or a CUDA-graph replay. `finish` raises when no hook fired.
+  * enable_prefix_caching=False (cached prefix tokens are not recomputed, so a prefill would
+    start past position 0), the prompt(s) within max_num_batched_tokens (no chunked prefill).
+    The first `steps` forwards after `arm` are recorded (`forward_index` skips some); later ones
+    are ignored. Format 2 needs every sequence in every step, in the same order (checked: each
+    sequence's first position must equal the tokens earlier steps computed for it).
+  * Several prompts are packed token-major in scheduler order; `seq_lens` is inferred from the
+    positions (a new sequence wherever a position does not follow its predecessor) and
+    `expect_tokens` (the concatenated prompt ids) checks order and trims any padding rows.
+
+What is dumped (sites of docs/design.md; token-major, values upcast exactly to float32):
+  hidden_in    DeepseekV2DecoderLayer input. vLLM passes the residual stream SPLIT:
+               forward(positions, hidden_states, residual, llama_4_scaling=None) returns
+               (hidden_states, residual). Layer 0 gets residual=None (then hidden_in =
+               hidden_states); later layers get the previous layer's un-added pair and the fused
+               add + RMSNorm `input_layernorm(hidden_states, residual)` returns (normed, sum), so
+               hidden_in = hidden_states + residual. It is taken from that tuple's second element
+               (the engine's own sum, rounded to the model dtype), else the pre-hook's sum.
+  attn_in      input_layernorm output (first element of the tuple when residual is given).
+  q_c, kv_a    columns [:Lq] and [Lq:] of fused_qkv_a_proj's output (q_lora_rank models); older
+               trees with separate q_a_proj / kv_a_proj_with_mqa, and models without q_lora_rank
+               (kv_a_proj_with_mqa, q_proj), are hooked under those names. k_pe = kv_a[:, L:].
+  q_c_normed   q_a_layernorm output.          kv_c_normed  kv_a_layernorm output.
+  q            q_b_proj (or q_proj) output viewed [T, N, P+R], before RoPE (copied in the hook:
+               the wrapper then writes the roped q_pe into q in place).
+  q_pe_roped, k_pe_roped   the (query, key) returned by rotary_emb(positions, q_pe, k_pe), first
+               call per layer. get_rope() caches instances, so one rotary module is shared by all
+               layers (and can be the V3.2 indexer's too): the call is attributed to the layer
+               whose forward is running, and later calls in the same layer are ignored.
+  k_nope, v    first kv_b_proj call in the layer, split per head [k_nope | v]: that call is
+               MLACommonBaseImpl.forward_mha's `self.kv_b_proj(kv_c_normed)` on the NEW prefill
+               tokens. Dumped only when it covered all T tokens (no decode tokens in the batch);
+               a decode step never expands the latent, so it has neither.
+  ql_nope, attn_latent, lse   decode tokens only, around MLAAttention.impl.forward_mqa(q,
+               kv_cache, attn_metadata, layer): q is (ql_nope [B, N, L], q_pe) with ql_nope =
+               q_nope x W_UK_T (MLAAttention.forward_impl), and it returns (o, lse): o [B, N, L]
+               the attention output in the latent space (attn_latent, before W_UV) and lse
+               [B, N] (natural log: the Triton kernel's e_max + log(e_sum)). B = the decode
+               tokens, which vLLM puts first in a batch; dumped when they are the whole step.
+  attn_out     o_proj's input (= the mla_attn / MLAAttention output), [T, N, V].
+  o_proj       o_proj output (after the TP all-reduce; not dumped when reduce_results=False).
+  hidden_out   hidden_states + residual of the layer's returned pair (what the next layer's fused
+               add, or the final norm, computes).
+  w.fused_qkv_a, w.kv_b, w.W_UK_T, w.W_UV  the weight sites, from the engine's weights (below).
+  tokens, positions (int64); metadata format, engine="vllm <version>", dtype (from the
+  activations' dtype), rope_order="interleaved", layout="token-major", kv_a_order="latent-rope",
+  seq_lens (several sequences), model, plus informational keys (notes, tp_size, ...).
+rope_order is "interleaved" because DeepseekV2MLAAttention builds its rotary module with
+get_rope(..., is_neox_style=False) (DeepseekScalingRotaryEmbedding for YaRN, RotaryEmbedding
+otherwise), whose forward_native rotates adjacent pairs (rotate_gptj, cos/sin
+repeat_interleave(2)) and returns q_pe/k_pe in their natural element order: DeepSeek's layout, no
+permutation to undo (the built-in `--map vllm` says the same).
+NOT dumped: the prefill attention's lse (a prefill backend returns it only for chunked
+context), and the prefill attention output other than attn_out itself.
+
+fp16 models: DeepseekV2DecoderLayer divides the attention output (and, at layer 0, the residual)
+by routed_scaling_factor when hidden_states are float16, so vLLM's residual stream is the true
+one / routed_scaling_factor. With undo_fp16_residual_scaling (default) hidden_out, and hidden_in
+of layers > 0, are multiplied back (noted in the metadata). bf16/f32 are unaffected.
+
+WEIGHTS file (`weights_path`): float32, PyTorch [out, in] layout, named `L{n}.{param}`, or
+`L{n}.{param}.rank{r}` when tensor parallel size > 1 (r = vLLM's TP rank; every param of that rank
+carries the suffix, replicated ones too). Params (as present on DeepseekV2MLAAttention):
+fused_qkv_a_proj [Lq+L+R, H], q_b_proj [N_r(P+R), Lq] or q_proj [N_r(P+R), H], kv_a_proj_with_mqa
+[L+R, H] (no-Lq models), kv_b_proj [N_r(P+V), L], o_proj [H, N_r V], W_UK_T [N_r, P, L],
+W_UV [N_r, L, V] (N_r = heads on this rank). With fused_qkv_a_proj, `q_a_proj` and
+`kv_a_proj_with_mqa` are ALSO written as its row slices [:Lq] and [Lq:] (vLLM has no such
+parameters; the slices are what the loader put in shards 0 and 1, listed in metadata `derived`).
+Metadata: format, engine, tp_size, rank, pp_size, pp_rank, dims, quantized, dequant, w_uk_t_holder.
+Quantized layers: the weight is dequantized to float32 with vLLM's own
+quant_utils.get_and_maybe_dequant_weights(layer, out_dtype=torch.float32) when that exists,
+else the way older vLLM's MLACommonImpl.process_weights_after_loading does it for kv_b_proj:
+an identity matrix (model dtype) pushed through `layer.quant_method.apply(layer, eye, bias=None)`, transposed
+to [out, in]. That path runs the layer's own quantized kernel (shard logic included), so it shows
+what the engine multiplies by, rounded to the activation dtype (documented per layer in
+`dequant`). Unquantized layers (UnquantizedLinearMethod) are read directly. W_UK_T/W_UV are the
+16-bit copies vLLM keeps; ROCm's aiter fp8/fp4 BMM paths store W_K/W_V instead and are not read.
+
+Tensor parallelism: each rank writes its own files (`<stem>.rank{r}<suffix>`, `.pp{p}` added
+under pipeline parallelism) with its local heads; `merge_rank_dumps` concatenates the
+head-sharded sites (q, q_pe_roped, k_nope, v, attn_out on the head axis, w.kv_b, w.W_UK_T,
+w.W_UV on axis 0) in rank order and takes replicated sites from rank 0, noting any rank that
+disagrees. Pipeline ranks hold disjoint layers and are unioned. Not handled: decode context
+parallelism, sequence-parallel MoE (token-sharded residual stream: noted, those sites skipped),
+data parallelism (run one DP rank).
+
+vLLM source this relies on (vLLM 0.26.0 wheel):
+  * vllm/model_executor/models/deepseek_v2.py: DeepseekV2Model (@support_torch_compile) calls
+    layer(positions, hidden_states, residual, llama_4_scaling) over
+    self.layers[start_layer:end_layer] and ends with self.norm(hidden_states, residual);
+    DeepseekV2DecoderLayer: self_attn, input_layernorm, post_attention_layernorm, mlp,
+    routed_scaling_factor, layer_idx, forward as described above (fp16 rescale included);
+    DeepseekV2MLAAttention: fused_qkv_a_proj (DeepSeekV2FusedQkvAProjLinear, a
+    MergedColumnParallelLinear [q_lora_rank, kv_lora_rank + qk_rope_head_dim], disable_tp) or
+    kv_a_proj_with_mqa (ReplicatedLinear), q_a_layernorm, q_b_proj / q_proj
+    (ColumnParallelLinear), kv_a_layernorm, kv_b_proj (ColumnParallelLinear), o_proj
+    (RowParallelLinear), rotary_emb = get_rope(qk_rope_head_dim, ..., is_neox_style=False),
+    mla_attn (MultiHeadLatentAttentionWrapper), num_local_heads, qk_nope_head_dim,
+    qk_rope_head_dim, qk_head_dim, v_head_dim, q_lora_rank, kv_lora_rank;
+    load_weights maps q_a_proj -> fused_qkv_a_proj shard 0, kv_a_proj_with_mqa -> shard 1.
+  * vllm/model_executor/layers/mla.py: MultiHeadLatentAttentionWrapper.forward(positions,
+    hidden_states, llama_4_scaling): fused_qkv_a_proj(h)[0].split([Lq, L+R]) -> q_a_layernorm ->
+    q_b_proj(q_c)[0]; kv_a_layernorm(kv_c); q.view(-1, N, P+R); q[..., P:], k_pe =
+    rotary_emb(positions, q[..., P:], k_pe.unsqueeze(1)); attn_out = self.mla_attn(q,
+    kv_c_normed, k_pe, output_shape=(T, N*V)) (an MLAAttention); return self.o_proj(attn_out)[0].
+  * vllm/model_executor/layers/attention/mla_attention.py: MLAAttention (self.impl,
+    self.kv_b_proj) holds W_UK_T [N, P, L] and W_UV [N, L, V], set in
+    MLAAttention.process_weights_after_loading from get_and_maybe_dequant_weights(kv_b_proj,
+    out_dtype=act_dtype); forward_impl sends rows [num_decode_tokens:] to impl.forward_mha (first
+    op self.kv_b_proj(kv_c_normed)[0].view(-1, N, P+V).split([P, V])) and rows
+    [:num_decode_tokens] through torch.bmm(q_nope, W_UK_T) to impl.forward_mqa((ql_nope, q_pe),
+    kv_cache, attn_metadata, self) -> (o, lse), then _v_up_proj (o x W_UV). Older trees kept
+    W_UK_T / W_UV on the impl (MLACommonImpl); the holder is searched under
+    self_attn.mla_attn{.mla_attn}{.impl} and its path recorded.
+  * vllm/v1/attention/backends/mla/triton_mla.py: TritonMLAImpl.forward_mqa returns o [B, N, L]
+    and lse [B, N] in q's dtype (vllm/v1/attention/ops/triton_decode_attention.py: natural log).
+  * vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py:
+    DeepseekScalingRotaryEmbedding.forward_native (rotate_gptj when not is_neox_style).
+  * vllm/entrypoints/llm.py: LLM.apply_model(func) -> collective_rpc("apply_model"), func(model)
+    in each worker; vllm.distributed get_tensor_model_parallel_rank / _world_size, get_pp_group.
+  * vllm/model_executor/layers/quantization/utils/quant_utils.py:
+    get_and_maybe_dequant_weights(layer, out_dtype=torch.float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from . import st_io  # byte-reproducible safetensors writer
+from ._deps import optional
+
+np = optional("numpy", "mla_diff_hooks.vllm", "vllm")
+
+# the folder holding the mla_diff_hooks package (a worker process imports it from there)
+PACKAGE_PARENT = Path(__file__).resolve().parent.parent
+
+# Activation stages in docs/design.md's canonical order (those a hook can reach), then weight sites.
+ACT_STAGES = [
+    "hidden_in", "attn_in", "q_c", "q_c_normed", "q", "kv_a", "kv_c_normed", "k_pe",
+    "q_pe_roped", "k_pe_roped", "k_nope", "v", "attn_out", "o_proj", "hidden_out",
+]
+WEIGHT_SITES = ["w.fused_qkv_a", "w.kv_b", "w.W_UK_T", "w.W_UV"]
+SITE_ORDER = [
+    "hidden_in", "attn_in", "w.fused_qkv_a", "q_c", "q_c_normed", "q", "kv_a", "kv_c_normed",
+    "k_pe", "q_pe_roped", "k_pe_roped", "w.kv_b", "k_nope", "v", "w.W_UK_T", "w.W_UV",
+    "attn_out", "o_proj", "hidden_out",
+]
+# Sites whose heads are split across TP ranks, with the axis holding the heads.
+HEAD_SHARDED = {"q": 1, "q_pe_roped": 1, "k_nope": 1, "v": 1, "attn_out": 1,
+                "w.kv_b": 0, "w.W_UK_T": 0, "w.W_UV": 0}
+# decode-only sites: captured around the backend's forward_mqa (the MQA/absorbed path vLLM runs for
+# decode tokens); a prefill step never computes them
+DECODE_SITES = ["ql_nope", "attn_latent", "lse"]
+TESTED_VLLM = "0.26.0"
+HOOK_NAME, HOOK_VERSION = "dump_vllm.py", "2"
+FORMAT2 = "mla-diff dump 2"
+# vLLM parameter names written to the WEIGHTS file, in this order when present.
+WEIGHT_PARAMS = ["fused_qkv_a_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "q_proj",
+                 "kv_b_proj", "o_proj"]
+
+_ACTIVE: "VllmCapture | None" = None      # the capture armed in this process (apply_model API)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+def _torch():
+    import torch
+    return torch
+
+
+def _np(t) -> np.ndarray:
+    """A detached host COPY (vLLM mutates many of these tensors in place right after the hook)."""
+    torch = _torch()
+    t = t.detach()
+    want = torch.float64 if t.dtype == torch.float64 else torch.float32
+    return np.array(t.to(want).cpu().numpy(), copy=True)
+
+
+def _first(x):
+    """vLLM linears return (output, bias); RMSNorm with a residual returns (normed, residual)."""
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+def _dtype_name(dtype) -> str:
+    torch = _torch()
+    return {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32",
+            torch.float64: "f32"}.get(dtype, "f32")
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+        return f"vllm {vllm.__version__}"
+    except Exception:  # noqa: BLE001 - not installed (mock) or broken install
+        return "vllm (version unknown)"
+
+
+def parallel_info() -> tuple[int, int, int, int]:
+    """(tp_rank, tp_size, pp_rank, pp_size) from vLLM's parallel state; (0, 1, 0, 1) without it."""
+    tp_rank, tp_size, pp_rank, pp_size = 0, 1, 0, 1
+    try:
+        from vllm.distributed import (get_tensor_model_parallel_rank,
+                                      get_tensor_model_parallel_world_size)
+        tp_rank, tp_size = int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
+    except Exception:  # noqa: BLE001 - no vLLM, or distributed state not initialised
+        pass
+    try:
+        from vllm.distributed import get_pp_group
+        g = get_pp_group()
+        pp_rank, pp_size = int(g.rank_in_group), int(g.world_size)
+    except Exception:  # noqa: BLE001
+        pass
+    return tp_rank, tp_size, pp_rank, pp_size
+
+
+def rank_path(path, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> Path:
+    """`out/d.safetensors` -> `out/d.rank1.safetensors` (+ `.pp2`) when there is more than one rank."""
+    path = Path(path)
+    tag = (f".rank{tp_rank}" if tp_size > 1 else "") + (f".pp{pp_rank}" if pp_size > 1 else "")
+    return path.with_name(path.stem + tag + path.suffix) if tag else path
+
+
+def find_model(obj) -> Any:
+    """The nn.Module behind what apply_model / collective_rpc hands us (model or worker)."""
+    torch = _torch()
+    if isinstance(obj, torch.nn.Module):
+        return obj
+    if hasattr(obj, "get_model"):
+        return obj.get_model()
+    runner = getattr(obj, "model_runner", None)
+    if runner is not None:
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+    raise TypeError(f"cannot find a model in {type(obj).__name__}")
+
+
+def find_decoder_layers(root) -> list[tuple[int, Any]]:
+    """(layer index, DeepseekV2DecoderLayer) for every layer of this pipeline rank.
+
+    Layers of other pipeline ranks are PPMissingLayer (no self_attn) and are skipped.
+    """
+    torch = _torch()
+    cands = []
+    inner = getattr(root, "model", None)
+    if inner is not None and hasattr(inner, "layers"):
+        cands.append(inner.layers)
+    if hasattr(root, "layers"):
+        cands.append(root.layers)
+    if not cands:
+        for _, mod in root.named_modules():
+            if isinstance(getattr(mod, "layers", None), torch.nn.ModuleList):
+                cands.append(mod.layers)
+                break
+    for layers in cands:
+        found = [(i, layer) for i, layer in enumerate(layers) if hasattr(layer, "self_attn")]
+        if found:
+            return found
+    raise RuntimeError(f"{type(root).__name__}: no decoder layers with `self_attn` found "
+                       "(expected model.model.layers of a DeepseekV2/V3ForCausalLM)")
+
+
+def find_w_uk_holder(attn) -> tuple[Any, str] | tuple[None, None]:
+    """The object holding W_UK_T / W_UV, and its attribute path from self_attn.
+
+    Newer vLLM: the MLAAttention layer itself (self_attn.mla_attn.mla_attn); older: its backend
+    impl (....impl, MLACommonImpl). Breadth-first over the attributes mla_attn, attn, impl.
+    """
+    queue = [(attn, "self_attn")]
+    seen = set()
+    while queue:
+        obj, path = queue.pop(0)
+        if id(obj) in seen or path.count(".") > 4:
+            continue
+        seen.add(id(obj))
+        if getattr(obj, "W_UK_T", None) is not None and getattr(obj, "W_UV", None) is not None:
+            return obj, path
+        for name in ("mla_attn", "attn", "impl"):
+            child = getattr(obj, name, None)
+            if child is not None:
+                queue.append((child, f"{path}.{name}"))
+    return None, None
+
+
+def find_mqa_impl(attn) -> Any:
+    """The attention backend impl whose forward_mqa runs the decode tokens (MLAAttention.impl)."""
+    queue, seen = [(attn, 0)], set()
+    while queue:
+        obj, depth = queue.pop(0)
+        if id(obj) in seen or depth > 4:
+            continue
+        seen.add(id(obj))
+        impl = getattr(obj, "impl", None)
+        if impl is not None and callable(getattr(impl, "forward_mqa", None)):
+            return impl
+        for name in ("mla_attn", "attn"):
+            child = getattr(obj, name, None)
+            if child is not None:
+                queue.append((child, depth + 1))
+    return None
+
+
+def _backend_name(obj) -> str | None:
+    """A backend object's registered name (its class's get_name()), else its class name."""
+    if obj is None:
+        return None
+    get = getattr(type(obj), "get_name", None)
+    try:
+        name = get() if callable(get) else None
+    except Exception:  # noqa: BLE001 - a name is informative only
+        name = None
+    return str(name) if name else type(obj).__name__
+
+
+def backend_names(root) -> dict:
+    """The attention backends the first MLA layer really uses: `attention_backend` (the impl that
+    runs forward_mqa: FLASHMLA, TRITON_MLA, ...; its impl class in `attention_impl`) and
+    `prefill_backend` (the MLA prefill backend of forward_mha: FLASH_ATTN, ...), as recorded in
+    the dump's engine metadata. Empty when the model has no MLA layer this hook knows."""
+    for _, layer in find_decoder_layers(root):
+        attn = getattr(layer, "self_attn", None)
+        impl = find_mqa_impl(attn) if attn is not None else None
+        if impl is None:
+            continue
+        info = {"attention_impl": type(impl).__name__}
+        backend = getattr(impl, "backend", None) or getattr(getattr(attn, "mla_attn", None), "attn_backend", None)
+        name = _backend_name(backend) if backend is not None and not isinstance(backend, str) else backend
+        if name is None:
+            table = {"FlashMLAImpl": "FLASHMLA", "TritonMLAImpl": "TRITON_MLA",
+                     "FlashAttnMLAImpl": "FLASH_ATTN_MLA", "CutlassMLAImpl": "CUTLASS_MLA"}
+            name = table.get(type(impl).__name__, type(impl).__name__)
+        info["attention_backend"] = str(name)
+        for holder in (impl, getattr(attn, "mla_attn", None), attn):
+            pb = getattr(holder, "prefill_backend", None) if holder is not None else None
+            if pb is not None:
+                info["prefill_backend"] = _backend_name(pb)
+                break
+        return info
+    return {}
+
+
+def check_layout(root) -> list[str]:
+    """The names this hook relies on (as in vLLM 0.26.0) that the model lacks, empty if none.
+
+    Checked: decoder layers with self_attn / input_layernorm; on self_attn: fused_qkv_a_proj (or
+    q_a_proj, or kv_a_proj_with_mqa + q_proj), q_a_layernorm (q_lora models), q_b_proj or q_proj,
+    kv_a_layernorm, kv_b_proj, o_proj, rotary_emb, the MLAAttention holding W_UK_T / W_UV after
+    process_weights_after_loading, and its impl.forward_mqa (decode sites).
+    """
+    missing = []
+    try:
+        layers = find_decoder_layers(root)
+    except RuntimeError:
+        return [f"{type(root).__name__}.model.layers[i].self_attn (DeepseekV2DecoderLayer)"]
+    n, layer = layers[0]
+    if not hasattr(layer, "input_layernorm"):
+        missing.append(f"{type(layer).__name__}.input_layernorm")
+    attn = layer.self_attn
+    an = type(attn).__name__
+    if not any(hasattr(attn, x) for x in ("fused_qkv_a_proj", "q_a_proj", "kv_a_proj_with_mqa")):
+        missing.append(f"{an}.fused_qkv_a_proj (or q_a_proj / kv_a_proj_with_mqa)")
+    if getattr(attn, "q_lora_rank", None) is not None and not hasattr(attn, "q_a_layernorm"):
+        missing.append(f"{an}.q_a_layernorm")
+    if not any(hasattr(attn, x) for x in ("q_b_proj", "q_proj")):
+        missing.append(f"{an}.q_b_proj (or q_proj)")
+    for x in ("kv_a_layernorm", "kv_b_proj", "o_proj", "rotary_emb", "qk_nope_head_dim",
+              "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank"):
+        if not hasattr(attn, x):
+            missing.append(f"{an}.{x}")
+    if find_mqa_impl(attn) is None:
+        missing.append(f"{an}.mla_attn.mla_attn.impl.forward_mqa (MLAAttention's backend impl)")
+    return missing
+
+
+def version_note(missing: list[str]) -> str:
+    return (f"dump_vllm.py was tested with vLLM {TESTED_VLLM}; this is {vllm_version()}; "
+            + (f"not found: {', '.join(missing)}" if missing else
+               "every module and attribute it relies on was found"))
+
+
+def dequant_weight(linear, act_dtype) -> tuple[np.ndarray, str]:
+    """A vLLM linear layer's weight as float32 [out, in], and how it was obtained."""
+    torch = _torch()
+    qm = getattr(linear, "quant_method", None)
+    if qm is None or type(qm).__name__ == "UnquantizedLinearMethod":
+        return _np(linear.weight).astype(np.float32), "unquantized"
+    try:
+        from vllm.model_executor.layers.quantization.utils.quant_utils import (
+            get_and_maybe_dequant_weights)
+        w = get_and_maybe_dequant_weights(linear, out_dtype=torch.float32)
+        return _np(w).astype(np.float32), f"{type(qm).__name__} via vllm get_and_maybe_dequant_weights"
+    except (ImportError, TypeError):
+        pass
+    # older vLLM's MLACommonImpl.process_weights_after_loading method: identity through the quant kernel.
+    dev = None
+    for name in ("weight", "qweight", "weight_packed"):
+        if hasattr(linear, name):
+            dev = getattr(linear, name).device
+            break
+    eye = torch.eye(int(linear.input_size_per_partition), dtype=act_dtype, device=dev)
+    with torch.no_grad():
+        out = qm.apply(linear, eye, bias=None)
+    return (_np(out).T.copy().astype(np.float32),
+            f"{type(qm).__name__} via quant_method.apply(identity, {_dtype_name(act_dtype)})")
+
+
+def infer_seq_lens(positions: np.ndarray) -> list[int]:
+    """Sequence lengths of a token-major batch: a new sequence where a position does not follow."""
+    if len(positions) == 0:
+        return []
+    lens = [1]
+    for a, b in zip(positions[:-1], positions[1:]):
+        if b == a + 1:
+            lens[-1] += 1
+        else:
+            lens.append(1)
+    return lens
+
+
+def _site_key(name: str):
+    if name.startswith("L") and "." in name:
+        layer, stage = name[1:].split(".", 1)
+        if layer.isdigit():
+            return (0, int(layer), SITE_ORDER.index(stage) if stage in SITE_ORDER else 99, stage)
+    return (1, 0, 0, name)
+
+
+# --------------------------------------------------------------------------------------------
+# the capture
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Dims:
+    n_local: int
+    p: int
+    r: int
+    v: int
+    l: int
+    lq: int | None
+
+
+def _dims(attn) -> _Dims:
+    n = getattr(attn, "num_local_heads", None) or getattr(attn, "num_heads")
+    return _Dims(int(n), int(attn.qk_nope_head_dim), int(attn.qk_rope_head_dim),
+                 int(attn.v_head_dim), int(attn.kv_lora_rank),
+                 None if attn.q_lora_rank is None else int(attn.q_lora_rank))
+
+
+class VllmCapture:
+    """Forward hooks on a vLLM DeepSeek MLA model; records one forward pass.
+
+    model: DeepseekV2ForCausalLM / DeepseekV3ForCausalLM (anything with model.layers[i].self_attn).
+    forward_index: which forward after arm() to record (0 = the first).
+    tp_rank/tp_size/pp_rank/pp_size: default from vLLM's parallel state (override for tests).
+    """
+
+    def __init__(self, model, *, forward_index: int = 0, steps: int = 1, tp_rank: int | None = None,
+                 tp_size: int | None = None, pp_rank: int | None = None, pp_size: int | None = None,
+                 undo_fp16_residual_scaling: bool = True, engine: str | None = None):
+        self.root = find_model(model)
+        self.missing = check_layout(self.root)      # names this vLLM lacks (see check_layout)
+        ver = vllm_version()
+        other = ver.startswith("vllm ") and "unknown" not in ver and ver != f"vllm {TESTED_VLLM}"
+        self.version_msg = version_note(self.missing) if (self.missing or other) else None
+        self.layers = find_decoder_layers(self.root)
+        self.forward_index = forward_index
+        self.n_steps = steps
+        p = parallel_info()
+        self.tp_rank = p[0] if tp_rank is None else tp_rank
+        self.tp_size = p[1] if tp_size is None else tp_size
+        self.pp_rank = p[2] if pp_rank is None else pp_rank
+        self.pp_size = p[3] if pp_size is None else pp_size
+        self.undo_fp16 = undo_fp16_residual_scaling
+        self.engine = engine or vllm_version()
+        self.handles: list = []
+        self._wrapped: list = []       # (object, attribute) wrapped at instance level
+        self.reset()
+        if self.version_msg:
+            print("dump_vllm: " + self.version_msg, file=sys.stderr)
+
+    # ---- state ---------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.forwards = 0              # forwards seen since arm()
+        self.capturing = False
+        self.act_dtype = None
+        self.notes: list[str] = [self.version_msg] if getattr(self, "version_msg", None) else []
+        self.steps: list[dict] = []    # finished steps: t, tokens, positions, repeats, notes
+        self._in_root = False
+        self.lse_base = "e"
+        self._hooks_fired = 0
+        self._weights_cache = None
+        self._new_step()
+
+    def _new_step(self) -> None:
+        """Per-forward state (one step: the prefill, or one decode step)."""
+        self.done = False
+        self.cur_layer: int | None = None
+        self.t: dict[str, np.ndarray] = {}
+        self.tokens: np.ndarray | None = None
+        self.positions: np.ndarray | None = None
+        self.repeats: dict[str, int] = {}
+        self.step_notes: list[str] = []
+        self._pending_hidden_in: dict[int, np.ndarray] = {}
+        self._kv_b_seen: set[int] = set()
+
+    def _end_step(self) -> None:
+        if self.capturing and self.t:
+            self.steps.append({"t": self.t, "tokens": self.tokens, "positions": self.positions,
+                               "repeats": self.repeats, "notes": self.step_notes})
+        self.capturing = False
+        self.done = True
+
+    def note(self, msg: str) -> None:
+        if msg not in self.notes:
+            self.notes.append(msg)
+
+    def step_note(self, msg: str) -> None:
+        if msg not in self.step_notes:
+            self.step_notes.append(msg)
+
+    def put(self, layer: int, stage: str, value: np.ndarray) -> None:
+        key = f"L{layer}.{stage}"
+        if key in self.t:           # first value wins (e.g. a second rotary call in the layer)
+            self.repeats[key] = self.repeats.get(key, 1) + 1
+            return
+        self.t[key] = value
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def arm(self) -> "VllmCapture":
+        """Register every hook (idempotent: re-arming removes the old ones first)."""
+        self.remove()
+        self.reset()
+        # The root (DeepseekV3ForCausalLM) is what vLLM's runner calls. Not its inner
+        # DeepseekV2Model: @support_torch_compile gives that class a __call__ that calls
+        # self.forward() directly, so hooks on it never run (vllm/compilation/decorators.py).
+        self.handles.append(self.root.register_forward_pre_hook(self._model_pre, with_kwargs=True))
+        self.handles.append(self.root.register_forward_hook(self._model_post, with_kwargs=True))
+        hooked_rotary: set[int] = set()
+        for n, layer in self.layers:
+            attn = layer.self_attn
+            self.handles.append(layer.register_forward_pre_hook(
+                functools.partial(self._layer_pre, n), with_kwargs=True))
+            self.handles.append(layer.register_forward_hook(
+                functools.partial(self._layer_post, n), with_kwargs=True))
+            self.handles.append(layer.input_layernorm.register_forward_hook(
+                functools.partial(self._input_norm, n)))
+            d = _dims(attn)
+
+            def hook(mod_name: str, fn: Callable) -> None:
+                mod = getattr(attn, mod_name, None)
+                if mod is not None:
+                    self.handles.append(mod.register_forward_hook(fn))
+
+            hook("fused_qkv_a_proj", functools.partial(self._fused_qkv_a, n, d))
+            hook("q_a_proj", functools.partial(self._simple, n, "q_c"))
+            hook("kv_a_proj_with_mqa", functools.partial(self._kv_a, n, d))
+            hook("q_a_layernorm", functools.partial(self._simple, n, "q_c_normed"))
+            hook("q_b_proj", functools.partial(self._q, n, d))
+            hook("q_proj", functools.partial(self._q, n, d))
+            hook("kv_a_layernorm", functools.partial(self._simple, n, "kv_c_normed"))
+            hook("kv_b_proj", functools.partial(self._kv_b, n, d))
+            o_proj = attn.o_proj
+            self.handles.append(o_proj.register_forward_pre_hook(functools.partial(self._o_pre, n, d)))
+            self.handles.append(o_proj.register_forward_hook(functools.partial(self._o_post, n, o_proj)))
+            rot = getattr(attn, "rotary_emb", None)
+            if rot is not None and id(rot) not in hooked_rotary:   # shared across layers
+                hooked_rotary.add(id(rot))
+                self.handles.append(rot.register_forward_hook(self._rotary))
+            impl = find_mqa_impl(attn)
+            if impl is not None:
+                self._wrap(impl, "forward_mqa", functools.partial(self._forward_mqa, n, d))
+                # FlashInfer / TokenSpeed MLA return a base-2 lse (their lse_base_on_e = False)
+                self.lse_base = "e" if getattr(impl, "lse_base_on_e", True) else "2"
+        return self
+
+    def _wrap(self, obj, attr: str, make: Callable) -> None:
+        """Replace obj.attr (a bound method) by make(original) on this instance only."""
+        orig = getattr(obj, attr)
+        setattr(obj, attr, make(orig))
+        self._wrapped.append((obj, attr))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        for obj, attr in self._wrapped:
+            try:
+                delattr(obj, attr)           # the class's method shows through again
+            except AttributeError:
+                pass
+        self._wrapped = []
+
+    def _on(self) -> bool:
+        return self.capturing and not self.done
+
+    def _model_pre(self, mod, args, kwargs):
+        self._in_root = True
+        self._begin_forward()
+        if not self.capturing:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        if ids is not None:
+            self.tokens = _np(ids).astype(np.int64).reshape(-1)
+        if pos is not None:
+            self.positions = _np(pos).astype(np.int64).reshape(-1)
+
+    def _begin_forward(self) -> None:
+        self.forwards += 1
+        idx = self.forwards - 1 - self.forward_index
+        self._new_step()
+        self.capturing = 0 <= idx < self.n_steps
+
+    def _model_post(self, mod, args, kwargs, output):
+        self._in_root = False
+        self._end_step()
+
+    def _layer_pre(self, n, mod, args, kwargs):
+        if not self._in_root and n == self.layers[0][0]:
+            # the layers were called without the root (a caller running the inner model itself):
+            # the first layer marks a new forward, the last one ends it (_layer_post)
+            self._begin_forward()
+        if not self._on():
+            return
+        self._hooks_fired += 1
+        self.cur_layer = n
+        names = ["positions", "hidden_states", "residual"]
+        vals = {k: kwargs[k] for k in names if k in kwargs}
+        for k, a in zip(names, args):
+            vals.setdefault(k, a)
+        pos, hs, res = vals.get("positions"), vals.get("hidden_states"), vals.get("residual")
+        if self.act_dtype is None and hs is not None:
+            self.act_dtype = hs.dtype
+        if pos is not None and self.positions is None:
+            self.positions = _np(pos).astype(np.int64).reshape(-1)
+        if hs is None:
+            return
+        if pos is not None and hs.shape[0] != pos.shape[0]:
+            self.note(f"L{n}: hidden_states has {hs.shape[0]} rows for {pos.shape[0]} positions "
+                      "(sequence-parallel MoE?): hidden_in/hidden_out not dumped")
+            return
+        # residual None (first layer): hidden_states IS the stream; else the fused add's sum, in
+        # the model dtype (what RMSNorm(x, residual) stores as its new residual).
+        summed = hs if res is None else hs + res
+        self._pending_hidden_in[n] = _np(summed)
+
+    def _input_norm(self, n, mod, args, output):
+        if not self._on():
+            return
+        self.put(n, "attn_in", _np(_first(output)))
+        pending = self._pending_hidden_in.pop(n, None)
+        if isinstance(output, (tuple, list)) and len(output) > 1 and output[1] is not None:
+            engine_sum = _np(output[1])            # the engine's own residual sum
+            if pending is not None and pending.shape == engine_sum.shape:
+                diff = float(np.max(np.abs(pending - engine_sum))) if pending.size else 0.0
+                if diff != 0.0:
+                    self.note(f"L{n}.hidden_in: fused add differs from hidden_states + residual "
+                              f"by up to {diff:.3g} (engine's sum kept)")
+            self.put(n, "hidden_in", engine_sum)
+        elif pending is not None:
+            self.put(n, "hidden_in", pending)
+
+    def _layer_post(self, n, mod, args, kwargs, output):
+        if not self._on():
+            return
+        if isinstance(output, (tuple, list)):
+            hs, res = output[0], (output[1] if len(output) > 1 else None)
+            out = hs if res is None else hs + res
+        else:
+            out = output
+        pos = kwargs.get("positions", args[0] if args else None)
+        if pos is not None and out.shape[0] != pos.shape[0]:
+            pass                                     # noted in _layer_pre
+        else:
+            self.put(n, "hidden_out", _np(out))
+        self.cur_layer = None
+        if n == self.layers[-1][0]:
+            if self._in_root:
+                self.done = True             # the root's post hook stores the step
+            else:
+                self._end_step()
+
+    def _simple(self, n, stage, mod, args, output):
+        if self._on():
+            self.put(n, stage, _np(_first(output)))
+
+    def _fused_qkv_a(self, n, d: _Dims, mod, args, output):
+        if not self._on():
+            return
+        out = _np(_first(output))
+        lq = d.lq or 0
+        if out.shape[-1] != lq + d.l + d.r:
+            self.note(f"L{n}: fused_qkv_a_proj output width {out.shape[-1]} != Lq+L+R = "
+                      f"{lq + d.l + d.r}: q_c/kv_a not dumped")
+            return
+        self.put(n, "q_c", out[:, :lq].copy())
+        self.put(n, "kv_a", out[:, lq:].copy())
+        self.put(n, "k_pe", out[:, lq + d.l:].copy())
+
+    def _kv_a(self, n, d: _Dims, mod, args, output):
+        if not self._on():
+            return
+        kv_a = _np(_first(output))
+        self.put(n, "kv_a", kv_a)
+        self.put(n, "k_pe", kv_a[:, d.l:].copy())
+
+    def _q(self, n, d: _Dims, mod, args, output):
+        if self._on():
+            q = _np(_first(output))
+            self.put(n, "q", q.reshape(q.shape[0], d.n_local, d.p + d.r))
+
+    def _kv_b(self, n, d: _Dims, mod, args, output):
+        if not self._on() or n in self._kv_b_seen:
+            return
+        self._kv_b_seen.add(n)          # only the first call: forward_mha's new prefill tokens
+        kv = _np(_first(output))
+        rows = kv.shape[0]
+        t = self._t_of(n)
+        if t is None or rows != t:
+            self.note(f"L{n}: first kv_b_proj call had {rows} rows for T = {t} (decode tokens or "
+                      "chunked context in the batch): k_nope/v not dumped")
+            return
+        kv = kv.reshape(rows, d.n_local, d.p + d.v)
+        self.put(n, "k_nope", kv[:, :, :d.p].copy())
+        self.put(n, "v", kv[:, :, d.p:].copy())
+
+    def _t_of(self, n) -> int | None:
+        for st in ("hidden_in", "attn_in", "kv_a"):
+            a = self.t.get(f"L{n}.{st}")
+            if a is not None:
+                return a.shape[0]
+        return None
+
+    def _rotary(self, mod, args, output):
+        if not self._on() or self.cur_layer is None:
+            return
+        n = self.cur_layer
+        if f"L{n}.q_pe_roped" in self.t:
+            self.repeats[f"L{n}.q_pe_roped"] = self.repeats.get(f"L{n}.q_pe_roped", 1) + 1
+            return
+        q_pe, k_pe = output[0], output[1]
+        q = _np(q_pe)
+        t = q.shape[0]
+        r = q.shape[-1]
+        self.put(n, "q_pe_roped", q.reshape(t, -1, r))
+        if k_pe is not None:
+            self.put(n, "k_pe_roped", _np(k_pe).reshape(t, r))
+
+    def _forward_mqa(self, n, d: _Dims, orig):
+        """Wraps impl.forward_mqa(q, kv_cache, attn_metadata, layer) -> (o, lse) of layer n.
+
+        q is (ql_nope [B, N, L], q_pe [B, N, R]) or their concatenation: ql_nope is
+        q_nope x W_UK_T, computed by MLAAttention.forward_impl; o [B, N, L] is the attention
+        output in the latent space (before W_UV), lse [B, N] its log-sum-exp. B = the decode
+        tokens, which vLLM orders first in a batch.
+        """
+        def wrapped(q, *args, **kwargs):
+            on = self._on()
+            ql = None
+            if on:
+                ql = _np(q[0]) if isinstance(q, (tuple, list)) else _np(q[..., :d.l])
+            res = orig(q, *args, **kwargs)
+            if on:
+                o, lse = (res[0], res[1]) if isinstance(res, (tuple, list)) else (res, None)
+                t = self._t_of(n)
+                b = ql.shape[0]
+                if t is not None and b != t:
+                    self.step_note(f"L{n}: forward_mqa ran on {b} of {t} tokens (prefill and decode "
+                                   "mixed in one batch): ql_nope/attn_latent/lse not dumped")
+                    return res
+                self.put(n, "ql_nope", ql.reshape(b, -1, d.l))
+                self.put(n, "attn_latent", _np(o)[:b].reshape(b, -1, d.l))
+                if lse is not None:
+                    lse_np = _np(lse)
+                    if lse_np.shape[0] != b and lse_np.ndim == 2 and lse_np.shape[1] == b:
+                        lse_np = lse_np.T.copy()          # head-major [N, B]
+                    elif lse_np.ndim == 3 and lse_np.shape[0] * lse_np.shape[2] == b:
+                        # FlashMLA: [requests, N, q_len] (a request's q_len tokens decoded at once)
+                        lse_np = lse_np.transpose(0, 2, 1).copy()
+                    self.put(n, "lse", lse_np.reshape(b, -1))
+            return res
+        return wrapped
+
+    def _o_pre(self, n, d: _Dims, mod, args):
+        if self._on():
+            x = _np(args[0])
+            self.put(n, "attn_out", x.reshape(x.shape[0], d.n_local, d.v))
+
+    def _o_post(self, n, o_proj, mod, args, output):
+        if not self._on():
+            return
+        if self.tp_size > 1 and getattr(o_proj, "reduce_results", True) is False:
+            self.note(f"L{n}: o_proj has reduce_results=False under TP (a partial sum): not dumped")
+            return
+        self.put(n, "o_proj", _np(_first(output)))
+
+    # ---- results -------------------------------------------------------------------------
+    def weights(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """The WEIGHTS file's tensors (vLLM names, float32 [out, in]) and metadata (cached)."""
+        if self._weights_cache is None:
+            self._weights_cache = self._collect_weights()
+        return self._weights_cache
+
+    def _collect_weights(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        torch = _torch()
+        act = self.act_dtype or _model_dtype(self.root) or torch.bfloat16
+        suffix = f".rank{self.tp_rank}" if self.tp_size > 1 else ""
+        out: dict[str, np.ndarray] = {}
+        quantized, dequant, derived, holders = [], [], [], []
+        dims = None
+        for n, layer in self.layers:
+            attn = layer.self_attn
+            d = _dims(attn)
+            dims = d
+            for pname in WEIGHT_PARAMS:
+                mod = getattr(attn, pname, None)
+                if mod is None:
+                    continue
+                w, how = dequant_weight(mod, act)
+                out[f"L{n}.{pname}{suffix}"] = w
+                if how != "unquantized":
+                    quantized.append(f"L{n}.{pname}")
+                    dequant.append(f"L{n}.{pname}: {how}")
+            fused = out.get(f"L{n}.fused_qkv_a_proj{suffix}")
+            if fused is not None and d.lq is not None:
+                for pname, part in (("q_a_proj", fused[:d.lq]), ("kv_a_proj_with_mqa", fused[d.lq:])):
+                    key = f"L{n}.{pname}{suffix}"
+                    if key not in out:
+                        out[key] = part.copy()
+                        derived.append(f"L{n}.{pname}")
+            holder, path = find_w_uk_holder(attn)
+            if holder is None:
+                self.note(f"L{n}: no W_UK_T/W_UV found under self_attn (ROCm aiter BMM path, or "
+                          "process_weights_after_loading not run): not written")
+            else:
+                out[f"L{n}.W_UK_T{suffix}"] = _np(holder.W_UK_T).astype(np.float32)
+                out[f"L{n}.W_UV{suffix}"] = _np(holder.W_UV).astype(np.float32)
+                holders.append(path)
+        meta = {
+            "format": "mla-diff vllm weights 1",
+            "engine": self.engine,
+            "tp_size": str(self.tp_size),
+            "rank": str(self.tp_rank),
+            "pp_size": str(self.pp_size),
+            "pp_rank": str(self.pp_rank),
+            "layout": "[out, in] float32 (W_UK_T [N_r, P, L], W_UV [N_r, L, V])",
+            "quantized": ",".join(quantized) or "none",
+            "dequant": "; ".join(dequant) or "none (all unquantized; values exact)",
+            "derived": ("; ".join(derived) + ": row slices [:Lq] / [Lq:] of fused_qkv_a_proj")
+                       if derived else "none",
+            "w_uk_t_holder": ",".join(sorted(set(holders))) or "not found",
+        }
+        if dims is not None:
+            meta["dims"] = (f"N_local={dims.n_local},P={dims.p},R={dims.r},V={dims.v},"
+                            f"L={dims.l},Lq={dims.lq if dims.lq is not None else 'none'}")
+        return out, meta
+
+    def _weight_sites(self) -> dict[str, np.ndarray]:
+        """w.fused_qkv_a / w.kv_b / w.W_UK_T / w.W_UV of this rank, from the engine's weights."""
+        w, _ = self.weights()
+        suffix = f".rank{self.tp_rank}" if self.tp_size > 1 else ""
+        out = {}
+        for n, layer in self.layers:
+            g = lambda name: w.get(f"L{n}.{name}{suffix}")  # noqa: E731
+            if g("fused_qkv_a_proj") is not None and layer.self_attn.q_lora_rank is not None:
+                out[f"L{n}.w.fused_qkv_a"] = g("fused_qkv_a_proj")
+            elif g("q_a_proj") is not None and g("kv_a_proj_with_mqa") is not None:
+                out[f"L{n}.w.fused_qkv_a"] = np.concatenate([g("q_a_proj"), g("kv_a_proj_with_mqa")])
+            if g("kv_b_proj") is not None:
+                out[f"L{n}.w.kv_b"] = g("kv_b_proj")
+            if g("W_UK_T") is not None:
+                out[f"L{n}.w.W_UK_T"] = g("W_UK_T")
+                out[f"L{n}.w.W_UV"] = g("W_UV")
+        return out
+
+    def _no_capture_error(self) -> RuntimeError:
+        msg = (f"no vLLM forward was captured ({self.forwards} forward(s) of "
+               f"{type(self.root).__name__} seen after arm(), {self._hooks_fired} layer hook(s) "
+               "fired). Hooks do not run inside torch.compile'd / CUDA-graph code: start vLLM "
+               "with enforce_eager=True, and run the prompt between arm() and finish().")
+        if self.version_msg:
+            msg += " " + self.version_msg
+        return RuntimeError(msg)
+
+    def result(self, *, num_tokens: int | None = None, expect_tokens=None, weight_sites: bool = True,
+               step: int = 0, lse_natural: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """The dump's tensors (ordered) and metadata of one recorded step, for this rank.
+
+        lse_natural: a base-2 lse (see lse_base) is converted to natural log (format 1 has no
+        field for the base; format 2 declares it and keeps the engine's values)."""
+        if self._hooks_fired == 0 or not self.steps:
+            raise self._no_capture_error()
+        if step >= len(self.steps):
+            raise RuntimeError(f"step {step} not recorded ({len(self.steps)} step(s) captured)")
+        torch = _torch()
+        rec = self.steps[step]
+        tensors = dict(rec["t"])
+        tokens, positions = rec["tokens"], rec["positions"]
+        notes = list(self.notes) + list(rec["notes"])
+        if expect_tokens is not None:
+            exp = np.asarray(list(expect_tokens), dtype=np.int64)
+            if tokens is None or len(tokens) < len(exp) or not np.array_equal(tokens[:len(exp)], exp):
+                got = None if tokens is None else tokens[: len(exp) + 4].tolist()
+                raise RuntimeError(f"captured tokens {got} do not start with the expected "
+                                   f"{exp.tolist()} (prefix caching on? several steps? request order?)")
+            num_tokens = len(exp)
+        if num_tokens is not None:
+            for k, a in tensors.items():
+                if a.shape[0] < num_tokens:
+                    raise RuntimeError(f"{k} has {a.shape[0]} rows, fewer than {num_tokens} tokens")
+                tensors[k] = a[:num_tokens]
+            tokens = None if tokens is None else tokens[:num_tokens]
+            positions = None if positions is None else positions[:num_tokens]
+        # fp16 residual-stream rescale (see module docstring)
+        if self.undo_fp16 and self.act_dtype == torch.float16:
+            undone = []
+            for n, layer in self.layers:
+                rsf = float(getattr(layer, "routed_scaling_factor", 1.0) or 1.0)
+                if rsf == 1.0 or type(layer.self_attn).__name__ == "DeepseekAttention":
+                    continue
+                layer_idx = getattr(layer, "layer_idx", n)
+                if layer_idx > 0 and f"L{n}.hidden_in" in tensors:
+                    tensors[f"L{n}.hidden_in"] = tensors[f"L{n}.hidden_in"] * np.float32(rsf)
+                    undone.append(f"L{n}.hidden_in")
+                if f"L{n}.hidden_out" in tensors:
+                    tensors[f"L{n}.hidden_out"] = tensors[f"L{n}.hidden_out"] * np.float32(rsf)
+                    undone.append(f"L{n}.hidden_out")
+            if undone:
+                notes.append("fp16: vLLM's residual stream is scaled by 1/routed_scaling_factor; "
+                             f"multiplied back on {', '.join(undone)}")
+        if lse_natural and self.lse_base == "2":
+            conv = [k for k in tensors if k.endswith(".lse")]
+            for k in conv:
+                tensors[k] = (tensors[k].astype(np.float64) * np.log(2.0)).astype(np.float32)
+            if conv:
+                notes.append("lse: the backend returns log2; multiplied by ln 2")
+        if weight_sites:
+            tensors.update(self._weight_sites())
+        ordered = {k: np.ascontiguousarray(tensors[k]) for k in sorted(tensors, key=_site_key)}
+        if tokens is not None:
+            ordered["tokens"] = tokens.astype(np.int64)
+        if positions is not None:
+            ordered["positions"] = positions.astype(np.int64)
+        decode = any(k.endswith((".ql_nope", ".attn_latent")) for k in ordered)
+        missing = []
+        for n, layer in self.layers:
+            for st in ACT_STAGES + DECODE_SITES:
+                if st in ("q_c", "q_c_normed") and layer.self_attn.q_lora_rank is None:
+                    continue
+                if f"L{n}.{st}" not in ordered:
+                    missing.append(f"L{n}.{st}")
+        for k, c in sorted(rec["repeats"].items()):
+            notes.append(f"{k}: {c} calls in one forward, the first kept")
+        meta = {
+            "format": "mla-diff dump 1",
+            "engine": self.engine,
+            "dtype": _dtype_name(self.act_dtype) if self.act_dtype is not None else "bf16",
+            "rope_order": "interleaved",
+            "layout": "token-major",
+            "kv_a_order": "latent-rope",
+            "model": _model_name(self.root),
+            "tp_size": str(self.tp_size),
+            "tp_rank": str(self.tp_rank),
+            "pp_size": str(self.pp_size),
+            "pp_rank": str(self.pp_rank),
+            "capture": f"forward #{self.forward_index + step} after arm() "
+                       f"({'decode' if decode else 'prefill'} step {step}); hooks on "
+                       f"{type(self.root).__name__} (root), DeepseekV2DecoderLayer, input_layernorm, "
+                       "self_attn.{fused_qkv_a_proj|q_a_proj|kv_a_proj_with_mqa, q_a_layernorm, "
+                       "q_b_proj|q_proj, kv_a_layernorm, kv_b_proj, rotary_emb, o_proj}; "
+                       "MLAAttention.impl.forward_mqa wrapped",
+            "hook": f"scripts/dump_vllm.py (tested with vLLM {TESTED_VLLM})",
+            "not_dumped": ",".join(sorted(set(m.split(".", 1)[1] for m in missing)))
+                          + (" (k_nope/v: the decode path never expands the latent)" if decode else
+                             " (ql_nope/attn_latent/lse: computed only for decode tokens)"),
+        }
+        if self.tp_size > 1:
+            meta["sharded_sites"] = ",".join(f"{k}:{v}" for k, v in HEAD_SHARDED.items())
+        if positions is not None:
+            lens = infer_seq_lens(positions)
+            if len(lens) > 1:
+                meta["seq_lens"] = ",".join(str(x) for x in lens)
+            starts = []
+            off = 0
+            for ln in lens:
+                if positions[off] != 0:
+                    starts.append(f"token {off} starts at position {int(positions[off])}")
+                off += ln
+            if starts:
+                notes.append("sequences not starting at position 0 (prefix cache, a continued "
+                             "chunk or a decode step: the earlier context is not in this dump): "
+                             + "; ".join(starts))
+        notes = list(dict.fromkeys(notes))
+        if notes:
+            meta["notes"] = " | ".join(notes)
+        return ordered, meta
+
+    def write_dump(self, path, **kw) -> Path:
+        tensors, meta = self.result(**kw)
+        st_io.save(tensors, Path(path), metadata=meta)
+        return Path(path)
+
+    def write_format2(self, path, *, model_path, step_names: list[str] | None = None,
+                      engine: dict | None = None, patches: list[tuple[str, str]] | None = None,
+                      weights: bool = True, extra_meta: dict[str, str] | None = None,
+                      weight_sites: bool = True) -> Path:
+        """Every recorded step in one file, docs/dump-format.md's format 2.
+
+        Tensors s{k}.L{n}.{stage} (weight sites w.* in step 0 only), s{k}.tokens,
+        s{k}.positions and, with weights=True, weights.L{n}.{param} (the WEIGHTS file's
+        tensors). The header names the GGUF (`model_path`: size, sha256 of the bytes before the
+        tensor data and of each dumped layer's raw tensor bytes), this hook, the engine
+        (`engine`: name, version, attention_backend, prefill_backend), the conventions and the
+        harness's `patches` [(name, reason)]. Steps: every step holds the same sequences in the
+        same order (split where a position does not follow its predecessor); a sequence's
+        context is the position of its first new token, which must equal the tokens earlier
+        steps computed for it.
+        """
+        if self._hooks_fired == 0 or not self.steps:
+            raise self._no_capture_error()
+        tensors: dict[str, np.ndarray] = {}
+        specs, notes, dtypes = [], [], set()
+        done_per_seq: list[int] | None = None
+        for k in range(len(self.steps)):
+            t, meta = self.result(step=k, weight_sites=weight_sites and k == 0, lse_natural=False)
+            dtypes.add(meta["dtype"])
+            pos = t.get("positions")
+            n_rows = next(a.shape[0] for name, a in t.items()
+                          if name.startswith("L") and ".w." not in name)
+            lens = infer_seq_lens(pos) if pos is not None else [n_rows]
+            starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(int)
+            ctx = [int(pos[a]) if pos is not None else 0 for a in starts]
+            if done_per_seq is None:
+                done_per_seq = [0] * len(lens)
+            if len(lens) != len(done_per_seq):
+                raise RuntimeError(f"step {k} has {len(lens)} sequence(s), step 0 had "
+                                   f"{len(done_per_seq)}: format 2 needs every sequence in every step")
+            for i, (c, n) in enumerate(zip(ctx, lens)):
+                if c != done_per_seq[i]:
+                    raise RuntimeError(f"step {k}, sequence {i}: first position {c}, but the recorded "
+                                       f"steps computed {done_per_seq[i]} of its tokens (a step "
+                                       "missed, prefix caching, or sequences reordered)")
+                done_per_seq[i] += n
+            name = (step_names[k] if step_names and k < len(step_names)
+                    else ("prefill" if k == 0 else f"decode-{k}"))
+            specs.append({"name": name, "seqs": [{"new": int(n), "context": int(c)}
+                                                 for c, n in zip(ctx, lens)]})
+            for nm, a in t.items():
+                tensors[f"s{k}.{nm}"] = a
+            if meta.get("notes"):
+                notes.append(f"{name}: {meta['notes']}")
+        if weights:
+            w, _ = self.weights()
+            for nm in sorted(w, key=_site_key):
+                tensors[f"weights.{nm}"] = w[nm]
+        layers = sorted({int(nm.split(".")[1][1:]) for nm in tensors
+                         if nm.startswith("s") and nm.split(".")[1].startswith("L")})
+        eng = {"name": "vllm", "version": self.engine.split()[1] if self.engine.startswith("vllm ")
+               else self.engine}
+        eng.update(engine or {})
+        header = {
+            "model": model_identity(model_path, layers),
+            "hook": {"name": HOOK_NAME, "version": f"{HOOK_VERSION} (tested with vLLM {TESTED_VLLM})"},
+            "engine": eng,
+            "dtype": sorted(dtypes)[0] if len(dtypes) == 1 else ",".join(sorted(dtypes)),
+            "conventions": {"rope_order": "interleaved", "layout": "token-major",
+                            "kv_a_order": "latent-rope", "lse_base": self.lse_base,
+                            "residual_scale": None},
+            "steps": specs,
+            "patches": [{"name": n, "reason": r} for n, r in (patches or [])],
+        }
+        meta = {"format": FORMAT2, "header": json.dumps(header, separators=(",", ":"))}
+        if notes:
+            meta["notes"] = " | ".join(notes)
+        meta.update(extra_meta or {})
+        st_io.save(tensors, Path(path), metadata=meta)
+        return Path(path)
+
+    def write_steps(self, path, *, extra_meta: dict[str, str] | None = None,
+                    weight_sites: bool = True) -> list[Path]:
+        """Format 1: step 0 (the prefill) to `path`, what `mla-diff compare` reads as format 1;
+        decode step k to `<stem>.decode{k}<suffix>` (same names; the cached context they attended
+        to is in the earlier files, so format 1 cannot judge them: use write_format2)."""
+        if self._hooks_fired == 0 or not self.steps:
+            raise self._no_capture_error()
+        path = Path(path)
+        out = []
+        for i in range(len(self.steps)):
+            tensors, meta = self.result(step=i, weight_sites=weight_sites)
+            meta.update(extra_meta or {})
+            p = path if i == 0 else path.with_name(f"{path.stem}.decode{i}{path.suffix}")
+            if i > 0:
+                pos = self.steps[i]["positions"]
+                meta["step"] = f"decode {i} of {len(self.steps) - 1}"
+                meta["context"] = (f"positions 0..{int(pos[0]) - 1} from the earlier steps "
+                                   f"({path.name} and its decode files)" if pos is not None else "")
+            st_io.save(tensors, p, metadata=meta)
+            out.append(p)
+        return out
+
+    def write_weights(self, path) -> Path:
+        tensors, meta = self.weights()
+        st_io.save(tensors, Path(path), metadata=meta)
+        return Path(path)
+
+
+def model_identity(model_path, layers: list[int]) -> dict:
+    """header.model of a format-2 dump: file name, size, sha256 of the bytes before the tensor
+    data (magic, version, metadata, tensor index, padding) and of each layer's raw tensor bytes
+    (every `blk.{n}.*` tensor, in tensor-index order). Needs gguf-py."""
+    import hashlib
+    import gguf
+    path = Path(model_path)
+    rd = gguf.GGUFReader(str(path))
+    data = rd.data
+    ident = {"file": path.name, "bytes": int(path.stat().st_size),
+             "index_sha256": hashlib.sha256(data[: rd.data_offset].tobytes()).hexdigest(),
+             "layer_sha256": {}}
+    for n in layers:
+        h = hashlib.sha256()
+        for t in rd.tensors:
+            if t.name.startswith(f"blk.{n}."):
+                h.update(data[t.data_offset: t.data_offset + t.n_bytes].tobytes())
+        ident["layer_sha256"][str(n)] = h.hexdigest()
+    return ident
+
+
+def _model_dtype(root):
+    torch = _torch()
+    for p in root.parameters():
+        if p.dtype in (torch.bfloat16, torch.float16, torch.float32):
+            return p.dtype
+    return None
+
+
+def _model_name(root) -> str:
+    cfg = getattr(root, "config", None)
+    name = getattr(cfg, "_name_or_path", "") if cfg is not None else ""
+    return str(name) or type(root).__name__
+
+
+# --------------------------------------------------------------------------------------------
+# apply_model / collective_rpc entry points (run inside each worker)
+# --------------------------------------------------------------------------------------------
+
+def attach(model_or_worker, **kwargs) -> "VllmCapture":
+    """Hooks on a model (or worker) in this process: `VllmCapture(model_or_worker, **kwargs)`,
+    armed. Run the forwards, then `cap.remove()` and `cap.write_format2(...)` (or write_dump)."""
+    return VllmCapture(model_or_worker, **kwargs).arm()
+
+
+def arm(model_or_worker, **kwargs) -> str:
+    """Hooks on (in this worker). kwargs go to VllmCapture. Returns a one-line summary."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE.remove()
+    _ACTIVE = VllmCapture(model_or_worker, **kwargs).arm()
+    c = _ACTIVE
+    return (f"armed {len(c.layers)} layers, {len(c.handles)} hooks, tp {c.tp_rank}/{c.tp_size}, "
+            f"pp {c.pp_rank}/{c.pp_size}")
+
+
+def finish(model_or_worker=None, *, dump_path, weights_path=None, num_tokens=None,
+           expect_tokens=None, weight_sites: bool = True, model_path=None,
+           engine_info: dict | None = None, patches: list[tuple[str, str]] | None = None) -> dict:
+    """Hooks off; write this rank's dump (and weights). Returns paths and a summary.
+
+    With `model_path` (the GGUF the engine loaded) and one rank: every recorded step in format 2
+    (write_format2; the weights go into the dump as weights.*). Otherwise format 1 of the first
+    step; with TP/PP > 1 the files are per rank (rank_path); merge with merge_rank_dumps.
+    """
+    global _ACTIVE
+    cap = _ACTIVE
+    if cap is None:
+        raise RuntimeError("finish() without arm() in this process")
+    cap.remove()
+    _ACTIVE = None
+    dp = rank_path(dump_path, cap.tp_rank, cap.tp_size, cap.pp_rank, cap.pp_size)
+    if model_path is not None and cap.tp_size == 1 and cap.pp_size == 1:
+        if expect_tokens is not None and cap.steps:
+            got = cap.steps[0]["tokens"]
+            exp = list(expect_tokens)
+            if got is None or got[:len(exp)].tolist() != exp:
+                raise RuntimeError(f"captured prefill tokens {None if got is None else got.tolist()} "
+                                   f"are not the expected {exp} (prefix caching on? request order?)")
+        cap.write_format2(dp, model_path=model_path, engine=engine_info or backend_names(cap.root),
+                          patches=patches, weight_sites=weight_sites)
+    else:
+        cap.write_dump(dp, num_tokens=num_tokens, expect_tokens=expect_tokens,
+                       weight_sites=weight_sites)
+    res = {"dump": str(dp), "tp_rank": cap.tp_rank, "tp_size": cap.tp_size,
+           "pp_rank": cap.pp_rank, "pp_size": cap.pp_size,
+           "sites": len(cap.steps[0]["t"]) if cap.steps else 0,
+           "notes": list(cap.notes)}
+    if weights_path is not None:
+        wp = rank_path(weights_path, cap.tp_rank, cap.tp_size, cap.pp_rank, cap.pp_size)
+        cap.write_weights(wp)
+        res["weights"] = str(wp)
+    return res
+
+
+def write_weights(model_or_worker, *, weights_path, **kwargs) -> str:
+    """Only the WEIGHTS file (no forward needed). Returns the path written by this rank."""
+    cap = VllmCapture(model_or_worker, **kwargs)
+    wp = rank_path(weights_path, cap.tp_rank, cap.tp_size, cap.pp_rank, cap.pp_size)
+    cap.write_weights(wp)
+    return str(wp)
+
+
+# --------------------------------------------------------------------------------------------
+# merging per-rank files (driver side; needs only numpy + safetensors)
+# --------------------------------------------------------------------------------------------
+
+def _read(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    from safetensors import safe_open
+    with safe_open(str(path), framework="np") as f:
+        meta = dict(f.metadata() or {})
+        return {k: f.get_tensor(k) for k in f.keys()}, meta
+
+
+def merge_rank_dumps(paths, out_path) -> Path:
+    """Merge per-rank dumps into one (TP: concatenate head-sharded sites in rank order; PP: union)."""
+    parts = [(_read(p), p) for p in paths]
+    if not parts:
+        raise ValueError("no dumps to merge")
+    groups: dict[int, list] = {}
+    for (t, m), p in parts:
+        groups.setdefault(int(m.get("pp_rank", "0")), []).append((int(m.get("tp_rank", "0")), t, m, p))
+    merged: dict[str, np.ndarray] = {}
+    notes: list[str] = []
+    meta0 = None
+    for pp in sorted(groups):
+        ranks = sorted(groups[pp], key=lambda x: x[0])
+        tp_size = int(ranks[0][2].get("tp_size", "1"))
+        if [r[0] for r in ranks] != list(range(tp_size)):
+            raise ValueError(f"pp rank {pp}: have TP ranks {[r[0] for r in ranks]}, need 0..{tp_size - 1}")
+        meta0 = meta0 or ranks[0][2]
+        for m in (r[2] for r in ranks):
+            if m.get("notes"):
+                notes.append(m["notes"])
+        names = list(ranks[0][1].keys())
+        for name in names:
+            arrs = [r[1].get(name) for r in ranks]
+            if any(a is None for a in arrs):
+                notes.append(f"{name}: missing on some rank, dropped")
+                continue
+            stage = name.split(".", 1)[1] if name.startswith("L") and "." in name else name
+            if stage in HEAD_SHARDED and tp_size > 1:
+                merged[name] = np.concatenate(arrs, axis=HEAD_SHARDED[stage])
+            else:
+                for r, a in zip(ranks[1:], arrs[1:]):
+                    if a.shape != arrs[0].shape or not np.array_equal(a, arrs[0]):
+                        diff = (float(np.max(np.abs(a.astype(np.float64) - arrs[0])))
+                                if a.shape == arrs[0].shape else "shape")
+                        notes.append(f"{name}: rank {r[0]} differs from rank 0 ({diff}); rank 0 kept")
+                if name in merged and not np.array_equal(merged[name], arrs[0]):
+                    notes.append(f"{name}: differs between pipeline ranks; first kept")
+                merged.setdefault(name, arrs[0])
+    meta = {k: v for k, v in meta0.items() if k not in ("tp_rank", "pp_rank", "notes", "sharded_sites")}
+    meta["merged_from"] = ",".join(Path(p).name for _, p in parts)
+    if notes:
+        meta["notes"] = " | ".join(dict.fromkeys(notes))
+    ordered = {k: merged[k] for k in sorted((k for k in merged if k not in ("tokens", "positions")),
+                                            key=_site_key)}
+    for k in ("tokens", "positions"):
+        if k in merged:
+            ordered[k] = merged[k]
+    st_io.save(ordered, Path(out_path), metadata=meta)
+    return Path(out_path)
+
+
+def merge_weight_files(paths, out_path) -> Path:
+    """Union of per-rank WEIGHTS files (names already carry .rank{r})."""
+    out: dict[str, np.ndarray] = {}
+    meta = None
+    for p in paths:
+        t, m = _read(p)
+        meta = meta or m
+        for k, a in t.items():
+            if k in out and not np.array_equal(out[k], a):
+                raise ValueError(f"{k}: two files disagree")
+            out[k] = a
+    meta = {k: v for k, v in (meta or {}).items() if k not in ("rank", "pp_rank")}
+    meta["merged_from"] = ",".join(Path(p).name for p in paths)
+    st_io.save({k: out[k] for k in sorted(out, key=_site_key)}, Path(out_path), metadata=meta)
+    return Path(out_path)
+
+
+# --------------------------------------------------------------------------------------------
+# command line: run vLLM's LLM end to end (needs a GPU; on a CPU use scripts/vllm_cpu.py)
+# --------------------------------------------------------------------------------------------
+
+# (name, reason) of the one change --zero-unloaded makes to vLLM's behaviour (recorded in the dump)
+ZERO_UNLOADED = ("zero-unloaded-weights",
+                 "a linear layer whose GGUF weight the loader never filled gets an all-zero weight "
+                 "in the model dtype (UnquantizedLinearMethod) instead of an empty GGUF parameter, so "
+                 "vLLM loads and runs and the dump shows what a never-loaded weight computes")
+
+
+def zero_unloaded(applied: list) -> None:
+    """Patches vllm-gguf-plugin's process_weights_after_loading, in this process: every linear
+    layer whose GGUF parameter the loader never filled (an empty `qweight`) gets an all-zero
+    weight in the model dtype, and is named on stderr. Without it vLLM 0.26.0 stops at load on
+    such a model (MLAAttention.process_weights_after_loading: `size mismatch, ..., vec (0)`)."""
+    import torch
+    import vllm_gguf_plugin.loader as gl
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    orig = gl.process_weights_after_loading
+
+    def process_weights_after_loading(model, model_config, target_device):
+        bad = []
+        for name, mod in model.named_modules():
+            q = getattr(mod, "qweight", None)
+            if q is not None and (isinstance(q, torch.nn.parameter.UninitializedParameter) or q.numel() == 0):
+                bad.append((name, mod))
+        if bad:
+            print("dump_vllm: linear layers the GGUF loader never filled: "
+                  + ", ".join(n for n, _ in bad), file=sys.stderr)
+            for _, mod in bad:
+                for attr in ("qweight", "qweight_type"):
+                    mod._parameters.pop(attr, None)
+                mod.quant_method = UnquantizedLinearMethod()
+                mod.weight = torch.nn.Parameter(torch.zeros(
+                    int(mod.output_size_per_partition), int(mod.input_size_per_partition),
+                    dtype=model_config.dtype, device=target_device), requires_grad=False)
+            applied.append(ZERO_UNLOADED)
+            applied.append(("zeroed", ", ".join(n for n, _ in bad)))
+        return orig(model, model_config, target_device)
+    gl.process_weights_after_loading = process_weights_after_loading
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="model path or name for vllm.LLM (a HF folder or a .gguf, which "
+                    "vllm-gguf-plugin loads)")
+    ap.add_argument("--hf-config-path", default=None, help="folder with the HF config.json for a "
+                    ".gguf (vllm-gguf-plugin needs one; scripts/vllm_cpu.py config derives it)")
+    ap.add_argument("--decode-steps", type=int, default=0,
+                    help="also record this many decode steps (format 2, .gguf models only)")
+    ap.add_argument("--tokens", required=True, help="comma-separated prompt token ids")
+    ap.add_argument("--dump", required=True, type=Path, help="activation dump to write")
+    ap.add_argument("--weights", type=Path, default=None, help="WEIGHTS file to write")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (default 1)")
+    ap.add_argument("--dtype", default="auto", help="vllm dtype (default auto)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer (default: none is loaded; the "
+                    "prompt is token ids)")
+    ap.add_argument("--attention-backend", default=None, help="vLLM attention backend for the "
+                    "decode (e.g. FLASHMLA, TRITON_MLA; default: vLLM's choice)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="vllm max_model_len (a small "
+                    "value keeps the KV cache small)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="vllm gpu_memory_utilization")
+    ap.add_argument("--zero-unloaded", action="store_true", help="give a linear layer the GGUF "
+                    "loader never filled an all-zero weight so vLLM runs (recorded in the dump as a "
+                    "patch); runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    ap.add_argument("--no-weight-sites", action="store_true", help="leave w.* sites out of the dump")
+    ap.add_argument("--force", action="store_true", help="overwrite existing outputs")
+    args = ap.parse_args()
+    for p in (args.dump, args.weights):
+        if p is not None and p.exists() and not args.force:
+            raise SystemExit(f"{p} exists (use --force to overwrite)")
+    ids = [int(x) for x in args.tokens.split(",") if x.strip()]
+    # the worker processes unpickle arm/finish by module name, and must accept pickled callables
+    os.environ["PYTHONPATH"] = str(PACKAGE_PARENT) + (os.pathsep + os.environ["PYTHONPATH"]
+                                                      if os.environ.get("PYTHONPATH") else "")
+    # under `python -m` this module is __main__: ship the importable module's functions instead
+    hooks = importlib.import_module("mla_diff_hooks.vllm")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    applied: list[tuple[str, str]] = []
+    if args.zero_unloaded:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the patch must be in the engine's process
+        zero_unloaded(applied)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = dict(model=args.model, enforce_eager=True, enable_prefix_caching=False,
+              tensor_parallel_size=args.tp, dtype=args.dtype)
+    if args.tokenizer:
+        kw["tokenizer"] = args.tokenizer
+    else:
+        kw["skip_tokenizer_init"] = True
+    if args.hf_config_path:
+        kw["hf_config_path"] = args.hf_config_path
+    if args.attention_backend:
+        kw["attention_backend"] = args.attention_backend
+    if args.max_model_len:
+        kw["max_model_len"] = args.max_model_len
+    if args.gpu_memory_utilization:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+    gguf = args.model.endswith(".gguf") and Path(args.model).is_file()
+    if args.decode_steps and (not gguf or args.tp > 1):
+        raise SystemExit("--decode-steps needs a local .gguf and --tp 1 (format 2)")
+    llm = LLM(**kw)
+    print(llm.apply_model(functools.partial(hooks.arm, steps=1 + args.decode_steps)))
+    llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                 SamplingParams(max_tokens=1 + args.decode_steps, temperature=0.0, ignore_eos=True))
+    dump_tmp = args.dump if args.tp == 1 else args.dump.with_name(args.dump.stem + ".part" + args.dump.suffix)
+    res = llm.apply_model(functools.partial(
+        hooks.finish, dump_path=str(dump_tmp), weights_path=None if args.weights is None else str(args.weights),
+        expect_tokens=ids, weight_sites=not args.no_weight_sites, patches=applied or None,
+        model_path=str(Path(args.model).resolve()) if gguf and args.tp == 1 else None))
+    if args.tp > 1:
+        merge_rank_dumps([r["dump"] for r in res], args.dump)
+        if args.weights is not None:
+            merge_weight_files([r["weights"] for r in res], args.weights)
+    for r in res:
+        print(r)
+    print(f"{args.dump}: written" + (f"; {args.weights}: written" if args.weights else ""))
+
+
+if __name__ == "__main__":
+    main()

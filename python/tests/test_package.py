@@ -1,0 +1,104 @@
+"""The installed package: every hook module imports with nothing but the standard library, a
+missing dependency fails with one line naming the extra, the command lines start, and the
+scripts/ wrappers of a checkout are the package's modules.
+
+Why this exists: `pip install mla-diff` installs no Python dependencies (they are the extras), so
+`import mla_diff_hooks.vllm` inside an engine process, and `python -m mla_diff_hooks.<engine>`,
+must work before numpy or torch is ever touched.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from support import ROOT, find_mla_diff, hooks_module
+from test_llama_cpp import _env
+
+MODULES = ["vllm", "hf", "hf_hooks", "llama_cpp", "st_io"]
+
+
+def _py(code: str, *args: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter where numpy, torch and the engines cannot be imported
+    (a meta-path finder refuses them, as if not installed)."""
+    block = ("import sys, importlib.abc\n"
+             "class _Block(importlib.abc.MetaPathFinder):\n"
+             "    def find_spec(self, name, path=None, target=None):\n"
+             "        if name.split('.')[0] in {'numpy', 'torch', 'safetensors', 'gguf', 'transformers',"
+             " 'vllm', 'llama_cpp'}:\n"
+             "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+             "sys.meta_path.insert(0, _Block())\n")
+    return subprocess.run([sys.executable, "-c", block + code, *args], capture_output=True, text=True,
+                          env=_env())
+
+
+@pytest.mark.parametrize("mod", MODULES)
+def test_imports_without_dependencies(mod):
+    r = _py(f"import mla_diff_hooks.{mod} as m; print(m.__name__)")
+    assert r.returncode == 0 and r.stdout.strip() == f"mla_diff_hooks.{mod}", r.stderr
+
+
+def test_missing_numpy_is_one_line_naming_the_extra(tmp_path):
+    r = _py("from mla_diff_hooks import vllm\nvllm.infer_seq_lens(vllm.np.array([0, 1]))")
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1
+    assert last == ("ModuleNotFoundError: mla_diff_hooks.vllm needs numpy: "
+                    "pip install 'mla-diff[vllm]'")
+    r = _py("from mla_diff_hooks import st_io\nst_io.save({}, 'x.safetensors')")
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "ModuleNotFoundError: mla_diff_hooks.st_io needs numpy: pip install numpy (or one of the extras")
+
+
+def test_optional_returns_the_module_when_present():
+    deps = hooks_module("_deps")
+    assert deps.optional("json", "x") is __import__("json")
+    missing = deps.optional("no_such_module_mla", "mla_diff_hooks.hf", "hf")
+    assert not missing
+    with pytest.raises(ModuleNotFoundError, match=r"^mla_diff_hooks\.hf needs no_such_module_mla: "
+                                                  r"pip install 'mla-diff\[hf\]'$"):
+        missing.zeros(3)
+
+
+@pytest.mark.parametrize("mod,flag", [("vllm", "--decode-steps"), ("hf", "--with-weights"),
+                                      ("llama_cpp", "--exclude")])
+def test_module_command_lines_start(mod, flag):
+    r = subprocess.run([sys.executable, "-m", f"mla_diff_hooks.{mod}", "--help"], capture_output=True,
+                       text=True, env=_env())
+    assert r.returncode == 0 and flag in r.stdout, r.stderr
+
+
+def test_hf_refuses_a_folder_without_config(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "mla_diff_hooks.hf", str(tmp_path), str(tmp_path / "o.st")],
+                       capture_output=True, text=True, env=_env())
+    assert r.returncode == 1 and r.stderr.strip() == f"{tmp_path}: no config.json"
+
+
+@pytest.mark.skipif(not (ROOT / "scripts" / "dump_vllm.py").is_file(), reason="not a checkout")
+def test_scripts_wrappers_are_the_package_modules():
+    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+            "import dump_vllm, dump_hf, dump_llama_cpp, st_io, hf_hooks\n"
+            "import mla_diff_hooks.vllm as v, mla_diff_hooks.hf as h, mla_diff_hooks.llama_cpp as l\n"
+            "import mla_diff_hooks.st_io as s, mla_diff_hooks.hf_hooks as hh\n"
+            "assert dump_vllm is v and dump_hf is h and dump_llama_cpp is l and st_io is s and hf_hooks is hh\n"
+            "assert dump_vllm.st_io is st_io\n"
+            "print(v.__file__)")
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "scripts")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(ROOT / "python" / "mla_diff_hooks" / "vllm.py")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "dump_vllm.py"), "--help"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "--hf-config-path" in r.stdout, r.stderr
+
+
+@pytest.mark.skipif(os.environ.get("MLA_DIFF_TEST_WHEEL") != "1",
+                    reason="MLA_DIFF_TEST_WHEEL=1 (set by .ci/run) asks for the installed wheel")
+def test_the_installed_wheel_is_what_is_tested():
+    mod = hooks_module("vllm")
+    assert Path(mod.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()), mod.__file__
+    assert not Path(mod.__file__).resolve().is_relative_to(ROOT / "python")
+    assert find_mla_diff() == Path(sysconfig.get_path("scripts")) / "mla-diff"

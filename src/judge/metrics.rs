@@ -193,7 +193,9 @@ where
                         w.max_abs = d;
                         w.max_i = i;
                     }
-                    if r.abs() > floor {
+                    // The division only where it can raise the maximum: fl(d/|r|) > max_rel needs
+                    // d > max_rel·|r|·(1 − 2⁻⁵³), which the margin of 2⁻⁴⁸ below always admits.
+                    if r.abs() > floor && d > w.max_rel * r.abs() * (1.0 - 16.0 * f64::EPSILON) {
                         w.max_rel = w.max_rel.max(d / r.abs());
                     }
                     if d <= atol + tol.rtol * r.abs() {

@@ -5,6 +5,7 @@
 //! count and architecture, its validity rules (the same ones the kernel's static checks encode),
 //! its shared-memory size, and the textual syntax of `MLA_DIFF_DECODE_CFG`.
 
+use crate::backend::cfg_fields::{self, Field};
 use crate::core::error::{Error, Result};
 use crate::device::{supports_tma, supports_wgmma};
 
@@ -67,6 +68,55 @@ pub struct DecodeCfg {
 }
 
 impl DecodeCfg {
+    /// The fields of the configuration string, in positional order, with their names and their
+    /// values when left out ([`DecodeCfg::parse`]).
+    pub const FIELDS: [Field; 11] = [
+        Field {
+            name: "heads",
+            default: None,
+        },
+        Field {
+            name: "warps",
+            default: None,
+        },
+        Field {
+            name: "parts",
+            default: Some(1),
+        },
+        Field {
+            name: "qreg",
+            default: Some(0),
+        },
+        Field {
+            name: "stages",
+            default: None,
+        },
+        Field {
+            name: "min_blocks",
+            default: Some(1),
+        },
+        Field {
+            name: "fused",
+            default: Some(0),
+        },
+        Field {
+            name: "tma",
+            default: Some(0),
+        },
+        Field {
+            name: "cluster",
+            default: Some(0),
+        },
+        Field {
+            name: "wgmma",
+            default: Some(0),
+        },
+        Field {
+            name: "teams",
+            default: Some(1),
+        },
+    ];
+
     /// The default for `nh` heads: the 64-head wgmma block when there are at least 64 heads
     /// ([`DecodeCfg::WGMMA`]: the cache is read once per 64 heads; one block of two warpgroups
     /// per SM; [`DecodeCfg::for_arch`] and [`DecodeCfg::fit`] turn it into the `mma.sync`
@@ -178,41 +228,40 @@ impl DecodeCfg {
     /// Parses
     /// `HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS]]]]]]`
     /// (QREG, FUSED, CLUSTER and WGMMA 0 or 1; TMA the number of producer warps, 0 for
-    /// none; MINBLOCKS and TEAMS default to 1, the others to 0). CLUSTER 1 merges the splits
-    /// through a thread-block cluster of `splits` blocks where [`DecodeCfg::cluster_size`]
-    /// allows, and needs TMA ≥ 1. WGMMA 1 is the warpgroup-MMA block and needs
-    /// `64,8,P,0,2,1,0,0,0,1` (P is unused). TEAMS > 1 needs TMA ≥ 1, FUSED 0 and TEAMS dividing
-    /// 2·STAGES with STAGES ≥ TEAMS, MINBLOCKS 1, and is at most 2.
+    /// none; MINBLOCKS and TEAMS default to 1, the others to 0), or the same fields named
+    /// ([`DecodeCfg::FIELDS`]: `heads=16,warps=4,parts=1,stages=4,tma=4,cluster=1,teams=2`, any
+    /// order; heads, warps and stages required, parts 1 and the others as above when left out).
+    /// CLUSTER 1 merges the splits through a thread-block cluster of `splits` blocks where
+    /// [`DecodeCfg::cluster_size`] allows, and needs TMA ≥ 1. WGMMA 1 is the warpgroup-MMA block
+    /// and needs `64,8,P,0,2,1,0,0,0,1` (P is unused). TEAMS > 1 needs TMA ≥ 1, FUSED 0 and TEAMS
+    /// dividing 2·STAGES with STAGES ≥ TEAMS, MINBLOCKS 1, and is at most 2. docs/kernels.md is
+    /// the reference.
     ///
     /// # Errors
-    /// [`Error::Cuda`] naming the string when it is not 5 to 11 unsigned integers or the
-    /// configuration does not tile (see `fast_decode.cu`'s header).
+    /// [`Error::Cuda`] naming the string and the field when it does not parse
+    /// ([`cfg_fields::parse_fields`]) or the configuration does not tile (see
+    /// `fast_decode.cu`'s header).
     pub fn parse(s: &str) -> Result<Self> {
-        const FORM: &str = "HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS]]]]]]";
-        let v: Vec<usize> = s
-            .split(',')
-            .map(|x| x.trim().parse::<usize>())
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|_| cerr(format!("decode configuration `{s}`: expected {FORM}")))?;
-        if !(5..=11).contains(&v.len()) {
-            return Err(cerr(format!("decode configuration `{s}`: expected {FORM}")));
-        }
-        // Absent trailing fields: MINBLOCKS 1, TEAMS 1, the others 0.
-        let defaults = [0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1];
-        let f = |k: usize| v.get(k).copied().unwrap_or(defaults[k]);
+        let v =
+            cfg_fields::parse_fields(s, &Self::FIELDS).map_err(|e| cerr(format!("decode configuration `{s}`: {e}")))?;
         let c = DecodeCfg {
-            hm: f(0),
-            warps: f(1),
-            parts: f(2),
-            qreg: f(3) != 0,
-            stages: f(4),
-            min_blocks: f(5),
-            fused: f(6) != 0,
-            producers: f(7),
-            cluster: f(8) != 0,
-            wgmma: f(9) != 0,
-            teams: f(10),
+            hm: v[0],
+            warps: v[1],
+            parts: v[2],
+            qreg: v[3] != 0,
+            stages: v[4],
+            min_blocks: v[5],
+            fused: v[6] != 0,
+            producers: v[7],
+            cluster: v[8] != 0,
+            wgmma: v[9] != 0,
+            teams: v[10],
         };
+        for (name, x) in [("qreg", v[3]), ("fused", v[6]), ("cluster", v[8]), ("wgmma", v[9])] {
+            if x > 1 {
+                return Err(cerr(format!("decode configuration `{s}`: {name} must be 0 or 1")));
+            }
+        }
         if c.wgmma
             && (
                 c.hm,
@@ -466,6 +515,30 @@ mod tests {
     }
 
     #[test]
+    fn named_fields_give_the_positional_configurations() {
+        let p = |s: &str| DecodeCfg::parse(s).unwrap();
+        assert_eq!(
+            p("heads=16,warps=4,parts=1,stages=4,tma=4,cluster=1,teams=2"),
+            DecodeCfg::TEAMS
+        );
+        assert_eq!(p("wgmma=1, heads=64, warps=8, stages=2"), DecodeCfg::WGMMA);
+        assert_eq!(
+            p("heads=16,warps=8,parts=2,stages=2,min_blocks=2,tma=1"),
+            DecodeCfg::TMA16
+        );
+        assert_eq!(p("heads=64,warps=8,parts=2,stages=2"), p("64,8,2,0,2"));
+        for (bad, why) in [
+            ("heads=16,warps=4,stage=4", "unknown field `stage`"),
+            ("heads=16,warps=4,stages=4,qreg=2", "qreg must be 0 or 1"),
+            ("heads=16,warps=4", "missing field `stages`"),
+            ("heads=16,warps=4,stages=4,teams=3,tma=4", "TEAMS 3"),
+        ] {
+            let e = DecodeCfg::parse(bad).unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains(bad), "{bad}: {e}");
+        }
+    }
+
+    #[test]
     fn decode_cfg_parse_and_check() {
         let c = DecodeCfg::parse("16,8,2,0,2,2,0,1").unwrap();
         assert_eq!(c, DecodeCfg::TMA16);
@@ -608,7 +681,7 @@ mod tests {
             ("16,4,1,0,4,2,0,4,1,0,2", "MINBLOCKS must be 1"),
             ("16,8,2,0,4,1,0,8,1,0,4", "TEAMS 4 (1 or 2"),
             ("16,8,2,0,4,1,0,32,1,0,2", "TMA 32 producer warps"),
-            ("16,4,1,0,5,1,0,4,1,0,2,0", "expected HM,WARPS"),
+            ("16,4,1,0,5,1,0,4,1,0,2,0", "expected 5 to 11"),
         ] {
             let e = DecodeCfg::parse(bad).unwrap_err().to_string();
             assert!(e.contains(why), "{bad}: {e}");

@@ -6,6 +6,7 @@
 //! with its dtype, and everything that judges its output asks the backend for it, so the rows of
 //! the tolerance table can never disagree with what the kernels computed in.
 
+pub mod cfg_fields;
 pub mod cpu;
 pub mod cuda;
 pub mod decode_cfg;

@@ -9,6 +9,7 @@
 //! The kernel's arithmetic is the same in every configuration (FlashAttention-2, Dao 2023): only
 //! the order of the online-softmax updates over key tiles changes with the tile width.
 
+use crate::backend::cfg_fields::{self, Field};
 use crate::core::error::{Error, Result};
 
 fn cerr(what: impl std::fmt::Display) -> Error {
@@ -37,9 +38,6 @@ pub struct PrefillCfg {
     pub min_blocks: usize,
 }
 
-/// Usage of the configuration string, for errors.
-const SYNTAX: &str = "WARPS,BK,STAGES,QREG,MINBLOCKS[,MT]";
-
 impl Default for PrefillCfg {
     /// The configuration the engine and the benchmark run unless told otherwise: 4 warps (64
     /// query rows), 64-key tiles, double-buffered, Q in shared memory (221 registers, no
@@ -58,24 +56,48 @@ impl Default for PrefillCfg {
 }
 
 impl PrefillCfg {
+    /// The fields of the configuration string, in positional order, with their names and their
+    /// values when left out ([`PrefillCfg::parse`]).
+    pub const FIELDS: [Field; 6] = [
+        Field {
+            name: "warps",
+            default: None,
+        },
+        Field {
+            name: "bk",
+            default: None,
+        },
+        Field {
+            name: "stages",
+            default: None,
+        },
+        Field {
+            name: "qreg",
+            default: None,
+        },
+        Field {
+            name: "min_blocks",
+            default: None,
+        },
+        Field {
+            name: "mt",
+            default: Some(1),
+        },
+    ];
+
     /// Parses `WARPS,BK,STAGES,QREG,MINBLOCKS[,MT]` (QREG 0 or 1; MT 1 when left out), e.g.
-    /// `4,32,3,0,3` or `4,32,2,0,1,2`.
+    /// `4,32,3,0,3` or `4,32,2,0,1,2`, or the same fields named ([`PrefillCfg::FIELDS`]:
+    /// `warps=4,bk=32,stages=3,qreg=0,min_blocks=3`, any order). docs/kernels.md is the
+    /// reference.
     ///
-    /// Errors: [`Error::Cuda`] naming the string when a field is missing or not a number, or
-    /// when the configuration fails [`PrefillCfg::check`].
+    /// Errors: [`Error::Cuda`] naming the string and the field when a field is missing, unknown
+    /// or not a number, or when the configuration fails [`PrefillCfg::check`].
     pub fn parse(s: &str) -> Result<Self> {
-        let v: Vec<usize> = s
-            .split(',')
-            .map(|x| x.trim().parse::<usize>())
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|_| cerr(format!("prefill configuration `{s}`: expected {SYNTAX}")))?;
-        let (warps, bk, stages, qreg, min_blocks, mt) = match v[..] {
-            [a, b, c, d, e] => (a, b, c, d, e, 1),
-            [a, b, c, d, e, f] => (a, b, c, d, e, f),
-            _ => return Err(cerr(format!("prefill configuration `{s}`: expected {SYNTAX}"))),
-        };
+        let v = cfg_fields::parse_fields(s, &Self::FIELDS)
+            .map_err(|e| cerr(format!("prefill configuration `{s}`: {e}")))?;
+        let (warps, bk, stages, qreg, min_blocks, mt) = (v[0], v[1], v[2], v[3], v[4], v[5]);
         if qreg > 1 {
-            return Err(cerr(format!("prefill configuration `{s}`: QREG must be 0 or 1")));
+            return Err(cerr(format!("prefill configuration `{s}`: qreg must be 0 or 1")));
         }
         let c = PrefillCfg {
             warps,
@@ -222,6 +244,18 @@ pub fn bench_variants() -> Result<Vec<PrefillCfg>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn named_fields_give_the_positional_configurations() {
+        let p = |s: &str| PrefillCfg::parse(s).unwrap();
+        assert_eq!(p("warps=4,bk=64,stages=2,qreg=0,min_blocks=1"), PrefillCfg::default());
+        assert_eq!(p("min_blocks=3,qreg=0,stages=3,bk=32,warps=4"), p("4,32,3,0,3"));
+        assert_eq!(p("warps=2,bk=32,stages=2,qreg=0,min_blocks=2,mt=2"), p("2,32,2,0,2,2"));
+        let e = PrefillCfg::parse("warps=4,bk=64,stages=2,qreg=0")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("missing field `min_blocks`"), "{e}");
+    }
 
     #[test]
     fn parse_round_trips_and_checks() {

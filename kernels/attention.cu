@@ -170,26 +170,15 @@ extern "C" __global__ void merge_states(const float* parts, const float* lses, f
     if (e >= rows * nh * dv) return;
     const i64 rh = e / dv, d = e % dv;
     const i64 stride = rows * nh;
-    float m = -INFINITY;
-    bool has_nan = false;
-    float nan_val = 0.0f;
-    for (i64 s = 0; s < k; ++s) {
-        const float x = lses[s * stride + rh];
-        if (isnan(x)) {
-            if (!has_nan) nan_val = x;
-            has_nan = true;
-        } else {
-            m = fmaxf(m, x);
-        }
-    }
-    if (has_nan) {
+    float m = -INFINITY, q = 0.0f;
+    const int state = mla_merge_scan([&](i64 s) { return lses[s * stride + rh]; }, k, &m, &q);
+    if (state == MLA_MERGE_NAN) {
         // An unwritten (canary) LSE poisons the merge; keep its payload visible.
-        const float q = mla_quiet(nan_val);
         out[e] = q;
         if (d == 0) lse[rh] = q;
         return;
     }
-    if (m == -INFINITY) {
+    if (state == MLA_MERGE_EMPTY) {
         out[e] = 0.0f;
         if (d == 0) lse[rh] = -INFINITY;
         return;

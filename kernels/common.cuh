@@ -27,6 +27,37 @@ __device__ __forceinline__ float mla_quiet(float x) {
     return __uint_as_float(__float_as_uint(x) | MLA_QUIET_BIT);
 }
 
+// Step one of every merge of partial attention states (merge_states, the fast decode's merges;
+// docs/mla.md "Attention state merge"): over the k LSEs lse_at(0), …, lse_at(k − 1), a NaN (a
+// partial never written) poisons the merge: MLA_MERGE_NAN, *q the first NaN quieted; every LSE
+// −inf leaves nothing to merge: MLA_MERGE_EMPTY (output 0, LSE −inf); else MLA_MERGE_OK with *m
+// the largest LSE. Each kernel then weights the finite LSEs exp(lse − *m) in split order.
+#define MLA_MERGE_OK 0
+#define MLA_MERGE_NAN 1
+#define MLA_MERGE_EMPTY 2
+template <typename LseAt>
+__device__ __forceinline__ int mla_merge_scan(LseAt lse_at, i64 k, float* m, float* q) {
+    float mx = -INFINITY;
+    bool has_nan = false;
+    float nan_val = 0.0f;
+    for (i64 s = 0; s < k; ++s) {
+        const float x = lse_at(s);
+        if (isnan(x)) {
+            if (!has_nan) nan_val = x;
+            has_nan = true;
+        } else {
+            mx = fmaxf(mx, x);
+        }
+    }
+    if (has_nan) {
+        *q = mla_quiet(nan_val);
+        return MLA_MERGE_NAN;
+    }
+    if (mx == -INFINITY) return MLA_MERGE_EMPTY;
+    *m = mx;
+    return MLA_MERGE_OK;
+}
+
 __device__ __forceinline__ float mla_warp_sum(float v) {
     // Fixed butterfly order: the same bits on every run.
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -272,25 +272,14 @@ __device__ __forceinline__ void fd_merge(const float* parts, const float* lses, 
         const int r = e / dw, d = d_lo + e % dw;
         if (h0 + r >= nh) continue;
         const i64 rh = i * nh + h0 + r;
-        float m = -INFINITY;
-        bool has_nan = false;
-        float nan_val = 0.0f;
-        for (i64 s = 0; s < splits; ++s) {
-            const float x = __ldcg(lses + s * stride + rh);
-            if (isnan(x)) {
-                if (!has_nan) nan_val = x;
-                has_nan = true;
-            } else {
-                m = fmaxf(m, x);
-            }
-        }
-        if (has_nan) {
-            const float qn = mla_quiet(nan_val);
+        float m = -INFINITY, qn = 0.0f;
+        const int state = mla_merge_scan([&](i64 s) { return __ldcg(lses + s * stride + rh); }, splits, &m, &qn);
+        if (state == MLA_MERGE_NAN) {
             out[rh * MLA_DV + d] = qn;
             if (write_lse && d == d_lo) out_lse[rh] = qn;
             continue;
         }
-        if (m == -INFINITY) {
+        if (state == MLA_MERGE_EMPTY) {
             out[rh * MLA_DV + d] = 0.0f;
             if (write_lse && d == d_lo) out_lse[rh] = -INFINITY;
             continue;
@@ -321,24 +310,14 @@ __device__ __forceinline__ void fd_merge(const float* parts, const float* lses, 
 // merged LSE (Z[r], −inf, or max + log D[r]).
 __device__ __forceinline__ float fd_head_state(const float* X, float* W, float* D, float* Z, int* St, int splits,
                                                int r) {
-    float m = -INFINITY;
-    bool has_nan = false;
-    float nan_val = 0.0f;
-    for (int sp = 0; sp < splits; ++sp) {
-        const float x = X[sp * FD_HM + r];
-        if (isnan(x)) {
-            if (!has_nan) nan_val = x;
-            has_nan = true;
-        } else {
-            m = fmaxf(m, x);
-        }
-    }
-    if (has_nan) {
+    float m = -INFINITY, q = 0.0f;
+    const int state = mla_merge_scan([&](i64 sp) { return X[sp * FD_HM + r]; }, splits, &m, &q);
+    if (state == MLA_MERGE_NAN) {
         St[r] = 1;
-        Z[r] = mla_quiet(nan_val);
-        return Z[r];
+        Z[r] = q;
+        return q;
     }
-    if (m == -INFINITY) {
+    if (state == MLA_MERGE_EMPTY) {
         St[r] = 2;
         return -INFINITY;
     }

@@ -143,7 +143,8 @@ impl TextSink {
             return None;
         }
         // comfy-table asks the terminal (stdout, or stderr with `use_stderr`) for its size, and
-        // answers `None` when the stream is not a terminal.
+        // answers `None` when the stream is not a terminal; a terminal that reports no size
+        // (0 columns) gets the full table too.
         let mut probe = comfy_table::Table::new();
         match self {
             TextSink::Out => {}
@@ -152,6 +153,6 @@ impl TextSink {
             }
             TextSink::None => return None,
         }
-        probe.width().map(usize::from)
+        probe.width().filter(|&w| w > 0).map(usize::from)
     }
 }

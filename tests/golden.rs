@@ -41,18 +41,51 @@ fn check(g: &Path, case: &str) -> (i32, String, String) {
     run_bin(&["golden", "check", "--golden-dir", g.to_str().unwrap(), "--case", case])
 }
 
+/// The committed cases' names against what `golden/` holds: one case per fixture in
+/// `golden/models` (named as the file) plus `embedded-default`. `Err` names every extra case
+/// (e.g. one recorded by hand into `./golden`) and every missing one.
+fn case_set_problems(g: &Path) -> Result<usize, String> {
+    let mut want: Vec<String> = std::fs::read_dir(g.join("models"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+        .map(|p| p.file_stem().unwrap().to_string_lossy().into_owned())
+        .collect();
+    want.push("embedded-default".into());
+    let have = mla_diff::jobs::golden::list_cases(g).unwrap();
+    let extra: Vec<&String> = have.iter().filter(|c| !want.contains(c)).collect();
+    let missing: Vec<&String> = want.iter().filter(|c| !have.contains(c)).collect();
+    let mut why = Vec::new();
+    if !extra.is_empty() {
+        why.push(format!(
+            "{} holds case(s) that are not committed fixture cases: {} (recorded by hand? remove them, or record into a temporary --golden-dir)",
+            g.display(),
+            extra.iter().map(|c| c.as_str()).collect::<Vec<_>>().join(", ")
+        ));
+    }
+    if !missing.is_empty() {
+        why.push(format!(
+            "{} lacks the case(s) of fixture(s): {} (scripts/record_goldens.sh records them)",
+            g.display(),
+            missing.iter().map(|c| c.as_str()).collect::<Vec<_>>().join(", ")
+        ));
+    }
+    if why.is_empty() {
+        Ok(want.len())
+    } else {
+        Err(why.join("; "))
+    }
+}
+
 #[test]
 fn committed_cases_all_match() {
     let g = repo().join("golden");
+    // Every fixture has a case, plus the embedded default, and nothing else.
+    let n_cases = case_set_problems(&g).unwrap_or_else(|e| panic!("{e}"));
     let (code, out, err) = run_bin(&["golden", "check", "--all", "--golden-dir", g.to_str().unwrap()]);
     assert_eq!(code, 0, "{out}\n{err}");
-    // Every fixture has a case, plus the embedded default.
-    let n_models = std::fs::read_dir(g.join("models"))
-        .unwrap()
-        .filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "gguf"))
-        .count();
     assert!(
-        out.contains(&format!("{} case(s): {} match, 0 differ", n_models + 1, n_models + 1)),
+        out.contains(&format!("{n_cases} case(s): {n_cases} match, 0 differ")),
         "{out}"
     );
     for line in out
@@ -265,4 +298,44 @@ fn record_refuses_a_model_outside_the_repository_and_a_diverging_run() {
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("not recorded"), "{out}");
     assert!(!g.join("bad-case").exists());
+}
+
+/// A case recorded into `./golden` by hand (README's `golden record` example run without
+/// `--golden-dir`) is named by the gate's case check, not reported as a bare count mismatch.
+#[test]
+fn an_extra_case_under_golden_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let g = tmp.path().join("golden");
+    std::fs::create_dir_all(g.join("models")).unwrap();
+    std::fs::write(g.join("models/tiny-v3-q8_0.gguf"), b"").unwrap();
+    for case in ["tiny-v3-q8_0", "embedded-default", "my-case"] {
+        std::fs::create_dir_all(g.join(case)).unwrap();
+        std::fs::write(g.join(case).join("manifest.json"), b"{}").unwrap();
+    }
+    let e = case_set_problems(&g).unwrap_err();
+    assert!(e.contains("not committed fixture cases: my-case"), "{e}");
+    assert!(!e.contains("lacks"), "{e}");
+    std::fs::remove_dir_all(g.join("my-case")).unwrap();
+    std::fs::remove_dir_all(g.join("embedded-default")).unwrap();
+    let e = case_set_problems(&g).unwrap_err();
+    assert!(e.contains("lacks the case(s) of fixture(s): embedded-default"), "{e}");
+    std::fs::create_dir_all(g.join("embedded-default")).unwrap();
+    std::fs::write(g.join("embedded-default/manifest.json"), b"{}").unwrap();
+    assert_eq!(case_set_problems(&g), Ok(2));
+}
+
+/// README's `golden record` example writes into a temporary folder, never into the committed
+/// `golden/` (where an extra case fails `committed_cases_all_match`).
+#[test]
+fn readme_golden_record_example_uses_a_temporary_golden_dir() {
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let lines: Vec<&str> = readme
+        .lines()
+        .filter(|l| l.trim_start().starts_with("mla-diff golden record"))
+        .collect();
+    assert!(!lines.is_empty());
+    for l in lines {
+        assert!(l.contains("--golden-dir"), "{l}");
+        assert!(!l.contains("--golden-dir golden"), "{l}");
+    }
 }

@@ -21,6 +21,8 @@ mod kernel_inputs;
 mod layering;
 mod moe;
 mod moe_fixture;
+mod not_run;
+mod outputs;
 mod scale;
 mod selftest;
 mod snapshots;

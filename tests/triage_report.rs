@@ -78,6 +78,8 @@ fn reproduce_command_drops_output_flags() {
         "--model",
         "my model.gguf",
         "--stats",
+        "-q",
+        "--wide",
     ];
     assert_eq!(
         mla_diff::output::triage::reproduce_from(args.iter().map(|s| s.to_string())),

@@ -415,3 +415,44 @@ fn format2_dumps_carry_weights_for_weights_check() {
         "{out}"
     );
 }
+
+/// On a narrow terminal the weights table wraps its cells to the width, tensor names whole; a
+/// pipe and `--json -` (the table then on stderr) keep every cell on one line.
+#[test]
+fn the_weights_table_fits_a_terminal_and_stays_whole_elsewhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, w) = absorbed("tiny-v3-q8_0.gguf", 1);
+    let p = write(dir.path(), "abs.safetensors", &w, 1);
+    let file = GgufFile::open(repo().join("golden/models/tiny-v3-q8_0.gguf")).unwrap();
+    let cfg = MlaConfig::from_gguf(&file).unwrap();
+    let rep = mla_diff::jobs::weights_check::check(&file, &cfg, &p, None).unwrap();
+    let table_width = |s: &str| {
+        s.lines()
+            .filter(|l| l.starts_with('│') || l.starts_with('┌'))
+            .map(|l| l.chars().count())
+            .max()
+            .unwrap()
+    };
+    let full = mla_diff::jobs::weights_check::terminal(&rep);
+    assert!(table_width(&full) > 100, "{full}");
+    let fit = mla_diff::jobs::weights_check::terminal_fit(&rep, Some(80));
+    assert!(table_width(&fit) <= 80, "{fit}");
+    assert!(fit.contains("│ L1.W_UK_T "), "{fit}");
+    let (code, out, err) = check_model("tiny-v3-q8_0.gguf", &p);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(table_width(&out), table_width(&full));
+    let m = repo().join("golden/models/tiny-v3-q8_0.gguf");
+    let (code, out, err) = run_bin(&[
+        "weights",
+        "--model",
+        m.to_str().unwrap(),
+        "--check",
+        p.to_str().unwrap(),
+        "--json",
+        "-",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let doc: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(doc["kind"], "weights");
+    assert!(err.contains("tensors match the GGUF"), "{err}");
+}

@@ -41,7 +41,8 @@ impl ModelArgs {
 /// `--json` and `--force`: a machine-readable result file.
 #[derive(Debug, Clone, Args)]
 pub struct OutputArgs {
-    /// Write the result as JSON here.
+    /// Write the result as JSON here; `-` writes it to standard output, and the tables then go
+    /// to standard error.
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// Overwrite existing output files.
@@ -49,22 +50,28 @@ pub struct OutputArgs {
     pub force: bool,
 }
 
-/// `--json`, `--report`, `--force` and `--quiet`: the outputs of a verdict (`run`, `compare`).
+/// `--json`, `--report`, `--force`, `--quiet` and `--wide`: the outputs of a verdict (`run`,
+/// `compare`, `golden record`).
 #[derive(Debug, Clone, Args)]
 pub struct ReportArgs {
-    /// Write the JSON report here (schema: docs/json-schema.md).
+    /// Write the JSON report here (schema: docs/json-schema.md); `-` writes it to standard
+    /// output, and the tables then go to standard error (or nowhere with --quiet).
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// Write a Markdown triage report here (GitHub-flavoured, for a bug ticket), with its error
-    /// heat map next to it (`<name>.svg`).
+    /// heat map next to it (`<name>.svg`; the report's own name must differ from it).
     #[arg(long)]
     pub report: Option<PathBuf>,
     /// Overwrite existing output files.
     #[arg(long)]
     pub force: bool,
     /// Print only the verdict lines (and no progress bar).
-    #[arg(long)]
+    #[arg(long, short)]
     pub quiet: bool,
+    /// Print every table column even on a narrow terminal (tables into a pipe or file, --json
+    /// and --report always have every column).
+    #[arg(long)]
+    pub wide: bool,
 }
 
 /// Arguments of `mla-diff compare`.
@@ -110,9 +117,15 @@ pub struct WeightsArgs {
     /// Where the result goes.
     #[command(flatten)]
     pub output: OutputArgs,
+    /// Print every table cell on one line even on a narrow terminal (a pipe, a file and --json
+    /// always have them so).
+    #[arg(long)]
+    pub wide: bool,
 }
 
 /// `mla-diff golden …`.
+// Parsed once per process: the size of the larger variant does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum GoldenCommand {
     /// Run once and write `golden/<CASE>/{manifest.json,trace.safetensors}` (the run must pass).
@@ -133,16 +146,16 @@ pub struct GoldenRecordArgs {
     /// The golden folder; its parent is the repository root (default: ./golden).
     #[arg(long, default_value = "golden")]
     pub golden_dir: PathBuf,
-    /// Replace an existing case.
-    #[arg(long)]
-    pub force: bool,
+    /// Where the run's result goes, as for `run`; `--force` also replaces an existing case.
+    #[command(flatten)]
+    pub output: ReportArgs,
 }
 
 /// Arguments of `mla-diff golden check`.
 #[derive(Debug, Args)]
 pub struct GoldenCheckArgs {
-    /// Case(s) to check (repeatable).
-    #[arg(long, required_unless_present = "all", conflicts_with = "all")]
+    /// Case(s) to check (repeatable); or --all.
+    #[arg(long, conflicts_with = "all")]
     pub case: Vec<String>,
     /// Check every case under the golden folder.
     #[arg(long)]
@@ -154,7 +167,7 @@ pub struct GoldenCheckArgs {
     #[arg(long)]
     pub cuda_include: Option<PathBuf>,
     /// One line per case; for a case that differs, only its differing sites.
-    #[arg(long)]
+    #[arg(long, short)]
     pub quiet: bool,
 }
 
@@ -346,9 +359,10 @@ pub struct RunSpec {
     /// Context tokens per chunk (chunked).
     #[arg(long, default_value_t = 8)]
     pub chunk_size: usize,
-    /// New (uncached) tokens per sequence (chunked); the rest of each sequence is context.
-    #[arg(long, default_value_t = 5)]
-    pub new_tokens: usize,
+    /// New (uncached) tokens per sequence (chunked; default 5); the rest of each sequence is
+    /// context. Given, or with --path chunked, some sequence must be longer.
+    #[arg(long)]
+    pub new_tokens: Option<usize>,
     /// Inject a fault from the catalogue into the paths (repeatable).
     #[arg(long, value_parser = values::fault_parser())]
     pub inject: Vec<Fault>,
@@ -390,8 +404,12 @@ pub struct RunArgs {
 /// Arguments of `mla-diff inspect`.
 #[derive(Debug, Args)]
 pub struct InspectArgs {
-    /// GGUF model file.
-    pub path: PathBuf,
+    /// GGUF model file (the same as --model).
+    #[arg(conflicts_with = "model", value_name = "GGUF")]
+    pub path: Option<PathBuf>,
+    /// The model (default: the embedded fixture).
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// Show only this layer's tensors (and the non-layer ones).
     #[arg(long)]
     pub layer: Option<usize>,

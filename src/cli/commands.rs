@@ -6,12 +6,14 @@ use std::path::PathBuf;
 
 use super::Outcome;
 use super::args::*;
-use super::run::{build_run, refuse_overwrite, select_backend};
+use super::outputs::{TextSink, check_outputs, refuse_overwrite, write_json};
+use super::run::{build_run, select_backend};
 use crate::backend::Backend;
 use crate::backend::cpu::CpuOps;
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
 use crate::jobs::selftest::{self, ModelSource, SelftestOptions};
+use crate::judge::report::Verdict;
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
 use crate::output::report;
@@ -23,6 +25,11 @@ pub fn cmd_weights(a: &WeightsArgs, out: &mut dyn Write) -> Result<Outcome> {
     let map = a.map.as_deref().map(crate::model::dump::Map::load).transpose()?;
     refuse_overwrite(a.output.json.as_ref(), a.output.force)?;
     let rep = crate::jobs::weights_check::check(&file, &cfg, &a.check, map.as_ref())?;
+    let sink = TextSink::for_json(a.output.json.as_ref(), false);
+    sink.write(
+        &crate::jobs::weights_check::terminal_fit(&rep, sink.table_width(a.wide)),
+        out,
+    )?;
     if let Some(j) = &a.output.json {
         let doc = serde_json::json!({
             "schema": report::JSON_SCHEMA_VERSION,
@@ -32,10 +39,8 @@ pub fn cmd_weights(a: &WeightsArgs, out: &mut dyn Write) -> Result<Outcome> {
             "verdict": if rep.all_pass() { "pass" } else { "divergence" },
             "exit_code": if rep.all_pass() { 0 } else { 1 },
         });
-        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&doc), a.output.force)?;
+        write_json(j, &report::to_json_bytes(&doc), a.output.force, out)?;
     }
-    out.write_all(crate::jobs::weights_check::terminal(&rep).as_bytes())
-        .map_err(|e| Error::io("<stdout>", "write", e))?;
     Ok(if rep.all_pass() {
         Outcome::Pass
     } else {
@@ -43,7 +48,12 @@ pub fn cmd_weights(a: &WeightsArgs, out: &mut dyn Write) -> Result<Outcome> {
     })
 }
 
-/// `mla-diff golden record`.
+/// `mla-diff golden record`: the run's verdict line (the case written, or why not) and its
+/// `--json`/`--report` outputs as `run` writes them.
+///
+/// Errors: a bad case name or golden folder, an existing case or output file without `--force`
+/// (all before the run); run errors; an inconclusive run (nothing ran, or an injected fault
+/// never acted), which is not recorded.
 pub fn cmd_golden_record(a: &GoldenRecordArgs, out: &mut dyn Write) -> Result<Outcome> {
     crate::jobs::golden::validate_case_name(&a.case)?;
     if !a.golden_dir.is_dir() {
@@ -52,8 +62,10 @@ pub fn cmd_golden_record(a: &GoldenRecordArgs, out: &mut dyn Write) -> Result<Ou
             a.golden_dir.display()
         )));
     }
+    let o = &a.output;
+    check_outputs(o.json.as_ref(), o.report.as_ref(), o.force)?;
     let (file, cfg, rc) = build_run(&a.spec)?;
-    let backend = select_backend(&a.spec.device, false)?;
+    let backend = select_backend(&a.spec.device, o.quiet)?;
     let (rep, summary) = crate::jobs::golden::record(&crate::jobs::golden::RecordRequest {
         case: &a.case,
         golden_dir: &a.golden_dir,
@@ -62,7 +74,7 @@ pub fn cmd_golden_record(a: &GoldenRecordArgs, out: &mut dyn Write) -> Result<Ou
         cfg: &cfg,
         rc: &rc,
         backend: &backend,
-        force: a.force,
+        force: o.force,
     })?;
     let text = match summary {
         Some(s) => format!(
@@ -74,17 +86,23 @@ pub fn cmd_golden_record(a: &GoldenRecordArgs, out: &mut dyn Write) -> Result<Ou
             s.trace_bytes
         ),
         None => format!(
-            "{}\nnot recorded: the run diverges from the reference, and a golden case must be a passing run\n",
-            report::verdict_lines(&rep).join("\n")
+            "{}\nnot recorded: {}\n",
+            report::verdict_lines(&rep).join("\n"),
+            match rep.verdict() {
+                Verdict::Inconclusive => "the run judged nothing, and a golden case must be a passing run",
+                _ => "the run diverges from the reference, and a golden case must be a passing run",
+            }
         ),
     };
-    out.write_all(text.as_bytes())
-        .map_err(|e| Error::io("<stdout>", "write", e))?;
-    Ok(if rep.all_pass() {
-        Outcome::Pass
-    } else {
-        Outcome::Divergence
-    })
+    TextSink::for_json(o.json.as_ref(), false).write(&text, out)?;
+    super::run::write_report_files(&rep, &file, &backend, o.json.as_ref(), o.report.as_ref(), o.force, out)?;
+    match rep.verdict() {
+        Verdict::Pass => Ok(Outcome::Pass),
+        Verdict::Divergence => Ok(Outcome::Divergence),
+        Verdict::Inconclusive => Err(Error::Usage(
+            rep.inconclusive_reason().unwrap_or_else(|| "nothing was judged".into()),
+        )),
+    }
 }
 
 /// The golden folder: `--golden-dir`, else `./golden`, else this build's source tree's.
@@ -115,9 +133,19 @@ pub fn cmd_golden_check(a: &GoldenCheckArgs, out: &mut dyn Write) -> Result<Outc
             return Err(Error::Usage(format!("{}: no golden cases", dir.display())));
         }
         c
+    } else if a.case.is_empty() {
+        return Err(Error::Usage(
+            "golden check: name a case with --case NAME (repeatable), or check every case with --all".into(),
+        ));
     } else {
         for c in &a.case {
             crate::jobs::golden::validate_case_name(c)?;
+            if !dir.join(c).join(crate::jobs::golden::MANIFEST_FILE).is_file() {
+                return Err(Error::Usage(format!(
+                    "no case named {c} under {}/",
+                    dir.display().to_string().trim_end_matches('/')
+                )));
+            }
         }
         a.case.clone()
     };
@@ -198,11 +226,10 @@ fn cmd_bench_dequant(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Resu
         path.display(),
         a.repeat
     );
-    out.write_all(text.as_bytes())
-        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    TextSink::for_json(a.output.json.as_ref(), false).write(&text, out)?;
     if let Some(j) = &a.output.json {
         let doc = serde_json::json!({"kind": "dequant", "file": path.display().to_string(), "figures": figs});
-        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&doc), a.output.force)?;
+        write_json(j, &report::to_json_bytes(&doc), a.output.force, out)?;
     }
     Ok(Outcome::Pass)
 }
@@ -239,11 +266,10 @@ fn cmd_bench_reference(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Re
         cfg.v_head_dim,
         b.load_s
     );
-    out.write_all(text.as_bytes())
-        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    TextSink::for_json(a.output.json.as_ref(), false).write(&text, out)?;
     if let Some(j) = &a.output.json {
         let doc = serde_json::json!({"kind": "reference", "bench": b});
-        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&doc), a.output.force)?;
+        write_json(j, &report::to_json_bytes(&doc), a.output.force, out)?;
     }
     Ok(Outcome::Pass)
 }
@@ -256,6 +282,7 @@ pub fn cmd_bench(a: &BenchArgs, out: &mut dyn Write) -> Result<Outcome> {
     if let Some(p) = &a.reference {
         return cmd_bench_reference(a, p, out);
     }
+    refuse_overwrite(a.output.json.as_ref(), a.output.force)?;
     let ops = crate::backend::cuda::ops::CudaOps::new(Dtype::Bf16, a.cuda_include.as_deref())?;
     let figs = crate::jobs::bench_gpu::all(&ops)?;
     let mut t = comfy_table::Table::new();
@@ -276,22 +303,21 @@ pub fn cmd_bench(a: &BenchArgs, out: &mut dyn Write) -> Result<Outcome> {
         ]);
     }
     let text = format!("{}\n{t}\n", ops.device().describe());
-    out.write_all(text.as_bytes())
-        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    TextSink::for_json(a.output.json.as_ref(), false).write(&text, out)?;
     if let Some(j) = &a.output.json {
-        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&figs), a.output.force)?;
+        write_json(j, &report::to_json_bytes(&figs), a.output.force, out)?;
     }
     Ok(Outcome::Pass)
 }
 
 /// `mla-diff inspect`.
 pub fn cmd_inspect(a: &InspectArgs, out: &mut dyn Write) -> Result<Outcome> {
-    let file = GgufFile::open(&a.path)?;
+    let file = crate::model::fixture::open_model(a.path.as_ref().or(a.model.path()))?;
     if let Some(l) = a.layer {
         let n = MlaConfig::from_gguf(&file)?.n_layer;
         if l >= n {
             return Err(Error::LayerOutOfRange {
-                path: a.path.clone(),
+                path: file.path().to_path_buf(),
                 layer: l,
                 n_layers: n,
             });
@@ -343,12 +369,14 @@ pub fn cmd_selftest(a: &SelftestArgs, out: &mut dyn Write) -> Result<Outcome> {
         ));
     }
     let models = selftest_models(a.models.as_ref())?;
-    if let Some(j) = a.output.json.as_ref().filter(|j| j.exists() && !a.output.force) {
-        return Err(Error::Usage(format!(
-            "{} exists; pass --force to overwrite it",
-            j.display()
-        )));
-    }
+    refuse_overwrite(a.output.json.as_ref(), a.output.force)?;
+    let opts = SelftestOptions {
+        models,
+        layer: a.layer,
+        quick: a.quick,
+        seed: a.seed,
+    };
+    selftest::check_layer(&opts)?;
     let backend = select_backend(&a.device, false)?;
     if a.cross_check && matches!(backend, Backend::Cpu(_)) {
         return Err(Error::Usage(
@@ -356,16 +384,7 @@ pub fn cmd_selftest(a: &SelftestArgs, out: &mut dyn Write) -> Result<Outcome> {
                 .into(),
         ));
     }
-    let opts = SelftestOptions {
-        models,
-        layer: a.layer,
-        quick: a.quick,
-        seed: a.seed,
-    };
     let rep = selftest::run(&backend, &opts)?;
-    if let Some(j) = &a.output.json {
-        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&rep), a.output.force)?;
-    }
     let mut text = format!("backend {}, dtype {}\n", backend.describe(), backend.dtype());
     text.push_str(&selftest::confusion_table(&rep));
     let mut ok = rep.all_ok();
@@ -387,8 +406,10 @@ pub fn cmd_selftest(a: &SelftestArgs, out: &mut dyn Write) -> Result<Outcome> {
             ok &= same && srep.all_ok();
         }
     }
-    out.write_all(text.as_bytes())
-        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    TextSink::for_json(a.output.json.as_ref(), false).write(&text, out)?;
+    if let Some(j) = &a.output.json {
+        write_json(j, &report::to_json_bytes(&rep), a.output.force, out)?;
+    }
     Ok(if ok { Outcome::Pass } else { Outcome::Divergence })
 }
 

@@ -7,6 +7,7 @@
 
 pub mod args;
 pub mod commands;
+pub mod outputs;
 pub mod run;
 pub mod values;
 

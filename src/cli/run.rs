@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use super::Outcome;
 use super::args::*;
+use super::outputs::{TextSink, check_outputs, same_file};
 use super::values::ReferenceArg;
 use crate::backend::Backend;
 use crate::backend::cpu::CpuOps;
@@ -18,7 +19,7 @@ use crate::core::batch::{Batch, SeqSpec};
 use crate::core::error::{Error, Result};
 use crate::jobs::export::ExportRequest;
 use crate::jobs::run;
-use crate::judge::report::{InputMode, RunConfig, RunReport};
+use crate::judge::report::{InputMode, RunConfig, RunReport, Verdict};
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
 use crate::output::report;
@@ -29,9 +30,27 @@ struct Outputs<'a> {
     md: Option<&'a PathBuf>,
     force: bool,
     quiet: bool,
+    wide: bool,
 }
 
-/// Writes `--json`/`--report` outputs and the terminal text of a report; the outcome by verdict.
+impl<'a> Outputs<'a> {
+    fn of(a: &'a ReportArgs) -> Self {
+        Outputs {
+            json: a.json.as_ref(),
+            md: a.report.as_ref(),
+            force: a.force,
+            quiet: a.quiet,
+            wide: a.wide,
+        }
+    }
+}
+
+/// Prints the terminal text of a report (to stdout; to stderr, or nowhere with `--quiet`, when
+/// `--json -` takes stdout), then writes `--json`/`--report`; the outcome by verdict. The text
+/// comes first so that a file that cannot be written still leaves the verdict on screen.
+///
+/// Errors: [`Error::Usage`] with the reason for an inconclusive verdict (no requested path could
+/// run, or an injected fault never acted; exit 2, after the outputs are written); write errors.
 fn finish_report(
     rep: &RunReport,
     file: &GgufFile,
@@ -39,14 +58,14 @@ fn finish_report(
     o: Outputs<'_>,
     out: &mut dyn Write,
 ) -> Result<Outcome> {
-    let Outputs { json, md, force, quiet } = o;
-    if let Some(j) = json {
-        crate::core::fsio::write_file_atomic(j, &report::to_json_bytes(&report::json(rep)), force)?;
-    }
-    if let Some(r) = md {
-        let env = crate::output::triage::Environment::detect(backend);
-        crate::output::triage::write(r, rep, &env, &crate::output::triage::reproduce_command(), file, force)?;
-    }
+    let Outputs {
+        json,
+        md,
+        force,
+        quiet,
+        wide,
+    } = o;
+    let sink = TextSink::for_json(json, quiet);
     let text = if quiet {
         let mut lines = report::verdict_lines(rep);
         for r in &rep.results {
@@ -55,55 +74,39 @@ fn finish_report(
         lines.extend(report::finding_lines(rep));
         lines.join("\n") + "\n"
     } else {
-        report::terminal(rep)
+        report::terminal_fit(rep, sink.table_width(wide))
     };
-    out.write_all(text.as_bytes())
-        .map_err(|e| Error::io("<stdout>", "write", e))?;
-    Ok(if rep.all_pass() {
-        Outcome::Pass
-    } else {
-        Outcome::Divergence
-    })
+    sink.write(&text, out)?;
+    write_report_files(rep, file, backend, json, md, force, out)?;
+    match rep.verdict() {
+        Verdict::Pass => Ok(Outcome::Pass),
+        Verdict::Divergence => Ok(Outcome::Divergence),
+        Verdict::Inconclusive => Err(Error::Usage(
+            rep.inconclusive_reason().unwrap_or_else(|| "nothing was judged".into()),
+        )),
+    }
 }
 
-/// Refuses to start when an output file exists and `--force` is absent (before any work).
+/// Writes a report's `--json` document (to `out` for `-`) and `--report` Markdown and heat map.
 ///
-/// Also refuses two outputs that name the same file (`--json x.md --report x.md`, or a `--json`
-/// path equal to the report's `<name>.svg` heat map): one would silently replace the other.
-fn check_outputs(json: Option<&PathBuf>, md: Option<&PathBuf>, force: bool) -> Result<()> {
-    refuse_overwrite(json, force)?;
-    refuse_overwrite(md, force)?;
+/// Errors: as [`super::outputs::write_json`] and [`crate::output::triage::write`].
+pub(super) fn write_report_files(
+    rep: &RunReport,
+    file: &GgufFile,
+    backend: &Backend,
+    json: Option<&PathBuf>,
+    md: Option<&PathBuf>,
+    force: bool,
+    out: &mut dyn Write,
+) -> Result<()> {
+    if let Some(j) = json {
+        super::outputs::write_json(j, &report::to_json_bytes(&report::json(rep)), force, out)?;
+    }
     if let Some(r) = md {
-        let plot = crate::output::triage::plot_path(r);
-        refuse_overwrite(Some(&plot), force)?;
-        if let Some(j) = json {
-            for (other, what) in [(r, "--report"), (&plot, "the report's heat map")] {
-                if same_file(j, other) {
-                    return Err(Error::Usage(format!(
-                        "--json {} is the same file as {what} ({}); give them different paths",
-                        j.display(),
-                        other.display()
-                    )));
-                }
-            }
-        }
+        let env = crate::output::triage::Environment::detect(backend);
+        crate::output::triage::write(r, rep, &env, &crate::output::triage::reproduce_command(), file, force)?;
     }
     Ok(())
-}
-
-/// Whether two output paths name the same file: equal as written, or equal once their existing
-/// parent folders are canonicalized (`./x.md` and `x.md`).
-fn same_file(a: &Path, b: &Path) -> bool {
-    let canon = |p: &Path| {
-        let dir = p
-            .parent()
-            .filter(|d| !d.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        dir.canonicalize()
-            .ok()
-            .map(|d| d.join(p.file_name().unwrap_or_default()))
-    };
-    a == b || matches!((canon(a), canon(b)), (Some(x), Some(y)) if x == y)
 }
 
 /// `mla-diff compare`.
@@ -165,13 +168,7 @@ pub fn cmd_compare(a: &CompareArgs, out: &mut dyn Write) -> Result<Outcome> {
         }
     };
     let backend = Backend::Cpu(CpuOps::new(rep.run.dtype));
-    let o = Outputs {
-        json: a.output.json.as_ref(),
-        md: a.output.report.as_ref(),
-        force: a.output.force,
-        quiet: a.output.quiet,
-    };
-    finish_report(&rep, &file, &backend, o, out)
+    finish_report(&rep, &file, &backend, Outputs::of(&a.output), out)
 }
 
 /// Picks the backend and says which on stderr (unless `quiet`): `auto` takes CUDA when a device
@@ -225,6 +222,9 @@ pub fn select_backend(d: &DeviceArgs, quiet: bool) -> Result<Backend> {
     }
     Ok(b)
 }
+
+/// `--new-tokens` when not given: the new tokens per sequence of the chunked path.
+pub const DEFAULT_NEW_TOKENS: usize = 5;
 
 /// Largest RoPE position accepted (`--start-pos` plus the sequence length): 2^31, far past any
 /// released context length, and exact in the f64 angle computation.
@@ -322,7 +322,8 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
     if a.tp == 0 {
         return Err(Error::Usage("--tp must be at least 1".into()));
     }
-    if a.new_tokens == 0 {
+    let new_tokens = a.new_tokens.unwrap_or(DEFAULT_NEW_TOKENS);
+    if new_tokens == 0 {
         return Err(Error::Usage(
             "--new-tokens must be at least 1 (the tokens each chunked-prefill step adds)".into(),
         ));
@@ -363,18 +364,30 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
         )));
     }
 
+    let paths = a.path.paths();
+    let longest = batch.seqs.iter().map(|s| s.len).max().unwrap_or(0);
+    if paths.contains(&PathKind::Chunked)
+        && longest <= new_tokens
+        && (a.new_tokens.is_some() || a.path == PathChoice::Chunked)
+    {
+        return Err(Error::Usage(format!(
+            "--new-tokens {new_tokens}: no sequence is longer (the longest has {longest} tokens), so the chunked path has \
+             no cached context to test; use fewer --new-tokens, longer sequences, or a --path without chunked"
+        )));
+    }
+
     let rc = RunConfig {
         layers,
         batch,
         seed: a.seed,
         input: a.input.into(),
-        paths: a.path.paths(),
+        paths,
         path_options: PathOptions {
             page_size: a.page_size,
             num_splits: a.splits,
             tp: a.tp,
             chunk_size: a.chunk_size,
-            new_tokens: a.new_tokens,
+            new_tokens,
             faults: FaultSet(a.inject.clone()),
             ..PathOptions::default()
         },
@@ -382,50 +395,6 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
     };
     check_faults(&file, &cfg, &rc)?;
     Ok((file, cfg, rc))
-}
-
-/// A run that injected faults, found nothing, and whose paths said a fault had nothing to act on
-/// is not a pass: the user asked to see a bug and the batch gave it no chance (e.g.
-/// `unwritten-rows` on one sequence, where no context chunk is empty for any row).
-///
-/// Errors: [`Error::Usage`] quoting the path's note, which says what batch would exercise it.
-fn refuse_idle_fault(rep: &RunReport) -> Result<()> {
-    if rep.run.path_options.faults.is_empty() || !rep.all_pass() {
-        return Ok(());
-    }
-    let idle: Vec<String> = rep
-        .results
-        .iter()
-        .flat_map(|r| {
-            r.notes
-                .iter()
-                .filter(|n| n.contains("nothing to act on"))
-                .map(move |n| (r.path, n))
-        })
-        .map(|(p, n)| format!("{}: {n}", p.name()))
-        .collect();
-    match idle.first() {
-        Some(first) => Err(Error::Usage(format!(
-            "the injected fault did not act on this batch, so the clean result says nothing: {first}"
-        ))),
-        None => Ok(()),
-    }
-}
-
-/// Refuses to replace `path` unless `force`.
-///
-/// A folder is refused even with `--force`: the output is a file, and `--force` would not help.
-pub(crate) fn refuse_overwrite(path: Option<&PathBuf>, force: bool) -> Result<()> {
-    if let Some(p) = path.filter(|p| p.is_dir()) {
-        return Err(Error::Usage(format!("{} is a folder; give a file path", p.display())));
-    }
-    match path {
-        Some(p) if p.exists() && !force => Err(Error::Usage(format!(
-            "{} exists; pass --force to overwrite it",
-            p.display()
-        ))),
-        _ => Ok(()),
-    }
 }
 
 /// A progress bar on stderr naming the layer and the stage being run (dequant, reference, each
@@ -567,22 +536,16 @@ pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
     };
     progress.finish();
     let (rep, reference) = rep?;
-    refuse_idle_fault(&rep)?;
     let exported = match (&export, reference) {
         (Some(req), Some((layer, trace))) => Some(crate::core::timing::stage("export", || {
             crate::jobs::export::write(req, &file, &cfg, &rc, layer, &trace)
         })?),
         _ => None,
     };
-    let o = Outputs {
-        json: a.output.json.as_ref(),
-        md: a.output.report.as_ref(),
-        force: a.output.force,
-        quiet: a.output.quiet,
-    };
+    let o = Outputs::of(&a.output);
     let outcome = crate::core::timing::stage("report", || finish_report(&rep, &file, &backend, o, out));
     if let Some(e) = exported.as_ref().filter(|_| outcome.is_ok()) {
-        writeln!(out, "{}", e.line(cfg.n_head)).map_err(|e| Error::io("<stdout>", "write", e))?;
+        TextSink::for_json(a.output.json.as_ref(), false).write(&format!("{}\n", e.line(cfg.n_head)), out)?;
     }
     if a.stats {
         eprintln!("{}", crate::output::stats::stats_line(&file, started.elapsed()));

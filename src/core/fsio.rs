@@ -39,10 +39,23 @@ pub fn write_file_atomic(path: &Path, bytes: &[u8], force: bool) -> Result<()> {
 }
 
 /// The check [`write_file_atomic`] makes first, for refusing before any work: `path` must not
-/// be a folder, and must not exist unless `force`.
+/// be a folder, its folder must exist, and it must not exist unless `force`.
 ///
 /// Errors: [`Error::Usage`] naming the file.
 pub fn refuse_existing(path: &Path, force: bool) -> Result<()> {
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty());
+    if let Some(d) = dir.filter(|d| !d.is_dir()) {
+        return Err(Error::Usage(format!(
+            "{}: the folder {} {}; create it first or give another path",
+            path.display(),
+            d.display(),
+            if d.exists() {
+                "is not a folder"
+            } else {
+                "does not exist"
+            }
+        )));
+    }
     if path.is_dir() {
         return Err(Error::Usage(format!(
             "{} is a folder; give a file path",

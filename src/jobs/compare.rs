@@ -236,6 +236,7 @@ fn judge_dumped_layer(
         diffs,
         notes: Vec::new(),
         step,
+        not_run: None,
     };
     (result, findings)
 }

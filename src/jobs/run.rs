@@ -19,7 +19,7 @@ use crate::core::error::{Error, Result};
 use crate::core::timing;
 use crate::core::trace::{Site, Stage, Trace};
 use crate::judge::diagnose::{self, DiagnoseInput, Finding, PathEvidence};
-use crate::judge::report::{InputMode, ModelSummary, PathResult, RunConfig, RunRecord, RunReport};
+use crate::judge::report::{InputMode, ModelSummary, NotRun, PathResult, RunConfig, RunRecord, RunReport};
 use crate::judge::{device, metrics};
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
@@ -174,6 +174,7 @@ pub fn compare_layer(
             diffs: d,
             notes: pr.notes.clone(),
             step: None,
+            not_run: pr.unservable.as_ref().map(|u| NotRun::of(u, &rc.path_options.faults)),
         })
         .collect();
     if !keep_traces {
@@ -384,12 +385,17 @@ fn run_inner(
                 keep_traces,
             )?;
             drop(handed);
-            results.extend(res);
             for fi in f {
-                if !findings.iter().any(|g| g.path == fi.path) {
+                // A cut the model itself forces at this TP size (not an injected fault's) is a
+                // limit of the run: the path is reported not run, with the reason, not as a bug.
+                let natural = res.iter().any(|r| {
+                    Some(r.path) == fi.path && r.not_run.as_ref().is_some_and(|n| !n.by_fault && n.site == fi.site)
+                });
+                if !natural && !findings.iter().any(|g| g.path == fi.path) {
                     findings.push(fi);
                 }
             }
+            results.extend(res);
             if keep_traces || keep_reference {
                 traces.push(LayerTraces {
                     layer,

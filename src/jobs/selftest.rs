@@ -44,7 +44,7 @@ pub enum ModelSource {
 pub struct SelftestOptions {
     /// Fixtures to test.
     pub models: Vec<ModelSource>,
-    /// Layer to test in each fixture (clamped to the model's last layer).
+    /// Layer to test in each fixture (every selected fixture must have it: [`check_layer`]).
     pub layer: usize,
     /// A subset: fewer fixtures, page size 16 only, TP 1 and the smallest TP > 1.
     pub quick: bool,
@@ -210,31 +210,59 @@ fn fixture_name(src: &ModelSource) -> String {
     }
 }
 
+/// The fixtures a selftest runs: all of `opts.models`, or with `quick` those named
+/// tiny-v3-q8_0, yarn-v3-f32, k256-q4_k_m, dsa-glm-q8_0 or the embedded one (all when none is).
+pub fn selected_models(opts: &SelftestOptions) -> Vec<&ModelSource> {
+    if !opts.quick {
+        return opts.models.iter().collect();
+    }
+    let pick: Vec<&ModelSource> = opts
+        .models
+        .iter()
+        .filter(|m| {
+            let n = fixture_name(m);
+            ["tiny-v3-q8_0", "yarn-v3-f32", "k256-q4_k_m", "dsa-glm-q8_0", "embedded"].contains(&n.as_str())
+        })
+        .collect();
+    if pick.is_empty() {
+        opts.models.iter().collect()
+    } else {
+        pick
+    }
+}
+
+/// Refuses `opts.layer` when a selected fixture has no such layer, before any work (as `run`
+/// refuses `--layer`).
+///
+/// Errors: [`Error::LayerOutOfRange`] naming the first such fixture; errors opening a fixture.
+pub fn check_layer(opts: &SelftestOptions) -> Result<()> {
+    for src in selected_models(opts) {
+        let file = match src {
+            ModelSource::File(p) => GgufFile::open(p)?,
+            ModelSource::Embedded => crate::model::fixture::open_model(None)?,
+        };
+        let n_layers = MlaConfig::from_gguf(&file)?.n_layer;
+        if opts.layer >= n_layers {
+            return Err(Error::LayerOutOfRange {
+                path: file.path().to_path_buf(),
+                layer: opts.layer,
+                n_layers,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Runs the whole selftest.
 ///
-/// Errors: a fixture that cannot be opened or run (input errors); detection outcomes are results.
+/// Errors: a layer some selected fixture lacks ([`check_layer`]); a fixture that cannot be
+/// opened or run (input errors); detection outcomes are results.
 pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> {
     let start = std::time::Instant::now();
     let mut cases = Vec::new();
     let mut dq = matches!(backend, Backend::Cuda(_)).then(DequantCheck::default);
-    let models: Vec<&ModelSource> = if opts.quick {
-        let pick: Vec<&ModelSource> = opts
-            .models
-            .iter()
-            .filter(|m| {
-                let n = fixture_name(m);
-                ["tiny-v3-q8_0", "yarn-v3-f32", "k256-q4_k_m", "dsa-glm-q8_0", "embedded"].contains(&n.as_str())
-            })
-            .collect();
-        if pick.is_empty() {
-            opts.models.iter().collect()
-        } else {
-            pick
-        }
-    } else {
-        opts.models.iter().collect()
-    };
-    for src in models {
+    check_layer(opts)?;
+    for src in selected_models(opts) {
         let file = match src {
             ModelSource::File(p) => GgufFile::open(p)?,
             ModelSource::Embedded => crate::model::fixture::open_model(None)?,
@@ -244,7 +272,7 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
             dequant_check_file(backend, &file, acc)?;
         }
         let cfg = MlaConfig::from_gguf(&file)?;
-        let layer = opts.layer.min(cfg.n_layer - 1);
+        let layer = opts.layer;
         let w = LayerWeights::load(&file, &cfg, layer)?;
         let tps = tp_sizes(cfg.n_head);
         let tps: Vec<usize> = if opts.quick {

@@ -812,6 +812,12 @@ fn explain(
 /// safetensors dtype, shape, expected shape, the GGUF tensors it is rebuilt from with their ggml
 /// type names, status, `rel_l2` and max |Δ|), then the findings, each with its GGUF source.
 pub fn terminal(rep: &WeightsReport) -> String {
+    terminal_fit(rep, None)
+}
+
+/// [`terminal`] with the table fitted to `width` terminal columns (cells wrap, tensor names
+/// stay whole); `None` leaves every cell on one line.
+pub fn terminal_fit(rep: &WeightsReport, width: Option<usize>) -> String {
     let mut t = comfy_table::Table::new();
     t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(vec![
         "tensor",
@@ -837,6 +843,13 @@ pub fn terminal(rep: &WeightsReport) -> String {
             rel,
             max,
         ]);
+    }
+    if let Some(w) = width {
+        t.set_content_arrangement(comfy_table::ContentArrangement::Dynamic)
+            .set_width(u16::try_from(w).unwrap_or(u16::MAX));
+        if let Some(c) = t.column_mut(0) {
+            c.set_constraint(comfy_table::ColumnConstraint::ContentWidth);
+        }
     }
     let mut s = format!(
         "weights {} (engine `{}`, tp {}, dtype metadata {}, judged by the {} weight row) against {}\n{t}\n",

@@ -9,9 +9,11 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::compute::path::{PathKind, PathOptions};
+use crate::compute::faults::{Fault, FaultSet};
+use crate::compute::path::{PathKind, PathOptions, Unservable};
 use crate::core::batch::Batch;
 use crate::core::dtype::Dtype;
+use crate::core::trace::{Site, Stage};
 use crate::judge::diagnose::Finding;
 use crate::judge::label::PathLabel;
 use crate::judge::metrics::{self, SiteDiff};
@@ -186,6 +188,108 @@ pub struct PathResult {
     /// The engine step judged (format-2 dumps: `prefill`, `decode-1`, …); `None` otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub step: Option<String>,
+    /// Why the path did not run at this layer (`diffs` is then empty); `None` when it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub not_run: Option<NotRun>,
+}
+
+/// Why a path did not run at a layer: a weight cut its loader could not serve.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct NotRun {
+    /// The weight site whose cut could not be served (e.g. `L0.w.o_proj.rank0`).
+    pub site: Site,
+    /// What would have been cut where, and why it was cut there.
+    pub reason: String,
+    /// True when an injected fault made the cut (`quant-slice-misaligned` at `w.kv_b`): the cut
+    /// is then the fault found (a `quant-block-misaligned` finding), not a limit of the run.
+    pub by_fault: bool,
+}
+
+impl NotRun {
+    /// The record of an unservable cut under the injected `faults`.
+    pub fn of(u: &Unservable, faults: &FaultSet) -> NotRun {
+        NotRun {
+            site: u.site,
+            reason: format!(
+                "{} ({}, blocks of {} along ne[0]) would be cut at element {} of ne[0], inside a block ({})",
+                u.tensor, u.ggml_type, u.block_size, u.at, u.reason
+            ),
+            by_fault: faults.has(Fault::QuantSliceMisaligned) && u.site.stage == Stage::WKvB,
+        }
+    }
+}
+
+/// The verdict of a run, and its exit code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verdict {
+    /// Every site of every path that ran is within tolerance, nothing was found, and every
+    /// injected fault acted (exit 0).
+    Pass,
+    /// A site failed or a finding was made (exit 1).
+    Divergence,
+    /// Nothing to judge: no requested path could run, or an injected fault never acted and
+    /// nothing was found (exit 2; [`RunReport::inconclusive_reason`] says why).
+    Inconclusive,
+}
+
+impl Verdict {
+    /// `pass`, `divergence` or `inconclusive`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Verdict::Pass => "pass",
+            Verdict::Divergence => "divergence",
+            Verdict::Inconclusive => "inconclusive",
+        }
+    }
+
+    /// The process exit code of this verdict: 0, 1 or 2.
+    pub fn exit_code(self) -> u8 {
+        match self {
+            Verdict::Pass => 0,
+            Verdict::Divergence => 1,
+            Verdict::Inconclusive => 2,
+        }
+    }
+}
+
+/// What became of one injected fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FaultOutcome {
+    /// A finding names the fault's class: it acted and was diagnosed.
+    Found,
+    /// The paths it acts on diverged at or before its site, for another reason (another
+    /// fault): it is downstream of that divergence and not diagnosed separately.
+    Masked,
+    /// It never acted: the paths it acts on did not run, or their batch gave it nothing to act on.
+    NotExercised,
+    /// It acted on paths that ran, but no finding names its class and nothing upstream explains
+    /// that.
+    Missed,
+}
+
+impl FaultOutcome {
+    /// `found`, `masked`, `not-exercised` or `missed`.
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultOutcome::Found => "found",
+            FaultOutcome::Masked => "masked",
+            FaultOutcome::NotExercised => "not-exercised",
+            FaultOutcome::Missed => "missed",
+        }
+    }
+}
+
+/// One injected fault, what became of it, and a sentence saying where and why.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FaultStatus {
+    /// The fault.
+    pub fault: Fault,
+    /// What became of it.
+    pub outcome: FaultOutcome,
+    /// Where it was found, what masked it (site, class, path), or why it never acted.
+    pub detail: String,
 }
 
 /// Everything `run` produced.
@@ -220,9 +324,223 @@ impl RunReport {
         m
     }
 
-    /// True when every site of every path passed and nothing was found.
+    /// True when the verdict is [`Verdict::Pass`]: every site of every path that ran passed,
+    /// nothing was found, something ran and every injected fault acted.
     pub fn all_pass(&self) -> bool {
-        self.findings.is_empty() && self.results.iter().all(|r| r.diffs.iter().all(|d| !d.is_failure()))
+        self.verdict() == Verdict::Pass
+    }
+
+    /// The (layer, path) results that did not run (no site recorded), in report order.
+    pub fn not_run(&self) -> Vec<&PathResult> {
+        self.results.iter().filter(|r| r.diffs.is_empty()).collect()
+    }
+
+    /// The verdict: a divergence when a site failed or something was found; else inconclusive
+    /// when no requested path ran or an injected fault never acted; else a pass.
+    pub fn verdict(&self) -> Verdict {
+        let failed = self.results.iter().any(|r| r.diffs.iter().any(|d| d.is_failure()));
+        if failed || !self.findings.is_empty() {
+            Verdict::Divergence
+        } else if self.inconclusive_reason().is_some() {
+            Verdict::Inconclusive
+        } else {
+            Verdict::Pass
+        }
+    }
+
+    /// Why a run without divergence says nothing: no requested path could run (each reason
+    /// once, with the layers and paths it stopped), or an injected fault never acted. `None`
+    /// when something ran and every injected fault acted.
+    pub fn inconclusive_reason(&self) -> Option<String> {
+        if !self.results.is_empty() && self.results.iter().all(|r| r.diffs.is_empty()) {
+            return Some(format!("no requested path could run: {}", self.not_run_summary()));
+        }
+        let idle: Vec<String> = self
+            .fault_status()
+            .into_iter()
+            .filter(|f| f.outcome == FaultOutcome::NotExercised)
+            .map(|f| format!("--inject {} did not act on this batch: {}", f.fault, f.detail))
+            .collect();
+        (!idle.is_empty()).then(|| format!("{}; the clean result says nothing", idle.join("; ")))
+    }
+
+    /// The (layer, path) results that did not run, grouped by reason with the reason's layer
+    /// number written `N`: `L0–L11 mha, mqa: blk.N.attn_output.weight … (…)`. Empty when
+    /// every path ran.
+    pub fn not_run_summary(&self) -> String {
+        summarize_not_run(&self.not_run(), true)
+    }
+
+    /// What became of each injected fault, in injection order (empty without faults).
+    ///
+    /// Found: a finding names its class. Not exercised: no (layer, path) it acts on ran, or
+    /// each that ran says it had nothing to act on. Masked: a path it acts on diverged at or
+    /// before its first site (in the same or an earlier layer) for another reason. Missed:
+    /// anything else.
+    pub fn fault_status(&self) -> Vec<FaultStatus> {
+        let faults = &self.run.path_options.faults.0;
+        let cfg = &self.model.config;
+        let tp = self.run.path_options.tp;
+        faults
+            .iter()
+            .map(|&f| {
+                let found: Vec<&Finding> = self.findings.iter().filter(|x| x.class == f.expected_class()).collect();
+                if let Some(x) = found.first() {
+                    let paths: Vec<String> = found
+                        .iter()
+                        .filter(|y| y.site == x.site)
+                        .map(|y| y.path.map_or("file".into(), |p| p.to_string()))
+                        .collect();
+                    return FaultStatus {
+                        fault: f,
+                        outcome: FaultOutcome::Found,
+                        detail: format!("{} at {} on {}", x.class, x.site, paths.join(", ")),
+                    };
+                }
+                // The (layer, path) results the fault acts on (the latent block size matters
+                // only to quant-slice-misaligned, which is found whenever it acts).
+                let acts_on =
+                    |r: &&PathResult| r.path.path().is_none_or(|p| f.applies(p, cfg, tp, 1).is_ok());
+                let mine: Vec<&PathResult> = self.results.iter().filter(acts_on).collect();
+                let ran: Vec<&PathResult> = mine.iter().copied().filter(|r| !r.diffs.is_empty()).collect();
+                if ran.is_empty() {
+                    let why = if mine.is_empty() {
+                        "no requested path is one it acts on".to_string()
+                    } else {
+                        format!("the paths it acts on did not run ({})", self.not_run_summary())
+                    };
+                    return FaultStatus {
+                        fault: f,
+                        outcome: FaultOutcome::NotExercised,
+                        detail: why,
+                    };
+                }
+                let idle: Vec<String> = ran
+                    .iter()
+                    .filter_map(|r| {
+                        r.notes
+                            .iter()
+                            .find(|n| n.contains("nothing to act on"))
+                            .map(|n| format!("{}: {n}", r.path))
+                    })
+                    .collect();
+                if idle.len() == ran.len() {
+                    let mut idle = idle;
+                    idle.dedup();
+                    return FaultStatus {
+                        fault: f,
+                        outcome: FaultOutcome::NotExercised,
+                        detail: idle.join("; "),
+                    };
+                }
+                // A path it acts on whose finding lies at or before the fault's own first site.
+                let masked = ran.iter().find_map(|r| {
+                    let p = r.path.path()?;
+                    let own = Site::new(r.layer, *f.expected_stages(p).first()?);
+                    self.findings
+                        .iter()
+                        .find(|x| x.path == Some(r.path) && x.site.order() <= own.order())
+                        .map(|x| (x, own))
+                });
+                match masked {
+                    Some((x, own)) => {
+                        let by: Vec<&str> = faults
+                            .iter()
+                            .filter(|g| **g != f && g.expected_class() == x.class)
+                            .map(|g| g.name())
+                            .collect();
+                        let paths: Vec<String> = self
+                            .findings
+                            .iter()
+                            .filter(|y| y.site == x.site && y.class == x.class)
+                            .filter_map(|y| y.path)
+                            .filter(|p| mine.iter().any(|r| r.path == *p))
+                            .map(|p| p.to_string())
+                            .collect();
+                        FaultStatus {
+                            fault: f,
+                            outcome: FaultOutcome::Masked,
+                            detail: format!(
+                                "downstream of the first divergence at {} ({}{}) on {}, at or before its own site {}; not diagnosed separately",
+                                x.site,
+                                x.class,
+                                if by.is_empty() {
+                                    String::new()
+                                } else {
+                                    format!(", from {}", by.join(", "))
+                                },
+                                paths.join(", "),
+                                own
+                            ),
+                        }
+                    }
+                    None => FaultStatus {
+                        fault: f,
+                        outcome: FaultOutcome::Missed,
+                        detail: format!(
+                            "acted on {} but no finding names {}",
+                            ran.iter()
+                                .map(|r| format!("L{} {}", r.layer, r.path))
+                                .collect::<Vec<_>>()
+                                .join(", "),
+                            f.expected_class()
+                        ),
+                    },
+                }
+            })
+            .collect()
+    }
+}
+
+/// The given not-run results grouped by reason, each reason's layer number written `N` when it
+/// spans several layers: `L0–L11 mha, mqa: blk.N.attn_output.weight … (…)` (without the path
+/// names unless `with_paths`), groups joined by `; `.
+pub fn summarize_not_run(results: &[&PathResult], with_paths: bool) -> String {
+    let mut groups: Vec<(String, Vec<usize>, Vec<String>)> = Vec::new();
+    for r in results {
+        let why = r.not_run.as_ref().map_or_else(
+            || "no site recorded".to_string(),
+            |n| n.reason.replace(&format!("blk.{}.", r.layer), "blk.N."),
+        );
+        let p = r.path.to_string();
+        match groups.iter_mut().find(|(w, _, _)| *w == why) {
+            Some((_, layers, paths)) => {
+                if !layers.contains(&r.layer) {
+                    layers.push(r.layer);
+                }
+                if !paths.contains(&p) {
+                    paths.push(p);
+                }
+            }
+            None => groups.push((why, vec![r.layer], vec![p])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(why, layers, paths)| {
+            let why = if layers.len() == 1 {
+                why.replace("blk.N.", &format!("blk.{}.", layers[0]))
+            } else {
+                why
+            };
+            if with_paths {
+                format!("{} {}: {why}", layer_list(&layers), paths.join(", "))
+            } else {
+                format!("{}: {why}", layer_list(&layers))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Layers as `L3`, `L0–L11` (consecutive) or `L1, L4`.
+fn layer_list(layers: &[usize]) -> String {
+    let consecutive = layers.windows(2).all(|w| w[1] == w[0] + 1);
+    match layers {
+        [] => String::new(),
+        [l] => format!("L{l}"),
+        [a, .., b] if consecutive => format!("L{a}–L{b}"),
+        _ => layers.iter().map(|l| format!("L{l}")).collect::<Vec<_>>().join(", "),
     }
 }
 

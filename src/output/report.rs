@@ -6,16 +6,16 @@
 //! formatted with fixed rules (`{:.3e}` in tables; shortest round-trip in JSON), so two runs on
 //! the same inputs print the same bytes.
 
-use comfy_table::{Cell, ContentArrangement, Table, presets};
+use comfy_table::{Cell, ColumnConstraint, ContentArrangement, Table, presets};
 use serde::Serialize;
 use serde_json::{Value, json};
 
 use crate::judge::metrics::{SiteDiff, Status};
 
-use crate::judge::report::RunReport;
+use crate::judge::report::{FaultOutcome, PathResult, RunReport, Verdict, summarize_not_run};
 
 /// Version of the `--json` document. Bump on any incompatible change.
-pub const JSON_SCHEMA_VERSION: u32 = 3;
+pub const JSON_SCHEMA_VERSION: u32 = 4;
 
 fn sci(x: f64) -> String {
     if x == 0.0 {
@@ -77,57 +77,117 @@ pub fn metric_cells(d: &SiteDiff) -> [String; 5] {
     }
 }
 
-/// The per-site table of one (layer, path) as text. The first failing site is marked
-/// `◀ first`. Failed metrics are abbreviated: rel (rel_l2), cos (cos_diff), norm (norm ratio),
-/// elem (fraction of elements within atol + rtol), nan (non-finite positions).
+/// The per-site table of one (layer, path) as text, every column. The first failing site is
+/// marked `◀ first`. Failed metrics are abbreviated: rel (rel_l2), cos (cos_diff), norm (norm
+/// ratio), elem (fraction of elements within atol + rtol), nan (non-finite positions).
 pub fn site_table(diffs: &[SiteDiff]) -> String {
-    let first = crate::judge::metrics::first_divergence(diffs).map(|d| d.site);
-    let mut t = Table::new();
-    t.load_style(presets::UTF8_BORDERS_ONLY)
-        .set_content_arrangement(ContentArrangement::Disabled)
-        .set_header(vec![
-            "site",
-            "shape",
-            "status",
-            "rel_l2",
-            "cos_diff",
-            "norm ratio",
-            "max |Δ| at [idx] (ref → cand)",
-            "pass",
-        ]);
-    for d in diffs {
-        let [rel, cos, ratio, worst, pass] = metric_cells(d);
-        t.add_row(vec![
-            Cell::new(d.site.to_string()),
-            Cell::new(format!("{:?}", d.shape_cand)),
-            Cell::new(if first == Some(d.site) {
-                format!("{} ◀ first", status_word(d))
-            } else {
-                status_word(d)
-            }),
-            Cell::new(rel),
-            Cell::new(cos),
-            Cell::new(ratio),
-            Cell::new(worst),
-            Cell::new(pass),
-        ]);
-    }
-    t.to_string()
+    site_table_fit(diffs, None).0
 }
 
-/// One line per path: all pass, or where the first divergence is.
+/// The header of the per-site table's columns, in order.
+const SITE_COLUMNS: [&str; 8] = [
+    "site",
+    "shape",
+    "status",
+    "rel_l2",
+    "cos_diff",
+    "norm ratio",
+    "max |Δ| at [idx] (ref → cand)",
+    "pass",
+];
+
+/// The order in which columns are left out to fit a terminal (indices into the columns): the
+/// worst element, the shape, cos_diff, the norm ratio, the pass fraction. Site, status and
+/// rel_l2 always stay.
+const DROP_ORDER: [usize; 5] = [6, 1, 4, 5, 7];
+
+/// Width in terminal columns of the widest line of `text`.
+fn text_width(text: &str) -> usize {
+    text.lines().map(|l| l.chars().count()).max().unwrap_or(0)
+}
+
+/// [`site_table`] fitted to `width` terminal columns (`None`: every column, unwrapped): columns
+/// are left out in [`DROP_ORDER`] until the table fits, and what still does not fit wraps inside
+/// its cells. Returns the table and the headers of the columns left out.
+pub fn site_table_fit(diffs: &[SiteDiff], width: Option<usize>) -> (String, Vec<&'static str>) {
+    let first = crate::judge::metrics::first_divergence(diffs).map(|d| d.site);
+    let rows: Vec<[String; 8]> = diffs
+        .iter()
+        .map(|d| {
+            let [rel, cos, ratio, worst, pass] = metric_cells(d);
+            [
+                d.site.to_string(),
+                format!("{:?}", d.shape_cand),
+                if first == Some(d.site) {
+                    format!("{} ◀ first", status_word(d))
+                } else {
+                    status_word(d)
+                },
+                rel,
+                cos,
+                ratio,
+                worst,
+                pass,
+            ]
+        })
+        .collect();
+    let render = |keep: &[usize], fit: Option<usize>| {
+        let mut t = Table::new();
+        t.load_style(presets::UTF8_BORDERS_ONLY)
+            .set_content_arrangement(ContentArrangement::Disabled)
+            .set_header(keep.iter().map(|&i| SITE_COLUMNS[i]).collect::<Vec<_>>());
+        for r in &rows {
+            t.add_row(keep.iter().map(|&i| Cell::new(&r[i])).collect::<Vec<_>>());
+        }
+        if let Some(w) = fit {
+            // Other cells wrap; site names stay whole.
+            t.set_content_arrangement(ContentArrangement::Dynamic)
+                .set_width(u16::try_from(w).unwrap_or(u16::MAX));
+            if let Some(c) = t.column_mut(0) {
+                c.set_constraint(ColumnConstraint::ContentWidth);
+            }
+        }
+        t.to_string()
+    };
+    let mut keep: Vec<usize> = (0..SITE_COLUMNS.len()).collect();
+    let mut dropped = Vec::new();
+    let Some(w) = width else {
+        return (render(&keep, None), dropped);
+    };
+    let mut text = render(&keep, None);
+    for i in DROP_ORDER {
+        if text_width(&text) <= w {
+            return (text, dropped);
+        }
+        keep.retain(|&k| k != i);
+        dropped.push(SITE_COLUMNS[i]);
+        text = render(&keep, None);
+    }
+    if text_width(&text) > w {
+        text = render(&keep, Some(w));
+    }
+    (text, dropped)
+}
+
+/// One line per path: all pass, where the first divergence is, or not run (with the reason),
+/// naming the layers at which a path that ran elsewhere did not; then, when faults were
+/// injected and not all of them were simply found (several faults, or one masked, never
+/// exercised or missed), one line per fault; then the reason of an inconclusive verdict.
 pub fn verdict_lines(report: &RunReport) -> Vec<String> {
     let mut out = Vec::new();
     for (path, first) in report.first_divergence() {
-        let n_sites: usize = report
-            .results
-            .iter()
-            .filter(|r| r.path == path)
-            .map(|r| r.diffs.len())
-            .sum();
+        let of_path: Vec<&PathResult> = report.results.iter().filter(|r| r.path == path).collect();
+        let n_sites: usize = of_path.iter().map(|r| r.diffs.len()).sum();
+        let skipped: Vec<&PathResult> = of_path.iter().copied().filter(|r| r.diffs.is_empty()).collect();
+        let also = if skipped.is_empty() {
+            String::new()
+        } else {
+            format!("; not run at {}", summarize_not_run(&skipped, false))
+        };
         match first {
-            None if n_sites == 0 => out.push(format!("{path}: not run")),
-            None => out.push(format!("{path}: all {n_sites} sites within tolerance")),
+            None if n_sites == 0 && skipped.is_empty() => out.push(format!("{path}: not run")),
+            None if n_sites == 0 => out.push(format!("{path}: not run ({})", summarize_not_run(&skipped, false))),
+            None => out.push(format!("{path}: all {n_sites} sites within tolerance{also}")),
             Some(d) => {
                 let detail = d
                     .metrics
@@ -149,19 +209,54 @@ pub fn verdict_lines(report: &RunReport) -> Vec<String> {
                     })
                     .unwrap_or_default();
                 out.push(format!(
-                    "{path}: first divergence at {} [{}]{detail}",
+                    "{path}: first divergence at {} [{}]{detail}{also}",
                     d.site,
                     status_word(d)
                 ));
             }
         }
     }
+    out.extend(fault_lines(report));
+    if let Some(why) = report
+        .inconclusive_reason()
+        .filter(|_| report.verdict() == Verdict::Inconclusive)
+    {
+        out.push(format!("inconclusive: {why}"));
+    }
     out
 }
 
-/// The whole terminal report: header, one table per (layer, path), verdict lines.
+/// One line per injected fault (`injected F: found (…)`, `masked (…)`, `not exercised (…)`,
+/// `missed (…)`), when there is more to say than the findings do: several faults, or one that
+/// was not found. Empty otherwise.
+pub fn fault_lines(report: &RunReport) -> Vec<String> {
+    let st = report.fault_status();
+    if st.len() < 2 && st.iter().all(|f| f.outcome == FaultOutcome::Found) {
+        return Vec::new();
+    }
+    st.iter()
+        .map(|f| {
+            format!(
+                "injected {}: {} ({})",
+                f.fault,
+                f.outcome.name().replace('-', " "),
+                f.detail
+            )
+        })
+        .collect()
+}
+
+/// The whole terminal report: header, one table per (layer, path) with every column, verdict
+/// lines.
 pub fn terminal(report: &RunReport) -> String {
+    terminal_fit(report, None)
+}
+
+/// [`terminal`] with its tables fitted to `width` terminal columns ([`site_table_fit`]), and a
+/// line naming the columns left out; `None` gives every column.
+pub fn terminal_fit(report: &RunReport, width: Option<usize>) -> String {
     let mut s = String::new();
+    let mut left_out: Vec<&'static str> = Vec::new();
     let c = &report.model.config;
     s.push_str(&format!(
         "model {} ({}, {} layers, {}; softmax scale {:.6}{})\n",
@@ -187,9 +282,18 @@ pub fn terminal(report: &RunReport) -> String {
             None => s.push_str(&format!("\n== layer {} · path {} ==\n", r.layer, r.path)),
         }
         if r.diffs.is_empty() {
-            s.push_str("(not run)\n");
+            match &r.not_run {
+                Some(n) => s.push_str(&format!("(not run: {})\n", n.reason)),
+                None => s.push_str("(not run)\n"),
+            }
         } else {
-            s.push_str(&site_table(&r.diffs));
+            let (table, dropped) = site_table_fit(&r.diffs, width);
+            for d in dropped {
+                if !left_out.contains(&d) {
+                    left_out.push(d);
+                }
+            }
+            s.push_str(&table);
             s.push('\n');
         }
         for n in &r.notes {
@@ -208,10 +312,17 @@ pub fn terminal(report: &RunReport) -> String {
         s.push_str(&l);
         s.push('\n');
     }
+    if let (Some(w), false) = (width, left_out.is_empty()) {
+        s.push_str(&format!(
+            "(tables fitted to {w} columns, without: {}; --wide, --json or --report has every column)\n",
+            left_out.join(", ")
+        ));
+    }
     s
 }
 
-/// One line describing what ran: input, batch, seed, dtype, paging, TP, faults; for a dump,
+/// One line describing what ran: input, batch, seed, dtype, paging, TP, the chunked path's
+/// chunk size and new tokens, faults; for a dump,
 /// the file, engine, batch, the engine's dtype, the tolerance rows applied (marked `(kernel
 /// precision)` when a kernel precision chose them instead of the engine dtype) and the map.
 pub fn run_line(report: &RunReport) -> String {
@@ -243,7 +354,7 @@ pub fn run_line(report: &RunReport) -> String {
     let start = r.batch.seqs.first().map_or(0, |s| s.start_pos);
     let faults: Vec<&str> = o.faults.0.iter().map(|f| f.name()).collect();
     format!(
-        "input {}, T={} in {} sequence(s) [{}] from position {}, seed {}, dtype {}, page size {}, splits {}, tp {}, chunk {}{}",
+        "input {}, T={} in {} sequence(s) [{}] from position {}, seed {}, dtype {}, page size {}, splits {}, tp {}, chunk {}, new tokens {}{}",
         r.input.name(),
         r.batch.n_tokens(),
         r.batch.seqs.len(),
@@ -255,6 +366,7 @@ pub fn run_line(report: &RunReport) -> String {
         o.num_splits,
         o.tp,
         o.chunk_size,
+        o.new_tokens,
         if faults.is_empty() {
             String::new()
         } else {
@@ -373,6 +485,20 @@ pub fn json(report: &RunReport) -> Value {
             )
         })
         .collect();
+    let not_run: Vec<Value> = report
+        .not_run()
+        .iter()
+        .map(|r| {
+            json!({
+                "layer": r.layer,
+                "path": r.path,
+                "site": r.not_run.as_ref().map(|n| n.site),
+                "reason": r.not_run.as_ref().map_or("no site recorded", |n| n.reason.as_str()),
+                "by_fault": r.not_run.as_ref().is_some_and(|n| n.by_fault),
+            })
+        })
+        .collect();
+    let verdict = report.verdict();
     json!({
         "schema": JSON_SCHEMA_VERSION,
         "tool": {"name": "mla-diff", "version": env!("CARGO_PKG_VERSION")},
@@ -382,8 +508,11 @@ pub fn json(report: &RunReport) -> Value {
         "sites": sites,
         "first_divergence": first,
         "path_status": path_status(report),
-        "verdict": if report.all_pass() { "pass" } else { "divergence" },
-        "exit_code": if report.all_pass() { 0 } else { 1 },
+        "not_run": not_run,
+        "faults": report.fault_status(),
+        "verdict": verdict.name(),
+        "exit_code": verdict.exit_code(),
+        "inconclusive_reason": report.inconclusive_reason().filter(|_| verdict == Verdict::Inconclusive),
         "findings": report.findings,
         "dump": report.dump,
     })

@@ -18,7 +18,7 @@ use crate::backend::Backend;
 use crate::core::error::{Error, Result};
 use crate::core::fsio::write_file_atomic;
 use crate::judge::metrics::{SiteDiff, Status};
-use crate::judge::report::RunReport;
+use crate::judge::report::{RunReport, Verdict};
 use crate::model::gguf::GgufFile;
 use crate::output::report::{finding_lines, run_line, verdict_lines};
 
@@ -180,9 +180,28 @@ fn verdict_paragraph(rep: &RunReport) -> String {
         layers.join(", "),
         rep.model.path.replace('`', "'")
     );
-    if rep.all_pass() {
-        p.push_str("Every site of every path is within tolerance; nothing was found.");
-        return p;
+    let not_run = rep.not_run();
+    let skipped = if not_run.is_empty() {
+        String::new()
+    } else {
+        format!(" Not run: {}.", md_escape(&rep.not_run_summary()))
+    };
+    match rep.verdict() {
+        Verdict::Pass if not_run.is_empty() => {
+            p.push_str("Every site of every path is within tolerance; nothing was found.");
+            return p;
+        }
+        Verdict::Pass => {
+            p.push_str("Every site of every path that ran is within tolerance; nothing was found.");
+            p.push_str(&skipped);
+            return p;
+        }
+        Verdict::Inconclusive => {
+            let why = rep.inconclusive_reason().unwrap_or_default();
+            let _ = write!(p, "Nothing was judged: {}.", md_escape(&why));
+            return p;
+        }
+        Verdict::Divergence => {}
     }
     let mut firsts: Vec<(String, Vec<String>)> = Vec::new();
     for (path, d) in rep.first_divergence() {
@@ -212,6 +231,7 @@ fn verdict_paragraph(rep: &RunReport) -> String {
             md_escape(f.hint.trim_end_matches('.'))
         );
     }
+    p.push_str(skipped.trim_start());
     p.trim_end().to_string()
 }
 
@@ -226,10 +246,16 @@ fn headline(rep: &RunReport) -> String {
         };
         return format!("{} at {} on path {}{more}", f.class, f.site, paths.join(", "));
     }
-    if rep.all_pass() {
-        "all paths within tolerance".to_string()
-    } else {
-        "divergence found (no class named)".to_string()
+    let n_not_run = rep.not_run().len();
+    match rep.verdict() {
+        Verdict::Pass if n_not_run == 0 => "all paths within tolerance".to_string(),
+        Verdict::Pass => format!(
+            "all paths that ran within tolerance ({n_not_run} of {} layer × path not run)",
+            rep.results.len()
+        ),
+        Verdict::Inconclusive if n_not_run == rep.results.len() => "no requested path could run".to_string(),
+        Verdict::Inconclusive => "inconclusive: an injected fault never acted".to_string(),
+        Verdict::Divergence => "divergence found (no class named)".to_string(),
     }
 }
 
@@ -323,22 +349,33 @@ pub fn markdown(rep: &RunReport, env: &Environment, command: &str, file: &GgufFi
          Each cell is a site's `rel_l2` against the reference on a log scale (viridis: purple \
          exact, teal f32 rounding, yellow order 1); red outlines fail, `1st` marks each row's \
          first divergence, black cells are non-finite (`NaN`), grey cells were not recorded by \
-         that path.\n"
+         that path.{}\n",
+        if rep.not_run().is_empty() {
+            ""
+        } else {
+            " A row written `not run` is a path that could not run at that layer."
+        }
     );
 
     s.push_str("## Per-site tables\n\n");
     for r in &rep.results {
-        let first = crate::judge::metrics::first_divergence(&r.diffs)
-            .map_or("all sites within tolerance".to_string(), |d| {
-                format!("first divergence {}", d.site)
-            });
+        let first = match crate::judge::metrics::first_divergence(&r.diffs) {
+            _ if r.diffs.is_empty() => "not run".to_string(),
+            Some(d) => format!("first divergence {}", d.site),
+            None => "all sites within tolerance".to_string(),
+        };
         let _ = writeln!(
             s,
             "<details>\n<summary>layer {} · path {} — {}</summary>\n",
             r.layer, r.path, first
         );
         if r.diffs.is_empty() {
-            s.push_str("(not run)\n");
+            match &r.not_run {
+                Some(n) => {
+                    let _ = writeln!(s, "Not run: {}.", md_escape(&n.reason));
+                }
+                None => s.push_str("Not run: no site recorded.\n"),
+            }
         } else {
             s.push_str(&site_table_md(&r.diffs));
         }
@@ -426,6 +463,10 @@ fn heat_color(v: f64) -> RGBColor {
     RGBColor(mix(c0.0, c1.0), mix(c0.1, c1.1), mix(c0.2, c1.2))
 }
 
+/// The heat map's smallest width in pixels: its caption and the legend beside it fit even when
+/// few sites (or none, when no path ran) make the columns.
+const MIN_HEATMAP_WIDTH: u32 = 560;
+
 /// What one heat-map cell shows.
 enum Cell {
     /// Not recorded by that path.
@@ -438,7 +479,7 @@ enum Cell {
 
 /// Draws the per-(layer, path) × per-site `log10(rel_l2)` heat map as SVG text: failing cells
 /// outlined in red, the first divergence of each row marked `1st`, non-finite cells black with
-/// `NaN`, absent cells grey.
+/// `NaN`, absent cells grey, and a row that did not run written `not run`.
 ///
 /// Errors: [`Error::Usage`] when plotters fails (it does not for SVG output in memory).
 pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
@@ -454,7 +495,8 @@ pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
     let rows: Vec<String> = rep.results.iter().map(|r| format!("L{} {}", r.layer, r.path)).collect();
     let (nc, nr) = (stages.len().max(1), rows.len().max(1));
     let cell = 30u32;
-    let (w, h) = (300 + cell * nc as u32, 170 + cell * nr as u32);
+    // At least wide enough for the caption above the plot, whatever the column count.
+    let (w, h) = ((300 + cell * nc as u32).max(MIN_HEATMAP_WIDTH), 170 + cell * nr as u32);
     let mut svg = String::new();
     let perr = |e: &dyn std::fmt::Display| Error::Usage(format!("heat map: {e}"));
     {
@@ -501,8 +543,18 @@ pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
             .into_font()
             .color(&WHITE)
             .pos(anchor(HPos::Center, VPos::Center));
+        let not_run_style = ("sans-serif", 12)
+            .into_font()
+            .color(&RGBColor(90, 90, 90))
+            .pos(anchor(HPos::Left, VPos::Center));
         for (ri, r) in rep.results.iter().enumerate() {
             let y0 = (nr - 1 - ri) as f64;
+            if r.diffs.is_empty() {
+                let (px, py) = chart.backend_coord(&(0.0, y0 + 0.5));
+                root.draw(&Text::new("not run", (px + 6, py), not_run_style.clone()))
+                    .map_err(|e| perr(&e))?;
+                continue;
+            }
             let first = crate::judge::metrics::first_divergence(&r.diffs).map(|d| d.site.stage);
             for (ci, st) in stages.iter().enumerate() {
                 let x0 = ci as f64;
@@ -626,7 +678,7 @@ pub fn write(
 }
 
 /// The command line of this process, shell-quoted, without its output flags (`--report`,
-/// `--json` and their values, `--force`, `--quiet`, `--stats`), so that it reruns as is and prints
+/// `--json` and their values, `--force`, `--quiet`/`-q`, `--wide`, `--stats`), so that it reruns as is and prints
 /// the full table: for "how to reproduce" lines.
 pub fn reproduce_command() -> String {
     reproduce_from(std::env::args().skip(1))
@@ -645,7 +697,7 @@ pub fn reproduce_from(args: impl IntoIterator<Item = String>) -> String {
             skip_value = true;
             continue;
         }
-        if matches!(a.as_str(), "--force" | "--quiet" | "--stats")
+        if matches!(a.as_str(), "--force" | "--quiet" | "-q" | "--wide" | "--stats")
             || a.starts_with("--report=")
             || a.starts_with("--json=")
         {

@@ -691,6 +691,47 @@ fn an_all_zero_weight_site_is_weight_not_loaded() {
     );
     assert!(schema_errors(&doc).is_empty(), "{:?}", schema_errors(&doc));
 }
+/// A dump that is neither safetensors nor GGUF (a text file, a truncated file, a JSON file) is
+/// named as not a safetensors file, with what its first bytes say, not "header too large".
+#[test]
+fn a_dump_that_is_not_safetensors_says_so() {
+    let m = repo().join("golden/models/tiny-v3-f32.gguf");
+    let dir = tempfile::tempdir().unwrap();
+    let text = b"engine: vllm\nlayers: 0, 1\nthis is a note, not a dump\n";
+    // The first 8 bytes, "engine: ", read as the little-endian header length.
+    let text_want = format!(
+        "declare a header of {} bytes, but the file has {} bytes",
+        u64::from_le_bytes(*b"engine: "),
+        text.len()
+    );
+    let cases: [(&str, Vec<u8>, &str); 3] = [
+        ("notes.txt", text.to_vec(), &text_want),
+        (
+            "short.safetensors",
+            b"{}\n".to_vec(),
+            "3 bytes, fewer than the 8-byte header length",
+        ),
+        (
+            "json.safetensors",
+            [&5u64.to_le_bytes()[..], b"[1,2]"].concat(),
+            "the header after the 8-byte length does not open with `{`",
+        ),
+    ];
+    for (name, bytes, want) in cases {
+        let p = dir.path().join(name);
+        std::fs::write(&p, &bytes).unwrap();
+        let (code, out, err) = run_bin(&["compare", "--model", m.to_str().unwrap(), "--dump", p.to_str().unwrap()]);
+        assert_eq!(code, 2, "{name}: {out}\n{err}");
+        let line = err.trim();
+        assert!(
+            line.contains(&format!("{}: header: not a safetensors file", p.display())) && line.contains(want),
+            "{name}: {line}"
+        );
+        assert!(!line.contains("too large"), "{line}");
+        assert_eq!(line.lines().count(), 1, "{line}");
+    }
+}
+
 
 /// A format-2 dump made from a format-1 one: the first `t - decode` tokens as the prefill step,
 /// then one decode step per remaining token (a causal engine computes the same rows either way).

@@ -26,6 +26,7 @@ use crate::compute::reference::{assemble_kv_b, f64m};
 use crate::core::class::Class;
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
+use crate::core::st::header_error;
 use crate::core::trace::{Stage, TraceTensor};
 use crate::judge::diagnose::blocks::find_blocks;
 use crate::judge::diagnose::blocks::rel_l2 as rel;
@@ -344,8 +345,8 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
         what: what.to_string(),
         reason,
     };
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| bad("header", e.to_string()))?;
-    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| bad("header", e.to_string()))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
     let metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();
     // A format-2 dump carries the weights as `weights.L{n}.{param}` next to its steps, and its
     // dtype in the header.

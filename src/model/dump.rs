@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::core::batch::{Batch, SeqSpec};
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
+use crate::core::st::header_error;
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::model::config::{KvBLayout, MlaConfig};
 use crate::model::gguf::GgufFile;
@@ -657,7 +658,7 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
     if bytes.starts_with(b"GGUF") {
         return load_bytes(path, &bytes, map, cfg).map(DumpFile::One);
     }
-    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| derr(path, "header", e.to_string()))?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
     let metadata = meta.metadata().clone().unwrap_or_default();
     if metadata.get("format").map(|s| s.trim()) != Some(FORMAT2) {
         return load_bytes(path, &bytes, map, cfg).map(DumpFile::One);
@@ -679,7 +680,7 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
     };
     // A dump of heads a..b: its per-head sites are read with b − a heads.
     let cfg = heads_cfg.as_ref().unwrap_or(cfg);
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| derr(path, "header", e.to_string()))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
     let mut ignored = Vec::new();
     for name in st.names() {
         let stepped = name
@@ -1072,8 +1073,8 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
             "this is a GGUF file, not a safetensors dump; pass it as --model",
         ));
     }
-    let st = SafeTensors::deserialize(bytes).map_err(|e| derr(path, "header", e.to_string()))?;
-    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| derr(path, "header", e.to_string()))?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| header_error(path, bytes, &e))?;
+    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| header_error(path, bytes, &e))?;
     let metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();
     let meta_enum = |key: &str| -> Result<Option<String>> { Ok(metadata.get(key).map(|s| s.trim().to_string())) };
     let rope_order = match (map.and_then(|m| m.rope_order), meta_enum("rope_order")?.as_deref()) {

@@ -355,6 +355,9 @@ impl std::fmt::Display for EngineDtype {
     }
 }
 
+/// The `format` metadata value of a format-1 dump (optional: a file without it is format 1 too).
+pub const FORMAT1: &str = "mla-diff dump 1";
+
 /// The `format` metadata value of a format-2 dump.
 pub const FORMAT2: &str = "mla-diff dump 2";
 

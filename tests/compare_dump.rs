@@ -74,11 +74,45 @@ fn llama_cpp_dumps_pass_through_the_map() {
     );
     assert_eq!(code, 0, "{out}\n{err}");
     assert_all_pass(&doc, 20);
+}
 
-    // Without the map nothing is a site: a clear error that suggests --map.
-    let (code, _, err, _) = compare("tiny-v3-f32.gguf", "tiny-v3-f32.llama-cpp.safetensors", &[]);
-    assert_eq!(code, 2);
-    assert!(err.contains("no site found") && err.contains("--map"), "{err}");
+/// A llama.cpp dump without --map: its metadata (`engine = llama.cpp …`) picks the built-in map,
+/// listed among the conversions; a dump of graph names from an engine mla-diff has no map for is
+/// an error naming the engine the metadata gives.
+#[test]
+fn llama_cpp_dumps_pick_their_map_from_the_metadata() {
+    for (model, dump, sites) in [
+        ("tiny-v3-f32.gguf", "tiny-v3-f32.llama-cpp.safetensors", 28),
+        ("lite-v2-f32.gguf", "lite-v2-f32.llama-cpp.safetensors", 20),
+        ("legacy-kvb-f32.gguf", "legacy-kvb-f32.llama-cpp.safetensors", 20),
+    ] {
+        let (code, out, err, doc) = compare(model, dump, &[]);
+        assert_eq!(code, 0, "{dump}: {out}\n{err}");
+        assert_all_pass(&doc, sites);
+        assert_eq!(doc["dump"]["map"], "llama.cpp", "{dump}");
+        let first = doc["dump"]["conversions"][0].as_str().unwrap();
+        assert_eq!(
+            first,
+            "map `llama.cpp` picked from the metadata `engine = llama.cpp (llama-cpp-python 0.3.36)` (no --map given; no tensor is named as a site)",
+            "{dump}"
+        );
+    }
+
+    // The same tensors from an engine with no built-in map: the error names it.
+    let (_d, p) = rewrite_dump(
+        "tiny-v3-f32.llama-cpp.safetensors",
+        |_, _, _| true,
+        &[("engine", Some("my-engine 0.1"))],
+    );
+    let (code, _, err, _) = compare_path("tiny-v3-f32.gguf", &p, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("no site found")
+            && err.contains(
+                "does the dump need --map (hf, vllm, llama.cpp or a MAP.json)? Its metadata says engine `my-engine 0.1`"
+            ),
+        "{err}"
+    );
 }
 
 #[test]
@@ -657,40 +691,6 @@ fn a_gguf_as_dump_and_an_unknown_map_name_say_what_to_do() {
     assert!(err.contains("not a built-in map (hf, vllm, llama.cpp)"), "{err}");
 }
 
-/// A weight the engine never loaded (all zeros where the GGUF's is not) is `weight-not-loaded` at
-/// its weight site, with the GGUF tensors the loader's mapping lacks; not `phantom-output`, which
-/// is an activation never written.
-#[test]
-fn an_all_zero_weight_site_is_weight_not_loaded() {
-    use safetensors::SafeTensors;
-    let src = std::fs::read(repo().join("golden/dumps/tiny-v3-f32.hf.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&src).unwrap();
-    let (_, m) = SafeTensors::read_metadata(&src).unwrap();
-    let metadata = m.metadata().clone().unwrap_or_default();
-    let file = mla_diff::model::gguf::GgufFile::open(repo().join("golden/models/tiny-v3-f32.gguf")).unwrap();
-    let cfg = mla_diff::model::config::MlaConfig::from_gguf(&file).unwrap();
-    let rows = cfg.n_head * (cfg.qk_nope_head_dim + cfg.v_head_dim);
-    let zeros = vec![0u8; rows * cfg.kv_lora_rank * 4];
-    let mut views: Vec<(String, safetensors::tensor::TensorView<'_>)> = st.tensors();
-    views.push((
-        "L0.w.kv_b".into(),
-        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![rows, cfg.kv_lora_rank], &zeros).unwrap(),
-    ));
-    let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join("unloaded.safetensors");
-    std::fs::write(&p, safetensors::serialize(views, Some(metadata)).unwrap()).unwrap();
-    let (code, out, err, doc) = compare_path("tiny-v3-f32.gguf", &p, &[]);
-    assert_eq!(code, 1, "{out}\n{err}");
-    let f = &doc["findings"][0];
-    assert_eq!(f["class"], "weight-not-loaded", "{f}");
-    assert_eq!(f["site"], "L0.w.kv_b", "{f}");
-    let hint = f["hint"].as_str().unwrap();
-    assert!(
-        hint.contains("`blk.0.attn_k_b.weight` and `blk.0.attn_v_b.weight`"),
-        "{hint}"
-    );
-    assert!(schema_errors(&doc).is_empty(), "{:?}", schema_errors(&doc));
-}
 /// A dump that is neither safetensors nor GGUF (a text file, a truncated file, a JSON file) is
 /// named as not a safetensors file, with what its first bytes say, not "header too large".
 #[test]
@@ -732,6 +732,40 @@ fn a_dump_that_is_not_safetensors_says_so() {
     }
 }
 
+/// A weight the engine never loaded (all zeros where the GGUF's is not) is `weight-not-loaded` at
+/// its weight site, with the GGUF tensors the loader's mapping lacks; not `phantom-output`, which
+/// is an activation never written.
+#[test]
+fn an_all_zero_weight_site_is_weight_not_loaded() {
+    use safetensors::SafeTensors;
+    let src = std::fs::read(repo().join("golden/dumps/tiny-v3-f32.hf.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&src).unwrap();
+    let (_, m) = SafeTensors::read_metadata(&src).unwrap();
+    let metadata = m.metadata().clone().unwrap_or_default();
+    let file = mla_diff::model::gguf::GgufFile::open(repo().join("golden/models/tiny-v3-f32.gguf")).unwrap();
+    let cfg = mla_diff::model::config::MlaConfig::from_gguf(&file).unwrap();
+    let rows = cfg.n_head * (cfg.qk_nope_head_dim + cfg.v_head_dim);
+    let zeros = vec![0u8; rows * cfg.kv_lora_rank * 4];
+    let mut views: Vec<(String, safetensors::tensor::TensorView<'_>)> = st.tensors();
+    views.push((
+        "L0.w.kv_b".into(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![rows, cfg.kv_lora_rank], &zeros).unwrap(),
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("unloaded.safetensors");
+    std::fs::write(&p, safetensors::serialize(views, Some(metadata)).unwrap()).unwrap();
+    let (code, out, err, doc) = compare_path("tiny-v3-f32.gguf", &p, &[]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    let f = &doc["findings"][0];
+    assert_eq!(f["class"], "weight-not-loaded", "{f}");
+    assert_eq!(f["site"], "L0.w.kv_b", "{f}");
+    let hint = f["hint"].as_str().unwrap();
+    assert!(
+        hint.contains("`blk.0.attn_k_b.weight` and `blk.0.attn_v_b.weight`"),
+        "{hint}"
+    );
+    assert!(schema_errors(&doc).is_empty(), "{:?}", schema_errors(&doc));
+}
 
 /// A format-2 dump made from a format-1 one: the first `t - decode` tokens as the prefill step,
 /// then one decode step per remaining token (a causal engine computes the same rows either way).

@@ -140,7 +140,7 @@ pub fn compare_dump(
     let summary = DumpSummary {
         path: dump.path.display().to_string(),
         engine: engine.clone(),
-        map: map_name,
+        map: map_name.or_else(|| dump.map.clone()),
         metadata: dump.metadata.clone(),
         conversions: dump.conversions.clone(),
         ignored: dump.ignored.clone(),
@@ -461,7 +461,7 @@ pub fn compare_steps(
         dump: Some(DumpSummary {
             path: sd.path.display().to_string(),
             engine,
-            map: map_name,
+            map: map_name.or_else(|| first.map.clone()),
             metadata,
             conversions,
             ignored: sd.ignored.clone(),

@@ -797,6 +797,8 @@ pub fn check_identity(dump: &Path, h: &DumpHeader, file: &GgufFile, layers: &[us
 pub struct Dump {
     /// The dump file.
     pub path: PathBuf,
+    /// The built-in map picked from the metadata when none was given ([`map_from_metadata`]).
+    pub map: Option<String>,
     /// `__metadata__`.
     pub metadata: BTreeMap<String, String>,
     /// Each dumped layer's sites (f32 or f64 data, our shapes).
@@ -1055,6 +1057,22 @@ fn parse_list(path: &Path, key: &str, s: &str) -> Result<Vec<usize>> {
         .collect()
 }
 
+/// The built-in map a dump needs when none was given, from its metadata: `llama.cpp` for a dump
+/// whose `engine` starts with `llama.cpp` (what `scripts/dump_llama_cpp.py` writes) and none of
+/// whose tensor `names` is a site (`L0.hidden_in`, …): llama.cpp's graph names (`kv_cmpr-0#1`)
+/// mean nothing without it. `None` otherwise.
+///
+/// Errors: as [`Map::load`] for the built-in map.
+pub fn map_from_metadata(metadata: &BTreeMap<String, String>, names: &[&str]) -> Result<Option<Map>> {
+    let llama_cpp = metadata
+        .get("engine")
+        .is_some_and(|e| e.trim().to_ascii_lowercase().starts_with("llama.cpp"));
+    if llama_cpp && !names.iter().any(|n| Site::parse(n).is_some()) {
+        return Map::load("llama.cpp").map(Some);
+    }
+    Ok(None)
+}
+
 /// Reads and normalizes a dump.
 ///
 /// Errors ([`Error::Safetensors`], naming the file and the tensor or metadata key): a malformed
@@ -1079,6 +1097,11 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
     let st = SafeTensors::deserialize(bytes).map_err(|e| header_error(path, bytes, &e))?;
     let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| header_error(path, bytes, &e))?;
     let metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();
+    let auto = match map {
+        Some(_) => None,
+        None => map_from_metadata(&metadata, &st.names())?,
+    };
+    let map = map.or(auto.as_ref());
     let meta_enum = |key: &str| -> Result<Option<String>> { Ok(metadata.get(key).map(|s| s.trim().to_string())) };
     let rope_order = match (map.and_then(|m| m.rope_order), meta_enum("rope_order")?.as_deref()) {
         (Some(o), _) => o,
@@ -1187,10 +1210,13 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
             format!(
                 "no site found (names like `L3.kv_c_normed`); {} other tensor(s){}",
                 ignored.len(),
-                if map.is_none() {
-                    ": does the dump need --map?"
-                } else {
-                    ""
+                match (map, metadata.get("engine")) {
+                    (Some(_), _) => String::new(),
+                    (None, Some(e)) => format!(
+                        ": does the dump need --map (hf, vllm, llama.cpp or a MAP.json)? Its metadata says engine `{}`",
+                        e.trim()
+                    ),
+                    (None, None) => ": does the dump need --map (hf, vllm, llama.cpp or a MAP.json)?".to_string(),
                 }
             ),
         ));
@@ -1288,7 +1314,14 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
     // Normalize every site.
     let (l, r) = (cfg.kv_lora_rank, cfg.qk_rope_head_dim);
     let mut layers: BTreeMap<usize, Trace> = BTreeMap::new();
-    let mut conversions = map.map(|m| m.override_lines(&metadata)).unwrap_or_default();
+    let mut conversions = Vec::new();
+    if let (Some(m), Some(engine)) = (&auto, metadata.get("engine")) {
+        conversions.push(format!(
+            "map `{}` picked from the metadata `engine = {engine}` (no --map given; no tensor is named as a site)",
+            m.name.as_deref().unwrap_or_default()
+        ));
+    }
+    conversions.extend(map.map(|m| m.override_lines(&metadata)).unwrap_or_default());
     for RawSite {
         site,
         name,
@@ -1345,6 +1378,7 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
     }
     Ok(Dump {
         path: path.to_path_buf(),
+        map: auto.and_then(|m| m.name),
         metadata,
         layers,
         tokens: tokens.map(|v| v.into_iter().map(|x| x as u32).collect()),

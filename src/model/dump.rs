@@ -407,9 +407,22 @@ pub struct Conventions {
     /// `e` (default) or `2`: the base of the dumped `lse`.
     #[serde(default)]
     pub lse_base: Option<String>,
-    /// Reserved: a residual-stream scale an engine applies on purpose; must be null.
+    /// The factor `s` (a positive number; null or absent = 1) by which the engine's residual
+    /// stream differs from the model's on purpose: every dumped `hidden_out`, and `hidden_in`
+    /// of every layer but the model's first (layer 0's is the embedding), holds `s ×` the
+    /// model's value. vLLM's fp16 path carries `s = 1/routed_scaling_factor`. Kept as JSON so a
+    /// wrong value is reported as written; read it with [`Conventions::residual_scale`].
     #[serde(default)]
     pub residual_scale: Option<serde_json::Value>,
+}
+
+impl Conventions {
+    /// The declared residual-stream factor ([`Conventions::residual_scale`] field), `None` when
+    /// absent, null or not a number (a header that passed [`peek_header`] or [`read`] holds a
+    /// positive finite number or nothing).
+    pub fn residual_scale(&self) -> Option<f64> {
+        self.residual_scale.as_ref().and_then(serde_json::Value::as_f64)
+    }
 }
 
 /// One sequence's share of a step (`header.steps[k].seqs[i]`).
@@ -596,11 +609,13 @@ fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader> {
     if h.steps.is_empty() {
         return Err(derr(path, "__metadata__.header.steps", "no step"));
     }
-    if h.conventions.residual_scale.as_ref().is_some_and(|v| !v.is_null()) {
+    if let Some(v) = h.conventions.residual_scale.as_ref().filter(|v| !v.is_null())
+        && v.as_f64().is_none_or(|x| !(x.is_finite() && x > 0.0))
+    {
         return Err(derr(
             path,
             "__metadata__.header.conventions.residual_scale",
-            "reserved: must be absent or null",
+            format!("{v}: expected a positive number (the factor the engine's residual stream carries) or null"),
         ));
     }
     if let Some(b) = h.conventions.lse_base.as_deref()
@@ -650,7 +665,9 @@ fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader> {
 }
 
 /// Reads a dump of either format. Format 2's steps are each read as a format-1 dump of the step's
-/// new tokens (tensors `s{k}.…` without the prefix), with the header's dtype and conventions;
+/// new tokens (tensors `s{k}.…` without the prefix), with the header's dtype and conventions (a
+/// base-2 `lse` converted to natural log; a declared `residual_scale` divided out of the
+/// residual-stream sites, [`Conventions::residual_scale`]; each listed among the conversions);
 /// with `heads = [a, b]`, the per-head sites ([`is_per_head`]) have `b − a` heads.
 /// `weights.…` tensors are for `weights --check` and skipped here.
 ///
@@ -749,6 +766,9 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
                 }
             }
         }
+        if let Some(s) = header.conventions.residual_scale().filter(|&s| s != 1.0) {
+            undo_residual_scale(&mut d, s);
+        }
         steps.push((spec.clone(), d));
     }
     Ok(DumpFile::Steps(Box::new(StepsDump {
@@ -757,6 +777,28 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
         steps,
         ignored,
     })))
+}
+
+/// Divides the declared residual-stream factor `s` (`conventions.residual_scale`) out of the
+/// residual-stream sites of `d`: every `hidden_out`, and `hidden_in` of layers > 0 (layer 0's
+/// input is the embedding, before any layer scaled it). Each division is listed among the
+/// conversions.
+fn undo_residual_scale(d: &mut Dump, s: f64) {
+    for trace in d.layers.values_mut() {
+        let stream: Vec<(Site, TraceTensor)> = trace
+            .entries()
+            .iter()
+            .filter(|(site, _)| site.stage == Stage::HiddenOut || (site.stage == Stage::HiddenIn && site.layer > 0))
+            .cloned()
+            .collect();
+        for (site, t) in stream {
+            let v: Vec<f64> = t.to_f64().iter().map(|x| x / s).collect();
+            trace.record(site, TraceTensor::f64(t.shape.clone(), v));
+            d.conversions.push(format!(
+                "{site}: residual stream ×{s} (conventions.residual_scale) divided out"
+            ));
+        }
+    }
 }
 
 /// Checks that `file` is the model a format-2 dump was made from: the header-and-index hash, and

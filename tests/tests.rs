@@ -22,6 +22,7 @@ mod layering;
 mod moe;
 mod moe_fixture;
 mod scale;
+mod scripts;
 mod selftest;
 mod snapshots;
 mod triage_report;

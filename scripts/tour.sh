@@ -108,7 +108,7 @@ for cmd in "${CMDS[@]}"; do
     echo "skip  $cmd: $arg"; skipped=$((skipped + 1)); continue
   fi
   run=$(printf '%s\n' "$cmd" | sed -e "$arg" -e 's#\[[^]]*\]##g; s#  *# #g; s# *$##' \
-    -e "s#^mla-diff #$BIN #; s#&& mla-diff #\&\& $BIN #; s#^python #$PY #; s#/tmp/#$T/#g")
+    -e "s#/tmp/#$T/#g" -e "s#^mla-diff #$BIN #; s#&& mla-diff #\&\& $BIN #; s#^python #$PY #")
   log="$T/log.$n"
   (cd "$ROOT" && bash -c "$run") >"$log" 2>&1
   rc=$?

@@ -411,13 +411,13 @@ pub struct Conventions {
     /// stream differs from the model's on purpose: every dumped `hidden_out`, and `hidden_in`
     /// of every layer but the model's first (layer 0's is the embedding), holds `s ×` the
     /// model's value. vLLM's fp16 path carries `s = 1/routed_scaling_factor`. Kept as JSON so a
-    /// wrong value is reported as written; read it with [`Conventions::residual_scale`].
+    /// wrong value is reported as written; read it with [`Conventions::residual_scale()`].
     #[serde(default)]
     pub residual_scale: Option<serde_json::Value>,
 }
 
 impl Conventions {
-    /// The declared residual-stream factor ([`Conventions::residual_scale`] field), `None` when
+    /// The declared residual-stream factor (the `residual_scale` field), `None` when
     /// absent, null or not a number (a header that passed [`peek_header`] or [`read`] holds a
     /// positive finite number or nothing).
     pub fn residual_scale(&self) -> Option<f64> {
@@ -667,7 +667,7 @@ fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader> {
 /// Reads a dump of either format. Format 2's steps are each read as a format-1 dump of the step's
 /// new tokens (tensors `s{k}.…` without the prefix), with the header's dtype and conventions (a
 /// base-2 `lse` converted to natural log; a declared `residual_scale` divided out of the
-/// residual-stream sites, [`Conventions::residual_scale`]; each listed among the conversions);
+/// residual-stream sites, [`Conventions::residual_scale()`]; each listed among the conversions);
 /// with `heads = [a, b]`, the per-head sites ([`is_per_head`]) have `b − a` heads.
 /// `weights.…` tensors are for `weights --check` and skipped here.
 ///

@@ -11,10 +11,21 @@
 # Needs: cmark-gfm, pandoc, librsvg2-bin (rsvg-convert); chromium for --screenshot
 # (Debian: apt-get install cmark-gfm pandoc librsvg2-bin chromium).
 # Usage: scripts/check_report_render.sh [--screenshot] [OUTDIR]   (binary: target/release/mla-diff)
+# Exit: 0 rendered and checked, 1 a check failed, 2 a tool is missing (the message says which and
+# the apt-get line that installs it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHOT=0
 if [[ "${1:-}" == "--screenshot" ]]; then SHOT=1; shift; fi
+need=(cmark-gfm pandoc rsvg-convert)
+pkgs="cmark-gfm pandoc librsvg2-bin"
+if [[ $SHOT == 1 ]]; then need+=(chromium); pkgs+=" chromium"; fi
+missing=()
+for tool in "${need[@]}"; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+if (( ${#missing[@]} )); then
+  echo "check_report_render: missing ${missing[*]}: install with apt-get install $pkgs" >&2
+  exit 2
+fi
 OUT=${1:-$(mktemp -d)}
 mkdir -p "$OUT"
 BIN=${MLA_DIFF_BIN:-target/release/mla-diff}

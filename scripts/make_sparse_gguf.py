@@ -13,8 +13,8 @@ every other byte (experts, dense FFN, embeddings, output) is a hole that reads a
 takes no disk space.  Zero bytes are valid blocks for every type used (d = 0 -> all-zero
 weights), so even a stray read of a hole decodes to finite numbers.
 
-Usage
------
+Usage (needs numpy and gguf: pip install numpy gguf)
+-----------------------------------------------------
     python scripts/make_sparse_gguf.py OUTDIR \
         [--layers-with-data 0,1,2,3] [--seed 0] [--k-b-type Q5_0|Q8_0] [--verify full|sample]
 
@@ -76,11 +76,14 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
+try:
+    import numpy as np
 
-import gguf
-from gguf import GGMLQuantizationType as QT
-from gguf.constants import GGML_QUANT_SIZES
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+    from gguf.constants import GGML_QUANT_SIZES
+except ImportError as e:
+    sys.exit(f"make_sparse_gguf.py needs numpy and gguf (gguf-py): pip install numpy gguf ({e})")
 
 # ----------------------------------------------------------------------------------------------
 # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json)

@@ -305,6 +305,44 @@ fn an_injected_fault_that_did_not_act_exits_2_with_the_hint() {
     assert!(out.contains("unwritten-rows at L1.lse"), "{out}");
 }
 
+/// The chunked path's note says what each empty-row fault did, in its own words: unwritten-rows
+/// skips rows, lse-plus-inf writes them with LSE = +inf; and an idle one names itself.
+#[test]
+fn the_empty_row_faults_notes_name_their_own_fault() {
+    for fault in ["lse-plus-inf", "unwritten-rows"] {
+        let (code, out, err) = run_bin(&["run", "--layer", "1", "--inject", fault, "--path", "chunked", "--quiet"]);
+        assert_eq!(code, 2, "{out}{err}");
+        assert!(
+            err.contains(&format!(
+                "chunked: no context chunk was empty for any row: the {fault} fault had nothing to act on"
+            )),
+            "{err}"
+        );
+    }
+    let seqs = ["--path", "chunked", "--seqs", "1,15,16,17,53"];
+    let (code, out, _) = run_bin(&[&["run", "--layer", "1", "--inject", "lse-plus-inf"][..], &seqs].concat());
+    assert_eq!(code, 1, "{out}");
+    let note = out
+        .lines()
+        .find(|l| l.contains("had no context keys"))
+        .unwrap_or_default();
+    assert!(
+        note.starts_with("note: ")
+            && note.ends_with("rows had no context keys and got output 0 with LSE = +inf instead of −inf, the empty partial's wrong sentinel (lse-plus-inf)"),
+        "{out}"
+    );
+    let n: usize = note["note: ".len()..].split(' ').next().unwrap().parse().unwrap();
+    assert!(n > 0, "{note}");
+    let (code, out, _) = run_bin(&[&["run", "--layer", "1", "--inject", "unwritten-rows"][..], &seqs].concat());
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(&format!(
+            "note: {n} (new token, chunk) rows had no context keys and were skipped: their output and LSE keep the canary (unwritten-rows)"
+        )),
+        "the same rows, in unwritten-rows' words: {out}"
+    );
+}
+
 /// A fresh empty folder under the system temp folder.
 fn tempfile_dir() -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!(

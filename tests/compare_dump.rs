@@ -74,11 +74,45 @@ fn llama_cpp_dumps_pass_through_the_map() {
     );
     assert_eq!(code, 0, "{out}\n{err}");
     assert_all_pass(&doc, 20);
+}
 
-    // Without the map nothing is a site: a clear error that suggests --map.
-    let (code, _, err, _) = compare("tiny-v3-f32.gguf", "tiny-v3-f32.llama-cpp.safetensors", &[]);
-    assert_eq!(code, 2);
-    assert!(err.contains("no site found") && err.contains("--map"), "{err}");
+/// A llama.cpp dump without --map: its metadata (`engine = llama.cpp …`) picks the built-in map,
+/// listed among the conversions; a dump of graph names from an engine mla-diff has no map for is
+/// an error naming the engine the metadata gives.
+#[test]
+fn llama_cpp_dumps_pick_their_map_from_the_metadata() {
+    for (model, dump, sites) in [
+        ("tiny-v3-f32.gguf", "tiny-v3-f32.llama-cpp.safetensors", 28),
+        ("lite-v2-f32.gguf", "lite-v2-f32.llama-cpp.safetensors", 20),
+        ("legacy-kvb-f32.gguf", "legacy-kvb-f32.llama-cpp.safetensors", 20),
+    ] {
+        let (code, out, err, doc) = compare(model, dump, &[]);
+        assert_eq!(code, 0, "{dump}: {out}\n{err}");
+        assert_all_pass(&doc, sites);
+        assert_eq!(doc["dump"]["map"], "llama.cpp", "{dump}");
+        let first = doc["dump"]["conversions"][0].as_str().unwrap();
+        assert_eq!(
+            first,
+            "map `llama.cpp` picked from the metadata `engine = llama.cpp (llama-cpp-python 0.3.36)` (no --map given; no tensor is named as a site)",
+            "{dump}"
+        );
+    }
+
+    // The same tensors from an engine with no built-in map: the error names it.
+    let (_d, p) = rewrite_dump(
+        "tiny-v3-f32.llama-cpp.safetensors",
+        |_, _, _| true,
+        &[("engine", Some("my-engine 0.1"))],
+    );
+    let (code, _, err, _) = compare_path("tiny-v3-f32.gguf", &p, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("no site found")
+            && err.contains(
+                "does the dump need --map (hf, vllm, llama.cpp or a MAP.json)? Its metadata says engine `my-engine 0.1`"
+            ),
+        "{err}"
+    );
 }
 
 #[test]
@@ -657,6 +691,47 @@ fn a_gguf_as_dump_and_an_unknown_map_name_say_what_to_do() {
     assert!(err.contains("not a built-in map (hf, vllm, llama.cpp)"), "{err}");
 }
 
+/// A dump that is neither safetensors nor GGUF (a text file, a truncated file, a JSON file) is
+/// named as not a safetensors file, with what its first bytes say, not "header too large".
+#[test]
+fn a_dump_that_is_not_safetensors_says_so() {
+    let m = repo().join("golden/models/tiny-v3-f32.gguf");
+    let dir = tempfile::tempdir().unwrap();
+    let text = b"engine: vllm\nlayers: 0, 1\nthis is a note, not a dump\n";
+    // The first 8 bytes, "engine: ", read as the little-endian header length.
+    let text_want = format!(
+        "declare a header of {} bytes, but the file has {} bytes",
+        u64::from_le_bytes(*b"engine: "),
+        text.len()
+    );
+    let cases: [(&str, Vec<u8>, &str); 3] = [
+        ("notes.txt", text.to_vec(), &text_want),
+        (
+            "short.safetensors",
+            b"{}\n".to_vec(),
+            "3 bytes, fewer than the 8-byte header length",
+        ),
+        (
+            "json.safetensors",
+            [&5u64.to_le_bytes()[..], b"[1,2]"].concat(),
+            "the header after the 8-byte length does not open with `{`",
+        ),
+    ];
+    for (name, bytes, want) in cases {
+        let p = dir.path().join(name);
+        std::fs::write(&p, &bytes).unwrap();
+        let (code, out, err) = run_bin(&["compare", "--model", m.to_str().unwrap(), "--dump", p.to_str().unwrap()]);
+        assert_eq!(code, 2, "{name}: {out}\n{err}");
+        let line = err.trim();
+        assert!(
+            line.contains(&format!("{}: header: not a safetensors file", p.display())) && line.contains(want),
+            "{name}: {line}"
+        );
+        assert!(!line.contains("too large"), "{line}");
+        assert_eq!(line.lines().count(), 1, "{line}");
+    }
+}
+
 /// A weight the engine never loaded (all zeros where the GGUF's is not) is `weight-not-loaded` at
 /// its weight site, with the GGUF tensors the loader's mapping lacks; not `phantom-output`, which
 /// is an activation never written.
@@ -701,8 +776,26 @@ fn split_into_steps(
     decode: usize,
     index_sha256: Option<&str>,
 ) -> (tempfile::TempDir, std::path::PathBuf) {
+    split_file_into_steps(
+        &repo().join("golden/dumps").join(dump),
+        model,
+        decode,
+        index_sha256,
+        None,
+    )
+}
+
+/// [`split_into_steps`] of the format-1 dump at `src`, declaring `residual_scale` in the
+/// header's conventions when given.
+fn split_file_into_steps(
+    src: &std::path::Path,
+    model: &str,
+    decode: usize,
+    index_sha256: Option<&str>,
+    residual_scale: Option<f64>,
+) -> (tempfile::TempDir, std::path::PathBuf) {
     use safetensors::SafeTensors;
-    let src = std::fs::read(repo().join("golden/dumps").join(dump)).unwrap();
+    let src = std::fs::read(src).unwrap();
     let st = SafeTensors::deserialize(&src).unwrap();
     let (_, m) = SafeTensors::read_metadata(&src).unwrap();
     let meta = m.metadata().clone().unwrap_or_default();
@@ -749,7 +842,10 @@ fn split_into_steps(
         "hook": {"name": "tests/compare_dump.rs", "version": "1"},
         "engine": {"name": meta.get("engine").cloned().unwrap_or_default(), "version": "", "attention_backend": "eager"},
         "dtype": meta.get("dtype").cloned().unwrap_or_else(|| "f32".into()),
-        "conventions": {"rope_order": meta.get("rope_order").cloned().unwrap_or_else(|| "interleaved".into())},
+        "conventions": {
+            "rope_order": meta.get("rope_order").cloned().unwrap_or_else(|| "interleaved".into()),
+            "residual_scale": residual_scale,
+        },
         "steps": steps,
         "patches": [{"name": "split-from-format-1", "reason": "a test builds the steps from one forward"}],
     });
@@ -861,4 +957,170 @@ fn a_format1_dump_without_model_is_refused() {
     assert_eq!(code, 2, "{out}\n{err}");
     assert!(err.contains("does not identify its GGUF; pass --model"), "{err}");
     assert!(!out.contains("finding"), "{out}");
+}
+
+/// tiny-v3's HF dump with the residual stream scaled by `s` where an engine would carry it
+/// (`hidden_out` of both layers, `L1.hidden_in`; layer 0's input is the embedding) and
+/// `L1.hidden_in` by `extra` more (a scale applied again between the layers); `hidden_out`
+/// dropped unless `keep_out`.
+fn scaled_stream(s: f32, extra: f32, keep_out: bool) -> (tempfile::TempDir, std::path::PathBuf) {
+    rewrite_dump(
+        "tiny-v3-f32.hf.safetensors",
+        |name, _, v| {
+            let f = match name {
+                "L1.hidden_in" => s * extra,
+                "L0.hidden_out" | "L1.hidden_out" if !keep_out => return false,
+                "L0.hidden_out" | "L1.hidden_out" => s,
+                _ => 1.0,
+            };
+            v.iter_mut().for_each(|x| *x *= f);
+            true
+        },
+        &[],
+    )
+}
+
+/// The site `site` of the first step named `step` (any step when `None`) in a compare report.
+fn site_of<'a>(doc: &'a serde_json::Value, site: &str, step: Option<&str>) -> &'a serde_json::Value {
+    doc["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["site"] == site && step.is_none_or(|st| s["step"] == st))
+        .unwrap_or_else(|| panic!("{site} missing"))
+}
+
+/// A format-1 dump without `hidden_out`: each later `L{n}.hidden_in` is judged against the
+/// reference's output of layer n−1. Clean, it passes with f32-sized errors; scaled by 0.4 between
+/// the layers (cosine 1), it is `scale-only` at `L1.hidden_in` with norm ratio 0.4.
+#[test]
+fn format1_handover_without_hidden_out_is_judged_against_the_reference() {
+    let (_d, p) = scaled_stream(1.0, 1.0, false);
+    let (code, out, err, doc) = compare_path("tiny-v3-f32.gguf", &p, &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let h = site_of(&doc, "L1.hidden_in", None);
+    assert_eq!(h["status"], "pass", "{h}");
+    let rel = h["metrics"]["rel_l2"].as_f64().unwrap();
+    assert!(
+        rel > 0.0 && rel < 1e-6,
+        "HF f32 vs the f64 reference's layer-0 output: {rel}"
+    );
+
+    let (_d, p) = scaled_stream(1.0, 0.4, false);
+    let (code, out, err, doc) = compare_path("tiny-v3-f32.gguf", &p, &[]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert_eq!(doc["first_divergence"]["dump"]["site"], "L1.hidden_in");
+    let f = &doc["findings"][0];
+    assert_eq!(
+        (f["class"].as_str(), f["site"].as_str()),
+        (Some("scale-only"), Some("L1.hidden_in")),
+        "{f}"
+    );
+    let nr = site_of(&doc, "L1.hidden_in", None)["metrics"]["norm_ratio"]
+        .as_f64()
+        .unwrap();
+    assert!((nr - 0.4).abs() < 1e-5, "{nr}");
+    assert!(
+        f["evidence"]
+            .as_str()
+            .unwrap()
+            .contains("the residual stream is scaled"),
+        "{f}"
+    );
+    assert!(
+        f["hint"].as_str().unwrap().contains("conventions.residual_scale"),
+        "{f}"
+    );
+}
+
+/// Format 2: a residual-stream scale the header declares (`conventions.residual_scale`) is divided
+/// out and listed, and the dump passes; the same values undeclared are `scale-only` where the
+/// stream first shows it (`L0.hidden_out`, or without hidden_out the handover at
+/// `L1.hidden_in`, judged in every step); a declared scale applied once more between the layers
+/// (vLLM #14809's shape) is `scale-only` at `L1.hidden_in` with the extra factor.
+#[test]
+fn format2_residual_scale_is_undone_and_an_undeclared_one_is_named() {
+    let m = "tiny-v3-f32.gguf";
+    let steps = |s: f32, extra: f32, keep_out: bool, declared: Option<f64>| {
+        let (d1, p1) = scaled_stream(s, extra, keep_out);
+        let (d2, p2) = split_file_into_steps(&p1, m, 1, None, declared);
+        (d1, d2, p2)
+    };
+
+    // Declared: passes, and each division is listed, layer 0's input untouched.
+    let (_a, _b, p) = steps(0.4, 1.0, true, Some(0.4));
+    let (code, out, err, doc) = compare_path(m, &p, &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let conv: Vec<&str> = doc["dump"]["conversions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap())
+        .collect();
+    for want in [
+        "prefill: L0.hidden_out: residual stream ×0.4 (conventions.residual_scale) divided out",
+        "prefill: L1.hidden_in: residual stream ×0.4 (conventions.residual_scale) divided out",
+        "decode-1: L1.hidden_out: residual stream ×0.4 (conventions.residual_scale) divided out",
+    ] {
+        assert!(conv.contains(&want), "{want}: {conv:?}");
+    }
+    assert!(!conv.iter().any(|c| c.contains("L0.hidden_in")), "{conv:?}");
+    for step in ["prefill", "decode-1"] {
+        let nr = site_of(&doc, "L1.hidden_in", Some(step))["metrics"]["norm_ratio"]
+            .as_f64()
+            .unwrap();
+        assert!((nr - 1.0).abs() < 1e-6, "{step}: {nr}");
+    }
+
+    // Undeclared, with hidden_out: scale-only at L0.hidden_out.
+    let (_a, _b, p) = steps(0.4, 1.0, true, None);
+    let (code, _, _, doc) = compare_path(m, &p, &[]);
+    assert_eq!(code, 1);
+    let f = &doc["findings"][0];
+    assert_eq!(
+        (f["class"].as_str(), f["site"].as_str()),
+        (Some("scale-only"), Some("L0.hidden_out")),
+        "{f}"
+    );
+
+    // Undeclared, without hidden_out: the handover names it, in the decode step too.
+    let (_a, _b, p) = steps(0.4, 1.0, false, None);
+    let (code, out, err, doc) = compare_path(m, &p, &[]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    let f = &doc["findings"][0];
+    assert_eq!(
+        (f["class"].as_str(), f["site"].as_str()),
+        (Some("scale-only"), Some("L1.hidden_in")),
+        "{f}"
+    );
+    for step in ["prefill", "decode-1"] {
+        let h = site_of(&doc, "L1.hidden_in", Some(step));
+        assert_eq!(h["status"], "fail", "{h}");
+        let nr = h["metrics"]["norm_ratio"].as_f64().unwrap();
+        assert!((nr - 0.4).abs() < 1e-5, "{step}: {nr}");
+    }
+
+    // Declared 0.4, but the stream entering layer 1 carries it twice (0.16): the extra 0.4 is left.
+    let (_a, _b, p) = steps(0.4, 0.4, false, Some(0.4));
+    let (code, _, _, doc) = compare_path(m, &p, &[]);
+    assert_eq!(code, 1);
+    let f = &doc["findings"][0];
+    assert_eq!(
+        (f["class"].as_str(), f["site"].as_str()),
+        (Some("scale-only"), Some("L1.hidden_in")),
+        "{f}"
+    );
+    let nr = site_of(&doc, "L1.hidden_in", Some("prefill"))["metrics"]["norm_ratio"]
+        .as_f64()
+        .unwrap();
+    assert!((nr - 0.4).abs() < 1e-5, "{nr}");
+
+    // A residual_scale that is not a positive number: exit 2 naming the field.
+    let (_a, _b, p) = steps(1.0, 1.0, true, Some(-2.5));
+    let (code, _, err, _) = compare_path(m, &p, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("__metadata__.header.conventions.residual_scale: -2.5: expected a positive number"),
+        "{err}"
+    );
 }

@@ -24,6 +24,7 @@ mod moe_fixture;
 mod not_run;
 mod outputs;
 mod scale;
+mod scripts;
 mod selftest;
 mod snapshots;
 mod triage_report;

@@ -456,3 +456,53 @@ fn the_weights_table_fits_a_terminal_and_stays_whole_elsewhere() {
     assert_eq!(doc["kind"], "weights");
     assert!(err.contains("tensors match the GGUF"), "{err}");
 }
+
+/// An activation dump given to `weights --check` is sent to `compare` (exit 2), not read as
+/// weights: format 1's `L0.o_proj` [T, H] would otherwise be judged as the `o_proj` weight
+/// [H, N·V], and a format-2 dump without `weights.…` tensors holds no weight at all.
+#[test]
+fn an_activation_dump_is_sent_to_compare() {
+    for (model, dump, why) in [
+        (
+            "tiny-v3-f32.gguf",
+            "tiny-v3-f32.hf.safetensors",
+            "activation sites such as `L0.attn_in`",
+        ),
+        (
+            "fa3-v3-bf16.gguf",
+            "fa3-v3-bf16.vllm-live-flashmla.safetensors",
+            "`mla-diff dump 2` without `weights.…` tensors",
+        ),
+    ] {
+        let d = repo().join("golden/dumps").join(dump);
+        let (code, out, err) = check_model(model, &d);
+        assert_eq!(code, 2, "{dump}: {out}\n{err}");
+        let line = err.trim();
+        assert!(
+            line.contains(&format!("{}: tensors: this is an activation dump ({why})", d.display()))
+                && line.contains("use `mla-diff compare --dump`"),
+            "{dump}: {line}"
+        );
+        assert!(!out.contains("o_proj"), "{out}");
+    }
+
+    // Only `L0.o_proj` [T, H] and `format = mla-diff dump 1`: still an activation dump.
+    let dir = tempfile::tempdir().unwrap();
+    let vals: Vec<u8> = crate::common::vals(7, 6 * 256, 1.0)
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    let views = vec![(
+        "L0.o_proj".to_string(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![6, 256], &vals).unwrap(),
+    )];
+    let meta: HashMap<String, String> = [("format".to_string(), "mla-diff dump 1".to_string())].into();
+    let p = dir.path().join("o_proj.safetensors");
+    std::fs::write(&p, safetensors::serialize(views, Some(meta)).unwrap()).unwrap();
+    let (code, out, err) = check_model("tiny-v3-f32.gguf", &p);
+    assert_eq!(code, 2, "{out}\n{err}");
+    assert!(
+        err.contains("this is an activation dump (`format = mla-diff dump 1`)"),
+        "{err}"
+    );
+}

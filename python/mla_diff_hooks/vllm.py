@@ -123,8 +123,10 @@ context), and the prefill attention output other than attn_out itself.
 
 fp16 models: DeepseekV2DecoderLayer divides the attention output (and, at layer 0, the residual)
 by routed_scaling_factor when hidden_states are float16, so vLLM's residual stream is the true
-one / routed_scaling_factor. With undo_fp16_residual_scaling (default) hidden_out, and hidden_in
-of layers > 0, are multiplied back (noted in the metadata). bf16/f32 are unaffected.
+one / routed_scaling_factor. Format 1: with undo_fp16_residual_scaling (default) hidden_out, and
+hidden_in of layers > 0, are multiplied back (noted in the metadata). Format 2 keeps vLLM's values
+and declares the factor as conventions.residual_scale = 1/routed_scaling_factor, which
+`mla-diff compare` divides out. bf16/f32 are unaffected.
 
 WEIGHTS file (`weights_path`): float32, PyTorch [out, in] layout, named `L{n}.{param}`, or
 `L{n}.{param}.rank{r}` when tensor parallel size > 1 (r = vLLM's TP rank; every param of that rank
@@ -959,11 +961,15 @@ class VllmCapture:
         return RuntimeError(msg)
 
     def result(self, *, num_tokens: int | None = None, expect_tokens=None, weight_sites: bool = True,
-               step: int = 0, lse_natural: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+               step: int = 0, lse_natural: bool = True,
+               residual_natural: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         """The dump's tensors (ordered) and metadata of one recorded step, for this rank.
 
         lse_natural: a base-2 lse (see lse_base) is converted to natural log (format 1 has no
-        field for the base; format 2 declares it and keeps the engine's values)."""
+        field for the base; format 2 declares it and keeps the engine's values).
+        residual_natural: the fp16 residual-stream scale is multiplied back (with
+        undo_fp16_residual_scaling; format 1 has no field for it; format 2 declares it as
+        conventions.residual_scale, fp16_residual_scale(), and keeps the engine's values)."""
         if self._hooks_fired == 0 or not self.steps:
             raise self._no_capture_error()
         if step >= len(self.steps):
@@ -988,7 +994,7 @@ class VllmCapture:
             tokens = None if tokens is None else tokens[:num_tokens]
             positions = None if positions is None else positions[:num_tokens]
         # fp16 residual-stream rescale (see module docstring)
-        if self.undo_fp16 and self.act_dtype == torch.float16:
+        if residual_natural and self.undo_fp16 and self.act_dtype == torch.float16:
             undone = []
             for n, layer in self.layers:
                 rsf = float(getattr(layer, "routed_scaling_factor", 1.0) or 1.0)
@@ -1076,6 +1082,18 @@ class VllmCapture:
         st_io.save(tensors, Path(path), metadata=meta)
         return Path(path)
 
+    def fp16_residual_scale(self) -> float | None:
+        """The factor vLLM's fp16 path carries in its residual stream, 1/routed_scaling_factor
+        (see the module docstring), or None when it runs no such scaling (bf16/f32 activations,
+        routed_scaling_factor 1, or only non-MLA DeepseekAttention layers)."""
+        if self.act_dtype != _torch().float16:
+            return None
+        for _, layer in self.layers:
+            rsf = float(getattr(layer, "routed_scaling_factor", 1.0) or 1.0)
+            if rsf != 1.0 and type(layer.self_attn).__name__ != "DeepseekAttention":
+                return 1.0 / rsf
+        return None
+
     def write_format2(self, path, *, model_path, step_names: list[str] | None = None,
                       engine: dict | None = None, patches: list[tuple[str, str]] | None = None,
                       weights: bool = True, extra_meta: dict[str, str] | None = None,
@@ -1098,7 +1116,8 @@ class VllmCapture:
         specs, notes, dtypes = [], [], set()
         done_per_seq: list[int] | None = None
         for k in range(len(self.steps)):
-            t, meta = self.result(step=k, weight_sites=weight_sites and k == 0, lse_natural=False)
+            t, meta = self.result(step=k, weight_sites=weight_sites and k == 0, lse_natural=False,
+                                  residual_natural=False)
             dtypes.add(meta["dtype"])
             pos = t.get("positions")
             n_rows = next(a.shape[0] for name, a in t.items()
@@ -1141,7 +1160,7 @@ class VllmCapture:
             "dtype": sorted(dtypes)[0] if len(dtypes) == 1 else ",".join(sorted(dtypes)),
             "conventions": {"rope_order": "interleaved", "layout": "token-major",
                             "kv_a_order": "latent-rope", "lse_base": self.lse_base,
-                            "residual_scale": None},
+                            "residual_scale": self.fp16_residual_scale()},
             "steps": specs,
             "patches": [{"name": n, "reason": r} for n, r in (patches or [])],
         }

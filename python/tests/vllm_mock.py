@@ -38,7 +38,8 @@ file's names, shapes and values (== the mock's parameters; fused_qkv_a_proj spli
 kv_a_proj_with_mqa of the checkpoint; W_UK_T / W_UV == kv_b's rows; dequantized int8 kv_b); the
 first forward after arm() is the one recorded; hooks are removed by finish(); TP=2 (two mock ranks
 in threads with a real all-reduce) per-rank files, `.rank{r}` weight names and merge_rank_dumps ==
-the TP=1 dump; fp16 rescale undone; a clear error when no hook fired. Finally [5] loads the mock
+the TP=1 dump; fp16 rescale undone (format 1) or declared as conventions.residual_scale (format 2);
+a clear error when no hook fired. Finally [5] loads the mock
 (float32) from golden/models/tiny-v3-f32.gguf (2 dense layers, no YaRN: the mock's layer is the
 whole model), dumps two packed sequences and runs `mla-diff compare --map vllm` on the result
 (all sites, w.* included, must pass; the same tensors labelled rope_order=hf must fail). The
@@ -817,6 +818,20 @@ def test_fp16(tmp: Path, ck) -> None:
     check(np.array_equal(t["L0.hidden_in"], t_raw["L0.hidden_in"]) and
           np.allclose(t["L1.hidden_in"], t["L0.hidden_out"]),
           "L0.hidden_in untouched (taken before the scale); L1.hidden_in == L0.hidden_out after undo")
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        print("  skip format 2 (no gguf-py for the model identity)")
+        return
+    import json
+    out = cap.write_format2(tmp / "f16.safetensors", model_path=HERE.parent / "golden" / "models" / "tiny-v3-f32.gguf")
+    t2, meta2 = read(out)
+    conv = json.loads(meta2["header"])["conventions"]
+    check(conv["residual_scale"] == 1 / 2.5 and
+          all(np.array_equal(t2[f"s0.{k}"], t_raw[k]) for k in ("L0.hidden_in", "L1.hidden_in", "L1.hidden_out")),
+          f"format 2: vLLM's values kept, conventions.residual_scale = {conv['residual_scale']} (1/2.5) declared")
+    t32 = dump_vllm.VllmCapture(build_model(ck, dtype=torch.float32), engine=ENGINE)
+    check(t32.fp16_residual_scale() is None, "f32 activations: no residual scale to declare")
 
 
 def test_no_forward(tmp: Path, ck) -> None:
@@ -999,6 +1014,31 @@ def test_gguf_compare(tmp: Path) -> None:
     out = r.stdout + r.stderr
     check(r.returncode == 1 and "pe_roped" in out,
           f"same dump labelled rope_order=hf: exit {r.returncode}, q_pe_roped/k_pe_roped flagged")
+    # fp16: vLLM's residual stream carries 1/routed_scaling_factor; format 2 declares it and
+    # compare divides it out. The same file with the declaration removed: scale-only.
+    import json
+    model16 = build_model(ck, dtype=torch.float16, c=c)
+    cap = dump_vllm.VllmCapture(model16, engine=ENGINE).arm()
+    run(model16, tokens=tokens, seq_lens=seq_lens)
+    cap.remove()
+    f2 = cap.write_format2(tmp / "gguf-f16.safetensors", model_path=gguf_path, weights=False)
+    base = [str(exe), "compare", "--model", str(gguf_path), "--json", str(tmp / "f16.json"), "--force", "--quiet"]
+    r = subprocess.run(base + ["--dump", str(f2)], capture_output=True, text=True)
+    doc = json.loads((tmp / "f16.json").read_text()) if (tmp / "f16.json").exists() else {}
+    undone = [c for c in doc.get("dump", {}).get("conversions", []) if "residual_scale" in c]
+    check(r.returncode == 0 and len(undone) == 3,
+          f"fp16 format 2 with residual_scale 0.4 declared: compare exit {r.returncode}, "
+          f"{len(undone)} residual-stream sites divided back ({(r.stdout + r.stderr).strip()[-80:]!r})")
+    t16, meta16 = read(f2)
+    h16 = json.loads(meta16["header"])
+    h16["conventions"]["residual_scale"] = None
+    undeclared = tmp / "gguf-f16-undeclared.safetensors"
+    dump_vllm.st_io.save(t16, undeclared, metadata={**meta16, "header": json.dumps(h16)})
+    r = subprocess.run(base + ["--dump", str(undeclared)], capture_output=True, text=True)
+    doc = json.loads((tmp / "f16.json").read_text())
+    f = (doc.get("findings") or [{}])[0]
+    check(r.returncode == 1 and f.get("class") == "scale-only" and f.get("site") == "L0.hidden_out",
+          f"the same values undeclared: exit {r.returncode}, {f.get('class')} at {f.get('site')}")
 
 
 def main() -> None:

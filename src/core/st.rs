@@ -129,13 +129,41 @@ pub fn is_float_dtype(d: StDtype) -> bool {
     matches!(d, StDtype::F64 | StDtype::F32 | StDtype::F16 | StDtype::BF16)
 }
 
+/// The error for `bytes` that the safetensors parser refused with `e`, naming `path` and the
+/// field `header`. Bytes that cannot be a safetensors file at all get a reason that says so and
+/// what was found instead of the parser's message (which for an arbitrary file is a misleading
+/// "header too large"): fewer than 8 bytes; a GGUF file (magic `GGUF`); a header length (the
+/// first 8 bytes, little-endian u64) past the end of the file; a header that does not open
+/// with `{`. Anything else (a safetensors file with a bad header) keeps the parser's message.
+pub fn header_error(path: &Path, bytes: &[u8], e: &safetensors::SafeTensorError) -> Error {
+    let reason = match bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    {
+        _ if bytes.starts_with(b"GGUF") => "not a safetensors file: this is a GGUF file (magic `GGUF`)".to_string(),
+        None => format!(
+            "not a safetensors file: {} bytes, fewer than the 8-byte header length a safetensors file starts with",
+            bytes.len()
+        ),
+        Some(n) if n > (bytes.len() - 8) as u64 => format!(
+            "not a safetensors file (or a truncated one): its first 8 bytes declare a header of {n} bytes, but the file has {} bytes",
+            bytes.len()
+        ),
+        Some(_) if bytes.get(8) != Some(&b'{') => {
+            "not a safetensors file: the header after the 8-byte length does not open with `{`".to_string()
+        }
+        Some(_) => e.to_string(),
+    };
+    bad(path, "header", reason)
+}
+
 /// Reads a trace file from bytes (`path` is used in error messages).
 ///
-/// Errors: [`Error::Safetensors`] for a malformed header, an unsupported dtype or a byte length
-/// that disagrees with the shape.
+/// Errors: [`Error::Safetensors`] for a malformed header (bytes that are no safetensors file:
+/// [`header_error`]), an unsupported dtype or a byte length that disagrees with the shape.
 pub fn read_bytes(path: &Path, bytes: &[u8]) -> Result<TraceFile> {
-    let st = SafeTensors::deserialize(bytes).map_err(|e| bad(path, "header", e.to_string()))?;
-    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| bad(path, "header", e.to_string()))?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| header_error(path, bytes, &e))?;
+    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| header_error(path, bytes, &e))?;
     let mut out = TraceFile {
         metadata: meta.metadata().clone().unwrap_or_default().into_iter().collect(),
         ..TraceFile::default()

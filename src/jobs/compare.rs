@@ -25,6 +25,15 @@ use crate::model::dump::{Dump, EngineDtype, StepsDump};
 use crate::model::gguf::GgufFile;
 use crate::model::weights::{LayerWeights, embed_hidden};
 
+/// What the next dumped layer's `hidden_in` is judged against: the output of dumped layer
+/// `layer`, as the engine dumped it (`hidden_out`) and as the reference computed it, [T, H] f64
+/// on the rows being judged.
+struct Handover {
+    layer: usize,
+    dump_out: Option<Array2<f64>>,
+    ref_out: Option<Array2<f64>>,
+}
+
 fn to_array(t: &TraceTensor, rows: usize, cols: usize) -> Result<Array2<f64>> {
     Array2::from_shape_vec((rows, cols), t.to_f64()).map_err(|e| Error::Usage(e.to_string()))
 }
@@ -38,10 +47,13 @@ fn to_array(t: &TraceTensor, rows: usize, cols: usize) -> Result<Array2<f64>> {
 /// the dump's `L{n-1}.hidden_out`, or (first layer only) from `tokens` through the embedding and
 /// the reference forward of layers `0..n`. When `tokens` are dumped, the first layer's dumped
 /// `hidden_in` is judged against the token-derived input; each later dumped `L{n}.hidden_in` is
-/// judged against the dump's own `L{n-1}.hidden_out`.
+/// judged against the dump's own `L{n-1}.hidden_out`, or, when the dump holds layer n−1 without
+/// it, against the reference's output of layer n−1 (a residual stream scaled between the layers
+/// is then `scale-only` there).
 ///
 /// An MoE layer's reference runs its MoE FFN (sites `moe_*`, `shared_out`, `hidden_out`) when the
-/// dump holds any of them for that layer; a token-derived input runs every earlier layer whole.
+/// dump holds any of them for that layer or holds the next layer; a token-derived input runs
+/// every earlier layer whole.
 ///
 /// Errors: no input for a layer; a reference layer that cannot run (missing tensors, an MoE
 /// layer in a file without `expert_count`).
@@ -61,7 +73,7 @@ pub fn compare_dump(
     let mut findings = Vec::new();
     let mut not_dumped = Vec::new();
     let mut tensor_types = Vec::new();
-    let mut prev: Option<(usize, Option<Array2<f64>>)> = None; // (layer, dump's hidden_out)
+    let mut prev: Option<Handover> = None;
     // The reference selection of the latest full DSA indexer layer, for GLM's shared layers.
     let mut prev_sel: Option<Selection> = None;
     for (i, &layer) in layers.iter().enumerate() {
@@ -71,8 +83,10 @@ pub fn compare_dump(
             tensor_types = w.types.clone();
         }
         let own_in = dl.get(&Site::new(layer, Stage::HiddenIn));
-        // The expected input (what hidden_in is judged against), when known independently.
+        // The expected input (what hidden_in is judged against), when known independently, and
+        // the input to run from when the dump has no hidden_in.
         let mut expected_in: Option<Array2<f64>> = None;
+        let mut fallback_in: Option<Array2<f64>> = None;
         if i == 0 {
             if let Some(tk) = &dump.tokens {
                 let mut h = embed_hidden(file, cfg, tk)?;
@@ -93,16 +107,20 @@ pub fn compare_dump(
                         .hidden_out
                         .ok_or_else(|| Error::Usage(format!("reference: layer {k} produced no hidden_out")))?;
                 }
+                fallback_in = Some(h.clone());
                 expected_in = Some(h);
             }
-        } else if let Some((pl, Some(ho))) = &prev
-            && *pl + 1 == layer
+        } else if let Some(h) = &prev
+            && h.layer + 1 == layer
         {
-            expected_in = Some(ho.clone());
+            // The engine's own hidden_out of layer n−1 when dumped (the same tensor), else the
+            // reference's output of layer n−1: the handover between layers is always judged.
+            fallback_in.clone_from(&h.dump_out);
+            expected_in = h.dump_out.clone().or_else(|| h.ref_out.clone());
         }
-        let input = match (own_in, &expected_in, &prev) {
-            (Some(x), _, _) => to_array(x, t, cfg.hidden)?,
-            (None, Some(e), _) => e.clone(),
+        let input = match (own_in, &fallback_in) {
+            (Some(x), _) => to_array(x, t, cfg.hidden)?,
+            (None, Some(e)) => e.clone(),
             _ => {
                 return Err(Error::Usage(format!(
                     "{}: layer {layer} has no input: dump L{layer}.hidden_in{}",
@@ -111,7 +129,9 @@ pub fn compare_dump(
                 )));
             }
         };
-        let refo = dumped_layer_reference(file, cfg, &w, &input, &dump.batch, dl, &mut prev_sel)?;
+        let next_dumped = dump.layers.contains_key(&(layer + 1));
+        let refo = dumped_layer_reference(file, cfg, &w, &input, &dump.batch, dl, next_dumped, &mut prev_sel)?;
+        let ref_out = refo.hidden_out;
         let mut reference = refo.trace;
         if let Some(e) = expected_in {
             let flat: Vec<f64> = e.iter().copied().collect();
@@ -134,13 +154,17 @@ pub fn compare_dump(
             .get(&Site::new(layer, Stage::HiddenOut))
             .map(|x| to_array(x, t, cfg.hidden))
             .transpose()?;
-        prev = Some((layer, ho));
+        prev = Some(Handover {
+            layer,
+            dump_out: ho,
+            ref_out,
+        });
     }
     let engine = dump.metadata.get("engine").cloned().unwrap_or_else(|| "unknown".into());
     let summary = DumpSummary {
         path: dump.path.display().to_string(),
         engine: engine.clone(),
-        map: map_name,
+        map: map_name.or_else(|| dump.map.clone()),
         metadata: dump.metadata.clone(),
         conversions: dump.conversions.clone(),
         ignored: dump.ignored.clone(),
@@ -172,10 +196,12 @@ pub fn compare_dump(
 }
 
 /// The reference of one dumped layer on `input` (rows of `batch`): with the layer's MoE FFN when
-/// the dump holds any MoE site or `hidden_out` of it. Keeps `prev_sel`, the selection of the
-/// latest full DSA indexer layer that GLM's shared layers borrow, up to date.
+/// the dump holds any MoE site or `hidden_out` of it, or when `next_dumped` (the next layer is
+/// dumped, and its `hidden_in` is judged against this layer's output). Keeps `prev_sel`, the
+/// selection of the latest full DSA indexer layer that GLM's shared layers borrow, up to date.
 ///
 /// Errors: as [`reference_layer_full`].
+#[allow(clippy::too_many_arguments)]
 fn dumped_layer_reference(
     file: &GgufFile,
     cfg: &MlaConfig,
@@ -183,12 +209,14 @@ fn dumped_layer_reference(
     input: &Array2<f64>,
     batch: &Batch,
     dl: &Trace,
+    next_dumped: bool,
     prev_sel: &mut Option<Selection>,
 ) -> Result<RefOutput> {
-    let wants_ffn = dl
-        .entries()
-        .iter()
-        .any(|(s, _)| s.stage.is_moe() || s.stage == Stage::HiddenOut);
+    let wants_ffn = next_dumped
+        || dl
+            .entries()
+            .iter()
+            .any(|(s, _)| s.stage.is_moe() || s.stage == Stage::HiddenOut);
     let refo = if cfg.is_moe_layer(w.layer) && wants_ffn {
         reference_layer_full(file, cfg, w, input, batch, 1, prev_sel.as_ref())?
     } else {
@@ -291,8 +319,12 @@ fn take_heads(t: &TraceTensor, stage: Stage, cfg: &MlaConfig, [a, b]: [usize; 2]
 
 /// Compares a format-2 dump with the reference: every step of every dumped layer, each step
 /// against the reference run from position 0 over the sequences' cached context and new tokens
-/// (fed with the `hidden_in` rows of the steps up to it), judging only the step's new rows. The
-/// model's identity has been checked by the caller ([`crate::model::dump::check_identity`]).
+/// (fed with the `hidden_in` rows of the steps up to it), judging only the step's new rows; where
+/// a step holds layers n−1 and n, its `L{n}.hidden_in` is judged against its own
+/// `L{n-1}.hidden_out`, or without one against the reference's output of layer n−1 on the step's
+/// rows (after [`crate::model::dump::read`] divided out a declared `conventions.residual_scale`).
+/// The model's identity has been checked by the caller
+/// ([`crate::model::dump::check_identity`]).
 ///
 /// Tolerance rows, first that applies: `precision` (`compare --precision`), then `dtype`
 /// (`compare --dtype`), then the header's `kernel_precision` (the rows `run --dtype` applies for
@@ -355,6 +387,8 @@ pub fn compare_steps(
             off += q.context + q.new;
         }
         let mut prev_sel: Option<Selection> = None;
+        // The previous dumped layer's output in this step, on the step's rows.
+        let mut prev: Option<Handover> = None;
         for (&layer, dl) in &d.layers {
             let w = LayerWeights::load(file, cfg, layer)?;
             if tensor_types.is_empty() {
@@ -390,7 +424,8 @@ pub fn compare_steps(
                     }
                 }
             }
-            let refo = dumped_layer_reference(file, cfg, &w, &full_in, &full, dl, &mut prev_sel)?;
+            let next_dumped = d.layers.contains_key(&(layer + 1));
+            let refo = dumped_layer_reference(file, cfg, &w, &full_in, &full, dl, next_dumped, &mut prev_sel)?;
             let mut reference = crate::core::trace::Trace::new();
             for (s, t) in refo.trace.entries() {
                 let rows = take_rows(t, &new_rows, t_full);
@@ -400,6 +435,30 @@ pub fn compare_steps(
                 };
                 reference.record(*s, t);
             }
+            // The handover from layer n−1: this step's hidden_in against the engine's own
+            // hidden_out of layer n−1 when dumped, else the reference's output of layer n−1.
+            if let Some(h) = &prev
+                && h.layer + 1 == layer
+                && let Some(e) = h.dump_out.as_ref().or(h.ref_out.as_ref())
+            {
+                reference.record(
+                    Site::new(layer, Stage::HiddenIn),
+                    TraceTensor::f64(vec![t_new, cfg.hidden], e.iter().copied().collect()),
+                );
+            }
+            let ref_out = refo
+                .hidden_out
+                .as_ref()
+                .map(|ho| Array2::from_shape_fn((t_new, cfg.hidden), |(i, j)| ho[[new_rows[i], j]]));
+            let dump_out = dl
+                .get(&Site::new(layer, Stage::HiddenOut))
+                .map(|x| to_array(x, t_new, cfg.hidden))
+                .transpose()?;
+            prev = Some(Handover {
+                layer,
+                dump_out,
+                ref_out,
+            });
             for s in reference.sites_in_order() {
                 let name = s.to_string();
                 if dl.get(&s).is_none() && !not_dumped.contains(&name) {
@@ -462,7 +521,7 @@ pub fn compare_steps(
         dump: Some(DumpSummary {
             path: sd.path.display().to_string(),
             engine,
-            map: map_name,
+            map: map_name.or_else(|| first.map.clone()),
             metadata,
             conversions,
             ignored: sd.ignored.clone(),

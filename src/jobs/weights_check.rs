@@ -26,13 +26,14 @@ use crate::compute::reference::{assemble_kv_b, f64m};
 use crate::core::class::Class;
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
+use crate::core::st::header_error;
 use crate::core::trace::{Stage, TraceTensor};
 use crate::judge::diagnose::blocks::find_blocks;
 use crate::judge::diagnose::blocks::rel_l2 as rel;
 use crate::judge::metrics::{self, Metrics};
 use crate::judge::tolerance::tolerance;
 use crate::model::config::{KvBLayout, MlaConfig};
-use crate::model::dump::Map;
+use crate::model::dump::{FORMAT1, FORMAT2, Map};
 use crate::model::gguf::GgufFile;
 use crate::model::weights::{LayerWeights, QWeights, tensor_name};
 
@@ -333,10 +334,52 @@ fn match_threshold(dtype: Dtype) -> f64 {
     }
 }
 
+/// Refuses an activation dump, the file `compare` reads, before its `L{n}.o_proj` [T, H] (an
+/// activation site whose name is also the `o_proj` param's) is judged as a weight: a format-2
+/// dump without `weights.…` tensors, or a file whose `L{n}.{param}` names are at most `o_proj`
+/// while it holds activation sites (`L0.hidden_in`, …) or says `format = mla-diff dump 1`.
+///
+/// Errors: [`Error::Safetensors`] naming the file and `tensors`, saying to use `compare`.
+fn refuse_activation_dump(
+    path: &Path,
+    metadata: &BTreeMap<String, String>,
+    names: &[String],
+    format2: bool,
+) -> Result<()> {
+    let refuse = |why: String| Error::Safetensors {
+        path: path.to_path_buf(),
+        what: "tensors".into(),
+        reason: format!(
+            "this is an activation dump ({why}): use `mla-diff compare --dump`; `weights --check` reads an engine's loaded weights (`L0.kv_b_proj`, …, or a format-2 dump's `weights.L0.kv_b_proj`)"
+        ),
+    };
+    if format2 {
+        if names.iter().any(|n| n.starts_with("weights.")) {
+            return Ok(());
+        }
+        return Err(refuse(format!("`{FORMAT2}` without `weights.…` tensors")));
+    }
+    let weights_besides_o_proj = names
+        .iter()
+        .any(|n| parse_name(n).is_some_and(|(_, param, _)| param != "o_proj"));
+    if weights_besides_o_proj {
+        return Ok(());
+    }
+    let site = names
+        .iter()
+        .find(|n| parse_name(n).is_none() && crate::core::trace::Site::parse(n).is_some_and(|s| !s.stage.is_weight()));
+    match (site, metadata.get("format").map(|f| f.trim())) {
+        (Some(s), _) => Err(refuse(format!("activation sites such as `{s}`"))),
+        (None, Some(FORMAT1)) => Err(refuse(format!("`format = {FORMAT1}`"))),
+        _ => Ok(()),
+    }
+}
+
 /// Checks the weights in `path` against the GGUF.
 ///
-/// Errors: an unreadable or malformed file, a tensor with an integer dtype, a layer out of range,
-/// GGUF tensors that cannot be loaded, no MLA param at all in the file.
+/// Errors: an unreadable or malformed file, an activation dump (the file `compare` reads), a
+/// tensor with an integer dtype, a layer out of range, GGUF tensors that cannot be loaded, no
+/// MLA param at all in the file.
 pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -> Result<WeightsReport> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
     let bad = |what: &str, reason: String| Error::Safetensors {
@@ -344,12 +387,12 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
         what: what.to_string(),
         reason,
     };
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| bad("header", e.to_string()))?;
-    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| bad("header", e.to_string()))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
     let metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();
     // A format-2 dump carries the weights as `weights.L{n}.{param}` next to its steps, and its
     // dtype in the header.
-    let format2 = metadata.get("format").map(|f| f.trim()) == Some(crate::model::dump::FORMAT2);
+    let format2 = metadata.get("format").map(|f| f.trim()) == Some(FORMAT2);
     let header_dtype = format2
         .then(|| metadata.get("header"))
         .flatten()
@@ -366,6 +409,7 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
     let mut ignored = Vec::new();
     let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
     names.sort();
+    refuse_activation_dump(path, &metadata, &names, format2)?;
     for full_name in names {
         let name = if format2 {
             match full_name.strip_prefix("weights.") {

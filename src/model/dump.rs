@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::core::batch::{Batch, SeqSpec};
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
+use crate::core::st::header_error;
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::model::config::{KvBLayout, MlaConfig};
 use crate::model::gguf::GgufFile;
@@ -354,6 +355,9 @@ impl std::fmt::Display for EngineDtype {
     }
 }
 
+/// The `format` metadata value of a format-1 dump (optional: a file without it is format 1 too).
+pub const FORMAT1: &str = "mla-diff dump 1";
+
 /// The `format` metadata value of a format-2 dump.
 pub const FORMAT2: &str = "mla-diff dump 2";
 
@@ -403,9 +407,22 @@ pub struct Conventions {
     /// `e` (default) or `2`: the base of the dumped `lse`.
     #[serde(default)]
     pub lse_base: Option<String>,
-    /// Reserved: a residual-stream scale an engine applies on purpose; must be null.
+    /// The factor `s` (a positive number; null or absent = 1) by which the engine's residual
+    /// stream differs from the model's on purpose: every dumped `hidden_out`, and `hidden_in`
+    /// of every layer but the model's first (layer 0's is the embedding), holds `s ×` the
+    /// model's value. vLLM's fp16 path carries `s = 1/routed_scaling_factor`. Kept as JSON so a
+    /// wrong value is reported as written; read it with [`Conventions::residual_scale()`].
     #[serde(default)]
     pub residual_scale: Option<serde_json::Value>,
+}
+
+impl Conventions {
+    /// The declared residual-stream factor (the `residual_scale` field), `None` when
+    /// absent, null or not a number (a header that passed [`peek_header`] or [`read`] holds a
+    /// positive finite number or nothing).
+    pub fn residual_scale(&self) -> Option<f64> {
+        self.residual_scale.as_ref().and_then(serde_json::Value::as_f64)
+    }
 }
 
 /// One sequence's share of a step (`header.steps[k].seqs[i]`).
@@ -592,11 +609,13 @@ fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader> {
     if h.steps.is_empty() {
         return Err(derr(path, "__metadata__.header.steps", "no step"));
     }
-    if h.conventions.residual_scale.as_ref().is_some_and(|v| !v.is_null()) {
+    if let Some(v) = h.conventions.residual_scale.as_ref().filter(|v| !v.is_null())
+        && v.as_f64().is_none_or(|x| !(x.is_finite() && x > 0.0))
+    {
         return Err(derr(
             path,
             "__metadata__.header.conventions.residual_scale",
-            "reserved: must be absent or null",
+            format!("{v}: expected a positive number (the factor the engine's residual stream carries) or null"),
         ));
     }
     if let Some(b) = h.conventions.lse_base.as_deref()
@@ -646,7 +665,9 @@ fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader> {
 }
 
 /// Reads a dump of either format. Format 2's steps are each read as a format-1 dump of the step's
-/// new tokens (tensors `s{k}.…` without the prefix), with the header's dtype and conventions;
+/// new tokens (tensors `s{k}.…` without the prefix), with the header's dtype and conventions (a
+/// base-2 `lse` converted to natural log; a declared `residual_scale` divided out of the
+/// residual-stream sites, [`Conventions::residual_scale()`]; each listed among the conversions);
 /// with `heads = [a, b]`, the per-head sites ([`is_per_head`]) have `b − a` heads.
 /// `weights.…` tensors are for `weights --check` and skipped here.
 ///
@@ -657,7 +678,7 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
     if bytes.starts_with(b"GGUF") {
         return load_bytes(path, &bytes, map, cfg).map(DumpFile::One);
     }
-    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| derr(path, "header", e.to_string()))?;
+    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
     let metadata = meta.metadata().clone().unwrap_or_default();
     if metadata.get("format").map(|s| s.trim()) != Some(FORMAT2) {
         return load_bytes(path, &bytes, map, cfg).map(DumpFile::One);
@@ -679,7 +700,7 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
     };
     // A dump of heads a..b: its per-head sites are read with b − a heads.
     let cfg = heads_cfg.as_ref().unwrap_or(cfg);
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| derr(path, "header", e.to_string()))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
     let mut ignored = Vec::new();
     for name in st.names() {
         let stepped = name
@@ -745,6 +766,9 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
                 }
             }
         }
+        if let Some(s) = header.conventions.residual_scale().filter(|&s| s != 1.0) {
+            undo_residual_scale(&mut d, s);
+        }
         steps.push((spec.clone(), d));
     }
     Ok(DumpFile::Steps(Box::new(StepsDump {
@@ -753,6 +777,28 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
         steps,
         ignored,
     })))
+}
+
+/// Divides the declared residual-stream factor `s` (`conventions.residual_scale`) out of the
+/// residual-stream sites of `d`: every `hidden_out`, and `hidden_in` of layers > 0 (layer 0's
+/// input is the embedding, before any layer scaled it). Each division is listed among the
+/// conversions.
+fn undo_residual_scale(d: &mut Dump, s: f64) {
+    for trace in d.layers.values_mut() {
+        let stream: Vec<(Site, TraceTensor)> = trace
+            .entries()
+            .iter()
+            .filter(|(site, _)| site.stage == Stage::HiddenOut || (site.stage == Stage::HiddenIn && site.layer > 0))
+            .cloned()
+            .collect();
+        for (site, t) in stream {
+            let v: Vec<f64> = t.to_f64().iter().map(|x| x / s).collect();
+            trace.record(site, TraceTensor::f64(t.shape.clone(), v));
+            d.conversions.push(format!(
+                "{site}: residual stream ×{s} (conventions.residual_scale) divided out"
+            ));
+        }
+    }
 }
 
 /// Checks that `file` is the model a format-2 dump was made from: the header-and-index hash, and
@@ -793,6 +839,8 @@ pub fn check_identity(dump: &Path, h: &DumpHeader, file: &GgufFile, layers: &[us
 pub struct Dump {
     /// The dump file.
     pub path: PathBuf,
+    /// The built-in map picked from the metadata when none was given ([`map_from_metadata`]).
+    pub map: Option<String>,
     /// `__metadata__`.
     pub metadata: BTreeMap<String, String>,
     /// Each dumped layer's sites (f32 or f64 data, our shapes).
@@ -1051,6 +1099,22 @@ fn parse_list(path: &Path, key: &str, s: &str) -> Result<Vec<usize>> {
         .collect()
 }
 
+/// The built-in map a dump needs when none was given, from its metadata: `llama.cpp` for a dump
+/// whose `engine` starts with `llama.cpp` (what `scripts/dump_llama_cpp.py` writes) and none of
+/// whose tensor `names` is a site (`L0.hidden_in`, …): llama.cpp's graph names (`kv_cmpr-0#1`)
+/// mean nothing without it. `None` otherwise.
+///
+/// Errors: as [`Map::load`] for the built-in map.
+pub fn map_from_metadata(metadata: &BTreeMap<String, String>, names: &[&str]) -> Result<Option<Map>> {
+    let llama_cpp = metadata
+        .get("engine")
+        .is_some_and(|e| e.trim().to_ascii_lowercase().starts_with("llama.cpp"));
+    if llama_cpp && !names.iter().any(|n| Site::parse(n).is_some()) {
+        return Map::load("llama.cpp").map(Some);
+    }
+    Ok(None)
+}
+
 /// Reads and normalizes a dump.
 ///
 /// Errors ([`Error::Safetensors`], naming the file and the tensor or metadata key): a malformed
@@ -1072,9 +1136,14 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
             "this is a GGUF file, not a safetensors dump; pass it as --model",
         ));
     }
-    let st = SafeTensors::deserialize(bytes).map_err(|e| derr(path, "header", e.to_string()))?;
-    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| derr(path, "header", e.to_string()))?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| header_error(path, bytes, &e))?;
+    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| header_error(path, bytes, &e))?;
     let metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();
+    let auto = match map {
+        Some(_) => None,
+        None => map_from_metadata(&metadata, &st.names())?,
+    };
+    let map = map.or(auto.as_ref());
     let meta_enum = |key: &str| -> Result<Option<String>> { Ok(metadata.get(key).map(|s| s.trim().to_string())) };
     let rope_order = match (map.and_then(|m| m.rope_order), meta_enum("rope_order")?.as_deref()) {
         (Some(o), _) => o,
@@ -1183,10 +1252,13 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
             format!(
                 "no site found (names like `L3.kv_c_normed`); {} other tensor(s){}",
                 ignored.len(),
-                if map.is_none() {
-                    ": does the dump need --map?"
-                } else {
-                    ""
+                match (map, metadata.get("engine")) {
+                    (Some(_), _) => String::new(),
+                    (None, Some(e)) => format!(
+                        ": does the dump need --map (hf, vllm, llama.cpp or a MAP.json)? Its metadata says engine `{}`",
+                        e.trim()
+                    ),
+                    (None, None) => ": does the dump need --map (hf, vllm, llama.cpp or a MAP.json)?".to_string(),
                 }
             ),
         ));
@@ -1284,7 +1356,14 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
     // Normalize every site.
     let (l, r) = (cfg.kv_lora_rank, cfg.qk_rope_head_dim);
     let mut layers: BTreeMap<usize, Trace> = BTreeMap::new();
-    let mut conversions = map.map(|m| m.override_lines(&metadata)).unwrap_or_default();
+    let mut conversions = Vec::new();
+    if let (Some(m), Some(engine)) = (&auto, metadata.get("engine")) {
+        conversions.push(format!(
+            "map `{}` picked from the metadata `engine = {engine}` (no --map given; no tensor is named as a site)",
+            m.name.as_deref().unwrap_or_default()
+        ));
+    }
+    conversions.extend(map.map(|m| m.override_lines(&metadata)).unwrap_or_default());
     for RawSite {
         site,
         name,
@@ -1341,6 +1420,7 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
     }
     Ok(Dump {
         path: path.to_path_buf(),
+        map: auto.and_then(|m| m.name),
         metadata,
         layers,
         tokens: tokens.map(|v| v.into_iter().map(|x| x as u32).collect()),

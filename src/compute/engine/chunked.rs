@@ -161,10 +161,25 @@ pub(super) fn chunked_rank<O: Ops>(
         ops.copy2d(&pl, &mut lses, cp(1, t_new * nh, 0, 0, ci * t_new * nh, 0))?;
     }
     if f.has(Fault::UnwrittenRows) || f.has(Fault::LsePlusInf) {
-        notes.push(if skipped > 0 {
-            format!("{skipped} (new token, chunk) rows had no context keys and got the faulty empty-row handling")
+        // Each empty-row fault in its own words: unwritten-rows skips the rows, lse-plus-inf
+        // writes them with the wrong sentinel.
+        let (acted, fault) = if f.has(Fault::UnwrittenRows) {
+            (
+                "were skipped: their output and LSE keep the canary (unwritten-rows)",
+                "the unwritten-rows fault",
+            )
         } else {
-            "no context chunk was empty for any row: the empty-row fault had nothing to act on (use several --seqs of different lengths)".into()
+            (
+                "got output 0 with LSE = +inf instead of −inf, the empty partial's wrong sentinel (lse-plus-inf)",
+                "the lse-plus-inf fault",
+            )
+        };
+        notes.push(if skipped > 0 {
+            format!("{skipped} (new token, chunk) rows had no context keys and {acted}")
+        } else {
+            format!(
+                "no context chunk was empty for any row: {fault} had nothing to act on (use several --seqs of different lengths)"
+            )
         });
     }
     // The new tokens among themselves, causal (DSA: their kept keys among them).

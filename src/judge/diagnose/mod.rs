@@ -1369,6 +1369,32 @@ fn scale_only(x: &SiteCtx<'_>) -> Detected {
         return None;
     }
     let cfg = x.input.cfg;
+    let ratio = m.norm_ratio;
+    // The residual stream between layers (a layer's input or output): an engine's deliberate
+    // rescale that the dump does not declare, or one applied more often than intended.
+    if matches!(x.site.stage, Stage::HiddenIn | Stage::HiddenOut) {
+        let rsf = cfg
+            .moe
+            .as_ref()
+            .map(|m| m.weights_scale)
+            .filter(|&f| f > 0.0 && f != 1.0);
+        let named = rsf
+            .into_iter()
+            .flat_map(|f| (1..=4).map(move |k| (f.powi(-k), k)))
+            .find(|(f, _)| (ratio / f - 1.0).abs() < 2e-3)
+            .map(|(f, k)| {
+                let power = if k == 1 { String::new() } else { format!("^{k}") };
+                format!(" (the ratio is {f:.4} = (1/routed_scaling_factor){power})")
+            })
+            .unwrap_or_default();
+        return Some((
+            format!(
+                "cosine similarity 1 − {} (direction right) but norm ratio {ratio:.4}: the residual stream is scaled{named}",
+                fmt_e(1.0 - cos)
+            ),
+            "a residual stream scaled on purpose (vLLM's fp16 path carries it × 1/routed_scaling_factor) must be declared as dump format 2's `conventions.residual_scale`, which compare divides out; an undeclared scale, or one applied again in every layer (vLLM #14809), is a bug between the layers".into(),
+        ));
+    }
     let named = [
         (
             cfg.mscale(),
@@ -1377,7 +1403,6 @@ fn scale_only(x: &SiteCtx<'_>) -> Detected {
         (cfg.mscale() * cfg.mscale(), "the YaRN m²"),
         (1.0 / std::f64::consts::LN_2, "1/ln 2 (a base-2 log)"),
     ];
-    let ratio = m.norm_ratio;
     let cause = named
         .iter()
         .find(|(f, _)| (f - 1.0).abs() > 1e-3 && (ratio / f - 1.0).abs() < 2e-3)

@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# Runs the README's tour: every command in the ```sh blocks of README.md's "## Tour" section, as
+# written there, with the README's placeholders replaced by committed files (golden/models,
+# golden/dumps) and every output under a temporary folder. Each command's exit code is checked
+# against the one the table below expects, and one line is printed per command:
+#   pass  [exit 0] <the command as run>
+#   FAIL  [exit 2, expected 0] <the command as run>   (then the end of its output)
+#   skip  <the README command>: <why>
+# A README command that no row of the table matches is a FAIL, so a command added to the tour
+# without a row here is noticed. Commands that need a GPU, vLLM, transformers or llama.cpp are
+# skipped with the reason (their outputs are committed under golden/dumps/, and the commands
+# that read them run on those copies). The repository is never written: outputs go to a
+# `mktemp -d` folder, `golden record` runs in a copy of the layout it needs, and a change of
+# `git status` over the run is a FAIL.
+#
+# Usage: scripts/tour.sh   (binary: $MLA_DIFF_BIN, default target/release/mla-diff; Python for
+# make_sparse_gguf.py: $PYTHON, default python3, needs numpy and gguf, else that step is skipped)
+# Exit: 0 every command ran as expected or was skipped with a reason, 1 otherwise, 2 no binary.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+BIN=${MLA_DIFF_BIN:-target/release/mla-diff}
+[[ -x $BIN ]] || { echo "tour: no binary at $BIN (cargo build --release, or set MLA_DIFF_BIN)" >&2; exit 2; }
+BIN=$(realpath "$BIN")
+PY=${PYTHON:-python3}
+T=$(mktemp -d)
+trap 'rm -rf "$T"' EXIT
+G=golden/models
+D=golden/dumps
+
+# Outputs of skipped producers, from the committed dumps those producers made.
+mkdir -p "$T/k/out" "$T/repo/golden/models"
+cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/d.safetensors"        # dump_vllm.py (format 2, with weights)
+cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/vllm.safetensors"     # vllm_cpu.py run
+cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/loaded.safetensors"   # an engine's loaded weights
+cp "$D/fa3-v3-bf16.kernel-flashmla.safetensors" "$T/k/out/flashmla.safetensors"  # engine_kernels.py
+cp "$G/tiny-v3-q8_0.gguf" "$T/repo/golden/models/"                # golden record's repository
+SPARSE="needs a Python with numpy and gguf (pip install numpy gguf; or set PYTHON)"
+"$PY" -c "import numpy, gguf" 2>/dev/null && SPARSE=""
+
+# One row per README command: a bash glob matched against the command as the README writes it
+# (first match wins), then the expected exit code and the sed script that makes it runnable, or
+# `skip` and the reason. Every row also gets: `mla-diff` → the binary, `/tmp/` → the temporary
+# folder, `python ` → $PYTHON, `[optional args]` dropped.
+ROWS=(
+  'mla-diff run --model DeepSeek-V3-Q4_K_M.gguf *|0|s#DeepSeek-V3-Q4_K_M.gguf#'"$G"'/tiny-v3-q4_k_m.gguf#; s#--layer 3#--layer 1#'
+  'mla-diff run --model m.gguf --layers *|0|s#m\.gguf#'"$G"'/tiny-v3-f32.gguf#; s#--layers 0\.\.4#--layers 0..2#'
+  'mla-diff run --model m.gguf * --backend cuda *|skip|needs a GPU (--backend cuda)'
+  'mla-diff run --model m.gguf *|0|s#m\.gguf#'"$G"'/tiny-v3-f32.gguf#; s#--layer 3#--layer 1#'
+  'mla-diff run --layer 1 --inject *|1|'
+  'python*scripts/dump_hf.py *|skip|needs transformers and an HF model folder (its dumps are committed: golden/dumps/*.hf*)'
+  'python*scripts/dump_llama_cpp.py *|skip|needs llama-cpp-python (its dumps are committed: golden/dumps/*.llama-cpp*)'
+  'python*scripts/dump_vllm.py *|skip|needs vLLM and a GPU (scripts/vllm_live_gpu.sh; its dumps are committed: golden/dumps/*.vllm*)'
+  'python*scripts/engine_kernels.py *|skip|needs a GPU and the kernels'"'"' wheels (scripts/kernels_gpu.sh; its dumps are committed: golden/dumps/*.kernel-*)'
+  'python*scripts/vllm_cpu.py *|skip|installs vLLM (~3.6 GiB of wheels; its dumps are committed: golden/dumps/*.vllm*)'
+  'mla-diff compare --model model.gguf --dump dump.safetensors*|0|s#model\.gguf#'"$G"'/tiny-v3-f32.gguf#; s#dump\.safetensors#'"$D"'/tiny-v3-f32.hf.safetensors#'
+  'mla-diff compare --model model.gguf --dump /tmp/k/out/*|0|s#model\.gguf#'"$G"'/fa3-v3-bf16.gguf#'
+  'mla-diff compare --model model.gguf --dump /tmp/d.safetensors*|0|s#model\.gguf#'"$G"'/legacy-kvb-f32.gguf#'
+  'mla-diff compare --model golden/models/legacy-kvb-f32.gguf --dump /tmp/vllm.safetensors*|0|'
+  'mla-diff weights --model model.gguf --check /tmp/d.safetensors*|0|s#model\.gguf#'"$G"'/legacy-kvb-f32.gguf#'
+  'mla-diff weights --model model.gguf --check loaded.safetensors*|0|s#model\.gguf#'"$G"'/legacy-kvb-f32.gguf#; s#loaded\.safetensors#/tmp/loaded.safetensors#'
+  'mla-diff run --model model.gguf * --export-inputs *|0|s#model\.gguf#'"$G"'/tiny-v3-f32.gguf#; s#--layer 3#--layer 1#'
+  'mla-diff golden check --all*|0|'
+  'mla-diff golden record *|0|s#^#cd /tmp/repo \&\& #'
+  'mla-diff selftest*|0|'
+  'bash scripts/bench_gpu.sh*|skip|needs a GPU'
+  'mla-diff bench --dequant model.gguf*|0|s#model\.gguf#'"$G"'/tiny-v3-q4_k_m.gguf#'
+  'mla-diff bench --reference model.gguf *|0|s#model\.gguf#'"$G"'/tiny-v3-q4_k_m.gguf#; s#--layer 3#--layer 1#'
+  'python*scripts/bench_cpu.py*|skip|needs torch, transformers 5, gguf-py and llama-cpp-python'
+  'mla-diff kernels --compile-only *|skip|needs NVRTC and the CUDA headers (.ci/run compiles the kernels with NVRTC from PyPI)'
+  'python*scripts/make_sparse_gguf.py *|sparse|'
+  'mla-diff run --model /tmp/v3/*|sparse|'
+  'mla-diff inspect *|0|'
+)
+
+# The README's tour commands: ```sh blocks between "## Tour" and the next "## " heading,
+# continuation lines joined, trailing comments dropped.
+readarray -t CMDS < <(awk '
+  /^## / { tour = ($0 ~ /^## Tour/) }
+  tour && /^```sh[[:space:]]*$/ { inb = 1; next }
+  /^```/ { inb = 0; next }
+  tour && inb {
+    line = $0
+    if (cont != "") { sub(/^[[:space:]]+/, "", line); line = cont " " line; cont = "" }
+    if (line ~ /\\[[:space:]]*$/) { sub(/[[:space:]]*\\[[:space:]]*$/, "", line); cont = line; next }
+    sub(/[[:space:]]+#[[:space:]].*$/, "", line)
+    if (line !~ /^[[:space:]]*$/) print line
+  }' README.md)
+
+before=$(git status --porcelain 2>/dev/null)
+fails=0 passed=0 skipped=0 n=0
+for cmd in "${CMDS[@]}"; do
+  n=$((n + 1))
+  row=""
+  for r in "${ROWS[@]}"; do
+    # shellcheck disable=SC2053  # the row's pattern is a glob on purpose
+    if [[ $cmd == ${r%%|*} ]]; then row=$r; break; fi
+  done
+  if [[ -z $row ]]; then
+    echo "FAIL  $cmd: no row in scripts/tour.sh's table (add one: expected exit, substitutions)"
+    fails=$((fails + 1)); continue
+  fi
+  rest=${row#*|}; expect=${rest%%|*}; arg=${rest#*|}
+  if [[ $expect == sparse ]]; then
+    if [[ -n $SPARSE ]]; then expect=skip; arg=$SPARSE; else expect=0; arg=""; fi
+  fi
+  if [[ $expect == skip ]]; then
+    echo "skip  $cmd: $arg"; skipped=$((skipped + 1)); continue
+  fi
+  run=$(printf '%s\n' "$cmd" | sed -e "$arg" -e 's#\[[^]]*\]##g; s#  *# #g; s# *$##' \
+    -e "s#/tmp/#$T/#g" -e "s#^mla-diff #$BIN #; s#&& mla-diff #\&\& $BIN #; s#^python #$PY #")
+  log="$T/log.$n"
+  (cd "$ROOT" && bash -c "$run") >"$log" 2>&1
+  rc=$?
+  if [[ $rc == "$expect" ]]; then
+    echo "pass  [exit $rc] $run"; passed=$((passed + 1))
+  else
+    echo "FAIL  [exit $rc, expected $expect] $run"; tail -n 15 "$log" | sed 's/^/      /'
+    fails=$((fails + 1))
+  fi
+done
+if [[ $(git status --porcelain 2>/dev/null) != "$before" ]]; then
+  echo "FAIL  the tour changed the repository:"; git status --porcelain | sed 's/^/      /'
+  fails=$((fails + 1))
+fi
+echo "tour: ${#CMDS[@]} README commands: $passed passed, $skipped skipped, $fails failed"
+(( n > 0 && fails == 0 ))

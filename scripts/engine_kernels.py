@@ -506,7 +506,7 @@ def main():
         if name == "run":
             p.add_argument("out", help="directory for <kernel>.safetensors")
             p.add_argument("--force", action="store_true", help="overwrite existing dumps")
-        p.add_argument("--kernels", default="flashmla,triton-mla,flashinfer")
+        p.add_argument("--kernels", default="flashmla,triton-mla,flashinfer,fa3")
         p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
         p.add_argument("--vllm-root", default=os.environ.get("VLLM_ROOT", "."), help="directory holding vllm/")
         p.add_argument("--splits", type=int, default=None, help="triton-mla num_kv_splits (default: vLLM's rule)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What scripts/engine_kernels.py needs on a GPU machine without network, in one file small enough
-# to carry in one call (about 20 MB), and its installation there.
+# to carry to it (about 30 MB), and its installation there.
 #
 #   scripts/kernel_bundle.sh make VLLM_WHEEL FLASHINFER_WHEEL TVM_FFI_WHEEL OUT.tar
 #       OUT.tar holds, unmodified: the files of the vLLM wheel that the kernels are

@@ -834,3 +834,37 @@ fn base_2_partials_merged_as_natural_log_are_named_lse_merge() {
         );
     }
 }
+
+/// `--export-inputs DIR` creates DIR (and its missing parents) as the README's example expects,
+/// and refuses, before the run, a DIR below a file.
+#[test]
+fn the_export_folder_is_created_and_a_file_in_its_path_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("k/in");
+    let (code, out, err) = run_bin(&[
+        "run",
+        "--quiet",
+        "--path",
+        "mha",
+        "--export-inputs",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(dir.join("inputs.safetensors").is_file());
+    let file = tmp.path().join("plain");
+    std::fs::write(&file, b"x").unwrap();
+    let below = file.join("in");
+    let (code, out, err) = run_bin(&[
+        "run",
+        "--quiet",
+        "--path",
+        "mha",
+        "--export-inputs",
+        below.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{out}\n{err}");
+    assert!(
+        err.contains("is not a folder") && !out.contains("within tolerance"),
+        "{out}\n{err}"
+    );
+}

@@ -130,6 +130,21 @@ impl ExportRequest {
                 self.dir.display()
             )));
         }
+        if !self.dir.exists() {
+            // The export creates its folder: every existing ancestor must be a folder.
+            let mut up = self.dir.parent();
+            while let Some(d) = up.filter(|d| !d.as_os_str().is_empty() && !d.exists()) {
+                up = d.parent();
+            }
+            if let Some(d) = up.filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
+                return Err(Error::Usage(format!(
+                    "--export-inputs {}: {} is not a folder",
+                    self.dir.display(),
+                    d.display()
+                )));
+            }
+            return Ok(());
+        }
         crate::core::fsio::refuse_existing(&self.path(), self.force)
     }
 }

@@ -824,7 +824,7 @@ def test_fp16(tmp: Path, ck) -> None:
         print("  skip format 2 (no gguf-py for the model identity)")
         return
     import json
-    out = cap.write_format2(tmp / "f16.safetensors", model_path=HERE.parent / "golden" / "models" / "tiny-v3-f32.gguf")
+    out = cap.write_format2(tmp / "f16.safetensors", model_path=ROOT / "golden" / "models" / "tiny-v3-f32.gguf")
     t2, meta2 = read(out)
     conv = json.loads(meta2["header"])["conventions"]
     check(conv["residual_scale"] == 1 / 2.5 and

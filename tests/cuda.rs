@@ -115,6 +115,111 @@ fn device_paths_match_the_cpu_paths() {
     }
 }
 
+/// A layer is dequantized once on the device: the host copy `load_layer_weights` returns holds
+/// the CPU decoder's bits, the GPU reference reading the device copy gives the bits it gives
+/// from the host copy, and the paths that take the device copy over give the bits of paths that
+/// dequantize the raw bytes themselves.
+#[test]
+fn a_layer_dequantized_once_on_the_device_gives_the_bits_of_separate_dequantizations() {
+    let Some(ops) = device() else { return };
+    let file = mla_diff::model::fixture::open_model(None).unwrap();
+    let cfg = MlaConfig::from_gguf(&file).unwrap();
+    let host = LayerWeights::load(&file, &cfg, 1).unwrap();
+    let gpu = Backend::Cuda(ops);
+    let Backend::Cuda(o) = &gpu else { unreachable!() };
+    let batch = mla_diff::jobs::selftest::selftest_batch(16);
+    let t = batch.n_tokens();
+    let hidden = ndarray::Array2::from_shape_vec((t, cfg.hidden), normal_f32(11, t * cfg.hidden)).unwrap();
+    let hidden64 = hidden.mapv(f64::from);
+    let reference = |w: &LayerWeights| {
+        mla_diff::backend::cuda::reference::reference_layer(o.device(), &cfg, w, &hidden64, &batch, 1).unwrap()
+    };
+    let from_host = reference(&host);
+    let paths = |w: &LayerWeights| {
+        let input = LayerInput {
+            file: &file,
+            cfg: &cfg,
+            weights: w,
+            hidden_in: &hidden,
+            batch: &batch,
+            shared_selection: None,
+            forced_selection: None,
+            dequantized: None,
+        };
+        let mut runs = Vec::new();
+        gpu.run_paths(PathKind::ALL, &input, &PathOptions::default(), &mut |r| {
+            runs.push(r);
+            Ok(())
+        })
+        .unwrap();
+        runs
+    };
+    let separate = paths(&host);
+
+    let once = gpu.load_layer_weights(&file, &cfg, 1).unwrap();
+    let o_proj = "blk.1.attn_output.weight";
+    assert_eq!(once.o_proj.len(), host.o_proj.len());
+    for (name, a, b) in [
+        (
+            "attn_output",
+            once.o_proj.as_slice().unwrap(),
+            host.o_proj.as_slice().unwrap(),
+        ),
+        (
+            "attn_kv_a_mqa",
+            once.kv_a_mqa.as_slice().unwrap(),
+            host.kv_a_mqa.as_slice().unwrap(),
+        ),
+        (
+            "attn_norm",
+            once.attn_norm.as_slice().unwrap(),
+            host.attn_norm.as_slice().unwrap(),
+        ),
+    ] {
+        assert_eq!(first_bit_difference(a, b), None, "{name}: device-dequantized host copy");
+    }
+    assert_eq!(
+        o.device().with_layer_weight(o_proj, host.o_proj.len(), |b| b.len()),
+        Some(host.o_proj.len())
+    );
+    let from_device = reference(&once);
+    let mut compared = 0;
+    for (site, x) in from_host.trace.entries() {
+        let y = from_device.trace.get(site).unwrap();
+        let same = x
+            .to_f64()
+            .iter()
+            .zip(y.to_f64().iter())
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{site}: the GPU reference reading the device copy differs");
+        compared += 1;
+    }
+    assert!(compared > 10, "{compared} reference sites");
+    let shared = paths(&once);
+    assert_eq!(
+        o.device().with_layer_weight(o_proj, host.o_proj.len(), |b| b.len()),
+        None,
+        "the paths took o_proj over"
+    );
+    gpu.release_layer_weights();
+    assert_eq!(shared.len(), separate.len());
+    for (a, b) in shared.iter().zip(&separate) {
+        assert_eq!(a.trace.sites_in_order(), b.trace.sites_in_order(), "{}: sites", a.kind);
+        for site in b.trace.sites_in_order() {
+            let (x, y) = (
+                a.trace.get(&site).unwrap().to_f64(),
+                b.trace.get(&site).unwrap().to_f64(),
+            );
+            let same = x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits());
+            assert!(same, "{} {site}: paths on the shared device copy differ", a.kind);
+        }
+    }
+    eprintln!(
+        "one device dequantization: {compared} reference sites and {} path traces bit-identical",
+        shared.len()
+    );
+}
+
 /// Inputs of a merged-decode comparison: bf16 cache and queries from seeded normals, pages in a
 /// shuffled order, one token per entry of `ctx` (its context length).
 struct MergeCase {

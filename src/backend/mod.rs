@@ -78,6 +78,27 @@ impl Backend {
         }
     }
 
+    /// Layer `layer`'s weights, each whole tensor dequantized once for the reference and every
+    /// path: on the CPU for the CPU backend ([`LayerWeights::load`]); on the device from the raw
+    /// GGUF bytes for the CUDA backend, which keeps the device copy for the GPU reference and
+    /// the paths until [`Backend::release_layer_weights`]
+    /// ([`cuda::ops::CudaOps::load_layer_weights`]).
+    ///
+    /// Errors: as [`LayerWeights::load`], and CUDA failures.
+    pub fn load_layer_weights(&self, file: &GgufFile, cfg: &MlaConfig, layer: usize) -> Result<LayerWeights> {
+        match self {
+            Backend::Cpu(_) => LayerWeights::load(file, cfg, layer),
+            Backend::Cuda(o) => o.load_layer_weights(file, cfg, layer),
+        }
+    }
+
+    /// Frees what [`Backend::load_layer_weights`] kept on the device (nothing on the CPU).
+    pub fn release_layer_weights(&self) {
+        if let Backend::Cuda(o) = self {
+            o.device().release_layer_weights();
+        }
+    }
+
     /// The f64 reference of one layer (plus its rank weight sites for `tp`), where this backend
     /// runs it: on the GPU for a CUDA backend with the GPU reference on
     /// ([`cuda::ops::CudaOps::with_gpu_reference`]) when it computes the layer

@@ -99,6 +99,14 @@ pub trait Ops {
     fn adopt(&self, data: Vec<f32>) -> Result<Self::Buf> {
         self.upload(&data)
     }
+    /// Whole tensor `name` (`n` elements) as the backend already dequantized it in its own
+    /// memory for this layer, taken over by the caller; `None` (the default) when the backend
+    /// keeps no such copy and the caller dequantizes the raw bytes. The CUDA backend keeps what
+    /// it dequantized on the device for the reference.
+    fn take_dequantized(&self, name: &str, n: usize) -> Option<Self::Buf> {
+        let _ = (name, n);
+        None
+    }
     /// Keeps the site `site` (shape `shape`, the first `shape`-product elements of `b`) that a
     /// path records: the values for the host trace, or `None` when the backend keeps the site
     /// itself to compare it where it lives (the CUDA backend's device comparison). The default

@@ -45,6 +45,10 @@ pub struct Device {
     /// Fast kernels, compiled per shape on first use: (module, dim a, dim b, launch
     /// configuration's defines) → function.
     fast: Mutex<HashMap<FastKey, CudaFunction>>,
+    /// Whole weight tensors of the layer being judged, dequantized on this device from the raw
+    /// GGUF bytes once (f32, ggml element order), by GGUF tensor name: the GPU reference reads
+    /// them and the engine paths take them over, so that a layer is dequantized once.
+    layer_weights: Mutex<HashMap<String, CudaSlice<f32>>>,
     /// Device name, e.g. "NVIDIA H200".
     pub name: String,
     /// Compute capability.
@@ -97,6 +101,7 @@ impl Device {
             modules,
             functions: Mutex::new(HashMap::new()),
             fast: Mutex::new(HashMap::new()),
+            layer_weights: Mutex::new(HashMap::new()),
             name,
             compute_capability: cc,
             arch,
@@ -195,6 +200,39 @@ impl Device {
             .map_err(|e| cerr(format!("{}: kernel `{name}` not found: {e:?}", module.file())))?;
         cache.insert(name, f.clone());
         Ok(f)
+    }
+
+    /// Keeps `buf`, the whole tensor `name` dequantized on this device, for the layer being
+    /// judged (replacing an earlier one of that name).
+    pub fn keep_layer_weight(&self, name: &str, buf: CudaSlice<f32>) {
+        if let Ok(mut m) = self.layer_weights.lock() {
+            m.insert(name.to_string(), buf);
+        }
+    }
+
+    /// Runs `f` on the kept tensor `name` when it holds exactly `n` elements; `None` when there
+    /// is no such tensor (never kept, taken, or another size).
+    pub fn with_layer_weight<R>(&self, name: &str, n: usize, f: impl FnOnce(&CudaSlice<f32>) -> R) -> Option<R> {
+        let m = self.layer_weights.lock().ok()?;
+        m.get(name).filter(|b| b.len() == n).map(f)
+    }
+
+    /// Takes the kept tensor `name` when it holds exactly `n` elements (an engine path loading
+    /// the whole tensor); `None` otherwise, and the caller dequantizes the raw bytes itself.
+    pub fn take_layer_weight(&self, name: &str, n: usize) -> Option<CudaSlice<f32>> {
+        let mut m = self.layer_weights.lock().ok()?;
+        if m.get(name).is_some_and(|b| b.len() == n) {
+            m.remove(name)
+        } else {
+            None
+        }
+    }
+
+    /// Frees every kept tensor (the layer is judged).
+    pub fn release_layer_weights(&self) {
+        if let Ok(mut m) = self.layer_weights.lock() {
+            m.clear();
+        }
     }
 
     /// An uninitialized buffer of `n` floats (at least one): the caller fills it before any read.

@@ -25,6 +25,17 @@ use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
 use crate::model::weights::{Dequantized, LayerWeights, embed_hidden};
 
+/// Frees what [`Backend::load_layer_weights`] kept on the device when a layer is done, and on
+/// an early return with an error, so that no later layer (or later run in the same process)
+/// reads another layer's or file's tensors.
+struct ReleaseLayerWeights<'a>(&'a Backend);
+
+impl Drop for ReleaseLayerWeights<'_> {
+    fn drop(&mut self) {
+        self.0.release_layer_weights();
+    }
+}
+
 /// Seed of layer `layer`'s random input.
 pub(crate) fn layer_seed(seed: u64, layer: usize) -> u64 {
     seed ^ (layer as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
@@ -314,7 +325,8 @@ fn run_inner(
         if !wanted && rc.input == InputMode::Random {
             continue;
         }
-        let mut w = timing::stage("dequant", || LayerWeights::load(file, cfg, layer))?;
+        let mut w = timing::stage("dequant", || backend.load_layer_weights(file, cfg, layer))?;
+        let _release = ReleaseLayerWeights(backend);
         if tensor_types.is_empty() && wanted {
             tensor_types = w.types.clone();
         }

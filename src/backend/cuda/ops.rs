@@ -25,7 +25,9 @@ use crate::core::trace::Site;
 use crate::device::Module;
 use crate::device::context::{Device, grid1};
 use crate::device::supports_wgmma;
-use crate::model::gguf::{GgmlType, dequant};
+use crate::model::config::MlaConfig;
+use crate::model::gguf::{GgmlType, GgufFile, TensorInfo, dequant};
+use crate::model::weights::LayerWeights;
 
 /// Rows of one flash-prefill block (one warp each), as `FLASH_ROWS` in attention.cu.
 const FLASH_ROWS: usize = 4;
@@ -180,6 +182,27 @@ impl CudaOps {
     /// The device.
     pub fn device(&self) -> &Device {
         &self.dev
+    }
+
+    /// Loads layer `layer`'s weights with every whole tensor dequantized once, on the device
+    /// from the raw GGUF bytes ([`CudaOps::dequant`]): the device copy is kept
+    /// ([`Device::keep_layer_weight`]) for the GPU reference to read and the engine paths to
+    /// take over, and the returned host copy (downloaded, the same bits as the CPU decoder's)
+    /// serves the weight sites, the non-finite scan, the CPU reference and the detectors. Call
+    /// [`Device::release_layer_weights`] once the layer is judged.
+    ///
+    /// Errors: as [`LayerWeights::load`], and CUDA failures.
+    pub fn load_layer_weights(&self, file: &GgufFile, cfg: &MlaConfig, layer: usize) -> Result<LayerWeights> {
+        self.dev.release_layer_weights();
+        let dequant = |file: &GgufFile, t: &TensorInfo| -> Result<Vec<f32>> {
+            let n = t.n_elements() as usize;
+            let buf = self.dequant(t.ggml_type, file.tensor_bytes(t), n, &t.name)?;
+            let mut host = self.download(&buf)?;
+            host.truncate(n);
+            self.dev.keep_layer_weight(&t.name, buf);
+            Ok(host)
+        };
+        LayerWeights::load_with(file, cfg, layer, &dequant)
     }
 
     /// Notes collected so far (types dequantized on the CPU), deduplicated.
@@ -736,6 +759,10 @@ impl Ops for CudaOps {
         let (nn, bits) = (len as i64, CANARY_BITS);
         launch!(self, Module::Elementwise, "fill_bits", grid1(len), &mut x, &nn, &bits);
         Ok(x)
+    }
+
+    fn take_dequantized(&self, name: &str, n: usize) -> Option<CudaSlice<f32>> {
+        self.dev.take_layer_weight(name, n)
     }
 
     fn dequant(&self, ty: GgmlType, bytes: &[u8], n: usize, label: &str) -> Result<CudaSlice<f32>> {

@@ -24,7 +24,7 @@ use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::device::Module;
 use crate::device::context::{Device, grid1};
 use crate::model::config::{MlaConfig, RopeStyle};
-use crate::model::weights::{LayerWeights, QWeights};
+use crate::model::weights::{LayerWeights, QWeights, tensor_name};
 
 /// Threads of the one-block-per-row kernels (`REF_THREADS` in reference.cu).
 const ROW_THREADS: u32 = 256;
@@ -75,12 +75,16 @@ impl Gpu<'_> {
             .stream()
             .clone_htod(if host.is_empty() { &[0.0f32][..] } else { host })
             .map_err(|e| cerr(format!("upload: {e:?}")))?;
-        let n = host.len();
+        self.widen_device(&src, host.len())
+    }
+
+    /// The first `n` values of the f32 device buffer `src` widened to f64 (exact).
+    fn widen_device(&self, src: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<f64>> {
         let mut out = self.alloc(n)?;
         let f = self.dev.func(Module::Reference, "ref_widen")?;
         let nn = n as i64;
         let mut b = self.dev.stream().launch_builder(&f);
-        b.arg(&src).arg(&mut out).arg(&nn);
+        b.arg(src).arg(&mut out).arg(&nn);
         // SAFETY: argument types match ref_widen in reference.cu.
         unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch ref_widen: {e:?}")))?;
         Ok(out)
@@ -259,10 +263,18 @@ impl Gpu<'_> {
         .map_err(|e| cerr(format!("cublasDgemm: {e:?}")))
     }
 
-    /// `y = x · Wᵀ` with the f32 host weight `w` [o, k] widened on the device for this product
-    /// and freed after it: x [t, k] → [t, o].
-    fn linear_w(&self, x: &CudaSlice<f64>, t: usize, w: &Array2<f32>) -> Result<CudaSlice<f64>> {
-        let wd = self.widen(w.as_standard_layout().as_slice().unwrap_or(&[]))?;
+    /// `y = x · Wᵀ` with the f32 weight `w` [o, k] (GGUF tensor `name`) widened to f64 on the
+    /// device for this product and freed after it: x [t, k] → [t, o]. The weight is read from
+    /// the device copy the layer's load dequantized ([`Device::with_layer_weight`]) when there
+    /// is one, else uploaded from the host copy (the same values).
+    fn linear_w(&self, x: &CudaSlice<f64>, t: usize, name: &str, w: &Array2<f32>) -> Result<CudaSlice<f64>> {
+        let wd = match self
+            .dev
+            .with_layer_weight(name, w.len(), |d| self.widen_device(d, w.len()))
+        {
+            Some(wd) => wd?,
+            None => self.widen(w.as_standard_layout().as_slice().unwrap_or(&[]))?,
+        };
         self.linear(x, t, w.ncols(), &wd, w.nrows())
     }
 
@@ -350,6 +362,7 @@ fn reference_inner(
     }
     let g = Gpu { dev };
     let layer = w.layer;
+    let name = |s: &str| tensor_name(layer, s);
     let eps = cfg.rms_eps;
     let mut tr = Trace::new();
     let kept = std::cell::RefCell::new(Vec::new());
@@ -398,18 +411,18 @@ fn reference_inner(
                 vec![fused.nrows(), hd],
                 fused.iter().map(|&x| f64::from(x)).collect(),
             )?;
-            let q_c = g.linear_w(&x, t, q_a)?;
+            let q_c = g.linear_w(&x, t, &name("attn_q_a"), q_a)?;
             rec(&mut tr, Stage::QC, vec![t, lq], &q_c)?;
             let q_c_normed = g.rms_norm(&q_c, t, 0, lq, lq, q_a_norm.as_slice().unwrap_or(&[]), eps)?;
             rec(&mut tr, Stage::QCNormed, vec![t, lq], &q_c_normed)?;
-            g.linear_w(&q_c_normed, t, q_b)?
+            g.linear_w(&q_c_normed, t, &name("attn_q_b"), q_b)?
         }
-        QWeights::Direct { q } => g.linear_w(&x, t, q)?,
+        QWeights::Direct { q } => g.linear_w(&x, t, &name("attn_q"), q)?,
     };
     rec(&mut tr, Stage::Q, vec![t, n, p + r], &q)?;
 
     // Step 3: kv path; kv_c is a view of kv_a, the norm applies to kv_c only.
-    let kv_a = g.linear_w(&x, t, &w.kv_a_mqa)?;
+    let kv_a = g.linear_w(&x, t, &name("attn_kv_a_mqa"), &w.kv_a_mqa)?;
     rec(&mut tr, Stage::KvA, vec![t, l + r], &kv_a)?;
     let kv_c_normed = g.rms_norm(&kv_a, t, 0, l + r, l, w.kv_a_norm.as_slice().unwrap_or(&[]), eps)?;
     rec(&mut tr, Stage::KvCNormed, vec![t, l], &kv_c_normed)?;
@@ -593,7 +606,7 @@ fn reference_inner(
     rec(&mut tr, Stage::AttnOut, vec![t, n, v], &attn_out)?;
 
     // Step 8: o_proj over the head-major [T, N·V] input.
-    let o = g.linear_w(&attn_out, t, &w.o_proj)?;
+    let o = g.linear_w(&attn_out, t, &name("attn_output"), &w.o_proj)?;
     rec(&mut tr, Stage::OProj, vec![t, hd], &o)?;
 
     // Residual and dense SwiGLU FFN (each branch times the residual scale: MiniCPM3).
@@ -603,10 +616,10 @@ fn reference_inner(
             let h1 = g.elementwise("ref_add_scaled", &x_in, &o, Some(rs), t * hd)?;
             let xn = g.rms_norm(&h1, t, 0, hd, hd, ffn.norm.as_slice().unwrap_or(&[]), eps)?;
             let f = ffn.gate.nrows();
-            let gate = g.linear_w(&xn, t, &ffn.gate)?;
-            let up = g.linear_w(&xn, t, &ffn.up)?;
+            let gate = g.linear_w(&xn, t, &name("ffn_gate"), &ffn.gate)?;
+            let up = g.linear_w(&xn, t, &name("ffn_up"), &ffn.up)?;
             let act = g.elementwise("ref_swiglu", &gate, &up, None, t * f)?;
-            let down = g.linear_w(&act, t, &ffn.down)?;
+            let down = g.linear_w(&act, t, &name("ffn_down"), &ffn.down)?;
             let out = g.elementwise("ref_add_scaled", &h1, &down, Some(rs), t * hd)?;
             rec(&mut tr, Stage::HiddenOut, vec![t, hd], &out)?;
             let v = g.down(&out, t * hd)?;

@@ -83,10 +83,15 @@ pub(super) fn slice_to_load(site: Site, reason: &str, e: SliceError) -> LoadErro
     }
 }
 
-/// A raw slice's values as a buffer: the reference's dequantized copy when the slice is a whole
-/// tensor handed over in `input.dequantized` and the backend adopts host tensors; otherwise
-/// the backend's dequantizer on the raw bytes.
+/// A raw slice's values as a buffer. A whole tensor is dequantized once per layer: the
+/// backend's own copy when it keeps one ([`Ops::take_dequantized`], the CUDA backend's device
+/// copy), else the reference's host copy handed over in `input.dequantized` when the backend
+/// adopts host tensors; a shard, or a tensor no one kept, goes through the backend's
+/// dequantizer on the raw bytes.
 pub(super) fn dq<O: Ops>(ops: &O, input: &LayerInput<'_>, raw: &RawSlice<'_>) -> Result<O::Buf> {
+    if let Some(b) = ops.take_dequantized(&raw.tensor, raw.n_elements()) {
+        return Ok(b);
+    }
     if ops.adopts_host_tensors()
         && let Some(v) = input.dequantized.and_then(|d| d.take(&raw.tensor, raw.n_elements()))
     {

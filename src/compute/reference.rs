@@ -272,6 +272,10 @@ pub fn forward(cfg: &MlaConfig, w: &LayerWeights, hidden_in: &Array2<f64>, batch
 /// layers record `idx_topk` only. The attention of each token then runs over its selected keys.
 ///
 /// Errors: as [`forward`].
+#[allow(
+    clippy::too_many_lines,
+    reason = "the f64 reference is one linear recipe, step by step in the order of the sites it records; split, its steps would pass a dozen tensors between functions"
+)]
 pub fn forward_sel(
     cfg: &MlaConfig,
     w: &LayerWeights,

@@ -371,12 +371,6 @@ fn checked<'f>(file: &'f GgufFile, name: &str, expected: &[usize], why: &str) ->
     Ok(t)
 }
 
-/// A whole-tensor dequantizer: the tensor's values in f32, ggml element order (the row-major
-/// order of the 2-D view `[n_rows, ne0]`), exactly what [`dequant_tensor`] produces. A backend
-/// passes its own to [`LayerWeights::load_with`] to dequantize where the paths will read the
-/// weights (the CUDA backend: on the device, keeping the device copy).
-pub type TensorDequant<'a> = &'a dyn Fn(&GgufFile, &TensorInfo) -> Result<Vec<f32>>;
-
 /// Dequantizes a whole tensor to f32 (ggml element order).
 pub fn dequant_tensor(file: &GgufFile, t: &TensorInfo) -> Result<Vec<f32>> {
     dequant::dequantize(t.ggml_type, file.tensor_bytes(t), t.n_elements() as usize).map_err(|reason| Error::Dequant {
@@ -387,23 +381,12 @@ pub fn dequant_tensor(file: &GgufFile, t: &TensorInfo) -> Result<Vec<f32>> {
 }
 
 fn load_1d(file: &GgufFile, types: &mut Vec<TensorType>, name: &str, n: usize, why: &str) -> Result<Array1<f32>> {
-    load_1d_with(file, types, name, n, why, &dequant_tensor)
-}
-
-fn load_1d_with(
-    file: &GgufFile,
-    types: &mut Vec<TensorType>,
-    name: &str,
-    n: usize,
-    why: &str,
-    dequant: TensorDequant<'_>,
-) -> Result<Array1<f32>> {
     let t = checked(file, name, &[n], why)?;
     types.push(TensorType {
         name: name.to_string(),
         ggml_type: t.ggml_type,
     });
-    Ok(Array1::from(dequant(file, t)?))
+    Ok(Array1::from(dequant_tensor(file, t)?))
 }
 
 fn load_2d(
@@ -413,43 +396,31 @@ fn load_2d(
     shape: [usize; 2],
     why: &str,
 ) -> Result<Array2<f32>> {
-    load_2d_with(file, types, name, shape, why, &dequant_tensor)
-}
-
-fn load_2d_with(
-    file: &GgufFile,
-    types: &mut Vec<TensorType>,
-    name: &str,
-    shape: [usize; 2],
-    why: &str,
-    dequant: TensorDequant<'_>,
-) -> Result<Array2<f32>> {
     let t = checked(file, name, &shape, why)?;
     types.push(TensorType {
         name: name.to_string(),
         ggml_type: t.ggml_type,
     });
-    Array2::from_shape_vec(shape, dequant(file, t)?).map_err(|e| Error::Dequant {
+    Array2::from_shape_vec(shape, dequant_tensor(file, t)?).map_err(|e| Error::Dequant {
         path: file.path().to_path_buf(),
         tensor: name.to_string(),
         reason: e.to_string(),
     })
 }
 
-fn load_3d_with(
+fn load_3d(
     file: &GgufFile,
     types: &mut Vec<TensorType>,
     name: &str,
     shape: [usize; 3],
     why: &str,
-    dequant: TensorDequant<'_>,
 ) -> Result<Array3<f32>> {
     let t = checked(file, name, &shape, why)?;
     types.push(TensorType {
         name: name.to_string(),
         ggml_type: t.ggml_type,
     });
-    Array3::from_shape_vec(shape, dequant(file, t)?).map_err(|e| Error::Dequant {
+    Array3::from_shape_vec(shape, dequant_tensor(file, t)?).map_err(|e| Error::Dequant {
         path: file.path().to_path_buf(),
         tensor: name.to_string(),
         reason: e.to_string(),
@@ -457,21 +428,12 @@ fn load_3d_with(
 }
 
 impl LayerWeights {
-    /// Loads and dequantizes layer `layer`'s attention (and dense FFN, if any) weights on the
-    /// CPU ([`dequant_tensor`]).
+    /// Loads and dequantizes layer `layer`'s attention (and dense FFN, if any) weights.
     ///
     /// Touches only this layer's tensor data. Errors: [`Error::LayerOutOfRange`],
     /// [`Error::MissingTensor`], [`Error::TensorShape`] (with the dims the expectation came
     /// from), [`Error::Dequant`].
     pub fn load(file: &GgufFile, cfg: &MlaConfig, layer: usize) -> Result<Self> {
-        Self::load_with(file, cfg, layer, &dequant_tensor)
-    }
-
-    /// [`LayerWeights::load`] with each whole tensor dequantized by `dequant`, which must give
-    /// the CPU decoder's values (the CUDA backend's kernels are bit-exact against it).
-    ///
-    /// Errors: as [`LayerWeights::load`], and whatever `dequant` returns.
-    pub fn load_with(file: &GgufFile, cfg: &MlaConfig, layer: usize, dequant: TensorDequant<'_>) -> Result<Self> {
         if layer >= cfg.n_layer {
             return Err(Error::LayerOutOfRange {
                 path: file.path().to_path_buf(),
@@ -490,46 +452,45 @@ impl LayerWeights {
         let name = |s: &str| tensor_name(layer, s);
         let mut types = Vec::new();
         let ty = &mut types;
-        let attn_norm = load_1d_with(file, ty, &name("attn_norm"), h, "H", dequant)?;
+        let attn_norm = load_1d(file, ty, &name("attn_norm"), h, "H")?;
         let q = match cfg.q_lora_rank {
             Some(lq) => QWeights::Lora {
-                q_a: load_2d_with(file, ty, &name("attn_q_a"), [lq, h], "Lq × H", dequant)?,
-                q_a_norm: load_1d_with(file, ty, &name("attn_q_a_norm"), lq, "Lq", dequant)?,
-                q_b: load_2d_with(file, ty, &name("attn_q_b"), [n * (p + r), lq], "N·(P+R) × Lq", dequant)?,
+                q_a: load_2d(file, ty, &name("attn_q_a"), [lq, h], "Lq × H")?,
+                q_a_norm: load_1d(file, ty, &name("attn_q_a_norm"), lq, "Lq")?,
+                q_b: load_2d(file, ty, &name("attn_q_b"), [n * (p + r), lq], "N·(P+R) × Lq")?,
             },
             None => QWeights::Direct {
-                q: load_2d_with(file, ty, &name("attn_q"), [n * (p + r), h], "N·(P+R) × H", dequant)?,
+                q: load_2d(file, ty, &name("attn_q"), [n * (p + r), h], "N·(P+R) × H")?,
             },
         };
-        let kv_a_mqa = load_2d_with(file, ty, &name("attn_kv_a_mqa"), [l + r, h], "(L+R) × H", dequant)?;
-        let kv_a_norm = load_1d_with(file, ty, &name("attn_kv_a_norm"), l, "L", dequant)?;
+        let kv_a_mqa = load_2d(file, ty, &name("attn_kv_a_mqa"), [l + r, h], "(L+R) × H")?;
+        let kv_a_norm = load_1d(file, ty, &name("attn_kv_a_norm"), l, "L")?;
         let kv_b = match cfg.kv_b_layout {
             KvBLayout::Split => KvBWeights::Split {
-                k_b: load_3d_with(
+                k_b: load_3d(
                     file,
                     ty,
                     &name("attn_k_b"),
                     [n, l, p],
                     "N × L × P (k_b is stored transposed)",
-                    dequant,
                 )?,
-                v_b: load_3d_with(file, ty, &name("attn_v_b"), [n, v, l], "N × V × L", dequant)?,
+                v_b: load_3d(file, ty, &name("attn_v_b"), [n, v, l], "N × V × L")?,
             },
             KvBLayout::Fused => KvBWeights::Fused {
-                kv_b: load_2d_with(file, ty, &name("attn_kv_b"), [n * (p + v), l], "N·(P+V) × L", dequant)?,
+                kv_b: load_2d(file, ty, &name("attn_kv_b"), [n * (p + v), l], "N·(P+V) × L")?,
             },
         };
-        let o_proj = load_2d_with(file, ty, &name("attn_output"), [h, n * v], "H × N·V", dequant)?;
+        let o_proj = load_2d(file, ty, &name("attn_output"), [h, n * v], "H × N·V")?;
         let ffn = if cfg.is_moe_layer(layer) || file.tensor(&name("ffn_gate_inp")).is_some() {
             None
         } else {
             let gate_t = file.require_tensor(&name("ffn_gate"))?;
             let f = gate_t.shape()[0] as usize;
             Some(DenseFfn {
-                norm: load_1d_with(file, ty, &name("ffn_norm"), h, "H", dequant)?,
-                gate: load_2d_with(file, ty, &name("ffn_gate"), [f, h], "F × H", dequant)?,
-                up: load_2d_with(file, ty, &name("ffn_up"), [f, h], "F × H", dequant)?,
-                down: load_2d_with(file, ty, &name("ffn_down"), [h, f], "H × F", dequant)?,
+                norm: load_1d(file, ty, &name("ffn_norm"), h, "H")?,
+                gate: load_2d(file, ty, &name("ffn_gate"), [f, h], "F × H")?,
+                up: load_2d(file, ty, &name("ffn_up"), [f, h], "F × H")?,
+                down: load_2d(file, ty, &name("ffn_down"), [h, f], "H × F")?,
             })
         };
         let indexer = match (&cfg.indexer, cfg.q_lora_rank) {
@@ -541,18 +502,11 @@ impl LayerWeights {
                 let bias = format!("blk.{src}.indexer.k_norm.bias");
                 Some(IndexerWeights {
                     source_layer: src,
-                    q_b: load_2d_with(
-                        file,
-                        ty,
-                        &nm("indexer.attn_q_b"),
-                        [ni * di, lq],
-                        "N_idx·D_idx × Lq",
-                        dequant,
-                    )?,
-                    k: load_2d_with(file, ty, &nm("indexer.attn_k"), [di, h], "D_idx × H", dequant)?,
-                    k_norm: load_1d_with(file, ty, &nm("indexer.k_norm"), di, "D_idx", dequant)?,
-                    k_norm_b: load_1d_with(file, ty, &bias, di, "D_idx", dequant)?,
-                    proj: load_2d_with(file, ty, &nm("indexer.proj"), [ni, h], "N_idx × H", dequant)?,
+                    q_b: load_2d(file, ty, &nm("indexer.attn_q_b"), [ni * di, lq], "N_idx·D_idx × Lq")?,
+                    k: load_2d(file, ty, &nm("indexer.attn_k"), [di, h], "D_idx × H")?,
+                    k_norm: load_1d(file, ty, &nm("indexer.k_norm"), di, "D_idx")?,
+                    k_norm_b: load_1d(file, ty, &bias, di, "D_idx")?,
+                    proj: load_2d(file, ty, &nm("indexer.proj"), [ni, h], "N_idx × H")?,
                 })
             }
             _ => None,

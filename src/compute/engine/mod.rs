@@ -396,6 +396,11 @@ fn run_loaded<O: Ops>(
         parts.push(ops.linear(&ro.out, t, nh * v, &rw.o_proj, hd)?);
     }
     drop(outs);
+    if tp > 1 {
+        for (rank, part) in parts.iter().enumerate() {
+            rec(ops, &mut tr, layer, Stage::OProjRank(rank as u32), &[t, hd], part)?;
+        }
+    }
     let o = ops.all_reduce_sum(parts, t * hd, None)?;
     rec(ops, &mut tr, layer, Stage::OProj, &[t, hd], &o)?;
     if let Some(ffn) = &ew.ffn {

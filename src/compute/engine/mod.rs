@@ -401,7 +401,7 @@ fn run_loaded<O: Ops>(
             rec(ops, &mut tr, layer, Stage::OProjRank(rank as u32), &[t, hd], part)?;
         }
     }
-    let o = ops.all_reduce_sum(parts, t * hd, None)?;
+    let o = ops.all_reduce_sum(parts, t * hd, opts.faults.reduce_fault(tp))?;
     rec(ops, &mut tr, layer, Stage::OProj, &[t, hd], &o)?;
     if let Some(ffn) = &ew.ffn {
         // MiniCPM3 scales each residual branch (llama.cpp `scale_res`); on the host, once.

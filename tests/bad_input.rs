@@ -255,6 +255,40 @@ fn flags_out_of_range_are_usage_errors_not_crashes() {
     }
 }
 
+/// `--devices` mistakes are exit-2 lines naming the flag, found before any GPU is asked (so
+/// they show on a machine without one); a machine without the GPUs says so.
+#[test]
+fn devices_must_be_one_distinct_gpu_per_rank_on_the_cuda_backend() {
+    for (args, needle) in [
+        (
+            &["run", "--tp", "2", "--devices", "0,1"][..],
+            "--devices puts each TP rank on its own GPU and needs --backend cuda",
+        ),
+        (
+            &["run", "--backend", "cuda", "--tp", "2", "--devices", "0"][..],
+            "--devices lists 1 GPU(s) for --tp 2",
+        ),
+        (
+            &["run", "--backend", "cuda", "--tp", "3", "--devices", "0,1,0"][..],
+            "--devices lists GPU 0 twice",
+        ),
+        (
+            &["run", "--backend", "cuda", "--tp", "2", "--devices", "0,x"][..],
+            "--devices",
+        ),
+    ] {
+        let (code, err) = embedded(args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    // Past those checks the GPUs are asked for: without a device (CI) that is the CUDA error;
+    // with fewer GPUs than ranks, the count.
+    let (code, err) = embedded(&["run", "--backend", "cuda", "--tp", "6", "--devices", "0,1,2,3,4,5"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("CUDA") || err.contains("--tp 6 needs 6 GPUs"), "{err}");
+}
+
 /// Output-path mistakes are refused before anything is written: the same file for `--json` and
 /// `--report` (or its heat map), and a folder given where a file is expected (even with --force).
 #[test]

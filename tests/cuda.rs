@@ -850,3 +850,34 @@ fn device_comparison_gives_the_verdicts_and_findings_of_the_host_comparison() {
         );
     }
 }
+
+/// A 1-rank NCCL all-reduce through the collective interface on GPU 0: NCCL's own call, and the
+/// CUDA backend's `Ops::all_reduce_sum` as the engine calls it. The sum over one rank is its
+/// partial, bit for bit. Prints the input and both outputs; skips, printing why, without a GPU
+/// or without NCCL (docs/gpu-validation.md says how to provide `libnccl.so`).
+#[test]
+fn nccl_one_rank_all_reduce_is_the_identity() {
+    use mla_diff::backend::cuda::nccl::{NCCL_MISSING, NcclAllReduce, nccl_present};
+    let Some(ops) = device() else { return };
+    if !nccl_present() {
+        eprintln!("skipped: {NCCL_MISSING}");
+        return;
+    }
+    let input = normal_f32(25, 8);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let nccl = NcclAllReduce::new(&[0]).unwrap();
+    assert_eq!(std::env::var("NCCL_NVLS_ENABLE").as_deref(), Ok("0"));
+    let out = nccl.all_reduce_sum(std::slice::from_ref(&input), None).unwrap();
+    eprintln!("NCCL all-reduce, 1 rank on GPU 0 ({}), NCCL_NVLS_ENABLE=0", ops.arch());
+    eprintln!("  input                 {input:?}");
+    eprintln!("  NcclAllReduce output  {:?}", out[0]);
+    assert_eq!(out.len(), 1);
+    assert_eq!(bits(&out[0]), bits(&input));
+    let ops = ops.with_nccl(std::rc::Rc::new(nccl));
+    assert_eq!(ops.nccl_devices(), Some(&[0usize][..]));
+    let buf = ops.upload(&input).unwrap();
+    let reduced = ops.all_reduce_sum(vec![buf], input.len(), None).unwrap();
+    let got = ops.download(&reduced).unwrap();
+    eprintln!("  Ops::all_reduce_sum   {got:?}");
+    assert_eq!(bits(&got), bits(&input));
+}

@@ -247,3 +247,50 @@ fn rope_neox_on_a_neox_model_swaps_to_interleaved() {
     );
     assert!(f[0]["evidence"].as_str().unwrap().contains("interleaved rotation"));
 }
+
+/// The `o_proj` all-reduce's faults, injected in the per-rank collective of simulated TP: twice is
+/// a pure × tp scale, a skipped rank and an early read name the rank, all at `o_proj` (the
+/// partials `o_proj.rank<r>` before the collective pass).
+#[test]
+fn all_reduce_faults_are_named_at_o_proj() {
+    let want: Vec<_> = ALL4.iter().map(|p| (*p, "scale-only", "L1.o_proj")).collect();
+    let f = expect(&["--inject", "all-reduce-twice", "--tp", "2"], &want);
+    let ev = f[0]["evidence"].as_str().unwrap();
+    assert!(ev.contains("norm ratio 2.0000"), "{ev}");
+    assert!(f[0]["hint"].as_str().unwrap().contains("applied twice"), "{f:#?}");
+    let f = expect(&["--inject", "all-reduce-twice", "--tp", "3"], &want);
+    assert!(
+        f[0]["evidence"].as_str().unwrap().contains("norm ratio 3.0000"),
+        "{f:#?}"
+    );
+
+    let want: Vec<_> = ALL4.iter().map(|p| (*p, "tp-reduce", "L1.o_proj")).collect();
+    let f = expect(&["--inject", "all-reduce-skip-rank", "--tp", "3"], &want);
+    for x in &f {
+        let ev = x["evidence"].as_str().unwrap();
+        assert!(
+            ev.contains("every rank but rank 2") && ev.contains("missing from the all-reduce"),
+            "{ev}"
+        );
+    }
+    let f = expect(&["--inject", "all-reduce-read-early", "--tp", "3"], &want);
+    for x in &f {
+        let ev = x["evidence"].as_str().unwrap();
+        assert!(ev.contains("rank 0's reference o_proj partial alone"), "{ev}");
+    }
+    // At tp = 2 the two readings are one: rank 1 missing is rank 0 alone, and the evidence says so.
+    let f = expect(&["--inject", "all-reduce-read-early", "--tp", "2"], &want);
+    let ev = f[0]["evidence"].as_str().unwrap();
+    assert!(
+        ev.contains("every rank but rank 1") && ev.contains("rank 0's partial alone"),
+        "{ev}"
+    );
+}
+
+/// One rank has nothing to reduce: the collective faults are refused without TP.
+#[test]
+fn all_reduce_faults_need_tp() {
+    let (code, _out, err) = run_bin(&["run", "--layer", "1", "--inject", "all-reduce-skip-rank"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("needs --tp ≥ 2"), "{err}");
+}

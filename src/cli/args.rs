@@ -356,6 +356,11 @@ pub struct RunSpec {
     /// Simulated tensor-parallel ranks (must divide the head count).
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
+    /// With --backend cuda: the GPU of each TP rank, comma-separated CUDA ordinals, one per
+    /// rank of --tp and distinct (e.g. 0,1); the o_proj all-reduce then runs through NCCL on
+    /// these GPUs. The ranks' kernels run on the backend's GPU either way.
+    #[arg(long, value_delimiter = ',')]
+    pub devices: Option<Vec<usize>>,
     /// Context tokens per chunk (chunked).
     #[arg(long, default_value_t = 8)]
     pub chunk_size: usize,

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use super::Outcome;
 use super::args::*;
 use super::outputs::{TextSink, check_outputs, refuse_overwrite, write_json};
-use super::run::{build_run, select_backend};
+use super::run::{build_run, select_backend, select_run_backend};
 use crate::backend::Backend;
 use crate::backend::cpu::CpuOps;
 use crate::core::dtype::Dtype;
@@ -65,7 +65,7 @@ pub fn cmd_golden_record(a: &GoldenRecordArgs, out: &mut dyn Write) -> Result<Ou
     let o = &a.output;
     check_outputs(o.json.as_ref(), o.report.as_ref(), o.force)?;
     let (file, cfg, rc) = build_run(&a.spec)?;
-    let backend = select_backend(&a.spec.device, o.quiet)?;
+    let backend = select_run_backend(&a.spec, o.quiet)?;
     let (rep, summary) = crate::jobs::golden::record(&crate::jobs::golden::RecordRequest {
         case: &a.case,
         golden_dir: &a.golden_dir,

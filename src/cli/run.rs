@@ -223,6 +223,74 @@ pub fn select_backend(d: &DeviceArgs, quiet: bool) -> Result<Backend> {
     Ok(b)
 }
 
+/// The checks of `--devices` that need no GPU: `--backend cuda`, one GPU per rank of `--tp`,
+/// no GPU twice.
+///
+/// Errors: each as an exit-2 line naming `--devices`.
+fn check_devices(a: &RunSpec) -> Result<()> {
+    let Some(devs) = a.devices.as_ref() else {
+        return Ok(());
+    };
+    if a.device.backend != BackendChoice::Cuda {
+        return Err(Error::Usage(
+            "--devices puts each TP rank on its own GPU and needs --backend cuda".into(),
+        ));
+    }
+    if devs.len() != a.tp {
+        return Err(Error::Usage(format!(
+            "--devices lists {} GPU(s) for --tp {}: give one GPU per rank",
+            devs.len(),
+            a.tp
+        )));
+    }
+    if let Some(d) = devs
+        .iter()
+        .enumerate()
+        .find_map(|(i, d)| devs[..i].contains(d).then_some(d))
+    {
+        return Err(Error::Usage(format!(
+            "--devices lists GPU {d} twice: NCCL refuses two ranks on one GPU (without --devices the ranks share one GPU and all-reduce on the host)"
+        )));
+    }
+    Ok(())
+}
+
+/// [`select_backend`] for a run, with `--devices` ([`check_devices`] passed): every listed GPU
+/// must exist, and the CUDA backend gets the NCCL communicators of those GPUs
+/// ([`crate::backend::cuda::nccl::NcclAllReduce`]) for its `o_proj` all-reduce.
+///
+/// Errors: as [`select_backend`]; a listed GPU the driver does not report, fewer GPUs than
+/// ranks, NCCL missing or failing (exit 2).
+pub fn select_run_backend(a: &RunSpec, quiet: bool) -> Result<Backend> {
+    let b = select_backend(&a.device, quiet)?;
+    let Some(devs) = a.devices.as_ref() else {
+        return Ok(b);
+    };
+    let Backend::Cuda(ops) = b else {
+        return Err(Error::Usage("--devices needs --backend cuda".into()));
+    };
+    let visible = crate::device::probe()?;
+    if let Some(d) = devs.iter().find(|&&d| d >= visible) {
+        let fewer = if a.tp > visible {
+            format!(
+                "; --tp {} needs {} GPUs and this machine has {visible} (without --devices the ranks share one GPU and all-reduce on the host)",
+                a.tp, a.tp
+            )
+        } else {
+            String::new()
+        };
+        return Err(Error::Usage(format!(
+            "--devices {d}: no such GPU ({visible} visible, ordinals 0..{}){fewer}",
+            visible - 1
+        )));
+    }
+    let nccl = crate::backend::cuda::nccl::NcclAllReduce::new(devs)?;
+    if !quiet {
+        eprintln!("mla-diff: o_proj all-reduce through NCCL on GPUs {devs:?}");
+    }
+    Ok(Backend::Cuda(ops.with_nccl(std::rc::Rc::new(nccl))))
+}
+
 /// `--new-tokens` when not given: the new tokens per sequence of the chunked path.
 pub const DEFAULT_NEW_TOKENS: usize = 5;
 
@@ -322,6 +390,7 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
     if a.tp == 0 {
         return Err(Error::Usage("--tp must be at least 1".into()));
     }
+    check_devices(a)?;
     let new_tokens = a.new_tokens.unwrap_or(DEFAULT_NEW_TOKENS);
     if new_tokens == 0 {
         return Err(Error::Usage(
@@ -519,7 +588,7 @@ pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
         crate::jobs::export::estimate_bytes(&cfg, &rc, hi - lo)
     });
     check_memory(&file, &cfg, &rc, a.max_memory, export_bytes)?;
-    let backend = crate::core::timing::stage("backend", || select_backend(&a.spec.device, a.output.quiet))?;
+    let backend = crate::core::timing::stage("backend", || select_run_backend(&a.spec, a.output.quiet))?;
     let rc = RunConfig {
         backend: backend.describe(),
         ..rc

@@ -9,6 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::compute::collective::ReduceFault;
 use crate::compute::path::PathKind;
 use crate::core::class::Class;
 use crate::core::trace::{RankedWeight, Stage};
@@ -50,6 +51,14 @@ pub enum Fault {
     IndexerRopeInterleaved,
     /// Chunked prefill reuses the previous chunk's indexer top-k for the new tokens.
     IndexerTopkStale,
+    /// The `o_proj` all-reduce runs a second time on its own output: every rank holds tp × the
+    /// sum.
+    AllReduceTwice,
+    /// The last TP rank skips the `o_proj` all-reduce: its partial is summed as zero.
+    AllReduceSkipRank,
+    /// TP rank 0 reads its `o_proj` output before the all-reduce finished: it still holds its
+    /// own partial.
+    AllReduceReadEarly,
 }
 
 impl Fault {
@@ -70,6 +79,9 @@ impl Fault {
         Fault::StridedKvC,
         Fault::IndexerRopeInterleaved,
         Fault::IndexerTopkStale,
+        Fault::AllReduceTwice,
+        Fault::AllReduceSkipRank,
+        Fault::AllReduceReadEarly,
     ];
 
     /// The `--inject` name (`fused-shard-swap`).
@@ -90,6 +102,9 @@ impl Fault {
             Fault::StridedKvC => "strided-kv-c",
             Fault::IndexerRopeInterleaved => "indexer-rope-interleaved",
             Fault::IndexerTopkStale => "indexer-topk-stale",
+            Fault::AllReduceTwice => "all-reduce-twice",
+            Fault::AllReduceSkipRank => "all-reduce-skip-rank",
+            Fault::AllReduceReadEarly => "all-reduce-read-early",
         }
     }
 
@@ -117,6 +132,13 @@ impl Fault {
                 "The DSA indexer rotates its q/k with interleaved pairs instead of NeoX halves (the DeepSeek-V3.2 indexer bug; `deepseek32` only)"
             }
             Fault::IndexerTopkStale => "Chunked prefill reuses the previous chunk's indexer top-k for the new tokens",
+            Fault::AllReduceTwice => {
+                "The `o_proj` all-reduce runs a second time on its own output: every rank holds tp × the sum"
+            }
+            Fault::AllReduceSkipRank => "The last TP rank skips the `o_proj` all-reduce: its partial is summed as zero",
+            Fault::AllReduceReadEarly => {
+                "TP rank 0 reads its `o_proj` output before the all-reduce finished: it still holds its own partial"
+            }
         }
     }
 
@@ -136,6 +158,8 @@ impl Fault {
             Fault::StridedKvC => Class::Mismatch,
             Fault::IndexerRopeInterleaved => Class::IndexerRopeStyle,
             Fault::IndexerTopkStale => Class::IndexerTopkStale,
+            Fault::AllReduceTwice => Class::ScaleOnly,
+            Fault::AllReduceSkipRank | Fault::AllReduceReadEarly => Class::TpReduce,
         }
     }
 
@@ -163,6 +187,7 @@ impl Fault {
             (Fault::StridedKvC, _) => vec![Stage::KvCNormed],
             (Fault::IndexerRopeInterleaved, _) => vec![Stage::IdxScores],
             (Fault::IndexerTopkStale, _) => vec![Stage::IdxTopk],
+            (Fault::AllReduceTwice | Fault::AllReduceSkipRank | Fault::AllReduceReadEarly, _) => vec![Stage::OProj],
         }
     }
 
@@ -173,7 +198,15 @@ impl Fault {
         match self {
             Fault::UnwrittenRows if path != PathKind::Chunked => Err("only chunked prefill has context chunks"),
             Fault::FusedShardSwap if cfg.q_lora_rank.is_none() => Err("no q_lora_rank: no fused_qkv_a_proj"),
-            Fault::TpRankOrder | Fault::TpRank0Everywhere if tp < 2 => Err("needs --tp ≥ 2"),
+            Fault::TpRankOrder
+            | Fault::TpRank0Everywhere
+            | Fault::AllReduceTwice
+            | Fault::AllReduceSkipRank
+            | Fault::AllReduceReadEarly
+                if tp < 2 =>
+            {
+                Err("needs --tp ≥ 2")
+            }
             Fault::KBUntransposed if cfg.kv_b_layout != KvBLayout::Split => {
                 Err("legacy attn_kv_b: nothing to transpose")
             }
@@ -221,5 +254,20 @@ impl FaultSet {
     /// True when nothing is injected.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
+    }
+
+    /// The bug the `o_proj` all-reduce of `tp` ranks runs with (the first `all-reduce-*` fault
+    /// injected): the skipping rank is the last, the early reader rank 0 (the rank whose copy
+    /// the layer goes on with). `None` for one rank, where there is nothing to reduce.
+    pub fn reduce_fault(&self, tp: usize) -> Option<ReduceFault> {
+        if tp < 2 {
+            return None;
+        }
+        self.0.iter().find_map(|f| match f {
+            Fault::AllReduceTwice => Some(ReduceFault::Twice),
+            Fault::AllReduceSkipRank => Some(ReduceFault::SkipRank(tp - 1)),
+            Fault::AllReduceReadEarly => Some(ReduceFault::ReadEarly(0)),
+            _ => None,
+        })
     }
 }

@@ -4,8 +4,10 @@
 //! written the way engines write them (fused projections, paged latent cache, split-KV and LSE
 //! merges, TP shards), once, against the [`ops::Ops`] trait that a backend implements.
 //! [`faults`] injects real bug patterns into those paths; [`indexer`] is the DSA token selection
-//! both sides share the definition of.
+//! both sides share the definition of. [`collective`] is the TP all-reduce the paths run as
+//! per-rank participants.
 
+pub mod collective;
 pub mod engine;
 pub mod faults;
 pub mod indexer;

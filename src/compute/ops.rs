@@ -7,8 +7,9 @@
 //! is passed explicitly in the dim names of docs/mla.md. Output buffers are allocated holding the NaN canary.
 //! Every method returns [`Result`] so that a device error surfaces as an error, never a panic.
 
+use crate::compute::collective::{ReduceFault, host_all_reduce_sum};
 use crate::core::dtype::Dtype;
-use crate::core::error::Result;
+use crate::core::error::{Error, Result};
 use crate::core::trace::Site;
 use crate::model::gguf::GgmlType;
 
@@ -132,6 +133,16 @@ pub trait Ops {
     fn linear(&self, x: &Self::Buf, t: usize, k: usize, w: &Self::Buf, o: usize) -> Result<Self::Buf>;
     /// `a + b` elementwise (`n` elements).
     fn add(&self, a: &Self::Buf, b: &Self::Buf, n: usize) -> Result<Self::Buf>;
+    /// The all-reduce (sum) that ends the row-parallel `o_proj`: `parts[r]` is TP rank r's
+    /// `[T, H]` partial (`n` = T·H elements, f32); returns rank 0's copy of the sum, the one the
+    /// layer goes on with. `fault` acts inside the collective (docs/faults.md, `all-reduce-*`).
+    ///
+    /// The default runs [`host_all_reduce_sum`] on the downloaded partials (one thread per rank,
+    /// rank-order f32 sum: bit-identical to one [`Ops::add`] per rank); one rank without a fault
+    /// is its own sum. Errors: no rank, backend transfer errors.
+    fn all_reduce_sum(&self, parts: Vec<Self::Buf>, n: usize, fault: Option<ReduceFault>) -> Result<Self::Buf> {
+        host_all_reduce(self, parts, n, fault)
+    }
     /// `silu(g) · u` elementwise (SwiGLU).
     fn silu_mul(&self, g: &Self::Buf, u: &Self::Buf, n: usize) -> Result<Self::Buf>;
     /// RMSNorm of `rows` rows of `width` read at `src[off + r·stride]`: `[rows, width]`.
@@ -222,6 +233,44 @@ pub trait Ops {
     fn decode_merged(&self, d: &DecodeArgs<'_, Self::Buf>) -> Result<(Self::Buf, Self::Buf)> {
         decode_then_merge(self, d)
     }
+}
+
+/// [`Ops::all_reduce_sum`] through the host collective: the partials downloaded (first `n`
+/// elements each), [`host_all_reduce_sum`] by one thread per rank, rank 0's copy back in a
+/// buffer; one rank without a fault is returned as it is.
+///
+/// Errors: no rank, backend transfer errors.
+pub fn host_all_reduce<O: Ops + ?Sized>(
+    ops: &O,
+    parts: Vec<O::Buf>,
+    n: usize,
+    fault: Option<ReduceFault>,
+) -> Result<O::Buf> {
+    if parts.len() == 1 && fault.is_none() {
+        return parts
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::Usage("all-reduce over no rank".into()));
+    }
+    let host = download_parts(ops, &parts, n)?;
+    drop(parts);
+    let mut copies = host_all_reduce_sum(&host, fault)?;
+    drop(host);
+    ops.adopt(copies.swap_remove(0))
+}
+
+/// The first `n` elements of each of `parts`, downloaded.
+///
+/// Errors: backend transfer errors.
+pub fn download_parts<O: Ops + ?Sized>(ops: &O, parts: &[O::Buf], n: usize) -> Result<Vec<Vec<f32>>> {
+    parts
+        .iter()
+        .map(|b| {
+            let mut v = ops.download(b)?;
+            v.truncate(n);
+            Ok(v)
+        })
+        .collect()
 }
 
 /// The inputs of one split-KV decode launch ([`Ops::decode_split`], [`Ops::decode_merged`]),

@@ -966,6 +966,47 @@ pub fn rank_weight_sites(cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> Trace 
     tr
 }
 
+/// The reference's per-rank `o_proj` partials for `--tp tp` (sites `o_proj.rank<r>`, [T, H]):
+/// rank r's heads of `attn_out` (`[T, N·V]` flat, f64, head-major as the site) through the
+/// matching head columns of `o_proj`'s input dim, in f64. Their sum over the ranks is `o_proj`.
+///
+/// Returns an empty trace for `tp < 2`. Errors: `attn_out` not `T·N·V` long, or `tp` not
+/// dividing N.
+pub fn rank_partial_sites(cfg: &MlaConfig, w: &LayerWeights, attn_out: &[f64], t: usize, tp: usize) -> Result<Trace> {
+    let mut tr = Trace::new();
+    if tp < 2 {
+        return Ok(tr);
+    }
+    let (n, v) = (cfg.n_head, cfg.v_head_dim);
+    if !n.is_multiple_of(tp) || attn_out.len() != t * n * v {
+        return Err(Error::Usage(format!(
+            "reference o_proj partials: attn_out holds {} values for T={t}, N={n}, V={v}, tp={tp}",
+            attn_out.len()
+        )));
+    }
+    let x = ArrayView2::from_shape((t, n * v), attn_out).map_err(|e| Error::Usage(e.to_string()))?;
+    let nh = n / tp;
+    for rank in 0..tp {
+        let cols = rank * nh * v..(rank + 1) * nh * v;
+        let xs = x.slice(s![.., cols.clone()]).to_owned();
+        let os = w.o_proj.slice(s![.., cols]).to_owned();
+        rec2(&mut tr, w.layer, Stage::OProjRank(rank as u32), &linear32(&xs, &os));
+    }
+    Ok(tr)
+}
+
+/// [`rank_partial_sites`] from the `attn_out` site of the reference trace `trace`; an empty
+/// trace when it lacks that site.
+pub fn rank_partial_sites_of(cfg: &MlaConfig, w: &LayerWeights, trace: &Trace, tp: usize) -> Result<Trace> {
+    match trace.get(&Site::new(w.layer, Stage::AttnOut)) {
+        Some(a) if tp >= 2 => {
+            let t = a.shape.first().copied().unwrap_or(0);
+            rank_partial_sites(cfg, w, &a.to_f64(), t, tp)
+        }
+        _ => Ok(Trace::new()),
+    }
+}
+
 /// The reference trace of one layer, with the per-rank weight sites for `tp`.
 pub struct RefOutput {
     /// Every site, f64.
@@ -990,19 +1031,21 @@ pub fn reference_layer(
     shared: Option<&Selection>,
 ) -> Result<RefOutput> {
     let r = forward_sel(cfg, w, hidden, batch, shared)?;
-    Ok(with_rank_sites(r, cfg, w, tp))
+    with_rank_sites(r, cfg, w, tp)
 }
 
-/// A reference layer's output plus the per-rank weight sites for `tp`.
-fn with_rank_sites(r: RefLayer, cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> RefOutput {
+/// A reference layer's output plus the per-rank weight sites and `o_proj` partials for `tp`.
+fn with_rank_sites(r: RefLayer, cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> Result<RefOutput> {
     let mut trace = r.trace;
+    let partials = rank_partial_sites_of(cfg, w, &trace, tp)?;
     trace.extend(rank_weight_sites(cfg, w, tp));
-    RefOutput {
+    trace.extend(partials);
+    Ok(RefOutput {
         trace,
         hidden_out: r.hidden_out,
         moe_nonfinite: r.moe_nonfinite,
         selection: r.selection,
-    }
+    })
 }
 
 /// [`reference_layer`], and for an MoE layer also its MoE FFN ([`forward_full`]):
@@ -1019,7 +1062,7 @@ pub fn reference_layer_full(
     shared: Option<&Selection>,
 ) -> Result<RefOutput> {
     let r = forward_full_sel(file, cfg, w, hidden, batch, shared)?;
-    Ok(with_rank_sites(r, cfg, w, tp))
+    with_rank_sites(r, cfg, w, tp)
 }
 
 #[cfg(test)]

@@ -20,6 +20,9 @@ pub enum Class {
     ShardOrder,
     /// TP rank blocks are permuted or duplicated.
     TpRankOrder,
+    /// The TP all-reduce summed the wrong ranks: a rank's partial missing, or one rank's
+    /// partial alone (read before the reduction finished).
+    TpReduce,
     /// kv_b per-head interleave vs grouped, or k_b transpose.
     KvBLayout,
     /// A quantized weight was cut off a quant block boundary.
@@ -61,6 +64,7 @@ impl Class {
             Class::UnwrittenRows => "unwritten-rows",
             Class::ShardOrder => "shard-order",
             Class::TpRankOrder => "tp-rank-order",
+            Class::TpReduce => "tp-reduce",
             Class::KvBLayout => "kv-b-layout",
             Class::QuantBlockMisaligned => "quant-block-misaligned",
             Class::Transposed => "transposed",

@@ -107,9 +107,12 @@ pub enum Stage {
     HiddenOut,
     /// `w.<weight>.rank<r>`: one TP rank's shard of a split weight.
     WRank(RankedWeight, u32),
+    /// `o_proj.rank<r>`: TP rank r's row-parallel `o_proj` partial, its heads' `attn_out`
+    /// through its `w.o_proj.rank<r>` columns, before the all-reduce, [T, H].
+    OProjRank(u32),
 }
 
-/// Stages in data-flow order (without the per-rank weight sites).
+/// Stages in data-flow order (without the per-rank sites).
 pub const STAGES: &[Stage] = &[
     Stage::HiddenIn,
     Stage::AttnIn,
@@ -149,6 +152,7 @@ impl Stage {
     pub fn name(&self) -> String {
         match self {
             Stage::WRank(w, r) => format!("w.{}.rank{r}", w.as_str()),
+            Stage::OProjRank(r) => format!("o_proj.rank{r}"),
             s => s.base_name().to_string(),
         }
     }
@@ -187,11 +191,15 @@ impl Stage {
             Stage::SharedOut => "shared_out",
             Stage::HiddenOut => "hidden_out",
             Stage::WRank(..) => "w.rank",
+            Stage::OProjRank(..) => "o_proj.rank",
         }
     }
 
     /// Parses a site-table name (inverse of [`Stage::name`]).
     pub fn parse(s: &str) -> Option<Stage> {
+        if let Some(r) = s.strip_prefix("o_proj.rank") {
+            return r.parse().ok().map(Stage::OProjRank);
+        }
         if let Some((w, r)) = s.strip_prefix("w.").and_then(|rest| rest.split_once(".rank")) {
             let rw = match w {
                 "q_b" => RankedWeight::QProj,
@@ -205,13 +213,16 @@ impl Stage {
     }
 
     /// Sort key in data-flow order. A rank shard sorts just before the stage that consumes it
-    /// (`q` for q_b, right after `w.kv_b` for kv_b, `o_proj` for o_proj), ranks in order.
+    /// (`q` for q_b, right after `w.kv_b` for kv_b, `o_proj` for o_proj), ranks in order; the
+    /// `o_proj` partials sort after the `o_proj` shards and before `o_proj`, the all-reduce's
+    /// output.
     pub fn order(&self) -> (u32, u32) {
-        let idx = |s: Stage| STAGES.iter().position(|&x| x == s).unwrap_or(0) as u32 * 2;
+        let idx = |s: Stage| STAGES.iter().position(|&x| x == s).unwrap_or(0) as u32 * 4;
         match *self {
             Stage::WRank(RankedWeight::QProj, r) => (idx(Stage::Q) - 1, r),
             Stage::WRank(RankedWeight::KvB, r) => (idx(Stage::WKvB) + 1, r),
-            Stage::WRank(RankedWeight::OProj, r) => (idx(Stage::OProj) - 1, r),
+            Stage::WRank(RankedWeight::OProj, r) => (idx(Stage::OProj) - 2, r),
+            Stage::OProjRank(r) => (idx(Stage::OProj) - 1, r),
             s => (idx(s), 0),
         }
     }
@@ -434,6 +445,14 @@ mod tests {
         let r = Site::new(0, Stage::WRank(RankedWeight::KvB, 1));
         assert_eq!(r.to_string(), "L0.w.kv_b.rank1");
         assert_eq!(Site::parse("L0.w.kv_b.rank1"), Some(r));
+        let p = Site::new(2, Stage::OProjRank(3));
+        assert_eq!(p.to_string(), "L2.o_proj.rank3");
+        assert_eq!(Site::parse("L2.o_proj.rank3"), Some(p));
+        assert!(Stage::WRank(RankedWeight::OProj, 7).order() < Stage::OProjRank(0).order());
+        assert!(Stage::OProjRank(0).order() < Stage::OProjRank(1).order());
+        assert!(Stage::OProjRank(7).order() < Stage::OProj.order());
+        assert!(Stage::AttnOut.order() < Stage::WRank(RankedWeight::OProj, 0).order());
+        assert!(!Stage::OProjRank(0).is_weight());
         assert!(Stage::WRank(RankedWeight::QProj, 0).order() < Stage::Q.order());
         assert!(Stage::WRank(RankedWeight::QProj, 0).order() > Stage::QCNormed.order());
         assert!(Stage::WKvB.order() < Stage::WRank(RankedWeight::KvB, 0).order());

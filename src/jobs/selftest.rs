@@ -311,13 +311,14 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
                 backend: backend.name().into(),
             };
             // The reference on the host: selftest judges on the host on every backend.
-            let reference_for = |tp: usize| {
+            let reference_for = |tp: usize| -> Result<SplitTrace> {
                 let mut r = base.clone();
                 r.extend(reference::rank_weight_sites(&cfg, &w, tp));
-                SplitTrace {
+                r.extend(reference::rank_partial_sites_of(&cfg, &w, &base, tp)?);
+                Ok(SplitTrace {
                     host: r,
                     device: Vec::new(),
-                }
+                })
             };
             // Clean runs.
             for &tp in &tps {
@@ -328,7 +329,7 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
                     &cfg,
                     &w,
                     &hidden,
-                    &reference_for(tp),
+                    &reference_for(tp)?,
                     &rc,
                     None,
                     None,
@@ -398,7 +399,7 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
                     &cfg,
                     &w,
                     &hidden,
-                    &reference_for(tp),
+                    &reference_for(tp)?,
                     &rc,
                     None,
                     None,

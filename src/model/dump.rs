@@ -977,7 +977,7 @@ pub fn expected_shape(stage: Stage, cfg: &MlaConfig, t: usize) -> Option<Vec<usi
         Stage::IdxWeights => vec![t, cfg.indexer.as_ref()?.n_head],
         Stage::IdxScores => vec![t, t],
         Stage::IdxTopk => vec![t, cfg.indexer.as_ref()?.top_k.min(t)],
-        Stage::WRank(..) => return None,
+        Stage::WRank(..) | Stage::OProjRank(..) => return None,
     })
 }
 

@@ -5,5 +5,6 @@
 //! [`crate::backend::decode_cfg`] and [`crate::backend::prefill_cfg`].
 
 pub mod compare;
+pub mod nccl;
 pub mod ops;
 pub mod reference;

@@ -8,15 +8,18 @@
 
 use std::ffi::c_void;
 use std::path::Path;
+use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{Gemm, GemmConfig, sys as cb};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use crate::backend::cuda::compare::DeviceSite;
+use crate::backend::cuda::nccl::NcclAllReduce;
 use crate::backend::decode_cfg::{DecodeCfg, wave_splits};
 use crate::backend::prefill_cfg::PrefillCfg;
-use crate::compute::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, RopeStyle, Segment};
+use crate::compute::collective::ReduceFault;
+use crate::compute::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, RopeStyle, Segment, download_parts, host_all_reduce};
 use crate::compute::path::PathKind;
 use crate::core::canary::CANARY_BITS;
 use crate::core::dtype::Dtype;
@@ -65,6 +68,9 @@ pub struct CudaOps {
     /// While `Some`, the sites a path records are copied into device buffers here instead of
     /// downloaded ([`CudaOps::keep_sites_on_device`]).
     device_sites: Arc<Mutex<Option<Vec<DeviceSite<f32>>>>>,
+    /// The NCCL communicators of `--devices`: the `o_proj` all-reduce runs through them when
+    /// the path has one partial per listed device ([`CudaOps::with_nccl`]).
+    nccl: Option<Rc<NcclAllReduce>>,
 }
 
 impl CudaOps {
@@ -85,7 +91,23 @@ impl CudaOps {
             gpu_reference: false,
             notes: Arc::new(Mutex::new(Vec::new())),
             device_sites: Arc::new(Mutex::new(None)),
+            nccl: None,
         })
+    }
+
+    /// The same backend, with the `o_proj` all-reduce of a path with one rank per GPU of
+    /// `nccl` run through NCCL on those GPUs (the partials are copied to their ranks' GPUs and
+    /// rank 0's copy of the sum back); a path with another rank count keeps the host collective.
+    pub fn with_nccl(&self, nccl: Rc<NcclAllReduce>) -> Self {
+        CudaOps {
+            nccl: Some(nccl),
+            ..self.clone()
+        }
+    }
+
+    /// The GPUs of the NCCL all-reduce ([`CudaOps::with_nccl`]), if any.
+    pub fn nccl_devices(&self) -> Option<&[usize]> {
+        self.nccl.as_deref().map(NcclAllReduce::devices)
     }
 
     /// The same device and kernels, computing in another dtype.
@@ -703,6 +725,23 @@ impl Ops for CudaOps {
 
     fn dtype(&self) -> Dtype {
         self.dtype
+    }
+
+    /// Through NCCL when `--devices` gave one GPU per partial ([`CudaOps::with_nccl`]), else the
+    /// host collective.
+    fn all_reduce_sum(
+        &self,
+        parts: Vec<CudaSlice<f32>>,
+        n: usize,
+        fault: Option<ReduceFault>,
+    ) -> Result<CudaSlice<f32>> {
+        let Some(nccl) = self.nccl.as_ref().filter(|c| c.devices().len() == parts.len()) else {
+            return host_all_reduce(self, parts, n, fault);
+        };
+        let host = download_parts(self, &parts, n)?;
+        drop(parts);
+        let mut copies = nccl.all_reduce_sum(&host, fault)?;
+        self.upload(&copies.swap_remove(0))
     }
 
     fn upload(&self, data: &[f32]) -> Result<CudaSlice<f32>> {

@@ -17,7 +17,9 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use ndarray::{Array2, Axis};
 
 use crate::backend::cuda::compare::DeviceSite;
-use crate::compute::reference::{RefOutput, assemble_kv_b, rank_weight_sites, rope_inv_freq, split_kv_b};
+use crate::compute::reference::{
+    RefOutput, assemble_kv_b, rank_partial_sites, rank_weight_sites, rope_inv_freq, split_kv_b,
+};
 use crate::core::batch::Batch;
 use crate::core::error::{Error, Result};
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
@@ -609,6 +611,12 @@ fn reference_inner(
     rec(&mut tr, Stage::Lse, vec![t, n], &lse)?;
     rec(&mut tr, Stage::AttnOut, vec![t, n, v], &attn_out)?;
 
+    // Under TP, the ranks' o_proj partials on the host (a few [T, H] GEMMs).
+    let partials = if tp >= 2 {
+        rank_partial_sites(cfg, w, &g.down(&attn_out, t * n * v)?, t, tp)?
+    } else {
+        Trace::new()
+    };
     // Step 8: o_proj over the head-major [T, N·V] input.
     let o = g.linear_w(&attn_out, t, &name("attn_output"), &w.o_proj)?;
     rec(&mut tr, Stage::OProj, vec![t, hd], &o)?;
@@ -633,6 +641,7 @@ fn reference_inner(
     };
     g.sync("o_proj")?;
     tr.extend(rank_weight_sites(cfg, w, tp));
+    tr.extend(partials);
     Ok((
         RefOutput {
             trace: tr,

@@ -389,16 +389,19 @@ fn run_loaded<O: Ops>(
     let attn: Vec<&O::Buf> = outs.iter().map(|o| &o.out).collect();
     rec_heads(ops, &mut tr, layer, Stage::AttnOut, &[t, n, v], &attn, nh, v)?;
 
-    // o_proj is row-parallel: per-rank partial sums, all-reduced in rank order.
-    let mut o: Option<O::Buf> = None;
+    // o_proj is row-parallel: each rank's partial, then the all-reduce the ranks run together
+    // (`crate::compute::collective`).
+    let mut parts = Vec::with_capacity(tp);
     for (rw, ro) in ew.ranks.iter().zip(&outs) {
-        let part = ops.linear(&ro.out, t, nh * v, &rw.o_proj, hd)?;
-        o = Some(match o {
-            None => part,
-            Some(acc) => ops.add(&acc, &part, t * hd)?,
-        });
+        parts.push(ops.linear(&ro.out, t, nh * v, &rw.o_proj, hd)?);
     }
-    let o = o.ok_or_else(|| Error::Usage("no TP rank".into()))?;
+    drop(outs);
+    if tp > 1 {
+        for (rank, part) in parts.iter().enumerate() {
+            rec(ops, &mut tr, layer, Stage::OProjRank(rank as u32), &[t, hd], part)?;
+        }
+    }
+    let o = ops.all_reduce_sum(parts, t * hd, opts.faults.reduce_fault(tp))?;
     rec(ops, &mut tr, layer, Stage::OProj, &[t, hd], &o)?;
     if let Some(ffn) = &ew.ffn {
         // MiniCPM3 scales each residual branch (llama.cpp `scale_res`); on the host, once.

@@ -9,6 +9,7 @@
 //! run produces no finding: every detector only runs on a site that already failed.
 
 pub mod blocks;
+mod collective;
 
 use std::collections::BTreeSet;
 
@@ -1395,16 +1396,22 @@ fn scale_only(x: &SiteCtx<'_>) -> Detected {
             "a residual stream scaled on purpose (vLLM's fp16 path carries it × 1/routed_scaling_factor) must be declared as dump format 2's `conventions.residual_scale`, which compare divides out; an undeclared scale, or one applied again in every layer (vLLM #14809), is a bug between the layers".into(),
         ));
     }
-    let named = [
+    // At o_proj under TP, × tp is the o_proj all-reduce applied twice (SGLang #31699).
+    let tp = x.input.tp as f64;
+    let twice = (x.site.stage == Stage::OProj && x.input.tp >= 2).then_some((
+        tp,
+        "tp, the TP size: the o_proj all-reduce was applied twice (each rank reduced the already reduced sum again)",
+    ));
+    let named = twice.into_iter().chain([
         (
             cfg.mscale(),
             "the YaRN m(factor, mscale_all_dim): RoPE cos/sin must be scaled by m(factor, mscale)/m(factor, mscale_all_dim) = 1 for DeepSeek GGUFs, not by m",
         ),
         (cfg.mscale() * cfg.mscale(), "the YaRN m²"),
         (1.0 / std::f64::consts::LN_2, "1/ln 2 (a base-2 log)"),
-    ];
+    ]);
     let cause = named
-        .iter()
+        .into_iter()
         .find(|(f, _)| (f - 1.0).abs() > 1e-3 && (ratio / f - 1.0).abs() < 2e-3)
         .map(|(f, s)| format!("the ratio is {f:.4} = {s}"))
         .unwrap_or_else(|| "a constant factor multiplies this tensor".into());
@@ -1505,12 +1512,13 @@ fn mismatch(x: &SiteCtx<'_>) -> (String, String) {
 type Detector = fn(&SiteCtx<'_>) -> Detected;
 
 /// Every detector with the class it names, in precedence order (earlier wins).
-const DETECTORS: [(Class, Detector); 16] = [
+const DETECTORS: [(Class, Detector); 17] = [
     (Class::WeightNotLoaded, weight_not_loaded),
     (Class::PhantomOutput, phantom_output),
     (Class::UnwrittenRows, unwritten_rows),
     (Class::ShardOrder, shard_order),
     (Class::TpRankOrder, tp_rank_order),
+    (Class::TpReduce, collective::tp_reduce),
     (Class::KvBLayout, kv_b_layout),
     (Class::RopeStyle, rope_style),
     // Before the scale: a base-2 merge also reweights the logits, and a free scale fits part of it.

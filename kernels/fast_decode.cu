@@ -970,6 +970,63 @@ __device__ __forceinline__ void fd_load_a(unsigned* a, const bf16* base, int g, 
     a[3] = *reinterpret_cast<const unsigned*>(p + 8 * FD_LD + 8);
 }
 
+// One step of the unfused online softmax for head row `row`, lane j on key j of the tile: the
+// row's score (its FD_P partial sums added in part order) scaled to log2 units by sl2, or −inf
+// past the context (key_ok false); the new running max over the warp, P = exp2(score − max) to
+// Ps as bf16, the running sum m_run / l_run updated, and the row's rescale α of O to As.
+__device__ __forceinline__ void fd_softmax_row(const float* Sb, bf16* Ps, float* As, int row, int lane, bool key_ok,
+                                               float sl2, float& m_run, float& l_run) {
+    float x = Sb[row * FD_LDS + lane];
+#pragma unroll
+    for (int p = 1; p < FD_P; ++p) x += Sb[(p * FD_HM + row) * FD_LDS + lane];
+    x = key_ok ? x * sl2 : -INFINITY;
+    float mx = x;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float mn = fmaxf(m_run, mx);
+    const float pv = exp2f(x - mn);
+    float sum = pv;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    Ps[row * FD_LDP + lane] = __float2bfloat16_rn(pv);
+    const float al = exp2f(m_run - mn);
+    l_run = l_run * al + sum;
+    m_run = mn;
+    if (lane == 0) As[row] = al;
+}
+
+// O·α for m-tile m: this thread's accumulators 0, 1 (head row m·16 + g) scale by al_lo, 2, 3
+// (row m·16 + g + 8) by al_hi, in every value n-tile of the warp.
+__device__ __forceinline__ void fd_rescale_o(float (&o)[FD_MT][FD_NVW][4], int m, float al_lo, float al_hi) {
+#pragma unroll
+    for (int v = 0; v < FD_NVW; ++v) {
+        o[m][v][0] *= al_lo;
+        o[m][v][1] *= al_lo;
+        o[m][v][2] *= al_hi;
+        o[m][v][3] *= al_hi;
+    }
+}
+
+// O += P·V for one 16-key step of the tile, the same for both softmax variants: a holds P's A
+// fragments of the FD_MT m-tiles for these 16 keys, vrow is this lane's row of V for ldmatrix
+// (cache tile row kk·16 + lane % 16); warp wt takes the value n-tiles wt + FD_WARPS·v. Per n-tile
+// one transposed ldmatrix of V, then one mma per m-tile, m ascending.
+__device__ __forceinline__ void fd_pv_step(float (&o)[FD_MT][FD_NVW][4], const unsigned (&a)[FD_MT][4],
+                                           const bf16* vrow, int wt) {
+#pragma unroll
+    for (int v = 0; v < FD_NVW; ++v) {
+        const int nt = wt + FD_WARPS * v;
+        if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV) {
+            unsigned b0, b1;
+            asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                         : "=r"(b0), "=r"(b1)
+                         : "r"(fd_smem_addr(vrow + nt * 8)));
+#pragma unroll
+            for (int m = 0; m < FD_MT; ++m) fd_mma(o[m][v], a[m], b0, b1);
+        }
+    }
+}
+
 // With one producer warp a block has 9 warps. Registers are allocated per SM sub-partition (4 of
 // them, 16384 registers each) and a block's warps are spread over all four, so two such blocks per
 // SM need at most 96 registers per thread (5 warps of 3072 per sub-partition), which is what
@@ -1289,7 +1346,7 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
 #if FD_FUSED
         // Online softmax in the accumulator layout: this thread holds keys kk·16 + 8·e2 + 2t + {0,1}
         // of rows m·16 + g + 8·half; max and sum over the row's 4 lanes by two shuffles.
-        unsigned pa[FD_MT][FD_BK / 16][4];
+        unsigned pa[FD_BK / 16][FD_MT][4];  // P's A fragments per 16-key step (fd_pv_step's a)
         float alpha[FD_MT][2];
 #pragma unroll
         for (int m = 0; m < FD_MT; ++m) {
@@ -1336,98 +1393,31 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
                 for (int kk = 0; kk < FD_BK / 16; ++kk) {
                     __nv_bfloat162 lo = __floats2bfloat162_rn(x[kk][0], x[kk][1]);
                     __nv_bfloat162 hi = __floats2bfloat162_rn(x[kk][2], x[kk][3]);
-                    pa[m][kk][half] = *reinterpret_cast<unsigned*>(&lo);
-                    pa[m][kk][2 + half] = *reinterpret_cast<unsigned*>(&hi);
+                    pa[kk][m][half] = *reinterpret_cast<unsigned*>(&lo);
+                    pa[kk][m][2 + half] = *reinterpret_cast<unsigned*>(&hi);
                 }
             }
         }
 #pragma unroll
-        for (int m = 0; m < FD_MT; ++m) {
+        for (int m = 0; m < FD_MT; ++m) fd_rescale_o(o, m, alpha[m][0], alpha[m][1]);
 #pragma unroll
-            for (int v = 0; v < FD_NVW; ++v) {
-                o[m][v][0] *= alpha[m][0];
-                o[m][v][1] *= alpha[m][0];
-                o[m][v][2] *= alpha[m][1];
-                o[m][v][3] *= alpha[m][1];
-            }
-        }
-#pragma unroll
-        for (int kk = 0; kk < FD_BK / 16; ++kk) {
-            const bf16* vrow = Ct + (kk * 16 + (lane & 15)) * FD_LD;
-#pragma unroll
-            for (int v = 0; v < FD_NVW; ++v) {
-                const int nt = wt + FD_WARPS * v;
-                if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV) {
-                    unsigned b0, b1;
-                    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-                                 : "=r"(b0), "=r"(b1)
-                                 : "r"(fd_smem_addr(vrow + nt * 8)));
-#pragma unroll
-                    for (int m = 0; m < FD_MT; ++m) fd_mma(o[m][v], pa[m][kk], b0, b1);
-                }
-            }
-        }
+        for (int kk = 0; kk < FD_BK / 16; ++kk) fd_pv_step(o, pa[kk], Ct + (kk * 16 + (lane & 15)) * FD_LD, wt);
 #else
         // Online softmax: (team) warp w takes head rows w·RPW …, lane j takes key j of the tile.
         const bool key_ok = kt + lane < k1;
 #pragma unroll
         for (int rr = 0; rr < FD_RPW; ++rr) {
             if (!live) break;
-            const int row = wt * FD_RPW + rr;
-            float x = Sb[row * FD_LDS + lane];
-#pragma unroll
-            for (int p = 1; p < FD_P; ++p) x += Sb[(p * FD_HM + row) * FD_LDS + lane];
-            x = key_ok ? x * sl2 : -INFINITY;
-            float mx = x;
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-            const float mn = fmaxf(m_run[rr], mx);
-            const float pv = exp2f(x - mn);
-            float sum = pv;
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-            Ps[row * FD_LDP + lane] = __float2bfloat16_rn(pv);
-            const float al = exp2f(m_run[rr] - mn);
-            l_run[rr] = l_run[rr] * al + sum;
-            m_run[rr] = mn;
-            if (lane == 0) As[row] = al;
+            fd_softmax_row(Sb, Ps, As, wt * FD_RPW + rr, lane, key_ok, sl2, m_run[rr], l_run[rr]);
         }
 #if FD_RPW == 0
-        if (live && wt < FD_HM) {
-            const int row = wt;
-            float x = Sb[row * FD_LDS + lane];
-#pragma unroll
-            for (int p = 1; p < FD_P; ++p) x += Sb[(p * FD_HM + row) * FD_LDS + lane];
-            x = key_ok ? x * sl2 : -INFINITY;
-            float mx = x;
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-            const float mn = fmaxf(m_run[0], mx);
-            const float pv = exp2f(x - mn);
-            float sum = pv;
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-            Ps[row * FD_LDP + lane] = __float2bfloat16_rn(pv);
-            const float al = exp2f(m_run[0] - mn);
-            l_run[0] = l_run[0] * al + sum;
-            m_run[0] = mn;
-            if (lane == 0) As[row] = al;
-        }
+        if (live && wt < FD_HM) fd_softmax_row(Sb, Ps, As, wt, lane, key_ok, sl2, m_run[0], l_run[0]);
 #endif
         team_sync();  // C
         // O[:, value n-tiles of this warp] = O·α + P · V.
         if (live) {
 #pragma unroll
-        for (int m = 0; m < FD_MT; ++m) {
-            const float al_lo = As[m * 16 + g], al_hi = As[m * 16 + g + 8];
-#pragma unroll
-            for (int v = 0; v < FD_NVW; ++v) {
-                o[m][v][0] *= al_lo;
-                o[m][v][1] *= al_lo;
-                o[m][v][2] *= al_hi;
-                o[m][v][3] *= al_hi;
-            }
-        }
+        for (int m = 0; m < FD_MT; ++m) fd_rescale_o(o, m, As[m * 16 + g], As[m * 16 + g + 8]);
 #pragma unroll
         for (int kk = 0; kk < FD_BK / 16; ++kk) {
             unsigned a[FD_MT][4];
@@ -1439,19 +1429,7 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
                 a[m][2] = *reinterpret_cast<const unsigned*>(pb + 8);
                 a[m][3] = *reinterpret_cast<const unsigned*>(pb + 8 * FD_LDP + 8);
             }
-            const bf16* vrow = Ct + (kk * 16 + (lane & 15)) * FD_LD;
-#pragma unroll
-            for (int v = 0; v < FD_NVW; ++v) {
-                const int nt = wt + FD_WARPS * v;
-                if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV) {
-                    unsigned b0, b1;
-                    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-                                 : "=r"(b0), "=r"(b1)
-                                 : "r"(fd_smem_addr(vrow + nt * 8)));
-#pragma unroll
-                    for (int m = 0; m < FD_MT; ++m) fd_mma(o[m][v], a[m], b0, b1);
-                }
-            }
+            fd_pv_step(o, a, Ct + (kk * 16 + (lane & 15)) * FD_LD, wt);
         }
         }  // live
 #endif

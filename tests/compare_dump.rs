@@ -2,7 +2,7 @@
 //! scripts/dump_hf.py and scripts/dump_llama_cpp.py on the F32 fixtures) pass with every dumped
 //! site within tolerance, and deliberately broken HF attention is named by class and site.
 
-use crate::common::{compare_json, repo, run_bin};
+use crate::common::{compare_json, conversions, repo, run_bin, write_safetensors};
 
 fn compare(model: &str, dump: &str, extra: &[&str]) -> (i32, String, String, serde_json::Value) {
     compare_path(model, &repo().join("golden/dumps").join(dump), extra)
@@ -183,18 +183,8 @@ fn bad_dumps_are_clear_errors() {
     let write = |name: &str,
                  tensors: Vec<(&str, safetensors::Dtype, Vec<usize>, Vec<u8>)>,
                  meta: Option<HashMap<String, String>>| {
-        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
-            .iter()
-            .map(|(n, d, s, b)| {
-                (
-                    n.to_string(),
-                    safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
-                )
-            })
-            .collect();
-        let bytes = safetensors::serialize(views, meta).unwrap();
         let p = dir.path().join(name);
-        std::fs::write(&p, bytes).unwrap();
+        write_safetensors(&p, &tensors, meta);
         p
     };
     let f32s = |n: usize| {
@@ -314,18 +304,9 @@ fn write_dump(
     tensors: &[(String, safetensors::Dtype, Vec<usize>, Vec<u8>)],
     metadata: std::collections::HashMap<String, String>,
 ) -> (tempfile::TempDir, std::path::PathBuf) {
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
-        .iter()
-        .map(|(n, d, s, b)| {
-            (
-                n.clone(),
-                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
-            )
-        })
-        .collect();
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join(name);
-    std::fs::write(&p, safetensors::serialize(views, Some(metadata)).unwrap()).unwrap();
+    write_safetensors(&p, tensors, Some(metadata));
     (dir, p)
 }
 
@@ -445,12 +426,7 @@ fn maps_list_their_overrides_and_vllm_overrides_nothing() {
     assert!(v.rename.is_empty());
     let (code, out, err, doc) = compare("tiny-v3-f32.gguf", "tiny-v3-f32.hf.safetensors", &["--map", "vllm"]);
     assert_eq!(code, 0, "{out}\n{err}");
-    let conv: Vec<&str> = doc["dump"]["conversions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c.as_str().unwrap())
-        .collect();
+    let conv = conversions(&doc);
     assert!(!conv.iter().any(|c| c.starts_with("map ")), "{conv:?}");
     assert!(conv.contains(&"L0.q_pe_roped: HF [even | odd] rope order → interleaved pairs"));
 
@@ -890,12 +866,7 @@ fn format2_steps_are_judged_against_the_cached_context() {
         out.contains("step decode-2") || doc["dump"]["metadata"]["steps"] == "prefill,decode-1,decode-2",
         "{out}"
     );
-    let conv: Vec<&str> = doc["dump"]["conversions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c.as_str().unwrap())
-        .collect();
+    let conv = conversions(&doc);
     assert!(
         conv.iter().any(|c| c.starts_with("patch `split-from-format-1`")),
         "{conv:?}"
@@ -1051,12 +1022,7 @@ fn format2_residual_scale_is_undone_and_an_undeclared_one_is_named() {
     let (_a, _b, p) = steps(0.4, 1.0, true, Some(0.4));
     let (code, out, err, doc) = compare_path(m, &p, &[]);
     assert_eq!(code, 0, "{out}\n{err}");
-    let conv: Vec<&str> = doc["dump"]["conversions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c.as_str().unwrap())
-        .collect();
+    let conv = conversions(&doc);
     for want in [
         "prefill: L0.hidden_out: residual stream ×0.4 (conventions.residual_scale) divided out",
         "prefill: L1.hidden_in: residual stream ×0.4 (conventions.residual_scale) divided out",

@@ -19,7 +19,7 @@ use mla_diff::model::config::MlaConfig;
 use mla_diff::model::gguf::GgufFile;
 use mla_diff::model::weights::LayerWeights;
 
-use crate::common::{compare_json, repo, run_bin};
+use crate::common::{compare_json, repo, run_bin, write_safetensors};
 
 /// An `inputs.safetensors` as read back: tensors (widened to f64) and metadata.
 struct Inputs {
@@ -459,15 +459,6 @@ fn kernel_dump(
     header["dtype"] = "bf16".into();
     header["kernel_precision"] = "bf16".into();
     edit(&mut header);
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
-        .iter()
-        .map(|(n, d, s, b)| {
-            (
-                n.clone(),
-                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
-            )
-        })
-        .collect();
     let meta: std::collections::HashMap<String, String> = [
         ("format".to_string(), "mla-diff dump 2".to_string()),
         ("header".to_string(), header.to_string()),
@@ -476,7 +467,7 @@ fn kernel_dump(
     .collect();
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("kernel.safetensors");
-    std::fs::write(&p, safetensors::serialize(views, Some(meta)).unwrap()).unwrap();
+    write_safetensors(&p, &tensors, Some(meta));
     (dir, p)
 }
 
@@ -839,29 +830,24 @@ fn base_2_partials_merged_as_natural_log_are_named_lse_merge() {
 /// and refuses, before the run, a DIR below a file.
 #[test]
 fn the_export_folder_is_created_and_a_file_in_its_path_is_refused() {
+    let export = |dir: &Path| {
+        run_bin(&[
+            "run",
+            "--quiet",
+            "--path",
+            "mha",
+            "--export-inputs",
+            dir.to_str().unwrap(),
+        ])
+    };
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("k/in");
-    let (code, out, err) = run_bin(&[
-        "run",
-        "--quiet",
-        "--path",
-        "mha",
-        "--export-inputs",
-        dir.to_str().unwrap(),
-    ]);
+    let (code, out, err) = export(&dir);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(dir.join("inputs.safetensors").is_file());
     let file = tmp.path().join("plain");
     std::fs::write(&file, b"x").unwrap();
-    let below = file.join("in");
-    let (code, out, err) = run_bin(&[
-        "run",
-        "--quiet",
-        "--path",
-        "mha",
-        "--export-inputs",
-        below.to_str().unwrap(),
-    ]);
+    let (code, out, err) = export(&file.join("in"));
     assert_eq!(code, 2, "{out}\n{err}");
     assert!(
         err.contains("is not a folder") && !out.contains("within tolerance"),

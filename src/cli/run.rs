@@ -143,28 +143,15 @@ pub fn cmd_compare(a: &CompareArgs, out: &mut dyn Write) -> Result<Outcome> {
     let map_name = map
         .as_ref()
         .map(|m| m.name.clone().unwrap_or_else(|| a.map.clone().unwrap_or_default()));
+    let (dtype, precision) = (a.dtype.map(Into::into), a.precision.map(Into::into));
     let rep = match dump::read(&a.dump, map.as_ref(), &cfg)? {
-        DumpFile::One(d) => crate::jobs::compare::compare_dump(
-            &file,
-            &cfg,
-            &d,
-            map_name,
-            a.dtype.map(Into::into),
-            a.precision.map(Into::into),
-        )?,
+        DumpFile::One(d) => crate::jobs::compare::compare_dump(&file, &cfg, &d, map_name, dtype, precision)?,
         DumpFile::Steps(sd) => {
             let mut layers: Vec<usize> = sd.steps.iter().flat_map(|(_, d)| d.layers.keys().copied()).collect();
             layers.sort_unstable();
             layers.dedup();
             dump::check_identity(&a.dump, &sd.header, &file, &layers)?;
-            crate::jobs::compare::compare_steps(
-                &file,
-                &cfg,
-                &sd,
-                map_name,
-                a.dtype.map(Into::into),
-                a.precision.map(Into::into),
-            )?
+            crate::jobs::compare::compare_steps(&file, &cfg, &sd, map_name, dtype, precision)?
         }
     };
     let backend = Backend::Cpu(CpuOps::new(rep.run.dtype));

@@ -502,6 +502,35 @@ pub fn deepseek2_moe(d: Dims, m: MoeDims) -> GgufBuilder {
     g
 }
 
+/// Writes `tensors` (name, dtype, shape, little-endian bytes) with `metadata` as a safetensors
+/// file at `path`.
+pub fn write_safetensors<N: AsRef<str>>(
+    path: &std::path::Path,
+    tensors: &[(N, safetensors::Dtype, Vec<usize>, Vec<u8>)],
+    metadata: Option<std::collections::HashMap<String, String>>,
+) {
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.as_ref().to_string(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    std::fs::write(path, safetensors::serialize(views, metadata).unwrap()).unwrap();
+}
+
+/// The `dump.conversions` lines of a `compare --json` report.
+pub fn conversions(doc: &serde_json::Value) -> Vec<&str> {
+    doc["dump"]["conversions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap())
+        .collect()
+}
+
 /// Runs `mla-diff compare --model MODEL --dump DUMP --json <tmp> EXTRA…` and returns the exit
 /// code, stdout, stderr and the JSON report (`Null` when none was written).
 pub fn compare_json(

@@ -188,4 +188,10 @@ impl Error {
             err: source,
         }
     }
+
+    /// Builds an [`Error::Cuda`] from a failure of the CUDA driver, NVRTC or cuBLAS, or from a
+    /// kernel configuration the device cannot run; `what` names the call or field and its cause.
+    pub fn cuda(what: impl std::fmt::Display) -> Self {
+        Error::Cuda(what.to_string())
+    }
 }

@@ -32,10 +32,6 @@ const ROW_THREADS: u32 = 256;
 /// groups small enough to stay under it.
 const SCORE_BYTES: usize = 2 << 30;
 
-fn cerr(what: impl std::fmt::Display) -> Error {
-    Error::Cuda(what.to_string())
-}
-
 /// Whether the GPU reference computes this layer: not with a DSA indexer (its top-k selection
 /// runs on the CPU reference), and not an MoE FFN (`full`: token input runs the whole layer).
 pub fn supported(cfg: &MlaConfig, layer: usize, full: bool) -> bool {
@@ -58,14 +54,15 @@ struct Gpu<'d> {
 impl Gpu<'_> {
     fn alloc(&self, n: usize) -> Result<CudaSlice<f64>> {
         // SAFETY: every buffer is fully written by a kernel or GEMM before it is read.
-        unsafe { self.dev.stream().alloc::<f64>(n.max(1)) }.map_err(|e| cerr(format!("cuMemAlloc of {n} f64: {e:?}")))
+        unsafe { self.dev.stream().alloc::<f64>(n.max(1)) }
+            .map_err(|e| Error::cuda(format!("cuMemAlloc of {n} f64: {e:?}")))
     }
 
     fn up(&self, host: &[f64]) -> Result<CudaSlice<f64>> {
         self.dev
             .stream()
             .clone_htod(if host.is_empty() { &[0.0][..] } else { host })
-            .map_err(|e| cerr(format!("upload: {e:?}")))
+            .map_err(|e| Error::cuda(format!("upload: {e:?}")))
     }
 
     /// f32 weights widened to f64 on the device (exact).
@@ -74,7 +71,7 @@ impl Gpu<'_> {
             .dev
             .stream()
             .clone_htod(if host.is_empty() { &[0.0f32][..] } else { host })
-            .map_err(|e| cerr(format!("upload: {e:?}")))?;
+            .map_err(|e| Error::cuda(format!("upload: {e:?}")))?;
         let n = host.len();
         let mut out = self.alloc(n)?;
         let f = self.dev.func(Module::Reference, "ref_widen")?;
@@ -82,7 +79,7 @@ impl Gpu<'_> {
         let mut b = self.dev.stream().launch_builder(&f);
         b.arg(&src).arg(&mut out).arg(&nn);
         // SAFETY: argument types match ref_widen in reference.cu.
-        unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch ref_widen: {e:?}")))?;
+        unsafe { b.launch(grid1(n)) }.map_err(|e| Error::cuda(format!("launch ref_widen: {e:?}")))?;
         Ok(out)
     }
 
@@ -91,7 +88,7 @@ impl Gpu<'_> {
             .dev
             .stream()
             .clone_dtoh(b)
-            .map_err(|e| cerr(format!("download: {e:?}")))?;
+            .map_err(|e| Error::cuda(format!("download: {e:?}")))?;
         v.truncate(n);
         Ok(v)
     }
@@ -100,7 +97,7 @@ impl Gpu<'_> {
         self.dev
             .stream()
             .synchronize()
-            .map_err(|e| cerr(format!("GPU reference: `{what}` failed: {e:?}")))
+            .map_err(|e| Error::cuda(format!("GPU reference: `{what}` failed: {e:?}")))
     }
 
     /// `dst[r, j] = src[off + r·stride + j]`, `[rows, width]`.
@@ -118,7 +115,7 @@ impl Gpu<'_> {
         let mut b = self.dev.stream().launch_builder(&f);
         b.arg(src).arg(&r).arg(&s).arg(&o).arg(&w).arg(&mut out);
         // SAFETY: argument types match ref_copy_cols; every read index is < off + rows·stride.
-        unsafe { b.launch(grid1(rows * width)) }.map_err(|e| cerr(format!("launch ref_copy_cols: {e:?}")))?;
+        unsafe { b.launch(grid1(rows * width)) }.map_err(|e| Error::cuda(format!("launch ref_copy_cols: {e:?}")))?;
         Ok(out)
     }
 
@@ -153,7 +150,7 @@ impl Gpu<'_> {
             shared_mem_bytes: 0,
         };
         // SAFETY: argument types match ref_rms_norm; one block per row.
-        unsafe { b.launch(cfg) }.map_err(|e| cerr(format!("launch ref_rms_norm: {e:?}")))?;
+        unsafe { b.launch(cfg) }.map_err(|e| Error::cuda(format!("launch ref_rms_norm: {e:?}")))?;
         Ok(out)
     }
 
@@ -174,7 +171,7 @@ impl Gpu<'_> {
         let mut b = self.dev.stream().launch_builder(&f);
         b.arg(x).arg(&ro).arg(&he).arg(&rr).arg(pos).arg(inv).arg(&nx);
         // SAFETY: argument types match ref_rope; pos holds one entry per token.
-        unsafe { b.launch(grid1(rows * r / 2)) }.map_err(|e| cerr(format!("launch ref_rope: {e:?}")))?;
+        unsafe { b.launch(grid1(rows * r / 2)) }.map_err(|e| Error::cuda(format!("launch ref_rope: {e:?}")))?;
         Ok(())
     }
 
@@ -196,7 +193,7 @@ impl Gpu<'_> {
         }
         b.arg(&mut out).arg(&nn);
         // SAFETY: argument types match ref_swiglu / ref_add_scaled in reference.cu.
-        unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch {name}: {e:?}")))?;
+        unsafe { b.launch(grid1(n)) }.map_err(|e| Error::cuda(format!("launch {name}: {e:?}")))?;
         Ok(out)
     }
 
@@ -256,7 +253,7 @@ impl Gpu<'_> {
                 ),
             }
         }
-        .map_err(|e| cerr(format!("cublasDgemm: {e:?}")))
+        .map_err(|e| Error::cuda(format!("cublasDgemm: {e:?}")))
     }
 
     /// `y = x · Wᵀ` with the f32 host weight `w` [o, k] widened on the device for this product
@@ -361,7 +358,7 @@ fn reference_inner(
             let copy = dev
                 .stream()
                 .clone_dtod(&buf.slice(0..n.clamp(1, buf.len())))
-                .map_err(|e| cerr(format!("copy of site {site}: {e:?}")))?;
+                .map_err(|e| Error::cuda(format!("copy of site {site}: {e:?}")))?;
             kept.borrow_mut().push(DeviceSite { site, shape, buf: copy });
         } else {
             tr.record(site, TraceTensor::f64(shape, g.down(buf, n)?));
@@ -426,7 +423,7 @@ fn reference_inner(
         } else {
             &positions[..]
         })
-        .map_err(|e| cerr(format!("upload positions: {e:?}")))?;
+        .map_err(|e| Error::cuda(format!("upload positions: {e:?}")))?;
     let inv = g.up(&rope_inv_freq(cfg))?;
     let mut q_pe = g.copy_cols(&q, t * n, p + r, p, r)?;
     g.rope(&mut q_pe, t * n, n, r, &pos, &inv, neox)?;
@@ -545,7 +542,7 @@ fn reference_inner(
                 shared_mem_bytes: 0,
             };
             // SAFETY: argument types match ref_softmax_causal; s holds hc·len² scores.
-            unsafe { b.launch(cfg_l) }.map_err(|e| cerr(format!("launch ref_softmax_causal: {e:?}")))?;
+            unsafe { b.launch(cfg_l) }.map_err(|e| Error::cuda(format!("launch ref_softmax_causal: {e:?}")))?;
             g.gemm(
                 &mut attn_out,
                 off * n * v + h0 * v,

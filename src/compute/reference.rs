@@ -309,8 +309,8 @@ pub fn forward_sel(
         QWeights::Lora { q_a, q_a_norm, q_b } => {
             let kv_a_w = f64m(&w.kv_a_mqa);
             let q_a = f64m(q_a);
-            let fused =
-                ndarray::concatenate(Axis(0), &[q_a.view(), kv_a_w.view()]).map_err(|e| Error::Usage(e.to_string()))?;
+            let fused = ndarray::concatenate(Axis(0), &[q_a.view(), kv_a_w.view()])
+                .map_err(|e| Error::Internal(e.to_string()))?;
             rec_weight(&mut tr, layer, Stage::WFusedQkvA, &fused);
             let q_c = linear(&x, &q_a);
             rec2(&mut tr, layer, Stage::QC, &q_c);
@@ -324,7 +324,7 @@ pub fn forward_sel(
     };
     let q = q_flat
         .into_shape_with_order((t, n, p + r))
-        .map_err(|e| Error::Usage(e.to_string()))?;
+        .map_err(|e| Error::Internal(e.to_string()))?;
     rec3(&mut tr, layer, Stage::Q, &q);
 
     // Step 3: kv path. kv_c is a view of kv_a; the norm applies to kv_c only.
@@ -382,7 +382,7 @@ pub fn forward_sel(
     rec_weight(&mut tr, layer, Stage::WKvB, &kv_b);
     let kv = linear(&kv_c_normed, &kv_b)
         .into_shape_with_order((t, n, p + v))
-        .map_err(|e| Error::Usage(e.to_string()))?;
+        .map_err(|e| Error::Internal(e.to_string()))?;
     let k_nope = kv.slice(s![.., .., ..p]).to_owned();
     let vv = kv.slice(s![.., .., p..]).to_owned();
     rec3(&mut tr, layer, Stage::KNope, &k_nope);
@@ -423,7 +423,7 @@ pub fn forward_sel(
     // Step 8: o_proj over the head-major [T, N·V] input.
     let attn_flat = attn_out
         .into_shape_with_order((t, n * v))
-        .map_err(|e| Error::Usage(e.to_string()))?;
+        .map_err(|e| Error::Internal(e.to_string()))?;
     let o = linear32(&attn_flat, &w.o_proj);
     rec2(&mut tr, layer, Stage::OProj, &o);
 
@@ -740,9 +740,9 @@ pub fn forward_full_sel(
     let o = r
         .trace
         .get(&Site::new(w.layer, Stage::OProj))
-        .ok_or_else(|| Error::Usage("reference: o_proj not recorded".into()))?;
+        .ok_or_else(|| Error::Internal("reference: o_proj not recorded".into()))?;
     let h1 = hidden_in
-        + &(Array2::from_shape_vec(hidden_in.raw_dim(), o.to_f64()).map_err(|e| Error::Usage(e.to_string()))?
+        + &(Array2::from_shape_vec(hidden_in.raw_dim(), o.to_f64()).map_err(|e| Error::Internal(e.to_string()))?
             * cfg.residual_scale);
     let mw = MoeWeights::load(file, cfg, w.layer)?;
     let out = moe_ffn(file, cfg, &mw, &h1, &mut r.trace)?;

@@ -35,7 +35,7 @@ struct Handover {
 }
 
 fn to_array(t: &TraceTensor, rows: usize, cols: usize) -> Result<Array2<f64>> {
-    Array2::from_shape_vec((rows, cols), t.to_f64()).map_err(|e| Error::Usage(e.to_string()))
+    Array2::from_shape_vec((rows, cols), t.to_f64()).map_err(|e| Error::Internal(e.to_string()))
 }
 
 /// Compares a dump with the reference on the same GGUF: every dumped site, the same metrics,
@@ -105,7 +105,7 @@ pub fn compare_dump(
                     }
                     h = r
                         .hidden_out
-                        .ok_or_else(|| Error::Usage(format!("reference: layer {k} produced no hidden_out")))?;
+                        .ok_or_else(|| Error::Internal(format!("reference: layer {k} produced no hidden_out")))?;
                 }
                 fallback_in = Some(h.clone());
                 expected_in = Some(h);

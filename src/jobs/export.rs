@@ -181,9 +181,9 @@ fn site<'a>(reference: &'a Trace, layer: usize, stage: Stage, shape: &[usize]) -
     let s = Site::new(layer, stage);
     let t = reference
         .get(&s)
-        .ok_or_else(|| Error::Usage(format!("--export-inputs: the reference recorded no {s}")))?;
+        .ok_or_else(|| Error::Internal(format!("--export-inputs: the reference recorded no {s}")))?;
     if t.shape != shape {
-        return Err(Error::Usage(format!(
+        return Err(Error::Internal(format!(
             "--export-inputs: the reference's {s} has shape {:?}, expected {shape:?}",
             t.shape
         )));
@@ -249,8 +249,8 @@ pub fn dump_header(file: &GgufFile, batch: &Batch, layer: usize, heads: (usize, 
 /// trace `reference` of the run `rc` (docs/dump-format.md, "Kernel inputs" lists every tensor
 /// and metadata key).
 ///
-/// Errors: [`Error::Usage`] when the reference lacks a site or holds it in another shape (a bug,
-/// not an input error), or heads outside `0..N`.
+/// Errors: [`Error::Internal`] when the reference lacks a site or holds it in another shape (a
+/// bug, not an input error); [`Error::Usage`] for heads outside `0..N`.
 pub fn build(
     file: &GgufFile,
     cfg: &MlaConfig,

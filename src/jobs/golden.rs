@@ -373,7 +373,7 @@ fn safetensors_bytes(tensors: &[(String, Vec<usize>, Vec<u8>)], case: &str) -> R
     .into_iter()
     .collect();
     safetensors::serialize(tensors.iter().map(|(n, s, b)| (n.clone(), V(s, b))), Some(meta))
-        .map_err(|e| Error::Usage(format!("safetensors serialization: {e}")))
+        .map_err(|e| Error::Internal(format!("safetensors serialization: {e}")))
         .and_then(crate::core::st::canonical_header)
 }
 

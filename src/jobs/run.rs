@@ -328,10 +328,10 @@ fn run_inner(
             InputMode::Random => timing::stage("input", || {
                 let v = normal_f32(layer_seed(rc.seed, layer), t * cfg.hidden);
                 Array2::from_shape_vec((t, cfg.hidden), v.into_iter().map(f64::from).collect())
-                    .map_err(|e| Error::Usage(e.to_string()))
+                    .map_err(|e| Error::Internal(e.to_string()))
             })?,
             InputMode::Tokens => carried.take().ok_or_else(|| {
-                Error::Usage(format!(
+                Error::Internal(format!(
                     "layer {layer}: no hidden state carried from layer {}",
                     layer.saturating_sub(1)
                 ))

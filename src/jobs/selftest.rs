@@ -294,7 +294,7 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
                     .map(f64::from)
                     .collect(),
             )
-            .map_err(|e| Error::Usage(e.to_string()))?;
+            .map_err(|e| Error::Internal(e.to_string()))?;
             let base = reference::forward(&cfg, &w, &hidden, &batch)?.trace;
             let run_cfg = |tp: usize, paths: Vec<PathKind>, faults: Vec<Fault>| RunConfig {
                 layers: vec![layer],
@@ -635,12 +635,12 @@ pub fn reference_agreement(
         let w = LayerWeights::load(file, cfg, layer)?;
         let v = normal_f32(crate::jobs::run::layer_seed(seed, layer), t * cfg.hidden);
         let hidden = Array2::from_shape_vec((t, cfg.hidden), v.into_iter().map(f64::from).collect())
-            .map_err(|e| Error::Usage(e.to_string()))?;
+            .map_err(|e| Error::Internal(e.to_string()))?;
         let cpu = crate::compute::reference::reference_layer(cfg, &w, &hidden, batch, 1, None)?;
         let gpu = crate::backend::cuda::reference::reference_layer(ops.device(), cfg, &w, &hidden, batch, 1)?;
         for (site, r) in cpu.trace.entries() {
             let Some(g) = gpu.trace.get(site) else {
-                return Err(Error::Usage(format!("the GPU reference has no site {site}")));
+                return Err(Error::Internal(format!("the GPU reference has no site {site}")));
             };
             let m = crate::judge::metrics::metrics(r, g, &crate::judge::tolerance::GOLDEN_TOLERANCE.0);
             out.push((*site, m.rel_l2));

@@ -766,7 +766,7 @@ pub fn dequant_slice(file: &GgufFile, raw: &RawSlice<'_>) -> Result<Array2<f32>>
         tensor: raw.tensor.clone(),
         reason,
     })?;
-    Array2::from_shape_vec((raw.rows, raw.cols), data).map_err(|e| Error::Usage(e.to_string()))
+    Array2::from_shape_vec((raw.rows, raw.cols), data).map_err(|e| Error::Internal(e.to_string()))
 }
 
 /// Dequantizes rows `rows` of tensor `name` (see [`row_slice`]) to `[rows.len(), ne0]` f32.

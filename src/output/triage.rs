@@ -481,7 +481,7 @@ enum Cell {
 /// outlined in red, the first divergence of each row marked `1st`, non-finite cells black with
 /// `NaN`, absent cells grey, and a row that did not run written `not run`.
 ///
-/// Errors: [`Error::Usage`] when plotters fails (it does not for SVG output in memory).
+/// Errors: [`Error::Internal`] when plotters fails (it does not for SVG output in memory).
 pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
     let mut stages: Vec<crate::core::trace::Stage> = Vec::new();
     for r in &rep.results {
@@ -498,7 +498,7 @@ pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
     // At least wide enough for the caption above the plot, whatever the column count.
     let (w, h) = ((300 + cell * nc as u32).max(MIN_HEATMAP_WIDTH), 170 + cell * nr as u32);
     let mut svg = String::new();
-    let perr = |e: &dyn std::fmt::Display| Error::Usage(format!("heat map: {e}"));
+    let perr = |e: &dyn std::fmt::Display| Error::Internal(format!("heat map: {e}"));
     {
         let root = SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| perr(&e))?;

@@ -149,7 +149,7 @@ pub fn upload_f32(dev: &Device, t: &TraceTensor) -> Result<CudaSlice<f32>> {
 /// The host adds the block partials in block order: counts are exact, sums agree with the CPU's
 /// to f64 rounding, and the worst element is the same one (largest difference, lowest index).
 ///
-/// Errors: [`Error::Usage`] when `n` exceeds either buffer; [`Error::Cuda`] on a failed launch
+/// Errors: [`Error::Internal`] when `n` exceeds either buffer; [`Error::Cuda`] on a failed launch
 /// or copy.
 pub fn element_sums(
     dev: &Device,
@@ -160,7 +160,7 @@ pub fn element_sums(
     rtol: f64,
 ) -> Result<ElementSums> {
     if n > r.len() || n > c.len() {
-        return Err(Error::Usage(format!(
+        return Err(Error::Internal(format!(
             "device compare: {n} elements asked of buffers of {} and {}",
             r.len(),
             c.len()

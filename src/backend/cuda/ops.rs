@@ -712,7 +712,7 @@ impl Ops for CudaOps {
             return Ok(Some(v));
         };
         if n > b.len() {
-            return Err(Error::Usage(format!(
+            return Err(Error::Internal(format!(
                 "site {site}: shape {shape:?} holds {n} elements, its buffer {}",
                 b.len()
             )));

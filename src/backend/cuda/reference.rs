@@ -388,7 +388,7 @@ fn reference_inner(
         QWeights::Lora { q_a, q_a_norm, q_b } => {
             let lq = q_a.nrows();
             let fused = ndarray::concatenate(Axis(0), &[q_a.view(), w.kv_a_mqa.view()])
-                .map_err(|e| Error::Usage(e.to_string()))?;
+                .map_err(|e| Error::Internal(e.to_string()))?;
             rec_host(
                 &mut tr,
                 Stage::WFusedQkvA,
@@ -607,7 +607,7 @@ fn reference_inner(
             let out = g.elementwise("ref_add_scaled", &h1, &down, Some(rs), t * hd)?;
             rec(&mut tr, Stage::HiddenOut, vec![t, hd], &out)?;
             let v = g.down(&out, t * hd)?;
-            Some(Array2::from_shape_vec((t, hd), v).map_err(|e| Error::Usage(e.to_string()))?)
+            Some(Array2::from_shape_vec((t, hd), v).map_err(|e| Error::Internal(e.to_string()))?)
         }
         None => None,
     };

@@ -160,7 +160,7 @@ pub fn run<O: Ops>(ops: &O, kind: PathKind, input: &LayerInput<'_>, opts: &PathO
         out = Some(r);
         Ok(())
     })?;
-    out.ok_or_else(|| Error::Usage(format!("path {kind} produced no run")))
+    out.ok_or_else(|| Error::Internal(format!("path {kind} produced no run")))
 }
 
 /// Runs `kinds` one after another on one layer, handing each finished run to `each` before the
@@ -276,7 +276,7 @@ fn run_loaded<O: Ops>(
             let q_proj = rw
                 .q_proj
                 .as_ref()
-                .ok_or_else(|| Error::Usage("engine: q_proj released under TP".into()))?;
+                .ok_or_else(|| Error::Internal("engine: q_proj released under TP".into()))?;
             rec(
                 ops,
                 &mut tr,
@@ -398,7 +398,7 @@ fn run_loaded<O: Ops>(
             Some(acc) => ops.add(&acc, &part, t * hd)?,
         });
     }
-    let o = o.ok_or_else(|| Error::Usage("no TP rank".into()))?;
+    let o = o.ok_or_else(|| Error::Internal("no TP rank".into()))?;
     rec(ops, &mut tr, layer, Stage::OProj, &[t, hd], &o)?;
     if let Some(ffn) = &ew.ffn {
         // MiniCPM3 scales each residual branch (llama.cpp `scale_res`); on the host, once.

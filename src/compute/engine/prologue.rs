@@ -151,7 +151,7 @@ pub(super) fn prologue<O: Ops>(
             let kv_a = ops.linear(&attn_in, t, hd, kv_a_w, l + r)?;
             (None, hd, kv_a)
         }
-        _ => return Err(Error::Usage("engine: inconsistent q weights".into())),
+        _ => return Err(Error::Internal("engine: inconsistent q weights".into())),
     };
     let q_input = q_c_keep.as_ref().map_or(&attn_in, |(_, qcn)| qcn);
     // Column-parallel q projection, per rank.
@@ -162,7 +162,7 @@ pub(super) fn prologue<O: Ops>(
             let w = rw
                 .q_proj
                 .as_ref()
-                .ok_or_else(|| Error::Usage("engine: q_proj released".into()))?;
+                .ok_or_else(|| Error::Internal("engine: q_proj released".into()))?;
             ops.linear(q_input, t, q_k, w, nh * (p + r))
         })
         .collect::<Result<_>>()?;

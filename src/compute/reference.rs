@@ -25,7 +25,7 @@ use crate::compute::indexer::{self, Selection};
 use crate::core::batch::Batch;
 use crate::core::error::{Error, Result};
 use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
-use crate::model::config::{GatingFunc, MlaConfig, MoeConfig};
+use crate::model::config::{GatingFunc, MlaConfig, MlaDims, MoeConfig};
 use crate::model::gguf::GgufFile;
 use crate::model::weights::{KvBWeights, LayerWeights, MoeWeights, QWeights, SwiGlu, into_row_major};
 
@@ -200,7 +200,13 @@ pub fn rope_inv_freq(cfg: &MlaConfig) -> Vec<f64> {
 /// Rebuilds `kv_b_proj` [N·(P+V), L] from the file's tensors (docs/mla.md "Rebuilding kv_b"):
 /// `W[h·(P+V) + p, l] = k_b[h, l, p]`, `W[h·(P+V) + P + v, l] = v_b[h, v, l]`.
 pub fn assemble_kv_b(cfg: &MlaConfig, w: &KvBWeights) -> Array2<f64> {
-    let (n, l, p, v) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     match w {
         KvBWeights::Fused { kv_b } => f64m(kv_b),
         KvBWeights::Split { k_b, v_b } => {
@@ -280,14 +286,15 @@ pub fn forward_sel(
     shared: Option<&Selection>,
 ) -> Result<RefLayer> {
     let t = batch.n_tokens();
-    let (hd, n, l, p, r, v) = (
-        cfg.hidden,
-        cfg.n_head,
-        cfg.kv_lora_rank,
-        cfg.qk_nope_head_dim,
-        cfg.qk_rope_head_dim,
-        cfg.v_head_dim,
-    );
+    let MlaDims {
+        hidden: hd,
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     if hidden_in.shape() != [t, hd] {
         return Err(Error::Usage(format!(
             "reference: hidden_in has shape {:?}, expected [T={t}, H={hd}]",
@@ -454,7 +461,13 @@ pub fn forward_sel(
 /// `process_weights_after_loading`): `W_UK_T[h, p, l] = kv_b[h·(P+V) + p, l]`,
 /// `W_UV[h, l, v] = kv_b[h·(P+V) + P + v, l]`.
 pub fn split_kv_b(cfg: &MlaConfig, kv_b: &Array2<f64>) -> (Array3<f64>, Array3<f64>) {
-    let (n, l, p, v) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     let mut w_uk_t = Array3::<f64>::zeros((n, p, l));
     let mut w_uv = Array3::<f64>::zeros((n, l, v));
     for h in 0..n {
@@ -494,7 +507,13 @@ fn attention_causal(
     kv_c: &Array2<f64>,
 ) -> (Array3<f64>, Array3<f64>, Array2<f64>) {
     let t = batch.n_tokens();
-    let (n, l, p, dv) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        v_head_dim: dv,
+        ..
+    } = cfg.dims();
     let scale = cfg.softmax_scale;
     let mut items = Vec::new();
     for (sq, off) in batch.seqs.iter().zip(batch.offsets()) {
@@ -566,13 +585,14 @@ fn attention_selected(
     kv_c_normed: &Array2<f64>,
 ) -> (Array3<f64>, Array3<f64>, Array2<f64>) {
     let t = batch.n_tokens();
-    let (n, l, p, r, v) = (
-        cfg.n_head,
-        cfg.kv_lora_rank,
-        cfg.qk_nope_head_dim,
-        cfg.qk_rope_head_dim,
-        cfg.v_head_dim,
-    );
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     let scale = cfg.softmax_scale;
     let qs = q.as_standard_layout();
     let qs = qs.as_slice().unwrap_or(&[]);
@@ -939,7 +959,13 @@ pub fn rank_weight_sites(cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> Trace 
     if tp < 2 {
         return tr;
     }
-    let (n, p, r, v) = (cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim);
+    let MlaDims {
+        n_head: n,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     let nh = n / tp;
     let q = match &w.q {
         QWeights::Lora { q_b, .. } => f64m(q_b),

@@ -86,6 +86,27 @@ impl IndexerConfig {
     }
 }
 
+/// The MLA dims of one model, copied out of [`MlaConfig`] by [`MlaConfig::dims`] so that the
+/// shape arithmetic can take them in one line (`let MlaDims { n_head: n, .. } = cfg.dims();`).
+/// Units: elements; the names and GGUF sources are those of the [`MlaConfig`] fields.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlaDims {
+    /// `N`: attention heads.
+    pub n_head: usize,
+    /// `H`: hidden size.
+    pub hidden: usize,
+    /// `Lq`: q compression rank; `None` when the model projects q directly (`attn_q`).
+    pub q_lora_rank: Option<usize>,
+    /// `L`: latent width of the KV cache.
+    pub kv_lora_rank: usize,
+    /// `P`: per-head width of `q_nope`/`k_nope`.
+    pub qk_nope_head_dim: usize,
+    /// `R`: per-head width of `q_pe`/`k_pe` (the rotated part).
+    pub qk_rope_head_dim: usize,
+    /// `V`: per-head width of `v` and `attn_out`.
+    pub v_head_dim: usize,
+}
+
 /// How the file stores the `kv_b_proj` up-projection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -271,6 +292,19 @@ pub struct MlaConfig {
 }
 
 impl MlaConfig {
+    /// The MLA dims `N`, `H`, `Lq`, `L`, `P`, `R`, `V` of this model.
+    pub fn dims(&self) -> MlaDims {
+        MlaDims {
+            n_head: self.n_head,
+            hidden: self.hidden,
+            q_lora_rank: self.q_lora_rank,
+            kv_lora_rank: self.kv_lora_rank,
+            qk_nope_head_dim: self.qk_nope_head_dim,
+            qk_rope_head_dim: self.qk_rope_head_dim,
+            v_head_dim: self.v_head_dim,
+        }
+    }
+
     /// Reads the configuration from `file`'s metadata (and, for the kv_b layout and vocabulary,
     /// its tensor index).
     ///

@@ -23,7 +23,7 @@ use crate::core::error::{Error, Result};
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::device::Module;
 use crate::device::context::{Device, grid1};
-use crate::model::config::{MlaConfig, RopeStyle};
+use crate::model::config::{MlaConfig, MlaDims, RopeStyle};
 use crate::model::weights::{LayerWeights, QWeights};
 
 /// Threads of the one-block-per-row kernels (`REF_THREADS` in reference.cu).
@@ -326,14 +326,15 @@ fn reference_inner(
     keep: bool,
 ) -> Result<(RefOutput, Vec<DeviceSite<f64>>)> {
     let t = batch.n_tokens();
-    let (hd, n, l, p, r, v) = (
-        cfg.hidden,
-        cfg.n_head,
-        cfg.kv_lora_rank,
-        cfg.qk_nope_head_dim,
-        cfg.qk_rope_head_dim,
-        cfg.v_head_dim,
-    );
+    let MlaDims {
+        hidden: hd,
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     if !supported(cfg, w.layer, false) {
         return Err(Error::Usage(
             "the GPU reference does not compute DSA indexer layers".into(),

@@ -24,7 +24,7 @@ use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::judge::label::PathLabel;
 use crate::judge::metrics::{self, SiteDiff, Status, is_canary_like};
 use crate::judge::tolerance::{Precision, tolerance};
-use crate::model::config::{MlaConfig, RopeStyle};
+use crate::model::config::{MlaConfig, MlaDims, RopeStyle};
 use blocks::rel_l2;
 use blocks::{BlockMatch, find_blocks};
 
@@ -401,7 +401,13 @@ fn tp_rank_order(x: &SiteCtx<'_>) -> Detected {
 
 /// Reference kv_b rows regrouped per rank as `[all k rows | all v rows]`.
 fn grouped_kv_b_rows(kv_b: &[f64], cfg: &MlaConfig, tp: usize) -> Vec<f64> {
-    let (n, l, p, v) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     let nh = n / tp;
     let mut out = Vec::with_capacity(kv_b.len());
     for rank in 0..tp {
@@ -418,7 +424,13 @@ fn grouped_kv_b_rows(kv_b: &[f64], cfg: &MlaConfig, tp: usize) -> Vec<f64> {
 
 fn kv_b_layout(x: &SiteCtx<'_>) -> Detected {
     let cfg = x.input.cfg;
-    let (n, l, p, v) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     let tp = x.input.tp.max(1);
     let nh = n / tp;
     let grouped_hint = "kv_b_proj rows are per head [k_nope_h | v_h]: view the output as [T, N, P+V] and split \
@@ -567,7 +579,12 @@ fn rotate(data: &[f64], r: usize, positions: &[usize], inv_freq: &[f64], style: 
 
 fn rope_style(x: &SiteCtx<'_>) -> Detected {
     let cfg = x.input.cfg;
-    let (n, p, r) = (cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim);
+    let MlaDims {
+        n_head: n,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        ..
+    } = cfg.dims();
     let pos = x.input.batch.positions();
     let inv = rope_inv_freq(cfg);
     let (raw, positions): (Vec<f64>, Vec<usize>) = match x.site.stage {
@@ -656,13 +673,14 @@ impl AttnRecompute {
     /// [`AttnRecompute::build`] for `stage` (of the same layer) instead of the failing site's.
     fn build_for(x: &SiteCtx<'_>, stage: Stage) -> Option<Self> {
         let cfg = x.input.cfg;
-        let (n, l, p, r, v) = (
-            cfg.n_head,
-            cfg.kv_lora_rank,
-            cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim,
-            cfg.v_head_dim,
-        );
+        let MlaDims {
+            n_head: n,
+            kv_lora_rank: l,
+            qk_nope_head_dim: p,
+            qk_rope_head_dim: r,
+            v_head_dim: v,
+            ..
+        } = cfg.dims();
         let q = x.ref_site(Stage::Q)?;
         let qpe = x.ref_site(Stage::QPeRoped)?;
         let kn = x.ref_site(Stage::KNope)?;

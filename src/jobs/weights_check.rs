@@ -382,12 +382,77 @@ fn refuse_activation_dump(
 /// tensor with an integer dtype, a layer out of range, GGUF tensors that cannot be loaded, no
 /// MLA param at all in the file.
 pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -> Result<WeightsReport> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
-    let bad = |what: &str, reason: String| Error::Safetensors {
+    let WeightsFile {
+        metadata,
+        dtype,
+        entries,
+        ignored,
+    } = read_weights_file(cfg, path, map)?;
+    let tp = tp_size(path, &metadata, &entries, cfg)?;
+    let mut cache: BTreeMap<usize, BTreeMap<&'static str, Param>> = BTreeMap::new();
+    for layer in entries.iter().map(|e| e.layer) {
+        if let std::collections::btree_map::Entry::Vacant(slot) = cache.entry(layer) {
+            let w = LayerWeights::load(file, cfg, layer)?;
+            slot.insert(params(file, cfg, &w));
+        }
+    }
+    let mut tensors = Vec::new();
+    let mut findings = Vec::new();
+    // Per (layer, param): which rank's slice each file shard holds.
+    let mut holds: Holds = BTreeMap::new();
+    for e in &entries {
+        let Some(p) = cache[&e.layer].get(e.param.as_str()) else {
+            findings.push(WeightFinding {
+                class: Class::Mismatch,
+                tensor: e.name.clone(),
+                evidence: format!("the model has no `{}` (q_lora_rank {:?})", e.param, cfg.q_lora_rank),
+                hint: "q_a_proj/q_b_proj/fused_qkv_a_proj exist only with q_lora_rank; q_proj only without".into(),
+                source: Vec::new(),
+            });
+            continue;
+        };
+        if let Some(tc) = check_entry(e, p, cfg, dtype, tp, &mut holds, &mut findings) {
+            tensors.push(tc);
+        }
+    }
+    findings.extend(rank_findings(holds, &cache, tp));
+    Ok(WeightsReport {
+        model: file.path().display().to_string(),
+        weights: path.display().to_string(),
+        engine: metadata.get("engine").cloned().unwrap_or_else(|| "unknown".into()),
+        tp,
+        metadata_dtype: metadata.get("dtype").cloned(),
+        dtype,
+        tensors,
+        findings,
+        ignored,
+    })
+}
+
+/// An [`Error::Safetensors`] naming `path` and the tensor or field `what`.
+fn bad(path: &Path, what: &str, reason: String) -> Error {
+    Error::Safetensors {
         path: path.to_path_buf(),
         what: what.to_string(),
         reason,
-    };
+    }
+}
+
+/// What [`read_weights_file`] reads: the file's `__metadata__`, the dtype it declares, the MLA
+/// params found (sorted by name) and the names of the tensors that are not MLA params.
+struct WeightsFile {
+    metadata: BTreeMap<String, String>,
+    dtype: Dtype,
+    entries: Vec<Entry>,
+    ignored: Vec<String>,
+}
+
+/// Reads every MLA param tensor of the weights file `path` (format 1 names, `weights.…` tensors
+/// of a format-2 dump, or names `map` renames), decoded to f64.
+///
+/// Errors: as [`check`]'s, except those of the GGUF and the TP size.
+fn read_weights_file(cfg: &MlaConfig, path: &Path, map: Option<&Map>) -> Result<WeightsFile> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
     let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
     let metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();
@@ -402,10 +467,15 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
     let dtype = match header_dtype.as_deref().or(metadata.get("dtype").map(String::as_str)) {
         None | Some("f32" | "float32" | "f64") => Dtype::F32,
         Some("bf16" | "bfloat16" | "f16" | "float16") => Dtype::Bf16,
-        Some(o) => return Err(bad("__metadata__.dtype", format!("`{o}`: expected f32, bf16 or f16"))),
+        Some(o) => {
+            return Err(bad(
+                path,
+                "__metadata__.dtype",
+                format!("`{o}`: expected f32, bf16 or f16"),
+            ));
+        }
     };
 
-    // Read every MLA param tensor.
     let mut entries: Vec<Entry> = Vec::new();
     let mut ignored = Vec::new();
     let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
@@ -431,14 +501,18 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
         };
         if layer >= cfg.n_layer {
             return Err(bad(
+                path,
                 &name,
                 format!("layer {layer} out of range: the model has {} layers", cfg.n_layer),
             ));
         }
-        let view = st.tensor(&full_name).map_err(|e| bad(&full_name, e.to_string()))?;
+        let view = st
+            .tensor(&full_name)
+            .map_err(|e| bad(path, &full_name, e.to_string()))?;
         let tt = crate::core::st::decode_tensor(path, &full_name, &view)?;
         if !crate::core::st::is_float_dtype(view.dtype()) {
             return Err(bad(
+                path,
                 &name,
                 format!("integer dtype {:?}; weights must be floats", view.dtype()),
             ));
@@ -455,6 +529,7 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
     }
     if entries.is_empty() {
         return Err(bad(
+            path,
             "tensors",
             format!(
                 "no MLA weight found (names like `L0.kv_b_proj` or `L0.kv_b_proj.rank1`; params {}); {} other tensor(s)",
@@ -463,122 +538,128 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
             ),
         ));
     }
+    Ok(WeightsFile {
+        metadata,
+        dtype,
+        entries,
+        ignored,
+    })
+}
+
+/// The TP size of the file: `__metadata__.tp_size`, else one more than the highest shard rank
+/// (1 without shards).
+///
+/// Errors: [`Error::Safetensors`] for a `tp_size` that is not a positive integer or does not
+/// divide the `N` heads.
+fn tp_size(path: &Path, metadata: &BTreeMap<String, String>, entries: &[Entry], cfg: &MlaConfig) -> Result<usize> {
     let tp = match metadata.get("tp_size") {
         Some(s) => s
             .trim()
             .parse::<usize>()
             .ok()
             .filter(|&t| t >= 1)
-            .ok_or_else(|| bad("__metadata__.tp_size", format!("`{s}` is not a positive integer")))?,
+            .ok_or_else(|| bad(path, "__metadata__.tp_size", format!("`{s}` is not a positive integer")))?,
         None => entries.iter().filter_map(|e| e.rank).max().map_or(1, |r| r + 1),
     };
     if !cfg.n_head.is_multiple_of(tp) {
         return Err(bad(
+            path,
             "__metadata__.tp_size",
             format!("{tp} does not divide the {} heads", cfg.n_head),
         ));
     }
+    Ok(tp)
+}
 
+/// Judges one file tensor `e` against the GGUF's param `p` (or, for a shard, its rank's slice):
+/// returns its row of the report, or `None` for a rank outside `0..tp` (a finding). Records
+/// which rank's slice a shard holds in `holds`, and pushes the explanation of a failing tensor
+/// that holds no other rank's slice to `findings`.
+fn check_entry(
+    e: &Entry,
+    p: &Param,
+    cfg: &MlaConfig,
+    dtype: Dtype,
+    tp: usize,
+    holds: &mut Holds,
+    findings: &mut Vec<WeightFinding>,
+) -> Option<TensorCheck> {
     let tol = tolerance(Stage::WKvB, dtype).0;
     let thr = match_threshold(dtype);
-    let mut tensors = Vec::new();
-    let mut findings = Vec::new();
-    let mut layers: Vec<usize> = entries.iter().map(|e| e.layer).collect();
-    layers.dedup();
-    let mut cache: BTreeMap<usize, BTreeMap<&'static str, Param>> = BTreeMap::new();
-    for &layer in &layers {
-        let w = LayerWeights::load(file, cfg, layer)?;
-        cache.insert(layer, params(file, cfg, &w));
-    }
-
-    // Per (layer, param): which rank's slice each file shard holds.
-    let mut holds: Holds = BTreeMap::new();
-    for Entry {
-        name,
-        layer,
-        param,
-        rank,
-        shape,
-        data,
-        dtype: file_dtype,
-    } in &entries
-    {
-        let Some(p) = cache[layer].get(param.as_str()) else {
+    let (exp, exp_shape, range) = match e.rank {
+        Some(r) if r < tp => rank_slice(p, cfg.n_head, tp, r),
+        Some(r) => {
             findings.push(WeightFinding {
-                class: Class::Mismatch,
-                tensor: name.clone(),
-                evidence: format!("the model has no `{param}` (q_lora_rank {:?})", cfg.q_lora_rank),
-                hint: "q_a_proj/q_b_proj/fused_qkv_a_proj exist only with q_lora_rank; q_proj only without".into(),
-                source: Vec::new(),
+                class: Class::TpRankOrder,
+                tensor: e.name.clone(),
+                evidence: format!("rank {r} ≥ tp_size {tp}"),
+                hint: "shard names must use ranks 0..tp_size".into(),
+                source: p.source_names(),
             });
-            continue;
-        };
-        let (exp, exp_shape, range) = match rank {
-            Some(r) if *r < tp => rank_slice(p, cfg.n_head, tp, *r),
-            Some(r) => {
-                findings.push(WeightFinding {
-                    class: Class::TpRankOrder,
-                    tensor: name.clone(),
-                    evidence: format!("rank {r} ≥ tp_size {tp}"),
-                    hint: "shard names must use ranks 0..tp_size".into(),
-                    source: p.source_names(),
-                });
-                continue;
-            }
-            None => (p.data.clone(), p.shape.clone(), (0, 0)),
-        };
-        let mut tc = TensorCheck {
-            name: name.clone(),
-            layer: *layer,
-            param: param.clone(),
-            rank: *rank,
-            shape: shape.clone(),
-            expected_shape: exp_shape.clone(),
-            pass: false,
-            metrics: None,
-            file_dtype: file_dtype.clone(),
-            source: p.source_names(),
-        };
-        if *shape == exp_shape {
-            let m = metrics::metrics(
-                &TraceTensor::f64(exp_shape.clone(), exp.clone()),
-                &TraceTensor::f64(shape.clone(), data.clone()),
-                &tol,
-            );
-            tc.pass = metrics::judge(&m, &tol).is_empty();
-            tc.metrics = Some(m);
+            return None;
         }
-        let mut held_other = false;
-        if let Some(r) = rank {
-            // Which rank's slice does this shard hold? Another rank's is a rank-level finding.
-            let held = (0..tp).find(|&k| {
-                let (e, s, _) = rank_slice(p, cfg.n_head, tp, k);
-                s == *shape && rel(data, &e) <= thr
-            });
-            held_other = held.is_some_and(|k| k != *r);
-            holds.entry((*layer, param.clone())).or_default().push((*r, held));
-        }
-        if !tc.pass
-            && !held_other
-            && let Some(f) = explain(
-                name,
-                param,
-                p,
-                data,
-                shape,
-                &exp,
-                &exp_shape,
-                rank.map(|r| (r, range)),
-                cfg,
-                thr,
-            )
-        {
-            findings.push(f);
-        }
-        tensors.push(tc);
+        None => (p.data.clone(), p.shape.clone(), (0, 0)),
+    };
+    let mut tc = TensorCheck {
+        name: e.name.clone(),
+        layer: e.layer,
+        param: e.param.clone(),
+        rank: e.rank,
+        shape: e.shape.clone(),
+        expected_shape: exp_shape.clone(),
+        pass: false,
+        metrics: None,
+        file_dtype: e.dtype.clone(),
+        source: p.source_names(),
+    };
+    if e.shape == exp_shape {
+        let m = metrics::metrics(
+            &TraceTensor::f64(exp_shape.clone(), exp.clone()),
+            &TraceTensor::f64(e.shape.clone(), e.data.clone()),
+            &tol,
+        );
+        tc.pass = metrics::judge(&m, &tol).is_empty();
+        tc.metrics = Some(m);
     }
+    let mut held_other = false;
+    if let Some(r) = e.rank {
+        // Which rank's slice does this shard hold? Another rank's is a rank-level finding.
+        let held = (0..tp).find(|&k| {
+            let (x, s, _) = rank_slice(p, cfg.n_head, tp, k);
+            s == e.shape && rel(&e.data, &x) <= thr
+        });
+        held_other = held.is_some_and(|k| k != r);
+        holds.entry((e.layer, e.param.clone())).or_default().push((r, held));
+    }
+    if !tc.pass
+        && !held_other
+        && let Some(f) = explain(
+            &e.name,
+            &e.param,
+            p,
+            &e.data,
+            &e.shape,
+            &exp,
+            &exp_shape,
+            e.rank.map(|r| (r, range)),
+            cfg,
+            thr,
+        )
+    {
+        findings.push(f);
+    }
+    Some(tc)
+}
 
-    // Rank-level findings: permuted, duplicated or missing shards.
+/// Rank-level findings from `holds`: shards permuted or duplicated across ranks (each holding
+/// another rank's slice), and ranks of `0..tp` with no shard in the file. Replicated params
+/// have none.
+fn rank_findings(
+    holds: Holds,
+    cache: &BTreeMap<usize, BTreeMap<&'static str, Param>>,
+    tp: usize,
+) -> Vec<WeightFinding> {
+    let mut findings = Vec::new();
     for ((layer, param), mut v) in holds {
         v.sort();
         let p = &cache[&layer][param.as_str()];
@@ -589,44 +670,11 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
         let missing: Vec<usize> = (0..tp).filter(|r| !ranks.contains(r)).collect();
         let held: Vec<Option<usize>> = v.iter().map(|x| x.1).collect();
         let wrong = v.iter().any(|(r, h)| h.is_some_and(|h| h != *r));
-        let text = |h: &[Option<usize>]| {
-            let parts: Vec<String> = h.iter().map(|x| x.map_or("?".into(), |k| k.to_string())).collect();
-            format!("[{}]", parts.join(","))
-        };
         if wrong {
-            let mut dup: Vec<usize> = held.iter().flatten().copied().collect();
-            dup.sort();
-            let duplicated: Vec<usize> = dup.windows(2).filter(|w| w[0] == w[1]).map(|w| w[0]).collect();
-            let lost: Vec<usize> = (0..tp).filter(|k| !held.contains(&Some(*k))).collect();
-            let evidence = if held.iter().all(|h| *h == Some(0)) && tp > 1 {
-                format!(
-                    "every rank holds rank 0's slice: ranks {:?} hold slices {} (duplicated shard 0; slices {:?} of {} are missing)",
-                    ranks,
-                    text(&held),
-                    lost,
-                    p.source_text()
-                )
-            } else {
-                format!(
-                    "ranks {:?} hold slices {}{}{}",
-                    ranks,
-                    text(&held),
-                    if duplicated.is_empty() {
-                        String::new()
-                    } else {
-                        format!("; duplicated slices {duplicated:?}")
-                    },
-                    if lost.is_empty() {
-                        String::new()
-                    } else {
-                        format!("; slices {lost:?} held by no rank")
-                    }
-                )
-            };
             findings.push(WeightFinding {
                 class: Class::TpRankOrder,
                 tensor: format!("L{layer}.{param}.rank*"),
-                evidence,
+                evidence: permuted_shards_evidence(&ranks, &held, p, tp),
                 hint: "each rank must take its own slice of the head dim (vLLM weight_loader: narrow(dim, tp_rank * shard_size, shard_size)); check the rank index the loader uses".into(),
                 source: p.source_names(),
             });
@@ -641,17 +689,45 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
             });
         }
     }
-    Ok(WeightsReport {
-        model: file.path().display().to_string(),
-        weights: path.display().to_string(),
-        engine: metadata.get("engine").cloned().unwrap_or_else(|| "unknown".into()),
-        tp,
-        metadata_dtype: metadata.get("dtype").cloned(),
-        dtype,
-        tensors,
-        findings,
-        ignored,
-    })
+    findings
+}
+
+/// The evidence of shards that hold other ranks' slices: file ranks `ranks` hold slices `held`
+/// (`?`: no rank's), with the slices duplicated and those held by no rank.
+fn permuted_shards_evidence(ranks: &[usize], held: &[Option<usize>], p: &Param, tp: usize) -> String {
+    let text = |h: &[Option<usize>]| {
+        let parts: Vec<String> = h.iter().map(|x| x.map_or("?".into(), |k| k.to_string())).collect();
+        format!("[{}]", parts.join(","))
+    };
+    let mut dup: Vec<usize> = held.iter().flatten().copied().collect();
+    dup.sort();
+    let duplicated: Vec<usize> = dup.windows(2).filter(|w| w[0] == w[1]).map(|w| w[0]).collect();
+    let lost: Vec<usize> = (0..tp).filter(|k| !held.contains(&Some(*k))).collect();
+    if held.iter().all(|h| *h == Some(0)) && tp > 1 {
+        format!(
+            "every rank holds rank 0's slice: ranks {:?} hold slices {} (duplicated shard 0; slices {:?} of {} are missing)",
+            ranks,
+            text(held),
+            lost,
+            p.source_text()
+        )
+    } else {
+        format!(
+            "ranks {:?} hold slices {}{}{}",
+            ranks,
+            text(held),
+            if duplicated.is_empty() {
+                String::new()
+            } else {
+                format!("; duplicated slices {duplicated:?}")
+            },
+            if lost.is_empty() {
+                String::new()
+            } else {
+                format!("; slices {lost:?} held by no rank")
+            }
+        )
+    }
 }
 
 /// Explains one failing tensor: transposed, fused shards permuted, heads permuted, a column cut

@@ -631,22 +631,19 @@ fn check_entry(
         held_other = held.is_some_and(|k| k != r);
         holds.entry((e.layer, e.param.clone())).or_default().push((r, held));
     }
-    if !tc.pass
-        && !held_other
-        && let Some(f) = explain(
-            &e.name,
-            &e.param,
+    if !tc.pass && !held_other {
+        findings.push(explain(&Failing {
+            name: &e.name,
+            param: &e.param,
             p,
-            &e.data,
-            &e.shape,
-            &exp,
-            &exp_shape,
-            e.rank.map(|r| (r, range)),
+            data: &e.data,
+            shape: &e.shape,
+            exp: &exp,
+            exp_shape: &exp_shape,
+            rank: e.rank.map(|r| (r, range)),
             cfg,
             thr,
-        )
-    {
-        findings.push(f);
+        }));
     }
     Some(tc)
 }
@@ -730,38 +727,57 @@ fn permuted_shards_evidence(ranks: &[usize], held: &[Option<usize>], p: &Param, 
     }
 }
 
-/// Explains one failing tensor: transposed, fused shards permuted, heads permuted, a column cut
-/// inside a quant block, or (fallback) where the differences are.
-#[allow(clippy::too_many_arguments)]
-fn explain(
-    name: &str,
-    param: &str,
-    p: &Param,
-    data: &[f64],
-    shape: &[usize],
-    exp: &[f64],
-    exp_shape: &[usize],
+/// A failing tensor of the file, with the GGUF param it is compared with: what [`explain`] reads.
+struct Failing<'a> {
+    /// The file's tensor name.
+    name: &'a str,
+    /// The MLA param (`kv_b_proj`, `W_UK_T`, …).
+    param: &'a str,
+    /// The param rebuilt from the GGUF.
+    p: &'a Param,
+    /// The file's values and shape.
+    data: &'a [f64],
+    shape: &'a [usize],
+    /// The expected values and shape (a shard's: its rank's slice).
+    exp: &'a [f64],
+    exp_shape: &'a [usize],
+    /// A shard's rank and the range of the head dim it should hold.
     rank: Option<(usize, (usize, usize))>,
-    cfg: &MlaConfig,
+    cfg: &'a MlaConfig,
+    /// The rel_l2 at or under which a rearrangement counts as a match ([`match_threshold`]).
     thr: f64,
-) -> Option<WeightFinding> {
-    // Never loaded: every element zero (or NaN, the canary of a dump) where the GGUF's is not.
-    let expected_nonzero = exp.iter().any(|&x| x != 0.0);
-    if expected_nonzero && !data.is_empty() && data.len() == exp.len() {
-        let what = if data.iter().all(|&x| x == 0.0) {
+}
+
+/// Explains one failing tensor: never loaded, transposed, fused shards permuted, heads
+/// permuted, a column cut inside a quant block, or (fallback) where the differences are.
+fn explain(f: &Failing<'_>) -> WeightFinding {
+    not_loaded(f)
+        .or_else(|| transposed(f))
+        .or_else(|| shape_mismatch(f))
+        .or_else(|| shard_order(f))
+        .or_else(|| heads_permuted(f))
+        .or_else(|| quant_block_cut(f))
+        .unwrap_or_else(|| row_differences(f))
+}
+
+/// Never loaded: every element 0 (or NaN, the canary of a dump) where the GGUF's are not.
+fn not_loaded(f: &Failing<'_>) -> Option<WeightFinding> {
+    let expected_nonzero = f.exp.iter().any(|&x| x != 0.0);
+    if expected_nonzero && !f.data.is_empty() && f.data.len() == f.exp.len() {
+        let what = if f.data.iter().all(|&x| x == 0.0) {
             Some("0")
-        } else if data.iter().all(|x| x.is_nan()) {
+        } else if f.data.iter().all(|x| x.is_nan()) {
             Some("NaN")
         } else {
             None
         };
         if let Some(what) = what {
-            let src = p.source_text();
+            let src = f.p.source_text();
             return Some(WeightFinding {
                 class: Class::WeightNotLoaded,
-                tensor: name.into(),
-                source: p.source_names(),
-                evidence: format!("all {} elements are {what}; {src} is not", data.len()),
+                tensor: f.name.into(),
+                source: f.p.source_names(),
+                evidence: format!("all {} elements are {what}; {src} is not", f.data.len()),
                 hint: format!(
                     "the engine never loaded this weight: its loader's tensor mapping has no entry for {src} \
                      (vllm-gguf-plugin 0.0.5 maps `attn_kv_b` but not the split `attn_k_b`/`attn_v_b` that \
@@ -770,24 +786,29 @@ fn explain(
             });
         }
     }
-    // Transposed: [in, out] for [out, in] (2-D), or the last two dims swapped (3-D).
-    let k = exp_shape.len();
-    if k >= 2 && shape.len() == k && shape[k - 1] == exp_shape[k - 2] && shape[k - 2] == exp_shape[k - 1] {
-        let (a, b) = (exp_shape[k - 2], exp_shape[k - 1]);
-        let batch: usize = exp_shape[..k - 2].iter().product();
-        let mut t = vec![0.0; data.len()];
+    None
+}
+
+/// Transposed: the expected tensor with its last two dims swapped (`[in, out]` for `[out, in]`);
+/// for `W_UK_T`/`W_UV` a `kv_b` layout finding.
+fn transposed(f: &Failing<'_>) -> Option<WeightFinding> {
+    let k = f.exp_shape.len();
+    if k >= 2 && f.shape.len() == k && f.shape[k - 1] == f.exp_shape[k - 2] && f.shape[k - 2] == f.exp_shape[k - 1] {
+        let (a, b) = (f.exp_shape[k - 2], f.exp_shape[k - 1]);
+        let batch: usize = f.exp_shape[..k - 2].iter().product();
+        let mut t = vec![0.0; f.data.len()];
         for z in 0..batch {
             for i in 0..a {
                 for j in 0..b {
-                    t[z * a * b + i * b + j] = data[z * a * b + j * a + i];
+                    t[z * a * b + i * b + j] = f.data[z * a * b + j * a + i];
                 }
             }
         }
-        let e = rel(&t, exp);
-        if e <= thr {
-            let src = p.source_text();
-            let fused = cfg.kv_b_layout == KvBLayout::Fused;
-            let (class, hint) = match (param, fused) {
+        let e = rel(&t, f.exp);
+        if e <= f.thr {
+            let src = f.p.source_text();
+            let fused = f.cfg.kv_b_layout == KvBLayout::Fused;
+            let (class, hint) = match (f.param, fused) {
                 ("W_UK_T", false) => (
                     Class::KvBLayout,
                     format!(
@@ -821,68 +842,91 @@ fn explain(
             };
             return Some(WeightFinding {
                 class,
-                tensor: name.into(),
-                source: p.source_names(),
+                tensor: f.name.into(),
+                source: f.p.source_names(),
                 evidence: format!(
-                    "holds the expected {exp_shape:?} transposed (shape {shape:?}; rel_l2 {e:.2e} after transposing back)"
+                    "holds the expected {:?} transposed (shape {:?}; rel_l2 {e:.2e} after transposing back)",
+                    f.exp_shape, f.shape
                 ),
                 hint,
             });
         }
     }
-    if shape != exp_shape {
+    None
+}
+
+/// A shape that no transpose explains.
+fn shape_mismatch(f: &Failing<'_>) -> Option<WeightFinding> {
+    if f.shape != f.exp_shape {
         return Some(WeightFinding {
             class: Class::Mismatch,
-            tensor: name.into(),
-            source: p.source_names(),
-            evidence: format!("shape {shape:?}, expected {exp_shape:?} from {}", p.source_text()),
+            tensor: f.name.into(),
+            source: f.p.source_names(),
+            evidence: format!(
+                "shape {:?}, expected {:?} from {}",
+                f.shape,
+                f.exp_shape,
+                f.p.source_text()
+            ),
             hint: "check the loader's reshape/narrow of this parameter".into(),
         });
     }
-    // Fused shards in the wrong order.
-    if !p.shards.is_empty() {
-        let sizes: Vec<usize> = p.shards.iter().map(|s| s.1).collect();
-        if let Some(m) = find_blocks(data, exp, shape, 0, &sizes, thr)
+    None
+}
+
+/// The shards of a fused projection concatenated in the wrong order.
+fn shard_order(f: &Failing<'_>) -> Option<WeightFinding> {
+    if !f.p.shards.is_empty() {
+        let sizes: Vec<usize> = f.p.shards.iter().map(|s| s.1).collect();
+        if let Some(m) = find_blocks(f.data, f.exp, f.shape, 0, &sizes, f.thr)
             && m.explains()
         {
-            let names: Vec<String> = p
-                .shards
-                .iter()
-                .enumerate()
-                .map(|(i, (n, r))| format!("{i} = {n} ({r} rows)"))
-                .collect();
+            let names: Vec<String> =
+                f.p.shards
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (n, r))| format!("{i} = {n} ({r} rows)"))
+                    .collect();
             return Some(WeightFinding {
                 class: Class::ShardOrder,
-                tensor: name.into(),
-                source: p.source_names(),
+                tensor: f.name.into(),
+                source: f.p.source_names(),
                 evidence: format!("shard-order {}: {} (shards {})", m.map_text(), m.describe("shard"), names.join(", ")),
                 hint: "the fused projection must be [q_a_proj | kv_a_proj_with_mqa], shard 0 then 1 (vLLM MergedReplicatedLinear loaded_shard_id order); check the order the GGUF shards are dequantized and concatenated".into(),
             });
         }
     }
-    // Heads permuted within a head-split tensor.
-    let head_axis_unit = match p.split {
+    None
+}
+
+/// Heads permuted within a head-split tensor.
+fn heads_permuted(f: &Failing<'_>) -> Option<WeightFinding> {
+    let head_axis_unit = match f.p.split {
         Split::Rows(u) => Some((0, u)),
         Split::Cols(u) => Some((1, u)),
         Split::Replicated => None,
     };
     if let Some((axis, unit)) = head_axis_unit {
-        let heads = shape[axis] / unit;
+        let heads = f.shape[axis] / unit;
         if heads > 1
-            && let Some(m) = find_blocks(data, exp, shape, axis, &vec![unit; heads], thr)
+            && let Some(m) = find_blocks(f.data, f.exp, f.shape, axis, &vec![unit; heads], f.thr)
             && m.explains()
         {
             return Some(WeightFinding {
                 class: Class::TpRankOrder,
-                tensor: name.into(),
-                source: p.source_names(),
+                tensor: f.name.into(),
+                source: f.p.source_names(),
                 evidence: format!("per-head blocks of {unit} along dim {axis}: {}", m.describe("head")),
                 hint: "heads are cut or concatenated in the wrong order".into(),
             });
         }
     }
-    // A column cut inside a quant block (o_proj shards: the input dim is the GGUF's ne[0]).
-    if let (Split::Cols(_), Some((r, (start, end))), Some(src0)) = (p.split, rank, p.sources.first())
+    None
+}
+
+/// A TP column cut inside a quant block (o_proj shards: the input dim is the GGUF's ne[0]).
+fn quant_block_cut(f: &Failing<'_>) -> Option<WeightFinding> {
+    if let (Split::Cols(_), Some((r, (start, end))), Some(src0)) = (f.p.split, f.rank, f.p.sources.first())
         && let block = src0.block
         && block > 1
         && (!(start as u64).is_multiple_of(block) || !(end as u64).is_multiple_of(block))
@@ -895,8 +939,8 @@ fn explain(
         let b0 = bad_at as u64 / block;
         return Some(WeightFinding {
             class: Class::QuantBlockMisaligned,
-            tensor: name.into(),
-            source: p.source_names(),
+            tensor: f.name.into(),
+            source: f.p.source_names(),
             evidence: format!(
                 "rank {r} covers columns {start}..{end} of {} ({}, blocks of {} along ne[0]): the cut at column {bad_at} falls inside block {b0} (columns {}..{}), and the shard differs from the dequantized slice",
                 src0.name,
@@ -908,24 +952,28 @@ fn explain(
             hint: "dequantize before slicing, or keep TP cuts on block boundaries (N·V/tp must be a multiple of the block size)".into(),
         });
     }
-    // Fallback: where the differences are.
-    let rows = shape[0];
-    let inner: usize = shape[1..].iter().product();
+    None
+}
+
+/// Fallback: which rows differ.
+fn row_differences(f: &Failing<'_>) -> WeightFinding {
+    let rows = f.shape[0];
+    let inner: usize = f.shape[1..].iter().product();
     let bad: Vec<usize> = (0..rows)
-        .filter(|&i| rel(&data[i * inner..(i + 1) * inner], &exp[i * inner..(i + 1) * inner]) > thr)
+        .filter(|&i| rel(&f.data[i * inner..(i + 1) * inner], &f.exp[i * inner..(i + 1) * inner]) > f.thr)
         .collect();
-    Some(WeightFinding {
+    WeightFinding {
         class: Class::Mismatch,
-        tensor: name.into(),
-        source: p.source_names(),
+        tensor: f.name.into(),
+        source: f.p.source_names(),
         evidence: format!(
             "{} of {rows} rows differ (first {:?}); rel_l2 {:.2e} overall",
             bad.len(),
             &bad[..bad.len().min(8)],
-            rel(data, exp)
+            rel(f.data, f.exp)
         ),
         hint: "no block permutation, duplicate or transpose explains it: compare the loader's dequantization of these rows".into(),
-    })
+    }
 }
 
 /// The terminal table and findings of a weights check: a header (file, engine, TP size, the

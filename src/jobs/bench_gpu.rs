@@ -183,7 +183,7 @@ pub fn decode(
         page,
         l,
         r,
-        compute_bound,
+        compute_bound: _,
     } = d;
     let w = l + r;
     let blocks_per_seq = seq / page;
@@ -258,6 +258,32 @@ pub fn decode(
             None,
         )
     })?;
+    let fig = decode_figure(ops, d, cfg, splits, fused_merge, us, us1);
+    Ok((fig, out))
+}
+
+/// The figure of one decode configuration: `us` µs for stage 1 and the merge, `us1` for stage 1
+/// alone; TFLOP/s (2·B·N·seq·(2L+R)) for the compute-bound shape, latent-cache GB/s for the
+/// memory-bound one; the note names the splits, the configuration and how the merge ran.
+fn decode_figure(
+    ops: &CudaOps,
+    d: DecodeBench,
+    cfg: DecodeCfg,
+    splits: usize,
+    fused_merge: bool,
+    us: f64,
+    us1: f64,
+) -> BenchFigure {
+    let DecodeBench {
+        b,
+        nh,
+        seq,
+        page,
+        l,
+        r,
+        compute_bound,
+    } = d;
+    let w = l + r;
     let cache_bytes = (b * seq * w * 2) as f64;
     let flops = 2.0 * (b * nh * seq) as f64 * (2 * l + r) as f64;
     let shape = format!("B={b} N={nh} seq={seq} page={page} L={l} R={r} bf16");
@@ -277,7 +303,7 @@ pub fn decode(
     } else {
         "separate merge kernel".to_string()
     };
-    let fig = if compute_bound {
+    if compute_bound {
         BenchFigure {
             name: "mqa decode, compute-bound".into(),
             shape,
@@ -303,8 +329,7 @@ pub fn decode(
                 cache_bytes / (us1 * 1e-6) / 1e9
             ),
         }
-    };
-    Ok((fig, out))
+    }
 }
 
 /// One decode variant: compute-bound shape, configuration, splits, merge fused.

@@ -296,129 +296,23 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
             )
             .map_err(|e| Error::Internal(e.to_string()))?;
             let base = reference::forward(&cfg, &w, &hidden, &batch)?.trace;
-            let run_cfg = |tp: usize, paths: Vec<PathKind>, faults: Vec<Fault>| RunConfig {
-                layers: vec![layer],
-                batch: batch.clone(),
+            let pr = PageRun {
+                backend,
+                file: &file,
+                cfg: &cfg,
+                w: &w,
+                hidden: &hidden,
+                base: &base,
+                batch: &batch,
+                layer,
+                page,
                 seed: opts.seed,
-                input: crate::judge::report::InputMode::Random,
-                paths,
-                path_options: PathOptions {
-                    page_size: page,
-                    tp,
-                    faults: FaultSet(faults),
-                    ..PathOptions::default()
-                },
-                backend: backend.name().into(),
+                fixture: &name,
             };
-            // The reference on the host: selftest judges on the host on every backend.
-            let reference_for = |tp: usize| {
-                let mut r = base.clone();
-                r.extend(reference::rank_weight_sites(&cfg, &w, tp));
-                SplitTrace {
-                    host: r,
-                    device: Vec::new(),
-                }
-            };
-            // Clean runs.
-            for &tp in &tps {
-                let rc = run_cfg(tp, PathKind::ALL.to_vec(), vec![]);
-                let (_, findings, _) = compare_layer(
-                    backend,
-                    &file,
-                    &cfg,
-                    &w,
-                    &hidden,
-                    &reference_for(tp),
-                    &rc,
-                    None,
-                    None,
-                    false,
-                )?;
-                let expected =
-                    natural_misalignment(&file, &cfg, layer, tp).map(|s| (Class::QuantBlockMisaligned, vec![s.stage]));
-                for &path in PathKind::ALL {
-                    let found = findings.iter().find(|f| f.path == Some(path.into()));
-                    cases.push(CaseResult {
-                        fixture: name.clone(),
-                        case: "clean".into(),
-                        path,
-                        tp,
-                        page,
-                        verdict: verdict(&expected, found, layer),
-                        expected: expected
-                            .as_ref()
-                            .map(|(c, s)| (*c, s.iter().map(|x| x.name()).collect())),
-                        found: found.cloned(),
-                    });
-                }
-            }
+            pr.clean_cases(&tps, &mut cases)?;
             // Faults, at page 16 only (the batch already spans page boundaries).
-            if page != 16 {
-                continue;
-            }
-            let lblock = latent_block(&file, &cfg, layer);
-            for &fault in Fault::ALL {
-                // Pick the TP size: 1 unless the fault needs ranks; then the smallest that works.
-                // A TP size whose clean cut of o_proj already falls inside a quant block cannot
-                // show any other fault (the run stops at the unservable cut), so it is skipped,
-                // except for the fault that is about that cut.
-                let servable = |tp: usize| {
-                    fault == Fault::QuantSliceMisaligned || natural_misalignment(&file, &cfg, layer, tp).is_none()
-                };
-                let tp = tps
-                    .iter()
-                    .copied()
-                    .find(|&tp| {
-                        servable(tp)
-                            && PathKind::ALL
-                                .iter()
-                                .any(|&p| fault.applies(p, &cfg, tp, lblock).is_ok())
-                    })
-                    .or_else(|| {
-                        tp_sizes(cfg.n_head).into_iter().find(|&tp| {
-                            servable(tp)
-                                && PathKind::ALL
-                                    .iter()
-                                    .any(|&p| fault.applies(p, &cfg, tp, lblock).is_ok())
-                        })
-                    });
-                let Some(tp) = tp else { continue };
-                let paths: Vec<PathKind> = PathKind::ALL
-                    .iter()
-                    .copied()
-                    .filter(|&p| fault.applies(p, &cfg, tp, lblock).is_ok())
-                    .collect();
-                if paths.is_empty() {
-                    continue;
-                }
-                let rc = run_cfg(tp, paths.clone(), vec![fault]);
-                let (_, findings, _) = compare_layer(
-                    backend,
-                    &file,
-                    &cfg,
-                    &w,
-                    &hidden,
-                    &reference_for(tp),
-                    &rc,
-                    None,
-                    None,
-                    false,
-                )?;
-                for path in paths {
-                    let stages = fault.expected_stages(path);
-                    let expected = Some((fault.expected_class(), stages.clone()));
-                    let found = findings.iter().find(|f| f.path == Some(path.into()));
-                    cases.push(CaseResult {
-                        fixture: name.clone(),
-                        case: fault.name().into(),
-                        path,
-                        tp,
-                        page,
-                        verdict: verdict(&expected, found, layer),
-                        expected: Some((fault.expected_class(), stages.iter().map(|s| s.name()).collect())),
-                        found: found.cloned(),
-                    });
-                }
+            if page == 16 {
+                pr.fault_cases(&tps, &mut cases)?;
             }
         }
     }
@@ -430,6 +324,143 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
         dequant: dq,
         seconds: start.elapsed().as_secs_f64(),
     })
+}
+
+/// One fixture's layer at one page size: what the clean and faulted runs of [`run`] share.
+struct PageRun<'a> {
+    backend: &'a Backend,
+    file: &'a GgufFile,
+    cfg: &'a MlaConfig,
+    w: &'a LayerWeights,
+    /// `hidden_in` [T, H], seeded.
+    hidden: &'a Array2<f64>,
+    /// The reference trace of the layer, without per-rank weight sites.
+    base: &'a crate::core::trace::Trace,
+    batch: &'a Batch,
+    layer: usize,
+    page: usize,
+    seed: u64,
+    /// The fixture's name in the report.
+    fixture: &'a str,
+}
+
+impl PageRun<'_> {
+    /// The findings of `paths` at TP size `tp` with `faults` injected, judged on the host
+    /// against the reference (selftest judges on the host on every backend).
+    fn findings(&self, tp: usize, paths: Vec<PathKind>, faults: Vec<Fault>) -> Result<Vec<Finding>> {
+        let rc = RunConfig {
+            layers: vec![self.layer],
+            batch: self.batch.clone(),
+            seed: self.seed,
+            input: crate::judge::report::InputMode::Random,
+            paths,
+            path_options: PathOptions {
+                page_size: self.page,
+                tp,
+                faults: FaultSet(faults),
+                ..PathOptions::default()
+            },
+            backend: self.backend.name().into(),
+        };
+        let mut r = self.base.clone();
+        r.extend(reference::rank_weight_sites(self.cfg, self.w, tp));
+        let reference = SplitTrace {
+            host: r,
+            device: Vec::new(),
+        };
+        let (_, findings, _) = compare_layer(
+            self.backend,
+            self.file,
+            self.cfg,
+            self.w,
+            self.hidden,
+            &reference,
+            &rc,
+            None,
+            None,
+            false,
+        )?;
+        Ok(findings)
+    }
+
+    /// Clean runs of every path at every TP size of `tps`: no finding expected, except the
+    /// quant-block cut some TP sizes force on a fixture.
+    fn clean_cases(&self, tps: &[usize], cases: &mut Vec<CaseResult>) -> Result<()> {
+        let layer = self.layer;
+        for &tp in tps {
+            let findings = self.findings(tp, PathKind::ALL.to_vec(), vec![])?;
+            let expected = natural_misalignment(self.file, self.cfg, layer, tp)
+                .map(|s| (Class::QuantBlockMisaligned, vec![s.stage]));
+            for &path in PathKind::ALL {
+                let found = findings.iter().find(|f| f.path == Some(path.into()));
+                cases.push(CaseResult {
+                    fixture: self.fixture.to_string(),
+                    case: "clean".into(),
+                    path,
+                    tp,
+                    page: self.page,
+                    verdict: verdict(&expected, found, layer),
+                    expected: expected
+                        .as_ref()
+                        .map(|(c, s)| (*c, s.iter().map(|x| x.name()).collect())),
+                    found: found.cloned(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The TP size a fault runs at: 1 unless the fault needs ranks; then the smallest that works.
+    /// A TP size whose clean cut of o_proj already falls inside a quant block cannot show any
+    /// other fault (the run stops at the unservable cut), so it is skipped, except for the fault
+    /// that is about that cut. `None` when no TP size serves the fault.
+    fn fault_tp(&self, fault: Fault, tps: &[usize], lblock: u64) -> Option<usize> {
+        let (file, cfg, layer) = (self.file, self.cfg, self.layer);
+        let servable =
+            |tp: usize| fault == Fault::QuantSliceMisaligned || natural_misalignment(file, cfg, layer, tp).is_none();
+        let works =
+            |tp: usize| servable(tp) && PathKind::ALL.iter().any(|&p| fault.applies(p, cfg, tp, lblock).is_ok());
+        tps.iter()
+            .copied()
+            .find(|&tp| works(tp))
+            .or_else(|| tp_sizes(cfg.n_head).into_iter().find(|&tp| works(tp)))
+    }
+
+    /// Each fault of [`Fault::ALL`] injected on every path it applies to, at its TP size
+    /// ([`PageRun::fault_tp`]): the expected class at the expected stages.
+    fn fault_cases(&self, tps: &[usize], cases: &mut Vec<CaseResult>) -> Result<()> {
+        let lblock = latent_block(self.file, self.cfg, self.layer);
+        for &fault in Fault::ALL {
+            let Some(tp) = self.fault_tp(fault, tps, lblock) else {
+                continue;
+            };
+            let paths: Vec<PathKind> = PathKind::ALL
+                .iter()
+                .copied()
+                .filter(|&p| fault.applies(p, self.cfg, tp, lblock).is_ok())
+                .collect();
+            if paths.is_empty() {
+                continue;
+            }
+            let findings = self.findings(tp, paths.clone(), vec![fault])?;
+            for path in paths {
+                let stages = fault.expected_stages(path);
+                let expected = Some((fault.expected_class(), stages.clone()));
+                let found = findings.iter().find(|f| f.path == Some(path.into()));
+                cases.push(CaseResult {
+                    fixture: self.fixture.to_string(),
+                    case: fault.name().into(),
+                    path,
+                    tp,
+                    page: self.page,
+                    verdict: verdict(&expected, found, self.layer),
+                    expected: Some((fault.expected_class(), stages.iter().map(|s| s.name()).collect())),
+                    found: found.cloned(),
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The confusion table (fault × found class × first site), the clean-run summary and every case

@@ -467,6 +467,59 @@ impl PageRun<'_> {
 /// that did not come out as expected.
 pub fn confusion_table(rep: &SelftestReport) -> String {
     let mut s = String::new();
+    s.push_str("faults (every fixture, every path each applies to)\n");
+    s.push_str(&fault_table(rep).to_string());
+    s.push('\n');
+    s.push_str("\nclean runs\n");
+    s.push_str(&clean_table(rep).to_string());
+    s.push('\n');
+
+    let bad: Vec<&CaseResult> = rep.cases.iter().filter(|c| !c.ok()).collect();
+    if !bad.is_empty() {
+        s.push_str("\nnot as expected:\n");
+        for c in bad {
+            s.push_str(&format!(
+                "  {} {} path {} tp {} page {}: {} (expected {}; found {})\n",
+                c.fixture,
+                c.case,
+                c.path,
+                c.tp,
+                c.page,
+                c.verdict,
+                c.expected
+                    .as_ref()
+                    .map_or("no finding".into(), |(cl, st)| format!("{cl} at {}", st.join("|"))),
+                c.found.as_ref().map_or("nothing".into(), |f| format!(
+                    "{} at {}: {}",
+                    f.class, f.site, f.evidence
+                )),
+            ));
+        }
+    }
+    if let Some(d) = &rep.dequant {
+        s.push_str(&format!(
+            "\ndequantization on the device vs the CPU: {} tensors, {} values, {} bit mismatches (types {})\n",
+            d.tensors,
+            d.elements,
+            d.mismatches,
+            d.types.join(", ")
+        ));
+        if let Some(m) = &d.first_mismatch {
+            s.push_str(&format!("  first mismatch: {m}\n"));
+        }
+    }
+    let total = rep.cases.len();
+    let ok = rep.cases.iter().filter(|c| c.ok()).count();
+    s.push_str(&format!(
+        "\nselftest: {ok}/{total} cases as expected in {:.1} s\n",
+        rep.seconds
+    ));
+    s
+}
+
+/// One row per fault of [`Fault::ALL`]: its expected class and first sites, the class and first
+/// site found (with counts, per path in [`PathKind::ALL`] order), and how many cases were right.
+fn fault_table(rep: &SelftestReport) -> Table {
     let mut by_fault: BTreeMap<String, Vec<&CaseResult>> = BTreeMap::new();
     for c in rep.cases.iter().filter(|c| c.case != "clean") {
         by_fault.entry(c.case.clone()).or_default().push(c);
@@ -522,10 +575,12 @@ pub fn confusion_table(rep: &SelftestReport) -> String {
             format!("{ok}/{}", cs.len()),
         ]);
     }
-    s.push_str("faults (every fixture, every path each applies to)\n");
-    s.push_str(&t.to_string());
-    s.push('\n');
+    t
+}
 
+/// One row per fixture: its clean runs (path × TP × page), the TP and page sizes covered, and
+/// the false alarms among them.
+fn clean_table(rep: &SelftestReport) -> Table {
     let mut by_fix: BTreeMap<String, (usize, usize, String, String)> = BTreeMap::new();
     for c in rep.cases.iter().filter(|c| c.case == "clean") {
         let e = by_fix.entry(c.fixture.clone()).or_default();
@@ -563,51 +618,7 @@ pub fn confusion_table(rep: &SelftestReport) -> String {
             bad.to_string(),
         ]);
     }
-    s.push_str("\nclean runs\n");
-    s.push_str(&t.to_string());
-    s.push('\n');
-
-    let bad: Vec<&CaseResult> = rep.cases.iter().filter(|c| !c.ok()).collect();
-    if !bad.is_empty() {
-        s.push_str("\nnot as expected:\n");
-        for c in bad {
-            s.push_str(&format!(
-                "  {} {} path {} tp {} page {}: {} (expected {}; found {})\n",
-                c.fixture,
-                c.case,
-                c.path,
-                c.tp,
-                c.page,
-                c.verdict,
-                c.expected
-                    .as_ref()
-                    .map_or("no finding".into(), |(cl, st)| format!("{cl} at {}", st.join("|"))),
-                c.found.as_ref().map_or("nothing".into(), |f| format!(
-                    "{} at {}: {}",
-                    f.class, f.site, f.evidence
-                )),
-            ));
-        }
-    }
-    if let Some(d) = &rep.dequant {
-        s.push_str(&format!(
-            "\ndequantization on the device vs the CPU: {} tensors, {} values, {} bit mismatches (types {})\n",
-            d.tensors,
-            d.elements,
-            d.mismatches,
-            d.types.join(", ")
-        ));
-        if let Some(m) = &d.first_mismatch {
-            s.push_str(&format!("  first mismatch: {m}\n"));
-        }
-    }
-    let total = rep.cases.len();
-    let ok = rep.cases.iter().filter(|c| c.ok()).count();
-    s.push_str(&format!(
-        "\nselftest: {ok}/{total} cases as expected in {:.1} s\n",
-        rep.seconds
-    ));
-    s
+    t
 }
 
 /// Compares two selftest runs case by case (class and first site of the finding). Returns the

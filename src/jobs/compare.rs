@@ -89,24 +89,7 @@ pub fn compare_dump(
         let mut fallback_in: Option<Array2<f64>> = None;
         if i == 0 {
             if let Some(tk) = &dump.tokens {
-                let mut h = embed_hidden(file, cfg, tk)?;
-                for k in 0..layer {
-                    let wk = LayerWeights::load(file, cfg, k)?;
-                    let r = crate::compute::reference::forward_full_sel(
-                        file,
-                        cfg,
-                        &wk,
-                        &h,
-                        &dump.batch,
-                        prev_sel.as_ref(),
-                    )?;
-                    if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(k) == Some(&true)) {
-                        prev_sel = r.selection;
-                    }
-                    h = r
-                        .hidden_out
-                        .ok_or_else(|| Error::Internal(format!("reference: layer {k} produced no hidden_out")))?;
-                }
+                let h = token_derived_input(file, cfg, tk, &dump.batch, layer, &mut prev_sel)?;
                 fallback_in = Some(h.clone());
                 expected_in = Some(h);
             }
@@ -178,21 +161,55 @@ pub fn compare_dump(
             config: cfg.clone(),
             tensor_types,
         },
-        run: RunRecord {
-            layers,
-            batch: dump.batch.clone(),
-            seed: 0,
-            input: InputSource::Dump,
-            paths: vec![PathLabel::Dump],
-            path_options: PathOptions::default(),
-            dtype: dtype.compute_dtype(),
-            backend: format!("dump: {engine}"),
-        },
+        run: dump_run_record(dump, layers, dtype, &engine),
         token_ids: dump.tokens.clone(),
         results,
         findings,
         dump: Some(summary),
     })
+}
+
+/// The `hidden_in` of `layer` derived from the dumped token ids `tokens`: the embedding, then
+/// the reference forward of layers `0..layer` whole (MoE FFNs included), keeping `prev_sel`
+/// (the latest full DSA indexer layer's selection) up to date.
+///
+/// Errors: ids outside the vocabulary, a layer that cannot run; [`Error::Internal`] when a
+/// reference layer returns no `hidden_out`.
+fn token_derived_input(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    tokens: &[u32],
+    batch: &Batch,
+    layer: usize,
+    prev_sel: &mut Option<Selection>,
+) -> Result<Array2<f64>> {
+    let mut h = embed_hidden(file, cfg, tokens)?;
+    for k in 0..layer {
+        let wk = LayerWeights::load(file, cfg, k)?;
+        let r = crate::compute::reference::forward_full_sel(file, cfg, &wk, &h, batch, prev_sel.as_ref())?;
+        if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(k) == Some(&true)) {
+            *prev_sel = r.selection;
+        }
+        h = r
+            .hidden_out
+            .ok_or_else(|| Error::Internal(format!("reference: layer {k} produced no hidden_out")))?;
+    }
+    Ok(h)
+}
+
+/// The run record of a dump comparison: the dumped `layers` and batch, input and path `dump`,
+/// the engine's compute dtype and the backend `dump: {engine}`.
+fn dump_run_record(dump: &Dump, layers: Vec<usize>, dtype: EngineDtype, engine: &str) -> RunRecord {
+    RunRecord {
+        layers,
+        batch: dump.batch.clone(),
+        seed: 0,
+        input: InputSource::Dump,
+        paths: vec![PathLabel::Dump],
+        path_options: PathOptions::default(),
+        dtype: dtype.compute_dtype(),
+        backend: format!("dump: {engine}"),
+    }
 }
 
 /// The reference of one dumped layer on `input` (rows of `batch`): with the layer's MoE FFN when

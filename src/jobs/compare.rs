@@ -411,36 +411,7 @@ pub fn compare_steps(
             if tensor_types.is_empty() {
                 tensor_types = w.types.clone();
             }
-            // hidden_in of the full sequences, gathered from steps 0..=k.
-            let mut full_in = Array2::<f64>::zeros((t_full, cfg.hidden));
-            let mut row = 0;
-            for &i in &live {
-                for (j, (sj, dj)) in sd.steps[..=k].iter().enumerate() {
-                    let nj = sj.seqs[i].new;
-                    if nj == 0 {
-                        continue;
-                    }
-                    let x = dj
-                        .layers
-                        .get(&layer)
-                        .and_then(|t| t.get(&Site::new(layer, Stage::HiddenIn)))
-                        .ok_or_else(|| {
-                            Error::Usage(format!(
-                                "{}: step {j} `{}` has no L{layer}.hidden_in, which step {k} `{}` attends to: a format-2 dump needs every step's hidden_in of each layer it judges",
-                                sd.path.display(),
-                                sj.name,
-                                spec.name
-                            ))
-                        })?;
-                    let t_j = dj.batch.n_tokens();
-                    let a = to_array(x, t_j, cfg.hidden)?;
-                    let start: usize = (0..i).map(|p| sj.seqs[p].new).sum();
-                    for r in 0..nj {
-                        full_in.row_mut(row).assign(&a.row(start + r));
-                        row += 1;
-                    }
-                }
-            }
+            let full_in = gather_hidden_in(sd, k, &live, layer, t_full, cfg.hidden)?;
             let next_dumped = d.layers.contains_key(&(layer + 1));
             let refo = dumped_layer_reference(file, cfg, &w, &full_in, &full, dl, next_dumped, &mut prev_sel)?;
             let mut reference = crate::core::trace::Trace::new();
@@ -494,6 +465,81 @@ pub fn compare_steps(
         conversions.push(format!("patch `{}`: {}", p.name, p.reason));
     }
     let engine = format!("{} {}", h.engine.name, h.engine.version).trim().to_string();
+    let metadata = steps_metadata(h);
+    let first = &sd.steps[0].1;
+    Ok(RunReport {
+        model: ModelSummary {
+            path: file.path().display().to_string(),
+            config: cfg.clone(),
+            tensor_types,
+        },
+        run: dump_run_record(first, layers, dtype, &engine),
+        token_ids: first.tokens.clone(),
+        results,
+        findings,
+        dump: Some(DumpSummary {
+            path: sd.path.display().to_string(),
+            engine,
+            map: map_name.or_else(|| first.map.clone()),
+            metadata,
+            conversions,
+            ignored: sd.ignored.clone(),
+            not_dumped,
+            dtype,
+            tolerance_rows: precision,
+        }),
+    })
+}
+
+/// `hidden_in` [T_full, H] of `layer` for the full sequences `live` of step `k` (each from
+/// position 0), gathered from the new rows of steps `0..=k` in sequence order.
+///
+/// Errors: [`Error::Usage`] naming a step `0..=k` that lacks `L{layer}.hidden_in` for a
+/// sequence that step `k` attends to.
+fn gather_hidden_in(
+    sd: &StepsDump,
+    k: usize,
+    live: &[usize],
+    layer: usize,
+    t_full: usize,
+    hidden: usize,
+) -> Result<Array2<f64>> {
+    let spec = &sd.steps[k].0;
+    let mut full_in = Array2::<f64>::zeros((t_full, hidden));
+    let mut row = 0;
+    for &i in live {
+        for (j, (sj, dj)) in sd.steps[..=k].iter().enumerate() {
+            let nj = sj.seqs[i].new;
+            if nj == 0 {
+                continue;
+            }
+            let x = dj
+                .layers
+                .get(&layer)
+                .and_then(|t| t.get(&Site::new(layer, Stage::HiddenIn)))
+                .ok_or_else(|| {
+                    Error::Usage(format!(
+                        "{}: step {j} `{}` has no L{layer}.hidden_in, which step {k} `{}` attends to: a format-2 dump needs every step's hidden_in of each layer it judges",
+                        sd.path.display(),
+                        sj.name,
+                        spec.name
+                    ))
+                })?;
+            let t_j = dj.batch.n_tokens();
+            let a = to_array(x, t_j, hidden)?;
+            let start: usize = (0..i).map(|p| sj.seqs[p].new).sum();
+            for r in 0..nj {
+                full_in.row_mut(row).assign(&a.row(start + r));
+                row += 1;
+            }
+        }
+    }
+    Ok(full_in)
+}
+
+/// The `metadata` a format-2 comparison reports: format, model, hook, the engine's attention
+/// and prefill backends, the step names, `kernel_precision` and `heads` when the header has them.
+fn steps_metadata(h: &crate::model::dump::DumpHeader) -> std::collections::BTreeMap<String, String> {
     let mut metadata = std::collections::BTreeMap::new();
     metadata.insert("format".to_string(), crate::model::dump::FORMAT2.to_string());
     metadata.insert("model".to_string(), h.model.file.clone());
@@ -515,36 +561,5 @@ pub fn compare_steps(
     if let Some([a, b]) = h.heads {
         metadata.insert("heads".to_string(), format!("{a},{b}"));
     }
-    let first = &sd.steps[0].1;
-    Ok(RunReport {
-        model: ModelSummary {
-            path: file.path().display().to_string(),
-            config: cfg.clone(),
-            tensor_types,
-        },
-        run: RunRecord {
-            layers,
-            batch: first.batch.clone(),
-            seed: 0,
-            input: InputSource::Dump,
-            paths: vec![PathLabel::Dump],
-            path_options: PathOptions::default(),
-            dtype: dtype.compute_dtype(),
-            backend: format!("dump: {engine}"),
-        },
-        token_ids: first.tokens.clone(),
-        results,
-        findings,
-        dump: Some(DumpSummary {
-            path: sd.path.display().to_string(),
-            engine,
-            map: map_name.or_else(|| first.map.clone()),
-            metadata,
-            conversions,
-            ignored: sd.ignored.clone(),
-            not_dumped,
-            dtype,
-            tolerance_rows: precision,
-        }),
-    })
+    metadata
 }

@@ -383,26 +383,8 @@ pub fn compare_steps(
             conversions.push(format!("{}: {c}", spec.name));
         }
         let t_new = d.batch.n_tokens();
-        // The full batch: each sequence with new tokens in this step, from position 0.
-        let live: Vec<usize> = (0..n_seq).filter(|&i| spec.seqs[i].new > 0).collect();
-        let full = Batch {
-            seqs: live
-                .iter()
-                .map(|&i| SeqSpec {
-                    len: spec.seqs[i].context + spec.seqs[i].new,
-                    start_pos: 0,
-                })
-                .collect(),
-        };
+        let (live, full, new_rows) = step_full_batch(spec, n_seq);
         let t_full = full.n_tokens();
-        // Rows of the step's new tokens within the full batch.
-        let mut new_rows = Vec::with_capacity(t_new);
-        let mut off = 0;
-        for &i in &live {
-            let q = spec.seqs[i];
-            new_rows.extend(off + q.context..off + q.context + q.new);
-            off += q.context + q.new;
-        }
         let mut prev_sel: Option<Selection> = None;
         // The previous dumped layer's output in this step, on the step's rows.
         let mut prev: Option<Handover> = None;
@@ -489,6 +471,30 @@ pub fn compare_steps(
             tolerance_rows: precision,
         }),
     })
+}
+
+/// A step's full batch: `live`, the sequences of `n_seq` with new tokens in the step; the batch
+/// of those sequences whole (context and new tokens, each from position 0); and the rows of the
+/// step's new tokens within it.
+fn step_full_batch(spec: &crate::model::dump::StepSpec, n_seq: usize) -> (Vec<usize>, Batch, Vec<usize>) {
+    let live: Vec<usize> = (0..n_seq).filter(|&i| spec.seqs[i].new > 0).collect();
+    let full = Batch {
+        seqs: live
+            .iter()
+            .map(|&i| SeqSpec {
+                len: spec.seqs[i].context + spec.seqs[i].new,
+                start_pos: 0,
+            })
+            .collect(),
+    };
+    let mut new_rows = Vec::new();
+    let mut off = 0;
+    for &i in &live {
+        let q = spec.seqs[i];
+        new_rows.extend(off + q.context..off + q.context + q.new);
+        off += q.context + q.new;
+    }
+    (live, full, new_rows)
 }
 
 /// `hidden_in` [T_full, H] of `layer` for the full sequences `live` of step `k` (each from

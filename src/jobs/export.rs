@@ -310,10 +310,7 @@ pub fn build(
             seqlens.push(i + 1);
         }
     }
-    let mut cu = vec![0usize];
-    for sq in &batch.seqs {
-        cu.push(cu.last().copied().unwrap_or(0) + sq.len);
-    }
+    let cu = cu_seqlens(batch);
 
     let raw = |dtype, shape: Vec<usize>, bytes: Vec<u8>| RawTensor { dtype, shape, bytes };
     let f32t = safetensors::Dtype::F32;
@@ -383,6 +380,15 @@ pub fn build(
     .map(|(k, v)| (k.to_string(), v))
     .collect();
     raw_to_bytes(&tensors, &meta)
+}
+
+/// `cu_seqlens` of `batch`: 0, then the running total of the sequence lengths ([S+1]).
+fn cu_seqlens(batch: &Batch) -> Vec<usize> {
+    let mut cu = vec![0usize];
+    for sq in &batch.seqs {
+        cu.push(cu.last().copied().unwrap_or(0) + sq.len);
+    }
+    cu
 }
 
 /// Builds the export ([`build`]) and writes it to `req.path()` (the folder created when missing;

@@ -1,5 +1,5 @@
 //! The `mla-diff` binary: parses the command line, runs the command, maps the outcome to the exit
-//! code contract (0 within tolerance, 1 divergence found, 2 usage or input error).
+//! code contract (0 within tolerance, 1 divergence found, 2 usage, input or internal error).
 
 use std::process::ExitCode;
 
@@ -12,14 +12,16 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    match dispatch(&cli, &mut out).map_err(anyhow::Error::from) {
+    match dispatch(&cli, &mut out) {
         Ok(Outcome::Pass) => ExitCode::SUCCESS,
         Ok(Outcome::Divergence) => ExitCode::from(1),
         Err(e) => {
+            let code = e.exit_code();
+            let e = anyhow::Error::from(e);
             // Keys, tensor names and strings come from the (possibly hostile) file: escape control
             // characters so the error stays one line and nothing reaches the terminal raw.
             eprintln!("mla-diff: error: {}", one_line(&format!("{e:#}")));
-            ExitCode::from(2)
+            ExitCode::from(code)
         }
     }
 }

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::common::{
-    Dims, GgufBuilder, TensorSpec, Val, data_offsets, deepseek2, raw_array, run_bin, tensor_pos, write_temp,
+    Built, Dims, GgufBuilder, TensorSpec, Val, data_offsets, deepseek2, raw_array, run_bin, tensor_pos, write_temp,
 };
 use mla_diff::model::config::MlaConfig;
 use mla_diff::model::gguf::GgufFile;
@@ -231,12 +231,24 @@ const LAYER0_TENSORS: &[&str] = &[
 /// The whole corpus, deterministic.
 fn corpus() -> Corpus {
     let mut c = Corpus::default();
-    let base = small();
-    let b0 = base.build();
-    let len = b0.bytes.len();
-    let n_t = base.tensors.len() as u64;
-    let n_kv = base.kvs.len() as u64;
+    let b0 = small().build();
+    container_header_cases(&mut c, &b0);
+    string_and_array_cases(&mut c, &b0);
+    tensor_info_cases(&mut c, &b0);
+    metadata_type_and_duplicate_cases(&mut c, &b0);
+    data_size_and_alignment_cases(&mut c);
+    name_and_dim_cases(&mut c, &b0);
+    mla_config_key_cases(&mut c);
+    top_bit_blind_and_size_cases(&mut c, &b0);
+    c
+}
 
+/// The container's head: the legal controls, truncation at every field boundary, bad magic and
+/// version, impossible tensor and metadata counts.
+fn container_header_cases(c: &mut Corpus, b0: &Built) {
+    let len = b0.bytes.len();
+    let n_t = small().tensors.len() as u64;
+    let n_kv = small().kvs.len() as u64;
     // The unmodified base file and a v2 copy are legal.
     c.add("control", "base", b0.bytes.clone(), Some(Valid));
     let mut g = small();
@@ -321,7 +333,11 @@ fn corpus() -> Corpus {
     g.kv_count_override = Some(0);
     g.tensor_count_override = Some(0);
     c.add("counts", "both counts 0", g.build().bytes, Some(ConfigErr));
+}
 
+/// Metadata strings whose length runs past the end, and arrays nested or sized past the file.
+fn string_and_array_cases(c: &mut Corpus, b0: &Built) {
+    let len = b0.bytes.len();
     // ---- string lengths past the end ----
     let tok_val = b0.field("tokenizer.ggml.tokens: value");
     let string_fields: Vec<(String, usize)> = [
@@ -427,7 +443,13 @@ fn corpus() -> Corpus {
     let mut g = small();
     g.kv("hostile.bool", Val::Raw(7, vec![2]));
     c.err("nested-array", "scalar bool holding 2", g.build().bytes);
+}
 
+/// Tensor infos: dims whose product overflows, data offsets past the end, overlapping or
+/// misaligned, and unknown ggml types.
+fn tensor_info_cases(c: &mut Corpus, b0: &Built) {
+    let base = small();
+    let len = b0.bytes.len();
     // ---- dims whose product overflows ----
     for ne in [
         vec![1u64 << 32, 1 << 32, 1 << 32],
@@ -535,7 +557,10 @@ fn corpus() -> Corpus {
     }
     let g = with_tensor(small(), "token_embd.weight", |t| t.type_id = 77);
     c.err("ggml-type", "token_embd type 77 (not a layer tensor)", g.build().bytes);
+}
 
+/// Unknown metadata value types, and duplicated keys and tensor names.
+fn metadata_type_and_duplicate_cases(c: &mut Corpus, b0: &Built) {
     // ---- unknown metadata value types ----
     for t in [13u32, 14, 15, 100, 255, 0x8000_0004, u32::MAX] {
         let mut g = small();
@@ -622,7 +647,11 @@ fn corpus() -> Corpus {
     g.kv("", Val::U32(1));
     g.kv("", Val::U32(2));
     c.err("duplicate", "two empty keys", g.build().bytes);
+}
 
+/// Tensor byte sizes against their type and dims, types without a decoder, and `general.alignment`
+/// values.
+fn data_size_and_alignment_cases(c: &mut Corpus) {
     // ---- byte size vs type and dims ----
     // attn_kv_a_mqa is [L+R, H] = [28, 32] (ne [32, 28]), 3584 bytes of F32 data.
     for (ty, ne, what) in [
@@ -725,7 +754,11 @@ fn corpus() -> Corpus {
     let mut g = small();
     g.kv("general.alignment", Val::U32(64));
     c.add("alignment", "u32 64 but offsets laid out for 32", g.build().bytes, None);
+}
 
+/// Names and keys that are not UTF-8 or hold control characters, and `n_dims` or dims out of range.
+fn name_and_dim_cases(c: &mut Corpus, b0: &Built) {
+    let tok_val = b0.field("tokenizer.ggml.tokens: value");
     // ---- names and keys that are not UTF-8 ----
     let bad_utf8: [(&str, &[u8]); 4] = [
         ("0xFF", &[0xFF]),
@@ -836,7 +869,11 @@ fn corpus() -> Corpus {
         let g = with_tensor(small(), "blk.0.attn_q_a.weight", |t| t.ne = ne.clone());
         c.err("zero-dims", format!("attn_q_a ne {ne:?}"), g.build().bytes);
     }
+}
 
+/// Well-formed GGUF files whose MLA configuration keys are missing, of the wrong type or
+/// inconsistent.
+fn mla_config_key_cases(c: &mut Corpus) {
     // ---- MLA configuration keys (the file is a well-formed GGUF) ----
     let a = "deepseek2";
     for (what, key, v, expect) in [
@@ -949,7 +986,11 @@ fn corpus() -> Corpus {
         g.tensors.retain(|t| t.name != *name);
         c.add("missing-tensor", *name, g.build().bytes, Some(LoadErr));
     }
+}
 
+/// The top bit of every u64 field, blind 0xFF mutations, and files that stress the allocation bound
+/// at ~1 MB.
+fn top_bit_blind_and_size_cases(c: &mut Corpus, b0: &Built) {
     // ---- the top bit of every u64 count, length, dim and offset ----
     for (off, name) in &b0.fields {
         let is_u64 = name.ends_with(": key")
@@ -1064,8 +1105,6 @@ fn corpus() -> Corpus {
             Some(Valid),
         );
     }
-
-    c
 }
 
 /// `Vec<u8>` helpers for the byte-patching cases.
@@ -1469,7 +1508,8 @@ fn non_finite_weights_are_a_finding() {
     );
 }
 
-/// `HOSTILE_DUMP_DIR=DIR cargo test --release --test tests hostile::dump_corpus` writes every case to
+/// `HOSTILE_DUMP_DIR=DIR cargo test --release --test tests hostile::dump_corpus` writes every case
+/// to
 /// `DIR/hostile-NNN-<category>.gguf` (the names the other tests use) and `DIR/index.tsv` (file,
 /// case, expected outcome), to reproduce a failure by hand or seed a fuzzer. A no-op otherwise.
 #[test]

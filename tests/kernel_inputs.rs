@@ -15,7 +15,7 @@ use mla_diff::core::st::ExtraTensor;
 use mla_diff::core::trace::{Site, Stage, Trace, TraceTensor};
 use mla_diff::judge::metrics;
 use mla_diff::judge::tolerance::Precision;
-use mla_diff::model::config::MlaConfig;
+use mla_diff::model::config::{MlaConfig, MlaDims};
 use mla_diff::model::gguf::GgufFile;
 use mla_diff::model::weights::LayerWeights;
 
@@ -156,13 +156,14 @@ fn exported_inputs_reproduce_the_reference_through_the_cpu_kernels() {
         let inp = export(&a, dir.path());
         let (file, cfg, batch, tr) = reference(model, layer, &inp);
         let what = model.unwrap_or("embedded");
-        let (n, l, p, r, v) = (
-            cfg.n_head,
-            cfg.kv_lora_rank,
-            cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim,
-            cfg.v_head_dim,
-        );
+        let MlaDims {
+            n_head: n,
+            kv_lora_rank: l,
+            qk_nope_head_dim: p,
+            qk_rope_head_dim: r,
+            v_head_dim: v,
+            ..
+        } = cfg.dims();
         let t = batch.n_tokens();
         let page = inp.meta_usize("page_size");
         assert_eq!(inp.meta["format"], "mla-diff kernel inputs 1");
@@ -729,7 +730,12 @@ fn base2_split_merge(
         site(Stage::KvCNormed),
         site(Stage::KPeRoped),
     );
-    let (n, l, r) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_rope_head_dim);
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_rope_head_dim: r,
+        ..
+    } = cfg.dims();
     let t = batch.n_tokens();
     let ln2 = std::f64::consts::LN_2;
     let (mut latent, mut lse) = (vec![0f64; t * n * l], vec![0f64; t * n]);

@@ -9,10 +9,6 @@ use crate::backend::cfg_fields::{self, Field};
 use crate::core::error::{Error, Result};
 use crate::device::{supports_tma, supports_wgmma};
 
-fn cerr(what: impl std::fmt::Display) -> Error {
-    Error::Cuda(what.to_string())
-}
-
 /// The split count for a grid of `blocks` blocks per split on `slots` resident blocks: the
 /// smallest `s` in `1..=max_splits` whose `blocks·s` blocks fill their waves to at least 90 %
 /// (`blocks·s / (⌈blocks·s / slots⌉·slots)`), else the one filling them best. More splits than
@@ -242,8 +238,8 @@ impl DecodeCfg {
     /// ([`cfg_fields::parse_fields`]) or the configuration does not tile (see
     /// `fast_decode.cu`'s header).
     pub fn parse(s: &str) -> Result<Self> {
-        let v =
-            cfg_fields::parse_fields(s, &Self::FIELDS).map_err(|e| cerr(format!("decode configuration `{s}`: {e}")))?;
+        let v = cfg_fields::parse_fields(s, &Self::FIELDS)
+            .map_err(|e| Error::cuda(format!("decode configuration `{s}`: {e}")))?;
         let c = DecodeCfg {
             hm: v[0],
             warps: v[1],
@@ -259,7 +255,9 @@ impl DecodeCfg {
         };
         for (name, x) in [("qreg", v[3]), ("fused", v[6]), ("cluster", v[8]), ("wgmma", v[9])] {
             if x > 1 {
-                return Err(cerr(format!("decode configuration `{s}`: {name} must be 0 or 1")));
+                return Err(Error::cuda(format!(
+                    "decode configuration `{s}`: {name} must be 0 or 1"
+                )));
             }
         }
         if c.wgmma
@@ -275,35 +273,35 @@ impl DecodeCfg {
                 c.teams,
             ) != (64, 8, 2, 1, false, false, false, false, 1)
         {
-            return Err(cerr(format!(
+            return Err(Error::cuda(format!(
                 "decode configuration `{s}`: WGMMA 1 (the warpgroup-MMA block) needs 64,8,P,0,2,1,0,0,0,1"
             )));
         }
         if c.cluster && !c.tma() {
-            return Err(cerr(format!(
+            return Err(Error::cuda(format!(
                 "decode configuration `{s}`: CLUSTER 1 (merge through a thread-block cluster) needs TMA 1 or more"
             )));
         }
         if c.teams > 1 && !c.team_valid(c.stages) {
-            return Err(cerr(format!(
+            return Err(Error::cuda(format!(
                 "decode configuration `{s}`: TEAMS {} needs TMA 1 or more, FUSED 0, and TEAMS dividing 2·STAGES with STAGES >= TEAMS",
                 c.teams
             )));
         }
         if c.teams > 2 {
-            return Err(cerr(format!(
+            return Err(Error::cuda(format!(
                 "decode configuration `{s}`: TEAMS {} (1 or 2; more were never run on a GPU)",
                 c.teams
             )));
         }
         if c.teams > 1 && c.min_blocks > 1 {
-            return Err(cerr(format!(
+            return Err(Error::cuda(format!(
                 "decode configuration `{s}`: TEAMS {} is one block per SM: MINBLOCKS must be 1 (more only caps the registers: ptxas spills)",
                 c.teams
             )));
         }
         if c.tma() && (!32usize.is_multiple_of(c.producers) || c.warps * c.teams + c.producers > 32) {
-            return Err(cerr(format!(
+            return Err(Error::cuda(format!(
                 "decode configuration `{s}`: TMA {} producer warps must divide 32 and, with WARPS·TEAMS consumer warps, make at most 32 warps",
                 c.producers
             )));
@@ -351,7 +349,7 @@ impl DecodeCfg {
         if ok {
             Ok(())
         } else {
-            Err(cerr(format!("invalid decode configuration {self:?}")))
+            Err(Error::cuda(format!("invalid decode configuration {self:?}")))
         }
     }
 

@@ -12,10 +12,6 @@
 use crate::backend::cfg_fields::{self, Field};
 use crate::core::error::{Error, Result};
 
-fn cerr(what: impl std::fmt::Display) -> Error {
-    Error::Cuda(what.to_string())
-}
-
 /// Largest dynamic shared memory one block may use on sm_80/sm_90 (227 KiB).
 const MAX_SMEM: usize = 227 * 1024;
 
@@ -94,10 +90,10 @@ impl PrefillCfg {
     /// or not a number, or when the configuration fails [`PrefillCfg::check`].
     pub fn parse(s: &str) -> Result<Self> {
         let v = cfg_fields::parse_fields(s, &Self::FIELDS)
-            .map_err(|e| cerr(format!("prefill configuration `{s}`: {e}")))?;
+            .map_err(|e| Error::cuda(format!("prefill configuration `{s}`: {e}")))?;
         let (warps, bk, stages, qreg, min_blocks, mt) = (v[0], v[1], v[2], v[3], v[4], v[5]);
         if qreg > 1 {
-            return Err(cerr(format!("prefill configuration `{s}`: qreg must be 0 or 1")));
+            return Err(Error::cuda(format!("prefill configuration `{s}`: qreg must be 0 or 1")));
         }
         let c = PrefillCfg {
             warps,
@@ -136,7 +132,7 @@ impl PrefillCfg {
         if ok {
             Ok(())
         } else {
-            Err(cerr(format!(
+            Err(Error::cuda(format!(
                 "invalid prefill configuration {self:?}: warps 1..=16, MT 1 or 2 (1 with QREG), BK 32 or 64, stages 2..=4, min blocks 1..=4"
             )))
         }

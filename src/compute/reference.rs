@@ -25,7 +25,7 @@ use crate::compute::indexer::{self, Selection};
 use crate::core::batch::Batch;
 use crate::core::error::{Error, Result};
 use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
-use crate::model::config::{GatingFunc, MlaConfig, MoeConfig};
+use crate::model::config::{GatingFunc, MlaConfig, MlaDims, MoeConfig};
 use crate::model::gguf::GgufFile;
 use crate::model::weights::{KvBWeights, LayerWeights, MoeWeights, QWeights, SwiGlu, into_row_major};
 
@@ -200,7 +200,13 @@ pub fn rope_inv_freq(cfg: &MlaConfig) -> Vec<f64> {
 /// Rebuilds `kv_b_proj` [N·(P+V), L] from the file's tensors (docs/mla.md "Rebuilding kv_b"):
 /// `W[h·(P+V) + p, l] = k_b[h, l, p]`, `W[h·(P+V) + P + v, l] = v_b[h, v, l]`.
 pub fn assemble_kv_b(cfg: &MlaConfig, w: &KvBWeights) -> Array2<f64> {
-    let (n, l, p, v) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     match w {
         KvBWeights::Fused { kv_b } => f64m(kv_b),
         KvBWeights::Split { k_b, v_b } => {
@@ -284,14 +290,15 @@ pub fn forward_sel(
     shared: Option<&Selection>,
 ) -> Result<RefLayer> {
     let t = batch.n_tokens();
-    let (hd, n, l, p, r, v) = (
-        cfg.hidden,
-        cfg.n_head,
-        cfg.kv_lora_rank,
-        cfg.qk_nope_head_dim,
-        cfg.qk_rope_head_dim,
-        cfg.v_head_dim,
-    );
+    let MlaDims {
+        hidden: hd,
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     if hidden_in.shape() != [t, hd] {
         return Err(Error::Usage(format!(
             "reference: hidden_in has shape {:?}, expected [T={t}, H={hd}]",
@@ -313,8 +320,8 @@ pub fn forward_sel(
         QWeights::Lora { q_a, q_a_norm, q_b } => {
             let kv_a_w = f64m(&w.kv_a_mqa);
             let q_a = f64m(q_a);
-            let fused =
-                ndarray::concatenate(Axis(0), &[q_a.view(), kv_a_w.view()]).map_err(|e| Error::Usage(e.to_string()))?;
+            let fused = ndarray::concatenate(Axis(0), &[q_a.view(), kv_a_w.view()])
+                .map_err(|e| Error::Internal(e.to_string()))?;
             rec_weight(&mut tr, layer, Stage::WFusedQkvA, &fused);
             let q_c = linear(&x, &q_a);
             rec2(&mut tr, layer, Stage::QC, &q_c);
@@ -328,7 +335,7 @@ pub fn forward_sel(
     };
     let q = q_flat
         .into_shape_with_order((t, n, p + r))
-        .map_err(|e| Error::Usage(e.to_string()))?;
+        .map_err(|e| Error::Internal(e.to_string()))?;
     rec3(&mut tr, layer, Stage::Q, &q);
 
     // Step 3: kv path. kv_c is a view of kv_a; the norm applies to kv_c only.
@@ -386,7 +393,7 @@ pub fn forward_sel(
     rec_weight(&mut tr, layer, Stage::WKvB, &kv_b);
     let kv = linear(&kv_c_normed, &kv_b)
         .into_shape_with_order((t, n, p + v))
-        .map_err(|e| Error::Usage(e.to_string()))?;
+        .map_err(|e| Error::Internal(e.to_string()))?;
     let k_nope = kv.slice(s![.., .., ..p]).to_owned();
     let vv = kv.slice(s![.., .., p..]).to_owned();
     rec3(&mut tr, layer, Stage::KNope, &k_nope);
@@ -427,7 +434,7 @@ pub fn forward_sel(
     // Step 8: o_proj over the head-major [T, N·V] input.
     let attn_flat = attn_out
         .into_shape_with_order((t, n * v))
-        .map_err(|e| Error::Usage(e.to_string()))?;
+        .map_err(|e| Error::Internal(e.to_string()))?;
     let o = linear32(&attn_flat, &w.o_proj);
     rec2(&mut tr, layer, Stage::OProj, &o);
 
@@ -458,7 +465,13 @@ pub fn forward_sel(
 /// `process_weights_after_loading`): `W_UK_T[h, p, l] = kv_b[h·(P+V) + p, l]`,
 /// `W_UV[h, l, v] = kv_b[h·(P+V) + P + v, l]`.
 pub fn split_kv_b(cfg: &MlaConfig, kv_b: &Array2<f64>) -> (Array3<f64>, Array3<f64>) {
-    let (n, l, p, v) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     let mut w_uk_t = Array3::<f64>::zeros((n, p, l));
     let mut w_uv = Array3::<f64>::zeros((n, l, v));
     for h in 0..n {
@@ -498,7 +511,13 @@ fn attention_causal(
     kv_c: &Array2<f64>,
 ) -> (Array3<f64>, Array3<f64>, Array2<f64>) {
     let t = batch.n_tokens();
-    let (n, l, p, dv) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        v_head_dim: dv,
+        ..
+    } = cfg.dims();
     let scale = cfg.softmax_scale;
     let mut items = Vec::new();
     for (sq, off) in batch.seqs.iter().zip(batch.offsets()) {
@@ -570,13 +589,14 @@ fn attention_selected(
     kv_c_normed: &Array2<f64>,
 ) -> (Array3<f64>, Array3<f64>, Array2<f64>) {
     let t = batch.n_tokens();
-    let (n, l, p, r, v) = (
-        cfg.n_head,
-        cfg.kv_lora_rank,
-        cfg.qk_nope_head_dim,
-        cfg.qk_rope_head_dim,
-        cfg.v_head_dim,
-    );
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     let scale = cfg.softmax_scale;
     let qs = q.as_standard_layout();
     let qs = qs.as_slice().unwrap_or(&[]);
@@ -744,9 +764,9 @@ pub fn forward_full_sel(
     let o = r
         .trace
         .get(&Site::new(w.layer, Stage::OProj))
-        .ok_or_else(|| Error::Usage("reference: o_proj not recorded".into()))?;
+        .ok_or_else(|| Error::Internal("reference: o_proj not recorded".into()))?;
     let h1 = hidden_in
-        + &(Array2::from_shape_vec(hidden_in.raw_dim(), o.to_f64()).map_err(|e| Error::Usage(e.to_string()))?
+        + &(Array2::from_shape_vec(hidden_in.raw_dim(), o.to_f64()).map_err(|e| Error::Internal(e.to_string()))?
             * cfg.residual_scale);
     let mw = MoeWeights::load(file, cfg, w.layer)?;
     let out = moe_ffn(file, cfg, &mw, &h1, &mut r.trace)?;
@@ -943,7 +963,13 @@ pub fn rank_weight_sites(cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> Trace 
     if tp < 2 {
         return tr;
     }
-    let (n, p, r, v) = (cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim);
+    let MlaDims {
+        n_head: n,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     let nh = n / tp;
     let q = match &w.q {
         QWeights::Lora { q_b, .. } => f64m(q_b),

@@ -14,7 +14,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Everything that can go wrong before a comparison produces a verdict.
 ///
 /// Each variant's message is one line and names the file and the field or tensor, as docs/design.md's
-/// "Rules of the road" ask. The binary maps every variant to exit code 2.
+/// "Rules of the road" ask. The binary maps every variant to exit code 2 ([`Error::exit_code`]).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// Reading or writing a file failed at the OS level.
@@ -137,6 +137,12 @@ pub enum Error {
     #[error("{0}")]
     Usage(String),
 
+    /// A broken internal invariant: a shape the code itself built does not fit, a stage that
+    /// must have been recorded is missing, a weight released too early. Never caused by the
+    /// user's input; the message says which invariant and where, so that it can be reported.
+    #[error("internal error: {0}")]
+    Internal(String),
+
     /// A safetensors file (golden, dump, weights) is malformed or does not match what is expected.
     #[error("{path}: {what}: {reason}")]
     Safetensors {
@@ -187,5 +193,36 @@ impl Error {
             what,
             err: source,
         }
+    }
+
+    /// Builds an [`Error::Cuda`] from a failure of the CUDA driver, NVRTC or cuBLAS, or from a
+    /// kernel configuration the device cannot run; `what` names the call or field and its cause.
+    pub fn cuda(what: impl std::fmt::Display) -> Self {
+        Error::Cuda(what.to_string())
+    }
+
+    /// Builds an [`Error::Internal`]: `what` names the invariant that broke and where.
+    pub fn internal(what: impl std::fmt::Display) -> Self {
+        Error::Internal(what.to_string())
+    }
+
+    /// The process exit code for this error: 2 for every variant, input and internal errors
+    /// alike (0 and 1 are verdicts, never errors; see docs/design.md, "Exit codes").
+    pub fn exit_code(&self) -> u8 {
+        2
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn internal_error_is_prefixed_and_exits_2() {
+        let e = Error::internal("engine: q_proj released under TP");
+        assert_eq!(e.to_string(), "internal error: engine: q_proj released under TP");
+        assert_eq!(e.exit_code(), 2);
+        assert!(matches!(e, Error::Internal(_)));
+        assert_eq!(Error::Usage("--tp must be at least 1".into()).exit_code(), 2);
     }
 }

@@ -19,10 +19,6 @@ use crate::model::gguf::GgmlType;
 /// Threads per block of the elementwise kernels.
 pub const THREADS: u32 = 256;
 
-fn cerr(what: impl std::fmt::Display) -> Error {
-    Error::Cuda(what.to_string())
-}
-
 /// A one-dimensional grid of [`THREADS`]-thread blocks covering `n` elements (at least one block).
 pub fn grid1(n: usize) -> LaunchConfig {
     LaunchConfig {
@@ -78,20 +74,20 @@ impl Device {
     pub fn open(include: Option<&Path>) -> Result<Self> {
         probe()?;
         let include = include_dir(include)?;
-        let ctx = CudaContext::new(0).map_err(|e| cerr(format!("cuCtxCreate on device 0: {e:?}")))?;
-        let name = ctx.name().map_err(|e| cerr(format!("cuDeviceGetName: {e:?}")))?;
+        let ctx = CudaContext::new(0).map_err(|e| Error::cuda(format!("cuCtxCreate on device 0: {e:?}")))?;
+        let name = ctx.name().map_err(|e| Error::cuda(format!("cuDeviceGetName: {e:?}")))?;
         let cc = ctx
             .compute_capability()
-            .map_err(|e| cerr(format!("compute capability: {e:?}")))?;
+            .map_err(|e| Error::cuda(format!("compute capability: {e:?}")))?;
         let arch = format!("sm_{}{}", cc.0, cc.1);
         let stream = ctx.default_stream();
-        let blas = CudaBlas::new(stream.clone()).map_err(|e| cerr(format!("cublasCreate: {e:?}")))?;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| Error::cuda(format!("cublasCreate: {e:?}")))?;
         let mut modules = HashMap::new();
         for &m in Module::SIMPLE {
             let c = compile(m, &arch, &include, false, &[])?;
             let module = ctx
                 .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))
-                .map_err(|e| cerr(format!("{}: cuModuleLoadData: {e:?}", m.file())))?;
+                .map_err(|e| Error::cuda(format!("{}: cuModuleLoadData: {e:?}", m.file())))?;
             modules.insert(m, module);
         }
         Ok(Device {
@@ -151,7 +147,10 @@ impl Device {
         extra: &[(&'static str, usize)],
         smem: usize,
     ) -> Result<CudaFunction> {
-        let mut cache = self.fast.lock().map_err(|_| cerr("fast kernel cache poisoned"))?;
+        let mut cache = self
+            .fast
+            .lock()
+            .map_err(|_| Error::cuda("fast kernel cache poisoned"))?;
         let key = (module, a, b, extra.to_vec());
         if let Some(f) = cache.get(&key) {
             return Ok(f.clone());
@@ -159,7 +158,7 @@ impl Device {
         let (mut defines, name): (Vec<(&str, usize)>, &str) = match module {
             Module::FastPrefill => (vec![("MLA_DQK", a), ("MLA_DV", b)], "flash_prefill_mma"),
             Module::FastDecode => (vec![("MLA_W", a), ("MLA_DV", b)], "decode_split_mma"),
-            _ => return Err(cerr(format!("{} is not a fast kernel module", module.file()))),
+            _ => return Err(Error::cuda(format!("{} is not a fast kernel module", module.file()))),
         };
         defines.extend_from_slice(extra);
         let c = compile(
@@ -172,32 +171,35 @@ impl Device {
         let m = self
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))
-            .map_err(|e| cerr(format!("{}: cuModuleLoadData: {e:?}", module.file())))?;
+            .map_err(|e| Error::cuda(format!("{}: cuModuleLoadData: {e:?}", module.file())))?;
         let f = m
             .load_function(name)
-            .map_err(|e| cerr(format!("{}: kernel `{name}` not found: {e:?}", module.file())))?;
+            .map_err(|e| Error::cuda(format!("{}: kernel `{name}` not found: {e:?}", module.file())))?;
         f.set_attribute(
             cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
         )
-        .map_err(|e| cerr(format!("{name}: cannot allow {smem} bytes of shared memory: {e:?}")))?;
+        .map_err(|e| Error::cuda(format!("{name}: cannot allow {smem} bytes of shared memory: {e:?}")))?;
         cache.insert(key, f.clone());
         Ok(f)
     }
 
     /// A kernel of a module loaded at [`Device::open`], looked up once.
     pub fn func(&self, module: Module, name: &'static str) -> Result<CudaFunction> {
-        let mut cache = self.functions.lock().map_err(|_| cerr("kernel cache poisoned"))?;
+        let mut cache = self
+            .functions
+            .lock()
+            .map_err(|_| Error::cuda("kernel cache poisoned"))?;
         if let Some(f) = cache.get(name) {
             return Ok(f.clone());
         }
         let m = self
             .modules
             .get(&module)
-            .ok_or_else(|| cerr(format!("module {} not loaded", module.file())))?;
+            .ok_or_else(|| Error::cuda(format!("module {} not loaded", module.file())))?;
         let f = m
             .load_function(name)
-            .map_err(|e| cerr(format!("{}: kernel `{name}` not found: {e:?}", module.file())))?;
+            .map_err(|e| Error::cuda(format!("{}: kernel `{name}` not found: {e:?}", module.file())))?;
         cache.insert(name, f.clone());
         Ok(f)
     }
@@ -238,7 +240,8 @@ impl Device {
     /// An uninitialized buffer of `n` floats (at least one): the caller fills it before any read.
     pub fn alloc(&self, n: usize) -> Result<CudaSlice<f32>> {
         // SAFETY: the memory is filled by the canary kernel (or fully written) before any read.
-        unsafe { self.stream.alloc::<f32>(n.max(1)) }.map_err(|e| cerr(format!("cuMemAlloc of {n} floats: {e:?}")))
+        unsafe { self.stream.alloc::<f32>(n.max(1)) }
+            .map_err(|e| Error::cuda(format!("cuMemAlloc of {n} floats: {e:?}")))
     }
 
     /// Uploads indices as i64 (one zero for an empty list, so the pointer is valid).
@@ -250,7 +253,7 @@ impl Device {
         };
         self.stream
             .clone_htod(&w)
-            .map_err(|e| cerr(format!("upload indices: {e:?}")))
+            .map_err(|e| Error::cuda(format!("upload indices: {e:?}")))
     }
 
     /// Dequantizes `n` elements of ggml type `ty` from their raw `bytes` on the GPU, when a kernel
@@ -276,19 +279,22 @@ impl Device {
         let bs = ty.block_size() as usize;
         let ts = ty.type_size() as usize;
         if !n.is_multiple_of(bs) || bytes.len() != n / bs * ts {
-            return Err(cerr(format!("{ty}: {} bytes do not hold {n} elements", bytes.len())));
+            return Err(Error::cuda(format!(
+                "{ty}: {} bytes do not hold {n} elements",
+                bytes.len()
+            )));
         }
         let raw = self
             .stream
             .clone_htod(bytes)
-            .map_err(|e| cerr(format!("upload raw {ty}: {e:?}")))?;
+            .map_err(|e| Error::cuda(format!("upload raw {ty}: {e:?}")))?;
         let mut y = self.alloc(n)?;
         let nblocks = (n / bs) as i64;
         let f = self.func(Module::Dequant, kernel)?;
         let mut b = self.stream.launch_builder(&f);
         b.arg(&raw).arg(&mut y).arg(&nblocks);
         // SAFETY: argument types match dequant.cu.
-        unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch {kernel}: {e:?}")))?;
+        unsafe { b.launch(grid1(n)) }.map_err(|e| Error::cuda(format!("launch {kernel}: {e:?}")))?;
         Ok(Some((y, kernel)))
     }
 }

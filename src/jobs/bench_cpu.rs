@@ -238,7 +238,7 @@ pub fn reference(
     let batch = Batch::single(tokens, 0);
     let seed = crate::jobs::run::layer_seed(0, layer);
     let h32 = Array2::from_shape_vec((tokens, cfg.hidden), normal_f32(seed, tokens * cfg.hidden))
-        .map_err(|e| Error::Usage(e.to_string()))?;
+        .map_err(|e| Error::Internal(e.to_string()))?;
     let h64 = h32.mapv(f64::from);
     let input = LayerInput {
         file,

@@ -43,10 +43,6 @@ pub struct BenchFigure {
     pub note: String,
 }
 
-fn cerr(what: impl std::fmt::Display) -> Error {
-    Error::Cuda(what.to_string())
-}
-
 /// Warm-up calls before each timing loop.
 const WARM: usize = 3;
 /// Timed calls per figure (the median is reported). With 10, the memory-bound decode's median
@@ -66,18 +62,22 @@ fn time_us(ops: &CudaOps, warm: usize, reps: usize, mut f: impl FnMut() -> Resul
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     let mut events = Vec::with_capacity(reps);
     for _ in 0..reps {
-        let a = stream.record_event(flags).map_err(|e| cerr(format!("event: {e:?}")))?;
+        let a = stream
+            .record_event(flags)
+            .map_err(|e| Error::cuda(format!("event: {e:?}")))?;
         f()?;
-        let b = stream.record_event(flags).map_err(|e| cerr(format!("event: {e:?}")))?;
+        let b = stream
+            .record_event(flags)
+            .map_err(|e| Error::cuda(format!("event: {e:?}")))?;
         if sync_each {
-            b.synchronize().map_err(|e| cerr(format!("event sync: {e:?}")))?;
+            b.synchronize().map_err(|e| Error::cuda(format!("event sync: {e:?}")))?;
         }
         events.push((a, b));
     }
     ops.synchronize()?;
     let mut times = Vec::with_capacity(reps);
     for (a, b) in &events {
-        times.push(a.elapsed_ms(b).map_err(|e| cerr(format!("elapsed: {e:?}")))? as f64 * 1000.0);
+        times.push(a.elapsed_ms(b).map_err(|e| Error::cuda(format!("elapsed: {e:?}")))? as f64 * 1000.0);
     }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
@@ -89,7 +89,7 @@ fn random_bf16(ops: &CudaOps, n: usize, seed: u64, scale: f64) -> Result<CudaSli
     let host: Vec<half::bf16> = (0..n).map(|_| half::bf16::from_f64(r.normal() * scale)).collect();
     ops.stream()
         .clone_htod(&host)
-        .map_err(|e| cerr(format!("upload: {e:?}")))
+        .map_err(|e| Error::cuda(format!("upload: {e:?}")))
 }
 
 /// Device-to-device copy bandwidth of a `bytes`-byte buffer, counting read + write.
@@ -100,7 +100,7 @@ pub fn copy_bandwidth(ops: &CudaOps, bytes: usize) -> Result<BenchFigure> {
     let us = time_us(ops, WARM, REPS, || {
         ops.stream()
             .memcpy_dtod(&src, &mut dst)
-            .map_err(|e| cerr(format!("memcpy_dtod: {e:?}")))
+            .map_err(|e| Error::cuda(format!("memcpy_dtod: {e:?}")))
     })?;
     Ok(BenchFigure {
         name: "device-to-device copy".into(),
@@ -183,7 +183,7 @@ pub fn decode(
         page,
         l,
         r,
-        compute_bound,
+        compute_bound: _,
     } = d;
     let w = l + r;
     let blocks_per_seq = seq / page;
@@ -210,7 +210,7 @@ pub fn decode(
     let mut counters = ops
         .stream()
         .alloc_zeros::<i32>(b * nh.div_ceil(cfg.hm))
-        .map_err(|e| cerr(format!("counters: {e:?}")))?;
+        .map_err(|e| Error::cuda(format!("counters: {e:?}")))?;
     let scale = (192f64).powf(-0.5) as f32;
     let mut run = || -> Result<Option<CudaSlice<f32>>> {
         let merge = fused_merge.then_some(DecodeMerge {
@@ -242,7 +242,7 @@ pub fn decode(
     let out = ops
         .stream()
         .clone_dtoh(separate.as_ref().unwrap_or(&mout))
-        .map_err(|e| cerr(format!("download: {e:?}")))?;
+        .map_err(|e| Error::cuda(format!("download: {e:?}")))?;
     // Stage 1 alone, for telling the kernel from the merge and the launches around it.
     let us1 = time_us(ops, WARM, REPS, || {
         ops.decode_mma(
@@ -258,6 +258,32 @@ pub fn decode(
             None,
         )
     })?;
+    let fig = decode_figure(ops, d, cfg, splits, fused_merge, us, us1);
+    Ok((fig, out))
+}
+
+/// The figure of one decode configuration: `us` µs for stage 1 and the merge, `us1` for stage 1
+/// alone; TFLOP/s (2·B·N·seq·(2L+R)) for the compute-bound shape, latent-cache GB/s for the
+/// memory-bound one; the note names the splits, the configuration and how the merge ran.
+fn decode_figure(
+    ops: &CudaOps,
+    d: DecodeBench,
+    cfg: DecodeCfg,
+    splits: usize,
+    fused_merge: bool,
+    us: f64,
+    us1: f64,
+) -> BenchFigure {
+    let DecodeBench {
+        b,
+        nh,
+        seq,
+        page,
+        l,
+        r,
+        compute_bound,
+    } = d;
+    let w = l + r;
     let cache_bytes = (b * seq * w * 2) as f64;
     let flops = 2.0 * (b * nh * seq) as f64 * (2 * l + r) as f64;
     let shape = format!("B={b} N={nh} seq={seq} page={page} L={l} R={r} bf16");
@@ -277,7 +303,7 @@ pub fn decode(
     } else {
         "separate merge kernel".to_string()
     };
-    let fig = if compute_bound {
+    if compute_bound {
         BenchFigure {
             name: "mqa decode, compute-bound".into(),
             shape,
@@ -303,8 +329,7 @@ pub fn decode(
                 cache_bytes / (us1 * 1e-6) / 1e9
             ),
         }
-    };
-    Ok((fig, out))
+    }
 }
 
 /// One decode variant: compute-bound shape, configuration, splits, merge fused.
@@ -326,7 +351,7 @@ fn variants() -> Result<Vec<Variant>> {
     let mut v = Vec::new();
     for e in spec.split(';').map(str::trim).filter(|e| !e.is_empty()) {
         let bad = || {
-            cerr(format!(
+            Error::cuda(format!(
                 "MLA_DIFF_BENCH_DECODE entry `{e}`: expected m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS]]]]]]][@SPLITS]"
             ))
         };

@@ -35,7 +35,7 @@ struct Handover {
 }
 
 fn to_array(t: &TraceTensor, rows: usize, cols: usize) -> Result<Array2<f64>> {
-    Array2::from_shape_vec((rows, cols), t.to_f64()).map_err(|e| Error::Usage(e.to_string()))
+    Array2::from_shape_vec((rows, cols), t.to_f64()).map_err(|e| Error::Internal(e.to_string()))
 }
 
 /// Compares a dump with the reference on the same GGUF: every dumped site, the same metrics,
@@ -89,24 +89,7 @@ pub fn compare_dump(
         let mut fallback_in: Option<Array2<f64>> = None;
         if i == 0 {
             if let Some(tk) = &dump.tokens {
-                let mut h = embed_hidden(file, cfg, tk)?;
-                for k in 0..layer {
-                    let wk = LayerWeights::load(file, cfg, k)?;
-                    let r = crate::compute::reference::forward_full_sel(
-                        file,
-                        cfg,
-                        &wk,
-                        &h,
-                        &dump.batch,
-                        prev_sel.as_ref(),
-                    )?;
-                    if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(k) == Some(&true)) {
-                        prev_sel = r.selection;
-                    }
-                    h = r
-                        .hidden_out
-                        .ok_or_else(|| Error::Usage(format!("reference: layer {k} produced no hidden_out")))?;
-                }
+                let h = token_derived_input(file, cfg, tk, &dump.batch, layer, &mut prev_sel)?;
                 fallback_in = Some(h.clone());
                 expected_in = Some(h);
             }
@@ -178,21 +161,55 @@ pub fn compare_dump(
             config: cfg.clone(),
             tensor_types,
         },
-        run: RunRecord {
-            layers,
-            batch: dump.batch.clone(),
-            seed: 0,
-            input: InputSource::Dump,
-            paths: vec![PathLabel::Dump],
-            path_options: PathOptions::default(),
-            dtype: dtype.compute_dtype(),
-            backend: format!("dump: {engine}"),
-        },
+        run: dump_run_record(dump, layers, dtype, &engine),
         token_ids: dump.tokens.clone(),
         results,
         findings,
         dump: Some(summary),
     })
+}
+
+/// The `hidden_in` of `layer` derived from the dumped token ids `tokens`: the embedding, then
+/// the reference forward of layers `0..layer` whole (MoE FFNs included), keeping `prev_sel`
+/// (the latest full DSA indexer layer's selection) up to date.
+///
+/// Errors: ids outside the vocabulary, a layer that cannot run; [`Error::Internal`] when a
+/// reference layer returns no `hidden_out`.
+fn token_derived_input(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    tokens: &[u32],
+    batch: &Batch,
+    layer: usize,
+    prev_sel: &mut Option<Selection>,
+) -> Result<Array2<f64>> {
+    let mut h = embed_hidden(file, cfg, tokens)?;
+    for k in 0..layer {
+        let wk = LayerWeights::load(file, cfg, k)?;
+        let r = crate::compute::reference::forward_full_sel(file, cfg, &wk, &h, batch, prev_sel.as_ref())?;
+        if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(k) == Some(&true)) {
+            *prev_sel = r.selection;
+        }
+        h = r
+            .hidden_out
+            .ok_or_else(|| Error::Internal(format!("reference: layer {k} produced no hidden_out")))?;
+    }
+    Ok(h)
+}
+
+/// The run record of a dump comparison: the dumped `layers` and batch, input and path `dump`,
+/// the engine's compute dtype and the backend `dump: {engine}`.
+fn dump_run_record(dump: &Dump, layers: Vec<usize>, dtype: EngineDtype, engine: &str) -> RunRecord {
+    RunRecord {
+        layers,
+        batch: dump.batch.clone(),
+        seed: 0,
+        input: InputSource::Dump,
+        paths: vec![PathLabel::Dump],
+        path_options: PathOptions::default(),
+        dtype: dtype.compute_dtype(),
+        backend: format!("dump: {engine}"),
+    }
 }
 
 /// The reference of one dumped layer on `input` (rows of `batch`): with the layer's MoE FFN when
@@ -366,26 +383,8 @@ pub fn compare_steps(
             conversions.push(format!("{}: {c}", spec.name));
         }
         let t_new = d.batch.n_tokens();
-        // The full batch: each sequence with new tokens in this step, from position 0.
-        let live: Vec<usize> = (0..n_seq).filter(|&i| spec.seqs[i].new > 0).collect();
-        let full = Batch {
-            seqs: live
-                .iter()
-                .map(|&i| SeqSpec {
-                    len: spec.seqs[i].context + spec.seqs[i].new,
-                    start_pos: 0,
-                })
-                .collect(),
-        };
+        let (live, full, new_rows) = step_full_batch(spec, n_seq);
         let t_full = full.n_tokens();
-        // Rows of the step's new tokens within the full batch.
-        let mut new_rows = Vec::with_capacity(t_new);
-        let mut off = 0;
-        for &i in &live {
-            let q = spec.seqs[i];
-            new_rows.extend(off + q.context..off + q.context + q.new);
-            off += q.context + q.new;
-        }
         let mut prev_sel: Option<Selection> = None;
         // The previous dumped layer's output in this step, on the step's rows.
         let mut prev: Option<Handover> = None;
@@ -394,36 +393,7 @@ pub fn compare_steps(
             if tensor_types.is_empty() {
                 tensor_types = w.types.clone();
             }
-            // hidden_in of the full sequences, gathered from steps 0..=k.
-            let mut full_in = Array2::<f64>::zeros((t_full, cfg.hidden));
-            let mut row = 0;
-            for &i in &live {
-                for (j, (sj, dj)) in sd.steps[..=k].iter().enumerate() {
-                    let nj = sj.seqs[i].new;
-                    if nj == 0 {
-                        continue;
-                    }
-                    let x = dj
-                        .layers
-                        .get(&layer)
-                        .and_then(|t| t.get(&Site::new(layer, Stage::HiddenIn)))
-                        .ok_or_else(|| {
-                            Error::Usage(format!(
-                                "{}: step {j} `{}` has no L{layer}.hidden_in, which step {k} `{}` attends to: a format-2 dump needs every step's hidden_in of each layer it judges",
-                                sd.path.display(),
-                                sj.name,
-                                spec.name
-                            ))
-                        })?;
-                    let t_j = dj.batch.n_tokens();
-                    let a = to_array(x, t_j, cfg.hidden)?;
-                    let start: usize = (0..i).map(|p| sj.seqs[p].new).sum();
-                    for r in 0..nj {
-                        full_in.row_mut(row).assign(&a.row(start + r));
-                        row += 1;
-                    }
-                }
-            }
+            let full_in = gather_hidden_in(sd, k, &live, layer, t_full, cfg.hidden)?;
             let next_dumped = d.layers.contains_key(&(layer + 1));
             let refo = dumped_layer_reference(file, cfg, &w, &full_in, &full, dl, next_dumped, &mut prev_sel)?;
             let mut reference = crate::core::trace::Trace::new();
@@ -477,6 +447,105 @@ pub fn compare_steps(
         conversions.push(format!("patch `{}`: {}", p.name, p.reason));
     }
     let engine = format!("{} {}", h.engine.name, h.engine.version).trim().to_string();
+    let metadata = steps_metadata(h);
+    let first = &sd.steps[0].1;
+    Ok(RunReport {
+        model: ModelSummary {
+            path: file.path().display().to_string(),
+            config: cfg.clone(),
+            tensor_types,
+        },
+        run: dump_run_record(first, layers, dtype, &engine),
+        token_ids: first.tokens.clone(),
+        results,
+        findings,
+        dump: Some(DumpSummary {
+            path: sd.path.display().to_string(),
+            engine,
+            map: map_name.or_else(|| first.map.clone()),
+            metadata,
+            conversions,
+            ignored: sd.ignored.clone(),
+            not_dumped,
+            dtype,
+            tolerance_rows: precision,
+        }),
+    })
+}
+
+/// A step's full batch: `live`, the sequences of `n_seq` with new tokens in the step; the batch
+/// of those sequences whole (context and new tokens, each from position 0); and the rows of the
+/// step's new tokens within it.
+fn step_full_batch(spec: &crate::model::dump::StepSpec, n_seq: usize) -> (Vec<usize>, Batch, Vec<usize>) {
+    let live: Vec<usize> = (0..n_seq).filter(|&i| spec.seqs[i].new > 0).collect();
+    let full = Batch {
+        seqs: live
+            .iter()
+            .map(|&i| SeqSpec {
+                len: spec.seqs[i].context + spec.seqs[i].new,
+                start_pos: 0,
+            })
+            .collect(),
+    };
+    let mut new_rows = Vec::new();
+    let mut off = 0;
+    for &i in &live {
+        let q = spec.seqs[i];
+        new_rows.extend(off + q.context..off + q.context + q.new);
+        off += q.context + q.new;
+    }
+    (live, full, new_rows)
+}
+
+/// `hidden_in` [T_full, H] of `layer` for the full sequences `live` of step `k` (each from
+/// position 0), gathered from the new rows of steps `0..=k` in sequence order.
+///
+/// Errors: [`Error::Usage`] naming a step `0..=k` that lacks `L{layer}.hidden_in` for a
+/// sequence that step `k` attends to.
+fn gather_hidden_in(
+    sd: &StepsDump,
+    k: usize,
+    live: &[usize],
+    layer: usize,
+    t_full: usize,
+    hidden: usize,
+) -> Result<Array2<f64>> {
+    let spec = &sd.steps[k].0;
+    let mut full_in = Array2::<f64>::zeros((t_full, hidden));
+    let mut row = 0;
+    for &i in live {
+        for (j, (sj, dj)) in sd.steps[..=k].iter().enumerate() {
+            let nj = sj.seqs[i].new;
+            if nj == 0 {
+                continue;
+            }
+            let x = dj
+                .layers
+                .get(&layer)
+                .and_then(|t| t.get(&Site::new(layer, Stage::HiddenIn)))
+                .ok_or_else(|| {
+                    Error::Usage(format!(
+                        "{}: step {j} `{}` has no L{layer}.hidden_in, which step {k} `{}` attends to: a format-2 dump needs every step's hidden_in of each layer it judges",
+                        sd.path.display(),
+                        sj.name,
+                        spec.name
+                    ))
+                })?;
+            let t_j = dj.batch.n_tokens();
+            let a = to_array(x, t_j, hidden)?;
+            let start: usize = (0..i).map(|p| sj.seqs[p].new).sum();
+            for r in 0..nj {
+                full_in.row_mut(row).assign(&a.row(start + r));
+                row += 1;
+            }
+        }
+    }
+    Ok(full_in)
+}
+
+/// The `metadata` a format-2 comparison reports: format, model, hook, the engine's attention
+/// and prefill backends, the step names, `kernel_precision` and `heads` when the header has them.
+fn steps_metadata(h: &crate::model::dump::DumpHeader) -> std::collections::BTreeMap<String, String> {
     let mut metadata = std::collections::BTreeMap::new();
     metadata.insert("format".to_string(), crate::model::dump::FORMAT2.to_string());
     metadata.insert("model".to_string(), h.model.file.clone());
@@ -498,36 +567,5 @@ pub fn compare_steps(
     if let Some([a, b]) = h.heads {
         metadata.insert("heads".to_string(), format!("{a},{b}"));
     }
-    let first = &sd.steps[0].1;
-    Ok(RunReport {
-        model: ModelSummary {
-            path: file.path().display().to_string(),
-            config: cfg.clone(),
-            tensor_types,
-        },
-        run: RunRecord {
-            layers,
-            batch: first.batch.clone(),
-            seed: 0,
-            input: InputSource::Dump,
-            paths: vec![PathLabel::Dump],
-            path_options: PathOptions::default(),
-            dtype: dtype.compute_dtype(),
-            backend: format!("dump: {engine}"),
-        },
-        token_ids: first.tokens.clone(),
-        results,
-        findings,
-        dump: Some(DumpSummary {
-            path: sd.path.display().to_string(),
-            engine,
-            map: map_name.or_else(|| first.map.clone()),
-            metadata,
-            conversions,
-            ignored: sd.ignored.clone(),
-            not_dumped,
-            dtype,
-            tolerance_rows: precision,
-        }),
-    })
+    metadata
 }

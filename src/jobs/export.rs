@@ -20,7 +20,7 @@ use crate::core::error::{Error, Result};
 use crate::core::st::{RawTensor, raw_to_bytes};
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::judge::report::RunConfig;
-use crate::model::config::MlaConfig;
+use crate::model::config::{MlaConfig, MlaDims};
 use crate::model::gguf::GgufFile;
 
 /// The `format` metadata value of a kernel-inputs file.
@@ -181,9 +181,9 @@ fn site<'a>(reference: &'a Trace, layer: usize, stage: Stage, shape: &[usize]) -
     let s = Site::new(layer, stage);
     let t = reference
         .get(&s)
-        .ok_or_else(|| Error::Usage(format!("--export-inputs: the reference recorded no {s}")))?;
+        .ok_or_else(|| Error::Internal(format!("--export-inputs: the reference recorded no {s}")))?;
     if t.shape != shape {
-        return Err(Error::Usage(format!(
+        return Err(Error::Internal(format!(
             "--export-inputs: the reference's {s} has shape {:?}, expected {shape:?}",
             t.shape
         )));
@@ -249,8 +249,8 @@ pub fn dump_header(file: &GgufFile, batch: &Batch, layer: usize, heads: (usize, 
 /// trace `reference` of the run `rc` (docs/dump-format.md, "Kernel inputs" lists every tensor
 /// and metadata key).
 ///
-/// Errors: [`Error::Usage`] when the reference lacks a site or holds it in another shape (a bug,
-/// not an input error), or heads outside `0..N`.
+/// Errors: [`Error::Internal`] when the reference lacks a site or holds it in another shape (a
+/// bug, not an input error); [`Error::Usage`] for heads outside `0..N`.
 pub fn build(
     file: &GgufFile,
     cfg: &MlaConfig,
@@ -259,14 +259,15 @@ pub fn build(
     reference: &Trace,
     heads: (usize, usize),
 ) -> Result<Vec<u8>> {
-    let (n, hd, l, p, r, v) = (
-        cfg.n_head,
-        cfg.hidden,
-        cfg.kv_lora_rank,
-        cfg.qk_nope_head_dim,
-        cfg.qk_rope_head_dim,
-        cfg.v_head_dim,
-    );
+    let MlaDims {
+        n_head: n,
+        hidden: hd,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     if heads.0 >= heads.1 || heads.1 > n {
         return Err(Error::Usage(format!(
             "--export-inputs: heads [{}, {}) outside the {n} heads",
@@ -309,10 +310,7 @@ pub fn build(
             seqlens.push(i + 1);
         }
     }
-    let mut cu = vec![0usize];
-    for sq in &batch.seqs {
-        cu.push(cu.last().copied().unwrap_or(0) + sq.len);
-    }
+    let cu = cu_seqlens(batch);
 
     let raw = |dtype, shape: Vec<usize>, bytes: Vec<u8>| RawTensor { dtype, shape, bytes };
     let f32t = safetensors::Dtype::F32;
@@ -382,6 +380,15 @@ pub fn build(
     .map(|(k, v)| (k.to_string(), v))
     .collect();
     raw_to_bytes(&tensors, &meta)
+}
+
+/// `cu_seqlens` of `batch`: 0, then the running total of the sequence lengths ([S+1]).
+fn cu_seqlens(batch: &Batch) -> Vec<usize> {
+    let mut cu = vec![0usize];
+    for sq in &batch.seqs {
+        cu.push(cu.last().copied().unwrap_or(0) + sq.len);
+    }
+    cu
 }
 
 /// Builds the export ([`build`]) and writes it to `req.path()` (the folder created when missing;

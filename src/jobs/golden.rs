@@ -373,7 +373,7 @@ fn safetensors_bytes(tensors: &[(String, Vec<usize>, Vec<u8>)], case: &str) -> R
     .into_iter()
     .collect();
     safetensors::serialize(tensors.iter().map(|(n, s, b)| (n.clone(), V(s, b))), Some(meta))
-        .map_err(|e| Error::Usage(format!("safetensors serialization: {e}")))
+        .map_err(|e| Error::Internal(format!("safetensors serialization: {e}")))
         .and_then(crate::core::st::canonical_header)
 }
 
@@ -453,6 +453,109 @@ pub fn read_manifest(golden_dir: &Path, case: &str) -> Result<Manifest> {
     Ok(m)
 }
 
+/// An [`Error::Golden`] of `case` naming `path`.
+fn golden_err(case: &str, path: &Path, reason: String) -> Error {
+    Error::Golden {
+        case: case.to_string(),
+        path: path.to_path_buf(),
+        reason,
+    }
+}
+
+/// The case's GGUF (the embedded fixture, or a file under the repository root), pinned by the
+/// manifest's sha256.
+///
+/// Errors: [`Error::Golden`] when the file is missing or its sha256 changed; GGUF errors.
+fn open_pinned_gguf(golden_dir: &Path, case: &str, m: &Manifest) -> Result<GgufFile> {
+    let file = if m.gguf.path == EMBEDDED_PATH {
+        GgufFile::from_static(
+            crate::model::fixture::EMBEDDED_NAME,
+            crate::model::fixture::EMBEDDED_GGUF,
+        )?
+    } else {
+        let p = repo_root(golden_dir)?.join(&m.gguf.path);
+        if !p.is_file() {
+            return Err(golden_err(case, &p, "the case's GGUF is missing".into()));
+        }
+        GgufFile::open(&p)?
+    };
+    let sha = file.sha256_hex();
+    if sha != m.gguf.sha256 {
+        return Err(golden_err(
+            case,
+            file.path(),
+            format!(
+                "GGUF changed: sha256 {sha}, the manifest pins {}; re-record the case if the change is intended",
+                m.gguf.sha256
+            ),
+        ));
+    }
+    Ok(file)
+}
+
+/// Refuses a case whose manifest `config` differs from the [`MlaConfig`] derived now, naming
+/// every field that differs.
+///
+/// Errors: [`Error::Golden`] naming the manifest; [`Error::Json`].
+fn check_config(case: &str, case_dir: &Path, cfg: &MlaConfig, m: &Manifest) -> Result<()> {
+    let cfg_json = serde_json::to_value(cfg).map_err(|e| json_err(case_dir, e))?;
+    if cfg_json == m.config {
+        return Ok(());
+    }
+    let fields: Vec<String> = match (cfg_json.as_object(), m.config.as_object()) {
+        (Some(a), Some(b)) => a
+            .keys()
+            .chain(b.keys())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .filter(|k| a.get(*k) != b.get(*k))
+            .map(|k| {
+                format!(
+                    "{k}: now {}, recorded {}",
+                    a.get(k).unwrap_or(&serde_json::Value::Null),
+                    b.get(k).unwrap_or(&serde_json::Value::Null)
+                )
+            })
+            .collect(),
+        _ => vec!["field `config` is not an object".into()],
+    };
+    Err(golden_err(
+        case,
+        &case_dir.join(MANIFEST_FILE),
+        format!(
+            "MlaConfig derived from the GGUF differs from the manifest's `config`: {}",
+            fields.join("; ")
+        ),
+    ))
+}
+
+/// The backend the case was recorded on, in its dtype (CUDA through `cuda`, with the recorded
+/// kernels).
+///
+/// Errors: [`Error::Golden`] for a CUDA case where CUDA is unavailable, or an unknown backend.
+fn recorded_backend(case: &str, case_dir: &Path, m: &Manifest, cuda: CudaFactory<'_>) -> Result<Backend> {
+    let dtype = m.run.dtype;
+    match m.backend.kind.as_str() {
+        "cpu" => Ok(Backend::Cpu(CpuOps::new(dtype))),
+        "cuda" => cuda(
+            dtype,
+            m.backend.kernels.unwrap_or(crate::backend::cuda::ops::Kernels::Fast),
+        )
+        .map_err(|e| {
+            golden_err(
+                case,
+                &case_dir.join(MANIFEST_FILE),
+                format!("recorded on CUDA, which is unavailable here: {e}"),
+            )
+        }),
+        other => Err(golden_err(
+            case,
+            &case_dir.join(MANIFEST_FILE),
+            format!("field `backend.kind`: unknown backend `{other}`"),
+        )),
+    }
+}
+
 /// How `check` obtains the CUDA backend for cases recorded on CUDA.
 pub type CudaFactory<'a> = &'a dyn Fn(crate::core::dtype::Dtype, crate::backend::cuda::ops::Kernels) -> Result<Backend>;
 
@@ -466,11 +569,7 @@ pub type CudaFactory<'a> = &'a dyn Fn(crate::core::dtype::Dtype, crate::backend:
 pub fn check(golden_dir: &Path, case: &str, cuda: CudaFactory<'_>) -> Result<CaseCheck> {
     let m = read_manifest(golden_dir, case)?;
     let case_dir = golden_dir.join(case);
-    let err = |path: &Path, reason: String| Error::Golden {
-        case: case.to_string(),
-        path: path.to_path_buf(),
-        reason,
-    };
+    let err = |path: &Path, reason: String| golden_err(case, path, reason);
     let mut notes = Vec::new();
     if m.tool_version != env!("CARGO_PKG_VERSION") {
         notes.push(format!(
@@ -482,80 +581,10 @@ pub fn check(golden_dir: &Path, case: &str, cuda: CudaFactory<'_>) -> Result<Cas
     if m.tolerance.golden != GOLDEN_TOLERANCE.0 {
         notes.push("the manifest's golden tolerance differs from this tool's; this tool's is applied".into());
     }
-
-    // The GGUF, pinned by sha256.
-    let file = if m.gguf.path == EMBEDDED_PATH {
-        GgufFile::from_static(
-            crate::model::fixture::EMBEDDED_NAME,
-            crate::model::fixture::EMBEDDED_GGUF,
-        )?
-    } else {
-        let p = repo_root(golden_dir)?.join(&m.gguf.path);
-        if !p.is_file() {
-            return Err(err(&p, "the case's GGUF is missing".into()));
-        }
-        GgufFile::open(&p)?
-    };
-    let sha = file.sha256_hex();
-    if sha != m.gguf.sha256 {
-        return Err(err(
-            file.path(),
-            format!(
-                "GGUF changed: sha256 {sha}, the manifest pins {}; re-record the case if the change is intended",
-                m.gguf.sha256
-            ),
-        ));
-    }
+    let file = open_pinned_gguf(golden_dir, case, &m)?;
     let cfg = MlaConfig::from_gguf(&file)?;
-    let cfg_json = serde_json::to_value(&cfg).map_err(|e| json_err(&case_dir, e))?;
-    if cfg_json != m.config {
-        let fields: Vec<String> = match (cfg_json.as_object(), m.config.as_object()) {
-            (Some(a), Some(b)) => a
-                .keys()
-                .chain(b.keys())
-                .collect::<std::collections::BTreeSet<_>>()
-                .into_iter()
-                .filter(|k| a.get(*k) != b.get(*k))
-                .map(|k| {
-                    format!(
-                        "{k}: now {}, recorded {}",
-                        a.get(k).unwrap_or(&serde_json::Value::Null),
-                        b.get(k).unwrap_or(&serde_json::Value::Null)
-                    )
-                })
-                .collect(),
-            _ => vec!["field `config` is not an object".into()],
-        };
-        return Err(err(
-            &case_dir.join(MANIFEST_FILE),
-            format!(
-                "MlaConfig derived from the GGUF differs from the manifest's `config`: {}",
-                fields.join("; ")
-            ),
-        ));
-    }
-
-    // The backend the case was recorded on.
-    let dtype = m.run.dtype;
-    let backend = match m.backend.kind.as_str() {
-        "cpu" => Backend::Cpu(CpuOps::new(dtype)),
-        "cuda" => cuda(
-            dtype,
-            m.backend.kernels.unwrap_or(crate::backend::cuda::ops::Kernels::Fast),
-        )
-        .map_err(|e| {
-            err(
-                &case_dir.join(MANIFEST_FILE),
-                format!("recorded on CUDA, which is unavailable here: {e}"),
-            )
-        })?,
-        other => {
-            return Err(err(
-                &case_dir.join(MANIFEST_FILE),
-                format!("field `backend.kind`: unknown backend `{other}`"),
-            ));
-        }
-    };
+    check_config(case, &case_dir, &cfg, &m)?;
+    let backend = recorded_backend(case, &case_dir, &m, cuda)?;
 
     // The golden tensors.
     let trace_path = case_dir.join(TRACE_FILE);

@@ -271,27 +271,9 @@ fn run_inner(
     keep_reference: bool,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(RunReport, Vec<LayerTraces>)> {
+    check_run(file, cfg, rc)?;
     let t = rc.batch.n_tokens();
-    if t == 0 || rc.batch.seqs.iter().any(|s| s.len == 0) {
-        return Err(Error::Usage("every sequence needs at least one token".into()));
-    }
     let tp = rc.path_options.tp;
-    if tp == 0 || !cfg.n_head.is_multiple_of(tp) {
-        return Err(Error::Usage(format!(
-            "--tp {tp} does not divide the {} attention heads of {}",
-            cfg.n_head,
-            file.path().display()
-        )));
-    }
-    for &l in &rc.layers {
-        if l >= cfg.n_layer {
-            return Err(Error::LayerOutOfRange {
-                path: file.path().to_path_buf(),
-                layer: l,
-                n_layers: cfg.n_layer,
-            });
-        }
-    }
     let mut results = Vec::new();
     let mut findings: Vec<Finding> = Vec::new();
     let mut tensor_types = Vec::new();
@@ -332,23 +314,8 @@ fn run_inner(
         }
         let bad = timing::stage("dequant", || w.nonfinite());
         file.release_resident_pages();
-        if !bad.is_empty() {
-            let numel = |t: &str| file.tensor(t).map_or(0, |i| i.n_elements() as usize);
-            findings.extend(diagnose::weight_nonfinite_findings(layer, &bad, numel));
-        }
-        let hidden = match rc.input {
-            InputMode::Random => timing::stage("input", || {
-                let v = normal_f32(layer_seed(rc.seed, layer), t * cfg.hidden);
-                Array2::from_shape_vec((t, cfg.hidden), v.into_iter().map(f64::from).collect())
-                    .map_err(|e| Error::Usage(e.to_string()))
-            })?,
-            InputMode::Tokens => carried.take().ok_or_else(|| {
-                Error::Usage(format!(
-                    "layer {layer}: no hidden state carried from layer {}",
-                    layer.saturating_sub(1)
-                ))
-            })?,
-        };
+        findings.extend(nonfinite_weight_findings(file, layer, &bad));
+        let hidden = layer_hidden_in(cfg, rc, layer, &mut carried)?;
         let layer_tp = if wanted { tp } else { 1 };
         let shared = if rc.input == InputMode::Tokens {
             prev_sel.as_ref()
@@ -373,10 +340,7 @@ fn run_inner(
                 keep_on_device,
             )
         })?;
-        if !refo.moe_nonfinite.is_empty() {
-            let numel = |t: &str| file.tensor(t).map_or(0, |i| i.n_elements() as usize);
-            findings.extend(diagnose::weight_nonfinite_findings(layer, &refo.moe_nonfinite, numel));
-        }
+        findings.extend(nonfinite_weight_findings(file, layer, &refo.moe_nonfinite));
         if wanted {
             let split = SplitTrace {
                 host: refo.trace,
@@ -397,16 +361,7 @@ fn run_inner(
                 keep_traces,
             )?;
             drop(handed);
-            for fi in f {
-                // A cut the model itself forces at this TP size (not an injected fault's) is a
-                // limit of the run: the path is reported not run, with the reason, not as a bug.
-                let natural = res.iter().any(|r| {
-                    Some(r.path) == fi.path && r.not_run.as_ref().is_some_and(|n| !n.by_fault && n.site == fi.site)
-                });
-                if !natural && !findings.iter().any(|g| g.path == fi.path) {
-                    findings.push(fi);
-                }
-            }
+            add_path_findings(&mut findings, &res, f);
             results.extend(res);
             if keep_traces || keep_reference {
                 traces.push(LayerTraces {
@@ -436,6 +391,84 @@ fn run_inner(
         dump: None,
     };
     Ok((report, traces))
+}
+
+/// Refuses a run with an empty sequence, a TP size that does not divide the `N` heads, or a
+/// layer outside the model.
+///
+/// Errors: [`Error::Usage`]; [`Error::LayerOutOfRange`].
+fn check_run(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<()> {
+    if rc.batch.n_tokens() == 0 || rc.batch.seqs.iter().any(|s| s.len == 0) {
+        return Err(Error::Usage("every sequence needs at least one token".into()));
+    }
+    let tp = rc.path_options.tp;
+    if tp == 0 || !cfg.n_head.is_multiple_of(tp) {
+        return Err(Error::Usage(format!(
+            "--tp {tp} does not divide the {} attention heads of {}",
+            cfg.n_head,
+            file.path().display()
+        )));
+    }
+    for &l in &rc.layers {
+        if l >= cfg.n_layer {
+            return Err(Error::LayerOutOfRange {
+                path: file.path().to_path_buf(),
+                layer: l,
+                n_layers: cfg.n_layer,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `weight-nonfinite` findings of `layer` for the tensors `bad` (name, non-finite count, first
+/// index); none when `bad` is empty.
+fn nonfinite_weight_findings(file: &GgufFile, layer: usize, bad: &[(String, usize, usize)]) -> Vec<Finding> {
+    if bad.is_empty() {
+        return Vec::new();
+    }
+    let numel = |t: &str| file.tensor(t).map_or(0, |i| i.n_elements() as usize);
+    diagnose::weight_nonfinite_findings(layer, bad, numel)
+}
+
+/// The `hidden_in` [T, H] of `layer`: seeded N(0, 1) values for random input, else the
+/// previous layer's output taken from `carried`.
+///
+/// Errors: [`Error::Internal`] when a token run carries no hidden state into `layer`.
+fn layer_hidden_in(
+    cfg: &MlaConfig,
+    rc: &RunConfig,
+    layer: usize,
+    carried: &mut Option<Array2<f64>>,
+) -> Result<Array2<f64>> {
+    let t = rc.batch.n_tokens();
+    match rc.input {
+        InputMode::Random => timing::stage("input", || {
+            let v = normal_f32(layer_seed(rc.seed, layer), t * cfg.hidden);
+            Array2::from_shape_vec((t, cfg.hidden), v.into_iter().map(f64::from).collect())
+                .map_err(|e| Error::Internal(e.to_string()))
+        }),
+        InputMode::Tokens => carried.take().ok_or_else(|| {
+            Error::Internal(format!(
+                "layer {layer}: no hidden state carried from layer {}",
+                layer.saturating_sub(1)
+            ))
+        }),
+    }
+}
+
+/// Adds a layer's path findings `new` to `findings`: at most one per path, and none for a cut
+/// the model itself forces at this TP size (not an injected fault's), which is a limit of the
+/// run: that path is reported not run, with the reason, not as a bug.
+fn add_path_findings(findings: &mut Vec<Finding>, results: &[PathResult], new: Vec<Finding>) {
+    for fi in new {
+        let natural = results
+            .iter()
+            .any(|r| Some(r.path) == fi.path && r.not_run.as_ref().is_some_and(|n| !n.by_fault && n.site == fi.site));
+        if !natural && !findings.iter().any(|g| g.path == fi.path) {
+            findings.push(fi);
+        }
+    }
 }
 
 /// The reference forward of layers `0..=last` on given token ids (no paths), MoE layers whole:

@@ -294,132 +294,25 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
                     .map(f64::from)
                     .collect(),
             )
-            .map_err(|e| Error::Usage(e.to_string()))?;
+            .map_err(|e| Error::Internal(e.to_string()))?;
             let base = reference::forward(&cfg, &w, &hidden, &batch)?.trace;
-            let run_cfg = |tp: usize, paths: Vec<PathKind>, faults: Vec<Fault>| RunConfig {
-                layers: vec![layer],
-                batch: batch.clone(),
+            let pr = PageRun {
+                backend,
+                file: &file,
+                cfg: &cfg,
+                w: &w,
+                hidden: &hidden,
+                base: &base,
+                batch: &batch,
+                layer,
+                page,
                 seed: opts.seed,
-                input: crate::judge::report::InputMode::Random,
-                paths,
-                path_options: PathOptions {
-                    page_size: page,
-                    tp,
-                    faults: FaultSet(faults),
-                    ..PathOptions::default()
-                },
-                backend: backend.name().into(),
+                fixture: &name,
             };
-            // The reference on the host: selftest judges on the host on every backend.
-            let reference_for = |tp: usize| -> Result<SplitTrace> {
-                let mut r = base.clone();
-                r.extend(reference::rank_weight_sites(&cfg, &w, tp));
-                r.extend(reference::rank_partial_sites_of(&cfg, &w, &base, tp)?);
-                Ok(SplitTrace {
-                    host: r,
-                    device: Vec::new(),
-                })
-            };
-            // Clean runs.
-            for &tp in &tps {
-                let rc = run_cfg(tp, PathKind::ALL.to_vec(), vec![]);
-                let (_, findings, _) = compare_layer(
-                    backend,
-                    &file,
-                    &cfg,
-                    &w,
-                    &hidden,
-                    &reference_for(tp)?,
-                    &rc,
-                    None,
-                    None,
-                    false,
-                )?;
-                let expected =
-                    natural_misalignment(&file, &cfg, layer, tp).map(|s| (Class::QuantBlockMisaligned, vec![s.stage]));
-                for &path in PathKind::ALL {
-                    let found = findings.iter().find(|f| f.path == Some(path.into()));
-                    cases.push(CaseResult {
-                        fixture: name.clone(),
-                        case: "clean".into(),
-                        path,
-                        tp,
-                        page,
-                        verdict: verdict(&expected, found, layer),
-                        expected: expected
-                            .as_ref()
-                            .map(|(c, s)| (*c, s.iter().map(|x| x.name()).collect())),
-                        found: found.cloned(),
-                    });
-                }
-            }
+            pr.clean_cases(&tps, &mut cases)?;
             // Faults, at page 16 only (the batch already spans page boundaries).
-            if page != 16 {
-                continue;
-            }
-            let lblock = latent_block(&file, &cfg, layer);
-            for &fault in Fault::ALL {
-                // Pick the TP size: 1 unless the fault needs ranks; then the smallest that works.
-                // A TP size whose clean cut of o_proj already falls inside a quant block cannot
-                // show any other fault (the run stops at the unservable cut), so it is skipped,
-                // except for the fault that is about that cut.
-                let servable = |tp: usize| {
-                    fault == Fault::QuantSliceMisaligned || natural_misalignment(&file, &cfg, layer, tp).is_none()
-                };
-                let tp = tps
-                    .iter()
-                    .copied()
-                    .find(|&tp| {
-                        servable(tp)
-                            && PathKind::ALL
-                                .iter()
-                                .any(|&p| fault.applies(p, &cfg, tp, lblock).is_ok())
-                    })
-                    .or_else(|| {
-                        tp_sizes(cfg.n_head).into_iter().find(|&tp| {
-                            servable(tp)
-                                && PathKind::ALL
-                                    .iter()
-                                    .any(|&p| fault.applies(p, &cfg, tp, lblock).is_ok())
-                        })
-                    });
-                let Some(tp) = tp else { continue };
-                let paths: Vec<PathKind> = PathKind::ALL
-                    .iter()
-                    .copied()
-                    .filter(|&p| fault.applies(p, &cfg, tp, lblock).is_ok())
-                    .collect();
-                if paths.is_empty() {
-                    continue;
-                }
-                let rc = run_cfg(tp, paths.clone(), vec![fault]);
-                let (_, findings, _) = compare_layer(
-                    backend,
-                    &file,
-                    &cfg,
-                    &w,
-                    &hidden,
-                    &reference_for(tp)?,
-                    &rc,
-                    None,
-                    None,
-                    false,
-                )?;
-                for path in paths {
-                    let stages = fault.expected_stages(path);
-                    let expected = Some((fault.expected_class(), stages.clone()));
-                    let found = findings.iter().find(|f| f.path == Some(path.into()));
-                    cases.push(CaseResult {
-                        fixture: name.clone(),
-                        case: fault.name().into(),
-                        path,
-                        tp,
-                        page,
-                        verdict: verdict(&expected, found, layer),
-                        expected: Some((fault.expected_class(), stages.iter().map(|s| s.name()).collect())),
-                        found: found.cloned(),
-                    });
-                }
+            if page == 16 {
+                pr.fault_cases(&tps, &mut cases)?;
             }
         }
     }
@@ -433,10 +326,202 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
     })
 }
 
+/// One fixture's layer at one page size: what the clean and faulted runs of [`run`] share.
+struct PageRun<'a> {
+    backend: &'a Backend,
+    file: &'a GgufFile,
+    cfg: &'a MlaConfig,
+    w: &'a LayerWeights,
+    /// `hidden_in` [T, H], seeded.
+    hidden: &'a Array2<f64>,
+    /// The reference trace of the layer, without per-rank weight sites.
+    base: &'a crate::core::trace::Trace,
+    batch: &'a Batch,
+    layer: usize,
+    page: usize,
+    seed: u64,
+    /// The fixture's name in the report.
+    fixture: &'a str,
+}
+
+impl PageRun<'_> {
+    /// The findings of `paths` at TP size `tp` with `faults` injected, judged on the host
+    /// against the reference (selftest judges on the host on every backend).
+    fn findings(&self, tp: usize, paths: Vec<PathKind>, faults: Vec<Fault>) -> Result<Vec<Finding>> {
+        let rc = RunConfig {
+            layers: vec![self.layer],
+            batch: self.batch.clone(),
+            seed: self.seed,
+            input: crate::judge::report::InputMode::Random,
+            paths,
+            path_options: PathOptions {
+                page_size: self.page,
+                tp,
+                faults: FaultSet(faults),
+                ..PathOptions::default()
+            },
+            backend: self.backend.name().into(),
+        };
+        // The reference on the host: selftest judges on the host on every backend.
+        let mut r = self.base.clone();
+        r.extend(reference::rank_weight_sites(self.cfg, self.w, tp));
+        r.extend(reference::rank_partial_sites_of(self.cfg, self.w, self.base, tp)?);
+        let reference = SplitTrace {
+            host: r,
+            device: Vec::new(),
+        };
+        let (_, findings, _) = compare_layer(
+            self.backend,
+            self.file,
+            self.cfg,
+            self.w,
+            self.hidden,
+            &reference,
+            &rc,
+            None,
+            None,
+            false,
+        )?;
+        Ok(findings)
+    }
+
+    /// Clean runs of every path at every TP size of `tps`: no finding expected, except the
+    /// quant-block cut some TP sizes force on a fixture.
+    fn clean_cases(&self, tps: &[usize], cases: &mut Vec<CaseResult>) -> Result<()> {
+        let layer = self.layer;
+        for &tp in tps {
+            let findings = self.findings(tp, PathKind::ALL.to_vec(), vec![])?;
+            let expected = natural_misalignment(self.file, self.cfg, layer, tp)
+                .map(|s| (Class::QuantBlockMisaligned, vec![s.stage]));
+            for &path in PathKind::ALL {
+                let found = findings.iter().find(|f| f.path == Some(path.into()));
+                cases.push(CaseResult {
+                    fixture: self.fixture.to_string(),
+                    case: "clean".into(),
+                    path,
+                    tp,
+                    page: self.page,
+                    verdict: verdict(&expected, found, layer),
+                    expected: expected
+                        .as_ref()
+                        .map(|(c, s)| (*c, s.iter().map(|x| x.name()).collect())),
+                    found: found.cloned(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The TP size a fault runs at: 1 unless the fault needs ranks; then the smallest that works.
+    /// A TP size whose clean cut of o_proj already falls inside a quant block cannot show any
+    /// other fault (the run stops at the unservable cut), so it is skipped, except for the fault
+    /// that is about that cut. `None` when no TP size serves the fault.
+    fn fault_tp(&self, fault: Fault, tps: &[usize], lblock: u64) -> Option<usize> {
+        let (file, cfg, layer) = (self.file, self.cfg, self.layer);
+        let servable =
+            |tp: usize| fault == Fault::QuantSliceMisaligned || natural_misalignment(file, cfg, layer, tp).is_none();
+        let works =
+            |tp: usize| servable(tp) && PathKind::ALL.iter().any(|&p| fault.applies(p, cfg, tp, lblock).is_ok());
+        tps.iter()
+            .copied()
+            .find(|&tp| works(tp))
+            .or_else(|| tp_sizes(cfg.n_head).into_iter().find(|&tp| works(tp)))
+    }
+
+    /// Each fault of [`Fault::ALL`] injected on every path it applies to, at its TP size
+    /// ([`PageRun::fault_tp`]): the expected class at the expected stages.
+    fn fault_cases(&self, tps: &[usize], cases: &mut Vec<CaseResult>) -> Result<()> {
+        let lblock = latent_block(self.file, self.cfg, self.layer);
+        for &fault in Fault::ALL {
+            let Some(tp) = self.fault_tp(fault, tps, lblock) else {
+                continue;
+            };
+            let paths: Vec<PathKind> = PathKind::ALL
+                .iter()
+                .copied()
+                .filter(|&p| fault.applies(p, self.cfg, tp, lblock).is_ok())
+                .collect();
+            if paths.is_empty() {
+                continue;
+            }
+            let findings = self.findings(tp, paths.clone(), vec![fault])?;
+            for path in paths {
+                let stages = fault.expected_stages(path);
+                let expected = Some((fault.expected_class(), stages.clone()));
+                let found = findings.iter().find(|f| f.path == Some(path.into()));
+                cases.push(CaseResult {
+                    fixture: self.fixture.to_string(),
+                    case: fault.name().into(),
+                    path,
+                    tp,
+                    page: self.page,
+                    verdict: verdict(&expected, found, self.layer),
+                    expected: Some((fault.expected_class(), stages.iter().map(|s| s.name()).collect())),
+                    found: found.cloned(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The confusion table (fault × found class × first site), the clean-run summary and every case
 /// that did not come out as expected.
 pub fn confusion_table(rep: &SelftestReport) -> String {
     let mut s = String::new();
+    s.push_str("faults (every fixture, every path each applies to)\n");
+    s.push_str(&fault_table(rep).to_string());
+    s.push('\n');
+    s.push_str("\nclean runs\n");
+    s.push_str(&clean_table(rep).to_string());
+    s.push('\n');
+
+    let bad: Vec<&CaseResult> = rep.cases.iter().filter(|c| !c.ok()).collect();
+    if !bad.is_empty() {
+        s.push_str("\nnot as expected:\n");
+        for c in bad {
+            s.push_str(&format!(
+                "  {} {} path {} tp {} page {}: {} (expected {}; found {})\n",
+                c.fixture,
+                c.case,
+                c.path,
+                c.tp,
+                c.page,
+                c.verdict,
+                c.expected
+                    .as_ref()
+                    .map_or("no finding".into(), |(cl, st)| format!("{cl} at {}", st.join("|"))),
+                c.found.as_ref().map_or("nothing".into(), |f| format!(
+                    "{} at {}: {}",
+                    f.class, f.site, f.evidence
+                )),
+            ));
+        }
+    }
+    if let Some(d) = &rep.dequant {
+        s.push_str(&format!(
+            "\ndequantization on the device vs the CPU: {} tensors, {} values, {} bit mismatches (types {})\n",
+            d.tensors,
+            d.elements,
+            d.mismatches,
+            d.types.join(", ")
+        ));
+        if let Some(m) = &d.first_mismatch {
+            s.push_str(&format!("  first mismatch: {m}\n"));
+        }
+    }
+    let total = rep.cases.len();
+    let ok = rep.cases.iter().filter(|c| c.ok()).count();
+    s.push_str(&format!(
+        "\nselftest: {ok}/{total} cases as expected in {:.1} s\n",
+        rep.seconds
+    ));
+    s
+}
+
+/// One row per fault of [`Fault::ALL`]: its expected class and first sites, the class and first
+/// site found (with counts, per path in [`PathKind::ALL`] order), and how many cases were right.
+fn fault_table(rep: &SelftestReport) -> Table {
     let mut by_fault: BTreeMap<String, Vec<&CaseResult>> = BTreeMap::new();
     for c in rep.cases.iter().filter(|c| c.case != "clean") {
         by_fault.entry(c.case.clone()).or_default().push(c);
@@ -492,10 +577,12 @@ pub fn confusion_table(rep: &SelftestReport) -> String {
             format!("{ok}/{}", cs.len()),
         ]);
     }
-    s.push_str("faults (every fixture, every path each applies to)\n");
-    s.push_str(&t.to_string());
-    s.push('\n');
+    t
+}
 
+/// One row per fixture: its clean runs (path × TP × page), the TP and page sizes covered, and
+/// the false alarms among them.
+fn clean_table(rep: &SelftestReport) -> Table {
     let mut by_fix: BTreeMap<String, (usize, usize, String, String)> = BTreeMap::new();
     for c in rep.cases.iter().filter(|c| c.case == "clean") {
         let e = by_fix.entry(c.fixture.clone()).or_default();
@@ -533,51 +620,7 @@ pub fn confusion_table(rep: &SelftestReport) -> String {
             bad.to_string(),
         ]);
     }
-    s.push_str("\nclean runs\n");
-    s.push_str(&t.to_string());
-    s.push('\n');
-
-    let bad: Vec<&CaseResult> = rep.cases.iter().filter(|c| !c.ok()).collect();
-    if !bad.is_empty() {
-        s.push_str("\nnot as expected:\n");
-        for c in bad {
-            s.push_str(&format!(
-                "  {} {} path {} tp {} page {}: {} (expected {}; found {})\n",
-                c.fixture,
-                c.case,
-                c.path,
-                c.tp,
-                c.page,
-                c.verdict,
-                c.expected
-                    .as_ref()
-                    .map_or("no finding".into(), |(cl, st)| format!("{cl} at {}", st.join("|"))),
-                c.found.as_ref().map_or("nothing".into(), |f| format!(
-                    "{} at {}: {}",
-                    f.class, f.site, f.evidence
-                )),
-            ));
-        }
-    }
-    if let Some(d) = &rep.dequant {
-        s.push_str(&format!(
-            "\ndequantization on the device vs the CPU: {} tensors, {} values, {} bit mismatches (types {})\n",
-            d.tensors,
-            d.elements,
-            d.mismatches,
-            d.types.join(", ")
-        ));
-        if let Some(m) = &d.first_mismatch {
-            s.push_str(&format!("  first mismatch: {m}\n"));
-        }
-    }
-    let total = rep.cases.len();
-    let ok = rep.cases.iter().filter(|c| c.ok()).count();
-    s.push_str(&format!(
-        "\nselftest: {ok}/{total} cases as expected in {:.1} s\n",
-        rep.seconds
-    ));
-    s
+    t
 }
 
 /// Compares two selftest runs case by case (class and first site of the finding). Returns the
@@ -636,12 +679,12 @@ pub fn reference_agreement(
         let w = LayerWeights::load(file, cfg, layer)?;
         let v = normal_f32(crate::jobs::run::layer_seed(seed, layer), t * cfg.hidden);
         let hidden = Array2::from_shape_vec((t, cfg.hidden), v.into_iter().map(f64::from).collect())
-            .map_err(|e| Error::Usage(e.to_string()))?;
+            .map_err(|e| Error::Internal(e.to_string()))?;
         let cpu = crate::compute::reference::reference_layer(cfg, &w, &hidden, batch, 1, None)?;
         let gpu = crate::backend::cuda::reference::reference_layer(ops.device(), cfg, &w, &hidden, batch, 1)?;
         for (site, r) in cpu.trace.entries() {
             let Some(g) = gpu.trace.get(site) else {
-                return Err(Error::Usage(format!("the GPU reference has no site {site}")));
+                return Err(Error::Internal(format!("the GPU reference has no site {site}")));
             };
             let m = crate::judge::metrics::metrics(r, g, &crate::judge::tolerance::GOLDEN_TOLERANCE.0);
             out.push((*site, m.rel_l2));

@@ -32,7 +32,7 @@ use crate::judge::diagnose::blocks::find_blocks;
 use crate::judge::diagnose::blocks::rel_l2 as rel;
 use crate::judge::metrics::{self, Metrics};
 use crate::judge::tolerance::tolerance;
-use crate::model::config::{KvBLayout, MlaConfig};
+use crate::model::config::{KvBLayout, MlaConfig, MlaDims};
 use crate::model::dump::{FORMAT1, FORMAT2, Map};
 use crate::model::gguf::GgufFile;
 use crate::model::weights::{LayerWeights, QWeights, tensor_name};
@@ -92,13 +92,14 @@ impl Param {
 }
 
 fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'static str, Param> {
-    let (n, l, p, r, v) = (
-        cfg.n_head,
-        cfg.kv_lora_rank,
-        cfg.qk_nope_head_dim,
-        cfg.qk_rope_head_dim,
-        cfg.v_head_dim,
-    );
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     let layer = w.layer;
     let info = |name: &str| {
         let t = tensor_name(layer, name);
@@ -381,12 +382,77 @@ fn refuse_activation_dump(
 /// tensor with an integer dtype, a layer out of range, GGUF tensors that cannot be loaded, no
 /// MLA param at all in the file.
 pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -> Result<WeightsReport> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
-    let bad = |what: &str, reason: String| Error::Safetensors {
+    let WeightsFile {
+        metadata,
+        dtype,
+        entries,
+        ignored,
+    } = read_weights_file(cfg, path, map)?;
+    let tp = tp_size(path, &metadata, &entries, cfg)?;
+    let mut cache: BTreeMap<usize, BTreeMap<&'static str, Param>> = BTreeMap::new();
+    for layer in entries.iter().map(|e| e.layer) {
+        if let std::collections::btree_map::Entry::Vacant(slot) = cache.entry(layer) {
+            let w = LayerWeights::load(file, cfg, layer)?;
+            slot.insert(params(file, cfg, &w));
+        }
+    }
+    let mut tensors = Vec::new();
+    let mut findings = Vec::new();
+    // Per (layer, param): which rank's slice each file shard holds.
+    let mut holds: Holds = BTreeMap::new();
+    for e in &entries {
+        let Some(p) = cache[&e.layer].get(e.param.as_str()) else {
+            findings.push(WeightFinding {
+                class: Class::Mismatch,
+                tensor: e.name.clone(),
+                evidence: format!("the model has no `{}` (q_lora_rank {:?})", e.param, cfg.q_lora_rank),
+                hint: "q_a_proj/q_b_proj/fused_qkv_a_proj exist only with q_lora_rank; q_proj only without".into(),
+                source: Vec::new(),
+            });
+            continue;
+        };
+        if let Some(tc) = check_entry(e, p, cfg, dtype, tp, &mut holds, &mut findings) {
+            tensors.push(tc);
+        }
+    }
+    findings.extend(rank_findings(holds, &cache, tp));
+    Ok(WeightsReport {
+        model: file.path().display().to_string(),
+        weights: path.display().to_string(),
+        engine: metadata.get("engine").cloned().unwrap_or_else(|| "unknown".into()),
+        tp,
+        metadata_dtype: metadata.get("dtype").cloned(),
+        dtype,
+        tensors,
+        findings,
+        ignored,
+    })
+}
+
+/// An [`Error::Safetensors`] naming `path` and the tensor or field `what`.
+fn bad(path: &Path, what: &str, reason: String) -> Error {
+    Error::Safetensors {
         path: path.to_path_buf(),
         what: what.to_string(),
         reason,
-    };
+    }
+}
+
+/// What [`read_weights_file`] reads: the file's `__metadata__`, the dtype it declares, the MLA
+/// params found (sorted by name) and the names of the tensors that are not MLA params.
+struct WeightsFile {
+    metadata: BTreeMap<String, String>,
+    dtype: Dtype,
+    entries: Vec<Entry>,
+    ignored: Vec<String>,
+}
+
+/// Reads every MLA param tensor of the weights file `path` (format 1 names, `weights.…` tensors
+/// of a format-2 dump, or names `map` renames), decoded to f64.
+///
+/// Errors: as [`check`]'s, except those of the GGUF and the TP size.
+fn read_weights_file(cfg: &MlaConfig, path: &Path, map: Option<&Map>) -> Result<WeightsFile> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
     let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
     let metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();
@@ -401,10 +467,15 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
     let dtype = match header_dtype.as_deref().or(metadata.get("dtype").map(String::as_str)) {
         None | Some("f32" | "float32" | "f64") => Dtype::F32,
         Some("bf16" | "bfloat16" | "f16" | "float16") => Dtype::Bf16,
-        Some(o) => return Err(bad("__metadata__.dtype", format!("`{o}`: expected f32, bf16 or f16"))),
+        Some(o) => {
+            return Err(bad(
+                path,
+                "__metadata__.dtype",
+                format!("`{o}`: expected f32, bf16 or f16"),
+            ));
+        }
     };
 
-    // Read every MLA param tensor.
     let mut entries: Vec<Entry> = Vec::new();
     let mut ignored = Vec::new();
     let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
@@ -430,14 +501,18 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
         };
         if layer >= cfg.n_layer {
             return Err(bad(
+                path,
                 &name,
                 format!("layer {layer} out of range: the model has {} layers", cfg.n_layer),
             ));
         }
-        let view = st.tensor(&full_name).map_err(|e| bad(&full_name, e.to_string()))?;
+        let view = st
+            .tensor(&full_name)
+            .map_err(|e| bad(path, &full_name, e.to_string()))?;
         let tt = crate::core::st::decode_tensor(path, &full_name, &view)?;
         if !crate::core::st::is_float_dtype(view.dtype()) {
             return Err(bad(
+                path,
                 &name,
                 format!("integer dtype {:?}; weights must be floats", view.dtype()),
             ));
@@ -454,6 +529,7 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
     }
     if entries.is_empty() {
         return Err(bad(
+            path,
             "tensors",
             format!(
                 "no MLA weight found (names like `L0.kv_b_proj` or `L0.kv_b_proj.rank1`; params {}); {} other tensor(s)",
@@ -462,122 +538,125 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
             ),
         ));
     }
+    Ok(WeightsFile {
+        metadata,
+        dtype,
+        entries,
+        ignored,
+    })
+}
+
+/// The TP size of the file: `__metadata__.tp_size`, else one more than the highest shard rank
+/// (1 without shards).
+///
+/// Errors: [`Error::Safetensors`] for a `tp_size` that is not a positive integer or does not
+/// divide the `N` heads.
+fn tp_size(path: &Path, metadata: &BTreeMap<String, String>, entries: &[Entry], cfg: &MlaConfig) -> Result<usize> {
     let tp = match metadata.get("tp_size") {
         Some(s) => s
             .trim()
             .parse::<usize>()
             .ok()
             .filter(|&t| t >= 1)
-            .ok_or_else(|| bad("__metadata__.tp_size", format!("`{s}` is not a positive integer")))?,
+            .ok_or_else(|| bad(path, "__metadata__.tp_size", format!("`{s}` is not a positive integer")))?,
         None => entries.iter().filter_map(|e| e.rank).max().map_or(1, |r| r + 1),
     };
     if !cfg.n_head.is_multiple_of(tp) {
         return Err(bad(
+            path,
             "__metadata__.tp_size",
             format!("{tp} does not divide the {} heads", cfg.n_head),
         ));
     }
+    Ok(tp)
+}
 
+/// Judges one file tensor `e` against the GGUF's param `p` (or, for a shard, its rank's slice):
+/// returns its row of the report, or `None` for a rank outside `0..tp` (a finding). Records
+/// which rank's slice a shard holds in `holds`, and pushes the explanation of a failing tensor
+/// that holds no other rank's slice to `findings`.
+fn check_entry(
+    e: &Entry,
+    p: &Param,
+    cfg: &MlaConfig,
+    dtype: Dtype,
+    tp: usize,
+    holds: &mut Holds,
+    findings: &mut Vec<WeightFinding>,
+) -> Option<TensorCheck> {
     let tol = tolerance(Stage::WKvB, dtype).0;
     let thr = match_threshold(dtype);
-    let mut tensors = Vec::new();
-    let mut findings = Vec::new();
-    let mut layers: Vec<usize> = entries.iter().map(|e| e.layer).collect();
-    layers.dedup();
-    let mut cache: BTreeMap<usize, BTreeMap<&'static str, Param>> = BTreeMap::new();
-    for &layer in &layers {
-        let w = LayerWeights::load(file, cfg, layer)?;
-        cache.insert(layer, params(file, cfg, &w));
-    }
-
-    // Per (layer, param): which rank's slice each file shard holds.
-    let mut holds: Holds = BTreeMap::new();
-    for Entry {
-        name,
-        layer,
-        param,
-        rank,
-        shape,
-        data,
-        dtype: file_dtype,
-    } in &entries
-    {
-        let Some(p) = cache[layer].get(param.as_str()) else {
+    let (exp, exp_shape, range) = match e.rank {
+        Some(r) if r < tp => rank_slice(p, cfg.n_head, tp, r),
+        Some(r) => {
             findings.push(WeightFinding {
-                class: Class::Mismatch,
-                tensor: name.clone(),
-                evidence: format!("the model has no `{param}` (q_lora_rank {:?})", cfg.q_lora_rank),
-                hint: "q_a_proj/q_b_proj/fused_qkv_a_proj exist only with q_lora_rank; q_proj only without".into(),
-                source: Vec::new(),
+                class: Class::TpRankOrder,
+                tensor: e.name.clone(),
+                evidence: format!("rank {r} ≥ tp_size {tp}"),
+                hint: "shard names must use ranks 0..tp_size".into(),
+                source: p.source_names(),
             });
-            continue;
-        };
-        let (exp, exp_shape, range) = match rank {
-            Some(r) if *r < tp => rank_slice(p, cfg.n_head, tp, *r),
-            Some(r) => {
-                findings.push(WeightFinding {
-                    class: Class::TpRankOrder,
-                    tensor: name.clone(),
-                    evidence: format!("rank {r} ≥ tp_size {tp}"),
-                    hint: "shard names must use ranks 0..tp_size".into(),
-                    source: p.source_names(),
-                });
-                continue;
-            }
-            None => (p.data.clone(), p.shape.clone(), (0, 0)),
-        };
-        let mut tc = TensorCheck {
-            name: name.clone(),
-            layer: *layer,
-            param: param.clone(),
-            rank: *rank,
-            shape: shape.clone(),
-            expected_shape: exp_shape.clone(),
-            pass: false,
-            metrics: None,
-            file_dtype: file_dtype.clone(),
-            source: p.source_names(),
-        };
-        if *shape == exp_shape {
-            let m = metrics::metrics(
-                &TraceTensor::f64(exp_shape.clone(), exp.clone()),
-                &TraceTensor::f64(shape.clone(), data.clone()),
-                &tol,
-            );
-            tc.pass = metrics::judge(&m, &tol).is_empty();
-            tc.metrics = Some(m);
+            return None;
         }
-        let mut held_other = false;
-        if let Some(r) = rank {
-            // Which rank's slice does this shard hold? Another rank's is a rank-level finding.
-            let held = (0..tp).find(|&k| {
-                let (e, s, _) = rank_slice(p, cfg.n_head, tp, k);
-                s == *shape && rel(data, &e) <= thr
-            });
-            held_other = held.is_some_and(|k| k != *r);
-            holds.entry((*layer, param.clone())).or_default().push((*r, held));
-        }
-        if !tc.pass
-            && !held_other
-            && let Some(f) = explain(
-                name,
-                param,
-                p,
-                data,
-                shape,
-                &exp,
-                &exp_shape,
-                rank.map(|r| (r, range)),
-                cfg,
-                thr,
-            )
-        {
-            findings.push(f);
-        }
-        tensors.push(tc);
+        None => (p.data.clone(), p.shape.clone(), (0, 0)),
+    };
+    let mut tc = TensorCheck {
+        name: e.name.clone(),
+        layer: e.layer,
+        param: e.param.clone(),
+        rank: e.rank,
+        shape: e.shape.clone(),
+        expected_shape: exp_shape.clone(),
+        pass: false,
+        metrics: None,
+        file_dtype: e.dtype.clone(),
+        source: p.source_names(),
+    };
+    if e.shape == exp_shape {
+        let m = metrics::metrics(
+            &TraceTensor::f64(exp_shape.clone(), exp.clone()),
+            &TraceTensor::f64(e.shape.clone(), e.data.clone()),
+            &tol,
+        );
+        tc.pass = metrics::judge(&m, &tol).is_empty();
+        tc.metrics = Some(m);
     }
+    let mut held_other = false;
+    if let Some(r) = e.rank {
+        // Which rank's slice does this shard hold? Another rank's is a rank-level finding.
+        let held = (0..tp).find(|&k| {
+            let (x, s, _) = rank_slice(p, cfg.n_head, tp, k);
+            s == e.shape && rel(&e.data, &x) <= thr
+        });
+        held_other = held.is_some_and(|k| k != r);
+        holds.entry((e.layer, e.param.clone())).or_default().push((r, held));
+    }
+    if !tc.pass && !held_other {
+        findings.push(explain(&Failing {
+            name: &e.name,
+            param: &e.param,
+            p,
+            data: &e.data,
+            shape: &e.shape,
+            exp: &exp,
+            exp_shape: &exp_shape,
+            rank: e.rank.map(|r| (r, range)),
+            cfg,
+            thr,
+        }));
+    }
+    Some(tc)
+}
 
-    // Rank-level findings: permuted, duplicated or missing shards.
+/// Rank-level findings from `holds`: shards permuted or duplicated across ranks (each holding
+/// another rank's slice), and ranks of `0..tp` with no shard in the file. Replicated params
+/// have none.
+fn rank_findings(
+    holds: Holds,
+    cache: &BTreeMap<usize, BTreeMap<&'static str, Param>>,
+    tp: usize,
+) -> Vec<WeightFinding> {
+    let mut findings = Vec::new();
     for ((layer, param), mut v) in holds {
         v.sort();
         let p = &cache[&layer][param.as_str()];
@@ -588,44 +667,11 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
         let missing: Vec<usize> = (0..tp).filter(|r| !ranks.contains(r)).collect();
         let held: Vec<Option<usize>> = v.iter().map(|x| x.1).collect();
         let wrong = v.iter().any(|(r, h)| h.is_some_and(|h| h != *r));
-        let text = |h: &[Option<usize>]| {
-            let parts: Vec<String> = h.iter().map(|x| x.map_or("?".into(), |k| k.to_string())).collect();
-            format!("[{}]", parts.join(","))
-        };
         if wrong {
-            let mut dup: Vec<usize> = held.iter().flatten().copied().collect();
-            dup.sort();
-            let duplicated: Vec<usize> = dup.windows(2).filter(|w| w[0] == w[1]).map(|w| w[0]).collect();
-            let lost: Vec<usize> = (0..tp).filter(|k| !held.contains(&Some(*k))).collect();
-            let evidence = if held.iter().all(|h| *h == Some(0)) && tp > 1 {
-                format!(
-                    "every rank holds rank 0's slice: ranks {:?} hold slices {} (duplicated shard 0; slices {:?} of {} are missing)",
-                    ranks,
-                    text(&held),
-                    lost,
-                    p.source_text()
-                )
-            } else {
-                format!(
-                    "ranks {:?} hold slices {}{}{}",
-                    ranks,
-                    text(&held),
-                    if duplicated.is_empty() {
-                        String::new()
-                    } else {
-                        format!("; duplicated slices {duplicated:?}")
-                    },
-                    if lost.is_empty() {
-                        String::new()
-                    } else {
-                        format!("; slices {lost:?} held by no rank")
-                    }
-                )
-            };
             findings.push(WeightFinding {
                 class: Class::TpRankOrder,
                 tensor: format!("L{layer}.{param}.rank*"),
-                evidence,
+                evidence: permuted_shards_evidence(&ranks, &held, p, tp),
                 hint: "each rank must take its own slice of the head dim (vLLM weight_loader: narrow(dim, tp_rank * shard_size, shard_size)); check the rank index the loader uses".into(),
                 source: p.source_names(),
             });
@@ -640,51 +686,98 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
             });
         }
     }
-    Ok(WeightsReport {
-        model: file.path().display().to_string(),
-        weights: path.display().to_string(),
-        engine: metadata.get("engine").cloned().unwrap_or_else(|| "unknown".into()),
-        tp,
-        metadata_dtype: metadata.get("dtype").cloned(),
-        dtype,
-        tensors,
-        findings,
-        ignored,
-    })
+    findings
 }
 
-/// Explains one failing tensor: transposed, fused shards permuted, heads permuted, a column cut
-/// inside a quant block, or (fallback) where the differences are.
-#[allow(clippy::too_many_arguments)]
-fn explain(
-    name: &str,
-    param: &str,
-    p: &Param,
-    data: &[f64],
-    shape: &[usize],
-    exp: &[f64],
-    exp_shape: &[usize],
+/// The evidence of shards that hold other ranks' slices: file ranks `ranks` hold slices `held`
+/// (`?`: no rank's), with the slices duplicated and those held by no rank.
+fn permuted_shards_evidence(ranks: &[usize], held: &[Option<usize>], p: &Param, tp: usize) -> String {
+    let text = |h: &[Option<usize>]| {
+        let parts: Vec<String> = h.iter().map(|x| x.map_or("?".into(), |k| k.to_string())).collect();
+        format!("[{}]", parts.join(","))
+    };
+    let mut dup: Vec<usize> = held.iter().flatten().copied().collect();
+    dup.sort();
+    let duplicated: Vec<usize> = dup.windows(2).filter(|w| w[0] == w[1]).map(|w| w[0]).collect();
+    let lost: Vec<usize> = (0..tp).filter(|k| !held.contains(&Some(*k))).collect();
+    if held.iter().all(|h| *h == Some(0)) && tp > 1 {
+        format!(
+            "every rank holds rank 0's slice: ranks {:?} hold slices {} (duplicated shard 0; slices {:?} of {} are missing)",
+            ranks,
+            text(held),
+            lost,
+            p.source_text()
+        )
+    } else {
+        format!(
+            "ranks {:?} hold slices {}{}{}",
+            ranks,
+            text(held),
+            if duplicated.is_empty() {
+                String::new()
+            } else {
+                format!("; duplicated slices {duplicated:?}")
+            },
+            if lost.is_empty() {
+                String::new()
+            } else {
+                format!("; slices {lost:?} held by no rank")
+            }
+        )
+    }
+}
+
+/// A failing tensor of the file, with the GGUF param it is compared with: what [`explain`] reads.
+struct Failing<'a> {
+    /// The file's tensor name.
+    name: &'a str,
+    /// The MLA param (`kv_b_proj`, `W_UK_T`, …).
+    param: &'a str,
+    /// The param rebuilt from the GGUF.
+    p: &'a Param,
+    /// The file's values and shape.
+    data: &'a [f64],
+    shape: &'a [usize],
+    /// The expected values and shape (a shard's: its rank's slice).
+    exp: &'a [f64],
+    exp_shape: &'a [usize],
+    /// A shard's rank and the range of the head dim it should hold.
     rank: Option<(usize, (usize, usize))>,
-    cfg: &MlaConfig,
+    cfg: &'a MlaConfig,
+    /// The rel_l2 at or under which a rearrangement counts as a match ([`match_threshold`]).
     thr: f64,
-) -> Option<WeightFinding> {
-    // Never loaded: every element zero (or NaN, the canary of a dump) where the GGUF's is not.
-    let expected_nonzero = exp.iter().any(|&x| x != 0.0);
-    if expected_nonzero && !data.is_empty() && data.len() == exp.len() {
-        let what = if data.iter().all(|&x| x == 0.0) {
+}
+
+/// Explains one failing tensor: never loaded, transposed, fused shards permuted, heads
+/// permuted, a column cut inside a quant block, or (fallback) where the differences are.
+fn explain(f: &Failing<'_>) -> WeightFinding {
+    not_loaded(f)
+        .or_else(|| transposed(f))
+        .or_else(|| shape_mismatch(f))
+        .or_else(|| shard_order(f))
+        .or_else(|| heads_permuted(f))
+        .or_else(|| quant_block_cut(f))
+        .unwrap_or_else(|| row_differences(f))
+}
+
+/// Never loaded: every element 0 (or NaN, the canary of a dump) where the GGUF's are not.
+fn not_loaded(f: &Failing<'_>) -> Option<WeightFinding> {
+    let expected_nonzero = f.exp.iter().any(|&x| x != 0.0);
+    if expected_nonzero && !f.data.is_empty() && f.data.len() == f.exp.len() {
+        let what = if f.data.iter().all(|&x| x == 0.0) {
             Some("0")
-        } else if data.iter().all(|x| x.is_nan()) {
+        } else if f.data.iter().all(|x| x.is_nan()) {
             Some("NaN")
         } else {
             None
         };
         if let Some(what) = what {
-            let src = p.source_text();
+            let src = f.p.source_text();
             return Some(WeightFinding {
                 class: Class::WeightNotLoaded,
-                tensor: name.into(),
-                source: p.source_names(),
-                evidence: format!("all {} elements are {what}; {src} is not", data.len()),
+                tensor: f.name.into(),
+                source: f.p.source_names(),
+                evidence: format!("all {} elements are {what}; {src} is not", f.data.len()),
                 hint: format!(
                     "the engine never loaded this weight: its loader's tensor mapping has no entry for {src} \
                      (vllm-gguf-plugin 0.0.5 maps `attn_kv_b` but not the split `attn_k_b`/`attn_v_b` that \
@@ -693,24 +786,29 @@ fn explain(
             });
         }
     }
-    // Transposed: [in, out] for [out, in] (2-D), or the last two dims swapped (3-D).
-    let k = exp_shape.len();
-    if k >= 2 && shape.len() == k && shape[k - 1] == exp_shape[k - 2] && shape[k - 2] == exp_shape[k - 1] {
-        let (a, b) = (exp_shape[k - 2], exp_shape[k - 1]);
-        let batch: usize = exp_shape[..k - 2].iter().product();
-        let mut t = vec![0.0; data.len()];
+    None
+}
+
+/// Transposed: the expected tensor with its last two dims swapped (`[in, out]` for `[out, in]`);
+/// for `W_UK_T`/`W_UV` a `kv_b` layout finding.
+fn transposed(f: &Failing<'_>) -> Option<WeightFinding> {
+    let k = f.exp_shape.len();
+    if k >= 2 && f.shape.len() == k && f.shape[k - 1] == f.exp_shape[k - 2] && f.shape[k - 2] == f.exp_shape[k - 1] {
+        let (a, b) = (f.exp_shape[k - 2], f.exp_shape[k - 1]);
+        let batch: usize = f.exp_shape[..k - 2].iter().product();
+        let mut t = vec![0.0; f.data.len()];
         for z in 0..batch {
             for i in 0..a {
                 for j in 0..b {
-                    t[z * a * b + i * b + j] = data[z * a * b + j * a + i];
+                    t[z * a * b + i * b + j] = f.data[z * a * b + j * a + i];
                 }
             }
         }
-        let e = rel(&t, exp);
-        if e <= thr {
-            let src = p.source_text();
-            let fused = cfg.kv_b_layout == KvBLayout::Fused;
-            let (class, hint) = match (param, fused) {
+        let e = rel(&t, f.exp);
+        if e <= f.thr {
+            let src = f.p.source_text();
+            let fused = f.cfg.kv_b_layout == KvBLayout::Fused;
+            let (class, hint) = match (f.param, fused) {
                 ("W_UK_T", false) => (
                     Class::KvBLayout,
                     format!(
@@ -744,68 +842,91 @@ fn explain(
             };
             return Some(WeightFinding {
                 class,
-                tensor: name.into(),
-                source: p.source_names(),
+                tensor: f.name.into(),
+                source: f.p.source_names(),
                 evidence: format!(
-                    "holds the expected {exp_shape:?} transposed (shape {shape:?}; rel_l2 {e:.2e} after transposing back)"
+                    "holds the expected {:?} transposed (shape {:?}; rel_l2 {e:.2e} after transposing back)",
+                    f.exp_shape, f.shape
                 ),
                 hint,
             });
         }
     }
-    if shape != exp_shape {
+    None
+}
+
+/// A shape that no transpose explains.
+fn shape_mismatch(f: &Failing<'_>) -> Option<WeightFinding> {
+    if f.shape != f.exp_shape {
         return Some(WeightFinding {
             class: Class::Mismatch,
-            tensor: name.into(),
-            source: p.source_names(),
-            evidence: format!("shape {shape:?}, expected {exp_shape:?} from {}", p.source_text()),
+            tensor: f.name.into(),
+            source: f.p.source_names(),
+            evidence: format!(
+                "shape {:?}, expected {:?} from {}",
+                f.shape,
+                f.exp_shape,
+                f.p.source_text()
+            ),
             hint: "check the loader's reshape/narrow of this parameter".into(),
         });
     }
-    // Fused shards in the wrong order.
-    if !p.shards.is_empty() {
-        let sizes: Vec<usize> = p.shards.iter().map(|s| s.1).collect();
-        if let Some(m) = find_blocks(data, exp, shape, 0, &sizes, thr)
+    None
+}
+
+/// The shards of a fused projection concatenated in the wrong order.
+fn shard_order(f: &Failing<'_>) -> Option<WeightFinding> {
+    if !f.p.shards.is_empty() {
+        let sizes: Vec<usize> = f.p.shards.iter().map(|s| s.1).collect();
+        if let Some(m) = find_blocks(f.data, f.exp, f.shape, 0, &sizes, f.thr)
             && m.explains()
         {
-            let names: Vec<String> = p
-                .shards
-                .iter()
-                .enumerate()
-                .map(|(i, (n, r))| format!("{i} = {n} ({r} rows)"))
-                .collect();
+            let names: Vec<String> =
+                f.p.shards
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (n, r))| format!("{i} = {n} ({r} rows)"))
+                    .collect();
             return Some(WeightFinding {
                 class: Class::ShardOrder,
-                tensor: name.into(),
-                source: p.source_names(),
+                tensor: f.name.into(),
+                source: f.p.source_names(),
                 evidence: format!("shard-order {}: {} (shards {})", m.map_text(), m.describe("shard"), names.join(", ")),
                 hint: "the fused projection must be [q_a_proj | kv_a_proj_with_mqa], shard 0 then 1 (vLLM MergedReplicatedLinear loaded_shard_id order); check the order the GGUF shards are dequantized and concatenated".into(),
             });
         }
     }
-    // Heads permuted within a head-split tensor.
-    let head_axis_unit = match p.split {
+    None
+}
+
+/// Heads permuted within a head-split tensor.
+fn heads_permuted(f: &Failing<'_>) -> Option<WeightFinding> {
+    let head_axis_unit = match f.p.split {
         Split::Rows(u) => Some((0, u)),
         Split::Cols(u) => Some((1, u)),
         Split::Replicated => None,
     };
     if let Some((axis, unit)) = head_axis_unit {
-        let heads = shape[axis] / unit;
+        let heads = f.shape[axis] / unit;
         if heads > 1
-            && let Some(m) = find_blocks(data, exp, shape, axis, &vec![unit; heads], thr)
+            && let Some(m) = find_blocks(f.data, f.exp, f.shape, axis, &vec![unit; heads], f.thr)
             && m.explains()
         {
             return Some(WeightFinding {
                 class: Class::TpRankOrder,
-                tensor: name.into(),
-                source: p.source_names(),
+                tensor: f.name.into(),
+                source: f.p.source_names(),
                 evidence: format!("per-head blocks of {unit} along dim {axis}: {}", m.describe("head")),
                 hint: "heads are cut or concatenated in the wrong order".into(),
             });
         }
     }
-    // A column cut inside a quant block (o_proj shards: the input dim is the GGUF's ne[0]).
-    if let (Split::Cols(_), Some((r, (start, end))), Some(src0)) = (p.split, rank, p.sources.first())
+    None
+}
+
+/// A TP column cut inside a quant block (o_proj shards: the input dim is the GGUF's ne[0]).
+fn quant_block_cut(f: &Failing<'_>) -> Option<WeightFinding> {
+    if let (Split::Cols(_), Some((r, (start, end))), Some(src0)) = (f.p.split, f.rank, f.p.sources.first())
         && let block = src0.block
         && block > 1
         && (!(start as u64).is_multiple_of(block) || !(end as u64).is_multiple_of(block))
@@ -818,8 +939,8 @@ fn explain(
         let b0 = bad_at as u64 / block;
         return Some(WeightFinding {
             class: Class::QuantBlockMisaligned,
-            tensor: name.into(),
-            source: p.source_names(),
+            tensor: f.name.into(),
+            source: f.p.source_names(),
             evidence: format!(
                 "rank {r} covers columns {start}..{end} of {} ({}, blocks of {} along ne[0]): the cut at column {bad_at} falls inside block {b0} (columns {}..{}), and the shard differs from the dequantized slice",
                 src0.name,
@@ -831,24 +952,28 @@ fn explain(
             hint: "dequantize before slicing, or keep TP cuts on block boundaries (N·V/tp must be a multiple of the block size)".into(),
         });
     }
-    // Fallback: where the differences are.
-    let rows = shape[0];
-    let inner: usize = shape[1..].iter().product();
+    None
+}
+
+/// Fallback: which rows differ.
+fn row_differences(f: &Failing<'_>) -> WeightFinding {
+    let rows = f.shape[0];
+    let inner: usize = f.shape[1..].iter().product();
     let bad: Vec<usize> = (0..rows)
-        .filter(|&i| rel(&data[i * inner..(i + 1) * inner], &exp[i * inner..(i + 1) * inner]) > thr)
+        .filter(|&i| rel(&f.data[i * inner..(i + 1) * inner], &f.exp[i * inner..(i + 1) * inner]) > f.thr)
         .collect();
-    Some(WeightFinding {
+    WeightFinding {
         class: Class::Mismatch,
-        tensor: name.into(),
-        source: p.source_names(),
+        tensor: f.name.into(),
+        source: f.p.source_names(),
         evidence: format!(
             "{} of {rows} rows differ (first {:?}); rel_l2 {:.2e} overall",
             bad.len(),
             &bad[..bad.len().min(8)],
-            rel(data, exp)
+            rel(f.data, f.exp)
         ),
         hint: "no block permutation, duplicate or transpose explains it: compare the loader's dequantization of these rows".into(),
-    })
+    }
 }
 
 /// The terminal table and findings of a weights check: a header (file, engine, TP size, the

@@ -86,6 +86,27 @@ impl IndexerConfig {
     }
 }
 
+/// The MLA dims of one model, copied out of [`MlaConfig`] by [`MlaConfig::dims`] so that the
+/// shape arithmetic can take them in one line (`let MlaDims { n_head: n, .. } = cfg.dims();`).
+/// Units: elements; the names and GGUF sources are those of the [`MlaConfig`] fields.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlaDims {
+    /// `N`: attention heads.
+    pub n_head: usize,
+    /// `H`: hidden size.
+    pub hidden: usize,
+    /// `Lq`: q compression rank; `None` when the model projects q directly (`attn_q`).
+    pub q_lora_rank: Option<usize>,
+    /// `L`: latent width of the KV cache.
+    pub kv_lora_rank: usize,
+    /// `P`: per-head width of `q_nope`/`k_nope`.
+    pub qk_nope_head_dim: usize,
+    /// `R`: per-head width of `q_pe`/`k_pe` (the rotated part).
+    pub qk_rope_head_dim: usize,
+    /// `V`: per-head width of `v` and `attn_out`.
+    pub v_head_dim: usize,
+}
+
 /// How the file stores the `kv_b_proj` up-projection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -271,6 +292,19 @@ pub struct MlaConfig {
 }
 
 impl MlaConfig {
+    /// The MLA dims `N`, `H`, `Lq`, `L`, `P`, `R`, `V` of this model.
+    pub fn dims(&self) -> MlaDims {
+        MlaDims {
+            n_head: self.n_head,
+            hidden: self.hidden,
+            q_lora_rank: self.q_lora_rank,
+            kv_lora_rank: self.kv_lora_rank,
+            qk_nope_head_dim: self.qk_nope_head_dim,
+            qk_rope_head_dim: self.qk_rope_head_dim,
+            v_head_dim: self.v_head_dim,
+        }
+    }
+
     /// Reads the configuration from `file`'s metadata (and, for the kv_b layout and vocabulary,
     /// its tensor index).
     ///
@@ -326,58 +360,9 @@ impl MlaConfig {
             ));
         }
         let qk_nope_head_dim = key_len - rope_dim;
-        let rms_eps = m
-            .f64(&k("attention.layer_norm_rms_epsilon"))?
-            .ok_or_else(|| m.missing(&k("attention.layer_norm_rms_epsilon")))?;
-        let rope_base = m.f64(&k("rope.freq_base"))?.unwrap_or(10000.0);
-        // A NaN, infinite or non-positive epsilon or base would not fail loudly: every normalized
-        // activation turns NaN or 0, and the run would blame the engine paths instead of the file.
-        if !(rms_eps.is_finite() && rms_eps > 0.0) {
-            return Err(m.bad(
-                &k("attention.layer_norm_rms_epsilon"),
-                format!("{rms_eps} is not a positive finite number"),
-            ));
-        }
-        if !(rope_base.is_finite() && rope_base > 0.0) {
-            return Err(m.bad(
-                &k("rope.freq_base"),
-                format!("{rope_base} is not a positive finite number"),
-            ));
-        }
+        let (rms_eps, rope_base) = norm_eps_and_rope_base(&m, &arch)?;
 
-        let scaling = m.str(&k("rope.scaling.type"))?.unwrap_or("none").to_string();
-        let yarn = match scaling.as_str() {
-            "none" => None,
-            "yarn" => {
-                let factor = m
-                    .f64(&k("rope.scaling.factor"))?
-                    .ok_or_else(|| m.missing(&k("rope.scaling.factor")))?;
-                if !(factor.is_finite() && factor > 0.0) {
-                    return Err(m.bad(&k("rope.scaling.factor"), format!("{factor} is not a positive number")));
-                }
-                if factor > 1.0 {
-                    let original_context = m
-                        .f64(&k("rope.scaling.original_context_length"))?
-                        .ok_or_else(|| m.missing(&k("rope.scaling.original_context_length")))?;
-                    Some(YarnConfig {
-                        factor,
-                        original_context,
-                        log_multiplier: m.f64(&k("rope.scaling.yarn_log_multiplier"))?.unwrap_or(0.0),
-                        beta_fast: m.f64(&k("rope.scaling.yarn_beta_fast"))?.unwrap_or(32.0),
-                        beta_slow: m.f64(&k("rope.scaling.yarn_beta_slow"))?.unwrap_or(1.0),
-                    })
-                } else {
-                    None
-                }
-            }
-            other => {
-                return Err(Error::NotSupported(format!(
-                    "{}: metadata key `{}` is `{other}`; only `none` and `yarn` are supported for MLA models",
-                    file.path().display(),
-                    k("rope.scaling.type")
-                )));
-            }
-        };
+        let yarn = yarn_config(&m, &arch)?;
         let mscale = yarn.map_or(1.0, |y| y.mscale());
         let softmax_scale = (key_len as f64).powf(-0.5) * mscale * mscale;
 
@@ -522,6 +507,76 @@ impl MlaConfig {
             self.v_head_dim
         )
     }
+}
+
+/// `attention.layer_norm_rms_epsilon` and `rope.freq_base` (default 10000) of `arch`.
+///
+/// Errors: [`Error::MissingKey`] for the epsilon; [`Error::BadKey`] for either when it is not a
+/// positive finite number.
+fn norm_eps_and_rope_base(m: &Meta<'_>, arch: &str) -> Result<(f64, f64)> {
+    let k = |s: &str| format!("{arch}.{s}");
+    let rms_eps = m
+        .f64(&k("attention.layer_norm_rms_epsilon"))?
+        .ok_or_else(|| m.missing(&k("attention.layer_norm_rms_epsilon")))?;
+    let rope_base = m.f64(&k("rope.freq_base"))?.unwrap_or(10000.0);
+    // A NaN, infinite or non-positive epsilon or base would not fail loudly: every normalized
+    // activation turns NaN or 0, and the run would blame the engine paths instead of the file.
+    if !(rms_eps.is_finite() && rms_eps > 0.0) {
+        return Err(m.bad(
+            &k("attention.layer_norm_rms_epsilon"),
+            format!("{rms_eps} is not a positive finite number"),
+        ));
+    }
+    if !(rope_base.is_finite() && rope_base > 0.0) {
+        return Err(m.bad(
+            &k("rope.freq_base"),
+            format!("{rope_base} is not a positive finite number"),
+        ));
+    }
+    Ok((rms_eps, rope_base))
+}
+
+/// The YaRN parameters of `arch` (`rope.scaling.*`): `None` without scaling or for a factor of
+/// at most 1.
+///
+/// Errors: [`Error::MissingKey`] for a YaRN file without factor or original context length;
+/// [`Error::BadKey`] for a factor that is not a positive number; [`Error::NotSupported`] for a
+/// scaling type other than `none` and `yarn`.
+fn yarn_config(m: &Meta<'_>, arch: &str) -> Result<Option<YarnConfig>> {
+    let k = |s: &str| format!("{arch}.{s}");
+    let scaling = m.str(&k("rope.scaling.type"))?.unwrap_or("none").to_string();
+    Ok(match scaling.as_str() {
+        "none" => None,
+        "yarn" => {
+            let factor = m
+                .f64(&k("rope.scaling.factor"))?
+                .ok_or_else(|| m.missing(&k("rope.scaling.factor")))?;
+            if !(factor.is_finite() && factor > 0.0) {
+                return Err(m.bad(&k("rope.scaling.factor"), format!("{factor} is not a positive number")));
+            }
+            if factor > 1.0 {
+                let original_context = m
+                    .f64(&k("rope.scaling.original_context_length"))?
+                    .ok_or_else(|| m.missing(&k("rope.scaling.original_context_length")))?;
+                Some(YarnConfig {
+                    factor,
+                    original_context,
+                    log_multiplier: m.f64(&k("rope.scaling.yarn_log_multiplier"))?.unwrap_or(0.0),
+                    beta_fast: m.f64(&k("rope.scaling.yarn_beta_fast"))?.unwrap_or(32.0),
+                    beta_slow: m.f64(&k("rope.scaling.yarn_beta_slow"))?.unwrap_or(1.0),
+                })
+            } else {
+                None
+            }
+        }
+        other => {
+            return Err(Error::NotSupported(format!(
+                "{}: metadata key `{}` is `{other}`; only `none` and `yarn` are supported for MLA models",
+                m.file.path().display(),
+                k("rope.scaling.type")
+            )));
+        }
+    })
 }
 
 /// Reads and validates the `{arch}.expert_*` keys (llama.cpp `llama_model::load_hparams` and

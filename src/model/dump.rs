@@ -19,7 +19,7 @@ use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
 use crate::core::st::header_error;
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
-use crate::model::config::{KvBLayout, MlaConfig};
+use crate::model::config::{KvBLayout, MlaConfig, MlaDims};
 use crate::model::gguf::GgufFile;
 
 /// Order of the elements of every rotated rope vector in a dump.
@@ -940,14 +940,15 @@ fn ids(path: &Path, name: &str, shape: &[usize], v: &[f64], is_float: bool) -> R
 /// The expected shape of `stage` for `t` tokens, `None` for stages without a fixed expectation
 /// (per-rank weight shards).
 pub fn expected_shape(stage: Stage, cfg: &MlaConfig, t: usize) -> Option<Vec<usize>> {
-    let (n, h, l, p, r, v) = (
-        cfg.n_head,
-        cfg.hidden,
-        cfg.kv_lora_rank,
-        cfg.qk_nope_head_dim,
-        cfg.qk_rope_head_dim,
-        cfg.v_head_dim,
-    );
+    let MlaDims {
+        n_head: n,
+        hidden: h,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     let lq = cfg.q_lora_rank.unwrap_or(0);
     Some(match stage {
         Stage::HiddenIn | Stage::AttnIn | Stage::OProj | Stage::HiddenOut => vec![t, h],
@@ -1115,35 +1116,19 @@ pub fn map_from_metadata(metadata: &BTreeMap<String, String>, names: &[&str]) ->
     Ok(None)
 }
 
-/// Reads and normalizes a dump.
-///
-/// Errors ([`Error::Safetensors`], naming the file and the tensor or metadata key): a malformed
-/// file; a site with an integer or unsupported dtype, or a shape that fits none of the accepted
-/// forms (the message gives the expected shape); `tokens`/`positions` that are not 1-D integer
-/// tensors or disagree with T; unknown metadata values; positions that do not increase by one
-/// within a sequence; no site at all.
-pub fn load(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<Dump> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
-    load_bytes(path, &bytes, map, cfg)
+/// How a dump's sites are laid out, from the map (which wins) or the file's metadata.
+struct DumpConventions {
+    rope_order: RopeOrder,
+    layout: Layout,
+    kv_a_order: KvAOrder,
+    dtype: EngineDtype,
 }
 
-/// [`load`] from bytes (`path` names the file in errors).
-pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig) -> Result<Dump> {
-    if bytes.starts_with(b"GGUF") {
-        return Err(derr(
-            path,
-            "header",
-            "this is a GGUF file, not a safetensors dump; pass it as --model",
-        ));
-    }
-    let st = SafeTensors::deserialize(bytes).map_err(|e| header_error(path, bytes, &e))?;
-    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| header_error(path, bytes, &e))?;
-    let metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();
-    let auto = match map {
-        Some(_) => None,
-        None => map_from_metadata(&metadata, &st.names())?,
-    };
-    let map = map.or(auto.as_ref());
+/// The dump's conventions: `rope_order`, `layout`, `kv_a_order` from `map` or `metadata`
+/// (defaults interleaved, token-major, latent-rope), `dtype` from `metadata` (default f32).
+///
+/// Errors: [`Error::Safetensors`] naming the metadata key of an unknown value.
+fn conventions(path: &Path, map: Option<&Map>, metadata: &BTreeMap<String, String>) -> Result<DumpConventions> {
     let meta_enum = |key: &str| -> Result<Option<String>> { Ok(metadata.get(key).map(|s| s.trim().to_string())) };
     let rope_order = match (map.and_then(|m| m.rope_order), meta_enum("rope_order")?.as_deref()) {
         (Some(o), _) => o,
@@ -1193,8 +1178,35 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
             ));
         }
     };
+    Ok(DumpConventions {
+        rope_order,
+        layout,
+        kv_a_order,
+        dtype,
+    })
+}
 
-    // Collect raw tensors under their site (after renames), tokens and positions.
+/// A dump's tensors sorted out: sites (after renames), `tokens`, `positions`, and the names of
+/// the other tensors.
+struct DumpTensors {
+    raw: Vec<RawSite>,
+    tokens: Option<Vec<usize>>,
+    positions: Option<Vec<usize>>,
+    ignored: Vec<String>,
+}
+
+/// Reads every tensor of `st` that is a site (by name or through `map`), `tokens` or
+/// `positions`, in name order.
+///
+/// Errors: [`Error::Safetensors`] naming the tensor: an unreadable tensor, a site with an
+/// integer dtype (but id sites), two tensors for one site, no site at all.
+fn collect_tensors(
+    path: &Path,
+    st: &SafeTensors<'_>,
+    map: Option<&Map>,
+    cfg: &MlaConfig,
+    metadata: &BTreeMap<String, String>,
+) -> Result<DumpTensors> {
     let mut raw: Vec<RawSite> = Vec::new();
     let mut tokens = None;
     let mut positions = None;
@@ -1263,9 +1275,28 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
             ),
         ));
     }
+    Ok(DumpTensors {
+        raw,
+        tokens,
+        positions,
+        ignored,
+    })
+}
 
-    // T: tokens, positions, or the first token-major site.
-    let t = match (&tokens, &positions) {
+/// T: the length of `tokens`, else of `positions`, else the token dim of the first activation
+/// site (dim 1 of a head-major `[N, T, X]` site).
+///
+/// Errors: [`Error::Safetensors`] when T cannot be told, `tokens` and `positions` differ in
+/// length, or a token id is outside the vocabulary.
+fn token_count(
+    path: &Path,
+    raw: &[RawSite],
+    tokens: Option<&[usize]>,
+    positions: Option<&[usize]>,
+    layout: Layout,
+    cfg: &MlaConfig,
+) -> Result<usize> {
+    let t = match (tokens, positions) {
         (Some(tk), _) => tk.len(),
         (None, Some(p)) => p.len(),
         (None, None) => raw
@@ -1287,7 +1318,7 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
             "cannot tell the number of tokens T (no activation site, no tokens)",
         ));
     }
-    if let (Some(tk), Some(p)) = (&tokens, &positions)
+    if let (Some(tk), Some(p)) = (tokens, positions)
         && tk.len() != p.len()
     {
         return Err(derr(
@@ -1296,7 +1327,7 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
             format!("{} positions for {} tokens", p.len(), tk.len()),
         ));
     }
-    if let Some(tk) = &tokens
+    if let Some(tk) = tokens
         && cfg.vocab > 0
         && let Some(&bad) = tk.iter().find(|&&x| x >= cfg.vocab)
     {
@@ -1306,8 +1337,20 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
             format!("token id {bad} outside the vocabulary of {}", cfg.vocab),
         ));
     }
+    Ok(t)
+}
 
-    // Batch from seq_lens and positions.
+/// The batch of a dump with T = `t` tokens: sequences from `seq_lens` metadata (default one),
+/// each starting at its first position (`positions` tensor, else metadata, else 0).
+///
+/// Errors: [`Error::Safetensors`] for `seq_lens` that do not add up to T, positions of another
+/// length, or positions that do not increase by one within a sequence.
+fn dump_batch(
+    path: &Path,
+    metadata: &BTreeMap<String, String>,
+    positions: Option<Vec<usize>>,
+    t: usize,
+) -> Result<Batch> {
     let seq_lens = match metadata.get("seq_lens") {
         Some(s) => parse_list(path, "seq_lens", s)?,
         None => vec![t],
@@ -1352,6 +1395,55 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
         seqs.push(SeqSpec { len, start_pos: start });
         off += len;
     }
+    Ok(Batch { seqs })
+}
+
+/// Reads and normalizes a dump.
+///
+/// Errors ([`Error::Safetensors`], naming the file and the tensor or metadata key): a malformed
+/// file; a site with an integer or unsupported dtype, or a shape that fits none of the accepted
+/// forms (the message gives the expected shape); `tokens`/`positions` that are not 1-D integer
+/// tensors or disagree with T; unknown metadata values; positions that do not increase by one
+/// within a sequence; no site at all.
+pub fn load(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<Dump> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
+    load_bytes(path, &bytes, map, cfg)
+}
+
+/// [`load`] from bytes (`path` names the file in errors).
+pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig) -> Result<Dump> {
+    if bytes.starts_with(b"GGUF") {
+        return Err(derr(
+            path,
+            "header",
+            "this is a GGUF file, not a safetensors dump; pass it as --model",
+        ));
+    }
+    let st = SafeTensors::deserialize(bytes).map_err(|e| header_error(path, bytes, &e))?;
+    let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| header_error(path, bytes, &e))?;
+    let metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();
+    let auto = match map {
+        Some(_) => None,
+        None => map_from_metadata(&metadata, &st.names())?,
+    };
+    let map = map.or(auto.as_ref());
+    let DumpConventions {
+        rope_order,
+        layout,
+        kv_a_order,
+        dtype,
+    } = conventions(path, map, &metadata)?;
+
+    let DumpTensors {
+        raw,
+        tokens,
+        positions,
+        ignored,
+    } = collect_tensors(path, &st, map, cfg, &metadata)?;
+
+    let t = token_count(path, &raw, tokens.as_deref(), positions.as_deref(), layout, cfg)?;
+
+    let batch = dump_batch(path, &metadata, positions, t)?;
 
     // Normalize every site.
     let (l, r) = (cfg.kv_lora_rank, cfg.qk_rope_head_dim);
@@ -1424,7 +1516,7 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
         metadata,
         layers,
         tokens: tokens.map(|v| v.into_iter().map(|x| x as u32).collect()),
-        batch: Batch { seqs },
+        batch,
         dtype,
         conversions,
         ignored,

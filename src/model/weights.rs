@@ -13,7 +13,7 @@ use ndarray::{Array1, Array2, Array3};
 use serde::Serialize;
 
 use crate::core::error::{Error, Result};
-use crate::model::config::{KvBLayout, MlaConfig};
+use crate::model::config::{KvBLayout, MlaConfig, MlaDims};
 use crate::model::gguf::{GgmlType, GgufFile, TensorInfo, dequant};
 
 /// The query projection of one layer.
@@ -441,14 +441,15 @@ impl LayerWeights {
                 n_layers: cfg.n_layer,
             });
         }
-        let (h, n, l, p, r, v) = (
-            cfg.hidden,
-            cfg.n_head,
-            cfg.kv_lora_rank,
-            cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim,
-            cfg.v_head_dim,
-        );
+        let MlaDims {
+            hidden: h,
+            n_head: n,
+            kv_lora_rank: l,
+            qk_nope_head_dim: p,
+            qk_rope_head_dim: r,
+            v_head_dim: v,
+            ..
+        } = cfg.dims();
         let name = |s: &str| tensor_name(layer, s);
         let mut types = Vec::new();
         let ty = &mut types;
@@ -766,7 +767,7 @@ pub fn dequant_slice(file: &GgufFile, raw: &RawSlice<'_>) -> Result<Array2<f32>>
         tensor: raw.tensor.clone(),
         reason,
     })?;
-    Array2::from_shape_vec((raw.rows, raw.cols), data).map_err(|e| Error::Usage(e.to_string()))
+    Array2::from_shape_vec((raw.rows, raw.cols), data).map_err(|e| Error::Internal(e.to_string()))
 }
 
 /// Dequantizes rows `rows` of tensor `name` (see [`row_slice`]) to `[rows.len(), ne0]` f32.

@@ -477,11 +477,85 @@ enum Cell {
     Value(f64),
 }
 
+impl Cell {
+    /// The cell of one site's diff: absent, non-finite, or `log10(rel_l2)` clamped to [-16, 0]
+    /// (0 for a site without metrics or with a non-finite `rel_l2`).
+    fn of(d: Option<&SiteDiff>) -> Cell {
+        match d {
+            None => Cell::Absent,
+            Some(d) => match &d.metrics {
+                Some(m) if m.nonfinite_mismatch > 0 => Cell::NonFinite,
+                Some(m) if m.rel_l2.is_finite() => Cell::Value(if m.rel_l2 > 0.0 {
+                    m.rel_l2.log10().clamp(-16.0, 0.0)
+                } else {
+                    -16.0
+                }),
+                _ => Cell::Value(0.0),
+            },
+        }
+    }
+}
+
+/// An [`Error::Internal`] from a plotters failure while drawing the heat map.
+fn heatmap_err(e: &dyn std::fmt::Display) -> Error {
+    Error::Internal(format!("heat map: {e}"))
+}
+
+/// Draws the heat map's legend into `legend` (of a picture `h` pixels high): the colour scale
+/// from 1e-16 to 1, then the non-finite, failing and not-recorded cells.
+///
+/// Errors: [`Error::Internal`] when plotters fails.
+fn draw_legend(legend: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>, h: u32) -> Result<()> {
+    let lh = (h as i32 - 210).max(64);
+    let top = 40;
+    for k in 0..=32 {
+        let v = -16.0 + 0.5 * f64::from(k);
+        let y = top + lh - (lh * k / 32);
+        legend
+            .draw(&Rectangle::new(
+                [(10, y - lh / 32 - 1), (30, y)],
+                heat_color(v).filled(),
+            ))
+            .map_err(|e| heatmap_err(&e))?;
+        if k % 8 == 0 {
+            legend
+                .draw(&Text::new(format!("1e{}", v as i32), (36, y - 7), ("sans-serif", 12)))
+                .map_err(|e| heatmap_err(&e))?;
+        }
+    }
+    legend
+        .draw(&Text::new("rel_l2", (10, 18), ("sans-serif", 13)))
+        .map_err(|e| heatmap_err(&e))?;
+    let y = top + lh + 14;
+    legend
+        .draw(&Rectangle::new([(10, y), (30, y + 16)], BLACK.filled()))
+        .map_err(|e| heatmap_err(&e))?;
+    legend
+        .draw(&Text::new("non-finite", (36, y + 2), ("sans-serif", 12)))
+        .map_err(|e| heatmap_err(&e))?;
+    legend
+        .draw(&Rectangle::new([(10, y + 24), (30, y + 40)], RED.stroke_width(3)))
+        .map_err(|e| heatmap_err(&e))?;
+    legend
+        .draw(&Text::new("fails", (36, y + 26), ("sans-serif", 12)))
+        .map_err(|e| heatmap_err(&e))?;
+    legend
+        .draw(&Rectangle::new(
+            [(10, y + 48), (30, y + 64)],
+            RGBColor(215, 215, 215).filled(),
+        ))
+        .map_err(|e| heatmap_err(&e))?;
+    legend
+        .draw(&Text::new("not recorded", (36, y + 50), ("sans-serif", 12)))
+        .map_err(|e| heatmap_err(&e))?;
+    Ok(())
+}
+
 /// Draws the per-(layer, path) × per-site `log10(rel_l2)` heat map as SVG text: failing cells
 /// outlined in red, the first divergence of each row marked `1st`, non-finite cells black with
 /// `NaN`, absent cells grey, and a row that did not run written `not run`.
 ///
-/// Errors: [`Error::Usage`] when plotters fails (it does not for SVG output in memory).
+/// Errors: [`Error::Internal`] when plotters fails (it does not for SVG output in memory).
 pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
     let mut stages: Vec<crate::core::trace::Stage> = Vec::new();
     for r in &rep.results {
@@ -498,10 +572,9 @@ pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
     // At least wide enough for the caption above the plot, whatever the column count.
     let (w, h) = ((300 + cell * nc as u32).max(MIN_HEATMAP_WIDTH), 170 + cell * nr as u32);
     let mut svg = String::new();
-    let perr = |e: &dyn std::fmt::Display| Error::Usage(format!("heat map: {e}"));
     {
         let root = SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| perr(&e))?;
+        root.fill(&WHITE).map_err(|e| heatmap_err(&e))?;
         let (plot, legend) = root.split_horizontally(w - 130);
         let mut chart = ChartBuilder::on(&plot)
             .caption("rel_l2 against the reference (log10)", ("sans-serif", 17))
@@ -509,14 +582,14 @@ pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
             .x_label_area_size(105)
             .y_label_area_size(110)
             .build_cartesian_2d(0f64..nc as f64, 0f64..nr as f64)
-            .map_err(|e| perr(&e))?;
+            .map_err(|e| heatmap_err(&e))?;
         chart
             .configure_mesh()
             .disable_mesh()
             .x_labels(0)
             .y_labels(0)
             .draw()
-            .map_err(|e| perr(&e))?;
+            .map_err(|e| heatmap_err(&e))?;
         let anchor = |h, v| plotters::style::text_anchor::Pos::new(h, v);
         use plotters::style::text_anchor::{HPos, VPos};
         // Column labels, rotated to run downwards from under each column; row labels left.
@@ -528,7 +601,7 @@ pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
         for (ci, st) in stages.iter().enumerate() {
             let (px, py) = chart.backend_coord(&(ci as f64 + 0.5, 0.0));
             root.draw(&Text::new(st.name(), (px, py + 6), col_style.clone()))
-                .map_err(|e| perr(&e))?;
+                .map_err(|e| heatmap_err(&e))?;
         }
         let row_style = ("sans-serif", 13)
             .into_font()
@@ -537,7 +610,7 @@ pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
         for (ri, name) in rows.iter().enumerate() {
             let (px, py) = chart.backend_coord(&(0.0, (nr - 1 - ri) as f64 + 0.5));
             root.draw(&Text::new(name.clone(), (px - 8, py), row_style.clone()))
-                .map_err(|e| perr(&e))?;
+                .map_err(|e| heatmap_err(&e))?;
         }
         let mark_style = ("sans-serif", 11)
             .into_font()
@@ -552,25 +625,14 @@ pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
             if r.diffs.is_empty() {
                 let (px, py) = chart.backend_coord(&(0.0, y0 + 0.5));
                 root.draw(&Text::new("not run", (px + 6, py), not_run_style.clone()))
-                    .map_err(|e| perr(&e))?;
+                    .map_err(|e| heatmap_err(&e))?;
                 continue;
             }
             let first = crate::judge::metrics::first_divergence(&r.diffs).map(|d| d.site.stage);
             for (ci, st) in stages.iter().enumerate() {
                 let x0 = ci as f64;
                 let d = r.diffs.iter().find(|d| d.site.stage == *st);
-                let c = match d {
-                    None => Cell::Absent,
-                    Some(d) => match &d.metrics {
-                        Some(m) if m.nonfinite_mismatch > 0 => Cell::NonFinite,
-                        Some(m) if m.rel_l2.is_finite() => Cell::Value(if m.rel_l2 > 0.0 {
-                            m.rel_l2.log10().clamp(-16.0, 0.0)
-                        } else {
-                            -16.0
-                        }),
-                        _ => Cell::Value(0.0),
-                    },
-                };
+                let c = Cell::of(d);
                 let fill = match c {
                     Cell::Absent => RGBColor(215, 215, 215),
                     Cell::NonFinite => BLACK,
@@ -579,77 +641,36 @@ pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
                 let rect = [(x0 + 0.05, y0 + 0.05), (x0 + 0.95, y0 + 0.95)];
                 chart
                     .draw_series(std::iter::once(Rectangle::new(rect, fill.filled())))
-                    .map_err(|e| perr(&e))?;
+                    .map_err(|e| heatmap_err(&e))?;
                 let (cx, cy) = chart.backend_coord(&(x0 + 0.5, y0 + 0.5));
                 if matches!(c, Cell::NonFinite) {
                     root.draw(&Text::new("NaN", (cx, cy), mark_style.clone()))
-                        .map_err(|e| perr(&e))?;
+                        .map_err(|e| heatmap_err(&e))?;
                 }
                 if d.is_some_and(|d| d.is_failure()) {
                     chart
                         .draw_series(std::iter::once(Rectangle::new(rect, RED.stroke_width(4))))
-                        .map_err(|e| perr(&e))?;
+                        .map_err(|e| heatmap_err(&e))?;
                 }
                 if first == Some(*st) && !matches!(c, Cell::NonFinite) {
                     let style = ("sans-serif", 11)
                         .into_font()
                         .color(&BLACK)
                         .pos(anchor(HPos::Center, VPos::Center));
-                    root.draw(&Text::new("1st", (cx, cy), style)).map_err(|e| perr(&e))?;
+                    root.draw(&Text::new("1st", (cx, cy), style))
+                        .map_err(|e| heatmap_err(&e))?;
                 } else if first == Some(*st) {
                     let style = ("sans-serif", 9)
                         .into_font()
                         .color(&WHITE)
                         .pos(anchor(HPos::Center, VPos::Top));
                     root.draw(&Text::new("1st", (cx, cy + 4), style))
-                        .map_err(|e| perr(&e))?;
+                        .map_err(|e| heatmap_err(&e))?;
                 }
             }
         }
-        // Legend: the colour scale from 1e-16 to 1, then the special cells.
-        let lh = (h as i32 - 210).max(64);
-        let top = 40;
-        for k in 0..=32 {
-            let v = -16.0 + 0.5 * f64::from(k);
-            let y = top + lh - (lh * k / 32);
-            legend
-                .draw(&Rectangle::new(
-                    [(10, y - lh / 32 - 1), (30, y)],
-                    heat_color(v).filled(),
-                ))
-                .map_err(|e| perr(&e))?;
-            if k % 8 == 0 {
-                legend
-                    .draw(&Text::new(format!("1e{}", v as i32), (36, y - 7), ("sans-serif", 12)))
-                    .map_err(|e| perr(&e))?;
-            }
-        }
-        legend
-            .draw(&Text::new("rel_l2", (10, 18), ("sans-serif", 13)))
-            .map_err(|e| perr(&e))?;
-        let y = top + lh + 14;
-        legend
-            .draw(&Rectangle::new([(10, y), (30, y + 16)], BLACK.filled()))
-            .map_err(|e| perr(&e))?;
-        legend
-            .draw(&Text::new("non-finite", (36, y + 2), ("sans-serif", 12)))
-            .map_err(|e| perr(&e))?;
-        legend
-            .draw(&Rectangle::new([(10, y + 24), (30, y + 40)], RED.stroke_width(3)))
-            .map_err(|e| perr(&e))?;
-        legend
-            .draw(&Text::new("fails", (36, y + 26), ("sans-serif", 12)))
-            .map_err(|e| perr(&e))?;
-        legend
-            .draw(&Rectangle::new(
-                [(10, y + 48), (30, y + 64)],
-                RGBColor(215, 215, 215).filled(),
-            ))
-            .map_err(|e| perr(&e))?;
-        legend
-            .draw(&Text::new("not recorded", (36, y + 50), ("sans-serif", 12)))
-            .map_err(|e| perr(&e))?;
-        root.present().map_err(|e| perr(&e))?;
+        draw_legend(&legend, h)?;
+        root.present().map_err(|e| heatmap_err(&e))?;
     }
     Ok(svg)
 }

@@ -38,12 +38,12 @@ impl CpuOps {
 }
 
 fn view(v: &[f32], rows: usize, cols: usize) -> Result<ArrayView2<'_, f32>> {
-    ArrayView2::from_shape((rows, cols), v).map_err(|e| Error::Usage(format!("CPU backend: {e}")))
+    ArrayView2::from_shape((rows, cols), v).map_err(|e| Error::Internal(format!("CPU backend: {e}")))
 }
 
 fn check(buf: &[f32], need: usize, what: &str) -> Result<()> {
     if buf.len() < need {
-        return Err(Error::Usage(format!(
+        return Err(Error::Internal(format!(
             "CPU backend: {what} needs {need} elements, buffer has {}",
             buf.len()
         )));
@@ -279,7 +279,7 @@ impl Ops for CpuOps {
         check(lses, splits * n * nh, "decode lses")?;
         for (i, (table, &c)) in tables.iter().zip(ctx).enumerate() {
             if c.div_ceil(block_size) > table.len() {
-                return Err(Error::Usage(format!(
+                return Err(Error::Internal(format!(
                     "decode: context {c} exceeds row {i}'s block table"
                 )));
             }

@@ -25,10 +25,6 @@ const THREADS: u32 = 256;
 /// that the partials are a few tens of KB.
 const MAX_BLOCKS: usize = 2048;
 
-fn cerr(what: impl std::fmt::Display) -> Error {
-    Error::Cuda(what.to_string())
-}
-
 /// One site held on the device: its shape (row-major) and values (`T` = f64 for the
 /// reference, f32 for a path; the buffer may be longer than the shape's element count).
 #[derive(Debug)]
@@ -106,7 +102,7 @@ pub fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
     if n > 0 {
         dev.stream()
             .memcpy_dtoh(&b.slice(0..n), &mut v)
-            .map_err(|e| cerr(format!("download of {n} elements: {e:?}")))?;
+            .map_err(|e| Error::cuda(format!("download of {n} elements: {e:?}")))?;
     }
     Ok(v)
 }
@@ -116,7 +112,7 @@ fn one<T: cudarc::driver::DeviceRepr + Default + Copy>(dev: &Device, b: &CudaSli
     let mut v = [T::default()];
     dev.stream()
         .memcpy_dtoh(&b.slice(i..i + 1), &mut v[..])
-        .map_err(|e| cerr(format!("download of element {i}: {e:?}")))?;
+        .map_err(|e| Error::cuda(format!("download of element {i}: {e:?}")))?;
     Ok(v[0])
 }
 
@@ -128,7 +124,7 @@ pub fn upload_f64(dev: &Device, t: &TraceTensor) -> Result<CudaSlice<f64>> {
     let v = t.to_f64();
     dev.stream()
         .clone_htod(if v.is_empty() { &[0.0][..] } else { &v[..] })
-        .map_err(|e| cerr(format!("upload: {e:?}")))
+        .map_err(|e| Error::cuda(format!("upload: {e:?}")))
 }
 
 /// A host tensor as f32 on the device (a path's site recorded on the host, compared with a
@@ -142,7 +138,7 @@ pub fn upload_f32(dev: &Device, t: &TraceTensor) -> Result<CudaSlice<f32>> {
     };
     dev.stream()
         .clone_htod(if v.is_empty() { &[0.0f32][..] } else { &v[..] })
-        .map_err(|e| cerr(format!("upload: {e:?}")))
+        .map_err(|e| Error::cuda(format!("upload: {e:?}")))
 }
 
 /// The [`ElementSums`] of the first `n` elements of `r` (reference, f64) and `c` (candidate,
@@ -153,7 +149,7 @@ pub fn upload_f32(dev: &Device, t: &TraceTensor) -> Result<CudaSlice<f32>> {
 /// The host adds the block partials in block order: counts are exact, sums agree with the CPU's
 /// to f64 rounding, and the worst element is the same one (largest difference, lowest index).
 ///
-/// Errors: [`Error::Usage`] when `n` exceeds either buffer; [`Error::Cuda`] on a failed launch
+/// Errors: [`Error::Internal`] when `n` exceeds either buffer; [`Error::Cuda`] on a failed launch
 /// or copy.
 pub fn element_sums(
     dev: &Device,
@@ -164,7 +160,7 @@ pub fn element_sums(
     rtol: f64,
 ) -> Result<ElementSums> {
     if n > r.len() || n > c.len() {
-        return Err(Error::Usage(format!(
+        return Err(Error::Internal(format!(
             "device compare: {n} elements asked of buffers of {} and {}",
             r.len(),
             c.len()
@@ -180,7 +176,7 @@ pub fn element_sums(
         shared_mem_bytes: 0,
     };
     let stream = dev.stream();
-    let alloc_err = |e| cerr(format!("cuMemAlloc of compare partials: {e:?}"));
+    let alloc_err = |e| Error::cuda(format!("cuMemAlloc of compare partials: {e:?}"));
     let nn = n as i64;
     // SAFETY: every partial is written by its block before the download.
     let mut sums = unsafe { stream.alloc::<f64>(blocks * 4) }.map_err(alloc_err)?;
@@ -195,7 +191,7 @@ pub fn element_sums(
         .arg(&mut sums)
         .arg(&mut counts);
     // SAFETY: argument types match cmp_pass1; reads stay below n ≤ both lengths.
-    unsafe { b.launch(cfg) }.map_err(|e| cerr(format!("launch cmp_pass1: {e:?}")))?;
+    unsafe { b.launch(cfg) }.map_err(|e| Error::cuda(format!("launch cmp_pass1: {e:?}")))?;
     let (sums_h, counts_h) = (download(dev, &sums, blocks * 4)?, download(dev, &counts, blocks * 6)?);
     let mut p1 = Pass1::default();
     for (s, u) in sums_h.chunks_exact(4).zip(counts_h.chunks_exact(6)) {
@@ -233,7 +229,7 @@ pub fn element_sums(
         .arg(&mut worst)
         .arg(&mut idx);
     // SAFETY: argument types match cmp_pass2; reads stay below n ≤ both lengths.
-    unsafe { b.launch(cfg) }.map_err(|e| cerr(format!("launch cmp_pass2: {e:?}")))?;
+    unsafe { b.launch(cfg) }.map_err(|e| Error::cuda(format!("launch cmp_pass2: {e:?}")))?;
     let (worst_h, idx_h) = (download(dev, &worst, blocks * 2)?, download(dev, &idx, blocks * 2)?);
     let mut p2 = Pass2::default();
     for (w, i) in worst_h.chunks_exact(2).zip(idx_h.chunks_exact(2)) {

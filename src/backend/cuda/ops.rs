@@ -39,10 +39,6 @@ const FLASH_BK: usize = 16;
 /// Largest per-row width the attention kernels' per-lane registers hold (32 lanes × 16).
 const MAX_WIDTH: usize = 512;
 
-fn cerr(what: impl std::fmt::Display) -> Error {
-    Error::Cuda(what.to_string())
-}
-
 /// Which attention kernels the CUDA backend launches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -170,7 +166,7 @@ impl CudaOps {
         self.dev
             .stream()
             .synchronize()
-            .map_err(|e| cerr(format!("stream synchronize: {e:?}")))
+            .map_err(|e| Error::cuda(format!("stream synchronize: {e:?}")))
     }
 
     /// Which attention kernels this backend launches.
@@ -252,7 +248,7 @@ impl CudaOps {
         self.dev
             .stream()
             .synchronize()
-            .map_err(|e| cerr(format!("kernel `{kernel}` failed: {e:?}")))
+            .map_err(|e| Error::cuda(format!("kernel `{kernel}` failed: {e:?}")))
     }
 
     pub(crate) fn alloc(&self, n: usize) -> Result<CudaSlice<f32>> {
@@ -267,13 +263,13 @@ impl CudaOps {
     pub(crate) fn to_bf16(&self, x: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<half::bf16>> {
         // SAFETY: every element is written by cast_bf16 below.
         let mut y = unsafe { self.dev.stream().alloc::<half::bf16>(n.max(1)) }
-            .map_err(|e| cerr(format!("alloc bf16: {e:?}")))?;
+            .map_err(|e| Error::cuda(format!("alloc bf16: {e:?}")))?;
         let f = self.func(Module::Elementwise, "cast_bf16")?;
         let nn = n as i64;
         let mut b = self.dev.stream().launch_builder(&f);
         b.arg(x).arg(&mut y).arg(&nn);
         // SAFETY: argument types match the kernel signature in elementwise.cu.
-        unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch cast_bf16: {e:?}")))?;
+        unsafe { b.launch(grid1(n)) }.map_err(|e| Error::cuda(format!("launch cast_bf16: {e:?}")))?;
         self.sync("cast_bf16")?;
         Ok(y)
     }
@@ -286,14 +282,17 @@ impl CudaOps {
         let mut b = self.dev.stream().launch_builder(&f);
         b.arg(x).arg(&mut y).arg(&nn);
         // SAFETY: argument types match round_bf16 in elementwise.cu.
-        unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch round_bf16: {e:?}")))?;
+        unsafe { b.launch(grid1(n)) }.map_err(|e| Error::cuda(format!("launch round_bf16: {e:?}")))?;
         self.sync("round_bf16")?;
         Ok(y)
     }
 
     fn check_len(b: &CudaSlice<f32>, need: usize, what: &str) -> Result<()> {
         if b.len() < need {
-            return Err(cerr(format!("{what}: needs {need} elements, buffer has {}", b.len())));
+            return Err(Error::cuda(format!(
+                "{what}: needs {need} elements, buffer has {}",
+                b.len()
+            )));
         }
         Ok(())
     }
@@ -324,7 +323,9 @@ impl CudaOps {
         let mut flat = vec![0usize; tables.len() * max_blocks];
         for (i, (t, &c)) in tables.iter().zip(ctx).enumerate() {
             if c.div_ceil(block_size) > t.len() {
-                return Err(cerr(format!("decode: context {c} exceeds row {i}'s block table")));
+                return Err(Error::cuda(format!(
+                    "decode: context {c} exceeds row {i}'s block table"
+                )));
             }
             for (j, &b) in t.iter().enumerate() {
                 Self::check_len(cache, (b + 1) * block_size * width, "decode block")?;
@@ -340,7 +341,7 @@ impl CudaOps {
             .context()
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map(|x| x.max(1) as usize)
-            .map_err(|e| cerr(format!("multiprocessor count: {e:?}")))
+            .map_err(|e| Error::cuda(format!("multiprocessor count: {e:?}")))
     }
 
     /// Blocks of `decode_split_mma` in configuration `cfg` resident per SM, for (L+R, L): the
@@ -353,14 +354,14 @@ impl CudaOps {
         let fa = |a: F| {
             f.get_attribute(a)
                 .map(|x| x.max(0) as usize)
-                .map_err(|e| cerr(format!("decode_split_mma attribute {a:?}: {e:?}")))
+                .map_err(|e| Error::cuda(format!("decode_split_mma attribute {a:?}: {e:?}")))
         };
         let da = |a: D| {
             self.dev
                 .context()
                 .attribute(a)
                 .map(|x| x.max(0) as usize)
-                .map_err(|e| cerr(format!("device attribute {a:?}: {e:?}")))
+                .map_err(|e| Error::cuda(format!("device attribute {a:?}: {e:?}")))
         };
         let (regs, static_smem) = (
             fa(F::CU_FUNC_ATTRIBUTE_NUM_REGS)?,
@@ -398,7 +399,7 @@ impl CudaOps {
         };
         f.occupancy_max_active_clusters(lc, self.dev.stream())
             .map(|x| x as usize)
-            .map_err(|e| cerr(format!("decode_split_mma: max active clusters of {cluster}: {e:?}")))
+            .map_err(|e| Error::cuda(format!("decode_split_mma: max active clusters of {cluster}: {e:?}")))
     }
 
     /// KV splits that fill whole waves: the `s` in `1..=max_splits` minimizing
@@ -471,7 +472,7 @@ impl CudaOps {
         .for_shape(dqk, dv);
         // The kernel's offsets inside one K/V tile are 32-bit.
         if pc.bk * nh * dqk.max(dv) > i32::MAX as usize {
-            return Err(cerr(format!(
+            return Err(Error::cuda(format!(
                 "flash_prefill_mma: {nh} heads of width {} overflow the kernel's 32-bit tile offsets",
                 dqk.max(dv)
             )));
@@ -509,7 +510,7 @@ impl CudaOps {
             .arg(&scale)
             .arg(&em);
         // SAFETY: arguments match flash_prefill_mma in fast_prefill.cu.
-        unsafe { b.launch(cfg) }.map_err(|e| cerr(format!("launch flash_prefill_mma: {e:?}")))?;
+        unsafe { b.launch(cfg) }.map_err(|e| Error::cuda(format!("launch flash_prefill_mma: {e:?}")))?;
         self.sync("flash_prefill_mma")
     }
 
@@ -581,7 +582,7 @@ impl CudaOps {
     ) -> Result<()> {
         let dc = sh.cfg;
         if dc.wgmma && !(supports_wgmma(&self.dev.arch) && DecodeCfg::wgmma_fits(sh.width, sh.dv)) {
-            return Err(cerr(format!(
+            return Err(Error::cuda(format!(
                 "decode configuration {}: wgmma needs sm_90 (this device is {}) and L a multiple of 128 with L+R <= 576 (here L+R = {}, L = {})",
                 dc.label(),
                 self.dev.arch,
@@ -592,7 +593,7 @@ impl CudaOps {
         let smem = dc.smem(sh.width);
         let cluster = dc.cluster_size(&self.dev.arch, sh.splits, sh.dv, merge.is_some());
         if (cluster > 0 || dc.teams > 1) && !dc.cluster_fits(sh.width, sh.dv, cluster) {
-            return Err(cerr(format!(
+            return Err(Error::cuda(format!(
                 "decode configuration {}: the {} partial output [{}, {}] f32 does not fit in the block's {smem} bytes of shared memory (use CLUSTER 0, one team or fewer heads per block)",
                 dc.label(),
                 if cluster > 0 {
@@ -647,7 +648,7 @@ impl CudaOps {
                 Self::check_len(m.out, sh.n * sh.nh * sh.dv, "decode merged out")?;
                 Self::check_len(m.lse, sh.n * sh.nh, "decode merged lse")?;
                 if m.counters.len() < groups {
-                    return Err(cerr(format!(
+                    return Err(Error::cuda(format!(
                         "decode merge counters: {} for {groups} blocks per split",
                         m.counters.len()
                     )));
@@ -660,7 +661,7 @@ impl CudaOps {
         }
         b.arg(&spin);
         // SAFETY: arguments match decode_split_mma in fast_decode.cu (null out: no merge).
-        unsafe { b.launch(cfg) }.map_err(|e| cerr(format!("launch decode_split_mma: {e:?}")))?;
+        unsafe { b.launch(cfg) }.map_err(|e| Error::cuda(format!("launch decode_split_mma: {e:?}")))?;
         self.sync("decode_split_mma")
     }
 }
@@ -711,7 +712,7 @@ macro_rules! launch {
         $( b.arg($arg); )*
         // SAFETY: the argument list matches the kernel's signature in kernels/*.cu, and every
         // buffer was length-checked by the caller.
-        unsafe { b.launch($cfg) }.map_err(|e| cerr(format!("launch {}: {e:?}", $name)))?;
+        unsafe { b.launch($cfg) }.map_err(|e| Error::cuda(format!("launch {}: {e:?}", $name)))?;
         $self.sync($name)?;
     }};
 }
@@ -751,14 +752,14 @@ impl Ops for CudaOps {
         self.dev
             .stream()
             .clone_htod(data)
-            .map_err(|e| cerr(format!("upload: {e:?}")))
+            .map_err(|e| Error::cuda(format!("upload: {e:?}")))
     }
 
     fn download(&self, b: &CudaSlice<f32>) -> Result<Vec<f32>> {
         self.dev
             .stream()
             .clone_dtoh(b)
-            .map_err(|e| cerr(format!("download: {e:?}")))
+            .map_err(|e| Error::cuda(format!("download: {e:?}")))
     }
 
     fn keep_site(&self, site: Site, shape: &[usize], b: &CudaSlice<f32>) -> Result<Option<Vec<f32>>> {
@@ -766,7 +767,7 @@ impl Ops for CudaOps {
         let mut guard = self
             .device_sites
             .lock()
-            .map_err(|_| cerr("device site list poisoned"))?;
+            .map_err(|_| Error::cuda("device site list poisoned"))?;
         let Some(sites) = guard.as_mut() else {
             drop(guard);
             let mut v = self.download(b)?;
@@ -774,7 +775,7 @@ impl Ops for CudaOps {
             return Ok(Some(v));
         };
         if n > b.len() {
-            return Err(Error::Usage(format!(
+            return Err(Error::Internal(format!(
                 "site {site}: shape {shape:?} holds {n} elements, its buffer {}",
                 b.len()
             )));
@@ -784,7 +785,7 @@ impl Ops for CudaOps {
             .dev
             .stream()
             .clone_dtod(&b.slice(0..n.max(1).min(b.len())))
-            .map_err(|e| cerr(format!("copy of site {site}: {e:?}")))?;
+            .map_err(|e| Error::cuda(format!("copy of site {site}: {e:?}")))?;
         sites.push(DeviceSite {
             site,
             shape: shape.to_vec(),
@@ -846,7 +847,8 @@ impl Ops for CudaOps {
                     ldc: o as i32,
                 };
                 // SAFETY: dims and leading dimensions match the buffers checked above.
-                unsafe { self.dev.blas().gemm(cfg, w, x, &mut y) }.map_err(|e| cerr(format!("cublasSgemm: {e:?}")))?;
+                unsafe { self.dev.blas().gemm(cfg, w, x, &mut y) }
+                    .map_err(|e| Error::cuda(format!("cublasSgemm: {e:?}")))?;
             }
             Dtype::Bf16 if std::env::var_os("MLA_DIFF_BF16_GEMM").is_some_and(|v| v == "emulate") => {
                 // bf16 inputs held exactly in f32, f32 accumulation: the same arithmetic as the
@@ -867,7 +869,7 @@ impl Ops for CudaOps {
                 };
                 // SAFETY: dims and leading dimensions match the buffers checked above.
                 unsafe { self.dev.blas().gemm(cfg, &wr, &xr, &mut y) }
-                    .map_err(|e| cerr(format!("cublasSgemm: {e:?}")))?;
+                    .map_err(|e| Error::cuda(format!("cublasSgemm: {e:?}")))?;
             }
             Dtype::Bf16 => {
                 let (wb, xb) = (self.to_bf16(w, o * k)?, self.to_bf16(x, t * k)?);
@@ -900,7 +902,7 @@ impl Ops for CudaOps {
                         cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                     )
                 }
-                .map_err(|e| cerr(format!("cublasGemmEx (bf16 in, f32 out): {e:?}")))?;
+                .map_err(|e| Error::cuda(format!("cublasGemmEx (bf16 in, f32 out): {e:?}")))?;
             }
         }
         self.sync("cublas gemm")?;
@@ -1158,7 +1160,7 @@ impl Ops for CudaOps {
         lse: &mut CudaSlice<f32>,
     ) -> Result<()> {
         if dqk > MAX_WIDTH || dv > MAX_WIDTH {
-            return Err(cerr(format!(
+            return Err(Error::cuda(format!(
                 "flash_prefill supports head widths up to {MAX_WIDTH}, got P+R={dqk}, V={dv}"
             )));
         }
@@ -1253,7 +1255,10 @@ impl Ops for CudaOps {
             return Ok(());
         }
         if l + r != width {
-            return Err(cerr(format!("cache_write: row width {width} != L+R = {}", l + r)));
+            return Err(Error::cuda(format!(
+                "cache_write: row width {width} != L+R = {}",
+                l + r
+            )));
         }
         Self::check_len(kv_c, slots.len() * l, "cache_write kv_c")?;
         Self::check_len(k_pe, slots.len() * r, "cache_write k_pe")?;
@@ -1302,7 +1307,7 @@ impl Ops for CudaOps {
             return Ok(());
         }
         if dv > MAX_WIDTH {
-            return Err(cerr(format!(
+            return Err(Error::cuda(format!(
                 "decode_split supports value widths up to {MAX_WIDTH}, got L={dv}"
             )));
         }
@@ -1418,7 +1423,7 @@ impl Ops for CudaOps {
             .dev
             .stream()
             .alloc_zeros::<i32>(n * nh.div_ceil(cfg.hm))
-            .map_err(|e| cerr(format!("decode merge counters: {e:?}")))?;
+            .map_err(|e| Error::cuda(format!("decode merge counters: {e:?}")))?;
         let (qb, cb16) = (self.to_bf16(q, q.len())?, self.to_bf16(cache, cache.len())?);
         let (tables_d, ctx_d) = (self.idx(&flat)?, self.idx(ctx)?);
         let shape = DecodeShape {

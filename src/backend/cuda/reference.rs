@@ -25,7 +25,7 @@ use crate::core::error::{Error, Result};
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::device::Module;
 use crate::device::context::{Device, grid1};
-use crate::model::config::{MlaConfig, RopeStyle};
+use crate::model::config::{MlaConfig, MlaDims, RopeStyle};
 use crate::model::weights::{LayerWeights, QWeights, tensor_name};
 
 /// Threads of the one-block-per-row kernels (`REF_THREADS` in reference.cu).
@@ -33,10 +33,6 @@ const ROW_THREADS: u32 = 256;
 /// Bytes of scores one attention step may hold (`[heads, len, len]` f64): heads are taken in
 /// groups small enough to stay under it.
 const SCORE_BYTES: usize = 2 << 30;
-
-fn cerr(what: impl std::fmt::Display) -> Error {
-    Error::Cuda(what.to_string())
-}
 
 /// Whether the GPU reference computes this layer: not with a DSA indexer (its top-k selection
 /// runs on the CPU reference), and not an MoE FFN (`full`: token input runs the whole layer).
@@ -60,14 +56,15 @@ struct Gpu<'d> {
 impl Gpu<'_> {
     fn alloc(&self, n: usize) -> Result<CudaSlice<f64>> {
         // SAFETY: every buffer is fully written by a kernel or GEMM before it is read.
-        unsafe { self.dev.stream().alloc::<f64>(n.max(1)) }.map_err(|e| cerr(format!("cuMemAlloc of {n} f64: {e:?}")))
+        unsafe { self.dev.stream().alloc::<f64>(n.max(1)) }
+            .map_err(|e| Error::cuda(format!("cuMemAlloc of {n} f64: {e:?}")))
     }
 
     fn up(&self, host: &[f64]) -> Result<CudaSlice<f64>> {
         self.dev
             .stream()
             .clone_htod(if host.is_empty() { &[0.0][..] } else { host })
-            .map_err(|e| cerr(format!("upload: {e:?}")))
+            .map_err(|e| Error::cuda(format!("upload: {e:?}")))
     }
 
     /// f32 weights widened to f64 on the device (exact).
@@ -76,7 +73,7 @@ impl Gpu<'_> {
             .dev
             .stream()
             .clone_htod(if host.is_empty() { &[0.0f32][..] } else { host })
-            .map_err(|e| cerr(format!("upload: {e:?}")))?;
+            .map_err(|e| Error::cuda(format!("upload: {e:?}")))?;
         self.widen_device(&src, host.len())
     }
 
@@ -88,7 +85,7 @@ impl Gpu<'_> {
         let mut b = self.dev.stream().launch_builder(&f);
         b.arg(src).arg(&mut out).arg(&nn);
         // SAFETY: argument types match ref_widen in reference.cu.
-        unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch ref_widen: {e:?}")))?;
+        unsafe { b.launch(grid1(n)) }.map_err(|e| Error::cuda(format!("launch ref_widen: {e:?}")))?;
         Ok(out)
     }
 
@@ -97,7 +94,7 @@ impl Gpu<'_> {
             .dev
             .stream()
             .clone_dtoh(b)
-            .map_err(|e| cerr(format!("download: {e:?}")))?;
+            .map_err(|e| Error::cuda(format!("download: {e:?}")))?;
         v.truncate(n);
         Ok(v)
     }
@@ -106,7 +103,7 @@ impl Gpu<'_> {
         self.dev
             .stream()
             .synchronize()
-            .map_err(|e| cerr(format!("GPU reference: `{what}` failed: {e:?}")))
+            .map_err(|e| Error::cuda(format!("GPU reference: `{what}` failed: {e:?}")))
     }
 
     /// `dst[r, j] = src[off + r·stride + j]`, `[rows, width]`.
@@ -124,7 +121,7 @@ impl Gpu<'_> {
         let mut b = self.dev.stream().launch_builder(&f);
         b.arg(src).arg(&r).arg(&s).arg(&o).arg(&w).arg(&mut out);
         // SAFETY: argument types match ref_copy_cols; every read index is < off + rows·stride.
-        unsafe { b.launch(grid1(rows * width)) }.map_err(|e| cerr(format!("launch ref_copy_cols: {e:?}")))?;
+        unsafe { b.launch(grid1(rows * width)) }.map_err(|e| Error::cuda(format!("launch ref_copy_cols: {e:?}")))?;
         Ok(out)
     }
 
@@ -159,7 +156,7 @@ impl Gpu<'_> {
             shared_mem_bytes: 0,
         };
         // SAFETY: argument types match ref_rms_norm; one block per row.
-        unsafe { b.launch(cfg) }.map_err(|e| cerr(format!("launch ref_rms_norm: {e:?}")))?;
+        unsafe { b.launch(cfg) }.map_err(|e| Error::cuda(format!("launch ref_rms_norm: {e:?}")))?;
         Ok(out)
     }
 
@@ -180,7 +177,7 @@ impl Gpu<'_> {
         let mut b = self.dev.stream().launch_builder(&f);
         b.arg(x).arg(&ro).arg(&he).arg(&rr).arg(pos).arg(inv).arg(&nx);
         // SAFETY: argument types match ref_rope; pos holds one entry per token.
-        unsafe { b.launch(grid1(rows * r / 2)) }.map_err(|e| cerr(format!("launch ref_rope: {e:?}")))?;
+        unsafe { b.launch(grid1(rows * r / 2)) }.map_err(|e| Error::cuda(format!("launch ref_rope: {e:?}")))?;
         Ok(())
     }
 
@@ -202,7 +199,7 @@ impl Gpu<'_> {
         }
         b.arg(&mut out).arg(&nn);
         // SAFETY: argument types match ref_swiglu / ref_add_scaled in reference.cu.
-        unsafe { b.launch(grid1(n)) }.map_err(|e| cerr(format!("launch {name}: {e:?}")))?;
+        unsafe { b.launch(grid1(n)) }.map_err(|e| Error::cuda(format!("launch {name}: {e:?}")))?;
         Ok(out)
     }
 
@@ -262,7 +259,7 @@ impl Gpu<'_> {
                 ),
             }
         }
-        .map_err(|e| cerr(format!("cublasDgemm: {e:?}")))
+        .map_err(|e| Error::cuda(format!("cublasDgemm: {e:?}")))
     }
 
     /// `y = x · Wᵀ` with the f32 weight `w` [o, k] (GGUF tensor `name`) widened to f64 on the
@@ -347,14 +344,15 @@ fn reference_inner(
     keep: bool,
 ) -> Result<(RefOutput, Vec<DeviceSite<f64>>)> {
     let t = batch.n_tokens();
-    let (hd, n, l, p, r, v) = (
-        cfg.hidden,
-        cfg.n_head,
-        cfg.kv_lora_rank,
-        cfg.qk_nope_head_dim,
-        cfg.qk_rope_head_dim,
-        cfg.v_head_dim,
-    );
+    let MlaDims {
+        hidden: hd,
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     if !supported(cfg, w.layer, false) {
         return Err(Error::Usage(
             "the GPU reference does not compute DSA indexer layers".into(),
@@ -380,7 +378,7 @@ fn reference_inner(
             let copy = dev
                 .stream()
                 .clone_dtod(&buf.slice(0..n.clamp(1, buf.len())))
-                .map_err(|e| cerr(format!("copy of site {site}: {e:?}")))?;
+                .map_err(|e| Error::cuda(format!("copy of site {site}: {e:?}")))?;
             kept.borrow_mut().push(DeviceSite { site, shape, buf: copy });
         } else {
             tr.record(site, TraceTensor::f64(shape, g.down(buf, n)?));
@@ -410,7 +408,7 @@ fn reference_inner(
         QWeights::Lora { q_a, q_a_norm, q_b } => {
             let lq = q_a.nrows();
             let fused = ndarray::concatenate(Axis(0), &[q_a.view(), w.kv_a_mqa.view()])
-                .map_err(|e| Error::Usage(e.to_string()))?;
+                .map_err(|e| Error::Internal(e.to_string()))?;
             rec_host(
                 &mut tr,
                 Stage::WFusedQkvA,
@@ -445,7 +443,7 @@ fn reference_inner(
         } else {
             &positions[..]
         })
-        .map_err(|e| cerr(format!("upload positions: {e:?}")))?;
+        .map_err(|e| Error::cuda(format!("upload positions: {e:?}")))?;
     let inv = g.up(&rope_inv_freq(cfg))?;
     let mut q_pe = g.copy_cols(&q, t * n, p + r, p, r)?;
     g.rope(&mut q_pe, t * n, n, r, &pos, &inv, neox)?;
@@ -564,7 +562,7 @@ fn reference_inner(
                 shared_mem_bytes: 0,
             };
             // SAFETY: argument types match ref_softmax_causal; s holds hc·len² scores.
-            unsafe { b.launch(cfg_l) }.map_err(|e| cerr(format!("launch ref_softmax_causal: {e:?}")))?;
+            unsafe { b.launch(cfg_l) }.map_err(|e| Error::cuda(format!("launch ref_softmax_causal: {e:?}")))?;
             g.gemm(
                 &mut attn_out,
                 off * n * v + h0 * v,
@@ -635,7 +633,7 @@ fn reference_inner(
             let out = g.elementwise("ref_add_scaled", &h1, &down, Some(rs), t * hd)?;
             rec(&mut tr, Stage::HiddenOut, vec![t, hd], &out)?;
             let v = g.down(&out, t * hd)?;
-            Some(Array2::from_shape_vec((t, hd), v).map_err(|e| Error::Usage(e.to_string()))?)
+            Some(Array2::from_shape_vec((t, hd), v).map_err(|e| Error::Internal(e.to_string()))?)
         }
         None => None,
     };

@@ -2,6 +2,7 @@
 //! attention helpers every path uses, and the paged latent cache with its shuffled block table.
 
 use super::*;
+use crate::model::config::MlaDims;
 
 /// Per-rank attention inputs and settings shared by the attention variants.
 pub(super) struct RankAttn<'a, O: Ops> {
@@ -43,12 +44,13 @@ impl<O: Ops> RankAttn<'_, O> {
     /// Expanded K/V of `rows` latent rows: `kv_b_proj`, then the per-head split (or the grouped
     /// split of the `kv-b-grouped` fault). Returns (`k_nope` [rows, nh, P], `v` [rows, nh, V]).
     pub(super) fn expand_kv(&self, kv_c: &O::Buf, rows: usize) -> Result<(O::Buf, O::Buf)> {
-        let (l, p, v, nh) = (
-            self.cfg.kv_lora_rank,
-            self.cfg.qk_nope_head_dim,
-            self.cfg.v_head_dim,
-            self.nh,
-        );
+        let MlaDims {
+            kv_lora_rank: l,
+            qk_nope_head_dim: p,
+            v_head_dim: v,
+            ..
+        } = self.cfg.dims();
+        let nh = self.nh;
         let ops = self.ops;
         let kv = ops.linear(kv_c, rows, l, &self.rw.kv_b, nh * (p + v))?;
         let mut k_nope = ops.canary(rows * nh * p)?;
@@ -107,12 +109,13 @@ impl<O: Ops> RankAttn<'_, O> {
 
     /// `ql_nope = q_nope · W_UK_T` per head, [T, nh, L].
     pub(super) fn absorb_q(&self, t: usize) -> Result<O::Buf> {
-        let (l, p, r, nh) = (
-            self.cfg.kv_lora_rank,
-            self.cfg.qk_nope_head_dim,
-            self.cfg.qk_rope_head_dim,
-            self.nh,
-        );
+        let MlaDims {
+            kv_lora_rank: l,
+            qk_nope_head_dim: p,
+            qk_rope_head_dim: r,
+            ..
+        } = self.cfg.dims();
+        let nh = self.nh;
         let mut q_nope = self.ops.canary(t * nh * p)?;
         self.ops.copy2d(self.q, &mut q_nope, cp(t * nh, p, 0, p + r, 0, p))?;
         self.ops.bmm_heads(&q_nope, t, nh, p, &self.rw.w_uk_t, l)
@@ -148,12 +151,13 @@ impl<O: Ops> RankAttn<'_, O> {
         keys: &[Vec<usize>],
         empty: EmptyRows,
     ) -> Result<(O::Buf, O::Buf)> {
-        let (p, r, dv, nh) = (
-            self.cfg.qk_nope_head_dim,
-            self.cfg.qk_rope_head_dim,
-            self.cfg.v_head_dim,
-            self.nh,
-        );
+        let MlaDims {
+            qk_nope_head_dim: p,
+            qk_rope_head_dim: r,
+            v_head_dim: dv,
+            ..
+        } = self.cfg.dims();
+        let nh = self.nh;
         let ops = self.ops;
         let n = q_rows.len();
         let mut flat: Vec<usize> = keys.iter().flatten().copied().collect();
@@ -206,12 +210,13 @@ impl<O: Ops> RankAttn<'_, O> {
         out: &mut O::Buf,
         lse: &mut O::Buf,
     ) -> Result<()> {
-        let (p, r, dv, nh) = (
-            self.cfg.qk_nope_head_dim,
-            self.cfg.qk_rope_head_dim,
-            self.cfg.v_head_dim,
-            self.nh,
-        );
+        let MlaDims {
+            qk_nope_head_dim: p,
+            qk_rope_head_dim: r,
+            v_head_dim: dv,
+            ..
+        } = self.cfg.dims();
+        let nh = self.nh;
         if self.sel.is_none() {
             return self.ops.flash_attention(
                 q,

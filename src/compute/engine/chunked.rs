@@ -2,6 +2,7 @@
 //! cached context chunk by chunk and to themselves, the partial states merged by LSE.
 
 use super::*;
+use crate::model::config::MlaDims;
 
 /// Per sequence of the chunked path: (context length, new tokens).
 pub fn chunked_split(batch: &Batch, new_tokens: usize) -> Vec<(usize, usize)> {
@@ -29,13 +30,14 @@ pub(super) fn chunked_rank<O: Ops>(
     notes: &mut Vec<String>,
 ) -> Result<RankOut<O::Buf>> {
     let t = batch.n_tokens();
-    let (l, p, r, v, nh) = (
-        a.cfg.kv_lora_rank,
-        a.cfg.qk_nope_head_dim,
-        a.cfg.qk_rope_head_dim,
-        a.cfg.v_head_dim,
-        a.nh,
-    );
+    let MlaDims {
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        v_head_dim: v,
+        ..
+    } = a.cfg.dims();
+    let nh = a.nh;
     let ops = a.ops;
     let f = &a.opts.faults;
     let split = chunked_split(batch, a.opts.new_tokens);

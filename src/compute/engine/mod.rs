@@ -32,7 +32,7 @@ use crate::compute::path::{LayerInput, PathKind, PathOptions, PathRun, Unservabl
 use crate::core::batch::{Batch, SplitMix64};
 use crate::core::error::{Error, Result};
 use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
-use crate::model::config::{KvBLayout, MlaConfig};
+use crate::model::config::{KvBLayout, MlaConfig, MlaDims};
 use crate::model::weights::{RawSlice, SliceError, col_slice, row_slice, tensor_name};
 
 use attn::*;
@@ -160,7 +160,7 @@ pub fn run<O: Ops>(ops: &O, kind: PathKind, input: &LayerInput<'_>, opts: &PathO
         out = Some(r);
         Ok(())
     })?;
-    out.ok_or_else(|| Error::Usage(format!("path {kind} produced no run")))
+    out.ok_or_else(|| Error::Internal(format!("path {kind} produced no run")))
 }
 
 /// Runs `kinds` one after another on one layer, handing each finished run to `each` before the
@@ -259,14 +259,15 @@ fn run_loaded<O: Ops>(
         (Some(_), Some(forced)) => Some(forced.clone()),
         _ => own_sel,
     };
-    let (n, hd, l, p, r, v) = (
-        cfg.n_head,
-        cfg.hidden,
-        cfg.kv_lora_rank,
-        cfg.qk_nope_head_dim,
-        cfg.qk_rope_head_dim,
-        cfg.v_head_dim,
-    );
+    let MlaDims {
+        n_head: n,
+        hidden: hd,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     let q_k = cfg.q_lora_rank.unwrap_or(hd);
     let tp = opts.tp;
     let nh = n / tp;
@@ -276,7 +277,7 @@ fn run_loaded<O: Ops>(
             let q_proj = rw
                 .q_proj
                 .as_ref()
-                .ok_or_else(|| Error::Usage("engine: q_proj released under TP".into()))?;
+                .ok_or_else(|| Error::Internal("engine: q_proj released under TP".into()))?;
             rec(
                 ops,
                 &mut tr,

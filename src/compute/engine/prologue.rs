@@ -2,6 +2,7 @@
 //! the engine's cos/sin cache, and the DSA indexer's selection.
 
 use super::*;
+use crate::model::config::MlaDims;
 
 /// Inverse RoPE frequencies with YaRN, computed the way vLLM's `DeepseekScalingRotaryEmbedding`
 /// does (correction range from beta_fast/beta_slow, linear ramp, interpolation blend).
@@ -84,13 +85,14 @@ impl<B> Prologue<B> {
         let cfg = input.cfg;
         let layer = input.weights.layer;
         let t = input.batch.n_tokens();
-        let (hd, n, l, p, r) = (
-            cfg.hidden,
-            cfg.n_head,
-            cfg.kv_lora_rank,
-            cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim,
-        );
+        let MlaDims {
+            hidden: hd,
+            n_head: n,
+            kv_lora_rank: l,
+            qk_nope_head_dim: p,
+            qk_rope_head_dim: r,
+            ..
+        } = cfg.dims();
         let nh = n / self.q.len().max(1);
         rec(ops, tr, layer, Stage::HiddenIn, &[t, hd], &self.hidden)?;
         rec(ops, tr, layer, Stage::AttnIn, &[t, hd], &self.attn_in)?;
@@ -120,13 +122,14 @@ pub(super) fn prologue<O: Ops>(
     let cfg = input.cfg;
     let t = input.batch.n_tokens();
     let f = &opts.faults;
-    let (hd, n, l, p, r) = (
-        cfg.hidden,
-        cfg.n_head,
-        cfg.kv_lora_rank,
-        cfg.qk_nope_head_dim,
-        cfg.qk_rope_head_dim,
-    );
+    let MlaDims {
+        hidden: hd,
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        ..
+    } = cfg.dims();
     let tp = ew.ranks.len();
     let nh = n / tp;
     let eps = cfg.rms_eps as f32;
@@ -151,7 +154,7 @@ pub(super) fn prologue<O: Ops>(
             let kv_a = ops.linear(&attn_in, t, hd, kv_a_w, l + r)?;
             (None, hd, kv_a)
         }
-        _ => return Err(Error::Usage("engine: inconsistent q weights".into())),
+        _ => return Err(Error::Internal("engine: inconsistent q weights".into())),
     };
     let q_input = q_c_keep.as_ref().map_or(&attn_in, |(_, qcn)| qcn);
     // Column-parallel q projection, per rank.
@@ -162,7 +165,7 @@ pub(super) fn prologue<O: Ops>(
             let w = rw
                 .q_proj
                 .as_ref()
-                .ok_or_else(|| Error::Usage("engine: q_proj released".into()))?;
+                .ok_or_else(|| Error::Internal("engine: q_proj released".into()))?;
             ops.linear(q_input, t, q_k, w, nh * (p + r))
         })
         .collect::<Result<_>>()?;

@@ -3,6 +3,7 @@
 //! weight-loading faults act.
 
 use super::*;
+use crate::model::config::MlaDims;
 
 /// One TP rank's shards, as that rank's loader produced them.
 pub(super) struct RankWeights<B> {
@@ -116,14 +117,15 @@ impl<B> EngineWeights<B> {
         let cfg = input.cfg;
         let file = input.file;
         let layer = input.weights.layer;
-        let (n, h, l, p, r, v) = (
-            cfg.n_head,
-            cfg.hidden,
-            cfg.kv_lora_rank,
-            cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim,
-            cfg.v_head_dim,
-        );
+        let MlaDims {
+            n_head: n,
+            hidden: h,
+            kv_lora_rank: l,
+            qk_nope_head_dim: p,
+            qk_rope_head_dim: r,
+            v_head_dim: v,
+            ..
+        } = cfg.dims();
         let f = &opts.faults;
         let tp = opts.tp;
         let name = |s: &str| tensor_name(layer, s);

@@ -25,7 +25,7 @@ use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::judge::label::PathLabel;
 use crate::judge::metrics::{self, SiteDiff, Status, is_canary_like};
 use crate::judge::tolerance::{Precision, tolerance};
-use crate::model::config::{MlaConfig, RopeStyle};
+use crate::model::config::{MlaConfig, MlaDims, RopeStyle};
 use blocks::rel_l2;
 use blocks::{BlockMatch, find_blocks};
 
@@ -402,7 +402,13 @@ fn tp_rank_order(x: &SiteCtx<'_>) -> Detected {
 
 /// Reference kv_b rows regrouped per rank as `[all k rows | all v rows]`.
 fn grouped_kv_b_rows(kv_b: &[f64], cfg: &MlaConfig, tp: usize) -> Vec<f64> {
-    let (n, l, p, v) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
     let nh = n / tp;
     let mut out = Vec::with_capacity(kv_b.len());
     for rank in 0..tp {
@@ -417,143 +423,191 @@ fn grouped_kv_b_rows(kv_b: &[f64], cfg: &MlaConfig, tp: usize) -> Vec<f64> {
     out
 }
 
+/// The hint of a kv_b output split grouped per rank instead of per head.
+const KV_B_GROUPED_HINT: &str = "kv_b_proj rows are per head [k_nope_h | v_h]: view the output as [T, N, P+V] and \
+                                 split the last dim, not [all k_nope | all v]";
+/// The hint of `attn_k_b` reshaped instead of transposed.
+const K_B_UNTRANSPOSED_HINT: &str = "attn_k_b is stored [N, L, P] (transposed): kv_b / W_UK_T need \
+                                     k_b.transpose(1, 2), not a reshape of the same bytes";
+
+/// kv_b layout faults: rows grouped `[all k | all v]` per rank instead of per head, or `attn_k_b`
+/// reshaped instead of transposed, at the site where they show.
 fn kv_b_layout(x: &SiteCtx<'_>) -> Detected {
-    let cfg = x.input.cfg;
-    let (n, l, p, v) = (cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim);
-    let tp = x.input.tp.max(1);
-    let nh = n / tp;
-    let grouped_hint = "kv_b_proj rows are per head [k_nope_h | v_h]: view the output as [T, N, P+V] and split \
-                        the last dim, not [all k_nope | all v]";
-    let untransposed_hint = "attn_k_b is stored [N, L, P] (transposed): kv_b / W_UK_T need k_b.transpose(1, 2), \
-                             not a reshape of the same bytes";
-    let kv_b_ref = x.ref_site(Stage::WKvB).map(|t| t.to_f64());
-    // The untransposed hypothesis, per head: K rows [P, L] = reshape(k_b[h] as [L, P]).
-    let untransposed_k = |kvb: &[f64], h: usize| -> Vec<f64> {
-        let k_rows = &kvb[h * (p + v) * l..(h * (p + v) + p) * l]; // [P, L] = k_b[h]ᵀ
-        let mut kb = vec![0f64; l * p]; // k_b[h] as [L, P], row-major
-        for pi in 0..p {
-            for li in 0..l {
-                kb[li * p + pi] = k_rows[pi * l + li];
-            }
-        }
-        kb // read as [P, L] row-major: the reshape
-    };
     match x.site.stage {
-        Stage::WKvB => {
-            let kvb = kv_b_ref?;
-            let mut alt = kvb.clone();
-            for h in 0..n {
-                let k = untransposed_k(&kvb, h);
-                alt[h * (p + v) * l..(h * (p + v) + p) * l].copy_from_slice(&k);
-            }
-            if let Some(e) = x.explained_by(&alt) {
-                return Some((
-                    format!(
-                        "w.kv_b's k rows equal k_b reshaped [N, L, P] → [N, P, L] instead of transposed (rel_l2 {} vs {} as is)",
-                        fmt_e(e),
-                        fmt_e(x.as_is())
-                    ),
-                    untransposed_hint.into(),
-                ));
-            }
-            let e = x.explained_by(&grouped_kv_b_rows(&kvb, cfg, tp))?;
-            Some((
-                format!(
-                    "w.kv_b rows are grouped [all k | all v] per rank (rel_l2 {} vs {} as is)",
-                    fmt_e(e),
-                    fmt_e(x.as_is())
-                ),
-                grouped_hint.into(),
-            ))
-        }
-        Stage::KNope | Stage::V => {
-            let kn = x.ref_site(Stage::KNope)?;
-            let vv = x.ref_site(Stage::V)?;
-            let t = kn.shape[0];
-            let mut alt = Vec::with_capacity(x.cand.len());
-            for ti in 0..t {
-                for rank in 0..tp {
-                    // The rank's kv_b output row: per head [k_nope_h | v_h].
-                    let mut row = Vec::with_capacity(nh * (p + v));
-                    for h in rank * nh..(rank + 1) * nh {
-                        row.extend((0..p).map(|d| kn.get((ti * n + h) * p + d)));
-                        row.extend((0..v).map(|d| vv.get((ti * n + h) * v + d)));
-                    }
-                    if x.site.stage == Stage::KNope {
-                        alt.extend_from_slice(&row[..nh * p]);
-                    } else {
-                        alt.extend_from_slice(&row[nh * p..]);
-                    }
-                }
-            }
-            let e = x.explained_by(&alt)?;
-            Some((
-                format!(
-                    "{} equals the reference kv_b_proj output split grouped as [all k_nope | all v] (rel_l2 {} vs {} as is)",
-                    x.site.stage.name(),
-                    fmt_e(e),
-                    fmt_e(x.as_is())
-                ),
-                grouped_hint.into(),
-            ))
-        }
-        Stage::WUkT => {
-            let kvb = kv_b_ref?;
-            // Grouped: per rank, the first nh·P rows of the (per-head interleaved) kv_b, read as
-            // [nh, P, L].
-            let mut alt = Vec::with_capacity(n * p * l);
-            for rank in 0..tp {
-                let base = rank * nh * (p + v) * l;
-                alt.extend_from_slice(&kvb[base..base + nh * p * l]);
-            }
-            if let Some(e) = x.explained_by(&alt) {
-                return Some((
-                    format!(
-                        "W_UK_T equals kv_b's rows split grouped [all k | all v] (rel_l2 {} vs {} as is)",
-                        fmt_e(e),
-                        fmt_e(x.as_is())
-                    ),
-                    grouped_hint.into(),
-                ));
-            }
-            let alt: Vec<f64> = (0..n).flat_map(|h| untransposed_k(&kvb, h)).collect();
-            let e = x.explained_by(&alt)?;
-            Some((
-                format!(
-                    "W_UK_T equals k_b reshaped [N, L, P] → [N, P, L] instead of transposed (rel_l2 {} vs {} as is)",
-                    fmt_e(e),
-                    fmt_e(x.as_is())
-                ),
-                untransposed_hint.into(),
-            ))
-        }
-        Stage::WUv => {
-            let kvb = kv_b_ref?;
-            // Grouped: per rank, the last nh·V rows read as [nh, V, L], then permuted to [nh, L, V].
-            let mut alt = Vec::with_capacity(n * l * v);
-            for rank in 0..tp {
-                let base = rank * nh * (p + v) * l + nh * p * l;
-                let rows = &kvb[base..base + nh * v * l];
-                for h in 0..nh {
-                    for li in 0..l {
-                        for vi in 0..v {
-                            alt.push(rows[(h * v + vi) * l + li]);
-                        }
-                    }
-                }
-            }
-            let e = x.explained_by(&alt)?;
-            Some((
-                format!(
-                    "W_UV equals kv_b's rows split grouped [all k | all v] (rel_l2 {} vs {} as is)",
-                    fmt_e(e),
-                    fmt_e(x.as_is())
-                ),
-                grouped_hint.into(),
-            ))
-        }
+        Stage::WKvB => kv_b_layout_w_kv_b(x),
+        Stage::KNope | Stage::V => kv_b_layout_k_nope_v(x),
+        Stage::WUkT => kv_b_layout_w_uk_t(x),
+        Stage::WUv => kv_b_layout_w_uv(x),
         _ => None,
     }
+}
+
+/// The untransposed hypothesis for head `h` of the reference kv_b `kvb` [N·(P+V), L]: its K
+/// rows [P, L] as `attn_k_b[h]` [L, P] read with a reshape instead of a transpose.
+fn untransposed_k(kvb: &[f64], h: usize, l: usize, p: usize, v: usize) -> Vec<f64> {
+    let k_rows = &kvb[h * (p + v) * l..(h * (p + v) + p) * l]; // [P, L] = k_b[h]ᵀ
+    let mut kb = vec![0f64; l * p]; // k_b[h] as [L, P], row-major
+    for pi in 0..p {
+        for li in 0..l {
+            kb[li * p + pi] = k_rows[pi * l + li];
+        }
+    }
+    kb // read as [P, L] row-major: the reshape
+}
+
+/// `w.kv_b`: k rows reshaped instead of transposed, or rows grouped per rank.
+fn kv_b_layout_w_kv_b(x: &SiteCtx<'_>) -> Detected {
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        v_head_dim: v,
+        ..
+    } = x.input.cfg.dims();
+    let tp = x.input.tp.max(1);
+    let kvb = x.ref_site(Stage::WKvB)?.to_f64();
+    let mut alt = kvb.clone();
+    for h in 0..n {
+        let k = untransposed_k(&kvb, h, l, p, v);
+        alt[h * (p + v) * l..(h * (p + v) + p) * l].copy_from_slice(&k);
+    }
+    if let Some(e) = x.explained_by(&alt) {
+        return Some((
+            format!(
+                "w.kv_b's k rows equal k_b reshaped [N, L, P] → [N, P, L] instead of transposed (rel_l2 {} vs {} as is)",
+                fmt_e(e),
+                fmt_e(x.as_is())
+            ),
+            K_B_UNTRANSPOSED_HINT.into(),
+        ));
+    }
+    let e = x.explained_by(&grouped_kv_b_rows(&kvb, x.input.cfg, tp))?;
+    Some((
+        format!(
+            "w.kv_b rows are grouped [all k | all v] per rank (rel_l2 {} vs {} as is)",
+            fmt_e(e),
+            fmt_e(x.as_is())
+        ),
+        KV_B_GROUPED_HINT.into(),
+    ))
+}
+
+/// `k_nope`/`v`: the reference kv_b output split grouped `[all k_nope | all v]` per rank.
+fn kv_b_layout_k_nope_v(x: &SiteCtx<'_>) -> Detected {
+    let MlaDims {
+        n_head: n,
+        qk_nope_head_dim: p,
+        v_head_dim: v,
+        ..
+    } = x.input.cfg.dims();
+    let tp = x.input.tp.max(1);
+    let nh = n / tp;
+    let kn = x.ref_site(Stage::KNope)?;
+    let vv = x.ref_site(Stage::V)?;
+    let t = kn.shape[0];
+    let mut alt = Vec::with_capacity(x.cand.len());
+    for ti in 0..t {
+        for rank in 0..tp {
+            // The rank's kv_b output row: per head [k_nope_h | v_h].
+            let mut row = Vec::with_capacity(nh * (p + v));
+            for h in rank * nh..(rank + 1) * nh {
+                row.extend((0..p).map(|d| kn.get((ti * n + h) * p + d)));
+                row.extend((0..v).map(|d| vv.get((ti * n + h) * v + d)));
+            }
+            if x.site.stage == Stage::KNope {
+                alt.extend_from_slice(&row[..nh * p]);
+            } else {
+                alt.extend_from_slice(&row[nh * p..]);
+            }
+        }
+    }
+    let e = x.explained_by(&alt)?;
+    Some((
+        format!(
+            "{} equals the reference kv_b_proj output split grouped as [all k_nope | all v] (rel_l2 {} vs {} as is)",
+            x.site.stage.name(),
+            fmt_e(e),
+            fmt_e(x.as_is())
+        ),
+        KV_B_GROUPED_HINT.into(),
+    ))
+}
+
+/// `W_UK_T`: kv_b's rows split grouped per rank, or `attn_k_b` reshaped instead of transposed.
+fn kv_b_layout_w_uk_t(x: &SiteCtx<'_>) -> Detected {
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        v_head_dim: v,
+        ..
+    } = x.input.cfg.dims();
+    let tp = x.input.tp.max(1);
+    let nh = n / tp;
+    let kvb = x.ref_site(Stage::WKvB)?.to_f64();
+    // Grouped: per rank, the first nh·P rows of the (per-head interleaved) kv_b, read as
+    // [nh, P, L].
+    let mut alt = Vec::with_capacity(n * p * l);
+    for rank in 0..tp {
+        let base = rank * nh * (p + v) * l;
+        alt.extend_from_slice(&kvb[base..base + nh * p * l]);
+    }
+    if let Some(e) = x.explained_by(&alt) {
+        return Some((
+            format!(
+                "W_UK_T equals kv_b's rows split grouped [all k | all v] (rel_l2 {} vs {} as is)",
+                fmt_e(e),
+                fmt_e(x.as_is())
+            ),
+            KV_B_GROUPED_HINT.into(),
+        ));
+    }
+    let alt: Vec<f64> = (0..n).flat_map(|h| untransposed_k(&kvb, h, l, p, v)).collect();
+    let e = x.explained_by(&alt)?;
+    Some((
+        format!(
+            "W_UK_T equals k_b reshaped [N, L, P] → [N, P, L] instead of transposed (rel_l2 {} vs {} as is)",
+            fmt_e(e),
+            fmt_e(x.as_is())
+        ),
+        K_B_UNTRANSPOSED_HINT.into(),
+    ))
+}
+
+/// `W_UV`: kv_b's rows split grouped per rank.
+fn kv_b_layout_w_uv(x: &SiteCtx<'_>) -> Detected {
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        v_head_dim: v,
+        ..
+    } = x.input.cfg.dims();
+    let tp = x.input.tp.max(1);
+    let nh = n / tp;
+    let kvb = x.ref_site(Stage::WKvB)?.to_f64();
+    // Grouped: per rank, the last nh·V rows read as [nh, V, L], then permuted to [nh, L, V].
+    let mut alt = Vec::with_capacity(n * l * v);
+    for rank in 0..tp {
+        let base = rank * nh * (p + v) * l + nh * p * l;
+        let rows = &kvb[base..base + nh * v * l];
+        for h in 0..nh {
+            for li in 0..l {
+                for vi in 0..v {
+                    alt.push(rows[(h * v + vi) * l + li]);
+                }
+            }
+        }
+    }
+    let e = x.explained_by(&alt)?;
+    Some((
+        format!(
+            "W_UV equals kv_b's rows split grouped [all k | all v] (rel_l2 {} vs {} as is)",
+            fmt_e(e),
+            fmt_e(x.as_is())
+        ),
+        KV_B_GROUPED_HINT.into(),
+    ))
 }
 
 /// NeoX rotation of rope vectors `[rows, R]` at per-row positions, f64.
@@ -568,7 +622,12 @@ fn rotate(data: &[f64], r: usize, positions: &[usize], inv_freq: &[f64], style: 
 
 fn rope_style(x: &SiteCtx<'_>) -> Detected {
     let cfg = x.input.cfg;
-    let (n, p, r) = (cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim);
+    let MlaDims {
+        n_head: n,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        ..
+    } = cfg.dims();
     let pos = x.input.batch.positions();
     let inv = rope_inv_freq(cfg);
     let (raw, positions): (Vec<f64>, Vec<usize>) = match x.site.stage {
@@ -657,13 +716,14 @@ impl AttnRecompute {
     /// [`AttnRecompute::build`] for `stage` (of the same layer) instead of the failing site's.
     fn build_for(x: &SiteCtx<'_>, stage: Stage) -> Option<Self> {
         let cfg = x.input.cfg;
-        let (n, l, p, r, v) = (
-            cfg.n_head,
-            cfg.kv_lora_rank,
-            cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim,
-            cfg.v_head_dim,
-        );
+        let MlaDims {
+            n_head: n,
+            kv_lora_rank: l,
+            qk_nope_head_dim: p,
+            qk_rope_head_dim: r,
+            v_head_dim: v,
+            ..
+        } = cfg.dims();
         let q = x.ref_site(Stage::Q)?;
         let qpe = x.ref_site(Stage::QPeRoped)?;
         let kn = x.ref_site(Stage::KNope)?;

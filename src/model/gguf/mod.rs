@@ -699,6 +699,114 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// `general.alignment` (default [`DEFAULT_ALIGNMENT`]).
+///
+/// Errors: [`Error::GgufFormat`] for a value that is not a u32 power of two that is a multiple
+/// of 8.
+fn alignment_of(c: &Cursor<'_>, metadata: &[(String, MetaValue)]) -> Result<u64> {
+    let Some((_, v)) = metadata.iter().find(|(k, _)| k == "general.alignment") else {
+        return Ok(DEFAULT_ALIGNMENT);
+    };
+    let a = match v {
+        MetaValue::U32(a) => *a as u64,
+        other => {
+            return Err(c.err(
+                0,
+                "general.alignment",
+                format!("must be u32, found {}", other.type_name()),
+            ));
+        }
+    };
+    if a == 0 || !a.is_power_of_two() || a % 8 != 0 {
+        return Err(c.err(
+            0,
+            "general.alignment",
+            format!("{a} is not a power of two that is a multiple of 8 (gguf.md)"),
+        ));
+    }
+    Ok(a)
+}
+
+/// Reads the rest of the info of tensor `name` at the cursor: its dims, ggml type and data
+/// offset, with its byte size.
+///
+/// Errors: [`Error::GgufFormat`] for 0 or more than [`MAX_DIMS`] dims, a dim out of range, an
+/// element count or byte size that overflows, a row length that is not a whole number of
+/// blocks, an offset off the alignment; [`Error::UnsupportedType`] for an unknown type id.
+fn read_tensor_info(c: &mut Cursor<'_>, name: String, alignment: u64) -> Result<TensorInfo> {
+    let nd_at = c.pos;
+    let n_dims = c.u32(&|| format!("{name}: n_dims"))?;
+    if n_dims == 0 || n_dims > MAX_DIMS {
+        return Err(c.err(
+            nd_at,
+            &format!("{name}: n_dims"),
+            format!("{n_dims} dims; must be 1..={MAX_DIMS}"),
+        ));
+    }
+    let mut ne = Vec::with_capacity(n_dims as usize);
+    for d in 0..n_dims {
+        let at = c.pos;
+        let v = c.u64(&|| format!("{name}: ne[{d}]"))?;
+        if v == 0 || v > i64::MAX as u64 {
+            return Err(c.err(at, &format!("{name}: ne[{d}]"), format!("dim {v} out of range")));
+        }
+        ne.push(v);
+    }
+    let n_el = ne
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d).filter(|&p| p <= i64::MAX as u64))
+        .ok_or_else(|| {
+            c.err(
+                nd_at,
+                &format!("{name}: ne"),
+                format!("dims {ne:?}: element count overflows"),
+            )
+        })?;
+    let ty_at = c.pos;
+    let type_id = c.u32(&|| format!("{name}: type"))?;
+    let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| Error::UnsupportedType {
+        path: c.path.to_path_buf(),
+        tensor: name.clone(),
+        type_id,
+        reason: format!("unknown ggml type (tensor info at byte {ty_at})"),
+    })?;
+    if ne[0] % ggml_type.block_size() != 0 {
+        return Err(c.err(
+            nd_at,
+            &format!("{name}: ne[0]"),
+            format!(
+                "row length {} is not a multiple of the {} block size {}",
+                ne[0],
+                ggml_type,
+                ggml_type.block_size()
+            ),
+        ));
+    }
+    let n_bytes = ggml_type.bytes_for(n_el).ok_or_else(|| {
+        c.err(
+            nd_at,
+            &format!("{name}: ne"),
+            format!("byte size of {n_el} {ggml_type} elements overflows"),
+        )
+    })?;
+    let off_at = c.pos;
+    let offset = c.u64(&|| format!("{name}: offset"))?;
+    if offset % alignment != 0 {
+        return Err(c.err(
+            off_at,
+            &format!("{name}: offset"),
+            format!("offset {offset} is not a multiple of the alignment {alignment}"),
+        ));
+    }
+    Ok(TensorInfo {
+        name,
+        ne,
+        ggml_type,
+        offset,
+        n_bytes,
+    })
+}
+
 /// Parses and validates everything before the data section.
 fn parse_header(path: &Path, buf: &[u8]) -> Result<Header> {
     let mut c = Cursor { buf, pos: 0, path };
@@ -754,27 +862,7 @@ fn parse_header(path: &Path, buf: &[u8]) -> Result<Header> {
         metadata.push((key, v));
     }
 
-    let mut alignment = DEFAULT_ALIGNMENT;
-    if let Some((_, v)) = metadata.iter().find(|(k, _)| k == "general.alignment") {
-        let a = match v {
-            MetaValue::U32(a) => *a as u64,
-            other => {
-                return Err(c.err(
-                    0,
-                    "general.alignment",
-                    format!("must be u32, found {}", other.type_name()),
-                ));
-            }
-        };
-        if a == 0 || !a.is_power_of_two() || a % 8 != 0 {
-            return Err(c.err(
-                0,
-                "general.alignment",
-                format!("{a} is not a power of two that is a multiple of 8 (gguf.md)"),
-            ));
-        }
-        alignment = a;
-    }
+    let alignment = alignment_of(&c, &metadata)?;
 
     // Checked after the metadata, against the bytes that are left for the tensor index, so a
     // file truncated inside the metadata is reported at the metadata field that is cut.
@@ -800,77 +888,7 @@ fn parse_header(path: &Path, buf: &[u8]) -> Result<Header> {
                 format!("duplicate tensor name `{name}` (also tensor_info[{prev}])"),
             ));
         }
-        let nd_at = c.pos;
-        let n_dims = c.u32(&|| format!("{name}: n_dims"))?;
-        if n_dims == 0 || n_dims > MAX_DIMS {
-            return Err(c.err(
-                nd_at,
-                &format!("{name}: n_dims"),
-                format!("{n_dims} dims; must be 1..={MAX_DIMS}"),
-            ));
-        }
-        let mut ne = Vec::with_capacity(n_dims as usize);
-        for d in 0..n_dims {
-            let at = c.pos;
-            let v = c.u64(&|| format!("{name}: ne[{d}]"))?;
-            if v == 0 || v > i64::MAX as u64 {
-                return Err(c.err(at, &format!("{name}: ne[{d}]"), format!("dim {v} out of range")));
-            }
-            ne.push(v);
-        }
-        let n_el = ne
-            .iter()
-            .try_fold(1u64, |acc, &d| acc.checked_mul(d).filter(|&p| p <= i64::MAX as u64))
-            .ok_or_else(|| {
-                c.err(
-                    nd_at,
-                    &format!("{name}: ne"),
-                    format!("dims {ne:?}: element count overflows"),
-                )
-            })?;
-        let ty_at = c.pos;
-        let type_id = c.u32(&|| format!("{name}: type"))?;
-        let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| Error::UnsupportedType {
-            path: path.to_path_buf(),
-            tensor: name.clone(),
-            type_id,
-            reason: format!("unknown ggml type (tensor info at byte {ty_at})"),
-        })?;
-        if ne[0] % ggml_type.block_size() != 0 {
-            return Err(c.err(
-                nd_at,
-                &format!("{name}: ne[0]"),
-                format!(
-                    "row length {} is not a multiple of the {} block size {}",
-                    ne[0],
-                    ggml_type,
-                    ggml_type.block_size()
-                ),
-            ));
-        }
-        let n_bytes = ggml_type.bytes_for(n_el).ok_or_else(|| {
-            c.err(
-                nd_at,
-                &format!("{name}: ne"),
-                format!("byte size of {n_el} {ggml_type} elements overflows"),
-            )
-        })?;
-        let off_at = c.pos;
-        let offset = c.u64(&|| format!("{name}: offset"))?;
-        if offset % alignment != 0 {
-            return Err(c.err(
-                off_at,
-                &format!("{name}: offset"),
-                format!("offset {offset} is not a multiple of the alignment {alignment}"),
-            ));
-        }
-        tensors.push(TensorInfo {
-            name,
-            ne,
-            ggml_type,
-            offset,
-            n_bytes,
-        });
+        tensors.push(read_tensor_info(&mut c, name, alignment)?);
     }
 
     let end_of_infos = c.pos as u64;

@@ -313,7 +313,7 @@ impl MergeCase {
         let mut lses = ops.canary(splits * n * nh).unwrap();
         let mut out = ops.canary(n * nh * l).unwrap();
         let mut lse = ops.canary(n * nh).unwrap();
-        let mut counters = ops.stream().alloc_zeros::<i32>(n * nh.div_ceil(cfg.hm)).unwrap();
+        let mut counters = ops.stream().alloc_zeros::<i32>(n * nh.div_ceil(cfg.heads)).unwrap();
         let merge = merged.then_some(DecodeMerge {
             out: &mut out,
             lse: &mut lse,

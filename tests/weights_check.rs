@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use crate::common::{repo, run_bin};
-use mla_diff::compute::reference::{assemble_kv_b, f64m};
+use mla_diff::compute::reference::{assemble_kv_b, widen_to_f64};
 use mla_diff::model::config::{MlaConfig, MlaDims};
 use mla_diff::model::gguf::GgufFile;
 use mla_diff::model::weights::{LayerWeights, QWeights};
@@ -35,11 +35,11 @@ fn engine_weights(model: &str, layer: usize, tp: usize) -> (MlaConfig, Tensors) 
     let QWeights::Lora { q_a, q_b, .. } = &w.q else {
         panic!("needs q_lora")
     };
-    let fused = concatenate(Axis(0), &[f64m(q_a).view(), f64m(&w.kv_a_mqa).view()]).unwrap();
+    let fused = concatenate(Axis(0), &[widen_to_f64(q_a).view(), widen_to_f64(&w.kv_a_mqa).view()]).unwrap();
     put(format!("L{layer}.fused_qkv_a_proj"), fused);
     let kv_b = assemble_kv_b(&cfg, &w.kv_b);
-    let qb = f64m(q_b);
-    let o = f64m(&w.o_proj);
+    let qb = widen_to_f64(q_b);
+    let o = widen_to_f64(&w.o_proj);
     for rank in 0..tp {
         let h = rank * nh..(rank + 1) * nh;
         put(

@@ -26,13 +26,13 @@ pub fn wave_splits(blocks: usize, slots: usize, max_splits: usize) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct DecodeCfg {
     /// Heads per block (the MMA's M), a multiple of 16.
-    pub hm: usize,
+    pub heads: usize,
     /// Warps per consumer team (per block with one team).
     pub warps: usize,
     /// Parts the W dimension of Q·Kᵀ is cut into.
     pub parts: usize,
     /// Q fragments held in registers.
-    pub qreg: bool,
+    pub q_in_registers: bool,
     /// Cache tiles in the cp.async pipeline.
     pub stages: usize,
     /// Blocks per SM the register allocation must allow (`__launch_bounds__`).
@@ -51,7 +51,7 @@ pub struct DecodeCfg {
     pub cluster: bool,
     /// Hopper's warpgroup MMA (`FD_WG`: `wgmma.mma_async`, compiled for sm_90a) instead of
     /// `mma.sync`: 64 heads and 64 cache rows per tile, two warpgroups, FlashMLA's layout (see
-    /// fast_decode.cu). Needs `hm` 64, `warps` 8, `stages` 2, no TMA, cluster, fused softmax or
+    /// fast_decode.cu). Needs `heads` 64, `warps` 8, `stages` 2, no TMA, cluster, fused softmax or
     /// QREG; runs only on sm_90 ([`supports_wgmma`]) with L a multiple of 128 and L+R ≤ 576
     /// ([`DecodeCfg::wgmma_fits`]).
     pub wgmma: bool,
@@ -129,10 +129,10 @@ impl DecodeCfg {
     /// producer warp, double-buffered, two blocks per SM, the merge through global memory (the
     /// N < 64 default before the teams block).
     pub const TMA16: DecodeCfg = DecodeCfg {
-        hm: 16,
+        heads: 16,
         warps: 8,
         parts: 2,
-        qreg: false,
+        q_in_registers: false,
         stages: 2,
         min_blocks: 2,
         fused: false,
@@ -148,10 +148,10 @@ impl DecodeCfg {
     /// [`DecodeCfg::cluster_size`] allows. With 5 stages (`16,4,1,0,5,1,0,4,1,0,2`) a team also
     /// waits for the other team's release of a stage: 2.5–3 % slower on the H200 (BENCHMARKS.md).
     pub const TEAMS: DecodeCfg = DecodeCfg {
-        hm: 16,
+        heads: 16,
         warps: 4,
         parts: 1,
-        qreg: false,
+        q_in_registers: false,
         stages: 4,
         min_blocks: 1,
         fused: false,
@@ -163,10 +163,10 @@ impl DecodeCfg {
 
     /// The wgmma block (`64,8,1,0,2,1,0,0,0,1`): 64 heads, two warpgroups, one block per SM.
     pub const WGMMA: DecodeCfg = DecodeCfg {
-        hm: 64,
+        heads: 64,
         warps: 8,
         parts: 1,
-        qreg: false,
+        q_in_registers: false,
         stages: 2,
         min_blocks: 1,
         fused: false,
@@ -241,10 +241,10 @@ impl DecodeCfg {
         let v = cfg_fields::parse_fields(s, &Self::FIELDS)
             .map_err(|e| Error::cuda(format!("decode configuration `{s}`: {e}")))?;
         let c = DecodeCfg {
-            hm: v[0],
+            heads: v[0],
             warps: v[1],
             parts: v[2],
-            qreg: v[3] != 0,
+            q_in_registers: v[3] != 0,
             stages: v[4],
             min_blocks: v[5],
             fused: v[6] != 0,
@@ -262,11 +262,11 @@ impl DecodeCfg {
         }
         if c.wgmma
             && (
-                c.hm,
+                c.heads,
                 c.warps,
                 c.stages,
                 c.min_blocks,
-                c.qreg,
+                c.q_in_registers,
                 c.fused,
                 c.tma(),
                 c.cluster,
@@ -331,9 +331,9 @@ impl DecodeCfg {
     }
 
     fn check(&self) -> Result<()> {
-        let mt = self.hm / 16;
-        let ok = self.hm >= 16
-            && self.hm.is_multiple_of(16)
+        let mt = self.heads / 16;
+        let ok = self.heads >= 16
+            && self.heads.is_multiple_of(16)
             && self.warps >= 1
             && (1..=2).contains(&self.teams)
             && (self.producers == 0 || 32usize.is_multiple_of(self.producers))
@@ -343,7 +343,7 @@ impl DecodeCfg {
             && (1..=4).contains(&self.min_blocks)
             && self.warps.is_multiple_of(mt * self.parts)
             && 4usize.is_multiple_of(self.warps / (mt * self.parts))
-            && (self.hm < self.warps || self.hm.is_multiple_of(self.warps))
+            && (self.heads < self.warps || self.heads.is_multiple_of(self.warps))
             && (self.tma() || !self.cluster)
             && (self.teams == 1 || self.team_valid(self.stages));
         if ok {
@@ -399,24 +399,24 @@ impl DecodeCfg {
     fn sums_at(&self, width: usize) -> usize {
         let ld = width + 8;
         let sbuf = 1 + usize::from(self.tma());
-        self.hm * ld * 2
+        self.heads * ld * 2
             + self.stages * 32 * ld * 2
-            + self.teams * (sbuf * self.parts * self.hm * 40 * 4 + self.hm * 40 * 2 + self.hm * 4)
+            + self.teams * (sbuf * self.parts * self.heads * 40 * 4 + self.heads * 40 * 2 + self.heads * 4)
     }
 
-    /// True when a block's partial output `[hm, dv]` f32 (row stride dv+8), the cluster merge's
+    /// True when a block's partial output `[heads, dv]` f32 (row stride dv+8), the cluster merge's
     /// per-head state for a cluster of `c` (0: no cluster) and, with teams, the other teams'
-    /// weighted partials `[teams−1, hm, dv]` fit in the shared memory below its final sums,
+    /// weighted partials `[teams−1, heads, dv]` fit in the shared memory below its final sums,
     /// for cache rows of `width` = L+R (the `#error` check of fast_decode.cu). At W = 576,
     /// L = 512 this holds for 16 and 64 heads (33 KB of 105 KB; 131 KB of 196 KB with TMA) and
     /// for the teams block (67 KB of 181 KB).
     pub fn cluster_fits(&self, width: usize, dv: usize, c: usize) -> bool {
         let own = if c > 0 {
-            (self.hm * (dv + 8) + (2 * c + 3) * self.hm).div_ceil(4) * 4
+            (self.heads * (dv + 8) + (2 * c + 3) * self.heads).div_ceil(4) * 4
         } else {
             0
         };
-        (own + (self.teams - 1) * self.hm * (dv + 8)) * 4 <= self.sums_at(width)
+        (own + (self.teams - 1) * self.heads * (dv + 8)) * 4 <= self.sums_at(width)
     }
 
     /// `-D` defines of this configuration with the fused merge (`FD_CLUSTER=0`).
@@ -428,10 +428,10 @@ impl DecodeCfg {
     /// (0: the fused merge; see [`DecodeCfg::cluster_size`]).
     pub fn defines_for(&self, cluster: usize) -> Vec<(&'static str, usize)> {
         vec![
-            ("FD_HM", self.hm),
+            ("FD_HM", self.heads),
             ("FD_WARPS", self.warps),
             ("FD_P", self.parts),
-            ("FD_QREG", usize::from(self.qreg)),
+            ("FD_QREG", usize::from(self.q_in_registers)),
             ("FD_STAGES", self.stages),
             ("FD_MINB", self.min_blocks),
             ("FD_FUSED", usize::from(self.fused)),
@@ -458,7 +458,7 @@ impl DecodeCfg {
             return 3 * tile + 64 * 128 + 2 * 64 * 4 + 2 * 64 * 8 + 1024;
         }
         let finals = if self.teams > 1 { 2 } else { 1 };
-        self.sums_at(width) + finals * self.teams * self.hm * 4
+        self.sums_at(width) + finals * self.teams * self.heads * 4
     }
 
     /// Short label, e.g. `hm16 w8 p2 qreg s4 fused` (` b2` when two blocks per SM are asked
@@ -468,10 +468,10 @@ impl DecodeCfg {
     pub fn label(&self) -> String {
         format!(
             "hm{} w{} p{} {} s{}{}{}{}{}{}{}",
-            self.hm,
+            self.heads,
             self.warps,
             self.parts,
-            if self.qreg { "qreg" } else { "qsmem" },
+            if self.q_in_registers { "qreg" } else { "qsmem" },
             self.stages,
             if self.min_blocks > 1 {
                 format!(" b{}", self.min_blocks)

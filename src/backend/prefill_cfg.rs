@@ -29,7 +29,7 @@ pub struct PrefillCfg {
     pub stages: usize,
     /// Q's A fragments in registers, loaded once from global memory (no Q tile in shared
     /// memory); false: Q in shared memory, read with `ldmatrix` at every tile.
-    pub qreg: bool,
+    pub q_in_registers: bool,
     /// Blocks per SM the register allocation must allow (`__launch_bounds__`, 1..=4).
     pub min_blocks: usize,
 }
@@ -45,7 +45,7 @@ impl Default for PrefillCfg {
             mt: 1,
             bk: 64,
             stages: 2,
-            qreg: false,
+            q_in_registers: false,
             min_blocks: 1,
         }
     }
@@ -100,7 +100,7 @@ impl PrefillCfg {
             mt,
             bk,
             stages,
-            qreg: qreg == 1,
+            q_in_registers: qreg == 1,
             min_blocks,
         };
         c.check()?;
@@ -125,7 +125,7 @@ impl PrefillCfg {
     pub fn check(&self) -> Result<()> {
         let ok = (1..=16).contains(&self.warps)
             && matches!(self.mt, 1 | 2)
-            && !(self.qreg && self.mt > 1)
+            && !(self.q_in_registers && self.mt > 1)
             && matches!(self.bk, 32 | 64)
             && (2..=4).contains(&self.stages)
             && (1..=4).contains(&self.min_blocks);
@@ -152,7 +152,11 @@ impl PrefillCfg {
     /// (bf16 rows padded by 8 elements) and, without `qreg`, the Q tile.
     pub fn smem(&self, dqk: usize, dv: usize) -> usize {
         let stage = self.bk * ((dqk + 8) + (dv + 8));
-        let q = if self.qreg { 0 } else { self.rows() * (dqk + 8) };
+        let q = if self.q_in_registers {
+            0
+        } else {
+            self.rows() * (dqk + 8)
+        };
         (self.stages * stage + q) * 2
     }
 
@@ -166,8 +170,8 @@ impl PrefillCfg {
                 self.stages -= 1;
             } else if self.bk > 32 {
                 self.bk = 32;
-            } else if !self.qreg && self.mt == 1 {
-                self.qreg = true;
+            } else if !self.q_in_registers && self.mt == 1 {
+                self.q_in_registers = true;
             } else {
                 break;
             }
@@ -179,8 +183,11 @@ impl PrefillCfg {
     /// `dqk` > 256 (Q in registers would take `dqk/4` registers per thread and spill), then
     /// [`PrefillCfg::fit`].
     pub fn for_shape(self, dqk: usize, dv: usize) -> Self {
-        let c = if self.qreg && dqk > 256 {
-            PrefillCfg { qreg: false, ..self }
+        let c = if self.q_in_registers && dqk > 256 {
+            PrefillCfg {
+                q_in_registers: false,
+                ..self
+            }
         } else {
             self
         };
@@ -194,7 +201,7 @@ impl PrefillCfg {
             ("FP_MT", self.mt),
             ("FP_BK", self.bk),
             ("FP_STAGES", self.stages),
-            ("FP_QREG", usize::from(self.qreg)),
+            ("FP_QREG", usize::from(self.q_in_registers)),
             ("FP_MINB", self.min_blocks),
         ]
     }
@@ -212,7 +219,7 @@ impl PrefillCfg {
             },
             self.bk,
             self.stages,
-            if self.qreg { "qreg" } else { "qsmem" },
+            if self.q_in_registers { "qreg" } else { "qsmem" },
             if self.min_blocks > 1 {
                 format!(" b{}", self.min_blocks)
             } else {
@@ -263,7 +270,7 @@ mod tests {
                 mt: 1,
                 bk: 32,
                 stages: 3,
-                qreg: false,
+                q_in_registers: false,
                 min_blocks: 2
             }
         );
@@ -301,7 +308,10 @@ mod tests {
         assert_eq!(d.smem(192, 128), 2 * 43008 + 25600, "the Q tile adds 64·200·2 bytes");
         // Two such blocks fit an SM.
         assert!(2 * d.smem(192, 128) <= MAX_SMEM);
-        let q = PrefillCfg { qreg: true, ..d };
+        let q = PrefillCfg {
+            q_in_registers: true,
+            ..d
+        };
         assert_eq!(q.smem(192, 128), 2 * 43008);
         // 32-key tiles halve each stage.
         let s3 = PrefillCfg::parse("4,32,3,1,3").unwrap();
@@ -320,7 +330,7 @@ mod tests {
         assert_eq!((f.stages, f.bk), (2, 32));
         // Past 256, Q leaves the registers when shared memory allows it.
         let wide = PrefillCfg::default().for_shape(512, 512);
-        assert!(!wide.qreg && wide.smem(512, 512) <= MAX_SMEM, "{wide:?}");
+        assert!(!wide.q_in_registers && wide.smem(512, 512) <= MAX_SMEM, "{wide:?}");
         assert_eq!(PrefillCfg::default().for_shape(192, 128), PrefillCfg::default());
     }
 }

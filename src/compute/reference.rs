@@ -46,7 +46,7 @@ pub struct RefLayer {
 }
 
 /// Widens an f32 matrix to f64 (exact).
-pub fn f64m(a: &Array2<f32>) -> Array2<f64> {
+pub fn widen_to_f64(a: &Array2<f32>) -> Array2<f64> {
     a.mapv(f64::from)
 }
 
@@ -69,7 +69,7 @@ fn linear(x: &Array2<f64>, w: &Array2<f64>) -> Array2<f64> {
 }
 
 /// [`linear`] with f32 weights, widened to f64 (exactly) one block at a time inside each work
-/// item: the same bits as `linear(x, &f64m(w))` without a whole f64 copy of W (940 MB for
+/// item: the same bits as `linear(x, &widen_to_f64(w))` without a whole f64 copy of W (940 MB for
 /// DeepSeek-V3's `o_proj`).
 fn linear32(x: &Array2<f64>, w: &Array2<f32>) -> Array2<f64> {
     linear_blocks(x, w.nrows(), |r| CowArray::from(w.slice(s![r, ..]).mapv(f64::from)))
@@ -208,7 +208,7 @@ pub fn assemble_kv_b(cfg: &MlaConfig, w: &KvBWeights) -> Array2<f64> {
         ..
     } = cfg.dims();
     match w {
-        KvBWeights::Fused { kv_b } => f64m(kv_b),
+        KvBWeights::Fused { kv_b } => widen_to_f64(kv_b),
         KvBWeights::Split { k_b, v_b } => {
             let mut out = Array2::<f64>::zeros((n * (p + v), l));
             for h in 0..n {
@@ -318,8 +318,8 @@ pub fn forward_sel(
     let mut q_c_normed_keep: Option<Array2<f64>> = None;
     let q_flat = match &w.q {
         QWeights::Lora { q_a, q_a_norm, q_b } => {
-            let kv_a_w = f64m(&w.kv_a_mqa);
-            let q_a = f64m(q_a);
+            let kv_a_w = widen_to_f64(&w.kv_a_mqa);
+            let q_a = widen_to_f64(q_a);
             let fused = ndarray::concatenate(Axis(0), &[q_a.view(), kv_a_w.view()])
                 .map_err(|e| Error::Internal(e.to_string()))?;
             rec_weight(&mut tr, layer, Stage::WFusedQkvA, &fused);
@@ -838,12 +838,12 @@ fn top_k(v: &[f64], k: usize) -> Vec<usize> {
 
 /// `down(silu(gate·x) ⊙ up·x)` for every row of `x` [T, H] → [T, H], f64 accumulation.
 fn swiglu(x: &Array2<f64>, f: &SwiGlu) -> Array2<f64> {
-    let gate = linear(x, &f64m(&f.gate));
-    let up = linear(x, &f64m(&f.up));
+    let gate = linear(x, &widen_to_f64(&f.gate));
+    let up = linear(x, &widen_to_f64(&f.up));
     let act = ndarray::Zip::from(&gate)
         .and(&up)
         .map_collect(|&g, &u| g / (1.0 + (-g).exp()) * u);
-    linear(&act, &f64m(&f.down))
+    linear(&act, &widen_to_f64(&f.down))
 }
 
 /// The MoE FFN of one layer on `h1` [T, H] (the residual stream after attention), recording
@@ -879,7 +879,7 @@ pub fn moe_ffn(
     }
     let mut nonfinite = mw.nonfinite();
     let x = rms_norm(h1.view(), mw.norm.view(), cfg.rms_eps);
-    let logits = linear(&x, &f64m(&mw.router));
+    let logits = linear(&x, &widen_to_f64(&mw.router));
     rec2(trace, layer, Stage::MoeRouterLogits, &logits);
 
     let mut selected = Vec::with_capacity(t);
@@ -972,11 +972,11 @@ pub fn rank_weight_sites(cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> Trace 
     } = cfg.dims();
     let nh = n / tp;
     let q = match &w.q {
-        QWeights::Lora { q_b, .. } => f64m(q_b),
-        QWeights::Direct { q } => f64m(q),
+        QWeights::Lora { q_b, .. } => widen_to_f64(q_b),
+        QWeights::Direct { q } => widen_to_f64(q),
     };
     let kv_b = assemble_kv_b(cfg, &w.kv_b);
-    let o = f64m(&w.o_proj);
+    let o = widen_to_f64(&w.o_proj);
     for rank in 0..tp {
         let rk = rank as u32;
         let heads = rank * nh..(rank + 1) * nh;
@@ -1180,9 +1180,9 @@ mod tests {
         let ws = crate::core::batch::normal_f32(2, o * k);
         let x = Array2::from_shape_vec((t, k), xs.iter().map(|&v| v as f64 * 1.7).collect()).unwrap();
         let w = Array2::from_shape_vec((o, k), ws).unwrap();
-        let plain = x.dot(&f64m(&w).t());
+        let plain = x.dot(&widen_to_f64(&w).t());
         let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-        let expected = one.install(|| linear(&x, &f64m(&w)));
+        let expected = one.install(|| linear(&x, &widen_to_f64(&w)));
         // Another f64 GEMM agrees to rounding: |Δ| ≤ 1e-13·‖row‖₁ bounds K = 700 roundings.
         for ((g, e), row) in expected.iter().zip(&plain).zip(0..) {
             let bound = 1e-13 * x.row(row / o).iter().map(|v| v.abs()).sum::<f64>() * 5.0;
@@ -1190,7 +1190,7 @@ mod tests {
         }
         for threads in [1, 2, 3] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-            let (a, b) = pool.install(|| (linear32(&x, &w), linear(&x, &f64m(&w))));
+            let (a, b) = pool.install(|| (linear32(&x, &w), linear(&x, &widen_to_f64(&w))));
             for got in [a, b] {
                 let differ = got
                     .iter()

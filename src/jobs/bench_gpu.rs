@@ -209,7 +209,7 @@ pub fn decode(
     let mut mlse = ops.alloc(b * nh)?;
     let mut counters = ops
         .stream()
-        .alloc_zeros::<i32>(b * nh.div_ceil(cfg.hm))
+        .alloc_zeros::<i32>(b * nh.div_ceil(cfg.heads))
         .map_err(|e| Error::cuda(format!("counters: {e:?}")))?;
     let scale = (192f64).powf(-0.5) as f32;
     let mut run = || -> Result<Option<CudaSlice<f32>>> {
@@ -296,7 +296,7 @@ fn decode_figure(
             .map_or_else(|e| format!("? ({e})"), |x| x.to_string());
         format!(
             "merge fused into the kernel, through a cluster of {cluster} blocks ({} clusters launched, at most {resident} resident)",
-            b * nh.div_ceil(cfg.hm)
+            b * nh.div_ceil(cfg.heads)
         )
     } else if fused_merge {
         "merge fused into the kernel".to_string()

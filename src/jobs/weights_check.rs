@@ -22,7 +22,7 @@ use std::path::Path;
 use safetensors::SafeTensors;
 use serde::Serialize;
 
-use crate::compute::reference::{assemble_kv_b, f64m};
+use crate::compute::reference::{assemble_kv_b, widen_to_f64};
 use crate::core::class::Class;
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
@@ -131,7 +131,7 @@ fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'stat
             },
         );
     };
-    let kv_a = f64m(&w.kv_a_mqa);
+    let kv_a = widen_to_f64(&w.kv_a_mqa);
     put(
         "kv_a_proj_with_mqa",
         flat(&kv_a),
@@ -141,7 +141,7 @@ fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'stat
     );
     match &w.q {
         QWeights::Lora { q_a, q_b, .. } => {
-            let qa = f64m(q_a);
+            let qa = widen_to_f64(q_a);
             let lq = qa.shape()[0];
             let fused = ndarray::concatenate(ndarray::Axis(0), &[qa.view(), kv_a.view()]).expect("same H");
             put(
@@ -152,9 +152,21 @@ fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'stat
                 &["attn_q_a", "attn_kv_a_mqa"],
             );
             put("q_a_proj", flat(&qa), Split::Replicated, vec![], &["attn_q_a"]);
-            put("q_b_proj", flat(&f64m(q_b)), Split::Rows(p + r), vec![], &["attn_q_b"]);
+            put(
+                "q_b_proj",
+                flat(&widen_to_f64(q_b)),
+                Split::Rows(p + r),
+                vec![],
+                &["attn_q_b"],
+            );
         }
-        QWeights::Direct { q } => put("q_proj", flat(&f64m(q)), Split::Rows(p + r), vec![], &["attn_q"]),
+        QWeights::Direct { q } => put(
+            "q_proj",
+            flat(&widen_to_f64(q)),
+            Split::Rows(p + r),
+            vec![],
+            &["attn_q"],
+        ),
     }
     let kv_b = assemble_kv_b(cfg, &w.kv_b);
     // W_UK_T comes from attn_k_b, W_UV from attn_v_b, kv_b_proj from both (interleaved per head);
@@ -168,7 +180,7 @@ fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'stat
     put("kv_b_proj", flat(&kv_b), Split::Rows(p + v), vec![], kv_b_src);
     put(
         "o_proj",
-        flat(&f64m(&w.o_proj)),
+        flat(&widen_to_f64(&w.o_proj)),
         Split::Cols(v),
         vec![],
         &["attn_output"],

@@ -570,19 +570,19 @@ pub fn peek_header(path: &Path) -> Result<Option<DumpHeader>> {
 
 fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader> {
     let text = text.ok_or_else(|| {
-        derr(
+        dump_error(
             path,
             "__metadata__.header",
             format!("missing: a `{FORMAT2}` dump needs it"),
         )
     })?;
     let v: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| derr(path, "__metadata__.header", e.to_string()))?;
+        serde_json::from_str(text).map_err(|e| dump_error(path, "__metadata__.header", e.to_string()))?;
     match v.get("kernel_precision") {
         None | Some(serde_json::Value::Null) => {}
         Some(serde_json::Value::String(p)) if p == "bf16" || p == "f32" => {}
         Some(other) => {
-            return Err(derr(
+            return Err(dump_error(
                 path,
                 "__metadata__.header.kernel_precision",
                 format!("{other}: expected \"bf16\" or \"f32\""),
@@ -597,7 +597,7 @@ fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader> {
                 .filter(|a| a.len() == 2)
                 .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)));
             if pair.is_none_or(|(a, b)| a >= b) {
-                return Err(derr(
+                return Err(dump_error(
                     path,
                     "__metadata__.header.heads",
                     format!("{x}: expected [a, b] with integers 0 ≤ a < b ≤ N"),
@@ -605,14 +605,15 @@ fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader> {
             }
         }
     }
-    let h: DumpHeader = serde_json::from_value(v).map_err(|e| derr(path, "__metadata__.header", e.to_string()))?;
+    let h: DumpHeader =
+        serde_json::from_value(v).map_err(|e| dump_error(path, "__metadata__.header", e.to_string()))?;
     if h.steps.is_empty() {
-        return Err(derr(path, "__metadata__.header.steps", "no step"));
+        return Err(dump_error(path, "__metadata__.header.steps", "no step"));
     }
     if let Some(v) = h.conventions.residual_scale.as_ref().filter(|v| !v.is_null())
         && v.as_f64().is_none_or(|x| !(x.is_finite() && x > 0.0))
     {
-        return Err(derr(
+        return Err(dump_error(
             path,
             "__metadata__.header.conventions.residual_scale",
             format!("{v}: expected a positive number (the factor the engine's residual stream carries) or null"),
@@ -622,7 +623,7 @@ fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader> {
         && b != "e"
         && b != "2"
     {
-        return Err(derr(
+        return Err(dump_error(
             path,
             "__metadata__.header.conventions.lse_base",
             format!("`{b}`: expected `e` or `2`"),
@@ -631,7 +632,7 @@ fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader> {
     let n = h.steps[0].seqs.len();
     for (k, st) in h.steps.iter().enumerate() {
         if st.seqs.len() != n {
-            return Err(derr(
+            return Err(dump_error(
                 path,
                 format!("__metadata__.header.steps[{k}].seqs"),
                 format!(
@@ -641,7 +642,7 @@ fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader> {
             ));
         }
         if st.seqs.iter().all(|q| q.new == 0) {
-            return Err(derr(
+            return Err(dump_error(
                 path,
                 format!("__metadata__.header.steps[{k}].seqs"),
                 "no new token",
@@ -650,7 +651,7 @@ fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader> {
         for (i, q) in st.seqs.iter().enumerate() {
             let before: usize = h.steps[..k].iter().map(|p| p.seqs[i].new).sum();
             if q.new > 0 && q.context != before {
-                return Err(derr(
+                return Err(dump_error(
                     path,
                     format!("__metadata__.header.steps[{k}].seqs[{i}].context"),
                     format!(
@@ -686,7 +687,7 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
     let header = parse_header(path, metadata.get("header").map(String::as_str))?;
     let heads_cfg = match header.heads {
         Some([a, b]) if b > cfg.n_head => {
-            return Err(derr(
+            return Err(dump_error(
                 path,
                 "__metadata__.header.heads",
                 format!(
@@ -742,11 +743,12 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
         let mut views = Vec::new();
         for name in st.names() {
             if let Some(rest) = name.strip_prefix(&prefix) {
-                let view = st.tensor(name).map_err(|e| derr(path, name, e.to_string()))?;
+                let view = st.tensor(name).map_err(|e| dump_error(path, name, e.to_string()))?;
                 views.push((rest.to_string(), view));
             }
         }
-        let step_bytes = safetensors::serialize(views, Some(meta1)).map_err(|e| derr(path, &prefix, e.to_string()))?;
+        let step_bytes =
+            safetensors::serialize(views, Some(meta1)).map_err(|e| dump_error(path, &prefix, e.to_string()))?;
         let label = PathBuf::from(format!("{} [step {k} `{}`]", path.display(), spec.name));
         let mut d = load_bytes(&label, &step_bytes, map, cfg)?;
         d.path = path.to_path_buf();
@@ -865,7 +867,7 @@ struct RawSite {
     data: Vec<f64>,
 }
 
-fn derr(path: &Path, what: impl Into<String>, reason: impl Into<String>) -> Error {
+fn dump_error(path: &Path, what: impl Into<String>, reason: impl Into<String>) -> Error {
     Error::Safetensors {
         path: path.to_path_buf(),
         what: what.into(),
@@ -878,7 +880,7 @@ fn values(path: &Path, name: &str, dtype: StDtype, shape: &[usize], d: &[u8]) ->
     let n: usize = shape
         .iter()
         .try_fold(1usize, |a, &x| a.checked_mul(x))
-        .ok_or_else(|| derr(path, name, format!("shape {shape:?} overflows")))?;
+        .ok_or_else(|| dump_error(path, name, format!("shape {shape:?} overflows")))?;
     let (width, is_float) = match dtype {
         StDtype::F64 => (8, true),
         StDtype::F32 => (4, true),
@@ -887,10 +889,10 @@ fn values(path: &Path, name: &str, dtype: StDtype, shape: &[usize], d: &[u8]) ->
         StDtype::I32 | StDtype::U32 => (4, false),
         StDtype::I16 | StDtype::U16 => (2, false),
         StDtype::I8 | StDtype::U8 => (1, false),
-        other => return Err(derr(path, name, format!("unsupported dtype {other:?}"))),
+        other => return Err(dump_error(path, name, format!("unsupported dtype {other:?}"))),
     };
     if Some(d.len()) != n.checked_mul(width) {
-        return Err(derr(
+        return Err(dump_error(
             path,
             name,
             format!("{} bytes for shape {shape:?} of {dtype:?}", d.len()),
@@ -923,16 +925,16 @@ fn values(path: &Path, name: &str, dtype: StDtype, shape: &[usize], d: &[u8]) ->
 /// non-negative values.
 fn ids(path: &Path, name: &str, shape: &[usize], v: &[f64], is_float: bool) -> Result<Vec<usize>> {
     if is_float {
-        return Err(derr(path, name, "must be an integer tensor (I64 or I32)"));
+        return Err(dump_error(path, name, "must be an integer tensor (I64 or I32)"));
     }
     if shape.iter().filter(|&&d| d != 1).count() > 1 {
-        return Err(derr(path, name, format!("must be 1-D [T], got shape {shape:?}")));
+        return Err(dump_error(path, name, format!("must be 1-D [T], got shape {shape:?}")));
     }
     v.iter()
         .map(|&x| {
             (x >= 0.0 && x.fract() == 0.0 && x < 4.0e9)
                 .then_some(x as usize)
-                .ok_or_else(|| derr(path, name, format!("value {x} is not a valid id")))
+                .ok_or_else(|| dump_error(path, name, format!("value {x} is not a valid id")))
         })
         .collect()
 }
@@ -1090,7 +1092,7 @@ fn parse_list(path: &Path, key: &str, s: &str) -> Result<Vec<usize>> {
     s.split(',')
         .map(|x| {
             x.trim().parse::<usize>().map_err(|_| {
-                derr(
+                dump_error(
                     path,
                     format!("__metadata__.{key}"),
                     format!("`{s}` is not a comma-separated list of integers"),
@@ -1135,7 +1137,7 @@ fn conventions(path: &Path, map: Option<&Map>, metadata: &BTreeMap<String, Strin
         (None, None | Some("interleaved")) => RopeOrder::Interleaved,
         (None, Some("hf")) => RopeOrder::Hf,
         (None, Some(o)) => {
-            return Err(derr(
+            return Err(dump_error(
                 path,
                 "__metadata__.rope_order",
                 format!("`{o}`: expected `interleaved` or `hf`"),
@@ -1147,7 +1149,7 @@ fn conventions(path: &Path, map: Option<&Map>, metadata: &BTreeMap<String, Strin
         (None, None | Some("token-major")) => Layout::TokenMajor,
         (None, Some("head-major")) => Layout::HeadMajor,
         (None, Some(o)) => {
-            return Err(derr(
+            return Err(dump_error(
                 path,
                 "__metadata__.layout",
                 format!("`{o}`: expected `token-major` or `head-major`"),
@@ -1159,7 +1161,7 @@ fn conventions(path: &Path, map: Option<&Map>, metadata: &BTreeMap<String, Strin
         (None, None | Some("latent-rope")) => KvAOrder::LatentRope,
         (None, Some("rope-latent")) => KvAOrder::RopeLatent,
         (None, Some(o)) => {
-            return Err(derr(
+            return Err(dump_error(
                 path,
                 "__metadata__.kv_a_order",
                 format!("`{o}`: expected `latent-rope` or `rope-latent`"),
@@ -1171,7 +1173,7 @@ fn conventions(path: &Path, map: Option<&Map>, metadata: &BTreeMap<String, Strin
         Some("bf16") | Some("bfloat16") => EngineDtype::Bf16,
         Some("f16") | Some("float16") => EngineDtype::F16,
         Some(o) => {
-            return Err(derr(
+            return Err(dump_error(
                 path,
                 "__metadata__.dtype",
                 format!("`{o}`: expected f32, bf16 or f16"),
@@ -1214,7 +1216,7 @@ fn collect_tensors(
     let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
     names.sort();
     for name in names {
-        let view = st.tensor(&name).map_err(|e| derr(path, &name, e.to_string()))?;
+        let view = st.tensor(&name).map_err(|e| dump_error(path, &name, e.to_string()))?;
         let shape = view.shape().to_vec();
         let site = map.and_then(|m| m.rename_of(&name, cfg)).or_else(|| Site::parse(&name));
         let is_special = name == "tokens" || name == "positions";
@@ -1234,7 +1236,7 @@ fn collect_tensors(
         }
         let site = site.expect("checked above");
         if !is_float && !site.stage.is_id_set() {
-            return Err(derr(
+            return Err(dump_error(
                 path,
                 &name,
                 format!(
@@ -1244,7 +1246,7 @@ fn collect_tensors(
             ));
         }
         if let Some(prev) = raw.iter().find(|e| e.site == site) {
-            return Err(derr(
+            return Err(dump_error(
                 path,
                 &name,
                 format!("maps to site {site}, which `{}` already provides", prev.name),
@@ -1258,7 +1260,7 @@ fn collect_tensors(
         });
     }
     if raw.is_empty() {
-        return Err(derr(
+        return Err(dump_error(
             path,
             "tensors",
             format!(
@@ -1312,7 +1314,7 @@ fn token_count(
             .unwrap_or(0),
     };
     if t == 0 {
-        return Err(derr(
+        return Err(dump_error(
             path,
             "tokens",
             "cannot tell the number of tokens T (no activation site, no tokens)",
@@ -1321,7 +1323,7 @@ fn token_count(
     if let (Some(tk), Some(p)) = (tokens, positions)
         && tk.len() != p.len()
     {
-        return Err(derr(
+        return Err(dump_error(
             path,
             "positions",
             format!("{} positions for {} tokens", p.len(), tk.len()),
@@ -1331,7 +1333,7 @@ fn token_count(
         && cfg.vocab > 0
         && let Some(&bad) = tk.iter().find(|&&x| x >= cfg.vocab)
     {
-        return Err(derr(
+        return Err(dump_error(
             path,
             "tokens",
             format!("token id {bad} outside the vocabulary of {}", cfg.vocab),
@@ -1356,7 +1358,7 @@ fn dump_batch(
         None => vec![t],
     };
     if seq_lens.iter().sum::<usize>() != t || seq_lens.contains(&0) {
-        return Err(derr(
+        return Err(dump_error(
             path,
             "__metadata__.seq_lens",
             format!("{seq_lens:?} does not add up to T = {t} (or has a 0)"),
@@ -1368,7 +1370,7 @@ fn dump_batch(
         (None, None) => seq_lens.iter().flat_map(|&n| 0..n).collect(),
     };
     if positions.len() != t {
-        return Err(derr(
+        return Err(dump_error(
             path,
             "positions",
             format!("{} positions for T = {t}", positions.len()),
@@ -1380,7 +1382,7 @@ fn dump_batch(
         let start = positions[off];
         for i in 0..len {
             if positions[off + i] != start + i {
-                return Err(derr(
+                return Err(dump_error(
                     path,
                     "positions",
                     format!(
@@ -1413,7 +1415,7 @@ pub fn load(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<Dump> {
 /// [`load`] from bytes (`path` names the file in errors).
 pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig) -> Result<Dump> {
     if bytes.starts_with(b"GGUF") {
-        return Err(derr(
+        return Err(dump_error(
             path,
             "header",
             "this is a GGUF file, not a safetensors dump; pass it as --model",
@@ -1464,7 +1466,7 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
     } in raw
     {
         if site.layer >= cfg.n_layer {
-            return Err(derr(
+            return Err(dump_error(
                 path,
                 &name,
                 format!(
@@ -1486,7 +1488,7 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
                     },
                     site.stage == Stage::Lse,
                 )
-                .map_err(|why| derr(path, &name, format!("site {site} has shape {shape:?}; {why}")))?;
+                .map_err(|why| dump_error(path, &name, format!("site {site} has shape {shape:?}; {why}")))?;
                 if let Some(n) = note {
                     conversions.push(format!("{site}: {n}"));
                 }

@@ -10,22 +10,13 @@ use comfy_table::{Cell, ColumnConstraint, ContentArrangement, Table, presets};
 use serde::Serialize;
 use serde_json::{Value, json};
 
+use crate::core::sci::sci;
 use crate::judge::metrics::{SiteDiff, Status};
 
 use crate::judge::report::{FaultOutcome, PathResult, RunReport, Verdict, summarize_not_run};
 
 /// Version of the `--json` document. Bump on any incompatible change.
 pub const JSON_SCHEMA_VERSION: u32 = 4;
-
-fn sci(x: f64) -> String {
-    if x == 0.0 {
-        "0".into()
-    } else if x.is_finite() {
-        format!("{x:.3e}")
-    } else {
-        format!("{x}")
-    }
-}
 
 /// The status cell: `pass`, or `FAIL` with the failed metrics abbreviated (rel, cos, norm, elem,
 /// nan), `SHAPE …`, `no reference`.
@@ -61,15 +52,15 @@ pub fn metric_cells(d: &SiteDiff) -> [String; 5] {
             format!("{:.2}%", 100.0 * m.pass_fraction),
         ],
         Some(m) => [
-            sci(m.rel_l2),
-            sci(m.cos_diff),
+            sci(m.rel_l2, 3),
+            sci(m.cos_diff, 3),
             format!("{:.6}", m.norm_ratio),
             format!(
                 "{} at {:?} ({} → {})",
-                sci(m.max_abs),
+                sci(m.max_abs, 3),
                 m.max_abs_index,
-                sci(m.max_abs_ref),
-                sci(m.max_abs_cand)
+                sci(m.max_abs_ref, 3),
+                sci(m.max_abs_cand, 3)
             ),
             format!("{:.2}%", 100.0 * m.pass_fraction),
         ],
@@ -201,8 +192,8 @@ pub fn verdict_lines(report: &RunReport) -> Vec<String> {
                         } else {
                             format!(
                                 " (rel_l2 {}, cos_diff {}, norm ratio {:.4})",
-                                sci(m.rel_l2),
-                                sci(m.cos_diff),
+                                sci(m.rel_l2, 3),
+                                sci(m.cos_diff, 3),
                                 m.norm_ratio
                             )
                         }

@@ -415,7 +415,7 @@ impl CudaOps {
         max_splits: usize,
     ) -> Result<usize> {
         let slots = self.sm_count()? * self.decode_blocks_per_sm(width, dv, cfg)?;
-        Ok(wave_splits(rows * nh.div_ceil(cfg.hm), slots, max_splits))
+        Ok(wave_splits(rows * nh.div_ceil(cfg.heads), slots, max_splits))
     }
 
     /// Tensor-core flash prefill on bf16 copies of `q`, `k`, `v`.
@@ -601,7 +601,7 @@ impl CudaOps {
                 } else {
                     "team combine's"
                 },
-                dc.hm,
+                dc.heads,
                 sh.dv
             )));
         }
@@ -609,7 +609,7 @@ impl CudaOps {
         // With a cluster, grid.y = splits = the cluster's y size (__cluster_dims__(1, c, 1)):
         // one cluster per (token, head group).
         let cfg = LaunchConfig {
-            grid_dim: ((sh.n * sh.nh.div_ceil(dc.hm)) as u32, sh.splits as u32, 1),
+            grid_dim: ((sh.n * sh.nh.div_ceil(dc.heads)) as u32, sh.splits as u32, 1),
             block_dim: (dc.threads() as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
@@ -637,14 +637,14 @@ impl CudaOps {
                     None if spin_env == "0" => false,
                     None if spin_env == "force" => true,
                     None => {
-                        sh.n * sh.nh.div_ceil(dc.hm) * sh.splits
+                        sh.n * sh.nh.div_ceil(dc.heads) * sh.splits
                             <= self.sm_count()? * self.decode_blocks_per_sm(sh.width, sh.dv, dc)?
                     }
                 },
         );
         match merge {
             Some(m) => {
-                let groups = sh.n * sh.nh.div_ceil(dc.hm);
+                let groups = sh.n * sh.nh.div_ceil(dc.heads);
                 Self::check_len(m.out, sh.n * sh.nh * sh.dv, "decode merged out")?;
                 Self::check_len(m.lse, sh.n * sh.nh, "decode merged lse")?;
                 if m.counters.len() < groups {
@@ -672,7 +672,7 @@ pub struct DecodeMerge<'a> {
     pub out: &'a mut CudaSlice<f32>,
     /// Merged LSE `[n, nh]`.
     pub lse: &'a mut CudaSlice<f32>,
-    /// One counter per (token, head group), `n·⌈nh/hm⌉` of them: zero before the launch, zero
+    /// One counter per (token, head group), `n·⌈nh/heads⌉` of them: zero before the launch, zero
     /// again after it.
     pub counters: &'a mut CudaSlice<i32>,
 }
@@ -1422,7 +1422,7 @@ impl Ops for CudaOps {
         let mut counters = self
             .dev
             .stream()
-            .alloc_zeros::<i32>(n * nh.div_ceil(cfg.hm))
+            .alloc_zeros::<i32>(n * nh.div_ceil(cfg.heads))
             .map_err(|e| Error::cuda(format!("decode merge counters: {e:?}")))?;
         let (qb, cb16) = (self.to_bf16(q, q.len())?, self.to_bf16(cache, cache.len())?);
         let (tables_d, ctx_d) = (self.idx(&flat)?, self.idx(ctx)?);

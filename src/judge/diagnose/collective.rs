@@ -8,7 +8,8 @@
 //! alternative does. An all-reduce applied twice is a pure scale (× tp) and is named by
 //! `scale-only`.
 
-use super::{Detected, SiteCtx, fmt_e};
+use super::{Detected, SiteCtx};
+use crate::core::sci::sci;
 use crate::core::trace::{Site, Stage};
 
 /// `tp-reduce` at `o_proj`: the candidate equals the reference partials summed without one rank,
@@ -55,7 +56,7 @@ pub(super) fn tp_reduce(x: &SiteCtx<'_>) -> Detected {
         }
     }
     let (e, r, missing) = best?;
-    let as_is = fmt_e(x.as_is());
+    let as_is = sci(x.as_is(), 2);
     Some(if missing {
         let also = if tp == 2 {
             format!(" (at tp = 2 that is also rank {}'s partial alone)", 1 - r)
@@ -65,7 +66,7 @@ pub(super) fn tp_reduce(x: &SiteCtx<'_>) -> Detected {
         (
             format!(
                 "o_proj equals the reference's o_proj partials of every rank but rank {r} (rel_l2 {} against {as_is} as is){also}: rank {r}'s partial is missing from the all-reduce",
-                fmt_e(e)
+                sci(e, 2)
             ),
             format!(
                 "rank {r} skipped the o_proj all-reduce or contributed zeros (or, at tp = 2, the other rank read its buffer before the reduction finished): every rank must call the collective with its own partial on the same communicator, and read the output only after the reduction's stream is synchronized"
@@ -75,7 +76,7 @@ pub(super) fn tp_reduce(x: &SiteCtx<'_>) -> Detected {
         (
             format!(
                 "o_proj equals rank {r}'s reference o_proj partial alone (rel_l2 {} against {as_is} as is): rank {r} read its buffer before the all-reduce finished",
-                fmt_e(e)
+                sci(e, 2)
             ),
             "an in-place all-reduce's output was read before the reduction completed (an asynchronous NCCL all-reduce on another stream without a wait): synchronize with the collective's stream before the residual add".into(),
         )

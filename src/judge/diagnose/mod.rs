@@ -21,6 +21,7 @@ use crate::compute::path::Unservable;
 use crate::compute::reference::rope_inv_freq;
 use crate::core::batch::Batch;
 use crate::core::class::Class;
+use crate::core::sci::sci;
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::judge::label::PathLabel;
 use crate::judge::metrics::{self, SiteDiff, Status, is_canary_like};
@@ -92,10 +93,6 @@ struct SiteCtx<'a> {
 /// A detector's answer: `(evidence, hint)` when its hypothesis explains the site.
 pub type Detected = Option<(String, String)>;
 
-fn fmt_e(x: f64) -> String {
-    if x == 0.0 { "0".into() } else { format!("{x:.2e}") }
-}
-
 impl SiteCtx<'_> {
     fn as_is(&self) -> f64 {
         self.diff.metrics.as_ref().map_or(f64::NAN, |m| m.rel_l2)
@@ -137,7 +134,7 @@ fn phantom_output(x: &SiteCtx<'_>) -> Detected {
     let all_zero = (0..x.cand.len()).all(|i| x.cand.get(i) == 0.0);
     if all_zero && m.norm_ref > 0.0 {
         return Some((
-            format!("all {} elements are 0 while ‖ref‖ = {}", m.numel, fmt_e(m.norm_ref)),
+            format!("all {} elements are 0 while ‖ref‖ = {}", m.numel, sci(m.norm_ref, 2)),
             "an output buffer allocated with zeros was returned unwritten (the op's result went elsewhere)".into(),
         ));
     }
@@ -200,7 +197,7 @@ fn weight_not_loaded(x: &SiteCtx<'_>) -> Detected {
         format!(
             "all {} elements {what} while ‖ref‖ = {} (rebuilt from {names})",
             m.numel,
-            fmt_e(m.norm_ref)
+            sci(m.norm_ref, 2)
         ),
         format!(
             "the engine never loaded this weight: its loader's tensor mapping has no entry for {names} \
@@ -292,8 +289,8 @@ fn shard_order(x: &SiteCtx<'_>) -> Detected {
                         "rows are the reference shards (q_a_proj {lq} rows, kv_a_proj_with_mqa {} rows) in order {}: rel_l2 {} per shard vs {} as is",
                         l + r,
                         m.map_text(),
-                        fmt_e(m.errors.iter().copied().filter(|e| e.is_finite()).fold(0.0, f64::max)),
-                        fmt_e(x.as_is())
+                        sci(m.errors.iter().copied().filter(|e| e.is_finite()).fold(0.0, f64::max), 2),
+                        sci(x.as_is(), 2)
                     ),
                     "fused_qkv_a_proj must be [q_a_proj | kv_a_proj_with_mqa] (shard 0 then 1): merge GGUF shards \
                      by shard id, not by the order the file delivers them (vLLM GGUF loader fix)"
@@ -317,8 +314,8 @@ fn shard_order(x: &SiteCtx<'_>) -> Detected {
             Some((
                 format!(
                     "q_c equals the first {lq} columns of kv_a: the fused output is [kv_a | q_c], shard order [1,0] (rel_l2 {} vs {} as is)",
-                    fmt_e(e),
-                    fmt_e(x.as_is())
+                    sci(e, 2),
+                    sci(x.as_is(), 2)
                 ),
                 "fused_qkv_a_proj shards are in load order, not shard-id order".into(),
             ))
@@ -352,9 +349,9 @@ fn describe_ranks(m: &BlockMatch, what: &str, x: &SiteCtx<'_>) -> (String, Strin
             m.describe("rank"),
             match m.errors.iter().copied().filter(|e| e.is_finite()).fold(0.0, f64::max) {
                 0.0 => "exactly".to_string(),
-                e => format!("within rel_l2 {}", fmt_e(e)),
+                e => format!("within rel_l2 {}", sci(e, 2)),
             },
-            fmt_e(x.as_is())
+            sci(x.as_is(), 2)
         ),
         "rank r must load heads [r·N/tp, (r+1)·N/tp) of q_b_proj, kv_b_proj and o_proj; check the rank \
          index the loader slices with (every rank loading rank 0's slice was the vLLM GGUF plugin bug)"
@@ -475,8 +472,8 @@ fn kv_b_layout_w_kv_b(x: &SiteCtx<'_>) -> Detected {
         return Some((
             format!(
                 "w.kv_b's k rows equal k_b reshaped [N, L, P] → [N, P, L] instead of transposed (rel_l2 {} vs {} as is)",
-                fmt_e(e),
-                fmt_e(x.as_is())
+                sci(e, 2),
+                sci(x.as_is(), 2)
             ),
             K_B_UNTRANSPOSED_HINT.into(),
         ));
@@ -485,8 +482,8 @@ fn kv_b_layout_w_kv_b(x: &SiteCtx<'_>) -> Detected {
     Some((
         format!(
             "w.kv_b rows are grouped [all k | all v] per rank (rel_l2 {} vs {} as is)",
-            fmt_e(e),
-            fmt_e(x.as_is())
+            sci(e, 2),
+            sci(x.as_is(), 2)
         ),
         KV_B_GROUPED_HINT.into(),
     ))
@@ -526,8 +523,8 @@ fn kv_b_layout_k_nope_v(x: &SiteCtx<'_>) -> Detected {
         format!(
             "{} equals the reference kv_b_proj output split grouped as [all k_nope | all v] (rel_l2 {} vs {} as is)",
             x.site.stage.name(),
-            fmt_e(e),
-            fmt_e(x.as_is())
+            sci(e, 2),
+            sci(x.as_is(), 2)
         ),
         KV_B_GROUPED_HINT.into(),
     ))
@@ -556,8 +553,8 @@ fn kv_b_layout_w_uk_t(x: &SiteCtx<'_>) -> Detected {
         return Some((
             format!(
                 "W_UK_T equals kv_b's rows split grouped [all k | all v] (rel_l2 {} vs {} as is)",
-                fmt_e(e),
-                fmt_e(x.as_is())
+                sci(e, 2),
+                sci(x.as_is(), 2)
             ),
             KV_B_GROUPED_HINT.into(),
         ));
@@ -567,8 +564,8 @@ fn kv_b_layout_w_uk_t(x: &SiteCtx<'_>) -> Detected {
     Some((
         format!(
             "W_UK_T equals k_b reshaped [N, L, P] → [N, P, L] instead of transposed (rel_l2 {} vs {} as is)",
-            fmt_e(e),
-            fmt_e(x.as_is())
+            sci(e, 2),
+            sci(x.as_is(), 2)
         ),
         K_B_UNTRANSPOSED_HINT.into(),
     ))
@@ -603,8 +600,8 @@ fn kv_b_layout_w_uv(x: &SiteCtx<'_>) -> Detected {
     Some((
         format!(
             "W_UV equals kv_b's rows split grouped [all k | all v] (rel_l2 {} vs {} as is)",
-            fmt_e(e),
-            fmt_e(x.as_is())
+            sci(e, 2),
+            sci(x.as_is(), 2)
         ),
         KV_B_GROUPED_HINT.into(),
     ))
@@ -661,8 +658,8 @@ fn rope_style(x: &SiteCtx<'_>) -> Detected {
             format!(
                 "interleaved rotation (x[2i], x[2i+1]) of the reference's un-rotated input explains {} (rel_l2 {} vs {} as is)",
                 x.site.stage.name(),
-                fmt_e(e),
-                fmt_e(x.as_is())
+                sci(e, 2),
+                sci(x.as_is(), 2)
             ),
             format!(
                 "{} rotates NeoX halves (x[i], x[i+R/2]): vLLM is_neox_style=True, llama.cpp rope type NEOX",
@@ -679,8 +676,8 @@ fn rope_style(x: &SiteCtx<'_>) -> Detected {
             } else {
                 ""
             },
-            fmt_e(e),
-            fmt_e(x.as_is())
+            sci(e, 2),
+            sci(x.as_is(), 2)
         ),
         "DeepSeek MLA rotates adjacent pairs (x[2i], x[2i+1]): vLLM is_neox_style=False, llama.cpp rope type NORM"
             .into(),
@@ -910,8 +907,8 @@ fn softmax_scale(x: &SiteCtx<'_>) -> Detected {
         format!(
             "a logit scale of ×{c:.4} explains {} (rel_l2 {} vs {} as is)",
             x.site.stage.name(),
-            fmt_e(e),
-            fmt_e(x.as_is())
+            sci(e, 2),
+            sci(x.as_is(), 2)
         ),
         format!(
             "{cause}; the right scale is (P+R)^-0.5 · m² = {:.6}, m = 0.1·mscale_all_dim·ln(factor) + 1 (DeepSeek-V2 with YaRN)",
@@ -1106,9 +1103,9 @@ fn base2_merge(x: &SiteCtx<'_>) -> Detected {
              (as is {}), lse {}",
             rc.logits.len(),
             out_stage.name(),
-            fmt_e(e),
-            fmt_e(as_is),
-            fmt_e(e_lse)
+            sci(e, 2),
+            sci(as_is, 2),
+            sci(e_lse, 2)
         ),
         "a kernel returned its LSE in base 2 (FlashInfer's and TRT-LLM's MLA kernels do by default) and \
          a natural-log merge combined the partials: multiply the LSE by ln 2 before the merge, or ask \
@@ -1154,8 +1151,8 @@ fn indexer_rope_style(x: &SiteCtx<'_>) -> Detected {
         format!(
             "{} rotation of the reference's un-rotated idx_q/idx_k explains idx_scores (rel_l2 {} vs {} as is){}",
             wrong.name(),
-            fmt_e(e),
-            fmt_e(x.as_is()),
+            sci(e, 2),
+            sci(x.as_is(), 2),
             if longer {
                 format!(
                     "; the sequences are longer than top-k {k}, so the wrong scores change which keys attention sees"
@@ -1355,7 +1352,7 @@ fn moe_routing(x: &SiteCtx<'_>) -> Detected {
     let logits_state = match x.path.diffs.iter().find(|d| d.site == logit_site) {
         Some(d) if d.status == Status::Pass => format!(
             "the router logits match (rel_l2 {}), so the selection rule differs",
-            fmt_e(d.metrics.as_ref().map_or(0.0, |m| m.rel_l2))
+            sci(d.metrics.as_ref().map_or(0.0, |m| m.rel_l2), 2)
         ),
         Some(_) => "the router logits differ too".to_string(),
         None => "the candidate's router logits were not compared".to_string(),
@@ -1451,7 +1448,7 @@ fn scale_only(x: &SiteCtx<'_>) -> Detected {
         return Some((
             format!(
                 "cosine similarity 1 − {} (direction right) but norm ratio {ratio:.4}: the residual stream is scaled{named}",
-                fmt_e(1.0 - cos)
+                sci(1.0 - cos, 2)
             ),
             "a residual stream scaled on purpose (vLLM's fp16 path carries it × 1/routed_scaling_factor) must be declared as dump format 2's `conventions.residual_scale`, which compare divides out; an undeclared scale, or one applied again in every layer (vLLM #14809), is a bug between the layers".into(),
         ));
@@ -1478,7 +1475,7 @@ fn scale_only(x: &SiteCtx<'_>) -> Detected {
     Some((
         format!(
             "cosine similarity 1 − {} (direction right) but norm ratio {ratio:.4}: a pure scale",
-            fmt_e(1.0 - cos)
+            sci(1.0 - cos, 2)
         ),
         cause,
     ))
@@ -1499,7 +1496,7 @@ fn path_disagreement(x: &SiteCtx<'_>) -> Detected {
                     format!(
                         "{} (rel_l2 {})",
                         p.kind,
-                        fmt_e(d.metrics.as_ref().map_or(0.0, |m| m.rel_l2))
+                        sci(d.metrics.as_ref().map_or(0.0, |m| m.rel_l2), 2)
                     )
                 })
         })
@@ -1512,7 +1509,7 @@ fn path_disagreement(x: &SiteCtx<'_>) -> Detected {
             "{} passes here but {} has rel_l2 {}",
             others.join(", "),
             x.path.kind,
-            fmt_e(x.as_is())
+            sci(x.as_is(), 2)
         ),
         format!(
             "the bug is specific to the {} path's code for this stage, not to the shared weights or inputs",
@@ -1532,13 +1529,13 @@ fn mismatch(x: &SiteCtx<'_>) -> (String, String) {
     let (tol, _) = tolerance(x.site.stage, x.input.precision);
     let ok: Vec<usize> = (0..rows).filter(|&i| row_err[i] <= tol.rel_l2.max(1e-6)).collect();
     let worst = x.diff.metrics.as_ref();
-    let mut ev = format!("rel_l2 {}", fmt_e(x.as_is()));
+    let mut ev = format!("rel_l2 {}", sci(x.as_is(), 2));
     if let Some(m) = worst {
         ev.push_str(&format!(
             ", worst at {:?}: ref {} → cand {}; {:.1}% of elements within tolerance",
             m.max_abs_index,
-            fmt_e(m.max_abs_ref),
-            fmt_e(m.max_abs_cand),
+            sci(m.max_abs_ref, 2),
+            sci(m.max_abs_cand, 2),
             100.0 * m.pass_fraction
         ));
     }
@@ -1553,9 +1550,9 @@ fn mismatch(x: &SiteCtx<'_>) -> (String, String) {
         ev.push_str(&format!(
             "; rows {} exact (rel ≤ {}), the other {} rows wrong (rel ≥ {})",
             list(&ok),
-            fmt_e(ok.iter().map(|&i| row_err[i]).fold(0.0, f64::max)),
+            sci(ok.iter().map(|&i| row_err[i]).fold(0.0, f64::max), 2),
             rows - ok.len(),
-            fmt_e(bad_min)
+            sci(bad_min, 2)
         ));
     }
     let hint = if ok == [0] && rows > 1 {

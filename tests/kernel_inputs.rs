@@ -155,7 +155,42 @@ fn exported_inputs_reproduce_the_reference_through_the_cpu_kernels() {
         let a: Vec<&str> = a.iter().map(String::as_str).collect();
         let inp = export(&a, dir.path());
         let (file, cfg, batch, tr) = reference(model, layer, &inp);
-        let what = model.unwrap_or("embedded");
+        let case = ExportCase {
+            inp,
+            file,
+            cfg,
+            batch,
+            tr,
+            layer,
+            seed,
+            what: model.unwrap_or("embedded").to_string(),
+        };
+        let scale = case.check_metadata();
+        case.check_tensors_are_reference_sites();
+        case.check_cache_layout();
+        case.check_cpu_decode(scale);
+        case.check_cpu_prefill(scale);
+        case.check_dump_header();
+    }
+}
+
+/// One export with the reference it is checked against.
+struct ExportCase {
+    inp: Inputs,
+    file: GgufFile,
+    cfg: MlaConfig,
+    batch: Batch,
+    tr: Trace,
+    layer: usize,
+    seed: u64,
+    what: String,
+}
+
+impl ExportCase {
+    /// The metadata names the format, the heads, the layer and the MLA dims; returns the
+    /// `softmax_scale`, printed in full.
+    fn check_metadata(&self) -> f64 {
+        let (inp, what) = (&self.inp, &self.what);
         let MlaDims {
             n_head: n,
             kv_lora_rank: l,
@@ -163,13 +198,11 @@ fn exported_inputs_reproduce_the_reference_through_the_cpu_kernels() {
             qk_rope_head_dim: r,
             v_head_dim: v,
             ..
-        } = cfg.dims();
-        let t = batch.n_tokens();
-        let page = inp.meta_usize("page_size");
+        } = self.cfg.dims();
         assert_eq!(inp.meta["format"], "mla-diff kernel inputs 1");
         assert_eq!(inp.meta["heads"], format!("0,{n}"));
         assert_eq!(inp.meta_usize("n_head"), n);
-        assert_eq!(inp.meta_usize("layer"), layer);
+        assert_eq!(inp.meta_usize("layer"), self.layer);
         assert_eq!(
             [
                 inp.meta_usize("kv_lora_rank"),
@@ -180,17 +213,30 @@ fn exported_inputs_reproduce_the_reference_through_the_cpu_kernels() {
             [l, p, r, v]
         );
         let scale: f64 = inp.meta["softmax_scale"].parse().unwrap();
-        assert_eq!(scale, cfg.softmax_scale, "{what}: softmax_scale printed in full");
+        assert_eq!(scale, self.cfg.softmax_scale, "{what}: softmax_scale printed in full");
+        scale
+    }
 
-        // The tensors are the reference's sites, rounded to f32.
-        let site = |s: Stage| tr.get(&Site::new(layer, s)).unwrap().to_f64();
-        let (ql, qpe, q, kn, kpe, kvc) = (
+    /// The decode and prefill tensors are the reference's sites, rounded to f32 (`k_pe`
+    /// broadcast to every head).
+    fn check_tensors_are_reference_sites(&self) {
+        let inp = &self.inp;
+        let MlaDims {
+            n_head: n,
+            kv_lora_rank: l,
+            qk_nope_head_dim: p,
+            qk_rope_head_dim: r,
+            v_head_dim: v,
+            ..
+        } = self.cfg.dims();
+        let t = self.batch.n_tokens();
+        let site = |s: Stage| self.tr.get(&Site::new(self.layer, s)).unwrap().to_f64();
+        let (ql, qpe, q, kn, kpe) = (
             site(Stage::QlNope),
             site(Stage::QPeRoped),
             site(Stage::Q),
             site(Stage::KNope),
             site(Stage::KPeRoped),
-            site(Stage::KvCNormed),
         );
         let dq = inp.f32("decode.q");
         let pq = inp.f32("prefill.q");
@@ -211,9 +257,21 @@ fn exported_inputs_reproduce_the_reference_through_the_cpu_kernels() {
                 "k_pe broadcast to every head"
             );
         }
+    }
 
-        // The cache: the engine paths' block tables, every token's row at its slot, the rest 0.
-        let (num_blocks, tables) = mla_diff::compute::engine::paged_block_tables(&batch, page, seed);
+    /// The cache: the engine paths' block tables, every token's row (`kv_c_normed` ‖ `k_pe`) at
+    /// its slot, the rest 0; `cu_seqlens` spans the batch.
+    fn check_cache_layout(&self) {
+        let (inp, batch) = (&self.inp, &self.batch);
+        let MlaDims {
+            kv_lora_rank: l,
+            qk_rope_head_dim: r,
+            ..
+        } = self.cfg.dims();
+        let site = |s: Stage| self.tr.get(&Site::new(self.layer, s)).unwrap().to_f64();
+        let (kpe, kvc) = (site(Stage::KPeRoped), site(Stage::KvCNormed));
+        let page = inp.meta_usize("page_size");
+        let (num_blocks, tables) = mla_diff::compute::engine::paged_block_tables(batch, page, self.seed);
         let cache = inp.f32("decode.kv_cache");
         assert_eq!(inp.get("decode.kv_cache").shape, vec![num_blocks, page, l + r]);
         let bt = inp.usize("decode.block_table");
@@ -242,21 +300,34 @@ fn exported_inputs_reproduce_the_reference_through_the_cpu_kernels() {
         }
         let cu = inp.usize("prefill.cu_seqlens");
         assert_eq!(cu.len(), batch.seqs.len() + 1);
-        assert_eq!(*cu.last().unwrap(), t);
+        assert_eq!(*cu.last().unwrap(), batch.n_tokens());
+    }
 
-        // Decode through the CPU backend's split-KV decode and merge.
+    /// The decode inputs through the CPU backend's split-KV decode and merge give the
+    /// reference's `attn_latent` and `lse` within the f32 rows.
+    fn check_cpu_decode(&self, scale: f64) {
+        let inp = &self.inp;
+        let MlaDims {
+            n_head: n,
+            kv_lora_rank: l,
+            qk_rope_head_dim: r,
+            ..
+        } = self.cfg.dims();
+        let t = self.batch.n_tokens();
         let ops = CpuOps::new(Dtype::F32);
+        let max_blocks = inp.get("decode.block_table").shape[1];
+        let bt = inp.usize("decode.block_table");
         let row_tables: Vec<Vec<usize>> = bt.chunks(max_blocks).map(<[usize]>::to_vec).collect();
         let (lat, lse) = ops
             .decode_merged(&DecodeArgs {
-                q: &dq,
+                q: &inp.f32("decode.q"),
                 n: t,
                 nh: n,
-                cache: &cache,
-                block_size: page,
+                cache: &inp.f32("decode.kv_cache"),
+                block_size: inp.meta_usize("page_size"),
                 width: l + r,
                 tables: &row_tables,
-                ctx: &seqlens,
+                ctx: &inp.usize("decode.cache_seqlens"),
                 splits: 4,
                 dv: l,
                 scale: scale as f32,
@@ -265,14 +336,28 @@ fn exported_inputs_reproduce_the_reference_through_the_cpu_kernels() {
             .unwrap();
         let mut cand = Trace::new();
         cand.record(
-            Site::new(layer, Stage::AttnLatent),
+            Site::new(self.layer, Stage::AttnLatent),
             TraceTensor::f32(vec![t, n, l], lat),
         );
-        cand.record(Site::new(layer, Stage::Lse), TraceTensor::f32(vec![t, n], lse));
-        assert_f32_pass(&tr, &cand, &format!("{what} decode"));
+        cand.record(Site::new(self.layer, Stage::Lse), TraceTensor::f32(vec![t, n], lse));
+        assert_f32_pass(&self.tr, &cand, &format!("{} decode", self.what));
+    }
 
-        // Prefill through the CPU flash attention, one causal segment per sequence.
-        let segs: Vec<Segment> = cu
+    /// The prefill inputs through the CPU flash attention, one causal segment per sequence of
+    /// `cu_seqlens`, give the reference's `attn_out` and `lse` within the f32 rows.
+    fn check_cpu_prefill(&self, scale: f64) {
+        let inp = &self.inp;
+        let MlaDims {
+            n_head: n,
+            qk_nope_head_dim: p,
+            qk_rope_head_dim: r,
+            v_head_dim: v,
+            ..
+        } = self.cfg.dims();
+        let t = self.batch.n_tokens();
+        let ops = CpuOps::new(Dtype::F32);
+        let segs: Vec<Segment> = inp
+            .usize("prefill.cu_seqlens")
             .windows(2)
             .map(|w| Segment {
                 q_off: w[0],
@@ -285,8 +370,8 @@ fn exported_inputs_reproduce_the_reference_through_the_cpu_kernels() {
         let mut out = ops.canary(t * n * v).unwrap();
         let mut lse = ops.canary(t * n).unwrap();
         ops.flash_attention(
-            &pq,
-            &pk,
+            &inp.f32("prefill.q"),
+            &inp.f32("prefill.k"),
             &inp.f32("prefill.v"),
             n,
             p + r,
@@ -299,12 +384,19 @@ fn exported_inputs_reproduce_the_reference_through_the_cpu_kernels() {
         )
         .unwrap();
         let mut cand = Trace::new();
-        cand.record(Site::new(layer, Stage::AttnOut), TraceTensor::f32(vec![t, n, v], out));
-        cand.record(Site::new(layer, Stage::Lse), TraceTensor::f32(vec![t, n], lse));
-        assert_f32_pass(&tr, &cand, &format!("{what} prefill"));
+        cand.record(
+            Site::new(self.layer, Stage::AttnOut),
+            TraceTensor::f32(vec![t, n, v], out),
+        );
+        cand.record(Site::new(self.layer, Stage::Lse), TraceTensor::f32(vec![t, n], lse));
+        assert_f32_pass(&self.tr, &cand, &format!("{} prefill", self.what));
+    }
 
-        // The dump header names this model and layer.
-        let h: serde_json::Value = serde_json::from_str(&inp.meta["dump_header"]).unwrap();
+    /// The dump header names this model and layer, all heads, and one `kernel` step whose
+    /// sequences are all new tokens.
+    fn check_dump_header(&self) {
+        let (file, layer, n) = (&self.file, self.layer, self.cfg.n_head);
+        let h: serde_json::Value = serde_json::from_str(&self.inp.meta["dump_header"]).unwrap();
         assert_eq!(h["model"]["index_sha256"], file.index_sha256_hex());
         assert_eq!(
             h["model"]["layer_sha256"][layer.to_string()],
@@ -322,7 +414,7 @@ fn exported_inputs_reproduce_the_reference_through_the_cpu_kernels() {
                 s["new"].as_u64().unwrap() as usize
             })
             .collect();
-        assert_eq!(news, batch.seqs.iter().map(|s| s.len).collect::<Vec<_>>());
+        assert_eq!(news, self.batch.seqs.iter().map(|s| s.len).collect::<Vec<_>>());
     }
 }
 

@@ -2,7 +2,9 @@
 //! cached context chunk by chunk and to themselves, the partial states merged by LSE.
 
 use super::*;
+use crate::compute::faults::FaultSet;
 use crate::model::config::MlaDims;
+use std::ops::Range;
 
 /// Per sequence of the chunked path: (context length, new tokens).
 pub fn chunked_split(batch: &Batch, new_tokens: usize) -> Vec<(usize, usize)> {
@@ -31,7 +33,6 @@ pub(super) fn chunked_rank<O: Ops>(
 ) -> Result<RankOut<O::Buf>> {
     let t = batch.n_tokens();
     let MlaDims {
-        kv_lora_rank: l,
         qk_nope_head_dim: p,
         qk_rope_head_dim: r,
         v_head_dim: v,
@@ -42,30 +43,19 @@ pub(super) fn chunked_rank<O: Ops>(
     let f = &a.opts.faults;
     let split = chunked_split(batch, a.opts.new_tokens);
     let offsets = batch.offsets();
+    let seqs = ChunkedSeqs {
+        split: &split,
+        offsets: &offsets,
+    };
     let (k_nope, vv) = a.expand_kv(a.kv_c_normed, t)?;
     let qf = a.full_q(t)?;
     let kf = a.full_k(&k_nope, a.k_pe_roped, t)?;
+    let full = FullQkv { q: &qf, k: &kf, v: &vv };
     let mut result = ops.canary(t * nh * v)?;
     let mut lse = ops.canary(t * nh)?;
 
     // Phase 1: context tokens, causal, and into the cache.
-    let ctx_seqs: Vec<(usize, usize)> = split
-        .iter()
-        .zip(&offsets)
-        .filter(|(x, _)| x.0 > 0)
-        .map(|(x, &off)| (off, x.0))
-        .collect();
-    a.causal_into(&qf, &kf, &vv, &ctx_seqs, &mut result, &mut lse)?;
-    let mut cs = CacheState::new(ops, batch, a.cfg, a.opts)?;
-    let (mut rows, mut seqs, mut pos) = (Vec::new(), Vec::new(), Vec::new());
-    for (si, (&(c, _), &off)) in split.iter().zip(&offsets).enumerate() {
-        for i in 0..c {
-            rows.push(off + i);
-            seqs.push(si);
-            pos.push(i);
-        }
-    }
-    cs.write(a, &rows, &seqs, &pos)?;
+    let cs = prefill_context(a, batch, seqs, full, &mut result, &mut lse)?;
 
     // Phase 2: the new tokens, packed [T_new, nh, ·].
     let new_rows: Vec<usize> = split
@@ -90,138 +80,14 @@ pub(super) fn chunked_rank<O: Ops>(
     let mut lses = ops.canary(k_parts * t_new * nh)?;
     let mut skipped = 0usize;
     for (ci, c0) in (0..max_ctx).step_by(chunk).enumerate() {
-        // Gather this chunk's context rows of every sequence from the cache and expand them.
-        let mut slots = Vec::new();
-        let mut segs = Vec::new();
-        let mut q_off = 0;
-        for (si, &(c, n)) in split.iter().enumerate() {
-            let keys = c0.min(c)..(c0 + chunk).min(c);
-            if let Some(sel) = a.sel {
-                // DSA: each new token reads only its kept keys of this chunk.
-                for j in 0..n {
-                    let row = offsets[si] + c + j;
-                    let k_off = slots.len();
-                    slots.extend(
-                        sel.rows[row]
-                            .iter()
-                            .filter(|p| keys.contains(p))
-                            .map(|&p| cs.slot(si, p)),
-                    );
-                    if slots.len() == k_off {
-                        skipped += 1;
-                        empty_rows.insert(row);
-                    }
-                    segs.push(Segment {
-                        q_off: q_off + j,
-                        q_len: 1,
-                        k_off,
-                        k_len: slots.len() - k_off,
-                        causal: false,
-                    });
-                }
-                q_off += n;
-                continue;
-            }
-            let k_off = slots.len();
-            for pos in keys.clone() {
-                slots.push(cs.slot(si, pos));
-            }
-            if keys.is_empty() {
-                skipped += n;
-                for j in 0..n {
-                    empty_rows.insert(offsets[si] + c + j);
-                }
-            }
-            segs.push(Segment {
-                q_off,
-                q_len: n,
-                k_off,
-                k_len: keys.len(),
-                causal: false,
-            });
-            q_off += n;
-        }
-        if slots.is_empty() {
-            // No row keeps a key of this chunk: one written slot, never read, keeps the gather
-            // non-empty.
-            if let Some(si) = split.iter().position(|x| x.0 > 0) {
-                slots.push(cs.slot(si, 0));
-            }
-        }
-        let nk = slots.len();
-        let rows_c = ops.gather_rows(&cs.cache, cs.width, &slots)?;
-        let mut kv_c = ops.canary(nk * l)?;
-        ops.copy2d(&rows_c, &mut kv_c, cp(nk, l, 0, cs.width, 0, l))?;
-        let mut kpe = ops.canary(nk * r)?;
-        ops.copy2d(&rows_c, &mut kpe, cp(nk, r, l, cs.width, 0, r))?;
-        let (ck, cv) = a.expand_kv(&kv_c, nk)?;
-        let ckf = a.full_k(&ck, &kpe, nk)?;
-        let mut po = ops.canary(t_new * nh * v)?;
-        let mut pl = ops.canary(t_new * nh)?;
-        ops.flash_attention(&qn, &ckf, &cv, nh, p + r, v, &segs, a.scale, empty, &mut po, &mut pl)?;
+        let (slots, segs, chunk_skipped) = context_chunk_keys(a, &cs, seqs, c0..c0 + chunk, empty_rows);
+        skipped += chunk_skipped;
+        let (po, pl) = context_chunk_attention(a, &cs, &qn, t_new, slots, &segs, empty)?;
         ops.copy2d(&po, &mut parts, cp(1, t_new * nh * v, 0, 0, ci * t_new * nh * v, 0))?;
         ops.copy2d(&pl, &mut lses, cp(1, t_new * nh, 0, 0, ci * t_new * nh, 0))?;
     }
-    if f.has(Fault::UnwrittenRows) || f.has(Fault::LsePlusInf) {
-        // Each empty-row fault in its own words: unwritten-rows skips the rows, lse-plus-inf
-        // writes them with the wrong sentinel.
-        let (acted, fault) = if f.has(Fault::UnwrittenRows) {
-            (
-                "were skipped: their output and LSE keep the canary (unwritten-rows)",
-                "the unwritten-rows fault",
-            )
-        } else {
-            (
-                "got output 0 with LSE = +inf instead of −inf, the empty partial's wrong sentinel (lse-plus-inf)",
-                "the lse-plus-inf fault",
-            )
-        };
-        notes.push(if skipped > 0 {
-            format!("{skipped} (new token, chunk) rows had no context keys and {acted}")
-        } else {
-            format!(
-                "no context chunk was empty for any row: {fault} had nothing to act on (use several --seqs of different lengths)"
-            )
-        });
-    }
-    // The new tokens among themselves, causal (DSA: their kept keys among them).
-    let (so, sl) = if a.sel.is_some() {
-        let keys: Vec<Vec<usize>> = split
-            .iter()
-            .zip(&offsets)
-            .flat_map(|(&(c, n), &off)| (c..c + n).map(move |i| (off, c, i)))
-            .map(|(off, c, i)| a.kept(off + i, off, c..i + 1))
-            .collect();
-        a.sparse_rows(&qf, &new_rows, &kf, &vv, &keys, EmptyRows::ZeroMinusInf)?
-    } else {
-        let sk = ops.gather_rows(&kf, nh * (p + r), &new_rows)?;
-        let sv = ops.gather_rows(&vv, nh * v, &new_rows)?;
-        let mut q_off = 0;
-        let suffix: Vec<(usize, usize)> = split
-            .iter()
-            .map(|&(_, n)| {
-                let s = (q_off, n);
-                q_off += n;
-                s
-            })
-            .collect();
-        let mut so = ops.canary(t_new * nh * v)?;
-        let mut sl = ops.canary(t_new * nh)?;
-        ops.flash_attention(
-            &qn,
-            &sk,
-            &sv,
-            nh,
-            p + r,
-            v,
-            &RankAttn::<O>::causal_segments(&suffix),
-            a.scale,
-            EmptyRows::ZeroMinusInf,
-            &mut so,
-            &mut sl,
-        )?;
-        (so, sl)
-    };
+    notes.extend(empty_row_fault_note(f, skipped));
+    let (so, sl) = new_tokens_attention(a, seqs, full, &qn, &new_rows)?;
     ops.copy2d(
         &so,
         &mut parts,
@@ -240,4 +106,252 @@ pub(super) fn chunked_rank<O: Ops>(
         ql_nope: None,
         attn_latent: None,
     })
+}
+
+/// The batch as the chunked path splits it: per sequence (context length, new tokens) and the
+/// sequence's first row in the packed token order.
+#[derive(Clone, Copy)]
+struct ChunkedSeqs<'s> {
+    split: &'s [(usize, usize)],
+    offsets: &'s [usize],
+}
+
+/// The whole batch's full-width heads: Q and K `[T, nh, qk_nope_head_dim + qk_rope_head_dim]`,
+/// V `[T, nh, v_head_dim]`, f32.
+struct FullQkv<'b, B> {
+    q: &'b B,
+    k: &'b B,
+    v: &'b B,
+}
+
+impl<B> Clone for FullQkv<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B> Copy for FullQkv<'_, B> {}
+
+/// The context's prefill of an earlier step (vLLM `_forward_prefill` over the context tokens):
+/// each sequence's context attends causally to itself, its output and LSE written into `result`
+/// and `lse`, and its latent rows (`kv_c_normed` ‖ `k_pe`) land in a fresh paged cache
+/// (vLLM `concat_and_cache_mla`), which is returned.
+fn prefill_context<O: Ops>(
+    a: &RankAttn<'_, O>,
+    batch: &Batch,
+    seqs: ChunkedSeqs<'_>,
+    full: FullQkv<'_, O::Buf>,
+    result: &mut O::Buf,
+    lse: &mut O::Buf,
+) -> Result<CacheState<O::Buf>> {
+    let ctx_seqs: Vec<(usize, usize)> = seqs
+        .split
+        .iter()
+        .zip(seqs.offsets)
+        .filter(|(x, _)| x.0 > 0)
+        .map(|(x, &off)| (off, x.0))
+        .collect();
+    a.causal_into(full.q, full.k, full.v, &ctx_seqs, result, lse)?;
+    let mut cs = CacheState::new(a.ops, batch, a.cfg, a.opts)?;
+    let (mut rows, mut seq_ids, mut pos) = (Vec::new(), Vec::new(), Vec::new());
+    for (si, (&(c, _), &off)) in seqs.split.iter().zip(seqs.offsets).enumerate() {
+        for i in 0..c {
+            rows.push(off + i);
+            seq_ids.push(si);
+            pos.push(i);
+        }
+    }
+    cs.write(a, &rows, &seq_ids, &pos)?;
+    Ok(cs)
+}
+
+/// One context chunk's keys (vLLM `_compute_prefill_context`, one iteration): the cache slots of
+/// positions `window` of every sequence's context and, per new token (DSA: its kept keys) or per
+/// sequence, the attention segment reading them. Rows left with no key are added to `empty_rows`
+/// and counted in the returned number.
+fn context_chunk_keys<O: Ops>(
+    a: &RankAttn<'_, O>,
+    cs: &CacheState<O::Buf>,
+    seqs: ChunkedSeqs<'_>,
+    window: Range<usize>,
+    empty_rows: &mut BTreeSet<usize>,
+) -> (Vec<usize>, Vec<Segment>, usize) {
+    let mut slots = Vec::new();
+    let mut segs = Vec::new();
+    let mut q_off = 0;
+    let mut skipped = 0usize;
+    for (si, &(c, n)) in seqs.split.iter().enumerate() {
+        let keys = window.start.min(c)..window.end.min(c);
+        if let Some(sel) = a.sel {
+            // DSA: each new token reads only its kept keys of this chunk.
+            for j in 0..n {
+                let row = seqs.offsets[si] + c + j;
+                let k_off = slots.len();
+                slots.extend(
+                    sel.rows[row]
+                        .iter()
+                        .filter(|p| keys.contains(p))
+                        .map(|&p| cs.slot(si, p)),
+                );
+                if slots.len() == k_off {
+                    skipped += 1;
+                    empty_rows.insert(row);
+                }
+                segs.push(Segment {
+                    q_off: q_off + j,
+                    q_len: 1,
+                    k_off,
+                    k_len: slots.len() - k_off,
+                    causal: false,
+                });
+            }
+            q_off += n;
+            continue;
+        }
+        let k_off = slots.len();
+        for pos in keys.clone() {
+            slots.push(cs.slot(si, pos));
+        }
+        if keys.is_empty() {
+            skipped += n;
+            for j in 0..n {
+                empty_rows.insert(seqs.offsets[si] + c + j);
+            }
+        }
+        segs.push(Segment {
+            q_off,
+            q_len: n,
+            k_off,
+            k_len: keys.len(),
+            causal: false,
+        });
+        q_off += n;
+    }
+    if slots.is_empty() {
+        // No row keeps a key of this chunk: one written slot, never read, keeps the gather
+        // non-empty.
+        if let Some(si) = seqs.split.iter().position(|x| x.0 > 0) {
+            slots.push(cs.slot(si, 0));
+        }
+    }
+    (slots, segs, skipped)
+}
+
+/// One context chunk's attention (vLLM `_run_prefill_context_chunk`): the chunk's latent rows
+/// gathered from the cache, split into `kv_c_normed` and `k_pe`, re-expanded through `kv_b_proj`,
+/// and attended by the `t_new` new tokens `qn` over `segs`. Returns the partial output
+/// `[t_new, nh, v_head_dim]` and its LSE `[t_new, nh]`, f32.
+fn context_chunk_attention<O: Ops>(
+    a: &RankAttn<'_, O>,
+    cs: &CacheState<O::Buf>,
+    qn: &O::Buf,
+    t_new: usize,
+    slots: Vec<usize>,
+    segs: &[Segment],
+    empty: EmptyRows,
+) -> Result<(O::Buf, O::Buf)> {
+    let MlaDims {
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        v_head_dim: v,
+        ..
+    } = a.cfg.dims();
+    let (nh, ops) = (a.nh, a.ops);
+    let nk = slots.len();
+    let rows_c = ops.gather_rows(&cs.cache, cs.width, &slots)?;
+    let mut kv_c = ops.canary(nk * l)?;
+    ops.copy2d(&rows_c, &mut kv_c, cp(nk, l, 0, cs.width, 0, l))?;
+    let mut kpe = ops.canary(nk * r)?;
+    ops.copy2d(&rows_c, &mut kpe, cp(nk, r, l, cs.width, 0, r))?;
+    let (ck, cv) = a.expand_kv(&kv_c, nk)?;
+    let ckf = a.full_k(&ck, &kpe, nk)?;
+    let mut po = ops.canary(t_new * nh * v)?;
+    let mut pl = ops.canary(t_new * nh)?;
+    ops.flash_attention(qn, &ckf, &cv, nh, p + r, v, segs, a.scale, empty, &mut po, &mut pl)?;
+    Ok((po, pl))
+}
+
+/// The empty-row faults' note, each in its own words: unwritten-rows skips the rows with no
+/// context key, lse-plus-inf writes them with the wrong sentinel. `None` without either fault.
+fn empty_row_fault_note(f: &FaultSet, skipped: usize) -> Option<String> {
+    if !(f.has(Fault::UnwrittenRows) || f.has(Fault::LsePlusInf)) {
+        return None;
+    }
+    let (acted, fault) = if f.has(Fault::UnwrittenRows) {
+        (
+            "were skipped: their output and LSE keep the canary (unwritten-rows)",
+            "the unwritten-rows fault",
+        )
+    } else {
+        (
+            "got output 0 with LSE = +inf instead of −inf, the empty partial's wrong sentinel (lse-plus-inf)",
+            "the lse-plus-inf fault",
+        )
+    };
+    Some(if skipped > 0 {
+        format!("{skipped} (new token, chunk) rows had no context keys and {acted}")
+    } else {
+        format!(
+            "no context chunk was empty for any row: {fault} had nothing to act on (use several --seqs of different lengths)"
+        )
+    })
+}
+
+/// The new tokens among themselves (vLLM `_run_prefill_new_tokens`): causal within each
+/// sequence (DSA: each row's kept keys among them). Returns the partial output
+/// `[T_new, nh, v_head_dim]` and its LSE `[T_new, nh]`, f32.
+fn new_tokens_attention<O: Ops>(
+    a: &RankAttn<'_, O>,
+    seqs: ChunkedSeqs<'_>,
+    full: FullQkv<'_, O::Buf>,
+    qn: &O::Buf,
+    new_rows: &[usize],
+) -> Result<(O::Buf, O::Buf)> {
+    let MlaDims {
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        v_head_dim: v,
+        ..
+    } = a.cfg.dims();
+    let (nh, ops) = (a.nh, a.ops);
+    if a.sel.is_some() {
+        let keys: Vec<Vec<usize>> = seqs
+            .split
+            .iter()
+            .zip(seqs.offsets)
+            .flat_map(|(&(c, n), &off)| (c..c + n).map(move |i| (off, c, i)))
+            .map(|(off, c, i)| a.kept(off + i, off, c..i + 1))
+            .collect();
+        return a.sparse_rows(full.q, new_rows, full.k, full.v, &keys, EmptyRows::ZeroMinusInf);
+    }
+    let t_new = new_rows.len();
+    let sk = ops.gather_rows(full.k, nh * (p + r), new_rows)?;
+    let sv = ops.gather_rows(full.v, nh * v, new_rows)?;
+    let mut q_off = 0;
+    let suffix: Vec<(usize, usize)> = seqs
+        .split
+        .iter()
+        .map(|&(_, n)| {
+            let s = (q_off, n);
+            q_off += n;
+            s
+        })
+        .collect();
+    let mut so = ops.canary(t_new * nh * v)?;
+    let mut sl = ops.canary(t_new * nh)?;
+    ops.flash_attention(
+        qn,
+        &sk,
+        &sv,
+        nh,
+        p + r,
+        v,
+        &RankAttn::<O>::causal_segments(&suffix),
+        a.scale,
+        EmptyRows::ZeroMinusInf,
+        &mut so,
+        &mut sl,
+    )?;
+    Ok((so, sl))
 }

@@ -262,76 +262,15 @@ fn run_loaded<O: Ops>(
     let MlaDims {
         n_head: n,
         hidden: hd,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
         v_head_dim: v,
         ..
     } = cfg.dims();
-    let q_k = cfg.q_lora_rank.unwrap_or(hd);
     let tp = opts.tp;
     let nh = n / tp;
     if tp > 1 {
-        for (rank, rw) in ew.ranks.iter().enumerate() {
-            let rk = rank as u32;
-            let q_proj = rw
-                .q_proj
-                .as_ref()
-                .ok_or_else(|| Error::Internal("engine: q_proj released under TP".into()))?;
-            rec(
-                ops,
-                &mut tr,
-                layer,
-                Stage::WRank(RankedWeight::QProj, rk),
-                &[nh * (p + r), q_k],
-                q_proj,
-            )?;
-            // The absorbed path never holds kv_b itself (only W_UK_T / W_UV derived from it).
-            if kind != PathKind::Mqa {
-                rec(
-                    ops,
-                    &mut tr,
-                    layer,
-                    Stage::WRank(RankedWeight::KvB, rk),
-                    &[nh * (p + v), l],
-                    &rw.kv_b,
-                )?;
-            }
-            rec(
-                ops,
-                &mut tr,
-                layer,
-                Stage::WRank(RankedWeight::OProj, rk),
-                &[hd, nh * v],
-                &rw.o_proj,
-            )?;
-        }
+        record_rank_weights(ops, &mut tr, layer, kind, cfg, ew)?;
     }
-    let gather_host = |bufs: Vec<&O::Buf>| -> Result<Vec<f32>> {
-        let mut out = Vec::new();
-        for b in bufs {
-            out.extend(ops.download(b)?);
-        }
-        Ok(out)
-    };
-    // The whole-layer weight sites: one rank's buffer is the site; several concatenate on the
-    // host (each rank holds a contiguous block of heads).
-    let weight_site =
-        |tr: &mut Trace, stage: Stage, shape: &[usize], f: fn(&RankWeights<O::Buf>) -> &O::Buf| match &ew.ranks[..] {
-            [one] => rec(ops, tr, layer, stage, shape, f(one)),
-            ranks => {
-                let all = gather_host(ranks.iter().map(f).collect())?;
-                tr.record(Site::new(layer, stage), TraceTensor::f32(shape.to_vec(), all));
-                Ok(())
-            }
-        };
-    if kind != PathKind::Mqa {
-        weight_site(&mut tr, Stage::WKvB, &[n * (p + v), l], |rw| &rw.kv_b)?;
-    }
-    if matches!(kind, PathKind::Mqa | PathKind::Mixed) {
-        weight_site(&mut tr, Stage::WUkT, &[n, p, l], |rw| &rw.w_uk_t)?;
-        weight_site(&mut tr, Stage::WUv, &[n, l, v], |rw| &rw.w_uv)?;
-    }
+    record_layer_weights(ops, &mut tr, layer, kind, cfg, ew)?;
     let scale = if opts.faults.has(Fault::NoMscale) {
         (cfg.qk_head_dim() as f64).powf(-0.5) as f32
     } else {
@@ -360,35 +299,7 @@ fn run_loaded<O: Ops>(
             PathKind::Mixed => mixed_rank(&a, input.batch, &mut empty_rows)?,
         });
     }
-    let pick = |f: fn(&RankOut<O::Buf>) -> Option<&O::Buf>| pick_all(&outs, f);
-    if let Some(k) = pick(|o| o.k_nope.as_ref()) {
-        rec_heads(ops, &mut tr, layer, Stage::KNope, &[t, n, p], &k, nh, p)?;
-    }
-    if let Some(x) = pick(|o| o.v.as_ref()) {
-        rec_heads(ops, &mut tr, layer, Stage::V, &[t, n, v], &x, nh, v)?;
-    }
-    // Nothing reads ql_nope or attn_latent after the attention: one rank's buffers move into
-    // the trace, several ranks' are reassembled.
-    if let [one] = &mut outs[..] {
-        if let Some(x) = one.ql_nope.take() {
-            rec_owned(ops, &mut tr, layer, Stage::QlNope, &[t, n, l], x)?;
-        }
-        if let Some(x) = one.attn_latent.take() {
-            rec_owned(ops, &mut tr, layer, Stage::AttnLatent, &[t, n, l], x)?;
-        }
-    } else {
-        let pick = |f: fn(&RankOut<O::Buf>) -> Option<&O::Buf>| pick_all(&outs, f);
-        if let Some(x) = pick(|o| o.ql_nope.as_ref()) {
-            rec_heads(ops, &mut tr, layer, Stage::QlNope, &[t, n, l], &x, nh, l)?;
-        }
-        if let Some(x) = pick(|o| o.attn_latent.as_ref()) {
-            rec_heads(ops, &mut tr, layer, Stage::AttnLatent, &[t, n, l], &x, nh, l)?;
-        }
-    }
-    let lse: Vec<&O::Buf> = outs.iter().map(|o| &o.lse).collect();
-    rec_heads(ops, &mut tr, layer, Stage::Lse, &[t, n], &lse, nh, 1)?;
-    let attn: Vec<&O::Buf> = outs.iter().map(|o| &o.out).collect();
-    rec_heads(ops, &mut tr, layer, Stage::AttnOut, &[t, n, v], &attn, nh, v)?;
+    record_rank_outputs(ops, &mut tr, layer, t, cfg, &mut outs)?;
 
     // o_proj is row-parallel: each rank's partial, then the all-reduce the ranks run together
     // (`crate::compute::collective`).
@@ -405,24 +316,7 @@ fn run_loaded<O: Ops>(
     let o = ops.all_reduce_sum(parts, t * hd, opts.faults.reduce_fault(tp))?;
     rec(ops, &mut tr, layer, Stage::OProj, &[t, hd], &o)?;
     if let Some(ffn) = &ew.ffn {
-        // MiniCPM3 scales each residual branch (llama.cpp `scale_res`); on the host, once.
-        let rs = cfg.residual_scale as f32;
-        let scaled = |b: &O::Buf| -> Result<O::Buf> {
-            let v: Vec<f32> = ops.download(b)?.into_iter().map(|x| x * rs).collect();
-            ops.upload(&v)
-        };
-        let h1 = if rs != 1.0 {
-            ops.add(&pro.hidden, &scaled(&o)?, t * hd)?
-        } else {
-            ops.add(&pro.hidden, &o, t * hd)?
-        };
-        let xn = ops.rms_norm(&h1, t, 0, hd, hd, &ffn.norm, cfg.rms_eps as f32)?;
-        let gate = ops.linear(&xn, t, hd, &ffn.gate, ffn.f)?;
-        let up = ops.linear(&xn, t, hd, &ffn.up, ffn.f)?;
-        let act = ops.silu_mul(&gate, &up, t * ffn.f)?;
-        let down = ops.linear(&act, t, ffn.f, &ffn.down, hd)?;
-        let down = if rs != 1.0 { scaled(&down)? } else { down };
-        let out = ops.add(&h1, &down, t * hd)?;
+        let out = ffn_residual(ops, cfg, ffn, &pro.hidden, &o, t)?;
         rec(ops, &mut tr, layer, Stage::HiddenOut, &[t, hd], &out)?;
     }
     Ok(PathRun {
@@ -432,4 +326,207 @@ fn run_loaded<O: Ops>(
         unservable: None,
         notes,
     })
+}
+
+/// TP's per-rank weight sites `w.<name>.rank<r>`: each rank's `q_proj` `[nh·(P+R), q_lora_rank
+/// or H]`, `kv_b_proj` `[nh·(P+V), L]` (not on the absorbed path, which never holds it: only
+/// `W_UK_T`/`W_UV` derived from it) and `o_proj` `[H, nh·V]`.
+fn record_rank_weights<O: Ops>(
+    ops: &O,
+    tr: &mut Trace,
+    layer: usize,
+    kind: PathKind,
+    cfg: &MlaConfig,
+    ew: &EngineWeights<O::Buf>,
+) -> Result<()> {
+    let MlaDims {
+        n_head: n,
+        hidden: hd,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
+    let q_k = cfg.q_lora_rank.unwrap_or(hd);
+    let nh = n / ew.ranks.len();
+    type Field<B> = fn(&RankWeights<B>) -> Option<&B>;
+    let sites: [(RankedWeight, [usize; 2], Field<O::Buf>); 3] = [
+        (RankedWeight::QProj, [nh * (p + r), q_k], |rw| rw.q_proj.as_ref()),
+        (RankedWeight::KvB, [nh * (p + v), l], |rw| Some(&rw.kv_b)),
+        (RankedWeight::OProj, [hd, nh * v], |rw| Some(&rw.o_proj)),
+    ];
+    for (rank, rw) in ew.ranks.iter().enumerate() {
+        for &(w, shape, field) in &sites {
+            if w == RankedWeight::KvB && kind == PathKind::Mqa {
+                continue;
+            }
+            // Only q_proj is ever released, and only without TP.
+            let b = field(rw).ok_or_else(|| Error::Internal("engine: q_proj released under TP".into()))?;
+            rec(ops, tr, layer, Stage::WRank(w, rank as u32), &shape, b)?;
+        }
+    }
+    Ok(())
+}
+
+/// The whole-layer weight sites the path holds: `kv_b_proj` `[N·(P+V), L]` (expanded paths),
+/// `W_UK_T` `[N, P, L]` and `W_UV` `[N, L, V]` (absorbed paths). One rank's buffer is the site;
+/// several concatenate on the host (each rank holds a contiguous block of heads).
+fn record_layer_weights<O: Ops>(
+    ops: &O,
+    tr: &mut Trace,
+    layer: usize,
+    kind: PathKind,
+    cfg: &MlaConfig,
+    ew: &EngineWeights<O::Buf>,
+) -> Result<()> {
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
+    let weight_site =
+        |tr: &mut Trace, stage: Stage, shape: &[usize], f: fn(&RankWeights<O::Buf>) -> &O::Buf| match &ew.ranks[..] {
+            [one] => rec(ops, tr, layer, stage, shape, f(one)),
+            ranks => {
+                let mut all = Vec::new();
+                for rw in ranks {
+                    all.extend(ops.download(f(rw))?);
+                }
+                tr.record(Site::new(layer, stage), TraceTensor::f32(shape.to_vec(), all));
+                Ok(())
+            }
+        };
+    if kind != PathKind::Mqa {
+        weight_site(tr, Stage::WKvB, &[n * (p + v), l], |rw| &rw.kv_b)?;
+    }
+    if matches!(kind, PathKind::Mqa | PathKind::Mixed) {
+        weight_site(tr, Stage::WUkT, &[n, p, l], |rw| &rw.w_uk_t)?;
+        weight_site(tr, Stage::WUv, &[n, l, v], |rw| &rw.w_uv)?;
+    }
+    Ok(())
+}
+
+/// Moves a buffer out of a rank's output.
+type TakeOut<B> = fn(&mut RankOut<B>) -> Option<B>;
+
+/// One per-rank attention output recorded as a whole-layer `[T, N, X]` site.
+struct OutSite<B> {
+    stage: Stage,
+    /// The site's shape: `[T, N, X]`, or `[T, N]` for `lse` (X = 1).
+    shape: Vec<usize>,
+    x: usize,
+    field: fn(&RankOut<B>) -> Option<&B>,
+    /// For a buffer nothing reads after the attention: moves it out of a lone rank's output
+    /// into the trace instead of copying it.
+    take: Option<TakeOut<B>>,
+}
+
+/// The ranks' attention outputs recorded per head, in vLLM's names: `k_nope` and `v` (expanded
+/// paths), `ql_nope` and `attn_latent` (absorbed paths), `lse` and `attn_out`. A field some rank
+/// lacks is not recorded; several ranks' buffers are reassembled along heads.
+fn record_rank_outputs<O: Ops>(
+    ops: &O,
+    tr: &mut Trace,
+    layer: usize,
+    t: usize,
+    cfg: &MlaConfig,
+    outs: &mut [RankOut<O::Buf>],
+) -> Result<()> {
+    let MlaDims {
+        n_head: n,
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        v_head_dim: v,
+        ..
+    } = cfg.dims();
+    let nh = n / outs.len();
+    let sites: [OutSite<O::Buf>; 6] = [
+        OutSite {
+            stage: Stage::KNope,
+            shape: vec![t, n, p],
+            x: p,
+            field: |o| o.k_nope.as_ref(),
+            take: None,
+        },
+        OutSite {
+            stage: Stage::V,
+            shape: vec![t, n, v],
+            x: v,
+            field: |o| o.v.as_ref(),
+            take: None,
+        },
+        OutSite {
+            stage: Stage::QlNope,
+            shape: vec![t, n, l],
+            x: l,
+            field: |o| o.ql_nope.as_ref(),
+            take: Some(|o| o.ql_nope.take()),
+        },
+        OutSite {
+            stage: Stage::AttnLatent,
+            shape: vec![t, n, l],
+            x: l,
+            field: |o| o.attn_latent.as_ref(),
+            take: Some(|o| o.attn_latent.take()),
+        },
+        OutSite {
+            stage: Stage::Lse,
+            shape: vec![t, n],
+            x: 1,
+            field: |o| Some(&o.lse),
+            take: None,
+        },
+        OutSite {
+            stage: Stage::AttnOut,
+            shape: vec![t, n, v],
+            x: v,
+            field: |o| Some(&o.out),
+            take: None,
+        },
+    ];
+    for s in &sites {
+        if let ([one], Some(take)) = (&mut *outs, s.take) {
+            if let Some(b) = take(one) {
+                rec_owned(ops, tr, layer, s.stage, &s.shape, b)?;
+            }
+        } else if let Some(parts) = pick_all(outs, s.field) {
+            rec_heads(ops, tr, layer, s.stage, &s.shape, &parts, nh, s.x)?;
+        }
+    }
+    Ok(())
+}
+
+/// The FFN block after attention (llama.cpp's `ffn_norm`, `ffn_gate`/`ffn_up`, SiLU,
+/// `ffn_down`) with both residual adds: returns `hidden_out` `[T, H]` f32 from the layer's
+/// `hidden` and the all-reduced `o_proj` output `o`.
+fn ffn_residual<O: Ops>(
+    ops: &O,
+    cfg: &MlaConfig,
+    ffn: &Ffn<O::Buf>,
+    hidden: &O::Buf,
+    o: &O::Buf,
+    t: usize,
+) -> Result<O::Buf> {
+    let hd = cfg.hidden;
+    // MiniCPM3 scales each residual branch (llama.cpp `scale_res`); on the host, once.
+    let rs = cfg.residual_scale as f32;
+    let scaled = |b: &O::Buf| -> Result<O::Buf> {
+        let v: Vec<f32> = ops.download(b)?.into_iter().map(|x| x * rs).collect();
+        ops.upload(&v)
+    };
+    let h1 = if rs != 1.0 {
+        ops.add(hidden, &scaled(o)?, t * hd)?
+    } else {
+        ops.add(hidden, o, t * hd)?
+    };
+    let xn = ops.rms_norm(&h1, t, 0, hd, hd, &ffn.norm, cfg.rms_eps as f32)?;
+    let gate = ops.linear(&xn, t, hd, &ffn.gate, ffn.f)?;
+    let up = ops.linear(&xn, t, hd, &ffn.up, ffn.f)?;
+    let act = ops.silu_mul(&gate, &up, t * ffn.f)?;
+    let down = ops.linear(&act, t, ffn.f, &ffn.down, hd)?;
+    let down = if rs != 1.0 { scaled(&down)? } else { down };
+    ops.add(&h1, &down, t * hd)
 }

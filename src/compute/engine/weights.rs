@@ -108,6 +108,12 @@ pub(super) fn whole<O: Ops>(ops: &O, input: &LayerInput<'_>, name: &str) -> Resu
 }
 
 impl<B> EngineWeights<B> {
+    /// Loads one layer's engine weights as every TP rank's loader builds them: the replicated
+    /// norms and fused `q_a`/`kv_a` weight, each rank's shards, and the FFN. Loader faults act
+    /// here; a note goes to `notes` when one has nothing to act on.
+    ///
+    /// Errors: [`LoadError::Unservable`] for a TP cut the quantized bytes cannot serve, other
+    /// GGUF or backend errors as [`LoadError::Other`].
     pub(super) fn load<O: Ops<Buf = B>>(
         ops: &O,
         input: &LayerInput<'_>,
@@ -115,162 +121,25 @@ impl<B> EngineWeights<B> {
         notes: &mut Vec<String>,
     ) -> Result<Self, LoadError> {
         let cfg = input.cfg;
-        let file = input.file;
-        let layer = input.weights.layer;
-        let MlaDims {
-            n_head: n,
-            hidden: h,
-            kv_lora_rank: l,
-            qk_nope_head_dim: p,
-            qk_rope_head_dim: r,
-            v_head_dim: v,
-            ..
-        } = cfg.dims();
-        let f = &opts.faults;
-        let tp = opts.tp;
-        let name = |s: &str| tensor_name(layer, s);
-
+        let name = |s: &str| tensor_name(input.weights.layer, s);
         let attn_norm = whole(ops, input, &name("attn_norm"))?;
         let kv_a_norm = whole(ops, input, &name("attn_kv_a_norm"))?;
-        let kv_a_w = whole(ops, input, &name("attn_kv_a_mqa"))?;
-        let (fused_qkv_a, q_a_norm, kv_a) = match cfg.q_lora_rank {
-            Some(lq) => {
-                // MergedColumnParallelLinear: shard 0 = q_a_proj, shard 1 = kv_a_proj_with_mqa.
-                let q_a = whole(ops, input, &name("attn_q_a"))?;
-                let mut fused = ops.canary((lq + l + r) * h)?;
-                let (first, first_rows, second, second_rows) = if f.has(Fault::FusedShardSwap) {
-                    (&kv_a_w, l + r, &q_a, lq)
-                } else {
-                    (&q_a, lq, &kv_a_w, l + r)
-                };
-                ops.copy2d(first, &mut fused, cp(first_rows, h, 0, h, 0, h))?;
-                ops.copy2d(second, &mut fused, cp(second_rows, h, 0, h, first_rows * h, h))?;
-                (Some(fused), Some(whole(ops, input, &name("attn_q_a_norm"))?), None)
-            }
-            None => (None, None, Some(kv_a_w)),
-        };
-        let q_tensor = if cfg.q_lora_rank.is_some() {
-            name("attn_q_b")
-        } else {
-            name("attn_q")
-        };
-
-        // Which rank's shard each rank's loader reads (faults reorder or duplicate ranks).
-        let source = |rank: usize, weight: RankedWeight| -> usize {
-            if f.has(Fault::TpRank0Everywhere) {
-                0
-            } else if f.has(Fault::TpRankOrder) && weight != RankedWeight::OProj {
-                (rank + 1) % tp
-            } else {
-                rank
-            }
-        };
-        if tp > 1 && f.has(Fault::QuantSliceMisaligned) {
-            // The broken loader shards kv_b_proj along its input (latent) dim, as if it were
-            // row-parallel. The cut tensor is the one whose rows run along L.
-            let t = match cfg.kv_b_layout {
-                KvBLayout::Split => name("attn_v_b"),
-                KvBLayout::Fused => name("attn_kv_b"),
-            };
-            for rank in 0..tp {
-                let cols = rank * l / tp..(rank + 1) * l / tp;
-                if let Err(e) = col_slice(file, &t, cols) {
-                    return Err(slice_to_load(
-                        Site::new(layer, Stage::WKvB),
-                        "kv_b_proj sharded along its input (latent) dim L instead of by heads",
-                        e,
-                    ));
-                }
-            }
+        let (fused_qkv_a, q_a_norm, kv_a) = load_qkv_a(ops, input, opts)?;
+        if opts.tp > 1 && opts.faults.has(Fault::QuantSliceMisaligned) {
+            check_kv_b_latent_cut(input, opts.tp)?;
             notes.push(
                 "quant-slice-misaligned: the L cut lands on quant block boundaries here; the fault had no effect"
                     .into(),
             );
         }
-        let mut ranks = Vec::with_capacity(tp);
-        for rank in 0..tp {
-            let qh = rank_heads(n, tp, source(rank, RankedWeight::QProj));
-            let q_proj = dq(
-                ops,
-                input,
-                &row_slice(file, &q_tensor, qh.start * (p + r)..qh.end * (p + r))?,
-            )?;
-            let kh = rank_heads(n, tp, source(rank, RankedWeight::KvB));
-            let nh = kh.len();
-            let kv_b = match cfg.kv_b_layout {
-                KvBLayout::Fused => dq(
-                    ops,
-                    input,
-                    &row_slice(file, &name("attn_kv_b"), kh.start * (p + v)..kh.end * (p + v))?,
-                )?,
-                KvBLayout::Split => {
-                    // attn_k_b is [N, L, P] (rows of P); attn_v_b is [N, V, L] (rows of L).
-                    let k_b = dq(
-                        ops,
-                        input,
-                        &row_slice(file, &name("attn_k_b"), kh.start * l..kh.end * l)?,
-                    )?;
-                    let v_b = dq(
-                        ops,
-                        input,
-                        &row_slice(file, &name("attn_v_b"), kh.start * v..kh.end * v)?,
-                    )?;
-                    // The k rows of kv_b are k_b transposed per head; the bug reads the same
-                    // bytes as [P, L] (a reshape).
-                    let k_rows = if f.has(Fault::KBUntransposed) {
-                        k_b
-                    } else {
-                        ops.transpose(&k_b, nh, l, p)?
-                    };
-                    let mut kv_b = ops.canary(nh * (p + v) * l)?;
-                    for hh in 0..nh {
-                        ops.copy2d(&k_rows, &mut kv_b, cp(p, l, hh * p * l, l, hh * (p + v) * l, l))?;
-                        ops.copy2d(&v_b, &mut kv_b, cp(v, l, hh * v * l, l, (hh * (p + v) + p) * l, l))?;
-                    }
-                    kv_b
-                }
-            };
-            // process_weights_after_loading: W_UK_T [nh, P, L] and W_UV [nh, L, V] from kv_b.
-            let mut w_uk_t = ops.canary(nh * p * l)?;
-            let mut w_uv_t = ops.canary(nh * v * l)?; // [nh, V, L] before the transpose
-            if f.has(Fault::KvBGrouped) {
-                // [all k rows | all v rows] instead of per head.
-                ops.copy2d(&kv_b, &mut w_uk_t, cp(nh * p, l, 0, l, 0, l))?;
-                ops.copy2d(&kv_b, &mut w_uv_t, cp(nh * v, l, nh * p * l, l, 0, l))?;
-            } else {
-                for hh in 0..nh {
-                    ops.copy2d(&kv_b, &mut w_uk_t, cp(p, l, hh * (p + v) * l, l, hh * p * l, l))?;
-                    ops.copy2d(&kv_b, &mut w_uv_t, cp(v, l, (hh * (p + v) + p) * l, l, hh * v * l, l))?;
-                }
-            }
-            let w_uv = ops.transpose(&w_uv_t, nh, v, l)?;
-            let oh = rank_heads(n, tp, source(rank, RankedWeight::OProj));
-            let o_raw = col_slice(file, &name("attn_output"), oh.start * v..oh.end * v).map_err(|e| {
-                slice_to_load(
-                    Site::new(layer, Stage::WRank(RankedWeight::OProj, rank as u32)),
-                    "o_proj is row-parallel: its input dim N·V is cut by heads",
-                    e,
-                )
-            })?;
-            let o_proj = dq(ops, input, &o_raw)?;
-            ranks.push(RankWeights {
-                q_proj: Some(q_proj),
-                kv_b,
-                w_uk_t,
-                w_uv,
-                o_proj,
-            });
-        }
-        let ffn = match &input.weights.ffn {
-            Some(fw) => Some(Ffn {
-                norm: whole(ops, input, &name("ffn_norm"))?,
-                gate: whole(ops, input, &name("ffn_gate"))?,
-                up: whole(ops, input, &name("ffn_up"))?,
-                down: whole(ops, input, &name("ffn_down"))?,
-                f: fw.gate.nrows(),
-            }),
-            None => None,
+        let q_tensor = if cfg.q_lora_rank.is_some() {
+            name("attn_q_b")
+        } else {
+            name("attn_q")
         };
+        let ranks = (0..opts.tp)
+            .map(|rank| load_rank(ops, input, opts, rank, &q_tensor))
+            .collect::<Result<Vec<_>, LoadError>>()?;
         Ok(EngineWeights {
             attn_norm,
             fused_qkv_a,
@@ -278,7 +147,215 @@ impl<B> EngineWeights<B> {
             kv_a,
             kv_a_norm,
             ranks,
-            ffn,
+            ffn: load_ffn(ops, input)?,
         })
     }
+}
+
+/// (`fused_qkv_a`, `q_a_norm`, `kv_a`) of [`EngineWeights`].
+type QkvA<B> = (Option<B>, Option<B>, Option<B>);
+
+/// The replicated `q_a`/`kv_a` weights: with `q_lora_rank` Lq, vLLM's `fused_qkv_a_proj`
+/// (a `MergedColumnParallelLinear`: shard 0 = `q_a_proj`, shard 1 = `kv_a_proj_with_mqa`) as
+/// `[Lq+L+R, H]` and `q_a_layernorm` `[Lq]`; without, `kv_a_proj_with_mqa` `[L+R, H]`. Returns
+/// (`fused_qkv_a`, `q_a_norm`, `kv_a`), f32. The fused-shard-swap fault swaps the two shards.
+fn load_qkv_a<O: Ops>(ops: &O, input: &LayerInput<'_>, opts: &PathOptions) -> Result<QkvA<O::Buf>> {
+    let MlaDims {
+        hidden: h,
+        kv_lora_rank: l,
+        qk_rope_head_dim: r,
+        ..
+    } = input.cfg.dims();
+    let name = |s: &str| tensor_name(input.weights.layer, s);
+    let kv_a_w = whole(ops, input, &name("attn_kv_a_mqa"))?;
+    let Some(lq) = input.cfg.q_lora_rank else {
+        return Ok((None, None, Some(kv_a_w)));
+    };
+    let q_a = whole(ops, input, &name("attn_q_a"))?;
+    let mut fused = ops.canary((lq + l + r) * h)?;
+    let (first, first_rows, second, second_rows) = if opts.faults.has(Fault::FusedShardSwap) {
+        (&kv_a_w, l + r, &q_a, lq)
+    } else {
+        (&q_a, lq, &kv_a_w, l + r)
+    };
+    ops.copy2d(first, &mut fused, cp(first_rows, h, 0, h, 0, h))?;
+    ops.copy2d(second, &mut fused, cp(second_rows, h, 0, h, first_rows * h, h))?;
+    Ok((Some(fused), Some(whole(ops, input, &name("attn_q_a_norm"))?), None))
+}
+
+/// The quant-slice-misaligned fault's cut: the broken loader shards `kv_b_proj` along its input
+/// (latent) dim L, as if it were row-parallel; the tensor cut is the one whose rows run along L.
+/// Errors: [`LoadError::Unservable`] at `w.kv_b_proj` when a cut splits a quant block.
+fn check_kv_b_latent_cut(input: &LayerInput<'_>, tp: usize) -> Result<(), LoadError> {
+    let l = input.cfg.kv_lora_rank;
+    let layer = input.weights.layer;
+    let t = match input.cfg.kv_b_layout {
+        KvBLayout::Split => tensor_name(layer, "attn_v_b"),
+        KvBLayout::Fused => tensor_name(layer, "attn_kv_b"),
+    };
+    for rank in 0..tp {
+        let cols = rank * l / tp..(rank + 1) * l / tp;
+        if let Err(e) = col_slice(input.file, &t, cols) {
+            return Err(slice_to_load(
+                Site::new(layer, Stage::WKvB),
+                "kv_b_proj sharded along its input (latent) dim L instead of by heads",
+                e,
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Which rank's shard of `weight` rank `rank`'s loader reads: its own, or another one under the
+/// faults that reorder (tp-rank-order) or duplicate (tp-rank0-everywhere) ranks.
+fn shard_source(opts: &PathOptions, rank: usize, weight: RankedWeight) -> usize {
+    let f = &opts.faults;
+    if f.has(Fault::TpRank0Everywhere) {
+        0
+    } else if f.has(Fault::TpRankOrder) && weight != RankedWeight::OProj {
+        (rank + 1) % opts.tp
+    } else {
+        rank
+    }
+}
+
+/// One TP rank's shards as its loader builds them: `q_proj` rows of its heads from `q_tensor`,
+/// `kv_b_proj` rows ([`load_kv_b`]), `W_UK_T`/`W_UV` derived from them
+/// ([`absorbed_weights`]), and the `o_proj` columns of its heads.
+///
+/// Errors: [`LoadError::Unservable`] when the `o_proj` cut splits a quant block; GGUF and
+/// backend errors.
+fn load_rank<O: Ops>(
+    ops: &O,
+    input: &LayerInput<'_>,
+    opts: &PathOptions,
+    rank: usize,
+    q_tensor: &str,
+) -> Result<RankWeights<O::Buf>, LoadError> {
+    let MlaDims {
+        n_head: n,
+        qk_nope_head_dim: p,
+        qk_rope_head_dim: r,
+        v_head_dim: v,
+        ..
+    } = input.cfg.dims();
+    let (file, layer, tp) = (input.file, input.weights.layer, opts.tp);
+    let qh = rank_heads(n, tp, shard_source(opts, rank, RankedWeight::QProj));
+    let q_proj = dq(
+        ops,
+        input,
+        &row_slice(file, q_tensor, qh.start * (p + r)..qh.end * (p + r))?,
+    )?;
+    let kh = rank_heads(n, tp, shard_source(opts, rank, RankedWeight::KvB));
+    let kv_b = load_kv_b(ops, input, opts, kh.clone())?;
+    let (w_uk_t, w_uv) = absorbed_weights(ops, input, opts, &kv_b, kh.len())?;
+    let oh = rank_heads(n, tp, shard_source(opts, rank, RankedWeight::OProj));
+    let o_raw = col_slice(file, &tensor_name(layer, "attn_output"), oh.start * v..oh.end * v).map_err(|e| {
+        slice_to_load(
+            Site::new(layer, Stage::WRank(RankedWeight::OProj, rank as u32)),
+            "o_proj is row-parallel: its input dim N·V is cut by heads",
+            e,
+        )
+    })?;
+    let o_proj = dq(ops, input, &o_raw)?;
+    Ok(RankWeights {
+        q_proj: Some(q_proj),
+        kv_b,
+        w_uk_t,
+        w_uv,
+        o_proj,
+    })
+}
+
+/// `kv_b_proj` rows of heads `kh`, `[nh·(P+V), L]` f32: read from `attn_kv_b`, or rebuilt per
+/// head from the split pair `attn_k_b` `[N, L, P]` (transposed) and `attn_v_b` `[N, V, L]`. The
+/// k-b-untransposed fault reads `attn_k_b`'s bytes as `[P, L]` (a reshape).
+fn load_kv_b<O: Ops>(ops: &O, input: &LayerInput<'_>, opts: &PathOptions, kh: Range<usize>) -> Result<O::Buf> {
+    let MlaDims {
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        v_head_dim: v,
+        ..
+    } = input.cfg.dims();
+    let (file, layer) = (input.file, input.weights.layer);
+    let nh = kh.len();
+    if input.cfg.kv_b_layout == KvBLayout::Fused {
+        let rows = row_slice(
+            file,
+            &tensor_name(layer, "attn_kv_b"),
+            kh.start * (p + v)..kh.end * (p + v),
+        )?;
+        return dq(ops, input, &rows);
+    }
+    // attn_k_b is [N, L, P] (rows of P); attn_v_b is [N, V, L] (rows of L).
+    let k_b = dq(
+        ops,
+        input,
+        &row_slice(file, &tensor_name(layer, "attn_k_b"), kh.start * l..kh.end * l)?,
+    )?;
+    let v_b = dq(
+        ops,
+        input,
+        &row_slice(file, &tensor_name(layer, "attn_v_b"), kh.start * v..kh.end * v)?,
+    )?;
+    // The k rows of kv_b are k_b transposed per head; the bug reads the same bytes as [P, L].
+    let k_rows = if opts.faults.has(Fault::KBUntransposed) {
+        k_b
+    } else {
+        ops.transpose(&k_b, nh, l, p)?
+    };
+    let mut kv_b = ops.canary(nh * (p + v) * l)?;
+    for hh in 0..nh {
+        ops.copy2d(&k_rows, &mut kv_b, cp(p, l, hh * p * l, l, hh * (p + v) * l, l))?;
+        ops.copy2d(&v_b, &mut kv_b, cp(v, l, hh * v * l, l, (hh * (p + v) + p) * l, l))?;
+    }
+    Ok(kv_b)
+}
+
+/// vLLM's `process_weights_after_loading`: `W_UK_T` `[nh, P, L]` and `W_UV` `[nh, L, V]`, f32,
+/// from `nh` heads of `kv_b_proj` `[nh·(P+V), L]`. The kv-b-grouped fault reads `kv_b` as all
+/// k rows then all v rows instead of per head.
+fn absorbed_weights<O: Ops>(
+    ops: &O,
+    input: &LayerInput<'_>,
+    opts: &PathOptions,
+    kv_b: &O::Buf,
+    nh: usize,
+) -> Result<(O::Buf, O::Buf)> {
+    let MlaDims {
+        kv_lora_rank: l,
+        qk_nope_head_dim: p,
+        v_head_dim: v,
+        ..
+    } = input.cfg.dims();
+    let mut w_uk_t = ops.canary(nh * p * l)?;
+    let mut w_uv_t = ops.canary(nh * v * l)?; // [nh, V, L] before the transpose
+    if opts.faults.has(Fault::KvBGrouped) {
+        // [all k rows | all v rows] instead of per head.
+        ops.copy2d(kv_b, &mut w_uk_t, cp(nh * p, l, 0, l, 0, l))?;
+        ops.copy2d(kv_b, &mut w_uv_t, cp(nh * v, l, nh * p * l, l, 0, l))?;
+    } else {
+        for hh in 0..nh {
+            ops.copy2d(kv_b, &mut w_uk_t, cp(p, l, hh * (p + v) * l, l, hh * p * l, l))?;
+            ops.copy2d(kv_b, &mut w_uv_t, cp(v, l, (hh * (p + v) + p) * l, l, hh * v * l, l))?;
+        }
+    }
+    let w_uv = ops.transpose(&w_uv_t, nh, v, l)?;
+    Ok((w_uk_t, w_uv))
+}
+
+/// The dense FFN weights (`ffn_norm`, `ffn_gate`, `ffn_up`, `ffn_down`), when the layer has a
+/// dense FFN; `None` otherwise.
+fn load_ffn<O: Ops>(ops: &O, input: &LayerInput<'_>) -> Result<Option<Ffn<O::Buf>>> {
+    let Some(fw) = &input.weights.ffn else {
+        return Ok(None);
+    };
+    let name = |s: &str| tensor_name(input.weights.layer, s);
+    Ok(Some(Ffn {
+        norm: whole(ops, input, &name("ffn_norm"))?,
+        gate: whole(ops, input, &name("ffn_gate"))?,
+        up: whole(ops, input, &name("ffn_up"))?,
+        down: whole(ops, input, &name("ffn_down"))?,
+        f: fw.gate.nrows(),
+    }))
 }

@@ -19,6 +19,15 @@ BIN=${MLA_DIFF_BIN:-target/release/mla-diff}
 PY=${PYTHON:-python3}
 WORK=${WORK:-/tmp/mla-diff-verdict}
 mode=${1:-auto}
+case $mode in
+  gpu|cpu|all|auto) ;;
+  *)
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+    [ "$mode" = -h ] || [ "$mode" = --help ] && exit 0
+    echo "bench_verdict: unknown mode '$mode' (gpu, cpu or all)" >&2
+    exit 2
+    ;;
+esac
 if [ "$mode" = auto ]; then
   if nvidia-smi -L >/dev/null 2>&1; then mode=gpu; else mode=cpu; fi
 fi

@@ -2,7 +2,7 @@
 //!
 //! Wall time, the peak resident set (Linux `VmHWM`), and how much of the GGUF was read, grouped by
 //! layer, so a lazy reader that starts reading whole files shows at once; and the wall time of
-//! each stage of the run ([`crate::core::timing`]), so the stage that dominates is named.
+//! each stage of the run ([`crate::core::timing`]), so the stage that dominates can be read off.
 
 use crate::core::timing::StageTime;
 use crate::model::gguf::GgufFile;

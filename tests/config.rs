@@ -25,6 +25,7 @@ fn mla_era_file_with_q_lora() {
         ),
         (3, 32, Some(16), 24, 8, 4, 12)
     );
+    assert_eq!(c.dims().nlprv(), [3, 24, 8, 4, 12]);
     assert_eq!(c.kv_b_layout, KvBLayout::Split);
     assert_eq!(c.vocab, 20);
     approx::assert_relative_eq!(c.softmax_scale, 12f64.powf(-0.5), max_relative = 1e-15);

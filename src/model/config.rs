@@ -87,7 +87,8 @@ impl IndexerConfig {
 }
 
 /// The MLA dims of one model, copied out of [`MlaConfig`] by [`MlaConfig::dims`] so that the
-/// shape arithmetic can take them in one line (`let MlaDims { n_head: n, .. } = cfg.dims();`).
+/// shape arithmetic can take them in one line (`let [n, l, p, r, v] = cfg.dims().nlprv();`, or
+/// `let MlaDims { hidden, .. } = cfg.dims();` for the others).
 /// Units: elements; the names and GGUF sources are those of the [`MlaConfig`] fields.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MlaDims {
@@ -105,6 +106,22 @@ pub struct MlaDims {
     pub qk_rope_head_dim: usize,
     /// `V`: per-head width of `v` and `attn_out`.
     pub v_head_dim: usize,
+}
+
+impl MlaDims {
+    /// The five attention widths under their docs/mla.md letters, in the order the letters spell:
+    /// `[N, L, P, R, V]` = `[n_head, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+    /// v_head_dim]`. The index arithmetic of the paths reads in these letters; one line
+    /// `let [n, l, p, r, v] = cfg.dims().nlprv();` binds them (`_` for the unused ones).
+    pub fn nlprv(self) -> [usize; 5] {
+        [
+            self.n_head,
+            self.kv_lora_rank,
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+        ]
+    }
 }
 
 /// How the file stores the `kv_b_proj` up-projection.

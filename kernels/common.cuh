@@ -63,3 +63,27 @@ __device__ __forceinline__ float mla_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+
+// Tensor-core and async-copy primitives of the fast decode and fast prefill kernels (sm_80+; a
+// module that does not call them compiles none of them).
+// C[16×8] += A[16×16]·B[16×8] on bf16 inputs with f32 accumulation (mma.sync m16n8k16, A row-
+// major, B column-major): `c` the thread's 4 accumulator values, `a` its 4 A registers, b0 and b1
+// its 2 B registers, in the PTX fragment layout.
+__device__ __forceinline__ void mla_mma_16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The 32-bit shared-state-space address of a pointer into shared memory.
+__device__ __forceinline__ unsigned mla_smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// 16-byte async copy global -> shared (cp.async.cg); zero-fills the 16 bytes when `valid` is false.
+__device__ __forceinline__ void mla_cp16(void* dst, const void* src, bool valid) {
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(mla_smem_addr(dst)), "l"(src), "r"(n));
+}

@@ -50,38 +50,40 @@ extern "C" __global__ void dequant_q8_0(const u8* b, float* y, i64 nblocks) {
     y[e] = f16le(p) * (float)(signed char)p[2 + j];
 }
 
+// The 4-bit quant of element j (0..32) of a 32-element block whose 16 quant bytes start at `qs`:
+// elements 0..16 are the low nibbles, 16..32 the high ones.
+__device__ __forceinline__ int q4_nibble(const u8* qs, int j) {
+    return j < 16 ? (qs[j] & 0x0F) : (qs[j - 16] >> 4);
+}
+
 extern "C" __global__ void dequant_q4_0(const u8* b, float* y, i64 nblocks) {
     ELEM_INDEX(32)
     const u8* p = b + 18 * blk;
-    int q = j < 16 ? (p[2 + j] & 0x0F) : (p[2 + j - 16] >> 4);
-    y[e] = f16le(p) * (float)(q - 8);
+    y[e] = f16le(p) * (float)(q4_nibble(p + 2, j) - 8);
 }
 
 extern "C" __global__ void dequant_q4_1(const u8* b, float* y, i64 nblocks) {
     ELEM_INDEX(32)
     const u8* p = b + 20 * blk;
-    int q = j < 16 ? (p[4 + j] & 0x0F) : (p[4 + j - 16] >> 4);
-    y[e] = f16le(p) * (float)q + f16le(p + 2);
+    y[e] = f16le(p) * (float)q4_nibble(p + 4, j) + f16le(p + 2);
+}
+
+// The 5-bit quant of element j (0..32) of a Q5_0/Q5_1 block: its low four bits the nibble of
+// q4_nibble at `qs`, its fifth bit j of the little-endian word at `qh`.
+__device__ __forceinline__ int q5_quant(const u8* qh, const u8* qs, int j) {
+    return q4_nibble(qs, j) | (((u32le(qh) >> j) & 1) << 4);
 }
 
 extern "C" __global__ void dequant_q5_0(const u8* b, float* y, i64 nblocks) {
     ELEM_INDEX(32)
     const u8* p = b + 22 * blk;
-    unsigned qh = u32le(p + 2);
-    int q;
-    if (j < 16) q = (p[6 + j] & 0x0F) | (((qh >> j) & 1) << 4);
-    else q = (p[6 + j - 16] >> 4) | (((qh >> j) & 1) << 4);
-    y[e] = f16le(p) * (float)(q - 16);
+    y[e] = f16le(p) * (float)(q5_quant(p + 2, p + 6, j) - 16);
 }
 
 extern "C" __global__ void dequant_q5_1(const u8* b, float* y, i64 nblocks) {
     ELEM_INDEX(32)
     const u8* p = b + 24 * blk;
-    unsigned qh = u32le(p + 4);
-    int q;
-    if (j < 16) q = (p[8 + j] & 0x0F) | (((qh >> j) & 1) << 4);
-    else q = (p[8 + j - 16] >> 4) | (((qh >> j) & 1) << 4);
-    y[e] = f16le(p) * (float)q + f16le(p + 2);
+    y[e] = f16le(p) * (float)q5_quant(p + 4, p + 8, j) + f16le(p + 2);
 }
 
 // 6-bit scale and min of sub-block `is` (0..8) from the 12-byte K-quant scales field.

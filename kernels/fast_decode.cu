@@ -201,33 +201,16 @@
 
 typedef __nv_bfloat16 bf16;
 
-__device__ __forceinline__ void fd_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ unsigned fd_smem_addr(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void fd_cp16(void* dst, const void* src, bool valid) {
-    int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(fd_smem_addr(dst)), "l"(src), "r"(n));
-}
-
 // mbarrier and bulk-copy helpers (sm_90).
 __device__ __forceinline__ void fd_bar_init(unsigned long long* bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(fd_smem_addr(bar)), "r"(count) : "memory");
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(mla_smem_addr(bar)), "r"(count) : "memory");
 }
 __device__ __forceinline__ void fd_bar_expect(unsigned long long* bar, unsigned bytes) {
-    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(fd_smem_addr(bar)), "r"(bytes)
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(mla_smem_addr(bar)), "r"(bytes)
                  : "memory");
 }
 __device__ __forceinline__ void fd_bar_arrive(unsigned long long* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(fd_smem_addr(bar)) : "memory");
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(mla_smem_addr(bar)) : "memory");
 }
 __device__ __forceinline__ void fd_bar_wait(unsigned long long* bar, unsigned parity) {
     unsigned done;
@@ -235,14 +218,14 @@ __device__ __forceinline__ void fd_bar_wait(unsigned long long* bar, unsigned pa
         asm volatile(
             "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
             : "=r"(done)
-            : "r"(fd_smem_addr(bar)), "r"(parity)
+            : "r"(mla_smem_addr(bar)), "r"(parity)
             : "memory");
     } while (!done);
 }
 __device__ __forceinline__ void fd_bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                     fd_smem_addr(dst)),
-                 "l"(src), "r"(bytes), "r"(fd_smem_addr(bar))
+                     mla_smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(mla_smem_addr(bar))
                  : "memory");
 }
 // Barrier of the FD_THREADS consumer threads (all threads without FD_TMA).
@@ -346,6 +329,49 @@ __device__ __forceinline__ float4 fd_merged4(const int* St, const float* Z, cons
     return make_float4(__fdiv_rn(acc.x, d), __fdiv_rn(acc.y, d), __fdiv_rn(acc.z, d), __fdiv_rn(acc.w, d));
 }
 
+// acc + w·p per component, each a fused multiply-add rounded to nearest: the one weighted step of
+// every merge, in split order.
+__device__ __forceinline__ float4 fd_fma4(float w, float4 p, float4 acc) {
+    return make_float4(__fmaf_rn(w, p.x, acc.x), __fmaf_rn(w, p.y, acc.y), __fmaf_rn(w, p.z, acc.z),
+                       __fmaf_rn(w, p.w, acc.w));
+}
+
+// The per-head tables of a merge in shared memory: weights W [splits][HM] (−1: a −inf LSE,
+// skipped), sums D [HM], NaN payloads Z [HM] and states St [HM] (0: merge, 1: NaN, 2: every LSE
+// −inf), as fd_head_state leaves them.
+struct FdMergeHeads {
+    const float* W;
+    const float* D;
+    const float* Z;
+    const int* St;
+};
+
+// Lays the tables out in `ws` ((2·splits + 3)·HM floats: X [splits][HM] LSEs, then W, D, Z, St),
+// reads X through `load_lse(sp, r)` (split sp, head row r; rows at or past nh − h0 read as 0),
+// computes every head's state and, when `write_lse`, writes its merged LSE to
+// out_lse[i·nh + h0 + r]. `nt` threads call it together; `sync`, their barrier, separates the
+// loads from the states and the states from the callers' reads.
+template <typename Sync, typename LoadLse>
+__device__ __forceinline__ FdMergeHeads fd_merge_heads(float* ws, int splits, i64 nh, i64 i, i64 h0, int tid, int nt,
+                                                       Sync sync, LoadLse load_lse, float* out_lse, bool write_lse) {
+    float* X = ws;
+    float* W = X + splits * FD_HM;
+    float* D = W + splits * FD_HM;
+    float* Z = D + FD_HM;
+    int* St = reinterpret_cast<int*>(Z + FD_HM);
+    for (int e = tid; e < splits * FD_HM; e += nt) {
+        const int sp = e / FD_HM, r = e % FD_HM;
+        X[e] = h0 + r < nh ? load_lse(sp, r) : 0.0f;
+    }
+    sync();
+    if (tid < FD_HM && h0 + tid < nh) {
+        const float lse = fd_head_state(X, W, D, Z, St, splits, tid);
+        if (write_lse) out_lse[i * nh + h0 + tid] = lse;
+    }
+    sync();
+    return {W, D, Z, St};
+}
+
 // The same merge, fast: the splits' LSEs are read once into shared memory `ws` (2·splits·HM + 3·HM
 // floats), each head's max, weights exp(lse − max) (−1: a −inf LSE, skipped), sum and state are
 // computed once per head (in merge_states' order), then every thread merges FD_MU float4 chunks
@@ -355,21 +381,11 @@ __device__ __forceinline__ void fd_merge_fast(const float* parts, const float* l
                                               i64 n, i64 nh, int splits, i64 i, i64 h0, int tid, int nt, float* ws,
                                               Sync sync, int c_lo, int c_hi, bool write_lse) {
     const i64 stride = n * nh;
-    float* X = ws;                         // [splits][HM] LSEs
-    float* W = X + splits * FD_HM;         // [splits][HM] weights (−1: skipped)
-    float* D = W + splits * FD_HM;         // [HM] sums
-    float* Z = D + FD_HM;                  // [HM] NaN payload of a NaN LSE
-    int* St = reinterpret_cast<int*>(Z + FD_HM);  // [HM] 0: merge, 1: NaN, 2: every LSE −inf
-    for (int e = tid; e < splits * FD_HM; e += nt) {
-        const int sp = e / FD_HM, r = e % FD_HM;
-        X[e] = h0 + r < nh ? __ldcg(lses + sp * stride + i * nh + h0 + r) : 0.0f;
-    }
-    sync();
-    if (tid < FD_HM && h0 + tid < nh) {
-        const float lse = fd_head_state(X, W, D, Z, St, splits, tid);
-        if (write_lse) out_lse[i * nh + h0 + tid] = lse;
-    }
-    sync();
+    const FdMergeHeads hs = fd_merge_heads(
+        ws, splits, nh, i, h0, tid, nt, sync, [&](int sp, int r) { return __ldcg(lses + sp * stride + i * nh + h0 + r); },
+        out_lse, write_lse);
+    const float *W = hs.W, *D = hs.D, *Z = hs.Z;
+    const int* St = hs.St;
     const int CW = c_hi - c_lo;           // chunks per head merged here: [c_lo, c_hi)
     // Chunk c of this range is head c / CW, column c_lo + c % CW: shifts when CW is a power of two
     // (every split count that divides DV/4), else divisions.
@@ -395,9 +411,7 @@ __device__ __forceinline__ void fd_merge_fast(const float* parts, const float* l
                 if (c < FD_HM * CW && h0 + r < nh) {
                     const float w = W[r];
                     float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    if (St[r] == 0 && w >= 0.0f)
-                        a = make_float4(__fmaf_rn(w, p[u].x, 0.0f), __fmaf_rn(w, p[u].y, 0.0f),
-                                        __fmaf_rn(w, p[u].z, 0.0f), __fmaf_rn(w, p[u].w, 0.0f));
+                    if (St[r] == 0 && w >= 0.0f) a = fd_fma4(w, p[u], a);
                     reinterpret_cast<float4*>(out + (i * nh + h0 + r) * MLA_DV)[col_of(c)] = fd_merged4(St, Z, D, r, a);
                 }
             }
@@ -432,12 +446,7 @@ __device__ __forceinline__ void fd_merge_fast(const float* parts, const float* l
                     const int c = base + u * nt + tid, r = head_of(c);
                     if (sp < splits && c < FD_HM * CW && h0 + r < nh && St[r] == 0) {
                         const float w = W[sp * FD_HM + r];
-                        if (w >= 0.0f) {
-                            acc[u].x = __fmaf_rn(w, p[ss][u].x, acc[u].x);
-                            acc[u].y = __fmaf_rn(w, p[ss][u].y, acc[u].y);
-                            acc[u].z = __fmaf_rn(w, p[ss][u].z, acc[u].z);
-                            acc[u].w = __fmaf_rn(w, p[ss][u].w, acc[u].w);
-                        }
+                        if (w >= 0.0f) acc[u] = fd_fma4(w, p[ss][u], acc[u]);
                     }
                 }
             }
@@ -548,7 +557,7 @@ __device__ __forceinline__ unsigned fd_cluster_rank() {
 }
 __device__ __forceinline__ unsigned fd_map(const void* p, unsigned rank) {
     unsigned a;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(fd_smem_addr(p)), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(a) : "r"(mla_smem_addr(p)), "r"(rank));
     return a;
 }
 __device__ __forceinline__ float fd_ld_cluster(unsigned addr) {
@@ -580,21 +589,11 @@ __device__ __noinline__ void fd_cluster_merge(const float* Os, const float* Lse,
     constexpr int C = FD_CLUSTER, nt = FD_THREADS;
     fd_cluster_sync();
     const unsigned rank = fd_cluster_rank();
-    float* X = ws;                         // [C][HM] LSEs
-    float* W = X + C * FD_HM;              // [C][HM] weights (−1: skipped)
-    float* D = W + C * FD_HM;              // [HM] sums
-    float* Z = D + FD_HM;                  // [HM] NaN payload of a NaN LSE
-    int* St = reinterpret_cast<int*>(Z + FD_HM);  // [HM] 0: merge, 1: NaN, 2: every LSE −inf
-    for (int e = tid; e < C * FD_HM; e += nt) {
-        const int sp = e / FD_HM, r = e % FD_HM;
-        X[e] = h0 + r < nh ? fd_ld_cluster(fd_map(Lse + r, sp)) : 0.0f;
-    }
-    sync();
-    if (tid < FD_HM && h0 + tid < nh) {
-        const float lse = fd_head_state(X, W, D, Z, St, C, tid);
-        if (rank == 0) out_lse[i * nh + h0 + tid] = lse;
-    }
-    sync();
+    const FdMergeHeads hs = fd_merge_heads(
+        ws, C, nh, i, h0, tid, nt, sync, [&](int sp, int r) { return fd_ld_cluster(fd_map(Lse + r, sp)); }, out_lse,
+        rank == 0);
+    const float *W = hs.W, *D = hs.D, *Z = hs.Z;
+    const int* St = hs.St;
     constexpr int C4 = FD_CW / 4;          // float4 chunks per head in this block's columns
     unsigned ob[C];                        // Os of every block of the cluster
 #pragma unroll
@@ -614,27 +613,15 @@ __device__ __noinline__ void fd_cluster_merge(const float* Os, const float* Lse,
         for (int u = 0; u < FD_CU; ++u) {
             const int c = base + u * nt + tid, r = c / C4;
             if (c >= FD_HM * C4 || h0 + r >= nh) continue;
-            float4 v;
-            if (St[r] == 1) {
-                v = make_float4(Z[r], Z[r], Z[r], Z[r]);
-            } else if (St[r] == 2) {
-                v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            } else {
-                float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (St[r] == 0) {
 #pragma unroll
                 for (int sp = 0; sp < C; ++sp) {
                     const float w = W[sp * FD_HM + r];
-                    if (w >= 0.0f) {
-                        acc.x = __fmaf_rn(w, p[sp][u].x, acc.x);
-                        acc.y = __fmaf_rn(w, p[sp][u].y, acc.y);
-                        acc.z = __fmaf_rn(w, p[sp][u].z, acc.z);
-                        acc.w = __fmaf_rn(w, p[sp][u].w, acc.w);
-                    }
+                    if (w >= 0.0f) acc = fd_fma4(w, p[sp][u], acc);
                 }
-                const float d = D[r];
-                v = make_float4(__fdiv_rn(acc.x, d), __fdiv_rn(acc.y, d), __fdiv_rn(acc.z, d), __fdiv_rn(acc.w, d));
             }
-            reinterpret_cast<float4*>(out + (i * nh + h0 + r) * MLA_DV + rank * FD_CW)[c % C4] = v;
+            reinterpret_cast<float4*>(out + (i * nh + h0 + r) * MLA_DV + rank * FD_CW)[c % C4] = fd_merged4(St, Z, D, r, acc);
         }
     }
     fd_cluster_sync();  // no block exits while another may still read its shared memory
@@ -727,7 +714,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                      float* lses, i64 n, i64 nh, i64 block_size, i64 max_blocks, i64 splits, float scale,
                      float empty_lse, float* out, float* out_lse, int* counters, int spin) {
     extern __shared__ __align__(16) unsigned char fd_smem[];
-    unsigned char* const base = fd_smem + ((1024u - (fd_smem_addr(fd_smem) & 1023u)) & 1023u);
+    unsigned char* const base = fd_smem + ((1024u - (mla_smem_addr(fd_smem) & 1023u)) & 1023u);
     unsigned char* const Qs = base;                          // [64][W] swizzled
     unsigned char* const Cs = Qs + WG_TILE;                  // [2][64][W] swizzled
     unsigned char* const Ps = Cs + 2 * WG_TILE;              // [64][64] bf16 swizzled
@@ -771,13 +758,13 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             const long long slot = sl_[r];
             const bf16* src = cache + (slot < 0 ? 0 : slot) * MLA_W;
 #pragma unroll
-            for (int cc = lane; cc < MLA_W / 8; cc += 32) fd_cp16(dst + wg_off(r, cc), src + cc * 8, slot >= 0);
+            for (int cc = lane; cc < MLA_W / 8; cc += 32) mla_cp16(dst + wg_off(r, cc), src + cc * 8, slot >= 0);
         }
     };
     for (int e = tid; e < FD_HM * (MLA_W / 8); e += 256) {
         const int r = e / (MLA_W / 8), cc = e % (MLA_W / 8);
         const bool ok = h0 + r < nh;
-        fd_cp16(Qs + wg_off(r, cc), q + (i * nh + (ok ? h0 + r : 0)) * MLA_W + cc * 8, ok);
+        mla_cp16(Qs + wg_off(r, cc), q + (i * nh + (ok ? h0 + r : 0)) * MLA_W + cc * 8, ok);
     }
     __shared__ int wg_direct;  // 1 while every LSE of the block is finite (see the epilogue)
     if (tid == 0) wg_direct = 1;
@@ -795,7 +782,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     // Warpgroup 0: running max (log2 units) and this thread's partial sum of rows 16·wr + g + 8·h.
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
     const float sl2 = scale * 1.4426950408889634f;
-    const unsigned q_addr = fd_smem_addr(Qs), p_addr = fd_smem_addr(Ps);
+    const unsigned q_addr = mla_smem_addr(Qs), p_addr = mla_smem_addr(Ps);
 
     for (int it = 0; it < n_tiles; ++it) {
         asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -804,7 +791,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         if (it + 1 < n_tiles) load_tile(it + 1);
         asm volatile("cp.async.commit_group;\n" ::);
         if (tid < WG_BK) slots[(it & 1) * WG_BK + tid] = slot_of(it + 2);
-        const unsigned c_addr = fd_smem_addr(Cs + (it & 1) * WG_TILE);
+        const unsigned c_addr = mla_smem_addr(Cs + (it & 1) * WG_TILE);
         const i64 kt = k0 + (i64)it * WG_BK;
         unsigned pa[WG_BK / 16][4];
         if (wg == 0) {
@@ -1020,10 +1007,25 @@ __device__ __forceinline__ void fd_pv_step(float (&o)[FD_MT][FD_NVW][4], const u
             unsigned b0, b1;
             asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
                          : "=r"(b0), "=r"(b1)
-                         : "r"(fd_smem_addr(vrow + nt * 8)));
+                         : "r"(mla_smem_addr(vrow + nt * 8)));
 #pragma unroll
-            for (int m = 0; m < FD_MT; ++m) fd_mma(o[m][v], a[m], b0, b1);
+            for (int m = 0; m < FD_MT; ++m) mla_mma_16816(o[m][v], a[m], b0, b1);
         }
+    }
+}
+
+// One head row of this warp's output, O / l, to its partial row `orow`: `o` holds the row's
+// accumulator fragments of one m-tile (half 0: fragment elements 0–1, half 1: 2–3), the warp owns
+// value n-tiles wt + FD_WARPS·v, lane t columns 2t and 2t + 1 of each; IEEE division by the
+// softmax sum l.
+__device__ __forceinline__ void fd_store_o_row(float* orow, const float (&o)[FD_NVW][4], int half, float l, int wt,
+                                               int t) {
+#pragma unroll
+    for (int v = 0; v < FD_NVW; ++v) {
+        const int nt = wt + FD_WARPS * v;
+        if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV)
+            *reinterpret_cast<float2*>(orow + nt * 8 + 2 * t) =
+                make_float2(o[v][2 * half] / l, o[v][2 * half + 1] / l);
     }
 }
 
@@ -1098,7 +1100,7 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
     for (int e = tid; e < FD_HM * (MLA_W / 8); e += FD_BLOCK) {
         int r = e / (MLA_W / 8), col = (e % (MLA_W / 8)) * 8;
         bool ok = h0 + r < nh;
-        fd_cp16(Qs + r * FD_LD + col, q + ((i * nh + (ok ? h0 + r : 0)) * MLA_W) + col, ok);
+        mla_cp16(Qs + r * FD_LD + col, q + ((i * nh + (ok ? h0 + r : 0)) * MLA_W) + col, ok);
     }
     asm volatile("cp.async.commit_group;\n" ::);
     const i64* table = tables + i * max_blocks;
@@ -1181,7 +1183,7 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
             bf16* d = dst + r * FD_LD + lane * 8;
 #pragma unroll
             for (int c = 0; c < MLA_W; c += 256)
-                if (c + lane * 8 < MLA_W) fd_cp16(d + c, src + c, slot >= 0);
+                if (c + lane * 8 < MLA_W) mla_cp16(d + c, src + c, slot >= 0);
         }
     };
     // Prologue: tiles 0 .. STAGES-2 in flight, slots of tile STAGES-1 ready, table entry of tile
@@ -1302,11 +1304,11 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
                         const bf16* p = Qs + (mt_s * 16 + (lane & 15)) * FD_LD + kk * 16 + (lane >> 4) * 8;
                         asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                                      : "=r"(a0[0]), "=r"(a0[1]), "=r"(a0[2]), "=r"(a0[3])
-                                     : "r"(fd_smem_addr(p)));
+                                     : "r"(mla_smem_addr(p)));
                         if (two)
                             asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                                          : "=r"(a1[0]), "=r"(a1[1]), "=r"(a1[2]), "=r"(a1[3])
-                                         : "r"(fd_smem_addr(p + 16)));
+                                         : "r"(mla_smem_addr(p + 16)));
                     }
 #endif
 #pragma unroll
@@ -1316,12 +1318,12 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
                             unsigned b0, b1, b2, b3;
                             asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                                          : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
-                                         : "r"(fd_smem_addr(kb + (lane & 7) * FD_LD + kk * 16 + (lane >> 3) * 8)));
-                            fd_mma(acc[j % FD_CH][u], a0, b0, b1);
-                            fd_mma(acc[(j + 1) % FD_CH][u], a1, b2, b3);
+                                         : "r"(mla_smem_addr(kb + (lane & 7) * FD_LD + kk * 16 + (lane >> 3) * 8)));
+                            mla_mma_16816(acc[j % FD_CH][u], a0, b0, b1);
+                            mla_mma_16816(acc[(j + 1) % FD_CH][u], a1, b2, b3);
                         } else {
                             const bf16* kr = kb + g * FD_LD + kk * 16 + 2 * t;
-                            fd_mma(acc[j % FD_CH][u], a0, *reinterpret_cast<const unsigned*>(kr),
+                            mla_mma_16816(acc[j % FD_CH][u], a0, *reinterpret_cast<const unsigned*>(kr),
                                    *reinterpret_cast<const unsigned*>(kr + 8));
                         }
                     }
@@ -1468,14 +1470,7 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
             if (h0 + r >= nh) continue;
             const float l = l_run[m][half];
             if (wt == 0 && t == 0) store_lse(r, m_run[m][half] * ln2 + logf(l));
-            float* const orow = part_row(r);
-#pragma unroll
-            for (int v = 0; v < FD_NVW; ++v) {
-                const int nt = wt + FD_WARPS * v;
-                if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV)
-                    *reinterpret_cast<float2*>(orow + nt * 8 + 2 * t) =
-                        make_float2(o[m][v][2 * half] / l, o[m][v][2 * half + 1] / l);
-            }
+            fd_store_o_row(part_row(r), o[m], half, l, wt, t);
         }
     }
 #elif FD_TEAMS > 1
@@ -1568,15 +1563,7 @@ extern "C" __global__ void __launch_bounds__(FD_BLOCK, FD_MINB) FD_CLUSTER_DIMS
         for (int half = 0; half < 2; ++half) {
             const int r = m * 16 + g + 8 * half;
             if (h0 + r >= nh) continue;
-            const float l = Ls[r];
-            float* const orow = part_row(r);
-#pragma unroll
-            for (int v = 0; v < FD_NVW; ++v) {
-                const int nt = wt + FD_WARPS * v;
-                if (FD_NTV % FD_WARPS == 0 || nt < FD_NTV)
-                    *reinterpret_cast<float2*>(orow + nt * 8 + 2 * t) =
-                        make_float2(o[m][v][2 * half] / l, o[m][v][2 * half + 1] / l);
-            }
+            fd_store_o_row(part_row(r), o[m], half, Ls[r], wt, t);
         }
     }
 #endif

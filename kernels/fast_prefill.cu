@@ -69,27 +69,9 @@
 
 typedef __nv_bfloat16 bf16;
 
-__device__ __forceinline__ void fp_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ unsigned fp_pack(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<unsigned*>(&v);
-}
-
-__device__ __forceinline__ unsigned fp_smem_addr(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-
-// 16-byte async copy global -> shared; zero-fills when `valid` is false.
-__device__ __forceinline__ void fp_cp16(void* dst, const void* src, bool valid) {
-    int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(fp_smem_addr(dst)), "l"(src), "r"(n));
 }
 
 __device__ __forceinline__ void fp_ldmatrix_x4(unsigned* r, unsigned addr) {
@@ -148,10 +130,10 @@ extern "C" __global__ void __launch_bounds__(FP_THREADS, FP_MINB)
         int r = e / (MLA_DQK / 8), c = (e % (MLA_DQK / 8)) * 8;
         bool ok = q0 + r < q_len;
         const bf16* src = q + ((q_off + (ok ? q0 + r : 0)) * nh + h) * MLA_DQK + c;
-        fp_cp16(Qs + r * FP_LDK + c, src, ok);
+        mla_cp16(Qs + r * FP_LDK + c, src, ok);
     }
     // ldmatrix.x4 address of this lane for A fragments (rows lane%16, columns (lane/16)·8).
-    const unsigned qs_addr = fp_smem_addr(Qs + (warp * 16 * FP_MT + (lane & 15)) * FP_LDK + (lane >> 4) * 8);
+    const unsigned qs_addr = mla_smem_addr(Qs + (warp * 16 * FP_MT + (lane & 15)) * FP_LDK + (lane >> 4) * 8);
 #endif
 
     // Keys this block needs: with causal masking, none past its last query's horizon.
@@ -180,7 +162,7 @@ extern "C" __global__ void __launch_bounds__(FP_THREADS, FP_MINB)
             if (FP_KCH % FP_THREADS == 0 || e < FP_KCH) {
                 const int r = e / (MLA_DQK / 8), c = (e % (MLA_DQK / 8)) * 8;
                 const bool ok = r < lim;
-                fp_cp16(kd + r * FP_LDK + c, kb + (ok ? r * row_stride_k + c : 0), ok);
+                mla_cp16(kd + r * FP_LDK + c, kb + (ok ? r * row_stride_k + c : 0), ok);
             }
         }
 #pragma unroll
@@ -189,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(FP_THREADS, FP_MINB)
             if (FP_VCH % FP_THREADS == 0 || e < FP_VCH) {
                 const int r = e / (MLA_DV / 8), c = (e % (MLA_DV / 8)) * 8;
                 const bool ok = r < lim;
-                fp_cp16(vd + r * FP_LDV + c, vb + (ok ? r * row_stride_v + c : 0), ok);
+                mla_cp16(vd + r * FP_LDV + c, vb + (ok ? r * row_stride_v + c : 0), ok);
             }
         }
     };
@@ -226,8 +208,8 @@ extern "C" __global__ void __launch_bounds__(FP_THREADS, FP_MINB)
         asm volatile("cp.async.commit_group;\n" ::);
 
         const bf16* Kt = St + (it % FP_STAGES) * FP_STAGE_ELEMS;
-        const unsigned k_addr = fp_smem_addr(Kt + k_lane);
-        const unsigned v_addr = fp_smem_addr(Kt + FP_BK * FP_LDK + v_lane);
+        const unsigned k_addr = mla_smem_addr(Kt + k_lane);
+        const unsigned v_addr = mla_smem_addr(Kt + FP_BK * FP_LDK + v_lane);
 
         // S = Q · Kᵀ for this warp's rows and the tile's keys; k-steps outside, key n-tiles
         // inside: FP_MT·FP_SNT independent accumulators per k-step, each K fragment used FP_MT
@@ -257,8 +239,8 @@ extern "C" __global__ void __launch_bounds__(FP_THREADS, FP_MINB)
 #else
                     const unsigned* am = a[mt];
 #endif
-                    fp_mma(s[mt][n], am, b[0], b[1]);
-                    fp_mma(s[mt][n + 1], am, b[2], b[3]);
+                    mla_mma_16816(s[mt][n], am, b[0], b[1]);
+                    mla_mma_16816(s[mt][n + 1], am, b[2], b[3]);
                 }
             }
         }
@@ -348,8 +330,8 @@ extern "C" __global__ void __launch_bounds__(FP_THREADS, FP_MINB)
                 fp_ldmatrix_x4_trans(b, v_addr + (kk * 16 * FP_LDV + n * 8) * 2);
 #pragma unroll
                 for (int mt = 0; mt < FP_MT; ++mt) {
-                    fp_mma(o[mt][n], a[mt], b[0], b[1]);
-                    fp_mma(o[mt][n + 1], a[mt], b[2], b[3]);
+                    mla_mma_16816(o[mt][n], a[mt], b[0], b[1]);
+                    mla_mma_16816(o[mt][n + 1], a[mt], b[2], b[3]);
                 }
             }
         }

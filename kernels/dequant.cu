@@ -97,41 +97,37 @@ __device__ __forceinline__ void scale_min_k4(int is, const u8* q, int* sc, int* 
     }
 }
 
+// Element j (0..256) of a Q4_K or Q5_K block at p (f16 d, f16 dmin, 12 bytes of 6-bit scales and
+// mins, …, the 4-bit quants at qs): its sub-block's scale d·sc and min dmin·m, and its low four
+// bits. Each 64 elements share 32 quant bytes: the first 32 their low nibbles, the next 32 the
+// high ones.
+struct KQuantElem {
+    float scale, min;
+    int low;
+};
+__device__ __forceinline__ KQuantElem k_quant_elem(const u8* p, const u8* qs, int j) {
+    const int chunk = j / 64, within = j % 64;
+    int sc, m;
+    scale_min_k4(2 * chunk + (within >= 32 ? 1 : 0), p + 4, &sc, &m);
+    const u8 byte = qs[32 * chunk + within % 32];
+    return {f16le(p) * (float)sc, f16le(p + 2) * (float)m, within < 32 ? (byte & 0x0F) : (byte >> 4)};
+}
+
 extern "C" __global__ void dequant_q4_k(const u8* b, float* y, i64 nblocks) {
     ELEM_INDEX(256)
     const u8* p = b + 144 * blk;
-    const float d = f16le(p), dmin = f16le(p + 2);
-    const u8* scales = p + 4;
-    const u8* qs = p + 16;
-    int chunk = j / 64, within = j % 64;  // 64 elements per pair of sub-blocks
-    int is = 2 * chunk + (within >= 32 ? 1 : 0);
-    int l = within % 32;
-    int sc, m;
-    scale_min_k4(is, scales, &sc, &m);
-    const float dd = d * (float)sc, mm = dmin * (float)m;
-    u8 byte = qs[32 * chunk + l];
-    int q = within < 32 ? (byte & 0x0F) : (byte >> 4);
-    y[e] = dd * (float)q - mm;
+    const KQuantElem k = k_quant_elem(p, p + 16, j);
+    y[e] = k.scale * (float)k.low - k.min;
 }
 
 extern "C" __global__ void dequant_q5_k(const u8* b, float* y, i64 nblocks) {
     ELEM_INDEX(256)
     const u8* p = b + 176 * blk;
-    const float d = f16le(p), dmin = f16le(p + 2);
-    const u8* scales = p + 4;
-    const u8* qh = p + 16;
-    const u8* qs = p + 48;
-    int chunk = j / 64, within = j % 64;
-    int is = 2 * chunk + (within >= 32 ? 1 : 0);
-    int l = within % 32;
-    int sc, m;
-    scale_min_k4(is, scales, &sc, &m);
-    const float dd = d * (float)sc, mm = dmin * (float)m;
-    u8 byte = qs[32 * chunk + l];
-    unsigned bit = within < 32 ? (1u << (2 * chunk)) : (2u << (2 * chunk));
-    int lo = within < 32 ? (byte & 0x0F) : (byte >> 4);
-    int hi = (qh[l] & bit) ? 16 : 0;
-    y[e] = dd * (float)(lo + hi) - mm;
+    const KQuantElem k = k_quant_elem(p, p + 48, j);
+    const int chunk = j / 64, within = j % 64;
+    const unsigned bit = (within < 32 ? 1u : 2u) << (2 * chunk);  // the fifth bit, in qh at p + 16
+    const int hi = (p[16 + within % 32] & bit) ? 16 : 0;
+    y[e] = k.scale * (float)(k.low + hi) - k.min;
 }
 
 extern "C" __global__ void dequant_q6_k(const u8* b, float* y, i64 nblocks) {

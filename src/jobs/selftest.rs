@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use comfy_table::{Table, presets};
+use comfy_table::Table;
 use ndarray::Array2;
 use serde::Serialize;
 
@@ -526,8 +526,7 @@ fn fault_table(rep: &SelftestReport) -> Table {
     for c in rep.cases.iter().filter(|c| c.case != "clean") {
         by_fault.entry(c.case.clone()).or_default().push(c);
     }
-    let mut t = Table::new();
-    t.load_style(presets::UTF8_BORDERS_ONLY).set_header(vec![
+    let mut t = crate::output::table::bordered(&[
         "fault",
         "expected class",
         "expected first site",
@@ -603,8 +602,7 @@ fn clean_table(rep: &SelftestReport) -> Table {
             e.3.push_str(&c.page.to_string());
         }
     }
-    let mut t = Table::new();
-    t.load_style(presets::UTF8_BORDERS_ONLY).set_header(vec![
+    let mut t = crate::output::table::bordered(&[
         "fixture",
         "clean runs (path × tp × page)",
         "tp sizes",

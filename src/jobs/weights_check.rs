@@ -999,8 +999,7 @@ pub fn terminal(rep: &WeightsReport) -> String {
 /// [`terminal`] with the table fitted to `width` terminal columns (cells wrap, tensor names
 /// stay whole); `None` leaves every cell on one line.
 pub fn terminal_fit(rep: &WeightsReport, width: Option<usize>) -> String {
-    let mut t = comfy_table::Table::new();
-    t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(vec![
+    let mut t = crate::output::table::bordered(&[
         "tensor",
         "dtype",
         "shape",

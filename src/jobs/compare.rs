@@ -34,6 +34,24 @@ struct Handover {
     ref_out: Option<Array2<f64>>,
 }
 
+impl Handover {
+    /// The handover of dumped layer `layer` (sites `dl`, `rows` × `hidden` on the rows being
+    /// judged): the engine's `hidden_out` if dumped, beside the reference's `ref_out`.
+    ///
+    /// Errors: a dumped `hidden_out` that is not `rows` × `hidden`.
+    fn new(dl: &Trace, layer: usize, rows: usize, hidden: usize, ref_out: Option<Array2<f64>>) -> Result<Self> {
+        let dump_out = dl
+            .get(&Site::new(layer, Stage::HiddenOut))
+            .map(|x| to_array(x, rows, hidden))
+            .transpose()?;
+        Ok(Handover {
+            layer,
+            dump_out,
+            ref_out,
+        })
+    }
+}
+
 fn to_array(t: &TraceTensor, rows: usize, cols: usize) -> Result<Array2<f64>> {
     Array2::from_shape_vec((rows, cols), t.to_f64()).map_err(|e| Error::Internal(e.to_string()))
 }
@@ -113,9 +131,9 @@ pub fn compare_dump(
             }
         };
         let next_dumped = dump.layers.contains_key(&(layer + 1));
-        let refo = dumped_layer_reference(file, cfg, &w, &input, &dump.batch, dl, next_dumped, &mut prev_sel)?;
-        let ref_out = refo.hidden_out;
-        let mut reference = refo.trace;
+        let layer_ref = dumped_layer_reference(file, cfg, &w, &input, &dump.batch, dl, next_dumped, &mut prev_sel)?;
+        let ref_out = layer_ref.hidden_out;
+        let mut reference = layer_ref.trace;
         if let Some(e) = expected_in {
             let flat: Vec<f64> = e.iter().copied().collect();
             reference.record(
@@ -133,15 +151,7 @@ pub fn compare_dump(
             findings.extend(f);
         }
         results.push(result);
-        let ho = dl
-            .get(&Site::new(layer, Stage::HiddenOut))
-            .map(|x| to_array(x, t, cfg.hidden))
-            .transpose()?;
-        prev = Some(Handover {
-            layer,
-            dump_out: ho,
-            ref_out,
-        });
+        prev = Some(Handover::new(dl, layer, t, cfg.hidden, ref_out)?);
     }
     let engine = dump.metadata.get("engine").cloned().unwrap_or_else(|| "unknown".into());
     let summary = DumpSummary {
@@ -156,11 +166,7 @@ pub fn compare_dump(
         tolerance_rows: precision,
     };
     Ok(RunReport {
-        model: ModelSummary {
-            path: file.path().display().to_string(),
-            config: cfg.clone(),
-            tensor_types,
-        },
+        model: ModelSummary::new(file, cfg, tensor_types),
         run: dump_run_record(dump, layers, dtype, &engine),
         token_ids: dump.tokens.clone(),
         results,
@@ -218,7 +224,10 @@ fn dump_run_record(dump: &Dump, layers: Vec<usize>, dtype: EngineDtype, engine: 
 /// selection of the latest full DSA indexer layer that GLM's shared layers borrow, up to date.
 ///
 /// Errors: as [`reference_layer_full`].
-#[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the model (file, cfg, w), the layer's input rows (input, batch), what the dump holds of the layer (dl, next_dumped) and the selection carried across layers come from four different places at both call sites"
+)]
 fn dumped_layer_reference(
     file: &GgufFile,
     cfg: &MlaConfig,
@@ -234,7 +243,7 @@ fn dumped_layer_reference(
             .entries()
             .iter()
             .any(|(s, _)| s.stage.is_moe() || s.stage == Stage::HiddenOut);
-    let refo = if cfg.is_moe_layer(w.layer) && wants_ffn {
+    let layer_ref = if cfg.is_moe_layer(w.layer) && wants_ffn {
         reference_layer_full(file, cfg, w, input, batch, 1, prev_sel.as_ref())?
     } else {
         reference_layer(cfg, w, input, batch, 1, prev_sel.as_ref())?
@@ -244,9 +253,9 @@ fn dumped_layer_reference(
         .as_ref()
         .is_some_and(|ix| ix.full.get(w.layer) == Some(&true))
     {
-        prev_sel.clone_from(&refo.selection);
+        prev_sel.clone_from(&layer_ref.selection);
     }
-    Ok(refo)
+    Ok(layer_ref)
 }
 
 /// One dumped layer's sites against its reference (the tolerance rows of `precision`), as the
@@ -395,9 +404,9 @@ pub fn compare_steps(
             }
             let full_in = gather_hidden_in(sd, k, &live, layer, t_full, cfg.hidden)?;
             let next_dumped = d.layers.contains_key(&(layer + 1));
-            let refo = dumped_layer_reference(file, cfg, &w, &full_in, &full, dl, next_dumped, &mut prev_sel)?;
+            let layer_ref = dumped_layer_reference(file, cfg, &w, &full_in, &full, dl, next_dumped, &mut prev_sel)?;
             let mut reference = crate::core::trace::Trace::new();
-            for (s, t) in refo.trace.entries() {
+            for (s, t) in layer_ref.trace.entries() {
                 let rows = take_rows(t, &new_rows, t_full);
                 let t = match h.heads {
                     Some(hs) => take_heads(&rows, s.stage, cfg, hs),
@@ -416,19 +425,11 @@ pub fn compare_steps(
                     TraceTensor::f64(vec![t_new, cfg.hidden], e.iter().copied().collect()),
                 );
             }
-            let ref_out = refo
+            let ref_out = layer_ref
                 .hidden_out
                 .as_ref()
                 .map(|ho| Array2::from_shape_fn((t_new, cfg.hidden), |(i, j)| ho[[new_rows[i], j]]));
-            let dump_out = dl
-                .get(&Site::new(layer, Stage::HiddenOut))
-                .map(|x| to_array(x, t_new, cfg.hidden))
-                .transpose()?;
-            prev = Some(Handover {
-                layer,
-                dump_out,
-                ref_out,
-            });
+            prev = Some(Handover::new(dl, layer, t_new, cfg.hidden, ref_out)?);
             for s in reference.sites_in_order() {
                 let name = s.to_string();
                 if dl.get(&s).is_none() && !not_dumped.contains(&name) {
@@ -450,11 +451,7 @@ pub fn compare_steps(
     let metadata = steps_metadata(h);
     let first = &sd.steps[0].1;
     Ok(RunReport {
-        model: ModelSummary {
-            path: file.path().display().to_string(),
-            config: cfg.clone(),
-            tensor_types,
-        },
+        model: ModelSummary::new(file, cfg, tensor_types),
         run: dump_run_record(first, layers, dtype, &engine),
         token_ids: first.tokens.clone(),
         results,

@@ -10,7 +10,7 @@ use mla_diff::core::batch::Batch;
 use mla_diff::core::class::Class;
 use mla_diff::core::dtype::Dtype;
 use mla_diff::core::trace::{Site, Stage, Trace};
-use mla_diff::judge::diagnose::{Detected, DiagnoseInput, PathEvidence, detect_at, diagnose};
+use mla_diff::judge::diagnose::{Detection, DiagnoseInput, PathEvidence, detect_at, diagnose};
 use mla_diff::judge::metrics::{self, SiteDiff};
 use mla_diff::judge::tolerance::Precision;
 use mla_diff::model::config::MlaConfig;
@@ -84,7 +84,7 @@ fn fixture(faults: &[Fault], tp: usize, paths: &[PathKind]) -> Fixture {
 }
 
 /// Runs the detector of `class` alone on path `i`'s first divergence.
-fn detect(fx: &Fixture, i: usize, class: Class) -> Detected {
+fn detect(fx: &Fixture, i: usize, class: Class) -> Option<Detection> {
     let input = DiagnoseInput {
         cfg: &fx.cfg,
         batch: &fx.batch,
@@ -122,7 +122,7 @@ fn clean_runs_have_no_divergence_to_diagnose() {
 #[test]
 fn phantom_output_sees_the_untouched_canary() {
     let fx = fixture(&[Fault::PhantomOutput], 1, &[PathKind::Mqa]);
-    let (ev, _) = detect(&fx, 0, Class::PhantomOutput).unwrap();
+    let Detection { evidence: ev, .. } = detect(&fx, 0, Class::PhantomOutput).unwrap();
     assert!(ev.contains("canary"), "{ev}");
     let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mha]);
     assert!(detect(&fx, 0, Class::PhantomOutput).is_none());
@@ -131,7 +131,7 @@ fn phantom_output_sees_the_untouched_canary() {
 #[test]
 fn unwritten_rows_names_the_rows() {
     let fx = fixture(&[Fault::UnwrittenRows], 1, &[PathKind::Chunked]);
-    let (ev, _) = detect(&fx, 0, Class::UnwrittenRows).unwrap();
+    let Detection { evidence: ev, .. } = detect(&fx, 0, Class::UnwrittenRows).unwrap();
     assert!(ev.contains("in token rows [0]"), "{ev}");
     // lse-plus-inf reads an unwritten partial too, but through a wrong sentinel: not this.
     let fx = fixture(&[Fault::LsePlusInf], 1, &[PathKind::Mqa]);
@@ -141,7 +141,7 @@ fn unwritten_rows_names_the_rows() {
 #[test]
 fn shard_order_reports_the_permutation() {
     let fx = fixture(&[Fault::FusedShardSwap], 1, &[PathKind::Mha]);
-    let (ev, hint) = detect(&fx, 0, Class::ShardOrder).unwrap();
+    let Detection { evidence: ev, hint } = detect(&fx, 0, Class::ShardOrder).unwrap();
     assert!(ev.contains("in order [1,0]"), "{ev}");
     assert!(hint.contains("shard id"), "{hint}");
     let fx = fixture(&[Fault::StridedKvC], 1, &[PathKind::Mha]);
@@ -151,10 +151,10 @@ fn shard_order_reports_the_permutation() {
 #[test]
 fn tp_rank_order_reports_permutation_and_duplicate() {
     let fx = fixture(&[Fault::TpRankOrder], 3, &[PathKind::Mha]);
-    let (ev, _) = detect(&fx, 0, Class::TpRankOrder).unwrap();
+    let Detection { evidence: ev, .. } = detect(&fx, 0, Class::TpRankOrder).unwrap();
     assert!(ev.contains("[1,2,0]"), "{ev}");
     let fx = fixture(&[Fault::TpRank0Everywhere], 2, &[PathKind::Mqa]);
-    let (ev, _) = detect(&fx, 0, Class::TpRankOrder).unwrap();
+    let Detection { evidence: ev, .. } = detect(&fx, 0, Class::TpRankOrder).unwrap();
     assert!(ev.contains("rank 0 everywhere"), "{ev}");
     let fx = fixture(&[Fault::RopeNeox], 2, &[PathKind::Mha]);
     assert!(detect(&fx, 0, Class::TpRankOrder).is_none());
@@ -163,19 +163,19 @@ fn tp_rank_order_reports_permutation_and_duplicate() {
 #[test]
 fn kv_b_layout_tells_grouped_from_untransposed() {
     let fx = fixture(&[Fault::KvBGrouped], 2, &[PathKind::Mha, PathKind::Mqa]);
-    assert!(detect(&fx, 0, Class::KvBLayout).unwrap().0.contains("grouped"));
-    assert!(detect(&fx, 1, Class::KvBLayout).unwrap().0.contains("grouped"));
+    assert!(detect(&fx, 0, Class::KvBLayout).unwrap().evidence.contains("grouped"));
+    assert!(detect(&fx, 1, Class::KvBLayout).unwrap().evidence.contains("grouped"));
     let fx = fixture(&[Fault::KBUntransposed], 1, &[PathKind::Mha, PathKind::Mqa]);
     assert!(
         detect(&fx, 0, Class::KvBLayout)
             .unwrap()
-            .0
+            .evidence
             .contains("instead of transposed")
     );
     assert!(
         detect(&fx, 1, Class::KvBLayout)
             .unwrap()
-            .0
+            .evidence
             .contains("instead of transposed")
     );
     let fx = fixture(&[Fault::PhantomOutput], 1, &[PathKind::Mha]);
@@ -185,7 +185,7 @@ fn kv_b_layout_tells_grouped_from_untransposed() {
 #[test]
 fn rope_style_re_rotates_with_neox() {
     let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mqa]);
-    let (ev, _) = detect(&fx, 0, Class::RopeStyle).unwrap();
+    let Detection { evidence: ev, .. } = detect(&fx, 0, Class::RopeStyle).unwrap();
     assert!(ev.contains("NeoX"), "{ev}");
     let fx = fixture(&[Fault::StridedKvC], 1, &[PathKind::Mqa]);
     assert!(detect(&fx, 0, Class::RopeStyle).is_none());
@@ -196,7 +196,7 @@ fn softmax_scale_fits_the_factor() {
     // The path runs with half the softmax scale; the reference with the right one.
     let fx = fixture_with(&[], 1, &[PathKind::Mha, PathKind::Mqa], |c| c.softmax_scale *= 0.5);
     for i in 0..2 {
-        let (ev, _) = detect(&fx, i, Class::SoftmaxScale).unwrap();
+        let Detection { evidence: ev, .. } = detect(&fx, i, Class::SoftmaxScale).unwrap();
         assert!(ev.contains("×0.500"), "{ev}");
     }
     let fx = fixture(&[Fault::PhantomOutput], 1, &[PathKind::Mha]);
@@ -207,7 +207,7 @@ fn softmax_scale_fits_the_factor() {
 fn lse_merge_ties_bad_rows_to_empty_partials() {
     let fx = fixture(&[Fault::LsePlusInf], 1, &[PathKind::Chunked, PathKind::Mqa]);
     for i in 0..2 {
-        let (ev, _) = detect(&fx, i, Class::LseMerge).unwrap();
+        let Detection { evidence: ev, .. } = detect(&fx, i, Class::LseMerge).unwrap();
         assert!(ev.contains("merged an empty partial"), "{ev}");
     }
     let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mqa]);
@@ -230,7 +230,7 @@ fn lse_merge_names_a_base_2_lse() {
         }
         fx.runs[0].trace.record(site, t);
         fx.diffs[0] = metrics::diff(&fx.reference, &fx.runs[0].trace, Dtype::F32);
-        let (ev, _) = detect(&fx, 0, Class::LseMerge).unwrap();
+        let Detection { evidence: ev, .. } = detect(&fx, 0, Class::LseMerge).unwrap();
         assert!(ev.contains(word), "{ev}");
     }
 }
@@ -238,7 +238,7 @@ fn lse_merge_names_a_base_2_lse() {
 #[test]
 fn nonfinite_counts_nans_that_are_not_canaries() {
     let fx = fixture(&[Fault::LsePlusInf], 1, &[PathKind::Chunked]);
-    let (ev, _) = detect(&fx, 0, Class::Nonfinite).unwrap();
+    let Detection { evidence: ev, .. } = detect(&fx, 0, Class::Nonfinite).unwrap();
     assert!(ev.contains("NaN/Inf where the reference is finite"), "{ev}");
     let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mha]);
     assert!(detect(&fx, 0, Class::Nonfinite).is_none());
@@ -255,7 +255,7 @@ fn scale_only_sees_what_cosine_cannot() {
     }
     fx.runs[0].trace.record(site, t);
     fx.diffs[0] = metrics::diff(&fx.reference, &fx.runs[0].trace, Dtype::F32);
-    let (ev, _) = detect(&fx, 0, Class::ScaleOnly).unwrap();
+    let Detection { evidence: ev, .. } = detect(&fx, 0, Class::ScaleOnly).unwrap();
     assert!(ev.contains("norm ratio 1.3000"), "{ev}");
     let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mha]);
     assert!(detect(&fx, 0, Class::ScaleOnly).is_none());
@@ -271,7 +271,7 @@ fn path_disagreement_needs_another_path_passing() {
         diffs: vec![clean.diffs[0].clone(), broken.diffs[0].clone()],
         ..clean
     };
-    let (ev, _) = detect(&fx, 1, Class::PathDisagreement).unwrap();
+    let Detection { evidence: ev, .. } = detect(&fx, 1, Class::PathDisagreement).unwrap();
     assert!(ev.contains("mha (rel_l2"), "{ev}");
     // The same bug in both paths disagrees with nobody.
     let fx = fixture(&[Fault::StridedKvC], 1, &[PathKind::Mha, PathKind::Mqa]);

@@ -200,8 +200,7 @@ fn cmd_bench_dequant(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Resu
     let file = GgufFile::open(path)?;
     let threads = crate::jobs::bench_cpu::thread_counts(a.threads.as_deref());
     let figs = crate::jobs::bench_cpu::dequant_bench(&file, a.repeat, &threads)?;
-    let mut t = comfy_table::Table::new();
-    t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(vec![
+    let mut t = crate::output::table::bordered(&[
         "tensor",
         "type",
         "MB out (f32)",
@@ -241,9 +240,7 @@ fn cmd_bench_reference(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Re
     let cfg = MlaConfig::from_gguf(&file)?;
     let threads = crate::jobs::bench_cpu::thread_counts(a.threads.as_deref());
     let b = crate::jobs::bench_cpu::reference(&file, &cfg, a.layer, a.tokens, a.repeat, &threads)?;
-    let mut t = comfy_table::Table::new();
-    t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY)
-        .set_header(vec!["forward", "layer", "T", "threads", "median", "runs"]);
+    let mut t = crate::output::table::bordered(&["forward", "layer", "T", "threads", "median", "runs"]);
     for f in &b.figures {
         t.add_row(vec![
             f.what.clone(),
@@ -285,14 +282,7 @@ pub fn cmd_bench(a: &BenchArgs, out: &mut dyn Write) -> Result<Outcome> {
     refuse_overwrite(a.output.json.as_ref(), a.output.force)?;
     let ops = crate::backend::cuda::ops::CudaOps::new(Dtype::Bf16, a.cuda_include.as_deref())?;
     let figs = crate::jobs::bench_gpu::all(&ops)?;
-    let mut t = comfy_table::Table::new();
-    t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(vec![
-        "benchmark",
-        "shape",
-        "median time",
-        "figure",
-        "note",
-    ]);
+    let mut t = crate::output::table::bordered(&["benchmark", "shape", "median time", "figure", "note"]);
     for f in &figs {
         t.add_row(vec![
             f.name.clone(),
@@ -451,15 +441,8 @@ fn reference_cross_check(o: &crate::backend::cuda::ops::CudaOps, opts: &Selftest
 /// `mla-diff kernels --compile-only`: NVRTC-compiles every module for every architecture.
 pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
     let m = crate::jobs::kernels::compile_all(&a.arch, a.cuda_include.as_deref(), a.out.as_deref())?;
-    let mut t = comfy_table::Table::new();
-    t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(vec![
-        "module",
-        "arch",
-        "kernel",
-        "registers",
-        "spill stores",
-        "spill loads",
-    ]);
+    let mut t =
+        crate::output::table::bordered(&["module", "arch", "kernel", "registers", "spill stores", "spill loads"]);
     for b in &m.builds {
         if b.usage.is_empty() {
             t.add_row(vec![

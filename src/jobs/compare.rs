@@ -34,6 +34,24 @@ struct Handover {
     ref_out: Option<Array2<f64>>,
 }
 
+impl Handover {
+    /// The handover of dumped layer `layer` (sites `dumped`, `rows` × `hidden` on the rows being
+    /// judged): the engine's `hidden_out` if dumped, beside the reference's `ref_out`.
+    ///
+    /// Errors: a dumped `hidden_out` that is not `rows` × `hidden`.
+    fn new(dumped: &Trace, layer: usize, rows: usize, hidden: usize, ref_out: Option<Array2<f64>>) -> Result<Self> {
+        let dump_out = dumped
+            .get(&Site::new(layer, Stage::HiddenOut))
+            .map(|x| to_array(x, rows, hidden))
+            .transpose()?;
+        Ok(Handover {
+            layer,
+            dump_out,
+            ref_out,
+        })
+    }
+}
+
 fn to_array(t: &TraceTensor, rows: usize, cols: usize) -> Result<Array2<f64>> {
     Array2::from_shape_vec((rows, cols), t.to_f64()).map_err(|e| Error::Internal(e.to_string()))
 }
@@ -77,29 +95,29 @@ pub fn compare_dump(
     // The reference selection of the latest full DSA indexer layer, for GLM's shared layers.
     let mut prev_sel: Option<Selection> = None;
     for (i, &layer) in layers.iter().enumerate() {
-        let dl = &dump.layers[&layer];
+        let dumped = &dump.layers[&layer];
         let w = LayerWeights::load(file, cfg, layer)?;
         if tensor_types.is_empty() {
             tensor_types = w.types.clone();
         }
-        let own_in = dl.get(&Site::new(layer, Stage::HiddenIn));
+        let own_in = dumped.get(&Site::new(layer, Stage::HiddenIn));
         // The expected input (what hidden_in is judged against), when known independently, and
         // the input to run from when the dump has no hidden_in.
         let mut expected_in: Option<Array2<f64>> = None;
         let mut fallback_in: Option<Array2<f64>> = None;
         if i == 0 {
             if let Some(tk) = &dump.tokens {
-                let h = token_derived_input(file, cfg, tk, &dump.batch, layer, &mut prev_sel)?;
-                fallback_in = Some(h.clone());
-                expected_in = Some(h);
+                let from_tokens = token_derived_input(file, cfg, tk, &dump.batch, layer, &mut prev_sel)?;
+                fallback_in = Some(from_tokens.clone());
+                expected_in = Some(from_tokens);
             }
-        } else if let Some(h) = &prev
-            && h.layer + 1 == layer
+        } else if let Some(handover) = &prev
+            && handover.layer + 1 == layer
         {
             // The engine's own hidden_out of layer n−1 when dumped (the same tensor), else the
             // reference's output of layer n−1: the handover between layers is always judged.
-            fallback_in.clone_from(&h.dump_out);
-            expected_in = h.dump_out.clone().or_else(|| h.ref_out.clone());
+            fallback_in.clone_from(&handover.dump_out);
+            expected_in = handover.dump_out.clone().or_else(|| handover.ref_out.clone());
         }
         let input = match (own_in, &fallback_in) {
             (Some(x), _) => to_array(x, t, cfg.hidden)?,
@@ -113,9 +131,9 @@ pub fn compare_dump(
             }
         };
         let next_dumped = dump.layers.contains_key(&(layer + 1));
-        let refo = dumped_layer_reference(file, cfg, &w, &input, &dump.batch, dl, next_dumped, &mut prev_sel)?;
-        let ref_out = refo.hidden_out;
-        let mut reference = refo.trace;
+        let layer_ref = dumped_layer_reference(file, cfg, &w, &input, &dump.batch, dumped, next_dumped, &mut prev_sel)?;
+        let ref_out = layer_ref.hidden_out;
+        let mut reference = layer_ref.trace;
         if let Some(e) = expected_in {
             let flat: Vec<f64> = e.iter().copied().collect();
             reference.record(
@@ -124,24 +142,16 @@ pub fn compare_dump(
             );
         }
         for s in reference.sites_in_order() {
-            if dl.get(&s).is_none() {
+            if dumped.get(&s).is_none() {
                 not_dumped.push(s.to_string());
             }
         }
-        let (result, f) = judge_dumped_layer(cfg, &dump.batch, &reference, dl, precision, layer, None);
+        let (result, layer_findings) = judge_dumped_layer(cfg, &dump.batch, &reference, dumped, precision, layer, None);
         if findings.is_empty() {
-            findings.extend(f);
+            findings.extend(layer_findings);
         }
         results.push(result);
-        let ho = dl
-            .get(&Site::new(layer, Stage::HiddenOut))
-            .map(|x| to_array(x, t, cfg.hidden))
-            .transpose()?;
-        prev = Some(Handover {
-            layer,
-            dump_out: ho,
-            ref_out,
-        });
+        prev = Some(Handover::new(dumped, layer, t, cfg.hidden, ref_out)?);
     }
     let engine = dump.metadata.get("engine").cloned().unwrap_or_else(|| "unknown".into());
     let summary = DumpSummary {
@@ -156,11 +166,7 @@ pub fn compare_dump(
         tolerance_rows: precision,
     };
     Ok(RunReport {
-        model: ModelSummary {
-            path: file.path().display().to_string(),
-            config: cfg.clone(),
-            tensor_types,
-        },
+        model: ModelSummary::new(file, cfg, tensor_types),
         run: dump_run_record(dump, layers, dtype, &engine),
         token_ids: dump.tokens.clone(),
         results,
@@ -218,23 +224,26 @@ fn dump_run_record(dump: &Dump, layers: Vec<usize>, dtype: EngineDtype, engine: 
 /// selection of the latest full DSA indexer layer that GLM's shared layers borrow, up to date.
 ///
 /// Errors: as [`reference_layer_full`].
-#[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the model (file, cfg, w), the layer's input rows (input, batch), what the dump holds of the layer (dumped, next_dumped) and the selection carried across layers come from four different places at both call sites"
+)]
 fn dumped_layer_reference(
     file: &GgufFile,
     cfg: &MlaConfig,
     w: &LayerWeights,
     input: &Array2<f64>,
     batch: &Batch,
-    dl: &Trace,
+    dumped: &Trace,
     next_dumped: bool,
     prev_sel: &mut Option<Selection>,
 ) -> Result<RefOutput> {
     let wants_ffn = next_dumped
-        || dl
+        || dumped
             .entries()
             .iter()
             .any(|(s, _)| s.stage.is_moe() || s.stage == Stage::HiddenOut);
-    let refo = if cfg.is_moe_layer(w.layer) && wants_ffn {
+    let layer_ref = if cfg.is_moe_layer(w.layer) && wants_ffn {
         reference_layer_full(file, cfg, w, input, batch, 1, prev_sel.as_ref())?
     } else {
         reference_layer(cfg, w, input, batch, 1, prev_sel.as_ref())?
@@ -244,9 +253,9 @@ fn dumped_layer_reference(
         .as_ref()
         .is_some_and(|ix| ix.full.get(w.layer) == Some(&true))
     {
-        prev_sel.clone_from(&refo.selection);
+        prev_sel.clone_from(&layer_ref.selection);
     }
-    Ok(refo)
+    Ok(layer_ref)
 }
 
 /// One dumped layer's sites against its reference (the tolerance rows of `precision`), as the
@@ -255,19 +264,19 @@ fn judge_dumped_layer(
     cfg: &MlaConfig,
     batch: &Batch,
     reference: &Trace,
-    dl: &Trace,
+    dumped: &Trace,
     precision: Precision,
     layer: usize,
     step: Option<String>,
 ) -> (PathResult, Vec<Finding>) {
-    let diffs = metrics::diff(reference, dl, precision);
+    let diffs = metrics::diff(reference, dumped, precision);
     let findings = diagnose::diagnose(&DiagnoseInput {
         cfg,
         batch,
         reference,
         paths: vec![PathEvidence {
             kind: PathLabel::Dump,
-            trace: dl,
+            trace: dumped,
             diffs: &diffs,
             empty_partial_rows: &[],
             unservable: None,
@@ -354,31 +363,35 @@ fn take_heads(t: &TraceTensor, stage: Stage, cfg: &MlaConfig, [a, b]: [usize; 2]
 pub fn compare_steps(
     file: &GgufFile,
     cfg: &MlaConfig,
-    sd: &StepsDump,
+    steps_dump: &StepsDump,
     map_name: Option<String>,
     dtype: Option<EngineDtype>,
     precision: Option<Dtype>,
 ) -> Result<RunReport> {
-    let h = &sd.header;
-    let precision = match (precision, dtype, h.kernel_precision) {
+    let header = &steps_dump.header;
+    let precision = match (precision, dtype, header.kernel_precision) {
         (Some(p), _, _) => Precision::from(p),
         (None, Some(d), _) => d.precision(),
         (None, None, Some(k)) => Precision::from(k),
-        (None, None, None) => sd.steps[0].1.dtype.precision(),
+        (None, None, None) => steps_dump.steps[0].1.dtype.precision(),
     };
-    let dtype = dtype.unwrap_or(sd.steps[0].1.dtype);
-    let heads_cfg = h.heads.map(|hs| crate::model::dump::heads_config(cfg, hs));
+    let dtype = dtype.unwrap_or(steps_dump.steps[0].1.dtype);
+    let heads_cfg = header.heads.map(|hs| crate::model::dump::heads_config(cfg, hs));
     let judge_cfg = heads_cfg.as_ref().unwrap_or(cfg);
     let mut results = Vec::new();
     let mut findings = Vec::new();
     let mut not_dumped = Vec::new();
     let mut conversions = Vec::new();
     let mut tensor_types = Vec::new();
-    let mut layers: Vec<usize> = sd.steps.iter().flat_map(|(_, d)| d.layers.keys().copied()).collect();
+    let mut layers: Vec<usize> = steps_dump
+        .steps
+        .iter()
+        .flat_map(|(_, d)| d.layers.keys().copied())
+        .collect();
     layers.sort_unstable();
     layers.dedup();
-    let n_seq = h.steps[0].seqs.len();
-    for (k, (spec, d)) in sd.steps.iter().enumerate() {
+    let n_seq = header.steps[0].seqs.len();
+    for (k, (spec, d)) in steps_dump.steps.iter().enumerate() {
         for c in &d.conversions {
             conversions.push(format!("{}: {c}", spec.name));
         }
@@ -388,18 +401,18 @@ pub fn compare_steps(
         let mut prev_sel: Option<Selection> = None;
         // The previous dumped layer's output in this step, on the step's rows.
         let mut prev: Option<Handover> = None;
-        for (&layer, dl) in &d.layers {
+        for (&layer, dumped) in &d.layers {
             let w = LayerWeights::load(file, cfg, layer)?;
             if tensor_types.is_empty() {
                 tensor_types = w.types.clone();
             }
-            let full_in = gather_hidden_in(sd, k, &live, layer, t_full, cfg.hidden)?;
+            let full_in = gather_hidden_in(steps_dump, k, &live, layer, t_full, cfg.hidden)?;
             let next_dumped = d.layers.contains_key(&(layer + 1));
-            let refo = dumped_layer_reference(file, cfg, &w, &full_in, &full, dl, next_dumped, &mut prev_sel)?;
+            let layer_ref = dumped_layer_reference(file, cfg, &w, &full_in, &full, dumped, next_dumped, &mut prev_sel)?;
             let mut reference = crate::core::trace::Trace::new();
-            for (s, t) in refo.trace.entries() {
+            for (s, t) in layer_ref.trace.entries() {
                 let rows = take_rows(t, &new_rows, t_full);
-                let t = match h.heads {
+                let t = match header.heads {
                     Some(hs) => take_heads(&rows, s.stage, cfg, hs),
                     None => rows,
                 };
@@ -407,65 +420,56 @@ pub fn compare_steps(
             }
             // The handover from layer n−1: this step's hidden_in against the engine's own
             // hidden_out of layer n−1 when dumped, else the reference's output of layer n−1.
-            if let Some(h) = &prev
-                && h.layer + 1 == layer
-                && let Some(e) = h.dump_out.as_ref().or(h.ref_out.as_ref())
+            if let Some(handover) = &prev
+                && handover.layer + 1 == layer
+                && let Some(e) = handover.dump_out.as_ref().or(handover.ref_out.as_ref())
             {
                 reference.record(
                     Site::new(layer, Stage::HiddenIn),
                     TraceTensor::f64(vec![t_new, cfg.hidden], e.iter().copied().collect()),
                 );
             }
-            let ref_out = refo
+            let ref_out = layer_ref
                 .hidden_out
                 .as_ref()
-                .map(|ho| Array2::from_shape_fn((t_new, cfg.hidden), |(i, j)| ho[[new_rows[i], j]]));
-            let dump_out = dl
-                .get(&Site::new(layer, Stage::HiddenOut))
-                .map(|x| to_array(x, t_new, cfg.hidden))
-                .transpose()?;
-            prev = Some(Handover {
-                layer,
-                dump_out,
-                ref_out,
-            });
+                .map(|hidden_out| Array2::from_shape_fn((t_new, cfg.hidden), |(i, j)| hidden_out[[new_rows[i], j]]));
+            prev = Some(Handover::new(dumped, layer, t_new, cfg.hidden, ref_out)?);
             for s in reference.sites_in_order() {
                 let name = s.to_string();
-                if dl.get(&s).is_none() && !not_dumped.contains(&name) {
+                if dumped.get(&s).is_none() && !not_dumped.contains(&name) {
                     not_dumped.push(name);
                 }
             }
             let step = Some(spec.name.clone());
-            let (result, f) = judge_dumped_layer(judge_cfg, &d.batch, &reference, dl, precision, layer, step);
+            let (result, layer_findings) =
+                judge_dumped_layer(judge_cfg, &d.batch, &reference, dumped, precision, layer, step);
             if findings.is_empty() {
-                findings.extend(f);
+                findings.extend(layer_findings);
             }
             results.push(result);
         }
     }
-    for p in &h.patches {
+    for p in &header.patches {
         conversions.push(format!("patch `{}`: {}", p.name, p.reason));
     }
-    let engine = format!("{} {}", h.engine.name, h.engine.version).trim().to_string();
-    let metadata = steps_metadata(h);
-    let first = &sd.steps[0].1;
+    let engine = format!("{} {}", header.engine.name, header.engine.version)
+        .trim()
+        .to_string();
+    let metadata = steps_metadata(header);
+    let first = &steps_dump.steps[0].1;
     Ok(RunReport {
-        model: ModelSummary {
-            path: file.path().display().to_string(),
-            config: cfg.clone(),
-            tensor_types,
-        },
+        model: ModelSummary::new(file, cfg, tensor_types),
         run: dump_run_record(first, layers, dtype, &engine),
         token_ids: first.tokens.clone(),
         results,
         findings,
         dump: Some(DumpSummary {
-            path: sd.path.display().to_string(),
+            path: steps_dump.path.display().to_string(),
             engine,
             map: map_name.or_else(|| first.map.clone()),
             metadata,
             conversions,
-            ignored: sd.ignored.clone(),
+            ignored: steps_dump.ignored.clone(),
             not_dumped,
             dtype,
             tolerance_rows: precision,

@@ -152,10 +152,10 @@ pub fn validate_case_name(name: &str) -> Result<()> {
 
 /// The repository root a golden folder belongs to: its parent.
 fn repo_root(golden_dir: &Path) -> Result<PathBuf> {
-    let g = golden_dir
+    let resolved = golden_dir
         .canonicalize()
         .map_err(|e| Error::io(golden_dir, "resolve golden folder", e))?;
-    Ok(g.parent().map(Path::to_path_buf).unwrap_or(g))
+    Ok(resolved.parent().map(Path::to_path_buf).unwrap_or(resolved))
 }
 
 /// `model` relative to the repository root, `/`-separated.
@@ -339,10 +339,10 @@ fn tolerance_record() -> ToleranceRecord {
         golden_why: GOLDEN_TOLERANCE.1.to_string(),
         reference_table: TOLERANCES
             .iter()
-            .map(|(g, d, t, why)| ToleranceRow {
-                group: format!("{g:?}"),
-                dtype: *d,
-                tolerance: *t,
+            .map(|(group, precision, limits, why)| ToleranceRow {
+                group: format!("{group:?}"),
+                dtype: *precision,
+                tolerance: *limits,
                 why: why.to_string(),
             })
             .collect(),
@@ -436,19 +436,22 @@ pub fn read_manifest(golden_dir: &Path, case: &str) -> Result<Manifest> {
     let path = golden_dir.join(case).join(MANIFEST_FILE);
     let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, "read", e))?;
     let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| json_err(&path, e))?;
-    let g = |reason: String| Error::Golden {
-        case: case.to_string(),
-        path: path.clone(),
-        reason,
-    };
     if m.schema != GOLDEN_SCHEMA_VERSION {
-        return Err(g(format!(
-            "manifest schema {} (this tool reads {GOLDEN_SCHEMA_VERSION}); re-record the case",
-            m.schema
-        )));
+        return Err(golden_err(
+            case,
+            &path,
+            format!(
+                "manifest schema {} (this tool reads {GOLDEN_SCHEMA_VERSION}); re-record the case",
+                m.schema
+            ),
+        ));
     }
     if m.case != case {
-        return Err(g(format!("manifest names case `{}`, folder is `{case}`", m.case)));
+        return Err(golden_err(
+            case,
+            &path,
+            format!("manifest names case `{}`, folder is `{case}`", m.case),
+        ));
     }
     Ok(m)
 }
@@ -703,17 +706,17 @@ fn golden_diff(
         .tensor
         .as_ref()
         .ok_or_else(|| format!("site {site} of trace {}: neither `tensor` nor `sha256`", gs.trace))?;
-    let g = tf
+    let stored = tf
         .extra
         .get(name)
         .ok_or_else(|| format!("tensor `{name}` (site {site} of trace {}) is missing", gs.trace))?;
-    if g.shape != gs.shape {
+    if stored.shape != gs.shape {
         return Err(format!(
             "tensor `{name}` has shape {:?}, the manifest says {:?}",
-            g.shape, gs.shape
+            stored.shape, gs.shape
         ));
     }
-    let golden = TraceTensor::f32(g.shape.clone(), g.data.iter().map(|&x| x as f32).collect());
+    let golden = TraceTensor::f32(stored.shape.clone(), stored.data.iter().map(|&x| x as f32).collect());
     let new32 = TraceTensor::f32(
         new.shape.clone(),
         match &new.data {

@@ -6,8 +6,6 @@
 //! matrices (small ones fall back from K-quants), and that is where shard and layout surprises
 //! start, so the per-tensor type is shown for each.
 
-use comfy_table::{Table, presets};
-
 use crate::model::config::MlaConfig;
 use crate::model::gguf::{GgufFile, MetaValue};
 
@@ -70,9 +68,7 @@ pub fn inspect(file: &GgufFile, layer: Option<usize>) -> String {
         bytes(file.file_len())
     ));
 
-    let mut meta = Table::new();
-    meta.load_style(presets::UTF8_BORDERS_ONLY)
-        .set_header(vec!["key", "type", "value"]);
+    let mut meta = crate::output::table::bordered(&["key", "type", "value"]);
     for (k, v) in file.metadata() {
         meta.add_row(vec![k.clone(), v.type_name(), show_value(file, v)]);
     }
@@ -115,14 +111,7 @@ pub fn inspect(file: &GgufFile, layer: Option<usize>) -> String {
         Err(e) => s.push_str(&format!("MLA config: not derivable: {e}\n\n")),
     }
 
-    let mut tt = Table::new();
-    tt.load_style(presets::UTF8_BORDERS_ONLY).set_header(vec![
-        "tensor",
-        "type",
-        "ne (ggml)",
-        "shape (PyTorch)",
-        "bytes",
-    ]);
+    let mut tensors = crate::output::table::bordered(&["tensor", "type", "ne (ggml)", "shape (PyTorch)", "bytes"]);
     for t in file.tensors() {
         let tl = t
             .name
@@ -132,7 +121,7 @@ pub fn inspect(file: &GgufFile, layer: Option<usize>) -> String {
         if layer.is_some_and(|want| tl.is_some_and(|got| got != want)) {
             continue;
         }
-        tt.add_row(vec![
+        tensors.add_row(vec![
             t.name.clone(),
             t.ggml_type.to_string(),
             format!("{:?}", t.ne),
@@ -141,7 +130,7 @@ pub fn inspect(file: &GgufFile, layer: Option<usize>) -> String {
         ]);
     }
     s.push_str("tensors\n");
-    s.push_str(&tt.to_string());
+    s.push_str(&tensors.to_string());
     s.push('\n');
     s
 }

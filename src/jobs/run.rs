@@ -62,7 +62,10 @@ pub fn seeded_tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
 ///
 /// Errors: input errors of the paths (shapes inconsistent with the configuration), CUDA
 /// failures of the device comparison.
-#[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the backend, the model (file, cfg, w, dequantized), the layer's input and reference, the run's configuration and the selection carried across layers have different owners; both callers assemble them from different places"
+)]
 pub fn compare_layer(
     backend: &Backend,
     file: &GgufFile,
@@ -327,7 +330,7 @@ fn run_inner(
         // golden recording, an export and the layers a token run only passes through need it on
         // the host.
         let keep_on_device = wanted && !keep_traces && !keep_reference;
-        let (refo, device_sites) = timing::stage("reference", || {
+        let (layer_ref, device_sites) = timing::stage("reference", || {
             backend.reference(
                 file,
                 cfg,
@@ -340,10 +343,10 @@ fn run_inner(
                 keep_on_device,
             )
         })?;
-        findings.extend(nonfinite_weight_findings(file, layer, &refo.moe_nonfinite));
+        findings.extend(nonfinite_weight_findings(file, layer, &layer_ref.moe_nonfinite));
         if wanted {
             let split = SplitTrace {
-                host: refo.trace,
+                host: layer_ref.trace,
                 device: device_sites,
             };
             // The reference is done with the attention tensors: the paths take them over.
@@ -372,18 +375,14 @@ fn run_inner(
             }
         }
         if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(layer) == Some(&true)) {
-            prev_sel = refo.selection;
+            prev_sel = layer_ref.selection;
         }
-        carried = refo.hidden_out;
+        carried = layer_ref.hidden_out;
         done += 1;
         progress(done, total);
     }
     let report = RunReport {
-        model: ModelSummary {
-            path: file.path().display().to_string(),
-            config: cfg.clone(),
-            tensor_types,
-        },
+        model: ModelSummary::new(file, cfg, tensor_types),
         run: RunRecord::new(rc, backend.dtype()),
         token_ids,
         results,

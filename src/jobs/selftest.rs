@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use comfy_table::{Table, presets};
+use comfy_table::Table;
 use ndarray::Array2;
 use serde::Serialize;
 
@@ -260,7 +260,7 @@ pub fn check_layer(opts: &SelftestOptions) -> Result<()> {
 pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> {
     let start = std::time::Instant::now();
     let mut cases = Vec::new();
-    let mut dq = matches!(backend, Backend::Cuda(_)).then(DequantCheck::default);
+    let mut dequant_check = matches!(backend, Backend::Cuda(_)).then(DequantCheck::default);
     check_layer(opts)?;
     for src in selected_models(opts) {
         let file = match src {
@@ -268,7 +268,7 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
             ModelSource::Embedded => crate::model::fixture::open_model(None)?,
         };
         let name = fixture_name(src);
-        if let Some(acc) = dq.as_mut() {
+        if let Some(acc) = dequant_check.as_mut() {
             dequant_check_file(backend, &file, acc)?;
         }
         let cfg = MlaConfig::from_gguf(&file)?;
@@ -316,12 +316,12 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
             }
         }
     }
-    if let Some(acc) = dq.as_mut() {
+    if let Some(acc) = dequant_check.as_mut() {
         acc.types.sort();
     }
     Ok(SelftestReport {
         cases,
-        dequant: dq,
+        dequant: dequant_check,
         seconds: start.elapsed().as_secs_f64(),
     })
 }
@@ -526,8 +526,7 @@ fn fault_table(rep: &SelftestReport) -> Table {
     for c in rep.cases.iter().filter(|c| c.case != "clean") {
         by_fault.entry(c.case.clone()).or_default().push(c);
     }
-    let mut t = Table::new();
-    t.load_style(presets::UTF8_BORDERS_ONLY).set_header(vec![
+    let mut t = crate::output::table::bordered(&[
         "fault",
         "expected class",
         "expected first site",
@@ -603,8 +602,7 @@ fn clean_table(rep: &SelftestReport) -> Table {
             e.3.push_str(&c.page.to_string());
         }
     }
-    let mut t = Table::new();
-    t.load_style(presets::UTF8_BORDERS_ONLY).set_header(vec![
+    let mut t = crate::output::table::bordered(&[
         "fixture",
         "clean runs (path × tp × page)",
         "tp sizes",

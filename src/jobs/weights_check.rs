@@ -32,7 +32,7 @@ use crate::judge::diagnose::blocks::find_blocks;
 use crate::judge::diagnose::blocks::rel_l2 as rel;
 use crate::judge::metrics::{self, Metrics};
 use crate::judge::tolerance::tolerance;
-use crate::model::config::{KvBLayout, MlaConfig, MlaDims};
+use crate::model::config::{KvBLayout, MlaConfig};
 use crate::model::dump::{FORMAT1, FORMAT2, Map};
 use crate::model::gguf::GgufFile;
 use crate::model::weights::{LayerWeights, QWeights, tensor_name};
@@ -92,14 +92,7 @@ impl Param {
 }
 
 fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'static str, Param> {
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, r, v] = cfg.dims().nlprv();
     let layer = w.layer;
     let info = |name: &str| {
         let t = tensor_name(layer, name);
@@ -999,8 +992,7 @@ pub fn terminal(rep: &WeightsReport) -> String {
 /// [`terminal`] with the table fitted to `width` terminal columns (cells wrap, tensor names
 /// stay whole); `None` leaves every cell on one line.
 pub fn terminal_fit(rep: &WeightsReport, width: Option<usize>) -> String {
-    let mut t = comfy_table::Table::new();
-    t.load_style(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(vec![
+    let mut t = crate::output::table::bordered(&[
         "tensor",
         "dtype",
         "shape",

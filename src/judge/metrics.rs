@@ -138,6 +138,25 @@ pub fn metrics(reference: &TraceTensor, cand: &TraceTensor, tol: &Tolerance) -> 
 /// Elements per parallel chunk of [`metrics`]: fixed, so the sums never depend on threading.
 const CHUNK: usize = 1 << 15;
 
+/// Folds the element indices `0..n` into one `S`: each [`CHUNK`] of indices, in parallel, into a
+/// fresh `S` by `visit` (index order within the chunk), then the chunks' `S`s by `absorb` in
+/// chunk order, so the result is the same on any number of threads.
+fn fold_chunks<S: Default + Send>(n: usize, visit: impl Fn(&mut S, usize) + Sync, absorb: fn(&mut S, &S)) -> S {
+    let chunks: Vec<S> = (0..n.div_ceil(CHUNK))
+        .into_par_iter()
+        .map(|k| {
+            let mut chunk = S::default();
+            for i in k * CHUNK..((k + 1) * CHUNK).min(n) {
+                visit(&mut chunk, i);
+            }
+            chunk
+        })
+        .collect();
+    let mut total = S::default();
+    chunks.iter().for_each(|c| absorb(&mut total, c));
+    total
+}
+
 /// [`metrics`] on the two element slices (`R`, `C`: f32 or f64).
 fn metrics_of<R, C>(reference: &TraceTensor, cand: &TraceTensor, rv: &[R], cv: &[C], tol: &Tolerance) -> Metrics
 where
@@ -147,74 +166,64 @@ where
     let n = reference.len().min(cand.len());
     let (rv, cv) = (&rv[..n], &cv[..n]);
     let cand_f32 = cand.f32_data();
-    let chunks: Vec<Pass1> = (0..n.div_ceil(CHUNK))
-        .into_par_iter()
-        .map(|k| {
-            let mut s = Pass1::default();
-            for i in k * CHUNK..((k + 1) * CHUNK).min(n) {
-                let (r, c): (f64, f64) = (rv[i].into(), cv[i].into());
-                let (rf, cf) = (r.is_finite(), c.is_finite());
-                if rf && cf {
-                    s.rr += r * r;
-                    s.cc += c * c;
-                    s.dd += (c - r) * (c - r);
-                    s.rc += r * c;
-                    s.zeros += usize::from(c == 0.0 && r != 0.0);
-                    continue;
-                }
-                // A canary is a NaN, so only a non-finite element can be one.
-                if cand_f32.is_some_and(|cf| is_canary_like(cf[i])) {
-                    s.canary += 1;
-                }
-                s.nf_r += usize::from(!rf);
-                s.nf_c += usize::from(!cf);
-                if rf != cf {
-                    s.nf_mis += 1;
-                    s.first_mis.get_or_insert(i);
-                }
+    let pass1 = fold_chunks(
+        n,
+        |s: &mut Pass1, i| {
+            let (r, c): (f64, f64) = (rv[i].into(), cv[i].into());
+            let (rf, cf) = (r.is_finite(), c.is_finite());
+            if rf && cf {
+                s.rr += r * r;
+                s.cc += c * c;
+                s.dd += (c - r) * (c - r);
+                s.rc += r * c;
+                s.zeros += usize::from(c == 0.0 && r != 0.0);
+                return;
             }
-            s
-        })
-        .collect();
-    let mut pass1 = Pass1::default();
-    chunks.iter().for_each(|c| pass1.absorb(c));
+            // A canary is a NaN, so only a non-finite element can be one.
+            if cand_f32.is_some_and(|cf| is_canary_like(cf[i])) {
+                s.canary += 1;
+            }
+            s.nf_r += usize::from(!rf);
+            s.nf_c += usize::from(!cf);
+            if rf != cf {
+                s.nf_mis += 1;
+                s.first_mis.get_or_insert(i);
+            }
+        },
+        Pass1::absorb,
+    );
     let rms = pass1.rms(n);
     let floor = 1e-3 * rms;
     let atol = tol.atol_rms * rms;
-    let chunks: Vec<Pass2> = (0..n.div_ceil(CHUNK))
-        .into_par_iter()
-        .map(|k| {
-            let mut w = Pass2::default();
-            for i in k * CHUNK..((k + 1) * CHUNK).min(n) {
-                let (r, c): (f64, f64) = (rv[i].into(), cv[i].into());
-                if r.is_finite() && c.is_finite() {
-                    let d = (c - r).abs();
-                    if d > w.max_abs {
-                        w.max_abs = d;
-                        w.max_i = i;
-                    }
-                    // The division only where it can raise the maximum: fl(d/|r|) > max_rel needs
-                    // d > max_rel·|r|·(1 − 2⁻⁵³), which the margin of 2⁻⁴⁸ below always admits.
-                    if r.abs() > floor && d > w.max_rel * r.abs() * (1.0 - 16.0 * f64::EPSILON) {
-                        w.max_rel = w.max_rel.max(d / r.abs());
-                    }
-                    if d <= atol + tol.rtol * r.abs() {
-                        w.passed += 1;
-                    }
-                } else if r.is_finite() == c.is_finite() && (r.is_nan() == c.is_nan()) && (r.is_nan() || r == c) {
-                    // Both non-finite in the same way (NaN/NaN or the same infinity) counts as agreement.
-                    w.passed += 1;
-                } else if w.max_abs != f64::INFINITY {
-                    // Mismatched non-finite: worst possible element; report the first one.
-                    w.max_abs = f64::INFINITY;
+    let pass2 = fold_chunks(
+        n,
+        |w: &mut Pass2, i| {
+            let (r, c): (f64, f64) = (rv[i].into(), cv[i].into());
+            if r.is_finite() && c.is_finite() {
+                let d = (c - r).abs();
+                if d > w.max_abs {
+                    w.max_abs = d;
                     w.max_i = i;
                 }
+                // The division only where it can raise the maximum: fl(d/|r|) > max_rel needs
+                // d > max_rel·|r|·(1 − 2⁻⁵³), which the margin of 2⁻⁴⁸ below always admits.
+                if r.abs() > floor && d > w.max_rel * r.abs() * (1.0 - 16.0 * f64::EPSILON) {
+                    w.max_rel = w.max_rel.max(d / r.abs());
+                }
+                if d <= atol + tol.rtol * r.abs() {
+                    w.passed += 1;
+                }
+            } else if r.is_finite() == c.is_finite() && (r.is_nan() == c.is_nan()) && (r.is_nan() || r == c) {
+                // Both non-finite in the same way (NaN/NaN or the same infinity) counts as agreement.
+                w.passed += 1;
+            } else if w.max_abs != f64::INFINITY {
+                // Mismatched non-finite: worst possible element; report the first one.
+                w.max_abs = f64::INFINITY;
+                w.max_i = i;
             }
-            w
-        })
-        .collect();
-    let mut pass2 = Pass2::default();
-    chunks.iter().for_each(|c| pass2.absorb(c));
+        },
+        Pass2::absorb,
+    );
     let sums = ElementSums {
         n,
         pass1,

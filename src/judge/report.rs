@@ -20,6 +20,7 @@ use crate::judge::metrics::{self, SiteDiff};
 use crate::judge::tolerance::Precision;
 use crate::model::config::MlaConfig;
 use crate::model::dump::EngineDtype;
+use crate::model::gguf::GgufFile;
 use crate::model::weights::TensorType;
 
 /// Where the layer input comes from.
@@ -172,6 +173,18 @@ pub struct ModelSummary {
     pub config: MlaConfig,
     /// ggml types of the MLA tensors of the first requested layer.
     pub tensor_types: Vec<TensorType>,
+}
+
+impl ModelSummary {
+    /// The summary of `file` (its path as given) run with `cfg`, whose first requested layer's
+    /// MLA tensors have the ggml types `tensor_types`.
+    pub fn new(file: &GgufFile, cfg: &MlaConfig, tensor_types: Vec<TensorType>) -> Self {
+        ModelSummary {
+            path: file.path().display().to_string(),
+            config: cfg.clone(),
+            tensor_types,
+        }
+    }
 }
 
 /// The comparison of one path at one layer.

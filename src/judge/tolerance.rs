@@ -134,14 +134,7 @@ pub const TOLERANCES: &[(StageGroup, Precision, Tolerance, &str)] = &[
     (
         StageGroup::Weights,
         Precision::F32,
-        Tolerance {
-            rel_l2: 0.0,
-            cos_diff: 0.0,
-            norm_ratio: 0.0,
-            atol_rms: 0.0,
-            rtol: 0.0,
-            min_pass_fraction: 1.0,
-        },
+        EXACT,
         "exact: both sides hold the same f32 dequantized values (the reference widens them to \
          f64 losslessly); any difference is an assembly bug",
     ),
@@ -334,8 +327,9 @@ pub const TOLERANCES: &[(StageGroup, Precision, Tolerance, &str)] = &[
     ),
 ];
 
-/// The row of id sites (`moe_topk`), for both dtypes: exact.
-const EXACT_IDS: Tolerance = Tolerance {
+/// Limits that pass only equal values: every difference limit 0, every element must pass. The
+/// row of f32 weight sites and of id sites (`moe_topk`, both dtypes).
+const EXACT: Tolerance = Tolerance {
     rel_l2: 0.0,
     cos_diff: 0.0,
     norm_ratio: 0.0,
@@ -344,7 +338,7 @@ const EXACT_IDS: Tolerance = Tolerance {
     min_pass_fraction: 1.0,
 };
 
-/// Why [`EXACT_IDS`] is exact.
+/// Why id sites are judged [`EXACT`].
 const EXACT_IDS_WHY: &str = "expert ids are compared as a set per token (both sides sorted \
      first, so their order does not matter): a token routed to another expert runs another \
      computation, which no rounding tolerance can cover. A near tie at the k-th choice score can \
@@ -414,7 +408,7 @@ pub const GOLDEN_TOLERANCE: (Tolerance, &str) = (
 pub fn tolerance(stage: Stage, precision: impl Into<Precision>) -> (Tolerance, &'static str) {
     let (group, precision) = (StageGroup::of(stage), precision.into());
     if group == StageGroup::ExpertIds {
-        return (EXACT_IDS, EXACT_IDS_WHY);
+        return (EXACT, EXACT_IDS_WHY);
     }
     TOLERANCES
         .iter()

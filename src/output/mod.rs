@@ -6,4 +6,5 @@
 
 pub mod report;
 pub mod stats;
+pub mod table;
 pub mod triage;

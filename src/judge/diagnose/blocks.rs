@@ -115,6 +115,18 @@ pub fn take_along(data: &[f64], shape: &[usize], axis: usize, off: usize, len: u
     out
 }
 
+/// Where each block of `sizes`, laid end to end from 0, starts.
+fn block_offsets(sizes: &[usize]) -> Vec<usize> {
+    sizes
+        .iter()
+        .scan(0, |start, &size| {
+            let this = *start;
+            *start += size;
+            Some(this)
+        })
+        .collect()
+}
+
 /// Matches the candidate's blocks along `axis` to the reference blocks of sizes `sizes`
 /// (which must sum to `shape[axis]`).
 ///
@@ -134,14 +146,7 @@ pub fn find_blocks(
     {
         return None;
     }
-    let offs: Vec<usize> = sizes
-        .iter()
-        .scan(0, |acc, &s| {
-            let o = *acc;
-            *acc += s;
-            Some(o)
-        })
-        .collect();
+    let offs = block_offsets(sizes);
     let ref_blocks: Vec<Vec<f64>> = offs
         .iter()
         .zip(sizes)
@@ -195,14 +200,7 @@ mod tests {
 
     /// Builds a candidate from reference blocks (rows of a [rows, 3] matrix) in `order`.
     fn assemble(refr: &[f64], sizes: &[usize], order: &[Option<usize>]) -> Vec<f64> {
-        let offs: Vec<usize> = sizes
-            .iter()
-            .scan(0, |a, &s| {
-                let o = *a;
-                *a += s;
-                Some(o)
-            })
-            .collect();
+        let offs = block_offsets(sizes);
         let mut out = Vec::new();
         for (pos, o) in order.iter().enumerate() {
             match o {

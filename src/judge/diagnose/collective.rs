@@ -8,14 +8,14 @@
 //! alternative does. An all-reduce applied twice is a pure scale (× tp) and is named by
 //! `scale-only`.
 
-use super::{Detected, SiteCtx};
+use super::{Detection, SiteCtx};
 use crate::core::sci::sci;
 use crate::core::trace::{Site, Stage};
 
 /// `tp-reduce` at `o_proj`: the candidate equals the reference partials summed without one rank,
 /// or one rank's partial alone. Names the rank; at tp = 2 the two readings coincide and the
 /// evidence says so.
-pub(super) fn tp_reduce(x: &SiteCtx<'_>) -> Detected {
+pub(super) fn tp_reduce(x: &SiteCtx<'_>) -> Option<Detection> {
     let tp = x.input.tp;
     if tp < 2 || x.site.stage != Stage::OProj {
         return None;
@@ -63,7 +63,7 @@ pub(super) fn tp_reduce(x: &SiteCtx<'_>) -> Detected {
         } else {
             String::new()
         };
-        (
+        Detection::new(
             format!(
                 "o_proj equals the reference's o_proj partials of every rank but rank {r} (rel_l2 {} against {as_is} as is){also}: rank {r}'s partial is missing from the all-reduce",
                 sci(e, 2)
@@ -73,7 +73,7 @@ pub(super) fn tp_reduce(x: &SiteCtx<'_>) -> Detected {
             ),
         )
     } else {
-        (
+        Detection::new(
             format!(
                 "o_proj equals rank {r}'s reference o_proj partial alone (rel_l2 {} against {as_is} as is): rank {r} read its buffer before the all-reduce finished",
                 sci(e, 2)

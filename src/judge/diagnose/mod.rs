@@ -26,7 +26,8 @@ use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::judge::label::PathLabel;
 use crate::judge::metrics::{self, SiteDiff, Status, is_canary_like};
 use crate::judge::tolerance::{Precision, tolerance};
-use crate::model::config::{MlaConfig, MlaDims, RopeStyle};
+use crate::model::config::{MlaConfig, RopeStyle};
+use crate::model::dump::is_per_head;
 use blocks::rel_l2;
 use blocks::{BlockMatch, find_blocks};
 
@@ -90,12 +91,35 @@ struct SiteCtx<'a> {
     explain: f64,
 }
 
-/// A detector's answer: `(evidence, hint)` when its hypothesis explains the site.
-pub type Detected = Option<(String, String)>;
+/// What a detector reports when its hypothesis explains a failing site; it becomes the
+/// [`Finding`]'s `evidence` and `hint`, printed as the finding's paragraph in the text report,
+/// the two last columns of the triage table and the `evidence`/`hint` fields of the JSON report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Detection {
+    /// The numbers that show the hypothesis holds, always the explained error against the error
+    /// as is, e.g. "W_UK_T equals kv_b's rows split grouped [all k | all v] (rel_l2 1.2e-7 vs
+    /// 4.1e-1 as is)".
+    pub evidence: String,
+    /// Where to look in the engine to fix it: the rule the code broke and, where known, the
+    /// engine code that broke it.
+    pub hint: String,
+}
+
+impl Detection {
+    fn new(evidence: String, hint: String) -> Self {
+        Detection { evidence, hint }
+    }
+}
 
 impl SiteCtx<'_> {
     fn as_is(&self) -> f64 {
         self.diff.metrics.as_ref().map_or(f64::NAN, |m| m.rel_l2)
+    }
+
+    /// "rel_l2 `e` vs `as is` as is": an explained error beside the error as is, as evidence
+    /// states it.
+    fn vs_as_is(&self, e: f64) -> String {
+        format!("rel_l2 {} vs {} as is", sci(e, 2), sci(self.as_is(), 2))
     }
 
     fn ref_site(&self, stage: Stage) -> Option<&TraceTensor> {
@@ -117,10 +141,10 @@ impl SiteCtx<'_> {
 // ---------------------------------------------------------------------------------------------
 // Detectors, in precedence order.
 
-fn phantom_output(x: &SiteCtx<'_>) -> Detected {
+fn phantom_output(x: &SiteCtx<'_>) -> Option<Detection> {
     let m = x.diff.metrics.as_ref()?;
     if m.numel > 0 && m.canary == m.numel {
-        return Some((
+        return Some(Detection::new(
             format!(
                 "all {} elements still hold the canary (f32 bits 0x{:08X}): the output buffer was never written",
                 m.numel,
@@ -133,7 +157,7 @@ fn phantom_output(x: &SiteCtx<'_>) -> Detected {
     }
     let all_zero = (0..x.cand.len()).all(|i| x.cand.get(i) == 0.0);
     if all_zero && m.norm_ref > 0.0 {
-        return Some((
+        return Some(Detection::new(
             format!("all {} elements are 0 while ‖ref‖ = {}", m.numel, sci(m.norm_ref, 2)),
             "an output buffer allocated with zeros was returned unwritten (the op's result went elsewhere)".into(),
         ));
@@ -168,7 +192,7 @@ pub fn gguf_sources(cfg: &MlaConfig, layer: usize, stage: Stage) -> Vec<String> 
 /// A weight site whose every element is zero or the canary while the reference's is not: the
 /// engine's loader never filled the parameter (its GGUF name map lacks the file's tensors for
 /// it). An activation that was never written is `phantom-output`; this is its weight twin.
-fn weight_not_loaded(x: &SiteCtx<'_>) -> Detected {
+fn weight_not_loaded(x: &SiteCtx<'_>) -> Option<Detection> {
     if !x.site.stage.is_weight() {
         return None;
     }
@@ -193,7 +217,7 @@ fn weight_not_loaded(x: &SiteCtx<'_>) -> Detected {
             .collect::<Vec<_>>()
             .join(" and ")
     };
-    Some((
+    Some(Detection::new(
         format!(
             "all {} elements {what} while ‖ref‖ = {} (rebuilt from {names})",
             m.numel,
@@ -222,7 +246,7 @@ fn list(v: &[usize]) -> String {
     }
 }
 
-fn unwritten_rows(x: &SiteCtx<'_>) -> Detected {
+fn unwritten_rows(x: &SiteCtx<'_>) -> Option<Detection> {
     let m = x.diff.metrics.as_ref()?;
     let cf = x.cand.f32_data()?;
     if m.canary == 0 || m.canary == m.numel {
@@ -254,7 +278,7 @@ fn unwritten_rows(x: &SiteCtx<'_>) -> Detected {
             }
         }
     }
-    Some((
+    Some(Detection::new(
         format!(
             "{} of {} elements hold the canary ({} exact, {} quieted by arithmetic) in token rows {}",
             m.canary,
@@ -269,7 +293,7 @@ fn unwritten_rows(x: &SiteCtx<'_>) -> Detected {
     ))
 }
 
-fn shard_order(x: &SiteCtx<'_>) -> Detected {
+fn shard_order(x: &SiteCtx<'_>) -> Option<Detection> {
     let cfg = x.input.cfg;
     let lq = cfg.q_lora_rank?;
     let (l, r) = (cfg.kv_lora_rank, cfg.qk_rope_head_dim);
@@ -284,7 +308,7 @@ fn shard_order(x: &SiteCtx<'_>) -> Detected {
                 x.explain,
             )?;
             m.explains().then(|| {
-                (
+                Detection::new(
                     format!(
                         "rows are the reference shards (q_a_proj {lq} rows, kv_a_proj_with_mqa {} rows) in order {}: rel_l2 {} per shard vs {} as is",
                         l + r,
@@ -311,11 +335,10 @@ fn shard_order(x: &SiteCtx<'_>) -> Detected {
                 .map(|(i, j)| kv_a.get(i * (l + r) + j))
                 .collect();
             let e = x.explained_by(&alt)?;
-            Some((
+            Some(Detection::new(
                 format!(
-                    "q_c equals the first {lq} columns of kv_a: the fused output is [kv_a | q_c], shard order [1,0] (rel_l2 {} vs {} as is)",
-                    sci(e, 2),
-                    sci(x.as_is(), 2)
+                    "q_c equals the first {lq} columns of kv_a: the fused output is [kv_a | q_c], shard order [1,0] ({})",
+                    x.vs_as_is(e)
                 ),
                 "fused_qkv_a_proj shards are in load order, not shard-id order".into(),
             ))
@@ -324,26 +347,23 @@ fn shard_order(x: &SiteCtx<'_>) -> Detected {
     }
 }
 
-/// The axis and block sizes along which TP ranks split a site, if any.
+/// The axis and block size along which TP ranks split a site, if any: the per-head sites
+/// ([`is_per_head`]) split by heads, N/tp per rank, along the head axis (1 for `[T, N, …]`
+/// activations and the `[T, N]` lse, 0 for the weights; a `w.kv_b` head is P+V rows).
 fn rank_axis(stage: Stage, cfg: &MlaConfig, tp: usize) -> Option<(usize, usize)> {
-    let n = cfg.n_head;
-    match stage {
-        Stage::Q
-        | Stage::QPeRoped
-        | Stage::KNope
-        | Stage::V
-        | Stage::QlNope
-        | Stage::AttnLatent
-        | Stage::AttnOut
-        | Stage::Lse => Some((1, n / tp)),
-        Stage::WUkT | Stage::WUv => Some((0, n / tp)),
-        Stage::WKvB => Some((0, n / tp * (cfg.qk_nope_head_dim + cfg.v_head_dim))),
-        _ => None,
+    if !is_per_head(stage) {
+        return None;
     }
+    let heads_per_rank = cfg.n_head / tp;
+    Some(match stage {
+        Stage::WKvB => (0, heads_per_rank * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
+        Stage::WUkT | Stage::WUv => (0, heads_per_rank),
+        _ => (1, heads_per_rank),
+    })
 }
 
-fn describe_ranks(m: &BlockMatch, what: &str, x: &SiteCtx<'_>) -> (String, String) {
-    (
+fn describe_ranks(m: &BlockMatch, what: &str, x: &SiteCtx<'_>) -> Detection {
+    Detection::new(
         format!(
             "{what}: {}; matched shards {} vs rel_l2 {} as is",
             m.describe("rank"),
@@ -359,7 +379,7 @@ fn describe_ranks(m: &BlockMatch, what: &str, x: &SiteCtx<'_>) -> (String, Strin
     )
 }
 
-fn tp_rank_order(x: &SiteCtx<'_>) -> Detected {
+fn tp_rank_order(x: &SiteCtx<'_>) -> Option<Detection> {
     let tp = x.input.tp;
     if tp < 2 {
         return None;
@@ -399,13 +419,7 @@ fn tp_rank_order(x: &SiteCtx<'_>) -> Detected {
 
 /// Reference kv_b rows regrouped per rank as `[all k rows | all v rows]`.
 fn grouped_kv_b_rows(kv_b: &[f64], cfg: &MlaConfig, tp: usize) -> Vec<f64> {
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, _, v] = cfg.dims().nlprv();
     let nh = n / tp;
     let mut out = Vec::with_capacity(kv_b.len());
     for rank in 0..tp {
@@ -429,7 +443,7 @@ const K_B_UNTRANSPOSED_HINT: &str = "attn_k_b is stored [N, L, P] (transposed): 
 
 /// kv_b layout faults: rows grouped `[all k | all v]` per rank instead of per head, or `attn_k_b`
 /// reshaped instead of transposed, at the site where they show.
-fn kv_b_layout(x: &SiteCtx<'_>) -> Detected {
+fn kv_b_layout(x: &SiteCtx<'_>) -> Option<Detection> {
     match x.site.stage {
         Stage::WKvB => kv_b_layout_w_kv_b(x),
         Stage::KNope | Stage::V => kv_b_layout_k_nope_v(x),
@@ -453,14 +467,8 @@ fn untransposed_k(kvb: &[f64], h: usize, l: usize, p: usize, v: usize) -> Vec<f6
 }
 
 /// `w.kv_b`: k rows reshaped instead of transposed, or rows grouped per rank.
-fn kv_b_layout_w_kv_b(x: &SiteCtx<'_>) -> Detected {
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = x.input.cfg.dims();
+fn kv_b_layout_w_kv_b(x: &SiteCtx<'_>) -> Option<Detection> {
+    let [n, l, p, _, v] = x.input.cfg.dims().nlprv();
     let tp = x.input.tp.max(1);
     let kvb = x.ref_site(Stage::WKvB)?.to_f64();
     let mut alt = kvb.clone();
@@ -469,47 +477,37 @@ fn kv_b_layout_w_kv_b(x: &SiteCtx<'_>) -> Detected {
         alt[h * (p + v) * l..(h * (p + v) + p) * l].copy_from_slice(&k);
     }
     if let Some(e) = x.explained_by(&alt) {
-        return Some((
+        return Some(Detection::new(
             format!(
-                "w.kv_b's k rows equal k_b reshaped [N, L, P] → [N, P, L] instead of transposed (rel_l2 {} vs {} as is)",
-                sci(e, 2),
-                sci(x.as_is(), 2)
+                "w.kv_b's k rows equal k_b reshaped [N, L, P] → [N, P, L] instead of transposed ({})",
+                x.vs_as_is(e)
             ),
             K_B_UNTRANSPOSED_HINT.into(),
         ));
     }
     let e = x.explained_by(&grouped_kv_b_rows(&kvb, x.input.cfg, tp))?;
-    Some((
-        format!(
-            "w.kv_b rows are grouped [all k | all v] per rank (rel_l2 {} vs {} as is)",
-            sci(e, 2),
-            sci(x.as_is(), 2)
-        ),
+    Some(Detection::new(
+        format!("w.kv_b rows are grouped [all k | all v] per rank ({})", x.vs_as_is(e)),
         KV_B_GROUPED_HINT.into(),
     ))
 }
 
 /// `k_nope`/`v`: the reference kv_b output split grouped `[all k_nope | all v]` per rank.
-fn kv_b_layout_k_nope_v(x: &SiteCtx<'_>) -> Detected {
-    let MlaDims {
-        n_head: n,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = x.input.cfg.dims();
+fn kv_b_layout_k_nope_v(x: &SiteCtx<'_>) -> Option<Detection> {
+    let [n, _, p, _, v] = x.input.cfg.dims().nlprv();
     let tp = x.input.tp.max(1);
     let nh = n / tp;
-    let kn = x.ref_site(Stage::KNope)?;
-    let vv = x.ref_site(Stage::V)?;
-    let t = kn.shape[0];
+    let k_nope = x.ref_site(Stage::KNope)?;
+    let v_ref = x.ref_site(Stage::V)?;
+    let t = k_nope.shape[0];
     let mut alt = Vec::with_capacity(x.cand.len());
     for ti in 0..t {
         for rank in 0..tp {
             // The rank's kv_b output row: per head [k_nope_h | v_h].
             let mut row = Vec::with_capacity(nh * (p + v));
             for h in rank * nh..(rank + 1) * nh {
-                row.extend((0..p).map(|d| kn.get((ti * n + h) * p + d)));
-                row.extend((0..v).map(|d| vv.get((ti * n + h) * v + d)));
+                row.extend((0..p).map(|d| k_nope.get((ti * n + h) * p + d)));
+                row.extend((0..v).map(|d| v_ref.get((ti * n + h) * v + d)));
             }
             if x.site.stage == Stage::KNope {
                 alt.extend_from_slice(&row[..nh * p]);
@@ -519,95 +517,77 @@ fn kv_b_layout_k_nope_v(x: &SiteCtx<'_>) -> Detected {
         }
     }
     let e = x.explained_by(&alt)?;
-    Some((
+    Some(Detection::new(
         format!(
-            "{} equals the reference kv_b_proj output split grouped as [all k_nope | all v] (rel_l2 {} vs {} as is)",
+            "{} equals the reference kv_b_proj output split grouped as [all k_nope | all v] ({})",
             x.site.stage.name(),
-            sci(e, 2),
-            sci(x.as_is(), 2)
+            x.vs_as_is(e)
+        ),
+        KV_B_GROUPED_HINT.into(),
+    ))
+}
+
+/// W_UK_T [N, P, L] (`Stage::WUkT`) or W_UV [N, L, V] (`Stage::WUv`) as a loader builds it that
+/// splits the reference kv_b `kvb` [N·(P+V), L] grouped per rank: of each rank's nh·(P+V) rows
+/// (nh = N/tp, per head interleaved [k_nope_h | v_h]), the first nh·P taken as its heads' K rows
+/// [nh, P, L] and the last nh·V as its V rows [nh, V, L], permuted to [nh, L, V].
+fn split_kv_b_grouped(kvb: &[f64], cfg: &MlaConfig, tp: usize, stage: Stage) -> Vec<f64> {
+    let [n, l, p, _, v] = cfg.dims().nlprv();
+    let nh = n / tp;
+    let mut out = Vec::with_capacity(kvb.len());
+    for rank in 0..tp {
+        let rank_rows = &kvb[rank * nh * (p + v) * l..(rank + 1) * nh * (p + v) * l];
+        let (k_rows, v_rows) = rank_rows.split_at(nh * p * l);
+        if stage == Stage::WUkT {
+            out.extend_from_slice(k_rows);
+            continue;
+        }
+        for h in 0..nh {
+            for li in 0..l {
+                out.extend((0..v).map(|vi| v_rows[(h * v + vi) * l + li]));
+            }
+        }
+    }
+    out
+}
+
+/// `W_UK_T` or `W_UV` (the failing site's stage, named `what` in the evidence): the grouped
+/// split of kv_b's rows ([`split_kv_b_grouped`]), if it explains the candidate.
+fn kv_b_split_grouped(x: &SiteCtx<'_>, kvb: &[f64], what: &str) -> Option<Detection> {
+    let alt = split_kv_b_grouped(kvb, x.input.cfg, x.input.tp.max(1), x.site.stage);
+    let e = x.explained_by(&alt)?;
+    Some(Detection::new(
+        format!(
+            "{what} equals kv_b's rows split grouped [all k | all v] ({})",
+            x.vs_as_is(e)
         ),
         KV_B_GROUPED_HINT.into(),
     ))
 }
 
 /// `W_UK_T`: kv_b's rows split grouped per rank, or `attn_k_b` reshaped instead of transposed.
-fn kv_b_layout_w_uk_t(x: &SiteCtx<'_>) -> Detected {
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = x.input.cfg.dims();
-    let tp = x.input.tp.max(1);
-    let nh = n / tp;
+fn kv_b_layout_w_uk_t(x: &SiteCtx<'_>) -> Option<Detection> {
     let kvb = x.ref_site(Stage::WKvB)?.to_f64();
-    // Grouped: per rank, the first nh·P rows of the (per-head interleaved) kv_b, read as
-    // [nh, P, L].
-    let mut alt = Vec::with_capacity(n * p * l);
-    for rank in 0..tp {
-        let base = rank * nh * (p + v) * l;
-        alt.extend_from_slice(&kvb[base..base + nh * p * l]);
+    if let Some(found) = kv_b_split_grouped(x, &kvb, "W_UK_T") {
+        return Some(found);
     }
-    if let Some(e) = x.explained_by(&alt) {
-        return Some((
-            format!(
-                "W_UK_T equals kv_b's rows split grouped [all k | all v] (rel_l2 {} vs {} as is)",
-                sci(e, 2),
-                sci(x.as_is(), 2)
-            ),
-            KV_B_GROUPED_HINT.into(),
-        ));
-    }
+    let [n, l, p, _, v] = x.input.cfg.dims().nlprv();
     let alt: Vec<f64> = (0..n).flat_map(|h| untransposed_k(&kvb, h, l, p, v)).collect();
     let e = x.explained_by(&alt)?;
-    Some((
+    Some(Detection::new(
         format!(
-            "W_UK_T equals k_b reshaped [N, L, P] → [N, P, L] instead of transposed (rel_l2 {} vs {} as is)",
-            sci(e, 2),
-            sci(x.as_is(), 2)
+            "W_UK_T equals k_b reshaped [N, L, P] → [N, P, L] instead of transposed ({})",
+            x.vs_as_is(e)
         ),
         K_B_UNTRANSPOSED_HINT.into(),
     ))
 }
 
 /// `W_UV`: kv_b's rows split grouped per rank.
-fn kv_b_layout_w_uv(x: &SiteCtx<'_>) -> Detected {
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = x.input.cfg.dims();
-    let tp = x.input.tp.max(1);
-    let nh = n / tp;
-    let kvb = x.ref_site(Stage::WKvB)?.to_f64();
-    // Grouped: per rank, the last nh·V rows read as [nh, V, L], then permuted to [nh, L, V].
-    let mut alt = Vec::with_capacity(n * l * v);
-    for rank in 0..tp {
-        let base = rank * nh * (p + v) * l + nh * p * l;
-        let rows = &kvb[base..base + nh * v * l];
-        for h in 0..nh {
-            for li in 0..l {
-                for vi in 0..v {
-                    alt.push(rows[(h * v + vi) * l + li]);
-                }
-            }
-        }
-    }
-    let e = x.explained_by(&alt)?;
-    Some((
-        format!(
-            "W_UV equals kv_b's rows split grouped [all k | all v] (rel_l2 {} vs {} as is)",
-            sci(e, 2),
-            sci(x.as_is(), 2)
-        ),
-        KV_B_GROUPED_HINT.into(),
-    ))
+fn kv_b_layout_w_uv(x: &SiteCtx<'_>) -> Option<Detection> {
+    kv_b_split_grouped(x, &x.ref_site(Stage::WKvB)?.to_f64(), "W_UV")
 }
 
-/// NeoX rotation of rope vectors `[rows, R]` at per-row positions, f64.
 /// Rotates every `r`-wide row of `data` at its position with the given pairing.
 fn rotate(data: &[f64], r: usize, positions: &[usize], inv_freq: &[f64], style: RopeStyle) -> Vec<f64> {
     let mut out = data.to_vec();
@@ -617,14 +597,9 @@ fn rotate(data: &[f64], r: usize, positions: &[usize], inv_freq: &[f64], style: 
     out
 }
 
-fn rope_style(x: &SiteCtx<'_>) -> Detected {
+fn rope_style(x: &SiteCtx<'_>) -> Option<Detection> {
     let cfg = x.input.cfg;
-    let MlaDims {
-        n_head: n,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        ..
-    } = cfg.dims();
+    let [n, _, p, r, _] = cfg.dims().nlprv();
     let pos = x.input.batch.positions();
     let inv = rope_inv_freq(cfg);
     let (raw, positions): (Vec<f64>, Vec<usize>) = match x.site.stage {
@@ -654,12 +629,11 @@ fn rope_style(x: &SiteCtx<'_>) -> Detected {
         None => return None,
     };
     if wrong == RopeStyle::Interleaved {
-        return Some((
+        return Some(Detection::new(
             format!(
-                "interleaved rotation (x[2i], x[2i+1]) of the reference's un-rotated input explains {} (rel_l2 {} vs {} as is)",
+                "interleaved rotation (x[2i], x[2i+1]) of the reference's un-rotated input explains {} ({})",
                 x.site.stage.name(),
-                sci(e, 2),
-                sci(x.as_is(), 2)
+                x.vs_as_is(e)
             ),
             format!(
                 "{} rotates NeoX halves (x[i], x[i+R/2]): vLLM is_neox_style=True, llama.cpp rope type NEOX",
@@ -667,7 +641,7 @@ fn rope_style(x: &SiteCtx<'_>) -> Detected {
             ),
         ));
     }
-    Some((
+    Some(Detection::new(
         format!(
             "NeoX rotation (x[i], x[i+R/2]) of the reference's un-rotated input explains {}{} (rel_l2 {} vs {} as is)",
             x.site.stage.name(),
@@ -713,14 +687,7 @@ impl AttnRecompute {
     /// [`AttnRecompute::build`] for `stage` (of the same layer) instead of the failing site's.
     fn build_for(x: &SiteCtx<'_>, stage: Stage) -> Option<Self> {
         let cfg = x.input.cfg;
-        let MlaDims {
-            n_head: n,
-            kv_lora_rank: l,
-            qk_nope_head_dim: p,
-            qk_rope_head_dim: r,
-            v_head_dim: v,
-            ..
-        } = cfg.dims();
+        let [n, l, p, r, v] = cfg.dims().nlprv();
         let q = x.ref_site(Stage::Q)?;
         let qpe = x.ref_site(Stage::QPeRoped)?;
         let kn = x.ref_site(Stage::KNope)?;
@@ -833,7 +800,7 @@ impl AttnRecompute {
     }
 }
 
-fn softmax_scale(x: &SiteCtx<'_>) -> Detected {
+fn softmax_scale(x: &SiteCtx<'_>) -> Option<Detection> {
     if !matches!(x.site.stage, Stage::Lse | Stage::AttnLatent | Stage::AttnOut) {
         return None;
     }
@@ -841,14 +808,14 @@ fn softmax_scale(x: &SiteCtx<'_>) -> Detected {
     if m.nonfinite_mismatch > 0 {
         return None;
     }
-    let rc = AttnRecompute::build(x)?;
+    let recompute = AttnRecompute::build(x)?;
     if x.cand.len() != x.refr.len() {
         return None;
     }
-    let cand = rc.sampled(x.cand);
+    let cand = recompute.sampled(x.cand);
     // The error as is, on the same rows the hypothesis is tested on.
-    let as_is = rel_l2(&cand, &rc.sampled(x.refr));
-    let err = |c: f64| rel_l2(&cand, &rc.eval(c));
+    let as_is = rel_l2(&cand, &recompute.sampled(x.refr));
+    let err = |c: f64| rel_l2(&cand, &recompute.eval(c));
     // Coarse log-spaced grid over ×0.1 … ×10, then golden-section refinement.
     let grid: Vec<f64> = (0..=40)
         .map(|i| (0.1f64.ln() + i as f64 * (100f64.ln() / 40.0)).exp())
@@ -862,10 +829,10 @@ fn softmax_scale(x: &SiteCtx<'_>) -> Detected {
         }
     }
     let (mut a, mut b) = (best_c / 1.13, best_c * 1.13);
-    let g = (5f64.sqrt() - 1.0) / 2.0;
+    let inv_phi = (5f64.sqrt() - 1.0) / 2.0;
     for _ in 0..30 {
-        let c1 = b - g * (b - a);
-        let c2 = a + g * (b - a);
+        let c1 = b - inv_phi * (b - a);
+        let c2 = a + inv_phi * (b - a);
         if err(c1) < err(c2) {
             b = c2;
         } else {
@@ -903,12 +870,11 @@ fn softmax_scale(x: &SiteCtx<'_>) -> Detected {
         .map(|(_, s)| s.clone())
         .next()
         .unwrap_or_else(|| format!("the logits are scaled by ×{c:.4} relative to (P+R)^-0.5 · m²"));
-    Some((
+    Some(Detection::new(
         format!(
-            "a logit scale of ×{c:.4} explains {} (rel_l2 {} vs {} as is)",
+            "a logit scale of ×{c:.4} explains {} ({})",
             x.site.stage.name(),
-            sci(e, 2),
-            sci(x.as_is(), 2)
+            x.vs_as_is(e)
         ),
         format!(
             "{cause}; the right scale is (P+R)^-0.5 · m² = {:.6}, m = 0.1·mscale_all_dim·ln(factor) + 1 (DeepSeek-V2 with YaRN)",
@@ -942,7 +908,7 @@ fn failing_rows(x: &SiteCtx<'_>) -> Vec<usize> {
         .collect()
 }
 
-fn lse_merge(x: &SiteCtx<'_>) -> Detected {
+fn lse_merge(x: &SiteCtx<'_>) -> Option<Detection> {
     if !matches!(x.site.stage, Stage::Lse | Stage::AttnLatent | Stage::AttnOut) {
         return None;
     }
@@ -951,7 +917,7 @@ fn lse_merge(x: &SiteCtx<'_>) -> Detected {
     let bad = failing_rows(x);
     let empty: BTreeSet<usize> = x.path.empty_partial_rows.iter().copied().collect();
     if !bad.is_empty() && !empty.is_empty() && bad.iter().all(|r| empty.contains(r)) {
-        return Some((
+        return Some(Detection::new(
             format!(
                 "the {} wrong token rows {} all merged an empty partial (an empty split or context chunk); the other {} rows pass",
                 bad.len(),
@@ -972,7 +938,7 @@ fn lse_merge(x: &SiteCtx<'_>) -> Detected {
             (std::f64::consts::LN_2, "a base-2 LSE read as natural log"),
         ] {
             if (m.norm_ratio / f - 1.0).abs() < 2e-3 && direction_right {
-                return Some((
+                return Some(Detection::new(
                     format!("LSE is the reference times {f:.4}: {what}"),
                     "merge states in one log base: natural log everywhere, or convert with ln 2".into(),
                 ));
@@ -1068,7 +1034,7 @@ impl AttnRecompute {
 /// each sampled row's split point, and the merged output that split predicts, which nothing was
 /// fitted to, must explain the output site (`attn_latent` or `attn_out`, the failing one or the
 /// one that goes with a failing `lse`).
-fn base2_merge(x: &SiteCtx<'_>) -> Detected {
+fn base2_merge(x: &SiteCtx<'_>) -> Option<Detection> {
     let layer = x.site.layer;
     let cand_of = |stage| x.path.trace.get(&Site::new(layer, stage));
     let out_stage = match x.site.stage {
@@ -1081,27 +1047,27 @@ fn base2_merge(x: &SiteCtx<'_>) -> Detected {
     if cand_out.len() != ref_out.len() || cand_lse.len() != x.ref_site(Stage::Lse)?.len() {
         return None;
     }
-    let rc = AttnRecompute::build_for(x, out_stage)?;
-    let (pred, pred_lse, split) = rc.base2_merge(cand_lse);
+    let recompute = AttnRecompute::build_for(x, out_stage)?;
+    let (pred, pred_lse, split) = recompute.base2_merge(cand_lse);
     if split == 0 {
         return None;
     }
-    let cand = rc.sampled(cand_out);
-    let as_is = rel_l2(&cand, &rc.sampled(ref_out));
+    let cand = recompute.sampled(cand_out);
+    let as_is = rel_l2(&cand, &recompute.sampled(ref_out));
     let e = rel_l2(&cand, &pred);
-    let lse_rows: Vec<f64> = rc.logits.iter().map(|(row, _, _)| cand_lse.get(*row)).collect();
+    let lse_rows: Vec<f64> = recompute.logits.iter().map(|(row, _, _)| cand_lse.get(*row)).collect();
     let e_lse = rel_l2(&lse_rows, &pred_lse);
     let explain = explain_threshold(out_stage, x.input.precision);
     let explain_lse = explain_threshold(Stage::Lse, x.input.precision);
     if e > explain || e >= as_is || e_lse > explain_lse {
         return None;
     }
-    Some((
+    Some(Detection::new(
         format!(
             "{split} of {} sampled (token, head) rows are two partials over their context, each with a \
              base-2 LSE, merged as natural log; the rest one partial with a base-2 LSE: {} rel_l2 {} \
              (as is {}), lse {}",
-            rc.logits.len(),
+            recompute.logits.len(),
             out_stage.name(),
             sci(e, 2),
             sci(as_is, 2),
@@ -1117,11 +1083,11 @@ fn base2_merge(x: &SiteCtx<'_>) -> Detected {
 /// The reference's indexer inputs of this layer, re-scored with `style` (f64): `idx_scores`
 /// [T, S] as the reference lays it out. `None` when a site is missing.
 fn rescore_indexer(x: &SiteCtx<'_>, style: RopeStyle) -> Option<Vec<f64>> {
-    let ix = x.input.cfg.indexer.as_ref()?;
+    let idx_cfg = x.input.cfg.indexer.as_ref()?;
     let q = x.ref_site(Stage::IdxQ)?.to_f64();
     let k = x.ref_site(Stage::IdxK)?.to_f64();
     let w = x.ref_site(Stage::IdxWeights)?.to_f64();
-    let (ni, d) = (ix.n_head, ix.head_dim);
+    let (ni, d) = (idx_cfg.n_head, idx_cfg.head_dim);
     let inv = rope_inv_freq(x.input.cfg);
     let pos = x.input.batch.positions();
     let t = pos.len();
@@ -1129,25 +1095,25 @@ fn rescore_indexer(x: &SiteCtx<'_>, style: RopeStyle) -> Option<Vec<f64>> {
         return None;
     }
     let (mut qr, mut kr) = (q, k);
-    indexer::rope_indexer(&mut qr, &mut kr, ix, &pos, &inv, style);
-    Some(indexer::scores(ix, x.input.batch, &qr, &kr, &w))
+    indexer::rope_indexer(&mut qr, &mut kr, idx_cfg, &pos, &inv, style);
+    Some(indexer::scores(idx_cfg, x.input.batch, &qr, &kr, &w))
 }
 
 /// `idx_scores` differs while the indexer's q and k matched: the other RoPE pairing applied to
 /// the reference's own un-rotated `idx_q`/`idx_k` explains the candidate's scores (the
 /// DeepSeek-V3.2 indexer bug: interleaved pairs where the indexer wants NeoX halves).
-fn indexer_rope_style(x: &SiteCtx<'_>) -> Detected {
+fn indexer_rope_style(x: &SiteCtx<'_>) -> Option<Detection> {
     if x.site.stage != Stage::IdxScores {
         return None;
     }
-    let ix = x.input.cfg.indexer.as_ref()?;
-    let wrong = ix.rope_style.other();
+    let idx_cfg = x.input.cfg.indexer.as_ref()?;
+    let wrong = idx_cfg.rope_style.other();
     let alt = rescore_indexer(x, wrong)?;
     let e = x.explained_by(&alt)?;
     let sel = x.ref_site(Stage::IdxTopk);
     let k = sel.map_or(0, |t| t.shape.last().copied().unwrap_or(0));
-    let longer = x.input.batch.seqs.iter().any(|s| s.len > ix.top_k);
-    Some((
+    let longer = x.input.batch.seqs.iter().any(|s| s.len > idx_cfg.top_k);
+    Some(Detection::new(
         format!(
             "{} rotation of the reference's un-rotated idx_q/idx_k explains idx_scores (rel_l2 {} vs {} as is){}",
             wrong.name(),
@@ -1160,14 +1126,14 @@ fn indexer_rope_style(x: &SiteCtx<'_>) -> Detected {
             } else {
                 format!(
                     "; every sequence is at most top-k {} long, so attention is unaffected here (it shows past top-k)",
-                    ix.top_k
+                    idx_cfg.top_k
                 )
             }
         ),
         format!(
             "the {} indexer rotates {} (x[i], x[i+R/2]) on the first R dims of each indexer head, unlike its main MLA RoPE; check the indexer's rotary call (is_neox_style / rope type)",
             x.input.cfg.arch,
-            match ix.rope_style {
+            match idx_cfg.rope_style {
                 RopeStyle::Neox => "NeoX halves",
                 RopeStyle::Interleaved => "adjacent pairs",
             }
@@ -1213,7 +1179,7 @@ fn topk_pairs(x: &SiteCtx<'_>) -> Option<(KeySets, KeySets)> {
 /// `idx_topk` differs while `idx_scores` matched, and each differing token's set equals the
 /// reference's set of an earlier token of its sequence at one common distance: a top-k buffer
 /// from a previous chunk was reused.
-fn indexer_topk_stale(x: &SiteCtx<'_>) -> Detected {
+fn indexer_topk_stale(x: &SiteCtx<'_>) -> Option<Detection> {
     let (r, c) = topk_pairs(x)?;
     let ties = tie_rows(x, &r, &c);
     let bad: Vec<usize> = (0..r.len()).filter(|&i| r[i] != c[i] && !ties.contains(&i)).collect();
@@ -1246,7 +1212,7 @@ fn indexer_topk_stale(x: &SiteCtx<'_>) -> Detected {
         None => "idx_scores were not compared",
     };
     let j = indexer::jaccard(&r[bad[0]], &c[bad[0]]);
-    Some((
+    Some(Detection::new(
         format!(
             "{} of {} tokens keep the reference's selection of the token {d} positions earlier ({scores_state}); token {}: Jaccard {:.3} with its own selection",
             bad.len(),
@@ -1262,7 +1228,7 @@ fn indexer_topk_stale(x: &SiteCtx<'_>) -> Detected {
 
 /// `idx_topk` differs as a set: the tokens, their Jaccard overlap, and whether the scores matched
 /// (then ties at the cut or a wrong selection rule) or not.
-fn indexer_selection(x: &SiteCtx<'_>) -> Detected {
+fn indexer_selection(x: &SiteCtx<'_>) -> Option<Detection> {
     let (r, c) = topk_pairs(x)?;
     let bad: Vec<usize> = (0..r.len()).filter(|&i| r[i] != c[i]).collect();
     if bad.is_empty() {
@@ -1286,7 +1252,7 @@ fn indexer_selection(x: &SiteCtx<'_>) -> Detected {
             format!("token {i}: Jaccard {j:.3}, only reference {only_r:?}, only candidate {only_c:?}")
         })
         .collect();
-    Some((
+    Some(Detection::new(
         format!(
             "{} of {} tokens keep other keys (mean Jaccard {mean:.3}; {}): {}",
             bad.len(),
@@ -1304,7 +1270,7 @@ fn indexer_selection(x: &SiteCtx<'_>) -> Detected {
 
 /// `moe_topk` differs as a set: lists the tokens and the ids only one side selected, with the
 /// reference's router logits at those ids and whether the candidate's router logits matched.
-fn moe_routing(x: &SiteCtx<'_>) -> Detected {
+fn moe_routing(x: &SiteCtx<'_>) -> Option<Detection> {
     if x.site.stage != Stage::MoeTopk {
         return None;
     }
@@ -1358,7 +1324,7 @@ fn moe_routing(x: &SiteCtx<'_>) -> Detected {
         None => "the candidate's router logits were not compared".to_string(),
     };
     let shown = rows.len().min(4);
-    Some((
+    Some(Detection::new(
         format!(
             "{} of {tokens} tokens select other experts ({logits_state}): {}{}",
             rows.len(),
@@ -1377,7 +1343,7 @@ fn moe_routing(x: &SiteCtx<'_>) -> Detected {
     ))
 }
 
-fn nonfinite(x: &SiteCtx<'_>) -> Detected {
+fn nonfinite(x: &SiteCtx<'_>) -> Option<Detection> {
     let m = x.diff.metrics.as_ref()?;
     if m.nonfinite_mismatch == 0 {
         return None;
@@ -1386,7 +1352,7 @@ fn nonfinite(x: &SiteCtx<'_>) -> Detected {
         .first_nonfinite_mismatch
         .map(|i| metrics::unravel(i, &x.refr.shape))
         .unwrap_or_default();
-    Some((
+    Some(Detection::new(
         format!(
             "{} elements are NaN/Inf where the reference is finite ({} non-finite in all); first at {:?}",
             m.nonfinite_mismatch, m.nonfinite_cand, idx
@@ -1415,7 +1381,7 @@ fn true_cosine(x: &SiteCtx<'_>) -> f64 {
     }
 }
 
-fn scale_only(x: &SiteCtx<'_>) -> Detected {
+fn scale_only(x: &SiteCtx<'_>) -> Option<Detection> {
     let m = x.diff.metrics.as_ref()?;
     let (tol, _) = tolerance(x.site.stage, x.input.precision);
     if m.nonfinite_mismatch > 0 || (m.norm_ratio - 1.0).abs() <= tol.norm_ratio {
@@ -1445,7 +1411,7 @@ fn scale_only(x: &SiteCtx<'_>) -> Detected {
                 format!(" (the ratio is {f:.4} = (1/routed_scaling_factor){power})")
             })
             .unwrap_or_default();
-        return Some((
+        return Some(Detection::new(
             format!(
                 "cosine similarity 1 − {} (direction right) but norm ratio {ratio:.4}: the residual stream is scaled{named}",
                 sci(1.0 - cos, 2)
@@ -1472,7 +1438,7 @@ fn scale_only(x: &SiteCtx<'_>) -> Detected {
         .find(|(f, _)| (f - 1.0).abs() > 1e-3 && (ratio / f - 1.0).abs() < 2e-3)
         .map(|(f, s)| format!("the ratio is {f:.4} = {s}"))
         .unwrap_or_else(|| "a constant factor multiplies this tensor".into());
-    Some((
+    Some(Detection::new(
         format!(
             "cosine similarity 1 − {} (direction right) but norm ratio {ratio:.4}: a pure scale",
             sci(1.0 - cos, 2)
@@ -1481,7 +1447,7 @@ fn scale_only(x: &SiteCtx<'_>) -> Detected {
     ))
 }
 
-fn path_disagreement(x: &SiteCtx<'_>) -> Detected {
+fn path_disagreement(x: &SiteCtx<'_>) -> Option<Detection> {
     let others: Vec<String> = x
         .input
         .paths
@@ -1504,7 +1470,7 @@ fn path_disagreement(x: &SiteCtx<'_>) -> Detected {
     if others.is_empty() {
         return None;
     }
-    Some((
+    Some(Detection::new(
         format!(
             "{} passes here but {} has rel_l2 {}",
             others.join(", "),
@@ -1518,7 +1484,7 @@ fn path_disagreement(x: &SiteCtx<'_>) -> Detected {
     ))
 }
 
-fn mismatch(x: &SiteCtx<'_>) -> (String, String) {
+fn mismatch(x: &SiteCtx<'_>) -> Detection {
     let rows = x.refr.shape.first().copied().unwrap_or(1).max(1);
     let per = x.refr.len() / rows;
     let r = x.refr.to_f64();
@@ -1561,12 +1527,12 @@ fn mismatch(x: &SiteCtx<'_>) -> (String, String) {
     } else {
         "no known bug class explains this; compare the stage's inputs, which passed, with its code".to_string()
     };
-    (ev, hint)
+    Detection::new(ev, hint)
 }
 
 /// Classifies one failing site.
 /// A detector: one hypothesis tested on one failing site.
-type Detector = fn(&SiteCtx<'_>) -> Detected;
+type Detector = fn(&SiteCtx<'_>) -> Option<Detection>;
 
 /// Every detector with the class it names, in precedence order (earlier wins).
 const DETECTORS: [(Class, Detector); 17] = [
@@ -1591,13 +1557,13 @@ const DETECTORS: [(Class, Detector); 17] = [
 ];
 
 /// Runs the detector of `class` alone on the first divergence of path `path` of `input` (no
-/// precedence, no other detector): whether that one hypothesis explains the divergence, as
-/// `(evidence, hint)`.
+/// precedence, no other detector): whether that one hypothesis explains the divergence, and
+/// with what evidence and hint.
 ///
 /// `None` when the path has no divergence, when `class` has no site detector (`mismatch`,
 /// `quant-block-misaligned`, `transposed`, `weight-nonfinite` come from elsewhere), or when the
 /// hypothesis does not explain it. For tests and for callers that ask about one bug class.
-pub fn detect_at(input: &DiagnoseInput<'_>, path: usize, class: Class) -> Detected {
+pub fn detect_at(input: &DiagnoseInput<'_>, path: usize, class: Class) -> Option<Detection> {
     let ev = *input.paths.get(path)?;
     let first = metrics::first_divergence(ev.diffs)?;
     let x = SiteCtx {
@@ -1623,7 +1589,9 @@ fn classify(x: &SiteCtx<'_>) -> Finding {
         if x.site.stage.is_id_set() != set_class {
             continue;
         }
-        if let Some((evidence, hint)) = crate::core::timing::stage(&format!("detect {}", class.name()), || det(x)) {
+        if let Some(Detection { evidence, hint }) =
+            crate::core::timing::stage(&format!("detect {}", class.name()), || det(x))
+        {
             return Finding {
                 class,
                 site: x.site,
@@ -1633,7 +1601,7 @@ fn classify(x: &SiteCtx<'_>) -> Finding {
             };
         }
     }
-    let (evidence, hint) = crate::core::timing::stage("detect mismatch", || mismatch(x));
+    let Detection { evidence, hint } = crate::core::timing::stage("detect mismatch", || mismatch(x));
     Finding {
         class: Class::Mismatch,
         site: x.site,

@@ -832,22 +832,22 @@ impl Ops for CudaOps {
         }
         // Row-major y[t,o] = x[t,k]·w[o,k]ᵀ is column-major yᵀ = W·xᵀ: C(o×t) = Aᵀ(o×k)·B(k×t)
         // with A = w as a k×o column-major matrix and B = x as k×t.
+        let sgemm = GemmConfig {
+            transa: cb::cublasOperation_t::CUBLAS_OP_T,
+            transb: cb::cublasOperation_t::CUBLAS_OP_N,
+            m: o as i32,
+            n: t as i32,
+            k: k as i32,
+            alpha: 1.0f32,
+            lda: k as i32,
+            ldb: k as i32,
+            beta: 0.0f32,
+            ldc: o as i32,
+        };
         match self.dtype {
             Dtype::F32 => {
-                let cfg = GemmConfig {
-                    transa: cb::cublasOperation_t::CUBLAS_OP_T,
-                    transb: cb::cublasOperation_t::CUBLAS_OP_N,
-                    m: o as i32,
-                    n: t as i32,
-                    k: k as i32,
-                    alpha: 1.0f32,
-                    lda: k as i32,
-                    ldb: k as i32,
-                    beta: 0.0f32,
-                    ldc: o as i32,
-                };
                 // SAFETY: dims and leading dimensions match the buffers checked above.
-                unsafe { self.dev.blas().gemm(cfg, w, x, &mut y) }
+                unsafe { self.dev.blas().gemm(sgemm, w, x, &mut y) }
                     .map_err(|e| Error::cuda(format!("cublasSgemm: {e:?}")))?;
             }
             Dtype::Bf16 if std::env::var_os("MLA_DIFF_BF16_GEMM").is_some_and(|v| v == "emulate") => {
@@ -855,20 +855,8 @@ impl Ops for CudaOps {
                 // bf16 GEMM, through cublasSgemm. For compute-sanitizer runs, which cannot handle
                 // cuBLAS's bf16 kernels.
                 let (xr, wr) = (self.round_bf16(x, t * k)?, self.round_bf16(w, o * k)?);
-                let cfg = GemmConfig {
-                    transa: cb::cublasOperation_t::CUBLAS_OP_T,
-                    transb: cb::cublasOperation_t::CUBLAS_OP_N,
-                    m: o as i32,
-                    n: t as i32,
-                    k: k as i32,
-                    alpha: 1.0f32,
-                    lda: k as i32,
-                    ldb: k as i32,
-                    beta: 0.0f32,
-                    ldc: o as i32,
-                };
                 // SAFETY: dims and leading dimensions match the buffers checked above.
-                unsafe { self.dev.blas().gemm(cfg, &wr, &xr, &mut y) }
+                unsafe { self.dev.blas().gemm(sgemm, &wr, &xr, &mut y) }
                     .map_err(|e| Error::cuda(format!("cublasSgemm: {e:?}")))?;
             }
             Dtype::Bf16 => {

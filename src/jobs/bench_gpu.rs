@@ -22,7 +22,7 @@ use serde::Serialize;
 use crate::backend::cuda::ops::{CudaOps, DecodeMerge, DecodeShape};
 use crate::backend::decode_cfg::DecodeCfg;
 use crate::backend::prefill_cfg::{PrefillCfg, bench_variants};
-use crate::compute::ops::{EmptyRows, Ops, Segment};
+use crate::compute::ops::{EmptyRows, Ops, PrefillArgs, Segment};
 use crate::core::batch::SplitMix64;
 use crate::core::error::{Error, Result};
 
@@ -403,30 +403,19 @@ pub fn prefill(
     let v = random_bf16(ops, t * nh * dv, 6, 1.0)?;
     let mut out = ops.alloc(t * nh * dv)?;
     let mut lse = ops.alloc(t * nh)?;
-    let seg = [Segment {
-        q_off: 0,
-        q_len: t,
-        k_off: 0,
-        k_len: t,
-        causal: true,
-    }];
-    let scale = (dqk as f64).powf(-0.5) as f32;
-    let us = time_us(ops, WARM, REPS, || {
-        ops.prefill_mma(
-            cfg,
-            &q,
-            &k,
-            &v,
-            nh,
-            dqk,
-            dv,
-            &seg,
-            scale,
-            EmptyRows::ZeroMinusInf,
-            &mut out,
-            &mut lse,
-        )
-    })?;
+    let seg = [Segment::causal_self(0, t)];
+    let args = PrefillArgs {
+        q: &q,
+        k: &k,
+        v: &v,
+        nh,
+        dqk,
+        dv,
+        segments: &seg,
+        scale: (dqk as f64).powf(-0.5) as f32,
+        empty: EmptyRows::ZeroMinusInf,
+    };
+    let us = time_us(ops, WARM, REPS, || ops.prefill_mma(cfg, &args, &mut out, &mut lse))?;
     let flops = (nh as f64) * (t as f64) * (t as f64) * (dqk + dv) as f64;
     let used = cfg.or(PrefillCfg::from_env()?).unwrap_or_default().for_shape(dqk, dv);
     let mut o = ops.download(&out)?;

@@ -9,7 +9,7 @@ pub mod ops;
 use ndarray::ArrayView2;
 use rayon::prelude::*;
 
-use crate::compute::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, RopeStyle, Segment};
+use crate::compute::ops::{Copy2d, DecodeArgs, Ops, PrefillArgs, RopeStyle};
 use crate::core::canary::canary_vec;
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
@@ -212,29 +212,10 @@ impl Ops for CpuOps {
         Ok(ops::bmm_heads(&xr, t, nh, a, &wr, b))
     }
 
-    fn flash_attention(
-        &self,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        nh: usize,
-        dqk: usize,
-        dv: usize,
-        segments: &[Segment],
-        scale: f32,
-        empty: EmptyRows,
-        out: &mut Vec<f32>,
-        lse: &mut Vec<f32>,
-    ) -> Result<()> {
-        for sg in segments {
-            check(q, (sg.q_off + sg.q_len) * nh * dqk, "flash q")?;
-            check(k, (sg.k_off + sg.k_len) * nh * dqk, "flash k")?;
-            check(v, (sg.k_off + sg.k_len) * nh * dv, "flash v")?;
-            check(out, (sg.q_off + sg.q_len) * nh * dv, "flash out")?;
-            check(lse, (sg.q_off + sg.q_len) * nh, "flash lse")?;
-        }
-        let (qr, kr, vr) = (self.rounded(q), self.rounded(k), self.rounded(v));
-        ops::flash_attention(&qr, &kr, &vr, nh, dqk, dv, segments, scale, empty, out, lse);
+    fn flash_attention(&self, a: &PrefillArgs<'_, Vec<f32>>, out: &mut Vec<f32>, lse: &mut Vec<f32>) -> Result<()> {
+        a.check_lens(out, lse, |b, need, what| check(b, need, what))?;
+        let (qr, kr, vr) = (self.rounded(a.q), self.rounded(a.k), self.rounded(a.v));
+        ops::flash_attention(&a.with_inputs(&*qr, &*kr, &*vr), out, lse);
         Ok(())
     }
 

@@ -11,7 +11,7 @@
 use ndarray::{Array2, ArrayView2};
 use rayon::prelude::*;
 
-use crate::compute::ops::{EmptyRows, Segment};
+use crate::compute::ops::{EmptyRows, PrefillArgs, Segment};
 use crate::core::canary::canary_vec;
 
 /// Query/key tile of [`flash_attention`] (rows).
@@ -213,28 +213,17 @@ type TileResult = (usize, usize, usize, Vec<f32>, Vec<Option<f32>>);
 
 /// Tiled online-softmax attention with LSE (flash-attention forward), f32.
 ///
-/// - `q` [Tq, N, Dqk], `k` [Tk, N, Dqk], `v` [Tk, N, Dv], all packed row-major;
+/// - `a.q` [Tq, N, Dqk], `a.k` [Tk, N, Dqk], `a.v` [Tk, N, Dv], all packed row-major;
 /// - `out` [Tq, N, Dv] and `lse` [Tq, N] are caller-allocated and written in place;
-/// - `scale` multiplies `q·k`; `lse` is natural-log;
-/// - a query row with no visible key is handled by `empty` (correct: `lse = −inf`, output 0);
+/// - `a.scale` multiplies `q·k`; `lse` is natural-log;
+/// - a query row with no visible key is handled by `a.empty` (correct: `lse = −inf`, output 0);
 ///   rows not covered by any segment are not touched.
 ///
 /// Queries and keys are processed in tiles of [`TILE`] rows with the running max / running sum
-/// rescaling of FlashAttention-2 (Dao 2023).
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attention(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    n_head: usize,
-    dqk: usize,
-    dv: usize,
-    segments: &[Segment],
-    scale: f32,
-    empty: EmptyRows,
-    out: &mut [f32],
-    lse: &mut [f32],
-) {
+/// rescaling of FlashAttention-2 (Dao 2023). Panics when a buffer is shorter than a segment
+/// reaches (the [`crate::compute::ops::Ops`] implementation checks the lengths first).
+pub fn flash_attention(a: &PrefillArgs<'_, [f32]>, out: &mut [f32], lse: &mut [f32]) {
+    let (n_head, dv, segments) = (a.nh, a.dv, a.segments);
     let tile = TILE;
     let mut items = Vec::new();
     for (si, sg) in segments.iter().enumerate() {
@@ -248,17 +237,10 @@ pub fn flash_attention(
         .par_iter()
         .map(|&(si, h, qt)| {
             let args = FlashTile {
-                q,
-                k,
-                v,
-                n_head,
-                dqk,
-                dv,
+                a,
                 sg: segments[si],
                 h,
                 qt,
-                scale,
-                empty,
             };
             #[cfg(target_arch = "x86_64")]
             if has_avx2() {
@@ -309,36 +291,29 @@ fn add_weighted_rows(acc: &mut [f32], v: &[f32], p: &[f32], at: &[usize]) {
     }
 }
 
-/// The inputs of one (segment, head, query tile) work item of [`flash_attention`].
+/// One (segment, head, query tile) work item of [`flash_attention`]: the launch, the segment,
+/// the head and the tile's first row within the segment.
 struct FlashTile<'a> {
-    q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
-    n_head: usize,
-    dqk: usize,
-    dv: usize,
+    a: &'a PrefillArgs<'a, [f32]>,
     sg: Segment,
     h: usize,
     qt: usize,
-    scale: f32,
-    empty: EmptyRows,
 }
 
 /// One work item of [`flash_attention`]: the tile's output rows and LSEs.
 #[inline(always)]
-fn flash_tile(a: &FlashTile<'_>) -> (Vec<f32>, Vec<Option<f32>>) {
-    let FlashTile {
+fn flash_tile(t: &FlashTile<'_>) -> (Vec<f32>, Vec<Option<f32>>) {
+    let FlashTile { a, sg, h, qt } = *t;
+    let PrefillArgs {
         q,
         k,
         v,
-        n_head,
+        nh: n_head,
         dqk,
         dv,
-        sg,
-        h,
-        qt,
         scale,
         empty,
+        ..
     } = *a;
     let tile = TILE;
     let rows = tile.min(sg.q_len - qt);
@@ -747,42 +722,14 @@ mod tests {
             normal_f32(56, t * nh * dqk),
             normal_f32(57, t * nh * dv),
         );
-        let sg = Segment {
-            q_off: 0,
-            q_len: t,
-            k_off: 0,
-            k_len: t,
-            causal: true,
-        };
+        let sg = Segment::causal_self(0, t);
         let (mut out, mut lse) = (canary_vec(t * nh * dv), canary_vec(t * nh));
-        flash_attention(
-            &q,
-            &k,
-            &v,
-            nh,
-            dqk,
-            dv,
-            &[sg],
-            0.7,
-            EmptyRows::ZeroMinusInf,
-            &mut out,
-            &mut lse,
-        );
+        let segs = [sg];
+        let args = prefill_args(&q, &k, &v, (nh, dqk, dv), &segs, 0.7, EmptyRows::ZeroMinusInf);
+        flash_attention(&args, &mut out, &mut lse);
         for h in 0..nh {
             for qt in (0..t).step_by(TILE) {
-                let (o, ls) = flash_tile(&FlashTile {
-                    q: &q,
-                    k: &k,
-                    v: &v,
-                    n_head: nh,
-                    dqk,
-                    dv,
-                    sg,
-                    h,
-                    qt,
-                    scale: 0.7,
-                    empty: EmptyRows::ZeroMinusInf,
-                });
+                let (o, ls) = flash_tile(&FlashTile { a: &args, sg, h, qt });
                 for (r, l) in ls.iter().enumerate() {
                     let row = qt + r;
                     assert_eq!(
@@ -800,6 +747,29 @@ mod tests {
         }
     }
 
+    /// A [`PrefillArgs`] on host slices, widths `(nh, dqk, dv)`.
+    fn prefill_args<'a>(
+        q: &'a [f32],
+        k: &'a [f32],
+        v: &'a [f32],
+        (nh, dqk, dv): (usize, usize, usize),
+        segments: &'a [Segment],
+        scale: f32,
+        empty: EmptyRows,
+    ) -> PrefillArgs<'a, [f32]> {
+        PrefillArgs {
+            q,
+            k,
+            v,
+            nh,
+            dqk,
+            dv,
+            segments,
+            scale,
+            empty,
+        }
+    }
+
     #[test]
     fn flash_attention_matches_naive_causal_across_tiles() {
         let (t, nh, dqk, dv) = (37, 3, 5, 4);
@@ -808,26 +778,9 @@ mod tests {
         let v = normal_f32(3, t * nh * dv);
         let mut out = canary_vec(t * nh * dv);
         let mut lse = canary_vec(t * nh);
-        let seg = [Segment {
-            q_off: 0,
-            q_len: t,
-            k_off: 0,
-            k_len: t,
-            causal: true,
-        }];
-        flash_attention(
-            &q,
-            &k,
-            &v,
-            nh,
-            dqk,
-            dv,
-            &seg,
-            0.7,
-            EmptyRows::ZeroMinusInf,
-            &mut out,
-            &mut lse,
-        );
+        let seg = [Segment::causal_self(0, t)];
+        let args = prefill_args(&q, &k, &v, (nh, dqk, dv), &seg, 0.7, EmptyRows::ZeroMinusInf);
+        flash_attention(&args, &mut out, &mut lse);
         for i in 0..t {
             for h in 0..nh {
                 let ks: Vec<&[f32]> = (0..=i).map(|j| &k[(j * nh + h) * dqk..][..dqk]).collect();
@@ -854,42 +807,19 @@ mod tests {
             k_len: 2,
             causal: true,
         }];
+        let one_head = |empty| prefill_args(&q, &k, &v, (1, 2, 2), &seg, 1.0, empty);
         let mut out = canary_vec(3 * 2);
         let mut lse = canary_vec(3);
-        flash_attention(
-            &q,
-            &k,
-            &v,
-            1,
-            2,
-            2,
-            &seg,
-            1.0,
-            EmptyRows::ZeroMinusInf,
-            &mut out,
-            &mut lse,
-        );
+        flash_attention(&one_head(EmptyRows::ZeroMinusInf), &mut out, &mut lse);
         assert_eq!(lse[0], f32::NEG_INFINITY);
         assert_eq!(&out[..2], &[0.0, 0.0]);
         assert!(lse[1].is_finite() && lse[2].is_finite());
         let mut out = canary_vec(3 * 2);
         let mut lse = canary_vec(3);
-        flash_attention(&q, &k, &v, 1, 2, 2, &seg, 1.0, EmptyRows::Skip, &mut out, &mut lse);
+        flash_attention(&one_head(EmptyRows::Skip), &mut out, &mut lse);
         assert!(crate::core::canary::is_canary(lse[0]) && crate::core::canary::is_canary(out[0]));
         let mut lse = canary_vec(3);
-        flash_attention(
-            &q,
-            &k,
-            &v,
-            1,
-            2,
-            2,
-            &seg,
-            1.0,
-            EmptyRows::ZeroPlusInf,
-            &mut out,
-            &mut lse,
-        );
+        flash_attention(&one_head(EmptyRows::ZeroPlusInf), &mut out, &mut lse);
         assert_eq!(lse[0], f32::INFINITY);
     }
 

@@ -19,7 +19,7 @@ use crate::backend::cuda::nccl::NcclAllReduce;
 use crate::backend::decode_cfg::{DecodeCfg, wave_splits};
 use crate::backend::prefill_cfg::PrefillCfg;
 use crate::compute::collective::ReduceFault;
-use crate::compute::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, RopeStyle, Segment, download_parts, host_all_reduce};
+use crate::compute::ops::{Copy2d, DecodeArgs, Ops, PrefillArgs, RopeStyle, download_parts, host_all_reduce};
 use crate::compute::path::PathKind;
 use crate::core::canary::CANARY_BITS;
 use crate::core::dtype::Dtype;
@@ -418,53 +418,37 @@ impl CudaOps {
         Ok(wave_splits(rows * nh.div_ceil(cfg.heads), slots, max_splits))
     }
 
-    /// Tensor-core flash prefill on bf16 copies of `q`, `k`, `v`.
-    #[allow(clippy::too_many_arguments)]
+    /// Tensor-core flash prefill ([`CudaOps::prefill_mma`]) on bf16 copies of `a`'s f32 inputs.
     fn flash_prefill_fast(
         &self,
-        q: &CudaSlice<f32>,
-        k: &CudaSlice<f32>,
-        v: &CudaSlice<f32>,
-        nh: usize,
-        dqk: usize,
-        dv: usize,
-        segments: &[Segment],
-        scale: f32,
-        empty: EmptyRows,
+        a: &PrefillArgs<'_, CudaSlice<f32>>,
         out: &mut CudaSlice<f32>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<()> {
         let (qb, kb, vb) = (
-            self.to_bf16(q, q.len())?,
-            self.to_bf16(k, k.len())?,
-            self.to_bf16(v, v.len())?,
+            self.to_bf16(a.q, a.q.len())?,
+            self.to_bf16(a.k, a.k.len())?,
+            self.to_bf16(a.v, a.v.len())?,
         );
-        self.prefill_mma(None, &qb, &kb, &vb, nh, dqk, dv, segments, scale, empty, out, lse)
+        self.prefill_mma(None, &a.with_inputs(&qb, &kb, &vb), out, lse)
     }
 
-    /// Launches `flash_prefill_mma` on bf16 inputs `q [Tq, nh, dqk]`, `k [Tk, nh, dqk]`,
-    /// `v [Tk, nh, dv]`, writing `out [Tq, nh, dv]` and `lse [Tq, nh]` (see fast_prefill.cu), in
-    /// configuration `cfg` (None: `MLA_DIFF_PREFILL_CFG` if set, else the default), adapted to
-    /// the head widths by [`PrefillCfg::for_shape`].
+    /// Launches `flash_prefill_mma` on bf16 inputs (`a.q [Tq, nh, dqk]`, `a.k [Tk, nh, dqk]`,
+    /// `a.v [Tk, nh, dv]`), writing `out [Tq, nh, dv]` and `lse [Tq, nh]` (f32; see
+    /// fast_prefill.cu), in configuration `cfg` (None: `MLA_DIFF_PREFILL_CFG` if set, else the
+    /// default), adapted to the head widths by [`PrefillCfg::for_shape`]. The caller checks the
+    /// buffer lengths ([`PrefillArgs::check_lens`]).
     ///
-    /// Errors: a bad `MLA_DIFF_PREFILL_CFG`, an NVRTC compile or module load failure, or a
-    /// launch failure, each naming the kernel.
-    #[allow(clippy::too_many_arguments)]
+    /// Errors: a bad `MLA_DIFF_PREFILL_CFG`, tile offsets past 32 bits, an NVRTC compile or
+    /// module load failure, or a launch failure, each naming the kernel.
     pub fn prefill_mma(
         &self,
         cfg: Option<PrefillCfg>,
-        qb: &CudaSlice<half::bf16>,
-        kb: &CudaSlice<half::bf16>,
-        vb: &CudaSlice<half::bf16>,
-        nh: usize,
-        dqk: usize,
-        dv: usize,
-        segments: &[Segment],
-        scale: f32,
-        empty: EmptyRows,
+        a: &PrefillArgs<'_, CudaSlice<half::bf16>>,
         out: &mut CudaSlice<f32>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        let (nh, dqk, dv, scale) = (a.nh, a.dqk, a.dv, a.scale);
         let pc = match cfg {
             Some(c) => c,
             None => PrefillCfg::from_env()?.unwrap_or_default(),
@@ -479,7 +463,7 @@ impl CudaOps {
         }
         let mut segs = Vec::new();
         let mut tiles = Vec::new();
-        for (si, sg) in segments.iter().enumerate() {
+        for (si, sg) in a.segments.iter().enumerate() {
             segs.extend([sg.q_off, sg.q_len, sg.k_off, sg.k_len, usize::from(sg.causal)]);
             // Causal tiles further down see more keys: schedule the heaviest first.
             for q0 in (0..sg.q_len).step_by(pc.rows()).rev() {
@@ -497,11 +481,11 @@ impl CudaOps {
             block_dim: (pc.threads() as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let (h, em) = (nh as i64, empty.code());
+        let (h, em) = (nh as i64, a.empty.code());
         let mut b = self.dev.stream().launch_builder(&f);
-        b.arg(qb)
-            .arg(kb)
-            .arg(vb)
+        b.arg(a.q)
+            .arg(a.k)
+            .arg(a.v)
             .arg(out)
             .arg(lse)
             .arg(&segs_d)
@@ -1135,31 +1119,20 @@ impl Ops for CudaOps {
 
     fn flash_attention(
         &self,
-        q: &CudaSlice<f32>,
-        k: &CudaSlice<f32>,
-        v: &CudaSlice<f32>,
-        nh: usize,
-        dqk: usize,
-        dv: usize,
-        segments: &[Segment],
-        scale: f32,
-        empty: EmptyRows,
+        a: &PrefillArgs<'_, CudaSlice<f32>>,
         out: &mut CudaSlice<f32>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        let (nh, dqk, dv) = (a.nh, a.dqk, a.dv);
         if dqk > MAX_WIDTH || dv > MAX_WIDTH {
             return Err(Error::cuda(format!(
                 "flash_prefill supports head widths up to {MAX_WIDTH}, got P+R={dqk}, V={dv}"
             )));
         }
+        a.check_lens(out, lse, Self::check_len)?;
         let mut segs = Vec::new();
         let mut tiles = Vec::new();
-        for (si, sg) in segments.iter().enumerate() {
-            Self::check_len(q, (sg.q_off + sg.q_len) * nh * dqk, "flash q")?;
-            Self::check_len(k, (sg.k_off + sg.k_len) * nh * dqk, "flash k")?;
-            Self::check_len(v, (sg.k_off + sg.k_len) * nh * dv, "flash v")?;
-            Self::check_len(out, (sg.q_off + sg.q_len) * nh * dv, "flash out")?;
-            Self::check_len(lse, (sg.q_off + sg.q_len) * nh, "flash lse")?;
+        for (si, sg) in a.segments.iter().enumerate() {
             segs.extend([sg.q_off, sg.q_len, sg.k_off, sg.k_len, usize::from(sg.causal)]);
             for q0 in (0..sg.q_len).step_by(FLASH_ROWS) {
                 tiles.extend([si, q0]);
@@ -1175,58 +1148,34 @@ impl Ops for CudaOps {
             block_dim: (32 * FLASH_ROWS as u32, 1, 1),
             shared_mem_bytes: ((FLASH_BK * (dqk + dv) + FLASH_ROWS * dqk) * 4) as u32,
         };
-        let (h, a, b, em) = (nh as i64, dqk as i64, dv as i64, empty.code());
+        let (h, qk_width, v_width, em) = (nh as i64, dqk as i64, dv as i64, a.empty.code());
         if self.uses_fast() && dqk.is_multiple_of(16) && dv.is_multiple_of(16) {
-            return self.flash_prefill_fast(q, k, v, nh, dqk, dv, segments, scale, empty, out, lse);
+            return self.flash_prefill_fast(a, out, lse);
         }
-        match self.dtype {
-            Dtype::F32 => {
-                launch!(
-                    self,
-                    Module::Attention,
-                    "flash_prefill_f32",
-                    cfg,
-                    q,
-                    k,
-                    v,
-                    out,
-                    lse,
-                    &segs_d,
-                    &tiles_d,
-                    &h,
-                    &a,
-                    &b,
-                    &scale,
-                    &em
-                );
-            }
-            Dtype::Bf16 => {
-                let (qb, kb, vb) = (
-                    self.to_bf16(q, q.len())?,
-                    self.to_bf16(k, k.len())?,
-                    self.to_bf16(v, v.len())?,
-                );
-                launch!(
-                    self,
-                    Module::Attention,
-                    "flash_prefill_bf16",
-                    cfg,
-                    &qb,
-                    &kb,
-                    &vb,
-                    out,
-                    lse,
-                    &segs_d,
-                    &tiles_d,
-                    &h,
-                    &a,
-                    &b,
-                    &scale,
-                    &em
-                );
-            }
-        }
-        Ok(())
+        // The f32 kernel reads the inputs as they are, the bf16 one bf16 copies of them.
+        let (name, bf16) = match self.dtype {
+            Dtype::F32 => ("flash_prefill_f32", None),
+            Dtype::Bf16 => (
+                "flash_prefill_bf16",
+                Some([
+                    self.to_bf16(a.q, a.q.len())?,
+                    self.to_bf16(a.k, a.k.len())?,
+                    self.to_bf16(a.v, a.v.len())?,
+                ]),
+            ),
+        };
+        let f = self.func(Module::Attention, name)?;
+        let mut b = self.dev.stream().launch_builder(&f);
+        match &bf16 {
+            Some([qb, kb, vb]) => b.arg(qb).arg(kb).arg(vb),
+            None => b.arg(a.q).arg(a.k).arg(a.v),
+        };
+        b.arg(out).arg(lse).arg(&segs_d).arg(&tiles_d).arg(&h);
+        b.arg(&qk_width).arg(&v_width).arg(&a.scale).arg(&em);
+        // SAFETY: the arguments match the kernel's signature in attention.cu (inputs in the
+        // dtype's element type), and every buffer was length-checked above.
+        unsafe { b.launch(cfg) }.map_err(|e| Error::cuda(format!("launch {name}: {e:?}")))?;
+        self.sync(name)
     }
 
     fn cache_write(

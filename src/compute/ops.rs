@@ -387,6 +387,20 @@ impl<B> Clone for DecodeArgs<'_, B> {
 
 impl<B> Copy for DecodeArgs<'_, B> {}
 
+impl<B> DecodeArgs<'_, B> {
+    /// Runs `check(buffer, elements needed, name)` on `q [n, nh, width]`,
+    /// `parts [splits, n, nh, dv]` and `lses [splits, n, nh]` (names `decode q`, `decode parts`,
+    /// `decode lses`), so that a backend's kernel never reads or writes past them.
+    ///
+    /// Errors: the first error `check` returns.
+    pub fn check_lens(&self, parts: &B, lses: &B, check: impl Fn(&B, usize, &str) -> Result<()>) -> Result<()> {
+        let (n, nh, splits) = (self.n, self.nh, self.splits);
+        check(self.q, n * nh * self.width, "decode q")?;
+        check(parts, splits * n * nh * self.dv, "decode parts")?;
+        check(lses, splits * n * nh, "decode lses")
+    }
+}
+
 /// The unfused [`Ops::decode_merged`]: stage 1 into canary-filled partials, then the merge.
 pub fn decode_then_merge<O: Ops + ?Sized>(ops: &O, d: &DecodeArgs<'_, O::Buf>) -> Result<(O::Buf, O::Buf)> {
     let (n, nh, splits, dv) = (d.n, d.nh, d.splits, d.dv);

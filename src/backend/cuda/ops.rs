@@ -1248,9 +1248,7 @@ impl Ops for CudaOps {
                 "decode_split supports value widths up to {MAX_WIDTH}, got L={dv}"
             )));
         }
-        Self::check_len(q, n * nh * width, "decode q")?;
-        Self::check_len(parts, splits * n * nh * dv, "decode parts")?;
-        Self::check_len(lses, splits * n * nh, "decode lses")?;
+        d.check_lens(parts, lses, Self::check_len)?;
         let (flat, max_blocks) = Self::flat_tables(cache, block_size, width, tables, ctx)?;
         let (tables_d, ctx_d) = (self.idx(&flat)?, self.idx(ctx)?);
         let cfg = LaunchConfig {

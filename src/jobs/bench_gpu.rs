@@ -19,7 +19,7 @@
 use cudarc::driver::CudaSlice;
 use serde::Serialize;
 
-use crate::backend::cuda::ops::{CudaOps, DecodeMerge, DecodeShape};
+use crate::backend::cuda::ops::{CudaOps, DecodeLaunch, DecodeMerge, DecodeShape};
 use crate::backend::decode_cfg::DecodeCfg;
 use crate::backend::prefill_cfg::{PrefillCfg, bench_variants};
 use crate::compute::ops::{EmptyRows, Ops, PrefillArgs, Segment};
@@ -211,25 +211,22 @@ pub fn decode(
         .stream()
         .alloc_zeros::<i32>(b * nh.div_ceil(cfg.heads))
         .map_err(|e| Error::cuda(format!("counters: {e:?}")))?;
-    let scale = (192f64).powf(-0.5) as f32;
+    let launch = DecodeLaunch {
+        q: &inp.q,
+        cache: &inp.cache,
+        tables: &inp.tables_d,
+        ctx: &inp.ctx_d,
+        shape,
+        scale: (192f64).powf(-0.5) as f32,
+        empty_lse: f32::NEG_INFINITY,
+    };
     let mut run = || -> Result<Option<CudaSlice<f32>>> {
         let merge = fused_merge.then_some(DecodeMerge {
             out: &mut mout,
             lse: &mut mlse,
             counters: &mut counters,
         });
-        ops.decode_mma(
-            &inp.q,
-            &inp.cache,
-            &inp.tables_d,
-            &inp.ctx_d,
-            shape,
-            scale,
-            f32::NEG_INFINITY,
-            &mut parts,
-            &mut lses,
-            merge,
-        )?;
+        ops.decode_mma(&launch, &mut parts, &mut lses, merge)?;
         if fused_merge {
             Ok(None)
         } else {
@@ -244,20 +241,7 @@ pub fn decode(
         .clone_dtoh(separate.as_ref().unwrap_or(&mout))
         .map_err(|e| Error::cuda(format!("download: {e:?}")))?;
     // Stage 1 alone, for telling the kernel from the merge and the launches around it.
-    let us1 = time_us(ops, WARM, REPS, || {
-        ops.decode_mma(
-            &inp.q,
-            &inp.cache,
-            &inp.tables_d,
-            &inp.ctx_d,
-            shape,
-            scale,
-            f32::NEG_INFINITY,
-            &mut parts,
-            &mut lses,
-            None,
-        )
-    })?;
+    let us1 = time_us(ops, WARM, REPS, || ops.decode_mma(&launch, &mut parts, &mut lses, None))?;
     let fig = decode_figure(ops, d, cfg, splits, fused_merge, us, us1);
     Ok((fig, out))
 }

@@ -498,46 +498,49 @@ impl CudaOps {
         self.sync("flash_prefill_mma")
     }
 
-    /// Tensor-core split-KV decode stage 1 on bf16 `q` [n, nh, W] and cache.
-    #[allow(clippy::too_many_arguments)]
-    pub fn decode_split_fast(
-        &self,
-        q: &CudaSlice<half::bf16>,
-        n: usize,
-        nh: usize,
-        cache: &CudaSlice<half::bf16>,
-        block_size: usize,
-        width: usize,
-        flat_tables: &[usize],
-        max_blocks: usize,
-        ctx: &[usize],
-        splits: usize,
-        dv: usize,
-        scale: f32,
-        empty_lse: f32,
-        parts: &mut CudaSlice<f32>,
-        lses: &mut CudaSlice<f32>,
-    ) -> Result<()> {
-        let (tables_d, ctx_d) = (self.idx(flat_tables)?, self.idx(ctx)?);
-        let shape = DecodeShape {
-            n,
-            nh,
-            block_size,
-            width,
-            max_blocks,
-            splits,
-            dv,
-            cfg: DecodeCfg::from_env()?
-                .unwrap_or_else(|| DecodeCfg::for_heads(nh))
-                .fit(width, dv)
-                .for_arch(&self.dev.arch),
-            spin: None,
-        };
-        self.decode_mma(q, cache, &tables_d, &ctx_d, shape, scale, empty_lse, parts, lses, None)
+    /// Whether the tensor-core decode kernel serves rows of `width` (L+R) with value width `dv`
+    /// (L) in this backend's dtype and kernels.
+    fn fast_decode_serves(&self, width: usize, dv: usize) -> bool {
+        self.uses_fast() && width.is_multiple_of(16) && dv.is_multiple_of(32) && dv <= width
     }
 
-    /// Launches `decode_split_mma` with block tables and context lengths already on the device
-    /// (`tables_d` \[n, max_blocks], `ctx_d` \[n], i64). With `merge`, the kernel also merges
+    /// The device inputs of a tensor-core decode launch for `d`: bf16 copies of the query rows
+    /// and the cache, the block tables (padded to one `[n, max_blocks]` array) and context
+    /// lengths as i64, and the launch configuration (`MLA_DIFF_DECODE_CFG` if set, else the
+    /// default for the head count, fitted to the widths and the device).
+    ///
+    /// Errors: a bad `MLA_DIFF_DECODE_CFG`, a block table shorter than its context or reaching
+    /// past the cache, CUDA allocation or copy failures.
+    fn fast_decode_inputs(&self, d: &DecodeArgs<'_, CudaSlice<f32>>) -> Result<FastDecodeInputs> {
+        let (flat, max_blocks) = Self::flat_tables(d.cache, d.block_size, d.width, d.tables, d.ctx)?;
+        let cfg = DecodeCfg::from_env()?
+            .unwrap_or_else(|| DecodeCfg::for_heads(d.nh))
+            .fit(d.width, d.dv)
+            .for_arch(&self.dev.arch);
+        Ok(FastDecodeInputs {
+            q: self.to_bf16(d.q, d.q.len())?,
+            cache: self.to_bf16(d.cache, d.cache.len())?,
+            tables: self.idx(&flat)?,
+            ctx: self.idx(d.ctx)?,
+            shape: DecodeShape {
+                n: d.n,
+                nh: d.nh,
+                block_size: d.block_size,
+                width: d.width,
+                max_blocks,
+                splits: d.splits,
+                dv: d.dv,
+                cfg,
+                spin: None,
+            },
+            scale: d.scale,
+            empty_lse: d.empty_lse,
+        })
+    }
+
+    /// Launches `decode_split_mma` on the device inputs of `l` ([`DecodeLaunch`]), writing each
+    /// split's partial output into `parts [splits, n, nh, dv]` and its LSE into
+    /// `lses [splits, n, nh]` (f32). With `merge`, the kernel also merges
     /// the splits, as [`Ops::merge`] would, into `merge.out` and `merge.lse`: through a
     /// thread-block cluster of the `splits` blocks of each token and head group where
     /// [`DecodeCfg::cluster_size`] is not 0 for this device (then `parts`, `lses` and
@@ -545,26 +548,19 @@ impl CudaOps {
     /// to finish, through `parts` and `lses`.
     ///
     /// # Errors
-    /// [`Error::Cuda`] when a merge output or the counters are too short, when `sh.cfg` is the
+    /// [`Error::Cuda`] when a merge output or the counters are too short, when `l.shape.cfg` is the
     /// wgmma block and the device is not sm_90 or the shape is outside
     /// [`DecodeCfg::wgmma_fits`], when the cluster
     /// merge's partials do not fit in a block's shared memory ([`DecodeCfg::cluster_fits`]), or
     /// on a compile or launch failure.
-    #[allow(clippy::too_many_arguments)]
     pub fn decode_mma(
         &self,
-        q: &CudaSlice<half::bf16>,
-        cache: &CudaSlice<half::bf16>,
-        tables_d: &CudaSlice<i64>,
-        ctx_d: &CudaSlice<i64>,
-        sh: DecodeShape,
-        scale: f32,
-        empty_lse: f32,
+        l: &DecodeLaunch<'_>,
         parts: &mut CudaSlice<f32>,
         lses: &mut CudaSlice<f32>,
         merge: Option<DecodeMerge<'_>>,
     ) -> Result<()> {
-        let dc = sh.cfg;
+        let (sh, dc) = (l.shape, l.shape.cfg);
         if dc.wgmma && !(supports_wgmma(&self.dev.arch) && DecodeCfg::wgmma_fits(sh.width, sh.dv)) {
             return Err(Error::cuda(format!(
                 "decode configuration {}: wgmma needs sm_90 (this device is {}) and L a multiple of 128 with L+R <= 576 (here L+R = {}, L = {})",
@@ -599,14 +595,14 @@ impl CudaOps {
         };
         let a = [sh.n, sh.nh, sh.block_size, sh.max_blocks, sh.splits].map(|x| x as i64);
         let mut b = self.dev.stream().launch_builder(&f);
-        b.arg(q).arg(cache).arg(tables_d).arg(ctx_d).arg(parts).arg(lses);
+        b.arg(l.q).arg(l.cache).arg(l.tables).arg(l.ctx).arg(parts).arg(lses);
         b.arg(&a[0])
             .arg(&a[1])
             .arg(&a[2])
             .arg(&a[3])
             .arg(&a[4])
-            .arg(&scale)
-            .arg(&empty_lse);
+            .arg(&l.scale)
+            .arg(&l.empty_lse);
         let null = 0u64;
         // Every split merges its share of the value columns once all have arrived (the kernel's
         // spin mode) when every block of the launch is resident at once. `MLA_DIFF_DECODE_SPIN`:
@@ -687,6 +683,51 @@ pub struct DecodeShape {
     /// share even when the blocks do not all fit (the kernel then gives up waiting after a few ms
     /// per block and falls back to the last split merging everything: for tests).
     pub spin: Option<bool>,
+}
+
+/// One launch of `decode_split_mma` ([`CudaOps::decode_mma`]): its inputs already on the
+/// device, its shape, and the scalars of the softmax.
+pub struct DecodeLaunch<'a> {
+    /// Query rows `[n, nh, width]`, bf16: each head's `[ql_nope | q_pe]` (roped).
+    pub q: &'a CudaSlice<half::bf16>,
+    /// The paged latent cache `[num_blocks·block_size, width]`, bf16, rows `[kv_c_normed | k_pe]`.
+    pub cache: &'a CudaSlice<half::bf16>,
+    /// Block ids of each row's pages `[n, max_blocks]`, i64, rows padded with block 0.
+    pub tables: &'a CudaSlice<i64>,
+    /// Context length (tokens) of each row `[n]`, i64.
+    pub ctx: &'a CudaSlice<i64>,
+    /// Shape and configuration.
+    pub shape: DecodeShape,
+    /// Softmax scale multiplying `q·k`.
+    pub scale: f32,
+    /// LSE an empty split reports (−inf is right).
+    pub empty_lse: f32,
+}
+
+/// What [`CudaOps::fast_decode_inputs`] puts on the device for one [`DecodeArgs`].
+struct FastDecodeInputs {
+    q: CudaSlice<half::bf16>,
+    cache: CudaSlice<half::bf16>,
+    tables: CudaSlice<i64>,
+    ctx: CudaSlice<i64>,
+    shape: DecodeShape,
+    scale: f32,
+    empty_lse: f32,
+}
+
+impl FastDecodeInputs {
+    /// The launch reading these inputs.
+    fn launch(&self) -> DecodeLaunch<'_> {
+        DecodeLaunch {
+            q: &self.q,
+            cache: &self.cache,
+            tables: &self.tables,
+            ctx: &self.ctx,
+            shape: self.shape,
+            scale: self.scale,
+            empty_lse: self.empty_lse,
+        }
+    }
 }
 
 macro_rules! launch {
@@ -1249,6 +1290,9 @@ impl Ops for CudaOps {
             )));
         }
         d.check_lens(parts, lses, Self::check_len)?;
+        if self.fast_decode_serves(width, dv) {
+            return self.decode_mma(&self.fast_decode_inputs(d)?.launch(), parts, lses, None);
+        }
         let (flat, max_blocks) = Self::flat_tables(cache, block_size, width, tables, ctx)?;
         let (tables_d, ctx_d) = (self.idx(&flat)?, self.idx(ctx)?);
         let cfg = LaunchConfig {
@@ -1256,64 +1300,30 @@ impl Ops for CudaOps {
             block_dim: (32, 1, 1),
             shared_mem_bytes: (width * 4) as u32,
         };
-        if self.uses_fast() && width.is_multiple_of(16) && dv.is_multiple_of(32) && dv <= width {
-            let qb = self.to_bf16(q, q.len())?;
-            let cb16 = self.to_bf16(cache, cache.len())?;
-            return self.decode_split_fast(
-                &qb, n, nh, &cb16, block_size, width, &flat, max_blocks, ctx, splits, dv, scale, empty_lse, parts, lses,
-            );
-        }
         let a = [n, nh, width, dv, block_size, max_blocks, splits].map(|x| x as i64);
-        match self.dtype {
-            Dtype::F32 => {
-                launch!(
-                    self,
-                    Module::Attention,
-                    "decode_split_f32",
-                    cfg,
-                    q,
-                    cache,
-                    &tables_d,
-                    &ctx_d,
-                    parts,
-                    lses,
-                    &a[0],
-                    &a[1],
-                    &a[2],
-                    &a[3],
-                    &a[4],
-                    &a[5],
-                    &a[6],
-                    &scale,
-                    &empty_lse
-                );
-            }
-            Dtype::Bf16 => {
-                let (qb, cb16) = (self.to_bf16(q, q.len())?, self.to_bf16(cache, cache.len())?);
-                launch!(
-                    self,
-                    Module::Attention,
-                    "decode_split_bf16",
-                    cfg,
-                    &qb,
-                    &cb16,
-                    &tables_d,
-                    &ctx_d,
-                    parts,
-                    lses,
-                    &a[0],
-                    &a[1],
-                    &a[2],
-                    &a[3],
-                    &a[4],
-                    &a[5],
-                    &a[6],
-                    &scale,
-                    &empty_lse
-                );
-            }
+        // The f32 kernel reads q and the cache as they are, the bf16 one bf16 copies of them.
+        let (name, bf16) = match self.dtype {
+            Dtype::F32 => ("decode_split_f32", None),
+            Dtype::Bf16 => (
+                "decode_split_bf16",
+                Some([self.to_bf16(q, q.len())?, self.to_bf16(cache, cache.len())?]),
+            ),
+        };
+        let f = self.func(Module::Attention, name)?;
+        let mut b = self.dev.stream().launch_builder(&f);
+        match &bf16 {
+            Some([qb, cb16]) => b.arg(qb).arg(cb16),
+            None => b.arg(q).arg(cache),
+        };
+        b.arg(&tables_d).arg(&ctx_d).arg(parts).arg(lses);
+        for x in &a {
+            b.arg(x);
         }
-        Ok(())
+        b.arg(&scale).arg(&empty_lse);
+        // SAFETY: the arguments match the kernel's signature in attention.cu (q and the cache in
+        // the dtype's element type), and every buffer was length-checked above.
+        unsafe { b.launch(cfg) }.map_err(|e| Error::cuda(format!("launch {name}: {e:?}")))?;
+        self.sync(name)
     }
 
     fn decode_merged(&self, d: &DecodeArgs<'_, CudaSlice<f32>>) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
@@ -1321,34 +1331,20 @@ impl Ops for CudaOps {
             q,
             n,
             nh,
-            cache,
-            block_size,
             width,
-            tables,
-            ctx,
             splits,
             dv,
-            scale,
-            empty_lse,
+            ..
         } = *d;
-        let fast = n > 0
-            && dv <= MAX_WIDTH
-            && self.uses_fast()
-            && width.is_multiple_of(16)
-            && dv.is_multiple_of(32)
-            && dv <= width;
-        if !fast {
+        if !(n > 0 && dv <= MAX_WIDTH && self.fast_decode_serves(width, dv)) {
             return crate::compute::ops::decode_then_merge(self, d);
         }
         // The fast kernel with the merge fused in: same partials (canary-filled first, as the
         // unfused path; not used by the cluster merge, which keeps them on chip), same merge
         // arithmetic, one launch.
         Self::check_len(q, n * nh * width, "decode q")?;
-        let (flat, max_blocks) = Self::flat_tables(cache, block_size, width, tables, ctx)?;
-        let cfg = DecodeCfg::from_env()?
-            .unwrap_or_else(|| DecodeCfg::for_heads(nh))
-            .fit(width, dv)
-            .for_arch(&self.dev.arch);
+        let inputs = self.fast_decode_inputs(d)?;
+        let cfg = inputs.shape.cfg;
         let on_chip = cfg.cluster_size(&self.dev.arch, splits, dv, true) > 0;
         let mut parts = self.canary(if on_chip { 1 } else { splits * n * nh * dv })?;
         let mut lses = self.canary(if on_chip { 1 } else { splits * n * nh })?;
@@ -1359,36 +1355,12 @@ impl Ops for CudaOps {
             .stream()
             .alloc_zeros::<i32>(n * nh.div_ceil(cfg.heads))
             .map_err(|e| Error::cuda(format!("decode merge counters: {e:?}")))?;
-        let (qb, cb16) = (self.to_bf16(q, q.len())?, self.to_bf16(cache, cache.len())?);
-        let (tables_d, ctx_d) = (self.idx(&flat)?, self.idx(ctx)?);
-        let shape = DecodeShape {
-            n,
-            nh,
-            block_size,
-            width,
-            max_blocks,
-            splits,
-            dv,
-            cfg,
-            spin: None,
-        };
         let merge = DecodeMerge {
             out: &mut out,
             lse: &mut lse,
             counters: &mut counters,
         };
-        self.decode_mma(
-            &qb,
-            &cb16,
-            &tables_d,
-            &ctx_d,
-            shape,
-            scale,
-            empty_lse,
-            &mut parts,
-            &mut lses,
-            Some(merge),
-        )?;
+        self.decode_mma(&inputs.launch(), &mut parts, &mut lses, Some(merge))?;
         Ok((out, lse))
     }
 

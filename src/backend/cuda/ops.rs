@@ -179,19 +179,6 @@ impl CudaOps {
         self.kernels == Kernels::Fast && self.dtype == Dtype::Bf16
     }
 
-    /// A fast kernel compiled for shape `(a, b)` and configuration `extra`, with `smem` bytes of
-    /// dynamic shared memory allowed ([`Device::fast_function`]).
-    pub fn fast_function(
-        &self,
-        module: Module,
-        a: usize,
-        b: usize,
-        extra: &[(&'static str, usize)],
-        smem: usize,
-    ) -> Result<CudaFunction> {
-        self.dev.fast_function(module, a, b, extra, smem)
-    }
-
     /// The stream (for benchmarks).
     pub fn stream(&self) -> &Arc<CudaStream> {
         self.dev.stream()
@@ -350,7 +337,9 @@ impl CudaOps {
     pub fn decode_blocks_per_sm(&self, width: usize, dv: usize, cfg: DecodeCfg) -> Result<usize> {
         use cudarc::driver::sys::{CUdevice_attribute as D, CUfunction_attribute as F};
         let smem = cfg.smem(width);
-        let f = self.fast_function(Module::FastDecode, width, dv, &cfg.defines(), smem)?;
+        let f = self
+            .dev
+            .fast_function(Module::FastDecode, width, dv, &cfg.defines(), smem)?;
         let fa = |a: F| {
             f.get_attribute(a)
                 .map(|x| x.max(0) as usize)
@@ -391,7 +380,9 @@ impl CudaOps {
     /// below sm_90).
     pub fn decode_max_active_clusters(&self, width: usize, dv: usize, cfg: DecodeCfg, cluster: usize) -> Result<usize> {
         let smem = cfg.smem(width);
-        let f = self.fast_function(Module::FastDecode, width, dv, &cfg.defines_for(cluster), smem)?;
+        let f = self
+            .dev
+            .fast_function(Module::FastDecode, width, dv, &cfg.defines_for(cluster), smem)?;
         let lc = LaunchConfig {
             grid_dim: (1, cluster.max(1) as u32, 1),
             block_dim: (cfg.threads() as u32, 1, 1),
@@ -474,7 +465,9 @@ impl CudaOps {
             return Ok(());
         }
         let smem = pc.smem(dqk, dv);
-        let f = self.fast_function(Module::FastPrefill, dqk, dv, &pc.defines(), smem)?;
+        let f = self
+            .dev
+            .fast_function(Module::FastPrefill, dqk, dv, &pc.defines(), smem)?;
         let (segs_d, tiles_d) = (self.idx(&segs)?, self.idx(&tiles)?);
         let cfg = LaunchConfig {
             grid_dim: ((tiles.len() / 2) as u32, nh as u32, 1),
@@ -585,7 +578,9 @@ impl CudaOps {
                 sh.dv
             )));
         }
-        let f = self.fast_function(Module::FastDecode, sh.width, sh.dv, &dc.defines_for(cluster), smem)?;
+        let f = self
+            .dev
+            .fast_function(Module::FastDecode, sh.width, sh.dv, &dc.defines_for(cluster), smem)?;
         // With a cluster, grid.y = splits = the cluster's y size (__cluster_dims__(1, c, 1)):
         // one cluster per (token, head group).
         let cfg = LaunchConfig {

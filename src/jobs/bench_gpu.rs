@@ -287,32 +287,24 @@ fn decode_figure(
     } else {
         "separate merge kernel".to_string()
     };
-    if compute_bound {
-        BenchFigure {
-            name: "mqa decode, compute-bound".into(),
-            shape,
-            micros: us,
-            value: flops / (us * 1e-6) / 1e12,
-            unit: "TFLOP/s".into(),
-            note: format!(
-                "{splits} splits; {}; {merge_kind}; counts 2·B·N·seq·(2L+R); stage 1 + merge; stage 1 alone {us1:.1} µs = {:.1} TFLOP/s",
-                cfg.label(),
-                flops / (us1 * 1e-6) / 1e12
-            ),
-        }
+    // TFLOP/s (2·B·N·seq·(2L+R)) for the compute-bound shape, latent-cache GB/s for the other.
+    let (bound, work, per, unit, counts, digits) = if compute_bound {
+        ("compute-bound", flops, 1e12, "TFLOP/s", "counts 2·B·N·seq·(2L+R)", 1)
     } else {
-        BenchFigure {
-            name: "mqa decode, memory-bound".into(),
-            shape,
-            micros: us,
-            value: cache_bytes / (us * 1e-6) / 1e9,
-            unit: "GB/s".into(),
-            note: format!(
-                "{splits} splits; {}; {merge_kind}; latent-cache bytes read; stage 1 + merge; stage 1 alone {us1:.1} µs = {:.0} GB/s",
-                cfg.label(),
-                cache_bytes / (us1 * 1e-6) / 1e9
-            ),
-        }
+        ("memory-bound", cache_bytes, 1e9, "GB/s", "latent-cache bytes read", 0)
+    };
+    let rate = |micros: f64| work / (micros * 1e-6) / per;
+    BenchFigure {
+        name: format!("mqa decode, {bound}"),
+        shape,
+        micros: us,
+        value: rate(us),
+        unit: unit.into(),
+        note: format!(
+            "{splits} splits; {}; {merge_kind}; {counts}; stage 1 + merge; stage 1 alone {us1:.1} µs = {:.digits$} {unit}",
+            cfg.label(),
+            rate(us1)
+        ),
     }
 }
 

@@ -412,7 +412,10 @@ fn device_spin_merge_gives_up_when_blocks_are_not_resident() {
 /// Merged split-KV decode through [`Ops::decode_merged`] (the engine's call) on `ops`, for
 /// queries `q [n, nh, L+R]` and a paged `cache [blocks·page, L+R]` (f32 holding bf16 values):
 /// merged output `[n, nh, L]` and LSE `[n, nh]`.
-#[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the host-side DecodeArgs a test varies, uploaded here before the call"
+)]
 fn decode_merged_on<O: Ops>(
     ops: &O,
     q: &[f32],

@@ -160,7 +160,10 @@ pub trait Ops {
     /// `silu(g) · u` elementwise (SwiGLU).
     fn silu_mul(&self, g: &Self::Buf, u: &Self::Buf, n: usize) -> Result<Self::Buf>;
     /// RMSNorm of `rows` rows of `width` read at `src[off + r·stride]`: `[rows, width]`.
-    #[allow(clippy::too_many_arguments)]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "vLLM's rms_norm over a strided row view of src (rows, off, stride, width), its weight and eps, each named at the call"
+    )]
     fn rms_norm(
         &self,
         src: &Self::Buf,
@@ -181,7 +184,10 @@ pub trait Ops {
     fn scatter_rows(&self, dst: &mut Self::Buf, src: &Self::Buf, row_len: usize, idx: &[usize]) -> Result<()>;
     /// Rotates `x [rows, R]` in place: row `r` with row `table_rows[r]` of the cos/sin tables
     /// (`[n, R/2]` each, built on the host from the YaRN frequencies and the tokens' positions).
-    #[allow(clippy::too_many_arguments)]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "vLLM's rotary_embedding: the rows and their width, each row's table row, the cos and sin tables and the pairing"
+    )]
     fn rope(
         &self,
         x: &mut Self::Buf,
@@ -203,7 +209,10 @@ pub trait Ops {
     fn flash_attention(&self, a: &PrefillArgs<'_, Self::Buf>, out: &mut Self::Buf, lse: &mut Self::Buf) -> Result<()>;
     /// `concat_and_cache_mla`: writes row `i` of `kv_c [n, L]` / `k_pe [n, R]` into cache slot
     /// `slots[i]` of `cache [num_blocks·block_size, L+R]`.
-    #[allow(clippy::too_many_arguments)]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "vLLM's concat_and_cache_mla: the cache and its row width, kv_c and k_pe with their widths L and R, the slots"
+    )]
     fn cache_write(
         &self,
         cache: &mut Self::Buf,

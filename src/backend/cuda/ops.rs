@@ -284,6 +284,26 @@ impl CudaOps {
         Ok(())
     }
 
+    /// `out [n]` from the first `n` elements of two inputs by the elementwise kernel `kernel`
+    /// (`add` or `silu_mul` in elementwise.cu, each `kernel(x, y, out, n)`); each input comes with
+    /// its name for the length error.
+    ///
+    /// Errors: an input shorter than `n`, allocation or launch failures.
+    fn binary(&self, kernel: &'static str, inputs: [(&CudaSlice<f32>, &str); 2], n: usize) -> Result<CudaSlice<f32>> {
+        let [(x, x_name), (y, y_name)] = inputs;
+        Self::check_len(x, n, &format!("{kernel} {x_name}"))?;
+        Self::check_len(y, n, &format!("{kernel} {y_name}"))?;
+        let mut out = self.alloc(n)?;
+        let nn = n as i64;
+        let f = self.func(Module::Elementwise, kernel)?;
+        let mut b = self.dev.stream().launch_builder(&f);
+        b.arg(x).arg(y).arg(&mut out).arg(&nn);
+        // SAFETY: the kernel takes (x, y, out, n), and both inputs hold n elements (checked above).
+        unsafe { b.launch(grid1(n)) }.map_err(|e| Error::cuda(format!("launch {kernel}: {e:?}")))?;
+        self.sync(kernel)?;
+        Ok(out)
+    }
+
     /// Dequantizes on the GPU when a kernel exists for `ty` ([`Device::dequant`]).
     fn gpu_dequant(&self, ty: GgmlType, bytes: &[u8], n: usize) -> Result<Option<CudaSlice<f32>>> {
         match self.dev.dequant(ty, bytes, n)? {
@@ -918,21 +938,11 @@ impl Ops for CudaOps {
     }
 
     fn add(&self, a: &CudaSlice<f32>, b: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<f32>> {
-        Self::check_len(a, n, "add a")?;
-        Self::check_len(b, n, "add b")?;
-        let mut out = self.alloc(n)?;
-        let nn = n as i64;
-        launch!(self, Module::Elementwise, "add", grid1(n), a, b, &mut out, &nn);
-        Ok(out)
+        self.binary("add", [(a, "a"), (b, "b")], n)
     }
 
     fn silu_mul(&self, g: &CudaSlice<f32>, u: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<f32>> {
-        Self::check_len(g, n, "silu_mul g")?;
-        Self::check_len(u, n, "silu_mul u")?;
-        let mut out = self.alloc(n)?;
-        let nn = n as i64;
-        launch!(self, Module::Elementwise, "silu_mul", grid1(n), g, u, &mut out, &nn);
-        Ok(out)
+        self.binary("silu_mul", [(g, "g"), (u, "u")], n)
     }
 
     fn rms_norm(

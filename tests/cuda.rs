@@ -296,7 +296,7 @@ impl MergeCase {
         spin: Option<bool>,
         merged: bool,
     ) -> (Vec<f32>, Vec<f32>, Vec<i32>) {
-        use mla_diff::backend::cuda::ops::{DecodeMerge, DecodeShape};
+        use mla_diff::backend::cuda::ops::{DecodeLaunch, DecodeMerge, DecodeShape};
         let (n, nh, l) = (self.ctx.len(), self.nh, self.l);
         let shape = DecodeShape {
             n,
@@ -319,20 +319,16 @@ impl MergeCase {
             lse: &mut lse,
             counters: &mut counters,
         });
-        let scale = (192f64).powf(-0.5) as f32;
-        ops.decode_mma(
-            &self.q,
-            &self.cache,
-            &self.tables,
-            &self.ctx_d,
+        let launch = DecodeLaunch {
+            q: &self.q,
+            cache: &self.cache,
+            tables: &self.tables,
+            ctx: &self.ctx_d,
             shape,
-            scale,
+            scale: (192f64).powf(-0.5) as f32,
             empty_lse,
-            &mut parts,
-            &mut lses,
-            merge,
-        )
-        .unwrap();
+        };
+        ops.decode_mma(&launch, &mut parts, &mut lses, merge).unwrap();
         if !merged {
             return (ops.download(&parts).unwrap(), ops.download(&lses).unwrap(), Vec::new());
         }
@@ -416,7 +412,10 @@ fn device_spin_merge_gives_up_when_blocks_are_not_resident() {
 /// Merged split-KV decode through [`Ops::decode_merged`] (the engine's call) on `ops`, for
 /// queries `q [n, nh, L+R]` and a paged `cache [blocks·page, L+R]` (f32 holding bf16 values):
 /// merged output `[n, nh, L]` and LSE `[n, nh]`.
-#[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the host-side DecodeArgs a test varies, uploaded here before the call"
+)]
 fn decode_merged_on<O: Ops>(
     ops: &O,
     q: &[f32],

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use mla_diff::backend::cpu::CpuOps;
-use mla_diff::compute::ops::{DecodeArgs, EmptyRows, Ops, Segment};
+use mla_diff::compute::ops::{DecodeArgs, EmptyRows, Ops, PrefillArgs, Segment};
 use mla_diff::core::batch::{Batch, SeqSpec};
 use mla_diff::core::dtype::Dtype;
 use mla_diff::core::st::ExtraTensor;
@@ -359,26 +359,22 @@ impl ExportCase {
         let segs: Vec<Segment> = inp
             .usize("prefill.cu_seqlens")
             .windows(2)
-            .map(|w| Segment {
-                q_off: w[0],
-                q_len: w[1] - w[0],
-                k_off: w[0],
-                k_len: w[1] - w[0],
-                causal: true,
-            })
+            .map(|w| Segment::causal_self(w[0], w[1] - w[0]))
             .collect();
         let mut out = ops.canary(t * n * v).unwrap();
         let mut lse = ops.canary(t * n).unwrap();
         ops.flash_attention(
-            &inp.f32("prefill.q"),
-            &inp.f32("prefill.k"),
-            &inp.f32("prefill.v"),
-            n,
-            p + r,
-            v,
-            &segs,
-            scale as f32,
-            EmptyRows::ZeroMinusInf,
+            &PrefillArgs {
+                q: &inp.f32("prefill.q"),
+                k: &inp.f32("prefill.k"),
+                v: &inp.f32("prefill.v"),
+                nh: n,
+                dqk: p + r,
+                dv: v,
+                segments: &segs,
+                scale: scale as f32,
+                empty: EmptyRows::ZeroMinusInf,
+            },
             &mut out,
             &mut lse,
         )

@@ -13,6 +13,21 @@ pub struct Field {
     pub default: Option<usize>,
 }
 
+impl Field {
+    /// A field that must be given.
+    pub const fn required(name: &'static str) -> Field {
+        Field { name, default: None }
+    }
+
+    /// A field taking `default` when left out.
+    pub const fn optional(name: &'static str, default: usize) -> Field {
+        Field {
+            name,
+            default: Some(default),
+        }
+    }
+}
+
 /// The values of `fields`, in their order, read from `s`: positional (`16,4,1,0,4`; at least the
 /// leading fields without a default, the rest taking their defaults) or named (`heads=16,
 /// warps=4`; names case-insensitive, each at most once, absent ones taking their defaults).
@@ -79,18 +94,9 @@ mod tests {
     use super::*;
 
     const F: [Field; 3] = [
-        Field {
-            name: "heads",
-            default: None,
-        },
-        Field {
-            name: "warps",
-            default: None,
-        },
-        Field {
-            name: "teams",
-            default: Some(1),
-        },
+        Field::required("heads"),
+        Field::required("warps"),
+        Field::optional("teams", 1),
     ];
 
     #[test]

@@ -67,50 +67,17 @@ impl DecodeCfg {
     /// The fields of the configuration string, in positional order, with their names and their
     /// values when left out ([`DecodeCfg::parse`]).
     pub const FIELDS: [Field; 11] = [
-        Field {
-            name: "heads",
-            default: None,
-        },
-        Field {
-            name: "warps",
-            default: None,
-        },
-        Field {
-            name: "parts",
-            default: Some(1),
-        },
-        Field {
-            name: "qreg",
-            default: Some(0),
-        },
-        Field {
-            name: "stages",
-            default: None,
-        },
-        Field {
-            name: "min_blocks",
-            default: Some(1),
-        },
-        Field {
-            name: "fused",
-            default: Some(0),
-        },
-        Field {
-            name: "tma",
-            default: Some(0),
-        },
-        Field {
-            name: "cluster",
-            default: Some(0),
-        },
-        Field {
-            name: "wgmma",
-            default: Some(0),
-        },
-        Field {
-            name: "teams",
-            default: Some(1),
-        },
+        Field::required("heads"),
+        Field::required("warps"),
+        Field::optional("parts", 1),
+        Field::optional("qreg", 0),
+        Field::required("stages"),
+        Field::optional("min_blocks", 1),
+        Field::optional("fused", 0),
+        Field::optional("tma", 0),
+        Field::optional("cluster", 0),
+        Field::optional("wgmma", 0),
+        Field::optional("teams", 1),
     ];
 
     /// The default for `nh` heads: the 64-head wgmma block when there are at least 64 heads

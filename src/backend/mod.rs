@@ -111,7 +111,10 @@ impl Backend {
     /// reference returns everything in the trace and nothing second.
     ///
     /// Errors: as [`reference_layer`] / [`reference_layer_full`], and CUDA failures.
-    #[allow(clippy::too_many_arguments)]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the union of the CPU and GPU references' inputs (file, configuration, weights, hidden, batch, TP, shared selection) and two switches choosing between them"
+    )]
     pub fn reference(
         &self,
         file: &GgufFile,

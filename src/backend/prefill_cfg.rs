@@ -55,30 +55,12 @@ impl PrefillCfg {
     /// The fields of the configuration string, in positional order, with their names and their
     /// values when left out ([`PrefillCfg::parse`]).
     pub const FIELDS: [Field; 6] = [
-        Field {
-            name: "warps",
-            default: None,
-        },
-        Field {
-            name: "bk",
-            default: None,
-        },
-        Field {
-            name: "stages",
-            default: None,
-        },
-        Field {
-            name: "qreg",
-            default: None,
-        },
-        Field {
-            name: "min_blocks",
-            default: None,
-        },
-        Field {
-            name: "mt",
-            default: Some(1),
-        },
+        Field::required("warps"),
+        Field::required("bk"),
+        Field::required("stages"),
+        Field::required("qreg"),
+        Field::required("min_blocks"),
+        Field::optional("mt", 1),
     ];
 
     /// Parses `WARPS,BK,STAGES,QREG,MINBLOCKS[,MT]` (QREG 0 or 1; MT 1 when left out), e.g.

@@ -230,11 +230,7 @@ fn check_devices(a: &RunSpec) -> Result<()> {
             a.tp
         )));
     }
-    if let Some(d) = devs
-        .iter()
-        .enumerate()
-        .find_map(|(i, d)| devs[..i].contains(d).then_some(d))
-    {
+    if let Some(d) = crate::backend::cuda::nccl::repeated_device(devs) {
         return Err(Error::Usage(format!(
             "--devices lists GPU {d} twice: NCCL refuses two ranks on one GPU (without --devices the ranks share one GPU and all-reduce on the host)"
         )));

@@ -55,6 +55,20 @@ pub struct Segment {
     pub causal: bool,
 }
 
+impl Segment {
+    /// One sequence of `len` packed rows from row `off` attending causally to itself (prefill
+    /// without context): query `i` sees keys `0..=i`.
+    pub fn causal_self(off: usize, len: usize) -> Segment {
+        Segment {
+            q_off: off,
+            q_len: len,
+            k_off: off,
+            k_len: len,
+            causal: true,
+        }
+    }
+}
+
 /// A strided 2-D block copy: `rows` rows of `width` elements from `src[src_off + (r / src_row_div)
 /// · src_stride ..]` to `dst[dst_off + r · dst_stride ..]`. `src_row_div > 1` repeats source rows
 /// (a broadcast, e.g. `k_pe` to every head).
@@ -146,7 +160,10 @@ pub trait Ops {
     /// `silu(g) · u` elementwise (SwiGLU).
     fn silu_mul(&self, g: &Self::Buf, u: &Self::Buf, n: usize) -> Result<Self::Buf>;
     /// RMSNorm of `rows` rows of `width` read at `src[off + r·stride]`: `[rows, width]`.
-    #[allow(clippy::too_many_arguments)]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "vLLM's rms_norm over a strided row view of src (rows, off, stride, width), its weight and eps, each named at the call"
+    )]
     fn rms_norm(
         &self,
         src: &Self::Buf,
@@ -167,7 +184,10 @@ pub trait Ops {
     fn scatter_rows(&self, dst: &mut Self::Buf, src: &Self::Buf, row_len: usize, idx: &[usize]) -> Result<()>;
     /// Rotates `x [rows, R]` in place: row `r` with row `table_rows[r]` of the cos/sin tables
     /// (`[n, R/2]` each, built on the host from the YaRN frequencies and the tokens' positions).
-    #[allow(clippy::too_many_arguments)]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "vLLM's rotary_embedding: the rows and their width, each row's table row, the cos and sin tables and the pairing"
+    )]
     fn rope(
         &self,
         x: &mut Self::Buf,
@@ -179,28 +199,20 @@ pub trait Ops {
         style: RopeStyle,
     ) -> Result<()>;
     /// Per-head matrix product: `out [t, nh, b] = x [t, nh, a] · w [nh, a, b]`.
-    #[allow(clippy::too_many_arguments)]
     fn bmm_heads(&self, x: &Self::Buf, t: usize, nh: usize, a: usize, w: &Self::Buf, b: usize) -> Result<Self::Buf>;
-    /// Tiled online-softmax attention with LSE over `segments`; writes `out [Tq, nh, dv]` and
-    /// `lse [Tq, nh]` in place (`q [Tq, nh, dqk]`, `k [Tk, nh, dqk]`, `v [Tk, nh, dv]`).
-    #[allow(clippy::too_many_arguments)]
-    fn flash_attention(
-        &self,
-        q: &Self::Buf,
-        k: &Self::Buf,
-        v: &Self::Buf,
-        nh: usize,
-        dqk: usize,
-        dv: usize,
-        segments: &[Segment],
-        scale: f32,
-        empty: EmptyRows,
-        out: &mut Self::Buf,
-        lse: &mut Self::Buf,
-    ) -> Result<()>;
+    /// Tiled online-softmax attention with LSE over the segments of `a` (see [`PrefillArgs`]);
+    /// writes `out [Tq, nh, dv]` and `lse [Tq, nh]` in place (f32; LSE natural-log). Rows that no
+    /// segment covers are not touched.
+    ///
+    /// Errors: a buffer shorter than a segment reaches, a head width the backend's kernels do not
+    /// support, device errors.
+    fn flash_attention(&self, a: &PrefillArgs<'_, Self::Buf>, out: &mut Self::Buf, lse: &mut Self::Buf) -> Result<()>;
     /// `concat_and_cache_mla`: writes row `i` of `kv_c [n, L]` / `k_pe [n, R]` into cache slot
     /// `slots[i]` of `cache [num_blocks·block_size, L+R]`.
-    #[allow(clippy::too_many_arguments)]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "vLLM's concat_and_cache_mla: the cache and its row width, kv_c and k_pe with their widths L and R, the slots"
+    )]
     fn cache_write(
         &self,
         cache: &mut Self::Buf,
@@ -273,6 +285,80 @@ pub fn download_parts<O: Ops + ?Sized>(ops: &O, parts: &[O::Buf], n: usize) -> R
         .collect()
 }
 
+/// The inputs of one flash-attention prefill launch ([`Ops::flash_attention`]), vLLM's
+/// `forward_mha` attention: packed rows of every sequence, each attending over its
+/// [`Segment`]s. `B` is the buffer type (a backend's `Buf`, or a host slice `[f32]`); the
+/// inputs are row-major f32 (bf16 values where the backend computes in bf16).
+pub struct PrefillArgs<'a, B: ?Sized> {
+    /// Queries `[Tq, nh, dqk]`: `[q_nope | q_pe]` per head on the expanded (MHA) path.
+    pub q: &'a B,
+    /// Keys `[Tk, nh, dqk]`: `[k_nope | k_pe]` per head (`k_pe` broadcast to every head).
+    pub k: &'a B,
+    /// Values `[Tk, nh, dv]`.
+    pub v: &'a B,
+    /// Heads per row.
+    pub nh: usize,
+    /// Query/key width per head, P+R (`qk_nope_head_dim + qk_rope_head_dim`).
+    pub dqk: usize,
+    /// Value width per head, V (`v_head_dim`).
+    pub dv: usize,
+    /// Which query rows attend to which key rows (row offsets into `q` and `k`/`v`).
+    pub segments: &'a [Segment],
+    /// Softmax scale multiplying `q·k` (the model's `softmax_scale`).
+    pub scale: f32,
+    /// What a query row with no visible key gets.
+    pub empty: EmptyRows,
+}
+
+impl<'a, B: ?Sized> PrefillArgs<'a, B> {
+    /// The same launch on other inputs (e.g. dtype-rounded or bf16 copies of `q`, `k`, `v`, in
+    /// the same shapes).
+    pub fn with_inputs<'b, C: ?Sized>(&self, q: &'b C, k: &'b C, v: &'b C) -> PrefillArgs<'b, C>
+    where
+        'a: 'b,
+    {
+        PrefillArgs {
+            q,
+            k,
+            v,
+            nh: self.nh,
+            dqk: self.dqk,
+            dv: self.dv,
+            segments: self.segments,
+            scale: self.scale,
+            empty: self.empty,
+        }
+    }
+}
+
+impl<B: ?Sized> PrefillArgs<'_, B> {
+    /// Runs `check(buffer, elements needed, name)` on `q`, `k`, `v`, `out [Tq, nh, dv]` and
+    /// `lse [Tq, nh]` for every segment (names `flash q`, `flash k`, `flash v`, `flash out`,
+    /// `flash lse`), so that a backend's kernel never reads or writes past a buffer.
+    ///
+    /// Errors: the first error `check` returns.
+    pub fn check_lens(&self, out: &B, lse: &B, check: impl Fn(&B, usize, &str) -> Result<()>) -> Result<()> {
+        let (nh, dqk, dv) = (self.nh, self.dqk, self.dv);
+        for sg in self.segments {
+            let (q_end, k_end) = (sg.q_off + sg.q_len, sg.k_off + sg.k_len);
+            check(self.q, q_end * nh * dqk, "flash q")?;
+            check(self.k, k_end * nh * dqk, "flash k")?;
+            check(self.v, k_end * nh * dv, "flash v")?;
+            check(out, q_end * nh * dv, "flash out")?;
+            check(lse, q_end * nh, "flash lse")?;
+        }
+        Ok(())
+    }
+}
+
+impl<B: ?Sized> Clone for PrefillArgs<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: ?Sized> Copy for PrefillArgs<'_, B> {}
+
 /// The inputs of one split-KV decode launch ([`Ops::decode_split`], [`Ops::decode_merged`]),
 /// vLLM's `forward_mqa` over a paged latent cache.
 pub struct DecodeArgs<'a, B> {
@@ -309,6 +395,20 @@ impl<B> Clone for DecodeArgs<'_, B> {
 }
 
 impl<B> Copy for DecodeArgs<'_, B> {}
+
+impl<B> DecodeArgs<'_, B> {
+    /// Runs `check(buffer, elements needed, name)` on `q [n, nh, width]`,
+    /// `parts [splits, n, nh, dv]` and `lses [splits, n, nh]` (names `decode q`, `decode parts`,
+    /// `decode lses`), so that a backend's kernel never reads or writes past them.
+    ///
+    /// Errors: the first error `check` returns.
+    pub fn check_lens(&self, parts: &B, lses: &B, check: impl Fn(&B, usize, &str) -> Result<()>) -> Result<()> {
+        let (n, nh, splits) = (self.n, self.nh, self.splits);
+        check(self.q, n * nh * self.width, "decode q")?;
+        check(parts, splits * n * nh * self.dv, "decode parts")?;
+        check(lses, splits * n * nh, "decode lses")
+    }
+}
 
 /// The unfused [`Ops::decode_merged`]: stage 1 into canary-filled partials, then the merge.
 pub fn decode_then_merge<O: Ops + ?Sized>(ops: &O, d: &DecodeArgs<'_, O::Buf>) -> Result<(O::Buf, O::Buf)> {

@@ -19,10 +19,10 @@
 use cudarc::driver::CudaSlice;
 use serde::Serialize;
 
-use crate::backend::cuda::ops::{CudaOps, DecodeMerge, DecodeShape};
+use crate::backend::cuda::ops::{CudaOps, DecodeLaunch, DecodeMerge, DecodeShape};
 use crate::backend::decode_cfg::DecodeCfg;
 use crate::backend::prefill_cfg::{PrefillCfg, bench_variants};
-use crate::compute::ops::{EmptyRows, Ops, Segment};
+use crate::compute::ops::{EmptyRows, Ops, PrefillArgs, Segment};
 use crate::core::batch::SplitMix64;
 use crate::core::error::{Error, Result};
 
@@ -211,25 +211,22 @@ pub fn decode(
         .stream()
         .alloc_zeros::<i32>(b * nh.div_ceil(cfg.heads))
         .map_err(|e| Error::cuda(format!("counters: {e:?}")))?;
-    let scale = (192f64).powf(-0.5) as f32;
+    let launch = DecodeLaunch {
+        q: &inp.q,
+        cache: &inp.cache,
+        tables: &inp.tables_d,
+        ctx: &inp.ctx_d,
+        shape,
+        scale: (192f64).powf(-0.5) as f32,
+        empty_lse: f32::NEG_INFINITY,
+    };
     let mut run = || -> Result<Option<CudaSlice<f32>>> {
         let merge = fused_merge.then_some(DecodeMerge {
             out: &mut mout,
             lse: &mut mlse,
             counters: &mut counters,
         });
-        ops.decode_mma(
-            &inp.q,
-            &inp.cache,
-            &inp.tables_d,
-            &inp.ctx_d,
-            shape,
-            scale,
-            f32::NEG_INFINITY,
-            &mut parts,
-            &mut lses,
-            merge,
-        )?;
+        ops.decode_mma(&launch, &mut parts, &mut lses, merge)?;
         if fused_merge {
             Ok(None)
         } else {
@@ -244,20 +241,7 @@ pub fn decode(
         .clone_dtoh(separate.as_ref().unwrap_or(&mout))
         .map_err(|e| Error::cuda(format!("download: {e:?}")))?;
     // Stage 1 alone, for telling the kernel from the merge and the launches around it.
-    let us1 = time_us(ops, WARM, REPS, || {
-        ops.decode_mma(
-            &inp.q,
-            &inp.cache,
-            &inp.tables_d,
-            &inp.ctx_d,
-            shape,
-            scale,
-            f32::NEG_INFINITY,
-            &mut parts,
-            &mut lses,
-            None,
-        )
-    })?;
+    let us1 = time_us(ops, WARM, REPS, || ops.decode_mma(&launch, &mut parts, &mut lses, None))?;
     let fig = decode_figure(ops, d, cfg, splits, fused_merge, us, us1);
     Ok((fig, out))
 }
@@ -303,32 +287,24 @@ fn decode_figure(
     } else {
         "separate merge kernel".to_string()
     };
-    if compute_bound {
-        BenchFigure {
-            name: "mqa decode, compute-bound".into(),
-            shape,
-            micros: us,
-            value: flops / (us * 1e-6) / 1e12,
-            unit: "TFLOP/s".into(),
-            note: format!(
-                "{splits} splits; {}; {merge_kind}; counts 2·B·N·seq·(2L+R); stage 1 + merge; stage 1 alone {us1:.1} µs = {:.1} TFLOP/s",
-                cfg.label(),
-                flops / (us1 * 1e-6) / 1e12
-            ),
-        }
+    // TFLOP/s (2·B·N·seq·(2L+R)) for the compute-bound shape, latent-cache GB/s for the other.
+    let (bound, work, per, unit, counts, digits) = if compute_bound {
+        ("compute-bound", flops, 1e12, "TFLOP/s", "counts 2·B·N·seq·(2L+R)", 1)
     } else {
-        BenchFigure {
-            name: "mqa decode, memory-bound".into(),
-            shape,
-            micros: us,
-            value: cache_bytes / (us * 1e-6) / 1e9,
-            unit: "GB/s".into(),
-            note: format!(
-                "{splits} splits; {}; {merge_kind}; latent-cache bytes read; stage 1 + merge; stage 1 alone {us1:.1} µs = {:.0} GB/s",
-                cfg.label(),
-                cache_bytes / (us1 * 1e-6) / 1e9
-            ),
-        }
+        ("memory-bound", cache_bytes, 1e9, "GB/s", "latent-cache bytes read", 0)
+    };
+    let rate = |micros: f64| work / (micros * 1e-6) / per;
+    BenchFigure {
+        name: format!("mqa decode, {bound}"),
+        shape,
+        micros: us,
+        value: rate(us),
+        unit: unit.into(),
+        note: format!(
+            "{splits} splits; {}; {merge_kind}; {counts}; stage 1 + merge; stage 1 alone {us1:.1} µs = {:.digits$} {unit}",
+            cfg.label(),
+            rate(us1)
+        ),
     }
 }
 
@@ -403,30 +379,19 @@ pub fn prefill(
     let v = random_bf16(ops, t * nh * dv, 6, 1.0)?;
     let mut out = ops.alloc(t * nh * dv)?;
     let mut lse = ops.alloc(t * nh)?;
-    let seg = [Segment {
-        q_off: 0,
-        q_len: t,
-        k_off: 0,
-        k_len: t,
-        causal: true,
-    }];
-    let scale = (dqk as f64).powf(-0.5) as f32;
-    let us = time_us(ops, WARM, REPS, || {
-        ops.prefill_mma(
-            cfg,
-            &q,
-            &k,
-            &v,
-            nh,
-            dqk,
-            dv,
-            &seg,
-            scale,
-            EmptyRows::ZeroMinusInf,
-            &mut out,
-            &mut lse,
-        )
-    })?;
+    let seg = [Segment::causal_self(0, t)];
+    let args = PrefillArgs {
+        q: &q,
+        k: &k,
+        v: &v,
+        nh,
+        dqk,
+        dv,
+        segments: &seg,
+        scale: (dqk as f64).powf(-0.5) as f32,
+        empty: EmptyRows::ZeroMinusInf,
+    };
+    let us = time_us(ops, WARM, REPS, || ops.prefill_mma(cfg, &args, &mut out, &mut lse))?;
     let flops = (nh as f64) * (t as f64) * (t as f64) * (dqk + dv) as f64;
     let used = cfg.or(PrefillCfg::from_env()?).unwrap_or_default().for_shape(dqk, dv);
     let mut o = ops.download(&out)?;

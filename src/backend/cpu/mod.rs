@@ -9,7 +9,7 @@ pub mod ops;
 use ndarray::ArrayView2;
 use rayon::prelude::*;
 
-use crate::compute::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, RopeStyle, Segment};
+use crate::compute::ops::{Copy2d, DecodeArgs, Ops, PrefillArgs, RopeStyle};
 use crate::core::canary::canary_vec;
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
@@ -212,29 +212,10 @@ impl Ops for CpuOps {
         Ok(ops::bmm_heads(&xr, t, nh, a, &wr, b))
     }
 
-    fn flash_attention(
-        &self,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        nh: usize,
-        dqk: usize,
-        dv: usize,
-        segments: &[Segment],
-        scale: f32,
-        empty: EmptyRows,
-        out: &mut Vec<f32>,
-        lse: &mut Vec<f32>,
-    ) -> Result<()> {
-        for sg in segments {
-            check(q, (sg.q_off + sg.q_len) * nh * dqk, "flash q")?;
-            check(k, (sg.k_off + sg.k_len) * nh * dqk, "flash k")?;
-            check(v, (sg.k_off + sg.k_len) * nh * dv, "flash v")?;
-            check(out, (sg.q_off + sg.q_len) * nh * dv, "flash out")?;
-            check(lse, (sg.q_off + sg.q_len) * nh, "flash lse")?;
-        }
-        let (qr, kr, vr) = (self.rounded(q), self.rounded(k), self.rounded(v));
-        ops::flash_attention(&qr, &kr, &vr, nh, dqk, dv, segments, scale, empty, out, lse);
+    fn flash_attention(&self, a: &PrefillArgs<'_, Vec<f32>>, out: &mut Vec<f32>, lse: &mut Vec<f32>) -> Result<()> {
+        a.check_lens(out, lse, |b, need, what| check(b, need, what))?;
+        let (qr, kr, vr) = (self.rounded(a.q), self.rounded(a.k), self.rounded(a.v));
+        ops::flash_attention(&a.with_inputs(&*qr, &*kr, &*vr), out, lse);
         Ok(())
     }
 
@@ -260,63 +241,29 @@ impl Ops for CpuOps {
     }
 
     fn decode_split(&self, d: &DecodeArgs<'_, Vec<f32>>, parts: &mut Vec<f32>, lses: &mut Vec<f32>) -> Result<()> {
-        let DecodeArgs {
-            q,
-            n,
-            nh,
-            cache,
-            block_size,
-            width,
-            tables,
-            ctx,
-            splits,
-            dv,
-            scale,
-            empty_lse,
-        } = *d;
-        check(q, n * nh * width, "decode q")?;
-        check(parts, splits * n * nh * dv, "decode parts")?;
-        check(lses, splits * n * nh, "decode lses")?;
-        for (i, (table, &c)) in tables.iter().zip(ctx).enumerate() {
-            if c.div_ceil(block_size) > table.len() {
+        d.check_lens(parts, lses, |b, need, what| check(b, need, what))?;
+        for (i, (table, &c)) in d.tables.iter().zip(d.ctx).enumerate() {
+            if c.div_ceil(d.block_size) > table.len() {
                 return Err(Error::Internal(format!(
                     "decode: context {c} exceeds row {i}'s block table"
                 )));
             }
         }
         // The cache already holds dtype-rounded rows (cache_write stores what a bf16 cache holds).
-        let qr = self.rounded(q);
-        let cr = cache;
+        let qr = self.rounded(d.q);
+        let (n, nh, splits, dv) = (d.n, d.nh, d.splits, d.dv);
         // One job per (token, split, group of up to LANES heads): the heads share the cache rows.
         let groups = nh.div_ceil(ops::LANES);
+        let job_of = |job: usize| (job / (splits * groups), (job / groups) % splits, job % groups);
         let results: Vec<(Vec<f32>, Vec<f32>)> = (0..n * splits * groups)
             .into_par_iter()
             .map(|job| {
-                let (i, s, g) = (job / (splits * groups), (job / groups) % splits, job % groups);
-                let heads = g * ops::LANES..((g + 1) * ops::LANES).min(nh);
-                let c = ctx[i];
-                let sl = c.div_ceil(splits);
-                let keys = (s * sl).min(c)..((s + 1) * sl).min(c);
-                let mut o = canary_vec(heads.len() * dv);
-                let qrows = &qr[(i * nh + heads.start) * width..(i * nh + heads.end) * width];
-                let ls = ops::decode_split(
-                    qrows,
-                    heads.len(),
-                    cr,
-                    block_size,
-                    width,
-                    &tables[i],
-                    keys.clone(),
-                    scale,
-                    dv,
-                    empty_lse,
-                    &mut o,
-                );
-                (if keys.is_empty() { Vec::new() } else { o }, ls)
+                let (i, s, g) = job_of(job);
+                decode_job(d, &qr, (i, s), g * ops::LANES..((g + 1) * ops::LANES).min(nh))
             })
             .collect();
         for (job, (o, ls)) in results.into_iter().enumerate() {
-            let (i, s, g) = (job / (splits * groups), (job / groups) % splits, job % groups);
+            let (i, s, g) = job_of(job);
             let h0 = g * ops::LANES;
             if !o.is_empty() {
                 parts[((s * n + i) * nh + h0) * dv..][..o.len()].copy_from_slice(&o);
@@ -350,4 +297,37 @@ impl Ops for CpuOps {
             });
         Ok((out, lse))
     }
+}
+
+/// One job of [`CpuOps`]' split-KV decode: split `s` of decode token `i` (`(i, s)`) for the
+/// heads `heads`, on the dtype-rounded query rows `qr` `[n, nh, width]` of `d`. Returns the
+/// partial output `[heads, dv]` (empty for an empty split, which writes nothing) and the heads'
+/// LSEs.
+fn decode_job(
+    d: &DecodeArgs<'_, Vec<f32>>,
+    qr: &[f32],
+    (i, s): (usize, usize),
+    heads: std::ops::Range<usize>,
+) -> (Vec<f32>, Vec<f32>) {
+    let (nh, width, dv) = (d.nh, d.width, d.dv);
+    let c = d.ctx[i];
+    let sl = c.div_ceil(d.splits);
+    let keys = (s * sl).min(c)..((s + 1) * sl).min(c);
+    let split = ops::DecodeSplit {
+        q: &qr[(i * nh + heads.start) * width..(i * nh + heads.end) * width],
+        heads: heads.len(),
+        kv: ops::PagedSeq {
+            cache: d.cache,
+            block_size: d.block_size,
+            width,
+            table: &d.tables[i],
+        },
+        keys: keys.clone(),
+        scale: d.scale,
+        dv,
+        empty_lse: d.empty_lse,
+    };
+    let mut o = canary_vec(heads.len() * dv);
+    let ls = ops::decode_split(&split, &mut o);
+    (if keys.is_empty() { Vec::new() } else { o }, ls)
 }

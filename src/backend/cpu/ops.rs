@@ -11,7 +11,7 @@
 use ndarray::{Array2, ArrayView2};
 use rayon::prelude::*;
 
-use crate::compute::ops::{EmptyRows, Segment};
+use crate::compute::ops::{EmptyRows, PrefillArgs, Segment};
 use crate::core::canary::canary_vec;
 
 /// Query/key tile of [`flash_attention`] (rows).
@@ -213,28 +213,17 @@ type TileResult = (usize, usize, usize, Vec<f32>, Vec<Option<f32>>);
 
 /// Tiled online-softmax attention with LSE (flash-attention forward), f32.
 ///
-/// - `q` [Tq, N, Dqk], `k` [Tk, N, Dqk], `v` [Tk, N, Dv], all packed row-major;
+/// - `a.q` [Tq, N, Dqk], `a.k` [Tk, N, Dqk], `a.v` [Tk, N, Dv], all packed row-major;
 /// - `out` [Tq, N, Dv] and `lse` [Tq, N] are caller-allocated and written in place;
-/// - `scale` multiplies `q·k`; `lse` is natural-log;
-/// - a query row with no visible key is handled by `empty` (correct: `lse = −inf`, output 0);
+/// - `a.scale` multiplies `q·k`; `lse` is natural-log;
+/// - a query row with no visible key is handled by `a.empty` (correct: `lse = −inf`, output 0);
 ///   rows not covered by any segment are not touched.
 ///
 /// Queries and keys are processed in tiles of [`TILE`] rows with the running max / running sum
-/// rescaling of FlashAttention-2 (Dao 2023).
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attention(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    n_head: usize,
-    dqk: usize,
-    dv: usize,
-    segments: &[Segment],
-    scale: f32,
-    empty: EmptyRows,
-    out: &mut [f32],
-    lse: &mut [f32],
-) {
+/// rescaling of FlashAttention-2 (Dao 2023). Panics when a buffer is shorter than a segment
+/// reaches (the [`crate::compute::ops::Ops`] implementation checks the lengths first).
+pub fn flash_attention(a: &PrefillArgs<'_, [f32]>, out: &mut [f32], lse: &mut [f32]) {
+    let (n_head, dv, segments) = (a.nh, a.dv, a.segments);
     let tile = TILE;
     let mut items = Vec::new();
     for (si, sg) in segments.iter().enumerate() {
@@ -248,17 +237,10 @@ pub fn flash_attention(
         .par_iter()
         .map(|&(si, h, qt)| {
             let args = FlashTile {
-                q,
-                k,
-                v,
-                n_head,
-                dqk,
-                dv,
+                a,
                 sg: segments[si],
                 h,
                 qt,
-                scale,
-                empty,
             };
             #[cfg(target_arch = "x86_64")]
             if has_avx2() {
@@ -309,36 +291,29 @@ fn add_weighted_rows(acc: &mut [f32], v: &[f32], p: &[f32], at: &[usize]) {
     }
 }
 
-/// The inputs of one (segment, head, query tile) work item of [`flash_attention`].
+/// One (segment, head, query tile) work item of [`flash_attention`]: the launch, the segment,
+/// the head and the tile's first row within the segment.
 struct FlashTile<'a> {
-    q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
-    n_head: usize,
-    dqk: usize,
-    dv: usize,
+    a: &'a PrefillArgs<'a, [f32]>,
     sg: Segment,
     h: usize,
     qt: usize,
-    scale: f32,
-    empty: EmptyRows,
 }
 
 /// One work item of [`flash_attention`]: the tile's output rows and LSEs.
 #[inline(always)]
-fn flash_tile(a: &FlashTile<'_>) -> (Vec<f32>, Vec<Option<f32>>) {
-    let FlashTile {
+fn flash_tile(t: &FlashTile<'_>) -> (Vec<f32>, Vec<Option<f32>>) {
+    let FlashTile { a, sg, h, qt } = *t;
+    let PrefillArgs {
         q,
         k,
         v,
-        n_head,
+        nh: n_head,
         dqk,
         dv,
-        sg,
-        h,
-        qt,
         scale,
         empty,
+        ..
     } = *a;
     let tile = TILE;
     let rows = tile.min(sg.q_len - qt);
@@ -411,100 +386,99 @@ fn flash_tile(a: &FlashTile<'_>) -> (Vec<f32>, Vec<Option<f32>>) {
     (o, ls)
 }
 
-/// The row of logical position `pos` in a paged cache `[blocks·block_size, width]` read through
-/// `table`.
-#[inline(always)]
-pub fn cache_row<'c>(cache: &'c [f32], block_size: usize, width: usize, table: &[usize], pos: usize) -> &'c [f32] {
-    let slot = table[pos / block_size] * block_size + pos % block_size;
-    &cache[slot * width..(slot + 1) * width]
+/// One sequence's view of a paged latent cache `[blocks·block_size, width]` (f32 rows
+/// `[kv_c_normed | k_pe]`): logical position `pos` is row `pos % block_size` of block
+/// `table[pos / block_size]`.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedSeq<'a> {
+    /// The whole cache `[blocks·block_size, width]`.
+    pub cache: &'a [f32],
+    /// Tokens per cache page.
+    pub block_size: usize,
+    /// Cache row width, L+R.
+    pub width: usize,
+    /// The sequence's block ids, in position order.
+    pub table: &'a [usize],
+}
+
+impl<'a> PagedSeq<'a> {
+    /// The row (`width` elements) of logical position `pos`. Panics when the table or the cache
+    /// does not reach `pos` (the [`crate::compute::ops::Ops`] implementation checks first).
+    #[inline(always)]
+    pub fn row(&self, pos: usize) -> &'a [f32] {
+        let slot = self.table[pos / self.block_size] * self.block_size + pos % self.block_size;
+        &self.cache[slot * self.width..(slot + 1) * self.width]
+    }
+}
+
+/// The inputs of one job of [`decode_split`]: one split of one decode token, for a group of up
+/// to [`LANES`] of its heads.
+#[derive(Debug, Clone)]
+pub struct DecodeSplit<'a> {
+    /// Query rows `[heads, width]`: each head's `[ql_nope | q_pe_roped]`, f32.
+    pub q: &'a [f32],
+    /// Heads in the group.
+    pub heads: usize,
+    /// The token's sequence in the paged cache.
+    pub kv: PagedSeq<'a>,
+    /// The logical positions of the split's keys.
+    pub keys: std::ops::Range<usize>,
+    /// Softmax scale multiplying `q·k`.
+    pub scale: f32,
+    /// Value width, L: the first `dv` columns of each cache row.
+    pub dv: usize,
+    /// LSE an empty split returns for every head.
+    pub empty_lse: f32,
 }
 
 /// Stage 1 of split-KV decode for one token, a group of up to [`LANES`] of its heads and one
-/// split: online softmax over the keys at logical positions `keys`, read from a paged latent
-/// cache `[blocks·block_size, width]` through the block table (vLLM Triton MLA decode stage 1).
+/// split (`s`, see [`DecodeSplit`]): online softmax over the keys at logical positions
+/// `s.keys`, read from the paged latent cache through the block table (vLLM Triton MLA decode
+/// stage 1).
 ///
-/// `q` [heads, width] holds each head's `[ql_nope | q_pe_roped]`; the value is the first `dv`
-/// (= L) columns of each cache row. Writes each head's partial output into `out` [heads, dv] and
-/// returns the heads' LSEs; an empty range writes nothing and returns `empty_lse` for every head
-/// (−inf is right: Triton MLA decode's empty split). The heads share every cache row, so their
-/// dot products run side by side ([`dots_lanes`]); each head's arithmetic, and so every bit, is
-/// that of a loop over the keys for that head alone.
-#[allow(clippy::too_many_arguments)]
-pub fn decode_split(
-    q: &[f32],
-    heads: usize,
-    cache: &[f32],
-    block_size: usize,
-    width: usize,
-    table: &[usize],
-    keys: std::ops::Range<usize>,
-    scale: f32,
-    dv: usize,
-    empty_lse: f32,
-    out: &mut [f32],
-) -> Vec<f32> {
+/// The value is the first `s.dv` (= L) columns of each cache row. Writes each head's partial
+/// output into `out` [heads, dv] and returns the heads' LSEs (natural-log); an empty range
+/// writes nothing and returns `s.empty_lse` for every head (−inf is right: Triton MLA decode's
+/// empty split). The heads share every cache row, so their dot products run side by side
+/// ([`dots_lanes`]); each head's arithmetic, and so every bit, is that of a loop over the keys
+/// for that head alone. Panics when a buffer is too short (the caller checks).
+pub fn decode_split(s: &DecodeSplit<'_>, out: &mut [f32]) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         #[target_feature(enable = "avx2")]
-        #[allow(clippy::too_many_arguments)]
-        fn wide(
-            q: &[f32],
-            heads: usize,
-            cache: &[f32],
-            block_size: usize,
-            width: usize,
-            table: &[usize],
-            keys: std::ops::Range<usize>,
-            scale: f32,
-            dv: usize,
-            empty_lse: f32,
-            out: &mut [f32],
-        ) -> Vec<f32> {
-            decode_split_impl(
-                q, heads, cache, block_size, width, table, keys, scale, dv, empty_lse, out,
-            )
+        fn wide(s: &DecodeSplit<'_>, out: &mut [f32]) -> Vec<f32> {
+            decode_split_impl(s, out)
         }
         // SAFETY: the processor has AVX2 (checked at run time).
-        return unsafe {
-            wide(
-                q, heads, cache, block_size, width, table, keys, scale, dv, empty_lse, out,
-            )
-        };
+        return unsafe { wide(s, out) };
     }
-    decode_split_impl(
-        q, heads, cache, block_size, width, table, keys, scale, dv, empty_lse, out,
-    )
+    decode_split_impl(s, out)
 }
 
 /// [`decode_split`]'s body, inlined into a baseline and an AVX2 copy.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn decode_split_impl(
-    q: &[f32],
-    heads: usize,
-    cache: &[f32],
-    block_size: usize,
-    width: usize,
-    table: &[usize],
-    keys: std::ops::Range<usize>,
-    scale: f32,
-    dv: usize,
-    empty_lse: f32,
-    out: &mut [f32],
-) -> Vec<f32> {
+fn decode_split_impl(s: &DecodeSplit<'_>, out: &mut [f32]) -> Vec<f32> {
+    let DecodeSplit {
+        q,
+        heads,
+        kv,
+        scale,
+        dv,
+        empty_lse,
+        ..
+    } = *s;
+    let keys = s.keys.clone();
     if keys.is_empty() {
         return vec![empty_lse; heads];
     }
+    let width = kv.width;
     let q_t = transpose_lanes(q, heads, width, |h| h * width);
     let mut m = vec![f32::NEG_INFINITY; heads];
     let mut l = vec![0f32; heads];
     let mut acc = vec![0f32; heads * dv];
     let positions: Vec<usize> = keys.collect();
     for block in positions.chunks(DECODE_KEY_BLOCK) {
-        let rows: Vec<&[f32]> = block
-            .iter()
-            .map(|&pos| &cache_row(cache, block_size, width, table, pos)[..width])
-            .collect();
+        let rows: Vec<&[f32]> = block.iter().map(|&pos| &kv.row(pos)[..width]).collect();
         let dots = dots_lanes_keys(&q_t, &rows);
         let (mut alpha, mut p) = ([1f32; DECODE_KEY_BLOCK], [0f32; DECODE_KEY_BLOCK]);
         for h in 0..heads {
@@ -704,32 +678,9 @@ mod tests {
         let cache = normal_f32(51, table.len() * bs * width);
         let q = normal_f32(52, heads * width);
         let (mut wide, mut base) = (canary_vec(heads * dv), canary_vec(heads * dv));
-        let lw = decode_split(
-            &q,
-            heads,
-            &cache,
-            bs,
-            width,
-            &table,
-            1..ctx,
-            0.3,
-            dv,
-            f32::NEG_INFINITY,
-            &mut wide,
-        );
-        let lb = decode_split_impl(
-            &q,
-            heads,
-            &cache,
-            bs,
-            width,
-            &table,
-            1..ctx,
-            0.3,
-            dv,
-            f32::NEG_INFINITY,
-            &mut base,
-        );
+        let split = decode_job(&q, heads, paged(&cache, bs, width, &table), 1..ctx, 0.3, dv);
+        let lw = decode_split(&split, &mut wide);
+        let lb = decode_split_impl(&split, &mut base);
         assert_eq!((bits(&lw), bits(&wide)), (bits(&lb), bits(&base)), "decode_split");
 
         let (t, nh, a, b) = (BMM_TOKEN_TILE + 5, 3, 29, 35);
@@ -747,42 +698,14 @@ mod tests {
             normal_f32(56, t * nh * dqk),
             normal_f32(57, t * nh * dv),
         );
-        let sg = Segment {
-            q_off: 0,
-            q_len: t,
-            k_off: 0,
-            k_len: t,
-            causal: true,
-        };
+        let sg = Segment::causal_self(0, t);
         let (mut out, mut lse) = (canary_vec(t * nh * dv), canary_vec(t * nh));
-        flash_attention(
-            &q,
-            &k,
-            &v,
-            nh,
-            dqk,
-            dv,
-            &[sg],
-            0.7,
-            EmptyRows::ZeroMinusInf,
-            &mut out,
-            &mut lse,
-        );
+        let segs = [sg];
+        let args = prefill_args(&q, &k, &v, (nh, dqk, dv), &segs, 0.7, EmptyRows::ZeroMinusInf);
+        flash_attention(&args, &mut out, &mut lse);
         for h in 0..nh {
             for qt in (0..t).step_by(TILE) {
-                let (o, ls) = flash_tile(&FlashTile {
-                    q: &q,
-                    k: &k,
-                    v: &v,
-                    n_head: nh,
-                    dqk,
-                    dv,
-                    sg,
-                    h,
-                    qt,
-                    scale: 0.7,
-                    empty: EmptyRows::ZeroMinusInf,
-                });
+                let (o, ls) = flash_tile(&FlashTile { a: &args, sg, h, qt });
                 for (r, l) in ls.iter().enumerate() {
                     let row = qt + r;
                     assert_eq!(
@@ -800,6 +723,59 @@ mod tests {
         }
     }
 
+    /// A [`PagedSeq`] over `cache` through `table`.
+    fn paged<'a>(cache: &'a [f32], block_size: usize, width: usize, table: &'a [usize]) -> PagedSeq<'a> {
+        PagedSeq {
+            cache,
+            block_size,
+            width,
+            table,
+        }
+    }
+
+    /// A [`DecodeSplit`] whose empty split reports LSE −inf.
+    fn decode_job<'a>(
+        q: &'a [f32],
+        heads: usize,
+        kv: PagedSeq<'a>,
+        keys: std::ops::Range<usize>,
+        scale: f32,
+        dv: usize,
+    ) -> DecodeSplit<'a> {
+        DecodeSplit {
+            q,
+            heads,
+            kv,
+            keys,
+            scale,
+            dv,
+            empty_lse: f32::NEG_INFINITY,
+        }
+    }
+
+    /// A [`PrefillArgs`] on host slices, widths `(nh, dqk, dv)`.
+    fn prefill_args<'a>(
+        q: &'a [f32],
+        k: &'a [f32],
+        v: &'a [f32],
+        (nh, dqk, dv): (usize, usize, usize),
+        segments: &'a [Segment],
+        scale: f32,
+        empty: EmptyRows,
+    ) -> PrefillArgs<'a, [f32]> {
+        PrefillArgs {
+            q,
+            k,
+            v,
+            nh,
+            dqk,
+            dv,
+            segments,
+            scale,
+            empty,
+        }
+    }
+
     #[test]
     fn flash_attention_matches_naive_causal_across_tiles() {
         let (t, nh, dqk, dv) = (37, 3, 5, 4);
@@ -808,26 +784,9 @@ mod tests {
         let v = normal_f32(3, t * nh * dv);
         let mut out = canary_vec(t * nh * dv);
         let mut lse = canary_vec(t * nh);
-        let seg = [Segment {
-            q_off: 0,
-            q_len: t,
-            k_off: 0,
-            k_len: t,
-            causal: true,
-        }];
-        flash_attention(
-            &q,
-            &k,
-            &v,
-            nh,
-            dqk,
-            dv,
-            &seg,
-            0.7,
-            EmptyRows::ZeroMinusInf,
-            &mut out,
-            &mut lse,
-        );
+        let seg = [Segment::causal_self(0, t)];
+        let args = prefill_args(&q, &k, &v, (nh, dqk, dv), &seg, 0.7, EmptyRows::ZeroMinusInf);
+        flash_attention(&args, &mut out, &mut lse);
         for i in 0..t {
             for h in 0..nh {
                 let ks: Vec<&[f32]> = (0..=i).map(|j| &k[(j * nh + h) * dqk..][..dqk]).collect();
@@ -854,42 +813,19 @@ mod tests {
             k_len: 2,
             causal: true,
         }];
+        let one_head = |empty| prefill_args(&q, &k, &v, (1, 2, 2), &seg, 1.0, empty);
         let mut out = canary_vec(3 * 2);
         let mut lse = canary_vec(3);
-        flash_attention(
-            &q,
-            &k,
-            &v,
-            1,
-            2,
-            2,
-            &seg,
-            1.0,
-            EmptyRows::ZeroMinusInf,
-            &mut out,
-            &mut lse,
-        );
+        flash_attention(&one_head(EmptyRows::ZeroMinusInf), &mut out, &mut lse);
         assert_eq!(lse[0], f32::NEG_INFINITY);
         assert_eq!(&out[..2], &[0.0, 0.0]);
         assert!(lse[1].is_finite() && lse[2].is_finite());
         let mut out = canary_vec(3 * 2);
         let mut lse = canary_vec(3);
-        flash_attention(&q, &k, &v, 1, 2, 2, &seg, 1.0, EmptyRows::Skip, &mut out, &mut lse);
+        flash_attention(&one_head(EmptyRows::Skip), &mut out, &mut lse);
         assert!(crate::core::canary::is_canary(lse[0]) && crate::core::canary::is_canary(out[0]));
         let mut lse = canary_vec(3);
-        flash_attention(
-            &q,
-            &k,
-            &v,
-            1,
-            2,
-            2,
-            &seg,
-            1.0,
-            EmptyRows::ZeroPlusInf,
-            &mut out,
-            &mut lse,
-        );
+        flash_attention(&one_head(EmptyRows::ZeroPlusInf), &mut out, &mut lse);
         assert_eq!(lse[0], f32::INFINITY);
     }
 
@@ -943,36 +879,13 @@ mod tests {
         let table: Vec<usize> = (0..ctx.div_ceil(bs)).rev().collect();
         let cache = normal_f32(31, table.len() * bs * width);
         let q = normal_f32(32, heads * width);
+        let kv = paged(&cache, bs, width, &table);
         let mut grouped = canary_vec(heads * dv);
-        let lg = decode_split(
-            &q,
-            heads,
-            &cache,
-            bs,
-            width,
-            &table,
-            3..ctx,
-            0.3,
-            dv,
-            f32::NEG_INFINITY,
-            &mut grouped,
-        );
+        let lg = decode_split(&decode_job(&q, heads, kv, 3..ctx, 0.3, dv), &mut grouped);
         for h in 0..heads {
             let mut one = canary_vec(dv);
             let qh = &q[h * width..(h + 1) * width];
-            let l1 = decode_split(
-                qh,
-                1,
-                &cache,
-                bs,
-                width,
-                &table,
-                3..ctx,
-                0.3,
-                dv,
-                f32::NEG_INFINITY,
-                &mut one,
-            );
+            let l1 = decode_split(&decode_job(qh, 1, kv, 3..ctx, 0.3, dv), &mut one);
             assert_eq!(lg[h].to_bits(), l1[0].to_bits(), "lse of head {h}");
             let same = one
                 .iter()
@@ -990,29 +903,18 @@ mod tests {
         let table: Vec<usize> = (0..ctx.div_ceil(bs)).rev().collect();
         let mut cache = normal_f32(41, table.len() * bs * width);
         let q = normal_f32(42, heads * width);
-        let boost = cache_row(&cache, bs, width, &table, 18).as_ptr() as usize - cache.as_ptr() as usize;
+        let boost = paged(&cache, bs, width, &table).row(18).as_ptr() as usize - cache.as_ptr() as usize;
         cache[boost / 4..boost / 4 + width].iter_mut().for_each(|x| *x *= 6.0);
+        let kv = paged(&cache, bs, width, &table);
         let keys = 2..ctx;
         let mut got = canary_vec(heads * dv);
-        let lse = decode_split(
-            &q,
-            heads,
-            &cache,
-            bs,
-            width,
-            &table,
-            keys.clone(),
-            0.3,
-            dv,
-            f32::NEG_INFINITY,
-            &mut got,
-        );
+        let lse = decode_split(&decode_job(&q, heads, kv, keys.clone(), 0.3, dv), &mut got);
         for h in 0..heads {
             let qh = &q[h * width..(h + 1) * width];
             let (mut m, mut l, mut acc) = (f32::NEG_INFINITY, 0f32, vec![0f32; dv]);
             let mut moved = 0;
             for pos in keys.clone() {
-                let row = cache_row(&cache, bs, width, &table, pos);
+                let row = kv.row(pos);
                 let mut dot = 0f32;
                 for d in 0..width {
                     dot += qh[d] * row[d];
@@ -1048,25 +950,14 @@ mod tests {
         }
         let q = normal_f32(8, width);
         let mut whole = vec![0f32; dv];
-        let l_whole = decode_split(
-            &q,
-            1,
-            &cache,
-            bs,
-            width,
-            &table,
-            0..ctx,
-            0.5,
-            dv,
-            f32::NEG_INFINITY,
-            &mut whole,
-        )[0];
+        let kv = paged(&cache, bs, width, &table);
+        let l_whole = decode_split(&decode_job(&q, 1, kv, 0..ctx, 0.5, dv), &mut whole)[0];
         let mut parts = vec![canary_vec(dv); 4];
         let mut lses = [0f32; 4];
         let split = ctx.div_ceil(4);
         for (s, p) in parts.iter_mut().enumerate() {
             let r = (s * split).min(ctx)..((s + 1) * split).min(ctx);
-            lses[s] = decode_split(&q, 1, &cache, bs, width, &table, r, 0.5, dv, f32::NEG_INFINITY, p)[0];
+            lses[s] = decode_split(&decode_job(&q, 1, kv, r, 0.5, dv), p)[0];
         }
         let views: Vec<(&[f32], f32)> = parts.iter().map(|p| p.as_slice()).zip(lses.iter().copied()).collect();
         let mut merged = canary_vec(dv);

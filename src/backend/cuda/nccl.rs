@@ -40,6 +40,15 @@ fn nerr(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Cuda(format!("NCCL {what}: {e:?}"))
 }
 
+/// The first CUDA ordinal that `devices` lists a second time, if any (NCCL refuses two ranks
+/// on one GPU).
+pub fn repeated_device(devices: &[usize]) -> Option<usize> {
+    devices
+        .iter()
+        .enumerate()
+        .find_map(|(i, d)| devices[..i].contains(d).then_some(*d))
+}
+
 /// One NCCL communicator per TP rank, rank r on GPU `devices[r]`, all driven from this process.
 #[derive(Debug)]
 pub struct NcclAllReduce {
@@ -57,11 +66,7 @@ impl NcclAllReduce {
         if devices.is_empty() {
             return Err(Error::Usage("NCCL all-reduce over no device".into()));
         }
-        if let Some(d) = devices
-            .iter()
-            .enumerate()
-            .find_map(|(i, d)| devices[..i].contains(d).then_some(d))
-        {
+        if let Some(d) = repeated_device(devices) {
             return Err(Error::Usage(format!(
                 "--devices lists GPU {d} twice: NCCL refuses two ranks on one GPU"
             )));

@@ -19,7 +19,7 @@ use crate::backend::cuda::nccl::NcclAllReduce;
 use crate::backend::decode_cfg::{DecodeCfg, wave_splits};
 use crate::backend::prefill_cfg::PrefillCfg;
 use crate::compute::collective::ReduceFault;
-use crate::compute::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, RopeStyle, Segment, download_parts, host_all_reduce};
+use crate::compute::ops::{Copy2d, DecodeArgs, Ops, PrefillArgs, RopeStyle, download_parts, host_all_reduce};
 use crate::compute::path::PathKind;
 use crate::core::canary::CANARY_BITS;
 use crate::core::dtype::Dtype;
@@ -179,19 +179,6 @@ impl CudaOps {
         self.kernels == Kernels::Fast && self.dtype == Dtype::Bf16
     }
 
-    /// A fast kernel compiled for shape `(a, b)` and configuration `extra`, with `smem` bytes of
-    /// dynamic shared memory allowed ([`Device::fast_function`]).
-    pub fn fast_function(
-        &self,
-        module: Module,
-        a: usize,
-        b: usize,
-        extra: &[(&'static str, usize)],
-        smem: usize,
-    ) -> Result<CudaFunction> {
-        self.dev.fast_function(module, a, b, extra, smem)
-    }
-
     /// The stream (for benchmarks).
     pub fn stream(&self) -> &Arc<CudaStream> {
         self.dev.stream()
@@ -297,6 +284,26 @@ impl CudaOps {
         Ok(())
     }
 
+    /// `out [n]` from the first `n` elements of two inputs by the elementwise kernel `kernel`
+    /// (`add` or `silu_mul` in elementwise.cu, each `kernel(x, y, out, n)`); each input comes with
+    /// its name for the length error.
+    ///
+    /// Errors: an input shorter than `n`, allocation or launch failures.
+    fn binary(&self, kernel: &'static str, inputs: [(&CudaSlice<f32>, &str); 2], n: usize) -> Result<CudaSlice<f32>> {
+        let [(x, x_name), (y, y_name)] = inputs;
+        Self::check_len(x, n, &format!("{kernel} {x_name}"))?;
+        Self::check_len(y, n, &format!("{kernel} {y_name}"))?;
+        let mut out = self.alloc(n)?;
+        let nn = n as i64;
+        let f = self.func(Module::Elementwise, kernel)?;
+        let mut b = self.dev.stream().launch_builder(&f);
+        b.arg(x).arg(y).arg(&mut out).arg(&nn);
+        // SAFETY: the kernel takes (x, y, out, n), and both inputs hold n elements (checked above).
+        unsafe { b.launch(grid1(n)) }.map_err(|e| Error::cuda(format!("launch {kernel}: {e:?}")))?;
+        self.sync(kernel)?;
+        Ok(out)
+    }
+
     /// Dequantizes on the GPU when a kernel exists for `ty` ([`Device::dequant`]).
     fn gpu_dequant(&self, ty: GgmlType, bytes: &[u8], n: usize) -> Result<Option<CudaSlice<f32>>> {
         match self.dev.dequant(ty, bytes, n)? {
@@ -350,7 +357,9 @@ impl CudaOps {
     pub fn decode_blocks_per_sm(&self, width: usize, dv: usize, cfg: DecodeCfg) -> Result<usize> {
         use cudarc::driver::sys::{CUdevice_attribute as D, CUfunction_attribute as F};
         let smem = cfg.smem(width);
-        let f = self.fast_function(Module::FastDecode, width, dv, &cfg.defines(), smem)?;
+        let f = self
+            .dev
+            .fast_function(Module::FastDecode, width, dv, &cfg.defines(), smem)?;
         let fa = |a: F| {
             f.get_attribute(a)
                 .map(|x| x.max(0) as usize)
@@ -391,7 +400,9 @@ impl CudaOps {
     /// below sm_90).
     pub fn decode_max_active_clusters(&self, width: usize, dv: usize, cfg: DecodeCfg, cluster: usize) -> Result<usize> {
         let smem = cfg.smem(width);
-        let f = self.fast_function(Module::FastDecode, width, dv, &cfg.defines_for(cluster), smem)?;
+        let f = self
+            .dev
+            .fast_function(Module::FastDecode, width, dv, &cfg.defines_for(cluster), smem)?;
         let lc = LaunchConfig {
             grid_dim: (1, cluster.max(1) as u32, 1),
             block_dim: (cfg.threads() as u32, 1, 1),
@@ -418,53 +429,37 @@ impl CudaOps {
         Ok(wave_splits(rows * nh.div_ceil(cfg.heads), slots, max_splits))
     }
 
-    /// Tensor-core flash prefill on bf16 copies of `q`, `k`, `v`.
-    #[allow(clippy::too_many_arguments)]
+    /// Tensor-core flash prefill ([`CudaOps::prefill_mma`]) on bf16 copies of `a`'s f32 inputs.
     fn flash_prefill_fast(
         &self,
-        q: &CudaSlice<f32>,
-        k: &CudaSlice<f32>,
-        v: &CudaSlice<f32>,
-        nh: usize,
-        dqk: usize,
-        dv: usize,
-        segments: &[Segment],
-        scale: f32,
-        empty: EmptyRows,
+        a: &PrefillArgs<'_, CudaSlice<f32>>,
         out: &mut CudaSlice<f32>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<()> {
         let (qb, kb, vb) = (
-            self.to_bf16(q, q.len())?,
-            self.to_bf16(k, k.len())?,
-            self.to_bf16(v, v.len())?,
+            self.to_bf16(a.q, a.q.len())?,
+            self.to_bf16(a.k, a.k.len())?,
+            self.to_bf16(a.v, a.v.len())?,
         );
-        self.prefill_mma(None, &qb, &kb, &vb, nh, dqk, dv, segments, scale, empty, out, lse)
+        self.prefill_mma(None, &a.with_inputs(&qb, &kb, &vb), out, lse)
     }
 
-    /// Launches `flash_prefill_mma` on bf16 inputs `q [Tq, nh, dqk]`, `k [Tk, nh, dqk]`,
-    /// `v [Tk, nh, dv]`, writing `out [Tq, nh, dv]` and `lse [Tq, nh]` (see fast_prefill.cu), in
-    /// configuration `cfg` (None: `MLA_DIFF_PREFILL_CFG` if set, else the default), adapted to
-    /// the head widths by [`PrefillCfg::for_shape`].
+    /// Launches `flash_prefill_mma` on bf16 inputs (`a.q [Tq, nh, dqk]`, `a.k [Tk, nh, dqk]`,
+    /// `a.v [Tk, nh, dv]`), writing `out [Tq, nh, dv]` and `lse [Tq, nh]` (f32; see
+    /// fast_prefill.cu), in configuration `cfg` (None: `MLA_DIFF_PREFILL_CFG` if set, else the
+    /// default), adapted to the head widths by [`PrefillCfg::for_shape`]. The caller checks the
+    /// buffer lengths ([`PrefillArgs::check_lens`]).
     ///
-    /// Errors: a bad `MLA_DIFF_PREFILL_CFG`, an NVRTC compile or module load failure, or a
-    /// launch failure, each naming the kernel.
-    #[allow(clippy::too_many_arguments)]
+    /// Errors: a bad `MLA_DIFF_PREFILL_CFG`, tile offsets past 32 bits, an NVRTC compile or
+    /// module load failure, or a launch failure, each naming the kernel.
     pub fn prefill_mma(
         &self,
         cfg: Option<PrefillCfg>,
-        qb: &CudaSlice<half::bf16>,
-        kb: &CudaSlice<half::bf16>,
-        vb: &CudaSlice<half::bf16>,
-        nh: usize,
-        dqk: usize,
-        dv: usize,
-        segments: &[Segment],
-        scale: f32,
-        empty: EmptyRows,
+        a: &PrefillArgs<'_, CudaSlice<half::bf16>>,
         out: &mut CudaSlice<f32>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        let (nh, dqk, dv, scale) = (a.nh, a.dqk, a.dv, a.scale);
         let pc = match cfg {
             Some(c) => c,
             None => PrefillCfg::from_env()?.unwrap_or_default(),
@@ -479,7 +474,7 @@ impl CudaOps {
         }
         let mut segs = Vec::new();
         let mut tiles = Vec::new();
-        for (si, sg) in segments.iter().enumerate() {
+        for (si, sg) in a.segments.iter().enumerate() {
             segs.extend([sg.q_off, sg.q_len, sg.k_off, sg.k_len, usize::from(sg.causal)]);
             // Causal tiles further down see more keys: schedule the heaviest first.
             for q0 in (0..sg.q_len).step_by(pc.rows()).rev() {
@@ -490,18 +485,20 @@ impl CudaOps {
             return Ok(());
         }
         let smem = pc.smem(dqk, dv);
-        let f = self.fast_function(Module::FastPrefill, dqk, dv, &pc.defines(), smem)?;
+        let f = self
+            .dev
+            .fast_function(Module::FastPrefill, dqk, dv, &pc.defines(), smem)?;
         let (segs_d, tiles_d) = (self.idx(&segs)?, self.idx(&tiles)?);
         let cfg = LaunchConfig {
             grid_dim: ((tiles.len() / 2) as u32, nh as u32, 1),
             block_dim: (pc.threads() as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let (h, em) = (nh as i64, empty.code());
+        let (h, em) = (nh as i64, a.empty.code());
         let mut b = self.dev.stream().launch_builder(&f);
-        b.arg(qb)
-            .arg(kb)
-            .arg(vb)
+        b.arg(a.q)
+            .arg(a.k)
+            .arg(a.v)
             .arg(out)
             .arg(lse)
             .arg(&segs_d)
@@ -514,46 +511,49 @@ impl CudaOps {
         self.sync("flash_prefill_mma")
     }
 
-    /// Tensor-core split-KV decode stage 1 on bf16 `q` [n, nh, W] and cache.
-    #[allow(clippy::too_many_arguments)]
-    pub fn decode_split_fast(
-        &self,
-        q: &CudaSlice<half::bf16>,
-        n: usize,
-        nh: usize,
-        cache: &CudaSlice<half::bf16>,
-        block_size: usize,
-        width: usize,
-        flat_tables: &[usize],
-        max_blocks: usize,
-        ctx: &[usize],
-        splits: usize,
-        dv: usize,
-        scale: f32,
-        empty_lse: f32,
-        parts: &mut CudaSlice<f32>,
-        lses: &mut CudaSlice<f32>,
-    ) -> Result<()> {
-        let (tables_d, ctx_d) = (self.idx(flat_tables)?, self.idx(ctx)?);
-        let shape = DecodeShape {
-            n,
-            nh,
-            block_size,
-            width,
-            max_blocks,
-            splits,
-            dv,
-            cfg: DecodeCfg::from_env()?
-                .unwrap_or_else(|| DecodeCfg::for_heads(nh))
-                .fit(width, dv)
-                .for_arch(&self.dev.arch),
-            spin: None,
-        };
-        self.decode_mma(q, cache, &tables_d, &ctx_d, shape, scale, empty_lse, parts, lses, None)
+    /// Whether the tensor-core decode kernel serves rows of `width` (L+R) with value width `dv`
+    /// (L) in this backend's dtype and kernels.
+    fn fast_decode_serves(&self, width: usize, dv: usize) -> bool {
+        self.uses_fast() && width.is_multiple_of(16) && dv.is_multiple_of(32) && dv <= width
     }
 
-    /// Launches `decode_split_mma` with block tables and context lengths already on the device
-    /// (`tables_d` \[n, max_blocks], `ctx_d` \[n], i64). With `merge`, the kernel also merges
+    /// The device inputs of a tensor-core decode launch for `d`: bf16 copies of the query rows
+    /// and the cache, the block tables (padded to one `[n, max_blocks]` array) and context
+    /// lengths as i64, and the launch configuration (`MLA_DIFF_DECODE_CFG` if set, else the
+    /// default for the head count, fitted to the widths and the device).
+    ///
+    /// Errors: a bad `MLA_DIFF_DECODE_CFG`, a block table shorter than its context or reaching
+    /// past the cache, CUDA allocation or copy failures.
+    fn fast_decode_inputs(&self, d: &DecodeArgs<'_, CudaSlice<f32>>) -> Result<FastDecodeInputs> {
+        let (flat, max_blocks) = Self::flat_tables(d.cache, d.block_size, d.width, d.tables, d.ctx)?;
+        let cfg = DecodeCfg::from_env()?
+            .unwrap_or_else(|| DecodeCfg::for_heads(d.nh))
+            .fit(d.width, d.dv)
+            .for_arch(&self.dev.arch);
+        Ok(FastDecodeInputs {
+            q: self.to_bf16(d.q, d.q.len())?,
+            cache: self.to_bf16(d.cache, d.cache.len())?,
+            tables: self.idx(&flat)?,
+            ctx: self.idx(d.ctx)?,
+            shape: DecodeShape {
+                n: d.n,
+                nh: d.nh,
+                block_size: d.block_size,
+                width: d.width,
+                max_blocks,
+                splits: d.splits,
+                dv: d.dv,
+                cfg,
+                spin: None,
+            },
+            scale: d.scale,
+            empty_lse: d.empty_lse,
+        })
+    }
+
+    /// Launches `decode_split_mma` on the device inputs of `l` ([`DecodeLaunch`]), writing each
+    /// split's partial output into `parts [splits, n, nh, dv]` and its LSE into
+    /// `lses [splits, n, nh]` (f32). With `merge`, the kernel also merges
     /// the splits, as [`Ops::merge`] would, into `merge.out` and `merge.lse`: through a
     /// thread-block cluster of the `splits` blocks of each token and head group where
     /// [`DecodeCfg::cluster_size`] is not 0 for this device (then `parts`, `lses` and
@@ -561,26 +561,19 @@ impl CudaOps {
     /// to finish, through `parts` and `lses`.
     ///
     /// # Errors
-    /// [`Error::Cuda`] when a merge output or the counters are too short, when `sh.cfg` is the
+    /// [`Error::Cuda`] when a merge output or the counters are too short, when `l.shape.cfg` is the
     /// wgmma block and the device is not sm_90 or the shape is outside
     /// [`DecodeCfg::wgmma_fits`], when the cluster
     /// merge's partials do not fit in a block's shared memory ([`DecodeCfg::cluster_fits`]), or
     /// on a compile or launch failure.
-    #[allow(clippy::too_many_arguments)]
     pub fn decode_mma(
         &self,
-        q: &CudaSlice<half::bf16>,
-        cache: &CudaSlice<half::bf16>,
-        tables_d: &CudaSlice<i64>,
-        ctx_d: &CudaSlice<i64>,
-        sh: DecodeShape,
-        scale: f32,
-        empty_lse: f32,
+        l: &DecodeLaunch<'_>,
         parts: &mut CudaSlice<f32>,
         lses: &mut CudaSlice<f32>,
         merge: Option<DecodeMerge<'_>>,
     ) -> Result<()> {
-        let dc = sh.cfg;
+        let (sh, dc) = (l.shape, l.shape.cfg);
         if dc.wgmma && !(supports_wgmma(&self.dev.arch) && DecodeCfg::wgmma_fits(sh.width, sh.dv)) {
             return Err(Error::cuda(format!(
                 "decode configuration {}: wgmma needs sm_90 (this device is {}) and L a multiple of 128 with L+R <= 576 (here L+R = {}, L = {})",
@@ -605,7 +598,9 @@ impl CudaOps {
                 sh.dv
             )));
         }
-        let f = self.fast_function(Module::FastDecode, sh.width, sh.dv, &dc.defines_for(cluster), smem)?;
+        let f = self
+            .dev
+            .fast_function(Module::FastDecode, sh.width, sh.dv, &dc.defines_for(cluster), smem)?;
         // With a cluster, grid.y = splits = the cluster's y size (__cluster_dims__(1, c, 1)):
         // one cluster per (token, head group).
         let cfg = LaunchConfig {
@@ -615,14 +610,14 @@ impl CudaOps {
         };
         let a = [sh.n, sh.nh, sh.block_size, sh.max_blocks, sh.splits].map(|x| x as i64);
         let mut b = self.dev.stream().launch_builder(&f);
-        b.arg(q).arg(cache).arg(tables_d).arg(ctx_d).arg(parts).arg(lses);
+        b.arg(l.q).arg(l.cache).arg(l.tables).arg(l.ctx).arg(parts).arg(lses);
         b.arg(&a[0])
             .arg(&a[1])
             .arg(&a[2])
             .arg(&a[3])
             .arg(&a[4])
-            .arg(&scale)
-            .arg(&empty_lse);
+            .arg(&l.scale)
+            .arg(&l.empty_lse);
         let null = 0u64;
         // Every split merges its share of the value columns once all have arrived (the kernel's
         // spin mode) when every block of the launch is resident at once. `MLA_DIFF_DECODE_SPIN`:
@@ -703,6 +698,51 @@ pub struct DecodeShape {
     /// share even when the blocks do not all fit (the kernel then gives up waiting after a few ms
     /// per block and falls back to the last split merging everything: for tests).
     pub spin: Option<bool>,
+}
+
+/// One launch of `decode_split_mma` ([`CudaOps::decode_mma`]): its inputs already on the
+/// device, its shape, and the scalars of the softmax.
+pub struct DecodeLaunch<'a> {
+    /// Query rows `[n, nh, width]`, bf16: each head's `[ql_nope | q_pe]` (roped).
+    pub q: &'a CudaSlice<half::bf16>,
+    /// The paged latent cache `[num_blocks·block_size, width]`, bf16, rows `[kv_c_normed | k_pe]`.
+    pub cache: &'a CudaSlice<half::bf16>,
+    /// Block ids of each row's pages `[n, max_blocks]`, i64, rows padded with block 0.
+    pub tables: &'a CudaSlice<i64>,
+    /// Context length (tokens) of each row `[n]`, i64.
+    pub ctx: &'a CudaSlice<i64>,
+    /// Shape and configuration.
+    pub shape: DecodeShape,
+    /// Softmax scale multiplying `q·k`.
+    pub scale: f32,
+    /// LSE an empty split reports (−inf is right).
+    pub empty_lse: f32,
+}
+
+/// What [`CudaOps::fast_decode_inputs`] puts on the device for one [`DecodeArgs`].
+struct FastDecodeInputs {
+    q: CudaSlice<half::bf16>,
+    cache: CudaSlice<half::bf16>,
+    tables: CudaSlice<i64>,
+    ctx: CudaSlice<i64>,
+    shape: DecodeShape,
+    scale: f32,
+    empty_lse: f32,
+}
+
+impl FastDecodeInputs {
+    /// The launch reading these inputs.
+    fn launch(&self) -> DecodeLaunch<'_> {
+        DecodeLaunch {
+            q: &self.q,
+            cache: &self.cache,
+            tables: &self.tables,
+            ctx: &self.ctx,
+            shape: self.shape,
+            scale: self.scale,
+            empty_lse: self.empty_lse,
+        }
+    }
 }
 
 macro_rules! launch {
@@ -832,22 +872,22 @@ impl Ops for CudaOps {
         }
         // Row-major y[t,o] = x[t,k]·w[o,k]ᵀ is column-major yᵀ = W·xᵀ: C(o×t) = Aᵀ(o×k)·B(k×t)
         // with A = w as a k×o column-major matrix and B = x as k×t.
+        let sgemm = GemmConfig {
+            transa: cb::cublasOperation_t::CUBLAS_OP_T,
+            transb: cb::cublasOperation_t::CUBLAS_OP_N,
+            m: o as i32,
+            n: t as i32,
+            k: k as i32,
+            alpha: 1.0f32,
+            lda: k as i32,
+            ldb: k as i32,
+            beta: 0.0f32,
+            ldc: o as i32,
+        };
         match self.dtype {
             Dtype::F32 => {
-                let cfg = GemmConfig {
-                    transa: cb::cublasOperation_t::CUBLAS_OP_T,
-                    transb: cb::cublasOperation_t::CUBLAS_OP_N,
-                    m: o as i32,
-                    n: t as i32,
-                    k: k as i32,
-                    alpha: 1.0f32,
-                    lda: k as i32,
-                    ldb: k as i32,
-                    beta: 0.0f32,
-                    ldc: o as i32,
-                };
                 // SAFETY: dims and leading dimensions match the buffers checked above.
-                unsafe { self.dev.blas().gemm(cfg, w, x, &mut y) }
+                unsafe { self.dev.blas().gemm(sgemm, w, x, &mut y) }
                     .map_err(|e| Error::cuda(format!("cublasSgemm: {e:?}")))?;
             }
             Dtype::Bf16 if std::env::var_os("MLA_DIFF_BF16_GEMM").is_some_and(|v| v == "emulate") => {
@@ -855,20 +895,8 @@ impl Ops for CudaOps {
                 // bf16 GEMM, through cublasSgemm. For compute-sanitizer runs, which cannot handle
                 // cuBLAS's bf16 kernels.
                 let (xr, wr) = (self.round_bf16(x, t * k)?, self.round_bf16(w, o * k)?);
-                let cfg = GemmConfig {
-                    transa: cb::cublasOperation_t::CUBLAS_OP_T,
-                    transb: cb::cublasOperation_t::CUBLAS_OP_N,
-                    m: o as i32,
-                    n: t as i32,
-                    k: k as i32,
-                    alpha: 1.0f32,
-                    lda: k as i32,
-                    ldb: k as i32,
-                    beta: 0.0f32,
-                    ldc: o as i32,
-                };
                 // SAFETY: dims and leading dimensions match the buffers checked above.
-                unsafe { self.dev.blas().gemm(cfg, &wr, &xr, &mut y) }
+                unsafe { self.dev.blas().gemm(sgemm, &wr, &xr, &mut y) }
                     .map_err(|e| Error::cuda(format!("cublasSgemm: {e:?}")))?;
             }
             Dtype::Bf16 => {
@@ -910,21 +938,11 @@ impl Ops for CudaOps {
     }
 
     fn add(&self, a: &CudaSlice<f32>, b: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<f32>> {
-        Self::check_len(a, n, "add a")?;
-        Self::check_len(b, n, "add b")?;
-        let mut out = self.alloc(n)?;
-        let nn = n as i64;
-        launch!(self, Module::Elementwise, "add", grid1(n), a, b, &mut out, &nn);
-        Ok(out)
+        self.binary("add", [(a, "a"), (b, "b")], n)
     }
 
     fn silu_mul(&self, g: &CudaSlice<f32>, u: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<f32>> {
-        Self::check_len(g, n, "silu_mul g")?;
-        Self::check_len(u, n, "silu_mul u")?;
-        let mut out = self.alloc(n)?;
-        let nn = n as i64;
-        launch!(self, Module::Elementwise, "silu_mul", grid1(n), g, u, &mut out, &nn);
-        Ok(out)
+        self.binary("silu_mul", [(g, "g"), (u, "u")], n)
     }
 
     fn rms_norm(
@@ -1147,31 +1165,20 @@ impl Ops for CudaOps {
 
     fn flash_attention(
         &self,
-        q: &CudaSlice<f32>,
-        k: &CudaSlice<f32>,
-        v: &CudaSlice<f32>,
-        nh: usize,
-        dqk: usize,
-        dv: usize,
-        segments: &[Segment],
-        scale: f32,
-        empty: EmptyRows,
+        a: &PrefillArgs<'_, CudaSlice<f32>>,
         out: &mut CudaSlice<f32>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        let (nh, dqk, dv) = (a.nh, a.dqk, a.dv);
         if dqk > MAX_WIDTH || dv > MAX_WIDTH {
             return Err(Error::cuda(format!(
                 "flash_prefill supports head widths up to {MAX_WIDTH}, got P+R={dqk}, V={dv}"
             )));
         }
+        a.check_lens(out, lse, Self::check_len)?;
         let mut segs = Vec::new();
         let mut tiles = Vec::new();
-        for (si, sg) in segments.iter().enumerate() {
-            Self::check_len(q, (sg.q_off + sg.q_len) * nh * dqk, "flash q")?;
-            Self::check_len(k, (sg.k_off + sg.k_len) * nh * dqk, "flash k")?;
-            Self::check_len(v, (sg.k_off + sg.k_len) * nh * dv, "flash v")?;
-            Self::check_len(out, (sg.q_off + sg.q_len) * nh * dv, "flash out")?;
-            Self::check_len(lse, (sg.q_off + sg.q_len) * nh, "flash lse")?;
+        for (si, sg) in a.segments.iter().enumerate() {
             segs.extend([sg.q_off, sg.q_len, sg.k_off, sg.k_len, usize::from(sg.causal)]);
             for q0 in (0..sg.q_len).step_by(FLASH_ROWS) {
                 tiles.extend([si, q0]);
@@ -1187,58 +1194,34 @@ impl Ops for CudaOps {
             block_dim: (32 * FLASH_ROWS as u32, 1, 1),
             shared_mem_bytes: ((FLASH_BK * (dqk + dv) + FLASH_ROWS * dqk) * 4) as u32,
         };
-        let (h, a, b, em) = (nh as i64, dqk as i64, dv as i64, empty.code());
+        let (h, qk_width, v_width, em) = (nh as i64, dqk as i64, dv as i64, a.empty.code());
         if self.uses_fast() && dqk.is_multiple_of(16) && dv.is_multiple_of(16) {
-            return self.flash_prefill_fast(q, k, v, nh, dqk, dv, segments, scale, empty, out, lse);
+            return self.flash_prefill_fast(a, out, lse);
         }
-        match self.dtype {
-            Dtype::F32 => {
-                launch!(
-                    self,
-                    Module::Attention,
-                    "flash_prefill_f32",
-                    cfg,
-                    q,
-                    k,
-                    v,
-                    out,
-                    lse,
-                    &segs_d,
-                    &tiles_d,
-                    &h,
-                    &a,
-                    &b,
-                    &scale,
-                    &em
-                );
-            }
-            Dtype::Bf16 => {
-                let (qb, kb, vb) = (
-                    self.to_bf16(q, q.len())?,
-                    self.to_bf16(k, k.len())?,
-                    self.to_bf16(v, v.len())?,
-                );
-                launch!(
-                    self,
-                    Module::Attention,
-                    "flash_prefill_bf16",
-                    cfg,
-                    &qb,
-                    &kb,
-                    &vb,
-                    out,
-                    lse,
-                    &segs_d,
-                    &tiles_d,
-                    &h,
-                    &a,
-                    &b,
-                    &scale,
-                    &em
-                );
-            }
-        }
-        Ok(())
+        // The f32 kernel reads the inputs as they are, the bf16 one bf16 copies of them.
+        let (name, bf16) = match self.dtype {
+            Dtype::F32 => ("flash_prefill_f32", None),
+            Dtype::Bf16 => (
+                "flash_prefill_bf16",
+                Some([
+                    self.to_bf16(a.q, a.q.len())?,
+                    self.to_bf16(a.k, a.k.len())?,
+                    self.to_bf16(a.v, a.v.len())?,
+                ]),
+            ),
+        };
+        let f = self.func(Module::Attention, name)?;
+        let mut b = self.dev.stream().launch_builder(&f);
+        match &bf16 {
+            Some([qb, kb, vb]) => b.arg(qb).arg(kb).arg(vb),
+            None => b.arg(a.q).arg(a.k).arg(a.v),
+        };
+        b.arg(out).arg(lse).arg(&segs_d).arg(&tiles_d).arg(&h);
+        b.arg(&qk_width).arg(&v_width).arg(&a.scale).arg(&em);
+        // SAFETY: the arguments match the kernel's signature in attention.cu (inputs in the
+        // dtype's element type), and every buffer was length-checked above.
+        unsafe { b.launch(cfg) }.map_err(|e| Error::cuda(format!("launch {name}: {e:?}")))?;
+        self.sync(name)
     }
 
     fn cache_write(
@@ -1311,9 +1294,10 @@ impl Ops for CudaOps {
                 "decode_split supports value widths up to {MAX_WIDTH}, got L={dv}"
             )));
         }
-        Self::check_len(q, n * nh * width, "decode q")?;
-        Self::check_len(parts, splits * n * nh * dv, "decode parts")?;
-        Self::check_len(lses, splits * n * nh, "decode lses")?;
+        d.check_lens(parts, lses, Self::check_len)?;
+        if self.fast_decode_serves(width, dv) {
+            return self.decode_mma(&self.fast_decode_inputs(d)?.launch(), parts, lses, None);
+        }
         let (flat, max_blocks) = Self::flat_tables(cache, block_size, width, tables, ctx)?;
         let (tables_d, ctx_d) = (self.idx(&flat)?, self.idx(ctx)?);
         let cfg = LaunchConfig {
@@ -1321,64 +1305,30 @@ impl Ops for CudaOps {
             block_dim: (32, 1, 1),
             shared_mem_bytes: (width * 4) as u32,
         };
-        if self.uses_fast() && width.is_multiple_of(16) && dv.is_multiple_of(32) && dv <= width {
-            let qb = self.to_bf16(q, q.len())?;
-            let cb16 = self.to_bf16(cache, cache.len())?;
-            return self.decode_split_fast(
-                &qb, n, nh, &cb16, block_size, width, &flat, max_blocks, ctx, splits, dv, scale, empty_lse, parts, lses,
-            );
-        }
         let a = [n, nh, width, dv, block_size, max_blocks, splits].map(|x| x as i64);
-        match self.dtype {
-            Dtype::F32 => {
-                launch!(
-                    self,
-                    Module::Attention,
-                    "decode_split_f32",
-                    cfg,
-                    q,
-                    cache,
-                    &tables_d,
-                    &ctx_d,
-                    parts,
-                    lses,
-                    &a[0],
-                    &a[1],
-                    &a[2],
-                    &a[3],
-                    &a[4],
-                    &a[5],
-                    &a[6],
-                    &scale,
-                    &empty_lse
-                );
-            }
-            Dtype::Bf16 => {
-                let (qb, cb16) = (self.to_bf16(q, q.len())?, self.to_bf16(cache, cache.len())?);
-                launch!(
-                    self,
-                    Module::Attention,
-                    "decode_split_bf16",
-                    cfg,
-                    &qb,
-                    &cb16,
-                    &tables_d,
-                    &ctx_d,
-                    parts,
-                    lses,
-                    &a[0],
-                    &a[1],
-                    &a[2],
-                    &a[3],
-                    &a[4],
-                    &a[5],
-                    &a[6],
-                    &scale,
-                    &empty_lse
-                );
-            }
+        // The f32 kernel reads q and the cache as they are, the bf16 one bf16 copies of them.
+        let (name, bf16) = match self.dtype {
+            Dtype::F32 => ("decode_split_f32", None),
+            Dtype::Bf16 => (
+                "decode_split_bf16",
+                Some([self.to_bf16(q, q.len())?, self.to_bf16(cache, cache.len())?]),
+            ),
+        };
+        let f = self.func(Module::Attention, name)?;
+        let mut b = self.dev.stream().launch_builder(&f);
+        match &bf16 {
+            Some([qb, cb16]) => b.arg(qb).arg(cb16),
+            None => b.arg(q).arg(cache),
+        };
+        b.arg(&tables_d).arg(&ctx_d).arg(parts).arg(lses);
+        for x in &a {
+            b.arg(x);
         }
-        Ok(())
+        b.arg(&scale).arg(&empty_lse);
+        // SAFETY: the arguments match the kernel's signature in attention.cu (q and the cache in
+        // the dtype's element type), and every buffer was length-checked above.
+        unsafe { b.launch(cfg) }.map_err(|e| Error::cuda(format!("launch {name}: {e:?}")))?;
+        self.sync(name)
     }
 
     fn decode_merged(&self, d: &DecodeArgs<'_, CudaSlice<f32>>) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
@@ -1386,34 +1336,20 @@ impl Ops for CudaOps {
             q,
             n,
             nh,
-            cache,
-            block_size,
             width,
-            tables,
-            ctx,
             splits,
             dv,
-            scale,
-            empty_lse,
+            ..
         } = *d;
-        let fast = n > 0
-            && dv <= MAX_WIDTH
-            && self.uses_fast()
-            && width.is_multiple_of(16)
-            && dv.is_multiple_of(32)
-            && dv <= width;
-        if !fast {
+        if !(n > 0 && dv <= MAX_WIDTH && self.fast_decode_serves(width, dv)) {
             return crate::compute::ops::decode_then_merge(self, d);
         }
         // The fast kernel with the merge fused in: same partials (canary-filled first, as the
         // unfused path; not used by the cluster merge, which keeps them on chip), same merge
         // arithmetic, one launch.
         Self::check_len(q, n * nh * width, "decode q")?;
-        let (flat, max_blocks) = Self::flat_tables(cache, block_size, width, tables, ctx)?;
-        let cfg = DecodeCfg::from_env()?
-            .unwrap_or_else(|| DecodeCfg::for_heads(nh))
-            .fit(width, dv)
-            .for_arch(&self.dev.arch);
+        let inputs = self.fast_decode_inputs(d)?;
+        let cfg = inputs.shape.cfg;
         let on_chip = cfg.cluster_size(&self.dev.arch, splits, dv, true) > 0;
         let mut parts = self.canary(if on_chip { 1 } else { splits * n * nh * dv })?;
         let mut lses = self.canary(if on_chip { 1 } else { splits * n * nh })?;
@@ -1424,36 +1360,12 @@ impl Ops for CudaOps {
             .stream()
             .alloc_zeros::<i32>(n * nh.div_ceil(cfg.heads))
             .map_err(|e| Error::cuda(format!("decode merge counters: {e:?}")))?;
-        let (qb, cb16) = (self.to_bf16(q, q.len())?, self.to_bf16(cache, cache.len())?);
-        let (tables_d, ctx_d) = (self.idx(&flat)?, self.idx(ctx)?);
-        let shape = DecodeShape {
-            n,
-            nh,
-            block_size,
-            width,
-            max_blocks,
-            splits,
-            dv,
-            cfg,
-            spin: None,
-        };
         let merge = DecodeMerge {
             out: &mut out,
             lse: &mut lse,
             counters: &mut counters,
         };
-        self.decode_mma(
-            &qb,
-            &cb16,
-            &tables_d,
-            &ctx_d,
-            shape,
-            scale,
-            empty_lse,
-            &mut parts,
-            &mut lses,
-            Some(merge),
-        )?;
+        self.decode_mma(&inputs.launch(), &mut parts, &mut lses, Some(merge))?;
         Ok((out, lse))
     }
 

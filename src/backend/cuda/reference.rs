@@ -25,7 +25,7 @@ use crate::core::error::{Error, Result};
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::device::Module;
 use crate::device::context::{Device, grid1};
-use crate::model::config::{MlaConfig, MlaDims, RopeStyle};
+use crate::model::config::{MlaConfig, RopeStyle};
 use crate::model::weights::{LayerWeights, QWeights, tensor_name};
 
 /// Threads of the one-block-per-row kernels (`REF_THREADS` in reference.cu).
@@ -40,12 +40,86 @@ pub fn supported(cfg: &MlaConfig, layer: usize, full: bool) -> bool {
     cfg.indexer.is_none() && !(full && cfg.is_moe_layer(layer))
 }
 
-/// A row-major matrix operand at an element offset of a device buffer, with its row stride.
+/// A row-major matrix operand at an element offset of a device buffer, with its row stride:
+/// element `(i, j)` at `buf[off + i·ld + j]`.
 #[derive(Clone, Copy)]
 struct Mat<'a> {
     buf: &'a CudaSlice<f64>,
     off: usize,
     ld: usize,
+}
+
+impl<'a> Mat<'a> {
+    fn new(buf: &'a CudaSlice<f64>, off: usize, ld: usize) -> Self {
+        Mat { buf, off, ld }
+    }
+}
+
+/// The output operand of [`Gpu::gemm`], laid out as a [`Mat`].
+struct MatMut<'a> {
+    buf: &'a mut CudaSlice<f64>,
+    off: usize,
+    ld: usize,
+}
+
+impl<'a> MatMut<'a> {
+    fn new(buf: &'a mut CudaSlice<f64>, off: usize, ld: usize) -> Self {
+        MatMut { buf, off, ld }
+    }
+}
+
+/// What one [`Gpu::gemm`] computes besides its operands: `C[m, n] = A[m, k] · B (+ beta·C)`
+/// with `B` `[k, n]`, or `Bᵀ` with `B` `[n, k]` (`b_t`), over `batch` = (count, stride of A, of
+/// B, of C) in elements.
+#[derive(Clone, Copy)]
+struct Product {
+    b_t: bool,
+    mnk: (usize, usize, usize),
+    beta: f64,
+    batch: Option<(usize, usize, usize, usize)>,
+}
+
+impl Product {
+    /// `C = A · B`.
+    fn ab(mnk: (usize, usize, usize)) -> Self {
+        Product {
+            b_t: false,
+            mnk,
+            beta: 0.0,
+            batch: None,
+        }
+    }
+
+    /// `C = A · Bᵀ`.
+    fn abt(mnk: (usize, usize, usize)) -> Self {
+        Product {
+            b_t: true,
+            ..Self::ab(mnk)
+        }
+    }
+
+    /// The same product added to `C` (beta 1).
+    fn accumulate(self) -> Self {
+        Product { beta: 1.0, ..self }
+    }
+
+    /// The same product over `count` matrices at element strides `sa`, `sb`, `sc` of A, B, C.
+    fn batched(self, (count, sa, sb, sc): (usize, usize, usize, usize)) -> Self {
+        Product {
+            batch: Some((count, sa, sb, sc)),
+            ..self
+        }
+    }
+}
+
+/// RoPE inputs shared by every rotation of a layer ([`Gpu::rope`]).
+struct RopeTables {
+    /// Each token's position `[T]`, i64.
+    pos: CudaSlice<i64>,
+    /// The (YaRN) inverse frequencies `[R/2]`, f64.
+    inv: CudaSlice<f64>,
+    /// NeoX pairing (first half with second half) instead of interleaved pairs.
+    neox: bool,
 }
 
 /// The GPU reference's kernels and products on one device.
@@ -125,24 +199,15 @@ impl Gpu<'_> {
         Ok(out)
     }
 
-    /// RMSNorm of `rows` rows of `width` read at `src[off + r·stride]`, `[rows, width]`.
-    #[allow(clippy::too_many_arguments)]
-    fn rms_norm(
-        &self,
-        src: &CudaSlice<f64>,
-        rows: usize,
-        off: usize,
-        stride: usize,
-        width: usize,
-        g: &[f32],
-        eps: f64,
-    ) -> Result<CudaSlice<f64>> {
+    /// RMSNorm of `rows` rows of `width` read from `src` (row `r` at `src.off + r·src.ld`) with
+    /// weight `g` \[width], `[rows, width]`.
+    fn rms_norm(&self, src: Mat<'_>, rows: usize, width: usize, g: &[f32], eps: f64) -> Result<CudaSlice<f64>> {
         let g = self.widen(g)?;
         let mut out = self.alloc(rows * width)?;
         let f = self.dev.func(Module::Reference, "ref_rms_norm")?;
-        let (r, o, s, w) = (rows as i64, off as i64, stride as i64, width as i64);
+        let (r, o, s, w) = (rows as i64, src.off as i64, src.ld as i64, width as i64);
         let mut b = self.dev.stream().launch_builder(&f);
-        b.arg(src)
+        b.arg(src.buf)
             .arg(&r)
             .arg(&o)
             .arg(&s)
@@ -161,21 +226,11 @@ impl Gpu<'_> {
     }
 
     /// RoPE in place on `rows` rows of `r` values, `heads` rows per token.
-    #[allow(clippy::too_many_arguments)]
-    fn rope(
-        &self,
-        x: &mut CudaSlice<f64>,
-        rows: usize,
-        heads: usize,
-        r: usize,
-        pos: &CudaSlice<i64>,
-        inv: &CudaSlice<f64>,
-        neox: bool,
-    ) -> Result<()> {
+    fn rope(&self, x: &mut CudaSlice<f64>, rows: usize, heads: usize, r: usize, t: &RopeTables) -> Result<()> {
         let f = self.dev.func(Module::Reference, "ref_rope")?;
-        let (ro, he, rr, nx) = (rows as i64, heads as i64, r as i64, i32::from(neox));
+        let (ro, he, rr, nx) = (rows as i64, heads as i64, r as i64, i32::from(t.neox));
         let mut b = self.dev.stream().launch_builder(&f);
-        b.arg(x).arg(&ro).arg(&he).arg(&rr).arg(pos).arg(inv).arg(&nx);
+        b.arg(x).arg(&ro).arg(&he).arg(&rr).arg(&t.pos).arg(&t.inv).arg(&nx);
         // SAFETY: argument types match ref_rope; pos holds one entry per token.
         unsafe { b.launch(grid1(rows * r / 2)) }.map_err(|e| Error::cuda(format!("launch ref_rope: {e:?}")))?;
         Ok(())
@@ -203,21 +258,14 @@ impl Gpu<'_> {
         Ok(out)
     }
 
-    /// Row-major `C[m, n] (+)= A[m, k] · B` with `B` `[k, n]`, or `Bᵀ` when `b_t` (`B` `[n, k]`),
-    /// in f64 (cuBLAS DGEMM); `batch` = (count, stride of A, of B, of C) in elements.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(
-        &self,
-        c: &mut CudaSlice<f64>,
-        c_off: usize,
-        ldc: usize,
-        a: Mat<'_>,
-        b: Mat<'_>,
-        b_t: bool,
-        (m, n, k): (usize, usize, usize),
-        beta: f64,
-        batch: Option<(usize, usize, usize, usize)>,
-    ) -> Result<()> {
+    /// Row-major `C = A · B` or `A · Bᵀ` as `op` says ([`Product`]), in f64 (cuBLAS DGEMM).
+    fn gemm(&self, c: MatMut<'_>, a: Mat<'_>, b: Mat<'_>, op: Product) -> Result<()> {
+        let Product {
+            b_t,
+            mnk: (m, n, k),
+            beta,
+            batch,
+        } = op;
         if m == 0 || n == 0 || k == 0 {
             return Ok(());
         }
@@ -236,10 +284,10 @@ impl Gpu<'_> {
             lda: b.ld as i32,
             ldb: a.ld as i32,
             beta,
-            ldc: ldc as i32,
+            ldc: c.ld as i32,
         };
         let (bv, av) = (b.buf.slice(b.off..), a.buf.slice(a.off..));
-        let mut cv = c.slice_mut(c_off..);
+        let mut cv = c.buf.slice_mut(c.off..);
         // SAFETY: every operand's extent (offset, leading dimension, batch strides) lies inside
         // its buffer, as laid out by the callers below.
         unsafe {
@@ -281,15 +329,10 @@ impl Gpu<'_> {
     fn linear(&self, x: &CudaSlice<f64>, t: usize, k: usize, w: &CudaSlice<f64>, o: usize) -> Result<CudaSlice<f64>> {
         let mut y = self.alloc(t * o)?;
         self.gemm(
-            &mut y,
-            0,
-            o,
-            Mat { buf: x, off: 0, ld: k },
-            Mat { buf: w, off: 0, ld: k },
-            true,
-            (t, o, k),
-            0.0,
-            None,
+            MatMut::new(&mut y, 0, o),
+            Mat::new(x, 0, k),
+            Mat::new(w, 0, k),
+            Product::abt((t, o, k)),
         )?;
         Ok(y)
     }
@@ -344,15 +387,8 @@ fn reference_inner(
     keep: bool,
 ) -> Result<(RefOutput, Vec<DeviceSite<f64>>)> {
     let t = batch.n_tokens();
-    let MlaDims {
-        hidden: hd,
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let dims = cfg.dims();
+    let (hd, [n, l, p, r, v]) = (dims.hidden, dims.nlprv());
     if !supported(cfg, w.layer, false) {
         return Err(Error::Usage(
             "the GPU reference does not compute DSA indexer layers".into(),
@@ -370,7 +406,7 @@ fn reference_inner(
     let eps = cfg.rms_eps;
     let mut tr = Trace::new();
     let kept = std::cell::RefCell::new(Vec::new());
-    let rec = |tr: &mut Trace, stage: Stage, shape: Vec<usize>, buf: &CudaSlice<f64>| -> Result<()> {
+    let record = |tr: &mut Trace, stage: Stage, shape: Vec<usize>, buf: &CudaSlice<f64>| -> Result<()> {
         let n: usize = shape.iter().product();
         let site = Site::new(layer, stage);
         if keep {
@@ -386,10 +422,10 @@ fn reference_inner(
         Ok(())
     };
     // A site built on the host (the weight sites): on the device too when the activations are.
-    let rec_host = |tr: &mut Trace, stage: Stage, shape: Vec<usize>, values: Vec<f64>| -> Result<()> {
+    let record_host = |tr: &mut Trace, stage: Stage, shape: Vec<usize>, values: Vec<f64>| -> Result<()> {
         if keep {
             let buf = g.up(&values)?;
-            rec(tr, stage, shape, &buf)
+            record(tr, stage, shape, &buf)
         } else {
             tr.record(Site::new(layer, stage), TraceTensor::f64(shape, values));
             Ok(())
@@ -397,11 +433,17 @@ fn reference_inner(
     };
     let hidden_std = hidden.as_standard_layout();
     let x_in = g.up(hidden_std.as_slice().unwrap_or(&[]))?;
-    rec(&mut tr, Stage::HiddenIn, vec![t, hd], &x_in)?;
+    record(&mut tr, Stage::HiddenIn, vec![t, hd], &x_in)?;
 
     // Step 1: attn_norm.
-    let x = g.rms_norm(&x_in, t, 0, hd, hd, w.attn_norm.as_slice().unwrap_or(&[]), eps)?;
-    rec(&mut tr, Stage::AttnIn, vec![t, hd], &x)?;
+    let x = g.rms_norm(
+        Mat::new(&x_in, 0, hd),
+        t,
+        hd,
+        w.attn_norm.as_slice().unwrap_or(&[]),
+        eps,
+    )?;
+    record(&mut tr, Stage::AttnIn, vec![t, hd], &x)?;
 
     // Step 2: q path.
     let q = match &w.q {
@@ -409,32 +451,37 @@ fn reference_inner(
             let lq = q_a.nrows();
             let fused = ndarray::concatenate(Axis(0), &[q_a.view(), w.kv_a_mqa.view()])
                 .map_err(|e| Error::Internal(e.to_string()))?;
-            rec_host(
+            record_host(
                 &mut tr,
                 Stage::WFusedQkvA,
                 vec![fused.nrows(), hd],
                 fused.iter().map(|&x| f64::from(x)).collect(),
             )?;
             let q_c = g.linear_w(&x, t, &name("attn_q_a"), q_a)?;
-            rec(&mut tr, Stage::QC, vec![t, lq], &q_c)?;
-            let q_c_normed = g.rms_norm(&q_c, t, 0, lq, lq, q_a_norm.as_slice().unwrap_or(&[]), eps)?;
-            rec(&mut tr, Stage::QCNormed, vec![t, lq], &q_c_normed)?;
+            record(&mut tr, Stage::QC, vec![t, lq], &q_c)?;
+            let q_c_normed = g.rms_norm(Mat::new(&q_c, 0, lq), t, lq, q_a_norm.as_slice().unwrap_or(&[]), eps)?;
+            record(&mut tr, Stage::QCNormed, vec![t, lq], &q_c_normed)?;
             g.linear_w(&q_c_normed, t, &name("attn_q_b"), q_b)?
         }
         QWeights::Direct { q } => g.linear_w(&x, t, &name("attn_q"), q)?,
     };
-    rec(&mut tr, Stage::Q, vec![t, n, p + r], &q)?;
+    record(&mut tr, Stage::Q, vec![t, n, p + r], &q)?;
 
     // Step 3: kv path; kv_c is a view of kv_a, the norm applies to kv_c only.
     let kv_a = g.linear_w(&x, t, &name("attn_kv_a_mqa"), &w.kv_a_mqa)?;
-    rec(&mut tr, Stage::KvA, vec![t, l + r], &kv_a)?;
-    let kv_c_normed = g.rms_norm(&kv_a, t, 0, l + r, l, w.kv_a_norm.as_slice().unwrap_or(&[]), eps)?;
-    rec(&mut tr, Stage::KvCNormed, vec![t, l], &kv_c_normed)?;
+    record(&mut tr, Stage::KvA, vec![t, l + r], &kv_a)?;
+    let kv_c_normed = g.rms_norm(
+        Mat::new(&kv_a, 0, l + r),
+        t,
+        l,
+        w.kv_a_norm.as_slice().unwrap_or(&[]),
+        eps,
+    )?;
+    record(&mut tr, Stage::KvCNormed, vec![t, l], &kv_c_normed)?;
     let k_pe = g.copy_cols(&kv_a, t, l + r, l, r)?;
-    rec(&mut tr, Stage::KPe, vec![t, r], &k_pe)?;
+    record(&mut tr, Stage::KPe, vec![t, r], &k_pe)?;
 
     // Step 4: RoPE, positions from the batch.
-    let neox = cfg.rope_style == RopeStyle::Neox;
     let positions: Vec<i64> = batch.positions().iter().map(|&x| x as i64).collect();
     let pos = dev
         .stream()
@@ -444,20 +491,24 @@ fn reference_inner(
             &positions[..]
         })
         .map_err(|e| Error::cuda(format!("upload positions: {e:?}")))?;
-    let inv = g.up(&rope_inv_freq(cfg))?;
+    let tables = RopeTables {
+        pos,
+        inv: g.up(&rope_inv_freq(cfg))?,
+        neox: cfg.rope_style == RopeStyle::Neox,
+    };
     let mut q_pe = g.copy_cols(&q, t * n, p + r, p, r)?;
-    g.rope(&mut q_pe, t * n, n, r, &pos, &inv, neox)?;
-    rec(&mut tr, Stage::QPeRoped, vec![t, n, r], &q_pe)?;
+    g.rope(&mut q_pe, t * n, n, r, &tables)?;
+    record(&mut tr, Stage::QPeRoped, vec![t, n, r], &q_pe)?;
     let mut k_pe_roped = g.copy_cols(&k_pe, t, r, 0, r)?;
-    g.rope(&mut k_pe_roped, t, 1, r, &pos, &inv, neox)?;
-    rec(&mut tr, Stage::KPeRoped, vec![t, r], &k_pe_roped)?;
+    g.rope(&mut k_pe_roped, t, 1, r, &tables)?;
+    record(&mut tr, Stage::KPeRoped, vec![t, r], &k_pe_roped)?;
 
     // Step 5: expanded K/V through kv_b (per-head interleaved rows).
     let kv_b = assemble_kv_b(cfg, &w.kv_b);
     let kv_b_std = kv_b.as_standard_layout();
     let kv_b_d = g.up(kv_b_std.as_slice().unwrap_or(&[]))?;
     if keep {
-        rec(&mut tr, Stage::WKvB, vec![n * (p + v), l], &kv_b_d)?;
+        record(&mut tr, Stage::WKvB, vec![n * (p + v), l], &kv_b_d)?;
     } else {
         tr.record(
             Site::new(layer, Stage::WKvB),
@@ -469,36 +520,23 @@ fn reference_inner(
     let k_nope = g.copy_cols(&kv, t * n, p + v, 0, p)?;
     let vv = g.copy_cols(&kv, t * n, p + v, p, v)?;
     drop(kv);
-    rec(&mut tr, Stage::KNope, vec![t, n, p], &k_nope)?;
-    rec(&mut tr, Stage::V, vec![t, n, v], &vv)?;
+    record(&mut tr, Stage::KNope, vec![t, n, p], &k_nope)?;
+    record(&mut tr, Stage::V, vec![t, n, v], &vv)?;
 
     // Step 6: W_UK_T [N, P, L] and W_UV [N, L, V] from the same kv_b; ql_nope = q_nope · W_UK_T.
     let (w_uk_t, w_uv) = split_kv_b(cfg, &kv_b);
-    rec_host(&mut tr, Stage::WUkT, vec![n, p, l], w_uk_t.iter().copied().collect())?;
-    rec_host(&mut tr, Stage::WUv, vec![n, l, v], w_uv.iter().copied().collect())?;
+    record_host(&mut tr, Stage::WUkT, vec![n, p, l], w_uk_t.iter().copied().collect())?;
+    record_host(&mut tr, Stage::WUv, vec![n, l, v], w_uv.iter().copied().collect())?;
     let w_uk_t_d = g.up(w_uk_t.as_standard_layout().as_slice().unwrap_or(&[]))?;
     let mut ql_nope = g.alloc(t * n * l)?;
     g.gemm(
-        &mut ql_nope,
-        0,
-        n * l,
-        Mat {
-            buf: &q,
-            off: 0,
-            ld: n * (p + r),
-        },
-        Mat {
-            buf: &w_uk_t_d,
-            off: 0,
-            ld: l,
-        },
-        false,
-        (t, l, p),
-        0.0,
-        Some((n, p + r, p * l, l)),
+        MatMut::new(&mut ql_nope, 0, n * l),
+        Mat::new(&q, 0, n * (p + r)),
+        Mat::new(&w_uk_t_d, 0, l),
+        Product::ab((t, l, p)).batched((n, p + r, p * l, l)),
     )?;
     drop(w_uk_t_d);
-    rec(&mut tr, Stage::QlNope, vec![t, n, l], &ql_nope)?;
+    record(&mut tr, Stage::QlNope, vec![t, n, l], &ql_nope)?;
     drop(ql_nope);
 
     // Step 7: attention per sequence, heads in groups: scores by two DGEMMs, causal softmax,
@@ -515,42 +553,16 @@ fn reference_inner(
         for h0 in (0..n).step_by(group) {
             let hc = group.min(n - h0);
             g.gemm(
-                &mut s,
-                0,
-                len,
-                Mat {
-                    buf: &q,
-                    off: off * n * (p + r) + h0 * (p + r),
-                    ld: n * (p + r),
-                },
-                Mat {
-                    buf: &k_nope,
-                    off: off * n * p + h0 * p,
-                    ld: n * p,
-                },
-                true,
-                (len, len, p),
-                0.0,
-                Some((hc, p + r, p, len * len)),
+                MatMut::new(&mut s, 0, len),
+                Mat::new(&q, off * n * (p + r) + h0 * (p + r), n * (p + r)),
+                Mat::new(&k_nope, off * n * p + h0 * p, n * p),
+                Product::abt((len, len, p)).batched((hc, p + r, p, len * len)),
             )?;
             g.gemm(
-                &mut s,
-                0,
-                len,
-                Mat {
-                    buf: &q_pe,
-                    off: off * n * r + h0 * r,
-                    ld: n * r,
-                },
-                Mat {
-                    buf: &k_pe_roped,
-                    off: off * r,
-                    ld: r,
-                },
-                true,
-                (len, len, r),
-                1.0,
-                Some((hc, r, 0, len * len)),
+                MatMut::new(&mut s, 0, len),
+                Mat::new(&q_pe, off * n * r + h0 * r, n * r),
+                Mat::new(&k_pe_roped, off * r, r),
+                Product::abt((len, len, r)).accumulate().batched((hc, r, 0, len * len)),
             )?;
             let (ll, hh, ls) = (len as i64, hc as i64, n as i64);
             let mut lse_v = lse.slice_mut(off * n + h0..);
@@ -564,50 +576,24 @@ fn reference_inner(
             // SAFETY: argument types match ref_softmax_causal; s holds hc·len² scores.
             unsafe { b.launch(cfg_l) }.map_err(|e| Error::cuda(format!("launch ref_softmax_causal: {e:?}")))?;
             g.gemm(
-                &mut attn_out,
-                off * n * v + h0 * v,
-                n * v,
-                Mat {
-                    buf: &s,
-                    off: 0,
-                    ld: len,
-                },
-                Mat {
-                    buf: &vv,
-                    off: off * n * v + h0 * v,
-                    ld: n * v,
-                },
-                false,
-                (len, v, len),
-                0.0,
-                Some((hc, len * len, v, v)),
+                MatMut::new(&mut attn_out, off * n * v + h0 * v, n * v),
+                Mat::new(&s, 0, len),
+                Mat::new(&vv, off * n * v + h0 * v, n * v),
+                Product::ab((len, v, len)).batched((hc, len * len, v, v)),
             )?;
             g.gemm(
-                &mut attn_latent,
-                off * n * l + h0 * l,
-                n * l,
-                Mat {
-                    buf: &s,
-                    off: 0,
-                    ld: len,
-                },
-                Mat {
-                    buf: &kv_c_normed,
-                    off: off * l,
-                    ld: l,
-                },
-                false,
-                (len, l, len),
-                0.0,
-                Some((hc, len * len, 0, l)),
+                MatMut::new(&mut attn_latent, off * n * l + h0 * l, n * l),
+                Mat::new(&s, 0, len),
+                Mat::new(&kv_c_normed, off * l, l),
+                Product::ab((len, l, len)).batched((hc, len * len, 0, l)),
             )?;
         }
     }
     g.sync("attention")?;
-    rec(&mut tr, Stage::AttnLatent, vec![t, n, l], &attn_latent)?;
+    record(&mut tr, Stage::AttnLatent, vec![t, n, l], &attn_latent)?;
     drop(attn_latent);
-    rec(&mut tr, Stage::Lse, vec![t, n], &lse)?;
-    rec(&mut tr, Stage::AttnOut, vec![t, n, v], &attn_out)?;
+    record(&mut tr, Stage::Lse, vec![t, n], &lse)?;
+    record(&mut tr, Stage::AttnOut, vec![t, n, v], &attn_out)?;
 
     // Under TP, the ranks' o_proj partials on the host (a few [T, H] GEMMs).
     let partials = if tp >= 2 {
@@ -617,21 +603,21 @@ fn reference_inner(
     };
     // Step 8: o_proj over the head-major [T, N·V] input.
     let o = g.linear_w(&attn_out, t, &name("attn_output"), &w.o_proj)?;
-    rec(&mut tr, Stage::OProj, vec![t, hd], &o)?;
+    record(&mut tr, Stage::OProj, vec![t, hd], &o)?;
 
     // Residual and dense SwiGLU FFN (each branch times the residual scale: MiniCPM3).
     let rs = cfg.residual_scale;
     let hidden_out = match &w.ffn {
         Some(ffn) => {
             let h1 = g.elementwise("ref_add_scaled", &x_in, &o, Some(rs), t * hd)?;
-            let xn = g.rms_norm(&h1, t, 0, hd, hd, ffn.norm.as_slice().unwrap_or(&[]), eps)?;
+            let xn = g.rms_norm(Mat::new(&h1, 0, hd), t, hd, ffn.norm.as_slice().unwrap_or(&[]), eps)?;
             let f = ffn.gate.nrows();
             let gate = g.linear_w(&xn, t, &name("ffn_gate"), &ffn.gate)?;
             let up = g.linear_w(&xn, t, &name("ffn_up"), &ffn.up)?;
             let act = g.elementwise("ref_swiglu", &gate, &up, None, t * f)?;
             let down = g.linear_w(&act, t, &name("ffn_down"), &ffn.down)?;
             let out = g.elementwise("ref_add_scaled", &h1, &down, Some(rs), t * hd)?;
-            rec(&mut tr, Stage::HiddenOut, vec![t, hd], &out)?;
+            record(&mut tr, Stage::HiddenOut, vec![t, hd], &out)?;
             let v = g.down(&out, t * hd)?;
             Some(Array2::from_shape_vec((t, hd), v).map_err(|e| Error::Internal(e.to_string()))?)
         }

@@ -183,15 +183,17 @@ impl<O: Ops> RankAttn<'_, O> {
         let mut out = ops.canary(n * nh * dv)?;
         let mut lse = ops.canary(n * nh)?;
         ops.flash_attention(
-            &qg,
-            &kg,
-            &vg,
-            nh,
-            p + r,
-            dv,
-            &segs,
-            self.scale,
-            empty,
+            &PrefillArgs {
+                q: &qg,
+                k: &kg,
+                v: &vg,
+                nh,
+                dqk: p + r,
+                dv,
+                segments: &segs,
+                scale: self.scale,
+                empty,
+            },
             &mut out,
             &mut lse,
         )?;
@@ -219,15 +221,17 @@ impl<O: Ops> RankAttn<'_, O> {
         let nh = self.nh;
         if self.sel.is_none() {
             return self.ops.flash_attention(
-                q,
-                k,
-                v,
-                nh,
-                p + r,
-                dv,
-                &Self::causal_segments(seqs),
-                self.scale,
-                EmptyRows::ZeroMinusInf,
+                &PrefillArgs {
+                    q,
+                    k,
+                    v,
+                    nh,
+                    dqk: p + r,
+                    dv,
+                    segments: &Self::causal_segments(seqs),
+                    scale: self.scale,
+                    empty: EmptyRows::ZeroMinusInf,
+                },
                 out,
                 lse,
             );

@@ -268,7 +268,21 @@ fn context_chunk_attention<O: Ops>(
     let ckf = a.full_k(&ck, &kpe, nk)?;
     let mut po = ops.canary(t_new * nh * v)?;
     let mut pl = ops.canary(t_new * nh)?;
-    ops.flash_attention(qn, &ckf, &cv, nh, p + r, v, segs, a.scale, empty, &mut po, &mut pl)?;
+    ops.flash_attention(
+        &PrefillArgs {
+            q: qn,
+            k: &ckf,
+            v: &cv,
+            nh,
+            dqk: p + r,
+            dv: v,
+            segments: segs,
+            scale: a.scale,
+            empty,
+        },
+        &mut po,
+        &mut pl,
+    )?;
     Ok((po, pl))
 }
 
@@ -341,15 +355,17 @@ fn new_tokens_attention<O: Ops>(
     let mut so = ops.canary(t_new * nh * v)?;
     let mut sl = ops.canary(t_new * nh)?;
     ops.flash_attention(
-        qn,
-        &sk,
-        &sv,
-        nh,
-        p + r,
-        v,
-        &RankAttn::<O>::causal_segments(&suffix),
-        a.scale,
-        EmptyRows::ZeroMinusInf,
+        &PrefillArgs {
+            q: qn,
+            k: &sk,
+            v: &sv,
+            nh,
+            dqk: p + r,
+            dv: v,
+            segments: &RankAttn::<O>::causal_segments(&suffix),
+            scale: a.scale,
+            empty: EmptyRows::ZeroMinusInf,
+        },
         &mut so,
         &mut sl,
     )?;

@@ -29,15 +29,17 @@ pub(super) fn mha_rank<O: Ops>(a: &RankAttn<'_, O>, batch: &Batch) -> Result<Ran
         let mut result = ops.canary(t * nh * v)?;
         let mut lse = ops.canary(t * nh)?;
         ops.flash_attention(
-            &qf,
-            &kf,
-            &vv,
-            nh,
-            p + r,
-            v,
-            &RankAttn::<O>::causal_segments(&seqs),
-            a.scale,
-            EmptyRows::ZeroMinusInf,
+            &PrefillArgs {
+                q: &qf,
+                k: &kf,
+                v: &vv,
+                nh,
+                dqk: p + r,
+                dv: v,
+                segments: &RankAttn::<O>::causal_segments(&seqs),
+                scale: a.scale,
+                empty: EmptyRows::ZeroMinusInf,
+            },
             &mut result,
             &mut lse,
         )?;

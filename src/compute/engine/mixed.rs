@@ -113,15 +113,17 @@ pub(super) fn mixed_rank<O: Ops>(
         let mut po = ops.canary(np * nh * v)?;
         let mut pl = ops.canary(np * nh)?;
         ops.flash_attention(
-            &pq,
-            &pk,
-            &pv,
-            nh,
-            p + r,
-            v,
-            &RankAttn::<O>::causal_segments(&segs),
-            a.scale,
-            EmptyRows::ZeroMinusInf,
+            &PrefillArgs {
+                q: &pq,
+                k: &pk,
+                v: &pv,
+                nh,
+                dqk: p + r,
+                dv: v,
+                segments: &RankAttn::<O>::causal_segments(&segs),
+                scale: a.scale,
+                empty: EmptyRows::ZeroMinusInf,
+            },
             &mut po,
             &mut pl,
         )?;

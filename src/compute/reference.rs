@@ -25,7 +25,7 @@ use crate::compute::indexer::{self, Selection};
 use crate::core::batch::Batch;
 use crate::core::error::{Error, Result};
 use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
-use crate::model::config::{GatingFunc, MlaConfig, MlaDims, MoeConfig};
+use crate::model::config::{GatingFunc, MlaConfig, MoeConfig};
 use crate::model::gguf::GgufFile;
 use crate::model::weights::{KvBWeights, LayerWeights, MoeWeights, QWeights, SwiGlu, into_row_major};
 
@@ -200,13 +200,7 @@ pub fn rope_inv_freq(cfg: &MlaConfig) -> Vec<f64> {
 /// Rebuilds `kv_b_proj` [N·(P+V), L] from the file's tensors (docs/mla.md "Rebuilding kv_b"):
 /// `W[h·(P+V) + p, l] = k_b[h, l, p]`, `W[h·(P+V) + P + v, l] = v_b[h, v, l]`.
 pub fn assemble_kv_b(cfg: &MlaConfig, w: &KvBWeights) -> Array2<f64> {
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, _, v] = cfg.dims().nlprv();
     match w {
         KvBWeights::Fused { kv_b } => widen_to_f64(kv_b),
         KvBWeights::Split { k_b, v_b } => {
@@ -290,15 +284,8 @@ pub fn forward_sel(
     shared: Option<&Selection>,
 ) -> Result<RefLayer> {
     let t = batch.n_tokens();
-    let MlaDims {
-        hidden: hd,
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, r, v] = cfg.dims().nlprv();
+    let hd = cfg.dims().hidden;
     if hidden_in.shape() != [t, hd] {
         return Err(Error::Usage(format!(
             "reference: hidden_in has shape {:?}, expected [T={t}, H={hd}]",
@@ -465,13 +452,7 @@ pub fn forward_sel(
 /// `process_weights_after_loading`): `W_UK_T[h, p, l] = kv_b[h·(P+V) + p, l]`,
 /// `W_UV[h, l, v] = kv_b[h·(P+V) + P + v, l]`.
 pub fn split_kv_b(cfg: &MlaConfig, kv_b: &Array2<f64>) -> (Array3<f64>, Array3<f64>) {
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, _, v] = cfg.dims().nlprv();
     let mut w_uk_t = Array3::<f64>::zeros((n, p, l));
     let mut w_uv = Array3::<f64>::zeros((n, l, v));
     for h in 0..n {
@@ -511,13 +492,7 @@ fn attention_causal(
     kv_c: &Array2<f64>,
 ) -> (Array3<f64>, Array3<f64>, Array2<f64>) {
     let t = batch.n_tokens();
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: dv,
-        ..
-    } = cfg.dims();
+    let [n, l, p, _, dv] = cfg.dims().nlprv();
     let scale = cfg.softmax_scale;
     let mut items = Vec::new();
     for (sq, off) in batch.seqs.iter().zip(batch.offsets()) {
@@ -589,14 +564,7 @@ fn attention_selected(
     kv_c_normed: &Array2<f64>,
 ) -> (Array3<f64>, Array3<f64>, Array2<f64>) {
     let t = batch.n_tokens();
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, r, v] = cfg.dims().nlprv();
     let scale = cfg.softmax_scale;
     let qs = q.as_standard_layout();
     let qs = qs.as_slice().unwrap_or(&[]);
@@ -963,13 +931,7 @@ pub fn rank_weight_sites(cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> Trace 
     if tp < 2 {
         return tr;
     }
-    let MlaDims {
-        n_head: n,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, _, p, r, v] = cfg.dims().nlprv();
     let nh = n / tp;
     let q = match &w.q {
         QWeights::Lora { q_b, .. } => widen_to_f64(q_b),

@@ -20,7 +20,7 @@ use crate::core::error::{Error, Result};
 use crate::core::st::{RawTensor, raw_to_bytes};
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::judge::report::RunConfig;
-use crate::model::config::{MlaConfig, MlaDims};
+use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
 
 /// The `format` metadata value of a kernel-inputs file.
@@ -259,15 +259,8 @@ pub fn build(
     reference: &Trace,
     heads: (usize, usize),
 ) -> Result<Vec<u8>> {
-    let MlaDims {
-        n_head: n,
-        hidden: hd,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, r, v] = cfg.dims().nlprv();
+    let hd = cfg.dims().hidden;
     if heads.0 >= heads.1 || heads.1 > n {
         return Err(Error::Usage(format!(
             "--export-inputs: heads [{}, {}) outside the {n} heads",

@@ -88,7 +88,7 @@ impl IndexerConfig {
 
 /// The MLA dims of one model, copied out of [`MlaConfig`] by [`MlaConfig::dims`] so that the
 /// shape arithmetic can take them in one line (`let [n, l, p, r, v] = cfg.dims().nlprv();`, or
-/// `let MlaDims { hidden, .. } = cfg.dims();` for the others).
+/// `cfg.dims().hidden` for the others).
 /// Units: elements; the names and GGUF sources are those of the [`MlaConfig`] fields.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MlaDims {

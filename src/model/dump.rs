@@ -19,7 +19,7 @@ use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
 use crate::core::st::header_error;
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
-use crate::model::config::{KvBLayout, MlaConfig, MlaDims};
+use crate::model::config::{KvBLayout, MlaConfig};
 use crate::model::gguf::GgufFile;
 
 /// Order of the elements of every rotated rope vector in a dump.
@@ -942,15 +942,8 @@ fn ids(path: &Path, name: &str, shape: &[usize], v: &[f64], is_float: bool) -> R
 /// The expected shape of `stage` for `t` tokens, `None` for stages without a fixed expectation
 /// (per-rank weight shards).
 pub fn expected_shape(stage: Stage, cfg: &MlaConfig, t: usize) -> Option<Vec<usize>> {
-    let MlaDims {
-        n_head: n,
-        hidden: h,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, r, v] = cfg.dims().nlprv();
+    let h = cfg.dims().hidden;
     let lq = cfg.q_lora_rank.unwrap_or(0);
     Some(match stage {
         Stage::HiddenIn | Stage::AttnIn | Stage::OProj | Stage::HiddenOut => vec![t, h],

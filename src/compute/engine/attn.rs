@@ -2,7 +2,6 @@
 //! attention helpers every path uses, and the paged latent cache with its shuffled block table.
 
 use super::*;
-use crate::model::config::MlaDims;
 
 /// Per-rank attention inputs and settings shared by the attention variants.
 pub(super) struct RankAttn<'a, O: Ops> {
@@ -44,12 +43,7 @@ impl<O: Ops> RankAttn<'_, O> {
     /// Expanded K/V of `rows` latent rows: `kv_b_proj`, then the per-head split (or the grouped
     /// split of the `kv-b-grouped` fault). Returns (`k_nope` [rows, nh, P], `v` [rows, nh, V]).
     pub(super) fn expand_kv(&self, kv_c: &O::Buf, rows: usize) -> Result<(O::Buf, O::Buf)> {
-        let MlaDims {
-            kv_lora_rank: l,
-            qk_nope_head_dim: p,
-            v_head_dim: v,
-            ..
-        } = self.cfg.dims();
+        let [_, l, p, _, v] = self.cfg.dims().nlprv();
         let nh = self.nh;
         let ops = self.ops;
         let kv = ops.linear(kv_c, rows, l, &self.rw.kv_b, nh * (p + v))?;
@@ -109,12 +103,7 @@ impl<O: Ops> RankAttn<'_, O> {
 
     /// `ql_nope = q_nope · W_UK_T` per head, [T, nh, L].
     pub(super) fn absorb_q(&self, t: usize) -> Result<O::Buf> {
-        let MlaDims {
-            kv_lora_rank: l,
-            qk_nope_head_dim: p,
-            qk_rope_head_dim: r,
-            ..
-        } = self.cfg.dims();
+        let [_, l, p, r, _] = self.cfg.dims().nlprv();
         let nh = self.nh;
         let mut q_nope = self.ops.canary(t * nh * p)?;
         self.ops.copy2d(self.q, &mut q_nope, cp(t * nh, p, 0, p + r, 0, p))?;
@@ -151,12 +140,7 @@ impl<O: Ops> RankAttn<'_, O> {
         keys: &[Vec<usize>],
         empty: EmptyRows,
     ) -> Result<(O::Buf, O::Buf)> {
-        let MlaDims {
-            qk_nope_head_dim: p,
-            qk_rope_head_dim: r,
-            v_head_dim: dv,
-            ..
-        } = self.cfg.dims();
+        let [_, _, p, r, dv] = self.cfg.dims().nlprv();
         let nh = self.nh;
         let ops = self.ops;
         let n = q_rows.len();
@@ -210,12 +194,7 @@ impl<O: Ops> RankAttn<'_, O> {
         out: &mut O::Buf,
         lse: &mut O::Buf,
     ) -> Result<()> {
-        let MlaDims {
-            qk_nope_head_dim: p,
-            qk_rope_head_dim: r,
-            v_head_dim: dv,
-            ..
-        } = self.cfg.dims();
+        let [_, _, p, r, dv] = self.cfg.dims().nlprv();
         let nh = self.nh;
         if self.sel.is_none() {
             return self.ops.flash_attention(

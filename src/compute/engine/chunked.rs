@@ -3,7 +3,6 @@
 
 use super::*;
 use crate::compute::faults::FaultSet;
-use crate::model::config::MlaDims;
 use std::ops::Range;
 
 /// Per sequence of the chunked path: (context length, new tokens).
@@ -32,12 +31,7 @@ pub(super) fn chunked_rank<O: Ops>(
     notes: &mut Vec<String>,
 ) -> Result<RankOut<O::Buf>> {
     let t = batch.n_tokens();
-    let MlaDims {
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = a.cfg.dims();
+    let [_, _, p, r, v] = a.cfg.dims().nlprv();
     let nh = a.nh;
     let ops = a.ops;
     let f = &a.opts.faults;
@@ -250,13 +244,7 @@ fn context_chunk_attention<O: Ops>(
     segs: &[Segment],
     empty: EmptyRows,
 ) -> Result<(O::Buf, O::Buf)> {
-    let MlaDims {
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = a.cfg.dims();
+    let [_, l, p, r, v] = a.cfg.dims().nlprv();
     let (nh, ops) = (a.nh, a.ops);
     let nk = slots.len();
     let rows_c = ops.gather_rows(&cs.cache, cs.width, &slots)?;
@@ -308,12 +296,7 @@ fn new_tokens_attention<O: Ops>(
     qn: &O::Buf,
     new_rows: &[usize],
 ) -> Result<(O::Buf, O::Buf)> {
-    let MlaDims {
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = a.cfg.dims();
+    let [_, _, p, r, v] = a.cfg.dims().nlprv();
     let (nh, ops) = (a.nh, a.ops);
     if a.sel.is_some() {
         let keys: Vec<Vec<usize>> = seqs

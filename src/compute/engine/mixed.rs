@@ -2,7 +2,6 @@
 //! written into one caller-allocated output (vLLM's MLA batch split).
 
 use super::*;
-use crate::model::config::MlaDims;
 
 /// Which sequences of a mixed batch are decodes: the first ⌈S/2⌉ (vLLM puts decodes first).
 pub fn mixed_decode_seqs(batch: &Batch) -> usize {
@@ -20,13 +19,7 @@ pub(super) fn mixed_rank<O: Ops>(
     empty_rows: &mut BTreeSet<usize>,
 ) -> Result<RankOut<O::Buf>> {
     let t = batch.n_tokens();
-    let MlaDims {
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = a.cfg.dims();
+    let [_, l, p, r, v] = a.cfg.dims().nlprv();
     let nh = a.nh;
     let ops = a.ops;
     let n_dec = mixed_decode_seqs(batch);

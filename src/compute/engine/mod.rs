@@ -32,7 +32,7 @@ use crate::compute::path::{LayerInput, PathKind, PathOptions, PathRun, Unservabl
 use crate::core::batch::{Batch, SplitMix64};
 use crate::core::error::{Error, Result};
 use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
-use crate::model::config::{KvBLayout, MlaConfig, MlaDims};
+use crate::model::config::{KvBLayout, MlaConfig};
 use crate::model::weights::{RawSlice, SliceError, col_slice, row_slice, tensor_name};
 
 use attn::*;
@@ -259,12 +259,8 @@ fn run_loaded<O: Ops>(
         (Some(_), Some(forced)) => Some(forced.clone()),
         _ => own_sel,
     };
-    let MlaDims {
-        n_head: n,
-        hidden: hd,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, _, _, _, v] = cfg.dims().nlprv();
+    let hd = cfg.dims().hidden;
     let tp = opts.tp;
     let nh = n / tp;
     if tp > 1 {
@@ -339,15 +335,8 @@ fn record_rank_weights<O: Ops>(
     cfg: &MlaConfig,
     ew: &EngineWeights<O::Buf>,
 ) -> Result<()> {
-    let MlaDims {
-        n_head: n,
-        hidden: hd,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, r, v] = cfg.dims().nlprv();
+    let hd = cfg.dims().hidden;
     let q_k = cfg.q_lora_rank.unwrap_or(hd);
     let nh = n / ew.ranks.len();
     type Field<B> = fn(&RankWeights<B>) -> Option<&B>;
@@ -380,13 +369,7 @@ fn record_layer_weights<O: Ops>(
     cfg: &MlaConfig,
     ew: &EngineWeights<O::Buf>,
 ) -> Result<()> {
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, _, v] = cfg.dims().nlprv();
     let weight_site =
         |tr: &mut Trace, stage: Stage, shape: &[usize], f: fn(&RankWeights<O::Buf>) -> &O::Buf| match &ew.ranks[..] {
             [one] => rec(ops, tr, layer, stage, shape, f(one)),
@@ -435,13 +418,7 @@ fn record_rank_outputs<O: Ops>(
     cfg: &MlaConfig,
     outs: &mut [RankOut<O::Buf>],
 ) -> Result<()> {
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, _, v] = cfg.dims().nlprv();
     let nh = n / outs.len();
     let sites: [OutSite<O::Buf>; 6] = [
         OutSite {

@@ -2,7 +2,6 @@
 //! attention over the paged latent cache, partials merged by LSE, output through `W_UV`.
 
 use super::*;
-use crate::model::config::MlaDims;
 
 /// Split-KV absorbed decode of query rows `rows` (packed) of sequences `seqs` with context
 /// lengths `ctx`: stage 1 writes `splits` partials, stage 2 merges them. `qrow` holds the
@@ -117,12 +116,7 @@ pub(super) fn mqa_rank<O: Ops>(
     empty_rows: &mut BTreeSet<usize>,
 ) -> Result<RankOut<O::Buf>> {
     let t = batch.n_tokens();
-    let MlaDims {
-        kv_lora_rank: l,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = a.cfg.dims();
+    let [_, l, _, r, v] = a.cfg.dims().nlprv();
     let nh = a.nh;
     let ops = a.ops;
     let ql_nope = a.absorb_q(t)?;

@@ -2,7 +2,6 @@
 //! the engine's cos/sin cache, and the DSA indexer's selection.
 
 use super::*;
-use crate::model::config::MlaDims;
 
 /// Inverse RoPE frequencies with YaRN, computed the way vLLM's `DeepseekScalingRotaryEmbedding`
 /// does (correction range from beta_fast/beta_slow, linear ramp, interpolation blend).
@@ -85,14 +84,8 @@ impl<B> Prologue<B> {
         let cfg = input.cfg;
         let layer = input.weights.layer;
         let t = input.batch.n_tokens();
-        let MlaDims {
-            hidden: hd,
-            n_head: n,
-            kv_lora_rank: l,
-            qk_nope_head_dim: p,
-            qk_rope_head_dim: r,
-            ..
-        } = cfg.dims();
+        let [n, l, p, r, _] = cfg.dims().nlprv();
+        let hd = cfg.dims().hidden;
         let nh = n / self.q.len().max(1);
         rec(ops, tr, layer, Stage::HiddenIn, &[t, hd], &self.hidden)?;
         rec(ops, tr, layer, Stage::AttnIn, &[t, hd], &self.attn_in)?;
@@ -122,14 +115,8 @@ pub(super) fn prologue<O: Ops>(
     let cfg = input.cfg;
     let t = input.batch.n_tokens();
     let f = &opts.faults;
-    let MlaDims {
-        hidden: hd,
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        ..
-    } = cfg.dims();
+    let [n, l, p, r, _] = cfg.dims().nlprv();
+    let hd = cfg.dims().hidden;
     let tp = ew.ranks.len();
     let nh = n / tp;
     let eps = cfg.rms_eps as f32;

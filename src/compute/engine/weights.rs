@@ -3,7 +3,6 @@
 //! weight-loading faults act.
 
 use super::*;
-use crate::model::config::MlaDims;
 
 /// One TP rank's shards, as that rank's loader produced them.
 pub(super) struct RankWeights<B> {
@@ -160,12 +159,8 @@ type QkvA<B> = (Option<B>, Option<B>, Option<B>);
 /// `[Lq+L+R, H]` and `q_a_layernorm` `[Lq]`; without, `kv_a_proj_with_mqa` `[L+R, H]`. Returns
 /// (`fused_qkv_a`, `q_a_norm`, `kv_a`), f32. The fused-shard-swap fault swaps the two shards.
 fn load_qkv_a<O: Ops>(ops: &O, input: &LayerInput<'_>, opts: &PathOptions) -> Result<QkvA<O::Buf>> {
-    let MlaDims {
-        hidden: h,
-        kv_lora_rank: l,
-        qk_rope_head_dim: r,
-        ..
-    } = input.cfg.dims();
+    let [_, l, _, r, _] = input.cfg.dims().nlprv();
+    let h = input.cfg.dims().hidden;
     let name = |s: &str| tensor_name(input.weights.layer, s);
     let kv_a_w = whole(ops, input, &name("attn_kv_a_mqa"))?;
     let Some(lq) = input.cfg.q_lora_rank else {
@@ -232,13 +227,7 @@ fn load_rank<O: Ops>(
     rank: usize,
     q_tensor: &str,
 ) -> Result<RankWeights<O::Buf>, LoadError> {
-    let MlaDims {
-        n_head: n,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = input.cfg.dims();
+    let [n, _, p, r, v] = input.cfg.dims().nlprv();
     let (file, layer, tp) = (input.file, input.weights.layer, opts.tp);
     let qh = rank_heads(n, tp, shard_source(opts, rank, RankedWeight::QProj));
     let q_proj = dq(
@@ -271,12 +260,7 @@ fn load_rank<O: Ops>(
 /// head from the split pair `attn_k_b` `[N, L, P]` (transposed) and `attn_v_b` `[N, V, L]`. The
 /// k-b-untransposed fault reads `attn_k_b`'s bytes as `[P, L]` (a reshape).
 fn load_kv_b<O: Ops>(ops: &O, input: &LayerInput<'_>, opts: &PathOptions, kh: Range<usize>) -> Result<O::Buf> {
-    let MlaDims {
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = input.cfg.dims();
+    let [_, l, p, _, v] = input.cfg.dims().nlprv();
     let (file, layer) = (input.file, input.weights.layer);
     let nh = kh.len();
     if input.cfg.kv_b_layout == KvBLayout::Fused {
@@ -322,12 +306,7 @@ fn absorbed_weights<O: Ops>(
     kv_b: &O::Buf,
     nh: usize,
 ) -> Result<(O::Buf, O::Buf)> {
-    let MlaDims {
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = input.cfg.dims();
+    let [_, l, p, _, v] = input.cfg.dims().nlprv();
     let mut w_uk_t = ops.canary(nh * p * l)?;
     let mut w_uv_t = ops.canary(nh * v * l)?; // [nh, V, L] before the transpose
     if opts.faults.has(Fault::KvBGrouped) {

@@ -50,11 +50,19 @@ impl<O: Ops> RankAttn<'_, O> {
         let mut k_nope = ops.canary(rows * nh * p)?;
         let mut vv = ops.canary(rows * nh * v)?;
         if self.opts.faults.has(Fault::KvBGrouped) {
-            ops.copy2d(&kv, &mut k_nope, cp(rows, nh * p, 0, nh * (p + v), 0, nh * p))?;
-            ops.copy2d(&kv, &mut vv, cp(rows, nh * v, nh * p, nh * (p + v), 0, nh * v))?;
+            ops.copy2d(
+                &kv,
+                &mut k_nope,
+                copy_rows(rows, nh * p).src(0, nh * (p + v)).dst(0, nh * p),
+            )?;
+            ops.copy2d(
+                &kv,
+                &mut vv,
+                copy_rows(rows, nh * v).src(nh * p, nh * (p + v)).dst(0, nh * v),
+            )?;
         } else {
-            ops.copy2d(&kv, &mut k_nope, cp(rows * nh, p, 0, p + v, 0, p))?;
-            ops.copy2d(&kv, &mut vv, cp(rows * nh, v, p, p + v, 0, v))?;
+            ops.copy2d(&kv, &mut k_nope, copy_rows(rows * nh, p).src(0, p + v).dst(0, p))?;
+            ops.copy2d(&kv, &mut vv, copy_rows(rows * nh, v).src(p, p + v).dst(0, v))?;
         }
         Ok((k_nope, vv))
     }
@@ -63,9 +71,10 @@ impl<O: Ops> RankAttn<'_, O> {
     pub(super) fn full_q(&self, t: usize) -> Result<O::Buf> {
         let (p, r, nh) = (self.cfg.qk_nope_head_dim, self.cfg.qk_rope_head_dim, self.nh);
         let mut qf = self.ops.canary(t * nh * (p + r))?;
-        self.ops.copy2d(self.q, &mut qf, cp(t * nh, p, 0, p + r, 0, p + r))?;
         self.ops
-            .copy2d(self.q_pe_roped, &mut qf, cp(t * nh, r, 0, r, p, p + r))?;
+            .copy2d(self.q, &mut qf, copy_rows(t * nh, p).src(0, p + r).dst(0, p + r))?;
+        self.ops
+            .copy2d(self.q_pe_roped, &mut qf, copy_rows(t * nh, r).src(0, r).dst(p, p + r))?;
         Ok(qf)
     }
 
@@ -73,7 +82,8 @@ impl<O: Ops> RankAttn<'_, O> {
     pub(super) fn full_k(&self, k_nope: &O::Buf, k_pe_roped: &O::Buf, rows: usize) -> Result<O::Buf> {
         let (p, r, nh) = (self.cfg.qk_nope_head_dim, self.cfg.qk_rope_head_dim, self.nh);
         let mut kf = self.ops.canary(rows * nh * (p + r))?;
-        self.ops.copy2d(k_nope, &mut kf, cp(rows * nh, p, 0, p, 0, p + r))?;
+        self.ops
+            .copy2d(k_nope, &mut kf, copy_rows(rows * nh, p).src(0, p).dst(0, p + r))?;
         self.ops.copy2d(
             k_pe_roped,
             &mut kf,
@@ -106,7 +116,8 @@ impl<O: Ops> RankAttn<'_, O> {
         let [_, l, p, r, _] = self.cfg.dims().nlprv();
         let nh = self.nh;
         let mut q_nope = self.ops.canary(t * nh * p)?;
-        self.ops.copy2d(self.q, &mut q_nope, cp(t * nh, p, 0, p + r, 0, p))?;
+        self.ops
+            .copy2d(self.q, &mut q_nope, copy_rows(t * nh, p).src(0, p + r).dst(0, p))?;
         self.ops.bmm_heads(&q_nope, t, nh, p, &self.rw.w_uk_t, l)
     }
 

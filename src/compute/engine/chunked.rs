@@ -77,17 +77,29 @@ pub(super) fn chunked_rank<O: Ops>(
         let (slots, segs, chunk_skipped) = context_chunk_keys(a, &cs, seqs, c0..c0 + chunk, empty_rows);
         skipped += chunk_skipped;
         let (po, pl) = context_chunk_attention(a, &cs, &qn, t_new, slots, &segs, empty)?;
-        ops.copy2d(&po, &mut parts, cp(1, t_new * nh * v, 0, 0, ci * t_new * nh * v, 0))?;
-        ops.copy2d(&pl, &mut lses, cp(1, t_new * nh, 0, 0, ci * t_new * nh, 0))?;
+        ops.copy2d(
+            &po,
+            &mut parts,
+            copy_rows(1, t_new * nh * v).src(0, 0).dst(ci * t_new * nh * v, 0),
+        )?;
+        ops.copy2d(
+            &pl,
+            &mut lses,
+            copy_rows(1, t_new * nh).src(0, 0).dst(ci * t_new * nh, 0),
+        )?;
     }
     notes.extend(empty_row_fault_note(f, skipped));
     let (so, sl) = new_tokens_attention(a, seqs, full, &qn, &new_rows)?;
     ops.copy2d(
         &so,
         &mut parts,
-        cp(1, t_new * nh * v, 0, 0, n_chunks * t_new * nh * v, 0),
+        copy_rows(1, t_new * nh * v).src(0, 0).dst(n_chunks * t_new * nh * v, 0),
     )?;
-    ops.copy2d(&sl, &mut lses, cp(1, t_new * nh, 0, 0, n_chunks * t_new * nh, 0))?;
+    ops.copy2d(
+        &sl,
+        &mut lses,
+        copy_rows(1, t_new * nh).src(0, 0).dst(n_chunks * t_new * nh, 0),
+    )?;
     // merge_attn_states over all partials.
     let (mo, ml) = ops.merge(&parts, &lses, k_parts, t_new, nh, v)?;
     ops.scatter_rows(&mut result, &mo, nh * v, &new_rows)?;
@@ -249,9 +261,9 @@ fn context_chunk_attention<O: Ops>(
     let nk = slots.len();
     let rows_c = ops.gather_rows(&cs.cache, cs.width, &slots)?;
     let mut kv_c = ops.canary(nk * l)?;
-    ops.copy2d(&rows_c, &mut kv_c, cp(nk, l, 0, cs.width, 0, l))?;
+    ops.copy2d(&rows_c, &mut kv_c, copy_rows(nk, l).src(0, cs.width).dst(0, l))?;
     let mut kpe = ops.canary(nk * r)?;
-    ops.copy2d(&rows_c, &mut kpe, cp(nk, r, l, cs.width, 0, r))?;
+    ops.copy2d(&rows_c, &mut kpe, copy_rows(nk, r).src(l, cs.width).dst(0, r))?;
     let (ck, cv) = a.expand_kv(&kv_c, nk)?;
     let ckf = a.full_k(&ck, &kpe, nk)?;
     let mut po = ops.canary(t_new * nh * v)?;

@@ -61,8 +61,8 @@ pub(super) fn mixed_rank<O: Ops>(
     if n_dec > 0 {
         let ql_nope = a.absorb_q(t)?;
         let mut qrow = ops.canary(t * nh * (l + r))?;
-        ops.copy2d(&ql_nope, &mut qrow, cp(t * nh, l, 0, l, 0, l + r))?;
-        ops.copy2d(a.q_pe_roped, &mut qrow, cp(t * nh, r, 0, r, l, l + r))?;
+        ops.copy2d(&ql_nope, &mut qrow, copy_rows(t * nh, l).src(0, l).dst(0, l + r))?;
+        ops.copy2d(a.q_pe_roped, &mut qrow, copy_rows(t * nh, r).src(0, r).dst(l, l + r))?;
         let dec_seqs: Vec<usize> = (0..n_dec).collect();
         let ctx: Vec<usize> = dec_seqs.iter().map(|&s| batch.seqs[s].len).collect();
         let (lat, ls) = if a.sel.is_some() {
@@ -77,8 +77,12 @@ pub(super) fn mixed_rank<O: Ops>(
             decode_rows(a, &cs, &qrow, 0, &dec_rows, &dec_seqs, &ctx, empty_rows)?
         };
         let dec_out = ops.bmm_heads(&lat, n_dec, nh, l, &a.rw.w_uv, v)?;
-        ops.copy2d(&dec_out, &mut step_out, cp(1, n_dec * nh * v, 0, 0, 0, 0))?;
-        ops.copy2d(&ls, &mut step_lse, cp(1, n_dec * nh, 0, 0, 0, 0))?;
+        ops.copy2d(
+            &dec_out,
+            &mut step_out,
+            copy_rows(1, n_dec * nh * v).src(0, 0).dst(0, 0),
+        )?;
+        ops.copy2d(&ls, &mut step_lse, copy_rows(1, n_dec * nh).src(0, 0).dst(0, 0))?;
     }
     // Prefill part: rows [num_decodes, n_step), expanded, causal per sequence.
     if !pre_rows.is_empty() && a.sel.is_some() {
@@ -88,8 +92,12 @@ pub(super) fn mixed_rank<O: Ops>(
             .collect();
         let np = pre_rows.len();
         let (po, pl) = a.sparse_rows(&qf, &pre_rows, &kf, &vv, &keys, EmptyRows::ZeroMinusInf)?;
-        ops.copy2d(&po, &mut step_out, cp(1, np * nh * v, 0, 0, n_dec * nh * v, 0))?;
-        ops.copy2d(&pl, &mut step_lse, cp(1, np * nh, 0, 0, n_dec * nh, 0))?;
+        ops.copy2d(
+            &po,
+            &mut step_out,
+            copy_rows(1, np * nh * v).src(0, 0).dst(n_dec * nh * v, 0),
+        )?;
+        ops.copy2d(&pl, &mut step_lse, copy_rows(1, np * nh).src(0, 0).dst(n_dec * nh, 0))?;
     } else if !pre_rows.is_empty() {
         let pq = ops.gather_rows(&qf, nh * (p + r), &pre_rows)?;
         let pk = ops.gather_rows(&kf, nh * (p + r), &pre_rows)?;
@@ -118,8 +126,12 @@ pub(super) fn mixed_rank<O: Ops>(
             &mut po,
             &mut pl,
         )?;
-        ops.copy2d(&po, &mut step_out, cp(1, np * nh * v, 0, 0, n_dec * nh * v, 0))?;
-        ops.copy2d(&pl, &mut step_lse, cp(1, np * nh, 0, 0, n_dec * nh, 0))?;
+        ops.copy2d(
+            &po,
+            &mut step_out,
+            copy_rows(1, np * nh * v).src(0, 0).dst(n_dec * nh * v, 0),
+        )?;
+        ops.copy2d(&pl, &mut step_lse, copy_rows(1, np * nh).src(0, 0).dst(n_dec * nh, 0))?;
     }
     // Scatter the step's rows back to packed token order.
     ops.scatter_rows(&mut result, &step_out, nh * v, &step_rows)?;

@@ -54,21 +54,45 @@ fn rank_heads(n: usize, tp: usize, r: usize) -> Range<usize> {
     r * nh..(r + 1) * nh
 }
 
-fn cp(rows: usize, width: usize, src_off: usize, src_stride: usize, dst_off: usize, dst_stride: usize) -> Copy2d {
+/// Starts a [`Copy2d`] of `rows` rows of `width` elements, one source row per destination row
+/// (`src_row_div` 1); [`Copy2d::src`] and [`Copy2d::dst`] then say where the rows lie.
+fn copy_rows(rows: usize, width: usize) -> Copy2d {
     Copy2d {
         rows,
         width,
-        src_off,
-        src_stride,
+        src_off: 0,
+        src_stride: width,
         src_row_div: 1,
-        dst_off,
-        dst_stride,
+        dst_off: 0,
+        dst_stride: width,
+    }
+}
+
+/// The placement half of the [`copy_rows`] builder, so that a call reads
+/// `copy_rows(rows, width).src(off, stride).dst(off, stride)`.
+impl Copy2d {
+    /// The source element offset of the first row and the source row stride (elements).
+    fn src(self, src_off: usize, src_stride: usize) -> Copy2d {
+        Copy2d {
+            src_off,
+            src_stride,
+            ..self
+        }
+    }
+
+    /// The destination element offset of the first row and the destination row stride (elements).
+    fn dst(self, dst_off: usize, dst_stride: usize) -> Copy2d {
+        Copy2d {
+            dst_off,
+            dst_stride,
+            ..self
+        }
     }
 }
 
 /// Records a backend buffer at `stage`: downloaded into `tr`, or kept by the backend
 /// ([`Ops::keep_site`]).
-fn rec<O: Ops>(ops: &O, tr: &mut Trace, layer: usize, stage: Stage, shape: &[usize], b: &O::Buf) -> Result<()> {
+fn record_buf<O: Ops>(ops: &O, tr: &mut Trace, layer: usize, stage: Stage, shape: &[usize], b: &O::Buf) -> Result<()> {
     let site = Site::new(layer, stage);
     if let Some(v) = ops.keep_site(site, shape, b)? {
         tr.record(site, TraceTensor::f32(shape.to_vec(), v));
@@ -76,9 +100,16 @@ fn rec<O: Ops>(ops: &O, tr: &mut Trace, layer: usize, stage: Stage, shape: &[usi
     Ok(())
 }
 
-/// [`rec`] of a buffer the path no longer reads ([`Ops::keep_site_owned`]: moved into the trace
+/// [`record_buf`] of a buffer the path no longer reads ([`Ops::keep_site_owned`]: moved into the trace
 /// on the host).
-fn rec_owned<O: Ops>(ops: &O, tr: &mut Trace, layer: usize, stage: Stage, shape: &[usize], b: O::Buf) -> Result<()> {
+fn record_buf_owned<O: Ops>(
+    ops: &O,
+    tr: &mut Trace,
+    layer: usize,
+    stage: Stage,
+    shape: &[usize],
+    b: O::Buf,
+) -> Result<()> {
     let site = Site::new(layer, stage);
     if let Some(v) = ops.keep_site_owned(site, shape, b)? {
         tr.record(site, TraceTensor::f32(shape.to_vec(), v));
@@ -87,9 +118,9 @@ fn rec_owned<O: Ops>(ops: &O, tr: &mut Trace, layer: usize, stage: Stage, shape:
 }
 
 /// Records per-rank `[T, nh, X]` buffers at `stage` as one `[T, N, X]` site (`shape`): one rank's
-/// buffer through [`rec`], several reassembled on the host ([`reassemble`]).
+/// buffer through [`record_buf`], several reassembled on the host ([`reassemble`]).
 #[allow(clippy::too_many_arguments)]
-fn rec_heads<O: Ops>(
+fn record_heads<O: Ops>(
     ops: &O,
     tr: &mut Trace,
     layer: usize,
@@ -100,7 +131,7 @@ fn rec_heads<O: Ops>(
     x: usize,
 ) -> Result<()> {
     if let [one] = parts {
-        return rec(ops, tr, layer, stage, shape, one);
+        return record_buf(ops, tr, layer, stage, shape, one);
     }
     let t = shape.first().copied().unwrap_or(0);
     tr.record(
@@ -306,14 +337,14 @@ fn run_loaded<O: Ops>(
     drop(outs);
     if tp > 1 {
         for (rank, part) in parts.iter().enumerate() {
-            rec(ops, &mut tr, layer, Stage::OProjRank(rank as u32), &[t, hd], part)?;
+            record_buf(ops, &mut tr, layer, Stage::OProjRank(rank as u32), &[t, hd], part)?;
         }
     }
     let o = ops.all_reduce_sum(parts, t * hd, opts.faults.reduce_fault(tp))?;
-    rec(ops, &mut tr, layer, Stage::OProj, &[t, hd], &o)?;
+    record_buf(ops, &mut tr, layer, Stage::OProj, &[t, hd], &o)?;
     if let Some(ffn) = &ew.ffn {
         let out = ffn_residual(ops, cfg, ffn, &pro.hidden, &o, t)?;
-        rec(ops, &mut tr, layer, Stage::HiddenOut, &[t, hd], &out)?;
+        record_buf(ops, &mut tr, layer, Stage::HiddenOut, &[t, hd], &out)?;
     }
     Ok(PathRun {
         kind,
@@ -352,7 +383,7 @@ fn record_rank_weights<O: Ops>(
             }
             // Only q_proj is ever released, and only without TP.
             let b = field(rw).ok_or_else(|| Error::Internal("engine: q_proj released under TP".into()))?;
-            rec(ops, tr, layer, Stage::WRank(w, rank as u32), &shape, b)?;
+            record_buf(ops, tr, layer, Stage::WRank(w, rank as u32), &shape, b)?;
         }
     }
     Ok(())
@@ -372,7 +403,7 @@ fn record_layer_weights<O: Ops>(
     let [n, l, p, _, v] = cfg.dims().nlprv();
     let weight_site =
         |tr: &mut Trace, stage: Stage, shape: &[usize], f: fn(&RankWeights<O::Buf>) -> &O::Buf| match &ew.ranks[..] {
-            [one] => rec(ops, tr, layer, stage, shape, f(one)),
+            [one] => record_buf(ops, tr, layer, stage, shape, f(one)),
             ranks => {
                 let mut all = Vec::new();
                 for rw in ranks {
@@ -467,10 +498,10 @@ fn record_rank_outputs<O: Ops>(
     for s in &sites {
         if let ([one], Some(take)) = (&mut *outs, s.take) {
             if let Some(b) = take(one) {
-                rec_owned(ops, tr, layer, s.stage, &s.shape, b)?;
+                record_buf_owned(ops, tr, layer, s.stage, &s.shape, b)?;
             }
         } else if let Some(parts) = pick_all(outs, s.field) {
-            rec_heads(ops, tr, layer, s.stage, &s.shape, &parts, nh, s.x)?;
+            record_heads(ops, tr, layer, s.stage, &s.shape, &parts, nh, s.x)?;
         }
     }
     Ok(())

@@ -147,8 +147,16 @@ pub(super) fn mqa_rank<O: Ops>(
         // The packed rows are 0..T in order, so this block's queries are rows b..e.
         let n = e - b;
         let mut qrow = ops.canary(n * nh * (l + r))?;
-        ops.copy2d(&ql_nope, &mut qrow, cp(n * nh, l, b * nh * l, l, 0, l + r))?;
-        ops.copy2d(a.q_pe_roped, &mut qrow, cp(n * nh, r, b * nh * r, r, l, l + r))?;
+        ops.copy2d(
+            &ql_nope,
+            &mut qrow,
+            copy_rows(n * nh, l).src(b * nh * l, l).dst(0, l + r),
+        )?;
+        ops.copy2d(
+            a.q_pe_roped,
+            &mut qrow,
+            copy_rows(n * nh, r).src(b * nh * r, r).dst(l, l + r),
+        )?;
         let (lat, ls) = if a.sel.is_some() {
             let slots: Vec<Vec<usize>> = rows
                 .iter()

@@ -87,22 +87,22 @@ impl<B> Prologue<B> {
         let [n, l, p, r, _] = cfg.dims().nlprv();
         let hd = cfg.dims().hidden;
         let nh = n / self.q.len().max(1);
-        rec(ops, tr, layer, Stage::HiddenIn, &[t, hd], &self.hidden)?;
-        rec(ops, tr, layer, Stage::AttnIn, &[t, hd], &self.attn_in)?;
+        record_buf(ops, tr, layer, Stage::HiddenIn, &[t, hd], &self.hidden)?;
+        record_buf(ops, tr, layer, Stage::AttnIn, &[t, hd], &self.attn_in)?;
         if let (Some(fused), Some(q_c), Some(q_c_normed)) = (&ew.fused_qkv_a, &self.q_c, &self.q_c_normed) {
             let lq = cfg.q_lora_rank.unwrap_or(0);
-            rec(ops, tr, layer, Stage::WFusedQkvA, &[lq + l + r, hd], fused)?;
-            rec(ops, tr, layer, Stage::QC, &[t, lq], q_c)?;
-            rec(ops, tr, layer, Stage::QCNormed, &[t, lq], q_c_normed)?;
+            record_buf(ops, tr, layer, Stage::WFusedQkvA, &[lq + l + r, hd], fused)?;
+            record_buf(ops, tr, layer, Stage::QC, &[t, lq], q_c)?;
+            record_buf(ops, tr, layer, Stage::QCNormed, &[t, lq], q_c_normed)?;
         }
         let qs: Vec<&B> = self.q.iter().collect();
-        rec_heads(ops, tr, layer, Stage::Q, &[t, n, p + r], &qs, nh, p + r)?;
-        rec(ops, tr, layer, Stage::KvA, &[t, l + r], &self.kv_a)?;
-        rec(ops, tr, layer, Stage::KvCNormed, &[t, l], &self.kv_c_normed)?;
-        rec(ops, tr, layer, Stage::KPe, &[t, r], &self.k_pe)?;
+        record_heads(ops, tr, layer, Stage::Q, &[t, n, p + r], &qs, nh, p + r)?;
+        record_buf(ops, tr, layer, Stage::KvA, &[t, l + r], &self.kv_a)?;
+        record_buf(ops, tr, layer, Stage::KvCNormed, &[t, l], &self.kv_c_normed)?;
+        record_buf(ops, tr, layer, Stage::KPe, &[t, r], &self.k_pe)?;
         let qp: Vec<&B> = self.q_pe_roped.iter().collect();
-        rec_heads(ops, tr, layer, Stage::QPeRoped, &[t, n, r], &qp, nh, r)?;
-        rec(ops, tr, layer, Stage::KPeRoped, &[t, r], &self.k_pe_roped)
+        record_heads(ops, tr, layer, Stage::QPeRoped, &[t, n, r], &qp, nh, r)?;
+        record_buf(ops, tr, layer, Stage::KPeRoped, &[t, r], &self.k_pe_roped)
     }
 }
 
@@ -130,11 +130,11 @@ pub(super) fn prologue<O: Ops>(
             // One GEMM; the output is split by the fixed sizes [Lq | L+R].
             let qkv = ops.linear(&attn_in, t, hd, fused, lq + l + r)?;
             let mut q_c = ops.canary(t * lq)?;
-            ops.copy2d(&qkv, &mut q_c, cp(t, lq, 0, lq + l + r, 0, lq))?;
+            ops.copy2d(&qkv, &mut q_c, copy_rows(t, lq).src(0, lq + l + r).dst(0, lq))?;
             // q_c is a strided view of the fused output (row stride Lq+L+R).
             let q_c_normed = ops.rms_norm(&qkv, t, 0, lq + l + r, lq, q_a_norm, eps)?;
             let mut kv_a = ops.canary(t * (l + r))?;
-            ops.copy2d(&qkv, &mut kv_a, cp(t, l + r, lq, lq + l + r, 0, l + r))?;
+            ops.copy2d(&qkv, &mut kv_a, copy_rows(t, l + r).src(lq, lq + l + r).dst(0, l + r))?;
             (Some((q_c, q_c_normed)), lq, kv_a)
         }
         (None, _, Some(kv_a_w)) => {
@@ -161,7 +161,7 @@ pub(super) fn prologue<O: Ops>(
     let stride = if f.has(Fault::StridedKvC) { l } else { l + r };
     let kv_c_normed = ops.rms_norm(&kv_a, t, 0, stride, l, &ew.kv_a_norm, eps)?;
     let mut k_pe = ops.canary(t * r)?;
-    ops.copy2d(&kv_a, &mut k_pe, cp(t, r, l, l + r, 0, r))?;
+    ops.copy2d(&kv_a, &mut k_pe, copy_rows(t, r).src(l, l + r).dst(0, r))?;
 
     let positions = input.batch.positions();
     let cos_scale = if f.has(Fault::RopeCosScaled) { cfg.mscale() } else { 1.0 };
@@ -179,12 +179,12 @@ pub(super) fn prologue<O: Ops>(
     let mut q_pe_roped = Vec::with_capacity(tp);
     for qr in &q {
         let mut x = ops.canary(t * nh * r)?;
-        ops.copy2d(qr, &mut x, cp(t * nh, r, p, p + r, 0, r))?;
+        ops.copy2d(qr, &mut x, copy_rows(t * nh, r).src(p, p + r).dst(0, r))?;
         ops.rope(&mut x, t * nh, r, &head_rows, &cos, &sin, style)?;
         q_pe_roped.push(x);
     }
     let mut k_pe_roped = ops.canary(t * r)?;
-    ops.copy2d(&k_pe, &mut k_pe_roped, cp(t, r, 0, r, 0, r))?;
+    ops.copy2d(&k_pe, &mut k_pe_roped, copy_rows(t, r).src(0, r).dst(0, r))?;
     ops.rope(&mut k_pe_roped, t, r, &token_rows, &cos, &sin, style)?;
     let (q_c, q_c_normed) = q_c_keep.unzip();
     Ok(Prologue {

@@ -111,6 +111,27 @@ impl<O: Ops> RankAttn<'_, O> {
         }
     }
 
+    /// The [`RankOut`] of an expanded path (MHA, chunked, mixed): `result` [T, nh, V] as
+    /// [`Self::deliver`] hands it to the caller, `lse` [T, nh], and the `k_nope` [T, nh, P] and
+    /// `v` [T, nh, V] the path attended over.
+    pub(super) fn expanded_out(
+        &self,
+        t: usize,
+        result: O::Buf,
+        lse: O::Buf,
+        k_nope: O::Buf,
+        v: O::Buf,
+    ) -> Result<RankOut<O::Buf>> {
+        Ok(RankOut {
+            out: self.deliver(result, t * self.nh * self.cfg.v_head_dim)?,
+            lse,
+            k_nope: Some(k_nope),
+            v: Some(v),
+            ql_nope: None,
+            attn_latent: None,
+        })
+    }
+
     /// `ql_nope = q_nope · W_UK_T` per head, [T, nh, L].
     pub(super) fn absorb_q(&self, t: usize) -> Result<O::Buf> {
         let [_, l, p, r, _] = self.cfg.dims().nlprv();
@@ -141,7 +162,6 @@ impl<O: Ops> RankAttn<'_, O> {
     /// gathered into one packed buffer and each row is its own non-causal segment (what a sparse
     /// MLA prefill kernel does with the indexer's indices). A row with no key gets `empty`.
     /// Returns (`out` [n, nh, V], `lse` [n, nh]) in `q_rows` order.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn sparse_rows(
         &self,
         q: &O::Buf,

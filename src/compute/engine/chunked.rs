@@ -77,41 +77,18 @@ pub(super) fn chunked_rank<O: Ops>(
         let (slots, segs, chunk_skipped) = context_chunk_keys(a, &cs, seqs, c0..c0 + chunk, empty_rows);
         skipped += chunk_skipped;
         let (po, pl) = context_chunk_attention(a, &cs, &qn, t_new, slots, &segs, empty)?;
-        ops.copy2d(
-            &po,
-            &mut parts,
-            copy_rows(1, t_new * nh * v).src(0, 0).dst(ci * t_new * nh * v, 0),
-        )?;
-        ops.copy2d(
-            &pl,
-            &mut lses,
-            copy_rows(1, t_new * nh).src(0, 0).dst(ci * t_new * nh, 0),
-        )?;
+        ops.copy2d(&po, &mut parts, copy_span_to(t_new * nh * v, ci * t_new * nh * v))?;
+        ops.copy2d(&pl, &mut lses, copy_span_to(t_new * nh, ci * t_new * nh))?;
     }
     notes.extend(empty_row_fault_note(f, skipped));
     let (so, sl) = new_tokens_attention(a, seqs, full, &qn, &new_rows)?;
-    ops.copy2d(
-        &so,
-        &mut parts,
-        copy_rows(1, t_new * nh * v).src(0, 0).dst(n_chunks * t_new * nh * v, 0),
-    )?;
-    ops.copy2d(
-        &sl,
-        &mut lses,
-        copy_rows(1, t_new * nh).src(0, 0).dst(n_chunks * t_new * nh, 0),
-    )?;
+    ops.copy2d(&so, &mut parts, copy_span_to(t_new * nh * v, n_chunks * t_new * nh * v))?;
+    ops.copy2d(&sl, &mut lses, copy_span_to(t_new * nh, n_chunks * t_new * nh))?;
     // merge_attn_states over all partials.
     let (mo, ml) = ops.merge(&parts, &lses, k_parts, t_new, nh, v)?;
     ops.scatter_rows(&mut result, &mo, nh * v, &new_rows)?;
     ops.scatter_rows(&mut lse, &ml, nh, &new_rows)?;
-    Ok(RankOut {
-        out: a.deliver(result, t * nh * v)?,
-        lse,
-        k_nope: Some(k_nope),
-        v: Some(vv),
-        ql_nope: None,
-        attn_latent: None,
-    })
+    a.expanded_out(t, result, lse, k_nope, vv)
 }
 
 /// The batch as the chunked path splits it: per sequence (context length, new tokens) and the

@@ -65,6 +65,11 @@ pub(super) fn mixed_rank<O: Ops>(
         ops.copy2d(a.q_pe_roped, &mut qrow, copy_rows(t * nh, r).src(0, r).dst(l, l + r))?;
         let dec_seqs: Vec<usize> = (0..n_dec).collect();
         let ctx: Vec<usize> = dec_seqs.iter().map(|&s| batch.seqs[s].len).collect();
+        let queries = DecodeQueries {
+            qrow: &qrow,
+            q_first: 0,
+            rows: &dec_rows,
+        };
         let (lat, ls) = if a.sel.is_some() {
             let slots: Vec<Vec<usize>> = dec_rows
                 .iter()
@@ -72,17 +77,13 @@ pub(super) fn mixed_rank<O: Ops>(
                 .zip(&ctx)
                 .map(|((&row, &s), &c)| kept_slots(a, &cs, row, s, c))
                 .collect();
-            decode_rows_sparse(a, &cs, &qrow, 0, &dec_rows, &slots, empty_rows)?
+            decode_rows_sparse(a, &cs, &queries, &slots, empty_rows)?
         } else {
-            decode_rows(a, &cs, &qrow, 0, &dec_rows, &dec_seqs, &ctx, empty_rows)?
+            decode_rows(a, &cs, &queries, &dec_seqs, &ctx, empty_rows)?
         };
         let dec_out = ops.bmm_heads(&lat, n_dec, nh, l, &a.rw.w_uv, v)?;
-        ops.copy2d(
-            &dec_out,
-            &mut step_out,
-            copy_rows(1, n_dec * nh * v).src(0, 0).dst(0, 0),
-        )?;
-        ops.copy2d(&ls, &mut step_lse, copy_rows(1, n_dec * nh).src(0, 0).dst(0, 0))?;
+        ops.copy2d(&dec_out, &mut step_out, copy_span_to(n_dec * nh * v, 0))?;
+        ops.copy2d(&ls, &mut step_lse, copy_span_to(n_dec * nh, 0))?;
     }
     // Prefill part: rows [num_decodes, n_step), expanded, causal per sequence.
     if !pre_rows.is_empty() && a.sel.is_some() {
@@ -92,12 +93,8 @@ pub(super) fn mixed_rank<O: Ops>(
             .collect();
         let np = pre_rows.len();
         let (po, pl) = a.sparse_rows(&qf, &pre_rows, &kf, &vv, &keys, EmptyRows::ZeroMinusInf)?;
-        ops.copy2d(
-            &po,
-            &mut step_out,
-            copy_rows(1, np * nh * v).src(0, 0).dst(n_dec * nh * v, 0),
-        )?;
-        ops.copy2d(&pl, &mut step_lse, copy_rows(1, np * nh).src(0, 0).dst(n_dec * nh, 0))?;
+        ops.copy2d(&po, &mut step_out, copy_span_to(np * nh * v, n_dec * nh * v))?;
+        ops.copy2d(&pl, &mut step_lse, copy_span_to(np * nh, n_dec * nh))?;
     } else if !pre_rows.is_empty() {
         let pq = ops.gather_rows(&qf, nh * (p + r), &pre_rows)?;
         let pk = ops.gather_rows(&kf, nh * (p + r), &pre_rows)?;
@@ -126,23 +123,12 @@ pub(super) fn mixed_rank<O: Ops>(
             &mut po,
             &mut pl,
         )?;
-        ops.copy2d(
-            &po,
-            &mut step_out,
-            copy_rows(1, np * nh * v).src(0, 0).dst(n_dec * nh * v, 0),
-        )?;
-        ops.copy2d(&pl, &mut step_lse, copy_rows(1, np * nh).src(0, 0).dst(n_dec * nh, 0))?;
+        ops.copy2d(&po, &mut step_out, copy_span_to(np * nh * v, n_dec * nh * v))?;
+        ops.copy2d(&pl, &mut step_lse, copy_span_to(np * nh, n_dec * nh))?;
     }
     // Scatter the step's rows back to packed token order.
     ops.scatter_rows(&mut result, &step_out, nh * v, &step_rows)?;
     ops.scatter_rows(&mut lse, &step_lse, nh, &step_rows)?;
     // Every invocation of the attention op (earlier steps and this one) has the same contract.
-    Ok(RankOut {
-        out: a.deliver(result, t * nh * v)?,
-        lse,
-        k_nope: Some(k_nope),
-        v: Some(vv),
-        ql_nope: None,
-        attn_latent: None,
-    })
+    a.expanded_out(t, result, lse, k_nope, vv)
 }

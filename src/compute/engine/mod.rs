@@ -68,6 +68,12 @@ fn copy_rows(rows: usize, width: usize) -> Copy2d {
     }
 }
 
+/// A [`Copy2d`] of `len` contiguous elements from the start of the source to element `dst_off`
+/// of the destination: one row, strides 0 (a block of rows written at a row offset).
+fn copy_span_to(len: usize, dst_off: usize) -> Copy2d {
+    copy_rows(1, len).src(0, 0).dst(dst_off, 0)
+}
+
 /// The placement half of the [`copy_rows`] builder, so that a call reads
 /// `copy_rows(rows, width).src(off, stride).dst(off, stride)`.
 impl Copy2d {
@@ -117,9 +123,9 @@ fn record_buf_owned<O: Ops>(
     Ok(())
 }
 
-/// Records per-rank `[T, nh, X]` buffers at `stage` as one `[T, N, X]` site (`shape`): one rank's
-/// buffer through [`record_buf`], several reassembled on the host ([`reassemble`]).
-#[allow(clippy::too_many_arguments)]
+/// Records per-rank `[T, nh, X]` buffers at `stage` as one `[T, N, X]` site (`shape`; `[T, N]`
+/// for X = 1), each rank holding `nh = N / parts.len()` heads: one rank's buffer through
+/// [`record_buf`], several reassembled on the host ([`reassemble`]).
 fn record_heads<O: Ops>(
     ops: &O,
     tr: &mut Trace,
@@ -127,13 +133,13 @@ fn record_heads<O: Ops>(
     stage: Stage,
     shape: &[usize],
     parts: &[&O::Buf],
-    nh: usize,
-    x: usize,
 ) -> Result<()> {
     if let [one] = parts {
         return record_buf(ops, tr, layer, stage, shape, one);
     }
-    let t = shape.first().copied().unwrap_or(0);
+    let (t, n) = (shape[0], shape[1]);
+    let x = shape.get(2).copied().unwrap_or(1);
+    let nh = n / parts.len();
     tr.record(
         Site::new(layer, stage),
         TraceTensor::f32(shape.to_vec(), reassemble(ops, parts, t, nh, x)?),
@@ -431,7 +437,6 @@ struct OutSite<B> {
     stage: Stage,
     /// The site's shape: `[T, N, X]`, or `[T, N]` for `lse` (X = 1).
     shape: Vec<usize>,
-    x: usize,
     field: fn(&RankOut<B>) -> Option<&B>,
     /// For a buffer nothing reads after the attention: moves it out of a lone rank's output
     /// into the trace instead of copying it.
@@ -450,47 +455,40 @@ fn record_rank_outputs<O: Ops>(
     outs: &mut [RankOut<O::Buf>],
 ) -> Result<()> {
     let [n, l, p, _, v] = cfg.dims().nlprv();
-    let nh = n / outs.len();
     let sites: [OutSite<O::Buf>; 6] = [
         OutSite {
             stage: Stage::KNope,
             shape: vec![t, n, p],
-            x: p,
             field: |o| o.k_nope.as_ref(),
             take: None,
         },
         OutSite {
             stage: Stage::V,
             shape: vec![t, n, v],
-            x: v,
             field: |o| o.v.as_ref(),
             take: None,
         },
         OutSite {
             stage: Stage::QlNope,
             shape: vec![t, n, l],
-            x: l,
             field: |o| o.ql_nope.as_ref(),
             take: Some(|o| o.ql_nope.take()),
         },
         OutSite {
             stage: Stage::AttnLatent,
             shape: vec![t, n, l],
-            x: l,
             field: |o| o.attn_latent.as_ref(),
             take: Some(|o| o.attn_latent.take()),
         },
         OutSite {
             stage: Stage::Lse,
             shape: vec![t, n],
-            x: 1,
             field: |o| Some(&o.lse),
             take: None,
         },
         OutSite {
             stage: Stage::AttnOut,
             shape: vec![t, n, v],
-            x: v,
             field: |o| Some(&o.out),
             take: None,
         },
@@ -501,7 +499,7 @@ fn record_rank_outputs<O: Ops>(
                 record_buf_owned(ops, tr, layer, s.stage, &s.shape, b)?;
             }
         } else if let Some(parts) = pick_all(outs, s.field) {
-            record_heads(ops, tr, layer, s.stage, &s.shape, &parts, nh, s.x)?;
+            record_heads(ops, tr, layer, s.stage, &s.shape, &parts)?;
         }
     }
     Ok(())

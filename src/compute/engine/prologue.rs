@@ -86,7 +86,6 @@ impl<B> Prologue<B> {
         let t = input.batch.n_tokens();
         let [n, l, p, r, _] = cfg.dims().nlprv();
         let hd = cfg.dims().hidden;
-        let nh = n / self.q.len().max(1);
         record_buf(ops, tr, layer, Stage::HiddenIn, &[t, hd], &self.hidden)?;
         record_buf(ops, tr, layer, Stage::AttnIn, &[t, hd], &self.attn_in)?;
         if let (Some(fused), Some(q_c), Some(q_c_normed)) = (&ew.fused_qkv_a, &self.q_c, &self.q_c_normed) {
@@ -96,12 +95,12 @@ impl<B> Prologue<B> {
             record_buf(ops, tr, layer, Stage::QCNormed, &[t, lq], q_c_normed)?;
         }
         let qs: Vec<&B> = self.q.iter().collect();
-        record_heads(ops, tr, layer, Stage::Q, &[t, n, p + r], &qs, nh, p + r)?;
+        record_heads(ops, tr, layer, Stage::Q, &[t, n, p + r], &qs)?;
         record_buf(ops, tr, layer, Stage::KvA, &[t, l + r], &self.kv_a)?;
         record_buf(ops, tr, layer, Stage::KvCNormed, &[t, l], &self.kv_c_normed)?;
         record_buf(ops, tr, layer, Stage::KPe, &[t, r], &self.k_pe)?;
         let qp: Vec<&B> = self.q_pe_roped.iter().collect();
-        record_heads(ops, tr, layer, Stage::QPeRoped, &[t, n, r], &qp, nh, r)?;
+        record_heads(ops, tr, layer, Stage::QPeRoped, &[t, n, r], &qp)?;
         record_buf(ops, tr, layer, Stage::KPeRoped, &[t, r], &self.k_pe_roped)
     }
 }
@@ -276,24 +275,8 @@ pub(super) fn engine_indexer<O: Ops>(
         crate::compute::ops::rope_row(&mut kr[ti * d..ti * d + r], c, s, style);
     }
     // Scores in f32: Σ_h w·N_idx^-½·ReLU(D_idx^-½·q·k), causal within each sequence.
+    let scores: Vec<f32> = indexer::scores(ix, batch, &qr, &kr, &w);
     let smax = batch.seqs.iter().map(|x| x.len).max().unwrap_or(0);
-    let (hs, ds) = ((ni as f32).powf(-0.5), (d as f32).powf(-0.5));
-    let mut scores = vec![0f32; t * smax];
-    for (sq, off) in batch.seqs.iter().zip(batch.offsets()) {
-        for i in 0..sq.len {
-            let ti = off + i;
-            for j in 0..=i {
-                let kk = &kr[(off + j) * d..(off + j + 1) * d];
-                let mut acc = 0f32;
-                for h in 0..ni {
-                    let qq = &qr[(ti * ni + h) * d..(ti * ni + h + 1) * d];
-                    let dot: f32 = qq.iter().zip(kk).map(|(a, b)| a * b).sum();
-                    acc += w[ti * ni + h] * hs * (dot * ds).max(0.0);
-                }
-                scores[ti * smax + j] = acc;
-            }
-        }
-    }
     let sc64: Vec<f64> = scores.iter().map(|&x| f64::from(x)).collect();
     let mut sel = indexer::select(ix.top_k, batch, &sc64);
     if opts.faults.has(Fault::IndexerTopkStale) && kind == PathKind::Chunked {

@@ -106,8 +106,8 @@ fn record_buf<O: Ops>(ops: &O, tr: &mut Trace, layer: usize, stage: Stage, shape
     Ok(())
 }
 
-/// [`record_buf`] of a buffer the path no longer reads ([`Ops::keep_site_owned`]: moved into the trace
-/// on the host).
+/// [`record_buf`] of a buffer the path no longer reads ([`Ops::keep_site_owned`]: moved into
+/// the trace on the host).
 fn record_buf_owned<O: Ops>(
     ops: &O,
     tr: &mut Trace,

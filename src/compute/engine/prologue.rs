@@ -280,32 +280,7 @@ pub(super) fn engine_indexer<O: Ops>(
     let sc64: Vec<f64> = scores.iter().map(|&x| f64::from(x)).collect();
     let mut sel = indexer::select(ix.top_k, batch, &sc64);
     if opts.faults.has(Fault::IndexerTopkStale) && kind == PathKind::Chunked {
-        // The new tokens read the top-k buffer the previous chunk left behind.
-        let fresh = sel.clone();
-        let mut changed = 0usize;
-        for ((&(c, n), off), sq) in chunked_split(batch, opts.new_tokens)
-            .iter()
-            .zip(batch.offsets())
-            .zip(&batch.seqs)
-        {
-            for i in c..sq.len.min(c + n) {
-                if i >= n {
-                    sel.rows[off + i] = fresh.rows[off + i - n].clone();
-                    changed += usize::from(sel.rows[off + i] != fresh.rows[off + i]);
-                }
-            }
-        }
-        notes.push(if changed > 0 {
-            format!(
-                "{changed} new token(s) read the top-k of the token --new-tokens {} positions earlier",
-                opts.new_tokens
-            )
-        } else {
-            format!(
-                "no new token's selection changed: the stale top-k fault had nothing to act on (it needs a sequence longer than --new-tokens {} whose tokens see more keys than the indexer's top-k {})",
-                opts.new_tokens, ix.top_k
-            )
-        });
+        notes.push(stale_topk(&mut sel, batch, opts, ix.top_k));
     }
     if full {
         tr.record(Site::new(layer, Stage::IdxQ), TraceTensor::f32(vec![t, ni, d], q));
@@ -318,4 +293,36 @@ pub(super) fn engine_indexer<O: Ops>(
     }
     record_topk(tr, &sel);
     Ok(Some(sel))
+}
+
+/// The `indexer-topk-stale` fault of the chunked path: the new tokens read the top-k buffer the
+/// previous chunk left behind, so each new token at sequence position ≥ `--new-tokens` takes the
+/// selection of the token `--new-tokens` positions earlier. Returns the note saying how many
+/// selections changed.
+fn stale_topk(sel: &mut Selection, batch: &Batch, opts: &PathOptions, top_k: usize) -> String {
+    let fresh = sel.clone();
+    let mut changed = 0usize;
+    for ((&(c, n), off), sq) in chunked_split(batch, opts.new_tokens)
+        .iter()
+        .zip(batch.offsets())
+        .zip(&batch.seqs)
+    {
+        for i in c..sq.len.min(c + n) {
+            if i >= n {
+                sel.rows[off + i] = fresh.rows[off + i - n].clone();
+                changed += usize::from(sel.rows[off + i] != fresh.rows[off + i]);
+            }
+        }
+    }
+    if changed > 0 {
+        format!(
+            "{changed} new token(s) read the top-k of the token --new-tokens {} positions earlier",
+            opts.new_tokens
+        )
+    } else {
+        format!(
+            "no new token's selection changed: the stale top-k fault had nothing to act on (it needs a sequence longer than --new-tokens {} whose tokens see more keys than the indexer's top-k {})",
+            opts.new_tokens, top_k
+        )
+    }
 }

@@ -268,6 +268,26 @@ pub fn run_paths<O: Ops>(
     Ok(())
 }
 
+/// The note of a RoPE fault that cannot act: every token at position 0, where RoPE is the
+/// identity. `None` without a RoPE fault or with a token elsewhere.
+fn rope_fault_note(opts: &PathOptions, batch: &Batch) -> Option<String> {
+    let rope_fault = opts.faults.has(Fault::RopeNeox) || opts.faults.has(Fault::IndexerRopeInterleaved);
+    (rope_fault && batch.positions().iter().all(|&p| p == 0)).then(|| {
+        "every token is at position 0, where RoPE is the identity: the RoPE fault had nothing to act on (use more tokens or --start-pos)"
+            .into()
+    })
+}
+
+/// The softmax scale the paths' attention applies, f32: the config's (with the YaRN mscale²
+/// folded in), or with the `no-mscale` fault the plain `(P+R)^-½`.
+fn attention_scale(cfg: &MlaConfig, opts: &PathOptions) -> f32 {
+    if opts.faults.has(Fault::NoMscale) {
+        (cfg.qk_head_dim() as f64).powf(-0.5) as f32
+    } else {
+        cfg.softmax_scale as f32
+    }
+}
+
 /// One path on weights already loaded ([`run_paths`]); `notes` starts with the loader's.
 fn run_loaded<O: Ops>(
     ops: &O,
@@ -284,14 +304,7 @@ fn run_loaded<O: Ops>(
     let mut tr = Trace::new();
     pro.record(ops, ew, input, &mut tr)?;
     let own_sel = engine_indexer(ops, input, opts, kind, pro, &mut tr, &mut notes)?;
-    if (opts.faults.has(Fault::RopeNeox) || opts.faults.has(Fault::IndexerRopeInterleaved))
-        && input.batch.positions().iter().all(|&p| p == 0)
-    {
-        notes.push(
-            "every token is at position 0, where RoPE is the identity: the RoPE fault had nothing to act on (use more tokens or --start-pos)"
-                .into(),
-        );
-    }
+    notes.extend(rope_fault_note(opts, input.batch));
     let sel = match (&own_sel, input.forced_selection) {
         (Some(_), Some(forced)) => Some(forced.clone()),
         _ => own_sel,
@@ -304,11 +317,7 @@ fn run_loaded<O: Ops>(
         record_rank_weights(ops, &mut tr, layer, kind, cfg, ew)?;
     }
     record_layer_weights(ops, &mut tr, layer, kind, cfg, ew)?;
-    let scale = if opts.faults.has(Fault::NoMscale) {
-        (cfg.qk_head_dim() as f64).powf(-0.5) as f32
-    } else {
-        cfg.softmax_scale as f32
-    };
+    let scale = attention_scale(cfg, opts);
     let mut empty_rows = BTreeSet::new();
     let mut outs: Vec<RankOut<O::Buf>> = Vec::with_capacity(tp);
     for (rank, rw) in ew.ranks.iter().enumerate() {
@@ -443,6 +452,17 @@ struct OutSite<B> {
     take: Option<TakeOut<B>>,
 }
 
+impl<B> OutSite<B> {
+    fn new(stage: Stage, shape: Vec<usize>, field: fn(&RankOut<B>) -> Option<&B>, take: Option<TakeOut<B>>) -> Self {
+        OutSite {
+            stage,
+            shape,
+            field,
+            take,
+        }
+    }
+}
+
 /// The ranks' attention outputs recorded per head, in vLLM's names: `k_nope` and `v` (expanded
 /// paths), `ql_nope` and `attn_latent` (absorbed paths), `lse` and `attn_out`. A field some rank
 /// lacks is not recorded; several ranks' buffers are reassembled along heads.
@@ -456,42 +476,22 @@ fn record_rank_outputs<O: Ops>(
 ) -> Result<()> {
     let [n, l, p, _, v] = cfg.dims().nlprv();
     let sites: [OutSite<O::Buf>; 6] = [
-        OutSite {
-            stage: Stage::KNope,
-            shape: vec![t, n, p],
-            field: |o| o.k_nope.as_ref(),
-            take: None,
-        },
-        OutSite {
-            stage: Stage::V,
-            shape: vec![t, n, v],
-            field: |o| o.v.as_ref(),
-            take: None,
-        },
-        OutSite {
-            stage: Stage::QlNope,
-            shape: vec![t, n, l],
-            field: |o| o.ql_nope.as_ref(),
-            take: Some(|o| o.ql_nope.take()),
-        },
-        OutSite {
-            stage: Stage::AttnLatent,
-            shape: vec![t, n, l],
-            field: |o| o.attn_latent.as_ref(),
-            take: Some(|o| o.attn_latent.take()),
-        },
-        OutSite {
-            stage: Stage::Lse,
-            shape: vec![t, n],
-            field: |o| Some(&o.lse),
-            take: None,
-        },
-        OutSite {
-            stage: Stage::AttnOut,
-            shape: vec![t, n, v],
-            field: |o| Some(&o.out),
-            take: None,
-        },
+        OutSite::new(Stage::KNope, vec![t, n, p], |o| o.k_nope.as_ref(), None),
+        OutSite::new(Stage::V, vec![t, n, v], |o| o.v.as_ref(), None),
+        OutSite::new(
+            Stage::QlNope,
+            vec![t, n, l],
+            |o| o.ql_nope.as_ref(),
+            Some(|o| o.ql_nope.take()),
+        ),
+        OutSite::new(
+            Stage::AttnLatent,
+            vec![t, n, l],
+            |o| o.attn_latent.as_ref(),
+            Some(|o| o.attn_latent.take()),
+        ),
+        OutSite::new(Stage::Lse, vec![t, n], |o| Some(&o.lse), None),
+        OutSite::new(Stage::AttnOut, vec![t, n, v], |o| Some(&o.out), None),
     ];
     for s in &sites {
         if let ([one], Some(take)) = (&mut *outs, s.take) {

@@ -2,6 +2,7 @@
 //! the engine's cos/sin cache, and the DSA indexer's selection.
 
 use super::*;
+use crate::model::config::{IndexerConfig, RopeStyle};
 
 /// Inverse RoPE frequencies with YaRN, computed the way vLLM's `DeepseekScalingRotaryEmbedding`
 /// does (correction range from beta_fast/beta_slow, linear ramp, interpolation blend).
@@ -241,39 +242,19 @@ pub(super) fn engine_indexer<O: Ops>(
     }
     let (ni, d, hd) = (ix.n_head, ix.head_dim, cfg.hidden);
     let lq = cfg.q_lora_rank.unwrap_or(0);
-    let r = cfg.qk_rope_head_dim;
     let up = |a: &ndarray::Array2<f32>| ops.upload(&a.iter().copied().collect::<Vec<f32>>());
     let q = ops.download(&ops.linear(qcn, t, lq, &up(&iw.q_b)?, ni * d)?)?;
     let k_raw = ops.download(&ops.linear(&pro.attn_in, t, hd, &up(&iw.k)?, d)?)?;
     let w = ops.download(&ops.linear(&pro.attn_in, t, hd, &up(&iw.proj)?, ni)?)?;
-    // LayerNorm in f32 (two passes: mean, then variance).
-    let eps = ix.norm_eps as f32;
     let mut k = k_raw.clone();
-    for row in k.chunks_mut(d) {
-        let mean = row.iter().sum::<f32>() / d as f32;
-        let var = row.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / d as f32;
-        let inv = 1.0 / (var + eps).sqrt();
-        for (i, x) in row.iter_mut().enumerate() {
-            *x = (*x - mean) * inv * iw.k_norm[i] + iw.k_norm_b[i];
-        }
-    }
+    layer_norm_rows_f32(&mut k, d, &iw.k_norm, &iw.k_norm_b, ix.norm_eps as f32);
     let style = if opts.faults.has(Fault::IndexerRopeInterleaved) {
-        crate::model::config::RopeStyle::Interleaved
+        RopeStyle::Interleaved
     } else {
         ix.rope_style
     };
-    let positions = batch.positions();
-    let (cos, sin) = cos_sin_table(&engine_inv_freq(cfg), &positions, 1.0);
-    let half = r / 2;
     let (mut qr, mut kr) = (q.clone(), k.clone());
-    for ti in 0..t {
-        let (c, s) = (&cos[ti * half..(ti + 1) * half], &sin[ti * half..(ti + 1) * half]);
-        for h in 0..ni {
-            let o = (ti * ni + h) * d;
-            crate::compute::ops::rope_row(&mut qr[o..o + r], c, s, style);
-        }
-        crate::compute::ops::rope_row(&mut kr[ti * d..ti * d + r], c, s, style);
-    }
+    indexer_rope(cfg, ix, batch, style, &mut qr, &mut kr);
     // Scores in f32: Σ_h w·N_idx^-½·ReLU(D_idx^-½·q·k), causal within each sequence.
     let scores: Vec<f32> = indexer::scores(ix, batch, &qr, &kr, &w);
     let smax = batch.seqs.iter().map(|x| x.len).max().unwrap_or(0);
@@ -324,5 +305,34 @@ fn stale_topk(sel: &mut Selection, batch: &Batch, opts: &PathOptions, top_k: usi
             "no new token's selection changed: the stale top-k fault had nothing to act on (it needs a sequence longer than --new-tokens {} whose tokens see more keys than the indexer's top-k {})",
             opts.new_tokens, top_k
         )
+    }
+}
+
+/// LayerNorm in f32, in place, of each `d`-wide row of `rows` (two passes: mean, then
+/// variance), with gain and bias [d] (the indexer's `k_norm`).
+fn layer_norm_rows_f32(rows: &mut [f32], d: usize, gain: &ndarray::Array1<f32>, bias: &ndarray::Array1<f32>, eps: f32) {
+    for row in rows.chunks_mut(d) {
+        let mean = row.iter().sum::<f32>() / d as f32;
+        let var = row.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / d as f32;
+        let inv = 1.0 / (var + eps).sqrt();
+        for (i, x) in row.iter_mut().enumerate() {
+            *x = (*x - mean) * inv * gain[i] + bias[i];
+        }
+    }
+}
+
+/// The indexer's RoPE in f32, in place, on the first R dims of every head of `q`
+/// [T, N_idx, D_idx] and of `k` [T, D_idx], at the batch's positions, with the pairing `style`.
+fn indexer_rope(cfg: &MlaConfig, ix: &IndexerConfig, batch: &Batch, style: RopeStyle, q: &mut [f32], k: &mut [f32]) {
+    let (t, ni, d, r) = (batch.n_tokens(), ix.n_head, ix.head_dim, cfg.qk_rope_head_dim);
+    let (cos, sin) = cos_sin_table(&engine_inv_freq(cfg), &batch.positions(), 1.0);
+    let half = r / 2;
+    for ti in 0..t {
+        let (c, s) = (&cos[ti * half..(ti + 1) * half], &sin[ti * half..(ti + 1) * half]);
+        for h in 0..ni {
+            let o = (ti * ni + h) * d;
+            crate::compute::ops::rope_row(&mut q[o..o + r], c, s, style);
+        }
+        crate::compute::ops::rope_row(&mut k[ti * d..ti * d + r], c, s, style);
     }
 }

@@ -124,25 +124,11 @@ pub(super) fn prologue<O: Ops>(
     let hidden = ops.upload(&hidden_host)?;
     let attn_in = ops.rms_norm(&hidden, t, 0, hd, hd, &ew.attn_norm, eps)?;
 
-    let (q_c_keep, q_k, kv_a) = match (&ew.fused_qkv_a, &ew.q_a_norm, &ew.kv_a) {
-        (Some(fused), Some(q_a_norm), _) => {
-            let lq = cfg.q_lora_rank.unwrap_or(0);
-            // One GEMM; the output is split by the fixed sizes [Lq | L+R].
-            let qkv = ops.linear(&attn_in, t, hd, fused, lq + l + r)?;
-            let mut q_c = ops.canary(t * lq)?;
-            ops.copy2d(&qkv, &mut q_c, copy_rows(t, lq).src(0, lq + l + r).dst(0, lq))?;
-            // q_c is a strided view of the fused output (row stride Lq+L+R).
-            let q_c_normed = ops.rms_norm(&qkv, t, 0, lq + l + r, lq, q_a_norm, eps)?;
-            let mut kv_a = ops.canary(t * (l + r))?;
-            ops.copy2d(&qkv, &mut kv_a, copy_rows(t, l + r).src(lq, lq + l + r).dst(0, l + r))?;
-            (Some((q_c, q_c_normed)), lq, kv_a)
-        }
-        (None, _, Some(kv_a_w)) => {
-            let kv_a = ops.linear(&attn_in, t, hd, kv_a_w, l + r)?;
-            (None, hd, kv_a)
-        }
-        _ => return Err(Error::Internal("engine: inconsistent q weights".into())),
-    };
+    let LatentProjections {
+        q_c: q_c_keep,
+        q_in_width,
+        kv_a,
+    } = latent_projections(ops, cfg, ew, &attn_in, t)?;
     let q_input = q_c_keep.as_ref().map_or(&attn_in, |(_, qcn)| qcn);
     // Column-parallel q projection, per rank.
     let q: Vec<O::Buf> = ew
@@ -153,7 +139,7 @@ pub(super) fn prologue<O: Ops>(
                 .q_proj
                 .as_ref()
                 .ok_or_else(|| Error::Internal("engine: q_proj released".into()))?;
-            ops.linear(q_input, t, q_k, w, nh * (p + r))
+            ops.linear(q_input, t, q_in_width, w, nh * (p + r))
         })
         .collect::<Result<_>>()?;
 
@@ -335,4 +321,58 @@ fn indexer_rope(cfg: &MlaConfig, ix: &IndexerConfig, batch: &Batch, style: RopeS
         }
         crate::compute::ops::rope_row(&mut k[ti * d..ti * d + r], c, s, style);
     }
+}
+
+/// What [`latent_projections`] produced, f32 backend buffers.
+struct LatentProjections<B> {
+    /// `q_c` [T, Lq] and its RMSNorm `q_c_normed`; `None` without `q_lora_rank`.
+    q_c: Option<(B, B)>,
+    /// The input width of the q projection: Lq, or H when q is projected from `attn_in`.
+    q_in_width: usize,
+    /// `kv_a` [T, L+R] (`[kv_c | k_pe]` per row).
+    kv_a: B,
+}
+
+/// The first projections of `attn_in` [T, H]: with `q_lora_rank` one fused GEMM split into
+/// `q_c` [T, Lq] (kept with its RMSNorm `q_c_normed`) and `kv_a` [T, L+R]; without, `kv_a`
+/// alone (q is then projected from `attn_in` directly).
+///
+/// Errors: [`Error::Internal`] when the loaded weights fit neither layout.
+fn latent_projections<O: Ops>(
+    ops: &O,
+    cfg: &MlaConfig,
+    ew: &EngineWeights<O::Buf>,
+    attn_in: &O::Buf,
+    t: usize,
+) -> Result<LatentProjections<O::Buf>> {
+    let [_, l, _, r, _] = cfg.dims().nlprv();
+    let hd = cfg.dims().hidden;
+    let eps = cfg.rms_eps as f32;
+    Ok(match (&ew.fused_qkv_a, &ew.q_a_norm, &ew.kv_a) {
+        (Some(fused), Some(q_a_norm), _) => {
+            let lq = cfg.q_lora_rank.unwrap_or(0);
+            // One GEMM; the output is split by the fixed sizes [Lq | L+R].
+            let qkv = ops.linear(attn_in, t, hd, fused, lq + l + r)?;
+            let mut q_c = ops.canary(t * lq)?;
+            ops.copy2d(&qkv, &mut q_c, copy_rows(t, lq).src(0, lq + l + r).dst(0, lq))?;
+            // q_c is a strided view of the fused output (row stride Lq+L+R).
+            let q_c_normed = ops.rms_norm(&qkv, t, 0, lq + l + r, lq, q_a_norm, eps)?;
+            let mut kv_a = ops.canary(t * (l + r))?;
+            ops.copy2d(&qkv, &mut kv_a, copy_rows(t, l + r).src(lq, lq + l + r).dst(0, l + r))?;
+            LatentProjections {
+                q_c: Some((q_c, q_c_normed)),
+                q_in_width: lq,
+                kv_a,
+            }
+        }
+        (None, _, Some(kv_a_w)) => {
+            let kv_a = ops.linear(attn_in, t, hd, kv_a_w, l + r)?;
+            LatentProjections {
+                q_c: None,
+                q_in_width: hd,
+                kv_a,
+            }
+        }
+        _ => return Err(Error::Internal("engine: inconsistent q weights".into())),
+    })
 }

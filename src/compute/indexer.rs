@@ -93,31 +93,59 @@ pub fn layer_norm(x: &[f64], g: &[f32], b: &[f32], eps: f64) -> Vec<f64> {
         .collect()
 }
 
-/// Index scores of every packed token against the visible keys of its sequence, f64.
+/// The float type the index scores are computed in: f64 in the reference, f32 in the engine
+/// paths (whose own rounding is what a path would see). Both run the one loop of [`scores`].
+pub trait ScoreFloat: Copy + Default + std::iter::Sum + std::ops::Mul<Output = Self> + std::ops::AddAssign {
+    /// `count^-½` in this type (the `N_idx^-½` and `D_idx^-½` scales).
+    fn inv_sqrt(count: usize) -> Self;
+    /// `max(x, 0)` with the type's own `max` (the ReLU of the score).
+    fn relu(self) -> Self;
+}
+
+impl ScoreFloat for f32 {
+    fn inv_sqrt(count: usize) -> f32 {
+        (count as f32).powf(-0.5)
+    }
+    fn relu(self) -> f32 {
+        self.max(0.0)
+    }
+}
+
+impl ScoreFloat for f64 {
+    fn inv_sqrt(count: usize) -> f64 {
+        (count as f64).powf(-0.5)
+    }
+    fn relu(self) -> f64 {
+        self.max(0.0)
+    }
+}
+
+/// Index scores of every packed token against the visible keys of its sequence, in `F`
+/// ([`ScoreFloat`]: f64 for the reference, f32 for the engine paths).
 ///
 /// `q_roped` [T, N_idx, D_idx] and `k_roped` [T, D_idx] are the indexer query/key after RoPE,
 /// `w` [T, N_idx] the unscaled per-head weights. Returns [T, S] (S = longest sequence), entry
 /// `[i, j]` = `Σ_h w[i,h]·N_idx^-½·ReLU(D_idx^-½·q[i,h]·k[j])` for key index `j` ≤ the index of
 /// token `i` in its sequence, and 0 for masked entries.
-pub fn scores(ix: &IndexerConfig, batch: &Batch, q_roped: &[f64], k_roped: &[f64], w: &[f64]) -> Vec<f64> {
+pub fn scores<F: ScoreFloat>(ix: &IndexerConfig, batch: &Batch, q_roped: &[F], k_roped: &[F], w: &[F]) -> Vec<F> {
     let (ni, d) = (ix.n_head, ix.head_dim);
     let s = batch.seqs.iter().map(|x| x.len).max().unwrap_or(0);
     let t = batch.n_tokens();
-    let head_scale = (ni as f64).powf(-0.5);
-    let dot_scale = (d as f64).powf(-0.5);
+    let head_scale = F::inv_sqrt(ni);
+    let dot_scale = F::inv_sqrt(d);
     let offsets = batch.offsets();
-    let mut out = vec![0f64; t * s];
+    let mut out = vec![F::default(); t * s];
     for (si, sq) in batch.seqs.iter().enumerate() {
         let off = offsets[si];
         for i in 0..sq.len {
             let ti = off + i;
             for j in 0..=i {
                 let kr = &k_roped[(off + j) * d..(off + j + 1) * d];
-                let mut acc = 0.0;
+                let mut acc = F::default();
                 for h in 0..ni {
                     let qr = &q_roped[(ti * ni + h) * d..(ti * ni + h + 1) * d];
-                    let dot: f64 = qr.iter().zip(kr).map(|(a, b)| a * b).sum();
-                    acc += w[ti * ni + h] * head_scale * (dot * dot_scale).max(0.0);
+                    let dot: F = qr.iter().zip(kr).map(|(&a, &b)| a * b).sum();
+                    acc += w[ti * ni + h] * head_scale * (dot * dot_scale).relu();
                 }
                 out[ti * s + j] = acc;
             }

@@ -25,7 +25,7 @@ use crate::compute::indexer::{self, Selection};
 use crate::core::batch::Batch;
 use crate::core::error::{Error, Result};
 use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
-use crate::model::config::{GatingFunc, MlaConfig, MlaDims, MoeConfig};
+use crate::model::config::{GatingFunc, MlaConfig, MoeConfig};
 use crate::model::gguf::GgufFile;
 use crate::model::weights::{KvBWeights, LayerWeights, MoeWeights, QWeights, SwiGlu, into_row_major};
 
@@ -200,13 +200,7 @@ pub fn rope_inv_freq(cfg: &MlaConfig) -> Vec<f64> {
 /// Rebuilds `kv_b_proj` [N·(P+V), L] from the file's tensors (docs/mla.md "Rebuilding kv_b"):
 /// `W[h·(P+V) + p, l] = k_b[h, l, p]`, `W[h·(P+V) + P + v, l] = v_b[h, v, l]`.
 pub fn assemble_kv_b(cfg: &MlaConfig, w: &KvBWeights) -> Array2<f64> {
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, _, v] = cfg.dims().nlprv();
     match w {
         KvBWeights::Fused { kv_b } => widen_to_f64(kv_b),
         KvBWeights::Split { k_b, v_b } => {
@@ -227,24 +221,16 @@ pub fn assemble_kv_b(cfg: &MlaConfig, w: &KvBWeights) -> Array2<f64> {
 }
 
 /// Records a copy of `a` (one memcpy when `a` is in standard layout).
-fn rec_copy<D: ndarray::Dimension>(trace: &mut Trace, layer: usize, stage: Stage, a: &ndarray::Array<f64, D>) {
+fn record_copy<D: ndarray::Dimension>(trace: &mut Trace, layer: usize, stage: Stage, a: &ndarray::Array<f64, D>) {
     let data = a
         .as_slice()
         .map_or_else(|| a.iter().copied().collect(), <[f64]>::to_vec);
     trace.record(Site::new(layer, stage), TraceTensor::f64(a.shape().to_vec(), data));
 }
 
-fn rec2(trace: &mut Trace, layer: usize, stage: Stage, a: &Array2<f64>) {
-    rec_copy(trace, layer, stage, a);
-}
-
-fn rec3(trace: &mut Trace, layer: usize, stage: Stage, a: &Array3<f64>) {
-    rec_copy(trace, layer, stage, a);
-}
-
 /// Records a weight site in f32: its values are dequantized f32 weights rearranged (concatenated,
 /// split per head), so f32 holds them exactly, in half the memory of f64.
-fn rec_weight<D: ndarray::Dimension>(trace: &mut Trace, layer: usize, stage: Stage, a: &ndarray::Array<f64, D>) {
+fn record_weight<D: ndarray::Dimension>(trace: &mut Trace, layer: usize, stage: Stage, a: &ndarray::Array<f64, D>) {
     let data: Vec<f32> = a.iter().map(|&x| x as f32).collect();
     debug_assert!(
         a.iter()
@@ -256,7 +242,7 @@ fn rec_weight<D: ndarray::Dimension>(trace: &mut Trace, layer: usize, stage: Sta
 
 /// Records `a` itself, for a value nothing reads afterwards: no copy of the largest sites
 /// (`ql_nope` and `attn_latent` are [T, N, L]).
-fn rec_move<D: ndarray::Dimension>(trace: &mut Trace, layer: usize, stage: Stage, a: ndarray::Array<f64, D>) {
+fn record_moved<D: ndarray::Dimension>(trace: &mut Trace, layer: usize, stage: Stage, a: ndarray::Array<f64, D>) {
     let shape = a.shape().to_vec();
     trace.record(Site::new(layer, stage), TraceTensor::f64(shape, into_row_major(a)));
 }
@@ -290,15 +276,8 @@ pub fn forward_sel(
     shared: Option<&Selection>,
 ) -> Result<RefLayer> {
     let t = batch.n_tokens();
-    let MlaDims {
-        hidden: hd,
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, r, v] = cfg.dims().nlprv();
+    let hd = cfg.dims().hidden;
     if hidden_in.shape() != [t, hd] {
         return Err(Error::Usage(format!(
             "reference: hidden_in has shape {:?}, expected [T={t}, H={hd}]",
@@ -308,11 +287,11 @@ pub fn forward_sel(
     let layer = w.layer;
     let eps = cfg.rms_eps;
     let mut tr = Trace::new();
-    rec2(&mut tr, layer, Stage::HiddenIn, hidden_in);
+    record_copy(&mut tr, layer, Stage::HiddenIn, hidden_in);
 
     // Step 1: attn_norm.
     let x = rms_norm(hidden_in.view(), w.attn_norm.view(), eps);
-    rec2(&mut tr, layer, Stage::AttnIn, &x);
+    record_copy(&mut tr, layer, Stage::AttnIn, &x);
 
     // Step 2: q path.
     let mut q_c_normed_keep: Option<Array2<f64>> = None;
@@ -322,11 +301,11 @@ pub fn forward_sel(
             let q_a = widen_to_f64(q_a);
             let fused = ndarray::concatenate(Axis(0), &[q_a.view(), kv_a_w.view()])
                 .map_err(|e| Error::Internal(e.to_string()))?;
-            rec_weight(&mut tr, layer, Stage::WFusedQkvA, &fused);
+            record_weight(&mut tr, layer, Stage::WFusedQkvA, &fused);
             let q_c = linear(&x, &q_a);
-            rec2(&mut tr, layer, Stage::QC, &q_c);
+            record_copy(&mut tr, layer, Stage::QC, &q_c);
             let q_c_normed = rms_norm(q_c.view(), q_a_norm.view(), eps);
-            rec2(&mut tr, layer, Stage::QCNormed, &q_c_normed);
+            record_copy(&mut tr, layer, Stage::QCNormed, &q_c_normed);
             let q = linear32(&q_c_normed, q_b);
             q_c_normed_keep = Some(q_c_normed);
             q
@@ -336,15 +315,15 @@ pub fn forward_sel(
     let q = q_flat
         .into_shape_with_order((t, n, p + r))
         .map_err(|e| Error::Internal(e.to_string()))?;
-    rec3(&mut tr, layer, Stage::Q, &q);
+    record_copy(&mut tr, layer, Stage::Q, &q);
 
     // Step 3: kv path. kv_c is a view of kv_a; the norm applies to kv_c only.
     let kv_a = linear32(&x, &w.kv_a_mqa);
-    rec2(&mut tr, layer, Stage::KvA, &kv_a);
+    record_copy(&mut tr, layer, Stage::KvA, &kv_a);
     let kv_c_normed = rms_norm(kv_a.slice(s![.., ..l]), w.kv_a_norm.view(), eps);
-    rec2(&mut tr, layer, Stage::KvCNormed, &kv_c_normed);
+    record_copy(&mut tr, layer, Stage::KvCNormed, &kv_c_normed);
     let k_pe = kv_a.slice(s![.., l..]).to_owned();
-    rec2(&mut tr, layer, Stage::KPe, &k_pe);
+    record_copy(&mut tr, layer, Stage::KPe, &k_pe);
 
     // Step 4: RoPE (interleaved pairs; NeoX for MiniCPM3), positions from the batch.
     let style = cfg.rope_style;
@@ -362,8 +341,8 @@ pub fn forward_sel(
         indexer::rope_f64(&mut row, positions[ti], &inv_freq, style);
         k_pe_roped.row_mut(ti).assign(&Array1::from(row));
     }
-    rec3(&mut tr, layer, Stage::QPeRoped, &q_pe_roped);
-    rec2(&mut tr, layer, Stage::KPeRoped, &k_pe_roped);
+    record_copy(&mut tr, layer, Stage::QPeRoped, &q_pe_roped);
+    record_copy(&mut tr, layer, Stage::KPeRoped, &k_pe_roped);
 
     // DSA lightning indexer: which keys each token keeps.
     let selection = match (&cfg.indexer, &w.indexer, &q_c_normed_keep) {
@@ -390,19 +369,19 @@ pub fn forward_sel(
 
     // Step 5: expanded K/V through kv_b (per-head interleaved rows).
     let kv_b = assemble_kv_b(cfg, &w.kv_b);
-    rec_weight(&mut tr, layer, Stage::WKvB, &kv_b);
+    record_weight(&mut tr, layer, Stage::WKvB, &kv_b);
     let kv = linear(&kv_c_normed, &kv_b)
         .into_shape_with_order((t, n, p + v))
         .map_err(|e| Error::Internal(e.to_string()))?;
     let k_nope = kv.slice(s![.., .., ..p]).to_owned();
     let vv = kv.slice(s![.., .., p..]).to_owned();
-    rec3(&mut tr, layer, Stage::KNope, &k_nope);
-    rec3(&mut tr, layer, Stage::V, &vv);
+    record_copy(&mut tr, layer, Stage::KNope, &k_nope);
+    record_copy(&mut tr, layer, Stage::V, &vv);
 
     // Step 6 weights: W_UK_T [N, P, L] and W_UV [N, L, V] from the same kv_b.
     let (w_uk_t, w_uv) = split_kv_b(cfg, &kv_b);
-    rec_weight(&mut tr, layer, Stage::WUkT, &w_uk_t);
-    rec_weight(&mut tr, layer, Stage::WUv, &w_uv);
+    record_weight(&mut tr, layer, Stage::WUkT, &w_uk_t);
+    record_weight(&mut tr, layer, Stage::WUv, &w_uv);
     // ql_nope = q_nope · W_UK_T per head.
     let mut ql_nope = Array3::<f64>::zeros((t, n, l));
     let heads: Vec<(usize, ArrayViewMut2<f64>)> = ql_nope.axis_iter_mut(Axis(1)).enumerate().collect();
@@ -410,33 +389,31 @@ pub fn forward_sel(
         let qn = q.slice(s![.., h, ..p]);
         gemm_view(qn, w_uk_t.slice(s![h, .., ..]), out.view_mut(), false);
     });
-    rec_move(&mut tr, layer, Stage::QlNope, ql_nope);
+    record_moved(&mut tr, layer, Stage::QlNope, ql_nope);
 
     // Attention, causal within each sequence, softmax scale of step 7.
-    let (attn_out, attn_latent, lse) = match &selection {
-        None => attention_causal(cfg, batch, &q, &k_nope, &q_pe_roped, &k_pe_roped, &vv, &kv_c_normed),
-        Some(sel) => attention_selected(
-            cfg,
-            batch,
-            sel,
-            &q,
-            &k_nope,
-            &q_pe_roped,
-            &k_pe_roped,
-            &vv,
-            &kv_c_normed,
-        ),
+    let inputs = AttnInputs {
+        q: &q,
+        k_nope: &k_nope,
+        q_pe_roped: &q_pe_roped,
+        k_pe_roped: &k_pe_roped,
+        v: &vv,
+        kv_c_normed: &kv_c_normed,
     };
-    rec_move(&mut tr, layer, Stage::AttnLatent, attn_latent);
-    rec2(&mut tr, layer, Stage::Lse, &lse);
-    rec3(&mut tr, layer, Stage::AttnOut, &attn_out);
+    let (attn_out, attn_latent, lse) = match &selection {
+        None => attention_causal(cfg, batch, &inputs),
+        Some(sel) => attention_selected(cfg, batch, sel, &inputs),
+    };
+    record_moved(&mut tr, layer, Stage::AttnLatent, attn_latent);
+    record_copy(&mut tr, layer, Stage::Lse, &lse);
+    record_copy(&mut tr, layer, Stage::AttnOut, &attn_out);
 
     // Step 8: o_proj over the head-major [T, N·V] input.
     let attn_flat = attn_out
         .into_shape_with_order((t, n * v))
         .map_err(|e| Error::Internal(e.to_string()))?;
     let o = linear32(&attn_flat, &w.o_proj);
-    rec2(&mut tr, layer, Stage::OProj, &o);
+    record_copy(&mut tr, layer, Stage::OProj, &o);
 
     // Residual and dense SwiGLU FFN (each branch times the residual scale: MiniCPM3).
     let rs = cfg.residual_scale;
@@ -451,7 +428,7 @@ pub fn forward_sel(
         h1 + linear32(&act, &ffn.down) * rs
     });
     if let Some(ho) = &hidden_out {
-        rec2(&mut tr, layer, Stage::HiddenOut, ho);
+        record_copy(&mut tr, layer, Stage::HiddenOut, ho);
     }
     Ok(RefLayer {
         trace: tr,
@@ -465,13 +442,7 @@ pub fn forward_sel(
 /// `process_weights_after_loading`): `W_UK_T[h, p, l] = kv_b[h·(P+V) + p, l]`,
 /// `W_UV[h, l, v] = kv_b[h·(P+V) + P + v, l]`.
 pub fn split_kv_b(cfg: &MlaConfig, kv_b: &Array2<f64>) -> (Array3<f64>, Array3<f64>) {
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, _, v] = cfg.dims().nlprv();
     let mut w_uk_t = Array3::<f64>::zeros((n, p, l));
     let mut w_uv = Array3::<f64>::zeros((n, l, v));
     for h in 0..n {
@@ -487,6 +458,20 @@ pub fn split_kv_b(cfg: &MlaConfig, kv_b: &Array2<f64>) -> (Array3<f64>, Array3<f
     (w_uk_t, w_uv)
 }
 
+/// The attention inputs of one layer in f64, as [`forward_sel`] has them after RoPE and the
+/// `kv_b_proj` up-projection: `q` [T, N, P+R] (only its `q_nope` part, the first P of each head,
+/// is read), `k_nope` [T, N, P], `q_pe_roped` [T, N, R], `k_pe_roped` [T, R], `v` [T, N, V],
+/// `kv_c_normed` [T, L].
+#[derive(Clone, Copy)]
+struct AttnInputs<'a> {
+    q: &'a Array3<f64>,
+    k_nope: &'a Array3<f64>,
+    q_pe_roped: &'a Array3<f64>,
+    k_pe_roped: &'a Array2<f64>,
+    v: &'a Array3<f64>,
+    kv_c_normed: &'a Array2<f64>,
+}
+
 /// Query rows per work item of [`attention_causal`]: fixed, so the work split (and every bit of
 /// the result) never depends on the thread count; small enough that a block's scores
 /// [`ATTN_Q_BLOCK`, T] stay a few MB at T = 4096.
@@ -497,27 +482,23 @@ const ATTN_Q_BLOCK: usize = 64;
 /// causal mask, softmax in f64, then `P·v` (`attn_out`) and `P·kv_c_normed` (`attn_latent`, the
 /// absorbed paths' latent output).
 ///
-/// Shapes: `q` [T, N, P+R], `k_nope` [T, N, P], `q_pe` [T, N, R], `k_pe` [T, R], `v` [T, N, V],
-/// `kv_c` [T, L] → (`attn_out` [T, N, V], `attn_latent` [T, N, L], `lse` [T, N], natural log).
-#[allow(clippy::too_many_arguments)]
+/// Shapes: [`AttnInputs`] → (`attn_out` [T, N, V], `attn_latent` [T, N, L], `lse` [T, N],
+/// natural log).
 fn attention_causal(
     cfg: &MlaConfig,
     batch: &Batch,
-    q: &Array3<f64>,
-    k_nope: &Array3<f64>,
-    q_pe: &Array3<f64>,
-    k_pe: &Array2<f64>,
-    v: &Array3<f64>,
-    kv_c: &Array2<f64>,
+    inputs: &AttnInputs<'_>,
 ) -> (Array3<f64>, Array3<f64>, Array2<f64>) {
+    let AttnInputs {
+        q,
+        k_nope,
+        q_pe_roped: q_pe,
+        k_pe_roped: k_pe,
+        v,
+        kv_c_normed: kv_c,
+    } = *inputs;
     let t = batch.n_tokens();
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: dv,
-        ..
-    } = cfg.dims();
+    let [n, l, p, _, dv] = cfg.dims().nlprv();
     let scale = cfg.softmax_scale;
     let mut items = Vec::new();
     for (sq, off) in batch.seqs.iter().zip(batch.offsets()) {
@@ -576,27 +557,22 @@ fn attention_causal(
 
 /// The reference attention when a DSA indexer chose each token's keys: one (token, head) row at
 /// a time over its selected keys, in a fixed order. Shapes as [`attention_causal`].
-#[allow(clippy::too_many_arguments)]
 fn attention_selected(
     cfg: &MlaConfig,
     batch: &Batch,
     sel: &Selection,
-    q: &Array3<f64>,
-    k_nope: &Array3<f64>,
-    q_pe_roped: &Array3<f64>,
-    k_pe_roped: &Array2<f64>,
-    vv: &Array3<f64>,
-    kv_c_normed: &Array2<f64>,
+    inputs: &AttnInputs<'_>,
 ) -> (Array3<f64>, Array3<f64>, Array2<f64>) {
+    let AttnInputs {
+        q,
+        k_nope,
+        q_pe_roped,
+        k_pe_roped,
+        v: vv,
+        kv_c_normed,
+    } = *inputs;
     let t = batch.n_tokens();
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, r, v] = cfg.dims().nlprv();
     let scale = cfg.softmax_scale;
     let qs = q.as_standard_layout();
     let qs = qs.as_slice().unwrap_or(&[]);
@@ -880,7 +856,7 @@ pub fn moe_ffn(
     let mut nonfinite = mw.nonfinite();
     let x = rms_norm(h1.view(), mw.norm.view(), cfg.rms_eps);
     let logits = linear(&x, &widen_to_f64(&mw.router));
-    rec2(trace, layer, Stage::MoeRouterLogits, &logits);
+    record_copy(trace, layer, Stage::MoeRouterLogits, &logits);
 
     let mut selected = Vec::with_capacity(t);
     let mut weights = Vec::with_capacity(t);
@@ -938,14 +914,14 @@ pub fn moe_ffn(
             row.scaled_add(wt, &y.row(i));
         }
     }
-    rec2(trace, layer, Stage::MoeOut, &moe_out);
+    record_copy(trace, layer, Stage::MoeOut, &moe_out);
     let mut hidden_out = h1 + &moe_out;
     if let Some(sh) = &mw.shared {
         let shared_out = swiglu(&x, sh);
-        rec2(trace, layer, Stage::SharedOut, &shared_out);
+        record_copy(trace, layer, Stage::SharedOut, &shared_out);
         hidden_out += &shared_out;
     }
-    rec2(trace, layer, Stage::HiddenOut, &hidden_out);
+    record_copy(trace, layer, Stage::HiddenOut, &hidden_out);
     Ok(MoeOut {
         hidden_out,
         selected,
@@ -963,13 +939,7 @@ pub fn rank_weight_sites(cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> Trace 
     if tp < 2 {
         return tr;
     }
-    let MlaDims {
-        n_head: n,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, _, p, r, v] = cfg.dims().nlprv();
     let nh = n / tp;
     let q = match &w.q {
         QWeights::Lora { q_b, .. } => widen_to_f64(q_b),
@@ -981,13 +951,13 @@ pub fn rank_weight_sites(cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> Trace 
         let rk = rank as u32;
         let heads = rank * nh..(rank + 1) * nh;
         let qs = q.slice(s![heads.start * (p + r)..heads.end * (p + r), ..]).to_owned();
-        rec_weight(&mut tr, w.layer, Stage::WRank(RankedWeight::QProj, rk), &qs);
+        record_weight(&mut tr, w.layer, Stage::WRank(RankedWeight::QProj, rk), &qs);
         let ks = kv_b
             .slice(s![heads.start * (p + v)..heads.end * (p + v), ..])
             .to_owned();
-        rec_weight(&mut tr, w.layer, Stage::WRank(RankedWeight::KvB, rk), &ks);
+        record_weight(&mut tr, w.layer, Stage::WRank(RankedWeight::KvB, rk), &ks);
         let os = o.slice(s![.., heads.start * v..heads.end * v]).to_owned();
-        rec_weight(&mut tr, w.layer, Stage::WRank(RankedWeight::OProj, rk), &os);
+        record_weight(&mut tr, w.layer, Stage::WRank(RankedWeight::OProj, rk), &os);
     }
     tr
 }
@@ -1016,7 +986,7 @@ pub fn rank_partial_sites(cfg: &MlaConfig, w: &LayerWeights, attn_out: &[f64], t
         let cols = rank * nh * v..(rank + 1) * nh * v;
         let xs = x.slice(s![.., cols.clone()]).to_owned();
         let os = w.o_proj.slice(s![.., cols]).to_owned();
-        rec2(&mut tr, w.layer, Stage::OProjRank(rank as u32), &linear32(&xs, &os));
+        record_copy(&mut tr, w.layer, Stage::OProjRank(rank as u32), &linear32(&xs, &os));
     }
     Ok(tr)
 }

@@ -45,6 +45,14 @@ fn bad(path: &Path, what: &str, reason: impl Into<String>) -> Error {
     }
 }
 
+/// `data` read as consecutive little-endian elements of `W` bytes, each converted by `from_le`
+/// (the caller has checked that the length is a whole number of elements).
+fn each_le<const W: usize, T>(data: &[u8], from_le: impl Fn([u8; W]) -> T) -> Vec<T> {
+    data.chunks_exact(W)
+        .map(|b| from_le(b.try_into().unwrap_or([0; W])))
+        .collect()
+}
+
 /// Decodes a tensor view: floats keep their width class (f32/f16/bf16 → f32 data, f64 → f64
 /// data); integers go to f64.
 fn decode(path: &Path, name: &str, v: &TensorView<'_>) -> Result<TensorData> {
@@ -64,50 +72,17 @@ fn decode(path: &Path, name: &str, v: &TensorView<'_>) -> Result<TensorData> {
             format!("{} bytes for shape {:?} of {:?}", d.len(), v.shape(), v.dtype()),
         ));
     }
-    let c = |i: usize| &d[i * width..(i + 1) * width];
     Ok(match v.dtype() {
-        StDtype::F32 => TensorData::F32(
-            (0..n)
-                .map(|i| f32::from_le_bytes(c(i).try_into().unwrap_or([0; 4])))
-                .collect(),
-        ),
-        StDtype::F16 => TensorData::F32(
-            (0..n)
-                .map(|i| half::f16::from_le_bytes([c(i)[0], c(i)[1]]).to_f32())
-                .collect(),
-        ),
-        StDtype::BF16 => TensorData::F32(
-            (0..n)
-                .map(|i| half::bf16::from_le_bytes([c(i)[0], c(i)[1]]).to_f32())
-                .collect(),
-        ),
-        StDtype::F64 => TensorData::F64(
-            (0..n)
-                .map(|i| f64::from_le_bytes(c(i).try_into().unwrap_or([0; 8])))
-                .collect(),
-        ),
-        StDtype::I64 => TensorData::F64(
-            (0..n)
-                .map(|i| i64::from_le_bytes(c(i).try_into().unwrap_or([0; 8])) as f64)
-                .collect(),
-        ),
-        StDtype::U64 => TensorData::F64(
-            (0..n)
-                .map(|i| u64::from_le_bytes(c(i).try_into().unwrap_or([0; 8])) as f64)
-                .collect(),
-        ),
-        StDtype::I32 => TensorData::F64(
-            (0..n)
-                .map(|i| i32::from_le_bytes(c(i).try_into().unwrap_or([0; 4])) as f64)
-                .collect(),
-        ),
-        StDtype::U32 => TensorData::F64(
-            (0..n)
-                .map(|i| u32::from_le_bytes(c(i).try_into().unwrap_or([0; 4])) as f64)
-                .collect(),
-        ),
-        StDtype::I16 => TensorData::F64((0..n).map(|i| i16::from_le_bytes([c(i)[0], c(i)[1]]) as f64).collect()),
-        StDtype::U16 => TensorData::F64((0..n).map(|i| u16::from_le_bytes([c(i)[0], c(i)[1]]) as f64).collect()),
+        StDtype::F32 => TensorData::F32(each_le(d, f32::from_le_bytes)),
+        StDtype::F16 => TensorData::F32(each_le(d, |b| half::f16::from_le_bytes(b).to_f32())),
+        StDtype::BF16 => TensorData::F32(each_le(d, |b| half::bf16::from_le_bytes(b).to_f32())),
+        StDtype::F64 => TensorData::F64(each_le(d, f64::from_le_bytes)),
+        StDtype::I64 => TensorData::F64(each_le(d, |b| i64::from_le_bytes(b) as f64)),
+        StDtype::U64 => TensorData::F64(each_le(d, |b| u64::from_le_bytes(b) as f64)),
+        StDtype::I32 => TensorData::F64(each_le(d, |b| i32::from_le_bytes(b) as f64)),
+        StDtype::U32 => TensorData::F64(each_le(d, |b| u32::from_le_bytes(b) as f64)),
+        StDtype::I16 => TensorData::F64(each_le(d, |b| i16::from_le_bytes(b) as f64)),
+        StDtype::U16 => TensorData::F64(each_le(d, |b| u16::from_le_bytes(b) as f64)),
         StDtype::I8 => TensorData::F64(d.iter().map(|&b| b as i8 as f64).collect()),
         _ => TensorData::F64(d.iter().map(|&b| b as f64).collect()),
     })

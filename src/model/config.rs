@@ -10,7 +10,7 @@
 use serde::Serialize;
 
 use crate::core::error::{Error, Result};
-use crate::model::gguf::GgufFile;
+use crate::model::gguf::{GgufFile, MetaValue};
 
 /// GGUF architectures whose attention is MLA and which this build loads (docs/architectures.md):
 /// `deepseek2` (DeepSeek-V2/V2.5/V3, Kimi-K2, GLM-4.7-Flash), `deepseek32` (DeepSeek-V3.2, DSA),
@@ -88,7 +88,7 @@ impl IndexerConfig {
 
 /// The MLA dims of one model, copied out of [`MlaConfig`] by [`MlaConfig::dims`] so that the
 /// shape arithmetic can take them in one line (`let [n, l, p, r, v] = cfg.dims().nlprv();`, or
-/// `let MlaDims { hidden, .. } = cfg.dims();` for the others).
+/// `cfg.dims().hidden` for the others).
 /// Units: elements; the names and GGUF sources are those of the [`MlaConfig`] fields.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MlaDims {
@@ -860,31 +860,36 @@ impl Meta<'_> {
         }
     }
 
+    /// `key`'s value through `get` (`None` when the key is absent); `expected` names the type the
+    /// error asks for when `get` refuses the value.
+    fn typed<'v, T>(
+        &'v self,
+        key: &str,
+        expected: &str,
+        get: impl Fn(&'v MetaValue) -> Option<T>,
+    ) -> Result<Option<T>> {
+        let Some(v) = self.file.meta(key) else {
+            return Ok(None);
+        };
+        get(v)
+            .map(Some)
+            .ok_or_else(|| self.bad(key, format!("expected {expected}, found {}", v.type_name())))
+    }
+
     fn str(&self, key: &str) -> Result<Option<&str>> {
-        match self.file.meta(key) {
-            None => Ok(None),
-            Some(v) => v
-                .as_str()
-                .map(Some)
-                .ok_or_else(|| self.bad(key, format!("expected a string, found {}", v.type_name()))),
-        }
+        self.typed(key, "a string", MetaValue::as_str)
     }
 
     fn usize(&self, key: &str) -> Result<Option<usize>> {
-        match self.file.meta(key) {
-            None => Ok(None),
-            Some(v) => {
-                let n = v.as_u64().ok_or_else(|| {
-                    self.bad(key, format!("expected a non-negative integer, found {}", v.type_name()))
-                })?;
-                // Dims beyond 2^24 are not a real model; rejecting them keeps every later
-                // allocation sized by them bounded.
-                if n > 1 << 24 {
-                    return Err(self.bad(key, format!("{n} is implausibly large")));
-                }
-                Ok(Some(n as usize))
-            }
+        let Some(n) = self.typed(key, "a non-negative integer", MetaValue::as_u64)? else {
+            return Ok(None);
+        };
+        // Dims beyond 2^24 are not a real model; rejecting them keeps every later allocation
+        // sized by them bounded.
+        if n > 1 << 24 {
+            return Err(self.bad(key, format!("{n} is implausibly large")));
         }
+        Ok(Some(n as usize))
     }
 
     fn req_usize(&self, key: &str) -> Result<usize> {
@@ -892,12 +897,6 @@ impl Meta<'_> {
     }
 
     fn f64(&self, key: &str) -> Result<Option<f64>> {
-        match self.file.meta(key) {
-            None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| self.bad(key, format!("expected a number, found {}", v.type_name()))),
-        }
+        self.typed(key, "a number", MetaValue::as_f64)
     }
 }

@@ -19,7 +19,7 @@ use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
 use crate::core::st::header_error;
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
-use crate::model::config::{KvBLayout, MlaConfig, MlaDims};
+use crate::model::config::{KvBLayout, MlaConfig};
 use crate::model::gguf::GgufFile;
 
 /// Order of the elements of every rotated rope vector in a dump.
@@ -942,15 +942,8 @@ fn ids(path: &Path, name: &str, shape: &[usize], v: &[f64], is_float: bool) -> R
 /// The expected shape of `stage` for `t` tokens, `None` for stages without a fixed expectation
 /// (per-rank weight shards).
 pub fn expected_shape(stage: Stage, cfg: &MlaConfig, t: usize) -> Option<Vec<usize>> {
-    let MlaDims {
-        n_head: n,
-        hidden: h,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, r, v] = cfg.dims().nlprv();
+    let h = cfg.dims().hidden;
     let lq = cfg.q_lora_rank.unwrap_or(0);
     Some(match stage {
         Stage::HiddenIn | Stage::AttnIn | Stage::OProj | Stage::HiddenOut => vec![t, h],
@@ -1126,49 +1119,63 @@ struct DumpConventions {
     dtype: EngineDtype,
 }
 
+/// One two-valued dump convention: the map's value when it sets one, else `metadata[key]` as one
+/// of the two `names` (the first is the default when the key is absent).
+///
+/// Errors: [`Error::Safetensors`] naming `__metadata__.{key}` when the value is neither name.
+fn two_valued<T: Copy>(
+    path: &Path,
+    from_map: Option<T>,
+    metadata: &BTreeMap<String, String>,
+    key: &str,
+    names: [(&str, T); 2],
+) -> Result<T> {
+    if let Some(v) = from_map {
+        return Ok(v);
+    }
+    let Some(value) = metadata.get(key).map(|s| s.trim()) else {
+        return Ok(names[0].1);
+    };
+    match names.iter().find(|(name, _)| *name == value) {
+        Some(&(_, v)) => Ok(v),
+        None => Err(dump_error(
+            path,
+            format!("__metadata__.{key}"),
+            format!("`{value}`: expected `{}` or `{}`", names[0].0, names[1].0),
+        )),
+    }
+}
+
 /// The dump's conventions: `rope_order`, `layout`, `kv_a_order` from `map` or `metadata`
 /// (defaults interleaved, token-major, latent-rope), `dtype` from `metadata` (default f32).
 ///
 /// Errors: [`Error::Safetensors`] naming the metadata key of an unknown value.
 fn conventions(path: &Path, map: Option<&Map>, metadata: &BTreeMap<String, String>) -> Result<DumpConventions> {
-    let meta_enum = |key: &str| -> Result<Option<String>> { Ok(metadata.get(key).map(|s| s.trim().to_string())) };
-    let rope_order = match (map.and_then(|m| m.rope_order), meta_enum("rope_order")?.as_deref()) {
-        (Some(o), _) => o,
-        (None, None | Some("interleaved")) => RopeOrder::Interleaved,
-        (None, Some("hf")) => RopeOrder::Hf,
-        (None, Some(o)) => {
-            return Err(dump_error(
-                path,
-                "__metadata__.rope_order",
-                format!("`{o}`: expected `interleaved` or `hf`"),
-            ));
-        }
-    };
-    let layout = match (map.and_then(|m| m.layout), meta_enum("layout")?.as_deref()) {
-        (Some(o), _) => o,
-        (None, None | Some("token-major")) => Layout::TokenMajor,
-        (None, Some("head-major")) => Layout::HeadMajor,
-        (None, Some(o)) => {
-            return Err(dump_error(
-                path,
-                "__metadata__.layout",
-                format!("`{o}`: expected `token-major` or `head-major`"),
-            ));
-        }
-    };
-    let kv_a_order = match (map.and_then(|m| m.kv_a_order), meta_enum("kv_a_order")?.as_deref()) {
-        (Some(o), _) => o,
-        (None, None | Some("latent-rope")) => KvAOrder::LatentRope,
-        (None, Some("rope-latent")) => KvAOrder::RopeLatent,
-        (None, Some(o)) => {
-            return Err(dump_error(
-                path,
-                "__metadata__.kv_a_order",
-                format!("`{o}`: expected `latent-rope` or `rope-latent`"),
-            ));
-        }
-    };
-    let dtype = match meta_enum("dtype")?.as_deref() {
+    let rope_order = two_valued(
+        path,
+        map.and_then(|m| m.rope_order),
+        metadata,
+        "rope_order",
+        [("interleaved", RopeOrder::Interleaved), ("hf", RopeOrder::Hf)],
+    )?;
+    let layout = two_valued(
+        path,
+        map.and_then(|m| m.layout),
+        metadata,
+        "layout",
+        [("token-major", Layout::TokenMajor), ("head-major", Layout::HeadMajor)],
+    )?;
+    let kv_a_order = two_valued(
+        path,
+        map.and_then(|m| m.kv_a_order),
+        metadata,
+        "kv_a_order",
+        [
+            ("latent-rope", KvAOrder::LatentRope),
+            ("rope-latent", KvAOrder::RopeLatent),
+        ],
+    )?;
+    let dtype = match metadata.get("dtype").map(|s| s.trim()) {
         None | Some("f32") | Some("float32") | Some("f64") | Some("float64") => EngineDtype::F32,
         Some("bf16") | Some("bfloat16") => EngineDtype::Bf16,
         Some("f16") | Some("float16") => EngineDtype::F16,

@@ -13,7 +13,7 @@ use ndarray::{Array1, Array2, Array3};
 use serde::Serialize;
 
 use crate::core::error::{Error, Result};
-use crate::model::config::{KvBLayout, MlaConfig, MlaDims};
+use crate::model::config::{KvBLayout, MlaConfig};
 use crate::model::gguf::{GgmlType, GgufFile, TensorInfo, dequant};
 
 /// The query projection of one layer.
@@ -441,15 +441,8 @@ impl LayerWeights {
                 n_layers: cfg.n_layer,
             });
         }
-        let MlaDims {
-            hidden: h,
-            n_head: n,
-            kv_lora_rank: l,
-            qk_nope_head_dim: p,
-            qk_rope_head_dim: r,
-            v_head_dim: v,
-            ..
-        } = cfg.dims();
+        let [n, l, p, r, v] = cfg.dims().nlprv();
+        let h = cfg.dims().hidden;
         let name = |s: &str| tensor_name(layer, s);
         let mut types = Vec::new();
         let ty = &mut types;

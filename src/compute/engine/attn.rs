@@ -2,7 +2,6 @@
 //! attention helpers every path uses, and the paged latent cache with its shuffled block table.
 
 use super::*;
-use crate::model::config::MlaDims;
 
 /// Per-rank attention inputs and settings shared by the attention variants.
 pub(super) struct RankAttn<'a, O: Ops> {
@@ -44,23 +43,26 @@ impl<O: Ops> RankAttn<'_, O> {
     /// Expanded K/V of `rows` latent rows: `kv_b_proj`, then the per-head split (or the grouped
     /// split of the `kv-b-grouped` fault). Returns (`k_nope` [rows, nh, P], `v` [rows, nh, V]).
     pub(super) fn expand_kv(&self, kv_c: &O::Buf, rows: usize) -> Result<(O::Buf, O::Buf)> {
-        let MlaDims {
-            kv_lora_rank: l,
-            qk_nope_head_dim: p,
-            v_head_dim: v,
-            ..
-        } = self.cfg.dims();
+        let [_, l, p, _, v] = self.cfg.dims().nlprv();
         let nh = self.nh;
         let ops = self.ops;
         let kv = ops.linear(kv_c, rows, l, &self.rw.kv_b, nh * (p + v))?;
         let mut k_nope = ops.canary(rows * nh * p)?;
         let mut vv = ops.canary(rows * nh * v)?;
         if self.opts.faults.has(Fault::KvBGrouped) {
-            ops.copy2d(&kv, &mut k_nope, cp(rows, nh * p, 0, nh * (p + v), 0, nh * p))?;
-            ops.copy2d(&kv, &mut vv, cp(rows, nh * v, nh * p, nh * (p + v), 0, nh * v))?;
+            ops.copy2d(
+                &kv,
+                &mut k_nope,
+                copy_rows(rows, nh * p).src(0, nh * (p + v)).dst(0, nh * p),
+            )?;
+            ops.copy2d(
+                &kv,
+                &mut vv,
+                copy_rows(rows, nh * v).src(nh * p, nh * (p + v)).dst(0, nh * v),
+            )?;
         } else {
-            ops.copy2d(&kv, &mut k_nope, cp(rows * nh, p, 0, p + v, 0, p))?;
-            ops.copy2d(&kv, &mut vv, cp(rows * nh, v, p, p + v, 0, v))?;
+            ops.copy2d(&kv, &mut k_nope, copy_rows(rows * nh, p).src(0, p + v).dst(0, p))?;
+            ops.copy2d(&kv, &mut vv, copy_rows(rows * nh, v).src(p, p + v).dst(0, v))?;
         }
         Ok((k_nope, vv))
     }
@@ -69,9 +71,10 @@ impl<O: Ops> RankAttn<'_, O> {
     pub(super) fn full_q(&self, t: usize) -> Result<O::Buf> {
         let (p, r, nh) = (self.cfg.qk_nope_head_dim, self.cfg.qk_rope_head_dim, self.nh);
         let mut qf = self.ops.canary(t * nh * (p + r))?;
-        self.ops.copy2d(self.q, &mut qf, cp(t * nh, p, 0, p + r, 0, p + r))?;
         self.ops
-            .copy2d(self.q_pe_roped, &mut qf, cp(t * nh, r, 0, r, p, p + r))?;
+            .copy2d(self.q, &mut qf, copy_rows(t * nh, p).src(0, p + r).dst(0, p + r))?;
+        self.ops
+            .copy2d(self.q_pe_roped, &mut qf, copy_rows(t * nh, r).src(0, r).dst(p, p + r))?;
         Ok(qf)
     }
 
@@ -79,7 +82,8 @@ impl<O: Ops> RankAttn<'_, O> {
     pub(super) fn full_k(&self, k_nope: &O::Buf, k_pe_roped: &O::Buf, rows: usize) -> Result<O::Buf> {
         let (p, r, nh) = (self.cfg.qk_nope_head_dim, self.cfg.qk_rope_head_dim, self.nh);
         let mut kf = self.ops.canary(rows * nh * (p + r))?;
-        self.ops.copy2d(k_nope, &mut kf, cp(rows * nh, p, 0, p, 0, p + r))?;
+        self.ops
+            .copy2d(k_nope, &mut kf, copy_rows(rows * nh, p).src(0, p).dst(0, p + r))?;
         self.ops.copy2d(
             k_pe_roped,
             &mut kf,
@@ -107,17 +111,34 @@ impl<O: Ops> RankAttn<'_, O> {
         }
     }
 
+    /// The [`RankOut`] of an expanded path (MHA, chunked, mixed): `result` [T, nh, V] as
+    /// [`Self::deliver`] hands it to the caller, `lse` [T, nh], and the `k_nope` [T, nh, P] and
+    /// `v` [T, nh, V] the path attended over.
+    pub(super) fn expanded_out(
+        &self,
+        t: usize,
+        result: O::Buf,
+        lse: O::Buf,
+        k_nope: O::Buf,
+        v: O::Buf,
+    ) -> Result<RankOut<O::Buf>> {
+        Ok(RankOut {
+            out: self.deliver(result, t * self.nh * self.cfg.v_head_dim)?,
+            lse,
+            k_nope: Some(k_nope),
+            v: Some(v),
+            ql_nope: None,
+            attn_latent: None,
+        })
+    }
+
     /// `ql_nope = q_nope · W_UK_T` per head, [T, nh, L].
     pub(super) fn absorb_q(&self, t: usize) -> Result<O::Buf> {
-        let MlaDims {
-            kv_lora_rank: l,
-            qk_nope_head_dim: p,
-            qk_rope_head_dim: r,
-            ..
-        } = self.cfg.dims();
+        let [_, l, p, r, _] = self.cfg.dims().nlprv();
         let nh = self.nh;
         let mut q_nope = self.ops.canary(t * nh * p)?;
-        self.ops.copy2d(self.q, &mut q_nope, cp(t * nh, p, 0, p + r, 0, p))?;
+        self.ops
+            .copy2d(self.q, &mut q_nope, copy_rows(t * nh, p).src(0, p + r).dst(0, p))?;
         self.ops.bmm_heads(&q_nope, t, nh, p, &self.rw.w_uk_t, l)
     }
 
@@ -141,7 +162,6 @@ impl<O: Ops> RankAttn<'_, O> {
     /// gathered into one packed buffer and each row is its own non-causal segment (what a sparse
     /// MLA prefill kernel does with the indexer's indices). A row with no key gets `empty`.
     /// Returns (`out` [n, nh, V], `lse` [n, nh]) in `q_rows` order.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn sparse_rows(
         &self,
         q: &O::Buf,
@@ -151,12 +171,7 @@ impl<O: Ops> RankAttn<'_, O> {
         keys: &[Vec<usize>],
         empty: EmptyRows,
     ) -> Result<(O::Buf, O::Buf)> {
-        let MlaDims {
-            qk_nope_head_dim: p,
-            qk_rope_head_dim: r,
-            v_head_dim: dv,
-            ..
-        } = self.cfg.dims();
+        let [_, _, p, r, dv] = self.cfg.dims().nlprv();
         let nh = self.nh;
         let ops = self.ops;
         let n = q_rows.len();
@@ -212,12 +227,7 @@ impl<O: Ops> RankAttn<'_, O> {
         out: &mut O::Buf,
         lse: &mut O::Buf,
     ) -> Result<()> {
-        let MlaDims {
-            qk_nope_head_dim: p,
-            qk_rope_head_dim: r,
-            v_head_dim: dv,
-            ..
-        } = self.cfg.dims();
+        let [_, _, p, r, dv] = self.cfg.dims().nlprv();
         let nh = self.nh;
         if self.sel.is_none() {
             return self.ops.flash_attention(

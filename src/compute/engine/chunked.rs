@@ -3,7 +3,6 @@
 
 use super::*;
 use crate::compute::faults::FaultSet;
-use crate::model::config::MlaDims;
 use std::ops::Range;
 
 /// Per sequence of the chunked path: (context length, new tokens).
@@ -32,12 +31,7 @@ pub(super) fn chunked_rank<O: Ops>(
     notes: &mut Vec<String>,
 ) -> Result<RankOut<O::Buf>> {
     let t = batch.n_tokens();
-    let MlaDims {
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = a.cfg.dims();
+    let [_, _, p, r, v] = a.cfg.dims().nlprv();
     let nh = a.nh;
     let ops = a.ops;
     let f = &a.opts.faults;
@@ -83,29 +77,18 @@ pub(super) fn chunked_rank<O: Ops>(
         let (slots, segs, chunk_skipped) = context_chunk_keys(a, &cs, seqs, c0..c0 + chunk, empty_rows);
         skipped += chunk_skipped;
         let (po, pl) = context_chunk_attention(a, &cs, &qn, t_new, slots, &segs, empty)?;
-        ops.copy2d(&po, &mut parts, cp(1, t_new * nh * v, 0, 0, ci * t_new * nh * v, 0))?;
-        ops.copy2d(&pl, &mut lses, cp(1, t_new * nh, 0, 0, ci * t_new * nh, 0))?;
+        ops.copy2d(&po, &mut parts, copy_span_to(t_new * nh * v, ci * t_new * nh * v))?;
+        ops.copy2d(&pl, &mut lses, copy_span_to(t_new * nh, ci * t_new * nh))?;
     }
     notes.extend(empty_row_fault_note(f, skipped));
     let (so, sl) = new_tokens_attention(a, seqs, full, &qn, &new_rows)?;
-    ops.copy2d(
-        &so,
-        &mut parts,
-        cp(1, t_new * nh * v, 0, 0, n_chunks * t_new * nh * v, 0),
-    )?;
-    ops.copy2d(&sl, &mut lses, cp(1, t_new * nh, 0, 0, n_chunks * t_new * nh, 0))?;
+    ops.copy2d(&so, &mut parts, copy_span_to(t_new * nh * v, n_chunks * t_new * nh * v))?;
+    ops.copy2d(&sl, &mut lses, copy_span_to(t_new * nh, n_chunks * t_new * nh))?;
     // merge_attn_states over all partials.
     let (mo, ml) = ops.merge(&parts, &lses, k_parts, t_new, nh, v)?;
     ops.scatter_rows(&mut result, &mo, nh * v, &new_rows)?;
     ops.scatter_rows(&mut lse, &ml, nh, &new_rows)?;
-    Ok(RankOut {
-        out: a.deliver(result, t * nh * v)?,
-        lse,
-        k_nope: Some(k_nope),
-        v: Some(vv),
-        ql_nope: None,
-        attn_latent: None,
-    })
+    a.expanded_out(t, result, lse, k_nope, vv)
 }
 
 /// The batch as the chunked path splits it: per sequence (context length, new tokens) and the
@@ -250,20 +233,14 @@ fn context_chunk_attention<O: Ops>(
     segs: &[Segment],
     empty: EmptyRows,
 ) -> Result<(O::Buf, O::Buf)> {
-    let MlaDims {
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = a.cfg.dims();
+    let [_, l, p, r, v] = a.cfg.dims().nlprv();
     let (nh, ops) = (a.nh, a.ops);
     let nk = slots.len();
     let rows_c = ops.gather_rows(&cs.cache, cs.width, &slots)?;
     let mut kv_c = ops.canary(nk * l)?;
-    ops.copy2d(&rows_c, &mut kv_c, cp(nk, l, 0, cs.width, 0, l))?;
+    ops.copy2d(&rows_c, &mut kv_c, copy_rows(nk, l).src(0, cs.width).dst(0, l))?;
     let mut kpe = ops.canary(nk * r)?;
-    ops.copy2d(&rows_c, &mut kpe, cp(nk, r, l, cs.width, 0, r))?;
+    ops.copy2d(&rows_c, &mut kpe, copy_rows(nk, r).src(l, cs.width).dst(0, r))?;
     let (ck, cv) = a.expand_kv(&kv_c, nk)?;
     let ckf = a.full_k(&ck, &kpe, nk)?;
     let mut po = ops.canary(t_new * nh * v)?;
@@ -322,12 +299,7 @@ fn new_tokens_attention<O: Ops>(
     qn: &O::Buf,
     new_rows: &[usize],
 ) -> Result<(O::Buf, O::Buf)> {
-    let MlaDims {
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = a.cfg.dims();
+    let [_, _, p, r, v] = a.cfg.dims().nlprv();
     let (nh, ops) = (a.nh, a.ops);
     if a.sel.is_some() {
         let keys: Vec<Vec<usize>> = seqs

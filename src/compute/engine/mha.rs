@@ -45,12 +45,5 @@ pub(super) fn mha_rank<O: Ops>(a: &RankAttn<'_, O>, batch: &Batch) -> Result<Ran
         )?;
         (result, lse)
     };
-    Ok(RankOut {
-        out: a.deliver(result, t * nh * v)?,
-        lse,
-        k_nope: Some(k_nope),
-        v: Some(vv),
-        ql_nope: None,
-        attn_latent: None,
-    })
+    a.expanded_out(t, result, lse, k_nope, vv)
 }

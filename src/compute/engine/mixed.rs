@@ -2,7 +2,6 @@
 //! written into one caller-allocated output (vLLM's MLA batch split).
 
 use super::*;
-use crate::model::config::MlaDims;
 
 /// Which sequences of a mixed batch are decodes: the first ⌈S/2⌉ (vLLM puts decodes first).
 pub fn mixed_decode_seqs(batch: &Batch) -> usize {
@@ -20,13 +19,7 @@ pub(super) fn mixed_rank<O: Ops>(
     empty_rows: &mut BTreeSet<usize>,
 ) -> Result<RankOut<O::Buf>> {
     let t = batch.n_tokens();
-    let MlaDims {
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = a.cfg.dims();
+    let [_, _, p, r, v] = a.cfg.dims().nlprv();
     let nh = a.nh;
     let ops = a.ops;
     let n_dec = mixed_decode_seqs(batch);
@@ -66,26 +59,9 @@ pub(super) fn mixed_rank<O: Ops>(
 
     // Decode part: rows [0, num_decodes).
     if n_dec > 0 {
-        let ql_nope = a.absorb_q(t)?;
-        let mut qrow = ops.canary(t * nh * (l + r))?;
-        ops.copy2d(&ql_nope, &mut qrow, cp(t * nh, l, 0, l, 0, l + r))?;
-        ops.copy2d(a.q_pe_roped, &mut qrow, cp(t * nh, r, 0, r, l, l + r))?;
-        let dec_seqs: Vec<usize> = (0..n_dec).collect();
-        let ctx: Vec<usize> = dec_seqs.iter().map(|&s| batch.seqs[s].len).collect();
-        let (lat, ls) = if a.sel.is_some() {
-            let slots: Vec<Vec<usize>> = dec_rows
-                .iter()
-                .zip(&dec_seqs)
-                .zip(&ctx)
-                .map(|((&row, &s), &c)| kept_slots(a, &cs, row, s, c))
-                .collect();
-            decode_rows_sparse(a, &cs, &qrow, 0, &dec_rows, &slots, empty_rows)?
-        } else {
-            decode_rows(a, &cs, &qrow, 0, &dec_rows, &dec_seqs, &ctx, empty_rows)?
-        };
-        let dec_out = ops.bmm_heads(&lat, n_dec, nh, l, &a.rw.w_uv, v)?;
-        ops.copy2d(&dec_out, &mut step_out, cp(1, n_dec * nh * v, 0, 0, 0, 0))?;
-        ops.copy2d(&ls, &mut step_lse, cp(1, n_dec * nh, 0, 0, 0, 0))?;
+        let (dec_out, dec_lse) = mixed_decode_part(a, batch, &cs, &dec_rows, empty_rows)?;
+        ops.copy2d(&dec_out, &mut step_out, copy_span_to(n_dec * nh * v, 0))?;
+        ops.copy2d(&dec_lse, &mut step_lse, copy_span_to(n_dec * nh, 0))?;
     }
     // Prefill part: rows [num_decodes, n_step), expanded, causal per sequence.
     if !pre_rows.is_empty() && a.sel.is_some() {
@@ -95,8 +71,8 @@ pub(super) fn mixed_rank<O: Ops>(
             .collect();
         let np = pre_rows.len();
         let (po, pl) = a.sparse_rows(&qf, &pre_rows, &kf, &vv, &keys, EmptyRows::ZeroMinusInf)?;
-        ops.copy2d(&po, &mut step_out, cp(1, np * nh * v, 0, 0, n_dec * nh * v, 0))?;
-        ops.copy2d(&pl, &mut step_lse, cp(1, np * nh, 0, 0, n_dec * nh, 0))?;
+        ops.copy2d(&po, &mut step_out, copy_span_to(np * nh * v, n_dec * nh * v))?;
+        ops.copy2d(&pl, &mut step_lse, copy_span_to(np * nh, n_dec * nh))?;
     } else if !pre_rows.is_empty() {
         let pq = ops.gather_rows(&qf, nh * (p + r), &pre_rows)?;
         let pk = ops.gather_rows(&kf, nh * (p + r), &pre_rows)?;
@@ -127,19 +103,51 @@ pub(super) fn mixed_rank<O: Ops>(
             &mut po,
             &mut pl,
         )?;
-        ops.copy2d(&po, &mut step_out, cp(1, np * nh * v, 0, 0, n_dec * nh * v, 0))?;
-        ops.copy2d(&pl, &mut step_lse, cp(1, np * nh, 0, 0, n_dec * nh, 0))?;
+        ops.copy2d(&po, &mut step_out, copy_span_to(np * nh * v, n_dec * nh * v))?;
+        ops.copy2d(&pl, &mut step_lse, copy_span_to(np * nh, n_dec * nh))?;
     }
     // Scatter the step's rows back to packed token order.
     ops.scatter_rows(&mut result, &step_out, nh * v, &step_rows)?;
     ops.scatter_rows(&mut lse, &step_lse, nh, &step_rows)?;
     // Every invocation of the attention op (earlier steps and this one) has the same contract.
-    Ok(RankOut {
-        out: a.deliver(result, t * nh * v)?,
-        lse,
-        k_nope: Some(k_nope),
-        v: Some(vv),
-        ql_nope: None,
-        attn_latent: None,
-    })
+    a.expanded_out(t, result, lse, k_nope, vv)
+}
+
+/// The decode part of a mixed step: the last token of each of the first `dec_rows.len()`
+/// sequences (packed rows `dec_rows`), absorbed through `W_UK_T` and decoded against the paged
+/// cache `cs`, then through `W_UV`. Returns (`attn_out` [n_dec, nh, V], `lse` [n_dec, nh]).
+fn mixed_decode_part<O: Ops>(
+    a: &RankAttn<'_, O>,
+    batch: &Batch,
+    cs: &CacheState<O::Buf>,
+    dec_rows: &[usize],
+    empty_rows: &mut BTreeSet<usize>,
+) -> Result<(O::Buf, O::Buf)> {
+    let t = batch.n_tokens();
+    let [_, l, _, r, v] = a.cfg.dims().nlprv();
+    let (nh, ops, n_dec) = (a.nh, a.ops, dec_rows.len());
+    let ql_nope = a.absorb_q(t)?;
+    let mut qrow = ops.canary(t * nh * (l + r))?;
+    ops.copy2d(&ql_nope, &mut qrow, copy_rows(t * nh, l).src(0, l).dst(0, l + r))?;
+    ops.copy2d(a.q_pe_roped, &mut qrow, copy_rows(t * nh, r).src(0, r).dst(l, l + r))?;
+    let dec_seqs: Vec<usize> = (0..n_dec).collect();
+    let ctx: Vec<usize> = dec_seqs.iter().map(|&s| batch.seqs[s].len).collect();
+    let queries = DecodeQueries {
+        qrow: &qrow,
+        q_first: 0,
+        rows: dec_rows,
+    };
+    let (lat, ls) = if a.sel.is_some() {
+        let slots: Vec<Vec<usize>> = dec_rows
+            .iter()
+            .zip(&dec_seqs)
+            .zip(&ctx)
+            .map(|((&row, &s), &c)| kept_slots(a, cs, row, s, c))
+            .collect();
+        decode_rows_sparse(a, cs, &queries, &slots, empty_rows)?
+    } else {
+        decode_rows(a, cs, &queries, &dec_seqs, &ctx, empty_rows)?
+    };
+    let dec_out = ops.bmm_heads(&lat, n_dec, nh, l, &a.rw.w_uv, v)?;
+    Ok((dec_out, ls))
 }

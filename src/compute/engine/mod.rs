@@ -32,7 +32,7 @@ use crate::compute::path::{LayerInput, PathKind, PathOptions, PathRun, Unservabl
 use crate::core::batch::{Batch, SplitMix64};
 use crate::core::error::{Error, Result};
 use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
-use crate::model::config::{KvBLayout, MlaConfig, MlaDims};
+use crate::model::config::{KvBLayout, MlaConfig};
 use crate::model::weights::{RawSlice, SliceError, col_slice, row_slice, tensor_name};
 
 use attn::*;
@@ -54,21 +54,51 @@ fn rank_heads(n: usize, tp: usize, r: usize) -> Range<usize> {
     r * nh..(r + 1) * nh
 }
 
-fn cp(rows: usize, width: usize, src_off: usize, src_stride: usize, dst_off: usize, dst_stride: usize) -> Copy2d {
+/// Starts a [`Copy2d`] of `rows` rows of `width` elements, one source row per destination row
+/// (`src_row_div` 1); [`Copy2d::src`] and [`Copy2d::dst`] then say where the rows lie.
+fn copy_rows(rows: usize, width: usize) -> Copy2d {
     Copy2d {
         rows,
         width,
-        src_off,
-        src_stride,
+        src_off: 0,
+        src_stride: width,
         src_row_div: 1,
-        dst_off,
-        dst_stride,
+        dst_off: 0,
+        dst_stride: width,
+    }
+}
+
+/// A [`Copy2d`] of `len` contiguous elements from the start of the source to element `dst_off`
+/// of the destination: one row, strides 0 (a block of rows written at a row offset).
+fn copy_span_to(len: usize, dst_off: usize) -> Copy2d {
+    copy_rows(1, len).src(0, 0).dst(dst_off, 0)
+}
+
+/// The placement half of the [`copy_rows`] builder, so that a call reads
+/// `copy_rows(rows, width).src(off, stride).dst(off, stride)`.
+impl Copy2d {
+    /// The source element offset of the first row and the source row stride (elements).
+    fn src(self, src_off: usize, src_stride: usize) -> Copy2d {
+        Copy2d {
+            src_off,
+            src_stride,
+            ..self
+        }
+    }
+
+    /// The destination element offset of the first row and the destination row stride (elements).
+    fn dst(self, dst_off: usize, dst_stride: usize) -> Copy2d {
+        Copy2d {
+            dst_off,
+            dst_stride,
+            ..self
+        }
     }
 }
 
 /// Records a backend buffer at `stage`: downloaded into `tr`, or kept by the backend
 /// ([`Ops::keep_site`]).
-fn rec<O: Ops>(ops: &O, tr: &mut Trace, layer: usize, stage: Stage, shape: &[usize], b: &O::Buf) -> Result<()> {
+fn record_buf<O: Ops>(ops: &O, tr: &mut Trace, layer: usize, stage: Stage, shape: &[usize], b: &O::Buf) -> Result<()> {
     let site = Site::new(layer, stage);
     if let Some(v) = ops.keep_site(site, shape, b)? {
         tr.record(site, TraceTensor::f32(shape.to_vec(), v));
@@ -76,9 +106,16 @@ fn rec<O: Ops>(ops: &O, tr: &mut Trace, layer: usize, stage: Stage, shape: &[usi
     Ok(())
 }
 
-/// [`rec`] of a buffer the path no longer reads ([`Ops::keep_site_owned`]: moved into the trace
-/// on the host).
-fn rec_owned<O: Ops>(ops: &O, tr: &mut Trace, layer: usize, stage: Stage, shape: &[usize], b: O::Buf) -> Result<()> {
+/// [`record_buf`] of a buffer the path no longer reads ([`Ops::keep_site_owned`]: moved into
+/// the trace on the host).
+fn record_buf_owned<O: Ops>(
+    ops: &O,
+    tr: &mut Trace,
+    layer: usize,
+    stage: Stage,
+    shape: &[usize],
+    b: O::Buf,
+) -> Result<()> {
     let site = Site::new(layer, stage);
     if let Some(v) = ops.keep_site_owned(site, shape, b)? {
         tr.record(site, TraceTensor::f32(shape.to_vec(), v));
@@ -86,23 +123,23 @@ fn rec_owned<O: Ops>(ops: &O, tr: &mut Trace, layer: usize, stage: Stage, shape:
     Ok(())
 }
 
-/// Records per-rank `[T, nh, X]` buffers at `stage` as one `[T, N, X]` site (`shape`): one rank's
-/// buffer through [`rec`], several reassembled on the host ([`reassemble`]).
-#[allow(clippy::too_many_arguments)]
-fn rec_heads<O: Ops>(
+/// Records per-rank `[T, nh, X]` buffers at `stage` as one `[T, N, X]` site (`shape`; `[T, N]`
+/// for X = 1), each rank holding `nh = N / parts.len()` heads: one rank's buffer through
+/// [`record_buf`], several reassembled on the host ([`reassemble`]).
+fn record_heads<O: Ops>(
     ops: &O,
     tr: &mut Trace,
     layer: usize,
     stage: Stage,
     shape: &[usize],
     parts: &[&O::Buf],
-    nh: usize,
-    x: usize,
 ) -> Result<()> {
     if let [one] = parts {
-        return rec(ops, tr, layer, stage, shape, one);
+        return record_buf(ops, tr, layer, stage, shape, one);
     }
-    let t = shape.first().copied().unwrap_or(0);
+    let (t, n) = (shape[0], shape[1]);
+    let x = shape.get(2).copied().unwrap_or(1);
+    let nh = n / parts.len();
     tr.record(
         Site::new(layer, stage),
         TraceTensor::f32(shape.to_vec(), reassemble(ops, parts, t, nh, x)?),
@@ -231,6 +268,26 @@ pub fn run_paths<O: Ops>(
     Ok(())
 }
 
+/// The note of a RoPE fault that cannot act: every token at position 0, where RoPE is the
+/// identity. `None` without a RoPE fault or with a token elsewhere.
+fn rope_fault_note(opts: &PathOptions, batch: &Batch) -> Option<String> {
+    let rope_fault = opts.faults.has(Fault::RopeNeox) || opts.faults.has(Fault::IndexerRopeInterleaved);
+    (rope_fault && batch.positions().iter().all(|&p| p == 0)).then(|| {
+        "every token is at position 0, where RoPE is the identity: the RoPE fault had nothing to act on (use more tokens or --start-pos)"
+            .into()
+    })
+}
+
+/// The softmax scale the paths' attention applies, f32: the config's (with the YaRN mscale²
+/// folded in), or with the `no-mscale` fault the plain `(P+R)^-½`.
+fn attention_scale(cfg: &MlaConfig, opts: &PathOptions) -> f32 {
+    if opts.faults.has(Fault::NoMscale) {
+        (cfg.qk_head_dim() as f64).powf(-0.5) as f32
+    } else {
+        cfg.softmax_scale as f32
+    }
+}
+
 /// One path on weights already loaded ([`run_paths`]); `notes` starts with the loader's.
 fn run_loaded<O: Ops>(
     ops: &O,
@@ -247,35 +304,20 @@ fn run_loaded<O: Ops>(
     let mut tr = Trace::new();
     pro.record(ops, ew, input, &mut tr)?;
     let own_sel = engine_indexer(ops, input, opts, kind, pro, &mut tr, &mut notes)?;
-    if (opts.faults.has(Fault::RopeNeox) || opts.faults.has(Fault::IndexerRopeInterleaved))
-        && input.batch.positions().iter().all(|&p| p == 0)
-    {
-        notes.push(
-            "every token is at position 0, where RoPE is the identity: the RoPE fault had nothing to act on (use more tokens or --start-pos)"
-                .into(),
-        );
-    }
+    notes.extend(rope_fault_note(opts, input.batch));
     let sel = match (&own_sel, input.forced_selection) {
         (Some(_), Some(forced)) => Some(forced.clone()),
         _ => own_sel,
     };
-    let MlaDims {
-        n_head: n,
-        hidden: hd,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, _, _, _, v] = cfg.dims().nlprv();
+    let hd = cfg.dims().hidden;
     let tp = opts.tp;
     let nh = n / tp;
     if tp > 1 {
         record_rank_weights(ops, &mut tr, layer, kind, cfg, ew)?;
     }
     record_layer_weights(ops, &mut tr, layer, kind, cfg, ew)?;
-    let scale = if opts.faults.has(Fault::NoMscale) {
-        (cfg.qk_head_dim() as f64).powf(-0.5) as f32
-    } else {
-        cfg.softmax_scale as f32
-    };
+    let scale = attention_scale(cfg, opts);
     let mut empty_rows = BTreeSet::new();
     let mut outs: Vec<RankOut<O::Buf>> = Vec::with_capacity(tp);
     for (rank, rw) in ew.ranks.iter().enumerate() {
@@ -310,14 +352,14 @@ fn run_loaded<O: Ops>(
     drop(outs);
     if tp > 1 {
         for (rank, part) in parts.iter().enumerate() {
-            rec(ops, &mut tr, layer, Stage::OProjRank(rank as u32), &[t, hd], part)?;
+            record_buf(ops, &mut tr, layer, Stage::OProjRank(rank as u32), &[t, hd], part)?;
         }
     }
     let o = ops.all_reduce_sum(parts, t * hd, opts.faults.reduce_fault(tp))?;
-    rec(ops, &mut tr, layer, Stage::OProj, &[t, hd], &o)?;
+    record_buf(ops, &mut tr, layer, Stage::OProj, &[t, hd], &o)?;
     if let Some(ffn) = &ew.ffn {
         let out = ffn_residual(ops, cfg, ffn, &pro.hidden, &o, t)?;
-        rec(ops, &mut tr, layer, Stage::HiddenOut, &[t, hd], &out)?;
+        record_buf(ops, &mut tr, layer, Stage::HiddenOut, &[t, hd], &out)?;
     }
     Ok(PathRun {
         kind,
@@ -339,15 +381,8 @@ fn record_rank_weights<O: Ops>(
     cfg: &MlaConfig,
     ew: &EngineWeights<O::Buf>,
 ) -> Result<()> {
-    let MlaDims {
-        n_head: n,
-        hidden: hd,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, r, v] = cfg.dims().nlprv();
+    let hd = cfg.dims().hidden;
     let q_k = cfg.q_lora_rank.unwrap_or(hd);
     let nh = n / ew.ranks.len();
     type Field<B> = fn(&RankWeights<B>) -> Option<&B>;
@@ -363,7 +398,7 @@ fn record_rank_weights<O: Ops>(
             }
             // Only q_proj is ever released, and only without TP.
             let b = field(rw).ok_or_else(|| Error::Internal("engine: q_proj released under TP".into()))?;
-            rec(ops, tr, layer, Stage::WRank(w, rank as u32), &shape, b)?;
+            record_buf(ops, tr, layer, Stage::WRank(w, rank as u32), &shape, b)?;
         }
     }
     Ok(())
@@ -380,16 +415,10 @@ fn record_layer_weights<O: Ops>(
     cfg: &MlaConfig,
     ew: &EngineWeights<O::Buf>,
 ) -> Result<()> {
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, _, v] = cfg.dims().nlprv();
     let weight_site =
         |tr: &mut Trace, stage: Stage, shape: &[usize], f: fn(&RankWeights<O::Buf>) -> &O::Buf| match &ew.ranks[..] {
-            [one] => rec(ops, tr, layer, stage, shape, f(one)),
+            [one] => record_buf(ops, tr, layer, stage, shape, f(one)),
             ranks => {
                 let mut all = Vec::new();
                 for rw in ranks {
@@ -417,11 +446,21 @@ struct OutSite<B> {
     stage: Stage,
     /// The site's shape: `[T, N, X]`, or `[T, N]` for `lse` (X = 1).
     shape: Vec<usize>,
-    x: usize,
     field: fn(&RankOut<B>) -> Option<&B>,
     /// For a buffer nothing reads after the attention: moves it out of a lone rank's output
     /// into the trace instead of copying it.
     take: Option<TakeOut<B>>,
+}
+
+impl<B> OutSite<B> {
+    fn new(stage: Stage, shape: Vec<usize>, field: fn(&RankOut<B>) -> Option<&B>, take: Option<TakeOut<B>>) -> Self {
+        OutSite {
+            stage,
+            shape,
+            field,
+            take,
+        }
+    }
 }
 
 /// The ranks' attention outputs recorded per head, in vLLM's names: `k_nope` and `v` (expanded
@@ -435,65 +474,32 @@ fn record_rank_outputs<O: Ops>(
     cfg: &MlaConfig,
     outs: &mut [RankOut<O::Buf>],
 ) -> Result<()> {
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
-    let nh = n / outs.len();
+    let [n, l, p, _, v] = cfg.dims().nlprv();
     let sites: [OutSite<O::Buf>; 6] = [
-        OutSite {
-            stage: Stage::KNope,
-            shape: vec![t, n, p],
-            x: p,
-            field: |o| o.k_nope.as_ref(),
-            take: None,
-        },
-        OutSite {
-            stage: Stage::V,
-            shape: vec![t, n, v],
-            x: v,
-            field: |o| o.v.as_ref(),
-            take: None,
-        },
-        OutSite {
-            stage: Stage::QlNope,
-            shape: vec![t, n, l],
-            x: l,
-            field: |o| o.ql_nope.as_ref(),
-            take: Some(|o| o.ql_nope.take()),
-        },
-        OutSite {
-            stage: Stage::AttnLatent,
-            shape: vec![t, n, l],
-            x: l,
-            field: |o| o.attn_latent.as_ref(),
-            take: Some(|o| o.attn_latent.take()),
-        },
-        OutSite {
-            stage: Stage::Lse,
-            shape: vec![t, n],
-            x: 1,
-            field: |o| Some(&o.lse),
-            take: None,
-        },
-        OutSite {
-            stage: Stage::AttnOut,
-            shape: vec![t, n, v],
-            x: v,
-            field: |o| Some(&o.out),
-            take: None,
-        },
+        OutSite::new(Stage::KNope, vec![t, n, p], |o| o.k_nope.as_ref(), None),
+        OutSite::new(Stage::V, vec![t, n, v], |o| o.v.as_ref(), None),
+        OutSite::new(
+            Stage::QlNope,
+            vec![t, n, l],
+            |o| o.ql_nope.as_ref(),
+            Some(|o| o.ql_nope.take()),
+        ),
+        OutSite::new(
+            Stage::AttnLatent,
+            vec![t, n, l],
+            |o| o.attn_latent.as_ref(),
+            Some(|o| o.attn_latent.take()),
+        ),
+        OutSite::new(Stage::Lse, vec![t, n], |o| Some(&o.lse), None),
+        OutSite::new(Stage::AttnOut, vec![t, n, v], |o| Some(&o.out), None),
     ];
     for s in &sites {
         if let ([one], Some(take)) = (&mut *outs, s.take) {
             if let Some(b) = take(one) {
-                rec_owned(ops, tr, layer, s.stage, &s.shape, b)?;
+                record_buf_owned(ops, tr, layer, s.stage, &s.shape, b)?;
             }
         } else if let Some(parts) = pick_all(outs, s.field) {
-            rec_heads(ops, tr, layer, s.stage, &s.shape, &parts, nh, s.x)?;
+            record_heads(ops, tr, layer, s.stage, &s.shape, &parts)?;
         }
     }
     Ok(())

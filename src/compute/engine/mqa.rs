@@ -2,23 +2,30 @@
 //! attention over the paged latent cache, partials merged by LSE, output through `W_UV`.
 
 use super::*;
-use crate::model::config::MlaDims;
 
-/// Split-KV absorbed decode of query rows `rows` (packed) of sequences `seqs` with context
-/// lengths `ctx`: stage 1 writes `splits` partials, stage 2 merges them. `qrow` holds the
-/// queries [rows, nh, L+R] of packed rows `q_first..`. Returns (latent [n, nh, L], lse [n, nh])
-/// and records rows that merged an empty split.
-#[allow(clippy::too_many_arguments)]
+/// The decode queries of one launch: `qrow` holds `[ql_nope | q_pe]` [rows, nh, L+R] of the
+/// packed rows `q_first..`, and `rows` names the packed rows to decode (each ≥ `q_first`).
+pub(super) struct DecodeQueries<'q, B> {
+    /// `[ql_nope | q_pe]` [rows, nh, L+R], f32.
+    pub(super) qrow: &'q B,
+    /// The packed row of `qrow`'s first row.
+    pub(super) q_first: usize,
+    /// The packed rows to decode.
+    pub(super) rows: &'q [usize],
+}
+
+/// Split-KV absorbed decode of the `queries` rows of sequences `seqs` with context lengths
+/// `ctx`: stage 1 writes `splits` partials, stage 2 merges them. Returns (latent [n, nh, L],
+/// lse [n, nh]) and records rows that merged an empty split.
 pub(super) fn decode_rows<O: Ops>(
     a: &RankAttn<'_, O>,
     cs: &CacheState<O::Buf>,
-    qrow: &O::Buf,
-    q_first: usize,
-    rows: &[usize],
+    queries: &DecodeQueries<'_, O::Buf>,
     seqs: &[usize],
     ctx: &[usize],
     empty_rows: &mut BTreeSet<usize>,
 ) -> Result<(O::Buf, O::Buf)> {
+    let (qrow, q_first, rows) = (queries.qrow, queries.q_first, queries.rows);
     let (l, r, nh) = (a.cfg.kv_lora_rank, a.cfg.qk_rope_head_dim, a.nh);
     let splits = a.opts.num_splits.max(1);
     let n = rows.len();
@@ -58,12 +65,11 @@ pub(super) fn decode_rows<O: Ops>(
 pub(super) fn decode_rows_sparse<O: Ops>(
     a: &RankAttn<'_, O>,
     cs: &CacheState<O::Buf>,
-    qrow: &O::Buf,
-    q_first: usize,
-    rows: &[usize],
+    queries: &DecodeQueries<'_, O::Buf>,
     slots: &[Vec<usize>],
     empty_rows: &mut BTreeSet<usize>,
 ) -> Result<(O::Buf, O::Buf)> {
+    let rows = queries.rows;
     let bs = cs.block_size;
     let mut gather = Vec::new();
     let mut tables = Vec::with_capacity(rows.len());
@@ -83,7 +89,7 @@ pub(super) fn decode_rows_sparse<O: Ops>(
     };
     let idx: Vec<usize> = (0..rows.len()).collect();
     let ctx: Vec<usize> = slots.iter().map(Vec::len).collect();
-    decode_rows(a, &compact, qrow, q_first, rows, &idx, &ctx, empty_rows)
+    decode_rows(a, &compact, queries, &idx, &ctx, empty_rows)
 }
 
 /// The cache slots of the keys row `row` (sequence `seq`, first packed row `off`) keeps among
@@ -117,12 +123,7 @@ pub(super) fn mqa_rank<O: Ops>(
     empty_rows: &mut BTreeSet<usize>,
 ) -> Result<RankOut<O::Buf>> {
     let t = batch.n_tokens();
-    let MlaDims {
-        kv_lora_rank: l,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = a.cfg.dims();
+    let [_, l, _, r, v] = a.cfg.dims().nlprv();
     let nh = a.nh;
     let ops = a.ops;
     let ql_nope = a.absorb_q(t)?;
@@ -153,8 +154,21 @@ pub(super) fn mqa_rank<O: Ops>(
         // The packed rows are 0..T in order, so this block's queries are rows b..e.
         let n = e - b;
         let mut qrow = ops.canary(n * nh * (l + r))?;
-        ops.copy2d(&ql_nope, &mut qrow, cp(n * nh, l, b * nh * l, l, 0, l + r))?;
-        ops.copy2d(a.q_pe_roped, &mut qrow, cp(n * nh, r, b * nh * r, r, l, l + r))?;
+        ops.copy2d(
+            &ql_nope,
+            &mut qrow,
+            copy_rows(n * nh, l).src(b * nh * l, l).dst(0, l + r),
+        )?;
+        ops.copy2d(
+            a.q_pe_roped,
+            &mut qrow,
+            copy_rows(n * nh, r).src(b * nh * r, r).dst(l, l + r),
+        )?;
+        let queries = DecodeQueries {
+            qrow: &qrow,
+            q_first: b,
+            rows,
+        };
         let (lat, ls) = if a.sel.is_some() {
             let slots: Vec<Vec<usize>> = rows
                 .iter()
@@ -162,10 +176,10 @@ pub(super) fn mqa_rank<O: Ops>(
                 .zip(pos)
                 .map(|((&row, &s), &i)| kept_slots(a, &cs, row, s, i + 1))
                 .collect();
-            decode_rows_sparse(a, &cs, &qrow, b, rows, &slots, empty_rows)?
+            decode_rows_sparse(a, &cs, &queries, &slots, empty_rows)?
         } else {
             let ctx: Vec<usize> = pos.iter().map(|&i| i + 1).collect();
-            decode_rows(a, &cs, &qrow, b, rows, seqs, &ctx, empty_rows)?
+            decode_rows(a, &cs, &queries, seqs, &ctx, empty_rows)?
         };
         ops.scatter_rows(&mut attn_latent, &lat, nh * l, rows)?;
         ops.scatter_rows(&mut lse, &ls, nh, rows)?;

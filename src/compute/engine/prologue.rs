@@ -2,7 +2,7 @@
 //! the engine's cos/sin cache, and the DSA indexer's selection.
 
 use super::*;
-use crate::model::config::MlaDims;
+use crate::model::config::{IndexerConfig, RopeStyle};
 
 /// Inverse RoPE frequencies with YaRN, computed the way vLLM's `DeepseekScalingRotaryEmbedding`
 /// does (correction range from beta_fast/beta_slow, linear ramp, interpolation blend).
@@ -85,31 +85,24 @@ impl<B> Prologue<B> {
         let cfg = input.cfg;
         let layer = input.weights.layer;
         let t = input.batch.n_tokens();
-        let MlaDims {
-            hidden: hd,
-            n_head: n,
-            kv_lora_rank: l,
-            qk_nope_head_dim: p,
-            qk_rope_head_dim: r,
-            ..
-        } = cfg.dims();
-        let nh = n / self.q.len().max(1);
-        rec(ops, tr, layer, Stage::HiddenIn, &[t, hd], &self.hidden)?;
-        rec(ops, tr, layer, Stage::AttnIn, &[t, hd], &self.attn_in)?;
+        let [n, l, p, r, _] = cfg.dims().nlprv();
+        let hd = cfg.dims().hidden;
+        record_buf(ops, tr, layer, Stage::HiddenIn, &[t, hd], &self.hidden)?;
+        record_buf(ops, tr, layer, Stage::AttnIn, &[t, hd], &self.attn_in)?;
         if let (Some(fused), Some(q_c), Some(q_c_normed)) = (&ew.fused_qkv_a, &self.q_c, &self.q_c_normed) {
             let lq = cfg.q_lora_rank.unwrap_or(0);
-            rec(ops, tr, layer, Stage::WFusedQkvA, &[lq + l + r, hd], fused)?;
-            rec(ops, tr, layer, Stage::QC, &[t, lq], q_c)?;
-            rec(ops, tr, layer, Stage::QCNormed, &[t, lq], q_c_normed)?;
+            record_buf(ops, tr, layer, Stage::WFusedQkvA, &[lq + l + r, hd], fused)?;
+            record_buf(ops, tr, layer, Stage::QC, &[t, lq], q_c)?;
+            record_buf(ops, tr, layer, Stage::QCNormed, &[t, lq], q_c_normed)?;
         }
         let qs: Vec<&B> = self.q.iter().collect();
-        rec_heads(ops, tr, layer, Stage::Q, &[t, n, p + r], &qs, nh, p + r)?;
-        rec(ops, tr, layer, Stage::KvA, &[t, l + r], &self.kv_a)?;
-        rec(ops, tr, layer, Stage::KvCNormed, &[t, l], &self.kv_c_normed)?;
-        rec(ops, tr, layer, Stage::KPe, &[t, r], &self.k_pe)?;
+        record_heads(ops, tr, layer, Stage::Q, &[t, n, p + r], &qs)?;
+        record_buf(ops, tr, layer, Stage::KvA, &[t, l + r], &self.kv_a)?;
+        record_buf(ops, tr, layer, Stage::KvCNormed, &[t, l], &self.kv_c_normed)?;
+        record_buf(ops, tr, layer, Stage::KPe, &[t, r], &self.k_pe)?;
         let qp: Vec<&B> = self.q_pe_roped.iter().collect();
-        rec_heads(ops, tr, layer, Stage::QPeRoped, &[t, n, r], &qp, nh, r)?;
-        rec(ops, tr, layer, Stage::KPeRoped, &[t, r], &self.k_pe_roped)
+        record_heads(ops, tr, layer, Stage::QPeRoped, &[t, n, r], &qp)?;
+        record_buf(ops, tr, layer, Stage::KPeRoped, &[t, r], &self.k_pe_roped)
     }
 }
 
@@ -122,14 +115,8 @@ pub(super) fn prologue<O: Ops>(
     let cfg = input.cfg;
     let t = input.batch.n_tokens();
     let f = &opts.faults;
-    let MlaDims {
-        hidden: hd,
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        ..
-    } = cfg.dims();
+    let [n, l, p, r, _] = cfg.dims().nlprv();
+    let hd = cfg.dims().hidden;
     let tp = ew.ranks.len();
     let nh = n / tp;
     let eps = cfg.rms_eps as f32;
@@ -137,25 +124,11 @@ pub(super) fn prologue<O: Ops>(
     let hidden = ops.upload(&hidden_host)?;
     let attn_in = ops.rms_norm(&hidden, t, 0, hd, hd, &ew.attn_norm, eps)?;
 
-    let (q_c_keep, q_k, kv_a) = match (&ew.fused_qkv_a, &ew.q_a_norm, &ew.kv_a) {
-        (Some(fused), Some(q_a_norm), _) => {
-            let lq = cfg.q_lora_rank.unwrap_or(0);
-            // One GEMM; the output is split by the fixed sizes [Lq | L+R].
-            let qkv = ops.linear(&attn_in, t, hd, fused, lq + l + r)?;
-            let mut q_c = ops.canary(t * lq)?;
-            ops.copy2d(&qkv, &mut q_c, cp(t, lq, 0, lq + l + r, 0, lq))?;
-            // q_c is a strided view of the fused output (row stride Lq+L+R).
-            let q_c_normed = ops.rms_norm(&qkv, t, 0, lq + l + r, lq, q_a_norm, eps)?;
-            let mut kv_a = ops.canary(t * (l + r))?;
-            ops.copy2d(&qkv, &mut kv_a, cp(t, l + r, lq, lq + l + r, 0, l + r))?;
-            (Some((q_c, q_c_normed)), lq, kv_a)
-        }
-        (None, _, Some(kv_a_w)) => {
-            let kv_a = ops.linear(&attn_in, t, hd, kv_a_w, l + r)?;
-            (None, hd, kv_a)
-        }
-        _ => return Err(Error::Internal("engine: inconsistent q weights".into())),
-    };
+    let LatentProjections {
+        q_c: q_c_keep,
+        q_in_width,
+        kv_a,
+    } = latent_projections(ops, cfg, ew, &attn_in, t)?;
     let q_input = q_c_keep.as_ref().map_or(&attn_in, |(_, qcn)| qcn);
     // Column-parallel q projection, per rank.
     let q: Vec<O::Buf> = ew
@@ -166,7 +139,7 @@ pub(super) fn prologue<O: Ops>(
                 .q_proj
                 .as_ref()
                 .ok_or_else(|| Error::Internal("engine: q_proj released".into()))?;
-            ops.linear(q_input, t, q_k, w, nh * (p + r))
+            ops.linear(q_input, t, q_in_width, w, nh * (p + r))
         })
         .collect::<Result<_>>()?;
 
@@ -174,7 +147,7 @@ pub(super) fn prologue<O: Ops>(
     let stride = if f.has(Fault::StridedKvC) { l } else { l + r };
     let kv_c_normed = ops.rms_norm(&kv_a, t, 0, stride, l, &ew.kv_a_norm, eps)?;
     let mut k_pe = ops.canary(t * r)?;
-    ops.copy2d(&kv_a, &mut k_pe, cp(t, r, l, l + r, 0, r))?;
+    ops.copy2d(&kv_a, &mut k_pe, copy_rows(t, r).src(l, l + r).dst(0, r))?;
 
     let positions = input.batch.positions();
     let cos_scale = if f.has(Fault::RopeCosScaled) { cfg.mscale() } else { 1.0 };
@@ -192,12 +165,12 @@ pub(super) fn prologue<O: Ops>(
     let mut q_pe_roped = Vec::with_capacity(tp);
     for qr in &q {
         let mut x = ops.canary(t * nh * r)?;
-        ops.copy2d(qr, &mut x, cp(t * nh, r, p, p + r, 0, r))?;
+        ops.copy2d(qr, &mut x, copy_rows(t * nh, r).src(p, p + r).dst(0, r))?;
         ops.rope(&mut x, t * nh, r, &head_rows, &cos, &sin, style)?;
         q_pe_roped.push(x);
     }
     let mut k_pe_roped = ops.canary(t * r)?;
-    ops.copy2d(&k_pe, &mut k_pe_roped, cp(t, r, 0, r, 0, r))?;
+    ops.copy2d(&k_pe, &mut k_pe_roped, copy_rows(t, r).src(0, r).dst(0, r))?;
     ops.rope(&mut k_pe_roped, t, r, &token_rows, &cos, &sin, style)?;
     let (q_c, q_c_normed) = q_c_keep.unzip();
     Ok(Prologue {
@@ -255,87 +228,26 @@ pub(super) fn engine_indexer<O: Ops>(
     }
     let (ni, d, hd) = (ix.n_head, ix.head_dim, cfg.hidden);
     let lq = cfg.q_lora_rank.unwrap_or(0);
-    let r = cfg.qk_rope_head_dim;
     let up = |a: &ndarray::Array2<f32>| ops.upload(&a.iter().copied().collect::<Vec<f32>>());
     let q = ops.download(&ops.linear(qcn, t, lq, &up(&iw.q_b)?, ni * d)?)?;
     let k_raw = ops.download(&ops.linear(&pro.attn_in, t, hd, &up(&iw.k)?, d)?)?;
     let w = ops.download(&ops.linear(&pro.attn_in, t, hd, &up(&iw.proj)?, ni)?)?;
-    // LayerNorm in f32 (two passes: mean, then variance).
-    let eps = ix.norm_eps as f32;
     let mut k = k_raw.clone();
-    for row in k.chunks_mut(d) {
-        let mean = row.iter().sum::<f32>() / d as f32;
-        let var = row.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / d as f32;
-        let inv = 1.0 / (var + eps).sqrt();
-        for (i, x) in row.iter_mut().enumerate() {
-            *x = (*x - mean) * inv * iw.k_norm[i] + iw.k_norm_b[i];
-        }
-    }
+    layer_norm_rows_f32(&mut k, d, &iw.k_norm, &iw.k_norm_b, ix.norm_eps as f32);
     let style = if opts.faults.has(Fault::IndexerRopeInterleaved) {
-        crate::model::config::RopeStyle::Interleaved
+        RopeStyle::Interleaved
     } else {
         ix.rope_style
     };
-    let positions = batch.positions();
-    let (cos, sin) = cos_sin_table(&engine_inv_freq(cfg), &positions, 1.0);
-    let half = r / 2;
     let (mut qr, mut kr) = (q.clone(), k.clone());
-    for ti in 0..t {
-        let (c, s) = (&cos[ti * half..(ti + 1) * half], &sin[ti * half..(ti + 1) * half]);
-        for h in 0..ni {
-            let o = (ti * ni + h) * d;
-            crate::compute::ops::rope_row(&mut qr[o..o + r], c, s, style);
-        }
-        crate::compute::ops::rope_row(&mut kr[ti * d..ti * d + r], c, s, style);
-    }
+    indexer_rope(cfg, ix, batch, style, &mut qr, &mut kr);
     // Scores in f32: Σ_h w·N_idx^-½·ReLU(D_idx^-½·q·k), causal within each sequence.
+    let scores: Vec<f32> = indexer::scores(ix, batch, &qr, &kr, &w);
     let smax = batch.seqs.iter().map(|x| x.len).max().unwrap_or(0);
-    let (hs, ds) = ((ni as f32).powf(-0.5), (d as f32).powf(-0.5));
-    let mut scores = vec![0f32; t * smax];
-    for (sq, off) in batch.seqs.iter().zip(batch.offsets()) {
-        for i in 0..sq.len {
-            let ti = off + i;
-            for j in 0..=i {
-                let kk = &kr[(off + j) * d..(off + j + 1) * d];
-                let mut acc = 0f32;
-                for h in 0..ni {
-                    let qq = &qr[(ti * ni + h) * d..(ti * ni + h + 1) * d];
-                    let dot: f32 = qq.iter().zip(kk).map(|(a, b)| a * b).sum();
-                    acc += w[ti * ni + h] * hs * (dot * ds).max(0.0);
-                }
-                scores[ti * smax + j] = acc;
-            }
-        }
-    }
     let sc64: Vec<f64> = scores.iter().map(|&x| f64::from(x)).collect();
     let mut sel = indexer::select(ix.top_k, batch, &sc64);
     if opts.faults.has(Fault::IndexerTopkStale) && kind == PathKind::Chunked {
-        // The new tokens read the top-k buffer the previous chunk left behind.
-        let fresh = sel.clone();
-        let mut changed = 0usize;
-        for ((&(c, n), off), sq) in chunked_split(batch, opts.new_tokens)
-            .iter()
-            .zip(batch.offsets())
-            .zip(&batch.seqs)
-        {
-            for i in c..sq.len.min(c + n) {
-                if i >= n {
-                    sel.rows[off + i] = fresh.rows[off + i - n].clone();
-                    changed += usize::from(sel.rows[off + i] != fresh.rows[off + i]);
-                }
-            }
-        }
-        notes.push(if changed > 0 {
-            format!(
-                "{changed} new token(s) read the top-k of the token --new-tokens {} positions earlier",
-                opts.new_tokens
-            )
-        } else {
-            format!(
-                "no new token's selection changed: the stale top-k fault had nothing to act on (it needs a sequence longer than --new-tokens {} whose tokens see more keys than the indexer's top-k {})",
-                opts.new_tokens, ix.top_k
-            )
-        });
+        notes.push(stale_topk(&mut sel, batch, opts, ix.top_k));
     }
     if full {
         tr.record(Site::new(layer, Stage::IdxQ), TraceTensor::f32(vec![t, ni, d], q));
@@ -348,4 +260,119 @@ pub(super) fn engine_indexer<O: Ops>(
     }
     record_topk(tr, &sel);
     Ok(Some(sel))
+}
+
+/// The `indexer-topk-stale` fault of the chunked path: the new tokens read the top-k buffer the
+/// previous chunk left behind, so each new token at sequence position ≥ `--new-tokens` takes the
+/// selection of the token `--new-tokens` positions earlier. Returns the note saying how many
+/// selections changed.
+fn stale_topk(sel: &mut Selection, batch: &Batch, opts: &PathOptions, top_k: usize) -> String {
+    let fresh = sel.clone();
+    let mut changed = 0usize;
+    for ((&(c, n), off), sq) in chunked_split(batch, opts.new_tokens)
+        .iter()
+        .zip(batch.offsets())
+        .zip(&batch.seqs)
+    {
+        for i in c..sq.len.min(c + n) {
+            if i >= n {
+                sel.rows[off + i] = fresh.rows[off + i - n].clone();
+                changed += usize::from(sel.rows[off + i] != fresh.rows[off + i]);
+            }
+        }
+    }
+    if changed > 0 {
+        format!(
+            "{changed} new token(s) read the top-k of the token --new-tokens {} positions earlier",
+            opts.new_tokens
+        )
+    } else {
+        format!(
+            "no new token's selection changed: the stale top-k fault had nothing to act on (it needs a sequence longer than --new-tokens {} whose tokens see more keys than the indexer's top-k {})",
+            opts.new_tokens, top_k
+        )
+    }
+}
+
+/// LayerNorm in f32, in place, of each `d`-wide row of `rows` (two passes: mean, then
+/// variance), with gain and bias [d] (the indexer's `k_norm`).
+fn layer_norm_rows_f32(rows: &mut [f32], d: usize, gain: &ndarray::Array1<f32>, bias: &ndarray::Array1<f32>, eps: f32) {
+    for row in rows.chunks_mut(d) {
+        let mean = row.iter().sum::<f32>() / d as f32;
+        let var = row.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / d as f32;
+        let inv = 1.0 / (var + eps).sqrt();
+        for (i, x) in row.iter_mut().enumerate() {
+            *x = (*x - mean) * inv * gain[i] + bias[i];
+        }
+    }
+}
+
+/// The indexer's RoPE in f32, in place, on the first R dims of every head of `q`
+/// [T, N_idx, D_idx] and of `k` [T, D_idx], at the batch's positions, with the pairing `style`.
+fn indexer_rope(cfg: &MlaConfig, ix: &IndexerConfig, batch: &Batch, style: RopeStyle, q: &mut [f32], k: &mut [f32]) {
+    let (t, ni, d, r) = (batch.n_tokens(), ix.n_head, ix.head_dim, cfg.qk_rope_head_dim);
+    let (cos, sin) = cos_sin_table(&engine_inv_freq(cfg), &batch.positions(), 1.0);
+    let half = r / 2;
+    for ti in 0..t {
+        let (c, s) = (&cos[ti * half..(ti + 1) * half], &sin[ti * half..(ti + 1) * half]);
+        for h in 0..ni {
+            let o = (ti * ni + h) * d;
+            crate::compute::ops::rope_row(&mut q[o..o + r], c, s, style);
+        }
+        crate::compute::ops::rope_row(&mut k[ti * d..ti * d + r], c, s, style);
+    }
+}
+
+/// What [`latent_projections`] produced, f32 backend buffers.
+struct LatentProjections<B> {
+    /// `q_c` [T, Lq] and its RMSNorm `q_c_normed`; `None` without `q_lora_rank`.
+    q_c: Option<(B, B)>,
+    /// The input width of the q projection: Lq, or H when q is projected from `attn_in`.
+    q_in_width: usize,
+    /// `kv_a` [T, L+R] (`[kv_c | k_pe]` per row).
+    kv_a: B,
+}
+
+/// The first projections of `attn_in` [T, H]: with `q_lora_rank` one fused GEMM split into
+/// `q_c` [T, Lq] (kept with its RMSNorm `q_c_normed`) and `kv_a` [T, L+R]; without, `kv_a`
+/// alone (q is then projected from `attn_in` directly).
+///
+/// Errors: [`Error::Internal`] when the loaded weights fit neither layout.
+fn latent_projections<O: Ops>(
+    ops: &O,
+    cfg: &MlaConfig,
+    ew: &EngineWeights<O::Buf>,
+    attn_in: &O::Buf,
+    t: usize,
+) -> Result<LatentProjections<O::Buf>> {
+    let [_, l, _, r, _] = cfg.dims().nlprv();
+    let hd = cfg.dims().hidden;
+    let eps = cfg.rms_eps as f32;
+    Ok(match (&ew.fused_qkv_a, &ew.q_a_norm, &ew.kv_a) {
+        (Some(fused), Some(q_a_norm), _) => {
+            let lq = cfg.q_lora_rank.unwrap_or(0);
+            // One GEMM; the output is split by the fixed sizes [Lq | L+R].
+            let qkv = ops.linear(attn_in, t, hd, fused, lq + l + r)?;
+            let mut q_c = ops.canary(t * lq)?;
+            ops.copy2d(&qkv, &mut q_c, copy_rows(t, lq).src(0, lq + l + r).dst(0, lq))?;
+            // q_c is a strided view of the fused output (row stride Lq+L+R).
+            let q_c_normed = ops.rms_norm(&qkv, t, 0, lq + l + r, lq, q_a_norm, eps)?;
+            let mut kv_a = ops.canary(t * (l + r))?;
+            ops.copy2d(&qkv, &mut kv_a, copy_rows(t, l + r).src(lq, lq + l + r).dst(0, l + r))?;
+            LatentProjections {
+                q_c: Some((q_c, q_c_normed)),
+                q_in_width: lq,
+                kv_a,
+            }
+        }
+        (None, _, Some(kv_a_w)) => {
+            let kv_a = ops.linear(attn_in, t, hd, kv_a_w, l + r)?;
+            LatentProjections {
+                q_c: None,
+                q_in_width: hd,
+                kv_a,
+            }
+        }
+        _ => return Err(Error::Internal("engine: inconsistent q weights".into())),
+    })
 }

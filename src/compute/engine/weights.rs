@@ -3,7 +3,6 @@
 //! weight-loading faults act.
 
 use super::*;
-use crate::model::config::MlaDims;
 
 /// One TP rank's shards, as that rank's loader produced them.
 pub(super) struct RankWeights<B> {
@@ -89,7 +88,7 @@ pub(super) fn slice_to_load(site: Site, reason: &str, e: SliceError) -> LoadErro
 /// copy), else the reference's host copy handed over in `input.dequantized` when the backend
 /// adopts host tensors; a shard, or a tensor no one kept, goes through the backend's
 /// dequantizer on the raw bytes.
-pub(super) fn dq<O: Ops>(ops: &O, input: &LayerInput<'_>, raw: &RawSlice<'_>) -> Result<O::Buf> {
+pub(super) fn dequantize_slice<O: Ops>(ops: &O, input: &LayerInput<'_>, raw: &RawSlice<'_>) -> Result<O::Buf> {
     if let Some(b) = ops.take_dequantized(&raw.tensor, raw.n_elements()) {
         return Ok(b);
     }
@@ -104,7 +103,7 @@ pub(super) fn dq<O: Ops>(ops: &O, input: &LayerInput<'_>, raw: &RawSlice<'_>) ->
 pub(super) fn whole<O: Ops>(ops: &O, input: &LayerInput<'_>, name: &str) -> Result<O::Buf> {
     let file = input.file;
     let t = file.require_tensor(name)?;
-    dq(ops, input, &row_slice(file, name, 0..t.n_rows() as usize)?)
+    dequantize_slice(ops, input, &row_slice(file, name, 0..t.n_rows() as usize)?)
 }
 
 impl<B> EngineWeights<B> {
@@ -160,12 +159,8 @@ type QkvA<B> = (Option<B>, Option<B>, Option<B>);
 /// `[Lq+L+R, H]` and `q_a_layernorm` `[Lq]`; without, `kv_a_proj_with_mqa` `[L+R, H]`. Returns
 /// (`fused_qkv_a`, `q_a_norm`, `kv_a`), f32. The fused-shard-swap fault swaps the two shards.
 fn load_qkv_a<O: Ops>(ops: &O, input: &LayerInput<'_>, opts: &PathOptions) -> Result<QkvA<O::Buf>> {
-    let MlaDims {
-        hidden: h,
-        kv_lora_rank: l,
-        qk_rope_head_dim: r,
-        ..
-    } = input.cfg.dims();
+    let [_, l, _, r, _] = input.cfg.dims().nlprv();
+    let h = input.cfg.dims().hidden;
     let name = |s: &str| tensor_name(input.weights.layer, s);
     let kv_a_w = whole(ops, input, &name("attn_kv_a_mqa"))?;
     let Some(lq) = input.cfg.q_lora_rank else {
@@ -178,8 +173,12 @@ fn load_qkv_a<O: Ops>(ops: &O, input: &LayerInput<'_>, opts: &PathOptions) -> Re
     } else {
         (&q_a, lq, &kv_a_w, l + r)
     };
-    ops.copy2d(first, &mut fused, cp(first_rows, h, 0, h, 0, h))?;
-    ops.copy2d(second, &mut fused, cp(second_rows, h, 0, h, first_rows * h, h))?;
+    ops.copy2d(first, &mut fused, copy_rows(first_rows, h).src(0, h).dst(0, h))?;
+    ops.copy2d(
+        second,
+        &mut fused,
+        copy_rows(second_rows, h).src(0, h).dst(first_rows * h, h),
+    )?;
     Ok((Some(fused), Some(whole(ops, input, &name("attn_q_a_norm"))?), None))
 }
 
@@ -232,16 +231,10 @@ fn load_rank<O: Ops>(
     rank: usize,
     q_tensor: &str,
 ) -> Result<RankWeights<O::Buf>, LoadError> {
-    let MlaDims {
-        n_head: n,
-        qk_nope_head_dim: p,
-        qk_rope_head_dim: r,
-        v_head_dim: v,
-        ..
-    } = input.cfg.dims();
+    let [n, _, p, r, v] = input.cfg.dims().nlprv();
     let (file, layer, tp) = (input.file, input.weights.layer, opts.tp);
     let qh = rank_heads(n, tp, shard_source(opts, rank, RankedWeight::QProj));
-    let q_proj = dq(
+    let q_proj = dequantize_slice(
         ops,
         input,
         &row_slice(file, q_tensor, qh.start * (p + r)..qh.end * (p + r))?,
@@ -257,7 +250,7 @@ fn load_rank<O: Ops>(
             e,
         )
     })?;
-    let o_proj = dq(ops, input, &o_raw)?;
+    let o_proj = dequantize_slice(ops, input, &o_raw)?;
     Ok(RankWeights {
         q_proj: Some(q_proj),
         kv_b,
@@ -271,12 +264,7 @@ fn load_rank<O: Ops>(
 /// head from the split pair `attn_k_b` `[N, L, P]` (transposed) and `attn_v_b` `[N, V, L]`. The
 /// k-b-untransposed fault reads `attn_k_b`'s bytes as `[P, L]` (a reshape).
 fn load_kv_b<O: Ops>(ops: &O, input: &LayerInput<'_>, opts: &PathOptions, kh: Range<usize>) -> Result<O::Buf> {
-    let MlaDims {
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = input.cfg.dims();
+    let [_, l, p, _, v] = input.cfg.dims().nlprv();
     let (file, layer) = (input.file, input.weights.layer);
     let nh = kh.len();
     if input.cfg.kv_b_layout == KvBLayout::Fused {
@@ -285,15 +273,15 @@ fn load_kv_b<O: Ops>(ops: &O, input: &LayerInput<'_>, opts: &PathOptions, kh: Ra
             &tensor_name(layer, "attn_kv_b"),
             kh.start * (p + v)..kh.end * (p + v),
         )?;
-        return dq(ops, input, &rows);
+        return dequantize_slice(ops, input, &rows);
     }
     // attn_k_b is [N, L, P] (rows of P); attn_v_b is [N, V, L] (rows of L).
-    let k_b = dq(
+    let k_b = dequantize_slice(
         ops,
         input,
         &row_slice(file, &tensor_name(layer, "attn_k_b"), kh.start * l..kh.end * l)?,
     )?;
-    let v_b = dq(
+    let v_b = dequantize_slice(
         ops,
         input,
         &row_slice(file, &tensor_name(layer, "attn_v_b"), kh.start * v..kh.end * v)?,
@@ -306,8 +294,16 @@ fn load_kv_b<O: Ops>(ops: &O, input: &LayerInput<'_>, opts: &PathOptions, kh: Ra
     };
     let mut kv_b = ops.canary(nh * (p + v) * l)?;
     for hh in 0..nh {
-        ops.copy2d(&k_rows, &mut kv_b, cp(p, l, hh * p * l, l, hh * (p + v) * l, l))?;
-        ops.copy2d(&v_b, &mut kv_b, cp(v, l, hh * v * l, l, (hh * (p + v) + p) * l, l))?;
+        ops.copy2d(
+            &k_rows,
+            &mut kv_b,
+            copy_rows(p, l).src(hh * p * l, l).dst(hh * (p + v) * l, l),
+        )?;
+        ops.copy2d(
+            &v_b,
+            &mut kv_b,
+            copy_rows(v, l).src(hh * v * l, l).dst((hh * (p + v) + p) * l, l),
+        )?;
     }
     Ok(kv_b)
 }
@@ -322,22 +318,25 @@ fn absorbed_weights<O: Ops>(
     kv_b: &O::Buf,
     nh: usize,
 ) -> Result<(O::Buf, O::Buf)> {
-    let MlaDims {
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = input.cfg.dims();
+    let [_, l, p, _, v] = input.cfg.dims().nlprv();
     let mut w_uk_t = ops.canary(nh * p * l)?;
     let mut w_uv_t = ops.canary(nh * v * l)?; // [nh, V, L] before the transpose
     if opts.faults.has(Fault::KvBGrouped) {
         // [all k rows | all v rows] instead of per head.
-        ops.copy2d(kv_b, &mut w_uk_t, cp(nh * p, l, 0, l, 0, l))?;
-        ops.copy2d(kv_b, &mut w_uv_t, cp(nh * v, l, nh * p * l, l, 0, l))?;
+        ops.copy2d(kv_b, &mut w_uk_t, copy_rows(nh * p, l).src(0, l).dst(0, l))?;
+        ops.copy2d(kv_b, &mut w_uv_t, copy_rows(nh * v, l).src(nh * p * l, l).dst(0, l))?;
     } else {
         for hh in 0..nh {
-            ops.copy2d(kv_b, &mut w_uk_t, cp(p, l, hh * (p + v) * l, l, hh * p * l, l))?;
-            ops.copy2d(kv_b, &mut w_uv_t, cp(v, l, (hh * (p + v) + p) * l, l, hh * v * l, l))?;
+            ops.copy2d(
+                kv_b,
+                &mut w_uk_t,
+                copy_rows(p, l).src(hh * (p + v) * l, l).dst(hh * p * l, l),
+            )?;
+            ops.copy2d(
+                kv_b,
+                &mut w_uv_t,
+                copy_rows(v, l).src((hh * (p + v) + p) * l, l).dst(hh * v * l, l),
+            )?;
         }
     }
     let w_uv = ops.transpose(&w_uv_t, nh, v, l)?;

@@ -28,6 +28,7 @@ use crate::judge::metrics::{self, SiteDiff, Status, is_canary_like};
 use crate::judge::tolerance::{Precision, tolerance};
 use crate::model::config::{MlaConfig, RopeStyle};
 use crate::model::dump::is_per_head;
+use crate::model::weights::NonFiniteTensor;
 use blocks::rel_l2;
 use blocks::{BlockMatch, find_blocks};
 
@@ -1653,13 +1654,10 @@ pub fn misaligned_finding(u: &Unservable, path: PathLabel) -> Finding {
 
 /// Findings for GGUF weights that hold NaN/Inf after dequantization: one per tensor, at the
 /// first site that consumes it, for no path (the file itself is wrong; every path inherits it).
-pub fn weight_nonfinite_findings(
-    layer: usize,
-    bad: &[(String, usize, usize)],
-    numel: impl Fn(&str) -> usize,
-) -> Vec<Finding> {
+pub fn weight_nonfinite_findings(layer: usize, bad: &[NonFiniteTensor], numel: impl Fn(&str) -> usize) -> Vec<Finding> {
     bad.iter()
-        .map(|(tensor, count, first)| {
+        .map(|t| {
+            let tensor = &t.name;
             let stage = match tensor.rsplit('.').nth(1).unwrap_or("") {
                 "attn_norm" => Stage::AttnIn,
                 "attn_q_a" => Stage::QC,
@@ -1680,8 +1678,10 @@ pub fn weight_nonfinite_findings(
                 site: Site::new(layer, stage),
                 path: None,
                 evidence: format!(
-                    "{tensor} holds {count} non-finite value(s) of {} after dequantization, the first at flat index {first} (PyTorch layout)",
-                    numel(tensor)
+                    "{tensor} holds {} non-finite value(s) of {} after dequantization, the first at flat index {} (PyTorch layout)",
+                    t.count,
+                    numel(tensor),
+                    t.first_index
                 ),
                 hint: "the GGUF itself is corrupt (a quant block with a NaN/Inf scale, or a bad conversion): every engine loading it computes garbage; re-convert or re-download the file".into(),
             }

@@ -27,7 +27,7 @@ use crate::core::error::{Error, Result};
 use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
 use crate::model::config::{GatingFunc, MlaConfig, MoeConfig};
 use crate::model::gguf::GgufFile;
-use crate::model::weights::{KvBWeights, LayerWeights, MoeWeights, QWeights, SwiGlu, into_row_major};
+use crate::model::weights::{KvBWeights, LayerWeights, MoeWeights, NonFiniteTensor, QWeights, SwiGlu, into_row_major};
 
 /// Output of one reference layer.
 #[derive(Debug, Clone)]
@@ -38,8 +38,8 @@ pub struct RefLayer {
     /// [`moe_ffn`]'s, which [`forward_full`] adds).
     pub hidden_out: Option<Array2<f64>>,
     /// Weights found non-finite while computing the layer's MoE FFN (router, bias, shared and
-    /// the selected experts): (tensor, count, first flat index), as [`LayerWeights::nonfinite`].
-    pub moe_nonfinite: Vec<(String, usize, usize)>,
+    /// the selected experts), as [`LayerWeights::nonfinite`] reports them.
+    pub moe_nonfinite: Vec<NonFiniteTensor>,
     /// The DSA selection this layer's attention used (`deepseek32`/`glm-dsa`), for a later
     /// shared-indexer layer; `None` without an indexer.
     pub selection: Option<Selection>,
@@ -759,7 +759,7 @@ pub struct MoeOut {
     /// The selected experts of every token, in selection order, \[T]\[K].
     pub selected: Vec<Vec<usize>>,
     /// Non-finite weights met (router, bias, shared experts, selected experts).
-    pub nonfinite: Vec<(String, usize, usize)>,
+    pub nonfinite: Vec<NonFiniteTensor>,
 }
 
 /// The routing of one token: the `K` selected experts, best first, and their weights.
@@ -895,7 +895,7 @@ pub fn moe_ffn(
             .collect()
     };
     let used: Vec<usize> = (0..moe.n_expert).filter(|&e| !users_of(e).is_empty()).collect();
-    type ExpertRun = (Vec<(usize, f64)>, Array2<f64>, Vec<(String, usize, usize)>);
+    type ExpertRun = (Vec<(usize, f64)>, Array2<f64>, Vec<NonFiniteTensor>);
     let runs: Vec<ExpertRun> = used
         .par_iter()
         .map(|&expert| -> Result<ExpertRun> {
@@ -1010,7 +1010,7 @@ pub struct RefOutput {
     /// `hidden_out`, when the layer's FFN is dense or its MoE FFN was run.
     pub hidden_out: Option<Array2<f64>>,
     /// Non-finite MoE weights met on the way (see [`RefLayer::moe_nonfinite`]).
-    pub moe_nonfinite: Vec<(String, usize, usize)>,
+    pub moe_nonfinite: Vec<NonFiniteTensor>,
     /// The DSA selection the layer used (see [`RefLayer::selection`]).
     pub selection: Option<Selection>,
 }

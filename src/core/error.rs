@@ -175,7 +175,8 @@ pub enum Error {
         reason: String,
     },
 
-    /// A feature of the model that this version does not implement yet (e.g. MoE in the token path).
+    /// A feature of the model that mla-diff does not implement (e.g. a RoPE scaling type other
+    /// than none/yarn, or an expert gating function other than softmax/sigmoid).
     #[error("{0}")]
     NotSupported(String),
 

@@ -166,7 +166,8 @@ mod tests {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     fn glibc_takes_both_thresholds() {
         assert!(keep_freed_pages());
-        // A buffer above the old 32 MiB ceiling, freed and allocated again, works as before.
+        // A buffer above glibc's default 32 MiB mmap-threshold ceiling, now served from the heap,
+        // keeps its contents.
         let v = vec![7u8; 64 << 20];
         assert_eq!(v.iter().map(|&b| b as u64).sum::<u64>(), 7 * (64 << 20));
     }

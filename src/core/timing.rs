@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 pub type Listener = Box<dyn Fn(&str)>;
 
 thread_local! {
-    static STAGES: RefCell<Vec<(String, Duration, u32)>> = const { RefCell::new(Vec::new()) };
+    static STAGES: RefCell<Vec<StageTime>> = const { RefCell::new(Vec::new()) };
     static LISTENER: RefCell<Option<Listener>> = const { RefCell::new(None) };
 }
 
@@ -41,12 +41,16 @@ pub fn stage<T>(name: &str, f: impl FnOnce() -> T) -> T {
 pub fn add(name: &str, d: Duration) {
     STAGES.with(|s| {
         let mut s = s.borrow_mut();
-        match s.iter_mut().find(|(n, _, _)| n == name) {
+        match s.iter_mut().find(|e| e.name == name) {
             Some(e) => {
-                e.1 += d;
-                e.2 += 1;
+                e.wall += d;
+                e.count += 1;
             }
-            None => s.push((name.to_string(), d, 1)),
+            None => s.push(StageTime {
+                name: name.to_string(),
+                wall: d,
+                count: 1,
+            }),
         }
     });
 }
@@ -64,12 +68,7 @@ pub struct StageTime {
 
 /// Takes (and clears) this thread's stage totals, in the order each stage first ran.
 pub fn take() -> Vec<StageTime> {
-    STAGES.with(|s| {
-        std::mem::take(&mut *s.borrow_mut())
-            .into_iter()
-            .map(|(name, wall, count)| StageTime { name, wall, count })
-            .collect()
-    })
+    STAGES.with(|s| std::mem::take(&mut *s.borrow_mut()))
 }
 
 /// Sets (or with `None` clears) this thread's stage listener.

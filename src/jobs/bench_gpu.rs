@@ -308,11 +308,23 @@ fn decode_figure(
     }
 }
 
-/// One decode variant: compute-bound shape, configuration, splits, merge fused.
-type Variant = (bool, DecodeCfg, Option<usize>, bool);
+/// One extra decode variant from `MLA_DIFF_BENCH_DECODE`, timed against the default
+/// configuration on the same inputs.
+struct Variant {
+    /// The compute-bound shape (`c`, `C`) rather than the memory-bound one (`m`, `M`).
+    compute_bound: bool,
+    /// The kernel configuration ([`DecodeCfg::parse`]'s fields).
+    cfg: DecodeCfg,
+    /// KV splits (`@SPLITS`); `None`: the engine's choice for the shape.
+    splits: Option<usize>,
+    /// Merge the splits inside the decode kernel (`m`, `c`) rather than in the separate merge
+    /// kernel (`M`, `C`).
+    fused_merge: bool,
+}
 
 /// Extra decode variants from `MLA_DIFF_BENCH_DECODE`: `;`-separated entries
-/// `m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS]]]]]]][@SPLITS]`
+/// `m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS]]]]]][@SPLITS]`
+/// or the same fields named, `m|c|M|C:heads=16,warps=4,…[@SPLITS]`
 /// (the fields of [`DecodeCfg::parse`]; m: the memory-bound shape, c: the compute-bound one,
 /// merge fused into the kernel; M, C: the same with the separate merge kernel; CLUSTER 1: the
 /// fused merge through a thread-block cluster of SPLITS blocks where
@@ -328,7 +340,7 @@ fn variants() -> Result<Vec<Variant>> {
     for e in spec.split(';').map(str::trim).filter(|e| !e.is_empty()) {
         let bad = || {
             Error::cuda(format!(
-                "MLA_DIFF_BENCH_DECODE entry `{e}`: expected m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS]]]]]]][@SPLITS]"
+                "MLA_DIFF_BENCH_DECODE entry `{e}`: expected m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS]]]]]][@SPLITS] or m|c|M|C:heads=16,warps=4,…[@SPLITS] (docs/kernels.md)"
             ))
         };
         let (kind, rest) = e.split_once(':').ok_or_else(bad)?;
@@ -343,12 +355,12 @@ fn variants() -> Result<Vec<Variant>> {
             "C" => (true, false),
             _ => return Err(bad()),
         };
-        v.push((
+        v.push(Variant {
             compute_bound,
-            DecodeCfg::parse_named("MLA_DIFF_BENCH_DECODE", cfg)?,
+            cfg: DecodeCfg::parse_named("MLA_DIFF_BENCH_DECODE", cfg)?,
             splits,
             fused_merge,
-        ));
+        });
     }
     Ok(v)
 }
@@ -439,7 +451,13 @@ pub fn all(ops: &CudaOps) -> Result<Vec<BenchFigure>> {
         );
         figs.push(f);
     }
-    for (compute_bound, cfg, splits, fused_merge) in variants()? {
+    for Variant {
+        compute_bound,
+        cfg,
+        splits,
+        fused_merge,
+    } in variants()?
+    {
         let (d, inp, base) = if compute_bound {
             (comp, &ic, &oc)
         } else {

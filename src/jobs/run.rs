@@ -23,7 +23,7 @@ use crate::judge::report::{InputMode, ModelSummary, NotRun, PathResult, RunConfi
 use crate::judge::{device, metrics};
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
-use crate::model::weights::{Dequantized, LayerWeights, embed_hidden};
+use crate::model::weights::{Dequantized, LayerWeights, NonFiniteTensor, embed_hidden};
 
 /// Frees what [`Backend::load_layer_weights`] kept on the device when a layer is done, and on
 /// an early return with an error, so that no later layer (or later run in the same process)
@@ -420,9 +420,8 @@ fn check_run(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<()> {
     Ok(())
 }
 
-/// `weight-nonfinite` findings of `layer` for the tensors `bad` (name, non-finite count, first
-/// index); none when `bad` is empty.
-fn nonfinite_weight_findings(file: &GgufFile, layer: usize, bad: &[(String, usize, usize)]) -> Vec<Finding> {
+/// `weight-nonfinite` findings of `layer` for the tensors `bad`; none when `bad` is empty.
+fn nonfinite_weight_findings(file: &GgufFile, layer: usize, bad: &[NonFiniteTensor]) -> Vec<Finding> {
     if bad.is_empty() {
         return Vec::new();
     }

@@ -218,7 +218,7 @@ impl MoeWeights {
     /// Tensors of the loaded part (norm, router, bias, shared experts) holding NaN or ±Inf, as
     /// [`LayerWeights::nonfinite`] reports them. Routed experts are checked as they are
     /// dequantized ([`SwiGlu::nonfinite`]).
-    pub fn nonfinite(&self) -> Vec<(String, usize, usize)> {
+    pub fn nonfinite(&self) -> Vec<NonFiniteTensor> {
         let n = |s: &str| tensor_name(self.layer, s);
         let mut out = Vec::new();
         scan_nonfinite(n("ffn_norm"), &self.norm, &mut out);
@@ -235,8 +235,8 @@ impl MoeWeights {
 
 impl SwiGlu {
     /// Non-finite values of the three matrices, named `blk.{layer}.ffn_{gate,up,down}_{suffix}`
-    /// (with ` (expert e)` for a routed expert): (name, count, first flat index).
-    pub fn nonfinite(&self, layer: usize, suffix: &str, expert: Option<usize>) -> Vec<(String, usize, usize)> {
+    /// (with ` (expert e)` for a routed expert).
+    pub fn nonfinite(&self, layer: usize, suffix: &str, expert: Option<usize>) -> Vec<NonFiniteTensor> {
         let mut out = Vec::new();
         let tag = expert.map_or(String::new(), |e| format!(" (expert {e})"));
         for (w, m) in [("gate", &self.gate), ("up", &self.up), ("down", &self.down)] {
@@ -246,10 +246,9 @@ impl SwiGlu {
     }
 }
 
-/// Appends (name, count of non-finite values, first flat index in logical order) when `a`
-/// holds any. A contiguous array is scanned in parallel chunks (a real layer's weights are
+/// Appends a [`NonFiniteTensor`] for `name` when `a` holds any NaN or ±Inf. A contiguous array is scanned in parallel chunks (a real layer's weights are
 /// hundreds of MB, which one thread took half a second to walk).
-fn scan_nonfinite<S, D>(name: String, a: &ndarray::ArrayBase<S, D>, out: &mut Vec<(String, usize, usize)>)
+fn scan_nonfinite<S, D>(name: String, a: &ndarray::ArrayBase<S, D>, out: &mut Vec<NonFiniteTensor>)
 where
     S: ndarray::Data<Elem = f32>,
     D: ndarray::Dimension,
@@ -271,9 +270,26 @@ where
             .filter(|(_, x)| !x.is_finite())
             .fold((0, None), |(n, f), (i, _)| (n + 1, f.or(Some(i)))),
     };
-    if let Some(f) = first {
-        out.push((name, count, f));
+    if let Some(first_index) = first {
+        out.push(NonFiniteTensor {
+            name,
+            count,
+            first_index,
+        });
     }
+}
+
+/// A dequantized weight tensor that holds NaN or ±Inf (the GGUF file itself is corrupt).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NonFiniteTensor {
+    /// GGUF tensor name (`blk.{layer}.attn_q_b.weight`), with ` (expert e)` appended for a slice
+    /// of a routed expert tensor.
+    pub name: String,
+    /// Number of non-finite values in the tensor.
+    pub count: usize,
+    /// Flat index of the first non-finite value, in the dequantized tensor's logical
+    /// (PyTorch, row-major) order.
+    pub first_index: usize,
 }
 
 /// One tensor's name and storage type, for reports.
@@ -521,9 +537,8 @@ impl LayerWeights {
 }
 
 impl LayerWeights {
-    /// Tensors of this layer holding NaN or ±Inf after dequantization: (GGUF tensor name, count
-    /// of non-finite values, flat index of the first one in PyTorch layout), in load order.
-    pub fn nonfinite(&self) -> Vec<(String, usize, usize)> {
+    /// Tensors of this layer holding NaN or ±Inf after dequantization, in load order.
+    pub fn nonfinite(&self) -> Vec<NonFiniteTensor> {
         let n = |s: &str| tensor_name(self.layer, s);
         let mut out = Vec::new();
         scan_nonfinite(n("attn_norm"), &self.attn_norm, &mut out);
@@ -812,11 +827,25 @@ mod tests {
         a[[1, 3]] = f32::NEG_INFINITY;
         let mut out = Vec::new();
         scan_nonfinite("w".into(), &a, &mut out);
-        assert_eq!(out, vec![("w".to_string(), 3, 69_999)]);
+        assert_eq!(
+            out,
+            vec![NonFiniteTensor {
+                name: "w".to_string(),
+                count: 3,
+                first_index: 69_999
+            }]
+        );
         // A transposed view is not contiguous: scanned in its own (logical) order.
         let mut out = Vec::new();
         scan_nonfinite("t".into(), &a.t(), &mut out);
-        assert_eq!(out, vec![("t".to_string(), 3, 3 * 3 + 1)]);
+        assert_eq!(
+            out,
+            vec![NonFiniteTensor {
+                name: "t".to_string(),
+                count: 3,
+                first_index: 3 * 3 + 1
+            }]
+        );
         let mut out = Vec::new();
         scan_nonfinite("ok".into(), &ndarray::Array1::<f32>::ones(10), &mut out);
         assert!(out.is_empty());

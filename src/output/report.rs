@@ -6,7 +6,7 @@
 //! formatted with fixed rules (`{:.3e}` in tables; shortest round-trip in JSON), so two runs on
 //! the same inputs print the same bytes.
 
-use comfy_table::{Cell, ColumnConstraint, ContentArrangement, Table, presets};
+use comfy_table::{Cell, ColumnConstraint, ContentArrangement};
 use serde::Serialize;
 use serde_json::{Value, json};
 
@@ -123,10 +123,8 @@ pub fn site_table_fit(diffs: &[SiteDiff], width: Option<usize>) -> (String, Vec<
         })
         .collect();
     let render = |keep: &[usize], fit: Option<usize>| {
-        let mut t = Table::new();
-        t.load_style(presets::UTF8_BORDERS_ONLY)
-            .set_content_arrangement(ContentArrangement::Disabled)
-            .set_header(keep.iter().map(|&i| SITE_COLUMNS[i]).collect::<Vec<_>>());
+        let mut t = crate::output::table::bordered(&keep.iter().map(|&i| SITE_COLUMNS[i]).collect::<Vec<_>>());
+        t.set_content_arrangement(ContentArrangement::Disabled);
         for r in &rows {
             t.add_row(keep.iter().map(|&i| Cell::new(&r[i])).collect::<Vec<_>>());
         }

@@ -207,9 +207,20 @@ pub fn rms_norm_strided(
     out
 }
 
-/// Output of one (segment, head, query tile) work item: indices, rows of output, rows of LSE
-/// (`None`: row left unwritten).
-type TileResult = (usize, usize, usize, Vec<f32>, Vec<Option<f32>>);
+/// Output of one (segment, head, query tile) work item of [`flash_attention`], before it is
+/// scattered into the launch's `out` and `lse`.
+struct TileResult {
+    /// Index of the segment in `PrefillArgs::segments`.
+    segment: usize,
+    /// Attention head.
+    head: usize,
+    /// The tile's first query row, relative to the segment's `q_off`.
+    q_tile_start: usize,
+    /// Output rows of the tile, [rows, Dv] f32.
+    out: Vec<f32>,
+    /// Natural-log LSE of each row of the tile; `None`: the row is left unwritten.
+    lse: Vec<Option<f32>>,
+}
 
 /// Tiled online-softmax attention with LSE (flash-attention forward), f32.
 ///
@@ -249,14 +260,33 @@ pub fn flash_attention(a: &PrefillArgs<'_, [f32]>, out: &mut [f32], lse: &mut [f
                     flash_tile(a)
                 }
                 // SAFETY: the processor has AVX2 (checked at run time).
-                let (o, ls) = unsafe { wide(&args) };
-                return (si, h, qt, o, ls);
+                let (out, lse) = unsafe { wide(&args) };
+                return TileResult {
+                    segment: si,
+                    head: h,
+                    q_tile_start: qt,
+                    out,
+                    lse,
+                };
             }
-            let (o, ls) = flash_tile(&args);
-            (si, h, qt, o, ls)
+            let (out, lse) = flash_tile(&args);
+            TileResult {
+                segment: si,
+                head: h,
+                q_tile_start: qt,
+                out,
+                lse,
+            }
         })
         .collect();
-    for (si, h, qt, o, ls) in results {
+    for TileResult {
+        segment: si,
+        head: h,
+        q_tile_start: qt,
+        out: o,
+        lse: ls,
+    } in results
+    {
         let sg = segments[si];
         for (r, lr) in ls.iter().enumerate() {
             let Some(lr) = lr else { continue };

@@ -128,13 +128,23 @@ struct Gpu<'d> {
 }
 
 impl Gpu<'_> {
+    /// An uninitialized f64 device buffer of `n` elements (at least one, so an empty tensor
+    /// still has a valid pointer), on the device's stream.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] naming the element count when the allocation fails.
     fn alloc(&self, n: usize) -> Result<CudaSlice<f64>> {
         // SAFETY: every buffer is fully written by a kernel or GEMM before it is read.
         unsafe { self.dev.stream().alloc::<f64>(n.max(1)) }
             .map_err(|e| Error::cuda(format!("cuMemAlloc of {n} f64: {e:?}")))
     }
 
-    fn up(&self, host: &[f64]) -> Result<CudaSlice<f64>> {
+    /// Copies the f64 host values `host` (any shape, flattened row-major) into a new device
+    /// buffer of the same length (one zero element when `host` is empty, as [`Gpu::alloc`]).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the allocation or the host-to-device copy fails.
+    fn upload(&self, host: &[f64]) -> Result<CudaSlice<f64>> {
         self.dev
             .stream()
             .clone_htod(if host.is_empty() { &[0.0][..] } else { host })
@@ -163,7 +173,13 @@ impl Gpu<'_> {
         Ok(out)
     }
 
-    fn down(&self, b: &CudaSlice<f64>, n: usize) -> Result<Vec<f64>> {
+    /// The first `n` f64 values of the device buffer `b`, copied to the host in stream order
+    /// (after the kernels already queued).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the device-to-host copy fails (including an earlier kernel's
+    /// asynchronous fault surfacing here).
+    fn download(&self, b: &CudaSlice<f64>, n: usize) -> Result<Vec<f64>> {
         let mut v = self
             .dev
             .stream()
@@ -173,6 +189,10 @@ impl Gpu<'_> {
         Ok(v)
     }
 
+    /// Waits for the stream's queued work.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] naming `what` (the step just queued) when a kernel faulted.
     fn sync(&self, what: &str) -> Result<()> {
         self.dev
             .stream()
@@ -417,14 +437,14 @@ fn reference_inner(
                 .map_err(|e| Error::cuda(format!("copy of site {site}: {e:?}")))?;
             kept.borrow_mut().push(DeviceSite { site, shape, buf: copy });
         } else {
-            tr.record(site, TraceTensor::f64(shape, g.down(buf, n)?));
+            tr.record(site, TraceTensor::f64(shape, g.download(buf, n)?));
         }
         Ok(())
     };
     // A site built on the host (the weight sites): on the device too when the activations are.
     let record_host = |tr: &mut Trace, stage: Stage, shape: Vec<usize>, values: Vec<f64>| -> Result<()> {
         if keep {
-            let buf = g.up(&values)?;
+            let buf = g.upload(&values)?;
             record(tr, stage, shape, &buf)
         } else {
             tr.record(Site::new(layer, stage), TraceTensor::f64(shape, values));
@@ -432,7 +452,7 @@ fn reference_inner(
         }
     };
     let hidden_std = hidden.as_standard_layout();
-    let x_in = g.up(hidden_std.as_slice().unwrap_or(&[]))?;
+    let x_in = g.upload(hidden_std.as_slice().unwrap_or(&[]))?;
     record(&mut tr, Stage::HiddenIn, vec![t, hd], &x_in)?;
 
     // Step 1: attn_norm.
@@ -493,7 +513,7 @@ fn reference_inner(
         .map_err(|e| Error::cuda(format!("upload positions: {e:?}")))?;
     let tables = RopeTables {
         pos,
-        inv: g.up(&rope_inv_freq(cfg))?,
+        inv: g.upload(&rope_inv_freq(cfg))?,
         neox: cfg.rope_style == RopeStyle::Neox,
     };
     let mut q_pe = g.copy_cols(&q, t * n, p + r, p, r)?;
@@ -506,7 +526,7 @@ fn reference_inner(
     // Step 5: expanded K/V through kv_b (per-head interleaved rows).
     let kv_b = assemble_kv_b(cfg, &w.kv_b);
     let kv_b_std = kv_b.as_standard_layout();
-    let kv_b_d = g.up(kv_b_std.as_slice().unwrap_or(&[]))?;
+    let kv_b_d = g.upload(kv_b_std.as_slice().unwrap_or(&[]))?;
     if keep {
         record(&mut tr, Stage::WKvB, vec![n * (p + v), l], &kv_b_d)?;
     } else {
@@ -527,7 +547,7 @@ fn reference_inner(
     let (w_uk_t, w_uv) = split_kv_b(cfg, &kv_b);
     record_host(&mut tr, Stage::WUkT, vec![n, p, l], w_uk_t.iter().copied().collect())?;
     record_host(&mut tr, Stage::WUv, vec![n, l, v], w_uv.iter().copied().collect())?;
-    let w_uk_t_d = g.up(w_uk_t.as_standard_layout().as_slice().unwrap_or(&[]))?;
+    let w_uk_t_d = g.upload(w_uk_t.as_standard_layout().as_slice().unwrap_or(&[]))?;
     let mut ql_nope = g.alloc(t * n * l)?;
     g.gemm(
         MatMut::new(&mut ql_nope, 0, n * l),
@@ -597,7 +617,7 @@ fn reference_inner(
 
     // Under TP, the ranks' o_proj partials on the host (a few [T, H] GEMMs).
     let partials = if tp >= 2 {
-        rank_partial_sites(cfg, w, &g.down(&attn_out, t * n * v)?, t, tp)?
+        rank_partial_sites(cfg, w, &g.download(&attn_out, t * n * v)?, t, tp)?
     } else {
         Trace::new()
     };
@@ -618,7 +638,7 @@ fn reference_inner(
             let down = g.linear_w(&act, t, &name("ffn_down"), &ffn.down)?;
             let out = g.elementwise("ref_add_scaled", &h1, &down, Some(rs), t * hd)?;
             record(&mut tr, Stage::HiddenOut, vec![t, hd], &out)?;
-            let v = g.down(&out, t * hd)?;
+            let v = g.download(&out, t * hd)?;
             Some(Array2::from_shape_vec((t, hd), v).map_err(|e| Error::Internal(e.to_string()))?)
         }
         None => None,

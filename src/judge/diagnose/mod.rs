@@ -28,6 +28,7 @@ use crate::judge::metrics::{self, SiteDiff, Status, is_canary_like};
 use crate::judge::tolerance::{Precision, tolerance};
 use crate::model::config::{MlaConfig, RopeStyle};
 use crate::model::dump::is_per_head;
+use crate::model::weights::NonFiniteTensor;
 use blocks::rel_l2;
 use blocks::{BlockMatch, find_blocks};
 
@@ -670,7 +671,7 @@ const SCALE_SAMPLE_ROWS: usize = 96;
 struct AttnRecompute {
     /// Per sampled row: its flat (token·N + head) index, the raw logits `q·k` (unscaled) over
     /// its visible keys, and the key rows.
-    logits: Vec<(usize, Vec<f64>, Vec<usize>)>,
+    sampled_rows: Vec<(usize, Vec<f64>, Vec<usize>)>,
     /// Rows that are averaged: kv_c_normed [T, L] (latent) or v [T, N, V].
     values: Vec<f64>,
     width: usize,
@@ -725,7 +726,7 @@ impl AttnRecompute {
                 })
                 .collect()
         };
-        let logits = sample
+        let sampled_rows = sample
             .par_iter()
             .map(|&row| {
                 let (ti, h) = (row / n, row % n);
@@ -750,7 +751,7 @@ impl AttnRecompute {
             })
             .collect();
         Some(AttnRecompute {
-            logits,
+            sampled_rows,
             values,
             width,
             per_head_values,
@@ -762,7 +763,7 @@ impl AttnRecompute {
     /// The sampled rows of `t` (a [T, N, width] or [T, N] tensor), in sample order.
     fn sampled(&self, t: &TraceTensor) -> Vec<f64> {
         let w = self.width.max(1);
-        self.logits
+        self.sampled_rows
             .iter()
             .flat_map(|(row, _, _)| (row * w..(row + 1) * w).map(|i| t.get(i)))
             .collect()
@@ -771,7 +772,7 @@ impl AttnRecompute {
     /// The sampled rows recomputed with the logit scale times `c`.
     fn eval(&self, c: f64) -> Vec<f64> {
         let per_row: Vec<Vec<f64>> = self
-            .logits
+            .sampled_rows
             .par_iter()
             .map(|(row, z, keys)| {
                 let h = row % self.n;
@@ -971,7 +972,7 @@ impl AttnRecompute {
     fn base2_merge(&self, cand_lse: &TraceTensor) -> (Vec<f64>, Vec<f64>, usize) {
         let ln2 = std::f64::consts::LN_2;
         let per_row: Vec<(Vec<f64>, f64, bool)> = self
-            .logits
+            .sampled_rows
             .par_iter()
             .map(|(row, z, keys)| {
                 let h = row % self.n;
@@ -1055,7 +1056,11 @@ fn base2_merge(x: &SiteCtx<'_>) -> Option<Detection> {
     let cand = recompute.sampled(cand_out);
     let as_is = rel_l2(&cand, &recompute.sampled(ref_out));
     let e = rel_l2(&cand, &pred);
-    let lse_rows: Vec<f64> = recompute.logits.iter().map(|(row, _, _)| cand_lse.get(*row)).collect();
+    let lse_rows: Vec<f64> = recompute
+        .sampled_rows
+        .iter()
+        .map(|(row, _, _)| cand_lse.get(*row))
+        .collect();
     let e_lse = rel_l2(&lse_rows, &pred_lse);
     let explain = explain_threshold(out_stage, x.input.precision);
     let explain_lse = explain_threshold(Stage::Lse, x.input.precision);
@@ -1067,7 +1072,7 @@ fn base2_merge(x: &SiteCtx<'_>) -> Option<Detection> {
             "{split} of {} sampled (token, head) rows are two partials over their context, each with a \
              base-2 LSE, merged as natural log; the rest one partial with a base-2 LSE: {} rel_l2 {} \
              (as is {}), lse {}",
-            recompute.logits.len(),
+            recompute.sampled_rows.len(),
             out_stage.name(),
             sci(e, 2),
             sci(as_is, 2),
@@ -1229,34 +1234,45 @@ fn indexer_topk_stale(x: &SiteCtx<'_>) -> Option<Detection> {
 /// `idx_topk` differs as a set: the tokens, their Jaccard overlap, and whether the scores matched
 /// (then ties at the cut or a wrong selection rule) or not.
 fn indexer_selection(x: &SiteCtx<'_>) -> Option<Detection> {
-    let (r, c) = topk_pairs(x)?;
-    let bad: Vec<usize> = (0..r.len()).filter(|&i| r[i] != c[i]).collect();
-    if bad.is_empty() {
+    let (ref_topk, cand_topk) = topk_pairs(x)?;
+    let differing: Vec<usize> = (0..ref_topk.len()).filter(|&i| ref_topk[i] != cand_topk[i]).collect();
+    if differing.is_empty() {
         return None;
     }
-    let jac: Vec<f64> = bad.iter().map(|&i| indexer::jaccard(&r[i], &c[i])).collect();
-    let mean = jac.iter().sum::<f64>() / jac.len() as f64;
+    let jaccards: Vec<f64> = differing
+        .iter()
+        .map(|&i| indexer::jaccard(&ref_topk[i], &cand_topk[i]))
+        .collect();
+    let mean = jaccards.iter().sum::<f64>() / jaccards.len() as f64;
     let scores_pass = x
         .path
         .diffs
         .iter()
         .find(|s| s.site == Site::new(x.site.layer, Stage::IdxScores))
         .map(|s| s.status == Status::Pass);
-    let shown: Vec<String> = bad
+    let shown: Vec<String> = differing
         .iter()
-        .zip(&jac)
+        .zip(&jaccards)
         .take(4)
         .map(|(&i, j)| {
-            let only_r: Vec<usize> = r[i].iter().filter(|p| !c[i].contains(p)).copied().collect();
-            let only_c: Vec<usize> = c[i].iter().filter(|p| !r[i].contains(p)).copied().collect();
-            format!("token {i}: Jaccard {j:.3}, only reference {only_r:?}, only candidate {only_c:?}")
+            let only_ref: Vec<usize> = ref_topk[i]
+                .iter()
+                .filter(|p| !cand_topk[i].contains(p))
+                .copied()
+                .collect();
+            let only_cand: Vec<usize> = cand_topk[i]
+                .iter()
+                .filter(|p| !ref_topk[i].contains(p))
+                .copied()
+                .collect();
+            format!("token {i}: Jaccard {j:.3}, only reference {only_ref:?}, only candidate {only_cand:?}")
         })
         .collect();
     Some(Detection::new(
         format!(
             "{} of {} tokens keep other keys (mean Jaccard {mean:.3}; {}): {}",
-            bad.len(),
-            r.len(),
+            differing.len(),
+            ref_topk.len(),
             match scores_pass {
                 Some(true) => "idx_scores match, so the selection rule differs (k, masking, tie order)",
                 Some(false) => "idx_scores differ too",
@@ -1275,19 +1291,27 @@ fn moe_routing(x: &SiteCtx<'_>) -> Option<Detection> {
         return None;
     }
     let k = x.refr.shape.last().copied().unwrap_or(1).max(1);
-    let (r, c) = (
+    let (ref_sorted, cand_sorted) = (
         metrics::sorted_rows(x.refr).to_f64(),
         metrics::sorted_rows(x.cand).to_f64(),
     );
-    let tokens = r.len() / k;
+    let tokens = ref_sorted.len() / k;
     let logits = x.ref_site(Stage::MoeRouterLogits);
     let n_exp = logits.map_or(0, |l| l.shape.last().copied().unwrap_or(0));
     let id = |v: f64| v as i64;
     let mut rows = Vec::new();
     for t in 0..tokens {
-        let (rr, cc) = (&r[t * k..(t + 1) * k], &c[t * k..(t + 1) * k]);
-        let only_ref: Vec<i64> = rr.iter().filter(|v| !cc.contains(v)).map(|&v| id(v)).collect();
-        let only_cand: Vec<i64> = cc.iter().filter(|v| !rr.contains(v)).map(|&v| id(v)).collect();
+        let (ref_ids, cand_ids) = (&ref_sorted[t * k..(t + 1) * k], &cand_sorted[t * k..(t + 1) * k]);
+        let only_ref: Vec<i64> = ref_ids
+            .iter()
+            .filter(|v| !cand_ids.contains(v))
+            .map(|&v| id(v))
+            .collect();
+        let only_cand: Vec<i64> = cand_ids
+            .iter()
+            .filter(|v| !ref_ids.contains(v))
+            .map(|&v| id(v))
+            .collect();
         if only_ref.is_empty() && only_cand.is_empty() {
             continue;
         }
@@ -1305,8 +1329,8 @@ fn moe_routing(x: &SiteCtx<'_>) -> Option<Detection> {
         let set = |v: &[f64]| v.iter().map(|&x| id(x).to_string()).collect::<Vec<_>>().join(", ");
         rows.push(format!(
             "token {t}: reference {{{}}}, candidate {{{}}} (only reference: {}; only candidate: {})",
-            set(rr),
-            set(cc),
+            set(ref_ids),
+            set(cand_ids),
             show(&only_ref),
             show(&only_cand)
         ));
@@ -1630,13 +1654,10 @@ pub fn misaligned_finding(u: &Unservable, path: PathLabel) -> Finding {
 
 /// Findings for GGUF weights that hold NaN/Inf after dequantization: one per tensor, at the
 /// first site that consumes it, for no path (the file itself is wrong; every path inherits it).
-pub fn weight_nonfinite_findings(
-    layer: usize,
-    bad: &[(String, usize, usize)],
-    numel: impl Fn(&str) -> usize,
-) -> Vec<Finding> {
+pub fn weight_nonfinite_findings(layer: usize, bad: &[NonFiniteTensor], numel: impl Fn(&str) -> usize) -> Vec<Finding> {
     bad.iter()
-        .map(|(tensor, count, first)| {
+        .map(|t| {
+            let tensor = &t.name;
             let stage = match tensor.rsplit('.').nth(1).unwrap_or("") {
                 "attn_norm" => Stage::AttnIn,
                 "attn_q_a" => Stage::QC,
@@ -1657,8 +1678,10 @@ pub fn weight_nonfinite_findings(
                 site: Site::new(layer, stage),
                 path: None,
                 evidence: format!(
-                    "{tensor} holds {count} non-finite value(s) of {} after dequantization, the first at flat index {first} (PyTorch layout)",
-                    numel(tensor)
+                    "{tensor} holds {} non-finite value(s) of {} after dequantization, the first at flat index {} (PyTorch layout)",
+                    t.count,
+                    numel(tensor),
+                    t.first_index
                 ),
                 hint: "the GGUF itself is corrupt (a quant block with a NaN/Inf scale, or a bad conversion): every engine loading it computes garbage; re-convert or re-download the file".into(),
             }

@@ -14,7 +14,7 @@
 pub mod dequant;
 pub mod types;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -850,11 +850,11 @@ fn parse_header(path: &Path, buf: &[u8]) -> Result<Header> {
     }
 
     let mut metadata: Vec<(String, MetaValue)> = Vec::with_capacity(kv_count as usize);
-    let mut seen_keys: HashMap<String, ()> = HashMap::new();
+    let mut seen_keys: HashSet<String> = HashSet::new();
     for i in 0..kv_count {
         let key_at = c.pos;
         let key = c.utf8(&|| format!("metadata[{i}].key"))?;
-        if seen_keys.insert(key.clone(), ()).is_some() {
+        if !seen_keys.insert(key.clone()) {
             return Err(c.err(key_at, &format!("metadata[{i}].key"), format!("duplicate key `{key}`")));
         }
         let t = c.u32(&|| format!("{key}: value type"))?;

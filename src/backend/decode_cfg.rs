@@ -201,12 +201,12 @@ impl DecodeCfg {
     /// the reference.
     ///
     /// # Errors
-    /// [`Error::Cuda`] naming the string and the field when it does not parse
+    /// [`Error::Usage`] naming the string and the field when it does not parse
     /// ([`cfg_fields::parse_fields`]) or the configuration does not tile (see
     /// `fast_decode.cu`'s header).
     pub fn parse(s: &str) -> Result<Self> {
         let v = cfg_fields::parse_fields(s, &Self::FIELDS)
-            .map_err(|e| Error::cuda(format!("decode configuration `{s}`: {e}")))?;
+            .map_err(|e| Error::Usage(format!("decode configuration `{s}`: {e}")))?;
         let c = DecodeCfg {
             heads: v[0],
             warps: v[1],
@@ -222,7 +222,7 @@ impl DecodeCfg {
         };
         for (name, x) in [("qreg", v[3]), ("fused", v[6]), ("cluster", v[8]), ("wgmma", v[9])] {
             if x > 1 {
-                return Err(Error::cuda(format!(
+                return Err(Error::Usage(format!(
                     "decode configuration `{s}`: {name} must be 0 or 1"
                 )));
             }
@@ -240,35 +240,35 @@ impl DecodeCfg {
                 c.teams,
             ) != (64, 8, 2, 1, false, false, false, false, 1)
         {
-            return Err(Error::cuda(format!(
+            return Err(Error::Usage(format!(
                 "decode configuration `{s}`: WGMMA 1 (the warpgroup-MMA block) needs 64,8,P,0,2,1,0,0,0,1"
             )));
         }
         if c.cluster && !c.tma() {
-            return Err(Error::cuda(format!(
+            return Err(Error::Usage(format!(
                 "decode configuration `{s}`: CLUSTER 1 (merge through a thread-block cluster) needs TMA 1 or more"
             )));
         }
         if c.teams > 1 && !c.team_valid(c.stages) {
-            return Err(Error::cuda(format!(
+            return Err(Error::Usage(format!(
                 "decode configuration `{s}`: TEAMS {} needs TMA 1 or more, FUSED 0, and TEAMS dividing 2·STAGES with STAGES >= TEAMS",
                 c.teams
             )));
         }
         if c.teams > 2 {
-            return Err(Error::cuda(format!(
+            return Err(Error::Usage(format!(
                 "decode configuration `{s}`: TEAMS {} (1 or 2; more were never run on a GPU)",
                 c.teams
             )));
         }
         if c.teams > 1 && c.min_blocks > 1 {
-            return Err(Error::cuda(format!(
+            return Err(Error::Usage(format!(
                 "decode configuration `{s}`: TEAMS {} is one block per SM: MINBLOCKS must be 1 (more only caps the registers: ptxas spills)",
                 c.teams
             )));
         }
         if c.tma() && (!32usize.is_multiple_of(c.producers) || c.warps * c.teams + c.producers > 32) {
-            return Err(Error::cuda(format!(
+            return Err(Error::Usage(format!(
                 "decode configuration `{s}`: TMA {} producer warps must divide 32 and, with WARPS·TEAMS consumer warps, make at most 32 warps",
                 c.producers
             )));
@@ -277,7 +277,8 @@ impl DecodeCfg {
         Ok(c)
     }
 
-    /// The configuration named by `MLA_DIFF_DECODE_CFG`, if set.
+    /// The configuration named by `MLA_DIFF_DECODE_CFG`, if set and not empty (read by the CUDA
+    /// backend when it is created).
     ///
     /// # Errors
     /// [`DecodeCfg::parse_named`]'s, naming `MLA_DIFF_DECODE_CFG`.
@@ -316,7 +317,7 @@ impl DecodeCfg {
         if ok {
             Ok(())
         } else {
-            Err(Error::cuda(format!("invalid decode configuration {self:?}")))
+            Err(Error::Usage(format!("invalid decode configuration {self:?}")))
         }
     }
 

@@ -68,14 +68,16 @@ impl PrefillCfg {
     /// `warps=4,bk=32,stages=3,qreg=0,min_blocks=3`, any order). docs/kernels.md is the
     /// reference.
     ///
-    /// Errors: [`Error::Cuda`] naming the string and the field when a field is missing, unknown
+    /// Errors: [`Error::Usage`] naming the string and the field when a field is missing, unknown
     /// or not a number, or when the configuration fails [`PrefillCfg::check`].
     pub fn parse(s: &str) -> Result<Self> {
         let v = cfg_fields::parse_fields(s, &Self::FIELDS)
-            .map_err(|e| Error::cuda(format!("prefill configuration `{s}`: {e}")))?;
+            .map_err(|e| Error::Usage(format!("prefill configuration `{s}`: {e}")))?;
         let (warps, bk, stages, qreg, min_blocks, mt) = (v[0], v[1], v[2], v[3], v[4], v[5]);
         if qreg > 1 {
-            return Err(Error::cuda(format!("prefill configuration `{s}`: qreg must be 0 or 1")));
+            return Err(Error::Usage(format!(
+                "prefill configuration `{s}`: qreg must be 0 or 1"
+            )));
         }
         let c = PrefillCfg {
             warps,
@@ -89,7 +91,8 @@ impl PrefillCfg {
         Ok(c)
     }
 
-    /// The configuration named by `MLA_DIFF_PREFILL_CFG`, if set and not empty.
+    /// The configuration named by `MLA_DIFF_PREFILL_CFG`, if set and not empty (read by the CUDA
+    /// backend when it is created).
     ///
     /// Errors: as [`PrefillCfg::parse`].
     pub fn from_env() -> Result<Option<Self>> {
@@ -103,7 +106,7 @@ impl PrefillCfg {
 
     /// Checks the ranges the kernel supports (its `#error` line and the launch limits).
     ///
-    /// Errors: [`Error::Cuda`] with the configuration when a field is out of range.
+    /// Errors: [`Error::Usage`] with the configuration when a field is out of range.
     pub fn check(&self) -> Result<()> {
         let ok = (1..=16).contains(&self.warps)
             && matches!(self.mt, 1 | 2)
@@ -114,7 +117,7 @@ impl PrefillCfg {
         if ok {
             Ok(())
         } else {
-            Err(Error::cuda(format!(
+            Err(Error::Usage(format!(
                 "invalid prefill configuration {self:?}: warps 1..=16, MT 1 or 2 (1 with QREG), BK 32 or 64, stages 2..=4, min blocks 1..=4"
             )))
         }
@@ -214,7 +217,7 @@ impl PrefillCfg {
 /// Extra prefill configurations from `MLA_DIFF_BENCH_PREFILL`: `;`-separated
 /// `WARPS,BK,STAGES,QREG,MINBLOCKS[,MT]` entries (empty when unset).
 ///
-/// Errors: [`Error::Cuda`] naming the first entry that does not parse or check.
+/// Errors: [`Error::Usage`] naming the first entry that does not parse or check.
 pub fn bench_variants() -> Result<Vec<PrefillCfg>> {
     let Ok(spec) = std::env::var("MLA_DIFF_BENCH_PREFILL") else {
         return Ok(Vec::new());

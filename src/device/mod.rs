@@ -117,12 +117,12 @@ fn cuda_err(what: impl std::fmt::Display) -> Error {
     Error::Cuda(what.to_string())
 }
 
-/// `e` (a kernel-configuration parse error) read from the environment variable `var`: its
-/// message prefixed with `var`, once (`CUDA: MLA_DIFF_DECODE_CFG: decode configuration …`, not
-/// the whole error's text with a second `CUDA:` inside); other errors unchanged.
+/// `e` (a kernel-configuration parse error, [`Error::Usage`]) read from the environment variable
+/// `var`: its message prefixed with `var` (`MLA_DIFF_DECODE_CFG: decode configuration …`); other
+/// errors unchanged.
 pub(crate) fn env_err(var: &str, e: Error) -> Error {
     match e {
-        Error::Cuda(m) => Error::Cuda(format!("{var}: {m}")),
+        Error::Usage(m) => Error::Usage(format!("{var}: {m}")),
         other => other,
     }
 }

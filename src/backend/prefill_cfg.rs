@@ -76,7 +76,7 @@ impl PrefillCfg {
         let (warps, bk, stages, qreg, min_blocks, mt) = (v[0], v[1], v[2], v[3], v[4], v[5]);
         if qreg > 1 {
             return Err(Error::Usage(format!(
-                "prefill configuration `{s}`: qreg must be 0 or 1"
+                "prefill configuration `{s}`: field `qreg` is {qreg}: must be 0 or 1"
             )));
         }
         let c = PrefillCfg {
@@ -87,7 +87,9 @@ impl PrefillCfg {
             q_in_registers: qreg == 1,
             min_blocks,
         };
-        c.check()?;
+        if let Some(rule) = c.broken_rule() {
+            return Err(Error::Usage(format!("prefill configuration `{s}`: {rule}")));
+        }
         Ok(c)
     }
 
@@ -106,21 +108,35 @@ impl PrefillCfg {
 
     /// Checks the ranges the kernel supports (its `#error` line and the launch limits).
     ///
-    /// Errors: [`Error::Usage`] with the configuration when a field is out of range.
+    /// Errors: [`Error::Usage`] naming the first field out of range and its value.
     pub fn check(&self) -> Result<()> {
-        let ok = (1..=16).contains(&self.warps)
-            && matches!(self.mt, 1 | 2)
-            && !(self.q_in_registers && self.mt > 1)
-            && matches!(self.bk, 32 | 64)
-            && (2..=4).contains(&self.stages)
-            && (1..=4).contains(&self.min_blocks);
-        if ok {
-            Ok(())
-        } else {
-            Err(Error::Usage(format!(
-                "invalid prefill configuration {self:?}: warps 1..=16, MT 1 or 2 (1 with QREG), BK 32 or 64, stages 2..=4, min blocks 1..=4"
-            )))
+        self.broken_rule().map_or(Ok(()), |rule| Err(Error::Usage(rule)))
+    }
+
+    /// The first range rule this configuration breaks, as one message naming the field
+    /// (docs/kernels.md's names) and its value, e.g. "field `bk` is 48: must be 32 or 64";
+    /// `None` when every field is in range.
+    fn broken_rule(&self) -> Option<String> {
+        let field = |name: &str, v: usize, rule: &str| Some(format!("field `{name}` is {v}: {rule}"));
+        if !(1..=16).contains(&self.warps) {
+            return field("warps", self.warps, "must be 1 to 16");
         }
+        if !matches!(self.mt, 1 | 2) {
+            return field("mt", self.mt, "must be 1 or 2");
+        }
+        if self.q_in_registers && self.mt > 1 {
+            return field("mt", self.mt, "must be 1 with `qreg` 1");
+        }
+        if !matches!(self.bk, 32 | 64) {
+            return field("bk", self.bk, "must be 32 or 64");
+        }
+        if !(2..=4).contains(&self.stages) {
+            return field("stages", self.stages, "must be 2 to 4");
+        }
+        if !(1..=4).contains(&self.min_blocks) {
+            return field("min_blocks", self.min_blocks, "must be 1 to 4");
+        }
+        None
     }
 
     /// Query rows per block (`16·mt·warps`): the step of the `(segment, first row)` tile list.
@@ -273,17 +289,31 @@ mod tests {
                 ("FP_MINB", 2)
             ]
         );
-        for bad in [
-            "4,48,2,1,1",
-            "4,64,1,1,1",
-            "4,64,2,2,1",
-            "0,64,2,1,1",
-            "4,64,2,1",
-            "4,x,2,1,1",
+        for (bad, why) in [
+            ("4,48,2,1,1", "field `bk` is 48: must be 32 or 64"),
+            ("4,64,1,1,1", "field `stages` is 1: must be 2 to 4"),
+            ("4,64,2,2,1", "field `qreg` is 2: must be 0 or 1"),
+            ("0,64,2,1,1", "field `warps` is 0: must be 1 to 16"),
+            ("4,64,2,1,1,2", "field `mt` is 2: must be 1 with `qreg` 1"),
+            (
+                "warps=4,bk=64,stages=2,qreg=0,min_blocks=5",
+                "field `min_blocks` is 5: must be 1 to 4",
+            ),
+            ("4,64,2,1", "expected 5 to 6"),
+            ("4,x,2,1,1", "field 2 (bk) is `x`"),
         ] {
             let e = PrefillCfg::parse(bad).unwrap_err().to_string();
-            assert!(e.contains("prefill configuration"), "{bad}: {e}");
+            assert_eq!(e.lines().count(), 1, "{bad}: {e}");
+            assert!(
+                e.starts_with(&format!("prefill configuration `{bad}`: {why}")),
+                "{bad}: {e}"
+            );
         }
+        let wide = PrefillCfg { warps: 17, ..c };
+        assert_eq!(
+            wide.check().unwrap_err().to_string(),
+            "field `warps` is 17: must be 1 to 16"
+        );
     }
 
     #[test]

@@ -251,7 +251,7 @@ impl DecodeCfg {
     /// [`DecodeCfg::parse`]'s, prefixed with `var` (one line, e.g. `MLA_DIFF_DECODE_CFG: decode
     /// configuration `…`: …`).
     pub fn parse_named(var: &str, s: &str) -> Result<Self> {
-        Self::parse(s).map_err(|e| crate::device::env_err(var, e))
+        Self::parse(s).map_err(|e| cfg_fields::env_err(var, e))
     }
 
     /// The first tiling rule of fast_decode.cu (its static checks and launch limits) that this

@@ -99,11 +99,17 @@ impl PrefillCfg {
     /// Errors: as [`PrefillCfg::parse`].
     pub fn from_env() -> Result<Option<Self>> {
         match std::env::var("MLA_DIFF_PREFILL_CFG") {
-            Ok(s) if !s.is_empty() => Self::parse(&s)
-                .map(Some)
-                .map_err(|e| crate::device::env_err("MLA_DIFF_PREFILL_CFG", e)),
+            Ok(s) if !s.is_empty() => Self::parse_named("MLA_DIFF_PREFILL_CFG", &s).map(Some),
             _ => Ok(None),
         }
+    }
+
+    /// [`PrefillCfg::parse`] of `s` read from the environment variable `var`.
+    ///
+    /// Errors: [`PrefillCfg::parse`]'s, prefixed with `var` (one line, e.g.
+    /// `MLA_DIFF_PREFILL_CFG: prefill configuration `…`: …`).
+    pub fn parse_named(var: &str, s: &str) -> Result<Self> {
+        Self::parse(s).map_err(|e| cfg_fields::env_err(var, e))
     }
 
     /// Checks the ranges the kernel supports (its `#error` line and the launch limits).
@@ -241,7 +247,7 @@ pub fn bench_variants() -> Result<Vec<PrefillCfg>> {
     spec.split(';')
         .map(str::trim)
         .filter(|e| !e.is_empty())
-        .map(|e| PrefillCfg::parse(e).map_err(|err| crate::device::env_err("MLA_DIFF_BENCH_PREFILL", err)))
+        .map(|e| PrefillCfg::parse_named("MLA_DIFF_BENCH_PREFILL", e))
         .collect()
 }
 
@@ -259,6 +265,13 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("missing field `min_blocks`"), "{e}");
+        let e = PrefillCfg::parse_named("MLA_DIFF_PREFILL_CFG", "bk=48,warps=4,stages=2,qreg=0,min_blocks=1")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "MLA_DIFF_PREFILL_CFG: prefill configuration `bk=48,warps=4,stages=2,qreg=0,min_blocks=1`: field `bk` is 48: must be 32 or 64"
+        );
     }
 
     #[test]

@@ -117,16 +117,6 @@ fn cuda_err(what: impl std::fmt::Display) -> Error {
     Error::Cuda(what.to_string())
 }
 
-/// `e` (a kernel-configuration parse error, [`Error::Usage`]) read from the environment variable
-/// `var`: its message prefixed with `var` (`MLA_DIFF_DECODE_CFG: decode configuration …`); other
-/// errors unchanged.
-pub(crate) fn env_err(var: &str, e: Error) -> Error {
-    match e {
-        Error::Usage(m) => Error::Usage(format!("{var}: {m}")),
-        other => other,
-    }
-}
-
 /// Checks that the CUDA driver library is loadable (without panicking, unlike cudarc).
 pub fn driver_present() -> bool {
     // SAFETY: only tries to dlopen the library by name.

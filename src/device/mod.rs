@@ -113,10 +113,6 @@ pub struct Compiled {
     pub log: String,
 }
 
-fn cuda_err(what: impl std::fmt::Display) -> Error {
-    Error::Cuda(what.to_string())
-}
-
 /// Checks that the CUDA driver library is loadable (without panicking, unlike cudarc).
 pub fn driver_present() -> bool {
     // SAFETY: only tries to dlopen the library by name.
@@ -138,7 +134,7 @@ pub fn cublas_present() -> bool {
 /// NVRTC's version, e.g. (13, 0).
 pub fn nvrtc_version() -> Result<(i32, i32)> {
     if !nvrtc_present() {
-        return Err(cuda_err(
+        return Err(Error::cuda(
             "NVRTC (libnvrtc.so) not found; put CUDA's lib64 on LD_LIBRARY_PATH",
         ));
     }
@@ -146,7 +142,7 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     // SAFETY: NVRTC is present; the pointers are valid.
     let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut a, &mut b) };
     if r != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
-        return Err(cuda_err(format!("nvrtcVersion failed: {r:?}")));
+        return Err(Error::cuda(format!("nvrtcVersion failed: {r:?}")));
     }
     Ok((a, b))
 }
@@ -156,13 +152,13 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
 /// Errors: [`Error::Cuda`] when the driver library is missing or the call fails.
 pub fn driver_cuda_version() -> Result<(i32, i32)> {
     if !driver_present() {
-        return Err(cuda_err("CUDA driver library (libcuda.so) not found"));
+        return Err(Error::cuda("CUDA driver library (libcuda.so) not found"));
     }
     let mut v = 0;
     // SAFETY: the library is present; the pointer is valid. cuDriverGetVersion needs no cuInit.
     let r = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
     if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-        return Err(cuda_err(format!("cuDriverGetVersion failed: {r:?}")));
+        return Err(Error::cuda(format!("cuDriverGetVersion failed: {r:?}")));
     }
     Ok((v / 1000, (v % 1000) / 10))
 }
@@ -182,7 +178,7 @@ pub fn kernel_driver_release() -> Option<String> {
 pub fn cublas_version() -> Result<(i32, i32, i32)> {
     use cudarc::cublas::sys::{cublasGetProperty, cublasStatus_t, libraryPropertyType};
     if !cublas_present() {
-        return Err(cuda_err("cuBLAS (libcublas.so) not found"));
+        return Err(Error::cuda("cuBLAS (libcublas.so) not found"));
     }
     let get = |p: libraryPropertyType| {
         let mut v = 0;
@@ -191,7 +187,7 @@ pub fn cublas_version() -> Result<(i32, i32, i32)> {
         if r == cublasStatus_t::CUBLAS_STATUS_SUCCESS {
             Ok(v)
         } else {
-            Err(cuda_err(format!("cublasGetProperty failed: {r:?}")))
+            Err(Error::cuda(format!("cublasGetProperty failed: {r:?}")))
         }
     };
     Ok((
@@ -214,7 +210,7 @@ pub fn include_dir(explicit: Option<&Path>) -> Result<PathBuf> {
         },
     };
     if !dir.join("cuda_bf16.h").is_file() {
-        return Err(cuda_err(format!(
+        return Err(Error::cuda(format!(
             "{}: no cuda_bf16.h (pass --cuda-include DIR or set CUDA_HOME)",
             dir.display()
         )));
@@ -277,13 +273,13 @@ pub fn compile(
 ) -> Result<Compiled> {
     use cudarc::nvrtc::sys as nv;
     if !nvrtc_present() {
-        return Err(cuda_err(
+        return Err(Error::cuda(
             "NVRTC (libnvrtc.so) not found; put CUDA's lib64 on LD_LIBRARY_PATH",
         ));
     }
     let src = format!("{COMMON}\n#line 1 \"{}\"\n{}", module.file(), module.source());
-    let csrc = CString::new(src.as_str()).map_err(|_| cuda_err("kernel source holds a NUL byte"))?;
-    let cname = CString::new(module.file()).map_err(|_| cuda_err("bad module name"))?;
+    let csrc = CString::new(src.as_str()).map_err(|_| Error::cuda("kernel source holds a NUL byte"))?;
+    let cname = CString::new(module.file()).map_err(|_| Error::cuda("bad module name"))?;
     let mut opts: Vec<String> = vec![
         format!("--gpu-architecture={arch}"),
         format!("-I{}", include.display()),
@@ -310,7 +306,7 @@ pub fn compile(
     }
     let copts: Vec<CString> = opts
         .iter()
-        .map(|o| CString::new(o.as_str()).map_err(|_| cuda_err("bad NVRTC option")))
+        .map(|o| CString::new(o.as_str()).map_err(|_| Error::cuda("bad NVRTC option")))
         .collect::<Result<_>>()?;
     let ptrs: Vec<*const std::ffi::c_char> = copts.iter().map(|c| c.as_ptr()).collect();
     let mut prog: nv::nvrtcProgram = std::ptr::null_mut();
@@ -325,7 +321,7 @@ pub fn compile(
             std::ptr::null(),
         );
         if r != nv::nvrtcResult::NVRTC_SUCCESS {
-            return Err(cuda_err(format!("{}: nvrtcCreateProgram: {r:?}", module.file())));
+            return Err(Error::cuda(format!("{}: nvrtcCreateProgram: {r:?}", module.file())));
         }
         let rc = nv::nvrtcCompileProgram(prog, ptrs.len() as i32, ptrs.as_ptr());
         let mut log_len = 0usize;
@@ -337,7 +333,7 @@ pub fn compile(
             .unwrap_or_default();
         if rc != nv::nvrtcResult::NVRTC_SUCCESS {
             nv::nvrtcDestroyProgram(&mut prog);
-            return Err(cuda_err(format!(
+            return Err(Error::cuda(format!(
                 "{} does not compile for {arch} ({rc:?}); NVRTC options {opts:?}; log:\n{log}",
                 module.file()
             )));
@@ -348,7 +344,10 @@ pub fn compile(
         let r = nv::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast());
         nv::nvrtcDestroyProgram(&mut prog);
         if r != nv::nvrtcResult::NVRTC_SUCCESS || n == 0 {
-            return Err(cuda_err(format!("{}: nvrtcGetCUBIN for {arch}: {r:?}", module.file())));
+            return Err(Error::cuda(format!(
+                "{}: nvrtcGetCUBIN for {arch}: {r:?}",
+                module.file()
+            )));
         }
         if let Some(p) = &cached {
             // Best effort: a read-only or full disk only costs the next run a compile.
@@ -420,21 +419,21 @@ pub fn parse_usage(log: &str) -> Vec<KernelUsage> {
 /// Why the CUDA backend cannot be used here, or `Ok` with the device count.
 pub fn probe() -> Result<usize> {
     if !driver_present() {
-        return Err(cuda_err("no CUDA driver library (libcuda.so) found"));
+        return Err(Error::cuda("no CUDA driver library (libcuda.so) found"));
     }
     if !nvrtc_present() {
-        return Err(cuda_err(
+        return Err(Error::cuda(
             "no NVRTC library (libnvrtc.so) found; put CUDA's lib64 on LD_LIBRARY_PATH",
         ));
     }
     if !cublas_present() {
-        return Err(cuda_err(
+        return Err(Error::cuda(
             "no cuBLAS library (libcublas.so) found; put CUDA's lib64 on LD_LIBRARY_PATH",
         ));
     }
-    let n = cudarc::driver::CudaContext::device_count().map_err(|e| cuda_err(format!("cuDeviceGetCount: {e:?}")))?;
+    let n = cudarc::driver::CudaContext::device_count().map_err(|e| Error::cuda(format!("cuDeviceGetCount: {e:?}")))?;
     if n < 1 {
-        return Err(cuda_err("the CUDA driver reports no device"));
+        return Err(Error::cuda("the CUDA driver reports no device"));
     }
     Ok(n as usize)
 }

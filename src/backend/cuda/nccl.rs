@@ -36,10 +36,6 @@ pub fn nccl_present() -> bool {
     unsafe { cudarc::nccl::sys::is_culib_present() }
 }
 
-fn nerr(what: &str, e: impl std::fmt::Debug) -> Error {
-    Error::Cuda(format!("NCCL {what}: {e:?}"))
-}
-
 /// The first CUDA ordinal that `devices` lists a second time, if any (NCCL refuses two ranks
 /// on one GPU).
 pub fn repeated_device(devices: &[usize]) -> Option<usize> {
@@ -72,12 +68,10 @@ impl NcclAllReduce {
             )));
         }
         if !crate::device::driver_present() {
-            return Err(Error::Cuda(
-                "the CUDA driver library (libcuda.so) is not loadable".into(),
-            ));
+            return Err(Error::cuda("the CUDA driver library (libcuda.so) is not loadable"));
         }
         if !nccl_present() {
-            return Err(Error::Cuda(NCCL_MISSING.into()));
+            return Err(Error::cuda(NCCL_MISSING));
         }
         // SAFETY: set before NCCL reads its environment (at the first communicator), from the
         // thread that creates the communicators; mla-diff reads no NCCL variable elsewhere.
@@ -87,10 +81,10 @@ impl NcclAllReduce {
             .map(|&d| {
                 CudaContext::new(d)
                     .map(|c| c.default_stream())
-                    .map_err(|e| Error::Cuda(format!("cuCtxCreate on device {d}: {e:?}")))
+                    .map_err(|e| Error::cuda(format!("cuCtxCreate on device {d}: {e:?}")))
             })
             .collect::<Result<_>>()?;
-        let comms = Comm::from_devices(streams).map_err(|e| nerr("ncclCommInitAll", e))?;
+        let comms = Comm::from_devices(streams).map_err(|e| Error::cuda(format!("NCCL ncclCommInitAll: {e:?}")))?;
         Ok(NcclAllReduce {
             comms,
             devices: devices.to_vec(),
@@ -132,7 +126,11 @@ impl NcclAllReduce {
                 Some(ReduceFault::SkipRank(s)) if s == r => &zeros,
                 _ => &parts[r],
             };
-            bufs.push(c.stream().clone_htod(src).map_err(|e| nerr("upload", e))?);
+            bufs.push(
+                c.stream()
+                    .clone_htod(src)
+                    .map_err(|e| Error::cuda(format!("NCCL upload: {e:?}")))?,
+            );
         }
         let early = match fault {
             Some(ReduceFault::ReadEarly(r)) if r < parts.len() => Some((r, parts[r].clone())),
@@ -140,16 +138,20 @@ impl NcclAllReduce {
         };
         let rounds = if fault == Some(ReduceFault::Twice) { 2 } else { 1 };
         for _ in 0..rounds {
-            group_start().map_err(|e| nerr("ncclGroupStart", e))?;
+            group_start().map_err(|e| Error::cuda(format!("NCCL ncclGroupStart: {e:?}")))?;
             for (c, b) in self.comms.iter().zip(bufs.iter_mut()) {
                 c.all_reduce_in_place(b, &ReduceOp::Sum)
-                    .map_err(|e| nerr("ncclAllReduce", e))?;
+                    .map_err(|e| Error::cuda(format!("NCCL ncclAllReduce: {e:?}")))?;
             }
-            group_end().map_err(|e| nerr("ncclGroupEnd", e))?;
+            group_end().map_err(|e| Error::cuda(format!("NCCL ncclGroupEnd: {e:?}")))?;
         }
         let mut out = Vec::with_capacity(bufs.len());
         for (c, b) in self.comms.iter().zip(&bufs) {
-            out.push(c.stream().clone_dtoh(b).map_err(|e| nerr("download", e))?);
+            out.push(
+                c.stream()
+                    .clone_dtoh(b)
+                    .map_err(|e| Error::cuda(format!("NCCL download: {e:?}")))?,
+            );
         }
         if let Some((r, own)) = early {
             out[r] = own;

@@ -103,11 +103,11 @@ impl NcclAllReduce {
     /// again, `SkipRank(r)` sends zeros from rank r, `ReadEarly(r)` takes rank r's buffer before
     /// the call.
     ///
-    /// Errors: `parts.len()` not the number of ranks, partials of different lengths, CUDA or
-    /// NCCL errors.
+    /// Errors: [`Error::Internal`] for `parts.len()` not the number of ranks or partials of
+    /// different or zero lengths (the caller's shapes); CUDA or NCCL errors.
     pub fn all_reduce_sum(&self, parts: &[Vec<f32>], fault: Option<ReduceFault>) -> Result<Vec<Vec<f32>>> {
         if parts.len() != self.comms.len() {
-            return Err(Error::Usage(format!(
+            return Err(Error::internal(format!(
                 "NCCL all-reduce of {} partials over {} ranks",
                 parts.len(),
                 self.comms.len()
@@ -115,8 +115,8 @@ impl NcclAllReduce {
         }
         let n = parts[0].len();
         if parts.iter().any(|p| p.len() != n) || n == 0 {
-            return Err(Error::Usage(
-                "NCCL all-reduce: partials of different or zero lengths".into(),
+            return Err(Error::internal(
+                "NCCL all-reduce: partials of different or zero lengths",
             ));
         }
         let zeros = vec![0f32; n];

@@ -290,8 +290,8 @@ impl CudaOps {
 
     fn check_len(b: &CudaSlice<f32>, need: usize, what: &str) -> Result<()> {
         if b.len() < need {
-            return Err(Error::cuda(format!(
-                "{what}: needs {need} elements, buffer has {}",
+            return Err(Error::internal(format!(
+                "CUDA backend: {what} needs {need} elements, buffer has {}",
                 b.len()
             )));
         }
@@ -1255,8 +1255,8 @@ impl Ops for CudaOps {
             return Ok(());
         }
         if l + r != width {
-            return Err(Error::cuda(format!(
-                "cache_write: row width {width} != L+R = {}",
+            return Err(Error::internal(format!(
+                "CUDA backend: cache_write: row width {width} != L+R = {}",
                 l + r
             )));
         }

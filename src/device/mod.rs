@@ -1,13 +1,17 @@
-//! The CUDA backend: real MLA kernels on the GPU, compiled at run time with NVRTC.
+//! The CUDA device layer: what every GPU computation needs before it decides what to compute.
 //!
-//! The engine paths only become evidence about GPU engines when their kernels run on a GPU:
-//! tiled flash prefill, split-KV decode over a paged cache, the LSE merge and GGUF dequantization
-//! are where real MLA bugs live. This module owns the device: it checks that the driver, NVRTC and
-//! cuBLAS libraries are present before touching cudarc (which panics on a missing library),
-//! compiles the `kernels/*.cu` sources once per process for the device's compute capability
-//! (or for given architectures, with `kernels --compile-only`), loads them, and exposes
-//! [`CudaOps`], the [`crate::compute::ops::Ops`] implementation. Every launch is followed by a
-//! synchronize and an error check that names the kernel.
+//! cudarc panics when a library is missing, and NVRTC compiles the `kernels/*.cu` sources at run
+//! time for the device's compute capability, so both the backend and the tools that only probe
+//! or compile need one place that checks and compiles safely. This module checks that the
+//! driver, NVRTC and cuBLAS libraries are present before touching cudarc ([`probe`], the
+//! `*_present` and version functions), names the kernel modules ([`Module`]), compiles them
+//! with NVRTC for an architecture ([`compile`], or for given architectures with `kernels
+//! --compile-only`) through an on-disk cache keyed by source, options and toolkit
+//! ([`nvrtc_cache_dir`]), parses ptxas's register and spill report ([`parse_usage`]), and says
+//! which architectures have wgmma and bulk copies ([`supports_wgmma`], [`supports_tma`]).
+//! [`context`] holds the opened device (context, stream, cuBLAS handle, loaded modules).
+//! It sits below `backend/`, so the CUDA backend and the GPU reference
+//! (`backend/cuda/reference.rs`) share one device and one kernel cache.
 
 pub mod context;
 
@@ -258,7 +262,7 @@ fn cache_key(src: &str, opts: &[String], include: &Path) -> String {
 /// Compiles `module` for `arch` (e.g. `sm_90`) with NVRTC, returning the CUBIN and the log.
 /// `defines` become `-DNAME=VALUE` (the fast kernels' shape constants).
 ///
-/// A compiled CUBIN is kept in [`nvrtc_cache_dir`] under [`cache_key`], and a later compile of
+/// A compiled CUBIN is kept in [`nvrtc_cache_dir`] under its `cache_key`, and a later compile of
 /// the same source, options and NVRTC reads it instead of compiling (a second run starts in
 /// milliseconds, not seconds). Verbose compiles (which want ptxas's log) bypass the cache; a
 /// cache that cannot be read or written is ignored.

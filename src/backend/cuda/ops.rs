@@ -1193,6 +1193,11 @@ impl Ops for CudaOps {
             )));
         }
         a.check_lens(out, lse, Self::check_len)?;
+        // The tensor-core path builds its own tile list (its block height depends on the
+        // configuration) and uploads bf16 copies itself.
+        if self.uses_fast() && dqk.is_multiple_of(16) && dv.is_multiple_of(16) {
+            return self.flash_prefill_fast(a, out, lse);
+        }
         let mut segs = Vec::new();
         let mut tiles = Vec::new();
         for (si, sg) in a.segments.iter().enumerate() {
@@ -1212,9 +1217,6 @@ impl Ops for CudaOps {
             shared_mem_bytes: ((FLASH_BK * (dqk + dv) + FLASH_ROWS * dqk) * 4) as u32,
         };
         let (h, qk_width, v_width, em) = (nh as i64, dqk as i64, dv as i64, a.empty.code());
-        if self.uses_fast() && dqk.is_multiple_of(16) && dv.is_multiple_of(16) {
-            return self.flash_prefill_fast(a, out, lse);
-        }
         // The f32 kernel reads the inputs as they are, the bf16 one bf16 copies of them.
         let (name, bf16) = match self.dtype {
             Dtype::F32 => ("flash_prefill_f32", None),

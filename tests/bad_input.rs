@@ -289,6 +289,46 @@ fn devices_must_be_one_distinct_gpu_per_rank_on_the_cuda_backend() {
     assert!(err.contains("CUDA") || err.contains("--tp 6 needs 6 GPUs"), "{err}");
 }
 
+/// The kernel configuration variables are read when the CUDA backend starts, before any GPU is
+/// asked: a bad string is one exit-2 line naming the variable, the string and the field on every
+/// CUDA run (f32 and the simple kernels too, which never launch a fast kernel), so it shows on a
+/// machine without a GPU. The CPU backend does not read them.
+#[test]
+fn kernel_configuration_variables_are_checked_when_the_cuda_backend_starts() {
+    let run = |var: &str, val: &str, args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_mla-diff"))
+            .args(args)
+            .env(var, val)
+            .output()
+            .expect("run mla-diff");
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let cuda_f32 = ["run", "--backend", "cuda", "--dtype", "f32", "--kernels", "simple"];
+    for (var, val, field) in [
+        (
+            "MLA_DIFF_DECODE_CFG",
+            "heads=16,warp=4,stages=4",
+            "unknown field `warp`",
+        ),
+        ("MLA_DIFF_DECODE_CFG", "16,8,x,0,2", "field 3 (parts) is `x`"),
+        ("MLA_DIFF_PREFILL_CFG", "4,64,2,0", "expected 5 to 6"),
+    ] {
+        let (code, err) = run(var, val, &cuda_f32);
+        assert_eq!(code, 2, "{var}={val}: {err}");
+        let lines: Vec<&str> = err.lines().collect();
+        assert_eq!(lines.len(), 1, "{var}={val}: {err}");
+        for s in [var, &format!("`{val}`"), field] {
+            assert!(lines[0].contains(s), "{var}={val}: `{s}` not in {err}");
+        }
+        assert!(!err.contains("CUDA:") && !err.contains("panicked"), "{err}");
+        let (code, err) = run(var, val, &["run", "--backend", "cpu"]);
+        assert_ne!(code, 2, "the CPU backend ignores {var}: {err}");
+    }
+}
+
 /// Output-path mistakes are refused before anything is written: the same file for `--json` and
 /// `--report` (or its heat map), and a folder given where a file is expected (even with --force).
 #[test]

@@ -3,6 +3,18 @@
 //! compact form BENCHMARKS.md's tables use) or named (`heads=16,warps=4,…`, any order, which a
 //! reader can check without the field list). docs/kernels.md is the reference for both.
 
+use crate::core::error::Error;
+
+/// `e` (a configuration's parse or rule error, [`Error::Usage`]) read from the environment
+/// variable `var`: its message prefixed with `var` (`MLA_DIFF_DECODE_CFG: decode configuration
+/// …`); other errors unchanged.
+pub fn env_err(var: &str, e: Error) -> Error {
+    match e {
+        Error::Usage(m) => Error::Usage(format!("{var}: {m}")),
+        other => other,
+    }
+}
+
 /// One field of a configuration string: its name in the named form and its value when left out
 /// (`None`: required).
 #[derive(Debug, Clone, Copy)]

@@ -201,12 +201,12 @@ impl DecodeCfg {
     /// the reference.
     ///
     /// # Errors
-    /// [`Error::Cuda`] naming the string and the field when it does not parse
+    /// [`Error::Usage`] naming the string and the field when it does not parse
     /// ([`cfg_fields::parse_fields`]) or the configuration does not tile (see
     /// `fast_decode.cu`'s header).
     pub fn parse(s: &str) -> Result<Self> {
         let v = cfg_fields::parse_fields(s, &Self::FIELDS)
-            .map_err(|e| Error::cuda(format!("decode configuration `{s}`: {e}")))?;
+            .map_err(|e| Error::Usage(format!("decode configuration `{s}`: {e}")))?;
         let c = DecodeCfg {
             heads: v[0],
             warps: v[1],
@@ -222,62 +222,19 @@ impl DecodeCfg {
         };
         for (name, x) in [("qreg", v[3]), ("fused", v[6]), ("cluster", v[8]), ("wgmma", v[9])] {
             if x > 1 {
-                return Err(Error::cuda(format!(
-                    "decode configuration `{s}`: {name} must be 0 or 1"
+                return Err(Error::Usage(format!(
+                    "decode configuration `{s}`: field `{name}` is {x}: must be 0 or 1"
                 )));
             }
         }
-        if c.wgmma
-            && (
-                c.heads,
-                c.warps,
-                c.stages,
-                c.min_blocks,
-                c.q_in_registers,
-                c.fused,
-                c.tma(),
-                c.cluster,
-                c.teams,
-            ) != (64, 8, 2, 1, false, false, false, false, 1)
-        {
-            return Err(Error::cuda(format!(
-                "decode configuration `{s}`: WGMMA 1 (the warpgroup-MMA block) needs 64,8,P,0,2,1,0,0,0,1"
-            )));
+        if let Some(rule) = c.broken_rule() {
+            return Err(Error::Usage(format!("decode configuration `{s}`: {rule}")));
         }
-        if c.cluster && !c.tma() {
-            return Err(Error::cuda(format!(
-                "decode configuration `{s}`: CLUSTER 1 (merge through a thread-block cluster) needs TMA 1 or more"
-            )));
-        }
-        if c.teams > 1 && !c.team_valid(c.stages) {
-            return Err(Error::cuda(format!(
-                "decode configuration `{s}`: TEAMS {} needs TMA 1 or more, FUSED 0, and TEAMS dividing 2·STAGES with STAGES >= TEAMS",
-                c.teams
-            )));
-        }
-        if c.teams > 2 {
-            return Err(Error::cuda(format!(
-                "decode configuration `{s}`: TEAMS {} (1 or 2; more were never run on a GPU)",
-                c.teams
-            )));
-        }
-        if c.teams > 1 && c.min_blocks > 1 {
-            return Err(Error::cuda(format!(
-                "decode configuration `{s}`: TEAMS {} is one block per SM: MINBLOCKS must be 1 (more only caps the registers: ptxas spills)",
-                c.teams
-            )));
-        }
-        if c.tma() && (!32usize.is_multiple_of(c.producers) || c.warps * c.teams + c.producers > 32) {
-            return Err(Error::cuda(format!(
-                "decode configuration `{s}`: TMA {} producer warps must divide 32 and, with WARPS·TEAMS consumer warps, make at most 32 warps",
-                c.producers
-            )));
-        }
-        c.check()?;
         Ok(c)
     }
 
-    /// The configuration named by `MLA_DIFF_DECODE_CFG`, if set.
+    /// The configuration named by `MLA_DIFF_DECODE_CFG`, if set and not empty (read by the CUDA
+    /// backend when it is created).
     ///
     /// # Errors
     /// [`DecodeCfg::parse_named`]'s, naming `MLA_DIFF_DECODE_CFG`.
@@ -294,30 +251,121 @@ impl DecodeCfg {
     /// [`DecodeCfg::parse`]'s, prefixed with `var` (one line, e.g. `MLA_DIFF_DECODE_CFG: decode
     /// configuration `…`: …`).
     pub fn parse_named(var: &str, s: &str) -> Result<Self> {
-        Self::parse(s).map_err(|e| crate::device::env_err(var, e))
+        Self::parse(s).map_err(|e| cfg_fields::env_err(var, e))
     }
 
-    fn check(&self) -> Result<()> {
-        let mt = self.heads / 16;
-        let ok = self.heads >= 16
-            && self.heads.is_multiple_of(16)
-            && self.warps >= 1
-            && (1..=2).contains(&self.teams)
-            && (self.producers == 0 || 32usize.is_multiple_of(self.producers))
-            && self.warps * self.teams + self.producers <= 32
-            && self.parts >= 1
-            && (2..=6).contains(&self.stages)
-            && (1..=4).contains(&self.min_blocks)
-            && self.warps.is_multiple_of(mt * self.parts)
-            && 4usize.is_multiple_of(self.warps / (mt * self.parts))
-            && (self.heads < self.warps || self.heads.is_multiple_of(self.warps))
-            && (self.tma() || !self.cluster)
-            && (self.teams == 1 || self.team_valid(self.stages));
-        if ok {
-            Ok(())
-        } else {
-            Err(Error::cuda(format!("invalid decode configuration {self:?}")))
+    /// The first tiling rule of fast_decode.cu (its static checks and launch limits) that this
+    /// configuration breaks, as one message naming the field (docs/kernels.md's names) and its
+    /// value, e.g. "field `heads` is 20: must be a multiple of 16 (16 or more)"; `None` when it
+    /// tiles.
+    fn broken_rule(&self) -> Option<String> {
+        let (h, w, t, p) = (self.heads, self.warps, self.teams, self.producers);
+        let field = |name: &str, v: usize, rule: String| Some(format!("field `{name}` is {v}: {rule}"));
+        if h < 16 || !h.is_multiple_of(16) {
+            return field("heads", h, "must be a multiple of 16 (16 or more)".into());
         }
+        if w == 0 {
+            return field("warps", w, "must be at least 1".into());
+        }
+        if self.parts == 0 {
+            return field("parts", self.parts, "must be at least 1".into());
+        }
+        if !(2..=6).contains(&self.stages) {
+            return field("stages", self.stages, "must be 2 to 6".into());
+        }
+        if !(1..=4).contains(&self.min_blocks) {
+            return field("min_blocks", self.min_blocks, "must be 1 to 4".into());
+        }
+        if !(1..=2).contains(&t) {
+            return field("teams", t, "must be 1 or 2 (more were never run on a GPU)".into());
+        }
+        if self.wgmma {
+            let need = [
+                ("heads", h, 64),
+                ("warps", w, 8),
+                ("stages", self.stages, 2),
+                ("min_blocks", self.min_blocks, 1),
+                ("qreg", usize::from(self.q_in_registers), 0),
+                ("fused", usize::from(self.fused), 0),
+                ("tma", p, 0),
+                ("cluster", usize::from(self.cluster), 0),
+                ("teams", t, 1),
+            ];
+            if let Some(&(name, v, want)) = need.iter().find(|(_, v, want)| v != want) {
+                return field(
+                    name,
+                    v,
+                    format!("wgmma=1 (the warpgroup-MMA block, `64,8,P,0,2,1,0,0,0,1`) needs {want}"),
+                );
+            }
+        }
+        if p > 0 && !32usize.is_multiple_of(p) {
+            return field("tma", p, "the producer warps must divide 32".into());
+        }
+        if w * t + p > 32 {
+            return field(
+                "tma",
+                p,
+                format!(
+                    "with warps·teams = {} consumer warps that makes {} warps, more than 32",
+                    w * t,
+                    w * t + p
+                ),
+            );
+        }
+        if self.cluster && !self.tma() {
+            return field(
+                "cluster",
+                1,
+                "the merge through a thread-block cluster needs `tma` 1 or more".into(),
+            );
+        }
+        if t > 1 {
+            if !self.tma() {
+                return field("teams", t, "more than one team needs `tma` 1 or more".into());
+            }
+            if self.fused {
+                return field("teams", t, "more than one team needs `fused` 0".into());
+            }
+            if self.min_blocks > 1 {
+                return field(
+                    "min_blocks",
+                    self.min_blocks,
+                    format!(
+                        "must be 1 with `teams` {t}: one block per SM (more only caps the registers: ptxas spills)"
+                    ),
+                );
+            }
+            if !self.team_valid(self.stages) {
+                return field(
+                    "stages",
+                    self.stages,
+                    format!("`teams` {t} needs stages ≥ teams and teams dividing 2·stages"),
+                );
+            }
+        }
+        let per_part = (h / 16) * self.parts;
+        if !w.is_multiple_of(per_part) {
+            return field(
+                "warps",
+                w,
+                format!("must be a multiple of heads/16 × parts = {per_part}"),
+            );
+        }
+        if !4usize.is_multiple_of(w / per_part) {
+            return field(
+                "warps",
+                w,
+                format!(
+                    "warps / (heads/16 × parts) = {} must divide 4 (the key n-tiles of a tile)",
+                    w / per_part
+                ),
+            );
+        }
+        if h >= w && !h.is_multiple_of(w) {
+            return field("heads", h, format!("must be a multiple of `warps` ({w}) or below it"));
+        }
+        None
     }
 
     /// True when `stages` stages suit this configuration's teams (see fast_decode.cu's
@@ -494,9 +542,12 @@ mod tests {
         assert_eq!(p("heads=64,warps=8,parts=2,stages=2"), p("64,8,2,0,2"));
         for (bad, why) in [
             ("heads=16,warps=4,stage=4", "unknown field `stage`"),
-            ("heads=16,warps=4,stages=4,qreg=2", "qreg must be 0 or 1"),
+            ("heads=16,warps=4,stages=4,qreg=2", "field `qreg` is 2: must be 0 or 1"),
             ("heads=16,warps=4", "missing field `stages`"),
-            ("heads=16,warps=4,stages=4,teams=3,tma=4", "TEAMS 3"),
+            (
+                "heads=16,warps=4,stages=4,teams=3,tma=4",
+                "field `teams` is 3: must be 1 or 2",
+            ),
         ] {
             let e = DecodeCfg::parse(bad).unwrap_err().to_string();
             assert!(e.contains(why) && e.contains(bad), "{bad}: {e}");
@@ -522,10 +573,24 @@ mod tests {
             DecodeCfg::for_heads(128)
         );
         assert!(DecodeCfg::parse("16,8,2,1,4,1,1").unwrap().fused);
+        // Each broken range rule is its own message naming the field and its value.
+        let e = |s: &str| DecodeCfg::parse(s).unwrap_err().to_string();
         // 16-head blocks of 8 warps with 3 k-parts do not tile the 4 key n-tiles.
-        assert!(DecodeCfg::parse("16,8,3,0,2").is_err());
-        assert!(DecodeCfg::parse("16,8,2,0,1").is_err());
-        assert!(DecodeCfg::parse("24,8,2,0,2").is_err());
+        assert_eq!(
+            e("16,8,3,0,2"),
+            "decode configuration `16,8,3,0,2`: field `warps` is 8: must be a multiple of heads/16 × parts = 3"
+        );
+        assert_eq!(
+            e("16,8,2,0,1"),
+            "decode configuration `16,8,2,0,1`: field `stages` is 1: must be 2 to 6"
+        );
+        assert_eq!(
+            e("heads=20,warps=8,stages=2"),
+            "decode configuration `heads=20,warps=8,stages=2`: field `heads` is 20: must be a multiple of 16 (16 or more)"
+        );
+        assert!(e("16,8,2,0,2,5").contains("field `min_blocks` is 5: must be 1 to 4"));
+        assert!(e("16,16,1,0,2").contains("field `warps` is 16: warps / (heads/16 × parts) = 16 must divide 4"));
+        assert!(!e("24,8,2,0,2").contains("DecodeCfg"));
         assert!(DecodeCfg::parse("16,8,2").is_err());
         // Shared memory of the one-team block at W = 576 leaves room for two blocks per SM
         // (228 KiB).
@@ -545,7 +610,10 @@ mod tests {
         assert!(DecodeCfg::parse("64,8,2,0,2,1,0,1,1").unwrap().cluster);
         // A cluster needs the TMA producer warp; the wgmma field with a cluster is refused.
         let e = DecodeCfg::parse("16,8,2,0,2,2,0,0,1").unwrap_err().to_string();
-        assert!(e.contains("needs TMA 1"), "{e}");
+        assert!(
+            e.contains("field `cluster` is 1: the merge through a thread-block cluster needs `tma` 1 or more"),
+            "{e}"
+        );
         assert!(DecodeCfg::parse("16,8,2,0,2,2,0,1,1,1").is_err());
         assert!(DecodeCfg::parse("64,8,2,0,2,1,0,0,0,1,1").is_ok());
         assert!(DecodeCfg::parse("64,8,2,0,2,1,0,0,0,1,2").is_err());
@@ -637,15 +705,28 @@ mod tests {
         // Parity rules: TEAMS divides 2·STAGES, STAGES >= TEAMS; teams need producers and the
         // unfused softmax; producers divide 32; at most 32 warps; 11 fields at most.
         for (bad, why) in [
-            ("16,4,1,0,5,1,0,4,1,0,3", "TEAMS 3 needs"),
-            ("16,4,1,0,2,1,0,4,1,0,4", "TEAMS 4 needs"),
-            ("16,4,1,0,6,1,0,4,1,0,3", "TEAMS 3 (1 or 2"),
-            ("16,4,1,0,5,1,0,0,0,0,2", "TEAMS 2 needs"),
-            ("16,4,1,0,5,1,1,4,1,0,2", "TEAMS 2 needs"),
-            ("16,4,1,0,5,1,0,3,1,0,2", "TMA 3 producer warps must divide 32"),
-            ("16,4,1,0,4,2,0,4,1,0,2", "MINBLOCKS must be 1"),
-            ("16,8,2,0,4,1,0,8,1,0,4", "TEAMS 4 (1 or 2"),
-            ("16,8,2,0,4,1,0,32,1,0,2", "TMA 32 producer warps"),
+            ("16,4,1,0,5,1,0,4,1,0,3", "field `teams` is 3: must be 1 or 2"),
+            ("16,4,1,0,2,1,0,4,1,0,4", "field `teams` is 4: must be 1 or 2"),
+            (
+                "16,4,1,0,5,1,0,0,0,0,2",
+                "field `teams` is 2: more than one team needs `tma` 1",
+            ),
+            (
+                "16,4,1,0,5,1,1,4,1,0,2",
+                "field `teams` is 2: more than one team needs `fused` 0",
+            ),
+            (
+                "16,4,1,0,5,1,0,3,1,0,2",
+                "field `tma` is 3: the producer warps must divide 32",
+            ),
+            (
+                "16,4,1,0,4,2,0,4,1,0,2",
+                "field `min_blocks` is 2: must be 1 with `teams` 2",
+            ),
+            (
+                "16,8,2,0,4,1,0,32,1,0,2",
+                "field `tma` is 32: with warps·teams = 16 consumer warps that makes 48",
+            ),
             ("16,4,1,0,5,1,0,4,1,0,2,0", "expected 5 to 11"),
         ] {
             let e = DecodeCfg::parse(bad).unwrap_err().to_string();
@@ -695,7 +776,10 @@ mod tests {
         assert_eq!(wg.fit(96, 64), DecodeCfg::MMA64);
         // WGMMA 1 needs the 64-head two-warpgroup block.
         let e = DecodeCfg::parse("16,8,2,0,2,1,0,0,0,1").unwrap_err().to_string();
-        assert!(e.contains("needs 64,8,P,0,2,1,0,0,0,1"), "{e}");
+        assert!(
+            e.contains("field `heads` is 16: wgmma=1 (the warpgroup-MMA block, `64,8,P,0,2,1,0,0,0,1`) needs 64"),
+            "{e}"
+        );
         assert!(DecodeCfg::parse("64,8,1,0,2,1,0,1,0,1").is_err());
         // From the environment, the error names the variable too.
         let e = DecodeCfg::parse_named("MLA_DIFF_DECODE_CFG", "16,8,2,0,2,1,0,0,0,1")

@@ -68,14 +68,16 @@ impl PrefillCfg {
     /// `warps=4,bk=32,stages=3,qreg=0,min_blocks=3`, any order). docs/kernels.md is the
     /// reference.
     ///
-    /// Errors: [`Error::Cuda`] naming the string and the field when a field is missing, unknown
+    /// Errors: [`Error::Usage`] naming the string and the field when a field is missing, unknown
     /// or not a number, or when the configuration fails [`PrefillCfg::check`].
     pub fn parse(s: &str) -> Result<Self> {
         let v = cfg_fields::parse_fields(s, &Self::FIELDS)
-            .map_err(|e| Error::cuda(format!("prefill configuration `{s}`: {e}")))?;
+            .map_err(|e| Error::Usage(format!("prefill configuration `{s}`: {e}")))?;
         let (warps, bk, stages, qreg, min_blocks, mt) = (v[0], v[1], v[2], v[3], v[4], v[5]);
         if qreg > 1 {
-            return Err(Error::cuda(format!("prefill configuration `{s}`: qreg must be 0 or 1")));
+            return Err(Error::Usage(format!(
+                "prefill configuration `{s}`: field `qreg` is {qreg}: must be 0 or 1"
+            )));
         }
         let c = PrefillCfg {
             warps,
@@ -85,39 +87,62 @@ impl PrefillCfg {
             q_in_registers: qreg == 1,
             min_blocks,
         };
-        c.check()?;
+        if let Some(rule) = c.broken_rule() {
+            return Err(Error::Usage(format!("prefill configuration `{s}`: {rule}")));
+        }
         Ok(c)
     }
 
-    /// The configuration named by `MLA_DIFF_PREFILL_CFG`, if set and not empty.
+    /// The configuration named by `MLA_DIFF_PREFILL_CFG`, if set and not empty (read by the CUDA
+    /// backend when it is created).
     ///
     /// Errors: as [`PrefillCfg::parse`].
     pub fn from_env() -> Result<Option<Self>> {
         match std::env::var("MLA_DIFF_PREFILL_CFG") {
-            Ok(s) if !s.is_empty() => Self::parse(&s)
-                .map(Some)
-                .map_err(|e| crate::device::env_err("MLA_DIFF_PREFILL_CFG", e)),
+            Ok(s) if !s.is_empty() => Self::parse_named("MLA_DIFF_PREFILL_CFG", &s).map(Some),
             _ => Ok(None),
         }
     }
 
+    /// [`PrefillCfg::parse`] of `s` read from the environment variable `var`.
+    ///
+    /// Errors: [`PrefillCfg::parse`]'s, prefixed with `var` (one line, e.g.
+    /// `MLA_DIFF_PREFILL_CFG: prefill configuration `…`: …`).
+    pub fn parse_named(var: &str, s: &str) -> Result<Self> {
+        Self::parse(s).map_err(|e| cfg_fields::env_err(var, e))
+    }
+
     /// Checks the ranges the kernel supports (its `#error` line and the launch limits).
     ///
-    /// Errors: [`Error::Cuda`] with the configuration when a field is out of range.
+    /// Errors: [`Error::Usage`] naming the first field out of range and its value.
     pub fn check(&self) -> Result<()> {
-        let ok = (1..=16).contains(&self.warps)
-            && matches!(self.mt, 1 | 2)
-            && !(self.q_in_registers && self.mt > 1)
-            && matches!(self.bk, 32 | 64)
-            && (2..=4).contains(&self.stages)
-            && (1..=4).contains(&self.min_blocks);
-        if ok {
-            Ok(())
-        } else {
-            Err(Error::cuda(format!(
-                "invalid prefill configuration {self:?}: warps 1..=16, MT 1 or 2 (1 with QREG), BK 32 or 64, stages 2..=4, min blocks 1..=4"
-            )))
+        self.broken_rule().map_or(Ok(()), |rule| Err(Error::Usage(rule)))
+    }
+
+    /// The first range rule this configuration breaks, as one message naming the field
+    /// (docs/kernels.md's names) and its value, e.g. "field `bk` is 48: must be 32 or 64";
+    /// `None` when every field is in range.
+    fn broken_rule(&self) -> Option<String> {
+        let field = |name: &str, v: usize, rule: &str| Some(format!("field `{name}` is {v}: {rule}"));
+        if !(1..=16).contains(&self.warps) {
+            return field("warps", self.warps, "must be 1 to 16");
         }
+        if !matches!(self.mt, 1 | 2) {
+            return field("mt", self.mt, "must be 1 or 2");
+        }
+        if self.q_in_registers && self.mt > 1 {
+            return field("mt", self.mt, "must be 1 with `qreg` 1");
+        }
+        if !matches!(self.bk, 32 | 64) {
+            return field("bk", self.bk, "must be 32 or 64");
+        }
+        if !(2..=4).contains(&self.stages) {
+            return field("stages", self.stages, "must be 2 to 4");
+        }
+        if !(1..=4).contains(&self.min_blocks) {
+            return field("min_blocks", self.min_blocks, "must be 1 to 4");
+        }
+        None
     }
 
     /// Query rows per block (`16·mt·warps`): the step of the `(segment, first row)` tile list.
@@ -214,7 +239,7 @@ impl PrefillCfg {
 /// Extra prefill configurations from `MLA_DIFF_BENCH_PREFILL`: `;`-separated
 /// `WARPS,BK,STAGES,QREG,MINBLOCKS[,MT]` entries (empty when unset).
 ///
-/// Errors: [`Error::Cuda`] naming the first entry that does not parse or check.
+/// Errors: [`Error::Usage`] naming the first entry that does not parse or check.
 pub fn bench_variants() -> Result<Vec<PrefillCfg>> {
     let Ok(spec) = std::env::var("MLA_DIFF_BENCH_PREFILL") else {
         return Ok(Vec::new());
@@ -222,7 +247,7 @@ pub fn bench_variants() -> Result<Vec<PrefillCfg>> {
     spec.split(';')
         .map(str::trim)
         .filter(|e| !e.is_empty())
-        .map(|e| PrefillCfg::parse(e).map_err(|err| crate::device::env_err("MLA_DIFF_BENCH_PREFILL", err)))
+        .map(|e| PrefillCfg::parse_named("MLA_DIFF_BENCH_PREFILL", e))
         .collect()
 }
 
@@ -240,6 +265,13 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("missing field `min_blocks`"), "{e}");
+        let e = PrefillCfg::parse_named("MLA_DIFF_PREFILL_CFG", "bk=48,warps=4,stages=2,qreg=0,min_blocks=1")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "MLA_DIFF_PREFILL_CFG: prefill configuration `bk=48,warps=4,stages=2,qreg=0,min_blocks=1`: field `bk` is 48: must be 32 or 64"
+        );
     }
 
     #[test]
@@ -270,17 +302,31 @@ mod tests {
                 ("FP_MINB", 2)
             ]
         );
-        for bad in [
-            "4,48,2,1,1",
-            "4,64,1,1,1",
-            "4,64,2,2,1",
-            "0,64,2,1,1",
-            "4,64,2,1",
-            "4,x,2,1,1",
+        for (bad, why) in [
+            ("4,48,2,1,1", "field `bk` is 48: must be 32 or 64"),
+            ("4,64,1,1,1", "field `stages` is 1: must be 2 to 4"),
+            ("4,64,2,2,1", "field `qreg` is 2: must be 0 or 1"),
+            ("0,64,2,1,1", "field `warps` is 0: must be 1 to 16"),
+            ("4,64,2,1,1,2", "field `mt` is 2: must be 1 with `qreg` 1"),
+            (
+                "warps=4,bk=64,stages=2,qreg=0,min_blocks=5",
+                "field `min_blocks` is 5: must be 1 to 4",
+            ),
+            ("4,64,2,1", "expected 5 to 6"),
+            ("4,x,2,1,1", "field 2 (bk) is `x`"),
         ] {
             let e = PrefillCfg::parse(bad).unwrap_err().to_string();
-            assert!(e.contains("prefill configuration"), "{bad}: {e}");
+            assert_eq!(e.lines().count(), 1, "{bad}: {e}");
+            assert!(
+                e.starts_with(&format!("prefill configuration `{bad}`: {why}")),
+                "{bad}: {e}"
+            );
         }
+        let wide = PrefillCfg { warps: 17, ..c };
+        assert_eq!(
+            wide.check().unwrap_err().to_string(),
+            "field `warps` is 17: must be 1 to 16"
+        );
     }
 
     #[test]

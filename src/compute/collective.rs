@@ -32,15 +32,16 @@ pub enum ReduceFault {
 /// by one thread per rank that publishes its partial, waits for the others at a barrier, then
 /// sums the published partials in rank order. `fault` acts inside the participant that has it.
 ///
-/// Errors: no rank, or partials of different lengths (a caller's shape bug).
+/// Errors: [`Error::Internal`] for no rank, or partials of different lengths (a caller's shape
+/// bug, never the user's input).
 pub fn host_all_reduce_sum(parts: &[Vec<f32>], fault: Option<ReduceFault>) -> Result<Vec<Vec<f32>>> {
     let tp = parts.len();
     let n = parts
         .first()
         .map(Vec::len)
-        .ok_or_else(|| Error::Usage("all-reduce over no rank".into()))?;
+        .ok_or_else(|| Error::internal("all-reduce over no rank"))?;
     if let Some((r, p)) = parts.iter().enumerate().find(|(_, p)| p.len() != n) {
-        return Err(Error::Usage(format!(
+        return Err(Error::internal(format!(
             "all-reduce: rank {r} holds {} elements, rank 0 holds {n}",
             p.len()
         )));
@@ -144,8 +145,14 @@ mod tests {
             host_all_reduce_sum(&[vec![1.5, -2.0]], None).unwrap(),
             vec![vec![1.5, -2.0]]
         );
-        assert!(host_all_reduce_sum(&[], None).is_err());
+        // Both are the caller's shape bugs: internal errors, not input errors.
+        let e = host_all_reduce_sum(&[], None).unwrap_err();
+        assert!(matches!(e, Error::Internal(_)), "{e:?}");
         let e = host_all_reduce_sum(&[vec![1.0], vec![1.0, 2.0]], None).unwrap_err();
-        assert!(e.to_string().contains("rank 1 holds 2 elements"), "{e}");
+        assert!(matches!(e, Error::Internal(_)), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            "internal error: all-reduce: rank 1 holds 2 elements, rank 0 holds 1"
+        );
     }
 }

@@ -251,7 +251,7 @@ pub trait Ops {
 /// elements each), [`host_all_reduce_sum`] by one thread per rank, rank 0's copy back in a
 /// buffer; one rank without a fault is returned as it is.
 ///
-/// Errors: no rank, backend transfer errors.
+/// Errors: [`Error::Internal`] for no rank; backend transfer errors.
 pub fn host_all_reduce<O: Ops + ?Sized>(
     ops: &O,
     parts: Vec<O::Buf>,
@@ -262,7 +262,7 @@ pub fn host_all_reduce<O: Ops + ?Sized>(
         return parts
             .into_iter()
             .next()
-            .ok_or_else(|| Error::Usage("all-reduce over no rank".into()));
+            .ok_or_else(|| Error::internal("all-reduce over no rank"));
     }
     let host = download_parts(ops, &parts, n)?;
     drop(parts);

@@ -1,13 +1,17 @@
-//! The CUDA backend: real MLA kernels on the GPU, compiled at run time with NVRTC.
+//! The CUDA device layer: what every GPU computation needs before it decides what to compute.
 //!
-//! The engine paths only become evidence about GPU engines when their kernels run on a GPU:
-//! tiled flash prefill, split-KV decode over a paged cache, the LSE merge and GGUF dequantization
-//! are where real MLA bugs live. This module owns the device: it checks that the driver, NVRTC and
-//! cuBLAS libraries are present before touching cudarc (which panics on a missing library),
-//! compiles the `kernels/*.cu` sources once per process for the device's compute capability
-//! (or for given architectures, with `kernels --compile-only`), loads them, and exposes
-//! [`CudaOps`], the [`crate::compute::ops::Ops`] implementation. Every launch is followed by a
-//! synchronize and an error check that names the kernel.
+//! cudarc panics when a library is missing, and NVRTC compiles the `kernels/*.cu` sources at run
+//! time for the device's compute capability, so both the backend and the tools that only probe
+//! or compile need one place that checks and compiles safely. This module checks that the
+//! driver, NVRTC and cuBLAS libraries are present before touching cudarc ([`probe`], the
+//! `*_present` and version functions), names the kernel modules ([`Module`]), compiles them
+//! with NVRTC for an architecture ([`compile`], or for given architectures with `kernels
+//! --compile-only`) through an on-disk cache keyed by source, options and toolkit
+//! ([`nvrtc_cache_dir`]), parses ptxas's register and spill report ([`parse_usage`]), and says
+//! which architectures have wgmma and bulk copies ([`supports_wgmma`], [`supports_tma`]).
+//! [`context`] holds the opened device (context, stream, cuBLAS handle, loaded modules).
+//! It sits below `backend/`, so the CUDA backend and the GPU reference
+//! (`backend/cuda/reference.rs`) share one device and one kernel cache.
 
 pub mod context;
 
@@ -113,20 +117,6 @@ pub struct Compiled {
     pub log: String,
 }
 
-fn cuda_err(what: impl std::fmt::Display) -> Error {
-    Error::Cuda(what.to_string())
-}
-
-/// `e` (a kernel-configuration parse error) read from the environment variable `var`: its
-/// message prefixed with `var`, once (`CUDA: MLA_DIFF_DECODE_CFG: decode configuration …`, not
-/// the whole error's text with a second `CUDA:` inside); other errors unchanged.
-pub(crate) fn env_err(var: &str, e: Error) -> Error {
-    match e {
-        Error::Cuda(m) => Error::Cuda(format!("{var}: {m}")),
-        other => other,
-    }
-}
-
 /// Checks that the CUDA driver library is loadable (without panicking, unlike cudarc).
 pub fn driver_present() -> bool {
     // SAFETY: only tries to dlopen the library by name.
@@ -148,7 +138,7 @@ pub fn cublas_present() -> bool {
 /// NVRTC's version, e.g. (13, 0).
 pub fn nvrtc_version() -> Result<(i32, i32)> {
     if !nvrtc_present() {
-        return Err(cuda_err(
+        return Err(Error::cuda(
             "NVRTC (libnvrtc.so) not found; put CUDA's lib64 on LD_LIBRARY_PATH",
         ));
     }
@@ -156,7 +146,7 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     // SAFETY: NVRTC is present; the pointers are valid.
     let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut a, &mut b) };
     if r != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
-        return Err(cuda_err(format!("nvrtcVersion failed: {r:?}")));
+        return Err(Error::cuda(format!("nvrtcVersion failed: {r:?}")));
     }
     Ok((a, b))
 }
@@ -166,13 +156,13 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
 /// Errors: [`Error::Cuda`] when the driver library is missing or the call fails.
 pub fn driver_cuda_version() -> Result<(i32, i32)> {
     if !driver_present() {
-        return Err(cuda_err("CUDA driver library (libcuda.so) not found"));
+        return Err(Error::cuda("CUDA driver library (libcuda.so) not found"));
     }
     let mut v = 0;
     // SAFETY: the library is present; the pointer is valid. cuDriverGetVersion needs no cuInit.
     let r = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
     if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-        return Err(cuda_err(format!("cuDriverGetVersion failed: {r:?}")));
+        return Err(Error::cuda(format!("cuDriverGetVersion failed: {r:?}")));
     }
     Ok((v / 1000, (v % 1000) / 10))
 }
@@ -192,7 +182,7 @@ pub fn kernel_driver_release() -> Option<String> {
 pub fn cublas_version() -> Result<(i32, i32, i32)> {
     use cudarc::cublas::sys::{cublasGetProperty, cublasStatus_t, libraryPropertyType};
     if !cublas_present() {
-        return Err(cuda_err("cuBLAS (libcublas.so) not found"));
+        return Err(Error::cuda("cuBLAS (libcublas.so) not found"));
     }
     let get = |p: libraryPropertyType| {
         let mut v = 0;
@@ -201,7 +191,7 @@ pub fn cublas_version() -> Result<(i32, i32, i32)> {
         if r == cublasStatus_t::CUBLAS_STATUS_SUCCESS {
             Ok(v)
         } else {
-            Err(cuda_err(format!("cublasGetProperty failed: {r:?}")))
+            Err(Error::cuda(format!("cublasGetProperty failed: {r:?}")))
         }
     };
     Ok((
@@ -224,7 +214,7 @@ pub fn include_dir(explicit: Option<&Path>) -> Result<PathBuf> {
         },
     };
     if !dir.join("cuda_bf16.h").is_file() {
-        return Err(cuda_err(format!(
+        return Err(Error::cuda(format!(
             "{}: no cuda_bf16.h (pass --cuda-include DIR or set CUDA_HOME)",
             dir.display()
         )));
@@ -272,7 +262,7 @@ fn cache_key(src: &str, opts: &[String], include: &Path) -> String {
 /// Compiles `module` for `arch` (e.g. `sm_90`) with NVRTC, returning the CUBIN and the log.
 /// `defines` become `-DNAME=VALUE` (the fast kernels' shape constants).
 ///
-/// A compiled CUBIN is kept in [`nvrtc_cache_dir`] under [`cache_key`], and a later compile of
+/// A compiled CUBIN is kept in [`nvrtc_cache_dir`] under its `cache_key`, and a later compile of
 /// the same source, options and NVRTC reads it instead of compiling (a second run starts in
 /// milliseconds, not seconds). Verbose compiles (which want ptxas's log) bypass the cache; a
 /// cache that cannot be read or written is ignored.
@@ -287,13 +277,13 @@ pub fn compile(
 ) -> Result<Compiled> {
     use cudarc::nvrtc::sys as nv;
     if !nvrtc_present() {
-        return Err(cuda_err(
+        return Err(Error::cuda(
             "NVRTC (libnvrtc.so) not found; put CUDA's lib64 on LD_LIBRARY_PATH",
         ));
     }
     let src = format!("{COMMON}\n#line 1 \"{}\"\n{}", module.file(), module.source());
-    let csrc = CString::new(src.as_str()).map_err(|_| cuda_err("kernel source holds a NUL byte"))?;
-    let cname = CString::new(module.file()).map_err(|_| cuda_err("bad module name"))?;
+    let csrc = CString::new(src.as_str()).map_err(|_| Error::cuda("kernel source holds a NUL byte"))?;
+    let cname = CString::new(module.file()).map_err(|_| Error::cuda("bad module name"))?;
     let mut opts: Vec<String> = vec![
         format!("--gpu-architecture={arch}"),
         format!("-I{}", include.display()),
@@ -320,7 +310,7 @@ pub fn compile(
     }
     let copts: Vec<CString> = opts
         .iter()
-        .map(|o| CString::new(o.as_str()).map_err(|_| cuda_err("bad NVRTC option")))
+        .map(|o| CString::new(o.as_str()).map_err(|_| Error::cuda("bad NVRTC option")))
         .collect::<Result<_>>()?;
     let ptrs: Vec<*const std::ffi::c_char> = copts.iter().map(|c| c.as_ptr()).collect();
     let mut prog: nv::nvrtcProgram = std::ptr::null_mut();
@@ -335,7 +325,7 @@ pub fn compile(
             std::ptr::null(),
         );
         if r != nv::nvrtcResult::NVRTC_SUCCESS {
-            return Err(cuda_err(format!("{}: nvrtcCreateProgram: {r:?}", module.file())));
+            return Err(Error::cuda(format!("{}: nvrtcCreateProgram: {r:?}", module.file())));
         }
         let rc = nv::nvrtcCompileProgram(prog, ptrs.len() as i32, ptrs.as_ptr());
         let mut log_len = 0usize;
@@ -347,7 +337,7 @@ pub fn compile(
             .unwrap_or_default();
         if rc != nv::nvrtcResult::NVRTC_SUCCESS {
             nv::nvrtcDestroyProgram(&mut prog);
-            return Err(cuda_err(format!(
+            return Err(Error::cuda(format!(
                 "{} does not compile for {arch} ({rc:?}); NVRTC options {opts:?}; log:\n{log}",
                 module.file()
             )));
@@ -358,7 +348,10 @@ pub fn compile(
         let r = nv::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast());
         nv::nvrtcDestroyProgram(&mut prog);
         if r != nv::nvrtcResult::NVRTC_SUCCESS || n == 0 {
-            return Err(cuda_err(format!("{}: nvrtcGetCUBIN for {arch}: {r:?}", module.file())));
+            return Err(Error::cuda(format!(
+                "{}: nvrtcGetCUBIN for {arch}: {r:?}",
+                module.file()
+            )));
         }
         if let Some(p) = &cached {
             // Best effort: a read-only or full disk only costs the next run a compile.
@@ -430,21 +423,21 @@ pub fn parse_usage(log: &str) -> Vec<KernelUsage> {
 /// Why the CUDA backend cannot be used here, or `Ok` with the device count.
 pub fn probe() -> Result<usize> {
     if !driver_present() {
-        return Err(cuda_err("no CUDA driver library (libcuda.so) found"));
+        return Err(Error::cuda("no CUDA driver library (libcuda.so) found"));
     }
     if !nvrtc_present() {
-        return Err(cuda_err(
+        return Err(Error::cuda(
             "no NVRTC library (libnvrtc.so) found; put CUDA's lib64 on LD_LIBRARY_PATH",
         ));
     }
     if !cublas_present() {
-        return Err(cuda_err(
+        return Err(Error::cuda(
             "no cuBLAS library (libcublas.so) found; put CUDA's lib64 on LD_LIBRARY_PATH",
         ));
     }
-    let n = cudarc::driver::CudaContext::device_count().map_err(|e| cuda_err(format!("cuDeviceGetCount: {e:?}")))?;
+    let n = cudarc::driver::CudaContext::device_count().map_err(|e| Error::cuda(format!("cuDeviceGetCount: {e:?}")))?;
     if n < 1 {
-        return Err(cuda_err("the CUDA driver reports no device"));
+        return Err(Error::cuda("the CUDA driver reports no device"));
     }
     Ok(n as usize)
 }

@@ -36,10 +36,6 @@ pub fn nccl_present() -> bool {
     unsafe { cudarc::nccl::sys::is_culib_present() }
 }
 
-fn nerr(what: &str, e: impl std::fmt::Debug) -> Error {
-    Error::Cuda(format!("NCCL {what}: {e:?}"))
-}
-
 /// The first CUDA ordinal that `devices` lists a second time, if any (NCCL refuses two ranks
 /// on one GPU).
 pub fn repeated_device(devices: &[usize]) -> Option<usize> {
@@ -72,12 +68,10 @@ impl NcclAllReduce {
             )));
         }
         if !crate::device::driver_present() {
-            return Err(Error::Cuda(
-                "the CUDA driver library (libcuda.so) is not loadable".into(),
-            ));
+            return Err(Error::cuda("the CUDA driver library (libcuda.so) is not loadable"));
         }
         if !nccl_present() {
-            return Err(Error::Cuda(NCCL_MISSING.into()));
+            return Err(Error::cuda(NCCL_MISSING));
         }
         // SAFETY: set before NCCL reads its environment (at the first communicator), from the
         // thread that creates the communicators; mla-diff reads no NCCL variable elsewhere.
@@ -87,10 +81,10 @@ impl NcclAllReduce {
             .map(|&d| {
                 CudaContext::new(d)
                     .map(|c| c.default_stream())
-                    .map_err(|e| Error::Cuda(format!("cuCtxCreate on device {d}: {e:?}")))
+                    .map_err(|e| Error::cuda(format!("cuCtxCreate on device {d}: {e:?}")))
             })
             .collect::<Result<_>>()?;
-        let comms = Comm::from_devices(streams).map_err(|e| nerr("ncclCommInitAll", e))?;
+        let comms = Comm::from_devices(streams).map_err(|e| Error::cuda(format!("NCCL ncclCommInitAll: {e:?}")))?;
         Ok(NcclAllReduce {
             comms,
             devices: devices.to_vec(),
@@ -109,11 +103,11 @@ impl NcclAllReduce {
     /// again, `SkipRank(r)` sends zeros from rank r, `ReadEarly(r)` takes rank r's buffer before
     /// the call.
     ///
-    /// Errors: `parts.len()` not the number of ranks, partials of different lengths, CUDA or
-    /// NCCL errors.
+    /// Errors: [`Error::Internal`] for `parts.len()` not the number of ranks or partials of
+    /// different or zero lengths (the caller's shapes); CUDA or NCCL errors.
     pub fn all_reduce_sum(&self, parts: &[Vec<f32>], fault: Option<ReduceFault>) -> Result<Vec<Vec<f32>>> {
         if parts.len() != self.comms.len() {
-            return Err(Error::Usage(format!(
+            return Err(Error::internal(format!(
                 "NCCL all-reduce of {} partials over {} ranks",
                 parts.len(),
                 self.comms.len()
@@ -121,8 +115,8 @@ impl NcclAllReduce {
         }
         let n = parts[0].len();
         if parts.iter().any(|p| p.len() != n) || n == 0 {
-            return Err(Error::Usage(
-                "NCCL all-reduce: partials of different or zero lengths".into(),
+            return Err(Error::internal(
+                "NCCL all-reduce: partials of different or zero lengths",
             ));
         }
         let zeros = vec![0f32; n];
@@ -132,7 +126,11 @@ impl NcclAllReduce {
                 Some(ReduceFault::SkipRank(s)) if s == r => &zeros,
                 _ => &parts[r],
             };
-            bufs.push(c.stream().clone_htod(src).map_err(|e| nerr("upload", e))?);
+            bufs.push(
+                c.stream()
+                    .clone_htod(src)
+                    .map_err(|e| Error::cuda(format!("NCCL upload: {e:?}")))?,
+            );
         }
         let early = match fault {
             Some(ReduceFault::ReadEarly(r)) if r < parts.len() => Some((r, parts[r].clone())),
@@ -140,16 +138,20 @@ impl NcclAllReduce {
         };
         let rounds = if fault == Some(ReduceFault::Twice) { 2 } else { 1 };
         for _ in 0..rounds {
-            group_start().map_err(|e| nerr("ncclGroupStart", e))?;
+            group_start().map_err(|e| Error::cuda(format!("NCCL ncclGroupStart: {e:?}")))?;
             for (c, b) in self.comms.iter().zip(bufs.iter_mut()) {
                 c.all_reduce_in_place(b, &ReduceOp::Sum)
-                    .map_err(|e| nerr("ncclAllReduce", e))?;
+                    .map_err(|e| Error::cuda(format!("NCCL ncclAllReduce: {e:?}")))?;
             }
-            group_end().map_err(|e| nerr("ncclGroupEnd", e))?;
+            group_end().map_err(|e| Error::cuda(format!("NCCL ncclGroupEnd: {e:?}")))?;
         }
         let mut out = Vec::with_capacity(bufs.len());
         for (c, b) in self.comms.iter().zip(&bufs) {
-            out.push(c.stream().clone_dtoh(b).map_err(|e| nerr("download", e))?);
+            out.push(
+                c.stream()
+                    .clone_dtoh(b)
+                    .map_err(|e| Error::cuda(format!("NCCL download: {e:?}")))?,
+            );
         }
         if let Some((r, own)) = early {
             out[r] = own;

@@ -67,6 +67,12 @@ pub struct CudaOps {
     /// The NCCL communicators of `--devices`: the `o_proj` all-reduce runs through them when
     /// the path has one partial per listed device ([`CudaOps::with_nccl`]).
     nccl: Option<Rc<NcclAllReduce>>,
+    /// `MLA_DIFF_DECODE_CFG`, read once when the backend is created (so a bad string is refused
+    /// on every CUDA run, not only when a fast decode launches); fitted to each launch's shape
+    /// and the device.
+    decode_cfg: Option<DecodeCfg>,
+    /// `MLA_DIFF_PREFILL_CFG`, read once when the backend is created, as `decode_cfg`.
+    prefill_cfg: Option<PrefillCfg>,
 }
 
 impl CudaOps {
@@ -75,10 +81,16 @@ impl CudaOps {
         &self.dev.arch
     }
 
-    /// Opens device 0 ([`Device::open`]) for a backend computing in `dtype` with the fast kernels.
+    /// Opens device 0 ([`Device::open`]) for a backend computing in `dtype` with the fast
+    /// kernels, after reading the kernel configurations `MLA_DIFF_DECODE_CFG` and
+    /// `MLA_DIFF_PREFILL_CFG` where set ([`DecodeCfg::from_env`], [`PrefillCfg::from_env`]).
     ///
-    /// Errors: as [`Device::open`].
+    /// Errors: [`Error::Usage`] naming the variable, the string and the field when a
+    /// configuration variable does not parse or breaks a rule (before any device is asked);
+    /// else as [`Device::open`].
     pub fn new(dtype: Dtype, include: Option<&Path>) -> Result<Self> {
+        let decode_cfg = DecodeCfg::from_env()?;
+        let prefill_cfg = PrefillCfg::from_env()?;
         Ok(CudaOps {
             dev: Arc::new(Device::open(include)?),
             dtype,
@@ -88,6 +100,8 @@ impl CudaOps {
             notes: Arc::new(Mutex::new(Vec::new())),
             device_sites: Arc::new(Mutex::new(None)),
             nccl: None,
+            decode_cfg,
+            prefill_cfg,
         })
     }
 
@@ -276,8 +290,8 @@ impl CudaOps {
 
     fn check_len(b: &CudaSlice<f32>, need: usize, what: &str) -> Result<()> {
         if b.len() < need {
-            return Err(Error::cuda(format!(
-                "{what}: needs {need} elements, buffer has {}",
+            return Err(Error::internal(format!(
+                "CUDA backend: {what} needs {need} elements, buffer has {}",
                 b.len()
             )));
         }
@@ -446,12 +460,13 @@ impl CudaOps {
 
     /// Launches `flash_prefill_mma` on bf16 inputs (`a.q [Tq, nh, dqk]`, `a.k [Tk, nh, dqk]`,
     /// `a.v [Tk, nh, dv]`), writing `out [Tq, nh, dv]` and `lse [Tq, nh]` (f32; see
-    /// fast_prefill.cu), in configuration `cfg` (None: `MLA_DIFF_PREFILL_CFG` if set, else the
-    /// default), adapted to the head widths by [`PrefillCfg::for_shape`]. The caller checks the
-    /// buffer lengths ([`PrefillArgs::check_lens`]).
+    /// fast_prefill.cu), in configuration `cfg` (None: `MLA_DIFF_PREFILL_CFG` as read by
+    /// [`CudaOps::new`] if set, else the default), adapted to the head widths by
+    /// [`PrefillCfg::for_shape`]. The caller checks the buffer lengths
+    /// ([`PrefillArgs::check_lens`]).
     ///
-    /// Errors: a bad `MLA_DIFF_PREFILL_CFG`, tile offsets past 32 bits, an NVRTC compile or
-    /// module load failure, or a launch failure, each naming the kernel.
+    /// Errors: tile offsets past 32 bits, an NVRTC compile or module load failure, or a launch
+    /// failure, each naming the kernel.
     pub fn prefill_mma(
         &self,
         cfg: Option<PrefillCfg>,
@@ -462,7 +477,7 @@ impl CudaOps {
         let (nh, dqk, dv, scale) = (a.nh, a.dqk, a.dv, a.scale);
         let pc = match cfg {
             Some(c) => c,
-            None => PrefillCfg::from_env()?.unwrap_or_default(),
+            None => self.prefill_cfg.unwrap_or_default(),
         }
         .for_shape(dqk, dv);
         // The kernel's offsets inside one K/V tile are 32-bit.
@@ -519,14 +534,16 @@ impl CudaOps {
 
     /// The device inputs of a tensor-core decode launch for `d`: bf16 copies of the query rows
     /// and the cache, the block tables (padded to one `[n, max_blocks]` array) and context
-    /// lengths as i64, and the launch configuration (`MLA_DIFF_DECODE_CFG` if set, else the
-    /// default for the head count, fitted to the widths and the device).
+    /// lengths as i64, and the launch configuration (`MLA_DIFF_DECODE_CFG` as read by
+    /// [`CudaOps::new`] if set, else the default for the head count, fitted to the widths and the
+    /// device).
     ///
-    /// Errors: a bad `MLA_DIFF_DECODE_CFG`, a block table shorter than its context or reaching
+    /// Errors: a block table shorter than its context or reaching
     /// past the cache, CUDA allocation or copy failures.
     fn fast_decode_inputs(&self, d: &DecodeArgs<'_, CudaSlice<f32>>) -> Result<FastDecodeInputs> {
         let (flat, max_blocks) = Self::flat_tables(d.cache, d.block_size, d.width, d.tables, d.ctx)?;
-        let cfg = DecodeCfg::from_env()?
+        let cfg = self
+            .decode_cfg
             .unwrap_or_else(|| DecodeCfg::for_heads(d.nh))
             .fit(d.width, d.dv)
             .for_arch(&self.dev.arch);
@@ -1176,6 +1193,11 @@ impl Ops for CudaOps {
             )));
         }
         a.check_lens(out, lse, Self::check_len)?;
+        // The tensor-core path builds its own tile list (its block height depends on the
+        // configuration) and uploads bf16 copies itself.
+        if self.uses_fast() && dqk.is_multiple_of(16) && dv.is_multiple_of(16) {
+            return self.flash_prefill_fast(a, out, lse);
+        }
         let mut segs = Vec::new();
         let mut tiles = Vec::new();
         for (si, sg) in a.segments.iter().enumerate() {
@@ -1195,9 +1217,6 @@ impl Ops for CudaOps {
             shared_mem_bytes: ((FLASH_BK * (dqk + dv) + FLASH_ROWS * dqk) * 4) as u32,
         };
         let (h, qk_width, v_width, em) = (nh as i64, dqk as i64, dv as i64, a.empty.code());
-        if self.uses_fast() && dqk.is_multiple_of(16) && dv.is_multiple_of(16) {
-            return self.flash_prefill_fast(a, out, lse);
-        }
         // The f32 kernel reads the inputs as they are, the bf16 one bf16 copies of them.
         let (name, bf16) = match self.dtype {
             Dtype::F32 => ("flash_prefill_f32", None),
@@ -1238,8 +1257,8 @@ impl Ops for CudaOps {
             return Ok(());
         }
         if l + r != width {
-            return Err(Error::cuda(format!(
-                "cache_write: row width {width} != L+R = {}",
+            return Err(Error::internal(format!(
+                "CUDA backend: cache_write: row width {width} != L+R = {}",
                 l + r
             )));
         }

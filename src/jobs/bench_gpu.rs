@@ -339,7 +339,7 @@ fn variants() -> Result<Vec<Variant>> {
     let mut v = Vec::new();
     for e in spec.split(';').map(str::trim).filter(|e| !e.is_empty()) {
         let bad = || {
-            Error::cuda(format!(
+            Error::Usage(format!(
                 "MLA_DIFF_BENCH_DECODE entry `{e}`: expected m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS]]]]]][@SPLITS] or m|c|M|C:heads=16,warps=4,…[@SPLITS] (docs/kernels.md)"
             ))
         };

@@ -329,6 +329,29 @@ fn kernel_configuration_variables_are_checked_when_the_cuda_backend_starts() {
     }
 }
 
+/// `--reference-backend cuda` under `auto` on a machine where no CUDA device answers: exit 2 with
+/// one line that carries the reason itself, since `--quiet` hides the backend line.
+#[test]
+fn reference_backend_cuda_without_a_device_says_why_in_its_one_line() {
+    if mla_diff::device::probe().is_ok() {
+        eprintln!("skipped: a CUDA device answers here, so auto takes it");
+        return;
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mla-diff"))
+        .args(["run", "--reference-backend", "cuda", "--quiet"])
+        .output()
+        .expect("run mla-diff");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(
+        lines[0].contains("--reference-backend cuda needs a CUDA device; none answered ("),
+        "{err}"
+    );
+    assert!(!lines[0].contains("above"), "{err}");
+}
+
 /// Output-path mistakes are refused before anything is written: the same file for `--json` and
 /// `--report` (or its heat map), and a folder given where a file is expected (even with --force).
 #[test]

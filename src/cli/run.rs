@@ -161,7 +161,9 @@ pub fn cmd_compare(a: &CompareArgs, out: &mut dyn Write) -> Result<Outcome> {
 /// Picks the backend and says which on stderr (unless `quiet`): `auto` takes CUDA when a device
 /// answers.
 ///
-/// Errors: `--backend cuda` without a usable device, library or include folder.
+/// Errors: `--backend cuda` without a usable device, library or include folder; a bad kernel
+/// configuration variable with a CUDA device (auto included); `--reference-backend cuda` when no
+/// device answers, the reason in the same line.
 pub fn select_backend(d: &DeviceArgs, quiet: bool) -> Result<Backend> {
     if d.reference_backend == ReferenceArg::Cuda && d.backend == BackendChoice::Cpu {
         return Err(Error::Usage(
@@ -176,34 +178,34 @@ pub fn select_backend(d: &DeviceArgs, quiet: bool) -> Result<Backend> {
     let b = match d.backend {
         BackendChoice::Cpu => Backend::Cpu(CpuOps::new(d.dtype.into())),
         BackendChoice::Cuda => cuda()?,
-        BackendChoice::Auto => match crate::device::probe() {
-            Ok(_) => match cuda() {
-                Ok(b) => {
-                    if !quiet {
-                        eprintln!("mla-diff: backend {} (auto: a CUDA device answered)", b.describe());
+        BackendChoice::Auto => {
+            // Why CUDA was not taken; a usage error (a bad kernel configuration variable) is the
+            // user's to fix, not a reason to fall back to the CPU.
+            let unusable = match crate::device::probe() {
+                Ok(_) => match cuda() {
+                    Ok(b) => {
+                        if !quiet {
+                            eprintln!("mla-diff: backend {} (auto: a CUDA device answered)", b.describe());
+                        }
+                        return Ok(b);
                     }
-                    return Ok(b);
-                }
-                Err(e) => {
-                    if !quiet {
-                        eprintln!("mla-diff: backend cpu (auto: CUDA unusable: {e})");
-                    }
-                    Backend::Cpu(CpuOps::new(d.dtype.into()))
-                }
-            },
-            Err(e) => {
-                if !quiet {
-                    eprintln!("mla-diff: backend cpu (auto: {e})");
-                }
-                Backend::Cpu(CpuOps::new(d.dtype.into()))
+                    Err(e @ Error::Usage(_)) => return Err(e),
+                    Err(e) => format!("CUDA unusable: {e}"),
+                },
+                Err(e) => e.to_string(),
+            };
+            if d.reference_backend == ReferenceArg::Cuda {
+                // Said here in full: under --quiet no backend line was printed.
+                return Err(Error::Usage(format!(
+                    "--reference-backend cuda needs a CUDA device; none answered ({unusable})"
+                )));
             }
-        },
+            if !quiet {
+                eprintln!("mla-diff: backend cpu (auto: {unusable})");
+            }
+            Backend::Cpu(CpuOps::new(d.dtype.into()))
+        }
     };
-    if d.reference_backend == ReferenceArg::Cuda && matches!(b, Backend::Cpu(_)) {
-        return Err(Error::Usage(
-            "--reference-backend cuda needs a CUDA device; none answered (see the backend line above)".into(),
-        ));
-    }
     if d.backend != BackendChoice::Auto && !quiet {
         eprintln!("mla-diff: backend {}", b.describe());
     }

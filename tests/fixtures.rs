@@ -3,7 +3,6 @@
 //! fixture of every architecture; `inspect` shows per-tensor quant types.
 
 use crate::common;
-use mla_diff::model::config::MlaDims;
 
 use crate::common::run_bin;
 
@@ -182,13 +181,7 @@ fn fa3_fixture_has_the_head_dims_of_vllm_gpu_kernels_and_a_split_copy_of_the_sam
     }
     // attn_kv_b [N·(P+V), L] (per head [k_nope | v] rows) == attn_k_b [N, L, P] transposed per
     // head and attn_v_b [N, V, L], bit for bit; seeded values, not zeros.
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = c.dims();
+    let [n, l, p, _, v] = c.dims().nlprv();
     for layer in 0..c.n_layer {
         let get = |file: &GgufFile, what: &str| {
             dequant_tensor(

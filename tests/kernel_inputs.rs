@@ -15,7 +15,7 @@ use mla_diff::core::st::ExtraTensor;
 use mla_diff::core::trace::{Site, Stage, Trace, TraceTensor};
 use mla_diff::judge::metrics;
 use mla_diff::judge::tolerance::Precision;
-use mla_diff::model::config::{MlaConfig, MlaDims};
+use mla_diff::model::config::MlaConfig;
 use mla_diff::model::gguf::GgufFile;
 use mla_diff::model::weights::LayerWeights;
 
@@ -191,14 +191,7 @@ impl ExportCase {
     /// `softmax_scale`, printed in full.
     fn check_metadata(&self) -> f64 {
         let (inp, what) = (&self.inp, &self.what);
-        let MlaDims {
-            n_head: n,
-            kv_lora_rank: l,
-            qk_nope_head_dim: p,
-            qk_rope_head_dim: r,
-            v_head_dim: v,
-            ..
-        } = self.cfg.dims();
+        let [n, l, p, r, v] = self.cfg.dims().nlprv();
         assert_eq!(inp.meta["format"], "mla-diff kernel inputs 1");
         assert_eq!(inp.meta["heads"], format!("0,{n}"));
         assert_eq!(inp.meta_usize("n_head"), n);
@@ -221,14 +214,7 @@ impl ExportCase {
     /// broadcast to every head).
     fn check_tensors_are_reference_sites(&self) {
         let inp = &self.inp;
-        let MlaDims {
-            n_head: n,
-            kv_lora_rank: l,
-            qk_nope_head_dim: p,
-            qk_rope_head_dim: r,
-            v_head_dim: v,
-            ..
-        } = self.cfg.dims();
+        let [n, l, p, r, v] = self.cfg.dims().nlprv();
         let t = self.batch.n_tokens();
         let site = |s: Stage| self.tr.get(&Site::new(self.layer, s)).unwrap().to_f64();
         let (ql, qpe, q, kn, kpe) = (
@@ -263,11 +249,7 @@ impl ExportCase {
     /// its slot, the rest 0; `cu_seqlens` spans the batch.
     fn check_cache_layout(&self) {
         let (inp, batch) = (&self.inp, &self.batch);
-        let MlaDims {
-            kv_lora_rank: l,
-            qk_rope_head_dim: r,
-            ..
-        } = self.cfg.dims();
+        let [_, l, _, r, _] = self.cfg.dims().nlprv();
         let site = |s: Stage| self.tr.get(&Site::new(self.layer, s)).unwrap().to_f64();
         let (kpe, kvc) = (site(Stage::KPeRoped), site(Stage::KvCNormed));
         let page = inp.meta_usize("page_size");
@@ -307,12 +289,7 @@ impl ExportCase {
     /// reference's `attn_latent` and `lse` within the f32 rows.
     fn check_cpu_decode(&self, scale: f64) {
         let inp = &self.inp;
-        let MlaDims {
-            n_head: n,
-            kv_lora_rank: l,
-            qk_rope_head_dim: r,
-            ..
-        } = self.cfg.dims();
+        let [n, l, _, r, _] = self.cfg.dims().nlprv();
         let t = self.batch.n_tokens();
         let ops = CpuOps::new(Dtype::F32);
         let max_blocks = inp.get("decode.block_table").shape[1];
@@ -347,13 +324,7 @@ impl ExportCase {
     /// `cu_seqlens`, give the reference's `attn_out` and `lse` within the f32 rows.
     fn check_cpu_prefill(&self, scale: f64) {
         let inp = &self.inp;
-        let MlaDims {
-            n_head: n,
-            qk_nope_head_dim: p,
-            qk_rope_head_dim: r,
-            v_head_dim: v,
-            ..
-        } = self.cfg.dims();
+        let [n, _, p, r, v] = self.cfg.dims().nlprv();
         let t = self.batch.n_tokens();
         let ops = CpuOps::new(Dtype::F32);
         let segs: Vec<Segment> = inp
@@ -818,12 +789,7 @@ fn base2_split_merge(
         site(Stage::KvCNormed),
         site(Stage::KPeRoped),
     );
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_rope_head_dim: r,
-        ..
-    } = cfg.dims();
+    let [n, l, _, r, _] = cfg.dims().nlprv();
     let t = batch.n_tokens();
     let ln2 = std::f64::consts::LN_2;
     let (mut latent, mut lse) = (vec![0f64; t * n * l], vec![0f64; t * n]);

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use crate::common::{repo, run_bin};
 use mla_diff::compute::reference::{assemble_kv_b, widen_to_f64};
-use mla_diff::model::config::{MlaConfig, MlaDims};
+use mla_diff::model::config::MlaConfig;
 use mla_diff::model::gguf::GgufFile;
 use mla_diff::model::weights::{LayerWeights, QWeights};
 use ndarray::{Array2, Axis, concatenate, s};
@@ -19,13 +19,7 @@ fn engine_weights(model: &str, layer: usize, tp: usize) -> (MlaConfig, Tensors) 
     let file = GgufFile::open(repo().join("golden/models").join(model)).unwrap();
     let cfg = MlaConfig::from_gguf(&file).unwrap();
     let w = LayerWeights::load(&file, &cfg, layer).unwrap();
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, _, v] = cfg.dims().nlprv();
     let r = cfg.qk_rope_head_dim;
     let nh = n / tp;
     let mut out = Vec::new();
@@ -191,13 +185,7 @@ fn absorbed(model: &str, layer: usize) -> (MlaConfig, Tensors) {
     let file = GgufFile::open(repo().join("golden/models").join(model)).unwrap();
     let cfg = MlaConfig::from_gguf(&file).unwrap();
     let w = LayerWeights::load(&file, &cfg, layer).unwrap();
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p, _, v] = cfg.dims().nlprv();
     let kv_b = assemble_kv_b(&cfg, &w.kv_b);
     let mut uk = Vec::new();
     let mut uv = Vec::new();
@@ -255,13 +243,7 @@ fn absorbed_weights_name_their_gguf_sources() {
     );
 
     // W_UK_T with one head's values off: a mismatch whose source is attn_k_b alone.
-    let MlaDims {
-        n_head: n,
-        kv_lora_rank: l,
-        qk_nope_head_dim: p_,
-        v_head_dim: v,
-        ..
-    } = cfg.dims();
+    let [n, l, p_, _, v] = cfg.dims().nlprv();
     let mut bad = w.clone();
     for x in &mut bad[0].2[2 * p_ * l..3 * p_ * l] {
         *x *= 1.5;
@@ -319,12 +301,7 @@ fn legacy_kv_b_mismatches_name_attn_kv_b() {
     let dir = tempfile::tempdir().unwrap();
     let (cfg, mut w) = absorbed("legacy-kvb-f32.gguf", 1);
     // kv_b_proj: one head's rows off.
-    let MlaDims {
-        qk_nope_head_dim: p,
-        v_head_dim: v,
-        kv_lora_rank: l,
-        ..
-    } = cfg.dims();
+    let [_, l, p, _, v] = cfg.dims().nlprv();
     for x in &mut w[2].2[(p + v) * l..2 * (p + v) * l] {
         *x += 0.25;
     }

@@ -1,7 +1,7 @@
 //! `mla-diff bench --dequant` and `bench --reference` (the CPU benchmarks of BENCHMARKS.md P2 and
 //! P3) run without a GPU, report one figure per tensor (or forward) and thread count, produce the
 //! same output bits at every thread count, and refuse bad input with exit 2 and one line naming
-//! the file. Speed itself is measured by `scripts/bench_cpu.py`, never asserted here.
+//! the file. Speed itself is measured by `scripts/bench/bench_cpu.py`, never asserted here.
 
 use crate::common::{Dims, deepseek2, repo, run_bin, write_temp};
 use mla_diff::model::gguf::{GgufFile, dequant::dequantize, sha256_hex};

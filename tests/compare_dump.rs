@@ -1,5 +1,5 @@
 //! `mla-diff compare`: committed engine dumps (HF transformers and llama.cpp, made by
-//! scripts/dump_hf.py and scripts/dump_llama_cpp.py on the F32 fixtures) pass with every dumped
+//! `mla_diff_hooks.hf` and `mla_diff_hooks.llama_cpp` on the F32 fixtures) pass with every dumped
 //! site within tolerance, and deliberately broken HF attention is named by class and site.
 
 use crate::common::{compare_json, conversions, repo, run_bin, write_safetensors};
@@ -325,7 +325,7 @@ fn schema_errors(doc: &serde_json::Value) -> Vec<String> {
 
 #[test]
 fn bf16_dump_is_judged_by_the_engine_bf16_rows() {
-    // HF transformers in bf16 throughout (dump_hf.py --dtype bf16): every site passes under the
+    // HF transformers in bf16 throughout (mla_diff_hooks.hf --dtype bf16): every site passes under the
     // engine-bf16 rows, with bf16-sized errors (not f32 ones), and the JSON says which rows.
     let (code, out, err, doc) = compare("tiny-v3-f32.gguf", "tiny-v3-f32.hf-bf16.safetensors", &[]);
     assert_eq!(code, 0, "{out}\n{err}");

@@ -625,7 +625,7 @@ fn device_wgmma_one_split_writes_the_merge_directly() {
 }
 
 /// The GPU reference against the CPU reference on every committed fixture (and, when
-/// `MLA_DIFF_V3` names the sparse DeepSeek-V3 file of `scripts/make_sparse_gguf.py`, its layer 3
+/// `MLA_DIFF_V3` names the sparse DeepSeek-V3 file of `scripts/fixtures/make_sparse_gguf.py`, its layer 3
 /// at T = 512): the largest rel_l2 of any site is printed and must be within
 /// `REFERENCE_AGREEMENT`.
 #[test]

@@ -1,7 +1,7 @@
 //! Dequantization is bit-exact against gguf-py (`gguf.quants.dequantize`, itself bit-exact with
 //! ggml's C code) for every ggml type present in the committed fixtures, plus the other types the
 //! vector file carries. Vectors: `golden/dequant/vectors.safetensors`, made by
-//! `scripts/make_dequant_vectors.py` (raw blocks from the real fixtures where a type occurs).
+//! `scripts/fixtures/make_dequant_vectors.py` (raw blocks from the real fixtures where a type occurs).
 
 use crate::common;
 

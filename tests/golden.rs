@@ -65,7 +65,7 @@ fn case_set_problems(g: &Path) -> Result<usize, String> {
     }
     if !missing.is_empty() {
         why.push(format!(
-            "{} lacks the case(s) of fixture(s): {} (scripts/record_goldens.sh records them)",
+            "{} lacks the case(s) of fixture(s): {} (scripts/fixtures/record_goldens.sh records them)",
             g.display(),
             missing.iter().map(|c| c.as_str()).collect::<Vec<_>>().join(", ")
         ));

@@ -1,6 +1,6 @@
 //! The reference against HF transformers: on every committed F32 fixture, every site of every
 //! layer recorded from `DeepseekV3ForCausalLM` (float64, `golden/hf/*.safetensors`, made by
-//! `scripts/make_fixtures.py`) must match the reference run on the GGUF with the same token ids,
+//! `scripts/fixtures/make_fixtures.py`) must match the reference run on the GGUF with the same token ids,
 //! within rel_l2 ≤ 1e-5 (an independent implementation of docs/mla.md reaches about 1e-6). On the MoE
 //! fixture this covers the MoE sites too: `moe_router_logits`, `moe_out`, `shared_out` and the
 //! `hidden_out` built from them by rel_l2, and `moe_topk` as the same set of expert ids for every

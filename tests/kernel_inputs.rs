@@ -658,7 +658,7 @@ fn compare_judges_a_kernel_dump_of_some_heads() {
     assert!(err.contains("header.kernel_precision"), "{err}");
 }
 
-/// The production kernels' dumps made on an H200 by `scripts/kernels_gpu.sh` (case `ci-fa3`:
+/// The production kernels' dumps made on an H200 by `scripts/gpu-host/kernels_gpu.sh` (case `ci-fa3`:
 /// fa3-v3-bf16 layer 0, sequences 1, 63, 64, 65 at page 64, bf16): (file, engine, LSE base).
 const KERNEL_DUMPS: &[(&str, &str, &str)] = &[
     ("fa3-v3-bf16.kernel-flashmla.safetensors", "flashmla vllm 0.26.0", "e"),
@@ -764,7 +764,7 @@ fn flashinfers_base_2_lse_left_undeclared_is_named_lse_merge() {
 }
 
 /// A decode kernel's latent output and LSE per the `--plant lse-base2` of
-/// `scripts/engine_kernels.py`, from the reference's own sites in f64: each token's context split
+/// `mla_diff_hooks.kernels`, from the reference's own sites in f64: each token's context split
 /// at `c = ⌊n/2 / page⌋·page` keys, each half's state with its LSE in base 2, the halves merged
 /// by the natural-log rule (a token with c = 0 keeps its one state and its base-2 LSE).
 fn base2_split_merge(

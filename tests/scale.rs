@@ -1,7 +1,7 @@
 //! Asking about one layer costs one layer: on a sparse 61-layer MoE GGUF (gigabytes declared,
 //! almost nothing on disk), opening reads only the header and `run --layer 3` reads only layer
 //! 3's tensor data. The full-size DeepSeek-V3 version of this file is made by
-//! scripts/make_sparse_gguf.py and measured in BENCHMARKS.md (P1).
+//! scripts/fixtures/make_sparse_gguf.py and measured in BENCHMARKS.md (P1).
 
 use std::io::{Seek, SeekFrom, Write};
 

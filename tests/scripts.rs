@@ -32,7 +32,7 @@ fn check_report_render_names_its_missing_tools() {
         ),
     ] {
         let out = Command::new(&bash)
-            .arg(repo().join("scripts/check_report_render.sh"))
+            .arg(repo().join("scripts/ci/check_report_render.sh"))
             .args(args)
             .env("PATH", dir.path())
             .output()
@@ -54,7 +54,7 @@ fn make_sparse_gguf_without_numpy_says_what_to_install() {
     let dir = tempfile::tempdir().unwrap();
     let out = Command::new(py)
         .arg("-S")
-        .arg(repo().join("scripts/make_sparse_gguf.py"))
+        .arg(repo().join("scripts/fixtures/make_sparse_gguf.py"))
         .arg(dir.path().join("v3"))
         .output()
         .unwrap();

@@ -1,5 +1,5 @@
 //! The committed dumps of vLLM's real code (`golden/dumps/*.vllm*.safetensors`, format 2), made by
-//! `scripts/vllm_cpu.py` with vLLM 0.26.0 and vllm-gguf-plugin 0.0.5 on the CPU: a prefill and two
+//! `mla_diff_hooks.vllm_cpu` with vLLM 0.26.0 and vllm-gguf-plugin 0.0.5 on the CPU: a prefill and two
 //! decode steps through vLLM's own MLA layer and its Triton decode kernel. Each must keep the
 //! verdict it had when it was made; a new committed vLLM dump must be listed here.
 
@@ -99,7 +99,7 @@ fn a_vllm_dump_against_another_model_is_refused() {
     );
 }
 
-/// A committed dump of the live engine (`vllm.LLM` on an H200, `scripts/vllm_live_gpu.sh`): file,
+/// A committed dump of the live engine (`vllm.LLM` on an H200, `scripts/gpu-host/vllm_live_gpu.sh`): file,
 /// model, exit code, decode backend, the prefill step's attention site (`L0.lse` when the
 /// backend decoded the prompt through forward_mqa, `L0.k_nope` when FA3's forward_mha ran it),
 /// finding `(class, site)` or none. The dumps hold the activation sites only (the weight
@@ -134,7 +134,7 @@ const LIVE: &[LiveCase] = &[
         None,
     ),
     // Split attn_k_b/attn_v_b: vllm-gguf-plugin 0.0.5 never loads kv_b_proj (vLLM stops at load);
-    // dump_vllm.py --zero-unloaded gives it zeros so the engine runs, and compare names it.
+    // mla_diff_hooks.vllm --zero-unloaded gives it zeros so the engine runs, and compare names it.
     (
         "fa3-v3-split.vllm-live-unloaded.safetensors",
         "fa3-v3-split.gguf",

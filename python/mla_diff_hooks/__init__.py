@@ -8,7 +8,13 @@ from inside each engine, in the dump format of mla-diff's docs/dump-format.md:
   * `mla_diff_hooks.hf`: HF transformers DeepSeek-V3 (`capture`; `python -m mla_diff_hooks.hf`);
   * `mla_diff_hooks.llama_cpp`: llama.cpp's graph callback through llama-cpp-python (`Recorder`;
     `python -m mla_diff_hooks.llama_cpp`);
-  * `mla_diff_hooks.st_io`: the byte-reproducible safetensors writer they share.
-Each needs its extra (`pip install 'mla-diff[vllm]'`, `[hf]`, `[llama-cpp]`); importing works
-without them. The `mla-diff` binary itself comes with the same `pip install`.
+  * `mla_diff_hooks.kernels`: production MLA kernels on `mla-diff run --export-inputs` inputs
+    (`python -m mla_diff_hooks.kernels`);
+  * `mla_diff_hooks.vllm_cpu`: vLLM's own model code on a CPU, recorded by the vLLM hooks
+    (`python -m mla_diff_hooks.vllm_cpu`);
+  * `mla_diff_hooks.dump_format`: the dump contract they all write through (site names, format
+    strings, writers, model identity), over `mla_diff_hooks.st_io`, the byte-reproducible
+    safetensors writer.
+docs/engines.md is their reference. Each needs its extra (`pip install 'mla-diff[vllm]'`,
+`[hf]`, `[llama-cpp]`, `[kernels]`); importing works without them. The `mla-diff` binary itself comes with the same `pip install`.
 """

@@ -1,92 +1,12 @@
 #!/usr/bin/env python3
 """Dump the MLA intermediates of a HF transformers DeepSeek-V3 forward pass for `mla-diff compare`.
 
-Why this exists: `mla-diff compare --model M.gguf --dump D.safetensors` judges what an engine
-really computed against mla-diff's float64 reference on the same GGUF. This script is the
-transformers engine's side of that: it loads a HF `DeepseekV3ForCausalLM` checkpoint (eager
-attention) in the requested dtype, runs ONE forward pass over the given token ids (one sequence,
-positions 0..T-1, no cache) and writes every MLA site it can see in the dump format of
-docs/dump-format.md. It also makes deliberately broken dumps (`--break`), so mla-diff's dump path
-and detectors can be tested on real engine output.
-
-What is written (docs/dump-format.md, version 1):
-  * `L{n}.{stage}` for every layer n and every stage mla_diff_hooks/hf_hooks.py captures: hidden_in,
-    attn_in, q_c, q_c_normed (only with q_lora_rank), q, kv_a, kv_c_normed, k_pe, q_pe_roped,
-    k_pe_roped, k_nope, v, lse, attn_out, o_proj, hidden_out, and in MoE layers
-    moe_router_logits, moe_topk (the selected expert ids, as numbers), moe_out and shared_out;
-    with `--with-weights` also the
-    weight sites w.fused_qkv_a (only with q_lora_rank), w.kv_b, w.W_UK_T, w.W_UV. Token-major
-    shapes ([T, H], [T, N, X], lse [T, N]) as in docs/design.md's site table.
-  * `tokens` and `positions` (int64, [T]).
-  * metadata: format="mla-diff dump 1", engine="transformers <version>", dtype=<run dtype>,
-    rope_order="hf", model=<checkpoint folder name>, and break=<name> when --break is used.
-  Values are what HF computed in the run dtype, stored as float32 (bf16/f16 values are exact in f32;
-  an f64 run is rounded to f32 on output). The logits are not dumped (not a site).
-
-Raw values. This is an engine dump, not a golden: for f32, bf16 and f16 runs hf_hooks' float64
-patches are NOT applied (`capture(exact_f64=False)`), so HF's own f32 spots (RMSNorm upcast,
-f32 rotary table, f32 softmax) stay as they are. For `--dtype f64` they are applied (as for the
-goldens), so an f64 run is HF's formula in f64 throughout. The rope order is raw as well:
-q_pe_roped and k_pe_roped are written as HF's `apply_rotary_pos_emb_interleave` returns them,
-[rotated even elements | rotated odd elements], and the metadata says rope_order="hf" so that
-mla-diff converts them back to DeepSeek's interleaved pairs.
-
-`lse` is not a tensor HF materialises: eager attention returns softmax probabilities, not a
-log-sum-exp. It is RECOMPUTED by hf_hooks' wrapper of `eager_attention_forward` from HF's own
-query, key, scaling and mask as they are passed to the attention function (natural log, [T, N]),
-in the run dtype.
-
-Hook points relied on (transformers 5.x, models/deepseek_v3/modeling_deepseek_v3.py), all through
-mla_diff_hooks/hf_hooks.py's `capture()`:
-  * forward pre/post hooks on each decoder layer (hidden_in, hidden_out), and forward hooks on
-    input_layernorm, q_a_proj, q_a_layernorm, q_b_proj / q_proj, kv_a_proj_with_mqa,
-    kv_a_layernorm, kv_b_proj and o_proj (pre-hook: attn_out);
-  * the module globals `apply_rotary_pos_emb_interleave` (q_pe_roped, k_pe_roped) and
-    `eager_attention_forward` (lse), replaced by wrappers for the duration of the forward pass.
-    DeepseekV3Attention.forward looks both up in the module at call time (the attention function
-    through ALL_ATTENTION_FUNCTIONS.get_interface("eager", eager_attention_forward)).
-  The model config must have rope_interleave=True (DeepSeek checkpoints do).
-
-Breaks (`--break NAME`), each a patch that lasts for the forward pass only. Each is installed
-BEFORE capture() wraps the module globals, so capture() wraps the broken function and records its
-outputs (lse is always recorded from the real logits):
-  * neox: `apply_rotary_pos_emb_interleave` is replaced by HF's NeoX-style `apply_rotary_pos_emb`
-    (rotate-half on the natural element order, no de-interleave): the real bug "NeoX rope where
-    DeepSeek rotates adjacent pairs". The dump still says rope_order="hf" (it is what the broken
-    engine returned from the function whose output is in HF order).
-  * no-mscale: every attention module's `scaling` is set to qk_head_dim**-0.5, dropping YaRN's
-    mscale² factor (refused on a model whose scale has no such factor).
-  * zero-attn-out: `eager_attention_forward` runs, then its output is replaced by zeros of the
-    same shape (the caller reads a zero buffer); the probabilities are returned unchanged.
-
-Usage (`python -m mla_diff_hooks.hf`, or scripts/dump_hf.py in a checkout):
-    dump_hf.py HF_MODEL_DIR OUT.safetensors [--tokens 1,2,3 | --n-tokens T --seed S]
-               [--dtype f32|bf16|f16|f64] [--with-weights] [--break neox|no-mscale|zero-attn-out]
-               [--threads N] [--force]
-  Without --tokens, T ids are drawn uniformly from [3, vocab) with torch.Generator(seed)
-  (defaults: T = 6, S = 0). Nothing is overwritten without --force.
-
-Committed dumps (golden/dumps/, 6 tokens = the first 6 ids of golden/hf/<fixture>.safetensors,
-checkpoints made by scripts/make_fixtures.py), made from the repository root with:
-    PY=/work/venv/fx/bin/python; HF=/work/fixtures-tmp/hf
-    $PY scripts/dump_hf.py $HF/tiny-v3 golden/dumps/tiny-v3-f32.hf.safetensors \\
-        --tokens 235,74,241,141,43,185 --threads 1
-    $PY scripts/dump_hf.py $HF/yarn-v3 golden/dumps/yarn-v3-f32.hf.safetensors \\
-        --tokens 7,194,164,83,207,250 --threads 1
-    $PY scripts/dump_hf.py $HF/tiny-v3 golden/dumps/tiny-v3-f32.hf-neox.safetensors \\
-        --tokens 235,74,241,141,43,185 --threads 1 --break neox
-    $PY scripts/dump_hf.py $HF/yarn-v3 golden/dumps/yarn-v3-f32.hf-no-mscale.safetensors \\
-        --tokens 7,194,164,83,207,250 --threads 1 --break no-mscale
-    $PY scripts/dump_hf.py $HF/tiny-v3 golden/dumps/tiny-v3-f32.hf-zero-attn-out.safetensors \\
-        --tokens 235,74,241,141,43,185 --threads 1 --break zero-attn-out
-    $PY scripts/dump_hf.py $HF/tiny-v3 golden/dumps/tiny-v3-f32.hf-bf16.safetensors \\
-        --tokens 235,74,241,141,43,185 --threads 1 --dtype bf16
-The engine-bf16 / engine-f16 rows of src/judge/tolerance.rs were measured with this script:
-`--dtype bf16|f16 --with-weights --threads 1` and `--n-tokens 16 --seed 0..4` on tiny-v3, lite-v2,
-yarn-v3 and legacy-kvb, plus `--n-tokens 64 --seed 10,11` on tiny-v3, lite-v2 and yarn-v3, each
-compared with `mla-diff compare --model golden/models/<fixture>-f32.gguf` (docs/dump-format.md,
-"Tolerances").
-No network access is needed (HF_HUB_OFFLINE is set).
+Why this exists: `mla-diff compare` judges what an engine really computed against mla-diff's
+float64 reference on the same GGUF; this is the transformers side. It runs one forward pass over
+the given token ids and writes every MLA site in format 1, raw as HF computed it; `--break`
+writes deliberately broken dumps, so mla-diff's dump path and detectors are tested on real
+engine output. Reference (what is written, hook points, breaks, the commands that made the
+committed dumps): docs/engines.md, "HF transformers".
 """
 
 from __future__ import annotations
@@ -97,7 +17,7 @@ import math
 import os
 from pathlib import Path
 
-from . import st_io
+from . import dump_format
 from ._deps import optional
 
 np = optional("numpy", "mla_diff_hooks.hf", "hf")
@@ -157,7 +77,7 @@ def capture(model, input_ids, **kwargs):
 
 @contextlib.contextmanager
 def apply_break(model, name: str | None):
-    """Install break `name` (see module docstring) for the duration of the block; None: no-op."""
+    """Install break `name` (docs/engines.md, "HF transformers") for the duration of the block; None: no-op."""
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as mdl
 
     saved: list[tuple[object, str, object]] = []
@@ -241,7 +161,6 @@ def main() -> None:
     ids = token_ids(args, model.config.vocab_size)
     tensors = dump(model, ids, dtype=args.dtype, with_weights=args.with_weights, brk=args.brk)
     meta = {
-        "format": "mla-diff dump 1",
         "engine": f"transformers {transformers.__version__}",
         "dtype": args.dtype,
         "rope_order": "hf",
@@ -249,7 +168,7 @@ def main() -> None:
     }
     if args.brk:
         meta["break"] = args.brk
-    st_io.save(tensors, args.out, metadata=meta)
+    dump_format.write_format1(args.out, tensors, meta)
     n_sites = sum(1 for k in tensors if k.startswith("L"))
     print(f"{args.out}: {n_sites} sites, T = {len(ids)}, dtype {args.dtype}"
           f"{', break ' + args.brk if args.brk else ''}, {args.out.stat().st_size} bytes")

@@ -1,53 +1,11 @@
-"""Capture every MLA intermediate of a HF transformers DeepSeek-V3 forward pass, in float64.
+"""Capture every MLA intermediate of a HF transformers DeepSeek-family forward pass, in float64.
 
-Why this exists: mla-diff's goldens (and mla_diff_hooks.hf, dump_hf.py, for user models) need the HF model's
-per-layer intermediates under the site names of docs/design.md ("L{n}.{stage}"). Most of them are the
-inputs or outputs of a submodule and are taken with forward hooks; the rest live inside plain
-functions (the rotary application and the eager attention function) and are taken by wrapping
-those functions for the duration of one forward pass.
-
-Precision. Running `model.to(torch.float64)` is not enough for an f64 golden: HF's code forces
-float32 in three places (RMSNorm upcasts to f32, the rotary table is built from f32 inverse
-frequencies and f32 angles, eager attention runs its softmax with dtype=f32). Inside
-`capture()` those three spots are patched so that, for f64 inputs, the same formulas run in f64:
-  * DeepseekV3RMSNorm.forward: identical formula, computed in the input dtype when wider than f32;
-  * DeepseekV3RotaryEmbedding: inverse frequencies recomputed by HF's own rope-init function with
-    torch.float/float32 aliased to float64 for that one call (checked against HF's f32 buffer),
-    angles position * inv_freq in f64;
-  * eager_attention_forward: HF's function itself, with its softmax allowed to stay in f64.
-  * DeepseekV3TopkRouter.forward: HF's routing formula (router logits, sigmoid, score-correction
-    bias for the choice only, group-limited top-k, normalisation, routed scaling factor), with
-    the logits computed in the input dtype instead of HF's forced float32.
-Every patch is undone when `capture()` exits. Nothing else in the model is changed.
-
-MoE layers (DeepseekV3MoE) add four sites: `moe_router_logits` [T, E] (the router's raw logits),
-`moe_topk` [T, K] (the selected expert ids, int64, in HF's unsorted top-k order: compare them as
-sets), `moe_out` [T, H] (the routed experts' weighted sum) and `shared_out` [T, H] (the shared
-experts' output); `hidden_out` is the residual plus both.
-
-DSA layers (DeepSeek-V3.2, GLM-MoE-DSA: `self_attn.indexer`) add `idx_q` [T, N_idx, D_idx]
-(`indexer.wq_b(q_c_normed)`, before RoPE), `idx_k` [T, D_idx] (`indexer.k_norm(indexer.wk(x))`,
-before RoPE), `idx_weights` [T, N_idx] (`indexer.weights_proj(x)`, raw), `idx_scores` [T, T] (the
-tensor HF calls `.topk` on inside the indexer, recorded through a TorchFunctionMode, with the
-masked entries past the query set to 0; HF computes it in float32 even in a float64 model) and
-`idx_topk` [T, K] (int64, each row sorted ascending, keys past the query -1 at the end, see
-`topk_rows`). A GLM "shared" layer has only `idx_topk`: the `prev_topk_indices` it is handed.
-These functions and classes are looked up in the model's own modeling module (transformers
-generates one copy per family), so the same capture serves DeepseekV3, DeepseekV32,
-GlmMoeDsa and MiniCPM3; MiniCPM3's rope is NeoX (`apply_rotary_pos_emb`) and its
-`q_pe_roped`/`k_pe_roped` are stored as HF gives them (NeoX order, no conversion).
-
-Rope order. HF's `apply_rotary_pos_emb_interleave` returns each rotated rope vector as
-[rotated even elements | rotated odd elements]; DeepSeek/vLLM/llama.cpp keep the interleaved pair
-order. `q_pe_roped` and `k_pe_roped` are stored converted to interleaved order
-(interleaved[2i] = hf[i], interleaved[2i+1] = hf[i + R/2]), see `hf_rope_to_interleaved`;
-`capture(..., raw_rope=True)` keeps HF's own order instead (dump_hf.py writes raw dumps).
-
-Usage:
-    from mla_diff_hooks.hf_hooks import capture
-    result = capture(model, input_ids)       # model: DeepseekV3ForCausalLM, any dtype
-    result.tensors   # {"L0.hidden_in": np.ndarray f64, ..., "logits": ...}
-    result.extras    # cos/sin tables, HF softmax scale, per-layer logit statistics
+Why this exists: mla-diff's HF goldens and `mla_diff_hooks.hf` need the model's per-layer
+intermediates under mla-diff's site names; most are a submodule's input or output (forward
+hooks), the rest live inside plain functions (the rotary application, the eager attention
+function), wrapped for one forward pass. With `exact_f64` the spots where HF forces float32 are
+patched for that pass. Reference (precision patches, MoE and DSA sites, rope order, the API):
+docs/engines.md, "The capture".
 """
 
 from __future__ import annotations
@@ -57,23 +15,30 @@ import dataclasses
 import math
 from typing import Any
 
+from . import dump_format
 from ._deps import optional
+from .dump_format import site
 
 np = optional("numpy", "mla_diff_hooks.hf_hooks", "hf")
 torch = optional("torch", "mla_diff_hooks.hf_hooks", "hf")
 
-# Canonical stage order (docs/design.md "Sites" table) of the stages an HF run can provide.
-# (ql_nope and attn_latent exist only on the absorbed path; HF runs the expanded path.)
-HF_STAGES = [
-    "hidden_in", "attn_in", "w.fused_qkv_a", "q_c", "q_c_normed", "q", "kv_a", "kv_c_normed",
-    "k_pe", "q_pe_roped", "k_pe_roped", "w.kv_b", "k_nope", "v", "w.W_UK_T", "w.W_UV",
-    "idx_q", "idx_k", "idx_weights", "idx_scores", "idx_topk", "lse",
-    "attn_out", "o_proj", "moe_router_logits", "moe_topk", "moe_out", "shared_out", "hidden_out",
-]
 # Stages only MoE layers (DeepseekV3MoE) have.
-MOE_STAGES = ("moe_router_logits", "moe_topk", "moe_out", "shared_out")
+MOE_STAGES = dump_format.MOE_STAGES
 # Stages of a layer that runs its own DSA indexer; a GLM "shared" layer has only idx_topk.
-IDX_STAGES = ("idx_q", "idx_k", "idx_weights", "idx_scores", "idx_topk")
+IDX_STAGES = dump_format.INDEXER_STAGES
+
+
+def _hf_stages() -> tuple[str, ...]:
+    """The stages an HF run provides (HF runs the expanded path: no ql_nope / attn_latent), in
+    the order captures are stored: data-flow order, except that the indexer sites follow the
+    expanded-attention sites (w.W_UV), the order of the committed golden/hf files (whose bytes
+    golden/README.md pins)."""
+    rest = [s for s in dump_format.STAGES if s not in IDX_STAGES + dump_format.ABSORBED_STAGES]
+    cut = rest.index("w.W_UV") + 1
+    return (*rest[:cut], *IDX_STAGES, *rest[cut:])
+
+
+HF_STAGES = _hf_stages()
 
 
 def _family_classes(mdl) -> dict[str, Any]:
@@ -257,7 +222,7 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
 
     input_ids: [T] or [1, T] int64 token ids; positions are 0..T-1. The model must use eager
     attention and `rope_interleave=True`. With `exact_f64` (default) the f32-forcing spots of
-    HF's code are patched (see module docstring); the model itself should already be float64.
+    HF's code are patched (docs/engines.md, "The capture"); the model itself should already be float64.
     `raw_rope=True` stores q_pe_roped/k_pe_roped in HF's [even | odd] order (not converted);
     `with_weights=False` skips the weight sites (w.*).
     """
@@ -293,7 +258,7 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
     handles = []
 
     def put(layer: int, stage: str, value: np.ndarray) -> None:
-        key = f"L{layer}.{stage}"
+        key = site(layer, stage)
         if key in out:
             raise RuntimeError(f"{key} captured twice (is the model called recursively?)")
         out[key] = value
@@ -498,16 +463,11 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
                 continue
             if not with_weights and stage.startswith("w."):
                 continue
-            if f"L{n}.{stage}" not in out:
-                raise RuntimeError(f"site L{n}.{stage} was not captured")
+            if site(n, stage) not in out:
+                raise RuntimeError(f"site {site(n, stage)} was not captured")
     return CaptureResult(tensors=out, extras=extras)
 
 
 def ordered_names(tensors: dict[str, np.ndarray]) -> list[str]:
-    """Site names in (layer, canonical stage) order, then tokens/positions/logits."""
-    def key(name: str):
-        if name.startswith("L") and "." in name:
-            layer, stage = name[1:].split(".", 1)
-            return (0, int(layer), HF_STAGES.index(stage) if stage in HF_STAGES else 99, stage)
-        return (1, 0, 0, name)
-    return sorted(tensors, key=key)
+    """Site names in (layer, HF_STAGES) order, then tokens/positions/logits."""
+    return sorted(tensors, key=dump_format.site_order(HF_STAGES))

@@ -1,76 +1,11 @@
 #!/usr/bin/env python3
 """Dump llama.cpp's intermediate MLA tensors (through llama-cpp-python) for `mla-diff compare`.
 
-Why this exists: llama.cpp runs DeepSeek MLA in its own graph (src/models/deepseek2.cpp, the
-absorbed/MQA form) and exposes intermediates only through the scheduler's eval callback. This
-script hooks that callback with llama-cpp-python's LOW-LEVEL API, copies every computed F32 node
-it is asked for, and writes them to one safetensors file in the engine dump format
-(docs/dump-format.md) under llama.cpp's own node names. `--map llama.cpp` (src/model/maps/llama.cpp.json)
-then renames them to mla-diff's stages.
-
-Usage (`python -m mla_diff_hooks.llama_cpp`, or scripts/dump_llama_cpp.py in a checkout):
-    dump_llama_cpp.py MODEL.gguf OUT.safetensors [--tokens 5,17,3,...] [--n-tokens T --seed S]
-                      [--layers 0,1] [--all] [--exclude embd#0] [--include kqv-0#0]
-                      [--map MAP.json]
-                      [--threads 1] [--verbose]
-
-    --tokens       explicit token ids (positions are 0..T-1, one sequence)
-    --n-tokens/--seed  random token ids instead (default 6 tokens, seed 0)
-    --layers       layers to keep (default: all)
-    --all          keep every F32 node of those layers (and the layer-less ones), not only the
-                   names the map uses (the default, to keep committed fixtures small)
-    --exclude      keys not to store, e.g. embd#0 (layer 0's input: the tokens suffice)
-    --include      extra keys to store besides the mapped ones, e.g. kqv-0#0 (an unmapped node,
-                   for a test that it stays unmapped)
-    --map          the rename map whose keys are dumped (default: the package's llama.cpp.json,
-                   the same file as src/model/maps/llama.cpp.json, which mla-diff embeds)
-
-Keys. llama.cpp names a node "<name>-<layer>" (cb(cur, name, il) in the graph builders; "<name>"
-alone for il = -1) and reuses names, so each node is stored as "<name>-<layer>#<k>" ("<name>#<k>"
-without a layer), k counting earlier nodes with the same name in evaluation order. Unnamed nodes
-get ggml's "node_<i>" names, which depend on the graph; the one we need, the o_proj matmul, is
-keyed "<weight>-<layer>#<k>" after its weight "blk.<layer>.<weight>.weight" (so
-"attn_output-0#0"). The llama.cpp node names this relies on (deepseek2.cpp, llama-graph.cpp):
-    embd                  token embeddings (layer 0's input; il = -1)
-    attn_norm-N           RMSNorm(hidden) * attn_norm weight
-    q-N                   #0 q_a (q_c), #1 q_a_norm, #2 q_b, #3 reshape {P+R, N, T}
-                          (no q_lora: #0 wq, #1 reshape)
-    kv_cmpr_pe-N          wkv_a_mqa output [latent | rope]
-    kv_cmpr-N             #0 latent view, #1 after kv_a_norm
-    k_pe-N                #0 rope-key view {R, 1, T}, #1 after RoPE
-    q_pe-N                #0 view, #1 after RoPE
-    q_nope_absorbed_perm-N  q_nope x W_UK, {L, N, T}
-    kq-N, kq_soft_max-N   raw Q.K logits {n_kv, T, N} (unscaled), softmax(kq_scale * kq + mask)
-    kqv-N                 softmax(QK) x latent, {L, T, N}: head-major
-    kqv_mla-N             x W_UV, {V, T, N}: head-major
-    kqv_out-N             attention output, {N*V, T} (the o_proj input)
-    ffn_inp-N, ffn_norm-N, ffn_out-N, l_out-N (the layer output)
-  That is the absorbed MLA graph, which llama.cpp runs for files with attn_k_b/attn_v_b (its
-  hparams.is_mla(): the key_length_mla/value_length_mla keys are set). For a legacy file with one
-  attn_kv_b it runs the expanded MHA graph instead (deepseek2.cpp, the `else` branch): no q_pe-N,
-  q_nope_absorbed_perm-N or kqv_mla-N; instead
-    kv-N                  wkv_b x kv_cmpr, {N*(P+V), T}
-    k_nope_view-N         {P, N, T} view of kv (k_nope)
-    Vcur_view-N, Vcur_cont-N  {V, N, T} view of kv and its contiguous copy (v)
-    Qcur-N, Kcur-N        full roped q {P+R, N, T}; [k_nope | k_pe repeated] {P+R, N, T}
-    kqv-N                 softmax(QK) x V, {V, T, N}: per-head VALUE output (not the latent)
-  The map's rules carry conditions (split_kv_b / fused_kv_b / q_lora / no_q_lora) for these
-  differences; this script dumps only the keys of rules whose condition holds for the GGUF.
-Arrays are stored in numpy order (reversed ggml ne, a trailing ne[3] = 1 and then ne[2] = 1
-dropped), gathered through the byte strides nb, so views come out as their logical values. The
-head-major attention nodes (HEAD_MAJOR below: ne {X, T, N}) are stored transposed to token-major
-[T, N, X], so every stored tensor is token-major (the metadata lists them under
-"permuted_to_token_major"); with N = T a head-major tensor could not be told from a token-major
-one by its shape.
-
-Models without q compression: the converter writes no deepseek2.attention.q_lora_rank key, and
-llama.cpp refuses such a file unless its layer count looks like a released "lite" model, so it is
-loaded with the KV override q_lora_rank = 0. Its q-N occurrences differ (#0 wq, #1 reshape): the
-map's q-N#k rules carry the conditions q_lora / no_q_lora, so q-N#1 is dumped as q there.
-
-Set up as an oracle: CPU only, F32 K/V cache, flash attention off (CPU flash attention rounds K/V
-to F16), logits requested for every token so the last layer keeps all rows, one thread so the
-bits do not depend on the machine's core count.
+Why this exists: llama.cpp runs DeepSeek MLA in its own graph and exposes intermediates only
+through the scheduler's eval callback; this module hooks that callback with llama-cpp-python's
+low-level API, copies the F32 nodes the rename map uses and writes them in format 1 under
+llama.cpp's own node names, which `--map llama.cpp` renames to mla-diff's stages. Reference
+(options, keys, the node names relied on, layouts): docs/engines.md, "llama.cpp".
 """
 
 from __future__ import annotations
@@ -82,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import st_io
+from . import dump_format
 from ._deps import optional
 
 np = optional("numpy", "mla_diff_hooks.llama_cpp", "llama-cpp")
@@ -317,7 +252,7 @@ def parse_ints(s: str) -> list[int]:
 
 
 def main(argv=None) -> int:
-    """CLI entry point; see the module docstring."""
+    """CLI entry point; docs/engines.md ("llama.cpp") describes the options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", type=Path)
     ap.add_argument("out", type=Path)
@@ -374,11 +309,11 @@ def main(argv=None) -> int:
 
     tensors = {"tokens": np.array(tokens, np.int64), "positions": np.arange(len(tokens), dtype=np.int64)}
     tensors.update(out)
-    meta = {"format": "mla-diff dump 1", "engine": ENGINE, "dtype": "f32", "model": a.model.name,
+    meta = {"engine": ENGINE, "dtype": "f32", "model": a.model.name,
             "rope_order": "interleaved", "layout": "token-major", "kv_a_order": "latent-rope"}
     if rec.permuted:
         meta["permuted_to_token_major"] = ",".join(sorted(rec.permuted))
-    st_io.save(tensors, a.out, meta)
+    dump_format.write_format1(a.out, tensors, meta)
     nbytes = a.out.stat().st_size
     print(f"wrote {a.out}: {len(out)} tensors, {len(tokens)} tokens, {nbytes} bytes", file=sys.stderr)
     return 0

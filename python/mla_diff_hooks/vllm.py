@@ -1,195 +1,14 @@
 #!/usr/bin/env python3
 """Dump vLLM's MLA intermediates (and its weights as loaded) for `mla-diff compare`.
 
-STATUS: tested with vLLM 0.26.0 (TESTED_VLLM), on the CPU: scripts/vllm_cpu.py runs vLLM's real
-DeepseekV3ForCausalLM (GGUF through vllm-gguf-plugin 0.0.5, prefill through a torch SDPA prefill
-backend, decode through TritonMLAImpl's Triton kernel under TRITON_INTERPRET=1, float32) with
-these hooks, and `mla-diff compare` passes its dump of golden/models/legacy-kvb-f32.gguf. The
-`LLM` path below (GPU, a worker process) runs on vLLM 0.26.0's live engine on an H200
-(scripts/vllm_live_gpu.sh: FLASHMLA and TRITON_MLA decode, FA3 prefill, bf16). python/tests/vllm_mock.py (run by test_vllm.py, with torch) checks the
-same code on a plain-torch mock of 0.26.0's module tree (no vLLM needed). On another vLLM
-version, VllmCapture checks the names it relies on (check_layout) and says, on stderr and in the
-dump's notes, that it was tested with 0.26.0 and which names it could not find.
-
-Why this exists. `mla-diff compare --model M.gguf --dump D.safetensors` diffs what an engine
-really computed against mla-diff's float64 reference on the same weights. This is vLLM's side:
-imported INSIDE the process that runs the model, it registers forward hooks on the root model,
-the decoder layers and the MLA modules of a DeepseekV2/V3ForCausalLM, wraps each MLAAttention's
-backend `impl.forward_mqa` (the decode path), records one or several consecutive forwards
-("steps": a prefill, then decode steps) and writes
-  (a) an activation dump in docs/dump-format.md's format: format 2 (every step, the model's
-      identity, the hook and engine, conventions, a harness's patches; write_format2) or
-      format 1 (one step; write_dump / write_steps), and
-  (b) a WEIGHTS file: the engine's MLA weights as loaded, under vLLM's own parameter names
-      (inside a format-2 dump as weights.L{n}.{param}).
-
-Which module to hook. vLLM's runner calls the ROOT module (`self.model(input_ids=...,
-positions=...)` in vllm/v1/worker/gpu_model_runner.py), a plain nn.Module; its inner
-DeepseekV2Model is decorated with @support_torch_compile (vllm/compilation/decorators.py), whose
-__call__ calls self.forward() directly, so a hook on the inner model never fires, even with
-enforce_eager. A step therefore starts in the root's pre-hook and ends in its post-hook (a caller
-that runs the layers without the root: the first layer starts a step, the last one ends it).
-
-Usage on a CPU (no GPU; vLLM's real model code; one command, see its docstring):
-    python3 scripts/vllm_cpu.py setup --venv .venv-vllm
-    python3 scripts/vllm_cpu.py run --venv .venv-vllm --gguf M.gguf --tokens 1,2,3 \
-        --decode-steps 2 --out out/d.safetensors
-
-Usage with vLLM's offline LLM (GPU; the worker runs in another process, so the hooks are shipped
-there with `LLM.apply_model`, which pickles the callable: mla_diff_hooks must be importable in
-the worker (`pip install mla-diff`, or PYTHONPATH=<checkout>/python), and vLLM only accepts pickled callables with VLLM_ALLOW_INSECURE_SERIALIZATION=1). GGUF
-files are loaded by vllm-gguf-plugin (vLLM 0.26.0 itself has no GGUF loader), which needs the
-HF config.json (`hf_config_path`; `scripts/vllm_cpu.py config --gguf M.gguf --out DIR` derives
-one from the GGUF's metadata):
-
-    # VLLM_ALLOW_INSECURE_SERIALIZATION=1 python ...
-    import functools
-    from mla_diff_hooks import vllm as dump_vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    llm = LLM(model="M.gguf", hf_config_path=CFG_DIR, skip_tokenizer_init=True,
-              enforce_eager=True, enable_prefix_caching=False, tensor_parallel_size=TP)
-    llm.apply_model(functools.partial(dump_vllm.arm, steps=1 + K))   # hooks on, every worker
-    llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1 + K))
-    res = llm.apply_model(functools.partial(dump_vllm.finish, dump_path="out/d.safetensors",
-                                            model_path="M.gguf", expect_tokens=ids))
-    # without model_path (or with TP > 1): format 1 of the prefill, per rank; then
-    dump_vllm.merge_rank_dumps([r["dump"] for r in res], "out/d.safetensors")   # only if TP > 1
-
-or the same in one command: `python -m mla_diff_hooks.vllm M.gguf --hf-config-path CFG_DIR
---tokens 1,2,3 --decode-steps 2 --dump out/d.safetensors [--tp 2]` (`scripts/dump_vllm.py` in a
-checkout runs the same).
-`llm.collective_rpc(fn)` works too: arm/finish accept a worker (they take `worker.get_model()`
-or `worker.model_runner.model`). In-process use (VLLM_ENABLE_V1_MULTIPROCESSING=0, or any
-nn.Module tree): `cap = attach(model, steps=S); <forwards>; cap.remove();
-cap.write_format2(path, model_path=gguf)`.
-
-Requirements the hooks need (each is checked, or noted in the dump's metadata):
-  * enforce_eager=True. Hooks registered after start-up never run inside a torch.compile'd graph
-    or a CUDA-graph replay. `finish` raises when no hook fired.
-  * enable_prefix_caching=False (cached prefix tokens are not recomputed, so a prefill would
-    start past position 0), the prompt(s) within max_num_batched_tokens (no chunked prefill).
-    The first `steps` forwards after `arm` are recorded (`forward_index` skips some); later ones
-    are ignored. Format 2 needs every sequence in every step, in the same order (checked: each
-    sequence's first position must equal the tokens earlier steps computed for it).
-  * Several prompts are packed token-major in scheduler order; `seq_lens` is inferred from the
-    positions (a new sequence wherever a position does not follow its predecessor) and
-    `expect_tokens` (the concatenated prompt ids) checks order and trims any padding rows.
-
-What is dumped (sites of docs/design.md; token-major, values upcast exactly to float32):
-  hidden_in    DeepseekV2DecoderLayer input. vLLM passes the residual stream SPLIT:
-               forward(positions, hidden_states, residual, llama_4_scaling=None) returns
-               (hidden_states, residual). Layer 0 gets residual=None (then hidden_in =
-               hidden_states); later layers get the previous layer's un-added pair and the fused
-               add + RMSNorm `input_layernorm(hidden_states, residual)` returns (normed, sum), so
-               hidden_in = hidden_states + residual. It is taken from that tuple's second element
-               (the engine's own sum, rounded to the model dtype), else the pre-hook's sum.
-  attn_in      input_layernorm output (first element of the tuple when residual is given).
-  q_c, kv_a    columns [:Lq] and [Lq:] of fused_qkv_a_proj's output (q_lora_rank models); older
-               trees with separate q_a_proj / kv_a_proj_with_mqa, and models without q_lora_rank
-               (kv_a_proj_with_mqa, q_proj), are hooked under those names. k_pe = kv_a[:, L:].
-  q_c_normed   q_a_layernorm output.          kv_c_normed  kv_a_layernorm output.
-  q            q_b_proj (or q_proj) output viewed [T, N, P+R], before RoPE (copied in the hook:
-               the wrapper then writes the roped q_pe into q in place).
-  q_pe_roped, k_pe_roped   the (query, key) returned by rotary_emb(positions, q_pe, k_pe), first
-               call per layer. get_rope() caches instances, so one rotary module is shared by all
-               layers (and can be the V3.2 indexer's too): the call is attributed to the layer
-               whose forward is running, and later calls in the same layer are ignored.
-  k_nope, v    first kv_b_proj call in the layer, split per head [k_nope | v]: that call is
-               MLACommonBaseImpl.forward_mha's `self.kv_b_proj(kv_c_normed)` on the NEW prefill
-               tokens. Dumped only when it covered all T tokens (no decode tokens in the batch);
-               a decode step never expands the latent, so it has neither.
-  ql_nope, attn_latent, lse   decode tokens only, around MLAAttention.impl.forward_mqa(q,
-               kv_cache, attn_metadata, layer): q is (ql_nope [B, N, L], q_pe) with ql_nope =
-               q_nope x W_UK_T (MLAAttention.forward_impl), and it returns (o, lse): o [B, N, L]
-               the attention output in the latent space (attn_latent, before W_UV) and lse
-               [B, N] (natural log: the Triton kernel's e_max + log(e_sum)). B = the decode
-               tokens, which vLLM puts first in a batch; dumped when they are the whole step.
-  attn_out     o_proj's input (= the mla_attn / MLAAttention output), [T, N, V].
-  o_proj       o_proj output (after the TP all-reduce; not dumped when reduce_results=False).
-  hidden_out   hidden_states + residual of the layer's returned pair (what the next layer's fused
-               add, or the final norm, computes).
-  w.fused_qkv_a, w.kv_b, w.W_UK_T, w.W_UV  the weight sites, from the engine's weights (below).
-  tokens, positions (int64); metadata format, engine="vllm <version>", dtype (from the
-  activations' dtype), rope_order="interleaved", layout="token-major", kv_a_order="latent-rope",
-  seq_lens (several sequences), model, plus informational keys (notes, tp_size, ...).
-rope_order is "interleaved" because DeepseekV2MLAAttention builds its rotary module with
-get_rope(..., is_neox_style=False) (DeepseekScalingRotaryEmbedding for YaRN, RotaryEmbedding
-otherwise), whose forward_native rotates adjacent pairs (rotate_gptj, cos/sin
-repeat_interleave(2)) and returns q_pe/k_pe in their natural element order: DeepSeek's layout, no
-permutation to undo (the built-in `--map vllm` says the same).
-NOT dumped: the prefill attention's lse (a prefill backend returns it only for chunked
-context), and the prefill attention output other than attn_out itself.
-
-fp16 models: DeepseekV2DecoderLayer divides the attention output (and, at layer 0, the residual)
-by routed_scaling_factor when hidden_states are float16, so vLLM's residual stream is the true
-one / routed_scaling_factor. Format 1: with undo_fp16_residual_scaling (default) hidden_out, and
-hidden_in of layers > 0, are multiplied back (noted in the metadata). Format 2 keeps vLLM's values
-and declares the factor as conventions.residual_scale = 1/routed_scaling_factor, which
-`mla-diff compare` divides out. bf16/f32 are unaffected.
-
-WEIGHTS file (`weights_path`): float32, PyTorch [out, in] layout, named `L{n}.{param}`, or
-`L{n}.{param}.rank{r}` when tensor parallel size > 1 (r = vLLM's TP rank; every param of that rank
-carries the suffix, replicated ones too). Params (as present on DeepseekV2MLAAttention):
-fused_qkv_a_proj [Lq+L+R, H], q_b_proj [N_r(P+R), Lq] or q_proj [N_r(P+R), H], kv_a_proj_with_mqa
-[L+R, H] (no-Lq models), kv_b_proj [N_r(P+V), L], o_proj [H, N_r V], W_UK_T [N_r, P, L],
-W_UV [N_r, L, V] (N_r = heads on this rank). With fused_qkv_a_proj, `q_a_proj` and
-`kv_a_proj_with_mqa` are ALSO written as its row slices [:Lq] and [Lq:] (vLLM has no such
-parameters; the slices are what the loader put in shards 0 and 1, listed in metadata `derived`).
-Metadata: format, engine, tp_size, rank, pp_size, pp_rank, dims, quantized, dequant, w_uk_t_holder.
-Quantized layers: the weight is dequantized to float32 with vLLM's own
-quant_utils.get_and_maybe_dequant_weights(layer, out_dtype=torch.float32) when that exists,
-else the way older vLLM's MLACommonImpl.process_weights_after_loading does it for kv_b_proj:
-an identity matrix (model dtype) pushed through `layer.quant_method.apply(layer, eye, bias=None)`, transposed
-to [out, in]. That path runs the layer's own quantized kernel (shard logic included), so it shows
-what the engine multiplies by, rounded to the activation dtype (documented per layer in
-`dequant`). Unquantized layers (UnquantizedLinearMethod) are read directly. W_UK_T/W_UV are the
-16-bit copies vLLM keeps; ROCm's aiter fp8/fp4 BMM paths store W_K/W_V instead and are not read.
-
-Tensor parallelism: each rank writes its own files (`<stem>.rank{r}<suffix>`, `.pp{p}` added
-under pipeline parallelism) with its local heads; `merge_rank_dumps` concatenates the
-head-sharded sites (q, q_pe_roped, k_nope, v, attn_out on the head axis, w.kv_b, w.W_UK_T,
-w.W_UV on axis 0) in rank order and takes replicated sites from rank 0, noting any rank that
-disagrees. Pipeline ranks hold disjoint layers and are unioned. Not handled: decode context
-parallelism, sequence-parallel MoE (token-sharded residual stream: noted, those sites skipped),
-data parallelism (run one DP rank).
-
-vLLM source this relies on (vLLM 0.26.0 wheel):
-  * vllm/model_executor/models/deepseek_v2.py: DeepseekV2Model (@support_torch_compile) calls
-    layer(positions, hidden_states, residual, llama_4_scaling) over
-    self.layers[start_layer:end_layer] and ends with self.norm(hidden_states, residual);
-    DeepseekV2DecoderLayer: self_attn, input_layernorm, post_attention_layernorm, mlp,
-    routed_scaling_factor, layer_idx, forward as described above (fp16 rescale included);
-    DeepseekV2MLAAttention: fused_qkv_a_proj (DeepSeekV2FusedQkvAProjLinear, a
-    MergedColumnParallelLinear [q_lora_rank, kv_lora_rank + qk_rope_head_dim], disable_tp) or
-    kv_a_proj_with_mqa (ReplicatedLinear), q_a_layernorm, q_b_proj / q_proj
-    (ColumnParallelLinear), kv_a_layernorm, kv_b_proj (ColumnParallelLinear), o_proj
-    (RowParallelLinear), rotary_emb = get_rope(qk_rope_head_dim, ..., is_neox_style=False),
-    mla_attn (MultiHeadLatentAttentionWrapper), num_local_heads, qk_nope_head_dim,
-    qk_rope_head_dim, qk_head_dim, v_head_dim, q_lora_rank, kv_lora_rank;
-    load_weights maps q_a_proj -> fused_qkv_a_proj shard 0, kv_a_proj_with_mqa -> shard 1.
-  * vllm/model_executor/layers/mla.py: MultiHeadLatentAttentionWrapper.forward(positions,
-    hidden_states, llama_4_scaling): fused_qkv_a_proj(h)[0].split([Lq, L+R]) -> q_a_layernorm ->
-    q_b_proj(q_c)[0]; kv_a_layernorm(kv_c); q.view(-1, N, P+R); q[..., P:], k_pe =
-    rotary_emb(positions, q[..., P:], k_pe.unsqueeze(1)); attn_out = self.mla_attn(q,
-    kv_c_normed, k_pe, output_shape=(T, N*V)) (an MLAAttention); return self.o_proj(attn_out)[0].
-  * vllm/model_executor/layers/attention/mla_attention.py: MLAAttention (self.impl,
-    self.kv_b_proj) holds W_UK_T [N, P, L] and W_UV [N, L, V], set in
-    MLAAttention.process_weights_after_loading from get_and_maybe_dequant_weights(kv_b_proj,
-    out_dtype=act_dtype); forward_impl sends rows [num_decode_tokens:] to impl.forward_mha (first
-    op self.kv_b_proj(kv_c_normed)[0].view(-1, N, P+V).split([P, V])) and rows
-    [:num_decode_tokens] through torch.bmm(q_nope, W_UK_T) to impl.forward_mqa((ql_nope, q_pe),
-    kv_cache, attn_metadata, self) -> (o, lse), then _v_up_proj (o x W_UV). Older trees kept
-    W_UK_T / W_UV on the impl (MLACommonImpl); the holder is searched under
-    self_attn.mla_attn{.mla_attn}{.impl} and its path recorded.
-  * vllm/v1/attention/backends/mla/triton_mla.py: TritonMLAImpl.forward_mqa returns o [B, N, L]
-    and lse [B, N] in q's dtype (vllm/v1/attention/ops/triton_decode_attention.py: natural log).
-  * vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py:
-    DeepseekScalingRotaryEmbedding.forward_native (rotate_gptj when not is_neox_style).
-  * vllm/entrypoints/llm.py: LLM.apply_model(func) -> collective_rpc("apply_model"), func(model)
-    in each worker; vllm.distributed get_tensor_model_parallel_rank / _world_size, get_pp_group.
-  * vllm/model_executor/layers/quantization/utils/quant_utils.py:
-    get_and_maybe_dequant_weights(layer, out_dtype=torch.float32).
+Why this exists: `mla-diff compare` judges what an engine really computed against mla-diff's
+float64 reference on the same weights; this is vLLM's side (tested with vLLM 0.26.0). Forward
+hooks on the root model, the decoder layers and the MLA modules of a DeepseekV2/V3ForCausalLM,
+and a wrapper of the attention backend's `forward_mqa`, record one or more forwards (a prefill,
+then decode steps) and write a format-2 dump (format 1 per rank under tensor parallelism) and
+the weights vLLM loaded. In-process: `attach`; through `LLM.apply_model`: `arm` / `finish`;
+`python -m mla_diff_hooks.vllm` runs vLLM's `LLM` end to end. Reference (sites, requirements, the
+WEIGHTS file, tensor parallelism, the vLLM source relied on): docs/engines.md, "vLLM".
 """
 
 from __future__ import annotations
@@ -198,40 +17,36 @@ import argparse
 import dataclasses
 import functools
 import importlib
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from . import st_io  # byte-reproducible safetensors writer
+from . import dump_format, st_io
 from ._deps import optional
+from .dump_format import site
 
 np = optional("numpy", "mla_diff_hooks.vllm", "vllm")
 
 # the folder holding the mla_diff_hooks package (a worker process imports it from there)
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 
-# Activation stages in docs/design.md's canonical order (those a hook can reach), then weight sites.
-ACT_STAGES = [
-    "hidden_in", "attn_in", "q_c", "q_c_normed", "q", "kv_a", "kv_c_normed", "k_pe",
-    "q_pe_roped", "k_pe_roped", "k_nope", "v", "attn_out", "o_proj", "hidden_out",
-]
-WEIGHT_SITES = ["w.fused_qkv_a", "w.kv_b", "w.W_UK_T", "w.W_UV"]
-SITE_ORDER = [
-    "hidden_in", "attn_in", "w.fused_qkv_a", "q_c", "q_c_normed", "q", "kv_a", "kv_c_normed",
-    "k_pe", "q_pe_roped", "k_pe_roped", "w.kv_b", "k_nope", "v", "w.W_UK_T", "w.W_UV",
-    "attn_out", "o_proj", "hidden_out",
-]
+# decode-only sites: captured around the backend's forward_mqa (the MQA/absorbed path vLLM runs for
+# decode tokens); a prefill step never computes them
+DECODE_SITES = (*dump_format.ABSORBED_STAGES, "lse")
+# The activation sites these hooks reach (vLLM's DeepSeek layers have no DSA indexer here, and
+# the MoE FFN is not hooked).
+HOOKED_STAGES = tuple(s for s in dump_format.STAGES if s not in dump_format.WEIGHT_STAGES
+                      + dump_format.INDEXER_STAGES + dump_format.MOE_STAGES)
+# File order: data-flow order, except that the decode-only sites follow the others, by name (the
+# order the committed vLLM dumps in golden/dumps have).
+_site_key = dump_format.site_order([s for s in dump_format.STAGES if s not in DECODE_SITES])
 # Sites whose heads are split across TP ranks, with the axis holding the heads.
 HEAD_SHARDED = {"q": 1, "q_pe_roped": 1, "k_nope": 1, "v": 1, "attn_out": 1,
                 "w.kv_b": 0, "w.W_UK_T": 0, "w.W_UV": 0}
-# decode-only sites: captured around the backend's forward_mqa (the MQA/absorbed path vLLM runs for
-# decode tokens); a prefill step never computes them
-DECODE_SITES = ["ql_nope", "attn_latent", "lse"]
 TESTED_VLLM = "0.26.0"
+# the hook's name in a dump's metadata (format 1 `hook`, format 2 `header.hook.name`)
 HOOK_NAME, HOOK_VERSION = "dump_vllm.py", "2"
-FORMAT2 = "mla-diff dump 2"
 # vLLM parameter names written to the WEIGHTS file, in this order when present.
 WEIGHT_PARAMS = ["fused_qkv_a_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "q_proj",
                  "kv_b_proj", "o_proj"]
@@ -495,14 +310,6 @@ def infer_seq_lens(positions: np.ndarray) -> list[int]:
     return lens
 
 
-def _site_key(name: str):
-    if name.startswith("L") and "." in name:
-        layer, stage = name[1:].split(".", 1)
-        if layer.isdigit():
-            return (0, int(layer), SITE_ORDER.index(stage) if stage in SITE_ORDER else 99, stage)
-    return (1, 0, 0, name)
-
-
 # --------------------------------------------------------------------------------------------
 # the capture
 # --------------------------------------------------------------------------------------------
@@ -597,7 +404,7 @@ class VllmCapture:
             self.step_notes.append(msg)
 
     def put(self, layer: int, stage: str, value: np.ndarray) -> None:
-        key = f"L{layer}.{stage}"
+        key = site(layer, stage)
         if key in self.t:           # first value wins (e.g. a second rotary call in the layer)
             self.repeats[key] = self.repeats.get(key, 1) + 1
             return
@@ -804,7 +611,7 @@ class VllmCapture:
 
     def _t_of(self, n) -> int | None:
         for st in ("hidden_in", "attn_in", "kv_a"):
-            a = self.t.get(f"L{n}.{st}")
+            a = self.t.get(site(n, st))
             if a is not None:
                 return a.shape[0]
         return None
@@ -813,8 +620,9 @@ class VllmCapture:
         if not self._on() or self.cur_layer is None:
             return
         n = self.cur_layer
-        if f"L{n}.q_pe_roped" in self.t:
-            self.repeats[f"L{n}.q_pe_roped"] = self.repeats.get(f"L{n}.q_pe_roped", 1) + 1
+        key = site(n, "q_pe_roped")
+        if key in self.t:
+            self.repeats[key] = self.repeats.get(key, 1) + 1
             return
         q_pe, k_pe = output[0], output[1]
         q = _np(q_pe)
@@ -915,7 +723,7 @@ class VllmCapture:
                 out[f"L{n}.W_UV{suffix}"] = _np(holder.W_UV).astype(np.float32)
                 holders.append(path)
         meta = {
-            "format": "mla-diff vllm weights 1",
+            "format": dump_format.VLLM_WEIGHTS,
             "engine": self.engine,
             "tp_size": str(self.tp_size),
             "rank": str(self.tp_rank),
@@ -941,14 +749,14 @@ class VllmCapture:
         for n, layer in self.layers:
             g = lambda name: w.get(f"L{n}.{name}{suffix}")  # noqa: E731
             if g("fused_qkv_a_proj") is not None and layer.self_attn.q_lora_rank is not None:
-                out[f"L{n}.w.fused_qkv_a"] = g("fused_qkv_a_proj")
+                out[site(n, "w.fused_qkv_a")] = g("fused_qkv_a_proj")
             elif g("q_a_proj") is not None and g("kv_a_proj_with_mqa") is not None:
-                out[f"L{n}.w.fused_qkv_a"] = np.concatenate([g("q_a_proj"), g("kv_a_proj_with_mqa")])
+                out[site(n, "w.fused_qkv_a")] = np.concatenate([g("q_a_proj"), g("kv_a_proj_with_mqa")])
             if g("kv_b_proj") is not None:
-                out[f"L{n}.w.kv_b"] = g("kv_b_proj")
+                out[site(n, "w.kv_b")] = g("kv_b_proj")
             if g("W_UK_T") is not None:
-                out[f"L{n}.w.W_UK_T"] = g("W_UK_T")
-                out[f"L{n}.w.W_UV"] = g("W_UV")
+                out[site(n, "w.W_UK_T")] = g("W_UK_T")
+                out[site(n, "w.W_UV")] = g("W_UV")
         return out
 
     def _no_capture_error(self) -> RuntimeError:
@@ -993,7 +801,7 @@ class VllmCapture:
                 tensors[k] = a[:num_tokens]
             tokens = None if tokens is None else tokens[:num_tokens]
             positions = None if positions is None else positions[:num_tokens]
-        # fp16 residual-stream rescale (see module docstring)
+        # fp16 residual-stream rescale (docs/engines.md, "fp16 models")
         if residual_natural and self.undo_fp16 and self.act_dtype == torch.float16:
             undone = []
             for n, layer in self.layers:
@@ -1001,12 +809,12 @@ class VllmCapture:
                 if rsf == 1.0 or type(layer.self_attn).__name__ == "DeepseekAttention":
                     continue
                 layer_idx = getattr(layer, "layer_idx", n)
-                if layer_idx > 0 and f"L{n}.hidden_in" in tensors:
-                    tensors[f"L{n}.hidden_in"] = tensors[f"L{n}.hidden_in"] * np.float32(rsf)
-                    undone.append(f"L{n}.hidden_in")
-                if f"L{n}.hidden_out" in tensors:
-                    tensors[f"L{n}.hidden_out"] = tensors[f"L{n}.hidden_out"] * np.float32(rsf)
-                    undone.append(f"L{n}.hidden_out")
+                if layer_idx > 0 and site(n, "hidden_in") in tensors:
+                    tensors[site(n, "hidden_in")] = tensors[site(n, "hidden_in")] * np.float32(rsf)
+                    undone.append(site(n, "hidden_in"))
+                if site(n, "hidden_out") in tensors:
+                    tensors[site(n, "hidden_out")] = tensors[site(n, "hidden_out")] * np.float32(rsf)
+                    undone.append(site(n, "hidden_out"))
             if undone:
                 notes.append("fp16: vLLM's residual stream is scaled by 1/routed_scaling_factor; "
                              f"multiplied back on {', '.join(undone)}")
@@ -1026,15 +834,15 @@ class VllmCapture:
         decode = any(k.endswith((".ql_nope", ".attn_latent")) for k in ordered)
         missing = []
         for n, layer in self.layers:
-            for st in ACT_STAGES + DECODE_SITES:
+            for st in HOOKED_STAGES:
                 if st in ("q_c", "q_c_normed") and layer.self_attn.q_lora_rank is None:
                     continue
-                if f"L{n}.{st}" not in ordered:
-                    missing.append(f"L{n}.{st}")
+                if site(n, st) not in ordered:
+                    missing.append(site(n, st))
         for k, c in sorted(rec["repeats"].items()):
             notes.append(f"{k}: {c} calls in one forward, the first kept")
         meta = {
-            "format": "mla-diff dump 1",
+            "format": dump_format.FORMAT1,
             "engine": self.engine,
             "dtype": _dtype_name(self.act_dtype) if self.act_dtype is not None else "bf16",
             "rope_order": "interleaved",
@@ -1051,7 +859,7 @@ class VllmCapture:
                        "self_attn.{fused_qkv_a_proj|q_a_proj|kv_a_proj_with_mqa, q_a_layernorm, "
                        "q_b_proj|q_proj, kv_a_layernorm, kv_b_proj, rotary_emb, o_proj}; "
                        "MLAAttention.impl.forward_mqa wrapped",
-            "hook": f"scripts/dump_vllm.py (tested with vLLM {TESTED_VLLM})",
+            "hook": f"{HOOK_NAME} (tested with vLLM {TESTED_VLLM})",
             "not_dumped": ",".join(sorted(set(m.split(".", 1)[1] for m in missing)))
                           + (" (k_nope/v: the decode path never expands the latent)" if decode else
                              " (ql_nope/attn_latent/lse: computed only for decode tokens)"),
@@ -1079,12 +887,11 @@ class VllmCapture:
 
     def write_dump(self, path, **kw) -> Path:
         tensors, meta = self.result(**kw)
-        st_io.save(tensors, Path(path), metadata=meta)
-        return Path(path)
+        return dump_format.write_format1(path, tensors, meta)
 
     def fp16_residual_scale(self) -> float | None:
         """The factor vLLM's fp16 path carries in its residual stream, 1/routed_scaling_factor
-        (see the module docstring), or None when it runs no such scaling (bf16/f32 activations,
+        (docs/engines.md, "fp16 models"), or None when it runs no such scaling (bf16/f32 activations,
         routed_scaling_factor 1, or only non-MLA DeepseekAttention layers)."""
         if self.act_dtype != _torch().float16:
             return None
@@ -1141,20 +948,20 @@ class VllmCapture:
             specs.append({"name": name, "seqs": [{"new": int(n), "context": int(c)}
                                                  for c, n in zip(ctx, lens)]})
             for nm, a in t.items():
-                tensors[f"s{k}.{nm}"] = a
+                tensors[dump_format.step_tensor(k, nm)] = a
             if meta.get("notes"):
                 notes.append(f"{name}: {meta['notes']}")
         if weights:
             w, _ = self.weights()
             for nm in sorted(w, key=_site_key):
-                tensors[f"weights.{nm}"] = w[nm]
-        layers = sorted({int(nm.split(".")[1][1:]) for nm in tensors
-                         if nm.startswith("s") and nm.split(".")[1].startswith("L")})
+                tensors[dump_format.weights_tensor(nm)] = w[nm]
+        layers = sorted({p[0] for nm in tensors if nm.startswith("s")
+                         for p in [dump_format.parse_site(nm.split(".", 1)[1])] if p is not None})
         eng = {"name": "vllm", "version": self.engine.split()[1] if self.engine.startswith("vllm ")
                else self.engine}
         eng.update(engine or {})
         header = {
-            "model": model_identity(model_path, layers),
+            "model": dump_format.model_identity(model_path, layers),
             "hook": {"name": HOOK_NAME, "version": f"{HOOK_VERSION} (tested with vLLM {TESTED_VLLM})"},
             "engine": eng,
             "dtype": sorted(dtypes)[0] if len(dtypes) == 1 else ",".join(sorted(dtypes)),
@@ -1164,12 +971,7 @@ class VllmCapture:
             "steps": specs,
             "patches": [{"name": n, "reason": r} for n, r in (patches or [])],
         }
-        meta = {"format": FORMAT2, "header": json.dumps(header, separators=(",", ":"))}
-        if notes:
-            meta["notes"] = " | ".join(notes)
-        meta.update(extra_meta or {})
-        st_io.save(tensors, Path(path), metadata=meta)
-        return Path(path)
+        return dump_format.write_format2(path, tensors, header, notes=notes, extra=extra_meta)
 
     def write_steps(self, path, *, extra_meta: dict[str, str] | None = None,
                     weight_sites: bool = True) -> list[Path]:
@@ -1189,35 +991,13 @@ class VllmCapture:
                 meta["step"] = f"decode {i} of {len(self.steps) - 1}"
                 meta["context"] = (f"positions 0..{int(pos[0]) - 1} from the earlier steps "
                                    f"({path.name} and its decode files)" if pos is not None else "")
-            st_io.save(tensors, p, metadata=meta)
-            out.append(p)
+            out.append(dump_format.write_format1(p, tensors, meta))
         return out
 
     def write_weights(self, path) -> Path:
         tensors, meta = self.weights()
         st_io.save(tensors, Path(path), metadata=meta)
         return Path(path)
-
-
-def model_identity(model_path, layers: list[int]) -> dict:
-    """header.model of a format-2 dump: file name, size, sha256 of the bytes before the tensor
-    data (magic, version, metadata, tensor index, padding) and of each layer's raw tensor bytes
-    (every `blk.{n}.*` tensor, in tensor-index order). Needs gguf-py."""
-    import hashlib
-    import gguf
-    path = Path(model_path)
-    rd = gguf.GGUFReader(str(path))
-    data = rd.data
-    ident = {"file": path.name, "bytes": int(path.stat().st_size),
-             "index_sha256": hashlib.sha256(data[: rd.data_offset].tobytes()).hexdigest(),
-             "layer_sha256": {}}
-    for n in layers:
-        h = hashlib.sha256()
-        for t in rd.tensors:
-            if t.name.startswith(f"blk.{n}."):
-                h.update(data[t.data_offset: t.data_offset + t.n_bytes].tobytes())
-        ident["layer_sha256"][str(n)] = h.hexdigest()
-    return ident
 
 
 def _model_dtype(root):
@@ -1339,7 +1119,8 @@ def merge_rank_dumps(paths, out_path) -> Path:
             if any(a is None for a in arrs):
                 notes.append(f"{name}: missing on some rank, dropped")
                 continue
-            stage = name.split(".", 1)[1] if name.startswith("L") and "." in name else name
+            parsed = dump_format.parse_site(name)
+            stage = parsed[1] if parsed is not None else name
             if stage in HEAD_SHARDED and tp_size > 1:
                 merged[name] = np.concatenate(arrs, axis=HEAD_SHARDED[stage])
             else:
@@ -1360,8 +1141,7 @@ def merge_rank_dumps(paths, out_path) -> Path:
     for k in ("tokens", "positions"):
         if k in merged:
             ordered[k] = merged[k]
-    st_io.save(ordered, Path(out_path), metadata=meta)
-    return Path(out_path)
+    return dump_format.write_format1(out_path, ordered, meta)
 
 
 def merge_weight_files(paths, out_path) -> Path:
@@ -1382,7 +1162,7 @@ def merge_weight_files(paths, out_path) -> Path:
 
 
 # --------------------------------------------------------------------------------------------
-# command line: run vLLM's LLM end to end (needs a GPU; on a CPU use scripts/vllm_cpu.py)
+# command line: run vLLM's LLM end to end (needs a GPU; on a CPU use mla_diff_hooks.vllm_cpu)
 # --------------------------------------------------------------------------------------------
 
 # (name, reason) of the one change --zero-unloaded makes to vLLM's behaviour (recorded in the dump)
@@ -1429,7 +1209,7 @@ def main() -> None:
     ap.add_argument("model", help="model path or name for vllm.LLM (a HF folder or a .gguf, which "
                     "vllm-gguf-plugin loads)")
     ap.add_argument("--hf-config-path", default=None, help="folder with the HF config.json for a "
-                    ".gguf (vllm-gguf-plugin needs one; scripts/vllm_cpu.py config derives it)")
+                    ".gguf (vllm-gguf-plugin needs one; python -m mla_diff_hooks.vllm_cpu config derives it)")
     ap.add_argument("--decode-steps", type=int, default=0,
                     help="also record this many decode steps (format 2, .gguf models only)")
     ap.add_argument("--tokens", required=True, help="comma-separated prompt token ids")

@@ -1,6 +1,5 @@
-"""The installed package: every hook module imports with nothing but the standard library, a
-missing dependency fails with one line naming the extra, the command lines start, and the
-scripts/ wrappers of a checkout are the package's modules.
+"""The installed package: every module imports with nothing but the standard library, a missing
+dependency fails with one line naming the extra, and the command lines start.
 
 Why this exists: `pip install mla-diff` installs no Python dependencies (they are the extras), so
 `import mla_diff_hooks.vllm` inside an engine process, and `python -m mla_diff_hooks.<engine>`,
@@ -20,7 +19,7 @@ import pytest
 from support import ROOT, find_mla_diff, hooks_module
 from test_llama_cpp import _env
 
-MODULES = ["vllm", "hf", "hf_hooks", "llama_cpp", "st_io"]
+MODULES = ["vllm", "hf", "hf_hooks", "llama_cpp", "st_io", "dump_format", "kernels", "vllm_cpu"]
 
 
 def _py(code: str, *args: str) -> subprocess.CompletedProcess:
@@ -52,6 +51,9 @@ def test_missing_numpy_is_one_line_naming_the_extra(tmp_path):
     r = _py("from mla_diff_hooks import st_io\nst_io.save({}, 'x.safetensors')")
     assert r.stderr.strip().splitlines()[-1].startswith(
         "ModuleNotFoundError: mla_diff_hooks.st_io needs numpy: pip install numpy (or one of the extras")
+    r = _py("from mla_diff_hooks import kernels\nkernels.synth('x', 4, 2, 4, 0)")
+    assert r.stderr.strip().splitlines()[-1] == ("ModuleNotFoundError: mla_diff_hooks.kernels needs torch: "
+                                                 "pip install 'mla-diff[kernels]'")
 
 
 def test_optional_returns_the_module_when_present():
@@ -65,7 +67,8 @@ def test_optional_returns_the_module_when_present():
 
 
 @pytest.mark.parametrize("mod,flag", [("vllm", "--decode-steps"), ("hf", "--with-weights"),
-                                      ("llama_cpp", "--exclude")])
+                                      ("llama_cpp", "--exclude"), ("kernels", "synth"),
+                                      ("vllm_cpu", "setup")])
 def test_module_command_lines_start(mod, flag):
     r = subprocess.run([sys.executable, "-m", f"mla_diff_hooks.{mod}", "--help"], capture_output=True,
                        text=True, env=_env())
@@ -76,23 +79,6 @@ def test_hf_refuses_a_folder_without_config(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mla_diff_hooks.hf", str(tmp_path), str(tmp_path / "o.st")],
                        capture_output=True, text=True, env=_env())
     assert r.returncode == 1 and r.stderr.strip() == f"{tmp_path}: no config.json"
-
-
-@pytest.mark.skipif(not (ROOT / "scripts" / "dump_vllm.py").is_file(), reason="not a checkout")
-def test_scripts_wrappers_are_the_package_modules():
-    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
-            "import dump_vllm, dump_hf, dump_llama_cpp, st_io, hf_hooks\n"
-            "import mla_diff_hooks.vllm as v, mla_diff_hooks.hf as h, mla_diff_hooks.llama_cpp as l\n"
-            "import mla_diff_hooks.st_io as s, mla_diff_hooks.hf_hooks as hh\n"
-            "assert dump_vllm is v and dump_hf is h and dump_llama_cpp is l and st_io is s and hf_hooks is hh\n"
-            "assert dump_vllm.st_io is st_io\n"
-            "print(v.__file__)")
-    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "scripts")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == str(ROOT / "python" / "mla_diff_hooks" / "vllm.py")
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "dump_vllm.py"), "--help"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0 and "--hf-config-path" in r.stdout, r.stderr
 
 
 @pytest.mark.skipif(os.environ.get("MLA_DIFF_TEST_WHEEL") != "1",

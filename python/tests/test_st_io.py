@@ -44,7 +44,7 @@ def read(path: Path) -> tuple[dict, dict, dict]:
     return tensors, meta, header
 
 
-# committed dumps written by st_io.save (dump_hf, dump_llama_cpp, vllm_cpu format 2)
+# committed dumps written by st_io.save (mla_diff_hooks.hf, .llama_cpp, .vllm_cpu format 2)
 COMMITTED = ["tiny-v3-f32.hf.safetensors", "tiny-v3-f32.llama-cpp.safetensors",
              "legacy-kvb-f32.vllm.safetensors"]
 
@@ -64,7 +64,7 @@ def test_header_layout(tmp_path):
     t = {"b": np.arange(6, dtype=np.float32).reshape(2, 3), "a": np.array([1, -2], np.int64),
          "h": np.array([0.5], np.float16), "u": np.array([7], np.uint8)}
     out = tmp_path / "x.safetensors"
-    st_io.save(t, out, metadata={"z": "1", "format": "mla-diff dump 1", "n": 3})
+    st_io.save(t, out, metadata={"z": "1", "format": "f", "n": 3})
     raw = out.read_bytes()
     n = int.from_bytes(raw[:8], "little")
     assert n % 8 == 0 and (8 + n) % 8 == 0                           # data section 8-aligned

@@ -55,7 +55,7 @@ def test_merge_rank_dumps(tmp_path):
         h = hid if r == 0 else hid + np.float32(1e-3)
         st_io.save({"tokens": tok, "L0.q": q[:, 2 * r:2 * r + 2], "L0.hidden_in": h},
                    tmp_path / f"d.rank{r}.safetensors",
-                   metadata={"format": "mla-diff dump 1", "tp_rank": str(r), "tp_size": "2"})
+                   metadata={"format": dump_vllm.dump_format.FORMAT1, "tp_rank": str(r), "tp_size": "2"})
     out = dump_vllm.merge_rank_dumps([tmp_path / "d.rank1.safetensors", tmp_path / "d.rank0.safetensors"],
                                      tmp_path / "d.safetensors")
     t, meta = dump_vllm._read(out)

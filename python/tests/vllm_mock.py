@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Test mla_diff_hooks.vllm (scripts/dump_vllm.py) against a plain-torch mock of vLLM's DeepSeek MLA module tree.
+"""Test mla_diff_hooks.vllm against a plain-torch mock of vLLM's DeepSeek MLA module tree.
 
 Why a mock: CI installs no vLLM (3.6 GiB of wheels), so this file rebuilds, in plain torch, the
-parts of vLLM 0.26.0 that dump_vllm.py hooks, with vLLM's module and parameter NAMES and the
+parts of vLLM 0.26.0 that mla_diff_hooks.vllm hooks, with vLLM's module and parameter NAMES and the
 forward-call SIGNATURES of its source (model_executor/models/deepseek_v2.py, layers/mla.py,
 layers/attention/mla_attention.py, compilation/decorators.py). The real vLLM is exercised by
-`scripts/vllm_cpu.py test` (run by hand).
+`python -m mla_diff_hooks.vllm_cpu test` (run by hand).
   DeepseekV3ForCausalLM.model = DeepseekV2Model(embed_tokens, layers, norm), the inner model
       decorated like @support_torch_compile: its __call__ calls self.forward() directly, so a
       hook on it never fires (the real vLLM's behaviour, which the hook must survive: it hooks
@@ -50,7 +50,7 @@ context, and the format-2 file (docs/dump-format.md): header (model identity has
 here, steps with their contexts, conventions, patches) and tensor names.
 
 Run with a Python that has torch, numpy, safetensors and gguf but NOT vLLM (with vLLM importable,
-dump_vllm.py dequantizes the mock's int8 layer through vLLM's own helper instead):
+mla_diff_hooks.vllm dequantizes the mock's int8 layer through vLLM's own helper instead):
     python -m pytest python/tests/test_vllm.py   (each group of checks is one pytest test), or
     python python/tests/vllm_mock.py             (exit 0 = all checks passed)
 mla_diff_hooks is imported as installed (pip install), else from this checkout's python/.
@@ -647,7 +647,7 @@ def test_single_rank(tmp: Path, ck) -> dict:
     check(all(t[k].dtype == np.float32 for k in t if k.startswith("L")), "sites stored as F32")
     check(t["tokens"].tolist() == TOKENS and t["positions"].tolist() == POSITIONS,
           f"tokens {t['tokens'].tolist()} / positions {t['positions'].tolist()} are the recorded forward's")
-    for k, v in (("format", "mla-diff dump 1"), ("engine", ENGINE), ("dtype", "bf16"),
+    for k, v in (("format", dump_vllm.dump_format.FORMAT1), ("engine", ENGINE), ("dtype", "bf16"),
                  ("rope_order", "interleaved"), ("layout", "token-major"), ("kv_a_order", "latent-rope"),
                  ("seq_lens", "3,2"), ("model", "mock-deepseek-v3"), ("tp_size", "1")):
         check(meta.get(k) == v, f"metadata {k} = {meta.get(k)!r}")
@@ -920,7 +920,7 @@ def test_decode_steps(tmp: Path, ck) -> None:
     rd = gguf.GGUFReader(str(gguf_path))
     want_l0 = hashlib.sha256(b"".join(raw[x.data_offset:x.data_offset + x.n_bytes]
                                       for x in rd.tensors if x.name.startswith("blk.0."))).hexdigest()
-    check(meta["format"] == "mla-diff dump 2" and h["model"]["file"] == "tiny-v3-f32.gguf"
+    check(meta["format"] == dump_vllm.dump_format.FORMAT2 and h["model"]["file"] == "tiny-v3-f32.gguf"
           and h["model"]["bytes"] == len(raw)
           and h["model"]["index_sha256"] == hashlib.sha256(raw[:rd.data_offset]).hexdigest()
           and h["model"]["layer_sha256"]["0"] == want_l0 and set(h["model"]["layer_sha256"]) == {"0", "1"},
@@ -1054,7 +1054,7 @@ def main() -> None:
         test_gguf_compare(tmp)
         test_decode_steps(tmp, ck)
     print(f"all {len(CHECKS)} checks passed (mock vLLM tree; the real vLLM 0.26.0: "
-          "scripts/vllm_cpu.py test)")
+          "python -m mla_diff_hooks.vllm_cpu test)")
 
 
 if __name__ == "__main__":

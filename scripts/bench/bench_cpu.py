@@ -12,7 +12,7 @@ by round, and reports medians and the load average it saw.
 Usage
 -----
     cargo build --release
-    /work/venv/fx/bin/python scripts/bench_cpu.py [--sections p2,p1,p3] [--workdir /work/scale]
+    /work/venv/fx/bin/python scripts/bench/bench_cpu.py [--sections p2,p1,p3] [--workdir /work/scale]
         [--rounds 5] [--bin target/release/mla-diff] [--p1-tokens 19] [--p3-tokens 128]
 
 Sections (Markdown tables on stdout, progress on stderr, raw figures in WORKDIR/bench_cpu.json):
@@ -25,11 +25,11 @@ Sections (Markdown tables on stdout, progress on stderr, raw figures in WORKDIR/
       loading does, and a reused buffer). Checks that mla-diff's output bits equal gguf-py's
       (SHA-256 of the f32 bytes) and exits 1 if not.
   p1  `mla-diff run --model M --layer 3 --path mha --backend cpu --stats` on the sparse 61-layer
-      and 4-layer DeepSeek-V3 files of scripts/make_sparse_gguf.py (layers 0-3 hold data),
+      and 4-layer DeepSeek-V3 files of scripts/fixtures/make_sparse_gguf.py (layers 0-3 hold data),
       ROUNDS rounds in ABBA order after one untimed run of each; wall time and peak RSS from
       `--stats` and from /usr/bin/time.
   p3  `mla-diff bench --reference M61 --layer 3 --tokens T` (reference f64 forward and the
-      CPU engine's mha path, 1 thread and all threads) and scripts/bench_p3_hf.py (transformers
+      CPU engine's mha path, 1 thread and all threads) and scripts/bench/bench_p3_hf.py (transformers
       DeepseekV3Attention, eager, f32 and f64, 1 thread and all threads), alternated for
       P3_ROUNDS rounds; ratios at equal thread counts.
 """
@@ -53,7 +53,7 @@ import numpy as np
 
 import gguf
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TYPES = ("Q8_0", "Q4_K", "Q6_K", "IQ4_NL")
 ROWS = COLS = 4096
 
@@ -256,7 +256,7 @@ def section_p1(a, results: dict) -> None:
     models = {"61L": a.workdir / "deepseek-v3-sparse-61L.gguf", "4L": a.workdir / "deepseek-v3-sparse-4L.gguf"}
     for m in models.values():
         if not m.exists():
-            sys.exit(f"error: {m} missing: run scripts/make_sparse_gguf.py {a.workdir}")
+            sys.exit(f"error: {m} missing: run scripts/fixtures/make_sparse_gguf.py {a.workdir}")
 
     def one(key: str) -> dict:
         cmd = ["/usr/bin/time", "-f", "TIME %e %M", str(a.bin), "run", "--model", str(models[key]), "--layer", "3",
@@ -308,7 +308,7 @@ def section_p1(a, results: dict) -> None:
 def section_p3(a, results: dict) -> None:
     model = a.workdir / "deepseek-v3-sparse-61L.gguf"
     if not model.exists():
-        sys.exit(f"error: {model} missing: run scripts/make_sparse_gguf.py {a.workdir}")
+        sys.exit(f"error: {model} missing: run scripts/fixtures/make_sparse_gguf.py {a.workdir}")
     ncpu = os.cpu_count() or 1
     counts = sorted({1, ncpu})
     ours: dict[tuple[str, int], list[float]] = {}
@@ -323,7 +323,7 @@ def section_p3(a, results: dict) -> None:
             f"{f['what']} {f['threads']} thr {f['median_s']:.2f} s" for f in doc["bench"]["figures"]))
         for k in counts:
             for dt in ("f32", "f64"):
-                p = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_p3_hf.py"), str(model), "--layer",
+                p = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "bench_p3_hf.py"), str(model), "--layer",
                                     "3", "--tokens", str(a.p3_tokens), "--runs", str(a.p3_runs), "--dtype", dt,
                                     "--threads", str(k)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 if p.returncode != 0:

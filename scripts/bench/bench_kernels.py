@@ -1,11 +1,11 @@
 """Production MLA decode kernels on the decode shapes of `mla-diff bench`, timed with CUDA events:
 B = 64 sequences of 4096 tokens, page 64, L = 512, R = 64, bf16, N = 16 (memory-bound: latent-cache
 bytes read per second) and N = 128 (compute-bound: TFLOP/s counting 2·B·N·seq·(2L+R), the count
-of `mla-diff bench`). Kernels are loaded as scripts/engine_kernels.py loads them (FlashMLA and
+of `mla-diff bench`). Kernels are loaded as mla_diff_hooks.kernels loads them (FlashMLA and
 vLLM's Triton decode from the vLLM files under --vllm-root, FlashInfer from its package).
 
 With `fa3` in --kernels, also FlashAttention-3's varlen prefill from vLLM's wheel (as
-scripts/engine_kernels.py loads it) on the prefill shape of `mla-diff bench`: one causal sequence of
+mla_diff_hooks.kernels loads it) on the prefill shape of `mla-diff bench`: one causal sequence of
 T = 4096, N = 16, q/k 192 and v 128 columns, bf16, TFLOP/s counting N·T²·(P+R+V) as that bench does.
 
 Prints one JSON object per line: kernel, N, median microseconds over 20 launches after 5 warm-ups,
@@ -18,8 +18,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import engine_kernels as ek  # noqa: E402
+# mla_diff_hooks from this checkout's python/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+from mla_diff_hooks import kernels as ek  # noqa: E402
 
 B, SEQ, PAGE, L, R = 64, 4096, 64, 512, 64
 

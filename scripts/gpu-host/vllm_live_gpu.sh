@@ -4,20 +4,20 @@
 # MLA decode backend, and writes format-2 dumps that `mla-diff compare` judges.
 #
 # vLLM and the packages it imports beyond the machine's own come as a wheel bundle made on a
-# machine with network by `scripts/vllm_live_bundle.sh`: a zstd tar cut into parts small enough to
+# machine with network by `scripts/gpu-host/vllm_live_bundle.sh`: a zstd tar cut into parts small enough to
 # carry a few at a time. Parts accumulate in $STAGE across calls, so the transfer resumes where it
 # stopped while the machine keeps $STAGE.
 #
 # Usage (from the repository root):
-#   bash scripts/vllm_live_gpu.sh receive DIR   copy the parts in DIR into $STAGE, check each
+#   bash scripts/gpu-host/vllm_live_gpu.sh receive DIR   copy the parts in DIR into $STAGE, check each
 #                                               against SHA256SUMS, say which are still missing
-#   bash scripts/vllm_live_gpu.sh status        which parts $STAGE holds and which it lacks
-#   bash scripts/vllm_live_gpu.sh install       unpack the complete bundle, pip-install it (no
+#   bash scripts/gpu-host/vllm_live_gpu.sh status        which parts $STAGE holds and which it lacks
+#   bash scripts/gpu-host/vllm_live_gpu.sh install       unpack the complete bundle, pip-install it (no
 #                                               index, no dependencies) into $STAGE/site, import
 #                                               vLLM, the plugin and both decode backends
-#   bash scripts/vllm_live_gpu.sh run OUT       for each backend in $BACKENDS: one prompt and
+#   bash scripts/gpu-host/vllm_live_gpu.sh run OUT       for each backend in $BACKENDS: one prompt and
 #                                               $DECODE_STEPS decode steps through `vllm.LLM` with
-#                                               the hooks of scripts/dump_vllm.py, then
+#                                               the hooks of mla_diff_hooks.vllm, then
 #                                               `mla-diff compare` on the dump; then the same on
 #                                               $SPLIT_MODEL (split attn_k_b/attn_v_b, which the
 #                                               plugin does not load) with the first backend
@@ -117,12 +117,12 @@ EOF
     [[ -x $BIN ]] || { echo "vllm_live: no mla-diff binary at $BIN (set MLA_DIFF_BIN)"; exit 2; }
     mkdir -p "$out"
     rc=0
-    one() {  # one NAME MODEL BACKEND WANT [EXTRA dump_vllm.py ARGS]
+    one() {  # one NAME MODEL BACKEND WANT [EXTRA mla_diff_hooks.vllm ARGS]
       local name=$1 model=$2 backend=$3 want=$4
       shift 4
       echo "=== vllm_live: $name: $model, attention backend $backend"
-      PYTHONPATH="$STAGE/site:$PWD/scripts" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
-        timeout "${VLLM_TIMEOUT:-600}" "$PY" scripts/dump_vllm.py "$model" --hf-config-path "$CONFIG_DIR" \
+      PYTHONPATH="$STAGE/site:$PWD/python" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+        timeout "${VLLM_TIMEOUT:-600}" "$PY" -m mla_diff_hooks.vllm "$model" --hf-config-path "$CONFIG_DIR" \
         --tokens "$TOKENS" --decode-steps "$DECODE_STEPS" --dtype bfloat16 \
         --attention-backend "$backend" --max-model-len 512 --gpu-memory-utilization 0.3 \
         --dump "$out/$name.safetensors" --force "$@" >"$out/$name.vllm.log" 2>&1

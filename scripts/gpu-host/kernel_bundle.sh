@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# What scripts/engine_kernels.py needs on a GPU machine without network, in one file small enough
+# What mla_diff_hooks.kernels needs on a GPU machine without network, in one file small enough
 # to carry to it (about 30 MB), and its installation there.
 #
-#   scripts/kernel_bundle.sh make VLLM_WHEEL FLASHINFER_WHEEL TVM_FFI_WHEEL OUT.tar
+#   scripts/gpu-host/kernel_bundle.sh make VLLM_WHEEL FLASHINFER_WHEEL TVM_FFI_WHEEL OUT.tar
 #       OUT.tar holds, unmodified: the files of the vLLM wheel that the kernels are
 #       (vllm/_flashmla_C.abi3.so, vllm/third_party/flashmla/*.py, the Triton decode and merge
 #       files under vllm/v1/attention/ops/, FA3's vllm/vllm_flash_attn/ interface and its
 #       153 MB extension stored xz-compressed (11 MB), and the wheel's METADATA for its
 #       version), and the flashinfer-python and apache-tvm-ffi wheels (about 30 MB in all;
 #       `split -b 16M` it to carry it in pieces and `cat` the pieces back).
-#   scripts/kernel_bundle.sh install OUT.tar DIR
-#       unpacks the vLLM files into DIR/vllm-root (engine_kernels.py --vllm-root DIR/vllm-root),
+#   scripts/gpu-host/kernel_bundle.sh install OUT.tar DIR
+#       unpacks the vLLM files into DIR/vllm-root (mla_diff_hooks.kernels --vllm-root DIR/vllm-root),
 #       decompresses the FA3 extension and pip-installs the wheels into DIR/site (add it to
 #       PYTHONPATH); no network, no deps.
 #

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Production MLA kernels judged on a GPU machine: for each case, `mla-diff run --export-inputs`
-# on a GGUF layer, scripts/engine_kernels.py on the exported inputs (one dump per kernel), and
+# on a GGUF layer, mla_diff_hooks.kernels on the exported inputs (one dump per kernel), and
 # `mla-diff compare` on each dump; prints one table row per (case, kernel, fault) with the exit
 # code wanted and got and the class compare named.
 #
-#   scripts/kernels_gpu.sh WORK
+#   scripts/gpu-host/kernels_gpu.sh WORK
 #
 # Environment: MLA_DIFF_BIN (default .gpu/mla-diff), VLLM_ROOT and PYTHONPATH as
-# scripts/kernel_bundle.sh install leaves them, FIXTURE (default golden/models/fa3-v3-bf16.gguf,
-# DeepSeek-V3's head dims at N = 4), V3 (a sparse DeepSeek-V3 file of scripts/make_sparse_gguf.py;
+# scripts/gpu-host/kernel_bundle.sh install leaves them, FIXTURE (default golden/models/fa3-v3-bf16.gguf,
+# DeepSeek-V3's head dims at N = 4), V3 (a sparse DeepSeek-V3 file of scripts/fixtures/make_sparse_gguf.py;
 # its cases are skipped when unset), KERNELS (default flashmla,triton-mla,flashinfer,fa3; fa3 is
 # the prefill kernel, judged on attn_out and lse), ONLY (a
 # regular expression: only the cases whose names match); EK_EXTRA,
-# set per case below, passes arguments to engine_kernels.py.
+# set per case below, passes arguments to mla_diff_hooks.kernels (run from this checkout's python/).
 # Exit: 0 when every row got the exit code it wanted, 1 otherwise, 2 on usage errors.
 set -u
 [ $# -eq 1 ] || { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
@@ -20,7 +20,7 @@ WORK=$1
 BIN=${MLA_DIFF_BIN:-.gpu/mla-diff}
 FIXTURE=${FIXTURE:-golden/models/fa3-v3-bf16.gguf}
 KERNELS=${KERNELS:-flashmla,triton-mla,flashinfer,fa3}
-[ -n "${VLLM_ROOT:-}" ] || { echo "kernels_gpu: VLLM_ROOT unset (see scripts/kernel_bundle.sh)" >&2; exit 2; }
+[ -n "${VLLM_ROOT:-}" ] || { echo "kernels_gpu: VLLM_ROOT unset (see scripts/gpu-host/kernel_bundle.sh)" >&2; exit 2; }
 mkdir -p "$WORK"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 bad=0
@@ -72,7 +72,8 @@ one() {
         lse-base2:flashmla | lse-base2:triton-mla | phantom:flashmla | phantom:flashinfer) continue ;;
         block-table:fa3 | lse-base2:fa3 | phantom:fa3) continue ;;
       esac
-      if ! python3 scripts/engine_kernels.py run "$dir/in" "$dir/out" --force --kernels "$k" \
+      if ! PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" python3 -m mla_diff_hooks.kernels run \
+        "$dir/in" "$dir/out" --force --kernels "$k" \
         --vllm-root "$VLLM_ROOT" ${fault:+--plant "$fault"} ${EK_EXTRA:-} >"$dir/$k.${fault:-clean}.log" 2>&1; then
         echo "| $name | $k | ${fault:--} | runner failed | $(tail -1 "$dir/$k.${fault:-clean}.log") |"
         bad=1

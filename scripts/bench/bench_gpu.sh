@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU benchmarks side by side in one run: `mla-diff bench` (copy bandwidth, fast MQA
 # decode memory- and compute-bound, fast MHA prefill), torch's scaled_dot_product_attention on
-# the same prefill shape and, when VLLM_ROOT names the vLLM files of scripts/kernel_bundle.sh
+# the same prefill shape and, when VLLM_ROOT names the vLLM files of scripts/gpu-host/kernel_bundle.sh
 # (FlashInfer on PYTHONPATH), the production decode kernels FlashMLA, vLLM's Triton MLA and
 # FlashInfer MLA on the same decode shapes and FA3's prefill on the prefill shape
-# (scripts/bench_kernels.py). Run from the repository
-# root on the GPU machine with the stripped binary in .gpu/ (see scripts/gpu_validate.sh). Writes
+# (scripts/bench/bench_kernels.py). Run from the repository
+# root on the GPU machine with the stripped binary in .gpu/ (see scripts/gpu-host/gpu_validate.sh). Writes
 # $OUT/bench.json, $OUT/sdpa.json, $OUT/kernels.jsonl and prints the ratios.
 set -eu
 OUT=${OUT:-gpu-logs}
@@ -15,9 +15,9 @@ B=${MLA_DIFF_BIN:-.gpu/mla-diff}
 date -u +"date: %Y-%m-%d %H:%M UTC"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 "$B" bench --json "$OUT/bench.json" --force
-python3 scripts/bench_sdpa.py > "$OUT/sdpa.json"
+python3 scripts/bench/bench_sdpa.py > "$OUT/sdpa.json"
 if [ -n "${VLLM_ROOT:-}" ]; then
-  python3 scripts/bench_kernels.py --vllm-root "$VLLM_ROOT" > "$OUT/kernels.jsonl"
+  python3 scripts/bench/bench_kernels.py --vllm-root "$VLLM_ROOT" > "$OUT/kernels.jsonl"
 else
   echo "bench_gpu: VLLM_ROOT unset: production decode kernels not timed" >&2
   : > "$OUT/kernels.jsonl"

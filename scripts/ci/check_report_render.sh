@@ -10,11 +10,11 @@
 #
 # Needs: cmark-gfm, pandoc, librsvg2-bin (rsvg-convert); chromium for --screenshot
 # (Debian: apt-get install cmark-gfm pandoc librsvg2-bin chromium).
-# Usage: scripts/check_report_render.sh [--screenshot] [OUTDIR]   (binary: target/release/mla-diff)
+# Usage: scripts/ci/check_report_render.sh [--screenshot] [OUTDIR]   (binary: target/release/mla-diff)
 # Exit: 0 rendered and checked, 1 a check failed, 2 a tool is missing (the message says which and
 # the apt-get line that installs it).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 SHOT=0
 if [[ "${1:-}" == "--screenshot" ]]; then SHOT=1; shift; fi
 need=(cmark-gfm pandoc rsvg-convert)

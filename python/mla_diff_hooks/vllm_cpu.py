@@ -1,97 +1,20 @@
 #!/usr/bin/env python3
 """Run vLLM's real DeepSeek MLA model code on a CPU and dump it for `mla-diff compare`.
 
-vLLM ships CUDA kernels for everything MLA does; on a machine without a GPU its own code refuses to
-start. This harness runs the unmodified vLLM 0.26.0 Python code of `DeepseekV3ForCausalLM`
-(vllm/model_executor/models/deepseek_v2.py, MLAAttention in
-vllm/model_executor/layers/attention/mla_attention.py) on the CPU, with the GGUF loaded through the
-unmodified vllm-gguf-plugin, and records it with scripts/dump_vllm.py:
-
-  * prefill: one step through vLLM's MLAAttention.forward_impl -> MLACommonBaseImpl.forward_mha,
-    whose attention call goes to a prefill backend registered here (torch SDPA; vLLM's own
-    prefill backends are FlashAttention / FlashInfer / TRT-LLM kernels that need a GPU);
-  * decode: K steps through vLLM's MQA path (W_UK_T absorption, TritonMLAImpl.forward_mqa and its
-    real Triton kernel vllm/v1/attention/ops/triton_decode_attention.py) executed by Triton's
-    interpreter (TRITON_INTERPRET=1), reading the paged latent cache written by the prefill;
-  * float32 throughout: numpy (under the interpreter) has no bfloat16.
-
-Nothing in vLLM's files is edited: the harness changes behaviour at import time, from outside, and
-every change is listed in PATCHES (name and reason) and recorded in the dump's metadata. The
-attention metadata the GPU runner would build is built here by hand (MLACommonMetadata with
-MLACommonPrefillMetadata or MLACommonDecodeMetadata, passed through set_forward_context), and
-torch.distributed is initialised with the gloo backend, world size 1.
-
-Subcommands (Python 3.10+; only the standard library is needed to start):
-
-  setup --venv DIR       create a venv and pip-install the exact versions in PINS (about 3.6 GiB
-                         of wheels, mostly torch and the CUDA libraries vLLM depends on)
-  config --gguf M.gguf --out DIR [--dtype float32|bfloat16|float16]
-                         write DIR/config.json (a HF DeepseekV3 config derived from the GGUF's
-                         metadata; the plugin needs one, transformers cannot build it from a GGUF;
-                         --dtype sets its torch_dtype, default float32)
-  run --venv DIR --gguf M.gguf [--config-dir DIR] --tokens 1,2,3 --decode-steps K
-      --out D.safetensors [--weights W.safetensors] [--format 2|1] [--zero-unloaded]
-                         run vLLM in the venv (re-launched there with TRITON_INTERPRET=1) and
-                         write the dump; without --config-dir a config.json is derived from the
-                         GGUF into a temporary folder; --decode-tokens picks the decode steps'
-                         tokens (default: greedy from vLLM's own logits)
-  test --venv DIR [--keep]
-                         end-to-end test on the real vLLM (CI installs none: run it by hand):
-                         1. golden/models/legacy-kvb-f32.gguf (fused attn_kv_b, which the plugin
-                            maps; P = 32, V = 64): prefill + 2 decode steps, `mla-diff compare`
-                            must exit 0, and the decode steps' ql_nope / lse / attn_latent /
-                            attn_out must match a float64 MQA over the dumped context (1e-5);
-                         2. golden/models/tiny-v3-f32.gguf (split attn_k_b / attn_v_b, which the
-                            plugin does not map): vLLM must fail at load, in
-                            process_weights_after_loading, with kv_b_proj reported as never loaded;
-                         3. the same with --zero-unloaded: `mla-diff compare` must exit 1 at
-                            L0.w.kv_b
-                         With an mla-diff that reads only format 1, the prefill step is converted
-                         to format 1 for it.
-
-The venv defaults to .venv-vllm/ in the repository (ignored by git) or $MLA_VLLM_VENV.
-$MLA_VLLM_CPU_SKIP=name[,name] leaves patches out, to see what each is for. Measured with
-vLLM 0.26.0 on legacy-kvb-f32.gguf, without each patch:
-  triton-interpreter    AttributeError: module 'triton' has no attribute 'next_power_of_2'
-                        (the placeholder, in TritonMLAImpl.forward_mqa)
-  cpu-mla-backend       NotImplementedError: MLA is not supported on CPU.
-  sdpa-prefill-backend  ImportError: cannot import name 'compile_flash_attn_varlen_func_from_specs'
-                        (FlashAttention's prefill backend)
-  native-custom-ops     AttributeError: '_OpNamespace' '_C' object has no attribute 'rotary_embedding'
-  silu-and-mul-init     AttributeError: '_OpNamespace' '_C' object has no attribute 'silu_and_mul'
-  latent-cache-write    AttributeError: '_OpNamespace' '_C_cache_ops' object has no attribute
-                        'concat_and_cache_mla'
-(cpu-platform is needed for anything to start; unquantized linear layers need no patch: on the
-CPU platform UnquantizedLinearMethod.process_weights_after_loading sets layer.cpu_linear.)
-
---zero-unloaded: vllm-gguf-plugin 0.0.5 maps attn_kv_b -> kv_b_proj but not the split
-attn_k_b / attn_v_b that current llama.cpp writes, so on such a file kv_b_proj keeps an empty GGUF
-parameter and vLLM fails in MLAAttention.process_weights_after_loading ("size mismatch, got input
-(96), mat (96x96), vec (0)" on tiny-v3, F32 and Q8_0 alike). The harness names the layers the
-loader never filled; with --zero-unloaded it gives them an all-zero weight instead (recorded as
-the patch `zero-unloaded-weights`), so the run completes and the dump shows what a weight that
-was never loaded computes.
-
-Example:
-    python3 scripts/vllm_cpu.py setup --venv .venv-vllm
-    python3 scripts/vllm_cpu.py run --venv .venv-vllm --gguf golden/models/legacy-kvb-f32.gguf \
-        --tokens 5,17,42,99,7,3 --decode-steps 2 --out /tmp/vllm-legacy.safetensors
-    ./target/release/mla-diff compare --model golden/models/legacy-kvb-f32.gguf \
-        --dump /tmp/vllm-legacy.safetensors
-
-Output: D.safetensors in docs/dump-format.md's format 2 (the default): the prefill step and
-each decode step (`s{k}.L{n}.{stage}`, with ql_nope, attn_latent and lse from the MQA path for
-the decode tokens), the model's identity hashes, vLLM's version and backends, every patch, and
-vLLM's MLA weights as loaded (`weights.L{n}.{param}`, unless --no-weights) for
-`mla-diff weights --check`. `--format 1` writes the prefill step alone in format 1 and each
-decode step k next to it as D.decode{k}.safetensors; `--weights W` also writes the weights to a
-file of their own.
+Why this exists: vLLM refuses to start its MLA code without a GPU; this harness runs the
+unmodified vLLM 0.26.0 Python code of `DeepseekV3ForCausalLM` on the CPU (GGUF through
+vllm-gguf-plugin, a torch SDPA prefill backend, the Triton MLA decode kernel under
+TRITON_INTERPRET=1, float32) and records it with `mla_diff_hooks.vllm`. Every change it makes to
+vLLM's behaviour is applied from outside vLLM's files, listed in PATCHES and recorded in the dump.
+Subcommands: setup, config, run, test. Reference (patches and what fails without each,
+--zero-unloaded, the end-to-end test): docs/engines.md, "vLLM on a CPU".
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import contextlib
 import os
 import shutil
 import subprocess
@@ -100,8 +23,16 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from . import dump_format
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+# The checkout this package lives in (golden/ for `test`, target/ for the binary, .venv-vllm/);
+# from an installed wheel, the working directory.
+_CHECKOUT = PACKAGE_DIR.parent.parent
+ROOT = _CHECKOUT if (_CHECKOUT / "golden").is_dir() else Path.cwd()
+MODULE = "mla_diff_hooks.vllm_cpu"
+# the harness's name in the dumps it writes (metadata `harness`, the engine's description)
+HARNESS = "vllm_cpu.py"
 
 # exact versions; gguf: vllm-gguf-plugin 0.0.5 asks for gguf>=0.17.0, pinned to the newest
 PINS = ["vllm==0.26.0", "vllm-gguf-plugin==0.0.5", "gguf==0.19.0"]
@@ -153,6 +84,21 @@ def venv_python(venv: Path) -> Path:
 
 def _in_venv(venv) -> bool:
     return Path(sys.prefix).resolve() == Path(venv).resolve()
+
+
+@contextlib.contextmanager
+def _venv_command(venv, args: list[str], env: dict | None = None):
+    """(argv, env) that run this module with `args` under the venv's python. The venv holds vLLM
+    but not this package: PYTHONPATH gets a temporary folder holding only a link to it (the
+    package's own parent may be a site-packages whose packages would shadow the venv's)."""
+    py = venv_python(Path(venv))
+    if not py.exists():
+        raise SystemExit(f"{py} missing: run `python -m {MODULE} setup --venv {venv}` first")
+    with tempfile.TemporaryDirectory(prefix="mla-diff-hooks-") as d:
+        (Path(d) / PACKAGE_DIR.name).symlink_to(PACKAGE_DIR, target_is_directory=True)
+        env = dict(os.environ if env is None else env)
+        env["PYTHONPATH"] = d + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        yield [str(py), "-m", MODULE, *args], env
 
 
 def cmd_setup(args) -> int:
@@ -281,16 +227,12 @@ def cmd_config(args) -> int:
 # =============================================================================================
 
 def _relaunch_in_venv(args) -> int:
-    """Run this file's `_inner` subcommand with the venv's python, TRITON_INTERPRET=1."""
-    py = venv_python(Path(args.venv))
-    if not py.exists():
-        raise SystemExit(f"{py} missing: run `{Path(__file__).name} setup --venv {args.venv}` first")
+    """Run this module's `_inner` subcommand with the venv's python, TRITON_INTERPRET=1."""
     env = dict(os.environ)
     env["TRITON_INTERPRET"] = "1"
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    env["PYTHONPATH"] = str(HERE) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    argv = [str(py), str(Path(__file__).resolve()), "_inner"] + sys.argv[2:]
-    return subprocess.run(argv, env=env).returncode
+    with _venv_command(args.venv, ["_inner"] + sys.argv[2:], env) as (argv, env):
+        return subprocess.run(argv, env=env).returncode
 
 
 def cmd_run(args) -> int:
@@ -507,7 +449,7 @@ def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.model_loader import get_model_loader
 
-    import dump_vllm
+    from . import vllm as dump_vllm
 
     block_size = 16
     total = len(tokens) + args.decode_steps
@@ -530,7 +472,7 @@ def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
     block_table = torch.arange(n_blocks, dtype=torch.int32)[None, :]
 
     cap = dump_vllm.VllmCapture(model, steps=1 + args.decode_steps,
-                                engine=f"vllm {vllm.__version__} (scripts/vllm_cpu.py, CPU)")
+                                engine=f"vllm {vllm.__version__} ({HARNESS}, CPU)")
     cap.arm()
     seq = list(tokens)
     decode_ids: list[int] = []
@@ -554,13 +496,13 @@ def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.format == 2:
         engine = {"name": "vllm", "version": vllm.__version__, "attention_backend": "TRITON_MLA",
-                  "prefill_backend": "TORCH_SDPA_CPU (scripts/vllm_cpu.py, MLAPrefillBackendEnum.CUSTOM)"}
+                  "prefill_backend": f"TORCH_SDPA_CPU ({HARNESS}, MLAPrefillBackendEnum.CUSTOM)"}
         written = [cap.write_format2(out, model_path=gguf_path, engine=engine,
                                      patches=PATCHES + applied, weights=not args.no_weights,
-                                     extra_meta={"harness": "scripts/vllm_cpu.py", "loader": loader,
+                                     extra_meta={"harness": HARNESS, "loader": loader,
                                                  "triton": "TRITON_INTERPRET=1 " + _dist_version("triton")})]
     else:
-        extra = {"harness": "scripts/vllm_cpu.py",
+        extra = {"harness": HARNESS,
                  "patches": "; ".join(f"{n}: {r}" for n, r in PATCHES + applied),
                  "attention_backend": "TRITON_MLA (decode, Triton interpreter), TORCH_SDPA_CPU (prefill)",
                  "model": gguf_path.name, "loader": loader}
@@ -657,15 +599,15 @@ def _next_token(model, hidden, args, k) -> int:
 
 def _mla_diff() -> Path:
     for c in (os.environ.get("MLA_DIFF"), ROOT / "target" / "release" / "mla-diff",
-              ROOT / "target" / "debug" / "mla-diff"):
+              ROOT / "target" / "debug" / "mla-diff", shutil.which("mla-diff")):
         if c and Path(c).is_file():
             return Path(c)
-    raise SystemExit("no mla-diff binary: cargo build --release (or set MLA_DIFF)")
+    raise SystemExit("no mla-diff binary: cargo build --release, pip install . (or set MLA_DIFF)")
 
 
 def _reads_format2(exe: Path) -> bool:
     """Whether this mla-diff build knows format 2 (its reader carries the format string)."""
-    return b"mla-diff dump 2" in exe.read_bytes()
+    return dump_format.FORMAT2.encode() in exe.read_bytes()
 
 
 def _read_st(path: Path):
@@ -676,17 +618,21 @@ def _read_st(path: Path):
 
 def prefill_as_format1(src: Path, dst: Path) -> Path:
     """Step 0 of a format-2 dump as a format-1 dump (for an mla-diff that reads only format 1)."""
-    import st_io
     t, meta = _read_st(src)
     h = json.loads(meta["header"])
-    out = {k[3:]: v for k, v in t.items() if k.startswith("s0.")}
+    s0 = dump_format.step_tensor(0, "")
+    out = {k[len(s0):]: v for k, v in t.items() if k.startswith(s0)}
     c = h.get("conventions", {})
-    m1 = {"format": "mla-diff dump 1", "engine": f"{h['engine']['name']} {h['engine']['version']}",
+    m1 = {"engine": f"{h['engine']['name']} {h['engine']['version']}",
           "dtype": h.get("dtype", "f32"), "rope_order": c.get("rope_order", "interleaved"),
           "layout": c.get("layout", "token-major"), "kv_a_order": c.get("kv_a_order", "latent-rope"),
           "model": h["model"]["file"], "converted_from": f"{src.name} (format 2, step 0)"}
-    st_io.save(out, dst, metadata=m1)
-    return dst
+    return dump_format.write_format1(dst, out, m1)
+
+
+def step_site(step: int, layer: int, stage: str) -> str:
+    """`s{step}.L{layer}.{stage}`: a site's tensor in a format-2 dump."""
+    return dump_format.step_tensor(step, dump_format.site(layer, stage))
 
 
 def check_decode(path: Path) -> tuple[list[str], float]:
@@ -700,18 +646,20 @@ def check_decode(path: Path) -> tuple[list[str], float]:
     import numpy as np
     t, meta = _read_st(path)
     h = json.loads(meta["header"])
-    layers = sorted({int(k.split(".")[1][1:]) for k in t if k.startswith("s0.L")})
+    s0 = dump_format.step_tensor(0, "")
+    layers = sorted({p[0] for k in t if k.startswith(s0) for p in [dump_format.parse_site(k[len(s0):])]
+                     if p is not None})
     worst: dict[str, float] = {}
 
     def rel(a, b):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
     for n in layers:
-        wk = t[f"s0.L{n}.w.W_UK_T"].astype(np.float64)       # [N, P, L]
-        wv = t[f"s0.L{n}.w.W_UV"].astype(np.float64)         # [N, L, V]
+        wk = t[step_site(0, n, "w.W_UK_T")].astype(np.float64)       # [N, P, L]
+        wv = t[step_site(0, n, "w.W_UV")].astype(np.float64)         # [N, L, V]
         P = wk.shape[1]
         for k in range(1, len(h["steps"])):
-            g = lambda s, j=k: t[f"s{j}.L{n}.{s}"].astype(np.float64)  # noqa: E731
+            g = lambda s, j=k: t[step_site(j, n, s)].astype(np.float64)  # noqa: E731
             kv = np.concatenate([g("kv_c_normed", j) for j in range(k + 1)])     # [S, L]
             kp = np.concatenate([g("k_pe_roped", j) for j in range(k + 1)])      # [S, R]
             q, qpe = g("q"), g("q_pe_roped")
@@ -723,8 +671,8 @@ def check_decode(path: Path) -> tuple[list[str], float]:
             lat = np.einsum("tns,sl->tnl", np.exp(sc - lse[..., None]), kv)
             ref = {"ql_nope": ql, "lse": lse, "attn_latent": lat,
                    "attn_out": np.einsum("tnl,nlv->tnv", lat, wv)}
-            for site, r in ref.items():
-                worst[site] = max(worst.get(site, 0.0), rel(g(site), r))
+            for stage, r in ref.items():
+                worst[stage] = max(worst.get(stage, 0.0), rel(g(stage), r))
     return [f"{s}: rel_l2 {v:.2e}" for s, v in worst.items()], max(worst.values()) if worst else 0.0
 
 
@@ -733,16 +681,13 @@ def _show(text: str, n: int = 12) -> None:
 
 
 def cmd_test(args) -> int:
-    py = venv_python(Path(args.venv))
-    if not py.exists():
-        raise SystemExit(f"{py} missing: run `{Path(__file__).name} setup --venv {args.venv}` first")
     if not _in_venv(args.venv):                  # numpy/safetensors for the checks
-        return subprocess.run([str(py), str(Path(__file__).resolve())] + sys.argv[1:]).returncode
-    sys.path.insert(0, str(HERE))
+        with _venv_command(args.venv, sys.argv[1:]) as (argv, env):
+            return subprocess.run(argv, env=env).returncode
     exe = _mla_diff()
     f2 = _reads_format2(exe)
     out_dir = Path(tempfile.mkdtemp(prefix="vllm-cpu-test-"))
-    me = [sys.executable, str(Path(__file__).resolve())]
+    me = [sys.executable, "-m", MODULE]
     base = ["--venv", args.venv, "--tokens", args.tokens, "--decode-steps", str(args.decode_steps)]
     ok = True
 

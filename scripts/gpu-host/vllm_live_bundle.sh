@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Makes the wheel bundle that scripts/vllm_live_gpu.sh installs on a GPU machine without network:
+# Makes the wheel bundle that scripts/gpu-host/vllm_live_gpu.sh installs on a GPU machine without network:
 # vLLM 0.26.0, vllm-gguf-plugin 0.0.5 and the packages vLLM imports on the offline-engine path
 # that a machine with torch 2.11 (cu130), triton 3.6, transformers 5.x and the usual scientific
 # stack lacks, as cp312 manylinux wheels, packed as a zstd tar cut into parts of 27 MiB.
@@ -9,9 +9,9 @@
 # library and the deep_gemm builds for other Pythons are left out, its RECORD rewritten to match,
 # and its members stored uncompressed so that the outer zstd compresses them.
 #
-# Usage: bash scripts/vllm_live_bundle.sh OUTDIR   (needs pip with network to PyPI, python3, zstd)
+# Usage: bash scripts/gpu-host/vllm_live_bundle.sh OUTDIR   (needs pip with network to PyPI, python3, zstd)
 # Writes OUTDIR/wheels/*.whl, OUTDIR/bundle.tar.zst and OUTDIR/parts/{bundle.tar.zst.NN,SHA256SUMS}.
-# Carry the parts with `scripts/vllm_live_gpu.sh receive` (one or two per call).
+# Carry the parts with `scripts/gpu-host/vllm_live_gpu.sh receive` (one or two per call).
 set -eu
 out=${1:?usage: vllm_live_bundle.sh OUTDIR}
 mkdir -p "$out/wheels" "$out/parts"

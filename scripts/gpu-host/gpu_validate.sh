@@ -6,7 +6,7 @@
 #   strip -o .gpu/cuda-tests "$(ls target/release/deps/cuda-* | grep -v '\.d$' | head -1)"
 #   mkdir -p .gpu/one .gpu/wg && cp golden/models/tiny-v3-q8_0.gguf .gpu/one/
 #   cp golden/models/lite-v2-q8_0.gguf golden/models/k256-q4_k_m.gguf .gpu/wg/
-# then run `bash scripts/gpu_validate.sh STAGE...` there. Logs go to $OUT (or ./gpu-logs).
+# then run `bash scripts/gpu-host/gpu_validate.sh STAGE...` there. Logs go to $OUT (or ./gpu-logs).
 # Stages: smoke, report, tests, quick, selftest-f32, selftest-bf16, fast-quick, fast-bf16,
 # fast-wgmma, memcheck, racecheck, memcheck-fast, racecheck-fast, racecheck-teams-global,
 # memcheck-wgmma, racecheck-wgmma, sass.

@@ -8,11 +8,11 @@ number to compare them with: how long transformers' own `DeepseekV3Attention` (t
 HF user runs, eager attention, expanded "MHA" path: kv_b_proj up-projects the latent to 128
 full K/V heads) takes for one prefill forward of T tokens on the same weights, on this CPU.
 Run it on a real GGUF or on the sparse full-geometry fixture written by
-scripts/make_sparse_gguf.py (whose attention layers hold real, finite quantized data).
+scripts/fixtures/make_sparse_gguf.py (whose attention layers hold real, finite quantized data).
 
 Usage
 -----
-    /work/venv/fx/bin/python scripts/bench_p3_hf.py GGUF --layer 3 --tokens 128 \
+    /work/venv/fx/bin/python scripts/bench/bench_p3_hf.py GGUF --layer 3 --tokens 128 \
         [--threads N] [--dtype f32|f64] [--runs 5] [--seed 0]
 
 Prints progress on stderr and ONE JSON line on stdout:

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # Time to verdict at real size: the P7/P7b/P8 rows of BENCHMARKS.md from one run.
 #
-# Makes the sparse full-geometry DeepSeek-V3 file (scripts/make_sparse_gguf.py; needs numpy and
+# Makes the sparse full-geometry DeepSeek-V3 file (scripts/fixtures/make_sparse_gguf.py; needs numpy and
 # gguf in $PYTHON) unless it exists, then runs `mla-diff run --layer 3` at real size and prints
 # one Markdown row per run: wall time and peak RSS (from `--stats`), the exit code, the verdict,
 # and the stage that took longest. Every row states the exit code it must have; a clean run that
 # diverges (a false alarm), a refused run, or a clean run whose site list differs from a T=19
 # run of the same layer makes the script exit 1.
 #
-# Usage: scripts/bench_verdict.sh [gpu|cpu|all]   (default: gpu when nvidia-smi answers, else cpu)
+# Usage: scripts/bench/bench_verdict.sh [gpu|cpu|all]   (default: gpu when nvidia-smi answers, else cpu)
 # Environment: MLA_DIFF_BIN (default target/release/mla-diff), PYTHON (default python3),
 #              WORK (default /tmp/mla-diff-verdict: the sparse file, logs and JSON reports),
 #              MLA_DIFF_CACHE_DIR (default $WORK/cache: the NVRTC cache the GPU rows use).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 BIN=${MLA_DIFF_BIN:-target/release/mla-diff}
 PY=${PYTHON:-python3}
@@ -36,7 +36,7 @@ mkdir -p "$WORK"
 export MLA_DIFF_CACHE_DIR=${MLA_DIFF_CACHE_DIR:-$WORK/cache}
 MODEL="$WORK/deepseek-v3-sparse-4L.gguf"
 if [ ! -f "$MODEL" ]; then
-  "$PY" scripts/make_sparse_gguf.py "$WORK" --verify sample >"$WORK/make_sparse.log" 2>&1 \
+  "$PY" scripts/fixtures/make_sparse_gguf.py "$WORK" --verify sample >"$WORK/make_sparse.log" 2>&1 \
     || { echo "bench_verdict: make_sparse_gguf.py failed (needs numpy and gguf in $PY):"; tail -5 "$WORK/make_sparse.log"; exit 2; }
 fi
 

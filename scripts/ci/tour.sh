@@ -13,11 +13,11 @@
 # `mktemp -d` folder, `golden record` runs in a copy of the layout it needs, and a change of
 # `git status` over the run is a FAIL.
 #
-# Usage: scripts/tour.sh   (binary: $MLA_DIFF_BIN, default target/release/mla-diff; Python for
+# Usage: scripts/ci/tour.sh   (binary: $MLA_DIFF_BIN, default target/release/mla-diff; Python for
 # make_sparse_gguf.py: $PYTHON, default python3, needs numpy and gguf, else that step is skipped)
 # Exit: 0 every command ran as expected or was skipped with a reason, 1 otherwise, 2 no binary.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 BIN=${MLA_DIFF_BIN:-target/release/mla-diff}
 [[ -x $BIN ]] || { echo "tour: no binary at $BIN (cargo build --release, or set MLA_DIFF_BIN)" >&2; exit 2; }
@@ -30,10 +30,10 @@ D=golden/dumps
 
 # Outputs of skipped producers, from the committed dumps those producers made.
 mkdir -p "$T/k/out" "$T/repo/golden/models"
-cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/d.safetensors"        # dump_vllm.py (format 2, with weights)
-cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/vllm.safetensors"     # vllm_cpu.py run
+cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/d.safetensors"        # mla_diff_hooks.vllm (format 2, with weights)
+cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/vllm.safetensors"     # mla_diff_hooks.vllm_cpu run
 cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/loaded.safetensors"   # an engine's loaded weights
-cp "$D/fa3-v3-bf16.kernel-flashmla.safetensors" "$T/k/out/flashmla.safetensors"  # engine_kernels.py
+cp "$D/fa3-v3-bf16.kernel-flashmla.safetensors" "$T/k/out/flashmla.safetensors"  # mla_diff_hooks.kernels
 cp "$G/tiny-v3-q8_0.gguf" "$T/repo/golden/models/"                # golden record's repository
 SPARSE="needs a Python with numpy and gguf (pip install numpy gguf; or set PYTHON)"
 "$PY" -c "import numpy, gguf" 2>/dev/null && SPARSE=""
@@ -48,14 +48,11 @@ ROWS=(
   'mla-diff run --model m.gguf * --backend cuda *|skip|needs a GPU (--backend cuda)'
   'mla-diff run --model m.gguf *|0|s#m\.gguf#'"$G"'/tiny-v3-f32.gguf#; s#--layer 3#--layer 1#'
   'mla-diff run --layer 1 --inject *|1|'
-  'python*scripts/dump_hf.py *|skip|needs transformers and an HF model folder (its dumps are committed: golden/dumps/*.hf*)'
-  'python*scripts/dump_llama_cpp.py *|skip|needs llama-cpp-python (its dumps are committed: golden/dumps/*.llama-cpp*)'
-  'python*scripts/dump_vllm.py *|skip|needs vLLM and a GPU (scripts/vllm_live_gpu.sh; its dumps are committed: golden/dumps/*.vllm*)'
   'python* -m mla_diff_hooks.hf *|skip|needs transformers and an HF model folder (its dumps are committed: golden/dumps/*.hf*)'
   'python* -m mla_diff_hooks.llama_cpp *|skip|needs llama-cpp-python (its dumps are committed: golden/dumps/*.llama-cpp*)'
-  'python* -m mla_diff_hooks.vllm *|skip|needs vLLM and a GPU (scripts/vllm_live_gpu.sh; its dumps are committed: golden/dumps/*.vllm*)'
-  'python*scripts/engine_kernels.py *|skip|needs a GPU and the kernels'"'"' wheels (scripts/kernels_gpu.sh; its dumps are committed: golden/dumps/*.kernel-*)'
-  'python*scripts/vllm_cpu.py *|skip|installs vLLM (~3.6 GiB of wheels; its dumps are committed: golden/dumps/*.vllm*)'
+  'python* -m mla_diff_hooks.vllm *|skip|needs vLLM and a GPU (scripts/gpu-host/vllm_live_gpu.sh; its dumps are committed: golden/dumps/*.vllm*)'
+  'python* -m mla_diff_hooks.kernels *|skip|needs a GPU and the kernels'"'"' wheels (scripts/gpu-host/kernels_gpu.sh; its dumps are committed: golden/dumps/*.kernel-*)'
+  'python* -m mla_diff_hooks.vllm_cpu *|skip|installs vLLM (~3.6 GiB of wheels; its dumps are committed: golden/dumps/*.vllm*)'
   'mla-diff compare --model model.gguf --dump dump.safetensors*|0|s#model\.gguf#'"$G"'/tiny-v3-f32.gguf#; s#dump\.safetensors#'"$D"'/tiny-v3-f32.hf.safetensors#'
   'mla-diff compare --model model.gguf --dump /tmp/k/out/*|0|s#model\.gguf#'"$G"'/fa3-v3-bf16.gguf#'
   'mla-diff compare --model model.gguf --dump /tmp/d.safetensors*|0|s#model\.gguf#'"$G"'/legacy-kvb-f32.gguf#'
@@ -68,12 +65,12 @@ ROWS=(
   'mla-diff golden check --case *|0|'
   'mkdir -p /tmp/*|0|'
   'mla-diff selftest*|0|'
-  'bash scripts/bench_gpu.sh*|skip|needs a GPU'
+  'bash scripts/bench/bench_gpu.sh*|skip|needs a GPU'
   'mla-diff bench --dequant model.gguf*|0|s#model\.gguf#'"$G"'/tiny-v3-q4_k_m.gguf#'
   'mla-diff bench --reference model.gguf *|0|s#model\.gguf#'"$G"'/tiny-v3-q4_k_m.gguf#; s#--layer 3#--layer 1#'
-  'python*scripts/bench_cpu.py*|skip|needs torch, transformers 5, gguf-py and llama-cpp-python'
+  'python*scripts/bench/bench_cpu.py*|skip|needs torch, transformers 5, gguf-py and llama-cpp-python'
   'mla-diff kernels --compile-only *|skip|needs NVRTC and the CUDA headers (.ci/run compiles the kernels with NVRTC from PyPI)'
-  'python*scripts/make_sparse_gguf.py *|sparse|'
+  'python*scripts/fixtures/make_sparse_gguf.py *|sparse|'
   'mla-diff run --model /tmp/v3/*|sparse|'
   'mla-diff inspect *|0|'
 )
@@ -102,7 +99,7 @@ for cmd in "${CMDS[@]}"; do
     if [[ $cmd == ${r%%|*} ]]; then row=$r; break; fi
   done
   if [[ -z $row ]]; then
-    echo "FAIL  $cmd: no row in scripts/tour.sh's table (add one: expected exit, substitutions)"
+    echo "FAIL  $cmd: no row in scripts/ci/tour.sh's table (add one: expected exit, substitutions)"
     fails=$((fails + 1)); continue
   fi
   rest=${row#*|}; expect=${rest%%|*}; arg=${rest#*|}

@@ -2,38 +2,11 @@
 """Run production MLA kernels on inputs exported by `mla-diff run --export-inputs` and write each
 kernel's outputs as a format-2 dump that `mla-diff compare` judges against the f64 reference.
 
-Kernels, each called through its own Python API, unmodified, loaded at run time:
-
-  flashmla    FlashMLA dense decode from vLLM's wheel (`vllm/_flashmla_C.abi3.so` with its interface
-              `vllm/third_party/flashmla/flash_mla_interface.py`): `get_mla_metadata` +
-              `flash_mla_with_kvcache`; bf16 only, page size 64, head dims 576/512.
-  triton-mla  vLLM's Triton MLA decode (`vllm/v1/attention/ops/triton_decode_attention.py`:
-              `decode_attention_fwd`, vLLM's split rule); its two vLLM imports (`vllm.platforms`,
-              `vllm.triton_utils`) are provided through `sys.modules`, the file itself is loaded as is.
-  flashinfer  FlashInfer `BatchMLAPagedAttentionWrapper` (flashinfer-python, JIT-compiled with nvcc on
-              first use); its LSE is base 2 unless asked otherwise, which the dump declares.
-  fa3         FlashAttention-3 varlen prefill from vLLM's wheel (`vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so`
-              with its interface `flash_attn_interface.py`): `flash_attn_varlen_func(..., causal=True,
-              return_softmax_lse=True, fa_version=3)` as vLLM's `forward_mha` calls it on Hopper (q/k
-              with P+R columns, v with V, no padding); the export's `prefill.*` tensors; writes
-              `attn_out` [T, nh, V] and `lse` [T, nh] (natural log) instead of the decode outputs.
-
-`--vllm-root DIR` is a directory holding the `vllm/` files of the vLLM 0.26.0 wheel (or an installed
-site-packages). Outputs: `OUT/<kernel>.safetensors` with `s0.L<n>.hidden_in`, `s0.L<n>.attn_latent`
-[T, nh, L] and `s0.L<n>.lse` [T, nh] and a format-2 header completed from the export's
-`dump_header` (engine name and version, dtype, kernel precision, LSE base, head range).
-
-Faults (`--plant`), planted only through the arguments a caller passes or vLLM's own merge, never by
-editing an output:
-  block-table   the identity block table instead of the shuffled one the cache was written with
-  no-yarn       the softmax scale without YaRN's mscale² (1/sqrt(P+R))
-  lse-base2     (flashinfer) the context split in two at a page boundary, both halves run with
-                FlashInfer's default base-2 LSEs and merged by vLLM's natural-log `merge_attn_states`
-  phantom       (triton-mla) the kernel writes the caller's `o`; the caller returns another buffer
-
-`check` runs each kernel against a plain torch f64 attention on the same inputs (no mla-diff
-needed), a quick test of the calls on a new machine; `synth DIR` writes random inputs in the export
-layout for it.
+Why this exists: the kernels an engine calls (FlashMLA, vLLM's Triton MLA decode, FlashInfer MLA,
+FlashAttention-3's prefill) are judged on the same GGUF layer as the reference, each called
+through its own Python API, unmodified; `--plant` plants a caller's bug through the arguments
+only. Reference (kernels, outputs, plants, `check` and `synth`): docs/engines.md, "Production
+kernels".
 """
 import argparse
 import importlib.util
@@ -43,17 +16,21 @@ import os
 import sys
 import types
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from . import dump_format
+from ._deps import optional
+from .dump_format import site, step_tensor
 
+torch = optional("torch", "mla_diff_hooks.kernels", "kernels")
+
+# the kernel runner's name in a dump's header (`header.hook.name`)
+HOOK_NAME, HOOK_VERSION = "engine_kernels.py", "1"
 KERNELS = ("flashmla", "triton-mla", "flashinfer", "fa3")
 PREFILL_KERNELS = ("fa3",)
 PLANTS = ("block-table", "no-yarn", "lse-base2", "phantom")
 
 
 def die(msg):
-    print(f"engine_kernels: {msg}", file=sys.stderr)
+    print(f"kernels: {msg}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -70,11 +47,13 @@ class Inputs:
             path = os.path.join(path, "inputs.safetensors")
         if not os.path.exists(path):
             die(f"{path}: no such file (make it with `mla-diff run ... --export-inputs DIR`)")
+        from safetensors import safe_open
+
         with safe_open(path, framework="pt") as f:
             self.meta = f.metadata() or {}
             self.t = {k: f.get_tensor(k).to(device) for k in f.keys()}
-        if self.meta.get("format") != "mla-diff kernel inputs 1":
-            die(f"{path}: metadata `format` is {self.meta.get('format')!r}, not 'mla-diff kernel inputs 1'")
+        if self.meta.get("format") != dump_format.KERNEL_INPUTS:
+            die(f"{path}: metadata `format` is {self.meta.get('format')!r}, not {dump_format.KERNEL_INPUTS!r}")
         m = self.meta
         self.path = path
         self.scale = float(m["softmax_scale"])
@@ -122,7 +101,7 @@ def synth(out_dir, tokens, heads, page, seed, L=512, R=64, P=128, V=128):
     seqlens = torch.arange(1, T + 1, dtype=torch.int32)
     os.makedirs(out_dir, exist_ok=True)
     meta = {
-        "format": "mla-diff kernel inputs 1",
+        "format": dump_format.KERNEL_INPUTS,
         "softmax_scale": repr((P + R) ** -0.5),
         "page_size": str(page),
         "n_head": str(heads),
@@ -135,6 +114,8 @@ def synth(out_dir, tokens, heads, page, seed, L=512, R=64, P=128, V=128):
         "seqs": str(T),
         "dump_header": json.dumps({"steps": [{"name": "kernel", "seqs": [{"new": T, "context": 0}]}]}),
     }
+    from safetensors.torch import save_file
+
     save_file(
         {
             "hidden_in": torch.randn(T, 16, generator=g),
@@ -146,7 +127,7 @@ def synth(out_dir, tokens, heads, page, seed, L=512, R=64, P=128, V=128):
         os.path.join(out_dir, "inputs.safetensors"),
         metadata=meta,
     )
-    print(f"engine_kernels: wrote {out_dir}/inputs.safetensors (T={T}, heads {heads}, page {page})")
+    print(f"kernels: wrote {out_dir}/inputs.safetensors (T={T}, heads {heads}, page {page})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,7 +411,7 @@ def kernel_version(kernel, root):
 def write_dump(path, inp, kernel, root, args, latent, lse, base):
     layer = inp.layer
     h = dict(inp.header)
-    h["hook"] = {"name": "scripts/engine_kernels.py", "version": "1"}
+    h["hook"] = {"name": HOOK_NAME, "version": HOOK_VERSION}
     prefill = kernel in PREFILL_KERNELS
     h["engine"] = {
         "name": kernel,
@@ -447,14 +428,17 @@ def write_dump(path, inp, kernel, root, args, latent, lse, base):
     h["heads"] = list(inp.heads)
     patches = list(h.get("patches") or [])
     if args.plant:
-        patches.append({"name": f"plant:{args.plant}", "reason": "a planted caller bug (engine_kernels.py --plant)"})
+        patches.append({"name": f"plant:{args.plant}", "reason": f"a planted caller bug ({HOOK_NAME} --plant)"})
     h["patches"] = patches
     tensors = {
-        f"s0.L{layer}.hidden_in": inp.t["hidden_in"].float().cpu().contiguous(),
-        f"s0.L{layer}.{'attn_out' if prefill else 'attn_latent'}": latent.float().cpu().contiguous(),
-        f"s0.L{layer}.lse": lse.float().cpu().contiguous(),
+        site(layer, "hidden_in"): inp.t["hidden_in"],
+        site(layer, "attn_out" if prefill else "attn_latent"): latent,
+        site(layer, "lse"): lse,
     }
-    save_file(tensors, path, metadata={"format": "mla-diff dump 2", "header": json.dumps(h)})
+    # One step, float32, stored in name order with json.dumps's default spacing in the header:
+    # the layout of the committed kernel dumps (golden/dumps/*.kernel-*).
+    arrays = {step_tensor(0, k): tensors[k].float().cpu().contiguous().numpy() for k in sorted(tensors)}
+    dump_format.write_format2(path, arrays, h, compact=False)
 
 
 def cmd_run(args, check_only=False):
@@ -494,7 +478,7 @@ def cmd_run(args, check_only=False):
         if os.path.exists(path) and not args.force:
             die(f"{path} exists (use --force to overwrite)")
         write_dump(path, inp, k, args.vllm_root, args, lat, lse, base)
-        print(f"engine_kernels: {k}: wrote {path} (T={inp.T}, heads {inp.heads[0]}..{inp.heads[1]}, lse base {base})")
+        print(f"kernels: {k}: wrote {path} (T={inp.T}, heads {inp.heads[0]}..{inp.heads[1]}, lse base {base})")
 
 
 def main():

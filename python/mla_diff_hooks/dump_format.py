@@ -1,0 +1,177 @@
+"""The dump contract of docs/dump-format.md: site names, format strings, the format 1 and format 2
+writers and the model identity a format-2 header carries.
+
+Why this exists: every hook (`hf`, `llama_cpp`, `vllm`), the vLLM CPU harness (`vllm_cpu`) and the
+kernel runner (`kernels`) write files that `mla-diff compare` reads, so what they must agree on
+with mla-diff's reader is defined here once. `STAGES` is mla-diff's own stage list
+(src/core/trace.rs, `STAGES`) in its data-flow order; python/tests/test_dump_format.py checks it,
+the name templates and the format strings against `mla-diff sites --json`. Importing needs only
+the standard library: the writers need numpy (through st_io), the model identity gguf-py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from . import st_io  # the byte-reproducible safetensors writer
+
+FORMAT1 = "mla-diff dump 1"
+"""`__metadata__.format` of a format-1 dump: one step, `L{n}.{stage}` tensors, flat metadata."""
+FORMAT2 = "mla-diff dump 2"
+"""`__metadata__.format` of a format-2 dump: steps `s{k}.*`, a JSON `header`, `weights.*`."""
+DUMP_FORMATS = (FORMAT1, FORMAT2)
+
+KERNEL_INPUTS = "mla-diff kernel inputs 1"
+"""`format` of what `mla-diff run --export-inputs` writes (read by the kernel runner)."""
+VLLM_WEIGHTS = "mla-diff vllm weights 1"
+"""`format` of the vLLM hook's WEIGHTS file (vLLM's parameter names, `[out, in]` float32)."""
+
+STAGES = (
+    "hidden_in", "attn_in", "w.fused_qkv_a", "q_c", "q_c_normed", "q", "kv_a", "kv_c_normed",
+    "k_pe", "q_pe_roped", "k_pe_roped", "idx_q", "idx_k", "idx_weights", "idx_scores", "idx_topk",
+    "w.kv_b", "k_nope", "v", "w.W_UK_T", "w.W_UV", "ql_nope", "attn_latent", "lse", "attn_out",
+    "o_proj", "moe_router_logits", "moe_topk", "moe_out", "shared_out", "hidden_out",
+)
+"""Every stage of one MLA layer, in data-flow order (the order "first divergence" follows)."""
+
+INDEXER_STAGES = ("idx_q", "idx_k", "idx_weights", "idx_scores", "idx_topk")
+"""Stages of a DSA layer's lightning indexer (DeepSeek-V3.2, GLM-MoE-DSA)."""
+MOE_STAGES = ("moe_router_logits", "moe_topk", "moe_out", "shared_out")
+"""Stages only MoE layers have."""
+ABSORBED_STAGES = ("ql_nope", "attn_latent")
+"""Stages only the absorbed (MQA) attention path computes; the expanded (MHA) path has none."""
+WEIGHT_STAGES = tuple(s for s in STAGES if s.startswith("w."))
+"""The weight sites (`w.*`)."""
+
+RANKED_WEIGHTS = ("q_b", "kv_b", "o_proj")
+"""Weights tensor parallelism splits across ranks; a rank's shard is `L{n}.w.{weight}.rank{r}`."""
+
+SITE_TEMPLATES = {
+    "layer": "L{layer}.{stage}",
+    "weight_rank": "L{layer}.w.{weight}.rank{rank}",
+    "o_proj_rank": "L{layer}.o_proj.rank{rank}",
+}
+"""How a site is named: a layer's stage, a rank's weight shard, a rank's `o_proj` partial."""
+
+
+def site(layer: int, stage: str) -> str:
+    """`L{layer}.{stage}`, e.g. `site(3, "kv_c_normed") == "L3.kv_c_normed"`."""
+    return SITE_TEMPLATES["layer"].format(layer=layer, stage=stage)
+
+
+def weight_rank_site(layer: int, weight: str, rank: int) -> str:
+    """`L{layer}.w.{weight}.rank{rank}`: TP rank `rank`'s shard of a RANKED_WEIGHTS weight."""
+    if weight not in RANKED_WEIGHTS:
+        raise ValueError(f"{weight!r} is not a ranked weight ({', '.join(RANKED_WEIGHTS)})")
+    return SITE_TEMPLATES["weight_rank"].format(layer=layer, weight=weight, rank=rank)
+
+
+def o_proj_rank_site(layer: int, rank: int) -> str:
+    """`L{layer}.o_proj.rank{rank}`: TP rank `rank`'s `o_proj` partial sum, before the all-reduce."""
+    return SITE_TEMPLATES["o_proj_rank"].format(layer=layer, rank=rank)
+
+
+def parse_site(name: str) -> tuple[int, str] | None:
+    """`"L3.kv_c_normed"` -> `(3, "kv_c_normed")`; None for a name that is not `L{n}.{rest}`."""
+    if name.startswith("L") and "." in name:
+        layer, stage = name[1:].split(".", 1)
+        if layer.isdigit():
+            return int(layer), stage
+    return None
+
+
+def step_tensor(step: int, name: str) -> str:
+    """A format-2 tensor name: `s{step}.{name}` (`name` a site, `tokens` or `positions`)."""
+    return f"s{step}.{name}"
+
+
+def weights_tensor(name: str) -> str:
+    """A format-2 loaded-weight name: `weights.{name}` (`name` e.g. `L0.kv_b_proj`)."""
+    return f"weights.{name}"
+
+
+def site_order(order: Sequence[str]) -> Callable[[str], tuple]:
+    """A sort key for tensor names: sites by layer, then by their stage's position in `order`
+    (stages not in it after those, by name), then every other name (`tokens`, ...) by name."""
+    index = {stage: i for i, stage in enumerate(order)}
+
+    def key(name: str) -> tuple:
+        parsed = parse_site(name)
+        if parsed is None:
+            return (1, 0, 0, name)
+        layer, stage = parsed
+        return (0, layer, index.get(stage, len(order)), stage)
+
+    return key
+
+
+# --------------------------------------------------------------------------------------------
+# writers
+# --------------------------------------------------------------------------------------------
+
+
+def write_format1(path, tensors: Mapping[str, Any], metadata: Mapping[str, Any]) -> Path:
+    """Write a format-1 dump: `tensors` (numpy arrays, in the order given) and `metadata` (values
+    stored as strings), its `format` set to FORMAT1. Returns the path."""
+    path = Path(path)
+    st_io.save(dict(tensors), path, metadata={**metadata, "format": FORMAT1})
+    return path
+
+
+def header_json(header: Mapping[str, Any], *, compact: bool = True) -> str:
+    """The `header` metadata string of a format-2 dump. `compact` drops the spaces after `,` and
+    `:`; the kernel runner writes json.dumps's default spacing, as its committed dumps have."""
+    return json.dumps(header, separators=(",", ":") if compact else None)
+
+
+def format2_metadata(header: Mapping[str, Any], *, notes: Iterable[str] = (),
+                     extra: Mapping[str, str] | None = None, compact: bool = True) -> dict[str, str]:
+    """A format-2 dump's `__metadata__`: `format`, `header` (header_json), `notes` joined by
+    " | " when there are any, then the informational `extra` keys."""
+    meta = {"format": FORMAT2, "header": header_json(header, compact=compact)}
+    notes = list(notes)
+    if notes:
+        meta["notes"] = " | ".join(notes)
+    meta.update(extra or {})
+    return meta
+
+
+def write_format2(path, tensors: Mapping[str, Any], header: Mapping[str, Any], *,
+                  notes: Iterable[str] = (), extra: Mapping[str, str] | None = None,
+                  compact: bool = True) -> Path:
+    """Write a format-2 dump: `tensors` (`s{k}.*`, `weights.*`; numpy arrays, in the order
+    given) and the metadata of format2_metadata. Returns the path."""
+    path = Path(path)
+    st_io.save(dict(tensors), path,
+               metadata=format2_metadata(header, notes=notes, extra=extra, compact=compact))
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# model identity
+# --------------------------------------------------------------------------------------------
+
+
+def model_identity(model_path, layers: Iterable[int]) -> dict:
+    """`header.model` of a format-2 dump: the GGUF's file name, its size in bytes, the sha256 of
+    the bytes before the tensor data (magic, version, metadata, tensor index, padding) and, per
+    layer n in `layers`, the sha256 of its raw tensor bytes (every `blk.{n}.*` tensor, in
+    tensor-index order). mla-diff compares them with the GGUF it is given. Needs gguf-py."""
+    import gguf
+
+    path = Path(model_path)
+    rd = gguf.GGUFReader(str(path))
+    data = rd.data
+    ident = {"file": path.name, "bytes": int(path.stat().st_size),
+             "index_sha256": hashlib.sha256(data[: rd.data_offset].tobytes()).hexdigest(),
+             "layer_sha256": {}}
+    for n in layers:
+        h = hashlib.sha256()
+        for t in rd.tensors:
+            if t.name.startswith(f"blk.{n}."):
+                h.update(data[t.data_offset: t.data_offset + t.n_bytes].tobytes())
+        ident["layer_sha256"][str(n)] = h.hexdigest()
+    return ident

@@ -16,5 +16,6 @@ from inside each engine, in the dump format of mla-diff's docs/dump-format.md:
     strings, writers, model identity), over `mla_diff_hooks.st_io`, the byte-reproducible
     safetensors writer.
 docs/engines.md is their reference. Each needs its extra (`pip install 'mla-diff[vllm]'`,
-`[hf]`, `[llama-cpp]`, `[kernels]`); importing works without them. The `mla-diff` binary itself comes with the same `pip install`.
+`[hf]`, `[llama-cpp]`, `[kernels]`); importing works without them. The `mla-diff` binary itself
+comes with the same `pip install`.
 """

@@ -21,11 +21,14 @@ class _Missing:
         self._name, self._user, self._extra = name, user, extra
 
     def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__"):           # copy, pickle, inspect probes: plain AttributeError
+        if attr.startswith("__"):  # copy, pickle, inspect probes: plain AttributeError
             raise AttributeError(attr)
-        hint = (f"pip install 'mla-diff[{self._extra}]'" if self._extra else
-                "pip install numpy (or one of the extras: 'mla-diff[hf]', 'mla-diff[vllm]', "
-                "'mla-diff[llama-cpp]')")
+        hint = (
+            f"pip install 'mla-diff[{self._extra}]'"
+            if self._extra
+            else "pip install numpy (or one of the extras: 'mla-diff[hf]', 'mla-diff[vllm]', "
+            "'mla-diff[llama-cpp]')"
+        )
         raise ModuleNotFoundError(f"{self._user} needs {self._name}: {hint}", name=self._name)
 
     def __bool__(self) -> bool:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from . import st_io  # the byte-reproducible safetensors writer
 
@@ -30,10 +31,37 @@ VLLM_WEIGHTS = "mla-diff vllm weights 1"
 """`format` of the vLLM hook's WEIGHTS file (vLLM's parameter names, `[out, in]` float32)."""
 
 STAGES = (
-    "hidden_in", "attn_in", "w.fused_qkv_a", "q_c", "q_c_normed", "q", "kv_a", "kv_c_normed",
-    "k_pe", "q_pe_roped", "k_pe_roped", "idx_q", "idx_k", "idx_weights", "idx_scores", "idx_topk",
-    "w.kv_b", "k_nope", "v", "w.W_UK_T", "w.W_UV", "ql_nope", "attn_latent", "lse", "attn_out",
-    "o_proj", "moe_router_logits", "moe_topk", "moe_out", "shared_out", "hidden_out",
+    "hidden_in",
+    "attn_in",
+    "w.fused_qkv_a",
+    "q_c",
+    "q_c_normed",
+    "q",
+    "kv_a",
+    "kv_c_normed",
+    "k_pe",
+    "q_pe_roped",
+    "k_pe_roped",
+    "idx_q",
+    "idx_k",
+    "idx_weights",
+    "idx_scores",
+    "idx_topk",
+    "w.kv_b",
+    "k_nope",
+    "v",
+    "w.W_UK_T",
+    "w.W_UV",
+    "ql_nope",
+    "attn_latent",
+    "lse",
+    "attn_out",
+    "o_proj",
+    "moe_router_logits",
+    "moe_topk",
+    "moe_out",
+    "shared_out",
+    "hidden_out",
 )
 """Every stage of one MLA layer, in data-flow order (the order "first divergence" follows)."""
 
@@ -127,8 +155,13 @@ def header_json(header: Mapping[str, Any], *, compact: bool = True) -> str:
     return json.dumps(header, separators=(",", ":") if compact else None)
 
 
-def format2_metadata(header: Mapping[str, Any], *, notes: Iterable[str] = (),
-                     extra: Mapping[str, str] | None = None, compact: bool = True) -> dict[str, str]:
+def format2_metadata(
+    header: Mapping[str, Any],
+    *,
+    notes: Iterable[str] = (),
+    extra: Mapping[str, str] | None = None,
+    compact: bool = True,
+) -> dict[str, str]:
     """A format-2 dump's `__metadata__`: `format`, `header` (header_json), `notes` joined by
     " | " when there are any, then the informational `extra` keys."""
     meta = {"format": FORMAT2, "header": header_json(header, compact=compact)}
@@ -139,14 +172,21 @@ def format2_metadata(header: Mapping[str, Any], *, notes: Iterable[str] = (),
     return meta
 
 
-def write_format2(path, tensors: Mapping[str, Any], header: Mapping[str, Any], *,
-                  notes: Iterable[str] = (), extra: Mapping[str, str] | None = None,
-                  compact: bool = True) -> Path:
+def write_format2(
+    path,
+    tensors: Mapping[str, Any],
+    header: Mapping[str, Any],
+    *,
+    notes: Iterable[str] = (),
+    extra: Mapping[str, str] | None = None,
+    compact: bool = True,
+) -> Path:
     """Write a format-2 dump: `tensors` (`s{k}.*`, `weights.*`; numpy arrays, in the order
     given) and the metadata of format2_metadata. Returns the path."""
     path = Path(path)
-    st_io.save(dict(tensors), path,
-               metadata=format2_metadata(header, notes=notes, extra=extra, compact=compact))
+    st_io.save(
+        dict(tensors), path, metadata=format2_metadata(header, notes=notes, extra=extra, compact=compact)
+    )
     return path
 
 
@@ -165,13 +205,16 @@ def model_identity(model_path, layers: Iterable[int]) -> dict:
     path = Path(model_path)
     rd = gguf.GGUFReader(str(path))
     data = rd.data
-    ident = {"file": path.name, "bytes": int(path.stat().st_size),
-             "index_sha256": hashlib.sha256(data[: rd.data_offset].tobytes()).hexdigest(),
-             "layer_sha256": {}}
+    ident = {
+        "file": path.name,
+        "bytes": int(path.stat().st_size),
+        "index_sha256": hashlib.sha256(data[: rd.data_offset].tobytes()).hexdigest(),
+        "layer_sha256": {},
+    }
     for n in layers:
         h = hashlib.sha256()
         for t in rd.tensors:
             if t.name.startswith(f"blk.{n}."):
-                h.update(data[t.data_offset: t.data_offset + t.n_bytes].tobytes())
+                h.update(data[t.data_offset : t.data_offset + t.n_bytes].tobytes())
         ident["layer_sha256"][str(n)] = h.hexdigest()
     return ident

@@ -29,6 +29,7 @@ BREAKS = ("neox", "no-mscale", "zero-attn-out")
 def torch_dtype(name: str):
     """The torch dtype of a --dtype name."""
     import torch
+
     return {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "f64": torch.float64}[name]
 
 
@@ -42,8 +43,12 @@ def load_model(model_dir: Path, dtype: str):
     # eager experts: the per-expert loop whose router/experts/shared-experts outputs hf_hooks
     # records as moe_router_logits, moe_topk, moe_out and shared_out in MoE layers
     model = DeepseekV3ForCausalLM.from_pretrained(
-        model_dir, dtype=torch_dtype(dtype), attn_implementation="eager", experts_implementation="eager",
-        local_files_only=True)
+        model_dir,
+        dtype=torch_dtype(dtype),
+        attn_implementation="eager",
+        experts_implementation="eager",
+        local_files_only=True,
+    )
     model.eval()
     return model
 
@@ -72,12 +77,14 @@ def capture(model, input_ids, **kwargs):
     """Run one forward pass of a transformers DeepSeek-family model with every MLA site recorded:
     mla_diff_hooks.hf_hooks.capture (the hooks are attached for that pass only)."""
     from . import hf_hooks
+
     return hf_hooks.capture(model, input_ids, **kwargs)
 
 
 @contextlib.contextmanager
 def apply_break(model, name: str | None):
-    """Install break `name` (docs/engines.md, "HF transformers") for the duration of the block; None: no-op."""
+    """Install break `name` (docs/engines.md, "HF transformers") for the duration of the block;
+    None: no-op."""
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as mdl
 
     saved: list[tuple[object, str, object]] = []
@@ -93,8 +100,10 @@ def apply_break(model, name: str | None):
         attns = [layer.self_attn for layer in model.model.layers]
         plain = attns[0].qk_head_dim ** (-0.5)
         if all(math.isclose(a.scaling, plain, rel_tol=1e-12) for a in attns):
-            raise SystemExit("--break no-mscale: the attention scale is already qk_head_dim**-0.5 "
-                             "(not a YaRN model with mscale_all_dim), the break would change nothing")
+            raise SystemExit(
+                "--break no-mscale: the attention scale is already qk_head_dim**-0.5 "
+                "(not a YaRN model with mscale_all_dim), the break would change nothing"
+            )
         for a in attns:
             patch(a, "scaling", a.qk_head_dim ** (-0.5))
     elif name == "zero-attn-out":
@@ -119,11 +128,11 @@ def dump(model, ids, *, dtype: str, with_weights: bool, brk: str | None) -> dict
     from . import hf_hooks
 
     with apply_break(model, brk):
-        cap = hf_hooks.capture(model, ids, exact_f64=(dtype == "f64"), raw_rope=True,
-                               with_weights=with_weights)
+        cap = hf_hooks.capture(
+            model, ids, exact_f64=(dtype == "f64"), raw_rope=True, with_weights=with_weights
+        )
     t = cap.tensors
-    names = [k for k in hf_hooks.ordered_names(t)
-             if k.startswith("L") and (with_weights or ".w." not in k)]
+    names = [k for k in hf_hooks.ordered_names(t) if k.startswith("L") and (with_weights or ".w." not in k)]
     out = {k: np.ascontiguousarray(t[k], dtype=np.float32) for k in names}
     out["tokens"] = np.ascontiguousarray(t["tokens"], dtype=np.int64)
     out["positions"] = np.ascontiguousarray(t["positions"], dtype=np.int64)
@@ -140,10 +149,19 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="seed of the token ids (default 0)")
     ap.add_argument("--dtype", choices=DTYPES, default="f32", help="compute dtype (default f32)")
     ap.add_argument("--with-weights", action="store_true", help="also dump the weight sites (w.*)")
-    ap.add_argument("--break", dest="brk", choices=BREAKS, default=None,
-                    help="deliberately break attention (for tests), see above")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (default: torch's choice; 1 for reproducible bytes)")
+    ap.add_argument(
+        "--break",
+        dest="brk",
+        choices=BREAKS,
+        default=None,
+        help="deliberately break attention (for tests), see above",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's choice; 1 for reproducible bytes)",
+    )
     ap.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     args = ap.parse_args()
 
@@ -170,8 +188,10 @@ def main() -> None:
         meta["break"] = args.brk
     dump_format.write_format1(args.out, tensors, meta)
     n_sites = sum(1 for k in tensors if k.startswith("L"))
-    print(f"{args.out}: {n_sites} sites, T = {len(ids)}, dtype {args.dtype}"
-          f"{', break ' + args.brk if args.brk else ''}, {args.out.stat().st_size} bytes")
+    print(
+        f"{args.out}: {n_sites} sites, T = {len(ids)}, dtype {args.dtype}"
+        f"{', break ' + args.brk if args.brk else ''}, {args.out.stat().st_size} bytes"
+    )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,11 @@ def _family_classes(mdl) -> dict[str, Any]:
     """The modeling module's own classes (transformers generates one copy per model family)."""
     out = {}
     for suffix in ("RMSNorm", "RotaryEmbedding", "TopkRouter", "MoE"):
-        found = [v for k, v in vars(mdl).items()
-                 if isinstance(v, type) and k.endswith(suffix) and v.__module__ == mdl.__name__]
+        found = [
+            v
+            for k, v in vars(mdl).items()
+            if isinstance(v, type) and k.endswith(suffix) and v.__module__ == mdl.__name__
+        ]
         out[suffix] = found[0] if len(found) == 1 else None
     return out
 
@@ -74,19 +77,20 @@ def hf_rope_to_interleaved(x: np.ndarray) -> np.ndarray:
     assert r % 2 == 0
     out = np.empty_like(x)
     out[..., 0::2] = x[..., : r // 2]
-    out[..., 1::2] = x[..., r // 2:]
+    out[..., 1::2] = x[..., r // 2 :]
     return out
 
 
 @dataclasses.dataclass
 class CaptureResult:
-    tensors: dict[str, np.ndarray]          # site name -> f64 (or i64) array, ready to save
-    extras: dict[str, Any]                  # cos/sin, HF scaling, logit stats (not saved as sites)
+    tensors: dict[str, np.ndarray]  # site name -> f64 (or i64) array, ready to save
+    extras: dict[str, Any]  # cos/sin, HF scaling, logit stats (not saved as sites)
 
 
 # --------------------------------------------------------------------------------------------
 # float64 patches
 # --------------------------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def _alias_float32_to_float64():
@@ -111,6 +115,7 @@ def _rope_init_f64(rotary: torch.nn.Module) -> tuple[torch.Tensor, float]:
         fn = rotary.compute_default_rope_parameters
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
         fn = ROPE_INIT_FUNCTIONS[rotary.rope_type]
     with _alias_float32_to_float64():
         inv_freq, attention_scaling = fn(cfg, device=torch.device("cpu"))
@@ -212,12 +217,19 @@ def _float64_patches(model: torch.nn.Module, mdl):
 # capture
 # --------------------------------------------------------------------------------------------
 
+
 def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float64).cpu().numpy().copy()
 
 
-def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool = True,
-            raw_rope: bool = False, with_weights: bool = True) -> CaptureResult:
+def capture(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    exact_f64: bool = True,
+    raw_rope: bool = False,
+    with_weights: bool = True,
+) -> CaptureResult:
     """Run one forward pass of a DeepseekV3ForCausalLM on one sequence and capture all sites.
 
     input_ids: [T] or [1, T] int64 token ids; positions are 0..T-1. The model must use eager
@@ -245,11 +257,18 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
     impl = getattr(cfg, "_experts_implementation", None)
     has_moe = any(isinstance(layer.mlp, moe_cls) for layer in model.model.layers)
     if has_moe and impl not in (None, "eager"):
-        raise ValueError(f"capture() needs eager experts (config._experts_implementation), model uses {impl!r}")
+        raise ValueError(
+            f"capture() needs eager experts (config._experts_implementation), model uses {impl!r}"
+        )
     ids = input_ids.reshape(1, -1).to(torch.long)
     T = ids.shape[1]
-    N, P, R, V, L = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
-                     cfg.v_head_dim, cfg.kv_lora_rank)
+    N, P, R, V, L = (
+        cfg.num_attention_heads,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+        cfg.kv_lora_rank,
+    )
     Lq = cfg.q_lora_rank
 
     out: dict[str, np.ndarray] = {}
@@ -284,6 +303,7 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
         def out_hook(stage, fn=lambda a: a, n=n):
             def hook(mod, args, output):
                 put(n, stage, fn(_np(output[0])))
+
             return hook
 
         handles.append(layer.input_layernorm.register_forward_hook(out_hook("attn_in")))
@@ -298,14 +318,14 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
         def kv_a_hook(mod, args, output, n=n):
             kv_a = _np(output[0])
             put(n, "kv_a", kv_a)
-            put(n, "k_pe", kv_a[:, L:].copy())   # the rope part, before RoPE
+            put(n, "k_pe", kv_a[:, L:].copy())  # the rope part, before RoPE
 
         handles.append(attn.kv_a_proj_with_mqa.register_forward_hook(kv_a_hook))
         # kv_a_layernorm sees kv_c only: output [1, T, L]
         handles.append(attn.kv_a_layernorm.register_forward_hook(out_hook("kv_c_normed")))
 
         def kv_b_hook(mod, args, output, n=n):
-            kv = _np(output).reshape(T, N, P + V)   # output [1, 1, T, N*(P+V)], per-head [k | v]
+            kv = _np(output).reshape(T, N, P + V)  # output [1, 1, T, N*(P+V)], per-head [k | v]
             put(n, "k_nope", kv[:, :, :P].copy())
             put(n, "v", kv[:, :, P:].copy())
 
@@ -331,7 +351,11 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
 
             handles.append(indexer.register_forward_pre_hook(idx_pre))
             handles.append(indexer.register_forward_hook(idx_post))
-            handles.append(indexer.wq_b.register_forward_hook(out_hook("idx_q", lambda a: a.reshape(T, nI, dI))))
+            handles.append(
+                indexer.wq_b.register_forward_hook(
+                    out_hook("idx_q", lambda a, nI=nI, dI=dI: a.reshape(T, nI, dI))
+                )
+            )
             handles.append(indexer.k_norm.register_forward_hook(out_hook("idx_k")))
             handles.append(indexer.weights_proj.register_forward_hook(out_hook("idx_weights")))
         elif hasattr(attn, "skip_topk") and attn.skip_topk:
@@ -349,12 +373,12 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
             moe = layer.mlp
 
             def gate_hook(mod, args, output, n=n):
-                router_logits, _weights, topk_indices = output      # [T, E], [T, K], [T, K]
+                router_logits, _weights, topk_indices = output  # [T, E], [T, K], [T, K]
                 put(n, "moe_router_logits", _np(router_logits))
                 put(n, "moe_topk", topk_indices.detach().cpu().numpy().astype(np.int64))
 
             def experts_hook(mod, args, output, n=n):
-                put(n, "moe_out", _np(output))                       # [T, H] (tokens flattened)
+                put(n, "moe_out", _np(output))  # [T, H] (tokens flattened)
 
             handles.append(moe.gate.register_forward_hook(gate_hook))
             handles.append(moe.experts.register_forward_hook(experts_hook))
@@ -364,12 +388,15 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
         if not with_weights:
             continue
         if Lq is not None:
-            put(n, "w.fused_qkv_a", np.concatenate(
-                [_np(attn.q_a_proj.weight), _np(attn.kv_a_proj_with_mqa.weight)], axis=0))
-        kv_b = _np(attn.kv_b_proj.weight)                    # [N*(P+V), L]
+            put(
+                n,
+                "w.fused_qkv_a",
+                np.concatenate([_np(attn.q_a_proj.weight), _np(attn.kv_a_proj_with_mqa.weight)], axis=0),
+            )
+        kv_b = _np(attn.kv_b_proj.weight)  # [N*(P+V), L]
         put(n, "w.kv_b", kv_b)
         per_head = kv_b.reshape(N, P + V, L)
-        put(n, "w.W_UK_T", per_head[:, :P, :].copy())        # [N, P, L]
+        put(n, "w.W_UK_T", per_head[:, :P, :].copy())  # [N, P, L]
         put(n, "w.W_UV", per_head[:, P:, :].transpose(0, 2, 1).copy())  # [N, L, V]
 
     # ---- wrapped functions ------------------------------------------------------------------
@@ -380,14 +407,14 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
 
     def rope_wrapper(q, k, cos, sin, *args, **kwargs):
         q_embed, k_embed = orig_rope(q, k, cos, sin, *args, **kwargs)
-        if current["in_indexer"]:       # GLM's indexer uses the same function: not a main-attention site
+        if current["in_indexer"]:  # GLM's indexer uses the same function: not a main-attention site
             return q_embed, k_embed
         n = current["layer"]
         # q_embed [1, N, T, R], k_embed [1, 1, T, R], both in HF's [even | odd] order
         put(n, "q_pe_roped", reorder(_np(q_embed[0]).transpose(1, 0, 2)))
         put(n, "k_pe_roped", reorder(_np(k_embed[0, 0])))
         if "cos" not in extras:
-            extras["cos"] = _np(cos[0])     # [T, R] = cat(per-pair cos, per-pair cos)
+            extras["cos"] = _np(cos[0])  # [T, R] = cat(per-pair cos, per-pair cos)
             extras["sin"] = _np(sin[0])
         return q_embed, k_embed
 
@@ -395,7 +422,7 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
         n = module.layer_idx
         # HF's own q, k, scaling and mask -> scaled, masked logits -> natural-log LSE per query/head
         with torch.no_grad():
-            logits = torch.matmul(query, key.transpose(2, 3)) * scaling      # [1, N, T, S]
+            logits = torch.matmul(query, key.transpose(2, 3)) * scaling  # [1, N, T, S]
             if attention_mask is None:
                 allowed = torch.ones(logits.shape[-2:], dtype=torch.bool).tril()
                 logits_m = logits.masked_fill(~allowed, float("-inf"))
@@ -408,11 +435,15 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
             # In at least f32, as HF's eager softmax itself runs (softmax(..., dtype=float32)):
             # a bf16 model's LSE is not rounded to bf16. f32/f64 runs are unchanged.
             work = torch.promote_types(logits_m.dtype, torch.float32)
-            lse = torch.logsumexp(logits_m.to(work), dim=-1)                  # [1, N, T]
-            put(n, "lse", _np(lse[0]).T.copy())                               # [T, N]
-            vals = _np(logits[0])[:, _np(allowed.to(torch.float64)) > 0]       # [N, #allowed]
-            extras["logit_stats"][n] = {"std": float(vals.std()), "mean": float(vals.mean()),
-                                        "absmax": float(np.abs(vals).max()), "count": int(vals.size)}
+            lse = torch.logsumexp(logits_m.to(work), dim=-1)  # [1, N, T]
+            put(n, "lse", _np(lse[0]).T.copy())  # [T, N]
+            vals = _np(logits[0])[:, _np(allowed.to(torch.float64)) > 0]  # [N, #allowed]
+            extras["logit_stats"][n] = {
+                "std": float(vals.std()),
+                "mean": float(vals.mean()),
+                "absmax": float(np.abs(vals).max()),
+                "count": int(vals.size),
+            }
             extras["hf_scaling"][n] = float(scaling)
         return orig_eager(module, query, key, value, attention_mask, scaling, *args, **kwargs)
 
@@ -423,7 +454,7 @@ def capture(model: torch.nn.Module, input_ids: torch.Tensor, *, exact_f64: bool 
             kwargs = kwargs or {}
             if current["in_indexer"] and func in (torch.Tensor.topk, torch.topk):
                 n = current["layer"]
-                scores = args[0]                                  # [1, T, T]
+                scores = args[0]  # [1, T, T]
                 extras["idx_scores_dtype"][n] = str(scores.dtype)
                 sc = _np(scores[0])
                 causal = np.tril(np.ones((T, T), dtype=bool))

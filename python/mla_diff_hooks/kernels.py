@@ -8,6 +8,7 @@ through its own Python API, unmodified; `--plant` plants a caller's bug through 
 only. Reference (kernels, outputs, plants, `check` and `synth`): docs/engines.md, "Production
 kernels".
 """
+
 import argparse
 import importlib.util
 import json
@@ -53,7 +54,9 @@ class Inputs:
             self.meta = f.metadata() or {}
             self.t = {k: f.get_tensor(k).to(device) for k in f.keys()}
         if self.meta.get("format") != dump_format.KERNEL_INPUTS:
-            die(f"{path}: metadata `format` is {self.meta.get('format')!r}, not {dump_format.KERNEL_INPUTS!r}")
+            die(
+                f"{path}: metadata `format` is {self.meta.get('format')!r}, not {dump_format.KERNEL_INPUTS!r}"
+            )
         m = self.meta
         self.path = path
         self.scale = float(m["softmax_scale"])
@@ -75,8 +78,10 @@ class Inputs:
         self.seqlens = self.t["decode.cache_seqlens"].to(torch.int32)  # [T]
         T, nh, w = self.q.shape
         if w != self.L + self.R or self.cache.shape[1] != self.page or self.cache.shape[2] != w:
-            die(f"{path}: decode.q {tuple(self.q.shape)} / decode.kv_cache {tuple(self.cache.shape)} "
-                f"do not match L+R = {self.L + self.R}, page {self.page}")
+            die(
+                f"{path}: decode.q {tuple(self.q.shape)} / decode.kv_cache {tuple(self.cache.shape)} "
+                f"do not match L+R = {self.L + self.R}, page {self.page}"
+            )
         self.T, self.nh = T, nh
         # Prefill (varlen, causal per sequence): q/k [T, nh, P+R], v [T, nh, V], cu_seqlens [S+1].
         self.pq = self.t.get("prefill.q")
@@ -185,21 +190,24 @@ def stub_vllm(root):
 def flashmla_module(root):
     stub_vllm(root)
     return load_file_module(
-        "flash_mla_interface", os.path.join(vllm_dir(root), "third_party", "flashmla", "flash_mla_interface.py")
+        "flash_mla_interface",
+        os.path.join(vllm_dir(root), "third_party", "flashmla", "flash_mla_interface.py"),
     )
 
 
 def triton_decode_module(root):
     stub_vllm(root)
     return load_file_module(
-        "triton_decode_attention", os.path.join(vllm_dir(root), "v1", "attention", "ops", "triton_decode_attention.py")
+        "triton_decode_attention",
+        os.path.join(vllm_dir(root), "v1", "attention", "ops", "triton_decode_attention.py"),
     )
 
 
 def triton_merge_module(root):
     stub_vllm(root)
     return load_file_module(
-        "triton_merge_attn_states", os.path.join(vllm_dir(root), "v1", "attention", "ops", "triton_merge_attn_states.py")
+        "triton_merge_attn_states",
+        os.path.join(vllm_dir(root), "v1", "attention", "ops", "triton_merge_attn_states.py"),
     )
 
 
@@ -226,8 +234,17 @@ def run_fa3(mod, inp, dt, scale):
     cu = inp.cu.contiguous()
     max_len = int((cu[1:] - cu[:-1]).max().item())
     out, lse = mod.flash_attn_varlen_func(
-        q, k, v, max_len, cu, max_len, cu_seqlens_k=cu, softmax_scale=scale, causal=True,
-        return_softmax_lse=True, fa_version=3,
+        q,
+        k,
+        v,
+        max_len,
+        cu,
+        max_len,
+        cu_seqlens_k=cu,
+        softmax_scale=scale,
+        causal=True,
+        return_softmax_lse=True,
+        fa_version=3,
     )
     # FA returns the LSE head-major, [nh, T].
     return out.float(), lse.float().transpose(0, 1).contiguous(), "e"
@@ -236,7 +253,7 @@ def run_fa3(mod, inp, dt, scale):
 def vllm_version(root):
     for d in os.listdir(root):
         if d.startswith("vllm-") and d.endswith(".dist-info"):
-            return d[len("vllm-"):-len(".dist-info")]
+            return d[len("vllm-") : -len(".dist-info")]
     return "0.26.0"
 
 
@@ -288,13 +305,32 @@ def run_flashinfer(q, cache, table, seqlens, L, scale, base_e=False):
     ws = torch.empty(128 * 1024 * 1024, dtype=torch.int8, device=dev)
     w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend="auto")
     pages = [(int(n) + page - 1) // page for n in seqlens.tolist()]
-    kv_indptr = torch.tensor([0] + list(torch.tensor(pages).cumsum(0).tolist()), dtype=torch.int32, device=dev)
+    kv_indptr = torch.tensor(
+        [0] + list(torch.tensor(pages).cumsum(0).tolist()), dtype=torch.int32, device=dev
+    )
     kv_indices = torch.cat([table[i, : pages[i]] for i in range(T)]).to(torch.int32)
     qo_indptr = torch.arange(T + 1, dtype=torch.int32, device=dev)
-    w.plan(qo_indptr, kv_indptr, kv_indices, seqlens, nh, L, q.shape[2] - L, page, False, scale, q.dtype, cache.dtype)
+    w.plan(
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        seqlens,
+        nh,
+        L,
+        q.shape[2] - L,
+        page,
+        False,
+        scale,
+        q.dtype,
+        cache.dtype,
+    )
     out, lse = w.run(
-        q[..., :L].contiguous(), q[..., L:].contiguous(), cache[..., :L].contiguous(), cache[..., L:].contiguous(),
-        return_lse=True, return_lse_base_on_e=base_e,
+        q[..., :L].contiguous(),
+        q[..., L:].contiguous(),
+        cache[..., :L].contiguous(),
+        cache[..., L:].contiguous(),
+        return_lse=True,
+        return_lse_base_on_e=base_e,
     )
     return out.float(), lse.float(), ("e" if base_e else "2")
 
@@ -353,7 +389,9 @@ def decode(kernel, mods, inp, args):
     if kernel in PREFILL_KERNELS and plant in ("block-table", "lse-base2", "phantom"):
         die(f"--plant {plant} applies to the decode kernels, not {kernel}")
     if plant == "block-table":
-        table = torch.arange(table.shape[1], dtype=torch.int32, device=table.device).expand_as(table).contiguous()
+        table = (
+            torch.arange(table.shape[1], dtype=torch.int32, device=table.device).expand_as(table).contiguous()
+        )
     if plant == "no-yarn":
         scale = (inp.P + inp.R) ** -0.5
     if plant != "lse-base2":
@@ -369,7 +407,9 @@ def decode(kernel, mods, inp, args):
     first = torch.where(has_prefix, c, seqlens).to(torch.int32).contiguous()
     o1, l1, _ = call(kernel, mods, inp, q, cache, table, first, scale, args)
     shift = (c // page).long()
-    idx = (torch.arange(table.shape[1], device=table.device).unsqueeze(0) + shift.unsqueeze(1)).clamp(max=table.shape[1] - 1)
+    idx = (torch.arange(table.shape[1], device=table.device).unsqueeze(0) + shift.unsqueeze(1)).clamp(
+        max=table.shape[1] - 1
+    )
     table2 = torch.gather(table, 1, idx).contiguous()
     second = torch.where(has_prefix, seqlens - c, seqlens).to(torch.int32).contiguous()
     o2, l2, _ = call(kernel, mods, inp, q, cache, table2, second, scale, args)
@@ -428,7 +468,9 @@ def write_dump(path, inp, kernel, root, args, latent, lse, base):
     h["heads"] = list(inp.heads)
     patches = list(h.get("patches") or [])
     if args.plant:
-        patches.append({"name": f"plant:{args.plant}", "reason": f"a planted caller bug ({HOOK_NAME} --plant)"})
+        patches.append(
+            {"name": f"plant:{args.plant}", "reason": f"a planted caller bug ({HOOK_NAME} --plant)"}
+        )
     h["patches"] = patches
     tensors = {
         site(layer, "hidden_in"): inp.t["hidden_in"],
@@ -478,7 +520,9 @@ def cmd_run(args, check_only=False):
         if os.path.exists(path) and not args.force:
             die(f"{path} exists (use --force to overwrite)")
         write_dump(path, inp, k, args.vllm_root, args, lat, lse, base)
-        print(f"kernels: {k}: wrote {path} (T={inp.T}, heads {inp.heads[0]}..{inp.heads[1]}, lse base {base})")
+        print(
+            f"kernels: {k}: wrote {path} (T={inp.T}, heads {inp.heads[0]}..{inp.heads[1]}, lse base {base})"
+        )
 
 
 def main():
@@ -492,8 +536,12 @@ def main():
             p.add_argument("--force", action="store_true", help="overwrite existing dumps")
         p.add_argument("--kernels", default="flashmla,triton-mla,flashinfer,fa3")
         p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
-        p.add_argument("--vllm-root", default=os.environ.get("VLLM_ROOT", "."), help="directory holding vllm/")
-        p.add_argument("--splits", type=int, default=None, help="triton-mla num_kv_splits (default: vLLM's rule)")
+        p.add_argument(
+            "--vllm-root", default=os.environ.get("VLLM_ROOT", "."), help="directory holding vllm/"
+        )
+        p.add_argument(
+            "--splits", type=int, default=None, help="triton-mla num_kv_splits (default: vLLM's rule)"
+        )
         p.add_argument("--plant", default=None, help="|".join(PLANTS))
     p = sub.add_parser("synth")
     p.add_argument("out")

@@ -38,6 +38,7 @@ HEAD_MAJOR = {"kq", "kq_soft_max", "kqv", "kqv_mla", "q_nope_perm", "q_nope_abso
 
 class GgmlTensor(ctypes.Structure):
     """`struct ggml_tensor` of the vendored ggml/include/ggml.h (0.3.36), field for field."""
+
     _fields_ = [
         ("type", ctypes.c_int),
         ("buffer", ctypes.c_void_p),
@@ -100,7 +101,7 @@ class Recorder:
     """The eval callback's state: occurrence counts, the node being computed, what was copied."""
 
     def __init__(self, keep):
-        self.keep = keep            # key -> bool
+        self.keep = keep  # key -> bool
         self.counts: dict[str, int] = {}
         self.pending: str | None = None
         self.out: dict[str, np.ndarray] = {}
@@ -142,8 +143,12 @@ def condition_holds(cond: str | None, q_lora: bool, fused_kv_b: bool) -> bool:
         return True
     if cond not in CONDITIONS:
         raise ValueError(f"unknown map condition {cond!r} (expected one of {', '.join(CONDITIONS)})")
-    return {"split_kv_b": not fused_kv_b, "fused_kv_b": fused_kv_b,
-            "q_lora": q_lora, "no_q_lora": not q_lora}[cond]
+    return {
+        "split_kv_b": not fused_kv_b,
+        "fused_kv_b": fused_kv_b,
+        "q_lora": q_lora,
+        "no_q_lora": not q_lora,
+    }[cond]
 
 
 def map_keys(map_path: Path, layers: list[int], q_lora: bool = True, fused_kv_b: bool = False) -> set[str]:
@@ -168,6 +173,7 @@ def gguf_facts(model_path: Path) -> tuple[int, int, bool, bool, bool]:
     """(n_vocab, n_layer, has q_lora (rank > 0), q_lora_rank key present, legacy fused kv_b
     (blk.0.attn_kv_b.weight present)) from the GGUF header."""
     import gguf
+
     r = gguf.GGUFReader(str(model_path))
     arch = r.fields["general.architecture"].contents()
     n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
@@ -177,8 +183,14 @@ def gguf_facts(model_path: Path) -> tuple[int, int, bool, bool, bool]:
     return n_vocab, n_layer, f is not None and int(f.contents()) > 0, f is not None, fused_kv_b
 
 
-def run(model_path: Path, tokens: list[int], keep, n_threads: int = 1, verbose: bool = False,
-        q_lora_zero: bool = False):
+def run(
+    model_path: Path,
+    tokens: list[int],
+    keep,
+    n_threads: int = 1,
+    verbose: bool = False,
+    q_lora_zero: bool = False,
+):
     """Decode `tokens` at positions 0..T-1 in one batch; return (Recorder, n_layer).
 
     q_lora_zero: load with the override deepseek2.attention.q_lora_rank = 0, for converter output
@@ -190,12 +202,12 @@ def run(model_path: Path, tokens: list[int], keep, n_threads: int = 1, verbose: 
     if not verbose:
         log_cb = L.llama_log_callback(lambda level, text, ud: None)
         L.llama_log_set(log_cb, ctypes.c_void_p())
-        run._log_cb = log_cb   # keep the ctypes callback alive
+        run._log_cb = log_cb  # keep the ctypes callback alive
     L.llama_backend_init()
     mparams = L.llama_model_default_params()
     mparams.n_gpu_layers = 0
     if q_lora_zero:
-        kvo = (L.llama_model_kv_override * 2)()      # second entry: the empty-key terminator
+        kvo = (L.llama_model_kv_override * 2)()  # second entry: the empty-key terminator
         kvo[0].key = b"deepseek2.attention.q_lora_rank"
         kvo[0].tag = L.LLAMA_KV_OVERRIDE_TYPE_INT
         kvo[0].value.val_i64 = 0
@@ -233,7 +245,7 @@ def run(model_path: Path, tokens: list[int], keep, n_threads: int = 1, verbose: 
             batch.pos[i] = i
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = 0
-            batch.logits[i] = 1          # every token is an output: no row pruning in the last layer
+            batch.logits[i] = 1  # every token is an output: no row pruning in the last layer
         rc = L.llama_decode(ctx, batch)
     finally:
         L.llama_batch_free(batch)
@@ -247,7 +259,7 @@ def run(model_path: Path, tokens: list[int], keep, n_threads: int = 1, verbose: 
 
 
 def parse_ints(s: str) -> list[int]:
-    """"5,17,3" -> [5, 17, 3]."""
+    """ "5,17,3" -> [5, 17, 3]."""
     return [int(x) for x in s.split(",") if x.strip()]
 
 
@@ -262,10 +274,18 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=parse_ints)
     ap.add_argument("--all", action="store_true", help="keep every F32 node, not only the mapped ones")
     ap.add_argument("--map", type=Path, default=DEFAULT_MAP)
-    ap.add_argument("--exclude", type=lambda x: [k for k in x.split(",") if k], default=[],
-                    help="comma-separated keys not to store (e.g. embd#0: tokens suffice)")
-    ap.add_argument("--include", type=lambda x: [k for k in x.split(",") if k], default=[],
-                    help="comma-separated extra keys to store besides the mapped ones (e.g. kqv-0#0)")
+    ap.add_argument(
+        "--exclude",
+        type=lambda x: [k for k in x.split(",") if k],
+        default=[],
+        help="comma-separated keys not to store (e.g. embd#0: tokens suffice)",
+    )
+    ap.add_argument(
+        "--include",
+        type=lambda x: [k for k in x.split(",") if k],
+        default=[],
+        help="comma-separated extra keys to store besides the mapped ones (e.g. kqv-0#0)",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
     a = ap.parse_args(argv)
@@ -304,13 +324,20 @@ def main(argv=None) -> int:
     rec, _ = run(a.model, tokens, keep, a.threads, a.verbose, q_lora_zero=not has_q_lora_key)
     out = rec.out
     if wanted is not None and wanted - set(out):
-        print(f"warning: mapped nodes not in the graph: {', '.join(sorted(wanted - set(out)))}",
-              file=sys.stderr)
+        print(
+            f"warning: mapped nodes not in the graph: {', '.join(sorted(wanted - set(out)))}", file=sys.stderr
+        )
 
     tensors = {"tokens": np.array(tokens, np.int64), "positions": np.arange(len(tokens), dtype=np.int64)}
     tensors.update(out)
-    meta = {"engine": ENGINE, "dtype": "f32", "model": a.model.name,
-            "rope_order": "interleaved", "layout": "token-major", "kv_a_order": "latent-rope"}
+    meta = {
+        "engine": ENGINE,
+        "dtype": "f32",
+        "model": a.model.name,
+        "rope_order": "interleaved",
+        "layout": "token-major",
+        "kv_a_order": "latent-rope",
+    }
     if rec.permuted:
         meta["permuted_to_token_major"] = ",".join(sorted(rec.permuted))
     dump_format.write_format1(a.out, tensors, meta)

@@ -20,8 +20,12 @@ np = optional("numpy", "mla_diff_hooks.st_io")
 def _dtypes() -> dict:
     """numpy dtype -> safetensors dtype name (built on first use: numpy is optional to import)."""
     return {
-        np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
-        np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.uint8): "U8",
+        np.dtype(np.float64): "F64",
+        np.dtype(np.float32): "F32",
+        np.dtype(np.float16): "F16",
+        np.dtype(np.int64): "I64",
+        np.dtype(np.int32): "I32",
+        np.dtype(np.uint8): "U8",
     }
 
 
@@ -38,12 +42,15 @@ def save(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str] | 
         if arr.dtype not in dtypes:
             raise TypeError(f"{name}: unsupported dtype {arr.dtype}")
         data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
-        header[name] = {"dtype": dtypes[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + len(data)]}
+        header[name] = {
+            "dtype": dtypes[arr.dtype],
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
         blobs.append(data)
         offset += len(data)
     hjson = json.dumps(header, separators=(",", ":")).encode()
-    hjson += b" " * (-len(hjson) % 8)          # pad so the data section starts 8-aligned
+    hjson += b" " * (-len(hjson) % 8)  # pad so the data section starts 8-aligned
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

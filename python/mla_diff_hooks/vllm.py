@@ -19,8 +19,9 @@ import functools
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from . import dump_format, st_io
 from ._deps import optional
@@ -36,30 +37,50 @@ PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 DECODE_SITES = (*dump_format.ABSORBED_STAGES, "lse")
 # The activation sites these hooks reach (vLLM's DeepSeek layers have no DSA indexer here, and
 # the MoE FFN is not hooked).
-HOOKED_STAGES = tuple(s for s in dump_format.STAGES if s not in dump_format.WEIGHT_STAGES
-                      + dump_format.INDEXER_STAGES + dump_format.MOE_STAGES)
+HOOKED_STAGES = tuple(
+    s
+    for s in dump_format.STAGES
+    if s not in dump_format.WEIGHT_STAGES + dump_format.INDEXER_STAGES + dump_format.MOE_STAGES
+)
 # File order: data-flow order, except that the decode-only sites follow the others, by name (the
 # order the committed vLLM dumps in golden/dumps have).
 _site_key = dump_format.site_order([s for s in dump_format.STAGES if s not in DECODE_SITES])
 # Sites whose heads are split across TP ranks, with the axis holding the heads.
-HEAD_SHARDED = {"q": 1, "q_pe_roped": 1, "k_nope": 1, "v": 1, "attn_out": 1,
-                "w.kv_b": 0, "w.W_UK_T": 0, "w.W_UV": 0}
+HEAD_SHARDED = {
+    "q": 1,
+    "q_pe_roped": 1,
+    "k_nope": 1,
+    "v": 1,
+    "attn_out": 1,
+    "w.kv_b": 0,
+    "w.W_UK_T": 0,
+    "w.W_UV": 0,
+}
 TESTED_VLLM = "0.26.0"
 # the hook's name in a dump's metadata (format 1 `hook`, format 2 `header.hook.name`)
 HOOK_NAME, HOOK_VERSION = "dump_vllm.py", "2"
 # vLLM parameter names written to the WEIGHTS file, in this order when present.
-WEIGHT_PARAMS = ["fused_qkv_a_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "q_proj",
-                 "kv_b_proj", "o_proj"]
+WEIGHT_PARAMS = [
+    "fused_qkv_a_proj",
+    "q_a_proj",
+    "kv_a_proj_with_mqa",
+    "q_b_proj",
+    "q_proj",
+    "kv_b_proj",
+    "o_proj",
+]
 
-_ACTIVE: "VllmCapture | None" = None      # the capture armed in this process (apply_model API)
+_ACTIVE: VllmCapture | None = None  # the capture armed in this process (apply_model API)
 
 
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
 
+
 def _torch():
     import torch
+
     return torch
 
 
@@ -78,13 +99,15 @@ def _first(x):
 
 def _dtype_name(dtype) -> str:
     torch = _torch()
-    return {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32",
-            torch.float64: "f32"}.get(dtype, "f32")
+    return {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32", torch.float64: "f32"}.get(
+        dtype, "f32"
+    )
 
 
 def vllm_version() -> str:
     try:
         import vllm
+
         return f"vllm {vllm.__version__}"
     except Exception:  # noqa: BLE001 - not installed (mock) or broken install
         return "vllm (version unknown)"
@@ -94,13 +117,14 @@ def parallel_info() -> tuple[int, int, int, int]:
     """(tp_rank, tp_size, pp_rank, pp_size) from vLLM's parallel state; (0, 1, 0, 1) without it."""
     tp_rank, tp_size, pp_rank, pp_size = 0, 1, 0, 1
     try:
-        from vllm.distributed import (get_tensor_model_parallel_rank,
-                                      get_tensor_model_parallel_world_size)
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
         tp_rank, tp_size = int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
     except Exception:  # noqa: BLE001 - no vLLM, or distributed state not initialised
         pass
     try:
         from vllm.distributed import get_pp_group
+
         g = get_pp_group()
         pp_rank, pp_size = int(g.rank_in_group), int(g.world_size)
     except Exception:  # noqa: BLE001
@@ -149,8 +173,10 @@ def find_decoder_layers(root) -> list[tuple[int, Any]]:
         found = [(i, layer) for i, layer in enumerate(layers) if hasattr(layer, "self_attn")]
         if found:
             return found
-    raise RuntimeError(f"{type(root).__name__}: no decoder layers with `self_attn` found "
-                       "(expected model.model.layers of a DeepseekV2/V3ForCausalLM)")
+    raise RuntimeError(
+        f"{type(root).__name__}: no decoder layers with `self_attn` found "
+        "(expected model.model.layers of a DeepseekV2/V3ForCausalLM)"
+    )
 
 
 def find_w_uk_holder(attn) -> tuple[Any, str] | tuple[None, None]:
@@ -216,11 +242,17 @@ def backend_names(root) -> dict:
         if impl is None:
             continue
         info = {"attention_impl": type(impl).__name__}
-        backend = getattr(impl, "backend", None) or getattr(getattr(attn, "mla_attn", None), "attn_backend", None)
+        backend = getattr(impl, "backend", None) or getattr(
+            getattr(attn, "mla_attn", None), "attn_backend", None
+        )
         name = _backend_name(backend) if backend is not None and not isinstance(backend, str) else backend
         if name is None:
-            table = {"FlashMLAImpl": "FLASHMLA", "TritonMLAImpl": "TRITON_MLA",
-                     "FlashAttnMLAImpl": "FLASH_ATTN_MLA", "CutlassMLAImpl": "CUTLASS_MLA"}
+            table = {
+                "FlashMLAImpl": "FLASHMLA",
+                "TritonMLAImpl": "TRITON_MLA",
+                "FlashAttnMLAImpl": "FLASH_ATTN_MLA",
+                "CutlassMLAImpl": "CUTLASS_MLA",
+            }
             name = table.get(type(impl).__name__, type(impl).__name__)
         info["attention_backend"] = str(name)
         for holder in (impl, getattr(attn, "mla_attn", None), attn):
@@ -256,8 +288,17 @@ def check_layout(root) -> list[str]:
         missing.append(f"{an}.q_a_layernorm")
     if not any(hasattr(attn, x) for x in ("q_b_proj", "q_proj")):
         missing.append(f"{an}.q_b_proj (or q_proj)")
-    for x in ("kv_a_layernorm", "kv_b_proj", "o_proj", "rotary_emb", "qk_nope_head_dim",
-              "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank"):
+    for x in (
+        "kv_a_layernorm",
+        "kv_b_proj",
+        "o_proj",
+        "rotary_emb",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "kv_lora_rank",
+        "q_lora_rank",
+    ):
         if not hasattr(attn, x):
             missing.append(f"{an}.{x}")
     if find_mqa_impl(attn) is None:
@@ -266,9 +307,9 @@ def check_layout(root) -> list[str]:
 
 
 def version_note(missing: list[str]) -> str:
-    return (f"dump_vllm.py was tested with vLLM {TESTED_VLLM}; this is {vllm_version()}; "
-            + (f"not found: {', '.join(missing)}" if missing else
-               "every module and attribute it relies on was found"))
+    return f"dump_vllm.py was tested with vLLM {TESTED_VLLM}; this is {vllm_version()}; " + (
+        f"not found: {', '.join(missing)}" if missing else "every module and attribute it relies on was found"
+    )
 
 
 def dequant_weight(linear, act_dtype) -> tuple[np.ndarray, str]:
@@ -278,8 +319,8 @@ def dequant_weight(linear, act_dtype) -> tuple[np.ndarray, str]:
     if qm is None or type(qm).__name__ == "UnquantizedLinearMethod":
         return _np(linear.weight).astype(np.float32), "unquantized"
     try:
-        from vllm.model_executor.layers.quantization.utils.quant_utils import (
-            get_and_maybe_dequant_weights)
+        from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
+
         w = get_and_maybe_dequant_weights(linear, out_dtype=torch.float32)
         return _np(w).astype(np.float32), f"{type(qm).__name__} via vllm get_and_maybe_dequant_weights"
     except (ImportError, TypeError):
@@ -293,8 +334,10 @@ def dequant_weight(linear, act_dtype) -> tuple[np.ndarray, str]:
     eye = torch.eye(int(linear.input_size_per_partition), dtype=act_dtype, device=dev)
     with torch.no_grad():
         out = qm.apply(linear, eye, bias=None)
-    return (_np(out).T.copy().astype(np.float32),
-            f"{type(qm).__name__} via quant_method.apply(identity, {_dtype_name(act_dtype)})")
+    return (
+        _np(out).T.copy().astype(np.float32),
+        f"{type(qm).__name__} via quant_method.apply(identity, {_dtype_name(act_dtype)})",
+    )
 
 
 def infer_seq_lens(positions: np.ndarray) -> list[int]:
@@ -314,21 +357,27 @@ def infer_seq_lens(positions: np.ndarray) -> list[int]:
 # the capture
 # --------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class _Dims:
     n_local: int
     p: int
     r: int
     v: int
-    l: int
+    l: int  # noqa: E741 - the MLA dim name L (kv_lora_rank)
     lq: int | None
 
 
 def _dims(attn) -> _Dims:
-    n = getattr(attn, "num_local_heads", None) or getattr(attn, "num_heads")
-    return _Dims(int(n), int(attn.qk_nope_head_dim), int(attn.qk_rope_head_dim),
-                 int(attn.v_head_dim), int(attn.kv_lora_rank),
-                 None if attn.q_lora_rank is None else int(attn.q_lora_rank))
+    n = getattr(attn, "num_local_heads", None) or attn.num_heads
+    return _Dims(
+        int(n),
+        int(attn.qk_nope_head_dim),
+        int(attn.qk_rope_head_dim),
+        int(attn.v_head_dim),
+        int(attn.kv_lora_rank),
+        None if attn.q_lora_rank is None else int(attn.q_lora_rank),
+    )
 
 
 class VllmCapture:
@@ -339,11 +388,21 @@ class VllmCapture:
     tp_rank/tp_size/pp_rank/pp_size: default from vLLM's parallel state (override for tests).
     """
 
-    def __init__(self, model, *, forward_index: int = 0, steps: int = 1, tp_rank: int | None = None,
-                 tp_size: int | None = None, pp_rank: int | None = None, pp_size: int | None = None,
-                 undo_fp16_residual_scaling: bool = True, engine: str | None = None):
+    def __init__(
+        self,
+        model,
+        *,
+        forward_index: int = 0,
+        steps: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        pp_rank: int | None = None,
+        pp_size: int | None = None,
+        undo_fp16_residual_scaling: bool = True,
+        engine: str | None = None,
+    ):
         self.root = find_model(model)
-        self.missing = check_layout(self.root)      # names this vLLM lacks (see check_layout)
+        self.missing = check_layout(self.root)  # names this vLLM lacks (see check_layout)
         ver = vllm_version()
         other = ver.startswith("vllm ") and "unknown" not in ver and ver != f"vllm {TESTED_VLLM}"
         self.version_msg = version_note(self.missing) if (self.missing or other) else None
@@ -358,18 +417,18 @@ class VllmCapture:
         self.undo_fp16 = undo_fp16_residual_scaling
         self.engine = engine or vllm_version()
         self.handles: list = []
-        self._wrapped: list = []       # (object, attribute) wrapped at instance level
+        self._wrapped: list = []  # (object, attribute) wrapped at instance level
         self.reset()
         if self.version_msg:
             print("dump_vllm: " + self.version_msg, file=sys.stderr)
 
     # ---- state ---------------------------------------------------------------------------
     def reset(self) -> None:
-        self.forwards = 0              # forwards seen since arm()
+        self.forwards = 0  # forwards seen since arm()
         self.capturing = False
         self.act_dtype = None
         self.notes: list[str] = [self.version_msg] if getattr(self, "version_msg", None) else []
-        self.steps: list[dict] = []    # finished steps: t, tokens, positions, repeats, notes
+        self.steps: list[dict] = []  # finished steps: t, tokens, positions, repeats, notes
         self._in_root = False
         self.lse_base = "e"
         self._hooks_fired = 0
@@ -390,8 +449,15 @@ class VllmCapture:
 
     def _end_step(self) -> None:
         if self.capturing and self.t:
-            self.steps.append({"t": self.t, "tokens": self.tokens, "positions": self.positions,
-                               "repeats": self.repeats, "notes": self.step_notes})
+            self.steps.append(
+                {
+                    "t": self.t,
+                    "tokens": self.tokens,
+                    "positions": self.positions,
+                    "repeats": self.repeats,
+                    "notes": self.step_notes,
+                }
+            )
         self.capturing = False
         self.done = True
 
@@ -405,13 +471,13 @@ class VllmCapture:
 
     def put(self, layer: int, stage: str, value: np.ndarray) -> None:
         key = site(layer, stage)
-        if key in self.t:           # first value wins (e.g. a second rotary call in the layer)
+        if key in self.t:  # first value wins (e.g. a second rotary call in the layer)
             self.repeats[key] = self.repeats.get(key, 1) + 1
             return
         self.t[key] = value
 
     # ---- hooks ---------------------------------------------------------------------------
-    def arm(self) -> "VllmCapture":
+    def arm(self) -> VllmCapture:
         """Register every hook (idempotent: re-arming removes the old ones first)."""
         self.remove()
         self.reset()
@@ -423,16 +489,19 @@ class VllmCapture:
         hooked_rotary: set[int] = set()
         for n, layer in self.layers:
             attn = layer.self_attn
-            self.handles.append(layer.register_forward_pre_hook(
-                functools.partial(self._layer_pre, n), with_kwargs=True))
-            self.handles.append(layer.register_forward_hook(
-                functools.partial(self._layer_post, n), with_kwargs=True))
-            self.handles.append(layer.input_layernorm.register_forward_hook(
-                functools.partial(self._input_norm, n)))
+            self.handles.append(
+                layer.register_forward_pre_hook(functools.partial(self._layer_pre, n), with_kwargs=True)
+            )
+            self.handles.append(
+                layer.register_forward_hook(functools.partial(self._layer_post, n), with_kwargs=True)
+            )
+            self.handles.append(
+                layer.input_layernorm.register_forward_hook(functools.partial(self._input_norm, n))
+            )
             d = _dims(attn)
 
             def hook(mod_name: str, fn: Callable) -> None:
-                mod = getattr(attn, mod_name, None)
+                mod = getattr(attn, mod_name, None)  # noqa: B023 - called in this iteration
                 if mod is not None:
                     self.handles.append(mod.register_forward_hook(fn))
 
@@ -448,7 +517,7 @@ class VllmCapture:
             self.handles.append(o_proj.register_forward_pre_hook(functools.partial(self._o_pre, n, d)))
             self.handles.append(o_proj.register_forward_hook(functools.partial(self._o_post, n, o_proj)))
             rot = getattr(attn, "rotary_emb", None)
-            if rot is not None and id(rot) not in hooked_rotary:   # shared across layers
+            if rot is not None and id(rot) not in hooked_rotary:  # shared across layers
                 hooked_rotary.add(id(rot))
                 self.handles.append(rot.register_forward_hook(self._rotary))
             impl = find_mqa_impl(attn)
@@ -470,7 +539,7 @@ class VllmCapture:
         self.handles = []
         for obj, attr in self._wrapped:
             try:
-                delattr(obj, attr)           # the class's method shows through again
+                delattr(obj, attr)  # the class's method shows through again
             except AttributeError:
                 pass
         self._wrapped = []
@@ -521,8 +590,10 @@ class VllmCapture:
         if hs is None:
             return
         if pos is not None and hs.shape[0] != pos.shape[0]:
-            self.note(f"L{n}: hidden_states has {hs.shape[0]} rows for {pos.shape[0]} positions "
-                      "(sequence-parallel MoE?): hidden_in/hidden_out not dumped")
+            self.note(
+                f"L{n}: hidden_states has {hs.shape[0]} rows for {pos.shape[0]} positions "
+                "(sequence-parallel MoE?): hidden_in/hidden_out not dumped"
+            )
             return
         # residual None (first layer): hidden_states IS the stream; else the fused add's sum, in
         # the model dtype (what RMSNorm(x, residual) stores as its new residual).
@@ -535,12 +606,14 @@ class VllmCapture:
         self.put(n, "attn_in", _np(_first(output)))
         pending = self._pending_hidden_in.pop(n, None)
         if isinstance(output, (tuple, list)) and len(output) > 1 and output[1] is not None:
-            engine_sum = _np(output[1])            # the engine's own residual sum
+            engine_sum = _np(output[1])  # the engine's own residual sum
             if pending is not None and pending.shape == engine_sum.shape:
                 diff = float(np.max(np.abs(pending - engine_sum))) if pending.size else 0.0
                 if diff != 0.0:
-                    self.note(f"L{n}.hidden_in: fused add differs from hidden_states + residual "
-                              f"by up to {diff:.3g} (engine's sum kept)")
+                    self.note(
+                        f"L{n}.hidden_in: fused add differs from hidden_states + residual "
+                        f"by up to {diff:.3g} (engine's sum kept)"
+                    )
             self.put(n, "hidden_in", engine_sum)
         elif pending is not None:
             self.put(n, "hidden_in", pending)
@@ -555,13 +628,13 @@ class VllmCapture:
             out = output
         pos = kwargs.get("positions", args[0] if args else None)
         if pos is not None and out.shape[0] != pos.shape[0]:
-            pass                                     # noted in _layer_pre
+            pass  # noted in _layer_pre
         else:
             self.put(n, "hidden_out", _np(out))
         self.cur_layer = None
         if n == self.layers[-1][0]:
             if self._in_root:
-                self.done = True             # the root's post hook stores the step
+                self.done = True  # the root's post hook stores the step
             else:
                 self._end_step()
 
@@ -575,19 +648,21 @@ class VllmCapture:
         out = _np(_first(output))
         lq = d.lq or 0
         if out.shape[-1] != lq + d.l + d.r:
-            self.note(f"L{n}: fused_qkv_a_proj output width {out.shape[-1]} != Lq+L+R = "
-                      f"{lq + d.l + d.r}: q_c/kv_a not dumped")
+            self.note(
+                f"L{n}: fused_qkv_a_proj output width {out.shape[-1]} != Lq+L+R = "
+                f"{lq + d.l + d.r}: q_c/kv_a not dumped"
+            )
             return
         self.put(n, "q_c", out[:, :lq].copy())
         self.put(n, "kv_a", out[:, lq:].copy())
-        self.put(n, "k_pe", out[:, lq + d.l:].copy())
+        self.put(n, "k_pe", out[:, lq + d.l :].copy())
 
     def _kv_a(self, n, d: _Dims, mod, args, output):
         if not self._on():
             return
         kv_a = _np(_first(output))
         self.put(n, "kv_a", kv_a)
-        self.put(n, "k_pe", kv_a[:, d.l:].copy())
+        self.put(n, "k_pe", kv_a[:, d.l :].copy())
 
     def _q(self, n, d: _Dims, mod, args, output):
         if self._on():
@@ -597,17 +672,19 @@ class VllmCapture:
     def _kv_b(self, n, d: _Dims, mod, args, output):
         if not self._on() or n in self._kv_b_seen:
             return
-        self._kv_b_seen.add(n)          # only the first call: forward_mha's new prefill tokens
+        self._kv_b_seen.add(n)  # only the first call: forward_mha's new prefill tokens
         kv = _np(_first(output))
         rows = kv.shape[0]
         t = self._t_of(n)
         if t is None or rows != t:
-            self.note(f"L{n}: first kv_b_proj call had {rows} rows for T = {t} (decode tokens or "
-                      "chunked context in the batch): k_nope/v not dumped")
+            self.note(
+                f"L{n}: first kv_b_proj call had {rows} rows for T = {t} (decode tokens or "
+                "chunked context in the batch): k_nope/v not dumped"
+            )
             return
         kv = kv.reshape(rows, d.n_local, d.p + d.v)
-        self.put(n, "k_nope", kv[:, :, :d.p].copy())
-        self.put(n, "v", kv[:, :, d.p:].copy())
+        self.put(n, "k_nope", kv[:, :, : d.p].copy())
+        self.put(n, "v", kv[:, :, d.p :].copy())
 
     def _t_of(self, n) -> int | None:
         for st in ("hidden_in", "attn_in", "kv_a"):
@@ -640,31 +717,35 @@ class VllmCapture:
         output in the latent space (before W_UV), lse [B, N] its log-sum-exp. B = the decode
         tokens, which vLLM orders first in a batch.
         """
+
         def wrapped(q, *args, **kwargs):
             on = self._on()
             ql = None
             if on:
-                ql = _np(q[0]) if isinstance(q, (tuple, list)) else _np(q[..., :d.l])
+                ql = _np(q[0]) if isinstance(q, (tuple, list)) else _np(q[..., : d.l])
             res = orig(q, *args, **kwargs)
             if on:
                 o, lse = (res[0], res[1]) if isinstance(res, (tuple, list)) else (res, None)
                 t = self._t_of(n)
                 b = ql.shape[0]
                 if t is not None and b != t:
-                    self.step_note(f"L{n}: forward_mqa ran on {b} of {t} tokens (prefill and decode "
-                                   "mixed in one batch): ql_nope/attn_latent/lse not dumped")
+                    self.step_note(
+                        f"L{n}: forward_mqa ran on {b} of {t} tokens (prefill and decode "
+                        "mixed in one batch): ql_nope/attn_latent/lse not dumped"
+                    )
                     return res
                 self.put(n, "ql_nope", ql.reshape(b, -1, d.l))
                 self.put(n, "attn_latent", _np(o)[:b].reshape(b, -1, d.l))
                 if lse is not None:
                     lse_np = _np(lse)
                     if lse_np.shape[0] != b and lse_np.ndim == 2 and lse_np.shape[1] == b:
-                        lse_np = lse_np.T.copy()          # head-major [N, B]
+                        lse_np = lse_np.T.copy()  # head-major [N, B]
                     elif lse_np.ndim == 3 and lse_np.shape[0] * lse_np.shape[2] == b:
                         # FlashMLA: [requests, N, q_len] (a request's q_len tokens decoded at once)
                         lse_np = lse_np.transpose(0, 2, 1).copy()
                     self.put(n, "lse", lse_np.reshape(b, -1))
             return res
+
         return wrapped
 
     def _o_pre(self, n, d: _Dims, mod, args):
@@ -709,15 +790,17 @@ class VllmCapture:
                     dequant.append(f"L{n}.{pname}: {how}")
             fused = out.get(f"L{n}.fused_qkv_a_proj{suffix}")
             if fused is not None and d.lq is not None:
-                for pname, part in (("q_a_proj", fused[:d.lq]), ("kv_a_proj_with_mqa", fused[d.lq:])):
+                for pname, part in (("q_a_proj", fused[: d.lq]), ("kv_a_proj_with_mqa", fused[d.lq :])):
                     key = f"L{n}.{pname}{suffix}"
                     if key not in out:
                         out[key] = part.copy()
                         derived.append(f"L{n}.{pname}")
             holder, path = find_w_uk_holder(attn)
             if holder is None:
-                self.note(f"L{n}: no W_UK_T/W_UV found under self_attn (ROCm aiter BMM path, or "
-                          "process_weights_after_loading not run): not written")
+                self.note(
+                    f"L{n}: no W_UK_T/W_UV found under self_attn (ROCm aiter BMM path, or "
+                    "process_weights_after_loading not run): not written"
+                )
             else:
                 out[f"L{n}.W_UK_T{suffix}"] = _np(holder.W_UK_T).astype(np.float32)
                 out[f"L{n}.W_UV{suffix}"] = _np(holder.W_UV).astype(np.float32)
@@ -733,12 +816,15 @@ class VllmCapture:
             "quantized": ",".join(quantized) or "none",
             "dequant": "; ".join(dequant) or "none (all unquantized; values exact)",
             "derived": ("; ".join(derived) + ": row slices [:Lq] / [Lq:] of fused_qkv_a_proj")
-                       if derived else "none",
+            if derived
+            else "none",
             "w_uk_t_holder": ",".join(sorted(set(holders))) or "not found",
         }
         if dims is not None:
-            meta["dims"] = (f"N_local={dims.n_local},P={dims.p},R={dims.r},V={dims.v},"
-                            f"L={dims.l},Lq={dims.lq if dims.lq is not None else 'none'}")
+            meta["dims"] = (
+                f"N_local={dims.n_local},P={dims.p},R={dims.r},V={dims.v},"
+                f"L={dims.l},Lq={dims.lq if dims.lq is not None else 'none'}"
+            )
         return out, meta
 
     def _weight_sites(self) -> dict[str, np.ndarray]:
@@ -747,7 +833,7 @@ class VllmCapture:
         suffix = f".rank{self.tp_rank}" if self.tp_size > 1 else ""
         out = {}
         for n, layer in self.layers:
-            g = lambda name: w.get(f"L{n}.{name}{suffix}")  # noqa: E731
+            g = lambda name: w.get(f"L{n}.{name}{suffix}")  # noqa: E731, B023 - used in this iteration
             if g("fused_qkv_a_proj") is not None and layer.self_attn.q_lora_rank is not None:
                 out[site(n, "w.fused_qkv_a")] = g("fused_qkv_a_proj")
             elif g("q_a_proj") is not None and g("kv_a_proj_with_mqa") is not None:
@@ -760,17 +846,26 @@ class VllmCapture:
         return out
 
     def _no_capture_error(self) -> RuntimeError:
-        msg = (f"no vLLM forward was captured ({self.forwards} forward(s) of "
-               f"{type(self.root).__name__} seen after arm(), {self._hooks_fired} layer hook(s) "
-               "fired). Hooks do not run inside torch.compile'd / CUDA-graph code: start vLLM "
-               "with enforce_eager=True, and run the prompt between arm() and finish().")
+        msg = (
+            f"no vLLM forward was captured ({self.forwards} forward(s) of "
+            f"{type(self.root).__name__} seen after arm(), {self._hooks_fired} layer hook(s) "
+            "fired). Hooks do not run inside torch.compile'd / CUDA-graph code: start vLLM "
+            "with enforce_eager=True, and run the prompt between arm() and finish()."
+        )
         if self.version_msg:
             msg += " " + self.version_msg
         return RuntimeError(msg)
 
-    def result(self, *, num_tokens: int | None = None, expect_tokens=None, weight_sites: bool = True,
-               step: int = 0, lse_natural: bool = True,
-               residual_natural: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    def result(
+        self,
+        *,
+        num_tokens: int | None = None,
+        expect_tokens=None,
+        weight_sites: bool = True,
+        step: int = 0,
+        lse_natural: bool = True,
+        residual_natural: bool = True,
+    ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         """The dump's tensors (ordered) and metadata of one recorded step, for this rank.
 
         lse_natural: a base-2 lse (see lse_base) is converted to natural log (format 1 has no
@@ -789,10 +884,12 @@ class VllmCapture:
         notes = list(self.notes) + list(rec["notes"])
         if expect_tokens is not None:
             exp = np.asarray(list(expect_tokens), dtype=np.int64)
-            if tokens is None or len(tokens) < len(exp) or not np.array_equal(tokens[:len(exp)], exp):
+            if tokens is None or len(tokens) < len(exp) or not np.array_equal(tokens[: len(exp)], exp):
                 got = None if tokens is None else tokens[: len(exp) + 4].tolist()
-                raise RuntimeError(f"captured tokens {got} do not start with the expected "
-                                   f"{exp.tolist()} (prefix caching on? several steps? request order?)")
+                raise RuntimeError(
+                    f"captured tokens {got} do not start with the expected "
+                    f"{exp.tolist()} (prefix caching on? several steps? request order?)"
+                )
             num_tokens = len(exp)
         if num_tokens is not None:
             for k, a in tensors.items():
@@ -816,8 +913,10 @@ class VllmCapture:
                     tensors[site(n, "hidden_out")] = tensors[site(n, "hidden_out")] * np.float32(rsf)
                     undone.append(site(n, "hidden_out"))
             if undone:
-                notes.append("fp16: vLLM's residual stream is scaled by 1/routed_scaling_factor; "
-                             f"multiplied back on {', '.join(undone)}")
+                notes.append(
+                    "fp16: vLLM's residual stream is scaled by 1/routed_scaling_factor; "
+                    f"multiplied back on {', '.join(undone)}"
+                )
         if lse_natural and self.lse_base == "2":
             conv = [k for k in tensors if k.endswith(".lse")]
             for k in conv:
@@ -854,15 +953,18 @@ class VllmCapture:
             "pp_size": str(self.pp_size),
             "pp_rank": str(self.pp_rank),
             "capture": f"forward #{self.forward_index + step} after arm() "
-                       f"({'decode' if decode else 'prefill'} step {step}); hooks on "
-                       f"{type(self.root).__name__} (root), DeepseekV2DecoderLayer, input_layernorm, "
-                       "self_attn.{fused_qkv_a_proj|q_a_proj|kv_a_proj_with_mqa, q_a_layernorm, "
-                       "q_b_proj|q_proj, kv_a_layernorm, kv_b_proj, rotary_emb, o_proj}; "
-                       "MLAAttention.impl.forward_mqa wrapped",
+            f"({'decode' if decode else 'prefill'} step {step}); hooks on "
+            f"{type(self.root).__name__} (root), DeepseekV2DecoderLayer, input_layernorm, "
+            "self_attn.{fused_qkv_a_proj|q_a_proj|kv_a_proj_with_mqa, q_a_layernorm, "
+            "q_b_proj|q_proj, kv_a_layernorm, kv_b_proj, rotary_emb, o_proj}; "
+            "MLAAttention.impl.forward_mqa wrapped",
             "hook": f"{HOOK_NAME} (tested with vLLM {TESTED_VLLM})",
             "not_dumped": ",".join(sorted(set(m.split(".", 1)[1] for m in missing)))
-                          + (" (k_nope/v: the decode path never expands the latent)" if decode else
-                             " (ql_nope/attn_latent/lse: computed only for decode tokens)"),
+            + (
+                " (k_nope/v: the decode path never expands the latent)"
+                if decode
+                else " (ql_nope/attn_latent/lse: computed only for decode tokens)"
+            ),
         }
         if self.tp_size > 1:
             meta["sharded_sites"] = ",".join(f"{k}:{v}" for k, v in HEAD_SHARDED.items())
@@ -877,9 +979,10 @@ class VllmCapture:
                     starts.append(f"token {off} starts at position {int(positions[off])}")
                 off += ln
             if starts:
-                notes.append("sequences not starting at position 0 (prefix cache, a continued "
-                             "chunk or a decode step: the earlier context is not in this dump): "
-                             + "; ".join(starts))
+                notes.append(
+                    "sequences not starting at position 0 (prefix cache, a continued "
+                    "chunk or a decode step: the earlier context is not in this dump): " + "; ".join(starts)
+                )
         notes = list(dict.fromkeys(notes))
         if notes:
             meta["notes"] = " | ".join(notes)
@@ -901,10 +1004,18 @@ class VllmCapture:
                 return 1.0 / rsf
         return None
 
-    def write_format2(self, path, *, model_path, step_names: list[str] | None = None,
-                      engine: dict | None = None, patches: list[tuple[str, str]] | None = None,
-                      weights: bool = True, extra_meta: dict[str, str] | None = None,
-                      weight_sites: bool = True) -> Path:
+    def write_format2(
+        self,
+        path,
+        *,
+        model_path,
+        step_names: list[str] | None = None,
+        engine: dict | None = None,
+        patches: list[tuple[str, str]] | None = None,
+        weights: bool = True,
+        extra_meta: dict[str, str] | None = None,
+        weight_sites: bool = True,
+    ) -> Path:
         """Every recorded step in one file, docs/dump-format.md's format 2.
 
         Tensors s{k}.L{n}.{stage} (weight sites w.* in step 0 only), s{k}.tokens,
@@ -923,30 +1034,38 @@ class VllmCapture:
         specs, notes, dtypes = [], [], set()
         done_per_seq: list[int] | None = None
         for k in range(len(self.steps)):
-            t, meta = self.result(step=k, weight_sites=weight_sites and k == 0, lse_natural=False,
-                                  residual_natural=False)
+            t, meta = self.result(
+                step=k, weight_sites=weight_sites and k == 0, lse_natural=False, residual_natural=False
+            )
             dtypes.add(meta["dtype"])
             pos = t.get("positions")
-            n_rows = next(a.shape[0] for name, a in t.items()
-                          if name.startswith("L") and ".w." not in name)
+            n_rows = next(a.shape[0] for name, a in t.items() if name.startswith("L") and ".w." not in name)
             lens = infer_seq_lens(pos) if pos is not None else [n_rows]
             starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(int)
             ctx = [int(pos[a]) if pos is not None else 0 for a in starts]
             if done_per_seq is None:
                 done_per_seq = [0] * len(lens)
             if len(lens) != len(done_per_seq):
-                raise RuntimeError(f"step {k} has {len(lens)} sequence(s), step 0 had "
-                                   f"{len(done_per_seq)}: format 2 needs every sequence in every step")
+                raise RuntimeError(
+                    f"step {k} has {len(lens)} sequence(s), step 0 had "
+                    f"{len(done_per_seq)}: format 2 needs every sequence in every step"
+                )
             for i, (c, n) in enumerate(zip(ctx, lens)):
                 if c != done_per_seq[i]:
-                    raise RuntimeError(f"step {k}, sequence {i}: first position {c}, but the recorded "
-                                       f"steps computed {done_per_seq[i]} of its tokens (a step "
-                                       "missed, prefix caching, or sequences reordered)")
+                    raise RuntimeError(
+                        f"step {k}, sequence {i}: first position {c}, but the recorded "
+                        f"steps computed {done_per_seq[i]} of its tokens (a step "
+                        "missed, prefix caching, or sequences reordered)"
+                    )
                 done_per_seq[i] += n
-            name = (step_names[k] if step_names and k < len(step_names)
-                    else ("prefill" if k == 0 else f"decode-{k}"))
-            specs.append({"name": name, "seqs": [{"new": int(n), "context": int(c)}
-                                                 for c, n in zip(ctx, lens)]})
+            name = (
+                step_names[k]
+                if step_names and k < len(step_names)
+                else ("prefill" if k == 0 else f"decode-{k}")
+            )
+            specs.append(
+                {"name": name, "seqs": [{"new": int(n), "context": int(c)} for c, n in zip(ctx, lens)]}
+            )
             for nm, a in t.items():
                 tensors[dump_format.step_tensor(k, nm)] = a
             if meta.get("notes"):
@@ -955,26 +1074,40 @@ class VllmCapture:
             w, _ = self.weights()
             for nm in sorted(w, key=_site_key):
                 tensors[dump_format.weights_tensor(nm)] = w[nm]
-        layers = sorted({p[0] for nm in tensors if nm.startswith("s")
-                         for p in [dump_format.parse_site(nm.split(".", 1)[1])] if p is not None})
-        eng = {"name": "vllm", "version": self.engine.split()[1] if self.engine.startswith("vllm ")
-               else self.engine}
+        layers = sorted(
+            {
+                p[0]
+                for nm in tensors
+                if nm.startswith("s")
+                for p in [dump_format.parse_site(nm.split(".", 1)[1])]
+                if p is not None
+            }
+        )
+        eng = {
+            "name": "vllm",
+            "version": self.engine.split()[1] if self.engine.startswith("vllm ") else self.engine,
+        }
         eng.update(engine or {})
         header = {
             "model": dump_format.model_identity(model_path, layers),
             "hook": {"name": HOOK_NAME, "version": f"{HOOK_VERSION} (tested with vLLM {TESTED_VLLM})"},
             "engine": eng,
             "dtype": sorted(dtypes)[0] if len(dtypes) == 1 else ",".join(sorted(dtypes)),
-            "conventions": {"rope_order": "interleaved", "layout": "token-major",
-                            "kv_a_order": "latent-rope", "lse_base": self.lse_base,
-                            "residual_scale": self.fp16_residual_scale()},
+            "conventions": {
+                "rope_order": "interleaved",
+                "layout": "token-major",
+                "kv_a_order": "latent-rope",
+                "lse_base": self.lse_base,
+                "residual_scale": self.fp16_residual_scale(),
+            },
             "steps": specs,
             "patches": [{"name": n, "reason": r} for n, r in (patches or [])],
         }
         return dump_format.write_format2(path, tensors, header, notes=notes, extra=extra_meta)
 
-    def write_steps(self, path, *, extra_meta: dict[str, str] | None = None,
-                    weight_sites: bool = True) -> list[Path]:
+    def write_steps(
+        self, path, *, extra_meta: dict[str, str] | None = None, weight_sites: bool = True
+    ) -> list[Path]:
         """Format 1: step 0 (the prefill) to `path`, what `mla-diff compare` reads as format 1;
         decode step k to `<stem>.decode{k}<suffix>` (same names; the cached context they attended
         to is in the earlier files, so format 1 cannot judge them: use write_format2)."""
@@ -989,8 +1122,12 @@ class VllmCapture:
             if i > 0:
                 pos = self.steps[i]["positions"]
                 meta["step"] = f"decode {i} of {len(self.steps) - 1}"
-                meta["context"] = (f"positions 0..{int(pos[0]) - 1} from the earlier steps "
-                                   f"({path.name} and its decode files)" if pos is not None else "")
+                meta["context"] = (
+                    f"positions 0..{int(pos[0]) - 1} from the earlier steps "
+                    f"({path.name} and its decode files)"
+                    if pos is not None
+                    else ""
+                )
             out.append(dump_format.write_format1(p, tensors, meta))
         return out
 
@@ -1018,7 +1155,8 @@ def _model_name(root) -> str:
 # apply_model / collective_rpc entry points (run inside each worker)
 # --------------------------------------------------------------------------------------------
 
-def attach(model_or_worker, **kwargs) -> "VllmCapture":
+
+def attach(model_or_worker, **kwargs) -> VllmCapture:
     """Hooks on a model (or worker) in this process: `VllmCapture(model_or_worker, **kwargs)`,
     armed. Run the forwards, then `cap.remove()` and `cap.write_format2(...)` (or write_dump)."""
     return VllmCapture(model_or_worker, **kwargs).arm()
@@ -1031,13 +1169,24 @@ def arm(model_or_worker, **kwargs) -> str:
         _ACTIVE.remove()
     _ACTIVE = VllmCapture(model_or_worker, **kwargs).arm()
     c = _ACTIVE
-    return (f"armed {len(c.layers)} layers, {len(c.handles)} hooks, tp {c.tp_rank}/{c.tp_size}, "
-            f"pp {c.pp_rank}/{c.pp_size}")
+    return (
+        f"armed {len(c.layers)} layers, {len(c.handles)} hooks, tp {c.tp_rank}/{c.tp_size}, "
+        f"pp {c.pp_rank}/{c.pp_size}"
+    )
 
 
-def finish(model_or_worker=None, *, dump_path, weights_path=None, num_tokens=None,
-           expect_tokens=None, weight_sites: bool = True, model_path=None,
-           engine_info: dict | None = None, patches: list[tuple[str, str]] | None = None) -> dict:
+def finish(
+    model_or_worker=None,
+    *,
+    dump_path,
+    weights_path=None,
+    num_tokens=None,
+    expect_tokens=None,
+    weight_sites: bool = True,
+    model_path=None,
+    engine_info: dict | None = None,
+    patches: list[tuple[str, str]] | None = None,
+) -> dict:
     """Hooks off; write this rank's dump (and weights). Returns paths and a summary.
 
     With `model_path` (the GGUF the engine loaded) and one rank: every recorded step in format 2
@@ -1055,18 +1204,29 @@ def finish(model_or_worker=None, *, dump_path, weights_path=None, num_tokens=Non
         if expect_tokens is not None and cap.steps:
             got = cap.steps[0]["tokens"]
             exp = list(expect_tokens)
-            if got is None or got[:len(exp)].tolist() != exp:
-                raise RuntimeError(f"captured prefill tokens {None if got is None else got.tolist()} "
-                                   f"are not the expected {exp} (prefix caching on? request order?)")
-        cap.write_format2(dp, model_path=model_path, engine=engine_info or backend_names(cap.root),
-                          patches=patches, weight_sites=weight_sites)
+            if got is None or got[: len(exp)].tolist() != exp:
+                raise RuntimeError(
+                    f"captured prefill tokens {None if got is None else got.tolist()} "
+                    f"are not the expected {exp} (prefix caching on? request order?)"
+                )
+        cap.write_format2(
+            dp,
+            model_path=model_path,
+            engine=engine_info or backend_names(cap.root),
+            patches=patches,
+            weight_sites=weight_sites,
+        )
     else:
-        cap.write_dump(dp, num_tokens=num_tokens, expect_tokens=expect_tokens,
-                       weight_sites=weight_sites)
-    res = {"dump": str(dp), "tp_rank": cap.tp_rank, "tp_size": cap.tp_size,
-           "pp_rank": cap.pp_rank, "pp_size": cap.pp_size,
-           "sites": len(cap.steps[0]["t"]) if cap.steps else 0,
-           "notes": list(cap.notes)}
+        cap.write_dump(dp, num_tokens=num_tokens, expect_tokens=expect_tokens, weight_sites=weight_sites)
+    res = {
+        "dump": str(dp),
+        "tp_rank": cap.tp_rank,
+        "tp_size": cap.tp_size,
+        "pp_rank": cap.pp_rank,
+        "pp_size": cap.pp_size,
+        "sites": len(cap.steps[0]["t"]) if cap.steps else 0,
+        "notes": list(cap.notes),
+    }
     if weights_path is not None:
         wp = rank_path(weights_path, cap.tp_rank, cap.tp_size, cap.pp_rank, cap.pp_size)
         cap.write_weights(wp)
@@ -1086,8 +1246,10 @@ def write_weights(model_or_worker, *, weights_path, **kwargs) -> str:
 # merging per-rank files (driver side; needs only numpy + safetensors)
 # --------------------------------------------------------------------------------------------
 
+
 def _read(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     from safetensors import safe_open
+
     with safe_open(str(path), framework="np") as f:
         meta = dict(f.metadata() or {})
         return {k: f.get_tensor(k) for k in f.keys()}, meta
@@ -1126,8 +1288,11 @@ def merge_rank_dumps(paths, out_path) -> Path:
             else:
                 for r, a in zip(ranks[1:], arrs[1:]):
                     if a.shape != arrs[0].shape or not np.array_equal(a, arrs[0]):
-                        diff = (float(np.max(np.abs(a.astype(np.float64) - arrs[0])))
-                                if a.shape == arrs[0].shape else "shape")
+                        diff = (
+                            float(np.max(np.abs(a.astype(np.float64) - arrs[0])))
+                            if a.shape == arrs[0].shape
+                            else "shape"
+                        )
                         notes.append(f"{name}: rank {r[0]} differs from rank 0 ({diff}); rank 0 kept")
                 if name in merged and not np.array_equal(merged[name], arrs[0]):
                     notes.append(f"{name}: differs between pipeline ranks; first kept")
@@ -1136,8 +1301,9 @@ def merge_rank_dumps(paths, out_path) -> Path:
     meta["merged_from"] = ",".join(Path(p).name for _, p in parts)
     if notes:
         meta["notes"] = " | ".join(dict.fromkeys(notes))
-    ordered = {k: merged[k] for k in sorted((k for k in merged if k not in ("tokens", "positions")),
-                                            key=_site_key)}
+    ordered = {
+        k: merged[k] for k in sorted((k for k in merged if k not in ("tokens", "positions")), key=_site_key)
+    }
     for k in ("tokens", "positions"):
         if k in merged:
             ordered[k] = merged[k]
@@ -1166,10 +1332,12 @@ def merge_weight_files(paths, out_path) -> Path:
 # --------------------------------------------------------------------------------------------
 
 # (name, reason) of the one change --zero-unloaded makes to vLLM's behaviour (recorded in the dump)
-ZERO_UNLOADED = ("zero-unloaded-weights",
-                 "a linear layer whose GGUF weight the loader never filled gets an all-zero weight "
-                 "in the model dtype (UnquantizedLinearMethod) instead of an empty GGUF parameter, so "
-                 "vLLM loads and runs and the dump shows what a never-loaded weight computes")
+ZERO_UNLOADED = (
+    "zero-unloaded-weights",
+    "a linear layer whose GGUF weight the loader never filled gets an all-zero weight "
+    "in the model dtype (UnquantizedLinearMethod) instead of an empty GGUF parameter, so "
+    "vLLM loads and runs and the dump shows what a never-loaded weight computes",
+)
 
 
 def zero_unloaded(applied: list) -> None:
@@ -1180,6 +1348,7 @@ def zero_unloaded(applied: list) -> None:
     import torch
     import vllm_gguf_plugin.loader as gl
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
     orig = gl.process_weights_after_loading
 
     def process_weights_after_loading(model, model_config, target_device):
@@ -1189,45 +1358,74 @@ def zero_unloaded(applied: list) -> None:
             if q is not None and (isinstance(q, torch.nn.parameter.UninitializedParameter) or q.numel() == 0):
                 bad.append((name, mod))
         if bad:
-            print("dump_vllm: linear layers the GGUF loader never filled: "
-                  + ", ".join(n for n, _ in bad), file=sys.stderr)
+            print(
+                "dump_vllm: linear layers the GGUF loader never filled: " + ", ".join(n for n, _ in bad),
+                file=sys.stderr,
+            )
             for _, mod in bad:
                 for attr in ("qweight", "qweight_type"):
                     mod._parameters.pop(attr, None)
                 mod.quant_method = UnquantizedLinearMethod()
-                mod.weight = torch.nn.Parameter(torch.zeros(
-                    int(mod.output_size_per_partition), int(mod.input_size_per_partition),
-                    dtype=model_config.dtype, device=target_device), requires_grad=False)
+                mod.weight = torch.nn.Parameter(
+                    torch.zeros(
+                        int(mod.output_size_per_partition),
+                        int(mod.input_size_per_partition),
+                        dtype=model_config.dtype,
+                        device=target_device,
+                    ),
+                    requires_grad=False,
+                )
             applied.append(ZERO_UNLOADED)
             applied.append(("zeroed", ", ".join(n for n, _ in bad)))
         return orig(model, model_config, target_device)
+
     gl.process_weights_after_loading = process_weights_after_loading
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", help="model path or name for vllm.LLM (a HF folder or a .gguf, which "
-                    "vllm-gguf-plugin loads)")
-    ap.add_argument("--hf-config-path", default=None, help="folder with the HF config.json for a "
-                    ".gguf (vllm-gguf-plugin needs one; python -m mla_diff_hooks.vllm_cpu config derives it)")
-    ap.add_argument("--decode-steps", type=int, default=0,
-                    help="also record this many decode steps (format 2, .gguf models only)")
+    ap.add_argument(
+        "model", help="model path or name for vllm.LLM (a HF folder or a .gguf, which vllm-gguf-plugin loads)"
+    )
+    ap.add_argument(
+        "--hf-config-path",
+        default=None,
+        help="folder with the HF config.json for a "
+        ".gguf (vllm-gguf-plugin needs one; python -m mla_diff_hooks.vllm_cpu config derives it)",
+    )
+    ap.add_argument(
+        "--decode-steps",
+        type=int,
+        default=0,
+        help="also record this many decode steps (format 2, .gguf models only)",
+    )
     ap.add_argument("--tokens", required=True, help="comma-separated prompt token ids")
     ap.add_argument("--dump", required=True, type=Path, help="activation dump to write")
     ap.add_argument("--weights", type=Path, default=None, help="WEIGHTS file to write")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (default 1)")
     ap.add_argument("--dtype", default="auto", help="vllm dtype (default auto)")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer (default: none is loaded; the "
-                    "prompt is token ids)")
-    ap.add_argument("--attention-backend", default=None, help="vLLM attention backend for the "
-                    "decode (e.g. FLASHMLA, TRITON_MLA; default: vLLM's choice)")
-    ap.add_argument("--max-model-len", type=int, default=None, help="vllm max_model_len (a small "
-                    "value keeps the KV cache small)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
-                    help="vllm gpu_memory_utilization")
-    ap.add_argument("--zero-unloaded", action="store_true", help="give a linear layer the GGUF "
-                    "loader never filled an all-zero weight so vLLM runs (recorded in the dump as a "
-                    "patch); runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    ap.add_argument(
+        "--tokenizer", default=None, help="tokenizer (default: none is loaded; the prompt is token ids)"
+    )
+    ap.add_argument(
+        "--attention-backend",
+        default=None,
+        help="vLLM attention backend for the decode (e.g. FLASHMLA, TRITON_MLA; default: vLLM's choice)",
+    )
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="vllm max_model_len (a small value keeps the KV cache small)",
+    )
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm gpu_memory_utilization")
+    ap.add_argument(
+        "--zero-unloaded",
+        action="store_true",
+        help="give a linear layer the GGUF "
+        "loader never filled an all-zero weight so vLLM runs (recorded in the dump as a "
+        "patch); runs the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+    )
     ap.add_argument("--no-weight-sites", action="store_true", help="leave w.* sites out of the dump")
     ap.add_argument("--force", action="store_true", help="overwrite existing outputs")
     args = ap.parse_args()
@@ -1236,20 +1434,26 @@ def main() -> None:
             raise SystemExit(f"{p} exists (use --force to overwrite)")
     ids = [int(x) for x in args.tokens.split(",") if x.strip()]
     # the worker processes unpickle arm/finish by module name, and must accept pickled callables
-    os.environ["PYTHONPATH"] = str(PACKAGE_PARENT) + (os.pathsep + os.environ["PYTHONPATH"]
-                                                      if os.environ.get("PYTHONPATH") else "")
+    os.environ["PYTHONPATH"] = str(PACKAGE_PARENT) + (
+        os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""
+    )
     # under `python -m` this module is __main__: ship the importable module's functions instead
     hooks = importlib.import_module("mla_diff_hooks.vllm")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     applied: list[tuple[str, str]] = []
     if args.zero_unloaded:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the patch must be in the engine's process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the patch must be in the engine's process
         zero_unloaded(applied)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kw = dict(model=args.model, enforce_eager=True, enable_prefix_caching=False,
-              tensor_parallel_size=args.tp, dtype=args.dtype)
+    kw = dict(
+        model=args.model,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        tensor_parallel_size=args.tp,
+        dtype=args.dtype,
+    )
     if args.tokenizer:
         kw["tokenizer"] = args.tokenizer
     else:
@@ -1267,13 +1471,22 @@ def main() -> None:
         raise SystemExit("--decode-steps needs a local .gguf and --tp 1 (format 2)")
     llm = LLM(**kw)
     print(llm.apply_model(functools.partial(hooks.arm, steps=1 + args.decode_steps)))
-    llm.generate([TokensPrompt(prompt_token_ids=ids)],
-                 SamplingParams(max_tokens=1 + args.decode_steps, temperature=0.0, ignore_eos=True))
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=ids)],
+        SamplingParams(max_tokens=1 + args.decode_steps, temperature=0.0, ignore_eos=True),
+    )
     dump_tmp = args.dump if args.tp == 1 else args.dump.with_name(args.dump.stem + ".part" + args.dump.suffix)
-    res = llm.apply_model(functools.partial(
-        hooks.finish, dump_path=str(dump_tmp), weights_path=None if args.weights is None else str(args.weights),
-        expect_tokens=ids, weight_sites=not args.no_weight_sites, patches=applied or None,
-        model_path=str(Path(args.model).resolve()) if gguf and args.tp == 1 else None))
+    res = llm.apply_model(
+        functools.partial(
+            hooks.finish,
+            dump_path=str(dump_tmp),
+            weights_path=None if args.weights is None else str(args.weights),
+            expect_tokens=ids,
+            weight_sites=not args.no_weight_sites,
+            patches=applied or None,
+            model_path=str(Path(args.model).resolve()) if gguf and args.tp == 1 else None,
+        )
+    )
     if args.tp > 1:
         merge_rank_dumps([r["dump"] for r in res], args.dump)
         if args.weights is not None:

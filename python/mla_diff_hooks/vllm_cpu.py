@@ -13,8 +13,8 @@ Subcommands: setup, config, run, test. Reference (patches and what fails without
 from __future__ import annotations
 
 import argparse
-import json
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -40,43 +40,64 @@ TESTED_VLLM = "0.26.0"
 
 # (name, reason) of every change the harness makes to vLLM's behaviour, in the order applied.
 # only with --zero-unloaded (changes what the engine computes; recorded in the dump when applied)
-ZERO_UNLOADED = ("zero-unloaded-weights",
-                 "a linear layer whose GGUF weight the loader never filled gets an all-zero float32 "
-                 "weight (UnquantizedLinearMethod) instead of an empty GGUF parameter, so vLLM "
-                 "loads and runs and the dump shows what a never-loaded weight computes")
+ZERO_UNLOADED = (
+    "zero-unloaded-weights",
+    "a linear layer whose GGUF weight the loader never filled gets an all-zero float32 "
+    "weight (UnquantizedLinearMethod) instead of an empty GGUF parameter, so vLLM "
+    "loads and runs and the dump shows what a never-loaded weight computes",
+)
 
 PATCHES = [
-    ("cpu-platform",
-     "no GPU driver: vLLM cannot infer a device (UnspecifiedPlatform); use vllm.platforms.cpu.CpuPlatform"),
-    ("triton-interpreter",
-     "vllm.triton_utils disables Triton when no GPU driver is active (placeholders instead of "
-     "triton / tl); bind the real triton, which TRITON_INTERPRET=1 runs on the CPU"),
-    ("cpu-mla-backend",
-     "CpuPlatform.get_attn_backend_cls raises 'MLA is not supported on CPU'; hand out TRITON_MLA"),
-    ("sdpa-prefill-backend",
-     "vLLM's MLA prefill backends (FlashAttention, FlashInfer, TRT-LLM) need a GPU; register a torch "
-     "SDPA backend as MLAPrefillBackendEnum.CUSTOM and select it (the selector picks FlashAttention "
-     "whenever the device has no compute capability)"),
-    ("native-custom-ops",
-     "vllm._C is absent on a CPU: compilation_config.custom_ops=['none'] runs RMSNorm, RoPE and "
-     "SiluAndMul through their forward_native"),
-    ("silu-and-mul-init",
-     "SiluAndMul.__init__ looks up torch.ops._C.silu_and_mul (absent on CPU); skip the lookup"),
-    ("latent-cache-write",
-     "MLA's KV-cache write calls vllm._custom_ops.concat_and_cache_mla (a CUDA op): write "
-     "[kv_c_normed | k_pe] into the paged cache at slot_mapping with torch indexing"),
-    ("unloaded-weights-report",
-     "observes only: before vLLM's process_weights_after_loading, list the linear layers whose GGUF "
-     "weight the loader never filled (vLLM then fails on them with its own error)"),
-    ("attention-metadata-by-hand",
-     "the GPU model runner builds the attention metadata: built here as MLACommonMetadata "
-     "(+ MLACommonPrefillMetadata or MLACommonDecodeMetadata) inside set_forward_context"),
+    (
+        "cpu-platform",
+        "no GPU driver: vLLM cannot infer a device (UnspecifiedPlatform); use vllm.platforms.cpu.CpuPlatform",
+    ),
+    (
+        "triton-interpreter",
+        "vllm.triton_utils disables Triton when no GPU driver is active (placeholders instead of "
+        "triton / tl); bind the real triton, which TRITON_INTERPRET=1 runs on the CPU",
+    ),
+    (
+        "cpu-mla-backend",
+        "CpuPlatform.get_attn_backend_cls raises 'MLA is not supported on CPU'; hand out TRITON_MLA",
+    ),
+    (
+        "sdpa-prefill-backend",
+        "vLLM's MLA prefill backends (FlashAttention, FlashInfer, TRT-LLM) need a GPU; register a torch "
+        "SDPA backend as MLAPrefillBackendEnum.CUSTOM and select it (the selector picks FlashAttention "
+        "whenever the device has no compute capability)",
+    ),
+    (
+        "native-custom-ops",
+        "vllm._C is absent on a CPU: compilation_config.custom_ops=['none'] runs RMSNorm, RoPE and "
+        "SiluAndMul through their forward_native",
+    ),
+    (
+        "silu-and-mul-init",
+        "SiluAndMul.__init__ looks up torch.ops._C.silu_and_mul (absent on CPU); skip the lookup",
+    ),
+    (
+        "latent-cache-write",
+        "MLA's KV-cache write calls vllm._custom_ops.concat_and_cache_mla (a CUDA op): write "
+        "[kv_c_normed | k_pe] into the paged cache at slot_mapping with torch indexing",
+    ),
+    (
+        "unloaded-weights-report",
+        "observes only: before vLLM's process_weights_after_loading, list the linear layers whose GGUF "
+        "weight the loader never filled (vLLM then fails on them with its own error)",
+    ),
+    (
+        "attention-metadata-by-hand",
+        "the GPU model runner builds the attention metadata: built here as MLACommonMetadata "
+        "(+ MLACommonPrefillMetadata or MLACommonDecodeMetadata) inside set_forward_context",
+    ),
 ]
 
 
 # =============================================================================================
 # setup
 # =============================================================================================
+
 
 def venv_python(venv: Path) -> Path:
     return Path(venv) / "bin" / "python"
@@ -109,11 +130,11 @@ def cmd_setup(args) -> int:
     py = str(venv_python(venv))
     subprocess.run([py, "-m", "pip", "install", "--disable-pip-version-check", *PINS], check=True)
     dt = time.time() - t0
-    out = subprocess.run([py, "-m", "pip", "list", "--format=freeze"], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [py, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, check=True
+    ).stdout
     names = {p.split("==")[0].lower(): p for p in out.split()}
-    want = ["vllm", "vllm-gguf-plugin", "gguf", "torch", "triton", "transformers", "numpy",
-            "safetensors"]
+    want = ["vllm", "vllm-gguf-plugin", "gguf", "torch", "triton", "transformers", "numpy", "safetensors"]
     print("installed:", ", ".join(names.get(w, f"{w} (missing)") for w in want))
     print(f"{len(names)} distributions in {venv}, {dt:.0f} s")
     bad = [p for p in PINS if p.lower() not in (v.lower() for v in names.values())]
@@ -127,6 +148,7 @@ def cmd_setup(args) -> int:
 # config.json from GGUF metadata
 # =============================================================================================
 
+
 def config_from_gguf(gguf_path: Path, torch_dtype: str = "float32") -> dict:
     """A HF DeepseekV3 config.json from a deepseek2 GGUF's metadata (needs the gguf package).
 
@@ -134,6 +156,7 @@ def config_from_gguf(gguf_path: Path, torch_dtype: str = "float32") -> dict:
     CPU harness passes dtype="float32" to vLLM itself, so it runs in float32 whatever this says.
     """
     import gguf
+
     rd = gguf.GGUFReader(str(gguf_path))
     kv = {}
     for k, f in rd.fields.items():
@@ -199,14 +222,16 @@ def config_from_gguf(gguf_path: Path, torch_dtype: str = "float32") -> dict:
     stype = g("rope.scaling.type")
     if stype == "yarn":
         cfg["rope_scaling"] = {
-            "type": "yarn", "rope_type": "yarn",
+            "type": "yarn",
+            "rope_type": "yarn",
             "factor": float(g("rope.scaling.factor")),
             "original_max_position_embeddings": int(g("rope.scaling.original_context_length")),
             "beta_fast": float(g("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
             "beta_slow": float(g("rope.scaling.yarn_beta_slow", 1.0) or 1.0),
             "mscale": 1.0,
             "mscale_all_dim": float(g("rope.scaling.yarn_log_multiplier", 0.0) or 0.0) / 0.1
-            if g("rope.scaling.yarn_log_multiplier") else 0.0,
+            if g("rope.scaling.yarn_log_multiplier")
+            else 0.0,
         }
     elif stype not in (None, "none"):
         raise SystemExit(f"{gguf_path}: rope scaling {stype!r} not handled by this harness")
@@ -225,6 +250,7 @@ def cmd_config(args) -> int:
 # =============================================================================================
 # run (inside the venv)
 # =============================================================================================
+
 
 def _relaunch_in_venv(args) -> int:
     """Run this module's `_inner` subcommand with the venv's python, TRITON_INTERPRET=1."""
@@ -276,36 +302,42 @@ def _apply_patches(sdpa_cls_holder: dict) -> None:
     platforms._current_platform = CpuPlatform()
 
     # triton-interpreter (before any module decorates a kernel with vllm.triton_utils.triton)
-    if _on('triton-interpreter'):
+    if _on("triton-interpreter"):
         import triton
         import triton.language as tl
         import triton.language.extra.libdevice as tldevice
         import vllm.triton_utils as vtu
         import vllm.triton_utils.importing as vtu_imp
+
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("TRITON_INTERPRET=1 must be set before triton is imported")
         vtu_imp.HAS_TRITON = vtu.HAS_TRITON = True
         vtu.triton, vtu.tl, vtu.tldevice = triton, tl, tldevice
 
     # cpu-mla-backend
-    if _on('cpu-mla-backend'):
+    if _on("cpu-mla-backend"):
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
         orig_backend = CpuPlatform.get_attn_backend_cls.__func__
 
         def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
             if attn_selector_config.use_mla and not attn_selector_config.use_sparse:
                 return AttentionBackendEnum.TRITON_MLA.get_path()
             return orig_backend(cls, selected_backend, attn_selector_config, num_heads)
+
         CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
 
     # sdpa-prefill-backend
-    if _on('sdpa-prefill-backend'):
+    if _on("sdpa-prefill-backend"):
         from vllm.v1.attention.backends.mla.prefill.base import MLAPrefillBackend
-        from vllm.v1.attention.backends.mla.prefill.registry import (MLAPrefillBackendEnum,
-                                                                     register_mla_prefill_backend)
+        from vllm.v1.attention.backends.mla.prefill.registry import (
+            MLAPrefillBackendEnum,
+            register_mla_prefill_backend,
+        )
 
         class SdpaPrefillBackend(MLAPrefillBackend):
             """Causal attention of the new prefill tokens with torch SDPA, per sequence."""
+
             supported_dtypes = [torch.float32, torch.float16, torch.bfloat16]
 
             @staticmethod
@@ -317,9 +349,10 @@ def _apply_patches(sdpa_cls_holder: dict) -> None:
                 res = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
                 lses = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
                 for a, b in zip(qsl[:-1], qsl[1:]):
-                    qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))   # [N, t, d]
+                    qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))  # [N, t, d]
                     res[a:b] = torch.nn.functional.scaled_dot_product_attention(
-                        qs, ks, vs, is_causal=True, scale=self.scale).transpose(0, 1)
+                        qs, ks, vs, is_causal=True, scale=self.scale
+                    ).transpose(0, 1)
                     if return_softmax_lse:
                         lg = (qs.float() @ ks.float().transpose(1, 2)) * self.scale
                         mask = torch.ones(b - a, b - a, dtype=torch.bool).tril()
@@ -345,21 +378,23 @@ def _apply_patches(sdpa_cls_holder: dict) -> None:
             if sel is not None:
                 return sel.get_class()
             return SdpaPrefillBackend
+
         mla_mod.get_mla_prefill_backend = get_mla_prefill_backend
 
     # native-custom-ops: set in the config (_build_config)
 
     # silu-and-mul-init
-    if _on('silu-and-mul-init'):
-        from vllm.model_executor.layers import activation as act
+    if _on("silu-and-mul-init"):
         from vllm.model_executor.custom_op import CustomOp
+        from vllm.model_executor.layers import activation as act
 
         def silu_init(self, *a, **kw):
             CustomOp.__init__(self)
+
         act.SiluAndMul.__init__ = silu_init
 
     # latent-cache-write
-    if _on('latent-cache-write'):
+    if _on("latent-cache-write"):
         from vllm.v1.attention import backend as be
 
         def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale):
@@ -368,6 +403,7 @@ def _apply_patches(sdpa_cls_holder: dict) -> None:
             flat = kv_cache.view(-1, kv_cache.shape[-1])
             row = torch.cat([kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)], -1).to(flat.dtype)
             flat[slot_mapping.flatten().long()] = row
+
         for name in dir(be):
             cls = getattr(be, name)
             if isinstance(cls, type) and "do_kv_cache_update" in cls.__dict__:
@@ -377,6 +413,7 @@ def _apply_patches(sdpa_cls_holder: dict) -> None:
 def _unloaded_linears(model) -> list[tuple[str, object]]:
     """(name, module) of linear layers whose GGUF weight parameter holds no data after loading."""
     import torch
+
     out = []
     for name, mod in model.named_modules():
         qw = getattr(mod, "qweight", None)
@@ -393,34 +430,50 @@ def _patch_unloaded(zero: bool, applied: list) -> None:
     import torch
     import vllm_gguf_plugin.loader as gl
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
     orig = gl.process_weights_after_loading
 
     def process_weights_after_loading(model, model_config, target_device):
         bad = _unloaded_linears(model)
         if bad:
-            print("vllm_cpu: linear layers the GGUF loader never filled: "
-                  + ", ".join(n for n, _ in bad), file=sys.stderr)
+            print(
+                "vllm_cpu: linear layers the GGUF loader never filled: " + ", ".join(n for n, _ in bad),
+                file=sys.stderr,
+            )
             if zero:
                 for _, mod in bad:
                     for attr in ("qweight", "qweight_type"):
                         if attr in mod._parameters:
                             del mod._parameters[attr]
                     mod.quant_method = UnquantizedLinearMethod()
-                    mod.weight = torch.nn.Parameter(torch.zeros(
-                        int(mod.output_size_per_partition), int(mod.input_size_per_partition),
-                        dtype=torch.float32), requires_grad=False)
+                    mod.weight = torch.nn.Parameter(
+                        torch.zeros(
+                            int(mod.output_size_per_partition),
+                            int(mod.input_size_per_partition),
+                            dtype=torch.float32,
+                        ),
+                        requires_grad=False,
+                    )
                 applied.append(ZERO_UNLOADED)
                 applied.append(("zeroed", ", ".join(n for n, _ in bad)))
         return orig(model, model_config, target_device)
+
     gl.process_weights_after_loading = process_weights_after_loading
 
 
 def _build_config(gguf_path: Path, config_dir: Path, max_len: int, block_size: int):
     from vllm.engine.arg_utils import EngineArgs
+
     ea = EngineArgs(
-        model=str(gguf_path), hf_config_path=str(config_dir), tokenizer=None,
-        skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-        max_model_len=max_len, block_size=block_size, enable_prefix_caching=False,
+        model=str(gguf_path),
+        hf_config_path=str(config_dir),
+        tokenizer=None,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=max_len,
+        block_size=block_size,
+        enable_prefix_caching=False,
         compilation_config={"custom_ops": ["none"] if _on("native-custom-ops") else [], "mode": 0},
         attention_config={"mla_prefill_backend": "CUSTOM"},
         distributed_executor_backend="uni",
@@ -429,16 +482,19 @@ def _build_config(gguf_path: Path, config_dir: Path, max_len: int, block_size: i
 
 
 def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
-    import numpy as np
     import torch
+
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     holder: dict = {}
     _apply_patches(holder)
     import vllm
+
     if vllm.__version__ != TESTED_VLLM:
-        print(f"warning: vLLM {vllm.__version__}; this harness was tested with {TESTED_VLLM}",
-              file=sys.stderr)
+        print(
+            f"warning: vLLM {vllm.__version__}; this harness was tested with {TESTED_VLLM}", file=sys.stderr
+        )
     import vllm_gguf_plugin
+
     vllm_gguf_plugin_register = getattr(vllm_gguf_plugin, "register", None)
     if vllm_gguf_plugin_register is not None:
         vllm_gguf_plugin_register()
@@ -446,7 +502,6 @@ def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
     _patch_unloaded(args.zero_unloaded, applied)
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.forward_context import set_forward_context
     from vllm.model_executor.model_loader import get_model_loader
 
     from . import vllm as dump_vllm
@@ -457,8 +512,13 @@ def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
     vcfg = _build_config(gguf_path, config_dir, max_len, block_size)
     t_cfg = time.time()
     with set_current_vllm_config(vcfg):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+        )
         ensure_model_parallel_initialized(1, 1)
         loader = get_model_loader(vcfg.load_config)
         model = loader.load_model(vcfg, vcfg.model_config)
@@ -471,48 +531,88 @@ def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
         lay.kv_cache = torch.zeros(n_blocks, block_size, L_R, dtype=torch.float32)
     block_table = torch.arange(n_blocks, dtype=torch.int32)[None, :]
 
-    cap = dump_vllm.VllmCapture(model, steps=1 + args.decode_steps,
-                                engine=f"vllm {vllm.__version__} ({HARNESS}, CPU)")
+    cap = dump_vllm.VllmCapture(
+        model, steps=1 + args.decode_steps, engine=f"vllm {vllm.__version__} ({HARNESS}, CPU)"
+    )
     cap.arm()
     seq = list(tokens)
     decode_ids: list[int] = []
     with set_current_vllm_config(vcfg), torch.no_grad():
         # prefill
         pos = list(range(len(tokens)))
-        h = _step(model, vcfg, layers, seq_tokens=tokens, positions=pos, ctx_len=0,
-                  block_table=block_table, block_size=block_size, holder=holder, decode=False)
+        h = _step(
+            model,
+            vcfg,
+            layers,
+            seq_tokens=tokens,
+            positions=pos,
+            ctx_len=0,
+            block_table=block_table,
+            block_size=block_size,
+            holder=holder,
+            decode=False,
+        )
         t_prefill = time.time()
         for k in range(args.decode_steps):
             nxt = _next_token(model, h, args, k)
             decode_ids.append(nxt)
             p = len(seq)
             seq.append(nxt)
-            h = _step(model, vcfg, layers, seq_tokens=[nxt], positions=[p], ctx_len=p,
-                      block_table=block_table, block_size=block_size, holder=holder, decode=True)
+            h = _step(
+                model,
+                vcfg,
+                layers,
+                seq_tokens=[nxt],
+                positions=[p],
+                ctx_len=p,
+                block_table=block_table,
+                block_size=block_size,
+                holder=holder,
+                decode=True,
+            )
     t_end = time.time()
     cap.remove()
     loader = f"vllm-gguf-plugin {_dist_version('vllm-gguf-plugin')}"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.format == 2:
-        engine = {"name": "vllm", "version": vllm.__version__, "attention_backend": "TRITON_MLA",
-                  "prefill_backend": f"TORCH_SDPA_CPU ({HARNESS}, MLAPrefillBackendEnum.CUSTOM)"}
-        written = [cap.write_format2(out, model_path=gguf_path, engine=engine,
-                                     patches=PATCHES + applied, weights=not args.no_weights,
-                                     extra_meta={"harness": HARNESS, "loader": loader,
-                                                 "triton": "TRITON_INTERPRET=1 " + _dist_version("triton")})]
+        engine = {
+            "name": "vllm",
+            "version": vllm.__version__,
+            "attention_backend": "TRITON_MLA",
+            "prefill_backend": f"TORCH_SDPA_CPU ({HARNESS}, MLAPrefillBackendEnum.CUSTOM)",
+        }
+        written = [
+            cap.write_format2(
+                out,
+                model_path=gguf_path,
+                engine=engine,
+                patches=PATCHES + applied,
+                weights=not args.no_weights,
+                extra_meta={
+                    "harness": HARNESS,
+                    "loader": loader,
+                    "triton": "TRITON_INTERPRET=1 " + _dist_version("triton"),
+                },
+            )
+        ]
     else:
-        extra = {"harness": HARNESS,
-                 "patches": "; ".join(f"{n}: {r}" for n, r in PATCHES + applied),
-                 "attention_backend": "TRITON_MLA (decode, Triton interpreter), TORCH_SDPA_CPU (prefill)",
-                 "model": gguf_path.name, "loader": loader}
+        extra = {
+            "harness": HARNESS,
+            "patches": "; ".join(f"{n}: {r}" for n, r in PATCHES + applied),
+            "attention_backend": "TRITON_MLA (decode, Triton interpreter), TORCH_SDPA_CPU (prefill)",
+            "model": gguf_path.name,
+            "loader": loader,
+        }
         written = cap.write_steps(out, extra_meta=extra)
     if args.weights:
         cap.write_weights(args.weights)
         written.append(Path(args.weights))
     print(f"tokens {tokens}; decode tokens {decode_ids}")
-    print(f"config {t_cfg - t_start:.1f} s, load {t_load - t_cfg:.1f} s, prefill "
-          f"{t_prefill - t_load:.1f} s, {args.decode_steps} decode step(s) {t_end - t_prefill:.1f} s")
+    print(
+        f"config {t_cfg - t_start:.1f} s, load {t_load - t_cfg:.1f} s, prefill "
+        f"{t_prefill - t_load:.1f} s, {args.decode_steps} decode step(s) {t_end - t_prefill:.1f} s"
+    )
     for p in written:
         print(f"wrote {p}")
     return 0
@@ -521,6 +621,7 @@ def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
 def _dist_version(name: str) -> str:
     try:
         from importlib.metadata import version
+
         return version(name)
     except Exception:  # noqa: BLE001
         return "unknown"
@@ -528,6 +629,7 @@ def _dist_version(name: str) -> str:
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -535,6 +637,7 @@ def _free_port() -> int:
 
 def _mla_layers(vcfg) -> dict:
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
     ctx = vcfg.compilation_config.static_forward_context
     out = {k: v for k, v in ctx.items() if isinstance(v, MLAAttention)}
     if not out:
@@ -542,42 +645,73 @@ def _mla_layers(vcfg) -> dict:
     return out
 
 
-def _step(model, vcfg, layers, *, seq_tokens, positions, ctx_len, block_table, block_size, holder,
-          decode: bool):
+def _step(
+    model, vcfg, layers, *, seq_tokens, positions, ctx_len, block_table, block_size, holder, decode: bool
+):
     """One forward of one sequence: prefill of `seq_tokens` from position 0, or one decode token."""
     import torch
     from vllm.forward_context import set_forward_context
-    from vllm.model_executor.layers.attention.mla_attention import (MLACommonDecodeMetadata,
-                                                                    MLACommonMetadata,
-                                                                    MLACommonPrefillMetadata)
+    from vllm.model_executor.layers.attention.mla_attention import (
+        MLACommonDecodeMetadata,
+        MLACommonMetadata,
+        MLACommonPrefillMetadata,
+    )
+
     t = len(seq_tokens)
     ids = torch.tensor(seq_tokens, dtype=torch.long)
     pos = torch.tensor(positions, dtype=torch.long)
-    slots = torch.tensor([int(block_table[0, p // block_size]) * block_size + p % block_size
-                          for p in positions], dtype=torch.long)
+    slots = torch.tensor(
+        [int(block_table[0, p // block_size]) * block_size + p % block_size for p in positions],
+        dtype=torch.long,
+    )
     seq_len = ctx_len + t
     qsl = torch.tensor([0, t], dtype=torch.int32)
     md = {}
     slot_map = {}
     for name, lay in layers.items():
         if decode:
-            dec = MLACommonDecodeMetadata(block_table=block_table,
-                                          seq_lens=torch.tensor([seq_len], dtype=torch.int32),
-                                          dcp_tot_seq_lens=None)
-            m = MLACommonMetadata(num_reqs=1, max_query_len=t, max_seq_len=seq_len,
-                                  num_actual_tokens=t, query_start_loc=qsl, slot_mapping=slots,
-                                  num_decodes=1, num_decode_tokens=t, num_prefills=0,
-                                  prefill=None, decode=dec)
+            dec = MLACommonDecodeMetadata(
+                block_table=block_table,
+                seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+                dcp_tot_seq_lens=None,
+            )
+            m = MLACommonMetadata(
+                num_reqs=1,
+                max_query_len=t,
+                max_seq_len=seq_len,
+                num_actual_tokens=t,
+                query_start_loc=qsl,
+                slot_mapping=slots,
+                num_decodes=1,
+                num_decode_tokens=t,
+                num_prefills=0,
+                prefill=None,
+                decode=dec,
+            )
         else:
-            pre = MLACommonPrefillMetadata(block_table=block_table, query_start_loc=qsl,
-                                           max_query_len=t, chunked_context=None,
-                                           q_data_type=torch.float32, output_dtype=torch.float32,
-                                           prefill_backend=lay.prefill_backend)
+            pre = MLACommonPrefillMetadata(
+                block_table=block_table,
+                query_start_loc=qsl,
+                max_query_len=t,
+                chunked_context=None,
+                q_data_type=torch.float32,
+                output_dtype=torch.float32,
+                prefill_backend=lay.prefill_backend,
+            )
             lay.prefill_backend.prepare_metadata(pre)
-            m = MLACommonMetadata(num_reqs=1, max_query_len=t, max_seq_len=seq_len,
-                                  num_actual_tokens=t, query_start_loc=qsl, slot_mapping=slots,
-                                  num_decodes=0, num_decode_tokens=0, num_prefills=1,
-                                  prefill=pre, decode=None)
+            m = MLACommonMetadata(
+                num_reqs=1,
+                max_query_len=t,
+                max_seq_len=seq_len,
+                num_actual_tokens=t,
+                query_start_loc=qsl,
+                slot_mapping=slots,
+                num_decodes=0,
+                num_decode_tokens=0,
+                num_prefills=1,
+                prefill=pre,
+                decode=None,
+            )
         md[name] = m
         slot_map[name] = slots
     with set_forward_context(md, vcfg, num_tokens=t, slot_mapping=slot_map):
@@ -597,9 +731,14 @@ def _next_token(model, hidden, args, k) -> int:
 # test
 # =============================================================================================
 
+
 def _mla_diff() -> Path:
-    for c in (os.environ.get("MLA_DIFF"), ROOT / "target" / "release" / "mla-diff",
-              ROOT / "target" / "debug" / "mla-diff", shutil.which("mla-diff")):
+    for c in (
+        os.environ.get("MLA_DIFF"),
+        ROOT / "target" / "release" / "mla-diff",
+        ROOT / "target" / "debug" / "mla-diff",
+        shutil.which("mla-diff"),
+    ):
         if c and Path(c).is_file():
             return Path(c)
     raise SystemExit("no mla-diff binary: cargo build --release, pip install . (or set MLA_DIFF)")
@@ -612,6 +751,7 @@ def _reads_format2(exe: Path) -> bool:
 
 def _read_st(path: Path):
     from safetensors import safe_open
+
     with safe_open(str(path), framework="np") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
 
@@ -621,12 +761,17 @@ def prefill_as_format1(src: Path, dst: Path) -> Path:
     t, meta = _read_st(src)
     h = json.loads(meta["header"])
     s0 = dump_format.step_tensor(0, "")
-    out = {k[len(s0):]: v for k, v in t.items() if k.startswith(s0)}
+    out = {k[len(s0) :]: v for k, v in t.items() if k.startswith(s0)}
     c = h.get("conventions", {})
-    m1 = {"engine": f"{h['engine']['name']} {h['engine']['version']}",
-          "dtype": h.get("dtype", "f32"), "rope_order": c.get("rope_order", "interleaved"),
-          "layout": c.get("layout", "token-major"), "kv_a_order": c.get("kv_a_order", "latent-rope"),
-          "model": h["model"]["file"], "converted_from": f"{src.name} (format 2, step 0)"}
+    m1 = {
+        "engine": f"{h['engine']['name']} {h['engine']['version']}",
+        "dtype": h.get("dtype", "f32"),
+        "rope_order": c.get("rope_order", "interleaved"),
+        "layout": c.get("layout", "token-major"),
+        "kv_a_order": c.get("kv_a_order", "latent-rope"),
+        "model": h["model"]["file"],
+        "converted_from": f"{src.name} (format 2, step 0)",
+    }
     return dump_format.write_format1(dst, out, m1)
 
 
@@ -644,33 +789,40 @@ def check_decode(path: Path) -> tuple[list[str], float]:
     attn_out = attn_latent W_UV. Returns one line per site: its worst rel_l2 over steps/layers.
     """
     import numpy as np
+
     t, meta = _read_st(path)
     h = json.loads(meta["header"])
     s0 = dump_format.step_tensor(0, "")
-    layers = sorted({p[0] for k in t if k.startswith(s0) for p in [dump_format.parse_site(k[len(s0):])]
-                     if p is not None})
+    layers = sorted(
+        {p[0] for k in t if k.startswith(s0) for p in [dump_format.parse_site(k[len(s0) :])] if p is not None}
+    )
     worst: dict[str, float] = {}
 
     def rel(a, b):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
     for n in layers:
-        wk = t[step_site(0, n, "w.W_UK_T")].astype(np.float64)       # [N, P, L]
-        wv = t[step_site(0, n, "w.W_UV")].astype(np.float64)         # [N, L, V]
+        wk = t[step_site(0, n, "w.W_UK_T")].astype(np.float64)  # [N, P, L]
+        wv = t[step_site(0, n, "w.W_UV")].astype(np.float64)  # [N, L, V]
         P = wk.shape[1]
         for k in range(1, len(h["steps"])):
-            g = lambda s, j=k: t[step_site(j, n, s)].astype(np.float64)  # noqa: E731
-            kv = np.concatenate([g("kv_c_normed", j) for j in range(k + 1)])     # [S, L]
-            kp = np.concatenate([g("k_pe_roped", j) for j in range(k + 1)])      # [S, R]
+            g = lambda s, j=k: t[step_site(j, n, s)].astype(np.float64)  # noqa: E731, B023
+            kv = np.concatenate([g("kv_c_normed", j) for j in range(k + 1)])  # [S, L]
+            kp = np.concatenate([g("k_pe_roped", j) for j in range(k + 1)])  # [S, R]
             q, qpe = g("q"), g("q_pe_roped")
             R = qpe.shape[-1]
             ql = np.einsum("tnp,npl->tnl", q[..., :P], wk)
             sc = (np.einsum("tnl,sl->tns", ql, kv) + np.einsum("tnr,sr->tns", qpe, kp)) / np.sqrt(P + R)
             mx = sc.max(-1, keepdims=True)
-            lse = (mx[..., 0] + np.log(np.exp(sc - mx).sum(-1)))
+            lse = mx[..., 0] + np.log(np.exp(sc - mx).sum(-1))
             lat = np.einsum("tns,sl->tnl", np.exp(sc - lse[..., None]), kv)
-            ref = {"ql_nope": ql, "lse": lse, "attn_latent": lat,
-                   "attn_out": np.einsum("tnl,nlv->tnv", lat, wv)}
+            ref = {
+                "ql_nope": ql,
+                "lse": lse,
+                "attn_latent": lat,
+                "attn_out": np.einsum("tnl,nlv->tnv", lat, wv),
+            }
             for stage, r in ref.items():
                 worst[stage] = max(worst.get(stage, 0.0), rel(g(stage), r))
     return [f"{s}: rel_l2 {v:.2e}" for s, v in worst.items()], max(worst.values()) if worst else 0.0
@@ -681,7 +833,7 @@ def _show(text: str, n: int = 12) -> None:
 
 
 def cmd_test(args) -> int:
-    if not _in_venv(args.venv):                  # numpy/safetensors for the checks
+    if not _in_venv(args.venv):  # numpy/safetensors for the checks
         with _venv_command(args.venv, sys.argv[1:]) as (argv, env):
             return subprocess.run(argv, env=env).returncode
     exe = _mla_diff()
@@ -709,8 +861,10 @@ def cmd_test(args) -> int:
         text = c.stdout + c.stderr
         _show(text)
         good = c.returncode == want_rc and want_text in text
-        print(f"  {'ok' if good else 'FAIL'}: compare exit {c.returncode} (want {want_rc}, "
-              f"output containing {want_text!r})")
+        print(
+            f"  {'ok' if good else 'FAIL'}: compare exit {c.returncode} (want {want_rc}, "
+            f"output containing {want_text!r})"
+        )
         return good
 
     # 1. fused attn_kv_b: loads, runs, passes
@@ -724,17 +878,24 @@ def cmd_test(args) -> int:
         if args.decode_steps:
             lines, worst = check_decode(d)
             good = worst < 1e-5
-            print(f"  {'ok' if good else 'FAIL'}: decode steps' MQA sites vs float64 from the dump's "
-                  f"own inputs (bound 1e-5): " + "; ".join(lines))
+            print(
+                f"  {'ok' if good else 'FAIL'}: decode steps' MQA sites vs float64 from the dump's "
+                f"own inputs (bound 1e-5): " + "; ".join(lines)
+            )
             ok &= good
     # 2. split attn_k_b/attn_v_b: the unmodified plugin never loads kv_b_proj; vLLM fails at load
     g, d, r = harness("tiny-v3-f32.gguf")
     err = r.stderr
-    good = (r.returncode != 0 and "never filled: model.layers.0.self_attn.kv_b_proj" in err
-            and "size mismatch" in err)
+    good = (
+        r.returncode != 0
+        and "never filled: model.layers.0.self_attn.kv_b_proj" in err
+        and "size mismatch" in err
+    )
     _show("\n".join(ln for ln in err.splitlines() if "never filled" in ln or "Error" in ln), 3)
-    print(f"  {'ok' if good else 'FAIL'}: vLLM fails in process_weights_after_loading, "
-          "kv_b_proj named as never loaded")
+    print(
+        f"  {'ok' if good else 'FAIL'}: vLLM fails in process_weights_after_loading, "
+        "kv_b_proj named as never loaded"
+    )
     ok &= good
     # 3. the same with the never-loaded weight zeroed: runs, and compare fails at w.kv_b
     g, d, r = harness("tiny-v3-f32.gguf", ["--zero-unloaded"])
@@ -753,6 +914,7 @@ def cmd_test(args) -> int:
 
 # =============================================================================================
 
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -761,30 +923,50 @@ def main() -> int:
     c = sub.add_parser("config", help="write config.json derived from a GGUF")
     c.add_argument("--gguf", required=True)
     c.add_argument("--out", required=True, help="folder for config.json")
-    c.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="torch_dtype written into config.json (default float32)")
+    c.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="torch_dtype written into config.json (default float32)",
+    )
     for name in ("run", "_inner"):
         r = sub.add_parser(name, help="run vLLM on the CPU and dump" if name == "run" else argparse.SUPPRESS)
         r.add_argument("--venv", default=os.environ.get("MLA_VLLM_VENV", str(ROOT / ".venv-vllm")))
         r.add_argument("--gguf", required=True)
-        r.add_argument("--config-dir", default=None, help="folder with the HF config.json "
-                       "(default: derived from the GGUF's metadata)")
+        r.add_argument(
+            "--config-dir",
+            default=None,
+            help="folder with the HF config.json (default: derived from the GGUF's metadata)",
+        )
         r.add_argument("--tokens", required=True, help="prompt token ids, comma-separated")
         r.add_argument("--decode-steps", type=int, default=0)
-        r.add_argument("--decode-tokens", default=None,
-                       help="token ids fed to the decode steps (default: greedy from vLLM's logits)")
+        r.add_argument(
+            "--decode-tokens",
+            default=None,
+            help="token ids fed to the decode steps (default: greedy from vLLM's logits)",
+        )
         r.add_argument("--out", required=True, help="dump to write (the prefill step)")
         r.add_argument("--weights", default=None, help="also write vLLM's loaded MLA weights")
-        r.add_argument("--no-weights", action="store_true",
-                       help="format 2: leave vLLM's loaded weights (weights.*) out of the dump (the "
-                       "w.* sites stay)")
-        r.add_argument("--format", type=int, choices=(1, 2), default=2,
-                       help="2 (default): one file with every step, model identity and patches "
-                       "(docs/dump-format.md, format 2); 1: the prefill step in format 1, decode "
-                       "step k in <out stem>.decode{k}.safetensors")
-        r.add_argument("--zero-unloaded", action="store_true",
-                       help="give linear layers the GGUF loader never filled an all-zero weight "
-                       "(recorded as a patch) instead of letting vLLM fail at load")
+        r.add_argument(
+            "--no-weights",
+            action="store_true",
+            help="format 2: leave vLLM's loaded weights (weights.*) out of the dump (the w.* sites stay)",
+        )
+        r.add_argument(
+            "--format",
+            type=int,
+            choices=(1, 2),
+            default=2,
+            help="2 (default): one file with every step, model identity and patches "
+            "(docs/dump-format.md, format 2); 1: the prefill step in format 1, decode "
+            "step k in <out stem>.decode{k}.safetensors",
+        )
+        r.add_argument(
+            "--zero-unloaded",
+            action="store_true",
+            help="give linear layers the GGUF loader never filled an all-zero weight "
+            "(recorded as a patch) instead of letting vLLM fail at load",
+        )
     t = sub.add_parser("test", help="end-to-end test on real vLLM (run by hand; CI has no vLLM)")
     t.add_argument("--venv", default=os.environ.get("MLA_VLLM_VENV", str(ROOT / ".venv-vllm")))
     t.add_argument("--tokens", default="1,7,42,99,3,250,17,8")

@@ -16,7 +16,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]          # the checkout: golden/, target/, src/
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: golden/, target/, src/
 GOLDEN = ROOT / "golden"
 
 
@@ -35,8 +35,11 @@ def mla_diff_candidates() -> list[str]:
     """Where a binary is looked for, in order: $MLA_DIFF, this Python's scripts folder (a venv's
     bin/, where the wheel puts it), PATH, target/release, target/debug."""
     exe = "mla-diff.exe" if os.name == "nt" else "mla-diff"
-    cands = [os.environ.get("MLA_DIFF"), os.path.join(sysconfig.get_path("scripts"), exe),
-             shutil.which("mla-diff")]
+    cands = [
+        os.environ.get("MLA_DIFF"),
+        os.path.join(sysconfig.get_path("scripts"), exe),
+        shutil.which("mla-diff"),
+    ]
     cands += [str(ROOT / "target" / b / exe) for b in ("release", "debug")]
     return [c for c in cands if c]
 

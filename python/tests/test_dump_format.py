@@ -36,42 +36,60 @@ def python_vocabulary() -> dict:
 def test_site_vocabulary_is_mla_diffs():
     exe = find_mla_diff()
     if exe is None:
-        pytest.skip("no mla-diff binary with `compare` (pip install the wheel, or cargo build --release, "
-                    "or set MLA_DIFF)")
+        pytest.skip(
+            "no mla-diff binary with `compare` (pip install the wheel, or cargo build --release, "
+            "or set MLA_DIFF)"
+        )
     r = subprocess.run([str(exe), "sites", "--json"], capture_output=True, text=True)
-    if (r.returncode == 2 and "sites" in r.stderr and os.environ.get("MLA_DIFF_TEST_WHEEL") != "1"):
-        pytest.skip(f"{exe} has no `sites` subcommand (a build older than the contract test): "
-                    f"{r.stderr.strip().splitlines()[0] if r.stderr.strip() else 'exit 2'}")
+    if r.returncode == 2 and "sites" in r.stderr and os.environ.get("MLA_DIFF_TEST_WHEEL") != "1":
+        pytest.skip(
+            f"{exe} has no `sites` subcommand (a build older than the contract test): "
+            f"{r.stderr.strip().splitlines()[0] if r.stderr.strip() else 'exit 2'}"
+        )
     assert r.returncode == 0, f"{exe} sites --json: exit {r.returncode}\n{r.stderr}"
     rust = json.loads(r.stdout)
     python = python_vocabulary()
     assert sorted(rust) == sorted(python), "the keys of `mla-diff sites --json`"
     for key in python:
-        assert python[key] == rust[key], (f"{key}: mla_diff_hooks.dump_format (left) differs from "
-                                          f"`{exe.name} sites --json` (right)")
+        assert python[key] == rust[key], (
+            f"{key}: mla_diff_hooks.dump_format (left) differs from `{exe.name} sites --json` (right)"
+        )
 
 
 def test_name_builders_follow_the_templates():
     t = dump_format.SITE_TEMPLATES
     assert dump_format.site(3, "kv_c_normed") == t["layer"].format(layer=3, stage="kv_c_normed")
     assert dump_format.site(3, "kv_c_normed") == "L3.kv_c_normed"
-    assert dump_format.weight_rank_site(1, "kv_b", 2) == t["weight_rank"].format(layer=1, weight="kv_b", rank=2)
+    assert dump_format.weight_rank_site(1, "kv_b", 2) == t["weight_rank"].format(
+        layer=1, weight="kv_b", rank=2
+    )
     assert dump_format.o_proj_rank_site(0, 1) == t["o_proj_rank"].format(layer=0, rank=1)
     with pytest.raises(ValueError, match="not a ranked weight"):
         dump_format.weight_rank_site(0, "q_a", 0)
     assert dump_format.parse_site("L12.w.kv_b.rank1") == (12, "w.kv_b.rank1")
     assert dump_format.parse_site("tokens") is None and dump_format.parse_site("Lx.q") is None
     assert dump_format.step_tensor(2, "L0.lse") == "s2.L0.lse"
-    for group in (dump_format.INDEXER_STAGES, dump_format.MOE_STAGES, dump_format.ABSORBED_STAGES,
-                  dump_format.WEIGHT_STAGES):
+    for group in (
+        dump_format.INDEXER_STAGES,
+        dump_format.MOE_STAGES,
+        dump_format.ABSORBED_STAGES,
+        dump_format.WEIGHT_STAGES,
+    ):
         assert set(group) <= set(dump_format.STAGES), group
 
 
 def test_site_order():
     key = dump_format.site_order(["hidden_in", "q", "hidden_out"])
     names = ["tokens", "L1.q", "L0.zzz", "L0.hidden_out", "L0.aaa", "L0.q", "L0.hidden_in"]
-    assert sorted(names, key=key) == ["L0.hidden_in", "L0.q", "L0.hidden_out", "L0.aaa", "L0.zzz",
-                                      "L1.q", "tokens"]
+    assert sorted(names, key=key) == [
+        "L0.hidden_in",
+        "L0.q",
+        "L0.hidden_out",
+        "L0.aaa",
+        "L0.zzz",
+        "L1.q",
+        "tokens",
+    ]
 
 
 # ---- the writers against the committed dumps --------------------------------------------------
@@ -103,8 +121,12 @@ def test_writers_reproduce_committed_dumps(tmp_path, name):
         dump_format.write_format2(out, tensors, h, notes=notes, extra=extra, compact=compact)
     got, got_meta, got_header = read(out)
     assert got_meta == meta and list(got) == list(tensors)
-    assert all(got[k].dtype == tensors[k].dtype and got[k].shape == tensors[k].shape
-               and got[k].tobytes() == tensors[k].tobytes() for k in tensors)
+    assert all(
+        got[k].dtype == tensors[k].dtype
+        and got[k].shape == tensors[k].shape
+        and got[k].tobytes() == tensors[k].tobytes()
+        for k in tensors
+    )
     if list(header["__metadata__"]) == sorted(meta):
         want = hashlib.sha256(src.read_bytes()).hexdigest()
         assert hashlib.sha256(out.read_bytes()).hexdigest() == want, f"{name}: not byte-identical"
@@ -114,7 +136,9 @@ def test_kernel_runner_reproduces_its_committed_dump(tmp_path, monkeypatch):
     """kernels.write_dump, given the committed FA3 dump's own header, hook name, tensors and vLLM
     version, writes that file again byte for byte (its metadata keys happen to be in sorted
     order, the order st_io writes)."""
-    torch = pytest.importorskip("torch", reason="the kernel runner needs torch (pip install 'mla-diff[kernels]')")
+    torch = pytest.importorskip(
+        "torch", reason="the kernel runner needs torch (pip install 'mla-diff[kernels]')"
+    )
     from types import SimpleNamespace
 
     from test_st_io import read

@@ -26,12 +26,12 @@ lc = hooks_module("llama_cpp")
 class Node:
     """A ggml_tensor over a numpy buffer (kept alive here), F32 unless `ggml_type` says otherwise."""
 
-    def __init__(self, name: str, buf, ne, nb=None, src0: "Node | None" = None, ggml_type: int = 0):
+    def __init__(self, name: str, buf, ne, nb=None, src0: Node | None = None, ggml_type: int = 0):
         self.buf = buf
         self.t = lc.GgmlTensor()
         self.t.type = ggml_type
         ne = list(ne) + [1] * (4 - len(ne))
-        if nb is None:                                   # contiguous: nb[0] = 4, nb[i] = nb[i-1]*ne[i-1]
+        if nb is None:  # contiguous: nb[0] = 4, nb[i] = nb[i-1]*ne[i-1]
             nb = [4]
             for i in range(1, 4):
                 nb.append(nb[-1] * ne[i - 1])
@@ -65,7 +65,7 @@ def test_recorder_keys_strides_and_head_major():
     rec = lc.Recorder(lambda key: True)
     T, N, L = 3, 2, 4
     # q-0 occurs several times: #0, #1, ... in evaluation order
-    a = np.arange(T * 8, dtype=np.float32).reshape(T, 8)             # ggml ne {8, T}
+    a = np.arange(T * 8, dtype=np.float32).reshape(T, 8)  # ggml ne {8, T}
     b = a + 100
     assert feed(rec, Node("q-0", a, [8, T])) and feed(rec, Node("q-0", b, [8, T]))
     # a view: k_pe = kv_cmpr_pe[:, L:] (ne {2, T}, row stride of the full [T, L+2] tensor)
@@ -100,7 +100,7 @@ def test_recorder_keeps_only_selected_keys_and_never_raises_into_c():
     assert feed(rec, Node("kv_cmpr-1", x * 2, [4, 2]))
     assert list(rec.out) == ["kv_cmpr-1#1"] and rec.out["kv_cmpr-1#1"].tolist() == [[2.0] * 4] * 2
     bad = lc.Recorder(lambda key: 1 / 0)
-    assert bad(Node("q-0", x, [4, 2]).addr, True, None) is False      # stops the graph, no unwind
+    assert bad(Node("q-0", x, [4, 2]).addr, True, None) is False  # stops the graph, no unwind
     assert isinstance(bad.error, ZeroDivisionError)
 
 
@@ -115,19 +115,28 @@ def test_map_keys_follow_the_models_facts():
     split = lc.map_keys(lc.DEFAULT_MAP, [0, 1], q_lora=True, fused_kv_b=False)
     fused = lc.map_keys(lc.DEFAULT_MAP, [0], q_lora=False, fused_kv_b=True)
     assert {"embd#0", "attn_norm-0#0", "attn_norm-1#0", "kqv_out-1#0"} <= split
-    assert "q_nope_absorbed_perm-0#0" in split and "kqv-0#0" in split   # absorbed graph only
+    assert "q_nope_absorbed_perm-0#0" in split and "kqv-0#0" in split  # absorbed graph only
     assert not {"q_nope_absorbed_perm-0#0", "kqv-0#0", "q_pe-0#1"} & fused
     assert {"k_nope_view-0#0", "Vcur_cont-0#0"} <= fused and "k_nope_view-0#0" not in split
-    assert "q-0#3" in split and "q-0#1" in fused and "q-0#3" not in fused   # q_lora / no_q_lora
-    assert not any(k.endswith("-1#0") for k in fused)                 # layer 1 not asked for
+    assert "q-0#3" in split and "q-0#1" in fused and "q-0#3" not in fused  # q_lora / no_q_lora
+    assert not any(k.endswith("-1#0") for k in fused)  # layer 1 not asked for
     with pytest.raises(ValueError, match="unknown map condition 'gpu'"):
         lc.condition_holds("gpu", True, False)
 
 
 def test_cli_refuses_missing_inputs(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "mla_diff_hooks.llama_cpp", str(tmp_path / "no.gguf"),
-                        str(tmp_path / "out.safetensors")], capture_output=True, text=True,
-                       env=_env())
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mla_diff_hooks.llama_cpp",
+            str(tmp_path / "no.gguf"),
+            str(tmp_path / "out.safetensors"),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+    )
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("no.gguf: no such file")
     assert not (tmp_path / "out.safetensors").exists()
 
@@ -135,12 +144,16 @@ def test_cli_refuses_missing_inputs(tmp_path):
 def _env():
     """The environment for `python -m mla_diff_hooks...`: the installed package, else python/."""
     import os
+
     env = dict(os.environ)
     try:
         import mla_diff_hooks  # noqa: F401
+
         installed = "site-packages" in (mla_diff_hooks.__file__ or "")
     except ImportError:
         installed = False
     if not installed:
-        env["PYTHONPATH"] = str(ROOT / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["PYTHONPATH"] = str(ROOT / "python") + (
+            os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""
+        )
     return env

@@ -25,15 +25,18 @@ MODULES = ["vllm", "hf", "hf_hooks", "llama_cpp", "st_io", "dump_format", "kerne
 def _py(code: str, *args: str) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter where numpy, torch and the engines cannot be imported
     (a meta-path finder refuses them, as if not installed)."""
-    block = ("import sys, importlib.abc\n"
-             "class _Block(importlib.abc.MetaPathFinder):\n"
-             "    def find_spec(self, name, path=None, target=None):\n"
-             "        if name.split('.')[0] in {'numpy', 'torch', 'safetensors', 'gguf', 'transformers',"
-             " 'vllm', 'llama_cpp'}:\n"
-             "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-             "sys.meta_path.insert(0, _Block())\n")
-    return subprocess.run([sys.executable, "-c", block + code, *args], capture_output=True, text=True,
-                          env=_env())
+    block = (
+        "import sys, importlib.abc\n"
+        "class _Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {'numpy', 'torch', 'safetensors', 'gguf', 'transformers',"
+        " 'vllm', 'llama_cpp'}:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, _Block())\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", block + code, *args], capture_output=True, text=True, env=_env()
+    )
 
 
 @pytest.mark.parametrize("mod", MODULES)
@@ -46,14 +49,19 @@ def test_missing_numpy_is_one_line_naming_the_extra(tmp_path):
     r = _py("from mla_diff_hooks import vllm\nvllm.infer_seq_lens(vllm.np.array([0, 1]))")
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 1
-    assert last == ("ModuleNotFoundError: mla_diff_hooks.vllm needs numpy: "
-                    "pip install 'mla-diff[vllm]'")
+    assert last == ("ModuleNotFoundError: mla_diff_hooks.vllm needs numpy: pip install 'mla-diff[vllm]'")
     r = _py("from mla_diff_hooks import st_io\nst_io.save({}, 'x.safetensors')")
-    assert r.stderr.strip().splitlines()[-1].startswith(
-        "ModuleNotFoundError: mla_diff_hooks.st_io needs numpy: pip install numpy (or one of the extras")
+    assert (
+        r.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "ModuleNotFoundError: mla_diff_hooks.st_io needs numpy: pip install numpy (or one of the extras"
+        )
+    )
     r = _py("from mla_diff_hooks import kernels\nkernels.synth('x', 4, 2, 4, 0)")
-    assert r.stderr.strip().splitlines()[-1] == ("ModuleNotFoundError: mla_diff_hooks.kernels needs torch: "
-                                                 "pip install 'mla-diff[kernels]'")
+    assert r.stderr.strip().splitlines()[-1] == (
+        "ModuleNotFoundError: mla_diff_hooks.kernels needs torch: pip install 'mla-diff[kernels]'"
+    )
 
 
 def test_optional_returns_the_module_when_present():
@@ -61,28 +69,45 @@ def test_optional_returns_the_module_when_present():
     assert deps.optional("json", "x") is __import__("json")
     missing = deps.optional("no_such_module_mla", "mla_diff_hooks.hf", "hf")
     assert not missing
-    with pytest.raises(ModuleNotFoundError, match=r"^mla_diff_hooks\.hf needs no_such_module_mla: "
-                                                  r"pip install 'mla-diff\[hf\]'$"):
+    with pytest.raises(
+        ModuleNotFoundError,
+        match=r"^mla_diff_hooks\.hf needs no_such_module_mla: "
+        r"pip install 'mla-diff\[hf\]'$",
+    ):
         missing.zeros(3)
 
 
-@pytest.mark.parametrize("mod,flag", [("vllm", "--decode-steps"), ("hf", "--with-weights"),
-                                      ("llama_cpp", "--exclude"), ("kernels", "synth"),
-                                      ("vllm_cpu", "setup")])
+@pytest.mark.parametrize(
+    "mod,flag",
+    [
+        ("vllm", "--decode-steps"),
+        ("hf", "--with-weights"),
+        ("llama_cpp", "--exclude"),
+        ("kernels", "synth"),
+        ("vllm_cpu", "setup"),
+    ],
+)
 def test_module_command_lines_start(mod, flag):
-    r = subprocess.run([sys.executable, "-m", f"mla_diff_hooks.{mod}", "--help"], capture_output=True,
-                       text=True, env=_env())
+    r = subprocess.run(
+        [sys.executable, "-m", f"mla_diff_hooks.{mod}", "--help"], capture_output=True, text=True, env=_env()
+    )
     assert r.returncode == 0 and flag in r.stdout, r.stderr
 
 
 def test_hf_refuses_a_folder_without_config(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "mla_diff_hooks.hf", str(tmp_path), str(tmp_path / "o.st")],
-                       capture_output=True, text=True, env=_env())
+    r = subprocess.run(
+        [sys.executable, "-m", "mla_diff_hooks.hf", str(tmp_path), str(tmp_path / "o.st")],
+        capture_output=True,
+        text=True,
+        env=_env(),
+    )
     assert r.returncode == 1 and r.stderr.strip() == f"{tmp_path}: no config.json"
 
 
-@pytest.mark.skipif(os.environ.get("MLA_DIFF_TEST_WHEEL") != "1",
-                    reason="MLA_DIFF_TEST_WHEEL=1 (set by .ci/run) asks for the installed wheel")
+@pytest.mark.skipif(
+    os.environ.get("MLA_DIFF_TEST_WHEEL") != "1",
+    reason="MLA_DIFF_TEST_WHEEL=1 (set by .ci/run) asks for the installed wheel",
+)
 def test_the_installed_wheel_is_what_is_tested():
     mod = hooks_module("vllm")
     assert Path(mod.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()), mod.__file__

@@ -22,8 +22,14 @@ from support import GOLDEN, find_mla_diff, hooks_module  # noqa: E402
 
 st_io = hooks_module("st_io")
 
-DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64,
-          "I32": np.int32, "U8": np.uint8}
+DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "U8": np.uint8,
+}
 
 
 def read(path: Path) -> tuple[dict, dict, dict]:
@@ -31,7 +37,7 @@ def read(path: Path) -> tuple[dict, dict, dict]:
     (tensors in file order, metadata, raw header)."""
     raw = Path(path).read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     meta = header.get("__metadata__", {})
     base = 8 + n
     tensors = {}
@@ -39,14 +45,17 @@ def read(path: Path) -> tuple[dict, dict, dict]:
         if name == "__metadata__":
             continue
         a, b = info["data_offsets"]
-        arr = np.frombuffer(raw[base + a: base + b], dtype=np.dtype(DTYPES[info["dtype"]]).newbyteorder("<"))
+        arr = np.frombuffer(raw[base + a : base + b], dtype=np.dtype(DTYPES[info["dtype"]]).newbyteorder("<"))
         tensors[name] = arr.reshape(info["shape"])
     return tensors, meta, header
 
 
 # committed dumps written by st_io.save (mla_diff_hooks.hf, .llama_cpp, .vllm_cpu format 2)
-COMMITTED = ["tiny-v3-f32.hf.safetensors", "tiny-v3-f32.llama-cpp.safetensors",
-             "legacy-kvb-f32.vllm.safetensors"]
+COMMITTED = [
+    "tiny-v3-f32.hf.safetensors",
+    "tiny-v3-f32.llama-cpp.safetensors",
+    "legacy-kvb-f32.vllm.safetensors",
+]
 
 
 @pytest.mark.parametrize("name", COMMITTED)
@@ -61,26 +70,30 @@ def test_rewrite_reproduces_committed_dump(tmp_path, name):
 
 
 def test_header_layout(tmp_path):
-    t = {"b": np.arange(6, dtype=np.float32).reshape(2, 3), "a": np.array([1, -2], np.int64),
-         "h": np.array([0.5], np.float16), "u": np.array([7], np.uint8)}
+    t = {
+        "b": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "a": np.array([1, -2], np.int64),
+        "h": np.array([0.5], np.float16),
+        "u": np.array([7], np.uint8),
+    }
     out = tmp_path / "x.safetensors"
     st_io.save(t, out, metadata={"z": "1", "format": "f", "n": 3})
     raw = out.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    assert n % 8 == 0 and (8 + n) % 8 == 0                           # data section 8-aligned
+    assert n % 8 == 0 and (8 + n) % 8 == 0  # data section 8-aligned
     tensors, meta, header = read(out)
-    assert list(header) == ["__metadata__", "b", "a", "h", "u"]       # metadata first, order kept
-    assert list(meta) == ["format", "n", "z"] and meta["n"] == "3"    # sorted keys, str values
+    assert list(header) == ["__metadata__", "b", "a", "h", "u"]  # metadata first, order kept
+    assert list(meta) == ["format", "n", "z"] and meta["n"] == "3"  # sorted keys, str values
     assert [header[k]["dtype"] for k in "bahu"] == ["F32", "I64", "F16", "U8"]
     assert header["b"]["data_offsets"] == [0, 24] and header["a"]["data_offsets"] == [24, 40]
     assert len(raw) == 8 + n + 24 + 16 + 2 + 1
     for k, v in t.items():
         assert tensors[k].shape == v.shape and np.array_equal(tensors[k], v)
-    assert not list(tmp_path.glob("*.tmp"))                           # written through a temp file
+    assert not list(tmp_path.glob("*.tmp"))  # written through a temp file
 
 
 def test_non_contiguous_view(tmp_path):
-    a = np.arange(12, dtype=np.float64).reshape(3, 4)[:, ::2]        # a strided view
+    a = np.arange(12, dtype=np.float64).reshape(3, 4)[:, ::2]  # a strided view
     st_io.save({"a": a}, tmp_path / "v.safetensors")
     tensors, _, header = read(tmp_path / "v.safetensors")
     assert "__metadata__" not in header and header["a"]["dtype"] == "F64"
@@ -91,21 +104,26 @@ def test_unsupported_dtype_names_the_tensor(tmp_path):
     with pytest.raises(TypeError, match=r"^L0\.q: unsupported dtype complex64$"):
         st_io.save({"L0.q": np.zeros(2, np.complex64)}, tmp_path / "bad.safetensors")
     assert not (tmp_path / "bad.safetensors").exists()
-    with pytest.raises(TypeError, match=r"^b: unsupported dtype >f4$"):   # big-endian: refused
+    with pytest.raises(TypeError, match=r"^b: unsupported dtype >f4$"):  # big-endian: refused
         st_io.save({"b": np.array([1.5], dtype=">f4")}, tmp_path / "be.safetensors")
 
 
 def _compare(exe: Path, model: Path, dump: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(exe), "compare", "--model", str(model), "--dump", str(dump), "--quiet"],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [str(exe), "compare", "--model", str(model), "--dump", str(dump), "--quiet"],
+        capture_output=True,
+        text=True,
+    )
 
 
 @pytest.fixture(scope="module")
 def mla_diff() -> Path:
     exe = find_mla_diff()
     if exe is None:
-        pytest.skip("no mla-diff binary with `compare` (pip install the wheel, or cargo build --release, "
-                    "or set MLA_DIFF)")
+        pytest.skip(
+            "no mla-diff binary with `compare` (pip install the wheel, or cargo build --release, "
+            "or set MLA_DIFF)"
+        )
     return exe
 
 

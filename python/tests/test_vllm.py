@@ -20,8 +20,11 @@ from support import ROOT, hooks_module  # noqa: E402
 dump_vllm = hooks_module("vllm")
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
-needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (the mock vLLM tree "
-                                 "is built from torch modules); pip install torch to run it")
+needs_torch = pytest.mark.skipif(
+    not HAS_TORCH,
+    reason="torch is not installed (the mock vLLM tree "
+    "is built from torch modules); pip install torch to run it",
+)
 
 
 def test_rank_path():
@@ -39,7 +42,14 @@ def test_infer_seq_lens():
 def test_site_order():
     names = ["tokens", "L1.q", "L0.hidden_out", "L0.w.kv_b", "L0.q", "L0.hidden_in", "L0.lse"]
     assert sorted(names, key=dump_vllm._site_key) == [
-        "L0.hidden_in", "L0.q", "L0.w.kv_b", "L0.hidden_out", "L0.lse", "L1.q", "tokens"]
+        "L0.hidden_in",
+        "L0.q",
+        "L0.w.kv_b",
+        "L0.hidden_out",
+        "L0.lse",
+        "L1.q",
+        "tokens",
+    ]
 
 
 def test_merge_rank_dumps(tmp_path):
@@ -48,16 +58,19 @@ def test_merge_rank_dumps(tmp_path):
     pytest.importorskip("safetensors", reason="merging reads rank files with safetensors")
     st_io = dump_vllm.st_io
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((3, 4, 6)).astype(np.float32)              # [T, N, P+R], N = 4
+    q = rng.standard_normal((3, 4, 6)).astype(np.float32)  # [T, N, P+R], N = 4
     hid = rng.standard_normal((3, 8)).astype(np.float32)
     tok = np.array([5, 6, 7], np.int64)
     for r in (0, 1):
         h = hid if r == 0 else hid + np.float32(1e-3)
-        st_io.save({"tokens": tok, "L0.q": q[:, 2 * r:2 * r + 2], "L0.hidden_in": h},
-                   tmp_path / f"d.rank{r}.safetensors",
-                   metadata={"format": dump_vllm.dump_format.FORMAT1, "tp_rank": str(r), "tp_size": "2"})
-    out = dump_vllm.merge_rank_dumps([tmp_path / "d.rank1.safetensors", tmp_path / "d.rank0.safetensors"],
-                                     tmp_path / "d.safetensors")
+        st_io.save(
+            {"tokens": tok, "L0.q": q[:, 2 * r : 2 * r + 2], "L0.hidden_in": h},
+            tmp_path / f"d.rank{r}.safetensors",
+            metadata={"format": dump_vllm.dump_format.FORMAT1, "tp_rank": str(r), "tp_size": "2"},
+        )
+    out = dump_vllm.merge_rank_dumps(
+        [tmp_path / "d.rank1.safetensors", tmp_path / "d.rank0.safetensors"], tmp_path / "d.safetensors"
+    )
     t, meta = dump_vllm._read(out)
     assert list(t) == ["L0.hidden_in", "L0.q", "tokens"]
     assert np.array_equal(t["L0.q"], q) and np.array_equal(t["L0.hidden_in"], hid)
@@ -73,17 +86,20 @@ def test_finish_without_arm_says_so():
 
 
 def test_command_line_help_runs_without_vllm():
-    r = subprocess.run([sys.executable, "-m", "mla_diff_hooks.vllm", "--help"], capture_output=True,
-                       text=True, env=_env())
+    r = subprocess.run(
+        [sys.executable, "-m", "mla_diff_hooks.vllm", "--help"], capture_output=True, text=True, env=_env()
+    )
     assert r.returncode == 0 and "--decode-steps" in r.stdout and "tested with vLLM 0.26.0" in r.stdout
 
 
 def _env():
     from test_llama_cpp import _env as env
+
     return env()
 
 
 # ---- the mock vLLM tree (torch) ------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def mock():
@@ -91,12 +107,13 @@ def mock():
     Python without vLLM (with it, the hook dequantizes through vLLM's own helper instead)."""
     pytest.importorskip("torch", reason="torch is not installed")
     import vllm_mock
+
     vllm_mock.torch.set_num_threads(1)
     vllm_mock.torch.manual_seed(0)
     saved = {k: v for k, v in sys.modules.items() if k == "vllm" or k.startswith("vllm.")}
     for k in saved:
         del sys.modules[k]
-    sys.modules["vllm"] = None                  # `import vllm` raises ImportError
+    sys.modules["vllm"] = None  # `import vllm` raises ImportError
     try:
         yield vllm_mock
     finally:

@@ -71,9 +71,9 @@ import torch.nn.functional as F
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent               # the checkout (golden/, target/)
+ROOT = HERE.parent.parent  # the checkout (golden/, target/)
 sys.path.insert(0, str(HERE))
-sys.dont_write_bytecode = True          # no __pycache__ left behind
+sys.dont_write_bytecode = True  # no __pycache__ left behind
 from support import find_mla_diff, hooks_module  # noqa: E402
 
 dump_vllm = hooks_module("vllm")
@@ -81,8 +81,21 @@ dump_vllm = hooks_module("vllm")
 N, H, LQ, L, P, R, V = 4, 64, 32, 32, 16, 8, 16
 N_LAYERS, VOCAB, INTER, EPS, BASE = 2, 50, 48, 1e-6, 10000.0
 # the mock's dims (C0: the random-weight tests; the GGUF test builds its own from the file)
-C0 = SimpleNamespace(N=N, H=H, LQ=LQ, L=L, P=P, R=R, V=V, N_LAYERS=N_LAYERS, VOCAB=VOCAB,
-                     INTER=INTER, EPS=EPS, BASE=BASE, name="mock-deepseek-v3")
+C0 = SimpleNamespace(
+    N=N,
+    H=H,
+    LQ=LQ,
+    L=L,
+    P=P,
+    R=R,
+    V=V,
+    N_LAYERS=N_LAYERS,
+    VOCAB=VOCAB,
+    INTER=INTER,
+    EPS=EPS,
+    BASE=BASE,
+    name="mock-deepseek-v3",
+)
 TOKENS = [7, 3, 41, 12, 29]
 SEQ_LENS = [3, 2]
 POSITIONS = [p for n in SEQ_LENS for p in range(n)]
@@ -106,7 +119,7 @@ def rel(a, b) -> float:
 # the mock vLLM tree
 # ============================================================================================
 
-_FORWARD_CONTEXT = SimpleNamespace(attn_metadata=None)   # vllm.forward_context stand-in
+_FORWARD_CONTEXT = SimpleNamespace(attn_metadata=None)  # vllm.forward_context stand-in
 
 
 @contextlib.contextmanager
@@ -114,8 +127,12 @@ def set_forward_context(seq_lens, decode=False):
     qsl = torch.tensor(np.concatenate([[0], np.cumsum(seq_lens)]), dtype=torch.int32)
     n = int(sum(seq_lens))
     _FORWARD_CONTEXT.attn_metadata = SimpleNamespace(
-        num_actual_tokens=n, num_decode_tokens=n if decode else 0, num_decodes=n if decode else 0,
-        num_prefills=0 if decode else len(seq_lens), query_start_loc=qsl)
+        num_actual_tokens=n,
+        num_decode_tokens=n if decode else 0,
+        num_decodes=n if decode else 0,
+        num_prefills=0 if decode else len(seq_lens),
+        query_start_loc=qsl,
+    )
     try:
         yield
     finally:
@@ -272,7 +289,7 @@ class MLACommonImpl:
         cache = kv_c_and_k_pe_cache.float()
         logits = torch.einsum("bnd,sd->bns", qf, cache) * self.scale
         lse = logits.logsumexp(-1)
-        o = torch.einsum("bns,sl->bnl", (logits - lse[..., None]).exp(), cache[:, :self.kv_lora_rank])
+        o = torch.einsum("bns,sl->bnl", (logits - lse[..., None]).exp(), cache[:, : self.kv_lora_rank])
         return o.to(q[0].dtype), lse.to(q[0].dtype)
 
 
@@ -283,7 +300,7 @@ class MLAAttention(nn.Module):
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = c.P, c.R, c.V
         self.kv_lora_rank = c.L
         self.impl = MLACommonImpl(c, num_heads, scale, kv_b_proj)
-        self.holder = holder       # "layer" (newer vLLM) or "impl" (older vLLM)
+        self.holder = holder  # "layer" (newer vLLM) or "impl" (older vLLM)
 
     def process_weights_after_loading(self, act_dtype):
         # get_and_maybe_dequant_weights: identity through the layer's own quant method
@@ -296,14 +313,14 @@ class MLAAttention(nn.Module):
         w = w.T.reshape(c.L, self.num_heads, c.P + c.V)
         W_UK, W_UV = w.split([c.P, c.V], dim=-1)
         target = self if self.holder == "layer" else self.impl
-        target.W_UV = W_UV.transpose(0, 1)        # (N, L, V)
-        target.W_UK_T = W_UK.permute(1, 2, 0)     # (N, P, L)
+        target.W_UV = W_UV.transpose(0, 1)  # (N, L, V)
+        target.W_UK_T = W_UK.permute(1, 2, 0)  # (N, P, L)
 
     def forward(self, q, kv_c_normed, k_pe, output_shape=None):
         output = torch.empty(output_shape, dtype=q.dtype)
         md = _FORWARD_CONTEXT.attn_metadata
         rows = torch.cat([kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)], -1)
-        if md.num_decode_tokens == 0:          # prefill: the cache restarts (one sequence)
+        if md.num_decode_tokens == 0:  # prefill: the cache restarts (one sequence)
             self.kv_cache = rows.clone()
             self.impl.forward_mha(q, kv_c_normed, k_pe, None, md, None, output=output)
             return output
@@ -328,7 +345,7 @@ class MultiHeadLatentAttentionWrapper(nn.Module):
             setattr(self, k, m)
         self.mla_attn = MLAAttention(c, num_heads, scale, mods["kv_b_proj"], holder)
 
-    def forward(self, positions, hidden_states, llama_4_scaling=None):   # as vllm layers/mla.py
+    def forward(self, positions, hidden_states, llama_4_scaling=None):  # as vllm layers/mla.py
         qkv_lora = self.fused_qkv_a_proj(hidden_states)[0]
         q_c, kv_lora = qkv_lora.split([self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1)
         q_c = self.q_a_layernorm(q_c)
@@ -337,11 +354,14 @@ class MultiHeadLatentAttentionWrapper(nn.Module):
         kv_c_normed = self.kv_a_layernorm(kv_c)
         q = q.view(-1, self.num_heads, self.qk_head_dim)
         k_pe = k_pe.unsqueeze(1)
-        q[..., self.qk_nope_head_dim:], k_pe = self.rotary_emb(positions, q[..., self.qk_nope_head_dim:], k_pe)
+        q[..., self.qk_nope_head_dim :], k_pe = self.rotary_emb(
+            positions, q[..., self.qk_nope_head_dim :], k_pe
+        )
         if llama_4_scaling is not None:
             q *= llama_4_scaling
-        attn_out = self.mla_attn(q, kv_c_normed, k_pe,
-                                 output_shape=(hidden_states.shape[0], self.num_heads * self.v_head_dim))
+        attn_out = self.mla_attn(
+            q, kv_c_normed, k_pe, output_shape=(hidden_states.shape[0], self.num_heads * self.v_head_dim)
+        )
         return self.o_proj(attn_out)[0]
 
 
@@ -361,8 +381,18 @@ class DeepseekV2MLAAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(L, nl * (P + V), dtype)
         self.o_proj = RowParallelLinear(nl * V, H, dtype, tp_rank=tp_rank, tp_group=tp_group)
         self.rotary_emb = rotary
-        mods = {k: getattr(self, k) for k in ("fused_qkv_a_proj", "q_a_layernorm", "q_b_proj",
-                                              "kv_a_layernorm", "kv_b_proj", "o_proj", "rotary_emb")}
+        mods = {
+            k: getattr(self, k)
+            for k in (
+                "fused_qkv_a_proj",
+                "q_a_layernorm",
+                "q_b_proj",
+                "kv_a_layernorm",
+                "kv_b_proj",
+                "o_proj",
+                "rotary_emb",
+            )
+        }
         self.mla_attn = MultiHeadLatentAttentionWrapper(c, nl, self.scaling, mods, holder)
 
     def forward(self, positions, hidden_states, llama_4_scaling):
@@ -400,7 +430,7 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.H, dtype, c.EPS)
         self.routed_scaling_factor = rsf
 
-    def forward(self, positions, hidden_states, residual, llama_4_scaling=None):   # deepseek_v2.py
+    def forward(self, positions, hidden_states, residual, llama_4_scaling=None):  # deepseek_v2.py
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -422,8 +452,10 @@ def support_torch_compile(cls):
     """As vllm/compilation/decorators.py: the class gets a __call__ that calls self.forward()
     directly (dispatching to the compiled graph when there is one), so nn.Module hooks registered
     on an instance of it never run."""
+
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
+
     cls.__call__ = __call__
     return cls
 
@@ -433,18 +465,19 @@ class DeepseekV2Model(nn.Module):
     def __init__(self, c, dtype, tp_rank, tp_size, tp_group, rsf):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.VOCAB, c.H, dtype=dtype)
-        rotary = DeepseekScalingRotaryEmbedding(c.R, c.BASE)     # one instance, shared (get_rope cache)
+        rotary = DeepseekScalingRotaryEmbedding(c.R, c.BASE)  # one instance, shared (get_rope cache)
         holders = ["layer", "impl"]
         self.layers = nn.ModuleList(
             DeepseekV2DecoderLayer(c, i, dtype, rotary, holders[i % 2], tp_rank, tp_size, tp_group, rsf)
-            for i in range(c.N_LAYERS))
+            for i in range(c.N_LAYERS)
+        )
         self.norm = RMSNorm(c.H, dtype, c.EPS)
         self.start_layer, self.end_layer = 0, c.N_LAYERS
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
-        for layer in self.layers[self.start_layer:self.end_layer]:
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual, None)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
@@ -464,6 +497,7 @@ class DeepseekV3ForCausalLM(nn.Module):
 # checkpoint and "loader"
 # ============================================================================================
 
+
 def make_checkpoint(seed=0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
 
@@ -472,21 +506,21 @@ def make_checkpoint(seed=0) -> dict[str, torch.Tensor]:
 
     ck = {"embed": rnd(VOCAB, H, scale=1.0), "norm": 1 + rnd(H, scale=0.1)}
     for n in range(N_LAYERS):
-        ck[f"{n}.q_a"] = rnd(LQ, H, scale=H ** -0.5)
-        ck[f"{n}.kv_a"] = rnd(L + R, H, scale=H ** -0.5)
-        ck[f"{n}.q_b"] = rnd(N * (P + R), LQ, scale=LQ ** -0.5 * 2)
-        ck[f"{n}.kv_b"] = rnd(N * (P + V), L, scale=L ** -0.5)
+        ck[f"{n}.q_a"] = rnd(LQ, H, scale=H**-0.5)
+        ck[f"{n}.kv_a"] = rnd(L + R, H, scale=H**-0.5)
+        ck[f"{n}.q_b"] = rnd(N * (P + R), LQ, scale=LQ**-0.5 * 2)
+        ck[f"{n}.kv_b"] = rnd(N * (P + V), L, scale=L**-0.5)
         ck[f"{n}.o"] = rnd(H, N * V, scale=(N * V) ** -0.5)
         for nm, size in (("in_norm", H), ("post_norm", H), ("q_a_norm", LQ), ("kv_a_norm", L)):
             ck[f"{n}.{nm}"] = 1 + rnd(size, scale=0.1)
-        ck[f"{n}.gate_up"] = rnd(2 * INTER, H, scale=H ** -0.5)
-        ck[f"{n}.down"] = rnd(H, INTER, scale=INTER ** -0.5)
+        ck[f"{n}.gate_up"] = rnd(2 * INTER, H, scale=H**-0.5)
+        ck[f"{n}.down"] = rnd(H, INTER, scale=INTER**-0.5)
     # layer 1's kv_b as int8 + per-row bf16 scale (quantized); its bf16 dequant is the true weight
     w = ck["1.kv_b"].float()
     scale = (w.abs().amax(1) / 127).to(torch.bfloat16)
     q = torch.clamp(torch.round(w / scale.float()[:, None]), -127, 127).to(torch.int8)
     ck["1.kv_b.int8"], ck["1.kv_b.scale"] = q, scale
-    ck["1.kv_b"] = (q.to(torch.bfloat16) * scale[:, None])          # what the kernel multiplies by
+    ck["1.kv_b"] = q.to(torch.bfloat16) * scale[:, None]  # what the kernel multiplies by
     return ck
 
 
@@ -497,7 +531,7 @@ def build_model(ck, dtype=torch.bfloat16, tp_rank=0, tp_size=1, tp_group=None, c
     nl = N // tp_size
     heads = slice(tp_rank * nl, (tp_rank + 1) * nl)
 
-    def rows(w, per_head):                      # ColumnParallelLinear: this rank's heads' rows
+    def rows(w, per_head):  # ColumnParallelLinear: this rank's heads' rows
         return w.reshape(N, per_head, -1)[heads].reshape(nl * per_head, -1)
 
     with torch.no_grad():
@@ -507,8 +541,8 @@ def build_model(ck, dtype=torch.bfloat16, tp_rank=0, tp_size=1, tp_group=None, c
             a = layer.self_attn
             a.fused_qkv_a_proj.weight.copy_(torch.cat([ck[f"{n}.q_a"], ck[f"{n}.kv_a"]]))  # shards 0, 1
             a.q_b_proj.weight.copy_(rows(ck[f"{n}.q_b"], P + R))
-            a.o_proj.weight.copy_(ck[f"{n}.o"][:, heads.start * V:heads.stop * V])
-            if f"{n}.kv_b.int8" in ck:           # quantized kv_b_proj
+            a.o_proj.weight.copy_(ck[f"{n}.o"][:, heads.start * V : heads.stop * V])
+            if f"{n}.kv_b.int8" in ck:  # quantized kv_b_proj
                 a.kv_b_proj.weight = nn.Parameter(rows(ck[f"{n}.kv_b.int8"], P + V), requires_grad=False)
                 a.kv_b_proj.weight_scale = rows(ck[f"{n}.kv_b.scale"][:, None], P + V)[:, 0].contiguous()
                 a.kv_b_proj.quant_method = Int8PerRowLinearMethod()
@@ -520,7 +554,7 @@ def build_model(ck, dtype=torch.bfloat16, tp_rank=0, tp_size=1, tp_group=None, c
             a.kv_a_layernorm.weight.copy_(ck[f"{n}.kv_a_norm"])
             layer.mlp.gate_up_proj.weight.copy_(ck[f"{n}.gate_up"])  # shards gate, up
             layer.mlp.down_proj.weight.copy_(ck[f"{n}.down"])
-        for layer in m.model.layers:             # process_weights_after_loading
+        for layer in m.model.layers:  # process_weights_after_loading
             layer.self_attn.mla_attn.mla_attn.process_weights_after_loading(dtype)
     return m.eval()
 
@@ -536,6 +570,7 @@ def run(model, tokens=TOKENS, seq_lens=SEQ_LENS, start=0, decode=False):
 # float64 reference maths (from docs/mla.md, independent of the mock)
 # ============================================================================================
 
+
 def f64(t) -> np.ndarray:
     return t.detach().to(torch.float64).numpy() if isinstance(t, torch.Tensor) else np.asarray(t, np.float64)
 
@@ -549,11 +584,11 @@ def rope(x, pos, neox=False, base=BASE):
     x = np.asarray(x, np.float64)
     r = x.shape[-1]
     inv = base ** (-np.arange(0, r, 2) / r)
-    ang = np.asarray(pos, np.float64)[:, None] * inv[None, :]            # [T, R/2]
+    ang = np.asarray(pos, np.float64)[:, None] * inv[None, :]  # [T, R/2]
     shp = (len(pos),) + (1,) * (x.ndim - 2) + (r // 2,)
     cos, sin = np.cos(ang).reshape(shp), np.sin(ang).reshape(shp)
     if neox:
-        a, b = x[..., : r // 2], x[..., r // 2:]
+        a, b = x[..., : r // 2], x[..., r // 2 :]
         return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
     out = np.empty_like(x)
     out[..., 0::2] = x[..., 0::2] * cos - x[..., 1::2] * sin
@@ -564,7 +599,7 @@ def rope(x, pos, neox=False, base=BASE):
 def attention(q, k, v, seq_lens, scale):
     out, off = [], 0
     for n in seq_lens:
-        qs, ks, vs = q[off:off + n], k[off:off + n], v[off:off + n]
+        qs, ks, vs = q[off : off + n], k[off : off + n], v[off : off + n]
         lg = np.einsum("tnd,snd->nts", qs, ks) * scale
         lg = np.where(np.tril(np.ones((n, n), bool))[None], lg, -np.inf)
         pr = np.exp(lg - lg.max(-1, keepdims=True))
@@ -608,6 +643,7 @@ def full_forward64(ck, tokens=TOKENS, seq_lens=SEQ_LENS, c=C0):
 # tests
 # ============================================================================================
 
+
 def read(path):
     return dump_vllm._read(path)
 
@@ -619,52 +655,89 @@ def all_hooks(model) -> int:
 def test_single_rank(tmp: Path, ck) -> dict:
     print("[1] one rank, bf16, two packed sequences (3 + 2 tokens), via arm()/finish() on a worker")
     model = build_model(ck)
-    run(model, tokens=[1, 2, 3, 4, 5, 6], seq_lens=[6])               # warm-up before arm (profile run)
+    run(model, tokens=[1, 2, 3, 4, 5, 6], seq_lens=[6])  # warm-up before arm (profile run)
     worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
     summary = dump_vllm.arm(worker, engine=ENGINE)
     print("      " + summary)
-    run(model)                                                          # recorded
-    run(model, tokens=[9, 9, 9, 9, 9], seq_lens=[5])                    # ignored (second forward)
-    res = dump_vllm.finish(worker, dump_path=tmp / "d.safetensors", weights_path=tmp / "w.safetensors",
-                           expect_tokens=TOKENS)
+    run(model)  # recorded
+    run(model, tokens=[9, 9, 9, 9, 9], seq_lens=[5])  # ignored (second forward)
+    res = dump_vllm.finish(
+        worker, dump_path=tmp / "d.safetensors", weights_path=tmp / "w.safetensors", expect_tokens=TOKENS
+    )
     check(all_hooks(model) == 0, "finish() removed every hook (0 left)")
-    check(Path(res["dump"]).name == "d.safetensors" and Path(res["weights"]).name == "w.safetensors",
-          f"tp_size 1: files named without rank suffix ({Path(res['dump']).name}, {Path(res['weights']).name})")
+    check(
+        Path(res["dump"]).name == "d.safetensors" and Path(res["weights"]).name == "w.safetensors",
+        f"tp_size 1: files named without rank suffix ({Path(res['dump']).name}, {Path(res['weights']).name})",
+    )
     t, meta = read(res["dump"])
 
     # ---- names, shapes, metadata --------------------------------------------------------
-    shapes = {"hidden_in": (5, H), "attn_in": (5, H), "q_c": (5, LQ), "q_c_normed": (5, LQ),
-              "q": (5, N, P + R), "kv_a": (5, L + R), "kv_c_normed": (5, L), "k_pe": (5, R),
-              "q_pe_roped": (5, N, R), "k_pe_roped": (5, R), "k_nope": (5, N, P), "v": (5, N, V),
-              "attn_out": (5, N, V), "o_proj": (5, H), "hidden_out": (5, H),
-              "w.fused_qkv_a": (LQ + L + R, H), "w.kv_b": (N * (P + V), L), "w.W_UK_T": (N, P, L),
-              "w.W_UV": (N, L, V)}
+    shapes = {
+        "hidden_in": (5, H),
+        "attn_in": (5, H),
+        "q_c": (5, LQ),
+        "q_c_normed": (5, LQ),
+        "q": (5, N, P + R),
+        "kv_a": (5, L + R),
+        "kv_c_normed": (5, L),
+        "k_pe": (5, R),
+        "q_pe_roped": (5, N, R),
+        "k_pe_roped": (5, R),
+        "k_nope": (5, N, P),
+        "v": (5, N, V),
+        "attn_out": (5, N, V),
+        "o_proj": (5, H),
+        "hidden_out": (5, H),
+        "w.fused_qkv_a": (LQ + L + R, H),
+        "w.kv_b": (N * (P + V), L),
+        "w.W_UK_T": (N, P, L),
+        "w.W_UV": (N, L, V),
+    }
     want = {f"L{n}.{s}" for n in range(N_LAYERS) for s in shapes} | {"tokens", "positions"}
-    check(set(t) == want, f"dump holds exactly the {len(want)} expected tensors "
-                          f"({len(shapes)} sites x {N_LAYERS} layers + tokens, positions)")
-    bad = [(k, t[k].shape) for k in t if k.startswith("L") and t[k].shape != shapes[k.split('.', 1)[1]]]
+    check(
+        set(t) == want,
+        f"dump holds exactly the {len(want)} expected tensors "
+        f"({len(shapes)} sites x {N_LAYERS} layers + tokens, positions)",
+    )
+    bad = [(k, t[k].shape) for k in t if k.startswith("L") and t[k].shape != shapes[k.split(".", 1)[1]]]
     check(not bad, f"every site has docs/design.md's shape (mismatches: {bad})")
     check(all(t[k].dtype == np.float32 for k in t if k.startswith("L")), "sites stored as F32")
-    check(t["tokens"].tolist() == TOKENS and t["positions"].tolist() == POSITIONS,
-          f"tokens {t['tokens'].tolist()} / positions {t['positions'].tolist()} are the recorded forward's")
-    for k, v in (("format", dump_vllm.dump_format.FORMAT1), ("engine", ENGINE), ("dtype", "bf16"),
-                 ("rope_order", "interleaved"), ("layout", "token-major"), ("kv_a_order", "latent-rope"),
-                 ("seq_lens", "3,2"), ("model", "mock-deepseek-v3"), ("tp_size", "1")):
+    check(
+        t["tokens"].tolist() == TOKENS and t["positions"].tolist() == POSITIONS,
+        f"tokens {t['tokens'].tolist()} / positions {t['positions'].tolist()} are the recorded forward's",
+    )
+    for k, v in (
+        ("format", dump_vllm.dump_format.FORMAT1),
+        ("engine", ENGINE),
+        ("dtype", "bf16"),
+        ("rope_order", "interleaved"),
+        ("layout", "token-major"),
+        ("kv_a_order", "latent-rope"),
+        ("seq_lens", "3,2"),
+        ("model", "mock-deepseek-v3"),
+        ("tp_size", "1"),
+    ):
         check(meta.get(k) == v, f"metadata {k} = {meta.get(k)!r}")
-    check("lse" in meta["not_dumped"] and "k_nope" not in meta["not_dumped"],
-          f"metadata not_dumped = {meta['not_dumped']!r}")
+    check(
+        "lse" in meta["not_dumped"] and "k_nope" not in meta["not_dumped"],
+        f"metadata not_dumped = {meta['not_dumped']!r}",
+    )
     check("notes" not in meta, f"no notes on a clean capture ({meta.get('notes')!r})")
 
     # ---- values, step by step from the dumped inputs ---------------------------------------
     d = {k: f64(v) for k, v in t.items()}
     pos = POSITIONS
-    check(np.array_equal(t["L0.hidden_in"], f64(ck["embed"])[TOKENS].astype(np.float32)),
-          "L0.hidden_in == embed_tokens(tokens) exactly")
-    check(np.array_equal(t["L1.hidden_in"], t["L0.hidden_out"]),
-          "L1.hidden_in == L0.hidden_out bit for bit (fused add + RMSNorm residual handled)")
-    tol = 1e-2        # one bf16 rounding of the op's output: ~2^-9 rel per element
+    check(
+        np.array_equal(t["L0.hidden_in"], f64(ck["embed"])[TOKENS].astype(np.float32)),
+        "L0.hidden_in == embed_tokens(tokens) exactly",
+    )
+    check(
+        np.array_equal(t["L1.hidden_in"], t["L0.hidden_out"]),
+        "L1.hidden_in == L0.hidden_out bit for bit (fused add + RMSNorm residual handled)",
+    )
+    tol = 1e-2  # one bf16 rounding of the op's output: ~2^-9 rel per element
     for n in range(N_LAYERS):
-        g = lambda s: d[f"L{n}.{s}"]  # noqa: E731
+        g = lambda s: d[f"L{n}.{s}"]  # noqa: E731, B023 - used in this iteration
         e = {}
         e["attn_in"] = rel(g("attn_in"), rmsnorm(g("hidden_in"), ck[f"{n}.in_norm"]))
         e["q_c"] = rel(g("q_c"), g("attn_in") @ f64(ck[f"{n}.q_a"]).T)
@@ -684,57 +757,105 @@ def test_single_rank(tmp: Path, ck) -> dict:
         h1 = g("hidden_in") + g("o_proj")
         e["hidden_out"] = rel(g("hidden_out"), h1 + mlp(rmsnorm(h1, ck[f"{n}.post_norm"]), n, ck))
         worst = max(e, key=e.get)
-        check(all(x < tol for x in e.values()),
-              f"L{n}: 13 sites match float64 recomputation from their dumped inputs "
-              f"(max rel_l2 {e[worst]:.2e} at {worst}, bound {tol})")
+        check(
+            all(x < tol for x in e.values()),
+            f"L{n}: 13 sites match float64 recomputation from their dumped inputs "
+            f"(max rel_l2 {e[worst]:.2e} at {worst}, bound {tol})",
+        )
         check(np.array_equal(t[f"L{n}.k_pe"], t[f"L{n}.kv_a"][:, L:]), f"L{n}.k_pe == kv_a[:, L:] exactly")
         neox = rel(g("q_pe_roped"), rope(g("q")[..., P:], pos, neox=True))
         check(neox > 0.2, f"L{n}.q_pe_roped is interleaved, not NeoX (rel_l2 vs NeoX rotation {neox:.2f})")
-        check(np.array_equal(t[f"L{n}.w.fused_qkv_a"],
-                             torch.cat([ck[f"{n}.q_a"], ck[f"{n}.kv_a"]]).float().numpy()),
-              f"L{n}.w.fused_qkv_a == [q_a | kv_a_mqa] of the checkpoint exactly")
-        check(np.array_equal(t[f"L{n}.w.kv_b"], ck[f"{n}.kv_b"].float().numpy()),
-              f"L{n}.w.kv_b == checkpoint kv_b exactly" + (" (dequantized int8)" if n == 1 else ""))
+        check(
+            np.array_equal(
+                t[f"L{n}.w.fused_qkv_a"], torch.cat([ck[f"{n}.q_a"], ck[f"{n}.kv_a"]]).float().numpy()
+            ),
+            f"L{n}.w.fused_qkv_a == [q_a | kv_a_mqa] of the checkpoint exactly",
+        )
+        check(
+            np.array_equal(t[f"L{n}.w.kv_b"], ck[f"{n}.kv_b"].float().numpy()),
+            f"L{n}.w.kv_b == checkpoint kv_b exactly" + (" (dequantized int8)" if n == 1 else ""),
+        )
     ref = full_forward64(ck)
     e2e = [rel(d[f"L{n}.hidden_out"], ref[n]) for n in range(N_LAYERS)]
-    check(max(e2e) < 3e-2, f"end to end: hidden_out vs float64 forward from the checkpoint, rel_l2 "
-                           f"{', '.join(f'L{n} {x:.2e}' for n, x in enumerate(e2e))} (< 3e-2)")
+    check(
+        max(e2e) < 3e-2,
+        f"end to end: hidden_out vs float64 forward from the checkpoint, rel_l2 "
+        f"{', '.join(f'L{n} {x:.2e}' for n, x in enumerate(e2e))} (< 3e-2)",
+    )
 
     # ---- weights file ----------------------------------------------------------------------
     w, wm = read(res["weights"])
-    names = ["fused_qkv_a_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj",
-             "o_proj", "W_UK_T", "W_UV"]
-    check(set(w) == {f"L{n}.{p}" for n in range(N_LAYERS) for p in names},
-          f"weights file holds L{{n}}.{{{','.join(names)}}} for 2 layers ({len(w)} tensors)")
-    wshapes = {"fused_qkv_a_proj": (LQ + L + R, H), "q_a_proj": (LQ, H), "kv_a_proj_with_mqa": (L + R, H),
-               "q_b_proj": (N * (P + R), LQ), "kv_b_proj": (N * (P + V), L), "o_proj": (H, N * V),
-               "W_UK_T": (N, P, L), "W_UV": (N, L, V)}
+    names = [
+        "fused_qkv_a_proj",
+        "q_a_proj",
+        "kv_a_proj_with_mqa",
+        "q_b_proj",
+        "kv_b_proj",
+        "o_proj",
+        "W_UK_T",
+        "W_UV",
+    ]
+    check(
+        set(w) == {f"L{n}.{p}" for n in range(N_LAYERS) for p in names},
+        f"weights file holds L{{n}}.{{{','.join(names)}}} for 2 layers ({len(w)} tensors)",
+    )
+    wshapes = {
+        "fused_qkv_a_proj": (LQ + L + R, H),
+        "q_a_proj": (LQ, H),
+        "kv_a_proj_with_mqa": (L + R, H),
+        "q_b_proj": (N * (P + R), LQ),
+        "kv_b_proj": (N * (P + V), L),
+        "o_proj": (H, N * V),
+        "W_UK_T": (N, P, L),
+        "W_UV": (N, L, V),
+    }
     bad = [(k, w[k].shape) for k in w if w[k].shape != wshapes[k.split(".", 1)[1]]]
-    check(not bad and all(a.dtype == np.float32 for a in w.values()),
-          f"weights are float32 in [out, in] layout with the expected shapes (mismatches: {bad})")
+    check(
+        not bad and all(a.dtype == np.float32 for a in w.values()),
+        f"weights are float32 in [out, in] layout with the expected shapes (mismatches: {bad})",
+    )
     for n, layer in enumerate(model.model.layers):
         a = layer.self_attn
         for p in ("fused_qkv_a_proj", "q_b_proj", "o_proj") + (("kv_b_proj",) if n == 0 else ()):
-            check(np.array_equal(w[f"L{n}.{p}"], getattr(a, p).weight.float().numpy()),
-                  f"L{n}.{p} == the mock's parameter exactly")
-        check(np.array_equal(np.concatenate([w[f"L{n}.q_a_proj"], w[f"L{n}.kv_a_proj_with_mqa"]]),
-                             w[f"L{n}.fused_qkv_a_proj"])
-              and np.array_equal(w[f"L{n}.q_a_proj"], ck[f"{n}.q_a"].float().numpy())
-              and np.array_equal(w[f"L{n}.kv_a_proj_with_mqa"], ck[f"{n}.kv_a"].float().numpy()),
-              f"L{n}: fused_qkv_a_proj split at Lq={LQ} == q_a_proj | kv_a_proj_with_mqa of the checkpoint")
+            check(
+                np.array_equal(w[f"L{n}.{p}"], getattr(a, p).weight.float().numpy()),
+                f"L{n}.{p} == the mock's parameter exactly",
+            )
+        check(
+            np.array_equal(
+                np.concatenate([w[f"L{n}.q_a_proj"], w[f"L{n}.kv_a_proj_with_mqa"]]),
+                w[f"L{n}.fused_qkv_a_proj"],
+            )
+            and np.array_equal(w[f"L{n}.q_a_proj"], ck[f"{n}.q_a"].float().numpy())
+            and np.array_equal(w[f"L{n}.kv_a_proj_with_mqa"], ck[f"{n}.kv_a"].float().numpy()),
+            f"L{n}: fused_qkv_a_proj split at Lq={LQ} == q_a_proj | kv_a_proj_with_mqa of the checkpoint",
+        )
         kvb = w[f"L{n}.kv_b_proj"].reshape(N, P + V, L)
-        check(np.array_equal(w[f"L{n}.W_UK_T"], kvb[:, :P, :])
-              and np.array_equal(w[f"L{n}.W_UV"], kvb[:, P:, :].transpose(0, 2, 1)),
-              f"L{n}: W_UK_T[h,p,l] == kv_b[h(P+V)+p, l] and W_UV[h,l,v] == kv_b[h(P+V)+P+v, l]")
+        check(
+            np.array_equal(w[f"L{n}.W_UK_T"], kvb[:, :P, :])
+            and np.array_equal(w[f"L{n}.W_UV"], kvb[:, P:, :].transpose(0, 2, 1)),
+            f"L{n}: W_UK_T[h,p,l] == kv_b[h(P+V)+p, l] and W_UV[h,l,v] == kv_b[h(P+V)+P+v, l]",
+        )
     dq = (ck["1.kv_b.int8"].to(torch.bfloat16) * ck["1.kv_b.scale"][:, None]).float().numpy()
-    check(np.array_equal(w["L1.kv_b_proj"], dq), "L1.kv_b_proj (int8 + scale) dequantized through "
-          "quant_method.apply(identity) == int8 x scale in bf16, exactly")
-    check(wm.get("quantized") == "L1.kv_b_proj" and "Int8PerRowLinearMethod via quant_method.apply" in wm["dequant"],
-          f"weights metadata quantized={wm.get('quantized')!r}, dequant={wm.get('dequant')!r}")
-    check("q_a_proj" in wm["derived"] and wm["tp_size"] == "1" and wm["rank"] == "0"
-          and wm["engine"] == ENGINE, f"weights metadata derived/tp_size/rank/engine ({wm['derived']!r})")
-    check(wm["w_uk_t_holder"] == "self_attn.mla_attn.mla_attn,self_attn.mla_attn.mla_attn.impl",
-          f"W_UK_T found on the MLAAttention layer (newer vLLM) and on its impl (older): {wm['w_uk_t_holder']!r}")
+    check(
+        np.array_equal(w["L1.kv_b_proj"], dq),
+        "L1.kv_b_proj (int8 + scale) dequantized through "
+        "quant_method.apply(identity) == int8 x scale in bf16, exactly",
+    )
+    check(
+        wm.get("quantized") == "L1.kv_b_proj"
+        and "Int8PerRowLinearMethod via quant_method.apply" in wm["dequant"],
+        f"weights metadata quantized={wm.get('quantized')!r}, dequant={wm.get('dequant')!r}",
+    )
+    check(
+        "q_a_proj" in wm["derived"] and wm["tp_size"] == "1" and wm["rank"] == "0" and wm["engine"] == ENGINE,
+        f"weights metadata derived/tp_size/rank/engine ({wm['derived']!r})",
+    )
+    check(
+        wm["w_uk_t_holder"] == "self_attn.mla_attn.mla_attn,self_attn.mla_attn.mla_attn.impl",
+        "W_UK_T found on the MLAAttention layer (newer vLLM) and on its impl (older): "
+        f"{wm['w_uk_t_holder']!r}",
+    )
     return t
 
 
@@ -763,39 +884,88 @@ def test_tp2(tmp: Path, ck, tp1: dict) -> None:
         c.remove()
         paths.append(c.write_dump(dump_vllm.rank_path(tmp / "tp.safetensors", c.tp_rank, 2)))
         wpaths.append(c.write_weights(dump_vllm.rank_path(tmp / "tpw.safetensors", c.tp_rank, 2)))
-    check([p.name for p in paths] == ["tp.rank0.safetensors", "tp.rank1.safetensors"],
-          f"per-rank dumps {[p.name for p in paths]}")
+    check(
+        [p.name for p in paths] == ["tp.rank0.safetensors", "tp.rank1.safetensors"],
+        f"per-rank dumps {[p.name for p in paths]}",
+    )
     r1, m1 = read(paths[1])
-    check(r1["L0.q"].shape == (5, 2, P + R) and r1["L0.w.W_UK_T"].shape == (2, P, L)
-          and m1["tp_rank"] == "1" and m1["tp_size"] == "2",
-          f"rank 1 holds its 2 local heads (q {r1['L0.q'].shape}, W_UK_T {r1['L0.w.W_UK_T'].shape})")
+    check(
+        r1["L0.q"].shape == (5, 2, P + R)
+        and r1["L0.w.W_UK_T"].shape == (2, P, L)
+        and m1["tp_rank"] == "1"
+        and m1["tp_size"] == "2",
+        f"rank 1 holds its 2 local heads (q {r1['L0.q'].shape}, W_UK_T {r1['L0.w.W_UK_T'].shape})",
+    )
     merged = dump_vllm.merge_rank_dumps(paths, tmp / "tp.safetensors")
     t, meta = read(merged)
-    check(set(t) == set(tp1) and all(t[k].shape == tp1[k].shape for k in t),
-          f"merged dump has the TP=1 dump's {len(t)} names and shapes")
+    check(
+        set(t) == set(tp1) and all(t[k].shape == tp1[k].shape for k in t),
+        f"merged dump has the TP=1 dump's {len(t)} names and shapes",
+    )
     check("notes" not in meta, f"replicated sites agree across ranks (merge notes: {meta.get('notes')!r})")
-    exact = [k for k in t if k.startswith("L0.") and k.split(".", 1)[1] in
-             ("hidden_in", "attn_in", "q_c", "q_c_normed", "kv_a", "kv_c_normed", "k_pe", "k_pe_roped",
-              "w.fused_qkv_a", "w.kv_b", "w.W_UK_T", "w.W_UV")] + \
-            [f"L1.{s}" for s in ("w.fused_qkv_a", "w.kv_b", "w.W_UK_T", "w.W_UV")]
-    check(all(np.array_equal(t[k], tp1[k]) for k in exact),
-          f"{len(exact)} replicated / weight sites equal the TP=1 dump exactly (head blocks in rank order)")
+    exact = [
+        k
+        for k in t
+        if k.startswith("L0.")
+        and k.split(".", 1)[1]
+        in (
+            "hidden_in",
+            "attn_in",
+            "q_c",
+            "q_c_normed",
+            "kv_a",
+            "kv_c_normed",
+            "k_pe",
+            "k_pe_roped",
+            "w.fused_qkv_a",
+            "w.kv_b",
+            "w.W_UK_T",
+            "w.W_UV",
+        )
+    ] + [f"L1.{s}" for s in ("w.fused_qkv_a", "w.kv_b", "w.W_UK_T", "w.W_UV")]
+    check(
+        all(np.array_equal(t[k], tp1[k]) for k in exact),
+        f"{len(exact)} replicated / weight sites equal the TP=1 dump exactly (head blocks in rank order)",
+    )
     worst = max((rel(t[k], tp1[k]), k) for k in t if k.startswith("L"))
-    check(worst[0] < 1e-2, f"every merged site within rel_l2 {worst[0]:.2e} of TP=1 (worst {worst[1]}; "
-                           "o_proj's all-reduce sums in another order)")
+    check(
+        worst[0] < 1e-2,
+        f"every merged site within rel_l2 {worst[0]:.2e} of TP=1 (worst {worst[1]}; "
+        "o_proj's all-reduce sums in another order)",
+    )
     w0, _ = read(wpaths[0])
     w1, wm1 = read(wpaths[1])
-    check(set(w1) == {f"L{n}.{p}.rank1" for n in range(N_LAYERS) for p in
-                      ("fused_qkv_a_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj",
-                       "o_proj", "W_UK_T", "W_UV")} and wm1["rank"] == "1" and wm1["tp_size"] == "2",
-          "rank 1 weights named L{n}.{param}.rank1, metadata rank=1 tp_size=2")
+    check(
+        set(w1)
+        == {
+            f"L{n}.{p}.rank1"
+            for n in range(N_LAYERS)
+            for p in (
+                "fused_qkv_a_proj",
+                "q_a_proj",
+                "kv_a_proj_with_mqa",
+                "q_b_proj",
+                "kv_b_proj",
+                "o_proj",
+                "W_UK_T",
+                "W_UV",
+            )
+        }
+        and wm1["rank"] == "1"
+        and wm1["tp_size"] == "2",
+        "rank 1 weights named L{n}.{param}.rank1, metadata rank=1 tp_size=2",
+    )
     q_b = ck["0.q_b"].float().numpy().reshape(N, P + R, LQ)
-    check(np.array_equal(w1["L0.q_b_proj.rank1"], q_b[2:].reshape(-1, LQ))
-          and np.array_equal(w1["L0.o_proj.rank1"], ck["0.o"].float().numpy()[:, 2 * V:])
-          and np.array_equal(w0["L0.fused_qkv_a_proj.rank0"], w1["L0.fused_qkv_a_proj.rank1"]),
-          "rank 1 holds heads 2..3 of q_b_proj (rows) and o_proj (columns); fused_qkv_a_proj replicated")
+    check(
+        np.array_equal(w1["L0.q_b_proj.rank1"], q_b[2:].reshape(-1, LQ))
+        and np.array_equal(w1["L0.o_proj.rank1"], ck["0.o"].float().numpy()[:, 2 * V :])
+        and np.array_equal(w0["L0.fused_qkv_a_proj.rank0"], w1["L0.fused_qkv_a_proj.rank1"]),
+        "rank 1 holds heads 2..3 of q_b_proj (rows) and o_proj (columns); fused_qkv_a_proj replicated",
+    )
     mw = dump_vllm.merge_weight_files(wpaths, tmp / "tpw.safetensors")
-    check(len(read(mw)[0]) == len(w0) + len(w1), f"merge_weight_files: union of {len(w0)} + {len(w1)} tensors")
+    check(
+        len(read(mw)[0]) == len(w0) + len(w1), f"merge_weight_files: union of {len(w0)} + {len(w1)} tensors"
+    )
 
 
 def test_fp16(tmp: Path, ck) -> None:
@@ -812,24 +982,40 @@ def test_fp16(tmp: Path, ck) -> None:
     ref = full_forward64(ck)
     e = rel(t["L1.hidden_out"], ref[1])
     ratio = float(np.linalg.norm(t_raw["L1.hidden_out"]) / np.linalg.norm(ref[1]))
-    check(meta["dtype"] == "f16" and "fp16" in meta.get("notes", ""), f"metadata dtype f16, note {meta.get('notes')!r}")
-    check(e < 3e-2 and abs(ratio - 1 / 2.5) < 0.02,
-          f"rescale undone: L1.hidden_out rel_l2 {e:.2e} vs f64 (raw vLLM stream norm ratio {ratio:.3f} = 1/2.5)")
-    check(np.array_equal(t["L0.hidden_in"], t_raw["L0.hidden_in"]) and
-          np.allclose(t["L1.hidden_in"], t["L0.hidden_out"]),
-          "L0.hidden_in untouched (taken before the scale); L1.hidden_in == L0.hidden_out after undo")
+    check(
+        meta["dtype"] == "f16" and "fp16" in meta.get("notes", ""),
+        f"metadata dtype f16, note {meta.get('notes')!r}",
+    )
+    check(
+        e < 3e-2 and abs(ratio - 1 / 2.5) < 0.02,
+        f"rescale undone: L1.hidden_out rel_l2 {e:.2e} vs f64 "
+        f"(raw vLLM stream norm ratio {ratio:.3f} = 1/2.5)",
+    )
+    check(
+        np.array_equal(t["L0.hidden_in"], t_raw["L0.hidden_in"])
+        and np.allclose(t["L1.hidden_in"], t["L0.hidden_out"]),
+        "L0.hidden_in untouched (taken before the scale); L1.hidden_in == L0.hidden_out after undo",
+    )
     try:
         import gguf  # noqa: F401
     except ImportError:
         print("  skip format 2 (no gguf-py for the model identity)")
         return
     import json
-    out = cap.write_format2(tmp / "f16.safetensors", model_path=ROOT / "golden" / "models" / "tiny-v3-f32.gguf")
+
+    out = cap.write_format2(
+        tmp / "f16.safetensors", model_path=ROOT / "golden" / "models" / "tiny-v3-f32.gguf"
+    )
     t2, meta2 = read(out)
     conv = json.loads(meta2["header"])["conventions"]
-    check(conv["residual_scale"] == 1 / 2.5 and
-          all(np.array_equal(t2[f"s0.{k}"], t_raw[k]) for k in ("L0.hidden_in", "L1.hidden_in", "L1.hidden_out")),
-          f"format 2: vLLM's values kept, conventions.residual_scale = {conv['residual_scale']} (1/2.5) declared")
+    check(
+        conv["residual_scale"] == 1 / 2.5
+        and all(
+            np.array_equal(t2[f"s0.{k}"], t_raw[k]) for k in ("L0.hidden_in", "L1.hidden_in", "L1.hidden_out")
+        ),
+        "format 2: vLLM's values kept, conventions.residual_scale = "
+        f"{conv['residual_scale']} (1/2.5) declared",
+    )
     t32 = dump_vllm.VllmCapture(build_model(ck, dtype=torch.float32), engine=ENGINE)
     check(t32.fp16_residual_scale() is None, "f32 activations: no residual scale to declare")
 
@@ -841,8 +1027,10 @@ def test_no_forward(tmp: Path, ck) -> None:
     try:
         dump_vllm.finish(model, dump_path=tmp / "none.safetensors")
     except RuntimeError as ex:
-        check("enforce_eager=True" in str(ex) and not (tmp / "none.safetensors").exists(),
-              f"RuntimeError, nothing written: {str(ex)[:70]}...")
+        check(
+            "enforce_eager=True" in str(ex) and not (tmp / "none.safetensors").exists(),
+            f"RuntimeError, nothing written: {str(ex)[:70]}...",
+        )
     else:
         check(False, "finish() without a forward should raise")
     check(all_hooks(model) == 0, "hooks removed even so")
@@ -850,38 +1038,53 @@ def test_no_forward(tmp: Path, ck) -> None:
     h = model.model.register_forward_pre_hook(lambda *a: fired.append(1))
     run(model)
     h.remove()
-    check(not fired, "a hook on the inner DeepseekV2Model never fires (@support_torch_compile's "
-                     "__call__ calls forward() directly): the capture hooks the root instead")
-    for layer in model.model.layers:          # a tree that moved a name the hook relies on
+    check(
+        not fired,
+        "a hook on the inner DeepseekV2Model never fires (@support_torch_compile's "
+        "__call__ calls forward() directly): the capture hooks the root instead",
+    )
+    for layer in model.model.layers:  # a tree that moved a name the hook relies on
         layer.self_attn.mla_attn.mla_attn.impl.forward_mqa = None
         del layer.self_attn.kv_a_layernorm
     cap = dump_vllm.VllmCapture(model, engine=ENGINE)
-    check(cap.version_msg is not None and "tested with vLLM 0.26.0" in cap.version_msg
-          and "DeepseekV2MLAAttention.kv_a_layernorm" in cap.version_msg
-          and "impl.forward_mqa" in cap.version_msg and cap.version_msg in cap.notes,
-          f"another layout: says what it was tested with and what it lacks: {cap.version_msg[:90]}...")
+    check(
+        cap.version_msg is not None
+        and "tested with vLLM 0.26.0" in cap.version_msg
+        and "DeepseekV2MLAAttention.kv_a_layernorm" in cap.version_msg
+        and "impl.forward_mqa" in cap.version_msg
+        and cap.version_msg in cap.notes,
+        f"another layout: says what it was tested with and what it lacks: {cap.version_msg[:90]}...",
+    )
 
 
 def test_decode_steps(tmp: Path, ck) -> None:
-    print("[6] prefill + 2 decode steps (f32, one sequence): ql_nope / attn_latent / lse around "
-          "forward_mqa, format 2")
+    print(
+        "[6] prefill + 2 decode steps (f32, one sequence): ql_nope / attn_latent / lse around "
+        "forward_mqa, format 2"
+    )
     model = build_model(ck, dtype=torch.float32)
     cap = dump_vllm.VllmCapture(model, steps=3, engine=ENGINE).arm()
     prompt, dec = [7, 3, 41, 12], [29, 5]
     run(model, tokens=prompt, seq_lens=[len(prompt)])
     for i, tok in enumerate(dec):
         run(model, tokens=[tok], seq_lens=[1], start=len(prompt) + i, decode=True)
-    run(model, tokens=[9], seq_lens=[1], start=6, decode=True)          # a 4th forward: ignored
+    run(model, tokens=[9], seq_lens=[1], start=6, decode=True)  # a 4th forward: ignored
     cap.remove()
-    check(all_hooks(model) == 0 and all("forward_mqa" not in vars(l.self_attn.mla_attn.mla_attn.impl)
-                                        for l in model.model.layers),
-          "remove(): hooks gone and forward_mqa unwrapped")
+    check(
+        all_hooks(model) == 0
+        and all(
+            "forward_mqa" not in vars(layer.self_attn.mla_attn.mla_attn.impl) for layer in model.model.layers
+        ),
+        "remove(): hooks gone and forward_mqa unwrapped",
+    )
     check(len(cap.steps) == 3, f"3 steps recorded of {cap.forwards} forwards")
     t1, m1 = cap.result(step=1)
     shapes = {k: t1[k].shape for k in ("L0.ql_nope", "L0.attn_latent", "L0.lse", "L1.lse")}
-    check(shapes == {"L0.ql_nope": (1, N, L), "L0.attn_latent": (1, N, L), "L0.lse": (1, N),
-                     "L1.lse": (1, N)} and "L0.k_nope" not in t1,
-          f"decode step: ql_nope/attn_latent/lse dumped, k_nope/v not (never computed): {shapes}")
+    check(
+        shapes == {"L0.ql_nope": (1, N, L), "L0.attn_latent": (1, N, L), "L0.lse": (1, N), "L1.lse": (1, N)}
+        and "L0.k_nope" not in t1,
+        f"decode step: ql_nope/attn_latent/lse dumped, k_nope/v not (never computed): {shapes}",
+    )
     t0, _ = cap.result(step=0)
     check(not any(k.endswith((".ql_nope", ".lse")) for k in t0), "prefill step: no decode-only sites")
     worst = {}
@@ -899,49 +1102,88 @@ def test_decode_steps(tmp: Path, ck) -> None:
             sc = (np.einsum("tnl,sl->tns", ql, kv) + np.einsum("tnr,sr->tns", qpe, kp)) * (P + R) ** -0.5
             lse = np.log(np.exp(sc).sum(-1))
             lat = np.einsum("tns,sl->tnl", np.exp(sc - lse[..., None]), kv)
-            for site, ref in (("ql_nope", ql), ("lse", lse), ("attn_latent", lat),
-                              ("attn_out", np.einsum("tnl,nlv->tnv", lat, wv))):
+            for site, ref in (
+                ("ql_nope", ql),
+                ("lse", lse),
+                ("attn_latent", lat),
+                ("attn_out", np.einsum("tnl,nlv->tnv", lat, wv)),
+            ):
                 worst[site] = max(worst.get(site, 0), rel(tk[f"L{n}.{site}"], ref))
-    check(max(worst.values()) < 1e-5, "decode sites vs float64 over the cached context from the "
-          "dumped steps: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+    check(
+        max(worst.values()) < 1e-5,
+        "decode sites vs float64 over the cached context from the "
+        "dumped steps: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()),
+    )
     gguf_path = ROOT / "golden" / "models" / "tiny-v3-f32.gguf"
     try:
         import gguf  # noqa: F401
     except ImportError:
         print("  skip format 2 (no gguf-py for the model identity)")
         return
-    out = cap.write_format2(tmp / "f2.safetensors", model_path=gguf_path,
-                            engine={"attention_backend": "MOCK_MLA"}, patches=[("mock", "a test")])
+    out = cap.write_format2(
+        tmp / "f2.safetensors",
+        model_path=gguf_path,
+        engine={"attention_backend": "MOCK_MLA"},
+        patches=[("mock", "a test")],
+    )
     t, meta = read(out)
     import hashlib
     import json
+
     h = json.loads(meta["header"])
     raw = gguf_path.read_bytes()
     rd = gguf.GGUFReader(str(gguf_path))
-    want_l0 = hashlib.sha256(b"".join(raw[x.data_offset:x.data_offset + x.n_bytes]
-                                      for x in rd.tensors if x.name.startswith("blk.0."))).hexdigest()
-    check(meta["format"] == dump_vllm.dump_format.FORMAT2 and h["model"]["file"] == "tiny-v3-f32.gguf"
-          and h["model"]["bytes"] == len(raw)
-          and h["model"]["index_sha256"] == hashlib.sha256(raw[:rd.data_offset]).hexdigest()
-          and h["model"]["layer_sha256"]["0"] == want_l0 and set(h["model"]["layer_sha256"]) == {"0", "1"},
-          "format 2 header: model file, bytes, index and layer sha256 (recomputed here)")
-    check([(st["name"], st["seqs"]) for st in h["steps"]] ==
-          [("prefill", [{"new": 4, "context": 0}]), ("decode-1", [{"new": 1, "context": 4}]),
-           ("decode-2", [{"new": 1, "context": 5}])],
-          f"format 2 steps: {[(st['name'], st['seqs']) for st in h['steps']]}")
-    check(h["conventions"] == {"rope_order": "interleaved", "layout": "token-major",
-                               "kv_a_order": "latent-rope", "lse_base": "e", "residual_scale": None}
-          and h["patches"] == [{"name": "mock", "reason": "a test"}]
-          and h["engine"]["attention_backend"] == "MOCK_MLA" and h["hook"]["name"] == "dump_vllm.py",
-          "format 2 conventions, patches, engine, hook")
-    check(np.array_equal(t["s1.L0.lse"], t1["L0.lse"]) and "s0.L0.w.kv_b" in t and "s1.L0.w.kv_b" not in t
-          and "weights.L0.kv_b_proj" in t and t["s2.positions"].tolist() == [5],
-          "format 2 tensors: s{k}.L{n}.{stage}, weight sites in step 0, weights.L{n}.{param}, s{k}.positions")
+    want_l0 = hashlib.sha256(
+        b"".join(
+            raw[x.data_offset : x.data_offset + x.n_bytes] for x in rd.tensors if x.name.startswith("blk.0.")
+        )
+    ).hexdigest()
+    check(
+        meta["format"] == dump_vllm.dump_format.FORMAT2
+        and h["model"]["file"] == "tiny-v3-f32.gguf"
+        and h["model"]["bytes"] == len(raw)
+        and h["model"]["index_sha256"] == hashlib.sha256(raw[: rd.data_offset]).hexdigest()
+        and h["model"]["layer_sha256"]["0"] == want_l0
+        and set(h["model"]["layer_sha256"]) == {"0", "1"},
+        "format 2 header: model file, bytes, index and layer sha256 (recomputed here)",
+    )
+    check(
+        [(st["name"], st["seqs"]) for st in h["steps"]]
+        == [
+            ("prefill", [{"new": 4, "context": 0}]),
+            ("decode-1", [{"new": 1, "context": 4}]),
+            ("decode-2", [{"new": 1, "context": 5}]),
+        ],
+        f"format 2 steps: {[(st['name'], st['seqs']) for st in h['steps']]}",
+    )
+    check(
+        h["conventions"]
+        == {
+            "rope_order": "interleaved",
+            "layout": "token-major",
+            "kv_a_order": "latent-rope",
+            "lse_base": "e",
+            "residual_scale": None,
+        }
+        and h["patches"] == [{"name": "mock", "reason": "a test"}]
+        and h["engine"]["attention_backend"] == "MOCK_MLA"
+        and h["hook"]["name"] == "dump_vllm.py",
+        "format 2 conventions, patches, engine, hook",
+    )
+    check(
+        np.array_equal(t["s1.L0.lse"], t1["L0.lse"])
+        and "s0.L0.w.kv_b" in t
+        and "s1.L0.w.kv_b" not in t
+        and "weights.L0.kv_b_proj" in t
+        and t["s2.positions"].tolist() == [5],
+        "format 2 tensors: s{k}.L{n}.{stage}, weight sites in step 0, weights.L{n}.{param}, s{k}.positions",
+    )
 
 
 def test_gguf_compare(tmp: Path) -> None:
     print("[5] mock loaded from golden/models/tiny-v3-f32.gguf (f32), dumped, judged by `mla-diff compare`")
     import subprocess
+
     gguf_path = ROOT / "golden" / "models" / "tiny-v3-f32.gguf"
     try:
         import gguf
@@ -955,26 +1197,40 @@ def test_gguf_compare(tmp: Path) -> None:
     kv = {k: f.contents() for k, f in rd.fields.items() if k.startswith("deepseek2.")}
     te = {t.name: np.array(t.data) for t in rd.tensors}
     a = "deepseek2."
-    c = SimpleNamespace(N=kv[a + "attention.head_count"], H=kv[a + "embedding_length"],
-                        LQ=kv[a + "attention.q_lora_rank"], L=kv[a + "attention.kv_lora_rank"],
-                        R=kv[a + "rope.dimension_count"], V=kv[a + "attention.value_length_mla"],
-                        N_LAYERS=kv[a + "block_count"], VOCAB=kv[a + "vocab_size"],
-                        INTER=kv[a + "feed_forward_length"], EPS=kv[a + "attention.layer_norm_rms_epsilon"],
-                        BASE=kv[a + "rope.freq_base"], name="tiny-v3-f32.gguf")
+    c = SimpleNamespace(
+        N=kv[a + "attention.head_count"],
+        H=kv[a + "embedding_length"],
+        LQ=kv[a + "attention.q_lora_rank"],
+        L=kv[a + "attention.kv_lora_rank"],
+        R=kv[a + "rope.dimension_count"],
+        V=kv[a + "attention.value_length_mla"],
+        N_LAYERS=kv[a + "block_count"],
+        VOCAB=kv[a + "vocab_size"],
+        INTER=kv[a + "feed_forward_length"],
+        EPS=kv[a + "attention.layer_norm_rms_epsilon"],
+        BASE=kv[a + "rope.freq_base"],
+        name="tiny-v3-f32.gguf",
+    )
     c.P = kv[a + "attention.key_length_mla"] - c.R
-    check(kv[a + "leading_dense_block_count"] >= c.N_LAYERS and "rope.scaling.type" not in
-          "".join(kv), f"tiny-v3: {c.N_LAYERS} dense layers, no YaRN: the mock's layer fits "
-                       f"(N={c.N} H={c.H} Lq={c.LQ} L={c.L} P={c.P} R={c.R} V={c.V})")
+    check(
+        kv[a + "leading_dense_block_count"] >= c.N_LAYERS and "rope.scaling.type" not in "".join(kv),
+        f"tiny-v3: {c.N_LAYERS} dense layers, no YaRN: the mock's layer fits "
+        f"(N={c.N} H={c.H} Lq={c.LQ} L={c.L} P={c.P} R={c.R} V={c.V})",
+    )
     T = lambda name: torch.from_numpy(te[name].astype(np.float32))  # noqa: E731
     ck = {"embed": T("token_embd.weight"), "norm": T("output_norm.weight")}
     for n in range(c.N_LAYERS):
         b = f"blk.{n}."
         ck[f"{n}.q_a"], ck[f"{n}.kv_a"] = T(b + "attn_q_a.weight"), T(b + "attn_kv_a_mqa.weight")
         ck[f"{n}.q_b"], ck[f"{n}.o"] = T(b + "attn_q_b.weight"), T(b + "attn_output.weight")
-        k_b, v_b = T(b + "attn_k_b.weight"), T(b + "attn_v_b.weight")       # [N, L, P], [N, V, L]
+        k_b, v_b = T(b + "attn_k_b.weight"), T(b + "attn_v_b.weight")  # [N, L, P], [N, V, L]
         ck[f"{n}.kv_b"] = torch.cat([k_b.transpose(1, 2), v_b], 1).reshape(c.N * (c.P + c.V), c.L)
-        for k, g in (("in_norm", "attn_norm"), ("post_norm", "ffn_norm"), ("q_a_norm", "attn_q_a_norm"),
-                     ("kv_a_norm", "attn_kv_a_norm")):
+        for k, g in (
+            ("in_norm", "attn_norm"),
+            ("post_norm", "ffn_norm"),
+            ("q_a_norm", "attn_q_a_norm"),
+            ("kv_a_norm", "attn_kv_a_norm"),
+        ):
             ck[f"{n}.{k}"] = T(b + g + ".weight")
         ck[f"{n}.gate_up"] = torch.cat([T(b + "ffn_gate.weight"), T(b + "ffn_up.weight")])
         ck[f"{n}.down"] = T(b + "ffn_down.weight")
@@ -986,16 +1242,22 @@ def test_gguf_compare(tmp: Path) -> None:
     t, meta = read(res["dump"])
     ref = full_forward64(ck, tokens, seq_lens, c)
     e2e = max(rel(t[f"L{n}.hidden_out"], ref[n]) for n in range(c.N_LAYERS))
-    check(meta["dtype"] == "f32" and meta["seq_lens"] == "2,5" and e2e < 1e-5,
-          f"f32 dump, seq_lens 2,5, hidden_out vs float64 forward rel_l2 {e2e:.2e}")
+    check(
+        meta["dtype"] == "f32" and meta["seq_lens"] == "2,5" and e2e < 1e-5,
+        f"f32 dump, seq_lens 2,5, hidden_out vs float64 forward rel_l2 {e2e:.2e}",
+    )
     # f32 activations: .to(float32) is no copy, so this catches a hook that keeps a view of a
     # tensor vLLM later mutates in place (q's rope half, the fused add's residual)
     pos = [p for n in seq_lens for p in range(n)]
-    eq = max(rel(t[f"L{n}.q_pe_roped"], rope(f64(t[f"L{n}.q"])[..., c.P:], pos, base=c.BASE))
-             for n in range(c.N_LAYERS))
-    check(eq < 1e-5 and np.array_equal(t["L1.hidden_in"], t["L0.hidden_out"]),
-          f"f32: q holds the pre-RoPE values (q_pe_roped == rope(q[..., P:]), rel_l2 {eq:.1e}); "
-          "L1.hidden_in == L0.hidden_out")
+    eq = max(
+        rel(t[f"L{n}.q_pe_roped"], rope(f64(t[f"L{n}.q"])[..., c.P :], pos, base=c.BASE))
+        for n in range(c.N_LAYERS)
+    )
+    check(
+        eq < 1e-5 and np.array_equal(t["L1.hidden_in"], t["L0.hidden_out"]),
+        f"f32: q holds the pre-RoPE values (q_pe_roped == rope(q[..., P:]), rel_l2 {eq:.1e}); "
+        "L1.hidden_in == L0.hidden_out",
+    )
     exe = find_mla_diff()
     if exe is None:
         print("  skip `mla-diff compare` (no binary with `compare`: build it, or set MLA_DIFF)")
@@ -1004,31 +1266,50 @@ def test_gguf_compare(tmp: Path) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True)
     last = (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
     n_sites = sum(1 for k in t if k.startswith("L"))
-    check(r.returncode == 0 and "within tolerance" in last[0],
-          f"mla-diff compare --map vllm: exit {r.returncode}, {last[0].strip()!r} ({n_sites} sites incl. w.*)")
+    check(
+        r.returncode == 0 and "within tolerance" in last[0],
+        f"mla-diff compare --map vllm: exit {r.returncode}, {last[0].strip()!r} ({n_sites} sites incl. w.*)",
+    )
     # the metadata matters: the same tensors claimed to be in HF rope order must fail
     st_hf = tmp / "gguf-hf-order.safetensors"
     dump_vllm.st_io.save(t, st_hf, metadata={**meta, "rope_order": "hf"})
-    r = subprocess.run([str(exe), "compare", "--model", str(gguf_path), "--dump", str(st_hf), "--quiet"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [str(exe), "compare", "--model", str(gguf_path), "--dump", str(st_hf), "--quiet"],
+        capture_output=True,
+        text=True,
+    )
     out = r.stdout + r.stderr
-    check(r.returncode == 1 and "pe_roped" in out,
-          f"same dump labelled rope_order=hf: exit {r.returncode}, q_pe_roped/k_pe_roped flagged")
+    check(
+        r.returncode == 1 and "pe_roped" in out,
+        f"same dump labelled rope_order=hf: exit {r.returncode}, q_pe_roped/k_pe_roped flagged",
+    )
     # fp16: vLLM's residual stream carries 1/routed_scaling_factor; format 2 declares it and
     # compare divides it out. The same file with the declaration removed: scale-only.
     import json
+
     model16 = build_model(ck, dtype=torch.float16, c=c)
     cap = dump_vllm.VllmCapture(model16, engine=ENGINE).arm()
     run(model16, tokens=tokens, seq_lens=seq_lens)
     cap.remove()
     f2 = cap.write_format2(tmp / "gguf-f16.safetensors", model_path=gguf_path, weights=False)
-    base = [str(exe), "compare", "--model", str(gguf_path), "--json", str(tmp / "f16.json"), "--force", "--quiet"]
+    base = [
+        str(exe),
+        "compare",
+        "--model",
+        str(gguf_path),
+        "--json",
+        str(tmp / "f16.json"),
+        "--force",
+        "--quiet",
+    ]
     r = subprocess.run(base + ["--dump", str(f2)], capture_output=True, text=True)
     doc = json.loads((tmp / "f16.json").read_text()) if (tmp / "f16.json").exists() else {}
     undone = [c for c in doc.get("dump", {}).get("conversions", []) if "residual_scale" in c]
-    check(r.returncode == 0 and len(undone) == 3,
-          f"fp16 format 2 with residual_scale 0.4 declared: compare exit {r.returncode}, "
-          f"{len(undone)} residual-stream sites divided back ({(r.stdout + r.stderr).strip()[-80:]!r})")
+    check(
+        r.returncode == 0 and len(undone) == 3,
+        f"fp16 format 2 with residual_scale 0.4 declared: compare exit {r.returncode}, "
+        f"{len(undone)} residual-stream sites divided back ({(r.stdout + r.stderr).strip()[-80:]!r})",
+    )
     t16, meta16 = read(f2)
     h16 = json.loads(meta16["header"])
     h16["conventions"]["residual_scale"] = None
@@ -1037,8 +1318,10 @@ def test_gguf_compare(tmp: Path) -> None:
     r = subprocess.run(base + ["--dump", str(undeclared)], capture_output=True, text=True)
     doc = json.loads((tmp / "f16.json").read_text())
     f = (doc.get("findings") or [{}])[0]
-    check(r.returncode == 1 and f.get("class") == "scale-only" and f.get("site") == "L0.hidden_out",
-          f"the same values undeclared: exit {r.returncode}, {f.get('class')} at {f.get('site')}")
+    check(
+        r.returncode == 1 and f.get("class") == "scale-only" and f.get("site") == "L0.hidden_out",
+        f"the same values undeclared: exit {r.returncode}, {f.get('class')} at {f.get('site')}",
+    )
 
 
 def main() -> None:
@@ -1053,8 +1336,10 @@ def main() -> None:
         test_no_forward(tmp, ck)
         test_gguf_compare(tmp)
         test_decode_steps(tmp, ck)
-    print(f"all {len(CHECKS)} checks passed (mock vLLM tree; the real vLLM 0.26.0: "
-          "python -m mla_diff_hooks.vllm_cpu test)")
+    print(
+        f"all {len(CHECKS)} checks passed (mock vLLM tree; the real vLLM 0.26.0: "
+        "python -m mla_diff_hooks.vllm_cpu test)"
+    )
 
 
 if __name__ == "__main__":

@@ -49,9 +49,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 import gguf
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 TYPES = ("Q8_0", "Q4_K", "Q6_K", "IQ4_NL")

@@ -65,10 +65,9 @@ import statistics
 import sys
 import time
 
+import gguf
 import numpy as np
 import torch
-
-import gguf
 
 
 def log(msg: str) -> None:
@@ -118,7 +117,9 @@ def main() -> None:
 
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-        DeepseekV3Attention, DeepseekV3RotaryEmbedding)
+        DeepseekV3Attention,
+        DeepseekV3RotaryEmbedding,
+    )
 
     t0 = time.time()
     r = gguf.GGUFReader(a.gguf)

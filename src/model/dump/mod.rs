@@ -17,13 +17,15 @@
 //! - `conventions`: the layout conventions a dump declares (rope order, axis order, kv_a column
 //!   order, engine dtype) and how they are told from the map and the metadata;
 //! - `layout`: each site's expected shape and the conversions that bring a dumped tensor to it;
-//! - `read`: reading a file of either format into [`Dump`]s.
+//! - `read`: reading a file of either format into [`Dump`]s;
+//! - `sites`: the site vocabulary a dump is written in, as `mla-diff sites` prints it.
 
 mod conventions;
 mod header;
 mod layout;
 mod map;
 mod read;
+mod sites;
 
 use std::path::Path;
 
@@ -37,6 +39,7 @@ pub use header::{
 pub use layout::expected_shape;
 pub use map::{Condition, Map, Rename};
 pub use read::{Dump, DumpFile, StepsDump, load, load_bytes, read};
+pub use sites::{SHAPE_DIMS, SiteTemplates, SiteVocabulary, StageRow, stage_row};
 
 /// An input error in the dump `path`: `what` names the tensor or metadata key, `reason` says
 /// what is wrong with it (exit 2).

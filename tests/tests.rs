@@ -26,6 +26,7 @@ mod outputs;
 mod scale;
 mod scripts;
 mod selftest;
+mod sites;
 mod snapshots;
 mod triage_report;
 mod vllm_dumps;

@@ -419,3 +419,12 @@ pub struct InspectArgs {
     #[arg(long)]
     pub layer: Option<usize>,
 }
+
+/// Arguments of `mla-diff sites`.
+#[derive(Debug, Args)]
+pub struct SitesArgs {
+    /// Write the vocabulary as one JSON object to standard output (`stages`, `ranked_weights`,
+    /// `site_templates`, `dump_formats`) instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}

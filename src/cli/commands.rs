@@ -1,5 +1,5 @@
-//! The other commands: `weights`, `golden record|check`, `bench`, `kernels`, `inspect` and
-//! `selftest`. Each parses nothing (clap did), calls its job and prints the job's result.
+//! The other commands: `weights`, `golden record|check`, `bench`, `kernels`, `inspect`, `sites`
+//! and `selftest`. Each parses nothing (clap did), calls its job and prints the job's result.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -315,6 +315,18 @@ pub fn cmd_inspect(a: &InspectArgs, out: &mut dyn Write) -> Result<Outcome> {
     }
     out.write_all(crate::jobs::inspect::inspect(&file, a.layer).as_bytes())
         .map_err(|e| Error::io("<stdout>", "write", e))?;
+    Ok(Outcome::Pass)
+}
+
+/// `mla-diff sites`: the site vocabulary of dumps, a table or (`--json`) the JSON object.
+pub fn cmd_sites(a: &SitesArgs, out: &mut dyn Write) -> Result<Outcome> {
+    let v = crate::model::dump::SiteVocabulary::current();
+    let bytes = if a.json {
+        crate::output::sites::sites_json(&v)
+    } else {
+        crate::output::sites::sites_text(&v).into_bytes()
+    };
+    out.write_all(&bytes).map_err(|e| Error::io("<stdout>", "write", e))?;
     Ok(Outcome::Pass)
 }
 

@@ -47,6 +47,8 @@ pub enum Command {
     Run(RunArgs),
     /// Show a GGUF file's metadata, derived MLA config and per-tensor types.
     Inspect(InspectArgs),
+    /// List the site names a dump may hold (stages, per-rank templates, formats), with shapes.
+    Sites(SitesArgs),
     /// Inject every fault into every path of every fixture, and run every path clean: prove the
     /// detectors find each bug class at its first site and nothing on clean runs.
     Selftest(SelftestArgs),
@@ -69,6 +71,7 @@ pub fn dispatch(cli: &Cli, out: &mut dyn Write) -> Result<Outcome> {
     match &cli.command {
         Command::Run(a) => cmd_run(a, out),
         Command::Inspect(a) => cmd_inspect(a, out),
+        Command::Sites(a) => cmd_sites(a, out),
         Command::Selftest(a) => cmd_selftest(a, out),
         Command::Compare(a) => cmd_compare(a, out),
         Command::Weights(a) => cmd_weights(a, out),

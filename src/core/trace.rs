@@ -23,6 +23,9 @@ pub enum RankedWeight {
 }
 
 impl RankedWeight {
+    /// Every ranked weight, in declaration order.
+    pub const ALL: [RankedWeight; 3] = [RankedWeight::QProj, RankedWeight::KvB, RankedWeight::OProj];
+
     /// Name used in the site: `q_b`, `kv_b`, `o_proj`.
     pub fn as_str(self) -> &'static str {
         match self {

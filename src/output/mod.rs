@@ -5,6 +5,7 @@
 //! these functions, which is why this layer sits below [`crate::jobs`].
 
 pub mod report;
+pub mod sites;
 pub mod stats;
 pub mod table;
 pub mod triage;

@@ -1,0 +1,349 @@
+//! The dump formats' markers and format 2's header: what a dump says about itself.
+//!
+//! A format-1 dump is one forward whose few facts (engine, dtype, sequence lengths, conventions)
+//! are flat metadata strings. Format 2 records an engine's steps (prefill, then decodes) and
+//! binds the dump to the model it was made from, so it carries one JSON header
+//! (`__metadata__.header`): the model identity (hashes of the GGUF's index and of each dumped
+//! layer's bytes), the hook and the engine, the declared conventions, the steps with each
+//! sequence's new and cached tokens, and optionally the head range of a tensor-parallel rank.
+//! The header is checked here as a whole before any tensor is read, so a malformed one is one
+//! error naming its field; [`check_identity`] refuses a dump of another model.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::dump_error;
+use crate::core::dtype::Dtype;
+use crate::core::error::{Error, Result};
+use crate::core::trace::Stage;
+use crate::model::config::MlaConfig;
+use crate::model::gguf::GgufFile;
+
+/// The `format` metadata value of a format-1 dump (optional: a file without it is format 1 too).
+pub const FORMAT1: &str = "mla-diff dump 1";
+
+/// The `format` metadata value of a format-2 dump.
+pub const FORMAT2: &str = "mla-diff dump 2";
+
+/// The model a format-2 dump was made from (`header.model`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelIdentity {
+    /// The GGUF's file name, no folders.
+    pub file: String,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// SHA-256 (hex) of the bytes before the tensor data ([`GgufFile::index_sha256_hex`]).
+    pub index_sha256: String,
+    /// Per dumped layer (decimal key): SHA-256 (hex) of the layer's raw tensor bytes
+    /// ([`GgufFile::layer_sha256_hex`]).
+    #[serde(default)]
+    pub layer_sha256: BTreeMap<String, String>,
+}
+
+/// The hook that wrote a dump, or the engine that computed it (`header.hook`, `header.engine`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Software {
+    /// Name, e.g. `dump_vllm.py`, `vllm`.
+    pub name: String,
+    /// Version string.
+    #[serde(default)]
+    pub version: String,
+    /// The attention (decode) backend, for an engine (`TRITON_MLA`, `FLASHMLA`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_backend: Option<String>,
+    /// The prefill backend, for an engine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_backend: Option<String>,
+}
+
+/// Declared layout conventions that `compare` undoes (`header.conventions`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Conventions {
+    /// As format 1's `rope_order` (`interleaved`, `hf`).
+    #[serde(default)]
+    pub rope_order: Option<String>,
+    /// As format 1's `layout` (`token-major`, `head-major`).
+    #[serde(default)]
+    pub layout: Option<String>,
+    /// As format 1's `kv_a_order` (`latent-rope`, `rope-latent`).
+    #[serde(default)]
+    pub kv_a_order: Option<String>,
+    /// `e` (default) or `2`: the base of the dumped `lse`.
+    #[serde(default)]
+    pub lse_base: Option<String>,
+    /// The factor `s` (a positive number; null or absent = 1) by which the engine's residual
+    /// stream differs from the model's on purpose: every dumped `hidden_out`, and `hidden_in`
+    /// of every layer but the model's first (layer 0's is the embedding), holds `s ×` the
+    /// model's value. vLLM's fp16 path carries `s = 1/routed_scaling_factor`. Kept as JSON so a
+    /// wrong value is reported as written; read it with [`Conventions::residual_scale()`].
+    #[serde(default)]
+    pub residual_scale: Option<serde_json::Value>,
+}
+
+impl Conventions {
+    /// The declared residual-stream factor (the `residual_scale` field), `None` when
+    /// absent, null or not a number (a header that passed [`peek_header`] or
+    /// [`read`](fn@super::read) holds a positive finite number or nothing).
+    pub fn residual_scale(&self) -> Option<f64> {
+        self.residual_scale.as_ref().and_then(serde_json::Value::as_f64)
+    }
+}
+
+/// One sequence's share of a step (`header.steps[k].seqs[i]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepSeq {
+    /// New tokens of the sequence computed in this step.
+    pub new: usize,
+    /// Tokens of the sequence that earlier steps computed and cached.
+    pub context: usize,
+}
+
+/// One engine step (`header.steps[k]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepSpec {
+    /// Its name in reports, e.g. `prefill`, `decode-1`.
+    pub name: String,
+    /// One entry per sequence (the same request in every step).
+    pub seqs: Vec<StepSeq>,
+}
+
+/// A change a harness made to the engine's code path (`header.patches[i]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Patch {
+    /// Short name.
+    pub name: String,
+    /// Why it was needed.
+    #[serde(default)]
+    pub reason: String,
+}
+
+/// The header of a format-2 dump (`__metadata__.header`, JSON).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DumpHeader {
+    /// The model the dump was made from.
+    pub model: ModelIdentity,
+    /// The hook that wrote it.
+    #[serde(default)]
+    pub hook: Software,
+    /// The engine that computed it.
+    #[serde(default)]
+    pub engine: Software,
+    /// As format 1's `dtype` (default f32).
+    #[serde(default)]
+    pub dtype: Option<String>,
+    /// Layout conventions.
+    #[serde(default)]
+    pub conventions: Conventions,
+    /// The steps, in order.
+    pub steps: Vec<StepSpec>,
+    /// Changes a harness made to the engine's code path.
+    #[serde(default)]
+    pub patches: Vec<Patch>,
+    /// The dump comes from a kernel that read inputs of this dtype and accumulated in f32: it
+    /// is judged by the rows `run --dtype` of that dtype applies, not by those `dtype` selects.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel_precision: Option<Dtype>,
+    /// `[a, b]`: the per-head sites hold only heads `a..b` (`0 ≤ a < b ≤ N`); see
+    /// [`heads_config`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heads: Option<[usize; 2]>,
+}
+
+/// The stages whose sites hold one block per attention head: `[T, N, X]` activations and the
+/// `[T, N]` lse (head axis 1), and the weights `w.kv_b` ([N·(P+V), L]), `w.W_UK_T` and `w.W_UV`
+/// ([N, …]) (head axis 0). A format-2 dump with `heads` holds these for its heads only.
+pub fn is_per_head(stage: Stage) -> bool {
+    matches!(
+        stage,
+        Stage::Q
+            | Stage::QPeRoped
+            | Stage::KNope
+            | Stage::V
+            | Stage::QlNope
+            | Stage::AttnLatent
+            | Stage::Lse
+            | Stage::AttnOut
+            | Stage::WKvB
+            | Stage::WUkT
+            | Stage::WUv
+    )
+}
+
+/// The configuration a dump of heads `a..b` is read and judged with: `cfg` with `n_head = b − a`
+/// (every per-head site, [`is_per_head`], has `b − a` heads; every other dim is the model's).
+pub fn heads_config(cfg: &MlaConfig, heads: [usize; 2]) -> MlaConfig {
+    MlaConfig {
+        n_head: heads[1].saturating_sub(heads[0]),
+        ..cfg.clone()
+    }
+}
+
+/// The header of a format-2 dump without reading its tensors; `None` for format 1.
+///
+/// Errors: [`Error::Io`] when the file cannot be read; [`Error::Safetensors`] naming
+/// `__metadata__.header` when a format-2 header is not valid JSON of the documented shape.
+pub fn peek_header(path: &Path) -> Result<Option<DumpHeader>> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, "open", e))?;
+    let mut len = [0u8; 8];
+    if f.read_exact(&mut len).is_err() {
+        return Ok(None);
+    }
+    let n = u64::from_le_bytes(len);
+    // The safetensors header is small; a huge declared length is not a dump this can peek at
+    // (the full read reports it properly).
+    if n > 64 << 20 {
+        return Ok(None);
+    }
+    let mut head = vec![0u8; n as usize];
+    if f.read_exact(&mut head).is_err() {
+        return Ok(None);
+    }
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(&head) else {
+        return Ok(None);
+    };
+    let meta = &v["__metadata__"];
+    if meta["format"].as_str().map(str::trim) != Some(FORMAT2) {
+        return Ok(None);
+    }
+    parse_header(path, meta["header"].as_str()).map(Some)
+}
+
+/// The format-2 header `text` (`__metadata__.header`) of the dump `path`, parsed and checked:
+/// `kernel_precision` and `heads` of the documented forms, at least one step, a positive
+/// `residual_scale`, an `lse_base` of `e` or `2`, every step listing every sequence with new
+/// tokens and a context equal to what earlier steps computed.
+///
+/// Errors: [`Error::Safetensors`] naming the field (`__metadata__.header…`) that is missing or
+/// wrong.
+pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader> {
+    let text = text.ok_or_else(|| {
+        dump_error(
+            path,
+            "__metadata__.header",
+            format!("missing: a `{FORMAT2}` dump needs it"),
+        )
+    })?;
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| dump_error(path, "__metadata__.header", e.to_string()))?;
+    match v.get("kernel_precision") {
+        None | Some(serde_json::Value::Null) => {}
+        Some(serde_json::Value::String(p)) if p == "bf16" || p == "f32" => {}
+        Some(other) => {
+            return Err(dump_error(
+                path,
+                "__metadata__.header.kernel_precision",
+                format!("{other}: expected \"bf16\" or \"f32\""),
+            ));
+        }
+    }
+    match v.get("heads") {
+        None | Some(serde_json::Value::Null) => {}
+        Some(x) => {
+            let pair = x
+                .as_array()
+                .filter(|a| a.len() == 2)
+                .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)));
+            if pair.is_none_or(|(a, b)| a >= b) {
+                return Err(dump_error(
+                    path,
+                    "__metadata__.header.heads",
+                    format!("{x}: expected [a, b] with integers 0 ≤ a < b ≤ N"),
+                ));
+            }
+        }
+    }
+    let h: DumpHeader =
+        serde_json::from_value(v).map_err(|e| dump_error(path, "__metadata__.header", e.to_string()))?;
+    if h.steps.is_empty() {
+        return Err(dump_error(path, "__metadata__.header.steps", "no step"));
+    }
+    if let Some(v) = h.conventions.residual_scale.as_ref().filter(|v| !v.is_null())
+        && v.as_f64().is_none_or(|x| !(x.is_finite() && x > 0.0))
+    {
+        return Err(dump_error(
+            path,
+            "__metadata__.header.conventions.residual_scale",
+            format!("{v}: expected a positive number (the factor the engine's residual stream carries) or null"),
+        ));
+    }
+    if let Some(b) = h.conventions.lse_base.as_deref()
+        && b != "e"
+        && b != "2"
+    {
+        return Err(dump_error(
+            path,
+            "__metadata__.header.conventions.lse_base",
+            format!("`{b}`: expected `e` or `2`"),
+        ));
+    }
+    let n = h.steps[0].seqs.len();
+    for (k, st) in h.steps.iter().enumerate() {
+        if st.seqs.len() != n {
+            return Err(dump_error(
+                path,
+                format!("__metadata__.header.steps[{k}].seqs"),
+                format!(
+                    "{} sequences, step 0 has {n}: every step lists every sequence",
+                    st.seqs.len()
+                ),
+            ));
+        }
+        if st.seqs.iter().all(|q| q.new == 0) {
+            return Err(dump_error(
+                path,
+                format!("__metadata__.header.steps[{k}].seqs"),
+                "no new token",
+            ));
+        }
+        for (i, q) in st.seqs.iter().enumerate() {
+            let before: usize = h.steps[..k].iter().map(|p| p.seqs[i].new).sum();
+            if q.new > 0 && q.context != before {
+                return Err(dump_error(
+                    path,
+                    format!("__metadata__.header.steps[{k}].seqs[{i}].context"),
+                    format!(
+                        "{}, but earlier steps computed {before} tokens of that sequence",
+                        q.context
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(h)
+}
+
+/// Checks that `file` is the model a format-2 dump was made from: the header-and-index hash, and
+/// the raw-byte hash of every layer in `layers`.
+///
+/// Errors: [`Error::Usage`] naming the dump, the GGUF and the field that differs (exit 2).
+pub fn check_identity(dump: &Path, h: &DumpHeader, file: &GgufFile, layers: &[usize]) -> Result<()> {
+    let refuse = |field: &str, want: &str, got: &str| {
+        Error::Usage(format!(
+            "{}: field `header.model.{field}` is {want}, but {} gives {got}: the dump was made from another model ({}); pass the GGUF it names",
+            dump.display(),
+            file.path().display(),
+            h.model.file
+        ))
+    };
+    let idx = file.index_sha256_hex();
+    if !idx.eq_ignore_ascii_case(h.model.index_sha256.trim()) {
+        return Err(refuse("index_sha256", h.model.index_sha256.trim(), &idx));
+    }
+    for &l in layers {
+        let key = l.to_string();
+        let Some(want) = h.model.layer_sha256.get(&key) else {
+            return Err(Error::Usage(format!(
+                "{}: field `header.model.layer_sha256` has no entry for layer {l}, which the dump holds",
+                dump.display()
+            )));
+        };
+        let got = file.layer_sha256_hex(l);
+        if !got.eq_ignore_ascii_case(want.trim()) {
+            return Err(refuse(&format!("layer_sha256.{key}"), want.trim(), &got));
+        }
+    }
+    Ok(())
+}

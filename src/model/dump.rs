@@ -1557,7 +1557,7 @@ mod tests {
     /// A config with the given kv_b layout and q_lora_rank (other dims irrelevant here).
     fn cfg(kv_b_layout: KvBLayout, q_lora_rank: Option<usize>) -> MlaConfig {
         MlaConfig {
-            arch: "deepseek2".into(),
+            arch: crate::model::arch::Arch::Deepseek2,
             n_layer: 2,
             hidden: 8,
             n_head: 2,

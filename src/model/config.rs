@@ -12,6 +12,7 @@ use serde::Serialize;
 use crate::core::error::{Error, Result};
 use crate::model::arch::Arch;
 use crate::model::gguf::{GgufFile, MetaValue};
+use crate::model::tensors::ModelTensor;
 
 /// RoPE pairing (which elements of a rotated vector form a pair).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -378,12 +379,14 @@ impl MlaConfig {
         let mscale = yarn.map_or(1.0, |y| y.mscale());
         let softmax_scale = (key_len as f64).powf(-0.5) * mscale * mscale;
 
-        let kv_b_layout = if file.tensor("blk.0.attn_kv_b.weight").is_some() {
+        let kv_b_layout = if file.tensor(&ModelTensor::AttnKvB.name(0)).is_some() {
             KvBLayout::Fused
         } else {
             KvBLayout::Split
         };
-        let vocab = file.tensor("token_embd.weight").map_or(0, |t| t.shape()[0] as usize);
+        let vocab = file
+            .tensor(&ModelTensor::TokenEmbd.name(0))
+            .map_or(0, |t| t.shape()[0] as usize);
         let nextn_predict_layers = m.usize(&k("nextn_predict_layers"))?.unwrap_or(0);
         if nextn_predict_layers >= n_layer.max(1) {
             return Err(m.bad(
@@ -796,7 +799,7 @@ fn indexer_config(
 /// Errors: [`Error::TensorShape`] for a factor tensor of the wrong length, [`Error::Dequant`] for
 /// a non-finite or non-positive factor or undecodable bytes.
 fn rope_factors(file: &GgufFile, rope_dim: usize) -> Result<Option<Vec<f64>>> {
-    let name = "rope_factors_short.weight";
+    let name = &ModelTensor::RopeFactorsShort.name(0);
     let Some(t) = file.tensor(name) else {
         return Ok(None);
     };

@@ -27,6 +27,7 @@ mod scale;
 mod scripts;
 mod selftest;
 mod snapshots;
+mod tensor_table;
 mod triage_report;
 mod vllm_dumps;
 mod weights_check;

@@ -40,7 +40,11 @@ fn token_input_walks_every_layer_of_every_fixture() {
         assert!(
             all.iter().any(|f| {
                 let file = mla_diff::model::gguf::GgufFile::open(f).unwrap();
-                mla_diff::model::config::MlaConfig::from_gguf(&file).unwrap().arch == arch
+                mla_diff::model::config::MlaConfig::from_gguf(&file)
+                    .unwrap()
+                    .arch
+                    .name()
+                    == arch
             }),
             "no committed {arch} fixture"
         );
@@ -146,7 +150,7 @@ fn fa3_fixture_has_the_head_dims_of_vllm_gpu_kernels_and_a_split_copy_of_the_sam
         (128, 64, 128, 512)
     );
     assert_eq!(
-        (c.arch.as_str(), c.n_head, c.hidden, c.q_lora_rank, c.n_layer, c.vocab),
+        (c.arch.name(), c.n_head, c.hidden, c.q_lora_rank, c.n_layer, c.vocab),
         ("deepseek2", 4, 64, Some(32), 2, 128)
     );
     assert!((0..c.n_layer).all(|l| !c.is_moe_layer(l)), "every layer dense");

@@ -28,6 +28,7 @@ mod scripts;
 mod selftest;
 mod sites;
 mod snapshots;
+mod tensor_table;
 mod triage_report;
 mod vllm_dumps;
 mod weights_check;

@@ -287,10 +287,7 @@ pub const MAX_POSITION: usize = 1 << 31;
 /// inert fault would read as a detector failure), and notes the paths a fault skips.
 fn check_faults(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<()> {
     let layer = rc.layers.first().copied().unwrap_or(0);
-    let latent = match cfg.kv_b_layout {
-        crate::model::config::KvBLayout::Split => crate::model::weights::tensor_name(layer, "attn_v_b"),
-        crate::model::config::KvBLayout::Fused => crate::model::weights::tensor_name(layer, "attn_kv_b"),
-    };
+    let latent = crate::model::tensors::ModelTensor::kv_b_latent_input(cfg.kv_b_layout).name(layer);
     let block = file.tensor(&latent).map_or(1, |t| t.ggml_type.block_size());
     for &f in &rc.path_options.faults.0 {
         let verdicts: Vec<(PathKind, std::result::Result<(), &str>)> = rc

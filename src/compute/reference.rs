@@ -730,10 +730,10 @@ pub fn forward_full_sel(
     }
     if !cfg.is_moe_layer(w.layer) {
         return Err(Error::NotSupported(format!(
-            "{}: layer {} has no dense FFN (it holds `blk.{}.ffn_gate_inp.weight`) but the file has no `{}.expert_count` key, so its MoE FFN cannot be run",
+            "{}: layer {} has no dense FFN (it holds `{}`) but the file has no `{}.expert_count` key, so its MoE FFN cannot be run",
             file.path().display(),
             w.layer,
-            w.layer,
+            crate::model::tensors::ModelTensor::FfnGateInp.name(w.layer),
             cfg.arch
         )));
     }
@@ -901,7 +901,7 @@ pub fn moe_ffn(
         .map(|&expert| -> Result<ExpertRun> {
             let users = users_of(expert);
             let f = mw.expert(file, expert)?;
-            let bad = f.nonfinite(layer, "exps", Some(expert));
+            let bad = f.nonfinite(layer, SwiGlu::ROUTED, Some(expert));
             let xs = Array2::from_shape_fn((users.len(), hd), |(i, c)| x[[users[i].0, c]]);
             Ok((users, swiglu(&xs, &f), bad))
         })

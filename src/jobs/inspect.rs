@@ -113,11 +113,7 @@ pub fn inspect(file: &GgufFile, layer: Option<usize>) -> String {
 
     let mut tensors = crate::output::table::bordered(&["tensor", "type", "ne (ggml)", "shape (PyTorch)", "bytes"]);
     for t in file.tensors() {
-        let tl = t
-            .name
-            .strip_prefix("blk.")
-            .and_then(|r| r.split('.').next())
-            .and_then(|n| n.parse::<usize>().ok());
+        let tl = crate::model::tensors::layer_of(&t.name);
         if layer.is_some_and(|want| tl.is_some_and(|got| got != want)) {
             continue;
         }

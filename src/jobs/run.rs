@@ -23,6 +23,7 @@ use crate::judge::report::{InputMode, ModelSummary, NotRun, PathResult, RunConfi
 use crate::judge::{device, metrics};
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
+use crate::model::tensors::ModelTensor;
 use crate::model::weights::{Dequantized, LayerWeights, NonFiniteTensor, embed_hidden};
 
 /// Frees what [`Backend::load_layer_weights`] kept on the device when a layer is done, and on
@@ -289,7 +290,7 @@ fn run_inner(
         if cfg.vocab == 0 {
             return Err(Error::MissingTensor {
                 path: file.path().to_path_buf(),
-                tensor: "token_embd.weight".into(),
+                tensor: ModelTensor::TokenEmbd.name(0),
             });
         }
         let ids = seeded_tokens(rc.seed, t, cfg.vocab);

@@ -10,12 +10,9 @@
 use serde::Serialize;
 
 use crate::core::error::{Error, Result};
+use crate::model::arch::Arch;
 use crate::model::gguf::{GgufFile, MetaValue};
-
-/// GGUF architectures whose attention is MLA and which this build loads (docs/architectures.md):
-/// `deepseek2` (DeepSeek-V2/V2.5/V3, Kimi-K2, GLM-4.7-Flash), `deepseek32` (DeepSeek-V3.2, DSA),
-/// `glm-dsa` (GLM-5, DSA) and `minicpm3` (MiniCPM3).
-pub const SUPPORTED_ARCHS: &[&str] = &["deepseek2", "deepseek32", "glm-dsa", "minicpm3"];
+use crate::model::tensors::ModelTensor;
 
 /// RoPE pairing (which elements of a rotated vector form a pair).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -247,8 +244,8 @@ impl MoeConfig {
 /// `q·k` logits (natural-log softmax).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MlaConfig {
-    /// `general.architecture`, e.g. `deepseek2`.
-    pub arch: String,
+    /// `general.architecture`, e.g. `deepseek2` (serialized as that name).
+    pub arch: Arch,
     /// `block_count`: number of transformer layers.
     pub n_layer: usize,
     /// `H`: hidden size (`embedding_length`).
@@ -333,17 +330,16 @@ impl MlaConfig {
     /// `expert_gating_func` other than softmax/sigmoid.
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let m = Meta { file };
-        let arch = m
+        let name = m
             .str("general.architecture")?
-            .ok_or_else(|| m.missing("general.architecture"))?
-            .to_string();
-        if !SUPPORTED_ARCHS.contains(&arch.as_str()) {
+            .ok_or_else(|| m.missing("general.architecture"))?;
+        let Some(arch) = Arch::parse(name) else {
             return Err(Error::NotMla {
                 path: file.path().to_path_buf(),
-                arch,
-                supported: SUPPORTED_ARCHS.join(", "),
+                arch: name.to_string(),
+                supported: Arch::supported_list(),
             });
-        }
+        };
         let k = |s: &str| format!("{arch}.{s}");
         let n_layer = m.req_usize(&k("block_count"))?;
         let hidden = m.req_usize(&k("embedding_length"))?;
@@ -357,11 +353,11 @@ impl MlaConfig {
             (k("attention.key_length"), k("attention.value_length"))
         };
         let key_len = m.req_usize(&key_len_key)?;
-        // MiniCPM3's converter writes no value_length; llama.cpp then uses H/N (its n_embd_head_v
-        // default), which equals v_head_dim in every released MiniCPM3.
         let v_head_dim = match m.usize(&val_len_key)? {
             Some(v) => v,
-            None if arch == "minicpm3" && n_head > 0 && hidden.is_multiple_of(n_head) => hidden / n_head,
+            None if arch.value_length_defaults_to_head_width() && n_head > 0 && hidden.is_multiple_of(n_head) => {
+                hidden / n_head
+            }
             None => return Err(m.missing(&val_len_key)),
         };
         if key_len <= rope_dim {
@@ -377,18 +373,20 @@ impl MlaConfig {
             ));
         }
         let qk_nope_head_dim = key_len - rope_dim;
-        let (rms_eps, rope_base) = norm_eps_and_rope_base(&m, &arch)?;
+        let (rms_eps, rope_base) = norm_eps_and_rope_base(&m, arch)?;
 
-        let yarn = yarn_config(&m, &arch)?;
+        let yarn = yarn_config(&m, arch)?;
         let mscale = yarn.map_or(1.0, |y| y.mscale());
         let softmax_scale = (key_len as f64).powf(-0.5) * mscale * mscale;
 
-        let kv_b_layout = if file.tensor("blk.0.attn_kv_b.weight").is_some() {
+        let kv_b_layout = if file.tensor(&ModelTensor::AttnKvB.name(0)).is_some() {
             KvBLayout::Fused
         } else {
             KvBLayout::Split
         };
-        let vocab = file.tensor("token_embd.weight").map_or(0, |t| t.shape()[0] as usize);
+        let vocab = file
+            .tensor(&ModelTensor::TokenEmbd.name(0))
+            .map_or(0, |t| t.shape()[0] as usize);
         let nextn_predict_layers = m.usize(&k("nextn_predict_layers"))?.unwrap_or(0);
         if nextn_predict_layers >= n_layer.max(1) {
             return Err(m.bad(
@@ -399,20 +397,14 @@ impl MlaConfig {
         let trunk = n_layer - nextn_predict_layers;
         let leading_dense_block_count = m.usize(&k("leading_dense_block_count"))?.unwrap_or(0);
         let moe = if leading_dense_block_count < n_layer {
-            moe_config(&m, &arch, hidden, trunk, vocab)?
+            moe_config(&m, arch, hidden, trunk, vocab)?
         } else {
             None
         };
-        let indexer = if matches!(arch.as_str(), "deepseek32" | "glm-dsa") {
-            Some(indexer_config(&m, &arch, trunk, rope_dim, q_lora_rank)?)
+        let indexer = if arch.has_dsa_indexer() {
+            Some(indexer_config(&m, arch, trunk, rope_dim, q_lora_rank)?)
         } else {
             None
-        };
-        let minicpm3 = arch == "minicpm3";
-        let rope_style = if minicpm3 {
-            RopeStyle::Neox
-        } else {
-            RopeStyle::Interleaved
         };
         let rope_factors = rope_factors(file, rope_dim)?;
 
@@ -445,12 +437,12 @@ impl MlaConfig {
             leading_dense_block_count,
             vocab,
             moe,
-            rope_style,
+            rope_style: arch.main_rope_style(),
             rope_factors,
             indexer,
             nextn_predict_layers,
-            embedding_scale: if minicpm3 { 12.0 } else { 1.0 },
-            residual_scale: if minicpm3 { 1.4 / (n_layer as f64).sqrt() } else { 1.0 },
+            embedding_scale: arch.embedding_scale(),
+            residual_scale: arch.residual_scale(n_layer),
         })
     }
 
@@ -530,7 +522,7 @@ impl MlaConfig {
 ///
 /// Errors: [`Error::MissingKey`] for the epsilon; [`Error::BadKey`] for either when it is not a
 /// positive finite number.
-fn norm_eps_and_rope_base(m: &Meta<'_>, arch: &str) -> Result<(f64, f64)> {
+fn norm_eps_and_rope_base(m: &Meta<'_>, arch: Arch) -> Result<(f64, f64)> {
     let k = |s: &str| format!("{arch}.{s}");
     let rms_eps = m
         .f64(&k("attention.layer_norm_rms_epsilon"))?
@@ -559,7 +551,7 @@ fn norm_eps_and_rope_base(m: &Meta<'_>, arch: &str) -> Result<(f64, f64)> {
 /// Errors: [`Error::MissingKey`] for a YaRN file without factor or original context length;
 /// [`Error::BadKey`] for a factor that is not a positive number; [`Error::NotSupported`] for a
 /// scaling type other than `none` and `yarn`.
-fn yarn_config(m: &Meta<'_>, arch: &str) -> Result<Option<YarnConfig>> {
+fn yarn_config(m: &Meta<'_>, arch: Arch) -> Result<Option<YarnConfig>> {
     let k = |s: &str| format!("{arch}.{s}");
     let scaling = m.str(&k("rope.scaling.type"))?.unwrap_or("none").to_string();
     Ok(match scaling.as_str() {
@@ -605,7 +597,7 @@ fn yarn_config(m: &Meta<'_>, arch: &str) -> Result<Option<YarnConfig>> {
 /// E, `G_used` = 0 or > G, fewer than 2 experts per group (the group score sums a group's two best
 /// experts), fewer than K experts in the kept groups, a non-finite or negative scale;
 /// [`Error::NotSupported`] for a gating function other than softmax/sigmoid.
-fn moe_config(m: &Meta<'_>, arch: &str, hidden: usize, trunk: usize, vocab: usize) -> Result<Option<MoeConfig>> {
+fn moe_config(m: &Meta<'_>, arch: Arch, hidden: usize, trunk: usize, vocab: usize) -> Result<Option<MoeConfig>> {
     let k = |s: &str| format!("{arch}.{s}");
     let n_expert = match m.usize(&k("expert_count"))? {
         None | Some(0) => return Ok(None),
@@ -661,14 +653,10 @@ fn moe_config(m: &Meta<'_>, arch: &str, hidden: usize, trunk: usize, vocab: usiz
         })?,
     };
     let gating = match m.usize(&k("expert_gating_func"))? {
-        // llama.cpp's glm-dsa loader turns an absent key into sigmoid (GLM's router); deepseek32
-        // requires the key; deepseek2 falls back to softmax (old V2 files).
-        None if arch == "glm-dsa" => GatingFunc::Sigmoid,
-        None if arch == "deepseek32" => return Err(m.missing(&k("expert_gating_func"))),
-        // GLM-4.7-Flash (converted as deepseek2 without the key): llama.cpp's deepseek2 loader
-        // recognises it by 47/48 trunk layers and a 154880-token vocabulary and uses sigmoid.
-        None if arch == "deepseek2" && matches!(trunk, 47 | 48) && vocab == 154_880 => GatingFunc::Sigmoid,
-        None | Some(0) | Some(1) => GatingFunc::Softmax,
+        None => arch
+            .gating_when_absent(trunk, vocab)
+            .ok_or_else(|| m.missing(&k("expert_gating_func")))?,
+        Some(0) | Some(1) => GatingFunc::Softmax,
         Some(2) => GatingFunc::Sigmoid,
         Some(other) => {
             return Err(Error::NotSupported(format!(
@@ -739,7 +727,7 @@ fn moe_config(m: &Meta<'_>, arch: &str, hidden: usize, trunk: usize, vocab: usiz
 /// a first layer that is not full (a shared layer needs an earlier full one).
 fn indexer_config(
     m: &Meta<'_>,
-    arch: &str,
+    arch: Arch,
     n_layer: usize,
     rope_dim: usize,
     q_lora_rank: Option<usize>,
@@ -798,11 +786,7 @@ fn indexer_config(
         n_head,
         head_dim,
         top_k,
-        rope_style: if arch == "deepseek32" {
-            RopeStyle::Neox
-        } else {
-            RopeStyle::Interleaved
-        },
+        rope_style: arch.indexer_rope_style(),
         norm_eps: 1e-6,
         full,
     })
@@ -815,7 +799,7 @@ fn indexer_config(
 /// Errors: [`Error::TensorShape`] for a factor tensor of the wrong length, [`Error::Dequant`] for
 /// a non-finite or non-positive factor or undecodable bytes.
 fn rope_factors(file: &GgufFile, rope_dim: usize) -> Result<Option<Vec<f64>>> {
-    let name = "rope_factors_short.weight";
+    let name = &ModelTensor::RopeFactorsShort.name(0);
     let Some(t) = file.tensor(name) else {
         return Ok(None);
     };

@@ -6,8 +6,9 @@
 //! RAW quantized bytes, the way an engine with quantized weights shards them across TP ranks; a
 //! cut that does not fall on a quant block boundary is refused with [`SliceError::Misaligned`].
 //!
-//! Tensor names and layouts are llama.cpp's (`src/llama-arch.cpp`, `LLM_ARCH_DEEPSEEK2`). Every
-//! matrix here is in PyTorch `[out, in]` layout (the GGUF `ne` reversed).
+//! Tensor names and layouts are llama.cpp's (`src/llama-arch.cpp`, `LLM_ARCH_DEEPSEEK2`), each
+//! taken from its row of [`crate::model::tensors`]. Every matrix here is in PyTorch `[out, in]`
+//! layout (the GGUF `ne` reversed).
 
 use ndarray::{Array1, Array2, Array3};
 use serde::Serialize;
@@ -15,6 +16,8 @@ use serde::Serialize;
 use crate::core::error::{Error, Result};
 use crate::model::config::{KvBLayout, MlaConfig};
 use crate::model::gguf::{GgmlType, GgufFile, TensorInfo, dequant};
+use crate::model::tensors::ModelTensor as T;
+pub use crate::model::tensors::tensor_name;
 
 /// The query projection of one layer.
 #[derive(Debug, Clone)]
@@ -128,29 +131,29 @@ impl MoeWeights {
             }
         };
         let (h, e, fe) = (cfg.hidden, moe.n_expert, moe.expert_ffn);
-        let name = |s: &str| tensor_name(layer, s);
+        let name = |t: T| t.name(layer);
         let mut types = Vec::new();
         let ty = &mut types;
-        let norm = load_1d(file, ty, &name("ffn_norm"), h, "H")?;
-        let router = load_2d(file, ty, &name("ffn_gate_inp"), [e, h], "E × H (expert_count × H)")?;
-        let bias_name = format!("blk.{layer}.exp_probs_b.bias");
+        let norm = load_1d(file, ty, &name(T::FfnNorm), h, "H")?;
+        let router = load_2d(file, ty, &name(T::FfnGateInp), [e, h], "E × H (expert_count × H)")?;
+        let bias_name = T::ExpProbsB.name(layer);
         let exp_probs_b = match file.tensor(&bias_name) {
             Some(_) => Some(load_1d(file, ty, &bias_name, e, "E (expert_count)")?),
             None => None,
         };
         for (t, shape, why) in [
             (
-                "ffn_gate_exps",
+                T::FfnGateExps,
                 [e, fe, h],
                 "E × F_e × H (expert_count × expert_feed_forward_length × H)",
             ),
             (
-                "ffn_up_exps",
+                T::FfnUpExps,
                 [e, fe, h],
                 "E × F_e × H (expert_count × expert_feed_forward_length × H)",
             ),
             (
-                "ffn_down_exps",
+                T::FfnDownExps,
                 [e, h, fe],
                 "E × H × F_e (expert_count × H × expert_feed_forward_length)",
             ),
@@ -165,12 +168,12 @@ impl MoeWeights {
             let fs = moe.n_expert_shared * fe;
             let why = "n_shared·F_e × H (expert_shared_count · expert_feed_forward_length × H)";
             Some(SwiGlu {
-                gate: load_2d(file, ty, &name("ffn_gate_shexp"), [fs, h], why)?,
-                up: load_2d(file, ty, &name("ffn_up_shexp"), [fs, h], why)?,
+                gate: load_2d(file, ty, &name(T::FfnGateShexp), [fs, h], why)?,
+                up: load_2d(file, ty, &name(T::FfnUpShexp), [fs, h], why)?,
                 down: load_2d(
                     file,
                     ty,
-                    &name("ffn_down_shexp"),
+                    &name(T::FfnDownShexp),
                     [h, fs],
                     "H × n_shared·F_e (H × expert_shared_count · expert_feed_forward_length)",
                 )?,
@@ -207,11 +210,11 @@ impl MoeWeights {
             )));
         }
         let (fe, h) = (self.expert_ffn, self.hidden);
-        let name = |s: &str| tensor_name(self.layer, s);
+        let name = |t: T| t.name(self.layer);
         Ok(SwiGlu {
-            gate: dequant_rows(file, &name("ffn_gate_exps"), expert * fe..(expert + 1) * fe)?,
-            up: dequant_rows(file, &name("ffn_up_exps"), expert * fe..(expert + 1) * fe)?,
-            down: dequant_rows(file, &name("ffn_down_exps"), expert * h..(expert + 1) * h)?,
+            gate: dequant_rows(file, &name(T::FfnGateExps), expert * fe..(expert + 1) * fe)?,
+            up: dequant_rows(file, &name(T::FfnUpExps), expert * fe..(expert + 1) * fe)?,
+            down: dequant_rows(file, &name(T::FfnDownExps), expert * h..(expert + 1) * h)?,
         })
     }
 
@@ -219,28 +222,33 @@ impl MoeWeights {
     /// [`LayerWeights::nonfinite`] reports them. Routed experts are checked as they are
     /// dequantized ([`SwiGlu::nonfinite`]).
     pub fn nonfinite(&self) -> Vec<NonFiniteTensor> {
-        let n = |s: &str| tensor_name(self.layer, s);
+        let n = |t: T| t.name(self.layer);
         let mut out = Vec::new();
-        scan_nonfinite(n("ffn_norm"), &self.norm, &mut out);
-        scan_nonfinite(n("ffn_gate_inp"), &self.router, &mut out);
+        scan_nonfinite(n(T::FfnNorm), &self.norm, &mut out);
+        scan_nonfinite(n(T::FfnGateInp), &self.router, &mut out);
         if let Some(b) = &self.exp_probs_b {
-            scan_nonfinite(format!("blk.{}.exp_probs_b.bias", self.layer), b, &mut out);
+            scan_nonfinite(n(T::ExpProbsB), b, &mut out);
         }
         if let Some(sh) = &self.shared {
-            out.extend(sh.nonfinite(self.layer, "shexp", None));
+            out.extend(sh.nonfinite(self.layer, SwiGlu::SHARED, None));
         }
         out
     }
 }
 
 impl SwiGlu {
-    /// Non-finite values of the three matrices, named `blk.{layer}.ffn_{gate,up,down}_{suffix}`
-    /// (with ` (expert e)` for a routed expert).
-    pub fn nonfinite(&self, layer: usize, suffix: &str, expert: Option<usize>) -> Vec<NonFiniteTensor> {
+    /// The tensors of the shared experts: `ffn_{gate,up,down}_shexp`.
+    pub const SHARED: [T; 3] = [T::FfnGateShexp, T::FfnUpShexp, T::FfnDownShexp];
+    /// The tensors of the routed experts: `ffn_{gate,up,down}_exps`.
+    pub const ROUTED: [T; 3] = [T::FfnGateExps, T::FfnUpExps, T::FfnDownExps];
+
+    /// Non-finite values of the three matrices, named after `tensors` (gate, up, down; [`SwiGlu::SHARED`] or
+    /// [`SwiGlu::ROUTED`]) in layer `layer`, with ` (expert e)` appended for a routed expert.
+    pub fn nonfinite(&self, layer: usize, tensors: [T; 3], expert: Option<usize>) -> Vec<NonFiniteTensor> {
         let mut out = Vec::new();
         let tag = expert.map_or(String::new(), |e| format!(" (expert {e})"));
-        for (w, m) in [("gate", &self.gate), ("up", &self.up), ("down", &self.down)] {
-            scan_nonfinite(format!("blk.{layer}.ffn_{w}_{suffix}.weight{tag}"), m, &mut out);
+        for (t, m) in tensors.into_iter().zip([&self.gate, &self.up, &self.down]) {
+            scan_nonfinite(format!("{}{tag}", t.name(layer)), m, &mut out);
         }
         out
     }
@@ -366,11 +374,6 @@ pub enum SliceError {
     Other(Error),
 }
 
-/// `blk.{layer}.{name}.weight`.
-pub fn tensor_name(layer: usize, name: &str) -> String {
-    format!("blk.{layer}.{name}.weight")
-}
-
 /// Looks up a tensor and checks its PyTorch-order shape.
 fn checked<'f>(file: &'f GgufFile, name: &str, expected: &[usize], why: &str) -> Result<&'f TensorInfo> {
     let t = file.require_tensor(name)?;
@@ -459,64 +462,63 @@ impl LayerWeights {
         }
         let [n, l, p, r, v] = cfg.dims().nlprv();
         let h = cfg.dims().hidden;
-        let name = |s: &str| tensor_name(layer, s);
+        let name = |t: T| t.name(layer);
         let mut types = Vec::new();
         let ty = &mut types;
-        let attn_norm = load_1d(file, ty, &name("attn_norm"), h, "H")?;
+        let attn_norm = load_1d(file, ty, &name(T::AttnNorm), h, "H")?;
         let q = match cfg.q_lora_rank {
             Some(lq) => QWeights::Lora {
-                q_a: load_2d(file, ty, &name("attn_q_a"), [lq, h], "Lq × H")?,
-                q_a_norm: load_1d(file, ty, &name("attn_q_a_norm"), lq, "Lq")?,
-                q_b: load_2d(file, ty, &name("attn_q_b"), [n * (p + r), lq], "N·(P+R) × Lq")?,
+                q_a: load_2d(file, ty, &name(T::AttnQA), [lq, h], "Lq × H")?,
+                q_a_norm: load_1d(file, ty, &name(T::AttnQANorm), lq, "Lq")?,
+                q_b: load_2d(file, ty, &name(T::AttnQB), [n * (p + r), lq], "N·(P+R) × Lq")?,
             },
             None => QWeights::Direct {
-                q: load_2d(file, ty, &name("attn_q"), [n * (p + r), h], "N·(P+R) × H")?,
+                q: load_2d(file, ty, &name(T::AttnQ), [n * (p + r), h], "N·(P+R) × H")?,
             },
         };
-        let kv_a_mqa = load_2d(file, ty, &name("attn_kv_a_mqa"), [l + r, h], "(L+R) × H")?;
-        let kv_a_norm = load_1d(file, ty, &name("attn_kv_a_norm"), l, "L")?;
+        let kv_a_mqa = load_2d(file, ty, &name(T::AttnKvAMqa), [l + r, h], "(L+R) × H")?;
+        let kv_a_norm = load_1d(file, ty, &name(T::AttnKvANorm), l, "L")?;
         let kv_b = match cfg.kv_b_layout {
             KvBLayout::Split => KvBWeights::Split {
                 k_b: load_3d(
                     file,
                     ty,
-                    &name("attn_k_b"),
+                    &name(T::AttnKB),
                     [n, l, p],
                     "N × L × P (k_b is stored transposed)",
                 )?,
-                v_b: load_3d(file, ty, &name("attn_v_b"), [n, v, l], "N × V × L")?,
+                v_b: load_3d(file, ty, &name(T::AttnVB), [n, v, l], "N × V × L")?,
             },
             KvBLayout::Fused => KvBWeights::Fused {
-                kv_b: load_2d(file, ty, &name("attn_kv_b"), [n * (p + v), l], "N·(P+V) × L")?,
+                kv_b: load_2d(file, ty, &name(T::AttnKvB), [n * (p + v), l], "N·(P+V) × L")?,
             },
         };
-        let o_proj = load_2d(file, ty, &name("attn_output"), [h, n * v], "H × N·V")?;
-        let ffn = if cfg.is_moe_layer(layer) || file.tensor(&name("ffn_gate_inp")).is_some() {
+        let o_proj = load_2d(file, ty, &name(T::AttnOutput), [h, n * v], "H × N·V")?;
+        let ffn = if cfg.is_moe_layer(layer) || file.tensor(&name(T::FfnGateInp)).is_some() {
             None
         } else {
-            let gate_t = file.require_tensor(&name("ffn_gate"))?;
+            let gate_t = file.require_tensor(&name(T::FfnGate))?;
             let f = gate_t.shape()[0] as usize;
             Some(DenseFfn {
-                norm: load_1d(file, ty, &name("ffn_norm"), h, "H")?,
-                gate: load_2d(file, ty, &name("ffn_gate"), [f, h], "F × H")?,
-                up: load_2d(file, ty, &name("ffn_up"), [f, h], "F × H")?,
-                down: load_2d(file, ty, &name("ffn_down"), [h, f], "H × F")?,
+                norm: load_1d(file, ty, &name(T::FfnNorm), h, "H")?,
+                gate: load_2d(file, ty, &name(T::FfnGate), [f, h], "F × H")?,
+                up: load_2d(file, ty, &name(T::FfnUp), [f, h], "F × H")?,
+                down: load_2d(file, ty, &name(T::FfnDown), [h, f], "H × F")?,
             })
         };
         let indexer = match (&cfg.indexer, cfg.q_lora_rank) {
             // MTP blocks run without the indexer (llama.cpp `graph_mtp`).
             (Some(ix), Some(lq)) if layer < ix.full.len() => {
                 let src = ix.source_layer(layer).unwrap_or(layer);
-                let nm = |s: &str| tensor_name(src, s);
+                let nm = |t: T| t.name(src);
                 let (ni, di) = (ix.n_head, ix.head_dim);
-                let bias = format!("blk.{src}.indexer.k_norm.bias");
                 Some(IndexerWeights {
                     source_layer: src,
-                    q_b: load_2d(file, ty, &nm("indexer.attn_q_b"), [ni * di, lq], "N_idx·D_idx × Lq")?,
-                    k: load_2d(file, ty, &nm("indexer.attn_k"), [di, h], "D_idx × H")?,
-                    k_norm: load_1d(file, ty, &nm("indexer.k_norm"), di, "D_idx")?,
-                    k_norm_b: load_1d(file, ty, &bias, di, "D_idx")?,
-                    proj: load_2d(file, ty, &nm("indexer.proj"), [ni, h], "N_idx × H")?,
+                    q_b: load_2d(file, ty, &nm(T::IndexerAttnQB), [ni * di, lq], "N_idx·D_idx × Lq")?,
+                    k: load_2d(file, ty, &nm(T::IndexerAttnK), [di, h], "D_idx × H")?,
+                    k_norm: load_1d(file, ty, &nm(T::IndexerKNorm), di, "D_idx")?,
+                    k_norm_b: load_1d(file, ty, &nm(T::IndexerKNormBias), di, "D_idx")?,
+                    proj: load_2d(file, ty, &nm(T::IndexerProj), [ni, h], "N_idx × H")?,
                 })
             }
             _ => None,
@@ -539,44 +541,40 @@ impl LayerWeights {
 impl LayerWeights {
     /// Tensors of this layer holding NaN or ±Inf after dequantization, in load order.
     pub fn nonfinite(&self) -> Vec<NonFiniteTensor> {
-        let n = |s: &str| tensor_name(self.layer, s);
+        let n = |t: T| t.name(self.layer);
         let mut out = Vec::new();
-        scan_nonfinite(n("attn_norm"), &self.attn_norm, &mut out);
+        scan_nonfinite(n(T::AttnNorm), &self.attn_norm, &mut out);
         match &self.q {
             QWeights::Lora { q_a, q_a_norm, q_b } => {
-                scan_nonfinite(n("attn_q_a"), q_a, &mut out);
-                scan_nonfinite(n("attn_q_a_norm"), q_a_norm, &mut out);
-                scan_nonfinite(n("attn_q_b"), q_b, &mut out);
+                scan_nonfinite(n(T::AttnQA), q_a, &mut out);
+                scan_nonfinite(n(T::AttnQANorm), q_a_norm, &mut out);
+                scan_nonfinite(n(T::AttnQB), q_b, &mut out);
             }
-            QWeights::Direct { q } => scan_nonfinite(n("attn_q"), q, &mut out),
+            QWeights::Direct { q } => scan_nonfinite(n(T::AttnQ), q, &mut out),
         }
-        scan_nonfinite(n("attn_kv_a_mqa"), &self.kv_a_mqa, &mut out);
-        scan_nonfinite(n("attn_kv_a_norm"), &self.kv_a_norm, &mut out);
+        scan_nonfinite(n(T::AttnKvAMqa), &self.kv_a_mqa, &mut out);
+        scan_nonfinite(n(T::AttnKvANorm), &self.kv_a_norm, &mut out);
         match &self.kv_b {
             KvBWeights::Split { k_b, v_b } => {
-                scan_nonfinite(n("attn_k_b"), k_b, &mut out);
-                scan_nonfinite(n("attn_v_b"), v_b, &mut out);
+                scan_nonfinite(n(T::AttnKB), k_b, &mut out);
+                scan_nonfinite(n(T::AttnVB), v_b, &mut out);
             }
-            KvBWeights::Fused { kv_b } => scan_nonfinite(n("attn_kv_b"), kv_b, &mut out),
+            KvBWeights::Fused { kv_b } => scan_nonfinite(n(T::AttnKvB), kv_b, &mut out),
         }
-        scan_nonfinite(n("attn_output"), &self.o_proj, &mut out);
+        scan_nonfinite(n(T::AttnOutput), &self.o_proj, &mut out);
         if let Some(f) = &self.ffn {
-            scan_nonfinite(n("ffn_norm"), &f.norm, &mut out);
-            scan_nonfinite(n("ffn_gate"), &f.gate, &mut out);
-            scan_nonfinite(n("ffn_up"), &f.up, &mut out);
-            scan_nonfinite(n("ffn_down"), &f.down, &mut out);
+            scan_nonfinite(n(T::FfnNorm), &f.norm, &mut out);
+            scan_nonfinite(n(T::FfnGate), &f.gate, &mut out);
+            scan_nonfinite(n(T::FfnUp), &f.up, &mut out);
+            scan_nonfinite(n(T::FfnDown), &f.down, &mut out);
         }
         if let Some(ix) = &self.indexer {
-            let n = |s: &str| tensor_name(ix.source_layer, s);
-            scan_nonfinite(n("indexer.attn_q_b"), &ix.q_b, &mut out);
-            scan_nonfinite(n("indexer.attn_k"), &ix.k, &mut out);
-            scan_nonfinite(n("indexer.k_norm"), &ix.k_norm, &mut out);
-            scan_nonfinite(
-                format!("blk.{}.indexer.k_norm.bias", ix.source_layer),
-                &ix.k_norm_b,
-                &mut out,
-            );
-            scan_nonfinite(n("indexer.proj"), &ix.proj, &mut out);
+            let n = |t: T| t.name(ix.source_layer);
+            scan_nonfinite(n(T::IndexerAttnQB), &ix.q_b, &mut out);
+            scan_nonfinite(n(T::IndexerAttnK), &ix.k, &mut out);
+            scan_nonfinite(n(T::IndexerKNorm), &ix.k_norm, &mut out);
+            scan_nonfinite(n(T::IndexerKNormBias), &ix.k_norm_b, &mut out);
+            scan_nonfinite(n(T::IndexerProj), &ix.proj, &mut out);
         }
         out
     }
@@ -636,34 +634,34 @@ impl LayerWeights {
     /// arrays in their place: call it only once nothing reads them here (after the reference).
     /// The FFN, the indexer and `types` stay.
     pub fn hand_over(&mut self) -> Dequantized {
-        let n = |s: &str| tensor_name(self.layer, s);
+        let n = |t: T| t.name(self.layer);
         let mut m = std::collections::HashMap::new();
         let take2 = |a: &mut Array2<f32>| into_row_major(std::mem::replace(a, Array2::zeros((0, 0))));
         let take1 = |a: &mut Array1<f32>| into_row_major(std::mem::replace(a, Array1::zeros(0)));
         let take3 = |a: &mut Array3<f32>| into_row_major(std::mem::replace(a, Array3::zeros((0, 0, 0))));
-        m.insert(n("attn_norm"), take1(&mut self.attn_norm));
+        m.insert(n(T::AttnNorm), take1(&mut self.attn_norm));
         match &mut self.q {
             QWeights::Lora { q_a, q_a_norm, q_b } => {
-                m.insert(n("attn_q_a"), take2(q_a));
-                m.insert(n("attn_q_a_norm"), take1(q_a_norm));
-                m.insert(n("attn_q_b"), take2(q_b));
+                m.insert(n(T::AttnQA), take2(q_a));
+                m.insert(n(T::AttnQANorm), take1(q_a_norm));
+                m.insert(n(T::AttnQB), take2(q_b));
             }
             QWeights::Direct { q } => {
-                m.insert(n("attn_q"), take2(q));
+                m.insert(n(T::AttnQ), take2(q));
             }
         }
-        m.insert(n("attn_kv_a_mqa"), take2(&mut self.kv_a_mqa));
-        m.insert(n("attn_kv_a_norm"), take1(&mut self.kv_a_norm));
+        m.insert(n(T::AttnKvAMqa), take2(&mut self.kv_a_mqa));
+        m.insert(n(T::AttnKvANorm), take1(&mut self.kv_a_norm));
         match &mut self.kv_b {
             KvBWeights::Split { k_b, v_b } => {
-                m.insert(n("attn_k_b"), take3(k_b));
-                m.insert(n("attn_v_b"), take3(v_b));
+                m.insert(n(T::AttnKB), take3(k_b));
+                m.insert(n(T::AttnVB), take3(v_b));
             }
             KvBWeights::Fused { kv_b } => {
-                m.insert(n("attn_kv_b"), take2(kv_b));
+                m.insert(n(T::AttnKvB), take2(kv_b));
             }
         }
-        m.insert(n("attn_output"), take2(&mut self.o_proj));
+        m.insert(n(T::AttnOutput), take2(&mut self.o_proj));
         Dequantized(std::sync::Mutex::new(m))
     }
 }
@@ -797,7 +795,7 @@ pub fn embed_hidden(file: &GgufFile, cfg: &MlaConfig, tokens: &[u32]) -> Result<
 ///
 /// Errors: missing embedding, a token id ≥ vocab (naming the id and position), dequantization.
 pub fn embed_tokens(file: &GgufFile, cfg: &MlaConfig, tokens: &[u32]) -> Result<Array2<f32>> {
-    let name = "token_embd.weight";
+    let name = &T::TokenEmbd.name(0);
     let t = checked(file, name, &[cfg.vocab, cfg.hidden], "vocab × H")?;
     let mut out = Array2::zeros((tokens.len(), cfg.hidden));
     for (i, &tok) in tokens.iter().enumerate() {

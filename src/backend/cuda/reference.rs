@@ -26,7 +26,8 @@ use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::device::Module;
 use crate::device::context::{Device, grid1};
 use crate::model::config::{MlaConfig, RopeStyle};
-use crate::model::weights::{LayerWeights, QWeights, tensor_name};
+use crate::model::tensors::ModelTensor;
+use crate::model::weights::{LayerWeights, QWeights};
 
 /// Threads of the one-block-per-row kernels (`REF_THREADS` in reference.cu).
 const ROW_THREADS: u32 = 256;
@@ -422,7 +423,7 @@ fn reference_inner(
     }
     let g = Gpu { dev };
     let layer = w.layer;
-    let name = |s: &str| tensor_name(layer, s);
+    let name = |t: ModelTensor| t.name(layer);
     let eps = cfg.rms_eps;
     let mut tr = Trace::new();
     let kept = std::cell::RefCell::new(Vec::new());
@@ -477,18 +478,18 @@ fn reference_inner(
                 vec![fused.nrows(), hd],
                 fused.iter().map(|&x| f64::from(x)).collect(),
             )?;
-            let q_c = g.linear_w(&x, t, &name("attn_q_a"), q_a)?;
+            let q_c = g.linear_w(&x, t, &name(ModelTensor::AttnQA), q_a)?;
             record(&mut tr, Stage::QC, vec![t, lq], &q_c)?;
             let q_c_normed = g.rms_norm(Mat::new(&q_c, 0, lq), t, lq, q_a_norm.as_slice().unwrap_or(&[]), eps)?;
             record(&mut tr, Stage::QCNormed, vec![t, lq], &q_c_normed)?;
-            g.linear_w(&q_c_normed, t, &name("attn_q_b"), q_b)?
+            g.linear_w(&q_c_normed, t, &name(ModelTensor::AttnQB), q_b)?
         }
-        QWeights::Direct { q } => g.linear_w(&x, t, &name("attn_q"), q)?,
+        QWeights::Direct { q } => g.linear_w(&x, t, &name(ModelTensor::AttnQ), q)?,
     };
     record(&mut tr, Stage::Q, vec![t, n, p + r], &q)?;
 
     // Step 3: kv path; kv_c is a view of kv_a, the norm applies to kv_c only.
-    let kv_a = g.linear_w(&x, t, &name("attn_kv_a_mqa"), &w.kv_a_mqa)?;
+    let kv_a = g.linear_w(&x, t, &name(ModelTensor::AttnKvAMqa), &w.kv_a_mqa)?;
     record(&mut tr, Stage::KvA, vec![t, l + r], &kv_a)?;
     let kv_c_normed = g.rms_norm(
         Mat::new(&kv_a, 0, l + r),
@@ -622,7 +623,7 @@ fn reference_inner(
         Trace::new()
     };
     // Step 8: o_proj over the head-major [T, N·V] input.
-    let o = g.linear_w(&attn_out, t, &name("attn_output"), &w.o_proj)?;
+    let o = g.linear_w(&attn_out, t, &name(ModelTensor::AttnOutput), &w.o_proj)?;
     record(&mut tr, Stage::OProj, vec![t, hd], &o)?;
 
     // Residual and dense SwiGLU FFN (each branch times the residual scale: MiniCPM3).
@@ -632,10 +633,10 @@ fn reference_inner(
             let h1 = g.elementwise("ref_add_scaled", &x_in, &o, Some(rs), t * hd)?;
             let xn = g.rms_norm(Mat::new(&h1, 0, hd), t, hd, ffn.norm.as_slice().unwrap_or(&[]), eps)?;
             let f = ffn.gate.nrows();
-            let gate = g.linear_w(&xn, t, &name("ffn_gate"), &ffn.gate)?;
-            let up = g.linear_w(&xn, t, &name("ffn_up"), &ffn.up)?;
+            let gate = g.linear_w(&xn, t, &name(ModelTensor::FfnGate), &ffn.gate)?;
+            let up = g.linear_w(&xn, t, &name(ModelTensor::FfnUp), &ffn.up)?;
             let act = g.elementwise("ref_swiglu", &gate, &up, None, t * f)?;
-            let down = g.linear_w(&act, t, &name("ffn_down"), &ffn.down)?;
+            let down = g.linear_w(&act, t, &name(ModelTensor::FfnDown), &ffn.down)?;
             let out = g.elementwise("ref_add_scaled", &h1, &down, Some(rs), t * hd)?;
             record(&mut tr, Stage::HiddenOut, vec![t, hd], &out)?;
             let v = g.download(&out, t * hd)?;

@@ -33,7 +33,8 @@ use crate::core::batch::{Batch, SplitMix64};
 use crate::core::error::{Error, Result};
 use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
 use crate::model::config::{KvBLayout, MlaConfig};
-use crate::model::weights::{RawSlice, SliceError, col_slice, row_slice, tensor_name};
+use crate::model::tensors::ModelTensor;
+use crate::model::weights::{RawSlice, SliceError, col_slice, row_slice};
 
 use attn::*;
 use chunked::*;

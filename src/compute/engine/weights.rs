@@ -120,9 +120,9 @@ impl<B> EngineWeights<B> {
         notes: &mut Vec<String>,
     ) -> Result<Self, LoadError> {
         let cfg = input.cfg;
-        let name = |s: &str| tensor_name(input.weights.layer, s);
-        let attn_norm = whole(ops, input, &name("attn_norm"))?;
-        let kv_a_norm = whole(ops, input, &name("attn_kv_a_norm"))?;
+        let name = |t: ModelTensor| t.name(input.weights.layer);
+        let attn_norm = whole(ops, input, &name(ModelTensor::AttnNorm))?;
+        let kv_a_norm = whole(ops, input, &name(ModelTensor::AttnKvANorm))?;
         let (fused_qkv_a, q_a_norm, kv_a) = load_qkv_a(ops, input, opts)?;
         if opts.tp > 1 && opts.faults.has(Fault::QuantSliceMisaligned) {
             check_kv_b_latent_cut(input, opts.tp)?;
@@ -132,9 +132,9 @@ impl<B> EngineWeights<B> {
             );
         }
         let q_tensor = if cfg.q_lora_rank.is_some() {
-            name("attn_q_b")
+            name(ModelTensor::AttnQB)
         } else {
-            name("attn_q")
+            name(ModelTensor::AttnQ)
         };
         let ranks = (0..opts.tp)
             .map(|rank| load_rank(ops, input, opts, rank, &q_tensor))
@@ -161,12 +161,12 @@ type QkvA<B> = (Option<B>, Option<B>, Option<B>);
 fn load_qkv_a<O: Ops>(ops: &O, input: &LayerInput<'_>, opts: &PathOptions) -> Result<QkvA<O::Buf>> {
     let [_, l, _, r, _] = input.cfg.dims().nlprv();
     let h = input.cfg.dims().hidden;
-    let name = |s: &str| tensor_name(input.weights.layer, s);
-    let kv_a_w = whole(ops, input, &name("attn_kv_a_mqa"))?;
+    let name = |t: ModelTensor| t.name(input.weights.layer);
+    let kv_a_w = whole(ops, input, &name(ModelTensor::AttnKvAMqa))?;
     let Some(lq) = input.cfg.q_lora_rank else {
         return Ok((None, None, Some(kv_a_w)));
     };
-    let q_a = whole(ops, input, &name("attn_q_a"))?;
+    let q_a = whole(ops, input, &name(ModelTensor::AttnQA))?;
     let mut fused = ops.canary((lq + l + r) * h)?;
     let (first, first_rows, second, second_rows) = if opts.faults.has(Fault::FusedShardSwap) {
         (&kv_a_w, l + r, &q_a, lq)
@@ -179,7 +179,11 @@ fn load_qkv_a<O: Ops>(ops: &O, input: &LayerInput<'_>, opts: &PathOptions) -> Re
         &mut fused,
         copy_rows(second_rows, h).src(0, h).dst(first_rows * h, h),
     )?;
-    Ok((Some(fused), Some(whole(ops, input, &name("attn_q_a_norm"))?), None))
+    Ok((
+        Some(fused),
+        Some(whole(ops, input, &name(ModelTensor::AttnQANorm))?),
+        None,
+    ))
 }
 
 /// The quant-slice-misaligned fault's cut: the broken loader shards `kv_b_proj` along its input
@@ -188,10 +192,7 @@ fn load_qkv_a<O: Ops>(ops: &O, input: &LayerInput<'_>, opts: &PathOptions) -> Re
 fn check_kv_b_latent_cut(input: &LayerInput<'_>, tp: usize) -> Result<(), LoadError> {
     let l = input.cfg.kv_lora_rank;
     let layer = input.weights.layer;
-    let t = match input.cfg.kv_b_layout {
-        KvBLayout::Split => tensor_name(layer, "attn_v_b"),
-        KvBLayout::Fused => tensor_name(layer, "attn_kv_b"),
-    };
+    let t = ModelTensor::kv_b_latent_input(input.cfg.kv_b_layout).name(layer);
     for rank in 0..tp {
         let cols = rank * l / tp..(rank + 1) * l / tp;
         if let Err(e) = col_slice(input.file, &t, cols) {
@@ -243,7 +244,7 @@ fn load_rank<O: Ops>(
     let kv_b = load_kv_b(ops, input, opts, kh.clone())?;
     let (w_uk_t, w_uv) = absorbed_weights(ops, input, opts, &kv_b, kh.len())?;
     let oh = rank_heads(n, tp, shard_source(opts, rank, RankedWeight::OProj));
-    let o_raw = col_slice(file, &tensor_name(layer, "attn_output"), oh.start * v..oh.end * v).map_err(|e| {
+    let o_raw = col_slice(file, &ModelTensor::AttnOutput.name(layer), oh.start * v..oh.end * v).map_err(|e| {
         slice_to_load(
             Site::new(layer, Stage::WRank(RankedWeight::OProj, rank as u32)),
             "o_proj is row-parallel: its input dim N·V is cut by heads",
@@ -270,7 +271,7 @@ fn load_kv_b<O: Ops>(ops: &O, input: &LayerInput<'_>, opts: &PathOptions, kh: Ra
     if input.cfg.kv_b_layout == KvBLayout::Fused {
         let rows = row_slice(
             file,
-            &tensor_name(layer, "attn_kv_b"),
+            &ModelTensor::AttnKvB.name(layer),
             kh.start * (p + v)..kh.end * (p + v),
         )?;
         return dequantize_slice(ops, input, &rows);
@@ -279,12 +280,12 @@ fn load_kv_b<O: Ops>(ops: &O, input: &LayerInput<'_>, opts: &PathOptions, kh: Ra
     let k_b = dequantize_slice(
         ops,
         input,
-        &row_slice(file, &tensor_name(layer, "attn_k_b"), kh.start * l..kh.end * l)?,
+        &row_slice(file, &ModelTensor::AttnKB.name(layer), kh.start * l..kh.end * l)?,
     )?;
     let v_b = dequantize_slice(
         ops,
         input,
-        &row_slice(file, &tensor_name(layer, "attn_v_b"), kh.start * v..kh.end * v)?,
+        &row_slice(file, &ModelTensor::AttnVB.name(layer), kh.start * v..kh.end * v)?,
     )?;
     // The k rows of kv_b are k_b transposed per head; the bug reads the same bytes as [P, L].
     let k_rows = if opts.faults.has(Fault::KBUntransposed) {
@@ -349,12 +350,12 @@ fn load_ffn<O: Ops>(ops: &O, input: &LayerInput<'_>) -> Result<Option<Ffn<O::Buf
     let Some(fw) = &input.weights.ffn else {
         return Ok(None);
     };
-    let name = |s: &str| tensor_name(input.weights.layer, s);
+    let name = |t: ModelTensor| t.name(input.weights.layer);
     Ok(Some(Ffn {
-        norm: whole(ops, input, &name("ffn_norm"))?,
-        gate: whole(ops, input, &name("ffn_gate"))?,
-        up: whole(ops, input, &name("ffn_up"))?,
-        down: whole(ops, input, &name("ffn_down"))?,
+        norm: whole(ops, input, &name(ModelTensor::FfnNorm))?,
+        gate: whole(ops, input, &name(ModelTensor::FfnGate))?,
+        up: whole(ops, input, &name(ModelTensor::FfnUp))?,
+        down: whole(ops, input, &name(ModelTensor::FfnDown))?,
         f: fw.gate.nrows(),
     }))
 }

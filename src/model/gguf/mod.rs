@@ -375,7 +375,7 @@ impl GgufFile {
     /// Reads only that layer's tensor data.
     pub fn layer_sha256_hex(&self, layer: usize) -> String {
         use sha2::Digest;
-        let prefix = format!("blk.{layer}.");
+        let prefix = crate::model::tensors::block_prefix(layer);
         let mut h = sha2::Sha256::new();
         for t in self.tensors().iter().filter(|t| t.name.starts_with(&prefix)) {
             h.update(self.tensor_bytes(t));

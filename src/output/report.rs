@@ -6,7 +6,7 @@
 //! formatted with fixed rules (`{:.3e}` in tables; shortest round-trip in JSON), so two runs on
 //! the same inputs print the same bytes.
 
-use comfy_table::{Cell, ColumnConstraint, ContentArrangement};
+use comfy_table::{Cell, ContentArrangement};
 use serde::Serialize;
 use serde_json::{Value, json};
 
@@ -129,12 +129,7 @@ pub fn site_table_fit(diffs: &[SiteDiff], width: Option<usize>) -> (String, Vec<
             t.add_row(keep.iter().map(|&i| Cell::new(&r[i])).collect::<Vec<_>>());
         }
         if let Some(w) = fit {
-            // Other cells wrap; site names stay whole.
-            t.set_content_arrangement(ContentArrangement::Dynamic)
-                .set_width(u16::try_from(w).unwrap_or(u16::MAX));
-            if let Some(c) = t.column_mut(0) {
-                c.set_constraint(ColumnConstraint::ContentWidth);
-            }
+            crate::output::table::fit(&mut t, w);
         }
         t.to_string()
     };

@@ -175,7 +175,7 @@ fn verdict(expected: &Option<(Class, Vec<Stage>)>, found: Option<&Finding>, laye
         (Some((class, stages)), Some(f)) => {
             if f.class != *class {
                 "wrong class".into()
-            } else if f.site.layer != layer || !stages.contains(&f.site.stage) {
+            } else if f.site().is_none_or(|s| s.layer != layer || !stages.contains(&s.stage)) {
                 "wrong site".into()
             } else {
                 "ok".into()
@@ -394,7 +394,7 @@ impl PageRun<'_> {
             let expected = natural_misalignment(self.file, self.cfg, layer, tp)
                 .map(|s| (Class::QuantBlockMisaligned, vec![s.stage]));
             for &path in PathKind::ALL {
-                let found = findings.iter().find(|f| f.path == Some(path.into()));
+                let found = findings.iter().find(|f| f.path() == Some(path.into()));
                 cases.push(CaseResult {
                     fixture: self.fixture.to_string(),
                     case: "clean".into(),
@@ -448,7 +448,7 @@ impl PageRun<'_> {
             for path in paths {
                 let stages = fault.expected_stages(path);
                 let expected = Some((fault.expected_class(), stages.clone()));
-                let found = findings.iter().find(|f| f.path == Some(path.into()));
+                let found = findings.iter().find(|f| f.path() == Some(path.into()));
                 cases.push(CaseResult {
                     fixture: self.fixture.to_string(),
                     case: fault.name().into(),
@@ -493,7 +493,7 @@ pub fn confusion_table(rep: &SelftestReport) -> String {
                     .map_or("no finding".into(), |(cl, st)| format!("{cl} at {}", st.join("|"))),
                 c.found.as_ref().map_or("nothing".into(), |f| format!(
                     "{} at {}: {}",
-                    f.class, f.site, f.evidence
+                    f.class, f.subject, f.evidence
                 )),
             ));
         }
@@ -557,7 +557,12 @@ fn fault_table(rep: &SelftestReport) -> Table {
                 }
             }
             let k = match &c.found {
-                Some(fi) => format!("{}: {} @ {}", c.path, fi.class, fi.site.stage.name()),
+                Some(fi) => format!(
+                    "{}: {} @ {}",
+                    c.path,
+                    fi.class,
+                    fi.site().map_or_else(|| "-".to_string(), |s| s.stage.name())
+                ),
                 None => format!("{}: nothing", c.path),
             };
             let order = PathKind::ALL.iter().position(|&p| p == c.path).unwrap_or(0);
@@ -625,7 +630,7 @@ fn clean_table(rep: &SelftestReport) -> Table {
 /// summary text and whether every case agreed.
 pub fn cross_check(a: &SelftestReport, b: &SelftestReport, against: &str) -> (String, bool) {
     let key = |c: &CaseResult| (c.fixture.clone(), c.case.clone(), c.path, c.tp, c.page);
-    let found = |c: &CaseResult| c.found.as_ref().map(|f| (f.class, f.site));
+    let found = |c: &CaseResult| c.found.as_ref().map(|f| (f.class, f.subject.clone()));
     let mut differ = Vec::new();
     let mut same = 0;
     for ca in &a.cases {

@@ -3,7 +3,8 @@
 //! [`metrics`] compares a candidate trace with the reference site by site ([`device`] where both
 //! stay on the GPU); [`tolerance`] is the
 //! one table of limits with the provenance of each number; [`diagnose`] names the bug class of
-//! each path's first divergence; [`report`] holds the result types that jobs fill and outputs
+//! each path's first divergence and of each failing tensor of an engine's loaded weights;
+//! [`report`] holds the result types that jobs fill and outputs
 //! render.
 
 pub mod device;

@@ -396,9 +396,9 @@ pub fn finding_lines(report: &RunReport) -> Vec<String> {
         .map(|f| {
             format!(
                 "finding [{}] {} at {}: {}\n  hint: {}",
-                f.path.map_or("file".to_string(), |p| p.to_string()),
+                f.path().map_or("file".to_string(), |p| p.to_string()),
                 f.class,
-                f.site,
+                f.subject,
                 f.evidence,
                 f.hint
             )
@@ -421,7 +421,7 @@ pub fn path_status(report: &RunReport) -> serde_json::Map<String, Value> {
                 .sum();
             let st = match d {
                 _ if n_sites == 0 => "not-run",
-                None if report.findings.iter().any(|f| f.path == Some(p)) => "divergence",
+                None if report.findings.iter().any(|f| f.path() == Some(p)) => "divergence",
                 None => "pass",
                 Some(_) => "divergence",
             };

@@ -7,7 +7,7 @@
 //! GGUF. This job reads the file, rebuilds each param and judges each tensor; a tensor that
 //! differs is explained by the detectors of [`crate::judge::diagnose::loaded`] (fused shards in
 //! the wrong order, a rank holding another rank's slice, a missing shard, a transposed matrix, a
-//! shard cut inside a quant block).
+//! shard cut inside a quant block), and [`crate::output::weights_check`] renders the report.
 //!
 //! File format: safetensors, tensors `L{n}.{param}` (whole) or `L{n}.{param}.rank{r}` (one TP
 //! rank's shard), PyTorch `[out, in]` layout, any float dtype; params are vLLM's names
@@ -21,19 +21,19 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use safetensors::SafeTensors;
-use serde::Serialize;
 
 use crate::compute::reference::{assemble_kv_b, widen_to_f64};
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
 use crate::core::st::header_error;
 use crate::core::trace::{Stage, TraceTensor};
+use crate::judge::diagnose::Finding;
 use crate::judge::diagnose::blocks::rel_l2 as rel;
 use crate::judge::diagnose::explain_loaded;
 use crate::judge::diagnose::loaded::{self, Failing, Holds, Param, Source, Split, match_threshold};
-use crate::judge::diagnose::{Finding, Subject};
-use crate::judge::metrics::{self, Metrics};
+use crate::judge::metrics;
 use crate::judge::tolerance::tolerance;
+use crate::judge::weights_check::{TensorCheck, WeightsReport};
 use crate::model::config::MlaConfig;
 use crate::model::dump::{FORMAT1, FORMAT2, Map};
 use crate::model::gguf::GgufFile;
@@ -484,137 +484,4 @@ fn check_entry(
         }));
     }
     Some(tc)
-}
-
-/// The check of one tensor of the weights file.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct TensorCheck {
-    /// Name in the weights file.
-    pub name: String,
-    /// Layer.
-    pub layer: usize,
-    /// vLLM parameter name.
-    pub param: String,
-    /// TP rank, for a shard.
-    pub rank: Option<usize>,
-    /// Shape in the file.
-    pub shape: Vec<usize>,
-    /// Shape expected from the GGUF.
-    pub expected_shape: Vec<usize>,
-    /// Pass / fail.
-    pub pass: bool,
-    /// Metrics against the expected tensor (absent when shapes differ).
-    pub metrics: Option<Metrics>,
-    /// Data type of the tensor in the weights file (safetensors dtype string, e.g. `BF16`).
-    pub file_dtype: String,
-    /// The GGUF tensors the expected values are rebuilt from, each with its ggml type name
-    /// (`blk.1.attn_k_b.weight (Q8_0)`); empty when the model has no such param.
-    pub source: Vec<String>,
-}
-
-/// Everything `weights --check` found.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct WeightsReport {
-    /// The GGUF.
-    pub model: String,
-    /// The weights file.
-    pub weights: String,
-    /// Its `engine` metadata.
-    pub engine: String,
-    /// TP size used to cut shards.
-    pub tp: usize,
-    /// The file's `dtype` metadata as written (`bf16`, `float16`, …), `None` when absent.
-    pub metadata_dtype: Option<String>,
-    /// Dtype whose weight tolerance applied (`bf16` also for f16 files).
-    pub dtype: Dtype,
-    /// One entry per tensor checked, by layer, param, rank.
-    pub tensors: Vec<TensorCheck>,
-    /// Findings, one per problem.
-    pub findings: Vec<Finding>,
-    /// File tensors that are not MLA params (ignored).
-    pub ignored: Vec<String>,
-}
-
-impl WeightsReport {
-    /// True when every tensor passed and nothing was found.
-    pub fn all_pass(&self) -> bool {
-        self.findings.is_empty() && self.tensors.iter().all(|t| t.pass)
-    }
-}
-
-/// The terminal table and findings of a weights check: a header (file, engine, TP size, the
-/// `dtype` metadata string as written and the weight row it selects), one row per tensor (its
-/// safetensors dtype, shape, expected shape, the GGUF tensors it is rebuilt from with their ggml
-/// type names, status, `rel_l2` and max |Δ|), then the findings, each with its GGUF source.
-pub fn terminal(rep: &WeightsReport) -> String {
-    terminal_fit(rep, None)
-}
-
-/// [`terminal`] with the table fitted to `width` terminal columns (cells wrap, tensor names
-/// stay whole); `None` leaves every cell on one line.
-pub fn terminal_fit(rep: &WeightsReport, width: Option<usize>) -> String {
-    let mut t = crate::output::table::bordered(&[
-        "tensor",
-        "dtype",
-        "shape",
-        "expected",
-        "GGUF source (ggml type)",
-        "status",
-        "rel_l2",
-        "max |Δ|",
-    ]);
-    for c in &rep.tensors {
-        let (rel, max) = c.metrics.as_ref().map_or((String::new(), String::new()), |m| {
-            (format!("{:.3e}", m.rel_l2), format!("{:.3e}", m.max_abs))
-        });
-        t.add_row(vec![
-            c.name.clone(),
-            c.file_dtype.clone(),
-            format!("{:?}", c.shape),
-            format!("{:?}", c.expected_shape),
-            c.source.join(" + "),
-            if c.pass { "pass".into() } else { "FAIL".into() },
-            rel,
-            max,
-        ]);
-    }
-    if let Some(w) = width {
-        crate::output::table::fit(&mut t, w);
-    }
-    let mut s = format!(
-        "weights {} (engine `{}`, tp {}, dtype metadata {}, judged by the {} weight row) against {}\n{t}\n",
-        rep.weights,
-        rep.engine,
-        rep.tp,
-        rep.metadata_dtype
-            .as_deref()
-            .map_or("absent (f32)".to_string(), |d| format!("`{d}`")),
-        rep.dtype,
-        rep.model
-    );
-    if !rep.ignored.is_empty() {
-        s.push_str(&format!("ignored (not MLA params): {}\n", rep.ignored.join(", ")));
-    }
-    if rep.findings.is_empty() {
-        s.push_str(&format!(
-            "{}\n",
-            if rep.all_pass() {
-                format!("all {} tensors match the GGUF", rep.tensors.len())
-            } else {
-                "some tensors differ (see the table)".into()
-            }
-        ));
-    }
-    for f in &rep.findings {
-        s.push_str(&format!(
-            "finding {} at {}: {}\n  hint: {}\n",
-            f.class, f.subject, f.evidence, f.hint
-        ));
-        if let Subject::Loaded(t) = &f.subject
-            && !t.source.is_empty()
-        {
-            s.push_str(&format!("  GGUF source: {}\n", t.source.join(" + ")));
-        }
-    }
-    s
 }

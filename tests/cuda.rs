@@ -838,7 +838,10 @@ fn device_comparison_gives_the_verdicts_and_findings_of_the_host_comparison() {
             assert_same_diffs(&a.diffs, &b.diffs, &format!("{what} {}", a.path));
         }
         let classes = |r: &mla_diff::judge::report::RunReport| {
-            r.findings.iter().map(|f| (f.class, f.site, f.path)).collect::<Vec<_>>()
+            r.findings
+                .iter()
+                .map(|f| (f.class, f.site(), f.path()))
+                .collect::<Vec<_>>()
         };
         assert_eq!(classes(&dev), classes(&host), "{what}");
         assert_eq!(

@@ -24,7 +24,7 @@ fn selftest_finds_every_fault_and_nothing_on_clean_runs() {
     )
     .unwrap();
     let bad: Vec<_> = rep.cases.iter().filter(|c| !c.ok()).collect();
-    assert!(bad.is_empty(), "{}", selftest::confusion_table(&rep));
+    assert!(bad.is_empty(), "{}", mla_diff::output::selftest::confusion_table(&rep));
     let clean: Vec<_> = rep.cases.iter().filter(|c| c.case == "clean").collect();
     // A clean run finds nothing, except where the clean TP cut of o_proj itself falls inside a
     // quant block (moe-v3-q8_0 at TP 2: N·V/2 = 16 columns of Q8_0 blocks of 32), which must be

@@ -433,9 +433,9 @@ fn the_weights_table_fits_a_terminal_and_stays_whole_elsewhere() {
             .max()
             .unwrap()
     };
-    let full = mla_diff::jobs::weights_check::terminal(&rep);
+    let full = mla_diff::output::weights_check::terminal(&rep);
     assert!(table_width(&full) > 100, "{full}");
-    let fit = mla_diff::jobs::weights_check::terminal_fit(&rep, Some(80));
+    let fit = mla_diff::output::weights_check::terminal_fit(&rep, Some(80));
     assert!(table_width(&fit) <= 80, "{fit}");
     assert!(fit.contains("│ L1.W_UK_T "), "{fit}");
     let (code, out, err) = check_model("tiny-v3-q8_0.gguf", &p);

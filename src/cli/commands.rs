@@ -27,7 +27,7 @@ pub fn cmd_weights(a: &WeightsArgs, out: &mut dyn Write) -> Result<Outcome> {
     let rep = crate::jobs::weights_check::check(&file, &cfg, &a.check, map.as_ref())?;
     let sink = TextSink::for_json(a.output.json.as_ref(), false);
     sink.write(
-        &crate::jobs::weights_check::terminal_fit(&rep, sink.table_width(a.wide)),
+        &crate::output::weights_check::terminal_fit(&rep, sink.table_width(a.wide)),
         out,
     )?;
     if let Some(j) = &a.output.json {
@@ -388,7 +388,7 @@ pub fn cmd_selftest(a: &SelftestArgs, out: &mut dyn Write) -> Result<Outcome> {
     }
     let rep = selftest::run(&backend, &opts)?;
     let mut text = format!("backend {}, dtype {}\n", backend.describe(), backend.dtype());
-    text.push_str(&selftest::confusion_table(&rep));
+    text.push_str(&crate::output::selftest::confusion_table(&rep));
     let mut ok = rep.all_ok();
     if a.cross_check {
         let cpu = selftest::run(&Backend::Cpu(CpuOps::new(backend.dtype())), &opts)?;

@@ -461,10 +461,13 @@ fn layer_hidden_in(
 /// run: that path is reported not run, with the reason, not as a bug.
 fn add_path_findings(findings: &mut Vec<Finding>, results: &[PathResult], new: Vec<Finding>) {
     for fi in new {
-        let natural = results
-            .iter()
-            .any(|r| Some(r.path) == fi.path && r.not_run.as_ref().is_some_and(|n| !n.by_fault && n.site == fi.site));
-        if !natural && !findings.iter().any(|g| g.path == fi.path) {
+        let natural = results.iter().any(|r| {
+            Some(r.path) == fi.path()
+                && r.not_run
+                    .as_ref()
+                    .is_some_and(|n| !n.by_fault && Some(n.site) == fi.site())
+        });
+        if !natural && !findings.iter().any(|g| g.path() == fi.path()) {
             findings.push(fi);
         }
     }

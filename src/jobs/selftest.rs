@@ -7,12 +7,9 @@
 //! 64, where any finding is a false alarm. Batches use the sequence lengths that break paged and
 //! split kernels: 1, page−1, page, page+1 and a few pages plus a remainder.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use comfy_table::Table;
 use ndarray::Array2;
-use serde::Serialize;
 
 use crate::backend::Backend;
 use crate::backend::cuda::compare::SplitTrace;
@@ -26,6 +23,7 @@ use crate::core::trace::{Site, Stage};
 use crate::jobs::run::compare_layer;
 use crate::judge::diagnose::Finding;
 use crate::judge::report::RunConfig;
+use crate::judge::selftest::{CaseResult, DequantCheck, SelftestReport};
 use crate::model::config::{KvBLayout, MlaConfig};
 use crate::model::gguf::GgufFile;
 use crate::model::weights::{LayerWeights, tensor_name};
@@ -50,67 +48,6 @@ pub struct SelftestOptions {
     pub quick: bool,
     /// Seed of the inputs.
     pub seed: u64,
-}
-
-/// One selftest case.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct CaseResult {
-    /// Fixture name (file stem).
-    pub fixture: String,
-    /// `clean` or the fault's name.
-    pub case: String,
-    /// The path.
-    pub path: PathKind,
-    /// TP ranks.
-    pub tp: usize,
-    /// Page size.
-    pub page: usize,
-    /// Expected class and accepted first sites (`None` for a clean run).
-    pub expected: Option<(Class, Vec<String>)>,
-    /// What diagnosis found.
-    pub found: Option<Finding>,
-    /// `ok`, `miss`, `wrong class`, `wrong site`, `false alarm`.
-    pub verdict: String,
-}
-
-impl CaseResult {
-    /// True when the case came out as expected.
-    pub fn ok(&self) -> bool {
-        self.verdict == "ok"
-    }
-}
-
-/// The backend's dequantization of every tensor of every fixture, bit for bit against the CPU.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct DequantCheck {
-    /// Tensors compared.
-    pub tensors: usize,
-    /// Elements compared.
-    pub elements: usize,
-    /// Elements whose bits differ.
-    pub mismatches: usize,
-    /// ggml types covered.
-    pub types: Vec<String>,
-    /// The first mismatching tensor, if any.
-    pub first_mismatch: Option<String>,
-}
-
-/// All cases of a selftest run.
-#[derive(Debug, Clone, Serialize)]
-pub struct SelftestReport {
-    /// Every case.
-    pub cases: Vec<CaseResult>,
-    /// The backend's dequantization against the CPU's (absent for the CPU backend itself).
-    pub dequant: Option<DequantCheck>,
-    /// Wall time in seconds.
-    pub seconds: f64,
-}
-
-impl SelftestReport {
-    /// True when every case came out as expected and dequantization matched bit for bit.
-    pub fn all_ok(&self) -> bool {
-        self.cases.iter().all(CaseResult::ok) && self.dequant.as_ref().is_none_or(|d| d.mismatches == 0)
-    }
 }
 
 /// Dequantizes every tensor of `file` with the backend and with the CPU decoder and compares
@@ -175,7 +112,7 @@ fn verdict(expected: &Option<(Class, Vec<Stage>)>, found: Option<&Finding>, laye
         (Some((class, stages)), Some(f)) => {
             if f.class != *class {
                 "wrong class".into()
-            } else if f.site.layer != layer || !stages.contains(&f.site.stage) {
+            } else if f.site().is_none_or(|s| s.layer != layer || !stages.contains(&s.stage)) {
                 "wrong site".into()
             } else {
                 "ok".into()
@@ -394,7 +331,7 @@ impl PageRun<'_> {
             let expected = natural_misalignment(self.file, self.cfg, layer, tp)
                 .map(|s| (Class::QuantBlockMisaligned, vec![s.stage]));
             for &path in PathKind::ALL {
-                let found = findings.iter().find(|f| f.path == Some(path.into()));
+                let found = findings.iter().find(|f| f.path() == Some(path.into()));
                 cases.push(CaseResult {
                     fixture: self.fixture.to_string(),
                     case: "clean".into(),
@@ -448,7 +385,7 @@ impl PageRun<'_> {
             for path in paths {
                 let stages = fault.expected_stages(path);
                 let expected = Some((fault.expected_class(), stages.clone()));
-                let found = findings.iter().find(|f| f.path == Some(path.into()));
+                let found = findings.iter().find(|f| f.path() == Some(path.into()));
                 cases.push(CaseResult {
                     fixture: self.fixture.to_string(),
                     case: fault.name().into(),
@@ -465,167 +402,11 @@ impl PageRun<'_> {
     }
 }
 
-/// The confusion table (fault × found class × first site), the clean-run summary and every case
-/// that did not come out as expected.
-pub fn confusion_table(rep: &SelftestReport) -> String {
-    let mut s = String::new();
-    s.push_str("faults (every fixture, every path each applies to)\n");
-    s.push_str(&fault_table(rep).to_string());
-    s.push('\n');
-    s.push_str("\nclean runs\n");
-    s.push_str(&clean_table(rep).to_string());
-    s.push('\n');
-
-    let bad: Vec<&CaseResult> = rep.cases.iter().filter(|c| !c.ok()).collect();
-    if !bad.is_empty() {
-        s.push_str("\nnot as expected:\n");
-        for c in bad {
-            s.push_str(&format!(
-                "  {} {} path {} tp {} page {}: {} (expected {}; found {})\n",
-                c.fixture,
-                c.case,
-                c.path,
-                c.tp,
-                c.page,
-                c.verdict,
-                c.expected
-                    .as_ref()
-                    .map_or("no finding".into(), |(cl, st)| format!("{cl} at {}", st.join("|"))),
-                c.found.as_ref().map_or("nothing".into(), |f| format!(
-                    "{} at {}: {}",
-                    f.class, f.site, f.evidence
-                )),
-            ));
-        }
-    }
-    if let Some(d) = &rep.dequant {
-        s.push_str(&format!(
-            "\ndequantization on the device vs the CPU: {} tensors, {} values, {} bit mismatches (types {})\n",
-            d.tensors,
-            d.elements,
-            d.mismatches,
-            d.types.join(", ")
-        ));
-        if let Some(m) = &d.first_mismatch {
-            s.push_str(&format!("  first mismatch: {m}\n"));
-        }
-    }
-    let total = rep.cases.len();
-    let ok = rep.cases.iter().filter(|c| c.ok()).count();
-    s.push_str(&format!(
-        "\nselftest: {ok}/{total} cases as expected in {:.1} s\n",
-        rep.seconds
-    ));
-    s
-}
-
-/// One row per fault of [`Fault::ALL`]: its expected class and first sites, the class and first
-/// site found (with counts, per path in [`PathKind::ALL`] order), and how many cases were right.
-fn fault_table(rep: &SelftestReport) -> Table {
-    let mut by_fault: BTreeMap<String, Vec<&CaseResult>> = BTreeMap::new();
-    for c in rep.cases.iter().filter(|c| c.case != "clean") {
-        by_fault.entry(c.case.clone()).or_default().push(c);
-    }
-    let mut t = crate::output::table::bordered(&[
-        "fault",
-        "expected class",
-        "expected first site",
-        "found class @ first site (cases)",
-        "ok",
-    ]);
-    for f in Fault::ALL {
-        let Some(cs) = by_fault.get(f.name()) else {
-            t.add_row(vec![
-                f.name().to_string(),
-                f.expected_class().to_string(),
-                "-".into(),
-                "not applicable to any fixture".into(),
-                "-".into(),
-            ]);
-            continue;
-        };
-        // Keyed by (path order, text) so both columns list mha, mqa, chunked, mixed in order.
-        let mut found: BTreeMap<(usize, String), usize> = BTreeMap::new();
-        let mut sites: Vec<String> = Vec::new();
-        for c in cs {
-            if let Some((_, st)) = &c.expected {
-                for x in st {
-                    let x = format!("{}: {x}", c.path);
-                    if !sites.contains(&x) {
-                        sites.push(x);
-                    }
-                }
-            }
-            let k = match &c.found {
-                Some(fi) => format!("{}: {} @ {}", c.path, fi.class, fi.site.stage.name()),
-                None => format!("{}: nothing", c.path),
-            };
-            let order = PathKind::ALL.iter().position(|&p| p == c.path).unwrap_or(0);
-            *found.entry((order, k)).or_default() += 1;
-        }
-        let ok = cs.iter().filter(|c| c.ok()).count();
-        t.add_row(vec![
-            f.name().to_string(),
-            f.expected_class().to_string(),
-            sites.join("\n"),
-            found
-                .iter()
-                .map(|((_, k), v)| format!("{k} ({v})"))
-                .collect::<Vec<_>>()
-                .join("\n"),
-            format!("{ok}/{}", cs.len()),
-        ]);
-    }
-    t
-}
-
-/// One row per fixture: its clean runs (path × TP × page), the TP and page sizes covered, and
-/// the false alarms among them.
-fn clean_table(rep: &SelftestReport) -> Table {
-    let mut by_fix: BTreeMap<String, (usize, usize, String, String)> = BTreeMap::new();
-    for c in rep.cases.iter().filter(|c| c.case == "clean") {
-        let e = by_fix.entry(c.fixture.clone()).or_default();
-        e.0 += 1;
-        if !c.ok() {
-            e.1 += 1;
-        }
-        if !e.2.split(',').any(|x| x == c.tp.to_string()) {
-            if !e.2.is_empty() {
-                e.2.push(',');
-            }
-            e.2.push_str(&c.tp.to_string());
-        }
-        if !e.3.split(',').any(|x| x == c.page.to_string()) {
-            if !e.3.is_empty() {
-                e.3.push(',');
-            }
-            e.3.push_str(&c.page.to_string());
-        }
-    }
-    let mut t = crate::output::table::bordered(&[
-        "fixture",
-        "clean runs (path × tp × page)",
-        "tp sizes",
-        "page sizes",
-        "false alarms",
-    ]);
-    for (f, (n, bad, tps, pages)) in &by_fix {
-        t.add_row(vec![
-            f.clone(),
-            n.to_string(),
-            tps.clone(),
-            pages.clone(),
-            bad.to_string(),
-        ]);
-    }
-    t
-}
-
 /// Compares two selftest runs case by case (class and first site of the finding). Returns the
 /// summary text and whether every case agreed.
 pub fn cross_check(a: &SelftestReport, b: &SelftestReport, against: &str) -> (String, bool) {
     let key = |c: &CaseResult| (c.fixture.clone(), c.case.clone(), c.path, c.tp, c.page);
-    let found = |c: &CaseResult| c.found.as_ref().map(|f| (f.class, f.site));
+    let found = |c: &CaseResult| c.found.as_ref().map(|f| (f.class, f.subject.clone()));
     let mut differ = Vec::new();
     let mut same = 0;
     for ca in &a.cases {

@@ -401,13 +401,13 @@ impl RunReport {
                 if let Some(x) = found.first() {
                     let paths: Vec<String> = found
                         .iter()
-                        .filter(|y| y.site == x.site)
-                        .map(|y| y.path.map_or("file".into(), |p| p.to_string()))
+                        .filter(|y| y.site() == x.site())
+                        .map(|y| y.path().map_or("file".into(), |p| p.to_string()))
                         .collect();
                     return FaultStatus {
                         fault: f,
                         outcome: FaultOutcome::Found,
-                        detail: format!("{} at {} on {}", x.class, x.site, paths.join(", ")),
+                        detail: format!("{} at {} on {}", x.class, x.subject, paths.join(", ")),
                     };
                 }
                 // The (layer, path) results the fault acts on (the latent block size matters
@@ -452,7 +452,7 @@ impl RunReport {
                     let own = Site::new(r.layer, *f.expected_stages(p).first()?);
                     self.findings
                         .iter()
-                        .find(|x| x.path == Some(r.path) && x.site.order() <= own.order())
+                        .find(|x| x.path() == Some(r.path) && x.site().is_some_and(|s| s.order() <= own.order()))
                         .map(|x| (x, own))
                 });
                 match masked {
@@ -465,8 +465,8 @@ impl RunReport {
                         let paths: Vec<String> = self
                             .findings
                             .iter()
-                            .filter(|y| y.site == x.site && y.class == x.class)
-                            .filter_map(|y| y.path)
+                            .filter(|y| y.site() == x.site() && y.class == x.class)
+                            .filter_map(|y| y.path())
                             .filter(|p| mine.iter().any(|r| r.path == *p))
                             .map(|p| p.to_string())
                             .collect();
@@ -475,7 +475,7 @@ impl RunReport {
                             outcome: FaultOutcome::Masked,
                             detail: format!(
                                 "downstream of the first divergence at {} ({}{}) on {}, at or before its own site {}; not diagnosed separately",
-                                x.site,
+                                x.subject,
                                 x.class,
                                 if by.is_empty() {
                                     String::new()

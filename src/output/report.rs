@@ -6,7 +6,7 @@
 //! formatted with fixed rules (`{:.3e}` in tables; shortest round-trip in JSON), so two runs on
 //! the same inputs print the same bytes.
 
-use comfy_table::{Cell, ColumnConstraint, ContentArrangement};
+use comfy_table::{Cell, ContentArrangement};
 use serde::Serialize;
 use serde_json::{Value, json};
 
@@ -129,12 +129,7 @@ pub fn site_table_fit(diffs: &[SiteDiff], width: Option<usize>) -> (String, Vec<
             t.add_row(keep.iter().map(|&i| Cell::new(&r[i])).collect::<Vec<_>>());
         }
         if let Some(w) = fit {
-            // Other cells wrap; site names stay whole.
-            t.set_content_arrangement(ContentArrangement::Dynamic)
-                .set_width(u16::try_from(w).unwrap_or(u16::MAX));
-            if let Some(c) = t.column_mut(0) {
-                c.set_constraint(ColumnConstraint::ContentWidth);
-            }
+            crate::output::table::fit(&mut t, w);
         }
         t.to_string()
     };
@@ -401,9 +396,9 @@ pub fn finding_lines(report: &RunReport) -> Vec<String> {
         .map(|f| {
             format!(
                 "finding [{}] {} at {}: {}\n  hint: {}",
-                f.path.map_or("file".to_string(), |p| p.to_string()),
+                f.path().map_or("file".to_string(), |p| p.to_string()),
                 f.class,
-                f.site,
+                f.subject,
                 f.evidence,
                 f.hint
             )
@@ -426,7 +421,7 @@ pub fn path_status(report: &RunReport) -> serde_json::Map<String, Value> {
                 .sum();
             let st = match d {
                 _ if n_sites == 0 => "not-run",
-                None if report.findings.iter().any(|f| f.path == Some(p)) => "divergence",
+                None if report.findings.iter().any(|f| f.path() == Some(p)) => "divergence",
                 None => "pass",
                 Some(_) => "divergence",
             };

@@ -130,8 +130,8 @@ pub fn md_escape(s: &str) -> String {
 fn grouped_findings(rep: &RunReport) -> Vec<(&crate::judge::diagnose::Finding, Vec<String>)> {
     let mut g: Vec<(&crate::judge::diagnose::Finding, Vec<String>)> = Vec::new();
     for f in &rep.findings {
-        let p = f.path.map_or("file".to_string(), |x| x.to_string());
-        match g.iter_mut().find(|(h, _)| h.class == f.class && h.site == f.site) {
+        let p = f.path().map_or("file".to_string(), |x| x.to_string());
+        match g.iter_mut().find(|(h, _)| h.class == f.class && h.site() == f.site()) {
             Some((_, paths)) => paths.push(p),
             None => g.push((f, vec![p])),
         }
@@ -225,7 +225,7 @@ fn verdict_paragraph(rep: &RunReport) -> String {
             p,
             "Finding **{}** at `{}` (path {}): {}. Hint: {}. ",
             f.class,
-            f.site,
+            f.subject,
             paths.join(", "),
             md_escape(f.evidence.trim_end_matches('.')),
             md_escape(f.hint.trim_end_matches('.'))
@@ -244,7 +244,7 @@ fn headline(rep: &RunReport) -> String {
         } else {
             String::new()
         };
-        return format!("{} at {} on path {}{more}", f.class, f.site, paths.join(", "));
+        return format!("{} at {} on path {}{more}", f.class, f.subject, paths.join(", "));
     }
     let n_not_run = rep.not_run().len();
     match rep.verdict() {

@@ -1,0 +1,485 @@
+//! The detectors of `weights --check`: why a tensor of an engine's weights file, as loaded,
+//! differs from the same param rebuilt from the GGUF.
+//!
+//! The second bug behind this project was in the weights, not in a kernel: the shards of a fused
+//! projection came out of GGUF dequantization in the wrong order. An engine's loaded weights
+//! (dequantized, fused, sharded per tensor-parallel rank, absorbed into `W_UK_T`/`W_UV`) are
+//! judged tensor by tensor against the GGUF's; each failing one is explained here with the
+//! block-permutation finder, as the site detectors of `diagnose/weights.rs` explain a weight site:
+//! never loaded, transposed, fused shards in the wrong order, heads permuted, a shard cut inside
+//! a quant block. After every tensor, [`rank_findings`] judges how the ranks' shards fit
+//! together: a rank holding another rank's slice, every rank holding rank 0's, a missing shard.
+//! Every finding is a [`Finding`] about a [`LoadedTensor`], with the GGUF tensors it comes from.
+
+use std::collections::BTreeMap;
+
+use super::blocks::{find_blocks, rel_l2 as rel, take_along};
+use super::weights::weight_not_loaded_hint;
+use super::{Detection, Finding, LoadedTensor, TpRank};
+use crate::core::class::Class;
+use crate::core::dtype::Dtype;
+use crate::model::config::{KvBLayout, MlaConfig};
+
+/// How tensor parallelism splits a parameter (vLLM's linear layer kinds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// Every rank holds the whole tensor (`ReplicatedLinear`: `fused_qkv_a_proj`, `q_a_proj`,
+    /// `kv_a_proj_with_mqa`).
+    Replicated,
+    /// Rows (dim 0) split by heads, `unit` rows per head (`ColumnParallelLinear`: `q_b_proj`,
+    /// `q_proj`, `kv_b_proj`; and `W_UK_T`/`W_UV` by their head dim with unit 1).
+    Rows(usize),
+    /// Columns (dim 1) split by heads, `unit` columns per head (`RowParallelLinear`: `o_proj`).
+    Cols(usize),
+}
+
+/// One GGUF tensor a parameter is built from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    /// GGUF tensor name, e.g. `blk.1.attn_k_b.weight`.
+    pub name: String,
+    /// Its ggml type name (`F32`, `Q8_0`, `Q4_K`, …; `?` when the file lacks the tensor).
+    pub ggml_type: String,
+    /// Its quant block size along ne\[0] (1 for float types).
+    pub block: u64,
+}
+
+/// One MLA parameter (vLLM name) rebuilt from the GGUF: what a correct engine holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Param {
+    /// Its values, f64, row-major in `shape`.
+    pub data: Vec<f64>,
+    /// PyTorch shape: `[out, in]` for a linear weight, `[N, P, L]` for `W_UK_T`, `[N, L, V]` for
+    /// `W_UV`.
+    pub shape: Vec<usize>,
+    /// How TP ranks split it.
+    pub split: Split,
+    /// Fused shards along dim 0 (name, rows), for shard-order findings.
+    pub shards: Vec<(&'static str, usize)>,
+    /// The GGUF tensors it is built from, in order (the first one's block size serves the
+    /// column-cut check of `o_proj`).
+    pub sources: Vec<Source>,
+}
+
+impl Param {
+    /// The source tensors as text: `blk.1.attn_k_b.weight (Q8_0)`, joined by `+`.
+    pub fn source_text(&self) -> String {
+        self.sources
+            .iter()
+            .map(|s| format!("{} ({})", s.name, s.ggml_type))
+            .collect::<Vec<_>>()
+            .join(" + ")
+    }
+
+    /// The source tensors, each with its ggml type name: `blk.1.attn_k_b.weight (Q8_0)`.
+    pub fn source_names(&self) -> Vec<String> {
+        self.sources
+            .iter()
+            .map(|s| format!("{} ({})", s.name, s.ggml_type))
+            .collect()
+    }
+
+    /// The slice that rank `rank` of `tp` holds (of `n_head` heads), with its shape and the
+    /// range it covers along the split dim (a replicated param: all of it, rows `0..shape[0]`).
+    pub fn rank_slice(&self, n_head: usize, tp: usize, rank: usize) -> (Vec<f64>, Vec<usize>, (usize, usize)) {
+        let nh = n_head / tp;
+        match self.split {
+            Split::Replicated => (self.data.clone(), self.shape.clone(), (0, self.shape[0])),
+            Split::Rows(unit) => {
+                let rows = nh * unit;
+                let inner: usize = self.shape[1..].iter().product();
+                let d = self.data[rank * rows * inner..(rank + 1) * rows * inner].to_vec();
+                let mut s = self.shape.clone();
+                s[0] = rows;
+                (d, s, (rank * rows, (rank + 1) * rows))
+            }
+            Split::Cols(unit) => {
+                let cols = nh * unit;
+                let d = take_along(&self.data, &self.shape, 1, rank * cols, cols);
+                (d, vec![self.shape[0], cols], (rank * cols, (rank + 1) * cols))
+            }
+        }
+    }
+}
+
+/// Per (layer, param): each file shard's rank and the rank whose slice it holds (`None`: no
+/// rank's).
+pub type Holds = BTreeMap<(usize, String), Vec<(usize, Option<usize>)>>;
+
+/// Threshold under which a block "is" another block: 1e-6 for exact dtypes, 1e-2 for bf16.
+pub fn match_threshold(dtype: Dtype) -> f64 {
+    match dtype {
+        Dtype::F32 => 1e-6,
+        Dtype::Bf16 => 1e-2,
+    }
+}
+
+/// Rank-level findings from `holds`: shards permuted or duplicated across ranks (each holding
+/// another rank's slice), and ranks of `0..tp` with no shard in the file. Replicated params
+/// have none. `params` holds every param of the layers in `holds`, by layer.
+pub fn rank_findings(holds: Holds, params: &BTreeMap<usize, BTreeMap<&'static str, Param>>, tp: usize) -> Vec<Finding> {
+    let mut findings = Vec::new();
+    for ((layer, param), mut v) in holds {
+        v.sort();
+        let p = &params[&layer][param.as_str()];
+        if p.split == Split::Replicated {
+            continue;
+        }
+        let ranks: Vec<usize> = v.iter().map(|x| x.0).collect();
+        let missing: Vec<usize> = (0..tp).filter(|r| !ranks.contains(r)).collect();
+        let held: Vec<Option<usize>> = v.iter().map(|x| x.1).collect();
+        let wrong = v.iter().any(|(r, h)| h.is_some_and(|h| h != *r));
+        let every_rank = || LoadedTensor {
+            tensor: format!("L{layer}.{param}.rank*"),
+            rank: TpRank::All,
+            source: p.source_names(),
+        };
+        if wrong {
+            findings.push(Finding::at_loaded(
+                Class::TpRankOrder,
+                every_rank(),
+                Detection::new(
+                    permuted_shards_evidence(&ranks, &held, p, tp),
+                    "each rank must take its own slice of the head dim (vLLM weight_loader: narrow(dim, tp_rank * shard_size, shard_size)); check the rank index the loader uses".into(),
+                ),
+            ));
+        }
+        if !missing.is_empty() && tp > 1 {
+            findings.push(Finding::at_loaded(
+                Class::TpRankOrder,
+                every_rank(),
+                Detection::new(
+                    format!("missing shard(s): rank(s) {missing:?} of tp {tp} not in the file"),
+                    "dump every rank's shard (or set tp_size metadata)".into(),
+                ),
+            ));
+        }
+    }
+    findings
+}
+
+/// The evidence of shards that hold other ranks' slices: file ranks `ranks` hold slices `held`
+/// (`?`: no rank's), with the slices duplicated and those held by no rank.
+fn permuted_shards_evidence(ranks: &[usize], held: &[Option<usize>], p: &Param, tp: usize) -> String {
+    let text = |h: &[Option<usize>]| {
+        let parts: Vec<String> = h.iter().map(|x| x.map_or("?".into(), |k| k.to_string())).collect();
+        format!("[{}]", parts.join(","))
+    };
+    let mut dup: Vec<usize> = held.iter().flatten().copied().collect();
+    dup.sort();
+    let duplicated: Vec<usize> = dup.windows(2).filter(|w| w[0] == w[1]).map(|w| w[0]).collect();
+    let lost: Vec<usize> = (0..tp).filter(|k| !held.contains(&Some(*k))).collect();
+    if held.iter().all(|h| *h == Some(0)) && tp > 1 {
+        format!(
+            "every rank holds rank 0's slice: ranks {:?} hold slices {} (duplicated shard 0; slices {:?} of {} are missing)",
+            ranks,
+            text(held),
+            lost,
+            p.source_text()
+        )
+    } else {
+        format!(
+            "ranks {:?} hold slices {}{}{}",
+            ranks,
+            text(held),
+            if duplicated.is_empty() {
+                String::new()
+            } else {
+                format!("; duplicated slices {duplicated:?}")
+            },
+            if lost.is_empty() {
+                String::new()
+            } else {
+                format!("; slices {lost:?} held by no rank")
+            }
+        )
+    }
+}
+
+/// A failing tensor of the file, with the GGUF param it is compared with: what
+/// [`super::explain_loaded`] reads.
+pub struct Failing<'a> {
+    /// The file's tensor name.
+    pub name: &'a str,
+    /// The MLA param (`kv_b_proj`, `W_UK_T`, …).
+    pub param: &'a str,
+    /// The param rebuilt from the GGUF.
+    pub p: &'a Param,
+    /// The file's values (f64, row-major).
+    pub data: &'a [f64],
+    /// The file's shape.
+    pub shape: &'a [usize],
+    /// The expected values (a shard's: its rank's slice).
+    pub exp: &'a [f64],
+    /// The expected shape.
+    pub exp_shape: &'a [usize],
+    /// A shard's rank and the range of the split dim it should hold.
+    pub rank: Option<(usize, (usize, usize))>,
+    /// The model's configuration.
+    pub cfg: &'a MlaConfig,
+    /// The rel_l2 at or under which a rearrangement counts as a match ([`match_threshold`]).
+    pub thr: f64,
+}
+
+impl Failing<'_> {
+    /// A finding of `class` about this tensor.
+    fn finding(&self, class: Class, evidence: String, hint: String) -> Finding {
+        let tensor = LoadedTensor {
+            tensor: self.name.to_string(),
+            rank: self.rank.map_or(TpRank::Whole, |(r, _)| TpRank::Rank(r)),
+            source: self.p.source_names(),
+        };
+        Finding::at_loaded(class, tensor, Detection::new(evidence, hint))
+    }
+}
+
+/// Never loaded: every element 0 (or NaN, the canary of a dump) where the GGUF's are not.
+pub fn not_loaded(f: &Failing<'_>) -> Option<Finding> {
+    let expected_nonzero = f.exp.iter().any(|&x| x != 0.0);
+    if expected_nonzero && !f.data.is_empty() && f.data.len() == f.exp.len() {
+        let what = if f.data.iter().all(|&x| x == 0.0) {
+            Some("0")
+        } else if f.data.iter().all(|x| x.is_nan()) {
+            Some("NaN")
+        } else {
+            None
+        };
+        if let Some(what) = what {
+            let src = f.p.source_text();
+            return Some(f.finding(
+                Class::WeightNotLoaded,
+                format!("all {} elements are {what}; {src} is not", f.data.len()),
+                weight_not_loaded_hint(&src),
+            ));
+        }
+    }
+    None
+}
+
+/// Transposed: the expected tensor with its last two dims swapped (`[in, out]` for `[out, in]`);
+/// for `W_UK_T`/`W_UV` a `kv_b` layout finding.
+pub fn transposed(f: &Failing<'_>) -> Option<Finding> {
+    let k = f.exp_shape.len();
+    if k >= 2 && f.shape.len() == k && f.shape[k - 1] == f.exp_shape[k - 2] && f.shape[k - 2] == f.exp_shape[k - 1] {
+        let (a, b) = (f.exp_shape[k - 2], f.exp_shape[k - 1]);
+        let batch: usize = f.exp_shape[..k - 2].iter().product();
+        let mut t = vec![0.0; f.data.len()];
+        for z in 0..batch {
+            for i in 0..a {
+                for j in 0..b {
+                    t[z * a * b + i * b + j] = f.data[z * a * b + j * a + i];
+                }
+            }
+        }
+        let e = rel(&t, f.exp);
+        if e <= f.thr {
+            let src = f.p.source_text();
+            let fused = f.cfg.kv_b_layout == KvBLayout::Fused;
+            let (class, hint) = match (f.param, fused) {
+                ("W_UK_T", false) => (
+                    Class::KvBLayout,
+                    format!(
+                        "W_UK_T is [N, P, L]; {src} is stored [N, L, P] (ggml ne [P, L, N]) and needs a transpose of its last two dims, not a reshape"
+                    ),
+                ),
+                ("W_UK_T", true) => (
+                    Class::KvBLayout,
+                    format!(
+                        "W_UK_T is [N, P, L]: per head, the first P rows of {src} ([N·(P+V), L]) as stored; this tensor holds them transposed"
+                    ),
+                ),
+                ("W_UV", false) => (
+                    Class::KvBLayout,
+                    format!(
+                        "W_UV is [N, L, V]; this tensor holds it transposed, [N, V, L], the layout {src} is stored in: transpose its last two dims when loading, not a reshape"
+                    ),
+                ),
+                ("W_UV", true) => (
+                    Class::KvBLayout,
+                    format!(
+                        "W_UV is [N, L, V]: per head, the last V rows of {src} ([N·(P+V), L]) transposed; this tensor holds them untransposed ([N, V, L])"
+                    ),
+                ),
+                _ => (
+                    Class::Transposed,
+                    format!(
+                        "PyTorch linear weights are [out, in]; the GGUF's ne order is [in, out]: reverse the dims of {src} when loading"
+                    ),
+                ),
+            };
+            return Some(f.finding(
+                class,
+                format!(
+                    "holds the expected {:?} transposed (shape {:?}; rel_l2 {e:.2e} after transposing back)",
+                    f.exp_shape, f.shape
+                ),
+                hint,
+            ));
+        }
+    }
+    None
+}
+
+/// A shape that no transpose explains.
+pub fn shape_mismatch(f: &Failing<'_>) -> Option<Finding> {
+    if f.shape != f.exp_shape {
+        return Some(f.finding(
+            Class::Mismatch,
+            format!(
+                "shape {:?}, expected {:?} from {}",
+                f.shape,
+                f.exp_shape,
+                f.p.source_text()
+            ),
+            "check the loader's reshape/narrow of this parameter".into(),
+        ));
+    }
+    None
+}
+
+/// The shards of a fused projection concatenated in the wrong order.
+pub fn shard_order(f: &Failing<'_>) -> Option<Finding> {
+    if !f.p.shards.is_empty() {
+        let sizes: Vec<usize> = f.p.shards.iter().map(|s| s.1).collect();
+        if let Some(m) = find_blocks(f.data, f.exp, f.shape, 0, &sizes, f.thr)
+            && m.explains()
+        {
+            let names: Vec<String> =
+                f.p.shards
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (n, r))| format!("{i} = {n} ({r} rows)"))
+                    .collect();
+            return Some(
+                f.finding(
+                    Class::ShardOrder,
+                    format!(
+                        "shard-order {}: {} (shards {})",
+                        m.map_text(),
+                        m.describe("shard"),
+                        names.join(", ")
+                    ),
+                    "the fused projection must be [q_a_proj | kv_a_proj_with_mqa], shard 0 then 1 (vLLM \
+                 MergedReplicatedLinear loaded_shard_id order); check the order the GGUF shards are dequantized \
+                 and concatenated"
+                        .into(),
+                ),
+            );
+        }
+    }
+    None
+}
+
+/// Heads permuted within a head-split tensor.
+pub fn heads_permuted(f: &Failing<'_>) -> Option<Finding> {
+    let head_axis_unit = match f.p.split {
+        Split::Rows(u) => Some((0, u)),
+        Split::Cols(u) => Some((1, u)),
+        Split::Replicated => None,
+    };
+    if let Some((axis, unit)) = head_axis_unit {
+        let heads = f.shape[axis] / unit;
+        if heads > 1
+            && let Some(m) = find_blocks(f.data, f.exp, f.shape, axis, &vec![unit; heads], f.thr)
+            && m.explains()
+        {
+            return Some(f.finding(
+                Class::TpRankOrder,
+                format!("per-head blocks of {unit} along dim {axis}: {}", m.describe("head")),
+                "heads are cut or concatenated in the wrong order".into(),
+            ));
+        }
+    }
+    None
+}
+
+/// A TP column cut inside a quant block (o_proj shards: the input dim is the GGUF's ne\[0]).
+pub fn quant_block_cut(f: &Failing<'_>) -> Option<Finding> {
+    if let (Split::Cols(_), Some((r, (start, end))), Some(src0)) = (f.p.split, f.rank, f.p.sources.first())
+        && let block = src0.block
+        && block > 1
+        && (!(start as u64).is_multiple_of(block) || !(end as u64).is_multiple_of(block))
+    {
+        let bad_at = if (start as u64).is_multiple_of(block) {
+            end
+        } else {
+            start
+        };
+        let b0 = bad_at as u64 / block;
+        return Some(
+            f.finding(
+                Class::QuantBlockMisaligned,
+                format!(
+                    "rank {r} covers columns {start}..{end} of {} ({}, blocks of {} along ne[0]): the cut at column \
+                 {bad_at} falls inside block {b0} (columns {}..{}), and the shard differs from the dequantized slice",
+                    src0.name,
+                    src0.ggml_type,
+                    block,
+                    b0 * block,
+                    (b0 + 1) * block
+                ),
+                "dequantize before slicing, or keep TP cuts on block boundaries (N·V/tp must be a multiple of the \
+             block size)"
+                    .into(),
+            ),
+        );
+    }
+    None
+}
+
+/// Fallback: which rows differ.
+pub fn row_differences(f: &Failing<'_>) -> Finding {
+    let rows = f.shape[0];
+    let inner: usize = f.shape[1..].iter().product();
+    let bad: Vec<usize> = (0..rows)
+        .filter(|&i| rel(&f.data[i * inner..(i + 1) * inner], &f.exp[i * inner..(i + 1) * inner]) > f.thr)
+        .collect();
+    f.finding(
+        Class::Mismatch,
+        format!(
+            "{} of {rows} rows differ (first {:?}); rel_l2 {:.2e} overall",
+            bad.len(),
+            &bad[..bad.len().min(8)],
+            rel(f.data, f.exp)
+        ),
+        "no block permutation, duplicate or transpose explains it: compare the loader's dequantization of these rows"
+            .into(),
+    )
+}
+
+/// A tensor of the file named for a param the model does not have: `q_proj` in a model with a
+/// query LoRA (`q_lora_rank` set), or `q_a_proj`, `q_b_proj`, `fused_qkv_a_proj` in one without.
+/// `name` is the file's tensor name, `rank` its TP rank.
+pub fn param_absent(name: &str, param: &str, rank: Option<usize>, q_lora_rank: Option<usize>) -> Finding {
+    let tensor = LoadedTensor {
+        tensor: name.to_string(),
+        rank: rank.map_or(TpRank::Whole, TpRank::Rank),
+        source: Vec::new(),
+    };
+    Finding::at_loaded(
+        Class::Mismatch,
+        tensor,
+        Detection::new(
+            format!("the model has no `{param}` (q_lora_rank {q_lora_rank:?})"),
+            "q_a_proj/q_b_proj/fused_qkv_a_proj exist only with q_lora_rank; q_proj only without".into(),
+        ),
+    )
+}
+
+/// A shard named for rank `rank` (file tensor `name`) of a file whose TP size `tp` has no such
+/// rank; `p` is its param rebuilt from the GGUF.
+pub fn rank_out_of_range(name: &str, rank: usize, tp: usize, p: &Param) -> Finding {
+    let tensor = LoadedTensor {
+        tensor: name.to_string(),
+        rank: TpRank::Rank(rank),
+        source: p.source_names(),
+    };
+    Finding::at_loaded(
+        Class::TpRankOrder,
+        tensor,
+        Detection::new(
+            format!("rank {rank} ≥ tp_size {tp}"),
+            "shard names must use ranks 0..tp_size".into(),
+        ),
+    )
+}

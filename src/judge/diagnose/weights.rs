@@ -1,0 +1,454 @@
+//! The detectors of weight sites (`w.*`) and the findings about the GGUF file itself:
+//! `weight-not-loaded`, `shard-order`, `tp-rank-order`, `kv-b-layout`,
+//! `quant-block-misaligned` and `weight-nonfinite`.
+//!
+//! Most MLA loading bugs leave the weights numerically intact and only rearranged: shards of a
+//! fused projection in load order, a rank holding another rank's heads, `kv_b`'s rows split
+//! grouped instead of per head, `attn_k_b` reshaped instead of transposed. Each detector here
+//! rebuilds the weight (or the activation it feeds) from the reference with the rearrangement
+//! and checks whether that explains the candidate, so the finding names the rearrangement
+//! rather than "the weight differs". The same families explain an engine's loaded weights in
+//! [`super::loaded`], which gives the `weight-not-loaded` hint written here.
+
+use super::blocks::{BlockMatch, find_blocks};
+use super::{Detection, Finding, SiteCtx};
+use crate::compute::path::Unservable;
+use crate::core::class::Class;
+use crate::core::sci::sci;
+use crate::core::trace::{Site, Stage, Trace};
+use crate::judge::label::PathLabel;
+use crate::model::config::MlaConfig;
+use crate::model::dump::is_per_head;
+use crate::model::weights::NonFiniteTensor;
+
+/// The GGUF tensors of layer `layer` that an engine's loader turns into weight site `stage`, in
+/// this file's layout (split `attn_k_b`/`attn_v_b` or fused `attn_kv_b`; `attn_q_b` with a query
+/// LoRA, `attn_q` without).
+pub fn gguf_sources(cfg: &MlaConfig, layer: usize, stage: Stage) -> Vec<String> {
+    use crate::core::trace::RankedWeight;
+    use crate::model::config::KvBLayout;
+    let kv_b = || match cfg.kv_b_layout {
+        KvBLayout::Split => vec!["attn_k_b", "attn_v_b"],
+        KvBLayout::Fused => vec!["attn_kv_b"],
+    };
+    let names = match stage {
+        Stage::WFusedQkvA => vec!["attn_q_a", "attn_kv_a_mqa"],
+        Stage::WKvB | Stage::WUkT | Stage::WUv | Stage::WRank(RankedWeight::KvB, _) => kv_b(),
+        Stage::WRank(RankedWeight::QProj, _) if cfg.q_lora_rank.is_some() => vec!["attn_q_b"],
+        Stage::WRank(RankedWeight::QProj, _) => vec!["attn_q"],
+        Stage::WRank(RankedWeight::OProj, _) => vec!["attn_output"],
+        _ => vec![],
+    };
+    names
+        .into_iter()
+        .map(|n| crate::model::weights::tensor_name(layer, n))
+        .collect()
+}
+
+/// A weight site whose every element is zero or the canary while the reference's is not: the
+/// engine's loader never filled the parameter (its GGUF name map lacks the file's tensors for
+/// it). An activation that was never written is `phantom-output`; this is its weight twin.
+pub(super) fn weight_not_loaded(x: &SiteCtx<'_>) -> Option<Detection> {
+    if !x.site.stage.is_weight() {
+        return None;
+    }
+    let m = x.diff.metrics.as_ref()?;
+    if m.numel == 0 || m.norm_ref == 0.0 {
+        return None;
+    }
+    let what = if m.canary == m.numel {
+        "hold the canary"
+    } else if (0..x.cand.len()).all(|i| x.cand.get(i) == 0.0) {
+        "are 0"
+    } else {
+        return None;
+    };
+    let sources = gguf_sources(x.input.cfg, x.site.layer, x.site.stage);
+    let names = if sources.is_empty() {
+        "the GGUF tensors of this weight".to_string()
+    } else {
+        sources
+            .iter()
+            .map(|s| format!("`{s}`"))
+            .collect::<Vec<_>>()
+            .join(" and ")
+    };
+    Some(Detection::new(
+        format!(
+            "all {} elements {what} while ‖ref‖ = {} (rebuilt from {names})",
+            m.numel,
+            sci(m.norm_ref, 2)
+        ),
+        weight_not_loaded_hint(&names),
+    ))
+}
+
+/// The hint of a weight the engine never loaded, rebuilt from the GGUF tensors `sources` (as
+/// text: `` `blk.1.attn_k_b.weight` and `blk.1.attn_v_b.weight` `` at a site, with their ggml
+/// types in `weights --check`).
+pub(super) fn weight_not_loaded_hint(sources: &str) -> String {
+    format!(
+        "the engine never loaded this weight: its loader's tensor mapping has no entry for {sources} \
+         (vllm-gguf-plugin 0.0.5 maps `attn_kv_b` but not the split `attn_k_b`/`attn_v_b` that \
+         current llama.cpp writes)"
+    )
+}
+
+/// `shard-order`: `w.fused_qkv_a` holds the reference shards `[Lq, L+R]` in another order, or
+/// `q_c` equals the first Lq columns of the reference `kv_a` (the fused output swapped).
+pub(super) fn shard_order(x: &SiteCtx<'_>) -> Option<Detection> {
+    let cfg = x.input.cfg;
+    let lq = cfg.q_lora_rank?;
+    let (l, r) = (cfg.kv_lora_rank, cfg.qk_rope_head_dim);
+    match x.site.stage {
+        Stage::WFusedQkvA => {
+            let m = find_blocks(
+                &x.cand.to_f64(),
+                &x.refr.to_f64(),
+                &x.refr.shape,
+                0,
+                &[lq, l + r],
+                x.explain,
+            )?;
+            m.explains().then(|| {
+                Detection::new(
+                    format!(
+                        "rows are the reference shards (q_a_proj {lq} rows, kv_a_proj_with_mqa {} rows) in order {}: rel_l2 {} per shard vs {} as is",
+                        l + r,
+                        m.map_text(),
+                        sci(m.errors.iter().copied().filter(|e| e.is_finite()).fold(0.0, f64::max), 2),
+                        sci(x.as_is(), 2)
+                    ),
+                    "fused_qkv_a_proj must be [q_a_proj | kv_a_proj_with_mqa] (shard 0 then 1): merge GGUF shards \
+                     by shard id, not by the order the file delivers them (vLLM GGUF loader fix)"
+                        .into(),
+                )
+            })
+        }
+        Stage::QC => {
+            // Without the weight: q_c would be the first Lq columns of the fused output in the
+            // swapped order, i.e. kv_a's first Lq columns.
+            let kv_a = x.ref_site(Stage::KvA)?;
+            let t = x.refr.shape[0];
+            if lq > l + r {
+                return None;
+            }
+            let alt: Vec<f64> = (0..t)
+                .flat_map(|i| (0..lq).map(move |j| (i, j)))
+                .map(|(i, j)| kv_a.get(i * (l + r) + j))
+                .collect();
+            let e = x.explained_by(&alt)?;
+            Some(Detection::new(
+                format!(
+                    "q_c equals the first {lq} columns of kv_a: the fused output is [kv_a | q_c], shard order [1,0] ({})",
+                    x.vs_as_is(e)
+                ),
+                "fused_qkv_a_proj shards are in load order, not shard-id order".into(),
+            ))
+        }
+        _ => None,
+    }
+}
+
+/// The axis and block size along which TP ranks split a site, if any: the per-head sites
+/// ([`is_per_head`]) split by heads, N/tp per rank, along the head axis (1 for `[T, N, …]`
+/// activations and the `[T, N]` lse, 0 for the weights; a `w.kv_b` head is P+V rows).
+fn rank_axis(stage: Stage, cfg: &MlaConfig, tp: usize) -> Option<(usize, usize)> {
+    if !is_per_head(stage) {
+        return None;
+    }
+    let heads_per_rank = cfg.n_head / tp;
+    Some(match stage {
+        Stage::WKvB => (0, heads_per_rank * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
+        Stage::WUkT | Stage::WUv => (0, heads_per_rank),
+        _ => (1, heads_per_rank),
+    })
+}
+
+/// The detection of TP rank blocks matched as `m`, for the tensor described by `what`.
+fn describe_ranks(m: &BlockMatch, what: &str, x: &SiteCtx<'_>) -> Detection {
+    Detection::new(
+        format!(
+            "{what}: {}; matched shards {} vs rel_l2 {} as is",
+            m.describe("rank"),
+            match m.errors.iter().copied().filter(|e| e.is_finite()).fold(0.0, f64::max) {
+                0.0 => "exactly".to_string(),
+                e => format!("within rel_l2 {}", sci(e, 2)),
+            },
+            sci(x.as_is(), 2)
+        ),
+        "rank r must load heads [r·N/tp, (r+1)·N/tp) of q_b_proj, kv_b_proj and o_proj; check the rank \
+         index the loader slices with (every rank loading rank 0's slice was the vLLM GGUF plugin bug)"
+            .into(),
+    )
+}
+
+/// `tp-rank-order`: each rank's shard of a `w.*.rank<r>` weight, or each rank's head block of a
+/// head-split site, matched against the reference's: a permutation, one rank everywhere,
+/// duplicates or missing ranks.
+pub(super) fn tp_rank_order(x: &SiteCtx<'_>) -> Option<Detection> {
+    let tp = x.input.tp;
+    if tp < 2 {
+        return None;
+    }
+    if let Stage::WRank(w, _) = x.site.stage {
+        // Gather every rank's shard of this weight on both sides and match them as blocks.
+        let gather = |tr: &Trace| -> Option<Vec<Vec<f64>>> {
+            (0..tp as u32)
+                .map(|r| tr.get(&Site::new(x.site.layer, Stage::WRank(w, r))).map(|t| t.to_f64()))
+                .collect()
+        };
+        let c = gather(x.path.trace)?;
+        let rf = gather(x.input.reference)?;
+        let len = rf[0].len();
+        let shape = [tp, len];
+        let m = find_blocks(&c.concat(), &rf.concat(), &shape, 0, &vec![1; tp], x.explain)?;
+        return m
+            .explains()
+            .then(|| describe_ranks(&m, &format!("per-rank shards of {}", w.as_str()), x));
+    }
+    let (axis, block) = rank_axis(x.site.stage, x.input.cfg, tp)?;
+    let dim = *x.refr.shape.get(axis)?;
+    if dim % block != 0 || dim / block != tp {
+        return None;
+    }
+    let m = find_blocks(
+        &x.cand.to_f64(),
+        &x.refr.to_f64(),
+        &x.refr.shape,
+        axis,
+        &vec![block; tp],
+        x.explain,
+    )?;
+    m.explains()
+        .then(|| describe_ranks(&m, &format!("rank blocks of {}", x.site.stage.name()), x))
+}
+
+/// Reference kv_b rows regrouped per rank as `[all k rows | all v rows]`.
+fn grouped_kv_b_rows(kv_b: &[f64], cfg: &MlaConfig, tp: usize) -> Vec<f64> {
+    let [n, l, p, _, v] = cfg.dims().nlprv();
+    let nh = n / tp;
+    let mut out = Vec::with_capacity(kv_b.len());
+    for rank in 0..tp {
+        let heads = rank * nh..(rank + 1) * nh;
+        for h in heads.clone() {
+            out.extend_from_slice(&kv_b[h * (p + v) * l..(h * (p + v) + p) * l]);
+        }
+        for h in heads {
+            out.extend_from_slice(&kv_b[(h * (p + v) + p) * l..(h + 1) * (p + v) * l]);
+        }
+    }
+    out
+}
+
+/// The hint of a kv_b output split grouped per rank instead of per head.
+const KV_B_GROUPED_HINT: &str = "kv_b_proj rows are per head [k_nope_h | v_h]: view the output as [T, N, P+V] and \
+                                 split the last dim, not [all k_nope | all v]";
+/// The hint of `attn_k_b` reshaped instead of transposed.
+const K_B_UNTRANSPOSED_HINT: &str = "attn_k_b is stored [N, L, P] (transposed): kv_b / W_UK_T need \
+                                     k_b.transpose(1, 2), not a reshape of the same bytes";
+
+/// kv_b layout faults: rows grouped `[all k | all v]` per rank instead of per head, or `attn_k_b`
+/// reshaped instead of transposed, at the site where they show.
+pub(super) fn kv_b_layout(x: &SiteCtx<'_>) -> Option<Detection> {
+    match x.site.stage {
+        Stage::WKvB => kv_b_layout_w_kv_b(x),
+        Stage::KNope | Stage::V => kv_b_layout_k_nope_v(x),
+        Stage::WUkT => kv_b_layout_w_uk_t(x),
+        Stage::WUv => kv_b_layout_w_uv(x),
+        _ => None,
+    }
+}
+
+/// The untransposed hypothesis for head `h` of the reference kv_b `kvb` [N·(P+V), L]: its K
+/// rows [P, L] as `attn_k_b[h]` [L, P] read with a reshape instead of a transpose.
+fn untransposed_k(kvb: &[f64], h: usize, l: usize, p: usize, v: usize) -> Vec<f64> {
+    let k_rows = &kvb[h * (p + v) * l..(h * (p + v) + p) * l]; // [P, L] = k_b[h]ᵀ
+    let mut kb = vec![0f64; l * p]; // k_b[h] as [L, P], row-major
+    for pi in 0..p {
+        for li in 0..l {
+            kb[li * p + pi] = k_rows[pi * l + li];
+        }
+    }
+    kb // read as [P, L] row-major: the reshape
+}
+
+/// `w.kv_b`: k rows reshaped instead of transposed, or rows grouped per rank.
+fn kv_b_layout_w_kv_b(x: &SiteCtx<'_>) -> Option<Detection> {
+    let [n, l, p, _, v] = x.input.cfg.dims().nlprv();
+    let tp = x.input.tp.max(1);
+    let kvb = x.ref_site(Stage::WKvB)?.to_f64();
+    let mut alt = kvb.clone();
+    for h in 0..n {
+        let k = untransposed_k(&kvb, h, l, p, v);
+        alt[h * (p + v) * l..(h * (p + v) + p) * l].copy_from_slice(&k);
+    }
+    if let Some(e) = x.explained_by(&alt) {
+        return Some(Detection::new(
+            format!(
+                "w.kv_b's k rows equal k_b reshaped [N, L, P] → [N, P, L] instead of transposed ({})",
+                x.vs_as_is(e)
+            ),
+            K_B_UNTRANSPOSED_HINT.into(),
+        ));
+    }
+    let e = x.explained_by(&grouped_kv_b_rows(&kvb, x.input.cfg, tp))?;
+    Some(Detection::new(
+        format!("w.kv_b rows are grouped [all k | all v] per rank ({})", x.vs_as_is(e)),
+        KV_B_GROUPED_HINT.into(),
+    ))
+}
+
+/// `k_nope`/`v`: the reference kv_b output split grouped `[all k_nope | all v]` per rank.
+fn kv_b_layout_k_nope_v(x: &SiteCtx<'_>) -> Option<Detection> {
+    let [n, _, p, _, v] = x.input.cfg.dims().nlprv();
+    let tp = x.input.tp.max(1);
+    let nh = n / tp;
+    let k_nope = x.ref_site(Stage::KNope)?;
+    let v_ref = x.ref_site(Stage::V)?;
+    let t = k_nope.shape[0];
+    let mut alt = Vec::with_capacity(x.cand.len());
+    for ti in 0..t {
+        for rank in 0..tp {
+            // The rank's kv_b output row: per head [k_nope_h | v_h].
+            let mut row = Vec::with_capacity(nh * (p + v));
+            for h in rank * nh..(rank + 1) * nh {
+                row.extend((0..p).map(|d| k_nope.get((ti * n + h) * p + d)));
+                row.extend((0..v).map(|d| v_ref.get((ti * n + h) * v + d)));
+            }
+            if x.site.stage == Stage::KNope {
+                alt.extend_from_slice(&row[..nh * p]);
+            } else {
+                alt.extend_from_slice(&row[nh * p..]);
+            }
+        }
+    }
+    let e = x.explained_by(&alt)?;
+    Some(Detection::new(
+        format!(
+            "{} equals the reference kv_b_proj output split grouped as [all k_nope | all v] ({})",
+            x.site.stage.name(),
+            x.vs_as_is(e)
+        ),
+        KV_B_GROUPED_HINT.into(),
+    ))
+}
+
+/// W_UK_T [N, P, L] (`Stage::WUkT`) or W_UV [N, L, V] (`Stage::WUv`) as a loader builds it that
+/// splits the reference kv_b `kvb` [N·(P+V), L] grouped per rank: of each rank's nh·(P+V) rows
+/// (nh = N/tp, per head interleaved [k_nope_h | v_h]), the first nh·P taken as its heads' K rows
+/// [nh, P, L] and the last nh·V as its V rows [nh, V, L], permuted to [nh, L, V].
+fn split_kv_b_grouped(kvb: &[f64], cfg: &MlaConfig, tp: usize, stage: Stage) -> Vec<f64> {
+    let [n, l, p, _, v] = cfg.dims().nlprv();
+    let nh = n / tp;
+    let mut out = Vec::with_capacity(kvb.len());
+    for rank in 0..tp {
+        let rank_rows = &kvb[rank * nh * (p + v) * l..(rank + 1) * nh * (p + v) * l];
+        let (k_rows, v_rows) = rank_rows.split_at(nh * p * l);
+        if stage == Stage::WUkT {
+            out.extend_from_slice(k_rows);
+            continue;
+        }
+        for h in 0..nh {
+            for li in 0..l {
+                out.extend((0..v).map(|vi| v_rows[(h * v + vi) * l + li]));
+            }
+        }
+    }
+    out
+}
+
+/// `W_UK_T` or `W_UV` (the failing site's stage, named `what` in the evidence): the grouped
+/// split of kv_b's rows ([`split_kv_b_grouped`]), if it explains the candidate.
+fn kv_b_split_grouped(x: &SiteCtx<'_>, kvb: &[f64], what: &str) -> Option<Detection> {
+    let alt = split_kv_b_grouped(kvb, x.input.cfg, x.input.tp.max(1), x.site.stage);
+    let e = x.explained_by(&alt)?;
+    Some(Detection::new(
+        format!(
+            "{what} equals kv_b's rows split grouped [all k | all v] ({})",
+            x.vs_as_is(e)
+        ),
+        KV_B_GROUPED_HINT.into(),
+    ))
+}
+
+/// `W_UK_T`: kv_b's rows split grouped per rank, or `attn_k_b` reshaped instead of transposed.
+fn kv_b_layout_w_uk_t(x: &SiteCtx<'_>) -> Option<Detection> {
+    let kvb = x.ref_site(Stage::WKvB)?.to_f64();
+    if let Some(found) = kv_b_split_grouped(x, &kvb, "W_UK_T") {
+        return Some(found);
+    }
+    let [n, l, p, _, v] = x.input.cfg.dims().nlprv();
+    let alt: Vec<f64> = (0..n).flat_map(|h| untransposed_k(&kvb, h, l, p, v)).collect();
+    let e = x.explained_by(&alt)?;
+    Some(Detection::new(
+        format!(
+            "W_UK_T equals k_b reshaped [N, L, P] → [N, P, L] instead of transposed ({})",
+            x.vs_as_is(e)
+        ),
+        K_B_UNTRANSPOSED_HINT.into(),
+    ))
+}
+
+/// `W_UV`: kv_b's rows split grouped per rank.
+fn kv_b_layout_w_uv(x: &SiteCtx<'_>) -> Option<Detection> {
+    kv_b_split_grouped(x, &x.ref_site(Stage::WKvB)?.to_f64(), "W_UV")
+}
+
+/// A finding for a TP cut that falls inside a quant block.
+pub fn misaligned_finding(u: &Unservable, path: PathLabel) -> Finding {
+    Finding::at_site(
+        Class::QuantBlockMisaligned,
+        u.site,
+        Some(path),
+        Detection::new(
+            format!(
+                "{} ({}, blocks of {} along ne[0]) would be cut at element {} of ne[0], inside a block; not run",
+                u.tensor, u.ggml_type, u.block_size, u.at
+            ),
+            format!(
+                "{}: a quantized shard must start and end on a {}-element block boundary",
+                u.reason, u.block_size
+            ),
+        ),
+    )
+}
+
+/// Findings for GGUF weights that hold NaN/Inf after dequantization: one per tensor, at the
+/// first site that consumes it, for no path (the file itself is wrong; every path inherits it).
+pub fn weight_nonfinite_findings(layer: usize, bad: &[NonFiniteTensor], numel: impl Fn(&str) -> usize) -> Vec<Finding> {
+    bad.iter()
+        .map(|t| {
+            let tensor = &t.name;
+            let stage = match tensor.rsplit('.').nth(1).unwrap_or("") {
+                "attn_norm" => Stage::AttnIn,
+                "attn_q_a" => Stage::QC,
+                "attn_q_a_norm" => Stage::QCNormed,
+                "attn_q_b" | "attn_q" => Stage::Q,
+                "attn_kv_a_mqa" => Stage::KvA,
+                "attn_kv_a_norm" => Stage::KvCNormed,
+                "attn_k_b" | "attn_v_b" | "attn_kv_b" => Stage::WKvB,
+                "attn_output" => Stage::OProj,
+                "ffn_gate_inp" => Stage::MoeRouterLogits,
+                "exp_probs_b" => Stage::MoeTopk,
+                "ffn_gate_exps" | "ffn_up_exps" | "ffn_down_exps" => Stage::MoeOut,
+                "ffn_gate_shexp" | "ffn_up_shexp" | "ffn_down_shexp" => Stage::SharedOut,
+                _ => Stage::HiddenOut,
+            };
+            Finding::at_site(
+                Class::WeightNonfinite,
+                Site::new(layer, stage),
+                None,
+                Detection::new(
+                    format!(
+                        "{tensor} holds {} non-finite value(s) of {} after dequantization, the first at flat index {} (PyTorch layout)",
+                        t.count,
+                        numel(tensor),
+                        t.first_index
+                    ),
+                    "the GGUF itself is corrupt (a quant block with a NaN/Inf scale, or a bad conversion): every engine loading it computes garbage; re-convert or re-download the file".into(),
+                ),
+            )
+        })
+        .collect()
+}

@@ -3,7 +3,7 @@
 //! Everything a GPU computation needs before it decides what to compute: opening device 0,
 //! compiling `kernels/*.cu` with NVRTC for its architecture, caching kernels by name (and the fast
 //! kernels by shape and configuration), allocation, index upload and dequantization of GGUF bytes.
-//! It sits below the computations so that the CUDA backend (`backend/cuda/ops.rs`) and the f64
+//! It sits below the computations so that the CUDA backend (`backend/cuda/ops/`) and the f64
 //! GPU reference (`backend/cuda/reference.rs`) share one device.
 
 use std::collections::HashMap;

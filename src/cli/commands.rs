@@ -447,7 +447,7 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
         if b.usage.is_empty() {
             t.add_row(vec![
                 b.label.clone(),
-                b.target.clone(),
+                b.target.to_string(),
                 "(no ptxas report)".into(),
                 String::new(),
                 String::new(),
@@ -457,7 +457,7 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
         for u in &b.usage {
             t.add_row(vec![
                 b.label.clone(),
-                b.target.clone(),
+                b.target.to_string(),
                 u.kernel.clone(),
                 u.registers.to_string(),
                 u.spill_stores.to_string(),
@@ -470,7 +470,7 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
         m.nvrtc.0,
         m.nvrtc.1,
         m.include.display(),
-        a.arch.join(", ")
+        a.arch.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
     );
     out.write_all(text.as_bytes())
         .map_err(|e| Error::io("<stdout>", "write", e))?;

@@ -14,7 +14,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
 use crate::core::error::{Error, Result};
-use crate::device::{Module, compile, include_dir, probe, target_arch};
+use crate::device::{ComputeCapability, Module, compile, include_dir, probe};
 use crate::model::gguf::GgmlType;
 
 /// Threads per block of the elementwise kernels.
@@ -48,10 +48,9 @@ pub struct Device {
     layer_weights: Mutex<HashMap<String, CudaSlice<f32>>>,
     /// Device name, e.g. "NVIDIA H200".
     pub name: String,
-    /// Compute capability.
-    pub compute_capability: (i32, i32),
-    /// The architecture the kernels were compiled for, e.g. `sm_90`.
-    pub arch: String,
+    /// The device's compute capability, which the kernels are compiled for (`sm_90`; the fast
+    /// decode's wgmma build for its architecture-specific form, [`ComputeCapability::target_for`]).
+    pub arch: ComputeCapability,
     /// The CUDA include folder NVRTC used.
     pub include: PathBuf,
 }
@@ -77,15 +76,15 @@ impl Device {
         let include = include_dir(include)?;
         let ctx = CudaContext::new(0).map_err(|e| Error::cuda(format!("cuCtxCreate on device 0: {e:?}")))?;
         let name = ctx.name().map_err(|e| Error::cuda(format!("cuDeviceGetName: {e:?}")))?;
-        let cc = ctx
+        let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| Error::cuda(format!("compute capability: {e:?}")))?;
-        let arch = format!("sm_{}{}", cc.0, cc.1);
+        let arch = ComputeCapability::from_device(major, minor)?;
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone()).map_err(|e| Error::cuda(format!("cublasCreate: {e:?}")))?;
         let mut modules = HashMap::new();
         for &m in Module::SIMPLE {
-            let c = compile(m, &arch, &include, false, &[])?;
+            let c = compile(m, arch, &include, false, &[])?;
             let module = ctx
                 .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))
                 .map_err(|e| Error::cuda(format!("{}: cuModuleLoadData: {e:?}", m.file())))?;
@@ -100,7 +99,6 @@ impl Device {
             fast: Mutex::new(HashMap::new()),
             layer_weights: Mutex::new(HashMap::new()),
             name,
-            compute_capability: cc,
             arch,
             include,
         })
@@ -130,8 +128,8 @@ impl Device {
         format!(
             "{} (compute {}.{}, kernels {}, NVRTC {nv}, include {})",
             self.name,
-            self.compute_capability.0,
-            self.compute_capability.1,
+            self.arch.major,
+            self.arch.minor,
             self.arch,
             self.include.display()
         )
@@ -162,13 +160,7 @@ impl Device {
             _ => return Err(Error::cuda(format!("{} is not a fast kernel module", module.file()))),
         };
         defines.extend_from_slice(extra);
-        let c = compile(
-            module,
-            &target_arch(&self.arch, &defines),
-            &self.include,
-            false,
-            &defines,
-        )?;
+        let c = compile(module, self.arch.target_for(&defines), &self.include, false, &defines)?;
         let m = self
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))

@@ -7,18 +7,21 @@
 //! `*_present` and version functions), names the kernel modules ([`Module`]), compiles them
 //! with NVRTC for an architecture ([`compile`], or for given architectures with `kernels
 //! --compile-only`) through an on-disk cache keyed by source, options and toolkit
-//! ([`nvrtc_cache_dir`]), parses ptxas's register and spill report ([`parse_usage`]), and says
-//! which architectures have wgmma and bulk copies ([`supports_wgmma`], [`supports_tma`]).
+//! ([`nvrtc_cache_dir`]) and parses ptxas's register and spill report ([`parse_usage`]).
+//! [`capability`] names an architecture and says what it has (wgmma, bulk copies);
 //! [`context`] holds the opened device (context, stream, cuBLAS handle, loaded modules).
 //! It sits below `backend/`, so the CUDA backend and the GPU reference
 //! (`backend/cuda/reference.rs`) share one device and one kernel cache.
 
+pub mod capability;
 pub mod context;
 
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
 
 use crate::core::error::{Error, Result};
+
+pub use capability::ComputeCapability;
 
 /// The prelude prepended to every kernel module.
 pub const COMMON: &str = include_str!("../../kernels/common.cuh");
@@ -259,8 +262,8 @@ fn cache_key(src: &str, opts: &[String], include: &Path) -> String {
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Compiles `module` for `arch` (e.g. `sm_90`) with NVRTC, returning the CUBIN and the log.
-/// `defines` become `-DNAME=VALUE` (the fast kernels' shape constants).
+/// Compiles `module` for `arch` (e.g. `sm_90`, `sm_90a`) with NVRTC, returning the CUBIN and
+/// the log. `defines` become `-DNAME=VALUE` (the fast kernels' shape constants).
 ///
 /// A compiled CUBIN is kept in [`nvrtc_cache_dir`] under its `cache_key`, and a later compile of
 /// the same source, options and NVRTC reads it instead of compiling (a second run starts in
@@ -270,7 +273,7 @@ fn cache_key(src: &str, opts: &[String], include: &Path) -> String {
 /// Errors: [`Error::Cuda`] with NVRTC's whole log when the source does not compile.
 pub fn compile(
     module: Module,
-    arch: &str,
+    arch: ComputeCapability,
     include: &Path,
     verbose: bool,
     defines: &[(&str, usize)],
@@ -440,30 +443,6 @@ pub fn probe() -> Result<usize> {
         return Err(Error::cuda("the CUDA driver reports no device"));
     }
     Ok(n as usize)
-}
-
-/// True for `sm_90` and `sm_90a`: the architectures with `wgmma.mma_async` (sm_100 replaced it).
-pub fn supports_wgmma(arch: &str) -> bool {
-    arch == "sm_90" || arch == "sm_90a"
-}
-
-/// The NVRTC target for kernels of configuration `defines` on `arch`: `sm_90a` (the
-/// architecture-specific features wgmma needs) when `FD_WG` is 1 on sm_90, else `arch`.
-pub fn target_arch(arch: &str, defines: &[(&str, usize)]) -> String {
-    if arch == "sm_90" && defines.contains(&("FD_WG", 1)) {
-        "sm_90a".into()
-    } else {
-        arch.into()
-    }
-}
-
-/// True for `sm_90` and newer (`sm_90a`, `sm_100`, …): the architectures with bulk async copies
-/// and transaction-count mbarriers. An unparsable name counts as older.
-pub fn supports_tma(arch: &str) -> bool {
-    arch.strip_prefix("sm_")
-        .map(|v| v.trim_end_matches(|c: char| c.is_ascii_alphabetic()))
-        .and_then(|v| v.parse::<u32>().ok())
-        .is_some_and(|v| v >= 90)
 }
 
 #[cfg(test)]

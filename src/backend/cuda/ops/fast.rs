@@ -15,7 +15,6 @@ use crate::backend::prefill_cfg::PrefillCfg;
 use crate::compute::ops::{DecodeArgs, PrefillArgs};
 use crate::core::error::{Error, Result};
 use crate::device::Module;
-use crate::device::supports_wgmma;
 
 use super::CudaOps;
 
@@ -154,7 +153,7 @@ impl CudaOps {
         merge: Option<DecodeMerge<'_>>,
     ) -> Result<()> {
         let (sh, dc) = (l.shape, l.shape.cfg);
-        if dc.wgmma && !(supports_wgmma(&self.dev.arch) && DecodeCfg::wgmma_fits(sh.width, sh.dv)) {
+        if dc.wgmma && !(self.dev.arch.has_wgmma() && DecodeCfg::wgmma_fits(sh.width, sh.dv)) {
             return Err(Error::cuda(format!(
                 "decode configuration {}: wgmma needs sm_90 (this device is {}) and L a multiple of 128 with L+R <= 576 (here L+R = {}, L = {})",
                 dc.label(),
@@ -164,7 +163,7 @@ impl CudaOps {
             )));
         }
         let smem = dc.smem(sh.width);
-        let cluster = dc.cluster_size(&self.dev.arch, sh.splits, sh.dv, merge.is_some());
+        let cluster = dc.cluster_size(self.dev.arch, sh.splits, sh.dv, merge.is_some());
         if (cluster > 0 || dc.teams > 1) && !dc.cluster_fits(sh.width, sh.dv, cluster) {
             return Err(Error::cuda(format!(
                 "decode configuration {}: the {} partial output [{}, {}] f32 does not fit in the block's {smem} bytes of shared memory (use CLUSTER 0, one team or fewer heads per block)",

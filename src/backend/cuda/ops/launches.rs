@@ -554,7 +554,7 @@ impl Ops for CudaOps {
         Self::check_len(q, n * nh * width, "decode q")?;
         let inputs = self.fast_decode_inputs(d)?;
         let cfg = inputs.shape.cfg;
-        let on_chip = cfg.cluster_size(&self.dev.arch, splits, dv, true) > 0;
+        let on_chip = cfg.cluster_size(self.dev.arch, splits, dv, true) > 0;
         let mut parts = self.canary(if on_chip { 1 } else { splits * n * nh * dv })?;
         let mut lses = self.canary(if on_chip { 1 } else { splits * n * nh })?;
         let mut out = self.canary(n * nh * dv)?;

@@ -32,6 +32,7 @@ use crate::compute::ops::Ops;
 use crate::compute::path::PathKind;
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
+use crate::device::ComputeCapability;
 use crate::device::context::Device;
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
@@ -76,9 +77,9 @@ pub struct CudaOps {
 }
 
 impl CudaOps {
-    /// The device's compute capability as NVRTC names it (`sm_90`).
-    pub fn arch(&self) -> &str {
-        &self.dev.arch
+    /// The device's compute capability (`sm_90`), which its kernels are compiled for.
+    pub fn arch(&self) -> ComputeCapability {
+        self.dev.arch
     }
 
     /// Opens device 0 ([`Device::open`]) for a backend computing in `dtype` with the fast

@@ -118,7 +118,7 @@ impl CudaOps {
         self.decode_cfg
             .unwrap_or_else(|| DecodeCfg::for_heads(nh))
             .fit(width, dv)
-            .for_arch(&self.dev.arch)
+            .for_arch(self.dev.arch)
     }
 
     /// The prefill configuration a tensor-core prefill of head widths (`dqk`, `dv`) = (P+R, V)

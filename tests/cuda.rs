@@ -17,8 +17,10 @@ use mla_diff::model::config::MlaConfig;
 use mla_diff::model::gguf::{GgmlType, dequant::dequantize};
 use mla_diff::model::weights::LayerWeights;
 
+/// The CUDA backend as the command line builds it (its include folder, NVRTC cache and kernel
+/// configurations from this process's environment).
 fn device() -> Option<CudaOps> {
-    match CudaOps::new(Dtype::F32, None) {
+    match CudaOps::new(Dtype::F32, None, &mla_diff::cli::settings_from_env()) {
         Ok(o) => Some(o),
         Err(e) => {
             // Written to stderr directly so the reason shows even when the harness captures output.

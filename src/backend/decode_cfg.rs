@@ -233,19 +233,9 @@ impl DecodeCfg {
         Ok(c)
     }
 
-    /// The configuration named by `MLA_DIFF_DECODE_CFG`, if set and not empty (read by the CUDA
-    /// backend when it is created).
-    ///
-    /// # Errors
-    /// [`DecodeCfg::parse_named`]'s, naming `MLA_DIFF_DECODE_CFG`.
-    pub fn from_env() -> Result<Option<Self>> {
-        match std::env::var("MLA_DIFF_DECODE_CFG") {
-            Ok(s) if !s.is_empty() => Self::parse_named("MLA_DIFF_DECODE_CFG", &s).map(Some),
-            _ => Ok(None),
-        }
-    }
-
-    /// [`DecodeCfg::parse`] of `s` read from the environment variable `var`.
+    /// [`DecodeCfg::parse`] of `s` read from the environment variable `var` (the CUDA backend
+    /// parses `MLA_DIFF_DECODE_CFG` this way when it is created, `mla-diff bench` each
+    /// `MLA_DIFF_BENCH_DECODE` entry).
     ///
     /// # Errors
     /// [`DecodeCfg::parse`]'s, prefixed with `var` (one line, e.g. `MLA_DIFF_DECODE_CFG: decode

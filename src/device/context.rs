@@ -14,6 +14,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
 use crate::core::error::{Error, Result};
+use crate::core::settings::DeviceSettings;
 use crate::device::{ComputeCapability, Module, compile, include_dir, probe};
 use crate::model::gguf::GgmlType;
 
@@ -53,6 +54,8 @@ pub struct Device {
     pub arch: ComputeCapability,
     /// The CUDA include folder NVRTC used.
     pub include: PathBuf,
+    /// The on-disk NVRTC cache the kernels compile through ([`DeviceSettings::nvrtc_cache`]).
+    nvrtc_cache: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Device {
@@ -65,15 +68,17 @@ impl std::fmt::Debug for Device {
 }
 
 impl Device {
-    /// Opens device 0, compiles every kernel module with NVRTC for its compute capability and
-    /// loads it, and creates a cuBLAS handle.
+    /// Opens device 0, compiles every kernel module with NVRTC for its compute capability
+    /// (headers from `include`, else as [`include_dir`] finds them in `settings`; through
+    /// `settings`' NVRTC cache) and loads it, and creates a cuBLAS handle.
     ///
     /// Errors: [`Error::Cuda`] when a library or the device is missing (checked before cudarc
     /// is called), when the include folder lacks `cuda_bf16.h`, or with NVRTC's whole log when a
     /// kernel does not compile.
-    pub fn open(include: Option<&Path>) -> Result<Self> {
+    pub fn open(include: Option<&Path>, settings: &DeviceSettings) -> Result<Self> {
         probe()?;
-        let include = include_dir(include)?;
+        let include = include_dir(include, settings)?;
+        let nvrtc_cache = settings.nvrtc_cache.clone();
         let ctx = CudaContext::new(0).map_err(|e| Error::cuda(format!("cuCtxCreate on device 0: {e:?}")))?;
         let name = ctx.name().map_err(|e| Error::cuda(format!("cuDeviceGetName: {e:?}")))?;
         let (major, minor) = ctx
@@ -84,7 +89,7 @@ impl Device {
         let blas = CudaBlas::new(stream.clone()).map_err(|e| Error::cuda(format!("cublasCreate: {e:?}")))?;
         let mut modules = HashMap::new();
         for &m in Module::SIMPLE {
-            let c = compile(m, arch, &include, false, &[])?;
+            let c = compile(m, arch, &include, false, &[], nvrtc_cache.as_deref())?;
             let module = ctx
                 .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))
                 .map_err(|e| Error::cuda(format!("{}: cuModuleLoadData: {e:?}", m.file())))?;
@@ -101,6 +106,7 @@ impl Device {
             name,
             arch,
             include,
+            nvrtc_cache,
         })
     }
 
@@ -160,7 +166,14 @@ impl Device {
             _ => return Err(Error::cuda(format!("{} is not a fast kernel module", module.file()))),
         };
         defines.extend_from_slice(extra);
-        let c = compile(module, self.arch.target_for(&defines), &self.include, false, &defines)?;
+        let c = compile(
+            module,
+            self.arch.target_for(&defines),
+            &self.include,
+            false,
+            &defines,
+            self.nvrtc_cache.as_deref(),
+        )?;
         let m = self
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))

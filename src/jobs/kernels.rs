@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use crate::backend::decode_cfg::DecodeCfg;
 use crate::backend::prefill_cfg::PrefillCfg;
 use crate::core::error::Result;
+use crate::core::settings::DeviceSettings;
 use crate::device::{ComputeCapability, KernelUsage, Module};
 
 /// One compiled module or configuration.
@@ -35,13 +36,20 @@ pub struct KernelMatrix {
 }
 
 /// Compiles every module for every architecture in `archs` (plus the decode and prefill
-/// configurations the fast kernels select), writing each CUBIN into `out` when given
-/// (`<module>.<arch>.cubin`, or `<module>.<configuration>.<target>.cubin`).
+/// configurations the fast kernels select), with the headers of `include`, else as
+/// [`crate::device::include_dir`] finds them in `settings`, writing each CUBIN into `out` when
+/// given (`<module>.<arch>.cubin`, or `<module>.<configuration>.<target>.cubin`). The compiles
+/// are verbose (for ptxas's report), so they bypass the NVRTC cache.
 ///
 /// Errors: [`crate::Error::Cuda`] when NVRTC or the include folder is missing, with NVRTC's log when
 /// a kernel does not compile; [`crate::Error::Io`] when a CUBIN cannot be written.
-pub fn compile_all(archs: &[ComputeCapability], include: Option<&Path>, out: Option<&Path>) -> Result<KernelMatrix> {
-    let include = crate::device::include_dir(include)?;
+pub fn compile_all(
+    archs: &[ComputeCapability],
+    include: Option<&Path>,
+    out: Option<&Path>,
+    settings: &DeviceSettings,
+) -> Result<KernelMatrix> {
+    let include = crate::device::include_dir(include, settings)?;
     let nvrtc = crate::device::nvrtc_version()?;
     let mut builds = Vec::new();
     for &arch in archs {
@@ -117,7 +125,7 @@ pub fn compile_all(archs: &[ComputeCapability], include: Option<&Path>, out: Opt
         }
         for (m, label, defines) in jobs {
             let target = arch.target_for(&defines);
-            let c = crate::device::compile(m, target, &include, true, &defines)?;
+            let c = crate::device::compile(m, target, &include, true, &defines, settings.nvrtc_cache.as_deref())?;
             if let Some(dir) = out {
                 // `<module>.<arch>.cubin` for the default build, `<module>.<label>.<target>.cubin`
                 // (label without parentheses, spaces as `-`) for each configuration.

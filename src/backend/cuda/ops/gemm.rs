@@ -3,7 +3,8 @@
 //! The one step this backend does not write itself. A GEMM is row-major `y = x·wᵀ` in the
 //! engine and column-major in cuBLAS, and each dtype takes a different entry point (SGEMM for
 //! f32, GemmEx with bf16 inputs and f32 accumulation for bf16, or SGEMM on bf16-rounded inputs
-//! where cuBLAS's bf16 kernels cannot run): those details are kept apart from our own kernels.
+//! where cuBLAS's bf16 kernels cannot run, `MLA_DIFF_BF16_GEMM=emulate`): those details are kept
+//! apart from our own kernels.
 
 use std::ffi::c_void;
 
@@ -18,7 +19,8 @@ use super::CudaOps;
 
 impl CudaOps {
     /// `y [t, o] = x [t, k] · w [o, k]ᵀ` (f32 buffers, row-major) through cuBLAS in this
-    /// backend's dtype ([`Ops::linear`]).
+    /// backend's dtype ([`Ops::linear`]); for bf16 through cuBLAS's bf16 GEMM, or as an SGEMM on
+    /// bf16-rounded inputs when `MLA_DIFF_BF16_GEMM=emulate` was set when [`CudaOps::new`] ran.
     ///
     /// Errors: an input shorter than its shape, allocation, cuBLAS or launch failures.
     pub(super) fn cublas_linear(
@@ -55,7 +57,7 @@ impl CudaOps {
                 unsafe { self.dev.blas().gemm(sgemm, w, x, &mut y) }
                     .map_err(|e| Error::cuda(format!("cublasSgemm: {e:?}")))?;
             }
-            Dtype::Bf16 if std::env::var_os("MLA_DIFF_BF16_GEMM").is_some_and(|v| v == "emulate") => {
+            Dtype::Bf16 if self.emulate_bf16_gemm => {
                 // bf16 inputs held exactly in f32, f32 accumulation: the same arithmetic as the
                 // bf16 GEMM, through cublasSgemm. For compute-sanitizer runs, which cannot handle
                 // cuBLAS's bf16 kernels.

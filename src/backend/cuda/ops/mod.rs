@@ -32,6 +32,7 @@ use crate::compute::ops::Ops;
 use crate::compute::path::PathKind;
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
+use crate::core::settings::{DecodeSpin, Settings};
 use crate::device::ComputeCapability;
 use crate::device::context::Device;
 use crate::model::config::MlaConfig;
@@ -68,12 +69,16 @@ pub struct CudaOps {
     /// The NCCL communicators of `--devices`: the `o_proj` all-reduce runs through them when
     /// the path has one partial per listed device ([`CudaOps::with_nccl`]).
     nccl: Option<Rc<NcclAllReduce>>,
-    /// `MLA_DIFF_DECODE_CFG`, read once when the backend is created (so a bad string is refused
-    /// on every CUDA run, not only when a fast decode launches); fitted to each launch's shape
-    /// and the device.
+    /// `MLA_DIFF_DECODE_CFG`, parsed once when the backend is created (so a bad string is
+    /// refused on every CUDA run, not only when a fast decode launches); fitted to each launch's
+    /// shape and the device.
     decode_cfg: Option<DecodeCfg>,
-    /// `MLA_DIFF_PREFILL_CFG`, read once when the backend is created, as `decode_cfg`.
+    /// `MLA_DIFF_PREFILL_CFG`, parsed once when the backend is created, as `decode_cfg`.
     prefill_cfg: Option<PrefillCfg>,
+    /// `MLA_DIFF_DECODE_SPIN` ([`CudaOps::spin_merge`]).
+    decode_spin: DecodeSpin,
+    /// `MLA_DIFF_BF16_GEMM=emulate` ([`CudaOps::cublas_linear`]).
+    emulate_bf16_gemm: bool,
 }
 
 impl CudaOps {
@@ -82,18 +87,28 @@ impl CudaOps {
         self.dev.arch
     }
 
-    /// Opens device 0 ([`Device::open`]) for a backend computing in `dtype` with the fast
-    /// kernels, after reading the kernel configurations `MLA_DIFF_DECODE_CFG` and
-    /// `MLA_DIFF_PREFILL_CFG` where set ([`DecodeCfg::from_env`], [`PrefillCfg::from_env`]).
+    /// Opens device 0 ([`Device::open`], with `settings.device`) for a backend computing in
+    /// `dtype` with the fast kernels, after parsing the kernel configurations
+    /// `MLA_DIFF_DECODE_CFG` and `MLA_DIFF_PREFILL_CFG` of `settings.kernels` where set
+    /// ([`DecodeCfg::parse_named`], [`PrefillCfg::parse_named`]).
     ///
     /// Errors: [`Error::Usage`] naming the variable, the string and the field when a
     /// configuration variable does not parse or breaks a rule (before any device is asked);
     /// else as [`Device::open`].
-    pub fn new(dtype: Dtype, include: Option<&Path>) -> Result<Self> {
-        let decode_cfg = DecodeCfg::from_env()?;
-        let prefill_cfg = PrefillCfg::from_env()?;
+    pub fn new(dtype: Dtype, include: Option<&Path>, settings: &Settings) -> Result<Self> {
+        let k = &settings.kernels;
+        let decode_cfg = k
+            .decode_cfg
+            .as_deref()
+            .map(|s| DecodeCfg::parse_named("MLA_DIFF_DECODE_CFG", s))
+            .transpose()?;
+        let prefill_cfg = k
+            .prefill_cfg
+            .as_deref()
+            .map(|s| PrefillCfg::parse_named("MLA_DIFF_PREFILL_CFG", s))
+            .transpose()?;
         Ok(CudaOps {
-            dev: Arc::new(Device::open(include)?),
+            dev: Arc::new(Device::open(include, &settings.device)?),
             dtype,
             kernels: Kernels::Fast,
             sync_each: true,
@@ -103,6 +118,8 @@ impl CudaOps {
             nccl: None,
             decode_cfg,
             prefill_cfg,
+            decode_spin: k.decode_spin,
+            emulate_bf16_gemm: k.emulate_bf16_gemm,
         })
     }
 

@@ -12,6 +12,7 @@ use cudarc::driver::LaunchConfig;
 use crate::backend::decode_cfg::{DecodeCfg, wave_splits};
 use crate::backend::prefill_cfg::PrefillCfg;
 use crate::core::error::{Error, Result};
+use crate::core::settings::DecodeSpin;
 use crate::device::Module;
 
 use super::{CudaOps, DecodeShape};
@@ -124,7 +125,7 @@ impl CudaOps {
     /// The prefill configuration a tensor-core prefill of head widths (`dqk`, `dv`) = (P+R, V)
     /// runs: `cfg` if given, else `MLA_DIFF_PREFILL_CFG` as read by [`CudaOps::new`] if set,
     /// else the default; adapted to the widths by [`PrefillCfg::for_shape`].
-    pub(super) fn prefill_cfg_for(&self, cfg: Option<PrefillCfg>, dqk: usize, dv: usize) -> PrefillCfg {
+    pub fn prefill_cfg_for(&self, cfg: Option<PrefillCfg>, dqk: usize, dv: usize) -> PrefillCfg {
         match cfg {
             Some(c) => c,
             None => self.prefill_cfg.unwrap_or_default(),
@@ -135,20 +136,19 @@ impl CudaOps {
     /// Whether every split of a decode launch of shape `sh` merges its share of the value
     /// columns once all have arrived (the kernel's spin mode), where sharing is `possible` (a
     /// fused merge through global memory of 2 to 255 splits): `sh.spin` when set; else
-    /// `MLA_DIFF_DECODE_SPIN`: `0` keeps the last block merging everything, `force` spins even
-    /// when the blocks do not all fit (for testing the kernel's give-up path); else when every
-    /// block of the launch is resident at once.
+    /// `MLA_DIFF_DECODE_SPIN` as read by [`CudaOps::new`]: `0` keeps the last block merging
+    /// everything, `force` spins even when the blocks do not all fit (for testing the kernel's
+    /// give-up path); else when every block of the launch is resident at once.
     ///
     /// Errors: [`Error::Cuda`] when the occupancy query fails ([`CudaOps::decode_blocks_per_sm`]).
     pub(super) fn spin_merge(&self, sh: &DecodeShape, possible: bool) -> Result<bool> {
-        let spin_env = std::env::var("MLA_DIFF_DECODE_SPIN").unwrap_or_default();
         let dc = sh.cfg;
         Ok(possible
-            && match sh.spin {
-                Some(on) => on,
-                None if spin_env == "0" => false,
-                None if spin_env == "force" => true,
-                None => {
+            && match (sh.spin, self.decode_spin) {
+                (Some(on), _) => on,
+                (None, DecodeSpin::Off) => false,
+                (None, DecodeSpin::Force) => true,
+                (None, DecodeSpin::Auto) => {
                     sh.n * sh.nh.div_ceil(dc.heads) * sh.splits
                         <= self.sm_count()? * self.decode_blocks_per_sm(sh.width, sh.dv, dc)?
                 }

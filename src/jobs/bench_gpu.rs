@@ -9,12 +9,12 @@
 //! - MHA prefill: T = 4096, N = 16, P+R = 192, V = 128, causal: TFLOP/s counting
 //!   N·T²·(P+R+V) (the causal half of 2·T²·(P+R) + 2·T²·V per head).
 //!
-//! Each figure is the median of [`REPS`] timed repetitions after [`WARM`] warm-up calls, with CUDA events around each
-//! repetition and all repetitions enqueued back to back (one host synchronization after the
-//! last, as Triton's `do_bench`), so a figure is GPU time without the host's launch latency;
-//! `MLA_DIFF_BENCH_SYNC=1` synchronizes after every repetition instead (which adds one launch
-//! latency to every call). Errors are checked once
-//! after each timing loop.
+//! Each figure is the median of `REPS` timed repetitions after `WARM` warm-up calls, with CUDA
+//! events around each repetition and all repetitions enqueued back to back (one host
+//! synchronization after the last, as Triton's `do_bench`), so a figure is GPU time without the
+//! host's launch latency; `MLA_DIFF_BENCH_SYNC=1` synchronizes after every repetition instead
+//! (which adds one launch latency to every call). Errors are checked once after each timing loop.
+//! The variables are read by the command line ([`BenchSettings`]; docs/environment.md).
 
 use cudarc::driver::CudaSlice;
 use serde::Serialize;

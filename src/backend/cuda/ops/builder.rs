@@ -110,7 +110,7 @@ impl CudaOps {
         Ok(out)
     }
 
-    /// Dequantizes on the GPU when a kernel exists for `ty` ([`Device::dequant`]).
+    /// Dequantizes on the GPU when a kernel exists for `ty` ([`crate::device::context::Device::dequant`]).
     pub(super) fn gpu_dequant(&self, ty: GgmlType, bytes: &[u8], n: usize) -> Result<Option<CudaSlice<f32>>> {
         match self.dev.dequant(ty, bytes, n)? {
             Some((y, kernel)) => {

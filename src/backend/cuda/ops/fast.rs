@@ -4,7 +4,7 @@
 //! Unlike the simple kernels, these are compiled per shape and launch configuration, read bf16
 //! copies of their inputs, and carry rules the configuration must meet on the device (wgmma only
 //! on sm_90, a cluster merge only where its partials fit). The engine reaches them through
-//! [`super::launches`]; the benchmarks call [`CudaOps::prefill_mma`] and [`CudaOps::decode_mma`]
+//! `launches`; the benchmarks call [`CudaOps::prefill_mma`] and [`CudaOps::decode_mma`]
 //! directly with a configuration of their own, so the launch descriptions ([`DecodeLaunch`],
 //! [`DecodeShape`], [`DecodeMerge`]) are public.
 

@@ -7,10 +7,10 @@
 //! kernels' job).
 //!
 //! This file holds the backend value: what it launches, in which dtype, where its sites and
-//! all-reduce go. The work is cut by what changes together: [`builder`] turns a kernel name and
-//! its arguments into a checked launch, [`occupancy`] asks the device what fits and picks the
-//! fast kernels' launch configuration, [`fast`] launches the tensor-core kernels, [`gemm`] the
-//! cuBLAS GEMM, and [`launches`] implements [`Ops`] with the simple kernels.
+//! all-reduce go. The work is cut by what changes together: `builder` turns a kernel name and
+//! its arguments into a checked launch, `occupancy` asks the device what fits and picks the
+//! fast kernels' launch configuration, [`fast`] launches the tensor-core kernels, `gemm` the
+//! cuBLAS GEMM, and `launches` implements [`Ops`] with the simple kernels.
 
 mod builder;
 pub mod fast;

@@ -255,6 +255,22 @@ fn flags_out_of_range_are_usage_errors_not_crashes() {
     }
 }
 
+/// An `--arch` value that is no compute capability is refused when the flag is read, naming the
+/// flag and the value, before NVRTC is looked for (so it shows on a machine without CUDA).
+#[test]
+fn kernels_arch_values_are_compute_capabilities() {
+    for bad in ["sm_9x", "90", "sm_090", "compute_90"] {
+        let arch = format!("sm_90,{bad}");
+        let (code, err) = embedded(&["kernels", "--compile-only", "--arch", &arch]);
+        assert_eq!(code, 2, "{bad}: {err}");
+        assert!(
+            err.contains("--arch") && err.contains(&format!("`{bad}`")),
+            "{bad}: {err}"
+        );
+        assert!(!err.contains("NVRTC") && !err.contains("panicked"), "{bad}: {err}");
+    }
+}
+
 /// `--devices` mistakes are exit-2 lines naming the flag, found before any GPU is asked (so
 /// they show on a machine without one); a machine without the GPUs says so.
 #[test]

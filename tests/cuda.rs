@@ -12,12 +12,15 @@ use mla_diff::compute::ops::Ops;
 use mla_diff::compute::path::{LayerInput, PathKind, PathOptions};
 use mla_diff::core::batch::{Batch, SeqSpec, normal_f32};
 use mla_diff::core::dtype::Dtype;
+use mla_diff::device::ComputeCapability;
 use mla_diff::model::config::MlaConfig;
 use mla_diff::model::gguf::{GgmlType, dequant::dequantize};
 use mla_diff::model::weights::LayerWeights;
 
+/// The CUDA backend as the command line builds it (its include folder, NVRTC cache and kernel
+/// configurations from this process's environment).
 fn device() -> Option<CudaOps> {
-    match CudaOps::new(Dtype::F32, None) {
+    match CudaOps::new(Dtype::F32, None, &mla_diff::cli::settings_from_env()) {
         Ok(o) => Some(o),
         Err(e) => {
             // Written to stderr directly so the reason shows even when the harness captures output.
@@ -32,7 +35,7 @@ fn device() -> Option<CudaOps> {
 
 /// [`device`] when its architecture passes `supported`, else `None` with the skip printed
 /// (`lacks`: what the device lacks, e.g. "wgmma (sm_90 only)").
-fn device_with(supported: fn(&str) -> bool, lacks: &str) -> Option<CudaOps> {
+fn device_with(supported: fn(ComputeCapability) -> bool, lacks: &str) -> Option<CudaOps> {
     let ops = device()?;
     if supported(ops.arch()) {
         Some(ops)
@@ -355,8 +358,7 @@ fn first_bit_difference(a: &[f32], b: &[f32]) -> Option<usize> {
 #[test]
 fn device_cluster_merge_matches_the_fused_merge_bit_for_bit() {
     use mla_diff::backend::decode_cfg::DecodeCfg;
-    use mla_diff::device::supports_tma;
-    let Some(ops) = device_with(supports_tma, "thread-block clusters (sm_90+)") else {
+    let Some(ops) = device_with(ComputeCapability::has_tma, "thread-block clusters (sm_90+)") else {
         return;
     };
     let case = MergeCase::new(&ops, &[0, 1, 3, 7, 31, 64, 100, 257], 20);
@@ -522,8 +524,7 @@ fn check_fast_decode_at_v3(dev: &CudaOps, what: &str, cases: &[(usize, usize)], 
 #[test]
 fn device_wgmma_decode_matches_the_simple_kernels_and_the_cpu() {
     use mla_diff::backend::decode_cfg::DecodeCfg;
-    use mla_diff::device::supports_wgmma;
-    let Some(dev) = device_with(supports_wgmma, "wgmma (sm_90 only)") else {
+    let Some(dev) = device_with(ComputeCapability::has_wgmma, "wgmma (sm_90 only)") else {
         return;
     };
     assert!(DecodeCfg::for_heads(128).fit(576, 512).for_arch(dev.arch()).wgmma);
@@ -540,8 +541,7 @@ fn device_wgmma_decode_matches_the_simple_kernels_and_the_cpu() {
 #[test]
 fn device_teams_decode_matches_the_simple_kernels_and_the_cpu() {
     use mla_diff::backend::decode_cfg::DecodeCfg;
-    use mla_diff::device::supports_tma;
-    let Some(dev) = device_with(supports_tma, "bulk copies (sm_90+)") else {
+    let Some(dev) = device_with(ComputeCapability::has_tma, "bulk copies (sm_90+)") else {
         return;
     };
     assert_eq!(
@@ -560,8 +560,7 @@ fn device_teams_decode_matches_the_simple_kernels_and_the_cpu() {
 #[test]
 fn device_teams_variants_give_the_same_bits() {
     use mla_diff::backend::decode_cfg::DecodeCfg;
-    use mla_diff::device::supports_tma;
-    let Some(ops) = device_with(supports_tma, "bulk copies (sm_90+)") else {
+    let Some(ops) = device_with(ComputeCapability::has_tma, "bulk copies (sm_90+)") else {
         return;
     };
     let case = MergeCase::new(&ops, &[0, 1, 3, 7, 31, 32, 33, 64, 100, 257, 1000], 20);
@@ -602,8 +601,7 @@ fn device_teams_variants_give_the_same_bits() {
 #[test]
 fn device_wgmma_one_split_writes_the_merge_directly() {
     use mla_diff::backend::decode_cfg::DecodeCfg;
-    use mla_diff::device::supports_wgmma;
-    let Some(ops) = device_with(supports_wgmma, "wgmma (sm_90 only)") else {
+    let Some(ops) = device_with(ComputeCapability::has_wgmma, "wgmma (sm_90 only)") else {
         return;
     };
     let case = MergeCase::new(&ops, &[0, 1, 3, 64, 65, 257, 1000], 80);

@@ -7,7 +7,7 @@
 
 use crate::backend::cfg_fields::{self, Field};
 use crate::core::error::{Error, Result};
-use crate::device::{supports_tma, supports_wgmma};
+use crate::device::ComputeCapability;
 
 /// The split count for a grid of `blocks` blocks per split on `slots` resident blocks: the
 /// smallest `s` in `1..=max_splits` whose `blocks·s` blocks fill their waves to at least 90 %
@@ -52,7 +52,7 @@ pub struct DecodeCfg {
     /// Hopper's warpgroup MMA (`FD_WG`: `wgmma.mma_async`, compiled for sm_90a) instead of
     /// `mma.sync`: 64 heads and 64 cache rows per tile, two warpgroups, FlashMLA's layout (see
     /// fast_decode.cu). Needs `heads` 64, `warps` 8, `stages` 2, no TMA, cluster, fused softmax or
-    /// QREG; runs only on sm_90 ([`supports_wgmma`]) with L a multiple of 128 and L+R ≤ 576
+    /// QREG; runs only on sm_90 ([`ComputeCapability::has_wgmma`]) with L a multiple of 128 and L+R ≤ 576
     /// ([`DecodeCfg::wgmma_fits`]).
     pub wgmma: bool,
     /// Consumer teams of `warps` warps taking alternate tiles of one stage ring (`FD_TEAMS`, 1
@@ -171,12 +171,12 @@ impl DecodeCfg {
     /// This configuration as `arch` can run it: the TMA producer warps (bulk copies, mbarriers)
     /// need sm_90 or newer, so below that a one-team block runs with its consumer warps copying
     /// (no clusters either) and a teams block becomes [`DecodeCfg::TMA16`] in that copying form;
-    /// the wgmma block needs sm_90 exactly ([`supports_wgmma`]) and becomes
+    /// the wgmma block needs sm_90 exactly ([`ComputeCapability::has_wgmma`]) and becomes
     /// [`DecodeCfg::MMA64`] elsewhere.
-    pub fn for_arch(self, arch: &str) -> Self {
-        if self.wgmma && !supports_wgmma(arch) {
+    pub fn for_arch(self, arch: ComputeCapability) -> Self {
+        if self.wgmma && !arch.has_wgmma() {
             DecodeCfg::MMA64
-        } else if self.tma() && !supports_tma(arch) {
+        } else if self.tma() && !arch.has_tma() {
             let one = if self.teams > 1 { DecodeCfg::TMA16 } else { self };
             DecodeCfg {
                 producers: 0,
@@ -233,19 +233,9 @@ impl DecodeCfg {
         Ok(c)
     }
 
-    /// The configuration named by `MLA_DIFF_DECODE_CFG`, if set and not empty (read by the CUDA
-    /// backend when it is created).
-    ///
-    /// # Errors
-    /// [`DecodeCfg::parse_named`]'s, naming `MLA_DIFF_DECODE_CFG`.
-    pub fn from_env() -> Result<Option<Self>> {
-        match std::env::var("MLA_DIFF_DECODE_CFG") {
-            Ok(s) if !s.is_empty() => Self::parse_named("MLA_DIFF_DECODE_CFG", &s).map(Some),
-            _ => Ok(None),
-        }
-    }
-
-    /// [`DecodeCfg::parse`] of `s` read from the environment variable `var`.
+    /// [`DecodeCfg::parse`] of `s` read from the environment variable `var` (the CUDA backend
+    /// parses `MLA_DIFF_DECODE_CFG` this way when it is created, `mla-diff bench` each
+    /// `MLA_DIFF_BENCH_DECODE` entry).
     ///
     /// # Errors
     /// [`DecodeCfg::parse`]'s, prefixed with `var` (one line, e.g. `MLA_DIFF_DECODE_CFG: decode
@@ -394,14 +384,14 @@ impl DecodeCfg {
     }
 
     /// The cluster size the merge of a launch runs through (`FD_CLUSTER`): `splits` when
-    /// `cluster` is on with producer warps, `arch` is sm_90 or newer ([`supports_tma`]), the
+    /// `cluster` is on with producer warps, `arch` is sm_90 or newer ([`ComputeCapability::has_tma`]), the
     /// merge is fused into the launch (`merged`: `out` not null), `2 <= splits <= 8` and `dv`
     /// is a multiple of `4·splits` (each block of the cluster merges `dv/splits` value columns
     /// in float4s); else 0 (the fused merge through global memory, or none).
-    pub fn cluster_size(&self, arch: &str, splits: usize, dv: usize, merged: bool) -> usize {
+    pub fn cluster_size(&self, arch: ComputeCapability, splits: usize, dv: usize, merged: bool) -> usize {
         let on = self.cluster
             && self.tma()
-            && supports_tma(arch)
+            && arch.has_tma()
             && merged
             && (2..=8).contains(&splits)
             && dv.is_multiple_of(4 * splits);
@@ -513,6 +503,11 @@ impl DecodeCfg {
 #[cfg(test)]
 mod tests {
     use super::{DecodeCfg, wave_splits};
+    use crate::device::ComputeCapability;
+
+    fn sm(s: &str) -> ComputeCapability {
+        s.parse().unwrap()
+    }
 
     #[test]
     fn wave_splits_fill_whole_waves() {
@@ -563,8 +558,7 @@ mod tests {
             DecodeCfg { cluster: true, ..c }
         );
         assert!(c.tma() && !DecodeCfg::parse("16,8,2,0,2,2").unwrap().tma());
-        assert!(!c.for_arch("sm_80").tma() && c.for_arch("sm_90").tma() && c.for_arch("sm_90a").tma());
-        assert!(super::supports_tma("sm_100") && !super::supports_tma("sm_89") && !super::supports_tma("x"));
+        assert!(!c.for_arch(sm("sm_80")).tma() && c.for_arch(sm("sm_90")).tma() && c.for_arch(sm("sm_90a")).tma());
         assert_eq!(c.threads(), 288);
         assert!(DecodeCfg::parse("16,32,8,0,2").is_ok() && DecodeCfg::parse("16,32,8,0,2,1,0,1").is_err());
         assert_eq!(DecodeCfg::parse("64,8,2,0,2").unwrap(), DecodeCfg::MMA64);
@@ -621,7 +615,7 @@ mod tests {
         // waves on the H200); the teams default does (2 splits at one block per SM).
         assert!(!DecodeCfg::for_heads(128).cluster && DecodeCfg::for_heads(16).cluster);
         // Below sm_90 no TMA and no cluster: the one-team block, copying.
-        let old = DecodeCfg::for_heads(16).for_arch("sm_80");
+        let old = DecodeCfg::for_heads(16).for_arch(sm("sm_80"));
         assert!(!old.tma() && !old.cluster && old.teams == 1);
         assert_eq!(
             old,
@@ -630,7 +624,7 @@ mod tests {
                 ..DecodeCfg::TMA16
             }
         );
-        assert_eq!(DecodeCfg::for_heads(16).for_arch("sm_90"), DecodeCfg::for_heads(16));
+        assert_eq!(DecodeCfg::for_heads(16).for_arch(sm("sm_90")), DecodeCfg::for_heads(16));
         assert!(on.label().ends_with(" tma cluster"), "{}", on.label());
     }
 
@@ -639,20 +633,20 @@ mod tests {
         let off = DecodeCfg::TMA16;
         let on = DecodeCfg { cluster: true, ..off };
         // sm_90+, merged, 2..=8 splits with dv a multiple of 4·splits: the splits.
-        assert_eq!(on.cluster_size("sm_90", 4, 512, true), 4);
-        assert_eq!(on.cluster_size("sm_90a", 2, 512, true), 2);
-        assert_eq!(on.cluster_size("sm_100", 8, 512, true), 8);
+        assert_eq!(on.cluster_size(sm("sm_90"), 4, 512, true), 4);
+        assert_eq!(on.cluster_size(sm("sm_90a"), 2, 512, true), 2);
+        assert_eq!(on.cluster_size(sm("sm_100"), 8, 512, true), 8);
         // Else 0 (the fused merge through global memory).
-        assert_eq!(on.cluster_size("sm_90", 1, 512, true), 0);
-        assert_eq!(on.cluster_size("sm_90", 16, 512, true), 0);
-        assert_eq!(on.cluster_size("sm_90", 3, 512, true), 0);
-        assert_eq!(on.cluster_size("sm_90", 3, 96, true), 3);
-        assert_eq!(on.cluster_size("sm_90", 4, 512, false), 0);
-        assert_eq!(on.cluster_size("sm_80", 4, 512, true), 0);
-        assert_eq!(on.cluster_size("sm_89", 4, 512, true), 0);
-        assert_eq!(off.cluster_size("sm_90", 4, 512, true), 0);
+        assert_eq!(on.cluster_size(sm("sm_90"), 1, 512, true), 0);
+        assert_eq!(on.cluster_size(sm("sm_90"), 16, 512, true), 0);
+        assert_eq!(on.cluster_size(sm("sm_90"), 3, 512, true), 0);
+        assert_eq!(on.cluster_size(sm("sm_90"), 3, 96, true), 3);
+        assert_eq!(on.cluster_size(sm("sm_90"), 4, 512, false), 0);
+        assert_eq!(on.cluster_size(sm("sm_80"), 4, 512, true), 0);
+        assert_eq!(on.cluster_size(sm("sm_89"), 4, 512, true), 0);
+        assert_eq!(off.cluster_size(sm("sm_90"), 4, 512, true), 0);
         let no_tma = DecodeCfg { producers: 0, ..on };
-        assert_eq!(no_tma.cluster_size("sm_90", 4, 512, true), 0);
+        assert_eq!(no_tma.cluster_size(sm("sm_90"), 4, 512, true), 0);
     }
 
     #[test]
@@ -701,7 +695,7 @@ mod tests {
         assert_eq!(DecodeCfg { stages: 6, ..t }.fit(576, 512), s5);
         // The cluster merge's partial, its state and team 1's weighted partial fit below the sums.
         assert!(t.cluster_fits(576, 512, 2) && t.cluster_fits(576, 512, 0));
-        assert_eq!(t.cluster_size("sm_90", 2, 512, true), 2);
+        assert_eq!(t.cluster_size(sm("sm_90"), 2, 512, true), 2);
         // Parity rules: TEAMS divides 2·STAGES, STAGES >= TEAMS; teams need producers and the
         // unfused softmax; producers divide 32; at most 32 warps; 11 fields at most.
         for (bad, why) in [
@@ -736,7 +730,7 @@ mod tests {
         // fit() drops stages within the teams' parity rule: W = 1152 leaves 2 for two teams.
         assert_eq!(t.fit(1152, 512).stages, 2);
         // Below sm_90 (no bulk copies): the one-team block, copying with cp.async.
-        let old = t.for_arch("sm_80");
+        let old = t.for_arch(sm("sm_80"));
         assert_eq!(
             old,
             DecodeCfg {
@@ -745,26 +739,24 @@ mod tests {
             }
         );
         assert_eq!(old.threads(), 256);
-        assert_eq!(t.for_arch("sm_90a"), t);
+        assert_eq!(t.for_arch(sm("sm_90a")), t);
     }
 
     #[test]
     fn decode_cfg_wgmma_selection() {
-        use crate::device::{supports_wgmma, target_arch};
         let wg = DecodeCfg::WGMMA;
         // The N >= 64 default; its label, defines and NVRTC target.
         assert!(DecodeCfg::for_heads(64).wgmma && !DecodeCfg::for_heads(63).wgmma);
         assert!(wg.label().ends_with(" wgmma"), "{}", wg.label());
         assert!(wg.defines().contains(&("FD_WG", 1)));
         assert!(DecodeCfg::MMA64.defines().contains(&("FD_WG", 0)));
-        assert_eq!(target_arch("sm_90", &wg.defines()), "sm_90a");
-        assert_eq!(target_arch("sm_90", &DecodeCfg::MMA64.defines()), "sm_90");
-        assert_eq!(target_arch("sm_80", &wg.defines()), "sm_80");
+        assert_eq!(sm("sm_90").target_for(&wg.defines()), sm("sm_90a"));
+        assert_eq!(sm("sm_90").target_for(&DecodeCfg::MMA64.defines()), sm("sm_90"));
+        assert_eq!(sm("sm_80").target_for(&wg.defines()), sm("sm_80"));
         // Only sm_90 runs wgmma; elsewhere the 64-head mma.sync block.
-        assert!(supports_wgmma("sm_90") && supports_wgmma("sm_90a") && !supports_wgmma("sm_100"));
-        assert_eq!(wg.for_arch("sm_90"), wg);
-        assert_eq!(wg.for_arch("sm_80"), DecodeCfg::MMA64);
-        assert_eq!(wg.for_arch("sm_100"), DecodeCfg::MMA64);
+        assert_eq!(wg.for_arch(sm("sm_90")), wg);
+        assert_eq!(wg.for_arch(sm("sm_80")), DecodeCfg::MMA64);
+        assert_eq!(wg.for_arch(sm("sm_100")), DecodeCfg::MMA64);
         // DeepSeek's W = 576, L = 512: Q and two 64-row stages in 73 728-byte swizzled tiles, P,
         // α, sums, slots and the alignment slack: 231 936 bytes, within 227 KiB (232 448).
         assert_eq!(wg.smem(576), 231_936);

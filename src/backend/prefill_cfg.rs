@@ -4,7 +4,7 @@
 //! pipeline depth, where Q's fragments live, blocks per SM), because those choices set its
 //! register and shared-memory budget and so how many warps an SM keeps in flight, which is what
 //! decides its speed on a given GPU. This module names a configuration, checks it, gives its
-//! `-D` defines, its shared memory and its query-tile height, and reads one from
+//! `-D` defines, its shared memory and its query-tile height, and parses the text of
 //! `MLA_DIFF_PREFILL_CFG` (engine) or `MLA_DIFF_BENCH_PREFILL` (extra benchmark variants).
 //! The kernel's arithmetic is the same in every configuration (FlashAttention-2, Dao 2023): only
 //! the order of the online-softmax updates over key tiles changes with the tile width.
@@ -93,18 +93,8 @@ impl PrefillCfg {
         Ok(c)
     }
 
-    /// The configuration named by `MLA_DIFF_PREFILL_CFG`, if set and not empty (read by the CUDA
-    /// backend when it is created).
-    ///
-    /// Errors: as [`PrefillCfg::parse`].
-    pub fn from_env() -> Result<Option<Self>> {
-        match std::env::var("MLA_DIFF_PREFILL_CFG") {
-            Ok(s) if !s.is_empty() => Self::parse_named("MLA_DIFF_PREFILL_CFG", &s).map(Some),
-            _ => Ok(None),
-        }
-    }
-
-    /// [`PrefillCfg::parse`] of `s` read from the environment variable `var`.
+    /// [`PrefillCfg::parse`] of `s` read from the environment variable `var` (the CUDA backend
+    /// parses `MLA_DIFF_PREFILL_CFG` this way when it is created).
     ///
     /// Errors: [`PrefillCfg::parse`]'s, prefixed with `var` (one line, e.g.
     /// `MLA_DIFF_PREFILL_CFG: prefill configuration `…`: …`).
@@ -236,12 +226,12 @@ impl PrefillCfg {
     }
 }
 
-/// Extra prefill configurations from `MLA_DIFF_BENCH_PREFILL`: `;`-separated
-/// `WARPS,BK,STAGES,QREG,MINBLOCKS[,MT]` entries (empty when unset).
+/// Extra prefill configurations from `spec`, the text of `MLA_DIFF_BENCH_PREFILL`:
+/// `;`-separated `WARPS,BK,STAGES,QREG,MINBLOCKS[,MT]` entries (empty when unset).
 ///
 /// Errors: [`Error::Usage`] naming the first entry that does not parse or check.
-pub fn bench_variants() -> Result<Vec<PrefillCfg>> {
-    let Ok(spec) = std::env::var("MLA_DIFF_BENCH_PREFILL") else {
+pub fn bench_variants(spec: Option<&str>) -> Result<Vec<PrefillCfg>> {
+    let Some(spec) = spec else {
         return Ok(Vec::new());
     };
     spec.split(';')

@@ -12,6 +12,7 @@ use super::values::{self, DtypeArg, EngineDtypeArg, InputArg, KernelsArg, Precis
 use crate::compute::faults::Fault;
 use crate::compute::path::PathKind;
 use crate::core::error::Result;
+use crate::device::ComputeCapability;
 use crate::model::gguf::GgufFile;
 
 /// `--model`: the GGUF file.
@@ -211,8 +212,8 @@ pub struct KernelsArgs {
     #[arg(long)]
     pub compile_only: bool,
     /// Target architectures, e.g. `sm_90,sm_80`.
-    #[arg(long, value_delimiter = ',', default_value = "sm_90,sm_80")]
-    pub arch: Vec<String>,
+    #[arg(long, value_delimiter = ',', default_value = "sm_90,sm_80", value_parser = ComputeCapability::parse)]
+    pub arch: Vec<ComputeCapability>,
     /// CUDA include folder (holding cuda_bf16.h).
     #[arg(long)]
     pub cuda_include: Option<PathBuf>,

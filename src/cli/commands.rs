@@ -12,6 +12,7 @@ use crate::backend::Backend;
 use crate::backend::cpu::CpuOps;
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
+use crate::core::settings::Settings;
 use crate::jobs::selftest::{self, ModelSource, SelftestOptions};
 use crate::judge::report::Verdict;
 use crate::model::config::MlaConfig;
@@ -54,7 +55,7 @@ pub fn cmd_weights(a: &WeightsArgs, out: &mut dyn Write) -> Result<Outcome> {
 /// Errors: a bad case name or golden folder, an existing case or output file without `--force`
 /// (all before the run); run errors; an inconclusive run (nothing ran, or an injected fault
 /// never acted), which is not recorded.
-pub fn cmd_golden_record(a: &GoldenRecordArgs, out: &mut dyn Write) -> Result<Outcome> {
+pub fn cmd_golden_record(a: &GoldenRecordArgs, settings: &Settings, out: &mut dyn Write) -> Result<Outcome> {
     crate::jobs::golden::validate_case_name(&a.case)?;
     if !a.golden_dir.is_dir() {
         return Err(Error::Usage(format!(
@@ -65,7 +66,7 @@ pub fn cmd_golden_record(a: &GoldenRecordArgs, out: &mut dyn Write) -> Result<Ou
     let o = &a.output;
     check_outputs(o.json.as_ref(), o.report.as_ref(), o.force)?;
     let (file, cfg, rc) = build_run(&a.spec)?;
-    let backend = select_run_backend(&a.spec, o.quiet)?;
+    let backend = select_run_backend(&a.spec, settings, o.quiet)?;
     let (rep, summary) = crate::jobs::golden::record(&crate::jobs::golden::RecordRequest {
         case: &a.case,
         golden_dir: &a.golden_dir,
@@ -125,7 +126,7 @@ fn golden_dir(arg: Option<&PathBuf>) -> Result<PathBuf> {
 
 /// `mla-diff golden check`: every case is checked even after a failure; exit 2 if any case could
 /// not be checked, else 1 if any differs, else 0.
-pub fn cmd_golden_check(a: &GoldenCheckArgs, out: &mut dyn Write) -> Result<Outcome> {
+pub fn cmd_golden_check(a: &GoldenCheckArgs, settings: &Settings, out: &mut dyn Write) -> Result<Outcome> {
     let dir = golden_dir(a.golden_dir.as_ref())?;
     let cases = if a.all {
         let c = crate::jobs::golden::list_cases(&dir)?;
@@ -151,7 +152,8 @@ pub fn cmd_golden_check(a: &GoldenCheckArgs, out: &mut dyn Write) -> Result<Outc
     };
     let include = a.cuda_include.clone();
     let cuda = move |dtype: Dtype, k: crate::backend::cuda::ops::Kernels| {
-        crate::backend::cuda::ops::CudaOps::new(dtype, include.as_deref()).map(|o| Backend::Cuda(o.with_kernels(k)))
+        crate::backend::cuda::ops::CudaOps::new(dtype, include.as_deref(), settings)
+            .map(|o| Backend::Cuda(o.with_kernels(k)))
     };
     let mut text = String::new();
     let (mut n_pass, mut n_fail, mut errors) = (0, 0, Vec::<Error>::new());
@@ -272,7 +274,7 @@ fn cmd_bench_reference(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Re
 }
 
 /// `mla-diff bench`: the CPU benchmarks with `--dequant` or `--reference`, else the CUDA ones.
-pub fn cmd_bench(a: &BenchArgs, out: &mut dyn Write) -> Result<Outcome> {
+pub fn cmd_bench(a: &BenchArgs, settings: &Settings, out: &mut dyn Write) -> Result<Outcome> {
     if let Some(p) = &a.dequant {
         return cmd_bench_dequant(a, p, out);
     }
@@ -280,8 +282,8 @@ pub fn cmd_bench(a: &BenchArgs, out: &mut dyn Write) -> Result<Outcome> {
         return cmd_bench_reference(a, p, out);
     }
     refuse_overwrite(a.output.json.as_ref(), a.output.force)?;
-    let ops = crate::backend::cuda::ops::CudaOps::new(Dtype::Bf16, a.cuda_include.as_deref())?;
-    let figs = crate::jobs::bench_gpu::all(&ops)?;
+    let ops = crate::backend::cuda::ops::CudaOps::new(Dtype::Bf16, a.cuda_include.as_deref(), settings)?;
+    let figs = crate::jobs::bench_gpu::all(&ops, &settings.bench)?;
     let mut t = crate::output::table::bordered(&["benchmark", "shape", "median time", "figure", "note"]);
     for f in &figs {
         t.add_row(vec![
@@ -364,7 +366,7 @@ pub fn selftest_models(dir: Option<&PathBuf>) -> Result<Vec<ModelSource>> {
 }
 
 /// `mla-diff selftest`.
-pub fn cmd_selftest(a: &SelftestArgs, out: &mut dyn Write) -> Result<Outcome> {
+pub fn cmd_selftest(a: &SelftestArgs, settings: &Settings, out: &mut dyn Write) -> Result<Outcome> {
     if a.cross_check && a.device.backend == BackendChoice::Cpu {
         return Err(Error::Usage(
             "--cross-check compares a GPU backend with the CPU; --backend cpu has nothing to compare".into(),
@@ -379,7 +381,7 @@ pub fn cmd_selftest(a: &SelftestArgs, out: &mut dyn Write) -> Result<Outcome> {
         seed: a.seed,
     };
     selftest::check_layer(&opts)?;
-    let backend = select_backend(&a.device, false)?;
+    let backend = select_backend(&a.device, settings, false)?;
     if a.cross_check && matches!(backend, Backend::Cpu(_)) {
         return Err(Error::Usage(
             "--cross-check needs a CUDA device to compare with the CPU; none answered (see the backend line above)"
@@ -451,15 +453,15 @@ fn reference_cross_check(o: &crate::backend::cuda::ops::CudaOps, opts: &Selftest
 }
 
 /// `mla-diff kernels --compile-only`: NVRTC-compiles every module for every architecture.
-pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
-    let m = crate::jobs::kernels::compile_all(&a.arch, a.cuda_include.as_deref(), a.out.as_deref())?;
+pub fn cmd_kernels(a: &KernelsArgs, settings: &Settings, out: &mut dyn Write) -> Result<Outcome> {
+    let m = crate::jobs::kernels::compile_all(&a.arch, a.cuda_include.as_deref(), a.out.as_deref(), &settings.device)?;
     let mut t =
         crate::output::table::bordered(&["module", "arch", "kernel", "registers", "spill stores", "spill loads"]);
     for b in &m.builds {
         if b.usage.is_empty() {
             t.add_row(vec![
                 b.label.clone(),
-                b.target.clone(),
+                b.target.to_string(),
                 "(no ptxas report)".into(),
                 String::new(),
                 String::new(),
@@ -469,7 +471,7 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
         for u in &b.usage {
             t.add_row(vec![
                 b.label.clone(),
-                b.target.clone(),
+                b.target.to_string(),
                 u.kernel.clone(),
                 u.registers.to_string(),
                 u.spill_stores.to_string(),
@@ -482,7 +484,7 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
         m.nvrtc.0,
         m.nvrtc.1,
         m.include.display(),
-        a.arch.join(", ")
+        a.arch.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
     );
     out.write_all(text.as_bytes())
         .map_err(|e| Error::io("<stdout>", "write", e))?;

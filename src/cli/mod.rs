@@ -16,6 +16,7 @@ use std::io::Write;
 use clap::{Parser, Subcommand};
 
 use crate::core::error::Result;
+use crate::core::settings::Settings;
 use args::*;
 use commands::*;
 use run::{cmd_compare, cmd_run};
@@ -66,19 +67,27 @@ pub enum Command {
     Bench(BenchArgs),
 }
 
-/// Runs a parsed command line, writing human output to `out`.
+/// The environment variables mla-diff reads ([`Settings`]; docs/environment.md), from the
+/// process environment: the one place the crate reads it.
+pub fn settings_from_env() -> Settings {
+    Settings::from_vars(|name| std::env::var_os(name))
+}
+
+/// Runs a parsed command line, writing human output to `out`; the environment is read once, here
+/// ([`settings_from_env`]), and handed to the commands that use it.
 pub fn dispatch(cli: &Cli, out: &mut dyn Write) -> Result<Outcome> {
+    let s = &settings_from_env();
     match &cli.command {
-        Command::Run(a) => cmd_run(a, out),
+        Command::Run(a) => cmd_run(a, s, out),
         Command::Inspect(a) => cmd_inspect(a, out),
         Command::Sites(a) => cmd_sites(a, out),
-        Command::Selftest(a) => cmd_selftest(a, out),
+        Command::Selftest(a) => cmd_selftest(a, s, out),
         Command::Compare(a) => cmd_compare(a, out),
         Command::Weights(a) => cmd_weights(a, out),
-        Command::Golden(GoldenCommand::Record(a)) => cmd_golden_record(a, out),
-        Command::Golden(GoldenCommand::Check(a)) => cmd_golden_check(a, out),
-        Command::Kernels(a) => cmd_kernels(a, out),
-        Command::Bench(a) => cmd_bench(a, out),
+        Command::Golden(GoldenCommand::Record(a)) => cmd_golden_record(a, s, out),
+        Command::Golden(GoldenCommand::Check(a)) => cmd_golden_check(a, s, out),
+        Command::Kernels(a) => cmd_kernels(a, s, out),
+        Command::Bench(a) => cmd_bench(a, s, out),
     }
 }
 

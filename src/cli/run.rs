@@ -17,6 +17,7 @@ use crate::compute::faults::FaultSet;
 use crate::compute::path::{PathKind, PathOptions};
 use crate::core::batch::{Batch, SeqSpec};
 use crate::core::error::{Error, Result};
+use crate::core::settings::Settings;
 use crate::jobs::export::ExportRequest;
 use crate::jobs::run;
 use crate::judge::report::{InputMode, RunConfig, RunReport, Verdict};
@@ -159,12 +160,12 @@ pub fn cmd_compare(a: &CompareArgs, out: &mut dyn Write) -> Result<Outcome> {
 }
 
 /// Picks the backend and says which on stderr (unless `quiet`): `auto` takes CUDA when a device
-/// answers.
+/// answers. A CUDA backend takes its device and kernel settings from `settings`.
 ///
 /// Errors: `--backend cuda` without a usable device, library or include folder; a bad kernel
 /// configuration variable with a CUDA device (auto included); `--reference-backend cuda` when no
 /// device answers, the reason in the same line.
-pub fn select_backend(d: &DeviceArgs, quiet: bool) -> Result<Backend> {
+pub fn select_backend(d: &DeviceArgs, settings: &Settings, quiet: bool) -> Result<Backend> {
     if d.reference_backend == ReferenceArg::Cuda && d.backend == BackendChoice::Cpu {
         return Err(Error::Usage(
             "--reference-backend cuda runs the reference on the CUDA backend's device; --backend cpu has none".into(),
@@ -172,7 +173,7 @@ pub fn select_backend(d: &DeviceArgs, quiet: bool) -> Result<Backend> {
     }
     let gpu_reference = d.reference_backend != ReferenceArg::Cpu;
     let cuda = || {
-        crate::backend::cuda::ops::CudaOps::new(d.dtype.into(), d.cuda_include.as_deref())
+        crate::backend::cuda::ops::CudaOps::new(d.dtype.into(), d.cuda_include.as_deref(), settings)
             .map(|o| Backend::Cuda(o.with_kernels(d.kernels.into()).with_gpu_reference(gpu_reference)))
     };
     let b = match d.backend {
@@ -246,8 +247,8 @@ fn check_devices(a: &RunSpec) -> Result<()> {
 ///
 /// Errors: as [`select_backend`]; a listed GPU the driver does not report, fewer GPUs than
 /// ranks, NCCL missing or failing (exit 2).
-pub fn select_run_backend(a: &RunSpec, quiet: bool) -> Result<Backend> {
-    let b = select_backend(&a.device, quiet)?;
+pub fn select_run_backend(a: &RunSpec, settings: &Settings, quiet: bool) -> Result<Backend> {
+    let b = select_backend(&a.device, settings, quiet)?;
     let Some(devs) = a.devices.as_ref() else {
         return Ok(b);
     };
@@ -546,7 +547,7 @@ fn check_memory(
 }
 
 /// `mla-diff run`.
-pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
+pub fn cmd_run(a: &RunArgs, settings: &Settings, out: &mut dyn Write) -> Result<Outcome> {
     let started = std::time::Instant::now();
     let _ = crate::core::timing::take();
     let (file, cfg, rc) = crate::core::timing::stage("open", || build_run(&a.spec))?;
@@ -570,7 +571,7 @@ pub fn cmd_run(a: &RunArgs, out: &mut dyn Write) -> Result<Outcome> {
         crate::jobs::export::estimate_bytes(&cfg, &rc, hi - lo)
     });
     check_memory(&file, &cfg, &rc, a.max_memory, export_bytes)?;
-    let backend = crate::core::timing::stage("backend", || select_run_backend(&a.spec, a.output.quiet))?;
+    let backend = crate::core::timing::stage("backend", || select_run_backend(&a.spec, settings, a.output.quiet))?;
     let rc = RunConfig {
         backend: backend.describe(),
         ..rc

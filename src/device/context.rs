@@ -3,7 +3,7 @@
 //! Everything a GPU computation needs before it decides what to compute: opening device 0,
 //! compiling `kernels/*.cu` with NVRTC for its architecture, caching kernels by name (and the fast
 //! kernels by shape and configuration), allocation, index upload and dequantization of GGUF bytes.
-//! It sits below the computations so that the CUDA backend (`backend/cuda/ops.rs`) and the f64
+//! It sits below the computations so that the CUDA backend (`backend/cuda/ops/`) and the f64
 //! GPU reference (`backend/cuda/reference.rs`) share one device.
 
 use std::collections::HashMap;
@@ -14,7 +14,8 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
 use crate::core::error::{Error, Result};
-use crate::device::{Module, compile, include_dir, probe, target_arch};
+use crate::core::settings::DeviceSettings;
+use crate::device::{ComputeCapability, Module, compile, include_dir, probe};
 use crate::model::gguf::GgmlType;
 
 /// Threads per block of the elementwise kernels.
@@ -48,12 +49,13 @@ pub struct Device {
     layer_weights: Mutex<HashMap<String, CudaSlice<f32>>>,
     /// Device name, e.g. "NVIDIA H200".
     pub name: String,
-    /// Compute capability.
-    pub compute_capability: (i32, i32),
-    /// The architecture the kernels were compiled for, e.g. `sm_90`.
-    pub arch: String,
+    /// The device's compute capability, which the kernels are compiled for (`sm_90`; the fast
+    /// decode's wgmma build for its architecture-specific form, [`ComputeCapability::target_for`]).
+    pub arch: ComputeCapability,
     /// The CUDA include folder NVRTC used.
     pub include: PathBuf,
+    /// The on-disk NVRTC cache the kernels compile through ([`DeviceSettings::nvrtc_cache`]).
+    nvrtc_cache: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Device {
@@ -66,26 +68,28 @@ impl std::fmt::Debug for Device {
 }
 
 impl Device {
-    /// Opens device 0, compiles every kernel module with NVRTC for its compute capability and
-    /// loads it, and creates a cuBLAS handle.
+    /// Opens device 0, compiles every kernel module with NVRTC for its compute capability
+    /// (headers from `include`, else as [`include_dir`] finds them in `settings`; through
+    /// `settings`' NVRTC cache) and loads it, and creates a cuBLAS handle.
     ///
     /// Errors: [`Error::Cuda`] when a library or the device is missing (checked before cudarc
     /// is called), when the include folder lacks `cuda_bf16.h`, or with NVRTC's whole log when a
     /// kernel does not compile.
-    pub fn open(include: Option<&Path>) -> Result<Self> {
+    pub fn open(include: Option<&Path>, settings: &DeviceSettings) -> Result<Self> {
         probe()?;
-        let include = include_dir(include)?;
+        let include = include_dir(include, settings)?;
+        let nvrtc_cache = settings.nvrtc_cache.clone();
         let ctx = CudaContext::new(0).map_err(|e| Error::cuda(format!("cuCtxCreate on device 0: {e:?}")))?;
         let name = ctx.name().map_err(|e| Error::cuda(format!("cuDeviceGetName: {e:?}")))?;
-        let cc = ctx
+        let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| Error::cuda(format!("compute capability: {e:?}")))?;
-        let arch = format!("sm_{}{}", cc.0, cc.1);
+        let arch = ComputeCapability::from_device(major, minor)?;
         let stream = ctx.default_stream();
         let blas = CudaBlas::new(stream.clone()).map_err(|e| Error::cuda(format!("cublasCreate: {e:?}")))?;
         let mut modules = HashMap::new();
         for &m in Module::SIMPLE {
-            let c = compile(m, &arch, &include, false, &[])?;
+            let c = compile(m, arch, &include, false, &[], nvrtc_cache.as_deref())?;
             let module = ctx
                 .load_module(cudarc::nvrtc::Ptx::from_binary(c.cubin))
                 .map_err(|e| Error::cuda(format!("{}: cuModuleLoadData: {e:?}", m.file())))?;
@@ -100,9 +104,9 @@ impl Device {
             fast: Mutex::new(HashMap::new()),
             layer_weights: Mutex::new(HashMap::new()),
             name,
-            compute_capability: cc,
             arch,
             include,
+            nvrtc_cache,
         })
     }
 
@@ -130,8 +134,8 @@ impl Device {
         format!(
             "{} (compute {}.{}, kernels {}, NVRTC {nv}, include {})",
             self.name,
-            self.compute_capability.0,
-            self.compute_capability.1,
+            self.arch.major,
+            self.arch.minor,
             self.arch,
             self.include.display()
         )
@@ -164,10 +168,11 @@ impl Device {
         defines.extend_from_slice(extra);
         let c = compile(
             module,
-            &target_arch(&self.arch, &defines),
+            self.arch.target_for(&defines),
             &self.include,
             false,
             &defines,
+            self.nvrtc_cache.as_deref(),
         )?;
         let m = self
             .ctx

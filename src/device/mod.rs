@@ -6,19 +6,23 @@
 //! driver, NVRTC and cuBLAS libraries are present before touching cudarc ([`probe`], the
 //! `*_present` and version functions), names the kernel modules ([`Module`]), compiles them
 //! with NVRTC for an architecture ([`compile`], or for given architectures with `kernels
-//! --compile-only`) through an on-disk cache keyed by source, options and toolkit
-//! ([`nvrtc_cache_dir`]), parses ptxas's register and spill report ([`parse_usage`]), and says
-//! which architectures have wgmma and bulk copies ([`supports_wgmma`], [`supports_tma`]).
+//! --compile-only`) through an on-disk cache keyed by source, options and toolkit (its folder
+//! from [`DeviceSettings`]) and parses ptxas's register and spill report ([`parse_usage`]).
+//! [`capability`] names an architecture and says what it has (wgmma, bulk copies);
 //! [`context`] holds the opened device (context, stream, cuBLAS handle, loaded modules).
 //! It sits below `backend/`, so the CUDA backend and the GPU reference
 //! (`backend/cuda/reference.rs`) share one device and one kernel cache.
 
+pub mod capability;
 pub mod context;
 
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
 
 use crate::core::error::{Error, Result};
+use crate::core::settings::DeviceSettings;
+
+pub use capability::ComputeCapability;
 
 /// The prelude prepended to every kernel module.
 pub const COMMON: &str = include_str!("../../kernels/common.cuh");
@@ -201,15 +205,15 @@ pub fn cublas_version() -> Result<(i32, i32, i32)> {
     ))
 }
 
-/// The CUDA include folder: `explicit`, else `$CUDA_HOME/include`, else `/usr/local/cuda/include`.
-/// It must hold `cuda_bf16.h`.
+/// The CUDA include folder: `explicit` (`--cuda-include`), else `$CUDA_HOME/include`
+/// (`settings.cuda_home`), else `/usr/local/cuda/include`. It must hold `cuda_bf16.h`.
 ///
 /// Errors: [`Error::Cuda`] naming the folder that lacks the header.
-pub fn include_dir(explicit: Option<&Path>) -> Result<PathBuf> {
+pub fn include_dir(explicit: Option<&Path>, settings: &DeviceSettings) -> Result<PathBuf> {
     let dir = match explicit {
         Some(d) => d.to_path_buf(),
-        None => match std::env::var_os("CUDA_HOME") {
-            Some(h) => PathBuf::from(h).join("include"),
+        None => match &settings.cuda_home {
+            Some(h) => h.join("include"),
             None => PathBuf::from("/usr/local/cuda/include"),
         },
     };
@@ -220,24 +224,6 @@ pub fn include_dir(explicit: Option<&Path>) -> Result<PathBuf> {
         )));
     }
     Ok(dir)
-}
-
-/// The folder of the on-disk NVRTC cache: `$MLA_DIFF_CACHE_DIR/nvrtc`, else
-/// `$XDG_CACHE_HOME/mla-diff/nvrtc`, else `~/.cache/mla-diff/nvrtc`; `None` when
-/// `MLA_DIFF_NVRTC_CACHE=off` or no home is known.
-pub fn nvrtc_cache_dir() -> Option<PathBuf> {
-    if std::env::var("MLA_DIFF_NVRTC_CACHE").is_ok_and(|v| v == "off") {
-        return None;
-    }
-    let base = match (
-        std::env::var_os("MLA_DIFF_CACHE_DIR"),
-        std::env::var_os("XDG_CACHE_HOME"),
-    ) {
-        (Some(d), _) => PathBuf::from(d),
-        (None, Some(x)) => PathBuf::from(x).join("mla-diff"),
-        (None, None) => PathBuf::from(std::env::var_os("HOME")?).join(".cache/mla-diff"),
-    };
-    Some(base.join("nvrtc"))
 }
 
 /// The cache key of one compilation: sha256 over the full source, the options, the include
@@ -259,21 +245,23 @@ fn cache_key(src: &str, opts: &[String], include: &Path) -> String {
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Compiles `module` for `arch` (e.g. `sm_90`) with NVRTC, returning the CUBIN and the log.
-/// `defines` become `-DNAME=VALUE` (the fast kernels' shape constants).
+/// Compiles `module` for `arch` (e.g. `sm_90`, `sm_90a`) with NVRTC, returning the CUBIN and
+/// the log. `defines` become `-DNAME=VALUE` (the fast kernels' shape constants).
 ///
-/// A compiled CUBIN is kept in [`nvrtc_cache_dir`] under its `cache_key`, and a later compile of
-/// the same source, options and NVRTC reads it instead of compiling (a second run starts in
-/// milliseconds, not seconds). Verbose compiles (which want ptxas's log) bypass the cache; a
-/// cache that cannot be read or written is ignored.
+/// A compiled CUBIN is kept in the folder `cache` (the NVRTC cache of [`DeviceSettings`]; `None`:
+/// no cache) under its `cache_key`, and a later compile of the same source, options and NVRTC
+/// reads it instead of compiling (a second run starts in milliseconds, not seconds). Verbose
+/// compiles (which want ptxas's log) bypass the cache; a cache that cannot be read or written is
+/// ignored.
 ///
 /// Errors: [`Error::Cuda`] with NVRTC's whole log when the source does not compile.
 pub fn compile(
     module: Module,
-    arch: &str,
+    arch: ComputeCapability,
     include: &Path,
     verbose: bool,
     defines: &[(&str, usize)],
+    cache: Option<&Path>,
 ) -> Result<Compiled> {
     use cudarc::nvrtc::sys as nv;
     if !nvrtc_present() {
@@ -294,9 +282,8 @@ pub fn compile(
     if verbose {
         opts.push("--ptxas-options=-v".into());
     }
-    let cached = (!verbose)
-        .then(nvrtc_cache_dir)
-        .flatten()
+    let cached = cache
+        .filter(|_| !verbose)
         .map(|d| d.join(format!("{}.cubin", cache_key(&src, &opts, include))));
     if let Some(cubin) = cached
         .as_ref()
@@ -440,30 +427,6 @@ pub fn probe() -> Result<usize> {
         return Err(Error::cuda("the CUDA driver reports no device"));
     }
     Ok(n as usize)
-}
-
-/// True for `sm_90` and `sm_90a`: the architectures with `wgmma.mma_async` (sm_100 replaced it).
-pub fn supports_wgmma(arch: &str) -> bool {
-    arch == "sm_90" || arch == "sm_90a"
-}
-
-/// The NVRTC target for kernels of configuration `defines` on `arch`: `sm_90a` (the
-/// architecture-specific features wgmma needs) when `FD_WG` is 1 on sm_90, else `arch`.
-pub fn target_arch(arch: &str, defines: &[(&str, usize)]) -> String {
-    if arch == "sm_90" && defines.contains(&("FD_WG", 1)) {
-        "sm_90a".into()
-    } else {
-        arch.into()
-    }
-}
-
-/// True for `sm_90` and newer (`sm_90a`, `sm_100`, …): the architectures with bulk async copies
-/// and transaction-count mbarriers. An unparsable name counts as older.
-pub fn supports_tma(arch: &str) -> bool {
-    arch.strip_prefix("sm_")
-        .map(|v| v.trim_end_matches(|c: char| c.is_ascii_alphabetic()))
-        .and_then(|v| v.parse::<u32>().ok())
-        .is_some_and(|v| v >= 90)
 }
 
 #[cfg(test)]

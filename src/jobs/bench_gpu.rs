@@ -9,12 +9,12 @@
 //! - MHA prefill: T = 4096, N = 16, P+R = 192, V = 128, causal: TFLOP/s counting
 //!   N·T²·(P+R+V) (the causal half of 2·T²·(P+R) + 2·T²·V per head).
 //!
-//! Each figure is the median of [`REPS`] timed repetitions after [`WARM`] warm-up calls, with CUDA events around each
-//! repetition and all repetitions enqueued back to back (one host synchronization after the
-//! last, as Triton's `do_bench`), so a figure is GPU time without the host's launch latency;
-//! `MLA_DIFF_BENCH_SYNC=1` synchronizes after every repetition instead (which adds one launch
-//! latency to every call). Errors are checked once
-//! after each timing loop.
+//! Each figure is the median of `REPS` timed repetitions after `WARM` warm-up calls, with CUDA
+//! events around each repetition and all repetitions enqueued back to back (one host
+//! synchronization after the last, as Triton's `do_bench`), so a figure is GPU time without the
+//! host's launch latency; `MLA_DIFF_BENCH_SYNC=1` synchronizes after every repetition instead
+//! (which adds one launch latency to every call). Errors are checked once after each timing loop.
+//! The variables are read by the command line ([`BenchSettings`]; docs/environment.md).
 
 use cudarc::driver::CudaSlice;
 use serde::Serialize;
@@ -25,6 +25,7 @@ use crate::backend::prefill_cfg::{PrefillCfg, bench_variants};
 use crate::compute::ops::{EmptyRows, Ops, PrefillArgs, Segment};
 use crate::core::batch::SplitMix64;
 use crate::core::error::{Error, Result};
+use crate::core::settings::BenchSettings;
 
 /// One benchmark figure.
 #[derive(Debug, Clone, Serialize)]
@@ -50,14 +51,20 @@ const WARM: usize = 3;
 const REPS: usize = 30;
 
 /// Median of a timing loop: `reps` timed calls of `f` (each between two events) after `warm`,
-/// enqueued back to back (see the module documentation; `MLA_DIFF_BENCH_SYNC=1`: a host
-/// synchronization after each).
-fn time_us(ops: &CudaOps, warm: usize, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+/// enqueued back to back (see the module documentation; `MLA_DIFF_BENCH_SYNC=1`,
+/// `s.sync_each`: a host synchronization after each).
+fn time_us(
+    ops: &CudaOps,
+    s: &BenchSettings,
+    warm: usize,
+    reps: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
     for _ in 0..warm {
         f()?;
     }
     ops.synchronize()?;
-    let sync_each = std::env::var("MLA_DIFF_BENCH_SYNC").as_deref() == Ok("1");
+    let sync_each = s.sync_each;
     let stream = ops.stream();
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     let mut events = Vec::with_capacity(reps);
@@ -92,12 +99,13 @@ fn random_bf16(ops: &CudaOps, n: usize, seed: u64, scale: f64) -> Result<CudaSli
         .map_err(|e| Error::cuda(format!("upload: {e:?}")))
 }
 
-/// Device-to-device copy bandwidth of a `bytes`-byte buffer, counting read + write.
-pub fn copy_bandwidth(ops: &CudaOps, bytes: usize) -> Result<BenchFigure> {
+/// Device-to-device copy bandwidth of a `bytes`-byte buffer, counting read + write (timed as
+/// `s` says).
+pub fn copy_bandwidth(ops: &CudaOps, s: &BenchSettings, bytes: usize) -> Result<BenchFigure> {
     let n = bytes / 4;
     let src = ops.alloc(n)?;
     let mut dst = ops.alloc(n)?;
-    let us = time_us(ops, WARM, REPS, || {
+    let us = time_us(ops, s, WARM, REPS, || {
         ops.stream()
             .memcpy_dtod(&src, &mut dst)
             .map_err(|e| Error::cuda(format!("memcpy_dtod: {e:?}")))
@@ -141,16 +149,16 @@ pub struct DecodeInputs {
 }
 
 /// Random cache and queries of shape `d`, pages in random order (in order with
-/// `MLA_DIFF_BENCH_SEQUENTIAL=1`, to tell page-table effects apart); block tables and context
-/// lengths uploaded once, outside any timed loop.
-pub fn decode_inputs(ops: &CudaOps, d: DecodeBench) -> Result<DecodeInputs> {
+/// `MLA_DIFF_BENCH_SEQUENTIAL=1`, `s.sequential_pages`, to tell page-table effects apart); block
+/// tables and context lengths uploaded once, outside any timed loop.
+pub fn decode_inputs(ops: &CudaOps, s: &BenchSettings, d: DecodeBench) -> Result<DecodeInputs> {
     let w = d.l + d.r;
     let blocks_per_seq = d.seq / d.page;
     let num_blocks = d.b * blocks_per_seq;
     let cache = random_bf16(ops, num_blocks * d.page * w, 1, 1.0)?;
     let q = random_bf16(ops, d.b * d.nh * w, 2, 0.05)?;
     let mut phys: Vec<usize> = (0..num_blocks).collect();
-    if std::env::var("MLA_DIFF_BENCH_SEQUENTIAL").as_deref() != Ok("1") {
+    if !s.sequential_pages {
         SplitMix64::new(3).shuffle(&mut phys);
     }
     let ctx = vec![d.seq; d.b];
@@ -166,10 +174,11 @@ pub fn decode_inputs(ops: &CudaOps, d: DecodeBench) -> Result<DecodeInputs> {
 /// real path's) with `splits` (default: [`CudaOps::decode_splits_for`]); the merge fused into
 /// the kernel when `fused_merge` (through a thread-block cluster where
 /// [`DecodeCfg::cluster_size`] allows, else through global memory), else the separate merge
-/// kernel ([`Ops::merge`], into fresh canary-filled buffers, as the engine did before). Also
-/// returns the merged output, for comparing configurations.
+/// kernel ([`Ops::merge`], into fresh canary-filled buffers), timed as `s` says. Also returns the
+/// merged output, for comparing configurations.
 pub fn decode(
     ops: &CudaOps,
+    s: &BenchSettings,
     d: DecodeBench,
     inp: &DecodeInputs,
     cfg: Option<DecodeCfg>,
@@ -234,14 +243,16 @@ pub fn decode(
         }
     };
     let separate = run()?;
-    let us = time_us(ops, WARM, REPS, || run().map(|_| ()))?;
+    let us = time_us(ops, s, WARM, REPS, || run().map(|_| ()))?;
     // Every call writes the same merged output; the last timed one's is read.
     let out = ops
         .stream()
         .clone_dtoh(separate.as_ref().unwrap_or(&mout))
         .map_err(|e| Error::cuda(format!("download: {e:?}")))?;
     // Stage 1 alone, for telling the kernel from the merge and the launches around it.
-    let us1 = time_us(ops, WARM, REPS, || ops.decode_mma(&launch, &mut parts, &mut lses, None))?;
+    let us1 = time_us(ops, s, WARM, REPS, || {
+        ops.decode_mma(&launch, &mut parts, &mut lses, None)
+    })?;
     let fig = decode_figure(ops, d, cfg, splits, fused_merge, us, us1);
     Ok((fig, out))
 }
@@ -322,7 +333,7 @@ struct Variant {
     fused_merge: bool,
 }
 
-/// Extra decode variants from `MLA_DIFF_BENCH_DECODE`: `;`-separated entries
+/// Extra decode variants from `spec`, the text of `MLA_DIFF_BENCH_DECODE`: `;`-separated entries
 /// `m|c|M|C:HM,WARPS,PARTS,QREG,STAGES[,MINBLOCKS[,FUSED[,TMA[,CLUSTER[,WGMMA[,TEAMS]]]]]][@SPLITS]`
 /// or the same fields named, `m|c|M|C:heads=16,warps=4,…[@SPLITS]`
 /// (the fields of [`DecodeCfg::parse`]; m: the memory-bound shape, c: the compute-bound one,
@@ -332,8 +343,8 @@ struct Variant {
 /// configuration's merged output. E.g. `m:16,4,1,0,5,1,0,4,1,0,2` is the N < 64 default (the
 /// teams block) with 5 stages, `m:16,8,2,0,2,2,0,1@4` the one-team block with one producer warp
 /// at 4 splits, merging through global memory.
-fn variants() -> Result<Vec<Variant>> {
-    let Ok(spec) = std::env::var("MLA_DIFF_BENCH_DECODE") else {
+fn variants(spec: Option<&str>) -> Result<Vec<Variant>> {
+    let Some(spec) = spec else {
         return Ok(Vec::new());
     };
     let mut v = Vec::new();
@@ -377,9 +388,11 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// Causal MHA prefill of one sequence of `t` tokens in configuration `cfg` (None: the
-/// engine's), and its output (`out` then `lse`, for comparing configurations).
+/// engine's), timed as `s` says, and its output (`out` then `lse`, for comparing
+/// configurations).
 pub fn prefill(
     ops: &CudaOps,
+    s: &BenchSettings,
     cfg: Option<PrefillCfg>,
     t: usize,
     nh: usize,
@@ -403,9 +416,9 @@ pub fn prefill(
         scale: (dqk as f64).powf(-0.5) as f32,
         empty: EmptyRows::ZeroMinusInf,
     };
-    let us = time_us(ops, WARM, REPS, || ops.prefill_mma(cfg, &args, &mut out, &mut lse))?;
+    let us = time_us(ops, s, WARM, REPS, || ops.prefill_mma(cfg, &args, &mut out, &mut lse))?;
     let flops = (nh as f64) * (t as f64) * (t as f64) * (dqk + dv) as f64;
-    let used = cfg.or(PrefillCfg::from_env()?).unwrap_or_default().for_shape(dqk, dv);
+    let used = ops.prefill_cfg_for(cfg, dqk, dv);
     let mut o = ops.download(&out)?;
     o.extend(ops.download(&lse)?);
     let fig = BenchFigure {
@@ -419,8 +432,14 @@ pub fn prefill(
     Ok((fig, o))
 }
 
-/// Every benchmark of the CUDA issue, in one run.
-pub fn all(ops: &CudaOps) -> Result<Vec<BenchFigure>> {
+/// Every benchmark of the CUDA issue, in one run, with the extra variants and the timing of
+/// `s`.
+///
+/// Errors: [`Error::Usage`] naming the variable and the entry when an `MLA_DIFF_BENCH_PREFILL`
+/// or `MLA_DIFF_BENCH_DECODE` entry does not parse, before anything runs; CUDA failures.
+pub fn all(ops: &CudaOps, s: &BenchSettings) -> Result<Vec<BenchFigure>> {
+    let prefill_variants = bench_variants(s.prefill_variants.as_deref())?;
+    let decode_variants = variants(s.decode_variants.as_deref())?;
     let ops = ops.with_sync_each(false);
     let mem = DecodeBench {
         b: 64,
@@ -436,13 +455,13 @@ pub fn all(ops: &CudaOps) -> Result<Vec<BenchFigure>> {
         compute_bound: true,
         ..mem
     };
-    let (im, ic) = (decode_inputs(&ops, mem)?, decode_inputs(&ops, comp)?);
-    let (fm, om) = decode(&ops, mem, &im, None, None, true)?;
-    let (fc, oc) = decode(&ops, comp, &ic, None, None, true)?;
-    let (fp, op) = prefill(&ops, None, 4096, 16, 192, 128)?;
-    let mut figs = vec![copy_bandwidth(&ops, 2 << 30)?, fm, fc, fp];
-    for cfg in bench_variants()? {
-        let (mut f, o) = prefill(&ops, Some(cfg), 4096, 16, 192, 128)?;
+    let (im, ic) = (decode_inputs(&ops, s, mem)?, decode_inputs(&ops, s, comp)?);
+    let (fm, om) = decode(&ops, s, mem, &im, None, None, true)?;
+    let (fc, oc) = decode(&ops, s, comp, &ic, None, None, true)?;
+    let (fp, op) = prefill(&ops, s, None, 4096, 16, 192, 128)?;
+    let mut figs = vec![copy_bandwidth(&ops, s, 2 << 30)?, fm, fc, fp];
+    for cfg in prefill_variants {
+        let (mut f, o) = prefill(&ops, s, Some(cfg), 4096, 16, 192, 128)?;
         f.name = format!("{} [{}]", f.name, cfg.label());
         f.note = format!(
             "{}; max |Δ| vs the default configuration {:.3e}",
@@ -456,14 +475,14 @@ pub fn all(ops: &CudaOps) -> Result<Vec<BenchFigure>> {
         cfg,
         splits,
         fused_merge,
-    } in variants()?
+    } in decode_variants
     {
         let (d, inp, base) = if compute_bound {
             (comp, &ic, &oc)
         } else {
             (mem, &im, &om)
         };
-        let (mut f, o) = decode(&ops, d, inp, Some(cfg), splits, fused_merge)?;
+        let (mut f, o) = decode(&ops, s, d, inp, Some(cfg), splits, fused_merge)?;
         f.name = format!(
             "{} [{}{}]",
             f.name,

@@ -9,7 +9,8 @@ use std::path::{Path, PathBuf};
 use crate::backend::decode_cfg::DecodeCfg;
 use crate::backend::prefill_cfg::PrefillCfg;
 use crate::core::error::Result;
-use crate::device::{KernelUsage, Module};
+use crate::core::settings::DeviceSettings;
+use crate::device::{ComputeCapability, KernelUsage, Module};
 
 /// One compiled module or configuration.
 #[derive(Debug, Clone)]
@@ -18,7 +19,7 @@ pub struct KernelBuild {
     /// (`fast_decode.cu (hm64 …)`).
     pub label: String,
     /// The NVRTC target (`sm_90`, `sm_90a`, `sm_80`).
-    pub target: String,
+    pub target: ComputeCapability,
     /// ptxas's report per kernel (empty when it printed none).
     pub usage: Vec<KernelUsage>,
 }
@@ -35,16 +36,23 @@ pub struct KernelMatrix {
 }
 
 /// Compiles every module for every architecture in `archs` (plus the decode and prefill
-/// configurations the fast kernels select), writing each CUBIN into `out` when given
-/// (`<module>.<arch>.cubin`, or `<module>.<configuration>.<target>.cubin`).
+/// configurations the fast kernels select), with the headers of `include`, else as
+/// [`crate::device::include_dir`] finds them in `settings`, writing each CUBIN into `out` when
+/// given (`<module>.<arch>.cubin`, or `<module>.<configuration>.<target>.cubin`). The compiles
+/// are verbose (for ptxas's report), so they bypass the NVRTC cache.
 ///
 /// Errors: [`crate::Error::Cuda`] when NVRTC or the include folder is missing, with NVRTC's log when
 /// a kernel does not compile; [`crate::Error::Io`] when a CUBIN cannot be written.
-pub fn compile_all(archs: &[String], include: Option<&Path>, out: Option<&Path>) -> Result<KernelMatrix> {
-    let include = crate::device::include_dir(include)?;
+pub fn compile_all(
+    archs: &[ComputeCapability],
+    include: Option<&Path>,
+    out: Option<&Path>,
+    settings: &DeviceSettings,
+) -> Result<KernelMatrix> {
+    let include = crate::device::include_dir(include, settings)?;
     let nvrtc = crate::device::nvrtc_version()?;
     let mut builds = Vec::new();
-    for arch in archs {
+    for &arch in archs {
         // The decode kernel also in its 64-head configurations (wgmma, compiled for sm_90a on
         // sm_90, and mma.sync; the macros' defaults are the 16-head one), with the in-register
         // softmax, with the TMA producer warp (the merge through global memory), with the
@@ -116,8 +124,8 @@ pub fn compile_all(archs: &[String], include: Option<&Path>, out: Option<&Path>)
             ));
         }
         for (m, label, defines) in jobs {
-            let target = crate::device::target_arch(arch, &defines);
-            let c = crate::device::compile(m, &target, &include, true, &defines)?;
+            let target = arch.target_for(&defines);
+            let c = crate::device::compile(m, target, &include, true, &defines, settings.nvrtc_cache.as_deref())?;
             if let Some(dir) = out {
                 // `<module>.<arch>.cubin` for the default build, `<module>.<label>.<target>.cubin`
                 // (label without parentheses, spaces as `-`) for each configuration.

@@ -79,8 +79,8 @@ impl Environment {
             env.gpu = Some(format!(
                 "{} (compute {}.{}, code for {}, {} kernels)",
                 d.name,
-                d.compute_capability.0,
-                d.compute_capability.1,
+                d.arch.major,
+                d.arch.minor,
                 d.arch,
                 match o.kernels() {
                     crate::backend::cuda::ops::Kernels::Fast => "fast (tensor-core)",

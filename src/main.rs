@@ -1,6 +1,7 @@
 //! The `mla-diff` binary: parses the command line, runs the command, maps the outcome to the exit
 //! code contract (0 within tolerance, 1 divergence found, 2 usage, input or internal error).
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -16,12 +17,12 @@ fn main() -> ExitCode {
         Ok(Outcome::Pass) => ExitCode::SUCCESS,
         Ok(Outcome::Divergence) => ExitCode::from(1),
         Err(e) => {
-            let code = e.exit_code();
-            let e = anyhow::Error::from(e);
             // Keys, tensor names and strings come from the (possibly hostile) file: escape control
-            // characters so the error stays one line and nothing reaches the terminal raw.
-            eprintln!("mla-diff: error: {}", one_line(&format!("{e:#}")));
-            ExitCode::from(code)
+            // characters so the error stays one line and nothing reaches the terminal raw. A
+            // closed stderr loses the line, not the exit code.
+            let line = one_line(&mla_diff::core::error::chain(&e));
+            let _ = writeln!(std::io::stderr(), "mla-diff: error: {line}");
+            ExitCode::from(e.exit_code())
         }
     }
 }

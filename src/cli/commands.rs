@@ -11,7 +11,7 @@ use super::run::{build_run, select_backend, select_run_backend};
 use crate::backend::Backend;
 use crate::backend::cpu::CpuOps;
 use crate::core::dtype::Dtype;
-use crate::core::error::{Error, Result};
+use crate::core::error::{Error, Result, chain};
 use crate::jobs::selftest::{self, ModelSource, SelftestOptions};
 use crate::judge::report::Verdict;
 use crate::model::config::MlaConfig;
@@ -166,7 +166,7 @@ pub fn cmd_golden_check(a: &GoldenCheckArgs, out: &mut dyn Write) -> Result<Outc
                 }
             }
             Err(e) => {
-                text.push_str(&format!("golden {case}: ERROR: {e}\n"));
+                text.push_str(&format!("golden {case}: ERROR: {}\n", chain(&e)));
                 errors.push(e);
             }
         }

@@ -16,7 +16,7 @@ use crate::backend::cpu::CpuOps;
 use crate::compute::faults::FaultSet;
 use crate::compute::path::{PathKind, PathOptions};
 use crate::core::batch::{Batch, SeqSpec};
-use crate::core::error::{Error, Result};
+use crate::core::error::{Error, Result, chain};
 use crate::jobs::export::ExportRequest;
 use crate::jobs::run;
 use crate::judge::report::{InputMode, RunConfig, RunReport, Verdict};
@@ -190,9 +190,9 @@ pub fn select_backend(d: &DeviceArgs, quiet: bool) -> Result<Backend> {
                         return Ok(b);
                     }
                     Err(e @ Error::Usage(_)) => return Err(e),
-                    Err(e) => format!("CUDA unusable: {e}"),
+                    Err(e) => format!("CUDA unusable: {}", chain(&e)),
                 },
-                Err(e) => e.to_string(),
+                Err(e) => chain(&e),
             };
             if d.reference_backend == ReferenceArg::Cuda {
                 // Said here in full: under --quiet no backend line was printed.

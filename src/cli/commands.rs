@@ -51,9 +51,11 @@ pub fn cmd_weights(a: &WeightsArgs, out: &mut dyn Write) -> Result<Outcome> {
 /// `mla-diff golden record`: the run's verdict line (the case written, or why not) and its
 /// `--json`/`--report` outputs as `run` writes them.
 ///
+/// An inconclusive run (nothing ran, or an injected fault never acted) is not recorded and is
+/// the outcome, with its reason.
+///
 /// Errors: a bad case name or golden folder, an existing case or output file without `--force`
-/// (all before the run); run errors; an inconclusive run (nothing ran, or an injected fault
-/// never acted), which is not recorded.
+/// (all before the run); run errors.
 pub fn cmd_golden_record(a: &GoldenRecordArgs, out: &mut dyn Write) -> Result<Outcome> {
     crate::jobs::golden::validate_case_name(&a.case)?;
     if !a.golden_dir.is_dir() {
@@ -96,13 +98,7 @@ pub fn cmd_golden_record(a: &GoldenRecordArgs, out: &mut dyn Write) -> Result<Ou
     };
     TextSink::for_json(o.json.as_ref(), false).write(&text, out)?;
     super::run::write_report_files(&rep, &file, &backend, o.json.as_ref(), o.report.as_ref(), o.force, out)?;
-    match rep.verdict() {
-        Verdict::Pass => Ok(Outcome::Pass),
-        Verdict::Divergence => Ok(Outcome::Divergence),
-        Verdict::Inconclusive => Err(Error::Usage(
-            rep.inconclusive_reason().unwrap_or_else(|| "nothing was judged".into()),
-        )),
-    }
+    Ok(Outcome::of(rep.verdict(), || rep.inconclusive_reason()))
 }
 
 /// The golden folder: `--golden-dir`, else `./golden`, else this build's source tree's.
@@ -124,7 +120,8 @@ fn golden_dir(arg: Option<&PathBuf>) -> Result<PathBuf> {
 }
 
 /// `mla-diff golden check`: every case is checked even after a failure; exit 2 if any case could
-/// not be checked, else 1 if any differs, else 0.
+/// not be checked (the error of a single case, or an inconclusive verdict naming how many),
+/// else 1 if any differs, else 0.
 pub fn cmd_golden_check(a: &GoldenCheckArgs, out: &mut dyn Write) -> Result<Outcome> {
     let dir = golden_dir(a.golden_dir.as_ref())?;
     let cases = if a.all {
@@ -176,16 +173,22 @@ pub fn cmd_golden_check(a: &GoldenCheckArgs, out: &mut dyn Write) -> Result<Outc
         cases.len(),
         errors.len()
     ));
+    let several = (errors.len() > 1).then(|| {
+        format!(
+            "{} golden cases could not be checked (the lines marked ERROR above)",
+            errors.len()
+        )
+    });
+    if let Some(why) = &several {
+        text.push_str(&format!("inconclusive: {why}\n"));
+    }
     out.write_all(text.as_bytes())
         .map_err(|e| Error::io("<stdout>", "write", e))?;
-    match errors.len() {
-        0 => {}
-        1 => return Err(errors.remove(0)),
-        k => {
-            return Err(Error::Usage(format!(
-                "{k} golden cases could not be checked (the lines marked ERROR above)"
-            )));
-        }
+    if let Some(why) = several {
+        return Ok(Outcome::Inconclusive(why));
+    }
+    if !errors.is_empty() {
+        return Err(errors.remove(0));
     }
     Ok(if n_fail == 0 {
         Outcome::Pass

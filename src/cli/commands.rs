@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use super::Outcome;
 use super::args::*;
-use super::outputs::{TextSink, check_outputs, refuse_overwrite, write_json};
+use super::outputs::{TextSink, check_outputs, refuse_overwrite, write_json, write_text};
 use super::run::{build_run, select_backend, select_run_backend};
 use crate::backend::Backend;
 use crate::backend::cpu::CpuOps;
@@ -182,8 +182,7 @@ pub fn cmd_golden_check(a: &GoldenCheckArgs, out: &mut dyn Write) -> Result<Outc
     if let Some(why) = &several {
         text.push_str(&format!("inconclusive: {why}\n"));
     }
-    out.write_all(text.as_bytes())
-        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    write_text(&text, "<stdout>", out)?;
     if let Some(why) = several {
         return Ok(Outcome::Inconclusive(why));
     }
@@ -316,8 +315,7 @@ pub fn cmd_inspect(a: &InspectArgs, out: &mut dyn Write) -> Result<Outcome> {
             });
         }
     }
-    out.write_all(crate::jobs::inspect::inspect(&file, a.layer).as_bytes())
-        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    write_text(&crate::jobs::inspect::inspect(&file, a.layer), "<stdout>", out)?;
     Ok(Outcome::Pass)
 }
 
@@ -475,7 +473,6 @@ pub fn cmd_kernels(a: &KernelsArgs, out: &mut dyn Write) -> Result<Outcome> {
         m.include.display(),
         a.arch.join(", ")
     );
-    out.write_all(text.as_bytes())
-        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    write_text(&text, "<stdout>", out)?;
     Ok(Outcome::Pass)
 }

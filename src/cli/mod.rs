@@ -4,7 +4,9 @@
 //! The binary is a thin shell over this module so that commands can be tested (and snapshotted)
 //! in-process. Every command returns its verdict as an [`Outcome`] (0 = within tolerance,
 //! 1 = divergence found, 2 = inconclusive) or a library [`Error`](crate::core::error::Error)
-//! (exit 2), the exit-code contract of docs/design.md.
+//! (exit 2), the exit-code contract of docs/design.md. Human text written to a closed standard
+//! output is dropped without changing the verdict ([`outputs::write_text`]); a `--json -`
+//! document that cannot be written is an error.
 
 pub mod args;
 pub mod commands;

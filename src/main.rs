@@ -1,10 +1,12 @@
-//! The `mla-diff` binary: parses the command line, runs the command, maps the outcome to the exit
-//! code contract (0 within tolerance, 1 divergence found, 2 usage, input or internal error).
+//! The `mla-diff` binary: parses the command line, runs the command, maps its verdict to the exit
+//! code contract (0 within tolerance, 1 divergence found, 2 inconclusive, or a usage, input or
+//! internal error).
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::Parser;
-use mla_diff::cli::{Cli, Outcome, dispatch};
+use mla_diff::cli::{Cli, dispatch};
 
 fn main() -> ExitCode {
     mla_diff::core::memory::keep_freed_pages();
@@ -13,15 +15,15 @@ fn main() -> ExitCode {
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     match dispatch(&cli, &mut out) {
-        Ok(Outcome::Pass) => ExitCode::SUCCESS,
-        Ok(Outcome::Divergence) => ExitCode::from(1),
+        // The command has printed its verdict, an inconclusive one with its reason.
+        Ok(outcome) => ExitCode::from(outcome.exit_code()),
         Err(e) => {
-            let code = e.exit_code();
-            let e = anyhow::Error::from(e);
             // Keys, tensor names and strings come from the (possibly hostile) file: escape control
-            // characters so the error stays one line and nothing reaches the terminal raw.
-            eprintln!("mla-diff: error: {}", one_line(&format!("{e:#}")));
-            ExitCode::from(code)
+            // characters so the error stays one line and nothing reaches the terminal raw. A
+            // closed stderr loses the line, not the exit code.
+            let line = one_line(&mla_diff::core::error::chain(&e));
+            let _ = writeln!(std::io::stderr(), "mla-diff: error: {line}");
+            ExitCode::from(e.exit_code())
         }
     }
 }

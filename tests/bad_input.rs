@@ -390,16 +390,22 @@ fn output_paths_that_collide_or_name_a_folder_are_refused_before_writing() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A fault that had nothing to act on in the requested batch is an input error, not a pass:
-/// `unwritten-rows` on one sequence leaves no context chunk empty for any row.
+/// A fault that had nothing to act on in the requested batch is inconclusive (exit 2), not a
+/// pass: `unwritten-rows` on one sequence leaves no context chunk empty for any row. The verdict
+/// line says so, last, with the hint.
 #[test]
 fn an_injected_fault_that_did_not_act_exits_2_with_the_hint() {
     let (code, out, err) = run_bin(&["run", "--layer", "1", "--inject", "unwritten-rows", "--quiet"]);
     assert_eq!(code, 2, "{out}{err}");
-    assert!(err.contains("did not act on this batch"), "{err}");
+    assert!(!err.contains("error"), "{err}");
+    let last = out.lines().last().unwrap_or_default();
     assert!(
-        err.contains("use several --seqs"),
-        "the hint must say what batch exercises it: {err}"
+        last.starts_with("inconclusive: ") && last.contains("did not act on this batch"),
+        "{out}"
+    );
+    assert!(
+        last.contains("use several --seqs"),
+        "the hint must say what batch exercises it: {out}"
     );
     // With sequences of different lengths it acts, and is found.
     let (code, out, _) = run_bin(&[
@@ -425,11 +431,13 @@ fn the_empty_row_faults_notes_name_their_own_fault() {
     for fault in ["lse-plus-inf", "unwritten-rows"] {
         let (code, out, err) = run_bin(&["run", "--layer", "1", "--inject", fault, "--path", "chunked", "--quiet"]);
         assert_eq!(code, 2, "{out}{err}");
+        let last = out.lines().last().unwrap_or_default();
         assert!(
-            err.contains(&format!(
-                "chunked: no context chunk was empty for any row: the {fault} fault had nothing to act on"
-            )),
-            "{err}"
+            last.starts_with("inconclusive: ")
+                && last.contains(&format!(
+                    "chunked: no context chunk was empty for any row: the {fault} fault had nothing to act on"
+                )),
+            "{out}"
         );
     }
     let seqs = ["--path", "chunked", "--seqs", "1,15,16,17,53"];

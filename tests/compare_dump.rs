@@ -242,7 +242,10 @@ fn bad_dumps_are_clear_errors() {
     );
     let (code, _, err) = run(&p);
     assert_eq!(code, 2);
-    assert!(err.contains("layer 1 has no input"), "{err}");
+    assert!(
+        err.contains("noinput.safetensors: layer 1: no input: dump L1.hidden_in"),
+        "{err}"
+    );
 
     // A partial, truthful dump: only hidden_in — compares, lists the rest as not dumped.
     let p = write(

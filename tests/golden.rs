@@ -339,3 +339,41 @@ fn readme_golden_record_example_uses_a_temporary_golden_dir() {
         assert!(!l.contains("--golden-dir golden"), "{l}");
     }
 }
+
+/// Cases that cannot be checked: one is its error (exit 2, the one stderr line); several are an
+/// inconclusive verdict, each ERROR line on stdout and the count as the last line.
+#[test]
+fn cases_that_cannot_be_checked_exit_2_one_as_its_error_several_as_inconclusive() {
+    let (_tmp, g) = copy_case("embedded-default");
+    for case in ["a", "b"] {
+        std::fs::create_dir_all(g.join(case)).unwrap();
+        std::fs::copy(
+            g.join("embedded-default/manifest.json"),
+            g.join(case).join("manifest.json"),
+        )
+        .unwrap();
+    }
+    let (code, out, err) = check(&g, "a");
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.starts_with("mla-diff: error: golden case `a`"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+
+    let (code, out, err) = run_bin(&[
+        "golden",
+        "check",
+        "--golden-dir",
+        g.to_str().unwrap(),
+        "--case",
+        "a",
+        "--case",
+        "b",
+    ]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(!err.contains("error"), "{err}");
+    assert_eq!(out.matches(": ERROR: golden case").count(), 2, "{out}");
+    assert_eq!(
+        out.lines().last(),
+        Some("inconclusive: 2 golden cases could not be checked (the lines marked ERROR above)"),
+        "{out}"
+    );
+}

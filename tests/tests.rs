@@ -11,6 +11,7 @@ mod config;
 mod dequant_vectors;
 mod diagnose;
 mod dtype;
+mod exit_codes;
 mod faults;
 mod fixtures;
 mod golden;

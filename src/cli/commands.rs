@@ -6,12 +6,12 @@ use std::path::PathBuf;
 
 use super::Outcome;
 use super::args::*;
-use super::outputs::{TextSink, check_outputs, refuse_overwrite, write_json};
+use super::outputs::{TextSink, check_outputs, refuse_overwrite, write_json, write_text};
 use super::run::{build_run, select_backend, select_run_backend};
 use crate::backend::Backend;
 use crate::backend::cpu::CpuOps;
 use crate::core::dtype::Dtype;
-use crate::core::error::{Error, Result};
+use crate::core::error::{Error, Result, chain};
 use crate::core::settings::Settings;
 use crate::jobs::selftest::{self, ModelSource, SelftestOptions};
 use crate::judge::report::Verdict;
@@ -52,9 +52,11 @@ pub fn cmd_weights(a: &WeightsArgs, out: &mut dyn Write) -> Result<Outcome> {
 /// `mla-diff golden record`: the run's verdict line (the case written, or why not) and its
 /// `--json`/`--report` outputs as `run` writes them.
 ///
+/// An inconclusive run (nothing ran, or an injected fault never acted) is not recorded and is
+/// the outcome, with its reason.
+///
 /// Errors: a bad case name or golden folder, an existing case or output file without `--force`
-/// (all before the run); run errors; an inconclusive run (nothing ran, or an injected fault
-/// never acted), which is not recorded.
+/// (all before the run); run errors.
 pub fn cmd_golden_record(a: &GoldenRecordArgs, settings: &Settings, out: &mut dyn Write) -> Result<Outcome> {
     crate::jobs::golden::validate_case_name(&a.case)?;
     if !a.golden_dir.is_dir() {
@@ -97,13 +99,7 @@ pub fn cmd_golden_record(a: &GoldenRecordArgs, settings: &Settings, out: &mut dy
     };
     TextSink::for_json(o.json.as_ref(), false).write(&text, out)?;
     super::run::write_report_files(&rep, &file, &backend, o.json.as_ref(), o.report.as_ref(), o.force, out)?;
-    match rep.verdict() {
-        Verdict::Pass => Ok(Outcome::Pass),
-        Verdict::Divergence => Ok(Outcome::Divergence),
-        Verdict::Inconclusive => Err(Error::Usage(
-            rep.inconclusive_reason().unwrap_or_else(|| "nothing was judged".into()),
-        )),
-    }
+    Ok(Outcome::of(rep.verdict(), || rep.inconclusive_reason()))
 }
 
 /// The golden folder: `--golden-dir`, else `./golden`, else this build's source tree's.
@@ -125,7 +121,8 @@ fn golden_dir(arg: Option<&PathBuf>) -> Result<PathBuf> {
 }
 
 /// `mla-diff golden check`: every case is checked even after a failure; exit 2 if any case could
-/// not be checked, else 1 if any differs, else 0.
+/// not be checked (the error of a single case, or an inconclusive verdict naming how many),
+/// else 1 if any differs, else 0.
 pub fn cmd_golden_check(a: &GoldenCheckArgs, settings: &Settings, out: &mut dyn Write) -> Result<Outcome> {
     let dir = golden_dir(a.golden_dir.as_ref())?;
     let cases = if a.all {
@@ -168,7 +165,7 @@ pub fn cmd_golden_check(a: &GoldenCheckArgs, settings: &Settings, out: &mut dyn 
                 }
             }
             Err(e) => {
-                text.push_str(&format!("golden {case}: ERROR: {e}\n"));
+                text.push_str(&format!("golden {case}: ERROR: {}\n", chain(&e)));
                 errors.push(e);
             }
         }
@@ -178,16 +175,21 @@ pub fn cmd_golden_check(a: &GoldenCheckArgs, settings: &Settings, out: &mut dyn 
         cases.len(),
         errors.len()
     ));
-    out.write_all(text.as_bytes())
-        .map_err(|e| Error::io("<stdout>", "write", e))?;
-    match errors.len() {
-        0 => {}
-        1 => return Err(errors.remove(0)),
-        k => {
-            return Err(Error::Usage(format!(
-                "{k} golden cases could not be checked (the lines marked ERROR above)"
-            )));
-        }
+    let several = (errors.len() > 1).then(|| {
+        format!(
+            "{} golden cases could not be checked (the lines marked ERROR above)",
+            errors.len()
+        )
+    });
+    if let Some(why) = &several {
+        text.push_str(&format!("inconclusive: {why}\n"));
+    }
+    write_text(&text, "<stdout>", out)?;
+    if let Some(why) = several {
+        return Ok(Outcome::Inconclusive(why));
+    }
+    if !errors.is_empty() {
+        return Err(errors.remove(0));
     }
     Ok(if n_fail == 0 {
         Outcome::Pass
@@ -315,8 +317,7 @@ pub fn cmd_inspect(a: &InspectArgs, out: &mut dyn Write) -> Result<Outcome> {
             });
         }
     }
-    out.write_all(crate::jobs::inspect::inspect(&file, a.layer).as_bytes())
-        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    write_text(&crate::jobs::inspect::inspect(&file, a.layer), "<stdout>", out)?;
     Ok(Outcome::Pass)
 }
 
@@ -486,7 +487,6 @@ pub fn cmd_kernels(a: &KernelsArgs, settings: &Settings, out: &mut dyn Write) ->
         m.include.display(),
         a.arch.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
     );
-    out.write_all(text.as_bytes())
-        .map_err(|e| Error::io("<stdout>", "write", e))?;
+    write_text(&text, "<stdout>", out)?;
     Ok(Outcome::Pass)
 }

@@ -2,8 +2,11 @@
 //! ([`run`], [`commands`]), each of which calls its job in [`crate::jobs`] and prints the result.
 //!
 //! The binary is a thin shell over this module so that commands can be tested (and snapshotted)
-//! in-process. Every command returns an [`Outcome`] (0 = within tolerance, 1 = divergence found)
-//! or a library [`Error`] (exit 2), the exit-code contract of docs/design.md.
+//! in-process. Every command returns its verdict as an [`Outcome`] (0 = within tolerance,
+//! 1 = divergence found, 2 = inconclusive) or a library [`Error`](crate::core::error::Error)
+//! (exit 2), the exit-code contract of docs/design.md. Human text written to a closed standard
+//! output is dropped without changing the verdict ([`outputs::write_text`]); a `--json -`
+//! document that cannot be written is an error.
 
 pub mod args;
 pub mod commands;
@@ -17,19 +20,44 @@ use clap::{Parser, Subcommand};
 
 use crate::core::error::Result;
 use crate::core::settings::Settings;
+use crate::judge::report::Verdict;
 use args::*;
 use commands::*;
 use run::{cmd_compare, cmd_run};
 
 pub use commands::selftest_models;
 
-/// What a successful command concluded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What a command concluded: its verdict, printed by the command before it returns.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     /// Everything within tolerance (exit 0).
     Pass,
     /// A divergence or finding (exit 1).
     Divergence,
+    /// Nothing was judged (exit 2): no requested path could run, an injected fault never acted,
+    /// or golden cases could not be checked. The reason, which the command printed as its
+    /// `inconclusive: …` line.
+    Inconclusive(String),
+}
+
+impl Outcome {
+    /// The outcome of a report's verdict; `reason` is asked only for an inconclusive one.
+    pub fn of(verdict: Verdict, reason: impl FnOnce() -> Option<String>) -> Self {
+        match verdict {
+            Verdict::Pass => Outcome::Pass,
+            Verdict::Divergence => Outcome::Divergence,
+            Verdict::Inconclusive => Outcome::Inconclusive(reason().unwrap_or_else(|| "nothing was judged".into())),
+        }
+    }
+
+    /// The process exit code: 0, 1 or 2 (docs/design.md, "Exit codes").
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Outcome::Pass => 0,
+            Outcome::Divergence => 1,
+            Outcome::Inconclusive(_) => 2,
+        }
+    }
 }
 
 /// mla-diff: find the first tensor where an MLA forward path goes wrong, and what kind of wrong.

@@ -6,6 +6,11 @@
 //! rules (no folder given as a file, the folder must exist, no overwrite without `--force`, no two
 //! outputs on one file) live here once. `--json -` sends the document to standard output, and the
 //! human text then goes to standard error so that the JSON stays parseable.
+//!
+//! A reader that closes the pipe early (`mla-diff run | head`) ends the human text, not the
+//! command: the text is dropped from the first broken-pipe write on and the command keeps its
+//! verdict and exit code, as ripgrep does. The JSON document is the product of `--json -`, so a
+//! closed pipe there stays an error (exit 2).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -88,8 +93,19 @@ pub fn same_file(a: &Path, b: &Path) -> bool {
     a == b || matches!((canon(a), canon(b)), (Some(x), Some(y)) if x == y)
 }
 
+/// Writes human text to `stream` (standard output or error, named in errors): a reader that has
+/// closed the pipe (`EPIPE`) drops the text without an error, so the command keeps its verdict.
+///
+/// Errors: [`Error::Io`] for any other write failure.
+pub fn write_text(text: &str, stream: &'static str, out: &mut dyn Write) -> Result<()> {
+    match out.write_all(text.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(Error::io(stream, "write", e)),
+        _ => Ok(()),
+    }
+}
+
 /// Writes a JSON document to `path` (atomically, refusing an existing file unless `force`), or
-/// to `out` when `path` is `-`.
+/// to `out` when `path` is `-`; a closed pipe there is an error, the document being the product.
 ///
 /// Errors: as [`crate::core::fsio::write_file_atomic`]; [`Error::Io`] writing to `out`.
 pub fn write_json(path: &Path, bytes: &[u8], force: bool, out: &mut dyn Write) -> Result<()> {
@@ -121,17 +137,14 @@ impl TextSink {
         }
     }
 
-    /// Writes `text` to the sink (`out` for [`TextSink::Out`]).
+    /// Writes `text` to the sink (`out` for [`TextSink::Out`]) with [`write_text`]: a closed
+    /// pipe drops it.
     ///
     /// Errors: [`Error::Io`] writing.
     pub fn write(&self, text: &str, out: &mut dyn Write) -> Result<()> {
         match self {
-            TextSink::Out => out
-                .write_all(text.as_bytes())
-                .map_err(|e| Error::io("<stdout>", "write", e)),
-            TextSink::Err => std::io::stderr()
-                .write_all(text.as_bytes())
-                .map_err(|e| Error::io("<stderr>", "write", e)),
+            TextSink::Out => write_text(text, "<stdout>", out),
+            TextSink::Err => write_text(text, "<stderr>", &mut std::io::stderr()),
             TextSink::None => Ok(()),
         }
     }

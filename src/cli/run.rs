@@ -16,11 +16,11 @@ use crate::backend::cpu::CpuOps;
 use crate::compute::faults::FaultSet;
 use crate::compute::path::{PathKind, PathOptions};
 use crate::core::batch::{Batch, SeqSpec};
-use crate::core::error::{Error, Result};
+use crate::core::error::{Error, Result, chain};
 use crate::core::settings::Settings;
 use crate::jobs::export::ExportRequest;
 use crate::jobs::run;
-use crate::judge::report::{InputMode, RunConfig, RunReport, Verdict};
+use crate::judge::report::{InputMode, RunConfig, RunReport};
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
 use crate::output::report;
@@ -47,11 +47,12 @@ impl<'a> Outputs<'a> {
 }
 
 /// Prints the terminal text of a report (to stdout; to stderr, or nowhere with `--quiet`, when
-/// `--json -` takes stdout), then writes `--json`/`--report`; the outcome by verdict. The text
-/// comes first so that a file that cannot be written still leaves the verdict on screen.
+/// `--json -` takes stdout), then writes `--json`/`--report`; the outcome by verdict, an
+/// inconclusive one with its reason (no requested path could run, or an injected fault never
+/// acted), which the text's `inconclusive:` line says. The text comes first so that a file that
+/// cannot be written still leaves the verdict on screen.
 ///
-/// Errors: [`Error::Usage`] with the reason for an inconclusive verdict (no requested path could
-/// run, or an injected fault never acted; exit 2, after the outputs are written); write errors.
+/// Errors: writing the files or the `--json -` document.
 fn finish_report(
     rep: &RunReport,
     file: &GgufFile,
@@ -69,23 +70,20 @@ fn finish_report(
     let sink = TextSink::for_json(json, quiet);
     let text = if quiet {
         let mut lines = report::verdict_lines(rep);
+        // An inconclusive verdict's line (the last verdict line) ends the text, after the notes.
+        let inconclusive = lines.pop_if(|l| l.starts_with("inconclusive: "));
         for r in &rep.results {
             lines.extend(r.notes.iter().map(|n| format!("note ({} L{}): {n}", r.path, r.layer)));
         }
         lines.extend(report::finding_lines(rep));
+        lines.extend(inconclusive);
         lines.join("\n") + "\n"
     } else {
         report::terminal_fit(rep, sink.table_width(wide))
     };
     sink.write(&text, out)?;
     write_report_files(rep, file, backend, json, md, force, out)?;
-    match rep.verdict() {
-        Verdict::Pass => Ok(Outcome::Pass),
-        Verdict::Divergence => Ok(Outcome::Divergence),
-        Verdict::Inconclusive => Err(Error::Usage(
-            rep.inconclusive_reason().unwrap_or_else(|| "nothing was judged".into()),
-        )),
-    }
+    Ok(Outcome::of(rep.verdict(), || rep.inconclusive_reason()))
 }
 
 /// Writes a report's `--json` document (to `out` for `-`) and `--report` Markdown and heat map.
@@ -191,9 +189,9 @@ pub fn select_backend(d: &DeviceArgs, settings: &Settings, quiet: bool) -> Resul
                         return Ok(b);
                     }
                     Err(e @ Error::Usage(_)) => return Err(e),
-                    Err(e) => format!("CUDA unusable: {e}"),
+                    Err(e) => format!("CUDA unusable: {}", chain(&e)),
                 },
-                Err(e) => e.to_string(),
+                Err(e) => chain(&e),
             };
             if d.reference_backend == ReferenceArg::Cuda {
                 // Said here in full: under --quiet no backend line was printed.
@@ -241,7 +239,7 @@ fn check_devices(a: &RunSpec) -> Result<()> {
     Ok(())
 }
 
-/// [`select_backend`] for a run, with `--devices` ([`check_devices`] passed): every listed GPU
+/// [`select_backend`] for a run, with `--devices` (`check_devices` passed): every listed GPU
 /// must exist, and the CUDA backend gets the NCCL communicators of those GPUs
 /// ([`crate::backend::cuda::nccl::NcclAllReduce`]) for its `o_proj` all-reduce.
 ///
@@ -596,7 +594,8 @@ pub fn cmd_run(a: &RunArgs, settings: &Settings, out: &mut dyn Write) -> Result<
     };
     let o = Outputs::of(&a.output);
     let outcome = crate::core::timing::stage("report", || finish_report(&rep, &file, &backend, o, out));
-    if let Some(e) = exported.as_ref().filter(|_| outcome.is_ok()) {
+    let judged = matches!(outcome, Ok(Outcome::Pass | Outcome::Divergence));
+    if let Some(e) = exported.as_ref().filter(|_| judged) {
         TextSink::for_json(a.output.json.as_ref(), false).write(&format!("{}\n", e.line(cfg.n_head)), out)?;
     }
     if a.stats {

@@ -250,7 +250,8 @@ fn record_moved<D: ndarray::Dimension>(trace: &mut Trace, layer: usize, stage: S
 /// Runs one MLA layer (attention, attention residual, dense FFN and its residual) on
 /// `hidden_in` [T, H] for the sequences of `batch`, recording every site.
 ///
-/// Errors: [`Error::Usage`] when `hidden_in` has the wrong shape for `cfg`/`batch`.
+/// Errors: [`Error::Internal`] when `hidden_in` has the wrong shape for `cfg`/`batch` (callers
+/// build it, or check a dump's, to that shape).
 pub fn forward(cfg: &MlaConfig, w: &LayerWeights, hidden_in: &Array2<f64>, batch: &Batch) -> Result<RefLayer> {
     forward_sel(cfg, w, hidden_in, batch, None)
 }
@@ -279,7 +280,7 @@ pub fn forward_sel(
     let [n, l, p, r, v] = cfg.dims().nlprv();
     let hd = cfg.dims().hidden;
     if hidden_in.shape() != [t, hd] {
-        return Err(Error::Usage(format!(
+        return Err(Error::internal(format!(
             "reference: hidden_in has shape {:?}, expected [T={t}, H={hd}]",
             hidden_in.shape()
         )));
@@ -833,8 +834,8 @@ fn swiglu(x: &Array2<f64>, f: &SwiGlu) -> Array2<f64> {
 /// some token selected it ([`MoeWeights::expert`]), one expert at a time; a token's routed
 /// outputs are summed in expert-id order.
 ///
-/// Errors: [`Error::Usage`] for `h1` of the wrong shape or a file without MoE config; missing
-/// tensors and dequantization errors of the experts.
+/// Errors: [`Error::Internal`] for `h1` of the wrong shape or a file without MoE config (`mw`
+/// exists only for an MoE layer); missing tensors and dequantization errors of the experts.
 pub fn moe_ffn(
     file: &GgufFile,
     cfg: &MlaConfig,
@@ -845,10 +846,10 @@ pub fn moe_ffn(
     let moe = cfg
         .moe
         .as_ref()
-        .ok_or_else(|| Error::Usage(format!("{}: no MoE config", file.path().display())))?;
+        .ok_or_else(|| Error::internal(format!("{}: MoE weights without an MoE config", file.path().display())))?;
     let (t, hd, layer) = (h1.nrows(), cfg.hidden, mw.layer);
     if h1.ncols() != hd {
-        return Err(Error::Usage(format!(
+        return Err(Error::internal(format!(
             "reference: MoE input has shape {:?}, expected [T, H={hd}]",
             h1.shape()
         )));
@@ -966,8 +967,8 @@ pub fn rank_weight_sites(cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> Trace 
 /// rank r's heads of `attn_out` (`[T, N·V]` flat, f64, head-major as the site) through the
 /// matching head columns of `o_proj`'s input dim, in f64. Their sum over the ranks is `o_proj`.
 ///
-/// Returns an empty trace for `tp < 2`. Errors: `attn_out` not `T·N·V` long, or `tp` not
-/// dividing N.
+/// Returns an empty trace for `tp < 2`. Errors: [`Error::Internal`] for `attn_out` not `T·N·V`
+/// long, or `tp` not dividing N (the run checks `--tp` first).
 pub fn rank_partial_sites(cfg: &MlaConfig, w: &LayerWeights, attn_out: &[f64], t: usize, tp: usize) -> Result<Trace> {
     let mut tr = Trace::new();
     if tp < 2 {
@@ -975,12 +976,12 @@ pub fn rank_partial_sites(cfg: &MlaConfig, w: &LayerWeights, attn_out: &[f64], t
     }
     let (n, v) = (cfg.n_head, cfg.v_head_dim);
     if !n.is_multiple_of(tp) || attn_out.len() != t * n * v {
-        return Err(Error::Usage(format!(
+        return Err(Error::internal(format!(
             "reference o_proj partials: attn_out holds {} values for T={t}, N={n}, V={v}, tp={tp}",
             attn_out.len()
         )));
     }
-    let x = ArrayView2::from_shape((t, n * v), attn_out).map_err(|e| Error::Usage(e.to_string()))?;
+    let x = ArrayView2::from_shape((t, n * v), attn_out).map_err(Error::internal)?;
     let nh = n / tp;
     for rank in 0..tp {
         let cols = rank * nh * v..(rank + 1) * nh * v;

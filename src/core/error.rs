@@ -3,6 +3,10 @@
 //! Every failure a user can cause (a truncated or hostile GGUF, a missing tensor, a bad flag, a
 //! mismatched dump) becomes one variant of [`Error`] with structured fields naming the file, the
 //! tensor and the field involved, so that the binary can print a single line and exit with code 2.
+//! The classes stay apart: [`Error::Usage`] is a flag or a combination of flags, [`Error::Input`]
+//! and the format variants are a file whose content is at fault, [`Error::Internal`] is a bug of
+//! the tool. An OS or driver error is kept as the [`std::error::Error::source`] of its variant,
+//! and [`chain`] writes the message with every cause as one line.
 //! Nothing in the library panics on bad input; divergences between paths are *results*, not
 //! errors, and never appear here.
 
@@ -18,13 +22,14 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// Reading or writing a file failed at the OS level.
-    #[error("{path}: {what}: {err}")]
+    #[error("{path}: {what}")]
     Io {
         /// The file involved.
         path: PathBuf,
         /// What was being done (e.g. "open", "mmap", "write").
         what: &'static str,
-        /// The OS error (part of the message, not a separate cause, so it prints once).
+        /// The OS error: the cause, printed after the message by [`chain`].
+        #[source]
         err: std::io::Error,
     },
 
@@ -133,9 +138,23 @@ pub enum Error {
         n_layers: usize,
     },
 
-    /// A request the library cannot serve (bad flag combination, unsupported input mode, …).
+    /// A flag, or a combination of flags, that cannot be served: a value out of range, two
+    /// flags that exclude each other, an output path that would be overwritten; the message
+    /// names the flag.
     #[error("{0}")]
     Usage(String),
+
+    /// A file whose content is at fault without being malformed as a container: a dump that
+    /// lacks a tensor a comparison needs, a model that holds nothing a command can work on.
+    #[error("{path}: {what}: {reason}")]
+    Input {
+        /// The file.
+        path: PathBuf,
+        /// The part of it involved (a layer, a step, its tensors).
+        what: String,
+        /// What is wrong with it.
+        reason: String,
+    },
 
     /// A broken internal invariant: a shape the code itself built does not fit, a stage that
     /// must have been recorded is missing, a weight released too early. Never caused by the
@@ -182,8 +201,14 @@ pub enum Error {
 
     /// The CUDA backend is unavailable or failed: a missing library or device, a kernel that
     /// does not compile (with NVRTC's whole log), a failed launch (naming the kernel).
-    #[error("CUDA: {0}")]
-    Cuda(String),
+    #[error("CUDA: {what}")]
+    Cuda {
+        /// The call or field that failed, or the whole reason when no driver error caused it.
+        what: String,
+        /// The error the CUDA driver, NVRTC, cuBLAS or NCCL returned, when one did.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    },
 }
 
 impl Error {
@@ -199,7 +224,28 @@ impl Error {
     /// Builds an [`Error::Cuda`] from a failure of the CUDA driver, NVRTC or cuBLAS, or from a
     /// kernel configuration the device cannot run; `what` names the call or field and its cause.
     pub fn cuda(what: impl std::fmt::Display) -> Self {
-        Error::Cuda(what.to_string())
+        Error::Cuda {
+            what: what.to_string(),
+            source: None,
+        }
+    }
+
+    /// Builds an [`Error::Cuda`] for the call `what` that failed with the library's `source`
+    /// error (a cudarc `DriverError`, say), kept as the cause: [`chain`] prints `CUDA: what: source`.
+    pub fn cuda_call(what: impl std::fmt::Display, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Error::Cuda {
+            what: what.to_string(),
+            source: Some(Box::new(source)),
+        }
+    }
+
+    /// Builds an [`Error::Input`]: `what` part of the file at `path` is at fault, for `reason`.
+    pub fn input(path: impl Into<PathBuf>, what: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::Input {
+            path: path.into(),
+            what: what.into(),
+            reason: reason.into(),
+        }
     }
 
     /// Builds an [`Error::Internal`]: `what` names the invariant that broke and where.
@@ -214,6 +260,19 @@ impl Error {
     }
 }
 
+/// `e`'s message followed by each of its causes ([`std::error::Error::source`]), joined by
+/// `: ` into one line, e.g. `<stdout>: write: Broken pipe (os error 32)`.
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -225,5 +284,36 @@ mod tests {
         assert_eq!(e.exit_code(), 2);
         assert!(matches!(e, Error::Internal(_)));
         assert_eq!(Error::Usage("--tp must be at least 1".into()).exit_code(), 2);
+    }
+
+    /// The OS error of an I/O failure is its cause, not part of its message, and [`chain`]
+    /// prints it once after the message.
+    #[test]
+    fn io_errors_keep_the_os_error_as_their_cause() {
+        let os = std::io::Error::from(std::io::ErrorKind::BrokenPipe);
+        let want = format!("<stdout>: write: {os}");
+        let e = Error::io("<stdout>", "write", os);
+        assert_eq!(e.to_string(), "<stdout>: write");
+        assert!(std::error::Error::source(&e).is_some());
+        assert_eq!(chain(&e), want);
+    }
+
+    /// A CUDA error built from a library error keeps it as the cause; one built from a message
+    /// has none.
+    #[test]
+    fn cuda_errors_keep_the_library_error_as_their_cause() {
+        let lib = std::io::Error::other("CUDA_ERROR_OUT_OF_MEMORY");
+        let e = Error::cuda_call("upload", lib);
+        assert_eq!(e.to_string(), "CUDA: upload");
+        assert_eq!(chain(&e), "CUDA: upload: CUDA_ERROR_OUT_OF_MEMORY");
+        let e = Error::cuda("no CUDA driver library (libcuda.so) found");
+        assert!(std::error::Error::source(&e).is_none());
+        assert_eq!(chain(&e), "CUDA: no CUDA driver library (libcuda.so) found");
+    }
+
+    #[test]
+    fn input_errors_name_the_file_the_part_and_the_reason() {
+        let e = Error::input("d.safetensors", "layer 1", "no input");
+        assert_eq!(chain(&e), "d.safetensors: layer 1: no input");
     }
 }

@@ -249,7 +249,7 @@ impl RawTensor {
 /// Serializes named tensors and string metadata to safetensors bytes, with the header's keys
 /// sorted ([`canonical_header`]): the bytes are a function of the content alone.
 ///
-/// Errors: [`Error::Usage`] when a tensor's byte length disagrees with its shape and dtype, or
+/// Errors: [`Error::Internal`] when a tensor's byte length disagrees with its shape and dtype, or
 /// two tensors share a name (safetensors refuses both).
 pub fn raw_to_bytes(tensors: &[(String, RawTensor)], metadata: &BTreeMap<String, String>) -> Result<Vec<u8>> {
     struct View<'a>(&'a RawTensor);
@@ -270,7 +270,7 @@ pub fn raw_to_bytes(tensors: &[(String, RawTensor)], metadata: &BTreeMap<String,
     for (name, t) in tensors {
         let want = t.shape.iter().product::<usize>() * t.dtype.bitsize() / 8;
         if t.bytes.len() != want {
-            return Err(Error::Usage(format!(
+            return Err(Error::internal(format!(
                 "safetensors serialization: tensor `{name}` holds {} bytes, its shape {:?} of {:?} needs {want}",
                 t.bytes.len(),
                 t.shape,
@@ -280,7 +280,7 @@ pub fn raw_to_bytes(tensors: &[(String, RawTensor)], metadata: &BTreeMap<String,
     }
     let meta: std::collections::HashMap<String, String> = metadata.clone().into_iter().collect();
     safetensors::serialize(tensors.iter().map(|(n, t)| (n.clone(), View(t))), Some(meta))
-        .map_err(|e| Error::Usage(format!("safetensors serialization: {e}")))
+        .map_err(|e| Error::internal(format!("safetensors serialization: {e}")))
         .and_then(canonical_header)
 }
 
@@ -289,10 +289,10 @@ pub fn raw_to_bytes(tensors: &[(String, RawTensor)], metadata: &BTreeMap<String,
 /// metadata as a `HashMap`, whose order differs between processes; this makes the bytes a
 /// function of the content alone. Tensor data and offsets are unchanged.
 ///
-/// Errors: [`Error::Usage`] when `bytes` is not a safetensors image (never for the output of
+/// Errors: [`Error::Internal`] when `bytes` is not a safetensors image (never for the output of
 /// `safetensors::serialize`).
 pub fn canonical_header(bytes: Vec<u8>) -> Result<Vec<u8>> {
-    let bad = |w: &str| Error::Usage(format!("safetensors canonicalization: {w}"));
+    let bad = |w: &str| Error::internal(format!("safetensors canonicalization: {w}"));
     let n = bytes
         .get(..8)
         .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize)

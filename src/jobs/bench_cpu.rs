@@ -136,18 +136,19 @@ fn dequant_err(file: &GgufFile, tensor: &str, reason: String) -> Error {
 /// round every tensor and thread count is timed once, fresh output then warm buffer, so drift in
 /// machine load spreads over all figures alike. Output: one figure per (tensor, thread count),
 /// in file order then `threads` order.
-/// Errors: [`Error::Usage`] for `repeat == 0`, an empty `threads`, or a file without quantized
-/// tensors; [`Error::Dequant`] (naming the file and tensor) when a tensor cannot be decoded.
+/// Errors: [`Error::Usage`] for `repeat == 0` or an empty `threads`; [`Error::Input`] for a file
+/// without quantized tensors; [`Error::Dequant`] (naming the file and tensor) when a tensor cannot be decoded.
 pub fn dequant_bench(file: &GgufFile, repeat: usize, threads: &[usize]) -> Result<Vec<DequantFigure>> {
     if repeat == 0 || threads.is_empty() {
         return Err(Error::Usage("--repeat and --threads need at least one value".into()));
     }
     let tensors: Vec<_> = file.tensors().iter().filter(|t| t.ggml_type.is_quantized()).collect();
     if tensors.is_empty() {
-        return Err(Error::Usage(format!(
-            "{}: no quantized tensor to dequantize",
-            file.path().display()
-        )));
+        return Err(Error::input(
+            file.path(),
+            "tensors",
+            "no quantized tensor to dequantize",
+        ));
     }
     let pools = threads.iter().map(|&k| pool(k)).collect::<Result<Vec<_>>>()?;
     let mut fresh = vec![vec![Vec::<f64>::new(); pools.len()]; tensors.len()];

@@ -69,22 +69,18 @@ fn time_us(
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     let mut events = Vec::with_capacity(reps);
     for _ in 0..reps {
-        let a = stream
-            .record_event(flags)
-            .map_err(|e| Error::cuda(format!("event: {e:?}")))?;
+        let a = stream.record_event(flags).map_err(|e| Error::cuda_call("event", e))?;
         f()?;
-        let b = stream
-            .record_event(flags)
-            .map_err(|e| Error::cuda(format!("event: {e:?}")))?;
+        let b = stream.record_event(flags).map_err(|e| Error::cuda_call("event", e))?;
         if sync_each {
-            b.synchronize().map_err(|e| Error::cuda(format!("event sync: {e:?}")))?;
+            b.synchronize().map_err(|e| Error::cuda_call("event sync", e))?;
         }
         events.push((a, b));
     }
     ops.synchronize()?;
     let mut times = Vec::with_capacity(reps);
     for (a, b) in &events {
-        times.push(a.elapsed_ms(b).map_err(|e| Error::cuda(format!("elapsed: {e:?}")))? as f64 * 1000.0);
+        times.push(a.elapsed_ms(b).map_err(|e| Error::cuda_call("elapsed", e))? as f64 * 1000.0);
     }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
@@ -96,7 +92,7 @@ fn random_bf16(ops: &CudaOps, n: usize, seed: u64, scale: f64) -> Result<CudaSli
     let host: Vec<half::bf16> = (0..n).map(|_| half::bf16::from_f64(r.normal() * scale)).collect();
     ops.stream()
         .clone_htod(&host)
-        .map_err(|e| Error::cuda(format!("upload: {e:?}")))
+        .map_err(|e| Error::cuda_call("upload", e))
 }
 
 /// Device-to-device copy bandwidth of a `bytes`-byte buffer, counting read + write (timed as
@@ -108,7 +104,7 @@ pub fn copy_bandwidth(ops: &CudaOps, s: &BenchSettings, bytes: usize) -> Result<
     let us = time_us(ops, s, WARM, REPS, || {
         ops.stream()
             .memcpy_dtod(&src, &mut dst)
-            .map_err(|e| Error::cuda(format!("memcpy_dtod: {e:?}")))
+            .map_err(|e| Error::cuda_call("memcpy_dtod", e))
     })?;
     Ok(BenchFigure {
         name: "device-to-device copy".into(),
@@ -219,7 +215,7 @@ pub fn decode(
     let mut counters = ops
         .stream()
         .alloc_zeros::<i32>(b * nh.div_ceil(cfg.heads))
-        .map_err(|e| Error::cuda(format!("counters: {e:?}")))?;
+        .map_err(|e| Error::cuda_call("counters", e))?;
     let launch = DecodeLaunch {
         q: &inp.q,
         cache: &inp.cache,
@@ -248,7 +244,7 @@ pub fn decode(
     let out = ops
         .stream()
         .clone_dtoh(separate.as_ref().unwrap_or(&mout))
-        .map_err(|e| Error::cuda(format!("download: {e:?}")))?;
+        .map_err(|e| Error::cuda_call("download", e))?;
     // Stage 1 alone, for telling the kernel from the merge and the launches around it.
     let us1 = time_us(ops, s, WARM, REPS, || {
         ops.decode_mma(&launch, &mut parts, &mut lses, None)
@@ -288,7 +284,7 @@ fn decode_figure(
         // is a second wave.
         let resident = ops
             .decode_max_active_clusters(w, l, cfg, cluster)
-            .map_or_else(|e| format!("? ({e})"), |x| x.to_string());
+            .map_or_else(|e| format!("? ({})", crate::core::error::chain(&e)), |x| x.to_string());
         format!(
             "merge fused into the kernel, through a cluster of {cluster} blocks ({} clusters launched, at most {resident} resident)",
             b * nh.div_ceil(cfg.heads)

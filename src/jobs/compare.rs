@@ -123,11 +123,14 @@ pub fn compare_dump(
             (Some(x), _) => to_array(x, t, cfg.hidden)?,
             (None, Some(e)) => e.clone(),
             _ => {
-                return Err(Error::Usage(format!(
-                    "{}: layer {layer} has no input: dump L{layer}.hidden_in{}",
-                    dump.path.display(),
-                    if i == 0 { " or tokens" } else { "" }
-                )));
+                return Err(Error::input(
+                    &dump.path,
+                    format!("layer {layer}"),
+                    format!(
+                        "no input: dump L{layer}.hidden_in{}",
+                        if i == 0 { " or tokens" } else { "" }
+                    ),
+                ));
             }
         };
         let next_dumped = dump.layers.contains_key(&(layer + 1));
@@ -504,7 +507,7 @@ fn step_full_batch(spec: &crate::model::dump::StepSpec, n_seq: usize) -> (Vec<us
 /// `hidden_in` [T_full, H] of `layer` for the full sequences `live` of step `k` (each from
 /// position 0), gathered from the new rows of steps `0..=k` in sequence order.
 ///
-/// Errors: [`Error::Usage`] naming a step `0..=k` that lacks `L{layer}.hidden_in` for a
+/// Errors: [`Error::Input`] naming a step `0..=k` that lacks `L{layer}.hidden_in` for a
 /// sequence that step `k` attends to.
 fn gather_hidden_in(
     sd: &StepsDump,
@@ -528,12 +531,14 @@ fn gather_hidden_in(
                 .get(&layer)
                 .and_then(|t| t.get(&Site::new(layer, Stage::HiddenIn)))
                 .ok_or_else(|| {
-                    Error::Usage(format!(
-                        "{}: step {j} `{}` has no L{layer}.hidden_in, which step {k} `{}` attends to: a format-2 dump needs every step's hidden_in of each layer it judges",
-                        sd.path.display(),
-                        sj.name,
-                        spec.name
-                    ))
+                    Error::input(
+                        &sd.path,
+                        format!("step {j} `{}`", sj.name),
+                        format!(
+                            "no L{layer}.hidden_in, which step {k} `{}` attends to: a format-2 dump needs every step's hidden_in of each layer it judges",
+                            spec.name
+                        ),
+                    )
                 })?;
             let t_j = dj.batch.n_tokens();
             let a = to_array(x, t_j, hidden)?;

@@ -250,7 +250,8 @@ pub fn dump_header(file: &GgufFile, batch: &Batch, layer: usize, heads: (usize, 
 /// and metadata key).
 ///
 /// Errors: [`Error::Internal`] when the reference lacks a site or holds it in another shape (a
-/// bug, not an input error); [`Error::Usage`] for heads outside `0..N`.
+/// bug, not an input error), and for heads outside `0..N` ([`ExportRequest::heads`] gives heads
+/// inside).
 pub fn build(
     file: &GgufFile,
     cfg: &MlaConfig,
@@ -262,7 +263,7 @@ pub fn build(
     let [n, l, p, r, v] = cfg.dims().nlprv();
     let hd = cfg.hidden;
     if heads.0 >= heads.1 || heads.1 > n {
-        return Err(Error::Usage(format!(
+        return Err(Error::internal(format!(
             "--export-inputs: heads [{}, {}) outside the {n} heads",
             heads.0, heads.1
         )));

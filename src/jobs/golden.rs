@@ -548,7 +548,10 @@ fn recorded_backend(case: &str, case_dir: &Path, m: &Manifest, cuda: CudaFactory
             golden_err(
                 case,
                 &case_dir.join(MANIFEST_FILE),
-                format!("recorded on CUDA, which is unavailable here: {e}"),
+                format!(
+                    "recorded on CUDA, which is unavailable here: {}",
+                    crate::core::error::chain(&e)
+                ),
             )
         }),
         other => Err(golden_err(

@@ -189,9 +189,9 @@ pub fn same_for_every_path(stage: Stage) -> bool {
 
 /// Runs one path for one layer on backend `ops`.
 ///
-/// Errors: `--tp` not dividing N, shapes inconsistent with the configuration, a sequence of
-/// length 0, backend errors. An unservable TP cut is not an error: it comes back in
-/// [`PathRun::unservable`].
+/// Errors: [`Error::Usage`] for `--tp` not dividing N or a sequence of length 0;
+/// [`Error::Internal`] for a `hidden_in` inconsistent with the configuration; backend errors. An
+/// unservable TP cut is not an error: it comes back in [`PathRun::unservable`].
 pub fn run<O: Ops>(ops: &O, kind: PathKind, input: &LayerInput<'_>, opts: &PathOptions) -> Result<PathRun> {
     let mut out = None;
     run_paths(ops, &[kind], input, opts, &mut |r| {
@@ -220,7 +220,7 @@ pub fn run_paths<O: Ops>(
     let cfg = input.cfg;
     let t = input.batch.n_tokens();
     if input.hidden_in.shape() != [t, cfg.hidden] {
-        return Err(Error::Usage(format!(
+        return Err(Error::internal(format!(
             "hidden_in has shape {:?}, expected [T={t}, H={}]",
             input.hidden_in.shape(),
             cfg.hidden

@@ -324,12 +324,13 @@ pub fn cmd_inspect(a: &InspectArgs, out: &mut dyn Write) -> Result<Outcome> {
 /// `mla-diff sites`: the site vocabulary of dumps, a table or (`--json`) the JSON object.
 pub fn cmd_sites(a: &SitesArgs, out: &mut dyn Write) -> Result<Outcome> {
     let v = crate::model::dump::SiteVocabulary::current();
-    let bytes = if a.json {
-        crate::output::sites::sites_json(&v)
+    if a.json {
+        // The JSON is the product: a closed pipe is an error, as for `--json -`.
+        let bytes = crate::output::sites::sites_json(&v);
+        out.write_all(&bytes).map_err(|e| Error::io("<stdout>", "write", e))?;
     } else {
-        crate::output::sites::sites_text(&v).into_bytes()
-    };
-    out.write_all(&bytes).map_err(|e| Error::io("<stdout>", "write", e))?;
+        write_text(&crate::output::sites::sites_text(&v), "<stdout>", out)?;
+    }
     Ok(Outcome::Pass)
 }
 

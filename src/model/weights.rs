@@ -122,7 +122,8 @@ impl MoeWeights {
         let moe = match &cfg.moe {
             Some(m) if cfg.is_moe_layer(layer) && layer < cfg.n_layer => m,
             _ => {
-                return Err(Error::Usage(format!(
+                // Callers ask only for the layers `cfg.is_moe_layer` names.
+                return Err(Error::internal(format!(
                     "{}: layer {layer} is not an MoE layer (leading_dense_block_count {}, expert_count {})",
                     file.path().display(),
                     cfg.leading_dense_block_count,
@@ -199,10 +200,11 @@ impl MoeWeights {
     /// `expert·F_e..(expert+1)·F_e`) and `ffn_down_exps` as [E·H, F_e] (rows
     /// `expert·H..(expert+1)·H`). Whole rows are always block-aligned.
     ///
-    /// Errors: [`Error::Usage`] for `expert ≥ E`; missing tensor; dequantization.
+    /// Errors: [`Error::Internal`] for `expert ≥ E` (expert ids come from the reference's own
+    /// router, below E); missing tensor; dequantization.
     pub fn expert(&self, file: &GgufFile, expert: usize) -> Result<SwiGlu> {
         if expert >= self.n_expert {
-            return Err(Error::Usage(format!(
+            return Err(Error::internal(format!(
                 "{}: expert {expert} out of range: layer {} has {} experts",
                 file.path().display(),
                 self.layer,
@@ -699,19 +701,21 @@ pub fn row_slice<'f>(file: &'f GgufFile, name: &str, rows: std::ops::Range<usize
     let ne0 = t.row_len() as usize;
     let n_rows = t.n_rows() as usize;
     if rows.start > rows.end || rows.end > n_rows {
-        return Err(Error::Usage(format!(
-            "{}: row range {rows:?} outside tensor `{name}` with {n_rows} rows",
-            file.path().display()
-        )));
+        return Err(Error::input(
+            file.path(),
+            format!("tensor `{name}`"),
+            format!("row range {rows:?} outside its {n_rows} rows"),
+        ));
     }
     let rb = t.row_bytes() as usize;
     let bytes = file
         .tensor_bytes_range(t, rows.start * rb..rows.end * rb)
         .ok_or_else(|| {
-            Error::Usage(format!(
-                "{}: rows {rows:?} of `{name}` past its data",
-                file.path().display()
-            ))
+            Error::input(
+                file.path(),
+                format!("tensor `{name}`"),
+                format!("rows {rows:?} past its data"),
+            )
         })?;
     Ok(RawSlice {
         tensor: name.to_string(),
@@ -743,10 +747,11 @@ pub fn col_slice<'f>(file: &'f GgufFile, name: &str, cols: std::ops::Range<usize
     let ne0 = t.row_len() as usize;
     let n_rows = t.n_rows() as usize;
     if cols.start > cols.end || cols.end > ne0 {
-        return Err(SliceError::Other(Error::Usage(format!(
-            "{}: column range {cols:?} outside tensor `{name}` with {ne0} columns",
-            file.path().display()
-        ))));
+        return Err(SliceError::Other(Error::input(
+            file.path(),
+            format!("tensor `{name}`"),
+            format!("column range {cols:?} outside its {ne0} columns"),
+        )));
     }
     let rb = t.row_bytes() as usize;
     let ts = t.ggml_type.type_size() as usize;
@@ -800,11 +805,14 @@ pub fn embed_tokens(file: &GgufFile, cfg: &MlaConfig, tokens: &[u32]) -> Result<
     let mut out = Array2::zeros((tokens.len(), cfg.hidden));
     for (i, &tok) in tokens.iter().enumerate() {
         if tok as usize >= cfg.vocab {
-            return Err(Error::Usage(format!(
-                "token id {tok} at position {i} is outside the vocabulary of {} tokens ({})",
-                cfg.vocab,
-                file.path().display()
-            )));
+            return Err(Error::input(
+                file.path(),
+                "tokens",
+                format!(
+                    "token id {tok} at position {i} is outside the vocabulary of {} tokens",
+                    cfg.vocab
+                ),
+            ));
         }
         let row = dequant_rows(file, name, tok as usize..tok as usize + 1)?;
         out.row_mut(i).assign(&row.row(0));

@@ -60,7 +60,8 @@ impl NcclAllReduce {
     /// loadable ([`NCCL_MISSING`]), a device that does not open, NCCL's own errors.
     pub fn new(devices: &[usize]) -> Result<Self> {
         if devices.is_empty() {
-            return Err(Error::Usage("NCCL all-reduce over no device".into()));
+            // `--devices` is checked to name at least one GPU before a group is built.
+            return Err(Error::internal("NCCL all-reduce over no device"));
         }
         if let Some(d) = repeated_device(devices) {
             return Err(Error::Usage(format!(

@@ -411,12 +411,11 @@ fn reference_inner(
     let dims = cfg.dims();
     let (hd, [n, l, p, r, v]) = (dims.hidden, dims.nlprv());
     if !supported(cfg, w.layer, false) {
-        return Err(Error::Usage(
-            "the GPU reference does not compute DSA indexer layers".into(),
-        ));
+        // `Backend::reference` sends DSA layers to the CPU reference before calling this.
+        return Err(Error::internal("the GPU reference does not compute DSA indexer layers"));
     }
     if hidden.shape() != [t, hd] {
-        return Err(Error::Usage(format!(
+        return Err(Error::internal(format!(
             "reference: hidden_in has shape {:?}, expected [T={t}, H={hd}]",
             hidden.shape()
         )));

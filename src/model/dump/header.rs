@@ -318,15 +318,18 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
 /// Checks that `file` is the model a format-2 dump was made from: the header-and-index hash, and
 /// the raw-byte hash of every layer in `layers`.
 ///
-/// Errors: [`Error::Usage`] naming the dump, the GGUF and the field that differs (exit 2).
+/// Errors: [`Error::Input`] naming the dump, the field that differs and the GGUF (exit 2).
 pub fn check_identity(dump: &Path, h: &DumpHeader, file: &GgufFile, layers: &[usize]) -> Result<()> {
     let refuse = |field: &str, want: &str, got: &str| {
-        Error::Usage(format!(
-            "{}: field `header.model.{field}` is {want}, but {} gives {got}: the dump was made from another model ({}); pass the GGUF it names",
-            dump.display(),
-            file.path().display(),
-            h.model.file
-        ))
+        Error::input(
+            dump,
+            format!("field `header.model.{field}`"),
+            format!(
+                "is {want}, but {} gives {got}: the dump was made from another model ({}); pass the GGUF it names",
+                file.path().display(),
+                h.model.file
+            ),
+        )
     };
     let idx = file.index_sha256_hex();
     if !idx.eq_ignore_ascii_case(h.model.index_sha256.trim()) {
@@ -335,10 +338,11 @@ pub fn check_identity(dump: &Path, h: &DumpHeader, file: &GgufFile, layers: &[us
     for &l in layers {
         let key = l.to_string();
         let Some(want) = h.model.layer_sha256.get(&key) else {
-            return Err(Error::Usage(format!(
-                "{}: field `header.model.layer_sha256` has no entry for layer {l}, which the dump holds",
-                dump.display()
-            )));
+            return Err(Error::input(
+                dump,
+                "field `header.model.layer_sha256`",
+                format!("has no entry for layer {l}, which the dump holds"),
+            ));
         };
         let got = file.layer_sha256_hex(l);
         if !got.eq_ignore_ascii_case(want.trim()) {

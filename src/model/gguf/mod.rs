@@ -281,10 +281,7 @@ impl GgufFile {
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         if path.is_dir() {
-            return Err(Error::Usage(format!(
-                "{}: is a directory, not a GGUF file",
-                path.display()
-            )));
+            return Err(Error::input(path, "open", "is a directory, not a GGUF file"));
         }
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, "open", e))?;
         let len = file.metadata().map_err(|e| Error::io(path, "stat", e))?.len();

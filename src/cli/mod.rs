@@ -3,7 +3,7 @@
 //!
 //! The binary is a thin shell over this module so that commands can be tested (and snapshotted)
 //! in-process. Every command returns an [`Outcome`] (0 = within tolerance, 1 = divergence found)
-//! or a library [`Error`] (exit 2), the exit-code contract of docs/design.md.
+//! or a library [`Error`](crate::core::error::Error) (exit 2), the exit-code contract of docs/design.md.
 
 pub mod args;
 pub mod commands;

@@ -241,7 +241,7 @@ fn check_devices(a: &RunSpec) -> Result<()> {
     Ok(())
 }
 
-/// [`select_backend`] for a run, with `--devices` ([`check_devices`] passed): every listed GPU
+/// [`select_backend`] for a run, with `--devices` (`check_devices` passed): every listed GPU
 /// must exist, and the CUDA backend gets the NCCL communicators of those GPUs
 /// ([`crate::backend::cuda::nccl::NcclAllReduce`]) for its `o_proj` all-reduce.
 ///

@@ -1069,104 +1069,44 @@ mod tests {
 
     #[test]
     fn dump_params_name_what_a_weights_dump_holds() {
-        use ModelTensor as T;
-        assert_eq!(
-            dump_param_names(),
-            [
-                "fused_qkv_a_proj",
-                "q_a_proj",
-                "q_b_proj",
-                "q_proj",
-                "kv_a_proj_with_mqa",
-                "kv_b_proj",
-                "o_proj",
-                "W_UK_T",
-                "W_UV"
-            ]
-        );
+        let names = "fused_qkv_a_proj q_a_proj q_b_proj q_proj kv_a_proj_with_mqa kv_b_proj o_proj W_UK_T W_UV";
+        assert_eq!(dump_param_names().join(" "), names);
         assert_eq!(dump_name("self_attn.kv_b_proj.weight"), "kv_b_proj");
-        assert_eq!(dump_name("W_UV"), "W_UV");
-        type Facts = (Option<Stage>, TpSplit, Vec<ModelTensor>, Vec<ModelTensor>);
-        let by_name = |c: &MlaConfig| -> Vec<(&'static str, Facts)> {
-            let mut v: Vec<_> = dump_params(c)
-                .into_iter()
-                .map(|p| (p.name, (p.site, p.split, p.sources, p.shards)))
-                .collect();
-            v.sort_by_key(|x| x.0);
-            v
+        // One line per parameter: name, site, split, sources, merged shards.
+        let lines = |c: &MlaConfig| -> Vec<String> {
+            let short = |ts: &[ModelTensor]| ts.iter().map(|t| t.short()).collect::<Vec<_>>().join("+");
+            let site = |s: Option<Stage>| s.map_or("-".into(), |s| s.name());
+            let line = |p: DumpParam| {
+                let (src, shards) = (short(&p.sources), short(&p.shards));
+                format!("{} {} {} {src} [{shards}]", p.name, site(p.site), p.split)
+            };
+            dump_params(c).into_iter().map(line).collect()
         };
-        let heads = TpSplit::ColumnByHeads;
-        let rank0 = |w| Some(Stage::WRank(w, 0));
-        let split = by_name(&cfg(Some(24), KvBLayout::Split));
-        let names: Vec<_> = split.iter().map(|x| x.0).collect();
         assert_eq!(
-            names,
+            lines(&cfg(Some(24), KvBLayout::Split)),
             [
-                "W_UK_T",
-                "W_UV",
-                "fused_qkv_a_proj",
-                "kv_a_proj_with_mqa",
-                "kv_b_proj",
-                "o_proj",
-                "q_a_proj",
-                "q_b_proj"
+                "fused_qkv_a_proj w.fused_qkv_a replicated attn_q_a+attn_kv_a_mqa [attn_q_a+attn_kv_a_mqa]",
+                "kv_b_proj w.kv_b column-parallel by heads (P+V rows each) attn_k_b+attn_v_b []",
+                "W_UK_T w.W_UK_T column-parallel by heads (1 rows each) attn_k_b []",
+                "W_UV w.W_UV column-parallel by heads (1 rows each) attn_v_b []",
+                "q_b_proj w.q_b.rank0 column-parallel by heads (P+R rows each) attn_q_b []",
+                "o_proj w.o_proj.rank0 row-parallel by heads (V columns each) attn_output []",
+                "q_a_proj - replicated attn_q_a []",
+                "kv_a_proj_with_mqa - replicated attn_kv_a_mqa []",
             ]
         );
-        let get = |v: &[(&'static str, Facts)], n: &str| v.iter().find(|x| x.0 == n).unwrap().1.clone();
+        // Without Lq nothing merges: kv_a_proj_with_mqa is a parameter of its own.
         assert_eq!(
-            get(&split, "fused_qkv_a_proj"),
-            (
-                Some(Stage::WFusedQkvA),
-                TpSplit::Replicated,
-                vec![T::AttnQA, T::AttnKvAMqa],
-                vec![T::AttnQA, T::AttnKvAMqa]
-            )
+            lines(&cfg(None, KvBLayout::Fused)),
+            [
+                "kv_a_proj_with_mqa w.fused_qkv_a replicated attn_kv_a_mqa []",
+                "kv_b_proj w.kv_b column-parallel by heads (P+V rows each) attn_kv_b []",
+                "W_UK_T w.W_UK_T column-parallel by heads (1 rows each) attn_kv_b []",
+                "W_UV w.W_UV column-parallel by heads (1 rows each) attn_kv_b []",
+                "q_proj w.q_b.rank0 column-parallel by heads (P+R rows each) attn_q []",
+                "o_proj w.o_proj.rank0 row-parallel by heads (V columns each) attn_output []",
+            ]
         );
-        assert_eq!(
-            get(&split, "kv_a_proj_with_mqa"),
-            (None, TpSplit::Replicated, vec![T::AttnKvAMqa], vec![])
-        );
-        assert_eq!(
-            get(&split, "kv_b_proj"),
-            (
-                Some(Stage::WKvB),
-                heads(PerHead::KvBHeadDim),
-                vec![T::AttnKB, T::AttnVB],
-                vec![]
-            )
-        );
-        assert_eq!(
-            get(&split, "W_UK_T"),
-            (Some(Stage::WUkT), heads(PerHead::One), vec![T::AttnKB], vec![])
-        );
-        assert_eq!(
-            get(&split, "q_b_proj"),
-            (
-                rank0(RankedWeight::QProj),
-                heads(PerHead::QkHeadDim),
-                vec![T::AttnQB],
-                vec![]
-            )
-        );
-        assert_eq!(
-            get(&split, "o_proj"),
-            (
-                rank0(RankedWeight::OProj),
-                TpSplit::RowByHeads(PerHead::VHeadDim),
-                vec![T::AttnOutput],
-                vec![]
-            )
-        );
-        // Without Lq: no fused projection, kv_a its own parameter; a fused file's kv_b feeds all.
-        let direct = by_name(&cfg(None, KvBLayout::Fused));
-        let names: Vec<_> = direct.iter().map(|x| x.0).collect();
-        assert_eq!(
-            names,
-            ["W_UK_T", "W_UV", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_proj"]
-        );
-        assert_eq!(get(&direct, "kv_a_proj_with_mqa").2, vec![T::AttnKvAMqa]);
-        assert!(get(&direct, "kv_a_proj_with_mqa").3.is_empty());
-        assert_eq!(get(&direct, "W_UV").2, vec![T::AttnKvB]);
     }
 
     #[test]

@@ -138,7 +138,7 @@ CONDITIONS = ("split_kv_b", "fused_kv_b", "q_lora", "no_q_lora")
 
 
 def condition_holds(cond: str | None, q_lora: bool, fused_kv_b: bool) -> bool:
-    """A map rule's optional condition (src/model/dump.rs `Condition`) for a model's facts."""
+    """A map rule's optional condition (src/model/dump/map.rs `Condition`) for a model's facts."""
     if cond is None:
         return True
     if cond not in CONDITIONS:

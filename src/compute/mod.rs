@@ -1,6 +1,6 @@
 //! The forward computations mla-diff compares: the f64 reference and the engine-style paths.
 //!
-//! [`reference`] is the judge's yardstick (plain expanded MLA, f64). [`engine`] holds the paths
+//! [`reference`](mod@reference) is the judge's yardstick (plain expanded MLA, f64). [`engine`] holds the paths
 //! written the way engines write them (fused projections, paged latent cache, split-KV and LSE
 //! merges, TP shards), once, against the [`ops::Ops`] trait that a backend implements.
 //! [`faults`] injects real bug patterns into those paths; [`indexer`] is the DSA token selection

@@ -16,8 +16,9 @@
 //! Every path can run under simulated tensor parallelism (`--tp N`): heads split across ranks,
 //! shards cut from the raw quantized bytes, per-rank compute, reassembly and an all-reduce.
 //! Paths compute in f32 (an engine's accumulation precision) on a backend; the CPU backend lives
-//! in [`cpu`]. Output buffers are filled with the NaN [`CANARY`] before every step, so an output
-//! that was never written is told apart from one computed wrong.
+//! in [`crate::backend::cpu`]. Output buffers are filled with the NaN
+//! [`CANARY`](crate::core::canary::CANARY) before every step, so an output that was never written
+//! is told apart from one computed wrong.
 
 use ndarray::Array2;
 use serde::{Deserialize, Serialize};

@@ -5,7 +5,7 @@
 //! exactly one piece of work and nothing around it: dequantizing one tensor with the library's
 //! own decoder ([`crate::model::gguf::dequant`]), and one reference layer forward
 //! ([`crate::compute::reference::forward`]) with its weights loaded and dequantized before the clock
-//! starts. `scripts/bench_cpu.py` runs these next to gguf-py and transformers, interleaved.
+//! starts. `scripts/bench/bench_cpu.py` runs these next to gguf-py and transformers, interleaved.
 //!
 //! Every figure is the median of `repeat` timed calls after one untimed warm-up call, with
 //! `std::time::Instant` around the call only. Thread counts are set per call with a private rayon

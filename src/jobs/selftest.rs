@@ -24,9 +24,10 @@ use crate::jobs::run::compare_layer;
 use crate::judge::diagnose::Finding;
 use crate::judge::report::RunConfig;
 use crate::judge::selftest::{CaseResult, DequantCheck, SelftestReport};
-use crate::model::config::{KvBLayout, MlaConfig};
+use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
-use crate::model::weights::{LayerWeights, tensor_name};
+use crate::model::tensors::ModelTensor;
+use crate::model::weights::LayerWeights;
 
 /// Where the fixtures come from.
 #[derive(Debug, Clone)]
@@ -123,10 +124,7 @@ fn verdict(expected: &Option<(Class, Vec<Stage>)>, found: Option<&Finding>, laye
 
 /// Block size of the tensor whose rows run along the latent dim L (for `quant-slice-misaligned`).
 fn latent_block(file: &GgufFile, cfg: &MlaConfig, layer: usize) -> u64 {
-    let name = match cfg.kv_b_layout {
-        KvBLayout::Split => tensor_name(layer, "attn_v_b"),
-        KvBLayout::Fused => tensor_name(layer, "attn_kv_b"),
-    };
+    let name = ModelTensor::kv_b_latent_input(cfg.kv_b_layout).name(layer);
     file.tensor(&name).map_or(1, |t| t.ggml_type.block_size())
 }
 
@@ -134,7 +132,7 @@ fn latent_block(file: &GgufFile, cfg: &MlaConfig, layer: usize) -> u64 {
 /// `quant-block-misaligned` finding, not silence). The finding is at rank 0, whose column range
 /// `0..cut` already ends inside a block.
 fn natural_misalignment(file: &GgufFile, cfg: &MlaConfig, layer: usize, tp: usize) -> Option<Site> {
-    let t = file.tensor(&tensor_name(layer, "attn_output"))?;
+    let t = file.tensor(&ModelTensor::AttnOutput.name(layer))?;
     let cut = (cfg.n_head / tp * cfg.v_head_dim) as u64;
     (tp > 1 && !cut.is_multiple_of(t.ggml_type.block_size()))
         .then(|| Site::new(layer, Stage::WRank(crate::core::trace::RankedWeight::OProj, 0)))

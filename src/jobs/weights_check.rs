@@ -20,6 +20,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use ndarray::Array2;
 use safetensors::SafeTensors;
 
 use crate::compute::reference::{assemble_kv_b, widen_to_f64};
@@ -30,122 +31,107 @@ use crate::core::trace::{Stage, TraceTensor};
 use crate::judge::diagnose::Finding;
 use crate::judge::diagnose::blocks::rel_l2 as rel;
 use crate::judge::diagnose::explain_loaded;
-use crate::judge::diagnose::loaded::{self, Failing, Holds, Param, Source, Split, match_threshold};
+use crate::judge::diagnose::loaded::{self, Failing, Holds, Param, Source, match_threshold};
 use crate::judge::metrics;
 use crate::judge::tolerance::tolerance;
 use crate::judge::weights_check::{TensorCheck, WeightsReport};
 use crate::model::config::MlaConfig;
 use crate::model::dump::{FORMAT1, FORMAT2, Map};
 use crate::model::gguf::GgufFile;
-use crate::model::weights::{LayerWeights, QWeights, tensor_name};
+use crate::model::tensors::{self, ModelTensor};
+use crate::model::weights::{LayerWeights, QWeights};
 
-/// Every MLA param of layer `w.layer` rebuilt from the GGUF `file`, by vLLM name (the params
-/// the model has: `q_proj` or the LoRA three, and the rest).
+/// Every MLA param of layer `w.layer` rebuilt from the GGUF `file`, by the name a weights dump
+/// gives it: the tensor table's [`tensors::dump_params`] of the model's layout (`q_proj` or the
+/// LoRA three, and the rest), each with its TP split, merged shards and GGUF sources.
 fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'static str, Param> {
-    let [n, l, p, r, v] = cfg.dims().nlprv();
+    let [n, l, p, _, v] = cfg.dims().nlprv();
     let layer = w.layer;
-    let info = |name: &str| {
-        let t = tensor_name(layer, name);
-        match file.tensor(&t) {
+    let info = |t: ModelTensor| {
+        let name = t.name(layer);
+        match file.tensor(&name) {
             Some(i) => Source {
-                name: t,
+                name,
                 ggml_type: i.ggml_type.name().to_string(),
                 block: i.ggml_type.block_size(),
             },
             None => Source {
-                name: t,
+                name,
                 ggml_type: "?".into(),
                 block: 1,
             },
         }
     };
-    let flat = |a: &ndarray::Array2<f64>| (a.iter().copied().collect::<Vec<f64>>(), a.shape().to_vec());
+    // The [out, in] matrix of each projection tensor that a param holds as is or concatenates.
+    let matrix = |t: ModelTensor| -> Option<Array2<f64>> {
+        match (t, &w.q) {
+            (ModelTensor::AttnQA, QWeights::Lora { q_a, .. }) => Some(widen_to_f64(q_a)),
+            (ModelTensor::AttnQB, QWeights::Lora { q_b, .. }) => Some(widen_to_f64(q_b)),
+            (ModelTensor::AttnQ, QWeights::Direct { q }) => Some(widen_to_f64(q)),
+            (ModelTensor::AttnKvAMqa, _) => Some(widen_to_f64(&w.kv_a_mqa)),
+            (ModelTensor::AttnOutput, _) => Some(widen_to_f64(&w.o_proj)),
+            _ => None,
+        }
+    };
+    let flat = |a: &Array2<f64>| (a.iter().copied().collect::<Vec<f64>>(), a.shape().to_vec());
+    let kv_b = assemble_kv_b(cfg, &w.kv_b);
     let mut m = BTreeMap::new();
-    let mut put = |name: &'static str, (data, shape): (Vec<f64>, Vec<usize>), split, shards, srcs: &[&str]| {
-        let sources = srcs.iter().map(|s| info(s)).collect();
+    for dp in tensors::dump_params(cfg) {
+        let (data, shape) = match dp.site {
+            Some(Stage::WKvB) => flat(&kv_b),
+            // W_UK_T [N, P, L]: each head's k_nope rows of kv_b as stored.
+            Some(Stage::WUkT) => {
+                let mut uk = Vec::with_capacity(n * p * l);
+                for h in 0..n {
+                    for pi in 0..p {
+                        for li in 0..l {
+                            uk.push(kv_b[[h * (p + v) + pi, li]]);
+                        }
+                    }
+                }
+                (uk, vec![n, p, l])
+            }
+            // W_UV [N, L, V]: each head's v rows of kv_b, transposed.
+            Some(Stage::WUv) => {
+                let mut uv = Vec::with_capacity(n * l * v);
+                for h in 0..n {
+                    for li in 0..l {
+                        for vi in 0..v {
+                            uv.push(kv_b[[h * (p + v) + p + vi, li]]);
+                        }
+                    }
+                }
+                (uv, vec![n, l, v])
+            }
+            _ => {
+                let parts = if dp.shards.is_empty() { &dp.sources } else { &dp.shards };
+                let mats: Vec<Array2<f64>> = parts.iter().filter_map(|&t| matrix(t)).collect();
+                let views: Vec<_> = mats.iter().map(|a| a.view()).collect();
+                let Ok(a) = ndarray::concatenate(ndarray::Axis(0), &views) else {
+                    continue;
+                };
+                flat(&a)
+            }
+        };
+        let shards = dp
+            .shards
+            .iter()
+            .filter_map(|&t| {
+                let checkpoint = t.row().vllm?.merged?.checkpoint;
+                Some((tensors::dump_name(checkpoint), matrix(t)?.nrows()))
+            })
+            .collect();
         m.insert(
-            name,
+            dp.name,
             Param {
                 data,
                 shape,
-                split,
+                split: dp.split,
                 shards,
-                sources,
+                sources: dp.sources.iter().map(|&t| info(t)).collect(),
             },
         );
-    };
-    let kv_a = widen_to_f64(&w.kv_a_mqa);
-    put(
-        "kv_a_proj_with_mqa",
-        flat(&kv_a),
-        Split::Replicated,
-        vec![],
-        &["attn_kv_a_mqa"],
-    );
-    match &w.q {
-        QWeights::Lora { q_a, q_b, .. } => {
-            let qa = widen_to_f64(q_a);
-            let lq = qa.shape()[0];
-            let fused = ndarray::concatenate(ndarray::Axis(0), &[qa.view(), kv_a.view()]).expect("same H");
-            put(
-                "fused_qkv_a_proj",
-                flat(&fused),
-                Split::Replicated,
-                vec![("q_a_proj", lq), ("kv_a_proj_with_mqa", l + r)],
-                &["attn_q_a", "attn_kv_a_mqa"],
-            );
-            put("q_a_proj", flat(&qa), Split::Replicated, vec![], &["attn_q_a"]);
-            put(
-                "q_b_proj",
-                flat(&widen_to_f64(q_b)),
-                Split::Rows(p + r),
-                vec![],
-                &["attn_q_b"],
-            );
-        }
-        QWeights::Direct { q } => put(
-            "q_proj",
-            flat(&widen_to_f64(q)),
-            Split::Rows(p + r),
-            vec![],
-            &["attn_q"],
-        ),
     }
-    let kv_b = assemble_kv_b(cfg, &w.kv_b);
-    // W_UK_T comes from attn_k_b, W_UV from attn_v_b, kv_b_proj from both (interleaved per head);
-    // a legacy file holds all three in attn_kv_b.
-    let fused = matches!(w.kv_b, crate::model::weights::KvBWeights::Fused { .. });
-    let (kv_b_src, uk_src, uv_src): (&[&str], &[&str], &[&str]) = if fused {
-        (&["attn_kv_b"], &["attn_kv_b"], &["attn_kv_b"])
-    } else {
-        (&["attn_k_b", "attn_v_b"], &["attn_k_b"], &["attn_v_b"])
-    };
-    put("kv_b_proj", flat(&kv_b), Split::Rows(p + v), vec![], kv_b_src);
-    put(
-        "o_proj",
-        flat(&widen_to_f64(&w.o_proj)),
-        Split::Cols(v),
-        vec![],
-        &["attn_output"],
-    );
-    let mut uk = Vec::with_capacity(n * p * l);
-    let mut uv = Vec::with_capacity(n * l * v);
-    for h in 0..n {
-        for pi in 0..p {
-            for li in 0..l {
-                uk.push(kv_b[[h * (p + v) + pi, li]]);
-            }
-        }
-    }
-    for h in 0..n {
-        for li in 0..l {
-            for vi in 0..v {
-                uv.push(kv_b[[h * (p + v) + p + vi, li]]);
-            }
-        }
-    }
-    put("W_UK_T", (uk, vec![n, p, l]), Split::Rows(1), vec![], uk_src);
-    put("W_UV", (uv, vec![n, l, v]), Split::Rows(1), vec![], uv_src);
     m
 }
 
@@ -161,18 +147,6 @@ struct Entry {
     dtype: String,
 }
 
-const PARAMS: &[&str] = &[
-    "fused_qkv_a_proj",
-    "q_a_proj",
-    "q_b_proj",
-    "q_proj",
-    "kv_a_proj_with_mqa",
-    "kv_b_proj",
-    "o_proj",
-    "W_UK_T",
-    "W_UV",
-];
-
 /// Parses `L{n}.{param}` or `L{n}.{param}.rank{r}`.
 fn parse_name(name: &str) -> Option<(usize, String, Option<usize>)> {
     let rest = name.strip_prefix('L')?;
@@ -182,7 +156,9 @@ fn parse_name(name: &str) -> Option<(usize, String, Option<usize>)> {
         Some((p, r)) => (p, Some(r.parse().ok()?)),
         None => (rest, None),
     };
-    PARAMS.contains(&param).then(|| (layer, param.to_string(), rank))
+    tensors::dump_param_names()
+        .contains(&param)
+        .then(|| (layer, param.to_string(), rank))
 }
 
 /// Refuses an activation dump, the file `compare` reads, before its `L{n}.o_proj` [T, H] (an
@@ -377,7 +353,7 @@ fn read_weights_file(cfg: &MlaConfig, path: &Path, map: Option<&Map>) -> Result<
             "tensors",
             format!(
                 "no MLA weight found (names like `L0.kv_b_proj` or `L0.kv_b_proj.rank1`; params {}); {} other tensor(s)",
-                PARAMS.join(", "),
+                tensors::dump_param_names().join(", "),
                 ignored.len()
             ),
         ));
@@ -431,7 +407,7 @@ fn check_entry(
     let tol = tolerance(Stage::WKvB, dtype).0;
     let thr = match_threshold(dtype);
     let (exp, exp_shape, range) = match e.rank {
-        Some(r) if r < tp => p.rank_slice(cfg.n_head, tp, r),
+        Some(r) if r < tp => p.rank_slice(cfg.dims(), tp, r),
         Some(r) => {
             findings.push(loaded::rank_out_of_range(&e.name, r, tp, p));
             return None;
@@ -463,7 +439,7 @@ fn check_entry(
     if let Some(r) = e.rank {
         // Which rank's slice does this shard hold? Another rank's is a rank-level finding.
         let held = (0..tp).find(|&k| {
-            let (x, s, _) = p.rank_slice(cfg.n_head, tp, k);
+            let (x, s, _) = p.rank_slice(cfg.dims(), tp, k);
             s == e.shape && rel(&e.data, &x) <= thr
         });
         held_other = held.is_some_and(|k| k != r);

@@ -6,7 +6,7 @@
 //! elements within `atol + rtol·|ref|`) and decides pass/fail against the tolerance table. The
 //! order of checks follows FlashMLA's `tests/kernelkit/compare.py`: non-finite positions first,
 //! then an element passes on abs OR rel, cosine in f64, and the worst element is reported with
-//! both values. Sums run over fixed chunks of [`CHUNK`] elements in parallel, each chunk in
+//! both values. Sums run over fixed chunks of `CHUNK` = 2¹⁵ elements in parallel, each chunk in
 //! element order, and the chunks combine in order: the results are bit-reproducible whatever the
 //! thread count.
 

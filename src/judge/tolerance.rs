@@ -201,7 +201,7 @@ pub const TOLERANCES: &[(StageGroup, Precision, Tolerance, &str)] = &[
         "measured: mla-diff's bf16 pipeline (bf16 GEMM, attention and cache inputs, f32 \
          accumulation) against the f64 reference. Fixtures (CPU backend, every committed one, \
          T = 390): rel_l2 7.6e-3, cos_diff 2.9e-5, |norm ratio − 1| 2.2e-4. Real size \
-         (DeepSeek-V3 layer 3 from scripts/make_sparse_gguf.py, every path): rel_l2 grows with \
+         (DeepSeek-V3 layer 3 from scripts/fixtures/make_sparse_gguf.py, every path): rel_l2 grows with \
          T, 9.6e-3 at T = 512 and 1.00e-2 at T = 1024 (CPU), 1.09e-2 at T = 4096 (CUDA on the \
          H200), cos_diff 6.0e-5, |norm ratio − 1| 6.6e-5; at atol_rms = rtol = 4e-2 the worst \
          pass fraction is 0.99945 (attention outputs at T = 4096, where softmax amplifies logit \
@@ -223,7 +223,7 @@ pub const TOLERANCES: &[(StageGroup, Precision, Tolerance, &str)] = &[
         "measured as above: bf16 LSE reaches rel_l2 1.0e-3, cos_diff 5.4e-7 and a pass fraction \
          of 1.0; the limits leave 5× margin",
     ),
-    // Engine rows. Measured (docs/dump-format.md, "Tolerances"): HF transformers 5.24 DeepSeek-V3 (eager attention, torch 2.15 CPU) dumped by scripts/dump_hf.py
+    // Engine rows. Measured (docs/dump-format.md, "Tolerances"): HF transformers 5.24 DeepSeek-V3 (eager attention, torch 2.15 CPU) dumped by `python -m mla_diff_hooks.hf`
     // with `--dtype bf16` / `--dtype f16 --with-weights`, compared with `mla-diff compare` against
     // the f64 reference on the committed F32 fixtures: tiny-v3, lite-v2, yarn-v3 and legacy-kvb at
     // T = 16 with seeds 0-4, and tiny-v3, lite-v2, yarn-v3 at T = 64 with seeds 10-11: 26 dumps

@@ -712,20 +712,128 @@ pub fn loader_sources(cfg: &MlaConfig, stage: Stage) -> Vec<ModelTensor> {
     }
 }
 
+/// The MLA backend's absorbed weights (`vllm/v1/attention/backends/mla/common.py`,
+/// `process_weights_after_loading`): `W_UK_T` [N, P, L] at `w.W_UK_T` and `W_UV` [N, L, V] at
+/// `w.W_UV`. Each rank derives them from its own `kv_b_proj` heads, so they split by heads on
+/// dim 0, one head per index.
+const ABSORBED: [(Stage, &str); 2] = [(Stage::WUkT, "W_UK_T"), (Stage::WUv, "W_UV")];
+
 /// The vLLM name and TP split of what weight site `stage` holds: the parameter its tensors fill
 /// (`self_attn.fused_qkv_a_proj.weight`, `self_attn.kv_b_proj.weight`, `q_b_proj` or `q_proj`,
 /// `o_proj`), or for `w.W_UK_T` [N, P, L] and `w.W_UV` [N, L, V] the MLA backend's `W_UK_T` /
 /// `W_UV`, which each rank derives from its own `kv_b_proj` heads (so they split by heads on
 /// dim 0). `None` for a site that is not a weight.
 pub fn site_param(cfg: &MlaConfig, stage: Stage) -> Option<(&'static str, TpSplit)> {
-    match stage {
-        Stage::WUkT => Some(("W_UK_T", TpSplit::ColumnByHeads(PerHead::One))),
-        Stage::WUv => Some(("W_UV", TpSplit::ColumnByHeads(PerHead::One))),
-        s => {
-            let t = *site_sources(cfg, s).first()?;
-            Some((t.vllm_param(cfg)?, t.row().vllm?.split))
+    if let Some((_, name)) = ABSORBED.iter().find(|(s, _)| *s == stage) {
+        return Some((name, TpSplit::ColumnByHeads(PerHead::One)));
+    }
+    let t = *site_sources(cfg, stage).first()?;
+    Some((t.vllm_param(cfg)?, t.row().vllm?.split))
+}
+
+/// The name a weights dump gives vLLM parameter `param` of a decoder layer's attention under
+/// `L{n}.`: without the module prefix `self_attn.` and the suffix `.weight`
+/// (`self_attn.q_b_proj.weight` → `q_b_proj`; `W_UK_T` stays `W_UK_T`).
+pub fn dump_name(param: &'static str) -> &'static str {
+    let p = param.strip_prefix("self_attn.").unwrap_or(param);
+    p.strip_suffix(".weight").unwrap_or(p)
+}
+
+/// True for the tensors a weight site is built from (a whole-tensor `w.*` site or a per-rank
+/// `w.<weight>.rank<r>` one): the attention projections.
+fn feeds_weight_site(t: ModelTensor) -> bool {
+    let row = t.row();
+    !row.sites.is_empty() || row.ranked.is_some()
+}
+
+/// One parameter of an engine's loaded MLA attention weights, under the name a weights dump
+/// gives it (`L{n}.{name}`, or `L{n}.{name}.rank{r}` for rank `r`'s shard): what
+/// `weights --check` rebuilds from the GGUF and compares.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DumpParam {
+    /// The parameter's [`dump_name`]: `fused_qkv_a_proj`, `q_a_proj`, `q_b_proj` or `q_proj`,
+    /// `kv_a_proj_with_mqa`, `kv_b_proj`, `o_proj`, `W_UK_T`, `W_UV`.
+    pub name: &'static str,
+    /// The weight site it holds the values of (`w.fused_qkv_a`, `w.kv_b`, `w.W_UK_T`, `w.W_UV`;
+    /// rank 0's `w.q_b.rank0`, `w.o_proj.rank0` for a weight recorded only per rank); `None` for
+    /// a merged shard dumped on its own (`q_a_proj` and `kv_a_proj_with_mqa` beside
+    /// `fused_qkv_a_proj`).
+    pub site: Option<Stage>,
+    /// How tensor parallelism cuts it.
+    pub split: TpSplit,
+    /// The GGUF tensors it is built from, in table order ([`loader_sources`] of its site).
+    pub sources: Vec<ModelTensor>,
+    /// The tensors it concatenates along dim 0, in vLLM's merged shard order
+    /// (`fused_qkv_a_proj`: `attn_q_a` then `attn_kv_a_mqa`); empty unless it merges tensors.
+    pub shards: Vec<ModelTensor>,
+}
+
+/// The attention parameters of `cfg`'s layout that a weights dump may hold, one per name: each
+/// weight site's parameter ([`site_param`], sources [`site_sources`]), then each merged shard
+/// under its own checkpoint name (vLLM's `stacked_params_mapping`), which an engine that does
+/// not fuse holds instead. Without `Lq` there is no merge: `kv_a_proj_with_mqa` is a parameter
+/// of its own, and `q_proj` replaces `q_a_proj`/`q_b_proj`.
+pub fn dump_params(cfg: &MlaConfig) -> Vec<DumpParam> {
+    let sites = crate::core::trace::STAGES
+        .iter()
+        .copied()
+        .filter(|s| s.is_weight())
+        .chain(RankedWeight::ALL.map(|w| Stage::WRank(w, 0)));
+    let mut out: Vec<DumpParam> = Vec::new();
+    for site in sites {
+        let Some((param, split)) = site_param(cfg, site) else {
+            continue;
+        };
+        let name = dump_name(param);
+        if out.iter().any(|p| p.name == name) {
+            continue;
+        }
+        let sources = site_sources(cfg, site);
+        let mut shards: Vec<ModelTensor> = sources
+            .iter()
+            .copied()
+            .filter(|t| t.row().vllm.is_some_and(|v| v.merged.is_some() && v.param == param))
+            .collect();
+        shards.sort_by_key(|t| t.row().vllm.and_then(|v| v.merged).map(|m| m.shard));
+        out.push(DumpParam {
+            name,
+            site: Some(site),
+            split,
+            sources,
+            shards,
+        });
+    }
+    let merged: Vec<ModelTensor> = out.iter().flat_map(|p| p.shards.clone()).collect();
+    for t in merged {
+        let Some(v) = t.row().vllm else { continue };
+        out.push(DumpParam {
+            name: dump_name(v.merged.map_or(v.param, |m| m.checkpoint)),
+            site: None,
+            split: v.split,
+            sources: vec![t],
+            shards: Vec::new(),
+        });
+    }
+    out
+}
+
+/// Every name [`dump_params`] gives in any layout, in table order then the absorbed weights:
+/// `fused_qkv_a_proj`, `q_a_proj`, `q_b_proj`, `q_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`,
+/// `o_proj`, `W_UK_T`, `W_UV`. A dump's `L{n}.{name}` is read as a weight when its name is here.
+pub fn dump_param_names() -> Vec<&'static str> {
+    let mut names: Vec<&'static str> = Vec::new();
+    for t in ModelTensor::ALL.into_iter().filter(|&t| feeds_weight_site(t)) {
+        let Some(v) = t.row().vllm else { continue };
+        let own = v.merged.map(|m| m.checkpoint);
+        for param in std::iter::once(v.param).chain(own) {
+            let name = dump_name(param);
+            if !names.contains(&name) {
+                names.push(name);
+            }
         }
     }
+    names.extend(ABSORBED.map(|(_, name)| name));
+    names
 }
 
 #[cfg(test)]
@@ -957,6 +1065,48 @@ mod tests {
             assert!(!site_sources(&split, *s).is_empty(), "{}", s.name());
             assert!(site_param(&split, *s).is_some(), "{}", s.name());
         }
+    }
+
+    #[test]
+    fn dump_params_name_what_a_weights_dump_holds() {
+        let names = "fused_qkv_a_proj q_a_proj q_b_proj q_proj kv_a_proj_with_mqa kv_b_proj o_proj W_UK_T W_UV";
+        assert_eq!(dump_param_names().join(" "), names);
+        assert_eq!(dump_name("self_attn.kv_b_proj.weight"), "kv_b_proj");
+        // One line per parameter: name, site, split, sources, merged shards.
+        let lines = |c: &MlaConfig| -> Vec<String> {
+            let short = |ts: &[ModelTensor]| ts.iter().map(|t| t.short()).collect::<Vec<_>>().join("+");
+            let site = |s: Option<Stage>| s.map_or("-".into(), |s| s.name());
+            let line = |p: DumpParam| {
+                let (src, shards) = (short(&p.sources), short(&p.shards));
+                format!("{} {} {} {src} [{shards}]", p.name, site(p.site), p.split)
+            };
+            dump_params(c).into_iter().map(line).collect()
+        };
+        assert_eq!(
+            lines(&cfg(Some(24), KvBLayout::Split)),
+            [
+                "fused_qkv_a_proj w.fused_qkv_a replicated attn_q_a+attn_kv_a_mqa [attn_q_a+attn_kv_a_mqa]",
+                "kv_b_proj w.kv_b column-parallel by heads (P+V rows each) attn_k_b+attn_v_b []",
+                "W_UK_T w.W_UK_T column-parallel by heads (1 rows each) attn_k_b []",
+                "W_UV w.W_UV column-parallel by heads (1 rows each) attn_v_b []",
+                "q_b_proj w.q_b.rank0 column-parallel by heads (P+R rows each) attn_q_b []",
+                "o_proj w.o_proj.rank0 row-parallel by heads (V columns each) attn_output []",
+                "q_a_proj - replicated attn_q_a []",
+                "kv_a_proj_with_mqa - replicated attn_kv_a_mqa []",
+            ]
+        );
+        // Without Lq nothing merges: kv_a_proj_with_mqa is a parameter of its own.
+        assert_eq!(
+            lines(&cfg(None, KvBLayout::Fused)),
+            [
+                "kv_a_proj_with_mqa w.fused_qkv_a replicated attn_kv_a_mqa []",
+                "kv_b_proj w.kv_b column-parallel by heads (P+V rows each) attn_kv_b []",
+                "W_UK_T w.W_UK_T column-parallel by heads (1 rows each) attn_kv_b []",
+                "W_UV w.W_UV column-parallel by heads (1 rows each) attn_kv_b []",
+                "q_proj w.q_b.rank0 column-parallel by heads (P+R rows each) attn_q []",
+                "o_proj w.o_proj.rank0 row-parallel by heads (V columns each) attn_output []",
+            ]
+        );
     }
 
     #[test]

@@ -17,7 +17,6 @@ use crate::core::error::{Error, Result};
 use crate::model::config::{KvBLayout, MlaConfig};
 use crate::model::gguf::{GgmlType, GgufFile, TensorInfo, dequant};
 use crate::model::tensors::ModelTensor as T;
-pub use crate::model::tensors::tensor_name;
 
 /// The query projection of one layer.
 #[derive(Debug, Clone)]

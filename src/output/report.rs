@@ -98,8 +98,9 @@ fn text_width(text: &str) -> usize {
 }
 
 /// [`site_table`] fitted to `width` terminal columns (`None`: every column, unwrapped): columns
-/// are left out in [`DROP_ORDER`] until the table fits, and what still does not fit wraps inside
-/// its cells. Returns the table and the headers of the columns left out.
+/// are left out (the worst element first, then the shape, cos_diff, the norm ratio and the pass
+/// fraction) until the table fits, and what still does not fit wraps inside its cells. Returns
+/// the table and the headers of the columns left out.
 pub fn site_table_fit(diffs: &[SiteDiff], width: Option<usize>) -> (String, Vec<&'static str>) {
     let first = crate::judge::metrics::first_divergence(diffs).map(|d| d.site);
     let rows: Vec<[String; 8]> = diffs

@@ -47,10 +47,7 @@ pub fn stats_line(file: &GgufFile, wall: std::time::Duration) -> String {
     let mut by_layer: std::collections::BTreeMap<String, (usize, u64)> = std::collections::BTreeMap::new();
     let mut tensors = std::collections::BTreeSet::new();
     for (name, _, len) in &reads {
-        let key = name
-            .strip_prefix("blk.")
-            .and_then(|r| r.split('.').next())
-            .map_or_else(|| name.clone(), |l| format!("layer {l}"));
+        let key = crate::model::tensors::layer_of(name).map_or_else(|| name.clone(), |l| format!("layer {l}"));
         let e = by_layer.entry(key).or_default();
         if tensors.insert(name.clone()) {
             e.0 += 1;

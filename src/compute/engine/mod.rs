@@ -75,7 +75,7 @@ fn copy_span_to(len: usize, dst_off: usize) -> Copy2d {
     copy_rows(1, len).src(0, 0).dst(dst_off, 0)
 }
 
-/// The placement half of the [`copy_rows`] builder, so that a call reads
+/// The placement half of the `copy_rows` builder, so that a call reads
 /// `copy_rows(rows, width).src(off, stride).dst(off, stride)`.
 impl Copy2d {
     /// The source element offset of the first row and the source row stride (elements).

@@ -295,7 +295,7 @@ fn stale_topk(sel: &mut Selection, batch: &Batch, opts: &PathOptions, top_k: usi
 }
 
 /// LayerNorm in f32, in place, of each `d`-wide row of `rows` (two passes: mean, then
-/// variance), with gain and bias [d] (the indexer's `k_norm`).
+/// variance), with gain and bias \[d] (the indexer's `k_norm`).
 fn layer_norm_rows_f32(rows: &mut [f32], d: usize, gain: &ndarray::Array1<f32>, bias: &ndarray::Array1<f32>, eps: f32) {
     for row in rows.chunks_mut(d) {
         let mean = row.iter().sum::<f32>() / d as f32;

@@ -19,7 +19,7 @@ pub(super) struct RankWeights<B> {
     pub(super) o_proj: B,
 }
 
-/// The dense FFN weights: norm [H], gate/up [F, H], down [H, F], and F.
+/// The dense FFN weights: norm \[H], gate/up [F, H], down [H, F], and F.
 pub(super) struct Ffn<B> {
     pub(super) norm: B,
     pub(super) gate: B,
@@ -33,7 +33,7 @@ pub(super) struct EngineWeights<B> {
     pub(super) attn_norm: B,
     /// `fused_qkv_a_proj` [Lq+L+R, H] (with Lq), replicated on every rank.
     pub(super) fused_qkv_a: Option<B>,
-    /// `q_a_layernorm` [Lq].
+    /// `q_a_layernorm` \[Lq].
     pub(super) q_a_norm: Option<B>,
     /// `kv_a_proj_with_mqa` [L+R, H] (without Lq), replicated.
     pub(super) kv_a: Option<B>,

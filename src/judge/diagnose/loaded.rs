@@ -18,20 +18,8 @@ use super::weights::weight_not_loaded_hint;
 use super::{Detection, Finding, LoadedTensor, TpRank};
 use crate::core::class::Class;
 use crate::core::dtype::Dtype;
-use crate::model::config::{KvBLayout, MlaConfig};
-
-/// How tensor parallelism splits a parameter (vLLM's linear layer kinds).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Split {
-    /// Every rank holds the whole tensor (`ReplicatedLinear`: `fused_qkv_a_proj`, `q_a_proj`,
-    /// `kv_a_proj_with_mqa`).
-    Replicated,
-    /// Rows (dim 0) split by heads, `unit` rows per head (`ColumnParallelLinear`: `q_b_proj`,
-    /// `q_proj`, `kv_b_proj`; and `W_UK_T`/`W_UV` by their head dim with unit 1).
-    Rows(usize),
-    /// Columns (dim 1) split by heads, `unit` columns per head (`RowParallelLinear`: `o_proj`).
-    Cols(usize),
-}
+use crate::model::config::{KvBLayout, MlaConfig, MlaDims};
+use crate::model::tensors::TpSplit;
 
 /// One GGUF tensor a parameter is built from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,8 +40,8 @@ pub struct Param {
     /// PyTorch shape: `[out, in]` for a linear weight, `[N, P, L]` for `W_UK_T`, `[N, L, V]` for
     /// `W_UV`.
     pub shape: Vec<usize>,
-    /// How TP ranks split it.
-    pub split: Split,
+    /// How TP ranks split it (the tensor table's split of its vLLM parameter).
+    pub split: TpSplit,
     /// Fused shards along dim 0 (name, rows), for shard-order findings.
     pub shards: Vec<(&'static str, usize)>,
     /// The GGUF tensors it is built from, in order (the first one's block size serves the
@@ -79,26 +67,20 @@ impl Param {
             .collect()
     }
 
-    /// The slice that rank `rank` of `tp` holds (of `n_head` heads), with its shape and the
-    /// range it covers along the split dim (a replicated param: all of it, rows `0..shape[0]`).
-    pub fn rank_slice(&self, n_head: usize, tp: usize, rank: usize) -> (Vec<f64>, Vec<usize>, (usize, usize)) {
-        let nh = n_head / tp;
-        match self.split {
-            Split::Replicated => (self.data.clone(), self.shape.clone(), (0, self.shape[0])),
-            Split::Rows(unit) => {
-                let rows = nh * unit;
-                let inner: usize = self.shape[1..].iter().product();
-                let d = self.data[rank * rows * inner..(rank + 1) * rows * inner].to_vec();
-                let mut s = self.shape.clone();
-                s[0] = rows;
-                (d, s, (rank * rows, (rank + 1) * rows))
-            }
-            Split::Cols(unit) => {
-                let cols = nh * unit;
-                let d = take_along(&self.data, &self.shape, 1, rank * cols, cols);
-                (d, vec![self.shape[0], cols], (rank * cols, (rank + 1) * cols))
-            }
-        }
+    /// The slice that rank `rank` of `tp` holds (of the model's `d.n_head` heads), with its
+    /// shape and the range it covers along the split dim ([`TpSplit::rank_ranges`] along
+    /// [`TpSplit::dim`]; a replicated param: all of it, rows `0..shape[0]`).
+    pub fn rank_slice(&self, d: MlaDims, tp: usize, rank: usize) -> (Vec<f64>, Vec<usize>, (usize, usize)) {
+        let dim = self.split.dim().unwrap_or(0);
+        let range = self.split.rank_ranges(d, &[self.shape[dim]], tp, rank)[0].clone();
+        let data = if range.len() == self.shape[dim] {
+            self.data.clone()
+        } else {
+            take_along(&self.data, &self.shape, dim, range.start, range.len())
+        };
+        let mut shape = self.shape.clone();
+        shape[dim] = range.len();
+        (data, shape, (range.start, range.end))
     }
 }
 
@@ -122,7 +104,7 @@ pub fn rank_findings(holds: Holds, params: &BTreeMap<usize, BTreeMap<&'static st
     for ((layer, param), mut v) in holds {
         v.sort();
         let p = &params[&layer][param.as_str()];
-        if p.split == Split::Replicated {
+        if p.split == TpSplit::Replicated {
             continue;
         }
         let ranks: Vec<usize> = v.iter().map(|x| x.0).collect();
@@ -373,9 +355,9 @@ pub fn shard_order(f: &Failing<'_>) -> Option<Finding> {
 /// Heads permuted within a head-split tensor.
 pub fn heads_permuted(f: &Failing<'_>) -> Option<Finding> {
     let head_axis_unit = match f.p.split {
-        Split::Rows(u) => Some((0, u)),
-        Split::Cols(u) => Some((1, u)),
-        Split::Replicated => None,
+        TpSplit::ColumnByHeads(h) => Some((0, h.width(f.cfg.dims()))),
+        TpSplit::RowByHeads(h) => Some((1, h.width(f.cfg.dims()))),
+        _ => None,
     };
     if let Some((axis, unit)) = head_axis_unit {
         let heads = f.shape[axis] / unit;
@@ -395,7 +377,7 @@ pub fn heads_permuted(f: &Failing<'_>) -> Option<Finding> {
 
 /// A TP column cut inside a quant block (o_proj shards: the input dim is the GGUF's ne\[0]).
 pub fn quant_block_cut(f: &Failing<'_>) -> Option<Finding> {
-    if let (Split::Cols(_), Some((r, (start, end))), Some(src0)) = (f.p.split, f.rank, f.p.sources.first())
+    if let (Some(1), Some((r, (start, end))), Some(src0)) = (f.p.split.dim(), f.rank, f.p.sources.first())
         && let block = src0.block
         && block > 1
         && (!(start as u64).is_multiple_of(block) || !(end as u64).is_multiple_of(block))

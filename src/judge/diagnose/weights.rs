@@ -19,30 +19,15 @@ use crate::core::trace::{Site, Stage, Trace};
 use crate::judge::label::PathLabel;
 use crate::model::config::MlaConfig;
 use crate::model::dump::is_per_head;
+use crate::model::tensors::{ModelTensor, TpSplit, loader_sources, site_param};
 use crate::model::weights::NonFiniteTensor;
 
 /// The GGUF tensors of layer `layer` that an engine's loader turns into weight site `stage`, in
 /// this file's layout (split `attn_k_b`/`attn_v_b` or fused `attn_kv_b`; `attn_q_b` with a query
-/// LoRA, `attn_q` without).
+/// LoRA, `attn_q` without): the tensor table's [`loader_sources`], so `w.W_UK_T` and `w.W_UV`
+/// name every `kv_b` tensor they are computed from.
 pub fn gguf_sources(cfg: &MlaConfig, layer: usize, stage: Stage) -> Vec<String> {
-    use crate::core::trace::RankedWeight;
-    use crate::model::config::KvBLayout;
-    let kv_b = || match cfg.kv_b_layout {
-        KvBLayout::Split => vec!["attn_k_b", "attn_v_b"],
-        KvBLayout::Fused => vec!["attn_kv_b"],
-    };
-    let names = match stage {
-        Stage::WFusedQkvA => vec!["attn_q_a", "attn_kv_a_mqa"],
-        Stage::WKvB | Stage::WUkT | Stage::WUv | Stage::WRank(RankedWeight::KvB, _) => kv_b(),
-        Stage::WRank(RankedWeight::QProj, _) if cfg.q_lora_rank.is_some() => vec!["attn_q_b"],
-        Stage::WRank(RankedWeight::QProj, _) => vec!["attn_q"],
-        Stage::WRank(RankedWeight::OProj, _) => vec!["attn_output"],
-        _ => vec![],
-    };
-    names
-        .into_iter()
-        .map(|n| crate::model::weights::tensor_name(layer, n))
-        .collect()
+    loader_sources(cfg, stage).into_iter().map(|t| t.name(layer)).collect()
 }
 
 /// A weight site whose every element is zero or the canary while the reference's is not: the
@@ -152,15 +137,15 @@ pub(super) fn shard_order(x: &SiteCtx<'_>) -> Option<Detection> {
 
 /// The axis and block size along which TP ranks split a site, if any: the per-head sites
 /// ([`is_per_head`]) split by heads, N/tp per rank, along the head axis (1 for `[T, N, …]`
-/// activations and the `[T, N]` lse, 0 for the weights; a `w.kv_b` head is P+V rows).
+/// activations and the `[T, N]` lse, 0 for the weights, whose rows per head are the tensor
+/// table's: `P+V` for `w.kv_b`, 1 for `w.W_UK_T`/`w.W_UV`).
 fn rank_axis(stage: Stage, cfg: &MlaConfig, tp: usize) -> Option<(usize, usize)> {
     if !is_per_head(stage) {
         return None;
     }
     let heads_per_rank = cfg.n_head / tp;
-    Some(match stage {
-        Stage::WKvB => (0, heads_per_rank * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
-        Stage::WUkT | Stage::WUv => (0, heads_per_rank),
+    Some(match site_param(cfg, stage) {
+        Some((_, TpSplit::ColumnByHeads(h))) => (0, heads_per_rank * h.width(cfg.dims())),
         _ => (1, heads_per_rank),
     })
 }
@@ -415,26 +400,17 @@ pub fn misaligned_finding(u: &Unservable, path: PathLabel) -> Finding {
 }
 
 /// Findings for GGUF weights that hold NaN/Inf after dequantization: one per tensor, at the
-/// first site that consumes it, for no path (the file itself is wrong; every path inherits it).
+/// first site that consumes it (the tensor table's `first_site`: `q` for `attn_q_b`, `idx_q` for
+/// `indexer.attn_q_b`, `moe_out` for a routed expert; `hidden_out` for a name outside the
+/// table), for no path (the file itself is wrong; every path inherits it).
 pub fn weight_nonfinite_findings(layer: usize, bad: &[NonFiniteTensor], numel: impl Fn(&str) -> usize) -> Vec<Finding> {
     bad.iter()
         .map(|t| {
             let tensor = &t.name;
-            let stage = match tensor.rsplit('.').nth(1).unwrap_or("") {
-                "attn_norm" => Stage::AttnIn,
-                "attn_q_a" => Stage::QC,
-                "attn_q_a_norm" => Stage::QCNormed,
-                "attn_q_b" | "attn_q" => Stage::Q,
-                "attn_kv_a_mqa" => Stage::KvA,
-                "attn_kv_a_norm" => Stage::KvCNormed,
-                "attn_k_b" | "attn_v_b" | "attn_kv_b" => Stage::WKvB,
-                "attn_output" => Stage::OProj,
-                "ffn_gate_inp" => Stage::MoeRouterLogits,
-                "exp_probs_b" => Stage::MoeTopk,
-                "ffn_gate_exps" | "ffn_up_exps" | "ffn_down_exps" => Stage::MoeOut,
-                "ffn_gate_shexp" | "ffn_up_shexp" | "ffn_down_shexp" => Stage::SharedOut,
-                _ => Stage::HiddenOut,
-            };
+            // The first site that reads the tensor; a routed expert's slice carries ` (expert e)`.
+            let stage = ModelTensor::parse(tensor.split(" (").next().unwrap_or(tensor))
+                .and_then(|(_, t)| t.row().first_site)
+                .unwrap_or(Stage::HiddenOut);
             Finding::at_site(
                 Class::WeightNonfinite,
                 Site::new(layer, stage),
@@ -451,4 +427,39 @@ pub fn weight_nonfinite_findings(layer: usize, bad: &[NonFiniteTensor], numel: i
             )
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The site a non-finite tensor named `name` is reported at.
+    fn site_of(name: &str) -> Stage {
+        let bad = [NonFiniteTensor {
+            name: name.to_string(),
+            count: 1,
+            first_index: 0,
+        }];
+        let f = weight_nonfinite_findings(3, &bad, |_| 1);
+        f[0].site().map(|s| s.stage).unwrap()
+    }
+
+    #[test]
+    fn a_nonfinite_tensor_is_reported_where_it_is_first_read() {
+        assert_eq!(site_of("blk.3.attn_q_b.weight"), Stage::Q);
+        assert_eq!(site_of("blk.3.attn_kv_a_mqa.weight"), Stage::KvA);
+        assert_eq!(site_of("blk.3.attn_v_b.weight"), Stage::WKvB);
+        assert_eq!(site_of("blk.3.attn_output.weight"), Stage::OProj);
+        assert_eq!(site_of("blk.3.ffn_norm.weight"), Stage::HiddenOut);
+        assert_eq!(site_of("blk.3.exp_probs_b.bias"), Stage::MoeTopk);
+        assert_eq!(site_of("blk.3.ffn_up_exps.weight (expert 7)"), Stage::MoeOut);
+        assert_eq!(site_of("blk.3.ffn_down_shexp.weight"), Stage::SharedOut);
+        // The DSA indexer's tensors feed the indexer's own sites.
+        assert_eq!(site_of("blk.3.indexer.attn_q_b.weight"), Stage::IdxQ);
+        assert_eq!(site_of("blk.3.indexer.attn_k.weight"), Stage::IdxK);
+        assert_eq!(site_of("blk.3.indexer.k_norm.weight"), Stage::IdxK);
+        assert_eq!(site_of("blk.3.indexer.k_norm.bias"), Stage::IdxK);
+        assert_eq!(site_of("blk.3.indexer.proj.weight"), Stage::IdxWeights);
+        assert_eq!(site_of("blk.3.nextn.eh_proj.weight"), Stage::HiddenOut);
+    }
 }

@@ -118,7 +118,7 @@ impl std::fmt::Display for EngineDtype {
 }
 
 /// The built-in map a dump needs when none was given, from its metadata: `llama.cpp` for a dump
-/// whose `engine` starts with `llama.cpp` (what `scripts/dump_llama_cpp.py` writes) and none of
+/// whose `engine` starts with `llama.cpp` (what `python -m mla_diff_hooks.llama_cpp` writes) and none of
 /// whose tensor `names` is a site (`L0.hidden_in`, …): llama.cpp's graph names (`kv_cmpr-0#1`)
 /// mean nothing without it. `None` otherwise.
 ///

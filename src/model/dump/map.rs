@@ -148,7 +148,7 @@ pub struct Map {
     pub rename: Vec<Rename>,
 }
 
-/// The built-in `llama.cpp` map (graph-callback names written by `scripts/dump_llama_cpp.py`).
+/// The built-in `llama.cpp` map (graph-callback names written by `python -m mla_diff_hooks.llama_cpp`).
 const LLAMA_CPP_MAP: &str = include_str!("../maps/llama.cpp.json");
 
 impl Map {

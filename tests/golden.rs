@@ -300,7 +300,7 @@ fn record_refuses_a_model_outside_the_repository_and_a_diverging_run() {
     assert!(!g.join("bad-case").exists());
 }
 
-/// A case recorded into `./golden` by hand (README's `golden record` example run without
+/// A case recorded into `./golden` by hand (docs/guide.md's `golden record` example run without
 /// `--golden-dir`) is named by the gate's case check, not reported as a bare count mismatch.
 #[test]
 fn an_extra_case_under_golden_is_named() {
@@ -324,12 +324,12 @@ fn an_extra_case_under_golden_is_named() {
     assert_eq!(case_set_problems(&g), Ok(2));
 }
 
-/// README's `golden record` example writes into a temporary folder, never into the committed
-/// `golden/` (where an extra case fails `committed_cases_all_match`).
+/// docs/guide.md's `golden record` example writes into a temporary folder, never into the
+/// committed `golden/` (where an extra case fails `committed_cases_all_match`).
 #[test]
-fn readme_golden_record_example_uses_a_temporary_golden_dir() {
-    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
-    let lines: Vec<&str> = readme
+fn guide_golden_record_example_uses_a_temporary_golden_dir() {
+    let guide = std::fs::read_to_string(repo().join("docs/guide.md")).unwrap();
+    let lines: Vec<&str> = guide
         .lines()
         .filter(|l| l.trim_start().starts_with("mla-diff golden record"))
         .collect();

@@ -886,7 +886,7 @@ fn base_2_partials_merged_as_natural_log_are_named_lse_merge() {
     }
 }
 
-/// `--export-inputs DIR` creates DIR (and its missing parents) as the README's example expects,
+/// `--export-inputs DIR` creates DIR (and its missing parents) as docs/engines.md's example expects,
 /// and refuses, before the run, a DIR below a file.
 #[test]
 fn the_export_folder_is_created_and_a_file_in_its_path_is_refused() {

@@ -10,6 +10,7 @@ mod compare_dump;
 mod config;
 mod dequant_vectors;
 mod diagnose;
+mod doc_tables;
 mod dtype;
 mod exit_codes;
 mod faults;

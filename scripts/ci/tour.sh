@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Runs the README's tour: every command in the ```sh blocks of README.md's "## Tour" section, as
-# written there, with the README's placeholders replaced by committed files (golden/models,
-# golden/dumps) and every output under a temporary folder. Each command's exit code is checked
-# against the one the table below expects, and one line is printed per command:
+# Runs the tour: every command in the ```sh blocks of README.md, docs/guide.md and
+# docs/engines.md, as written there, with the docs' placeholders replaced by committed files
+# (golden/models, golden/dumps) and every output under a temporary folder. Each command's exit
+# code is checked against the one the table below expects, and one line is printed per command:
 #   pass  [exit 0] <the command as run>
 #   FAIL  [exit 2, expected 0] <the command as run>   (then the end of its output)
-#   skip  <the README command>: <why>
-# A README command that no row of the table matches is a FAIL, so a command added to the tour
-# without a row here is noticed. Commands that need a GPU, vLLM, transformers or llama.cpp are
-# skipped with the reason (their outputs are committed under golden/dumps/, and the commands
-# that read them run on those copies). The repository is never written: outputs go to a
-# `mktemp -d` folder, `golden record` runs in a copy of the layout it needs, and a change of
+#   skip  <the command as written>: <why>
+# A command that no row of the table matches is a FAIL naming its file, so a command added to
+# the docs without a row here is noticed. Commands that need a GPU, vLLM, transformers or
+# llama.cpp are skipped with the reason (their outputs are committed under golden/dumps/, and
+# the commands that read them run on those copies). The repository is never written: outputs go
+# to a `mktemp -d` folder, `golden record` runs in a copy of the layout it needs, and a change of
 # `git status` over the run is a FAIL.
 #
 # Usage: scripts/ci/tour.sh   (binary: $MLA_DIFF_BIN, default target/release/mla-diff; Python for
@@ -38,11 +38,17 @@ cp "$G/tiny-v3-q8_0.gguf" "$T/repo/golden/models/"                # golden recor
 SPARSE="needs a Python with numpy and gguf (pip install numpy gguf; or set PYTHON)"
 "$PY" -c "import numpy, gguf" 2>/dev/null && SPARSE=""
 
-# One row per README command: a bash glob matched against the command as the README writes it
-# (first match wins), then the expected exit code and the sed script that makes it runnable, or
-# `skip` and the reason. Every row also gets: `mla-diff` → the binary, `/tmp/` → the temporary
-# folder, `python ` → $PYTHON, `[optional args]` dropped.
+# The files whose ```sh blocks are the tour.
+DOCS=(README.md docs/guide.md docs/engines.md)
+
+# One row per command: a bash glob matched against the command as the docs write it (first
+# match wins), then the expected exit code and the sed script that makes it runnable, or `skip`
+# and the reason. Every row also gets: `mla-diff` → the binary, `/tmp/` → the temporary folder,
+# `python ` → $PYTHON, `[optional args]` dropped.
 ROWS=(
+  'cargo run --release -- run --layer 1|0|s#^cargo run --release -- #mla-diff #'
+  'cargo test --release*|skip|the test suite (.ci/run runs it: INSTA_UPDATE=no cargo test --release --locked)'
+  'pip install *|skip|builds the wheel with maturin (.ci/run builds it and installs it into a clean venv)'
   'mla-diff run --model DeepSeek-V3-Q4_K_M.gguf *|0|s#DeepSeek-V3-Q4_K_M.gguf#'"$G"'/tiny-v3-q4_k_m.gguf#; s#--layer 3#--layer 1#'
   'mla-diff run --model m.gguf --layers *|0|s#m\.gguf#'"$G"'/tiny-v3-f32.gguf#; s#--layers 0\.\.4#--layers 0..2#'
   'mla-diff run --model m.gguf * --backend cuda *|skip|needs a GPU (--backend cuda)'
@@ -53,6 +59,8 @@ ROWS=(
   'python* -m mla_diff_hooks.vllm *|skip|needs vLLM and a GPU (scripts/gpu-host/vllm_live_gpu.sh; its dumps are committed: golden/dumps/*.vllm*)'
   'python* -m mla_diff_hooks.kernels *|skip|needs a GPU and the kernels'"'"' wheels (scripts/gpu-host/kernels_gpu.sh; its dumps are committed: golden/dumps/*.kernel-*)'
   'python* -m mla_diff_hooks.vllm_cpu *|skip|installs vLLM (~3.6 GiB of wheels; its dumps are committed: golden/dumps/*.vllm*)'
+  'PY=*|skip|the setting of the HF dump recipe (transformers and make_fixtures.py'"'"'s HF checkpoints)'
+  '$PY -m mla_diff_hooks.hf *|skip|needs transformers and the HF checkpoints make_fixtures.py writes (its dumps are committed: golden/dumps/*.hf*)'
   'mla-diff compare --model model.gguf --dump dump.safetensors*|0|s#model\.gguf#'"$G"'/tiny-v3-f32.gguf#; s#dump\.safetensors#'"$D"'/tiny-v3-f32.hf.safetensors#'
   'mla-diff compare --model model.gguf --dump /tmp/k/out/*|0|s#model\.gguf#'"$G"'/fa3-v3-bf16.gguf#'
   'mla-diff compare --model model.gguf --dump /tmp/d.safetensors*|0|s#model\.gguf#'"$G"'/legacy-kvb-f32.gguf#'
@@ -75,23 +83,24 @@ ROWS=(
   'mla-diff inspect *|0|'
 )
 
-# The README's tour commands: ```sh blocks between "## Tour" and the next "## " heading,
-# continuation lines joined, trailing comments dropped.
+# The commands: every ```sh block of the DOCS, continuation lines joined, trailing comments
+# dropped; each as "FILE<tab>COMMAND".
 readarray -t CMDS < <(awk '
-  /^## / { tour = ($0 ~ /^## Tour/) }
-  tour && /^```sh[[:space:]]*$/ { inb = 1; next }
+  FNR == 1 { inb = 0; cont = "" }
+  /^```sh[[:space:]]*$/ { inb = 1; next }
   /^```/ { inb = 0; next }
-  tour && inb {
+  inb {
     line = $0
     if (cont != "") { sub(/^[[:space:]]+/, "", line); line = cont " " line; cont = "" }
     if (line ~ /\\[[:space:]]*$/) { sub(/[[:space:]]*\\[[:space:]]*$/, "", line); cont = line; next }
     sub(/[[:space:]]+#[[:space:]].*$/, "", line)
-    if (line !~ /^[[:space:]]*$/) print line
-  }' README.md)
+    if (line !~ /^[[:space:]]*$/) print FILENAME "\t" line
+  }' "${DOCS[@]}")
 
 before=$(git status --porcelain 2>/dev/null)
 fails=0 passed=0 skipped=0 n=0
-for cmd in "${CMDS[@]}"; do
+for entry in "${CMDS[@]}"; do
+  file=${entry%%$'\t'*}; cmd=${entry#*$'\t'}
   n=$((n + 1))
   row=""
   for r in "${ROWS[@]}"; do
@@ -99,7 +108,7 @@ for cmd in "${CMDS[@]}"; do
     if [[ $cmd == ${r%%|*} ]]; then row=$r; break; fi
   done
   if [[ -z $row ]]; then
-    echo "FAIL  $cmd: no row in scripts/ci/tour.sh's table (add one: expected exit, substitutions)"
+    echo "FAIL  $cmd ($file): no row in scripts/ci/tour.sh's table (add one: expected exit, substitutions)"
     fails=$((fails + 1)); continue
   fi
   rest=${row#*|}; expect=${rest%%|*}; arg=${rest#*|}
@@ -125,5 +134,5 @@ if [[ $(git status --porcelain 2>/dev/null) != "$before" ]]; then
   echo "FAIL  the tour changed the repository:"; git status --porcelain | sed 's/^/      /'
   fails=$((fails + 1))
 fi
-echo "tour: ${#CMDS[@]} README commands: $passed passed, $skipped skipped, $fails failed"
+echo "tour: ${#CMDS[@]} commands of ${DOCS[*]}: $passed passed, $skipped skipped, $fails failed"
 (( n > 0 && fails == 0 ))

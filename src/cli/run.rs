@@ -309,7 +309,7 @@ fn check_faults(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<()> 
                 .map(|(e, ps)| format!("{}: {e}", ps.join(", ")))
                 .collect();
             return Err(Error::Usage(format!(
-                "--inject {f} acts on none of the requested paths ({}); see `mla-diff run --help` and README's fault table",
+                "--inject {f} acts on none of the requested paths ({}); see `mla-diff run --help` and the fault table of docs/faults.md",
                 why.join("; ")
             )));
         }

@@ -6,7 +6,8 @@
 
 use serde::Serialize;
 
-/// Bug classes, in the precedence order of docs/design.md ("Diagnosis") (earlier wins when several explain a site).
+/// Bug classes. [`Class::ALL`] lists them in precedence order (earlier wins when several explain
+/// a site); the declaration order differs from it only in `SoftmaxScale` and `LseMerge`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Class {
@@ -56,6 +57,39 @@ pub enum Class {
 }
 
 impl Class {
+    /// Every class, in precedence order: when several hypotheses explain a site, the earlier
+    /// class wins. The site detectors (the `DETECTORS` table of `judge::diagnose`) are tried in
+    /// this order; `lse-merge` comes before `softmax-scale` because partials merged in the wrong
+    /// log base reweight the logits, and a free logit scale fits part of that. The classes no
+    /// site detector names sit where their source decides them: `quant-block-misaligned` (the
+    /// path's weight loader) and `transposed` (`weights --check`) among the weight classes,
+    /// `mismatch` when no detector explains a site, `weight-nonfinite` (a check of the GGUF
+    /// itself) last. README.md, docs/faults.md, docs/design.md and docs/run-report.schema.json
+    /// list the classes in this order (tests/doc_tables.rs).
+    pub const ALL: [Class; 21] = [
+        Class::WeightNotLoaded,
+        Class::PhantomOutput,
+        Class::UnwrittenRows,
+        Class::ShardOrder,
+        Class::TpRankOrder,
+        Class::TpReduce,
+        Class::KvBLayout,
+        Class::QuantBlockMisaligned,
+        Class::Transposed,
+        Class::RopeStyle,
+        Class::LseMerge,
+        Class::SoftmaxScale,
+        Class::MoeRouting,
+        Class::IndexerRopeStyle,
+        Class::IndexerTopkStale,
+        Class::IndexerSelection,
+        Class::Nonfinite,
+        Class::ScaleOnly,
+        Class::PathDisagreement,
+        Class::Mismatch,
+        Class::WeightNonfinite,
+    ];
+
     /// kebab-case name (`shard-order`).
     pub fn name(self) -> &'static str {
         match self {

@@ -4,9 +4,10 @@
 //! column alignment): before a report is rendered, [`round_noise`] replaces every noise-level
 //! error metric (below [`NOISE_FLOOR`], where another CPU's GEMM kernel or the cancellation in
 //! `cos_diff` moves the digits) with the fixed [`NOISE`], so the rendered tables are the same on
-//! every machine. CI runs the suite with `INSTA_UPDATE=no`, so a changed snapshot fails, and then
-//! `cargo insta test --check --unreferenced=reject` (a pinned cargo-insta, `.ci/run`), which also
-//! fails on a `.snap` file no test asserts and on a pending `.snap.new`.
+//! every machine. CI runs the suite with `INSTA_UPDATE=no`, so a changed snapshot fails;
+//! [`every_snapshot_file_is_asserted`] fails on a `.snap` file that no `assert_snapshot!` here
+//! names and on a pending `.snap.new` (every snapshot is named, so the names in this file are the
+//! whole set).
 //!
 //! To accept an intended change: `INSTA_UPDATE=always cargo test --release --test tests snapshots::`,
 //! then review `git diff tests/snapshots/`.
@@ -155,4 +156,37 @@ fn inspect_output() {
         insta::assert_snapshot!("inspect_layer1_k256", mla_diff::jobs::inspect::inspect(&k, Some(1)));
         insta::assert_snapshot!("inspect_layer1_dsa_glm", mla_diff::jobs::inspect::inspect(&g, Some(1)));
     });
+}
+
+/// The snapshot folder holds exactly the snapshots this file asserts: a `.snap` whose name no
+/// `assert_snapshot!` here names (its first argument) is an orphan (a renamed or deleted test), a
+/// pending `.snap.new` or `.pending-snap` is an unreviewed change, and an asserted name without
+/// its file would be written on first run instead of checked.
+#[test]
+fn every_snapshot_file_is_asserted() {
+    let source = std::fs::read_to_string(repo().join("tests/snapshots.rs")).expect("read tests/snapshots.rs");
+    let marker = concat!("assert_snap", "shot!(\"");
+    let asserted: std::collections::BTreeSet<String> = source
+        .match_indices(marker)
+        .filter_map(|(i, _)| {
+            let rest = &source[i + marker.len()..];
+            rest.find('"').map(|end| rest[..end].to_string())
+        })
+        .collect();
+    assert!(!asserted.is_empty(), "no named snapshot assertion found in tests/snapshots.rs");
+    let mut on_disk = std::collections::BTreeSet::new();
+    let mut pending = Vec::new();
+    for entry in std::fs::read_dir(repo().join("tests/snapshots")).expect("list tests/snapshots") {
+        let name = entry.expect("read tests/snapshots entry").file_name().to_string_lossy().into_owned();
+        if let Some(stem) = name.strip_suffix(".snap") {
+            on_disk.insert(stem.to_string());
+        } else {
+            pending.push(name);
+        }
+    }
+    assert!(pending.is_empty(), "tests/snapshots holds files that are not accepted snapshots: {pending:?}");
+    let orphans: Vec<_> = on_disk.difference(&asserted).collect();
+    assert!(orphans.is_empty(), "snapshot files no test asserts (delete them): {orphans:?}");
+    let missing: Vec<_> = asserted.difference(&on_disk).collect();
+    assert!(missing.is_empty(), "asserted snapshots without a committed file: {missing:?}");
 }

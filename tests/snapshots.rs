@@ -173,20 +173,36 @@ fn every_snapshot_file_is_asserted() {
             rest.find('"').map(|end| rest[..end].to_string())
         })
         .collect();
-    assert!(!asserted.is_empty(), "no named snapshot assertion found in tests/snapshots.rs");
+    assert!(
+        !asserted.is_empty(),
+        "no named snapshot assertion found in tests/snapshots.rs"
+    );
     let mut on_disk = std::collections::BTreeSet::new();
     let mut pending = Vec::new();
     for entry in std::fs::read_dir(repo().join("tests/snapshots")).expect("list tests/snapshots") {
-        let name = entry.expect("read tests/snapshots entry").file_name().to_string_lossy().into_owned();
+        let name = entry
+            .expect("read tests/snapshots entry")
+            .file_name()
+            .to_string_lossy()
+            .into_owned();
         if let Some(stem) = name.strip_suffix(".snap") {
             on_disk.insert(stem.to_string());
         } else {
             pending.push(name);
         }
     }
-    assert!(pending.is_empty(), "tests/snapshots holds files that are not accepted snapshots: {pending:?}");
+    assert!(
+        pending.is_empty(),
+        "tests/snapshots holds files that are not accepted snapshots: {pending:?}"
+    );
     let orphans: Vec<_> = on_disk.difference(&asserted).collect();
-    assert!(orphans.is_empty(), "snapshot files no test asserts (delete them): {orphans:?}");
+    assert!(
+        orphans.is_empty(),
+        "snapshot files no test asserts (delete them): {orphans:?}"
+    );
     let missing: Vec<_> = asserted.difference(&on_disk).collect();
-    assert!(missing.is_empty(), "asserted snapshots without a committed file: {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "asserted snapshots without a committed file: {missing:?}"
+    );
 }

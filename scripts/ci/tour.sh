@@ -65,6 +65,7 @@ ROWS=(
   'mla-diff compare --model model.gguf --dump /tmp/k/out/*|0|s#model\.gguf#'"$G"'/fa3-v3-bf16.gguf#'
   'mla-diff compare --model model.gguf --dump /tmp/d.safetensors*|0|s#model\.gguf#'"$G"'/legacy-kvb-f32.gguf#'
   'mla-diff compare --model golden/models/legacy-kvb-f32.gguf --dump /tmp/vllm.safetensors*|0|'
+  'mla-diff compare --model golden/models/tiny-v3-f32.gguf --dump golden/dumps/tiny-v3-f32.hf-neox.safetensors|1|'
   'mla-diff weights --model model.gguf --check /tmp/d.safetensors*|0|s#model\.gguf#'"$G"'/legacy-kvb-f32.gguf#'
   'mla-diff weights --model model.gguf --check loaded.safetensors*|0|s#model\.gguf#'"$G"'/legacy-kvb-f32.gguf#; s#loaded\.safetensors#/tmp/loaded.safetensors#'
   'mla-diff run --model model.gguf * --export-inputs *|0|s#model\.gguf#'"$G"'/tiny-v3-f32.gguf#; s#--layer 3#--layer 1#'

@@ -69,7 +69,12 @@ def test_name_builders_follow_the_templates():
     assert dump_format.parse_site("L12.w.kv_b.rank1") == (12, "w.kv_b.rank1")
     assert dump_format.parse_site("tokens") is None and dump_format.parse_site("Lx.q") is None
     assert dump_format.step_tensor(2, "L0.lse") == "s2.L0.lse"
+    assert dump_format.ffn_gate_up_rank_site(0, 1) == "L0.ffn_gate_up.rank1"
+    assert dump_format.ffn_down_rank_site(2, 0) == t["ffn_down_rank"].format(layer=2, rank=0)
+    assert dump_format.split_rank("w.gate_up.rank3") == ("w.gate_up", 3)
+    assert dump_format.split_rank("o_proj") is None and dump_format.split_rank("x.rankA") is None
     for group in (
+        dump_format.FFN_STAGES,
         dump_format.INDEXER_STAGES,
         dump_format.MOE_STAGES,
         dump_format.ABSORBED_STAGES,
@@ -157,3 +162,45 @@ def test_kernel_runner_reproduces_its_committed_dump(tmp_path, monkeypatch):
     out = tmp_path / "fa3.safetensors"
     kernels.write_dump(out, inp, "fa3", tmp_path / "root", args, t["attn_out"], t["lse"], "e")
     assert out.read_bytes() == src.read_bytes()
+
+
+def test_rank_sites_sort_before_the_stage_that_consumes_them():
+    """mla-diff's order (src/core/trace.rs, `Stage::order`): a shard just before its consumer, a
+    partial just before the all-reduce's output, ranks in order."""
+    key = dump_format.site_order(dump_format.STAGES)
+    names = [
+        "L0.hidden_out",
+        "L0.ffn_down.rank1",
+        "L0.ffn_out",
+        "L0.ffn_gate_up.rank0",
+        "L0.w.gate_up.rank1",
+        "L0.ffn_gate",
+        "L0.o_proj",
+        "L0.o_proj.rank10",
+        "L0.o_proj.rank2",
+        "L0.w.o_proj.rank0",
+        "L0.w.kv_b.rank1",
+        "L0.w.kv_b",
+        "L0.k_nope",
+        "L0.q",
+        "L0.w.q_b.rank0",
+        "L0.ffn_in",
+    ]
+    assert sorted(names, key=key) == [
+        "L0.w.q_b.rank0",
+        "L0.q",
+        "L0.w.kv_b",
+        "L0.w.kv_b.rank1",
+        "L0.k_nope",
+        "L0.w.o_proj.rank0",
+        "L0.o_proj.rank2",
+        "L0.o_proj.rank10",
+        "L0.o_proj",
+        "L0.ffn_in",
+        "L0.w.gate_up.rank1",
+        "L0.ffn_gate_up.rank0",
+        "L0.ffn_gate",
+        "L0.ffn_down.rank1",
+        "L0.ffn_out",
+        "L0.hidden_out",
+    ]

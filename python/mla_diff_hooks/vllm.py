@@ -1278,9 +1278,9 @@ class VllmCapture:
             out.append(dump_format.write_format1(p, tensors, meta))
         return out
 
-    def write_weights(self, path) -> Path:
+    def write_weights(self, path, extra_meta: dict[str, str] | None = None) -> Path:
         tensors, meta = self.weights()
-        st_io.save(tensors, Path(path), metadata=meta)
+        st_io.save(tensors, Path(path), metadata={**meta, **(extra_meta or {})})
         return Path(path)
 
 
@@ -1394,11 +1394,14 @@ def finish(
     return res
 
 
-def write_weights(model_or_worker, *, weights_path, **kwargs) -> str:
-    """Only the WEIGHTS file (no forward needed). Returns the path written by this rank."""
+def write_weights(
+    model_or_worker, *, weights_path, extra_meta: dict[str, str] | None = None, **kwargs
+) -> str:
+    """Only the WEIGHTS file (no forward needed), with `extra_meta` added to its metadata (e.g.
+    the patches a harness applied). kwargs go to VllmCapture. Returns the path this rank wrote."""
     cap = VllmCapture(model_or_worker, **kwargs)
     wp = rank_path(weights_path, cap.tp_rank, cap.tp_size, cap.pp_rank, cap.pp_size)
-    cap.write_weights(wp)
+    cap.write_weights(wp, extra_meta=extra_meta)
     return str(wp)
 
 

@@ -105,8 +105,8 @@ COMMITTED = sorted(p.name for p in (GOLDEN / "dumps").glob("*.safetensors"))
 @pytest.mark.parametrize("name", COMMITTED)
 def test_writers_reproduce_committed_dumps(tmp_path, name):
     """Each committed dump, read and written again through write_format1 / write_format2 (its
-    tensors in the file's order, its metadata split into header, notes and the rest), gives the
-    same tensors and metadata; byte for byte where the file's metadata keys are in sorted order,
+    tensors in the file's order, its metadata split into header, notes and the rest; a WEIGHTS
+    file through st_io.save), gives the same tensors and metadata; byte for byte where the file's metadata keys are in sorted order,
     the order st_io writes (the live-engine dumps and three kernel dumps were written by the
     safetensors package, whose metadata order is random)."""
     pytest.importorskip("numpy", reason="the writers need numpy (pip install numpy)")
@@ -117,6 +117,8 @@ def test_writers_reproduce_committed_dumps(tmp_path, name):
     out = tmp_path / name
     if meta["format"] == dump_format.FORMAT1:
         dump_format.write_format1(out, tensors, {k: v for k, v in meta.items() if k != "format"})
+    elif meta["format"] == dump_format.VLLM_WEIGHTS:  # loaded weights alone (st_io.save)
+        dump_format.st_io.save(tensors, out, metadata=meta)
     else:
         assert meta["format"] == dump_format.FORMAT2, meta["format"]
         h = json.loads(meta["header"])

@@ -912,3 +912,144 @@ fn a_file_of_ffn_weights_only_is_checked() {
         "{out}"
     );
 }
+
+/// Errors of `doc` against docs/run-report.schema.json.
+fn run_schema_errors(doc: &serde_json::Value) -> Vec<String> {
+    let schema: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(repo().join("docs/run-report.schema.json")).unwrap()).unwrap();
+    let v = jsonschema::validator_for(&schema).unwrap();
+    v.iter_errors(doc)
+        .map(|e| format!("{e} at {}", e.instance_path()))
+        .collect()
+}
+
+/// `compare` judges a format-2 dump's loaded weights with `weights --check`'s code, before any
+/// site: at TP 2 (Q8_0) and TP 4 (Q4_K), every rank holding rank 0's `gate_up_proj` is the
+/// dump's first divergence, `tp-rank-order` at rank 1's tensor, though the layer's output
+/// diverges too (scaled here); with each rank's own slice and the right output, nothing is
+/// found and the report reads as one without weights. A malformed weight is compare's exit 2
+/// as it is `weights --check`'s.
+#[test]
+fn compare_names_rank1s_loaded_gate_up_first() {
+    for (model, tp) in [("tiny-v3-q8_0.gguf", 2), ("k256-q4_k_m.gguf", 4)] {
+        let dir = tempfile::tempdir().unwrap();
+        let gguf = repo().join("golden/models").join(model);
+        let bug = format2_dump(
+            dir.path(),
+            model,
+            &ffn_weights(model, 0, tp, true),
+            Some(tp),
+            1.25,
+            None,
+        );
+        let (code, out, err, doc) = crate::common::compare_json(&gguf, &bug, &[]);
+        assert_eq!(code, 1, "{model}: {out}\n{err}");
+        assert!(
+            run_schema_errors(&doc).is_empty(),
+            "{model}: {:?}",
+            run_schema_errors(&doc)
+        );
+        let first = &doc["first_divergence"]["dump"];
+        assert_eq!(first["tensor"], "L0.gate_up_proj.rank1", "{model}: {first}");
+        assert_eq!(first["status"], "fail", "{model}: {first}");
+        assert!(first["metrics"]["rel_l2"].as_f64().unwrap() > 1.4, "{model}: {first}");
+        assert_eq!(doc["path_status"]["dump"], "divergence");
+        let f = &doc["findings"][0];
+        assert_eq!(f["class"], "tp-rank-order", "{model}: {f}");
+        assert_eq!(f["tensor"], "L0.gate_up_proj.rank1", "{model}: {f}");
+        assert!(
+            f["evidence"]
+                .as_str()
+                .unwrap()
+                .starts_with("every rank holds rank 0's slice"),
+            "{f}"
+        );
+        assert!(
+            f["hint"].as_str().unwrap().contains("`load_merged_column_weight`"),
+            "{f}"
+        );
+        // The activation's own finding follows.
+        assert_eq!(doc["findings"][1]["site"], "L0.hidden_out", "{}", doc["findings"]);
+        assert!(
+            out.contains(
+                "dump: first divergence at loaded weight L0.gate_up_proj.rank1 [FAIL rel,cos,norm,elem] (rel_l2 1.4"
+            ),
+            "{model}: {out}"
+        );
+        assert!(
+            out.contains("; first failing site L0.hidden_out [FAIL"),
+            "{model}: {out}"
+        );
+        assert!(
+            out.contains(&format!(
+                "== loaded weights · tp {tp} · {} of {} tensors differ from the GGUF (judged by the f32 weight row) ==",
+                tp - 1,
+                2 * tp
+            )),
+            "{model}: {out}"
+        );
+        assert!(
+            out.contains(
+                "finding [loaded weights] tp-rank-order at L0.gate_up_proj.rank1: every rank holds rank 0's slice"
+            ),
+            "{model}: {out}"
+        );
+        // The triage report leads with it and carries the failing loaded weights' table.
+        let md = dir.path().join("triage.md");
+        let (code, _, err) = run_bin(&[
+            "compare",
+            "--model",
+            gguf.to_str().unwrap(),
+            "--dump",
+            bug.to_str().unwrap(),
+            "--report",
+            md.to_str().unwrap(),
+            "--quiet",
+        ]);
+        assert_eq!(code, 1, "{err}");
+        let md = std::fs::read_to_string(&md).unwrap();
+        assert!(
+            md.starts_with(
+                "# mla-diff triage: tp-rank-order at loaded weight L0.gate_up_proj.rank1 (+1 more finding(s))\n"
+            ),
+            "{md}"
+        );
+        assert!(
+            md.contains("First divergence: `loaded weight L0.gate_up_proj.rank1` on dump."),
+            "{md}"
+        );
+        assert!(md.contains("### loaded weights · tp "), "{md}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let fixed = format2_dump(
+            dir.path(),
+            model,
+            &ffn_weights(model, 0, tp, false),
+            Some(tp),
+            1.0,
+            None,
+        );
+        let (code, out, err, doc) = crate::common::compare_json(&gguf, &fixed, &[]);
+        assert_eq!(code, 0, "{model}: {out}\n{err}");
+        assert!(
+            doc["findings"].as_array().unwrap().is_empty(),
+            "{model}: {}",
+            doc["findings"]
+        );
+        assert_eq!(doc["first_divergence"]["dump"], serde_json::Value::Null);
+        assert!(!out.contains("loaded weight"), "{model}: {out}");
+    }
+
+    let model = "tiny-v3-q8_0.gguf";
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = ffn_weights(model, 0, 2, false);
+    let i = w.iter().position(|t| t.0 == "L0.down_proj.rank1").unwrap();
+    w[i].1 = vec![w[i].2.len()];
+    let p = format2_dump(dir.path(), model, &w, Some(2), 1.0, None);
+    let (code, _, err, _) = crate::common::compare_json(&repo().join("golden/models").join(model), &p, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("weights.L0.down_proj.rank1: shape [16384] has 1 dims; `down_proj` has 2"),
+        "{err}"
+    );
+}

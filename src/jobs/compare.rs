@@ -175,6 +175,7 @@ pub fn compare_dump(
         results,
         findings,
         dump: Some(summary),
+        loaded_weights: None,
     })
 }
 
@@ -346,7 +347,10 @@ fn take_heads(t: &TraceTensor, stage: Stage, cfg: &MlaConfig, [a, b]: [usize; 2]
     TraceTensor::f64(shape, v)
 }
 
-/// Compares a format-2 dump with the reference: every step of every dumped layer, each step
+/// Compares a format-2 dump with the reference: its loaded weights (`weights.*`) first, judged
+/// by [`crate::jobs::weights_check::check_dump_weights`] as `weights --check` judges them (their
+/// findings come first: an engine loads its weights before it computes), then every step of
+/// every dumped layer, each step
 /// against the reference run from position 0 over the sequences' cached context and new tokens
 /// (fed with the `hidden_in` rows of the steps up to it), judging only the step's new rows; where
 /// a step holds layers n−1 and n, its `L{n}.hidden_in` is judged against its own
@@ -362,7 +366,9 @@ fn take_heads(t: &TraceTensor, stage: Stage, cfg: &MlaConfig, [a, b]: [usize; 2]
 /// layer is judged and diagnosed as a model of `b − a` heads.
 ///
 /// Errors: a step that lacks `L{n}.hidden_in` for a layer it dumps (exit 2, naming step and
-/// layer); a reference layer that cannot run.
+/// layer); a reference layer that cannot run; the loaded weights' errors (`weights --check`'s:
+/// a tensor with an integer dtype or the wrong number of dims, a TP size that does not fit, a
+/// layer of the weights whose identity hash differs or is missing).
 pub fn compare_steps(
     file: &GgufFile,
     cfg: &MlaConfig,
@@ -381,6 +387,7 @@ pub fn compare_steps(
     let dtype = dtype.unwrap_or(steps_dump.steps[0].1.dtype);
     let heads_cfg = header.heads.map(|hs| crate::model::dump::heads_config(cfg, hs));
     let judge_cfg = heads_cfg.as_ref().unwrap_or(cfg);
+    let loaded_weights = crate::jobs::weights_check::check_dump_weights(file, cfg, &steps_dump.path)?;
     let mut results = Vec::new();
     let mut findings = Vec::new();
     let mut not_dumped = Vec::new();
@@ -460,6 +467,10 @@ pub fn compare_steps(
         .to_string();
     let metadata = steps_metadata(header);
     let first = &steps_dump.steps[0].1;
+    // The loaded weights' findings first, then the first diverging layer's.
+    if let Some(w) = &loaded_weights {
+        findings.splice(0..0, w.findings.iter().cloned());
+    }
     Ok(RunReport {
         model: ModelSummary::new(file, cfg, tensor_types),
         run: dump_run_record(first, layers, dtype, &engine),
@@ -477,6 +488,7 @@ pub fn compare_steps(
             dtype,
             tolerance_rows: precision,
         }),
+        loaded_weights,
     })
 }
 
@@ -553,7 +565,8 @@ fn gather_hidden_in(
 }
 
 /// The `metadata` a format-2 comparison reports: format, model, hook, the engine's attention
-/// and prefill backends, the step names, `kernel_precision` and `heads` when the header has them.
+/// and prefill backends, the step names, `kernel_precision`, `heads` and the TP size and rank
+/// (`tp_size`, `tp_rank`) when the header has them.
 fn steps_metadata(h: &crate::model::dump::DumpHeader) -> std::collections::BTreeMap<String, String> {
     let mut metadata = std::collections::BTreeMap::new();
     metadata.insert("format".to_string(), crate::model::dump::FORMAT2.to_string());
@@ -575,6 +588,12 @@ fn steps_metadata(h: &crate::model::dump::DumpHeader) -> std::collections::BTree
     }
     if let Some([a, b]) = h.heads {
         metadata.insert("heads".to_string(), format!("{a},{b}"));
+    }
+    if let Some(tp) = &h.tp {
+        metadata.insert("tp_size".to_string(), tp.size.to_string());
+        if let Some(r) = tp.rank {
+            metadata.insert("tp_rank".to_string(), r.to_string());
+        }
     }
     metadata
 }

@@ -22,6 +22,13 @@ use crate::model::dump::is_per_head;
 use crate::model::tensors::{ModelTensor, TpSplit, loader_sources, site_param};
 use crate::model::weights::NonFiniteTensor;
 
+/// The hint of every rank holding rank 0's slice of a merged-column weight (`gate_up_proj`):
+/// vllm-gguf-plugin 0.0.5's `load_merged_column_weight` reads `tp_rank` from a keyword argument
+/// that vLLM's `MergedColumnParallelLinear.weight_loader_v2` never passes, so it defaults to 0
+/// (vllm-gguf-plugin#103, fixed by PR #106). Written once for `weights --check`, `compare` and
+/// `run`.
+pub(crate) const HINT_MERGED_COLUMN_RANK0: &str = "a merged-column weight loader that takes the TP rank from a keyword argument its caller never passes (vllm-gguf-plugin 0.0.5 `load_merged_column_weight`, fixed by PR #106) keeps rank 0's slice on every rank";
+
 /// The GGUF tensors of layer `layer` that an engine's loader turns into weight site `stage`, in
 /// this file's layout (split `attn_k_b`/`attn_v_b` or fused `attn_kv_b`; `attn_q_b` with a query
 /// LoRA, `attn_q` without): the tensor table's [`loader_sources`], so `w.W_UK_T` and `w.W_UV`

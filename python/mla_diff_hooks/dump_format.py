@@ -57,6 +57,11 @@ STAGES = (
     "lse",
     "attn_out",
     "o_proj",
+    "ffn_in",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_act",
+    "ffn_out",
     "moe_router_logits",
     "moe_topk",
     "moe_out",
@@ -69,20 +74,26 @@ INDEXER_STAGES = ("idx_q", "idx_k", "idx_weights", "idx_scores", "idx_topk")
 """Stages of a DSA layer's lightning indexer (DeepSeek-V3.2, GLM-MoE-DSA)."""
 MOE_STAGES = ("moe_router_logits", "moe_topk", "moe_out", "shared_out")
 """Stages only MoE layers have."""
+FFN_STAGES = ("ffn_in", "ffn_gate", "ffn_up", "ffn_act", "ffn_out")
+"""Stages of the layer's SwiGLU MLP: the dense FFN, or (`ffn_in` … `ffn_act`) the shared experts of
+an MoE layer, whose output is `shared_out`."""
 ABSORBED_STAGES = ("ql_nope", "attn_latent")
 """Stages only the absorbed (MQA) attention path computes; the expanded (MHA) path has none."""
 WEIGHT_STAGES = tuple(s for s in STAGES if s.startswith("w."))
 """The weight sites (`w.*`)."""
 
-RANKED_WEIGHTS = ("q_b", "kv_b", "o_proj")
+RANKED_WEIGHTS = ("q_b", "kv_b", "o_proj", "gate_up", "down")
 """Weights tensor parallelism splits across ranks; a rank's shard is `L{n}.w.{weight}.rank{r}`."""
 
 SITE_TEMPLATES = {
     "layer": "L{layer}.{stage}",
     "weight_rank": "L{layer}.w.{weight}.rank{rank}",
     "o_proj_rank": "L{layer}.o_proj.rank{rank}",
+    "ffn_gate_up_rank": "L{layer}.ffn_gate_up.rank{rank}",
+    "ffn_down_rank": "L{layer}.ffn_down.rank{rank}",
 }
-"""How a site is named: a layer's stage, a rank's weight shard, a rank's `o_proj` partial."""
+"""How a site is named: a layer's stage, a rank's weight shard, a rank's `o_proj` partial, a rank's
+merged `gate_up_proj` output and a rank's `down_proj` partial."""
 
 
 def site(layer: int, stage: str) -> str:
@@ -100,6 +111,18 @@ def weight_rank_site(layer: int, weight: str, rank: int) -> str:
 def o_proj_rank_site(layer: int, rank: int) -> str:
     """`L{layer}.o_proj.rank{rank}`: TP rank `rank`'s `o_proj` partial sum, before the all-reduce."""
     return SITE_TEMPLATES["o_proj_rank"].format(layer=layer, rank=rank)
+
+
+def ffn_gate_up_rank_site(layer: int, rank: int) -> str:
+    """`L{layer}.ffn_gate_up.rank{rank}`: TP rank `rank`'s merged-column `gate_up_proj` output,
+    `[its gate columns | its up columns]`."""
+    return SITE_TEMPLATES["ffn_gate_up_rank"].format(layer=layer, rank=rank)
+
+
+def ffn_down_rank_site(layer: int, rank: int) -> str:
+    """`L{layer}.ffn_down.rank{rank}`: TP rank `rank`'s `down_proj` partial sum, before the
+    all-reduce."""
+    return SITE_TEMPLATES["ffn_down_rank"].format(layer=layer, rank=rank)
 
 
 def parse_site(name: str) -> tuple[int, str] | None:

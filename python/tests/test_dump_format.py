@@ -64,6 +64,9 @@ def test_name_builders_follow_the_templates():
         layer=1, weight="kv_b", rank=2
     )
     assert dump_format.o_proj_rank_site(0, 1) == t["o_proj_rank"].format(layer=0, rank=1)
+    assert dump_format.ffn_gate_up_rank_site(2, 1) == "L2.ffn_gate_up.rank1"
+    assert dump_format.ffn_down_rank_site(0, 3) == t["ffn_down_rank"].format(layer=0, rank=3)
+    assert dump_format.weight_rank_site(0, "gate_up", 1) == "L0.w.gate_up.rank1"
     with pytest.raises(ValueError, match="not a ranked weight"):
         dump_format.weight_rank_site(0, "q_a", 0)
     assert dump_format.parse_site("L12.w.kv_b.rank1") == (12, "w.kv_b.rank1")
@@ -77,6 +80,7 @@ def test_name_builders_follow_the_templates():
         dump_format.FFN_STAGES,
         dump_format.INDEXER_STAGES,
         dump_format.MOE_STAGES,
+        dump_format.FFN_STAGES,
         dump_format.ABSORBED_STAGES,
         dump_format.WEIGHT_STAGES,
     ):

@@ -301,6 +301,7 @@ impl PageRun<'_> {
         let mut r = self.base.clone();
         r.extend(reference::rank_weight_sites(self.cfg, self.w, tp));
         r.extend(reference::rank_partial_sites_of(self.cfg, self.w, self.base, tp)?);
+        r.extend(reference::ffn_rank_sites_of(self.w, self.base, tp)?);
         let reference = SplitTrace {
             host: r,
             device: Vec::new(),

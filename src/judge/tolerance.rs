@@ -443,5 +443,18 @@ mod tests {
         assert_eq!(tolerance(Stage::WKvB, Dtype::F32).0.rel_l2, 0.0);
         assert_eq!(tolerance(Stage::MoeTopk, Dtype::Bf16).0.min_pass_fraction, 1.0);
         assert_eq!(tolerance(Stage::MoeOut, Dtype::F32).0.rel_l2, 1e-5);
+        // The FFN's sites: its shards are weights (exact in f32), its outputs activations.
+        use crate::core::trace::RankedWeight;
+        assert_eq!(tolerance(Stage::WRank(RankedWeight::GateUp, 1), Dtype::F32).0, EXACT);
+        assert_eq!(tolerance(Stage::WRank(RankedWeight::Down, 0), Dtype::F32).0, EXACT);
+        for s in [
+            Stage::FfnIn,
+            Stage::FfnAct,
+            Stage::FfnOut,
+            Stage::FfnGateUpRank(1),
+            Stage::FfnDownRank(0),
+        ] {
+            assert_eq!(StageGroup::of(s), StageGroup::Activations, "{}", s.name());
+        }
     }
 }

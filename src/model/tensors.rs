@@ -277,8 +277,10 @@ pub struct TensorRow {
     /// The TP-split weight whose per-rank shards (`w.<weight>.rank<r>`) are cut from it.
     pub ranked: Option<RankedWeight>,
     /// The first site of its layer whose value reads it (`None` for the tensors after the last
-    /// layer): where a corrupt copy of it first shows. `ffn_norm` is given for a dense layer; an
-    /// MoE layer's router logits read it first.
+    /// layer): where a corrupt copy of it first shows. `ffn_norm` feeds `ffn_in` in dense and
+    /// MoE layers alike; the shared experts' `ffn_gate_shexp`/`ffn_up_shexp` feed `ffn_gate`/
+    /// `ffn_up` as the dense pair does, and `ffn_down_shexp` feeds `shared_out` (an MoE layer
+    /// has no `ffn_out`).
     pub first_site: Option<Stage>,
     /// The vLLM parameter it becomes; `None` where vLLM builds the values from the config
     /// (`rope_factors_short`).
@@ -460,22 +462,22 @@ impl ModelTensor {
             T::FfnNorm => row(
                 &[],
                 None,
-                Some(Stage::HiddenOut),
+                Some(Stage::FfnIn),
                 p("post_attention_layernorm.weight", Replicated),
             ),
             T::FfnGate => row(
                 &[],
-                None,
-                Some(Stage::HiddenOut),
+                Some(RW::GateUp),
+                Some(Stage::FfnGate),
                 m("mlp.gate_up_proj.weight", 0, "mlp.gate_proj.weight", MergedColumn),
             ),
             T::FfnUp => row(
                 &[],
-                None,
-                Some(Stage::HiddenOut),
+                Some(RW::GateUp),
+                Some(Stage::FfnUp),
                 m("mlp.gate_up_proj.weight", 1, "mlp.up_proj.weight", MergedColumn),
             ),
-            T::FfnDown => row(&[], None, Some(Stage::HiddenOut), p("mlp.down_proj.weight", Row)),
+            T::FfnDown => row(&[], Some(RW::Down), Some(Stage::FfnOut), p("mlp.down_proj.weight", Row)),
             T::FfnGateInp => row(
                 &[],
                 None,
@@ -513,8 +515,8 @@ impl ModelTensor {
             T::FfnDownExps => row(&[], None, Some(Stage::MoeOut), p("mlp.experts.w2_weight", Row)),
             T::FfnGateShexp => row(
                 &[],
-                None,
-                Some(Stage::SharedOut),
+                Some(RW::GateUp),
+                Some(Stage::FfnGate),
                 m(
                     "mlp.shared_experts.gate_up_proj.weight",
                     0,
@@ -524,8 +526,8 @@ impl ModelTensor {
             ),
             T::FfnUpShexp => row(
                 &[],
-                None,
-                Some(Stage::SharedOut),
+                Some(RW::GateUp),
+                Some(Stage::FfnUp),
                 m(
                     "mlp.shared_experts.gate_up_proj.weight",
                     1,
@@ -535,7 +537,7 @@ impl ModelTensor {
             ),
             T::FfnDownShexp => row(
                 &[],
-                None,
+                Some(RW::Down),
                 Some(Stage::SharedOut),
                 p("mlp.shared_experts.down_proj.weight", Row),
             ),
@@ -640,6 +642,27 @@ impl ModelTensor {
         }
     }
 
+    /// [`ModelTensor::in_layout`], and for the FFN the kind of layer: the dense FFN's tensors
+    /// (`ffn_gate`, `ffn_up`, `ffn_down`) only in a dense layer, the MoE block's (router, bias,
+    /// routed and shared experts) only in an MoE layer ([`MlaConfig::is_moe_layer`]).
+    pub fn in_layer(self, cfg: &MlaConfig, layer: usize) -> bool {
+        use ModelTensor as T;
+        let moe = cfg.is_moe_layer(layer);
+        self.in_layout(cfg)
+            && match self {
+                T::FfnGate | T::FfnUp | T::FfnDown => !moe,
+                T::FfnGateInp
+                | T::ExpProbsB
+                | T::FfnGateExps
+                | T::FfnUpExps
+                | T::FfnDownExps
+                | T::FfnGateShexp
+                | T::FfnUpShexp
+                | T::FfnDownShexp => moe,
+                _ => true,
+            }
+    }
+
     /// The `kv_b` tensor of `layout` whose input dim (`ne[0]`, along which quant blocks run) is
     /// the latent `L`: `attn_v_b` [N, V, L] in a split file, `attn_kv_b` [N·(P+V), L] in a fused
     /// one. A loader that cuts `kv_b_proj` along `L` cuts this tensor's quant blocks.
@@ -687,7 +710,9 @@ pub fn tensor_name(layer: usize, short: &str) -> String {
 /// `w.fused_qkv_a` ← `attn_q_a`, `attn_kv_a_mqa`; `w.kv_b` and `w.kv_b.rank<r>` ←
 /// `attn_k_b`, `attn_v_b` (or `attn_kv_b`); `w.W_UK_T` ← `attn_k_b` (or `attn_kv_b`); `w.W_UV` ←
 /// `attn_v_b` (or `attn_kv_b`); `w.q_b.rank<r>` ← `attn_q_b` (or `attn_q`); `w.o_proj.rank<r>`
-/// ← `attn_output`. Empty for a site that is not a weight.
+/// ← `attn_output`; `w.gate_up.rank<r>` ← `ffn_gate`, `ffn_up` and their `_shexp` twins;
+/// `w.down.rank<r>` ← `ffn_down`, `ffn_down_shexp` (which of each pair a layer holds:
+/// [`ModelTensor::in_layer`]). Empty for a site that is not a weight.
 pub fn site_sources(cfg: &MlaConfig, stage: Stage) -> Vec<ModelTensor> {
     ModelTensor::ALL
         .into_iter()
@@ -743,11 +768,12 @@ pub fn dump_name(param: &'static str) -> &'static str {
     p.strip_suffix(".weight").unwrap_or(p)
 }
 
-/// True for the tensors a weight site is built from (a whole-tensor `w.*` site or a per-rank
-/// `w.<weight>.rank<r>` one): the attention projections.
+/// True for the attention tensors a weight site is built from (a whole-tensor `w.*` site or a
+/// per-rank `w.<weight>.rank<r>` one): the attention projections, not the FFN's `gate_up` and
+/// `down` shards.
 fn feeds_weight_site(t: ModelTensor) -> bool {
     let row = t.row();
-    !row.sites.is_empty() || row.ranked.is_some()
+    !row.sites.is_empty() || row.ranked.is_some_and(|w| !w.is_ffn())
 }
 
 /// The FFN tensors whose vLLM parameters a weights dump may hold, in table order: the dense
@@ -801,7 +827,12 @@ pub fn dump_params(cfg: &MlaConfig) -> Vec<DumpParam> {
         .iter()
         .copied()
         .filter(|s| s.is_weight())
-        .chain(RankedWeight::ALL.map(|w| Stage::WRank(w, 0)));
+        .chain(
+            RankedWeight::ALL
+                .into_iter()
+                .filter(|w| !w.is_ffn())
+                .map(|w| Stage::WRank(w, 0)),
+        );
     let mut out: Vec<DumpParam> = Vec::new();
     for site in sites {
         let Some((param, split)) = site_param(cfg, site) else {
@@ -1100,6 +1131,37 @@ mod tests {
         assert_eq!(site_sources(&fused, rank(RankedWeight::OProj)), vec![T::AttnOutput]);
         assert!(site_sources(&split, Stage::KvA).is_empty());
         assert_eq!(
+            site_sources(&split, rank(RankedWeight::GateUp)),
+            vec![T::FfnGate, T::FfnUp, T::FfnGateShexp, T::FfnUpShexp]
+        );
+        assert_eq!(
+            site_sources(&split, rank(RankedWeight::Down)),
+            vec![T::FfnDown, T::FfnDownShexp]
+        );
+        // A layer holds the dense FFN or the shared experts, never both.
+        let mut moe = split.clone();
+        moe.leading_dense_block_count = 1;
+        moe.moe = Some(crate::model::config::MoeConfig {
+            n_expert: 4,
+            n_expert_used: 2,
+            n_expert_shared: 1,
+            expert_ffn: 8,
+            weights_scale: 1.0,
+            weights_norm: true,
+            gating: crate::model::config::GatingFunc::Softmax,
+            n_group: 1,
+            n_group_used: 1,
+        });
+        let in_layer = |layer: usize| -> Vec<T> {
+            site_sources(&moe, rank(RankedWeight::GateUp))
+                .into_iter()
+                .filter(|t| t.in_layer(&moe, layer))
+                .collect()
+        };
+        assert_eq!(in_layer(0), vec![T::FfnGate, T::FfnUp]);
+        assert_eq!(in_layer(1), vec![T::FfnGateShexp, T::FfnUpShexp]);
+        assert!(T::AttnKB.in_layer(&moe, 1) && !T::FfnGateInp.in_layer(&moe, 0));
+        assert_eq!(
             site_param(&split, rank(RankedWeight::QProj)),
             Some(("self_attn.q_b_proj.weight", TpSplit::ColumnByHeads(PerHead::QkHeadDim)))
         );
@@ -1198,6 +1260,10 @@ mod tests {
         assert_eq!(first(T::IndexerProj), Some(Stage::IdxWeights));
         assert_eq!(first(T::ExpProbsB), Some(Stage::MoeTopk));
         assert_eq!(first(T::FfnDownShexp), Some(Stage::SharedOut));
+        assert_eq!(first(T::FfnNorm), Some(Stage::FfnIn));
+        assert_eq!(first(T::FfnGate), Some(Stage::FfnGate));
+        assert_eq!(first(T::FfnUpShexp), Some(Stage::FfnUp));
+        assert_eq!(first(T::FfnDown), Some(Stage::FfnOut));
         assert_eq!(first(T::Output), None);
         // Within the attention block a later tensor never feeds an earlier site.
         let attn = [

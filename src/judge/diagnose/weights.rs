@@ -32,9 +32,14 @@ pub(crate) const HINT_MERGED_COLUMN_RANK0: &str = "a merged-column weight loader
 /// The GGUF tensors of layer `layer` that an engine's loader turns into weight site `stage`, in
 /// this file's layout (split `attn_k_b`/`attn_v_b` or fused `attn_kv_b`; `attn_q_b` with a query
 /// LoRA, `attn_q` without): the tensor table's [`loader_sources`], so `w.W_UK_T` and `w.W_UV`
-/// name every `kv_b` tensor they are computed from.
+/// name every `kv_b` tensor they are computed from; the FFN's `w.gate_up`/`w.down` shards name
+/// the dense tensors in a dense layer and the shared experts' in an MoE layer.
 pub fn gguf_sources(cfg: &MlaConfig, layer: usize, stage: Stage) -> Vec<String> {
-    loader_sources(cfg, stage).into_iter().map(|t| t.name(layer)).collect()
+    loader_sources(cfg, stage)
+        .into_iter()
+        .filter(|t| t.in_layer(cfg, layer))
+        .map(|t| t.name(layer))
+        .collect()
 }
 
 /// A weight site whose every element is zero or the canary while the reference's is not: the
@@ -457,7 +462,10 @@ mod tests {
         assert_eq!(site_of("blk.3.attn_kv_a_mqa.weight"), Stage::KvA);
         assert_eq!(site_of("blk.3.attn_v_b.weight"), Stage::WKvB);
         assert_eq!(site_of("blk.3.attn_output.weight"), Stage::OProj);
-        assert_eq!(site_of("blk.3.ffn_norm.weight"), Stage::HiddenOut);
+        assert_eq!(site_of("blk.3.ffn_norm.weight"), Stage::FfnIn);
+        assert_eq!(site_of("blk.3.ffn_up.weight"), Stage::FfnUp);
+        assert_eq!(site_of("blk.3.ffn_down.weight"), Stage::FfnOut);
+        assert_eq!(site_of("blk.3.ffn_gate_shexp.weight"), Stage::FfnGate);
         assert_eq!(site_of("blk.3.exp_probs_b.bias"), Stage::MoeTopk);
         assert_eq!(site_of("blk.3.ffn_up_exps.weight (expert 7)"), Stage::MoeOut);
         assert_eq!(site_of("blk.3.ffn_down_shexp.weight"), Stage::SharedOut);

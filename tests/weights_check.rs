@@ -565,9 +565,9 @@ fn ffn_weights(model: &str, layer: usize, tp: usize, rank0_everywhere: bool) -> 
 }
 
 /// A format-2 dump of `model` (`tp.size` in its header when given) holding `weights` as
-/// `weights.…` and one prefill step of layer 0 with `T = 5` tokens: `s0.L0.hidden_in` (seeded)
-/// and `s0.L0.hidden_out`, the reference's, times `out_scale` (1: what a correct engine
-/// computes). `engine` is the header's `engine.name`, version `0.26.0`; `index_sha256` plants
+/// `weights.…` and one prefill step of layer 0 with `T = 5` tokens: `s0.L0.hidden_in` (seeded),
+/// each rank's `s0.L0.o_proj.rank{r}` partial at TP > 1 and `s0.L0.hidden_out`, the
+/// reference's, the latter times `out_scale` (1: what a correct engine computes). `engine` is the header's `engine.name`, version `0.26.0`; `index_sha256` plants
 /// another model's identity.
 fn format2_dump(
     dir: &std::path::Path,
@@ -585,7 +585,9 @@ fn format2_dump(
         ndarray::Array2::from_shape_vec((t, cfg.hidden), hidden.iter().map(|&x| f64::from(x)).collect()).unwrap();
     let w0 = LayerWeights::load(&file, &cfg, 0).unwrap();
     let batch = mla_diff::core::batch::Batch::single(t, 0);
-    let r = mla_diff::compute::reference::reference_layer(&cfg, &w0, &input, &batch, 1, None).unwrap();
+    // A TP size that does not divide the heads (a test of its refusal) records no partials.
+    let tp = tp_size.filter(|t| cfg.n_head.is_multiple_of(*t)).unwrap_or(1);
+    let r = mla_diff::compute::reference::reference_layer(&cfg, &w0, &input, &batch, tp, None).unwrap();
     let out: Vec<f32> = r.hidden_out.unwrap().iter().map(|&x| x as f32 * out_scale).collect();
     let f32_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
     let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = vec![
@@ -602,6 +604,17 @@ fn format2_dump(
             f32_bytes(&out),
         ),
     ];
+    // Each rank's o_proj partial, as a TP engine's hook records it.
+    for rank in (0..tp).filter(|_| tp > 1) {
+        let site = mla_diff::core::trace::Site::parse(&format!("L0.o_proj.rank{rank}")).unwrap();
+        let v: Vec<f32> = r.trace.get(&site).unwrap().to_f64().iter().map(|&x| x as f32).collect();
+        tensors.push((
+            format!("s0.L0.o_proj.rank{rank}"),
+            safetensors::Dtype::F32,
+            vec![t, cfg.hidden],
+            f32_bytes(&v),
+        ));
+    }
     let mut layers = serde_json::Map::new();
     layers.insert("0".into(), file.layer_sha256_hex(0).into());
     for (name, shape, v) in weights {
@@ -927,8 +940,8 @@ fn run_schema_errors(doc: &serde_json::Value) -> Vec<String> {
 /// site: at TP 2 (Q8_0) and TP 4 (Q4_K), every rank holding rank 0's `gate_up_proj` is the
 /// dump's first divergence, `tp-rank-order` at rank 1's tensor, though the layer's output
 /// diverges too (scaled here); with each rank's own slice and the right output, nothing is
-/// found and the report reads as one without weights. A malformed weight is compare's exit 2
-/// as it is `weights --check`'s.
+/// found and the report reads as one without weights: the reference records the per-rank
+/// `o_proj.rank<r>` partials for the header's `tp.size`.
 #[test]
 fn compare_names_rank1s_loaded_gate_up_first() {
     for (model, tp) in [("tiny-v3-q8_0.gguf", 2), ("k256-q4_k_m.gguf", 4)] {
@@ -1038,8 +1051,22 @@ fn compare_names_rank1s_loaded_gate_up_first() {
         );
         assert_eq!(doc["first_divergence"]["dump"], serde_json::Value::Null);
         assert!(!out.contains("loaded weight"), "{model}: {out}");
+        let sites = doc["sites"].as_array().unwrap();
+        for rank in 0..tp {
+            let s = sites
+                .iter()
+                .find(|s| s["site"] == format!("L0.o_proj.rank{rank}"))
+                .unwrap();
+            assert_eq!(s["status"], "pass", "{model}: {s}");
+        }
+        assert_eq!(doc["dump"]["metadata"]["tp_size"], tp.to_string());
     }
+}
 
+/// A malformed loaded weight in a format-2 dump is `compare`'s exit 2 as it is
+/// `weights --check`'s: the same reader.
+#[test]
+fn compare_refuses_a_malformed_loaded_weight() {
     let model = "tiny-v3-q8_0.gguf";
     let dir = tempfile::tempdir().unwrap();
     let mut w = ffn_weights(model, 0, 2, false);

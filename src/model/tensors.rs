@@ -1138,25 +1138,16 @@ mod tests {
             site_sources(&split, rank(RankedWeight::Down)),
             vec![T::FfnDown, T::FfnDownShexp]
         );
-        // A layer holds the dense FFN or the shared experts, never both.
-        let mut moe = split.clone();
-        moe.leading_dense_block_count = 1;
-        moe.moe = Some(crate::model::config::MoeConfig {
-            n_expert: 4,
-            n_expert_used: 2,
-            n_expert_shared: 1,
-            expert_ffn: 8,
-            weights_scale: 1.0,
-            weights_norm: true,
-            gating: crate::model::config::GatingFunc::Softmax,
-            n_group: 1,
-            n_group_used: 1,
-        });
-        let in_layer = |layer: usize| -> Vec<T> {
-            site_sources(&moe, rank(RankedWeight::GateUp))
-                .into_iter()
-                .filter(|t| t.in_layer(&moe, layer))
-                .collect()
+        // A layer holds the dense FFN or the shared experts, never both (moe-v3: layer 0 dense).
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("golden/models/moe-v3-f32.gguf");
+        let moe = MlaConfig::from_gguf(&crate::model::gguf::GgufFile::open(path).unwrap()).unwrap();
+        let gate_up = site_sources(&moe, rank(RankedWeight::GateUp));
+        let in_layer = |l: usize| {
+            gate_up
+                .iter()
+                .copied()
+                .filter(|t| t.in_layer(&moe, l))
+                .collect::<Vec<_>>()
         };
         assert_eq!(in_layer(0), vec![T::FfnGate, T::FfnUp]);
         assert_eq!(in_layer(1), vec![T::FfnGateShexp, T::FfnUpShexp]);

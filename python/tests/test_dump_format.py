@@ -111,8 +111,8 @@ def test_writers_reproduce_committed_dumps(tmp_path, name):
     """Each committed dump, read and written again through write_format1 / write_format2 (its
     tensors in the file's order, its metadata split into header, notes and the rest; a WEIGHTS
     file through st_io.save), gives the same tensors and metadata; byte for byte where the file's
-    metadata keys are in sorted order, the order st_io writes (the live-engine dumps and three kernel dumps were written by the
-    safetensors package, whose metadata order is random)."""
+    metadata keys are in sorted order, the order st_io writes (the live-engine dumps and three
+    kernel dumps were written by the safetensors package, whose metadata order is random)."""
     pytest.importorskip("numpy", reason="the writers need numpy (pip install numpy)")
     from test_st_io import read  # the independent reader
 

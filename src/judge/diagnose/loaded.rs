@@ -149,8 +149,8 @@ pub fn match_threshold(dtype: Dtype) -> f64 {
 /// (`L0.gate_up_proj.rank1`): "every rank holds rank 0's slice" when every shard holds rank 0's,
 /// else "rank r holds rank s's slice" for each such rank, with the rel_l2 against the slice held
 /// and against its own. The hint names the merged-column loader of the GGUF plugin for a
-/// merged-column param whose ranks all hold rank 0's slice
-/// ([`HINT_MERGED_COLUMN_RANK0`]).
+/// merged-column param whose ranks all hold rank 0's slice (the hint `weights --check` gives for
+/// the same tensors).
 pub fn rank_findings(
     holds: Holds,
     params: &BTreeMap<usize, BTreeMap<&'static str, Param>>,

@@ -111,6 +111,67 @@ fn llama_cpp_dumps_pass_through_the_map() {
     assert_dense_ffn_compared(&doc, &[0, 1]);
 }
 
+/// moe-v3-f32 through llama.cpp (layer 0 dense, layer 1 MoE): layer 0's dense MLP is compared
+/// site by site; in layer 1, `ffn_gate`/`ffn_up`/`ffn_act` are the shared experts' (llama.cpp's
+/// shared-expert `build_ffn` names them as the dense one does), the router logits, the routed
+/// experts' sum and the shared experts' output are compared, and llama.cpp's `ffn_out-1` (routed
+/// plus shared, which is no site) is neither dumped nor mapped (the map's `dense_ffn` condition).
+#[test]
+fn llama_cpp_moe_dump_judges_the_dense_mlp_and_the_moe_ffn() {
+    use mla_diff::core::trace::Site;
+    use mla_diff::model::config::MlaConfig;
+    use mla_diff::model::dump::Map;
+    use mla_diff::model::gguf::GgufFile;
+    let (code, out, err, doc) = compare("moe-v3-f32.gguf", "moe-v3-f32.llama-cpp.safetensors", &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_all_pass(&doc, 41);
+    assert_dense_ffn_compared(&doc, &[0]);
+    let sites = site_names(&doc);
+    assert_eq!(sites.len(), 41, "{sites:?}");
+    for s in [
+        "L1.ffn_in",
+        "L1.ffn_gate",
+        "L1.ffn_up",
+        "L1.ffn_act",
+        "L1.moe_router_logits",
+        "L1.moe_out",
+        "L1.shared_out",
+        "L1.hidden_out",
+    ] {
+        assert!(sites.contains(&s), "{s}: {sites:?}");
+    }
+    assert!(!sites.contains(&"L1.ffn_out"), "{sites:?}");
+    // Shared experts: I = expert_shared_count · expert_feed_forward_length = 32 (the dense MLP's 96).
+    let shape = |site: &str| {
+        doc["sites"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["site"] == site)
+            .unwrap()["shape"]
+            .clone()
+    };
+    assert_eq!(shape("L1.ffn_gate"), serde_json::json!([6, 32]));
+    assert_eq!(shape("L0.ffn_gate"), serde_json::json!([6, 96]));
+    // moe_topk is not dumped (llama.cpp's ffn_moe_topk is I32; the hook copies F32 nodes).
+    let nd = doc["dump"]["not_dumped"].as_array().unwrap();
+    assert!(nd.iter().any(|s| s == "L1.moe_topk"), "{nd:?}");
+    assert_eq!(doc["dump"]["ignored"], serde_json::json!([]));
+
+    let moe = MlaConfig::from_gguf(&GgufFile::open(repo().join("golden/models/moe-v3-f32.gguf")).unwrap()).unwrap();
+    let map = Map::load("llama.cpp").unwrap();
+    assert_eq!(map.rename_of("ffn_out-0#0", &moe), Site::parse("L0.ffn_out"));
+    assert_eq!(map.rename_of("ffn_out-1#0", &moe), None);
+    assert_eq!(map.rename_of("ffn_up-1#0", &moe), Site::parse("L1.ffn_up"));
+    assert_eq!(map.rename_of("ffn_shexp-1#0", &moe), Site::parse("L1.shared_out"));
+    assert_eq!(map.rename_of("ffn_moe_out-2#0", &moe), Site::parse("L2.moe_out"));
+    assert_eq!(
+        map.rename_of("ffn_moe_logits-1#0", &moe),
+        Site::parse("L1.moe_router_logits")
+    );
+    assert_eq!(map.rename_of("ffn_moe_out-0#0", &moe), None);
+}
+
 /// The FFN sites are judged, not only listed: llama.cpp's gate and up outputs of layer 0 swapped
 /// in the dump fail at `L0.ffn_gate` (the first divergence) and `L0.ffn_up`; the activation and
 /// everything else, computed by the engine before the swap, still pass.
@@ -161,6 +222,7 @@ fn llama_cpp_dumps_pick_their_map_from_the_metadata() {
         ("tiny-v3-f32.gguf", "tiny-v3-f32.llama-cpp.safetensors", 38),
         ("lite-v2-f32.gguf", "lite-v2-f32.llama-cpp.safetensors", 35),
         ("legacy-kvb-f32.gguf", "legacy-kvb-f32.llama-cpp.safetensors", 37),
+        ("moe-v3-f32.gguf", "moe-v3-f32.llama-cpp.safetensors", 41),
     ] {
         let (code, out, err, doc) = compare(model, dump, &[]);
         assert_eq!(code, 0, "{dump}: {out}\n{err}");

@@ -48,6 +48,34 @@ fn hf_dumps_pass() {
     }
 }
 
+/// The compared sites of a report, in report order.
+fn site_names(doc: &serde_json::Value) -> Vec<&str> {
+    doc["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["site"].as_str().unwrap())
+        .collect()
+}
+
+/// The dense MLP's five sites (llama.cpp's `ffn_norm`, `ffn_gate`, `ffn_up`, `ffn_swiglu` and the
+/// `ffn_down` matmul it names `ffn_out`) were compared, and passed, at each of `layers`.
+fn assert_dense_ffn_compared(doc: &serde_json::Value, layers: &[usize]) {
+    let sites = site_names(doc);
+    for l in layers {
+        for stage in ["ffn_in", "ffn_gate", "ffn_up", "ffn_act", "ffn_out"] {
+            let site = format!("L{l}.{stage}");
+            let s = doc["sites"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|s| s["site"] == site.as_str());
+            let s = s.unwrap_or_else(|| panic!("{site} not compared: {sites:?}"));
+            assert_eq!(s["status"], "pass", "{s}");
+        }
+    }
+}
+
 #[test]
 fn llama_cpp_dumps_pass_through_the_map() {
     let (code, out, err, doc) = compare(
@@ -56,16 +84,22 @@ fn llama_cpp_dumps_pass_through_the_map() {
         &["--map", "llama.cpp"],
     );
     assert_eq!(code, 0, "{out}\n{err}");
-    // 14 sites per layer (absorbed form: ql_nope and attn_latent, no k_nope/v/lse).
-    assert_all_pass(&doc, 28);
-    let sites: Vec<&str> = doc["sites"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["site"].as_str().unwrap())
-        .collect();
+    // 19 sites per layer: 14 of attention and its output (absorbed form: ql_nope and attn_latent,
+    // no k_nope/v/lse) and the dense MLP's 5.
+    assert_all_pass(&doc, 38);
+    let sites = site_names(&doc);
+    assert_eq!(sites.len(), 38, "{sites:?}");
     assert!(sites.contains(&"L1.attn_latent") && sites.contains(&"L0.ql_nope"));
+    assert_dense_ffn_compared(&doc, &[0, 1]);
     assert_eq!(doc["dump"]["map"], "llama.cpp");
+    let conv = doc["dump"]["conversions"].as_array().unwrap();
+    for line in [
+        "L1.ffn_in: from dump tensor `ffn_norm-1#0`",
+        "L1.ffn_act: from dump tensor `ffn_swiglu-1#0`",
+        "L1.ffn_out: from dump tensor `ffn_out-1#0`",
+    ] {
+        assert!(conv.iter().any(|c| c == line), "{line}: {conv:?}");
+    }
 
     let (code, out, err, doc) = compare(
         "lite-v2-f32.gguf",
@@ -73,7 +107,110 @@ fn llama_cpp_dumps_pass_through_the_map() {
         &["--map", "llama.cpp"],
     );
     assert_eq!(code, 0, "{out}\n{err}");
-    assert_all_pass(&doc, 20);
+    assert_all_pass(&doc, 35);
+    assert_dense_ffn_compared(&doc, &[0, 1]);
+}
+
+/// moe-v3-f32 through llama.cpp (layer 0 dense, layer 1 MoE): layer 0's dense MLP is compared
+/// site by site; in layer 1, `ffn_gate`/`ffn_up`/`ffn_act` are the shared experts' (llama.cpp's
+/// shared-expert `build_ffn` names them as the dense one does), the router logits, the routed
+/// experts' sum and the shared experts' output are compared, and llama.cpp's `ffn_out-1` (routed
+/// plus shared, which is no site) is neither dumped nor mapped (the map's `dense_ffn` condition).
+#[test]
+fn llama_cpp_moe_dump_judges_the_dense_mlp_and_the_moe_ffn() {
+    use mla_diff::core::trace::Site;
+    use mla_diff::model::config::MlaConfig;
+    use mla_diff::model::dump::Map;
+    use mla_diff::model::gguf::GgufFile;
+    let (code, out, err, doc) = compare("moe-v3-f32.gguf", "moe-v3-f32.llama-cpp.safetensors", &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_all_pass(&doc, 41);
+    assert_dense_ffn_compared(&doc, &[0]);
+    let sites = site_names(&doc);
+    assert_eq!(sites.len(), 41, "{sites:?}");
+    for s in [
+        "L1.ffn_in",
+        "L1.ffn_gate",
+        "L1.ffn_up",
+        "L1.ffn_act",
+        "L1.moe_router_logits",
+        "L1.moe_out",
+        "L1.shared_out",
+        "L1.hidden_out",
+    ] {
+        assert!(sites.contains(&s), "{s}: {sites:?}");
+    }
+    assert!(!sites.contains(&"L1.ffn_out"), "{sites:?}");
+    // Shared experts: I = expert_shared_count · expert_feed_forward_length = 32 (the dense MLP's 96).
+    let shape = |site: &str| {
+        doc["sites"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["site"] == site)
+            .unwrap()["shape"]
+            .clone()
+    };
+    assert_eq!(shape("L1.ffn_gate"), serde_json::json!([6, 32]));
+    assert_eq!(shape("L0.ffn_gate"), serde_json::json!([6, 96]));
+    // moe_topk is not dumped (llama.cpp's ffn_moe_topk is I32; the hook copies F32 nodes).
+    let nd = doc["dump"]["not_dumped"].as_array().unwrap();
+    assert!(nd.iter().any(|s| s == "L1.moe_topk"), "{nd:?}");
+    assert_eq!(doc["dump"]["ignored"], serde_json::json!([]));
+
+    let moe = MlaConfig::from_gguf(&GgufFile::open(repo().join("golden/models/moe-v3-f32.gguf")).unwrap()).unwrap();
+    let map = Map::load("llama.cpp").unwrap();
+    assert_eq!(map.rename_of("ffn_out-0#0", &moe), Site::parse("L0.ffn_out"));
+    assert_eq!(map.rename_of("ffn_out-1#0", &moe), None);
+    assert_eq!(map.rename_of("ffn_up-1#0", &moe), Site::parse("L1.ffn_up"));
+    assert_eq!(map.rename_of("ffn_shexp-1#0", &moe), Site::parse("L1.shared_out"));
+    assert_eq!(map.rename_of("ffn_moe_out-2#0", &moe), Site::parse("L2.moe_out"));
+    assert_eq!(
+        map.rename_of("ffn_moe_logits-1#0", &moe),
+        Site::parse("L1.moe_router_logits")
+    );
+    assert_eq!(map.rename_of("ffn_moe_out-0#0", &moe), None);
+}
+
+/// The FFN sites are judged, not only listed: llama.cpp's gate and up outputs of layer 0 swapped
+/// in the dump fail at `L0.ffn_gate` (the first divergence) and `L0.ffn_up`; the activation and
+/// everything else, computed by the engine before the swap, still pass.
+#[test]
+fn swapped_ffn_gate_and_up_fail_at_those_sites() {
+    use safetensors::SafeTensors;
+    let src = std::fs::read(repo().join("golden/dumps/tiny-v3-f32.llama-cpp.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&src).unwrap();
+    let f32s = |name: &str| -> Vec<f32> {
+        let v = st.tensor(name).unwrap();
+        v.data()
+            .chunks(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    };
+    let (gate, up) = (f32s("ffn_gate-0#0"), f32s("ffn_up-0#0"));
+    let (_d, p) = rewrite_dump(
+        "tiny-v3-f32.llama-cpp.safetensors",
+        |name, _, v| {
+            match name {
+                "ffn_gate-0#0" => v.clone_from(&up),
+                "ffn_up-0#0" => v.clone_from(&gate),
+                _ => {}
+            }
+            true
+        },
+        &[],
+    );
+    let (code, out, _, doc) = compare_path("tiny-v3-f32.gguf", &p, &[]);
+    assert_eq!(code, 1, "{out}");
+    assert_eq!(doc["first_divergence"]["dump"]["site"], "L0.ffn_gate");
+    let failed: Vec<&str> = doc["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["status"] != "pass")
+        .map(|s| s["site"].as_str().unwrap())
+        .collect();
+    assert_eq!(failed, ["L0.ffn_gate", "L0.ffn_up"]);
 }
 
 /// A llama.cpp dump without --map: its metadata (`engine = llama.cpp …`) picks the built-in map,
@@ -82,9 +219,10 @@ fn llama_cpp_dumps_pass_through_the_map() {
 #[test]
 fn llama_cpp_dumps_pick_their_map_from_the_metadata() {
     for (model, dump, sites) in [
-        ("tiny-v3-f32.gguf", "tiny-v3-f32.llama-cpp.safetensors", 28),
-        ("lite-v2-f32.gguf", "lite-v2-f32.llama-cpp.safetensors", 20),
-        ("legacy-kvb-f32.gguf", "legacy-kvb-f32.llama-cpp.safetensors", 20),
+        ("tiny-v3-f32.gguf", "tiny-v3-f32.llama-cpp.safetensors", 38),
+        ("lite-v2-f32.gguf", "lite-v2-f32.llama-cpp.safetensors", 35),
+        ("legacy-kvb-f32.gguf", "legacy-kvb-f32.llama-cpp.safetensors", 37),
+        ("moe-v3-f32.gguf", "moe-v3-f32.llama-cpp.safetensors", 41),
     ] {
         let (code, out, err, doc) = compare(model, dump, &[]);
         assert_eq!(code, 0, "{dump}: {out}\n{err}");
@@ -501,13 +639,9 @@ fn llama_cpp_map_conditions_follow_the_graph_llama_cpp_builds() {
         &["--map", "llama.cpp"],
     );
     assert_eq!(code, 0, "{out}\n{err}");
-    assert_all_pass(&doc, 27);
-    let sites: Vec<&str> = doc["sites"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["site"].as_str().unwrap())
-        .collect();
+    assert_all_pass(&doc, 37);
+    assert_dense_ffn_compared(&doc, &[0, 1]);
+    let sites = site_names(&doc);
     assert!(sites.contains(&"L0.k_nope") && sites.contains(&"L1.v"), "{sites:?}");
     assert!(!sites.iter().any(|s| s.ends_with("attn_latent")), "{sites:?}");
     assert_eq!(doc["dump"]["ignored"], serde_json::json!(["kqv-0#0", "kqv-1#0"]));

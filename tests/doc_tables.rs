@@ -40,8 +40,8 @@ fn every_class() -> Vec<Class> {
 
 fn every_fault() -> Vec<Fault> {
     every_variant!(Fault:
-        PhantomOutput, UnwrittenRows, FusedShardSwap, TpRankOrder, TpRank0Everywhere, KvBGrouped,
-        KBUntransposed, RopeNeox, NoMscale, RopeCosScaled, LsePlusInf, QuantSliceMisaligned,
+        PhantomOutput, UnwrittenRows, FusedShardSwap, TpRankOrder, TpRank0Everywhere, TpGateUpRank0,
+        KvBGrouped, KBUntransposed, RopeNeox, NoMscale, RopeCosScaled, LsePlusInf, QuantSliceMisaligned,
         StridedKvC, IndexerRopeInterleaved, IndexerTopkStale, AllReduceTwice, AllReduceSkipRank,
         AllReduceReadEarly,
     )

@@ -14,6 +14,7 @@ mod doc_tables;
 mod dtype;
 mod exit_codes;
 mod faults;
+mod ffn;
 mod fixtures;
 mod golden;
 mod hf_golden;

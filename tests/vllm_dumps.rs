@@ -1,7 +1,8 @@
 //! The committed dumps of vLLM's real code (`golden/dumps/*.vllm*.safetensors`, format 2), made by
 //! `mla_diff_hooks.vllm_cpu` with vLLM 0.26.0 and vllm-gguf-plugin 0.0.5 on the CPU: a prefill and two
-//! decode steps through vLLM's own MLA layer and its Triton decode kernel. Each must keep the
-//! verdict it had when it was made; a new committed vLLM dump must be listed here.
+//! decode steps through vLLM's own MLA layer and its Triton decode kernel, at TP 1 and, for the
+//! Q8_0 fixture, at TP 2 and 4 (every rank's dump joined into one). Each must keep the verdict it
+//! had when it was made; a new committed vLLM dump must be listed here.
 
 use crate::common::{compare_json, repo, run_bin};
 
@@ -18,6 +19,35 @@ const CASES: &[Case] = &[
         "tiny-v3-f32.gguf",
         1,
         Some(("weight-not-loaded", "L0.w.kv_b")),
+    ),
+    // Q8_0: the quantized layers run through vllm-gguf-plugin's Triton kernels.
+    ("legacy-kvb-q8_0.vllm.safetensors", "legacy-kvb-q8_0.gguf", 0, None),
+    // TP 2 and 4: vllm-gguf-plugin 0.0.5's merged-column loader keeps rank 0's rows of the
+    // quantized `gate_up_proj` on every rank (vllm-gguf-plugin#103); every attention site passes.
+    (
+        "legacy-kvb-q8_0.vllm-tp2.safetensors",
+        "legacy-kvb-q8_0.gguf",
+        1,
+        Some(("tp-rank-order", "L0.gate_up_proj.rank1")),
+    ),
+    (
+        "legacy-kvb-q8_0.vllm-tp4.safetensors",
+        "legacy-kvb-q8_0.gguf",
+        1,
+        Some(("tp-rank-order", "L0.gate_up_proj.rank1")),
+    ),
+    // The same runs with the harness's `fix-merged-column-rank` patch (the plugin's PR #106).
+    (
+        "legacy-kvb-q8_0.vllm-tp2-fixed.safetensors",
+        "legacy-kvb-q8_0.gguf",
+        0,
+        None,
+    ),
+    (
+        "legacy-kvb-q8_0.vllm-tp4-fixed.safetensors",
+        "legacy-kvb-q8_0.gguf",
+        0,
+        None,
     ),
 ];
 
@@ -68,7 +98,11 @@ fn every_committed_vllm_dump_keeps_its_verdict() {
             None => assert!(doc["findings"].as_array().unwrap().is_empty(), "{dump}"),
             Some((class, site)) => {
                 assert_eq!(doc["findings"][0]["class"], class, "{dump}");
-                assert_eq!(doc["findings"][0]["site"], site, "{dump}");
+                // a finding on a site names it `site`, one on a loaded weight `tensor`
+                let subject = doc["findings"][0]["site"]
+                    .as_str()
+                    .or(doc["findings"][0]["tensor"].as_str());
+                assert_eq!(subject, Some(site), "{dump}");
                 assert!(!doc["findings"][0]["hint"].as_str().unwrap().contains("  "), "{dump}");
             }
         }
@@ -83,6 +117,66 @@ fn every_committed_vllm_dump_keeps_its_verdict() {
     ]);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(out.contains("all 16 tensors match the GGUF"), "{out}");
+}
+
+/// The MoE fixture's loaded weights at TP 2 (a WEIGHTS file: vLLM's routed experts do not run on
+/// a CPU): the shared experts' `gate_up_proj` of rank 1 holds rank 0's rows.
+#[test]
+fn the_moe_fixtures_loaded_shared_experts_show_the_merged_column_shard_bug() {
+    let (code, out, err) = run_bin(&[
+        "weights",
+        "--model",
+        repo().join("golden/models/legacy-kvb-moe-q8_0.gguf").to_str().unwrap(),
+        "--check",
+        repo()
+            .join("golden/dumps/legacy-kvb-moe-q8_0.loaded-vllm-tp2.safetensors")
+            .to_str()
+            .unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(out.contains("tp-rank-order"), "{out}");
+    assert!(out.contains("shared_experts.gate_up_proj"), "{out}");
+}
+
+/// The TP dumps of the Q8_0 fixture carry every rank's loaded weights: `weights --check` names
+/// rank 0's slice of `gate_up_proj` on the other ranks of the unfixed runs and passes the fixed
+/// ones; the fix is recorded as a patch in the fixed dumps only.
+#[test]
+fn the_tp_dumps_weights_show_the_merged_column_shard_bug() {
+    let dir = repo().join("golden/dumps");
+    let model = repo().join("golden/models/legacy-kvb-q8_0.gguf");
+    for (tp, fixed) in [(2, false), (2, true), (4, false), (4, true)] {
+        let dump = dir.join(format!(
+            "legacy-kvb-q8_0.vllm-tp{tp}{}.safetensors",
+            if fixed { "-fixed" } else { "" }
+        ));
+        let (code, out, err) = run_bin(&[
+            "weights",
+            "--model",
+            model.to_str().unwrap(),
+            "--check",
+            dump.to_str().unwrap(),
+        ]);
+        assert_eq!(code, if fixed { 0 } else { 1 }, "{}: {out}\n{err}", dump.display());
+        if !fixed {
+            assert!(out.contains("tp-rank-order"), "{out}");
+            assert!(out.contains("every rank holds rank 0's slice"), "{out}");
+        }
+        let (_, _, _, doc) = compare_json(&model, &dump, &[]);
+        let patches: Vec<&str> = doc["dump"]["conversions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|c| c.as_str())
+            .filter(|c| c.starts_with("patch `"))
+            .collect();
+        assert_eq!(
+            patches.iter().any(|p| p.starts_with("patch `fix-merged-column-rank`")),
+            fixed,
+            "{}: {patches:?}",
+            dump.display()
+        );
+    }
 }
 
 #[test]

@@ -57,6 +57,11 @@ STAGES = (
     "lse",
     "attn_out",
     "o_proj",
+    "ffn_in",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_act",
+    "ffn_out",
     "moe_router_logits",
     "moe_topk",
     "moe_out",
@@ -69,20 +74,42 @@ INDEXER_STAGES = ("idx_q", "idx_k", "idx_weights", "idx_scores", "idx_topk")
 """Stages of a DSA layer's lightning indexer (DeepSeek-V3.2, GLM-MoE-DSA)."""
 MOE_STAGES = ("moe_router_logits", "moe_topk", "moe_out", "shared_out")
 """Stages only MoE layers have."""
+FFN_STAGES = ("ffn_in", "ffn_gate", "ffn_up", "ffn_act", "ffn_out")
+"""Stages of the layer's SwiGLU MLP: the dense FFN, or the shared experts of an MoE layer (whose
+output is `shared_out`, not `ffn_out`)."""
 ABSORBED_STAGES = ("ql_nope", "attn_latent")
 """Stages only the absorbed (MQA) attention path computes; the expanded (MHA) path has none."""
 WEIGHT_STAGES = tuple(s for s in STAGES if s.startswith("w."))
 """The weight sites (`w.*`)."""
 
-RANKED_WEIGHTS = ("q_b", "kv_b", "o_proj")
-"""Weights tensor parallelism splits across ranks; a rank's shard is `L{n}.w.{weight}.rank{r}`."""
+RANKED_WEIGHTS = ("q_b", "kv_b", "o_proj", "gate_up", "down")
+"""Weights tensor parallelism splits across ranks; a rank's shard is `L{n}.w.{weight}.rank{r}`
+(`gate_up`: rows `[ffn_gate rows r·I/tp.. ; ffn_up rows r·I/tp..]`, [2·I/tp, H]; `down`: columns
+`r·I/tp..(r+1)·I/tp` of `ffn_down`, [H, I/tp])."""
 
 SITE_TEMPLATES = {
     "layer": "L{layer}.{stage}",
     "weight_rank": "L{layer}.w.{weight}.rank{rank}",
     "o_proj_rank": "L{layer}.o_proj.rank{rank}",
+    "ffn_gate_up_rank": "L{layer}.ffn_gate_up.rank{rank}",
+    "ffn_down_rank": "L{layer}.ffn_down.rank{rank}",
 }
-"""How a site is named: a layer's stage, a rank's weight shard, a rank's `o_proj` partial."""
+"""How a site is named: a layer's stage, a rank's weight shard, a rank's `o_proj` partial (before
+the all-reduce), a rank's merged-column `gate_up_proj` output ([T, 2·I/tp], `[gate cols r·I/tp.. |
+up cols r·I/tp..]`) and a rank's row-parallel `down_proj` partial (before the all-reduce)."""
+
+# Per-rank sites (`<base>.rank<r>`) sort just before the stage that consumes the shard or reduces
+# the partials, as mla-diff orders them (src/core/trace.rs, `Stage::order`): (stage, offset).
+_RANK_SITE_ORDER = {
+    "w.q_b": ("q", -1),
+    "w.kv_b": ("w.kv_b", 1),
+    "w.o_proj": ("o_proj", -2),
+    "o_proj": ("o_proj", -1),
+    "w.gate_up": ("ffn_gate", -2),
+    "ffn_gate_up": ("ffn_gate", -1),
+    "w.down": ("ffn_out", -2),
+    "ffn_down": ("ffn_out", -1),
+}
 
 
 def site(layer: int, stage: str) -> str:
@@ -100,6 +127,25 @@ def weight_rank_site(layer: int, weight: str, rank: int) -> str:
 def o_proj_rank_site(layer: int, rank: int) -> str:
     """`L{layer}.o_proj.rank{rank}`: TP rank `rank`'s `o_proj` partial sum, before the all-reduce."""
     return SITE_TEMPLATES["o_proj_rank"].format(layer=layer, rank=rank)
+
+
+def ffn_gate_up_rank_site(layer: int, rank: int) -> str:
+    """`L{layer}.ffn_gate_up.rank{rank}`: TP rank `rank`'s merged-column `gate_up_proj` output."""
+    return SITE_TEMPLATES["ffn_gate_up_rank"].format(layer=layer, rank=rank)
+
+
+def ffn_down_rank_site(layer: int, rank: int) -> str:
+    """`L{layer}.ffn_down.rank{rank}`: TP rank `rank`'s `down_proj` partial, before the all-reduce."""
+    return SITE_TEMPLATES["ffn_down_rank"].format(layer=layer, rank=rank)
+
+
+def split_rank(stage: str) -> tuple[str, int] | None:
+    """`"o_proj.rank1"` -> `("o_proj", 1)`, `"w.gate_up.rank0"` -> `("w.gate_up", 0)`; None for a
+    stage without a `.rank{r}` suffix."""
+    base, sep, rank = stage.rpartition(".rank")
+    if sep and base and rank.isdigit():
+        return base, int(rank)
+    return None
 
 
 def parse_site(name: str) -> tuple[int, str] | None:
@@ -123,15 +169,23 @@ def weights_tensor(name: str) -> str:
 
 def site_order(order: Sequence[str]) -> Callable[[str], tuple]:
     """A sort key for tensor names: sites by layer, then by their stage's position in `order`
-    (stages not in it after those, by name), then every other name (`tokens`, ...) by name."""
-    index = {stage: i for i, stage in enumerate(order)}
+    (stages not in it after those, by name), then every other name (`tokens`, ...) by name. A
+    per-rank site (`o_proj.rank1`, `w.gate_up.rank0`, ...) sorts just before the stage that
+    consumes or reduces it (mla-diff's order), ranks in order."""
+    index = {stage: 4 * i for i, stage in enumerate(order)}
+    last = 4 * len(order)
 
     def key(name: str) -> tuple:
         parsed = parse_site(name)
         if parsed is None:
             return (1, 0, 0, name)
         layer, stage = parsed
-        return (0, layer, index.get(stage, len(order)), stage)
+        ranked = split_rank(stage)
+        if ranked is not None and ranked[0] in _RANK_SITE_ORDER:
+            target, offset = _RANK_SITE_ORDER[ranked[0]]
+            if target in index:
+                return (0, layer, index[target] + offset, f"{ranked[0]}.rank{ranked[1]:09d}")
+        return (0, layer, index.get(stage, last), stage)
 
     return key
 

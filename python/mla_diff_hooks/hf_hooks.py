@@ -29,11 +29,13 @@ IDX_STAGES = dump_format.INDEXER_STAGES
 
 
 def _hf_stages() -> tuple[str, ...]:
-    """The stages an HF run provides (HF runs the expanded path: no ql_nope / attn_latent), in
-    the order captures are stored: data-flow order, except that the indexer sites follow the
-    expanded-attention sites (w.W_UV), the order of the committed golden/hf files (whose bytes
-    a rerun of scripts/fixtures/make_fixtures.py reproduces)."""
-    rest = [s for s in dump_format.STAGES if s not in IDX_STAGES + dump_format.ABSORBED_STAGES]
+    """The stages an HF run provides (HF runs the expanded path: no ql_nope / attn_latent; the
+    MLP's ffn_* sites are not captured), in the order captures are stored: data-flow order,
+    except that the indexer sites follow the expanded-attention sites (w.W_UV), the order of the
+    committed golden/hf files (whose bytes a rerun of scripts/fixtures/make_fixtures.py
+    reproduces)."""
+    skip = IDX_STAGES + dump_format.ABSORBED_STAGES + dump_format.FFN_STAGES
+    rest = [s for s in dump_format.STAGES if s not in skip]
     cut = rest.index("w.W_UV") + 1
     return (*rest[:cut], *IDX_STAGES, *rest[cut:])
 
@@ -384,6 +386,22 @@ def capture(
             handles.append(moe.experts.register_forward_hook(experts_hook))
             handles.append(moe.shared_experts.register_forward_hook(out_hook("shared_out")))
 
+        # SwiGLU MLP (the dense FFN, or an MoE layer's shared experts): down_proj(act(gate) * up)
+        norm = getattr(layer, "post_attention_layernorm", None)
+        if norm is not None:
+            handles.append(norm.register_forward_hook(out_hook("ffn_in")))
+        ffn = swiglu_mlp(layer)
+        if ffn is not None:
+
+            def act_hook(mod, args, n=n):
+                put(n, "ffn_act", _np(args[0][0]))
+
+            handles.append(ffn.gate_proj.register_forward_hook(out_hook("ffn_gate")))
+            handles.append(ffn.up_proj.register_forward_hook(out_hook("ffn_up")))
+            handles.append(ffn.down_proj.register_forward_pre_hook(act_hook))
+            if ffn is layer.mlp:
+                handles.append(ffn.down_proj.register_forward_hook(out_hook("ffn_out")))
+
         # weights, as HF holds them (the f32 values, upcast)
         if not with_weights:
             continue
@@ -485,8 +503,15 @@ def capture(
         is_moe = isinstance(layers[n].mlp, moe_cls)
         own_idx = getattr(layers[n].self_attn, "indexer", None) is not None
         shared_idx = bool(getattr(layers[n].self_attn, "skip_topk", False))
+        ffn = swiglu_mlp(layers[n])
         for stage in HF_STAGES:
             if stage in MOE_STAGES and not is_moe:
+                continue
+            if stage == "ffn_in" and getattr(layers[n], "post_attention_layernorm", None) is None:
+                continue
+            if stage in ("ffn_gate", "ffn_up", "ffn_act") and ffn is None:
+                continue
+            if stage == "ffn_out" and (ffn is None or ffn is not layers[n].mlp):
                 continue
             if stage in IDX_STAGES and not own_idx and not (shared_idx and stage == "idx_topk"):
                 continue
@@ -497,6 +522,16 @@ def capture(
             if site(n, stage) not in out:
                 raise RuntimeError(f"site {site(n, stage)} was not captured")
     return CaptureResult(tensors=out, extras=extras)
+
+
+def swiglu_mlp(layer) -> Any:
+    """The decoder layer's SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`): `layer.mlp` in a
+    dense layer, `layer.mlp.shared_experts` in an MoE layer, else None."""
+    mlp = getattr(layer, "mlp", None)
+    for cand in (mlp, getattr(mlp, "shared_experts", None)):
+        if cand is not None and all(hasattr(cand, x) for x in ("gate_proj", "up_proj", "down_proj")):
+            return cand
+    return None
 
 
 def ordered_names(tensors: dict[str, np.ndarray]) -> list[str]:

@@ -134,11 +134,13 @@ class Recorder:
             return False
 
 
-CONDITIONS = ("split_kv_b", "fused_kv_b", "q_lora", "no_q_lora")
+CONDITIONS = ("split_kv_b", "fused_kv_b", "q_lora", "no_q_lora", "dense_ffn", "moe_ffn")
 
 
-def condition_holds(cond: str | None, q_lora: bool, fused_kv_b: bool) -> bool:
-    """A map rule's optional condition (src/model/dump/map.rs `Condition`) for a model's facts."""
+def condition_holds(cond: str | None, q_lora: bool, fused_kv_b: bool, dense_ffn: bool | None = None) -> bool:
+    """A map rule's optional condition (src/model/dump/map.rs `Condition`) for a model's facts;
+    `dense_ffn`: whether the rule's layer runs a dense MLP rather than the MoE FFN (None: the rule
+    has no layer, and neither layer condition, `dense_ffn` nor `moe_ffn`, holds)."""
     if cond is None:
         return True
     if cond not in CONDITIONS:
@@ -148,30 +150,46 @@ def condition_holds(cond: str | None, q_lora: bool, fused_kv_b: bool) -> bool:
         "fused_kv_b": fused_kv_b,
         "q_lora": q_lora,
         "no_q_lora": not q_lora,
+        "dense_ffn": dense_ffn is True,
+        "moe_ffn": dense_ffn is False,
     }[cond]
 
 
-def map_keys(map_path: Path, layers: list[int], q_lora: bool = True, fused_kv_b: bool = False) -> set[str]:
+def map_keys(
+    map_path: Path,
+    layers: list[int],
+    q_lora: bool = True,
+    fused_kv_b: bool = False,
+    n_dense_lead: int | None = None,
+) -> set[str]:
     """Dump keys that the map renames, for the given layers ({n} expanded; "L<k>." literals kept
-    when k is one of the layers), skipping rules whose condition does not hold for the model."""
+    when k is one of the layers), skipping rules whose condition does not hold for the model at
+    that layer. n_dense_lead: layers below it run a dense MLP, the others the MoE FFN (None: every
+    layer is dense)."""
     m = json.loads(Path(map_path).read_text())
     keys = set()
+
+    def holds(cond, layer):
+        dense = None if layer is None else (n_dense_lead is None or layer < n_dense_lead)
+        return condition_holds(cond, q_lora, fused_kv_b, dense)
+
     for rule in m.get("rename", []):
         src, dst = rule[0], rule[1]
-        if not condition_holds(rule[2] if len(rule) > 2 else None, q_lora, fused_kv_b):
-            continue
+        cond = rule[2] if len(rule) > 2 else None
         if "{n}" in src:
-            keys.update(src.replace("{n}", str(n)) for n in layers)
+            keys.update(src.replace("{n}", str(n)) for n in layers if holds(cond, n))
         else:
             lm = re.match(r"^L(\d+)\.", dst)
-            if lm is None or int(lm.group(1)) in layers:
+            layer = None if lm is None else int(lm.group(1))
+            if (layer is None or layer in layers) and holds(cond, layer):
                 keys.add(src)
     return keys
 
 
-def gguf_facts(model_path: Path) -> tuple[int, int, bool, bool, bool]:
+def gguf_facts(model_path: Path) -> tuple[int, int, bool, bool, bool, int]:
     """(n_vocab, n_layer, has q_lora (rank > 0), q_lora_rank key present, legacy fused kv_b
-    (blk.0.attn_kv_b.weight present)) from the GGUF header."""
+    (blk.0.attn_kv_b.weight present), dense-lead layers (below it a dense MLP, from it on the MoE
+    FFN: leading_dense_block_count, or n_layer without expert_count)) from the GGUF header."""
     import gguf
 
     r = gguf.GGUFReader(str(model_path))
@@ -180,7 +198,10 @@ def gguf_facts(model_path: Path) -> tuple[int, int, bool, bool, bool]:
     n_layer = int(r.fields[f"{arch}.block_count"].contents())
     f = r.fields.get(f"{arch}.attention.q_lora_rank")
     fused_kv_b = any(t.name == "blk.0.attn_kv_b.weight" for t in r.tensors)
-    return n_vocab, n_layer, f is not None and int(f.contents()) > 0, f is not None, fused_kv_b
+    e = r.fields.get(f"{arch}.expert_count")
+    lead = r.fields.get(f"{arch}.leading_dense_block_count")
+    n_dense_lead = n_layer if e is None or int(e.contents()) == 0 else int(lead.contents()) if lead else 0
+    return n_vocab, n_layer, f is not None and int(f.contents()) > 0, f is not None, fused_kv_b, n_dense_lead
 
 
 def run(
@@ -294,7 +315,7 @@ def main(argv=None) -> int:
         ap.error(f"{a.model}: no such file")
     if not a.all and not a.map.is_file():
         ap.error(f"--map {a.map}: no such file (src/model/maps/llama.cpp.json in mla-diff's source)")
-    n_vocab, n_layer, q_lora, has_q_lora_key, fused_kv_b = gguf_facts(a.model)
+    n_vocab, n_layer, q_lora, has_q_lora_key, fused_kv_b, n_dense_lead = gguf_facts(a.model)
     if a.tokens is not None:
         tokens = a.tokens
     else:
@@ -312,7 +333,7 @@ def main(argv=None) -> int:
             layer = layer_of(key.rsplit("#", 1)[0])
             return (layer is None or layer in layers) and key not in a.exclude
     else:
-        wanted = map_keys(a.map, layers, q_lora=q_lora, fused_kv_b=fused_kv_b)
+        wanted = map_keys(a.map, layers, q_lora=q_lora, fused_kv_b=fused_kv_b, n_dense_lead=n_dense_lead)
         wanted |= set(a.include)
         wanted -= set(a.exclude)
 

@@ -4,7 +4,9 @@ Why this exists: the `safetensors` package stores `__metadata__` through a Rust 
 header's key order (and therefore the file's bytes and sha256) changes from run to run. Goldens
 are checked into the repository and pinned by hash, so they are written here with a fixed
 header: `__metadata__` first (keys sorted), then the tensors in the order given, data laid out in
-that same order. The result is an ordinary safetensors file (any reader loads it).
+that same order. The result is an ordinary safetensors file (any reader loads it). `load` reads
+such a file (or any safetensors file of these dtypes) back with numpy alone, so joining the
+per-rank dumps of a tensor-parallel run needs no other package.
 """
 
 from __future__ import annotations
@@ -60,3 +62,31 @@ def save(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str] | 
         for b in blobs:
             fh.write(b)
     tmp.replace(path)
+
+
+def load(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The tensors (in file order, as numpy arrays) and `__metadata__` of a safetensors file.
+
+    Errors: ValueError naming the file for a header that is not safetensors' or a dtype outside
+    F64, F32, F16, I64, I32, U8."""
+    path = Path(path)
+    data = path.read_bytes()
+    if len(data) < 8:
+        raise ValueError(f"{path}: not a safetensors file ({len(data)} bytes)")
+    n = int.from_bytes(data[:8], "little")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError as e:
+        raise ValueError(f"{path}: unreadable safetensors header ({e})") from None
+    meta = dict(header.pop("__metadata__", None) or {})
+    by_name = {v: k for k, v in _dtypes().items()}
+    base = 8 + n
+    out: dict[str, np.ndarray] = {}
+    for name, info in header.items():
+        dt = by_name.get(info.get("dtype"))
+        if dt is None:
+            raise ValueError(f"{path}: {name} has dtype {info.get('dtype')!r}, not one of {sorted(by_name)}")
+        a, b = info["data_offsets"]
+        arr = np.frombuffer(data, dtype=dt.newbyteorder("<"), count=(b - a) // dt.itemsize, offset=base + a)
+        out[name] = arr.astype(dt).reshape(info["shape"])
+    return out, meta

@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""Dump vLLM's MLA intermediates (and its weights as loaded) for `mla-diff compare`.
+"""Dump vLLM's MLA and FFN intermediates (and its weights as loaded) for `mla-diff compare`.
 
 Why this exists: `mla-diff compare` judges what an engine really computed against mla-diff's
 float64 reference on the same weights; this is vLLM's side (tested with vLLM 0.26.0). Forward
-hooks on the root model, the decoder layers and the MLA modules of a DeepseekV2/V3ForCausalLM,
-and a wrapper of the attention backend's `forward_mqa`, record one or more forwards (a prefill,
-then decode steps) and write a format-2 dump (format 1 per rank under tensor parallelism) and
-the weights vLLM loaded. In-process: `attach`; through `LLM.apply_model`: `arm` / `finish`;
-`python -m mla_diff_hooks.vllm` runs vLLM's `LLM` end to end. Reference (sites, requirements, the
-WEIGHTS file, tensor parallelism, the vLLM source relied on): docs/engines.md, "vLLM".
+hooks on the root model, the decoder layers, the MLA modules and the SwiGLU MLP (dense, or an MoE
+layer's shared experts), a wrapper of the attention backend's `forward_mqa` and, under tensor
+parallelism, of the row-parallel linears' `quant_method.apply` (each rank's partial before the
+all-reduce) record one or more forwards (a prefill, then decode steps) and write a format-2 dump
+with the weights vLLM loaded; every TP rank writes one, and `join_rank_dumps` joins them. In a
+process: `attach`, or `arm` / `finish` (plain functions of plain arguments, also what
+`LLM.apply_model` ships to vLLM's workers); `python -m mla_diff_hooks.vllm` runs vLLM's `LLM` end
+to end. Reference (sites, requirements, the WEIGHTS file, tensor parallelism, the vLLM source
+relied on): docs/engines.md, "vLLM".
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 # decode tokens); a prefill step never computes them
 DECODE_SITES = (*dump_format.ABSORBED_STAGES, "lse")
 # The activation sites these hooks reach (vLLM's DeepSeek layers have no DSA indexer here, and
-# the MoE FFN is not hooked).
+# of an MoE block only the shared experts are hooked).
 HOOKED_STAGES = tuple(
     s
     for s in dump_format.STAGES
@@ -51,11 +54,17 @@ HEAD_SHARDED = {
     "q_pe_roped": 1,
     "k_nope": 1,
     "v": 1,
+    "ql_nope": 1,
+    "attn_latent": 1,
+    "lse": 1,
     "attn_out": 1,
     "w.kv_b": 0,
     "w.W_UK_T": 0,
     "w.W_UV": 0,
 }
+# Sites whose SwiGLU width I is split across TP ranks (rank r: columns r·I/tp..(r+1)·I/tp of the
+# merged-column gate_up_proj's two halves), with the axis holding I.
+FFN_SHARDED = {"ffn_gate": 1, "ffn_up": 1, "ffn_act": 1}
 TESTED_VLLM = "0.26.0"
 # the hook's name in a dump's metadata (format 1 `hook`, format 2 `header.hook.name`)
 HOOK_NAME, HOOK_VERSION = "dump_vllm.py", "2"
@@ -69,6 +78,10 @@ WEIGHT_PARAMS = [
     "kv_b_proj",
     "o_proj",
 ]
+# vLLM parameter names of the layer's SwiGLU MLP written to the WEIGHTS file, in this order: the
+# dense DeepseekV2MLP (`mlp.`), or the shared experts of a DeepseekV2MoE
+# (`mlp.shared_experts.`, written as `shared_experts.<param>`).
+FFN_PARAMS = ["gate_up_proj", "down_proj"]
 
 _ACTIVE: VllmCapture | None = None  # the capture armed in this process (apply_model API)
 
@@ -219,6 +232,21 @@ def find_mqa_impl(attn) -> Any:
     return None
 
 
+def find_ffn(layer) -> tuple[Any, str] | tuple[None, None]:
+    """The decoder layer's SwiGLU MLP and the prefix of its weights' names: the dense
+    DeepseekV2MLP (`layer.mlp`, prefix ""), or the shared experts of a DeepseekV2MoE
+    (`layer.mlp.shared_experts`, prefix "shared_experts."); (None, None) without either."""
+    mlp = getattr(layer, "mlp", None)
+    if mlp is None:
+        return None, None
+    if hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"):
+        return mlp, ""
+    shared = getattr(mlp, "shared_experts", None)
+    if shared is not None and hasattr(shared, "gate_up_proj") and hasattr(shared, "down_proj"):
+        return shared, "shared_experts."
+    return None, None
+
+
 def _backend_name(obj) -> str | None:
     """A backend object's registered name (its class's get_name()), else its class name."""
     if obj is None:
@@ -278,8 +306,11 @@ def check_layout(root) -> list[str]:
     except RuntimeError:
         return [f"{type(root).__name__}.model.layers[i].self_attn (DeepseekV2DecoderLayer)"]
     n, layer = layers[0]
-    if not hasattr(layer, "input_layernorm"):
-        missing.append(f"{type(layer).__name__}.input_layernorm")
+    for x in ("input_layernorm", "post_attention_layernorm"):
+        if not hasattr(layer, x):
+            missing.append(f"{type(layer).__name__}.{x}")
+    if find_ffn(layer)[0] is None:
+        missing.append(f"{type(layer).__name__}.mlp.gate_up_proj/down_proj (DeepseekV2MLP)")
     attn = layer.self_attn
     an = type(attn).__name__
     if not any(hasattr(attn, x) for x in ("fused_qkv_a_proj", "q_a_proj", "kv_a_proj_with_mqa")):
@@ -386,6 +417,8 @@ class VllmCapture:
     model: DeepseekV2ForCausalLM / DeepseekV3ForCausalLM (anything with model.layers[i].self_attn).
     forward_index: which forward after arm() to record (0 = the first).
     tp_rank/tp_size/pp_rank/pp_size: default from vLLM's parallel state (override for tests).
+    layers: the decoder layers to hook and whose weights to write (default: every layer of this
+    pipeline rank); a dump of fewer layers is judged on those (it holds their `hidden_in`).
     """
 
     def __init__(
@@ -400,6 +433,7 @@ class VllmCapture:
         pp_size: int | None = None,
         undo_fp16_residual_scaling: bool = True,
         engine: str | None = None,
+        layers: list[int] | tuple[int, ...] | None = None,
     ):
         self.root = find_model(model)
         self.missing = check_layout(self.root)  # names this vLLM lacks (see check_layout)
@@ -407,6 +441,11 @@ class VllmCapture:
         other = ver.startswith("vllm ") and "unknown" not in ver and ver != f"vllm {TESTED_VLLM}"
         self.version_msg = version_note(self.missing) if (self.missing or other) else None
         self.layers = find_decoder_layers(self.root)
+        if layers is not None:
+            unknown = sorted(set(layers) - {n for n, _ in self.layers})
+            if unknown:
+                raise ValueError(f"layers {unknown} are not decoder layers of this rank")
+            self.layers = [(n, layer) for n, layer in self.layers if n in set(layers)]
         self.forward_index = forward_index
         self.n_steps = steps
         p = parallel_info()
@@ -470,7 +509,10 @@ class VllmCapture:
             self.step_notes.append(msg)
 
     def put(self, layer: int, stage: str, value: np.ndarray) -> None:
-        key = site(layer, stage)
+        self.put_site(site(layer, stage), value)
+
+    def put_site(self, key: str, value: np.ndarray) -> None:
+        """Store site `key` (`L{n}.{stage}`) of this step; the first value wins."""
         if key in self.t:  # first value wins (e.g. a second rotary call in the layer)
             self.repeats[key] = self.repeats.get(key, 1) + 1
             return
@@ -516,6 +558,9 @@ class VllmCapture:
             o_proj = attn.o_proj
             self.handles.append(o_proj.register_forward_pre_hook(functools.partial(self._o_pre, n, d)))
             self.handles.append(o_proj.register_forward_hook(functools.partial(self._o_post, n, o_proj)))
+            if self.tp_size > 1 and getattr(o_proj, "reduce_results", True):
+                self._wrap_partial(o_proj, dump_format.o_proj_rank_site(n, self.tp_rank))
+            self._arm_ffn(n, layer)
             rot = getattr(attn, "rotary_emb", None)
             if rot is not None and id(rot) not in hooked_rotary:  # shared across layers
                 hooked_rotary.add(id(rot))
@@ -526,6 +571,49 @@ class VllmCapture:
                 # FlashInfer / TokenSpeed MLA return a base-2 lse (their lse_base_on_e = False)
                 self.lse_base = "e" if getattr(impl, "lse_base_on_e", True) else "2"
         return self
+
+    def _arm_ffn(self, n: int, layer) -> None:
+        """Hooks on the layer's post-attention norm (`ffn_in`) and SwiGLU MLP: the dense MLP
+        (`ffn_gate`, `ffn_up`, `ffn_act`, `ffn_out`) or an MoE layer's shared experts (the same
+        but `shared_out` for their output); at TP > 1 also each rank's `ffn_gate_up.rank<r>` and
+        `ffn_down.rank<r>` (the row-parallel partial before the all-reduce, taken from the
+        linear's quant_method.apply, whose output the all-reduce then overwrites in place)."""
+        norm = getattr(layer, "post_attention_layernorm", None)
+        if norm is not None:
+            self.handles.append(norm.register_forward_hook(functools.partial(self._simple, n, "ffn_in")))
+        ffn, prefix = find_ffn(layer)
+        if ffn is None:
+            return
+        shared = prefix != ""
+        self.handles.append(ffn.gate_up_proj.register_forward_hook(functools.partial(self._gate_up, n)))
+        act = getattr(ffn, "act_fn", None)
+        if act is not None:
+            self.handles.append(act.register_forward_hook(functools.partial(self._simple, n, "ffn_act")))
+        down = ffn.down_proj
+        reduce = bool(getattr(down, "reduce_results", True))
+        self.handles.append(down.register_forward_hook(functools.partial(self._down, n, shared, reduce)))
+        if self.tp_size > 1 and reduce:
+            self._wrap_partial(down, dump_format.ffn_down_rank_site(n, self.tp_rank))
+
+    def _wrap_partial(self, linear, key: str) -> None:
+        """Record `linear`'s output before its TP all-reduce as site `key`: a
+        RowParallelLinear computes `quant_method.apply(self, x, bias)` and then all-reduces that
+        tensor (in place on a CPU/gloo communicator), so the partial is copied as apply returns."""
+        qm = getattr(linear, "quant_method", None)
+        if qm is None or not callable(getattr(qm, "apply", None)):
+            self.note(f"{key}: {type(linear).__name__} has no quant_method.apply: not dumped")
+            return
+
+        def make(orig):
+            def apply(layer, x, *args, **kwargs):
+                out = orig(layer, x, *args, **kwargs)
+                if layer is linear and self._on():
+                    self.put_site(key, _np(out))
+                return out
+
+            return apply
+
+        self._wrap(qm, "apply", make)
 
     def _wrap(self, obj, attr: str, make: Callable) -> None:
         """Replace obj.attr (a bound method) by make(original) on this instance only."""
@@ -761,6 +849,37 @@ class VllmCapture:
             return
         self.put(n, "o_proj", _np(_first(output)))
 
+    def _gate_up(self, n, mod, args, output):
+        """gate_up_proj's output [T, 2·I_r] (I_r = I/tp): this rank's gate columns, then its up
+        columns (MergedColumnParallelLinear of [I, I], gather_output False)."""
+        if not self._on():
+            return
+        out = _np(_first(output))
+        half = out.shape[-1] // 2
+        self.put(n, "ffn_gate", out[:, :half].copy())
+        self.put(n, "ffn_up", out[:, half:].copy())
+        if self.tp_size > 1:
+            self.put_site(dump_format.ffn_gate_up_rank_site(n, self.tp_rank), out)
+
+    def _down(self, n, shared: bool, reduce: bool, mod, args, output):
+        """down_proj's output: the dense MLP's `ffn_out` (after the all-reduce); the shared
+        experts' `shared_out` at TP 1, or this rank's partial `ffn_down.rank<r>` at TP > 1 (they
+        run with reduce_results=False: FusedMoE all-reduces their sum with the routed experts')."""
+        if not self._on():
+            return
+        out = _np(_first(output))
+        if shared:
+            if self.tp_size == 1:
+                self.put(n, "shared_out", out)
+            elif not reduce:
+                self.put_site(dump_format.ffn_down_rank_site(n, self.tp_rank), out)
+        elif self.tp_size == 1 or reduce:
+            self.put(n, "ffn_out", out)
+        else:
+            self.note(
+                f"L{n}: mlp.down_proj has reduce_results=False under TP (a partial sum): ffn_out not dumped"
+            )
+
     # ---- results -------------------------------------------------------------------------
     def weights(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         """The WEIGHTS file's tensors (vLLM names, float32 [out, in]) and metadata (cached)."""
@@ -795,6 +914,13 @@ class VllmCapture:
                     if key not in out:
                         out[key] = part.copy()
                         derived.append(f"L{n}.{pname}")
+            ffn, prefix = find_ffn(layer)
+            for pname in FFN_PARAMS if ffn is not None else ():
+                w, how = dequant_weight(getattr(ffn, pname), act)
+                out[f"L{n}.{prefix}{pname}{suffix}"] = w
+                if how != "unquantized":
+                    quantized.append(f"L{n}.{prefix}{pname}")
+                    dequant.append(f"L{n}.{prefix}{pname}: {how}")
             holder, path = find_w_uk_holder(attn)
             if holder is None:
                 self.note(
@@ -812,7 +938,8 @@ class VllmCapture:
             "rank": str(self.tp_rank),
             "pp_size": str(self.pp_size),
             "pp_rank": str(self.pp_rank),
-            "layout": "[out, in] float32 (W_UK_T [N_r, P, L], W_UV [N_r, L, V])",
+            "layout": "[out, in] float32 (W_UK_T [N_r, P, L], W_UV [N_r, L, V]; gate_up_proj "
+            "[2·I_r, H] = [gate rows | up rows] of this rank, down_proj [H, I_r])",
             "quantized": ",".join(quantized) or "none",
             "dequant": "; ".join(dequant) or "none (all unquantized; values exact)",
             "derived": ("; ".join(derived) + ": row slices [:Lq] / [Lq:] of fused_qkv_a_proj")
@@ -956,7 +1083,8 @@ class VllmCapture:
             f"({'decode' if decode else 'prefill'} step {step}); hooks on "
             f"{type(self.root).__name__} (root), DeepseekV2DecoderLayer, input_layernorm, "
             "self_attn.{fused_qkv_a_proj|q_a_proj|kv_a_proj_with_mqa, q_a_layernorm, "
-            "q_b_proj|q_proj, kv_a_layernorm, kv_b_proj, rotary_emb, o_proj}; "
+            "q_b_proj|q_proj, kv_a_layernorm, kv_b_proj, rotary_emb, o_proj}, "
+            "post_attention_layernorm, mlp[.shared_experts].{gate_up_proj, act_fn, down_proj}; "
             "MLAAttention.impl.forward_mqa wrapped",
             "hook": f"{HOOK_NAME} (tested with vLLM {TESTED_VLLM})",
             "not_dumped": ",".join(sorted(set(m.split(".", 1)[1] for m in missing)))
@@ -988,7 +1116,16 @@ class VllmCapture:
             meta["notes"] = " | ".join(notes)
         return ordered, meta
 
+    def _one_rank(self, what: str) -> None:
+        if self.tp_size > 1 or self.pp_size > 1:
+            raise RuntimeError(
+                f"{what} writes format 1, one step of one rank; under tensor or pipeline "
+                "parallelism every rank writes format 2 (write_format2, or finish(model_path=...)) "
+                "and join_rank_dumps joins the ranks' files"
+            )
+
     def write_dump(self, path, **kw) -> Path:
+        self._one_rank("write_dump")
         tensors, meta = self.result(**kw)
         return dump_format.write_format1(path, tensors, meta)
 
@@ -1103,7 +1240,16 @@ class VllmCapture:
             "steps": specs,
             "patches": [{"name": n, "reason": r} for n, r in (patches or [])],
         }
+        if self.tp_size > 1:
+            header["heads"] = list(self.head_range())
+            header["tp"] = {"size": self.tp_size, "rank": self.tp_rank}
         return dump_format.write_format2(path, tensors, header, notes=notes, extra=extra_meta)
+
+    def head_range(self) -> tuple[int, int]:
+        """The heads `[a, b)` this TP rank computes: `r·N/tp .. (r+1)·N/tp` (vLLM's
+        ColumnParallelLinear split of q_b_proj / kv_b_proj by heads)."""
+        nl = _dims(self.layers[0][1].self_attn).n_local
+        return self.tp_rank * nl, (self.tp_rank + 1) * nl
 
     def write_steps(
         self, path, *, extra_meta: dict[str, str] | None = None, weight_sites: bool = True
@@ -1113,6 +1259,7 @@ class VllmCapture:
         to is in the earlier files, so format 1 cannot judge them: use write_format2)."""
         if self._hooks_fired == 0 or not self.steps:
             raise self._no_capture_error()
+        self._one_rank("write_steps")
         path = Path(path)
         out = []
         for i in range(len(self.steps)):
@@ -1131,9 +1278,9 @@ class VllmCapture:
             out.append(dump_format.write_format1(p, tensors, meta))
         return out
 
-    def write_weights(self, path) -> Path:
+    def write_weights(self, path, extra_meta: dict[str, str] | None = None) -> Path:
         tensors, meta = self.weights()
-        st_io.save(tensors, Path(path), metadata=meta)
+        st_io.save(tensors, Path(path), metadata={**meta, **(extra_meta or {})})
         return Path(path)
 
 
@@ -1186,12 +1333,18 @@ def finish(
     model_path=None,
     engine_info: dict | None = None,
     patches: list[tuple[str, str]] | None = None,
+    extra_meta: dict[str, str] | None = None,
+    weights: bool = True,
 ) -> dict:
     """Hooks off; write this rank's dump (and weights). Returns paths and a summary.
 
-    With `model_path` (the GGUF the engine loaded) and one rank: every recorded step in format 2
-    (write_format2; the weights go into the dump as weights.*). Otherwise format 1 of the first
-    step; with TP/PP > 1 the files are per rank (rank_path); merge with merge_rank_dumps.
+    With `model_path` (the GGUF the engine loaded): every recorded step in format 2
+    (write_format2: the weights go into the dump as weights.*; `weights=False` leaves them out),
+    at any TP: a rank of a TP > 1 run writes `rank_path(dump_path)` with its head range and
+    per-rank sites, and join_rank_dumps joins the ranks' files into one. Without `model_path`
+    (a model that is no GGUF file): format 1 of the first step, one rank only. All arguments are
+    plain values: a process arms and finishes its own rank with them (no callable crosses a
+    process boundary).
     """
     global _ACTIVE
     cap = _ACTIVE
@@ -1200,7 +1353,12 @@ def finish(
     cap.remove()
     _ACTIVE = None
     dp = rank_path(dump_path, cap.tp_rank, cap.tp_size, cap.pp_rank, cap.pp_size)
-    if model_path is not None and cap.tp_size == 1 and cap.pp_size == 1:
+    if model_path is None and (cap.tp_size > 1 or cap.pp_size > 1):
+        raise RuntimeError(
+            f"tp {cap.tp_size} / pp {cap.pp_size}: every rank writes format 2, which names the GGUF "
+            "the engine loaded: pass model_path"
+        )
+    if model_path is not None:
         if expect_tokens is not None and cap.steps:
             got = cap.steps[0]["tokens"]
             exp = list(expect_tokens)
@@ -1215,6 +1373,8 @@ def finish(
             engine=engine_info or backend_names(cap.root),
             patches=patches,
             weight_sites=weight_sites,
+            weights=weights,
+            extra_meta=extra_meta,
         )
     else:
         cap.write_dump(dp, num_tokens=num_tokens, expect_tokens=expect_tokens, weight_sites=weight_sites)
@@ -1234,80 +1394,152 @@ def finish(
     return res
 
 
-def write_weights(model_or_worker, *, weights_path, **kwargs) -> str:
-    """Only the WEIGHTS file (no forward needed). Returns the path written by this rank."""
+def write_weights(
+    model_or_worker, *, weights_path, extra_meta: dict[str, str] | None = None, **kwargs
+) -> str:
+    """Only the WEIGHTS file (no forward needed), with `extra_meta` added to its metadata (e.g.
+    the patches a harness applied). kwargs go to VllmCapture. Returns the path this rank wrote."""
     cap = VllmCapture(model_or_worker, **kwargs)
     wp = rank_path(weights_path, cap.tp_rank, cap.tp_size, cap.pp_rank, cap.pp_size)
-    cap.write_weights(wp)
+    cap.write_weights(wp, extra_meta=extra_meta)
     return str(wp)
 
 
 # --------------------------------------------------------------------------------------------
-# merging per-rank files (driver side; needs only numpy + safetensors)
+# joining per-rank files (driver side; needs only numpy)
 # --------------------------------------------------------------------------------------------
 
 
 def _read(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="np") as f:
-        meta = dict(f.metadata() or {})
-        return {k: f.get_tensor(k) for k in f.keys()}, meta
+    return st_io.load(path)
 
 
-def merge_rank_dumps(paths, out_path) -> Path:
-    """Merge per-rank dumps into one (TP: concatenate head-sharded sites in rank order; PP: union)."""
-    parts = [(_read(p), p) for p in paths]
-    if not parts:
-        raise ValueError("no dumps to merge")
-    groups: dict[int, list] = {}
-    for (t, m), p in parts:
-        groups.setdefault(int(m.get("pp_rank", "0")), []).append((int(m.get("tp_rank", "0")), t, m, p))
-    merged: dict[str, np.ndarray] = {}
+def _step_site(name: str) -> tuple[int, str] | None:
+    """`s{k}.L{n}.{stage}` -> (k, stage); None for any other name."""
+    if not name.startswith("s"):
+        return None
+    step, _, rest = name.partition(".")
+    parsed = dump_format.parse_site(rest)
+    if not step[1:].isdigit() or parsed is None:
+        return None
+    return int(step[1:]), parsed[1]
+
+
+def join_ranks(
+    ranks: list[tuple[dict[str, np.ndarray], dict]],
+) -> tuple[dict[str, np.ndarray], dict, list[str]]:
+    """One format-2 dump from the format-2 dumps of every TP rank of one run.
+
+    `ranks`: (tensors, header) per rank, any order; each header carries `tp = {"size", "rank"}`
+    and `heads = [a, b]` (write_format2 at TP > 1). Returns (tensors, header, notes):
+      * head-sharded sites (HEAD_SHARDED: q, k_nope, v, attn_out, w.kv_b, ...) concatenated on
+        their head axis in rank order, and the SwiGLU sites split by width (FFN_SHARDED:
+        ffn_gate, ffn_up, ffn_act) on their columns in rank order: the whole model's values;
+      * per-rank sites (`o_proj.rank<r>`, `ffn_gate_up.rank<r>`, `ffn_down.rank<r>`) and the
+        loaded weights (`weights.L{n}.{param}.rank<r>`), each from the rank that wrote it;
+      * every other site (replicated: hidden_in, o_proj after the all-reduce, ffn_out, ...)
+        and tokens/positions from rank 0, a rank that differs named in the notes;
+      * the header of rank 0 without `heads`, with `tp = {"size": tp, "heads": [[a, b] of
+        rank 0, ...]}`.
+    Tensors are ordered step by step in mla-diff's site order, then the weights.
+    Errors: ValueError when the ranks are not 0..tp-1 of one size, or their models or steps differ.
+    """
+    if not ranks:
+        raise ValueError("no rank dumps to join")
+    info = []
+    for t, h in ranks:
+        tp = h.get("tp") or {}
+        if "rank" not in tp or "size" not in tp or "heads" not in h:
+            raise ValueError(
+                "a rank dump's header needs tp.rank, tp.size and heads (write_format2 at TP > 1)"
+            )
+        info.append((int(tp["rank"]), int(tp["size"]), t, h))
+    info.sort(key=lambda x: x[0])
+    size = info[0][1]
+    have = [r for r, *_ in info]
+    if have != list(range(size)) or any(s != size for _, s, _, _ in info):
+        raise ValueError(
+            f"have TP ranks {have} of sizes {sorted({s for _, s, _, _ in info})}, need 0..{size - 1}"
+        )
+    h0 = info[0][3]
+    for field in ("model", "steps"):
+        for r, _, _, h in info[1:]:
+            if h.get(field) != h0.get(field):
+                raise ValueError(f"rank {r}'s header.{field} differs from rank 0's: not one run")
+    names: list[str] = []
+    seen: set[str] = set()
+    for _, _, t, _ in info:
+        for k in t:
+            if k not in seen:
+                seen.add(k)
+                names.append(k)
+    out: dict[str, np.ndarray] = {}
     notes: list[str] = []
-    meta0 = None
-    for pp in sorted(groups):
-        ranks = sorted(groups[pp], key=lambda x: x[0])
-        tp_size = int(ranks[0][2].get("tp_size", "1"))
-        if [r[0] for r in ranks] != list(range(tp_size)):
-            raise ValueError(f"pp rank {pp}: have TP ranks {[r[0] for r in ranks]}, need 0..{tp_size - 1}")
-        meta0 = meta0 or ranks[0][2]
-        for m in (r[2] for r in ranks):
-            if m.get("notes"):
-                notes.append(m["notes"])
-        names = list(ranks[0][1].keys())
-        for name in names:
-            arrs = [r[1].get(name) for r in ranks]
-            if any(a is None for a in arrs):
-                notes.append(f"{name}: missing on some rank, dropped")
+    for name in names:
+        held = [(r, t[name]) for r, _, t, _ in info if name in t]
+        parsed = _step_site(name)
+        stage = parsed[1] if parsed is not None else None
+        split = HEAD_SHARDED.get(stage, FFN_SHARDED.get(stage)) if stage is not None else None
+        per_rank = name.startswith("weights.") or (
+            stage is not None and dump_format.split_rank(stage) is not None
+        )
+        if per_rank:
+            if len(held) > 1 and any(not np.array_equal(a, held[0][1]) for _, a in held[1:]):
+                raise ValueError(f"{name}: written by ranks {[r for r, _ in held]} with different values")
+            out[name] = held[0][1]
+        elif split is not None:
+            if len(held) != size:
+                notes.append(f"{name}: on ranks {[r for r, _ in held]} only, dropped")
                 continue
-            parsed = dump_format.parse_site(name)
-            stage = parsed[1] if parsed is not None else name
-            if stage in HEAD_SHARDED and tp_size > 1:
-                merged[name] = np.concatenate(arrs, axis=HEAD_SHARDED[stage])
-            else:
-                for r, a in zip(ranks[1:], arrs[1:]):
-                    if a.shape != arrs[0].shape or not np.array_equal(a, arrs[0]):
-                        diff = (
-                            float(np.max(np.abs(a.astype(np.float64) - arrs[0])))
-                            if a.shape == arrs[0].shape
-                            else "shape"
-                        )
-                        notes.append(f"{name}: rank {r[0]} differs from rank 0 ({diff}); rank 0 kept")
-                if name in merged and not np.array_equal(merged[name], arrs[0]):
-                    notes.append(f"{name}: differs between pipeline ranks; first kept")
-                merged.setdefault(name, arrs[0])
-    meta = {k: v for k, v in meta0.items() if k not in ("tp_rank", "pp_rank", "notes", "sharded_sites")}
-    meta["merged_from"] = ",".join(Path(p).name for _, p in parts)
-    if notes:
-        meta["notes"] = " | ".join(dict.fromkeys(notes))
-    ordered = {
-        k: merged[k] for k in sorted((k for k in merged if k not in ("tokens", "positions")), key=_site_key)
-    }
-    for k in ("tokens", "positions"):
-        if k in merged:
-            ordered[k] = merged[k]
-    return dump_format.write_format1(out_path, ordered, meta)
+            out[name] = np.concatenate([a for _, a in held], axis=split)
+        else:
+            a0 = held[0][1]
+            for r, a in held[1:]:
+                if a.shape != a0.shape:
+                    notes.append(
+                        f"{name}: rank {r} has shape {list(a.shape)}, rank 0 {list(a0.shape)}; rank 0 kept"
+                    )
+                elif not np.array_equal(a, a0):
+                    d = float(np.max(np.abs(a.astype(np.float64) - a0.astype(np.float64))))
+                    notes.append(f"{name}: rank {r} differs from rank 0 by up to {d:.3g}; rank 0 kept")
+            out[name] = a0
+
+    def key(name: str) -> tuple:
+        if name.startswith("weights."):
+            return (1, 0, _site_key(name[len("weights.") :]))
+        step, _, rest = name.partition(".")
+        k = int(step[1:]) if step[1:].isdigit() else 0
+        tail = {"tokens": 1, "positions": 2}.get(rest, 0)
+        return (0, k, (tail, _site_key(rest)))
+
+    ordered = {k: np.ascontiguousarray(out[k]) for k in sorted(out, key=key)}
+    header = {k: v for k, v in h0.items() if k != "heads"}
+    header["tp"] = {"size": size, "heads": [list(h["heads"]) for _, _, _, h in info]}
+    return ordered, header, notes
+
+
+def join_rank_dumps(paths, out_path, *, extra_meta: dict[str, str] | None = None) -> Path:
+    """Join the format-2 dumps every TP rank wrote (finish / write_format2 at TP > 1) into one
+    format-2 dump at `out_path` (join_ranks), keeping each rank's notes. Returns the path."""
+    import json
+
+    ranks, notes, meta0 = [], [], None
+    for p in paths:
+        t, meta = _read(p)
+        if meta.get("format") != dump_format.FORMAT2:
+            raise ValueError(f"{p}: not a `{dump_format.FORMAT2}` dump (format {meta.get('format')!r})")
+        h = json.loads(meta["header"])
+        ranks.append((t, h))
+        rank = (h.get("tp") or {}).get("rank", "?")
+        if meta.get("notes"):
+            notes.append(f"rank {rank}: {meta['notes']}")
+        if rank == 0:
+            meta0 = meta
+    tensors, header, join_notes = join_ranks(ranks)
+    extra = {k: v for k, v in (meta0 or {}).items() if k not in ("format", "header", "notes")}
+    extra["joined_from"] = ",".join(Path(p).name for p in paths)
+    extra.update(extra_meta or {})
+    return dump_format.write_format2(out_path, tensors, header, notes=notes + join_notes, extra=extra)
 
 
 def merge_weight_files(paths, out_path) -> Path:
@@ -1397,7 +1629,7 @@ def main() -> None:
         "--decode-steps",
         type=int,
         default=0,
-        help="also record this many decode steps (format 2, .gguf models only)",
+        help="also record this many decode steps (format 2: .gguf models only)",
     )
     ap.add_argument("--tokens", required=True, help="comma-separated prompt token ids")
     ap.add_argument("--dump", required=True, type=Path, help="activation dump to write")
@@ -1467,8 +1699,8 @@ def main() -> None:
     if args.gpu_memory_utilization:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     gguf = args.model.endswith(".gguf") and Path(args.model).is_file()
-    if args.decode_steps and (not gguf or args.tp > 1):
-        raise SystemExit("--decode-steps needs a local .gguf and --tp 1 (format 2)")
+    if (args.decode_steps or args.tp > 1) and not gguf:
+        raise SystemExit("--decode-steps and --tp > 1 write format 2, which needs a local .gguf")
     llm = LLM(**kw)
     print(llm.apply_model(functools.partial(hooks.arm, steps=1 + args.decode_steps)))
     llm.generate(
@@ -1484,11 +1716,11 @@ def main() -> None:
             expect_tokens=ids,
             weight_sites=not args.no_weight_sites,
             patches=applied or None,
-            model_path=str(Path(args.model).resolve()) if gguf and args.tp == 1 else None,
+            model_path=str(Path(args.model).resolve()) if gguf else None,
         )
     )
     if args.tp > 1:
-        merge_rank_dumps([r["dump"] for r in res], args.dump)
+        join_rank_dumps([r["dump"] for r in res], args.dump)
         if args.weights is not None:
             merge_weight_files([r["weights"] for r in res], args.weights)
     for r in res:

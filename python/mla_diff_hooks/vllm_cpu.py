@@ -3,11 +3,14 @@
 
 Why this exists: vLLM refuses to start its MLA code without a GPU; this harness runs the
 unmodified vLLM 0.26.0 Python code of `DeepseekV3ForCausalLM` on the CPU (GGUF through
-vllm-gguf-plugin, a torch SDPA prefill backend, the Triton MLA decode kernel under
-TRITON_INTERPRET=1, float32) and records it with `mla_diff_hooks.vllm`. Every change it makes to
-vLLM's behaviour is applied from outside vLLM's files, listed in PATCHES and recorded in the dump.
-Subcommands: setup, config, run, test. Reference (patches and what fails without each,
---zero-unloaded, the end-to-end test): docs/engines.md, "vLLM on a CPU".
+vllm-gguf-plugin, quantized layers through the plugin's own Triton kernels, a torch SDPA prefill
+backend, the Triton MLA decode kernel, both under TRITON_INTERPRET=1, float32) and records it with
+`mla_diff_hooks.vllm`. Tensor parallelism runs one process per rank over gloo (vLLM's own
+distributed initialisation); each rank writes a format-2 dump and the driver joins them. Every
+change it makes to vLLM's behaviour is applied from outside vLLM's files, listed in PATCHES (or
+OPTIONAL_PATCHES, opt-in) and recorded in the dump. Subcommands: setup, config, run, test.
+Reference (patches and what fails without each, --zero-unloaded, --tp, the end-to-end test):
+docs/engines.md, "vLLM on a CPU".
 """
 
 from __future__ import annotations
@@ -82,9 +85,15 @@ PATCHES = [
         "[kv_c_normed | k_pe] into the paged cache at slot_mapping with torch indexing",
     ),
     (
+        "triton-cuda-check",
+        "vllm-gguf-plugin's Triton GEMM and dequantize kernels refuse CPU tensors in their argument "
+        "checks ('Triton kernels require CUDA tensors'); those two checks are handed views of the "
+        "same tensors that answer is_cuda=True, and the kernels run unchanged under TRITON_INTERPRET=1",
+    ),
+    (
         "unloaded-weights-report",
-        "observes only: before vLLM's process_weights_after_loading, list the linear layers whose GGUF "
-        "weight the loader never filled (vLLM then fails on them with its own error)",
+        "observes only: after each GGUF linear layer's process_weights_after_loading, list the layers "
+        "whose weight the loader never filled (vLLM then fails on them with its own error)",
     ),
     (
         "attention-metadata-by-hand",
@@ -92,6 +101,94 @@ PATCHES = [
         "(+ MLACommonPrefillMetadata or MLACommonDecodeMetadata) inside set_forward_context",
     ),
 ]
+
+
+# Opt-in patches (`--patch NAME`): each changes what the engine computes and is recorded in the
+# dump when applied, for provenance only (mla-diff judges the values, never this list).
+FIX_MERGED_COLUMN_RANK = (
+    "fix-merged-column-rank",
+    "vllm-gguf-plugin PR #106 applied in-process: _GGUFParamLoadMixin.load_merged_column_weight and "
+    "load_qkv_weight take the TP rank from get_tensor_model_parallel_rank() inside their sharding "
+    "guard instead of kwargs.get('tp_rank', 0), a keyword vLLM's weight_loader_v2 never passes "
+    "(vllm-gguf-plugin#103: every rank kept rank 0's shard of a quantized merged-column weight)",
+)
+FIX_MOE_NAME_MAP = (
+    "fix-moe-name-map",
+    "vllm-gguf-plugin 0.0.5's GGUF-to-HF name map, in-process: transformers 5 names a DeepSeek MoE "
+    "layer's routed experts as fused parameters mlp.experts.gate_up_proj / mlp.experts.down_proj, "
+    "gguf-py's deepseek2 table has no ffn_gate_up_exps, and the plugin side-loads only per-expert "
+    "names (mlp.experts.<id>.{gate,up,down}_proj.weight) for deepseek2, so build_name_map fails; the "
+    "fused names are side-loaded too (the GGUF's per-expert tensors fill the experts, as the plugin "
+    "does for olmoe)",
+)
+OPTIONAL_PATCHES = {p[0]: p for p in (FIX_MERGED_COLUMN_RANK, FIX_MOE_NAME_MAP)}
+
+# What a user reads when vllm-gguf-plugin 0.0.5 cannot map a DeepSeek MoE GGUF (loader_hint).
+MOE_MAP_HINT = (
+    "vllm-gguf-plugin cannot map this GGUF's routed experts: a plugin bug, not the file. With "
+    "transformers 5 the HF DeepSeek model it maps names against holds each MoE layer's routed "
+    "experts as fused parameters (mlp.experts.gate_up_proj, mlp.experts.down_proj); gguf-py's "
+    "deepseek2 table has no ffn_gate_up_exps, and the plugin's deepseek2 branch side-loads only "
+    "per-expert names (mlp.experts.<id>.{gate,up,down}_proj.weight), so "
+    "GGUFWeightsAdapter.build_name_map (vllm_gguf_plugin/weights_adapter/default.py) refuses every "
+    "DeepSeek MoE GGUF. Its olmoe branch side-loads the fused names; --patch fix-moe-name-map does "
+    "the same for deepseek2 in this process (recorded in the dump)."
+)
+
+
+def loader_hint(message: str) -> str | None:
+    """The hint for a model-loading error the harness recognises, else None."""
+    if "Failed to map GGUF parameters" in message and ".mlp.experts." in message:
+        return MOE_MAP_HINT
+    return None
+
+
+def patch_list(optional: list[str] | tuple[str, ...] = (), zeroed: list[str] | tuple[str, ...] = ()) -> list:
+    """The (name, reason) patches a run records, in the order applied: PATCHES, the opt-in
+    `optional` ones (names of OPTIONAL_PATCHES, each once, in the order given), then, when
+    --zero-unloaded zeroed the layers `zeroed`, ZERO_UNLOADED and ("zeroed", their names).
+    Errors: ValueError for a name OPTIONAL_PATCHES lacks."""
+    out = list(PATCHES)
+    for name in dict.fromkeys(optional):
+        if name not in OPTIONAL_PATCHES:
+            raise ValueError(f"unknown patch {name!r} (known: {', '.join(OPTIONAL_PATCHES)})")
+        out.append(OPTIONAL_PATCHES[name])
+    if zeroed:
+        out += [ZERO_UNLOADED, ("zeroed", ", ".join(zeroed))]
+    return out
+
+
+def never_filled(qweight) -> bool:
+    """Whether a GGUF linear layer's `qweight`, read after the layer's own
+    process_weights_after_loading, holds no data: still an UninitializedParameter, or empty with
+    no shards waiting in its `data_container`. Before that call a quantized merged layer
+    (gate_up_proj, fused_qkv_a_proj) keeps its shards in `qweight.data_container` while `qweight`
+    itself is empty, so only the state after it tells a loaded layer from a never-loaded one."""
+    if qweight is None:
+        return False
+    if any(c.__name__ == "UninitializedParameter" for c in type(qweight).__mro__):
+        return True
+    numel = getattr(qweight, "numel", None)
+    if not callable(numel) or numel() != 0:
+        return False
+    return not getattr(qweight, "data_container", None)
+
+
+class CudaView:
+    """A tensor as the plugin's Triton argument checks see it: `is_cuda` answers True, every
+    other attribute is the tensor's own (the checks return `W.contiguous()`, a real tensor)."""
+
+    __slots__ = ("_tensor",)
+
+    def __init__(self, tensor):
+        object.__setattr__(self, "_tensor", tensor)
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str):
+        return getattr(self._tensor, name)
 
 
 # =============================================================================================
@@ -281,6 +378,17 @@ def inner_run(args) -> int:
         config_dir = Path(tmpdir)
         (config_dir / "config.json").write_text(json.dumps(config_from_gguf(gguf_path), indent=2))
     try:
+        if args.cmd == "_rank":
+            return _rank_run(
+                args,
+                tokens,
+                gguf_path,
+                config_dir,
+                t_start,
+                rank=args.rank,
+                port=args.port,
+                out=Path(args.out),
+            )
         return _run(args, tokens, gguf_path, config_dir, t_start)
     finally:
         if tmpdir:
@@ -409,59 +517,129 @@ def _apply_patches(sdpa_cls_holder: dict) -> None:
             if isinstance(cls, type) and "do_kv_cache_update" in cls.__dict__:
                 cls.do_kv_cache_update = do_kv_cache_update
 
+    # triton-cuda-check
+    if _on("triton-cuda-check"):
+        import vllm_gguf_plugin.triton.dequantize.utils as dequant_utils
+        import vllm_gguf_plugin.triton.gemm.utils as gemm_utils
 
-def _unloaded_linears(model) -> list[tuple[str, object]]:
-    """(name, module) of linear layers whose GGUF weight parameter holds no data after loading."""
+        check_gemm, check_dequant = gemm_utils._validate_args, dequant_utils.validate_dequant_args
+
+        def validate_gemm(W, X, *args, **kwargs):
+            return check_gemm(CudaView(W), CudaView(X), *args, **kwargs)
+
+        def validate_dequant(W, *args, **kwargs):
+            return check_dequant(CudaView(W), *args, **kwargs)
+
+        gemm_utils._validate_args = validate_gemm
+        dequant_utils.validate_dequant_args = validate_dequant
+
+
+def _zero_linear(mod) -> None:
+    """zero-unloaded-weights on one linear layer: an all-zero float32 weight of its partition's
+    shape through UnquantizedLinearMethod, in place of the empty GGUF parameters."""
     import torch
-
-    out = []
-    for name, mod in model.named_modules():
-        qw = getattr(mod, "qweight", None)
-        if qw is None:
-            continue
-        lazy = isinstance(qw, torch.nn.parameter.UninitializedParameter)
-        if lazy or qw.numel() == 0:
-            out.append((name, mod))
-    return out
-
-
-def _patch_unloaded(zero: bool, applied: list) -> None:
-    """unloaded-weights-report (and, with zero=True, zero-unloaded-weights)."""
-    import torch
-    import vllm_gguf_plugin.loader as gl
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
-    orig = gl.process_weights_after_loading
+    for attr in ("qweight", "qweight_type"):
+        if attr in mod._parameters:
+            del mod._parameters[attr]
+    mod.quant_method = UnquantizedLinearMethod()
+    mod.weight = torch.nn.Parameter(
+        torch.zeros(
+            int(mod.output_size_per_partition), int(mod.input_size_per_partition), dtype=torch.float32
+        ),
+        requires_grad=False,
+    )
+
+
+def _patch_unloaded(zero: bool, found: list) -> None:
+    """unloaded-weights-report (and, with zero=True, zero-unloaded-weights): after each GGUF linear
+    layer's own process_weights_after_loading (GGUFLinearMethod: materializes the parameters and
+    concatenates a merged layer's shards), a layer whose `qweight` stayed empty (never_filled) is
+    appended to `found` by name, and zeroed with zero=True, before vLLM's attention layers
+    post-process (MLAAttention reads kv_b_proj there). The names are printed on stderr, also when
+    vLLM then fails on them."""
+    import vllm_gguf_plugin.loader as gl
+    from vllm_gguf_plugin.quantization.linear import GGUFLinearMethod
+
+    whole_model, one_layer = gl.process_weights_after_loading, GGUFLinearMethod.process_weights_after_loading
+    names: dict[int, str] = {}
+
+    def process_layer(self, layer):
+        one_layer(self, layer)
+        if never_filled(getattr(layer, "qweight", None)):
+            found.append(names.get(id(layer), type(layer).__name__))
+            if zero:
+                _zero_linear(layer)
 
     def process_weights_after_loading(model, model_config, target_device):
-        bad = _unloaded_linears(model)
-        if bad:
-            print(
-                "vllm_cpu: linear layers the GGUF loader never filled: " + ", ".join(n for n, _ in bad),
-                file=sys.stderr,
-            )
-            if zero:
-                for _, mod in bad:
-                    for attr in ("qweight", "qweight_type"):
-                        if attr in mod._parameters:
-                            del mod._parameters[attr]
-                    mod.quant_method = UnquantizedLinearMethod()
-                    mod.weight = torch.nn.Parameter(
-                        torch.zeros(
-                            int(mod.output_size_per_partition),
-                            int(mod.input_size_per_partition),
-                            dtype=torch.float32,
-                        ),
-                        requires_grad=False,
-                    )
-                applied.append(ZERO_UNLOADED)
-                applied.append(("zeroed", ", ".join(n for n, _ in bad)))
-        return orig(model, model_config, target_device)
+        names.update({id(m): n for n, m in model.named_modules()})
+        try:
+            return whole_model(model, model_config, target_device)
+        finally:
+            if found:
+                print(
+                    "vllm_cpu: linear layers the GGUF loader never filled: " + ", ".join(found),
+                    file=sys.stderr,
+                    flush=True,
+                )
 
+    GGUFLinearMethod.process_weights_after_loading = process_layer
     gl.process_weights_after_loading = process_weights_after_loading
 
 
-def _build_config(gguf_path: Path, config_dir: Path, max_len: int, block_size: int):
+def _patch_fix_merged_column_rank() -> None:
+    """fix-merged-column-rank: vllm-gguf-plugin PR #106's change to its merged-column and QKV
+    loaders, in this process. The plugin's 0.0.5 loaders narrow each shard at rank
+    `kwargs.get("tp_rank", 0)`; vLLM's MergedColumnParallelLinear / QKVParallelLinear
+    weight_loader_v2 pass shard_id, shard_offset and shard_size but no tp_rank, so every rank
+    kept rank 0's rows. These take the rank from vLLM's parallel state where they cut."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm_gguf_plugin.quantization import params
+
+    def cuts(loaded_weight, shard_size) -> bool:
+        return shard_size is not None and loaded_weight.ndim >= 1 and 0 < shard_size < loaded_weight.shape[0]
+
+    def load_merged_column_weight(self, loaded_weight, **kwargs):
+        shard_id, shard_size = kwargs.get("shard_id"), kwargs.get("shard_size")
+        if cuts(loaded_weight, shard_size):
+            rank = get_tensor_model_parallel_rank()
+            loaded_weight = loaded_weight.narrow(0, rank * shard_size, shard_size)
+        self._store(loaded_weight, shard_id=shard_id)
+
+    def load_qkv_weight(self, loaded_weight, **kwargs):
+        shard_id, shard_size = kwargs.get("shard_id"), kwargs.get("shard_size")
+        if cuts(loaded_weight, shard_size):
+            rank = get_tensor_model_parallel_rank()
+            if shard_id in ("k", "v"):
+                rank //= kwargs.get("num_heads", 1)
+            loaded_weight = loaded_weight.narrow(0, rank * shard_size, shard_size)
+        self._store(loaded_weight, shard_id=shard_id)
+
+    params._GGUFParamLoadMixin.load_merged_column_weight = load_merged_column_weight
+    params._GGUFParamLoadMixin.load_qkv_weight = load_qkv_weight
+
+
+def _patch_fix_moe_name_map() -> None:
+    """fix-moe-name-map: build_name_map filters the HF parameters it could not name through
+    `regex.fullmatch(pattern, name)` against its side-load patterns; the module's `regex` is
+    replaced by one whose fullmatch also accepts a MoE layer's fused routed-expert names."""
+    import regex
+    import vllm_gguf_plugin.weights_adapter.default as adapter
+
+    fused = regex.compile(r"model\.layers\.[0-9]+\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+    class _Regex:
+        compile = staticmethod(regex.compile)
+
+        @staticmethod
+        def fullmatch(pattern, name, *args, **kwargs):
+            return regex.fullmatch(pattern, name, *args, **kwargs) or fused.fullmatch(name)
+
+    adapter.regex = _Regex
+
+
+def _build_config(gguf_path: Path, config_dir: Path, max_len: int, block_size: int, tp: int = 1):
     from vllm.engine.arg_utils import EngineArgs
 
     ea = EngineArgs(
@@ -477,14 +655,93 @@ def _build_config(gguf_path: Path, config_dir: Path, max_len: int, block_size: i
         compilation_config={"custom_ops": ["none"] if _on("native-custom-ops") else [], "mode": 0},
         attention_config={"mla_prefill_backend": "CUSTOM"},
         distributed_executor_backend="uni",
+        tensor_parallel_size=tp,
     )
     return ea.create_engine_config()
 
 
 def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
+    """TP 1: rank 0 in this process, writing args.out. TP > 1: one `_rank` process per rank over
+    gloo (TORCHDYNAMO_DISABLE=1: VocabParallelEmbedding's @torch.compile'd masking would cost ~45 s
+    of inductor compile per rank on 2 cores and changes no value), each writing its format-2
+    dump, then join_rank_dumps joins them into args.out."""
+    if args.tp == 1:
+        return _rank_run(
+            args, tokens, gguf_path, config_dir, t_start, rank=0, port=_free_port(), out=Path(args.out)
+        )
+    if args.format != 2:
+        raise SystemExit("--tp > 1 writes format 2 (every rank's dump, joined); drop --format 1")
+    from . import vllm as dump_vllm
+
+    out = Path(args.out)
+    work = Path(args.rank_dir) if args.rank_dir else Path(tempfile.mkdtemp(prefix="vllm-cpu-tp-"))
+    work.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
+    procs = []
+    for r in range(args.tp):
+        argv = [sys.executable, "-m", MODULE, "_rank", *sys.argv[2:]]
+        argv += [
+            "--rank",
+            str(r),
+            "--port",
+            str(port),
+            "--out",
+            str(work / out.name),
+            "--config-dir",
+            str(config_dir),
+        ]
+        log = open(work / f"rank{r}.log", "w")
+        procs.append((r, subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    failed = None
+    while any(p.poll() is None for _, p, _ in procs):
+        for r, p, _ in procs:
+            if p.poll() not in (None, 0) and failed is None:
+                failed = r
+                for _, q, _ in procs:  # the others would wait in a collective forever
+                    if q.poll() is None:
+                        q.kill()
+        time.sleep(0.5)
+    for r, p, log in procs:
+        log.close()
+        if p.returncode != 0 and failed is None:
+            failed = r
+    for r, p, _ in procs:
+        text = (work / f"rank{r}.log").read_text()
+        lines = text.strip().splitlines()
+        keep = (
+            lines
+            if (r == failed)
+            else [ln for ln in lines if not ln.startswith(("INFO", "WARNING", "DEBUG"))]
+        )
+        tail = keep[-40:] if r == failed else keep[-8:]
+        print(
+            f"[rank {r}] exit {p.returncode}" + ("".join("\n  " + ln for ln in tail) if tail else ""),
+            flush=True,
+        )
+    if failed is not None:
+        print(f"rank {failed} failed (logs kept in {work})", file=sys.stderr)
+        return 1
+    rank_files = [dump_vllm.rank_path(work / out.name, r, args.tp) for r in range(args.tp)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.weights_only:
+        dump_vllm.merge_weight_files(rank_files, out)
+    else:
+        dump_vllm.join_rank_dumps(rank_files, out)
+    print(f"joined {len(rank_files)} rank dumps in {time.time() - t_start:.1f} s; wrote {out}")
+    if not args.rank_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _rank_run(args, tokens, gguf_path, config_dir, t_start, *, rank: int, port: int, out: Path) -> int:
+    """One TP rank: vLLM's model built and loaded through the plugin, the hooks armed with
+    mla_diff_hooks.vllm.arm, the prefill and decode steps run, and finish writing this rank's
+    dump (`out` at TP 1, `rank_path(out)` at TP > 1)."""
     import torch
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    tp = args.tp
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // tp))
     holder: dict = {}
     _apply_patches(holder)
     import vllm
@@ -498,8 +755,13 @@ def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
     vllm_gguf_plugin_register = getattr(vllm_gguf_plugin, "register", None)
     if vllm_gguf_plugin_register is not None:
         vllm_gguf_plugin_register()
-    applied: list = []
-    _patch_unloaded(args.zero_unloaded, applied)
+    zeroed: list[str] = []
+    _patch_unloaded(args.zero_unloaded, zeroed)
+    for name in dict.fromkeys(args.patch or []):
+        if name == FIX_MERGED_COLUMN_RANK[0]:
+            _patch_fix_merged_column_rank()
+        elif name == FIX_MOE_NAME_MAP[0]:
+            _patch_fix_moe_name_map()
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.model_executor.model_loader import get_model_loader
@@ -509,21 +771,46 @@ def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
     block_size = 16
     total = len(tokens) + args.decode_steps
     max_len = max(block_size * 2, ((total + block_size - 1) // block_size + 1) * block_size)
-    vcfg = _build_config(gguf_path, config_dir, max_len, block_size)
+    vcfg = _build_config(gguf_path, config_dir, max_len, block_size, tp)
     t_cfg = time.time()
     with set_current_vllm_config(vcfg):
         init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
+            world_size=tp,
+            rank=rank,
+            local_rank=rank,
             backend="gloo",
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
         )
-        ensure_model_parallel_initialized(1, 1)
+        ensure_model_parallel_initialized(tp, 1)
         loader = get_model_loader(vcfg.load_config)
-        model = loader.load_model(vcfg, vcfg.model_config)
+        try:
+            model = loader.load_model(vcfg, vcfg.model_config)
+        except RuntimeError as e:
+            hint = loader_hint(str(e))
+            if hint is None:
+                raise
+            print(f"vllm_cpu: vLLM could not load {gguf_path.name}: {e}\n  hint: {hint}", file=sys.stderr)
+            return 3
     model.eval()
     t_load = time.time()
+    if args.weights_only:
+        from . import vllm as dump_vllm
+
+        written = dump_vllm.write_weights(
+            model,
+            weights_path=str(out),
+            engine=f"vllm {vllm.__version__} ({HARNESS}, CPU)",
+            layers=[int(x) for x in args.layers.split(",")] if args.layers else None,
+            extra_meta={
+                "harness": HARNESS,
+                "loader": f"vllm-gguf-plugin {_dist_version('vllm-gguf-plugin')}",
+                "patches": "; ".join(
+                    f"{n}: {r}" for n, r in patch_list(args.patch or [], zeroed if args.zero_unloaded else [])
+                ),
+            },
+        )
+        print(f"rank {rank}/{tp}: load {t_load - t_cfg:.1f} s; wrote {written} (weights only)")
+        return 0
     layers = _mla_layers(vcfg)
     L_R = next(iter(layers.values())).head_size
     n_blocks = (total + block_size - 1) // block_size + 1
@@ -531,10 +818,14 @@ def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
         lay.kv_cache = torch.zeros(n_blocks, block_size, L_R, dtype=torch.float32)
     block_table = torch.arange(n_blocks, dtype=torch.int32)[None, :]
 
-    cap = dump_vllm.VllmCapture(
-        model, steps=1 + args.decode_steps, engine=f"vllm {vllm.__version__} ({HARNESS}, CPU)"
+    print(
+        dump_vllm.arm(
+            model,
+            steps=1 + args.decode_steps,
+            engine=f"vllm {vllm.__version__} ({HARNESS}, CPU)",
+            layers=[int(x) for x in args.layers.split(",")] if args.layers else None,
+        )
     )
-    cap.arm()
     seq = list(tokens)
     decode_ids: list[int] = []
     with set_current_vllm_config(vcfg), torch.no_grad():
@@ -554,7 +845,7 @@ def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
         )
         t_prefill = time.time()
         for k in range(args.decode_steps):
-            nxt = _next_token(model, h, args, k)
+            nxt = _next_token(model, h, args, k, tp)
             decode_ids.append(nxt)
             p = len(seq)
             seq.append(nxt)
@@ -571,10 +862,9 @@ def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
                 decode=True,
             )
     t_end = time.time()
-    cap.remove()
     loader = f"vllm-gguf-plugin {_dist_version('vllm-gguf-plugin')}"
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    patches = patch_list(args.patch or [], zeroed if args.zero_unloaded else [])
     if args.format == 2:
         engine = {
             "name": "vllm",
@@ -582,33 +872,36 @@ def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
             "attention_backend": "TRITON_MLA",
             "prefill_backend": f"TORCH_SDPA_CPU ({HARNESS}, MLAPrefillBackendEnum.CUSTOM)",
         }
-        written = [
-            cap.write_format2(
-                out,
-                model_path=gguf_path,
-                engine=engine,
-                patches=PATCHES + applied,
-                weights=not args.no_weights,
-                extra_meta={
-                    "harness": HARNESS,
-                    "loader": loader,
-                    "triton": "TRITON_INTERPRET=1 " + _dist_version("triton"),
-                },
-            )
-        ]
+        res = dump_vllm.finish(
+            model,
+            dump_path=str(out),
+            model_path=str(gguf_path),
+            engine_info=engine,
+            patches=patches,
+            weights=not args.no_weights,
+            weights_path=args.weights,
+            extra_meta={
+                "harness": HARNESS,
+                "loader": loader,
+                "triton": "TRITON_INTERPRET=1 " + _dist_version("triton"),
+            },
+        )
+        written = [res["dump"]] + ([res["weights"]] if "weights" in res else [])
     else:
+        cap = dump_vllm._ACTIVE
+        cap.remove()
         extra = {
             "harness": HARNESS,
-            "patches": "; ".join(f"{n}: {r}" for n, r in PATCHES + applied),
+            "patches": "; ".join(f"{n}: {r}" for n, r in patches),
             "attention_backend": "TRITON_MLA (decode, Triton interpreter), TORCH_SDPA_CPU (prefill)",
             "model": gguf_path.name,
             "loader": loader,
         }
         written = cap.write_steps(out, extra_meta=extra)
-    if args.weights:
-        cap.write_weights(args.weights)
-        written.append(Path(args.weights))
-    print(f"tokens {tokens}; decode tokens {decode_ids}")
+        if args.weights:
+            cap.write_weights(args.weights)
+            written.append(Path(args.weights))
+    print(f"rank {rank}/{tp}: tokens {tokens}; decode tokens {decode_ids}")
     print(
         f"config {t_cfg - t_start:.1f} s, load {t_load - t_cfg:.1f} s, prefill "
         f"{t_prefill - t_load:.1f} s, {args.decode_steps} decode step(s) {t_end - t_prefill:.1f} s"
@@ -718,13 +1011,20 @@ def _step(
         return model(input_ids=ids, positions=pos)
 
 
-def _next_token(model, hidden, args, k) -> int:
-    """Greedy next token from vLLM's own logits (or --decode-tokens when given)."""
+def _next_token(model, hidden, args, k, tp: int = 1) -> int:
+    """Greedy next token from vLLM's own logits (or --decode-tokens when given). Under TP the
+    logits are gathered on rank 0 only (LogitsProcessor); its choice is broadcast to every rank
+    so that all of them decode the same token."""
     if args.decode_tokens:
         ids = [int(x) for x in args.decode_tokens.split(",") if x.strip()]
         return ids[k % len(ids)]
+    import torch
+
     logits = model.compute_logits(hidden[-1:])
-    return int(logits[0].argmax())
+    choice = torch.tensor([int(logits[0].argmax()) if logits is not None else -1], dtype=torch.long)
+    if tp > 1:
+        torch.distributed.broadcast(choice, src=0)
+    return int(choice[0])
 
 
 # =============================================================================================
@@ -828,6 +1128,100 @@ def check_decode(path: Path) -> tuple[list[str], float]:
     return [f"{s}: rel_l2 {v:.2e}" for s, v in worst.items()], max(worst.values()) if worst else 0.0
 
 
+def merged_column_slice(gate, up, rank: int, tp: int):
+    """Rank `rank`'s rows of a merged-column `gate_up_proj` built from `ffn_gate` and `ffn_up`
+    ([I, H] each, PyTorch layout): `[gate rows r·I/tp..(r+1)·I/tp ; up rows r·I/tp..(r+1)·I/tp]`,
+    [2·I/tp, H] (vLLM's MergedColumnParallelLinear of output sizes [I, I])."""
+    import numpy as np
+
+    i = gate.shape[0] // tp
+    return np.concatenate([gate[rank * i : (rank + 1) * i], up[rank * i : (rank + 1) * i]])
+
+
+def row_parallel_slice(down, rank: int, tp: int):
+    """Rank `rank`'s columns of a row-parallel `down_proj` ([H, I]): `r·I/tp..(r+1)·I/tp`."""
+    i = down.shape[1] // tp
+    return down[:, rank * i : (rank + 1) * i]
+
+
+def rel_l2(a, b) -> float:
+    """‖a − b‖ / ‖b‖ in float64 (∞ for different shapes)."""
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        return float("inf")
+    return float(np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), 1e-300))
+
+
+def slice_table(weights: dict, gguf_tensors: dict, tp: int) -> list[dict]:
+    """Which rank's slice each loaded FFN weight holds. `weights`: `L{n}.[shared_experts.]{param}
+    .rank{r}` arrays ([out, in]); `gguf_tensors`: the GGUF's `blk.{n}.ffn_{gate,up,down}[_shexp]
+    .weight` as [out, in] float arrays. One row per loaded gate_up_proj / down_proj shard: layer,
+    param, rank, rel_l2 against every rank's expected slice (`vs`) and the rank it equals best."""
+    rows = []
+    for name in sorted(weights):
+        parts = name.split(".")
+        if not parts[0].startswith("L") or not parts[-1].startswith("rank"):
+            continue
+        n, rank, param = int(parts[0][1:]), int(parts[-1][4:]), ".".join(parts[1:-1])
+        shexp = "_shexp" if param.startswith("shared_experts.") else ""
+        base = param.rsplit(".", 1)[-1]
+        g = lambda t: gguf_tensors.get(f"blk.{n}.ffn_{t}{shexp}.weight")  # noqa: E731, B023
+        if base == "gate_up_proj" and g("gate") is not None and g("up") is not None:
+            want = [merged_column_slice(g("gate"), g("up"), s, tp) for s in range(tp)]
+        elif base == "down_proj" and g("down") is not None:
+            want = [row_parallel_slice(g("down"), s, tp) for s in range(tp)]
+        else:
+            continue
+        vs = [rel_l2(weights[name], w) for w in want]
+        rows.append(
+            {"layer": n, "param": param, "rank": rank, "vs": vs, "holds": min(range(tp), key=vs.__getitem__)}
+        )
+    return rows
+
+
+def cmd_slices(args) -> int:
+    """Print slice_table for a dump's loaded FFN weights against the GGUF (gguf-py dequantizes)."""
+    if not _in_venv(args.venv):  # numpy and gguf
+        with _venv_command(args.venv, sys.argv[1:]) as (argv, env):
+            return subprocess.run(argv, env=env).returncode
+    import gguf
+    import numpy as np
+
+    from . import st_io
+
+    t, meta = st_io.load(args.dump)
+    if meta.get("format") == dump_format.VLLM_WEIGHTS:  # a WEIGHTS file (--weights, --weights-only)
+        tp, weights = int(meta.get("tp_size", "1")), t
+    else:
+        h = json.loads(meta.get("header", "{}"))
+        tp = int((h.get("tp") or {}).get("size", 1))
+        prefix = dump_format.weights_tensor("")
+        weights = {k[len(prefix) :]: v for k, v in t.items() if k.startswith(prefix)}
+    rd = gguf.GGUFReader(str(args.gguf))
+    tensors = {}
+    for x in rd.tensors:
+        if ".ffn_" in x.name and "_exps" not in x.name and not x.name.endswith("_inp.weight"):
+            a = gguf.quants.dequantize(np.array(x.data), x.tensor_type)
+            tensors[x.name] = np.asarray(a, np.float64).reshape(tuple(int(d) for d in reversed(x.shape)))
+    rows = slice_table(weights, tensors, tp)
+    if not rows:
+        print(f"{args.dump}: no loaded gate_up_proj/down_proj shard (.rank<r>) with its GGUF tensors")
+        return 2
+    wrong = 0
+    for r in rows:
+        vs = ", ".join(f"rank {s} {v:.3g}" for s, v in enumerate(r["vs"]))
+        ok = r["holds"] == r["rank"] and r["vs"][r["rank"]] < 1e-6
+        wrong += not ok
+        print(
+            f"L{r['layer']}.{r['param']}.rank{r['rank']}: holds rank {r['holds']}'s slice "
+            f"({'ok' if ok else 'WRONG'}; rel_l2 vs {vs})"
+        )
+    print(f"{len(rows)} shards, {wrong} holding another rank's slice")
+    return 1 if wrong else 0
+
+
 def _show(text: str, n: int = 12) -> None:
     print("\n".join("  " + ln for ln in text.strip().splitlines()[-n:]))
 
@@ -843,9 +1237,9 @@ def cmd_test(args) -> int:
     base = ["--venv", args.venv, "--tokens", args.tokens, "--decode-steps", str(args.decode_steps)]
     ok = True
 
-    def harness(name, extra=()):
+    def harness(name, extra=(), tag=None):
         gguf_path = ROOT / "golden" / "models" / name
-        dump = out_dir / (gguf_path.stem + ("-zeroed" if extra else "") + ".safetensors")
+        dump = out_dir / (gguf_path.stem + (tag or ("-zeroed" if extra else "")) + ".safetensors")
         cmd = me + ["run", "--gguf", str(gguf_path), "--out", str(dump), *base, *extra]
         print("$ " + " ".join(cmd), flush=True)
         t0 = time.time()
@@ -904,6 +1298,39 @@ def cmd_test(args) -> int:
         ok = False
     else:
         ok &= compare(g, d, 1, "L0.w.kv_b")
+    import gguf
+    import numpy as np
+
+    # 4. Q8_0 at TP 2: every rank keeps rank 0's gate_up_proj rows (vllm-gguf-plugin 0.0.5), and
+    #    each rank its own with the fix patch; the attention's quantized weights load right
+    for tag, extra in (
+        ("-tp2", ["--tp", "2"]),
+        ("-tp2-fixed", ["--tp", "2", "--patch", FIX_MERGED_COLUMN_RANK[0]]),
+    ):
+        g, d, r = harness("legacy-kvb-q8_0.gguf", extra, tag)
+        if r.returncode != 0:
+            _show(r.stdout + r.stderr)
+            ok = False
+            continue
+        t, meta = _read_st(d)
+        h = json.loads(meta["header"])
+        tens = {}
+        for x in gguf.GGUFReader(str(g)).tensors:
+            if ".ffn_" in x.name:
+                a = gguf.quants.dequantize(np.array(x.data), x.tensor_type)
+                tens[x.name] = np.asarray(a, np.float64).reshape(tuple(int(n) for n in reversed(x.shape)))
+        prefix = dump_format.weights_tensor("")
+        rows = slice_table({k[len(prefix) :]: v for k, v in t.items() if k.startswith(prefix)}, tens, 2)
+        held = {(row["layer"], row["param"], row["rank"]): row["holds"] for row in rows}
+        fixed = "fixed" in tag
+        want = {k: (k[2] if fixed or k[1] != "gate_up_proj" else 0) for k in held}
+        good = bool(held) and held == want and h["tp"]["size"] == 2
+        print(
+            f"  {'ok' if good else 'FAIL'}: loaded FFN shards hold the slices of ranks {held} "
+            f"(want {'each its own' if fixed else 'gate_up_proj: rank 0 everywhere'})"
+        )
+        ok &= good
+        ok &= compare(g, d, 0 if fixed else 1, "within tolerance" if fixed else "L0.")
     if args.keep:
         print(f"dumps kept in {out_dir}")
     else:
@@ -929,7 +1356,7 @@ def main() -> int:
         choices=("float32", "bfloat16", "float16"),
         help="torch_dtype written into config.json (default float32)",
     )
-    for name in ("run", "_inner"):
+    for name in ("run", "_inner", "_rank"):
         r = sub.add_parser(name, help="run vLLM on the CPU and dump" if name == "run" else argparse.SUPPRESS)
         r.add_argument("--venv", default=os.environ.get("MLA_VLLM_VENV", str(ROOT / ".venv-vllm")))
         r.add_argument("--gguf", required=True)
@@ -946,7 +1373,48 @@ def main() -> int:
             help="token ids fed to the decode steps (default: greedy from vLLM's logits)",
         )
         r.add_argument("--out", required=True, help="dump to write (the prefill step)")
-        r.add_argument("--weights", default=None, help="also write vLLM's loaded MLA weights")
+        r.add_argument(
+            "--weights",
+            default=None,
+            help="also write vLLM's loaded weights as a WEIGHTS file (per rank at TP > 1)",
+        )
+        r.add_argument(
+            "--tp",
+            type=int,
+            default=1,
+            help="tensor-parallel size: one process per rank over gloo, ~0.9 GiB each (default 1)",
+        )
+        r.add_argument(
+            "--patch",
+            action="append",
+            choices=sorted(OPTIONAL_PATCHES),
+            default=[],
+            help="apply an opt-in patch, recorded in the dump (repeatable): fix-merged-column-rank = "
+            "vllm-gguf-plugin PR #106 (every rank loads its own merged-column shard)",
+        )
+        r.add_argument(
+            "--threads", type=int, default=0, help="torch threads per rank (default: CPUs / tp, at least 1)"
+        )
+        r.add_argument(
+            "--rank-dir",
+            default=None,
+            help="--tp > 1: write the ranks' own dumps (and logs) there and keep them "
+            "(default: a temporary folder, removed after the join)",
+        )
+        r.add_argument(
+            "--layers",
+            default=None,
+            help="comma-separated decoder layers to record (default: all); fewer layers, smaller dump",
+        )
+        r.add_argument(
+            "--weights-only",
+            action="store_true",
+            help="load the model and write only vLLM's loaded weights to --out (a WEIGHTS file, every "
+            "rank's joined; for `mla-diff weights --check`), with no forward",
+        )
+        if name == "_rank":
+            r.add_argument("--rank", type=int, required=True)
+            r.add_argument("--port", type=int, required=True)
         r.add_argument(
             "--no-weights",
             action="store_true",
@@ -967,6 +1435,10 @@ def main() -> int:
             help="give linear layers the GGUF loader never filled an all-zero weight "
             "(recorded as a patch) instead of letting vLLM fail at load",
         )
+    sl = sub.add_parser("slices", help="which TP rank's slice each loaded FFN weight of a dump holds")
+    sl.add_argument("--venv", default=os.environ.get("MLA_VLLM_VENV", str(ROOT / ".venv-vllm")))
+    sl.add_argument("--gguf", required=True)
+    sl.add_argument("--dump", required=True, help="a format-2 dump with weights.*, or a WEIGHTS file")
     t = sub.add_parser("test", help="end-to-end test on real vLLM (run by hand; CI has no vLLM)")
     t.add_argument("--venv", default=os.environ.get("MLA_VLLM_VENV", str(ROOT / ".venv-vllm")))
     t.add_argument("--tokens", default="1,7,42,99,3,250,17,8")
@@ -979,8 +1451,10 @@ def main() -> int:
         return cmd_config(args)
     if args.cmd == "run":
         return cmd_run(args)
-    if args.cmd == "_inner":
+    if args.cmd in ("_inner", "_rank"):
         return inner_run(args)
+    if args.cmd == "slices":
+        return cmd_slices(args)
     return cmd_test(args)
 
 

@@ -64,14 +64,23 @@ def test_name_builders_follow_the_templates():
         layer=1, weight="kv_b", rank=2
     )
     assert dump_format.o_proj_rank_site(0, 1) == t["o_proj_rank"].format(layer=0, rank=1)
+    assert dump_format.ffn_gate_up_rank_site(2, 1) == "L2.ffn_gate_up.rank1"
+    assert dump_format.ffn_down_rank_site(0, 3) == t["ffn_down_rank"].format(layer=0, rank=3)
+    assert dump_format.weight_rank_site(0, "gate_up", 1) == "L0.w.gate_up.rank1"
     with pytest.raises(ValueError, match="not a ranked weight"):
         dump_format.weight_rank_site(0, "q_a", 0)
     assert dump_format.parse_site("L12.w.kv_b.rank1") == (12, "w.kv_b.rank1")
     assert dump_format.parse_site("tokens") is None and dump_format.parse_site("Lx.q") is None
     assert dump_format.step_tensor(2, "L0.lse") == "s2.L0.lse"
+    assert dump_format.ffn_gate_up_rank_site(0, 1) == "L0.ffn_gate_up.rank1"
+    assert dump_format.ffn_down_rank_site(2, 0) == t["ffn_down_rank"].format(layer=2, rank=0)
+    assert dump_format.split_rank("w.gate_up.rank3") == ("w.gate_up", 3)
+    assert dump_format.split_rank("o_proj") is None and dump_format.split_rank("x.rankA") is None
     for group in (
+        dump_format.FFN_STAGES,
         dump_format.INDEXER_STAGES,
         dump_format.MOE_STAGES,
+        dump_format.FFN_STAGES,
         dump_format.ABSORBED_STAGES,
         dump_format.WEIGHT_STAGES,
     ):
@@ -100,10 +109,10 @@ COMMITTED = sorted(p.name for p in (GOLDEN / "dumps").glob("*.safetensors"))
 @pytest.mark.parametrize("name", COMMITTED)
 def test_writers_reproduce_committed_dumps(tmp_path, name):
     """Each committed dump, read and written again through write_format1 / write_format2 (its
-    tensors in the file's order, its metadata split into header, notes and the rest), gives the
-    same tensors and metadata; byte for byte where the file's metadata keys are in sorted order,
-    the order st_io writes (the live-engine dumps and three kernel dumps were written by the
-    safetensors package, whose metadata order is random)."""
+    tensors in the file's order, its metadata split into header, notes and the rest; a WEIGHTS
+    file through st_io.save), gives the same tensors and metadata; byte for byte where the file's
+    metadata keys are in sorted order, the order st_io writes (the live-engine dumps and three
+    kernel dumps were written by the safetensors package, whose metadata order is random)."""
     pytest.importorskip("numpy", reason="the writers need numpy (pip install numpy)")
     from test_st_io import read  # the independent reader
 
@@ -112,6 +121,8 @@ def test_writers_reproduce_committed_dumps(tmp_path, name):
     out = tmp_path / name
     if meta["format"] == dump_format.FORMAT1:
         dump_format.write_format1(out, tensors, {k: v for k, v in meta.items() if k != "format"})
+    elif meta["format"] == dump_format.VLLM_WEIGHTS:  # loaded weights alone (st_io.save)
+        dump_format.st_io.save(tensors, out, metadata=meta)
     else:
         assert meta["format"] == dump_format.FORMAT2, meta["format"]
         h = json.loads(meta["header"])
@@ -157,3 +168,45 @@ def test_kernel_runner_reproduces_its_committed_dump(tmp_path, monkeypatch):
     out = tmp_path / "fa3.safetensors"
     kernels.write_dump(out, inp, "fa3", tmp_path / "root", args, t["attn_out"], t["lse"], "e")
     assert out.read_bytes() == src.read_bytes()
+
+
+def test_rank_sites_sort_before_the_stage_that_consumes_them():
+    """mla-diff's order (src/core/trace.rs, `Stage::order`): a shard just before its consumer, a
+    partial just before the all-reduce's output, ranks in order."""
+    key = dump_format.site_order(dump_format.STAGES)
+    names = [
+        "L0.hidden_out",
+        "L0.ffn_down.rank1",
+        "L0.ffn_out",
+        "L0.ffn_gate_up.rank0",
+        "L0.w.gate_up.rank1",
+        "L0.ffn_gate",
+        "L0.o_proj",
+        "L0.o_proj.rank10",
+        "L0.o_proj.rank2",
+        "L0.w.o_proj.rank0",
+        "L0.w.kv_b.rank1",
+        "L0.w.kv_b",
+        "L0.k_nope",
+        "L0.q",
+        "L0.w.q_b.rank0",
+        "L0.ffn_in",
+    ]
+    assert sorted(names, key=key) == [
+        "L0.w.q_b.rank0",
+        "L0.q",
+        "L0.w.kv_b",
+        "L0.w.kv_b.rank1",
+        "L0.k_nope",
+        "L0.w.o_proj.rank0",
+        "L0.o_proj.rank2",
+        "L0.o_proj.rank10",
+        "L0.o_proj",
+        "L0.ffn_in",
+        "L0.w.gate_up.rank1",
+        "L0.ffn_gate_up.rank0",
+        "L0.ffn_gate",
+        "L0.ffn_down.rank1",
+        "L0.ffn_out",
+        "L0.hidden_out",
+    ]

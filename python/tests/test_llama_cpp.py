@@ -124,6 +124,25 @@ def test_map_keys_follow_the_models_facts():
         lc.condition_holds("gpu", True, False)
 
 
+def test_map_keys_follow_the_dense_and_moe_layers():
+    ffn = {"ffn_norm", "ffn_gate", "ffn_up", "ffn_swiglu"}  # the dense MLP, or the shared experts
+    moe_only = {"ffn_moe_logits", "ffn_moe_out", "ffn_shexp"}
+    # Every layer dense (no n_dense_lead): the dense MLP's ffn_out, nothing of the MoE FFN.
+    dense = lc.map_keys(lc.DEFAULT_MAP, [0, 1], q_lora=True, fused_kv_b=False)
+    assert {f"{n}-{i}#0" for n in ffn | {"ffn_out"} for i in (0, 1)} <= dense
+    assert not {f"{n}-{i}#0" for n in moe_only for i in (0, 1)} & dense
+    # Layer 0 dense, layers 1 and 2 MoE (moe-v3's layout): there ffn_out-N is the routed plus
+    # shared experts' sum, which is no site, so it is not dumped.
+    moe = lc.map_keys(lc.DEFAULT_MAP, [0, 1, 2], q_lora=True, fused_kv_b=False, n_dense_lead=1)
+    assert "ffn_out-0#0" in moe and not {"ffn_out-1#0", "ffn_out-2#0"} & moe
+    assert {f"{n}-{i}#0" for n in ffn for i in (0, 1, 2)} <= moe
+    assert {f"{n}-{i}#0" for n in moe_only for i in (1, 2)} <= moe
+    assert not {f"{n}-0#0" for n in moe_only} & moe
+    # A layer condition never holds for a rule without a layer.
+    assert not lc.condition_holds("dense_ffn", True, False) and not lc.condition_holds("moe_ffn", True, False)
+    assert lc.condition_holds("moe_ffn", True, False, dense_ffn=False)
+
+
 def test_cli_refuses_missing_inputs(tmp_path):
     r = subprocess.run(
         [

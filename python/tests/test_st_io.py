@@ -100,6 +100,27 @@ def test_non_contiguous_view(tmp_path):
     assert tensors["a"].tolist() == [[0.0, 2.0], [4.0, 6.0], [8.0, 10.0]]
 
 
+def test_load_reads_back_what_save_wrote(tmp_path):
+    """st_io.load (numpy alone) returns every tensor, in file order, and the metadata."""
+    rng = np.random.default_rng(3)
+    tensors = {
+        "b.f32": rng.standard_normal((2, 3)).astype(np.float32),
+        "a.i64": np.arange(5, dtype=np.int64),
+        "c.f16": rng.standard_normal(4).astype(np.float16),
+        "d.u8": np.arange(7, dtype=np.uint8).reshape(7, 1),
+    }
+    path = tmp_path / "x.safetensors"
+    st_io.save(tensors, path, metadata={"k": "v", "format": "f"})
+    got, meta = st_io.load(path)
+    assert list(got) == list(tensors) and meta == {"format": "f", "k": "v"}
+    for k, a in tensors.items():
+        assert got[k].dtype == a.dtype and np.array_equal(got[k], a), k
+    got["b.f32"][0, 0] = 1.0  # a writable copy
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json")
+    with pytest.raises(ValueError, match="bad.safetensors: unreadable safetensors header"):
+        st_io.load(tmp_path / "bad.safetensors")
+
+
 def test_unsupported_dtype_names_the_tensor(tmp_path):
     with pytest.raises(TypeError, match=r"^L0\.q: unsupported dtype complex64$"):
         st_io.save({"L0.q": np.zeros(2, np.complex64)}, tmp_path / "bad.safetensors")

@@ -8,6 +8,7 @@ torch-free tests (numpy, safetensors) always run; the mock tests need torch and 
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 
@@ -52,32 +53,91 @@ def test_site_order():
     ]
 
 
-def test_merge_rank_dumps(tmp_path):
-    """TP=2 rank files: head-sharded sites concatenated in rank order, replicated ones from rank 0
-    (a disagreement noted), tokens last."""
-    pytest.importorskip("safetensors", reason="merging reads rank files with safetensors")
-    st_io = dump_vllm.st_io
+def _rank_dump(tmp_path, rank: int, tensors: dict, *, model="m.gguf", heads=None, notes=()):
+    header = {
+        "model": {"file": model, "bytes": 1, "index_sha256": "0" * 64, "layer_sha256": {}},
+        "steps": [{"name": "prefill", "seqs": [{"new": 3, "context": 0}]}],
+        "patches": [{"name": "p", "reason": "r"}],
+        "heads": heads or [2 * rank, 2 * rank + 2],
+        "tp": {"size": 2, "rank": rank},
+    }
+    return dump_vllm.dump_format.write_format2(
+        tmp_path / f"d.rank{rank}.safetensors", tensors, header, notes=notes, extra={"harness": "h"}
+    )
+
+
+def test_join_rank_dumps(tmp_path):
+    """TP=2 format-2 rank files: head-sharded sites joined on the head axis and the SwiGLU sites
+    on their columns in rank order, per-rank sites and weights from their rank, replicated sites
+    from rank 0 (a disagreement noted), the header's heads turned into tp.heads."""
     rng = np.random.default_rng(0)
     q = rng.standard_normal((3, 4, 6)).astype(np.float32)  # [T, N, P+R], N = 4
-    hid = rng.standard_normal((3, 8)).astype(np.float32)
+    gate = rng.standard_normal((3, 8)).astype(np.float32)  # [T, I], I = 8
+    hid = rng.standard_normal((3, 5)).astype(np.float32)
+    part = rng.standard_normal((2, 3, 5)).astype(np.float32)
+    wgu = rng.standard_normal((2, 8, 5)).astype(np.float32)
     tok = np.array([5, 6, 7], np.int64)
+    paths = []
     for r in (0, 1):
-        h = hid if r == 0 else hid + np.float32(1e-3)
-        st_io.save(
-            {"tokens": tok, "L0.q": q[:, 2 * r : 2 * r + 2], "L0.hidden_in": h},
-            tmp_path / f"d.rank{r}.safetensors",
-            metadata={"format": dump_vllm.dump_format.FORMAT1, "tp_rank": str(r), "tp_size": "2"},
+        paths.append(
+            _rank_dump(
+                tmp_path,
+                r,
+                {
+                    "s0.L0.hidden_in": hid if r == 0 else hid + np.float32(1e-3),
+                    "s0.L0.q": q[:, 2 * r : 2 * r + 2],
+                    "s0.L0.ffn_gate": gate[:, 4 * r : 4 * r + 4],
+                    f"s0.L0.ffn_down.rank{r}": part[r],
+                    "s0.tokens": tok,
+                    f"weights.L0.gate_up_proj.rank{r}": wgu[r],
+                },
+                notes=[f"note of rank {r}"],
+            )
         )
-    out = dump_vllm.merge_rank_dumps(
-        [tmp_path / "d.rank1.safetensors", tmp_path / "d.rank0.safetensors"], tmp_path / "d.safetensors"
-    )
-    t, meta = dump_vllm._read(out)
-    assert list(t) == ["L0.hidden_in", "L0.q", "tokens"]
-    assert np.array_equal(t["L0.q"], q) and np.array_equal(t["L0.hidden_in"], hid)
-    assert "L0.hidden_in: rank 1 differs from rank 0" in meta["notes"] and "tp_rank" not in meta
-    assert meta["merged_from"] == "d.rank1.safetensors,d.rank0.safetensors"
-    with pytest.raises(ValueError, match=r"need 0\.\.1"):
-        dump_vllm.merge_rank_dumps([tmp_path / "d.rank1.safetensors"], tmp_path / "x.safetensors")
+    out = dump_vllm.join_rank_dumps(paths[::-1], tmp_path / "d.safetensors")
+    t, meta = dump_vllm.st_io.load(out)
+    assert list(t) == [
+        "s0.L0.hidden_in",
+        "s0.L0.q",
+        "s0.L0.ffn_gate",
+        "s0.L0.ffn_down.rank0",
+        "s0.L0.ffn_down.rank1",
+        "s0.tokens",
+        "weights.L0.gate_up_proj.rank0",
+        "weights.L0.gate_up_proj.rank1",
+    ]
+    assert np.array_equal(t["s0.L0.q"], q) and np.array_equal(t["s0.L0.ffn_gate"], gate)
+    assert np.array_equal(t["s0.L0.hidden_in"], hid) and np.array_equal(t["s0.tokens"], tok)
+    assert np.array_equal(t["s0.L0.ffn_down.rank1"], part[1])
+    assert np.array_equal(t["weights.L0.gate_up_proj.rank1"], wgu[1])
+    h = json.loads(meta["header"])
+    assert h["tp"] == {"size": 2, "heads": [[0, 2], [2, 4]]} and "heads" not in h
+    assert h["patches"] == [{"name": "p", "reason": "r"}] and h["model"]["file"] == "m.gguf"
+    assert meta["format"] == dump_vllm.dump_format.FORMAT2 and meta["harness"] == "h"
+    assert meta["joined_from"] == "d.rank1.safetensors,d.rank0.safetensors"
+    notes = meta["notes"].split(" | ")
+    assert notes[:2] == ["rank 1: note of rank 1", "rank 0: note of rank 0"]
+    assert notes[2].startswith("s0.L0.hidden_in: rank 1 differs from rank 0 by up to 0.001")
+
+
+def test_join_rank_dumps_refuses_what_is_not_one_run(tmp_path):
+    a = _rank_dump(tmp_path, 0, {"s0.L0.q": np.zeros((3, 2, 6), np.float32)})
+    with pytest.raises(ValueError, match=r"have TP ranks \[0\] .*need 0\.\.1"):
+        dump_vllm.join_rank_dumps([a], tmp_path / "x.safetensors")
+    b = _rank_dump(tmp_path, 1, {"s0.L0.q": np.ones((3, 2, 6), np.float32)}, model="other.gguf")
+    with pytest.raises(ValueError, match=r"rank 1's header.model differs from rank 0's"):
+        dump_vllm.join_rank_dumps([a, b], tmp_path / "x.safetensors")
+    f1 = tmp_path / "f1.safetensors"
+    dump_vllm.dump_format.write_format1(f1, {"L0.q": np.zeros((3, 4, 6), np.float32)}, {})
+    with pytest.raises(ValueError, match="not a `mla-diff dump 2` dump"):
+        dump_vllm.join_rank_dumps([f1, a], tmp_path / "x.safetensors")
+
+
+def test_format1_is_one_rank_only():
+    cap = object.__new__(dump_vllm.VllmCapture)
+    cap.tp_size, cap.pp_size = 2, 1
+    with pytest.raises(RuntimeError, match="every rank writes format 2"):
+        cap._one_rank("write_dump")
 
 
 def test_finish_without_arm_says_so():
@@ -144,6 +204,7 @@ def test_attach_records_one_forward(mock, ck):
 
 @needs_torch
 def test_mock_single_rank_and_tp2(mock, ck, tmp_path):
+    pytest.importorskip("gguf", reason="format 2's model identity needs gguf-py")
     tp1 = mock.test_single_rank(tmp_path, ck)
     mock.test_tp2(tmp_path, ck, tp1)
 

@@ -20,7 +20,7 @@ use crate::model::gguf::GgufFile;
 pub struct ModelArgs {
     /// GGUF model file (default: the embedded tiny-v3 Q4_K_M fixture). For `compare` and
     /// `weights`, the file the engine loaded: required with a format-1 dump; a format-2 dump
-    /// names it, and `compare` opens it from the dump's folder.
+    /// names it, and `compare` and `weights` open it from the dump's folder.
     #[arg(long)]
     pub model: Option<PathBuf>,
 }

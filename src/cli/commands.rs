@@ -19,9 +19,14 @@ use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
 use crate::output::report;
 
-/// `mla-diff weights --check`.
+/// `mla-diff weights --check`: the model is `--model`, else for a format-2 dump the GGUF its
+/// header names beside it, else the embedded fixture.
 pub fn cmd_weights(a: &WeightsArgs, out: &mut dyn Write) -> Result<Outcome> {
-    let file = crate::model::fixture::open_model(a.model.path())?;
+    // A format-2 dump names its model: without --model, the GGUF next to the dump.
+    let file = match (a.model.path(), crate::model::dump::peek_header(&a.check)?) {
+        (None, Some(h)) => super::run::model_beside(&a.check, &h)?,
+        (m, _) => crate::model::fixture::open_model(m)?,
+    };
     let cfg = MlaConfig::from_gguf(&file)?;
     let map = a.map.as_deref().map(crate::model::dump::Map::load).transpose()?;
     refuse_overwrite(a.output.json.as_ref(), a.output.force)?;

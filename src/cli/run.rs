@@ -115,18 +115,7 @@ pub fn cmd_compare(a: &CompareArgs, out: &mut dyn Write) -> Result<Outcome> {
     let header = dump::peek_header(&a.dump)?;
     let file = match (a.model.path(), &header) {
         (Some(m), _) => GgufFile::open(m)?,
-        (None, Some(h)) => {
-            let beside = a.dump.parent().unwrap_or(Path::new(".")).join(&h.model.file);
-            if !beside.is_file() {
-                return Err(Error::Usage(format!(
-                    "{}: the dump was made from `{}`, which is not next to it ({}); pass --model",
-                    a.dump.display(),
-                    h.model.file,
-                    beside.display()
-                )));
-            }
-            GgufFile::open(&beside)?
-        }
+        (None, Some(h)) => model_beside(&a.dump, h)?,
         // A format-1 dump does not say which file it was made from: judging it against the
         // embedded fixture would report the difference between two models as an engine bug.
         (None, None) => {
@@ -155,6 +144,23 @@ pub fn cmd_compare(a: &CompareArgs, out: &mut dyn Write) -> Result<Outcome> {
     };
     let backend = Backend::Cpu(CpuOps::new(rep.run.dtype));
     finish_report(&rep, &file, &backend, Outputs::of(&a.output), out)
+}
+
+/// The GGUF a format-2 dump names (`header.model.file`), opened from the dump's folder.
+///
+/// Errors: [`Error::Usage`] naming the dump and the file when it is not next to the dump;
+/// the GGUF's own errors.
+pub(super) fn model_beside(dump: &Path, h: &crate::model::dump::DumpHeader) -> Result<GgufFile> {
+    let beside = dump.parent().unwrap_or(Path::new(".")).join(&h.model.file);
+    if !beside.is_file() {
+        return Err(Error::Usage(format!(
+            "{}: the dump was made from `{}`, which is not next to it ({}); pass --model",
+            dump.display(),
+            h.model.file,
+            beside.display()
+        )));
+    }
+    GgufFile::open(&beside)
 }
 
 /// Picks the backend and says which on stderr (unless `quiet`): `auto` takes CUDA when a device

@@ -29,6 +29,9 @@ pub enum Fault {
     TpRankOrder,
     /// Every TP rank loads rank 0's shards.
     TpRank0Everywhere,
+    /// Every TP rank keeps rank 0's slice of the dense MLP's merged-column `gate_up_proj`
+    /// (vllm-gguf-plugin#103).
+    TpGateUpRank0,
     /// `kv_b_proj` output split as `[all k_nope | all v]` instead of per head.
     KvBGrouped,
     /// `attn_k_b` ([N, L, P]) reshaped to [N, P, L] instead of transposed.
@@ -69,6 +72,7 @@ impl Fault {
         Fault::FusedShardSwap,
         Fault::TpRankOrder,
         Fault::TpRank0Everywhere,
+        Fault::TpGateUpRank0,
         Fault::KvBGrouped,
         Fault::KBUntransposed,
         Fault::RopeNeox,
@@ -92,6 +96,7 @@ impl Fault {
             Fault::FusedShardSwap => "fused-shard-swap",
             Fault::TpRankOrder => "tp-rank-order",
             Fault::TpRank0Everywhere => "tp-rank0-everywhere",
+            Fault::TpGateUpRank0 => "tp-gate-up-rank0",
             Fault::KvBGrouped => "kv-b-grouped",
             Fault::KBUntransposed => "k-b-untransposed",
             Fault::RopeNeox => "rope-neox",
@@ -118,6 +123,9 @@ impl Fault {
             Fault::FusedShardSwap => "`fused_qkv_a_proj` assembled as `[kv_a | q_a]`",
             Fault::TpRankOrder => "TP rank shards of `q_b_proj`/`kv_b_proj` handed out in a rotated rank order",
             Fault::TpRank0Everywhere => "Every TP rank loads rank 0's shards",
+            Fault::TpGateUpRank0 => {
+                "Every TP rank keeps rank 0's slice of the dense MLP's merged-column `gate_up_proj` (vllm-gguf-plugin#103)"
+            }
             Fault::KvBGrouped => "`kv_b_proj` output split as `[all k_nope | all v]` instead of per head",
             Fault::KBUntransposed => "`attn_k_b` ([N, L, P]) reshaped to [N, P, L] instead of transposed",
             Fault::RopeNeox => "NeoX rotation instead of DeepSeek's interleaved rotation",
@@ -148,7 +156,7 @@ impl Fault {
             Fault::PhantomOutput => Class::PhantomOutput,
             Fault::UnwrittenRows => Class::UnwrittenRows,
             Fault::FusedShardSwap => Class::ShardOrder,
-            Fault::TpRankOrder | Fault::TpRank0Everywhere => Class::TpRankOrder,
+            Fault::TpRankOrder | Fault::TpRank0Everywhere | Fault::TpGateUpRank0 => Class::TpRankOrder,
             Fault::KvBGrouped | Fault::KBUntransposed => Class::KvBLayout,
             Fault::RopeNeox => Class::RopeStyle,
             Fault::NoMscale => Class::SoftmaxScale,
@@ -173,6 +181,7 @@ impl Fault {
             (Fault::FusedShardSwap, _) => vec![Stage::WFusedQkvA],
             (Fault::TpRankOrder, _) => vec![Stage::WRank(RankedWeight::QProj, 0)],
             (Fault::TpRank0Everywhere, _) => vec![Stage::WRank(RankedWeight::QProj, 1)],
+            (Fault::TpGateUpRank0, _) => vec![Stage::WRank(RankedWeight::GateUp, 1)],
             (Fault::KvBGrouped, Mqa) => vec![Stage::WUkT],
             (Fault::KvBGrouped, _) => vec![Stage::KNope],
             (Fault::KBUntransposed, Mqa) => vec![Stage::WUkT],
@@ -200,6 +209,7 @@ impl Fault {
             Fault::FusedShardSwap if cfg.q_lora_rank.is_none() => Err("no q_lora_rank: no fused_qkv_a_proj"),
             Fault::TpRankOrder
             | Fault::TpRank0Everywhere
+            | Fault::TpGateUpRank0
             | Fault::AllReduceTwice
             | Fault::AllReduceSkipRank
             | Fault::AllReduceReadEarly
@@ -230,6 +240,21 @@ impl Fault {
                 Err("this indexer's RoPE is interleaved already (glm-dsa)")
             }
             Fault::IndexerTopkStale if path != PathKind::Chunked => Err("only chunked prefill has a previous chunk"),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Fault {
+    /// Whether the fault can act on layer `w`, beyond [`Fault::applies`]: `tp-gate-up-rank0`
+    /// needs a dense MLP whose width divides by `tp` (an MoE layer's engine paths stop at
+    /// `o_proj`; an MLP the ranks cannot share runs unsplit). Every other fault: `Ok`.
+    pub fn applies_to_layer(self, w: &crate::model::weights::LayerWeights, tp: usize) -> Result<(), &'static str> {
+        match (self, &w.ffn) {
+            (Fault::TpGateUpRank0, None) => Err("the layer has no dense MLP"),
+            (Fault::TpGateUpRank0, Some(f)) if !f.gate.nrows().is_multiple_of(tp.max(1)) => {
+                Err("the MLP width does not divide by the TP size")
+            }
             _ => Ok(()),
         }
     }

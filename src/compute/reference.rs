@@ -13,10 +13,10 @@
 //! Sources: DeepSeek-V2 paper (arXiv:2405.04434) §2.1; HF transformers `modeling_deepseek_v3.py`;
 //! vLLM `model_executor/models/deepseek_v2.py`.
 //!
-//! MoE layers ([`moe_ffn`]) follow HF `modeling_deepseek_v3.py` (`DeepseekV3TopkRouter`,
-//! `DeepseekV3MoE`) and llama.cpp `src/llama-graph.cpp` (`build_moe_ffn`), as the GGUF's
-//! `expert_*` keys describe them (see `docs/architectures.md`), with ties in every top-k broken
-//! towards the lower index so that the selection is deterministic.
+//! The FFN after attention (the dense SwiGLU MLP, the MoE block with its shared experts, and the
+//! MLP's per-rank sites under TP) lives in the submodule `ffn`.
+
+mod ffn;
 
 use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayViewMut2, Axis, CowArray, Ix2, s};
 use rayon::prelude::*;
@@ -25,9 +25,11 @@ use crate::compute::indexer::{self, Selection};
 use crate::core::batch::Batch;
 use crate::core::error::{Error, Result};
 use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
-use crate::model::config::{GatingFunc, MlaConfig, MoeConfig};
+use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
-use crate::model::weights::{KvBWeights, LayerWeights, MoeWeights, NonFiniteTensor, QWeights, SwiGlu, into_row_major};
+use crate::model::weights::{KvBWeights, LayerWeights, NonFiniteTensor, QWeights, into_row_major};
+
+pub use ffn::{MoeOut, ffn_rank_sites, ffn_rank_sites_of, forward_full, forward_full_sel, moe_ffn, route};
 
 /// Output of one reference layer.
 #[derive(Debug, Clone)]
@@ -248,7 +250,8 @@ fn record_moved<D: ndarray::Dimension>(trace: &mut Trace, layer: usize, stage: S
 }
 
 /// Runs one MLA layer (attention, attention residual, dense FFN and its residual) on
-/// `hidden_in` [T, H] for the sequences of `batch`, recording every site.
+/// `hidden_in` [T, H] for the sequences of `batch`, recording every site: the dense FFN's
+/// `ffn_in` … `ffn_out` too; an MoE layer stops after `o_proj` ([`forward_full`] adds its FFN).
 ///
 /// Errors: [`Error::Internal`] when `hidden_in` has the wrong shape for `cfg`/`batch` (callers
 /// build it, or check a dump's, to that shape).
@@ -418,15 +421,10 @@ pub fn forward_sel(
 
     // Residual and dense SwiGLU FFN (each branch times the residual scale: MiniCPM3).
     let rs = cfg.residual_scale;
-    let hidden_out = w.ffn.as_ref().map(|ffn| {
+    let hidden_out = w.ffn.as_ref().map(|f| {
         let h1 = hidden_in + &(&o * rs);
-        let xn = rms_norm(h1.view(), ffn.norm.view(), eps);
-        let gate = linear32(&xn, &ffn.gate);
-        let up = linear32(&xn, &ffn.up);
-        let act = ndarray::Zip::from(&gate)
-            .and(&up)
-            .map_collect(|&g, &u| g / (1.0 + (-g).exp()) * u);
-        h1 + linear32(&act, &ffn.down) * rs
+        let ffn_out = ffn::dense_ffn(&mut tr, layer, f, &h1, eps);
+        h1 + ffn_out * rs
     });
     if let Some(ho) = &hidden_out {
         record_copy(&mut tr, layer, Stage::HiddenOut, ho);
@@ -698,238 +696,6 @@ fn reference_indexer(
     )
 }
 
-/// [`forward`], plus the MoE FFN ([`moe_ffn`]) when `cfg` says layer `w.layer` is an MoE layer:
-/// then the trace also holds `moe_router_logits`, `moe_topk`, `moe_out`, `shared_out` and
-/// `hidden_out`.
-///
-/// Errors: as [`forward`] and [`moe_ffn`]; [`Error::NotSupported`] for a layer that holds MoE
-/// tensors (`ffn_gate_inp`) in a file without the `expert_count` key.
-pub fn forward_full(
-    file: &GgufFile,
-    cfg: &MlaConfig,
-    w: &LayerWeights,
-    hidden_in: &Array2<f64>,
-    batch: &Batch,
-) -> Result<RefLayer> {
-    forward_full_sel(file, cfg, w, hidden_in, batch, None)
-}
-
-/// [`forward_full`] with a shared-indexer layer's borrowed selection (see [`forward_sel`]).
-///
-/// Errors: as [`forward_full`].
-pub fn forward_full_sel(
-    file: &GgufFile,
-    cfg: &MlaConfig,
-    w: &LayerWeights,
-    hidden_in: &Array2<f64>,
-    batch: &Batch,
-    shared: Option<&Selection>,
-) -> Result<RefLayer> {
-    let mut r = forward_sel(cfg, w, hidden_in, batch, shared)?;
-    if r.hidden_out.is_some() {
-        return Ok(r);
-    }
-    if !cfg.is_moe_layer(w.layer) {
-        return Err(Error::NotSupported(format!(
-            "{}: layer {} has no dense FFN (it holds `{}`) but the file has no `{}.expert_count` key, so its MoE FFN cannot be run",
-            file.path().display(),
-            w.layer,
-            crate::model::tensors::ModelTensor::FfnGateInp.name(w.layer),
-            cfg.arch
-        )));
-    }
-    let o = r
-        .trace
-        .get(&Site::new(w.layer, Stage::OProj))
-        .ok_or_else(|| Error::Internal("reference: o_proj not recorded".into()))?;
-    let h1 = hidden_in
-        + &(Array2::from_shape_vec(hidden_in.raw_dim(), o.to_f64()).map_err(|e| Error::Internal(e.to_string()))?
-            * cfg.residual_scale);
-    let mw = MoeWeights::load(file, cfg, w.layer)?;
-    let out = moe_ffn(file, cfg, &mw, &h1, &mut r.trace)?;
-    r.hidden_out = Some(out.hidden_out);
-    r.moe_nonfinite = out.nonfinite;
-    Ok(r)
-}
-
-/// What [`moe_ffn`] computed besides its recorded sites.
-#[derive(Debug, Clone)]
-pub struct MoeOut {
-    /// `hidden_out` = `h1 + moe_out + shared_out`, [T, H].
-    pub hidden_out: Array2<f64>,
-    /// The selected experts of every token, in selection order, \[T]\[K].
-    pub selected: Vec<Vec<usize>>,
-    /// Non-finite weights met (router, bias, shared experts, selected experts).
-    pub nonfinite: Vec<NonFiniteTensor>,
-}
-
-/// The routing of one token: the `K` selected experts, best first, and their weights.
-///
-/// From `scores` \[E] (the gated router logits) and `choice` \[E] (`scores + exp_probs_b`, or
-/// `scores` without a bias): with `G > 1`, each group's score is the sum of its two largest
-/// choice values and only the `G_used` best groups stay eligible; the `K` eligible experts with
-/// the largest choice values are selected; their weights are their UNBIASED `scores`, divided by
-/// `(Σ weights + 1e-20)` when `weights_norm` (HF; llama.cpp divides by max(Σ, 6.1e-5), the same
-/// for any real sum), then multiplied by `weights_scale`. Ties, in the group ranking and in the
-/// expert ranking, go to the lower index.
-pub fn route(moe: &MoeConfig, scores: &[f64], choice: &[f64]) -> (Vec<usize>, Vec<f64>) {
-    let e = choice.len();
-    let mut eligible = vec![true; e];
-    if moe.n_group > 1 {
-        let per = moe.experts_per_group();
-        let group_score = |g: usize| {
-            let mut v: Vec<f64> = choice[g * per..(g + 1) * per].to_vec();
-            v.sort_by(|a, b| b.total_cmp(a));
-            v[0] + v[1]
-        };
-        let gs: Vec<f64> = (0..moe.n_group).map(group_score).collect();
-        let kept = top_k(&gs, moe.n_group_used);
-        for (i, el) in eligible.iter_mut().enumerate() {
-            *el = kept.contains(&(i / per));
-        }
-    }
-    let masked: Vec<f64> = choice
-        .iter()
-        .zip(&eligible)
-        .map(|(&c, &ok)| if ok { c } else { f64::NEG_INFINITY })
-        .collect();
-    let sel = top_k(&masked, moe.n_expert_used);
-    let mut w: Vec<f64> = sel.iter().map(|&i| scores[i]).collect();
-    if moe.weights_norm {
-        let sum: f64 = w.iter().sum::<f64>() + 1e-20;
-        w.iter_mut().for_each(|x| *x /= sum);
-    }
-    w.iter_mut().for_each(|x| *x *= moe.weights_scale);
-    (sel, w)
-}
-
-/// Indices of the `k` largest values, largest first; ties go to the lower index (a stable sort),
-/// NaN counts as smallest.
-fn top_k(v: &[f64], k: usize) -> Vec<usize> {
-    let key = |x: f64| if x.is_nan() { f64::NEG_INFINITY } else { x };
-    let mut idx: Vec<usize> = (0..v.len()).collect();
-    idx.sort_by(|&a, &b| key(v[b]).total_cmp(&key(v[a])));
-    idx.truncate(k);
-    idx
-}
-
-/// `down(silu(gate·x) ⊙ up·x)` for every row of `x` [T, H] → [T, H], f64 accumulation.
-fn swiglu(x: &Array2<f64>, f: &SwiGlu) -> Array2<f64> {
-    let gate = linear(x, &widen_to_f64(&f.gate));
-    let up = linear(x, &widen_to_f64(&f.up));
-    let act = ndarray::Zip::from(&gate)
-        .and(&up)
-        .map_collect(|&g, &u| g / (1.0 + (-g).exp()) * u);
-    linear(&act, &widen_to_f64(&f.down))
-}
-
-/// The MoE FFN of one layer on `h1` [T, H] (the residual stream after attention), recording
-/// `moe_router_logits` [T, E], `moe_topk` [T, K] (expert ids as f64, best first), `moe_out`
-/// [T, H] (the weighted sum of the routed experts), `shared_out` [T, H] (when the layer has
-/// shared experts) and `hidden_out` = `h1 + moe_out + shared_out` into `trace`.
-///
-/// `x = RMSNorm(h1)·ffn_norm`; router logits `x · ffn_gate_inpᵀ`; scores = softmax over E or
-/// elementwise sigmoid (`expert_gating_func`); routing by [`route`] with `choice = scores +
-/// exp_probs_b`; each routed expert is dequantized from its slice of the 3-D tensors only when
-/// some token selected it ([`MoeWeights::expert`]), one expert at a time; a token's routed
-/// outputs are summed in expert-id order.
-///
-/// Errors: [`Error::Internal`] for `h1` of the wrong shape or a file without MoE config (`mw`
-/// exists only for an MoE layer); missing tensors and dequantization errors of the experts.
-pub fn moe_ffn(
-    file: &GgufFile,
-    cfg: &MlaConfig,
-    mw: &MoeWeights,
-    h1: &Array2<f64>,
-    trace: &mut Trace,
-) -> Result<MoeOut> {
-    let moe = cfg
-        .moe
-        .as_ref()
-        .ok_or_else(|| Error::internal(format!("{}: MoE weights without an MoE config", file.path().display())))?;
-    let (t, hd, layer) = (h1.nrows(), cfg.hidden, mw.layer);
-    if h1.ncols() != hd {
-        return Err(Error::internal(format!(
-            "reference: MoE input has shape {:?}, expected [T, H={hd}]",
-            h1.shape()
-        )));
-    }
-    let mut nonfinite = mw.nonfinite();
-    let x = rms_norm(h1.view(), mw.norm.view(), cfg.rms_eps);
-    let logits = linear(&x, &widen_to_f64(&mw.router));
-    record_copy(trace, layer, Stage::MoeRouterLogits, &logits);
-
-    let mut selected = Vec::with_capacity(t);
-    let mut weights = Vec::with_capacity(t);
-    for row in logits.rows() {
-        let scores: Vec<f64> = match moe.gating {
-            GatingFunc::Sigmoid => row.iter().map(|&z| 1.0 / (1.0 + (-z).exp())).collect(),
-            GatingFunc::Softmax => {
-                let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = row.iter().map(|&z| (z - m).exp()).collect();
-                let sum: f64 = e.iter().sum();
-                e.into_iter().map(|v| v / sum).collect()
-            }
-        };
-        let choice: Vec<f64> = match &mw.exp_probs_b {
-            Some(b) => scores.iter().zip(b.iter()).map(|(&s, &bi)| s + f64::from(bi)).collect(),
-            None => scores.clone(),
-        };
-        let (sel, w) = route(moe, &scores, &choice);
-        selected.push(sel);
-        weights.push(w);
-    }
-    let k = moe.n_expert_used;
-    let ids: Vec<f64> = selected.iter().flat_map(|s| s.iter().map(|&e| e as f64)).collect();
-    trace.record(Site::new(layer, Stage::MoeTopk), TraceTensor::f64(vec![t, k], ids));
-
-    // Routed experts: each selected expert is dequantized on its own (in parallel across
-    // experts, one expert's slices per task) and run only on the tokens that selected it; the
-    // weighted outputs are then summed per token in expert-id order, so the result does not
-    // depend on threading.
-    let users_of = |expert: usize| -> Vec<(usize, f64)> {
-        selected
-            .iter()
-            .zip(&weights)
-            .enumerate()
-            .filter_map(|(ti, (sel, w))| sel.iter().position(|&e| e == expert).map(|j| (ti, w[j])))
-            .collect()
-    };
-    let used: Vec<usize> = (0..moe.n_expert).filter(|&e| !users_of(e).is_empty()).collect();
-    type ExpertRun = (Vec<(usize, f64)>, Array2<f64>, Vec<NonFiniteTensor>);
-    let runs: Vec<ExpertRun> = used
-        .par_iter()
-        .map(|&expert| -> Result<ExpertRun> {
-            let users = users_of(expert);
-            let f = mw.expert(file, expert)?;
-            let bad = f.nonfinite(layer, SwiGlu::ROUTED, Some(expert));
-            let xs = Array2::from_shape_fn((users.len(), hd), |(i, c)| x[[users[i].0, c]]);
-            Ok((users, swiglu(&xs, &f), bad))
-        })
-        .collect::<Result<_>>()?;
-    let mut moe_out = Array2::<f64>::zeros((t, hd));
-    for (users, y, bad) in runs {
-        nonfinite.extend(bad);
-        for (i, &(ti, wt)) in users.iter().enumerate() {
-            let mut row = moe_out.row_mut(ti);
-            row.scaled_add(wt, &y.row(i));
-        }
-    }
-    record_copy(trace, layer, Stage::MoeOut, &moe_out);
-    let mut hidden_out = h1 + &moe_out;
-    if let Some(sh) = &mw.shared {
-        let shared_out = swiglu(&x, sh);
-        record_copy(trace, layer, Stage::SharedOut, &shared_out);
-        hidden_out += &shared_out;
-    }
-    record_copy(trace, layer, Stage::HiddenOut, &hidden_out);
-    Ok(MoeOut {
-        hidden_out,
-        selected,
-        nonfinite,
-    })
-}
-
 /// The reference's per-rank weight shards for `--tp tp` (sites `w.<weight>.rank<r>`), sliced
 /// from its own assembly of the GGUF tensors: `q_b`/`q` and `kv_b` by head rows, `o_proj` by
 /// head columns of its input dim.
@@ -1031,12 +797,15 @@ pub fn reference_layer(
     with_rank_sites(r, cfg, w, tp)
 }
 
-/// A reference layer's output plus the per-rank weight sites and `o_proj` partials for `tp`.
+/// A reference layer's output plus the per-rank weight sites, `o_proj` partials and (a dense
+/// layer's) MLP sites for `tp`.
 fn with_rank_sites(r: RefLayer, cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> Result<RefOutput> {
     let mut trace = r.trace;
     let partials = rank_partial_sites_of(cfg, w, &trace, tp)?;
+    let ffn_ranks = ffn_rank_sites_of(w, &trace, tp)?;
     trace.extend(rank_weight_sites(cfg, w, tp));
     trace.extend(partials);
+    trace.extend(ffn_ranks);
     Ok(RefOutput {
         trace,
         hidden_out: r.hidden_out,
@@ -1046,7 +815,7 @@ fn with_rank_sites(r: RefLayer, cfg: &MlaConfig, w: &LayerWeights, tp: usize) ->
 }
 
 /// [`reference_layer`], and for an MoE layer also its MoE FFN ([`forward_full`]):
-/// the MoE sites and `hidden_out`.
+/// the MoE sites, the shared experts' MLP sites (per rank too under TP) and `hidden_out`.
 ///
 /// Errors: as [`forward_full`].
 pub fn reference_layer_full(
@@ -1058,90 +827,13 @@ pub fn reference_layer_full(
     tp: usize,
     shared: Option<&Selection>,
 ) -> Result<RefOutput> {
-    let r = forward_full_sel(file, cfg, w, hidden, batch, shared)?;
+    let r = ffn::forward_full_tp(file, cfg, w, hidden, batch, shared, tp)?;
     with_rank_sites(r, cfg, w, tp)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::batch::normal_f32;
-
-    fn moe(norm: bool, n_group: usize, n_group_used: usize) -> MoeConfig {
-        MoeConfig {
-            n_expert: 8,
-            n_expert_used: 2,
-            n_expert_shared: 1,
-            expert_ffn: 32,
-            weights_scale: 2.5,
-            weights_norm: norm,
-            gating: GatingFunc::Sigmoid,
-            n_group,
-            n_group_used,
-        }
-    }
-
-    fn sigmoid(v: &[f64]) -> Vec<f64> {
-        v.iter().map(|&z| 1.0 / (1.0 + (-z).exp())).collect()
-    }
-
-    #[test]
-    fn the_bias_moves_the_choice_but_never_the_weights() {
-        let logits: Vec<f64> = normal_f32(3, 8).into_iter().map(f64::from).collect();
-        let scores = sigmoid(&logits);
-        let (plain, _) = route(&moe(true, 1, 1), &scores, &scores);
-        // A bias that favours the two experts the plain choice left out with the lowest scores.
-        let mut order: Vec<usize> = (0..8).collect();
-        order.sort_by(|&a, &b| scores[a].total_cmp(&scores[b]));
-        let (lo0, lo1) = (order[0], order[1]);
-        let choice: Vec<f64> = (0..8)
-            .map(|e| scores[e] + if e == lo0 || e == lo1 { 2.0 } else { 0.0 })
-            .collect();
-        let (sel, w) = route(&moe(true, 1, 1), &scores, &choice);
-        assert_eq!(set_of(&sel), set_of(&[lo0, lo1]));
-        assert_ne!(set_of(&sel), set_of(&plain));
-        // Weights: the unbiased scores, normalised to 1, times 2.5.
-        let sum = scores[sel[0]] + scores[sel[1]];
-        for (j, &e) in sel.iter().enumerate() {
-            approx::assert_relative_eq!(w[j], 2.5 * scores[e] / sum, max_relative = 1e-14);
-        }
-        approx::assert_relative_eq!(w.iter().sum::<f64>(), 2.5, max_relative = 1e-14);
-        // Without normalisation: scale × score.
-        let (sel2, w2) = route(&moe(false, 1, 1), &scores, &choice);
-        for (j, &e) in sel2.iter().enumerate() {
-            approx::assert_relative_eq!(w2[j], 2.5 * scores[e], max_relative = 1e-14);
-        }
-    }
-
-    #[test]
-    fn group_limit_drops_a_strong_expert_in_a_weak_group() {
-        // 4 groups of 2: group 0 = {0.95, 0.05} (sum 1.0), group 1 = {0.6, 0.55} (1.15),
-        // group 2 = {0.5, 0.52} (1.02), group 3 = {0.1, 0.2} (0.3). Keeping 2 groups keeps 1 and
-        // 2: expert 0, the best single expert, is not eligible.
-        let choice = [0.95, 0.05, 0.6, 0.55, 0.5, 0.52, 0.1, 0.2];
-        let (sel, _) = route(&moe(true, 4, 2), &choice, &choice);
-        assert_eq!(sel, vec![2, 3]);
-        let (free, _) = route(&moe(true, 1, 1), &choice, &choice);
-        assert_eq!(free, vec![0, 2]);
-        // Keeping 3 groups brings group 0 back.
-        let (sel3, _) = route(&moe(true, 4, 3), &choice, &choice);
-        assert_eq!(sel3, vec![0, 2]);
-    }
-
-    #[test]
-    fn ties_go_to_the_lower_index_in_groups_and_experts() {
-        let choice = [0.3, 0.7, 0.7, 0.3, 0.7, 0.3, 0.3, 0.7];
-        // Every group sums to 1.0: groups 0 and 1 win the tie; experts 1 and 2 win theirs.
-        let (sel, _) = route(&moe(true, 4, 2), &choice, &choice);
-        assert_eq!(sel, vec![1, 2]);
-        let (sel, _) = route(&moe(true, 1, 1), &choice, &choice);
-        assert_eq!(sel, vec![1, 2]);
-        assert_eq!(top_k(&[0.5, f64::NAN, 0.5, 0.9], 3), vec![3, 0, 2]);
-    }
-
-    fn set_of(v: &[usize]) -> std::collections::BTreeSet<usize> {
-        v.iter().copied().collect()
-    }
 
     #[test]
     fn parallel_linear_is_bit_identical_whatever_the_thread_count() {

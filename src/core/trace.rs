@@ -20,19 +20,40 @@ pub enum RankedWeight {
     KvB,
     /// `o_proj`: row-parallel, the input dim split by heads.
     OProj,
+    /// `gate_up_proj` (vLLM's `MergedColumnParallelLinear` of `ffn_gate`/`ffn_up`, or of the
+    /// `_shexp` pair in an MoE layer): rank r holds `[gate rows r·I/tp.. | up rows r·I/tp..]`,
+    /// [2·I/tp, H].
+    GateUp,
+    /// `down_proj` (`ffn_down`, or `ffn_down_shexp`): row-parallel, rank r holds the input
+    /// columns `r·I/tp..(r+1)·I/tp`, [H, I/tp].
+    Down,
 }
 
 impl RankedWeight {
     /// Every ranked weight, in declaration order.
-    pub const ALL: [RankedWeight; 3] = [RankedWeight::QProj, RankedWeight::KvB, RankedWeight::OProj];
+    pub const ALL: [RankedWeight; 5] = [
+        RankedWeight::QProj,
+        RankedWeight::KvB,
+        RankedWeight::OProj,
+        RankedWeight::GateUp,
+        RankedWeight::Down,
+    ];
 
-    /// Name used in the site: `q_b`, `kv_b`, `o_proj`.
+    /// Name used in the site: `q_b`, `kv_b`, `o_proj`, `gate_up`, `down`.
     pub fn as_str(self) -> &'static str {
         match self {
             RankedWeight::QProj => "q_b",
             RankedWeight::KvB => "kv_b",
             RankedWeight::OProj => "o_proj",
+            RankedWeight::GateUp => "gate_up",
+            RankedWeight::Down => "down",
         }
+    }
+
+    /// True for the FFN's weights (`gate_up`, `down`), split by the FFN width rather than by
+    /// attention heads.
+    pub fn is_ffn(self) -> bool {
+        matches!(self, RankedWeight::GateUp | RankedWeight::Down)
     }
 }
 
@@ -96,6 +117,21 @@ pub enum Stage {
     AttnOut,
     /// `o_proj`: [T, H].
     OProj,
+    /// `ffn_in`: after the post-attention RMSNorm (`ffn_norm`, vLLM `post_attention_layernorm`),
+    /// [T, H]: the input of the dense MLP, or of the whole MoE block (router, routed and shared
+    /// experts).
+    FfnIn,
+    /// `ffn_gate`: the gate projection of the layer's SwiGLU MLP, [T, I] (I: the dense FFN's
+    /// `feed_forward_length`, or the shared experts' `n_shared·F_e` in an MoE layer).
+    FfnGate,
+    /// `ffn_up`: the up projection of the same MLP, [T, I].
+    FfnUp,
+    /// `ffn_act`: `SiLU(ffn_gate)·ffn_up`, the `down_proj` input, [T, I].
+    FfnAct,
+    /// `ffn_out`: the dense MLP's `down_proj` output after the TP all-reduce, before the
+    /// residual add (and before MiniCPM3's residual scale), [T, H]. MoE layers record the
+    /// shared experts' output at `shared_out` instead.
+    FfnOut,
     /// `moe_router_logits`: the router's raw logits `RMSNorm(h)·ffn_gate_inpᵀ`, [T, E] (MoE
     /// layers only).
     MoeRouterLogits,
@@ -113,6 +149,12 @@ pub enum Stage {
     /// `o_proj.rank<r>`: TP rank r's row-parallel `o_proj` partial, its heads' `attn_out`
     /// through its `w.o_proj.rank<r>` columns, before the all-reduce, [T, H].
     OProjRank(u32),
+    /// `ffn_gate_up.rank<r>`: TP rank r's merged-column `gate_up_proj` output, `[gate cols
+    /// r·I/tp..(r+1)·I/tp | up cols r·I/tp..(r+1)·I/tp]`, [T, 2·I/tp].
+    FfnGateUpRank(u32),
+    /// `ffn_down.rank<r>`: TP rank r's row-parallel `down_proj` partial before the all-reduce
+    /// (dense MLP, or the shared experts in an MoE layer), [T, H].
+    FfnDownRank(u32),
 }
 
 /// Stages in data-flow order (without the per-rank sites).
@@ -143,6 +185,11 @@ pub const STAGES: &[Stage] = &[
     Stage::Lse,
     Stage::AttnOut,
     Stage::OProj,
+    Stage::FfnIn,
+    Stage::FfnGate,
+    Stage::FfnUp,
+    Stage::FfnAct,
+    Stage::FfnOut,
     Stage::MoeRouterLogits,
     Stage::MoeTopk,
     Stage::MoeOut,
@@ -156,6 +203,8 @@ impl Stage {
         match self {
             Stage::WRank(w, r) => format!("w.{}.rank{r}", w.as_str()),
             Stage::OProjRank(r) => format!("o_proj.rank{r}"),
+            Stage::FfnGateUpRank(r) => format!("ffn_gate_up.rank{r}"),
+            Stage::FfnDownRank(r) => format!("ffn_down.rank{r}"),
             s => s.base_name().to_string(),
         }
     }
@@ -188,6 +237,11 @@ impl Stage {
             Stage::Lse => "lse",
             Stage::AttnOut => "attn_out",
             Stage::OProj => "o_proj",
+            Stage::FfnIn => "ffn_in",
+            Stage::FfnGate => "ffn_gate",
+            Stage::FfnUp => "ffn_up",
+            Stage::FfnAct => "ffn_act",
+            Stage::FfnOut => "ffn_out",
             Stage::MoeRouterLogits => "moe_router_logits",
             Stage::MoeTopk => "moe_topk",
             Stage::MoeOut => "moe_out",
@@ -195,6 +249,8 @@ impl Stage {
             Stage::HiddenOut => "hidden_out",
             Stage::WRank(..) => "w.rank",
             Stage::OProjRank(..) => "o_proj.rank",
+            Stage::FfnGateUpRank(..) => "ffn_gate_up.rank",
+            Stage::FfnDownRank(..) => "ffn_down.rank",
         }
     }
 
@@ -203,11 +259,19 @@ impl Stage {
         if let Some(r) = s.strip_prefix("o_proj.rank") {
             return r.parse().ok().map(Stage::OProjRank);
         }
+        if let Some(r) = s.strip_prefix("ffn_gate_up.rank") {
+            return r.parse().ok().map(Stage::FfnGateUpRank);
+        }
+        if let Some(r) = s.strip_prefix("ffn_down.rank") {
+            return r.parse().ok().map(Stage::FfnDownRank);
+        }
         if let Some((w, r)) = s.strip_prefix("w.").and_then(|rest| rest.split_once(".rank")) {
             let rw = match w {
                 "q_b" => RankedWeight::QProj,
                 "kv_b" => RankedWeight::KvB,
                 "o_proj" => RankedWeight::OProj,
+                "gate_up" => RankedWeight::GateUp,
+                "down" => RankedWeight::Down,
                 _ => return None,
             };
             return r.parse().ok().map(|r| Stage::WRank(rw, r));
@@ -216,9 +280,10 @@ impl Stage {
     }
 
     /// Sort key in data-flow order. A rank shard sorts just before the stage that consumes it
-    /// (`q` for q_b, right after `w.kv_b` for kv_b, `o_proj` for o_proj), ranks in order; the
-    /// `o_proj` partials sort after the `o_proj` shards and before `o_proj`, the all-reduce's
-    /// output.
+    /// (`q` for q_b, right after `w.kv_b` for kv_b, `o_proj` for o_proj, `ffn_gate` for gate_up,
+    /// `ffn_out` for down), ranks in order; each rank's output (`o_proj.rank<r>`,
+    /// `ffn_gate_up.rank<r>`, `ffn_down.rank<r>`) sorts after those shards and before the
+    /// stage, which for `o_proj` and `ffn_out` is the all-reduce's output.
     pub fn order(&self) -> (u32, u32) {
         let idx = |s: Stage| STAGES.iter().position(|&x| x == s).unwrap_or(0) as u32 * 4;
         match *self {
@@ -226,6 +291,10 @@ impl Stage {
             Stage::WRank(RankedWeight::KvB, r) => (idx(Stage::WKvB) + 1, r),
             Stage::WRank(RankedWeight::OProj, r) => (idx(Stage::OProj) - 2, r),
             Stage::OProjRank(r) => (idx(Stage::OProj) - 1, r),
+            Stage::WRank(RankedWeight::GateUp, r) => (idx(Stage::FfnGate) - 2, r),
+            Stage::FfnGateUpRank(r) => (idx(Stage::FfnGate) - 1, r),
+            Stage::WRank(RankedWeight::Down, r) => (idx(Stage::FfnOut) - 2, r),
+            Stage::FfnDownRank(r) => (idx(Stage::FfnOut) - 1, r),
             s => (idx(s), 0),
         }
     }
@@ -246,6 +315,21 @@ impl Stage {
         matches!(
             self,
             Stage::IdxQ | Stage::IdxK | Stage::IdxWeights | Stage::IdxScores | Stage::IdxTopk
+        )
+    }
+
+    /// True for the sites of the layer's SwiGLU MLP (the dense FFN, or the shared experts of an
+    /// MoE layer): `ffn_in` … `ffn_out` and the per-rank `ffn_gate_up.rank<r>`, `ffn_down.rank<r>`.
+    pub fn is_ffn(&self) -> bool {
+        matches!(
+            self,
+            Stage::FfnIn
+                | Stage::FfnGate
+                | Stage::FfnUp
+                | Stage::FfnAct
+                | Stage::FfnOut
+                | Stage::FfnGateUpRank(_)
+                | Stage::FfnDownRank(_)
         )
     }
 
@@ -468,5 +552,41 @@ mod tests {
         assert_eq!(Site::parse("L3.moe_topk"), Some(Site::new(3, Stage::MoeTopk)));
         assert!(Stage::MoeTopk.is_id_set() && !Stage::MoeOut.is_id_set());
         assert_eq!(Site::parse("L1.nonsense"), None);
+    }
+
+    #[test]
+    fn ffn_sites_sort_between_o_proj_and_the_moe_sites() {
+        let names = [
+            "o_proj",
+            "ffn_in",
+            "w.gate_up.rank0",
+            "w.gate_up.rank1",
+            "ffn_gate_up.rank0",
+            "ffn_gate_up.rank1",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_act",
+            "w.down.rank0",
+            "w.down.rank3",
+            "ffn_down.rank0",
+            "ffn_down.rank3",
+            "ffn_out",
+            "moe_router_logits",
+        ];
+        let stages: Vec<Stage> = names.iter().map(|n| Stage::parse(n).unwrap()).collect();
+        for (st, n) in stages.iter().zip(names) {
+            assert_eq!(st.name(), n);
+        }
+        assert!(stages.windows(2).all(|w| w[0].order() < w[1].order()), "{stages:?}");
+        assert_eq!(
+            Stage::parse("w.gate_up.rank1"),
+            Some(Stage::WRank(RankedWeight::GateUp, 1))
+        );
+        assert_eq!(Stage::parse("ffn_down.rank2"), Some(Stage::FfnDownRank(2)));
+        assert!(Stage::WRank(RankedWeight::Down, 0).is_weight());
+        assert!(!Stage::FfnGateUpRank(0).is_weight() && Stage::FfnGateUpRank(0).is_ffn());
+        assert!(Stage::FfnAct.is_ffn() && !Stage::SharedOut.is_ffn() && !Stage::FfnIn.is_moe());
+        assert!(RankedWeight::GateUp.is_ffn() && !RankedWeight::OProj.is_ffn());
+        assert_eq!(Stage::parse("ffn_gate_up.rankx"), None);
     }
 }

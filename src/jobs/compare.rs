@@ -134,7 +134,17 @@ pub fn compare_dump(
             }
         };
         let next_dumped = dump.layers.contains_key(&(layer + 1));
-        let layer_ref = dumped_layer_reference(file, cfg, &w, &input, &dump.batch, dumped, next_dumped, &mut prev_sel)?;
+        let layer_ref = dumped_layer_reference(
+            file,
+            cfg,
+            &w,
+            &input,
+            &dump.batch,
+            dumped,
+            next_dumped,
+            1,
+            &mut prev_sel,
+        )?;
         let ref_out = layer_ref.hidden_out;
         let mut reference = layer_ref.trace;
         if let Some(e) = expected_in {
@@ -149,7 +159,8 @@ pub fn compare_dump(
                 not_dumped.push(s.to_string());
             }
         }
-        let (result, layer_findings) = judge_dumped_layer(cfg, &dump.batch, &reference, dumped, precision, layer, None);
+        let (result, layer_findings) =
+            judge_dumped_layer(cfg, &dump.batch, &reference, dumped, precision, 1, layer, None);
         if findings.is_empty() {
             findings.extend(layer_findings);
         }
@@ -175,6 +186,7 @@ pub fn compare_dump(
         results,
         findings,
         dump: Some(summary),
+        loaded_weights: None,
     })
 }
 
@@ -223,13 +235,14 @@ fn dump_run_record(dump: &Dump, layers: Vec<usize>, dtype: EngineDtype, engine: 
 
 /// The reference of one dumped layer on `input` (rows of `batch`): with the layer's MoE FFN when
 /// the dump holds any MoE site or `hidden_out` of it, or when `next_dumped` (the next layer is
-/// dumped, and its `hidden_in` is judged against this layer's output). Keeps `prev_sel`, the
-/// selection of the latest full DSA indexer layer that GLM's shared layers borrow, up to date.
+/// dumped, and its `hidden_in` is judged against this layer's output); with the per-rank sites
+/// (`w.*.rank<r>`, `o_proj.rank<r>`) of the engine's `tp` ranks. Keeps `prev_sel`, the selection
+/// of the latest full DSA indexer layer that GLM's shared layers borrow, up to date.
 ///
 /// Errors: as [`reference_layer_full`].
 #[allow(
     clippy::too_many_arguments,
-    reason = "the model (file, cfg, w), the layer's input rows (input, batch), what the dump holds of the layer (dumped, next_dumped) and the selection carried across layers come from four different places at both call sites"
+    reason = "the model (file, cfg, w), the layer's input rows (input, batch), what the dump holds of the layer (dumped, next_dumped, tp) and the selection carried across layers come from four different places at both call sites"
 )]
 fn dumped_layer_reference(
     file: &GgufFile,
@@ -239,6 +252,7 @@ fn dumped_layer_reference(
     batch: &Batch,
     dumped: &Trace,
     next_dumped: bool,
+    tp: usize,
     prev_sel: &mut Option<Selection>,
 ) -> Result<RefOutput> {
     let wants_ffn = next_dumped
@@ -247,9 +261,9 @@ fn dumped_layer_reference(
             .iter()
             .any(|(s, _)| s.stage.is_moe() || s.stage == Stage::HiddenOut);
     let layer_ref = if cfg.is_moe_layer(w.layer) && wants_ffn {
-        reference_layer_full(file, cfg, w, input, batch, 1, prev_sel.as_ref())?
+        reference_layer_full(file, cfg, w, input, batch, tp, prev_sel.as_ref())?
     } else {
-        reference_layer(cfg, w, input, batch, 1, prev_sel.as_ref())?
+        reference_layer(cfg, w, input, batch, tp, prev_sel.as_ref())?
     };
     if cfg
         .indexer
@@ -262,13 +276,19 @@ fn dumped_layer_reference(
 }
 
 /// One dumped layer's sites against its reference (the tolerance rows of `precision`), as the
-/// result of the path `dump` at `layer` (in format-2 step `step`), and the dump's finding there.
+/// result of the path `dump` at `layer` (in format-2 step `step`), and the dump's finding there;
+/// `tp` is the TP size the rank detectors read the per-rank sites with.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the model and batch (cfg, batch), both traces, how to judge them (precision, tp) and where the result belongs (layer, step)"
+)]
 fn judge_dumped_layer(
     cfg: &MlaConfig,
     batch: &Batch,
     reference: &Trace,
     dumped: &Trace,
     precision: Precision,
+    tp: usize,
     layer: usize,
     step: Option<String>,
 ) -> (PathResult, Vec<Finding>) {
@@ -284,7 +304,7 @@ fn judge_dumped_layer(
             empty_partial_rows: &[],
             unservable: None,
         }],
-        tp: 1,
+        tp,
         precision,
     });
     let result = PathResult {
@@ -346,7 +366,10 @@ fn take_heads(t: &TraceTensor, stage: Stage, cfg: &MlaConfig, [a, b]: [usize; 2]
     TraceTensor::f64(shape, v)
 }
 
-/// Compares a format-2 dump with the reference: every step of every dumped layer, each step
+/// Compares a format-2 dump with the reference: its loaded weights (`weights.*`) first, judged
+/// by [`crate::jobs::weights_check::check_dump_weights`] as `weights --check` judges them (their
+/// findings come first: an engine loads its weights before it computes), then every step of
+/// every dumped layer, each step
 /// against the reference run from position 0 over the sequences' cached context and new tokens
 /// (fed with the `hidden_in` rows of the steps up to it), judging only the step's new rows; where
 /// a step holds layers n−1 and n, its `L{n}.hidden_in` is judged against its own
@@ -362,7 +385,9 @@ fn take_heads(t: &TraceTensor, stage: Stage, cfg: &MlaConfig, [a, b]: [usize; 2]
 /// layer is judged and diagnosed as a model of `b − a` heads.
 ///
 /// Errors: a step that lacks `L{n}.hidden_in` for a layer it dumps (exit 2, naming step and
-/// layer); a reference layer that cannot run.
+/// layer); a reference layer that cannot run; the loaded weights' errors (`weights --check`'s:
+/// a tensor with an integer dtype or the wrong number of dims, a TP size that does not fit, a
+/// layer of the weights whose identity hash differs or is missing).
 pub fn compare_steps(
     file: &GgufFile,
     cfg: &MlaConfig,
@@ -381,6 +406,11 @@ pub fn compare_steps(
     let dtype = dtype.unwrap_or(steps_dump.steps[0].1.dtype);
     let heads_cfg = header.heads.map(|hs| crate::model::dump::heads_config(cfg, hs));
     let judge_cfg = heads_cfg.as_ref().unwrap_or(cfg);
+    // The reference records every rank's per-rank sites; the rank detectors read them when the
+    // dump holds every rank's heads.
+    let tp = engine_tp(steps_dump, cfg)?;
+    let judge_tp = if header.heads.is_some() { 1 } else { tp };
+    let loaded_weights = crate::jobs::weights_check::check_dump_weights(file, cfg, &steps_dump.path)?;
     let mut results = Vec::new();
     let mut findings = Vec::new();
     let mut not_dumped = Vec::new();
@@ -411,7 +441,8 @@ pub fn compare_steps(
             }
             let full_in = gather_hidden_in(steps_dump, k, &live, layer, t_full, cfg.hidden)?;
             let next_dumped = d.layers.contains_key(&(layer + 1));
-            let layer_ref = dumped_layer_reference(file, cfg, &w, &full_in, &full, dumped, next_dumped, &mut prev_sel)?;
+            let layer_ref =
+                dumped_layer_reference(file, cfg, &w, &full_in, &full, dumped, next_dumped, tp, &mut prev_sel)?;
             let mut reference = crate::core::trace::Trace::new();
             for (s, t) in layer_ref.trace.entries() {
                 let rows = take_rows(t, &new_rows, t_full);
@@ -444,8 +475,9 @@ pub fn compare_steps(
                 }
             }
             let step = Some(spec.name.clone());
-            let (result, layer_findings) =
-                judge_dumped_layer(judge_cfg, &d.batch, &reference, dumped, precision, layer, step);
+            let (result, layer_findings) = judge_dumped_layer(
+                judge_cfg, &d.batch, &reference, dumped, precision, judge_tp, layer, step,
+            );
             if findings.is_empty() {
                 findings.extend(layer_findings);
             }
@@ -460,6 +492,10 @@ pub fn compare_steps(
         .to_string();
     let metadata = steps_metadata(header);
     let first = &steps_dump.steps[0].1;
+    // The loaded weights' findings first, then the first diverging layer's.
+    if let Some(w) = &loaded_weights {
+        findings.splice(0..0, w.findings.iter().cloned());
+    }
     Ok(RunReport {
         model: ModelSummary::new(file, cfg, tensor_types),
         run: dump_run_record(first, layers, dtype, &engine),
@@ -477,7 +513,24 @@ pub fn compare_steps(
             dtype,
             tolerance_rows: precision,
         }),
+        loaded_weights,
     })
+}
+
+/// The engine's TP size a format-2 dump declares (`header.tp.size`; 1 without it).
+///
+/// Errors: [`Error::Input`] naming the dump and `header.tp.size` when it does not divide the
+/// model's heads.
+fn engine_tp(steps_dump: &StepsDump, cfg: &MlaConfig) -> Result<usize> {
+    match &steps_dump.header.tp {
+        Some(t) if !cfg.n_head.is_multiple_of(t.size) => Err(Error::input(
+            &steps_dump.path,
+            "field `header.tp.size`",
+            format!("{} does not divide the model's {} heads", t.size, cfg.n_head),
+        )),
+        Some(t) => Ok(t.size),
+        None => Ok(1),
+    }
 }
 
 /// A step's full batch: `live`, the sequences of `n_seq` with new tokens in the step; the batch
@@ -553,7 +606,8 @@ fn gather_hidden_in(
 }
 
 /// The `metadata` a format-2 comparison reports: format, model, hook, the engine's attention
-/// and prefill backends, the step names, `kernel_precision` and `heads` when the header has them.
+/// and prefill backends, the step names, `kernel_precision`, `heads` and the TP size and rank
+/// (`tp_size`, `tp_rank`) when the header has them.
 fn steps_metadata(h: &crate::model::dump::DumpHeader) -> std::collections::BTreeMap<String, String> {
     let mut metadata = std::collections::BTreeMap::new();
     metadata.insert("format".to_string(), crate::model::dump::FORMAT2.to_string());
@@ -575,6 +629,12 @@ fn steps_metadata(h: &crate::model::dump::DumpHeader) -> std::collections::BTree
     }
     if let Some([a, b]) = h.heads {
         metadata.insert("heads".to_string(), format!("{a},{b}"));
+    }
+    if let Some(tp) = &h.tp {
+        metadata.insert("tp_size".to_string(), tp.size.to_string());
+        if let Some(r) = tp.rank {
+            metadata.insert("tp_rank".to_string(), r.to_string());
+        }
     }
     metadata
 }

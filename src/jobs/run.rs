@@ -389,6 +389,7 @@ fn run_inner(
         results,
         findings,
         dump: None,
+        loaded_weights: None,
     };
     Ok((report, traces))
 }

@@ -301,6 +301,7 @@ impl PageRun<'_> {
         let mut r = self.base.clone();
         r.extend(reference::rank_weight_sites(self.cfg, self.w, tp));
         r.extend(reference::rank_partial_sites_of(self.cfg, self.w, self.base, tp)?);
+        r.extend(reference::ffn_rank_sites_of(self.w, self.base, tp)?);
         let reference = SplitTrace {
             host: r,
             device: Vec::new(),
@@ -355,8 +356,11 @@ impl PageRun<'_> {
         let (file, cfg, layer) = (self.file, self.cfg, self.layer);
         let servable =
             |tp: usize| fault == Fault::QuantSliceMisaligned || natural_misalignment(file, cfg, layer, tp).is_none();
-        let works =
-            |tp: usize| servable(tp) && PathKind::ALL.iter().any(|&p| fault.applies(p, cfg, tp, lblock).is_ok());
+        let works = |tp: usize| {
+            servable(tp)
+                && fault.applies_to_layer(self.w, tp).is_ok()
+                && PathKind::ALL.iter().any(|&p| fault.applies(p, cfg, tp, lblock).is_ok())
+        };
         tps.iter()
             .copied()
             .find(|&tp| works(tp))

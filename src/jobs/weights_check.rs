@@ -1,21 +1,28 @@
-//! `mla-diff weights --check`: an engine's MLA weights as loaded, against the GGUF.
+//! `mla-diff weights --check`: an engine's weights as loaded, against the GGUF.
 //!
-//! The second bug behind this project was in the weights, not in a kernel: the shards of a fused
-//! projection came out of GGUF dequantization in the wrong order. An engine's loaded weights
+//! The bugs behind this project were in the weights, not in a kernel: the shards of a fused
+//! projection came out of GGUF dequantization in the wrong order, and every TP rank kept rank
+//! 0's slice of a quantized merged-column `gate_up_proj`. An engine's loaded weights
 //! (dequantized, fused, sharded per tensor-parallel rank, absorbed into `W_UK_T`/`W_UV`) can be
 //! dumped with vLLM's parameter names and checked here against the same tensors rebuilt from the
 //! GGUF. This job reads the file, rebuilds each param and judges each tensor; a tensor that
 //! differs is explained by the detectors of [`crate::judge::diagnose::loaded`] (fused shards in
 //! the wrong order, a rank holding another rank's slice, a missing shard, a transposed matrix, a
 //! shard cut inside a quant block), and [`crate::output::weights_check`] renders the report.
+//! `compare` judges the `weights.*` tensors of a format-2 dump through [`check_dump_weights`],
+//! the same code.
 //!
 //! File format: safetensors, tensors `L{n}.{param}` (whole) or `L{n}.{param}.rank{r}` (one TP
-//! rank's shard), PyTorch `[out, in]` layout, any float dtype; params are vLLM's names
-//! (`vllm/model_executor/models/deepseek_v2.py`): `fused_qkv_a_proj`, `q_a_proj`, `q_b_proj`,
-//! `q_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`, `o_proj`, and the MLA backend's `W_UK_T`
-//! `[N, P, L]` and `W_UV` `[N, L, V]` (`vllm/v1/attention/backends/mla/common.py`). Metadata:
-//! `tp_size` (else the largest rank + 1), `dtype` (`f32` exact, `bf16`/`f16` judged by the bf16
-//! weight row), `engine`.
+//! rank's shard), PyTorch `[out, in]` layout, any float dtype; params are vLLM's names without
+//! `self_attn.`/`mlp.` and `.weight` (`vllm/model_executor/models/deepseek_v2.py`):
+//! `fused_qkv_a_proj`, `q_a_proj`, `q_b_proj`, `q_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`,
+//! `o_proj`, the MLA backend's `W_UK_T` `[N, P, L]` and `W_UV` `[N, L, V]`
+//! (`vllm/v1/attention/backends/mla/common.py`), and the FFN's `gate_up_proj` `[2·F, H]`,
+//! `down_proj` `[H, F]` (dense layers) and `shared_experts.gate_up_proj`,
+//! `shared_experts.down_proj` (MoE layers). Metadata: `tp_size` (else the largest rank + 1),
+//! `dtype` (`f32` exact, `bf16`/`f16` judged by the bf16 weight row), `engine`. A format-2 dump
+//! holds them as `weights.L{n}.…`; its header gives the engine, the dtype, `tp` (size, rank) and
+//! `heads`, and binds the dump to its GGUF (another model's dump is refused).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -31,20 +38,29 @@ use crate::core::trace::{Stage, TraceTensor};
 use crate::judge::diagnose::Finding;
 use crate::judge::diagnose::blocks::rel_l2 as rel;
 use crate::judge::diagnose::explain_loaded;
-use crate::judge::diagnose::loaded::{self, Failing, Holds, Param, Source, match_threshold};
+use crate::judge::diagnose::loaded::{self, Failing, Held, Holds, Param, Source, match_threshold};
 use crate::judge::metrics;
 use crate::judge::tolerance::tolerance;
 use crate::judge::weights_check::{TensorCheck, WeightsReport};
 use crate::model::config::MlaConfig;
-use crate::model::dump::{FORMAT1, FORMAT2, Map};
+use crate::model::dump::{DumpHeader, FORMAT1, FORMAT2, Map, check_identity};
 use crate::model::gguf::GgufFile;
 use crate::model::tensors::{self, ModelTensor};
-use crate::model::weights::{LayerWeights, QWeights};
+use crate::model::weights::{LayerWeights, MoeWeights, QWeights};
 
-/// Every MLA param of layer `w.layer` rebuilt from the GGUF `file`, by the name a weights dump
-/// gives it: the tensor table's [`tensors::dump_params`] of the model's layout (`q_proj` or the
-/// LoRA three, and the rest), each with its TP split, merged shards and GGUF sources.
-fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'static str, Param> {
+/// The params named `wanted` of layer `w.layer` rebuilt from the GGUF `file`, by the name a
+/// weights dump gives them: the tensor table's [`tensors::dump_params`] of the model's layout
+/// (`q_proj` or the LoRA three, and the rest; the dense MLP's in a dense layer, the shared
+/// experts' in an MoE layer when `moe` holds them), each with its TP split, merged shards and
+/// GGUF sources. Only the wanted ones: a real model's dense `gate_up_proj` alone is gigabytes
+/// in f64.
+fn params(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    moe: Option<&MoeWeights>,
+    wanted: &[&str],
+) -> BTreeMap<&'static str, Param> {
     let [n, l, p, _, v] = cfg.dims().nlprv();
     let layer = w.layer;
     let info = |t: ModelTensor| {
@@ -70,13 +86,26 @@ fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'stat
             (ModelTensor::AttnQ, QWeights::Direct { q }) => Some(widen_to_f64(q)),
             (ModelTensor::AttnKvAMqa, _) => Some(widen_to_f64(&w.kv_a_mqa)),
             (ModelTensor::AttnOutput, _) => Some(widen_to_f64(&w.o_proj)),
+            (ModelTensor::FfnGate, _) => w.ffn.as_ref().map(|f| widen_to_f64(&f.gate)),
+            (ModelTensor::FfnUp, _) => w.ffn.as_ref().map(|f| widen_to_f64(&f.up)),
+            (ModelTensor::FfnDown, _) => w.ffn.as_ref().map(|f| widen_to_f64(&f.down)),
+            (ModelTensor::FfnGateShexp, _) => moe?.shared.as_ref().map(|f| widen_to_f64(&f.gate)),
+            (ModelTensor::FfnUpShexp, _) => moe?.shared.as_ref().map(|f| widen_to_f64(&f.up)),
+            (ModelTensor::FfnDownShexp, _) => moe?.shared.as_ref().map(|f| widen_to_f64(&f.down)),
             _ => None,
         }
     };
     let flat = |a: &Array2<f64>| (a.iter().copied().collect::<Vec<f64>>(), a.shape().to_vec());
-    let kv_b = assemble_kv_b(cfg, &w.kv_b);
+    let kv_b = if wanted.iter().any(|p| ["kv_b_proj", "W_UK_T", "W_UV"].contains(p)) {
+        assemble_kv_b(cfg, &w.kv_b)
+    } else {
+        Array2::zeros((0, 0))
+    };
     let mut m = BTreeMap::new();
     for dp in tensors::dump_params(cfg) {
+        if !wanted.contains(&dp.name) {
+            continue;
+        }
         let (data, shape) = match dp.site {
             Some(Stage::WKvB) => flat(&kv_b),
             // W_UK_T [N, P, L]: each head's k_nope rows of kv_b as stored.
@@ -105,7 +134,10 @@ fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'stat
             }
             _ => {
                 let parts = if dp.shards.is_empty() { &dp.sources } else { &dp.shards };
-                let mats: Vec<Array2<f64>> = parts.iter().filter_map(|&t| matrix(t)).collect();
+                let Some(mats) = parts.iter().map(|&t| matrix(t)).collect::<Option<Vec<Array2<f64>>>>() else {
+                    // A param this layer does not have (the dense MLP in an MoE layer, …).
+                    continue;
+                };
                 let views: Vec<_> = mats.iter().map(|a| a.view()).collect();
                 let Ok(a) = ndarray::concatenate(ndarray::Axis(0), &views) else {
                     continue;
@@ -113,12 +145,14 @@ fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'stat
                 flat(&a)
             }
         };
+        // The merged shards' rows, from the file's index (PyTorch order: rows first).
         let shards = dp
             .shards
             .iter()
             .filter_map(|&t| {
                 let checkpoint = t.row().vllm?.merged?.checkpoint;
-                Some((tensors::dump_name(checkpoint), matrix(t)?.nrows()))
+                let rows = *file.tensor(&t.name(layer))?.shape().first()?;
+                Some((tensors::dump_name(checkpoint), usize::try_from(rows).ok()?))
             })
             .collect();
         m.insert(
@@ -135,8 +169,11 @@ fn params(file: &GgufFile, cfg: &MlaConfig, w: &LayerWeights) -> BTreeMap<&'stat
     m
 }
 
-/// One MLA param tensor read from the weights file.
+/// One param tensor read from the weights file.
 struct Entry {
+    /// Its name in the file (`weights.L0.gate_up_proj.rank1` in a format-2 dump).
+    file_name: String,
+    /// Its name as a weights file gives it (`L0.gate_up_proj.rank1`).
     name: String,
     layer: usize,
     param: String,
@@ -147,18 +184,24 @@ struct Entry {
     dtype: String,
 }
 
-/// Parses `L{n}.{param}` or `L{n}.{param}.rank{r}`.
+/// Parses `L{n}.{param}` or `L{n}.{param}.rank{r}` for a param of
+/// [`tensors::dump_param_names`].
 fn parse_name(name: &str) -> Option<(usize, String, Option<usize>)> {
-    let rest = name.strip_prefix('L')?;
-    let (layer, rest) = rest.split_once('.')?;
-    let layer = layer.parse().ok()?;
-    let (param, rank) = match rest.rsplit_once(".rank") {
-        Some((p, r)) => (p, Some(r.parse().ok()?)),
-        None => (rest, None),
-    };
+    let (layer, param, rank) = split_name(name)?;
     tensors::dump_param_names()
         .contains(&param)
         .then(|| (layer, param.to_string(), rank))
+}
+
+/// Splits `L{n}.{param}` or `L{n}.{param}.rank{r}` into its parts, whatever the param.
+fn split_name(name: &str) -> Option<(usize, &str, Option<usize>)> {
+    let rest = name.strip_prefix('L')?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer = layer.parse().ok()?;
+    Some(match rest.rsplit_once(".rank") {
+        Some((p, r)) => (layer, p, Some(r.parse().ok()?)),
+        None => (layer, rest, None),
+    })
 }
 
 /// Refuses an activation dump, the file `compare` reads, before its `L{n}.o_proj` [T, H] (an
@@ -204,22 +247,76 @@ fn refuse_activation_dump(
 
 /// Checks the weights in `path` against the GGUF.
 ///
-/// Errors: an unreadable or malformed file, an activation dump (the file `compare` reads), a
-/// tensor with an integer dtype, a layer out of range, GGUF tensors that cannot be loaded, no
-/// MLA param at all in the file.
+/// Errors: an unreadable or malformed file (a format-2 header included), an activation dump
+/// (the file `compare` reads), a format-2 dump of another model ([`check_identity`]: exit 2
+/// naming both files), a tensor with an integer dtype or with another number of dims than its
+/// param, a layer out of range, GGUF tensors that cannot be loaded, no known param at all in the
+/// file, a TP size that does not fit the model.
 pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -> Result<WeightsReport> {
+    let wf = read_weights_file(cfg, path, map)?;
+    refuse_activation_dump(path, &wf.metadata, &wf.names, wf.header.is_some())?;
+    if wf.entries.is_empty() {
+        return Err(bad(
+            path,
+            "tensors",
+            format!(
+                "no weight found (names like `L0.kv_b_proj` or `L0.gate_up_proj.rank1`; params {}); {} other tensor(s)",
+                tensors::dump_param_names().join(", "),
+                wf.ignored.len()
+            ),
+        ));
+    }
+    judge_file(file, cfg, path, wf)
+}
+
+/// The loaded weights a format-2 dump carries (`weights.L{n}.…`), judged exactly as
+/// [`check`] judges them (`compare` calls this: one implementation); `None` when the dump
+/// holds no weight `weights --check` knows.
+///
+/// Errors: as [`check`]'s, except that a dump without weights is not one.
+pub fn check_dump_weights(file: &GgufFile, cfg: &MlaConfig, path: &Path) -> Result<Option<WeightsReport>> {
+    let wf = read_weights_file(cfg, path, None)?;
+    if wf.entries.is_empty() {
+        return Ok(None);
+    }
+    judge_file(file, cfg, path, wf).map(Some)
+}
+
+/// Judges every entry of `wf` (read from `path`) against the GGUF: the model's identity for a
+/// format-2 dump, the TP size, each tensor, then how the ranks' shards fit together.
+fn judge_file(file: &GgufFile, cfg: &MlaConfig, path: &Path, wf: WeightsFile) -> Result<WeightsReport> {
     let WeightsFile {
         metadata,
+        header,
         dtype,
         entries,
         ignored,
-    } = read_weights_file(cfg, path, map)?;
-    let tp = tp_size(path, &metadata, &entries, cfg)?;
+        ..
+    } = wf;
+    if let Some(h) = &header {
+        let mut layers: Vec<usize> = entries.iter().map(|e| e.layer).collect();
+        layers.dedup();
+        check_identity(path, h, file, &layers)?;
+    }
+    let Tp { tp, expected } = tp_size(path, &metadata, header.as_ref(), &entries, cfg)?;
     let mut cache: BTreeMap<usize, BTreeMap<&'static str, Param>> = BTreeMap::new();
     for layer in entries.iter().map(|e| e.layer) {
         if let std::collections::btree_map::Entry::Vacant(slot) = cache.entry(layer) {
             let w = LayerWeights::load(file, cfg, layer)?;
-            slot.insert(params(file, cfg, &w));
+            let wanted: Vec<&str> = entries
+                .iter()
+                .filter(|e| e.layer == layer)
+                .map(|e| e.param.as_str())
+                .collect();
+            // The shared experts load with the layer's MoE weights, only when the file holds
+            // them: the router and the routed experts' shapes are checked on the way.
+            let wants_shared = wanted.iter().any(|p| p.starts_with("shared_experts."));
+            let moe = if wants_shared && cfg.is_moe_layer(layer) && cfg.moe.is_some() {
+                Some(MoeWeights::load(file, cfg, layer)?)
+            } else {
+                None
+            };
+            slot.insert(params(file, cfg, &w, moe.as_ref(), &wanted));
         }
     }
     let mut tensors = Vec::new();
@@ -228,20 +325,42 @@ pub fn check(file: &GgufFile, cfg: &MlaConfig, path: &Path, map: Option<&Map>) -
     let mut holds: Holds = BTreeMap::new();
     for e in &entries {
         let Some(p) = cache[&e.layer].get(e.param.as_str()) else {
-            findings.push(loaded::param_absent(&e.name, &e.param, e.rank, cfg.q_lora_rank));
+            findings.push(loaded::param_absent(&e.name, &e.param, e.rank, e.layer, cfg));
             continue;
         };
+        if e.shape.len() != p.shape.len() {
+            return Err(bad(
+                path,
+                &e.file_name,
+                format!(
+                    "shape {:?} has {} dims; `{}` has {} ({:?} from {})",
+                    e.shape,
+                    e.shape.len(),
+                    e.param,
+                    p.shape.len(),
+                    p.shape,
+                    p.source_text()
+                ),
+            ));
+        }
         if let Some(tc) = check_entry(e, p, cfg, dtype, tp, &mut holds, &mut findings) {
             tensors.push(tc);
         }
     }
-    findings.extend(loaded::rank_findings(holds, &cache, tp));
+    findings.extend(loaded::rank_findings(holds, &cache, tp, &expected));
+    let engine = match &header {
+        Some(h) => format!("{} {}", h.engine.name, h.engine.version).trim().to_string(),
+        None => metadata.get("engine").cloned().unwrap_or_default(),
+    };
     Ok(WeightsReport {
         model: file.path().display().to_string(),
         weights: path.display().to_string(),
-        engine: metadata.get("engine").cloned().unwrap_or_else(|| "unknown".into()),
+        engine: if engine.is_empty() { "unknown".into() } else { engine },
         tp,
-        metadata_dtype: metadata.get("dtype").cloned(),
+        heads: header.as_ref().and_then(|h| h.heads),
+        metadata_dtype: header
+            .as_ref()
+            .map_or_else(|| metadata.get("dtype").cloned(), |h| h.dtype.clone()),
         dtype,
         tensors,
         findings,
@@ -258,41 +377,50 @@ fn bad(path: &Path, what: &str, reason: String) -> Error {
     }
 }
 
-/// What [`read_weights_file`] reads: the file's `__metadata__`, the dtype it declares, the MLA
-/// params found (sorted by name) and the names of the tensors that are not MLA params.
+/// What [`read_weights_file`] reads: the file's `__metadata__`, a format-2 dump's header, the
+/// dtype it declares, the params found (sorted by name), the names of the tensors that are not
+/// params `weights --check` knows, and every tensor name of the file.
 struct WeightsFile {
     metadata: BTreeMap<String, String>,
+    header: Option<DumpHeader>,
     dtype: Dtype,
     entries: Vec<Entry>,
     ignored: Vec<String>,
+    names: Vec<String>,
 }
 
-/// Reads every MLA param tensor of the weights file `path` (format 1 names, `weights.…` tensors
-/// of a format-2 dump, or names `map` renames), decoded to f64.
+/// Reads every param tensor of the weights file `path` (format 1 names, `weights.…` tensors of
+/// a format-2 dump, or names `map` renames), decoded to f64; a format-2 dump's header is read
+/// and checked by `compare`'s reader, and gives the dtype.
 ///
-/// Errors: as [`check`]'s, except those of the GGUF and the TP size.
+/// Errors: an unreadable or malformed file or header, a bad `dtype`, a layer out of range, an
+/// integer dtype.
 fn read_weights_file(cfg: &MlaConfig, path: &Path, map: Option<&Map>) -> Result<WeightsFile> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
     let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
     let metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();
     // A format-2 dump carries the weights as `weights.L{n}.{param}` next to its steps, and its
-    // dtype in the header.
-    let format2 = metadata.get("format").map(|f| f.trim()) == Some(FORMAT2);
-    let header_dtype = format2
-        .then(|| metadata.get("header"))
-        .flatten()
-        .and_then(|h| serde_json::from_str::<serde_json::Value>(h).ok())
-        .and_then(|h| h["dtype"].as_str().map(str::to_string));
-    let dtype = match header_dtype.as_deref().or(metadata.get("dtype").map(String::as_str)) {
+    // engine, dtype, TP size and heads in the header.
+    let header = match metadata.get("format").map(|f| f.trim()) {
+        Some(FORMAT2) => Some(crate::model::dump::peek_header(path)?.ok_or_else(|| {
+            bad(
+                path,
+                "__metadata__.header",
+                format!("unreadable: a `{FORMAT2}` dump needs it"),
+            )
+        })?),
+        _ => None,
+    };
+    let (dtype_what, dtype_text) = match &header {
+        Some(h) => ("__metadata__.header.dtype", h.dtype.clone()),
+        None => ("__metadata__.dtype", metadata.get("dtype").cloned()),
+    };
+    let dtype = match dtype_text.as_deref() {
         None | Some("f32" | "float32" | "f64") => Dtype::F32,
         Some("bf16" | "bfloat16" | "f16" | "float16") => Dtype::Bf16,
         Some(o) => {
-            return Err(bad(
-                path,
-                "__metadata__.dtype",
-                format!("`{o}`: expected f32, bf16 or f16"),
-            ));
+            return Err(bad(path, dtype_what, format!("`{o}`: expected f32, bf16 or f16")));
         }
     };
 
@@ -300,9 +428,8 @@ fn read_weights_file(cfg: &MlaConfig, path: &Path, map: Option<&Map>) -> Result<
     let mut ignored = Vec::new();
     let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
     names.sort();
-    refuse_activation_dump(path, &metadata, &names, format2)?;
-    for full_name in names {
-        let name = if format2 {
+    for full_name in &names {
+        let name = if header.is_some() {
             match full_name.strip_prefix("weights.") {
                 Some(rest) => rest.to_string(),
                 // The steps' activations: `compare`'s business.
@@ -326,10 +453,8 @@ fn read_weights_file(cfg: &MlaConfig, path: &Path, map: Option<&Map>) -> Result<
                 format!("layer {layer} out of range: the model has {} layers", cfg.n_layer),
             ));
         }
-        let view = st
-            .tensor(&full_name)
-            .map_err(|e| bad(path, &full_name, e.to_string()))?;
-        let tt = crate::core::st::decode_tensor(path, &full_name, &view)?;
+        let view = st.tensor(full_name).map_err(|e| bad(path, full_name, e.to_string()))?;
+        let tt = crate::core::st::decode_tensor(path, full_name, &view)?;
         if !crate::core::st::is_float_dtype(view.dtype()) {
             return Err(bad(
                 path,
@@ -338,6 +463,7 @@ fn read_weights_file(cfg: &MlaConfig, path: &Path, map: Option<&Map>) -> Result<
             ));
         }
         entries.push(Entry {
+            file_name: full_name.clone(),
             name,
             layer,
             param,
@@ -347,48 +473,98 @@ fn read_weights_file(cfg: &MlaConfig, path: &Path, map: Option<&Map>) -> Result<
             dtype: format!("{:?}", view.dtype()),
         });
     }
-    if entries.is_empty() {
-        return Err(bad(
-            path,
-            "tensors",
-            format!(
-                "no MLA weight found (names like `L0.kv_b_proj` or `L0.kv_b_proj.rank1`; params {}); {} other tensor(s)",
-                tensors::dump_param_names().join(", "),
-                ignored.len()
-            ),
-        ));
-    }
     Ok(WeightsFile {
         metadata,
+        header,
         dtype,
         entries,
         ignored,
+        names,
     })
 }
 
-/// The TP size of the file: `__metadata__.tp_size`, else one more than the highest shard rank
-/// (1 without shards).
+/// The TP size the shards are cut for, and the ranks whose shards the file should hold.
+struct Tp {
+    tp: usize,
+    /// Every rank of `0..tp`, or for a format-2 dump of one rank's heads, that rank.
+    expected: Vec<usize>,
+}
+
+/// The TP size of the file: a format-2 header's `tp.size` (one rank's dump: `tp.rank`), else
+/// its `heads = [a, b]` (one rank of `N / (b − a)`, rank `a / (b − a)`), else
+/// `__metadata__.tp_size`, else one more than the highest shard rank (1 without shards).
 ///
-/// Errors: [`Error::Safetensors`] for a `tp_size` that is not a positive integer or does not
-/// divide the `N` heads.
-fn tp_size(path: &Path, metadata: &BTreeMap<String, String>, entries: &[Entry], cfg: &MlaConfig) -> Result<usize> {
-    let tp = match metadata.get("tp_size") {
-        Some(s) => s
-            .trim()
-            .parse::<usize>()
-            .ok()
-            .filter(|&t| t >= 1)
-            .ok_or_else(|| bad(path, "__metadata__.tp_size", format!("`{s}` is not a positive integer")))?,
-        None => entries.iter().filter_map(|e| e.rank).max().map_or(1, |r| r + 1),
+/// Errors: [`Error::Safetensors`] naming the field: a TP size that is not a positive integer or
+/// does not divide the `N` heads, `heads` that are no rank's share of the heads, or a `tp` that
+/// `heads` contradicts.
+fn tp_size(
+    path: &Path,
+    metadata: &BTreeMap<String, String>,
+    header: Option<&DumpHeader>,
+    entries: &[Entry],
+    cfg: &MlaConfig,
+) -> Result<Tp> {
+    let n = cfg.n_head;
+    let heads = header.and_then(|h| h.heads);
+    // One rank's heads: (tp, rank) from `heads = [a, b]`.
+    let from_heads = match heads {
+        Some([a, b]) if a == 0 && b == n => None,
+        Some([a, b]) => {
+            let w = b.saturating_sub(a);
+            if w == 0 || b > n || !n.is_multiple_of(w) || !a.is_multiple_of(w) {
+                return Err(bad(
+                    path,
+                    "__metadata__.header.heads",
+                    format!("[{a}, {b}] is not one TP rank's share of the {n} heads"),
+                ));
+            }
+            Some((n / w, a / w))
+        }
+        None => None,
     };
-    if !cfg.n_head.is_multiple_of(tp) {
+    let declared = header.and_then(|h| h.tp.as_ref());
+    let (field, tp, rank) = match (declared, from_heads) {
+        (Some(t), _) => ("__metadata__.header.tp.size", t.size, t.rank),
+        (None, Some((t, r))) => ("__metadata__.header.heads", t, Some(r)),
+        (None, None) => match metadata.get("tp_size") {
+            Some(s) => (
+                "__metadata__.tp_size",
+                s.trim()
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|&t| t >= 1)
+                    .ok_or_else(|| bad(path, "__metadata__.tp_size", format!("`{s}` is not a positive integer")))?,
+                None,
+            ),
+            None => (
+                "__metadata__.tp_size",
+                entries.iter().filter_map(|e| e.rank).max().map_or(1, |r| r + 1),
+                None,
+            ),
+        },
+    };
+    if tp == 0 || !n.is_multiple_of(tp) {
+        return Err(bad(path, field, format!("{tp} does not divide the {n} heads")));
+    }
+    if let (Some((t, r)), Some(d)) = (from_heads, declared)
+        && (t != d.size || d.rank.is_some_and(|dr| dr != r))
+    {
         return Err(bad(
             path,
-            "__metadata__.tp_size",
-            format!("{tp} does not divide the {} heads", cfg.n_head),
+            "__metadata__.header.tp",
+            format!(
+                "size {} rank {:?}, but `heads` {:?} are rank {r}'s share at tp {t}",
+                d.size,
+                d.rank,
+                heads.unwrap_or_default()
+            ),
         ));
     }
-    Ok(tp)
+    let expected = match rank {
+        Some(r) => vec![r],
+        None => (0..tp).collect(),
+    };
+    Ok(Tp { tp, expected })
 }
 
 /// Judges one file tensor `e` against the GGUF's param `p` (or, for a shard, its rank's slice):
@@ -406,13 +582,13 @@ fn check_entry(
 ) -> Option<TensorCheck> {
     let tol = tolerance(Stage::WKvB, dtype).0;
     let thr = match_threshold(dtype);
-    let (exp, exp_shape, range) = match e.rank {
+    let (exp, exp_shape, ranges) = match e.rank {
         Some(r) if r < tp => p.rank_slice(cfg.dims(), tp, r),
         Some(r) => {
             findings.push(loaded::rank_out_of_range(&e.name, r, tp, p));
             return None;
         }
-        None => (p.data.clone(), p.shape.clone(), (0, 0)),
+        None => (p.data.clone(), p.shape.clone(), Vec::new()),
     };
     let mut tc = TensorCheck {
         name: e.name.clone(),
@@ -438,12 +614,19 @@ fn check_entry(
     let mut held_other = false;
     if let Some(r) = e.rank {
         // Which rank's slice does this shard hold? Another rank's is a rank-level finding.
-        let held = (0..tp).find(|&k| {
+        let slice_rel = |k: usize| {
             let (x, s, _) = p.rank_slice(cfg.dims(), tp, k);
-            s == e.shape && rel(&e.data, &x) <= thr
+            if s == e.shape { rel(&e.data, &x) } else { f64::NAN }
+        };
+        let rel_own = slice_rel(r);
+        let found = (0..tp).map(|k| (k, slice_rel(k))).find(|&(_, x)| x <= thr);
+        held_other = found.is_some_and(|(k, _)| k != r);
+        holds.entry((e.layer, e.param.clone())).or_default().push(Held {
+            rank: r,
+            holds: found.map(|(k, _)| k),
+            rel_held: found.map_or(f64::NAN, |(_, x)| x),
+            rel_own,
         });
-        held_other = held.is_some_and(|k| k != r);
-        holds.entry((e.layer, e.param.clone())).or_default().push((r, held));
     }
     if !tc.pass && !held_other {
         findings.push(explain_loaded(&Failing {
@@ -454,7 +637,7 @@ fn check_entry(
             shape: &e.shape,
             exp: &exp,
             exp_shape: &exp_shape,
-            rank: e.rank.map(|r| (r, range)),
+            rank: e.rank.map(|r| (r, ranges)),
             cfg,
             thr,
         }));

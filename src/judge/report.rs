@@ -18,6 +18,7 @@ use crate::judge::diagnose::Finding;
 use crate::judge::label::PathLabel;
 use crate::judge::metrics::{self, SiteDiff};
 use crate::judge::tolerance::Precision;
+use crate::judge::weights_check::{TensorCheck, WeightsReport};
 use crate::model::config::MlaConfig;
 use crate::model::dump::EngineDtype;
 use crate::model::gguf::GgufFile;
@@ -320,9 +321,22 @@ pub struct RunReport {
     pub findings: Vec<Finding>,
     /// The engine dump compared (`mla-diff compare`); `None` for `run`.
     pub dump: Option<DumpSummary>,
+    /// The loaded weights a format-2 dump carries (`weights.*`), judged as `weights --check`
+    /// judges them; their findings lead [`RunReport::findings`]. `None` for `run` and for a
+    /// dump without weights. Reported (text and JSON) only when some tensor fails, so a dump
+    /// whose weights all match reads as one without them.
+    #[serde(skip)]
+    pub loaded_weights: Option<WeightsReport>,
 }
 
 impl RunReport {
+    /// The dump's first failing loaded weight (`weights.*` of a format-2 dump), in data-flow
+    /// order ([`WeightsReport::failing`]); `None` when every loaded weight matches or the dump
+    /// carries none. It comes before any site: an engine loads its weights before it computes.
+    pub fn first_loaded_divergence(&self) -> Option<&TensorCheck> {
+        self.loaded_weights.as_ref()?.failing().into_iter().next()
+    }
+
     /// The first failing site of each path, over all layers in order (docs/design.md, "Metrics": per path).
     pub fn first_divergence(&self) -> BTreeMap<PathLabel, Option<&SiteDiff>> {
         let mut m = BTreeMap::new();
@@ -351,7 +365,8 @@ impl RunReport {
     /// The verdict: a divergence when a site failed or something was found; else inconclusive
     /// when no requested path ran or an injected fault never acted; else a pass.
     pub fn verdict(&self) -> Verdict {
-        let failed = self.results.iter().any(|r| r.diffs.iter().any(|d| d.is_failure()));
+        let failed = self.results.iter().any(|r| r.diffs.iter().any(|d| d.is_failure()))
+            || self.first_loaded_divergence().is_some();
         if failed || !self.findings.is_empty() {
             Verdict::Divergence
         } else if self.inconclusive_reason().is_some() {

@@ -277,8 +277,10 @@ pub struct TensorRow {
     /// The TP-split weight whose per-rank shards (`w.<weight>.rank<r>`) are cut from it.
     pub ranked: Option<RankedWeight>,
     /// The first site of its layer whose value reads it (`None` for the tensors after the last
-    /// layer): where a corrupt copy of it first shows. `ffn_norm` is given for a dense layer; an
-    /// MoE layer's router logits read it first.
+    /// layer): where a corrupt copy of it first shows. `ffn_norm` feeds `ffn_in` in dense and
+    /// MoE layers alike; the shared experts' `ffn_gate_shexp`/`ffn_up_shexp` feed `ffn_gate`/
+    /// `ffn_up` as the dense pair does, and `ffn_down_shexp` feeds `shared_out` (an MoE layer
+    /// has no `ffn_out`).
     pub first_site: Option<Stage>,
     /// The vLLM parameter it becomes; `None` where vLLM builds the values from the config
     /// (`rope_factors_short`).
@@ -460,22 +462,22 @@ impl ModelTensor {
             T::FfnNorm => row(
                 &[],
                 None,
-                Some(Stage::HiddenOut),
+                Some(Stage::FfnIn),
                 p("post_attention_layernorm.weight", Replicated),
             ),
             T::FfnGate => row(
                 &[],
-                None,
-                Some(Stage::HiddenOut),
+                Some(RW::GateUp),
+                Some(Stage::FfnGate),
                 m("mlp.gate_up_proj.weight", 0, "mlp.gate_proj.weight", MergedColumn),
             ),
             T::FfnUp => row(
                 &[],
-                None,
-                Some(Stage::HiddenOut),
+                Some(RW::GateUp),
+                Some(Stage::FfnUp),
                 m("mlp.gate_up_proj.weight", 1, "mlp.up_proj.weight", MergedColumn),
             ),
-            T::FfnDown => row(&[], None, Some(Stage::HiddenOut), p("mlp.down_proj.weight", Row)),
+            T::FfnDown => row(&[], Some(RW::Down), Some(Stage::FfnOut), p("mlp.down_proj.weight", Row)),
             T::FfnGateInp => row(
                 &[],
                 None,
@@ -513,8 +515,8 @@ impl ModelTensor {
             T::FfnDownExps => row(&[], None, Some(Stage::MoeOut), p("mlp.experts.w2_weight", Row)),
             T::FfnGateShexp => row(
                 &[],
-                None,
-                Some(Stage::SharedOut),
+                Some(RW::GateUp),
+                Some(Stage::FfnGate),
                 m(
                     "mlp.shared_experts.gate_up_proj.weight",
                     0,
@@ -524,8 +526,8 @@ impl ModelTensor {
             ),
             T::FfnUpShexp => row(
                 &[],
-                None,
-                Some(Stage::SharedOut),
+                Some(RW::GateUp),
+                Some(Stage::FfnUp),
                 m(
                     "mlp.shared_experts.gate_up_proj.weight",
                     1,
@@ -535,7 +537,7 @@ impl ModelTensor {
             ),
             T::FfnDownShexp => row(
                 &[],
-                None,
+                Some(RW::Down),
                 Some(Stage::SharedOut),
                 p("mlp.shared_experts.down_proj.weight", Row),
             ),
@@ -640,6 +642,27 @@ impl ModelTensor {
         }
     }
 
+    /// [`ModelTensor::in_layout`], and for the FFN the kind of layer: the dense FFN's tensors
+    /// (`ffn_gate`, `ffn_up`, `ffn_down`) only in a dense layer, the MoE block's (router, bias,
+    /// routed and shared experts) only in an MoE layer ([`MlaConfig::is_moe_layer`]).
+    pub fn in_layer(self, cfg: &MlaConfig, layer: usize) -> bool {
+        use ModelTensor as T;
+        let moe = cfg.is_moe_layer(layer);
+        self.in_layout(cfg)
+            && match self {
+                T::FfnGate | T::FfnUp | T::FfnDown => !moe,
+                T::FfnGateInp
+                | T::ExpProbsB
+                | T::FfnGateExps
+                | T::FfnUpExps
+                | T::FfnDownExps
+                | T::FfnGateShexp
+                | T::FfnUpShexp
+                | T::FfnDownShexp => moe,
+                _ => true,
+            }
+    }
+
     /// The `kv_b` tensor of `layout` whose input dim (`ne[0]`, along which quant blocks run) is
     /// the latent `L`: `attn_v_b` [N, V, L] in a split file, `attn_kv_b` [N·(P+V), L] in a fused
     /// one. A loader that cuts `kv_b_proj` along `L` cuts this tensor's quant blocks.
@@ -687,7 +710,9 @@ pub fn tensor_name(layer: usize, short: &str) -> String {
 /// `w.fused_qkv_a` ← `attn_q_a`, `attn_kv_a_mqa`; `w.kv_b` and `w.kv_b.rank<r>` ←
 /// `attn_k_b`, `attn_v_b` (or `attn_kv_b`); `w.W_UK_T` ← `attn_k_b` (or `attn_kv_b`); `w.W_UV` ←
 /// `attn_v_b` (or `attn_kv_b`); `w.q_b.rank<r>` ← `attn_q_b` (or `attn_q`); `w.o_proj.rank<r>`
-/// ← `attn_output`. Empty for a site that is not a weight.
+/// ← `attn_output`; `w.gate_up.rank<r>` ← `ffn_gate`, `ffn_up` and their `_shexp` twins;
+/// `w.down.rank<r>` ← `ffn_down`, `ffn_down_shexp` (which of each pair a layer holds:
+/// [`ModelTensor::in_layer`]). Empty for a site that is not a weight.
 pub fn site_sources(cfg: &MlaConfig, stage: Stage) -> Vec<ModelTensor> {
     ModelTensor::ALL
         .into_iter()
@@ -731,33 +756,55 @@ pub fn site_param(cfg: &MlaConfig, stage: Stage) -> Option<(&'static str, TpSpli
     Some((t.vllm_param(cfg)?, t.row().vllm?.split))
 }
 
-/// The name a weights dump gives vLLM parameter `param` of a decoder layer's attention under
-/// `L{n}.`: without the module prefix `self_attn.` and the suffix `.weight`
-/// (`self_attn.q_b_proj.weight` → `q_b_proj`; `W_UK_T` stays `W_UK_T`).
+/// The name a weights dump gives vLLM parameter `param` of a decoder layer under `L{n}.`:
+/// without the module prefix `self_attn.` or `mlp.` and the suffix `.weight`
+/// (`self_attn.q_b_proj.weight` → `q_b_proj`, `mlp.shared_experts.gate_up_proj.weight` →
+/// `shared_experts.gate_up_proj`; `W_UK_T` stays `W_UK_T`).
 pub fn dump_name(param: &'static str) -> &'static str {
-    let p = param.strip_prefix("self_attn.").unwrap_or(param);
+    let p = param
+        .strip_prefix("self_attn.")
+        .or_else(|| param.strip_prefix("mlp."))
+        .unwrap_or(param);
     p.strip_suffix(".weight").unwrap_or(p)
 }
 
-/// True for the tensors a weight site is built from (a whole-tensor `w.*` site or a per-rank
-/// `w.<weight>.rank<r>` one): the attention projections.
+/// True for the attention tensors a weight site is built from (a whole-tensor `w.*` site or a
+/// per-rank `w.<weight>.rank<r>` one): the attention projections, not the FFN's `gate_up` and
+/// `down` shards.
 fn feeds_weight_site(t: ModelTensor) -> bool {
     let row = t.row();
-    !row.sites.is_empty() || row.ranked.is_some()
+    !row.sites.is_empty() || row.ranked.is_some_and(|w| !w.is_ffn())
 }
 
-/// One parameter of an engine's loaded MLA attention weights, under the name a weights dump
-/// gives it (`L{n}.{name}`, or `L{n}.{name}.rank{r}` for rank `r`'s shard): what
-/// `weights --check` rebuilds from the GGUF and compares.
+/// The FFN tensors whose vLLM parameters a weights dump may hold, in table order: the dense
+/// MLP's (`gate_up_proj` ← `ffn_gate` + `ffn_up`, `down_proj` ← `ffn_down`) and the shared
+/// experts' (`shared_experts.gate_up_proj`, `shared_experts.down_proj`, from the `_shexp`
+/// tensors). The routed experts (`experts.w13_weight`, `experts.w2_weight`) are left out:
+/// rebuilding them dequantizes every expert of a layer, E times a dense FFN.
+pub const FFN_DUMP_TENSORS: [ModelTensor; 6] = [
+    ModelTensor::FfnGate,
+    ModelTensor::FfnUp,
+    ModelTensor::FfnDown,
+    ModelTensor::FfnGateShexp,
+    ModelTensor::FfnUpShexp,
+    ModelTensor::FfnDownShexp,
+];
+
+/// One parameter of an engine's loaded weights (the MLA attention and the FFN of a dense layer
+/// or the shared experts), under the name a weights dump gives it (`L{n}.{name}`, or
+/// `L{n}.{name}.rank{r}` for rank `r`'s shard): what `weights --check` rebuilds from the GGUF
+/// and compares.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DumpParam {
     /// The parameter's [`dump_name`]: `fused_qkv_a_proj`, `q_a_proj`, `q_b_proj` or `q_proj`,
-    /// `kv_a_proj_with_mqa`, `kv_b_proj`, `o_proj`, `W_UK_T`, `W_UV`.
+    /// `kv_a_proj_with_mqa`, `kv_b_proj`, `o_proj`, `W_UK_T`, `W_UV`, `gate_up_proj`,
+    /// `down_proj`, `shared_experts.gate_up_proj`, `shared_experts.down_proj`, and the merged
+    /// shards on their own (`q_a_proj`, `gate_proj`, `up_proj`, `shared_experts.gate_proj`, …).
     pub name: &'static str,
     /// The weight site it holds the values of (`w.fused_qkv_a`, `w.kv_b`, `w.W_UK_T`, `w.W_UV`;
     /// rank 0's `w.q_b.rank0`, `w.o_proj.rank0` for a weight recorded only per rank); `None` for
     /// a merged shard dumped on its own (`q_a_proj` and `kv_a_proj_with_mqa` beside
-    /// `fused_qkv_a_proj`).
+    /// `fused_qkv_a_proj`) and for an FFN parameter without a weight site.
     pub site: Option<Stage>,
     /// How tensor parallelism cuts it.
     pub split: TpSplit,
@@ -768,17 +815,24 @@ pub struct DumpParam {
     pub shards: Vec<ModelTensor>,
 }
 
-/// The attention parameters of `cfg`'s layout that a weights dump may hold, one per name: each
-/// weight site's parameter ([`site_param`], sources [`site_sources`]), then each merged shard
-/// under its own checkpoint name (vLLM's `stacked_params_mapping`), which an engine that does
-/// not fuse holds instead. Without `Lq` there is no merge: `kv_a_proj_with_mqa` is a parameter
-/// of its own, and `q_proj` replaces `q_a_proj`/`q_b_proj`.
+/// The parameters of `cfg`'s layout that a weights dump may hold, one per name: each weight
+/// site's parameter ([`site_param`], sources [`site_sources`]), then the FFN parameters of
+/// [`FFN_DUMP_TENSORS`] (`gate_up_proj`, `down_proj` and their `shared_experts.` twins; which
+/// of them a layer has depends on whether it is dense or MoE), then each merged shard under its
+/// own checkpoint name (vLLM's `stacked_params_mapping`), which an engine that does not fuse
+/// holds instead. Without `Lq` there is no merge: `kv_a_proj_with_mqa` is a parameter of its
+/// own, and `q_proj` replaces `q_a_proj`/`q_b_proj`.
 pub fn dump_params(cfg: &MlaConfig) -> Vec<DumpParam> {
     let sites = crate::core::trace::STAGES
         .iter()
         .copied()
         .filter(|s| s.is_weight())
-        .chain(RankedWeight::ALL.map(|w| Stage::WRank(w, 0)));
+        .chain(
+            RankedWeight::ALL
+                .into_iter()
+                .filter(|w| !w.is_ffn())
+                .map(|w| Stage::WRank(w, 0)),
+        );
     let mut out: Vec<DumpParam> = Vec::new();
     for site in sites {
         let Some((param, split)) = site_param(cfg, site) else {
@@ -803,6 +857,30 @@ pub fn dump_params(cfg: &MlaConfig) -> Vec<DumpParam> {
             shards,
         });
     }
+    for t in FFN_DUMP_TENSORS {
+        let Some(v) = t.row().vllm else { continue };
+        let name = dump_name(v.param);
+        if out.iter().any(|p| p.name == name) {
+            continue;
+        }
+        let sources: Vec<ModelTensor> = FFN_DUMP_TENSORS
+            .into_iter()
+            .filter(|o| o.row().vllm.is_some_and(|w| w.param == v.param))
+            .collect();
+        let mut shards: Vec<ModelTensor> = sources
+            .iter()
+            .copied()
+            .filter(|o| o.row().vllm.is_some_and(|w| w.merged.is_some()))
+            .collect();
+        shards.sort_by_key(|o| o.row().vllm.and_then(|w| w.merged).map(|m| m.shard));
+        out.push(DumpParam {
+            name,
+            site: None,
+            split: v.split,
+            sources,
+            shards,
+        });
+    }
     let merged: Vec<ModelTensor> = out.iter().flat_map(|p| p.shards.clone()).collect();
     for t in merged {
         let Some(v) = t.row().vllm else { continue };
@@ -817,13 +895,15 @@ pub fn dump_params(cfg: &MlaConfig) -> Vec<DumpParam> {
     out
 }
 
-/// Every name [`dump_params`] gives in any layout, in table order then the absorbed weights:
-/// `fused_qkv_a_proj`, `q_a_proj`, `q_b_proj`, `q_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`,
-/// `o_proj`, `W_UK_T`, `W_UV`. A dump's `L{n}.{name}` is read as a weight when its name is here.
+/// Every name [`dump_params`] gives in any layout, in data-flow order: the attention's in table
+/// order (`fused_qkv_a_proj`, `q_a_proj`, `q_b_proj`, `q_proj`, `kv_a_proj_with_mqa`,
+/// `kv_b_proj`, `o_proj`), the absorbed `W_UK_T`, `W_UV`, then the FFN's (`gate_up_proj`,
+/// `gate_proj`, `up_proj`, `down_proj`, and the same under `shared_experts.`). A dump's
+/// `L{n}.{name}` is read as a weight when its name is here.
 pub fn dump_param_names() -> Vec<&'static str> {
-    let mut names: Vec<&'static str> = Vec::new();
-    for t in ModelTensor::ALL.into_iter().filter(|&t| feeds_weight_site(t)) {
-        let Some(v) = t.row().vllm else { continue };
+    /// The parameter `t` fills and its own checkpoint name when it is a merged shard.
+    fn push(t: ModelTensor, names: &mut Vec<&'static str>) {
+        let Some(v) = t.row().vllm else { return };
         let own = v.merged.map(|m| m.checkpoint);
         for param in std::iter::once(v.param).chain(own) {
             let name = dump_name(param);
@@ -832,7 +912,14 @@ pub fn dump_param_names() -> Vec<&'static str> {
             }
         }
     }
+    let mut names: Vec<&'static str> = Vec::new();
+    for t in ModelTensor::ALL.into_iter().filter(|&t| feeds_weight_site(t)) {
+        push(t, &mut names);
+    }
     names.extend(ABSORBED.map(|(_, name)| name));
+    for t in FFN_DUMP_TENSORS {
+        push(t, &mut names);
+    }
     names
 }
 
@@ -1044,6 +1131,28 @@ mod tests {
         assert_eq!(site_sources(&fused, rank(RankedWeight::OProj)), vec![T::AttnOutput]);
         assert!(site_sources(&split, Stage::KvA).is_empty());
         assert_eq!(
+            site_sources(&split, rank(RankedWeight::GateUp)),
+            vec![T::FfnGate, T::FfnUp, T::FfnGateShexp, T::FfnUpShexp]
+        );
+        assert_eq!(
+            site_sources(&split, rank(RankedWeight::Down)),
+            vec![T::FfnDown, T::FfnDownShexp]
+        );
+        // A layer holds the dense FFN or the shared experts, never both (moe-v3: layer 0 dense).
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("golden/models/moe-v3-f32.gguf");
+        let moe = MlaConfig::from_gguf(&crate::model::gguf::GgufFile::open(path).unwrap()).unwrap();
+        let gate_up = site_sources(&moe, rank(RankedWeight::GateUp));
+        let in_layer = |l: usize| {
+            gate_up
+                .iter()
+                .copied()
+                .filter(|t| t.in_layer(&moe, l))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(in_layer(0), vec![T::FfnGate, T::FfnUp]);
+        assert_eq!(in_layer(1), vec![T::FfnGateShexp, T::FfnUpShexp]);
+        assert!(T::AttnKB.in_layer(&moe, 1) && !T::FfnGateInp.in_layer(&moe, 0));
+        assert_eq!(
             site_param(&split, rank(RankedWeight::QProj)),
             Some(("self_attn.q_b_proj.weight", TpSplit::ColumnByHeads(PerHead::QkHeadDim)))
         );
@@ -1069,9 +1178,16 @@ mod tests {
 
     #[test]
     fn dump_params_name_what_a_weights_dump_holds() {
-        let names = "fused_qkv_a_proj q_a_proj q_b_proj q_proj kv_a_proj_with_mqa kv_b_proj o_proj W_UK_T W_UV";
+        let names = "fused_qkv_a_proj q_a_proj q_b_proj q_proj kv_a_proj_with_mqa kv_b_proj o_proj W_UK_T W_UV \
+                     gate_up_proj gate_proj up_proj down_proj shared_experts.gate_up_proj \
+                     shared_experts.gate_proj shared_experts.up_proj shared_experts.down_proj";
         assert_eq!(dump_param_names().join(" "), names);
         assert_eq!(dump_name("self_attn.kv_b_proj.weight"), "kv_b_proj");
+        assert_eq!(
+            dump_name("mlp.shared_experts.gate_up_proj.weight"),
+            "shared_experts.gate_up_proj"
+        );
+        assert_eq!(dump_name("mlp.experts.w13_weight"), "experts.w13_weight");
         // One line per parameter: name, site, split, sources, merged shards.
         let lines = |c: &MlaConfig| -> Vec<String> {
             let short = |ts: &[ModelTensor]| ts.iter().map(|t| t.short()).collect::<Vec<_>>().join("+");
@@ -1091,11 +1207,19 @@ mod tests {
                 "W_UV w.W_UV column-parallel by heads (1 rows each) attn_v_b []",
                 "q_b_proj w.q_b.rank0 column-parallel by heads (P+R rows each) attn_q_b []",
                 "o_proj w.o_proj.rank0 row-parallel by heads (V columns each) attn_output []",
+                "gate_up_proj - merged column-parallel ffn_gate+ffn_up [ffn_gate+ffn_up]",
+                "down_proj - row-parallel ffn_down []",
+                "shared_experts.gate_up_proj - merged column-parallel ffn_gate_shexp+ffn_up_shexp [ffn_gate_shexp+ffn_up_shexp]",
+                "shared_experts.down_proj - row-parallel ffn_down_shexp []",
                 "q_a_proj - replicated attn_q_a []",
                 "kv_a_proj_with_mqa - replicated attn_kv_a_mqa []",
+                "gate_proj - merged column-parallel ffn_gate []",
+                "up_proj - merged column-parallel ffn_up []",
+                "shared_experts.gate_proj - merged column-parallel ffn_gate_shexp []",
+                "shared_experts.up_proj - merged column-parallel ffn_up_shexp []",
             ]
         );
-        // Without Lq nothing merges: kv_a_proj_with_mqa is a parameter of its own.
+        // Without Lq the attention merges nothing: kv_a_proj_with_mqa is a parameter of its own.
         assert_eq!(
             lines(&cfg(None, KvBLayout::Fused)),
             [
@@ -1105,6 +1229,14 @@ mod tests {
                 "W_UV w.W_UV column-parallel by heads (1 rows each) attn_kv_b []",
                 "q_proj w.q_b.rank0 column-parallel by heads (P+R rows each) attn_q []",
                 "o_proj w.o_proj.rank0 row-parallel by heads (V columns each) attn_output []",
+                "gate_up_proj - merged column-parallel ffn_gate+ffn_up [ffn_gate+ffn_up]",
+                "down_proj - row-parallel ffn_down []",
+                "shared_experts.gate_up_proj - merged column-parallel ffn_gate_shexp+ffn_up_shexp [ffn_gate_shexp+ffn_up_shexp]",
+                "shared_experts.down_proj - row-parallel ffn_down_shexp []",
+                "gate_proj - merged column-parallel ffn_gate []",
+                "up_proj - merged column-parallel ffn_up []",
+                "shared_experts.gate_proj - merged column-parallel ffn_gate_shexp []",
+                "shared_experts.up_proj - merged column-parallel ffn_up_shexp []",
             ]
         );
     }
@@ -1119,6 +1251,10 @@ mod tests {
         assert_eq!(first(T::IndexerProj), Some(Stage::IdxWeights));
         assert_eq!(first(T::ExpProbsB), Some(Stage::MoeTopk));
         assert_eq!(first(T::FfnDownShexp), Some(Stage::SharedOut));
+        assert_eq!(first(T::FfnNorm), Some(Stage::FfnIn));
+        assert_eq!(first(T::FfnGate), Some(Stage::FfnGate));
+        assert_eq!(first(T::FfnUpShexp), Some(Stage::FfnUp));
+        assert_eq!(first(T::FfnDown), Some(Stage::FfnOut));
         assert_eq!(first(T::Output), None);
         // Within the attention block a later tensor never feeds an earlier site.
         let attn = [

@@ -10,30 +10,24 @@ use comfy_table::{Cell, ContentArrangement};
 use serde::Serialize;
 use serde_json::{Value, json};
 
+use crate::core::dtype::Dtype;
 use crate::core::sci::sci;
+use crate::judge::diagnose::{Finding, Subject};
+use crate::judge::label::PathLabel;
 use crate::judge::metrics::{SiteDiff, Status};
+use crate::judge::weights_check::TensorCheck;
 
 use crate::judge::report::{FaultOutcome, PathResult, RunReport, Verdict, summarize_not_run};
 
 /// Version of the `--json` document. Bump on any incompatible change.
-pub const JSON_SCHEMA_VERSION: u32 = 4;
+pub const JSON_SCHEMA_VERSION: u32 = 5;
 
 /// The status cell: `pass`, or `FAIL` with the failed metrics abbreviated (rel, cos, norm, elem,
 /// nan), `SHAPE …`, `no reference`.
 pub fn status_word(d: &SiteDiff) -> String {
-    fn short(m: &&'static str) -> &'static str {
-        match *m {
-            "rel_l2" => "rel",
-            "cos_diff" => "cos",
-            "norm_ratio" => "norm",
-            "pass_fraction" => "elem",
-            "nonfinite" => "nan",
-            other => other,
-        }
-    }
     match d.status {
         Status::Pass => "pass".into(),
-        Status::Fail => format!("FAIL {}", d.failed.iter().map(short).collect::<Vec<_>>().join(",")),
+        Status::Fail => format!("FAIL {}", short_metrics(&d.failed)),
         Status::ShapeMismatch => format!("SHAPE {:?} vs {:?}", d.shape_cand, d.shape_ref),
         Status::NoReference => "no reference".into(),
     }
@@ -169,6 +163,18 @@ pub fn verdict_lines(report: &RunReport) -> Vec<String> {
         } else {
             format!("; not run at {}", summarize_not_run(&skipped, false))
         };
+        if let Some(t) = report.first_loaded_divergence().filter(|_| path == PathLabel::Dump) {
+            let then = match first {
+                Some(d) => format!("; first failing site {} [{}]", d.site, status_word(d)),
+                None if n_sites > 0 => format!("; all {n_sites} sites within tolerance"),
+                None => String::new(),
+            };
+            out.push(format!(
+                "{path}: first divergence at {}{then}",
+                loaded_weight_text(report, t)
+            ));
+            continue;
+        }
         match first {
             None if n_sites == 0 && skipped.is_empty() => out.push(format!("{path}: not run")),
             None if n_sites == 0 => out.push(format!("{path}: not run ({})", summarize_not_run(&skipped, false))),
@@ -209,6 +215,76 @@ pub fn verdict_lines(report: &RunReport) -> Vec<String> {
         out.push(format!("inconclusive: {why}"));
     }
     out
+}
+
+/// A dump's failing loaded weight as the verdict line names it: `loaded weight
+/// L0.gate_up_proj.rank1 [FAIL rel,cos,elem] (rel_l2 …, cos_diff …, norm ratio …)`, or with
+/// `SHAPE [a, b] vs [c, d]` when the shapes differ.
+fn loaded_weight_text(report: &RunReport, t: &TensorCheck) -> String {
+    let dtype = report.loaded_weights.as_ref().map_or(Dtype::F32, |w| w.dtype);
+    match &t.metrics {
+        Some(m) => format!(
+            "loaded weight {} [FAIL {}] (rel_l2 {}, cos_diff {}, norm ratio {:.4})",
+            t.name,
+            short_metrics(&t.failed(dtype)),
+            sci(m.rel_l2, 3),
+            sci(m.cos_diff, 3),
+            m.norm_ratio
+        ),
+        None => format!(
+            "loaded weight {} [SHAPE {:?} vs {:?}]",
+            t.name, t.shape, t.expected_shape
+        ),
+    }
+}
+
+/// The failed metrics abbreviated as the status cell writes them (`rel`, `cos`, `norm`,
+/// `elem`, `nan`), joined by commas.
+fn short_metrics(failed: &[&'static str]) -> String {
+    failed
+        .iter()
+        .map(|m| match *m {
+            "rel_l2" => "rel",
+            "cos_diff" => "cos",
+            "norm_ratio" => "norm",
+            "pass_fraction" => "elem",
+            "nonfinite" => "nan",
+            other => other,
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The loaded weights a dump carries, when some fail: a heading with the TP size and the count,
+/// and the table of the failing tensors (`weights --check` prints every one). Empty otherwise.
+pub fn loaded_weight_lines(report: &RunReport, width: Option<usize>) -> Vec<String> {
+    let Some(w) = &report.loaded_weights else {
+        return Vec::new();
+    };
+    let failing = w.failing();
+    if failing.is_empty() {
+        return Vec::new();
+    }
+    vec![
+        format!(
+            "== loaded weights · tp {} · {} of {} tensors differ from the GGUF (judged by the {} weight row) ==",
+            w.tp,
+            failing.len(),
+            w.tensors.len(),
+            w.dtype
+        ),
+        crate::output::weights_check::tensor_table(&failing, width),
+    ]
+}
+
+/// The label a finding's line gives its origin: the path or dump, `file` for the GGUF itself,
+/// `loaded weights` for a tensor of an engine's loaded weights.
+pub fn finding_origin(f: &Finding) -> String {
+    match &f.subject {
+        Subject::Site { path: Some(p), .. } => p.to_string(),
+        Subject::Site { path: None, .. } => "file".to_string(),
+        Subject::Loaded(_) => "loaded weights".to_string(),
+    }
 }
 
 /// One line per injected fault (`injected F: found (…)`, `masked (…)`, `not exercised (…)`,
@@ -260,6 +336,14 @@ pub fn terminal_fit(report: &RunReport, width: Option<usize>) -> String {
     for l in dump_lines(report) {
         s.push_str(&l);
         s.push('\n');
+    }
+    let loaded = loaded_weight_lines(report, width);
+    if !loaded.is_empty() {
+        s.push('\n');
+        for l in loaded {
+            s.push_str(&l);
+            s.push('\n');
+        }
     }
     for r in &report.results {
         match &r.step {
@@ -397,7 +481,7 @@ pub fn finding_lines(report: &RunReport) -> Vec<String> {
         .map(|f| {
             format!(
                 "finding [{}] {} at {}: {}\n  hint: {}",
-                f.path().map_or("file".to_string(), |p| p.to_string()),
+                finding_origin(f),
                 f.class,
                 f.subject,
                 f.evidence,
@@ -420,7 +504,9 @@ pub fn path_status(report: &RunReport) -> serde_json::Map<String, Value> {
                 .filter(|r| r.path == p)
                 .map(|r| r.diffs.len())
                 .sum();
+            let loaded = p == PathLabel::Dump && report.first_loaded_divergence().is_some();
             let st = match d {
+                _ if loaded => "divergence",
                 _ if n_sites == 0 => "not-run",
                 None if report.findings.iter().any(|f| f.path() == Some(p)) => "divergence",
                 None => "pass",
@@ -461,12 +547,27 @@ pub fn json(report: &RunReport) -> Value {
         .first_divergence()
         .into_iter()
         .map(|(p, d)| {
+            // A dump's failing loaded weight comes before any site.
+            let loaded = report
+                .first_loaded_divergence()
+                .filter(|_| p == PathLabel::Dump)
+                .map(|t| {
+                    let dtype = report.loaded_weights.as_ref().map_or(Dtype::F32, |w| w.dtype);
+                    json!({
+                        "tensor": t.name,
+                        "status": if t.metrics.is_some() { "fail" } else { "shape-mismatch" },
+                        "failed": t.failed(dtype),
+                        "metrics": t.metrics,
+                    })
+                });
             (
                 p.name().to_string(),
-                d.map_or(
-                    Value::Null,
-                    |d| json!({"site": d.site, "status": d.status, "failed": d.failed, "metrics": d.metrics}),
-                ),
+                loaded.unwrap_or_else(|| {
+                    d.map_or(
+                        Value::Null,
+                        |d| json!({"site": d.site, "status": d.status, "failed": d.failed, "metrics": d.metrics}),
+                    )
+                }),
             )
         })
         .collect();

@@ -130,8 +130,12 @@ pub fn md_escape(s: &str) -> String {
 fn grouped_findings(rep: &RunReport) -> Vec<(&crate::judge::diagnose::Finding, Vec<String>)> {
     let mut g: Vec<(&crate::judge::diagnose::Finding, Vec<String>)> = Vec::new();
     for f in &rep.findings {
-        let p = f.path().map_or("file".to_string(), |x| x.to_string());
-        match g.iter_mut().find(|(h, _)| h.class == f.class && h.site() == f.site()) {
+        let p = crate::output::report::finding_origin(f);
+        // Site findings of several paths at one site group; loaded-weight findings by tensor.
+        let same = |h: &crate::judge::diagnose::Finding| {
+            h.class == f.class && h.site() == f.site() && (f.site().is_some() || h.subject == f.subject)
+        };
+        match g.iter_mut().find(|(h, _)| same(h)) {
             Some((_, paths)) => paths.push(p),
             None => g.push((f, vec![p])),
         }
@@ -204,7 +208,13 @@ fn verdict_paragraph(rep: &RunReport) -> String {
         Verdict::Divergence => {}
     }
     let mut firsts: Vec<(String, Vec<String>)> = Vec::new();
+    if let Some(t) = rep.first_loaded_divergence() {
+        firsts.push((format!("loaded weight {}", t.name), vec!["dump".to_string()]));
+    }
     for (path, d) in rep.first_divergence() {
+        if rep.first_loaded_divergence().is_some() && path == crate::judge::label::PathLabel::Dump {
+            continue;
+        }
         if let Some(d) = d {
             let site = d.site.to_string();
             match firsts.iter_mut().find(|(s, _)| *s == site) {
@@ -244,6 +254,9 @@ fn headline(rep: &RunReport) -> String {
         } else {
             String::new()
         };
+        if let crate::judge::diagnose::Subject::Loaded(t) = &f.subject {
+            return format!("{} at loaded weight {}{more}", f.class, t.tensor);
+        }
         return format!("{} at {} on path {}{more}", f.class, f.subject, paths.join(", "));
     }
     let n_not_run = rep.not_run().len();
@@ -437,6 +450,12 @@ fn dump_section(rep: &RunReport) -> String {
         &ignored,
         "None.",
     );
+    // Failing loaded weights (`weights.*`): the table `weights --check` prints, their rows only.
+    let loaded = crate::output::report::loaded_weight_lines(rep, None);
+    if let [title, table] = loaded.as_slice() {
+        let _ = writeln!(s, "### {}\n", md_escape(title.trim_matches(|c| c == '=' || c == ' ')));
+        let _ = writeln!(s, "```text\n{table}\n```\n");
+    }
     s
 }
 

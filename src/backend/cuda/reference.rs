@@ -18,7 +18,7 @@ use ndarray::{Array2, Axis};
 
 use crate::backend::cuda::compare::DeviceSite;
 use crate::compute::reference::{
-    RefOutput, assemble_kv_b, rank_partial_sites, rank_weight_sites, rope_inv_freq, split_kv_b,
+    RefOutput, assemble_kv_b, ffn_rank_sites, rank_partial_sites, rank_weight_sites, rope_inv_freq, split_kv_b,
 };
 use crate::core::batch::Batch;
 use crate::core::error::{Error, Result};
@@ -360,7 +360,8 @@ impl Gpu<'_> {
 }
 
 /// Runs the reference on one layer on the GPU, plus its rank weight sites under TP: the same
-/// trace (sites, order, shapes) as [`crate::compute::reference::reference_layer`].
+/// trace (sites, order, shapes) as [`crate::compute::reference::reference_layer`], the dense
+/// FFN's sites (`ffn_in` … `ffn_out`, and per rank under TP) included.
 ///
 /// Shapes: `hidden` [T, H] f64; the trace holds every site in f64 on the host.
 ///
@@ -625,8 +626,12 @@ fn reference_inner(
     let o = g.linear_w(&attn_out, t, &name(ModelTensor::AttnOutput), &w.o_proj)?;
     record(&mut tr, Stage::OProj, vec![t, hd], &o)?;
 
-    // Residual and dense SwiGLU FFN (each branch times the residual scale: MiniCPM3).
+    // Residual and dense SwiGLU FFN (each branch times the residual scale: MiniCPM3), its sites
+    // in the CPU reference's recording order (`ffn_gate`, `ffn_up`, `ffn_act`, `ffn_in`,
+    // `ffn_out`); under TP the MLP's per-rank sites on the host from its downloaded
+    // `ffn_gate`/`ffn_up`/`ffn_act` (a few small GEMMs), as for `o_proj`.
     let rs = cfg.residual_scale;
+    let mut ffn_ranks = Trace::new();
     let hidden_out = match &w.ffn {
         Some(ffn) => {
             let h1 = g.elementwise("ref_add_scaled", &x_in, &o, Some(rs), t * hd)?;
@@ -635,7 +640,23 @@ fn reference_inner(
             let gate = g.linear_w(&xn, t, &name(ModelTensor::FfnGate), &ffn.gate)?;
             let up = g.linear_w(&xn, t, &name(ModelTensor::FfnUp), &ffn.up)?;
             let act = g.elementwise("ref_swiglu", &gate, &up, None, t * f)?;
+            record(&mut tr, Stage::FfnGate, vec![t, f], &gate)?;
+            record(&mut tr, Stage::FfnUp, vec![t, f], &up)?;
+            record(&mut tr, Stage::FfnAct, vec![t, f], &act)?;
+            record(&mut tr, Stage::FfnIn, vec![t, hd], &xn)?;
+            if tp >= 2 {
+                let mut mlp = Trace::new();
+                for (stage, b) in [(Stage::FfnGate, &gate), (Stage::FfnUp, &up), (Stage::FfnAct, &act)] {
+                    mlp.record(
+                        Site::new(layer, stage),
+                        TraceTensor::f64(vec![t, f], g.download(b, t * f)?),
+                    );
+                }
+                ffn_ranks = ffn_rank_sites(layer, &ffn.gate, &ffn.up, &ffn.down, &mlp, tp)?;
+            }
+            drop((gate, up, xn));
             let down = g.linear_w(&act, t, &name(ModelTensor::FfnDown), &ffn.down)?;
+            record(&mut tr, Stage::FfnOut, vec![t, hd], &down)?;
             let out = g.elementwise("ref_add_scaled", &h1, &down, Some(rs), t * hd)?;
             record(&mut tr, Stage::HiddenOut, vec![t, hd], &out)?;
             let v = g.download(&out, t * hd)?;
@@ -646,6 +667,7 @@ fn reference_inner(
     g.sync("o_proj")?;
     tr.extend(rank_weight_sites(cfg, w, tp));
     tr.extend(partials);
+    tr.extend(ffn_ranks);
     Ok((
         RefOutput {
             trace: tr,

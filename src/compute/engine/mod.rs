@@ -12,10 +12,11 @@
 //! [`run`] here drives one layer: the engine's weights (`weights.rs`), the shared prologue
 //! (`prologue.rs`), each rank's attention context and the paged cache (`attn.rs`), one of the
 //! paths (`mha.rs`, `mqa.rs`, `chunked.rs`, `mixed.rs`), then the rank reassembly, `o_proj`
-//! with its all-reduce, and the FFN.
+//! with its all-reduce, and the dense MLP with its TP split (`ffn.rs`).
 
 mod attn;
 mod chunked;
+mod ffn;
 mod mha;
 mod mixed;
 mod mqa;
@@ -38,6 +39,7 @@ use crate::model::weights::{RawSlice, SliceError, col_slice, row_slice};
 
 use attn::*;
 use chunked::*;
+use ffn::*;
 use mha::*;
 use mixed::*;
 use mqa::*;
@@ -359,7 +361,7 @@ fn run_loaded<O: Ops>(
     let o = ops.all_reduce_sum(parts, t * hd, opts.faults.reduce_fault(tp))?;
     record_buf(ops, &mut tr, layer, Stage::OProj, &[t, hd], &o)?;
     if let Some(ffn) = &ew.ffn {
-        let out = ffn_residual(ops, cfg, ffn, &pro.hidden, &o, t)?;
+        let out = ffn_block(ops, &mut tr, layer, cfg, ffn, &pro.hidden, &o, t)?;
         record_buf(ops, &mut tr, layer, Stage::HiddenOut, &[t, hd], &out)?;
     }
     Ok(PathRun {
@@ -504,36 +506,4 @@ fn record_rank_outputs<O: Ops>(
         }
     }
     Ok(())
-}
-
-/// The FFN block after attention (llama.cpp's `ffn_norm`, `ffn_gate`/`ffn_up`, SiLU,
-/// `ffn_down`) with both residual adds: returns `hidden_out` `[T, H]` f32 from the layer's
-/// `hidden` and the all-reduced `o_proj` output `o`.
-fn ffn_residual<O: Ops>(
-    ops: &O,
-    cfg: &MlaConfig,
-    ffn: &Ffn<O::Buf>,
-    hidden: &O::Buf,
-    o: &O::Buf,
-    t: usize,
-) -> Result<O::Buf> {
-    let hd = cfg.hidden;
-    // MiniCPM3 scales each residual branch (llama.cpp `scale_res`); on the host, once.
-    let rs = cfg.residual_scale as f32;
-    let scaled = |b: &O::Buf| -> Result<O::Buf> {
-        let v: Vec<f32> = ops.download(b)?.into_iter().map(|x| x * rs).collect();
-        ops.upload(&v)
-    };
-    let h1 = if rs != 1.0 {
-        ops.add(hidden, &scaled(o)?, t * hd)?
-    } else {
-        ops.add(hidden, o, t * hd)?
-    };
-    let xn = ops.rms_norm(&h1, t, 0, hd, hd, &ffn.norm, cfg.rms_eps as f32)?;
-    let gate = ops.linear(&xn, t, hd, &ffn.gate, ffn.f)?;
-    let up = ops.linear(&xn, t, hd, &ffn.up, ffn.f)?;
-    let act = ops.silu_mul(&gate, &up, t * ffn.f)?;
-    let down = ops.linear(&act, t, ffn.f, &ffn.down, hd)?;
-    let down = if rs != 1.0 { scaled(&down)? } else { down };
-    ops.add(&h1, &down, t * hd)
 }

@@ -1,6 +1,6 @@
 //! Engine-side weights: what each TP rank's loader builds from the GGUF (shards cut from the raw
-//! quantized bytes, the fused `q_a`/`kv_a` weight, `kv_b_proj`, `W_UK_T`/`W_UV`), where the
-//! weight-loading faults act.
+//! quantized bytes, the fused `q_a`/`kv_a` weight, `kv_b_proj`, `W_UK_T`/`W_UV`; the dense MLP's
+//! in `ffn.rs`), where the weight-loading faults act.
 
 use super::*;
 
@@ -17,15 +17,6 @@ pub(super) struct RankWeights<B> {
     pub(super) w_uv: B,
     /// `o_proj` columns (input dim) of this rank's heads, [H, nh·V].
     pub(super) o_proj: B,
-}
-
-/// The dense FFN weights: norm \[H], gate/up [F, H], down [H, F], and F.
-pub(super) struct Ffn<B> {
-    pub(super) norm: B,
-    pub(super) gate: B,
-    pub(super) up: B,
-    pub(super) down: B,
-    pub(super) f: usize,
 }
 
 /// The weights as an engine holds them after loading.
@@ -146,7 +137,7 @@ impl<B> EngineWeights<B> {
             kv_a,
             kv_a_norm,
             ranks,
-            ffn: load_ffn(ops, input)?,
+            ffn: load_ffn(ops, input, opts, notes)?,
         })
     }
 }
@@ -342,20 +333,4 @@ fn absorbed_weights<O: Ops>(
     }
     let w_uv = ops.transpose(&w_uv_t, nh, v, l)?;
     Ok((w_uk_t, w_uv))
-}
-
-/// The dense FFN weights (`ffn_norm`, `ffn_gate`, `ffn_up`, `ffn_down`), when the layer has a
-/// dense FFN; `None` otherwise.
-fn load_ffn<O: Ops>(ops: &O, input: &LayerInput<'_>) -> Result<Option<Ffn<O::Buf>>> {
-    let Some(fw) = &input.weights.ffn else {
-        return Ok(None);
-    };
-    let name = |t: ModelTensor| t.name(input.weights.layer);
-    Ok(Some(Ffn {
-        norm: whole(ops, input, &name(ModelTensor::FfnNorm))?,
-        gate: whole(ops, input, &name(ModelTensor::FfnGate))?,
-        up: whole(ops, input, &name(ModelTensor::FfnUp))?,
-        down: whole(ops, input, &name(ModelTensor::FfnDown))?,
-        f: fw.gate.nrows(),
-    }))
 }

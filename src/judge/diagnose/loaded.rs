@@ -8,16 +8,20 @@
 //! block-permutation finder, as the site detectors of `diagnose/weights.rs` explain a weight site:
 //! never loaded, transposed, fused shards in the wrong order, heads permuted, a shard cut inside
 //! a quant block. After every tensor, [`rank_findings`] judges how the ranks' shards fit
-//! together: a rank holding another rank's slice, every rank holding rank 0's, a missing shard.
+//! together: a rank holding another rank's slice, every rank holding rank 0's (the GGUF
+//! plugin's merged-column loader that reads the rank from a keyword nobody passes), a missing
+//! shard. The same detectors judge the `weights.*` tensors `compare` finds in a format-2 dump.
 //! Every finding is a [`Finding`] about a [`LoadedTensor`], with the GGUF tensors it comes from.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 
-use super::blocks::{find_blocks, rel_l2 as rel, take_along};
-use super::weights::weight_not_loaded_hint;
+use super::blocks::{find_blocks, rel_l2 as rel};
+use super::weights::{HINT_MERGED_COLUMN_RANK0, weight_not_loaded_hint};
 use super::{Detection, Finding, LoadedTensor, TpRank};
 use crate::core::class::Class;
 use crate::core::dtype::Dtype;
+use crate::core::sci::sci;
 use crate::model::config::{KvBLayout, MlaConfig, MlaDims};
 use crate::model::tensors::TpSplit;
 
@@ -32,7 +36,8 @@ pub struct Source {
     pub block: u64,
 }
 
-/// One MLA parameter (vLLM name) rebuilt from the GGUF: what a correct engine holds.
+/// One parameter (vLLM name) of the attention or the FFN rebuilt from the GGUF: what a correct
+/// engine holds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Param {
     /// Its values, f64, row-major in `shape`.
@@ -42,7 +47,8 @@ pub struct Param {
     pub shape: Vec<usize>,
     /// How TP ranks split it (the tensor table's split of its vLLM parameter).
     pub split: TpSplit,
-    /// Fused shards along dim 0 (name, rows), for shard-order findings.
+    /// Fused shards along dim 0 (name, rows), for shard-order findings and the merged-column
+    /// TP split (`gate_up_proj`: `gate_proj` F rows, then `up_proj` F rows).
     pub shards: Vec<(&'static str, usize)>,
     /// The GGUF tensors it is built from, in order (the first one's block size serves the
     /// column-cut check of `o_proj`).
@@ -68,25 +74,63 @@ impl Param {
     }
 
     /// The slice that rank `rank` of `tp` holds (of the model's `d.n_head` heads), with its
-    /// shape and the range it covers along the split dim ([`TpSplit::rank_ranges`] along
-    /// [`TpSplit::dim`]; a replicated param: all of it, rows `0..shape[0]`).
-    pub fn rank_slice(&self, d: MlaDims, tp: usize, rank: usize) -> (Vec<f64>, Vec<usize>, (usize, usize)) {
+    /// shape and the ranges it covers along the split dim, in the order the slice concatenates
+    /// them ([`TpSplit::rank_ranges`] along [`TpSplit::dim`]: one range, or for a merged-column
+    /// param one per merged shard, `[gate rows r·F/tp.. ; up rows F + r·F/tp..]`; a replicated
+    /// param: all of it, rows `0..shape[0]`).
+    pub fn rank_slice(&self, d: MlaDims, tp: usize, rank: usize) -> (Vec<f64>, Vec<usize>, Vec<Range<usize>>) {
         let dim = self.split.dim().unwrap_or(0);
-        let range = self.split.rank_ranges(d, &[self.shape[dim]], tp, rank)[0].clone();
-        let data = if range.len() == self.shape[dim] {
+        let merged: Vec<usize> = self.shards.iter().map(|s| s.1).collect();
+        let lens = if self.split == TpSplit::MergedColumn && merged.iter().sum::<usize>() == self.shape[dim] {
+            merged
+        } else {
+            vec![self.shape[dim]]
+        };
+        let ranges = self.split.rank_ranges(d, &lens, tp, rank);
+        let len: usize = ranges.iter().map(Range::len).sum();
+        let data = if len == self.shape[dim] {
             self.data.clone()
         } else {
-            take_along(&self.data, &self.shape, dim, range.start, range.len())
+            gather_along(&self.data, &self.shape, dim, &ranges)
         };
         let mut shape = self.shape.clone();
-        shape[dim] = range.len();
-        (data, shape, (range.start, range.end))
+        shape[dim] = len;
+        (data, shape, ranges)
     }
 }
 
-/// Per (layer, param): each file shard's rank and the rank whose slice it holds (`None`: no
-/// rank's).
-pub type Holds = BTreeMap<(usize, String), Vec<(usize, Option<usize>)>>;
+/// The elements of `data` (row-major in `shape`) at indices `ranges` of axis `axis`, the ranges
+/// concatenated in order along that axis.
+fn gather_along(data: &[f64], shape: &[usize], axis: usize, ranges: &[Range<usize>]) -> Vec<f64> {
+    let outer: usize = shape[..axis].iter().product();
+    let inner: usize = shape[axis + 1..].iter().product();
+    let dim = shape[axis];
+    let mut out = Vec::with_capacity(outer * ranges.iter().map(Range::len).sum::<usize>() * inner);
+    for o in 0..outer {
+        let base = o * dim * inner;
+        for r in ranges {
+            out.extend_from_slice(&data[base + r.start * inner..base + r.end * inner]);
+        }
+    }
+    out
+}
+
+/// What one file shard holds: its rank, the rank whose slice it equals (`None`: no rank's) and
+/// the rel_l2 against that slice and against its own rank's (NaN where the shapes differ).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Held {
+    /// The shard's rank (`….rank<r>` in the file).
+    pub rank: usize,
+    /// The rank whose slice it equals within [`match_threshold`].
+    pub holds: Option<usize>,
+    /// rel_l2 against the slice of `holds` (NaN without a match).
+    pub rel_held: f64,
+    /// rel_l2 against its own rank's slice.
+    pub rel_own: f64,
+}
+
+/// Per (layer, param): what each file shard holds.
+pub type Holds = BTreeMap<(usize, String), Vec<Held>>;
 
 /// Threshold under which a block "is" another block: 1e-6 for exact dtypes, 1e-2 for bf16.
 pub fn match_threshold(dtype: Dtype) -> f64 {
@@ -97,39 +141,61 @@ pub fn match_threshold(dtype: Dtype) -> f64 {
 }
 
 /// Rank-level findings from `holds`: shards permuted or duplicated across ranks (each holding
-/// another rank's slice), and ranks of `0..tp` with no shard in the file. Replicated params
-/// have none. `params` holds every param of the layers in `holds`, by layer.
-pub fn rank_findings(holds: Holds, params: &BTreeMap<usize, BTreeMap<&'static str, Param>>, tp: usize) -> Vec<Finding> {
+/// another rank's slice), and ranks of `expected` with no shard in the file (`expected`: every
+/// rank of `0..tp`, or the one rank a per-rank dump holds). Replicated params have none.
+/// `params` holds every param of the layers in `holds`, by layer.
+///
+/// A rank holding another rank's slice is named at the first such rank's tensor
+/// (`L0.gate_up_proj.rank1`): "every rank holds rank 0's slice" when every shard holds rank 0's,
+/// else "rank r holds rank s's slice" for each such rank, with the rel_l2 against the slice held
+/// and against its own. The hint names the merged-column loader of the GGUF plugin for a
+/// merged-column param whose ranks all hold rank 0's slice (the hint `weights --check` gives for
+/// the same tensors).
+pub fn rank_findings(
+    holds: Holds,
+    params: &BTreeMap<usize, BTreeMap<&'static str, Param>>,
+    tp: usize,
+    expected: &[usize],
+) -> Vec<Finding> {
     let mut findings = Vec::new();
     for ((layer, param), mut v) in holds {
-        v.sort();
+        v.sort_by_key(|h| h.rank);
         let p = &params[&layer][param.as_str()];
         if p.split == TpSplit::Replicated {
             continue;
         }
-        let ranks: Vec<usize> = v.iter().map(|x| x.0).collect();
-        let missing: Vec<usize> = (0..tp).filter(|r| !ranks.contains(r)).collect();
-        let held: Vec<Option<usize>> = v.iter().map(|x| x.1).collect();
-        let wrong = v.iter().any(|(r, h)| h.is_some_and(|h| h != *r));
-        let every_rank = || LoadedTensor {
-            tensor: format!("L{layer}.{param}.rank*"),
-            rank: TpRank::All,
-            source: p.source_names(),
-        };
-        if wrong {
+        let ranks: Vec<usize> = v.iter().map(|h| h.rank).collect();
+        let missing: Vec<usize> = expected.iter().copied().filter(|r| !ranks.contains(r)).collect();
+        if let Some(first) = v.iter().find(|h| h.holds.is_some_and(|k| k != h.rank)) {
+            let tensor = LoadedTensor {
+                tensor: format!("L{layer}.{param}.rank{}", first.rank),
+                rank: TpRank::Rank(first.rank),
+                source: p.source_names(),
+            };
+            let all_rank0 = tp > 1 && v.iter().all(|h| h.holds == Some(0));
+            let hint = match p.split {
+                TpSplit::MergedColumn if all_rank0 => HINT_MERGED_COLUMN_RANK0.to_string(),
+                TpSplit::MergedColumn => format!(
+                    "rank r must take rows r·F/tp..(r+1)·F/tp of each merged shard ({}), concatenated (vLLM MergedColumnParallelLinear.weight_loader: narrow(0, tp_rank * shard_size, shard_size) per shard); check the rank index the loader uses",
+                    p.shards.iter().map(|s| s.0).collect::<Vec<_>>().join(", ")
+                ),
+                TpSplit::Row => "rank r must take input columns r·F/tp..(r+1)·F/tp (vLLM RowParallelLinear.weight_loader: narrow(1, tp_rank * shard_size, shard_size)); check the rank index the loader uses".into(),
+                _ => "each rank must take its own slice of the head dim (vLLM weight_loader: narrow(dim, tp_rank * shard_size, shard_size)); check the rank index the loader uses".into(),
+            };
             findings.push(Finding::at_loaded(
                 Class::TpRankOrder,
-                every_rank(),
-                Detection::new(
-                    permuted_shards_evidence(&ranks, &held, p, tp),
-                    "each rank must take its own slice of the head dim (vLLM weight_loader: narrow(dim, tp_rank * shard_size, shard_size)); check the rank index the loader uses".into(),
-                ),
+                tensor,
+                Detection::new(permuted_shards_evidence(&v, p, tp), hint),
             ));
         }
         if !missing.is_empty() && tp > 1 {
             findings.push(Finding::at_loaded(
                 Class::TpRankOrder,
-                every_rank(),
+                LoadedTensor {
+                    tensor: format!("L{layer}.{param}.rank*"),
+                    rank: TpRank::All,
+                    source: p.source_names(),
+                },
                 Detection::new(
                     format!("missing shard(s): rank(s) {missing:?} of tp {tp} not in the file"),
                     "dump every rank's shard (or set tp_size metadata)".into(),
@@ -140,9 +206,12 @@ pub fn rank_findings(holds: Holds, params: &BTreeMap<usize, BTreeMap<&'static st
     findings
 }
 
-/// The evidence of shards that hold other ranks' slices: file ranks `ranks` hold slices `held`
-/// (`?`: no rank's), with the slices duplicated and those held by no rank.
-fn permuted_shards_evidence(ranks: &[usize], held: &[Option<usize>], p: &Param, tp: usize) -> String {
+/// The evidence of shards that hold other ranks' slices (`v`, by rank): which rank holds
+/// whose, the slices duplicated and those held by no rank, and for each displaced shard the
+/// rel_l2 against the slice it holds next to the rel_l2 against its own.
+fn permuted_shards_evidence(v: &[Held], p: &Param, tp: usize) -> String {
+    let ranks: Vec<usize> = v.iter().map(|h| h.rank).collect();
+    let held: Vec<Option<usize>> = v.iter().map(|h| h.holds).collect();
     let text = |h: &[Option<usize>]| {
         let parts: Vec<String> = h.iter().map(|x| x.map_or("?".into(), |k| k.to_string())).collect();
         format!("[{}]", parts.join(","))
@@ -151,19 +220,37 @@ fn permuted_shards_evidence(ranks: &[usize], held: &[Option<usize>], p: &Param, 
     dup.sort();
     let duplicated: Vec<usize> = dup.windows(2).filter(|w| w[0] == w[1]).map(|w| w[0]).collect();
     let lost: Vec<usize> = (0..tp).filter(|k| !held.contains(&Some(*k))).collect();
-    if held.iter().all(|h| *h == Some(0)) && tp > 1 {
+    let displaced: Vec<&Held> = v.iter().filter(|h| h.holds.is_some_and(|k| k != h.rank)).collect();
+    let numbers: Vec<String> = displaced
+        .iter()
+        .map(|h| {
+            format!(
+                "rank {}: rel_l2 {} against rank {}'s slice vs {} against its own",
+                h.rank,
+                sci(h.rel_held, 2),
+                h.holds.unwrap_or(h.rank),
+                sci(h.rel_own, 2)
+            )
+        })
+        .collect();
+    let head = if held.iter().all(|h| *h == Some(0)) && tp > 1 {
         format!(
             "every rank holds rank 0's slice: ranks {:?} hold slices {} (duplicated shard 0; slices {:?} of {} are missing)",
             ranks,
-            text(held),
+            text(&held),
             lost,
             p.source_text()
         )
     } else {
+        let who: Vec<String> = displaced
+            .iter()
+            .map(|h| format!("rank {} holds rank {}'s slice", h.rank, h.holds.unwrap_or(h.rank)))
+            .collect();
         format!(
-            "ranks {:?} hold slices {}{}{}",
+            "{}: ranks {:?} hold slices {}{}{}",
+            who.join(", "),
             ranks,
-            text(held),
+            text(&held),
             if duplicated.is_empty() {
                 String::new()
             } else {
@@ -175,7 +262,8 @@ fn permuted_shards_evidence(ranks: &[usize], held: &[Option<usize>], p: &Param, 
                 format!("; slices {lost:?} held by no rank")
             }
         )
-    }
+    };
+    format!("{head}; {}", numbers.join("; "))
 }
 
 /// A failing tensor of the file, with the GGUF param it is compared with: what
@@ -195,8 +283,9 @@ pub struct Failing<'a> {
     pub exp: &'a [f64],
     /// The expected shape.
     pub exp_shape: &'a [usize],
-    /// A shard's rank and the range of the split dim it should hold.
-    pub rank: Option<(usize, (usize, usize))>,
+    /// A shard's rank and the ranges of the split dim it should hold, in the order it
+    /// concatenates them ([`Param::rank_slice`]).
+    pub rank: Option<(usize, Vec<Range<usize>>)>,
     /// The model's configuration.
     pub cfg: &'a MlaConfig,
     /// The rel_l2 at or under which a rearrangement counts as a match ([`match_threshold`]).
@@ -208,7 +297,7 @@ impl Failing<'_> {
     fn finding(&self, class: Class, evidence: String, hint: String) -> Finding {
         let tensor = LoadedTensor {
             tensor: self.name.to_string(),
-            rank: self.rank.map_or(TpRank::Whole, |(r, _)| TpRank::Rank(r)),
+            rank: self.rank.as_ref().map_or(TpRank::Whole, |(r, _)| TpRank::Rank(*r)),
             source: self.p.source_names(),
         };
         Finding::at_loaded(class, tensor, Detection::new(evidence, hint))
@@ -319,34 +408,52 @@ pub fn shape_mismatch(f: &Failing<'_>) -> Option<Finding> {
     None
 }
 
-/// The shards of a fused projection concatenated in the wrong order.
+/// The shards of a fused projection concatenated in the wrong order (a TP shard of a
+/// merged-column param: its own piece of each shard, `[gate_r | up_r]`).
 pub fn shard_order(f: &Failing<'_>) -> Option<Finding> {
     if !f.p.shards.is_empty() {
-        let sizes: Vec<usize> = f.p.shards.iter().map(|s| s.1).collect();
+        let sizes: Vec<usize> = match &f.rank {
+            Some((_, ranges)) if f.p.split == TpSplit::MergedColumn && ranges.len() == f.p.shards.len() => {
+                ranges.iter().map(Range::len).collect()
+            }
+            _ => f.p.shards.iter().map(|s| s.1).collect(),
+        };
+        let rows: usize = sizes.iter().sum();
+        if f.shape.first() != Some(&rows) || f.exp_shape.first() != Some(&rows) {
+            return None;
+        }
         if let Some(m) = find_blocks(f.data, f.exp, f.shape, 0, &sizes, f.thr)
             && m.explains()
         {
             let names: Vec<String> =
                 f.p.shards
                     .iter()
+                    .zip(&sizes)
                     .enumerate()
-                    .map(|(i, (n, r))| format!("{i} = {n} ({r} rows)"))
+                    .map(|(i, ((n, _), r))| format!("{i} = {n} ({r} rows)"))
                     .collect();
-            return Some(
-                f.finding(
-                    Class::ShardOrder,
-                    format!(
-                        "shard-order {}: {} (shards {})",
-                        m.map_text(),
-                        m.describe("shard"),
-                        names.join(", ")
-                    ),
-                    "the fused projection must be [q_a_proj | kv_a_proj_with_mqa], shard 0 then 1 (vLLM \
+            let hint = if f.p.split == TpSplit::MergedColumn {
+                format!(
+                    "{} must be [{}], shard 0 then 1 (vLLM MergedColumnParallelLinear loaded_shard_id order, on every rank); check the order the GGUF shards are dequantized and concatenated",
+                    f.param,
+                    f.p.shards.iter().map(|s| s.0).collect::<Vec<_>>().join(" | ")
+                )
+            } else {
+                "the fused projection must be [q_a_proj | kv_a_proj_with_mqa], shard 0 then 1 (vLLM \
                  MergedReplicatedLinear loaded_shard_id order); check the order the GGUF shards are dequantized \
                  and concatenated"
-                        .into(),
+                    .into()
+            };
+            return Some(f.finding(
+                Class::ShardOrder,
+                format!(
+                    "shard-order {}: {} (shards {})",
+                    m.map_text(),
+                    m.describe("shard"),
+                    names.join(", ")
                 ),
-            );
+                hint,
+            ));
         }
     }
     None
@@ -375,9 +482,12 @@ pub fn heads_permuted(f: &Failing<'_>) -> Option<Finding> {
     None
 }
 
-/// A TP column cut inside a quant block (o_proj shards: the input dim is the GGUF's ne\[0]).
+/// A TP column cut inside a quant block (`o_proj` and `down_proj` shards: the input dim is the
+/// GGUF's ne\[0]).
 pub fn quant_block_cut(f: &Failing<'_>) -> Option<Finding> {
-    if let (Some(1), Some((r, (start, end))), Some(src0)) = (f.p.split.dim(), f.rank, f.p.sources.first())
+    if let (Some(1), Some((r, ranges)), Some(src0)) = (f.p.split.dim(), &f.rank, f.p.sources.first())
+        && let [range] = ranges.as_slice()
+        && let (r, start, end) = (*r, range.start, range.end)
         && let block = src0.block
         && block > 1
         && (!(start as u64).is_multiple_of(block) || !(end as u64).is_multiple_of(block))
@@ -388,23 +498,27 @@ pub fn quant_block_cut(f: &Failing<'_>) -> Option<Finding> {
             start
         };
         let b0 = bad_at as u64 / block;
-        return Some(
-            f.finding(
-                Class::QuantBlockMisaligned,
-                format!(
-                    "rank {r} covers columns {start}..{end} of {} ({}, blocks of {} along ne[0]): the cut at column \
+        return Some(f.finding(
+            Class::QuantBlockMisaligned,
+            format!(
+                "rank {r} covers columns {start}..{end} of {} ({}, blocks of {} along ne[0]): the cut at column \
                  {bad_at} falls inside block {b0} (columns {}..{}), and the shard differs from the dequantized slice",
-                    src0.name,
-                    src0.ggml_type,
-                    block,
-                    b0 * block,
-                    (b0 + 1) * block
-                ),
-                "dequantize before slicing, or keep TP cuts on block boundaries (N·V/tp must be a multiple of the \
-             block size)"
-                    .into(),
+                src0.name,
+                src0.ggml_type,
+                block,
+                b0 * block,
+                (b0 + 1) * block
             ),
-        );
+            if f.p.split == TpSplit::Row {
+                "dequantize before slicing, or keep TP cuts on block boundaries (F/tp, the FFN width per \
+                     rank, must be a multiple of the block size)"
+                    .into()
+            } else {
+                "dequantize before slicing, or keep TP cuts on block boundaries (N·V/tp must be a multiple of \
+                     the block size)"
+                    .into()
+            },
+        ));
     }
     None
 }
@@ -429,23 +543,52 @@ pub fn row_differences(f: &Failing<'_>) -> Finding {
     )
 }
 
-/// A tensor of the file named for a param the model does not have: `q_proj` in a model with a
-/// query LoRA (`q_lora_rank` set), or `q_a_proj`, `q_b_proj`, `fused_qkv_a_proj` in one without.
-/// `name` is the file's tensor name, `rank` its TP rank.
-pub fn param_absent(name: &str, param: &str, rank: Option<usize>, q_lora_rank: Option<usize>) -> Finding {
+/// A tensor of the file named for a param the model (or this layer) does not have: `q_proj` in
+/// a model with a query LoRA (`q_lora_rank` set), or `q_a_proj`, `q_b_proj`,
+/// `fused_qkv_a_proj` in one without; the dense MLP's `gate_up_proj`/`down_proj` in an MoE
+/// layer, the `shared_experts.` ones in a dense layer or a model without shared experts. `name`
+/// is the file's tensor name, `rank` its TP rank, `layer` its layer.
+pub fn param_absent(name: &str, param: &str, rank: Option<usize>, layer: usize, cfg: &MlaConfig) -> Finding {
     let tensor = LoadedTensor {
         tensor: name.to_string(),
         rank: rank.map_or(TpRank::Whole, TpRank::Rank),
         source: Vec::new(),
     };
-    Finding::at_loaded(
-        Class::Mismatch,
-        tensor,
+    let ffn = crate::model::tensors::FFN_DUMP_TENSORS
+        .iter()
+        .filter_map(|t| t.row().vllm)
+        .any(|v| {
+            let own = v.merged.map(|m| crate::model::tensors::dump_name(m.checkpoint));
+            crate::model::tensors::dump_name(v.param) == param || own == Some(param)
+        });
+    let d = if ffn {
+        let shared = cfg.moe.as_ref().map_or(0, |m| m.n_expert_shared);
+        let what = if cfg.is_moe_layer(layer) && param.starts_with("shared_experts.") {
+            format!("layer {layer} has no shared experts (expert_shared_count {shared})")
+        } else if cfg.is_moe_layer(layer) {
+            format!(
+                "layer {layer} is an MoE layer (leading_dense_block_count {}): it has no dense MLP `{param}`",
+                cfg.leading_dense_block_count
+            )
+        } else {
+            format!(
+                "layer {layer} is a dense layer (leading_dense_block_count {}): it has no `{param}`",
+                cfg.leading_dense_block_count
+            )
+        };
         Detection::new(
-            format!("the model has no `{param}` (q_lora_rank {q_lora_rank:?})"),
+            what,
+            "gate_up_proj/down_proj exist in the dense layers (the first leading_dense_block_count), \
+             shared_experts.gate_up_proj/down_proj in the MoE layers with expert_shared_count > 0"
+                .into(),
+        )
+    } else {
+        Detection::new(
+            format!("the model has no `{param}` (q_lora_rank {:?})", cfg.q_lora_rank),
             "q_a_proj/q_b_proj/fused_qkv_a_proj exist only with q_lora_rank; q_proj only without".into(),
-        ),
-    )
+        )
+    };
+    Finding::at_loaded(Class::Mismatch, tensor, d)
 }
 
 /// A shard named for rank `rank` (file tensor `name`) of a file whose TP size `tp` has no such

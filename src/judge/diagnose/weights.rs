@@ -22,12 +22,24 @@ use crate::model::dump::is_per_head;
 use crate::model::tensors::{ModelTensor, TpSplit, loader_sources, site_param};
 use crate::model::weights::NonFiniteTensor;
 
+/// The hint of every rank holding rank 0's slice of a merged-column weight (`gate_up_proj`):
+/// vllm-gguf-plugin 0.0.5's `load_merged_column_weight` reads `tp_rank` from a keyword argument
+/// that vLLM's `MergedColumnParallelLinear.weight_loader_v2` never passes, so it defaults to 0
+/// (vllm-gguf-plugin#103, fixed by PR #106). Written once for `weights --check`, `compare` and
+/// `run`.
+pub(crate) const HINT_MERGED_COLUMN_RANK0: &str = "a merged-column weight loader that takes the TP rank from a keyword argument its caller never passes (vllm-gguf-plugin 0.0.5 `load_merged_column_weight`, fixed by PR #106) keeps rank 0's slice on every rank";
+
 /// The GGUF tensors of layer `layer` that an engine's loader turns into weight site `stage`, in
 /// this file's layout (split `attn_k_b`/`attn_v_b` or fused `attn_kv_b`; `attn_q_b` with a query
 /// LoRA, `attn_q` without): the tensor table's [`loader_sources`], so `w.W_UK_T` and `w.W_UV`
-/// name every `kv_b` tensor they are computed from.
+/// name every `kv_b` tensor they are computed from; the FFN's `w.gate_up`/`w.down` shards name
+/// the dense tensors in a dense layer and the shared experts' in an MoE layer.
 pub fn gguf_sources(cfg: &MlaConfig, layer: usize, stage: Stage) -> Vec<String> {
-    loader_sources(cfg, stage).into_iter().map(|t| t.name(layer)).collect()
+    loader_sources(cfg, stage)
+        .into_iter()
+        .filter(|t| t.in_layer(cfg, layer))
+        .map(|t| t.name(layer))
+        .collect()
 }
 
 /// A weight site whose every element is zero or the canary while the reference's is not: the
@@ -170,8 +182,13 @@ fn describe_ranks(m: &BlockMatch, what: &str, x: &SiteCtx<'_>) -> Detection {
 
 /// `tp-rank-order`: each rank's shard of a `w.*.rank<r>` weight, or each rank's head block of a
 /// head-split site, matched against the reference's: a permutation, one rank everywhere,
-/// duplicates or missing ranks.
+/// duplicates or missing ranks; for the MLP's activations, [`mlp_output_ranks`].
 pub(super) fn tp_rank_order(x: &SiteCtx<'_>) -> Option<Detection> {
+    // The MLP's activations carry their TP size in their blocks: a dump judged without one
+    // still shows it.
+    if x.site.stage.is_ffn() {
+        return mlp_output_ranks(x);
+    }
     let tp = x.input.tp;
     if tp < 2 {
         return None;
@@ -188,9 +205,13 @@ pub(super) fn tp_rank_order(x: &SiteCtx<'_>) -> Option<Detection> {
         let len = rf[0].len();
         let shape = [tp, len];
         let m = find_blocks(&c.concat(), &rf.concat(), &shape, 0, &vec![1; tp], x.explain)?;
-        return m
-            .explains()
-            .then(|| describe_ranks(&m, &format!("per-rank shards of {}", w.as_str()), x));
+        if !m.explains() {
+            return None;
+        }
+        if w.is_ffn() {
+            return Some(describe_mlp_ranks(&m.map, worst(&m.errors), w, "slice", x));
+        }
+        return Some(describe_ranks(&m, &format!("per-rank shards of {}", w.as_str()), x));
     }
     let (axis, block) = rank_axis(x.site.stage, x.input.cfg, tp)?;
     let dim = *x.refr.shape.get(axis)?;
@@ -207,6 +228,171 @@ pub(super) fn tp_rank_order(x: &SiteCtx<'_>) -> Option<Detection> {
     )?;
     m.explains()
         .then(|| describe_ranks(&m, &format!("rank blocks of {}", x.site.stage.name()), x))
+}
+
+/// Which rank's block each rank has, as evidence says it; `map[r]` is the reference rank whose
+/// block rank r has. For a weight (`what` = `slice`): "every rank holds rank 0's slice", or
+/// "rank 1 holds rank 0's slice, rank 2 holds no rank's slice"; for an activation (`what` =
+/// `gate/up output`): "every rank's gate/up output is rank 0's", or "rank 1's gate/up output is
+/// rank 0's".
+fn rank_holdings(map: &[Option<usize>], what: &str) -> String {
+    let weight = what == "slice";
+    if map.len() > 1 && map.iter().all(|m| *m == Some(0)) {
+        return if weight {
+            format!("every rank holds rank 0's {what}")
+        } else {
+            format!("every rank's {what} is rank 0's")
+        };
+    }
+    map.iter()
+        .enumerate()
+        .filter_map(|(r, m)| match (m, weight) {
+            (Some(s), true) if *s != r => Some(format!("rank {r} holds rank {s}'s {what}")),
+            (Some(s), false) if *s != r => Some(format!("rank {r}'s {what} is rank {s}'s")),
+            (None, true) => Some(format!("rank {r} holds no rank's {what}")),
+            (None, false) => Some(format!("rank {r}'s {what} is no rank's")),
+            _ => None,
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The largest finite error of matched blocks (0 when none is finite).
+fn worst(errors: &[f64]) -> f64 {
+    errors.iter().copied().filter(|e| e.is_finite()).fold(0.0, f64::max)
+}
+
+/// The finding of the MLP's per-rank blocks matched as `map` (rank r holds the reference's
+/// block `map[r]`, the largest error of a matched block `err`) at a `w.gate_up`/`w.down` shard
+/// (`weight`, blocks called `what`) or an activation of the MLP (`weight` = `GateUp`, the
+/// projection whose slice decides it).
+fn describe_mlp_ranks(
+    map: &[Option<usize>],
+    err: f64,
+    weight: crate::core::trace::RankedWeight,
+    what: &str,
+    x: &SiteCtx<'_>,
+) -> Detection {
+    use crate::core::trace::RankedWeight;
+    let every_rank0 = map.len() > 1 && map.iter().all(|m| *m == Some(0));
+    let hint = match weight {
+        RankedWeight::GateUp if every_rank0 => HINT_MERGED_COLUMN_RANK0.to_string(),
+        RankedWeight::Down => "down_proj is row-parallel: rank r must hold its input columns r·I/tp..(r+1)·I/tp; \
+                               check the rank index its loader slices with"
+            .to_string(),
+        _ => "gate_up_proj is merged column-parallel: rank r must hold [gate rows r·I/tp.. | up rows r·I/tp..]; \
+              check the rank index its merged-column loader slices with"
+            .to_string(),
+    };
+    let proj = if weight == RankedWeight::Down {
+        "down_proj"
+    } else {
+        "gate_up_proj"
+    };
+    let matched = if err == 0.0 {
+        "blocks matched exactly".to_string()
+    } else {
+        format!("blocks matched within rel_l2 {}", sci(err, 2))
+    };
+    let of = if what == "slice" {
+        format!(" of {proj}")
+    } else {
+        String::new()
+    };
+    Detection::new(
+        format!(
+            "{}: {}{of} ({matched} vs rel_l2 {} as is)",
+            x.site.stage.name(),
+            rank_holdings(map, what),
+            sci(x.as_is(), 2)
+        ),
+        hint,
+    )
+}
+
+/// The reference's `ffn_gate_up.rank<s>` for `tp` ranks, `[T, 2·I/tp]` row-major: the columns
+/// `s·I/tp..(s+1)·I/tp` of its `ffn_gate` then of its `ffn_up` ([T, I] each).
+fn reference_gate_up_block(gate: &[f64], up: &[f64], t: usize, i: usize, tp: usize, s: usize) -> Vec<f64> {
+    let ir = i / tp;
+    let mut out = Vec::with_capacity(t * 2 * ir);
+    for ti in 0..t {
+        out.extend_from_slice(&gate[ti * i + s * ir..ti * i + (s + 1) * ir]);
+        out.extend_from_slice(&up[ti * i + s * ir..ti * i + (s + 1) * ir]);
+    }
+    out
+}
+
+/// `tp-rank-order` from the MLP's activations alone (a dump without loaded weights): each rank's
+/// `ffn_gate_up.rank<r>` replayed against every rank's block of the reference
+/// (`[ffn_gate | ffn_up]` columns of that rank), or the gathered `ffn_gate`/`ffn_up`/`ffn_act`
+/// [T, I] matched block by block along the columns, one block per rank. The TP size is the
+/// run's, or for a dump judged without one the block width (`ffn_gate_up.rank<r>`) or the
+/// smallest one (2..=8, dividing I) whose blocks explain the candidate. Generic in which rank
+/// holds which: the evidence says "rank r's gate/up output is rank s's" for each displaced rank.
+fn mlp_output_ranks(x: &SiteCtx<'_>) -> Option<Detection> {
+    use crate::core::trace::RankedWeight;
+    let gate = x.ref_site(Stage::FfnGate)?;
+    let (t, i) = (*gate.shape.first()?, *gate.shape.get(1)?);
+    if let Stage::FfnGateUpRank(r) = x.site.stage {
+        let width = *x.cand.shape.get(1)?;
+        if width == 0 || !(2 * i).is_multiple_of(width) || x.cand.shape[0] != t {
+            return None;
+        }
+        let tp = 2 * i / width;
+        if tp < 2 || r as usize >= tp {
+            return None;
+        }
+        let (g, u) = (gate.to_f64(), x.ref_site(Stage::FfnUp)?.to_f64());
+        let blocks: Vec<Vec<f64>> = (0..tp).map(|s| reference_gate_up_block(&g, &u, t, i, tp, s)).collect();
+        // Which reference block explains a candidate (the best one under the threshold), and
+        // its error.
+        let holder = |cand: &[f64]| -> Option<(usize, f64)> {
+            blocks
+                .iter()
+                .enumerate()
+                .map(|(s, b)| (s, super::blocks::rel_l2(cand, b)))
+                .filter(|&(_, e)| e <= x.explain)
+                .min_by(|a, b| a.1.total_cmp(&b.1))
+        };
+        if holder(&x.cand.to_f64()).is_none_or(|(s, _)| s == r as usize) {
+            return None;
+        }
+        // Every rank the trace holds, so that the evidence can say "every rank".
+        let held: Vec<Option<(usize, f64)>> = (0..tp as u32)
+            .map(|q| {
+                x.path
+                    .trace
+                    .get(&Site::new(x.site.layer, Stage::FfnGateUpRank(q)))
+                    .and_then(|c| holder(&c.to_f64()))
+            })
+            .collect();
+        let map: Vec<Option<usize>> = held.iter().map(|h| h.map(|(s, _)| s)).collect();
+        let errors: Vec<f64> = held.iter().flatten().map(|&(_, e)| e).collect();
+        return Some(describe_mlp_ranks(
+            &map,
+            worst(&errors),
+            RankedWeight::GateUp,
+            "gate/up output",
+            x,
+        ));
+    }
+    if !matches!(x.site.stage, Stage::FfnGate | Stage::FfnUp | Stage::FfnAct) || x.refr.shape != [t, i] {
+        return None;
+    }
+    let (c, rf) = (x.cand.to_f64(), x.refr.to_f64());
+    let tried: Vec<usize> = if x.input.tp > 1 {
+        vec![x.input.tp]
+    } else {
+        (2..=8).collect()
+    };
+    tried
+        .into_iter()
+        .filter(|&tp| i.is_multiple_of(tp))
+        .find_map(|tp| {
+            let m = find_blocks(&c, &rf, &x.refr.shape, 1, &vec![i / tp; tp], x.explain)?;
+            m.explains().then_some(m)
+        })
+        .map(|m| describe_mlp_ranks(&m.map, worst(&m.errors), RankedWeight::GateUp, "gate/up output", x))
 }
 
 /// Reference kv_b rows regrouped per rank as `[all k rows | all v rows]`.
@@ -450,7 +636,10 @@ mod tests {
         assert_eq!(site_of("blk.3.attn_kv_a_mqa.weight"), Stage::KvA);
         assert_eq!(site_of("blk.3.attn_v_b.weight"), Stage::WKvB);
         assert_eq!(site_of("blk.3.attn_output.weight"), Stage::OProj);
-        assert_eq!(site_of("blk.3.ffn_norm.weight"), Stage::HiddenOut);
+        assert_eq!(site_of("blk.3.ffn_norm.weight"), Stage::FfnIn);
+        assert_eq!(site_of("blk.3.ffn_up.weight"), Stage::FfnUp);
+        assert_eq!(site_of("blk.3.ffn_down.weight"), Stage::FfnOut);
+        assert_eq!(site_of("blk.3.ffn_gate_shexp.weight"), Stage::FfnGate);
         assert_eq!(site_of("blk.3.exp_probs_b.bias"), Stage::MoeTopk);
         assert_eq!(site_of("blk.3.ffn_up_exps.weight (expert 7)"), Stage::MoeOut);
         assert_eq!(site_of("blk.3.ffn_down_shexp.weight"), Stage::SharedOut);

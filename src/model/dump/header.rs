@@ -149,6 +149,25 @@ pub struct DumpHeader {
     /// [`heads_config`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub heads: Option<[usize; 2]>,
+    /// The engine's tensor parallelism; see [`TpInfo`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp: Option<TpInfo>,
+}
+
+/// The tensor parallelism of the engine run a format-2 dump records (`header.tp`): the size the
+/// loaded weights' shards (`weights.L{n}.{param}.rank{r}`) are cut for, and, for one rank's
+/// dump (with `heads`), which rank wrote it; a dump joined from every rank's lists each rank's
+/// heads instead.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TpInfo {
+    /// The TP size (≥ 1).
+    pub size: usize,
+    /// The rank that wrote this dump (`0 ≤ rank < size`); absent in a joined dump.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<usize>,
+    /// Each rank's heads `[a, b]`, in rank order (a joined dump); informational.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heads: Option<Vec<[usize; 2]>>,
 }
 
 /// The stages whose sites hold one block per attention head: `[T, N, X]` activations and the
@@ -212,7 +231,7 @@ pub fn peek_header(path: &Path) -> Result<Option<DumpHeader>> {
 }
 
 /// The format-2 header `text` (`__metadata__.header`) of the dump `path`, parsed and checked:
-/// `kernel_precision` and `heads` of the documented forms, at least one step, a positive
+/// `kernel_precision`, `heads` and `tp` of the documented forms, at least one step, a positive
 /// `residual_scale`, an `lse_base` of `e` or `2`, every step listing every sequence with new
 /// tokens and a context equal to what earlier steps computed.
 ///
@@ -255,6 +274,7 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
             }
         }
     }
+    check_tp(path, v.get("tp"))?;
     let h: DumpHeader =
         serde_json::from_value(v).map_err(|e| dump_error(path, "__metadata__.header", e.to_string()))?;
     if h.steps.is_empty() {
@@ -313,6 +333,36 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
         }
     }
     Ok(h)
+}
+
+/// Checks a format-2 header's `tp` (`tp` is its value, if any): a positive integer `size` and,
+/// when given, a `rank` below it.
+///
+/// Errors: [`Error::Safetensors`] naming `__metadata__.header.tp.size` or `.tp.rank`.
+fn check_tp(path: &Path, tp: Option<&serde_json::Value>) -> Result<()> {
+    let Some(tp) = tp.filter(|t| !t.is_null()) else {
+        return Ok(());
+    };
+    let size = tp.get("size").and_then(serde_json::Value::as_u64).filter(|&t| t >= 1);
+    let Some(size) = size else {
+        return Err(dump_error(
+            path,
+            "__metadata__.header.tp.size",
+            format!(
+                "{}: expected a positive integer (the engine's tensor-parallel size)",
+                tp.get("size").unwrap_or(&serde_json::Value::Null)
+            ),
+        ));
+    };
+    match tp.get("rank") {
+        None | Some(serde_json::Value::Null) => Ok(()),
+        Some(r) if r.as_u64().is_some_and(|r| r < size) => Ok(()),
+        Some(r) => Err(dump_error(
+            path,
+            "__metadata__.header.tp.rank",
+            format!("{r}: expected an integer rank below tp.size {size}"),
+        )),
+    }
 }
 
 /// Checks that `file` is the model a format-2 dump was made from: the header-and-index hash, and

@@ -13,14 +13,17 @@ use super::conventions::Layout;
 use crate::core::trace::Stage;
 use crate::model::config::MlaConfig;
 
-/// The expected shape of `stage` for `t` tokens, `None` for stages without a fixed expectation
-/// (per-rank weight shards).
+/// The expected shape of `stage` for `t` tokens, `None` for stages without a fixed expectation:
+/// the per-rank sites, and `ffn_gate`/`ffn_up`/`ffn_act` [T, I], whose width I is the dense
+/// FFN's in a dense layer and the shared experts' in an MoE layer (the comparison still checks
+/// them against the reference's shape).
 pub fn expected_shape(stage: Stage, cfg: &MlaConfig, t: usize) -> Option<Vec<usize>> {
     let [n, l, p, r, v] = cfg.dims().nlprv();
     let h = cfg.dims().hidden;
     let lq = cfg.q_lora_rank.unwrap_or(0);
     Some(match stage {
         Stage::HiddenIn | Stage::AttnIn | Stage::OProj | Stage::HiddenOut => vec![t, h],
+        Stage::FfnIn | Stage::FfnOut => vec![t, h],
         Stage::QC | Stage::QCNormed => vec![t, lq],
         Stage::Q => vec![t, n, p + r],
         Stage::KvA => vec![t, l + r],
@@ -47,7 +50,8 @@ pub fn expected_shape(stage: Stage, cfg: &MlaConfig, t: usize) -> Option<Vec<usi
         Stage::IdxWeights => vec![t, cfg.indexer.as_ref()?.n_head],
         Stage::IdxScores => vec![t, t],
         Stage::IdxTopk => vec![t, cfg.indexer.as_ref()?.top_k.min(t)],
-        Stage::WRank(..) | Stage::OProjRank(..) => return None,
+        Stage::FfnGate | Stage::FfnUp | Stage::FfnAct => return None,
+        Stage::WRank(..) | Stage::OProjRank(..) | Stage::FfnGateUpRank(..) | Stage::FfnDownRank(..) => return None,
     })
 }
 

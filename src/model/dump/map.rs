@@ -19,10 +19,12 @@ use crate::core::error::{Error, Result};
 use crate::core::trace::{Site, Stage};
 use crate::model::config::{KvBLayout, MlaConfig};
 
-/// A condition on a map's rename rule, evaluated from the model's [`MlaConfig`]: some engine
-/// names mean different tensors depending on the model (llama.cpp's `kqv-N` is the latent
-/// attention output `[T, N, L]` in the absorbed graph of split-kv_b files, but the per-head value
-/// output `[T, N, V]` in the expanded graph it runs for legacy fused-kv_b files).
+/// A condition on a map's rename rule, evaluated from the model's [`MlaConfig`] and the rule's
+/// layer: some engine names mean different tensors depending on the model (llama.cpp's `kqv-N` is
+/// the latent attention output `[T, N, L]` in the absorbed graph of split-kv_b files, but the
+/// per-head value output `[T, N, V]` in the expanded graph it runs for legacy fused-kv_b files) or
+/// on the layer (llama.cpp's `ffn_out-N` is the dense MLP's `down_proj` output in a dense layer,
+/// but the routed plus shared experts' sum, which is no site, in an MoE layer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Condition {
     /// The file stores `attn_k_b`/`attn_v_b` ([`KvBLayout::Split`]; llama.cpp runs its absorbed
@@ -39,26 +41,42 @@ pub enum Condition {
     /// The model projects q directly (`q_proj`; no or zero `q_lora_rank`).
     #[serde(rename = "no_q_lora")]
     NoQLora,
+    /// The rule's layer runs a dense MLP: a layer below `leading_dense_block_count`, or any layer
+    /// of a file without routed experts (not [`MlaConfig::is_moe_layer`]). Needs a layer: the
+    /// `{n}` the rule matched, or the layer of its full-site target.
+    #[serde(rename = "dense_ffn")]
+    DenseFfn,
+    /// The rule's layer runs the MoE FFN (router, routed and shared experts:
+    /// [`MlaConfig::is_moe_layer`]). Needs a layer, as [`Condition::DenseFfn`].
+    #[serde(rename = "moe_ffn")]
+    MoeFfn,
 }
 
 impl Condition {
-    /// The condition's name in map files (`split_kv_b`, `fused_kv_b`, `q_lora`, `no_q_lora`).
+    /// The condition's name in map files (`split_kv_b`, `fused_kv_b`, `q_lora`, `no_q_lora`,
+    /// `dense_ffn`, `moe_ffn`).
     pub fn name(self) -> &'static str {
         match self {
             Condition::SplitKvB => "split_kv_b",
             Condition::FusedKvB => "fused_kv_b",
             Condition::QLora => "q_lora",
             Condition::NoQLora => "no_q_lora",
+            Condition::DenseFfn => "dense_ffn",
+            Condition::MoeFfn => "moe_ffn",
         }
     }
 
-    /// True when the condition holds for `cfg` (its `kv_b_layout` and `q_lora_rank`).
-    pub fn holds(self, cfg: &MlaConfig) -> bool {
+    /// True when the condition holds for `cfg` (its `kv_b_layout`, `q_lora_rank` and MoE layers)
+    /// at `layer` (the rule's layer; `None` for a rule without one, for which the layer
+    /// conditions [`Condition::DenseFfn`] and [`Condition::MoeFfn`] never hold).
+    pub fn holds(self, cfg: &MlaConfig, layer: Option<usize>) -> bool {
         match self {
             Condition::SplitKvB => cfg.kv_b_layout == KvBLayout::Split,
             Condition::FusedKvB => cfg.kv_b_layout == KvBLayout::Fused,
             Condition::QLora => cfg.q_lora_rank.is_some_and(|r| r > 0),
-            Condition::NoQLora => !Condition::QLora.holds(cfg),
+            Condition::NoQLora => !Condition::QLora.holds(cfg, layer),
+            Condition::DenseFfn => layer.is_some_and(|l| !cfg.is_moe_layer(l)),
+            Condition::MoeFfn => layer.is_some_and(|l| cfg.is_moe_layer(l)),
         }
     }
 }
@@ -85,9 +103,10 @@ impl Rename {
         }
     }
 
-    /// True when the rule applies to `cfg` (no condition, or the condition holds).
-    pub fn applies(&self, cfg: &MlaConfig) -> bool {
-        self.when.is_none_or(|c| c.holds(cfg))
+    /// True when the rule applies to `cfg` at `layer` (the layer it matched; no condition, or the
+    /// condition holds there).
+    pub fn applies(&self, cfg: &MlaConfig, layer: Option<usize>) -> bool {
+        self.when.is_none_or(|c| c.holds(cfg, layer))
     }
 }
 
@@ -191,13 +210,11 @@ impl Map {
         }
     }
 
-    /// The first rename rule that matches `name` and applies to `cfg` (see [`Condition`]): the
-    /// layer matched by `{n}` (`None` for a literal pattern) and the rule's target.
+    /// The first rename rule that matches `name` and applies to `cfg` at the layer it names (see
+    /// [`Condition`]): the layer matched by `{n}` (`None` for a literal pattern) and the rule's
+    /// target.
     pub fn rename_match(&self, name: &str, cfg: &MlaConfig) -> Option<(Option<usize>, &str)> {
         for rule in &self.rename {
-            if !rule.applies(cfg) {
-                continue;
-            }
             let pat = rule.pattern.as_str();
             let layer = match pat.split_once("{n}") {
                 Some((pre, post)) => {
@@ -215,6 +232,11 @@ impl Map {
                 None if pat == name => None,
                 None => continue,
             };
+            // A literal pattern's layer is its full-site target's (`L0.hidden_in`).
+            let rule_layer = layer.or_else(|| Site::parse(&rule.target).map(|s| s.layer));
+            if !rule.applies(cfg, rule_layer) {
+                continue;
+            }
             return Some((layer, rule.target.as_str()));
         }
         None
@@ -303,7 +325,7 @@ mod tests {
         assert_eq!(m.rename_of("kv-0#0", &split_lora), None);
         assert_eq!(m.rename_of("kv-0#0", &fused_plain), Site::parse("L0.k_nope"));
         // q_lora_rank 0 counts as no q_lora.
-        assert!(Condition::NoQLora.holds(&cfg(KvBLayout::Split, Some(0))));
+        assert!(Condition::NoQLora.holds(&cfg(KvBLayout::Split, Some(0)), None));
         // Round trip: two- and three-element rules.
         let back: Map = serde_json::from_str(&serde_json::to_string(&m).unwrap()).unwrap();
         assert_eq!(back, m);
@@ -314,6 +336,41 @@ mod tests {
         let e = serde_json::from_str::<Map>(r#"{"rename": [["a"]]}"#).unwrap_err();
         assert!(e.to_string().contains("invalid length 1"), "{e}");
         assert!(serde_json::from_str::<Map>(r#"{"rename": [["a", "b", "q_lora", "x"]]}"#).is_err());
+    }
+
+    /// `dense_ffn` holds at the layers that run a dense MLP, `moe_ffn` at the others: moe-v3-f32
+    /// has one leading dense layer (0) and MoE layers 1 and 2; the embedded fixture has no MoE
+    /// layer.
+    #[test]
+    fn ffn_conditions_follow_the_layer() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("golden/models/moe-v3-f32.gguf");
+        let moe = MlaConfig::from_gguf(&crate::model::gguf::GgufFile::open(&path).unwrap()).unwrap();
+        assert_eq!((moe.leading_dense_block_count, moe.n_layer), (1, 3));
+        let m: Map = serde_json::from_str(
+            r#"{"rename": [["ffn_out-{n}#0", "ffn_out", "dense_ffn"], ["ffn_shexp-{n}#0", "shared_out", "moe_ffn"],
+                           ["first_ffn_out", "L0.ffn_out", "dense_ffn"], ["last_ffn_out", "L2.ffn_out", "dense_ffn"],
+                           ["no_layer", "ffn_out", "dense_ffn"]]}"#,
+        )
+        .unwrap();
+        assert_eq!(m.rename[0].when, Some(Condition::DenseFfn));
+        assert_eq!(m.rename_of("ffn_out-0#0", &moe), Site::parse("L0.ffn_out"));
+        assert_eq!(m.rename_of("ffn_out-1#0", &moe), None);
+        assert_eq!(m.rename_of("ffn_out-2#0", &moe), None);
+        assert_eq!(m.rename_of("ffn_shexp-2#0", &moe), Site::parse("L2.shared_out"));
+        assert_eq!(m.rename_of("ffn_shexp-0#0", &moe), None);
+        // A literal pattern takes its full-site target's layer; without a layer it never holds.
+        assert_eq!(m.rename_of("first_ffn_out", &moe), Site::parse("L0.ffn_out"));
+        assert_eq!(m.rename_of("last_ffn_out", &moe), None);
+        assert_eq!(m.rename_match("no_layer", &moe), None);
+        assert!(!Condition::DenseFfn.holds(&moe, None) && !Condition::MoeFfn.holds(&moe, None));
+        let dense = cfg(KvBLayout::Split, Some(64));
+        assert!(dense.moe.is_none());
+        assert_eq!(m.rename_of("ffn_out-1#0", &dense), Site::parse("L1.ffn_out"));
+        assert_eq!(m.rename_of("ffn_shexp-1#0", &dense), None);
+        assert_eq!(
+            (Condition::DenseFfn.name(), Condition::MoeFfn.name()),
+            ("dense_ffn", "moe_ffn")
+        );
     }
 
     #[test]

@@ -22,7 +22,7 @@ pub struct SiteVocabulary {
     /// data-flow order: `hidden_in`, `attn_in`, `w.fused_qkv_a`, …, `hidden_out`.
     pub stages: Vec<String>,
     /// The weights tensor parallelism splits ([`RankedWeight::as_str`]), in declaration order:
-    /// `q_b`, `kv_b`, `o_proj`.
+    /// `q_b`, `kv_b`, `o_proj`, `gate_up`, `down`.
     pub ranked_weights: Vec<&'static str>,
     /// How a site's tensor name is built from a layer, a stage, a weight and a rank.
     pub site_templates: SiteTemplates,
@@ -40,6 +40,10 @@ pub struct SiteTemplates {
     pub weight_rank: String,
     /// One TP rank's `o_proj` partial before the all-reduce: `L{layer}.o_proj.rank{rank}`.
     pub o_proj_rank: String,
+    /// One TP rank's merged-column `gate_up_proj` output: `L{layer}.ffn_gate_up.rank{rank}`.
+    pub ffn_gate_up_rank: String,
+    /// One TP rank's `down_proj` partial before the all-reduce: `L{layer}.ffn_down.rank{rank}`.
+    pub ffn_down_rank: String,
 }
 
 /// A layer number no real site has, printed by [`Site`] and then replaced by `{layer}`.
@@ -77,14 +81,23 @@ impl SiteVocabulary {
                     Site::new(LAYER_MARK, Stage::OProjRank(RANK_MARK)),
                     &[(&layer, "{layer}"), (&rank, "{rank}")],
                 ),
+                ffn_gate_up_rank: template(
+                    Site::new(LAYER_MARK, Stage::FfnGateUpRank(RANK_MARK)),
+                    &[(&layer, "{layer}"), (&rank, "{rank}")],
+                ),
+                ffn_down_rank: template(
+                    Site::new(LAYER_MARK, Stage::FfnDownRank(RANK_MARK)),
+                    &[(&layer, "{layer}"), (&rank, "{rank}")],
+                ),
             },
             dump_formats: vec![FORMAT1, FORMAT2],
         }
     }
 
     /// The human site table: one row per stage of [`STAGES`], then one per ranked weight's shard
-    /// (`w.{weight}.rank{rank}`) and the `o_proj` partial (`o_proj.rank{rank}`), each named as a
-    /// dump writes it after `L{layer}.`.
+    /// (`w.{weight}.rank{rank}`) and the per-rank outputs (`o_proj.rank{rank}`,
+    /// `ffn_gate_up.rank{rank}`, `ffn_down.rank{rank}`), each named as a dump writes it after
+    /// `L{layer}.`.
     pub fn rows(&self) -> Vec<StageRow> {
         let mut rows: Vec<StageRow> = STAGES.iter().map(|&s| stage_row(s)).collect();
         for w in RankedWeight::ALL {
@@ -93,10 +106,16 @@ impl SiteVocabulary {
                 ..stage_row(Stage::WRank(w, 0))
             });
         }
-        rows.push(StageRow {
-            name: "o_proj.rank{rank}".to_string(),
-            ..stage_row(Stage::OProjRank(0))
-        });
+        for (name, stage) in [
+            ("o_proj.rank{rank}", Stage::OProjRank(0)),
+            ("ffn_gate_up.rank{rank}", Stage::FfnGateUpRank(0)),
+            ("ffn_down.rank{rank}", Stage::FfnDownRank(0)),
+        ] {
+            rows.push(StageRow {
+                name: name.to_string(),
+                ..stage_row(stage)
+            });
+        }
         rows
     }
 }
@@ -111,6 +130,10 @@ pub const SHAPE_DIMS: &[(&str, &str)] = &[
     ("P", "qk_nope_head_dim"),
     ("R", "qk_rope_head_dim"),
     ("V", "v_head_dim"),
+    (
+        "I",
+        "SwiGLU MLP width: feed_forward_length, or n_shared·F_e for the shared experts",
+    ),
     ("E", "experts"),
     ("K", "experts used"),
     ("N_idx", "DSA indexer heads"),
@@ -133,7 +156,8 @@ pub struct StageRow {
 
 /// The table row of `stage`: its name ([`Stage::name`]), shape and meaning. The shapes are the
 /// ones [`expected_shape`](super::expected_shape) checks, in dim names (a test evaluates them on
-/// the fixtures); the per-rank shards have no fixed expectation there.
+/// the fixtures); the per-rank sites and the `[T, I]` FFN sites (whose width differs between
+/// dense and MoE layers) have no fixed expectation there.
 pub fn stage_row(stage: Stage) -> StageRow {
     let (shape, meaning) = match stage {
         Stage::HiddenIn => ("[T, H]", "residual stream entering the layer"),
@@ -165,6 +189,14 @@ pub fn stage_row(stage: Stage) -> StageRow {
         Stage::Lse => ("[T, N]", "log-sum-exp of the scaled logits (natural log)"),
         Stage::AttnOut => ("[T, N, V]", "attention output per head: the o_proj input"),
         Stage::OProj => ("[T, H]", "o_proj output (after the TP all-reduce)"),
+        Stage::FfnIn => (
+            "[T, H]",
+            "after ffn_norm (post_attention_layernorm): the MLP or MoE input",
+        ),
+        Stage::FfnGate => ("[T, I]", "gate_proj output (dense MLP, or the shared experts)"),
+        Stage::FfnUp => ("[T, I]", "up_proj output (dense MLP, or the shared experts)"),
+        Stage::FfnAct => ("[T, I]", "SiLU(ffn_gate)·ffn_up: the down_proj input"),
+        Stage::FfnOut => ("[T, H]", "dense MLP's down_proj output (after the TP all-reduce)"),
         Stage::MoeRouterLogits => ("[T, E]", "router logits (MoE layers)"),
         Stage::MoeTopk => ("[T, K]", "selected expert ids (a set per token)"),
         Stage::MoeOut => ("[T, H]", "weighted sum of the routed experts"),
@@ -173,7 +205,17 @@ pub fn stage_row(stage: Stage) -> StageRow {
         Stage::WRank(RankedWeight::QProj, _) => ("[N/TP·(P+R), Lq or H]", "one TP rank's rows of q_b_proj (q_proj)"),
         Stage::WRank(RankedWeight::KvB, _) => ("[N/TP·(P+V), L]", "one TP rank's rows of kv_b_proj"),
         Stage::WRank(RankedWeight::OProj, _) => ("[H, N/TP·V]", "one TP rank's columns of o_proj"),
+        Stage::WRank(RankedWeight::GateUp, _) => (
+            "[2·I/TP, H]",
+            "one TP rank's rows of gate_up_proj: [its gate rows | its up rows]",
+        ),
+        Stage::WRank(RankedWeight::Down, _) => ("[H, I/TP]", "one TP rank's columns of down_proj"),
         Stage::OProjRank(_) => ("[T, H]", "one TP rank's o_proj partial, before the all-reduce"),
+        Stage::FfnGateUpRank(_) => (
+            "[T, 2·I/TP]",
+            "one TP rank's gate_up_proj output: [its gate cols | its up cols]",
+        ),
+        Stage::FfnDownRank(_) => ("[T, H]", "one TP rank's down_proj partial, before the all-reduce"),
     };
     StageRow {
         name: stage.name(),
@@ -192,9 +234,11 @@ mod tests {
         assert_eq!(v.site_templates.layer, "L{layer}.{stage}");
         assert_eq!(v.site_templates.weight_rank, "L{layer}.w.{weight}.rank{rank}");
         assert_eq!(v.site_templates.o_proj_rank, "L{layer}.o_proj.rank{rank}");
-        assert_eq!(v.ranked_weights, ["q_b", "kv_b", "o_proj"]);
+        assert_eq!(v.site_templates.ffn_gate_up_rank, "L{layer}.ffn_gate_up.rank{rank}");
+        assert_eq!(v.site_templates.ffn_down_rank, "L{layer}.ffn_down.rank{rank}");
+        assert_eq!(v.ranked_weights, ["q_b", "kv_b", "o_proj", "gate_up", "down"]);
         assert_eq!(v.dump_formats, ["mla-diff dump 1", "mla-diff dump 2"]);
         assert_eq!(v.stages.len(), STAGES.len());
-        assert_eq!(v.rows().len(), STAGES.len() + RankedWeight::ALL.len() + 1);
+        assert_eq!(v.rows().len(), STAGES.len() + RankedWeight::ALL.len() + 3);
     }
 }

@@ -1,0 +1,126 @@
+"""mla_diff_hooks.vllm_cpu's pure-Python parts, without vLLM: the patch list a dump records, the
+never-filled test of a GGUF linear layer, the Triton argument checks' CUDA view, and the table of
+which TP rank's slice each loaded FFN weight holds.
+
+Why this exists: the harness runs vLLM in a venv CI does not build (`python -m
+mla_diff_hooks.vllm_cpu test` is run by hand), but these parts decide what a dump says about the
+engine: a wrong patch list misstates provenance, a wrong never-filled test zeroes loaded layers,
+a wrong slice table misnames the rank a weight came from.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from support import hooks_module
+
+np = pytest.importorskip("numpy", reason="the slice table needs numpy")
+
+vllm_cpu = hooks_module("vllm_cpu")
+
+
+def test_patch_list_records_what_was_applied_in_order():
+    base = vllm_cpu.patch_list()
+    assert base == vllm_cpu.PATCHES
+    names = [n for n, _ in base]
+    assert len(names) == len(set(names)) and "triton-cuda-check" in names
+    assert names.index("triton-cuda-check") < names.index("unloaded-weights-report")
+    fixed = vllm_cpu.patch_list(["fix-merged-column-rank", "fix-merged-column-rank"])
+    assert fixed == base + [vllm_cpu.FIX_MERGED_COLUMN_RANK]
+    assert "PR #106" in fixed[-1][1] and "get_tensor_model_parallel_rank()" in fixed[-1][1]
+    zeroed = vllm_cpu.patch_list(
+        [], ["model.layers.0.self_attn.kv_b_proj", "model.layers.1.self_attn.kv_b_proj"]
+    )
+    assert zeroed[-2:] == [
+        vllm_cpu.ZERO_UNLOADED,
+        ("zeroed", "model.layers.0.self_attn.kv_b_proj, model.layers.1.self_attn.kv_b_proj"),
+    ]
+    known = r"\(known: fix-merged-column-rank, fix-moe-name-map\)"
+    with pytest.raises(ValueError, match=r"unknown patch 'fix-everything' " + known):
+        vllm_cpu.patch_list(["fix-everything"])
+
+
+class _Param:
+    """A parameter as the plugin leaves it: `numel()` and its shards waiting in `data_container`."""
+
+    def __init__(self, numel: int, shards: int = 0):
+        self._numel = numel
+        self.data_container = [object()] * shards
+
+    def numel(self) -> int:
+        return self._numel
+
+
+class UninitializedParameter(_Param):  # torch.nn.parameter's, matched by class name
+    pass
+
+
+class GGUFUninitializedWeightParameter(UninitializedParameter):
+    pass
+
+
+def test_never_filled_after_loading():
+    # never touched by the loader: the plugin's lazy parameter
+    assert vllm_cpu.never_filled(GGUFUninitializedWeightParameter(0))
+    # materialized but empty, nothing waiting: a layer whose GGUF tensor the name map lacks
+    assert vllm_cpu.never_filled(_Param(0))
+    # a loaded single tensor, or a merged layer after process_weights_after_loading concatenated it
+    assert not vllm_cpu.never_filled(_Param(128 * 136))
+    # a merged layer read BEFORE that step: empty qweight, two shards waiting (loaded)
+    assert not vllm_cpu.never_filled(_Param(0, shards=2))
+    assert not vllm_cpu.never_filled(None)
+
+
+def test_cuda_view_answers_is_cuda_and_nothing_else():
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    v = vllm_cpu.CudaView(a)
+    assert v.is_cuda is True and v.shape == (2, 3) and v.dtype == np.float32
+    assert v.reshape(3, 2) is not None and np.array_equal(v.reshape(3, 2), a.reshape(3, 2))
+    with pytest.raises(AttributeError):
+        v.is_cuda = False
+
+
+def test_slices_of_merged_column_and_row_parallel_weights():
+    rng = np.random.default_rng(7)
+    i, h, tp = 8, 4, 2
+    gate, up, down = (rng.standard_normal(s) for s in ((i, h), (i, h), (h, i)))
+    s1 = vllm_cpu.merged_column_slice(gate, up, 1, tp)
+    assert s1.shape == (i, h) and np.array_equal(s1[:4], gate[4:]) and np.array_equal(s1[4:], up[4:])
+    assert np.array_equal(vllm_cpu.row_parallel_slice(down, 1, tp), down[:, 4:])
+    gguf = {"blk.0.ffn_gate.weight": gate, "blk.0.ffn_up.weight": up, "blk.0.ffn_down.weight": down}
+    gguf.update({f"blk.1.ffn_{k}_shexp.weight": v for k, v in (("gate", gate), ("up", up), ("down", down))})
+    loaded = {
+        # vllm-gguf-plugin 0.0.5 at TP 2: rank 1 holds rank 0's rows of the merged gate_up_proj
+        "L0.gate_up_proj.rank0": vllm_cpu.merged_column_slice(gate, up, 0, tp),
+        "L0.gate_up_proj.rank1": vllm_cpu.merged_column_slice(gate, up, 0, tp),
+        "L0.down_proj.rank1": vllm_cpu.row_parallel_slice(down, 1, tp),
+        "L1.shared_experts.gate_up_proj.rank1": s1,
+        "L0.o_proj.rank1": np.zeros((h, h)),  # not an FFN weight: not in the table
+    }
+    rows = vllm_cpu.slice_table(loaded, gguf, tp)
+    got = {(r["layer"], r["param"], r["rank"]): r for r in rows}
+    assert sorted(got) == [
+        (0, "down_proj", 1),
+        (0, "gate_up_proj", 0),
+        (0, "gate_up_proj", 1),
+        (1, "shared_experts.gate_up_proj", 1),
+    ]
+    bug = got[(0, "gate_up_proj", 1)]
+    assert bug["holds"] == 0 and bug["vs"][0] == 0.0 and bug["vs"][1] > 0.5
+    assert got[(0, "down_proj", 1)]["holds"] == 1 and got[(0, "down_proj", 1)]["vs"][1] == 0.0
+    assert got[(1, "shared_experts.gate_up_proj", 1)]["holds"] == 1
+    assert vllm_cpu.rel_l2(np.ones(3), np.ones(4)) == float("inf")
+
+
+def test_loader_hint_names_the_plugin_for_the_moe_name_map():
+    # vllm-gguf-plugin 0.0.5 on golden/models/moe-v3-q8_0.gguf (transformers 5.25)
+    err = (
+        "Failed to map GGUF parameters (2): ['model.layers.1.mlp.experts.gate_up_proj', "
+        "'model.layers.2.mlp.experts.gate_up_proj']"
+    )
+    hint = vllm_cpu.loader_hint(err)
+    assert hint == vllm_cpu.MOE_MAP_HINT
+    assert "a plugin bug, not the file" in hint and "build_name_map" in hint
+    assert "--patch fix-moe-name-map" in hint
+    assert vllm_cpu.loader_hint("Failed to map GGUF parameters (1): ['model.layers.0.self_attn.foo']") is None
+    assert vllm_cpu.loader_hint("size mismatch") is None

@@ -881,3 +881,21 @@ fn nccl_one_rank_all_reduce_is_the_identity() {
     eprintln!("  Ops::all_reduce_sum   {got:?}");
     assert_eq!(bits(&got), bits(&input));
 }
+
+/// A buffer of more than 2^32 floats is filled to its last element: a launch covers every
+/// element whatever the count (the grid's block count is never cut to 32 bits, which covered
+/// `n mod 2^32` elements and left the rest as it was). 16 GiB of device memory.
+#[test]
+fn device_launches_cover_buffers_past_32_bit_counts() {
+    let Some(ops) = device() else { return };
+    let n = (1usize << 32) + 1024;
+    let buf = ops.canary(n).unwrap();
+    let tail = ops
+        .download(&ops.gather_rows(&buf, 1, &[1023, n - 1]).unwrap())
+        .unwrap();
+    assert!(
+        tail.iter().all(|&x| mla_diff::core::canary::is_canary(x)),
+        "the canary fill reached elements {:?}",
+        tail.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
+}

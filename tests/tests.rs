@@ -11,6 +11,7 @@ mod config;
 mod dequant_vectors;
 mod diagnose;
 mod doc_tables;
+mod dsa_scale;
 mod dtype;
 mod exit_codes;
 mod faults;

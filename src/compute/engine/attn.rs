@@ -158,10 +158,13 @@ impl<O: Ops> RankAttn<'_, O> {
 
 impl<O: Ops> RankAttn<'_, O> {
     /// Sparse attention of query rows `q_rows` of `q` [·, nh, P+R] over per-row key lists
-    /// (`keys[i]`: rows of `k` [·, nh, P+R] / `v` [·, nh, V]): the keys of every row are
-    /// gathered into one packed buffer and each row is its own non-causal segment (what a sparse
-    /// MLA prefill kernel does with the indexer's indices). A row with no key gets `empty`.
-    /// Returns (`out` [n, nh, V], `lse` [n, nh]) in `q_rows` order.
+    /// (`keys[i]`: rows of `k` [·, nh, P+R] / `v` [·, nh, V]), as a sparse MLA prefill kernel
+    /// runs it on the indexer's indices: the kernel reads each kept key in place through
+    /// [`PrefillArgs::key_rows`] ([`sparse_segments`] lays them out). A row with no key gets
+    /// `empty`. Returns (`out` [n, nh, V], `lse` [n, nh]) in `q_rows` order.
+    ///
+    /// Memory: the indices, `Σ |keys[i]|` of them (at most T · top-k), and the `n` query rows;
+    /// never a copy of the keys per query, which would hold `Σ |keys[i]| · nh · (P+R+V)` floats.
     pub(super) fn sparse_rows(
         &self,
         q: &O::Buf,
@@ -175,39 +178,22 @@ impl<O: Ops> RankAttn<'_, O> {
         let nh = self.nh;
         let ops = self.ops;
         let n = q_rows.len();
-        let mut flat: Vec<usize> = keys.iter().flatten().copied().collect();
-        let mut segs = Vec::with_capacity(n);
-        let mut k_off = 0;
-        for (i, kr) in keys.iter().enumerate() {
-            segs.push(Segment {
-                q_off: i,
-                q_len: 1,
-                k_off,
-                k_len: kr.len(),
-                causal: false,
-            });
-            k_off += kr.len();
-        }
-        if flat.is_empty() {
-            // Never read (every segment is empty); keeps the gathers non-empty.
-            flat.push(0);
-        }
+        let (segs, key_rows) = sparse_segments(keys);
         let qg = ops.gather_rows(q, nh * (p + r), q_rows)?;
-        let kg = ops.gather_rows(k, nh * (p + r), &flat)?;
-        let vg = ops.gather_rows(v, nh * dv, &flat)?;
         let mut out = ops.canary(n * nh * dv)?;
         let mut lse = ops.canary(n * nh)?;
         ops.flash_attention(
             &PrefillArgs {
                 q: &qg,
-                k: &kg,
-                v: &vg,
+                k,
+                v,
                 nh,
                 dqk: p + r,
                 dv,
                 segments: &segs,
                 scale: self.scale,
                 empty,
+                key_rows: Some(&key_rows),
             },
             &mut out,
             &mut lse,
@@ -241,6 +227,7 @@ impl<O: Ops> RankAttn<'_, O> {
                     segments: &Self::causal_segments(seqs),
                     scale: self.scale,
                     empty: EmptyRows::ZeroMinusInf,
+                    key_rows: None,
                 },
                 out,
                 lse,

@@ -28,7 +28,7 @@ use std::ops::Range;
 
 use crate::compute::faults::Fault;
 use crate::compute::indexer::{self, Selection};
-use crate::compute::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, PrefillArgs, Segment};
+use crate::compute::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, PrefillArgs, Segment, sparse_segments};
 use crate::compute::path::{LayerInput, PathKind, PathOptions, PathRun, Unservable};
 use crate::core::batch::{Batch, SplitMix64};
 use crate::core::error::{Error, Result};

@@ -25,6 +25,7 @@ mod layering;
 mod moe;
 mod moe_fixture;
 mod not_run;
+mod one_answer;
 mod outputs;
 mod scale;
 mod scripts;

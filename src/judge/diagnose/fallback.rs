@@ -186,5 +186,9 @@ pub(super) fn mismatch(x: &SiteCtx<'_>) -> Detection {
     } else {
         "no known bug class explains this; compare the stage's inputs, which passed, with its code".to_string()
     };
+    let hint = match super::weights::mlp_blocks_without_tp(x) {
+        Some(blocks) => format!("{hint}; {blocks}"),
+        None => hint,
+    };
     Detection::new(ev, hint)
 }

@@ -276,7 +276,7 @@ type Detector = fn(&SiteCtx<'_>) -> Option<Detection>;
 
 /// Every site detector with the class it names, in precedence order (earlier wins);
 /// [`fallback::mismatch`] answers when none explains the site.
-const DETECTORS: [(Class, Detector); 17] = [
+const DETECTORS: [(Class, Detector); 18] = [
     (Class::WeightNotLoaded, weights::weight_not_loaded),
     (Class::PhantomOutput, canary::phantom_output),
     (Class::UnwrittenRows, canary::unwritten_rows),
@@ -284,6 +284,7 @@ const DETECTORS: [(Class, Detector); 17] = [
     (Class::TpRankOrder, weights::tp_rank_order),
     (Class::TpReduce, collective::tp_reduce),
     (Class::KvBLayout, weights::kv_b_layout),
+    (Class::Transposed, weights::transposed),
     (Class::RopeStyle, rope::rope_style),
     // Before the scale: a base-2 merge also reweights the logits, and a free scale fits part of it.
     (Class::LseMerge, attention::lse_merge),
@@ -305,11 +306,13 @@ type LoadedDetector = fn(&loaded::Failing<'_>) -> Option<Finding>;
 /// Every loaded-tensor detector, in precedence order (earlier wins); [`loaded::row_differences`]
 /// answers when none explains the tensor. Findings across ranks ([`loaded::rank_findings`]) are
 /// judged after every tensor.
-const LOADED_DETECTORS: [LoadedDetector; 6] = [
+const LOADED_DETECTORS: [LoadedDetector; 7] = [
     loaded::not_loaded,
     loaded::transposed,
     loaded::shape_mismatch,
     loaded::shard_order,
+    // Before the head order: a grouped split of kv_b matches some heads by accident.
+    loaded::kv_b_layout,
     loaded::heads_permuted,
     loaded::quant_block_cut,
 ];
@@ -358,7 +361,8 @@ fn classify(x: &SiteCtx<'_>) -> Finding {
 
 /// Explains one failing tensor of an engine's weights file: the first of `LOADED_DETECTORS`
 /// whose hypothesis holds (never loaded, transposed, a shape no transpose explains, fused shards
-/// permuted, heads permuted, a TP cut inside a quant block), else where the differences are.
+/// permuted, a kv_b layout, heads in another order, a TP cut inside a quant block), else where
+/// the differences are.
 pub fn explain_loaded(f: &loaded::Failing<'_>) -> Finding {
     LOADED_DETECTORS
         .iter()
@@ -371,6 +375,34 @@ pub fn explain_loaded(f: &loaded::Failing<'_>) -> Finding {
 /// hypothesis leaves an O(1) error).
 fn explain_threshold(stage: Stage, precision: Precision) -> f64 {
     (5.0 * tolerance(stage, precision).0.rel_l2).max(1e-4)
+}
+
+/// A weight site holding the reference's weight with its last two dims swapped, as `weights
+/// --check` names a loaded tensor so held ([`loaded::transposed_of`]): `transposed`, or
+/// `kv-b-layout` for `w.W_UK_T`/`w.W_UV`.
+fn transposed_weight(
+    input: &DiagnoseInput<'_>,
+    site: Site,
+    refr: &TraceTensor,
+    cand: &TraceTensor,
+) -> Option<(Class, Detection)> {
+    if !site.stage.is_weight() {
+        return None;
+    }
+    let cfg = input.cfg;
+    let param = crate::model::tensors::dump_name(crate::model::tensors::site_param(cfg, site.stage)?.0);
+    let src = gguf_sources(cfg, site.layer, site.stage).join(" + ");
+    let fused = cfg.kv_b_layout == crate::model::config::KvBLayout::Fused;
+    loaded::transposed_of(
+        param,
+        &cand.to_f64(),
+        &cand.shape,
+        &refr.to_f64(),
+        &refr.shape,
+        explain_threshold(site.stage, input.precision),
+        &src,
+        fused,
+    )
 }
 
 /// Diagnoses every path of one layer: one finding per path at its first divergence (or the
@@ -397,6 +429,10 @@ pub fn diagnose(input: &DiagnoseInput<'_>) -> Vec<Finding> {
             continue;
         };
         if first.status == Status::ShapeMismatch {
+            if let Some((class, d)) = transposed_weight(input, first.site, refr, cand) {
+                out.push(Finding::at_site(class, first.site, Some(path.kind), d));
+                continue;
+            }
             out.push(at_first(Detection::new(
                 format!(
                     "shape {:?} where the reference has {:?}",

@@ -1093,3 +1093,47 @@ fn format2_residual_scale_is_undone_and_an_undeclared_one_is_named() {
         "{err}"
     );
 }
+
+/// A format-2 dump whose decode step lacks `L0.kv_c_normed`, which its prefill step holds, and
+/// whose decode `L0.k_nope` is off: the finding's hint names `L0.kv_c_normed` as written in
+/// another step and not in this one, then `L0.w.kv_b`, which no step holds, never as inputs that
+/// passed.
+#[test]
+fn a_step_without_an_input_the_hook_wrote_elsewhere_says_so() {
+    use safetensors::{Dtype, SafeTensors};
+    let (_dir, p) = split_into_steps("tiny-v3-f32.hf.safetensors", "tiny-v3-f32.gguf", 2, None);
+    let src = std::fs::read(&p).unwrap();
+    let st = SafeTensors::deserialize(&src).unwrap();
+    let (_, m) = SafeTensors::read_metadata(&src).unwrap();
+    let metadata = m.metadata().clone().unwrap_or_default();
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in st.tensors() {
+        if name == "s1.L0.kv_c_normed" {
+            continue;
+        }
+        let mut bytes = view.data().to_vec();
+        if name == "s1.L0.k_nope" {
+            let v: Vec<f32> = bytes
+                .chunks(4)
+                .zip(mla_diff::core::batch::normal_f32(9, bytes.len() / 4))
+                .map(|(b, n)| f32::from_le_bytes(b.try_into().unwrap()) + 0.5 * n)
+                .collect();
+            bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        }
+        tensors.push((name, view.dtype(), view.shape().to_vec(), bytes));
+    }
+    let (_dir2, q) = write_dump("steps-missing.safetensors", &tensors, metadata);
+    let (code, out, err, doc) = compare_path("tiny-v3-f32.gguf", &q, &[]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    let f = &doc["findings"][0];
+    assert_eq!(f["site"], "L0.k_nope", "{f}");
+    assert_eq!(f["class"], "mismatch", "{f}");
+    assert_eq!(
+        f["hint"],
+        "no known bug class explains this; this stage's inputs `L0.kv_c_normed` (the dump holds this stage in \
+         another step or layer, not in this one) and `L0.w.kv_b` (not dumped) were not compared, so the divergence \
+         may begin in them: dump them in this step"
+    );
+    let decode = site_of(&doc, "L0.k_nope", Some("decode-1"));
+    assert_eq!(decode["status"], "fail", "{decode}");
+}

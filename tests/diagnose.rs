@@ -103,6 +103,7 @@ fn detect(fx: &Fixture, i: usize, class: Class) -> Option<Detection> {
             .collect(),
         tp: fx.tp,
         precision: Precision::F32,
+        dump: None,
     };
     assert!(
         metrics::first_divergence(&fx.diffs[i]).is_some(),
@@ -294,6 +295,7 @@ fn mismatch_localises_rows() {
         }],
         tp: 1,
         precision: Precision::F32,
+        dump: None,
     };
     let f = diagnose(&input);
     assert_eq!(f.len(), 1);

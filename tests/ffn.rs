@@ -103,6 +103,7 @@ fn findings_of(l: &Layer, trace: &Trace, tp: usize) -> Vec<Finding> {
         }],
         tp,
         precision: Precision::F32,
+        dump: None,
     })
 }
 

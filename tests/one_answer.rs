@@ -79,6 +79,7 @@ fn site_class(
         }],
         tp,
         precision: Precision::F32,
+        dump: None,
     });
     f.first().map(|f| f.class)
 }

@@ -24,6 +24,7 @@ mod kernel_inputs;
 mod layering;
 mod moe;
 mod moe_fixture;
+mod not_compared;
 mod not_run;
 mod one_answer;
 mod outputs;

@@ -62,6 +62,9 @@ pub enum Fault {
     /// TP rank 0 reads its `o_proj` output before the all-reduce finished: it still holds its
     /// own partial.
     AllReduceReadEarly,
+    /// The latent RMSNorm (`kv_a_layernorm`) is not applied: `kv_c_normed` is `kv_a`'s latent
+    /// columns as they are.
+    KvNormSkipped,
 }
 
 impl Fault {
@@ -86,6 +89,7 @@ impl Fault {
         Fault::AllReduceTwice,
         Fault::AllReduceSkipRank,
         Fault::AllReduceReadEarly,
+        Fault::KvNormSkipped,
     ];
 
     /// The `--inject` name (`fused-shard-swap`).
@@ -110,6 +114,7 @@ impl Fault {
             Fault::AllReduceTwice => "all-reduce-twice",
             Fault::AllReduceSkipRank => "all-reduce-skip-rank",
             Fault::AllReduceReadEarly => "all-reduce-read-early",
+            Fault::KvNormSkipped => "kv-norm-skipped",
         }
     }
 
@@ -147,6 +152,9 @@ impl Fault {
             Fault::AllReduceReadEarly => {
                 "TP rank 0 reads its `o_proj` output before the all-reduce finished: it still holds its own partial"
             }
+            Fault::KvNormSkipped => {
+                "The latent RMSNorm (`kv_a_layernorm`) is not applied: `kv_c_normed` is `kv_a`'s latent columns as they are"
+            }
         }
     }
 
@@ -168,6 +176,7 @@ impl Fault {
             Fault::IndexerTopkStale => Class::IndexerTopkStale,
             Fault::AllReduceTwice => Class::ScaleOnly,
             Fault::AllReduceSkipRank | Fault::AllReduceReadEarly => Class::TpReduce,
+            Fault::KvNormSkipped => Class::NormSkipped,
         }
     }
 
@@ -197,6 +206,7 @@ impl Fault {
             (Fault::IndexerRopeInterleaved, _) => vec![Stage::IdxScores],
             (Fault::IndexerTopkStale, _) => vec![Stage::IdxTopk],
             (Fault::AllReduceTwice | Fault::AllReduceSkipRank | Fault::AllReduceReadEarly, _) => vec![Stage::OProj],
+            (Fault::KvNormSkipped, _) => vec![Stage::KvCNormed],
         }
     }
 

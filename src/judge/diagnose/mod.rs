@@ -16,7 +16,8 @@
 //! the [`Finding`] and [`Detection`] types, the two precedence tables and [`diagnose`]. The
 //! detectors live one family per file: `canary` (unwritten memory), `weights` (weight sites and
 //! the GGUF itself), `collective` (the TP all-reduce), `rope`, `attention` (softmax scale, LSE
-//! merge), `moe`, `indexer` (DSA), `fallback` (scale, path disagreement, mismatch) and
+//! merge), `norm` (a skipped RMSNorm), `moe`, `indexer` (DSA), `fallback` (scale, path
+//! disagreement, mismatch, and what a hint may say of a site's inputs) and
 //! [`loaded`] (`weights --check`); [`blocks`] is the block-permutation finder several of them
 //! use.
 
@@ -28,6 +29,7 @@ mod fallback;
 mod indexer;
 pub mod loaded;
 mod moe;
+mod norm;
 mod rope;
 mod weights;
 
@@ -201,6 +203,22 @@ pub struct DiagnoseInput<'a> {
     /// The tolerance rows the diffs were judged by (a path's compute dtype, or a dump's engine
     /// dtype).
     pub precision: Precision,
+    /// What an engine's dump holds around the judged step and layer; `None` for mla-diff's own
+    /// paths, whose traces hold every site they record and whose rows attend to no earlier step.
+    pub dump: Option<DumpScope<'a>>,
+}
+
+/// What an engine's dump holds beyond the step and layer being diagnosed, for the hypotheses
+/// and hints about sites that were never compared.
+#[derive(Debug, Clone, Copy)]
+pub struct DumpScope<'a> {
+    /// Every stage the dump holds in any step or layer. A stage missing from the judged trace
+    /// but listed here is one the hook writes elsewhere and not in this step: hints name it
+    /// first among the inputs that were not compared.
+    pub dumped: &'a [Stage],
+    /// Per sequence of the judged batch: the tokens earlier steps cached, which the step's rows
+    /// attended to but which are not among the traces' rows (0 for a one-forward dump).
+    pub context: &'a [usize],
 }
 
 /// What every detector sees for one failing site of one path.
@@ -276,7 +294,7 @@ type Detector = fn(&SiteCtx<'_>) -> Option<Detection>;
 
 /// Every site detector with the class it names, in precedence order (earlier wins);
 /// [`fallback::mismatch`] answers when none explains the site.
-const DETECTORS: [(Class, Detector); 18] = [
+const DETECTORS: [(Class, Detector); 19] = [
     (Class::WeightNotLoaded, weights::weight_not_loaded),
     (Class::PhantomOutput, canary::phantom_output),
     (Class::UnwrittenRows, canary::unwritten_rows),
@@ -285,6 +303,7 @@ const DETECTORS: [(Class, Detector); 18] = [
     (Class::TpReduce, collective::tp_reduce),
     (Class::KvBLayout, weights::kv_b_layout),
     (Class::Transposed, weights::transposed),
+    (Class::NormSkipped, norm::norm_skipped),
     (Class::RopeStyle, rope::rope_style),
     // Before the scale: a base-2 merge also reweights the logits, and a free scale fits part of it.
     (Class::LseMerge, attention::lse_merge),

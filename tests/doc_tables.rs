@@ -43,7 +43,7 @@ fn every_fault() -> Vec<Fault> {
         PhantomOutput, UnwrittenRows, FusedShardSwap, TpRankOrder, TpRank0Everywhere, TpGateUpRank0,
         KvBGrouped, KBUntransposed, RopeNeox, NoMscale, RopeCosScaled, LsePlusInf, QuantSliceMisaligned,
         StridedKvC, IndexerRopeInterleaved, IndexerTopkStale, AllReduceTwice, AllReduceSkipRank,
-        AllReduceReadEarly, KvNormSkipped,
+        AllReduceReadEarly, PhantomOutputStale, KvNormSkipped,
     )
 }
 

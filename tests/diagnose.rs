@@ -103,6 +103,7 @@ fn detect(fx: &Fixture, i: usize, class: Class) -> Option<Detection> {
             .collect(),
         tp: fx.tp,
         precision: Precision::F32,
+        dump: None,
     };
     assert!(
         metrics::first_divergence(&fx.diffs[i]).is_some(),
@@ -294,10 +295,136 @@ fn mismatch_localises_rows() {
         }],
         tp: 1,
         precision: Precision::F32,
+        dump: None,
     };
     let f = diagnose(&input);
     assert_eq!(f.len(), 1);
     assert_eq!(f[0].class, Class::Mismatch);
     assert!(f[0].evidence.contains("rows [0] exact"), "{}", f[0].evidence);
     assert!(f[0].hint.contains("row stride"), "{}", f[0].hint);
+}
+
+/// Layer 1 of the fixture `model` with the selftest batch at page 16, every path at TP 1 in
+/// `dtype` with `faults`, as `run` computes it (the DSA selection forced in bf16): the config,
+/// batch, reference and each path's run with its diffs.
+fn runs_of(
+    model: &str,
+    dtype: Dtype,
+    faults: &[Fault],
+) -> (
+    MlaConfig,
+    Batch,
+    Trace,
+    Vec<(mla_diff::compute::path::PathRun, Vec<SiteDiff>)>,
+) {
+    use mla_diff::backend::Backend;
+    use mla_diff::backend::cuda::compare::SplitTrace;
+    let file = GgufFile::open(crate::common::repo().join("golden/models").join(model)).unwrap();
+    let cfg = MlaConfig::from_gguf(&file).unwrap();
+    let w = LayerWeights::load(&file, &cfg, 1).unwrap();
+    let batch = mla_diff::jobs::selftest::selftest_batch(16);
+    let t = batch.n_tokens();
+    let hidden = ndarray::Array2::from_shape_vec(
+        (t, cfg.hidden),
+        mla_diff::core::batch::normal_f32(16, t * cfg.hidden)
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+    )
+    .unwrap();
+    let reference = mla_diff::compute::reference::forward(&cfg, &w, &hidden, &batch)
+        .unwrap()
+        .trace;
+    let rc = mla_diff::judge::report::RunConfig {
+        layers: vec![1],
+        batch: batch.clone(),
+        seed: 0,
+        input: mla_diff::judge::report::InputMode::Random,
+        paths: PathKind::ALL.to_vec(),
+        path_options: PathOptions {
+            faults: FaultSet(faults.to_vec()),
+            ..PathOptions::default()
+        },
+        backend: "cpu".into(),
+    };
+    let backend = Backend::Cpu(mla_diff::backend::cpu::CpuOps::new(dtype));
+    let split = SplitTrace {
+        host: reference.clone(),
+        device: Vec::new(),
+    };
+    let (results, _, runs) =
+        mla_diff::jobs::run::compare_layer(&backend, &file, &cfg, &w, &hidden, &split, &rc, None, None, true).unwrap();
+    let runs = runs.into_iter().zip(results.into_iter().map(|r| r.diffs)).collect();
+    (cfg, batch, reference, runs)
+}
+
+/// The phantom-output hypothesis at an attention output of every path of `model` in `dtype`
+/// with `faults`: per (path, stage), whether it explains the site, and its evidence.
+fn phantom_at_outputs(model: &str, dtype: Dtype, faults: &[Fault]) -> Vec<(PathKind, Stage, Option<String>)> {
+    let (cfg, batch, reference, runs) = runs_of(model, dtype, faults);
+    let input = DiagnoseInput {
+        cfg: &cfg,
+        batch: &batch,
+        reference: &reference,
+        paths: runs
+            .iter()
+            .map(|(r, d)| PathEvidence {
+                kind: r.kind.into(),
+                trace: &r.trace,
+                diffs: d,
+                empty_partial_rows: &r.empty_partial_rows,
+                unservable: r.unservable.as_ref(),
+            })
+            .collect(),
+        tp: 1,
+        precision: dtype.into(),
+        dump: None,
+    };
+    let mut out = Vec::new();
+    for (i, (r, _)) in runs.iter().enumerate() {
+        for st in [Stage::AttnOut, Stage::AttnLatent] {
+            if r.trace.get(&Site::new(1, st)).is_some() {
+                let d = mla_diff::judge::diagnose::detect_at_site(&input, i, Site::new(1, st), Class::PhantomOutput);
+                out.push((r.kind, st, d.map(|d| d.evidence)));
+            }
+        }
+    }
+    out
+}
+
+/// A clean attention output lies within the range of the value rows its token attends to, to the
+/// precision's rounding, on every path in f32 and bf16 (with and without a query LoRA, a DSA
+/// selection, YaRN, a legacy kv_b, MiniCPM3's NeoX RoPE): the hull test that names stale memory
+/// `phantom-output` holds nothing against a written output. Stale floats of the output's own
+/// RMS in the buffer (`phantom-output-stale`) fall outside it on every path.
+#[test]
+fn attention_outputs_stay_in_their_value_rows_range() {
+    for model in [
+        "tiny-v3-q8_0.gguf",
+        "lite-v2-q8_0.gguf",
+        "dsa-glm-q8_0.gguf",
+        "minicpm3-f32.gguf",
+        "legacy-kvb-f32.gguf",
+    ] {
+        for dtype in [Dtype::F32, Dtype::Bf16] {
+            let clean = phantom_at_outputs(model, dtype, &[]);
+            assert_eq!(clean.iter().filter(|c| c.1 == Stage::AttnOut).count(), 4, "{model}");
+            assert!(
+                clean.iter().any(|c| c.0 == PathKind::Mqa && c.1 == Stage::AttnLatent),
+                "{model}"
+            );
+            for (path, st, found) in clean {
+                assert!(found.is_none(), "{model} {dtype:?} {path:?} {}: {found:?}", st.name());
+            }
+        }
+        let stale = phantom_at_outputs(model, Dtype::Bf16, &[Fault::PhantomOutputStale]);
+        for (path, st, found) in stale {
+            if st == Stage::AttnOut {
+                let ev = found.unwrap_or_else(|| panic!("{model} {path:?}: stale attn_out not found"));
+                assert!(ev.contains("lie outside the range of the"), "{ev}");
+            } else {
+                assert!(found.is_none(), "{model} {path:?}: attn_latent was written: {found:?}");
+            }
+        }
+    }
 }

@@ -32,7 +32,7 @@ macro_rules! every_variant {
 fn every_class() -> Vec<Class> {
     every_variant!(Class:
         WeightNotLoaded, PhantomOutput, UnwrittenRows, ShardOrder, TpRankOrder, TpReduce, KvBLayout,
-        QuantBlockMisaligned, Transposed, RopeStyle, SoftmaxScale, LseMerge, MoeRouting,
+        QuantBlockMisaligned, Transposed, NormSkipped, RopeStyle, SoftmaxScale, LseMerge, MoeRouting,
         IndexerRopeStyle, IndexerTopkStale, IndexerSelection, Nonfinite, ScaleOnly,
         PathDisagreement, Mismatch, WeightNonfinite,
     )
@@ -43,7 +43,7 @@ fn every_fault() -> Vec<Fault> {
         PhantomOutput, UnwrittenRows, FusedShardSwap, TpRankOrder, TpRank0Everywhere, TpGateUpRank0,
         KvBGrouped, KBUntransposed, RopeNeox, NoMscale, RopeCosScaled, LsePlusInf, QuantSliceMisaligned,
         StridedKvC, IndexerRopeInterleaved, IndexerTopkStale, AllReduceTwice, AllReduceSkipRank,
-        AllReduceReadEarly,
+        AllReduceReadEarly, PhantomOutputStale, KvNormSkipped,
     )
 }
 

@@ -62,6 +62,12 @@ pub enum Fault {
     /// TP rank 0 reads its `o_proj` output before the all-reduce finished: it still holds its
     /// own partial.
     AllReduceReadEarly,
+    /// The attention op's result never reaches the caller's output buffer, which holds the
+    /// stale finite floats the allocator handed out (`torch.empty`), not the canary.
+    PhantomOutputStale,
+    /// The latent RMSNorm (`kv_a_layernorm`) is not applied: `kv_c_normed` is `kv_a`'s latent
+    /// columns as they are.
+    KvNormSkipped,
 }
 
 impl Fault {
@@ -86,6 +92,8 @@ impl Fault {
         Fault::AllReduceTwice,
         Fault::AllReduceSkipRank,
         Fault::AllReduceReadEarly,
+        Fault::PhantomOutputStale,
+        Fault::KvNormSkipped,
     ];
 
     /// The `--inject` name (`fused-shard-swap`).
@@ -110,6 +118,8 @@ impl Fault {
             Fault::AllReduceTwice => "all-reduce-twice",
             Fault::AllReduceSkipRank => "all-reduce-skip-rank",
             Fault::AllReduceReadEarly => "all-reduce-read-early",
+            Fault::PhantomOutputStale => "phantom-output-stale",
+            Fault::KvNormSkipped => "kv-norm-skipped",
         }
     }
 
@@ -147,6 +157,12 @@ impl Fault {
             Fault::AllReduceReadEarly => {
                 "TP rank 0 reads its `o_proj` output before the all-reduce finished: it still holds its own partial"
             }
+            Fault::PhantomOutputStale => {
+                "The attention op's result never reaches the caller's output buffer, which holds the stale finite floats the allocator handed out (`torch.empty`), not the canary"
+            }
+            Fault::KvNormSkipped => {
+                "The latent RMSNorm (`kv_a_layernorm`) is not applied: `kv_c_normed` is `kv_a`'s latent columns as they are"
+            }
         }
     }
 
@@ -168,6 +184,8 @@ impl Fault {
             Fault::IndexerTopkStale => Class::IndexerTopkStale,
             Fault::AllReduceTwice => Class::ScaleOnly,
             Fault::AllReduceSkipRank | Fault::AllReduceReadEarly => Class::TpReduce,
+            Fault::PhantomOutputStale => Class::PhantomOutput,
+            Fault::KvNormSkipped => Class::NormSkipped,
         }
     }
 
@@ -197,6 +215,8 @@ impl Fault {
             (Fault::IndexerRopeInterleaved, _) => vec![Stage::IdxScores],
             (Fault::IndexerTopkStale, _) => vec![Stage::IdxTopk],
             (Fault::AllReduceTwice | Fault::AllReduceSkipRank | Fault::AllReduceReadEarly, _) => vec![Stage::OProj],
+            (Fault::PhantomOutputStale, _) => vec![Stage::AttnOut],
+            (Fault::KvNormSkipped, _) => vec![Stage::KvCNormed],
         }
     }
 

@@ -30,6 +30,9 @@ pub enum Class {
     QuantBlockMisaligned,
     /// A loaded weight holds the expected matrix transposed (`[in, out]` for `[out, in]`).
     Transposed,
+    /// An RMSNorm was not applied: the site, or the first compared site after a norm whose
+    /// output was not dumped, equals the replay with the norm skipped.
+    NormSkipped,
     /// The other RoPE rotation style explains the values.
     RopeStyle,
     /// A constant logit scale explains the attention output.
@@ -66,7 +69,7 @@ impl Class {
     /// `mismatch` when no detector explains a site, `weight-nonfinite` (a check of the GGUF
     /// itself) last. README.md, docs/faults.md, docs/design.md and docs/run-report.schema.json
     /// list the classes in this order (tests/doc_tables.rs).
-    pub const ALL: [Class; 21] = [
+    pub const ALL: [Class; 22] = [
         Class::WeightNotLoaded,
         Class::PhantomOutput,
         Class::UnwrittenRows,
@@ -76,6 +79,7 @@ impl Class {
         Class::KvBLayout,
         Class::QuantBlockMisaligned,
         Class::Transposed,
+        Class::NormSkipped,
         Class::RopeStyle,
         Class::LseMerge,
         Class::SoftmaxScale,
@@ -102,6 +106,7 @@ impl Class {
             Class::KvBLayout => "kv-b-layout",
             Class::QuantBlockMisaligned => "quant-block-misaligned",
             Class::Transposed => "transposed",
+            Class::NormSkipped => "norm-skipped",
             Class::RopeStyle => "rope-style",
             Class::SoftmaxScale => "softmax-scale",
             Class::LseMerge => "lse-merge",

@@ -15,7 +15,7 @@ use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::judge::diagnose::Finding;
-use crate::judge::diagnose::{self, DiagnoseInput, PathEvidence};
+use crate::judge::diagnose::{self, DiagnoseInput, DumpScope, PathEvidence};
 use crate::judge::label::PathLabel;
 use crate::judge::metrics;
 use crate::judge::report::{DumpSummary, InputSource, ModelSummary, PathResult, RunRecord, RunReport};
@@ -94,6 +94,8 @@ pub fn compare_dump(
     let mut prev: Option<Handover> = None;
     // The reference selection of the latest full DSA indexer layer, for GLM's shared layers.
     let mut prev_sel: Option<Selection> = None;
+    let stages_dumped = dumped_stages(dump.layers.values());
+    let no_context = vec![0; dump.batch.seqs.len()];
     for (i, &layer) in layers.iter().enumerate() {
         let dumped = &dump.layers[&layer];
         let w = LayerWeights::load(file, cfg, layer)?;
@@ -159,8 +161,12 @@ pub fn compare_dump(
                 not_dumped.push(s.to_string());
             }
         }
+        let scope = DumpScope {
+            dumped: &stages_dumped,
+            context: &no_context,
+        };
         let (result, layer_findings) =
-            judge_dumped_layer(cfg, &dump.batch, &reference, dumped, precision, 1, layer, None);
+            judge_dumped_layer(cfg, &dump.batch, &reference, dumped, precision, 1, scope, layer, None);
         if findings.is_empty() {
             findings.extend(layer_findings);
         }
@@ -277,10 +283,11 @@ fn dumped_layer_reference(
 
 /// One dumped layer's sites against its reference (the tolerance rows of `precision`), as the
 /// result of the path `dump` at `layer` (in format-2 step `step`), and the dump's finding there;
-/// `tp` is the TP size the rank detectors read the per-rank sites with.
+/// `tp` is the TP size the rank detectors read the per-rank sites with, `scope` what the dump
+/// holds around this step and layer.
 #[allow(
     clippy::too_many_arguments,
-    reason = "the model and batch (cfg, batch), both traces, how to judge them (precision, tp) and where the result belongs (layer, step)"
+    reason = "the model and batch (cfg, batch), both traces, how to judge them (precision, tp, scope) and where the result belongs (layer, step)"
 )]
 fn judge_dumped_layer(
     cfg: &MlaConfig,
@@ -289,6 +296,7 @@ fn judge_dumped_layer(
     dumped: &Trace,
     precision: Precision,
     tp: usize,
+    scope: DumpScope<'_>,
     layer: usize,
     step: Option<String>,
 ) -> (PathResult, Vec<Finding>) {
@@ -306,6 +314,7 @@ fn judge_dumped_layer(
         }],
         tp,
         precision,
+        dump: Some(scope),
     });
     let result = PathResult {
         path: PathLabel::Dump,
@@ -316,6 +325,20 @@ fn judge_dumped_layer(
         not_run: None,
     };
     (result, findings)
+}
+
+/// Every stage the traces `layers` hold (of any layer), each once, in data-flow order.
+fn dumped_stages<'a>(layers: impl Iterator<Item = &'a Trace>) -> Vec<Stage> {
+    let mut out: Vec<Stage> = Vec::new();
+    for tr in layers {
+        for (s, _) in tr.entries() {
+            if !out.contains(&s.stage) {
+                out.push(s.stage);
+            }
+        }
+    }
+    out.sort_by_key(Stage::order);
+    out
 }
 
 /// The rows `rows` (dim 0) of `t` when its first dim is `t_full` tokens; weights and other
@@ -424,6 +447,7 @@ pub fn compare_steps(
     layers.sort_unstable();
     layers.dedup();
     let n_seq = header.steps[0].seqs.len();
+    let stages_dumped = dumped_stages(steps_dump.steps.iter().flat_map(|(_, d)| d.layers.values()));
     for (k, (spec, d)) in steps_dump.steps.iter().enumerate() {
         for c in &d.conversions {
             conversions.push(format!("{}: {c}", spec.name));
@@ -431,6 +455,7 @@ pub fn compare_steps(
         let t_new = d.batch.n_tokens();
         let (live, full, new_rows) = step_full_batch(spec, n_seq);
         let t_full = full.n_tokens();
+        let context: Vec<usize> = live.iter().map(|&i| spec.seqs[i].context).collect();
         let mut prev_sel: Option<Selection> = None;
         // The previous dumped layer's output in this step, on the step's rows.
         let mut prev: Option<Handover> = None;
@@ -475,8 +500,12 @@ pub fn compare_steps(
                 }
             }
             let step = Some(spec.name.clone());
+            let scope = DumpScope {
+                dumped: &stages_dumped,
+                context: &context,
+            };
             let (result, layer_findings) = judge_dumped_layer(
-                judge_cfg, &d.batch, &reference, dumped, precision, judge_tp, layer, step,
+                judge_cfg, &d.batch, &reference, dumped, precision, judge_tp, scope, layer, step,
             );
             if findings.is_empty() {
                 findings.extend(layer_findings);

@@ -178,6 +178,7 @@ pub fn compare_layer(
                 .collect(),
             tp: opts.tp,
             precision: dtype.into(),
+            dump: None,
         })
     });
     let results = runs

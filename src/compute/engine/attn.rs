@@ -102,10 +102,14 @@ impl<O: Ops> RankAttn<'_, O> {
 
     /// The attention custom op's output contract: the op gets the caller-allocated output and
     /// must write it in place. With `phantom-output`, the op's result lands in a private tensor
-    /// and the caller's buffer stays as allocated (the canary).
+    /// and the caller's buffer stays as allocated (the canary); with `phantom-output-stale` it
+    /// stays as a real allocator hands it out ([`stale_floats`]).
     pub(super) fn deliver(&self, result: O::Buf, n: usize) -> Result<O::Buf> {
         if self.opts.faults.has(Fault::PhantomOutput) {
             self.ops.canary(n)
+        } else if self.opts.faults.has(Fault::PhantomOutputStale) {
+            let lost = self.ops.download(&result)?;
+            self.ops.upload(&stale_floats(&lost))
         } else {
             Ok(result)
         }
@@ -155,6 +159,26 @@ impl<O: Ops> RankAttn<'_, O> {
             .collect()
     }
 }
+
+/// What a freshly allocated output buffer of `lost.len()` f32 held before the attention op
+/// should have written it, for `phantom-output-stale`: `torch.empty` (a caching allocator's
+/// reused block) returns the floats some earlier tensor left there, finite and of any size. The
+/// values here are seeded normals with the RMS of the result that never arrived (`lost`), which
+/// makes them as hard to tell from an attention output by their size as stale memory can be;
+/// they are drawn independently of the result, as an earlier tensor's bytes are.
+pub(super) fn stale_floats(lost: &[f32]) -> Vec<f32> {
+    let finite: Vec<f64> = lost.iter().filter(|v| v.is_finite()).map(|&v| f64::from(v)).collect();
+    let rms = (finite.iter().map(|v| v * v).sum::<f64>() / finite.len().max(1) as f64).sqrt();
+    let rms = if rms > 0.0 { rms } else { 1.0 };
+    crate::core::batch::normal_f32(STALE_SEED, lost.len())
+        .into_iter()
+        .map(|v| (f64::from(v) * rms) as f32)
+        .collect()
+}
+
+/// The seed of [`stale_floats`]: any fixed value (the fault must give the same bytes on every
+/// backend and run).
+const STALE_SEED: u64 = 0x5717_E0F7;
 
 impl<O: Ops> RankAttn<'_, O> {
     /// Sparse attention of query rows `q_rows` of `q` [·, nh, P+R] over per-row key lists

@@ -39,7 +39,7 @@ pub use header::{
 pub use layout::expected_shape;
 pub use map::{Condition, Map, Rename};
 pub use read::{Dump, DumpFile, StepsDump, load, load_bytes, read};
-pub use sites::{SHAPE_DIMS, SiteTemplates, SiteVocabulary, StageRow, stage_row};
+pub use sites::{SHAPE_DIMS, SiteTemplates, SiteVocabulary, StageRow, stage_inputs, stage_row};
 
 /// An input error in the dump `path`: `what` names the tensor or metadata key, `reason` says
 /// what is wrong with it (exit 2).

@@ -585,6 +585,16 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
             ));
         }
         let (mut data, shape) = match expected_shape(site.stage, cfg, t) {
+            // A weight held [in, out] where [out, in] is expected: kept as dumped, so that the
+            // judge names the transpose (as weights --check names a loaded one).
+            Some(want)
+                if site.stage.is_weight() && want.len() == 2 && shape == [want[1], want[0]] && want[0] != want[1] =>
+            {
+                conversions.push(format!(
+                    "{site}: shape {shape:?} is the expected {want:?} transposed: kept as dumped"
+                ));
+                (v, shape)
+            }
             Some(want) => {
                 let (d, note) = normalize_shape(
                     v,

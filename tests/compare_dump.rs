@@ -1368,3 +1368,41 @@ fn rewrite_dump_any(dump: &str, name: &str, values: &[f32]) -> (tempfile::TempDi
     }
     write_dump(dump, &tensors, metadata)
 }
+
+/// A format-2 dump of several steps lists what each step lacks, per step: the prefill lacks the
+/// absorbed decode's sites, the decode steps the weights and expanded sites the prefill holds
+/// (a stage dumped elsewhere comes first), and steps lacking the same sites share one line.
+#[test]
+fn a_multi_step_dump_lists_its_missing_sites_per_step() {
+    let (code, out, err, doc) = compare("legacy-kvb-q8_0.gguf", "legacy-kvb-q8_0.vllm.safetensors", &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let nd: Vec<&str> = doc["dump"]["not_dumped"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        nd[..3],
+        ["prefill: L0.ql_nope", "prefill: L0.attn_latent", "prefill: L0.lse"],
+        "{nd:?}"
+    );
+    for step in ["decode-1", "decode-2"] {
+        for site in ["L0.w.kv_b", "L0.k_nope", "L0.v"] {
+            assert!(
+                nd.contains(&format!("{step}: {site}").as_str()),
+                "{step}: {site} in {nd:?}"
+            );
+        }
+        assert!(!nd.contains(&format!("{step}: L0.lse").as_str()), "{nd:?}");
+    }
+    assert!(!nd.contains(&"prefill: L0.w.kv_b"), "{nd:?}");
+    assert!(
+        out.contains("not dumped in prefill (not compared): L0.ql_nope, L0.attn_latent, L0.lse\n"),
+        "{out}"
+    );
+    assert!(
+        out.contains("not dumped in decode-1, decode-2 (not compared): L0.w.fused_qkv_a, L0.w.kv_b,"),
+        "{out}"
+    );
+}

@@ -327,6 +327,45 @@ fn judge_dumped_layer(
     (result, findings)
 }
 
+/// The reference sites one step lacks, each once, in two lists: `first` the sites whose stage
+/// the dump holds in another step or layer (a hook that writes a stage somewhere but not here is
+/// the likelier fault), `rest` the others.
+#[derive(Default)]
+struct StepMissing {
+    first: Vec<Site>,
+    rest: Vec<Site>,
+}
+
+impl StepMissing {
+    /// Adds the sites of one dumped layer's `reference` that `dumped` lacks; `elsewhere` holds
+    /// every stage the dump has in any step or layer.
+    fn add(&mut self, reference: &Trace, dumped: &Trace, elsewhere: &[Stage]) {
+        for s in reference.sites_in_order() {
+            if dumped.get(&s).is_some() {
+                continue;
+            }
+            let list = if elsewhere.contains(&s.stage) {
+                &mut self.first
+            } else {
+                &mut self.rest
+            };
+            if !list.contains(&s) {
+                list.push(s);
+            }
+        }
+    }
+
+    /// The sites as listed: `STEP: SITE` when `step` names the step of a dump of several steps,
+    /// else `SITE`; `first` before `rest`.
+    fn labeled(&self, step: Option<&str>) -> impl Iterator<Item = String> + '_ {
+        let step = step.map(str::to_string);
+        self.first.iter().chain(&self.rest).map(move |s| match &step {
+            Some(step) => format!("{step}: {s}"),
+            None => s.to_string(),
+        })
+    }
+}
+
 /// Every stage the traces `layers` hold (of any layer), each once, in data-flow order.
 fn dumped_stages<'a>(layers: impl Iterator<Item = &'a Trace>) -> Vec<Stage> {
     let mut out: Vec<Stage> = Vec::new();
@@ -459,6 +498,7 @@ pub fn compare_steps(
         let mut prev_sel: Option<Selection> = None;
         // The previous dumped layer's output in this step, on the step's rows.
         let mut prev: Option<Handover> = None;
+        let mut missing = StepMissing::default();
         for (&layer, dumped) in &d.layers {
             let w = LayerWeights::load(file, cfg, layer)?;
             if tensor_types.is_empty() {
@@ -493,12 +533,7 @@ pub fn compare_steps(
                 .as_ref()
                 .map(|hidden_out| Array2::from_shape_fn((t_new, cfg.hidden), |(i, j)| hidden_out[[new_rows[i], j]]));
             prev = Some(Handover::new(dumped, layer, t_new, cfg.hidden, ref_out)?);
-            for s in reference.sites_in_order() {
-                let name = s.to_string();
-                if dumped.get(&s).is_none() && !not_dumped.contains(&name) {
-                    not_dumped.push(name);
-                }
-            }
+            missing.add(&reference, dumped, &stages_dumped);
             let step = Some(spec.name.clone());
             let scope = DumpScope {
                 dumped: &stages_dumped,
@@ -512,6 +547,7 @@ pub fn compare_steps(
             }
             results.push(result);
         }
+        not_dumped.extend(missing.labeled((steps_dump.steps.len() > 1).then_some(spec.name.as_str())));
     }
     for p in &header.patches {
         conversions.push(format!("patch `{}`: {}", p.name, p.reason));

@@ -207,12 +207,75 @@ fn softmax_scale_fits_the_factor() {
 #[test]
 fn lse_merge_ties_bad_rows_to_empty_partials() {
     let fx = fixture(&[Fault::LsePlusInf], 1, &[PathKind::Chunked, PathKind::Mqa]);
-    for i in 0..2 {
-        let Detection { evidence: ev, .. } = detect(&fx, i, Class::LseMerge).unwrap();
-        assert!(ev.contains("merged an empty partial"), "{ev}");
-    }
+    // Chunked prefill: the rows the path recorded as merging an empty context chunk.
+    let Detection { evidence: ev, .. } = detect(&fx, 0, Class::LseMerge).unwrap();
+    assert!(ev.contains("merged an empty partial"), "{ev}");
+    // The split-KV decode: its replay with the empty splits merged at LSE +inf.
+    let Detection { evidence: ev, .. } = detect(&fx, 1, Class::LseMerge).unwrap();
+    assert!(
+        ev.contains("K = 4 splits per row") && ev.contains("empty split merged as if it had keys, with LSE +inf"),
+        "{ev}"
+    );
     let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mqa]);
     assert!(detect(&fx, 0, Class::LseMerge).is_none());
+}
+
+/// Each `split-*` fault on the split-KV decode (every row of `mqa`, the decode rows of `mixed`)
+/// is named by the replay's rule at the path's split count (4, searched), with the replay far
+/// below the error as is; another attention fault is not.
+#[test]
+fn lse_merge_replays_the_split_kv_merge() {
+    for (fault, rule) in [
+        (
+            Fault::SplitLseBase2,
+            "each split's LSE in base 2, merged as natural log",
+        ),
+        (Fault::SplitDropped, "split 3 of 4 lost from the merge"),
+        (Fault::SplitDuplicated, "split 0 of 4 merged twice"),
+        (Fault::SplitEmptyZero, "with LSE 0 and a zero output"),
+    ] {
+        let fx = fixture(&[fault], 1, &[PathKind::Mqa, PathKind::Mixed]);
+        for (i, site) in [(0, "attn_latent"), (1, "attn_out")] {
+            let Detection { evidence: ev, hint } = detect(&fx, i, Class::LseMerge).unwrap();
+            assert!(ev.contains(rule), "{fault}: {ev}");
+            assert!(
+                ev.contains("K = 4 splits per row (searched: no num_kv_splits recorded)"),
+                "{fault}: {ev}"
+            );
+            assert!(
+                ev.contains(&format!("a replay of the split-KV decode explains {site}")),
+                "{ev}"
+            );
+            // The replay's error against the as-is one: f32 rounding against an O(0.1) error.
+            let e: f64 = ev
+                .split(&format!("{site} rel_l2 "))
+                .nth(1)
+                .and_then(|r| r.split(' ').next())
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!(e < 1e-5, "{fault}: {ev}");
+            assert!(!hint.is_empty());
+        }
+    }
+    // Stale finite states in the empty splits: no replay, the footprint.
+    let fx = fixture(&[Fault::SplitEmptyFinite], 1, &[PathKind::Mqa]);
+    let Detection { evidence: ev, .. } = detect(&fx, 0, Class::LseMerge).unwrap();
+    assert!(
+        ev.contains("all have an empty split at K = 4") && ev.contains("with a finite stale LSE and output"),
+        "{ev}"
+    );
+    for f in [Fault::PhantomOutputStale, Fault::KvBGrouped, Fault::RopeNeox] {
+        let fx = fixture(&[f], 1, &[PathKind::Mqa, PathKind::Mixed]);
+        for i in 0..2 {
+            let d = detect(&fx, i, Class::LseMerge);
+            assert!(d.is_none(), "{f}: {d:?}");
+        }
+    }
+    // A wrong softmax scale reweights every row's keys: no merge of splits explains it.
+    let fx = fixture_with(&[], 1, &[PathKind::Mqa], |c| c.softmax_scale *= 0.5);
+    let d = detect(&fx, 0, Class::LseMerge);
+    assert!(d.is_none(), "{d:?}");
 }
 
 #[test]

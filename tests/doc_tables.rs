@@ -43,7 +43,8 @@ fn every_fault() -> Vec<Fault> {
         PhantomOutput, UnwrittenRows, FusedShardSwap, TpRankOrder, TpRank0Everywhere, TpGateUpRank0,
         KvBGrouped, KBUntransposed, RopeNeox, NoMscale, RopeCosScaled, LsePlusInf, QuantSliceMisaligned,
         StridedKvC, IndexerRopeInterleaved, IndexerTopkStale, AllReduceTwice, AllReduceSkipRank,
-        AllReduceReadEarly, PhantomOutputStale, KvNormSkipped,
+        AllReduceReadEarly, PhantomOutputStale, KvNormSkipped, SplitLseBase2, SplitDropped,
+        SplitDuplicated, SplitEmptyZero, SplitEmptyFinite,
     )
 }
 

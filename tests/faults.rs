@@ -141,6 +141,39 @@ fn lse_plus_inf() {
     );
 }
 
+/// The split-KV decode's merge bugs, on `mqa` (every row a decode) and `mixed` (its decode
+/// rows), each named with its rule at the path's 4 splits; `mha` and `chunked` have no split-KV
+/// decode and pass. A DSA model decodes its selection the same way.
+#[test]
+fn split_merge_faults_are_lse_merge_with_their_rule() {
+    for (model_name, fault, rule) in [
+        (None, "split-lse-base2", "each split's LSE in base 2"),
+        (None, "split-dropped", "split 3 of 4 lost from the merge"),
+        (None, "split-duplicated", "split 0 of 4 merged twice"),
+        (None, "split-empty-zero", "with LSE 0 and a zero output"),
+        (None, "split-empty-finite", "with a finite stale LSE and output"),
+        (
+            Some("dsa-glm-q8_0.gguf"),
+            "split-dropped",
+            "split 3 of 4 lost from the merge",
+        ),
+    ] {
+        let m = model_name.map(model);
+        let mut args = vec!["--inject", fault, "--path", "all", "--seqs", "1,15,16,17,53"];
+        if let Some(m) = &m {
+            args.extend(["--model", m.as_str()]);
+        }
+        let f = expect(
+            &args,
+            &[("mqa", "lse-merge", "L1.attn_latent"), ("mixed", "lse-merge", "L1.lse")],
+        );
+        assert_eq!(f.len(), 2, "{fault}: {f:#?}");
+        for x in &f {
+            assert!(x["evidence"].as_str().unwrap().contains(rule), "{fault}: {x:#?}");
+        }
+    }
+}
+
 #[test]
 fn quant_slice_misaligned_is_reported_without_running() {
     let want: Vec<_> = ALL4

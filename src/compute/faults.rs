@@ -68,6 +68,19 @@ pub enum Fault {
     /// The latent RMSNorm (`kv_a_layernorm`) is not applied: `kv_c_normed` is `kv_a`'s latent
     /// columns as they are.
     KvNormSkipped,
+    /// The split-KV decode's split LSEs are in base 2 and merged by the natural-log rule
+    /// (sglang#40903).
+    SplitLseBase2,
+    /// The split-KV decode's merge leaves out each row's last split.
+    SplitDropped,
+    /// The split-KV decode's merge counts each row's first split twice.
+    SplitDuplicated,
+    /// The split-KV decode merges each empty split as if it had keys, from a zero-filled partial
+    /// buffer: LSE 0, output 0.
+    SplitEmptyZero,
+    /// The split-KV decode merges each empty split as if it had keys, with the stale finite LSE
+    /// and output its partial buffer held (flashinfer#3047).
+    SplitEmptyFinite,
 }
 
 impl Fault {
@@ -94,6 +107,11 @@ impl Fault {
         Fault::AllReduceReadEarly,
         Fault::PhantomOutputStale,
         Fault::KvNormSkipped,
+        Fault::SplitLseBase2,
+        Fault::SplitDropped,
+        Fault::SplitDuplicated,
+        Fault::SplitEmptyZero,
+        Fault::SplitEmptyFinite,
     ];
 
     /// The `--inject` name (`fused-shard-swap`).
@@ -120,6 +138,11 @@ impl Fault {
             Fault::AllReduceReadEarly => "all-reduce-read-early",
             Fault::PhantomOutputStale => "phantom-output-stale",
             Fault::KvNormSkipped => "kv-norm-skipped",
+            Fault::SplitLseBase2 => "split-lse-base2",
+            Fault::SplitDropped => "split-dropped",
+            Fault::SplitDuplicated => "split-duplicated",
+            Fault::SplitEmptyZero => "split-empty-zero",
+            Fault::SplitEmptyFinite => "split-empty-finite",
         }
     }
 
@@ -163,6 +186,17 @@ impl Fault {
             Fault::KvNormSkipped => {
                 "The latent RMSNorm (`kv_a_layernorm`) is not applied: `kv_c_normed` is `kv_a`'s latent columns as they are"
             }
+            Fault::SplitLseBase2 => {
+                "The split-KV decode's split LSEs are in base 2 and merged by the natural-log rule (sglang#40903)"
+            }
+            Fault::SplitDropped => "The split-KV decode's merge leaves out each row's last split",
+            Fault::SplitDuplicated => "The split-KV decode's merge counts each row's first split twice",
+            Fault::SplitEmptyZero => {
+                "The split-KV decode merges each empty split as if it had keys, from a zero-filled partial buffer: LSE 0, output 0"
+            }
+            Fault::SplitEmptyFinite => {
+                "The split-KV decode merges each empty split as if it had keys, with the stale finite LSE and output its partial buffer held (flashinfer#3047)"
+            }
         }
     }
 
@@ -186,6 +220,11 @@ impl Fault {
             Fault::AllReduceSkipRank | Fault::AllReduceReadEarly => Class::TpReduce,
             Fault::PhantomOutputStale => Class::PhantomOutput,
             Fault::KvNormSkipped => Class::NormSkipped,
+            Fault::SplitLseBase2
+            | Fault::SplitDropped
+            | Fault::SplitDuplicated
+            | Fault::SplitEmptyZero
+            | Fault::SplitEmptyFinite => Class::LseMerge,
         }
     }
 
@@ -217,6 +256,9 @@ impl Fault {
             (Fault::AllReduceTwice | Fault::AllReduceSkipRank | Fault::AllReduceReadEarly, _) => vec![Stage::OProj],
             (Fault::PhantomOutputStale, _) => vec![Stage::AttnOut],
             (Fault::KvNormSkipped, _) => vec![Stage::KvCNormed],
+            (f, Mqa) if f.is_split_merge() => vec![Stage::AttnLatent, Stage::Lse],
+            (f, _) if f.is_split_merge() => vec![Stage::Lse, Stage::AttnOut],
+            _ => Vec::new(),
         }
     }
 
@@ -260,12 +302,33 @@ impl Fault {
                 Err("this indexer's RoPE is interleaved already (glm-dsa)")
             }
             Fault::IndexerTopkStale if path != PathKind::Chunked => Err("only chunked prefill has a previous chunk"),
+            f if f.is_split_merge() && !matches!(path, PathKind::Mqa | PathKind::Mixed) => {
+                Err("only the split-KV decode (mqa, mixed's decode rows) merges KV splits")
+            }
             _ => Ok(()),
         }
     }
 }
 
 impl Fault {
+    /// Whether the fault acts on the split-KV decode's merge of its KV splits (the `split-*`
+    /// faults, [`SplitFault`]).
+    pub fn is_split_merge(self) -> bool {
+        self.split_fault().is_some()
+    }
+
+    /// The split-merge bug this fault injects, if it is one of the `split-*` faults.
+    pub fn split_fault(self) -> Option<SplitFault> {
+        match self {
+            Fault::SplitLseBase2 => Some(SplitFault::LseBase2),
+            Fault::SplitDropped => Some(SplitFault::DropLast),
+            Fault::SplitDuplicated => Some(SplitFault::DuplicateFirst),
+            Fault::SplitEmptyZero => Some(SplitFault::EmptyZero),
+            Fault::SplitEmptyFinite => Some(SplitFault::EmptyStale),
+            _ => None,
+        }
+    }
+
     /// Whether the fault can act on layer `w`, beyond [`Fault::applies`]: `tp-gate-up-rank0`
     /// needs a dense MLP whose width divides by `tp` (an MoE layer's engine paths stop at
     /// `o_proj`; an MLP the ranks cannot share runs unsplit). Every other fault: `Ok`.
@@ -286,6 +349,22 @@ impl std::fmt::Display for Fault {
     }
 }
 
+/// What a `split-*` fault does to the split-KV decode's merge (`compute::engine`, after stage 1
+/// wrote each split's partial output and LSE).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SplitFault {
+    /// Every split's LSE multiplied by log2(e) (a base-2 LSE) before the natural-log merge.
+    LseBase2,
+    /// The last split's partial left out of the merge.
+    DropLast,
+    /// The first split's partial merged twice.
+    DuplicateFirst,
+    /// Every empty split merged with LSE 0 and a zero output.
+    EmptyZero,
+    /// Every empty split merged with stale finite floats as its LSE and output.
+    EmptyStale,
+}
+
 /// The set of faults injected into a run.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FaultSet(pub Vec<Fault>);
@@ -299,6 +378,11 @@ impl FaultSet {
     /// True when nothing is injected.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
+    }
+
+    /// The split-merge bug of the first `split-*` fault injected, if any.
+    pub fn split_fault(&self) -> Option<SplitFault> {
+        self.0.iter().find_map(|f| f.split_fault())
     }
 
     /// The bug the `o_proj` all-reduce of `tp` ranks runs with (the first `all-reduce-*` fault

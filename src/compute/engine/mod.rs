@@ -21,6 +21,7 @@ mod mha;
 mod mixed;
 mod mqa;
 mod prologue;
+mod split;
 mod weights;
 
 use std::collections::BTreeSet;
@@ -44,6 +45,7 @@ use mha::*;
 use mixed::*;
 use mqa::*;
 use prologue::*;
+use split::*;
 use weights::*;
 
 pub use attn::paged_block_tables;

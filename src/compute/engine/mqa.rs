@@ -43,7 +43,7 @@ pub(super) fn decode_rows<O: Ops>(
             empty_rows.insert(row);
         }
     }
-    a.ops.decode_merged(&DecodeArgs {
+    let args = DecodeArgs {
         q: &q,
         n,
         nh,
@@ -56,7 +56,11 @@ pub(super) fn decode_rows<O: Ops>(
         dv: l,
         scale: a.scale,
         empty_lse,
-    })
+    };
+    match a.opts.faults.split_fault() {
+        Some(f) => decode_merged_faulted(a.ops, &args, f, a.opts.seed ^ rows.first().map_or(0, |&r| r as u64)),
+        None => a.ops.decode_merged(&args),
+    }
 }
 
 /// [`decode_rows`] over the DSA selection: each row's kept cache slots (`slots[i]`) are gathered

@@ -31,6 +31,7 @@ pub mod loaded;
 mod moe;
 mod norm;
 mod rope;
+mod split;
 mod weights;
 
 use serde::ser::{Serialize, SerializeStruct, Serializer};
@@ -219,6 +220,14 @@ pub struct DumpScope<'a> {
     /// Per sequence of the judged batch: the tokens earlier steps cached, which the step's rows
     /// attended to but which are not among the traces' rows (0 for a one-forward dump).
     pub context: &'a [usize],
+    /// The reference over every row of the judged step's sequences: each sequence's cached
+    /// context (`context` rows), then its new rows, sequence after sequence, with the judged
+    /// heads. Replays of attention read the keys of earlier steps here. `None` when no sequence
+    /// has context (the judged reference holds every key).
+    pub full_reference: Option<&'a Trace>,
+    /// The split count the step's split-KV decode used (format 2's step field
+    /// `num_kv_splits`); `None` when the hook did not record it, and the replays search it.
+    pub num_kv_splits: Option<usize>,
 }
 
 /// What every detector sees for one failing site of one path.

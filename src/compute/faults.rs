@@ -81,6 +81,12 @@ pub enum Fault {
     /// The split-KV decode merges each empty split as if it had keys, with the stale finite LSE
     /// and output its partial buffer held (flashinfer#3047).
     SplitEmptyFinite,
+    /// A dense layer's residual add scales the residual: `h1 = α·hidden_in + o_proj` with α =
+    /// 1/routed_scaling_factor, or 0.4 for a model without one (vLLM PR #14809).
+    ResidualScaled,
+    /// The absorbed path's `ql_nope = q_nope·W_UK_T` computed with f16 operands and an f16
+    /// accumulator in an f32 run (llama.cpp PR #13137).
+    Fp16AccumQlNope,
 }
 
 impl Fault {
@@ -112,6 +118,8 @@ impl Fault {
         Fault::SplitDuplicated,
         Fault::SplitEmptyZero,
         Fault::SplitEmptyFinite,
+        Fault::ResidualScaled,
+        Fault::Fp16AccumQlNope,
     ];
 
     /// The `--inject` name (`fused-shard-swap`).
@@ -143,6 +151,8 @@ impl Fault {
             Fault::SplitDuplicated => "split-duplicated",
             Fault::SplitEmptyZero => "split-empty-zero",
             Fault::SplitEmptyFinite => "split-empty-finite",
+            Fault::ResidualScaled => "residual-scaled",
+            Fault::Fp16AccumQlNope => "fp16-accum-ql-nope",
         }
     }
 
@@ -197,6 +207,12 @@ impl Fault {
             Fault::SplitEmptyFinite => {
                 "The split-KV decode merges each empty split as if it had keys, with the stale finite LSE and output its partial buffer held (flashinfer#3047)"
             }
+            Fault::ResidualScaled => {
+                "A dense layer's residual add scales the residual: `h1 = α·hidden_in + o_proj` with α = 1/routed_scaling_factor, or 0.4 for a model without one (vLLM PR #14809)"
+            }
+            Fault::Fp16AccumQlNope => {
+                "The absorbed path's `ql_nope = q_nope·W_UK_T` computed with f16 operands and an f16 accumulator in an f32 run (llama.cpp PR #13137)"
+            }
         }
     }
 
@@ -225,6 +241,8 @@ impl Fault {
             | Fault::SplitDuplicated
             | Fault::SplitEmptyZero
             | Fault::SplitEmptyFinite => Class::LseMerge,
+            Fault::ResidualScaled => Class::ResidualScale,
+            Fault::Fp16AccumQlNope => Class::Precision,
         }
     }
 
@@ -258,6 +276,8 @@ impl Fault {
             (Fault::KvNormSkipped, _) => vec![Stage::KvCNormed],
             (f, Mqa) if f.is_split_merge() => vec![Stage::AttnLatent, Stage::Lse],
             (f, _) if f.is_split_merge() => vec![Stage::Lse, Stage::AttnOut],
+            (Fault::ResidualScaled, _) => vec![Stage::FfnIn, Stage::HiddenOut],
+            (Fault::Fp16AccumQlNope, _) => vec![Stage::QlNope],
             _ => Vec::new(),
         }
     }
@@ -302,6 +322,7 @@ impl Fault {
                 Err("this indexer's RoPE is interleaved already (glm-dsa)")
             }
             Fault::IndexerTopkStale if path != PathKind::Chunked => Err("only chunked prefill has a previous chunk"),
+            Fault::Fp16AccumQlNope if path != PathKind::Mqa => Err("only the absorbed path records ql_nope"),
             f if f.is_split_merge() && !matches!(path, PathKind::Mqa | PathKind::Mixed) => {
                 Err("only the split-KV decode (mqa, mixed's decode rows) merges KV splits")
             }
@@ -311,6 +332,18 @@ impl Fault {
 }
 
 impl Fault {
+    /// Whether the fault can show in a run of paths computing in `dtype`: `fp16-accum-ql-nope`
+    /// needs an f32 run (an f16 accumulator's error is within a bf16 run's own rounding, so a
+    /// bf16 run cannot tell it from right). Every other fault: `Ok`.
+    pub fn applies_to_dtype(self, dtype: crate::core::dtype::Dtype) -> Result<(), &'static str> {
+        match (self, dtype) {
+            (Fault::Fp16AccumQlNope, crate::core::dtype::Dtype::Bf16) => {
+                Err("an f16 accumulator's error is within a bf16 run's own rounding: needs --dtype f32")
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Whether the fault acts on the split-KV decode's merge of its KV splits (the `split-*`
     /// faults, [`SplitFault`]).
     pub fn is_split_merge(self) -> bool {
@@ -331,10 +364,11 @@ impl Fault {
 
     /// Whether the fault can act on layer `w`, beyond [`Fault::applies`]: `tp-gate-up-rank0`
     /// needs a dense MLP whose width divides by `tp` (an MoE layer's engine paths stop at
-    /// `o_proj`; an MLP the ranks cannot share runs unsplit). Every other fault: `Ok`.
+    /// `o_proj`; an MLP the ranks cannot share runs unsplit), `residual-scaled` a dense MLP (the
+    /// residual add it scales is the MLP block's). Every other fault: `Ok`.
     pub fn applies_to_layer(self, w: &crate::model::weights::LayerWeights, tp: usize) -> Result<(), &'static str> {
         match (self, &w.ffn) {
-            (Fault::TpGateUpRank0, None) => Err("the layer has no dense MLP"),
+            (Fault::TpGateUpRank0 | Fault::ResidualScaled, None) => Err("the layer has no dense MLP"),
             (Fault::TpGateUpRank0, Some(f)) if !f.gate.nrows().is_multiple_of(tp.max(1)) => {
                 Err("the MLP width does not divide by the TP size")
             }
@@ -378,6 +412,19 @@ impl FaultSet {
     /// True when nothing is injected.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
+    }
+
+    /// The factor `residual-scaled` puts on a dense layer's residual: 1/routed_scaling_factor,
+    /// or 0.4 for a model without one; 1 without the fault.
+    pub fn residual_alpha(&self, cfg: &MlaConfig) -> f64 {
+        if !self.has(Fault::ResidualScaled) {
+            return 1.0;
+        }
+        cfg.moe
+            .as_ref()
+            .map(|m| m.weights_scale)
+            .filter(|&f| f > 0.0 && f != 1.0)
+            .map_or(0.4, |f| 1.0 / f)
     }
 
     /// The split-merge bug of the first `split-*` fault injected, if any.

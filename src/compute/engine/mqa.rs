@@ -130,7 +130,11 @@ pub(super) fn mqa_rank<O: Ops>(
     let [_, l, _, r, v] = a.cfg.dims().nlprv();
     let nh = a.nh;
     let ops = a.ops;
-    let ql_nope = a.absorb_q(t)?;
+    let ql_nope = if a.opts.faults.has(Fault::Fp16AccumQlNope) {
+        a.absorb_q_f16_accum(t)?
+    } else {
+        a.absorb_q(t)?
+    };
     let mut cs = CacheState::new(ops, batch, a.cfg, a.opts)?;
     let mut attn_latent = ops.canary(t * nh * l)?;
     let mut lse = ops.canary(t * nh)?;

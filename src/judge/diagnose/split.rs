@@ -25,7 +25,7 @@ use super::attention::{AttnRecompute, spread_rows};
 use super::{Detection, SiteCtx, explain_threshold};
 use crate::compute::path::PathKind;
 use crate::core::sci::sci;
-use crate::core::trace::{Site, Stage};
+use crate::core::trace::{Site, Stage, TraceTensor};
 use crate::judge::label::PathLabel;
 use crate::judge::tolerance::tolerance;
 
@@ -407,29 +407,34 @@ fn decode_tokens(x: &SiteCtx<'_>) -> Option<Vec<bool>> {
     v.iter().any(|&d| d).then_some(v)
 }
 
-/// Row `i`'s relative L2 error against the reference with the norm floored at a typical row's
-/// (rows near zero would otherwise fail on rounding alone), for rows of `width` values.
-fn row_errors(refr: &[f64], cand: &[f64], width: usize) -> Vec<f64> {
+/// Each row's relative L2 error against the reference, for rows of `width` values, with the
+/// norm floored at a typical row's (rows near zero would otherwise fail on rounding alone);
+/// infinite for a row with a value finite on one side only. Reads the tensors in place (an
+/// attention output at real size is gigabytes as f64).
+fn row_errors(refr: &TraceTensor, cand: &TraceTensor, width: usize) -> Vec<f64> {
     let w = width.max(1);
     let rows = refr.len() / w;
-    let finite: Vec<f64> = refr.iter().copied().filter(|v| v.is_finite()).collect();
-    let rms = (finite.iter().map(|v| v * v).sum::<f64>() / finite.len().max(1) as f64).sqrt();
-    let floor = rms * (w as f64).sqrt();
+    let (sum, count) = (0..refr.len())
+        .into_par_iter()
+        .map(|i| refr.get(i))
+        .filter(|v| v.is_finite())
+        .map(|v| (v * v, 1usize))
+        .reduce(|| (0.0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+    let floor = (sum / count.max(1) as f64).sqrt() * (w as f64).sqrt();
     (0..rows)
+        .into_par_iter()
         .map(|i| {
-            let (r, c) = (&refr[i * w..(i + 1) * w], &cand[i * w..(i + 1) * w]);
-            if r.iter().zip(c).any(|(a, b)| a.is_finite() != b.is_finite()) {
-                return f64::INFINITY;
+            let (mut d, mut n) = (0.0, 0.0);
+            for j in i * w..(i + 1) * w {
+                let (a, b) = (refr.get(j), cand.get(j));
+                match (a.is_finite(), b.is_finite()) {
+                    (true, true) => d += (a - b) * (a - b),
+                    (false, false) => {}
+                    _ => return f64::INFINITY,
+                }
+                n += a * a;
             }
-            let d = r
-                .iter()
-                .zip(c)
-                .filter(|(a, b)| a.is_finite() && b.is_finite())
-                .map(|(a, b)| (a - b) * (a - b))
-                .sum::<f64>()
-                .sqrt();
-            let n = r.iter().map(|a| a * a).sum::<f64>().sqrt();
-            d / n.max(floor).max(f64::MIN_POSITIVE)
+            d.sqrt() / n.sqrt().max(floor).max(f64::MIN_POSITIVE)
         })
         .collect()
 }
@@ -471,13 +476,12 @@ impl<'a> Sample<'a> {
             return None;
         }
         let tol = |st| tolerance(st, x.input.precision).0.rel_l2;
-        let (r_out, c_out) = (ref_out.to_f64(), cand_out.to_f64());
-        let mut err: Vec<f64> = row_errors(&r_out, &c_out, width)
+        let mut err: Vec<f64> = row_errors(ref_out, cand_out, width)
             .into_iter()
             .map(|e| e / tol(out_stage))
             .collect();
         if let Some((c, r)) = lse {
-            for (e, l) in err.iter_mut().zip(row_errors(&r.to_f64(), &c.to_f64(), 1)) {
+            for (e, l) in err.iter_mut().zip(row_errors(r, c, 1)) {
                 *e = e.max(l / tol(Stage::Lse));
             }
         }
@@ -492,7 +496,7 @@ impl<'a> Sample<'a> {
             .sampled_rows
             .iter()
             .map(|(row, _, _)| CandRow {
-                out: c_out[row * width..(row + 1) * width].to_vec(),
+                out: (row * width..(row + 1) * width).map(|j| cand_out.get(j)).collect(),
                 lse: lse.map(|(c, _)| c.get(*row)),
             })
             .collect();
@@ -509,7 +513,9 @@ impl<'a> Sample<'a> {
         let (mut norm_w, mut diff_w) = ([0.0; 2], [0.0; 2]);
         for (((row, _, _), c), &w) in rc.sampled_rows.iter().zip(&cand).zip(&wrong) {
             let n0 = c.out.iter().map(|&v| sq(v)).sum::<f64>();
-            let d0 = (0..width).map(|d| dsq(c.out[d], r_out[row * width + d])).sum::<f64>();
+            let d0 = (0..width)
+                .map(|d| dsq(c.out[d], ref_out.get(row * width + d)))
+                .sum::<f64>();
             let (n1, d1) = match (c.lse, lse) {
                 (Some(l), Some((_, r))) => (sq(l), dsq(l, r.get(*row))),
                 _ => (0.0, 0.0),

@@ -25,6 +25,8 @@ enum Merge {
     EmptyZero,
     /// Every empty split merged with a stale finite state: LSE `ell`, output all `value`.
     EmptyStale { ell: f64, value: f64 },
+    /// Each row's last split with keys left out (empty splits skipped).
+    LastFilledLost,
 }
 
 /// `log Σ e^s`.
@@ -72,6 +74,7 @@ fn decode_outputs(
                     states.push(match merge {
                         Merge::EmptyZero => (0.0, vec![0.0; l]),
                         Merge::EmptyStale { ell, value } => (ell, vec![value; l]),
+                        Merge::LastFilledLost => (f64::NEG_INFINITY, vec![0.0; l]),
                     });
                     continue;
                 }
@@ -85,9 +88,13 @@ fn decode_outputs(
                 }
                 states.push((ls, o));
             }
+            if let Merge::LastFilledLost = merge {
+                let last = states.iter().rposition(|st| st.0 > f64::NEG_INFINITY).unwrap();
+                states[last].0 = f64::NEG_INFINITY;
+            }
             let m = lse_of(&states.iter().map(|st| st.0).collect::<Vec<_>>());
             let mut o = vec![0.0; l];
-            for (ls, so) in &states {
+            for (ls, so) in states.iter().filter(|st| st.0 > f64::NEG_INFINITY) {
                 let w = (ls - m).exp();
                 for (od, v) in o.iter_mut().zip(so) {
                     *od += w * v;
@@ -252,6 +259,22 @@ fn empty_splits_merged_as_zeros_are_named_with_the_split_count() {
         assert!(ev.contains(says) && ev.contains("with LSE 0 and a zero output"), "{ev}");
         assert!(ev.contains("explains attn_latent and lse"), "{ev}");
     }
+}
+
+/// Each row's last split with keys lost (a merge loop one short of the row's filled splits):
+/// the short row loses its second key's split, the long row its last split.
+#[test]
+fn the_last_filled_split_lost_is_named() {
+    let (_d, p) = decode_dump(4, Merge::LastFilledLost, Some(4.into()));
+    let (code, out, err, doc) = compare(&p);
+    assert_eq!(code, 1, "{out}\n{err}");
+    let f = &doc["findings"][0];
+    assert_eq!(f["class"], "lse-merge", "{f}");
+    let ev = f["evidence"].as_str().unwrap();
+    assert!(
+        ev.contains("each row's last split with keys lost from the merge"),
+        "{ev}"
+    );
 }
 
 /// Stale finite states in the empty splits cannot be replayed: the footprint names them (the

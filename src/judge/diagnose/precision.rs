@@ -6,7 +6,8 @@
 //! on every element. The replay recomputes the failing product from its inputs as the candidate
 //! recorded them (which passed) and its weight as a weight site holds it, under each
 //! narrow-precision hypothesis: the inputs rounded to f16 or bf16 (accumulation exact), the
-//! output rounded too, or the running sum rounded after every term. A hypothesis names the class
+//! output rounded too, the running sum rounded after every term (fused multiply-adds), or each
+//! product rounded as well. A hypothesis names the class
 //! when its replay reproduces the candidate's error in size and in pattern: the candidate is
 //! much nearer the replay than the reference, and the replay is as far from the reference as
 //! the candidate. A hypothesis the run's declared dtype already covers (its own rounding) is
@@ -60,8 +61,11 @@ enum Where {
     /// Both operands and the result rounded.
     InputsOutput,
     /// Both operands rounded and the running sum rounded after every term, in the contraction
-    /// order (a half-precision accumulator).
+    /// order (a half-precision accumulator with fused multiply-adds).
     Accumulator,
+    /// As [`Where::Accumulator`] with each product rounded too before it is added (narrow
+    /// arithmetic without fused multiply-adds).
+    Arithmetic,
 }
 
 impl Where {
@@ -71,6 +75,7 @@ impl Where {
             Where::Inputs => format!("inputs rounded to {n}, the sum exact"),
             Where::InputsOutput => format!("inputs and output rounded to {n}"),
             Where::Accumulator => format!("inputs rounded to {n} and the running sum rounded to {n} after every term"),
+            Where::Arithmetic => format!("inputs, every product and the running sum after every term rounded to {n}"),
         }
     }
 }
@@ -89,7 +94,7 @@ fn declared(p: Precision) -> Option<(Narrow, Where)> {
 /// The hypotheses worth testing under the declared dtype `p`: every narrow rounding that is
 /// coarser than what `p` declares (an f32 run: all; a bf16 run: the narrow accumulators and a
 /// bf16 output; an engine's bf16: the narrow accumulators; an engine's f16: a bf16 product and
-/// an f16 accumulator).
+/// the f16 accumulators).
 fn hypotheses(p: Precision) -> Vec<(Narrow, Where)> {
     use Narrow::*;
     use Where::*;
@@ -98,17 +103,32 @@ fn hypotheses(p: Precision) -> Vec<(Narrow, Where)> {
             (F16, Inputs),
             (F16, InputsOutput),
             (F16, Accumulator),
+            (F16, Arithmetic),
             (Bf16, Inputs),
             (Bf16, InputsOutput),
             (Bf16, Accumulator),
+            (Bf16, Arithmetic),
         ],
-        Precision::Bf16 => vec![(Bf16, InputsOutput), (F16, Accumulator), (Bf16, Accumulator)],
-        Precision::EngineBf16 => vec![(F16, Accumulator), (Bf16, Accumulator)],
+        Precision::Bf16 => vec![
+            (Bf16, InputsOutput),
+            (F16, Accumulator),
+            (F16, Arithmetic),
+            (Bf16, Accumulator),
+            (Bf16, Arithmetic),
+        ],
+        Precision::EngineBf16 => vec![
+            (F16, Accumulator),
+            (F16, Arithmetic),
+            (Bf16, Accumulator),
+            (Bf16, Arithmetic),
+        ],
         Precision::EngineF16 => vec![
             (F16, Accumulator),
+            (F16, Arithmetic),
             (Bf16, Inputs),
             (Bf16, InputsOutput),
             (Bf16, Accumulator),
+            (Bf16, Arithmetic),
         ],
     }
 }
@@ -157,6 +177,10 @@ impl Product {
                 .iter()
                 .zip(ws)
                 .fold(0.0, |acc, (a, b)| f.round(acc + f.round(*a) * f.round(*b))),
+            Where::Arithmetic => xs
+                .iter()
+                .zip(ws)
+                .fold(0.0, |acc, (a, b)| f.round(acc + f.round(f.round(*a) * f.round(*b)))),
         }
     }
 }

@@ -9,9 +9,9 @@
 //! reaches, in a way the replay can reproduce: from the reference's inputs (which the candidate's
 //! passed), each row's splits are rebuilt for a split count `K` (the step's recorded
 //! `num_kv_splits`, else each of a bounded search) and merged under each rule: the partial LSEs
-//! in base 2 merged as natural logs (sglang#40903), split `j` lost from the merge, split `j`
-//! merged twice, the empty splits merged as if they had keys with LSE 0 and a zero output (a
-//! zero-filled partial buffer) or with LSE +∞. A rule explains the site when the replay matches
+//! in base 2 merged as natural logs (sglang#40903), split `j` (or each row's last split with
+//! keys) lost from the merge or merged twice, the empty splits merged as if they had keys with
+//! LSE 0 and a zero output (a zero-filled partial buffer) or with LSE +∞. A rule explains the site when the replay matches
 //! the output site and the LSE together; nothing is fitted beyond the discrete choices (`K`, the
 //! rule, `j`). An empty split merged with a finite stale LSE and output (whatever its partial
 //! buffer held) cannot be replayed value for value; it is recognised by its footprint instead:
@@ -48,6 +48,10 @@ enum Rule {
     Dropped(usize),
     /// Split `j` merged twice.
     Duplicated(usize),
+    /// Each row's last split with keys left out of the merge (a loop bound one short).
+    DroppedLast,
+    /// Each row's last split with keys merged twice.
+    DuplicatedLast,
     /// Every empty split merged as a state with LSE 0 and a zero output (a zero-filled buffer).
     EmptyZero,
     /// Every empty split merged as a state with LSE +∞.
@@ -61,6 +65,8 @@ impl Rule {
             Rule::Base2 => "each split's LSE in base 2, merged as natural log".into(),
             Rule::Dropped(j) => format!("split {j} of {k} lost from the merge"),
             Rule::Duplicated(j) => format!("split {j} of {k} merged twice"),
+            Rule::DroppedLast => "each row's last split with keys lost from the merge".into(),
+            Rule::DuplicatedLast => "each row's last split with keys merged twice".into(),
             Rule::EmptyZero => "each empty split merged as if it had keys, with LSE 0 and a zero output".into(),
             Rule::EmptyPlusInf => "each empty split merged as if it had keys, with LSE +inf".into(),
         }
@@ -85,6 +91,14 @@ impl Rule {
             Rule::Duplicated(j) => format!(
                 "split {j}'s partial enters the merge twice (an accumulator initialised with it and a loop that \
                  starts at it again, or a split index read twice): each of the {k} splits must be merged once"
+            ),
+            Rule::DroppedLast => format!(
+                "the merge of a row's {k} splits stops one short of its last split with keys (a loop bound of \
+                 the row's filled splits minus one): every split with keys must enter the merge"
+            ),
+            Rule::DuplicatedLast => format!(
+                "a row's last split with keys enters the merge twice (the loop's final partial merged again \
+                 after it): each of the {k} splits must be merged once"
             ),
             Rule::EmptyZero => format!(
                 "{}; here its partial buffer was merged as it was left, zero-filled",
@@ -199,6 +213,11 @@ impl RowStates {
         }
     }
 
+    /// The last split with keys.
+    fn last_filled(&self) -> Option<usize> {
+        self.parts.iter().rposition(Option::is_some)
+    }
+
     fn n_empty(&self) -> usize {
         self.parts.iter().filter(|p| p.is_none()).count()
     }
@@ -243,6 +262,8 @@ impl RowStates {
                 st.push((f64::INFINITY, None));
                 Some(merge(&st, width))
             }
+            Rule::DroppedLast => self.predict(Rule::Dropped(self.last_filled()?)),
+            Rule::DuplicatedLast => self.predict(Rule::Duplicated(self.last_filled()?)),
             Rule::Duplicated(j) => {
                 let (_, oj) = self.parts.get(j)?.as_ref()?;
                 let (wj, z) = (self.w[j], self.z + self.w[j]);
@@ -549,7 +570,13 @@ impl<'a> Sample<'a> {
 
     /// Every rule replayed at split count `k` on every sampled row, and the stale footprint.
     fn at_k(&self, k: usize) -> AtK {
-        let mut rules = vec![Rule::Base2, Rule::EmptyZero, Rule::EmptyPlusInf];
+        let mut rules = vec![
+            Rule::Base2,
+            Rule::EmptyZero,
+            Rule::EmptyPlusInf,
+            Rule::DroppedLast,
+            Rule::DuplicatedLast,
+        ];
         rules.extend((0..k).map(Rule::Dropped));
         rules.extend((0..k).map(Rule::Duplicated));
         let per_row: Vec<(Vec<RuleSum>, Footprint)> = (0..self.rc.sampled_rows.len())

@@ -555,7 +555,7 @@ fn residual_scale_fits_the_residual_factor() {
     let Detection { evidence: ev, .. } = detect(&fx, 0, Class::ResidualScale).unwrap();
     assert!(ev.starts_with("hidden_out = α·h1 + FFN output"), "{ev}");
     assert!(
-        ev.contains("α = 0.5000") && ev.contains("no routed_scaling_factor"),
+        ev.contains("α = 0.5000") && ev.contains("the model has no MoE layer"),
         "{ev}"
     );
     // A pure scale of hidden_out is scale-only's.

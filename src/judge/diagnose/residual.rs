@@ -61,7 +61,8 @@ fn fit_linear(c: &[f64], b: &[f64], r: &[f64]) -> (f64, f64) {
 }
 
 /// What α is in the model's terms: `1/routed_scaling_factor^k` or `routed_scaling_factor^k`
-/// (k = 1, 2) within 0.2%, or why none applies.
+/// (k = 1, 2) within 0.2%, or why none applies (the factor is the MoE configuration's
+/// `expert_weights_scale`, which a model without MoE layers does not read).
 fn alpha_named(x: &SiteCtx<'_>, alpha: f64) -> String {
     let Some(rsf) = x
         .input
@@ -71,7 +72,9 @@ fn alpha_named(x: &SiteCtx<'_>, alpha: f64) -> String {
         .map(|m| m.weights_scale)
         .filter(|&f| f > 0.0 && f != 1.0)
     else {
-        return "; the model has no routed_scaling_factor".into();
+        return "; not compared with routed_scaling_factor: the model has no MoE layer, whose configuration \
+                carries it"
+            .into();
     };
     let named = [
         (-1, "1/routed_scaling_factor"),

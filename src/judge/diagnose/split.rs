@@ -402,12 +402,16 @@ struct Sample<'a> {
 
 /// Per token of the judged batch, whether a split-KV decode computed it; `None` on a path
 /// without one. `mqa` decodes every token; `mixed` the last token of each of its first ⌈S/2⌉
-/// sequences ([`crate::compute::engine::mixed_decode_seqs`]); a dump's decode rows are its
-/// sequences with one new token in the step (vLLM's decode threshold).
+/// sequences ([`crate::compute::engine::mixed_decode_seqs`]); a dump that holds `attn_latent`
+/// decoded every row (only the absorbed decode computes it: vLLM's hook dumps it when the step
+/// is all decodes, a decode kernel's dump for each of its queries), and in a dump without it the
+/// decode rows are the sequences with one new token in the step (vLLM's decode threshold).
 fn decode_tokens(x: &SiteCtx<'_>) -> Option<Vec<bool>> {
     let batch = x.input.batch;
+    let latent = x.path.trace.get(&Site::new(x.site.layer, Stage::AttnLatent)).is_some();
     let per_seq: Vec<bool> = match x.path.kind {
         PathLabel::Path(PathKind::Mqa) => return Some(vec![true; batch.n_tokens()]),
+        PathLabel::Dump if latent => return Some(vec![true; batch.n_tokens()]),
         PathLabel::Path(PathKind::Mixed) => {
             let n_dec = crate::compute::engine::mixed_decode_seqs(batch);
             let mut v = Vec::with_capacity(batch.n_tokens());
@@ -742,10 +746,17 @@ pub(super) fn split_merge(x: &SiteCtx<'_>) -> Option<Detection> {
                 let e_lse = Sample::rel(sum.dist.lse, sample.norm.1);
                 let w_out = Sample::rel(sum.wrong.out, sample.norm_wrong.0);
                 let w_lse = Sample::rel(sum.wrong.lse, sample.norm_wrong.1);
-                // Every sampled row within the explain threshold, and the wrong rows put right.
+                // Every sampled row within the explain threshold, and the wrong rows put right at
+                // the failing site: the replay at most half as far from them as the reference
+                // (bf16's explain threshold can exceed a failing site's error as is).
+                let (w_site, as_is_site) = if x.site.stage == Stage::Lse {
+                    (w_lse, sample.as_is_wrong.1)
+                } else {
+                    (w_out, sample.as_is_wrong.0)
+                };
                 let explains = e_out <= explain_out
                     && w_out <= explain_out
-                    && (w_out < sample.as_is_wrong.0 || w_lse < sample.as_is_wrong.1)
+                    && w_site <= 0.5 * as_is_site
                     && (!sample.has_lse || (e_lse <= explain_lse && w_lse <= explain_lse));
                 let score = e_out / explain_out + if sample.has_lse { e_lse / explain_lse } else { 0.0 };
                 // Hypotheses that explain alike: the earlier in the search order is named.

@@ -207,12 +207,75 @@ fn softmax_scale_fits_the_factor() {
 #[test]
 fn lse_merge_ties_bad_rows_to_empty_partials() {
     let fx = fixture(&[Fault::LsePlusInf], 1, &[PathKind::Chunked, PathKind::Mqa]);
-    for i in 0..2 {
-        let Detection { evidence: ev, .. } = detect(&fx, i, Class::LseMerge).unwrap();
-        assert!(ev.contains("merged an empty partial"), "{ev}");
-    }
+    // Chunked prefill: the rows the path recorded as merging an empty context chunk.
+    let Detection { evidence: ev, .. } = detect(&fx, 0, Class::LseMerge).unwrap();
+    assert!(ev.contains("merged an empty partial"), "{ev}");
+    // The split-KV decode: its replay with the empty splits merged at LSE +inf.
+    let Detection { evidence: ev, .. } = detect(&fx, 1, Class::LseMerge).unwrap();
+    assert!(
+        ev.contains("K = 4 splits per row") && ev.contains("empty split merged as if it had keys, with LSE +inf"),
+        "{ev}"
+    );
     let fx = fixture(&[Fault::RopeNeox], 1, &[PathKind::Mqa]);
     assert!(detect(&fx, 0, Class::LseMerge).is_none());
+}
+
+/// Each `split-*` fault on the split-KV decode (every row of `mqa`, the decode rows of `mixed`)
+/// is named by the replay's rule at the path's split count (4, searched), with the replay far
+/// below the error as is; another attention fault is not.
+#[test]
+fn lse_merge_replays_the_split_kv_merge() {
+    for (fault, rule) in [
+        (
+            Fault::SplitLseBase2,
+            "each split's LSE in base 2, merged as natural log",
+        ),
+        (Fault::SplitDropped, "split 3 of 4 lost from the merge"),
+        (Fault::SplitDuplicated, "split 0 of 4 merged twice"),
+        (Fault::SplitEmptyZero, "with LSE 0 and a zero output"),
+    ] {
+        let fx = fixture(&[fault], 1, &[PathKind::Mqa, PathKind::Mixed]);
+        for (i, site) in [(0, "attn_latent"), (1, "attn_out")] {
+            let Detection { evidence: ev, hint } = detect(&fx, i, Class::LseMerge).unwrap();
+            assert!(ev.contains(rule), "{fault}: {ev}");
+            assert!(
+                ev.contains("K = 4 splits per row (searched: no num_kv_splits recorded)"),
+                "{fault}: {ev}"
+            );
+            assert!(
+                ev.contains(&format!("a replay of the split-KV decode explains {site}")),
+                "{ev}"
+            );
+            // The replay's error against the as-is one: f32 rounding against an O(0.1) error.
+            let e: f64 = ev
+                .split(&format!("{site} rel_l2 "))
+                .nth(1)
+                .and_then(|r| r.split(' ').next())
+                .unwrap()
+                .parse()
+                .unwrap();
+            assert!(e < 1e-5, "{fault}: {ev}");
+            assert!(!hint.is_empty());
+        }
+    }
+    // Stale finite states in the empty splits: no replay, the footprint.
+    let fx = fixture(&[Fault::SplitEmptyFinite], 1, &[PathKind::Mqa]);
+    let Detection { evidence: ev, .. } = detect(&fx, 0, Class::LseMerge).unwrap();
+    assert!(
+        ev.contains("all have an empty split at K = 4") && ev.contains("with a finite stale LSE and output"),
+        "{ev}"
+    );
+    for f in [Fault::PhantomOutputStale, Fault::KvBGrouped, Fault::RopeNeox] {
+        let fx = fixture(&[f], 1, &[PathKind::Mqa, PathKind::Mixed]);
+        for i in 0..2 {
+            let d = detect(&fx, i, Class::LseMerge);
+            assert!(d.is_none(), "{f}: {d:?}");
+        }
+    }
+    // A wrong softmax scale reweights every row's keys: no merge of splits explains it.
+    let fx = fixture_with(&[], 1, &[PathKind::Mqa], |c| c.softmax_scale *= 0.5);
+    let d = detect(&fx, 0, Class::LseMerge);
+    assert!(d.is_none(), "{d:?}");
 }
 
 #[test]
@@ -427,4 +490,191 @@ fn attention_outputs_stay_in_their_value_rows_range() {
             }
         }
     }
+}
+
+/// Path `i`'s tensor at `stage` of layer 1, as f64.
+fn site_values(fx: &Fixture, i: usize, stage: Stage) -> Vec<f64> {
+    fx.runs[i].trace.get(&Site::new(1, stage)).unwrap().to_f64()
+}
+
+/// Replaces path `i`'s tensor at `stage` of layer 1 with `v` (same shape) and re-judges it.
+fn replace_site(fx: &mut Fixture, i: usize, stage: Stage, v: Vec<f64>) {
+    let site = Site::new(1, stage);
+    let shape = fx.runs[i].trace.get(&site).unwrap().shape.clone();
+    let t = mla_diff::core::trace::TraceTensor::f32(shape, v.into_iter().map(|x| x as f32).collect());
+    fx.runs[i].trace.record(site, t);
+    fx.diffs[i] = metrics::diff(&fx.reference, &fx.runs[i].trace, Dtype::F32);
+}
+
+/// The diagnosis of path `i` as `precision` judges it, through every detector.
+fn diagnose_as(fx: &Fixture, precision: Precision) -> Vec<mla_diff::judge::diagnose::Finding> {
+    diagnose(&DiagnoseInput {
+        cfg: &fx.cfg,
+        batch: &fx.batch,
+        reference: &fx.reference,
+        paths: fx
+            .runs
+            .iter()
+            .zip(&fx.diffs)
+            .map(|(r, d)| PathEvidence {
+                kind: r.kind.into(),
+                trace: &r.trace,
+                diffs: d,
+                empty_partial_rows: &r.empty_partial_rows,
+                unservable: r.unservable.as_ref(),
+            })
+            .collect(),
+        tp: fx.tp,
+        precision,
+        dump: None,
+    })
+}
+
+/// `residual-scaled` (the residual operand of the layer's add × 0.4) is found at `ffn_in` with
+/// α = 0.4 on every path; at `hidden_out` (a dump without `ffn_in`'s change: the FFN's add
+/// scaled) the least-squares fit gives α; a pure scale of `hidden_out` stays `scale-only`; on a
+/// clean run the hypothesis holds nothing at either site.
+#[test]
+fn residual_scale_fits_the_residual_factor() {
+    let fx = fixture(&[Fault::ResidualScaled], 1, PathKind::ALL);
+    for i in 0..4 {
+        let Detection { evidence: ev, hint } = detect(&fx, i, Class::ResidualScale).unwrap();
+        assert!(ev.starts_with("ffn_in = RMSNorm(α·hidden_in + o_proj)"), "{ev}");
+        assert!(ev.contains("α = 0.4000"), "{ev}");
+        assert!(hint.contains("#14809"), "{hint}");
+    }
+    // hidden_out = ffn_out + 0.5·(hidden_in + o_proj), every other site right.
+    let mut fx = fixture(&[], 1, &[PathKind::Mha]);
+    let (hin, o, f) = (
+        site_values(&fx, 0, Stage::HiddenIn),
+        site_values(&fx, 0, Stage::OProj),
+        site_values(&fx, 0, Stage::FfnOut),
+    );
+    let out: Vec<f64> = (0..hin.len()).map(|j| f[j] + 0.5 * (hin[j] + o[j])).collect();
+    replace_site(&mut fx, 0, Stage::HiddenOut, out);
+    let Detection { evidence: ev, .. } = detect(&fx, 0, Class::ResidualScale).unwrap();
+    assert!(ev.starts_with("hidden_out = α·h1 + FFN output"), "{ev}");
+    assert!(
+        ev.contains("α = 0.5000") && ev.contains("the model has no MoE layer"),
+        "{ev}"
+    );
+    // A pure scale of hidden_out is scale-only's.
+    let mut fx = fixture(&[], 1, &[PathKind::Mha]);
+    let out: Vec<f64> = site_values(&fx, 0, Stage::HiddenOut).iter().map(|v| v * 1.3).collect();
+    replace_site(&mut fx, 0, Stage::HiddenOut, out);
+    assert!(detect(&fx, 0, Class::ResidualScale).is_none());
+    assert_eq!(diagnose_as(&fx, Precision::F32)[0].class, Class::ScaleOnly);
+    // Clean: nothing at either site, f32 and bf16.
+    for dtype in [Dtype::F32, Dtype::Bf16] {
+        let (cfg, batch, reference, runs) = runs_of("tiny-v3-q8_0.gguf", dtype, &[]);
+        let input = DiagnoseInput {
+            cfg: &cfg,
+            batch: &batch,
+            reference: &reference,
+            paths: runs
+                .iter()
+                .map(|(r, d)| PathEvidence {
+                    kind: r.kind.into(),
+                    trace: &r.trace,
+                    diffs: d,
+                    empty_partial_rows: &r.empty_partial_rows,
+                    unservable: r.unservable.as_ref(),
+                })
+                .collect(),
+            tp: 1,
+            precision: dtype.into(),
+            dump: None,
+        };
+        for (i, (run, _)) in runs.iter().enumerate() {
+            for st in [Stage::FfnIn, Stage::HiddenOut] {
+                let d = mla_diff::judge::diagnose::detect_at_site(&input, i, Site::new(1, st), Class::ResidualScale);
+                assert!(d.is_none(), "{dtype:?} {} {}: {d:?}", run.kind, st.name());
+            }
+        }
+    }
+}
+
+/// `ql_nope` as a half-precision GEMM on the CPU computes it (f16 operands, an f32 sum, an f16
+/// result), from the path's own `q` and `w.W_UK_T`.
+fn ql_nope_f16_output(fx: &Fixture, i: usize, narrow: fn(f64) -> f64) -> Vec<f64> {
+    let [n, l, p, r, _] = fx.cfg.dims().nlprv();
+    let (q, w) = (site_values(fx, i, Stage::Q), site_values(fx, i, Stage::WUkT));
+    let t = q.len() / (n * (p + r));
+    let mut out = vec![0.0; t * n * l];
+    for ti in 0..t {
+        for h in 0..n {
+            for j in 0..l {
+                let s: f64 = (0..p)
+                    .map(|d| narrow(q[(ti * n + h) * (p + r) + d]) * narrow(w[(h * p + d) * l + j]))
+                    .sum();
+                out[(ti * n + h) * l + j] = narrow(s);
+            }
+        }
+    }
+    out
+}
+
+/// `fp16-accum-ql-nope` is `precision` with the f16 accumulator; a half-precision product with an
+/// f32 sum is `precision` with its output rounding; noise of the same size is not; a bf16
+/// product is not `precision` where the run declares bf16 outputs (the engine-bf16 rows).
+#[test]
+fn precision_replays_the_narrow_product() {
+    let fx = fixture(&[Fault::Fp16AccumQlNope], 1, &[PathKind::Mqa]);
+    let Detection { evidence: ev, hint } = detect(&fx, 0, Class::Precision).unwrap();
+    assert!(
+        ev.contains("inputs rounded to f16 and the running sum rounded to f16 after every term"),
+        "{ev}"
+    );
+    assert!(
+        ev.contains("rel_l2 0 vs") && ev.contains("the run declares f32"),
+        "{ev}"
+    );
+    assert!(hint.contains("#13137"), "{hint}");
+    let f16 = |v: f64| half::f16::from_f64(v).to_f64();
+    let bf16 = |v: f64| half::bf16::from_f64(v).to_f64();
+    let mut fx = fixture(&[], 1, &[PathKind::Mqa]);
+    let out = ql_nope_f16_output(&fx, 0, f16);
+    replace_site(&mut fx, 0, Stage::QlNope, out);
+    let Detection { evidence: ev, .. } = detect(&fx, 0, Class::Precision).unwrap();
+    assert!(ev.contains("inputs and output rounded to f16"), "{ev}");
+    // Seeded noise of the f16 error's size: not a narrow product.
+    let mut fx = fixture(&[], 1, &[PathKind::Mqa]);
+    let clean = site_values(&fx, 0, Stage::QlNope);
+    let rms = (clean.iter().map(|v| v * v).sum::<f64>() / clean.len() as f64).sqrt();
+    let noise = mla_diff::core::batch::normal_f32(5, clean.len());
+    let noisy: Vec<f64> = clean
+        .iter()
+        .zip(noise)
+        .map(|(v, e)| v + 4e-4 * rms * f64::from(e))
+        .collect();
+    replace_site(&mut fx, 0, Stage::QlNope, noisy);
+    assert!(detect(&fx, 0, Class::Precision).is_none());
+    // A bf16 product: precision under f32, the declared rounding under the engine-bf16 rows.
+    let mut fx = fixture(&[], 1, &[PathKind::Mqa]);
+    let out = ql_nope_f16_output(&fx, 0, bf16);
+    replace_site(&mut fx, 0, Stage::QlNope, out);
+    let f = diagnose_as(&fx, Precision::F32);
+    assert_eq!(f[0].class, Class::Precision, "{:?}", f[0]);
+    assert!(
+        f[0].evidence.contains("inputs and output rounded to bf16"),
+        "{}",
+        f[0].evidence
+    );
+    let input = DiagnoseInput {
+        cfg: &fx.cfg,
+        batch: &fx.batch,
+        reference: &fx.reference,
+        paths: vec![PathEvidence {
+            kind: fx.runs[0].kind.into(),
+            trace: &fx.runs[0].trace,
+            diffs: &fx.diffs[0],
+            empty_partial_rows: &[],
+            unservable: None,
+        }],
+        tp: 1,
+        precision: Precision::EngineBf16,
+        dump: None,
+    };
+    let d = mla_diff::judge::diagnose::detect_at_site(&input, 0, Site::new(1, Stage::QlNope), Class::Precision);
+    assert!(d.is_none(), "{d:?}");
 }

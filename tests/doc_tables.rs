@@ -33,7 +33,7 @@ fn every_class() -> Vec<Class> {
     every_variant!(Class:
         WeightNotLoaded, PhantomOutput, UnwrittenRows, ShardOrder, TpRankOrder, TpReduce, KvBLayout,
         QuantBlockMisaligned, Transposed, NormSkipped, RopeStyle, SoftmaxScale, LseMerge, MoeRouting,
-        IndexerRopeStyle, IndexerTopkStale, IndexerSelection, Nonfinite, ScaleOnly,
+        IndexerRopeStyle, IndexerTopkStale, IndexerSelection, ResidualScale, Precision, Nonfinite, ScaleOnly,
         PathDisagreement, Mismatch, WeightNonfinite,
     )
 }
@@ -43,7 +43,8 @@ fn every_fault() -> Vec<Fault> {
         PhantomOutput, UnwrittenRows, FusedShardSwap, TpRankOrder, TpRank0Everywhere, TpGateUpRank0,
         KvBGrouped, KBUntransposed, RopeNeox, NoMscale, RopeCosScaled, LsePlusInf, QuantSliceMisaligned,
         StridedKvC, IndexerRopeInterleaved, IndexerTopkStale, AllReduceTwice, AllReduceSkipRank,
-        AllReduceReadEarly, PhantomOutputStale, KvNormSkipped,
+        AllReduceReadEarly, PhantomOutputStale, KvNormSkipped, SplitLseBase2, SplitDropped,
+        SplitDuplicated, SplitEmptyZero, SplitEmptyFinite, ResidualScaled, Fp16AccumQlNope,
     )
 }
 

@@ -141,6 +141,105 @@ fn lse_plus_inf() {
     );
 }
 
+/// The split-KV decode's merge bugs, on `mqa` (every row a decode) and `mixed` (its decode
+/// rows), each named with its rule at the path's 4 splits; `mha` and `chunked` have no split-KV
+/// decode and pass. A DSA model decodes its selection the same way.
+#[test]
+fn split_merge_faults_are_lse_merge_with_their_rule() {
+    for (model_name, fault, rule) in [
+        (None, "split-lse-base2", "each split's LSE in base 2"),
+        (None, "split-dropped", "split 3 of 4 lost from the merge"),
+        (None, "split-duplicated", "split 0 of 4 merged twice"),
+        (None, "split-empty-zero", "with LSE 0 and a zero output"),
+        (None, "split-empty-finite", "with a finite stale LSE and output"),
+        (
+            Some("dsa-glm-q8_0.gguf"),
+            "split-dropped",
+            "split 3 of 4 lost from the merge",
+        ),
+    ] {
+        let m = model_name.map(model);
+        let mut args = vec!["--inject", fault, "--path", "all", "--seqs", "1,15,16,17,53"];
+        if let Some(m) = &m {
+            args.extend(["--model", m.as_str()]);
+        }
+        let f = expect(
+            &args,
+            &[("mqa", "lse-merge", "L1.attn_latent"), ("mixed", "lse-merge", "L1.lse")],
+        );
+        assert_eq!(f.len(), 2, "{fault}: {f:#?}");
+        for x in &f {
+            assert!(x["evidence"].as_str().unwrap().contains(rule), "{fault}: {x:#?}");
+        }
+    }
+}
+
+/// The residual operand of a dense layer's add × 1/routed_scaling_factor (0.4 on a model
+/// without one): `residual-scale` at `ffn_in` on every path, naming the factor.
+#[test]
+fn residual_scaled_names_the_factor() {
+    let f = expect(
+        &["--inject", "residual-scaled"],
+        &ALL4.map(|p| (p, "residual-scale", "L1.ffn_in")),
+    );
+    assert!(f[0]["evidence"].as_str().unwrap().contains("α = 0.4000"), "{f:#?}");
+    // moe-v3's dense layer 0, on a model with routed_scaling_factor 2.5.
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let m = model("moe-v3-f32.gguf");
+    let (code, out, err) = run_bin(&[
+        "run",
+        "--model",
+        &m,
+        "--layer",
+        "0",
+        "--path",
+        "mha",
+        "--inject",
+        "residual-scaled",
+        "--quiet",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let f = &v["findings"][0];
+    assert_eq!(
+        (f["class"].as_str(), f["site"].as_str()),
+        (Some("residual-scale"), Some("L0.ffn_in")),
+        "{f:#?}"
+    );
+    assert!(
+        f["evidence"]
+            .as_str()
+            .unwrap()
+            .contains("α = 1/routed_scaling_factor = 0.4000 (routed_scaling_factor 2.5)"),
+        "{f:#?}"
+    );
+}
+
+/// `ql_nope` through an f16 GEMM in an f32 run: `precision` on the absorbed path; refused in a
+/// bf16 run, where it cannot show.
+#[test]
+fn fp16_accum_ql_nope_is_precision() {
+    let f = expect(
+        &["--inject", "fp16-accum-ql-nope", "--path", "mqa"],
+        &[("mqa", "precision", "L1.ql_nope")],
+    );
+    assert!(f[0]["evidence"].as_str().unwrap().contains("f16"), "{f:#?}");
+    let (code, _, err) = run_bin(&[
+        "run",
+        "--dtype",
+        "bf16",
+        "--inject",
+        "fp16-accum-ql-nope",
+        "--path",
+        "mqa",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("needs --dtype f32"), "{err}");
+}
+
 #[test]
 fn quant_slice_misaligned_is_reported_without_running() {
     let want: Vec<_> = ALL4

@@ -104,6 +104,8 @@ fn finding(l: &Layer, kind: PathKind, trace: &Trace, elsewhere: &[Stage]) -> Fin
         dump: Some(DumpScope {
             dumped: &dumped,
             context: &context,
+            full_reference: None,
+            num_kv_splits: None,
         }),
     });
     assert_eq!(f.len(), 1, "{f:?}");

@@ -34,6 +34,7 @@ mod scripts;
 mod selftest;
 mod sites;
 mod snapshots;
+mod split_merge;
 mod tensor_table;
 mod triage_report;
 mod vllm_dumps;

@@ -290,11 +290,14 @@ pub const MAX_POSITION: usize = 1 << 31;
 
 /// Rejects injected faults that act on none of the requested paths (a run that "passes" with an
 /// inert fault would read as a detector failure), and notes the paths a fault skips.
-fn check_faults(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<()> {
+fn check_faults(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig, dtype: crate::core::dtype::Dtype) -> Result<()> {
     let layer = rc.layers.first().copied().unwrap_or(0);
     let latent = crate::model::tensors::ModelTensor::kv_b_latent_input(cfg.kv_b_layout).name(layer);
     let block = file.tensor(&latent).map_or(1, |t| t.ggml_type.block_size());
     for &f in &rc.path_options.faults.0 {
+        if let Err(e) = f.applies_to_dtype(dtype) {
+            return Err(Error::Usage(format!("--inject {f}: {e}")));
+        }
         let verdicts: Vec<(PathKind, std::result::Result<(), &str>)> = rc
             .paths
             .iter()
@@ -449,7 +452,7 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
         },
         backend: String::new(),
     };
-    check_faults(&file, &cfg, &rc)?;
+    check_faults(&file, &cfg, &rc, a.device.dtype.into())?;
     Ok((file, cfg, rc))
 }
 

@@ -68,6 +68,25 @@ pub enum Fault {
     /// The latent RMSNorm (`kv_a_layernorm`) is not applied: `kv_c_normed` is `kv_a`'s latent
     /// columns as they are.
     KvNormSkipped,
+    /// The split-KV decode's split LSEs are in base 2 and merged by the natural-log rule
+    /// (sglang#40903).
+    SplitLseBase2,
+    /// The split-KV decode's merge leaves out each row's last split.
+    SplitDropped,
+    /// The split-KV decode's merge counts each row's first split twice.
+    SplitDuplicated,
+    /// The split-KV decode merges each empty split as if it had keys, from a zero-filled partial
+    /// buffer: LSE 0, output 0.
+    SplitEmptyZero,
+    /// The split-KV decode merges each empty split as if it had keys, with the stale finite LSE
+    /// and output its partial buffer held (flashinfer#3047).
+    SplitEmptyFinite,
+    /// A dense layer's residual add scales the residual: `h1 = α·hidden_in + o_proj` with α =
+    /// 1/routed_scaling_factor, or 0.4 for a model without one (vLLM PR #14809).
+    ResidualScaled,
+    /// The absorbed path's `ql_nope = q_nope·W_UK_T` computed with f16 operands and an f16
+    /// accumulator in an f32 run (llama.cpp PR #13137).
+    Fp16AccumQlNope,
 }
 
 impl Fault {
@@ -94,6 +113,13 @@ impl Fault {
         Fault::AllReduceReadEarly,
         Fault::PhantomOutputStale,
         Fault::KvNormSkipped,
+        Fault::SplitLseBase2,
+        Fault::SplitDropped,
+        Fault::SplitDuplicated,
+        Fault::SplitEmptyZero,
+        Fault::SplitEmptyFinite,
+        Fault::ResidualScaled,
+        Fault::Fp16AccumQlNope,
     ];
 
     /// The `--inject` name (`fused-shard-swap`).
@@ -120,6 +146,13 @@ impl Fault {
             Fault::AllReduceReadEarly => "all-reduce-read-early",
             Fault::PhantomOutputStale => "phantom-output-stale",
             Fault::KvNormSkipped => "kv-norm-skipped",
+            Fault::SplitLseBase2 => "split-lse-base2",
+            Fault::SplitDropped => "split-dropped",
+            Fault::SplitDuplicated => "split-duplicated",
+            Fault::SplitEmptyZero => "split-empty-zero",
+            Fault::SplitEmptyFinite => "split-empty-finite",
+            Fault::ResidualScaled => "residual-scaled",
+            Fault::Fp16AccumQlNope => "fp16-accum-ql-nope",
         }
     }
 
@@ -163,6 +196,23 @@ impl Fault {
             Fault::KvNormSkipped => {
                 "The latent RMSNorm (`kv_a_layernorm`) is not applied: `kv_c_normed` is `kv_a`'s latent columns as they are"
             }
+            Fault::SplitLseBase2 => {
+                "The split-KV decode's split LSEs are in base 2 and merged by the natural-log rule (sglang#40903)"
+            }
+            Fault::SplitDropped => "The split-KV decode's merge leaves out each row's last split",
+            Fault::SplitDuplicated => "The split-KV decode's merge counts each row's first split twice",
+            Fault::SplitEmptyZero => {
+                "The split-KV decode merges each empty split as if it had keys, from a zero-filled partial buffer: LSE 0, output 0"
+            }
+            Fault::SplitEmptyFinite => {
+                "The split-KV decode merges each empty split as if it had keys, with the stale finite LSE and output its partial buffer held (flashinfer#3047)"
+            }
+            Fault::ResidualScaled => {
+                "A dense layer's residual add scales the residual: `h1 = α·hidden_in + o_proj` with α = 1/routed_scaling_factor, or 0.4 for a model without one (vLLM PR #14809)"
+            }
+            Fault::Fp16AccumQlNope => {
+                "The absorbed path's `ql_nope = q_nope·W_UK_T` computed with f16 operands and an f16 accumulator in an f32 run (llama.cpp PR #13137)"
+            }
         }
     }
 
@@ -186,6 +236,13 @@ impl Fault {
             Fault::AllReduceSkipRank | Fault::AllReduceReadEarly => Class::TpReduce,
             Fault::PhantomOutputStale => Class::PhantomOutput,
             Fault::KvNormSkipped => Class::NormSkipped,
+            Fault::SplitLseBase2
+            | Fault::SplitDropped
+            | Fault::SplitDuplicated
+            | Fault::SplitEmptyZero
+            | Fault::SplitEmptyFinite => Class::LseMerge,
+            Fault::ResidualScaled => Class::ResidualScale,
+            Fault::Fp16AccumQlNope => Class::Precision,
         }
     }
 
@@ -217,6 +274,11 @@ impl Fault {
             (Fault::AllReduceTwice | Fault::AllReduceSkipRank | Fault::AllReduceReadEarly, _) => vec![Stage::OProj],
             (Fault::PhantomOutputStale, _) => vec![Stage::AttnOut],
             (Fault::KvNormSkipped, _) => vec![Stage::KvCNormed],
+            (f, Mqa) if f.is_split_merge() => vec![Stage::AttnLatent, Stage::Lse],
+            (f, _) if f.is_split_merge() => vec![Stage::Lse, Stage::AttnOut],
+            (Fault::ResidualScaled, _) => vec![Stage::FfnIn, Stage::HiddenOut],
+            (Fault::Fp16AccumQlNope, _) => vec![Stage::QlNope],
+            _ => Vec::new(),
         }
     }
 
@@ -260,18 +322,53 @@ impl Fault {
                 Err("this indexer's RoPE is interleaved already (glm-dsa)")
             }
             Fault::IndexerTopkStale if path != PathKind::Chunked => Err("only chunked prefill has a previous chunk"),
+            Fault::Fp16AccumQlNope if path != PathKind::Mqa => Err("only the absorbed path records ql_nope"),
+            f if f.is_split_merge() && !matches!(path, PathKind::Mqa | PathKind::Mixed) => {
+                Err("only the split-KV decode (mqa, mixed's decode rows) merges KV splits")
+            }
             _ => Ok(()),
         }
     }
 }
 
 impl Fault {
+    /// Whether the fault can show in a run of paths computing in `dtype`: `fp16-accum-ql-nope`
+    /// needs an f32 run (an f16 accumulator's error is within a bf16 run's own rounding, so a
+    /// bf16 run cannot tell it from right). Every other fault: `Ok`.
+    pub fn applies_to_dtype(self, dtype: crate::core::dtype::Dtype) -> Result<(), &'static str> {
+        match (self, dtype) {
+            (Fault::Fp16AccumQlNope, crate::core::dtype::Dtype::Bf16) => {
+                Err("an f16 accumulator's error is within a bf16 run's own rounding: needs --dtype f32")
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the fault acts on the split-KV decode's merge of its KV splits (the `split-*`
+    /// faults, [`SplitFault`]).
+    pub fn is_split_merge(self) -> bool {
+        self.split_fault().is_some()
+    }
+
+    /// The split-merge bug this fault injects, if it is one of the `split-*` faults.
+    pub fn split_fault(self) -> Option<SplitFault> {
+        match self {
+            Fault::SplitLseBase2 => Some(SplitFault::LseBase2),
+            Fault::SplitDropped => Some(SplitFault::DropLast),
+            Fault::SplitDuplicated => Some(SplitFault::DuplicateFirst),
+            Fault::SplitEmptyZero => Some(SplitFault::EmptyZero),
+            Fault::SplitEmptyFinite => Some(SplitFault::EmptyStale),
+            _ => None,
+        }
+    }
+
     /// Whether the fault can act on layer `w`, beyond [`Fault::applies`]: `tp-gate-up-rank0`
     /// needs a dense MLP whose width divides by `tp` (an MoE layer's engine paths stop at
-    /// `o_proj`; an MLP the ranks cannot share runs unsplit). Every other fault: `Ok`.
+    /// `o_proj`; an MLP the ranks cannot share runs unsplit), `residual-scaled` a dense MLP (the
+    /// residual add it scales is the MLP block's). Every other fault: `Ok`.
     pub fn applies_to_layer(self, w: &crate::model::weights::LayerWeights, tp: usize) -> Result<(), &'static str> {
         match (self, &w.ffn) {
-            (Fault::TpGateUpRank0, None) => Err("the layer has no dense MLP"),
+            (Fault::TpGateUpRank0 | Fault::ResidualScaled, None) => Err("the layer has no dense MLP"),
             (Fault::TpGateUpRank0, Some(f)) if !f.gate.nrows().is_multiple_of(tp.max(1)) => {
                 Err("the MLP width does not divide by the TP size")
             }
@@ -284,6 +381,22 @@ impl std::fmt::Display for Fault {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
     }
+}
+
+/// What a `split-*` fault does to the split-KV decode's merge (`compute::engine`, after stage 1
+/// wrote each split's partial output and LSE).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SplitFault {
+    /// Every split's LSE multiplied by log2(e) (a base-2 LSE) before the natural-log merge.
+    LseBase2,
+    /// The last split's partial left out of the merge.
+    DropLast,
+    /// The first split's partial merged twice.
+    DuplicateFirst,
+    /// Every empty split merged with LSE 0 and a zero output.
+    EmptyZero,
+    /// Every empty split merged with stale finite floats as its LSE and output.
+    EmptyStale,
 }
 
 /// The set of faults injected into a run.
@@ -299,6 +412,24 @@ impl FaultSet {
     /// True when nothing is injected.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
+    }
+
+    /// The factor `residual-scaled` puts on a dense layer's residual: 1/routed_scaling_factor,
+    /// or 0.4 for a model without one; 1 without the fault.
+    pub fn residual_alpha(&self, cfg: &MlaConfig) -> f64 {
+        if !self.has(Fault::ResidualScaled) {
+            return 1.0;
+        }
+        cfg.moe
+            .as_ref()
+            .map(|m| m.weights_scale)
+            .filter(|&f| f > 0.0 && f != 1.0)
+            .map_or(0.4, |f| 1.0 / f)
+    }
+
+    /// The split-merge bug of the first `split-*` fault injected, if any.
+    pub fn split_fault(&self) -> Option<SplitFault> {
+        self.0.iter().find_map(|f| f.split_fault())
     }
 
     /// The bug the `o_proj` all-reduce of `tp` ranks runs with (the first `all-reduce-*` fault

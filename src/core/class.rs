@@ -47,6 +47,12 @@ pub enum Class {
     IndexerTopkStale,
     /// The DSA indexer keeps other keys than the reference (`idx_topk`, compared as sets).
     IndexerSelection,
+    /// The residual stream scaled where a layer adds its branches: `hidden_out` (or `ffn_in`'s
+    /// `h1`) is the branches plus α × the residual, α fitted and ≠ 1.
+    ResidualScale,
+    /// A product computed at lower precision than declared: a replay with inputs and/or the
+    /// accumulator rounded to f16 or bf16 reproduces the error.
+    Precision,
     /// NaN/Inf where the reference is finite.
     Nonfinite,
     /// Cosine ≈ 1 but the norm ratio is off.
@@ -69,7 +75,7 @@ impl Class {
     /// `mismatch` when no detector explains a site, `weight-nonfinite` (a check of the GGUF
     /// itself) last. README.md, docs/faults.md, docs/design.md and docs/run-report.schema.json
     /// list the classes in this order (tests/doc_tables.rs).
-    pub const ALL: [Class; 22] = [
+    pub const ALL: [Class; 24] = [
         Class::WeightNotLoaded,
         Class::PhantomOutput,
         Class::UnwrittenRows,
@@ -87,6 +93,8 @@ impl Class {
         Class::IndexerRopeStyle,
         Class::IndexerTopkStale,
         Class::IndexerSelection,
+        Class::ResidualScale,
+        Class::Precision,
         Class::Nonfinite,
         Class::ScaleOnly,
         Class::PathDisagreement,
@@ -114,6 +122,8 @@ impl Class {
             Class::IndexerRopeStyle => "indexer-rope-style",
             Class::IndexerTopkStale => "indexer-topk-stale",
             Class::IndexerSelection => "indexer-selection",
+            Class::ResidualScale => "residual-scale",
+            Class::Precision => "precision",
             Class::Nonfinite => "nonfinite",
             Class::ScaleOnly => "scale-only",
             Class::PathDisagreement => "path-disagreement",

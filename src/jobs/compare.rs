@@ -164,6 +164,8 @@ pub fn compare_dump(
         let scope = DumpScope {
             dumped: &stages_dumped,
             context: &no_context,
+            full_reference: None,
+            num_kv_splits: None,
         };
         let (result, layer_findings) =
             judge_dumped_layer(cfg, &dump.batch, &reference, dumped, precision, 1, scope, layer, None);
@@ -508,15 +510,7 @@ pub fn compare_steps(
             let next_dumped = d.layers.contains_key(&(layer + 1));
             let layer_ref =
                 dumped_layer_reference(file, cfg, &w, &full_in, &full, dumped, next_dumped, tp, &mut prev_sel)?;
-            let mut reference = crate::core::trace::Trace::new();
-            for (s, t) in layer_ref.trace.entries() {
-                let rows = take_rows(t, &new_rows, t_full);
-                let t = match header.heads {
-                    Some(hs) => take_heads(&rows, s.stage, cfg, hs),
-                    None => rows,
-                };
-                reference.record(*s, t);
-            }
+            let mut reference = step_rows(&layer_ref.trace, &new_rows, t_full, header.heads, cfg);
             // The handover from layer n−1: this step's hidden_in against the engine's own
             // hidden_out of layer n−1 when dumped, else the reference's output of layer n−1.
             if let Some(handover) = &prev
@@ -535,9 +529,12 @@ pub fn compare_steps(
             prev = Some(Handover::new(dumped, layer, t_new, cfg.hidden, ref_out)?);
             missing.add(&reference, dumped, &stages_dumped);
             let step = Some(spec.name.clone());
+            let mut full_heads = None;
             let scope = DumpScope {
                 dumped: &stages_dumped,
                 context: &context,
+                full_reference: full_step_reference(&layer_ref.trace, header.heads, cfg, &context, &mut full_heads),
+                num_kv_splits: spec.num_kv_splits,
             };
             let (result, layer_findings) = judge_dumped_layer(
                 judge_cfg, &d.batch, &reference, dumped, precision, judge_tp, scope, layer, step,
@@ -580,6 +577,50 @@ pub fn compare_steps(
         }),
         loaded_weights,
     })
+}
+
+/// The reference `full` of a step's whole sequences on the step's new rows `rows` (of `t_full`),
+/// with the dump's `heads` when it holds some heads only: what the step's sites are judged
+/// against.
+fn step_rows(
+    full: &crate::core::trace::Trace,
+    rows: &[usize],
+    t_full: usize,
+    heads: Option<[usize; 2]>,
+    cfg: &MlaConfig,
+) -> crate::core::trace::Trace {
+    let mut reference = crate::core::trace::Trace::new();
+    for (s, t) in full.entries() {
+        let rows = take_rows(t, rows, t_full);
+        let t = match heads {
+            Some(hs) => take_heads(&rows, s.stage, cfg, hs),
+            None => rows,
+        };
+        reference.record(*s, t);
+    }
+    reference
+}
+
+/// What [`DumpScope::full_reference`] holds for a step: `None` when no sequence has cached
+/// `context`; else the reference `full` over every row of the step's sequences (replays of a
+/// decode step's attention read there the keys earlier steps cached), sliced to `heads` into
+/// `holder` when the dump holds some heads only.
+fn full_step_reference<'a>(
+    full: &'a crate::core::trace::Trace,
+    heads: Option<[usize; 2]>,
+    cfg: &MlaConfig,
+    context: &[usize],
+    holder: &'a mut Option<crate::core::trace::Trace>,
+) -> Option<&'a crate::core::trace::Trace> {
+    if context.iter().all(|&c| c == 0) {
+        return None;
+    }
+    let Some(hs) = heads else { return Some(full) };
+    let mut tr = crate::core::trace::Trace::new();
+    for (s, t) in full.entries() {
+        tr.record(*s, take_heads(t, s.stage, cfg, hs));
+    }
+    Some(holder.insert(tr))
 }
 
 /// The engine's TP size a format-2 dump declares (`header.tp.size`; 1 without it).

@@ -138,12 +138,29 @@ impl<O: Ops> RankAttn<'_, O> {
 
     /// `ql_nope = q_nope · W_UK_T` per head, [T, nh, L].
     pub(super) fn absorb_q(&self, t: usize) -> Result<O::Buf> {
-        let [_, l, p, r, _] = self.cfg.dims().nlprv();
+        let [_, l, p, _, _] = self.cfg.dims().nlprv();
+        self.ops.bmm_heads(&self.q_nope(t)?, t, self.nh, p, &self.rw.w_uk_t, l)
+    }
+
+    /// [`RankAttn::absorb_q`] as a half-precision GEMM computes it, for `fp16-accum-ql-nope`
+    /// ([`bmm_heads_f16_accum`], on the host).
+    ///
+    /// Errors: backend errors.
+    pub(super) fn absorb_q_f16_accum(&self, t: usize) -> Result<O::Buf> {
+        let [_, l, p, _, _] = self.cfg.dims().nlprv();
+        let x = self.ops.download(&self.q_nope(t)?)?;
+        let w = self.ops.download(&self.rw.w_uk_t)?;
+        self.ops.upload(&bmm_heads_f16_accum(&x, t, self.nh, p, &w, l))
+    }
+
+    /// `q_nope` [T, nh, P]: the first P columns of each head of `q`.
+    fn q_nope(&self, t: usize) -> Result<O::Buf> {
+        let [_, _, p, r, _] = self.cfg.dims().nlprv();
         let nh = self.nh;
         let mut q_nope = self.ops.canary(t * nh * p)?;
         self.ops
             .copy2d(self.q, &mut q_nope, copy_rows(t * nh, p).src(0, p + r).dst(0, p))?;
-        self.ops.bmm_heads(&q_nope, t, nh, p, &self.rw.w_uk_t, l)
+        Ok(q_nope)
     }
 
     /// Per-sequence causal segments over packed rows.
@@ -350,4 +367,27 @@ pub fn paged_block_tables(batch: &Batch, page: usize, seed: u64) -> (usize, Vec<
         next += np;
     }
     (num_blocks, tables)
+}
+
+/// `fp16-accum-ql-nope`'s product: `x [t, nh, a] · w [nh, a, b] → [t, nh, b]` as a half-precision
+/// GEMM computes it (llama.cpp PR #13137's `q_nope·W_UK` under an f32 flag): each operand
+/// rounded to f16, each product added to an f16 running sum in `a` order and the sum rounded to
+/// f16 after every term, on the host.
+fn bmm_heads_f16_accum(x: &[f32], t: usize, nh: usize, a: usize, w: &[f32], b: usize) -> Vec<f32> {
+    use rayon::prelude::*;
+    let h16 = |v: f32| half::f16::from_f32(v).to_f64();
+    let xr: Vec<f64> = x.iter().map(|&v| h16(v)).collect();
+    let wr: Vec<f64> = w.iter().map(|&v| h16(v)).collect();
+    let mut out = vec![0f32; t * nh * b];
+    out.par_chunks_mut(b).enumerate().for_each(|(row, o)| {
+        let h = row % nh;
+        let xs = &xr[row * a..(row + 1) * a];
+        for (j, oj) in o.iter_mut().enumerate() {
+            let acc = xs.iter().enumerate().fold(0f64, |acc, (i, &xv)| {
+                half::f16::from_f64(acc + xv * wr[(h * a + i) * b + j]).to_f64()
+            });
+            *oj = acc as f32;
+        }
+    });
+    out
 }

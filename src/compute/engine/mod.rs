@@ -21,6 +21,7 @@ mod mha;
 mod mixed;
 mod mqa;
 mod prologue;
+mod split;
 mod weights;
 
 use std::collections::BTreeSet;
@@ -44,6 +45,7 @@ use mha::*;
 use mixed::*;
 use mqa::*;
 use prologue::*;
+use split::*;
 use weights::*;
 
 pub use attn::paged_block_tables;
@@ -361,8 +363,23 @@ fn run_loaded<O: Ops>(
     let o = ops.all_reduce_sum(parts, t * hd, opts.faults.reduce_fault(tp))?;
     record_buf(ops, &mut tr, layer, Stage::OProj, &[t, hd], &o)?;
     if let Some(ffn) = &ew.ffn {
-        let out = ffn_block(ops, &mut tr, layer, cfg, ffn, &pro.hidden, &o, t)?;
+        // `residual-scaled`: the residual operand of the layer's residual add scaled by α, as
+        // vLLM PR #14809 scaled it once per dense layer.
+        let alpha = opts.faults.residual_alpha(cfg) as f32;
+        let scaled;
+        let residual = if alpha != 1.0 {
+            let v: Vec<f32> = ops.download(&pro.hidden)?.into_iter().map(|x| x * alpha).collect();
+            scaled = ops.upload(&v)?;
+            &scaled
+        } else {
+            &pro.hidden
+        };
+        let out = ffn_block(ops, &mut tr, layer, cfg, ffn, residual, &o, t)?;
         record_buf(ops, &mut tr, layer, Stage::HiddenOut, &[t, hd], &out)?;
+    } else if opts.faults.has(Fault::ResidualScaled) {
+        notes.push(format!(
+            "residual-scaled: layer {layer} has no dense MLP (an MoE layer, whose engine paths stop at o_proj): the fault had nothing to act on"
+        ));
     }
     Ok(PathRun {
         kind,

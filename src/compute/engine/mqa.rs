@@ -43,7 +43,7 @@ pub(super) fn decode_rows<O: Ops>(
             empty_rows.insert(row);
         }
     }
-    a.ops.decode_merged(&DecodeArgs {
+    let args = DecodeArgs {
         q: &q,
         n,
         nh,
@@ -56,7 +56,11 @@ pub(super) fn decode_rows<O: Ops>(
         dv: l,
         scale: a.scale,
         empty_lse,
-    })
+    };
+    match a.opts.faults.split_fault() {
+        Some(f) => decode_merged_faulted(a.ops, &args, f, a.opts.seed ^ rows.first().map_or(0, |&r| r as u64)),
+        None => a.ops.decode_merged(&args),
+    }
 }
 
 /// [`decode_rows`] over the DSA selection: each row's kept cache slots (`slots[i]`) are gathered
@@ -126,7 +130,11 @@ pub(super) fn mqa_rank<O: Ops>(
     let [_, l, _, r, v] = a.cfg.dims().nlprv();
     let nh = a.nh;
     let ops = a.ops;
-    let ql_nope = a.absorb_q(t)?;
+    let ql_nope = if a.opts.faults.has(Fault::Fp16AccumQlNope) {
+        a.absorb_q_f16_accum(t)?
+    } else {
+        a.absorb_q(t)?
+    };
     let mut cs = CacheState::new(ops, batch, a.cfg, a.opts)?;
     let mut attn_latent = ops.canary(t * nh * l)?;
     let mut lse = ops.canary(t * nh)?;

@@ -16,10 +16,11 @@
 //! the [`Finding`] and [`Detection`] types, the two precedence tables and [`diagnose`]. The
 //! detectors live one family per file: `canary` (unwritten memory), `weights` (weight sites and
 //! the GGUF itself), `collective` (the TP all-reduce), `rope`, `attention` (softmax scale, LSE
-//! merge), `norm` (a skipped RMSNorm), `moe`, `indexer` (DSA), `fallback` (scale, path
-//! disagreement, mismatch, and what a hint may say of a site's inputs) and
-//! [`loaded`] (`weights --check`); [`blocks`] is the block-permutation finder several of them
-//! use.
+//! merge) with `split` (the split-KV decode replay), `norm` (a skipped RMSNorm), `moe`,
+//! `indexer` (DSA), `residual` (the residual stream scaled), `precision` (a product computed
+//! narrower than declared), `fallback` (scale, path disagreement, mismatch, and what a hint may
+//! say of a site's inputs) and [`loaded`] (`weights --check`); [`blocks`] is the
+//! block-permutation finder several of them use.
 
 mod attention;
 pub mod blocks;
@@ -30,7 +31,10 @@ mod indexer;
 pub mod loaded;
 mod moe;
 mod norm;
+mod precision;
+mod residual;
 mod rope;
+mod split;
 mod weights;
 
 use serde::ser::{Serialize, SerializeStruct, Serializer};
@@ -219,6 +223,14 @@ pub struct DumpScope<'a> {
     /// Per sequence of the judged batch: the tokens earlier steps cached, which the step's rows
     /// attended to but which are not among the traces' rows (0 for a one-forward dump).
     pub context: &'a [usize],
+    /// The reference over every row of the judged step's sequences: each sequence's cached
+    /// context (`context` rows), then its new rows, sequence after sequence, with the judged
+    /// heads. Replays of attention read the keys of earlier steps here. `None` when no sequence
+    /// has context (the judged reference holds every key).
+    pub full_reference: Option<&'a Trace>,
+    /// The split count the step's split-KV decode used (format 2's step field
+    /// `num_kv_splits`); `None` when the hook did not record it, and the replays search it.
+    pub num_kv_splits: Option<usize>,
 }
 
 /// What every detector sees for one failing site of one path.
@@ -294,7 +306,7 @@ type Detector = fn(&SiteCtx<'_>) -> Option<Detection>;
 
 /// Every site detector with the class it names, in precedence order (earlier wins);
 /// [`fallback::mismatch`] answers when none explains the site.
-const DETECTORS: [(Class, Detector); 19] = [
+const DETECTORS: [(Class, Detector); 21] = [
     (Class::WeightNotLoaded, weights::weight_not_loaded),
     (Class::PhantomOutput, canary::phantom_output),
     (Class::UnwrittenRows, canary::unwritten_rows),
@@ -312,6 +324,8 @@ const DETECTORS: [(Class, Detector); 19] = [
     (Class::IndexerRopeStyle, indexer::indexer_rope_style),
     (Class::IndexerTopkStale, indexer::indexer_topk_stale),
     (Class::IndexerSelection, indexer::indexer_selection),
+    (Class::ResidualScale, residual::residual_scale),
+    (Class::Precision, precision::precision),
     (Class::Nonfinite, canary::nonfinite),
     (Class::ScaleOnly, fallback::scale_only),
     (Class::PathDisagreement, fallback::path_disagreement),

@@ -107,6 +107,11 @@ pub struct StepSpec {
     pub name: String,
     /// One entry per sequence (the same request in every step).
     pub seqs: Vec<StepSeq>,
+    /// The split count the step's split-KV decode used (vLLM Triton MLA's `num_kv_splits`: each
+    /// decode row's keys cut into this many splits of `⌈ctx/num_kv_splits⌉` keys, merged by
+    /// LSE); `None` (absent or null) when unknown. The split-KV replays of `lse-merge` read it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_kv_splits: Option<usize>,
 }
 
 /// A change a harness made to the engine's code path (`header.patches[i]`).
@@ -275,6 +280,7 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
         }
     }
     check_tp(path, v.get("tp"))?;
+    check_num_kv_splits(path, v.get("steps"))?;
     let h: DumpHeader =
         serde_json::from_value(v).map_err(|e| dump_error(path, "__metadata__.header", e.to_string()))?;
     if h.steps.is_empty() {
@@ -333,6 +339,37 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
         }
     }
     Ok(h)
+}
+
+/// The largest `num_kv_splits` a step may declare: vLLM's Triton MLA caps it at twice the
+/// GPU's streaming multiprocessors (264 on an H200), so 4096 leaves room for any GPU while
+/// bounding what a replay allocates per split.
+pub const MAX_NUM_KV_SPLITS: u64 = 4096;
+
+/// Checks each step's `num_kv_splits` (`steps` is the header's `steps` value, if any): absent,
+/// null, or an integer from 1 to [`MAX_NUM_KV_SPLITS`].
+///
+/// Errors: [`Error::Safetensors`] naming `__metadata__.header.steps[k].num_kv_splits`.
+fn check_num_kv_splits(path: &Path, steps: Option<&serde_json::Value>) -> Result<()> {
+    let Some(steps) = steps.and_then(serde_json::Value::as_array) else {
+        return Ok(());
+    };
+    for (k, st) in steps.iter().enumerate() {
+        match st.get("num_kv_splits") {
+            None | Some(serde_json::Value::Null) => {}
+            Some(x) if x.as_u64().is_some_and(|n| (1..=MAX_NUM_KV_SPLITS).contains(&n)) => {}
+            Some(x) => {
+                return Err(dump_error(
+                    path,
+                    format!("__metadata__.header.steps[{k}].num_kv_splits"),
+                    format!(
+                        "{x}: expected an integer from 1 to {MAX_NUM_KV_SPLITS} (the decode's KV split count) or null"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Checks a format-2 header's `tp` (`tp` is its value, if any): a positive integer `size` and,

@@ -44,6 +44,7 @@ fn every_fault() -> Vec<Fault> {
         KvBGrouped, KBUntransposed, RopeNeox, NoMscale, RopeCosScaled, LsePlusInf, QuantSliceMisaligned,
         StridedKvC, IndexerRopeInterleaved, IndexerTopkStale, AllReduceTwice, AllReduceSkipRank,
         AllReduceReadEarly, PhantomOutputStale, KvNormSkipped,
+        KvBHalvesSwapped, KvBHeadsInterleaved,
     )
 }
 

@@ -294,3 +294,33 @@ fn all_reduce_faults_need_tp() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("needs --tp ≥ 2"), "{err}");
 }
+
+/// kv_b split variants the loader builds: each head's halves exchanged where P = V (yarn-v3),
+/// the heads interleaved by 2 (the embedded fixture's 6 heads): `kv-b-layout` at the first
+/// weight site, naming the variant; the swap is refused where P ≠ V.
+#[test]
+fn kv_b_split_variants_are_kv_b_layout() {
+    let want = [
+        ("mha", "kv-b-layout", "L1.w.kv_b"),
+        ("mqa", "kv-b-layout", "L1.w.W_UK_T"),
+        ("chunked", "kv-b-layout", "L1.w.kv_b"),
+        ("mixed", "kv-b-layout", "L1.w.kv_b"),
+    ];
+    let m = model("yarn-v3-f32.gguf");
+    let f = expect(&["--model", &m, "--inject", "kv-b-halves-swapped"], &want);
+    for x in &f {
+        let ev = x["evidence"].as_str().unwrap();
+        assert!(ev.contains("the halves exchanged (P = V = 32; rel_l2 0 vs"), "{ev}");
+    }
+    let f = expect(&["--inject", "kv-b-heads-interleaved"], &want);
+    for x in &f {
+        let ev = x["evidence"].as_str().unwrap();
+        assert!(
+            ev.contains("heads are interleaved by 2: order 0, 3, 1, 4, 2, 5 (rel_l2 0 vs"),
+            "{ev}"
+        );
+    }
+    let (code, out, err) = run_bin(&["run", "--layer", "1", "--inject", "kv-b-halves-swapped"]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("needs P = V"), "{err}");
+}

@@ -68,6 +68,12 @@ pub enum Fault {
     /// The latent RMSNorm (`kv_a_layernorm`) is not applied: `kv_c_normed` is `kv_a`'s latent
     /// columns as they are.
     KvNormSkipped,
+    /// The loader builds `kv_b_proj` per head as `[v_h | k_nope_h]` instead of
+    /// `[k_nope_h | v_h]` (when P = V the shapes agree).
+    KvBHalvesSwapped,
+    /// The loader concatenates `kv_b_proj`'s heads interleaved by 2 (head order 0, nh/2, 1,
+    /// nh/2+1, … within each rank).
+    KvBHeadsInterleaved,
 }
 
 impl Fault {
@@ -94,6 +100,8 @@ impl Fault {
         Fault::AllReduceReadEarly,
         Fault::PhantomOutputStale,
         Fault::KvNormSkipped,
+        Fault::KvBHalvesSwapped,
+        Fault::KvBHeadsInterleaved,
     ];
 
     /// The `--inject` name (`fused-shard-swap`).
@@ -120,6 +128,8 @@ impl Fault {
             Fault::AllReduceReadEarly => "all-reduce-read-early",
             Fault::PhantomOutputStale => "phantom-output-stale",
             Fault::KvNormSkipped => "kv-norm-skipped",
+            Fault::KvBHalvesSwapped => "kv-b-halves-swapped",
+            Fault::KvBHeadsInterleaved => "kv-b-heads-interleaved",
         }
     }
 
@@ -163,6 +173,12 @@ impl Fault {
             Fault::KvNormSkipped => {
                 "The latent RMSNorm (`kv_a_layernorm`) is not applied: `kv_c_normed` is `kv_a`'s latent columns as they are"
             }
+            Fault::KvBHalvesSwapped => {
+                "The loader builds `kv_b_proj` per head as `[v_h | k_nope_h]` instead of `[k_nope_h | v_h]` (when P = V the shapes agree)"
+            }
+            Fault::KvBHeadsInterleaved => {
+                "The loader concatenates `kv_b_proj`'s heads interleaved by 2 (head order 0, nh/2, 1, nh/2+1, … within each rank)"
+            }
         }
     }
 
@@ -186,6 +202,7 @@ impl Fault {
             Fault::AllReduceSkipRank | Fault::AllReduceReadEarly => Class::TpReduce,
             Fault::PhantomOutputStale => Class::PhantomOutput,
             Fault::KvNormSkipped => Class::NormSkipped,
+            Fault::KvBHalvesSwapped | Fault::KvBHeadsInterleaved => Class::KvBLayout,
         }
     }
 
@@ -217,6 +234,8 @@ impl Fault {
             (Fault::AllReduceTwice | Fault::AllReduceSkipRank | Fault::AllReduceReadEarly, _) => vec![Stage::OProj],
             (Fault::PhantomOutputStale, _) => vec![Stage::AttnOut],
             (Fault::KvNormSkipped, _) => vec![Stage::KvCNormed],
+            (Fault::KvBHalvesSwapped | Fault::KvBHeadsInterleaved, Mqa) => vec![Stage::WUkT],
+            (Fault::KvBHalvesSwapped | Fault::KvBHeadsInterleaved, _) => vec![Stage::WKvB],
         }
     }
 
@@ -260,6 +279,12 @@ impl Fault {
                 Err("this indexer's RoPE is interleaved already (glm-dsa)")
             }
             Fault::IndexerTopkStale if path != PathKind::Chunked => Err("only chunked prefill has a previous chunk"),
+            Fault::KvBHalvesSwapped if cfg.qk_nope_head_dim != cfg.v_head_dim => {
+                Err("needs P = V (qk_nope_head_dim = v_head_dim): the halves are swapped where their shapes agree")
+            }
+            Fault::KvBHeadsInterleaved if cfg.n_head / tp.max(1) < 4 || !(cfg.n_head / tp.max(1)).is_multiple_of(2) => {
+                Err("needs an even number of heads per rank, at least 4 (with 2 the interleave is the identity)")
+            }
             _ => Ok(()),
         }
     }

@@ -279,17 +279,31 @@ fn path_disagreement_needs_another_path_passing() {
     assert!(detect(&fx, 1, Class::PathDisagreement).is_none());
 }
 
+/// A row-stride signature no stride of the strided-view set explains (the strided-kv-c
+/// rows past the first moved 1 % further) is `mismatch`, with the rows localised.
 #[test]
 fn mismatch_localises_rows() {
     let fx = fixture(&[Fault::StridedKvC], 1, &[PathKind::Mha]);
+    let site = Site::new(1, Stage::KvCNormed);
+    let mut trace = fx.runs[0].trace.clone();
+    let t = trace.get(&site).unwrap();
+    let l = fx.cfg.kv_lora_rank;
+    let moved: Vec<f64> = t
+        .to_f64()
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| if i < l { v } else { v * 1.01 })
+        .collect();
+    trace.record(site, mla_diff::core::trace::TraceTensor::f64(t.shape.clone(), moved));
+    let diffs = metrics::diff(&fx.reference, &trace, Dtype::F32);
     let input = DiagnoseInput {
         cfg: &fx.cfg,
         batch: &fx.batch,
         reference: &fx.reference,
         paths: vec![PathEvidence {
             kind: PathKind::Mha.into(),
-            trace: &fx.runs[0].trace,
-            diffs: &fx.diffs[0],
+            trace: &trace,
+            diffs: &diffs,
             empty_partial_rows: &[],
             unservable: None,
         }],

@@ -35,6 +35,7 @@ fn every_class() -> Vec<Class> {
         QuantBlockMisaligned, Transposed, NormSkipped, RopeStyle, SoftmaxScale, LseMerge, MoeRouting,
         IndexerRopeStyle, IndexerTopkStale, IndexerSelection, Nonfinite, ScaleOnly,
         PathDisagreement, Mismatch, WeightNonfinite,
+        StridedView,
     )
 }
 
@@ -44,7 +45,7 @@ fn every_fault() -> Vec<Fault> {
         KvBGrouped, KBUntransposed, RopeNeox, NoMscale, RopeCosScaled, LsePlusInf, QuantSliceMisaligned,
         StridedKvC, IndexerRopeInterleaved, IndexerTopkStale, AllReduceTwice, AllReduceSkipRank,
         AllReduceReadEarly, PhantomOutputStale, KvNormSkipped,
-        KvBHalvesSwapped, KvBHeadsInterleaved,
+        KPeStride, KvBHalvesSwapped, KvBHeadsInterleaved,
     )
 }
 

@@ -152,10 +152,22 @@ fn quant_slice_misaligned_is_reported_without_running() {
 }
 
 #[test]
-fn strided_kv_c_is_a_mismatch_with_row_zero_exact() {
-    let want: Vec<_> = ALL4.iter().map(|p| (*p, "mismatch", "L1.kv_c_normed")).collect();
+fn a_view_read_with_another_stride_is_strided_view() {
+    let want: Vec<_> = ALL4.iter().map(|p| (*p, "strided-view", "L1.kv_c_normed")).collect();
     let f = expect(&["--inject", "strided-kv-c"], &want);
-    assert!(f[0]["evidence"].as_str().unwrap().contains("rows [0] exact"), "{f:#?}");
+    let ev = f[0]["evidence"].as_str().unwrap();
+    assert!(
+        ev.contains("kv_c_normed equals kv_a's 96-wide cut read with row stride 96 (L, kv_c's width) instead of 112 (L+R, kv_a's width), then kv_a_layernorm"),
+        "{ev}"
+    );
+    let want: Vec<_> = ALL4.iter().map(|p| (*p, "strided-view", "L1.k_pe")).collect();
+    let f = expect(&["--inject", "k-pe-stride"], &want);
+    let ev = f[0]["evidence"].as_str().unwrap();
+    assert!(
+        ev.contains("k_pe equals kv_a's 16-wide cut read with row stride 96 (L, kv_c's width) instead of 112 (L+R, kv_a's width)")
+            && ev.contains("(rel_l2 0 vs"),
+        "{ev}"
+    );
 }
 
 #[test]

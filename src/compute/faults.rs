@@ -68,6 +68,8 @@ pub enum Fault {
     /// The latent RMSNorm (`kv_a_layernorm`) is not applied: `kv_c_normed` is `kv_a`'s latent
     /// columns as they are.
     KvNormSkipped,
+    /// `k_pe` is cut out of `kv_a` with `kv_c`'s row stride L instead of `kv_a`'s L+R.
+    KPeStride,
     /// The loader builds `kv_b_proj` per head as `[v_h | k_nope_h]` instead of
     /// `[k_nope_h | v_h]` (when P = V the shapes agree).
     KvBHalvesSwapped,
@@ -100,6 +102,7 @@ impl Fault {
         Fault::AllReduceReadEarly,
         Fault::PhantomOutputStale,
         Fault::KvNormSkipped,
+        Fault::KPeStride,
         Fault::KvBHalvesSwapped,
         Fault::KvBHeadsInterleaved,
     ];
@@ -128,6 +131,7 @@ impl Fault {
             Fault::AllReduceReadEarly => "all-reduce-read-early",
             Fault::PhantomOutputStale => "phantom-output-stale",
             Fault::KvNormSkipped => "kv-norm-skipped",
+            Fault::KPeStride => "k-pe-stride",
             Fault::KvBHalvesSwapped => "kv-b-halves-swapped",
             Fault::KvBHeadsInterleaved => "kv-b-heads-interleaved",
         }
@@ -173,6 +177,7 @@ impl Fault {
             Fault::KvNormSkipped => {
                 "The latent RMSNorm (`kv_a_layernorm`) is not applied: `kv_c_normed` is `kv_a`'s latent columns as they are"
             }
+            Fault::KPeStride => "`k_pe` is cut out of `kv_a` with `kv_c`'s row stride L instead of `kv_a`'s L+R",
             Fault::KvBHalvesSwapped => {
                 "The loader builds `kv_b_proj` per head as `[v_h | k_nope_h]` instead of `[k_nope_h | v_h]` (when P = V the shapes agree)"
             }
@@ -195,7 +200,7 @@ impl Fault {
             Fault::RopeCosScaled => Class::ScaleOnly,
             Fault::LsePlusInf => Class::LseMerge,
             Fault::QuantSliceMisaligned => Class::QuantBlockMisaligned,
-            Fault::StridedKvC => Class::Mismatch,
+            Fault::StridedKvC | Fault::KPeStride => Class::StridedView,
             Fault::IndexerRopeInterleaved => Class::IndexerRopeStyle,
             Fault::IndexerTopkStale => Class::IndexerTopkStale,
             Fault::AllReduceTwice => Class::ScaleOnly,
@@ -234,6 +239,7 @@ impl Fault {
             (Fault::AllReduceTwice | Fault::AllReduceSkipRank | Fault::AllReduceReadEarly, _) => vec![Stage::OProj],
             (Fault::PhantomOutputStale, _) => vec![Stage::AttnOut],
             (Fault::KvNormSkipped, _) => vec![Stage::KvCNormed],
+            (Fault::KPeStride, _) => vec![Stage::KPe],
             (Fault::KvBHalvesSwapped | Fault::KvBHeadsInterleaved, Mqa) => vec![Stage::WUkT],
             (Fault::KvBHalvesSwapped | Fault::KvBHeadsInterleaved, _) => vec![Stage::WKvB],
         }

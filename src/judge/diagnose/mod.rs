@@ -16,7 +16,8 @@
 //! the [`Finding`] and [`Detection`] types, the two precedence tables and [`diagnose`]. The
 //! detectors live one family per file: `canary` (unwritten memory), `weights` (weight sites and
 //! the GGUF itself), `collective` (the TP all-reduce), `rope`, `attention` (softmax scale, LSE
-//! merge), `norm` (a skipped RMSNorm), `moe`, `indexer` (DSA), `fallback` (scale, path
+//! merge), `norm` (a skipped RMSNorm), `strided` (views of fused tensors), `moe`, `indexer`
+//! (DSA), `fallback` (scale, path
 //! disagreement, mismatch, and what a hint may say of a site's inputs) and
 //! [`loaded`] (`weights --check`); [`blocks`] is the block-permutation finder several of them
 //! use.
@@ -31,6 +32,7 @@ pub mod loaded;
 mod moe;
 mod norm;
 mod rope;
+mod strided;
 mod weights;
 
 use serde::ser::{Serialize, SerializeStruct, Serializer};
@@ -294,7 +296,7 @@ type Detector = fn(&SiteCtx<'_>) -> Option<Detection>;
 
 /// Every site detector with the class it names, in precedence order (earlier wins);
 /// [`fallback::mismatch`] answers when none explains the site.
-const DETECTORS: [(Class, Detector); 19] = [
+const DETECTORS: [(Class, Detector); 20] = [
     (Class::WeightNotLoaded, weights::weight_not_loaded),
     (Class::PhantomOutput, canary::phantom_output),
     (Class::UnwrittenRows, canary::unwritten_rows),
@@ -305,6 +307,9 @@ const DETECTORS: [(Class, Detector); 19] = [
     (Class::Transposed, weights::transposed),
     (Class::NormSkipped, norm::norm_skipped),
     (Class::RopeStyle, rope::rope_style),
+    // A replay of a view from the stage's own inputs, after the layout classes a free stride
+    // could also fit.
+    (Class::StridedView, strided::strided_view),
     // Before the scale: a base-2 merge also reweights the logits, and a free scale fits part of it.
     (Class::LseMerge, attention::lse_merge),
     (Class::SoftmaxScale, attention::softmax_scale),

@@ -99,6 +99,7 @@ fn detect(fx: &Fixture, i: usize, class: Class) -> Option<Detection> {
                 diffs: d,
                 empty_partial_rows: &r.empty_partial_rows,
                 unservable: r.unservable.as_ref(),
+                paged: r.paged.as_ref(),
             })
             .collect(),
         tp: fx.tp,
@@ -306,6 +307,7 @@ fn mismatch_localises_rows() {
             diffs: &diffs,
             empty_partial_rows: &[],
             unservable: None,
+            paged: fx.runs[0].paged.as_ref(),
         }],
         tp: 1,
         precision: Precision::F32,
@@ -388,6 +390,7 @@ fn phantom_at_outputs(model: &str, dtype: Dtype, faults: &[Fault]) -> Vec<(PathK
                 diffs: d,
                 empty_partial_rows: &r.empty_partial_rows,
                 unservable: r.unservable.as_ref(),
+                paged: r.paged.as_ref(),
             })
             .collect(),
         tp: 1,

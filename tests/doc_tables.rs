@@ -35,7 +35,7 @@ fn every_class() -> Vec<Class> {
         QuantBlockMisaligned, Transposed, NormSkipped, RopeStyle, SoftmaxScale, LseMerge, MoeRouting,
         IndexerRopeStyle, IndexerTopkStale, IndexerSelection, Nonfinite, ScaleOnly,
         PathDisagreement, Mismatch, WeightNonfinite,
-        StridedView,
+        StridedView, PagedKv,
     )
 }
 
@@ -45,7 +45,7 @@ fn every_fault() -> Vec<Fault> {
         KvBGrouped, KBUntransposed, RopeNeox, NoMscale, RopeCosScaled, LsePlusInf, QuantSliceMisaligned,
         StridedKvC, IndexerRopeInterleaved, IndexerTopkStale, AllReduceTwice, AllReduceSkipRank,
         AllReduceReadEarly, PhantomOutputStale, KvNormSkipped,
-        KPeStride, KvBHalvesSwapped, KvBHeadsInterleaved,
+        PagedKvPageSize, PagedKvBlockOffset, SlotMappingOffset, KPeStride, KvBHalvesSwapped, KvBHeadsInterleaved,
     )
 }
 

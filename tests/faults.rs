@@ -307,6 +307,57 @@ fn all_reduce_faults_need_tp() {
     assert!(err.contains("needs --tp ≥ 2"), "{err}");
 }
 
+/// The paged-cache faults on the paths that read a paged cache, on a batch of several pages and
+/// a shuffled block table: `paged-kv`, the evidence naming the mechanism the replay reproduced;
+/// `mha` keeps no cache (a note, not a finding).
+#[test]
+fn paged_cache_faults_are_paged_kv_with_the_mechanism() {
+    let want = [
+        ("mqa", "paged-kv", "L1.attn_latent"),
+        ("chunked", "paged-kv", "L1.lse"),
+        ("mixed", "paged-kv", "L1.lse"),
+    ];
+    for (fault, what) in [
+        ("paged-kv-page-size", "read with page size 1, written with 16"),
+        (
+            "paged-kv-block-offset",
+            "block table shifted by +1 entry (page size 16)",
+        ),
+        ("slot-mapping-offset", "rows written 1 slot early (slot mapping -1)"),
+    ] {
+        let f = expect(&["--inject", fault, "--seqs", "1,15,16,17,53"], &want);
+        assert!(!f.iter().any(|x| x["path"] == "mha"), "{fault}: {f:#?}");
+        for x in &f {
+            let ev = x["evidence"].as_str().unwrap();
+            // mixed decodes the last token of short sequences, whose misreads land on slots no
+            // row was written to under several mechanisms alike: the evidence says so.
+            let tied = x["path"] == "mixed" && ev.contains("these rows are also what");
+            assert!(ev.contains(what) || tied, "{fault} {}: {ev}", x["path"]);
+            assert!(
+                ev.contains("rebuilt from the path's own kv_c_normed ‖ k_pe_roped rows"),
+                "{ev}"
+            );
+        }
+    }
+    // At page size 1 the block ids are the token slots: nothing to act on, said in a note.
+    let (code, out, err) = run_bin(&[
+        "run",
+        "--layer",
+        "1",
+        "--page-size",
+        "1",
+        "--inject",
+        "paged-kv-page-size",
+        "--path",
+        "mqa",
+    ]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        format!("{out}{err}").contains("paged-kv-page-size: at page size 1"),
+        "{out}{err}"
+    );
+}
+
 /// kv_b split variants the loader builds: each head's halves exchanged where P = V (yarn-v3),
 /// the heads interleaved by 2 (the embedded fixture's 6 heads): `kv-b-layout` at the first
 /// weight site, naming the variant; the swap is refused where P ≠ V.

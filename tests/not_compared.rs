@@ -98,6 +98,7 @@ fn finding(l: &Layer, kind: PathKind, trace: &Trace, elsewhere: &[Stage]) -> Fin
             diffs: &diffs,
             empty_partial_rows: &[],
             unservable: None,
+            paged: None,
         }],
         tp: 1,
         precision: Precision::F32,

@@ -76,6 +76,7 @@ fn site_class(
             diffs: &diffs,
             empty_partial_rows: &[],
             unservable: None,
+            paged: None,
         }],
         tp,
         precision: Precision::F32,

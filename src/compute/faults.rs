@@ -68,6 +68,15 @@ pub enum Fault {
     /// The latent RMSNorm (`kv_a_layernorm`) is not applied: `kv_c_normed` is `kv_a`'s latent
     /// columns as they are.
     KvNormSkipped,
+    /// The attention reads the paged latent cache with page size 1 (the block table's ids as
+    /// token slots) while the cache was written with the engine's page size (ROCm AITER #2996).
+    PagedKvPageSize,
+    /// The attention reads each sequence's block table one entry further on (the entry past the
+    /// end reads block 0, the table's padding).
+    PagedKvBlockOffset,
+    /// `concat_and_cache_mla` writes each new latent row one slot early (the previous token's
+    /// slot; slot 0's row is dropped).
+    SlotMappingOffset,
     /// `k_pe` is cut out of `kv_a` with `kv_c`'s row stride L instead of `kv_a`'s L+R.
     KPeStride,
     /// The loader builds `kv_b_proj` per head as `[v_h | k_nope_h]` instead of
@@ -102,6 +111,9 @@ impl Fault {
         Fault::AllReduceReadEarly,
         Fault::PhantomOutputStale,
         Fault::KvNormSkipped,
+        Fault::PagedKvPageSize,
+        Fault::PagedKvBlockOffset,
+        Fault::SlotMappingOffset,
         Fault::KPeStride,
         Fault::KvBHalvesSwapped,
         Fault::KvBHeadsInterleaved,
@@ -131,6 +143,9 @@ impl Fault {
             Fault::AllReduceReadEarly => "all-reduce-read-early",
             Fault::PhantomOutputStale => "phantom-output-stale",
             Fault::KvNormSkipped => "kv-norm-skipped",
+            Fault::PagedKvPageSize => "paged-kv-page-size",
+            Fault::PagedKvBlockOffset => "paged-kv-block-offset",
+            Fault::SlotMappingOffset => "slot-mapping-offset",
             Fault::KPeStride => "k-pe-stride",
             Fault::KvBHalvesSwapped => "kv-b-halves-swapped",
             Fault::KvBHeadsInterleaved => "kv-b-heads-interleaved",
@@ -177,6 +192,15 @@ impl Fault {
             Fault::KvNormSkipped => {
                 "The latent RMSNorm (`kv_a_layernorm`) is not applied: `kv_c_normed` is `kv_a`'s latent columns as they are"
             }
+            Fault::PagedKvPageSize => {
+                "The attention reads the paged latent cache with page size 1 (the block table's ids as token slots) while the cache was written with the engine's page size (ROCm AITER #2996)"
+            }
+            Fault::PagedKvBlockOffset => {
+                "The attention reads each sequence's block table one entry further on (the entry past the end reads block 0, the table's padding)"
+            }
+            Fault::SlotMappingOffset => {
+                "`concat_and_cache_mla` writes each new latent row one slot early (the previous token's slot; slot 0's row is dropped)"
+            }
             Fault::KPeStride => "`k_pe` is cut out of `kv_a` with `kv_c`'s row stride L instead of `kv_a`'s L+R",
             Fault::KvBHalvesSwapped => {
                 "The loader builds `kv_b_proj` per head as `[v_h | k_nope_h]` instead of `[k_nope_h | v_h]` (when P = V the shapes agree)"
@@ -207,6 +231,7 @@ impl Fault {
             Fault::AllReduceSkipRank | Fault::AllReduceReadEarly => Class::TpReduce,
             Fault::PhantomOutputStale => Class::PhantomOutput,
             Fault::KvNormSkipped => Class::NormSkipped,
+            Fault::PagedKvPageSize | Fault::PagedKvBlockOffset | Fault::SlotMappingOffset => Class::PagedKv,
             Fault::KvBHalvesSwapped | Fault::KvBHeadsInterleaved => Class::KvBLayout,
         }
     }
@@ -239,6 +264,12 @@ impl Fault {
             (Fault::AllReduceTwice | Fault::AllReduceSkipRank | Fault::AllReduceReadEarly, _) => vec![Stage::OProj],
             (Fault::PhantomOutputStale, _) => vec![Stage::AttnOut],
             (Fault::KvNormSkipped, _) => vec![Stage::KvCNormed],
+            (Fault::PagedKvPageSize | Fault::PagedKvBlockOffset | Fault::SlotMappingOffset, Mqa) => {
+                vec![Stage::AttnLatent]
+            }
+            (Fault::PagedKvPageSize | Fault::PagedKvBlockOffset | Fault::SlotMappingOffset, _) => {
+                vec![Stage::Lse, Stage::AttnOut]
+            }
             (Fault::KPeStride, _) => vec![Stage::KPe],
             (Fault::KvBHalvesSwapped | Fault::KvBHeadsInterleaved, Mqa) => vec![Stage::WUkT],
             (Fault::KvBHalvesSwapped | Fault::KvBHeadsInterleaved, _) => vec![Stage::WKvB],
@@ -285,6 +316,14 @@ impl Fault {
                 Err("this indexer's RoPE is interleaved already (glm-dsa)")
             }
             Fault::IndexerTopkStale if path != PathKind::Chunked => Err("only chunked prefill has a previous chunk"),
+            Fault::PagedKvPageSize | Fault::PagedKvBlockOffset | Fault::SlotMappingOffset if path == PathKind::Mha => {
+                Err("mha attends over its own K/V: no paged cache")
+            }
+            Fault::PagedKvPageSize | Fault::PagedKvBlockOffset | Fault::SlotMappingOffset if cfg.indexer.is_some() => {
+                Err(
+                    "a DSA layer reads the indexer's kept keys through a compact cache: the paged-cache faults act on dense attention",
+                )
+            }
             Fault::KvBHalvesSwapped if cfg.qk_nope_head_dim != cfg.v_head_dim => {
                 Err("needs P = V (qk_nope_head_dim = v_head_dim): the halves are swapped where their shapes agree")
             }

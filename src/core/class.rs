@@ -38,6 +38,10 @@ pub enum Class {
     /// A view of a fused tensor read with another row stride, head stride or offset than the
     /// tensor's layout (`k_pe` cut out of `kv_a` with `kv_c`'s stride).
     StridedView,
+    /// The paged KV cache read or written with other metadata than it holds: a page size one side
+    /// ignores, a block table read off by an entry or another sequence's, a slot mapping off by
+    /// a slot or a block.
+    PagedKv,
     /// A constant logit scale explains the attention output.
     SoftmaxScale,
     /// Sentinel or log-base error in an LSE merge.
@@ -67,15 +71,16 @@ impl Class {
     /// class wins. The site detectors (the `DETECTORS` table of `judge::diagnose`) are tried in
     /// this order; `lse-merge` comes before `softmax-scale` because partials merged in the wrong
     /// log base reweight the logits, and a free logit scale fits part of that. `strided-view`
-    /// replays a view from the stage's own inputs, after the layout classes (`kv-b-layout`,
-    /// `norm-skipped`, `rope-style`) whose rearrangements a free stride could also fit. The
-    /// classes no
+    /// and `paged-kv` replay one mechanism from the stage's own inputs: after the layout classes
+    /// (`kv-b-layout`, `norm-skipped`, `rope-style`) whose rearrangements a free stride could
+    /// also fit, and before the merge, whose empty-partial test also holds for rows a wrong
+    /// cache read moved. The classes no
     /// site detector names sit where their source decides them: `quant-block-misaligned` (the
     /// path's weight loader) and `transposed` (`weights --check`) among the weight classes,
     /// `mismatch` when no detector explains a site, `weight-nonfinite` (a check of the GGUF
     /// itself) last. README.md, docs/faults.md, docs/design.md and docs/run-report.schema.json
     /// list the classes in this order (tests/doc_tables.rs).
-    pub const ALL: [Class; 23] = [
+    pub const ALL: [Class; 24] = [
         Class::WeightNotLoaded,
         Class::PhantomOutput,
         Class::UnwrittenRows,
@@ -88,6 +93,7 @@ impl Class {
         Class::NormSkipped,
         Class::RopeStyle,
         Class::StridedView,
+        Class::PagedKv,
         Class::LseMerge,
         Class::SoftmaxScale,
         Class::MoeRouting,
@@ -118,6 +124,7 @@ impl Class {
             Class::SoftmaxScale => "softmax-scale",
             Class::LseMerge => "lse-merge",
             Class::StridedView => "strided-view",
+            Class::PagedKv => "paged-kv",
             Class::MoeRouting => "moe-routing",
             Class::IndexerRopeStyle => "indexer-rope-style",
             Class::IndexerTopkStale => "indexer-topk-stale",

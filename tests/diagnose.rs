@@ -445,3 +445,61 @@ fn attention_outputs_stay_in_their_value_rows_range() {
         }
     }
 }
+
+/// `q_pe` cut out of `q` with a per-head stride of P instead of P+R (head 0 right, every later
+/// head read from the wrong place), then rotated: `strided-view` at `q_pe_roped` naming the head
+/// stride, not `rope-style` (the rotation is right) or `mismatch`.
+#[test]
+fn strided_view_replays_q_pe_cut_with_another_head_stride() {
+    let mut fx = fixture(&[], 1, &[PathKind::Mha]);
+    let cfg = fx.cfg.clone();
+    let [n, _, p, r, _] = cfg.dims().nlprv();
+    let q = fx.runs[0].trace.get(&Site::new(1, Stage::Q)).unwrap().to_f64();
+    let t = q.len() / (n * (p + r));
+    let positions = fx.batch.positions();
+    let inv = mla_diff::compute::reference::rope_inv_freq(&cfg);
+    let mut cut = Vec::with_capacity(t * n * r);
+    for (ti, &pos) in positions.iter().enumerate() {
+        for h in 0..n {
+            let start = ti * n * (p + r) + h * p + p;
+            let mut seg = q[start..start + r].to_vec();
+            mla_diff::compute::indexer::rope_f64(&mut seg, pos, &inv, cfg.rope_style);
+            cut.extend(seg);
+        }
+    }
+    fx.runs[0].trace.record(
+        Site::new(1, Stage::QPeRoped),
+        mla_diff::core::trace::TraceTensor::f64(vec![t, n, r], cut),
+    );
+    fx.diffs[0] = metrics::diff(&fx.reference, &fx.runs[0].trace, Dtype::F32);
+    let input = DiagnoseInput {
+        cfg: &fx.cfg,
+        batch: &fx.batch,
+        reference: &fx.reference,
+        paths: vec![PathEvidence {
+            kind: PathKind::Mha.into(),
+            trace: &fx.runs[0].trace,
+            diffs: &fx.diffs[0],
+            empty_partial_rows: &[],
+            unservable: None,
+            paged: None,
+        }],
+        tp: 1,
+        precision: Precision::F32,
+        dump: None,
+    };
+    let f = diagnose(&input);
+    assert_eq!(
+        (f[0].class, f[0].site()),
+        (Class::StridedView, Some(Site::new(1, Stage::QPeRoped))),
+        "{f:?}"
+    );
+    assert!(
+        f[0].evidence.contains(
+            "q_pe_roped equals q's 16-wide cut read with head stride 32 (P, q_nope's and k_nope's width) instead of 48 \
+             (P+R, q's per-head width), then RoPE"
+        ),
+        "{}",
+        f[0].evidence
+    );
+}

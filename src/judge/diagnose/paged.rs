@@ -145,7 +145,7 @@ pub(super) fn paged_kv(x: &SiteCtx<'_>) -> Option<Detection> {
     }
     let pre = Precomputed::new(x, &inp, &used);
     let base_rep = replay(&inp, &pre, &base_reads);
-    let mut explained: Vec<(Verdict, Hyp)> = moving
+    let explained: Vec<(Verdict, Hyp)> = moving
         .into_iter()
         .filter_map(|h| {
             let r = reads_of(&inp, &h);
@@ -153,11 +153,20 @@ pub(super) fn paged_kv(x: &SiteCtx<'_>) -> Option<Detection> {
             judge(x, &inp, &r, &rep, &base_rep).map(|v| (v, h))
         })
         .collect();
-    // The best first; others that explain the same rows as well are named beside it (a read
-    // that lands only on never-written slots is the same zero rows under several mechanisms).
-    explained.sort_by(|a, b| a.0.err.total_cmp(&b.0.err));
-    let (v, h) = explained.first()?;
-    let also: Vec<Hyp> = explained[1..].iter().map(|(_, h)| *h).collect();
+    // The best, or among those within rounding of it the first in the hypotheses' order; the
+    // others that explain the rows are named beside it (a read that lands only on
+    // never-written slots is the same zero rows under several mechanisms).
+    let best = explained.iter().map(|(v, _)| v.err).fold(f64::INFINITY, f64::min);
+    let pick = explained
+        .iter()
+        .position(|(v, _)| v.err <= TIE_FACTOR * best + f64::MIN_POSITIVE)?;
+    let (v, h) = &explained[pick];
+    let also: Vec<Hyp> = explained
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != pick)
+        .map(|(_, (_, h))| *h)
+        .collect();
     Some(detection(x, &inp, v, h, &also))
 }
 
@@ -320,10 +329,11 @@ fn sample_rows(x: &SiteCtx<'_>, ps: &PagedStep, n: usize, width: usize) -> Vec<u
 }
 
 /// The hypotheses, the metadata's own first (the baseline: every position reads its own row).
-/// With a recorded page size p: reads with every other page size of [`PAGE_SIZES`], writes
-/// with them, block tables shifted by ±1 entry and by ±1 sequence, slot mappings shifted by
-/// ±1 slot and ±1 block, and the recorded slot mapping where it differs from the table's. A
-/// dump that recorded no page size tries each of [`UNRECORDED_PAGE_SIZES`] as p.
+/// With a recorded page size p: the recorded slot mapping, block tables shifted by ±1 entry,
+/// slot mappings shifted by ±1 slot and ±1 block, block tables of the sequence ±1, then reads
+/// and writes with every other page size of [`PAGE_SIZES`]; the order in which rows that several
+/// explain alike are named (off-by-one mistakes first). A dump that recorded no page size tries
+/// each of [`UNRECORDED_PAGE_SIZES`] as p.
 fn hypotheses(ps: &PagedStep) -> Vec<Hyp> {
     let pages: Vec<usize> = match ps.page_size {
         Some(p) => vec![p],
@@ -340,15 +350,17 @@ fn hypotheses(ps: &PagedStep) -> Vec<Hyp> {
         if recorded {
             out.push(h(Write::Recorded, Read::Table));
         }
+        for d in [1, -1] {
+            out.push(h(Write::Table, Read::BlockShift(d)));
+            out.push(h(Write::Shift(d), Read::Table));
+        }
+        for d in [1, -1] {
+            out.push(h(Write::Shift(d * p as i64), Read::Table));
+            out.push(h(Write::Table, Read::SeqShift(d)));
+        }
         for pp in PAGE_SIZES.iter().copied().filter(|&pp| pp != p) {
             out.push(h(Write::Table, Read::Page(pp)));
             out.push(h(Write::Page(pp), Read::Table));
-        }
-        for d in [1, -1] {
-            out.push(h(Write::Table, Read::BlockShift(d)));
-            out.push(h(Write::Table, Read::SeqShift(d)));
-            out.push(h(Write::Shift(d), Read::Table));
-            out.push(h(Write::Shift(d * p as i64), Read::Table));
         }
     }
     out.dedup();
@@ -727,6 +739,10 @@ const ROW_SLACK: f64 = 4.0;
 /// by, where no single row is out of the explain threshold (a site that fails marginally, as
 /// bf16 rounding leaves a wrong read of a few rows).
 const BASELINE_FACTOR: f64 = 4.0;
+
+/// Hypotheses whose errors are within this factor of the best one explain the rows alike
+/// (rounding decides between them, not the data): the first in the hypotheses' order is named.
+const TIE_FACTOR: f64 = 2.0;
 
 /// Hypotheses that also explain the rows, at most this many named in the evidence.
 const ALSO_NAMED: usize = 3;

@@ -99,6 +99,7 @@ fn detect(fx: &Fixture, i: usize, class: Class) -> Option<Detection> {
                 diffs: d,
                 empty_partial_rows: &r.empty_partial_rows,
                 unservable: r.unservable.as_ref(),
+                paged: r.paged.as_ref(),
             })
             .collect(),
         tp: fx.tp,
@@ -342,19 +343,34 @@ fn path_disagreement_needs_another_path_passing() {
     assert!(detect(&fx, 1, Class::PathDisagreement).is_none());
 }
 
+/// A row-stride signature no stride of the strided-view set explains (the strided-kv-c
+/// rows past the first moved 1 % further) is `mismatch`, with the rows localised.
 #[test]
 fn mismatch_localises_rows() {
     let fx = fixture(&[Fault::StridedKvC], 1, &[PathKind::Mha]);
+    let site = Site::new(1, Stage::KvCNormed);
+    let mut trace = fx.runs[0].trace.clone();
+    let t = trace.get(&site).unwrap();
+    let l = fx.cfg.kv_lora_rank;
+    let moved: Vec<f64> = t
+        .to_f64()
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| if i < l { v } else { v * 1.01 })
+        .collect();
+    trace.record(site, mla_diff::core::trace::TraceTensor::f64(t.shape.clone(), moved));
+    let diffs = metrics::diff(&fx.reference, &trace, Dtype::F32);
     let input = DiagnoseInput {
         cfg: &fx.cfg,
         batch: &fx.batch,
         reference: &fx.reference,
         paths: vec![PathEvidence {
             kind: PathKind::Mha.into(),
-            trace: &fx.runs[0].trace,
-            diffs: &fx.diffs[0],
+            trace: &trace,
+            diffs: &diffs,
             empty_partial_rows: &[],
             unservable: None,
+            paged: fx.runs[0].paged.as_ref(),
         }],
         tp: 1,
         precision: Precision::F32,
@@ -437,6 +453,7 @@ fn phantom_at_outputs(model: &str, dtype: Dtype, faults: &[Fault]) -> Vec<(PathK
                 diffs: d,
                 empty_partial_rows: &r.empty_partial_rows,
                 unservable: r.unservable.as_ref(),
+                paged: r.paged.as_ref(),
             })
             .collect(),
         tp: 1,
@@ -522,6 +539,7 @@ fn diagnose_as(fx: &Fixture, precision: Precision) -> Vec<mla_diff::judge::diagn
                 diffs: d,
                 empty_partial_rows: &r.empty_partial_rows,
                 unservable: r.unservable.as_ref(),
+                paged: r.paged.as_ref(),
             })
             .collect(),
         tp: fx.tp,
@@ -579,6 +597,7 @@ fn residual_scale_fits_the_residual_factor() {
                     diffs: d,
                     empty_partial_rows: &r.empty_partial_rows,
                     unservable: r.unservable.as_ref(),
+                    paged: r.paged.as_ref(),
                 })
                 .collect(),
             tp: 1,
@@ -670,6 +689,7 @@ fn precision_replays_the_narrow_product() {
             diffs: &fx.diffs[0],
             empty_partial_rows: &[],
             unservable: None,
+            paged: None,
         }],
         tp: 1,
         precision: Precision::EngineBf16,
@@ -677,4 +697,62 @@ fn precision_replays_the_narrow_product() {
     };
     let d = mla_diff::judge::diagnose::detect_at_site(&input, 0, Site::new(1, Stage::QlNope), Class::Precision);
     assert!(d.is_none(), "{d:?}");
+}
+
+/// `q_pe` cut out of `q` with a per-head stride of P instead of P+R (head 0 right, every later
+/// head read from the wrong place), then rotated: `strided-view` at `q_pe_roped` naming the head
+/// stride, not `rope-style` (the rotation is right) or `mismatch`.
+#[test]
+fn strided_view_replays_q_pe_cut_with_another_head_stride() {
+    let mut fx = fixture(&[], 1, &[PathKind::Mha]);
+    let cfg = fx.cfg.clone();
+    let [n, _, p, r, _] = cfg.dims().nlprv();
+    let q = fx.runs[0].trace.get(&Site::new(1, Stage::Q)).unwrap().to_f64();
+    let t = q.len() / (n * (p + r));
+    let positions = fx.batch.positions();
+    let inv = mla_diff::compute::reference::rope_inv_freq(&cfg);
+    let mut cut = Vec::with_capacity(t * n * r);
+    for (ti, &pos) in positions.iter().enumerate() {
+        for h in 0..n {
+            let start = ti * n * (p + r) + h * p + p;
+            let mut seg = q[start..start + r].to_vec();
+            mla_diff::compute::indexer::rope_f64(&mut seg, pos, &inv, cfg.rope_style);
+            cut.extend(seg);
+        }
+    }
+    fx.runs[0].trace.record(
+        Site::new(1, Stage::QPeRoped),
+        mla_diff::core::trace::TraceTensor::f64(vec![t, n, r], cut),
+    );
+    fx.diffs[0] = metrics::diff(&fx.reference, &fx.runs[0].trace, Dtype::F32);
+    let input = DiagnoseInput {
+        cfg: &fx.cfg,
+        batch: &fx.batch,
+        reference: &fx.reference,
+        paths: vec![PathEvidence {
+            kind: PathKind::Mha.into(),
+            trace: &fx.runs[0].trace,
+            diffs: &fx.diffs[0],
+            empty_partial_rows: &[],
+            unservable: None,
+            paged: None,
+        }],
+        tp: 1,
+        precision: Precision::F32,
+        dump: None,
+    };
+    let f = diagnose(&input);
+    assert_eq!(
+        (f[0].class, f[0].site()),
+        (Class::StridedView, Some(Site::new(1, Stage::QPeRoped))),
+        "{f:?}"
+    );
+    assert!(
+        f[0].evidence.contains(
+            "q_pe_roped equals q's 16-wide cut read with head stride 32 (P, q_nope's and k_nope's width) instead of 48 \
+             (P+R, q's per-head width), then RoPE"
+        ),
+        "{}",
+        f[0].evidence
+    );
 }

@@ -35,6 +35,7 @@ fn every_class() -> Vec<Class> {
         QuantBlockMisaligned, Transposed, NormSkipped, RopeStyle, SoftmaxScale, LseMerge, MoeRouting,
         IndexerRopeStyle, IndexerTopkStale, IndexerSelection, ResidualScale, Precision, Nonfinite, ScaleOnly,
         PathDisagreement, Mismatch, WeightNonfinite,
+        StridedView, PagedKv,
     )
 }
 
@@ -45,6 +46,7 @@ fn every_fault() -> Vec<Fault> {
         StridedKvC, IndexerRopeInterleaved, IndexerTopkStale, AllReduceTwice, AllReduceSkipRank,
         AllReduceReadEarly, PhantomOutputStale, KvNormSkipped, SplitLseBase2, SplitDropped,
         SplitDuplicated, SplitEmptyZero, SplitEmptyFinite, ResidualScaled, Fp16AccumQlNope,
+        PagedKvPageSize, PagedKvBlockOffset, SlotMappingOffset, KPeStride, KvBHalvesSwapped, KvBHeadsInterleaved,
     )
 }
 

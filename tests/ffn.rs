@@ -100,6 +100,7 @@ fn findings_of(l: &Layer, trace: &Trace, tp: usize) -> Vec<Finding> {
             diffs: &diffs,
             empty_partial_rows: &[],
             unservable: None,
+            paged: None,
         }],
         tp,
         precision: Precision::F32,

@@ -98,6 +98,7 @@ fn finding(l: &Layer, kind: PathKind, trace: &Trace, elsewhere: &[Stage]) -> Fin
             diffs: &diffs,
             empty_partial_rows: &[],
             unservable: None,
+            paged: None,
         }],
         tp: 1,
         precision: Precision::F32,
@@ -268,9 +269,10 @@ fn a_stride_bug_behind_an_input_not_dumped_is_not_called_passed() {
         "{}",
         f.hint
     );
+    // Where kv_c_normed was dumped, the view of kv_a is replayed there and named.
     assert_eq!(
         diagnose_site(&l, &l.runs[0].trace, Site::new(1, Stage::KvCNormed)),
-        Some(Class::Mismatch)
+        Some(Class::StridedView)
     );
 }
 

@@ -76,6 +76,7 @@ fn site_class(
             diffs: &diffs,
             empty_partial_rows: &[],
             unservable: None,
+            paged: None,
         }],
         tp,
         precision: Precision::F32,
@@ -327,4 +328,76 @@ fn a_transposed_weight_gets_one_class() {
         (Some("transposed"), Some("L0.w.kv_b")),
         "{f}"
     );
+}
+
+/// The kv_b split variants beyond the grouped split and the untransposed `k_b` (the
+/// llama.cpp#13094 family): each head's halves exchanged (`kv-b-halves-swapped`, P = V), the
+/// heads interleaved by 2 (`kv-b-heads-interleaved`), the rows grouped `[all k | all v]` in
+/// pairs of heads and each head's block read transposed (edits of `w.kv_b`): `kv-b-layout` in
+/// both commands, never `mismatch` or a rank class.
+#[test]
+fn kv_b_split_variants_get_one_class() {
+    let kv_b_only = |f: fn(&[f64], usize, [usize; 3]) -> Vec<f64>| {
+        move |cfg: &MlaConfig, trace: &mut Trace| {
+            let [n, l, p, _, v] = cfg.dims().nlprv();
+            let edited: Vec<(Site, TraceTensor)> = trace
+                .entries()
+                .iter()
+                .filter(|(s, _)| s.stage == Stage::WKvB)
+                .map(|(s, t)| (*s, TraceTensor::f64(t.shape.clone(), f(&t.to_f64(), n, [l, p, v]))))
+                .collect();
+            for (s, t) in edited {
+                trace.record(s, t);
+            }
+        }
+    };
+    // Pairs of heads, each pair's rows [k_0 k_1 | v_0 v_1].
+    let pairs = |x: &[f64], n: usize, [l, p, v]: [usize; 3]| -> Vec<f64> {
+        let head = |h: usize| &x[h * (p + v) * l..(h + 1) * (p + v) * l];
+        (0..n / 2)
+            .flat_map(|g| {
+                let (a, b) = (head(2 * g), head(2 * g + 1));
+                [&a[..p * l], &b[..p * l], &a[p * l..], &b[p * l..]].concat()
+            })
+            .collect()
+    };
+    // Each head's [P+V, L] block holding its transpose's bytes.
+    let blocks_t = |x: &[f64], n: usize, [l, p, v]: [usize; 3]| -> Vec<f64> {
+        let w = p + v;
+        (0..n)
+            .flat_map(|h| {
+                let b = &x[h * w * l..(h + 1) * w * l];
+                (0..l).flat_map(move |c| (0..w).map(move |r| b[r * l + c]))
+            })
+            .collect()
+    };
+    let mut named = 0;
+    let mut check = |rows: Vec<(String, Option<Class>, BTreeSet<Class>)>, tp: usize| {
+        assert_one_answer(&rows, tp);
+        for (what, site, _) in &rows {
+            assert!(site.is_none() || *site == Some(Class::KvBLayout), "{what}: {site:?}");
+            named += usize::from(site.is_some());
+        }
+    };
+    let paths = [PathKind::Mha, PathKind::Mqa];
+    for (model, tp) in [
+        ("yarn-v3-f32.gguf", 1),
+        ("yarn-v3-f32.gguf", 2),
+        ("minicpm3-f32.gguf", 1),
+    ] {
+        check(both(model, &[Fault::KvBHalvesSwapped], tp, &paths, |_, _| {}), tp);
+    }
+    for model in ["tiny-v3-q8_0.gguf", "yarn-v3-f32.gguf", "legacy-kvb-f32.gguf"] {
+        check(both(model, &[Fault::KvBHeadsInterleaved], 1, &paths, |_, _| {}), 1);
+    }
+    check(both("tiny-v3-q8_0.gguf", &[], 1, &[PathKind::Mha], kv_b_only(pairs)), 1);
+    check(
+        both("legacy-kvb-f32.gguf", &[], 1, &[PathKind::Mha], kv_b_only(blocks_t)),
+        1,
+    );
+    check(
+        both("tiny-v3-q8_0.gguf", &[], 1, &[PathKind::Mha], kv_b_only(blocks_t)),
+        1,
+    );
+    assert!(named >= 14, "{named} weights named kv-b-layout");
 }

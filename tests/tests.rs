@@ -29,6 +29,7 @@ mod not_compared;
 mod not_run;
 mod one_answer;
 mod outputs;
+mod paged;
 mod scale;
 mod scripts;
 mod selftest;

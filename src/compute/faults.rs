@@ -87,6 +87,23 @@ pub enum Fault {
     /// The absorbed path's `ql_nope = q_nope·W_UK_T` computed with f16 operands and an f16
     /// accumulator in an f32 run (llama.cpp PR #13137).
     Fp16AccumQlNope,
+    /// The attention reads the paged latent cache with page size 1 (the block table's ids as
+    /// token slots) while the cache was written with the engine's page size (ROCm AITER #2996).
+    PagedKvPageSize,
+    /// The attention reads each sequence's block table one entry further on (the entry past the
+    /// end reads block 0, the table's padding).
+    PagedKvBlockOffset,
+    /// `concat_and_cache_mla` writes each new latent row one slot early (the previous token's
+    /// slot; slot 0's row is dropped).
+    SlotMappingOffset,
+    /// `k_pe` is cut out of `kv_a` with `kv_c`'s row stride L instead of `kv_a`'s L+R.
+    KPeStride,
+    /// The loader builds `kv_b_proj` per head as `[v_h | k_nope_h]` instead of
+    /// `[k_nope_h | v_h]` (when P = V the shapes agree).
+    KvBHalvesSwapped,
+    /// The loader concatenates `kv_b_proj`'s heads interleaved by 2 (head order 0, nh/2, 1,
+    /// nh/2+1, … within each rank).
+    KvBHeadsInterleaved,
 }
 
 impl Fault {
@@ -120,6 +137,12 @@ impl Fault {
         Fault::SplitEmptyFinite,
         Fault::ResidualScaled,
         Fault::Fp16AccumQlNope,
+        Fault::PagedKvPageSize,
+        Fault::PagedKvBlockOffset,
+        Fault::SlotMappingOffset,
+        Fault::KPeStride,
+        Fault::KvBHalvesSwapped,
+        Fault::KvBHeadsInterleaved,
     ];
 
     /// The `--inject` name (`fused-shard-swap`).
@@ -153,6 +176,12 @@ impl Fault {
             Fault::SplitEmptyFinite => "split-empty-finite",
             Fault::ResidualScaled => "residual-scaled",
             Fault::Fp16AccumQlNope => "fp16-accum-ql-nope",
+            Fault::PagedKvPageSize => "paged-kv-page-size",
+            Fault::PagedKvBlockOffset => "paged-kv-block-offset",
+            Fault::SlotMappingOffset => "slot-mapping-offset",
+            Fault::KPeStride => "k-pe-stride",
+            Fault::KvBHalvesSwapped => "kv-b-halves-swapped",
+            Fault::KvBHeadsInterleaved => "kv-b-heads-interleaved",
         }
     }
 
@@ -213,6 +242,22 @@ impl Fault {
             Fault::Fp16AccumQlNope => {
                 "The absorbed path's `ql_nope = q_nope·W_UK_T` computed with f16 operands and an f16 accumulator in an f32 run (llama.cpp PR #13137)"
             }
+            Fault::PagedKvPageSize => {
+                "The attention reads the paged latent cache with page size 1 (the block table's ids as token slots) while the cache was written with the engine's page size (ROCm AITER #2996)"
+            }
+            Fault::PagedKvBlockOffset => {
+                "The attention reads each sequence's block table one entry further on (the entry past the end reads block 0, the table's padding)"
+            }
+            Fault::SlotMappingOffset => {
+                "`concat_and_cache_mla` writes each new latent row one slot early (the previous token's slot; slot 0's row is dropped)"
+            }
+            Fault::KPeStride => "`k_pe` is cut out of `kv_a` with `kv_c`'s row stride L instead of `kv_a`'s L+R",
+            Fault::KvBHalvesSwapped => {
+                "The loader builds `kv_b_proj` per head as `[v_h | k_nope_h]` instead of `[k_nope_h | v_h]` (when P = V the shapes agree)"
+            }
+            Fault::KvBHeadsInterleaved => {
+                "The loader concatenates `kv_b_proj`'s heads interleaved by 2 (head order 0, nh/2, 1, nh/2+1, … within each rank)"
+            }
         }
     }
 
@@ -229,7 +274,7 @@ impl Fault {
             Fault::RopeCosScaled => Class::ScaleOnly,
             Fault::LsePlusInf => Class::LseMerge,
             Fault::QuantSliceMisaligned => Class::QuantBlockMisaligned,
-            Fault::StridedKvC => Class::Mismatch,
+            Fault::StridedKvC | Fault::KPeStride => Class::StridedView,
             Fault::IndexerRopeInterleaved => Class::IndexerRopeStyle,
             Fault::IndexerTopkStale => Class::IndexerTopkStale,
             Fault::AllReduceTwice => Class::ScaleOnly,
@@ -243,6 +288,8 @@ impl Fault {
             | Fault::SplitEmptyFinite => Class::LseMerge,
             Fault::ResidualScaled => Class::ResidualScale,
             Fault::Fp16AccumQlNope => Class::Precision,
+            Fault::PagedKvPageSize | Fault::PagedKvBlockOffset | Fault::SlotMappingOffset => Class::PagedKv,
+            Fault::KvBHalvesSwapped | Fault::KvBHeadsInterleaved => Class::KvBLayout,
         }
     }
 
@@ -274,6 +321,15 @@ impl Fault {
             (Fault::AllReduceTwice | Fault::AllReduceSkipRank | Fault::AllReduceReadEarly, _) => vec![Stage::OProj],
             (Fault::PhantomOutputStale, _) => vec![Stage::AttnOut],
             (Fault::KvNormSkipped, _) => vec![Stage::KvCNormed],
+            (Fault::PagedKvPageSize | Fault::PagedKvBlockOffset | Fault::SlotMappingOffset, Mqa) => {
+                vec![Stage::AttnLatent]
+            }
+            (Fault::PagedKvPageSize | Fault::PagedKvBlockOffset | Fault::SlotMappingOffset, _) => {
+                vec![Stage::Lse, Stage::AttnOut]
+            }
+            (Fault::KPeStride, _) => vec![Stage::KPe],
+            (Fault::KvBHalvesSwapped | Fault::KvBHeadsInterleaved, Mqa) => vec![Stage::WUkT],
+            (Fault::KvBHalvesSwapped | Fault::KvBHeadsInterleaved, _) => vec![Stage::WKvB],
             (f, Mqa) if f.is_split_merge() => vec![Stage::AttnLatent, Stage::Lse],
             (f, _) if f.is_split_merge() => vec![Stage::Lse, Stage::AttnOut],
             (Fault::ResidualScaled, _) => vec![Stage::FfnIn, Stage::HiddenOut],
@@ -325,6 +381,20 @@ impl Fault {
             Fault::Fp16AccumQlNope if path != PathKind::Mqa => Err("only the absorbed path records ql_nope"),
             f if f.is_split_merge() && !matches!(path, PathKind::Mqa | PathKind::Mixed) => {
                 Err("only the split-KV decode (mqa, mixed's decode rows) merges KV splits")
+            }
+            Fault::PagedKvPageSize | Fault::PagedKvBlockOffset | Fault::SlotMappingOffset if path == PathKind::Mha => {
+                Err("mha attends over its own K/V: no paged cache")
+            }
+            Fault::PagedKvPageSize | Fault::PagedKvBlockOffset | Fault::SlotMappingOffset if cfg.indexer.is_some() => {
+                Err(
+                    "a DSA layer reads the indexer's kept keys through a compact cache: the paged-cache faults act on dense attention",
+                )
+            }
+            Fault::KvBHalvesSwapped if cfg.qk_nope_head_dim != cfg.v_head_dim => {
+                Err("needs P = V (qk_nope_head_dim = v_head_dim): the halves are swapped where their shapes agree")
+            }
+            Fault::KvBHeadsInterleaved if cfg.n_head / tp.max(1) < 4 || !(cfg.n_head / tp.max(1)).is_multiple_of(2) => {
+                Err("needs an even number of heads per rank, at least 4 (with 2 the interleave is the identity)")
             }
             _ => Ok(()),
         }

@@ -35,6 +35,13 @@ pub enum Class {
     NormSkipped,
     /// The other RoPE rotation style explains the values.
     RopeStyle,
+    /// A view of a fused tensor read with another row stride, head stride or offset than the
+    /// tensor's layout (`k_pe` cut out of `kv_a` with `kv_c`'s stride).
+    StridedView,
+    /// The paged KV cache read or written with other metadata than it holds: a page size one side
+    /// ignores, a block table read off by an entry or another sequence's, a slot mapping off by
+    /// a slot or a block.
+    PagedKv,
     /// A constant logit scale explains the attention output.
     SoftmaxScale,
     /// Sentinel or log-base error in an LSE merge.
@@ -69,13 +76,17 @@ impl Class {
     /// Every class, in precedence order: when several hypotheses explain a site, the earlier
     /// class wins. The site detectors (the `DETECTORS` table of `judge::diagnose`) are tried in
     /// this order; `lse-merge` comes before `softmax-scale` because partials merged in the wrong
-    /// log base reweight the logits, and a free logit scale fits part of that. The classes no
+    /// log base reweight the logits, and a free logit scale fits part of that. `strided-view`
+    /// and `paged-kv` replay one mechanism from the stage's own inputs: after the layout classes
+    /// (`kv-b-layout`, `norm-skipped`, `rope-style`) whose rearrangements a free stride could
+    /// also fit, and before the merge, whose empty-partial test also holds for rows a wrong
+    /// cache read moved. The classes no
     /// site detector names sit where their source decides them: `quant-block-misaligned` (the
     /// path's weight loader) and `transposed` (`weights --check`) among the weight classes,
     /// `mismatch` when no detector explains a site, `weight-nonfinite` (a check of the GGUF
     /// itself) last. README.md, docs/faults.md, docs/design.md and docs/run-report.schema.json
     /// list the classes in this order (tests/doc_tables.rs).
-    pub const ALL: [Class; 24] = [
+    pub const ALL: [Class; 26] = [
         Class::WeightNotLoaded,
         Class::PhantomOutput,
         Class::UnwrittenRows,
@@ -87,6 +98,8 @@ impl Class {
         Class::Transposed,
         Class::NormSkipped,
         Class::RopeStyle,
+        Class::StridedView,
+        Class::PagedKv,
         Class::LseMerge,
         Class::SoftmaxScale,
         Class::MoeRouting,
@@ -118,6 +131,8 @@ impl Class {
             Class::RopeStyle => "rope-style",
             Class::SoftmaxScale => "softmax-scale",
             Class::LseMerge => "lse-merge",
+            Class::StridedView => "strided-view",
+            Class::PagedKv => "paged-kv",
             Class::MoeRouting => "moe-routing",
             Class::IndexerRopeStyle => "indexer-rope-style",
             Class::IndexerTopkStale => "indexer-topk-stale",

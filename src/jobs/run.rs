@@ -174,6 +174,7 @@ pub fn compare_layer(
                     diffs: d,
                     empty_partial_rows: &pr.empty_partial_rows,
                     unservable: pr.unservable.as_ref(),
+                    paged: pr.paged.as_ref(),
                 })
                 .collect(),
             tp: opts.tp,

@@ -308,20 +308,61 @@ pub(super) struct CacheState<B> {
     pub(super) tables: Vec<Vec<usize>>,
     pub(super) block_size: usize,
     pub(super) width: usize,
+    /// How the cache is read and written: as its metadata says, or with a paged-cache fault.
+    pub(super) mode: CacheFault,
+}
+
+/// A paged-cache fault of the cache's readers or writer (docs/faults.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum CacheFault {
+    /// Read and written as the block tables and the page size say.
+    None,
+    /// `paged-kv-page-size`: read with page size 1, the block ids taken as token slots.
+    ReadPageOne,
+    /// `paged-kv-block-offset`: read through each table one entry further on.
+    ReadNextBlock,
+    /// `slot-mapping-offset`: each row written one slot early.
+    WriteSlotEarly,
+}
+
+impl CacheFault {
+    fn of(opts: &PathOptions) -> Self {
+        let f = &opts.faults;
+        if f.has(Fault::PagedKvPageSize) && opts.page_size > 1 {
+            CacheFault::ReadPageOne
+        } else if f.has(Fault::PagedKvBlockOffset) {
+            CacheFault::ReadNextBlock
+        } else if f.has(Fault::SlotMappingOffset) {
+            CacheFault::WriteSlotEarly
+        } else {
+            CacheFault::None
+        }
+    }
+}
+
+/// The note of `paged-kv-page-size` at page size 1, where reading the block ids as token slots
+/// is what the cache holds: the fault has nothing to act on.
+pub(super) fn page_size_fault_note(opts: &PathOptions) -> Option<String> {
+    (opts.faults.has(Fault::PagedKvPageSize) && opts.page_size <= 1).then(|| {
+        "paged-kv-page-size: at page size 1 the block ids are the token slots already; the fault had nothing to act on (use --page-size 16)"
+            .into()
+    })
 }
 
 impl<B> CacheState<B> {
-    /// Enough pages for every sequence plus one spare, handed out in a shuffled order; the cache
-    /// is canary-filled, so reading a slot never written yields NaN.
+    /// Enough pages for every sequence plus one spare, handed out in a shuffled order. The cache
+    /// starts zeroed, as vLLM allocates it (`torch.zeros`): a slot no row was written to reads
+    /// as a zero latent row.
     pub(super) fn new<O: Ops<Buf = B>>(ops: &O, batch: &Batch, cfg: &MlaConfig, opts: &PathOptions) -> Result<Self> {
         let page = opts.page_size.max(1);
         let (num_blocks, tables) = paged_block_tables(batch, page, opts.seed);
         let width = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
         Ok(CacheState {
-            cache: ops.canary(num_blocks * page * width)?,
+            cache: ops.upload(&vec![0f32; num_blocks * page * width])?,
             tables,
             block_size: page,
             width,
+            mode: CacheFault::of(opts),
         })
     }
 
@@ -330,7 +371,52 @@ impl<B> CacheState<B> {
         self.tables[seq][i / self.block_size] * self.block_size + i % self.block_size
     }
 
-    /// `concat_and_cache_mla` for packed rows `rows` (positions `pos` of sequences `seqs`).
+    /// Block `b` of sequence `seq`'s table as a kernel reads it: past the table's end, block 0
+    /// (the padding of vLLM's `[S, max_blocks]` block table).
+    fn table_entry(&self, seq: usize, b: usize) -> usize {
+        self.tables[seq].get(b).copied().unwrap_or(0)
+    }
+
+    /// The slot a kernel reads for position `i` of sequence `seq`: [`Self::slot`], or with a
+    /// read fault the slot its wrong metadata gives.
+    pub(super) fn read_slot(&self, seq: usize, i: usize) -> usize {
+        let p = self.block_size;
+        match self.mode {
+            CacheFault::ReadPageOne => self.table_entry(seq, i),
+            CacheFault::ReadNextBlock => self.table_entry(seq, i / p + 1) * p + i % p,
+            CacheFault::None | CacheFault::WriteSlotEarly => self.slot(seq, i),
+        }
+    }
+
+    /// The block table and block size a decode kernel reads sequence `seq` with for a context
+    /// of `ctx` positions: its own and the cache's, or with a read fault the wrong ones (padded
+    /// with block 0 to cover `ctx`, as an engine's block-table rows are).
+    pub(super) fn read_table(&self, seq: usize, ctx: usize) -> (Vec<usize>, usize) {
+        let p = self.block_size;
+        match self.mode {
+            CacheFault::ReadPageOne => ((0..ctx.max(1)).map(|b| self.table_entry(seq, b)).collect(), 1),
+            CacheFault::ReadNextBlock => (
+                (0..ctx.div_ceil(p).max(1))
+                    .map(|b| self.table_entry(seq, b + 1))
+                    .collect(),
+                p,
+            ),
+            CacheFault::None | CacheFault::WriteSlotEarly => (self.tables[seq].clone(), p),
+        }
+    }
+
+    /// The block size a decode kernel reads the cache with ([`Self::read_table`]).
+    pub(super) fn read_block_size(&self) -> usize {
+        if self.mode == CacheFault::ReadPageOne {
+            1
+        } else {
+            self.block_size
+        }
+    }
+
+    /// `concat_and_cache_mla` for packed rows `rows` (positions `pos` of sequences `seqs`); with
+    /// `slot-mapping-offset` each row goes one slot early, and a row whose slot would be −1 is not
+    /// written (vLLM skips negative slots).
     pub(super) fn write<O: Ops<Buf = B>>(
         &mut self,
         a: &RankAttn<'_, O>,
@@ -338,13 +424,27 @@ impl<B> CacheState<B> {
         seqs: &[usize],
         pos: &[usize],
     ) -> Result<()> {
-        if rows.is_empty() {
+        let mut kept = Vec::with_capacity(rows.len());
+        let mut slots = Vec::with_capacity(rows.len());
+        for ((&row, &s), &i) in rows.iter().zip(seqs).zip(pos) {
+            let slot = self.slot(s, i);
+            let slot = if self.mode == CacheFault::WriteSlotEarly {
+                match slot.checked_sub(1) {
+                    Some(x) => x,
+                    None => continue,
+                }
+            } else {
+                slot
+            };
+            kept.push(row);
+            slots.push(slot);
+        }
+        if kept.is_empty() {
             return Ok(());
         }
         let (l, r) = (a.cfg.kv_lora_rank, a.cfg.qk_rope_head_dim);
-        let kv = a.ops.gather_rows(a.kv_c_normed, l, rows)?;
-        let kp = a.ops.gather_rows(a.k_pe_roped, r, rows)?;
-        let slots: Vec<usize> = seqs.iter().zip(pos).map(|(&s, &i)| self.slot(s, i)).collect();
+        let kv = a.ops.gather_rows(a.kv_c_normed, l, &kept)?;
+        let kp = a.ops.gather_rows(a.k_pe_roped, r, &kept)?;
         a.ops.cache_write(&mut self.cache, self.width, &kv, &kp, l, r, &slots)
     }
 }
@@ -390,4 +490,67 @@ fn bmm_heads_f16_accum(x: &[f32], t: usize, nh: usize, a: usize, w: &[f32], b: u
         }
     });
     out
+}
+
+/// What path `kind` read through its paged latent cache for `batch`, as the `paged-kv` replays
+/// need it ([`PagedStep`]): the page size and block tables of its metadata (the cache's own,
+/// whatever a paged-cache fault made the kernels read), its writes in the order it made them,
+/// and per packed row the positions it read through the cache. `mqa` decodes every token over
+/// the cache after writing every row; `mixed` writes its decode sequences and decodes their last
+/// token; `chunked` writes each sequence's context and its new tokens read it through the cache
+/// (and themselves directly). `None` for `mha`, which keeps no cache, and for a DSA layer, whose
+/// attention reads the indexer's kept keys.
+pub fn paged_step(kind: PathKind, batch: &Batch, opts: &PathOptions, cfg: &MlaConfig) -> Option<PagedStep> {
+    if kind == PathKind::Mha || cfg.indexer.is_some() {
+        return None;
+    }
+    let page = opts.page_size.max(1);
+    let (_, tables) = paged_block_tables(batch, page, opts.seed);
+    let offsets = batch.offsets();
+    let lens: Vec<usize> = batch.seqs.iter().map(|s| s.len).collect();
+    let n_dec = mixed_decode_seqs(batch);
+    let split = chunked_split(batch, opts.new_tokens);
+    let mut writes = Vec::new();
+    let mut queries = Vec::with_capacity(batch.n_tokens());
+    for (s, &len) in lens.iter().enumerate() {
+        // Positions written to the cache, and the first position whose row reads it.
+        let (written, cached_from) = match kind {
+            PathKind::Mqa => (len, 0),
+            PathKind::Mixed if s < n_dec => (len, len - 1),
+            PathKind::Chunked => (split[s].0, split[s].0),
+            _ => (0, len),
+        };
+        writes.extend((0..written).map(|pos| CacheWrite {
+            seq: s,
+            pos,
+            slot: None,
+        }));
+        for i in 0..len {
+            let cached = match kind {
+                PathKind::Mqa => i + 1,
+                PathKind::Mixed if i >= cached_from => len,
+                PathKind::Chunked if i >= cached_from => cached_from,
+                _ => 0,
+            };
+            queries.push(PagedQuery {
+                seq: s,
+                cached,
+                upto: i + 1,
+            });
+        }
+    }
+    Some(PagedStep {
+        page_size: Some(page),
+        block_tables: Some(tables.iter().map(|t| t.iter().map(|&b| b as i64).collect()).collect()),
+        pad_block: Some(0),
+        seqs: offsets
+            .iter()
+            .zip(&lens)
+            .map(|(&key_off, &len)| PagedSeq { key_off, len })
+            .collect(),
+        writes,
+        queries,
+        keys: None,
+        zero_filled: true,
+    })
 }

@@ -170,7 +170,7 @@ fn context_chunk_keys<O: Ops>(
     for (si, &(c, n)) in seqs.split.iter().enumerate() {
         let keys = window.start.min(c)..window.end.min(c);
         let k_off = ck.slots.len();
-        ck.slots.extend(keys.clone().map(|pos| cs.slot(si, pos)));
+        ck.slots.extend(keys.clone().map(|pos| cs.read_slot(si, pos)));
         if let (Some(sel), Some(key_rows)) = (a.sel, ck.key_rows.as_mut()) {
             // DSA: each new token reads only its kept keys of this chunk.
             for j in 0..n {

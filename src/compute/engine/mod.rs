@@ -30,6 +30,7 @@ use std::ops::Range;
 use crate::compute::faults::Fault;
 use crate::compute::indexer::{self, Selection};
 use crate::compute::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, PrefillArgs, Segment, sparse_segments};
+use crate::compute::paged::{CacheWrite, PagedQuery, PagedSeq, PagedStep};
 use crate::compute::path::{LayerInput, PathKind, PathOptions, PathRun, Unservable};
 use crate::core::batch::{Batch, SplitMix64};
 use crate::core::error::{Error, Result};
@@ -48,7 +49,7 @@ use prologue::*;
 use split::*;
 use weights::*;
 
-pub use attn::paged_block_tables;
+pub use attn::{paged_block_tables, paged_step};
 pub use chunked::chunked_split;
 pub use mixed::mixed_decode_seqs;
 pub use prologue::cos_sin_table;
@@ -254,6 +255,7 @@ pub fn run_paths<O: Ops>(
                     empty_partial_rows: Vec::new(),
                     unservable: Some(u.clone()),
                     notes: load_notes.clone(),
+                    paged: None,
                 })?;
             }
             return Ok(());
@@ -310,6 +312,9 @@ fn run_loaded<O: Ops>(
     pro.record(ops, ew, input, &mut tr)?;
     let own_sel = engine_indexer(ops, input, opts, kind, pro, &mut tr, &mut notes)?;
     notes.extend(rope_fault_note(opts, input.batch));
+    if kind != PathKind::Mha {
+        notes.extend(page_size_fault_note(opts));
+    }
     let sel = match (&own_sel, input.forced_selection) {
         (Some(_), Some(forced)) => Some(forced.clone()),
         _ => own_sel,
@@ -387,6 +392,7 @@ fn run_loaded<O: Ops>(
         empty_partial_rows: empty_rows.into_iter().collect(),
         unservable: None,
         notes,
+        paged: paged_step(kind, input.batch, opts, cfg),
     })
 }
 

@@ -31,7 +31,8 @@ pub(super) fn decode_rows<O: Ops>(
     let n = rows.len();
     let local: Vec<usize> = rows.iter().map(|&row| row - q_first).collect();
     let q = a.ops.gather_rows(qrow, nh * (l + r), &local)?;
-    let tables: Vec<Vec<usize>> = seqs.iter().map(|&s| cs.tables[s].clone()).collect();
+    // The tables and block size the kernel reads with (a paged-cache fault's, under one).
+    let tables: Vec<Vec<usize>> = seqs.iter().zip(ctx).map(|(&s, &c)| cs.read_table(s, c).0).collect();
     let empty_lse = if a.opts.faults.has(Fault::LsePlusInf) {
         f32::INFINITY
     } else {
@@ -48,7 +49,7 @@ pub(super) fn decode_rows<O: Ops>(
         n,
         nh,
         cache: &cs.cache,
-        block_size: cs.block_size,
+        block_size: cs.read_block_size(),
         width: cs.width,
         tables: &tables,
         ctx,
@@ -90,6 +91,7 @@ pub(super) fn decode_rows_sparse<O: Ops>(
         tables,
         block_size: bs,
         width: cs.width,
+        mode: CacheFault::None,
     };
     let idx: Vec<usize> = (0..rows.len()).collect();
     let ctx: Vec<usize> = slots.iter().map(Vec::len).collect();
@@ -109,9 +111,9 @@ pub(super) fn kept_slots<O: Ops>(
         Some(sel) => sel.rows[row]
             .iter()
             .filter(|&&j| j < ctx)
-            .map(|&j| cs.slot(seq, j))
+            .map(|&j| cs.read_slot(seq, j))
             .collect(),
-        None => (0..ctx).map(|j| cs.slot(seq, j)).collect(),
+        None => (0..ctx).map(|j| cs.read_slot(seq, j)).collect(),
     }
 }
 

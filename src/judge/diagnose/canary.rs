@@ -37,13 +37,30 @@ pub(super) fn phantom_output(x: &SiteCtx<'_>) -> Option<Detection> {
         ));
     }
     let all_zero = (0..x.cand.len()).all(|i| x.cand.get(i) == 0.0);
-    if all_zero && m.norm_ref > 0.0 {
+    if all_zero && m.norm_ref > 0.0 && !lse_computed_wrong(x) {
         return Some(Detection::new(
             format!("all {} elements are 0 while ‖ref‖ = {}", m.numel, sci(m.norm_ref, 2)),
             "an output buffer allocated with zeros was returned unwritten (the op's result went elsewhere)".into(),
         ));
     }
     outside_hull(x)
+}
+
+/// At an attention output (`attn_out`, `attn_latent`): the path's `lse` failed with values an
+/// unwritten buffer does not hold (not all zero, no canary). Then a zero output was computed, not
+/// left unwritten: attention over zero value rows (a read of never-written cache slots) is 0,
+/// with an lse of ln(keys).
+fn lse_computed_wrong(x: &SiteCtx<'_>) -> bool {
+    if !matches!(x.site.stage, Stage::AttnOut | Stage::AttnLatent) {
+        return false;
+    }
+    let lse = Site::new(x.site.layer, Stage::Lse);
+    let failed = x.path.diffs.iter().any(|d| d.site == lse && d.status != Status::Pass);
+    let unwritten =
+        x.path.trace.get(&lse).is_none_or(|t| {
+            (0..t.len()).all(|i| t.get(i) == 0.0) || (0..t.len()).any(|i| is_canary_like(t.get(i) as f32))
+        });
+    failed && !unwritten
 }
 
 /// (token, head) rows of an attention output the hull test reads at most from a spread sample,

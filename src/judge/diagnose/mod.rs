@@ -16,11 +16,12 @@
 //! the [`Finding`] and [`Detection`] types, the two precedence tables and [`diagnose`]. The
 //! detectors live one family per file: `canary` (unwritten memory), `weights` (weight sites and
 //! the GGUF itself), `collective` (the TP all-reduce), `rope`, `attention` (softmax scale, LSE
-//! merge) with `split` (the split-KV decode replay), `norm` (a skipped RMSNorm), `moe`,
-//! `indexer` (DSA), `residual` (the residual stream scaled), `precision` (a product computed
-//! narrower than declared), `fallback` (scale, path disagreement, mismatch, and what a hint may
-//! say of a site's inputs) and [`loaded`] (`weights --check`); [`blocks`] is the
-//! block-permutation finder several of them use.
+//! merge) with `split` (the split-KV decode replay), `norm` (a skipped RMSNorm), `strided`
+//! (views of fused tensors), `paged` (the paged KV cache's metadata), `moe`, `indexer` (DSA),
+//! `residual` (the residual stream scaled), `precision` (a product computed narrower than
+//! declared), `fallback` (scale, path disagreement, mismatch, and what a hint may say of a
+//! site's inputs) and [`loaded`] (`weights --check`); [`blocks`] is the block-permutation
+//! finder several of them use.
 
 mod attention;
 pub mod blocks;
@@ -31,14 +32,17 @@ mod indexer;
 pub mod loaded;
 mod moe;
 mod norm;
+mod paged;
 mod precision;
 mod residual;
 mod rope;
 mod split;
+mod strided;
 mod weights;
 
 use serde::ser::{Serialize, SerializeStruct, Serializer};
 
+use crate::compute::paged::PagedStep;
 use crate::compute::path::Unservable;
 use crate::core::batch::Batch;
 use crate::core::class::Class;
@@ -189,6 +193,9 @@ pub struct PathEvidence<'a> {
     pub empty_partial_rows: &'a [usize],
     /// Set when the configuration could not be served.
     pub unservable: Option<&'a Unservable>,
+    /// What its attention read through a paged latent cache (the engine's metadata, its writes
+    /// and each row's reads), for the `paged-kv` replays; `None` without one.
+    pub paged: Option<&'a PagedStep>,
 }
 
 /// Everything diagnosis looks at for one layer.
@@ -306,7 +313,7 @@ type Detector = fn(&SiteCtx<'_>) -> Option<Detection>;
 
 /// Every site detector with the class it names, in precedence order (earlier wins);
 /// [`fallback::mismatch`] answers when none explains the site.
-const DETECTORS: [(Class, Detector); 21] = [
+const DETECTORS: [(Class, Detector); 23] = [
     (Class::WeightNotLoaded, weights::weight_not_loaded),
     (Class::PhantomOutput, canary::phantom_output),
     (Class::UnwrittenRows, canary::unwritten_rows),
@@ -317,6 +324,11 @@ const DETECTORS: [(Class, Detector); 21] = [
     (Class::Transposed, weights::transposed),
     (Class::NormSkipped, norm::norm_skipped),
     (Class::RopeStyle, rope::rope_style),
+    // Replays of one mechanism from the stage's own inputs, after the layout classes a free
+    // stride could also fit; paged-kv before the merge, whose empty-partial test also holds for
+    // rows a wrong cache read moved.
+    (Class::StridedView, strided::strided_view),
+    (Class::PagedKv, paged::paged_kv),
     // Before the scale: a base-2 merge also reweights the logits, and a free scale fits part of it.
     (Class::LseMerge, attention::lse_merge),
     (Class::SoftmaxScale, attention::softmax_scale),

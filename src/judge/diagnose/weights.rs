@@ -579,8 +579,13 @@ impl KvBView<'_> {
     /// group's rows (per head `[k | v]`), the first heads·P taken as `W_UK_T` [·, P, L] and the
     /// last heads·V as the V rows [·, V, L], permuted to `W_UV` [·, L, V].
     fn grouped(&self) -> Vec<f64> {
+        self.grouped_in(self.groups.max(1))
+    }
+
+    /// [`Self::grouped`] with `groups` equal groups of heads (each `heads / groups` heads).
+    fn grouped_in(&self, groups: usize) -> Vec<f64> {
         let [l, p, v] = self.lpv;
-        let groups = self.groups.max(1);
+        let groups = groups.max(1);
         if self.which == KvBWeight::KvB {
             return grouped_kv_b_rows(self.kv_b, self.heads, self.lpv, groups);
         }
@@ -600,6 +605,70 @@ impl KvBView<'_> {
             }
         }
         out
+    }
+
+    /// Head `h` of the weight as it should be: kv_b's rows `[k | v]`, `W_UK_T[h]` (the k rows,
+    /// [P, L]), `W_UV[h]` (the v rows transposed, [L, V]).
+    fn head(&self, h: usize) -> Vec<f64> {
+        let [l, p, v] = self.lpv;
+        let rows = &self.kv_b[h * (p + v) * l..(h + 1) * (p + v) * l];
+        match self.which {
+            KvBWeight::KvB => rows.to_vec(),
+            KvBWeight::UkT => rows[..p * l].to_vec(),
+            KvBWeight::Uv => transpose(&rows[p * l..], v, l),
+        }
+    }
+
+    /// The weight with position `i` holding head `src(i)` (within each TP group of heads).
+    fn heads_from(&self, src: impl Fn(usize) -> usize) -> Vec<f64> {
+        (0..self.heads).flat_map(|i| self.head(src(i))).collect()
+    }
+
+    /// The weight built from kv_b with each head's halves exchanged, `[v_h | k_h]` (P = V):
+    /// `W_UK_T[h]` is then the v rows and `W_UV[h]` the k rows transposed.
+    fn halves_swapped(&self) -> Option<Vec<f64>> {
+        let [l, p, v] = self.lpv;
+        if p != v {
+            return None;
+        }
+        Some(
+            (0..self.heads)
+                .flat_map(|h| {
+                    let rows = &self.kv_b[h * (p + v) * l..(h + 1) * (p + v) * l];
+                    let (k, vr) = rows.split_at(p * l);
+                    match self.which {
+                        KvBWeight::KvB => [vr, k].concat(),
+                        KvBWeight::UkT => vr.to_vec(),
+                        KvBWeight::Uv => transpose(k, p, l),
+                    }
+                })
+                .collect(),
+        )
+    }
+
+    /// The weight with its heads interleaved by `g` within each TP group: position `i` of a
+    /// group of `nh` heads holds head `(i mod g)·nh/g + i/g` (order 0, nh/g, 2·nh/g, …, 1, …).
+    fn interleaved(&self, g: usize) -> Option<Vec<f64>> {
+        let nh = self.heads / self.groups.max(1);
+        if g < 2 || nh < 2 * g || !nh.is_multiple_of(g) {
+            return None;
+        }
+        Some(self.heads_from(|i| {
+            let (base, j) = (i / nh * nh, i % nh);
+            base + (j % g) * (nh / g) + j / g
+        }))
+    }
+
+    /// kv_b's rows with each head's `[P+V, L]` block holding the bytes of its transpose
+    /// (`[L, P+V]`, as a loader that concatenates `k_b` and `v_bᵀ` along L's other side builds
+    /// it) read back as `[P+V, L]`.
+    fn blocks_transposed(&self) -> Option<Vec<f64>> {
+        let [l, p, v] = self.lpv;
+        (self.which == KvBWeight::KvB).then(|| {
+            (0..self.heads)
+                .flat_map(|h| transpose(&self.kv_b[h * (p + v) * l..(h + 1) * (p + v) * l], p + v, l))
+                .collect()
+        })
     }
 
     /// The weight's per-head matrix read without the transpose it needs: `attn_k_b[h]` [L, P]
@@ -637,9 +706,29 @@ impl KvBView<'_> {
     }
 }
 
+/// `m` [rows, cols] row-major, transposed: [cols, rows].
+fn transpose(m: &[f64], rows: usize, cols: usize) -> Vec<f64> {
+    (0..cols)
+        .flat_map(|c| (0..rows).map(move |r| m[r * cols + c]))
+        .collect()
+}
+
+/// The hint of kv_b's halves taken in the other order.
+const KV_B_HALVES_HINT: &str = "kv_b_proj rows are per head [k_nope_h (P rows) | v_h (V rows)]: with P = V a split \
+                                 in the other order loads without a shape error; take the k rows first";
+/// The hint of kv_b's heads interleaved.
+const KV_B_INTERLEAVED_HINT: &str = "kv_b_proj, W_UK_T and W_UV hold the heads in order 0..N: a loader that views the \
+                                     heads as [g, N/g] (or [N/g, g]) and flattens the other way interleaves them";
+/// The hint of kv_b's per-head blocks holding their transpose.
+const KV_B_BLOCK_T_HINT: &str = "each head of kv_b_proj is a [P+V, L] (out, in) block: building it as [L, P+V] (k_b \
+                                 and v_bᵀ concatenated along the last dim) and reshaping reads it transposed";
+
 /// `kv-b-layout` on a kv_b-derived weight, the one decision of `compare` (the weight sites) and
 /// `weights --check` (the loaded tensors): its rows split grouped `[all k | all v]` per rank
-/// instead of per head, or `attn_k_b` reshaped instead of transposed.
+/// instead of per head, or `attn_k_b` reshaped instead of transposed; and the split variants of
+/// the same family: each head's halves exchanged (P = V), the heads interleaved by 2 or 4 within
+/// a rank, grouped `[all k | all v]` in groups of 2, 4, … heads, or each head's kv_b block read
+/// transposed.
 pub(super) fn kv_b_layout_of(w: &KvBView<'_>) -> Option<Detection> {
     let [l, p, v] = w.lpv;
     if w.kv_b.len() != w.heads * (p + v) * l || w.heads == 0 || !w.heads.is_multiple_of(w.groups.max(1)) {
@@ -669,15 +758,80 @@ pub(super) fn kv_b_layout_of(w: &KvBView<'_>) -> Option<Detection> {
             K_B_UNTRANSPOSED_HINT.into(),
         ));
     }
-    let e = w.explained_by(&w.grouped())?;
-    let what = if w.which == KvBWeight::KvB {
-        format!("{label} rows are grouped [all k | all v] per rank")
-    } else {
-        format!("{label} equals kv_b's rows split grouped [all k | all v]")
-    };
+    if let Some(e) = w.explained_by(&w.grouped()) {
+        let what = if w.which == KvBWeight::KvB {
+            format!("{label} rows are grouped [all k | all v] per rank")
+        } else {
+            format!("{label} equals kv_b's rows split grouped [all k | all v]")
+        };
+        return Some(Detection::new(
+            format!("{what} ({})", w.vs(e)),
+            KV_B_GROUPED_HINT.into(),
+        ));
+    }
+    kv_b_split_variant(w)
+}
+
+/// The kv_b split variants beyond the grouped split and the untransposed `k_b`
+/// ([`kv_b_layout_of`]).
+fn kv_b_split_variant(w: &KvBView<'_>) -> Option<Detection> {
+    let [_, p, v] = w.lpv;
+    let label = w.label;
+    if let Some(e) = w.halves_swapped().and_then(|alt| w.explained_by(&alt)) {
+        let what = match w.which {
+            KvBWeight::KvB => format!("{label} holds each head as [v | k_nope]: the halves exchanged"),
+            KvBWeight::UkT => format!("{label} equals kv_b's v rows per head: the halves exchanged"),
+            KvBWeight::Uv => format!("{label} equals kv_b's k rows per head, transposed: the halves exchanged"),
+        };
+        return Some(Detection::new(
+            format!("{what} (P = V = {p}; {})", w.vs(e)),
+            KV_B_HALVES_HINT.into(),
+        ));
+    }
+    for g in [2, 4] {
+        if let Some(e) = w.interleaved(g).and_then(|alt| w.explained_by(&alt)) {
+            let nh = w.heads / w.groups.max(1);
+            let order: Vec<String> = (0..nh.min(8))
+                .map(|j| ((j % g) * (nh / g) + j / g).to_string())
+                .collect();
+            return Some(Detection::new(
+                format!(
+                    "{label}'s heads are interleaved by {g}{}: order {}{} ({})",
+                    if w.groups > 1 { " within each rank" } else { "" },
+                    order.join(", "),
+                    if nh > 8 { ", …" } else { "" },
+                    w.vs(e)
+                ),
+                KV_B_INTERLEAVED_HINT.into(),
+            ));
+        }
+    }
+    let nh = w.heads / w.groups.max(1);
+    let mut g = 2;
+    while g < nh {
+        if nh.is_multiple_of(g)
+            && let Some(e) = w.explained_by(&w.grouped_in(w.heads / g))
+        {
+            let what = if w.which == KvBWeight::KvB {
+                format!("{label} rows are grouped [all k | all v] in groups of {g} heads")
+            } else {
+                format!("{label} equals kv_b's rows split grouped [all k | all v] in groups of {g} heads")
+            };
+            return Some(Detection::new(
+                format!("{what} ({})", w.vs(e)),
+                KV_B_GROUPED_HINT.into(),
+            ));
+        }
+        g *= 2;
+    }
+    let e = w.blocks_transposed().and_then(|alt| w.explained_by(&alt))?;
     Some(Detection::new(
-        format!("{what} ({})", w.vs(e)),
-        KV_B_GROUPED_HINT.into(),
+        format!(
+            "{label}'s per-head blocks are [L, P+V] reshaped to [P+V, L] = [{}, L] instead of transposed ({})",
+            p + v,
+            w.vs(e)
+        ),
+        KV_B_BLOCK_T_HINT.into(),
     ))
 }
 

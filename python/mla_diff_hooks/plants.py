@@ -435,7 +435,7 @@ def _slot_mapping_offset(params: dict[str, str]) -> None:
     where="TritonMLAImpl.forward_mqa's call of decode_attention_fwd gets the block ids masked",
     reports="ROCm/ATOM#702 (aiter ASM paged attention truncating block ids above 65,535)",
     expected="paged-kv",
-    defaults={"bits": "5"},
+    defaults={"bits": "3"},
     needs="a decode step whose block table holds ids >= 2^bits",
 )
 def _block_id_truncated(params: dict[str, str]) -> None:
@@ -644,11 +644,17 @@ def _after_weights(change: Callable[[Any], None]) -> None:
 
 
 def _set_weights(layer, w_uk_t, w_uv) -> None:
+    """Give `layer` new W_UK_T and W_UV tensors. They are replaced, not written in place: for an
+    unquantized kv_b_proj, process_weights_after_loading leaves them views of its weight."""
     import torch
 
-    with torch.no_grad():
-        layer.W_UK_T.copy_(w_uk_t.to(layer.W_UK_T.dtype))
-        layer.W_UV.copy_(w_uv.to(layer.W_UV.dtype))
+    for name, new in (("W_UK_T", w_uk_t), ("W_UV", w_uv)):
+        old = getattr(layer, name)
+        new = new.detach().to(dtype=old.dtype, device=old.device).contiguous()
+        if name in layer._parameters:
+            layer._parameters[name] = torch.nn.Parameter(new, requires_grad=False)
+        else:
+            setattr(layer, name, new)
 
 
 @_register(

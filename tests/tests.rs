@@ -29,6 +29,7 @@ mod not_compared;
 mod not_run;
 mod one_answer;
 mod outputs;
+mod plant_dumps;
 mod scale;
 mod scripts;
 mod selftest;

@@ -30,6 +30,7 @@ mod not_run;
 mod one_answer;
 mod outputs;
 mod paged;
+mod plant_dumps;
 mod scale;
 mod scripts;
 mod selftest;

@@ -20,7 +20,7 @@ use crate::judge::weights_check::TensorCheck;
 use crate::judge::report::{FaultOutcome, PathResult, RunReport, Verdict, summarize_not_run};
 
 /// Version of the `--json` document. Bump on any incompatible change.
-pub const JSON_SCHEMA_VERSION: u32 = 5;
+pub const JSON_SCHEMA_VERSION: u32 = 6;
 
 /// The status cell: `pass`, or `FAIL` with the failed metrics abbreviated (rel, cos, norm, elem,
 /// nan), `SHAPE …`, `no reference`.

@@ -9,10 +9,11 @@
 //! `attn_latent`, `lse` or `attn_out`. The detector rebuilds the cache from the path's (or
 //! dump's) own latent rows that passed (`kv_c_normed ‖ k_pe_roped` of this step and the earlier
 //! steps it reads), replays the attention on sampled rows and heads under each hypothesis (a
-//! bounded set: the recorded metadata, page sizes 1 … 256, block tables shifted by an entry or a
-//! sequence, slot mappings shifted by a slot or a block, the recorded slot mapping against the
-//! block table), and names the one that reproduces the failing site, `lse` included when it was
-//! compared, while the metadata as recorded does not.
+//! bounded set: the recorded metadata, page sizes 1 … 256 (addressing token slots, or pages by
+//! their stride), block tables shifted by an entry or a sequence, slot mappings shifted by a
+//! slot or a block, the recorded slot mapping against the block table), and names the one that
+//! reproduces the failing site, `lse` included when it was compared, while the metadata as
+//! recorded does not.
 
 use std::collections::{HashMap, HashSet};
 
@@ -62,8 +63,14 @@ enum Write {
 enum Read {
     /// Through the sequence's own block-table row with the page size.
     Table,
-    /// With page size `p'`.
+    /// With page size `p'`: position `j` at slot `block_table[j / p'] · p' + j % p'` (a kernel
+    /// handed a cache of token slots, addressing it by the page size it was told).
     Page(usize),
+    /// With page size `p'` for the block index and the row in the page, the page's address from
+    /// the cache's own layout: slot `block_table[j / p'] · p + j % p'` (a kernel that steps
+    /// through the cache by its page stride, as vLLM's Triton decode does, told another page
+    /// size: rows past the page's end land in the next block).
+    PageIndex(usize),
     /// Through the sequence's row `d` entries further on.
     BlockShift(i64),
     /// Through the row of the sequence `d` further on.
@@ -360,6 +367,7 @@ fn hypotheses(ps: &PagedStep) -> Vec<Hyp> {
         }
         for pp in PAGE_SIZES.iter().copied().filter(|&pp| pp != p) {
             out.push(h(Write::Table, Read::Page(pp)));
+            out.push(h(Write::Table, Read::PageIndex(pp)));
             out.push(h(Write::Page(pp), Read::Table));
         }
     }
@@ -436,6 +444,14 @@ fn reads_of(inp: &Inputs<'_>, h: &Hyp) -> Vec<RowReads> {
                 let slot = match h.read {
                     Read::Table => table_slot(own, ps.pad_block, p, j),
                     Read::Page(pp) => table_slot(own, ps.pad_block, pp, j),
+                    Read::PageIndex(pp) => {
+                        let pp = pp.max(1);
+                        own.get(j / pp)
+                            .copied()
+                            .or(ps.pad_block)
+                            .filter(|&b| b >= 0)
+                            .and_then(|b| b.checked_mul(p as i64)?.checked_add((j % pp) as i64))
+                    }
                     Read::BlockShift(d) => {
                         let idx = (j / p) as i64 + d;
                         if idx < 0 {
@@ -811,6 +827,17 @@ fn describe(ps: &PagedStep, h: &Hyp) -> (String, String) {
                 "the attention kernel indexed the paged KV cache with block size {pp} while the cache was written with \
                  {p}: pass the cache's block_size to the kernel's metadata, or flatten the block table to token slots \
                  for a kernel that supports only page size 1 (ROCm AITER #2996)"
+            ),
+        ),
+        (Write::Table, Read::PageIndex(pp)) => (
+            format!(
+                "read with page size {pp} (block index pos // {pp}, row pos % {pp} of the cache's {p}-row pages), \
+                 written with {p}{recorded}"
+            ),
+            format!(
+                "the attention kernel was told block size {pp} while the cache's pages hold {p} rows: it took each \
+                 position's block-table entry and row with {pp} and stepped through the cache by its real page stride; \
+                 pass the cache's block_size to the kernel (ROCm AITER #2996)"
             ),
         ),
         (Write::Page(pp), Read::Table) => (

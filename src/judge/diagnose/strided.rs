@@ -58,52 +58,19 @@ pub(super) fn strided_view(x: &SiteCtx<'_>) -> Option<Detection> {
     }
     let cfg = x.input.cfg;
     let [n, l, p, r, v] = cfg.dims().nlprv();
-    let layer = x.site.layer;
-    let compared = |st: Stage| x.path.diffs.iter().any(|d| d.site == Site::new(layer, st));
     match x.site.stage {
-        Stage::KvCNormed => cut(
-            x,
-            Stage::KvA,
-            l + r,
-            1,
-            View {
-                row: l + r,
-                head: 0,
-                off: 0,
-            },
-            l,
-            Then::RmsNorm,
-        ),
-        Stage::KPe => cut(
-            x,
-            Stage::KvA,
-            l + r,
-            1,
-            View {
-                row: l + r,
-                head: 0,
-                off: l,
-            },
-            r,
-            Then::Nothing,
-        ),
-        Stage::KPeRoped if !compared(Stage::KPe) => cut(
-            x,
-            Stage::KvA,
-            l + r,
-            1,
-            View {
-                row: l + r,
-                head: 0,
-                off: l,
-            },
-            r,
-            Then::Rope,
-        ),
+        Stage::KvCNormed => kv_a_cut(x, 0, l, Then::RmsNorm),
+        Stage::KPe => kv_a_cut(x, l, r, Then::Nothing),
+        // Also where `k_pe` passed: the rope may be handed another view of the same buffer
+        // than the one a hook recorded.
+        Stage::KPeRoped => kv_a_cut(x, l, r, Then::Rope),
         Stage::QPeRoped => cut(
             x,
-            Stage::Q,
-            n * (p + r),
+            Fused {
+                name: &Stage::Q.name(),
+                data: &own_or_reference(x, Stage::Q)?.to_f64(),
+                row: n * (p + r),
+            },
             n,
             View {
                 row: n * (p + r),
@@ -116,6 +83,51 @@ pub(super) fn strided_view(x: &SiteCtx<'_>) -> Option<Detection> {
         Stage::KNope | Stage::V => kv_b_cut(x, n, l, p, v),
         _ => None,
     }
+}
+
+/// A cut of `width` columns at column `at` of `kv_a` (`kv_c`: 0, `k_pe`: L), through `then`:
+/// replayed from `kv_a` itself (row stride L+R), and on a model with `q_lora_rank` also from
+/// the buffer it is a view of, the fused `q_a`/`kv_a` projection's output `q_c ‖ kv_a` (row
+/// stride Lq+L+R, as vLLM's `fused_qkv_a_proj` writes it), where a view read with another
+/// stride crosses into `q_c`.
+fn kv_a_cut(x: &SiteCtx<'_>, at: usize, width: usize, then: Then) -> Option<Detection> {
+    let cfg = x.input.cfg;
+    let (l, r) = (cfg.kv_lora_rank, cfg.qk_rope_head_dim);
+    let kv_a = own_or_reference(x, Stage::KvA)?;
+    let own = kv_a.to_f64();
+    let view = |row, off| View { row, head: 0, off };
+    if let Some(d) = cut(
+        x,
+        Fused {
+            name: &Stage::KvA.name(),
+            data: &own,
+            row: l + r,
+        },
+        1,
+        view(l + r, at),
+        width,
+        then,
+    ) {
+        return Some(d);
+    }
+    let lq = cfg.q_lora_rank.filter(|&q| q > 0)?;
+    let q_c = own_or_reference(x, Stage::QC)?.to_f64();
+    let t = own.len() / (l + r).max(1);
+    if q_c.len() != t * lq || own.len() != t * (l + r) {
+        return None;
+    }
+    let row = lq + l + r;
+    let mut fused = Vec::with_capacity(t * row);
+    for ti in 0..t {
+        fused.extend_from_slice(&q_c[ti * lq..(ti + 1) * lq]);
+        fused.extend_from_slice(&own[ti * (l + r)..(ti + 1) * (l + r)]);
+    }
+    let src = Fused {
+        name: "fused_qkv_a_proj's output (q_c ‖ kv_a)",
+        data: &fused,
+        row,
+    };
+    cut(x, src, 1, view(row, lq + at), width, then)
 }
 
 /// The strides and offsets a view is replayed with: MLA's tensor widths, each named as evidence
@@ -179,21 +191,31 @@ fn pick(t: &TraceTensor, tokens: &[usize], per_token: usize) -> Vec<f64> {
         .collect()
 }
 
+/// A fused tensor a view is cut out of: its name as evidence says it, its values and its width
+/// per token in its true layout.
+struct Fused<'a> {
+    name: &'a str,
+    data: &'a [f64],
+    row: usize,
+}
+
 /// A cut of `heads` blocks of `width` per token out of the fused `src` (`row` wide per token in
 /// its true layout), replayed with every view of the set but the true one `truth`, then through
 /// `then`: the view that explains the site on the sampled tokens.
 fn cut(
     x: &SiteCtx<'_>,
-    src_stage: Stage,
-    row: usize,
+    Fused {
+        name: src_name,
+        data,
+        row,
+    }: Fused<'_>,
     heads: usize,
     truth: View,
     width: usize,
     then: Then,
 ) -> Option<Detection> {
-    let src = own_or_reference(x, src_stage)?;
     let t = *x.refr.shape.first()?;
-    if src.len() != t * row || x.cand.len() != t * heads * width || x.refr.len() != x.cand.len() {
+    if data.len() != t * row || x.cand.len() != t * heads * width || x.refr.len() != x.cand.len() {
         return None;
     }
     let tokens = spread(t, SAMPLE_TOKENS);
@@ -202,7 +224,6 @@ fn cut(
     let as_is = rel_l2(&cand, &pick(x.refr, &tokens, per_token));
     let post = Post::new(x, then, width)?;
     let ws = widths(x);
-    let data = src.to_f64();
     let mut views = Vec::new();
     for (s, _) in &ws {
         // Row strides: the width itself; for a per-head cut also the true row with another head
@@ -226,14 +247,14 @@ fn cut(
     // The rows and heads on their own strides with the true offset come first (the likelier
     // mistake), then other offsets.
     for vw in views {
-        let Some(alt) = replay_view(&data, &tokens, heads, width, vw, &post) else {
+        let Some(alt) = replay_view(data, &tokens, heads, width, vw, &post) else {
             continue;
         };
         let e = rel_l2(&cand, &alt);
         if e <= x.explain && e < as_is {
             return Some(describe(
                 x,
-                src_stage,
+                src_name,
                 truth,
                 vw,
                 heads,
@@ -341,7 +362,7 @@ fn replay_view(data: &[f64], tokens: &[usize], heads: usize, width: usize, vw: V
 )]
 fn describe(
     x: &SiteCtx<'_>,
-    src: Stage,
+    src: &str,
     truth: View,
     vw: View,
     heads: usize,
@@ -355,7 +376,7 @@ fn describe(
     let site = x.site.stage.name();
     let stride = if heads == 1 {
         format!(
-            "row stride {} instead of {}",
+            "with row stride {} instead of {}",
             name_of(ws, vw.row),
             name_of(ws, truth.row)
         )
@@ -368,7 +389,7 @@ fn describe(
         )
     } else {
         format!(
-            "head stride {} instead of {}",
+            "with head stride {} instead of {}",
             name_of(ws, vw.head),
             name_of(ws, truth.head)
         )
@@ -385,9 +406,9 @@ fn describe(
     };
     Detection::new(
         format!(
-            "{site} equals {}'s {width}-wide cut read with {stride}{off}{then_text}, on {sampled} sampled tokens \
+            "{site} equals {}'s {width}-wide cut read {stride}{off}{then_text}, on {sampled} sampled tokens \
              (rel_l2 {} vs {} as is)",
-            src.name(),
+            src,
             sci(e, 2),
             sci(as_is, 2)
         ),
@@ -395,7 +416,7 @@ fn describe(
             "{site} is a view of {}: the kernel that reads it must use the view's own strides (or get a \
              .contiguous() copy); a kernel that assumes contiguous rows, or a view built with another tensor's \
              stride, reads the right memory in the wrong places (llama.cpp#12956)",
-            src.name()
+            src
         ),
     )
 }

@@ -336,7 +336,7 @@ pub fn not_loaded(f: &Failing<'_>) -> Option<Finding> {
 }
 
 /// Transposed: the expected tensor with its last two dims swapped (`[in, out]` for `[out, in]`);
-/// for `W_UK_T`/`W_UV` a `kv_b` layout finding ([`transposed_of`]).
+/// for `W_UK_T`/`W_UV` a `kv_b` layout finding (`transposed_of`).
 pub fn transposed(f: &Failing<'_>) -> Option<Finding> {
     let fused = f.cfg.kv_b_layout == KvBLayout::Fused;
     let (class, d) = transposed_of(
@@ -505,7 +505,7 @@ pub fn shard_order(f: &Failing<'_>) -> Option<Finding> {
 /// A kv_b-derived tensor (`kv_b_proj`, `W_UK_T`, `W_UV`, whole or one rank's shard) whose rows
 /// are split grouped `[all k | all v]` per rank instead of per head, or whose `attn_k_b` was
 /// reshaped instead of transposed: `kv-b-layout`, by the same decision as the weight sites of
-/// `compare` ([`kv_b_layout_of`]).
+/// `compare` (`kv_b_layout_of`).
 pub fn kv_b_layout(f: &Failing<'_>) -> Option<Finding> {
     let which = KvBWeight::of_param(f.param)?;
     let kv_b = f.kv_b?;
@@ -539,9 +539,9 @@ pub fn kv_b_layout(f: &Failing<'_>) -> Option<Finding> {
     Some(f.finding(Class::KvBLayout, d.evidence, d.hint))
 }
 
-/// Heads in another order within a head-split tensor ([`head_order`]: every position holds some
+/// Heads in another order within a head-split tensor (`head_order`: every position holds some
 /// head's block). Its class is the one `compare` gives the same weight site
-/// ([`head_order_class`]): `tp-rank-order` under TP, `kv-b-layout` for a kv_b-derived tensor
+/// (`head_order_class`): `tp-rank-order` under TP, `kv-b-layout` for a kv_b-derived tensor
 /// without TP, else `mismatch` with the heads' order as evidence.
 pub fn heads_permuted(f: &Failing<'_>) -> Option<Finding> {
     let (axis, unit) = match f.p.split {

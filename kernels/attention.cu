@@ -1,11 +1,13 @@
 // MLA attention kernels: expanded prefill (flash attention with LSE), split-KV absorbed decode
 // over the paged latent cache, and the LSE merge shared by decode splits and chunked prefill.
 //
-// flash_prefill_{f32,bf16}(q, k, v, out, lse, segs, tiles, nh, dqk, dv, scale, empty)
+// flash_prefill_{f32,bf16}(q, k, v, out, lse, segs, tiles, krows, indirect, nh, dqk, dv, scale, empty)
 //   q    [Tq, nh, dqk]  (dqk = P+R; f32 or bf16)      k [Tk, nh, dqk]   v [Tk, nh, dv] (dv = V)
 //   out  [Tq, nh, dv] f32, written in place          lse [Tq, nh] f32 (natural log)
 //   segs [nseg, 5] i64: q_off, q_len, k_off, k_len, causal (query i sees key j iff
 //        j <= i + k_len - q_len when causal: bottom-right alignment)
+//   krows i64, indirect: when indirect != 0, key j of a segment is row krows[k_off + j] of k and
+//        v (the DSA selection read by index); otherwise row k_off + j and krows is not read
 //   tiles [n_tiles, 2] i64: (segment, first query row of the tile); grid (n_tiles, nh)
 //   empty: what a row with no visible key gets: 0 = out 0, lse -inf; 1 = out 0, lse +inf;
 //          2 = nothing written (the caller's canary stays)
@@ -38,7 +40,8 @@ template <> __device__ __forceinline__ float ldf<__nv_bfloat16>(const __nv_bfloa
 
 template <typename T>
 __device__ void flash_prefill(const T* q, const T* k, const T* v, float* out, float* lse, const i64* segs,
-                              const i64* tiles, i64 nh, i64 dqk, i64 dv, float scale, int empty) {
+                              const i64* tiles, const i64* krows, int indirect, i64 nh, i64 dqk, i64 dv,
+                              float scale, int empty) {
     extern __shared__ float smem[];
     float* ks = smem;                              // [FLASH_BK, dqk]
     float* vs = ks + FLASH_BK * dqk;               // [FLASH_BK, dv]
@@ -60,11 +63,13 @@ __device__ void flash_prefill(const T* q, const T* k, const T* v, float* out, fl
         __syncthreads();
         for (i64 e = threadIdx.x; e < cols * dqk; e += blockDim.x) {
             i64 c = e / dqk, d = e % dqk;
-            ks[c * dqk + d] = ldf(k, ((k_off + kt + c) * nh + h) * dqk + d);
+            const i64 kr = indirect ? krows[k_off + kt + c] : k_off + kt + c;
+            ks[c * dqk + d] = ldf(k, (kr * nh + h) * dqk + d);
         }
         for (i64 e = threadIdx.x; e < cols * dv; e += blockDim.x) {
             i64 c = e / dv, d = e % dv;
-            vs[c * dv + d] = ldf(v, ((k_off + kt + c) * nh + h) * dv + d);
+            const i64 kr = indirect ? krows[k_off + kt + c] : k_off + kt + c;
+            vs[c * dv + d] = ldf(v, (kr * nh + h) * dv + d);
         }
         __syncthreads();
         if (!active) continue;
@@ -96,15 +101,16 @@ __device__ void flash_prefill(const T* q, const T* k, const T* v, float* out, fl
 }
 
 extern "C" __global__ void flash_prefill_f32(const float* q, const float* k, const float* v, float* out, float* lse,
-                                             const i64* segs, const i64* tiles, i64 nh, i64 dqk, i64 dv, float scale,
-                                             int empty) {
-    flash_prefill<float>(q, k, v, out, lse, segs, tiles, nh, dqk, dv, scale, empty);
+                                             const i64* segs, const i64* tiles, const i64* krows, int indirect,
+                                             i64 nh, i64 dqk, i64 dv, float scale, int empty) {
+    flash_prefill<float>(q, k, v, out, lse, segs, tiles, krows, indirect, nh, dqk, dv, scale, empty);
 }
 
 extern "C" __global__ void flash_prefill_bf16(const __nv_bfloat16* q, const __nv_bfloat16* k,
                                               const __nv_bfloat16* v, float* out, float* lse, const i64* segs,
-                                              const i64* tiles, i64 nh, i64 dqk, i64 dv, float scale, int empty) {
-    flash_prefill<__nv_bfloat16>(q, k, v, out, lse, segs, tiles, nh, dqk, dv, scale, empty);
+                                              const i64* tiles, const i64* krows, int indirect, i64 nh, i64 dqk,
+                                              i64 dv, float scale, int empty) {
+    flash_prefill<__nv_bfloat16>(q, k, v, out, lse, segs, tiles, krows, indirect, nh, dqk, dv, scale, empty);
 }
 
 template <typename T>

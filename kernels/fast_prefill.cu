@@ -11,14 +11,18 @@
 //              fragments are read with ldmatrix at every tile (fewer registers, more
 //              shared-memory traffic)
 //   FP_MINB    blocks per SM the register allocation must allow (__launch_bounds__)
+//   FP_INDIRECT 1: the keys are read through krows (below)
 //
-// flash_prefill_mma(q, k, v, out, lse, segs, tiles, nh, scale, empty)
+// flash_prefill_mma(q, k, v, out, lse, segs, tiles, krows, nh, scale, empty)
 //   q    [Tq, nh, DQK] bf16        k [Tk, nh, DQK] bf16        v [Tk, nh, DV] bf16
 //   out  [Tq, nh, DV] f32, written in place        lse [Tq, nh] f32 (natural log)
 //   segs [nseg, 5] i64: q_off, q_len, k_off, k_len, causal (query i sees key j iff
 //        j <= i + k_len - q_len when causal)
 //   tiles [n_tiles, 2] i64: (segment, first query row, a multiple of 16·FP_MT·FP_WARPS); grid
 //        (n_tiles, nh); 32·FP_WARPS threads
+//   krows i64: with FP_INDIRECT 1, key j of a segment is row krows[k_off + j] of k and v (the DSA
+//        selection read by index: each K/V tile row is addressed on its own); with FP_INDIRECT 0
+//        (a separate build, so the dense kernel keeps its registers) row k_off + j, krows unread
 //   empty: a row with no visible key gets 0 = out 0, lse -inf; 1 = out 0, lse +inf; 2 = nothing
 // Per K/V tile: wait for tile it (cp.async group), one __syncthreads (tile it landed for every
 // warp, tile it-1's stage free), issue the copy of tile it+STAGES-1, S = Q·Kᵀ (K's B fragments
@@ -49,6 +53,9 @@
 #endif
 #ifndef FP_MINB
 #define FP_MINB 1
+#endif
+#ifndef FP_INDIRECT
+#define FP_INDIRECT 0
 #endif
 
 #define FP_THREADS (32 * FP_WARPS)
@@ -92,7 +99,7 @@ __device__ __forceinline__ unsigned fp_ld32(const bf16* p, bool ok) {
 
 extern "C" __global__ void __launch_bounds__(FP_THREADS, FP_MINB)
     flash_prefill_mma(const bf16* q, const bf16* k, const bf16* v, float* out, float* lse, const i64* segs,
-                      const i64* tiles, i64 nh, float scale, int empty) {
+                      const i64* tiles, const i64* krows, i64 nh, float scale, int empty) {
     extern __shared__ __align__(16) unsigned char fp_smem[];
     bf16* St = reinterpret_cast<bf16*>(fp_smem);  // [STAGES][BK·LDK (K) + BK·LDV (V)]
 #if !FP_QREG
@@ -162,7 +169,12 @@ extern "C" __global__ void __launch_bounds__(FP_THREADS, FP_MINB)
             if (FP_KCH % FP_THREADS == 0 || e < FP_KCH) {
                 const int r = e / (MLA_DQK / 8), c = (e % (MLA_DQK / 8)) * 8;
                 const bool ok = r < lim;
-                mla_cp16(kd + r * FP_LDK + c, kb + (ok ? r * row_stride_k + c : 0), ok);
+#if FP_INDIRECT
+                const bf16* src = ok ? k + (krows[k_off + kt + r] * nh + h) * MLA_DQK + c : kb;
+#else
+                const bf16* src = kb + (ok ? r * row_stride_k + c : 0);
+#endif
+                mla_cp16(kd + r * FP_LDK + c, src, ok);
             }
         }
 #pragma unroll
@@ -171,7 +183,12 @@ extern "C" __global__ void __launch_bounds__(FP_THREADS, FP_MINB)
             if (FP_VCH % FP_THREADS == 0 || e < FP_VCH) {
                 const int r = e / (MLA_DV / 8), c = (e % (MLA_DV / 8)) * 8;
                 const bool ok = r < lim;
-                mla_cp16(vd + r * FP_LDV + c, vb + (ok ? r * row_stride_v + c : 0), ok);
+#if FP_INDIRECT
+                const bf16* src = ok ? v + (krows[k_off + kt + r] * nh + h) * MLA_DV + c : vb;
+#else
+                const bf16* src = vb + (ok ? r * row_stride_v + c : 0);
+#endif
+                mla_cp16(vd + r * FP_LDV + c, src, ok);
             }
         }
     };

@@ -1227,3 +1227,182 @@ fn format2_residual_scale_is_undone_and_an_undeclared_one_is_named() {
         "{err}"
     );
 }
+
+/// A format-2 dump whose decode step lacks `L0.kv_c_normed`, which its prefill step holds, and
+/// whose decode `L0.k_nope` is off: the finding's hint names `L0.kv_c_normed` as written in
+/// another step and not in this one, then `L0.w.kv_b`, which no step holds, never as inputs that
+/// passed.
+#[test]
+fn a_step_without_an_input_the_hook_wrote_elsewhere_says_so() {
+    use safetensors::{Dtype, SafeTensors};
+    let (_dir, p) = split_into_steps("tiny-v3-f32.hf.safetensors", "tiny-v3-f32.gguf", 2, None);
+    let src = std::fs::read(&p).unwrap();
+    let st = SafeTensors::deserialize(&src).unwrap();
+    let (_, m) = SafeTensors::read_metadata(&src).unwrap();
+    let metadata = m.metadata().clone().unwrap_or_default();
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in st.tensors() {
+        if name == "s1.L0.kv_c_normed" {
+            continue;
+        }
+        let mut bytes = view.data().to_vec();
+        if name == "s1.L0.k_nope" {
+            let v: Vec<f32> = bytes
+                .chunks(4)
+                .zip(mla_diff::core::batch::normal_f32(9, bytes.len() / 4))
+                .map(|(b, n)| f32::from_le_bytes(b.try_into().unwrap()) + 0.5 * n)
+                .collect();
+            bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        }
+        tensors.push((name, view.dtype(), view.shape().to_vec(), bytes));
+    }
+    let (_dir2, q) = write_dump("steps-missing.safetensors", &tensors, metadata);
+    let (code, out, err, doc) = compare_path("tiny-v3-f32.gguf", &q, &[]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    let f = &doc["findings"][0];
+    assert_eq!(f["site"], "L0.k_nope", "{f}");
+    assert_eq!(f["class"], "mismatch", "{f}");
+    assert_eq!(
+        f["hint"],
+        "no known bug class explains this; this stage's inputs `L0.kv_c_normed` (the dump holds this stage in \
+         another step or layer, not in this one) and `L0.w.kv_b` (not dumped) were not compared, so the divergence \
+         may begin in them: dump them in this step"
+    );
+    let decode = site_of(&doc, "L0.k_nope", Some("decode-1"));
+    assert_eq!(decode["status"], "fail", "{decode}");
+}
+
+/// An attention output buffer that holds stale memory instead of the result (the copy into the
+/// caller's buffer dropped, whatever `torch.empty` returned): seeded floats of the output's own
+/// RMS, another layer's attention output, the value rows a token later, or garbage a hundred
+/// times larger, in f32 and bf16 dumps. None holds the canary or zeros, and each is
+/// `phantom-output` at `L0.attn_out` with the count of elements outside the range of the `v`
+/// rows the token attends to.
+#[test]
+fn stale_memory_in_the_attention_output_is_phantom_output() {
+    // Each case builds the stale buffer from (the real output, layer 1's output, L0.v).
+    type Stale = fn(&[f32], &[f32], &[f32]) -> Vec<f32>;
+    let cases: [(&str, Stale); 4] = [
+        ("seeded floats of the output's RMS", |out, _, _| {
+            let r = (out.iter().map(|x| x * x).sum::<f32>() / out.len() as f32).sqrt();
+            mla_diff::core::batch::normal_f32(21, out.len())
+                .iter()
+                .map(|x| x * r)
+                .collect()
+        }),
+        ("layer 1's attention output", |_, l1, _| l1.to_vec()),
+        ("the v rows one token later", |out, _, v| {
+            let per = out.len() / 6;
+            (0..out.len()).map(|i| v[(i + per) % v.len()]).collect()
+        }),
+        ("garbage 100x larger", |out, _, _| {
+            mla_diff::core::batch::normal_f32(22, out.len())
+                .iter()
+                .map(|x| 100.0 * x)
+                .collect()
+        }),
+    ];
+    for dump in ["tiny-v3-f32.hf.safetensors", "tiny-v3-f32.hf-bf16.safetensors"] {
+        for (what, stale) in cases {
+            // The dump's own tensors the stale buffer is made of.
+            let src = std::fs::read(repo().join("golden/dumps").join(dump)).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&src).unwrap();
+            let f32s = |name: &str| -> Vec<f32> {
+                let t = st.tensor(name).unwrap();
+                match t.dtype() {
+                    safetensors::Dtype::F32 => t
+                        .data()
+                        .chunks(4)
+                        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                        .collect(),
+                    _ => t
+                        .data()
+                        .chunks(2)
+                        .map(|b| f32::from_bits(u32::from(u16::from_le_bytes(b.try_into().unwrap())) << 16))
+                        .collect(),
+                }
+            };
+            let (out, l1, v) = (f32s("L0.attn_out"), f32s("L1.attn_out"), f32s("L0.v"));
+            let planted = stale(&out, &l1, &v);
+            let (_d, p) = rewrite_dump_any(dump, "L0.attn_out", &planted);
+            let (code, o, err, doc) = compare_path("tiny-v3-f32.gguf", &p, &[]);
+            assert_eq!(code, 1, "{dump} {what}: {o}\n{err}");
+            let f = &doc["findings"][0];
+            assert_eq!(f["class"], "phantom-output", "{dump} {what}: {f}");
+            assert_eq!(f["site"], "L0.attn_out", "{dump} {what}: {f}");
+            let ev = f["evidence"].as_str().unwrap();
+            assert!(
+                ev.contains("lie outside the range of the v rows their token attends to"),
+                "{dump} {what}: {ev}"
+            );
+        }
+    }
+}
+
+/// A copy of the committed dump `dump` with the tensor `name` replaced by `values` in its own
+/// dtype (f32, or bf16 rounded to nearest even).
+fn rewrite_dump_any(dump: &str, name: &str, values: &[f32]) -> (tempfile::TempDir, std::path::PathBuf) {
+    use safetensors::{Dtype, SafeTensors};
+    let src = std::fs::read(repo().join("golden/dumps").join(dump)).unwrap();
+    let st = SafeTensors::deserialize(&src).unwrap();
+    let (_, m) = SafeTensors::read_metadata(&src).unwrap();
+    let metadata = m.metadata().clone().unwrap_or_default();
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (n, view) in st.tensors() {
+        let bytes = if n == name {
+            match view.dtype() {
+                Dtype::F32 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                _ => values
+                    .iter()
+                    .flat_map(|x| {
+                        let b = x.to_bits();
+                        let r = b.wrapping_add(0x7FFF + ((b >> 16) & 1));
+                        ((r >> 16) as u16).to_le_bytes()
+                    })
+                    .collect(),
+            }
+        } else {
+            view.data().to_vec()
+        };
+        tensors.push((n, view.dtype(), view.shape().to_vec(), bytes));
+    }
+    write_dump(dump, &tensors, metadata)
+}
+
+/// A format-2 dump of several steps lists what each step lacks, per step: the prefill lacks the
+/// absorbed decode's sites, the decode steps the weights and expanded sites the prefill holds
+/// (a stage dumped elsewhere comes first), and steps lacking the same sites share one line.
+#[test]
+fn a_multi_step_dump_lists_its_missing_sites_per_step() {
+    let (code, out, err, doc) = compare("legacy-kvb-q8_0.gguf", "legacy-kvb-q8_0.vllm.safetensors", &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let nd: Vec<&str> = doc["dump"]["not_dumped"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        nd[..3],
+        ["prefill: L0.ql_nope", "prefill: L0.attn_latent", "prefill: L0.lse"],
+        "{nd:?}"
+    );
+    for step in ["decode-1", "decode-2"] {
+        for site in ["L0.w.kv_b", "L0.k_nope", "L0.v"] {
+            assert!(
+                nd.contains(&format!("{step}: {site}").as_str()),
+                "{step}: {site} in {nd:?}"
+            );
+        }
+        assert!(!nd.contains(&format!("{step}: L0.lse").as_str()), "{nd:?}");
+    }
+    assert!(!nd.contains(&"prefill: L0.w.kv_b"), "{nd:?}");
+    assert!(
+        out.contains("not dumped in prefill (not compared): L0.ql_nope, L0.attn_latent, L0.lse\n"),
+        "{out}"
+    );
+    assert!(
+        out.contains("not dumped in decode-1, decode-2 (not compared): L0.w.fused_qkv_a, L0.w.kv_b,"),
+        "{out}"
+    );
+}

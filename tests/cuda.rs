@@ -881,3 +881,87 @@ fn nccl_one_rank_all_reduce_is_the_identity() {
     eprintln!("  Ops::all_reduce_sum   {got:?}");
     assert_eq!(bits(&got), bits(&input));
 }
+
+/// A buffer of more than 2^32 floats is filled to its last element: a launch covers every
+/// element whatever the count (the grid's block count is never cut to 32 bits, which covered
+/// `n mod 2^32` elements and left the rest as it was). 16 GiB of device memory.
+#[test]
+fn device_launches_cover_buffers_past_32_bit_counts() {
+    let Some(ops) = device() else { return };
+    let n = (1usize << 32) + 1024;
+    let buf = ops.canary(n).unwrap();
+    let tail = ops
+        .download(&ops.gather_rows(&buf, 1, &[1023, n - 1]).unwrap())
+        .unwrap();
+    assert!(
+        tail.iter().all(|&x| mla_diff::core::canary::is_canary(x)),
+        "the canary fill reached elements {:?}",
+        tail.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
+}
+
+/// Attention over keys read by index (`PrefillArgs::key_rows`, a DSA selection) at GLM-5's head
+/// widths (P+R = V = 256): the simple kernel in f32, and the tensor-core build that reads by
+/// index in bf16, against the CPU kernel on the same inputs, for causal runs (rows that keep
+/// every key up to themselves), spread selections of more than one key tile, an empty row and
+/// rows of one key.
+#[test]
+fn device_attention_over_keys_read_by_index_matches_the_cpu() {
+    use mla_diff::backend::cuda::ops::Kernels;
+    use mla_diff::compute::ops::{EmptyRows, PrefillArgs, sparse_segments};
+    let Some(ops) = device() else { return };
+    let (nq, nk, nh, dqk, dv) = (300, 400, 4, 256, 256);
+    let q = normal_f32(41, nq * nh * dqk);
+    let k = normal_f32(42, nk * nh * dqk);
+    let v = normal_f32(43, nk * nh * dv);
+    let mut keys: Vec<Vec<usize>> = (0..200).map(|i| (0..=i).collect()).collect();
+    keys.extend((200..296).map(|i| (0..150).map(|j| (j * 13 + 7 * i) % nk).collect::<Vec<_>>()));
+    keys.extend([vec![], vec![399], vec![5, 6], vec![5, 6, 7]]);
+    let (segs, rows) = sparse_segments(&keys);
+    for (dtype, kernels, bound) in [
+        (Dtype::F32, Kernels::Simple, 1e-5),
+        (Dtype::Bf16, Kernels::Simple, 1e-5),
+        (Dtype::Bf16, Kernels::Fast, 2e-2),
+    ] {
+        let gpu = ops.with_dtype(dtype).with_kernels(kernels);
+        let cpu = CpuOps::new(dtype);
+        let cpu_args = PrefillArgs {
+            q: &q,
+            k: &k,
+            v: &v,
+            nh,
+            dqk,
+            dv,
+            segments: &segs,
+            scale: 0.0625,
+            empty: EmptyRows::ZeroMinusInf,
+            key_rows: Some(&rows),
+        };
+        let mut want = (cpu.canary(nq * nh * dv).unwrap(), cpu.canary(nq * nh).unwrap());
+        cpu.flash_attention(&cpu_args, &mut want.0, &mut want.1).unwrap();
+        let (qd, kd, vd) = (
+            gpu.upload(&q).unwrap(),
+            gpu.upload(&k).unwrap(),
+            gpu.upload(&v).unwrap(),
+        );
+        let mut out = gpu.canary(nq * nh * dv).unwrap();
+        let mut lse = gpu.canary(nq * nh).unwrap();
+        gpu.flash_attention(&cpu_args.with_inputs(&qd, &kd, &vd), &mut out, &mut lse)
+            .unwrap();
+        let got = (gpu.download(&out).unwrap(), gpu.download(&lse).unwrap());
+        let what = format!("{dtype:?} {kernels:?}");
+        for (name, g, c) in [("out", &got.0, &want.0), ("lse", &got.1, &want.1)] {
+            let finite: Vec<(f64, f64)> = g
+                .iter()
+                .zip(c)
+                .filter(|(_, c)| c.is_finite())
+                .map(|(&g, &c)| (f64::from(g), f64::from(c)))
+                .collect();
+            let d = finite.iter().map(|(g, c)| (g - c) * (g - c)).sum::<f64>().sqrt();
+            let n = finite.iter().map(|(_, c)| c * c).sum::<f64>().sqrt();
+            eprintln!("{what} {name}: rel_l2 {:.3e} vs the CPU", d / n);
+            assert!(d <= bound * n, "{what} {name}: rel_l2 {:.3e}", d / n);
+        }
+        assert_eq!(got.1[296 * nh], f32::NEG_INFINITY, "{what}: the row with no key");
+    }
+}

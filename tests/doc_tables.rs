@@ -32,9 +32,10 @@ macro_rules! every_variant {
 fn every_class() -> Vec<Class> {
     every_variant!(Class:
         WeightNotLoaded, PhantomOutput, UnwrittenRows, ShardOrder, TpRankOrder, TpReduce, KvBLayout,
-        QuantBlockMisaligned, Transposed, RopeStyle, SoftmaxScale, LseMerge, MoeRouting,
-        IndexerRopeStyle, IndexerTopkStale, IndexerSelection, Nonfinite, ScaleOnly,
+        QuantBlockMisaligned, Transposed, NormSkipped, RopeStyle, SoftmaxScale, LseMerge, MoeRouting,
+        IndexerRopeStyle, IndexerTopkStale, IndexerSelection, ResidualScale, Precision, Nonfinite, ScaleOnly,
         PathDisagreement, Mismatch, WeightNonfinite,
+        StridedView, PagedKv,
     )
 }
 
@@ -43,7 +44,9 @@ fn every_fault() -> Vec<Fault> {
         PhantomOutput, UnwrittenRows, FusedShardSwap, TpRankOrder, TpRank0Everywhere, TpGateUpRank0,
         KvBGrouped, KBUntransposed, RopeNeox, NoMscale, RopeCosScaled, LsePlusInf, QuantSliceMisaligned,
         StridedKvC, IndexerRopeInterleaved, IndexerTopkStale, AllReduceTwice, AllReduceSkipRank,
-        AllReduceReadEarly,
+        AllReduceReadEarly, PhantomOutputStale, KvNormSkipped, SplitLseBase2, SplitDropped,
+        SplitDuplicated, SplitEmptyZero, SplitEmptyFinite, ResidualScaled, Fp16AccumQlNope,
+        PagedKvPageSize, PagedKvBlockOffset, SlotMappingOffset, KPeStride, KvBHalvesSwapped, KvBHeadsInterleaved,
     )
 }
 

@@ -141,6 +141,105 @@ fn lse_plus_inf() {
     );
 }
 
+/// The split-KV decode's merge bugs, on `mqa` (every row a decode) and `mixed` (its decode
+/// rows), each named with its rule at the path's 4 splits; `mha` and `chunked` have no split-KV
+/// decode and pass. A DSA model decodes its selection the same way.
+#[test]
+fn split_merge_faults_are_lse_merge_with_their_rule() {
+    for (model_name, fault, rule) in [
+        (None, "split-lse-base2", "each split's LSE in base 2"),
+        (None, "split-dropped", "split 3 of 4 lost from the merge"),
+        (None, "split-duplicated", "split 0 of 4 merged twice"),
+        (None, "split-empty-zero", "with LSE 0 and a zero output"),
+        (None, "split-empty-finite", "with a finite stale LSE and output"),
+        (
+            Some("dsa-glm-q8_0.gguf"),
+            "split-dropped",
+            "split 3 of 4 lost from the merge",
+        ),
+    ] {
+        let m = model_name.map(model);
+        let mut args = vec!["--inject", fault, "--path", "all", "--seqs", "1,15,16,17,53"];
+        if let Some(m) = &m {
+            args.extend(["--model", m.as_str()]);
+        }
+        let f = expect(
+            &args,
+            &[("mqa", "lse-merge", "L1.attn_latent"), ("mixed", "lse-merge", "L1.lse")],
+        );
+        assert_eq!(f.len(), 2, "{fault}: {f:#?}");
+        for x in &f {
+            assert!(x["evidence"].as_str().unwrap().contains(rule), "{fault}: {x:#?}");
+        }
+    }
+}
+
+/// The residual operand of a dense layer's add × 1/routed_scaling_factor (0.4 on a model
+/// without one): `residual-scale` at `ffn_in` on every path, naming the factor.
+#[test]
+fn residual_scaled_names_the_factor() {
+    let f = expect(
+        &["--inject", "residual-scaled"],
+        &ALL4.map(|p| (p, "residual-scale", "L1.ffn_in")),
+    );
+    assert!(f[0]["evidence"].as_str().unwrap().contains("α = 0.4000"), "{f:#?}");
+    // moe-v3's dense layer 0, on a model with routed_scaling_factor 2.5.
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let m = model("moe-v3-f32.gguf");
+    let (code, out, err) = run_bin(&[
+        "run",
+        "--model",
+        &m,
+        "--layer",
+        "0",
+        "--path",
+        "mha",
+        "--inject",
+        "residual-scaled",
+        "--quiet",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let f = &v["findings"][0];
+    assert_eq!(
+        (f["class"].as_str(), f["site"].as_str()),
+        (Some("residual-scale"), Some("L0.ffn_in")),
+        "{f:#?}"
+    );
+    assert!(
+        f["evidence"]
+            .as_str()
+            .unwrap()
+            .contains("α = 1/routed_scaling_factor = 0.4000 (routed_scaling_factor 2.5)"),
+        "{f:#?}"
+    );
+}
+
+/// `ql_nope` through an f16 GEMM in an f32 run: `precision` on the absorbed path; refused in a
+/// bf16 run, where it cannot show.
+#[test]
+fn fp16_accum_ql_nope_is_precision() {
+    let f = expect(
+        &["--inject", "fp16-accum-ql-nope", "--path", "mqa"],
+        &[("mqa", "precision", "L1.ql_nope")],
+    );
+    assert!(f[0]["evidence"].as_str().unwrap().contains("f16"), "{f:#?}");
+    let (code, _, err) = run_bin(&[
+        "run",
+        "--dtype",
+        "bf16",
+        "--inject",
+        "fp16-accum-ql-nope",
+        "--path",
+        "mqa",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("needs --dtype f32"), "{err}");
+}
+
 #[test]
 fn quant_slice_misaligned_is_reported_without_running() {
     let want: Vec<_> = ALL4
@@ -152,10 +251,22 @@ fn quant_slice_misaligned_is_reported_without_running() {
 }
 
 #[test]
-fn strided_kv_c_is_a_mismatch_with_row_zero_exact() {
-    let want: Vec<_> = ALL4.iter().map(|p| (*p, "mismatch", "L1.kv_c_normed")).collect();
+fn a_view_read_with_another_stride_is_strided_view() {
+    let want: Vec<_> = ALL4.iter().map(|p| (*p, "strided-view", "L1.kv_c_normed")).collect();
     let f = expect(&["--inject", "strided-kv-c"], &want);
-    assert!(f[0]["evidence"].as_str().unwrap().contains("rows [0] exact"), "{f:#?}");
+    let ev = f[0]["evidence"].as_str().unwrap();
+    assert!(
+        ev.contains("kv_c_normed equals kv_a's 96-wide cut read with row stride 96 (L, kv_c's width) instead of 112 (L+R, kv_a's width), then kv_a_layernorm"),
+        "{ev}"
+    );
+    let want: Vec<_> = ALL4.iter().map(|p| (*p, "strided-view", "L1.k_pe")).collect();
+    let f = expect(&["--inject", "k-pe-stride"], &want);
+    let ev = f[0]["evidence"].as_str().unwrap();
+    assert!(
+        ev.contains("k_pe equals kv_a's 16-wide cut read with row stride 96 (L, kv_c's width) instead of 112 (L+R, kv_a's width)")
+            && ev.contains("(rel_l2 0 vs"),
+        "{ev}"
+    );
 }
 
 #[test]
@@ -293,4 +404,85 @@ fn all_reduce_faults_need_tp() {
     let (code, _out, err) = run_bin(&["run", "--layer", "1", "--inject", "all-reduce-skip-rank"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("needs --tp ≥ 2"), "{err}");
+}
+
+/// The paged-cache faults on the paths that read a paged cache, on a batch of several pages and
+/// a shuffled block table: `paged-kv`, the evidence naming the mechanism the replay reproduced;
+/// `mha` keeps no cache (a note, not a finding).
+#[test]
+fn paged_cache_faults_are_paged_kv_with_the_mechanism() {
+    let want = [
+        ("mqa", "paged-kv", "L1.attn_latent"),
+        ("chunked", "paged-kv", "L1.lse"),
+        ("mixed", "paged-kv", "L1.lse"),
+    ];
+    for (fault, what) in [
+        ("paged-kv-page-size", "read with page size 1, written with 16"),
+        (
+            "paged-kv-block-offset",
+            "block table shifted by +1 entry (page size 16)",
+        ),
+        ("slot-mapping-offset", "rows written 1 slot early (slot mapping -1)"),
+    ] {
+        let f = expect(&["--inject", fault, "--seqs", "1,15,16,17,53"], &want);
+        assert!(!f.iter().any(|x| x["path"] == "mha"), "{fault}: {f:#?}");
+        for x in &f {
+            let ev = x["evidence"].as_str().unwrap();
+            // mixed decodes the last token of short sequences, whose misreads land on slots no
+            // row was written to under several mechanisms alike: the evidence says so.
+            let tied = x["path"] == "mixed" && ev.contains("these rows are also what");
+            assert!(ev.contains(what) || tied, "{fault} {}: {ev}", x["path"]);
+            assert!(
+                ev.contains("rebuilt from the path's own kv_c_normed ‖ k_pe_roped rows"),
+                "{ev}"
+            );
+        }
+    }
+    // At page size 1 the block ids are the token slots: nothing to act on, said in a note.
+    let (code, out, err) = run_bin(&[
+        "run",
+        "--layer",
+        "1",
+        "--page-size",
+        "1",
+        "--inject",
+        "paged-kv-page-size",
+        "--path",
+        "mqa",
+    ]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        format!("{out}{err}").contains("paged-kv-page-size: at page size 1"),
+        "{out}{err}"
+    );
+}
+
+/// kv_b split variants the loader builds: each head's halves exchanged where P = V (yarn-v3),
+/// the heads interleaved by 2 (the embedded fixture's 6 heads): `kv-b-layout` at the first
+/// weight site, naming the variant; the swap is refused where P ≠ V.
+#[test]
+fn kv_b_split_variants_are_kv_b_layout() {
+    let want = [
+        ("mha", "kv-b-layout", "L1.w.kv_b"),
+        ("mqa", "kv-b-layout", "L1.w.W_UK_T"),
+        ("chunked", "kv-b-layout", "L1.w.kv_b"),
+        ("mixed", "kv-b-layout", "L1.w.kv_b"),
+    ];
+    let m = model("yarn-v3-f32.gguf");
+    let f = expect(&["--model", &m, "--inject", "kv-b-halves-swapped"], &want);
+    for x in &f {
+        let ev = x["evidence"].as_str().unwrap();
+        assert!(ev.contains("the halves exchanged (P = V = 32; rel_l2 0 vs"), "{ev}");
+    }
+    let f = expect(&["--inject", "kv-b-heads-interleaved"], &want);
+    for x in &f {
+        let ev = x["evidence"].as_str().unwrap();
+        assert!(
+            ev.contains("heads are interleaved by 2: order 0, 3, 1, 4, 2, 5 (rel_l2 0 vs"),
+            "{ev}"
+        );
+    }
+    let (code, out, err) = run_bin(&["run", "--layer", "1", "--inject", "kv-b-halves-swapped"]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("needs P = V"), "{err}");
 }

@@ -100,9 +100,11 @@ fn findings_of(l: &Layer, trace: &Trace, tp: usize) -> Vec<Finding> {
             diffs: &diffs,
             empty_partial_rows: &[],
             unservable: None,
+            paged: None,
         }],
         tp,
         precision: Precision::F32,
+        dump: None,
     })
 }
 
@@ -219,18 +221,30 @@ fn every_rank_keeping_rank_0s_gate_up_slice_is_named_at_its_weight_then_its_outp
         f[0].evidence
     );
 
-    // With only the gathered outputs, judged without knowing the TP size (a dump read at TP 1):
-    // the column blocks of ffn_gate say it.
+    // With only the gathered outputs: at the run's TP size the column blocks of ffn_gate say it.
     let gathered = without(tr, |s| {
         s.is_weight() || matches!(s, Stage::FfnGateUpRank(_) | Stage::FfnDownRank(_))
     });
-    let f = findings_of(&l, &gathered, 1);
+    let f = findings_of(&l, &gathered, 2);
     assert_eq!(f[0].site(), Some(Site::new(1, Stage::FfnGate)));
     assert_eq!(f[0].class, Class::TpRankOrder, "{}", f[0].evidence);
     assert!(
         f[0].evidence.contains("every rank's gate/up output is rank 0's"),
         "{}",
         f[0].evidence
+    );
+    // Judged without a TP size (a dump that declares none, read at TP 1), no rank class is
+    // claimed; the hint says what the column blocks would say under TP.
+    let f = findings_of(&l, &gathered, 1);
+    assert_eq!(f[0].site(), Some(Site::new(1, Stage::FfnGate)));
+    assert_eq!(f[0].class, Class::Mismatch, "{}", f[0].evidence);
+    assert!(
+        f[0].hint.contains(
+            "its column blocks read as 2 TP ranks' outputs say every rank's gate/up output is rank 0's, but the dump \
+             declares no TP"
+        ),
+        "{}",
+        f[0].hint
     );
 }
 

@@ -345,6 +345,7 @@ impl ExportCase {
                 segments: &segs,
                 scale: scale as f32,
                 empty: EmptyRows::ZeroMinusInf,
+                key_rows: None,
             },
             &mut out,
             &mut lse,

@@ -43,26 +43,28 @@ fn check_report_render_names_its_missing_tools() {
     }
 }
 
-/// make_sparse_gguf.py on a Python without numpy (`-S`: no site-packages) says to install numpy
-/// and gguf, in one line, instead of a traceback.
+/// The sparse-file makers (make_sparse_gguf.py, make_glm5_gguf.py) on a Python without numpy
+/// (`-S`: no site-packages) say to install numpy and gguf, in one line, instead of a traceback.
 #[test]
 fn make_sparse_gguf_without_numpy_says_what_to_install() {
     let Some(py) = which("python3") else {
         eprintln!("skipped: no python3 on PATH");
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(py)
-        .arg("-S")
-        .arg(repo().join("scripts/fixtures/make_sparse_gguf.py"))
-        .arg(dir.path().join("v3"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert_eq!(
-        err.trim(),
-        "make_sparse_gguf.py needs numpy and gguf (gguf-py): pip install numpy gguf (No module named 'numpy')"
-    );
-    assert!(!dir.path().join("v3").exists());
+    for script in ["make_sparse_gguf.py", "make_glm5_gguf.py"] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = Command::new(&py)
+            .arg("-S")
+            .arg(repo().join("scripts/fixtures").join(script))
+            .arg(dir.path().join("out"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{script}: {err}");
+        assert_eq!(
+            err.trim(),
+            format!("{script} needs numpy and gguf (gguf-py): pip install numpy gguf (No module named 'numpy')")
+        );
+        assert!(!dir.path().join("out").exists());
+    }
 }

@@ -22,7 +22,7 @@ import functools
 import importlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +232,88 @@ def find_mqa_impl(attn) -> Any:
     return None
 
 
+def find_attention_layer(attn) -> Any:
+    """The MLAAttention module under self_attn (the module that owns the KV cache and is named
+    in the forward context: `layer_name`, `kv_cache`), breadth-first over mla_attn / attn."""
+    torch = _torch()
+    queue, seen = [(attn, 0)], set()
+    while queue:
+        obj, depth = queue.pop(0)
+        if id(obj) in seen or depth > 4:
+            continue
+        seen.add(id(obj))
+        if (
+            isinstance(obj, torch.nn.Module)
+            and obj is not attn
+            and hasattr(obj, "layer_name")
+            and hasattr(obj, "kv_cache")
+        ):
+            return obj
+        for name in ("mla_attn", "attn"):
+            child = getattr(obj, name, None)
+            if child is not None:
+                queue.append((child, depth + 1))
+    return None
+
+
+def attention_step_info(layer) -> dict[str, Any]:
+    """What the engine's attention metadata says about the running step, for one MLAAttention
+    `layer`, read from vLLM's forward context: `block_table` [S, B] int32 (the decode requests'
+    rows, then the prefill requests', as vLLM orders a batch; a narrower table padded with 0,
+    vLLM's null block), `slot_mapping` [T] int64 (the cache slot each new row is written to),
+    `query_start_loc` [S+1] int64 and `page_size` (the KV cache's block size, from its shape
+    [num_blocks, block_size, L+R]). The values are the metadata's, as the scheduler assigned
+    them, before the attention backend uses them. Empty without a forward context."""
+    try:
+        from vllm.forward_context import get_forward_context
+
+        ctx = get_forward_context()
+    except Exception:  # noqa: BLE001 - no vLLM, or called outside a forward
+        return {}
+    name = getattr(layer, "layer_name", None)
+    md = getattr(ctx, "attn_metadata", None)
+    if isinstance(md, list):
+        md = md[0] if md else None
+    if isinstance(md, dict):
+        md = md.get(name)
+    if md is None:
+        return {}
+    out: dict[str, Any] = {}
+    n = getattr(md, "num_actual_tokens", None)
+    slots = getattr(ctx, "slot_mapping", None)
+    slots = slots.get(name) if isinstance(slots, dict) else getattr(md, "slot_mapping", None)
+    if slots is not None:
+        a = _np_int(slots).reshape(-1)
+        out["slot_mapping"] = a[: int(n)] if n is not None else a
+    rows = []
+    for part in (getattr(md, "decode", None), getattr(md, "prefill", None)):
+        bt = getattr(part, "block_table", None) if part is not None else None
+        if bt is not None:
+            rows.append(_np_int(bt).astype(np.int32).reshape(-1, bt.shape[-1]))
+    if rows:
+        width = max(r.shape[1] for r in rows)
+        out["block_table"] = np.concatenate(
+            [np.pad(r, ((0, 0), (0, width - r.shape[1]))) for r in rows]
+        ).astype(np.int32)
+    qsl = getattr(md, "query_start_loc", None)
+    if qsl is not None:
+        out["query_start_loc"] = _np_int(qsl).reshape(-1)
+    cache = getattr(layer, "kv_cache", None)
+    if isinstance(cache, (list, tuple)):
+        cache = cache[0] if cache else None
+    shape = getattr(cache, "shape", None)
+    if shape is not None and len(shape) >= 3 and int(cache.numel()) > 0:
+        out["page_size"] = int(shape[1])
+    return out
+
+
+def _np_int(t) -> np.ndarray:
+    """An integer tensor (or array) as a host int64 numpy copy."""
+    if isinstance(t, np.ndarray):
+        return t.astype(np.int64).copy()
+    return np.array(t.detach().cpu().to(_torch().int64).numpy(), copy=True)
+
+
 def find_ffn(layer) -> tuple[Any, str] | tuple[None, None]:
     """The decoder layer's SwiGLU MLP and the prefix of its weights' names: the dense
     DeepseekV2MLP (`layer.mlp`, prefix ""), or the shared experts of a DeepseekV2MoE
@@ -371,6 +453,34 @@ def dequant_weight(linear, act_dtype) -> tuple[np.ndarray, str]:
     )
 
 
+def patch_entry(patch) -> dict[str, Any]:
+    """A header `patches` entry from (name, reason), (name, reason, params) or such a dict:
+    `{"name", "reason"}`, plus `"params"` when given (a planted bug's parameters)."""
+    if isinstance(patch, dict):
+        entry = {"name": str(patch["name"]), "reason": str(patch.get("reason", ""))}
+        params = patch.get("params")
+    else:
+        entry = {"name": str(patch[0]), "reason": str(patch[1])}
+        params = patch[2] if len(patch) > 2 else None
+    if params is not None:
+        entry["params"] = params
+    return entry
+
+
+def step_seq_lens(query_start_loc, positions, n_rows: int) -> list[int]:
+    """The new tokens of each sequence in a step: from the attention metadata's
+    `query_start_loc` [S+1] when it covers the step's `n_rows` rows (the engine's own split,
+    which also tells apart two requests whose positions happen to follow each other), else
+    inferred from the positions (infer_seq_lens), else one sequence."""
+    if query_start_loc is not None:
+        q = [int(x) for x in query_start_loc]
+        if len(q) >= 2 and q[0] == 0 and q[-1] == n_rows and all(b >= a for a, b in zip(q, q[1:])):
+            return [b - a for a, b in zip(q, q[1:])]
+    if positions is not None:
+        return infer_seq_lens(positions)
+    return [n_rows]
+
+
 def infer_seq_lens(positions: np.ndarray) -> list[int]:
     """Sequence lengths of a token-major batch: a new sequence where a position does not follow."""
     if len(positions) == 0:
@@ -419,6 +529,10 @@ class VllmCapture:
     tp_rank/tp_size/pp_rank/pp_size: default from vLLM's parallel state (override for tests).
     layers: the decoder layers to hook and whose weights to write (default: every layer of this
     pipeline rank); a dump of fewer layers is judged on those (it holds their `hidden_in`).
+    step_sites: {recorded step index: stages} keeps only those stages' sites in that step, the
+    weight sites (`w.kv_b`, ...) of step 0 included (the other steps are recorded in full); a
+    long prompt's prefill can keep `hidden_in`, `kv_c_normed` and `k_pe_roped` (what a decode
+    step's context needs) and leave the rest out of the dump.
     """
 
     def __init__(
@@ -434,6 +548,7 @@ class VllmCapture:
         undo_fp16_residual_scaling: bool = True,
         engine: str | None = None,
         layers: list[int] | tuple[int, ...] | None = None,
+        step_sites: dict[int, Iterable[str]] | None = None,
     ):
         self.root = find_model(model)
         self.missing = check_layout(self.root)  # names this vLLM lacks (see check_layout)
@@ -448,6 +563,7 @@ class VllmCapture:
             self.layers = [(n, layer) for n, layer in self.layers if n in set(layers)]
         self.forward_index = forward_index
         self.n_steps = steps
+        self.step_sites = {int(k): frozenset(v) for k, v in (step_sites or {}).items()}
         p = parallel_info()
         self.tp_rank = p[0] if tp_rank is None else tp_rank
         self.tp_size = p[1] if tp_size is None else tp_size
@@ -457,6 +573,7 @@ class VllmCapture:
         self.engine = engine or vllm_version()
         self.handles: list = []
         self._wrapped: list = []  # (object, attribute) wrapped at instance level
+        self._module_wrapped: list = []  # (module, attribute, original) wrapped module functions
         self.reset()
         if self.version_msg:
             print("dump_vllm: " + self.version_msg, file=sys.stderr)
@@ -485,6 +602,9 @@ class VllmCapture:
         self.step_notes: list[str] = []
         self._pending_hidden_in: dict[int, np.ndarray] = {}
         self._kv_b_seen: set[int] = set()
+        # the step's attention facts (STEP_INFO): num_kv_splits, page_size, block_table,
+        # slot_mapping, query_start_loc
+        self.info: dict[str, Any] = {}
 
     def _end_step(self) -> None:
         if self.capturing and self.t:
@@ -495,6 +615,7 @@ class VllmCapture:
                     "positions": self.positions,
                     "repeats": self.repeats,
                     "notes": self.step_notes,
+                    "info": self.info,
                 }
             )
         self.capturing = False
@@ -512,7 +633,11 @@ class VllmCapture:
         self.put_site(site(layer, stage), value)
 
     def put_site(self, key: str, value: np.ndarray) -> None:
-        """Store site `key` (`L{n}.{stage}`) of this step; the first value wins."""
+        """Store site `key` (`L{n}.{stage}`) of this step; the first value wins. A stage that
+        `step_sites` leaves out of this step is dropped."""
+        keep = self.step_sites.get(len(self.steps))
+        if keep is not None and key.split(".", 1)[-1] not in keep:
+            return
         if key in self.t:  # first value wins (e.g. a second rotary call in the layer)
             self.repeats[key] = self.repeats.get(key, 1) + 1
             return
@@ -570,7 +695,39 @@ class VllmCapture:
                 self._wrap(impl, "forward_mqa", functools.partial(self._forward_mqa, n, d))
                 # FlashInfer / TokenSpeed MLA return a base-2 lse (their lse_base_on_e = False)
                 self.lse_base = "e" if getattr(impl, "lse_base_on_e", True) else "2"
+        if self.layers:
+            self._arm_step_info(self.layers[0][1].self_attn)
         return self
+
+    def _arm_step_info(self, attn) -> None:
+        """Record the step's attention facts (STEP_INFO) from the first hooked layer: a forward
+        pre-hook on its MLAAttention reads the forward context (block tables, slot mapping,
+        query_start_loc) and its KV cache's block size; the decode kernel's split count is
+        taken from the call of the backend module's `decode_attention_fwd` (Triton MLA)."""
+        layer = find_attention_layer(attn)
+        if layer is not None:
+            self.handles.append(layer.register_forward_pre_hook(functools.partial(self._attn_pre, layer)))
+        impl = find_mqa_impl(attn)
+        module = sys.modules.get(type(impl).__module__) if impl is not None else None
+        if module is not None and callable(getattr(module, "decode_attention_fwd", None)):
+
+            def make(orig):
+                def decode_attention_fwd(*args, **kwargs):
+                    if self._on() and "num_kv_splits" not in self.info:
+                        k = args[8] if len(args) > 8 else kwargs.get("num_kv_splits")
+                        if k is not None:
+                            self.info["num_kv_splits"] = int(k)
+                    return orig(*args, **kwargs)
+
+                return decode_attention_fwd
+
+            self._wrap_module(module, "decode_attention_fwd", make)
+
+    def _attn_pre(self, layer, mod, args) -> None:
+        if not self._on() or "query_start_loc" in self.info:
+            return
+        info = attention_step_info(layer)
+        self.info.update({k: v for k, v in info.items() if k not in self.info})
 
     def _arm_ffn(self, n: int, layer) -> None:
         """Hooks on the layer's post-attention norm (`ffn_in`) and SwiGLU MLP: the dense MLP
@@ -621,6 +778,12 @@ class VllmCapture:
         setattr(obj, attr, make(orig))
         self._wrapped.append((obj, attr))
 
+    def _wrap_module(self, module, attr: str, make: Callable) -> None:
+        """Replace a module's function by make(original) until remove() puts it back."""
+        orig = getattr(module, attr)
+        setattr(module, attr, make(orig))
+        self._module_wrapped.append((module, attr, orig))
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
@@ -631,6 +794,9 @@ class VllmCapture:
             except AttributeError:
                 pass
         self._wrapped = []
+        for module, attr, orig in reversed(getattr(self, "_module_wrapped", [])):
+            setattr(module, attr, orig)
+        self._module_wrapped = []
 
     def _on(self) -> bool:
         return self.capturing and not self.done
@@ -1051,7 +1217,10 @@ class VllmCapture:
             if conv:
                 notes.append("lse: the backend returns log2; multiplied by ln 2")
         if weight_sites:
-            tensors.update(self._weight_sites())
+            keep = self.step_sites.get(step)
+            tensors.update(
+                {k: v for k, v in self._weight_sites().items() if keep is None or k.split(".", 1)[1] in keep}
+            )
         ordered = {k: np.ascontiguousarray(tensors[k]) for k in sorted(tensors, key=_site_key)}
         if tokens is not None:
             ordered["tokens"] = tokens.astype(np.int64)
@@ -1160,10 +1329,14 @@ class VllmCapture:
         tensors). The header names the GGUF (`model_path`: size, sha256 of the bytes before the
         tensor data and of each dumped layer's raw tensor bytes), this hook, the engine
         (`engine`: name, version, attention_backend, prefill_backend), the conventions and the
-        harness's `patches` [(name, reason)]. Steps: every step holds the same sequences in the
-        same order (split where a position does not follow its predecessor); a sequence's
+        harness's `patches` [(name, reason) or (name, reason, params)]. Steps: every step holds
+        the same sequences in the same order (split by the attention metadata's
+        query_start_loc, else where a position does not follow its predecessor); a sequence's
         context is the position of its first new token, which must equal the tokens earlier
-        steps computed for it.
+        steps computed for it. What the step's attention metadata said is written with it: the
+        step fields `num_kv_splits` (the Triton MLA decode's split count) and `page_size`, and
+        the tensors `s{k}.block_table` [S, B] int32 and `s{k}.slot_mapping` [T] int64
+        (attention_step_info), when the engine had them.
         """
         if self._hooks_fired == 0 or not self.steps:
             raise self._no_capture_error()
@@ -1177,7 +1350,8 @@ class VllmCapture:
             dtypes.add(meta["dtype"])
             pos = t.get("positions")
             n_rows = next(a.shape[0] for name, a in t.items() if name.startswith("L") and ".w." not in name)
-            lens = infer_seq_lens(pos) if pos is not None else [n_rows]
+            info = self.steps[k].get("info") or {}
+            lens = step_seq_lens(info.get("query_start_loc"), pos, n_rows)
             starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(int)
             ctx = [int(pos[a]) if pos is not None else 0 for a in starts]
             if done_per_seq is None:
@@ -1200,11 +1374,24 @@ class VllmCapture:
                 if step_names and k < len(step_names)
                 else ("prefill" if k == 0 else f"decode-{k}")
             )
-            specs.append(
-                {"name": name, "seqs": [{"new": int(n), "context": int(c)} for c, n in zip(ctx, lens)]}
-            )
+            spec: dict[str, Any] = {
+                "name": name,
+                "seqs": [{"new": int(n), "context": int(c)} for c, n in zip(ctx, lens)],
+            }
+            for field in ("num_kv_splits", "page_size"):
+                if info.get(field) is not None:
+                    spec[field] = int(info[field])
+            specs.append(spec)
             for nm, a in t.items():
                 tensors[dump_format.step_tensor(k, nm)] = a
+            if info.get("block_table") is not None:
+                tensors[dump_format.step_tensor(k, "block_table")] = np.ascontiguousarray(
+                    info["block_table"], dtype=np.int32
+                )
+            if info.get("slot_mapping") is not None:
+                tensors[dump_format.step_tensor(k, "slot_mapping")] = np.ascontiguousarray(
+                    info["slot_mapping"][:n_rows], dtype=np.int64
+                )
             if meta.get("notes"):
                 notes.append(f"{name}: {meta['notes']}")
         if weights:
@@ -1238,7 +1425,7 @@ class VllmCapture:
                 "residual_scale": self.fp16_residual_scale(),
             },
             "steps": specs,
-            "patches": [{"name": n, "reason": r} for n, r in (patches or [])],
+            "patches": [patch_entry(x) for x in (patches or [])],
         }
         if self.tp_size > 1:
             header["heads"] = list(self.head_range())

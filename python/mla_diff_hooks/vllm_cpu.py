@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -100,7 +101,35 @@ PATCHES = [
         "the GPU model runner builds the attention metadata: built here as MLACommonMetadata "
         "(+ MLACommonPrefillMetadata or MLACommonDecodeMetadata) inside set_forward_context",
     ),
+    (
+        "block-pool-history",
+        "the scheduler's KV blocks come from vLLM's own BlockPool (block 0 its null block), after "
+        "an earlier request took half as many blocks as this run needs and freed them (tail "
+        "first, as KVCacheManager does), which the pool hands out again first: block tables are "
+        "not the identity (e.g. [3, 2, 1, 4, 5]); rows are padded with 0 to cdiv(max_model_len, block_size) "
+        "entries, and the cache tensor has four spare blocks past the pool's, never handed out",
+    ),
 ]
+
+
+# blocks of the cache tensor past the BlockPool's, never handed out: a kernel that reads a page
+# with a larger block size than it was written with (the page-size-ignored plant, up to 4x) stays
+# inside the tensor
+SPARE_BLOCKS = 4
+
+# --kv-split-work W: recorded when applied
+H200_SMS = 132  # streaming multiprocessors of an H100 / H200 SXM, what the split rule is capped by
+
+
+def kv_split_rule(work: int) -> tuple[str, str]:
+    """The patch --kv-split-work records: Triton MLA's split rule with another work per split."""
+    return (
+        "kv-split-rule",
+        f"TritonMLAImpl's split count next_power_of_2(max(1, max_seq_len // W)), capped at 2·SMs: "
+        f"W (vllm/v1/attention/backends/mla/triton_mla.py _MIN_WORK_PER_SPLIT, 512) set to {work} so "
+        f"contexts that fit the fixtures' 1,024 positions get 2, 4 or 8 splits, and the SM count "
+        f"(on a CPU: torch's thread count) set to {H200_SMS}, an H200's",
+    )
 
 
 # Opt-in patches (`--patch NAME`): each changes what the engine computes and is recorded in the
@@ -121,7 +150,15 @@ FIX_MOE_NAME_MAP = (
     "fused names are side-loaded too (the GGUF's per-expert tensors fill the experts, as the plugin "
     "does for olmoe)",
 )
-OPTIONAL_PATCHES = {p[0]: p for p in (FIX_MERGED_COLUMN_RANK, FIX_MOE_NAME_MAP)}
+LOAD_SPLIT_KV_B = (
+    "load-split-kv-b",
+    "vllm-gguf-plugin 0.0.5 maps a DeepSeek GGUF's fused attn_kv_b to kv_b_proj but not the split "
+    "attn_k_b / attn_v_b that current llama.cpp converters write, so vLLM never loads kv_b_proj "
+    "from such a file; here each layer's kv_b_proj weight is rebuilt from the two tensors "
+    "(dequantized by gguf-py: per head the k_b rows transposed to [P, L], then the v_b rows "
+    "[V, L]) and loaded as an unquantized float32 weight",
+)
+OPTIONAL_PATCHES = {p[0]: p for p in (FIX_MERGED_COLUMN_RANK, FIX_MOE_NAME_MAP, LOAD_SPLIT_KV_B)}
 
 # What a user reads when vllm-gguf-plugin 0.0.5 cannot map a DeepSeek MoE GGUF (loader_hint).
 MOE_MAP_HINT = (
@@ -318,6 +355,15 @@ def config_from_gguf(gguf_path: Path, torch_dtype: str = "float32") -> dict:
     }
     stype = g("rope.scaling.type")
     if stype == "yarn":
+        # GGUF keeps one YaRN multiplier, 0.1·mscale_all_dim (`yarn_log_multiplier`), and llama.cpp
+        # scales the rope by get_mscale(mscale)/get_mscale(mscale_all_dim) = 1: the released
+        # DeepSeek configs have mscale = mscale_all_dim (V3: 1.0, V2-Lite: 0.707), so the config
+        # says so (vLLM's DeepseekScalingRotaryEmbedding multiplies cos/sin by that ratio).
+        mscale_all_dim = (
+            float(g("rope.scaling.yarn_log_multiplier", 0.0) or 0.0) / 0.1
+            if g("rope.scaling.yarn_log_multiplier")
+            else 0.0
+        )
         cfg["rope_scaling"] = {
             "type": "yarn",
             "rope_type": "yarn",
@@ -325,10 +371,8 @@ def config_from_gguf(gguf_path: Path, torch_dtype: str = "float32") -> dict:
             "original_max_position_embeddings": int(g("rope.scaling.original_context_length")),
             "beta_fast": float(g("rope.scaling.yarn_beta_fast", 32.0) or 32.0),
             "beta_slow": float(g("rope.scaling.yarn_beta_slow", 1.0) or 1.0),
-            "mscale": 1.0,
-            "mscale_all_dim": float(g("rope.scaling.yarn_log_multiplier", 0.0) or 0.0) / 0.1
-            if g("rope.scaling.yarn_log_multiplier")
-            else 0.0,
+            "mscale": mscale_all_dim or 1.0,
+            "mscale_all_dim": mscale_all_dim,
         }
     elif stype not in (None, "none"):
         raise SystemExit(f"{gguf_path}: rope scaling {stype!r} not handled by this harness")
@@ -364,9 +408,27 @@ def cmd_run(args) -> int:
     return inner_run(args)
 
 
+def parse_prompts(tokens: str | None, prompts: str | None) -> list[list[int]]:
+    """The requests' prompt token ids: `--tokens 1,2,3` (one request) or `--prompts
+    "1,2,3;4,5"` (one request per `;`-separated list). Errors: SystemExit for both, neither, an
+    empty prompt or a token id that is not a non-negative integer."""
+    if (tokens is None) == (prompts is None):
+        raise SystemExit("give --tokens (one request) or --prompts (several), not both")
+    out = []
+    for part in (tokens,) if tokens is not None else prompts.split(";"):
+        try:
+            ids = [int(x) for x in part.split(",") if x.strip()]
+        except ValueError:
+            raise SystemExit(f"prompt {part!r}: token ids are comma-separated integers") from None
+        if not ids or min(ids) < 0:
+            raise SystemExit(f"prompt {part!r}: at least one token id, none negative")
+        out.append(ids)
+    return out
+
+
 def inner_run(args) -> int:
     t_start = time.time()
-    tokens = [int(x) for x in args.tokens.split(",") if x.strip()]
+    tokens = parse_prompts(args.tokens, args.prompts)
     gguf_path = Path(args.gguf).resolve()
     tmpdir = None
     if args.config_dir:
@@ -639,6 +701,63 @@ def _patch_fix_moe_name_map() -> None:
     adapter.regex = _Regex
 
 
+def split_kv_b_weights(gguf_path) -> dict:
+    """`model.layers.{n}.self_attn.kv_b_proj.weight` [N·(P+V), L] float32 for every layer of a GGUF
+    that has the split `blk.{n}.attn_k_b.weight` (ggml ne {P, L, N}) and `attn_v_b.weight`
+    (ne {L, V, N}) and no fused `attn_kv_b`: per head h the rows `k_b[h]ᵀ` ([P, L]) then
+    `v_b[h]` ([V, L]), vLLM's (and HF's) kv_b_proj layout. Quantized tensors are dequantized
+    by gguf-py. Empty for a file with fused kv_b."""
+    import gguf
+    import numpy as np
+
+    rd = gguf.GGUFReader(str(gguf_path))
+    by_name = {t.name: t for t in rd.tensors}
+
+    def values(t):
+        a = gguf.quants.dequantize(np.array(t.data), t.tensor_type)
+        return np.asarray(a, np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+
+    out = {}
+    n = 0
+    while f"blk.{n}.attn_norm.weight" in by_name:
+        kb, vb = by_name.get(f"blk.{n}.attn_k_b.weight"), by_name.get(f"blk.{n}.attn_v_b.weight")
+        if kb is not None and vb is not None and f"blk.{n}.attn_kv_b.weight" not in by_name:
+            k = values(kb).transpose(0, 2, 1)  # [N, L, P] -> [N, P, L]
+            v = values(vb)  # [N, V, L]
+            w = np.concatenate([k, v], axis=1)
+            out[f"model.layers.{n}.self_attn.kv_b_proj.weight"] = np.ascontiguousarray(
+                w.reshape(-1, w.shape[-1]), np.float32
+            )
+        n += 1
+    return out
+
+
+def _patch_load_split_kv_b() -> None:
+    """load-split-kv-b: the plugin's default weights adapter, in this process, marks every layer's
+    kv_b_proj unquantized (prepare_loading) and yields split_kv_b_weights after the GGUF's own
+    tensors (prepare_weights), so vLLM's DeepSeek load_weights fills kv_b_proj from them."""
+    import torch
+    from vllm_gguf_plugin.weights_adapter.default import GGUFWeightsAdapter
+
+    prepare_loading, prepare_weights = GGUFWeightsAdapter.prepare_loading, GGUFWeightsAdapter.prepare_weights
+
+    def loading(self, model_path, model_config):
+        spec = prepare_loading(self, model_path, model_config)
+        self.split_kv_b = {}
+        for f in spec.weights_source:
+            self.split_kv_b.update(split_kv_b_weights(f))
+        spec.unquantized_modules.extend(name.removesuffix(".weight") for name in self.split_kv_b)
+        return spec
+
+    def weights(self, model_config):
+        yield from prepare_weights(self, model_config)
+        for name, w in getattr(self, "split_kv_b", {}).items():
+            yield name, torch.from_numpy(w)
+
+    GGUFWeightsAdapter.prepare_loading = loading
+    GGUFWeightsAdapter.prepare_weights = weights
+
+
 def _build_config(gguf_path: Path, config_dir: Path, max_len: int, block_size: int, tp: int = 1):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -734,10 +853,11 @@ def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
     return 0
 
 
-def _rank_run(args, tokens, gguf_path, config_dir, t_start, *, rank: int, port: int, out: Path) -> int:
-    """One TP rank: vLLM's model built and loaded through the plugin, the hooks armed with
-    mla_diff_hooks.vllm.arm, the prefill and decode steps run, and finish writing this rank's
-    dump (`out` at TP 1, `rank_path(out)` at TP > 1)."""
+def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port: int, out: Path) -> int:
+    """One TP rank: vLLM's model built and loaded through the plugin (with the opt-in patches and
+    the plants applied first), the hooks armed with mla_diff_hooks.vllm.arm, every request
+    prefilled in one step and decoded together for --decode-steps steps, and finish writing this
+    rank's dump (`out` at TP 1, `rank_path(out)` at TP > 1)."""
     import torch
 
     tp = args.tp
@@ -762,14 +882,19 @@ def _rank_run(args, tokens, gguf_path, config_dir, t_start, *, rank: int, port: 
             _patch_fix_merged_column_rank()
         elif name == FIX_MOE_NAME_MAP[0]:
             _patch_fix_moe_name_map()
+        elif name == LOAD_SPLIT_KV_B[0]:
+            _patch_load_split_kv_b()
+    from . import plants
+
+    planted = [plants.apply(spec) for spec in args.plant or []]
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.model_executor.model_loader import get_model_loader
 
     from . import vllm as dump_vllm
 
-    block_size = 16
-    total = len(tokens) + args.decode_steps
+    block_size = args.block_size
+    total = max(len(t) for t in prompts) + args.decode_steps
     max_len = max(block_size * 2, ((total + block_size - 1) // block_size + 1) * block_size)
     vcfg = _build_config(gguf_path, config_dir, max_len, block_size, tp)
     t_cfg = time.time()
@@ -793,14 +918,13 @@ def _rank_run(args, tokens, gguf_path, config_dir, t_start, *, rank: int, port: 
             return 3
     model.eval()
     t_load = time.time()
+    layer_list = [int(x) for x in args.layers.split(",")] if args.layers else None
     if args.weights_only:
-        from . import vllm as dump_vllm
-
         written = dump_vllm.write_weights(
             model,
             weights_path=str(out),
             engine=f"vllm {vllm.__version__} ({HARNESS}, CPU)",
-            layers=[int(x) for x in args.layers.split(",")] if args.layers else None,
+            layers=layer_list,
             extra_meta={
                 "harness": HARNESS,
                 "loader": f"vllm-gguf-plugin {_dist_version('vllm-gguf-plugin')}",
@@ -812,59 +936,69 @@ def _rank_run(args, tokens, gguf_path, config_dir, t_start, *, rank: int, port: 
         print(f"rank {rank}/{tp}: load {t_load - t_cfg:.1f} s; wrote {written} (weights only)")
         return 0
     layers = _mla_layers(vcfg)
-    L_R = next(iter(layers.values())).head_size
-    n_blocks = (total + block_size - 1) // block_size + 1
-    for lay in layers.values():
-        lay.kv_cache = torch.zeros(n_blocks, block_size, L_R, dtype=torch.float32)
-    block_table = torch.arange(n_blocks, dtype=torch.int32)[None, :]
+    extra_patches = []
+    if args.kv_split_work:
+        from vllm.v1.attention.backends.mla import triton_mla
 
+        triton_mla._MIN_WORK_PER_SPLIT = args.kv_split_work
+        for lay in layers.values():
+            if hasattr(lay.impl, "_sm_count"):
+                lay.impl._sm_count = H200_SMS
+        extra_patches.append(kv_split_rule(args.kv_split_work))
+    lens = [len(t) + args.decode_steps for t in prompts]
+    pool = BlockAllocator(lens, block_size, max_len)
+    L_R = next(iter(layers.values())).head_size
+    for lay in layers.values():
+        lay.kv_cache = torch.zeros(pool.num_blocks + SPARE_BLOCKS, block_size, L_R, dtype=torch.float32)
+    step_sites, weight_sites = prefill_keep(args.prefill_sites, args.weight_sites)
     print(
         dump_vllm.arm(
             model,
             steps=1 + args.decode_steps,
             engine=f"vllm {vllm.__version__} ({HARNESS}, CPU)",
-            layers=[int(x) for x in args.layers.split(",")] if args.layers else None,
+            layers=layer_list,
+            step_sites=step_sites,
         )
     )
-    seq = list(tokens)
-    decode_ids: list[int] = []
+    seqs = [list(t) for t in prompts]
+    decode_ids: list[list[int]] = [[] for _ in prompts]
     with set_current_vllm_config(vcfg), torch.no_grad():
-        # prefill
-        pos = list(range(len(tokens)))
+        for i, t in enumerate(prompts):
+            pool.grow(i, len(t))
         h = _step(
             model,
             vcfg,
             layers,
-            seq_tokens=tokens,
-            positions=pos,
-            ctx_len=0,
-            block_table=block_table,
-            block_size=block_size,
+            new=[list(t) for t in prompts],
+            contexts=[0] * len(prompts),
+            pool=pool,
             holder=holder,
             decode=False,
         )
         t_prefill = time.time()
+        rows = [x - 1 for x in itertools.accumulate(len(t) for t in prompts)]  # each request's last row
         for k in range(args.decode_steps):
-            nxt = _next_token(model, h, args, k, tp)
-            decode_ids.append(nxt)
-            p = len(seq)
-            seq.append(nxt)
+            nxt = _next_tokens(model, h, rows, args, k, tp)
+            rows = list(range(len(prompts)))
+            contexts = [len(x) for x in seqs]
+            for i, tok in enumerate(nxt):
+                decode_ids[i].append(tok)
+                seqs[i].append(tok)
+                pool.grow(i, len(seqs[i]))
             h = _step(
                 model,
                 vcfg,
                 layers,
-                seq_tokens=[nxt],
-                positions=[p],
-                ctx_len=p,
-                block_table=block_table,
-                block_size=block_size,
+                new=[[tok] for tok in nxt],
+                contexts=contexts,
+                pool=pool,
                 holder=holder,
                 decode=True,
             )
     t_end = time.time()
     loader = f"vllm-gguf-plugin {_dist_version('vllm-gguf-plugin')}"
     out.parent.mkdir(parents=True, exist_ok=True)
-    patches = patch_list(args.patch or [], zeroed if args.zero_unloaded else [])
+    patches = patch_list(args.patch or [], zeroed if args.zero_unloaded else []) + extra_patches + planted
     if args.format == 2:
         engine = {
             "name": "vllm",
@@ -880,6 +1014,7 @@ def _rank_run(args, tokens, gguf_path, config_dir, t_start, *, rank: int, port: 
             patches=patches,
             weights=not args.no_weights,
             weights_path=args.weights,
+            weight_sites=weight_sites,
             extra_meta={
                 "harness": HARNESS,
                 "loader": loader,
@@ -892,16 +1027,18 @@ def _rank_run(args, tokens, gguf_path, config_dir, t_start, *, rank: int, port: 
         cap.remove()
         extra = {
             "harness": HARNESS,
-            "patches": "; ".join(f"{n}: {r}" for n, r in patches),
+            "patches": "; ".join(f"{e['name']}: {e['reason']}" for e in map(dump_vllm.patch_entry, patches)),
             "attention_backend": "TRITON_MLA (decode, Triton interpreter), TORCH_SDPA_CPU (prefill)",
             "model": gguf_path.name,
             "loader": loader,
         }
-        written = cap.write_steps(out, extra_meta=extra)
+        written = cap.write_steps(out, extra_meta=extra, weight_sites=weight_sites)
         if args.weights:
             cap.write_weights(args.weights)
             written.append(Path(args.weights))
-    print(f"rank {rank}/{tp}: tokens {tokens}; decode tokens {decode_ids}")
+    shown = "; ".join(f"{len(t)} prompt tokens, decode {d}" for t, d in zip(prompts, decode_ids))
+    print(f"rank {rank}/{tp}: {len(prompts)} request(s): {shown}")
+    print(f"block tables: {pool.describe()}")
     print(
         f"config {t_cfg - t_start:.1f} s, load {t_load - t_cfg:.1f} s, prefill "
         f"{t_prefill - t_load:.1f} s, {args.decode_steps} decode step(s) {t_end - t_prefill:.1f} s"
@@ -909,6 +1046,80 @@ def _rank_run(args, tokens, gguf_path, config_dir, t_start, *, rank: int, port: 
     for p in written:
         print(f"wrote {p}")
     return 0
+
+
+def prefill_keep(prefill_sites: str | None, weight_sites: str | None) -> tuple[dict | None, bool]:
+    """(step_sites for mla_diff_hooks.vllm.arm, whether to write weight sites) from
+    --prefill-sites (activation stages step 0 keeps; default all) and --weight-sites (weight
+    sites kept; `none`; default all). Errors: SystemExit naming a stage mla-diff does not know,
+    or a weight site among the activation stages (and the other way round)."""
+    weights = dump_format.WEIGHT_STAGES
+    acts = [x for x in dump_format.STAGES if x not in weights]
+
+    def parse(text, allowed, what):
+        got = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in got if x not in allowed]
+        if bad:
+            raise SystemExit(f"{what}: {', '.join(bad)} not among {', '.join(allowed)}")
+        return got
+
+    if prefill_sites is None and weight_sites is None:
+        return None, True
+    keep_acts = acts if prefill_sites is None else parse(prefill_sites, acts, "--prefill-sites")
+    keep_w = (
+        list(weights)
+        if weight_sites is None
+        else []
+        if weight_sites.strip() == "none"
+        else parse(weight_sites, weights, "--weight-sites")
+    )
+    return {0: keep_acts + keep_w}, bool(keep_w)
+
+
+class BlockAllocator:
+    """Each request's KV blocks, handed out by vLLM's own BlockPool as a scheduler would: a
+    request gets a block when its tokens reach a new page. Before the run an earlier request
+    took half as many blocks as this run needs and freed them tail first (KVCacheManager's
+    order); BlockPool.free_blocks puts blocks without a hash at the front of its free queue, so
+    this run gets those blocks first, in descending order, then the never-used ones: the block
+    tables are not the identity (e.g. [3, 2, 1, 4, 5] and [6]; block 0 is the pool's null block).
+
+    lens: each request's final length (prompt + decode steps); block_size: tokens per block;
+    max_len: max_model_len (a row has cdiv(max_len, block_size) entries, padded with 0)."""
+
+    def __init__(self, lens: list[int], block_size: int, max_len: int):
+        from vllm.v1.core.block_pool import BlockPool
+
+        self.block_size = block_size
+        need = sum(-(-n // block_size) for n in lens)
+        self.pool = BlockPool(num_gpu_blocks=need + 1, enable_caching=False, hash_block_size=block_size)
+        earlier = self.pool.get_new_blocks(max(1, need // 2))
+        self.pool.free_blocks(reversed(earlier))
+        self.num_blocks = need + 1
+        self.width = -(-max_len // block_size)
+        self.blocks: list[list[int]] = [[] for _ in lens]
+
+    def grow(self, i: int, n_tokens: int) -> None:
+        """Give request i the blocks that hold its first n_tokens tokens."""
+        want = -(-n_tokens // self.block_size)
+        if want > len(self.blocks[i]):
+            got = self.pool.get_new_blocks(want - len(self.blocks[i]))
+            self.blocks[i] += [b.block_id for b in got]
+
+    def table(self):
+        """[S, cdiv(max_len, block_size)] int32, each request's block ids padded with 0."""
+        import torch
+
+        t = torch.zeros(len(self.blocks), self.width, dtype=torch.int32)
+        for i, b in enumerate(self.blocks):
+            t[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        return t
+
+    def slot(self, i: int, pos: int) -> int:
+        return self.blocks[i][pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def describe(self) -> str:
+        return "; ".join(f"request {i}: {b}" for i, b in enumerate(self.blocks))
 
 
 def _dist_version(name: str) -> str:
@@ -938,10 +1149,10 @@ def _mla_layers(vcfg) -> dict:
     return out
 
 
-def _step(
-    model, vcfg, layers, *, seq_tokens, positions, ctx_len, block_table, block_size, holder, decode: bool
-):
-    """One forward of one sequence: prefill of `seq_tokens` from position 0, or one decode token."""
+def _step(model, vcfg, layers, *, new, contexts, pool, holder, decode: bool):
+    """One forward of every request: request i's tokens `new[i]` at positions contexts[i].. (a
+    prefill from position 0, or one decode token each), its rows packed in request order, with
+    the attention metadata a GPU model runner would build (block table from `pool`)."""
     import torch
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.attention.mla_attention import (
@@ -950,32 +1161,36 @@ def _step(
         MLACommonPrefillMetadata,
     )
 
-    t = len(seq_tokens)
-    ids = torch.tensor(seq_tokens, dtype=torch.long)
+    ids = torch.tensor([x for t in new for x in t], dtype=torch.long)
+    positions = [c + j for c, t in zip(contexts, new) for j in range(len(t))]
     pos = torch.tensor(positions, dtype=torch.long)
     slots = torch.tensor(
-        [int(block_table[0, p // block_size]) * block_size + p % block_size for p in positions],
+        [pool.slot(i, c + j) for i, (c, t) in enumerate(zip(contexts, new)) for j in range(len(t))],
         dtype=torch.long,
     )
-    seq_len = ctx_len + t
-    qsl = torch.tensor([0, t], dtype=torch.int32)
+    t = len(positions)
+    n_req = len(new)
+    seq_lens = [c + len(x) for c, x in zip(contexts, new)]
+    qsl = torch.tensor([0, *itertools.accumulate(len(x) for x in new)], dtype=torch.int32)
+    block_table = pool.table()
+    max_q = max(len(x) for x in new)
     md = {}
     slot_map = {}
     for name, lay in layers.items():
         if decode:
             dec = MLACommonDecodeMetadata(
                 block_table=block_table,
-                seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                 dcp_tot_seq_lens=None,
             )
             m = MLACommonMetadata(
-                num_reqs=1,
-                max_query_len=t,
-                max_seq_len=seq_len,
+                num_reqs=n_req,
+                max_query_len=max_q,
+                max_seq_len=max(seq_lens),
                 num_actual_tokens=t,
                 query_start_loc=qsl,
                 slot_mapping=slots,
-                num_decodes=1,
+                num_decodes=n_req,
                 num_decode_tokens=t,
                 num_prefills=0,
                 prefill=None,
@@ -985,7 +1200,7 @@ def _step(
             pre = MLACommonPrefillMetadata(
                 block_table=block_table,
                 query_start_loc=qsl,
-                max_query_len=t,
+                max_query_len=max_q,
                 chunked_context=None,
                 q_data_type=torch.float32,
                 output_dtype=torch.float32,
@@ -993,15 +1208,15 @@ def _step(
             )
             lay.prefill_backend.prepare_metadata(pre)
             m = MLACommonMetadata(
-                num_reqs=1,
-                max_query_len=t,
-                max_seq_len=seq_len,
+                num_reqs=n_req,
+                max_query_len=max_q,
+                max_seq_len=max(seq_lens),
                 num_actual_tokens=t,
                 query_start_loc=qsl,
                 slot_mapping=slots,
                 num_decodes=0,
                 num_decode_tokens=0,
-                num_prefills=1,
+                num_prefills=n_req,
                 prefill=pre,
                 decode=None,
             )
@@ -1011,20 +1226,24 @@ def _step(
         return model(input_ids=ids, positions=pos)
 
 
-def _next_token(model, hidden, args, k, tp: int = 1) -> int:
-    """Greedy next token from vLLM's own logits (or --decode-tokens when given). Under TP the
-    logits are gathered on rank 0 only (LogitsProcessor); its choice is broadcast to every rank
-    so that all of them decode the same token."""
+def _next_tokens(model, hidden, rows, args, k, tp: int = 1) -> list[int]:
+    """Each request's next token: greedy from vLLM's own logits of its last row in `hidden`
+    (`rows`), or --decode-tokens (step k's entry, the same for every request) when given. Under
+    TP the logits are gathered on rank 0 only (LogitsProcessor); its choices are broadcast to
+    every rank so that all of them decode the same tokens."""
     if args.decode_tokens:
         ids = [int(x) for x in args.decode_tokens.split(",") if x.strip()]
-        return ids[k % len(ids)]
+        return [ids[k % len(ids)]] * len(rows)
     import torch
 
-    logits = model.compute_logits(hidden[-1:])
-    choice = torch.tensor([int(logits[0].argmax()) if logits is not None else -1], dtype=torch.long)
+    logits = model.compute_logits(hidden[rows])
+    if logits is not None:
+        choice = logits.argmax(dim=-1).to(torch.long)
+    else:
+        choice = torch.full((len(rows),), -1, dtype=torch.long)
     if tp > 1:
         torch.distributed.broadcast(choice, src=0)
-    return int(choice[0])
+    return [int(x) for x in choice]
 
 
 # =============================================================================================
@@ -1365,7 +1584,45 @@ def main() -> int:
             default=None,
             help="folder with the HF config.json (default: derived from the GGUF's metadata)",
         )
-        r.add_argument("--tokens", required=True, help="prompt token ids, comma-separated")
+        r.add_argument("--tokens", default=None, help="one request's prompt token ids, comma-separated")
+        r.add_argument(
+            "--prompts",
+            default=None,
+            help="several requests' prompts, ';'-separated lists of comma-separated token ids: all "
+            "prefilled in one step, then decoded together (instead of --tokens)",
+        )
+        r.add_argument(
+            "--block-size",
+            type=int,
+            default=16,
+            help="tokens per KV-cache block (a multiple of 16; default 16)",
+        )
+        r.add_argument(
+            "--kv-split-work",
+            type=int,
+            default=0,
+            help="Triton MLA's work per KV split (vLLM: 512) and an H200's SM count for the split rule, "
+            "recorded as the patch kv-split-rule (default: vLLM's rule as it runs on this CPU)",
+        )
+        r.add_argument(
+            "--plant",
+            action="append",
+            default=[],
+            help="apply a planted bug, NAME or NAME:key=value,... (repeatable; mla_diff_hooks.plants, "
+            "recorded in the dump's patches as plant:NAME)",
+        )
+        r.add_argument(
+            "--prefill-sites",
+            default=None,
+            help="comma-separated activation stages the prefill step keeps (default: all); e.g. "
+            "hidden_in,kv_c_normed,k_pe_roped for a long context the decode steps read",
+        )
+        r.add_argument(
+            "--weight-sites",
+            default=None,
+            help="comma-separated weight sites the dump keeps, e.g. w.kv_b,w.W_UK_T,w.W_UV, or none "
+            "(default: all four, w.fused_qkv_a, w.kv_b, w.W_UK_T, w.W_UV)",
+        )
         r.add_argument("--decode-steps", type=int, default=0)
         r.add_argument(
             "--decode-tokens",

@@ -19,7 +19,7 @@ import pytest
 from support import ROOT, find_mla_diff, hooks_module
 from test_llama_cpp import _env
 
-MODULES = ["vllm", "hf", "hf_hooks", "llama_cpp", "st_io", "dump_format", "kernels", "vllm_cpu"]
+MODULES = ["vllm", "hf", "hf_hooks", "llama_cpp", "st_io", "dump_format", "kernels", "vllm_cpu", "plants"]
 
 
 def _py(code: str, *args: str) -> subprocess.CompletedProcess:

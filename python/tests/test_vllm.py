@@ -40,6 +40,23 @@ def test_infer_seq_lens():
     assert dump_vllm.infer_seq_lens(np.array([], np.int64)) == []
 
 
+def test_step_seq_lens_take_the_engine_split_over_the_positions():
+    # two requests whose positions happen to follow each other: only query_start_loc tells them apart
+    pos = np.array([4, 5])
+    assert dump_vllm.step_seq_lens(np.array([0, 1, 2]), pos, 2) == [1, 1]
+    assert dump_vllm.step_seq_lens(None, pos, 2) == [2]
+    # a query_start_loc that does not cover the step's rows is not used
+    assert dump_vllm.step_seq_lens(np.array([0, 5]), np.array([0, 1, 0]), 3) == [2, 1]
+    assert dump_vllm.step_seq_lens(None, None, 7) == [7]
+
+
+def test_patch_entries_keep_a_plant_s_parameters():
+    assert dump_vllm.patch_entry(("cpu-platform", "why")) == {"name": "cpu-platform", "reason": "why"}
+    plant = {"name": "plant:split-lost", "reason": "r", "params": {"split": "last"}}
+    assert dump_vllm.patch_entry(plant) == plant
+    assert dump_vllm.patch_entry(("x", "y", {"k": "1"})) == {"name": "x", "reason": "y", "params": {"k": "1"}}
+
+
 def test_site_order():
     names = ["tokens", "L1.q", "L0.hidden_out", "L0.w.kv_b", "L0.q", "L0.hidden_in", "L0.lse"]
     assert sorted(names, key=dump_vllm._site_key) == [

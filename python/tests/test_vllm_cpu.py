@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from support import hooks_module
+from support import ROOT, hooks_module
 
 np = pytest.importorskip("numpy", reason="the slice table needs numpy")
 
@@ -35,7 +35,7 @@ def test_patch_list_records_what_was_applied_in_order():
         vllm_cpu.ZERO_UNLOADED,
         ("zeroed", "model.layers.0.self_attn.kv_b_proj, model.layers.1.self_attn.kv_b_proj"),
     ]
-    known = r"\(known: fix-merged-column-rank, fix-moe-name-map\)"
+    known = r"\(known: fix-merged-column-rank, fix-moe-name-map, load-split-kv-b\)"
     with pytest.raises(ValueError, match=r"unknown patch 'fix-everything' " + known):
         vllm_cpu.patch_list(["fix-everything"])
 
@@ -124,3 +124,44 @@ def test_loader_hint_names_the_plugin_for_the_moe_name_map():
     assert "--patch fix-moe-name-map" in hint
     assert vllm_cpu.loader_hint("Failed to map GGUF parameters (1): ['model.layers.0.self_attn.foo']") is None
     assert vllm_cpu.loader_hint("size mismatch") is None
+
+
+def test_prompts_one_or_several_requests():
+    assert vllm_cpu.parse_prompts("1, 2,3", None) == [[1, 2, 3]]
+    assert vllm_cpu.parse_prompts(None, "1,2;3") == [[1, 2], [3]]
+    for tokens, prompts in (("1", "2"), (None, None), (None, "1;"), (None, "1;-2"), ("a,b", None)):
+        with pytest.raises(SystemExit):
+            vllm_cpu.parse_prompts(tokens, prompts)
+
+
+def test_prefill_keep_selects_activation_stages_and_weight_sites():
+    assert vllm_cpu.prefill_keep(None, None) == (None, True)
+    keep, weights = vllm_cpu.prefill_keep("hidden_in,kv_c_normed", "none")
+    assert keep == {0: ["hidden_in", "kv_c_normed"]} and weights is False
+    keep, weights = vllm_cpu.prefill_keep(None, "w.W_UK_T")
+    assert weights and keep[0][-1] == "w.W_UK_T" and "hidden_out" in keep[0] and "w.kv_b" not in keep[0]
+    with pytest.raises(SystemExit, match="w.kv_b not among"):
+        vllm_cpu.prefill_keep("w.kv_b", None)
+    with pytest.raises(SystemExit, match="hidden_in not among"):
+        vllm_cpu.prefill_keep(None, "hidden_in")
+
+
+def test_kv_split_rule_names_the_work_and_the_sm_count():
+    name, reason = vllm_cpu.kv_split_rule(32)
+    assert name == "kv-split-rule" and "set to 32" in reason and "132" in reason and "512" in reason
+
+
+def test_split_kv_b_weights_rebuild_kv_b_per_head():
+    gguf = pytest.importorskip("gguf", reason="reads a GGUF")
+    path = ROOT / "golden" / "models" / "tiny-v3-f32.gguf"
+    w = vllm_cpu.split_kv_b_weights(path)
+    assert sorted(w) == [f"model.layers.{n}.self_attn.kv_b_proj.weight" for n in (0, 1)]
+    kv_b = w["model.layers.1.self_attn.kv_b_proj.weight"]
+    assert kv_b.shape == (6 * (32 + 64), 96) and kv_b.dtype == np.float32
+    rd = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    k_b = np.asarray(rd["blk.1.attn_k_b.weight"].data).reshape(6, 96, 32)  # ne {P, L, N}
+    v_b = np.asarray(rd["blk.1.attn_v_b.weight"].data).reshape(6, 64, 96)  # ne {L, V, N}
+    for h in (0, 5):
+        rows = kv_b[h * 96 : (h + 1) * 96]
+        assert np.array_equal(rows[:32], k_b[h].T) and np.array_equal(rows[32:], v_b[h])
+    assert vllm_cpu.split_kv_b_weights(ROOT / "golden" / "models" / "legacy-kvb-f32.gguf") == {}

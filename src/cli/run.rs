@@ -290,11 +290,14 @@ pub const MAX_POSITION: usize = 1 << 31;
 
 /// Rejects injected faults that act on none of the requested paths (a run that "passes" with an
 /// inert fault would read as a detector failure), and notes the paths a fault skips.
-fn check_faults(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<()> {
+fn check_faults(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig, dtype: crate::core::dtype::Dtype) -> Result<()> {
     let layer = rc.layers.first().copied().unwrap_or(0);
     let latent = crate::model::tensors::ModelTensor::kv_b_latent_input(cfg.kv_b_layout).name(layer);
     let block = file.tensor(&latent).map_or(1, |t| t.ggml_type.block_size());
     for &f in &rc.path_options.faults.0 {
+        if let Err(e) = f.applies_to_dtype(dtype) {
+            return Err(Error::Usage(format!("--inject {f}: {e}")));
+        }
         let verdicts: Vec<(PathKind, std::result::Result<(), &str>)> = rc
             .paths
             .iter()
@@ -449,7 +452,7 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
         },
         backend: String::new(),
     };
-    check_faults(&file, &cfg, &rc)?;
+    check_faults(&file, &cfg, &rc, a.device.dtype.into())?;
     Ok((file, cfg, rc))
 }
 
@@ -523,7 +526,7 @@ fn check_memory(
         }),
         None => memory_limit(),
     };
-    let run_need = run::estimate_peak_bytes(cfg, rc);
+    let run_need = run::estimate_peak_bytes(cfg, rc, run::dense_ffn_width(file, cfg, rc));
     let need = run_need.saturating_add(export_bytes.unwrap_or(0).saturating_mul(2));
     let export = export_bytes.map_or(String::new(), |b| {
         format!(
@@ -548,6 +551,49 @@ fn check_memory(
         ))),
         _ => Ok(()),
     }
+}
+
+/// Refuses a GPU run whose estimated peak device memory ([`run::estimate_device_bytes`])
+/// exceeds the device's free memory, before any work: the device answers an allocation past it
+/// with an out-of-memory error halfway through a layer. Nothing for another backend.
+///
+/// Errors: [`Error::Usage`] naming the estimate, T and what the device has free; a failed query
+/// of the device's memory.
+fn check_device_memory(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig, backend: &Backend) -> Result<()> {
+    use crate::core::memory::human;
+    let Backend::Cuda(o) = backend else {
+        return Ok(());
+    };
+    let full = rc.input == InputMode::Tokens;
+    let gpu_reference = o.gpu_reference()
+        && rc
+            .layers
+            .iter()
+            .any(|&l| crate::backend::cuda::reference::supported(cfg, l, full));
+    let need = run::estimate_device_bytes(cfg, rc, run::dense_ffn_width(file, cfg, rc), gpu_reference);
+    let (free, total) = o
+        .device()
+        .context()
+        .mem_get_info()
+        .map_err(|e| Error::cuda(format!("query the device's free memory: {e:?}")))?;
+    if need > free as u64 {
+        return Err(Error::Usage(format!(
+            "{}: this run needs about {} of GPU memory (T={}, N={}, H={}{}) and the GPU has {} free of {}: use fewer --tokens",
+            file.path().display(),
+            human(need),
+            rc.batch.n_tokens(),
+            cfg.n_head,
+            cfg.hidden,
+            if gpu_reference {
+                ", the reference on the GPU"
+            } else {
+                ""
+            },
+            human(free as u64),
+            human(total as u64),
+        )));
+    }
+    Ok(())
 }
 
 /// `mla-diff run`.
@@ -576,6 +622,7 @@ pub fn cmd_run(a: &RunArgs, settings: &Settings, out: &mut dyn Write) -> Result<
     });
     check_memory(&file, &cfg, &rc, a.max_memory, export_bytes)?;
     let backend = crate::core::timing::stage("backend", || select_run_backend(&a.spec, settings, a.output.quiet))?;
+    check_device_memory(&file, &cfg, &rc, &backend)?;
     let rc = RunConfig {
         backend: backend.describe(),
         ..rc

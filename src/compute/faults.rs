@@ -62,6 +62,48 @@ pub enum Fault {
     /// TP rank 0 reads its `o_proj` output before the all-reduce finished: it still holds its
     /// own partial.
     AllReduceReadEarly,
+    /// The attention op's result never reaches the caller's output buffer, which holds the
+    /// stale finite floats the allocator handed out (`torch.empty`), not the canary.
+    PhantomOutputStale,
+    /// The latent RMSNorm (`kv_a_layernorm`) is not applied: `kv_c_normed` is `kv_a`'s latent
+    /// columns as they are.
+    KvNormSkipped,
+    /// The split-KV decode's split LSEs are in base 2 and merged by the natural-log rule
+    /// (sglang#40903).
+    SplitLseBase2,
+    /// The split-KV decode's merge leaves out each row's last split.
+    SplitDropped,
+    /// The split-KV decode's merge counts each row's first split twice.
+    SplitDuplicated,
+    /// The split-KV decode merges each empty split as if it had keys, from a zero-filled partial
+    /// buffer: LSE 0, output 0.
+    SplitEmptyZero,
+    /// The split-KV decode merges each empty split as if it had keys, with the stale finite LSE
+    /// and output its partial buffer held (flashinfer#3047).
+    SplitEmptyFinite,
+    /// A dense layer's residual add scales the residual: `h1 = α·hidden_in + o_proj` with α =
+    /// 1/routed_scaling_factor, or 0.4 for a model without one (vLLM PR #14809).
+    ResidualScaled,
+    /// The absorbed path's `ql_nope = q_nope·W_UK_T` computed with f16 operands and an f16
+    /// accumulator in an f32 run (llama.cpp PR #13137).
+    Fp16AccumQlNope,
+    /// The attention reads the paged latent cache with page size 1 (the block table's ids as
+    /// token slots) while the cache was written with the engine's page size (ROCm AITER #2996).
+    PagedKvPageSize,
+    /// The attention reads each sequence's block table one entry further on (the entry past the
+    /// end reads block 0, the table's padding).
+    PagedKvBlockOffset,
+    /// `concat_and_cache_mla` writes each new latent row one slot early (the previous token's
+    /// slot; slot 0's row is dropped).
+    SlotMappingOffset,
+    /// `k_pe` is cut out of `kv_a` with `kv_c`'s row stride L instead of `kv_a`'s L+R.
+    KPeStride,
+    /// The loader builds `kv_b_proj` per head as `[v_h | k_nope_h]` instead of
+    /// `[k_nope_h | v_h]` (when P = V the shapes agree).
+    KvBHalvesSwapped,
+    /// The loader concatenates `kv_b_proj`'s heads interleaved by 2 (head order 0, nh/2, 1,
+    /// nh/2+1, … within each rank).
+    KvBHeadsInterleaved,
 }
 
 impl Fault {
@@ -86,6 +128,21 @@ impl Fault {
         Fault::AllReduceTwice,
         Fault::AllReduceSkipRank,
         Fault::AllReduceReadEarly,
+        Fault::PhantomOutputStale,
+        Fault::KvNormSkipped,
+        Fault::SplitLseBase2,
+        Fault::SplitDropped,
+        Fault::SplitDuplicated,
+        Fault::SplitEmptyZero,
+        Fault::SplitEmptyFinite,
+        Fault::ResidualScaled,
+        Fault::Fp16AccumQlNope,
+        Fault::PagedKvPageSize,
+        Fault::PagedKvBlockOffset,
+        Fault::SlotMappingOffset,
+        Fault::KPeStride,
+        Fault::KvBHalvesSwapped,
+        Fault::KvBHeadsInterleaved,
     ];
 
     /// The `--inject` name (`fused-shard-swap`).
@@ -110,6 +167,21 @@ impl Fault {
             Fault::AllReduceTwice => "all-reduce-twice",
             Fault::AllReduceSkipRank => "all-reduce-skip-rank",
             Fault::AllReduceReadEarly => "all-reduce-read-early",
+            Fault::PhantomOutputStale => "phantom-output-stale",
+            Fault::KvNormSkipped => "kv-norm-skipped",
+            Fault::SplitLseBase2 => "split-lse-base2",
+            Fault::SplitDropped => "split-dropped",
+            Fault::SplitDuplicated => "split-duplicated",
+            Fault::SplitEmptyZero => "split-empty-zero",
+            Fault::SplitEmptyFinite => "split-empty-finite",
+            Fault::ResidualScaled => "residual-scaled",
+            Fault::Fp16AccumQlNope => "fp16-accum-ql-nope",
+            Fault::PagedKvPageSize => "paged-kv-page-size",
+            Fault::PagedKvBlockOffset => "paged-kv-block-offset",
+            Fault::SlotMappingOffset => "slot-mapping-offset",
+            Fault::KPeStride => "k-pe-stride",
+            Fault::KvBHalvesSwapped => "kv-b-halves-swapped",
+            Fault::KvBHeadsInterleaved => "kv-b-heads-interleaved",
         }
     }
 
@@ -147,6 +219,45 @@ impl Fault {
             Fault::AllReduceReadEarly => {
                 "TP rank 0 reads its `o_proj` output before the all-reduce finished: it still holds its own partial"
             }
+            Fault::PhantomOutputStale => {
+                "The attention op's result never reaches the caller's output buffer, which holds the stale finite floats the allocator handed out (`torch.empty`), not the canary"
+            }
+            Fault::KvNormSkipped => {
+                "The latent RMSNorm (`kv_a_layernorm`) is not applied: `kv_c_normed` is `kv_a`'s latent columns as they are"
+            }
+            Fault::SplitLseBase2 => {
+                "The split-KV decode's split LSEs are in base 2 and merged by the natural-log rule (sglang#40903)"
+            }
+            Fault::SplitDropped => "The split-KV decode's merge leaves out each row's last split",
+            Fault::SplitDuplicated => "The split-KV decode's merge counts each row's first split twice",
+            Fault::SplitEmptyZero => {
+                "The split-KV decode merges each empty split as if it had keys, from a zero-filled partial buffer: LSE 0, output 0"
+            }
+            Fault::SplitEmptyFinite => {
+                "The split-KV decode merges each empty split as if it had keys, with the stale finite LSE and output its partial buffer held (flashinfer#3047)"
+            }
+            Fault::ResidualScaled => {
+                "A dense layer's residual add scales the residual: `h1 = α·hidden_in + o_proj` with α = 1/routed_scaling_factor, or 0.4 for a model without one (vLLM PR #14809)"
+            }
+            Fault::Fp16AccumQlNope => {
+                "The absorbed path's `ql_nope = q_nope·W_UK_T` computed with f16 operands and an f16 accumulator in an f32 run (llama.cpp PR #13137)"
+            }
+            Fault::PagedKvPageSize => {
+                "The attention reads the paged latent cache with page size 1 (the block table's ids as token slots) while the cache was written with the engine's page size (ROCm AITER #2996)"
+            }
+            Fault::PagedKvBlockOffset => {
+                "The attention reads each sequence's block table one entry further on (the entry past the end reads block 0, the table's padding)"
+            }
+            Fault::SlotMappingOffset => {
+                "`concat_and_cache_mla` writes each new latent row one slot early (the previous token's slot; slot 0's row is dropped)"
+            }
+            Fault::KPeStride => "`k_pe` is cut out of `kv_a` with `kv_c`'s row stride L instead of `kv_a`'s L+R",
+            Fault::KvBHalvesSwapped => {
+                "The loader builds `kv_b_proj` per head as `[v_h | k_nope_h]` instead of `[k_nope_h | v_h]` (when P = V the shapes agree)"
+            }
+            Fault::KvBHeadsInterleaved => {
+                "The loader concatenates `kv_b_proj`'s heads interleaved by 2 (head order 0, nh/2, 1, nh/2+1, … within each rank)"
+            }
         }
     }
 
@@ -163,11 +274,22 @@ impl Fault {
             Fault::RopeCosScaled => Class::ScaleOnly,
             Fault::LsePlusInf => Class::LseMerge,
             Fault::QuantSliceMisaligned => Class::QuantBlockMisaligned,
-            Fault::StridedKvC => Class::Mismatch,
+            Fault::StridedKvC | Fault::KPeStride => Class::StridedView,
             Fault::IndexerRopeInterleaved => Class::IndexerRopeStyle,
             Fault::IndexerTopkStale => Class::IndexerTopkStale,
             Fault::AllReduceTwice => Class::ScaleOnly,
             Fault::AllReduceSkipRank | Fault::AllReduceReadEarly => Class::TpReduce,
+            Fault::PhantomOutputStale => Class::PhantomOutput,
+            Fault::KvNormSkipped => Class::NormSkipped,
+            Fault::SplitLseBase2
+            | Fault::SplitDropped
+            | Fault::SplitDuplicated
+            | Fault::SplitEmptyZero
+            | Fault::SplitEmptyFinite => Class::LseMerge,
+            Fault::ResidualScaled => Class::ResidualScale,
+            Fault::Fp16AccumQlNope => Class::Precision,
+            Fault::PagedKvPageSize | Fault::PagedKvBlockOffset | Fault::SlotMappingOffset => Class::PagedKv,
+            Fault::KvBHalvesSwapped | Fault::KvBHeadsInterleaved => Class::KvBLayout,
         }
     }
 
@@ -197,6 +319,22 @@ impl Fault {
             (Fault::IndexerRopeInterleaved, _) => vec![Stage::IdxScores],
             (Fault::IndexerTopkStale, _) => vec![Stage::IdxTopk],
             (Fault::AllReduceTwice | Fault::AllReduceSkipRank | Fault::AllReduceReadEarly, _) => vec![Stage::OProj],
+            (Fault::PhantomOutputStale, _) => vec![Stage::AttnOut],
+            (Fault::KvNormSkipped, _) => vec![Stage::KvCNormed],
+            (Fault::PagedKvPageSize | Fault::PagedKvBlockOffset | Fault::SlotMappingOffset, Mqa) => {
+                vec![Stage::AttnLatent]
+            }
+            (Fault::PagedKvPageSize | Fault::PagedKvBlockOffset | Fault::SlotMappingOffset, _) => {
+                vec![Stage::Lse, Stage::AttnOut]
+            }
+            (Fault::KPeStride, _) => vec![Stage::KPe],
+            (Fault::KvBHalvesSwapped | Fault::KvBHeadsInterleaved, Mqa) => vec![Stage::WUkT],
+            (Fault::KvBHalvesSwapped | Fault::KvBHeadsInterleaved, _) => vec![Stage::WKvB],
+            (f, Mqa) if f.is_split_merge() => vec![Stage::AttnLatent, Stage::Lse],
+            (f, _) if f.is_split_merge() => vec![Stage::Lse, Stage::AttnOut],
+            (Fault::ResidualScaled, _) => vec![Stage::FfnIn, Stage::HiddenOut],
+            (Fault::Fp16AccumQlNope, _) => vec![Stage::QlNope],
+            _ => Vec::new(),
         }
     }
 
@@ -240,18 +378,67 @@ impl Fault {
                 Err("this indexer's RoPE is interleaved already (glm-dsa)")
             }
             Fault::IndexerTopkStale if path != PathKind::Chunked => Err("only chunked prefill has a previous chunk"),
+            Fault::Fp16AccumQlNope if path != PathKind::Mqa => Err("only the absorbed path records ql_nope"),
+            f if f.is_split_merge() && !matches!(path, PathKind::Mqa | PathKind::Mixed) => {
+                Err("only the split-KV decode (mqa, mixed's decode rows) merges KV splits")
+            }
+            Fault::PagedKvPageSize | Fault::PagedKvBlockOffset | Fault::SlotMappingOffset if path == PathKind::Mha => {
+                Err("mha attends over its own K/V: no paged cache")
+            }
+            Fault::PagedKvPageSize | Fault::PagedKvBlockOffset | Fault::SlotMappingOffset if cfg.indexer.is_some() => {
+                Err(
+                    "a DSA layer reads the indexer's kept keys through a compact cache: the paged-cache faults act on dense attention",
+                )
+            }
+            Fault::KvBHalvesSwapped if cfg.qk_nope_head_dim != cfg.v_head_dim => {
+                Err("needs P = V (qk_nope_head_dim = v_head_dim): the halves are swapped where their shapes agree")
+            }
+            Fault::KvBHeadsInterleaved if cfg.n_head / tp.max(1) < 4 || !(cfg.n_head / tp.max(1)).is_multiple_of(2) => {
+                Err("needs an even number of heads per rank, at least 4 (with 2 the interleave is the identity)")
+            }
             _ => Ok(()),
         }
     }
 }
 
 impl Fault {
+    /// Whether the fault can show in a run of paths computing in `dtype`: `fp16-accum-ql-nope`
+    /// needs an f32 run (an f16 accumulator's error is within a bf16 run's own rounding, so a
+    /// bf16 run cannot tell it from right). Every other fault: `Ok`.
+    pub fn applies_to_dtype(self, dtype: crate::core::dtype::Dtype) -> Result<(), &'static str> {
+        match (self, dtype) {
+            (Fault::Fp16AccumQlNope, crate::core::dtype::Dtype::Bf16) => {
+                Err("an f16 accumulator's error is within a bf16 run's own rounding: needs --dtype f32")
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the fault acts on the split-KV decode's merge of its KV splits (the `split-*`
+    /// faults, [`SplitFault`]).
+    pub fn is_split_merge(self) -> bool {
+        self.split_fault().is_some()
+    }
+
+    /// The split-merge bug this fault injects, if it is one of the `split-*` faults.
+    pub fn split_fault(self) -> Option<SplitFault> {
+        match self {
+            Fault::SplitLseBase2 => Some(SplitFault::LseBase2),
+            Fault::SplitDropped => Some(SplitFault::DropLast),
+            Fault::SplitDuplicated => Some(SplitFault::DuplicateFirst),
+            Fault::SplitEmptyZero => Some(SplitFault::EmptyZero),
+            Fault::SplitEmptyFinite => Some(SplitFault::EmptyStale),
+            _ => None,
+        }
+    }
+
     /// Whether the fault can act on layer `w`, beyond [`Fault::applies`]: `tp-gate-up-rank0`
     /// needs a dense MLP whose width divides by `tp` (an MoE layer's engine paths stop at
-    /// `o_proj`; an MLP the ranks cannot share runs unsplit). Every other fault: `Ok`.
+    /// `o_proj`; an MLP the ranks cannot share runs unsplit), `residual-scaled` a dense MLP (the
+    /// residual add it scales is the MLP block's). Every other fault: `Ok`.
     pub fn applies_to_layer(self, w: &crate::model::weights::LayerWeights, tp: usize) -> Result<(), &'static str> {
         match (self, &w.ffn) {
-            (Fault::TpGateUpRank0, None) => Err("the layer has no dense MLP"),
+            (Fault::TpGateUpRank0 | Fault::ResidualScaled, None) => Err("the layer has no dense MLP"),
             (Fault::TpGateUpRank0, Some(f)) if !f.gate.nrows().is_multiple_of(tp.max(1)) => {
                 Err("the MLP width does not divide by the TP size")
             }
@@ -264,6 +451,22 @@ impl std::fmt::Display for Fault {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
     }
+}
+
+/// What a `split-*` fault does to the split-KV decode's merge (`compute::engine`, after stage 1
+/// wrote each split's partial output and LSE).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SplitFault {
+    /// Every split's LSE multiplied by log2(e) (a base-2 LSE) before the natural-log merge.
+    LseBase2,
+    /// The last split's partial left out of the merge.
+    DropLast,
+    /// The first split's partial merged twice.
+    DuplicateFirst,
+    /// Every empty split merged with LSE 0 and a zero output.
+    EmptyZero,
+    /// Every empty split merged with stale finite floats as its LSE and output.
+    EmptyStale,
 }
 
 /// The set of faults injected into a run.
@@ -279,6 +482,24 @@ impl FaultSet {
     /// True when nothing is injected.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
+    }
+
+    /// The factor `residual-scaled` puts on a dense layer's residual: 1/routed_scaling_factor,
+    /// or 0.4 for a model without one; 1 without the fault.
+    pub fn residual_alpha(&self, cfg: &MlaConfig) -> f64 {
+        if !self.has(Fault::ResidualScaled) {
+            return 1.0;
+        }
+        cfg.moe
+            .as_ref()
+            .map(|m| m.weights_scale)
+            .filter(|&f| f > 0.0 && f != 1.0)
+            .map_or(0.4, |f| 1.0 / f)
+    }
+
+    /// The split-merge bug of the first `split-*` fault injected, if any.
+    pub fn split_fault(&self) -> Option<SplitFault> {
+        self.0.iter().find_map(|f| f.split_fault())
     }
 
     /// The bug the `o_proj` all-reduce of `tp` ranks runs with (the first `all-reduce-*` fault

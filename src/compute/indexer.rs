@@ -12,6 +12,8 @@
 //! modeling_deepseek_v32.py` (`DeepseekV32Indexer`) and `models/glm_moe_dsa/` (`GlmMoeDsaIndexer`,
 //! interleaved RoPE, shared layers); llama.cpp `src/models/deepseek32.cpp`, `glm-dsa.cpp`.
 
+use rayon::prelude::*;
+
 use crate::core::batch::Batch;
 use crate::model::config::{IndexerConfig, RopeStyle};
 
@@ -95,7 +97,9 @@ pub fn layer_norm(x: &[f64], g: &[f32], b: &[f32], eps: f64) -> Vec<f64> {
 
 /// The float type the index scores are computed in: f64 in the reference, f32 in the engine
 /// paths (whose own rounding is what a path would see). Both run the one loop of [`scores`].
-pub trait ScoreFloat: Copy + Default + std::iter::Sum + std::ops::Mul<Output = Self> + std::ops::AddAssign {
+pub trait ScoreFloat:
+    Copy + Default + Send + Sync + std::iter::Sum + std::ops::Mul<Output = Self> + std::ops::AddAssign
+{
     /// `count^-½` in this type (the `N_idx^-½` and `D_idx^-½` scales).
     fn inv_sqrt(count: usize) -> Self;
     /// `max(x, 0)` with the type's own `max` (the ReLU of the score).
@@ -133,13 +137,20 @@ pub fn scores<F: ScoreFloat>(ix: &IndexerConfig, batch: &Batch, q_roped: &[F], k
     let t = batch.n_tokens();
     let head_scale = F::inv_sqrt(ni);
     let dot_scale = F::inv_sqrt(d);
-    let offsets = batch.offsets();
+    // Each token's first packed row of its sequence and its index in it.
+    let rows: Vec<(usize, usize)> = batch
+        .offsets()
+        .into_iter()
+        .zip(&batch.seqs)
+        .flat_map(|(off, sq)| (0..sq.len).map(move |i| (off, i)))
+        .collect();
     let mut out = vec![F::default(); t * s];
-    for (si, sq) in batch.seqs.iter().enumerate() {
-        let off = offsets[si];
-        for i in 0..sq.len {
-            let ti = off + i;
-            for j in 0..=i {
+    // Rows in parallel, each summed in one fixed order: the bits do not depend on the threads.
+    out.par_chunks_mut(s.max(1))
+        .zip(rows.par_iter())
+        .enumerate()
+        .for_each(|(ti, (row, &(off, i)))| {
+            for (j, o) in row.iter_mut().enumerate().take(i + 1) {
                 let kr = &k_roped[(off + j) * d..(off + j + 1) * d];
                 let mut acc = F::default();
                 for h in 0..ni {
@@ -147,10 +158,9 @@ pub fn scores<F: ScoreFloat>(ix: &IndexerConfig, batch: &Batch, q_roped: &[F], k
                     let dot: F = qr.iter().zip(kr).map(|(&a, &b)| a * b).sum();
                     acc += w[ti * ni + h] * head_scale * (dot * dot_scale).relu();
                 }
-                out[ti * s + j] = acc;
+                *o = acc;
             }
-        }
-    }
+        });
     out
 }
 
@@ -160,7 +170,7 @@ pub fn scores<F: ScoreFloat>(ix: &IndexerConfig, batch: &Batch, q_roped: &[F], k
 pub fn select(top_k: usize, batch: &Batch, scores: &[f64]) -> Selection {
     let s = batch.seqs.iter().map(|x| x.len).max().unwrap_or(0);
     let rows = seq_index(batch)
-        .into_iter()
+        .into_par_iter()
         .enumerate()
         .map(|(ti, pos)| {
             let row = &scores[ti * s..ti * s + pos + 1];

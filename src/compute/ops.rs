@@ -69,6 +69,44 @@ impl Segment {
     }
 }
 
+/// The attention segments and key indices of per-row key lists (the engine's sparse attention):
+/// query row `i` reads rows `keys[i]` of K/V, in that order, through [`PrefillArgs::key_rows`].
+///
+/// A run of rows whose each key list is the previous row's plus one more key (every row of a
+/// sequence while its length is at most the indexer's top-k, where DSA keeps all visible keys)
+/// is one causal segment over the last row's list: its row `r` reads the first `k + r` entries,
+/// `k` the first row's count. Any other row is a segment of its own. Either way a row reads the
+/// same keys in the same order, so the values are those of one segment per row; a kernel that
+/// tiles query rows (the tensor-core prefill's 64, the CPU kernel's 16) then fills its tiles
+/// instead of computing one row per tile, and the indices hold one list per run instead of one
+/// per row. Returns (segments, `q_off` = the row's index in `keys`; key indices).
+pub fn sparse_segments(keys: &[Vec<usize>]) -> (Vec<Segment>, Vec<usize>) {
+    let mut segs: Vec<Segment> = Vec::new();
+    let mut key_rows: Vec<usize> = Vec::new();
+    for (i, kr) in keys.iter().enumerate() {
+        if let Some(sg) = segs.last_mut()
+            && sg.k_len > 0
+            && kr.len() == sg.k_len + 1
+            && kr[..sg.k_len] == key_rows[sg.k_off..sg.k_off + sg.k_len]
+        {
+            key_rows.push(kr[sg.k_len]);
+            sg.q_len += 1;
+            sg.k_len += 1;
+            sg.causal = true;
+            continue;
+        }
+        segs.push(Segment {
+            q_off: i,
+            q_len: 1,
+            k_off: key_rows.len(),
+            k_len: kr.len(),
+            causal: false,
+        });
+        key_rows.extend_from_slice(kr);
+    }
+    (segs, key_rows)
+}
+
 /// A strided 2-D block copy: `rows` rows of `width` elements from `src[src_off + (r / src_row_div)
 /// · src_stride ..]` to `dst[dst_off + r · dst_stride ..]`. `src_row_div > 1` repeats source rows
 /// (a broadcast, e.g. `k_pe` to every head).
@@ -308,6 +346,13 @@ pub struct PrefillArgs<'a, B: ?Sized> {
     pub scale: f32,
     /// What a query row with no visible key gets.
     pub empty: EmptyRows,
+    /// The keys read by index, as a sparse MLA prefill reads the DSA indexer's top-k (FlashMLA's
+    /// sparse prefill takes the indices, never a copy of the keys): with `Some(rows)`, key `j`
+    /// of a segment is row `rows[k_off + j]` of `k` and `v` (`k_off`/`k_len` then index `rows`);
+    /// `None`, row `k_off + j`. A query's kept keys are never copied out per query: copies would
+    /// hold `Σ kept keys · nh · (dqk + dv)` floats, 68.7 GB for one GLM-5 layer at T = 1024
+    /// (every row keeps all its keys while T ≤ top-k), where the indices hold `Σ kept keys`.
+    pub key_rows: Option<&'a [usize]>,
 }
 
 impl<'a, B: ?Sized> PrefillArgs<'a, B> {
@@ -327,6 +372,7 @@ impl<'a, B: ?Sized> PrefillArgs<'a, B> {
             segments: self.segments,
             scale: self.scale,
             empty: self.empty,
+            key_rows: self.key_rows,
         }
     }
 }
@@ -334,13 +380,30 @@ impl<'a, B: ?Sized> PrefillArgs<'a, B> {
 impl<B: ?Sized> PrefillArgs<'_, B> {
     /// Runs `check(buffer, elements needed, name)` on `q`, `k`, `v`, `out [Tq, nh, dv]` and
     /// `lse [Tq, nh]` for every segment (names `flash q`, `flash k`, `flash v`, `flash out`,
-    /// `flash lse`), so that a backend's kernel never reads or writes past a buffer.
+    /// `flash lse`), so that a backend's kernel never reads or writes past a buffer; with
+    /// [`PrefillArgs::key_rows`], `k` and `v` are checked against the largest key row a segment
+    /// names.
     ///
-    /// Errors: the first error `check` returns.
+    /// Errors: the first error `check` returns; [`Error::Internal`] for a segment reaching past
+    /// `key_rows`.
     pub fn check_lens(&self, out: &B, lse: &B, check: impl Fn(&B, usize, &str) -> Result<()>) -> Result<()> {
         let (nh, dqk, dv) = (self.nh, self.dqk, self.dv);
         for sg in self.segments {
-            let (q_end, k_end) = (sg.q_off + sg.q_len, sg.k_off + sg.k_len);
+            let (q_end, k_span) = (sg.q_off + sg.q_len, sg.k_off..sg.k_off + sg.k_len);
+            let k_end = match self.key_rows {
+                None => k_span.end,
+                Some(rows) => rows
+                    .get(k_span.clone())
+                    .ok_or_else(|| {
+                        Error::internal(format!(
+                            "flash key_rows: a segment reads entries {k_span:?} of {}",
+                            rows.len()
+                        ))
+                    })?
+                    .iter()
+                    .max()
+                    .map_or(0, |&m| m + 1),
+            };
             check(self.q, q_end * nh * dqk, "flash q")?;
             check(self.k, k_end * nh * dqk, "flash k")?;
             check(self.v, k_end * nh * dv, "flash v")?;
@@ -348,6 +411,13 @@ impl<B: ?Sized> PrefillArgs<'_, B> {
             check(lse, q_end * nh, "flash lse")?;
         }
         Ok(())
+    }
+
+    /// The row of `k`/`v` that key `j` (an index into the segments' key span, `k_off + local`)
+    /// reads: `key_rows[j]`, or `j` itself without [`PrefillArgs::key_rows`].
+    #[inline(always)]
+    pub fn key_row(&self, j: usize) -> usize {
+        self.key_rows.map_or(j, |rows| rows[j])
     }
 }
 

@@ -157,4 +157,7 @@ pub struct PathRun {
     pub unservable: Option<Unservable>,
     /// What injected faults did (or that they had nothing to act on).
     pub notes: Vec<String>,
+    /// What the path's attention read through its paged latent cache (`None`: no cache, as
+    /// `mha`, or a DSA layer), for the `paged-kv` replays.
+    pub paged: Option<crate::compute::paged::PagedStep>,
 }

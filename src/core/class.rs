@@ -30,8 +30,18 @@ pub enum Class {
     QuantBlockMisaligned,
     /// A loaded weight holds the expected matrix transposed (`[in, out]` for `[out, in]`).
     Transposed,
+    /// An RMSNorm was not applied: the site, or the first compared site after a norm whose
+    /// output was not dumped, equals the replay with the norm skipped.
+    NormSkipped,
     /// The other RoPE rotation style explains the values.
     RopeStyle,
+    /// A view of a fused tensor read with another row stride, head stride or offset than the
+    /// tensor's layout (`k_pe` cut out of `kv_a` with `kv_c`'s stride).
+    StridedView,
+    /// The paged KV cache read or written with other metadata than it holds: a page size one side
+    /// ignores, a block table read off by an entry or another sequence's, a slot mapping off by
+    /// a slot or a block.
+    PagedKv,
     /// A constant logit scale explains the attention output.
     SoftmaxScale,
     /// Sentinel or log-base error in an LSE merge.
@@ -44,6 +54,12 @@ pub enum Class {
     IndexerTopkStale,
     /// The DSA indexer keeps other keys than the reference (`idx_topk`, compared as sets).
     IndexerSelection,
+    /// The residual stream scaled where a layer adds its branches: `hidden_out` (or `ffn_in`'s
+    /// `h1`) is the branches plus α × the residual, α fitted and ≠ 1.
+    ResidualScale,
+    /// A product computed at lower precision than declared: a replay with inputs and/or the
+    /// accumulator rounded to f16 or bf16 reproduces the error.
+    Precision,
     /// NaN/Inf where the reference is finite.
     Nonfinite,
     /// Cosine ≈ 1 but the norm ratio is off.
@@ -60,13 +76,17 @@ impl Class {
     /// Every class, in precedence order: when several hypotheses explain a site, the earlier
     /// class wins. The site detectors (the `DETECTORS` table of `judge::diagnose`) are tried in
     /// this order; `lse-merge` comes before `softmax-scale` because partials merged in the wrong
-    /// log base reweight the logits, and a free logit scale fits part of that. The classes no
+    /// log base reweight the logits, and a free logit scale fits part of that. `strided-view`
+    /// and `paged-kv` replay one mechanism from the stage's own inputs: after the layout classes
+    /// (`kv-b-layout`, `norm-skipped`, `rope-style`) whose rearrangements a free stride could
+    /// also fit, and before the merge, whose empty-partial test also holds for rows a wrong
+    /// cache read moved. The classes no
     /// site detector names sit where their source decides them: `quant-block-misaligned` (the
     /// path's weight loader) and `transposed` (`weights --check`) among the weight classes,
     /// `mismatch` when no detector explains a site, `weight-nonfinite` (a check of the GGUF
     /// itself) last. README.md, docs/faults.md, docs/design.md and docs/run-report.schema.json
     /// list the classes in this order (tests/doc_tables.rs).
-    pub const ALL: [Class; 21] = [
+    pub const ALL: [Class; 26] = [
         Class::WeightNotLoaded,
         Class::PhantomOutput,
         Class::UnwrittenRows,
@@ -76,13 +96,18 @@ impl Class {
         Class::KvBLayout,
         Class::QuantBlockMisaligned,
         Class::Transposed,
+        Class::NormSkipped,
         Class::RopeStyle,
+        Class::StridedView,
+        Class::PagedKv,
         Class::LseMerge,
         Class::SoftmaxScale,
         Class::MoeRouting,
         Class::IndexerRopeStyle,
         Class::IndexerTopkStale,
         Class::IndexerSelection,
+        Class::ResidualScale,
+        Class::Precision,
         Class::Nonfinite,
         Class::ScaleOnly,
         Class::PathDisagreement,
@@ -102,13 +127,18 @@ impl Class {
             Class::KvBLayout => "kv-b-layout",
             Class::QuantBlockMisaligned => "quant-block-misaligned",
             Class::Transposed => "transposed",
+            Class::NormSkipped => "norm-skipped",
             Class::RopeStyle => "rope-style",
             Class::SoftmaxScale => "softmax-scale",
             Class::LseMerge => "lse-merge",
+            Class::StridedView => "strided-view",
+            Class::PagedKv => "paged-kv",
             Class::MoeRouting => "moe-routing",
             Class::IndexerRopeStyle => "indexer-rope-style",
             Class::IndexerTopkStale => "indexer-topk-stale",
             Class::IndexerSelection => "indexer-selection",
+            Class::ResidualScale => "residual-scale",
+            Class::Precision => "precision",
             Class::Nonfinite => "nonfinite",
             Class::ScaleOnly => "scale-only",
             Class::PathDisagreement => "path-disagreement",

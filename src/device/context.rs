@@ -22,9 +22,16 @@ use crate::model::gguf::GgmlType;
 pub const THREADS: u32 = 256;
 
 /// A one-dimensional grid of [`THREADS`]-thread blocks covering `n` elements (at least one block).
+///
+/// The block count is computed in `usize`: a count truncated to 32 bits before the division
+/// covers only `n mod 2^32` elements, and the kernels (one element per thread, no grid-stride
+/// loop) then leave the rest of their output as it was, with no error. A count past the
+/// device's grid limit (2^31 − 1 blocks, 5.5·10^11 elements) saturates, so that the launch
+/// fails instead of covering less.
 pub fn grid1(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(THREADS as usize).max(1);
     LaunchConfig {
-        grid_dim: ((n as u32).div_ceil(THREADS).max(1), 1, 1),
+        grid_dim: (u32::try_from(blocks).unwrap_or(u32::MAX), 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
@@ -302,5 +309,23 @@ impl Device {
         // SAFETY: argument types match dequant.cu.
         unsafe { b.launch(grid1(n)) }.map_err(|e| Error::cuda(format!("launch {kernel}: {e:?}")))?;
         Ok(Some((y, kernel)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grid1_covers_counts_past_32_bits() {
+        let covered = |n: usize| grid1(n).grid_dim.0 as usize * THREADS as usize;
+        // Past 2^32 elements: one GLM-5 layer's per-query key copy at T = 1024 (524,800 kept keys
+        // of 64 heads × 256 floats) is 8,598,323,200 elements; a 32-bit count covered 8,388,608.
+        for n in [1, 255, 256, 257, (1 << 32) - 1, 1 << 32, 524_800 * 64 * 256] {
+            assert!(covered(n) >= n && covered(n) < n + THREADS as usize, "n = {n}");
+        }
+        assert_eq!(grid1(0).grid_dim.0, 1);
+        // Past the device's grid limit the count saturates, so that the launch fails.
+        assert_eq!(grid1(usize::MAX / 2).grid_dim.0, u32::MAX);
     }
 }

@@ -411,6 +411,7 @@ pub fn prefill(
         segments: &seg,
         scale: (dqk as f64).powf(-0.5) as f32,
         empty: EmptyRows::ZeroMinusInf,
+        key_rows: None,
     };
     let us = time_us(ops, s, WARM, REPS, || ops.prefill_mma(cfg, &args, &mut out, &mut lse))?;
     let flops = (nh as f64) * (t as f64) * (t as f64) * (dqk + dv) as f64;

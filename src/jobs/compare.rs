@@ -8,6 +8,7 @@
 use ndarray::Array2;
 
 use crate::compute::indexer::Selection;
+use crate::compute::paged::{CacheWrite, PagedQuery, PagedSeq, PagedStep};
 use crate::compute::path::PathOptions;
 use crate::compute::reference::{RefOutput, reference_layer, reference_layer_full};
 use crate::core::batch::{Batch, SeqSpec};
@@ -15,7 +16,7 @@ use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::judge::diagnose::Finding;
-use crate::judge::diagnose::{self, DiagnoseInput, PathEvidence};
+use crate::judge::diagnose::{self, DiagnoseInput, DumpScope, PathEvidence};
 use crate::judge::label::PathLabel;
 use crate::judge::metrics;
 use crate::judge::report::{DumpSummary, InputSource, ModelSummary, PathResult, RunRecord, RunReport};
@@ -94,6 +95,8 @@ pub fn compare_dump(
     let mut prev: Option<Handover> = None;
     // The reference selection of the latest full DSA indexer layer, for GLM's shared layers.
     let mut prev_sel: Option<Selection> = None;
+    let stages_dumped = dumped_stages(dump.layers.values());
+    let no_context = vec![0; dump.batch.seqs.len()];
     for (i, &layer) in layers.iter().enumerate() {
         let dumped = &dump.layers[&layer];
         let w = LayerWeights::load(file, cfg, layer)?;
@@ -159,8 +162,24 @@ pub fn compare_dump(
                 not_dumped.push(s.to_string());
             }
         }
-        let (result, layer_findings) =
-            judge_dumped_layer(cfg, &dump.batch, &reference, dumped, precision, 1, layer, None);
+        let scope = DumpScope {
+            dumped: &stages_dumped,
+            context: &no_context,
+            full_reference: None,
+            num_kv_splits: None,
+        };
+        let (result, layer_findings) = judge_dumped_layer(
+            cfg,
+            &dump.batch,
+            &reference,
+            dumped,
+            precision,
+            1,
+            scope,
+            layer,
+            None,
+            None,
+        );
         if findings.is_empty() {
             findings.extend(layer_findings);
         }
@@ -277,10 +296,12 @@ fn dumped_layer_reference(
 
 /// One dumped layer's sites against its reference (the tolerance rows of `precision`), as the
 /// result of the path `dump` at `layer` (in format-2 step `step`), and the dump's finding there;
-/// `tp` is the TP size the rank detectors read the per-rank sites with.
+/// `tp` is the TP size the rank detectors read the per-rank sites with, `scope` what the dump
+/// holds around this step and layer, `paged` what the step read through the engine's paged
+/// cache ([`dump_paged_step`]).
 #[allow(
     clippy::too_many_arguments,
-    reason = "the model and batch (cfg, batch), both traces, how to judge them (precision, tp) and where the result belongs (layer, step)"
+    reason = "the model and batch (cfg, batch), both traces, how to judge them (precision, tp, scope, paged) and where the result belongs (layer, step)"
 )]
 fn judge_dumped_layer(
     cfg: &MlaConfig,
@@ -289,8 +310,10 @@ fn judge_dumped_layer(
     dumped: &Trace,
     precision: Precision,
     tp: usize,
+    scope: DumpScope<'_>,
     layer: usize,
     step: Option<String>,
+    paged: Option<&PagedStep>,
 ) -> (PathResult, Vec<Finding>) {
     let diffs = metrics::diff(reference, dumped, precision);
     let findings = diagnose::diagnose(&DiagnoseInput {
@@ -303,9 +326,11 @@ fn judge_dumped_layer(
             diffs: &diffs,
             empty_partial_rows: &[],
             unservable: None,
+            paged,
         }],
         tp,
         precision,
+        dump: Some(scope),
     });
     let result = PathResult {
         path: PathLabel::Dump,
@@ -316,6 +341,59 @@ fn judge_dumped_layer(
         not_run: None,
     };
     (result, findings)
+}
+
+/// The reference sites one step lacks, each once, in two lists: `first` the sites whose stage
+/// the dump holds in another step or layer (a hook that writes a stage somewhere but not here is
+/// the likelier fault), `rest` the others.
+#[derive(Default)]
+struct StepMissing {
+    first: Vec<Site>,
+    rest: Vec<Site>,
+}
+
+impl StepMissing {
+    /// Adds the sites of one dumped layer's `reference` that `dumped` lacks; `elsewhere` holds
+    /// every stage the dump has in any step or layer.
+    fn add(&mut self, reference: &Trace, dumped: &Trace, elsewhere: &[Stage]) {
+        for s in reference.sites_in_order() {
+            if dumped.get(&s).is_some() {
+                continue;
+            }
+            let list = if elsewhere.contains(&s.stage) {
+                &mut self.first
+            } else {
+                &mut self.rest
+            };
+            if !list.contains(&s) {
+                list.push(s);
+            }
+        }
+    }
+
+    /// The sites as listed: `STEP: SITE` when `step` names the step of a dump of several steps,
+    /// else `SITE`; `first` before `rest`.
+    fn labeled(&self, step: Option<&str>) -> impl Iterator<Item = String> + '_ {
+        let step = step.map(str::to_string);
+        self.first.iter().chain(&self.rest).map(move |s| match &step {
+            Some(step) => format!("{step}: {s}"),
+            None => s.to_string(),
+        })
+    }
+}
+
+/// Every stage the traces `layers` hold (of any layer), each once, in data-flow order.
+fn dumped_stages<'a>(layers: impl Iterator<Item = &'a Trace>) -> Vec<Stage> {
+    let mut out: Vec<Stage> = Vec::new();
+    for tr in layers {
+        for (s, _) in tr.entries() {
+            if !out.contains(&s.stage) {
+                out.push(s.stage);
+            }
+        }
+    }
+    out.sort_by_key(Stage::order);
+    out
 }
 
 /// The rows `rows` (dim 0) of `t` when its first dim is `t_full` tokens; weights and other
@@ -333,6 +411,28 @@ fn take_rows(t: &TraceTensor, rows: &[usize], t_full: usize) -> TraceTensor {
     let mut shape = t.shape.clone();
     shape[0] = rows.len();
     TraceTensor::f64(shape, v)
+}
+
+/// The reference of a format-2 step: the sites of `full` (the reference over the step's full
+/// batch, `t_full` rows) on the step's rows `new_rows`, and with `heads = [a, b]` the per-head
+/// sites' heads `a..b` ([`take_heads`]).
+fn step_reference(
+    full: &Trace,
+    new_rows: &[usize],
+    t_full: usize,
+    heads: Option<[usize; 2]>,
+    cfg: &MlaConfig,
+) -> Trace {
+    let mut reference = Trace::new();
+    for (s, t) in full.entries() {
+        let rows = take_rows(t, new_rows, t_full);
+        let t = match heads {
+            Some(hs) => take_heads(&rows, s.stage, cfg, hs),
+            None => rows,
+        };
+        reference.record(*s, t);
+    }
+    reference
 }
 
 /// The heads `a..b` of a per-head site ([`crate::model::dump::is_per_head`]) of `t`, whose
@@ -424,6 +524,7 @@ pub fn compare_steps(
     layers.sort_unstable();
     layers.dedup();
     let n_seq = header.steps[0].seqs.len();
+    let stages_dumped = dumped_stages(steps_dump.steps.iter().flat_map(|(_, d)| d.layers.values()));
     for (k, (spec, d)) in steps_dump.steps.iter().enumerate() {
         for c in &d.conversions {
             conversions.push(format!("{}: {c}", spec.name));
@@ -431,9 +532,11 @@ pub fn compare_steps(
         let t_new = d.batch.n_tokens();
         let (live, full, new_rows) = step_full_batch(spec, n_seq);
         let t_full = full.n_tokens();
+        let context: Vec<usize> = live.iter().map(|&i| spec.seqs[i].context).collect();
         let mut prev_sel: Option<Selection> = None;
         // The previous dumped layer's output in this step, on the step's rows.
         let mut prev: Option<Handover> = None;
+        let mut missing = StepMissing::default();
         for (&layer, dumped) in &d.layers {
             let w = LayerWeights::load(file, cfg, layer)?;
             if tensor_types.is_empty() {
@@ -443,15 +546,7 @@ pub fn compare_steps(
             let next_dumped = d.layers.contains_key(&(layer + 1));
             let layer_ref =
                 dumped_layer_reference(file, cfg, &w, &full_in, &full, dumped, next_dumped, tp, &mut prev_sel)?;
-            let mut reference = crate::core::trace::Trace::new();
-            for (s, t) in layer_ref.trace.entries() {
-                let rows = take_rows(t, &new_rows, t_full);
-                let t = match header.heads {
-                    Some(hs) => take_heads(&rows, s.stage, cfg, hs),
-                    None => rows,
-                };
-                reference.record(*s, t);
-            }
+            let mut reference = step_reference(&layer_ref.trace, &new_rows, t_full, header.heads, cfg);
             // The handover from layer n−1: this step's hidden_in against the engine's own
             // hidden_out of layer n−1 when dumped, else the reference's output of layer n−1.
             if let Some(handover) = &prev
@@ -468,21 +563,33 @@ pub fn compare_steps(
                 .as_ref()
                 .map(|hidden_out| Array2::from_shape_fn((t_new, cfg.hidden), |(i, j)| hidden_out[[new_rows[i], j]]));
             prev = Some(Handover::new(dumped, layer, t_new, cfg.hidden, ref_out)?);
-            for s in reference.sites_in_order() {
-                let name = s.to_string();
-                if dumped.get(&s).is_none() && !not_dumped.contains(&name) {
-                    not_dumped.push(name);
-                }
-            }
-            let step = Some(spec.name.clone());
+            missing.add(&reference, dumped, &stages_dumped);
+            let mut full_heads = None;
+            let scope = DumpScope {
+                dumped: &stages_dumped,
+                context: &context,
+                full_reference: full_step_reference(&layer_ref.trace, header.heads, cfg, &context, &mut full_heads),
+                num_kv_splits: spec.num_kv_splits,
+            };
+            let paged = dump_paged_step(steps_dump, k, &live, layer, cfg, &layer_ref.trace);
             let (result, layer_findings) = judge_dumped_layer(
-                judge_cfg, &d.batch, &reference, dumped, precision, judge_tp, layer, step,
+                judge_cfg,
+                &d.batch,
+                &reference,
+                dumped,
+                precision,
+                judge_tp,
+                scope,
+                layer,
+                Some(spec.name.clone()),
+                paged.as_ref(),
             );
             if findings.is_empty() {
                 findings.extend(layer_findings);
             }
             results.push(result);
         }
+        not_dumped.extend(missing.labeled((steps_dump.steps.len() > 1).then_some(spec.name.as_str())));
     }
     for p in &header.patches {
         conversions.push(format!("patch `{}`: {}", p.name, p.reason));
@@ -517,6 +624,28 @@ pub fn compare_steps(
     })
 }
 
+/// What [`DumpScope::full_reference`] holds for a step: `None` when no sequence has cached
+/// `context`; else the reference `full` over every row of the step's sequences (replays of a
+/// decode step's attention read there the keys earlier steps cached), sliced to `heads` into
+/// `holder` when the dump holds some heads only.
+fn full_step_reference<'a>(
+    full: &'a crate::core::trace::Trace,
+    heads: Option<[usize; 2]>,
+    cfg: &MlaConfig,
+    context: &[usize],
+    holder: &'a mut Option<crate::core::trace::Trace>,
+) -> Option<&'a crate::core::trace::Trace> {
+    if context.iter().all(|&c| c == 0) {
+        return None;
+    }
+    let Some(hs) = heads else { return Some(full) };
+    let mut tr = crate::core::trace::Trace::new();
+    for (s, t) in full.entries() {
+        tr.record(*s, take_heads(t, s.stage, cfg, hs));
+    }
+    Some(holder.insert(tr))
+}
+
 /// The engine's TP size a format-2 dump declares (`header.tp.size`; 1 without it).
 ///
 /// Errors: [`Error::Input`] naming the dump and `header.tp.size` when it does not divide the
@@ -531,6 +660,113 @@ fn engine_tp(steps_dump: &StepsDump, cfg: &MlaConfig) -> Result<usize> {
         Some(t) => Ok(t.size),
         None => Ok(1),
     }
+}
+
+/// What step `k` of `sd` read through the engine's paged KV cache at `layer`, for the `paged-kv`
+/// replays: the step's recorded page size and block-table rows of its sequences `live` (those
+/// with new tokens), the latent rows (`kv_c_normed ‖ k_pe_roped`) of every position of those
+/// sequences from the dump's steps `0..=k` (a step that did not dump one of them: the
+/// reference's rows, from `full_ref`, the reference over the step's full batch), their writes in
+/// step order at the recorded `slot_mapping` where there is one, and per row of the step how it
+/// read the cache as vLLM splits a batch: a decode row (one new token) reads every position
+/// through the cache, its own included; a prefill row reads its sequence's cached context
+/// through the cache and its new tokens directly. `None` when no row of the step reads the cache
+/// or the layer's latent sites have other shapes.
+fn dump_paged_step(
+    sd: &StepsDump,
+    k: usize,
+    live: &[usize],
+    layer: usize,
+    cfg: &MlaConfig,
+    full_ref: &Trace,
+) -> Option<PagedStep> {
+    let (l, r) = (cfg.kv_lora_rank, cfg.qk_rope_head_dim);
+    let spec = &sd.steps[k].0;
+    let paging = sd.paging.get(k)?;
+    let reads_cache = live.iter().any(|&i| spec.seqs[i].context > 0 || spec.seqs[i].new == 1);
+    if !reads_cache {
+        return None;
+    }
+    let lens: Vec<usize> = live.iter().map(|&i| spec.seqs[i].context + spec.seqs[i].new).collect();
+    let t_full: usize = lens.iter().sum();
+    let (kv_ref, kp_ref) = (
+        full_ref.get(&Site::new(layer, Stage::KvCNormed))?,
+        full_ref.get(&Site::new(layer, Stage::KPeRoped))?,
+    );
+    if kv_ref.len() != t_full * l || kp_ref.len() != t_full * r {
+        return None;
+    }
+    let mut keys = Vec::with_capacity(t_full * (l + r));
+    for row in 0..t_full {
+        keys.extend((0..l).map(|d| kv_ref.get(row * l + d)));
+        keys.extend((0..r).map(|d| kp_ref.get(row * r + d)));
+    }
+    let mut seqs = Vec::with_capacity(live.len());
+    let mut off = 0;
+    for &len in &lens {
+        seqs.push(PagedSeq { key_off: off, len });
+        off += len;
+    }
+    let mut writes = Vec::new();
+    for ((sj, dj), pj) in sd.steps[..=k].iter().zip(&sd.paging) {
+        let trace = dj.layers.get(&layer);
+        let own = |st: Stage| {
+            trace
+                .and_then(|t| t.get(&Site::new(layer, st)))
+                .filter(|t| t.len() == dj.batch.n_tokens() * if st == Stage::KvCNormed { l } else { r })
+        };
+        let (kv, kp) = (own(Stage::KvCNormed), own(Stage::KPeRoped));
+        let mut step_row = 0;
+        for (i, q) in sj.seqs.iter().enumerate() {
+            let li = live.iter().position(|&x| x == i);
+            for n in 0..q.new {
+                let pos = q.context + n;
+                if let Some(li) = li.filter(|&li| pos < lens[li]) {
+                    let key = (seqs[li].key_off + pos) * (l + r);
+                    if let Some(kv) = kv {
+                        (0..l).for_each(|d| keys[key + d] = kv.get(step_row * l + d));
+                    }
+                    if let Some(kp) = kp {
+                        (0..r).for_each(|d| keys[key + l + d] = kp.get(step_row * r + d));
+                    }
+                    writes.push(CacheWrite {
+                        seq: li,
+                        pos,
+                        slot: pj.slot_mapping.as_ref().and_then(|sm| sm.get(step_row).copied()),
+                    });
+                }
+                step_row += 1;
+            }
+        }
+    }
+    let queries = live
+        .iter()
+        .enumerate()
+        .flat_map(|(li, &i)| {
+            let q = spec.seqs[i];
+            (0..q.new).map(move |n| {
+                let pos = q.context + n;
+                PagedQuery {
+                    seq: li,
+                    cached: if q.new == 1 { pos + 1 } else { q.context },
+                    upto: pos + 1,
+                }
+            })
+        })
+        .collect();
+    Some(PagedStep {
+        page_size: paging.page_size,
+        block_tables: paging
+            .block_table
+            .as_ref()
+            .map(|bt| live.iter().filter_map(|&i| bt.get(i).cloned()).collect()),
+        pad_block: None,
+        seqs,
+        writes,
+        queries,
+        keys: Some(keys),
+        zero_filled: false,
+    })
 }
 
 /// A step's full batch: `live`, the sequences of `n_seq` with new tokens in the step; the batch

@@ -123,6 +123,12 @@ pub fn compile_all(
                 c.defines(),
             ));
         }
+        // The prefill kernel that reads a DSA selection's keys by index.
+        jobs.push((
+            Module::FastPrefill,
+            format!("{} (indexed keys)", Module::FastPrefill.file()),
+            vec![("FP_INDIRECT", 1)],
+        ));
         for (m, label, defines) in jobs {
             let target = arch.target_for(&defines);
             let c = crate::device::compile(m, target, &include, true, &defines, settings.nvrtc_cache.as_deref())?;

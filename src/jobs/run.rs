@@ -174,10 +174,12 @@ pub fn compare_layer(
                     diffs: d,
                     empty_partial_rows: &pr.empty_partial_rows,
                     unservable: pr.unservable.as_ref(),
+                    paged: pr.paged.as_ref(),
                 })
                 .collect(),
             tp: opts.tp,
             precision: dtype.into(),
+            dump: None,
         })
     });
     let results = runs
@@ -503,23 +505,143 @@ pub fn reference_chain(
     Ok(out)
 }
 
-/// An upper estimate of a run's peak memory in bytes, from the dims, T, the paths and the input
-/// mode, for refusing a run the machine cannot hold before any work.
+/// The widest dense SwiGLU FFN (`ffn_gate` rows, `I`) among the layers a run computes (the
+/// requested ones; with token input every layer up to the last requested), 0 when none has one
+/// (MoE layers, or a file without dense FFN tensors). The memory estimates read it, since the
+/// configuration does not hold it.
+pub fn dense_ffn_width(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> usize {
+    let last = rc.layers.iter().max().copied().unwrap_or(0);
+    let layers: Vec<usize> = match rc.input {
+        InputMode::Tokens => (0..=last).collect(),
+        InputMode::Random => rc.layers.clone(),
+    };
+    layers
+        .into_iter()
+        .filter(|&l| !cfg.is_moe_layer(l))
+        .filter_map(|l| file.tensor(&ModelTensor::FfnGate.name(l)))
+        .map(|t| t.shape().first().copied().unwrap_or(0) as usize)
+        .max()
+        .unwrap_or(0)
+}
+
+/// The keys the DSA selection keeps over `batch`: `Σ_seq Σ_i min(K_idx, i + 1)`, at most
+/// T · K_idx (0 without an indexer). The selections, the sparse attention's key lists and its
+/// key indices each hold this many entries.
+pub fn dsa_kept_keys(cfg: &MlaConfig, batch: &Batch) -> u64 {
+    let Some(ix) = &cfg.indexer else { return 0 };
+    let k = ix.top_k as u64;
+    batch
+        .seqs
+        .iter()
+        .map(|s| {
+            let len = s.len as u64;
+            if len <= k {
+                len * (len + 1) / 2
+            } else {
+                k * (k + 1) / 2 + (len - k) * k
+            }
+        })
+        .sum()
+}
+
+/// The per-layer sizes both memory estimates are built from (element counts unless named
+/// bytes).
+struct LayerSizes {
+    /// T.
+    t: u64,
+    /// The layer's attention weights (and the indexer's and a dense FFN's) as one f32 copy.
+    weights: u64,
+    /// The reference's f64 weight sites (`w.fused_qkv_a`, `w.kv_b`, `w.W_UK_T`, `w.W_UV`).
+    weight_sites: u64,
+    /// Values per token over every site of a trace (the reference's; a path's holds fewer).
+    per_token: u64,
+    /// The DSA selection's kept keys ([`dsa_kept_keys`]).
+    kept: u64,
+    /// The longest sequence, S (the width of `idx_scores`).
+    s: u64,
+    /// Keys one decode query of the absorbed path reads at most: min(K_idx, S) with an
+    /// indexer, else S.
+    decode_keys: u64,
+}
+
+impl LayerSizes {
+    fn new(cfg: &MlaConfig, rc: &RunConfig, dense_ffn: usize) -> Self {
+        let t = rc.batch.n_tokens() as u64;
+        let s = rc.batch.seqs.iter().map(|x| x.len).max().unwrap_or(0) as u64;
+        let (h, n, l, p, r, v) = (
+            cfg.hidden as u64,
+            cfg.n_head as u64,
+            cfg.kv_lora_rank as u64,
+            cfg.qk_nope_head_dim as u64,
+            cfg.qk_rope_head_dim as u64,
+            cfg.v_head_dim as u64,
+        );
+        let lq = cfg.q_lora_rank.unwrap_or(0) as u64;
+        let q_in = if lq > 0 { lq } else { h };
+        let f = dense_ffn as u64;
+        let mut weights = h * (lq + l + r) + q_in * n * (p + r) + n * (p + v) * l + h * n * v + 3 * h * f;
+        // Values per token over every site of the reference trace (docs/design.md's site
+        // table): the attention's, the dense FFN's (`ffn_in`, `ffn_gate`, `ffn_up`, `ffn_act`,
+        // `ffn_out`) and the indexer's (`idx_q`, `idx_k`, `idx_weights`, `idx_scores` [T, S],
+        // `idx_topk` [T, min(K_idx, S)]).
+        let mut per_token =
+            4 * h + 2 * lq + n * (p + r) + (l + r) + l + 2 * r + n * r + n * (p + v) + 2 * n * l + n + n * v;
+        if f > 0 {
+            per_token += 2 * h + 3 * f;
+        }
+        let mut decode_keys = s;
+        if let Some(ix) = &cfg.indexer {
+            let (ni, d, k) = (ix.n_head as u64, ix.head_dim as u64, ix.top_k as u64);
+            weights += ni * d * lq.max(1) + d * h + ni * h + 2 * d;
+            per_token += ni * d + d + ni + s + k.min(s);
+            decode_keys = k.min(s);
+        }
+        LayerSizes {
+            t,
+            weights,
+            weight_sites: (lq + l + r) * h + 2 * n * (p + v) * l,
+            per_token,
+            kept: dsa_kept_keys(cfg, &rc.batch),
+            s,
+            decode_keys,
+        }
+    }
+
+    /// Bytes of a DSA layer's selection bookkeeping on the host: the reference's selection, the
+    /// path's own and the one it attends with, the sparse attention's key lists and indices
+    /// (`usize` each), and the engine indexer's scores (f32, and widened to f64 to select).
+    fn dsa_host_bytes(&self) -> u64 {
+        if self.kept == 0 {
+            return 0;
+        }
+        5 * self.kept * 8 + self.t * self.s * (4 + 8)
+    }
+}
+
+/// An upper estimate of a run's peak host memory in bytes, from the dims, T, the paths, the
+/// input mode and `dense_ffn` (the widest dense FFN the run computes, [`dense_ffn_width`]), for
+/// refusing a run the machine cannot hold before any work.
 ///
-/// Per layer, what is live at the peak: the layer's attention weights in f32 once (the CPU
-/// paths take over the reference's copy; a GPU run's paths hold theirs on the device) plus the
-/// reference's f64 weight sites (`w.fused_qkv_a`,
-/// `w.kv_b`, `w.W_UK_T`, `w.W_UV`); the reference trace in f64 and one path's trace in f32 (the
-/// paths run one at a time and each trace is dropped once judged), each about `T ·` (the
-/// per-token width of every site); and the transient working set of the widest step, the
-/// expanded `[T, N, P+V]` K/V in f64 twice. A 25 % margin covers allocator slack and the
-/// smaller temporaries. Token input adds the dense FFN of one layer and the embedding rows.
+/// Per layer, what is live at the peak: the layer's weights in f32 once (attention, indexer,
+/// dense FFN: the CPU paths take over the reference's copy; a GPU run's paths hold theirs on the
+/// device) plus the reference's f64 weight sites (`w.fused_qkv_a`, `w.kv_b`, `w.W_UK_T`,
+/// `w.W_UV`); the reference trace in f64 and one path's trace in f32 (the paths run one at a
+/// time and each trace is dropped once judged), each about `T ·` (the per-token width of every
+/// site, `idx_scores` included: [T, S]); the transient working set of the widest step, the
+/// expanded `[T, N, P+V]` K/V in f64 twice; with a DSA indexer, the selections and the sparse
+/// attention's key indices (five lists of the kept keys, at most T · K_idx entries each, never a
+/// copy of the keys per query) and the engine indexer's scores; the absorbed path's decode
+/// block (128 queries' kept latent rows, `[128, min(K_idx, S), L+R]`). A 25 % margin covers
+/// allocator slack and the smaller temporaries. Token input adds one layer's MoE or dense FFN
+/// and the embedding rows.
 ///
 /// A GPU run whose traces stay on the device holds far less on the host while the layer is
 /// clean, but a divergence downloads the reference and the diverging path's trace for the
-/// diagnosis: the estimate covers that case, so it holds for every backend.
-pub fn estimate_peak_bytes(cfg: &MlaConfig, rc: &RunConfig) -> u64 {
-    let t = rc.batch.n_tokens() as u64;
+/// diagnosis: the estimate covers that case, so it holds for every backend. The device's own
+/// peak is [`estimate_device_bytes`].
+pub fn estimate_peak_bytes(cfg: &MlaConfig, rc: &RunConfig, dense_ffn: usize) -> u64 {
+    let z = LayerSizes::new(cfg, rc, dense_ffn);
+    let t = z.t;
     let (h, n, l, p, r, v) = (
         cfg.hidden as u64,
         cfg.n_head as u64,
@@ -528,23 +650,78 @@ pub fn estimate_peak_bytes(cfg: &MlaConfig, rc: &RunConfig) -> u64 {
         cfg.qk_rope_head_dim as u64,
         cfg.v_head_dim as u64,
     );
-    let lq = cfg.q_lora_rank.unwrap_or(0) as u64;
-    let q_in = if lq > 0 { lq } else { h };
-    let weights_f32 = h * (lq + l + r) + q_in * n * (p + r) + n * (p + v) * l + h * n * v;
-    let weight_sites_f64 = (lq + l + r) * h + 2 * n * (p + v) * l;
-    // Values per token over every site of the reference trace (see docs/mla.md's site list).
-    let per_token = 4 * h + 2 * lq + n * (p + r) + (l + r) + l + 2 * r + n * r + n * (p + v) + 2 * n * l + n + n * v;
     let ffn = if rc.input == InputMode::Tokens {
-        // One dense FFN's width is not in the config; bound it by the MoE's shared width or 4·H.
+        // An MoE layer's FFN width is not in the config; bound it by the MoE's shared width, the
+        // file's dense FFN or 4·H.
         let f = cfg
             .moe
             .as_ref()
             .map_or(4 * h, |m| (m.n_expert_shared.max(1) * m.expert_ffn) as u64)
-            .max(4 * h);
+            .max(4 * h)
+            .max(dense_ffn as u64);
         3 * h * f * 4 + t * h * 8 * 2
     } else {
         0
     };
-    let bytes = weights_f32 * 4 + weight_sites_f64 * 8 + t * per_token * (8 + 4) + 2 * t * n * (p + v) * 8 + ffn;
+    let decode_block = DECODE_BLOCK_ROWS.min(t) * z.decode_keys.max(1) * (l + r) * 4;
+    let bytes = z.weights * 4
+        + z.weight_sites * 8
+        + t * z.per_token * (8 + 4)
+        + 2 * t * n * (p + v) * 8
+        + z.dsa_host_bytes()
+        + decode_block
+        + ffn;
+    bytes.saturating_add(bytes / 4)
+}
+
+/// Query rows per launch of the absorbed path's decode (`compute::engine`'s `DECODE_ROWS`),
+/// for the estimates.
+const DECODE_BLOCK_ROWS: u64 = 128;
+
+/// An upper estimate of a GPU run's peak device memory in bytes (the CUDA backend), from the
+/// same inputs as [`estimate_peak_bytes`] and whether the GPU reference computes the layer
+/// (`gpu_reference`: not with a DSA indexer, see [`crate::backend::cuda::reference::supported`]).
+///
+/// What one layer holds on the device at the peak: its weights dequantized in f32 (kept for
+/// the reference, then taken over by the engine); one path's recorded sites (kept there for the
+/// device comparison, about `T ·` the per-token width in f32) and its working set: `q`, the
+/// full-width `[T, N, P+R]` queries and keys, the `kv_b_proj` output `[T, N, P+V]` and its
+/// split, each with the bf16 copy the kernels read, and the key indices of a DSA selection
+/// (i64, one per kept key; no per-query copy of the keys), and the absorbed path's decode block
+/// (128 queries' kept latent rows with their bf16 copy and the split partials). With the GPU
+/// reference, its f64 trace, the largest weight widened to f64, its f64 K/V expansion and its
+/// score buffer ([`crate::backend::cuda::reference::SCORE_BYTES`] of heads, or one head's
+/// `[S, S]` when larger). A 25 % margin as on the host.
+pub fn estimate_device_bytes(cfg: &MlaConfig, rc: &RunConfig, dense_ffn: usize, gpu_reference: bool) -> u64 {
+    let z = LayerSizes::new(cfg, rc, dense_ffn);
+    let t = z.t;
+    let (h, n, l, p, r, v) = (
+        cfg.hidden as u64,
+        cfg.n_head as u64,
+        cfg.kv_lora_rank as u64,
+        cfg.qk_nope_head_dim as u64,
+        cfg.qk_rope_head_dim as u64,
+        cfg.v_head_dim as u64,
+    );
+    let splits = rc.path_options.num_splits.max(1) as u64;
+    let rows = DECODE_BLOCK_ROWS.min(t);
+    let working = t * n * (3 * (p + r) + 3 * (p + v)) * 6
+        + z.kept * 8
+        + rows * z.decode_keys.max(1) * (l + r) * 6
+        + 2 * splits * rows * n * l * 4;
+    let reference = if gpu_reference {
+        let q_in = cfg.q_lora_rank.map_or(h, |q| q as u64);
+        let largest = [h * n * v, q_in * n * (p + r), n * (p + v) * l, h * dense_ffn as u64]
+            .into_iter()
+            .max()
+            .unwrap_or(0);
+        let scores = (crate::backend::cuda::reference::SCORE_BYTES as u64)
+            .max(z.s * z.s * 8)
+            .min(n * z.s * z.s * 8);
+        t * z.per_token * 8 + largest * 8 + 2 * t * n * (p + v) * 8 + scores
+    } else {
+        0
+    };
+    let bytes = z.weights * 4 + t * z.per_token * 4 + working + reference;
     bytes.saturating_add(bytes / 4)
 }

@@ -358,6 +358,7 @@ impl PageRun<'_> {
             |tp: usize| fault == Fault::QuantSliceMisaligned || natural_misalignment(file, cfg, layer, tp).is_none();
         let works = |tp: usize| {
             servable(tp)
+                && fault.applies_to_dtype(self.backend.dtype()).is_ok()
                 && fault.applies_to_layer(self.w, tp).is_ok()
                 && PathKind::ALL.iter().any(|&p| fault.applies(p, cfg, tp, lblock).is_ok())
         };

@@ -303,11 +303,16 @@ fn judge_file(file: &GgufFile, cfg: &MlaConfig, path: &Path, wf: WeightsFile) ->
     for layer in entries.iter().map(|e| e.layer) {
         if let std::collections::btree_map::Entry::Vacant(slot) = cache.entry(layer) {
             let w = LayerWeights::load(file, cfg, layer)?;
-            let wanted: Vec<&str> = entries
+            let mut wanted: Vec<&str> = entries
                 .iter()
                 .filter(|e| e.layer == layer)
                 .map(|e| e.param.as_str())
                 .collect();
+            // W_UK_T and W_UV are judged against the kv_b rows they come from (a grouped split
+            // mixes a head's k and v rows).
+            if wanted.iter().any(|p| ["W_UK_T", "W_UV"].contains(p)) {
+                wanted.push("kv_b_proj");
+            }
             // The shared experts load with the layer's MoE weights, only when the file holds
             // them: the router and the routed experts' shapes are checked on the way.
             let wants_shared = wanted.iter().any(|p| p.starts_with("shared_experts."));
@@ -343,7 +348,8 @@ fn judge_file(file: &GgufFile, cfg: &MlaConfig, path: &Path, wf: WeightsFile) ->
                 ),
             ));
         }
-        if let Some(tc) = check_entry(e, p, cfg, dtype, tp, &mut holds, &mut findings) {
+        let kv_b = cache[&e.layer].get("kv_b_proj").map(|k| k.data.as_slice());
+        if let Some(tc) = check_entry(e, p, kv_b, cfg, dtype, tp, &mut holds, &mut findings) {
             tensors.push(tc);
         }
     }
@@ -570,10 +576,16 @@ fn tp_size(
 /// Judges one file tensor `e` against the GGUF's param `p` (or, for a shard, its rank's slice):
 /// returns its row of the report, or `None` for a rank outside `0..tp` (a finding). Records
 /// which rank's slice a shard holds in `holds`, and pushes the explanation of a failing tensor
-/// that holds no other rank's slice to `findings`.
+/// that holds no other rank's slice to `findings`; `kv_b` is the layer's `kv_b_proj` rebuilt from
+/// the GGUF, which the kv_b layout hypotheses of a kv_b-derived tensor read.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the tensor and what it is judged against (e, p, kv_b), the model and how to judge (cfg, dtype, tp), and the two accumulators of the file's judgement"
+)]
 fn check_entry(
     e: &Entry,
     p: &Param,
+    kv_b: Option<&[f64]>,
     cfg: &MlaConfig,
     dtype: Dtype,
     tp: usize,
@@ -640,6 +652,8 @@ fn check_entry(
             rank: e.rank.map(|r| (r, ranges)),
             cfg,
             thr,
+            tp,
+            kv_b,
         }));
     }
     Some(tc)

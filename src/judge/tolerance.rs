@@ -371,6 +371,60 @@ pub fn selection_tie_band(precision: impl Into<Precision>) -> (f64, &'static str
     }
 }
 
+/// How far beyond the range of its attended value rows an element of an attention output may lie
+/// before `phantom-output` calls it unwritten memory, at `precision`: [`HULL_MARGIN_FACTOR`] ×
+/// the element check of the activation row (`atol_rms·rms(ref) + rtol·|bound|`, with `rms_ref`
+/// the output's reference RMS and `bound` the larger magnitude of the range's ends).
+pub fn hull_margin(precision: Precision, rms_ref: f64, bound: f64) -> f64 {
+    let (t, _) = tolerance(Stage::AttnOut, precision);
+    HULL_MARGIN_FACTOR.0 * (t.atol_rms * rms_ref + t.rtol * bound)
+}
+
+/// The multiple of the activation row's element check that [`hull_margin`] allows, and why.
+pub const HULL_MARGIN_FACTOR: (f64, &str) = (
+    2.0,
+    "every fixture of golden/models, layer 1, the selftest batch at page 16 (seqs 1, 15, 16, 17, \
+     53), TP 1, every path clean: the largest excess of an attention output element beyond the \
+     range of its attended value rows was 0.42× the element check in bf16 (tiny-v3-q8_0, mqa \
+     attn_out against the reference's v, which the path's bf16 latent and W_UV round) and 0.02× \
+     in f32 (k256-q4_k_m, mqa attn_out); 2× leaves 4.7× above the worst clean element, while \
+     stale memory misses a first token's single value row by about the output's RMS",
+);
+
+/// `residual-scale`: a fitted residual factor α is a rescale only when `|α − 1|` exceeds this
+/// many times the site's rel_l2 tolerance (and 1e-3): the margin and its provenance.
+pub const RESIDUAL_ALPHA_MARGIN: (f64, &str) = (
+    2.0,
+    "a residual factor fitted to a stream that is right except for noise lands within about the \
+     site's rel_l2 tolerance of 1 (the noise projected on the residual); twice that, and at \
+     least 1e-3, keeps such a fit from being named, while the factors engines apply are far \
+     from 1: 1/routed_scaling_factor = 0.4 for DeepSeek-V3 (2.5), 0.0625 for DeepSeek-V2 (16), \
+     their squares when applied twice",
+);
+
+/// `precision`: a replay that does not explain the candidate outright must leave at most this
+/// fraction of the error as is, with its provenance.
+pub const PRECISION_FAR_BELOW: (f64, &str) = (
+    0.2,
+    "an f16 output rounded from an f32 sum taken in another order than the replay's flips the \
+     last f16 bit where the f32 sums differ across a rounding midpoint, a fraction of about \
+     2^-13 (f32 rounding over an f16 ulp), so the replay leaves about 1% of the error; an \
+     error of the same size that the replay does not reproduce leaves 100% to 140% (√2 for \
+     independent noise); an f16 accumulator summed in an order the replay does not model \
+     leaves about its whole error (measured: 0.0018 of 0.0017 for a 16-term blocked sum \
+     against the sequential replay, K = 128) and is not named",
+);
+
+/// `precision`: the replay's own error against the reference must be within this factor of the
+/// candidate's (both ways), with its provenance.
+pub const PRECISION_SIZE_BAND: (f64, &str) = (
+    2.0,
+    "a rounding that reproduces the candidate's error has its size: an f16 or bf16 rounding of \
+     the operands or the accumulator sets the error's size within a few tens of percent, while \
+     the next coarser or finer format differs by 8× (bf16 against f16 mantissas: 2^-8 against \
+     2^-11)",
+);
+
 /// The GPU reference against the CPU reference (`selftest --cross-check`, the CUDA tests):
 /// the limit and its provenance.
 pub const REFERENCE_AGREEMENT_ROW: (f64, &str) = (

@@ -20,7 +20,7 @@ use crate::judge::weights_check::TensorCheck;
 use crate::judge::report::{FaultOutcome, PathResult, RunReport, Verdict, summarize_not_run};
 
 /// Version of the `--json` document. Bump on any incompatible change.
-pub const JSON_SCHEMA_VERSION: u32 = 5;
+pub const JSON_SCHEMA_VERSION: u32 = 6;
 
 /// The status cell: `pass`, or `FAIL` with the failed metrics abbreviated (rel, cos, norm, elem,
 /// nan), `SHAPE …`, `no reference`.
@@ -461,8 +461,33 @@ pub fn dump_lines(report: &RunReport) -> Vec<String> {
     for c in &d.conversions {
         out.push(format!("converted {c}"));
     }
-    if !d.not_dumped.is_empty() {
-        out.push(format!("not dumped (not compared): {}", short(&d.not_dumped)));
+    // A dump of several steps lists its missing sites per step (`STEP: SITE`); steps that lack
+    // the same sites share a line.
+    let mut groups: Vec<(Vec<&str>, Vec<String>)> = Vec::new();
+    for entry in &d.not_dumped {
+        let (step, site) = entry.split_once(": ").unwrap_or(("", entry.as_str()));
+        match groups.iter_mut().find(|(steps, _)| steps.last() == Some(&step)) {
+            Some((_, sites)) => sites.push(site.to_string()),
+            None => groups.push((vec![step], vec![site.to_string()])),
+        }
+    }
+    let mut merged: Vec<(Vec<&str>, Vec<String>)> = Vec::new();
+    for (steps, sites) in groups {
+        match merged.iter_mut().find(|(_, s)| *s == sites) {
+            Some((st, _)) => st.extend(steps),
+            None => merged.push((steps, sites)),
+        }
+    }
+    for (steps, sites) in &merged {
+        if steps == &[""] {
+            out.push(format!("not dumped (not compared): {}", short(sites)));
+        } else {
+            out.push(format!(
+                "not dumped in {} (not compared): {}",
+                steps.join(", "),
+                short(sites)
+            ));
+        }
     }
     if !d.ignored.is_empty() {
         out.push(format!(

@@ -557,3 +557,56 @@ pub fn compare_json(
         .unwrap_or(serde_json::Value::Null);
     (code, out, err, doc)
 }
+
+/// The DSA lightning indexer of a test `glm-dsa` model: `N_idx` heads of width `D_idx`, top-k.
+#[derive(Debug, Clone, Copy)]
+pub struct IndexerDims {
+    pub n_head: usize,
+    pub head_dim: usize,
+    pub top_k: usize,
+}
+
+/// A complete, valid F32 `glm-dsa` model (GLM-5's architecture: [`deepseek2`]'s MLA layers with
+/// split kv_b and a dense FFN, plus a DSA indexer in every layer).
+pub fn glm_dsa(d: Dims, ix: IndexerDims) -> GgufBuilder {
+    let mut g = deepseek2(d, false);
+    let a = "glm-dsa";
+    for (k, v) in g.kvs.iter_mut() {
+        if let Some(rest) = k.strip_prefix("deepseek2.") {
+            *k = format!("{a}.{rest}");
+        } else if k == "general.architecture" {
+            *v = Val::Str(a.into());
+        }
+    }
+    g.kv(&format!("{a}.attention.indexer.head_count"), Val::U32(ix.n_head as u32));
+    g.kv(
+        &format!("{a}.attention.indexer.key_length"),
+        Val::U32(ix.head_dim as u32),
+    );
+    g.kv(&format!("{a}.attention.indexer.top_k"), Val::U32(ix.top_k as u32));
+    let lq = d.lq.expect("glm-dsa needs q_lora_rank");
+    for i in 0..d.n_layer {
+        let b = |s: &str| format!("blk.{i}.indexer.{s}");
+        let seed = 1000 + 10 * i as u64;
+        let (ni, di) = (ix.n_head, ix.head_dim);
+        g.f32_tensor(
+            &b("attn_q_b.weight"),
+            &[(ni * di) as u64, lq as u64],
+            &vals(seed, ni * di * lq, 0.3),
+        );
+        g.f32_tensor(
+            &b("attn_k.weight"),
+            &[di as u64, d.h as u64],
+            &vals(seed + 1, di * d.h, 0.3),
+        );
+        let gain: Vec<f32> = vals(seed + 2, di, 0.1).iter().map(|x| x + 1.0).collect();
+        g.f32_tensor(&b("k_norm.weight"), &[di as u64], &gain);
+        g.f32_tensor(&b("k_norm.bias"), &[di as u64], &vals(seed + 3, di, 0.1));
+        g.f32_tensor(
+            &b("proj.weight"),
+            &[ni as u64, d.h as u64],
+            &vals(seed + 4, ni * d.h, 0.3),
+        );
+    }
+    g
+}

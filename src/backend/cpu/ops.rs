@@ -228,7 +228,10 @@ struct TileResult {
 /// - `out` [Tq, N, Dv] and `lse` [Tq, N] are caller-allocated and written in place;
 /// - `a.scale` multiplies `q·k`; `lse` is natural-log;
 /// - a query row with no visible key is handled by `a.empty` (correct: `lse = −inf`, output 0);
-///   rows not covered by any segment are not touched.
+///   rows not covered by any segment are not touched;
+/// - with `a.key_rows`, key `j` of a segment is row `key_rows[k_off + j]` of `k` and `v`, read
+///   in place (the DSA selection's indices; the values and their order are those of a gathered
+///   copy, so the bits are too).
 ///
 /// Queries and keys are processed in tiles of [`TILE`] rows with the running max / running sum
 /// rescaling of FlashAttention-2 (Dao 2023). Panics when a buffer is shorter than a segment
@@ -359,7 +362,7 @@ fn flash_tile(t: &FlashTile<'_>) -> (Vec<f32>, Vec<Option<f32>>) {
     for kt in (0..sg.k_len).step_by(tile) {
         let cols = tile.min(sg.k_len - kt);
         for (c, dc) in dots.iter_mut().enumerate().take(cols) {
-            *dc = dots_lanes(&q_t, &k[((sg.k_off + kt + c) * n_head + h) * dqk..][..dqk]);
+            *dc = dots_lanes(&q_t, &k[(a.key_row(sg.k_off + kt + c) * n_head + h) * dqk..][..dqk]);
         }
         for r in 0..rows {
             let i = qt + r;
@@ -374,10 +377,10 @@ fn flash_tile(t: &FlashTile<'_>) -> (Vec<f32>, Vec<Option<f32>>) {
             }
             let m_new = m[r].max(row_max);
             let alpha = (m[r] - m_new).exp();
-            let a = &mut acc[r * dv..(r + 1) * dv];
+            let acc_r = &mut acc[r * dv..(r + 1) * dv];
             // The running max rarely moves; `x · 1` is `x`, so skipping it keeps every bit.
             if alpha != 1.0 {
-                for x in a.iter_mut() {
+                for x in acc_r.iter_mut() {
                     *x *= alpha;
                 }
             }
@@ -389,10 +392,10 @@ fn flash_tile(t: &FlashTile<'_>) -> (Vec<f32>, Vec<Option<f32>>) {
                 }
                 let pc = (s[c] - m_new).exp();
                 psum += pc;
-                (p[live], at[live]) = (pc, ((sg.k_off + kt + c) * n_head + h) * dv);
+                (p[live], at[live]) = (pc, (a.key_row(sg.k_off + kt + c) * n_head + h) * dv);
                 live += 1;
             }
-            add_weighted_rows(a, v, &p[..live], &at[..live]);
+            add_weighted_rows(acc_r, v, &p[..live], &at[..live]);
             l[r] = l[r] * alpha + psum;
             m[r] = m_new;
         }
@@ -803,6 +806,7 @@ mod tests {
             segments,
             scale,
             empty,
+            key_rows: None,
         }
     }
 
@@ -828,6 +832,63 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn keys_read_by_index_have_the_bits_of_a_gathered_copy() {
+        // 40 query rows over 50 key rows: rows 0..20 keep every key up to themselves (a causal
+        // run, as DSA keeps all keys while T ≤ top-k), rows 20..36 keep 20 keys spread over
+        // their prefix (more than one key tile, out of position order for two rows), rows 36..40
+        // keep nothing, one key, and a repeated run.
+        let (nq, nk, nh, dqk, dv) = (40, 50, 3, 40, 36);
+        let q = normal_f32(31, nq * nh * dqk);
+        let k = normal_f32(32, nk * nh * dqk);
+        let v = normal_f32(33, nk * nh * dv);
+        let mut keys: Vec<Vec<usize>> = (0..20).map(|i| (0..=i).collect()).collect();
+        keys.extend((20..36).map(|i| (0..20).map(|j| (j * 7 + i) % (i + 1)).collect::<Vec<_>>()));
+        keys[30].reverse();
+        keys.extend([vec![], vec![49], vec![3, 4], vec![3, 4, 5]]);
+        let (segs, rows) = crate::compute::ops::sparse_segments(&keys);
+        // The causal run is one segment; the other rows are their own (the last pair is a run).
+        assert_eq!(
+            segs[0],
+            Segment {
+                q_off: 0,
+                q_len: 20,
+                k_off: 0,
+                k_len: 20,
+                causal: true
+            }
+        );
+        assert_eq!(segs.len(), 1 + 16 + 3);
+        assert_eq!(rows.len(), 20 + 16 * 20 + 1 + 3);
+        let mut indexed = (canary_vec(nq * nh * dv), canary_vec(nq * nh));
+        let mut args = prefill_args(&q, &k, &v, (nh, dqk, dv), &segs, 0.3, EmptyRows::ZeroMinusInf);
+        args.key_rows = Some(&rows);
+        flash_attention(&args, &mut indexed.0, &mut indexed.1);
+        // The copy: each row's kept keys gathered, one segment per row.
+        let (mut kg, mut vg, mut gsegs) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, kr) in keys.iter().enumerate() {
+            gsegs.push(Segment {
+                q_off: i,
+                q_len: 1,
+                k_off: kg.len() / (nh * dqk),
+                k_len: kr.len(),
+                causal: false,
+            });
+            for &j in kr {
+                kg.extend_from_slice(&k[j * nh * dqk..(j + 1) * nh * dqk]);
+                vg.extend_from_slice(&v[j * nh * dv..(j + 1) * nh * dv]);
+            }
+        }
+        let mut copied = (canary_vec(nq * nh * dv), canary_vec(nq * nh));
+        let args = prefill_args(&q, &kg, &vg, (nh, dqk, dv), &gsegs, 0.3, EmptyRows::ZeroMinusInf);
+        flash_attention(&args, &mut copied.0, &mut copied.1);
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&indexed.0), bits(&copied.0));
+        assert_eq!(bits(&indexed.1), bits(&copied.1));
+        assert_eq!(indexed.1[36 * nh], f32::NEG_INFINITY, "the row with no key");
+        assert!(indexed.1.iter().skip(nh).take(35 * nh).all(|x| x.is_finite()));
     }
 
     #[test]

@@ -33,7 +33,7 @@ use crate::model::weights::{LayerWeights, QWeights};
 const ROW_THREADS: u32 = 256;
 /// Bytes of scores one attention step may hold (`[heads, len, len]` f64): heads are taken in
 /// groups small enough to stay under it.
-const SCORE_BYTES: usize = 2 << 30;
+pub const SCORE_BYTES: usize = 2 << 30;
 
 /// Whether the GPU reference computes this layer: not with a DSA indexer (its top-k selection
 /// runs on the CPU reference), and not an MoE FFN (`full`: token input runs the whole layer).

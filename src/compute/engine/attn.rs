@@ -102,10 +102,14 @@ impl<O: Ops> RankAttn<'_, O> {
 
     /// The attention custom op's output contract: the op gets the caller-allocated output and
     /// must write it in place. With `phantom-output`, the op's result lands in a private tensor
-    /// and the caller's buffer stays as allocated (the canary).
+    /// and the caller's buffer stays as allocated (the canary); with `phantom-output-stale` it
+    /// stays as a real allocator hands it out ([`stale_floats`]).
     pub(super) fn deliver(&self, result: O::Buf, n: usize) -> Result<O::Buf> {
         if self.opts.faults.has(Fault::PhantomOutput) {
             self.ops.canary(n)
+        } else if self.opts.faults.has(Fault::PhantomOutputStale) {
+            let lost = self.ops.download(&result)?;
+            self.ops.upload(&stale_floats(&lost))
         } else {
             Ok(result)
         }
@@ -134,12 +138,29 @@ impl<O: Ops> RankAttn<'_, O> {
 
     /// `ql_nope = q_nope · W_UK_T` per head, [T, nh, L].
     pub(super) fn absorb_q(&self, t: usize) -> Result<O::Buf> {
-        let [_, l, p, r, _] = self.cfg.dims().nlprv();
+        let [_, l, p, _, _] = self.cfg.dims().nlprv();
+        self.ops.bmm_heads(&self.q_nope(t)?, t, self.nh, p, &self.rw.w_uk_t, l)
+    }
+
+    /// [`RankAttn::absorb_q`] as a half-precision GEMM computes it, for `fp16-accum-ql-nope`
+    /// ([`bmm_heads_f16_accum`], on the host).
+    ///
+    /// Errors: backend errors.
+    pub(super) fn absorb_q_f16_accum(&self, t: usize) -> Result<O::Buf> {
+        let [_, l, p, _, _] = self.cfg.dims().nlprv();
+        let x = self.ops.download(&self.q_nope(t)?)?;
+        let w = self.ops.download(&self.rw.w_uk_t)?;
+        self.ops.upload(&bmm_heads_f16_accum(&x, t, self.nh, p, &w, l))
+    }
+
+    /// `q_nope` [T, nh, P]: the first P columns of each head of `q`.
+    fn q_nope(&self, t: usize) -> Result<O::Buf> {
+        let [_, _, p, r, _] = self.cfg.dims().nlprv();
         let nh = self.nh;
         let mut q_nope = self.ops.canary(t * nh * p)?;
         self.ops
             .copy2d(self.q, &mut q_nope, copy_rows(t * nh, p).src(0, p + r).dst(0, p))?;
-        self.ops.bmm_heads(&q_nope, t, nh, p, &self.rw.w_uk_t, l)
+        Ok(q_nope)
     }
 
     /// Per-sequence causal segments over packed rows.
@@ -156,12 +177,35 @@ impl<O: Ops> RankAttn<'_, O> {
     }
 }
 
+/// What a freshly allocated output buffer of `lost.len()` f32 held before the attention op
+/// should have written it, for `phantom-output-stale`: `torch.empty` (a caching allocator's
+/// reused block) returns the floats some earlier tensor left there, finite and of any size. The
+/// values here are seeded normals with the RMS of the result that never arrived (`lost`), which
+/// makes them as hard to tell from an attention output by their size as stale memory can be;
+/// they are drawn independently of the result, as an earlier tensor's bytes are.
+pub(super) fn stale_floats(lost: &[f32]) -> Vec<f32> {
+    let finite: Vec<f64> = lost.iter().filter(|v| v.is_finite()).map(|&v| f64::from(v)).collect();
+    let rms = (finite.iter().map(|v| v * v).sum::<f64>() / finite.len().max(1) as f64).sqrt();
+    let rms = if rms > 0.0 { rms } else { 1.0 };
+    crate::core::batch::normal_f32(STALE_SEED, lost.len())
+        .into_iter()
+        .map(|v| (f64::from(v) * rms) as f32)
+        .collect()
+}
+
+/// The seed of [`stale_floats`]: any fixed value (the fault must give the same bytes on every
+/// backend and run).
+const STALE_SEED: u64 = 0x5717_E0F7;
+
 impl<O: Ops> RankAttn<'_, O> {
     /// Sparse attention of query rows `q_rows` of `q` [·, nh, P+R] over per-row key lists
-    /// (`keys[i]`: rows of `k` [·, nh, P+R] / `v` [·, nh, V]): the keys of every row are
-    /// gathered into one packed buffer and each row is its own non-causal segment (what a sparse
-    /// MLA prefill kernel does with the indexer's indices). A row with no key gets `empty`.
-    /// Returns (`out` [n, nh, V], `lse` [n, nh]) in `q_rows` order.
+    /// (`keys[i]`: rows of `k` [·, nh, P+R] / `v` [·, nh, V]), as a sparse MLA prefill kernel
+    /// runs it on the indexer's indices: the kernel reads each kept key in place through
+    /// [`PrefillArgs::key_rows`] ([`sparse_segments`] lays them out). A row with no key gets
+    /// `empty`. Returns (`out` [n, nh, V], `lse` [n, nh]) in `q_rows` order.
+    ///
+    /// Memory: the indices, `Σ |keys[i]|` of them (at most T · top-k), and the `n` query rows;
+    /// never a copy of the keys per query, which would hold `Σ |keys[i]| · nh · (P+R+V)` floats.
     pub(super) fn sparse_rows(
         &self,
         q: &O::Buf,
@@ -175,39 +219,22 @@ impl<O: Ops> RankAttn<'_, O> {
         let nh = self.nh;
         let ops = self.ops;
         let n = q_rows.len();
-        let mut flat: Vec<usize> = keys.iter().flatten().copied().collect();
-        let mut segs = Vec::with_capacity(n);
-        let mut k_off = 0;
-        for (i, kr) in keys.iter().enumerate() {
-            segs.push(Segment {
-                q_off: i,
-                q_len: 1,
-                k_off,
-                k_len: kr.len(),
-                causal: false,
-            });
-            k_off += kr.len();
-        }
-        if flat.is_empty() {
-            // Never read (every segment is empty); keeps the gathers non-empty.
-            flat.push(0);
-        }
+        let (segs, key_rows) = sparse_segments(keys);
         let qg = ops.gather_rows(q, nh * (p + r), q_rows)?;
-        let kg = ops.gather_rows(k, nh * (p + r), &flat)?;
-        let vg = ops.gather_rows(v, nh * dv, &flat)?;
         let mut out = ops.canary(n * nh * dv)?;
         let mut lse = ops.canary(n * nh)?;
         ops.flash_attention(
             &PrefillArgs {
                 q: &qg,
-                k: &kg,
-                v: &vg,
+                k,
+                v,
                 nh,
                 dqk: p + r,
                 dv,
                 segments: &segs,
                 scale: self.scale,
                 empty,
+                key_rows: Some(&key_rows),
             },
             &mut out,
             &mut lse,
@@ -241,6 +268,7 @@ impl<O: Ops> RankAttn<'_, O> {
                     segments: &Self::causal_segments(seqs),
                     scale: self.scale,
                     empty: EmptyRows::ZeroMinusInf,
+                    key_rows: None,
                 },
                 out,
                 lse,
@@ -280,20 +308,61 @@ pub(super) struct CacheState<B> {
     pub(super) tables: Vec<Vec<usize>>,
     pub(super) block_size: usize,
     pub(super) width: usize,
+    /// How the cache is read and written: as its metadata says, or with a paged-cache fault.
+    pub(super) mode: CacheFault,
+}
+
+/// A paged-cache fault of the cache's readers or writer (docs/faults.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum CacheFault {
+    /// Read and written as the block tables and the page size say.
+    None,
+    /// `paged-kv-page-size`: read with page size 1, the block ids taken as token slots.
+    ReadPageOne,
+    /// `paged-kv-block-offset`: read through each table one entry further on.
+    ReadNextBlock,
+    /// `slot-mapping-offset`: each row written one slot early.
+    WriteSlotEarly,
+}
+
+impl CacheFault {
+    fn of(opts: &PathOptions) -> Self {
+        let f = &opts.faults;
+        if f.has(Fault::PagedKvPageSize) && opts.page_size > 1 {
+            CacheFault::ReadPageOne
+        } else if f.has(Fault::PagedKvBlockOffset) {
+            CacheFault::ReadNextBlock
+        } else if f.has(Fault::SlotMappingOffset) {
+            CacheFault::WriteSlotEarly
+        } else {
+            CacheFault::None
+        }
+    }
+}
+
+/// The note of `paged-kv-page-size` at page size 1, where reading the block ids as token slots
+/// is what the cache holds: the fault has nothing to act on.
+pub(super) fn page_size_fault_note(opts: &PathOptions) -> Option<String> {
+    (opts.faults.has(Fault::PagedKvPageSize) && opts.page_size <= 1).then(|| {
+        "paged-kv-page-size: at page size 1 the block ids are the token slots already; the fault had nothing to act on (use --page-size 16)"
+            .into()
+    })
 }
 
 impl<B> CacheState<B> {
-    /// Enough pages for every sequence plus one spare, handed out in a shuffled order; the cache
-    /// is canary-filled, so reading a slot never written yields NaN.
+    /// Enough pages for every sequence plus one spare, handed out in a shuffled order. The cache
+    /// starts zeroed, as vLLM allocates it (`torch.zeros`): a slot no row was written to reads
+    /// as a zero latent row.
     pub(super) fn new<O: Ops<Buf = B>>(ops: &O, batch: &Batch, cfg: &MlaConfig, opts: &PathOptions) -> Result<Self> {
         let page = opts.page_size.max(1);
         let (num_blocks, tables) = paged_block_tables(batch, page, opts.seed);
         let width = cfg.kv_lora_rank + cfg.qk_rope_head_dim;
         Ok(CacheState {
-            cache: ops.canary(num_blocks * page * width)?,
+            cache: ops.upload(&vec![0f32; num_blocks * page * width])?,
             tables,
             block_size: page,
             width,
+            mode: CacheFault::of(opts),
         })
     }
 
@@ -302,7 +371,52 @@ impl<B> CacheState<B> {
         self.tables[seq][i / self.block_size] * self.block_size + i % self.block_size
     }
 
-    /// `concat_and_cache_mla` for packed rows `rows` (positions `pos` of sequences `seqs`).
+    /// Block `b` of sequence `seq`'s table as a kernel reads it: past the table's end, block 0
+    /// (the padding of vLLM's `[S, max_blocks]` block table).
+    fn table_entry(&self, seq: usize, b: usize) -> usize {
+        self.tables[seq].get(b).copied().unwrap_or(0)
+    }
+
+    /// The slot a kernel reads for position `i` of sequence `seq`: [`Self::slot`], or with a
+    /// read fault the slot its wrong metadata gives.
+    pub(super) fn read_slot(&self, seq: usize, i: usize) -> usize {
+        let p = self.block_size;
+        match self.mode {
+            CacheFault::ReadPageOne => self.table_entry(seq, i),
+            CacheFault::ReadNextBlock => self.table_entry(seq, i / p + 1) * p + i % p,
+            CacheFault::None | CacheFault::WriteSlotEarly => self.slot(seq, i),
+        }
+    }
+
+    /// The block table and block size a decode kernel reads sequence `seq` with for a context
+    /// of `ctx` positions: its own and the cache's, or with a read fault the wrong ones (padded
+    /// with block 0 to cover `ctx`, as an engine's block-table rows are).
+    pub(super) fn read_table(&self, seq: usize, ctx: usize) -> (Vec<usize>, usize) {
+        let p = self.block_size;
+        match self.mode {
+            CacheFault::ReadPageOne => ((0..ctx.max(1)).map(|b| self.table_entry(seq, b)).collect(), 1),
+            CacheFault::ReadNextBlock => (
+                (0..ctx.div_ceil(p).max(1))
+                    .map(|b| self.table_entry(seq, b + 1))
+                    .collect(),
+                p,
+            ),
+            CacheFault::None | CacheFault::WriteSlotEarly => (self.tables[seq].clone(), p),
+        }
+    }
+
+    /// The block size a decode kernel reads the cache with ([`Self::read_table`]).
+    pub(super) fn read_block_size(&self) -> usize {
+        if self.mode == CacheFault::ReadPageOne {
+            1
+        } else {
+            self.block_size
+        }
+    }
+
+    /// `concat_and_cache_mla` for packed rows `rows` (positions `pos` of sequences `seqs`); with
+    /// `slot-mapping-offset` each row goes one slot early, and a row whose slot would be −1 is not
+    /// written (vLLM skips negative slots).
     pub(super) fn write<O: Ops<Buf = B>>(
         &mut self,
         a: &RankAttn<'_, O>,
@@ -310,13 +424,27 @@ impl<B> CacheState<B> {
         seqs: &[usize],
         pos: &[usize],
     ) -> Result<()> {
-        if rows.is_empty() {
+        let mut kept = Vec::with_capacity(rows.len());
+        let mut slots = Vec::with_capacity(rows.len());
+        for ((&row, &s), &i) in rows.iter().zip(seqs).zip(pos) {
+            let slot = self.slot(s, i);
+            let slot = if self.mode == CacheFault::WriteSlotEarly {
+                match slot.checked_sub(1) {
+                    Some(x) => x,
+                    None => continue,
+                }
+            } else {
+                slot
+            };
+            kept.push(row);
+            slots.push(slot);
+        }
+        if kept.is_empty() {
             return Ok(());
         }
         let (l, r) = (a.cfg.kv_lora_rank, a.cfg.qk_rope_head_dim);
-        let kv = a.ops.gather_rows(a.kv_c_normed, l, rows)?;
-        let kp = a.ops.gather_rows(a.k_pe_roped, r, rows)?;
-        let slots: Vec<usize> = seqs.iter().zip(pos).map(|(&s, &i)| self.slot(s, i)).collect();
+        let kv = a.ops.gather_rows(a.kv_c_normed, l, &kept)?;
+        let kp = a.ops.gather_rows(a.k_pe_roped, r, &kept)?;
         a.ops.cache_write(&mut self.cache, self.width, &kv, &kp, l, r, &slots)
     }
 }
@@ -339,4 +467,90 @@ pub fn paged_block_tables(batch: &Batch, page: usize, seed: u64) -> (usize, Vec<
         next += np;
     }
     (num_blocks, tables)
+}
+
+/// `fp16-accum-ql-nope`'s product: `x [t, nh, a] · w [nh, a, b] → [t, nh, b]` as a half-precision
+/// GEMM computes it (llama.cpp PR #13137's `q_nope·W_UK` under an f32 flag): each operand
+/// rounded to f16, each product added to an f16 running sum in `a` order and the sum rounded to
+/// f16 after every term, on the host.
+fn bmm_heads_f16_accum(x: &[f32], t: usize, nh: usize, a: usize, w: &[f32], b: usize) -> Vec<f32> {
+    use rayon::prelude::*;
+    let h16 = |v: f32| half::f16::from_f32(v).to_f64();
+    let xr: Vec<f64> = x.iter().map(|&v| h16(v)).collect();
+    let wr: Vec<f64> = w.iter().map(|&v| h16(v)).collect();
+    let mut out = vec![0f32; t * nh * b];
+    out.par_chunks_mut(b).enumerate().for_each(|(row, o)| {
+        let h = row % nh;
+        let xs = &xr[row * a..(row + 1) * a];
+        for (j, oj) in o.iter_mut().enumerate() {
+            let acc = xs.iter().enumerate().fold(0f64, |acc, (i, &xv)| {
+                half::f16::from_f64(acc + xv * wr[(h * a + i) * b + j]).to_f64()
+            });
+            *oj = acc as f32;
+        }
+    });
+    out
+}
+
+/// What path `kind` read through its paged latent cache for `batch`, as the `paged-kv` replays
+/// need it ([`PagedStep`]): the page size and block tables of its metadata (the cache's own,
+/// whatever a paged-cache fault made the kernels read), its writes in the order it made them,
+/// and per packed row the positions it read through the cache. `mqa` decodes every token over
+/// the cache after writing every row; `mixed` writes its decode sequences and decodes their last
+/// token; `chunked` writes each sequence's context and its new tokens read it through the cache
+/// (and themselves directly). `None` for `mha`, which keeps no cache, and for a DSA layer, whose
+/// attention reads the indexer's kept keys.
+pub fn paged_step(kind: PathKind, batch: &Batch, opts: &PathOptions, cfg: &MlaConfig) -> Option<PagedStep> {
+    if kind == PathKind::Mha || cfg.indexer.is_some() {
+        return None;
+    }
+    let page = opts.page_size.max(1);
+    let (_, tables) = paged_block_tables(batch, page, opts.seed);
+    let offsets = batch.offsets();
+    let lens: Vec<usize> = batch.seqs.iter().map(|s| s.len).collect();
+    let n_dec = mixed_decode_seqs(batch);
+    let split = chunked_split(batch, opts.new_tokens);
+    let mut writes = Vec::new();
+    let mut queries = Vec::with_capacity(batch.n_tokens());
+    for (s, &len) in lens.iter().enumerate() {
+        // Positions written to the cache, and the first position whose row reads it.
+        let (written, cached_from) = match kind {
+            PathKind::Mqa => (len, 0),
+            PathKind::Mixed if s < n_dec => (len, len - 1),
+            PathKind::Chunked => (split[s].0, split[s].0),
+            _ => (0, len),
+        };
+        writes.extend((0..written).map(|pos| CacheWrite {
+            seq: s,
+            pos,
+            slot: None,
+        }));
+        for i in 0..len {
+            let cached = match kind {
+                PathKind::Mqa => i + 1,
+                PathKind::Mixed if i >= cached_from => len,
+                PathKind::Chunked if i >= cached_from => cached_from,
+                _ => 0,
+            };
+            queries.push(PagedQuery {
+                seq: s,
+                cached,
+                upto: i + 1,
+            });
+        }
+    }
+    Some(PagedStep {
+        page_size: Some(page),
+        block_tables: Some(tables.iter().map(|t| t.iter().map(|&b| b as i64).collect()).collect()),
+        pad_block: Some(0),
+        seqs: offsets
+            .iter()
+            .zip(&lens)
+            .map(|(&key_off, &len)| PagedSeq { key_off, len })
+            .collect(),
+        writes,
+        queries,
+        keys: None,
+        zero_filled: true,
+    })
 }

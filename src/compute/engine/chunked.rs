@@ -74,9 +74,9 @@ pub(super) fn chunked_rank<O: Ops>(
     let mut lses = ops.canary(k_parts * t_new * nh)?;
     let mut skipped = 0usize;
     for (ci, c0) in (0..max_ctx).step_by(chunk).enumerate() {
-        let (slots, segs, chunk_skipped) = context_chunk_keys(a, &cs, seqs, c0..c0 + chunk, empty_rows);
-        skipped += chunk_skipped;
-        let (po, pl) = context_chunk_attention(a, &cs, &qn, t_new, slots, &segs, empty)?;
+        let ck = context_chunk_keys(a, &cs, seqs, c0..c0 + chunk, empty_rows);
+        skipped += ck.skipped;
+        let (po, pl) = context_chunk_attention(a, &cs, &qn, t_new, &ck, empty)?;
         ops.copy2d(&po, &mut parts, copy_span_to(t_new * nh * v, ci * t_new * nh * v))?;
         ops.copy2d(&pl, &mut lses, copy_span_to(t_new * nh, ci * t_new * nh))?;
     }
@@ -149,59 +149,61 @@ fn prefill_context<O: Ops>(
 }
 
 /// One context chunk's keys (vLLM `_compute_prefill_context`, one iteration): the cache slots of
-/// positions `window` of every sequence's context and, per new token (DSA: its kept keys) or per
-/// sequence, the attention segment reading them. Rows left with no key are added to `empty_rows`
-/// and counted in the returned number.
+/// positions `window` of every sequence's context, gathered once per chunk, and the attention
+/// segments reading them: per sequence its new tokens over the sequence's slots, or with a DSA
+/// selection per new token its kept keys among them, read by index (the third value, indices
+/// into the slots). Rows left with no key are added to `empty_rows` and counted in the fourth.
 fn context_chunk_keys<O: Ops>(
     a: &RankAttn<'_, O>,
     cs: &CacheState<O::Buf>,
     seqs: ChunkedSeqs<'_>,
     window: Range<usize>,
     empty_rows: &mut BTreeSet<usize>,
-) -> (Vec<usize>, Vec<Segment>, usize) {
-    let mut slots = Vec::new();
-    let mut segs = Vec::new();
+) -> ChunkKeys {
+    let mut ck = ChunkKeys {
+        slots: Vec::new(),
+        segs: Vec::new(),
+        key_rows: a.sel.map(|_| Vec::new()),
+        skipped: 0,
+    };
     let mut q_off = 0;
-    let mut skipped = 0usize;
     for (si, &(c, n)) in seqs.split.iter().enumerate() {
         let keys = window.start.min(c)..window.end.min(c);
-        if let Some(sel) = a.sel {
+        let k_off = ck.slots.len();
+        ck.slots.extend(keys.clone().map(|pos| cs.read_slot(si, pos)));
+        if let (Some(sel), Some(key_rows)) = (a.sel, ck.key_rows.as_mut()) {
             // DSA: each new token reads only its kept keys of this chunk.
             for j in 0..n {
                 let row = seqs.offsets[si] + c + j;
-                let k_off = slots.len();
-                slots.extend(
+                let first = key_rows.len();
+                key_rows.extend(
                     sel.rows[row]
                         .iter()
                         .filter(|p| keys.contains(p))
-                        .map(|&p| cs.slot(si, p)),
+                        .map(|&p| k_off + (p - keys.start)),
                 );
-                if slots.len() == k_off {
-                    skipped += 1;
+                if key_rows.len() == first {
+                    ck.skipped += 1;
                     empty_rows.insert(row);
                 }
-                segs.push(Segment {
+                ck.segs.push(Segment {
                     q_off: q_off + j,
                     q_len: 1,
-                    k_off,
-                    k_len: slots.len() - k_off,
+                    k_off: first,
+                    k_len: key_rows.len() - first,
                     causal: false,
                 });
             }
             q_off += n;
             continue;
         }
-        let k_off = slots.len();
-        for pos in keys.clone() {
-            slots.push(cs.slot(si, pos));
-        }
         if keys.is_empty() {
-            skipped += n;
+            ck.skipped += n;
             for j in 0..n {
                 empty_rows.insert(seqs.offsets[si] + c + j);
             }
         }
-        segs.push(Segment {
+        ck.segs.push(Segment {
             q_off,
             q_len: n,
             k_off,
@@ -210,39 +212,52 @@ fn context_chunk_keys<O: Ops>(
         });
         q_off += n;
     }
-    if slots.is_empty() {
-        // No row keeps a key of this chunk: one written slot, never read, keeps the gather
+    if ck.slots.is_empty() {
+        // No sequence has context in this chunk: one written slot, never read, keeps the gather
         // non-empty.
         if let Some(si) = seqs.split.iter().position(|x| x.0 > 0) {
-            slots.push(cs.slot(si, 0));
+            ck.slots.push(cs.slot(si, 0));
         }
     }
-    (slots, segs, skipped)
+    ck
+}
+
+/// The keys of one context chunk ([`context_chunk_keys`]).
+struct ChunkKeys {
+    /// The cache slots of the chunk's positions, every sequence's in turn: the chunk's K/V rows.
+    slots: Vec<usize>,
+    /// One segment per sequence's new tokens, or per new token with a DSA selection.
+    segs: Vec<Segment>,
+    /// With a DSA selection, the rows of the chunk's K/V each new token keeps, indexed by its
+    /// segment ([`PrefillArgs::key_rows`]).
+    key_rows: Option<Vec<usize>>,
+    /// New-token rows with no key in this chunk.
+    skipped: usize,
 }
 
 /// One context chunk's attention (vLLM `_run_prefill_context_chunk`): the chunk's latent rows
-/// gathered from the cache, split into `kv_c_normed` and `k_pe`, re-expanded through `kv_b_proj`,
-/// and attended by the `t_new` new tokens `qn` over `segs`. Returns the partial output
+/// gathered from the cache, split into `kv_c_normed` and `k_pe`, re-expanded through `kv_b_proj`
+/// once, and attended by the `t_new` new tokens `qn` over the chunk's segments (with a DSA
+/// selection, each token's kept rows by index). Returns the partial output
 /// `[t_new, nh, v_head_dim]` and its LSE `[t_new, nh]`, f32.
 fn context_chunk_attention<O: Ops>(
     a: &RankAttn<'_, O>,
     cs: &CacheState<O::Buf>,
     qn: &O::Buf,
     t_new: usize,
-    slots: Vec<usize>,
-    segs: &[Segment],
+    ck: &ChunkKeys,
     empty: EmptyRows,
 ) -> Result<(O::Buf, O::Buf)> {
     let [_, l, p, r, v] = a.cfg.dims().nlprv();
     let (nh, ops) = (a.nh, a.ops);
-    let nk = slots.len();
-    let rows_c = ops.gather_rows(&cs.cache, cs.width, &slots)?;
+    let nk = ck.slots.len();
+    let rows_c = ops.gather_rows(&cs.cache, cs.width, &ck.slots)?;
     let mut kv_c = ops.canary(nk * l)?;
     ops.copy2d(&rows_c, &mut kv_c, copy_rows(nk, l).src(0, cs.width).dst(0, l))?;
     let mut kpe = ops.canary(nk * r)?;
     ops.copy2d(&rows_c, &mut kpe, copy_rows(nk, r).src(l, cs.width).dst(0, r))?;
-    let (ck, cv) = a.expand_kv(&kv_c, nk)?;
-    let ckf = a.full_k(&ck, &kpe, nk)?;
+    let (ck_nope, cv) = a.expand_kv(&kv_c, nk)?;
+    let ckf = a.full_k(&ck_nope, &kpe, nk)?;
     let mut po = ops.canary(t_new * nh * v)?;
     let mut pl = ops.canary(t_new * nh)?;
     ops.flash_attention(
@@ -253,9 +268,10 @@ fn context_chunk_attention<O: Ops>(
             nh,
             dqk: p + r,
             dv: v,
-            segments: segs,
+            segments: &ck.segs,
             scale: a.scale,
             empty,
+            key_rows: ck.key_rows.as_deref(),
         },
         &mut po,
         &mut pl,
@@ -337,6 +353,7 @@ fn new_tokens_attention<O: Ops>(
             segments: &RankAttn::<O>::causal_segments(&suffix),
             scale: a.scale,
             empty: EmptyRows::ZeroMinusInf,
+            key_rows: None,
         },
         &mut so,
         &mut sl,

@@ -1,5 +1,6 @@
 //! The expanded MHA prefill path (vLLM `forward_mha`): K and V expanded through `kv_b_proj`,
-//! causal attention with LSE.
+//! causal attention with LSE; with a DSA selection, each token attends over its kept keys, read
+//! by index ([`RankAttn::sparse_rows`]).
 
 use super::*;
 
@@ -39,6 +40,7 @@ pub(super) fn mha_rank<O: Ops>(a: &RankAttn<'_, O>, batch: &Batch) -> Result<Ran
                 segments: &RankAttn::<O>::causal_segments(&seqs),
                 scale: a.scale,
                 empty: EmptyRows::ZeroMinusInf,
+                key_rows: None,
             },
             &mut result,
             &mut lse,

@@ -99,6 +99,7 @@ pub(super) fn mixed_rank<O: Ops>(
                 segments: &RankAttn::<O>::causal_segments(&segs),
                 scale: a.scale,
                 empty: EmptyRows::ZeroMinusInf,
+                key_rows: None,
             },
             &mut po,
             &mut pl,

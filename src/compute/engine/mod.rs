@@ -21,6 +21,7 @@ mod mha;
 mod mixed;
 mod mqa;
 mod prologue;
+mod split;
 mod weights;
 
 use std::collections::BTreeSet;
@@ -28,7 +29,8 @@ use std::ops::Range;
 
 use crate::compute::faults::Fault;
 use crate::compute::indexer::{self, Selection};
-use crate::compute::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, PrefillArgs, Segment};
+use crate::compute::ops::{Copy2d, DecodeArgs, EmptyRows, Ops, PrefillArgs, Segment, sparse_segments};
+use crate::compute::paged::{CacheWrite, PagedQuery, PagedSeq, PagedStep};
 use crate::compute::path::{LayerInput, PathKind, PathOptions, PathRun, Unservable};
 use crate::core::batch::{Batch, SplitMix64};
 use crate::core::error::{Error, Result};
@@ -44,9 +46,10 @@ use mha::*;
 use mixed::*;
 use mqa::*;
 use prologue::*;
+use split::*;
 use weights::*;
 
-pub use attn::paged_block_tables;
+pub use attn::{paged_block_tables, paged_step};
 pub use chunked::chunked_split;
 pub use mixed::mixed_decode_seqs;
 pub use prologue::cos_sin_table;
@@ -252,6 +255,7 @@ pub fn run_paths<O: Ops>(
                     empty_partial_rows: Vec::new(),
                     unservable: Some(u.clone()),
                     notes: load_notes.clone(),
+                    paged: None,
                 })?;
             }
             return Ok(());
@@ -308,6 +312,9 @@ fn run_loaded<O: Ops>(
     pro.record(ops, ew, input, &mut tr)?;
     let own_sel = engine_indexer(ops, input, opts, kind, pro, &mut tr, &mut notes)?;
     notes.extend(rope_fault_note(opts, input.batch));
+    if kind != PathKind::Mha {
+        notes.extend(page_size_fault_note(opts));
+    }
     let sel = match (&own_sel, input.forced_selection) {
         (Some(_), Some(forced)) => Some(forced.clone()),
         _ => own_sel,
@@ -361,8 +368,23 @@ fn run_loaded<O: Ops>(
     let o = ops.all_reduce_sum(parts, t * hd, opts.faults.reduce_fault(tp))?;
     record_buf(ops, &mut tr, layer, Stage::OProj, &[t, hd], &o)?;
     if let Some(ffn) = &ew.ffn {
-        let out = ffn_block(ops, &mut tr, layer, cfg, ffn, &pro.hidden, &o, t)?;
+        // `residual-scaled`: the residual operand of the layer's residual add scaled by α, as
+        // vLLM PR #14809 scaled it once per dense layer.
+        let alpha = opts.faults.residual_alpha(cfg) as f32;
+        let scaled;
+        let residual = if alpha != 1.0 {
+            let v: Vec<f32> = ops.download(&pro.hidden)?.into_iter().map(|x| x * alpha).collect();
+            scaled = ops.upload(&v)?;
+            &scaled
+        } else {
+            &pro.hidden
+        };
+        let out = ffn_block(ops, &mut tr, layer, cfg, ffn, residual, &o, t)?;
         record_buf(ops, &mut tr, layer, Stage::HiddenOut, &[t, hd], &out)?;
+    } else if opts.faults.has(Fault::ResidualScaled) {
+        notes.push(format!(
+            "residual-scaled: layer {layer} has no dense MLP (an MoE layer, whose engine paths stop at o_proj): the fault had nothing to act on"
+        ));
     }
     Ok(PathRun {
         kind,
@@ -370,6 +392,7 @@ fn run_loaded<O: Ops>(
         empty_partial_rows: empty_rows.into_iter().collect(),
         unservable: None,
         notes,
+        paged: paged_step(kind, input.batch, opts, cfg),
     })
 }
 

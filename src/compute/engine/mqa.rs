@@ -31,7 +31,8 @@ pub(super) fn decode_rows<O: Ops>(
     let n = rows.len();
     let local: Vec<usize> = rows.iter().map(|&row| row - q_first).collect();
     let q = a.ops.gather_rows(qrow, nh * (l + r), &local)?;
-    let tables: Vec<Vec<usize>> = seqs.iter().map(|&s| cs.tables[s].clone()).collect();
+    // The tables and block size the kernel reads with (a paged-cache fault's, under one).
+    let tables: Vec<Vec<usize>> = seqs.iter().zip(ctx).map(|(&s, &c)| cs.read_table(s, c).0).collect();
     let empty_lse = if a.opts.faults.has(Fault::LsePlusInf) {
         f32::INFINITY
     } else {
@@ -43,12 +44,12 @@ pub(super) fn decode_rows<O: Ops>(
             empty_rows.insert(row);
         }
     }
-    a.ops.decode_merged(&DecodeArgs {
+    let args = DecodeArgs {
         q: &q,
         n,
         nh,
         cache: &cs.cache,
-        block_size: cs.block_size,
+        block_size: cs.read_block_size(),
         width: cs.width,
         tables: &tables,
         ctx,
@@ -56,7 +57,11 @@ pub(super) fn decode_rows<O: Ops>(
         dv: l,
         scale: a.scale,
         empty_lse,
-    })
+    };
+    match a.opts.faults.split_fault() {
+        Some(f) => decode_merged_faulted(a.ops, &args, f, a.opts.seed ^ rows.first().map_or(0, |&r| r as u64)),
+        None => a.ops.decode_merged(&args),
+    }
 }
 
 /// [`decode_rows`] over the DSA selection: each row's kept cache slots (`slots[i]`) are gathered
@@ -86,6 +91,7 @@ pub(super) fn decode_rows_sparse<O: Ops>(
         tables,
         block_size: bs,
         width: cs.width,
+        mode: CacheFault::None,
     };
     let idx: Vec<usize> = (0..rows.len()).collect();
     let ctx: Vec<usize> = slots.iter().map(Vec::len).collect();
@@ -105,9 +111,9 @@ pub(super) fn kept_slots<O: Ops>(
         Some(sel) => sel.rows[row]
             .iter()
             .filter(|&&j| j < ctx)
-            .map(|&j| cs.slot(seq, j))
+            .map(|&j| cs.read_slot(seq, j))
             .collect(),
-        None => (0..ctx).map(|j| cs.slot(seq, j)).collect(),
+        None => (0..ctx).map(|j| cs.read_slot(seq, j)).collect(),
     }
 }
 
@@ -126,7 +132,11 @@ pub(super) fn mqa_rank<O: Ops>(
     let [_, l, _, r, v] = a.cfg.dims().nlprv();
     let nh = a.nh;
     let ops = a.ops;
-    let ql_nope = a.absorb_q(t)?;
+    let ql_nope = if a.opts.faults.has(Fault::Fp16AccumQlNope) {
+        a.absorb_q_f16_accum(t)?
+    } else {
+        a.absorb_q(t)?
+    };
     let mut cs = CacheState::new(ops, batch, a.cfg, a.opts)?;
     let mut attn_latent = ops.canary(t * nh * l)?;
     let mut lse = ops.canary(t * nh)?;

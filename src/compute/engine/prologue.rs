@@ -145,9 +145,19 @@ pub(super) fn prologue<O: Ops>(
 
     // kv_c is a strided view of kv_a: rows of width L, row stride L+R.
     let stride = if f.has(Fault::StridedKvC) { l } else { l + r };
-    let kv_c_normed = ops.rms_norm(&kv_a, t, 0, stride, l, &ew.kv_a_norm, eps)?;
+    let kv_c_normed = if f.has(Fault::KvNormSkipped) {
+        // The latent goes on as kv_a_proj_with_mqa wrote it: the norm call is missing.
+        let mut kv_c = ops.canary(t * l)?;
+        ops.copy2d(&kv_a, &mut kv_c, copy_rows(t, l).src(0, stride).dst(0, l))?;
+        kv_c
+    } else {
+        ops.rms_norm(&kv_a, t, 0, stride, l, &ew.kv_a_norm, eps)?
+    };
+    // k_pe is the other strided view of kv_a: columns L.., row stride L+R (`k-pe-stride` cuts
+    // it with kv_c's row stride L).
+    let k_pe_stride = if f.has(Fault::KPeStride) { l } else { l + r };
     let mut k_pe = ops.canary(t * r)?;
-    ops.copy2d(&kv_a, &mut k_pe, copy_rows(t, r).src(l, l + r).dst(0, r))?;
+    ops.copy2d(&kv_a, &mut k_pe, copy_rows(t, r).src(l, k_pe_stride).dst(0, r))?;
 
     let positions = input.batch.positions();
     let cos_scale = if f.has(Fault::RopeCosScaled) { cfg.mscale() } else { 1.0 };

@@ -232,7 +232,7 @@ fn load_rank<O: Ops>(
         &row_slice(file, q_tensor, qh.start * (p + r)..qh.end * (p + r))?,
     )?;
     let kh = rank_heads(n, tp, shard_source(opts, rank, RankedWeight::KvB));
-    let kv_b = load_kv_b(ops, input, opts, kh.clone())?;
+    let kv_b = kv_b_variant(ops, input.cfg, opts, load_kv_b(ops, input, opts, kh.clone())?, kh.len())?;
     let (w_uk_t, w_uv) = absorbed_weights(ops, input, opts, &kv_b, kh.len())?;
     let oh = rank_heads(n, tp, shard_source(opts, rank, RankedWeight::OProj));
     let o_raw = col_slice(file, &ModelTensor::AttnOutput.name(layer), oh.start * v..oh.end * v).map_err(|e| {
@@ -298,6 +298,31 @@ fn load_kv_b<O: Ops>(ops: &O, input: &LayerInput<'_>, opts: &PathOptions, kh: Ra
         )?;
     }
     Ok(kv_b)
+}
+
+/// `kv_b_proj` `[nh·(P+V), L]` as a loader with a kv_b split variant fault concatenates it:
+/// `kv-b-halves-swapped` puts each head's v rows before its k rows, `kv-b-heads-interleaved`
+/// puts the heads in the order 0, nh/2, 1, nh/2+1, … Without either, `kv_b` as it is.
+fn kv_b_variant<O: Ops>(ops: &O, cfg: &MlaConfig, opts: &PathOptions, kv_b: O::Buf, nh: usize) -> Result<O::Buf> {
+    let [_, l, p, _, v] = cfg.dims().nlprv();
+    let f = &opts.faults;
+    let halves = f.has(Fault::KvBHalvesSwapped) && p == v;
+    let interleave = f.has(Fault::KvBHeadsInterleaved) && nh >= 4 && nh.is_multiple_of(2);
+    if !halves && !interleave {
+        return Ok(kv_b);
+    }
+    let mut out = ops.canary(nh * (p + v) * l)?;
+    for h in 0..nh {
+        let src = if interleave { (h % 2) * (nh / 2) + h / 2 } else { h };
+        let (s0, d0) = (src * (p + v) * l, h * (p + v) * l);
+        if halves {
+            ops.copy2d(&kv_b, &mut out, copy_rows(v, l).src(s0 + p * l, l).dst(d0, l))?;
+            ops.copy2d(&kv_b, &mut out, copy_rows(p, l).src(s0, l).dst(d0 + v * l, l))?;
+        } else {
+            ops.copy2d(&kv_b, &mut out, copy_rows(p + v, l).src(s0, l).dst(d0, l))?;
+        }
+    }
+    Ok(out)
 }
 
 /// vLLM's `process_weights_after_loading`: `W_UK_T` `[nh, P, L]` and `W_UV` `[nh, L, V]`, f32,

@@ -4,8 +4,9 @@
 //! Both leave every input of attention right and bend only its output, so they can only be told
 //! apart by recomputing attention from the reference's inputs under each hypothesis
 //! ([`AttnRecompute`]): with the logits scaled by a fitted factor, or with each row's context
-//! cut into partials whose LSEs are in base 2. The recomputation runs on a spread sample of
-//! (token, head) rows, which keeps the detectors cheaper than the paths they judge at any T.
+//! cut into partials merged by a wrong rule (the split-KV decode replay of `split.rs`, then
+//! two partials whose LSEs are in base 2). The recomputation runs on a sample of (token, head)
+//! rows, which keeps the detectors cheaper than the paths they judge at any T.
 
 use std::collections::BTreeSet;
 
@@ -27,17 +28,94 @@ const SCALE_SAMPLE_ROWS: usize = 96;
 
 /// Reference attention recomputed with the logit scale multiplied by `c`, for the stage asked
 /// (`lse` \[T,N], `attn_latent` \[T,N,L] or `attn_out` \[T,N,V]), on a spread sample of at most
-/// [`SCALE_SAMPLE_ROWS`] (token, head) rows. `None` if an input is missing.
-struct AttnRecompute {
+/// [`SCALE_SAMPLE_ROWS`] (token, head) rows, or on rows the caller names. `None` if an input is
+/// missing.
+///
+/// The keys are those the row's token attended to: its sequence's positions up to its own (or
+/// the DSA selection), read from the reference of the whole step when the token is a decode
+/// step's row of a dump whose earlier steps cached context ([`super::DumpScope`]), else from
+/// the reference of the judged rows.
+pub(super) struct AttnRecompute {
     /// Per sampled row: its flat (token·N + head) index, the raw logits `q·k` (unscaled) over
-    /// its visible keys, and the key rows.
-    sampled_rows: Vec<(usize, Vec<f64>, Vec<usize>)>,
-    /// Rows that are averaged: kv_c_normed [T, L] (latent) or v [T, N, V].
-    values: Vec<f64>,
-    width: usize,
-    per_head_values: bool,
-    n: usize,
-    scale: f64,
+    /// its visible keys, and the key rows (rows of [`AttnRecompute::values`]' source).
+    pub(super) sampled_rows: Vec<(usize, Vec<f64>, Vec<usize>)>,
+    /// Rows that are averaged: kv_c_normed [Tk, L] (latent) or v [Tk, N, V], Tk the key rows.
+    pub(super) values: Vec<f64>,
+    pub(super) width: usize,
+    pub(super) per_head_values: bool,
+    pub(super) n: usize,
+    pub(super) scale: f64,
+}
+
+/// Where the keys of the judged rows are: the trace that holds them and, per judged token, the
+/// row of its sequence's position 0 in that trace and its own position.
+struct KeyRows<'a> {
+    trace: &'a crate::core::trace::Trace,
+    first: Vec<usize>,
+    pos: Vec<usize>,
+}
+
+impl<'a> KeyRows<'a> {
+    /// The reference of the whole step when the dump says the judged rows attended to cached
+    /// context ([`super::DumpScope::full_reference`]), else the judged reference.
+    fn of(x: &SiteCtx<'a>) -> Self {
+        let batch = x.input.batch;
+        let full = x.input.dump.and_then(|d| {
+            let ctx = d.context;
+            (ctx.len() == batch.seqs.len() && ctx.iter().any(|&c| c > 0))
+                .then_some(())
+                .and(d.full_reference)
+                .map(|t| (t, ctx))
+        });
+        let (mut first, mut pos) = (Vec::new(), Vec::new());
+        match full {
+            Some((trace, ctx)) => {
+                let mut start = 0;
+                for (sq, &c) in batch.seqs.iter().zip(ctx) {
+                    for i in 0..sq.len {
+                        first.push(start);
+                        pos.push(c + i);
+                    }
+                    start += c + sq.len;
+                }
+                KeyRows { trace, first, pos }
+            }
+            None => {
+                for (sq, off) in batch.seqs.iter().zip(batch.offsets()) {
+                    for i in 0..sq.len {
+                        first.push(off);
+                        pos.push(i);
+                    }
+                }
+                KeyRows {
+                    trace: x.input.reference,
+                    first,
+                    pos,
+                }
+            }
+        }
+    }
+
+    fn site(&self, x: &SiteCtx<'_>, stage: Stage) -> Option<&'a TraceTensor> {
+        self.trace.get(&Site::new(x.site.layer, stage))
+    }
+}
+
+/// `count` (token, head) rows spread over `tokens` tokens of `n` heads each: tokens evenly
+/// spread, heads stepped by a stride coprime with most head counts, so the sample does not sit
+/// on one head when tokens/count is a multiple of N; every row when there are no more than
+/// `count`.
+pub(super) fn spread_rows(tokens: usize, n: usize, count: usize) -> Vec<usize> {
+    let rows = tokens * n;
+    if rows <= count {
+        return (0..rows).collect();
+    }
+    (0..count)
+        .map(|k| {
+            let ti = (k * tokens + tokens / 2) / count;
+            ti * n + (k * 37 + 11) % n
+        })
+        .collect()
 }
 
 impl AttnRecompute {
@@ -47,55 +125,49 @@ impl AttnRecompute {
 
     /// [`AttnRecompute::build`] for `stage` (of the same layer) instead of the failing site's.
     fn build_for(x: &SiteCtx<'_>, stage: Stage) -> Option<Self> {
+        let t = x.input.batch.n_tokens();
+        Self::build_rows(x, stage, spread_rows(t, x.input.cfg.n_head, SCALE_SAMPLE_ROWS))
+    }
+
+    /// [`AttnRecompute::build_for`] on the (token·N + head) rows `sample`.
+    pub(super) fn build_rows(x: &SiteCtx<'_>, stage: Stage, sample: Vec<usize>) -> Option<Self> {
         let cfg = x.input.cfg;
         let [n, l, p, r, v] = cfg.dims().nlprv();
+        let keys = KeyRows::of(x);
         let q = x.ref_site(Stage::Q)?;
         let qpe = x.ref_site(Stage::QPeRoped)?;
-        let kn = x.ref_site(Stage::KNope)?;
-        let kpe = x.ref_site(Stage::KPeRoped)?;
+        let kn = keys.site(x, Stage::KNope)?;
+        let kpe = keys.site(x, Stage::KPeRoped)?;
         let (values, width, per_head_values) = match stage {
-            Stage::AttnLatent => (x.ref_site(Stage::KvCNormed)?.to_f64(), l, false),
-            Stage::AttnOut => (x.ref_site(Stage::V)?.to_f64(), v, true),
+            Stage::AttnLatent => (keys.site(x, Stage::KvCNormed)?.to_f64(), l, false),
+            Stage::AttnOut => (keys.site(x, Stage::V)?.to_f64(), v, true),
             Stage::Lse => (Vec::new(), 0, false),
             _ => return None,
         };
-        // DSA models attend over the indexer's selection, which the reference recorded.
+        // DSA models attend over the indexer's selection (positions in the sequence), which the
+        // reference recorded.
         let sel = x.ref_site(Stage::IdxTopk).map(|t| {
             let k = t.shape.last().copied().unwrap_or(0);
             indexer::topk_sets(&t.to_f64(), k)
         });
-        let offsets = x.input.batch.offsets();
-        let seq_start: Vec<usize> = x
-            .input
-            .batch
-            .seqs
-            .iter()
-            .zip(&offsets)
-            .flat_map(|(sq, &off)| std::iter::repeat_n(off, sq.len))
-            .collect();
-        let rows = seq_start.len() * n;
-        // Evenly spread tokens; heads stepped by a stride coprime with most head counts, so the
-        // sample does not sit on one head when rows/sample is a multiple of N.
-        let sample: Vec<usize> = if rows <= SCALE_SAMPLE_ROWS {
-            (0..rows).collect()
-        } else {
-            (0..SCALE_SAMPLE_ROWS)
-                .map(|k| {
-                    let ti = (k * seq_start.len() + seq_start.len() / 2) / SCALE_SAMPLE_ROWS;
-                    ti * n + (k * 37 + 11) % n
-                })
-                .collect()
-        };
+        let t = keys.first.len();
+        let key_rows = kpe.len() / r.max(1);
+        if sample.iter().any(|&row| row / n.max(1) >= t) {
+            return None;
+        }
         let sampled_rows = sample
             .par_iter()
             .map(|&row| {
                 let (ti, h) = (row / n, row % n);
-                let off = seq_start[ti];
-                let keys: Vec<usize> = match &sel {
-                    Some(sel) => sel.get(ti).map_or(Vec::new(), |v| v.iter().map(|&j| off + j).collect()),
-                    None => (off..=ti).collect(),
+                let (first, pos) = (keys.first[ti], keys.pos[ti]);
+                let mut kr: Vec<usize> = match &sel {
+                    Some(sel) => sel
+                        .get(ti)
+                        .map_or(Vec::new(), |v| v.iter().map(|&j| first + j).collect()),
+                    None => (first..=first + pos).collect(),
                 };
-                let z = keys
+                kr.retain(|&k| k < key_rows);
+                let z = kr
                     .iter()
                     .map(|&tj| {
                         let a: f64 = (0..p)
@@ -107,7 +179,7 @@ impl AttnRecompute {
                         a + b
                     })
                     .collect();
-                (row, z, keys)
+                (row, z, kr)
             })
             .collect();
         Some(AttnRecompute {
@@ -120,8 +192,18 @@ impl AttnRecompute {
         })
     }
 
+    /// The value row of key row `tj` for head `h`.
+    pub(super) fn value(&self, tj: usize, h: usize) -> &[f64] {
+        let base = if self.per_head_values {
+            (tj * self.n + h) * self.width
+        } else {
+            tj * self.width
+        };
+        &self.values[base..base + self.width]
+    }
+
     /// The sampled rows of `t` (a [T, N, width] or [T, N] tensor), in sample order.
-    fn sampled(&self, t: &TraceTensor) -> Vec<f64> {
+    pub(super) fn sampled(&self, t: &TraceTensor) -> Vec<f64> {
         let w = self.width.max(1);
         self.sampled_rows
             .iter()
@@ -281,6 +363,11 @@ pub(super) fn lse_merge(x: &SiteCtx<'_>) -> Option<Detection> {
     }
     let hint_sentinel = "an empty partial (a split or context chunk with no keys) must carry LSE = −inf and \
                          contribute nothing to the merge; +inf (or a base-2 LSE) poisons it";
+    if !(x.site.stage == Stage::AttnOut && x.path.trace.get(&Site::new(x.site.layer, Stage::AttnLatent)).is_some())
+        && let Some(d) = super::split::split_merge(x)
+    {
+        return Some(d);
+    }
     let bad = failing_rows(x);
     let empty: BTreeSet<usize> = x.path.empty_partial_rows.iter().copied().collect();
     if !bad.is_empty() && !empty.is_empty() && bad.iter().all(|r| empty.contains(r)) {

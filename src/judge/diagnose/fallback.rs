@@ -8,11 +8,12 @@
 //! per-row errors that show, for instance, the signature of a wrong row stride.
 
 use super::blocks::rel_l2;
-use super::{Detection, SiteCtx, list};
+use super::{Detection, SiteCtx, gguf_sources, list};
 use crate::core::sci::sci;
-use crate::core::trace::Stage;
+use crate::core::trace::{Site, Stage};
 use crate::judge::metrics::Status;
 use crate::judge::tolerance::tolerance;
+use crate::model::dump::stage_inputs;
 
 /// The true cosine similarity of candidate and reference over the elements finite on both sides
 /// (the metrics' cos_diff is not scale-blind, this is); 0 without metrics or with a zero norm.
@@ -181,10 +182,129 @@ pub(super) fn mismatch(x: &SiteCtx<'_>) -> Detection {
         ));
     }
     let hint = if ok == [0] && rows > 1 {
-        "row 0 right and later rows wrong is the signature of a wrong row stride (a strided view read as contiguous)"
-            .to_string()
+        let stride = "row 0 right and later rows wrong is the signature of a wrong row stride (a strided view read as contiguous)";
+        match unchecked(&inputs(x)) {
+            Some(u) => format!("{stride}; {u}, so the stride may be theirs"),
+            None => stride.to_string(),
+        }
     } else {
-        "no known bug class explains this; compare the stage's inputs, which passed, with its code".to_string()
+        format!("no known bug class explains this; {}", inputs_hint(x))
+    };
+    let hint = match super::weights::mlp_blocks_without_tp(x) {
+        Some(blocks) => format!("{hint}; {blocks}"),
+        None => hint,
     };
     Detection::new(ev, hint)
+}
+
+/// The inputs of a failing site ([`stage_inputs`] that its layer's reference holds), by what
+/// the comparison knows of them.
+#[derive(Debug, Default)]
+pub(super) struct Inputs {
+    /// Compared, and within tolerance.
+    pub(super) passed: Vec<Site>,
+    /// Compared, and out of tolerance (an input after the first divergence cannot be one; kept
+    /// so that no input is called passed without its verdict).
+    pub(super) failed: Vec<Site>,
+    /// Not in the judged trace, though the dump holds the stage in another step or layer: the
+    /// hook writes it elsewhere and not here.
+    pub(super) elsewhere: Vec<Site>,
+    /// Not in the judged trace, nor anywhere in the dump.
+    pub(super) absent: Vec<Site>,
+}
+
+/// True when the path computed attention in its absorbed form: its trace holds `ql_nope` or
+/// `attn_latent` of the failing site's layer.
+pub(super) fn absorbed(x: &SiteCtx<'_>) -> bool {
+    [Stage::QlNope, Stage::AttnLatent]
+        .iter()
+        .any(|&st| x.path.trace.get(&Site::new(x.site.layer, st)).is_some())
+}
+
+/// The inputs of the failing site `x` and what the comparison knows of each.
+pub(super) fn inputs(x: &SiteCtx<'_>) -> Inputs {
+    let layer = x.site.layer;
+    let mut out = Inputs::default();
+    for stage in stage_inputs(x.site.stage, x.input.cfg, absorbed(x)) {
+        let site = Site::new(layer, stage);
+        if x.input.reference.get(&site).is_none() {
+            continue;
+        }
+        match x.path.diffs.iter().find(|d| d.site == site) {
+            Some(d) if d.status == Status::Pass => out.passed.push(site),
+            Some(_) => out.failed.push(site),
+            None if x.input.dump.is_some_and(|d| d.dumped.contains(&stage)) => out.elsewhere.push(site),
+            None => out.absent.push(site),
+        }
+    }
+    out
+}
+
+/// Sites as a hint names them: `` `L0.kv_a`, `L0.q` ``.
+fn names<'a>(sites: impl IntoIterator<Item = &'a Site>) -> String {
+    sites
+        .into_iter()
+        .map(|s| format!("`{s}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The inputs of `i` that were not compared, as a hint names them ("this stage's inputs `L0.x`
+/// (the dump holds this stage in another step or layer, not in this one) and `L0.y` (not dumped)
+/// were not compared"): those the hook writes elsewhere first. `None` when every input was
+/// compared.
+fn unchecked(i: &Inputs) -> Option<String> {
+    let mut parts = Vec::new();
+    if !i.elsewhere.is_empty() {
+        parts.push(format!(
+            "{} (the dump holds this stage in another step or layer, not in this one)",
+            names(&i.elsewhere)
+        ));
+    }
+    if !i.absent.is_empty() {
+        parts.push(format!("{} (not dumped)", names(&i.absent)));
+    }
+    (!parts.is_empty()).then(|| format!("this stage's inputs {} were not compared", parts.join(" and ")))
+}
+
+/// Where to look after no hypothesis explained the failing site `x`, saying "passed" only of
+/// inputs that were compared and passed: the inputs that were not compared come first (those
+/// the hook writes in another step or layer but not in this one before those never dumped), as
+/// the divergence may begin in them; a weight site points at its GGUF tensors, `hidden_in` at
+/// the layer before.
+pub(super) fn inputs_hint(x: &SiteCtx<'_>) -> String {
+    let st = x.site.stage;
+    let i = inputs(x);
+    let mut checked = Vec::new();
+    if !i.passed.is_empty() {
+        checked.push(format!("{} passed", names(&i.passed)));
+    }
+    if !i.failed.is_empty() {
+        checked.push(format!("{} failed too", names(&i.failed)));
+    }
+    if let Some(u) = unchecked(&i) {
+        let also = if checked.is_empty() {
+            String::new()
+        } else {
+            format!("; {}", checked.join(", "))
+        };
+        return format!("{u}, so the divergence may begin in them: dump them in this step{also}");
+    }
+    if !checked.is_empty() {
+        return format!("its inputs {}: the bug is in this stage's own code", checked.join(", "));
+    }
+    if st.is_weight() {
+        let src = gguf_sources(x.input.cfg, x.site.layer, st);
+        let from = if src.is_empty() {
+            "the GGUF".to_string()
+        } else {
+            src.iter().map(|s| format!("`{s}`")).collect::<Vec<_>>().join(" and ")
+        };
+        return format!("the weight is built from {from}, which both sides read: compare the engine's loader for it");
+    }
+    if st == Stage::HiddenIn {
+        return "hidden_in is the previous layer's output: dump that layer (its hidden_out) to see where the stream changed"
+            .to_string();
+    }
+    "no input of this stage is among the compared sites: dump its inputs to tell its own code from theirs".to_string()
 }

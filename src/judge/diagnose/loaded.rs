@@ -17,7 +17,10 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 
 use super::blocks::{find_blocks, rel_l2 as rel};
-use super::weights::{HINT_MERGED_COLUMN_RANK0, weight_not_loaded_hint};
+use super::weights::{
+    HINT_MERGED_COLUMN_RANK0, KvBView, KvBWeight, head_order, head_order_class, head_order_detection, kv_b_layout_of,
+    weight_not_loaded_hint,
+};
 use super::{Detection, Finding, LoadedTensor, TpRank};
 use crate::core::class::Class;
 use crate::core::dtype::Dtype;
@@ -290,6 +293,11 @@ pub struct Failing<'a> {
     pub cfg: &'a MlaConfig,
     /// The rel_l2 at or under which a rearrangement counts as a match ([`match_threshold`]).
     pub thr: f64,
+    /// The engine's TP size (1 without TP): a rank class is never claimed at 1.
+    pub tp: usize,
+    /// kv_b's rows [N·(P+V), L] rebuilt from the GGUF (per head `[k_nope rows | v rows]`), for
+    /// a kv_b-derived tensor (`kv_b_proj`, `W_UK_T`, `W_UV`); `None` for the others.
+    pub kv_b: Option<&'a [f64]>,
 }
 
 impl Failing<'_> {
@@ -328,67 +336,102 @@ pub fn not_loaded(f: &Failing<'_>) -> Option<Finding> {
 }
 
 /// Transposed: the expected tensor with its last two dims swapped (`[in, out]` for `[out, in]`);
-/// for `W_UK_T`/`W_UV` a `kv_b` layout finding.
+/// for `W_UK_T`/`W_UV` a `kv_b` layout finding (`transposed_of`).
 pub fn transposed(f: &Failing<'_>) -> Option<Finding> {
-    let k = f.exp_shape.len();
-    if k >= 2 && f.shape.len() == k && f.shape[k - 1] == f.exp_shape[k - 2] && f.shape[k - 2] == f.exp_shape[k - 1] {
-        let (a, b) = (f.exp_shape[k - 2], f.exp_shape[k - 1]);
-        let batch: usize = f.exp_shape[..k - 2].iter().product();
-        let mut t = vec![0.0; f.data.len()];
-        for z in 0..batch {
-            for i in 0..a {
-                for j in 0..b {
-                    t[z * a * b + i * b + j] = f.data[z * a * b + j * a + i];
-                }
+    let fused = f.cfg.kv_b_layout == KvBLayout::Fused;
+    let (class, d) = transposed_of(
+        f.param,
+        f.data,
+        f.shape,
+        f.exp,
+        f.exp_shape,
+        f.thr,
+        &f.p.source_text(),
+        fused,
+    )?;
+    Some(f.finding(class, d.evidence, d.hint))
+}
+
+/// Whether `data` (row-major in `shape`) holds the expected `exp` (`exp_shape`) with its last two
+/// dims swapped, within `thr`: the one decision of `weights --check` (a loaded tensor) and
+/// `compare` (a weight site), with its class: `kv-b-layout` for `W_UK_T`/`W_UV` (`param`, a
+/// weights file's name), `transposed` for any other weight. `src` names the GGUF tensors it is
+/// built from, `fused` says whether they are the legacy `attn_kv_b`.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the tensor (param, data, shape), what it should be (exp, exp_shape), the threshold, and the GGUF it comes from (src, fused) for the hint"
+)]
+pub(super) fn transposed_of(
+    param: &str,
+    data: &[f64],
+    shape: &[usize],
+    exp: &[f64],
+    exp_shape: &[usize],
+    thr: f64,
+    src: &str,
+    fused: bool,
+) -> Option<(Class, Detection)> {
+    let k = exp_shape.len();
+    if !(k >= 2 && shape.len() == k && shape[k - 1] == exp_shape[k - 2] && shape[k - 2] == exp_shape[k - 1])
+        || data.len() != exp.len()
+    {
+        return None;
+    }
+    let (a, b) = (exp_shape[k - 2], exp_shape[k - 1]);
+    let batch: usize = exp_shape[..k - 2].iter().product();
+    let mut t = vec![0.0; data.len()];
+    for z in 0..batch {
+        for i in 0..a {
+            for j in 0..b {
+                t[z * a * b + i * b + j] = data[z * a * b + j * a + i];
             }
         }
-        let e = rel(&t, f.exp);
-        if e <= f.thr {
-            let src = f.p.source_text();
-            let fused = f.cfg.kv_b_layout == KvBLayout::Fused;
-            let (class, hint) = match (f.param, fused) {
-                ("W_UK_T", false) => (
-                    Class::KvBLayout,
-                    format!(
-                        "W_UK_T is [N, P, L]; {src} is stored [N, L, P] (ggml ne [P, L, N]) and needs a transpose of its last two dims, not a reshape"
-                    ),
-                ),
-                ("W_UK_T", true) => (
-                    Class::KvBLayout,
-                    format!(
-                        "W_UK_T is [N, P, L]: per head, the first P rows of {src} ([N·(P+V), L]) as stored; this tensor holds them transposed"
-                    ),
-                ),
-                ("W_UV", false) => (
-                    Class::KvBLayout,
-                    format!(
-                        "W_UV is [N, L, V]; this tensor holds it transposed, [N, V, L], the layout {src} is stored in: transpose its last two dims when loading, not a reshape"
-                    ),
-                ),
-                ("W_UV", true) => (
-                    Class::KvBLayout,
-                    format!(
-                        "W_UV is [N, L, V]: per head, the last V rows of {src} ([N·(P+V), L]) transposed; this tensor holds them untransposed ([N, V, L])"
-                    ),
-                ),
-                _ => (
-                    Class::Transposed,
-                    format!(
-                        "PyTorch linear weights are [out, in]; the GGUF's ne order is [in, out]: reverse the dims of {src} when loading"
-                    ),
-                ),
-            };
-            return Some(f.finding(
-                class,
-                format!(
-                    "holds the expected {:?} transposed (shape {:?}; rel_l2 {e:.2e} after transposing back)",
-                    f.exp_shape, f.shape
-                ),
-                hint,
-            ));
-        }
     }
-    None
+    let e = rel(&t, exp);
+    if e > thr {
+        return None;
+    }
+    let (class, hint) = match (param, fused) {
+        ("W_UK_T", false) => (
+            Class::KvBLayout,
+            format!(
+                "W_UK_T is [N, P, L]; {src} is stored [N, L, P] (ggml ne [P, L, N]) and needs a transpose of its last two dims, not a reshape"
+            ),
+        ),
+        ("W_UK_T", true) => (
+            Class::KvBLayout,
+            format!(
+                "W_UK_T is [N, P, L]: per head, the first P rows of {src} ([N·(P+V), L]) as stored; this tensor holds them transposed"
+            ),
+        ),
+        ("W_UV", false) => (
+            Class::KvBLayout,
+            format!(
+                "W_UV is [N, L, V]; this tensor holds it transposed, [N, V, L], the layout {src} is stored in: transpose its last two dims when loading, not a reshape"
+            ),
+        ),
+        ("W_UV", true) => (
+            Class::KvBLayout,
+            format!(
+                "W_UV is [N, L, V]: per head, the last V rows of {src} ([N·(P+V), L]) transposed; this tensor holds them untransposed ([N, V, L])"
+            ),
+        ),
+        _ => (
+            Class::Transposed,
+            format!(
+                "PyTorch linear weights are [out, in]; the GGUF's ne order is [in, out]: reverse the dims of {src} when loading"
+            ),
+        ),
+    };
+    Some((
+        class,
+        Detection::new(
+            format!(
+                "holds the expected {exp_shape:?} transposed (shape {shape:?}; rel_l2 {e:.2e} after transposing back)"
+            ),
+            hint,
+        ),
+    ))
 }
 
 /// A shape that no transpose explains.
@@ -459,27 +502,60 @@ pub fn shard_order(f: &Failing<'_>) -> Option<Finding> {
     None
 }
 
-/// Heads permuted within a head-split tensor.
-pub fn heads_permuted(f: &Failing<'_>) -> Option<Finding> {
-    let head_axis_unit = match f.p.split {
-        TpSplit::ColumnByHeads(h) => Some((0, h.width(f.cfg.dims()))),
-        TpSplit::RowByHeads(h) => Some((1, h.width(f.cfg.dims()))),
-        _ => None,
-    };
-    if let Some((axis, unit)) = head_axis_unit {
-        let heads = f.shape[axis] / unit;
-        if heads > 1
-            && let Some(m) = find_blocks(f.data, f.exp, f.shape, axis, &vec![unit; heads], f.thr)
-            && m.explains()
-        {
-            return Some(f.finding(
-                Class::TpRankOrder,
-                format!("per-head blocks of {unit} along dim {axis}: {}", m.describe("head")),
-                "heads are cut or concatenated in the wrong order".into(),
-            ));
-        }
+/// A kv_b-derived tensor (`kv_b_proj`, `W_UK_T`, `W_UV`, whole or one rank's shard) whose rows
+/// are split grouped `[all k | all v]` per rank instead of per head, or whose `attn_k_b` was
+/// reshaped instead of transposed: `kv-b-layout`, by the same decision as the weight sites of
+/// `compare` (`kv_b_layout_of`).
+pub fn kv_b_layout(f: &Failing<'_>) -> Option<Finding> {
+    let which = KvBWeight::of_param(f.param)?;
+    let kv_b = f.kv_b?;
+    let [n, l, p, _, v] = f.cfg.dims().nlprv();
+    if f.shape != f.exp_shape {
+        return None;
     }
-    None
+    // The heads the tensor holds: all N, or a shard's range of heads (kv_b_proj's rows, W_UK_T's
+    // and W_UV's dim 0).
+    let (heads, groups) = match &f.rank {
+        Some((_, ranges)) => {
+            let [range] = ranges.as_slice() else { return None };
+            let per_head = if which == KvBWeight::KvB { p + v } else { 1 };
+            (range.start / per_head..range.end / per_head, 1)
+        }
+        None => (0..n, f.tp.max(1)),
+    };
+    let rows = &kv_b.get(heads.start * (p + v) * l..heads.end * (p + v) * l)?;
+    let view = KvBView {
+        which,
+        label: f.name,
+        cand: f.data,
+        kv_b: rows,
+        heads: heads.len(),
+        lpv: [l, p, v],
+        groups,
+        thr: f.thr,
+        as_is: rel(f.data, f.exp),
+    };
+    let d = kv_b_layout_of(&view)?;
+    Some(f.finding(Class::KvBLayout, d.evidence, d.hint))
+}
+
+/// Heads in another order within a head-split tensor (`head_order`: every position holds some
+/// head's block). Its class is the one `compare` gives the same weight site
+/// (`head_order_class`): `tp-rank-order` under TP, `kv-b-layout` for a kv_b-derived tensor
+/// without TP, else `mismatch` with the heads' order as evidence.
+pub fn heads_permuted(f: &Failing<'_>) -> Option<Finding> {
+    let (axis, unit) = match f.p.split {
+        TpSplit::ColumnByHeads(h) => (0, h.width(f.cfg.dims())),
+        TpSplit::RowByHeads(h) => (1, h.width(f.cfg.dims())),
+        _ => return None,
+    };
+    if f.shape != f.exp_shape {
+        return None;
+    }
+    let m = head_order(f.data, f.exp, f.shape, axis, unit, f.thr)?;
+    let class = head_order_class(f.tp, KvBWeight::of_param(f.param).is_some());
+    let d = head_order_detection(&m, unit, axis, class, rel(f.data, f.exp));
+    Some(f.finding(class, d.evidence, d.hint))
 }
 
 /// A TP column cut inside a quant block (`o_proj` and `down_proj` shards: the input dim is the
@@ -592,19 +668,21 @@ pub fn param_absent(name: &str, param: &str, rank: Option<usize>, layer: usize, 
 }
 
 /// A shard named for rank `rank` (file tensor `name`) of a file whose TP size `tp` has no such
-/// rank; `p` is its param rebuilt from the GGUF.
+/// rank; `p` is its param rebuilt from the GGUF. `tp-rank-order` under TP; at a declared TP size
+/// of 1 no rank class is claimed (`mismatch`: the names and the declared size disagree).
 pub fn rank_out_of_range(name: &str, rank: usize, tp: usize, p: &Param) -> Finding {
     let tensor = LoadedTensor {
         tensor: name.to_string(),
         rank: TpRank::Rank(rank),
         source: p.source_names(),
     };
+    let class = if tp >= 2 { Class::TpRankOrder } else { Class::Mismatch };
     Finding::at_loaded(
-        Class::TpRankOrder,
+        class,
         tensor,
         Detection::new(
             format!("rank {rank} ≥ tp_size {tp}"),
-            "shard names must use ranks 0..tp_size".into(),
+            "shard names must use ranks 0..tp_size (or the file must declare the TP size it was cut for)".into(),
         ),
     )
 }

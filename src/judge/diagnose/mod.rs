@@ -16,9 +16,12 @@
 //! the [`Finding`] and [`Detection`] types, the two precedence tables and [`diagnose`]. The
 //! detectors live one family per file: `canary` (unwritten memory), `weights` (weight sites and
 //! the GGUF itself), `collective` (the TP all-reduce), `rope`, `attention` (softmax scale, LSE
-//! merge), `moe`, `indexer` (DSA), `fallback` (scale, path disagreement, mismatch) and
-//! [`loaded`] (`weights --check`); [`blocks`] is the block-permutation finder several of them
-//! use.
+//! merge) with `split` (the split-KV decode replay), `norm` (a skipped RMSNorm), `strided`
+//! (views of fused tensors), `paged` (the paged KV cache's metadata), `moe`, `indexer` (DSA),
+//! `residual` (the residual stream scaled), `precision` (a product computed narrower than
+//! declared), `fallback` (scale, path disagreement, mismatch, and what a hint may say of a
+//! site's inputs) and [`loaded`] (`weights --check`); [`blocks`] is the block-permutation
+//! finder several of them use.
 
 mod attention;
 pub mod blocks;
@@ -28,11 +31,18 @@ mod fallback;
 mod indexer;
 pub mod loaded;
 mod moe;
+mod norm;
+mod paged;
+mod precision;
+mod residual;
 mod rope;
+mod split;
+mod strided;
 mod weights;
 
 use serde::ser::{Serialize, SerializeStruct, Serializer};
 
+use crate::compute::paged::PagedStep;
 use crate::compute::path::Unservable;
 use crate::core::batch::Batch;
 use crate::core::class::Class;
@@ -183,6 +193,9 @@ pub struct PathEvidence<'a> {
     pub empty_partial_rows: &'a [usize],
     /// Set when the configuration could not be served.
     pub unservable: Option<&'a Unservable>,
+    /// What its attention read through a paged latent cache (the engine's metadata, its writes
+    /// and each row's reads), for the `paged-kv` replays; `None` without one.
+    pub paged: Option<&'a PagedStep>,
 }
 
 /// Everything diagnosis looks at for one layer.
@@ -201,6 +214,30 @@ pub struct DiagnoseInput<'a> {
     /// The tolerance rows the diffs were judged by (a path's compute dtype, or a dump's engine
     /// dtype).
     pub precision: Precision,
+    /// What an engine's dump holds around the judged step and layer; `None` for mla-diff's own
+    /// paths, whose traces hold every site they record and whose rows attend to no earlier step.
+    pub dump: Option<DumpScope<'a>>,
+}
+
+/// What an engine's dump holds beyond the step and layer being diagnosed, for the hypotheses
+/// and hints about sites that were never compared.
+#[derive(Debug, Clone, Copy)]
+pub struct DumpScope<'a> {
+    /// Every stage the dump holds in any step or layer. A stage missing from the judged trace
+    /// but listed here is one the hook writes elsewhere and not in this step: hints name it
+    /// first among the inputs that were not compared.
+    pub dumped: &'a [Stage],
+    /// Per sequence of the judged batch: the tokens earlier steps cached, which the step's rows
+    /// attended to but which are not among the traces' rows (0 for a one-forward dump).
+    pub context: &'a [usize],
+    /// The reference over every row of the judged step's sequences: each sequence's cached
+    /// context (`context` rows), then its new rows, sequence after sequence, with the judged
+    /// heads. Replays of attention read the keys of earlier steps here. `None` when no sequence
+    /// has context (the judged reference holds every key).
+    pub full_reference: Option<&'a Trace>,
+    /// The split count the step's split-KV decode used (format 2's step field
+    /// `num_kv_splits`); `None` when the hook did not record it, and the replays search it.
+    pub num_kv_splits: Option<usize>,
 }
 
 /// What every detector sees for one failing site of one path.
@@ -276,7 +313,7 @@ type Detector = fn(&SiteCtx<'_>) -> Option<Detection>;
 
 /// Every site detector with the class it names, in precedence order (earlier wins);
 /// [`fallback::mismatch`] answers when none explains the site.
-const DETECTORS: [(Class, Detector); 17] = [
+const DETECTORS: [(Class, Detector); 23] = [
     (Class::WeightNotLoaded, weights::weight_not_loaded),
     (Class::PhantomOutput, canary::phantom_output),
     (Class::UnwrittenRows, canary::unwritten_rows),
@@ -284,7 +321,14 @@ const DETECTORS: [(Class, Detector); 17] = [
     (Class::TpRankOrder, weights::tp_rank_order),
     (Class::TpReduce, collective::tp_reduce),
     (Class::KvBLayout, weights::kv_b_layout),
+    (Class::Transposed, weights::transposed),
+    (Class::NormSkipped, norm::norm_skipped),
     (Class::RopeStyle, rope::rope_style),
+    // Replays of one mechanism from the stage's own inputs, after the layout classes a free
+    // stride could also fit; paged-kv before the merge, whose empty-partial test also holds for
+    // rows a wrong cache read moved.
+    (Class::StridedView, strided::strided_view),
+    (Class::PagedKv, paged::paged_kv),
     // Before the scale: a base-2 merge also reweights the logits, and a free scale fits part of it.
     (Class::LseMerge, attention::lse_merge),
     (Class::SoftmaxScale, attention::softmax_scale),
@@ -292,6 +336,8 @@ const DETECTORS: [(Class, Detector); 17] = [
     (Class::IndexerRopeStyle, indexer::indexer_rope_style),
     (Class::IndexerTopkStale, indexer::indexer_topk_stale),
     (Class::IndexerSelection, indexer::indexer_selection),
+    (Class::ResidualScale, residual::residual_scale),
+    (Class::Precision, precision::precision),
     (Class::Nonfinite, canary::nonfinite),
     (Class::ScaleOnly, fallback::scale_only),
     (Class::PathDisagreement, fallback::path_disagreement),
@@ -305,11 +351,13 @@ type LoadedDetector = fn(&loaded::Failing<'_>) -> Option<Finding>;
 /// Every loaded-tensor detector, in precedence order (earlier wins); [`loaded::row_differences`]
 /// answers when none explains the tensor. Findings across ranks ([`loaded::rank_findings`]) are
 /// judged after every tensor.
-const LOADED_DETECTORS: [LoadedDetector; 6] = [
+const LOADED_DETECTORS: [LoadedDetector; 7] = [
     loaded::not_loaded,
     loaded::transposed,
     loaded::shape_mismatch,
     loaded::shard_order,
+    // Before the head order: a grouped split of kv_b matches some heads by accident.
+    loaded::kv_b_layout,
     loaded::heads_permuted,
     loaded::quant_block_cut,
 ];
@@ -324,14 +372,25 @@ const LOADED_DETECTORS: [LoadedDetector; 6] = [
 pub fn detect_at(input: &DiagnoseInput<'_>, path: usize, class: Class) -> Option<Detection> {
     let ev = *input.paths.get(path)?;
     let first = metrics::first_divergence(ev.diffs)?;
+    detect_at_site(input, path, first.site, class)
+}
+
+/// Runs the detector of `class` alone at `site` of path `path` of `input`, whether or not the
+/// site failed: what its hypothesis says there. `None` when the path has no comparison of
+/// `site`, when `class` has no site detector, or when the hypothesis does not explain it. For
+/// tests that show a hypothesis stays silent on a site that passed (a margin wide enough for
+/// every clean run), and for [`detect_at`].
+pub fn detect_at_site(input: &DiagnoseInput<'_>, path: usize, site: Site, class: Class) -> Option<Detection> {
+    let ev = *input.paths.get(path)?;
+    let diff = ev.diffs.iter().find(|d| d.site == site)?;
     let x = SiteCtx {
         input,
         path: ev,
-        site: first.site,
-        diff: first,
-        refr: input.reference.get(&first.site)?,
-        cand: ev.trace.get(&first.site)?,
-        explain: explain_threshold(first.site.stage, input.precision),
+        site,
+        diff,
+        refr: input.reference.get(&site)?,
+        cand: ev.trace.get(&site)?,
+        explain: explain_threshold(site.stage, input.precision),
     };
     let (_, det) = DETECTORS.iter().find(|(c, _)| *c == class)?;
     det(&x)
@@ -358,7 +417,8 @@ fn classify(x: &SiteCtx<'_>) -> Finding {
 
 /// Explains one failing tensor of an engine's weights file: the first of `LOADED_DETECTORS`
 /// whose hypothesis holds (never loaded, transposed, a shape no transpose explains, fused shards
-/// permuted, heads permuted, a TP cut inside a quant block), else where the differences are.
+/// permuted, a kv_b layout, heads in another order, a TP cut inside a quant block), else where
+/// the differences are.
 pub fn explain_loaded(f: &loaded::Failing<'_>) -> Finding {
     LOADED_DETECTORS
         .iter()
@@ -371,6 +431,34 @@ pub fn explain_loaded(f: &loaded::Failing<'_>) -> Finding {
 /// hypothesis leaves an O(1) error).
 fn explain_threshold(stage: Stage, precision: Precision) -> f64 {
     (5.0 * tolerance(stage, precision).0.rel_l2).max(1e-4)
+}
+
+/// A weight site holding the reference's weight with its last two dims swapped, as `weights
+/// --check` names a loaded tensor so held ([`loaded::transposed_of`]): `transposed`, or
+/// `kv-b-layout` for `w.W_UK_T`/`w.W_UV`.
+fn transposed_weight(
+    input: &DiagnoseInput<'_>,
+    site: Site,
+    refr: &TraceTensor,
+    cand: &TraceTensor,
+) -> Option<(Class, Detection)> {
+    if !site.stage.is_weight() {
+        return None;
+    }
+    let cfg = input.cfg;
+    let param = crate::model::tensors::dump_name(crate::model::tensors::site_param(cfg, site.stage)?.0);
+    let src = gguf_sources(cfg, site.layer, site.stage).join(" + ");
+    let fused = cfg.kv_b_layout == crate::model::config::KvBLayout::Fused;
+    loaded::transposed_of(
+        param,
+        &cand.to_f64(),
+        &cand.shape,
+        &refr.to_f64(),
+        &refr.shape,
+        explain_threshold(site.stage, input.precision),
+        &src,
+        fused,
+    )
 }
 
 /// Diagnoses every path of one layer: one finding per path at its first divergence (or the
@@ -397,6 +485,10 @@ pub fn diagnose(input: &DiagnoseInput<'_>) -> Vec<Finding> {
             continue;
         };
         if first.status == Status::ShapeMismatch {
+            if let Some((class, d)) = transposed_weight(input, first.site, refr, cand) {
+                out.push(Finding::at_site(class, first.site, Some(path.kind), d));
+                continue;
+            }
             out.push(at_first(Detection::new(
                 format!(
                     "shape {:?} where the reference has {:?}",

@@ -10,7 +10,7 @@
 //! rather than "the weight differs". The same families explain an engine's loaded weights in
 //! [`super::loaded`], which gives the `weight-not-loaded` hint written here.
 
-use super::blocks::{BlockMatch, find_blocks};
+use super::blocks::{BlockMatch, find_blocks, rel_l2};
 use super::{Detection, Finding, SiteCtx};
 use crate::compute::path::Unservable;
 use crate::core::class::Class;
@@ -42,9 +42,9 @@ pub fn gguf_sources(cfg: &MlaConfig, layer: usize, stage: Stage) -> Vec<String> 
         .collect()
 }
 
-/// A weight site whose every element is zero or the canary while the reference's is not: the
-/// engine's loader never filled the parameter (its GGUF name map lacks the file's tensors for
-/// it). An activation that was never written is `phantom-output`; this is its weight twin.
+/// A weight site whose every element is zero, the canary or NaN while the reference's is not:
+/// the engine's loader never filled the parameter (its GGUF name map lacks the file's tensors
+/// for it). An activation that was never written is `phantom-output`; this is its weight twin.
 pub(super) fn weight_not_loaded(x: &SiteCtx<'_>) -> Option<Detection> {
     if !x.site.stage.is_weight() {
         return None;
@@ -53,10 +53,14 @@ pub(super) fn weight_not_loaded(x: &SiteCtx<'_>) -> Option<Detection> {
     if m.numel == 0 || m.norm_ref == 0.0 {
         return None;
     }
+    // The same fills as weights --check's `not_loaded`: an engine's unfilled parameter holds
+    // zeros or NaN (the canary of mla-diff's own paths is one).
     let what = if m.canary == m.numel {
         "hold the canary"
     } else if (0..x.cand.len()).all(|i| x.cand.get(i) == 0.0) {
         "are 0"
+    } else if (0..x.cand.len()).all(|i| x.cand.get(i).is_nan()) {
+        "are NaN"
     } else {
         return None;
     };
@@ -180,54 +184,91 @@ fn describe_ranks(m: &BlockMatch, what: &str, x: &SiteCtx<'_>) -> Detection {
     )
 }
 
-/// `tp-rank-order`: each rank's shard of a `w.*.rank<r>` weight, or each rank's head block of a
-/// head-split site, matched against the reference's: a permutation, one rank everywhere,
-/// duplicates or missing ranks; for the MLP's activations, [`mlp_output_ranks`].
+/// `tp-rank-order`, only under TP (the run's or the dump's TP size ≥ 2): each rank's shard of a
+/// `w.*.rank<r>` weight, or each rank's head block of a head-split site, matched against the
+/// reference's: a permutation, one rank everywhere, duplicates or missing ranks; then the heads
+/// of a kv_b-derived weight site in another order ([`head_order`], as `weights --check` judges a
+/// loaded one), unless a kv_b layout explains it; for the MLP's activations,
+/// [`mlp_output_ranks`].
 pub(super) fn tp_rank_order(x: &SiteCtx<'_>) -> Option<Detection> {
-    // The MLP's activations carry their TP size in their blocks: a dump judged without one
-    // still shows it.
-    if x.site.stage.is_ffn() {
-        return mlp_output_ranks(x);
-    }
+    // Never without TP: a dump that declares none is judged at TP 1, and a rank class there
+    // would name ranks the engine may not have had (weights --check decides the same).
     let tp = x.input.tp;
     if tp < 2 {
         return None;
     }
+    if x.site.stage.is_ffn() {
+        return mlp_output_ranks(x);
+    }
     if let Stage::WRank(w, _) = x.site.stage {
+        // A kv_b layout inside the shard is that class, as weights --check names the shard.
+        if shard_kv_b_layout(x).is_some() {
+            return None;
+        }
         // Gather every rank's shard of this weight on both sides and match them as blocks.
         let gather = |tr: &Trace| -> Option<Vec<Vec<f64>>> {
             (0..tp as u32)
                 .map(|r| tr.get(&Site::new(x.site.layer, Stage::WRank(w, r))).map(|t| t.to_f64()))
                 .collect()
         };
-        let c = gather(x.path.trace)?;
-        let rf = gather(x.input.reference)?;
-        let len = rf[0].len();
-        let shape = [tp, len];
-        let m = find_blocks(&c.concat(), &rf.concat(), &shape, 0, &vec![1; tp], x.explain)?;
-        if !m.explains() {
-            return None;
+        if let (Some(c), Some(rf)) = (gather(x.path.trace), gather(x.input.reference)) {
+            let len = rf[0].len();
+            let shape = [tp, len];
+            if let Some(m) = find_blocks(&c.concat(), &rf.concat(), &shape, 0, &vec![1; tp], x.explain)
+                && m.explains()
+            {
+                if w.is_ffn() {
+                    return Some(describe_mlp_ranks(&m.map, worst(&m.errors), w, "slice", x));
+                }
+                return Some(describe_ranks(&m, &format!("per-rank shards of {}", w.as_str()), x));
+            }
         }
-        if w.is_ffn() {
-            return Some(describe_mlp_ranks(&m.map, worst(&m.errors), w, "slice", x));
-        }
-        return Some(describe_ranks(&m, &format!("per-rank shards of {}", w.as_str()), x));
+        // The shard's own heads in another order, as weights --check reads a loaded shard.
+        let (axis, unit) = match site_param(x.input.cfg, x.site.stage)?.1 {
+            TpSplit::ColumnByHeads(h) => (0, h.width(x.input.cfg.dims())),
+            TpSplit::RowByHeads(h) => (1, h.width(x.input.cfg.dims())),
+            _ => return None,
+        };
+        let m = head_order(&x.cand.to_f64(), &x.refr.to_f64(), &x.refr.shape, axis, unit, x.explain)?;
+        return Some(head_order_detection(&m, unit, axis, Class::TpRankOrder, x.as_is()));
     }
     let (axis, block) = rank_axis(x.site.stage, x.input.cfg, tp)?;
     let dim = *x.refr.shape.get(axis)?;
     if dim % block != 0 || dim / block != tp {
         return None;
     }
-    let m = find_blocks(
-        &x.cand.to_f64(),
-        &x.refr.to_f64(),
-        &x.refr.shape,
-        axis,
-        &vec![block; tp],
-        x.explain,
-    )?;
-    m.explains()
-        .then(|| describe_ranks(&m, &format!("rank blocks of {}", x.site.stage.name()), x))
+    let (cand, refr) = (x.cand.to_f64(), x.refr.to_f64());
+    // A kv_b-derived weight: a kv_b layout that explains it is that class (as in weights
+    // --check), though a grouped split also moves whole blocks.
+    if KvBWeight::of_stage(x.site.stage).is_some() {
+        let kvb = x.ref_site(Stage::WKvB)?.to_f64();
+        if site_kv_b_view(x, &kvb, &cand).is_some_and(|v| kv_b_layout_of(&v).is_some()) {
+            return None;
+        }
+    }
+    if let Some(m) = find_blocks(&cand, &refr, &x.refr.shape, axis, &vec![block; tp], x.explain)
+        && m.explains()
+    {
+        return Some(describe_ranks(
+            &m,
+            &format!("rank blocks of {}", x.site.stage.name()),
+            x,
+        ));
+    }
+    // Heads in another order within or across the ranks' blocks, as weights --check sees a
+    // loaded weight's heads.
+    if x.site.stage.is_weight() {
+        let (axis, unit) = kv_b_head_blocks(x.site.stage, x.input.cfg);
+        let m = head_order(&cand, &refr, &x.refr.shape, axis, unit, x.explain)?;
+        return Some(head_order_detection(
+            &m,
+            unit,
+            axis,
+            head_order_class(tp, true),
+            x.as_is(),
+        ));
+    }
+    None
 }
 
 /// Which rank's block each rank has, as evidence says it; `map[r]` is the reference rank whose
@@ -325,10 +366,10 @@ fn reference_gate_up_block(gate: &[f64], up: &[f64], t: usize, i: usize, tp: usi
 /// `tp-rank-order` from the MLP's activations alone (a dump without loaded weights): each rank's
 /// `ffn_gate_up.rank<r>` replayed against every rank's block of the reference
 /// (`[ffn_gate | ffn_up]` columns of that rank), or the gathered `ffn_gate`/`ffn_up`/`ffn_act`
-/// [T, I] matched block by block along the columns, one block per rank. The TP size is the
-/// run's, or for a dump judged without one the block width (`ffn_gate_up.rank<r>`) or the
-/// smallest one (2..=8, dividing I) whose blocks explain the candidate. Generic in which rank
-/// holds which: the evidence says "rank r's gate/up output is rank s's" for each displaced rank.
+/// [T, I] matched block by block along the columns, one block per rank, at the run's (or the
+/// dump's) TP size. Generic in which rank holds which: the evidence says "rank r's gate/up
+/// output is rank s's" for each displaced rank. Without TP nothing is claimed
+/// ([`mlp_blocks_without_tp`] tells the hint what the blocks would say).
 fn mlp_output_ranks(x: &SiteCtx<'_>) -> Option<Detection> {
     use crate::core::trace::RankedWeight;
     let gate = x.ref_site(Stage::FfnGate)?;
@@ -339,7 +380,7 @@ fn mlp_output_ranks(x: &SiteCtx<'_>) -> Option<Detection> {
             return None;
         }
         let tp = 2 * i / width;
-        if tp < 2 || r as usize >= tp {
+        if tp != x.input.tp || r as usize >= tp {
             return None;
         }
         let (g, u) = (gate.to_f64(), x.ref_site(Stage::FfnUp)?.to_f64());
@@ -379,33 +420,61 @@ fn mlp_output_ranks(x: &SiteCtx<'_>) -> Option<Detection> {
     if !matches!(x.site.stage, Stage::FfnGate | Stage::FfnUp | Stage::FfnAct) || x.refr.shape != [t, i] {
         return None;
     }
-    let (c, rf) = (x.cand.to_f64(), x.refr.to_f64());
-    let tried: Vec<usize> = if x.input.tp > 1 {
-        vec![x.input.tp]
-    } else {
-        (2..=8).collect()
-    };
-    tried
-        .into_iter()
-        .filter(|&tp| i.is_multiple_of(tp))
-        .find_map(|tp| {
-            let m = find_blocks(&c, &rf, &x.refr.shape, 1, &vec![i / tp; tp], x.explain)?;
-            m.explains().then_some(m)
-        })
-        .map(|m| describe_mlp_ranks(&m.map, worst(&m.errors), RankedWeight::GateUp, "gate/up output", x))
+    let m = mlp_column_blocks(x, &[x.input.tp])?.1;
+    Some(describe_mlp_ranks(
+        &m.map,
+        worst(&m.errors),
+        RankedWeight::GateUp,
+        "gate/up output",
+        x,
+    ))
 }
 
-/// Reference kv_b rows regrouped per rank as `[all k rows | all v rows]`.
-fn grouped_kv_b_rows(kv_b: &[f64], cfg: &MlaConfig, tp: usize) -> Vec<f64> {
-    let [n, l, p, _, v] = cfg.dims().nlprv();
-    let nh = n / tp;
+/// A gathered `ffn_gate`/`ffn_up`/`ffn_act` [T, I] of `x` matched by column block, one block per
+/// rank, for the first TP size of `tps` (dividing I) whose blocks explain it: that size and the
+/// match.
+fn mlp_column_blocks(x: &SiteCtx<'_>, tps: &[usize]) -> Option<(usize, BlockMatch)> {
+    if !matches!(x.site.stage, Stage::FfnGate | Stage::FfnUp | Stage::FfnAct) || x.refr.shape.len() != 2 {
+        return None;
+    }
+    let i = x.refr.shape[1];
+    let (c, rf) = (x.cand.to_f64(), x.refr.to_f64());
+    tps.iter()
+        .copied()
+        .filter(|&tp| tp >= 2 && i.is_multiple_of(tp))
+        .find_map(|tp| {
+            let m = find_blocks(&c, &rf, &x.refr.shape, 1, &vec![i / tp; tp], x.explain)?;
+            m.explains().then_some((tp, m))
+        })
+}
+
+/// For a gathered MLP output judged without TP (`ffn_gate`, `ffn_up`, `ffn_act` at TP 1): what its
+/// column blocks would say at a TP size of 2 to 8, as a sentence for the hint of a finding that
+/// names no rank class (the dump declares no TP). `None` when no such blocks explain it.
+pub(super) fn mlp_blocks_without_tp(x: &SiteCtx<'_>) -> Option<String> {
+    if x.input.tp >= 2 {
+        return None;
+    }
+    let tps: Vec<usize> = (2..=8).collect();
+    let (tp, m) = mlp_column_blocks(x, &tps)?;
+    Some(format!(
+        "its column blocks read as {tp} TP ranks' outputs say {}, but the dump declares no TP (a format-2 header's \
+         tp.size): judged at TP 1, no rank is named",
+        rank_holdings(&m.map, "gate/up output")
+    ))
+}
+
+/// kv_b's rows `kv_b` [heads·(P+V), L] (per head `[k_nope rows | v rows]`) regrouped in
+/// `groups` equal groups of heads, each as `[all its k rows | all its v rows]`.
+fn grouped_kv_b_rows(kv_b: &[f64], heads: usize, [l, p, v]: [usize; 3], groups: usize) -> Vec<f64> {
+    let nh = heads / groups.max(1);
     let mut out = Vec::with_capacity(kv_b.len());
-    for rank in 0..tp {
-        let heads = rank * nh..(rank + 1) * nh;
-        for h in heads.clone() {
+    for g in 0..groups.max(1) {
+        let hs = g * nh..(g + 1) * nh;
+        for h in hs.clone() {
             out.extend_from_slice(&kv_b[h * (p + v) * l..(h * (p + v) + p) * l]);
         }
-        for h in heads {
+        for h in hs {
             out.extend_from_slice(&kv_b[(h * (p + v) + p) * l..(h + 1) * (p + v) * l]);
         }
     }
@@ -418,56 +487,520 @@ const KV_B_GROUPED_HINT: &str = "kv_b_proj rows are per head [k_nope_h | v_h]: v
 /// The hint of `attn_k_b` reshaped instead of transposed.
 const K_B_UNTRANSPOSED_HINT: &str = "attn_k_b is stored [N, L, P] (transposed): kv_b / W_UK_T need \
                                      k_b.transpose(1, 2), not a reshape of the same bytes";
+/// The hint of `W_UV` holding kv_b's v rows untransposed.
+const W_UV_UNTRANSPOSED_HINT: &str = "W_UV is [N, L, V]: per head, kv_b's V rows ([V, L], as attn_v_b stores them) \
+                                      transposed; a reshape of the same bytes is not";
+/// The hint of a kv_b-derived weight whose heads are in another order, without TP.
+const KV_B_HEADS_HINT: &str = "kv_b_proj, W_UK_T and W_UV hold the heads in order 0..N: check how the loader \
+                               splits and concatenates kv_b's rows per head";
 
-/// kv_b layout faults: rows grouped `[all k | all v]` per rank instead of per head, or `attn_k_b`
-/// reshaped instead of transposed, at the site where they show.
-pub(super) fn kv_b_layout(x: &SiteCtx<'_>) -> Option<Detection> {
-    match x.site.stage {
-        Stage::WKvB => kv_b_layout_w_kv_b(x),
-        Stage::KNope | Stage::V => kv_b_layout_k_nope_v(x),
-        Stage::WUkT => kv_b_layout_w_uk_t(x),
-        Stage::WUv => kv_b_layout_w_uv(x),
-        _ => None,
-    }
+/// kv_b-derived weights: the tensors a kv_b layout mistake shows in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum KvBWeight {
+    /// `kv_b_proj` [heads·(P+V), L] (`w.kv_b`, `w.kv_b.rank<r>`).
+    KvB,
+    /// `W_UK_T` [heads, P, L] (`w.W_UK_T`).
+    UkT,
+    /// `W_UV` [heads, L, V] (`w.W_UV`).
+    Uv,
 }
 
-/// The untransposed hypothesis for head `h` of the reference kv_b `kvb` [N·(P+V), L]: its K
-/// rows [P, L] as `attn_k_b[h]` [L, P] read with a reshape instead of a transpose.
-fn untransposed_k(kvb: &[f64], h: usize, l: usize, p: usize, v: usize) -> Vec<f64> {
-    let k_rows = &kvb[h * (p + v) * l..(h * (p + v) + p) * l]; // [P, L] = k_b[h]ᵀ
-    let mut kb = vec![0f64; l * p]; // k_b[h] as [L, P], row-major
-    for pi in 0..p {
-        for li in 0..l {
-            kb[li * p + pi] = k_rows[pi * l + li];
+impl KvBWeight {
+    /// The kv_b-derived weight a weight site holds.
+    pub(super) fn of_stage(stage: Stage) -> Option<KvBWeight> {
+        match stage {
+            Stage::WKvB | Stage::WRank(crate::core::trace::RankedWeight::KvB, _) => Some(KvBWeight::KvB),
+            Stage::WUkT => Some(KvBWeight::UkT),
+            Stage::WUv => Some(KvBWeight::Uv),
+            _ => None,
         }
     }
-    kb // read as [P, L] row-major: the reshape
+
+    /// The kv_b-derived weight a weights file's param is (`kv_b_proj`, `W_UK_T`, `W_UV`).
+    pub(super) fn of_param(param: &str) -> Option<KvBWeight> {
+        match param {
+            "kv_b_proj" => Some(KvBWeight::KvB),
+            "W_UK_T" => Some(KvBWeight::UkT),
+            "W_UV" => Some(KvBWeight::Uv),
+            _ => None,
+        }
+    }
+
+    /// What a site's evidence calls it: `w.kv_b`, `W_UK_T`, `W_UV`.
+    fn site_label(self) -> &'static str {
+        match self {
+            KvBWeight::KvB => "w.kv_b",
+            KvBWeight::UkT => "W_UK_T",
+            KvBWeight::Uv => "W_UV",
+        }
+    }
 }
 
-/// `w.kv_b`: k rows reshaped instead of transposed, or rows grouped per rank.
-fn kv_b_layout_w_kv_b(x: &SiteCtx<'_>) -> Option<Detection> {
-    let [n, l, p, _, v] = x.input.cfg.dims().nlprv();
-    let tp = x.input.tp.max(1);
-    let kvb = x.ref_site(Stage::WKvB)?.to_f64();
-    let mut alt = kvb.clone();
-    for h in 0..n {
-        let k = untransposed_k(&kvb, h, l, p, v);
-        alt[h * (p + v) * l..(h * (p + v) + p) * l].copy_from_slice(&k);
+/// One kv_b-derived weight as the kv_b layout hypotheses judge it, from a site or from a
+/// weights file: the same decision for `compare` and `weights --check`.
+pub(super) struct KvBView<'a> {
+    /// Which weight.
+    pub(super) which: KvBWeight,
+    /// What evidence calls it (`w.kv_b`, `W_UK_T`; a weights file's tensor name).
+    pub(super) label: &'a str,
+    /// Its values as the engine holds them, row-major.
+    pub(super) cand: &'a [f64],
+    /// kv_b's rows [heads·(P+V), L] of the heads it holds, rebuilt from the GGUF.
+    pub(super) kv_b: &'a [f64],
+    /// The heads it holds.
+    pub(super) heads: usize,
+    /// `[L, P, V]`.
+    pub(super) lpv: [usize; 3],
+    /// The TP ranks whose heads it spans (a grouped split regroups each rank's rows): the TP
+    /// size for a whole tensor, 1 for one rank's shard or without TP.
+    pub(super) groups: usize,
+    /// The rel_l2 at or under which a hypothesis explains it.
+    pub(super) thr: f64,
+    /// Its rel_l2 as is (a hypothesis must do better).
+    pub(super) as_is: f64,
+}
+
+impl KvBView<'_> {
+    /// The rel_l2 of the candidate against `alt`, when it explains the candidate.
+    fn explained_by(&self, alt: &[f64]) -> Option<f64> {
+        if alt.len() != self.cand.len() {
+            return None;
+        }
+        let e = rel_l2(self.cand, alt);
+        (e <= self.thr && e < self.as_is).then_some(e)
     }
-    if let Some(e) = x.explained_by(&alt) {
+
+    /// "(rel_l2 e vs as-is as is)".
+    fn vs(&self, e: f64) -> String {
+        format!("rel_l2 {} vs {} as is", sci(e, 2), sci(self.as_is, 2))
+    }
+
+    /// The rows a loader that splits kv_b grouped per rank builds: `kv_b_proj` regrouped; of each
+    /// group's rows (per head `[k | v]`), the first heads·P taken as `W_UK_T` [·, P, L] and the
+    /// last heads·V as the V rows [·, V, L], permuted to `W_UV` [·, L, V].
+    fn grouped(&self) -> Vec<f64> {
+        self.grouped_in(self.groups.max(1))
+    }
+
+    /// [`Self::grouped`] with `groups` equal groups of heads (each `heads / groups` heads).
+    fn grouped_in(&self, groups: usize) -> Vec<f64> {
+        let [l, p, v] = self.lpv;
+        let groups = groups.max(1);
+        if self.which == KvBWeight::KvB {
+            return grouped_kv_b_rows(self.kv_b, self.heads, self.lpv, groups);
+        }
+        let nh = self.heads / groups;
+        let mut out = Vec::with_capacity(self.cand.len());
+        for g in 0..groups {
+            let rows = &self.kv_b[g * nh * (p + v) * l..(g + 1) * nh * (p + v) * l];
+            let (k_rows, v_rows) = rows.split_at(nh * p * l);
+            if self.which == KvBWeight::UkT {
+                out.extend_from_slice(k_rows);
+                continue;
+            }
+            for h in 0..nh {
+                for li in 0..l {
+                    out.extend((0..v).map(|vi| v_rows[(h * v + vi) * l + li]));
+                }
+            }
+        }
+        out
+    }
+
+    /// Head `h` of the weight as it should be: kv_b's rows `[k | v]`, `W_UK_T[h]` (the k rows,
+    /// [P, L]), `W_UV[h]` (the v rows transposed, [L, V]).
+    fn head(&self, h: usize) -> Vec<f64> {
+        let [l, p, v] = self.lpv;
+        let rows = &self.kv_b[h * (p + v) * l..(h + 1) * (p + v) * l];
+        match self.which {
+            KvBWeight::KvB => rows.to_vec(),
+            KvBWeight::UkT => rows[..p * l].to_vec(),
+            KvBWeight::Uv => transpose(&rows[p * l..], v, l),
+        }
+    }
+
+    /// The weight with position `i` holding head `src(i)` (within each TP group of heads).
+    fn heads_from(&self, src: impl Fn(usize) -> usize) -> Vec<f64> {
+        (0..self.heads).flat_map(|i| self.head(src(i))).collect()
+    }
+
+    /// The weight built from kv_b with each head's halves exchanged, `[v_h | k_h]` (P = V):
+    /// `W_UK_T[h]` is then the v rows and `W_UV[h]` the k rows transposed.
+    fn halves_swapped(&self) -> Option<Vec<f64>> {
+        let [l, p, v] = self.lpv;
+        if p != v {
+            return None;
+        }
+        Some(
+            (0..self.heads)
+                .flat_map(|h| {
+                    let rows = &self.kv_b[h * (p + v) * l..(h + 1) * (p + v) * l];
+                    let (k, vr) = rows.split_at(p * l);
+                    match self.which {
+                        KvBWeight::KvB => [vr, k].concat(),
+                        KvBWeight::UkT => vr.to_vec(),
+                        KvBWeight::Uv => transpose(k, p, l),
+                    }
+                })
+                .collect(),
+        )
+    }
+
+    /// The weight with its heads interleaved by `g` within each TP group: position `i` of a
+    /// group of `nh` heads holds head `(i mod g)·nh/g + i/g` (order 0, nh/g, 2·nh/g, …, 1, …).
+    fn interleaved(&self, g: usize) -> Option<Vec<f64>> {
+        let nh = self.heads / self.groups.max(1);
+        if g < 2 || nh < 2 * g || !nh.is_multiple_of(g) {
+            return None;
+        }
+        Some(self.heads_from(|i| {
+            let (base, j) = (i / nh * nh, i % nh);
+            base + (j % g) * (nh / g) + j / g
+        }))
+    }
+
+    /// kv_b's rows with each head's `[P+V, L]` block holding the bytes of its transpose
+    /// (`[L, P+V]`, as a loader that concatenates `k_b` and `v_bᵀ` along L's other side builds
+    /// it) read back as `[P+V, L]`.
+    fn blocks_transposed(&self) -> Option<Vec<f64>> {
+        let [l, p, v] = self.lpv;
+        (self.which == KvBWeight::KvB).then(|| {
+            (0..self.heads)
+                .flat_map(|h| transpose(&self.kv_b[h * (p + v) * l..(h + 1) * (p + v) * l], p + v, l))
+                .collect()
+        })
+    }
+
+    /// The weight's per-head matrix read without the transpose it needs: `attn_k_b[h]` [L, P]
+    /// read with a reshape as [P, L] (in kv_b's k rows, or `W_UK_T`), or kv_b's v rows [V, L]
+    /// read as `W_UV[h]` [L, V]. The same bytes as the weight held with its last two dims
+    /// swapped, which a dump reads in the expected shape.
+    fn untransposed(&self) -> Option<Vec<f64>> {
+        let [l, p, v] = self.lpv;
+        let kvb = self.kv_b;
+        let k_of = |h: usize| {
+            let k_rows = &kvb[h * (p + v) * l..(h * (p + v) + p) * l]; // [P, L] = k_b[h]ᵀ
+            let mut kb = vec![0f64; l * p]; // k_b[h] as [L, P], row-major
+            for pi in 0..p {
+                for li in 0..l {
+                    kb[li * p + pi] = k_rows[pi * l + li];
+                }
+            }
+            kb // read as [P, L] row-major: the reshape
+        };
+        match self.which {
+            KvBWeight::KvB => {
+                let mut alt = kvb.to_vec();
+                for h in 0..self.heads {
+                    alt[h * (p + v) * l..(h * (p + v) + p) * l].copy_from_slice(&k_of(h));
+                }
+                Some(alt)
+            }
+            KvBWeight::UkT => Some((0..self.heads).flat_map(k_of).collect()),
+            KvBWeight::Uv => Some(
+                (0..self.heads)
+                    .flat_map(|h| kvb[(h * (p + v) + p) * l..(h + 1) * (p + v) * l].iter().copied())
+                    .collect(),
+            ),
+        }
+    }
+}
+
+/// `m` [rows, cols] row-major, transposed: [cols, rows].
+fn transpose(m: &[f64], rows: usize, cols: usize) -> Vec<f64> {
+    (0..cols)
+        .flat_map(|c| (0..rows).map(move |r| m[r * cols + c]))
+        .collect()
+}
+
+/// The hint of kv_b's halves taken in the other order.
+const KV_B_HALVES_HINT: &str = "kv_b_proj rows are per head [k_nope_h (P rows) | v_h (V rows)]: with P = V a split \
+                                 in the other order loads without a shape error; take the k rows first";
+/// The hint of kv_b's heads interleaved.
+const KV_B_INTERLEAVED_HINT: &str = "kv_b_proj, W_UK_T and W_UV hold the heads in order 0..N: a loader that views the \
+                                     heads as [g, N/g] (or [N/g, g]) and flattens the other way interleaves them";
+/// The hint of kv_b's per-head blocks holding their transpose.
+const KV_B_BLOCK_T_HINT: &str = "each head of kv_b_proj is a [P+V, L] (out, in) block: building it as [L, P+V] (k_b \
+                                 and v_bᵀ concatenated along the last dim) and reshaping reads it transposed";
+
+/// `kv-b-layout` on a kv_b-derived weight, the one decision of `compare` (the weight sites) and
+/// `weights --check` (the loaded tensors): its rows split grouped `[all k | all v]` per rank
+/// instead of per head, or `attn_k_b` reshaped instead of transposed; and the split variants of
+/// the same family: each head's halves exchanged (P = V), the heads interleaved by 2 or 4 within
+/// a rank, grouped `[all k | all v]` in groups of 2, 4, … heads, or each head's kv_b block read
+/// transposed.
+pub(super) fn kv_b_layout_of(w: &KvBView<'_>) -> Option<Detection> {
+    let [l, p, v] = w.lpv;
+    if w.kv_b.len() != w.heads * (p + v) * l || w.heads == 0 || !w.heads.is_multiple_of(w.groups.max(1)) {
+        return None;
+    }
+    let label = w.label;
+    if let Some(e) = w.untransposed().and_then(|alt| w.explained_by(&alt)) {
+        if w.which == KvBWeight::Uv {
+            return Some(Detection::new(
+                format!(
+                    "{label} equals kv_b's v rows as stored, [N, V, L] read as [N, L, V] without their transpose ({})",
+                    w.vs(e)
+                ),
+                W_UV_UNTRANSPOSED_HINT.into(),
+            ));
+        }
+        let what = if w.which == KvBWeight::KvB {
+            format!("{label}'s k rows equal")
+        } else {
+            format!("{label} equals")
+        };
         return Some(Detection::new(
             format!(
-                "w.kv_b's k rows equal k_b reshaped [N, L, P] → [N, P, L] instead of transposed ({})",
-                x.vs_as_is(e)
+                "{what} k_b reshaped [N, L, P] → [N, P, L] instead of transposed ({})",
+                w.vs(e)
             ),
             K_B_UNTRANSPOSED_HINT.into(),
         ));
     }
-    let e = x.explained_by(&grouped_kv_b_rows(&kvb, x.input.cfg, tp))?;
+    if let Some(e) = w.explained_by(&w.grouped()) {
+        let what = if w.which == KvBWeight::KvB {
+            format!("{label} rows are grouped [all k | all v] per rank")
+        } else {
+            format!("{label} equals kv_b's rows split grouped [all k | all v]")
+        };
+        return Some(Detection::new(
+            format!("{what} ({})", w.vs(e)),
+            KV_B_GROUPED_HINT.into(),
+        ));
+    }
+    kv_b_split_variant(w)
+}
+
+/// The kv_b split variants beyond the grouped split and the untransposed `k_b`
+/// ([`kv_b_layout_of`]).
+fn kv_b_split_variant(w: &KvBView<'_>) -> Option<Detection> {
+    let [_, p, v] = w.lpv;
+    let label = w.label;
+    if let Some(e) = w.halves_swapped().and_then(|alt| w.explained_by(&alt)) {
+        let what = match w.which {
+            KvBWeight::KvB => format!("{label} holds each head as [v | k_nope]: the halves exchanged"),
+            KvBWeight::UkT => format!("{label} equals kv_b's v rows per head: the halves exchanged"),
+            KvBWeight::Uv => format!("{label} equals kv_b's k rows per head, transposed: the halves exchanged"),
+        };
+        return Some(Detection::new(
+            format!("{what} (P = V = {p}; {})", w.vs(e)),
+            KV_B_HALVES_HINT.into(),
+        ));
+    }
+    for g in [2, 4] {
+        if let Some(e) = w.interleaved(g).and_then(|alt| w.explained_by(&alt)) {
+            let nh = w.heads / w.groups.max(1);
+            let order: Vec<String> = (0..nh.min(8))
+                .map(|j| ((j % g) * (nh / g) + j / g).to_string())
+                .collect();
+            return Some(Detection::new(
+                format!(
+                    "{label}'s heads are interleaved by {g}{}: order {}{} ({})",
+                    if w.groups > 1 { " within each rank" } else { "" },
+                    order.join(", "),
+                    if nh > 8 { ", …" } else { "" },
+                    w.vs(e)
+                ),
+                KV_B_INTERLEAVED_HINT.into(),
+            ));
+        }
+    }
+    let nh = w.heads / w.groups.max(1);
+    let mut g = 2;
+    while g < nh {
+        if nh.is_multiple_of(g)
+            && let Some(e) = w.explained_by(&w.grouped_in(w.heads / g))
+        {
+            let what = if w.which == KvBWeight::KvB {
+                format!("{label} rows are grouped [all k | all v] in groups of {g} heads")
+            } else {
+                format!("{label} equals kv_b's rows split grouped [all k | all v] in groups of {g} heads")
+            };
+            return Some(Detection::new(
+                format!("{what} ({})", w.vs(e)),
+                KV_B_GROUPED_HINT.into(),
+            ));
+        }
+        g *= 2;
+    }
+    let e = w.blocks_transposed().and_then(|alt| w.explained_by(&alt))?;
     Some(Detection::new(
-        format!("w.kv_b rows are grouped [all k | all v] per rank ({})", x.vs_as_is(e)),
-        KV_B_GROUPED_HINT.into(),
+        format!(
+            "{label}'s per-head blocks are [L, P+V] reshaped to [P+V, L] = [{}, L] instead of transposed ({})",
+            p + v,
+            w.vs(e)
+        ),
+        KV_B_BLOCK_T_HINT.into(),
     ))
+}
+
+/// The heads of a head-split weight in another order: its per-head blocks (`unit` rows each
+/// along `axis`) matched to the expected tensor's, every position matched and some displaced (a
+/// permutation, one head everywhere, duplicates). A partial match (positions that hold no head's
+/// block) is not a head order: a grouped split matches some heads by accident.
+pub(super) fn head_order(
+    cand: &[f64],
+    exp: &[f64],
+    shape: &[usize],
+    axis: usize,
+    unit: usize,
+    thr: f64,
+) -> Option<BlockMatch> {
+    let heads = shape.get(axis)? / unit.max(1);
+    if heads < 2 || cand.len() != exp.len() {
+        return None;
+    }
+    let m = find_blocks(cand, exp, shape, axis, &vec![unit; heads], thr)?;
+    (m.explains() && m.map.iter().all(Option::is_some)).then_some(m)
+}
+
+/// The class a head-split weight whose heads are in another order ([`head_order`]) gets, the same
+/// in `compare` and `weights --check`: `tp-rank-order` under TP (`tp` ≥ 2: a loader sliced the
+/// heads with the wrong rank or order); without TP, `kv-b-layout` for a kv_b-derived weight (a
+/// split variant of kv_b) and `mismatch` for any other, never a TP class.
+pub(super) fn head_order_class(tp: usize, kv_b_derived: bool) -> Class {
+    if tp >= 2 {
+        Class::TpRankOrder
+    } else if kv_b_derived {
+        Class::KvBLayout
+    } else {
+        Class::Mismatch
+    }
+}
+
+/// The evidence and hint of heads found in order `m` (blocks of `unit` rows along `axis`) in a
+/// tensor of `class` ([`head_order_class`]).
+pub(super) fn head_order_detection(m: &BlockMatch, unit: usize, axis: usize, class: Class, as_is: f64) -> Detection {
+    let hint = match class {
+        Class::TpRankOrder => {
+            "rank r must load heads [r·N/tp, (r+1)·N/tp) of q_b_proj, kv_b_proj and o_proj, in order; \
+                               check the rank index and the head order the loader slices with"
+                .to_string()
+        }
+        Class::KvBLayout => KV_B_HEADS_HINT.to_string(),
+        _ => "heads are cut or concatenated in the wrong order".to_string(),
+    };
+    Detection::new(
+        format!(
+            "per-head blocks of {unit} along dim {axis}: {} ({} vs rel_l2 {} as is)",
+            m.describe("head"),
+            match worst(&m.errors) {
+                0.0 => "matched exactly".to_string(),
+                e => format!("matched within rel_l2 {}", sci(e, 2)),
+            },
+            sci(as_is, 2)
+        ),
+        hint,
+    )
+}
+
+/// The kv_b-derived weight site `x` as [`KvBView`]: the reference's `w.kv_b` rows of the site's
+/// heads (all N of the whole weight), grouped by the run's TP size.
+fn site_kv_b_view<'a>(x: &'a SiteCtx<'_>, kvb: &'a [f64], cand: &'a [f64]) -> Option<KvBView<'a>> {
+    let [n, l, p, _, v] = x.input.cfg.dims().nlprv();
+    let which = KvBWeight::of_stage(x.site.stage)?;
+    Some(KvBView {
+        which,
+        label: which.site_label(),
+        cand,
+        kv_b: kvb,
+        heads: n,
+        lpv: [l, p, v],
+        groups: x.input.tp.max(1),
+        thr: x.explain,
+        as_is: x.as_is(),
+    })
+}
+
+/// `transposed` at a weight site that holds the reference's weight `[in, out]` in the expected
+/// shape (a square matrix, whose transpose no shape shows): the same test as `weights --check`'s
+/// ([`super::loaded::transposed_of`]). A transposed weight of another shape differs in shape and
+/// is named where the shapes are compared; `W_UK_T`/`W_UV` are `kv-b-layout`.
+pub(super) fn transposed(x: &SiteCtx<'_>) -> Option<Detection> {
+    if !x.site.stage.is_weight() || x.cand.shape != x.refr.shape {
+        return None;
+    }
+    let k = x.refr.shape.len();
+    if k < 2 {
+        return None;
+    }
+    let mut swapped = x.refr.shape.clone();
+    swapped.swap(k - 2, k - 1);
+    let param = crate::model::tensors::dump_name(site_param(x.input.cfg, x.site.stage)?.0);
+    let src = gguf_sources(x.input.cfg, x.site.layer, x.site.stage).join(" + ");
+    let fused = x.input.cfg.kv_b_layout == crate::model::config::KvBLayout::Fused;
+    let (class, d) = super::loaded::transposed_of(
+        param,
+        &x.cand.to_f64(),
+        &swapped,
+        &x.refr.to_f64(),
+        &x.refr.shape,
+        x.explain,
+        &src,
+        fused,
+    )?;
+    (class == Class::Transposed).then_some(d)
+}
+
+/// [`kv_b_layout_of`] on one rank's `w.kv_b.rank<r>` shard of `x`, against the reference's
+/// `w.kv_b` rows of the rank's heads (as weights --check judges a loaded shard). `None` for any
+/// other site, or when no kv_b layout explains the shard.
+fn shard_kv_b_layout(x: &SiteCtx<'_>) -> Option<Detection> {
+    let Stage::WRank(crate::core::trace::RankedWeight::KvB, r) = x.site.stage else {
+        return None;
+    };
+    let [n, l, p, _, v] = x.input.cfg.dims().nlprv();
+    let nh = n / x.input.tp.max(1);
+    let r = r as usize;
+    let kvb = x.ref_site(Stage::WKvB)?.to_f64();
+    let rows = kvb.get(r * nh * (p + v) * l..(r + 1) * nh * (p + v) * l)?;
+    let (cand, label) = (x.cand.to_f64(), x.site.stage.name());
+    kv_b_layout_of(&KvBView {
+        which: KvBWeight::KvB,
+        label: &label,
+        cand: &cand,
+        kv_b: rows,
+        heads: nh,
+        lpv: [l, p, v],
+        groups: 1,
+        thr: x.explain,
+        as_is: x.as_is(),
+    })
+}
+
+/// kv_b layout faults: rows grouped `[all k | all v]` per rank instead of per head, or `attn_k_b`
+/// reshaped instead of transposed, at the site where they show (a rank's `w.kv_b.rank<r>`
+/// shard included); without TP, a kv_b-derived weight whose heads are in another order.
+pub(super) fn kv_b_layout(x: &SiteCtx<'_>) -> Option<Detection> {
+    match x.site.stage {
+        Stage::WRank(crate::core::trace::RankedWeight::KvB, _) => shard_kv_b_layout(x),
+        Stage::WKvB | Stage::WUkT | Stage::WUv => {
+            let cand = x.cand.to_f64();
+            let kvb = x.ref_site(Stage::WKvB)?.to_f64();
+            let view = site_kv_b_view(x, &kvb, &cand)?;
+            if let Some(d) = kv_b_layout_of(&view) {
+                return Some(d);
+            }
+            if x.input.tp >= 2 {
+                return None;
+            }
+            let (axis, unit) = kv_b_head_blocks(x.site.stage, x.input.cfg);
+            let m = head_order(&cand, &x.refr.to_f64(), &x.refr.shape, axis, unit, x.explain)?;
+            Some(head_order_detection(&m, unit, axis, Class::KvBLayout, x.as_is()))
+        }
+        Stage::KNope | Stage::V => kv_b_layout_k_nope_v(x),
+        _ => None,
+    }
+}
+
+/// The axis and rows per head of a kv_b-derived weight site: kv_b's `P+V` rows on dim 0, one
+/// head per index of dim 0 for `W_UK_T`/`W_UV`.
+fn kv_b_head_blocks(stage: Stage, cfg: &MlaConfig) -> (usize, usize) {
+    match stage {
+        Stage::WUkT | Stage::WUv => (0, 1),
+        _ => (0, cfg.qk_nope_head_dim + cfg.v_head_dim),
+    }
 }
 
 /// `k_nope`/`v`: the reference kv_b output split grouped `[all k_nope | all v]` per rank.
@@ -503,67 +1036,6 @@ fn kv_b_layout_k_nope_v(x: &SiteCtx<'_>) -> Option<Detection> {
         ),
         KV_B_GROUPED_HINT.into(),
     ))
-}
-
-/// W_UK_T [N, P, L] (`Stage::WUkT`) or W_UV [N, L, V] (`Stage::WUv`) as a loader builds it that
-/// splits the reference kv_b `kvb` [N·(P+V), L] grouped per rank: of each rank's nh·(P+V) rows
-/// (nh = N/tp, per head interleaved [k_nope_h | v_h]), the first nh·P taken as its heads' K rows
-/// [nh, P, L] and the last nh·V as its V rows [nh, V, L], permuted to [nh, L, V].
-fn split_kv_b_grouped(kvb: &[f64], cfg: &MlaConfig, tp: usize, stage: Stage) -> Vec<f64> {
-    let [n, l, p, _, v] = cfg.dims().nlprv();
-    let nh = n / tp;
-    let mut out = Vec::with_capacity(kvb.len());
-    for rank in 0..tp {
-        let rank_rows = &kvb[rank * nh * (p + v) * l..(rank + 1) * nh * (p + v) * l];
-        let (k_rows, v_rows) = rank_rows.split_at(nh * p * l);
-        if stage == Stage::WUkT {
-            out.extend_from_slice(k_rows);
-            continue;
-        }
-        for h in 0..nh {
-            for li in 0..l {
-                out.extend((0..v).map(|vi| v_rows[(h * v + vi) * l + li]));
-            }
-        }
-    }
-    out
-}
-
-/// `W_UK_T` or `W_UV` (the failing site's stage, named `what` in the evidence): the grouped
-/// split of kv_b's rows ([`split_kv_b_grouped`]), if it explains the candidate.
-fn kv_b_split_grouped(x: &SiteCtx<'_>, kvb: &[f64], what: &str) -> Option<Detection> {
-    let alt = split_kv_b_grouped(kvb, x.input.cfg, x.input.tp.max(1), x.site.stage);
-    let e = x.explained_by(&alt)?;
-    Some(Detection::new(
-        format!(
-            "{what} equals kv_b's rows split grouped [all k | all v] ({})",
-            x.vs_as_is(e)
-        ),
-        KV_B_GROUPED_HINT.into(),
-    ))
-}
-
-/// `W_UK_T`: kv_b's rows split grouped per rank, or `attn_k_b` reshaped instead of transposed.
-fn kv_b_layout_w_uk_t(x: &SiteCtx<'_>) -> Option<Detection> {
-    let kvb = x.ref_site(Stage::WKvB)?.to_f64();
-    if let Some(found) = kv_b_split_grouped(x, &kvb, "W_UK_T") {
-        return Some(found);
-    }
-    let [n, l, p, _, v] = x.input.cfg.dims().nlprv();
-    let alt: Vec<f64> = (0..n).flat_map(|h| untransposed_k(&kvb, h, l, p, v)).collect();
-    let e = x.explained_by(&alt)?;
-    Some(Detection::new(
-        format!(
-            "W_UK_T equals k_b reshaped [N, L, P] → [N, P, L] instead of transposed ({})",
-            x.vs_as_is(e)
-        ),
-        K_B_UNTRANSPOSED_HINT.into(),
-    ))
-}
-
-/// `W_UV`: kv_b's rows split grouped per rank.
-fn kv_b_layout_w_uv(x: &SiteCtx<'_>) -> Option<Detection> {
-    kv_b_split_grouped(x, &x.ref_site(Stage::WKvB)?.to_f64(), "W_UV")
 }
 
 /// A finding for a TP cut that falls inside a quant block.

@@ -107,7 +107,21 @@ pub struct StepSpec {
     pub name: String,
     /// One entry per sequence (the same request in every step).
     pub seqs: Vec<StepSeq>,
+    /// The split count the step's split-KV decode used (vLLM Triton MLA's `num_kv_splits`: each
+    /// decode row's keys cut into this many splits of `⌈ctx/num_kv_splits⌉` keys, merged by
+    /// LSE); `None` (absent or null) when unknown. The split-KV replays of `lse-merge` read it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_kv_splits: Option<usize>,
+    /// Tokens per block of the engine's paged KV cache in this step (vLLM `block_size`,
+    /// 1 ..= [`MAX_PAGE_SIZE`]); `None`: not recorded (the `paged-kv` replays search it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub page_size: Option<usize>,
 }
+
+/// The largest `steps[k].page_size` a dump may declare: engines page their KV cache in blocks
+/// of 1 to 1,024 tokens (vLLM 16 by default, FlashMLA 64); a larger value is a corrupt header,
+/// refused before any replay indexes by it.
+pub const MAX_PAGE_SIZE: usize = 1 << 16;
 
 /// A change a harness made to the engine's code path (`header.patches[i]`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -275,6 +289,8 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
         }
     }
     check_tp(path, v.get("tp"))?;
+    check_num_kv_splits(path, v.get("steps"))?;
+    check_page_sizes(path, v.get("steps"))?;
     let h: DumpHeader =
         serde_json::from_value(v).map_err(|e| dump_error(path, "__metadata__.header", e.to_string()))?;
     if h.steps.is_empty() {
@@ -333,6 +349,63 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
         }
     }
     Ok(h)
+}
+
+/// The largest `num_kv_splits` a step may declare: vLLM's Triton MLA caps it at twice the
+/// GPU's streaming multiprocessors (264 on an H200), so 4096 leaves room for any GPU while
+/// bounding what a replay allocates per split.
+pub const MAX_NUM_KV_SPLITS: u64 = 4096;
+
+/// Checks each step's `num_kv_splits` (`steps` is the header's `steps` value, if any): absent,
+/// null, or an integer from 1 to [`MAX_NUM_KV_SPLITS`].
+///
+/// Errors: [`Error::Safetensors`] naming `__metadata__.header.steps[k].num_kv_splits`.
+fn check_num_kv_splits(path: &Path, steps: Option<&serde_json::Value>) -> Result<()> {
+    let Some(steps) = steps.and_then(serde_json::Value::as_array) else {
+        return Ok(());
+    };
+    for (k, st) in steps.iter().enumerate() {
+        match st.get("num_kv_splits") {
+            None | Some(serde_json::Value::Null) => {}
+            Some(x) if x.as_u64().is_some_and(|n| (1..=MAX_NUM_KV_SPLITS).contains(&n)) => {}
+            Some(x) => {
+                return Err(dump_error(
+                    path,
+                    format!("__metadata__.header.steps[{k}].num_kv_splits"),
+                    format!(
+                        "{x}: expected an integer from 1 to {MAX_NUM_KV_SPLITS} (the decode's KV split count) or null"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks every `steps[k].page_size` of a format-2 header (`steps` is its value, if any): absent,
+/// `null`, or an integer in `1..=`[`MAX_PAGE_SIZE`].
+///
+/// Errors: [`Error::Safetensors`] naming `__metadata__.header.steps[k].page_size`.
+fn check_page_sizes(path: &Path, steps: Option<&serde_json::Value>) -> Result<()> {
+    let Some(steps) = steps.and_then(serde_json::Value::as_array) else {
+        return Ok(());
+    };
+    for (k, st) in steps.iter().enumerate() {
+        match st.get("page_size") {
+            None | Some(serde_json::Value::Null) => {}
+            Some(x) if x.as_u64().is_some_and(|p| (1..=MAX_PAGE_SIZE as u64).contains(&p)) => {}
+            Some(x) => {
+                return Err(dump_error(
+                    path,
+                    format!("__metadata__.header.steps[{k}].page_size"),
+                    format!(
+                        "{x}: expected an integer from 1 to {MAX_PAGE_SIZE} (tokens per block of the paged KV cache)"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Checks a format-2 header's `tp` (`tp` is its value, if any): a positive integer `size` and,

@@ -33,13 +33,13 @@ use crate::core::error::Error;
 
 pub use conventions::{EngineDtype, KvAOrder, Layout, RopeOrder, map_from_metadata};
 pub use header::{
-    Conventions, DumpHeader, FORMAT1, FORMAT2, ModelIdentity, Patch, Software, StepSeq, StepSpec, TpInfo,
-    check_identity, heads_config, is_per_head, peek_header,
+    Conventions, DumpHeader, FORMAT1, FORMAT2, MAX_PAGE_SIZE, ModelIdentity, Patch, Software, StepSeq, StepSpec,
+    TpInfo, check_identity, heads_config, is_per_head, peek_header,
 };
 pub use layout::expected_shape;
 pub use map::{Condition, Map, Rename};
-pub use read::{Dump, DumpFile, StepsDump, load, load_bytes, read};
-pub use sites::{SHAPE_DIMS, SiteTemplates, SiteVocabulary, StageRow, stage_row};
+pub use read::{Dump, DumpFile, StepPaging, StepsDump, load, load_bytes, read};
+pub use sites::{SHAPE_DIMS, SiteTemplates, SiteVocabulary, StageRow, stage_inputs, stage_row};
 
 /// An input error in the dump `path`: `what` names the tensor or metadata key, `reason` says
 /// what is wrong with it (exit 2).

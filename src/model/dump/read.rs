@@ -56,8 +56,111 @@ pub struct StepsDump {
     pub header: DumpHeader,
     /// `(step, its sites)`, in step order.
     pub steps: Vec<(StepSpec, Dump)>,
+    /// Per step (same order), the paged KV cache metadata it recorded.
+    pub paging: Vec<StepPaging>,
     /// Tensors that belong to no step and are not weights.
     pub ignored: Vec<String>,
+}
+
+/// What a format-2 step recorded of the engine's paged KV cache: the metadata its attention read
+/// the cache with and its new rows were written with. Every field is optional; the `paged-kv`
+/// replays search what is missing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepPaging {
+    /// Tokens per cache block (`steps[k].page_size`), 1 ..= [`super::MAX_PAGE_SIZE`].
+    pub page_size: Option<usize>,
+    /// `s{k}.block_table` `[S, B]`: row `i` = header sequence `i`'s block ids as the engine's
+    /// attention read them in this step, padding included as the engine had it (each id −1 ..
+    /// 2³¹−1).
+    pub block_table: Option<Vec<Vec<i64>>>,
+    /// `s{k}.slot_mapping` `[T]`: the cache slot each of the step's new rows (sequence order) was
+    /// written to, `block id · page_size + offset`; −1 = not written (each −1 .. 2⁴⁸).
+    pub slot_mapping: Option<Vec<i64>>,
+}
+
+/// The largest cache slot a `slot_mapping` may hold: 2⁴⁸ slots is beyond any engine's cache, and
+/// every such value is exact in the f64 the reader decodes integers through.
+const MAX_SLOT: f64 = (1u64 << 48) as f64;
+
+/// The step tensors that are the engine's paged-cache metadata rather than sites.
+const PAGING_TENSORS: [&str; 2] = ["block_table", "slot_mapping"];
+
+/// Reads step `k`'s paged-cache metadata from `st`: `spec.page_size` (checked with the header),
+/// `s{k}.block_table` and `s{k}.slot_mapping` when present, checked against the step (an integer
+/// dtype; `[S, B]` with S the header's sequences and B ≥ 1; `[T]` with T the step's new tokens;
+/// ids in range).
+///
+/// Errors: [`Error::Safetensors`] naming the file and the tensor.
+fn step_paging(path: &Path, st: &SafeTensors<'_>, k: usize, spec: &StepSpec) -> Result<StepPaging> {
+    let read = |name: &str| -> Result<Option<(Vec<usize>, Vec<f64>)>> {
+        let full = format!("s{k}.{name}");
+        let Ok(view) = st.tensor(&full) else {
+            return Ok(None);
+        };
+        let shape = view.shape().to_vec();
+        let (v, is_float) = values(path, &full, view.dtype(), &shape, view.data())?;
+        if is_float {
+            return Err(dump_error(
+                path,
+                &full,
+                format!("dtype {:?}: must be an integer tensor (I32 or I64)", view.dtype()),
+            ));
+        }
+        Ok(Some((shape, v)))
+    };
+    let s = spec.seqs.len();
+    let t: usize = spec.seqs.iter().map(|q| q.new).sum();
+    let block_table = match read("block_table")? {
+        None => None,
+        Some((shape, v)) => {
+            let name = format!("s{k}.block_table");
+            if shape.len() != 2 || shape[0] != s || shape[1] == 0 {
+                return Err(dump_error(
+                    path,
+                    &name,
+                    format!("shape {shape:?}: expected [S, B] with S = {s} (the header's sequences) and B ≥ 1"),
+                ));
+            }
+            if let Some(bad) = v.iter().find(|&&x| !(-1.0..=f64::from(i32::MAX)).contains(&x)) {
+                return Err(dump_error(
+                    path,
+                    &name,
+                    format!("block id {bad}: expected −1 (padding) or an id from 0 to 2³¹−1"),
+                ));
+            }
+            Some(
+                v.chunks(shape[1])
+                    .map(|row| row.iter().map(|&x| x as i64).collect())
+                    .collect(),
+            )
+        }
+    };
+    let slot_mapping = match read("slot_mapping")? {
+        None => None,
+        Some((shape, v)) => {
+            let name = format!("s{k}.slot_mapping");
+            if shape.iter().filter(|&&d| d != 1).count() > 1 || v.len() != t {
+                return Err(dump_error(
+                    path,
+                    &name,
+                    format!("shape {shape:?}: expected [T] with T = {t} (the step's new tokens)"),
+                ));
+            }
+            if let Some(bad) = v.iter().find(|&&x| !(-1.0..MAX_SLOT).contains(&x)) {
+                return Err(dump_error(
+                    path,
+                    &name,
+                    format!("slot {bad}: expected −1 (not written) or a slot from 0 to 2⁴⁸"),
+                ));
+            }
+            Some(v.iter().map(|&x| x as i64).collect())
+        }
+    };
+    Ok(StepPaging {
+        page_size: spec.page_size,
+        block_table,
+        slot_mapping,
+    })
 }
 
 /// What a dump file holds: format 1 (one forward) or format 2 (steps with an identity).
@@ -74,11 +177,14 @@ pub enum DumpFile {
 /// base-2 `lse` converted to natural log; a declared `residual_scale` divided out of the
 /// residual-stream sites, [`Conventions::residual_scale()`](super::Conventions::residual_scale);
 /// each listed among the conversions); with `heads = [a, b]`, the per-head sites
-/// ([`is_per_head`](super::is_per_head)) have `b − a` heads.
+/// ([`is_per_head`](super::is_per_head)) have `b − a` heads. A step's paged-cache metadata
+/// (`page_size`, `s{k}.block_table`, `s{k}.slot_mapping`) goes to [`StepsDump::paging`].
 /// `weights.…` tensors are for `weights --check` and skipped here.
 ///
 /// Errors: as [`load_bytes`], with the file named `<dump> [step k `name`]` for a step's tensors;
-/// a malformed header names its field (`heads` past the model's N heads included).
+/// a malformed header names its field (`heads` past the model's N heads included, a
+/// `steps[k].page_size` out of range); a `block_table` or `slot_mapping` of a float dtype, a
+/// shape that does not fit the step, or an id out of range names the tensor.
 pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
     if bytes.starts_with(b"GGUF") {
@@ -119,6 +225,7 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
     }
     ignored.sort();
     let mut steps = Vec::new();
+    let mut paging = Vec::new();
     for (k, spec) in header.steps.iter().enumerate() {
         let prefix = format!("s{k}.");
         let mut meta1: std::collections::HashMap<String, String> = std::collections::HashMap::new();
@@ -147,7 +254,9 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
         }
         let mut views = Vec::new();
         for name in st.names() {
-            if let Some(rest) = name.strip_prefix(&prefix) {
+            if let Some(rest) = name.strip_prefix(&prefix)
+                && !PAGING_TENSORS.contains(&rest)
+            {
                 let view = st.tensor(name).map_err(|e| dump_error(path, name, e.to_string()))?;
                 views.push((rest.to_string(), view));
             }
@@ -176,12 +285,14 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
         if let Some(s) = header.conventions.residual_scale().filter(|&s| s != 1.0) {
             undo_residual_scale(&mut d, s);
         }
+        paging.push(step_paging(path, &st, k, spec)?);
         steps.push((spec.clone(), d));
     }
     Ok(DumpFile::Steps(Box::new(StepsDump {
         path: path.to_path_buf(),
         header,
         steps,
+        paging,
         ignored,
     })))
 }
@@ -585,6 +696,16 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
             ));
         }
         let (mut data, shape) = match expected_shape(site.stage, cfg, t) {
+            // A weight held [in, out] where [out, in] is expected: kept as dumped, so that the
+            // judge names the transpose (as weights --check names a loaded one).
+            Some(want)
+                if site.stage.is_weight() && want.len() == 2 && shape == [want[1], want[0]] && want[0] != want[1] =>
+            {
+                conversions.push(format!(
+                    "{site}: shape {shape:?} is the expected {want:?} transposed: kept as dumped"
+                ));
+                (v, shape)
+            }
             Some(want) => {
                 let (d, note) = normalize_shape(
                     v,

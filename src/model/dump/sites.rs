@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use super::header::{FORMAT1, FORMAT2};
 use crate::core::trace::{RankedWeight, STAGES, Site, Stage};
+use crate::model::config::MlaConfig;
 
 /// The site vocabulary of dumps, as `mla-diff sites --json` writes it (the field order is the
 /// JSON's). Build it with [`SiteVocabulary::current`].
@@ -224,9 +225,94 @@ pub fn stage_row(stage: Stage) -> StageRow {
     }
 }
 
+/// The sites a stage is computed from, within its layer: the data-flow edges of the site table
+/// (docs/design.md, "Sites"), as a hint names the inputs of a failing stage. `absorbed` picks
+/// the absorbed form of attention (`ql_nope` against the latent `kv_c_normed`, then `W_UV`) over
+/// the expanded one (`q` against `k_nope`, `v`) for `lse` and `attn_out`, which either form
+/// computes. A weight site (`w.*`, built from the GGUF) and `hidden_in` (the previous layer's
+/// output) have none; a per-rank output lists its rank's own shard. `cfg` decides the query
+/// path (`q_c_normed` with a query LoRA, `attn_in` without) and whether attention reads the DSA
+/// selection (`idx_topk`). A model's layer may lack some of them (an MoE layer's `ffn_out`, a
+/// shared indexer layer's `idx_scores`): callers keep those the layer's reference holds.
+pub fn stage_inputs(stage: Stage, cfg: &MlaConfig, absorbed: bool) -> Vec<Stage> {
+    use Stage::*;
+    let q_in = if cfg.q_lora_rank.is_some() { QCNormed } else { AttnIn };
+    let dsa = cfg.indexer.is_some();
+    let attention = |v: &[Stage]| -> Vec<Stage> {
+        let mut v = v.to_vec();
+        if dsa {
+            v.push(IdxTopk);
+        }
+        v
+    };
+    match stage {
+        HiddenIn | WFusedQkvA | WKvB | WUkT | WUv | WRank(..) => Vec::new(),
+        AttnIn => vec![HiddenIn],
+        QC | KvA if cfg.q_lora_rank.is_some() => vec![AttnIn, WFusedQkvA],
+        QC | KvA => vec![AttnIn],
+        QCNormed => vec![QC],
+        Q => vec![q_in],
+        KvCNormed | KPe => vec![KvA],
+        QPeRoped => vec![Q],
+        KPeRoped => vec![KPe],
+        IdxQ => vec![q_in],
+        IdxK | IdxWeights => vec![AttnIn],
+        IdxScores => vec![IdxQ, IdxK, IdxWeights],
+        IdxTopk => vec![IdxScores],
+        KNope | V => vec![KvCNormed, WKvB],
+        QlNope => vec![Q, WUkT],
+        AttnLatent => attention(&[QlNope, QPeRoped, KvCNormed, KPeRoped]),
+        Lse if absorbed => attention(&[QlNope, QPeRoped, KvCNormed, KPeRoped]),
+        Lse => attention(&[Q, QPeRoped, KNope, KPeRoped]),
+        AttnOut if absorbed => vec![AttnLatent, WUv],
+        AttnOut => attention(&[Q, QPeRoped, KNope, V, KPeRoped]),
+        OProj => vec![AttnOut],
+        OProjRank(r) => vec![AttnOut, WRank(RankedWeight::OProj, r)],
+        FfnIn => vec![HiddenIn, OProj],
+        FfnGate | FfnUp | MoeRouterLogits => vec![FfnIn],
+        FfnGateUpRank(r) => vec![FfnIn, WRank(RankedWeight::GateUp, r)],
+        FfnAct => vec![FfnGate, FfnUp],
+        FfnDownRank(r) => vec![FfnAct, WRank(RankedWeight::Down, r)],
+        FfnOut | SharedOut => vec![FfnAct],
+        MoeTopk => vec![MoeRouterLogits],
+        MoeOut => vec![FfnIn, MoeTopk],
+        HiddenOut if cfg.moe.is_some() => vec![HiddenIn, OProj, FfnOut, MoeOut, SharedOut],
+        HiddenOut => vec![HiddenIn, OProj, FfnOut],
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every input of a stage comes before it in data-flow order, so that at a path's first
+    /// divergence every input that was compared has passed.
+    #[test]
+    fn stage_inputs_precede_their_stage() {
+        let fixture = crate::model::fixture::open_model(None).unwrap();
+        let cfg = MlaConfig::from_gguf(&fixture).unwrap();
+        let mut stages: Vec<Stage> = STAGES.to_vec();
+        stages.extend([
+            Stage::OProjRank(1),
+            Stage::FfnGateUpRank(1),
+            Stage::FfnDownRank(1),
+            Stage::WRank(RankedWeight::KvB, 1),
+        ]);
+        for s in stages {
+            for absorbed in [false, true] {
+                for input in stage_inputs(s, &cfg, absorbed) {
+                    assert!(input.order() < s.order(), "{} feeds {}", input.name(), s.name());
+                }
+            }
+        }
+        assert_eq!(stage_inputs(Stage::KNope, &cfg, false), [Stage::KvCNormed, Stage::WKvB]);
+        assert_eq!(
+            stage_inputs(Stage::AttnOut, &cfg, true),
+            [Stage::AttnLatent, Stage::WUv]
+        );
+        assert_eq!(stage_inputs(Stage::Q, &cfg, false), [Stage::QCNormed]);
+        assert!(stage_inputs(Stage::WKvB, &cfg, false).is_empty());
+    }
 
     #[test]
     fn templates_are_the_printed_site_forms() {

@@ -72,10 +72,14 @@ impl CudaOps {
             return Ok(());
         }
         let smem = pc.smem(dqk, dv);
-        let f = self
-            .dev
-            .fast_function(Module::FastPrefill, dqk, dv, &pc.defines(), smem)?;
+        // Keys read by index are a build of their own, so the dense kernel's registers stay.
+        let mut defines = pc.defines();
+        if a.key_rows.is_some() {
+            defines.push(("FP_INDIRECT", 1));
+        }
+        let f = self.dev.fast_function(Module::FastPrefill, dqk, dv, &defines, smem)?;
         let (segs_d, tiles_d) = (self.idx(&segs)?, self.idx(&tiles)?);
+        let krows_d = self.idx(a.key_rows.unwrap_or(&[]))?;
         let cfg = LaunchConfig {
             grid_dim: ((tiles.len() / 2) as u32, nh as u32, 1),
             block_dim: (pc.threads() as u32, 1, 1),
@@ -90,6 +94,7 @@ impl CudaOps {
             .arg(lse)
             .arg(&segs_d)
             .arg(&tiles_d)
+            .arg(&krows_d)
             .arg(&h)
             .arg(&scale)
             .arg(&em);

@@ -396,6 +396,8 @@ impl Ops for CudaOps {
         }
         let n_tiles = tiles.len() / 2;
         let (segs_d, tiles_d) = (self.idx(&segs)?, self.idx(&tiles)?);
+        let krows_d = self.idx(a.key_rows.unwrap_or(&[]))?;
+        let indirect = i32::from(a.key_rows.is_some());
         let cfg = LaunchConfig {
             grid_dim: (n_tiles as u32, nh as u32, 1),
             block_dim: (32 * FLASH_ROWS as u32, 1, 1),
@@ -420,7 +422,13 @@ impl Ops for CudaOps {
             Some([qb, kb, vb]) => b.arg(qb).arg(kb).arg(vb),
             None => b.arg(a.q).arg(a.k).arg(a.v),
         };
-        b.arg(out).arg(lse).arg(&segs_d).arg(&tiles_d).arg(&h);
+        b.arg(out)
+            .arg(lse)
+            .arg(&segs_d)
+            .arg(&tiles_d)
+            .arg(&krows_d)
+            .arg(&indirect)
+            .arg(&h);
         b.arg(&qk_width).arg(&v_width).arg(&a.scale).arg(&em);
         // SAFETY: the arguments match the kernel's signature in attention.cu (inputs in the
         // dtype's element type), and every buffer was length-checked above.

@@ -774,7 +774,7 @@ fn detection(x: &SiteCtx<'_>, inp: &Inputs<'_>, v: &Verdict, h: &Hyp, also: &[Hy
     };
     let mut ev = format!(
         "{} equals the replay of the paged cache {what}, rebuilt from {source}, on {} rows × {} heads: rel_l2 {} vs {} \
-         with the recorded metadata ({} as is)",
+         for the replay with the recorded metadata (the dump against the reference: {})",
         x.site.stage.name(),
         v.compared,
         inp.heads.len(),

@@ -787,7 +787,8 @@ pub(super) fn split_merge(x: &SiteCtx<'_>) -> Option<Detection> {
         return Some(Detection::new(
             format!(
                 "a replay of the split-KV decode explains {}{}: {}, ⌈ctx/{k}⌉ keys each, {}; of {} sampled \
-                 (token, head) rows, {} have an empty split and the rule changes {}: {} rel_l2 {} vs {} as is{lse}",
+                 (token, head) rows, {} have an empty split and the rule merges {} of them otherwise than the \
+                 right merge: {} rel_l2 {} vs {} as is{lse}",
                 sample.out_stage.name(),
                 if sample.has_lse { " and lse" } else { "" },
                 sample.describe_k(k),

@@ -8,6 +8,7 @@ mod bad_input;
 mod bench_cpu;
 mod compare_dump;
 mod config;
+mod context_chunks;
 mod dequant_vectors;
 mod diagnose;
 mod doc_tables;

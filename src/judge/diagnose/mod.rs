@@ -44,6 +44,7 @@ use serde::ser::{Serialize, SerializeStruct, Serializer};
 
 use crate::compute::paged::PagedStep;
 use crate::compute::path::Unservable;
+use crate::compute::reference::context::ContextSeq;
 use crate::core::batch::Batch;
 use crate::core::class::Class;
 use crate::core::sci::sci;
@@ -238,6 +239,10 @@ pub struct DumpScope<'a> {
     /// The split count the step's split-KV decode used (format 2's step field
     /// `num_kv_splits`); `None` when the hook did not record it, and the replays search it.
     pub num_kv_splits: Option<usize>,
+    /// The sequences of the step's MHA prefill over cached context and their context chunks
+    /// (rows of the context partial sites, in order; `off` indexes `full_reference`'s rows);
+    /// empty when the step records no context chunks.
+    pub chunks: &'a [ContextSeq],
 }
 
 /// What every detector sees for one failing site of one path.

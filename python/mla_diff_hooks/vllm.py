@@ -578,6 +578,8 @@ class VllmCapture:
     weight sites (`w.kv_b`, ...) of step 0 included (the other steps are recorded in full); a
     long prompt's prefill can keep `hidden_in`, `kv_c_normed` and `k_pe_roped` (what a decode
     step's context needs) and leave the rest out of the dump.
+    sites: the stages every step not in `step_sites` keeps (a context-partial stage `ctx_out`
+    keeps its chunks `ctx_out.c{c}` too); default all.
     """
 
     def __init__(
@@ -594,6 +596,7 @@ class VllmCapture:
         engine: str | None = None,
         layers: list[int] | tuple[int, ...] | None = None,
         step_sites: dict[int, Iterable[str]] | None = None,
+        sites: Iterable[str] | None = None,
     ):
         self.root = find_model(model)
         self.missing = check_layout(self.root)  # names this vLLM lacks (see check_layout)
@@ -609,6 +612,7 @@ class VllmCapture:
         self.forward_index = forward_index
         self.n_steps = steps
         self.step_sites = {int(k): frozenset(v) for k, v in (step_sites or {}).items()}
+        self.keep_sites = frozenset(sites) if sites is not None else None
         p = parallel_info()
         self.tp_rank = p[0] if tp_rank is None else tp_rank
         self.tp_size = p[1] if tp_size is None else tp_size
@@ -821,8 +825,9 @@ class VllmCapture:
     def put_site(self, key: str, value: np.ndarray) -> None:
         """Store site `key` (`L{n}.{stage}`) of this step; the first value wins. A stage that
         `step_sites` leaves out of this step is dropped."""
-        keep = self.step_sites.get(len(self.steps))
-        if keep is not None and key.split(".", 1)[-1] not in keep:
+        keep = self.step_sites.get(len(self.steps), self.keep_sites)
+        stage = key.split(".", 1)[-1]
+        if keep is not None and stage not in keep and stage.split(".c", 1)[0] not in keep:
             return
         if key in self.t:  # first value wins (e.g. a second rotary call in the layer)
             self.repeats[key] = self.repeats.get(key, 1) + 1
@@ -1405,7 +1410,7 @@ class VllmCapture:
             if conv:
                 notes.append("lse: the backend returns log2; multiplied by ln 2")
         if weight_sites:
-            keep = self.step_sites.get(step)
+            keep = self.step_sites.get(step, self.keep_sites)
             tensors.update(
                 {k: v for k, v in self._weight_sites().items() if keep is None or k.split(".", 1)[1] in keep}
             )

@@ -1679,6 +1679,12 @@ def main() -> int:
             help="vLLM's chunked-prefill workspace in tokens (recorded as chunked-prefill-workspace): "
             "a cached context is read in chunks of W // (prefills with context), block-aligned",
         )
+        r.add_argument(
+            "--sites",
+            default=None,
+            help="a scheduled run: comma-separated stages every step keeps (default: all), e.g. "
+            "hidden_in,ctx_out,ctx_lse,suffix_out,suffix_lse,attn_out for a smaller dump",
+        )
         r.add_argument("--decode-steps", type=int, default=0)
         r.add_argument(
             "--decode-tokens",
@@ -2112,7 +2118,11 @@ def _rank_run_scheduled(
     layer_list = [int(x) for x in args.layers.split(",")] if args.layers else None
     print(
         dump_vllm.arm(
-            model, steps=1 << 20, engine=f"vllm {vllm.__version__} ({HARNESS}, CPU)", layers=layer_list
+            model,
+            steps=1 << 20,
+            engine=f"vllm {vllm.__version__} ({HARNESS}, CPU)",
+            layers=layer_list,
+            sites=[x.strip() for x in args.sites.split(",") if x.strip()] if args.sites else None,
         )
     )
     t0 = time.time()
@@ -2144,6 +2154,7 @@ def _rank_run_scheduled(
         model_path=str(gguf_path),
         engine_info=engine,
         patches=patches,
+        weight_sites=prefill_keep(None, args.weight_sites)[1],
         weights=not args.no_weights,
         weights_path=args.weights,
         extra_meta={

@@ -875,8 +875,9 @@ def _ctx_empty_lse_inf(params: dict[str, str]) -> None:
     where="the final merge_attn_states of MLACommonBaseImpl.forward_mha (mla_attention's "
     "merge_attn_states, the call with prefill_tokens_with_context), run through vLLM's Triton "
     "merge without the head-stride check of vllm/v1/attention/ops/merge_attn_states.py",
-    reports="the head-stride assertion vLLM added to merge_attn_states (both its CUDA and Triton "
-    "kernels derive the suffix's head stride from prefix_output)",
+    reports="no public report number: the head-stride assertion of vLLM 0.26.0's merge_attn_states "
+    "(vllm/v1/attention/ops/merge_attn_states.py: both its CUDA and Triton kernels derive the "
+    "suffix's head stride from prefix_output)",
     expected="strided-view",
     defaults={"pad": "16"},
     needs="a prefill step over cached context (vllm_cpu --chunk-tokens)",

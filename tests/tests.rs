@@ -40,5 +40,6 @@ mod snapshots;
 mod split_merge;
 mod tensor_table;
 mod triage_report;
+mod vllm_cpu_chunked;
 mod vllm_dumps;
 mod weights_check;

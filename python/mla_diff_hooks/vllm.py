@@ -1124,7 +1124,7 @@ class VllmCapture:
         rows = kv.shape[0]
         t = self._t_of(n)
         if t is None or rows != t:
-            self.note(
+            self.step_note(
                 f"L{n}: first kv_b_proj call had {rows} rows for T = {t} (decode tokens or "
                 "chunked context in the batch): k_nope/v not dumped"
             )

@@ -137,6 +137,8 @@ def _arm(model, model_path) -> None:
         ),
         file=sys.stderr,
     )
+    # a GPU worker: plan each forward from the runner's scheduler output (vllm.live_plan)
+    dump_vllm.watch_runner()
     _STATE["armed"] = model
     _STATE["model_path"] = model_path
     _STATE["written"] = False

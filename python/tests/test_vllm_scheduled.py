@@ -193,3 +193,35 @@ def test_register_arms_the_model_every_loader_returns_once(monkeypatch):
         assert armed[-1][0] is cfg.model_obj
     assert len(armed) == 3, "each model armed once, though subclass and base both returned it"
     assert armed[0][1] == {"forward_index": 0, "steps": 3, "layers": None, "sites": None}
+
+
+def test_live_plan_follows_the_runners_batch_and_finds_a_prefix_hit():
+    cap = vllm_hooks.VllmCapture.__new__(vllm_hooks.VllmCapture)
+    cap.step_notes = []
+    tok = np.zeros((3, 64), dtype=np.int64)
+    tok[0, :40] = np.arange(40)
+    tok[1, :40] = np.arange(40)  # request b shares a's first 40 tokens
+    tok[1, 40:44] = 99
+    runner = types.SimpleNamespace(
+        input_batch=types.SimpleNamespace(
+            req_ids=["a"], num_computed_tokens_cpu=np.array([0, 0, 0]), token_ids_cpu=tok
+        )
+    )
+    plan = vllm_hooks.live_plan(cap, runner, types.SimpleNamespace(num_scheduled_tokens={"a": 40}))
+    assert plan == {"seqs": [{"new": 40, "context": 0, "prefix": None}], "order": [0]}
+    # next step: b arrives with 32 cached tokens and is packed after a's decode row
+    tok[0, 40] = 7
+    runner.input_batch.req_ids = ["a", "b"]
+    runner.input_batch.num_computed_tokens_cpu = np.array([40, 32, 0])
+    plan = vllm_hooks.live_plan(cap, runner, types.SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 12}))
+    assert plan["order"] == [0, 1]
+    assert plan["seqs"] == [
+        {"new": 1, "context": 40, "prefix": None},
+        {"new": 12, "context": 32, "prefix": {"seq": 0, "len": 32}},
+    ]
+    assert cap.token_ids[0] == list(range(40)) + [7] and len(cap.token_ids[1]) == 44
+    # a finished: it stays a sequence, with 0 new tokens
+    runner.input_batch.req_ids = ["b"]
+    runner.input_batch.num_computed_tokens_cpu = np.array([44, 0, 0])
+    plan = vllm_hooks.live_plan(cap, runner, types.SimpleNamespace(num_scheduled_tokens={"b": 1}))
+    assert plan["order"] == [1] and plan["seqs"][0] == {"new": 0, "context": 41, "prefix": None}

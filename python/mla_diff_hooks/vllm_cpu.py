@@ -6,7 +6,11 @@ unmodified vLLM 0.26.0 Python code of `DeepseekV3ForCausalLM` on the CPU (GGUF t
 vllm-gguf-plugin, quantized layers through the plugin's own Triton kernels, a torch SDPA prefill
 backend, the Triton MLA decode kernel, both under TRITON_INTERPRET=1, float32) and records it with
 `mla_diff_hooks.vllm`. Tensor parallelism runs one process per rank over gloo (vLLM's own
-distributed initialisation); each rank writes a format-2 dump and the driver joins them. Every
+distributed initialisation); each rank writes a format-2 dump and the driver joins them. A
+scheduled run (--chunk-tokens, --arrivals, --prefix, --workspace-tokens) spreads the requests
+over steps as vLLM's scheduler would, through vLLM's own attention-metadata builder and its
+chunked-context loop and merges, the hooks armed through their vllm.general_plugins entry point
+(SCHEDULE_PATCHES lists what it changes). Every
 change it makes to vLLM's behaviour is applied from outside vLLM's files, listed in PATCHES (or
 OPTIONAL_PATCHES, opt-in) and recorded in the dump. Subcommands: setup, config, run, test.
 Reference (patches and what fails without each, --zero-unloaded, --tp, the end-to-end test):
@@ -2145,7 +2149,7 @@ def _rank_run_scheduled(
     t_end = time.time()
     cap = dump_vllm._ACTIVE
     cap.token_ids = dict(enumerate(seqs))
-    patches = [x for x in patch_list(args.patch or [], zeroed if args.zero_unloaded else [])]
+    patches = patch_list(args.patch or [], zeroed if args.zero_unloaded else [])
     patches = [x for x in patches if x[0] != "attention-metadata-by-hand"] + SCHEDULE_PATCHES
     patches.append(scheduler_patch(args.chunk_tokens, args.arrival_list, args.decode_steps))
     if args.workspace_tokens:

@@ -121,6 +121,77 @@ WEIGHT_PARAMS = [
 FFN_PARAMS = ["gate_up_proj", "down_proj"]
 
 _ACTIVE: VllmCapture | None = None  # the capture armed in this process (apply_model API)
+# (model runner, scheduler output) of the GPU model runner's execute_model running now, set by
+# watch_runner's wrapper: a forward inside it is planned from them (live_plan)
+_LIVE: tuple | None = None
+
+
+def watch_runner() -> bool:
+    """Wrap vLLM's GPU model runner's execute_model (vllm.v1.worker.gpu_model_runner, when this
+    process has imported it) so that each forward it runs is planned from its scheduler output
+    (live_plan). Idempotent; False when there is no such runner in this process."""
+    mod = sys.modules.get("vllm.v1.worker.gpu_model_runner")
+    cls = getattr(mod, "GPUModelRunner", None)
+    if cls is None or getattr(cls.execute_model, "_mla_diff_watched", False):
+        return cls is not None
+    orig = cls.execute_model
+
+    @functools.wraps(orig)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        global _LIVE
+        _LIVE = (self, scheduler_output)
+        try:
+            return orig(self, scheduler_output, *args, **kwargs)
+        finally:
+            _LIVE = None
+
+    execute_model._mla_diff_watched = True
+    cls.execute_model = execute_model
+    return True
+
+
+def live_plan(cap: VllmCapture, runner, scheduler_output) -> dict | None:
+    """The plan (VllmCapture.plan_step) of the forward a GPU model runner is running: its
+    requests in the order its input batch packed them (`input_batch.req_ids`, decodes first),
+    each one's new tokens (`scheduler_output.num_scheduled_tokens`) and computed tokens before the
+    step (`input_batch.num_computed_tokens_cpu`), every request seen before with 0 new tokens. A
+    request first scheduled with computed tokens is a prefix-cache hit on the earliest request
+    seen with the same first tokens. Each request's token ids so far are kept for the dump. None
+    when the runner has no input batch."""
+    ib = getattr(runner, "input_batch", None)
+    sched = getattr(scheduler_output, "num_scheduled_tokens", None)
+    if ib is None or not sched:
+        return None
+    ids = cap.__dict__.setdefault("_live_ids", {})
+    done = cap.__dict__.setdefault("_live_done", {})
+    hits = cap.__dict__.setdefault("_live_hits", {})
+    token_ids = cap.__dict__.setdefault("token_ids", {})
+    order, new, ctx = [], {}, {}
+    for b, rid in enumerate(ib.req_ids):
+        if rid is None or rid not in sched:
+            continue
+        first = rid not in ids
+        i = ids.setdefault(rid, len(ids))
+        order.append(i)
+        new[i] = int(sched[rid])
+        ctx[i] = int(ib.num_computed_tokens_cpu[b])
+        toks = [int(x) for x in ib.token_ids_cpu[b, : ctx[i] + new[i]]]
+        if len(toks) > len(token_ids.get(i, [])):
+            token_ids[i] = toks
+        if first and ctx[i] > 0:
+            src = next((j for j, t in token_ids.items() if j != i and t[: ctx[i]] == toks[: ctx[i]]), None)
+            if src is None:
+                cap.step_note(f"request {rid}: {ctx[i]} cached tokens of no request recorded before")
+            else:
+                hits[i] = {"seq": src, "len": ctx[i]}
+    seqs = []
+    for i in range(len(ids)):
+        if i in new:
+            done[i] = ctx[i] + new[i]
+            seqs.append({"new": new[i], "context": ctx[i], "prefix": hits.get(i)})
+        else:
+            seqs.append({"new": 0, "context": done.get(i, 0), "prefix": hits.get(i)})
+    return {"seqs": seqs, "order": order}
 
 
 # --------------------------------------------------------------------------------------------
@@ -720,17 +791,23 @@ class VllmCapture:
             if is_partial_site(key):
                 a = a.T if key.split(".", 1)[1].startswith(("ctx_lse", "suffix_lse")) else a
                 self.t[key] = np.ascontiguousarray(a[tc_idx])
-            elif ".w." not in key and a.ndim >= 1 and a.shape[0] == t_rows:
-                self.t[key] = np.ascontiguousarray(a[perm])
+            elif ".w." not in key and a.ndim >= 1 and a.shape[0] >= t_rows:
+                self.t[key] = np.ascontiguousarray(a[:t_rows][perm])  # padding rows dropped
         for name in ("tokens", "positions"):
             a = getattr(self, name)
-            if a is not None and a.shape[0] == t_rows:
-                setattr(self, name, a[perm])
+            if a is not None and a.shape[0] >= t_rows:
+                setattr(self, name, a[:t_rows][perm])
         sm = self.info.get("slot_mapping")
         if sm is not None and sm.shape[0] >= t_rows:
             self.info["slot_mapping"] = sm[:t_rows][perm]
         if plan.get("block_table") is not None:
             self.info["block_table"] = np.asarray(plan["block_table"], dtype=np.int32)
+        elif self.info.get("block_table") is not None and self.info["block_table"].shape[0] >= len(order):
+            rows = self.info["block_table"]  # the metadata's rows: the step's requests, runner order
+            table = np.zeros((len(seqs), rows.shape[1]), dtype=np.int32)
+            for j, i in enumerate(order):
+                table[i] = rows[j]
+            self.info["block_table"] = table
         raw = self.info.pop("context_chunks", None)
         if raw is not None:
             starts, lens = raw
@@ -998,6 +1075,8 @@ class VllmCapture:
         self._begin_forward()
         if not self.capturing:
             return
+        if self.plan is None and _LIVE is not None:
+            self.plan = live_plan(self, *_LIVE)
         ids = kwargs.get("input_ids", args[0] if args else None)
         pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
         if ids is not None:
@@ -1124,7 +1203,7 @@ class VllmCapture:
         rows = kv.shape[0]
         t = self._t_of(n)
         if t is None or rows != t:
-            self.note(
+            self.step_note(
                 f"L{n}: first kv_b_proj call had {rows} rows for T = {t} (decode tokens or "
                 "chunked context in the batch): k_nope/v not dumped"
             )
@@ -1536,6 +1615,14 @@ class VllmCapture:
         tensors: dict[str, np.ndarray] = {}
         specs, notes, dtypes = [], [], set()
         done_per_seq: list[int] | None = None
+        n_seqs = max((len(r["plan"]["seqs"]) for r in self.steps if r.get("plan")), default=0)
+        for r in self.steps:
+            plan = r.get("plan")
+            if plan is not None and len(plan["seqs"]) < n_seqs:  # requests not yet arrived
+                plan["seqs"] = plan["seqs"] + [{"new": 0, "context": 0}] * (n_seqs - len(plan["seqs"]))
+                bt = r["info"].get("block_table")
+                if bt is not None and bt.shape[0] < n_seqs:
+                    r["info"]["block_table"] = np.pad(bt, ((0, n_seqs - bt.shape[0]), (0, 0)))
         for k in range(len(self.steps)):
             t, meta = self.result(
                 step=k, weight_sites=weight_sites and k == 0, lse_natural=False, residual_natural=False

@@ -6,7 +6,11 @@ unmodified vLLM 0.26.0 Python code of `DeepseekV3ForCausalLM` on the CPU (GGUF t
 vllm-gguf-plugin, quantized layers through the plugin's own Triton kernels, a torch SDPA prefill
 backend, the Triton MLA decode kernel, both under TRITON_INTERPRET=1, float32) and records it with
 `mla_diff_hooks.vllm`. Tensor parallelism runs one process per rank over gloo (vLLM's own
-distributed initialisation); each rank writes a format-2 dump and the driver joins them. Every
+distributed initialisation); each rank writes a format-2 dump and the driver joins them. A
+scheduled run (--chunk-tokens, --arrivals, --prefix, --workspace-tokens) spreads the requests
+over steps as vLLM's scheduler would, through vLLM's own attention-metadata builder and its
+chunked-context loop and merges, the hooks armed through their vllm.general_plugins entry point
+(SCHEDULE_PATCHES lists what it changes). Every
 change it makes to vLLM's behaviour is applied from outside vLLM's files, listed in PATCHES (or
 OPTIONAL_PATCHES, opt-in) and recorded in the dump. Subcommands: setup, config, run, test.
 Reference (patches and what fails without each, --zero-unloaded, --tp, the end-to-end test):
@@ -251,6 +255,9 @@ def _venv_command(venv, args: list[str], env: dict | None = None):
         raise SystemExit(f"{py} missing: run `python -m {MODULE} setup --venv {venv}` first")
     with tempfile.TemporaryDirectory(prefix="mla-diff-hooks-") as d:
         (Path(d) / PACKAGE_DIR.name).symlink_to(PACKAGE_DIR, target_is_directory=True)
+        from .vllm_plugin import write_dist_info
+
+        write_dist_info(Path(d))  # vLLM's load_general_plugins finds the hooks' plugin there
         env = dict(os.environ if env is None else env)
         env["PYTHONPATH"] = d + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         yield [str(py), "-m", MODULE, *args], env
@@ -880,6 +887,15 @@ def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port:
 
     tp = args.tp
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // tp))
+    if scheduled(args):
+        # the hooks arm through their vLLM plugin, as in `vllm serve`; this process writes the dump
+        from . import vllm_plugin
+
+        os.environ[vllm_plugin.ENV_DUMP] = str(out.parent.resolve())
+        os.environ[vllm_plugin.ENV_STEPS] = str(1 << 20)
+        os.environ[vllm_plugin.ENV_WRITE] = "0"
+        os.environ[vllm_plugin.ENV_LAYERS] = args.layers or ""
+        os.environ[vllm_plugin.ENV_SITES] = args.sites or ""
     holder: dict = {}
     _apply_patches(holder)
     import vllm
@@ -907,6 +923,9 @@ def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port:
     planted = [plants.apply(spec) for spec in args.plant or []]
     if scheduled(args):
         _apply_schedule_patches(args.workspace_tokens)
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.model_executor.model_loader import get_model_loader
@@ -2115,16 +2134,13 @@ def _rank_run_scheduled(
         builder = lay0.attn_backend.get_builder_cls()(
             lay0.get_kv_cache_spec(vcfg), list(layers), vcfg, torch.device("cpu")
         )
-    layer_list = [int(x) for x in args.layers.split(",")] if args.layers else None
-    print(
-        dump_vllm.arm(
-            model,
-            steps=1 << 20,
-            engine=f"vllm {vllm.__version__} ({HARNESS}, CPU)",
-            layers=layer_list,
-            sites=[x.strip() for x in args.sites.split(",") if x.strip()] if args.sites else None,
+    if dump_vllm._ACTIVE is None or dump_vllm._ACTIVE.root is not dump_vllm.find_model(model):
+        raise SystemExit(
+            "the mla_diff_hooks vLLM plugin did not arm the model: vllm.general_plugins has no "
+            "mla_diff_hooks entry point on sys.path (or VLLM_PLUGINS leaves it out)"
         )
-    )
+    dump_vllm._ACTIVE.engine = f"vllm {vllm.__version__} ({HARNESS}, CPU)"
+    print("armed through vllm.general_plugins (mla_diff_hooks.vllm_plugin)")
     t0 = time.time()
     with set_current_vllm_config(vcfg), torch.no_grad():
         decoded, seqs, n_steps = _scheduled_steps(
@@ -2133,7 +2149,7 @@ def _rank_run_scheduled(
     t_end = time.time()
     cap = dump_vllm._ACTIVE
     cap.token_ids = dict(enumerate(seqs))
-    patches = [x for x in patch_list(args.patch or [], zeroed if args.zero_unloaded else [])]
+    patches = patch_list(args.patch or [], zeroed if args.zero_unloaded else [])
     patches = [x for x in patches if x[0] != "attention-metadata-by-hand"] + SCHEDULE_PATCHES
     patches.append(scheduler_patch(args.chunk_tokens, args.arrival_list, args.decode_steps))
     if args.workspace_tokens:

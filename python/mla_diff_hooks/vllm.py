@@ -1693,7 +1693,19 @@ class VllmCapture:
             if meta.get("notes"):
                 notes.append(f"{name}: {meta['notes']}")
         for i, ids in sorted((getattr(self, "token_ids", None) or {}).items()):
-            tensors[f"seq{int(i)}.token_ids"] = np.asarray(ids, dtype=np.int64)
+            ids = np.asarray(ids, dtype=np.int64).copy()
+            # A token the engine sampled reaches the runner's host copy of the ids only as a
+            # placeholder (-1) under async scheduling; the step's own input ids hold it.
+            for k, spec in enumerate(specs):
+                step_ids = tensors.get(dump_format.step_tensor(k, "tokens"))
+                if step_ids is None:
+                    continue
+                row = sum(sq["new"] for sq in spec["seqs"][:i])
+                if i < len(spec["seqs"]):
+                    c, a = spec["seqs"][i]["context"], spec["seqs"][i]["new"]
+                    if a and c + a <= len(ids):
+                        ids[c : c + a] = np.asarray(step_ids[row : row + a], dtype=np.int64)
+            tensors[f"seq{int(i)}.token_ids"] = ids
         if weights:
             w, _ = self.weights()
             for nm in sorted(w, key=_site_key):

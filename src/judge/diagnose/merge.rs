@@ -129,7 +129,7 @@ pub(super) fn partial_lse(x: &SiteCtx<'_>) -> Option<Detection> {
     }
     let base2: Vec<f64> = r.iter().map(|v| v / std::f64::consts::LN_2).collect();
     let e = match_rel(&c, &base2, &|_| true)?;
-    (e <= x.explain && e < x.as_is()).then(|| {
+    (e <= x.explain && (e < x.as_is() || match_rel(&c, &r, &|_| true).is_none())).then(|| {
         Detection::new(
             format!(
                 "{} is the reference × 1/ln 2 = {:.4} ({}): the LSE is in base 2",
@@ -368,6 +368,9 @@ pub(super) fn merge_replay(x: &SiteCtx<'_>) -> Option<Detection> {
     let any_empty = inputs.empty.iter().any(|e| e.iter().any(|&b| b));
     let want_lse = x.site.stage == Stage::CtxLse;
     let refr = x.refr.to_f64();
+    // Whether the candidate's non-finite elements are the reference's: when not, a replay that
+    // puts them right explains what the finite rel_l2 as is does not measure.
+    let pattern_as_is = match_rel(&cand, &refr, &|_| true).is_some();
     for rule in rules(&inputs.names, any_empty && ctx_from_chunks) {
         let (out, lse) = inputs.replay(&rule, n, dv);
         let alt = match x.site.stage {
@@ -378,7 +381,7 @@ pub(super) fn merge_replay(x: &SiteCtx<'_>) -> Option<Detection> {
         let Some(e) = match_rel(&cand, &alt, &|_| true) else {
             continue;
         };
-        if e <= x.explain && (e < x.as_is() || !x.as_is().is_finite()) {
+        if e <= x.explain && (e < x.as_is() || !pattern_as_is) {
             let nan = alt.iter().filter(|v| v.is_nan()).count();
             let nan_note = if nan > 0 {
                 format!(", its {nan} NaN elements where the candidate's are")

@@ -284,6 +284,7 @@ fn a_clean_chunked_context_dump_passes_with_every_partial_judged() {
     );
     let (code, out, err, doc) = compare_json(&model(), &p, &[]);
     assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(doc["findings"], serde_json::json!([]), "{out}");
     let step1: Vec<&serde_json::Value> = doc["sites"]
         .as_array()
         .unwrap()
@@ -433,5 +434,208 @@ fn hostile_context_fields_are_input_errors_naming_the_field() {
         let (code, _, err, _) = compare_json(&model(), &p, &[]);
         assert_eq!(code, 2, "{err}");
         assert!(err.contains(name), "{err}");
+    }
+}
+
+/// Step 1's values of the clean chunked dump, by the plant's names (`s1.ctx_out.c1`, …).
+fn clean_step1(file: &GgufFile, cfg: &MlaConfig, tr: &Trace) -> HashMap<String, Vec<f64>> {
+    let seen = std::rc::Rc::new(std::cell::RefCell::new(HashMap::new()));
+    let into = seen.clone();
+    let record = move |name: &str, vals: &mut Vec<f64>| {
+        if name.starts_with("s1.") {
+            into.borrow_mut().insert(name.to_string(), vals.clone());
+        }
+    };
+    let _ = dump(file, cfg, tr, LENS, &chunked_steps(), &chunked_extra, &record, None);
+    seen.take()
+}
+
+/// The chunked dump with `plant`: exit code and the first finding's class, site and evidence,
+/// with the step its site first fails in.
+fn planted(file: &GgufFile, cfg: &MlaConfig, tr: &Trace, plant: &Plant) -> (i32, [String; 4]) {
+    let (_d, p) = dump(file, cfg, tr, LENS, &chunked_steps(), &chunked_extra, plant, None);
+    let (code, out, err, doc) = compare_json(&model(), &p, &[]);
+    let f = &doc["findings"][0];
+    let s = |v: &serde_json::Value| v.as_str().unwrap_or_else(|| panic!("{out}\n{err}")).to_string();
+    let site = s(&f["site"]);
+    let step = doc["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["site"] == site.as_str() && r["status"] != "pass")
+        .map_or(String::new(), |r| s(&r["step"]));
+    (code, [s(&f["class"]), site, step, s(&f["evidence"])])
+}
+
+/// Step 1's Tc rows: sequence 0's 7 new tokens, then sequence 1's 5, whose chunk 2 is empty.
+const TC0: usize = 7;
+const TC: usize = 12;
+
+/// An empty context chunk's LSE +inf (FlashAttention-2's sentinel), or 0, where the reference
+/// has −inf: `lse-merge` at that chunk's LSE, naming the chunk, the sequence, the rows and the
+/// value.
+#[test]
+fn an_empty_chunks_lse_sentinel_is_lse_merge_at_the_chunk() {
+    let (file, cfg, tr) = reference(LENS, 0);
+    let n = cfg.n_head;
+    for (value, says) in [(f64::INFINITY, "all +inf"), (0.0, "all 0")] {
+        let plant = move |name: &str, vals: &mut Vec<f64>| {
+            if name == "s1.ctx_lse.c2" {
+                assert!(vals[TC0 * n..].iter().all(|&v| v == f64::NEG_INFINITY));
+                vals[TC0 * n..].fill(value);
+            }
+        };
+        let (code, [class, site, step, ev]) = planted(&file, &cfg, &tr, &plant);
+        assert_eq!(code, 1, "{ev}");
+        assert_eq!(
+            (class.as_str(), site.as_str(), step.as_str()),
+            ("lse-merge", "L1.ctx_lse.c2", "step-1"),
+            "{ev}"
+        );
+        let rows = (TC - TC0) * n;
+        assert!(
+            ev.contains("chunk 2 holds no key for sequence(s) [1]")
+                && ev.contains(&format!("{rows} of their {rows} (token, head) rows hold {says}")),
+            "{ev}"
+        );
+    }
+}
+
+/// The partials `outs` [Tc, N, V] merged by their LSEs `lses` [Tc, N] (natural-log rule):
+/// `(out, lse)`.
+fn merge(outs: &[&[f64]], lses: &[Vec<f64>], v: usize) -> (Vec<f64>, Vec<f64>) {
+    let ls: Vec<&[f64]> = lses.iter().map(Vec::as_slice).collect();
+    mla_diff::compute::reference::context::merge_partials(outs, &ls, v)
+}
+
+/// The chunks' merge taking an empty chunk's −inf as +inf (NaN where it merges), and the final
+/// merge reading the suffix's LSE in base 2: `lse-merge` at the merge, replayed from the
+/// partials that passed.
+#[test]
+fn a_merge_replayed_from_passing_partials_names_the_sentinel_or_the_log_base() {
+    let (file, cfg, tr) = reference(LENS, 0);
+    let v = cfg.v_head_dim;
+    let clean = clean_step1(&file, &cfg, &tr);
+    let g = |k: &str| clean[&format!("s1.{k}")].clone();
+    // The chunks merged with the empty chunk's LSE +inf.
+    let mut l2 = g("ctx_lse.c2");
+    for x in l2.iter_mut().filter(|x| **x == f64::NEG_INFINITY) {
+        *x = f64::INFINITY;
+    }
+    let (o0, o1, o2) = (g("ctx_out.c0"), g("ctx_out.c1"), g("ctx_out.c2"));
+    let (ctx_out, ctx_lse) = merge(&[&o0, &o1, &o2], &[g("ctx_lse.c0"), g("ctx_lse.c1"), l2], v);
+    assert!(ctx_out.iter().any(|x| x.is_nan()) && ctx_out.iter().any(|x| x.is_finite()));
+    let plant = move |name: &str, vals: &mut Vec<f64>| match name {
+        "s1.ctx_out" => vals.clone_from(&ctx_out),
+        "s1.ctx_lse" => vals.clone_from(&ctx_lse),
+        _ => {}
+    };
+    let (code, [class, site, step, ev]) = planted(&file, &cfg, &tr, &plant);
+    assert_eq!(code, 1, "{ev}");
+    assert_eq!(
+        (class.as_str(), site.as_str(), step.as_str()),
+        ("lse-merge", "L1.ctx_out", "step-1"),
+        "{ev}"
+    );
+    assert!(
+        ev.contains("every empty chunk merged with LSE +inf instead of −inf") && ev.contains("NaN"),
+        "{ev}"
+    );
+    // The final merge with the suffix's LSE in base 2.
+    let suffix_lse: Vec<f64> = g("suffix_lse").iter().map(|x| x / std::f64::consts::LN_2).collect();
+    let (so, co) = (g("suffix_out"), g("ctx_out"));
+    let (out, _) = merge(&[&co, &so], &[g("ctx_lse"), suffix_lse], v);
+    let plant = move |name: &str, vals: &mut Vec<f64>| {
+        if name == "s1.attn_out" {
+            assert_eq!(vals.len(), out.len());
+            vals.clone_from(&out);
+        }
+    };
+    let (code, [class, site, step, ev]) = planted(&file, &cfg, &tr, &plant);
+    assert_eq!(code, 1, "{ev}");
+    assert_eq!(
+        (class.as_str(), site.as_str(), step.as_str()),
+        ("lse-merge", "L1.attn_out", "step-1"),
+        "{ev}"
+    );
+    assert!(
+        ev.contains("the suffix (suffix_lse)'s LSE in base 2, the other natural"),
+        "{ev}"
+    );
+}
+
+/// The final merge reading the suffix, held padded to V + 16 per head, with the context's head
+/// stride V: `strided-view` at `attn_out`, both strides named.
+#[test]
+fn a_merge_reading_the_suffix_with_the_prefixs_head_stride_is_strided_view() {
+    let (file, cfg, tr) = reference(LENS, 0);
+    let (n, v) = (cfg.n_head, cfg.v_head_dim);
+    let clean = clean_step1(&file, &cfg, &tr);
+    let g = |k: &str| clean[&format!("s1.{k}")].clone();
+    let (suffix, ctx) = (g("suffix_out"), g("ctx_out"));
+    let s = v + 16;
+    let mut padded = vec![0.0; TC * n * s];
+    for th in 0..TC * n {
+        padded[th * s..th * s + v].copy_from_slice(&suffix[th * v..(th + 1) * v]);
+    }
+    let read = padded[..TC * n * v].to_vec();
+    let (out, _) = merge(&[&ctx, &read], &[g("ctx_lse"), g("suffix_lse")], v);
+    let plant = move |name: &str, vals: &mut Vec<f64>| {
+        if name == "s1.attn_out" {
+            vals.clone_from(&out);
+        }
+    };
+    let (code, [class, site, step, ev]) = planted(&file, &cfg, &tr, &plant);
+    assert_eq!(code, 1, "{ev}");
+    assert_eq!(
+        (class.as_str(), site.as_str(), step.as_str()),
+        ("strided-view", "L1.attn_out", "step-1"),
+        "{ev}"
+    );
+    assert!(
+        ev.contains(&format!("the suffix's output, held with head stride {s} (V+16"))
+            && ev.contains(&format!("read with head stride {v} (V)"))
+            && ev.contains("padding read as 0"),
+        "{ev}"
+    );
+}
+
+/// Context chunk 1's output never written for sequence 0's rows: stale floats (seeded, far
+/// outside what attention gives), or zeros: `phantom-output` at `ctx_out.c1`, with the count.
+#[test]
+fn a_context_chunk_never_written_is_phantom_output_at_the_chunk() {
+    let (file, cfg, tr) = reference(LENS, 0);
+    let (n, v) = (cfg.n_head, cfg.v_head_dim);
+    let rows = TC0 * n;
+    let stale: Vec<f64> = normal_f32(41, rows * v)
+        .into_iter()
+        .map(|x| 50.0 * f64::from(x))
+        .collect();
+    for (fill, says) in [
+        (
+            stale,
+            "sampled (token, head) rows lie outside the range of the value rows".to_string(),
+        ),
+        (
+            vec![0.0; rows * v],
+            format!("{rows} of its {} (token, head) rows with keys are all 0", TC * n),
+        ),
+    ] {
+        let plant = move |name: &str, vals: &mut Vec<f64>| {
+            if name == "s1.ctx_out.c1" {
+                vals[..rows * v].copy_from_slice(&fill);
+            }
+        };
+        let (code, [class, site, step, ev]) = planted(&file, &cfg, &tr, &plant);
+        assert_eq!(code, 1, "{ev}");
+        assert_eq!(
+            (class.as_str(), site.as_str(), step.as_str()),
+            ("phantom-output", "L1.ctx_out.c1", "step-1"),
+            "{ev}"
+        );
+        assert!(
+            ev.contains("context chunk 1: ") && ev.contains(&says) && ev.contains("ctx_lse.c1 and ctx_out.c0 passed"),
+            "{ev}"
+        );
     }
 }

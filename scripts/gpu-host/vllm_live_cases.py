@@ -9,10 +9,11 @@ attention backend and records three cases with `mla_diff_hooks.vllm` (armed and 
 case through `apply_model`, the GPU model runner's `execute_model` watched so each forward is
 planned from the scheduler's own output), then judges each dump with `mla-diff compare`:
 
-- `chunked`: two prompts (960 and 840 tokens) prefilled in the same steps, at most 160 tokens per
-  request and step (`long_prefill_token_threshold`), then decode steps; vLLM's chunked-prefill
-  workspace is set to `--workspace` tokens (recorded as the patch `chunked-prefill-workspace`)
-  so that later steps read their cached context in several chunks;
+- `chunked`: two prompts (960 and 840 tokens) prefilled in the same six steps, 160 and 140 tokens
+  a step (`long_prefill_token_threshold` 160 within a budget of 300 tokens), then decode steps;
+  vLLM's chunked-prefill workspace is set to `--workspace` tokens (recorded as the patch
+  `chunked-prefill-workspace`) so that later steps read their cached context in chunks of 128
+  tokens, up to 7, the shorter request's last one empty where the longer needs one more;
 - `prefix`: a request of 286 tokens, then one sharing its first 256 (four full 64-token pages)
   whose prefill reads them from the prefix cache;
 - `batch`: requests of 1, 63, 65 and 300 tokens in one call, so decode rows share steps with the
@@ -106,7 +107,7 @@ def main() -> int:
         max_model_len=1024,
         gpu_memory_utilization=0.25,
         max_num_seqs=4,
-        max_num_batched_tokens=512,
+        max_num_batched_tokens=300,
         long_prefill_token_threshold=160,
         enable_prefix_caching=True,
     )

@@ -43,15 +43,21 @@ DECODE_SITES = (*dump_format.ABSORBED_STAGES, "lse")
 HOOKED_STAGES = tuple(
     s
     for s in dump_format.STAGES
-    if s not in dump_format.WEIGHT_STAGES + dump_format.INDEXER_STAGES + dump_format.MOE_STAGES
+    if s
+    not in dump_format.WEIGHT_STAGES
+    + dump_format.INDEXER_STAGES
+    + dump_format.MOE_STAGES
+    + dump_format.CONTEXT_STAGES
 )
 # File order: data-flow order, except that the decode-only sites follow the others, by name (the
 # order the committed vLLM dumps in golden/dumps have).
-_base_site_key = dump_format.site_order([s for s in dump_format.STAGES if s not in DECODE_SITES])
+_base_site_key = dump_format.site_order(
+    [s for s in dump_format.STAGES if s not in DECODE_SITES + dump_format.CONTEXT_STAGES]
+)
 # The partial sites of the MHA prefill over cached context (docs/dump-format.md, format 2): after
 # `lse`, before `attn_out`: ctx_out.c0, ctx_lse.c0, ctx_out.c1, ..., ctx_out, ctx_lse,
 # suffix_out, suffix_lse.
-CONTEXT_PARTIAL_STAGES = ("ctx_out", "ctx_lse", "suffix_out", "suffix_lse")
+CONTEXT_PARTIAL_STAGES = dump_format.CONTEXT_STAGES
 # in the file they sit just before attn_out (the decode-only sites, `lse` among them, go last)
 _PARTIAL_KEY = _base_site_key("L0.attn_out")[2] - 1
 

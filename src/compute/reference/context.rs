@@ -31,7 +31,7 @@ pub struct ContextSeq {
 }
 
 /// Softmax-weighted sum over the keys `keys` of one query: `(out [V], lse)` from the scaled
-/// logits `z` (indexed by key position) and the values `v(j)` [V]; no key: `(0, −inf)`.
+/// logits `z` (indexed by key position) and the values `v(j)` \[V\]; no key: `(0, −inf)`.
 fn attend(z: &[f64], keys: std::ops::Range<usize>, v: &dyn Fn(usize, usize) -> f64, dv: usize) -> (Vec<f64>, f64) {
     if keys.is_empty() {
         return (vec![0.0; dv], f64::NEG_INFINITY);

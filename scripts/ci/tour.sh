@@ -59,6 +59,8 @@ ROWS=(
   'python* -m mla_diff_hooks.llama_cpp *|skip|needs llama-cpp-python (its dumps are committed: golden/dumps/*.llama-cpp*)'
   'python* -m mla_diff_hooks.vllm *|skip|needs vLLM and a GPU (scripts/gpu-host/vllm_live_gpu.sh; its dumps are committed: golden/dumps/*.vllm*)'
   'python* -m mla_diff_hooks.kernels *|skip|needs a GPU and the kernels'"'"' wheels (scripts/gpu-host/kernels_gpu.sh; its dumps are committed: golden/dumps/*.kernel-*)'
+  'ids() {*|skip|a shell function that prints seeded token ids for the CPU harness recipe below it'
+  'A=$(ids *|skip|the CPU harness recipe'"'"'s prompts (the recipe needs vLLM)'
   'python* -m mla_diff_hooks.vllm_cpu *|skip|installs vLLM (~3.6 GiB of wheels; its dumps are committed: golden/dumps/*.vllm*)'
   'export MLA_DIFF_VLLM_DUMP=*|skip|the vLLM plugin'"'"'s settings for `vllm serve` (needs vLLM and a GPU)'
   'vllm serve *|skip|needs vLLM and a GPU (the plugin'"'"'s dump is committed: golden/dumps/*.vllm*)'

@@ -107,6 +107,7 @@ fn finding(l: &Layer, kind: PathKind, trace: &Trace, elsewhere: &[Stage]) -> Fin
             context: &context,
             full_reference: None,
             num_kv_splits: None,
+            chunks: &[],
         }),
     });
     assert_eq!(f.len(), 1, "{f:?}");

@@ -87,7 +87,7 @@ const CASES: &[&str] = &[
 /// Copies the safetensors file `src` to `dst` with every `plant:` entry removed from the format-2
 /// header's `patches`, and returns how many were removed. The tensor data is copied as is: its
 /// offsets are relative to the end of the JSON header, whose new length is written in front.
-fn without_plants(src: &Path, dst: &Path) -> usize {
+pub(crate) fn without_plants(src: &Path, dst: &Path) -> usize {
     let bytes = std::fs::read(src).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let mut outer: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();

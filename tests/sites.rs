@@ -63,6 +63,8 @@ fn json_is_the_pinned_object_from_the_rust_constants() {
             "o_proj_rank": "L{layer}.o_proj.rank{rank}",
             "ffn_gate_up_rank": "L{layer}.ffn_gate_up.rank{rank}",
             "ffn_down_rank": "L{layer}.ffn_down.rank{rank}",
+            "ctx_out_chunk": "L{layer}.ctx_out.c{chunk}",
+            "ctx_lse_chunk": "L{layer}.ctx_lse.c{chunk}",
         })
     );
     assert_eq!(v["dump_formats"], serde_json::json!([dump::FORMAT1, dump::FORMAT2]));
@@ -203,6 +205,8 @@ fn table_shapes_are_the_shapes_the_reader_checks() {
         let cfg = MlaConfig::from_gguf(&GgufFile::open(repo().join("golden/models").join(model)).unwrap()).unwrap();
         let mut dims: BTreeMap<&str, usize> = [
             ("T", t),
+            // expected_shape takes the context partials' rows (Tc) where it takes T.
+            ("Tc", t),
             ("S", t),
             ("N", cfg.n_head),
             ("H", cfg.hidden),

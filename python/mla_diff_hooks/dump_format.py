@@ -55,6 +55,10 @@ STAGES = (
     "ql_nope",
     "attn_latent",
     "lse",
+    "ctx_out",
+    "ctx_lse",
+    "suffix_out",
+    "suffix_lse",
     "attn_out",
     "o_proj",
     "ffn_in",
@@ -78,6 +82,12 @@ FFN_STAGES = ("ffn_in", "ffn_gate", "ffn_up", "ffn_act", "ffn_out")
 """Stages of the layer's SwiGLU MLP: the dense FFN, or the shared experts of an MoE layer (whose
 output is `shared_out`, not `ffn_out`)."""
 ABSORBED_STAGES = ("ql_nope", "attn_latent")
+
+CONTEXT_STAGES = ("ctx_out", "ctx_lse", "suffix_out", "suffix_lse")
+"""The MHA prefill over cached context, `[Tc, N, V]` and `[Tc, N]` on the rows of the prefill
+sequences with cached context: the context chunks merged and the new tokens' own causal
+attention, which merge into `attn_out`; each chunk's own partial is `ctx_out.c{c}` /
+`ctx_lse.c{c}` (SITE_TEMPLATES)."""
 """Stages only the absorbed (MQA) attention path computes; the expanded (MHA) path has none."""
 WEIGHT_STAGES = tuple(s for s in STAGES if s.startswith("w."))
 """The weight sites (`w.*`)."""
@@ -93,10 +103,13 @@ SITE_TEMPLATES = {
     "o_proj_rank": "L{layer}.o_proj.rank{rank}",
     "ffn_gate_up_rank": "L{layer}.ffn_gate_up.rank{rank}",
     "ffn_down_rank": "L{layer}.ffn_down.rank{rank}",
+    "ctx_out_chunk": "L{layer}.ctx_out.c{chunk}",
+    "ctx_lse_chunk": "L{layer}.ctx_lse.c{chunk}",
 }
 """How a site is named: a layer's stage, a rank's weight shard, a rank's `o_proj` partial (before
 the all-reduce), a rank's merged-column `gate_up_proj` output ([T, 2·I/tp], `[gate cols r·I/tp.. |
-up cols r·I/tp..]`) and a rank's row-parallel `down_proj` partial (before the all-reduce)."""
+up cols r·I/tp..]`), a rank's row-parallel `down_proj` partial (before the all-reduce), and a
+prefill's context chunk `c`: its attention output and LSE over that chunk's keys only."""
 
 # Per-rank sites (`<base>.rank<r>`) sort just before the stage that consumes the shard or reduces
 # the partials, as mla-diff orders them (src/core/trace.rs, `Stage::order`): (stage, offset).

@@ -29,12 +29,13 @@ IDX_STAGES = dump_format.INDEXER_STAGES
 
 
 def _hf_stages() -> tuple[str, ...]:
-    """The stages an HF run provides (HF runs the expanded path: no ql_nope / attn_latent; the
-    MLP's ffn_* sites are not captured), in the order captures are stored: data-flow order,
-    except that the indexer sites follow the expanded-attention sites (w.W_UV), the order of the
+    """The stages an HF run provides (HF runs the expanded path over the whole prompt: no
+    ql_nope / attn_latent, no context partials; the MLP's ffn_* sites are not captured), in the
+    order captures are stored: data-flow order, except that the indexer sites follow the
+    expanded-attention sites (w.W_UV), the order of the
     committed golden/hf files (whose bytes a rerun of scripts/fixtures/make_fixtures.py
     reproduces)."""
-    skip = IDX_STAGES + dump_format.ABSORBED_STAGES + dump_format.FFN_STAGES
+    skip = IDX_STAGES + dump_format.ABSORBED_STAGES + dump_format.FFN_STAGES + dump_format.CONTEXT_STAGES
     rest = [s for s in dump_format.STAGES if s not in skip]
     cut = rest.index("w.W_UV") + 1
     return (*rest[:cut], *IDX_STAGES, *rest[cut:])

@@ -833,6 +833,124 @@ def _q_pe_stride(params: dict[str, str]) -> None:
     _rope_pre_hook(change)
 
 
+# =============================================================================================
+# chunked prefill over cached context (MLACommonBaseImpl._compute_prefill_context, the merges)
+# =============================================================================================
+
+
+@_register(
+    name="ctx-empty-lse-inf",
+    mechanism="a context chunk that holds no key for a request returns LSE +inf for that "
+    "request's rows (FlashAttention-2's sentinel for an empty softmax), output 0",
+    where="vLLM's mask_empty_context (vllm/v1/attention/ops/triton_merge_attn_states.py, as "
+    "mla_attention._compute_prefill_context calls it) replaced: the empty chunk's LSE set to +inf "
+    "instead of -inf",
+    reports="vLLM PR #15492 (FA2's +inf LSE of an empty chunk merged), vllm#27491 / PR #39148 "
+    "(NaNs from merging empty context chunks)",
+    expected="lse-merge",
+    defaults={},
+    needs="a chunked-context step where a request's chunk is empty (vllm_cpu --workspace-tokens "
+    "with prompts of different lengths)",
+)
+def _ctx_empty_lse_inf(params: dict[str, str]) -> None:
+    mla = _mla()
+
+    def mask_empty_context(lse, output, query_start_loc, context_start_loc) -> None:
+        qsl = query_start_loc.tolist()
+        csl = context_start_loc.tolist()
+        for r in range(len(qsl) - 1):
+            if csl[r + 1] == csl[r]:
+                lse[:, qsl[r] : qsl[r + 1]] = math.inf
+                output[qsl[r] : qsl[r + 1]] = 0
+
+    mla.mask_empty_context = mask_empty_context
+
+
+@_register(
+    name="merge-suffix-stride",
+    mechanism="the merge of the cached context's output with the new tokens' reads the suffix "
+    "with the prefix's head stride: the suffix sits in a buffer padded to V + pad per head (as "
+    "FlashAttention returns its output padded to the QK head dim), the context output is "
+    "compact, and merge_attn_states indexes both with the prefix's strides",
+    where="the final merge_attn_states of MLACommonBaseImpl.forward_mha (mla_attention's "
+    "merge_attn_states, the call with prefill_tokens_with_context), run through vLLM's Triton "
+    "merge without the head-stride check of vllm/v1/attention/ops/merge_attn_states.py",
+    reports="no public report number: the head-stride assertion of vLLM 0.26.0's merge_attn_states "
+    "(vllm/v1/attention/ops/merge_attn_states.py: both its CUDA and Triton kernels derive the "
+    "suffix's head stride from prefix_output)",
+    expected="strided-view",
+    defaults={"pad": "16"},
+    needs="a prefill step over cached context (vllm_cpu --chunk-tokens)",
+)
+def _merge_suffix_stride(params: dict[str, str]) -> None:
+    import torch
+
+    pad = _int(params, "pad")
+    if pad <= 0:
+        raise ValueError("parameter pad must be positive")
+    mla = _mla()
+    orig = mla.merge_attn_states
+
+    def merge_attn_states(*args, **kwargs):
+        if "prefill_tokens_with_context" not in kwargs:
+            return orig(*args, **kwargs)
+        from vllm.v1.attention.ops.triton_merge_attn_states import merge_attn_states as triton_merge
+
+        names = ("output", "prefix_output", "prefix_lse", "suffix_output", "suffix_lse")
+        a = dict(zip(names, args))
+        a.update({k: v for k, v in kwargs.items() if k in names})
+        suffix = a["suffix_output"]
+        t, n, v = suffix.shape
+        padded = torch.zeros(t, n, v + pad, dtype=suffix.dtype, device=suffix.device)
+        padded[..., :v] = suffix
+        return triton_merge(
+            a["output"],
+            a["prefix_output"].contiguous(),
+            a["prefix_lse"],
+            padded[..., :v],
+            a["suffix_lse"],
+            None,
+            kwargs["prefill_tokens_with_context"],
+        )
+
+    mla.merge_attn_states = merge_attn_states
+
+
+@_register(
+    name="ctx-chunk-unwritten",
+    mechanism="one context chunk's attention output is never written: the chunk loop merges the "
+    "buffer torch.empty handed out, with the chunk's true LSE",
+    where="the prefill backend's run_prefill_context_chunk as MLACommonBaseImpl._compute_prefill_context "
+    "calls it: chunk `chunk` returns torch.empty_like(its output)",
+    reports="vLLM PR #26397 (an unzeroed, never-written context-chunk output in MLA chunked prefill)",
+    expected="phantom-output",
+    defaults={"chunk": "1"},
+    needs="a chunked-context step with more than `chunk` context chunks (vllm_cpu --workspace-tokens)",
+)
+def _ctx_chunk_unwritten(params: dict[str, str]) -> None:
+    import torch
+
+    which = _int(params, "chunk")
+    cls = _owner(_mla().MLACommonBaseImpl, "_compute_prefill_context")
+    orig = cls._compute_prefill_context
+
+    def _compute_prefill_context(self, q, kv_c_and_k_pe_cache, attn_metadata, *args, **kwargs):
+        backend = attn_metadata.prefill.prefill_backend
+        run = backend.run_prefill_context_chunk
+
+        def run_prefill_context_chunk(chunk_idx, q, k, v):
+            out, lse = run(chunk_idx=chunk_idx, q=q, k=k, v=v)
+            return (torch.empty_like(out), lse) if chunk_idx == which else (out, lse)
+
+        backend.run_prefill_context_chunk = run_prefill_context_chunk
+        try:
+            return orig(self, q, kv_c_and_k_pe_cache, attn_metadata, *args, **kwargs)
+        finally:
+            del backend.run_prefill_context_chunk
+
+    cls._compute_prefill_context = _compute_prefill_context
+
+
 def describe() -> list[dict[str, str]]:
     """Every plant as a row: name, expected class, parameters, mechanism, where, reports, needs."""
     return [

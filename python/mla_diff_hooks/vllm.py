@@ -43,11 +43,54 @@ DECODE_SITES = (*dump_format.ABSORBED_STAGES, "lse")
 HOOKED_STAGES = tuple(
     s
     for s in dump_format.STAGES
-    if s not in dump_format.WEIGHT_STAGES + dump_format.INDEXER_STAGES + dump_format.MOE_STAGES
+    if s
+    not in dump_format.WEIGHT_STAGES
+    + dump_format.INDEXER_STAGES
+    + dump_format.MOE_STAGES
+    + dump_format.CONTEXT_STAGES
 )
 # File order: data-flow order, except that the decode-only sites follow the others, by name (the
 # order the committed vLLM dumps in golden/dumps have).
-_site_key = dump_format.site_order([s for s in dump_format.STAGES if s not in DECODE_SITES])
+_base_site_key = dump_format.site_order(
+    [s for s in dump_format.STAGES if s not in DECODE_SITES + dump_format.CONTEXT_STAGES]
+)
+# The partial sites of the MHA prefill over cached context (docs/dump-format.md, format 2): after
+# `lse`, before `attn_out`: ctx_out.c0, ctx_lse.c0, ctx_out.c1, ..., ctx_out, ctx_lse,
+# suffix_out, suffix_lse.
+CONTEXT_PARTIAL_STAGES = dump_format.CONTEXT_STAGES
+# in the file they sit just before attn_out (the decode-only sites, `lse` among them, go last)
+_PARTIAL_KEY = _base_site_key("L0.attn_out")[2] - 1
+
+
+def partial_rank(stage: str) -> str | None:
+    """The sort rank of a context-partial stage (`ctx_out.c3`, `suffix_lse`, ...), None for
+    another stage."""
+    base, _, chunk = stage.partition(".c")
+    if base not in ("ctx_out", "ctx_lse") and stage not in CONTEXT_PARTIAL_STAGES:
+        return None
+    if chunk:
+        if not chunk.isdigit():
+            return None
+        return f"0.{int(chunk):09d}.{0 if base == 'ctx_out' else 1}"
+    return {"ctx_out": "1.0", "ctx_lse": "1.1", "suffix_out": "2.0", "suffix_lse": "2.1"}[stage]
+
+
+def _site_key(name: str) -> tuple:
+    parsed = dump_format.parse_site(name)
+    if parsed is not None:
+        rank = partial_rank(parsed[1])
+        if rank is not None:
+            return (0, parsed[0], _PARTIAL_KEY, rank)
+    return _base_site_key(name)
+
+
+def is_partial_site(name: str) -> bool:
+    """Whether `name` (`L{n}.{stage}`) is a context-partial site (rows: the step's prefill rows
+    with cached context, not every row)."""
+    parsed = dump_format.parse_site(name)
+    return parsed is not None and partial_rank(parsed[1]) is not None
+
+
 # Sites whose heads are split across TP ranks, with the axis holding the heads.
 HEAD_SHARDED = {
     "q": 1,
@@ -84,6 +127,77 @@ WEIGHT_PARAMS = [
 FFN_PARAMS = ["gate_up_proj", "down_proj"]
 
 _ACTIVE: VllmCapture | None = None  # the capture armed in this process (apply_model API)
+# (model runner, scheduler output) of the GPU model runner's execute_model running now, set by
+# watch_runner's wrapper: a forward inside it is planned from them (live_plan)
+_LIVE: tuple | None = None
+
+
+def watch_runner() -> bool:
+    """Wrap vLLM's GPU model runner's execute_model (vllm.v1.worker.gpu_model_runner, when this
+    process has imported it) so that each forward it runs is planned from its scheduler output
+    (live_plan). Idempotent; False when there is no such runner in this process."""
+    mod = sys.modules.get("vllm.v1.worker.gpu_model_runner")
+    cls = getattr(mod, "GPUModelRunner", None)
+    if cls is None or getattr(cls.execute_model, "_mla_diff_watched", False):
+        return cls is not None
+    orig = cls.execute_model
+
+    @functools.wraps(orig)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        global _LIVE
+        _LIVE = (self, scheduler_output)
+        try:
+            return orig(self, scheduler_output, *args, **kwargs)
+        finally:
+            _LIVE = None
+
+    execute_model._mla_diff_watched = True
+    cls.execute_model = execute_model
+    return True
+
+
+def live_plan(cap: VllmCapture, runner, scheduler_output) -> dict | None:
+    """The plan (VllmCapture.plan_step) of the forward a GPU model runner is running: its
+    requests in the order its input batch packed them (`input_batch.req_ids`, decodes first),
+    each one's new tokens (`scheduler_output.num_scheduled_tokens`) and computed tokens before the
+    step (`input_batch.num_computed_tokens_cpu`), every request seen before with 0 new tokens. A
+    request first scheduled with computed tokens is a prefix-cache hit on the earliest request
+    seen with the same first tokens. Each request's token ids so far are kept for the dump. None
+    when the runner has no input batch."""
+    ib = getattr(runner, "input_batch", None)
+    sched = getattr(scheduler_output, "num_scheduled_tokens", None)
+    if ib is None or not sched:
+        return None
+    ids = cap.__dict__.setdefault("_live_ids", {})
+    done = cap.__dict__.setdefault("_live_done", {})
+    hits = cap.__dict__.setdefault("_live_hits", {})
+    token_ids = cap.__dict__.setdefault("token_ids", {})
+    order, new, ctx = [], {}, {}
+    for b, rid in enumerate(ib.req_ids):
+        if rid is None or rid not in sched:
+            continue
+        first = rid not in ids
+        i = ids.setdefault(rid, len(ids))
+        order.append(i)
+        new[i] = int(sched[rid])
+        ctx[i] = int(ib.num_computed_tokens_cpu[b])
+        toks = [int(x) for x in ib.token_ids_cpu[b, : ctx[i] + new[i]]]
+        if len(toks) > len(token_ids.get(i, [])):
+            token_ids[i] = toks
+        if first and ctx[i] > 0:
+            src = next((j for j, t in token_ids.items() if j != i and t[: ctx[i]] == toks[: ctx[i]]), None)
+            if src is None:
+                cap.step_note(f"request {rid}: {ctx[i]} cached tokens of no request recorded before")
+            else:
+                hits[i] = {"seq": src, "len": ctx[i]}
+    seqs = []
+    for i in range(len(ids)):
+        if i in new:
+            done[i] = ctx[i] + new[i]
+            seqs.append({"new": new[i], "context": ctx[i], "prefix": hits.get(i)})
+        else:
+            seqs.append({"new": 0, "context": done.get(i, 0), "prefix": hits.get(i)})
+    return {"seqs": seqs, "order": order}
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,6 +412,14 @@ def attention_step_info(layer) -> dict[str, Any]:
     qsl = getattr(md, "query_start_loc", None)
     if qsl is not None:
         out["query_start_loc"] = _np_int(qsl).reshape(-1)
+    if getattr(md, "num_decodes", None) is not None:
+        out["num_decodes"] = int(md.num_decodes)
+    cc = getattr(getattr(md, "prefill", None), "chunked_context", None)
+    if cc is not None and getattr(cc, "starts", None) is not None:
+        # chunk c of prefill request j (the step's prefills, in the runner's order) reads context
+        # positions starts[c][j] .. + (cu_seq_lens[c][j+1] - cu_seq_lens[c][j])
+        cu = _np_int(cc.cu_seq_lens)
+        out["context_chunks"] = (_np_int(cc.starts), cu[:, 1:] - cu[:, :-1])
     cache = getattr(layer, "kv_cache", None)
     if isinstance(cache, (list, tuple)):
         cache = cache[0] if cache else None
@@ -533,6 +655,8 @@ class VllmCapture:
     weight sites (`w.kv_b`, ...) of step 0 included (the other steps are recorded in full); a
     long prompt's prefill can keep `hidden_in`, `kv_c_normed` and `k_pe_roped` (what a decode
     step's context needs) and leave the rest out of the dump.
+    sites: the stages every step not in `step_sites` keeps (a context-partial stage `ctx_out`
+    keeps its chunks `ctx_out.c{c}` too); default all.
     """
 
     def __init__(
@@ -549,6 +673,7 @@ class VllmCapture:
         engine: str | None = None,
         layers: list[int] | tuple[int, ...] | None = None,
         step_sites: dict[int, Iterable[str]] | None = None,
+        sites: Iterable[str] | None = None,
     ):
         self.root = find_model(model)
         self.missing = check_layout(self.root)  # names this vLLM lacks (see check_layout)
@@ -564,6 +689,7 @@ class VllmCapture:
         self.forward_index = forward_index
         self.n_steps = steps
         self.step_sites = {int(k): frozenset(v) for k, v in (step_sites or {}).items()}
+        self.keep_sites = frozenset(sites) if sites is not None else None
         p = parallel_info()
         self.tp_rank = p[0] if tp_rank is None else tp_rank
         self.tp_size = p[1] if tp_size is None else tp_size
@@ -603,10 +729,25 @@ class VllmCapture:
         self._pending_hidden_in: dict[int, np.ndarray] = {}
         self._kv_b_seen: set[int] = set()
         # the step's attention facts (STEP_INFO): num_kv_splits, page_size, block_table,
-        # slot_mapping, query_start_loc
+        # slot_mapping, query_start_loc, num_decodes, context_chunks
         self.info: dict[str, Any] = {}
+        # what the scheduler gave this step (plan_step), None when unknown
+        self.plan: dict | None = None
+        # the MHA prefill over cached context being recorded: (layer, merges seen)
+        self._ctx: list | None = None
+
+    def plan_step(self, plan: dict) -> None:
+        """What the scheduler gives the next forward, in the dump's sequence (header) order:
+        `seqs` [{"new", "context", "prefix": {"seq", "len"} (optional)}] for every sequence,
+        `order` (the sequences with new > 0 in the order the runner packs their rows, decodes
+        first), `block_table` [S, B] int32 (header order, optional), `context_chunk_tokens`
+        (optional). The rows the hooks record in the runner's order are written in header
+        order; the kernel of each row is read from the attention metadata (its num_decodes)."""
+        self._next_plan = plan
 
     def _end_step(self) -> None:
+        if self.capturing and self.t and self.plan is not None:
+            self._to_header_order()
         if self.capturing and self.t:
             self.steps.append(
                 {
@@ -616,10 +757,142 @@ class VllmCapture:
                     "repeats": self.repeats,
                     "notes": self.step_notes,
                     "info": self.info,
+                    "plan": self.plan,
                 }
             )
         self.capturing = False
         self.done = True
+
+    def _to_header_order(self) -> None:
+        """Rows recorded in the runner's order (plan["order"], decodes first) put in header
+        sequence order: every per-row site, the tokens, positions and slot mapping; the partial
+        sites (rows: the step's prefill rows) cut to the prefill rows with cached context (Tc),
+        in header order, their LSEs [N, Tp] transposed to [Tc, N]. Sets plan["kernel"]."""
+        plan = self.plan
+        seqs = plan["seqs"]
+        order = [int(i) for i in plan["order"]]
+        new = [int(x["new"]) for x in seqs]
+        n_dec = int(self.info.get("num_decodes", 0))
+        kernel = {i: ("decode" if j < n_dec else "prefill") for j, i in enumerate(order)}
+        plan["kernel"] = kernel
+        start, off = {}, 0
+        for i in order:
+            start[i] = off
+            off += new[i]
+        t_rows = off
+        perm = np.array([start[i] + r for i in range(len(seqs)) for r in range(new[i])], dtype=np.int64)
+        p_start, p_off = {}, 0
+        for i in order:
+            if kernel[i] == "prefill":
+                p_start[i] = p_off
+                p_off += new[i]
+        tc = [
+            p_start[i] + r
+            for i in range(len(seqs))
+            if kernel.get(i) == "prefill" and int(seqs[i]["context"]) > 0
+            for r in range(new[i])
+        ]
+        tc_idx = np.array(tc, dtype=np.int64)
+        for key, a in list(self.t.items()):
+            if is_partial_site(key):
+                a = a.T if key.split(".", 1)[1].startswith(("ctx_lse", "suffix_lse")) else a
+                self.t[key] = np.ascontiguousarray(a[tc_idx])
+            elif ".w." not in key and a.ndim >= 1 and a.shape[0] >= t_rows:
+                self.t[key] = np.ascontiguousarray(a[:t_rows][perm])  # padding rows dropped
+        for name in ("tokens", "positions"):
+            a = getattr(self, name)
+            if a is not None and a.shape[0] >= t_rows:
+                setattr(self, name, a[:t_rows][perm])
+        sm = self.info.get("slot_mapping")
+        if sm is not None and sm.shape[0] >= t_rows:
+            self.info["slot_mapping"] = sm[:t_rows][perm]
+        if plan.get("block_table") is not None:
+            self.info["block_table"] = np.asarray(plan["block_table"], dtype=np.int32)
+        elif self.info.get("block_table") is not None and self.info["block_table"].shape[0] >= len(order):
+            rows = self.info["block_table"]  # the metadata's rows: the step's requests, runner order
+            table = np.zeros((len(seqs), rows.shape[1]), dtype=np.int32)
+            for j, i in enumerate(order):
+                table[i] = rows[j]
+            self.info["block_table"] = table
+        raw = self.info.pop("context_chunks", None)
+        if raw is not None:
+            starts, lens = raw
+            pre = [i for i in order if kernel[i] == "prefill"]
+            chunks = {}
+            for j, i in enumerate(pre):
+                ctx = int(seqs[i]["context"])
+                chunks[i] = [
+                    [min(int(starts[c][j]), ctx), min(int(starts[c][j]), ctx) + int(lens[c][j])]
+                    for c in range(starts.shape[0])
+                ]
+            plan["context_chunks"] = chunks
+            if plan.get("context_chunk_tokens") is None and starts.shape[0] > 1:
+                plan["context_chunk_tokens"] = int(starts[1][0])
+
+    def _arm_context_partials(self, n: int, d: _Dims, impl) -> None:
+        """Record layer n's MHA prefill over cached context (vLLM `_compute_prefill_context`, then
+        `merge_attn_states` with the new tokens' attention): each context chunk's output and LSE
+        as the chunk loop merges it (after vLLM masks an empty chunk), the merged context, and
+        the suffix (the new tokens' causal attention) the final merge reads."""
+        if not callable(getattr(impl, "_compute_prefill_context", None)):
+            return
+
+        def make(orig):
+            def compute(*args, **kwargs):
+                if not self._on():
+                    return orig(*args, **kwargs)
+                self._ctx = [n, 0]
+                try:
+                    out, lse = orig(*args, **kwargs)
+                finally:
+                    merges = self._ctx[1]
+                    self._ctx = None
+                if merges == 0:
+                    self.put(n, "ctx_out.c0", _np(out[..., : d.v]))
+                    self.put(n, "ctx_lse.c0", _np(lse))
+                self.put(n, "ctx_out", _np(out[..., : d.v]))
+                self.put(n, "ctx_lse", _np(lse))
+                return out, lse
+
+            return compute
+
+        self._wrap(impl, "_compute_prefill_context", make)
+        mod = sys.modules.get("vllm.model_executor.layers.attention.mla_attention")
+        if mod is None or not callable(getattr(mod, "merge_attn_states", None)):
+            return
+        if any(m is mod and a == "merge_attn_states" for m, a, _ in self._module_wrapped):
+            return
+
+        def make_merge(orig):
+            def merge_attn_states(*args, **kwargs):
+                if self._on() and self.cur_layer is not None:
+                    names = ("output", "prefix_output", "prefix_lse", "suffix_output", "suffix_lse")
+                    a = dict(zip(names, args))
+                    a.update({k: v for k, v in kwargs.items() if k in names})
+                    layer = self.cur_layer
+                    v = self._v_of(layer)
+                    if self._ctx is not None:
+                        self._ctx[1] += 1
+                        c = self._ctx[1]
+                        if c == 1:
+                            self.put(layer, "ctx_out.c0", _np(a["prefix_output"][..., :v]))
+                            self.put(layer, "ctx_lse.c0", _np(a["prefix_lse"]))
+                        self.put(layer, f"ctx_out.c{c}", _np(a["suffix_output"][..., :v]))
+                        self.put(layer, f"ctx_lse.c{c}", _np(a["suffix_lse"]))
+                    else:
+                        self.put(layer, "suffix_out", _np(a["suffix_output"][..., :v]))
+                        self.put(layer, "suffix_lse", _np(a["suffix_lse"]))
+                return orig(*args, **kwargs)
+
+            return merge_attn_states
+
+        self._wrap_module(mod, "merge_attn_states", make_merge)
+
+    def _v_of(self, n: int) -> int:
+        for m, layer in self.layers:
+            if m == n:
+                return _dims(layer.self_attn).v
+        return 1 << 30
 
     def note(self, msg: str) -> None:
         if msg not in self.notes:
@@ -635,8 +908,9 @@ class VllmCapture:
     def put_site(self, key: str, value: np.ndarray) -> None:
         """Store site `key` (`L{n}.{stage}`) of this step; the first value wins. A stage that
         `step_sites` leaves out of this step is dropped."""
-        keep = self.step_sites.get(len(self.steps))
-        if keep is not None and key.split(".", 1)[-1] not in keep:
+        keep = self.step_sites.get(len(self.steps), self.keep_sites)
+        stage = key.split(".", 1)[-1]
+        if keep is not None and stage not in keep and stage.split(".c", 1)[0] not in keep:
             return
         if key in self.t:  # first value wins (e.g. a second rotary call in the layer)
             self.repeats[key] = self.repeats.get(key, 1) + 1
@@ -692,6 +966,7 @@ class VllmCapture:
                 self.handles.append(rot.register_forward_hook(self._rotary))
             impl = find_mqa_impl(attn)
             if impl is not None:
+                self._arm_context_partials(n, d, impl)
                 self._wrap(impl, "forward_mqa", functools.partial(self._forward_mqa, n, d))
                 # FlashInfer / TokenSpeed MLA return a base-2 lse (their lse_base_on_e = False)
                 self.lse_base = "e" if getattr(impl, "lse_base_on_e", True) else "2"
@@ -806,6 +1081,8 @@ class VllmCapture:
         self._begin_forward()
         if not self.capturing:
             return
+        if self.plan is None and _LIVE is not None:
+            self.plan = live_plan(self, *_LIVE)
         ids = kwargs.get("input_ids", args[0] if args else None)
         pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
         if ids is not None:
@@ -817,6 +1094,7 @@ class VllmCapture:
         self.forwards += 1
         idx = self.forwards - 1 - self.forward_index
         self._new_step()
+        self.plan, self._next_plan = getattr(self, "_next_plan", None), None
         self.capturing = 0 <= idx < self.n_steps
 
     def _model_post(self, mod, args, kwargs, output):
@@ -931,7 +1209,7 @@ class VllmCapture:
         rows = kv.shape[0]
         t = self._t_of(n)
         if t is None or rows != t:
-            self.note(
+            self.step_note(
                 f"L{n}: first kv_b_proj call had {rows} rows for T = {t} (decode tokens or "
                 "chunked context in the batch): k_nope/v not dumped"
             )
@@ -1217,7 +1495,7 @@ class VllmCapture:
             if conv:
                 notes.append("lse: the backend returns log2; multiplied by ln 2")
         if weight_sites:
-            keep = self.step_sites.get(step)
+            keep = self.step_sites.get(step, self.keep_sites)
             tensors.update(
                 {k: v for k, v in self._weight_sites().items() if keep is None or k.split(".", 1)[1] in keep}
             )
@@ -1343,17 +1621,36 @@ class VllmCapture:
         tensors: dict[str, np.ndarray] = {}
         specs, notes, dtypes = [], [], set()
         done_per_seq: list[int] | None = None
+        n_seqs = max((len(r["plan"]["seqs"]) for r in self.steps if r.get("plan")), default=0)
+        for r in self.steps:
+            plan = r.get("plan")
+            if plan is not None and len(plan["seqs"]) < n_seqs:  # requests not yet arrived
+                plan["seqs"] = plan["seqs"] + [{"new": 0, "context": 0}] * (n_seqs - len(plan["seqs"]))
+                bt = r["info"].get("block_table")
+                if bt is not None and bt.shape[0] < n_seqs:
+                    r["info"]["block_table"] = np.pad(bt, ((0, n_seqs - bt.shape[0]), (0, 0)))
         for k in range(len(self.steps)):
             t, meta = self.result(
                 step=k, weight_sites=weight_sites and k == 0, lse_natural=False, residual_natural=False
             )
             dtypes.add(meta["dtype"])
             pos = t.get("positions")
-            n_rows = next(a.shape[0] for name, a in t.items() if name.startswith("L") and ".w." not in name)
+            n_rows = next(
+                a.shape[0]
+                for name, a in t.items()
+                if name.startswith("L") and ".w." not in name and not is_partial_site(name)
+            )
             info = self.steps[k].get("info") or {}
-            lens = step_seq_lens(info.get("query_start_loc"), pos, n_rows)
-            starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(int)
-            ctx = [int(pos[a]) if pos is not None else 0 for a in starts]
+            plan = self.steps[k].get("plan")
+            if plan is not None:
+                lens = [int(x["new"]) for x in plan["seqs"]]
+                ctx = [int(x["context"]) for x in plan["seqs"]]
+                if sum(lens) != n_rows:
+                    raise RuntimeError(f"step {k}: the plan has {sum(lens)} rows, the step {n_rows}")
+            else:
+                lens = step_seq_lens(info.get("query_start_loc"), pos, n_rows)
+                starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(int)
+                ctx = [int(pos[a]) if pos is not None else 0 for a in starts]
             if done_per_seq is None:
                 done_per_seq = [0] * len(lens)
             if len(lens) != len(done_per_seq):
@@ -1362,7 +1659,10 @@ class VllmCapture:
                     f"{len(done_per_seq)}: format 2 needs every sequence in every step"
                 )
             for i, (c, n) in enumerate(zip(ctx, lens)):
-                if c != done_per_seq[i]:
+                hit = (plan["seqs"][i].get("prefix") if plan is not None else None) or {}
+                if hit and done_per_seq[i] == 0 and n > 0:
+                    done_per_seq[i] = int(hit["len"])  # a prefix-cache hit: never computed for i
+                if c != done_per_seq[i] and n > 0:
                     raise RuntimeError(
                         f"step {k}, sequence {i}: first position {c}, but the recorded "
                         f"steps computed {done_per_seq[i]} of its tokens (a step "
@@ -1372,6 +1672,8 @@ class VllmCapture:
             name = (
                 step_names[k]
                 if step_names and k < len(step_names)
+                else plan["name"]
+                if plan is not None and plan.get("name")
                 else ("prefill" if k == 0 else f"decode-{k}")
             )
             spec: dict[str, Any] = {
@@ -1381,6 +1683,8 @@ class VllmCapture:
             for field in ("num_kv_splits", "page_size"):
                 if info.get(field) is not None:
                     spec[field] = int(info[field])
+            if plan is not None:
+                self._plan_fields(spec, plan, done_per_seq)
             specs.append(spec)
             for nm, a in t.items():
                 tensors[dump_format.step_tensor(k, nm)] = a
@@ -1394,6 +1698,20 @@ class VllmCapture:
                 )
             if meta.get("notes"):
                 notes.append(f"{name}: {meta['notes']}")
+        for i, ids in sorted((getattr(self, "token_ids", None) or {}).items()):
+            ids = np.asarray(ids, dtype=np.int64).copy()
+            # A token the engine sampled reaches the runner's host copy of the ids only as a
+            # placeholder (-1) under async scheduling; the step's own input ids hold it.
+            for k, spec in enumerate(specs):
+                step_ids = tensors.get(dump_format.step_tensor(k, "tokens"))
+                if step_ids is None:
+                    continue
+                row = sum(sq["new"] for sq in spec["seqs"][:i])
+                if i < len(spec["seqs"]):
+                    c, a = spec["seqs"][i]["context"], spec["seqs"][i]["new"]
+                    if a and c + a <= len(ids):
+                        ids[c : c + a] = np.asarray(step_ids[row : row + a], dtype=np.int64)
+            tensors[f"seq{int(i)}.token_ids"] = ids
         if weights:
             w, _ = self.weights()
             for nm in sorted(w, key=_site_key):
@@ -1431,6 +1749,24 @@ class VllmCapture:
             header["heads"] = list(self.head_range())
             header["tp"] = {"size": self.tp_size, "rank": self.tp_rank}
         return dump_format.write_format2(path, tensors, header, notes=notes, extra=extra_meta)
+
+    @staticmethod
+    def _plan_fields(spec: dict, plan: dict, done: list[int]) -> None:
+        """The scheduler's fields of a step (docs/dump-format.md, format 2): `order`, and per
+        sequence `kernel`, `prefix`, `context_chunks`; `context_chunk_tokens`."""
+        spec["order"] = [int(i) for i in plan["order"]]
+        kernel = plan.get("kernel") or {}
+        chunks = plan.get("context_chunks") or {}
+        for i, sq in enumerate(spec["seqs"]):
+            src = plan["seqs"][i]
+            if sq["new"] > 0 and i in kernel:
+                sq["kernel"] = kernel[i]
+            if src.get("prefix") and sq["new"] + sq["context"] > 0:
+                sq["prefix"] = {"seq": int(src["prefix"]["seq"]), "len": int(src["prefix"]["len"])}
+            if i in chunks:
+                sq["context_chunks"] = chunks[i]
+        if chunks and plan.get("context_chunk_tokens") is not None:
+            spec["context_chunk_tokens"] = int(plan["context_chunk_tokens"])
 
     def head_range(self) -> tuple[int, int]:
         """The heads `[a, b)` this TP rank computes: `r·N/tp .. (r+1)·N/tp` (vLLM's

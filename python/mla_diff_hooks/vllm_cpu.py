@@ -6,7 +6,11 @@ unmodified vLLM 0.26.0 Python code of `DeepseekV3ForCausalLM` on the CPU (GGUF t
 vllm-gguf-plugin, quantized layers through the plugin's own Triton kernels, a torch SDPA prefill
 backend, the Triton MLA decode kernel, both under TRITON_INTERPRET=1, float32) and records it with
 `mla_diff_hooks.vllm`. Tensor parallelism runs one process per rank over gloo (vLLM's own
-distributed initialisation); each rank writes a format-2 dump and the driver joins them. Every
+distributed initialisation); each rank writes a format-2 dump and the driver joins them. A
+scheduled run (--chunk-tokens, --arrivals, --prefix, --workspace-tokens) spreads the requests
+over steps as vLLM's scheduler would, through vLLM's own attention-metadata builder and its
+chunked-context loop and merges, the hooks armed through their vllm.general_plugins entry point
+(SCHEDULE_PATCHES lists what it changes). Every
 change it makes to vLLM's behaviour is applied from outside vLLM's files, listed in PATCHES (or
 OPTIONAL_PATCHES, opt-in) and recorded in the dump. Subcommands: setup, config, run, test.
 Reference (patches and what fails without each, --zero-unloaded, --tp, the end-to-end test):
@@ -251,6 +255,9 @@ def _venv_command(venv, args: list[str], env: dict | None = None):
         raise SystemExit(f"{py} missing: run `python -m {MODULE} setup --venv {venv}` first")
     with tempfile.TemporaryDirectory(prefix="mla-diff-hooks-") as d:
         (Path(d) / PACKAGE_DIR.name).symlink_to(PACKAGE_DIR, target_is_directory=True)
+        from .vllm_plugin import write_dist_info
+
+        write_dist_info(Path(d))  # vLLM's load_general_plugins finds the hooks' plugin there
         env = dict(os.environ if env is None else env)
         env["PYTHONPATH"] = d + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         yield [str(py), "-m", MODULE, *args], env
@@ -533,7 +540,25 @@ def _apply_patches(sdpa_cls_holder: dict) -> None:
                 return (res, lses) if return_softmax_lse else res
 
             def run_prefill_context_chunk(self, chunk_idx, q, k, v):
-                raise NotImplementedError("chunked prefill context is not used by this harness")
+                """Chunk `chunk_idx` of the cached context: each prefill request's queries attend
+                (not causally) to its own keys of the chunk, cu_seq_lens[chunk_idx] cutting k/v
+                per request. A request whose chunk is empty keeps what torch.empty handed out
+                and LSE -inf, as FlashAttention leaves it (vLLM's mask_empty_context then zeroes
+                it). Returns (out [Tp, N, V], lse [N, Tp] natural log)."""
+                md = self._prefill_metadata
+                qsl = md.query_start_loc.tolist()
+                csl = md.chunked_context.cu_seq_lens[chunk_idx].tolist()
+                res = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
+                lses = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
+                for (a, b), (ka, kb) in zip(zip(qsl[:-1], qsl[1:]), zip(csl[:-1], csl[1:])):
+                    if kb == ka or b == a:
+                        continue
+                    qs, ks, vs = q[a:b].transpose(0, 1), k[ka:kb].transpose(0, 1), v[ka:kb].transpose(0, 1)
+                    res[a:b] = torch.nn.functional.scaled_dot_product_attention(
+                        qs, ks, vs, scale=self.scale
+                    ).transpose(0, 1)
+                    lses[:, a:b] = ((qs.float() @ ks.float().transpose(1, 2)) * self.scale).logsumexp(-1)
+                return res, lses
 
         SdpaPrefillBackend.__module__ = __name__
         SdpaPrefillBackend.__qualname__ = "SdpaPrefillBackend"
@@ -862,6 +887,15 @@ def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port:
 
     tp = args.tp
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // tp))
+    if scheduled(args):
+        # the hooks arm through their vLLM plugin, as in `vllm serve`; this process writes the dump
+        from . import vllm_plugin
+
+        os.environ[vllm_plugin.ENV_DUMP] = str(out.parent.resolve())
+        os.environ[vllm_plugin.ENV_STEPS] = str(1 << 20)
+        os.environ[vllm_plugin.ENV_WRITE] = "0"
+        os.environ[vllm_plugin.ENV_LAYERS] = args.layers or ""
+        os.environ[vllm_plugin.ENV_SITES] = args.sites or ""
     holder: dict = {}
     _apply_patches(holder)
     import vllm
@@ -887,6 +921,11 @@ def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port:
     from . import plants
 
     planted = [plants.apply(spec) for spec in args.plant or []]
+    if scheduled(args):
+        _apply_schedule_patches(args.workspace_tokens)
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.model_executor.model_loader import get_model_loader
@@ -950,6 +989,10 @@ def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port:
     L_R = next(iter(layers.values())).head_size
     for lay in layers.values():
         lay.kv_cache = torch.zeros(pool.num_blocks + SPARE_BLOCKS, block_size, L_R, dtype=torch.float32)
+    if scheduled(args):
+        return _rank_run_scheduled(
+            args, prompts, gguf_path, model, vcfg, layers, pool, extra_patches, zeroed, planted, out, t_load
+        )
     step_sites, weight_sites = prefill_keep(args.prefill_sites, args.weight_sites)
     print(
         dump_vllm.arm(
@@ -1105,6 +1148,13 @@ class BlockAllocator:
         if want > len(self.blocks[i]):
             got = self.pool.get_new_blocks(want - len(self.blocks[i]))
             self.blocks[i] += [b.block_id for b in got]
+
+    def share(self, i: int, j: int, n_tokens: int) -> None:
+        """Give request i request j's blocks of its first n_tokens tokens (full blocks only: a
+        prefix-cache hit)."""
+        if n_tokens % self.block_size or len(self.blocks[j]) * self.block_size < n_tokens:
+            raise SystemExit(f"prefix hit of {n_tokens} tokens: full blocks request {j} holds, please")
+        self.blocks[i] = list(self.blocks[j][: n_tokens // self.block_size])
 
     def table(self):
         """[S, cdiv(max_len, block_size)] int32, each request's block ids padded with 0."""
@@ -1623,6 +1673,37 @@ def main() -> int:
             help="comma-separated weight sites the dump keeps, e.g. w.kv_b,w.W_UK_T,w.W_UV, or none "
             "(default: all four, w.fused_qkv_a, w.kv_b, w.W_UK_T, w.W_UV)",
         )
+        r.add_argument(
+            "--chunk-tokens",
+            type=int,
+            default=0,
+            help="schedule the prompts in steps of at most N new tokens per request (vLLM's "
+            "long_prefill_token_threshold); default: each prompt in one step",
+        )
+        r.add_argument(
+            "--arrivals",
+            default=None,
+            help="comma-separated step at which each request arrives (default: all at step 0)",
+        )
+        r.add_argument(
+            "--prefix",
+            default=None,
+            help="I=J:N[;...]: request I's first N tokens (full blocks, equal to request J's) are a "
+            "prefix-cache hit on request J (recorded as the patch prefix-cache-hit-by-hand)",
+        )
+        r.add_argument(
+            "--workspace-tokens",
+            type=int,
+            default=0,
+            help="vLLM's chunked-prefill workspace in tokens (recorded as chunked-prefill-workspace): "
+            "a cached context is read in chunks of W // (prefills with context), block-aligned",
+        )
+        r.add_argument(
+            "--sites",
+            default=None,
+            help="a scheduled run: comma-separated stages every step keeps (default: all), e.g. "
+            "hidden_in,ctx_out,ctx_lse,suffix_out,suffix_lse,attn_out for a smaller dump",
+        )
         r.add_argument("--decode-steps", type=int, default=0)
         r.add_argument(
             "--decode-tokens",
@@ -1713,6 +1794,397 @@ def main() -> int:
     if args.cmd == "slices":
         return cmd_slices(args)
     return cmd_test(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# scheduled runs: chunked prefill over cached context, prefix-cache hits, mixed batches
+# ---------------------------------------------------------------------------------------------
+
+# Recorded instead of attention-metadata-by-hand when a run is scheduled (--chunk-tokens,
+# --arrivals, --prefix or --workspace-tokens).
+SCHEDULE_PATCHES = [
+    (
+        "attention-metadata-builder",
+        "the GPU model runner builds each step's attention metadata: here vLLM's own "
+        "TritonMLAMetadataBuilder.build runs on a CommonAttentionMetadata filled as the runner fills "
+        "it, the step's requests packed decodes first (query length <= the builder's "
+        "reorder_batch_threshold, 1), then prefills with cached context, then prefills without",
+    ),
+    (
+        "mla-head-size",
+        "MLACommonMetadata (what the builder returns) accepts only the head sizes of vLLM's GPU MLA "
+        "kernels (L+R = 576); the fixtures' smaller L+R run on the CPU kernels, so any size is accepted",
+    ),
+    (
+        "pinned-host-memory",
+        "build_mla_chunked_context_metadata allocates its chunk tables with torch.empty/zeros("
+        "pin_memory=True), which needs a GPU driver: allocated unpinned (the same values)",
+    ),
+    (
+        "context-gather",
+        "MLA's chunked-context gather vllm._custom_ops.gather_and_maybe_dequant_cache is a CUDA op: "
+        "a torch equivalent copies each context token's cached [kv_c_normed | k_pe] row (block "
+        "block_table[req, pos // block_size], offset pos % block_size, pos = seq_starts[req] + its "
+        "index in the chunk) into the workspace at cu_seq_lens[req] + index (kv_cache_dtype auto)",
+    ),
+    (
+        "sdpa-context-chunk",
+        "the SDPA prefill backend's run_prefill_context_chunk: each prefill request's queries attend "
+        "(not causally) to its keys of the chunk (cu_seq_lens), LSE natural log [N, Tp]; a request "
+        "whose chunk is empty keeps what torch.empty handed out, LSE -inf (as FlashAttention leaves "
+        "it; vLLM's mask_empty_context then zeroes it)",
+    ),
+]
+
+
+def scheduler_patch(chunk: int, arrivals: list[int], decode_steps: int) -> tuple[str, str]:
+    """The patch recording how the harness schedules a run (no vLLM Scheduler runs here)."""
+    cap = f"min({chunk}, what is left of its prompt)" if chunk else "its whole prompt"
+    return (
+        "scheduler-by-hand",
+        f"no vLLM scheduler: from its arrival step ({','.join(map(str, arrivals))}) each request gets "
+        f"{cap} new tokens a step (vLLM's long_prefill_token_threshold), then one greedy decode token "
+        f"a step for {decode_steps} step(s) (a request whose prompt ended decodes next to the others' "
+        "prefill chunks); every request is in every step, with 0 new tokens before its arrival and "
+        "after its last decode",
+    )
+
+
+def workspace_patch(tokens: int) -> tuple[str, str]:
+    return (
+        "chunked-prefill-workspace",
+        f"MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size returns {tokens} instead "
+        "of max(8 x max_model_len, 4 x max_num_seqs x block_size) capped at 64 Ki tokens, so a cached "
+        f"context is read in chunks of {tokens} // (prefills with context) tokens rounded down to the "
+        "block size (vLLM's max_context_chunk)",
+    )
+
+
+PREFIX_HIT = (
+    "prefix-cache-hit-by-hand",
+    "no KVCacheManager: a prefix-cache hit of n tokens (full blocks of an earlier request with "
+    "the same token ids) is set up as the manager sets it: the request's block table starts with "
+    "the earlier request's first n / block_size blocks and its first step starts at position n "
+    "(num_computed_tokens = n), so its prefill reads those positions from the cache as context",
+)
+
+
+def parse_prefix(text: str | None, n_req: int) -> dict[int, tuple[int, int]]:
+    """--prefix `I=J:N[;...]`: request I's first N tokens are a prefix-cache hit on request J.
+    Errors: SystemExit for a malformed entry or a request index out of range."""
+    out: dict[int, tuple[int, int]] = {}
+    for part in filter(None, (x.strip() for x in (text or "").split(";"))):
+        try:
+            i, rest = part.split("=")
+            j, n = rest.split(":")
+            i, j, n = int(i), int(j), int(n)
+        except ValueError:
+            raise SystemExit(
+                f"--prefix {part!r}: I=J:N (request I reuses request J's first N tokens)"
+            ) from None
+        if not (0 <= i < n_req and 0 <= j < n_req) or i == j or n <= 0:
+            raise SystemExit(f"--prefix {part!r}: requests 0..{n_req - 1}, I != J, N > 0")
+        out[i] = (j, n)
+    return out
+
+
+def _apply_schedule_patches(workspace_tokens: int) -> None:
+    """pinned-host-memory, context-gather and (with workspace_tokens) chunked-prefill-workspace."""
+    import torch
+    import vllm._custom_ops as ops
+    import vllm.model_executor.layers.attention.mla_attention as mla_mod
+
+    class Unpinned:
+        """mla_attention's `torch`, whose empty/zeros drop pin_memory (no driver to pin with)."""
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*a, pin_memory=False, **kw):
+            return torch.empty(*a, **kw)
+
+        @staticmethod
+        def zeros(*a, pin_memory=False, **kw):
+            return torch.zeros(*a, **kw)
+
+    mla_mod.torch = Unpinned()
+
+    def gather_and_maybe_dequant_cache(
+        src_cache,
+        dst,
+        block_table,
+        cu_seq_lens,
+        token_to_seq,
+        num_tokens,
+        kv_cache_dtype,
+        scale,
+        seq_starts=None,
+    ):
+        if kv_cache_dtype not in ("auto", None):
+            raise NotImplementedError(f"context-gather: kv_cache_dtype {kv_cache_dtype}")
+        n = int(num_tokens)
+        if n == 0:
+            return
+        seq = token_to_seq[:n].long()
+        idx = torch.arange(n) - cu_seq_lens.long()[seq]
+        pos = idx + (seq_starts.long()[seq] if seq_starts is not None else 0)
+        bs = src_cache.shape[1]
+        blocks = block_table.long()[seq, pos // bs]
+        dst[:n] = src_cache[blocks, pos % bs].to(dst.dtype)
+
+    ops.gather_and_maybe_dequant_cache = gather_and_maybe_dequant_cache
+    # mla-head-size
+    mla_mod.MLACommonBackend.supports_head_size = classmethod(lambda cls, size: size > 0)
+    if workspace_tokens:
+        mla_mod.MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size = staticmethod(
+            lambda vllm_config: workspace_tokens
+        )
+
+
+def runner_order(new: list[int], contexts: list[int], threshold: int = 1) -> list[int]:
+    """The order the runner packs a step's requests (those with new > 0): decodes (new <=
+    threshold), then prefills with cached context, then prefills without, each in request
+    order (vLLM reorders a batch so; MLACommonMetadataBuilder counts the first num_decodes as
+    decodes and merges context only into the first prefills)."""
+    live = [i for i, n in enumerate(new) if n > 0]
+    dec = [i for i in live if new[i] <= threshold]
+    ext = [i for i in live if new[i] > threshold and contexts[i] > 0]
+    pre = [i for i in live if new[i] > threshold and contexts[i] == 0]
+    return dec + ext + pre
+
+
+def plan_schedule(prompts: list[list[int]], chunk: int, arrivals: list[int], prefix: dict) -> list[dict]:
+    """The prefill part of a scheduled run: per step, each request's (start, count) of prompt
+    tokens, until every prompt is computed. A prefix hit (i -> (j, n)) starts request i at n."""
+    done = [prefix[i][1] if i in prefix else 0 for i in range(len(prompts))]
+    steps = []
+    k = 0
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        step = []
+        for i, p in enumerate(prompts):
+            if k < arrivals[i] or done[i] >= len(p):
+                step.append(None)
+                continue
+            take = len(p) - done[i] if not chunk else min(chunk, len(p) - done[i])
+            step.append((done[i], take))
+            done[i] += take
+        steps.append(step)
+        k += 1
+    return steps
+
+
+def _scheduled_steps(model, vcfg, layers, builder, prompts, args, pool, prefix, tp: int):
+    """Run the schedule: per step the requests' new tokens, the attention metadata from vLLM's
+    builder over the runner's order, the hooks told the step's plan. Returns
+    (per-request decoded tokens, per-request full token ids, steps run)."""
+    import torch
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from . import vllm as dump_vllm
+
+    n_req = len(prompts)
+    arrivals = args.arrival_list
+    prefill_plan = plan_schedule(prompts, args.chunk_tokens, arrivals, prefix)
+    seqs = [list(p) for p in prompts]
+    computed = [0] * n_req  # positions computed or cached (prefix hits included)
+    decoded: list[list[int]] = [[] for _ in prompts]
+    pending: dict[int, int] = {}  # request -> its next (decode) token
+    k = 0
+    while True:
+        pre = prefill_plan[k] if k < len(prefill_plan) else [None] * n_req
+        new_ids: list[list[int]] = []
+        contexts = list(computed)
+        hits: dict[int, dict] = {}
+        for i in range(n_req):
+            if pre[i] is not None:
+                a, b = pre[i]
+                if i in prefix and computed[i] == 0:
+                    j, n = prefix[i]
+                    contexts[i] = n
+                    hits[i] = {"seq": j, "len": n}
+                new_ids.append(prompts[i][a : a + b])
+            elif i in pending:
+                new_ids.append([pending.pop(i)])
+            else:
+                new_ids.append([])
+        if not any(new_ids):
+            break
+        for i in range(n_req):
+            if i in prefix and (i in hits or computed[i] > 0):
+                hits[i] = {"seq": prefix[i][0], "len": prefix[i][1]}
+        new = [len(x) for x in new_ids]
+        order = runner_order(new, contexts)
+        for i in order:
+            if i in prefix and computed[i] == 0:
+                pool.share(i, prefix[i][0], prefix[i][1])
+            pool.grow(i, contexts[i] + new[i])
+        table = pool.table()
+        cap = dump_vllm._ACTIVE
+        if cap is not None:
+            cap.plan_step(
+                {
+                    "seqs": [
+                        {
+                            "new": new[i],
+                            "context": contexts[i] if new[i] else computed[i],
+                            "prefix": hits.get(i),
+                        }
+                        for i in range(n_req)
+                    ],
+                    "order": order,
+                    "block_table": table.numpy(),
+                    "name": f"step-{k}",
+                }
+            )
+        ids = torch.tensor([x for i in order for x in new_ids[i]], dtype=torch.long)
+        pos = torch.tensor([contexts[i] + r for i in order for r in range(new[i])], dtype=torch.long)
+        slots = torch.tensor(
+            [pool.slot(i, contexts[i] + r) for i in order for r in range(new[i])], dtype=torch.long
+        )
+        qsl = torch.tensor([0, *itertools.accumulate(new[i] for i in order)], dtype=torch.int32)
+        seq_lens = torch.tensor([contexts[i] + new[i] for i in order], dtype=torch.int32)
+        cm = CommonAttentionMetadata(
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl.clone(),
+            seq_lens=seq_lens,
+            num_reqs=len(order),
+            num_actual_tokens=int(qsl[-1]),
+            max_query_len=max(new),
+            max_seq_len=int(seq_lens.max()),
+            block_table_tensor=table[order],
+            slot_mapping=slots,
+            positions=pos,
+            seq_lens_cpu_upper_bound=seq_lens.clone(),
+        )
+        md = builder.build(0, cm)
+        with set_forward_context(
+            dict.fromkeys(layers, md),
+            vcfg,
+            num_tokens=int(qsl[-1]),
+            slot_mapping=dict.fromkeys(layers, slots),
+        ):
+            h = model(input_ids=ids, positions=pos)
+        # next tokens: each request whose prompt is done (and decode budget left), from its last row
+        last_rows, who = [], []
+        for i in range(n_req):
+            computed[i] = contexts[i] + new[i] if new[i] else computed[i]
+            if new[i] and computed[i] >= len(prompts[i]) and len(decoded[i]) < args.decode_steps:
+                off = int(qsl[order.index(i)]) + new[i] - 1
+                last_rows.append(off)
+                who.append(i)
+        if who:
+            nxt = _next_tokens(model, h, last_rows, args, len(decoded[who[0]]), tp)
+            for i, tok in zip(who, nxt):
+                decoded[i].append(tok)
+                seqs[i].append(tok)
+                pending[i] = tok
+        k += 1
+    # a decode token never fed (its request's budget ended) is not part of the sequence
+    for i in range(n_req):
+        if i in pending:
+            seqs[i].pop()
+            decoded[i].pop()
+    return decoded, seqs, k
+
+
+def scheduled(args) -> bool:
+    """Whether the run is scheduled over several steps (a prompt in chunks, a late arrival, a
+    prefix hit, or a context read in chunks) rather than every prompt prefilled in one step."""
+    return bool(
+        getattr(args, "chunk_tokens", 0)
+        or getattr(args, "arrivals", None)
+        or getattr(args, "prefix", None)
+        or getattr(args, "workspace_tokens", 0)
+    )
+
+
+def _rank_run_scheduled(
+    args, prompts, gguf_path, model, vcfg, layers, pool, extra_patches, zeroed, planted, out, t_load
+):
+    """A scheduled run at TP 1 (_scheduled_steps), its dump written with the step plans, the
+    requests' token ids and the patches that set it up."""
+    import torch
+    import vllm
+    from vllm.config import set_current_vllm_config
+
+    from . import vllm as dump_vllm
+
+    if args.tp != 1:
+        raise SystemExit("a scheduled run (--chunk-tokens, --arrivals, --prefix, --workspace-tokens) is TP 1")
+    if args.format != 2:
+        raise SystemExit("a scheduled run writes format 2")
+    n_req = len(prompts)
+    args.arrival_list = [int(x) for x in args.arrivals.split(",")] if args.arrivals else [0] * n_req
+    if len(args.arrival_list) != n_req or min(args.arrival_list) < 0:
+        raise SystemExit(f"--arrivals: one step index >= 0 per request ({n_req})")
+    prefix = parse_prefix(args.prefix, n_req)
+    for i, (j, n) in prefix.items():
+        if prompts[i][:n] != prompts[j][:n] or len(prompts[i]) <= n:
+            raise SystemExit(
+                f"--prefix {i}={j}:{n}: request {i} must start with request {j}'s first {n} tokens and go on"
+            )
+        if args.arrival_list[i] <= args.arrival_list[j]:
+            raise SystemExit(
+                f"--prefix {i}={j}:{n}: request {i} must arrive after request {j} has cached them"
+            )
+    lay0 = next(iter(layers.values()))
+    with set_current_vllm_config(vcfg):
+        builder = lay0.attn_backend.get_builder_cls()(
+            lay0.get_kv_cache_spec(vcfg), list(layers), vcfg, torch.device("cpu")
+        )
+    if dump_vllm._ACTIVE is None or dump_vllm._ACTIVE.root is not dump_vllm.find_model(model):
+        raise SystemExit(
+            "the mla_diff_hooks vLLM plugin did not arm the model: vllm.general_plugins has no "
+            "mla_diff_hooks entry point on sys.path (or VLLM_PLUGINS leaves it out)"
+        )
+    dump_vllm._ACTIVE.engine = f"vllm {vllm.__version__} ({HARNESS}, CPU)"
+    print("armed through vllm.general_plugins (mla_diff_hooks.vllm_plugin)")
+    t0 = time.time()
+    with set_current_vllm_config(vcfg), torch.no_grad():
+        decoded, seqs, n_steps = _scheduled_steps(
+            model, vcfg, layers, builder, prompts, args, pool, prefix, args.tp
+        )
+    t_end = time.time()
+    cap = dump_vllm._ACTIVE
+    cap.token_ids = dict(enumerate(seqs))
+    patches = patch_list(args.patch or [], zeroed if args.zero_unloaded else [])
+    patches = [x for x in patches if x[0] != "attention-metadata-by-hand"] + SCHEDULE_PATCHES
+    patches.append(scheduler_patch(args.chunk_tokens, args.arrival_list, args.decode_steps))
+    if args.workspace_tokens:
+        patches.append(workspace_patch(args.workspace_tokens))
+    if prefix:
+        patches.append(PREFIX_HIT)
+    patches += extra_patches + planted
+    engine = {
+        "name": "vllm",
+        "version": vllm.__version__,
+        "attention_backend": "TRITON_MLA",
+        "prefill_backend": f"TORCH_SDPA_CPU ({HARNESS}, MLAPrefillBackendEnum.CUSTOM)",
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res = dump_vllm.finish(
+        model,
+        dump_path=str(out),
+        model_path=str(gguf_path),
+        engine_info=engine,
+        patches=patches,
+        weight_sites=prefill_keep(None, args.weight_sites)[1],
+        weights=not args.no_weights,
+        weights_path=args.weights,
+        extra_meta={
+            "harness": HARNESS,
+            "loader": f"vllm-gguf-plugin {_dist_version('vllm-gguf-plugin')}",
+            "triton": "TRITON_INTERPRET=1 " + _dist_version("triton"),
+        },
+    )
+    shown = "; ".join(f"{len(t)} prompt tokens, decode {d}" for t, d in zip(prompts, decoded))
+    print(f"{n_req} request(s) in {n_steps} step(s): {shown}")
+    print(f"block tables: {pool.describe()}")
+    print(f"{n_steps} steps {t_end - t0:.1f} s")
+    print(f"wrote {res['dump']}")
+    return 0
 
 
 if __name__ == "__main__":

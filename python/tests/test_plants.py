@@ -34,12 +34,14 @@ CLASSES = {
 
 def test_every_plant_names_its_class_reports_and_docs_row():
     docs = (ROOT / "docs" / "engines.md").read_text()
-    assert len(plants.REGISTRY) == 19
+    assert len(plants.REGISTRY) == 22
     for name, p in plants.REGISTRY.items():
         assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", name), name
         assert p.name == name and p.expected in CLASSES, name
         assert p.mechanism and p.where and p.needs, name
-        assert re.search(r"#\d+", p.reports), f"{name}: a report with its number"
+        assert re.search(r"#\d+", p.reports) or p.reports.startswith("no public report number: "), (
+            f"{name}: a report with its number, or where the mechanism is guarded"
+        )
         assert f"| `{name}` |" in docs, f"{name}: no row in docs/engines.md's plant table"
     # every class the mechanisms map to has a plant, the new classes two
     per_class = {c: [p.name for p in plants.REGISTRY.values() if p.expected == c] for c in CLASSES}

@@ -33,6 +33,7 @@ mkdir -p "$T/k/out" "$T/repo/golden/models"
 cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/d.safetensors"        # mla_diff_hooks.vllm (format 2, with weights)
 cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/vllm.safetensors"     # mla_diff_hooks.vllm_cpu run
 cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/loaded.safetensors"   # an engine's loaded weights
+mkdir -p "$T/mla" && cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/mla/dump.safetensors"  # the vLLM plugin's dump
 cp "$D/fa3-v3-bf16.kernel-flashmla.safetensors" "$T/k/out/flashmla.safetensors"  # mla_diff_hooks.kernels
 cp "$G/tiny-v3-q8_0.gguf" "$T/repo/golden/models/"                # golden record's repository
 SPARSE="needs a Python with numpy and gguf (pip install numpy gguf; or set PYTHON)"
@@ -58,7 +59,14 @@ ROWS=(
   'python* -m mla_diff_hooks.llama_cpp *|skip|needs llama-cpp-python (its dumps are committed: golden/dumps/*.llama-cpp*)'
   'python* -m mla_diff_hooks.vllm *|skip|needs vLLM and a GPU (scripts/gpu-host/vllm_live_gpu.sh; its dumps are committed: golden/dumps/*.vllm*)'
   'python* -m mla_diff_hooks.kernels *|skip|needs a GPU and the kernels'"'"' wheels (scripts/gpu-host/kernels_gpu.sh; its dumps are committed: golden/dumps/*.kernel-*)'
+  'ids() {*|skip|a shell function that prints seeded token ids for the CPU harness recipe below it'
+  'A=$(ids *|skip|the CPU harness recipe'"'"'s prompts (the recipe needs vLLM)'
   'python* -m mla_diff_hooks.vllm_cpu *|skip|installs vLLM (~3.6 GiB of wheels; its dumps are committed: golden/dumps/*.vllm*)'
+  'export MLA_DIFF_VLLM_DUMP=*|skip|the vLLM plugin'"'"'s settings for `vllm serve` (needs vLLM and a GPU)'
+  'vllm serve *|skip|needs vLLM and a GPU (the plugin'"'"'s dump is committed: golden/dumps/*.vllm*)'
+  'curl *localhost:8000/v1/completions*|skip|needs the `vllm serve` above'
+  'mla-diff compare --model model.gguf --dump /tmp/mla/dump.safetensors*|0|s#model\.gguf#'"$G"'/legacy-kvb-f32.gguf#'
+  'mla-diff compare --model golden/models/legacy-kvb-f32.gguf --dump /tmp/chunked.safetensors*|0|s#/tmp/chunked\.safetensors#'"$D"'/live-cpu/legacy-kvb-f32.chunked.safetensors#'
   'python* scripts/fixtures/make_plant_dumps.py *|skip|runs vLLM'"'"'s CPU harness (its dumps are committed: golden/dumps/plants/)'
   'PY=*|skip|the setting of the HF dump recipe (transformers and make_fixtures.py'"'"'s HF checkpoints)'
   '$PY -m mla_diff_hooks.hf *|skip|needs transformers and the HF checkpoints make_fixtures.py writes (its dumps are committed: golden/dumps/*.hf*)'

@@ -19,8 +19,8 @@ mkdir -p "$out/wheels" "$out/parts"
 # start), xgrammar/llguidance and their tvm-ffi (vllm.v1.request imports the structured-output
 # backends), openai/openai-harmony/fastapi/starlette (imported by vllm.entrypoints.llm),
 # pydantic and its core, compressed-tensors and loguru (imported for every quantization method,
-# GGUF included), pyzmq/msgspec/cbor2/pybase64 (engine-core messaging and hashing), and the small
-# pure-Python rest of that import closure.
+# GGUF included), pyzmq/msgspec/cbor2/pybase64 (engine-core messaging and hashing), the small
+# pure-Python rest of that import closure, and what `vllm serve` imports on top of it.
 WHEELS=(
   vllm==0.26.0 vllm-gguf-plugin==0.0.5 gguf==0.19.0 flashinfer-python==0.6.14
   apache-tvm-ffi==0.1.10 llguidance==1.7.6 xgrammar==0.2.7 openai-harmony==0.0.8 openai==2.54.0
@@ -28,6 +28,13 @@ WHEELS=(
   compressed-tensors==0.17.0 loguru==0.7.3 pyzmq==27.3.0 msgspec==0.23.0 cbor2==6.3.0
   pybase64==1.5.1 jiter==0.19.0 fastapi==0.136.3 starlette==1.10.0 partial-json-parser==0.2.1.1.post7
   cachetools==8.0.2 distro==1.9.0 sniffio==1.3.1
+  # `vllm serve`: the ASGI server and its event loop, the HTTP parser, the metrics endpoint and
+  # its middleware, aiohttp (the API server's client sessions) and its pure-Python dependencies,
+  # server-sent events and form parsing.
+  uvicorn==0.55.0 h11==0.16.0 httptools==0.9.0 uvloop==0.23.0 click==8.5.1 prometheus-client==0.26.0
+  prometheus-fastapi-instrumentator==8.1.0 aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0
+  frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 yarl==1.25.1 sse-starlette==3.7.1
+  python-multipart==0.0.34
 )
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --abi cp312 --abi abi3 --abi none --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \

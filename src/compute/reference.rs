@@ -16,6 +16,7 @@
 //! The FFN after attention (the dense SwiGLU MLP, the MoE block with its shared experts, and the
 //! MLP's per-rank sites under TP) lives in the submodule `ffn`.
 
+pub mod context;
 mod ffn;
 
 use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayViewMut2, Axis, CowArray, Ix2, s};

@@ -113,6 +113,21 @@ pub enum Stage {
     AttnLatent,
     /// `lse`: natural-log log-sum-exp of the scaled logits, [T, N].
     Lse,
+    /// `ctx_out.c<c>`: the MHA prefill over cached context, context chunk c's own attention
+    /// output over that chunk's keys only (vLLM `_compute_prefill_context`), [Tc, N, V] (Tc: the
+    /// step's rows of prefill sequences with cached context); 0 where the chunk is empty.
+    CtxOutChunk(u32),
+    /// `ctx_lse.c<c>`: context chunk c's natural-log LSE over its keys, [Tc, N]; −inf where the
+    /// chunk is empty.
+    CtxLseChunk(u32),
+    /// `ctx_out`: the context chunks' outputs merged by their LSEs, [Tc, N, V].
+    CtxOut,
+    /// `ctx_lse`: the merged context's natural-log LSE, [Tc, N].
+    CtxLse,
+    /// `suffix_out`: the new tokens' causal attention over themselves, [Tc, N, V].
+    SuffixOut,
+    /// `suffix_lse`: its natural-log LSE, [Tc, N].
+    SuffixLse,
     /// `attn_out`: the `o_proj` input, [T, N, V].
     AttnOut,
     /// `o_proj`: [T, H].
@@ -157,7 +172,8 @@ pub enum Stage {
     FfnDownRank(u32),
 }
 
-/// Stages in data-flow order (without the per-rank sites).
+/// Stages in data-flow order (without the per-rank sites and the per-chunk `ctx_out.c<c>`,
+/// `ctx_lse.c<c>`).
 pub const STAGES: &[Stage] = &[
     Stage::HiddenIn,
     Stage::AttnIn,
@@ -183,6 +199,10 @@ pub const STAGES: &[Stage] = &[
     Stage::QlNope,
     Stage::AttnLatent,
     Stage::Lse,
+    Stage::CtxOut,
+    Stage::CtxLse,
+    Stage::SuffixOut,
+    Stage::SuffixLse,
     Stage::AttnOut,
     Stage::OProj,
     Stage::FfnIn,
@@ -205,6 +225,8 @@ impl Stage {
             Stage::OProjRank(r) => format!("o_proj.rank{r}"),
             Stage::FfnGateUpRank(r) => format!("ffn_gate_up.rank{r}"),
             Stage::FfnDownRank(r) => format!("ffn_down.rank{r}"),
+            Stage::CtxOutChunk(c) => format!("ctx_out.c{c}"),
+            Stage::CtxLseChunk(c) => format!("ctx_lse.c{c}"),
             s => s.base_name().to_string(),
         }
     }
@@ -235,6 +257,10 @@ impl Stage {
             Stage::QlNope => "ql_nope",
             Stage::AttnLatent => "attn_latent",
             Stage::Lse => "lse",
+            Stage::CtxOut => "ctx_out",
+            Stage::CtxLse => "ctx_lse",
+            Stage::SuffixOut => "suffix_out",
+            Stage::SuffixLse => "suffix_lse",
             Stage::AttnOut => "attn_out",
             Stage::OProj => "o_proj",
             Stage::FfnIn => "ffn_in",
@@ -251,6 +277,8 @@ impl Stage {
             Stage::OProjRank(..) => "o_proj.rank",
             Stage::FfnGateUpRank(..) => "ffn_gate_up.rank",
             Stage::FfnDownRank(..) => "ffn_down.rank",
+            Stage::CtxOutChunk(..) => "ctx_out.c",
+            Stage::CtxLseChunk(..) => "ctx_lse.c",
         }
     }
 
@@ -264,6 +292,12 @@ impl Stage {
         }
         if let Some(r) = s.strip_prefix("ffn_down.rank") {
             return r.parse().ok().map(Stage::FfnDownRank);
+        }
+        if let Some(c) = s.strip_prefix("ctx_out.c") {
+            return c.parse().ok().map(Stage::CtxOutChunk);
+        }
+        if let Some(c) = s.strip_prefix("ctx_lse.c") {
+            return c.parse().ok().map(Stage::CtxLseChunk);
         }
         if let Some((w, r)) = s.strip_prefix("w.").and_then(|rest| rest.split_once(".rank")) {
             let rw = match w {
@@ -295,6 +329,9 @@ impl Stage {
             Stage::FfnGateUpRank(r) => (idx(Stage::FfnGate) - 1, r),
             Stage::WRank(RankedWeight::Down, r) => (idx(Stage::FfnOut) - 2, r),
             Stage::FfnDownRank(r) => (idx(Stage::FfnOut) - 1, r),
+            // Chunk c's output, then its LSE, chunk after chunk, between `lse` and `ctx_out`.
+            Stage::CtxOutChunk(c) => (idx(Stage::CtxOut) - 1, c.saturating_mul(2)),
+            Stage::CtxLseChunk(c) => (idx(Stage::CtxOut) - 1, c.saturating_mul(2).saturating_add(1)),
             s => (idx(s), 0),
         }
     }
@@ -308,6 +345,30 @@ impl Stage {
     /// row.
     pub fn is_id_set(&self) -> bool {
         matches!(self, Stage::MoeTopk | Stage::IdxTopk)
+    }
+
+    /// True for the sites holding a natural-log LSE `[rows, N]`: `lse`, `ctx_lse.c<c>`,
+    /// `ctx_lse`, `suffix_lse`.
+    pub fn is_lse(&self) -> bool {
+        matches!(
+            self,
+            Stage::Lse | Stage::CtxLseChunk(_) | Stage::CtxLse | Stage::SuffixLse
+        )
+    }
+
+    /// True for the partial sites of the MHA prefill over cached context (`ctx_out.c<c>`,
+    /// `ctx_lse.c<c>`, `ctx_out`, `ctx_lse`, `suffix_out`, `suffix_lse`), whose rows are the
+    /// step's rows of prefill sequences with cached context (Tc), not all T.
+    pub fn is_context_partial(&self) -> bool {
+        matches!(
+            self,
+            Stage::CtxOutChunk(_)
+                | Stage::CtxLseChunk(_)
+                | Stage::CtxOut
+                | Stage::CtxLse
+                | Stage::SuffixOut
+                | Stage::SuffixLse
+        )
     }
 
     /// True for the DSA indexer's stages (`idx_*`).
@@ -588,5 +649,32 @@ mod tests {
         assert!(Stage::FfnAct.is_ffn() && !Stage::SharedOut.is_ffn() && !Stage::FfnIn.is_moe());
         assert!(RankedWeight::GateUp.is_ffn() && !RankedWeight::OProj.is_ffn());
         assert_eq!(Stage::parse("ffn_gate_up.rankx"), None);
+    }
+
+    #[test]
+    fn context_partials_sort_between_lse_and_attn_out() {
+        let names = [
+            "lse",
+            "ctx_out.c0",
+            "ctx_lse.c0",
+            "ctx_out.c1",
+            "ctx_lse.c1",
+            "ctx_out.c12",
+            "ctx_lse.c12",
+            "ctx_out",
+            "ctx_lse",
+            "suffix_out",
+            "suffix_lse",
+            "attn_out",
+        ];
+        let stages: Vec<Stage> = names.iter().map(|n| Stage::parse(n).unwrap()).collect();
+        for (st, n) in stages.iter().zip(names) {
+            assert_eq!(st.name(), n);
+        }
+        assert!(stages.windows(2).all(|w| w[0].order() < w[1].order()), "{stages:?}");
+        assert!(Stage::CtxLseChunk(3).is_lse() && Stage::SuffixLse.is_lse() && !Stage::CtxOut.is_lse());
+        assert!(Stage::CtxOutChunk(0).is_context_partial() && !Stage::Lse.is_context_partial());
+        assert_eq!(Stage::parse("ctx_out.cx"), None);
+        assert_eq!(Stage::parse("ctx_out.c-1"), None);
     }
 }

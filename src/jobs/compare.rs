@@ -10,6 +10,7 @@ use ndarray::Array2;
 use crate::compute::indexer::Selection;
 use crate::compute::paged::{CacheWrite, PagedQuery, PagedSeq, PagedStep};
 use crate::compute::path::PathOptions;
+use crate::compute::reference::context::{ContextSeq, context_partials};
 use crate::compute::reference::{RefOutput, reference_layer, reference_layer_full};
 use crate::core::batch::{Batch, SeqSpec};
 use crate::core::dtype::Dtype;
@@ -167,6 +168,7 @@ pub fn compare_dump(
             context: &no_context,
             full_reference: None,
             num_kv_splits: None,
+            chunks: &[],
         };
         let (result, layer_findings) = judge_dumped_layer(
             cfg,
@@ -497,12 +499,7 @@ pub fn compare_steps(
     precision: Option<Dtype>,
 ) -> Result<RunReport> {
     let header = &steps_dump.header;
-    let precision = match (precision, dtype, header.kernel_precision) {
-        (Some(p), _, _) => Precision::from(p),
-        (None, Some(d), _) => d.precision(),
-        (None, None, Some(k)) => Precision::from(k),
-        (None, None, None) => steps_dump.steps[0].1.dtype.precision(),
-    };
+    let precision = steps_precision(steps_dump, dtype, precision);
     let dtype = dtype.unwrap_or(steps_dump.steps[0].1.dtype);
     let heads_cfg = header.heads.map(|hs| crate::model::dump::heads_config(cfg, hs));
     let judge_cfg = heads_cfg.as_ref().unwrap_or(cfg);
@@ -526,9 +523,7 @@ pub fn compare_steps(
     let n_seq = header.steps[0].seqs.len();
     let stages_dumped = dumped_stages(steps_dump.steps.iter().flat_map(|(_, d)| d.layers.values()));
     for (k, (spec, d)) in steps_dump.steps.iter().enumerate() {
-        for c in &d.conversions {
-            conversions.push(format!("{}: {c}", spec.name));
-        }
+        conversions.extend(d.conversions.iter().map(|c| format!("{}: {c}", spec.name)));
         let t_new = d.batch.n_tokens();
         let (live, full, new_rows) = step_full_batch(spec, n_seq);
         let t_full = full.n_tokens();
@@ -547,6 +542,8 @@ pub fn compare_steps(
             let layer_ref =
                 dumped_layer_reference(file, cfg, &w, &full_in, &full, dumped, next_dumped, tp, &mut prev_sel)?;
             let mut reference = step_reference(&layer_ref.trace, &new_rows, t_full, header.heads, cfg);
+            let (partials, chunks) = step_context_partials(spec, &live, layer, cfg, &layer_ref.trace, header.heads);
+            reference.extend(partials);
             // The handover from layer n−1: this step's hidden_in against the engine's own
             // hidden_out of layer n−1 when dumped, else the reference's output of layer n−1.
             if let Some(handover) = &prev
@@ -570,6 +567,7 @@ pub fn compare_steps(
                 context: &context,
                 full_reference: full_step_reference(&layer_ref.trace, header.heads, cfg, &context, &mut full_heads),
                 num_kv_splits: spec.num_kv_splits,
+                chunks: &chunks,
             };
             let paged = dump_paged_step(steps_dump, k, &live, layer, cfg, &layer_ref.trace);
             let (result, layer_findings) = judge_dumped_layer(
@@ -591,9 +589,12 @@ pub fn compare_steps(
         }
         not_dumped.extend(missing.labeled((steps_dump.steps.len() > 1).then_some(spec.name.as_str())));
     }
-    for p in &header.patches {
-        conversions.push(format!("patch `{}`: {}", p.name, p.reason));
-    }
+    conversions.extend(
+        header
+            .patches
+            .iter()
+            .map(|p| format!("patch `{}`: {}", p.name, p.reason)),
+    );
     let engine = format!("{} {}", header.engine.name, header.engine.version)
         .trim()
         .to_string();
@@ -622,6 +623,18 @@ pub fn compare_steps(
         }),
         loaded_weights,
     })
+}
+
+/// The tolerance rows of a format-2 comparison, first that applies: `precision` (`compare
+/// --precision`), `dtype` (`compare --dtype`), the header's `kernel_precision`, the header's
+/// `dtype`.
+fn steps_precision(steps_dump: &StepsDump, dtype: Option<EngineDtype>, precision: Option<Dtype>) -> Precision {
+    match (precision, dtype, steps_dump.header.kernel_precision) {
+        (Some(p), _, _) => Precision::from(p),
+        (None, Some(d), _) => d.precision(),
+        (None, None, Some(k)) => Precision::from(k),
+        (None, None, None) => steps_dump.steps[0].1.dtype.precision(),
+    }
 }
 
 /// What [`DumpScope::full_reference`] holds for a step: `None` when no sequence has cached
@@ -743,7 +756,7 @@ fn dump_paged_step(
         .iter()
         .enumerate()
         .flat_map(|(li, &i)| {
-            let q = spec.seqs[i];
+            let q = spec.seqs[i].clone();
             (0..q.new).map(move |n| {
                 let pos = q.context + n;
                 PagedQuery {
@@ -786,15 +799,63 @@ fn step_full_batch(spec: &crate::model::dump::StepSpec, n_seq: usize) -> (Vec<us
     let mut new_rows = Vec::new();
     let mut off = 0;
     for &i in &live {
-        let q = spec.seqs[i];
+        let q = &spec.seqs[i];
         new_rows.extend(off + q.context..off + q.context + q.new);
         off += q.context + q.new;
     }
     (live, full, new_rows)
 }
 
+/// The reference partials of step `spec`'s MHA prefill over cached context at `layer`
+/// ([`context_partials`]), on the rows of the sequences listing `context_chunks`
+/// ([`StepSpec::context_seqs`](crate::model::dump::StepSpec::context_seqs)) and over the chunks
+/// they list, with `heads = [a, b]` sliced to heads `a..b`; `full` is the reference over the
+/// step's full batch of the sequences `live`. Also returns those sequences as the detectors
+/// read them. Empty when no sequence of the step lists chunks, or for a DSA model, whose
+/// attention reads the indexer's keys, not the context chunks'.
+fn step_context_partials(
+    spec: &crate::model::dump::StepSpec,
+    live: &[usize],
+    layer: usize,
+    cfg: &MlaConfig,
+    full: &Trace,
+    heads: Option<[usize; 2]>,
+) -> (Trace, Vec<ContextSeq>) {
+    let ctx = spec.context_seqs();
+    if ctx.is_empty() || cfg.indexer.is_some() {
+        return (Trace::new(), Vec::new());
+    }
+    let mut seqs = Vec::with_capacity(ctx.len());
+    let (mut off, mut row) = (0, 0);
+    for &i in live {
+        let q = &spec.seqs[i];
+        if ctx.contains(&i) {
+            seqs.push(ContextSeq {
+                seq: i,
+                off,
+                row,
+                context: q.context,
+                new: q.new,
+                chunks: q.context_chunks.clone().unwrap_or_default(),
+            });
+        }
+        off += q.context + q.new;
+        row += q.new;
+    }
+    let mut out = Trace::new();
+    for (s, t) in context_partials(cfg, full, layer, &seqs).unwrap_or_default().entries() {
+        let t = match heads {
+            Some(hs) => take_heads(t, s.stage, cfg, hs),
+            None => t.clone(),
+        };
+        out.record(*s, t);
+    }
+    (out, seqs)
+}
+
 /// `hidden_in` [T_full, H] of `layer` for the full sequences `live` of step `k` (each from
-/// position 0), gathered from the new rows of steps `0..=k` in sequence order.
+/// position 0), gathered from the new rows of steps `0..=k` in sequence order; the positions of
+/// a prefix-cache hit (`prefix`) from the sequence it names ([`seq_hidden_in`]).
 ///
 /// Errors: [`Error::Input`] naming a step `0..=k` that lacks `L{layer}.hidden_in` for a
 /// sequence that step `k` attends to.
@@ -806,16 +867,52 @@ fn gather_hidden_in(
     t_full: usize,
     hidden: usize,
 ) -> Result<Array2<f64>> {
-    let spec = &sd.steps[k].0;
     let mut full_in = Array2::<f64>::zeros((t_full, hidden));
     let mut row = 0;
     for &i in live {
-        for (j, (sj, dj)) in sd.steps[..=k].iter().enumerate() {
-            let nj = sj.seqs[i].new;
-            if nj == 0 {
-                continue;
+        for x in seq_hidden_in(sd, k, k + 1, i, layer, hidden)? {
+            if row < t_full {
+                full_in.row_mut(row).assign(&x);
             }
-            let x = dj
+            row += 1;
+        }
+    }
+    Ok(full_in)
+}
+
+/// The `hidden_in` rows of `layer` of sequence `i` that steps `0..end` hold, position after
+/// position: where a step before `end` declares a prefix-cache hit `{seq: j, len: n}` of `i`,
+/// first sequence `j`'s positions `0..n` as steps before that one hold them (recursively: the
+/// header's checks make each hop go to an earlier step), then `i`'s own new rows, step after
+/// step. `k` is the judged step, for errors.
+///
+/// Errors: [`Error::Input`] naming a step that lacks `L{layer}.hidden_in` for a sequence the
+/// judged step attends to.
+fn seq_hidden_in(
+    sd: &StepsDump,
+    k: usize,
+    end: usize,
+    i: usize,
+    layer: usize,
+    hidden: usize,
+) -> Result<Vec<ndarray::Array1<f64>>> {
+    let spec = &sd.steps[k].0;
+    let mut out = Vec::new();
+    let hit = sd.steps[..end]
+        .iter()
+        .enumerate()
+        .find_map(|(k0, (sj, _))| sj.seqs[i].prefix.map(|h| (k0, h)));
+    if let Some((k0, h)) = hit {
+        let mut src = seq_hidden_in(sd, k, k0, h.seq, layer, hidden)?;
+        src.truncate(h.len);
+        out.extend(src);
+    }
+    for (j, (sj, dj)) in sd.steps[..end].iter().enumerate() {
+        let nj = sj.seqs[i].new;
+        if nj == 0 {
+            continue;
+        }
+        let x = dj
                 .layers
                 .get(&layer)
                 .and_then(|t| t.get(&Site::new(layer, Stage::HiddenIn)))
@@ -829,16 +926,14 @@ fn gather_hidden_in(
                         ),
                     )
                 })?;
-            let t_j = dj.batch.n_tokens();
-            let a = to_array(x, t_j, hidden)?;
-            let start: usize = (0..i).map(|p| sj.seqs[p].new).sum();
-            for r in 0..nj {
-                full_in.row_mut(row).assign(&a.row(start + r));
-                row += 1;
-            }
+        let t_j = dj.batch.n_tokens();
+        let a = to_array(x, t_j, hidden)?;
+        let start: usize = (0..i).map(|p| sj.seqs[p].new).sum();
+        for r in 0..nj {
+            out.push(a.row(start + r).to_owned());
         }
     }
-    Ok(full_in)
+    Ok(out)
 }
 
 /// The `metadata` a format-2 comparison reports: format, model, hook, the engine's attention

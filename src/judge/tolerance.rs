@@ -119,7 +119,11 @@ impl StageGroup {
     pub fn of(stage: Stage) -> StageGroup {
         if stage.is_weight() {
             StageGroup::Weights
-        } else if stage == Stage::Lse {
+        } else if stage.is_lse() {
+            // The context partials' LSEs (`ctx_lse.c<c>`, `ctx_lse`, `suffix_lse`) are attention
+            // LSEs computed as `lse` is, over fewer keys: the same rows and provenance apply, as
+            // the activation rows do to `ctx_out.c<c>`, `ctx_out` and `suffix_out`, attention
+            // outputs as `attn_out` is.
             StageGroup::Lse
         } else if stage.is_id_set() {
             StageGroup::ExpertIds

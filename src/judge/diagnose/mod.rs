@@ -16,7 +16,8 @@
 //! the [`Finding`] and [`Detection`] types, the two precedence tables and [`diagnose`]. The
 //! detectors live one family per file: `canary` (unwritten memory), `weights` (weight sites and
 //! the GGUF itself), `collective` (the TP all-reduce), `rope`, `attention` (softmax scale, LSE
-//! merge) with `split` (the split-KV decode replay), `norm` (a skipped RMSNorm), `strided`
+//! merge) with `split` (the split-KV decode replay), `merge` (the partials and merges of a
+//! chunked prefill over cached context), `norm` (a skipped RMSNorm), `strided`
 //! (views of fused tensors), `paged` (the paged KV cache's metadata), `moe`, `indexer` (DSA),
 //! `residual` (the residual stream scaled), `precision` (a product computed narrower than
 //! declared), `fallback` (scale, path disagreement, mismatch, and what a hint may say of a
@@ -30,6 +31,7 @@ mod collective;
 mod fallback;
 mod indexer;
 pub mod loaded;
+mod merge;
 mod moe;
 mod norm;
 mod paged;
@@ -44,6 +46,7 @@ use serde::ser::{Serialize, SerializeStruct, Serializer};
 
 use crate::compute::paged::PagedStep;
 use crate::compute::path::Unservable;
+use crate::compute::reference::context::ContextSeq;
 use crate::core::batch::Batch;
 use crate::core::class::Class;
 use crate::core::sci::sci;
@@ -238,6 +241,10 @@ pub struct DumpScope<'a> {
     /// The split count the step's split-KV decode used (format 2's step field
     /// `num_kv_splits`); `None` when the hook did not record it, and the replays search it.
     pub num_kv_splits: Option<usize>,
+    /// The sequences of the step's MHA prefill over cached context and their context chunks
+    /// (rows of the context partial sites, in order; `off` indexes `full_reference`'s rows);
+    /// empty when the step records no context chunks.
+    pub chunks: &'a [ContextSeq],
 }
 
 /// What every detector sees for one failing site of one path.
@@ -313,9 +320,13 @@ type Detector = fn(&SiteCtx<'_>) -> Option<Detection>;
 
 /// Every site detector with the class it names, in precedence order (earlier wins);
 /// [`fallback::mismatch`] answers when none explains the site.
-const DETECTORS: [(Class, Detector); 23] = [
+const DETECTORS: [(Class, Detector); 27] = [
     (Class::WeightNotLoaded, weights::weight_not_loaded),
     (Class::PhantomOutput, canary::phantom_output),
+    // The chunked-context family (`merge`), each entry at its class's place: a context partial
+    // never written before `unwritten-rows` (a zeroed chunk row is no canary), the merge's head
+    // stride before `paged-kv`, the merge replays before the split-KV decode's.
+    (Class::PhantomOutput, merge::partial_unwritten),
     (Class::UnwrittenRows, canary::unwritten_rows),
     (Class::ShardOrder, weights::shard_order),
     (Class::TpRankOrder, weights::tp_rank_order),
@@ -328,8 +339,11 @@ const DETECTORS: [(Class, Detector); 23] = [
     // stride could also fit; paged-kv before the merge, whose empty-partial test also holds for
     // rows a wrong cache read moved.
     (Class::StridedView, strided::strided_view),
+    (Class::StridedView, merge::merge_stride),
     (Class::PagedKv, paged::paged_kv),
     // Before the scale: a base-2 merge also reweights the logits, and a free scale fits part of it.
+    (Class::LseMerge, merge::partial_lse),
+    (Class::LseMerge, merge::merge_replay),
     (Class::LseMerge, attention::lse_merge),
     (Class::SoftmaxScale, attention::softmax_scale),
     (Class::MoeRouting, moe::moe_routing),
@@ -362,7 +376,7 @@ const LOADED_DETECTORS: [LoadedDetector; 7] = [
     loaded::quant_block_cut,
 ];
 
-/// Runs the detector of `class` alone on the first divergence of path `path` of `input` (no
+/// Runs the detectors of `class` alone on the first divergence of path `path` of `input` (no
 /// precedence, no other detector): whether that one hypothesis explains the divergence, and
 /// with what evidence and hint.
 ///
@@ -375,8 +389,9 @@ pub fn detect_at(input: &DiagnoseInput<'_>, path: usize, class: Class) -> Option
     detect_at_site(input, path, first.site, class)
 }
 
-/// Runs the detector of `class` alone at `site` of path `path` of `input`, whether or not the
-/// site failed: what its hypothesis says there. `None` when the path has no comparison of
+/// Runs the detectors of `class` alone (each in precedence order, the first that explains
+/// answers) at `site` of path `path` of `input`, whether or not the site failed: what its
+/// hypotheses say there. `None` when the path has no comparison of
 /// `site`, when `class` has no site detector, or when the hypothesis does not explain it. For
 /// tests that show a hypothesis stays silent on a site that passed (a margin wide enough for
 /// every clean run), and for [`detect_at`].
@@ -392,8 +407,10 @@ pub fn detect_at_site(input: &DiagnoseInput<'_>, path: usize, site: Site, class:
         cand: ev.trace.get(&site)?,
         explain: explain_threshold(site.stage, input.precision),
     };
-    let (_, det) = DETECTORS.iter().find(|(c, _)| *c == class)?;
-    det(&x)
+    DETECTORS
+        .iter()
+        .filter(|(c, _)| *c == class)
+        .find_map(|(_, det)| det(&x))
 }
 
 /// Classifies one failing site.

@@ -92,13 +92,54 @@ impl Conventions {
 }
 
 /// One sequence's share of a step (`header.steps[k].seqs[i]`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StepSeq {
     /// New tokens of the sequence computed in this step.
     pub new: usize,
-    /// Tokens of the sequence that earlier steps computed and cached.
+    /// Tokens of the sequence before them: what earlier steps computed and cached, plus a
+    /// prefix-cache hit's `prefix.len`.
     pub context: usize,
+    /// Which attention kernel computed the sequence's new rows in this step (vLLM sends short
+    /// prefills through the decode kernel); `None`: not recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<SeqKernel>,
+    /// A prefix-cache hit: the sequence's first `len` positions are sequence `seq`'s positions
+    /// `0..len` (same token ids), which an earlier step computed; this sequence never computed
+    /// them. The reference takes those rows' inputs from sequence `seq`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<PrefixHit>,
+    /// The context positions `[start, end)` each context chunk of the step's MHA prefill over
+    /// cached context read for this sequence (vLLM `_compute_prefill_context`), ascending,
+    /// disjoint, covering `0..context`; an empty chunk is `[e, e]`. At most
+    /// [`MAX_CONTEXT_CHUNKS`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_chunks: Option<Vec<[usize; 2]>>,
 }
+
+/// Which attention kernel computed a sequence's rows in a step (`steps[k].seqs[i].kernel`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SeqKernel {
+    /// The prefill (MHA) kernel: `"prefill"`.
+    Prefill,
+    /// The decode (absorbed MQA) kernel: `"decode"`.
+    Decode,
+}
+
+/// A prefix-cache hit (`steps[k].seqs[i].prefix`): the first `len` positions of the sequence
+/// are sequence `seq`'s positions `0..len`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefixHit {
+    /// The header index of the sequence whose cached positions were reused.
+    pub seq: usize,
+    /// How many positions (tokens) the hit covers.
+    pub len: usize,
+}
+
+/// The largest number of context chunks a sequence may list (`context_chunks`): vLLM cuts the
+/// context into chunks of its workspace's width (thousands of tokens), so 4096 chunks covers
+/// any context a model has, and bounds what the reference allocates per chunk.
+pub const MAX_CONTEXT_CHUNKS: usize = 4096;
 
 /// One engine step (`header.steps[k]`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -116,6 +157,44 @@ pub struct StepSpec {
     /// 1 ..= [`MAX_PAGE_SIZE`]); `None`: not recorded (the `paged-kv` replays search it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub page_size: Option<usize>,
+    /// The order in which the engine's runner packed the step's rows, as header sequence
+    /// indices (vLLM reorders a step decodes-first): a permutation of the sequences with new
+    /// tokens. Provenance: the dump's tensors are in header sequence order whatever it says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order: Option<Vec<usize>>,
+    /// The context-chunk width the engine used (vLLM `max_context_chunk`), in tokens;
+    /// provenance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_chunk_tokens: Option<usize>,
+}
+
+impl StepSpec {
+    /// The sequences (header indices, in header order) whose rows the step's MHA prefill over
+    /// cached context computed with context chunks: those listing `context_chunks`, with new
+    /// tokens and a context. Their new rows, in this order, are the rows (Tc) of the context
+    /// partial sites (`ctx_out.c<c>`, …, [`Stage::is_context_partial`]).
+    pub fn context_seqs(&self) -> Vec<usize> {
+        (0..self.seqs.len())
+            .filter(|&i| {
+                let q = &self.seqs[i];
+                q.context_chunks.is_some() && q.new > 0 && q.context > 0
+            })
+            .collect()
+    }
+
+    /// The rows of the context partial sites: the new tokens of [`StepSpec::context_seqs`].
+    pub fn context_rows(&self) -> usize {
+        self.context_seqs().iter().map(|&i| self.seqs[i].new).sum()
+    }
+
+    /// The number of context chunks of the step (every sequence listing `context_chunks` lists
+    /// as many); 0 when none does.
+    pub fn n_context_chunks(&self) -> usize {
+        self.seqs
+            .iter()
+            .find_map(|q| q.context_chunks.as_ref().map(Vec::len))
+            .unwrap_or(0)
+    }
 }
 
 /// The largest `steps[k].page_size` a dump may declare: engines page their KV cache in blocks
@@ -197,6 +276,12 @@ pub fn is_per_head(stage: Stage) -> bool {
             | Stage::QlNope
             | Stage::AttnLatent
             | Stage::Lse
+            | Stage::CtxOutChunk(_)
+            | Stage::CtxLseChunk(_)
+            | Stage::CtxOut
+            | Stage::CtxLse
+            | Stage::SuffixOut
+            | Stage::SuffixLse
             | Stage::AttnOut
             | Stage::WKvB
             | Stage::WUkT
@@ -291,6 +376,7 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
     check_tp(path, v.get("tp"))?;
     check_num_kv_splits(path, v.get("steps"))?;
     check_page_sizes(path, v.get("steps"))?;
+    check_step_fields(path, v.get("steps"))?;
     let h: DumpHeader =
         serde_json::from_value(v).map_err(|e| dump_error(path, "__metadata__.header", e.to_string()))?;
     if h.steps.is_empty() {
@@ -316,6 +402,8 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
         ));
     }
     let n = h.steps[0].seqs.len();
+    // Each sequence's prefix-cache hit: (the step that declares it first, the hit).
+    let mut prefixes: Vec<Option<(usize, PrefixHit)>> = vec![None; n];
     for (k, st) in h.steps.iter().enumerate() {
         if st.seqs.len() != n {
             return Err(dump_error(
@@ -336,19 +424,259 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
         }
         for (i, q) in st.seqs.iter().enumerate() {
             let before: usize = h.steps[..k].iter().map(|p| p.seqs[i].new).sum();
+            if let Some(hit) = q.prefix {
+                check_prefix(path, &h.steps, &prefixes, k, i, hit, before)?;
+                prefixes[i].get_or_insert((k, hit));
+            }
+            let before = before + prefixes[i].map_or(0, |(_, hit)| hit.len);
             if q.new > 0 && q.context != before {
                 return Err(dump_error(
                     path,
                     format!("__metadata__.header.steps[{k}].seqs[{i}].context"),
                     format!(
-                        "{}, but earlier steps computed {before} tokens of that sequence",
+                        "{}, but earlier steps computed {before} tokens of that sequence (a prefix-cache hit's `prefix.len` included)",
                         q.context
                     ),
                 ));
             }
         }
+        check_step_chunks(path, k, st)?;
     }
     Ok(h)
+}
+
+/// Checks sequence `i`'s prefix-cache hit `hit`, declared in step `k`, whose steps before `k`
+/// computed `before` of its tokens: another sequence `hit.seq` of the header, no other hit of
+/// `i` declared earlier, declared where the sequence starts (`before` = 0), and at most what
+/// `hit.seq` holds in its cache by step `k` (what its earlier steps computed, plus its own hit
+/// when declared in an earlier step).
+///
+/// Errors: [`Error::Safetensors`] naming `__metadata__.header.steps[k].seqs[i].prefix`.
+fn check_prefix(
+    path: &Path,
+    steps: &[StepSpec],
+    prefixes: &[Option<(usize, PrefixHit)>],
+    k: usize,
+    i: usize,
+    hit: PrefixHit,
+    before: usize,
+) -> Result<()> {
+    let field = format!("__metadata__.header.steps[{k}].seqs[{i}].prefix");
+    let n = prefixes.len();
+    let j = hit.seq;
+    if j >= n || j == i {
+        return Err(dump_error(
+            path,
+            field,
+            format!("seq {j}: expected another sequence of the header's {n} (not {i} itself)"),
+        ));
+    }
+    if let Some((k0, first)) = prefixes[i] {
+        if first != hit {
+            return Err(dump_error(
+                path,
+                field,
+                format!(
+                    "{{\"seq\": {j}, \"len\": {}}} where step {k0} declared {{\"seq\": {}, \"len\": {}}}",
+                    hit.len, first.seq, first.len
+                ),
+            ));
+        }
+        return Ok(());
+    }
+    if before > 0 {
+        return Err(dump_error(
+            path,
+            field,
+            format!(
+                "declared after earlier steps computed {before} tokens of the sequence: a prefix-cache hit is a sequence's first positions"
+            ),
+        ));
+    }
+    let own: usize = steps[..k].iter().map(|p| p.seqs[j].new).sum();
+    let cached = own + prefixes[j].filter(|&(kj, _)| kj < k).map_or(0, |(_, h)| h.len);
+    if hit.len > cached {
+        return Err(dump_error(
+            path,
+            field,
+            format!(
+                "len {}: sequence {j} holds {cached} cached positions by step {k}",
+                hit.len
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks step `k`'s `order` and its sequences' `context_chunks`: `order` a permutation of the
+/// sequences with new tokens; chunks only on sequences with new tokens that the prefill kernel
+/// computed, each `[start, end)` with `start ≤ end`, the first starting at 0, each starting
+/// where the previous ended, the last ending at the sequence's context; every sequence of the
+/// step listing chunks listing as many.
+///
+/// Errors: [`Error::Safetensors`] naming `__metadata__.header.steps[k].order` or
+/// `….seqs[i].context_chunks`.
+fn check_step_chunks(path: &Path, k: usize, st: &StepSpec) -> Result<()> {
+    if let Some(order) = &st.order {
+        let mut live: Vec<usize> = (0..st.seqs.len()).filter(|&i| st.seqs[i].new > 0).collect();
+        let mut got = order.clone();
+        got.sort_unstable();
+        live.sort_unstable();
+        if got != live {
+            return Err(dump_error(
+                path,
+                format!("__metadata__.header.steps[{k}].order"),
+                format!("{order:?}: expected a permutation of the sequences with new tokens {live:?}"),
+            ));
+        }
+    }
+    let mut count: Option<(usize, usize)> = None;
+    for (i, q) in st.seqs.iter().enumerate() {
+        let Some(chunks) = &q.context_chunks else {
+            continue;
+        };
+        let field = format!("__metadata__.header.steps[{k}].seqs[{i}].context_chunks");
+        if q.new == 0 || q.kernel == Some(SeqKernel::Decode) {
+            return Err(dump_error(
+                path,
+                field,
+                "given for a sequence the step's prefill kernel did not compute (no new token, or kernel \"decode\")",
+            ));
+        }
+        let mut at = 0;
+        for (c, &[s, e]) in chunks.iter().enumerate() {
+            if s != at || e < s {
+                return Err(dump_error(
+                    path,
+                    field,
+                    format!(
+                        "chunk {c} is [{s}, {e}]: expected [{at}, end ≥ {at}] (ascending, disjoint chunks covering 0..{})",
+                        q.context
+                    ),
+                ));
+            }
+            at = e;
+        }
+        if at != q.context || chunks.is_empty() {
+            return Err(dump_error(
+                path,
+                field,
+                format!(
+                    "the chunks cover 0..{at}, the sequence's context is {} (an empty chunk is [e, e])",
+                    q.context
+                ),
+            ));
+        }
+        match count {
+            Some((i0, n0)) if n0 != chunks.len() => {
+                return Err(dump_error(
+                    path,
+                    field,
+                    format!(
+                        "{} chunks, sequence {i0} lists {n0}: every prefill sequence of a step has the same chunks",
+                        chunks.len()
+                    ),
+                ));
+            }
+            _ => count = Some((i, chunks.len())),
+        }
+    }
+    Ok(())
+}
+
+/// Checks the types of the header's step fields in its JSON before they are deserialized, so a
+/// hostile value is one error naming its field: `steps[k].order` a list of at most
+/// [`MAX_CONTEXT_CHUNKS`] integers, `steps[k].context_chunk_tokens` a positive integer,
+/// `seqs[i].kernel` `"prefill"` or `"decode"`, `seqs[i].prefix` `{"seq": j, "len": n}`,
+/// `seqs[i].context_chunks` at most [`MAX_CONTEXT_CHUNKS`] pairs of integers (each below 2³²);
+/// each may be absent or null.
+///
+/// Errors: [`Error::Safetensors`] naming `__metadata__.header.steps[k]…` and the field.
+fn check_step_fields(path: &Path, steps: Option<&serde_json::Value>) -> Result<()> {
+    use serde_json::Value;
+    let Some(steps) = steps.and_then(Value::as_array) else {
+        return Ok(());
+    };
+    let int = |x: &Value| x.as_u64().filter(|&n| n <= u64::from(u32::MAX));
+    fn present(x: Option<&serde_json::Value>) -> Option<&serde_json::Value> {
+        x.filter(|x| !x.is_null())
+    }
+    for (k, st) in steps.iter().enumerate() {
+        if let Some(x) = present(st.get("order"))
+            && x.as_array()
+                .is_none_or(|a| a.len() > MAX_CONTEXT_CHUNKS || a.iter().any(|i| int(i).is_none()))
+        {
+            return Err(dump_error(
+                path,
+                format!("__metadata__.header.steps[{k}].order"),
+                format!("{x}: expected a list of sequence indices (the runner's row order)"),
+            ));
+        }
+        if let Some(x) = present(st.get("context_chunk_tokens"))
+            && int(x).is_none_or(|n| n == 0)
+        {
+            return Err(dump_error(
+                path,
+                format!("__metadata__.header.steps[{k}].context_chunk_tokens"),
+                format!("{x}: expected a positive integer (the engine's context-chunk width) or null"),
+            ));
+        }
+        let Some(seqs) = st.get("seqs").and_then(Value::as_array) else {
+            continue;
+        };
+        for (i, q) in seqs.iter().enumerate() {
+            let field = |f: &str| format!("__metadata__.header.steps[{k}].seqs[{i}].{f}");
+            if let Some(x) = present(q.get("kernel"))
+                && !matches!(x.as_str(), Some("prefill" | "decode"))
+            {
+                return Err(dump_error(
+                    path,
+                    field("kernel"),
+                    format!("{x}: expected \"prefill\" or \"decode\""),
+                ));
+            }
+            if let Some(x) = present(q.get("prefix"))
+                && (x.as_object().is_none_or(|o| o.len() != 2)
+                    || x.get("seq").and_then(int).is_none()
+                    || x.get("len").and_then(int).is_none())
+            {
+                return Err(dump_error(
+                    path,
+                    field("prefix"),
+                    format!("{x}: expected {{\"seq\": j, \"len\": n}} with integers j and n"),
+                ));
+            }
+            if let Some(x) = present(q.get("context_chunks")) {
+                let ok = x.as_array().is_some_and(|a| {
+                    a.len() <= MAX_CONTEXT_CHUNKS
+                        && a.iter().all(|c| {
+                            c.as_array()
+                                .is_some_and(|p| p.len() == 2 && p.iter().all(|e| int(e).is_some()))
+                        })
+                });
+                if !ok {
+                    return Err(dump_error(
+                        path,
+                        field("context_chunks"),
+                        format!(
+                            "{}: expected at most {MAX_CONTEXT_CHUNKS} chunks [start, end] of context positions",
+                            short(x)
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A JSON value as an error quotes it: whole up to 80 characters, else its first 80 and `…`.
+fn short(x: &serde_json::Value) -> String {
+    let s = x.to_string();
+    match s.char_indices().nth(80) {
+        Some((at, _)) => format!("{}…", &s[..at]),
+        None => s,
+    }
 }
 
 /// The largest `num_kv_splits` a step may declare: vLLM's Triton MLA caps it at twice the

@@ -32,6 +32,8 @@ pub fn expected_shape(stage: Stage, cfg: &MlaConfig, t: usize) -> Option<Vec<usi
         Stage::QPeRoped => vec![t, n, r],
         Stage::KNope => vec![t, n, p],
         Stage::V | Stage::AttnOut => vec![t, n, v],
+        Stage::CtxOutChunk(_) | Stage::CtxOut | Stage::SuffixOut => vec![t, n, v],
+        Stage::CtxLseChunk(_) | Stage::CtxLse | Stage::SuffixLse => vec![t, n],
         Stage::QlNope | Stage::AttnLatent => vec![t, n, l],
         Stage::Lse => vec![t, n],
         Stage::WFusedQkvA => vec![lq + l + r, h],

@@ -33,8 +33,8 @@ use crate::core::error::Error;
 
 pub use conventions::{EngineDtype, KvAOrder, Layout, RopeOrder, map_from_metadata};
 pub use header::{
-    Conventions, DumpHeader, FORMAT1, FORMAT2, MAX_PAGE_SIZE, ModelIdentity, Patch, Software, StepSeq, StepSpec,
-    TpInfo, check_identity, heads_config, is_per_head, peek_header,
+    Conventions, DumpHeader, FORMAT1, FORMAT2, MAX_CONTEXT_CHUNKS, MAX_PAGE_SIZE, ModelIdentity, Patch, PrefixHit,
+    SeqKernel, Software, StepSeq, StepSpec, TpInfo, check_identity, heads_config, is_per_head, peek_header,
 };
 pub use layout::expected_shape;
 pub use map::{Condition, Map, Rename};

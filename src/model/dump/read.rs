@@ -60,6 +60,9 @@ pub struct StepsDump {
     pub paging: Vec<StepPaging>,
     /// Tensors that belong to no step and are not weights.
     pub ignored: Vec<String>,
+    /// `seq{i}.token_ids`: every token id of header sequence `i`, a prefix-cache hit's
+    /// included, where the dump holds them.
+    pub token_ids: BTreeMap<usize, Vec<u32>>,
 }
 
 /// What a format-2 step recorded of the engine's paged KV cache: the metadata its attention read
@@ -219,10 +222,11 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
             .strip_prefix('s')
             .and_then(|r| r.split_once('.'))
             .is_some_and(|(k, _)| k.parse::<usize>().is_ok_and(|k| k < header.steps.len()));
-        if !stepped && !name.starts_with("weights.") {
+        if !stepped && !name.starts_with("weights.") && seq_token_ids_index(name).is_none() {
             ignored.push(name.to_string());
         }
     }
+    let token_ids = read_token_ids(path, &st, &header, cfg)?;
     ignored.sort();
     let mut steps = Vec::new();
     let mut paging = Vec::new();
@@ -264,7 +268,7 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
         let step_bytes =
             safetensors::serialize(views, Some(meta1)).map_err(|e| dump_error(path, &prefix, e.to_string()))?;
         let label = PathBuf::from(format!("{} [step {k} `{}`]", path.display(), spec.name));
-        let mut d = load_bytes(&label, &step_bytes, map, cfg)?;
+        let mut d = load_step_bytes(&label, &step_bytes, map, cfg, Some(spec.context_rows()))?;
         d.path = path.to_path_buf();
         if header.conventions.lse_base.as_deref() == Some("2") {
             let ln2 = std::f64::consts::LN_2;
@@ -272,7 +276,7 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
                 let lse: Vec<(Site, TraceTensor)> = trace
                     .entries()
                     .iter()
-                    .filter(|(s, _)| s.stage == Stage::Lse)
+                    .filter(|(s, _)| s.stage.is_lse())
                     .cloned()
                     .collect();
                 for (site, t) in lse {
@@ -294,7 +298,97 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
         steps,
         paging,
         ignored,
+        token_ids,
     })))
+}
+
+/// The sequence index `i` of a tensor named `seq{i}.token_ids`.
+fn seq_token_ids_index(name: &str) -> Option<usize> {
+    name.strip_prefix("seq")?.strip_suffix(".token_ids")?.parse().ok()
+}
+
+/// Reads every `seq{i}.token_ids` of `st`: `i` one of the header's sequences, a 1-D integer
+/// tensor as long as the sequence's tokens (its last step's context and new tokens), each id in
+/// the vocabulary; a prefix-cache hit whose two sequences both have token ids must share their
+/// first `len` ids.
+///
+/// Errors: [`Error::Safetensors`] naming the tensor, or the hit's
+/// `__metadata__.header.steps[k].seqs[i].prefix`.
+fn read_token_ids(
+    path: &Path,
+    st: &SafeTensors<'_>,
+    header: &DumpHeader,
+    cfg: &MlaConfig,
+) -> Result<BTreeMap<usize, Vec<u32>>> {
+    let n_seq = header.steps[0].seqs.len();
+    let mut out = BTreeMap::new();
+    for name in st.names() {
+        let Some(i) = seq_token_ids_index(name) else {
+            continue;
+        };
+        if i >= n_seq {
+            return Err(dump_error(
+                path,
+                name,
+                format!("sequence {i}: the header has {n_seq} sequences"),
+            ));
+        }
+        let view = st.tensor(name).map_err(|e| dump_error(path, name, e.to_string()))?;
+        let shape = view.shape().to_vec();
+        let len = header
+            .steps
+            .iter()
+            .filter(|s| s.seqs[i].new > 0)
+            .map(|s| s.seqs[i].context + s.seqs[i].new)
+            .max()
+            .unwrap_or(0);
+        if shape.iter().filter(|&&d| d != 1).count() > 1 || shape.iter().product::<usize>() != len {
+            return Err(dump_error(
+                path,
+                name,
+                format!("shape {shape:?}: expected [{len}] (sequence {i}'s tokens, a cached prefix included)"),
+            ));
+        }
+        let (v, is_float) = values(path, name, view.dtype(), &shape, view.data())?;
+        if is_float {
+            return Err(dump_error(
+                path,
+                name,
+                format!("dtype {:?}: must be an integer tensor (I32 or I64)", view.dtype()),
+            ));
+        }
+        let vocab = if cfg.vocab > 0 {
+            cfg.vocab as f64
+        } else {
+            f64::from(u32::MAX)
+        };
+        if let Some(bad) = v.iter().find(|&&x| !(0.0..vocab).contains(&x)) {
+            return Err(dump_error(
+                path,
+                name,
+                format!("token id {bad} outside the vocabulary of {vocab}"),
+            ));
+        }
+        out.insert(i, v.iter().map(|&x| x as u32).collect::<Vec<u32>>());
+    }
+    for (k, spec) in header.steps.iter().enumerate() {
+        for (i, q) in spec.seqs.iter().enumerate() {
+            let Some(hit) = q.prefix else { continue };
+            if let (Some(a), Some(b)) = (out.get(&i), out.get(&hit.seq))
+                && let Some(p) = (0..hit.len).find(|&p| a.get(p) != b.get(p))
+            {
+                return Err(dump_error(
+                    path,
+                    format!("__metadata__.header.steps[{k}].seqs[{i}].prefix"),
+                    format!(
+                        "position {p}: seq{i}.token_ids and seq{}.token_ids differ inside the {} cached positions",
+                        hit.seq, hit.len
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Divides the declared residual-stream factor `s` (`conventions.residual_scale`) out of the
@@ -523,7 +617,7 @@ fn token_count(
         (None, Some(p)) => p.len(),
         (None, None) => raw
             .iter()
-            .find(|e| !e.site.stage.is_weight())
+            .find(|e| !e.site.stage.is_weight() && !e.site.stage.is_context_partial())
             .map(|e| {
                 if layout == Layout::HeadMajor && e.shape.len() == 3 {
                     e.shape[1]
@@ -634,6 +728,18 @@ pub fn load(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<Dump> {
 
 /// [`load`] from bytes (`path` names the file in errors).
 pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig) -> Result<Dump> {
+    load_step_bytes(path, bytes, map, cfg, None)
+}
+
+/// [`load_bytes`] of one format-2 step, whose context partial sites
+/// ([`Stage::is_context_partial`]) have `ctx_rows` rows (Tc) where given, T otherwise.
+fn load_step_bytes(
+    path: &Path,
+    bytes: &[u8],
+    map: Option<&Map>,
+    cfg: &MlaConfig,
+    ctx_rows: Option<usize>,
+) -> Result<Dump> {
     if bytes.starts_with(b"GGUF") {
         return Err(dump_error(
             path,
@@ -695,7 +801,11 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
                 ),
             ));
         }
-        let (mut data, shape) = match expected_shape(site.stage, cfg, t) {
+        let rows = match ctx_rows {
+            Some(tc) if site.stage.is_context_partial() => tc,
+            _ => t,
+        };
+        let (mut data, shape) = match expected_shape(site.stage, cfg, rows) {
             // A weight held [in, out] where [out, in] is expected: kept as dumped, so that the
             // judge names the transpose (as weights --check names a loaded one).
             Some(want)
@@ -716,7 +826,7 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
                     } else {
                         layout
                     },
-                    site.stage == Stage::Lse,
+                    site.stage.is_lse(),
                 )
                 .map_err(|why| dump_error(path, &name, format!("site {site} has shape {shape:?}; {why}")))?;
                 if let Some(n) = note {

@@ -45,12 +45,19 @@ pub struct SiteTemplates {
     pub ffn_gate_up_rank: String,
     /// One TP rank's `down_proj` partial before the all-reduce: `L{layer}.ffn_down.rank{rank}`.
     pub ffn_down_rank: String,
+    /// Context chunk `{chunk}`'s attention output in a prefill over cached context:
+    /// `L{layer}.ctx_out.c{chunk}`.
+    pub ctx_out_chunk: String,
+    /// Context chunk `{chunk}`'s LSE: `L{layer}.ctx_lse.c{chunk}`.
+    pub ctx_lse_chunk: String,
 }
 
 /// A layer number no real site has, printed by [`Site`] and then replaced by `{layer}`.
 const LAYER_MARK: usize = 987_654_321;
 /// A rank number no real site has, printed by [`Site`] and then replaced by `{rank}`.
 const RANK_MARK: u32 = 876_543_210;
+/// A chunk number no real site has, printed by [`Site`] and then replaced by `{chunk}`.
+const CHUNK_MARK: u32 = 765_432_109;
 
 /// `site` as [`Site`] prints it, with each `(value, placeholder)` of `fills` replaced once.
 fn template(site: Site, fills: &[(&str, &str)]) -> String {
@@ -63,7 +70,7 @@ impl SiteVocabulary {
     /// The vocabulary of this build, from [`STAGES`], [`RankedWeight::ALL`], [`Site`]'s
     /// `Display` and the format markers.
     pub fn current() -> SiteVocabulary {
-        let (layer, rank) = (LAYER_MARK.to_string(), RANK_MARK.to_string());
+        let (layer, rank, chunk) = (LAYER_MARK.to_string(), RANK_MARK.to_string(), CHUNK_MARK.to_string());
         let stage = Stage::HiddenIn.name();
         let weight = RankedWeight::QProj.as_str();
         SiteVocabulary {
@@ -90,17 +97,40 @@ impl SiteVocabulary {
                     Site::new(LAYER_MARK, Stage::FfnDownRank(RANK_MARK)),
                     &[(&layer, "{layer}"), (&rank, "{rank}")],
                 ),
+                ctx_out_chunk: template(
+                    Site::new(LAYER_MARK, Stage::CtxOutChunk(CHUNK_MARK)),
+                    &[(&layer, "{layer}"), (&chunk, "{chunk}")],
+                ),
+                ctx_lse_chunk: template(
+                    Site::new(LAYER_MARK, Stage::CtxLseChunk(CHUNK_MARK)),
+                    &[(&layer, "{layer}"), (&chunk, "{chunk}")],
+                ),
             },
             dump_formats: vec![FORMAT1, FORMAT2],
         }
     }
 
-    /// The human site table: one row per stage of [`STAGES`], then one per ranked weight's shard
+    /// The human site table: one row per stage of [`STAGES`] (the per-chunk `ctx_out.c{chunk}`
+    /// and `ctx_lse.c{chunk}` just after `lse`), then one per ranked weight's shard
     /// (`w.{weight}.rank{rank}`) and the per-rank outputs (`o_proj.rank{rank}`,
     /// `ffn_gate_up.rank{rank}`, `ffn_down.rank{rank}`), each named as a dump writes it after
     /// `L{layer}.`.
     pub fn rows(&self) -> Vec<StageRow> {
-        let mut rows: Vec<StageRow> = STAGES.iter().map(|&s| stage_row(s)).collect();
+        let mut rows: Vec<StageRow> = Vec::new();
+        for &s in STAGES {
+            rows.push(stage_row(s));
+            if s == Stage::Lse {
+                for (name, stage) in [
+                    ("ctx_out.c{chunk}", Stage::CtxOutChunk(0)),
+                    ("ctx_lse.c{chunk}", Stage::CtxLseChunk(0)),
+                ] {
+                    rows.push(StageRow {
+                        name: name.to_string(),
+                        ..stage_row(stage)
+                    });
+                }
+            }
+        }
         for w in RankedWeight::ALL {
             rows.push(StageRow {
                 name: format!("w.{}.rank{{rank}}", w.as_str()),
@@ -141,6 +171,10 @@ pub const SHAPE_DIMS: &[(&str, &str)] = &[
     ("D_idx", "DSA indexer head dim"),
     ("K_idx", "DSA indexer top-k"),
     ("S", "keys (S = T in a dump)"),
+    (
+        "Tc",
+        "rows of a step's prefill sequences with cached context (the MHA prefill over context)",
+    ),
     ("TP", "tensor-parallel ranks"),
 ];
 
@@ -188,6 +222,15 @@ pub fn stage_row(stage: Stage) -> StageRow {
         Stage::QlNope => ("[T, N, L]", "q_nope · W_UK_T: the query in latent space"),
         Stage::AttnLatent => ("[T, N, L]", "attention output in latent space"),
         Stage::Lse => ("[T, N]", "log-sum-exp of the scaled logits (natural log)"),
+        Stage::CtxOutChunk(_) => (
+            "[Tc, N, V]",
+            "context chunk c's own attention output over its keys (0 where empty)",
+        ),
+        Stage::CtxLseChunk(_) => ("[Tc, N]", "context chunk c's LSE over its keys (−inf where empty)"),
+        Stage::CtxOut => ("[Tc, N, V]", "the context chunks' outputs merged"),
+        Stage::CtxLse => ("[Tc, N]", "the merged context's LSE"),
+        Stage::SuffixOut => ("[Tc, N, V]", "the new tokens' causal attention over themselves"),
+        Stage::SuffixLse => ("[Tc, N]", "the suffix attention's LSE"),
         Stage::AttnOut => ("[T, N, V]", "attention output per head: the o_proj input"),
         Stage::OProj => ("[T, H]", "o_proj output (after the TP all-reduce)"),
         Stage::FfnIn => (
@@ -264,6 +307,8 @@ pub fn stage_inputs(stage: Stage, cfg: &MlaConfig, absorbed: bool) -> Vec<Stage>
         AttnLatent => attention(&[QlNope, QPeRoped, KvCNormed, KPeRoped]),
         Lse if absorbed => attention(&[QlNope, QPeRoped, KvCNormed, KPeRoped]),
         Lse => attention(&[Q, QPeRoped, KNope, KPeRoped]),
+        CtxLseChunk(_) | CtxLse | SuffixLse => vec![Q, QPeRoped, KNope, KPeRoped],
+        CtxOutChunk(_) | CtxOut | SuffixOut => vec![Q, QPeRoped, KNope, V, KPeRoped],
         AttnOut if absorbed => vec![AttnLatent, WUv],
         AttnOut => attention(&[Q, QPeRoped, KNope, V, KPeRoped]),
         OProj => vec![AttnOut],
@@ -325,6 +370,8 @@ mod tests {
         assert_eq!(v.ranked_weights, ["q_b", "kv_b", "o_proj", "gate_up", "down"]);
         assert_eq!(v.dump_formats, ["mla-diff dump 1", "mla-diff dump 2"]);
         assert_eq!(v.stages.len(), STAGES.len());
-        assert_eq!(v.rows().len(), STAGES.len() + RankedWeight::ALL.len() + 3);
+        assert_eq!(v.site_templates.ctx_out_chunk, "L{layer}.ctx_out.c{chunk}");
+        assert_eq!(v.site_templates.ctx_lse_chunk, "L{layer}.ctx_lse.c{chunk}");
+        assert_eq!(v.rows().len(), STAGES.len() + 2 + RankedWeight::ALL.len() + 3);
     }
 }

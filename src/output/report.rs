@@ -14,7 +14,7 @@ use crate::core::dtype::Dtype;
 use crate::core::sci::sci;
 use crate::judge::diagnose::{Finding, Subject};
 use crate::judge::label::PathLabel;
-use crate::judge::metrics::{SiteDiff, Status};
+use crate::judge::metrics::{self, SiteDiff, Status};
 use crate::judge::weights_check::TensorCheck;
 
 use crate::judge::report::{FaultOutcome, PathResult, RunReport, Verdict, summarize_not_run};
@@ -498,22 +498,44 @@ pub fn dump_lines(report: &RunReport) -> Vec<String> {
     out
 }
 
-/// One paragraph per finding: class, site, path, evidence, hint.
+/// One paragraph per finding: class, site (and, in a dump of several steps, the step it first
+/// diverged in), path, evidence, hint.
 pub fn finding_lines(report: &RunReport) -> Vec<String> {
     report
         .findings
         .iter()
         .map(|f| {
             format!(
-                "finding [{}] {} at {}: {}\n  hint: {}",
+                "finding [{}] {} at {}{}: {}\n  hint: {}",
                 finding_origin(f),
                 f.class,
                 f.subject,
+                finding_step(report, f).map_or(String::new(), |s| format!(" in {s}")),
                 f.evidence,
                 f.hint
             )
         })
         .collect()
+}
+
+/// The step of a format-2 dump in which a finding's site is its path's first divergence
+/// (`decode-1`, `step-3`); `None` for runs, single-step dumps and findings about other subjects.
+fn finding_step<'a>(report: &'a RunReport, f: &Finding) -> Option<&'a str> {
+    let Subject::Site { site, path: Some(p) } = &f.subject else {
+        return None;
+    };
+    let with_steps: Vec<&PathResult> = report
+        .results
+        .iter()
+        .filter(|r| r.path == *p && r.step.is_some())
+        .collect();
+    if with_steps.len() < 2 {
+        return None;
+    }
+    with_steps
+        .iter()
+        .find(|r| metrics::first_divergence(&r.diffs).is_some_and(|d| d.site == *site))
+        .and_then(|r| r.step.as_deref())
 }
 
 /// Per path: `pass` (every site within tolerance), `divergence`, or `not-run` (no site recorded,

@@ -89,19 +89,7 @@ fn detect(fx: &Fixture, i: usize, class: Class) -> Option<Detection> {
         cfg: &fx.cfg,
         batch: &fx.batch,
         reference: &fx.reference,
-        paths: fx
-            .runs
-            .iter()
-            .zip(&fx.diffs)
-            .map(|(r, d)| PathEvidence {
-                kind: r.kind.into(),
-                trace: &r.trace,
-                diffs: d,
-                empty_partial_rows: &r.empty_partial_rows,
-                unservable: r.unservable.as_ref(),
-                paged: r.paged.as_ref(),
-            })
-            .collect(),
+        paths: fx.runs.iter().zip(&fx.diffs).map(|(r, d)| evidence(r, d)).collect(),
         tp: fx.tp,
         precision: Precision::F32,
         dump: None,
@@ -383,6 +371,18 @@ fn mismatch_localises_rows() {
     assert!(f[0].hint.contains("row stride"), "{}", f[0].hint);
 }
 
+/// What the detectors see of one path's run: its trace, diffs and the records it keeps.
+fn evidence<'a>(r: &'a mla_diff::compute::path::PathRun, diffs: &'a [SiteDiff]) -> PathEvidence<'a> {
+    PathEvidence {
+        kind: r.kind.into(),
+        trace: &r.trace,
+        diffs,
+        empty_partial_rows: &r.empty_partial_rows,
+        unservable: r.unservable.as_ref(),
+        paged: r.paged.as_ref(),
+    }
+}
+
 /// Layer 1 of the fixture `model` with the selftest batch at page 16, every path at TP 1 in
 /// `dtype` with `faults`, as `run` computes it (the DSA selection forced in bf16): the config,
 /// batch, reference and each path's run with its diffs.
@@ -445,17 +445,7 @@ fn phantom_at_outputs(model: &str, dtype: Dtype, faults: &[Fault]) -> Vec<(PathK
         cfg: &cfg,
         batch: &batch,
         reference: &reference,
-        paths: runs
-            .iter()
-            .map(|(r, d)| PathEvidence {
-                kind: r.kind.into(),
-                trace: &r.trace,
-                diffs: d,
-                empty_partial_rows: &r.empty_partial_rows,
-                unservable: r.unservable.as_ref(),
-                paged: r.paged.as_ref(),
-            })
-            .collect(),
+        paths: runs.iter().map(|(r, d)| evidence(r, d)).collect(),
         tp: 1,
         precision: dtype.into(),
         dump: None,
@@ -529,19 +519,7 @@ fn diagnose_as(fx: &Fixture, precision: Precision) -> Vec<mla_diff::judge::diagn
         cfg: &fx.cfg,
         batch: &fx.batch,
         reference: &fx.reference,
-        paths: fx
-            .runs
-            .iter()
-            .zip(&fx.diffs)
-            .map(|(r, d)| PathEvidence {
-                kind: r.kind.into(),
-                trace: &r.trace,
-                diffs: d,
-                empty_partial_rows: &r.empty_partial_rows,
-                unservable: r.unservable.as_ref(),
-                paged: r.paged.as_ref(),
-            })
-            .collect(),
+        paths: fx.runs.iter().zip(&fx.diffs).map(|(r, d)| evidence(r, d)).collect(),
         tp: fx.tp,
         precision,
         dump: None,
@@ -589,17 +567,7 @@ fn residual_scale_fits_the_residual_factor() {
             cfg: &cfg,
             batch: &batch,
             reference: &reference,
-            paths: runs
-                .iter()
-                .map(|(r, d)| PathEvidence {
-                    kind: r.kind.into(),
-                    trace: &r.trace,
-                    diffs: d,
-                    empty_partial_rows: &r.empty_partial_rows,
-                    unservable: r.unservable.as_ref(),
-                    paged: r.paged.as_ref(),
-                })
-                .collect(),
+            paths: runs.iter().map(|(r, d)| evidence(r, d)).collect(),
             tp: 1,
             precision: dtype.into(),
             dump: None,

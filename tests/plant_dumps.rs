@@ -84,6 +84,27 @@ const CASES: &[&str] = &[
     "yarn-v3-f32.q-pe-stride: strided-view at L0.q_pe_roped in prefill",
 ];
 
+/// `compare`'s verdict on the vLLM dump `judged` of `model`: its exit code, `clean` (exit 0, no
+/// finding) or `CLASS at SITE in STEP` (the first finding, at its step's failing site), and the
+/// terminal output. Panics (naming `case`) when the dump is not vLLM 0.26.0's.
+pub(crate) fn verdict(case: &str, model: &Path, judged: &Path) -> (i32, String, String) {
+    let (code, out, err, doc) = compare_json(model, judged, &[]);
+    assert_eq!(doc["dump"]["engine"], "vllm 0.26.0", "{case}: {err}");
+    let finding = &doc["findings"][0];
+    let got = if code == 0 && doc["findings"].as_array().is_some_and(|f| f.is_empty()) {
+        "clean".to_string()
+    } else {
+        let subject = finding["site"].as_str().or(finding["tensor"].as_str()).unwrap_or("?");
+        let step = doc["sites"]
+            .as_array()
+            .and_then(|sites| sites.iter().find(|s| s["site"] == subject && s["status"] != "pass"))
+            .and_then(|s| s["step"].as_str())
+            .unwrap_or("?");
+        format!("{} at {subject} in {step}", finding["class"].as_str().unwrap_or("?"))
+    };
+    (code, got, out)
+}
+
 /// Copies the safetensors file `src` to `dst` with every `plant:` entry removed from the format-2
 /// header's `patches`, and returns how many were removed. The tensor data is copied as is: its
 /// offsets are relative to the end of the JSON header, whose new length is written in front.
@@ -135,20 +156,7 @@ fn every_plant_dump_names_its_bug_and_every_clean_run_passes() {
             "{case}: one plant in a plant dump"
         );
         let model = repo().join("golden/models").join(format!("{fixture}.gguf"));
-        let (code, out, err, doc) = compare_json(&model, &judged, &[]);
-        assert_eq!(doc["dump"]["engine"], "vllm 0.26.0", "{case}: {err}");
-        let finding = &doc["findings"][0];
-        let got = if code == 0 && doc["findings"].as_array().is_some_and(|f| f.is_empty()) {
-            "clean".to_string()
-        } else {
-            let subject = finding["site"].as_str().or(finding["tensor"].as_str()).unwrap_or("?");
-            let step = doc["sites"]
-                .as_array()
-                .and_then(|sites| sites.iter().find(|s| s["site"] == subject && s["status"] != "pass"))
-                .and_then(|s| s["step"].as_str())
-                .unwrap_or("?");
-            format!("{} at {subject} in {step}", finding["class"].as_str().unwrap_or("?"))
-        };
+        let (code, got, out) = verdict(case, &model, &judged);
         let want_code = if want == "clean" { 0 } else { 1 };
         if got != want || code != want_code {
             let first = out.lines().find(|l| l.contains("first divergence")).unwrap_or("");

@@ -130,6 +130,9 @@ _ACTIVE: VllmCapture | None = None  # the capture armed in this process (apply_m
 # (model runner, scheduler output) of the GPU model runner's execute_model running now, set by
 # watch_runner's wrapper: a forward inside it is planned from them (live_plan)
 _LIVE: tuple | None = None
+# whether watch_runner wrapped a GPU model runner in this process: a root forward outside its
+# execute_model (_LIVE None) is then one of the runner's dummy forwards
+_WATCHED = {"on": False}
 
 
 def watch_runner() -> bool:
@@ -139,6 +142,7 @@ def watch_runner() -> bool:
     mod = sys.modules.get("vllm.v1.worker.gpu_model_runner")
     cls = getattr(mod, "GPUModelRunner", None)
     if cls is None or getattr(cls.execute_model, "_mla_diff_watched", False):
+        _WATCHED["on"] = cls is not None
         return cls is not None
     orig = cls.execute_model
 
@@ -153,6 +157,7 @@ def watch_runner() -> bool:
 
     execute_model._mla_diff_watched = True
     cls.execute_model = execute_model
+    _WATCHED["on"] = True
     return True
 
 
@@ -187,7 +192,9 @@ def live_plan(cap: VllmCapture, runner, scheduler_output) -> dict | None:
         if first and ctx[i] > 0:
             src = next((j for j, t in token_ids.items() if j != i and t[: ctx[i]] == toks[: ctx[i]]), None)
             if src is None:
-                cap.step_note(f"request {rid}: {ctx[i]} cached tokens of no request recorded before")
+                # computed before the recording started (or a cache hit on such a request):
+                # write_format2 marks them `unrecorded`, mla-diff rebuilds them from the ids
+                cap.step_note(f"request {rid}: its first {ctx[i]} tokens were computed before the recording")
             else:
                 hits[i] = {"seq": src, "len": ctx[i]}
     seqs = []
@@ -657,6 +664,9 @@ class VllmCapture:
     step's context needs) and leave the rest out of the dump.
     sites: the stages every step not in `step_sites` keeps (a context-partial stage `ctx_out`
     keeps its chunks `ctx_out.c{c}` too); default all.
+    heads: `(a, b)`: write_format2 keeps only heads a..b of the per-head sites (header `heads`;
+    docs/dump-format.md): a dump of a 128-head model holds one head's attention for 1/128 of
+    the bytes, and o_proj, hidden_out and the latent cache stay whole. TP 1 only.
     """
 
     def __init__(
@@ -674,6 +684,7 @@ class VllmCapture:
         layers: list[int] | tuple[int, ...] | None = None,
         step_sites: dict[int, Iterable[str]] | None = None,
         sites: Iterable[str] | None = None,
+        heads: tuple[int, int] | None = None,
     ):
         self.root = find_model(model)
         self.missing = check_layout(self.root)  # names this vLLM lacks (see check_layout)
@@ -696,6 +707,17 @@ class VllmCapture:
         self.pp_rank = p[2] if pp_rank is None else pp_rank
         self.pp_size = p[3] if pp_size is None else pp_size
         self.undo_fp16 = undo_fp16_residual_scaling
+        self.heads = None
+        if heads is not None:
+            a, b = (int(x) for x in heads)
+            n = _dims(self.layers[0][1].self_attn).n_local
+            if self.tp_size > 1:
+                raise ValueError(
+                    f"heads {a}:{b}: a head subset is written at TP 1 only (this is TP {self.tp_size})"
+                )
+            if not 0 <= a < b <= n:
+                raise ValueError(f"heads {a}:{b}: expected 0 <= a < b <= {n} (the model's heads)")
+            self.heads = (a, b)
         self.engine = engine or vllm_version()
         self.handles: list = []
         self._wrapped: list = []  # (object, attribute) wrapped at instance level
@@ -712,6 +734,7 @@ class VllmCapture:
         self.notes: list[str] = [self.version_msg] if getattr(self, "version_msg", None) else []
         self.steps: list[dict] = []  # finished steps: t, tokens, positions, repeats, notes
         self._in_root = False
+        self._skipped_dummy = 0  # the GPU runner's dummy forwards passed over (_model_pre)
         self.lse_base = "e"
         self._hooks_fired = 0
         self._weights_cache = None
@@ -1078,11 +1101,22 @@ class VllmCapture:
 
     def _model_pre(self, mod, args, kwargs):
         self._in_root = True
+        if _WATCHED["on"] and _LIVE is None:
+            # the GPU runner's profile, warm-up or padding forward (its _dummy_run, outside
+            # execute_model): no request's tokens; neither recorded nor counted, so that
+            # MLA_DIFF_VLLM_STEPS counts the forwards that serve requests
+            self.capturing = False
+            self._skipped_dummy += 1
+            return
         self._begin_forward()
         if not self.capturing:
             return
         if self.plan is None and _LIVE is not None:
             self.plan = live_plan(self, *_LIVE)
+            if self.plan is not None:
+                # named by the forward's index since arm(): a windowed dump's steps keep the
+                # engine's numbering
+                self.plan.setdefault("name", f"step-{self.forwards - 1}")
         ids = kwargs.get("input_ids", args[0] if args else None)
         pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
         if ids is not None:
@@ -1099,6 +1133,8 @@ class VllmCapture:
 
     def _model_post(self, mod, args, kwargs, output):
         self._in_root = False
+        if _WATCHED["on"] and _LIVE is None:
+            return
         self._end_step()
 
     def _layer_pre(self, n, mod, args, kwargs):
@@ -1621,6 +1657,9 @@ class VllmCapture:
         tensors: dict[str, np.ndarray] = {}
         specs, notes, dtypes = [], [], set()
         done_per_seq: list[int] | None = None
+        started: set[int] = set()  # sequences with new tokens in a step written so far
+        no_hit: set[int] = set()  # prefix-cache hits whose source the recording never saw
+        known_ids = getattr(self, "token_ids", None) or {}
         n_seqs = max((len(r["plan"]["seqs"]) for r in self.steps if r.get("plan")), default=0)
         for r in self.steps:
             plan = r.get("plan")
@@ -1658,10 +1697,21 @@ class VllmCapture:
                     f"step {k} has {len(lens)} sequence(s), step 0 had "
                     f"{len(done_per_seq)}: format 2 needs every sequence in every step"
                 )
+            unrecorded: dict[int, int] = {}
             for i, (c, n) in enumerate(zip(ctx, lens)):
                 hit = (plan["seqs"][i].get("prefix") if plan is not None else None) or {}
+                if hit and i not in started and int(hit["seq"]) not in started:
+                    hit = {}  # a hit on a request never recorded: rebuilt from token ids below
+                    no_hit.add(i)
                 if hit and done_per_seq[i] == 0 and n > 0:
                     done_per_seq[i] = int(hit["len"])  # a prefix-cache hit: never computed for i
+                if c > 0 and n > 0 and not hit and i not in started and c <= len(known_ids.get(i, ())):
+                    # the request's first recorded step starts at position c: its positions
+                    # 0..c were computed in forwards before the recording (a window, or a
+                    # prefix-cache hit on a request never recorded); the reference rebuilds
+                    # them from seq{i}.token_ids (docs/dump-format.md, `unrecorded`)
+                    unrecorded[i] = c
+                    done_per_seq[i] = c
                 if c != done_per_seq[i] and n > 0:
                     raise RuntimeError(
                         f"step {k}, sequence {i}: first position {c}, but the recorded "
@@ -1669,12 +1719,16 @@ class VllmCapture:
                         "missed, prefix caching, or sequences reordered)"
                     )
                 done_per_seq[i] += n
+                if n > 0:
+                    started.add(i)
             name = (
                 step_names[k]
                 if step_names and k < len(step_names)
                 else plan["name"]
                 if plan is not None and plan.get("name")
                 else ("prefill" if k == 0 else f"decode-{k}")
+                if self.forward_index == 0
+                else f"step-{self.forward_index + k}"
             )
             spec: dict[str, Any] = {
                 "name": name,
@@ -1685,8 +1739,14 @@ class VllmCapture:
                     spec[field] = int(info[field])
             if plan is not None:
                 self._plan_fields(spec, plan, done_per_seq)
+            for i in no_hit:
+                spec["seqs"][i].pop("prefix", None)
+            for i, c in unrecorded.items():
+                spec["seqs"][i]["unrecorded"] = c
             specs.append(spec)
             for nm, a in t.items():
+                if self.heads is not None:
+                    a = self._head_subset(nm, a)
                 tensors[dump_format.step_tensor(k, nm)] = a
             if info.get("block_table") is not None:
                 tensors[dump_format.step_tensor(k, "block_table")] = np.ascontiguousarray(
@@ -1748,7 +1808,30 @@ class VllmCapture:
         if self.tp_size > 1:
             header["heads"] = list(self.head_range())
             header["tp"] = {"size": self.tp_size, "rank": self.tp_rank}
-        return dump_format.write_format2(path, tensors, header, notes=notes, extra=extra_meta)
+        elif self.heads is not None:
+            header["heads"] = list(self.heads)
+        # a bf16 engine's activations are stored as BF16 (exact, half the bytes)
+        return dump_format.write_format2(
+            path, tensors, header, notes=notes, extra=extra_meta, bf16_steps=True
+        )
+
+    def _head_subset(self, name: str, a: np.ndarray) -> np.ndarray:
+        """Heads self.heads of site `name` (`L{n}.{stage}`) when its stage is per head (the
+        TP-sharded ones, HEAD_SHARDED, and the context partials; head axis 1 of activations,
+        axis 0 of the weight sites, N blocks of equal rows there); other sites whole."""
+        parsed = dump_format.parse_site(name)
+        if parsed is None:
+            return a
+        stage = parsed[1]
+        axis = HEAD_SHARDED.get(stage, 1 if partial_rank(stage) is not None else None)
+        if axis is None or a.ndim <= axis:
+            return a
+        n = _dims(self.layers[0][1].self_attn).n_local
+        if a.shape[axis] % n:
+            raise RuntimeError(f"{name}: axis {axis} of shape {a.shape} is not {n} heads")
+        per = a.shape[axis] // n
+        h0, h1 = self.heads
+        return np.ascontiguousarray(np.take(a, np.arange(h0 * per, h1 * per), axis=axis))
 
     @staticmethod
     def _plan_fields(spec: dict, plan: dict, done: list[int]) -> None:

@@ -892,7 +892,8 @@ def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port:
         from . import vllm_plugin
 
         os.environ[vllm_plugin.ENV_DUMP] = str(out.parent.resolve())
-        os.environ[vllm_plugin.ENV_STEPS] = str(1 << 20)
+        os.environ[vllm_plugin.ENV_STEPS] = f"{getattr(args, 'record_from', 0)}:{1 << 20}"
+        os.environ[vllm_plugin.ENV_HEADS] = getattr(args, "heads", None) or ""
         os.environ[vllm_plugin.ENV_WRITE] = "0"
         os.environ[vllm_plugin.ENV_LAYERS] = args.layers or ""
         os.environ[vllm_plugin.ENV_SITES] = args.sites or ""
@@ -1703,6 +1704,18 @@ def main() -> int:
             default=None,
             help="a scheduled run: comma-separated stages every step keeps (default: all), e.g. "
             "hidden_in,ctx_out,ctx_lse,suffix_out,suffix_lse,attn_out for a smaller dump",
+        )
+        r.add_argument(
+            "--record-from",
+            type=int,
+            default=0,
+            help="a scheduled run: record from forward K on (MLA_DIFF_VLLM_STEPS=K:...); the "
+            "positions computed before it are rebuilt by mla-diff from the token ids (unrecorded)",
+        )
+        r.add_argument(
+            "--heads",
+            default=None,
+            help="a scheduled run: A:B keeps only heads A..B of the per-head sites (MLA_DIFF_VLLM_HEADS)",
         )
         r.add_argument("--decode-steps", type=int, default=0)
         r.add_argument(

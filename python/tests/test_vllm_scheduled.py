@@ -146,6 +146,30 @@ def test_plugin_settings_from_the_environment():
         vllm_plugin.settings({"MLA_DIFF_VLLM_DUMP": "d", "MLA_DIFF_VLLM_STEPS": "x"})
     with pytest.raises(ValueError, match="N >= 1"):
         vllm_plugin.settings({"MLA_DIFF_VLLM_DUMP": "d", "MLA_DIFF_VLLM_STEPS": "0"})
+    assert vllm_plugin.settings({"MLA_DIFF_VLLM_DUMP": "d", "MLA_DIFF_VLLM_HEADS": "2:4"})["heads"] == (2, 4)
+    for bad in ("2", "3:1", "a:b"):
+        with pytest.raises(ValueError, match="MLA_DIFF_VLLM_HEADS"):
+            vllm_plugin.settings({"MLA_DIFF_VLLM_DUMP": "d", "MLA_DIFF_VLLM_HEADS": bad})
+
+
+def test_a_gpu_runners_dummy_forwards_are_neither_recorded_nor_counted(monkeypatch):
+    cap = vllm_hooks.VllmCapture.__new__(vllm_hooks.VllmCapture)
+    cap.forward_index, cap.n_steps, cap.forwards, cap._skipped_dummy = 1, 1, 0, 0
+    cap.plan, cap.capturing, cap.done, cap.tokens, cap.positions = None, False, False, None, None
+    begun = []
+    monkeypatch.setattr(
+        cap, "_begin_forward", lambda: begun.append(1) or setattr(cap, "forwards", cap.forwards + 1)
+    )
+    monkeypatch.setattr(cap, "_end_step", lambda: None)
+    monkeypatch.setattr(vllm_hooks, "_WATCHED", {"on": True})
+    monkeypatch.setattr(vllm_hooks, "_LIVE", None)
+    for _ in range(3):  # profile and warm-up forwards: outside execute_model
+        cap._model_pre(None, (), {})
+        cap._model_post(None, (), {}, None)
+    assert (cap.forwards, cap._skipped_dummy, begun) == (0, 3, [])
+    monkeypatch.setattr(vllm_hooks, "_WATCHED", {"on": False})  # no GPU runner (the CPU harness)
+    cap._model_pre(None, (), {})
+    assert (cap.forwards, cap._skipped_dummy) == (1, 3)
 
 
 def test_the_entry_point_vllm_loads_is_the_one_pyproject_declares(tmp_path):
@@ -192,7 +216,7 @@ def test_register_arms_the_model_every_loader_returns_once(monkeypatch):
         assert loader.load_model(None, cfg) is cfg.model_obj
         assert armed[-1][0] is cfg.model_obj
     assert len(armed) == 3, "each model armed once, though subclass and base both returned it"
-    assert armed[0][1] == {"forward_index": 0, "steps": 3, "layers": None, "sites": None}
+    assert armed[0][1] == {"forward_index": 0, "steps": 3, "layers": None, "sites": None, "heads": None}
 
 
 def test_live_plan_follows_the_runners_batch_and_finds_a_prefix_hit():

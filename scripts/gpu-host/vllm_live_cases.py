@@ -76,8 +76,8 @@ RECORD = {
     # request's last one empty) and the decode steps; the positions before it are rebuilt by
     # mla-diff from the token ids
     "chunked": {"first": 5, "steps": 4, "heads": (0, 1)},
-    "prefix": {"first": 0, "steps": 64, "heads": (0, 2)},
-    "batch": {"first": 0, "steps": 64, "heads": (0, 2)},
+    "prefix": {"first": 0, "steps": 64, "heads": (0, 1)},
+    "batch": {"first": 0, "steps": 64, "heads": (0, 1)},
 }
 # the stages a plant dump keeps: the layer input, the latent cache, the partials and the merge
 PLANT_SITES = [

@@ -187,7 +187,8 @@ pub enum DumpFile {
 /// Errors: as [`load_bytes`], with the file named `<dump> [step k `name`]` for a step's tensors;
 /// a malformed header names its field (`heads` past the model's N heads included, a
 /// `steps[k].page_size` out of range); a `block_table` or `slot_mapping` of a float dtype, a
-/// shape that does not fit the step, or an id out of range names the tensor.
+/// shape that does not fit the step, or an id out of range names the tensor; so does a step's
+/// `s{k}.tokens` that differ from the token ids.
 pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
     if bytes.starts_with(b"GGUF") {
@@ -289,6 +290,9 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
         if let Some(s) = header.conventions.residual_scale().filter(|&s| s != 1.0) {
             undo_residual_scale(&mut d, s);
         }
+        if let Some(tokens) = &d.tokens {
+            check_step_tokens(path, k, spec, tokens, &token_ids)?;
+        }
         paging.push(step_paging(path, &st, k, spec)?);
         steps.push((spec.clone(), d));
     }
@@ -300,6 +304,47 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
         ignored,
         token_ids,
     })))
+}
+
+/// Checks step `k`'s token ids `tokens` (`s{k}.tokens`, the step's rows in sequence order)
+/// against the dump's `seq{i}.token_ids`: each new row of a sequence with token ids at position
+/// `p` holds that sequence's id `p`. A step whose `tokens` do not have one id per new row is
+/// left to the step reader's own checks.
+///
+/// Errors: [`Error::Safetensors`] naming `s{k}.tokens` and `seq{i}.token_ids` at the first row
+/// that differs.
+fn check_step_tokens(
+    path: &Path,
+    k: usize,
+    spec: &StepSpec,
+    tokens: &[u32],
+    token_ids: &BTreeMap<usize, Vec<u32>>,
+) -> Result<()> {
+    if tokens.len() != spec.seqs.iter().map(|q| q.new).sum::<usize>() {
+        return Ok(());
+    }
+    let mut row = 0;
+    for (i, q) in spec.seqs.iter().enumerate() {
+        if let Some(ids) = token_ids.get(&i) {
+            for n in 0..q.new {
+                let p = q.context + n;
+                if ids.get(p) != Some(&tokens[row + n]) {
+                    return Err(dump_error(
+                        path,
+                        format!("s{k}.tokens"),
+                        format!(
+                            "row {} (sequence {i}, position {p}) is token {}, seq{i}.token_ids[{p}] is {}",
+                            row + n,
+                            tokens[row + n],
+                            ids.get(p).map_or("absent".to_string(), u32::to_string)
+                        ),
+                    ));
+                }
+            }
+        }
+        row += q.new;
+    }
+    Ok(())
 }
 
 /// The sequence index `i` of a tensor named `seq{i}.token_ids`.

@@ -187,8 +187,9 @@ pub enum DumpFile {
 /// Errors: as [`load_bytes`], with the file named `<dump> [step k `name`]` for a step's tensors;
 /// a malformed header names its field (`heads` past the model's N heads included, a
 /// `steps[k].page_size` out of range); a `block_table` or `slot_mapping` of a float dtype, a
-/// shape that does not fit the step, or an id out of range names the tensor; so does a step's
-/// `s{k}.tokens` that differ from the token ids.
+/// shape that does not fit the step, or an id out of range names the tensor; so do a
+/// `seq{i}.token_ids` missing for a sequence that declares `unrecorded` positions (the reference
+/// rebuilds them from it) and a step's `s{k}.tokens` that differ from the token ids.
 pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
     if bytes.starts_with(b"GGUF") {
@@ -355,7 +356,7 @@ fn seq_token_ids_index(name: &str) -> Option<usize> {
 /// Reads every `seq{i}.token_ids` of `st`: `i` one of the header's sequences, a 1-D integer
 /// tensor as long as the sequence's tokens (its last step's context and new tokens), each id in
 /// the vocabulary; a prefix-cache hit whose two sequences both have token ids must share their
-/// first `len` ids.
+/// first `len` ids; a sequence declaring `unrecorded` positions must have token ids.
 ///
 /// Errors: [`Error::Safetensors`] naming the tensor, or the hit's
 /// `__metadata__.header.steps[k].seqs[i].prefix`.
@@ -388,10 +389,16 @@ fn read_token_ids(
             .max()
             .unwrap_or(0);
         if shape.iter().filter(|&&d| d != 1).count() > 1 || shape.iter().product::<usize>() != len {
+            let unrecorded = header.steps.iter().find_map(|s| s.seqs[i].unrecorded);
             return Err(dump_error(
                 path,
                 name,
-                format!("shape {shape:?}: expected [{len}] (sequence {i}'s tokens, a cached prefix included)"),
+                format!(
+                    "shape {shape:?}: expected [{len}] (sequence {i}'s tokens, a cached prefix included{})",
+                    unrecorded.map_or(String::new(), |u| format!(
+                        "; the first {u} rebuild its unrecorded positions"
+                    ))
+                ),
             ));
         }
         let (v, is_float) = values(path, name, view.dtype(), &shape, view.data())?;
@@ -418,6 +425,17 @@ fn read_token_ids(
     }
     for (k, spec) in header.steps.iter().enumerate() {
         for (i, q) in spec.seqs.iter().enumerate() {
+            if let Some(u) = q.unrecorded
+                && !out.contains_key(&i)
+            {
+                return Err(dump_error(
+                    path,
+                    format!("seq{i}.token_ids"),
+                    format!(
+                        "missing: __metadata__.header.steps[{k}].seqs[{i}].unrecorded = {u} asks the reference to rebuild positions 0..{u} from it"
+                    ),
+                ));
+            }
             let Some(hit) = q.prefix else { continue };
             if let (Some(a), Some(b)) = (out.get(&i), out.get(&hit.seq))
                 && let Some(p) = (0..hit.len).find(|&p| a.get(p) != b.get(p))

@@ -43,3 +43,4 @@ mod triage_report;
 mod vllm_cpu_chunked;
 mod vllm_dumps;
 mod weights_check;
+mod windowed_dumps;

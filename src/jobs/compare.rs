@@ -227,16 +227,31 @@ fn token_derived_input(
 ) -> Result<Array2<f64>> {
     let mut h = embed_hidden(file, cfg, tokens)?;
     for k in 0..layer {
-        let wk = LayerWeights::load(file, cfg, k)?;
-        let r = crate::compute::reference::forward_full_sel(file, cfg, &wk, &h, batch, prev_sel.as_ref())?;
-        if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(k) == Some(&true)) {
-            *prev_sel = r.selection;
-        }
-        h = r
-            .hidden_out
-            .ok_or_else(|| Error::Internal(format!("reference: layer {k} produced no hidden_out")))?;
+        h = next_layer_input(file, cfg, &h, batch, k, prev_sel)?;
     }
     Ok(h)
+}
+
+/// The input of layer `k + 1` [T, H] f64: the reference forward of layer `k` whole (its MoE FFN
+/// included) on its input `h` (rows of `batch`), keeping `prev_sel` (the latest full DSA indexer
+/// layer's selection) up to date.
+///
+/// Errors: a layer that cannot run; [`Error::Internal`] when it returns no `hidden_out`.
+fn next_layer_input(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    h: &Array2<f64>,
+    batch: &Batch,
+    k: usize,
+    prev_sel: &mut Option<Selection>,
+) -> Result<Array2<f64>> {
+    let wk = LayerWeights::load(file, cfg, k)?;
+    let r = crate::compute::reference::forward_full_sel(file, cfg, &wk, h, batch, prev_sel.as_ref())?;
+    if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(k) == Some(&true)) {
+        *prev_sel = r.selection;
+    }
+    r.hidden_out
+        .ok_or_else(|| Error::Internal(format!("reference: layer {k} produced no hidden_out")))
 }
 
 /// The run record of a dump comparison: the dumped `layers` and batch, input and path `dump`,
@@ -473,7 +488,9 @@ fn take_heads(t: &TraceTensor, stage: Stage, cfg: &MlaConfig, [a, b]: [usize; 2]
 /// findings come first: an engine loads its weights before it computes), then every step of
 /// every dumped layer, each step
 /// against the reference run from position 0 over the sequences' cached context and new tokens
-/// (fed with the `hidden_in` rows of the steps up to it), judging only the step's new rows; where
+/// (fed with the `hidden_in` rows of the steps up to it, and for a sequence's `unrecorded`
+/// positions with layer inputs rebuilt from its token ids, each (sequence, layer) once; the
+/// step declaring them notes them), judging only the step's new rows; where
 /// a step holds layers n−1 and n, its `L{n}.hidden_in` is judged against its own
 /// `L{n-1}.hidden_out`, or without one against the reference's output of layer n−1 on the step's
 /// rows (after [`crate::model::dump::read`] divided out a declared `conventions.residual_scale`).
@@ -513,15 +530,10 @@ pub fn compare_steps(
     let mut not_dumped = Vec::new();
     let mut conversions = Vec::new();
     let mut tensor_types = Vec::new();
-    let mut layers: Vec<usize> = steps_dump
-        .steps
-        .iter()
-        .flat_map(|(_, d)| d.layers.keys().copied())
-        .collect();
-    layers.sort_unstable();
-    layers.dedup();
+    let layers = steps_layers(steps_dump);
     let n_seq = header.steps[0].seqs.len();
     let stages_dumped = dumped_stages(steps_dump.steps.iter().flat_map(|(_, d)| d.layers.values()));
+    let mut rows = ContextRows::new(steps_dump, file, cfg);
     for (k, (spec, d)) in steps_dump.steps.iter().enumerate() {
         conversions.extend(d.conversions.iter().map(|c| format!("{}: {c}", spec.name)));
         let t_new = d.batch.n_tokens();
@@ -537,7 +549,7 @@ pub fn compare_steps(
             if tensor_types.is_empty() {
                 tensor_types = w.types.clone();
             }
-            let full_in = gather_hidden_in(steps_dump, k, &live, layer, t_full, cfg.hidden)?;
+            let full_in = rows.gather(k, &live, layer, t_full)?;
             let next_dumped = d.layers.contains_key(&(layer + 1));
             let layer_ref =
                 dumped_layer_reference(file, cfg, &w, &full_in, &full, dumped, next_dumped, tp, &mut prev_sel)?;
@@ -570,7 +582,7 @@ pub fn compare_steps(
                 chunks: &chunks,
             };
             let paged = dump_paged_step(steps_dump, k, &live, layer, cfg, &layer_ref.trace);
-            let (result, layer_findings) = judge_dumped_layer(
+            let (mut result, layer_findings) = judge_dumped_layer(
                 judge_cfg,
                 &d.batch,
                 &reference,
@@ -582,6 +594,7 @@ pub fn compare_steps(
                 Some(spec.name.clone()),
                 paged.as_ref(),
             );
+            result.notes.extend(rebuilt_note(spec));
             if findings.is_empty() {
                 findings.extend(layer_findings);
             }
@@ -623,6 +636,16 @@ pub fn compare_steps(
         }),
         loaded_weights,
     })
+}
+
+/// The layers any step of `steps_dump` holds, ascending, each once.
+fn steps_layers(steps_dump: &StepsDump) -> Vec<usize> {
+    let set: std::collections::BTreeSet<usize> = steps_dump
+        .steps
+        .iter()
+        .flat_map(|(_, d)| d.layers.keys().copied())
+        .collect();
+    set.into_iter().collect()
 }
 
 /// The tolerance rows of a format-2 comparison, first that applies: `precision` (`compare
@@ -680,7 +703,9 @@ fn engine_tp(steps_dump: &StepsDump, cfg: &MlaConfig) -> Result<usize> {
 /// with new tokens), the latent rows (`kv_c_normed ‖ k_pe_roped`) of every position of those
 /// sequences from the dump's steps `0..=k` (a step that did not dump one of them: the
 /// reference's rows, from `full_ref`, the reference over the step's full batch), their writes in
-/// step order at the recorded `slot_mapping` where there is one, and per row of the step how it
+/// step order at the recorded `slot_mapping` where there is one (positions the dump did not
+/// record, `unrecorded`, first, at the slots the step's recorded block tables give, when it
+/// recorded them), and per row of the step how it
 /// read the cache as vLLM splits a batch: a decode row (one new token) reads every position
 /// through the cache, its own included; a prefill row reads its sequence's cached context
 /// through the cache and its new tokens directly. `None` when no row of the step reads the cache
@@ -721,6 +746,17 @@ fn dump_paged_step(
         off += len;
     }
     let mut writes = Vec::new();
+    // The positions written before the dump's first step: at the slots the recorded block
+    // tables give (without them, the replays infer the tables from the recorded slots alone).
+    for (li, &i) in live.iter().enumerate().filter(|_| paging.block_table.is_some()) {
+        if let Some(n) = sd.steps[..=k].iter().find_map(|(sj, _)| sj.seqs[i].unrecorded) {
+            writes.extend((0..n.min(lens[li])).map(|pos| CacheWrite {
+                seq: li,
+                pos,
+                slot: None,
+            }));
+        }
+    }
     for ((sj, dj), pj) in sd.steps[..=k].iter().zip(&sd.paging) {
         let trace = dj.layers.get(&layer);
         let own = |st: Stage| {
@@ -853,66 +889,88 @@ fn step_context_partials(
     (out, seqs)
 }
 
-/// `hidden_in` [T_full, H] of `layer` for the full sequences `live` of step `k` (each from
-/// position 0), gathered from the new rows of steps `0..=k` in sequence order; the positions of
-/// a prefix-cache hit (`prefix`) from the sequence it names ([`seq_hidden_in`]).
-///
-/// Errors: [`Error::Input`] naming a step `0..=k` that lacks `L{layer}.hidden_in` for a
-/// sequence that step `k` attends to.
-fn gather_hidden_in(
-    sd: &StepsDump,
-    k: usize,
-    live: &[usize],
-    layer: usize,
-    t_full: usize,
-    hidden: usize,
-) -> Result<Array2<f64>> {
-    let mut full_in = Array2::<f64>::zeros((t_full, hidden));
-    let mut row = 0;
-    for &i in live {
-        for x in seq_hidden_in(sd, k, k + 1, i, layer, hidden)? {
-            if row < t_full {
-                full_in.row_mut(row).assign(&x);
-            }
-            row += 1;
-        }
-    }
-    Ok(full_in)
+/// The layer inputs a format-2 step's reference runs from: each sequence's `hidden_in` rows as
+/// the dump's steps hold them, a prefix-cache hit's from the sequence it names, and the
+/// positions the dump did not record (`unrecorded`) rebuilt from the sequence's token ids, each
+/// (sequence, layer) computed once however many steps attend to it.
+struct ContextRows<'a> {
+    sd: &'a StepsDump,
+    file: &'a GgufFile,
+    cfg: &'a MlaConfig,
+    /// `(sequence, layer)` → the rebuilt `hidden_in` [n, H] f64 of its unrecorded positions.
+    rebuilt: std::collections::HashMap<(usize, usize), Array2<f64>>,
+    /// Per sequence, the highest layer rebuilt so far and the DSA selection carried to it, from
+    /// which a later layer continues.
+    frontier: std::collections::HashMap<usize, (usize, Option<Selection>)>,
 }
 
-/// The `hidden_in` rows of `layer` of sequence `i` that steps `0..end` hold, position after
-/// position: where a step before `end` declares a prefix-cache hit `{seq: j, len: n}` of `i`,
-/// first sequence `j`'s positions `0..n` as steps before that one hold them (recursively: the
-/// header's checks make each hop go to an earlier step), then `i`'s own new rows, step after
-/// step. `k` is the judged step, for errors.
-///
-/// Errors: [`Error::Input`] naming a step that lacks `L{layer}.hidden_in` for a sequence the
-/// judged step attends to.
-fn seq_hidden_in(
-    sd: &StepsDump,
-    k: usize,
-    end: usize,
-    i: usize,
-    layer: usize,
-    hidden: usize,
-) -> Result<Vec<ndarray::Array1<f64>>> {
-    let spec = &sd.steps[k].0;
-    let mut out = Vec::new();
-    let hit = sd.steps[..end]
-        .iter()
-        .enumerate()
-        .find_map(|(k0, (sj, _))| sj.seqs[i].prefix.map(|h| (k0, h)));
-    if let Some((k0, h)) = hit {
-        let mut src = seq_hidden_in(sd, k, k0, h.seq, layer, hidden)?;
-        src.truncate(h.len);
-        out.extend(src);
-    }
-    for (j, (sj, dj)) in sd.steps[..end].iter().enumerate() {
-        let nj = sj.seqs[i].new;
-        if nj == 0 {
-            continue;
+impl<'a> ContextRows<'a> {
+    fn new(sd: &'a StepsDump, file: &'a GgufFile, cfg: &'a MlaConfig) -> Self {
+        ContextRows {
+            sd,
+            file,
+            cfg,
+            rebuilt: std::collections::HashMap::new(),
+            frontier: std::collections::HashMap::new(),
         }
-        let x = dj
+    }
+
+    /// `hidden_in` [T_full, H] of `layer` for the full sequences `live` of step `k` (each from
+    /// position 0), gathered from the new rows of steps `0..=k` in sequence order; the positions
+    /// of a prefix-cache hit (`prefix`) from the sequence it names, unrecorded ones rebuilt
+    /// ([`ContextRows::seq`]).
+    ///
+    /// Errors: [`Error::Input`] naming a step `0..=k` that lacks `L{layer}.hidden_in` for a
+    /// sequence that step `k` attends to; a rebuild's errors ([`ContextRows::unrecorded`]).
+    fn gather(&mut self, k: usize, live: &[usize], layer: usize, t_full: usize) -> Result<Array2<f64>> {
+        let mut full_in = Array2::<f64>::zeros((t_full, self.cfg.hidden));
+        let mut row = 0;
+        for &i in live {
+            for x in self.seq(k, k + 1, i, layer)? {
+                if row < t_full {
+                    full_in.row_mut(row).assign(&x);
+                }
+                row += 1;
+            }
+        }
+        Ok(full_in)
+    }
+
+    /// The `hidden_in` rows of `layer` of sequence `i` that steps `0..end` hold, position after
+    /// position: where a step declares `unrecorded = n` for `i`, first its positions `0..n`
+    /// rebuilt from its token ids ([`ContextRows::unrecorded`]); where a step before `end`
+    /// declares a prefix-cache hit `{seq: j, len: n}`, first sequence `j`'s positions `0..n` as
+    /// steps before that one hold them (recursively: the header's checks make each hop go to an
+    /// earlier step); then `i`'s own new rows, step after step. `k` is the judged step, for
+    /// errors.
+    ///
+    /// Errors: [`Error::Input`] naming a step that lacks `L{layer}.hidden_in` for a sequence the
+    /// judged step attends to; a rebuild's errors.
+    fn seq(&mut self, k: usize, end: usize, i: usize, layer: usize) -> Result<Vec<ndarray::Array1<f64>>> {
+        let sd = self.sd;
+        let hidden = self.cfg.hidden;
+        let spec = &sd.steps[k].0;
+        let mut out = Vec::new();
+        // Unrecorded positions were cached before the dump's first step, whichever step
+        // declares them (a prefix-cache hit may read them in that very step).
+        if let Some(n) = sd.steps.iter().find_map(|(sj, _)| sj.seqs[i].unrecorded) {
+            out.extend(self.unrecorded(i, n, layer)?.rows().into_iter().map(|r| r.to_owned()));
+        }
+        let hit = sd.steps[..end]
+            .iter()
+            .enumerate()
+            .find_map(|(k0, (sj, _))| sj.seqs[i].prefix.map(|h| (k0, h)));
+        if let Some((k0, h)) = hit {
+            let mut src = self.seq(k, k0, h.seq, layer)?;
+            src.truncate(h.len);
+            out.extend(src);
+        }
+        for (j, (sj, dj)) in sd.steps[..end].iter().enumerate() {
+            let nj = sj.seqs[i].new;
+            if nj == 0 {
+                continue;
+            }
+            let x = dj
                 .layers
                 .get(&layer)
                 .and_then(|t| t.get(&Site::new(layer, Stage::HiddenIn)))
@@ -926,19 +984,84 @@ fn seq_hidden_in(
                         ),
                     )
                 })?;
-        let t_j = dj.batch.n_tokens();
-        let a = to_array(x, t_j, hidden)?;
-        let start: usize = (0..i).map(|p| sj.seqs[p].new).sum();
-        for r in 0..nj {
-            out.push(a.row(start + r).to_owned());
+            let t_j = dj.batch.n_tokens();
+            let a = to_array(x, t_j, hidden)?;
+            let start: usize = (0..i).map(|p| sj.seqs[p].new).sum();
+            for r in 0..nj {
+                out.push(a.row(start + r).to_owned());
+            }
+        }
+        Ok(out)
+    }
+
+    /// `hidden_in` [n, H] f64 of `layer` at sequence `i`'s unrecorded positions `0..n`, rebuilt
+    /// from its token ids `[..n]` as one sequence from position 0: the embedding at layer 0, the
+    /// reference forward of layers `0..layer` whole after it ([`token_derived_input`]'s steps).
+    /// Each (sequence, layer) is computed once; a higher layer continues from the highest one
+    /// computed.
+    ///
+    /// Errors: [`Error::Input`] naming `seq{i}.token_ids` when the dump holds fewer than `n` ids
+    /// of the sequence (the reader refuses such a dump first); a layer that cannot run.
+    fn unrecorded(&mut self, i: usize, n: usize, layer: usize) -> Result<&Array2<f64>> {
+        if !self.rebuilt.contains_key(&(i, layer)) {
+            let ids = self.sd.token_ids.get(&i).and_then(|ids| ids.get(..n)).ok_or_else(|| {
+                Error::input(
+                    &self.sd.path,
+                    format!("seq{i}.token_ids"),
+                    format!("holds fewer than the {n} ids of the unrecorded positions it rebuilds"),
+                )
+            })?;
+            let batch = Batch {
+                seqs: vec![SeqSpec { len: n, start_pos: 0 }],
+            };
+            let resume = self
+                .frontier
+                .get(&i)
+                .filter(|(m, _)| *m <= layer)
+                .and_then(|(m, sel)| Some((*m, self.rebuilt.get(&(i, *m))?.clone(), sel.clone())));
+            let (mut at, mut h, mut sel) = match resume {
+                Some(r) => r,
+                None => (0, embed_hidden(self.file, self.cfg, ids)?, None),
+            };
+            while at < layer {
+                h = next_layer_input(self.file, self.cfg, &h, &batch, at, &mut sel)?;
+                at += 1;
+            }
+            self.frontier.insert(i, (layer, sel));
+            self.rebuilt.insert((i, layer), h);
+        }
+        self.rebuilt
+            .get(&(i, layer))
+            .ok_or_else(|| Error::Internal("rebuilt context rows not kept".into()))
+    }
+}
+
+/// The note on step `spec`'s results when its sequences declare `unrecorded` positions:
+/// `context rebuilt from token ids: seq 0 positions 0..n, … (not judged)`. Said on the step that
+/// declares them: later steps attend to them too, but none judges them.
+fn rebuilt_note(spec: &crate::model::dump::StepSpec) -> Option<String> {
+    rebuilt_line(std::iter::once(spec)).map(|l| format!("context rebuilt from token ids: {l} (not judged)"))
+}
+
+/// The unrecorded positions of the sequences of the steps `seqs` that declare them: `seq {i}
+/// positions 0..{n}`, comma-separated, in header order; `None` when none does.
+fn rebuilt_line<'s>(seqs: impl Iterator<Item = &'s crate::model::dump::StepSpec>) -> Option<String> {
+    let mut parts = Vec::new();
+    for spec in seqs {
+        for (i, q) in spec.seqs.iter().enumerate() {
+            if let Some(n) = q.unrecorded {
+                parts.push((i, format!("seq {i} positions 0..{n}")));
+            }
         }
     }
-    Ok(out)
+    parts.sort_by_key(|p| p.0);
+    (!parts.is_empty()).then(|| parts.into_iter().map(|p| p.1).collect::<Vec<_>>().join(", "))
 }
 
 /// The `metadata` a format-2 comparison reports: format, model, hook, the engine's attention
-/// and prefill backends, the step names, `kernel_precision`, `heads` and the TP size and rank
-/// (`tp_size`, `tp_rank`) when the header has them.
+/// and prefill backends, the step names, `kernel_precision`, `heads`, the TP size and rank
+/// (`tp_size`, `tp_rank`) and the positions rebuilt from token ids (`context_rebuilt`,
+/// [`rebuilt_line`]) when the header has them.
 fn steps_metadata(h: &crate::model::dump::DumpHeader) -> std::collections::BTreeMap<String, String> {
     let mut metadata = std::collections::BTreeMap::new();
     metadata.insert("format".to_string(), crate::model::dump::FORMAT2.to_string());
@@ -955,6 +1078,9 @@ fn steps_metadata(h: &crate::model::dump::DumpHeader) -> std::collections::BTree
     }
     let steps: Vec<String> = h.steps.iter().map(|s| s.name.clone()).collect();
     metadata.insert("steps".to_string(), steps.join(","));
+    if let Some(l) = rebuilt_line(h.steps.iter()) {
+        metadata.insert("context_rebuilt".to_string(), l);
+    }
     if let Some(k) = h.kernel_precision {
         metadata.insert("kernel_precision".to_string(), k.to_string());
     }

@@ -5,7 +5,8 @@
 //! within 1e-12 relative (a GEMM over another number of rows may sum in another order). Checked
 //! on every committed multi-step dump: vLLM's real code on the CPU harness (chunked prefill
 //! over cached context, a prefix-cache hit, mixed batches, the chunk-loop plants) and the plant
-//! dumps (split-KV decode, paged cache, residual scale, …).
+//! dumps (split-KV decode, paged cache, residual scale, …). Also `compare --stats` and
+//! `compare --backend cuda` on a machine without a GPU.
 
 use std::path::Path;
 
@@ -14,7 +15,7 @@ use mla_diff::model::config::MlaConfig;
 use mla_diff::model::dump::{self, DumpFile};
 use mla_diff::model::gguf::GgufFile;
 
-use crate::common::repo;
+use crate::common::{repo, run_bin};
 
 /// The JSON report of the format-2 dump `dump` (its model `golden/models/<fixture>.gguf`), its
 /// steps' references as `references` says, and how many ran.
@@ -103,4 +104,92 @@ fn one_union_reference_judges_every_step_as_its_own_reference_does() {
     // 6 live-cpu dumps and 58 plant dumps, clean and planted.
     assert!(checked >= 60, "{checked} multi-step dumps");
     assert!(diverging >= 40, "{diverging} dumps with a finding");
+}
+
+#[test]
+fn compare_stats_names_the_references_and_every_stage() {
+    let dump = repo().join("golden/dumps/live-cpu/legacy-kvb-f32.merge-suffix-stride.safetensors");
+    let model = repo().join("golden/models/legacy-kvb-f32.gguf");
+    let (code, out, err) = run_bin(&[
+        "compare",
+        "--model",
+        model.to_str().unwrap(),
+        "--dump",
+        dump.to_str().unwrap(),
+        "--quiet",
+        "--stats",
+    ]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(err.contains("mla-diff: stats: wall "), "{err}");
+    assert!(err.contains("peak RSS"), "{err}");
+    assert!(
+        err.contains("mla-diff: references: 1 over the union of 10 step(s), 0 of one step each"),
+        "{err}"
+    );
+    let stages = err
+        .lines()
+        .find(|l| l.starts_with("mla-diff: stages: "))
+        .unwrap_or_default();
+    for stage in [
+        "open ",
+        "read ",
+        "identity ",
+        "dequant ",
+        "input ",
+        "reference ",
+        "step rows ",
+        "judge ",
+        "diagnose ",
+        "report ",
+    ] {
+        assert!(stages.contains(stage), "`{stage}` not in {stages}");
+    }
+    // One reference, ten steps judged.
+    let stage = |name: &str| {
+        stages
+            .trim_start_matches("mla-diff: stages: ")
+            .split(", ")
+            .find(|s| s.starts_with(name))
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert!(!stage("reference ").contains('×'), "{stages}");
+    assert!(stage("judge ").ends_with("(10×)"), "{stages}");
+}
+
+#[test]
+fn compare_backend_cuda_without_a_gpu_is_one_exit_2_line() {
+    if mla_diff::device::probe().is_ok() {
+        eprintln!("skipped: a CUDA device answers");
+        return;
+    }
+    let dump = repo().join("golden/dumps/live-cpu/legacy-kvb-f32.prefix.safetensors");
+    let model = repo().join("golden/models/legacy-kvb-f32.gguf");
+    let (code, out, err) = run_bin(&[
+        "compare",
+        "--model",
+        model.to_str().unwrap(),
+        "--dump",
+        dump.to_str().unwrap(),
+        "--backend",
+        "cuda",
+    ]);
+    assert_eq!(code, 2, "{out}\n{err}");
+    assert!(out.is_empty(), "{out}");
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(lines[0].starts_with("mla-diff: error: CUDA"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    // auto falls back to the CPU reference and says why; the verdict is the CPU one.
+    let (code, out, err) = run_bin(&[
+        "compare",
+        "--model",
+        model.to_str().unwrap(),
+        "--dump",
+        dump.to_str().unwrap(),
+        "--backend",
+        "auto",
+    ]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(err.contains("mla-diff: backend cpu (auto: "), "{err}");
 }

@@ -965,3 +965,52 @@ fn device_attention_over_keys_read_by_index_matches_the_cpu() {
         assert_eq!(got.1[296 * nh], f32::NEG_INFINITY, "{what}: the row with no key");
     }
 }
+
+/// `compare --backend cuda`: each committed scheduled-run dump (format 2, vLLM's real code on
+/// the CPU harness) judged with the f64 reference on the GPU gives the verdict, findings and
+/// site statuses the CPU reference gives, through the same union reference.
+#[test]
+fn compare_with_the_gpu_reference_judges_as_the_cpu_one() {
+    use mla_diff::jobs::compare::{CompareOptions, compare_steps_with};
+    use mla_diff::model::dump::DumpFile;
+    let Some(ops) = device() else { return };
+    let gpu = CompareOptions {
+        backend: Backend::Cuda(ops.with_gpu_reference(true)),
+        ..CompareOptions::default()
+    };
+    let dir = common::repo().join("golden/dumps/live-cpu");
+    let mut names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    names.sort();
+    let file = mla_diff::model::gguf::GgufFile::open(common::repo().join("golden/models/legacy-kvb-f32.gguf")).unwrap();
+    let cfg = MlaConfig::from_gguf(&file).unwrap();
+    let verdicts = |opts: &CompareOptions, p: &std::path::Path| {
+        let DumpFile::Steps(sd) = mla_diff::model::dump::read(p, None, &cfg).unwrap() else {
+            panic!("{}: not format 2", p.display())
+        };
+        let (rep, tally) = compare_steps_with(&file, &cfg, &sd, None, None, None, opts).unwrap();
+        let doc = mla_diff::output::report::json(&rep);
+        let sites: Vec<String> = doc["sites"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| format!("{} {} {}", s["step"], s["site"], s["status"]))
+            .collect();
+        let findings: Vec<String> = doc["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| format!("{} {}", f["class"], f["site"]))
+            .collect();
+        (sites, findings, tally.per_step)
+    };
+    for p in names
+        .iter()
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+    {
+        let cpu = verdicts(&CompareOptions::default(), p);
+        let on_gpu = verdicts(&gpu, p);
+        eprintln!("{}: {} sites, findings {:?}", p.display(), cpu.0.len(), cpu.1);
+        assert_eq!(cpu, on_gpu, "{}", p.display());
+        assert_eq!(on_gpu.2, 0, "{}: the union served every step", p.display());
+    }
+}

@@ -40,6 +40,7 @@ mod snapshots;
 mod split_merge;
 mod tensor_table;
 mod triage_report;
+mod union_reference;
 mod vllm_cpu_chunked;
 mod vllm_dumps;
 mod weights_check;

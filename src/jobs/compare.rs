@@ -7,15 +7,17 @@
 
 use ndarray::Array2;
 
+use crate::backend::Backend;
 use crate::compute::indexer::Selection;
 use crate::compute::paged::{CacheWrite, PagedQuery, PagedSeq, PagedStep};
 use crate::compute::path::PathOptions;
+use crate::compute::reference::RefOutput;
 use crate::compute::reference::context::{ContextSeq, context_partials};
-use crate::compute::reference::{RefOutput, reference_layer, reference_layer_full};
 use crate::core::batch::{Batch, SeqSpec};
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
-use crate::core::trace::{Site, Stage, Trace, TraceTensor};
+use crate::core::timing;
+use crate::core::trace::{Site, Stage, TensorData, Trace, TraceTensor};
 use crate::judge::diagnose::Finding;
 use crate::judge::diagnose::{self, DiagnoseInput, DumpScope, PathEvidence};
 use crate::judge::label::PathLabel;
@@ -85,6 +87,27 @@ pub fn compare_dump(
     dtype: Option<EngineDtype>,
     precision: Option<Dtype>,
 ) -> Result<RunReport> {
+    compare_dump_with(file, cfg, dump, map_name, dtype, precision, &CompareOptions::default())
+}
+
+/// [`compare_dump`] with the reference of each dumped layer where `opts.backend` runs it
+/// ([`Backend::reference`]; the layers a token-derived input passes through run on the CPU).
+///
+/// Errors: as [`compare_dump`], and CUDA failures.
+#[allow(
+    clippy::too_many_lines,
+    reason = "one pass over the dumped layers: each layer's input, its reference, the handover from the layer before, judging"
+)]
+pub fn compare_dump_with(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    dump: &Dump,
+    map_name: Option<String>,
+    dtype: Option<EngineDtype>,
+    precision: Option<Dtype>,
+    opts: &CompareOptions,
+) -> Result<RunReport> {
+    let backend = &opts.backend;
     let dtype = dtype.unwrap_or(dump.dtype);
     let precision = precision.map_or(dtype.precision(), Precision::from);
     let t = dump.batch.n_tokens();
@@ -100,7 +123,9 @@ pub fn compare_dump(
     let no_context = vec![0; dump.batch.seqs.len()];
     for (i, &layer) in layers.iter().enumerate() {
         let dumped = &dump.layers[&layer];
-        let w = LayerWeights::load(file, cfg, layer)?;
+        let w = timing::stage("dequant", || backend.load_layer_weights(file, cfg, layer))?;
+        let _release = ReleaseLayerWeights(backend);
+        file.release_resident_pages();
         if tensor_types.is_empty() {
             tensor_types = w.types.clone();
         }
@@ -138,17 +163,20 @@ pub fn compare_dump(
             }
         };
         let next_dumped = dump.layers.contains_key(&(layer + 1));
-        let layer_ref = dumped_layer_reference(
-            file,
-            cfg,
-            &w,
-            &input,
-            &dump.batch,
-            dumped,
-            next_dumped,
-            1,
-            &mut prev_sel,
-        )?;
+        let layer_ref = timing::stage("reference", || {
+            dumped_layer_reference(
+                backend,
+                file,
+                cfg,
+                &w,
+                &input,
+                &dump.batch,
+                dumped,
+                next_dumped,
+                1,
+                &mut prev_sel,
+            )
+        })?;
         let ref_out = layer_ref.hidden_out;
         let mut reference = layer_ref.trace;
         if let Some(e) = expected_in {
@@ -269,18 +297,61 @@ fn dump_run_record(dump: &Dump, layers: Vec<usize>, dtype: EngineDtype, engine: 
     }
 }
 
-/// The reference of one dumped layer on `input` (rows of `batch`): with the layer's MoE FFN when
-/// the dump holds any MoE site or `hidden_out` of it, or when `next_dumped` (the next layer is
-/// dumped, and its `hidden_in` is judged against this layer's output); with the per-rank sites
-/// (`w.*.rank<r>`, `o_proj.rank<r>`) of the engine's `tp` ranks. Keeps `prev_sel`, the selection
-/// of the latest full DSA indexer layer that GLM's shared layers borrow, up to date.
+/// Whether a dumped layer's reference runs its MoE FFN: on an MoE layer, when the dump holds
+/// any MoE site or `hidden_out` of it (`dumped`), or when `next_dumped` (the next layer is
+/// dumped, and its `hidden_in` is judged against this layer's output).
+fn runs_ffn(cfg: &MlaConfig, layer: usize, dumped: &Trace, next_dumped: bool) -> bool {
+    let wants_ffn = next_dumped
+        || dumped
+            .entries()
+            .iter()
+            .any(|(s, _)| s.stage.is_moe() || s.stage == Stage::HiddenOut);
+    cfg.is_moe_layer(layer) && wants_ffn
+}
+
+/// The reference of one dumped layer on `input` (rows of `batch`), where `backend` runs it
+/// ([`Backend::reference`], downloaded to the host): with the layer's MoE FFN when `full`
+/// ([`runs_ffn`]); with the per-rank sites (`w.*.rank<r>`, `o_proj.rank<r>`) of the engine's
+/// `tp` ranks. Keeps `prev_sel`, the selection of the latest full DSA indexer layer that GLM's
+/// shared layers borrow, up to date.
 ///
-/// Errors: as [`reference_layer_full`].
+/// Errors: as [`crate::compute::reference::reference_layer_full`], and CUDA failures.
 #[allow(
     clippy::too_many_arguments,
-    reason = "the model (file, cfg, w), the layer's input rows (input, batch), what the dump holds of the layer (dumped, next_dumped, tp) and the selection carried across layers come from four different places at both call sites"
+    reason = "the backend, the model (file, cfg, w), the layer's input rows (input, batch), what the reference computes (full, tp) and the selection carried across layers"
+)]
+fn layer_reference(
+    backend: &Backend,
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    input: &Array2<f64>,
+    batch: &Batch,
+    full: bool,
+    tp: usize,
+    prev_sel: &mut Option<Selection>,
+) -> Result<RefOutput> {
+    let (layer_ref, _) = backend.reference(file, cfg, w, input, batch, tp, prev_sel.as_ref(), full, false)?;
+    if cfg
+        .indexer
+        .as_ref()
+        .is_some_and(|ix| ix.full.get(w.layer) == Some(&true))
+    {
+        prev_sel.clone_from(&layer_ref.selection);
+    }
+    Ok(layer_ref)
+}
+
+/// The reference of one dumped layer on `input` (rows of `batch`): [`layer_reference`] with the
+/// MoE FFN as [`runs_ffn`] says for the sites `dumped` and `next_dumped`.
+///
+/// Errors: as [`layer_reference`].
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the backend, the model (file, cfg, w), the layer's input rows (input, batch), what the dump holds of the layer (dumped, next_dumped, tp) and the selection carried across layers"
 )]
 fn dumped_layer_reference(
+    backend: &Backend,
     file: &GgufFile,
     cfg: &MlaConfig,
     w: &LayerWeights,
@@ -291,24 +362,8 @@ fn dumped_layer_reference(
     tp: usize,
     prev_sel: &mut Option<Selection>,
 ) -> Result<RefOutput> {
-    let wants_ffn = next_dumped
-        || dumped
-            .entries()
-            .iter()
-            .any(|(s, _)| s.stage.is_moe() || s.stage == Stage::HiddenOut);
-    let layer_ref = if cfg.is_moe_layer(w.layer) && wants_ffn {
-        reference_layer_full(file, cfg, w, input, batch, tp, prev_sel.as_ref())?
-    } else {
-        reference_layer(cfg, w, input, batch, tp, prev_sel.as_ref())?
-    };
-    if cfg
-        .indexer
-        .as_ref()
-        .is_some_and(|ix| ix.full.get(w.layer) == Some(&true))
-    {
-        prev_sel.clone_from(&layer_ref.selection);
-    }
-    Ok(layer_ref)
+    let full = runs_ffn(cfg, w.layer, dumped, next_dumped);
+    layer_reference(backend, file, cfg, w, input, batch, full, tp, prev_sel)
 }
 
 /// One dumped layer's sites against its reference (the tolerance rows of `precision`), as the
@@ -332,22 +387,9 @@ fn judge_dumped_layer(
     step: Option<String>,
     paged: Option<&PagedStep>,
 ) -> (PathResult, Vec<Finding>) {
-    let diffs = metrics::diff(reference, dumped, precision);
-    let findings = diagnose::diagnose(&DiagnoseInput {
-        cfg,
-        batch,
-        reference,
-        paths: vec![PathEvidence {
-            kind: PathLabel::Dump,
-            trace: dumped,
-            diffs: &diffs,
-            empty_partial_rows: &[],
-            unservable: None,
-            paged,
-        }],
-        tp,
-        precision,
-        dump: Some(scope),
+    let diffs = timing::stage("judge", || metrics::diff(reference, dumped, precision));
+    let findings = timing::stage("diagnose", || {
+        diagnose_dumped_layer(cfg, batch, reference, dumped, &diffs, precision, tp, scope, paged)
     });
     let result = PathResult {
         path: PathLabel::Dump,
@@ -358,6 +400,41 @@ fn judge_dumped_layer(
         not_run: None,
     };
     (result, findings)
+}
+
+/// The dump's findings at one dumped layer whose sites `dumped` were judged against
+/// `reference` (`diffs`), as [`judge_dumped_layer`] diagnoses them.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the model and batch (cfg, batch), both traces and their diffs, and how to diagnose them (precision, tp, scope, paged)"
+)]
+fn diagnose_dumped_layer(
+    cfg: &MlaConfig,
+    batch: &Batch,
+    reference: &Trace,
+    dumped: &Trace,
+    diffs: &[crate::judge::metrics::SiteDiff],
+    precision: Precision,
+    tp: usize,
+    scope: DumpScope<'_>,
+    paged: Option<&PagedStep>,
+) -> Vec<Finding> {
+    diagnose::diagnose(&DiagnoseInput {
+        cfg,
+        batch,
+        reference,
+        paths: vec![PathEvidence {
+            kind: PathLabel::Dump,
+            trace: dumped,
+            diffs,
+            empty_partial_rows: &[],
+            unservable: None,
+            paged,
+        }],
+        tp,
+        precision,
+        dump: Some(scope),
+    })
 }
 
 /// The reference sites one step lacks, each once, in two lists: `first` the sites whose stage
@@ -483,6 +560,295 @@ fn take_heads(t: &TraceTensor, stage: Stage, cfg: &MlaConfig, [a, b]: [usize; 2]
     TraceTensor::f64(shape, v)
 }
 
+/// How `compare` computes the reference it judges a dump against.
+#[derive(Debug, Clone)]
+pub struct CompareOptions {
+    /// Where the f64 reference of each dumped layer runs ([`Backend::reference`]): the CPU, or
+    /// for a CUDA backend with the GPU reference on, the GPU where it computes the layer (not a
+    /// DSA layer, not an MoE FFN), downloaded to the host for judging.
+    pub backend: Backend,
+    /// How a format-2 dump's steps get their reference.
+    pub references: StepReferences,
+}
+
+impl Default for CompareOptions {
+    /// The CPU reference, one union reference per dumped layer where it is valid.
+    fn default() -> Self {
+        CompareOptions {
+            backend: Backend::Cpu(crate::backend::cpu::CpuOps::new(Dtype::F32)),
+            references: StepReferences::Union,
+        }
+    }
+}
+
+/// How a format-2 dump's steps get their reference.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepReferences {
+    /// One reference per dumped layer over the union of the steps' sequences, each step's rows
+    /// selected from it, where the steps only extend their sequences (see
+    /// [`compare_steps_with`]); each step its own reference where not.
+    Union,
+    /// Each step its own reference over its full batch (the union's oracle in the tests).
+    PerStep,
+}
+
+/// How many references a format-2 comparison ran (`compare --stats`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReferenceTally {
+    /// Union references (one per dumped layer and kind of reference).
+    pub union: usize,
+    /// The steps those union references served.
+    pub union_steps: usize,
+    /// References of one step each (a step the union does not serve, or
+    /// [`StepReferences::PerStep`]).
+    pub per_step: usize,
+}
+
+/// Frees a CUDA backend's device copy of a layer's weights when the layer is done.
+struct ReleaseLayerWeights<'a>(&'a Backend);
+
+impl Drop for ReleaseLayerWeights<'_> {
+    fn drop(&mut self) {
+        self.0.release_layer_weights();
+    }
+}
+
+/// What one step has judged so far, layer after layer.
+#[derive(Default)]
+struct StepState {
+    results: Vec<PathResult>,
+    /// The first dumped layer's findings that are not empty.
+    findings: Vec<Finding>,
+    missing: StepMissing,
+    /// The previous dumped layer's output in this step, on the step's rows.
+    prev: Option<Handover>,
+    /// The step's selection of the latest full DSA indexer layer (GLM's shared layers).
+    prev_sel: Option<Selection>,
+}
+
+/// One reference over the union of several steps' sequences (the steps of `group` that dump
+/// one layer): each sequence from position 0 to its largest extent over those steps, its input
+/// the rows the last of them gathers ([`ContextRows::gather`]). Attention is causal within a
+/// sequence and every other stage acts row by row, so a step whose input rows equal the
+/// union's on its positions has, on those rows, the reference it would compute alone (up to
+/// the summation order of a GEMM over another number of rows).
+struct UnionRef {
+    /// The reference over `batch` (T_u rows).
+    out: RefOutput,
+    /// Its input [T_u, H].
+    input: Array2<f64>,
+    /// Per header sequence, its first row in the union; `None` when no step of the group gives
+    /// it new tokens.
+    off: Vec<Option<usize>>,
+    /// Per header sequence, its rows in the union.
+    extent: Vec<usize>,
+    t: usize,
+}
+
+/// A step's rows in a [`UnionRef`]: each live sequence's positions `0..context+new` in the
+/// step's layout ([`step_full_batch`]), and of them the step's new rows.
+struct UnionRows {
+    full: Vec<usize>,
+    new: Vec<usize>,
+}
+
+impl UnionRef {
+    /// The union reference of `layer` over the steps `group` (ascending) of `sd`; `None` where
+    /// it cannot serve them: a sequence that a later step of the group holds shorter than an
+    /// earlier one, an input that cannot be gathered (the steps' own references report it), a
+    /// site with a per-token axis of another length.
+    ///
+    /// Errors: the reference's own.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the model (file, cfg, w), the dump, its context rows and the steps (sd, rows, group, layer) and how the reference runs (backend, full, tp)"
+    )]
+    fn build(
+        backend: &Backend,
+        file: &GgufFile,
+        cfg: &MlaConfig,
+        w: &LayerWeights,
+        sd: &StepsDump,
+        rows: &mut ContextRows,
+        group: &[usize],
+        layer: usize,
+        full: bool,
+        tp: usize,
+    ) -> Result<Option<UnionRef>> {
+        let n_seq = sd.header.steps[0].seqs.len();
+        let mut off = vec![None; n_seq];
+        let mut extent = vec![0; n_seq];
+        let mut last = vec![0; n_seq];
+        let mut t = 0;
+        for i in 0..n_seq {
+            let lens: Vec<(usize, usize)> = group
+                .iter()
+                .map(|&k| (k, &sd.steps[k].0.seqs[i]))
+                .filter(|(_, q)| q.new > 0)
+                .map(|(k, q)| (k, q.context + q.new))
+                .collect();
+            let Some(&(k_last, e)) = lens.last() else { continue };
+            if lens.iter().any(|&(_, len)| len > e) {
+                return Ok(None);
+            }
+            off[i] = Some(t);
+            extent[i] = e;
+            last[i] = k_last;
+            t += e;
+        }
+        let mut input = Array2::<f64>::zeros((t, cfg.hidden));
+        for i in 0..n_seq {
+            let Some(o) = off[i] else { continue };
+            let Ok(x) = timing::stage("input", || {
+                rows.gather(last[i], &[i], layer, extent[i])
+            }) else {
+                return Ok(None);
+            };
+            input.slice_mut(ndarray::s![o..o + extent[i], ..]).assign(&x);
+        }
+        let batch = Batch {
+            seqs: (0..n_seq)
+                .filter(|&i| off[i].is_some())
+                .map(|i| SeqSpec {
+                    len: extent[i],
+                    start_pos: 0,
+                })
+                .collect(),
+        };
+        let out = timing::stage("reference", || {
+            layer_reference(backend, file, cfg, w, &input, &batch, full, tp, &mut None)
+        })?;
+        let per_token = out
+            .trace
+            .entries()
+            .iter()
+            .all(|(s, x)| s.stage.is_weight() || x.shape.first() == Some(&t));
+        Ok(per_token.then_some(UnionRef {
+            out,
+            input,
+            off,
+            extent,
+            t,
+        }))
+    }
+
+    /// Step `spec`'s rows here, when its live sequences `live` are all in the union and its
+    /// input `full_in` (the step's full batch) equals the union's input on them, bit for bit.
+    fn rows(&self, spec: &crate::model::dump::StepSpec, live: &[usize], full_in: &Array2<f64>) -> Option<UnionRows> {
+        let mut rows = UnionRows {
+            full: Vec::with_capacity(full_in.nrows()),
+            new: Vec::new(),
+        };
+        for &i in live {
+            let o = self.off.get(i).copied().flatten()?;
+            let q = &spec.seqs[i];
+            let len = q.context + q.new;
+            if len > self.extent[i] {
+                return None;
+            }
+            rows.full.extend(o..o + len);
+            rows.new.extend(o + q.context..o + len);
+        }
+        if rows.full.len() != full_in.nrows() {
+            return None;
+        }
+        let same = rows.full.iter().enumerate().all(|(r, &u)| {
+            full_in
+                .row(r)
+                .iter()
+                .zip(self.input.row(u))
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+        });
+        same.then_some(rows)
+    }
+}
+
+/// Where a step's reference comes from: its own, or its rows of a union reference.
+enum StepSource<'a> {
+    Own(RefOutput),
+    Union(&'a UnionRef, UnionRows),
+}
+
+impl StepSource<'_> {
+    /// The reference over the step's full batch: its own, else `rows` (its rows of the union,
+    /// when selected).
+    fn full_trace<'b>(&'b self, rows: &'b Option<Trace>) -> Option<&'b Trace> {
+        match self {
+            StepSource::Own(o) => Some(&o.trace),
+            StepSource::Union(..) => rows.as_ref(),
+        }
+    }
+
+    /// The reference's `hidden_out` [t_new, hidden] on the step's new rows (`new_rows` of its
+    /// own full batch), when the reference has one.
+    fn hidden_out_rows(&self, new_rows: &[usize], t_new: usize, hidden: usize) -> Option<Array2<f64>> {
+        let (h, rows) = match self {
+            StepSource::Own(o) => (o.hidden_out.as_ref()?, new_rows),
+            StepSource::Union(u, r) => (u.out.hidden_out.as_ref()?, r.new.as_slice()),
+        };
+        Some(Array2::from_shape_fn((t_new, hidden), |(i, j)| h[[rows[i], j]]))
+    }
+}
+
+/// The rows `rows` (of `t` per-token rows) of every site of `trace`: the weight sites whole,
+/// every other site (a [`UnionRef`]'s, whose per-token axis is checked) on those rows, in f64.
+fn select_rows(trace: &Trace, rows: &[usize], t: usize, heads: Option<[usize; 2]>, cfg: &MlaConfig) -> Trace {
+    let mut out = Trace::new();
+    for (s, x) in trace.entries() {
+        let picked = if s.stage.is_weight() || t == 0 {
+            x.clone()
+        } else {
+            let per = x.len() / t;
+            let mut v = Vec::with_capacity(rows.len() * per);
+            match &x.data {
+                TensorData::F64(d) => {
+                    for &r in rows {
+                        v.extend_from_slice(&d[r * per..(r + 1) * per]);
+                    }
+                }
+                TensorData::F32(d) => {
+                    for &r in rows {
+                        v.extend(d[r * per..(r + 1) * per].iter().map(|&e| f64::from(e)));
+                    }
+                }
+            }
+            let mut shape = x.shape.clone();
+            shape[0] = rows.len();
+            TraceTensor::f64(shape, v)
+        };
+        let picked = match heads {
+            Some(hs) => take_heads(&picked, s.stage, cfg, hs),
+            None => picked,
+        };
+        out.record(*s, picked);
+    }
+    out
+}
+
+/// Compares a format-2 dump with the reference on the CPU: [`compare_steps_with`] with
+/// [`CompareOptions::default`].
+///
+/// Errors: as [`compare_steps_with`].
+pub fn compare_steps(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    steps_dump: &StepsDump,
+    map_name: Option<String>,
+    dtype: Option<EngineDtype>,
+    precision: Option<Dtype>,
+) -> Result<RunReport> {
+    compare_steps_with(
+        file,
+        cfg,
+        steps_dump,
+        map_name,
+        dtype,
+        precision,
+        &CompareOptions::default(),
+    )
+    .map(|(r, _)| r)
+}
+
 /// Compares a format-2 dump with the reference: its loaded weights (`weights.*`) first, judged
 /// by [`crate::jobs::weights_check::check_dump_weights`] as `weights --check` judges them (their
 /// findings come first: an engine loads its weights before it computes), then every step of
@@ -497,6 +863,16 @@ fn take_heads(t: &TraceTensor, stage: Stage, cfg: &MlaConfig, [a, b]: [usize; 2]
 /// The model's identity has been checked by the caller
 /// ([`crate::model::dump::check_identity`]).
 ///
+/// The reference runs once per dumped layer ([`StepReferences::Union`]) over the union of the
+/// steps that dump it: each sequence at its largest extent, its input gathered at the last of
+/// those steps; each step takes its rows from it. A step whose input rows differ from the
+/// union's (a sequence recomputed with other inputs) gets its own reference, and so does every
+/// step of a DSA model: `idx_scores` [T, S] and `idx_topk` [T, min(top_k, S)] are as wide as
+/// the batch's longest sequence S, and a GLM shared-indexer layer borrows its step's selection,
+/// so a union's rows are not the step's. The union's trace is held once, one step's rows at a
+/// time beside it; the step's full-batch rows (what context partials and the replays of a
+/// diagnosis read) only where the step has context chunks or diverges.
+///
 /// Tolerance rows, first that applies: `precision` (`compare --precision`), then `dtype`
 /// (`compare --dtype`), then the header's `kernel_precision` (the rows `run --dtype` applies for
 /// that dtype), then the header's `dtype`. With the header's `heads = [a, b]` the reference's
@@ -506,16 +882,22 @@ fn take_heads(t: &TraceTensor, stage: Stage, cfg: &MlaConfig, [a, b]: [usize; 2]
 /// Errors: a step that lacks `L{n}.hidden_in` for a layer it dumps (exit 2, naming step and
 /// layer); a reference layer that cannot run; the loaded weights' errors (`weights --check`'s:
 /// a tensor with an integer dtype or the wrong number of dims, a TP size that does not fit, a
-/// layer of the weights whose identity hash differs or is missing).
-pub fn compare_steps(
+/// layer of the weights whose identity hash differs or is missing); CUDA failures.
+#[allow(
+    clippy::too_many_lines,
+    reason = "one pass over layers and their steps: the union reference, each step's rows of it or its own, the handover between layers, judging and diagnosis"
+)]
+pub fn compare_steps_with(
     file: &GgufFile,
     cfg: &MlaConfig,
     steps_dump: &StepsDump,
     map_name: Option<String>,
     dtype: Option<EngineDtype>,
     precision: Option<Dtype>,
-) -> Result<RunReport> {
+    opts: &CompareOptions,
+) -> Result<(RunReport, ReferenceTally)> {
     let header = &steps_dump.header;
+    let backend = &opts.backend;
     let precision = steps_precision(steps_dump, dtype, precision);
     let dtype = dtype.unwrap_or(steps_dump.steps[0].1.dtype);
     let heads_cfg = header.heads.map(|hs| crate::model::dump::heads_config(cfg, hs));
@@ -524,83 +906,182 @@ pub fn compare_steps(
     // dump holds every rank's heads.
     let tp = engine_tp(steps_dump, cfg)?;
     let judge_tp = if header.heads.is_some() { 1 } else { tp };
-    let loaded_weights = crate::jobs::weights_check::check_dump_weights(file, cfg, &steps_dump.path)?;
-    let mut results = Vec::new();
-    let mut findings = Vec::new();
-    let mut not_dumped = Vec::new();
+    let loaded_weights = timing::stage("loaded weights", || {
+        crate::jobs::weights_check::check_dump_weights(file, cfg, &steps_dump.path)
+    })?;
     let mut conversions = Vec::new();
     let mut tensor_types = Vec::new();
     let layers = steps_layers(steps_dump);
+    // The weight types reported: those of the first layer the first step with layers dumps.
+    let types_layer = steps_dump
+        .steps
+        .iter()
+        .find_map(|(_, d)| d.layers.keys().next().copied());
     let n_seq = header.steps[0].seqs.len();
     let stages_dumped = dumped_stages(steps_dump.steps.iter().flat_map(|(_, d)| d.layers.values()));
-    let mut rows = ContextRows::new(steps_dump, file, cfg);
-    for (k, (spec, d)) in steps_dump.steps.iter().enumerate() {
+    for (spec, d) in &steps_dump.steps {
         conversions.extend(d.conversions.iter().map(|c| format!("{}: {c}", spec.name)));
-        let t_new = d.batch.n_tokens();
-        let (live, full, new_rows) = step_full_batch(spec, n_seq);
-        let t_full = full.n_tokens();
-        let context: Vec<usize> = live.iter().map(|&i| spec.seqs[i].context).collect();
-        let mut prev_sel: Option<Selection> = None;
-        // The previous dumped layer's output in this step, on the step's rows.
-        let mut prev: Option<Handover> = None;
-        let mut missing = StepMissing::default();
-        for (&layer, dumped) in &d.layers {
-            let w = LayerWeights::load(file, cfg, layer)?;
-            if tensor_types.is_empty() {
-                tensor_types = w.types.clone();
-            }
-            let full_in = rows.gather(k, &live, layer, t_full)?;
-            let next_dumped = d.layers.contains_key(&(layer + 1));
-            let layer_ref =
-                dumped_layer_reference(file, cfg, &w, &full_in, &full, dumped, next_dumped, tp, &mut prev_sel)?;
-            let mut reference = step_reference(&layer_ref.trace, &new_rows, t_full, header.heads, cfg);
-            let (partials, chunks) = step_context_partials(spec, &live, layer, cfg, &layer_ref.trace, header.heads);
-            reference.extend(partials);
-            // The handover from layer n−1: this step's hidden_in against the engine's own
-            // hidden_out of layer n−1 when dumped, else the reference's output of layer n−1.
-            if let Some(handover) = &prev
-                && handover.layer + 1 == layer
-                && let Some(e) = handover.dump_out.as_ref().or(handover.ref_out.as_ref())
-            {
-                reference.record(
-                    Site::new(layer, Stage::HiddenIn),
-                    TraceTensor::f64(vec![t_new, cfg.hidden], e.iter().copied().collect()),
-                );
-            }
-            let ref_out = layer_ref
-                .hidden_out
-                .as_ref()
-                .map(|hidden_out| Array2::from_shape_fn((t_new, cfg.hidden), |(i, j)| hidden_out[[new_rows[i], j]]));
-            prev = Some(Handover::new(dumped, layer, t_new, cfg.hidden, ref_out)?);
-            missing.add(&reference, dumped, &stages_dumped);
-            let mut full_heads = None;
-            let scope = DumpScope {
-                dumped: &stages_dumped,
-                context: &context,
-                full_reference: full_step_reference(&layer_ref.trace, header.heads, cfg, &context, &mut full_heads),
-                num_kv_splits: spec.num_kv_splits,
-                chunks: &chunks,
-            };
-            let paged = dump_paged_step(steps_dump, k, &live, layer, cfg, &layer_ref.trace);
-            let (mut result, layer_findings) = judge_dumped_layer(
-                judge_cfg,
-                &d.batch,
-                &reference,
-                dumped,
-                precision,
-                judge_tp,
-                scope,
-                layer,
-                Some(spec.name.clone()),
-                paged.as_ref(),
-            );
-            result.notes.extend(rebuilt_note(spec));
-            if findings.is_empty() {
-                findings.extend(layer_findings);
-            }
-            results.push(result);
+    }
+    let union_ok = opts.references == StepReferences::Union && cfg.indexer.is_none();
+    let mut rows = ContextRows::new(steps_dump, file, cfg);
+    let mut tally = ReferenceTally::default();
+    let mut states: Vec<StepState> = steps_dump.steps.iter().map(|_| StepState::default()).collect();
+    for &layer in &layers {
+        let w = timing::stage("dequant", || backend.load_layer_weights(file, cfg, layer))?;
+        let _release = ReleaseLayerWeights(backend);
+        file.release_resident_pages();
+        if types_layer == Some(layer) {
+            tensor_types = w.types.clone();
         }
-        not_dumped.extend(missing.labeled((steps_dump.steps.len() > 1).then_some(spec.name.as_str())));
+        // The steps that dump the layer, by the kind of reference each needs (with the MoE FFN
+        // or without): one union per kind.
+        let wants = |k: usize| {
+            let d = &steps_dump.steps[k].1;
+            d.layers
+                .get(&layer)
+                .map(|dumped| runs_ffn(cfg, layer, dumped, d.layers.contains_key(&(layer + 1))))
+        };
+        for full in [false, true] {
+            let group: Vec<usize> = (0..steps_dump.steps.len())
+                .filter(|&k| wants(k) == Some(full))
+                .collect();
+            if group.is_empty() {
+                continue;
+            }
+            let union = if union_ok && group.len() > 1 {
+                UnionRef::build(backend, file, cfg, &w, steps_dump, &mut rows, &group, layer, full, tp)?
+            } else {
+                None
+            };
+            if union.is_some() {
+                tally.union += 1;
+            }
+            for &k in &group {
+                let (spec, d) = &steps_dump.steps[k];
+                let dumped = &d.layers[&layer];
+                let st = &mut states[k];
+                let t_new = d.batch.n_tokens();
+                let (live, full_batch, new_rows) = step_full_batch(spec, n_seq);
+                let t_full = full_batch.n_tokens();
+                let context: Vec<usize> = live.iter().map(|&i| spec.seqs[i].context).collect();
+                let full_in = timing::stage("input", || {
+                    rows.gather(k, &live, layer, t_full)
+                })?;
+                let src = match union
+                    .as_ref()
+                    .and_then(|u| u.rows(spec, &live, &full_in).map(|r| (u, r)))
+                {
+                    Some((u, r)) => {
+                        tally.union_steps += 1;
+                        StepSource::Union(u, r)
+                    }
+                    None => {
+                        tally.per_step += 1;
+                        StepSource::Own(timing::stage("reference", || {
+                            layer_reference(
+                                backend,
+                                file,
+                                cfg,
+                                &w,
+                                &full_in,
+                                &full_batch,
+                                full,
+                                tp,
+                                &mut st.prev_sel,
+                            )
+                        })?)
+                    }
+                };
+                drop(full_in);
+                // The step's reference on its new rows; its reference over the full batch
+                // where the context partials read it (and below, the replays of a diagnosis).
+                let needs_full = !spec.context_seqs().is_empty() && cfg.indexer.is_none();
+                let (mut reference, mut full_rows) = timing::stage("step rows", || match &src {
+                    StepSource::Own(o) => (step_reference(&o.trace, &new_rows, t_full, header.heads, cfg), None),
+                    StepSource::Union(u, r) => (
+                        select_rows(&u.out.trace, &r.new, u.t, header.heads, cfg),
+                        needs_full.then(|| select_rows(&u.out.trace, &r.full, u.t, None, cfg)),
+                    ),
+                });
+                let (partials, chunks) = match src.full_trace(&full_rows) {
+                    Some(f) => step_context_partials(spec, &live, layer, cfg, f, header.heads),
+                    None => (Trace::new(), Vec::new()),
+                };
+                reference.extend(partials);
+                // The handover from layer n−1: this step's hidden_in against the engine's own
+                // hidden_out of layer n−1 when dumped, else the reference's output of layer n−1.
+                if let Some(handover) = &st.prev
+                    && handover.layer + 1 == layer
+                    && let Some(e) = handover.dump_out.as_ref().or(handover.ref_out.as_ref())
+                {
+                    reference.record(
+                        Site::new(layer, Stage::HiddenIn),
+                        TraceTensor::f64(vec![t_new, cfg.hidden], e.iter().copied().collect()),
+                    );
+                }
+                let ref_out = src.hidden_out_rows(&new_rows, t_new, cfg.hidden);
+                st.prev = Some(Handover::new(dumped, layer, t_new, cfg.hidden, ref_out)?);
+                st.missing.add(&reference, dumped, &stages_dumped);
+                let diffs = timing::stage("judge", || metrics::diff(&reference, dumped, precision));
+                let mut layer_findings = Vec::new();
+                if metrics::first_divergence(&diffs).is_some() {
+                    if let StepSource::Union(u, r) = &src
+                        && full_rows.is_none()
+                    {
+                        full_rows = Some(timing::stage("step rows", || {
+                            select_rows(&u.out.trace, &r.full, u.t, None, cfg)
+                        }));
+                    }
+                    let full_tr = src.full_trace(&full_rows).unwrap_or(&reference);
+                    let mut full_heads = None;
+                    let scope = DumpScope {
+                        dumped: &stages_dumped,
+                        context: &context,
+                        full_reference: full_step_reference(full_tr, header.heads, cfg, &context, &mut full_heads),
+                        num_kv_splits: spec.num_kv_splits,
+                        chunks: &chunks,
+                    };
+                    let paged = dump_paged_step(steps_dump, k, &live, layer, cfg, full_tr);
+                    layer_findings = timing::stage("diagnose", || {
+                        diagnose_dumped_layer(
+                            judge_cfg,
+                            &d.batch,
+                            &reference,
+                            dumped,
+                            &diffs,
+                            precision,
+                            judge_tp,
+                            scope,
+                            paged.as_ref(),
+                        )
+                    });
+                }
+                if st.findings.is_empty() {
+                    st.findings = layer_findings;
+                }
+                st.results.push(PathResult {
+                    path: PathLabel::Dump,
+                    layer,
+                    diffs,
+                    notes: rebuilt_note(spec).into_iter().collect(),
+                    step: Some(spec.name.clone()),
+                    not_run: None,
+                });
+            }
+        }
+    }
+    let mut results = Vec::new();
+    let mut findings = Vec::new();
+    let mut not_dumped = Vec::new();
+    for ((spec, _), st) in steps_dump.steps.iter().zip(states) {
+        results.extend(st.results);
+        if findings.is_empty() {
+            findings = st.findings;
+        }
+        not_dumped.extend(
+            st.missing
+                .labeled((steps_dump.steps.len() > 1).then_some(spec.name.as_str())),
+        );
     }
     conversions.extend(
         header
@@ -617,7 +1098,7 @@ pub fn compare_steps(
     if let Some(w) = &loaded_weights {
         findings.splice(0..0, w.findings.iter().cloned());
     }
-    Ok(RunReport {
+    let report = RunReport {
         model: ModelSummary::new(file, cfg, tensor_types),
         run: dump_run_record(first, layers, dtype, &engine),
         token_ids: first.tokens.clone(),
@@ -635,7 +1116,8 @@ pub fn compare_steps(
             tolerance_rows: precision,
         }),
         loaded_weights,
-    })
+    };
+    Ok((report, tally))
 }
 
 /// The layers any step of `steps_dump` holds, ascending, each once.
@@ -1094,4 +1576,75 @@ fn steps_metadata(h: &crate::model::dump::DumpHeader) -> std::collections::BTree
         }
     }
     metadata
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A step of two sequences, `(context, new)` each, from the header's JSON.
+    fn step(seqs: [(usize, usize); 2]) -> crate::model::dump::StepSpec {
+        let seqs: Vec<serde_json::Value> = seqs
+            .iter()
+            .map(|&(context, new)| serde_json::json!({"context": context, "new": new}))
+            .collect();
+        serde_json::from_value(serde_json::json!({"name": "s", "seqs": seqs})).unwrap()
+    }
+
+    /// A union of sequence 0 (5 rows) and sequence 1 (3 rows), width 2, row r holding r + 0.5.
+    fn union() -> UnionRef {
+        UnionRef {
+            out: RefOutput {
+                trace: Trace::new(),
+                hidden_out: None,
+                moe_nonfinite: Vec::new(),
+                selection: None,
+            },
+            input: Array2::from_shape_fn((8, 2), |(r, c)| r as f64 + 0.5 + c as f64 * 100.0),
+            off: vec![Some(0), Some(5)],
+            extent: vec![5, 3],
+            t: 8,
+        }
+    }
+
+    #[test]
+    fn a_step_takes_its_rows_of_the_union_only_where_its_input_is_the_unions() {
+        let u = union();
+        // Sequence 0 at positions 0..4 (3 cached, 1 new), sequence 1 at 0..3 (all new).
+        let spec = step([(3, 1), (0, 3)]);
+        let rows_of = |rows: &[usize]| Array2::from_shape_fn((rows.len(), 2), |(r, c)| u.input[[rows[r], c]]);
+        let input = rows_of(&[0, 1, 2, 3, 5, 6, 7]);
+        let r = u.rows(&spec, &[0, 1], &input).expect("the union serves the step");
+        assert_eq!(r.full, [0, 1, 2, 3, 5, 6, 7]);
+        assert_eq!(r.new, [3, 5, 6, 7]);
+        // A sequence recomputed with another input at one position: its own reference.
+        let mut other = input.clone();
+        other[[2, 1]] += 1e-9;
+        assert!(u.rows(&spec, &[0, 1], &other).is_none());
+        // A sequence longer than the union holds it, or one the union lacks.
+        assert!(
+            u.rows(&step([(3, 3), (0, 3)]), &[0, 1], &rows_of(&[0, 1, 2, 3, 4, 4, 5, 6, 7]))
+                .is_none()
+        );
+        let mut lacking = union();
+        lacking.off[1] = None;
+        assert!(lacking.rows(&spec, &[0, 1], &input).is_none());
+    }
+
+    #[test]
+    fn selected_rows_keep_weights_whole_and_pick_each_token_row() {
+        let mut tr = Trace::new();
+        let lse: Vec<f64> = (0..8 * 3).map(|x| x as f64).collect();
+        tr.record(Site::new(0, Stage::Lse), TraceTensor::f64(vec![8, 3], lse));
+        // A weight with as many rows as the union has tokens stays whole.
+        let kv_b: Vec<f64> = (0..8 * 2).map(|x| -(x as f64)).collect();
+        tr.record(Site::new(0, Stage::WKvB), TraceTensor::f64(vec![8, 2], kv_b.clone()));
+        let cfg = MlaConfig::from_gguf(&crate::model::fixture::open_model(None).unwrap()).unwrap();
+        let s = select_rows(&tr, &[6, 1], 8, None, &cfg);
+        let lse = s.get(&Site::new(0, Stage::Lse)).unwrap();
+        assert_eq!(lse.shape, [2, 3]);
+        assert_eq!(lse.to_f64(), [18.0, 19.0, 20.0, 3.0, 4.0, 5.0]);
+        let w = s.get(&Site::new(0, Stage::WKvB)).unwrap();
+        assert_eq!((w.shape.clone(), w.to_f64()), (vec![8, 2], kv_b));
+    }
 }

@@ -12,6 +12,7 @@ mod context_chunks;
 mod dequant_vectors;
 mod diagnose;
 mod doc_tables;
+mod dsa_export;
 mod dsa_scale;
 mod dtype;
 mod exit_codes;

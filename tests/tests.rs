@@ -44,5 +44,6 @@ mod triage_report;
 mod union_reference;
 mod vllm_cpu_chunked;
 mod vllm_dumps;
+mod vllm_gpu_live;
 mod weights_check;
 mod windowed_dumps;

@@ -699,9 +699,7 @@ impl UnionRef {
         let mut input = Array2::<f64>::zeros((t, cfg.hidden));
         for i in 0..n_seq {
             let Some(o) = off[i] else { continue };
-            let Ok(x) = timing::stage("input", || {
-                rows.gather(last[i], &[i], layer, extent[i])
-            }) else {
+            let Ok(x) = timing::stage("input", || rows.gather(last[i], &[i], layer, extent[i])) else {
                 return Ok(None);
             };
             input.slice_mut(ndarray::s![o..o + extent[i], ..]).assign(&x);
@@ -964,9 +962,7 @@ pub fn compare_steps_with(
                 let (live, full_batch, new_rows) = step_full_batch(spec, n_seq);
                 let t_full = full_batch.n_tokens();
                 let context: Vec<usize> = live.iter().map(|&i| spec.seqs[i].context).collect();
-                let full_in = timing::stage("input", || {
-                    rows.gather(k, &live, layer, t_full)
-                })?;
+                let full_in = timing::stage("input", || rows.gather(k, &live, layer, t_full))?;
                 let src = match union
                     .as_ref()
                     .and_then(|u| u.rows(spec, &live, &full_in).map(|r| (u, r)))

@@ -10,7 +10,8 @@
 
 use std::path::Path;
 
-use mla_diff::jobs::compare::{CompareOptions, ReferenceTally, StepReferences, compare_steps_with};
+use mla_diff::core::trace::{Stage, Trace};
+use mla_diff::jobs::compare::{CompareOptions, ReferenceDownload, ReferenceTally, StepReferences, compare_steps_with};
 use mla_diff::model::config::MlaConfig;
 use mla_diff::model::dump::{self, DumpFile};
 use mla_diff::model::gguf::GgufFile;
@@ -20,18 +21,41 @@ use crate::common::{repo, run_bin};
 /// The JSON report of the format-2 dump `dump` (its model `golden/models/<fixture>.gguf`), its
 /// steps' references as `references` says, and how many ran.
 fn judged(dump: &Path, references: StepReferences) -> (serde_json::Value, ReferenceTally) {
+    judged_with(
+        dump,
+        &CompareOptions {
+            references,
+            ..CompareOptions::default()
+        },
+        None,
+    )
+}
+
+/// The JSON report of the format-2 dump `dump` (its model `golden/models/<fixture>.gguf`)
+/// compared with `opts`, and how many references ran; with `stages`, only the sites of those
+/// stages and the context partials are kept of the dump (what an engine's hooks dump).
+fn judged_with(dump: &Path, opts: &CompareOptions, stages: Option<&[Stage]>) -> (serde_json::Value, ReferenceTally) {
     let name = dump.file_name().unwrap().to_string_lossy().into_owned();
     let fixture = name.split('.').next().unwrap();
     let file = GgufFile::open(repo().join("golden/models").join(format!("{fixture}.gguf"))).unwrap();
     let cfg = MlaConfig::from_gguf(&file).unwrap();
-    let DumpFile::Steps(sd) = dump::read(dump, None, &cfg).unwrap() else {
+    let DumpFile::Steps(mut sd) = dump::read(dump, None, &cfg).unwrap() else {
         panic!("{name}: not a format-2 dump");
     };
-    let opts = CompareOptions {
-        references,
-        ..CompareOptions::default()
-    };
-    let (rep, tally) = compare_steps_with(&file, &cfg, &sd, None, None, None, &opts).unwrap();
+    if let Some(stages) = stages {
+        for (_, d) in &mut sd.steps {
+            for tr in d.layers.values_mut() {
+                let mut kept = Trace::new();
+                for (s, t) in tr.entries() {
+                    if stages.contains(&s.stage) || s.stage.is_context_partial() {
+                        kept.record(*s, t.clone());
+                    }
+                }
+                *tr = kept;
+            }
+        }
+    }
+    let (rep, tally) = compare_steps_with(&file, &cfg, &sd, None, None, None, opts).unwrap();
     (mla_diff::output::report::json(&rep), tally)
 }
 
@@ -63,8 +87,8 @@ fn differences(at: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut
     }
 }
 
-/// The committed format-2 dumps of `folder` (under golden/dumps) with more than one step.
-fn multi_step_dumps(folder: &str) -> Vec<std::path::PathBuf> {
+/// The committed format-2 dumps of `folder` (under golden/dumps).
+pub fn multi_step_dumps(folder: &str) -> Vec<std::path::PathBuf> {
     let mut v: Vec<_> = std::fs::read_dir(repo().join("golden/dumps").join(folder))
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -104,6 +128,63 @@ fn one_union_reference_judges_every_step_as_its_own_reference_does() {
     // 6 live-cpu dumps and 58 plant dumps, clean and planted.
     assert!(checked >= 60, "{checked} multi-step dumps");
     assert!(diverging >= 40, "{diverging} dumps with a finding");
+}
+
+/// The stages a vLLM deployment's hooks dump without the absorbed internals: the layer's input
+/// and output, the latent and the rope key, the queries, the attention output and LSE, o_proj
+/// (and the context partials, always kept).
+const ENGINE_STAGES: [Stage; 8] = [
+    Stage::HiddenIn,
+    Stage::KvCNormed,
+    Stage::KPeRoped,
+    Stage::Q,
+    Stage::Lse,
+    Stage::AttnOut,
+    Stage::OProj,
+    Stage::HiddenOut,
+];
+
+/// Judging reads the reference only at the dumped stages (and at the inputs of the context
+/// partials and the selection's tie check) until a step diverges, when its diagnosis reads every
+/// stage: the report is the one judging with every stage at hand gives, byte for byte, on every
+/// committed format-2 dump, clean and planted, whole and cut to [`ENGINE_STAGES`].
+#[test]
+fn judging_with_the_judged_stages_reports_what_the_whole_reference_does() {
+    let (mut checked, mut diverging, mut context) = (0, 0, 0);
+    for folder in ["live-cpu", "plants"] {
+        for (p, stages) in multi_step_dumps(folder)
+            .into_iter()
+            .flat_map(|p| [(p.clone(), None), (p, Some(&ENGINE_STAGES[..]))])
+        {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            let with = |download| CompareOptions {
+                download,
+                ..CompareOptions::default()
+            };
+            let (judged, _) = judged_with(&p, &with(ReferenceDownload::Judged), stages);
+            let (whole, _) = judged_with(&p, &with(ReferenceDownload::Whole), stages);
+            assert_eq!(
+                mla_diff::output::report::to_json_bytes(&judged),
+                mla_diff::output::report::to_json_bytes(&whole),
+                "{name} ({stages:?})"
+            );
+            if judged["findings"].as_array().is_some_and(|f| !f.is_empty()) {
+                diverging += 1;
+            }
+            if judged["sites"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|s| s["site"].as_str().is_some_and(|x| x.contains("ctx_out")))
+            {
+                context += 1;
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 120, "{checked} dumps");
+    assert!(diverging >= 80, "{diverging} dumps with a finding");
+    assert!(context >= 6, "{context} dumps judging context partials");
 }
 
 #[test]

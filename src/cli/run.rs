@@ -166,6 +166,7 @@ pub fn cmd_compare(a: &CompareArgs, settings: &Settings, out: &mut dyn Write) ->
     let opts = CompareOptions {
         backend,
         references: StepReferences::Union,
+        ..CompareOptions::default()
     };
     let (rep, tally) = match read {
         DumpFile::One(d) => (

@@ -8,6 +8,7 @@
 use ndarray::Array2;
 
 use crate::backend::Backend;
+use crate::backend::cuda::compare::{DeviceSite, SplitTrace};
 use crate::compute::indexer::Selection;
 use crate::compute::paged::{CacheWrite, PagedQuery, PagedSeq, PagedStep};
 use crate::compute::path::PathOptions;
@@ -18,6 +19,7 @@ use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
 use crate::core::timing;
 use crate::core::trace::{Site, Stage, TensorData, Trace, TraceTensor};
+use crate::device::context::Device;
 use crate::judge::diagnose::Finding;
 use crate::judge::diagnose::{self, DiagnoseInput, DumpScope, PathEvidence};
 use crate::judge::label::PathLabel;
@@ -310,15 +312,16 @@ fn runs_ffn(cfg: &MlaConfig, layer: usize, dumped: &Trace, next_dumped: bool) ->
 }
 
 /// The reference of one dumped layer on `input` (rows of `batch`), where `backend` runs it
-/// ([`Backend::reference`], downloaded to the host): with the layer's MoE FFN when `full`
-/// ([`runs_ffn`]); with the per-rank sites (`w.*.rank<r>`, `o_proj.rank<r>`) of the engine's
-/// `tp` ranks. Keeps `prev_sel`, the selection of the latest full DSA indexer layer that GLM's
-/// shared layers borrow, up to date.
+/// ([`Backend::reference`]): with the layer's MoE FFN when `full` ([`runs_ffn`]); with the
+/// per-rank sites (`w.*.rank<r>`, `o_proj.rank<r>`) of the engine's `tp` ranks. With `judged`
+/// the GPU reference's sites stay on the device and only those of the stages `judged` come to
+/// the host ([`LayerRef`]); without, every site does. Keeps `prev_sel`, the selection of the
+/// latest full DSA indexer layer that GLM's shared layers borrow, up to date.
 ///
 /// Errors: as [`crate::compute::reference::reference_layer_full`], and CUDA failures.
 #[allow(
     clippy::too_many_arguments,
-    reason = "the backend, the model (file, cfg, w), the layer's input rows (input, batch), what the reference computes (full, tp) and the selection carried across layers"
+    reason = "the backend, the model (file, cfg, w), the layer's input rows (input, batch), what the reference computes (full, tp), what comes to the host and the selection carried across layers"
 )]
 fn layer_reference(
     backend: &Backend,
@@ -329,17 +332,153 @@ fn layer_reference(
     batch: &Batch,
     full: bool,
     tp: usize,
+    judged: Option<&[Stage]>,
     prev_sel: &mut Option<Selection>,
-) -> Result<RefOutput> {
-    let (layer_ref, _) = backend.reference(file, cfg, w, input, batch, tp, prev_sel.as_ref(), full, false)?;
+) -> Result<LayerRef> {
+    let (out, device) = backend.reference(
+        file,
+        cfg,
+        w,
+        input,
+        batch,
+        tp,
+        prev_sel.as_ref(),
+        full,
+        judged.is_some(),
+    )?;
     if cfg
         .indexer
         .as_ref()
         .is_some_and(|ix| ix.full.get(w.layer) == Some(&true))
     {
-        prev_sel.clone_from(&layer_ref.selection);
+        prev_sel.clone_from(&out.selection);
     }
-    Ok(layer_ref)
+    LayerRef::new(backend, out, device, judged)
+}
+
+/// A dumped layer's reference as `compare` judges it. The CPU reference is on the host whole.
+/// The GPU reference leaves its sites on the device ([`SplitTrace`]); at real size they are
+/// gigabytes (DeepSeek-V3 at T = 4,104: about 8.5 GB of f64, a quarter of it `ql_nope` and
+/// `attn_latent` alone, which an engine rarely dumps), so only the stages judging reads come to
+/// the host first ([`judged_stages`]) and the rest only when a step diverges and its diagnosis
+/// reads any stage ([`LayerRef::whole`]), once per reference.
+struct LayerRef {
+    /// The reference; its trace holds the sites judging reads (every site of a CPU reference or
+    /// of a [`ReferenceDownload::Whole`] one).
+    out: RefOutput,
+    /// The GPU reference's sites, when some stayed on the device.
+    split: Option<SplitTrace>,
+    /// Every site of `split` on the host, once a diagnosis needed them.
+    whole_trace: std::cell::OnceCell<Trace>,
+}
+
+impl LayerRef {
+    /// `out` and the `device` sites of [`Backend::reference`]: the sites of the stages `judged`
+    /// downloaded, the others left on the device.
+    ///
+    /// Errors: [`Error::Cuda`] on a failed download.
+    fn new(
+        backend: &Backend,
+        mut out: RefOutput,
+        device: Vec<DeviceSite<f64>>,
+        judged: Option<&[Stage]>,
+    ) -> Result<LayerRef> {
+        if device.is_empty() {
+            return Ok(LayerRef {
+                out,
+                split: None,
+                whole_trace: std::cell::OnceCell::new(),
+            });
+        }
+        let split = SplitTrace {
+            host: std::mem::take(&mut out.trace),
+            device,
+        };
+        out.trace = timing::stage("download", || {
+            split.to_host_where(reference_device(backend)?, |s| in_stages(judged, s))
+        })?;
+        Ok(LayerRef {
+            out,
+            split: Some(split),
+            whole_trace: std::cell::OnceCell::new(),
+        })
+    }
+
+    /// What judging reads: the sites on the host.
+    fn judged(&self) -> &Trace {
+        &self.out.trace
+    }
+
+    /// Every site on the host, downloading those left on the device the first time.
+    ///
+    /// Errors: [`Error::Cuda`] on a failed download.
+    fn whole(&self, backend: &Backend) -> Result<&Trace> {
+        let Some(split) = &self.split else {
+            return Ok(&self.out.trace);
+        };
+        if let Some(t) = self.whole_trace.get() {
+            return Ok(t);
+        }
+        let t = timing::stage("download", || split.to_host_where(reference_device(backend)?, |_| true))?;
+        Ok(self.whole_trace.get_or_init(|| t))
+    }
+
+    /// Every site with its shape, on the host or on the device.
+    fn shapes(&self) -> Vec<(Site, &[usize])> {
+        match &self.split {
+            Some(split) => split
+                .device
+                .iter()
+                .map(|d| (d.site, d.shape.as_slice()))
+                .chain(split.host.entries().iter().map(|(s, t)| (*s, t.shape.as_slice())))
+                .collect(),
+            None => self
+                .out
+                .trace
+                .entries()
+                .iter()
+                .map(|(s, t)| (*s, t.shape.as_slice()))
+                .collect(),
+        }
+    }
+}
+
+/// The device a GPU reference's sites are on.
+///
+/// Errors: [`Error::Internal`] for a CPU backend, whose reference keeps nothing on a device.
+fn reference_device(backend: &Backend) -> Result<&Device> {
+    match backend {
+        Backend::Cuda(o) => Ok(o.device()),
+        Backend::Cpu(_) => Err(Error::internal("a CPU reference has no device sites")),
+    }
+}
+
+/// The stages the context partials are computed from ([`context_partials`]: the queries, the
+/// expanded keys and values), over the step's full batch.
+const CONTEXT_PARTIAL_INPUTS: [Stage; 5] = [Stage::Q, Stage::QPeRoped, Stage::KNope, Stage::KPeRoped, Stage::V];
+
+/// The stages of `layer`'s reference that judging the steps `group` of `sd` reads while none of
+/// them diverges, in data-flow order: every stage the dump holds at `layer` in any of them
+/// ([`metrics::diff`] reads the reference only at the dumped sites); `idx_scores` with
+/// `idx_topk` (a selection that differs only in ties is accepted on the reference's scores);
+/// where a step lists context chunks (not on a DSA model), [`CONTEXT_PARTIAL_INPUTS`]. A step
+/// that diverges reads every stage ([`LayerRef::whole`]).
+fn judged_stages(sd: &StepsDump, group: &[usize], layer: usize, cfg: &MlaConfig) -> Vec<Stage> {
+    let dumping: Vec<usize> = group
+        .iter()
+        .copied()
+        .filter(|&k| sd.steps[k].1.layers.contains_key(&layer))
+        .collect();
+    let mut out = dumped_stages(dumping.iter().map(|&k| &sd.steps[k].1.layers[&layer]));
+    if out.contains(&Stage::IdxTopk) {
+        out.push(Stage::IdxScores);
+    }
+    if cfg.indexer.is_none() && dumping.iter().any(|&k| !sd.steps[k].0.context_seqs().is_empty()) {
+        out.extend(CONTEXT_PARTIAL_INPUTS);
+    }
+    out.sort_by_key(Stage::order);
+    out.dedup();
+    out
 }
 
 /// The reference of one dumped layer on `input` (rows of `batch`): [`layer_reference`] with the
@@ -363,7 +502,7 @@ fn dumped_layer_reference(
     prev_sel: &mut Option<Selection>,
 ) -> Result<RefOutput> {
     let full = runs_ffn(cfg, w.layer, dumped, next_dumped);
-    layer_reference(backend, file, cfg, w, input, batch, full, tp, prev_sel)
+    layer_reference(backend, file, cfg, w, input, batch, full, tp, None, prev_sel).map(|r| r.out)
 }
 
 /// One dumped layer's sites against its reference (the tolerance rows of `precision`), as the
@@ -447,10 +586,10 @@ struct StepMissing {
 }
 
 impl StepMissing {
-    /// Adds the sites of one dumped layer's `reference` that `dumped` lacks; `elsewhere` holds
-    /// every stage the dump has in any step or layer.
-    fn add(&mut self, reference: &Trace, dumped: &Trace, elsewhere: &[Stage]) {
-        for s in reference.sites_in_order() {
+    /// Adds the sites of one dumped layer's reference, `sites` (in data-flow order), that
+    /// `dumped` lacks; `elsewhere` holds every stage the dump has in any step or layer.
+    fn add(&mut self, sites: &[Site], dumped: &Trace, elsewhere: &[Stage]) {
+        for &s in sites {
             if dumped.get(&s).is_some() {
                 continue;
             }
@@ -508,17 +647,18 @@ fn take_rows(t: &TraceTensor, rows: &[usize], t_full: usize) -> TraceTensor {
 }
 
 /// The reference of a format-2 step: the sites of `full` (the reference over the step's full
-/// batch, `t_full` rows) on the step's rows `new_rows`, and with `heads = [a, b]` the per-head
-/// sites' heads `a..b` ([`take_heads`]).
+/// batch, `t_full` rows) of the stages `stages` (all without), on the step's rows `new_rows`,
+/// and with `heads = [a, b]` the per-head sites' heads `a..b` ([`take_heads`]).
 fn step_reference(
     full: &Trace,
     new_rows: &[usize],
     t_full: usize,
     heads: Option<[usize; 2]>,
     cfg: &MlaConfig,
+    stages: Option<&[Stage]>,
 ) -> Trace {
     let mut reference = Trace::new();
-    for (s, t) in full.entries() {
+    for (s, t) in full.entries().iter().filter(|(s, _)| in_stages(stages, s)) {
         let rows = take_rows(t, new_rows, t_full);
         let t = match heads {
             Some(hs) => take_heads(&rows, s.stage, cfg, hs),
@@ -565,10 +705,26 @@ fn take_heads(t: &TraceTensor, stage: Stage, cfg: &MlaConfig, [a, b]: [usize; 2]
 pub struct CompareOptions {
     /// Where the f64 reference of each dumped layer runs ([`Backend::reference`]): the CPU, or
     /// for a CUDA backend with the GPU reference on, the GPU where it computes the layer (not a
-    /// DSA layer, not an MoE FFN), downloaded to the host for judging.
+    /// DSA layer, not an MoE FFN), its sites brought to the host as `download` says.
     pub backend: Backend,
     /// How a format-2 dump's steps get their reference.
     pub references: StepReferences,
+    /// Which of a format-2 reference's sites come to the host before judging.
+    pub download: ReferenceDownload,
+}
+
+/// Which sites of a format-2 dump's layer reference come to the host (from the GPU, or for
+/// each step's rows, out of a union reference) before its steps are judged.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ReferenceDownload {
+    /// The stages judging reads (the dumped ones, and the inputs of the context partials and of
+    /// the selection's tie check); every stage only once a step diverges, when its diagnosis
+    /// reads them, once per layer reference. The verdicts, numbers and findings are
+    /// [`ReferenceDownload::Whole`]'s.
+    #[default]
+    Judged,
+    /// Every site, before judging (the oracle of [`ReferenceDownload::Judged`] in the tests).
+    Whole,
 }
 
 impl Default for CompareOptions {
@@ -577,6 +733,7 @@ impl Default for CompareOptions {
         CompareOptions {
             backend: Backend::Cpu(crate::backend::cpu::CpuOps::new(Dtype::F32)),
             references: StepReferences::Union,
+            download: ReferenceDownload::Judged,
         }
     }
 }
@@ -634,7 +791,7 @@ struct StepState {
 /// the summation order of a GEMM over another number of rows).
 struct UnionRef {
     /// The reference over `batch` (T_u rows).
-    out: RefOutput,
+    r: LayerRef,
     /// Its input [T_u, H].
     input: Array2<f64>,
     /// Per header sequence, its first row in the union; `None` when no step of the group gives
@@ -656,12 +813,13 @@ impl UnionRef {
     /// The union reference of `layer` over the steps `group` (ascending) of `sd`; `None` where
     /// it cannot serve them: a sequence that a later step of the group holds shorter than an
     /// earlier one, an input that cannot be gathered (the steps' own references report it), a
-    /// site with a per-token axis of another length.
+    /// site with a per-token axis of another length. `judged`: the stages judging reads, or
+    /// `None` for every stage on the host ([`LayerRef`]).
     ///
     /// Errors: the reference's own.
     #[allow(
         clippy::too_many_arguments,
-        reason = "the model (file, cfg, w), the dump, its context rows and the steps (sd, rows, group, layer) and how the reference runs (backend, full, tp)"
+        reason = "the model (file, cfg, w), the dump, its context rows and the steps (sd, rows, group, layer) and how the reference runs (backend, full, tp, judged)"
     )]
     fn build(
         backend: &Backend,
@@ -674,6 +832,7 @@ impl UnionRef {
         layer: usize,
         full: bool,
         tp: usize,
+        judged: Option<&[Stage]>,
     ) -> Result<Option<UnionRef>> {
         let n_seq = sd.header.steps[0].seqs.len();
         let mut off = vec![None; n_seq];
@@ -713,16 +872,15 @@ impl UnionRef {
                 })
                 .collect(),
         };
-        let out = timing::stage("reference", || {
-            layer_reference(backend, file, cfg, w, &input, &batch, full, tp, &mut None)
+        let r = timing::stage("reference", || {
+            layer_reference(backend, file, cfg, w, &input, &batch, full, tp, judged, &mut None)
         })?;
-        let per_token = out
-            .trace
-            .entries()
+        let per_token = r
+            .shapes()
             .iter()
-            .all(|(s, x)| s.stage.is_weight() || x.shape.first() == Some(&t));
+            .all(|(s, shape)| s.stage.is_weight() || shape.first() == Some(&t));
         Ok(per_token.then_some(UnionRef {
-            out,
+            r,
             input,
             off,
             extent,
@@ -763,16 +921,52 @@ impl UnionRef {
 
 /// Where a step's reference comes from: its own, or its rows of a union reference.
 enum StepSource<'a> {
-    Own(RefOutput),
+    Own(LayerRef),
     Union(&'a UnionRef, UnionRows),
 }
 
 impl StepSource<'_> {
-    /// The reference over the step's full batch: its own, else `rows` (its rows of the union,
-    /// when selected).
-    fn full_trace<'b>(&'b self, rows: &'b Option<Trace>) -> Option<&'b Trace> {
+    /// The layer reference the step's rows come from.
+    fn layer_ref(&self) -> &LayerRef {
         match self {
-            StepSource::Own(o) => Some(&o.trace),
+            StepSource::Own(o) => o,
+            StepSource::Union(u, _) => &u.r,
+        }
+    }
+
+    /// The step's reference on its new rows (`new_rows` of its own full batch of `t_full`
+    /// rows), from `trace` (its layer reference's, judged or whole), of the stages `stages`
+    /// (all without), sliced to `heads`.
+    fn new_rows(
+        &self,
+        trace: &Trace,
+        new_rows: &[usize],
+        t_full: usize,
+        heads: Option<[usize; 2]>,
+        cfg: &MlaConfig,
+        stages: Option<&[Stage]>,
+    ) -> Trace {
+        match self {
+            StepSource::Own(_) => step_reference(trace, new_rows, t_full, heads, cfg, stages),
+            StepSource::Union(u, r) => select_rows(trace, &r.new, u.t, heads, cfg, stages),
+        }
+    }
+
+    /// The step's reference over its full batch, of the stages `stages` (all without), from
+    /// `trace` (its layer reference's): its own trace is that already (`None`), a union's rows
+    /// are selected.
+    fn full_rows(&self, trace: &Trace, cfg: &MlaConfig, stages: Option<&[Stage]>) -> Option<Trace> {
+        match self {
+            StepSource::Own(_) => None,
+            StepSource::Union(u, r) => Some(select_rows(trace, &r.full, u.t, None, cfg, stages)),
+        }
+    }
+
+    /// The reference over the step's full batch: its own `trace`, else `rows` (its rows of the
+    /// union, when selected).
+    fn full_trace<'b>(&self, trace: &'b Trace, rows: &'b Option<Trace>) -> Option<&'b Trace> {
+        match self {
+            StepSource::Own(_) => Some(trace),
             StepSource::Union(..) => rows.as_ref(),
         }
     }
@@ -781,18 +975,31 @@ impl StepSource<'_> {
     /// own full batch), when the reference has one.
     fn hidden_out_rows(&self, new_rows: &[usize], t_new: usize, hidden: usize) -> Option<Array2<f64>> {
         let (h, rows) = match self {
-            StepSource::Own(o) => (o.hidden_out.as_ref()?, new_rows),
-            StepSource::Union(u, r) => (u.out.hidden_out.as_ref()?, r.new.as_slice()),
+            StepSource::Own(o) => (o.out.hidden_out.as_ref()?, new_rows),
+            StepSource::Union(u, r) => (u.r.out.hidden_out.as_ref()?, r.new.as_slice()),
         };
         Some(Array2::from_shape_fn((t_new, hidden), |(i, j)| h[[rows[i], j]]))
     }
 }
 
-/// The rows `rows` (of `t` per-token rows) of every site of `trace`: the weight sites whole,
-/// every other site (a [`UnionRef`]'s, whose per-token axis is checked) on those rows, in f64.
-fn select_rows(trace: &Trace, rows: &[usize], t: usize, heads: Option<[usize; 2]>, cfg: &MlaConfig) -> Trace {
+/// Whether `site` is of one of the stages `stages` (any stage without).
+fn in_stages(stages: Option<&[Stage]>, site: &Site) -> bool {
+    stages.is_none_or(|st| st.contains(&site.stage))
+}
+
+/// The rows `rows` (of `t` per-token rows) of every site of `trace` of the stages `stages` (all
+/// without): the weight sites whole, every other site (a [`UnionRef`]'s, whose per-token axis is
+/// checked) on those rows, in f64.
+fn select_rows(
+    trace: &Trace,
+    rows: &[usize],
+    t: usize,
+    heads: Option<[usize; 2]>,
+    cfg: &MlaConfig,
+    stages: Option<&[Stage]>,
+) -> Trace {
     let mut out = Trace::new();
-    for (s, x) in trace.entries() {
+    for (s, x) in trace.entries().iter().filter(|(s, _)| in_stages(stages, s)) {
         let picked = if s.stage.is_weight() || t == 0 {
             x.clone()
         } else {
@@ -869,7 +1076,11 @@ pub fn compare_steps(
 /// the batch's longest sequence S, and a GLM shared-indexer layer borrows its step's selection,
 /// so a union's rows are not the step's. The union's trace is held once, one step's rows at a
 /// time beside it; the step's full-batch rows (what context partials and the replays of a
-/// diagnosis read) only where the step has context chunks or diverges.
+/// diagnosis read) only where the step has context chunks or diverges. With
+/// [`ReferenceDownload::Judged`] (`opts.download`) a step's rows hold only the stages judging
+/// reads ([`judged_stages`]), and a GPU reference brings only those to the host; a step with a
+/// site out of tolerance takes every stage (the whole reference downloaded then, once per
+/// layer reference) for its diagnosis.
 ///
 /// Tolerance rows, first that applies: `precision` (`compare --precision`), then `dtype`
 /// (`compare --dtype`), then the header's `kernel_precision` (the rows `run --dtype` applies for
@@ -946,8 +1157,14 @@ pub fn compare_steps_with(
             if group.is_empty() {
                 continue;
             }
+            // What comes to the host before judging: the stages the group's judging reads.
+            let judged =
+                (opts.download == ReferenceDownload::Judged).then(|| judged_stages(steps_dump, &group, layer, cfg));
+            let judged = judged.as_deref();
             let union = if union_ok && group.len() > 1 {
-                UnionRef::build(backend, file, cfg, &w, steps_dump, &mut rows, &group, layer, full, tp)?
+                UnionRef::build(
+                    backend, file, cfg, &w, steps_dump, &mut rows, &group, layer, full, tp, judged,
+                )?
             } else {
                 None
             };
@@ -983,52 +1200,73 @@ pub fn compare_steps_with(
                                 &full_batch,
                                 full,
                                 tp,
+                                judged,
                                 &mut st.prev_sel,
                             )
                         })?)
                     }
                 };
                 drop(full_in);
-                // The step's reference on its new rows; its reference over the full batch
-                // where the context partials read it (and below, the replays of a diagnosis).
+                // The step's reference on its new rows, of the stages judging reads; its
+                // reference over the full batch where the context partials read it (and below,
+                // every stage of both for the replays of a diagnosis).
                 let needs_full = !spec.context_seqs().is_empty() && cfg.indexer.is_none();
-                let (mut reference, mut full_rows) = timing::stage("step rows", || match &src {
-                    StepSource::Own(o) => (step_reference(&o.trace, &new_rows, t_full, header.heads, cfg), None),
-                    StepSource::Union(u, r) => (
-                        select_rows(&u.out.trace, &r.new, u.t, header.heads, cfg),
-                        needs_full.then(|| select_rows(&u.out.trace, &r.full, u.t, None, cfg)),
-                    ),
+                let judged_tr = src.layer_ref().judged();
+                let (mut reference, mut full_rows) = timing::stage("step rows", || {
+                    (
+                        src.new_rows(judged_tr, &new_rows, t_full, header.heads, cfg, judged),
+                        needs_full.then(|| src.full_rows(judged_tr, cfg, judged)).flatten(),
+                    )
                 });
-                let (partials, chunks) = match src.full_trace(&full_rows) {
+                let (partials, chunks) = match src.full_trace(judged_tr, &full_rows) {
                     Some(f) => step_context_partials(spec, &live, layer, cfg, f, header.heads),
                     None => (Trace::new(), Vec::new()),
                 };
-                reference.extend(partials);
                 // The handover from layer n−1: this step's hidden_in against the engine's own
                 // hidden_out of layer n−1 when dumped, else the reference's output of layer n−1.
-                if let Some(handover) = &st.prev
-                    && handover.layer + 1 == layer
-                    && let Some(e) = handover.dump_out.as_ref().or(handover.ref_out.as_ref())
-                {
-                    reference.record(
-                        Site::new(layer, Stage::HiddenIn),
-                        TraceTensor::f64(vec![t_new, cfg.hidden], e.iter().copied().collect()),
-                    );
-                }
+                let handover_in = st
+                    .prev
+                    .as_ref()
+                    .filter(|h| h.layer + 1 == layer)
+                    .and_then(|h| h.dump_out.as_ref().or(h.ref_out.as_ref()))
+                    .map(|e| TraceTensor::f64(vec![t_new, cfg.hidden], e.iter().copied().collect()));
+                let complete = |reference: &mut Trace| {
+                    reference.extend(partials.clone());
+                    if let Some(x) = &handover_in {
+                        reference.record(Site::new(layer, Stage::HiddenIn), x.clone());
+                    }
+                };
+                complete(&mut reference);
                 let ref_out = src.hidden_out_rows(&new_rows, t_new, cfg.hidden);
                 st.prev = Some(Handover::new(dumped, layer, t_new, cfg.hidden, ref_out)?);
-                st.missing.add(&reference, dumped, &stages_dumped);
+                let mut sites: Vec<Site> = src.layer_ref().shapes().into_iter().map(|(s, _)| s).collect();
+                sites.extend(reference.entries().iter().map(|(s, _)| *s));
+                sites.sort_by_key(Site::order);
+                sites.dedup();
+                st.missing.add(&sites, dumped, &stages_dumped);
                 let diffs = timing::stage("judge", || metrics::diff(&reference, dumped, precision));
                 let mut layer_findings = Vec::new();
                 if metrics::first_divergence(&diffs).is_some() {
-                    if let StepSource::Union(u, r) = &src
-                        && full_rows.is_none()
-                    {
-                        full_rows = Some(timing::stage("step rows", || {
-                            select_rows(&u.out.trace, &r.full, u.t, None, cfg)
-                        }));
-                    }
-                    let full_tr = src.full_trace(&full_rows).unwrap_or(&reference);
+                    // A diagnosis reads every stage: the whole reference (downloaded once per
+                    // layer reference), the step's rows of it.
+                    let whole = match judged {
+                        Some(_) => {
+                            let whole = src.layer_ref().whole(backend)?;
+                            reference = timing::stage("step rows", || {
+                                src.new_rows(whole, &new_rows, t_full, header.heads, cfg, None)
+                            });
+                            complete(&mut reference);
+                            full_rows = timing::stage("step rows", || src.full_rows(whole, cfg, None));
+                            whole
+                        }
+                        None => {
+                            if full_rows.is_none() {
+                                full_rows = timing::stage("step rows", || src.full_rows(judged_tr, cfg, None));
+                            }
+                            judged_tr
+                        }
+                    };
+                    let full_tr = src.full_trace(whole, &full_rows).unwrap_or(&reference);
                     let mut full_heads = None;
                     let scope = DumpScope {
                         dumped: &stages_dumped,
@@ -1590,11 +1828,15 @@ mod tests {
     /// A union of sequence 0 (5 rows) and sequence 1 (3 rows), width 2, row r holding r + 0.5.
     fn union() -> UnionRef {
         UnionRef {
-            out: RefOutput {
-                trace: Trace::new(),
-                hidden_out: None,
-                moe_nonfinite: Vec::new(),
-                selection: None,
+            r: LayerRef {
+                out: RefOutput {
+                    trace: Trace::new(),
+                    hidden_out: None,
+                    moe_nonfinite: Vec::new(),
+                    selection: None,
+                },
+                split: None,
+                whole_trace: std::cell::OnceCell::new(),
             },
             input: Array2::from_shape_fn((8, 2), |(r, c)| r as f64 + 0.5 + c as f64 * 100.0),
             off: vec![Some(0), Some(5)],
@@ -1627,6 +1869,108 @@ mod tests {
         assert!(lacking.rows(&spec, &[0, 1], &input).is_none());
     }
 
+    /// The committed chunked-prefill dump of vLLM's real code on the CPU harness (steps 1–7 list
+    /// context chunks, steps 0, 8 and 9 do not), each step's layer 0 cut to the stages `keep`.
+    fn chunked_dump(keep: &[Stage]) -> (MlaConfig, StepsDump) {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let file = GgufFile::open(root.join("golden/models/legacy-kvb-f32.gguf")).unwrap();
+        let cfg = MlaConfig::from_gguf(&file).unwrap();
+        let path = root.join("golden/dumps/live-cpu/legacy-kvb-f32.chunked.safetensors");
+        let Ok(crate::model::dump::DumpFile::Steps(mut sd)) = crate::model::dump::read(&path, None, &cfg) else {
+            panic!("{}: not a format-2 dump", path.display());
+        };
+        for (_, d) in &mut sd.steps {
+            for tr in d.layers.values_mut() {
+                let mut cut = Trace::new();
+                for (s, t) in tr.entries().iter().filter(|(s, _)| keep.contains(&s.stage)) {
+                    cut.record(*s, t.clone());
+                }
+                *tr = cut;
+            }
+        }
+        (cfg, *sd)
+    }
+
+    #[test]
+    fn judging_reads_the_dumped_stages_and_what_the_context_partials_and_ties_need() {
+        use Stage::*;
+        let (cfg, mut sd) = chunked_dump(&[HiddenIn, AttnOut, CtxOut, HiddenOut]);
+        let with_context: Vec<usize> = (0..sd.steps.len())
+            .filter(|&k| !sd.steps[k].0.context_seqs().is_empty())
+            .collect();
+        assert_eq!(with_context, [1, 2, 3, 4, 5, 6, 7]);
+        // Steps without context chunks: the dumped stages, in data-flow order.
+        assert_eq!(judged_stages(&sd, &[0, 8, 9], 0, &cfg), [HiddenIn, AttnOut, HiddenOut]);
+        // A step with context chunks: also the queries, keys and values the partials are
+        // computed from (and the dumped ctx_out).
+        let partial_inputs = [HiddenIn, Q, KPeRoped, QPeRoped, KNope, V, AttnOut, CtxOut, HiddenOut];
+        let mut want = partial_inputs.to_vec();
+        want.sort_by_key(Stage::order);
+        assert_eq!(judged_stages(&sd, &[0, 3], 0, &cfg), want);
+        assert_eq!(judged_stages(&sd, &(0..10).collect::<Vec<_>>(), 0, &cfg), want);
+        // Another layer than the dumped one reads nothing.
+        assert!(judged_stages(&sd, &[0, 3], 1, &cfg).is_empty());
+        // A dumped selection: its scores too (ties are accepted on them).
+        let t0 = sd.steps[0].1.batch.n_tokens();
+        sd.steps[8].1.layers.get_mut(&0).unwrap().record(
+            Site::new(0, IdxTopk),
+            TraceTensor::f64(vec![t0, 1], (0..t0).map(|x| x as f64).collect()),
+        );
+        let got = judged_stages(&sd, &[0, 8], 0, &cfg);
+        let mut want = vec![HiddenIn, AttnOut, HiddenOut, IdxTopk, IdxScores];
+        want.sort_by_key(Stage::order);
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn a_step_reference_holds_only_the_judged_stages_until_asked_for_every_stage() {
+        use Stage::*;
+        let (cfg, sd) = chunked_dump(&[HiddenIn, AttnOut]);
+        let file =
+            GgufFile::open(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("golden/models/legacy-kvb-f32.gguf"))
+                .unwrap();
+        let w = LayerWeights::load(&file, &cfg, 0).unwrap();
+        let backend = CompareOptions::default().backend;
+        let group: Vec<usize> = (0..sd.steps.len()).collect();
+        let judged = judged_stages(&sd, &group, 0, &cfg);
+        let mut ctx_rows = ContextRows::new(&sd, &file, &cfg);
+        let u = UnionRef::build(
+            &backend,
+            &file,
+            &cfg,
+            &w,
+            &sd,
+            &mut ctx_rows,
+            &group,
+            0,
+            false,
+            1,
+            Some(&judged),
+        )
+        .unwrap()
+        .expect("the union serves the chunked steps");
+        // The CPU reference is on the host whole: nothing to download, the same trace.
+        assert!(u.r.split.is_none());
+        assert!(std::ptr::eq(u.r.judged(), u.r.whole(&backend).unwrap()));
+        let all: Vec<Stage> = u.r.judged().entries().iter().map(|(s, _)| s.stage).collect();
+        assert!(all.contains(&WKvB) && all.contains(&AttnLatent), "{all:?}");
+        // A step's rows: the judged stages only, each site's rows those of the full selection.
+        let (spec, _) = &sd.steps[3];
+        let (live, full_batch, _) = step_full_batch(spec, spec.seqs.len());
+        let full_in = ctx_rows.gather(3, &live, 0, full_batch.n_tokens()).unwrap();
+        let rows = u.rows(spec, &live, &full_in).expect("step 3's rows");
+        let some = select_rows(u.r.judged(), &rows.new, u.t, None, &cfg, Some(&judged));
+        let every = select_rows(u.r.judged(), &rows.new, u.t, None, &cfg, None);
+        let stages: Vec<Stage> = some.entries().iter().map(|(s, _)| s.stage).collect();
+        let mut sorted = stages.clone();
+        sorted.sort_by_key(Stage::order);
+        assert_eq!(sorted, judged);
+        for (s, t) in some.entries() {
+            assert_eq!(every.get(s), Some(t), "{s}");
+        }
+        assert_eq!(every.entries().len(), all.len());
+    }
+
     #[test]
     fn selected_rows_keep_weights_whole_and_pick_each_token_row() {
         let mut tr = Trace::new();
@@ -1636,7 +1980,7 @@ mod tests {
         let kv_b: Vec<f64> = (0..8 * 2).map(|x| -(x as f64)).collect();
         tr.record(Site::new(0, Stage::WKvB), TraceTensor::f64(vec![8, 2], kv_b.clone()));
         let cfg = MlaConfig::from_gguf(&crate::model::fixture::open_model(None).unwrap()).unwrap();
-        let s = select_rows(&tr, &[6, 1], 8, None, &cfg);
+        let s = select_rows(&tr, &[6, 1], 8, None, &cfg, None);
         let lse = s.get(&Site::new(0, Stage::Lse)).unwrap();
         assert_eq!(lse.shape, [2, 3]);
         assert_eq!(lse.to_f64(), [18.0, 19.0, 20.0, 3.0, 4.0, 5.0]);

@@ -2220,6 +2220,70 @@ def zero_unloaded(applied: list) -> None:
     gl.process_weights_after_loading = process_weights_after_loading
 
 
+# (name, reason) of the loader patch that lets vllm-gguf-plugin 0.0.5 load a glm-dsa GGUF
+GLM_DSA_NAME_MAP = (
+    "glm-dsa-name-map",
+    "vllm-gguf-plugin 0.0.5's GGUF-to-HF name map, in-process: GGUFWeightsAdapter.build_name_map "
+    "looks the HF config's model_type up among gguf-py's architecture names and renames only "
+    "cohere, gemma3_text, deepseek_v2/v3, qwen2/3_moe and minimax_m2, so a GLM-5 config "
+    "(glm_moe_dsa) stops at 'Unknown gguf model_type: glm_moe_dsa'; here glm_moe_dsa is taken "
+    "as gguf-py's glm-dsa, whose tensor table names the attention, the indexer (wq_b, wk, "
+    "k_norm, weights_proj) and the FFN. The weights are the file's own, loaded unchanged",
+)
+# the model_type of a GLM-5 HF config and the gguf-py architecture it is looked up as
+GLM_DSA_MODEL_TYPE, GLM_DSA_ARCH = "glm_moe_dsa", "glm-dsa"
+
+
+class _ArchNames:
+    """gguf-py's MODEL_ARCH_NAMES as build_name_map iterates it (`.items()`), with the
+    architecture `glm-dsa` also answering to the HF model_type `glm_moe_dsa`."""
+
+    def __init__(self, names: dict):
+        self._names = names
+
+    def items(self):
+        for arch, name in self._names.items():
+            if name == GLM_DSA_ARCH:
+                yield arch, GLM_DSA_MODEL_TYPE
+        yield from self._names.items()
+
+    def __getitem__(self, key):
+        return self._names[key]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class _GgufView:
+    """The gguf module as vllm-gguf-plugin's default weights adapter sees it: every name its
+    own, MODEL_ARCH_NAMES wrapped in _ArchNames."""
+
+    def __init__(self, module):
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "MODEL_ARCH_NAMES", _ArchNames(module.MODEL_ARCH_NAMES))
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def map_glm_dsa_names(applied: list | None = None) -> tuple[str, str]:
+    """Apply GLM_DSA_NAME_MAP in this process (before vLLM loads the model): vllm-gguf-plugin's
+    default weights adapter module (vllm_gguf_plugin/weights_adapter/default.py) gets a view of
+    gguf-py in which `glm_moe_dsa` names the `glm-dsa` architecture, so its build_name_map maps
+    a GLM-5 HF config's parameters through gguf-py's glm-dsa tensor table. Idempotent; appends
+    the patch to `applied` and returns it. Errors: ImportError without vllm-gguf-plugin."""
+    import vllm_gguf_plugin.weights_adapter.default as adapter
+
+    if not isinstance(adapter.gguf, _GgufView):
+        adapter.gguf = _GgufView(adapter.gguf)
+    if applied is not None and GLM_DSA_NAME_MAP not in applied:
+        applied.append(GLM_DSA_NAME_MAP)
+    return GLM_DSA_NAME_MAP
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(

@@ -5,7 +5,7 @@ Why: a DSA layer attends only to the keys its lightning indexer keeps, and vLLM 
 its own sparse backends (FLASH_ATTN_MLA_SPARSE and FLASHMLA_SPARSE on sm90), fp8 DeepGEMM
 indexer kernels and its topk_indices_buffer; none of that is reached by the dense cases. This
 script runs vLLM's offline engine (`vllm.LLM`, in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0) on
-golden/models/dsa-live-bf16.gguf (one glm-dsa layer, index_topk 128; its config folder
+golden/models/dsa-live-bf16.gguf (two glm-dsa layers, index_topk 128; its config folder
 golden/models/dsa-live) with vllm-gguf-plugin loading it through the recorded patch
 `glm-dsa-name-map` (mla_diff_hooks.vllm.map_glm_dsa_names: the plugin 0.0.5 does not map
 glm_moe_dsa), a prompt of --prompt tokens (default 300, above index_topk, so vLLM runs the whole

@@ -38,14 +38,15 @@ PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 # decode-only sites: captured around the backend's forward_mqa (the MQA/absorbed path vLLM runs for
 # decode tokens); a prefill step never computes them
 DECODE_SITES = (*dump_format.ABSORBED_STAGES, "lse")
-# The activation sites these hooks reach (vLLM's DeepSeek layers have no DSA indexer here, and
-# of an MoE block only the shared experts are hooked).
+# The activation sites these hooks reach: of a DSA layer's indexer only its selection
+# (`idx_topk`, read from vLLM's topk_indices_buffer: the indexer's scores are fp8 DeepGEMM
+# logits it never keeps), of an MoE block only the shared experts.
 HOOKED_STAGES = tuple(
     s
     for s in dump_format.STAGES
     if s
     not in dump_format.WEIGHT_STAGES
-    + dump_format.INDEXER_STAGES
+    + tuple(x for x in dump_format.INDEXER_STAGES if x != "idx_topk")
     + dump_format.MOE_STAGES
     + dump_format.CONTEXT_STAGES
 )
@@ -623,6 +624,28 @@ def infer_seq_lens(positions: np.ndarray) -> list[int]:
     return lens
 
 
+def topk_rows(buffer: np.ndarray) -> np.ndarray:
+    """vLLM's topk_indices_buffer rows [T, K] int (each row: the key positions a token keeps,
+    within its own request, in the kernel's order, −1 for none) in the `idx_topk` layout
+    (docs/dump-format.md): each row's positions ascending, then −1; float32 (positions below
+    2^24 are exact)."""
+    a = np.asarray(buffer, dtype=np.int64)
+    out = np.full(a.shape, -1.0, dtype=np.float32)
+    for i, row in enumerate(a):
+        kept = np.sort(row[row >= 0])
+        out[i, : kept.size] = kept
+    return out
+
+
+def topk_fits(n_rows: int, width: int, totals: list[int]) -> bool:
+    """Whether a step's `idx_topk` [n_rows, width] (width = index_topk) has the shape both
+    mla-diff's dump reader ([T, min(top_k, T)] for the step's T rows) and its reference
+    ([T, min(top_k, S)], S the longest sequence, `totals` the sequences' lengths after the
+    step) give it: both are `width` when the step has at least `width` rows and a sequence that
+    long. A decode step's selection (T = 1) does not fit."""
+    return n_rows >= width and max(totals, default=0) >= width
+
+
 # --------------------------------------------------------------------------------------------
 # the capture
 # --------------------------------------------------------------------------------------------
@@ -983,6 +1006,9 @@ class VllmCapture:
             if self.tp_size > 1 and getattr(o_proj, "reduce_results", True):
                 self._wrap_partial(o_proj, dump_format.o_proj_rank_site(n, self.tp_rank))
             self._arm_ffn(n, layer)
+            indexer = getattr(attn, "indexer", None)
+            if isinstance(indexer, _torch().nn.Module):
+                self.handles.append(indexer.register_forward_hook(functools.partial(self._indexer, n)))
             rot = getattr(attn, "rotary_emb", None)
             if rot is not None and id(rot) not in hooked_rotary:  # shared across layers
                 hooked_rotary.add(id(rot))
@@ -1277,6 +1303,17 @@ class VllmCapture:
         if k_pe is not None:
             self.put(n, "k_pe_roped", _np(k_pe).reshape(t, r))
 
+    def _indexer(self, n, mod, args, output):
+        """A DSA layer's Indexer.forward(hidden_states, q_c, positions, rotary_emb) returns
+        vLLM's topk_indices_buffer [max_num_batched_tokens, index_topk] int32 after writing the
+        selection of the forward's T rows into its first T (deepseek_v2.py, `Indexer`;
+        layers/sparse_attn_indexer.py): those rows, as `idx_topk` [T, index_topk]. The sparse
+        backend's forward_mqa reads the same rows."""
+        if not self._on() or output is None or not args:
+            return
+        rows = int(args[0].shape[0])
+        self.put(n, "idx_topk", topk_rows(_np_int(output[:rows])))
+
     def _forward_mqa(self, n, d: _Dims, orig):
         """Wraps impl.forward_mqa(q, kv_cache, attn_metadata, layer) -> (o, lse) of layer n.
 
@@ -1546,6 +1583,8 @@ class VllmCapture:
             for st in HOOKED_STAGES:
                 if st in ("q_c", "q_c_normed") and layer.self_attn.q_lora_rank is None:
                     continue
+                if st == "idx_topk" and getattr(layer.self_attn, "indexer", None) is None:
+                    continue
                 if site(n, st) not in ordered:
                     missing.append(site(n, st))
         for k, c in sorted(rec["repeats"].items()):
@@ -1744,6 +1783,17 @@ class VllmCapture:
             for i, c in unrecorded.items():
                 spec["seqs"][i]["unrecorded"] = c
             specs.append(spec)
+            totals = [int(c) + int(x) for c, x in zip(ctx, lens) if x > 0]
+            for nm in [x for x in t if x.endswith(".idx_topk")]:
+                width = int(t[nm].shape[1])
+                if not topk_fits(n_rows, width, totals):
+                    del t[nm]
+                    notes.append(
+                        f"{name}: {nm} not dumped: {n_rows} rows, sequences of up to "
+                        f"{max(totals, default=0)} tokens and index_topk {width} give the dump "
+                        "reader's [T, min(top_k, T)] another width than the reference's "
+                        "[T, min(top_k, S)]"
+                    )
             for nm, a in t.items():
                 if self.heads is not None:
                     a = self._head_subset(nm, a)
@@ -2218,6 +2268,70 @@ def zero_unloaded(applied: list) -> None:
         return orig(model, model_config, target_device)
 
     gl.process_weights_after_loading = process_weights_after_loading
+
+
+# (name, reason) of the loader patch that lets vllm-gguf-plugin 0.0.5 load a glm-dsa GGUF
+GLM_DSA_NAME_MAP = (
+    "glm-dsa-name-map",
+    "vllm-gguf-plugin 0.0.5's GGUF-to-HF name map, in-process: GGUFWeightsAdapter.build_name_map "
+    "looks the HF config's model_type up among gguf-py's architecture names and renames only "
+    "cohere, gemma3_text, deepseek_v2/v3, qwen2/3_moe and minimax_m2, so a GLM-5 config "
+    "(glm_moe_dsa) stops at 'Unknown gguf model_type: glm_moe_dsa'; here glm_moe_dsa is taken "
+    "as gguf-py's glm-dsa, whose tensor table names the attention, the indexer (wq_b, wk, "
+    "k_norm, weights_proj) and the FFN. The weights are the file's own, loaded unchanged",
+)
+# the model_type of a GLM-5 HF config and the gguf-py architecture it is looked up as
+GLM_DSA_MODEL_TYPE, GLM_DSA_ARCH = "glm_moe_dsa", "glm-dsa"
+
+
+class _ArchNames:
+    """gguf-py's MODEL_ARCH_NAMES as build_name_map iterates it (`.items()`), with the
+    architecture `glm-dsa` also answering to the HF model_type `glm_moe_dsa`."""
+
+    def __init__(self, names: dict):
+        self._names = names
+
+    def items(self):
+        for arch, name in self._names.items():
+            if name == GLM_DSA_ARCH:
+                yield arch, GLM_DSA_MODEL_TYPE
+        yield from self._names.items()
+
+    def __getitem__(self, key):
+        return self._names[key]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class _GgufView:
+    """The gguf module as vllm-gguf-plugin's default weights adapter sees it: every name its
+    own, MODEL_ARCH_NAMES wrapped in _ArchNames."""
+
+    def __init__(self, module):
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "MODEL_ARCH_NAMES", _ArchNames(module.MODEL_ARCH_NAMES))
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def map_glm_dsa_names(applied: list | None = None) -> tuple[str, str]:
+    """Apply GLM_DSA_NAME_MAP in this process (before vLLM loads the model): vllm-gguf-plugin's
+    default weights adapter module (vllm_gguf_plugin/weights_adapter/default.py) gets a view of
+    gguf-py in which `glm_moe_dsa` names the `glm-dsa` architecture, so its build_name_map maps
+    a GLM-5 HF config's parameters through gguf-py's glm-dsa tensor table. Idempotent; appends
+    the patch to `applied` and returns it. Errors: ImportError without vllm-gguf-plugin."""
+    import vllm_gguf_plugin.weights_adapter.default as adapter
+
+    if not isinstance(adapter.gguf, _GgufView):
+        adapter.gguf = _GgufView(adapter.gguf)
+    if applied is not None and GLM_DSA_NAME_MAP not in applied:
+        applied.append(GLM_DSA_NAME_MAP)
+    return GLM_DSA_NAME_MAP
 
 
 def main() -> None:

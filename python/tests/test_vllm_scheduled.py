@@ -249,3 +249,28 @@ def test_live_plan_follows_the_runners_batch_and_finds_a_prefix_hit():
     runner.input_batch.num_computed_tokens_cpu = np.array([44, 0, 0])
     plan = vllm_hooks.live_plan(cap, runner, types.SimpleNamespace(num_scheduled_tokens={"b": 1}))
     assert plan["order"] == [1] and plan["seqs"][0] == {"new": 0, "context": 41, "prefix": None}
+
+
+def test_a_dsa_layers_selection_is_recorded_as_idx_topk_where_the_reader_takes_it():
+    torch = pytest.importorskip("torch", reason="the indexer stand-in returns a torch buffer")
+    # vLLM's topk_indices_buffer after a 3-row forward: rows in the kernel's order, -1 for none,
+    # rows past the forward's stale
+    buf = torch.tensor([[0, -1, -1, -1], [1, 0, -1, -1], [2, 0, 1, -1], [9, 9, 9, 9]], dtype=torch.int32)
+    cap = _capture_with_step(None, {}, {"L0.hidden_in": np.zeros((3, 2), np.float32)})
+    cap.capturing, cap.done, cap.step_sites, cap.keep_sites, cap.repeats = True, False, {}, None, {}
+    cap.steps = []
+    cap._indexer(0, None, (torch.zeros(3, 8),), buf)
+    got = cap.t["L0.idx_topk"]
+    assert got.dtype == np.float32 and got.tolist() == [
+        [0, -1, -1, -1],
+        [0, 1, -1, -1],
+        [0, 1, 2, -1],
+    ]
+    assert vllm_hooks.topk_rows(np.array([[5, -1, 3]])).tolist() == [[3, 5, -1]]
+    # the reader's [T, min(K, T)] and the reference's [T, min(K, S)] agree only from K rows on
+    assert vllm_hooks.topk_fits(300, 128, [300])
+    assert vllm_hooks.topk_fits(130, 128, [200, 30])  # 100 rows over 100 cached, and 30 new
+    assert not vllm_hooks.topk_fits(130, 128, [100, 30])  # S = 100: the reference keeps 100
+    assert not vllm_hooks.topk_fits(1, 128, [301])  # a decode step
+    assert not vllm_hooks.topk_fits(100, 128, [100])  # every key kept: width 100 on both, not 128
+    assert "idx_topk" in vllm_hooks.HOOKED_STAGES and "idx_scores" not in vllm_hooks.HOOKED_STAGES

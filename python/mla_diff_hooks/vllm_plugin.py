@@ -126,7 +126,9 @@ def _wrap_loader(cls) -> None:
     def load_model(self, *args, **kwargs):
         model = fn(self, *args, **kwargs)
         model_config = kwargs.get("model_config", args[1] if len(args) > 1 else None)
-        _arm(model, getattr(model_config, "model", None))
+        # vllm-gguf-plugin keeps the GGUF file in model_weights when `model` names the folder of
+        # the HF config (`--hf-config-path`): the dump is then format 2, tied to that file
+        _arm(model, getattr(model_config, "model_weights", None) or getattr(model_config, "model", None))
         return model
 
     load_model._mla_diff_armed = True

@@ -215,7 +215,13 @@ def test_register_arms_the_model_every_loader_returns_once(monkeypatch):
         cfg.model_obj = object()
         assert loader.load_model(None, cfg) is cfg.model_obj
         assert armed[-1][0] is cfg.model_obj
-    assert len(armed) == 3, "each model armed once, though subclass and base both returned it"
+    assert len(armed) == 3 and vllm_plugin._STATE["model_path"] == "m.gguf"
+    # `vllm serve M.gguf --hf-config-path DIR`: vllm-gguf-plugin names DIR as the model and keeps
+    # the GGUF in model_weights, which the dump must name
+    cfg = types.SimpleNamespace(model="/cfg", model_weights="/w/m.gguf", model_obj=object())
+    BaseModelLoader().load_model(None, cfg)
+    assert vllm_plugin._STATE["model_path"] == "/w/m.gguf"
+    assert len(armed) == 4, "each model armed once, though subclass and base both returned it"
     assert armed[0][1] == {"forward_index": 0, "steps": 3, "layers": None, "sites": None, "heads": None}
 
 

@@ -207,3 +207,23 @@ fn the_live_headers_record_vllms_scheduling() {
     );
     assert_eq!(h["steps"][0]["seqs"][0]["new"], 40);
 }
+
+/// A head subset hides a stride across heads from the replays: the merge-stride plant's hint
+/// says which heads the dump holds and that recording every head would have the bug named.
+#[test]
+fn a_head_subset_says_what_it_hides() {
+    let dir = repo().join("golden/dumps/live-gpu");
+    let model = repo().join("golden/models/fa3-v3-bf16.gguf");
+    let tmp = tempfile::tempdir().unwrap();
+    let judged = tmp.path().join("stride.safetensors");
+    without_plants(
+        &dir.join("fa3-v3-bf16.triton_mla.plant-merge-suffix-stride.safetensors"),
+        &judged,
+    );
+    let (code, _, out) = verdict("stride", &model, &judged);
+    assert_eq!(code, 1);
+    assert!(
+        out.contains("the dump holds heads 0..1 of 4: a view or stride across heads reads heads it leaves out"),
+        "{out}"
+    );
+}

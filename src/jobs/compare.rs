@@ -199,6 +199,7 @@ pub fn compare_dump_with(
             full_reference: None,
             num_kv_splits: None,
             chunks: &[],
+            head_subset: None,
         };
         let (result, layer_findings) = judge_dumped_layer(
             cfg,
@@ -1274,6 +1275,10 @@ pub fn compare_steps_with(
                         full_reference: full_step_reference(full_tr, header.heads, cfg, &context, &mut full_heads),
                         num_kv_splits: spec.num_kv_splits,
                         chunks: &chunks,
+                        head_subset: header
+                            .heads
+                            .filter(|hs| header.tp.is_none() && hs[1] - hs[0] < cfg.n_head)
+                            .map(|hs| (hs, cfg.n_head)),
                     };
                     let paged = dump_paged_step(steps_dump, k, &live, layer, cfg, full_tr);
                     layer_findings = timing::stage("diagnose", || {

@@ -1079,7 +1079,7 @@ pub fn compare_steps(
 /// time beside it; the step's full-batch rows (what context partials and the replays of a
 /// diagnosis read) only where the step has context chunks or diverges. With
 /// [`ReferenceDownload::Judged`] (`opts.download`) a step's rows hold only the stages judging
-/// reads ([`judged_stages`]), and a GPU reference brings only those to the host; a step with a
+/// reads (`judged_stages`), and a GPU reference brings only those to the host; a step with a
 /// site out of tolerance takes every stage (the whole reference downloaded then, once per
 /// layer reference) for its diagnosis.
 ///

@@ -965,3 +965,124 @@ fn device_attention_over_keys_read_by_index_matches_the_cpu() {
         assert_eq!(got.1[296 * nh], f32::NEG_INFINITY, "{what}: the row with no key");
     }
 }
+
+/// `compare --backend cuda`: each committed scheduled-run dump (format 2, vLLM's real code on
+/// the CPU harness) judged with the f64 reference on the GPU gives the verdict, findings and
+/// site statuses the CPU reference gives, through the same union reference.
+#[test]
+fn compare_with_the_gpu_reference_judges_as_the_cpu_one() {
+    use mla_diff::jobs::compare::{CompareOptions, compare_steps_with};
+    use mla_diff::model::dump::DumpFile;
+    let Some(ops) = device() else { return };
+    let gpu = CompareOptions {
+        backend: Backend::Cuda(ops.with_gpu_reference(true)),
+        ..CompareOptions::default()
+    };
+    let dir = common::repo().join("golden/dumps/live-cpu");
+    let mut names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    names.sort();
+    let file = mla_diff::model::gguf::GgufFile::open(common::repo().join("golden/models/legacy-kvb-f32.gguf")).unwrap();
+    let cfg = MlaConfig::from_gguf(&file).unwrap();
+    let verdicts = |opts: &CompareOptions, p: &std::path::Path| {
+        let DumpFile::Steps(sd) = mla_diff::model::dump::read(p, None, &cfg).unwrap() else {
+            panic!("{}: not format 2", p.display())
+        };
+        let (rep, tally) = compare_steps_with(&file, &cfg, &sd, None, None, None, opts).unwrap();
+        let doc = mla_diff::output::report::json(&rep);
+        let sites: Vec<String> = doc["sites"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| format!("{} {} {}", s["step"], s["site"], s["status"]))
+            .collect();
+        let findings: Vec<String> = doc["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| format!("{} {}", f["class"], f["site"]))
+            .collect();
+        (sites, findings, tally.per_step)
+    };
+    for p in names
+        .iter()
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+    {
+        let cpu = verdicts(&CompareOptions::default(), p);
+        let on_gpu = verdicts(&gpu, p);
+        eprintln!("{}: {} sites, findings {:?}", p.display(), cpu.0.len(), cpu.1);
+        assert_eq!(cpu, on_gpu, "{}", p.display());
+        assert_eq!(on_gpu.2, 0, "{}: the union served every step", p.display());
+    }
+}
+
+/// `compare --backend cuda` brings to the host only the reference stages judging reads, and
+/// every stage only where a step diverges (its diagnosis reads them): its JSON report is the one
+/// downloading every site at once gives, byte for byte, on each committed format-2 dump of vLLM's
+/// real code on the CPU harness and each plant dump (which diverge, so the lazy whole download
+/// runs); a clean dump downloads once per reference, one with a site out of tolerance again.
+#[test]
+fn compare_on_the_gpu_downloads_the_judged_stages_and_reports_as_downloading_all() {
+    use mla_diff::jobs::compare::{CompareOptions, ReferenceDownload, compare_steps_with};
+    use mla_diff::model::dump::DumpFile;
+    let Some(ops) = device() else { return };
+    let with = |download| CompareOptions {
+        backend: Backend::Cuda(ops.with_gpu_reference(true)),
+        download,
+        ..CompareOptions::default()
+    };
+    let (judged_opts, whole_opts) = (with(ReferenceDownload::Judged), with(ReferenceDownload::Whole));
+    let (mut checked, mut diverging) = (0, 0);
+    for folder in ["live-cpu", "plants"] {
+        let dir = common::repo().join("golden/dumps").join(folder);
+        let mut names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        names.sort();
+        for p in names {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            let fixture = name.split('.').next().unwrap();
+            let file = mla_diff::model::gguf::GgufFile::open(
+                common::repo().join("golden/models").join(format!("{fixture}.gguf")),
+            )
+            .unwrap();
+            let cfg = MlaConfig::from_gguf(&file).unwrap();
+            let DumpFile::Steps(sd) = mla_diff::model::dump::read(&p, None, &cfg).unwrap() else {
+                panic!("{name}: not format 2")
+            };
+            let report = |opts: &CompareOptions| {
+                let _ = mla_diff::core::timing::take();
+                let (rep, tally) = compare_steps_with(&file, &cfg, &sd, None, None, None, opts).unwrap();
+                let downloads = mla_diff::core::timing::take()
+                    .iter()
+                    .find(|s| s.name == "download")
+                    .map_or(0, |s| s.count as usize);
+                let doc = mla_diff::output::report::json(&rep);
+                (mla_diff::output::report::to_json_bytes(&doc), doc, tally, downloads)
+            };
+            let (judged, doc, tally, downloads) = report(&judged_opts);
+            let (whole, _, _, _) = report(&whole_opts);
+            assert_eq!(
+                String::from_utf8_lossy(&judged),
+                String::from_utf8_lossy(&whole),
+                "{name}"
+            );
+            let references = tally.union + tally.per_step;
+            // A step with a site out of tolerance is diagnosed, which downloads the rest.
+            let failed = doc["sites"].as_array().unwrap().iter().any(|s| s["status"] != "pass");
+            if failed {
+                diverging += 1;
+                assert!(downloads > references, "{name}: {downloads} downloads, {tally:?}");
+            } else {
+                assert_eq!(downloads, references, "{name}: {tally:?}");
+            }
+            checked += 1;
+        }
+    }
+    eprintln!("{checked} dumps, {diverging} diverging");
+    assert!(
+        checked >= 60 && diverging >= 40,
+        "{checked} dumps, {diverging} diverging"
+    );
+}

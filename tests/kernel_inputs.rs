@@ -439,7 +439,7 @@ fn a_ranks_export_is_its_slice_of_the_full_export() {
 }
 
 /// Refused before any work (exit 2, one line): an existing file without --force, several layers,
-/// a start position, a rank outside --tp, a DSA model, a memory limit the export does not fit.
+/// a start position, a rank outside --tp, a memory limit the export does not fit.
 #[test]
 fn export_refusals_are_usage_errors() {
     let dir = tempfile::tempdir().unwrap();
@@ -448,13 +448,11 @@ fn export_refusals_are_usage_errors() {
     assert_eq!(code, 0, "{out}\n{err}");
     let file = dir.path().join("inputs.safetensors");
     let before = std::fs::read(&file).unwrap();
-    let dsa = repo().join("golden/models/dsa-glm-f32.gguf");
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (vec![], "exists; pass --force"),
         (vec!["--layers", "0..2"], "one layer"),
         (vec!["--start-pos", "4", "--force"], "--start-pos 0"),
         (vec!["--tp", "2", "--rank", "2", "--force"], "--rank 2"),
-        (vec!["--model", dsa.to_str().unwrap(), "--force"], "DSA indexer"),
         (vec!["--max-memory", "64K", "--force"], "--export-inputs file about"),
     ];
     for (extra, want) in cases {

@@ -108,6 +108,7 @@ fn finding(l: &Layer, kind: PathKind, trace: &Trace, elsewhere: &[Stage]) -> Fin
             full_reference: None,
             num_kv_splits: None,
             chunks: &[],
+            head_subset: None,
         }),
     });
     assert_eq!(f.len(), 1, "{f:?}");

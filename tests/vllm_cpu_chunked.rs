@@ -6,7 +6,8 @@
 //! batch whose steps mix decode and prefill rows; the chunked case also with one bug of the chunk
 //! loop or the merge planted. Each dump keeps its verdict, judged from a copy whose `plant:`
 //! patches are removed: a clean run exit 0 with the per-chunk partial sites judged and passing;
-//! a plant exit 1, its class named at its site in the step it first shows in. Every file of the
+//! a plant exit 1, its class named at its site in the step it first shows in; and a recording
+//! that starts mid-request with a head subset (`--record-from`, `--heads`). Every file of the
 //! folder is a case here, and none is above 2 MB.
 
 use std::path::Path;
@@ -37,6 +38,11 @@ const CASES: &[&str] = &[
     // Context chunk 1's output never written (vLLM PR #26397): the chunk loop merges what
     // torch.empty handed out.
     "legacy-kvb-f32.ctx-chunk-unwritten: phantom-output at L0.ctx_out.c1 in step-3",
+    // The chunked run recorded from forward 4 on, heads 1..3 of 4: the positions computed
+    // before the window are rebuilt from the token ids (`unrecorded`).
+    "legacy-kvb-f32.window: clean",
+    // The same window from forward 3, with context chunk 1's output never written.
+    "legacy-kvb-f32.window-ctx-chunk-unwritten: phantom-output at L0.ctx_out.c1 in step-3",
 ];
 
 /// Each dump's size limit: the committed live dumps stay small enough for the repository.
@@ -174,4 +180,40 @@ fn the_headers_record_the_engines_scheduling() {
         ["decode", "prefill", "prefill", "prefill"],
         "the 1-token prompt runs the decode kernel"
     );
+}
+
+/// A window of forwards with a head subset: the first recorded step declares each request's
+/// earlier positions `unrecorded` (their context rebuilt from the token ids, noted, not judged),
+/// and the per-head sites hold heads 1..3 while the latent cache stays whole.
+#[test]
+fn a_windowed_head_subset_recording_is_judged_over_the_whole_context() {
+    let dir = repo().join("golden/dumps/live-cpu");
+    let h = header(&dir.join("legacy-kvb-f32.window.safetensors"));
+    assert_eq!(h["heads"], serde_json::json!([1, 3]));
+    assert_eq!(h["steps"][0]["name"], "step-4");
+    assert_eq!(h["steps"][0]["seqs"][0]["unrecorded"], 32);
+    assert_eq!(h["steps"][0]["seqs"][1]["unrecorded"], 16);
+    assert!(h["steps"][1]["seqs"][0].get("unrecorded").is_none());
+    let model = repo().join("golden/models/legacy-kvb-f32.gguf");
+    let (code, out, err, doc) = compare_json(&model, &dir.join("legacy-kvb-f32.window.safetensors"), &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("context rebuilt from token ids: seq 0 positions 0..32, seq 1 positions 0..16 (not judged)"),
+        "{out}"
+    );
+    let sites = doc["sites"].as_array().expect("a sites table");
+    let attn = sites
+        .iter()
+        .find(|s| s["site"] == "L0.attn_out" && s["step"] == "step-4")
+        .expect("attn_out judged in the window's first step");
+    assert_eq!(attn["status"], "pass");
+    assert_eq!(attn["shape"], serde_json::json!([16, 2, 64]), "two heads of attn_out");
+    for site in ["L0.ctx_out.c0", "L0.ctx_out.c1", "L0.ctx_out", "L0.suffix_out"] {
+        let row = sites.iter().find(|s| s["site"] == site && s["step"] == "step-5");
+        assert_eq!(
+            row.map(|r| &r["status"]),
+            Some(&serde_json::json!("pass")),
+            "{site} in step-5"
+        );
+    }
 }

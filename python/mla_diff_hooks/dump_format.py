@@ -247,12 +247,18 @@ def write_format2(
     notes: Iterable[str] = (),
     extra: Mapping[str, str] | None = None,
     compact: bool = True,
+    bf16_steps: bool = False,
 ) -> Path:
     """Write a format-2 dump: `tensors` (`s{k}.*`, `weights.*`; numpy arrays, in the order
-    given) and the metadata of format2_metadata. Returns the path."""
+    given) and the metadata of format2_metadata. Returns the path. With `bf16_steps`, a step's
+    float32 site whose values are all bf16 values (a bf16 engine's activations) is stored as
+    BF16: exact, half the bytes (st_io.bf16_bits); loaded weights stay as given."""
     path = Path(path)
     st_io.save(
-        dict(tensors), path, metadata=format2_metadata(header, notes=notes, extra=extra, compact=compact)
+        dict(tensors),
+        path,
+        metadata=format2_metadata(header, notes=notes, extra=extra, compact=compact),
+        bf16_exact=(lambda name: name.startswith("s") and ".L" in name) if bf16_steps else None,
     )
     return path
 

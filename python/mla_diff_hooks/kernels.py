@@ -27,6 +27,19 @@ torch = optional("torch", "mla_diff_hooks.kernels", "kernels")
 HOOK_NAME, HOOK_VERSION = "engine_kernels.py", "1"
 KERNELS = ("flashmla", "triton-mla", "flashinfer", "fa3")
 PREFILL_KERNELS = ("fa3",)
+# The kernels of vLLM's sparse MLA backends, run on a DSA layer's export (its `sparse.*` tensors):
+# FLASHMLA_SPARSE's prefill kernel (which it also runs on decode rows with a bf16 cache), its
+# sparse decode, and FLASH_ATTN_MLA_SPARSE's FA3 call (sm90's first sparse backend).
+SPARSE_KERNELS = ("flashmla-sparse", "flashmla-sparse-decode", "fa3-sparse")
+# vLLM's backend name for each, as a dump's `engine.attention_backend`.
+SPARSE_BACKENDS = {
+    "flashmla-sparse": "FLASHMLA_SPARSE",
+    "flashmla-sparse-decode": "FLASHMLA_SPARSE",
+    "fa3-sparse": "FLASH_ATTN_MLA_SPARSE",
+}
+# FlashMLA's sparse kernels read the indices in blocks of B_TOPK (64 for 64 heads, 128 for 128) and
+# assert `topk % B_TOPK == 0`; 128 satisfies both, and −1 entries past `topk_length` are never read.
+TOPK_ALIGN = 128
 PLANTS = ("block-table", "no-yarn", "lse-base2", "phantom")
 
 
@@ -89,10 +102,38 @@ class Inputs:
         self.pv = self.t.get("prefill.v")
         cu = self.t.get("prefill.cu_seqlens")
         self.cu = None if cu is None else cu.to(torch.int32)
+        # A DSA layer: the reference's selection, [T, K] (docs/dump-format.md, "Kernel inputs").
+        self.topk = int(m["index_topk"]) if "index_topk" in m else None
+        if self.topk is not None:
+            for k in SPARSE_TENSORS:
+                if k not in self.t:
+                    die(f"{path}: tensor `{k}` missing (a DSA export has every sparse.* tensor)")
+            self.sp_pos = self.t["sparse.topk_indices"].to(torch.int32)  # [T, K] per-request positions
+            self.sp_idx = self.t["sparse.indices"].to(torch.int32)  # [T, K] global cache slots
+            self.sp_len = self.t["sparse.topk_length"].to(torch.int32)  # [T]
+            self.sp_lat = self.t["sparse.expected_latent"]  # [T, nh, L] f64
+            self.sp_lse = self.t["sparse.expected_lse"]  # [T, nh] f64
+            if tuple(self.sp_idx.shape) != (T, self.topk) or tuple(self.sp_lat.shape) != (T, nh, self.L):
+                die(
+                    f"{path}: sparse.indices {tuple(self.sp_idx.shape)} / sparse.expected_latent "
+                    f"{tuple(self.sp_lat.shape)} do not match T = {T}, K = {self.topk}, nh = {nh}, "
+                    f"L = {self.L}"
+                )
 
 
-def synth(out_dir, tokens, heads, page, seed, L=512, R=64, P=128, V=128):
-    """Random inputs in the export layout (one sequence, shuffled pages), for `check` only."""
+SPARSE_TENSORS = (
+    "sparse.topk_indices",
+    "sparse.indices",
+    "sparse.topk_length",
+    "sparse.expected_latent",
+    "sparse.expected_lse",
+)
+
+
+def synth(out_dir, tokens, heads, page, seed, L=512, R=64, P=128, V=128, topk=None):
+    """Random inputs in the export layout (one sequence, shuffled pages), for `check` only; with
+    `topk`, a DSA layer's: a random selection of at most `topk` causal keys per row and its f64
+    attention as the expected output (the `sparse.*` tensors)."""
     g = torch.Generator().manual_seed(seed)
     T = tokens
     q = torch.randn(T, heads, L + R, generator=g)
@@ -121,18 +162,35 @@ def synth(out_dir, tokens, heads, page, seed, L=512, R=64, P=128, V=128):
     }
     from safetensors.torch import save_file
 
-    save_file(
-        {
-            "hidden_in": torch.randn(T, 16, generator=g),
-            "decode.q": q,
-            "decode.kv_cache": cache,
-            "decode.block_table": table,
-            "decode.cache_seqlens": seqlens,
-        },
-        os.path.join(out_dir, "inputs.safetensors"),
-        metadata=meta,
+    tensors = {
+        "hidden_in": torch.randn(T, 16, generator=g),
+        "decode.q": q,
+        "decode.kv_cache": cache,
+        "decode.block_table": table,
+        "decode.cache_seqlens": seqlens,
+    }
+    if topk is not None:
+        meta["index_topk"] = str(topk)
+        pos = torch.full((T, topk), -1, dtype=torch.int32)
+        for i in range(T):
+            keep = torch.randperm(i + 1, generator=g)[:topk].sort().values
+            pos[i, : len(keep)] = keep.to(torch.int32)
+        slots = torch.where(pos >= 0, perm[pos.clamp(min=0).long() // page] * page + pos % page, -1)
+        lat, lse = sparse_reference_f64(q, cache, slots.to(torch.int32), L, (P + R) ** -0.5)
+        tensors.update(
+            {
+                "sparse.topk_indices": pos,
+                "sparse.indices": slots.to(torch.int32),
+                "sparse.topk_length": (pos >= 0).sum(1).to(torch.int32),
+                "sparse.expected_latent": lat,
+                "sparse.expected_lse": lse,
+            }
+        )
+    save_file(tensors, os.path.join(out_dir, "inputs.safetensors"), metadata=meta)
+    print(
+        f"kernels: wrote {out_dir}/inputs.safetensors (T={T}, heads {heads}, page {page}"
+        + (f", top-k {topk})" if topk is not None else ")")
     )
-    print(f"kernels: wrote {out_dir}/inputs.safetensors (T={T}, heads {heads}, page {page})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,6 +427,149 @@ def prefill_reference_f64(inp):
     return out, lse
 
 
+def sparse_reference_f64(q, cache, slots, L, scale):
+    """Attention in f64 of every row of `q` [T, nh, L+R] over the cache rows of its slots (`slots`
+    [T, K], −1 padding; `cache` viewed as [slots, L+R]) -> (latent [T, nh, L], lse [T, nh])."""
+    T, nh, w = q.shape
+    flat = cache.double().reshape(-1, w)
+    lat = torch.empty(T, nh, L, dtype=torch.float64, device=q.device)
+    lse = torch.empty(T, nh, dtype=torch.float64, device=q.device)
+    for i in range(T):
+        k = flat[slots[i][slots[i] >= 0].long()]  # [n, L+R]
+        s = (q[i].double() @ k.T) * scale  # [nh, n]
+        lse[i] = torch.logsumexp(s, dim=-1)
+        lat[i] = torch.softmax(s, dim=-1) @ k[:, :L]
+    return lat, lse
+
+
+def sparse_plan(kernel, inp, dtype, capability):
+    """What `kernel` needs of the export on a device of compute `capability` ((major, minor), or
+    None off a GPU), from vLLM 0.26's sparse backends and the kernels' checks. Returns (reason it
+    cannot run or None, {"heads": padded head count, "topk": padded index width}, patches: the
+    changes a run makes to fit the kernel, as vLLM's backend makes them)."""
+    L, R, nh, K = inp.L, inp.R, inp.nh, inp.topk
+    if K is None:
+        return "the export has no DSA selection (a dense layer: export a deepseek32/glm-dsa layer)", {}, []
+    if dtype != "bf16":
+        return f"takes bf16 inputs only, not --dtype {dtype}", {}, []
+    if kernel == "flashmla-sparse-decode":
+        return (
+            "FlashMLA's sparse decode reads only the fp8_ds_mla cache (656 bytes per token: "
+            "flash_mla_with_kvcache asserts is_fp8_kvcache with indices, vllm/third_party/flashmla/"
+            "flash_mla_interface.py); with a bf16 cache vLLM's FLASHMLA_SPARSE sends decode rows "
+            "through flash_mla_sparse_fwd (FlashMLASparseImpl._forward_bf16_kv), which flashmla-sparse runs",
+            {},
+            [],
+        )
+    if kernel == "flashmla-sparse":
+        if capability is not None and capability[0] not in (9, 10):
+            return f"FlashMLA sparse runs on sm90/sm100 only, not sm{capability[0]}{capability[1]}", {}, []
+        if (L, R) != (512, 64):
+            return (
+                f"flash_mla_sparse_fwd takes d_qk = 576 and d_v = 512 (L = 512, R = 64: "
+                f"FlashMLASparseBackend.get_supported_head_sizes, vllm/v1/attention/backends/mla/"
+                f"flashmla_sparse.py); the export has L = {L}, R = {R}",
+                {},
+                [],
+            )
+        # FlashMLASparseImpl._bf16_flash_mla_kernel: heads padded to 64 on Hopper (128 on
+        # Blackwell) when they are not a multiple of it, which it must divide.
+        pad = 128 if capability is not None and capability[0] == 10 else 64
+        if nh % pad != 0 and pad % nh != 0:
+            return f"{nh} heads neither a multiple nor a divisor of {pad} (vLLM asserts the padding)", {}, []
+        heads = nh if nh % pad == 0 else pad
+        if heads not in (64, 128):
+            return f"{heads} heads: the kernel takes h_q = 64 or 128", {}, []
+        topk = -(-K // TOPK_ALIGN) * TOPK_ALIGN
+        patches = []
+        if heads != nh:
+            patches.append(
+                {
+                    "name": f"pad-heads:{nh}->{heads}",
+                    "reason": "flash_mla_sparse_fwd takes 64 or 128 heads; vLLM's FlashMLASparseImpl pads "
+                    "the query the same way and drops the padded heads' output",
+                }
+            )
+        if topk != K:
+            patches.append(
+                {
+                    "name": f"pad-topk:{K}->{topk}",
+                    "reason": "the kernel reads indices in blocks of 64/128 (topk % B_TOPK == 0); "
+                    "the added entries are -1, past topk_length",
+                }
+            )
+        return None, {"heads": heads, "topk": topk}, patches
+    if kernel == "fa3-sparse":
+        if capability is not None and capability[0] != 9:
+            return "FA3's q_v (MLA) mode runs on Hopper only (FLASH_ATTN_MLA_SPARSE: sm90)", {}, []
+        # hopper/flash_api.cpp mha_fwd: q_v needs head_size <= 64; head_size_v <= 512 when it
+        # differs from head_size; both multiples of 8 for bf16.
+        if R > 64 or R % 8 or L > 512 or L % 8:
+            return (
+                f"FA3 with q_v takes a query/key head of at most 64 and a value head of at most 512, "
+                f"multiples of 8; the export has R = {R}, L = {L}",
+                {},
+                [],
+            )
+        return None, {"heads": nh, "topk": K}, []
+    return f"{kernel} is not a sparse kernel", {}, []
+
+
+def run_flashmla_sparse(mod, inp, plan):
+    """`flash_mla_sparse_fwd` as FlashMLASparseImpl._bf16_flash_mla_kernel calls it: the absorbed
+    query [T, h, 576] (heads padded with zeros to `plan["heads"]`), the cache as [slots, 1, 576],
+    the global indices [T, 1, topk] and `topk_length`. -> (latent [T, nh, L], lse [T, nh], base)."""
+    T, nh = inp.T, inp.nh
+    q = torch.zeros(T, plan["heads"], inp.L + inp.R, dtype=torch.bfloat16, device=inp.q.device)
+    q[:, :nh] = inp.q.to(torch.bfloat16)
+    kv = inp.cache.to(torch.bfloat16).reshape(-1, 1, inp.L + inp.R).contiguous()
+    idx = torch.full((T, 1, plan["topk"]), -1, dtype=torch.int32, device=q.device)
+    idx[:, 0, : inp.topk] = inp.sp_idx
+    out, _max_logits, lse = mod.flash_mla_sparse_fwd(
+        q, kv, idx, inp.scale, d_v=inp.L, topk_length=inp.sp_len.contiguous()
+    )
+    return out[:, :nh].float(), lse[:, :nh].float(), "e"
+
+
+def run_fa3_sparse(mod, inp, plan):
+    """FA3 as FlashAttnMLASparseImpl.forward_mqa calls it: one query row per batch entry
+    (`cu_seqlens_q` 0..T), `q_rope` as the query, `q_nope` (ql_nope) as `q_v`, the cache as pages
+    of one token (`k` its rope part, `v` its latent part), the global indices as the block table
+    and the valid counts as `seqused_k`. -> (latent [T, nh, L], lse [T, nh], base)."""
+    L, T = inp.L, inp.T
+    q = inp.q.to(torch.bfloat16)
+    kv = inp.cache.to(torch.bfloat16).contiguous()
+    k = kv[:, :, L:].reshape(-1, 1, 1, inp.R)
+    v = kv[:, :, :L].reshape(-1, 1, 1, L)
+    cu = torch.arange(0, T + 1, dtype=torch.int32, device=q.device)
+    out, lse = mod.flash_attn_varlen_func(
+        q=q[..., L:].contiguous(),
+        k=k,
+        v=v,
+        q_v=q[..., :L].contiguous(),
+        max_seqlen_q=1,
+        cu_seqlens_q=cu,
+        max_seqlen_k=inp.topk,
+        seqused_k=inp.sp_len.contiguous(),
+        block_table=inp.sp_idx.contiguous(),
+        softmax_scale=inp.scale,
+        causal=True,
+        return_softmax_lse=True,
+        fa_version=3,
+    )
+    # FA returns the LSE head-major, [nh, T].
+    return out.float(), lse.float().transpose(0, 1).contiguous(), "e"
+
+
+def sparse_judge(inp, lat, lse, base):
+    """rel_l2 of a sparse kernel's latent and natural-log LSE against the export's expected ones."""
+    nat = lse.double() * (math.log(2.0) if base == "2" else 1.0)
+    ref_lat, ref_lse = inp.sp_lat.to(lat.device), inp.sp_lse.to(lat.device)
+    rl = ((lat.double() - ref_lat).norm() / ref_lat.norm()).item()
+    rs = ((nat - ref_lse).norm() / ref_lse.norm()).item()
+    return rl, rs
+
+
 def call(kernel, mods, inp, q, cache, table, seqlens, scale, args, phantom=False, base_e=False):
     if kernel == "flashmla":
         return run_flashmla(mods["flashmla"], q, cache, table, seqlens, inp.L, scale)
@@ -431,6 +632,10 @@ def load_mods(kernels, root, plant):
     mods = {}
     if "flashmla" in kernels:
         mods["flashmla"] = flashmla_module(root)
+    if "flashmla-sparse" in kernels:
+        mods["flashmla-sparse"] = flashmla_module(root)
+    if "fa3-sparse" in kernels:
+        mods["fa3-sparse"] = fa3_module(root)
     if "triton-mla" in kernels:
         mods["triton-mla"] = triton_decode_module(root)
     if "fa3" in kernels:
@@ -448,7 +653,9 @@ def kernel_version(kernel, root):
     return f"vllm {vllm_version(root)}"
 
 
-def write_dump(path, inp, kernel, root, args, latent, lse, base):
+def write_dump(path, inp, kernel, root, args, latent, lse, base, fitted=()):
+    """The kernel's outputs as a format-2 dump; `fitted`: the patches that made the export fit the
+    kernel (a sparse kernel's padding), listed in the header's `patches`."""
     layer = inp.layer
     h = dict(inp.header)
     h["hook"] = {"name": HOOK_NAME, "version": HOOK_VERSION}
@@ -456,7 +663,7 @@ def write_dump(path, inp, kernel, root, args, latent, lse, base):
     h["engine"] = {
         "name": kernel,
         "version": kernel_version(kernel, root),
-        "attention_backend": None if prefill else kernel,
+        "attention_backend": None if prefill else SPARSE_BACKENDS.get(kernel, kernel),
         "prefill_backend": kernel if prefill else None,
     }
     h["dtype"] = args.dtype
@@ -466,7 +673,7 @@ def write_dump(path, inp, kernel, root, args, latent, lse, base):
     conv.setdefault("layout", "token-major")
     h["conventions"] = conv
     h["heads"] = list(inp.heads)
-    patches = list(h.get("patches") or [])
+    patches = list(h.get("patches") or []) + list(fitted)
     if args.plant:
         patches.append(
             {"name": f"plant:{args.plant}", "reason": f"a planted caller bug ({HOOK_NAME} --plant)"}
@@ -486,21 +693,56 @@ def write_dump(path, inp, kernel, root, args, latent, lse, base):
 def cmd_run(args, check_only=False):
     kernels = [k for k in args.kernels.split(",") if k]
     for k in kernels:
-        if k not in KERNELS:
-            die(f"--kernels: unknown kernel {k!r} (known: {', '.join(KERNELS)})")
+        if k not in KERNELS + SPARSE_KERNELS:
+            die(f"--kernels: unknown kernel {k!r} (known: {', '.join(KERNELS + SPARSE_KERNELS)})")
     if args.plant and args.plant not in PLANTS:
         die(f"--plant: unknown fault {args.plant!r} (known: {', '.join(PLANTS)})")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cap = torch.cuda.get_device_capability() if dev == "cuda" else None
     inp = Inputs(args.inputs, dev)
-    mods = load_mods(kernels, args.vllm_root, args.plant)
+    # What runs: a dense kernel on a dense layer's export, a sparse one where the export meets
+    # its constraints; the rest is reported as skipped, with the reason, and never faked.
+    plans, runnable = {}, []
+    for k in kernels:
+        if k in SPARSE_KERNELS:
+            if args.plant:
+                die(f"--plant applies to the dense kernels, not {k}")
+            reason, plan, patches = sparse_plan(k, inp, args.dtype, cap)
+            plans[k] = (plan, patches)
+        elif inp.topk is not None:
+            reason = (
+                "a dense kernel on a DSA layer's export: the layer attends only to the indexer's "
+                f"selection (run {', '.join(SPARSE_KERNELS)})"
+            )
+        else:
+            reason = None
+        if reason:
+            print(f"kernels: {k}: skipped: {reason}")
+        else:
+            runnable.append(k)
+    mods = load_mods(runnable, args.vllm_root, args.plant)
     if not check_only:
         os.makedirs(args.out, exist_ok=True)
     refs = {}
-    for k in kernels:
-        lat, lse, base = decode(k, mods, inp, args)
+    for k in runnable:
+        if k in SPARSE_KERNELS:
+            plan, patches = plans[k]
+            run = run_flashmla_sparse if k == "flashmla-sparse" else run_fa3_sparse
+            lat, lse, base = run(mods[k], inp, plan)
+        else:
+            lat, lse, base = decode(k, mods, inp, args)
         if dev == "cuda":
             torch.cuda.synchronize()
-        if check_only:
+        if k in SPARSE_KERNELS:
+            rl, rs = sparse_judge(inp, lat, lse, base)
+            fit = ", ".join(p["name"] for p in patches) or "no padding"
+            print(
+                f"{k}: attn_latent rel_l2 {rl:.3e}, lse rel_l2 {rs:.3e} (lse base {base}) against the "
+                f"export's f64 attention over the reference's selection (K = {inp.topk}; {fit})"
+            )
+            if check_only:
+                continue
+        elif check_only:
             prefill = k in PREFILL_KERNELS
             if prefill not in refs:
                 refs[prefill] = (
@@ -519,7 +761,8 @@ def cmd_run(args, check_only=False):
         path = os.path.join(args.out, f"{name}.safetensors")
         if os.path.exists(path) and not args.force:
             die(f"{path} exists (use --force to overwrite)")
-        write_dump(path, inp, k, args.vllm_root, args, lat, lse, base)
+        fitted = plans[k][1] if k in plans else ()
+        write_dump(path, inp, k, args.vllm_root, args, lat, lse, base, fitted)
         print(
             f"kernels: {k}: wrote {path} (T={inp.T}, heads {inp.heads[0]}..{inp.heads[1]}, lse base {base})"
         )
@@ -534,7 +777,11 @@ def main():
         if name == "run":
             p.add_argument("out", help="directory for <kernel>.safetensors")
             p.add_argument("--force", action="store_true", help="overwrite existing dumps")
-        p.add_argument("--kernels", default="flashmla,triton-mla,flashinfer,fa3")
+        p.add_argument(
+            "--kernels",
+            default="flashmla,triton-mla,flashinfer,fa3",
+            help=f"comma list of {', '.join(KERNELS + SPARSE_KERNELS)}",
+        )
         p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
         p.add_argument(
             "--vllm-root", default=os.environ.get("VLLM_ROOT", "."), help="directory holding vllm/"
@@ -549,9 +796,10 @@ def main():
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--page", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--topk", type=int, default=None, help="a DSA layer's export: keys kept per row")
     args = ap.parse_args()
     if args.cmd == "synth":
-        synth(args.out, args.tokens, args.heads, args.page, args.seed)
+        synth(args.out, args.tokens, args.heads, args.page, args.seed, topk=args.topk)
     elif args.cmd == "check":
         cmd_run(args, check_only=True)
     else:

@@ -31,8 +31,26 @@ def _dtypes() -> dict:
     }
 
 
-def save(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Write `tensors` (insertion order kept) and string `metadata` to `path`."""
+def bf16_bits(arr: np.ndarray) -> np.ndarray | None:
+    """The bf16 encoding (uint16, the upper half of each float32) of `arr` when every value of
+    it is a bf16 value (the lower 16 bits of each float32 zero: what a bf16 engine tensor
+    copied to float32 is), else None. Storing those bits loses nothing and halves the bytes."""
+    if arr.dtype != np.float32:
+        return None
+    bits = np.ascontiguousarray(arr).view(np.uint32)
+    if np.any(bits & np.uint32(0xFFFF)):
+        return None
+    return (bits >> np.uint32(16)).astype("<u2")
+
+
+def save(
+    tensors: dict[str, np.ndarray],
+    path: Path,
+    metadata: dict[str, str] | None = None,
+    bf16_exact=None,
+) -> None:
+    """Write `tensors` (insertion order kept) and string `metadata` to `path`. A float32 tensor
+    whose name `bf16_exact(name)` accepts is stored as BF16 when that is exact (bf16_bits)."""
     dtypes = _dtypes()
     header: dict = {}
     if metadata:
@@ -43,6 +61,16 @@ def save(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str] | 
         arr = np.ascontiguousarray(arr)
         if arr.dtype not in dtypes:
             raise TypeError(f"{name}: unsupported dtype {arr.dtype}")
+        bits = bf16_bits(arr) if bf16_exact is not None and bf16_exact(name) else None
+        if bits is not None:
+            header[name] = {
+                "dtype": "BF16",
+                "shape": list(arr.shape),
+                "data_offsets": [offset, offset + bits.nbytes],
+            }
+            blobs.append(bits.tobytes())
+            offset += bits.nbytes
+            continue
         data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
         header[name] = {
             "dtype": dtypes[arr.dtype],
@@ -68,7 +96,7 @@ def load(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """The tensors (in file order, as numpy arrays) and `__metadata__` of a safetensors file.
 
     Errors: ValueError naming the file for a header that is not safetensors' or a dtype outside
-    F64, F32, F16, I64, I32, U8."""
+    F64, F32, F16, BF16 (read as float32), I64, I32, U8."""
     path = Path(path)
     data = path.read_bytes()
     if len(data) < 8:
@@ -83,6 +111,11 @@ def load(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     base = 8 + n
     out: dict[str, np.ndarray] = {}
     for name, info in header.items():
+        if info.get("dtype") == "BF16":  # stored by save's bf16_exact: back to float32, exactly
+            a, b = info["data_offsets"]
+            bits = np.frombuffer(data, dtype="<u2", count=(b - a) // 2, offset=base + a)
+            out[name] = (bits.astype(np.uint32) << np.uint32(16)).view(np.float32).reshape(info["shape"])
+            continue
         dt = by_name.get(info.get("dtype"))
         if dt is None:
             raise ValueError(f"{path}: {name} has dtype {info.get('dtype')!r}, not one of {sorted(by_name)}")

@@ -38,14 +38,15 @@ PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 # decode-only sites: captured around the backend's forward_mqa (the MQA/absorbed path vLLM runs for
 # decode tokens); a prefill step never computes them
 DECODE_SITES = (*dump_format.ABSORBED_STAGES, "lse")
-# The activation sites these hooks reach (vLLM's DeepSeek layers have no DSA indexer here, and
-# of an MoE block only the shared experts are hooked).
+# The activation sites these hooks reach: of a DSA layer's indexer only its selection
+# (`idx_topk`, read from vLLM's topk_indices_buffer: the indexer's scores are fp8 DeepGEMM
+# logits it never keeps), of an MoE block only the shared experts.
 HOOKED_STAGES = tuple(
     s
     for s in dump_format.STAGES
     if s
     not in dump_format.WEIGHT_STAGES
-    + dump_format.INDEXER_STAGES
+    + tuple(x for x in dump_format.INDEXER_STAGES if x != "idx_topk")
     + dump_format.MOE_STAGES
     + dump_format.CONTEXT_STAGES
 )
@@ -130,6 +131,9 @@ _ACTIVE: VllmCapture | None = None  # the capture armed in this process (apply_m
 # (model runner, scheduler output) of the GPU model runner's execute_model running now, set by
 # watch_runner's wrapper: a forward inside it is planned from them (live_plan)
 _LIVE: tuple | None = None
+# whether watch_runner wrapped a GPU model runner in this process: a root forward outside its
+# execute_model (_LIVE None) is then one of the runner's dummy forwards
+_WATCHED = {"on": False}
 
 
 def watch_runner() -> bool:
@@ -139,6 +143,7 @@ def watch_runner() -> bool:
     mod = sys.modules.get("vllm.v1.worker.gpu_model_runner")
     cls = getattr(mod, "GPUModelRunner", None)
     if cls is None or getattr(cls.execute_model, "_mla_diff_watched", False):
+        _WATCHED["on"] = cls is not None
         return cls is not None
     orig = cls.execute_model
 
@@ -153,6 +158,7 @@ def watch_runner() -> bool:
 
     execute_model._mla_diff_watched = True
     cls.execute_model = execute_model
+    _WATCHED["on"] = True
     return True
 
 
@@ -187,7 +193,9 @@ def live_plan(cap: VllmCapture, runner, scheduler_output) -> dict | None:
         if first and ctx[i] > 0:
             src = next((j for j, t in token_ids.items() if j != i and t[: ctx[i]] == toks[: ctx[i]]), None)
             if src is None:
-                cap.step_note(f"request {rid}: {ctx[i]} cached tokens of no request recorded before")
+                # computed before the recording started (or a cache hit on such a request):
+                # write_format2 marks them `unrecorded`, mla-diff rebuilds them from the ids
+                cap.step_note(f"request {rid}: its first {ctx[i]} tokens were computed before the recording")
             else:
                 hits[i] = {"seq": src, "len": ctx[i]}
     seqs = []
@@ -616,6 +624,28 @@ def infer_seq_lens(positions: np.ndarray) -> list[int]:
     return lens
 
 
+def topk_rows(buffer: np.ndarray) -> np.ndarray:
+    """vLLM's topk_indices_buffer rows [T, K] int (each row: the key positions a token keeps,
+    within its own request, in the kernel's order, −1 for none) in the `idx_topk` layout
+    (docs/dump-format.md): each row's positions ascending, then −1; float32 (positions below
+    2^24 are exact)."""
+    a = np.asarray(buffer, dtype=np.int64)
+    out = np.full(a.shape, -1.0, dtype=np.float32)
+    for i, row in enumerate(a):
+        kept = np.sort(row[row >= 0])
+        out[i, : kept.size] = kept
+    return out
+
+
+def topk_fits(n_rows: int, width: int, totals: list[int]) -> bool:
+    """Whether a step's `idx_topk` [n_rows, width] (width = index_topk) has the shape both
+    mla-diff's dump reader ([T, min(top_k, T)] for the step's T rows) and its reference
+    ([T, min(top_k, S)], S the longest sequence, `totals` the sequences' lengths after the
+    step) give it: both are `width` when the step has at least `width` rows and a sequence that
+    long. A decode step's selection (T = 1) does not fit."""
+    return n_rows >= width and max(totals, default=0) >= width
+
+
 # --------------------------------------------------------------------------------------------
 # the capture
 # --------------------------------------------------------------------------------------------
@@ -657,6 +687,9 @@ class VllmCapture:
     step's context needs) and leave the rest out of the dump.
     sites: the stages every step not in `step_sites` keeps (a context-partial stage `ctx_out`
     keeps its chunks `ctx_out.c{c}` too); default all.
+    heads: `(a, b)`: write_format2 keeps only heads a..b of the per-head sites (header `heads`;
+    docs/dump-format.md): a dump of a 128-head model holds one head's attention for 1/128 of
+    the bytes, and o_proj, hidden_out and the latent cache stay whole. TP 1 only.
     """
 
     def __init__(
@@ -674,6 +707,7 @@ class VllmCapture:
         layers: list[int] | tuple[int, ...] | None = None,
         step_sites: dict[int, Iterable[str]] | None = None,
         sites: Iterable[str] | None = None,
+        heads: tuple[int, int] | None = None,
     ):
         self.root = find_model(model)
         self.missing = check_layout(self.root)  # names this vLLM lacks (see check_layout)
@@ -696,6 +730,17 @@ class VllmCapture:
         self.pp_rank = p[2] if pp_rank is None else pp_rank
         self.pp_size = p[3] if pp_size is None else pp_size
         self.undo_fp16 = undo_fp16_residual_scaling
+        self.heads = None
+        if heads is not None:
+            a, b = (int(x) for x in heads)
+            n = _dims(self.layers[0][1].self_attn).n_local
+            if self.tp_size > 1:
+                raise ValueError(
+                    f"heads {a}:{b}: a head subset is written at TP 1 only (this is TP {self.tp_size})"
+                )
+            if not 0 <= a < b <= n:
+                raise ValueError(f"heads {a}:{b}: expected 0 <= a < b <= {n} (the model's heads)")
+            self.heads = (a, b)
         self.engine = engine or vllm_version()
         self.handles: list = []
         self._wrapped: list = []  # (object, attribute) wrapped at instance level
@@ -712,6 +757,7 @@ class VllmCapture:
         self.notes: list[str] = [self.version_msg] if getattr(self, "version_msg", None) else []
         self.steps: list[dict] = []  # finished steps: t, tokens, positions, repeats, notes
         self._in_root = False
+        self._skipped_dummy = 0  # the GPU runner's dummy forwards passed over (_model_pre)
         self.lse_base = "e"
         self._hooks_fired = 0
         self._weights_cache = None
@@ -960,6 +1006,9 @@ class VllmCapture:
             if self.tp_size > 1 and getattr(o_proj, "reduce_results", True):
                 self._wrap_partial(o_proj, dump_format.o_proj_rank_site(n, self.tp_rank))
             self._arm_ffn(n, layer)
+            indexer = getattr(attn, "indexer", None)
+            if isinstance(indexer, _torch().nn.Module):
+                self.handles.append(indexer.register_forward_hook(functools.partial(self._indexer, n)))
             rot = getattr(attn, "rotary_emb", None)
             if rot is not None and id(rot) not in hooked_rotary:  # shared across layers
                 hooked_rotary.add(id(rot))
@@ -1078,11 +1127,22 @@ class VllmCapture:
 
     def _model_pre(self, mod, args, kwargs):
         self._in_root = True
+        if _WATCHED["on"] and _LIVE is None:
+            # the GPU runner's profile, warm-up or padding forward (its _dummy_run, outside
+            # execute_model): no request's tokens; neither recorded nor counted, so that
+            # MLA_DIFF_VLLM_STEPS counts the forwards that serve requests
+            self.capturing = False
+            self._skipped_dummy += 1
+            return
         self._begin_forward()
         if not self.capturing:
             return
         if self.plan is None and _LIVE is not None:
             self.plan = live_plan(self, *_LIVE)
+            if self.plan is not None:
+                # named by the forward's index since arm(): a windowed dump's steps keep the
+                # engine's numbering
+                self.plan.setdefault("name", f"step-{self.forwards - 1}")
         ids = kwargs.get("input_ids", args[0] if args else None)
         pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
         if ids is not None:
@@ -1099,6 +1159,8 @@ class VllmCapture:
 
     def _model_post(self, mod, args, kwargs, output):
         self._in_root = False
+        if _WATCHED["on"] and _LIVE is None:
+            return
         self._end_step()
 
     def _layer_pre(self, n, mod, args, kwargs):
@@ -1240,6 +1302,17 @@ class VllmCapture:
         self.put(n, "q_pe_roped", q.reshape(t, -1, r))
         if k_pe is not None:
             self.put(n, "k_pe_roped", _np(k_pe).reshape(t, r))
+
+    def _indexer(self, n, mod, args, output):
+        """A DSA layer's Indexer.forward(hidden_states, q_c, positions, rotary_emb) returns
+        vLLM's topk_indices_buffer [max_num_batched_tokens, index_topk] int32 after writing the
+        selection of the forward's T rows into its first T (deepseek_v2.py, `Indexer`;
+        layers/sparse_attn_indexer.py): those rows, as `idx_topk` [T, index_topk]. The sparse
+        backend's forward_mqa reads the same rows."""
+        if not self._on() or output is None or not args:
+            return
+        rows = int(args[0].shape[0])
+        self.put(n, "idx_topk", topk_rows(_np_int(output[:rows])))
 
     def _forward_mqa(self, n, d: _Dims, orig):
         """Wraps impl.forward_mqa(q, kv_cache, attn_metadata, layer) -> (o, lse) of layer n.
@@ -1510,6 +1583,8 @@ class VllmCapture:
             for st in HOOKED_STAGES:
                 if st in ("q_c", "q_c_normed") and layer.self_attn.q_lora_rank is None:
                     continue
+                if st == "idx_topk" and getattr(layer.self_attn, "indexer", None) is None:
+                    continue
                 if site(n, st) not in ordered:
                     missing.append(site(n, st))
         for k, c in sorted(rec["repeats"].items()):
@@ -1621,6 +1696,9 @@ class VllmCapture:
         tensors: dict[str, np.ndarray] = {}
         specs, notes, dtypes = [], [], set()
         done_per_seq: list[int] | None = None
+        started: set[int] = set()  # sequences with new tokens in a step written so far
+        no_hit: set[int] = set()  # prefix-cache hits whose source the recording never saw
+        known_ids = getattr(self, "token_ids", None) or {}
         n_seqs = max((len(r["plan"]["seqs"]) for r in self.steps if r.get("plan")), default=0)
         for r in self.steps:
             plan = r.get("plan")
@@ -1658,10 +1736,21 @@ class VllmCapture:
                     f"step {k} has {len(lens)} sequence(s), step 0 had "
                     f"{len(done_per_seq)}: format 2 needs every sequence in every step"
                 )
+            unrecorded: dict[int, int] = {}
             for i, (c, n) in enumerate(zip(ctx, lens)):
                 hit = (plan["seqs"][i].get("prefix") if plan is not None else None) or {}
+                if hit and i not in started and int(hit["seq"]) not in started:
+                    hit = {}  # a hit on a request never recorded: rebuilt from token ids below
+                    no_hit.add(i)
                 if hit and done_per_seq[i] == 0 and n > 0:
                     done_per_seq[i] = int(hit["len"])  # a prefix-cache hit: never computed for i
+                if c > 0 and n > 0 and not hit and i not in started and c <= len(known_ids.get(i, ())):
+                    # the request's first recorded step starts at position c: its positions
+                    # 0..c were computed in forwards before the recording (a window, or a
+                    # prefix-cache hit on a request never recorded); the reference rebuilds
+                    # them from seq{i}.token_ids (docs/dump-format.md, `unrecorded`)
+                    unrecorded[i] = c
+                    done_per_seq[i] = c
                 if c != done_per_seq[i] and n > 0:
                     raise RuntimeError(
                         f"step {k}, sequence {i}: first position {c}, but the recorded "
@@ -1669,12 +1758,16 @@ class VllmCapture:
                         "missed, prefix caching, or sequences reordered)"
                     )
                 done_per_seq[i] += n
+                if n > 0:
+                    started.add(i)
             name = (
                 step_names[k]
                 if step_names and k < len(step_names)
                 else plan["name"]
                 if plan is not None and plan.get("name")
                 else ("prefill" if k == 0 else f"decode-{k}")
+                if self.forward_index == 0
+                else f"step-{self.forward_index + k}"
             )
             spec: dict[str, Any] = {
                 "name": name,
@@ -1685,8 +1778,25 @@ class VllmCapture:
                     spec[field] = int(info[field])
             if plan is not None:
                 self._plan_fields(spec, plan, done_per_seq)
+            for i in no_hit:
+                spec["seqs"][i].pop("prefix", None)
+            for i, c in unrecorded.items():
+                spec["seqs"][i]["unrecorded"] = c
             specs.append(spec)
+            totals = [int(c) + int(x) for c, x in zip(ctx, lens) if x > 0]
+            for nm in [x for x in t if x.endswith(".idx_topk")]:
+                width = int(t[nm].shape[1])
+                if not topk_fits(n_rows, width, totals):
+                    del t[nm]
+                    notes.append(
+                        f"{name}: {nm} not dumped: {n_rows} rows, sequences of up to "
+                        f"{max(totals, default=0)} tokens and index_topk {width} give the dump "
+                        "reader's [T, min(top_k, T)] another width than the reference's "
+                        "[T, min(top_k, S)]"
+                    )
             for nm, a in t.items():
+                if self.heads is not None:
+                    a = self._head_subset(nm, a)
                 tensors[dump_format.step_tensor(k, nm)] = a
             if info.get("block_table") is not None:
                 tensors[dump_format.step_tensor(k, "block_table")] = np.ascontiguousarray(
@@ -1748,7 +1858,30 @@ class VllmCapture:
         if self.tp_size > 1:
             header["heads"] = list(self.head_range())
             header["tp"] = {"size": self.tp_size, "rank": self.tp_rank}
-        return dump_format.write_format2(path, tensors, header, notes=notes, extra=extra_meta)
+        elif self.heads is not None:
+            header["heads"] = list(self.heads)
+        # a bf16 engine's activations are stored as BF16 (exact, half the bytes)
+        return dump_format.write_format2(
+            path, tensors, header, notes=notes, extra=extra_meta, bf16_steps=True
+        )
+
+    def _head_subset(self, name: str, a: np.ndarray) -> np.ndarray:
+        """Heads self.heads of site `name` (`L{n}.{stage}`) when its stage is per head (the
+        TP-sharded ones, HEAD_SHARDED, and the context partials; head axis 1 of activations,
+        axis 0 of the weight sites, N blocks of equal rows there); other sites whole."""
+        parsed = dump_format.parse_site(name)
+        if parsed is None:
+            return a
+        stage = parsed[1]
+        axis = HEAD_SHARDED.get(stage, 1 if partial_rank(stage) is not None else None)
+        if axis is None or a.ndim <= axis:
+            return a
+        n = _dims(self.layers[0][1].self_attn).n_local
+        if a.shape[axis] % n:
+            raise RuntimeError(f"{name}: axis {axis} of shape {a.shape} is not {n} heads")
+        per = a.shape[axis] // n
+        h0, h1 = self.heads
+        return np.ascontiguousarray(np.take(a, np.arange(h0 * per, h1 * per), axis=axis))
 
     @staticmethod
     def _plan_fields(spec: dict, plan: dict, done: list[int]) -> None:
@@ -2135,6 +2268,70 @@ def zero_unloaded(applied: list) -> None:
         return orig(model, model_config, target_device)
 
     gl.process_weights_after_loading = process_weights_after_loading
+
+
+# (name, reason) of the loader patch that lets vllm-gguf-plugin 0.0.5 load a glm-dsa GGUF
+GLM_DSA_NAME_MAP = (
+    "glm-dsa-name-map",
+    "vllm-gguf-plugin 0.0.5's GGUF-to-HF name map, in-process: GGUFWeightsAdapter.build_name_map "
+    "looks the HF config's model_type up among gguf-py's architecture names and renames only "
+    "cohere, gemma3_text, deepseek_v2/v3, qwen2/3_moe and minimax_m2, so a GLM-5 config "
+    "(glm_moe_dsa) stops at 'Unknown gguf model_type: glm_moe_dsa'; here glm_moe_dsa is taken "
+    "as gguf-py's glm-dsa, whose tensor table names the attention, the indexer (wq_b, wk, "
+    "k_norm, weights_proj) and the FFN. The weights are the file's own, loaded unchanged",
+)
+# the model_type of a GLM-5 HF config and the gguf-py architecture it is looked up as
+GLM_DSA_MODEL_TYPE, GLM_DSA_ARCH = "glm_moe_dsa", "glm-dsa"
+
+
+class _ArchNames:
+    """gguf-py's MODEL_ARCH_NAMES as build_name_map iterates it (`.items()`), with the
+    architecture `glm-dsa` also answering to the HF model_type `glm_moe_dsa`."""
+
+    def __init__(self, names: dict):
+        self._names = names
+
+    def items(self):
+        for arch, name in self._names.items():
+            if name == GLM_DSA_ARCH:
+                yield arch, GLM_DSA_MODEL_TYPE
+        yield from self._names.items()
+
+    def __getitem__(self, key):
+        return self._names[key]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class _GgufView:
+    """The gguf module as vllm-gguf-plugin's default weights adapter sees it: every name its
+    own, MODEL_ARCH_NAMES wrapped in _ArchNames."""
+
+    def __init__(self, module):
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "MODEL_ARCH_NAMES", _ArchNames(module.MODEL_ARCH_NAMES))
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def map_glm_dsa_names(applied: list | None = None) -> tuple[str, str]:
+    """Apply GLM_DSA_NAME_MAP in this process (before vLLM loads the model): vllm-gguf-plugin's
+    default weights adapter module (vllm_gguf_plugin/weights_adapter/default.py) gets a view of
+    gguf-py in which `glm_moe_dsa` names the `glm-dsa` architecture, so its build_name_map maps
+    a GLM-5 HF config's parameters through gguf-py's glm-dsa tensor table. Idempotent; appends
+    the patch to `applied` and returns it. Errors: ImportError without vllm-gguf-plugin."""
+    import vllm_gguf_plugin.weights_adapter.default as adapter
+
+    if not isinstance(adapter.gguf, _GgufView):
+        adapter.gguf = _GgufView(adapter.gguf)
+    if applied is not None and GLM_DSA_NAME_MAP not in applied:
+        applied.append(GLM_DSA_NAME_MAP)
+    return GLM_DSA_NAME_MAP
 
 
 def main() -> None:

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from . import dump_format
+from .vllm import GLM_DSA_NAME_MAP
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 # The checkout this package lives in (golden/ for `test`, target/ for the binary, .venv-vllm/);
@@ -162,7 +163,26 @@ LOAD_SPLIT_KV_B = (
     "(dequantized by gguf-py: per head the k_b rows transposed to [P, L], then the v_b rows "
     "[V, L]) and loaded as an unquantized float32 weight",
 )
-OPTIONAL_PATCHES = {p[0]: p for p in (FIX_MERGED_COLUMN_RANK, FIX_MOE_NAME_MAP, LOAD_SPLIT_KV_B)}
+CPU_SPARSE_MLA_BACKEND = (
+    "cpu-sparse-mla-backend",
+    "CpuPlatform has no sparse MLA backend (a DSA model's MLAAttention asks for one: 'MLA is not "
+    "supported on CPU'); hand out FLASHMLA_SPARSE, the sparse backend whose module imports "
+    "without CUDA, and a workspace manager on the CPU (vLLM's GPU runner makes one; the sparse "
+    "impl reserves its query buffer there), so vLLM builds and loads the model; its kernels (and "
+    "the indexer's DeepGEMM ones) need CUDA, so a run with this patch loads weights only "
+    "(--weights-only)",
+)
+# glm-dsa-name-map (vllm.GLM_DSA_NAME_MAP) lives beside the hooks: a GPU run applies it too
+OPTIONAL_PATCHES = {
+    p[0]: p
+    for p in (
+        FIX_MERGED_COLUMN_RANK,
+        FIX_MOE_NAME_MAP,
+        LOAD_SPLIT_KV_B,
+        GLM_DSA_NAME_MAP,
+        CPU_SPARSE_MLA_BACKEND,
+    )
+}
 
 # What a user reads when vllm-gguf-plugin 0.0.5 cannot map a DeepSeek MoE GGUF (loader_hint).
 MOE_MAP_HINT = (
@@ -726,6 +746,28 @@ def _patch_fix_moe_name_map() -> None:
     adapter.regex = _Regex
 
 
+def _patch_cpu_sparse_mla_backend() -> None:
+    """cpu-sparse-mla-backend: CpuPlatform.get_attn_backend_cls answers a sparse MLA layer with
+    FLASHMLA_SPARSE (the layers without an indexer keep what cpu-mla-backend gives them), and
+    vLLM's workspace manager is made on the CPU."""
+    import torch
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.worker import workspace
+
+    if getattr(workspace, "_manager", None) is None:
+        workspace.init_workspace_manager(torch.device("cpu"))
+
+    orig = CpuPlatform.get_attn_backend_cls.__func__
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        if attn_selector_config.use_mla and attn_selector_config.use_sparse:
+            return AttentionBackendEnum.FLASHMLA_SPARSE.get_path()
+        return orig(cls, selected_backend, attn_selector_config, num_heads)
+
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
 def split_kv_b_weights(gguf_path) -> dict:
     """`model.layers.{n}.self_attn.kv_b_proj.weight` [N·(P+V), L] float32 for every layer of a GGUF
     that has the split `blk.{n}.attn_k_b.weight` (ggml ne {P, L, N}) and `attn_v_b.weight`
@@ -892,7 +934,8 @@ def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port:
         from . import vllm_plugin
 
         os.environ[vllm_plugin.ENV_DUMP] = str(out.parent.resolve())
-        os.environ[vllm_plugin.ENV_STEPS] = str(1 << 20)
+        os.environ[vllm_plugin.ENV_STEPS] = f"{getattr(args, 'record_from', 0)}:{1 << 20}"
+        os.environ[vllm_plugin.ENV_HEADS] = getattr(args, "heads", None) or ""
         os.environ[vllm_plugin.ENV_WRITE] = "0"
         os.environ[vllm_plugin.ENV_LAYERS] = args.layers or ""
         os.environ[vllm_plugin.ENV_SITES] = args.sites or ""
@@ -918,6 +961,12 @@ def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port:
             _patch_fix_moe_name_map()
         elif name == LOAD_SPLIT_KV_B[0]:
             _patch_load_split_kv_b()
+        elif name == GLM_DSA_NAME_MAP[0]:
+            from . import vllm as dump_vllm
+
+            dump_vllm.map_glm_dsa_names()
+        elif name == CPU_SPARSE_MLA_BACKEND[0]:
+            _patch_cpu_sparse_mla_backend()
     from . import plants
 
     planted = [plants.apply(spec) for spec in args.plant or []]
@@ -1703,6 +1752,18 @@ def main() -> int:
             default=None,
             help="a scheduled run: comma-separated stages every step keeps (default: all), e.g. "
             "hidden_in,ctx_out,ctx_lse,suffix_out,suffix_lse,attn_out for a smaller dump",
+        )
+        r.add_argument(
+            "--record-from",
+            type=int,
+            default=0,
+            help="a scheduled run: record from forward K on (MLA_DIFF_VLLM_STEPS=K:...); the "
+            "positions computed before it are rebuilt by mla-diff from the token ids (unrecorded)",
+        )
+        r.add_argument(
+            "--heads",
+            default=None,
+            help="a scheduled run: A:B keeps only heads A..B of the per-head sites (MLA_DIFF_VLLM_HEADS)",
         )
         r.add_argument("--decode-steps", type=int, default=0)
         r.add_argument(

@@ -15,9 +15,12 @@ docs/engines.md, "Debugging a vLLM deployment".
 Environment: MLA_DIFF_VLLM_DUMP (the dump folder; unset: the plugin is off),
 MLA_DIFF_VLLM_STEPS (`N`: the first N forwards; `A:N`: N forwards after skipping A; default 1),
 MLA_DIFF_VLLM_LAYERS (comma-separated decoder layers; default all), MLA_DIFF_VLLM_SITES
-(comma-separated stages every step keeps; default all), MLA_DIFF_VLLM_WEIGHTS (`0`: no
-`weights.*` in the dump), MLA_DIFF_VLLM_WRITE (`0`: arm only; the caller writes, as the CPU
-harness does).
+(comma-separated stages every step keeps; default all), MLA_DIFF_VLLM_HEADS (`a:b`: only
+heads a..b of the per-head sites, TP 1), MLA_DIFF_VLLM_WEIGHTS (`0`: no `weights.*` in the
+dump), MLA_DIFF_VLLM_WRITE (`0`: arm only; the caller writes, as the CPU harness does).
+On a GPU worker the runner's dummy forwards (profiling, warm-up) are not counted: forward A is
+the A-th that served requests; a recording that starts inside a request has the positions
+before it rebuilt by mla-diff from the request's token ids (`unrecorded`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ ENV_LAYERS = "MLA_DIFF_VLLM_LAYERS"
 ENV_SITES = "MLA_DIFF_VLLM_SITES"
 ENV_WEIGHTS = "MLA_DIFF_VLLM_WEIGHTS"
 ENV_WRITE = "MLA_DIFF_VLLM_WRITE"
+ENV_HEADS = "MLA_DIFF_VLLM_HEADS"
 ENTRY_POINT = "mla_diff_hooks = mla_diff_hooks.vllm_plugin:register"
 
 _STATE: dict = {"registered": False, "armed": None, "written": False, "model_path": None}
@@ -61,12 +65,22 @@ def settings(env=None) -> dict | None:
         except ValueError:
             raise ValueError(f"{ENV_LAYERS}={env[ENV_LAYERS]!r}: comma-separated layer numbers") from None
     sites = [x.strip() for x in env.get(ENV_SITES, "").split(",") if x.strip()] or None
+    heads = None
+    if env.get(ENV_HEADS, "").strip():
+        try:
+            a, b = (int(x) for x in env[ENV_HEADS].split(":"))
+        except ValueError:
+            raise ValueError(f"{ENV_HEADS}={env[ENV_HEADS]!r}: a:b (heads a..b)") from None
+        if not 0 <= a < b:
+            raise ValueError(f"{ENV_HEADS}={env[ENV_HEADS]!r}: expected 0 <= a < b")
+        heads = (a, b)
     return {
         "folder": Path(folder),
         "skip": skip_n,
         "steps": count_n,
         "layers": layers,
         "sites": sites,
+        "heads": heads,
         "weights": env.get(ENV_WEIGHTS, "1").strip() != "0",
         "write": env.get(ENV_WRITE, "1").strip() != "0",
     }
@@ -112,7 +126,9 @@ def _wrap_loader(cls) -> None:
     def load_model(self, *args, **kwargs):
         model = fn(self, *args, **kwargs)
         model_config = kwargs.get("model_config", args[1] if len(args) > 1 else None)
-        _arm(model, getattr(model_config, "model", None))
+        # vllm-gguf-plugin keeps the GGUF file in model_weights when `model` names the folder of
+        # the HF config (`--hf-config-path`): the dump is then format 2, tied to that file
+        _arm(model, getattr(model_config, "model_weights", None) or getattr(model_config, "model", None))
         return model
 
     load_model._mla_diff_armed = True
@@ -134,6 +150,7 @@ def _arm(model, model_path) -> None:
             steps=cfg["steps"],
             layers=cfg["layers"],
             sites=cfg["sites"],
+            heads=cfg.get("heads"),
         ),
         file=sys.stderr,
     )

@@ -45,6 +45,10 @@ def read(path: Path) -> tuple[dict, dict, dict]:
         if name == "__metadata__":
             continue
         a, b = info["data_offsets"]
+        if info["dtype"] == "BF16":  # the upper half of a float32
+            bits = np.frombuffer(raw[base + a : base + b], dtype="<u2").astype(np.uint32) << 16
+            tensors[name] = bits.view(np.float32).reshape(info["shape"])
+            continue
         arr = np.frombuffer(raw[base + a : base + b], dtype=np.dtype(DTYPES[info["dtype"]]).newbyteorder("<"))
         tensors[name] = arr.reshape(info["shape"])
     return tensors, meta, header
@@ -179,3 +183,27 @@ def test_metadata_is_what_compare_reads(tmp_path, mla_diff):
     st_io.save(tensors, out, metadata={**meta, "rope_order": "interleaved"})
     r = _compare(mla_diff, GOLDEN / "models" / "tiny-v3-f32.gguf", out)
     assert r.returncode == 1 and "pe_roped" in r.stdout, r.stdout + r.stderr
+
+
+def test_bf16_exact_tensors_are_stored_as_bf16_and_read_back_exactly(tmp_path):
+    rng = np.random.default_rng(5)
+    exact = (rng.standard_normal((3, 5)).astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(
+        np.float32
+    )
+    inexact = exact.copy()
+    inexact[1, 2] = np.nextafter(inexact[1, 2], np.float32(np.inf))  # one value bf16 cannot hold
+    tensors = {"s0.L0.a": exact, "s0.L0.b": inexact, "weights.L0.w": exact, "s0.tokens": np.arange(4)}
+    out = tmp_path / "d.safetensors"
+    st_io.save(tensors, out, bf16_exact=lambda name: name.startswith("s0.L"))
+    raw = out.read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    assert [header[k]["dtype"] for k in tensors] == ["BF16", "F32", "F32", "I64"]
+    assert header["s0.L0.a"]["data_offsets"][1] - header["s0.L0.a"]["data_offsets"][0] == 15 * 2
+    back, _ = st_io.load(out)
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and np.array_equal(back[k], v), k
+    # the upper 16 bits of each float32, little-endian: bf16's own encoding
+    a, _ = header["s0.L0.a"]["data_offsets"]
+    base = 8 + int.from_bytes(raw[:8], "little")
+    bits = np.frombuffer(raw[base + a : base + a + 30], dtype="<u2")
+    assert np.array_equal(bits, (exact.view(np.uint32) >> 16).astype(np.uint16).ravel())

@@ -35,9 +35,30 @@ def test_patch_list_records_what_was_applied_in_order():
         vllm_cpu.ZERO_UNLOADED,
         ("zeroed", "model.layers.0.self_attn.kv_b_proj, model.layers.1.self_attn.kv_b_proj"),
     ]
-    known = r"\(known: fix-merged-column-rank, fix-moe-name-map, load-split-kv-b\)"
+    known = (
+        r"\(known: fix-merged-column-rank, fix-moe-name-map, load-split-kv-b, glm-dsa-name-map, "
+        r"cpu-sparse-mla-backend\)"
+    )
     with pytest.raises(ValueError, match=r"unknown patch 'fix-everything' " + known):
         vllm_cpu.patch_list(["fix-everything"])
+
+
+def test_glm_dsa_name_map_is_the_hooks_patch_and_names_glm_moe_dsa_as_glm_dsa():
+    """The harness records the same glm-dsa-name-map patch a GPU run applies, and the view of
+    gguf-py's architecture names it gives the plugin finds glm-dsa for glm_moe_dsa first (the
+    plugin's loop takes the first name equal to the model_type) and keeps every other name."""
+    hooks = hooks_module("vllm")
+    assert vllm_cpu.patch_list(["glm-dsa-name-map"])[-1] is hooks.GLM_DSA_NAME_MAP
+    assert "Unknown gguf model_type: glm_moe_dsa" in hooks.GLM_DSA_NAME_MAP[1]
+    names = {"DEEPSEEK2": "deepseek2", "GLM_DSA": "glm-dsa", "LLAMA": "llama"}
+    view = hooks._GgufView(type("gguf", (), {"MODEL_ARCH_NAMES": names, "MODEL_ARCH": 7})())
+    found = [arch for arch, name in view.MODEL_ARCH_NAMES.items() if name == "glm_moe_dsa"]
+    assert found == ["GLM_DSA"]
+    assert [a for a, n in view.MODEL_ARCH_NAMES.items() if n == "deepseek2"] == ["DEEPSEEK2"]
+    assert view.MODEL_ARCH == 7 and view.MODEL_ARCH_NAMES["LLAMA"] == "llama"
+    assert len(view.MODEL_ARCH_NAMES) == 3 and list(view.MODEL_ARCH_NAMES) == list(names)
+    sparse = vllm_cpu.patch_list(["cpu-sparse-mla-backend"])[-1]
+    assert sparse == vllm_cpu.CPU_SPARSE_MLA_BACKEND and "--weights-only" in sparse[1]
 
 
 class _Param:

@@ -146,6 +146,30 @@ def test_plugin_settings_from_the_environment():
         vllm_plugin.settings({"MLA_DIFF_VLLM_DUMP": "d", "MLA_DIFF_VLLM_STEPS": "x"})
     with pytest.raises(ValueError, match="N >= 1"):
         vllm_plugin.settings({"MLA_DIFF_VLLM_DUMP": "d", "MLA_DIFF_VLLM_STEPS": "0"})
+    assert vllm_plugin.settings({"MLA_DIFF_VLLM_DUMP": "d", "MLA_DIFF_VLLM_HEADS": "2:4"})["heads"] == (2, 4)
+    for bad in ("2", "3:1", "a:b"):
+        with pytest.raises(ValueError, match="MLA_DIFF_VLLM_HEADS"):
+            vllm_plugin.settings({"MLA_DIFF_VLLM_DUMP": "d", "MLA_DIFF_VLLM_HEADS": bad})
+
+
+def test_a_gpu_runners_dummy_forwards_are_neither_recorded_nor_counted(monkeypatch):
+    cap = vllm_hooks.VllmCapture.__new__(vllm_hooks.VllmCapture)
+    cap.forward_index, cap.n_steps, cap.forwards, cap._skipped_dummy = 1, 1, 0, 0
+    cap.plan, cap.capturing, cap.done, cap.tokens, cap.positions = None, False, False, None, None
+    begun = []
+    monkeypatch.setattr(
+        cap, "_begin_forward", lambda: begun.append(1) or setattr(cap, "forwards", cap.forwards + 1)
+    )
+    monkeypatch.setattr(cap, "_end_step", lambda: None)
+    monkeypatch.setattr(vllm_hooks, "_WATCHED", {"on": True})
+    monkeypatch.setattr(vllm_hooks, "_LIVE", None)
+    for _ in range(3):  # profile and warm-up forwards: outside execute_model
+        cap._model_pre(None, (), {})
+        cap._model_post(None, (), {}, None)
+    assert (cap.forwards, cap._skipped_dummy, begun) == (0, 3, [])
+    monkeypatch.setattr(vllm_hooks, "_WATCHED", {"on": False})  # no GPU runner (the CPU harness)
+    cap._model_pre(None, (), {})
+    assert (cap.forwards, cap._skipped_dummy) == (1, 3)
 
 
 def test_the_entry_point_vllm_loads_is_the_one_pyproject_declares(tmp_path):
@@ -191,8 +215,14 @@ def test_register_arms_the_model_every_loader_returns_once(monkeypatch):
         cfg.model_obj = object()
         assert loader.load_model(None, cfg) is cfg.model_obj
         assert armed[-1][0] is cfg.model_obj
-    assert len(armed) == 3, "each model armed once, though subclass and base both returned it"
-    assert armed[0][1] == {"forward_index": 0, "steps": 3, "layers": None, "sites": None}
+    assert len(armed) == 3 and vllm_plugin._STATE["model_path"] == "m.gguf"
+    # `vllm serve M.gguf --hf-config-path DIR`: vllm-gguf-plugin names DIR as the model and keeps
+    # the GGUF in model_weights, which the dump must name
+    cfg = types.SimpleNamespace(model="/cfg", model_weights="/w/m.gguf", model_obj=object())
+    BaseModelLoader().load_model(None, cfg)
+    assert vllm_plugin._STATE["model_path"] == "/w/m.gguf"
+    assert len(armed) == 4, "each model armed once, though subclass and base both returned it"
+    assert armed[0][1] == {"forward_index": 0, "steps": 3, "layers": None, "sites": None, "heads": None}
 
 
 def test_live_plan_follows_the_runners_batch_and_finds_a_prefix_hit():
@@ -225,3 +255,28 @@ def test_live_plan_follows_the_runners_batch_and_finds_a_prefix_hit():
     runner.input_batch.num_computed_tokens_cpu = np.array([44, 0, 0])
     plan = vllm_hooks.live_plan(cap, runner, types.SimpleNamespace(num_scheduled_tokens={"b": 1}))
     assert plan["order"] == [1] and plan["seqs"][0] == {"new": 0, "context": 41, "prefix": None}
+
+
+def test_a_dsa_layers_selection_is_recorded_as_idx_topk_where_the_reader_takes_it():
+    torch = pytest.importorskip("torch", reason="the indexer stand-in returns a torch buffer")
+    # vLLM's topk_indices_buffer after a 3-row forward: rows in the kernel's order, -1 for none,
+    # rows past the forward's stale
+    buf = torch.tensor([[0, -1, -1, -1], [1, 0, -1, -1], [2, 0, 1, -1], [9, 9, 9, 9]], dtype=torch.int32)
+    cap = _capture_with_step(None, {}, {"L0.hidden_in": np.zeros((3, 2), np.float32)})
+    cap.capturing, cap.done, cap.step_sites, cap.keep_sites, cap.repeats = True, False, {}, None, {}
+    cap.steps = []
+    cap._indexer(0, None, (torch.zeros(3, 8),), buf)
+    got = cap.t["L0.idx_topk"]
+    assert got.dtype == np.float32 and got.tolist() == [
+        [0, -1, -1, -1],
+        [0, 1, -1, -1],
+        [0, 1, 2, -1],
+    ]
+    assert vllm_hooks.topk_rows(np.array([[5, -1, 3]])).tolist() == [[3, 5, -1]]
+    # the reader's [T, min(K, T)] and the reference's [T, min(K, S)] agree only from K rows on
+    assert vllm_hooks.topk_fits(300, 128, [300])
+    assert vllm_hooks.topk_fits(130, 128, [200, 30])  # 100 rows over 100 cached, and 30 new
+    assert not vllm_hooks.topk_fits(130, 128, [100, 30])  # S = 100: the reference keeps 100
+    assert not vllm_hooks.topk_fits(1, 128, [301])  # a decode step
+    assert not vllm_hooks.topk_fits(100, 128, [100])  # every key kept: width 100 on both, not 128
+    assert "idx_topk" in vllm_hooks.HOOKED_STAGES and "idx_scores" not in vllm_hooks.HOOKED_STAGES

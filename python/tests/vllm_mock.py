@@ -1253,6 +1253,39 @@ def test_decode_steps(tmp: Path, ck) -> None:
         and t["s2.positions"].tolist() == [5],
         "format 2 tensors: s{k}.L{n}.{stage}, weight sites in step 0, weights.L{n}.{param}, s{k}.positions",
     )
+    # The same forwards recorded from the first decode on (a window: the prefill's positions are
+    # `unrecorded`, rebuilt by mla-diff from the token ids) with heads 1..3 of the per-head sites.
+    model = build_model(ck, dtype=torch.float32)
+    win = dump_vllm.VllmCapture(model, forward_index=1, steps=2, heads=(1, 3), engine=ENGINE).arm()
+    run(model, tokens=prompt, seq_lens=[len(prompt)])
+    for i, tok in enumerate(dec):
+        run(model, tokens=[tok], seq_lens=[1], start=len(prompt) + i, decode=True)
+    win.remove()
+    win.token_ids = {0: prompt + dec}
+    out = win.write_format2(tmp / "window.safetensors", model_path=gguf_path, weights=False)
+    tw, mw = read(out)
+    hw = json.loads(mw["header"])
+    check(
+        hw["heads"] == [1, 3]
+        and [(st["name"], st["seqs"]) for st in hw["steps"]]
+        == [
+            ("step-1", [{"new": 1, "context": 4, "unrecorded": 4}]),
+            ("step-2", [{"new": 1, "context": 5}]),
+        ]
+        and tw["seq0.token_ids"].tolist() == prompt + dec,
+        f"window: heads and unrecorded context {hw.get('heads')} {[st['seqs'] for st in hw['steps']]}",
+    )
+    for site in ("lse", "attn_out", "ql_nope", "q"):
+        check(
+            np.array_equal(tw[f"s0.L0.{site}"], t[f"s1.L0.{site}"][:, 1:3]),
+            f"window: s0.L0.{site} is heads 1..3 of the full capture's decode step",
+        )
+    check(
+        np.array_equal(tw["s0.L0.kv_c_normed"], t["s1.L0.kv_c_normed"])
+        and np.array_equal(tw["s0.L0.hidden_out"], t["s1.L0.hidden_out"])
+        and tw["s0.L0.w.kv_b"].shape[0] == 2 * (P + V),
+        "window: latent cache and hidden_out whole, kv_b's rows of heads 1..3",
+    )
 
 
 def test_gguf_compare(tmp: Path) -> None:

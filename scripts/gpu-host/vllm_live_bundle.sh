@@ -36,10 +36,35 @@ WHEELS=(
   frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 yarl==1.25.1 sse-starlette==3.7.1
   python-multipart==0.0.34
 )
-python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --abi cp312 --abi abi3 --abi none --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --dest "$out/download" "${WHEELS[@]}"
+# What the OpenAI API server imports on top (vllm.entrypoints.openai.api_server and the modules it
+# pulls in: file watching for TLS reloads, websockets, the SageMaker-style routes, email
+# validation, tracing, Mistral's request types, the guided-decoding backends, ...), at the
+# versions vLLM 0.26.0's own dependency resolution picks. A GPU machine's Python may have some of
+# them already: they go to wheels/if-missing/, installed only where the machine lacks them.
+IF_MISSING=(
+  watchfiles==1.3.0 websockets==17.4 model-hosting-container-standards==0.1.16 jmespath==1.1.0
+  email-validator==2.4.0 dnspython==2.9.2 python-json-logger==4.2.0 setproctitle==1.3.8 ijson==3.6.0
+  blake3==1.0.11 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2
+  opentelemetry-semantic-conventions==0.66b2 opentelemetry-semantic-conventions-ai==0.5.1
+  opentelemetry-exporter-otlp==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2
+  opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-exporter-otlp-proto-grpc==1.45.2
+  opentelemetry-proto==1.45.2 opentelemetry-exporter-http-transport==0.66b2
+  opentelemetry-exporter-otlp-common==0.66b2 googleapis-common-protos==1.76.0 grpcio==1.85.3
+  mistral_common==1.13.1 pydantic-extra-types==2.11.1 pycountry==26.2.16 tiktoken==0.14.0
+  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+  attrs==26.1.0 annotated-doc==0.0.7 anyio==4.16.0 httpx==0.29.0 httpcore==1.0.9
+  lm-format-enforcer==0.11.3 outlines_core==0.2.14 lark==1.2.2 einops==0.8.2 depyf==0.20.0 dill==0.4.1
+  cloudpickle==3.1.3 py-cpuinfo==9.0.0 python-dotenv==1.2.4 truststore==0.10.5 pydantic-settings==2.16.3
+)
+download() {
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --abi cp312 --abi abi3 --abi none --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --dest "$@"
+}
+download "$out/download" "${WHEELS[@]}"
 cp "$out"/download/*.whl "$out/wheels/"
+mkdir -p "$out/wheels/if-missing"
+download "$out/wheels/if-missing" "${IF_MISSING[@]}"
 whl=$(ls "$out"/download/vllm-0.26.0-*.whl)
 python3 - "$whl" "$out/wheels/$(basename "$whl")" <<'EOF'
 import csv, fnmatch, io, sys, zipfile

@@ -13,8 +13,12 @@
 #                                               against SHA256SUMS, say which are still missing
 #   bash scripts/gpu-host/vllm_live_gpu.sh status        which parts $STAGE holds and which it lacks
 #   bash scripts/gpu-host/vllm_live_gpu.sh install       unpack the complete bundle, pip-install it (no
-#                                               index, no dependencies) into $STAGE/site, import
-#                                               vLLM, the plugin and both decode backends
+#                                               index, no dependencies) into $STAGE/site (its
+#                                               wheels/if-missing/ only where the machine lacks
+#                                               that distribution), import vLLM, the plugin, both
+#                                               decode backends and the OpenAI API server
+#   bash scripts/gpu-host/vllm_live_gpu.sh install-missing DIR   the same filtered install of
+#                                               DIR's wheels
 #   bash scripts/gpu-host/vllm_live_gpu.sh run OUT       for each backend in $BACKENDS: one prompt and
 #                                               $DECODE_STEPS decode steps through `vllm.LLM` with
 #                                               the hooks of mla_diff_hooks.vllm, then
@@ -61,7 +65,32 @@ status() {
   [[ -z $miss ]]
 }
 
+# install_missing DIR: pip-installs into $STAGE/site each wheel of DIR whose distribution the
+# machine's own Python lacks (what `vllm serve` imports beyond the offline engine: the bundle
+# carries them without knowing which ones the machine has, and must not shadow those it has).
+install_missing() {
+  local dir=$1
+  [[ -d $dir ]] || return 0
+  mapfile -t need < <("$PY" - "$dir" <<'EOF'
+import importlib.metadata as md, pathlib, re, sys
+for w in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
+    dist = re.sub(r"[-_.]+", "-", w.name.split("-")[0]).lower()
+    try:
+        md.version(dist)
+    except md.PackageNotFoundError:
+        print(w)
+EOF
+)
+  echo "vllm_live: ${#need[@]} of $(ls "$dir"/*.whl | wc -l) serving wheels missing here: $(printf '%s\n' "${need[@]}" | xargs -n1 basename 2>/dev/null | cut -d- -f1 | tr '\n' ' ')"
+  [[ ${#need[@]} -eq 0 ]] || "$PY" -m pip install --quiet --no-deps --no-index --disable-pip-version-check \
+    --target "$STAGE/site" "${need[@]}" 2>&1 | grep -v "^WARNING: Running pip as" | tail -3
+}
+
 case ${1:-} in
+  install-missing)
+    install_missing "${2:-}"
+    exit 0
+    ;;
   receive)
     src=${2:-}
     [[ -d $src ]] || { echo "vllm_live: receive needs the folder of carried parts"; exit 2; }
@@ -89,14 +118,15 @@ case ${1:-} in
     zstd_bin=$(command -v zstd || echo "$STAGE/tools/zstd")
     cat "$STAGE"/parts/bundle.tar.zst.* | LD_LIBRARY_PATH="$STAGE/tools${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
       "$zstd_bin" -dq --long=27 | tar -x -C "$STAGE/wheels" || exit 1
-    mapfile -t wheels < <(find "$STAGE/wheels" -name '*.whl')
+    mapfile -t wheels < <(find "$STAGE/wheels" -maxdepth 2 -path '*/if-missing' -prune -o -name '*.whl' -print)
     "$PY" -m pip install --quiet --no-deps --no-index --disable-pip-version-check \
       --target "$STAGE/site" "${wheels[@]}" 2>&1 | grep -v "^WARNING: Running pip as" | tail -5
+    install_missing "$(find "$STAGE/wheels" -type d -name if-missing | head -1)"
     PYTHONPATH="$STAGE/site" "$PY" - <<'EOF'
 import importlib, sys
 mods = ["vllm", "vllm_gguf_plugin", "vllm.model_executor.models.deepseek_v2",
         "vllm.v1.attention.backends.mla.flashmla", "vllm.v1.attention.backends.mla.triton_mla",
-        "vllm.vllm_flash_attn"]
+        "vllm.vllm_flash_attn", "vllm.entrypoints.openai.api_server"]
 bad = 0
 for m in mods:
     try:

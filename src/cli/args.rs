@@ -96,6 +96,22 @@ pub struct CompareArgs {
     /// --dtype picks). Overrides a format-2 header's `kernel_precision` and --dtype's rows.
     #[arg(long, value_enum)]
     pub precision: Option<PrecisionArg>,
+    /// Where the f64 reference runs: cpu; cuda, the GPU reference (cuBLAS DGEMM) for the layers
+    /// it computes and the CPU one for DSA layers and MoE FFNs, an error if no device answers;
+    /// auto, cuda when a device answers.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Cpu)]
+    pub backend: BackendChoice,
+    /// CUDA include folder for NVRTC (holding cuda_bf16.h); default $CUDA_HOME/include, else
+    /// /usr/local/cuda/include.
+    #[arg(long)]
+    pub cuda_include: Option<PathBuf>,
+    /// Print resource use on stderr: wall time, peak RSS, which tensors' data was read, the
+    /// references run (one per dumped layer over the union of a format-2 dump's steps, or per
+    /// step), and the wall time of each stage (open, read, identity, backend, loaded weights,
+    /// dequant, input, reference, step rows, judge, diagnose with each detector that ran as a
+    /// part of it, report).
+    #[arg(long)]
+    pub stats: bool,
     /// Where the result goes.
     #[command(flatten)]
     pub output: ReportArgs,

@@ -110,7 +110,7 @@ pub fn dispatch(cli: &Cli, out: &mut dyn Write) -> Result<Outcome> {
         Command::Inspect(a) => cmd_inspect(a, out),
         Command::Sites(a) => cmd_sites(a, out),
         Command::Selftest(a) => cmd_selftest(a, s, out),
-        Command::Compare(a) => cmd_compare(a, out),
+        Command::Compare(a) => cmd_compare(a, s, out),
         Command::Weights(a) => cmd_weights(a, out),
         Command::Golden(GoldenCommand::Record(a)) => cmd_golden_record(a, s, out),
         Command::Golden(GoldenCommand::Check(a)) => cmd_golden_check(a, s, out),

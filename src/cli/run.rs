@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use super::Outcome;
 use super::args::*;
 use super::outputs::{TextSink, check_outputs, same_file};
-use super::values::ReferenceArg;
+use super::values::{DtypeArg, KernelsArg, ReferenceArg};
 use crate::backend::Backend;
 use crate::backend::cpu::CpuOps;
 use crate::compute::faults::FaultSet;
@@ -109,41 +109,91 @@ pub(super) fn write_report_files(
 }
 
 /// `mla-diff compare`.
-pub fn cmd_compare(a: &CompareArgs, out: &mut dyn Write) -> Result<Outcome> {
+pub fn cmd_compare(a: &CompareArgs, settings: &Settings, out: &mut dyn Write) -> Result<Outcome> {
+    use crate::core::timing;
+    use crate::jobs::compare::{CompareOptions, StepReferences};
     use crate::model::dump::{self, DumpFile};
+    let started = std::time::Instant::now();
+    let _ = timing::take();
     // A format-2 dump names its model: without --model, the GGUF next to the dump.
-    let header = dump::peek_header(&a.dump)?;
-    let file = match (a.model.path(), &header) {
-        (Some(m), _) => GgufFile::open(m)?,
-        (None, Some(h)) => model_beside(&a.dump, h)?,
-        // A format-1 dump does not say which file it was made from: judging it against the
-        // embedded fixture would report the difference between two models as an engine bug.
-        (None, None) => {
-            return Err(Error::Usage(format!(
-                "{}: a format-1 dump does not identify its GGUF; pass --model with the file the engine loaded",
-                a.dump.display()
-            )));
-        }
-    };
-    let cfg = MlaConfig::from_gguf(&file)?;
+    let (file, cfg) = timing::stage("open", || -> Result<(GgufFile, MlaConfig)> {
+        let header = dump::peek_header(&a.dump)?;
+        let file = match (a.model.path(), &header) {
+            (Some(m), _) => GgufFile::open(m)?,
+            (None, Some(h)) => model_beside(&a.dump, h)?,
+            // A format-1 dump does not say which file it was made from: judging it against the
+            // embedded fixture would report the difference between two models as an engine bug.
+            (None, None) => {
+                return Err(Error::Usage(format!(
+                    "{}: a format-1 dump does not identify its GGUF; pass --model with the file the engine loaded",
+                    a.dump.display()
+                )));
+            }
+        };
+        let cfg = MlaConfig::from_gguf(&file)?;
+        Ok((file, cfg))
+    })?;
     let map = a.map.as_deref().map(dump::Map::load).transpose()?;
     check_outputs(a.output.json.as_ref(), a.output.report.as_ref(), a.output.force)?;
     let map_name = map
         .as_ref()
         .map(|m| m.name.clone().unwrap_or_else(|| a.map.clone().unwrap_or_default()));
     let (dtype, precision) = (a.dtype.map(Into::into), a.precision.map(Into::into));
-    let rep = match dump::read(&a.dump, map.as_ref(), &cfg)? {
-        DumpFile::One(d) => crate::jobs::compare::compare_dump(&file, &cfg, &d, map_name, dtype, precision)?,
-        DumpFile::Steps(sd) => {
-            let mut layers: Vec<usize> = sd.steps.iter().flat_map(|(_, d)| d.layers.keys().copied()).collect();
-            layers.sort_unstable();
-            layers.dedup();
-            dump::check_identity(&a.dump, &sd.header, &file, &layers)?;
-            crate::jobs::compare::compare_steps(&file, &cfg, &sd, map_name, dtype, precision)?
+    let read = timing::stage("read", || dump::read(&a.dump, map.as_ref(), &cfg))?;
+    if let DumpFile::Steps(sd) = &read {
+        let mut layers: Vec<usize> = sd.steps.iter().flat_map(|(_, d)| d.layers.keys().copied()).collect();
+        layers.sort_unstable();
+        layers.dedup();
+        timing::stage("identity", || dump::check_identity(&a.dump, &sd.header, &file, &layers))?;
+        // The hashed layers' pages (an MoE layer of DeepSeek-V3: gigabytes) are read again only
+        // for the attention weights.
+        file.release_resident_pages();
+    }
+    // The CPU reference by default, silently as before; another choice says which backend.
+    let backend = match a.backend {
+        BackendChoice::Cpu => Backend::Cpu(CpuOps::new(crate::core::dtype::Dtype::F32)),
+        choice => {
+            let device = DeviceArgs {
+                backend: choice,
+                dtype: DtypeArg::F32,
+                cuda_include: a.cuda_include.clone(),
+                kernels: KernelsArg::Fast,
+                reference_backend: ReferenceArg::Auto,
+            };
+            timing::stage("backend", || select_backend(&device, settings, a.output.quiet))?
         }
     };
-    let backend = Backend::Cpu(CpuOps::new(rep.run.dtype));
-    finish_report(&rep, &file, &backend, Outputs::of(&a.output), out)
+    let opts = CompareOptions {
+        backend,
+        references: StepReferences::Union,
+        ..CompareOptions::default()
+    };
+    let (rep, tally) = match read {
+        DumpFile::One(d) => (
+            crate::jobs::compare::compare_dump_with(&file, &cfg, &d, map_name, dtype, precision, &opts)?,
+            None,
+        ),
+        DumpFile::Steps(sd) => {
+            let (rep, tally) =
+                crate::jobs::compare::compare_steps_with(&file, &cfg, &sd, map_name, dtype, precision, &opts)?;
+            (rep, Some(tally))
+        }
+    };
+    let backend = opts.backend.with_dtype(rep.run.dtype);
+    let outcome = timing::stage("report", || {
+        finish_report(&rep, &file, &backend, Outputs::of(&a.output), out)
+    });
+    if a.stats {
+        eprintln!("{}", crate::output::stats::stats_line(&file, started.elapsed()));
+        if let Some(t) = tally {
+            eprintln!(
+                "mla-diff: references: {} over the union of {} step(s), {} of one step each",
+                t.union, t.union_steps, t.per_step
+            );
+        }
+        eprintln!("{}", crate::output::stats::stages_line(&timing::take()));
+    }
+    outcome
 }
 
 /// The GGUF a format-2 dump names (`header.model.file`), opened from the dump's folder.

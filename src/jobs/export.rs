@@ -10,6 +10,13 @@
 //! scale, the dims and a format-2 dump header for the runner that calls the kernels to complete,
 //! so that `mla-diff compare` judges the kernels' outputs against the reference of the same
 //! layer input (docs/dump-format.md, "Kernel inputs").
+//!
+//! A DSA layer (`deepseek32`, `glm-dsa`) attends only to the keys its lightning indexer kept, so
+//! its export carries the reference's selection in the two index layouts vLLM's sparse MLA
+//! kernels take (per-request positions as the indexer writes them, and global cache slots as
+//! `triton_convert_req_index_to_global_index` hands them to FlashMLA and FA3), with the f64
+//! attention of the exported query and cache over that selection as the expected output: the
+//! dense prefill tensors, which describe causal attention over every key, are left out.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -74,9 +81,8 @@ impl ExportRequest {
     }
 
     /// Everything that can be refused before any work: more than one layer, a batch not at
-    /// position 0, a rank outside `0..tp` or a `tp` that does not divide N, a DSA model (its
-    /// attention keeps only the indexer's keys, which these dense inputs do not express), a batch
-    /// whose ids do not fit I32, the folder being a file, and an existing
+    /// position 0, a rank outside `0..tp` or a `tp` that does not divide N, a batch whose ids
+    /// (or a DSA model's `K_idx`) do not fit I32, the folder being a file, and an existing
     /// `inputs.safetensors` without `force`.
     ///
     /// Errors: [`Error::Usage`], one line naming the flag or the file.
@@ -109,19 +115,14 @@ impl ExportRequest {
                 "--rank {r} is not a rank of --tp {tp} (ranks 0..{tp})"
             )));
         }
-        if cfg.indexer.is_some() {
-            return Err(Error::Usage(format!(
-                "--export-inputs: {} has a DSA indexer ({}), whose attention keeps only the selected keys; \
-                 the exported inputs describe dense causal attention",
-                file.path().display(),
-                cfg.arch
-            )));
-        }
         let (num_blocks, _) = paged_block_tables(&rc.batch, rc.path_options.page_size, rc.seed);
         let t = rc.batch.n_tokens();
-        if t.max(num_blocks) > i32::MAX as usize {
+        let top_k = cfg.indexer.as_ref().map_or(0, |ix| ix.top_k);
+        let slots = num_blocks.saturating_mul(rc.path_options.page_size.max(1));
+        if t.max(num_blocks).max(top_k).max(if top_k > 0 { slots } else { 0 }) > i32::MAX as usize {
             return Err(Error::Usage(format!(
-                "--export-inputs: T = {t} tokens in {num_blocks} cache blocks do not fit the I32 tensors of the export"
+                "--export-inputs: T = {t} tokens in {num_blocks} cache blocks (K_idx = {top_k}) do not fit \
+                 the I32 tensors of the export"
             )));
         }
         if self.dir.exists() && !self.dir.is_dir() {
@@ -171,9 +172,17 @@ pub fn estimate_bytes(cfg: &MlaConfig, rc: &RunConfig, nh: usize) -> u64 {
         .map(|q| (q.len as u64).div_ceil(page))
         .max()
         .unwrap_or(0);
-    let f32s = t * h + t * nh * (l + r) + blocks * page * (l + r) + 2 * t * nh * (p + r) + t * nh * v;
-    let i32s = t * max_blocks + t + s + 1;
-    4 * (f32s + i32s)
+    let decode = t * h + t * nh * (l + r) + blocks * page * (l + r);
+    let i32s = t * max_blocks + t;
+    match &cfg.indexer {
+        // DSA: no dense prefill tensors; two [T, K] index tensors, the valid counts, and the
+        // expected latent and LSE in f64.
+        Some(ix) => {
+            let k = ix.top_k as u64;
+            4 * (decode + i32s + 2 * t * k + t) + 8 * (t * nh * (l + 1))
+        }
+        None => 4 * (decode + 2 * t * nh * (p + r) + t * nh * v + i32s + s + 1),
+    }
 }
 
 /// One reference site, checked against its expected shape.
@@ -272,13 +281,10 @@ pub fn build(
     let batch = &rc.batch;
     let t = batch.n_tokens();
     let hidden = site(reference, layer, Stage::HiddenIn, &[t, hd])?;
-    let q = site(reference, layer, Stage::Q, &[t, n, p + r])?;
     let q_pe = site(reference, layer, Stage::QPeRoped, &[t, n, r])?;
     let ql_nope = site(reference, layer, Stage::QlNope, &[t, n, l])?;
     let kv_c = site(reference, layer, Stage::KvCNormed, &[t, l])?;
     let k_pe = site(reference, layer, Stage::KPeRoped, &[t, r])?;
-    let k_nope = site(reference, layer, Stage::KNope, &[t, n, p])?;
-    let vv = site(reference, layer, Stage::V, &[t, n, v])?;
 
     // The paged latent cache: every token's row [kv_c_normed | k_pe_roped] at its slot.
     let page = rc.path_options.page_size.max(1);
@@ -304,13 +310,12 @@ pub fn build(
             seqlens.push(i + 1);
         }
     }
-    let cu = cu_seqlens(batch);
 
     let raw = |dtype, shape: Vec<usize>, bytes: Vec<u8>| RawTensor { dtype, shape, bytes };
     let f32t = safetensors::Dtype::F32;
     let i32t = safetensors::Dtype::I32;
     let hidden_bytes: Vec<u8> = (0..t * hd).flat_map(|i| (hidden.get(i) as f32).to_le_bytes()).collect();
-    let tensors: Vec<(String, RawTensor)> = vec![
+    let mut tensors: Vec<(String, RawTensor)> = vec![
         ("hidden_in".into(), raw(f32t, vec![t, hd], hidden_bytes)),
         (
             "decode.q".into(),
@@ -329,6 +334,80 @@ pub fn build(
             raw(i32t, vec![t, max_blocks], i32_bytes(block_table)),
         ),
         ("decode.cache_seqlens".into(), raw(i32t, vec![t], i32_bytes(seqlens))),
+    ];
+    let mut top_k = None;
+    if let Some(ix) = &cfg.indexer {
+        let rows = selection_rows(reference, layer, t)?;
+        let paged = Paged {
+            tables: &tables,
+            page,
+            offsets: &offsets,
+        };
+        let lat = Latent {
+            ql_nope,
+            q_pe,
+            kv_c,
+            k_pe,
+            n,
+        };
+        tensors.extend(sparse_tensors(
+            batch,
+            &rows,
+            ix.top_k,
+            &paged,
+            &lat,
+            heads,
+            cfg.softmax_scale,
+        ));
+        top_k = Some(ix.top_k);
+    } else {
+        tensors.extend(prefill_tensors(cfg, batch, layer, reference, heads, q_pe, k_pe)?);
+    }
+    let list = |v: Vec<String>| v.join(",");
+    let header = dump_header(file, batch, layer, heads);
+    let meta: BTreeMap<String, String> = [
+        ("format", FORMAT.to_string()),
+        ("softmax_scale", format!("{}", cfg.softmax_scale)),
+        ("page_size", page.to_string()),
+        ("n_head", n.to_string()),
+        ("heads", format!("{},{}", heads.0, heads.1)),
+        ("kv_lora_rank", l.to_string()),
+        ("qk_rope_head_dim", r.to_string()),
+        ("qk_nope_head_dim", p.to_string()),
+        ("v_head_dim", v.to_string()),
+        ("layer", layer.to_string()),
+        ("seqs", list(batch.seqs.iter().map(|s| s.len.to_string()).collect())),
+        ("dump_header", header.to_string()),
+    ]
+    .into_iter()
+    .chain(top_k.map(|k| ("index_topk", k.to_string())))
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    raw_to_bytes(&tensors, &meta)
+}
+
+/// The `prefill.*` tensors of a dense layer (expanded `q`, `k`, `v` of heads `[a, b)` and the
+/// sequences' `cu_seqlens`), from the reference sites `q`, `k_nope`, `v` and the roped `q_pe`
+/// [T, N, R] and `k_pe` [T, R] the caller looked up.
+///
+/// Errors: [`Error::Internal`] as [`build`].
+fn prefill_tensors(
+    cfg: &MlaConfig,
+    batch: &Batch,
+    layer: usize,
+    reference: &Trace,
+    heads: (usize, usize),
+    q_pe: &TraceTensor,
+    k_pe: &TraceTensor,
+) -> Result<Vec<(String, RawTensor)>> {
+    let [n, _, p, r, v] = cfg.dims().nlprv();
+    let (t, nh) = (batch.n_tokens(), heads.1 - heads.0);
+    let q = site(reference, layer, Stage::Q, &[t, n, p + r])?;
+    let k_nope = site(reference, layer, Stage::KNope, &[t, n, p])?;
+    let vv = site(reference, layer, Stage::V, &[t, n, v])?;
+    let raw = |dtype, shape: Vec<usize>, bytes: Vec<u8>| RawTensor { dtype, shape, bytes };
+    let f32t = safetensors::Dtype::F32;
+    Ok(vec![
         (
             "prefill.q".into(),
             raw(
@@ -351,29 +430,176 @@ pub fn build(
         ),
         (
             "prefill.cu_seqlens".into(),
-            raw(i32t, vec![batch.seqs.len() + 1], i32_bytes(cu)),
+            raw(
+                safetensors::Dtype::I32,
+                vec![batch.seqs.len() + 1],
+                i32_bytes(cu_seqlens(batch)),
+            ),
         ),
-    ];
-    let list = |v: Vec<String>| v.join(",");
-    let header = dump_header(file, batch, layer, heads);
-    let meta: BTreeMap<String, String> = [
-        ("format", FORMAT.to_string()),
-        ("softmax_scale", format!("{}", cfg.softmax_scale)),
-        ("page_size", page.to_string()),
-        ("n_head", n.to_string()),
-        ("heads", format!("{},{}", heads.0, heads.1)),
-        ("kv_lora_rank", l.to_string()),
-        ("qk_rope_head_dim", r.to_string()),
-        ("qk_nope_head_dim", p.to_string()),
-        ("v_head_dim", v.to_string()),
-        ("layer", layer.to_string()),
-        ("seqs", list(batch.seqs.iter().map(|s| s.len.to_string()).collect())),
-        ("dump_header", header.to_string()),
+    ])
+}
+
+/// The reference's DSA selection of `layer`: per packed token, the kept key positions within its
+/// sequence (ascending), read from the `idx_topk` site [T, K'] (−1 padding dropped).
+///
+/// Errors: [`Error::Internal`] when the reference recorded no `idx_topk` of T rows, or holds a
+/// value that is not a key position.
+fn selection_rows(reference: &Trace, layer: usize, t: usize) -> Result<Vec<Vec<usize>>> {
+    let s = Site::new(layer, Stage::IdxTopk);
+    let sel = reference
+        .get(&s)
+        .ok_or_else(|| Error::Internal(format!("--export-inputs: the reference recorded no {s}")))?;
+    if sel.shape.len() != 2 || sel.shape[0] != t {
+        return Err(Error::Internal(format!(
+            "--export-inputs: the reference's {s} has shape {:?}, expected [{t}, K]",
+            sel.shape
+        )));
+    }
+    let k = sel.shape[1];
+    (0..t)
+        .map(|i| {
+            let mut row = Vec::with_capacity(k);
+            for c in 0..k {
+                let x = sel.get(i * k + c);
+                if x < 0.0 {
+                    continue;
+                }
+                if x.fract() != 0.0 || x > i32::MAX as f64 {
+                    return Err(Error::Internal(format!(
+                        "--export-inputs: {s} holds {x}, not a key position"
+                    )));
+                }
+                row.push(x as usize);
+            }
+            Ok(row)
+        })
+        .collect()
+}
+
+/// Where each token's cache row lives: the block tables of [`paged_block_tables`], the page size
+/// and each sequence's first packed token.
+struct Paged<'a> {
+    /// Per sequence, its blocks in order.
+    tables: &'a [Vec<usize>],
+    /// Tokens per block.
+    page: usize,
+    /// [`Batch::offsets`].
+    offsets: &'a [usize],
+}
+
+impl Paged<'_> {
+    /// The global slot of key position `pos` of sequence `s`: the row of `decode.kv_cache` viewed
+    /// as [num_blocks · page_size, L+R].
+    fn slot(&self, s: usize, pos: usize) -> usize {
+        self.tables[s][pos / self.page] * self.page + pos % self.page
+    }
+}
+
+/// The reference sites of the absorbed attention: `ql_nope` [T, N, L], `q_pe_roped` [T, N, R],
+/// `kv_c_normed` [T, L], `k_pe_roped` [T, R], with N.
+struct Latent<'a> {
+    ql_nope: &'a TraceTensor,
+    q_pe: &'a TraceTensor,
+    kv_c: &'a TraceTensor,
+    k_pe: &'a TraceTensor,
+    n: usize,
+}
+
+impl Latent<'_> {
+    /// Token `i`'s query of head `h` as exported: `ql_nope ‖ q_pe_roped`, rounded to f32.
+    fn query(&self, i: usize, h: usize) -> Vec<f64> {
+        let (l, r) = (self.kv_c.shape[1], self.k_pe.shape[1]);
+        let a = (0..l).map(|c| self.ql_nope.get((i * self.n + h) * l + c));
+        let b = (0..r).map(|c| self.q_pe.get((i * self.n + h) * r + c));
+        a.chain(b).map(|x| f64::from(x as f32)).collect()
+    }
+
+    /// Token `j`'s cache row as exported: `kv_c_normed ‖ k_pe_roped`, rounded to f32.
+    fn key(&self, j: usize) -> Vec<f64> {
+        let (l, r) = (self.kv_c.shape[1], self.k_pe.shape[1]);
+        let a = (0..l).map(|c| self.kv_c.get(j * l + c));
+        let b = (0..r).map(|c| self.k_pe.get(j * r + c));
+        a.chain(b).map(|x| f64::from(x as f32)).collect()
+    }
+}
+
+/// The `sparse.*` tensors of a DSA layer (docs/dump-format.md, "Kernel inputs"): the selection
+/// `rows` as per-request positions and as global cache slots, both [T, `top_k`] padded with −1,
+/// the valid count per row, and the expected `attn_latent` [T, nh, L] and natural-log `lse`
+/// [T, nh] in f64: softmax(`scale` · q·k) over each row's selected keys, with q and k the exported
+/// f32 `decode.q` and `decode.kv_cache` rows (one row per (token, head), summed in key order).
+fn sparse_tensors(
+    batch: &Batch,
+    rows: &[Vec<usize>],
+    top_k: usize,
+    paged: &Paged<'_>,
+    lat: &Latent<'_>,
+    heads: (usize, usize),
+    scale: f64,
+) -> Vec<(String, RawTensor)> {
+    use rayon::prelude::*;
+    let t = rows.len();
+    let l = lat.kv_c.shape[1];
+    let nh = heads.1 - heads.0;
+    let seq_of: Vec<usize> = batch
+        .seqs
+        .iter()
+        .enumerate()
+        .flat_map(|(s, sq)| std::iter::repeat_n(s, sq.len))
+        .collect();
+    let pad = |v: Vec<i64>| -> Vec<u8> {
+        let n = v.len();
+        v.into_iter()
+            .chain(std::iter::repeat_n(-1, top_k.saturating_sub(n)))
+            .take(top_k)
+            .flat_map(|x| i32::try_from(x).unwrap_or(-1).to_le_bytes())
+            .collect()
+    };
+    let mut positions = Vec::with_capacity(t * top_k * 4);
+    let mut slots = Vec::with_capacity(t * top_k * 4);
+    for (i, row) in rows.iter().enumerate() {
+        positions.extend(pad(row.iter().map(|&p| p as i64).collect()));
+        slots.extend(pad(row.iter().map(|&p| paged.slot(seq_of[i], p) as i64).collect()));
+    }
+    let lengths = i32_bytes(rows.iter().map(|r| r.len().min(top_k)));
+    // One (token, head) row per task; each sums its keys in order, so the bits do not depend on
+    // the threads.
+    let out: Vec<(Vec<f64>, f64)> = (0..t * nh)
+        .into_par_iter()
+        .map(|x| {
+            let (i, h) = (x / nh, heads.0 + x % nh);
+            let q = lat.query(i, h);
+            let off = paged.offsets[seq_of[i]];
+            let keys: Vec<Vec<f64>> = rows[i].iter().take(top_k).map(|&p| lat.key(off + p)).collect();
+            let logits: Vec<f64> = keys
+                .iter()
+                .map(|k| scale * q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>())
+                .collect();
+            let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = logits.iter().map(|&z| (z - m).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            let mut o = vec![0f64; l];
+            for (ej, k) in e.iter().zip(&keys) {
+                for (oc, kc) in o.iter_mut().zip(&k[..l]) {
+                    *oc += ej / sum * kc;
+                }
+            }
+            (o, m + sum.ln())
+        })
+        .collect();
+    let f64_bytes = |v: &mut dyn Iterator<Item = f64>| -> Vec<u8> { v.flat_map(f64::to_le_bytes).collect() };
+    let latent = f64_bytes(&mut out.iter().flat_map(|(o, _)| o.iter().copied()));
+    let lse = f64_bytes(&mut out.iter().map(|(_, s)| *s));
+    let raw = |dtype, shape: Vec<usize>, bytes: Vec<u8>| RawTensor { dtype, shape, bytes };
+    let i32t = safetensors::Dtype::I32;
+    let f64t = safetensors::Dtype::F64;
+    vec![
+        ("sparse.topk_indices".into(), raw(i32t, vec![t, top_k], positions)),
+        ("sparse.indices".into(), raw(i32t, vec![t, top_k], slots)),
+        ("sparse.topk_length".into(), raw(i32t, vec![t], lengths)),
+        ("sparse.expected_latent".into(), raw(f64t, vec![t, nh, l], latent)),
+        ("sparse.expected_lse".into(), raw(f64t, vec![t, nh], lse)),
     ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect();
-    raw_to_bytes(&tensors, &meta)
 }
 
 /// `cu_seqlens` of `batch`: 0, then the running total of the sequence lengths ([S+1]).

@@ -87,6 +87,25 @@ impl SplitTrace {
         }
         Ok(tr)
     }
+
+    /// The sites for which `want` holds on the host (downloading the device ones), in the order
+    /// [`crate::backend::cuda::reference::reference_layer`] records them: the device sites in
+    /// recording order, then the host ones. The others are not copied.
+    ///
+    /// Errors: [`Error::Cuda`] on a failed download.
+    pub fn to_host_where(&self, dev: &Device, want: impl Fn(&Site) -> bool) -> Result<Trace> {
+        let mut tr = Trace::new();
+        for d in self.device.iter().filter(|d| want(&d.site)) {
+            tr.record(
+                d.site,
+                TraceTensor::f64(d.shape.clone(), download(dev, &d.buf, d.numel())?),
+            );
+        }
+        for (s, t) in self.host.entries().iter().filter(|(s, _)| want(s)) {
+            tr.record(*s, t.clone());
+        }
+        Ok(tr)
+    }
 }
 
 /// The first `n` elements of `b` on the host.

@@ -188,13 +188,29 @@ pub(super) fn mismatch(x: &SiteCtx<'_>) -> Detection {
             None => stride.to_string(),
         }
     } else {
-        format!("no known bug class explains this; {}", inputs_hint(x))
+        format!(
+            "no known bug class explains this; {}{}",
+            inputs_hint(x),
+            head_subset_note(x)
+        )
     };
     let hint = match super::weights::mlp_blocks_without_tp(x) {
         Some(blocks) => format!("{hint}; {blocks}"),
         None => hint,
     };
     Detection::new(ev, hint)
+}
+
+/// What a head subset hides from the detectors, for a per-head site of a dump that holds some
+/// of the model's heads only: a view or stride across heads (a merge reading another head's
+/// rows, a head interleaving) reads heads the dump leaves out, so no replay can check it.
+fn head_subset_note(x: &SiteCtx<'_>) -> String {
+    match x.input.dump.as_ref().and_then(|d| d.head_subset) {
+        Some(([a, b], n)) if crate::model::dump::is_per_head(x.site.stage) => format!(
+            "; the dump holds heads {a}..{b} of {n}: a view or stride across heads reads heads it leaves out, which no replay can check (record every head to have such a bug named)"
+        ),
+        _ => String::new(),
+    }
 }
 
 /// The inputs of a failing site ([`stage_inputs`] that its layer's reference holds), by what

@@ -245,6 +245,10 @@ pub struct DumpScope<'a> {
     /// (rows of the context partial sites, in order; `off` indexes `full_reference`'s rows);
     /// empty when the step records no context chunks.
     pub chunks: &'a [ContextSeq],
+    /// `([a, b], n)`: the dump holds heads `a..b` of the model's `n` in its per-head sites
+    /// (format 2's `heads` at TP 1, a head subset); `None` when it holds every head, or one TP
+    /// rank's (whose detectors read the rank's own heads).
+    pub head_subset: Option<([usize; 2], usize)>,
 }
 
 /// What every detector sees for one failing site of one path.

@@ -114,6 +114,13 @@ pub struct StepSeq {
     /// [`MAX_CONTEXT_CHUNKS`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context_chunks: Option<Vec<[usize; 2]>>,
+    /// The sequence's first `n` positions were computed by the engine in forwards the dump does
+    /// not hold (recorded from a later forward on, or a prefix-cache hit on a request recorded
+    /// before the dump's first step); the reference rebuilds their layer inputs from the
+    /// sequence's `seq{i}.token_ids`. Only on the step where the sequence first has new tokens,
+    /// equal to its `context` there, without a `prefix`; 1 ≤ n < 2³².
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unrecorded: Option<usize>,
 }
 
 /// Which attention kernel computed a sequence's rows in a step (`steps[k].seqs[i].kernel`).
@@ -332,7 +339,8 @@ pub fn peek_header(path: &Path) -> Result<Option<DumpHeader>> {
 /// The format-2 header `text` (`__metadata__.header`) of the dump `path`, parsed and checked:
 /// `kernel_precision`, `heads` and `tp` of the documented forms, at least one step, a positive
 /// `residual_scale`, an `lse_base` of `e` or `2`, every step listing every sequence with new
-/// tokens and a context equal to what earlier steps computed.
+/// tokens and a context equal to what earlier steps computed (with a prefix-cache hit's `len`
+/// and the `unrecorded` positions, each where its checks allow it).
 ///
 /// Errors: [`Error::Safetensors`] naming the field (`__metadata__.header…`) that is missing or
 /// wrong.
@@ -404,6 +412,8 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
     let n = h.steps[0].seqs.len();
     // Each sequence's prefix-cache hit: (the step that declares it first, the hit).
     let mut prefixes: Vec<Option<(usize, PrefixHit)>> = vec![None; n];
+    // Each sequence's positions computed before the dump: (the step that declares them, n).
+    let mut unrecorded: Vec<Option<(usize, usize)>> = vec![None; n];
     for (k, st) in h.steps.iter().enumerate() {
         if st.seqs.len() != n {
             return Err(dump_error(
@@ -422,10 +432,20 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
                 "no new token",
             ));
         }
+        // Every sequence's unrecorded positions first: they were in the cache before the dump,
+        // so a prefix-cache hit of this step may read them.
         for (i, q) in st.seqs.iter().enumerate() {
-            let before: usize = h.steps[..k].iter().map(|p| p.seqs[i].new).sum();
+            if let Some(u) = q.unrecorded {
+                let own: usize = h.steps[..k].iter().map(|p| p.seqs[i].new).sum();
+                check_unrecorded(path, &prefixes, k, i, q, u, own)?;
+                unrecorded[i] = Some((k, u));
+            }
+        }
+        for (i, q) in st.seqs.iter().enumerate() {
+            let own: usize = h.steps[..k].iter().map(|p| p.seqs[i].new).sum();
+            let before = own + unrecorded[i].map_or(0, |(_, u)| u);
             if let Some(hit) = q.prefix {
-                check_prefix(path, &h.steps, &prefixes, k, i, hit, before)?;
+                check_prefix(path, &h.steps, &prefixes, &unrecorded, k, i, hit, before)?;
                 prefixes[i].get_or_insert((k, hit));
             }
             let before = before + prefixes[i].map_or(0, |(_, hit)| hit.len);
@@ -434,7 +454,7 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
                     path,
                     format!("__metadata__.header.steps[{k}].seqs[{i}].context"),
                     format!(
-                        "{}, but earlier steps computed {before} tokens of that sequence (a prefix-cache hit's `prefix.len` included)",
+                        "{}, but earlier steps computed {before} tokens of that sequence (a prefix-cache hit's `prefix.len` and the `unrecorded` positions included; positions computed before the dump's first step are declared with `unrecorded`)",
                         q.context
                     ),
                 ));
@@ -445,17 +465,77 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
     Ok(h)
 }
 
+/// Checks sequence `i`'s `unrecorded = u` declared in step `k` (whose share is `q`; its steps
+/// before `k` computed `own` of its tokens): the step where the sequence first has new tokens
+/// (`q.new > 0`, `own` = 0), no prefix-cache hit declared for it at or before `k`, and `u`
+/// equal to the step's `context` (the positions before the sequence's first recorded row are
+/// exactly the unrecorded ones).
+///
+/// Errors: [`Error::Safetensors`] naming `__metadata__.header.steps[k].seqs[i].unrecorded`.
+fn check_unrecorded(
+    path: &Path,
+    prefixes: &[Option<(usize, PrefixHit)>],
+    k: usize,
+    i: usize,
+    q: &StepSeq,
+    u: usize,
+    own: usize,
+) -> Result<()> {
+    let field = format!("__metadata__.header.steps[{k}].seqs[{i}].unrecorded");
+    if q.new == 0 || own > 0 {
+        return Err(dump_error(
+            path,
+            field,
+            format!(
+                "{u} on a step where the sequence {}: it belongs on the step where the sequence first has new tokens",
+                if q.new == 0 {
+                    "has no new token".to_string()
+                } else {
+                    format!("already has {own} tokens from earlier steps")
+                }
+            ),
+        ));
+    }
+    if q.prefix.is_some() || prefixes[i].is_some() {
+        return Err(dump_error(
+            path,
+            field,
+            format!(
+                "{u} next to a prefix-cache hit (`prefix`) of the sequence: its first positions are either a hit on a recorded sequence or unrecorded, not both"
+            ),
+        ));
+    }
+    if u != q.context {
+        return Err(dump_error(
+            path,
+            field,
+            format!(
+                "{u}, but the step's context is {}: the unrecorded positions are the whole context before the sequence's first recorded row",
+                q.context
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks sequence `i`'s prefix-cache hit `hit`, declared in step `k`, whose steps before `k`
-/// computed `before` of its tokens: another sequence `hit.seq` of the header, no other hit of
-/// `i` declared earlier, declared where the sequence starts (`before` = 0), and at most what
-/// `hit.seq` holds in its cache by step `k` (what its earlier steps computed, plus its own hit
-/// when declared in an earlier step).
+/// computed `before` of its tokens (its `unrecorded` positions included): another sequence
+/// `hit.seq` of the header, no other hit of `i` declared earlier, declared where the sequence
+/// starts (`before` = 0), and at most what `hit.seq` holds in its cache by step `k` (what its
+/// earlier steps computed, plus its own hit when declared in an earlier step, plus its
+/// `unrecorded` positions when declared in this step or an earlier one: they were cached before
+/// the dump's first step).
 ///
 /// Errors: [`Error::Safetensors`] naming `__metadata__.header.steps[k].seqs[i].prefix`.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the steps, what earlier steps declared of every sequence (prefixes, unrecorded), and the hit with where it is declared"
+)]
 fn check_prefix(
     path: &Path,
     steps: &[StepSpec],
     prefixes: &[Option<(usize, PrefixHit)>],
+    unrecorded: &[Option<(usize, usize)>],
     k: usize,
     i: usize,
     hit: PrefixHit,
@@ -494,7 +574,9 @@ fn check_prefix(
         ));
     }
     let own: usize = steps[..k].iter().map(|p| p.seqs[j].new).sum();
-    let cached = own + prefixes[j].filter(|&(kj, _)| kj < k).map_or(0, |(_, h)| h.len);
+    let cached = own
+        + prefixes[j].filter(|&(kj, _)| kj < k).map_or(0, |(_, h)| h.len)
+        + unrecorded[j].filter(|&(kj, _)| kj <= k).map_or(0, |(_, u)| u);
     if hit.len > cached {
         return Err(dump_error(
             path,
@@ -588,6 +670,7 @@ fn check_step_chunks(path: &Path, k: usize, st: &StepSpec) -> Result<()> {
 /// hostile value is one error naming its field: `steps[k].order` a list of at most
 /// [`MAX_CONTEXT_CHUNKS`] integers, `steps[k].context_chunk_tokens` a positive integer,
 /// `seqs[i].kernel` `"prefill"` or `"decode"`, `seqs[i].prefix` `{"seq": j, "len": n}`,
+/// `seqs[i].unrecorded` an integer from 1 to 2³²−1,
 /// `seqs[i].context_chunks` at most [`MAX_CONTEXT_CHUNKS`] pairs of integers (each below 2³²);
 /// each may be absent or null.
 ///
@@ -644,6 +727,17 @@ fn check_step_fields(path: &Path, steps: Option<&serde_json::Value>) -> Result<(
                     path,
                     field("prefix"),
                     format!("{x}: expected {{\"seq\": j, \"len\": n}} with integers j and n"),
+                ));
+            }
+            if let Some(x) = present(q.get("unrecorded"))
+                && int(x).is_none_or(|n| n == 0)
+            {
+                return Err(dump_error(
+                    path,
+                    field("unrecorded"),
+                    format!(
+                        "{x}: expected an integer from 1 to 2³²−1 (the positions computed before the dump's steps) or null"
+                    ),
                 ));
             }
             if let Some(x) = present(q.get("context_chunks")) {

@@ -187,7 +187,9 @@ pub enum DumpFile {
 /// Errors: as [`load_bytes`], with the file named `<dump> [step k `name`]` for a step's tensors;
 /// a malformed header names its field (`heads` past the model's N heads included, a
 /// `steps[k].page_size` out of range); a `block_table` or `slot_mapping` of a float dtype, a
-/// shape that does not fit the step, or an id out of range names the tensor.
+/// shape that does not fit the step, or an id out of range names the tensor; so do a
+/// `seq{i}.token_ids` missing for a sequence that declares `unrecorded` positions (the reference
+/// rebuilds them from it) and a step's `s{k}.tokens` that differ from the token ids.
 pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
     if bytes.starts_with(b"GGUF") {
@@ -289,6 +291,9 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
         if let Some(s) = header.conventions.residual_scale().filter(|&s| s != 1.0) {
             undo_residual_scale(&mut d, s);
         }
+        if let Some(tokens) = &d.tokens {
+            check_step_tokens(path, k, spec, tokens, &token_ids)?;
+        }
         paging.push(step_paging(path, &st, k, spec)?);
         steps.push((spec.clone(), d));
     }
@@ -302,6 +307,47 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
     })))
 }
 
+/// Checks step `k`'s token ids `tokens` (`s{k}.tokens`, the step's rows in sequence order)
+/// against the dump's `seq{i}.token_ids`: each new row of a sequence with token ids at position
+/// `p` holds that sequence's id `p`. A step whose `tokens` do not have one id per new row is
+/// left to the step reader's own checks.
+///
+/// Errors: [`Error::Safetensors`] naming `s{k}.tokens` and `seq{i}.token_ids` at the first row
+/// that differs.
+fn check_step_tokens(
+    path: &Path,
+    k: usize,
+    spec: &StepSpec,
+    tokens: &[u32],
+    token_ids: &BTreeMap<usize, Vec<u32>>,
+) -> Result<()> {
+    if tokens.len() != spec.seqs.iter().map(|q| q.new).sum::<usize>() {
+        return Ok(());
+    }
+    let mut row = 0;
+    for (i, q) in spec.seqs.iter().enumerate() {
+        if let Some(ids) = token_ids.get(&i) {
+            for n in 0..q.new {
+                let p = q.context + n;
+                if ids.get(p) != Some(&tokens[row + n]) {
+                    return Err(dump_error(
+                        path,
+                        format!("s{k}.tokens"),
+                        format!(
+                            "row {} (sequence {i}, position {p}) is token {}, seq{i}.token_ids[{p}] is {}",
+                            row + n,
+                            tokens[row + n],
+                            ids.get(p).map_or("absent".to_string(), u32::to_string)
+                        ),
+                    ));
+                }
+            }
+        }
+        row += q.new;
+    }
+    Ok(())
+}
+
 /// The sequence index `i` of a tensor named `seq{i}.token_ids`.
 fn seq_token_ids_index(name: &str) -> Option<usize> {
     name.strip_prefix("seq")?.strip_suffix(".token_ids")?.parse().ok()
@@ -310,7 +356,7 @@ fn seq_token_ids_index(name: &str) -> Option<usize> {
 /// Reads every `seq{i}.token_ids` of `st`: `i` one of the header's sequences, a 1-D integer
 /// tensor as long as the sequence's tokens (its last step's context and new tokens), each id in
 /// the vocabulary; a prefix-cache hit whose two sequences both have token ids must share their
-/// first `len` ids.
+/// first `len` ids; a sequence declaring `unrecorded` positions must have token ids.
 ///
 /// Errors: [`Error::Safetensors`] naming the tensor, or the hit's
 /// `__metadata__.header.steps[k].seqs[i].prefix`.
@@ -343,10 +389,16 @@ fn read_token_ids(
             .max()
             .unwrap_or(0);
         if shape.iter().filter(|&&d| d != 1).count() > 1 || shape.iter().product::<usize>() != len {
+            let unrecorded = header.steps.iter().find_map(|s| s.seqs[i].unrecorded);
             return Err(dump_error(
                 path,
                 name,
-                format!("shape {shape:?}: expected [{len}] (sequence {i}'s tokens, a cached prefix included)"),
+                format!(
+                    "shape {shape:?}: expected [{len}] (sequence {i}'s tokens, a cached prefix included{})",
+                    unrecorded.map_or(String::new(), |u| format!(
+                        "; the first {u} rebuild its unrecorded positions"
+                    ))
+                ),
             ));
         }
         let (v, is_float) = values(path, name, view.dtype(), &shape, view.data())?;
@@ -373,6 +425,17 @@ fn read_token_ids(
     }
     for (k, spec) in header.steps.iter().enumerate() {
         for (i, q) in spec.seqs.iter().enumerate() {
+            if let Some(u) = q.unrecorded
+                && !out.contains_key(&i)
+            {
+                return Err(dump_error(
+                    path,
+                    format!("seq{i}.token_ids"),
+                    format!(
+                        "missing: __metadata__.header.steps[{k}].seqs[{i}].unrecorded = {u} asks the reference to rebuild positions 0..{u} from it"
+                    ),
+                ));
+            }
             let Some(hit) = q.prefix else { continue };
             if let (Some(a), Some(b)) = (out.get(&i), out.get(&hit.seq))
                 && let Some(p) = (0..hit.len).find(|&p| a.get(p) != b.get(p))

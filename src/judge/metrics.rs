@@ -16,7 +16,7 @@ use serde::Serialize;
 use crate::core::canary::{CANARY_BITS, CANARY_MASK};
 use crate::core::sums::{ElementSums, Pass1, Pass2};
 use crate::core::trace::{Site, Stage, Trace, TraceTensor, shapes_compatible};
-use crate::judge::tolerance::{Precision, Tolerance, tolerance};
+use crate::judge::tolerance::{Precision, Tolerance, site_rows, tolerance};
 
 /// True for the canary or a canary quieted by arithmetic (NaN payload preserved).
 pub fn is_canary_like(x: f32) -> bool {
@@ -383,6 +383,7 @@ pub fn diff_site(
             note: None,
         };
     }
+    let tol = tol.for_rows(site_rows(site.stage, &reference.shape));
     let (m, failed) = if site.stage.is_id_set() {
         let (r, c) = (sorted_rows(reference), sorted_rows(cand));
         let m = metrics(&r, &c, &tol);
@@ -416,7 +417,9 @@ pub fn diff_from_sums(
     sums: &ElementSums,
     precision: impl Into<Precision>,
 ) -> SiteDiff {
-    let (tol, _) = tolerance(site.stage, precision);
+    let tol = tolerance(site.stage, precision)
+        .0
+        .for_rows(site_rows(site.stage, shape_ref));
     let m = metrics_from_sums(shape_ref, sums);
     let failed = judge(&m, &tol);
     SiteDiff {

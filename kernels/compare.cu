@@ -157,3 +157,14 @@ extern "C" __global__ void cmp_pass2(const double* __restrict__ r, const float* 
         idx[(i64)blockIdx.x * 2 + 1] = pi[0];
     }
 }
+
+// dst[k*row_len + c] = src[idx[k]*row_len + c] for k < n, c < row_len: a step's rows (and a
+// head subset's heads) of a reference site that stays on the device, gathered where it lives so
+// that the step is judged there (compare's device judging). Grid-stride over n·row_len.
+extern "C" __global__ void gather_rows_f64(const double* __restrict__ src, const i64* __restrict__ idx,
+                                           double* __restrict__ dst, i64 n, i64 row_len) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n * row_len; i += (i64)gridDim.x * blockDim.x) {
+        i64 k = i / row_len, c = i % row_len;
+        dst[i] = src[idx[k] * row_len + c];
+    }
+}

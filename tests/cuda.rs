@@ -1086,3 +1086,74 @@ fn compare_on_the_gpu_downloads_the_judged_stages_and_reports_as_downloading_all
         "{checked} dumps, {diverging} diverging"
     );
 }
+
+/// `compare --backend cuda` judges each step on the device, its rows (and a head subset's heads)
+/// gathered there: every site's status, failing metrics and findings are those of judging on the
+/// host after downloading every site, and each metric agrees to f64 rounding, on every committed
+/// format-2 dump of vLLM's real code (CPU harness, plants, and the H200's live dumps, some of
+/// which hold a head subset).
+#[test]
+fn compare_judging_on_the_device_gives_the_hosts_verdicts() {
+    use mla_diff::jobs::compare::{CompareOptions, ReferenceDownload, compare_steps_with};
+    use mla_diff::model::dump::DumpFile;
+    let Some(ops) = device() else { return };
+    let with = |download| CompareOptions {
+        backend: Backend::Cuda(ops.with_gpu_reference(true)),
+        download,
+        ..CompareOptions::default()
+    };
+    let (device_opts, whole_opts) = (with(ReferenceDownload::Device), with(ReferenceDownload::Whole));
+    let mut checked = 0;
+    for folder in ["live-cpu", "plants", "live-gpu"] {
+        let dir = common::repo().join("golden/dumps").join(folder);
+        let mut names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        names.sort();
+        for p in names {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            let fixture = name.split('.').next().unwrap();
+            let file = mla_diff::model::gguf::GgufFile::open(
+                common::repo().join("golden/models").join(format!("{fixture}.gguf")),
+            )
+            .unwrap();
+            let cfg = MlaConfig::from_gguf(&file).unwrap();
+            let DumpFile::Steps(sd) = mla_diff::model::dump::read(&p, None, &cfg).unwrap() else {
+                panic!("{name}: not format 2")
+            };
+            let report = |opts: &CompareOptions| {
+                let (rep, _) = compare_steps_with(&file, &cfg, &sd, None, None, None, opts).unwrap();
+                mla_diff::output::report::json(&rep)
+            };
+            let (on_device, whole) = (report(&device_opts), report(&whole_opts));
+            assert_eq!(on_device["findings"], whole["findings"], "{name}");
+            let (a, b) = (
+                on_device["sites"].as_array().unwrap(),
+                whole["sites"].as_array().unwrap(),
+            );
+            assert_eq!(a.len(), b.len(), "{name}");
+            for (x, y) in a.iter().zip(b) {
+                let what = format!("{name}: {} {}", x["step"], x["site"]);
+                assert_eq!(
+                    (&x["site"], &x["step"], &x["status"]),
+                    (&y["site"], &y["step"], &y["status"]),
+                    "{what}"
+                );
+                assert_eq!(x["failed"], y["failed"], "{what}");
+                for m in ["rel_l2", "cos_diff", "norm_ratio", "max_abs", "pass_fraction"] {
+                    let (u, v) = (x["metrics"][m].as_f64(), y["metrics"][m].as_f64());
+                    if let (Some(u), Some(v)) = (u, v) {
+                        assert!((u - v).abs() <= 1e-9 * v.abs().max(1e-12), "{what} {m}: {u} vs {v}");
+                    } else {
+                        assert_eq!(u, v, "{what} {m}");
+                    }
+                }
+            }
+            checked += 1;
+        }
+    }
+    eprintln!("{checked} dumps judged on the device and on the host");
+    assert!(checked >= 70, "{checked} dumps");
+}

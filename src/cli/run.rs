@@ -111,7 +111,7 @@ pub(super) fn write_report_files(
 /// `mla-diff compare`.
 pub fn cmd_compare(a: &CompareArgs, settings: &Settings, out: &mut dyn Write) -> Result<Outcome> {
     use crate::core::timing;
-    use crate::jobs::compare::{CompareOptions, StepReferences};
+    use crate::jobs::compare::{CompareOptions, ReferenceDownload, StepReferences};
     use crate::model::dump::{self, DumpFile};
     let started = std::time::Instant::now();
     let _ = timing::take();
@@ -163,10 +163,15 @@ pub fn cmd_compare(a: &CompareArgs, settings: &Settings, out: &mut dyn Write) ->
             timing::stage("backend", || select_backend(&device, settings, a.output.quiet))?
         }
     };
+    // A GPU reference judges each step where it lives; the CPU one on the host.
+    let download = match backend {
+        Backend::Cpu(_) => ReferenceDownload::Judged,
+        _ => ReferenceDownload::Device,
+    };
     let opts = CompareOptions {
         backend,
         references: StepReferences::Union,
-        ..CompareOptions::default()
+        download,
     };
     let (rep, tally) = match read {
         DumpFile::One(d) => (

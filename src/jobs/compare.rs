@@ -726,6 +726,14 @@ pub enum ReferenceDownload {
     Judged,
     /// Every site, before judging (the oracle of [`ReferenceDownload::Judged`] in the tests).
     Whole,
+    /// A GPU reference judges where it lives: each step's rows (and a head subset's heads) of
+    /// the dumped sites are gathered on the device and compared there
+    /// ([`crate::judge::device`]); only the inputs of the context partials come to the host
+    /// before judging, and every stage once a step diverges, as with
+    /// [`ReferenceDownload::Judged`]. A layer whose reference ran on the CPU (a DSA layer, an
+    /// MoE FFN, the CPU backend) is judged as [`ReferenceDownload::Judged`] judges it. The
+    /// verdicts and findings are the host's; the metrics agree to f64 rounding.
+    Device,
 }
 
 impl Default for CompareOptions {
@@ -953,6 +961,79 @@ impl StepSource<'_> {
         }
     }
 
+    /// The step's rows of the device sites of `split` (its layer reference's) that `dumped`
+    /// holds, gathered on the device: a step's new rows (`new_rows` of its own full batch of
+    /// `t_full` rows, or its rows of the union), with `heads = [a, b]` a per-head site's heads
+    /// `a..b` ([`take_heads`]'s layout). A weight site, or a site without the per-token axis,
+    /// comes to the host whole (heads sliced there), as [`select_rows`] keeps it. Returns a
+    /// [`SplitTrace`] whose host part holds those; the caller adds the rest of the step's host
+    /// reference.
+    ///
+    /// Errors: [`Error::Cuda`] on a failed copy or launch.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the device and the reference's sites (dev, split), what the step holds (dumped) and its rows and heads (new_rows, t_full, heads, cfg)"
+    )]
+    fn device_rows(
+        &self,
+        dev: &Device,
+        split: &SplitTrace,
+        dumped: &Trace,
+        new_rows: &[usize],
+        t_full: usize,
+        heads: Option<[usize; 2]>,
+        cfg: &MlaConfig,
+    ) -> Result<SplitTrace> {
+        let (rows, t) = match self {
+            StepSource::Own(_) => (new_rows, t_full),
+            StepSource::Union(u, r) => (r.new.as_slice(), u.t),
+        };
+        let mut out = SplitTrace::default();
+        for d in split.device.iter().filter(|d| dumped.get(&d.site).is_some()) {
+            let (stage, numel) = (d.site.stage, d.numel());
+            if stage.is_weight() || d.shape.first() != Some(&t) || t == 0 {
+                let whole = TraceTensor::f64(
+                    d.shape.clone(),
+                    crate::backend::cuda::compare::download(dev, &d.buf, numel)?,
+                );
+                let whole = match heads {
+                    Some(hs) => take_heads(&whole, stage, cfg, hs),
+                    None => whole,
+                };
+                out.host.record(d.site, whole);
+                continue;
+            }
+            let per = numel / t;
+            let n = cfg.n_head;
+            let head_slice = heads.filter(|&[a, b]| {
+                crate::model::dump::is_per_head(stage)
+                    && a < b
+                    && b <= n
+                    && d.shape.get(1) == Some(&n)
+                    && per % n.max(1) == 0
+            });
+            let mut shape = d.shape.clone();
+            shape[0] = rows.len();
+            let (idx, row_len): (Vec<usize>, usize) = match head_slice {
+                Some([a, b]) => {
+                    shape[1] = b - a;
+                    (
+                        rows.iter().flat_map(|&r| (a..b).map(move |h| r * n + h)).collect(),
+                        per / n,
+                    )
+                }
+                None => (rows.to_vec(), per),
+            };
+            let buf = crate::backend::cuda::compare::gather_rows_f64(dev, &d.buf, &idx, row_len)?;
+            out.device.push(DeviceSite {
+                site: d.site,
+                shape,
+                buf,
+            });
+        }
+        Ok(out)
+    }
+
     /// The step's reference over its full batch, of the stages `stages` (all without), from
     /// `trace` (its layer reference's): its own trace is that already (`None`), a union's rows
     /// are selected.
@@ -1158,13 +1239,23 @@ pub fn compare_steps_with(
             if group.is_empty() {
                 continue;
             }
-            // What comes to the host before judging: the stages the group's judging reads.
+            // What comes to the host before judging: the stages the group's judging reads; when
+            // the steps are judged on the device, only what the context partials read there.
             let judged =
-                (opts.download == ReferenceDownload::Judged).then(|| judged_stages(steps_dump, &group, layer, cfg));
-            let judged = judged.as_deref();
+                (opts.download != ReferenceDownload::Whole).then(|| judged_stages(steps_dump, &group, layer, cfg));
+            let fetched = match opts.download {
+                ReferenceDownload::Device => judged.as_ref().map(|j| {
+                    j.iter()
+                        .copied()
+                        .filter(|st| CONTEXT_PARTIAL_INPUTS.contains(st))
+                        .collect::<Vec<_>>()
+                }),
+                _ => judged.clone(),
+            };
+            let (judged, fetched) = (judged.as_deref(), fetched.as_deref());
             let union = if union_ok && group.len() > 1 {
                 UnionRef::build(
-                    backend, file, cfg, &w, steps_dump, &mut rows, &group, layer, full, tp, judged,
+                    backend, file, cfg, &w, steps_dump, &mut rows, &group, layer, full, tp, fetched,
                 )?
             } else {
                 None
@@ -1201,7 +1292,7 @@ pub fn compare_steps_with(
                                 &full_batch,
                                 full,
                                 tp,
-                                judged,
+                                fetched,
                                 &mut st.prev_sel,
                             )
                         })?)
@@ -1213,9 +1304,17 @@ pub fn compare_steps_with(
                 // every stage of both for the replays of a diagnosis).
                 let needs_full = !spec.context_seqs().is_empty() && cfg.indexer.is_none();
                 let judged_tr = src.layer_ref().judged();
+                // On the device: the host part of the step's reference is its rows of the sites
+                // the GPU reference kept on the host; the device sites are gathered below.
+                let on_device = (opts.download == ReferenceDownload::Device)
+                    .then(|| src.layer_ref().split.as_ref())
+                    .flatten();
                 let (mut reference, mut full_rows) = timing::stage("step rows", || {
                     (
-                        src.new_rows(judged_tr, &new_rows, t_full, header.heads, cfg, judged),
+                        match on_device {
+                            Some(split) => src.new_rows(&split.host, &new_rows, t_full, header.heads, cfg, None),
+                            None => src.new_rows(judged_tr, &new_rows, t_full, header.heads, cfg, judged),
+                        },
                         needs_full.then(|| src.full_rows(judged_tr, cfg, judged)).flatten(),
                     )
                 });
@@ -1245,7 +1344,21 @@ pub fn compare_steps_with(
                 sites.sort_by_key(Site::order);
                 sites.dedup();
                 st.missing.add(&sites, dumped, &stages_dumped);
-                let diffs = timing::stage("judge", || metrics::diff(&reference, dumped, precision));
+                let diffs = match on_device {
+                    Some(split) => {
+                        let dev = reference_device(backend)?;
+                        let mut step = timing::stage("step rows", || {
+                            src.device_rows(dev, split, dumped, &new_rows, t_full, header.heads, cfg)
+                        })?;
+                        step.host = std::mem::take(&mut reference);
+                        let diffs = timing::stage("judge", || {
+                            crate::judge::device::diff_host_candidate(dev, &step, dumped, precision)
+                        })?;
+                        reference = std::mem::take(&mut step.host);
+                        diffs
+                    }
+                    None => timing::stage("judge", || metrics::diff(&reference, dumped, precision)),
+                };
                 let mut layer_findings = Vec::new();
                 if metrics::first_divergence(&diffs).is_some() {
                     // A diagnosis reads every stage: the whole reference (downloaded once per

@@ -160,6 +160,48 @@ pub fn upload_f32(dev: &Device, t: &TraceTensor) -> Result<CudaSlice<f32>> {
         .map_err(|e| Error::cuda(format!("upload: {e:?}")))
 }
 
+/// `out[k] = src[idx[k]]` for rows of `row_len` elements: the rows `idx` (row indices into
+/// `src` read as `[rows, row_len]`) of an f64 site on the device, gathered there (`gather_rows_f64`
+/// of `kernels/compare.cu`): a format-2 step's rows of a layer reference, or with a head subset
+/// its `(row, head)` rows, judged without crossing PCIe.
+///
+/// Errors: [`Error::Internal`] when an index reaches past `src`; [`Error::Cuda`] on a failed
+/// allocation, copy or launch.
+pub fn gather_rows_f64(dev: &Device, src: &CudaSlice<f64>, idx: &[usize], row_len: usize) -> Result<CudaSlice<f64>> {
+    let rows_in = src.len() / row_len.max(1);
+    if let Some(&bad) = idx.iter().find(|&&i| i >= rows_in) {
+        return Err(Error::Internal(format!(
+            "device gather: row {bad} asked of a buffer of {rows_in} rows of {row_len}"
+        )));
+    }
+    let n = idx.len() * row_len;
+    let stream = dev.stream();
+    // SAFETY: every element below n is written by the kernel before any read.
+    let mut dst = unsafe { stream.alloc::<f64>(n.max(1)) }
+        .map_err(|e| Error::cuda(format!("cuMemAlloc of {n} gathered f64: {e:?}")))?;
+    if n == 0 {
+        return Ok(dst);
+    }
+    let idx64: Vec<i64> = idx.iter().map(|&i| i as i64).collect();
+    let idx_d = stream
+        .clone_htod(&idx64[..])
+        .map_err(|e| Error::cuda(format!("upload of {} row indices: {e:?}", idx.len())))?;
+    let blocks = n.div_ceil(THREADS as usize).clamp(1, 65_535 * 16);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (nn, rl) = (idx.len() as i64, row_len as i64);
+    let f = dev.func(Module::Compare, "gather_rows_f64")?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(src).arg(&idx_d).arg(&mut dst).arg(&nn).arg(&rl);
+    // SAFETY: argument types match gather_rows_f64; every index was checked against src above and
+    // dst holds n elements.
+    unsafe { b.launch(cfg) }.map_err(|e| Error::cuda(format!("launch gather_rows_f64: {e:?}")))?;
+    Ok(dst)
+}
+
 /// The [`ElementSums`] of the first `n` elements of `r` (reference, f64) and `c` (candidate,
 /// f32), both on `dev`, with pass 2's absolute tolerance `atol_rms · rms(r)` and relative
 /// tolerance `rtol` (the site's tolerance row): the numbers `judge::metrics` builds a site's

@@ -35,7 +35,9 @@ and forwards of RECORD) and
 prints, per case, the generate time, tokens/s and the compare verdict. Exit 0 when every compare
 exits 0. Options: --model/--config (default golden/models/fa3-v3-bf16.gguf and its folder
 fa3-v3, the fixture whose head dims FlashMLA accepts), --workspace (default 256 tokens; 0 keeps
-vLLM's own size).
+vLLM's own size), --heads A:B and --steps N (what each case records; a plant recorded with every
+head, so that a view across heads can be replayed, fits 2 MB as `--heads 0:4 --steps 1
+--workspace 0`: the last prefill step, its context in one chunk).
 """
 
 from __future__ import annotations
@@ -113,6 +115,13 @@ def main() -> int:
     ap.add_argument(
         "--heads", default=None, help="A:B: keep heads A..B in every case (default: RECORD's per case)"
     )
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="record at most this many forwards from each case's first (default: RECORD's per case); "
+        "with every head, one step keeps a plant dump under 2 MB",
+    )
     args = ap.parse_args()
     heads = tuple(int(x) for x in args.heads.split(":")) if args.heads else None
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # apply_model and the runner in this process
@@ -188,7 +197,7 @@ def main() -> int:
         arm = functools.partial(
             hooks.arm,
             forward_index=rec["first"],
-            steps=rec["steps"],
+            steps=args.steps or rec["steps"],
             layers=[0],
             sites=PLANT_SITES if args.plant else SITES,
             heads=heads or rec["heads"],

@@ -502,11 +502,13 @@ def sparse_plan(kernel, inp, dtype, capability):
     if kernel == "fa3-sparse":
         if capability is not None and capability[0] != 9:
             return "FA3's q_v (MLA) mode runs on Hopper only (FLASH_ATTN_MLA_SPARSE: sm90)", {}, []
-        # hopper/flash_api.cpp mha_fwd: q_v needs head_size <= 64; head_size_v <= 512 when it
-        # differs from head_size; both multiples of 8 for bf16.
-        if R > 64 or R % 8 or L > 512 or L % 8:
+        # hopper/flash_api.cpp mha_fwd: q_v needs head_size <= 64 and a value head of 256 or more
+        # (vLLM 0.26's build refuses L = 64 with "q_v is only supported for hdim_v <= 256.", its
+        # check being hdim_v >= 256; L = 512 runs), at most 512 when it differs from head_size;
+        # both multiples of 8 for bf16.
+        if R > 64 or R % 8 or L < 256 or L > 512 or L % 8:
             return (
-                f"FA3 with q_v takes a query/key head of at most 64 and a value head of at most 512, "
+                f"FA3 with q_v takes a query/key head of at most 64 and a value head of 256 to 512, "
                 f"multiples of 8; the export has R = {R}, L = {L}",
                 {},
                 [],

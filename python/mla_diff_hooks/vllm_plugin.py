@@ -207,3 +207,31 @@ def write_dist_info(folder: Path) -> Path:
     (d / "METADATA").write_text("Metadata-Version: 2.1\nName: mla-diff-hooks-plugin\nVersion: 0\n")
     (d / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{ENTRY_POINT}\n")
     return d
+
+
+def main(argv=None) -> int:
+    """`python -m mla_diff_hooks.vllm_plugin DIR`: registers the plugin for a checkout that is not
+    pip-installed (a GPU machine without cargo or network): writes DIR's `.dist-info` and prints
+    the PYTHONPATH that makes vLLM load the hooks from this checkout. Exit 0, or 2 for a usage
+    error or a folder that cannot be written."""
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m mla_diff_hooks.vllm_plugin",
+        description="Register the mla_diff_hooks vLLM plugin without installing the package: write "
+        "DIR/mla_diff_hooks_plugin-0.dist-info and print the PYTHONPATH to export.",
+    )
+    ap.add_argument("dir", type=Path, help="a folder for the entry point's .dist-info (created)")
+    args = ap.parse_args(argv)
+    try:
+        write_dist_info(args.dir)
+    except OSError as e:
+        print(f"mla_diff_hooks.vllm_plugin: error: cannot write {args.dir}: {e.strerror}", file=sys.stderr)
+        return 2
+    package_parent = Path(__file__).resolve().parent.parent
+    print(f"export PYTHONPATH={args.dir.resolve()}:{package_parent}${{PYTHONPATH:+:$PYTHONPATH}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -141,10 +141,10 @@ def test_fa3_sparse_reads_the_selection_as_pages_of_one_token(export_576, monkey
 
 
 def test_kernels_whose_constraints_the_export_does_not_meet_are_skipped(tmp_path, monkeypatch, capsys):
-    """At L 64, R 16: flashmla-sparse is skipped naming d_qk 576; the sparse decode always (it
+    """At L 256, R 16: flashmla-sparse is skipped naming d_qk 576; the sparse decode always (it
     needs the fp8 cache); a dense kernel on a DSA export; fa3-sparse runs (its limits are R <= 64,
-    L <= 512). f32 is refused by both sparse kernels."""
-    kernels.synth(str(tmp_path / "in"), 20, 2, 4, 1, L=64, R=16, P=32, V=32, topk=8)
+    256 <= L <= 512). f32 is refused by both sparse kernels; L 64 by fa3-sparse."""
+    kernels.synth(str(tmp_path / "in"), 20, 2, 4, 1, L=256, R=16, P=32, V=32, topk=8)
     stub = FA3Paged()
     loaded = []
 
@@ -159,7 +159,7 @@ def test_kernels_whose_constraints_the_export_does_not_meet_are_skipped(tmp_path
     out = capsys.readouterr().out
     assert loaded == [["fa3-sparse"]]
     assert "flashmla-sparse: skipped: flash_mla_sparse_fwd takes d_qk = 576" in out
-    assert "the export has L = 64, R = 16" in out
+    assert "the export has L = 256, R = 16" in out
     assert "flashmla-sparse-decode: skipped: FlashMLA's sparse decode reads only the fp8_ds_mla cache" in out
     assert "flashmla: skipped: a dense kernel on a DSA layer's export" in out
     assert "fa3-sparse: attn_latent rel_l2" in out and len(stub.calls) == 1
@@ -169,6 +169,10 @@ def test_kernels_whose_constraints_the_export_does_not_meet_are_skipped(tmp_path
         assert reason == "takes bf16 inputs only, not --dtype f32"
     reason, _, _ = kernels.sparse_plan("fa3-sparse", inp, "bf16", (10, 0))
     assert "Hopper only" in reason
+    kernels.synth(str(tmp_path / "small"), 20, 2, 4, 1, L=64, R=16, P=32, V=32, topk=8)
+    small = kernels.Inputs(str(tmp_path / "small"), "cpu")
+    reason, _, _ = kernels.sparse_plan("fa3-sparse", small, "bf16", (9, 0))
+    assert reason.startswith("FA3 with q_v takes") and "L = 64" in reason
 
 
 def test_mla_diff_export_through_the_fa3_stand_in_passes_compare(tmp_path, monkeypatch):
@@ -177,9 +181,9 @@ def test_mla_diff_export_through_the_fa3_stand_in_passes_compare(tmp_path, monke
     exe = find_mla_diff()
     if exe is None:
         pytest.skip("no mla-diff binary (build it or set MLA_DIFF)")
-    model = ROOT / "golden" / "models" / "dsa-glm-f32.gguf"
+    model = ROOT / "golden" / "models" / "dsa-live-bf16.gguf"  # L 512: FA3's q_v needs L >= 256
     r = subprocess.run(
-        [exe, "run", "--quiet", "--path", "mha", "--model", model, "--layer", "1", "--seqs", "2,19"]
+        [exe, "run", "--quiet", "--path", "mha", "--model", model, "--layer", "0", "--seqs", "2,19"]
         + ["--page-size", "4", "--export-inputs", tmp_path / "in"],
         capture_output=True,
         text=True,

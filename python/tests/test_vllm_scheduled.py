@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -280,3 +281,25 @@ def test_a_dsa_layers_selection_is_recorded_as_idx_topk_where_the_reader_takes_i
     assert not vllm_hooks.topk_fits(1, 128, [301])  # a decode step
     assert not vllm_hooks.topk_fits(100, 128, [100])  # every key kept: width 100 on both, not 128
     assert "idx_topk" in vllm_hooks.HOOKED_STAGES and "idx_scores" not in vllm_hooks.HOOKED_STAGES
+
+
+def test_the_plugin_registers_from_a_checkout_without_an_install(tmp_path, capsys):
+    """`python -m mla_diff_hooks.vllm_plugin DIR` (docs/engines.md, a GPU machine without cargo or
+    network): the entry point vLLM's load_general_plugins reads, found by importlib.metadata once
+    DIR is on sys.path, and the PYTHONPATH line to export; an unwritable folder is exit 2."""
+    import importlib.metadata as md
+
+    assert vllm_plugin.main([str(tmp_path / "ep")]) == 0
+    line = capsys.readouterr().out.strip()
+    package_parent = Path(vllm_plugin.__file__).resolve().parent.parent
+    ep = (tmp_path / "ep").resolve()
+    assert line == f"export PYTHONPATH={ep}:{package_parent}${{PYTHONPATH:+:$PYTHONPATH}}"
+    sys.path.insert(0, str(tmp_path / "ep"))
+    try:
+        eps = md.entry_points(group="vllm.general_plugins")
+        assert [e.value for e in eps if e.name == "mla_diff_hooks"] == ["mla_diff_hooks.vllm_plugin:register"]
+    finally:
+        sys.path.remove(str(tmp_path / "ep"))
+    (tmp_path / "file").write_text("")
+    assert vllm_plugin.main([str(tmp_path / "file" / "ep")]) == 2
+    assert "cannot write" in capsys.readouterr().err

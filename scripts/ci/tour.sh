@@ -33,7 +33,7 @@ mkdir -p "$T/k/out" "$T/repo/golden/models"
 cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/d.safetensors"        # mla_diff_hooks.vllm (format 2, with weights)
 cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/vllm.safetensors"     # mla_diff_hooks.vllm_cpu run
 cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/loaded.safetensors"   # an engine's loaded weights
-mkdir -p "$T/mla" && cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/mla/dump.safetensors"  # the vLLM plugin's dump
+mkdir -p "$T/mla" && cp "$D/live-gpu/fa3-v3-bf16.triton_mla.serve.safetensors" "$T/mla/dump.safetensors"  # the vLLM plugin's dump under `vllm serve`
 cp "$D/fa3-v3-bf16.kernel-flashmla.safetensors" "$T/k/out/flashmla.safetensors"  # mla_diff_hooks.kernels
 cp "$G/tiny-v3-q8_0.gguf" "$T/repo/golden/models/"                # golden record's repository
 SPARSE="needs a Python with numpy and gguf (pip install numpy gguf; or set PYTHON)"
@@ -65,7 +65,11 @@ ROWS=(
   'export MLA_DIFF_VLLM_DUMP=*|skip|the vLLM plugin'"'"'s settings for `vllm serve` (needs vLLM and a GPU)'
   'vllm serve *|skip|needs vLLM and a GPU (the plugin'"'"'s dump is committed: golden/dumps/*.vllm*)'
   'curl *localhost:8000/v1/completions*|skip|needs the `vllm serve` above'
-  'mla-diff compare --model model.gguf --dump /tmp/mla/dump.safetensors*|0|s#model\.gguf#'"$G"'/legacy-kvb-f32.gguf#'
+  'mla-diff compare --model golden/models/fa3-v3-bf16.gguf --dump /tmp/mla/dump.safetensors*|0|'
+  'bash scripts/gpu-host/vllm_live_bundle.sh *|skip|needs pip with network to PyPI (the wheel bundle a GPU machine without network installs)'
+  'bash scripts/gpu-host/vllm_live_gpu.sh *|skip|runs on the GPU machine (receives and installs the vLLM bundle)'
+  'export PYTHONPATH=*|skip|the bundle install'"'"'s site folder, on the GPU machine'
+  'eval "$(cd python && python3 -m mla_diff_hooks.vllm_plugin *|0|'
   'mla-diff compare --model golden/models/legacy-kvb-f32.gguf --dump /tmp/chunked.safetensors*|0|s#/tmp/chunked\.safetensors#'"$D"'/live-cpu/legacy-kvb-f32.chunked.safetensors#'
   'python* scripts/fixtures/make_plant_dumps.py *|skip|runs vLLM'"'"'s CPU harness (its dumps are committed: golden/dumps/plants/)'
   'PY=*|skip|the setting of the HF dump recipe (transformers and make_fixtures.py'"'"'s HF checkpoints)'

@@ -1350,6 +1350,9 @@ pub fn compare_steps_with(
                         let mut step = timing::stage("step rows", || {
                             src.device_rows(dev, split, dumped, &new_rows, t_full, header.heads, cfg)
                         })?;
+                        // What the host part holds replaces the reference's own site, as
+                        // `record` does on the host: the handover's hidden_in, the partials.
+                        step.device.retain(|d| reference.get(&d.site).is_none());
                         step.host = std::mem::take(&mut reference);
                         let diffs = timing::stage("judge", || {
                             crate::judge::device::diff_host_candidate(dev, &step, dumped, precision)

@@ -10,7 +10,8 @@
 # and its members stored uncompressed so that the outer zstd compresses them.
 #
 # Usage: bash scripts/gpu-host/vllm_live_bundle.sh OUTDIR   (needs pip with network to PyPI, python3, zstd)
-# Writes OUTDIR/wheels/*.whl, OUTDIR/bundle.tar.zst and OUTDIR/parts/{bundle.tar.zst.NN,SHA256SUMS}.
+# Writes OUTDIR/wheels/*.whl, OUTDIR/bundle.tar.zst and OUTDIR/parts/{bundle.tar.zst.NN,SHA256SUMS}
+# with this machine's zstd binary and its libraries beside them.
 # Carry the parts with `scripts/gpu-host/vllm_live_gpu.sh receive` (one or two per call).
 set -eu
 out=${1:?usage: vllm_live_bundle.sh OUTDIR}
@@ -95,4 +96,9 @@ rm -f "$out"/parts/bundle.tar.zst.*
 split -b 27M -d -a 2 "$out/bundle.tar.zst" "$out/parts/bundle.tar.zst."
 (cd "$out/parts" && sha256sum bundle.tar.zst.* && (cd .. && sha256sum bundle.tar.zst)) > "$out/parts/SHA256SUMS.tmp"
 mv "$out/parts/SHA256SUMS.tmp" "$out/parts/SHA256SUMS"
+# A GPU machine may lack zstd: this machine's binary and the libraries it links (not libc's)
+# travel in the parts folder; `vllm_live_gpu.sh receive` keeps them for `install`.
+cp -f "$(command -v zstd)" "$out/parts/"
+ldd "$(command -v zstd)" | awk '/=> \// {print $3}' | grep -v -e '/libc\.so' -e '/libm\.so' -e '/libpthread' \
+  | while read -r lib; do cp -f "$lib" "$out/parts/"; done
 ls -l "$out/parts"

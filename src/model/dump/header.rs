@@ -263,7 +263,8 @@ pub struct DumpHeader {
 /// (`header.indexer_quant`), as vLLM's `Indexer` does (fp8 E4M3, `quant_block_size` 128,
 /// `scale_fmt = "ue8m0"`): the reference's indexer applies the same roundings
 /// ([`IndexerQuant::qk`]), so that its scores and selection are what the engine's arithmetic
-/// gives on exact inputs. Checked by [`parse_header`] (and against the model by the reader).
+/// gives on exact inputs. Checked when the header is read ([`peek_header`],
+/// [`read`](fn@super::read)), and against the model by the reader.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct IndexerQuant {
@@ -292,7 +293,7 @@ pub const MAX_QUANT_BLOCK: usize = 1 << 16;
 
 impl IndexerQuant {
     /// The query and key quantizations this declares (defaults filled in). A header that passed
-    /// [`parse_header`] holds only the documented values; anything else reads as `ue8m0`
+    /// [`peek_header`] holds only the documented values; anything else reads as `ue8m0`
     /// without input rounding.
     pub fn qk(&self) -> QkQuant {
         let scale = if self.scale == "f32" {

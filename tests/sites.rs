@@ -192,7 +192,7 @@ fn eval_shape(shape: &str, dims: &BTreeMap<&str, usize>) -> Vec<usize> {
 
 #[test]
 fn table_shapes_are_the_shapes_the_reader_checks() {
-    let t = 5;
+    let (t, s_keys) = (5, 7);
     let mut checked = std::collections::BTreeSet::new();
     for model in [
         "tiny-v3-q4_k_m.gguf",
@@ -205,9 +205,10 @@ fn table_shapes_are_the_shapes_the_reader_checks() {
         let cfg = MlaConfig::from_gguf(&GgufFile::open(repo().join("golden/models").join(model)).unwrap()).unwrap();
         let mut dims: BTreeMap<&str, usize> = [
             ("T", t),
-            // expected_shape takes the context partials' rows (Tc) where it takes T.
+            // expected_shape_keys takes the context partials' rows (Tc) where it takes T, and the
+            // DSA sites' key positions S apart (a decode step's T rows over S > T keys).
             ("Tc", t),
-            ("S", t),
+            ("S", s_keys),
             ("N", cfg.n_head),
             ("H", cfg.hidden),
             ("Lq", cfg.q_lora_rank.unwrap_or(0)),
@@ -225,7 +226,7 @@ fn table_shapes_are_the_shapes_the_reader_checks() {
             dims.extend([("N_idx", ix.n_head), ("D_idx", ix.head_dim), ("K_idx", ix.top_k)]);
         }
         for &stage in STAGES {
-            let Some(want) = dump::expected_shape(stage, &cfg, t) else {
+            let Some(want) = dump::expected_shape_keys(stage, &cfg, t, s_keys) else {
                 continue;
             };
             let row = dump::stage_row(stage);

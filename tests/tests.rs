@@ -13,6 +13,7 @@ mod dequant_vectors;
 mod diagnose;
 mod doc_tables;
 mod dsa_export;
+mod dsa_fp8;
 mod dsa_scale;
 mod dtype;
 mod exit_codes;

@@ -8,7 +8,9 @@
 //! four full pages, a batch of 1, 63, 65 and 300 tokens whose decode rows share steps with a
 //! prefill; on TRITON_MLA the chunked case also with a bug of the chunk loop or the merge planted
 //! in vLLM's code. Each dump keeps its verdict, judged from a copy whose `plant:` patches are
-//! removed. Every file of the folder is a case here; each is at most 2 MB, 16 MB in all.
+//! removed. Every file of the folder is a case here; each is at most 2 MB, 16 MB in all. The
+//! sparse MLA (DSA) dumps of `scripts/gpu-host/vllm_dsa_live.py` (`dsa-live-bf16.<backend>`, on
+//! `golden/models/dsa-live-bf16.gguf`) are judged by their own test below.
 //! FLASH_ATTN_MLA's batch is not among them: recorded with one head, its last step's single
 //! decode row fails the engine-bf16 norm-ratio limit (|ratio − 1| 7.5e-3 > 6e-3 on 512 values,
 //! rel_l2 9.4e-3 within 3e-2), where the same run with two heads passes: a limit measured over
@@ -46,6 +48,26 @@ const CASES: &[&str] = &[
     "triton_mla.plant-merge-suffix-stride: strided-view at L0.attn_out in step-5",
 ];
 
+/// The file prefix of the sparse (DSA) dumps of `scripts/gpu-host/vllm_dsa_live.py`, on
+/// `golden/models/dsa-live-bf16.gguf`.
+const DSA_PREFIX: &str = "dsa-live-bf16.";
+
+/// The committed DSA dumps (`dsa-live-bf16.<backend>.safetensors`), by name.
+fn dsa_dumps() -> Vec<std::path::PathBuf> {
+    let dir = repo().join("golden/dumps/live-gpu");
+    let mut v: Vec<std::path::PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(DSA_PREFIX) && n.ends_with(".safetensors"))
+        })
+        .collect();
+    v.sort();
+    v
+}
+
 /// Each dump's size limit, and the folder's.
 const MAX_BYTES: u64 = 2 * 1024 * 1024;
 const MAX_TOTAL: u64 = 16 * 1024 * 1024;
@@ -66,6 +88,7 @@ fn every_live_gpu_dump_keeps_its_verdict() {
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .filter_map(|n| n.strip_suffix(".safetensors").map(str::to_string))
+        .filter(|n| !n.starts_with(DSA_PREFIX))
         .collect();
     on_disk.sort();
     let cases: Vec<(&str, &str)> = CASES.iter().map(|c| c.split_once(": ").unwrap()).collect();
@@ -96,6 +119,10 @@ fn every_live_gpu_dump_keeps_its_verdict() {
             wrong.push(format!("{case}: want `{want}`, got exit {code} `{got}`; {first}"));
         }
     }
+    total += dsa_dumps()
+        .iter()
+        .map(|p| std::fs::metadata(p).unwrap().len())
+        .sum::<u64>();
     assert!(total <= MAX_TOTAL, "{total} bytes in all, above {MAX_TOTAL}");
     assert!(
         wrong.is_empty(),
@@ -288,4 +315,44 @@ fn a_head_subset_says_what_it_hides() {
         out.contains("the dump holds heads 0..1 of 4: a view or stride across heads reads heads it leaves out"),
         "{out}"
     );
+}
+
+/// vLLM's sparse MLA path on an H200 (`scripts/gpu-host/vllm_dsa_live.py`: a 160-token prompt and
+/// 4 decode steps of the glm-dsa fixture, index_topk 128, layer 0 hooked): each committed dump
+/// declares the indexer's fp8 quantization as vLLM's `Indexer` has it, holds `idx_topk` in every
+/// step (the decode steps' rows over their whole sequence), and passes: the selection against
+/// the reference's on the same quantized operands (within the bf16 tie band), the attention on
+/// the engine's own selection.
+#[test]
+fn the_live_dsa_dumps_pass_with_the_declared_fp8_indexer() {
+    let model = repo().join("golden/models/dsa-live-bf16.gguf");
+    for dump in dsa_dumps() {
+        let name = dump.file_name().unwrap().to_string_lossy().into_owned();
+        let size = std::fs::metadata(&dump).unwrap().len();
+        assert!(size <= MAX_BYTES, "{name}: {size} bytes, above {MAX_BYTES}");
+        let h = header(&dump);
+        assert_eq!(
+            h["indexer_quant"],
+            serde_json::json!({"dtype": "fp8_e4m3", "block": 128, "scale": "ue8m0", "input": "bf16",
+                               "q_amax_floor": 1e-10, "k_amax_floor": 1e-4}),
+            "{name}"
+        );
+        let (code, out, err, doc) = compare_json(&model, &dump, &[]);
+        assert_eq!(code, 0, "{name}: {out}\n{err}");
+        let steps = h["steps"].as_array().unwrap().len();
+        let judged: Vec<&serde_json::Value> = doc["sites"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|s| s["site"] == "L0.idx_topk")
+            .collect();
+        assert_eq!(judged.len(), steps, "{name}: idx_topk judged in every step");
+        assert!(judged.iter().all(|s| s["status"] == "pass"), "{name}");
+        assert!(
+            crate::common::conversions(&doc)
+                .iter()
+                .any(|c| c.starts_with("L0: attention judged on the engine's selection")),
+            "{name}"
+        );
+    }
 }

@@ -637,13 +637,45 @@ def topk_rows(buffer: np.ndarray) -> np.ndarray:
     return out
 
 
-def topk_fits(n_rows: int, width: int, totals: list[int]) -> bool:
-    """Whether a step's `idx_topk` [n_rows, width] (width = index_topk) has the shape both
-    mla-diff's dump reader ([T, min(top_k, T)] for the step's T rows) and its reference
-    ([T, min(top_k, S)], S the longest sequence, `totals` the sequences' lengths after the
-    step) give it: both are `width` when the step has at least `width` rows and a sequence that
-    long. A decode step's selection (T = 1) does not fit."""
-    return n_rows >= width and max(totals, default=0) >= width
+def topk_width(width: int, totals: list[int]) -> int:
+    """The width of a step's `idx_topk` in the dump: min(index_topk, S), S the step's longest
+    sequence after it (`totals`: the lengths, cached context included), as mla-diff's reader and
+    reference lay it out (docs/dump-format.md). vLLM's buffer is index_topk wide; a token keeps
+    at most its own position + 1 ≤ S keys, so the columns from S on hold only −1."""
+    return min(width, max(totals, default=0))
+
+
+# What vLLM 0.26's DSA indexer does to its query and key before scoring, beyond what its Indexer
+# module exposes (quant_block_size, scale_fmt): fp8 E4M3 (current_platform.fp8_dtype() on CUDA),
+# and the floors under a block's largest magnitude, written into its kernels: 1e-10 in
+# _fused_indexer_q_rope_quant_kernel and per_token_group_quant_fp8 (the query), 1e-4 in
+# indexer_k_quant_and_cache (the key cache).
+INDEXER_Q_AMAX_FLOOR = 1e-10
+INDEXER_K_AMAX_FLOOR = 1e-4
+
+
+def indexer_quant_field(indexer, act_dtype) -> dict | None:
+    """The format-2 header's `indexer_quant` for vLLM's DSA `Indexer` module (deepseek_v2.py)
+    running in `act_dtype`: fp8 E4M3 in blocks of its `quant_block_size`, `ue8m0` scales when its
+    `scale_fmt` is set (vLLM's q quantizer takes any scale_fmt as ue8m0, its k cache
+    "ue8m0" only: "ue8m0" is what vLLM sets), read from `act_dtype` values. None for a module
+    without `quant_block_size` or one whose cache holds MXFP4 (`use_fp4_cache`), which the
+    field does not describe."""
+    block = getattr(indexer, "quant_block_size", None)
+    if block is None or getattr(getattr(indexer, "indexer_op", None), "use_fp4_cache", False):
+        return None
+    fmt = getattr(indexer, "scale_fmt", None)
+    field: dict[str, Any] = {
+        "dtype": "fp8_e4m3",
+        "block": int(block),
+        "scale": "ue8m0" if fmt == "ue8m0" else "f32",
+        "q_amax_floor": INDEXER_Q_AMAX_FLOOR,
+        "k_amax_floor": INDEXER_K_AMAX_FLOOR,
+    }
+    name = _dtype_name(act_dtype) if act_dtype is not None else None
+    if name in ("bf16", "f16", "f32"):
+        field["input"] = name
+    return field
 
 
 # --------------------------------------------------------------------------------------------
@@ -759,6 +791,8 @@ class VllmCapture:
         self._in_root = False
         self._skipped_dummy = 0  # the GPU runner's dummy forwards passed over (_model_pre)
         self.lse_base = "e"
+        # the DSA indexer's quantization (header `indexer_quant`), read from the live module
+        self.indexer_quant: dict | None = None
         self._hooks_fired = 0
         self._weights_cache = None
         self._new_step()
@@ -1312,6 +1346,8 @@ class VllmCapture:
         if not self._on() or output is None or not args:
             return
         rows = int(args[0].shape[0])
+        if self.indexer_quant is None:
+            self.indexer_quant = indexer_quant_field(mod, getattr(args[0], "dtype", None))
         self.put(n, "idx_topk", topk_rows(_np_int(output[:rows])))
 
     def _forward_mqa(self, n, d: _Dims, orig):
@@ -1785,15 +1821,11 @@ class VllmCapture:
             specs.append(spec)
             totals = [int(c) + int(x) for c, x in zip(ctx, lens) if x > 0]
             for nm in [x for x in t if x.endswith(".idx_topk")]:
-                width = int(t[nm].shape[1])
-                if not topk_fits(n_rows, width, totals):
-                    del t[nm]
-                    notes.append(
-                        f"{name}: {nm} not dumped: {n_rows} rows, sequences of up to "
-                        f"{max(totals, default=0)} tokens and index_topk {width} give the dump "
-                        "reader's [T, min(top_k, T)] another width than the reference's "
-                        "[T, min(top_k, S)]"
-                    )
+                width = topk_width(int(t[nm].shape[1]), totals)
+                if width < t[nm].shape[1]:
+                    if (t[nm][:, width:] >= 0).any():
+                        notes.append(f"{name}: {nm} keeps keys past its longest sequence ({width})")
+                    t[nm] = np.ascontiguousarray(t[nm][:, :width])
             for nm, a in t.items():
                 if self.heads is not None:
                     a = self._head_subset(nm, a)
@@ -1855,6 +1887,8 @@ class VllmCapture:
             "steps": specs,
             "patches": [patch_entry(x) for x in (patches or [])],
         }
+        if self.indexer_quant is not None:
+            header["indexer_quant"] = dict(self.indexer_quant)
         if self.tp_size > 1:
             header["heads"] = list(self.head_range())
             header["tp"] = {"size": self.tp_size, "rank": self.tp_rank}

@@ -274,13 +274,30 @@ def test_a_dsa_layers_selection_is_recorded_as_idx_topk_where_the_reader_takes_i
         [0, 1, 2, -1],
     ]
     assert vllm_hooks.topk_rows(np.array([[5, -1, 3]])).tolist() == [[3, 5, -1]]
-    # the reader's [T, min(K, T)] and the reference's [T, min(K, S)] agree only from K rows on
-    assert vllm_hooks.topk_fits(300, 128, [300])
-    assert vllm_hooks.topk_fits(130, 128, [200, 30])  # 100 rows over 100 cached, and 30 new
-    assert not vllm_hooks.topk_fits(130, 128, [100, 30])  # S = 100: the reference keeps 100
-    assert not vllm_hooks.topk_fits(1, 128, [301])  # a decode step
-    assert not vllm_hooks.topk_fits(100, 128, [100])  # every key kept: width 100 on both, not 128
+    # the dump's width is the reader's and the reference's [T, min(K, S)], S the longest sequence
+    # with its cached context: a decode step's single row of a 301-token sequence is K wide
+    assert vllm_hooks.topk_width(128, [300]) == 128
+    assert vllm_hooks.topk_width(128, [100, 30]) == 100  # S = 100: every key kept
+    assert vllm_hooks.topk_width(128, [301]) == 128  # a decode step
+    assert vllm_hooks.topk_width(128, [3]) == 3
     assert "idx_topk" in vllm_hooks.HOOKED_STAGES and "idx_scores" not in vllm_hooks.HOOKED_STAGES
+    # the indexer's fp8 quantization, read from the live module the hook fired on
+    assert cap.indexer_quant is None  # the stand-in module (None) has no quant_block_size
+    indexer = types.SimpleNamespace(
+        quant_block_size=128, scale_fmt="ue8m0", indexer_op=types.SimpleNamespace(use_fp4_cache=False)
+    )
+    assert vllm_hooks.indexer_quant_field(indexer, torch.bfloat16) == {
+        "dtype": "fp8_e4m3",
+        "block": 128,
+        "scale": "ue8m0",
+        "q_amax_floor": 1e-10,
+        "k_amax_floor": 1e-4,
+        "input": "bf16",
+    }
+    indexer.scale_fmt = None
+    assert vllm_hooks.indexer_quant_field(indexer, torch.float32)["scale"] == "f32"
+    indexer.indexer_op.use_fp4_cache = True
+    assert vllm_hooks.indexer_quant_field(indexer, torch.bfloat16) is None
 
 
 def test_the_plugin_registers_from_a_checkout_without_an_install(tmp_path, capsys):

@@ -8,14 +8,19 @@ script runs vLLM's offline engine (`vllm.LLM`, in-process: VLLM_ENABLE_V1_MULTIP
 golden/models/dsa-live-bf16.gguf (two glm-dsa layers, index_topk 128; its config folder
 golden/models/dsa-live) with vllm-gguf-plugin loading it through the recorded patch
 `glm-dsa-name-map` (mla_diff_hooks.vllm.map_glm_dsa_names: the plugin 0.0.5 does not map
-glm_moe_dsa), a prompt of --prompt tokens (default 300, above index_topk, so vLLM runs the whole
-prefill through the sparse backend's forward_mqa, not its dense prefill) and --decode steps,
-the hooks of mla_diff_hooks.vllm armed on layer 0 for every step. The dump holds the indexer's
-selection (`idx_topk`, prefill step), the absorbed sites (`ql_nope`, `attn_latent`), `attn_out`
-and the layer's other sites; `mla-diff compare` judges the attention against the reference on
-the reference's own selection, and `idx_topk` against the reference's selection (a key flipped
-at a near tie of the scores passes within the tie band). It prints, per backend, the backend vLLM
-ran, the generate time, the dump's size and the compare verdict.
+glm_moe_dsa), a prompt of --prompt tokens (default 160, above index_topk, so vLLM runs the whole
+prefill through the sparse backend's forward_mqa, not its dense prefill, and its indexer drops
+keys) and --decode steps, the hooks of mla_diff_hooks.vllm armed on layer 0 for every step. The
+dump holds the indexer's selection (`idx_topk`, every step: a decode step's row is index_topk
+wide over its whole sequence), the absorbed sites (`ql_nope`, `attn_latent`), `attn_out` and the
+layer's other sites, and its header declares the indexer's fp8 quantization (`indexer_quant`,
+read from vLLM's Indexer module: E4M3 in blocks of quant_block_size 128, ue8m0 scales, bf16
+input). `mla-diff compare` scores the reference's indexer on the same quantized operands and
+judges `idx_topk` against the reference's selection (a key flipped at a near tie of the scores
+passes within the tie band), and the attention on the engine's own selection (the dumped
+`idx_topk`). At 160 prompt tokens and 4 decode steps the dump is under 2 MB (about 10.5 KB a
+token), small enough to commit under golden/dumps/live-gpu/. It prints, per backend, the backend
+vLLM ran, the generate time, the dump's size and the compare verdict.
 
 Usage (from the repository root, vLLM 0.26.0 importable with DeepGEMM, e.g. after
 scripts/gpu-host/vllm_live_gpu.sh install with PYTHONPATH=$STAGE/site:python):
@@ -24,7 +29,8 @@ scripts/gpu-host/vllm_live_gpu.sh install with PYTHONPATH=$STAGE/site:python):
 
 runs vLLM's own choice (`auto`), then FLASH_ATTN_MLA_SPARSE and FLASHMLA_SPARSE, each in its
 own process (--backends to choose; `--one BACKEND` runs one in this process), and writes
-OUTDIR/dsa-live-bf16.<backend>.safetensors. Exit 0 when every compare exits 0.
+OUTDIR/dsa-live-bf16.<backend>.safetensors (lower-case backend). Exit 0 when every compare
+exits 0.
 """
 
 from __future__ import annotations
@@ -110,7 +116,7 @@ def run_one(args) -> int:
     print(
         f"[{args.one}] ran {engine.get('attention_backend')} ({engine.get('attention_impl')}); "
         f"{args.prompt} prompt tokens + {args.decode} decode steps in {dt:.3f} s; "
-        f"{path.stat().st_size} B; notes: {res['notes'][:3]}",
+        f"{path.stat().st_size} B; indexer_quant {header.get('indexer_quant')}; notes: {res['notes'][:3]}",
         flush=True,
     )
     r = subprocess.run(
@@ -141,7 +147,7 @@ def main() -> int:
         "--backends", default=BACKENDS, help=f"comma-separated, each in its own process ({BACKENDS})"
     )
     ap.add_argument("--one", default=None, help="run this backend (or auto) in this process")
-    ap.add_argument("--prompt", type=int, default=300, help="prompt tokens (default 300, above index_topk)")
+    ap.add_argument("--prompt", type=int, default=160, help="prompt tokens (default 160, above index_topk)")
     ap.add_argument("--decode", type=int, default=4, help="decode steps (default 4)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,8 @@ pub mod decode_cfg;
 pub mod prefill_cfg;
 
 use crate::backend::cuda::compare::DeviceSite;
-use crate::compute::indexer::Selection;
 use crate::compute::path::{LayerInput, PathKind, PathOptions, PathRun};
-use crate::compute::reference::{RefOutput, reference_layer, reference_layer_full};
+use crate::compute::reference::{DsaInputs, RefOutput, reference_layer_full_with, reference_layer_with};
 use crate::core::batch::Batch;
 use crate::core::dtype::Dtype;
 use crate::core::error::Result;
@@ -103,17 +102,18 @@ impl Backend {
     /// runs it: on the GPU for a CUDA backend with the GPU reference on
     /// ([`cuda::ops::CudaOps::with_gpu_reference`]) when it computes the layer
     /// ([`cuda::reference::supported`]), else on the CPU. `full` runs an MoE layer's FFN too
-    /// (token input), with `file` for its experts; `shared` is the selection a GLM
-    /// shared-indexer layer borrows.
+    /// (token input), with `file` for its experts; `dsa` is what a DSA layer takes from outside
+    /// (a GLM shared-indexer layer's borrowed selection, keys to attend to, the indexer's
+    /// quantization: [`DsaInputs`]; DSA layers always run on the CPU).
     ///
     /// With `keep_on_device`, the GPU reference leaves its activation sites on the device
     /// (returned second, for [`crate::judge::device`]) and the trace holds the rest; the CPU
     /// reference returns everything in the trace and nothing second.
     ///
-    /// Errors: as [`reference_layer`] / [`reference_layer_full`], and CUDA failures.
+    /// Errors: as [`reference_layer_with`] / [`reference_layer_full_with`], and CUDA failures.
     #[allow(
         clippy::too_many_arguments,
-        reason = "the union of the CPU and GPU references' inputs (file, configuration, weights, hidden, batch, TP, shared selection) and two switches choosing between them"
+        reason = "the union of the CPU and GPU references' inputs (file, configuration, weights, hidden, batch, TP, DSA inputs) and two switches choosing between them"
     )]
     pub fn reference(
         &self,
@@ -123,7 +123,7 @@ impl Backend {
         hidden: &ndarray::Array2<f64>,
         batch: &Batch,
         tp: usize,
-        shared: Option<&Selection>,
+        dsa: &DsaInputs<'_>,
         full: bool,
         keep_on_device: bool,
     ) -> Result<(RefOutput, Vec<DeviceSite<f64>>)> {
@@ -135,8 +135,8 @@ impl Backend {
                     cuda::reference::reference_layer(o.device(), cfg, w, hidden, batch, tp).map(|r| (r, Vec::new()))
                 }
             }
-            _ if full => reference_layer_full(file, cfg, w, hidden, batch, tp, shared).map(|r| (r, Vec::new())),
-            _ => reference_layer(cfg, w, hidden, batch, tp, shared).map(|r| (r, Vec::new())),
+            _ if full => reference_layer_full_with(file, cfg, w, hidden, batch, tp, dsa).map(|r| (r, Vec::new())),
+            _ => reference_layer_with(cfg, w, hidden, batch, tp, dsa).map(|r| (r, Vec::new())),
         }
     }
 

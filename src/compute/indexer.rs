@@ -15,6 +15,7 @@
 use rayon::prelude::*;
 
 use crate::core::batch::Batch;
+use crate::core::fp8::QkQuant;
 use crate::model::config::{IndexerConfig, RopeStyle};
 
 /// The keys each packed token keeps: for token `i`, ascending key indices within its own
@@ -33,6 +34,62 @@ impl Selection {
             rows: seq_index(batch).into_iter().map(|p| (0..=p).collect()).collect(),
         }
     }
+}
+
+/// Keys that some packed tokens' attention reads instead of the indexer's choice: an engine's
+/// recorded selection (`idx_topk`), so that its attention is judged on the keys it attended to
+/// while its selection is judged on its own.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AttendKeys {
+    /// Per packed token: `Some(keys)` (positions within its sequence) to attend to instead,
+    /// `None` to keep the indexer's selection. Shorter than the batch: the rest keep theirs.
+    pub rows: Vec<Option<Vec<usize>>>,
+}
+
+impl AttendKeys {
+    /// `sel` with the given rows replaced, each replacement ascending, deduplicated and cut to
+    /// the token's causal bound (its index in its sequence, [`seq_index`]): a key the engine
+    /// kept beyond it cannot be attended to here (its `idx_topk` is judged on its own). A
+    /// replacement left empty keeps `sel`'s row.
+    pub fn over(&self, batch: &Batch, sel: &Selection) -> Selection {
+        let bound = seq_index(batch);
+        let rows = sel
+            .rows
+            .iter()
+            .enumerate()
+            .map(|(i, own)| match self.rows.get(i).and_then(Option::as_ref) {
+                Some(keys) => {
+                    let mut k: Vec<usize> = keys.iter().copied().filter(|&p| p <= bound[i]).collect();
+                    k.sort_unstable();
+                    k.dedup();
+                    if k.is_empty() { own.clone() } else { k }
+                }
+                None => own.clone(),
+            })
+            .collect();
+        Selection { rows }
+    }
+
+    /// Whether any row is replaced.
+    pub fn is_empty(&self) -> bool {
+        self.rows.iter().all(Option::is_none)
+    }
+}
+
+/// Applies an engine's quantization of the indexer's operands ([`QkQuant`]) in place, after
+/// RoPE: `q` [T, N_idx, D_idx] per (token, head) row and `k` [T, D_idx] per token row, each row
+/// in blocks of its own ([`crate::core::fp8::BlockQuant::quantize`]; a block never straddles two
+/// rows). The scores of the quantized operands ([`scores`]) are then `Σ_h w·N^-½·ReLU(D^-½·q̂·k̂)`
+/// with `q̂ = s_q·e4m3(q/s_q)`, `k̂ = s_k·e4m3(k/s_k)`: vLLM's DeepGEMM `fp8_mqa_logits`
+/// (`Σ_h w'·ReLU(q8·k8)·s_k`, the query's scale and both `^-½` folded into `w'`), in f64.
+pub fn quantize_qk(q: &mut [f64], k: &mut [f64], d: usize, quant: &QkQuant) {
+    let d = d.max(1);
+    q.chunks_mut(d).for_each(|row| {
+        quant.q.quantize(row);
+    });
+    k.chunks_mut(d).for_each(|row| {
+        quant.k.quantize(row);
+    });
 }
 
 /// Each packed token's index within its own sequence (the causal key bound; RoPE uses
@@ -348,6 +405,43 @@ mod tests {
             None,
             "a far key is a real difference"
         );
+    }
+
+    #[test]
+    fn attend_keys_replace_rows_within_the_causal_bound() {
+        let b = batch(&[3, 2]);
+        let own = Selection::dense(&b);
+        let keys = AttendKeys {
+            rows: vec![None, None, Some(vec![2, 0, 0]), Some(vec![5]), Some(vec![1, 7])],
+        };
+        let sel = keys.over(&b, &own);
+        // Row 2 (position 2): sorted, deduplicated. Row 3 (the second sequence's position 0):
+        // key 5 lies past it, nothing is left, its own row stays. Row 4: key 7 dropped.
+        assert_eq!(sel.rows, vec![vec![0], vec![0, 1], vec![0, 2], vec![0], vec![1]]);
+        assert!(!keys.is_empty() && AttendKeys::default().is_empty());
+    }
+
+    #[test]
+    fn quantized_operands_are_cut_into_blocks_per_row() {
+        use crate::core::fp8::{BlockQuant, ScaleFormat};
+        let side = |floor| BlockQuant {
+            block: 2,
+            scale: ScaleFormat::Ue8m0,
+            amax_floor: floor,
+            input: None,
+        };
+        let quant = QkQuant {
+            q: side(1e-10),
+            k: side(1e-4),
+        };
+        // D = 3: rows [1.3, 0.3, 10.0] are blocks [1.3, 0.3] and [10.0] (a block never takes the
+        // next row's first value). Block 1: scale 2^-8 (1.3/448 → 2^-8): 1.3·256 = 332.8 → 320,
+        // 0.3·256 = 76.8 → 80 (step 8 in [64, 128)). Block 2: 10/448 → 2^-5, 320 exact.
+        let mut q = vec![1.3, 0.3, 10.0, 0.0, 0.0, 0.0];
+        let mut k = vec![0.0, 0.0, 0.0];
+        quantize_qk(&mut q, &mut k, 3, &quant);
+        assert_eq!(q, vec![1.25, 0.3125, 10.0, 0.0, 0.0, 0.0]);
+        assert_eq!(k, vec![0.0; 3]);
     }
 
     #[test]

@@ -22,9 +22,10 @@ mod ffn;
 use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayViewMut2, Axis, CowArray, Ix2, s};
 use rayon::prelude::*;
 
-use crate::compute::indexer::{self, Selection};
+use crate::compute::indexer::{self, AttendKeys, Selection};
 use crate::core::batch::Batch;
 use crate::core::error::{Error, Result};
+use crate::core::fp8::QkQuant;
 use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
@@ -46,6 +47,33 @@ pub struct RefLayer {
     /// The DSA selection this layer's attention used (`deepseek32`/`glm-dsa`), for a later
     /// shared-indexer layer; `None` without an indexer.
     pub selection: Option<Selection>,
+}
+
+/// What a DSA layer's reference takes besides its input (all optional; the default is a layer
+/// on its own, unquantized, attending to its own selection).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DsaInputs<'a> {
+    /// The selection a GLM "shared" layer borrows (the nearest earlier full layer's); see
+    /// [`forward_sel`].
+    pub shared: Option<&'a Selection>,
+    /// Keys some tokens' attention reads instead of the layer's selection (an engine's recorded
+    /// selection, so its attention is judged on its own keys). `idx_topk`, `idx_scores` and
+    /// [`RefLayer::selection`] stay the layer's own.
+    pub attend: Option<&'a AttendKeys>,
+    /// The engine's quantization of the indexer's query and key before scoring
+    /// ([`indexer::quantize_qk`]); `idx_scores` and the selection are then those of the
+    /// quantized operands.
+    pub quant: Option<&'a QkQuant>,
+}
+
+impl<'a> DsaInputs<'a> {
+    /// Only a shared layer's borrowed selection.
+    pub fn shared(shared: Option<&'a Selection>) -> Self {
+        DsaInputs {
+            shared,
+            ..DsaInputs::default()
+        }
+    }
 }
 
 /// Widens an f32 matrix to f64 (exact).
@@ -257,16 +285,18 @@ fn record_moved<D: ndarray::Dimension>(trace: &mut Trace, layer: usize, stage: S
 /// Errors: [`Error::Internal`] when `hidden_in` has the wrong shape for `cfg`/`batch` (callers
 /// build it, or check a dump's, to that shape).
 pub fn forward(cfg: &MlaConfig, w: &LayerWeights, hidden_in: &Array2<f64>, batch: &Batch) -> Result<RefLayer> {
-    forward_sel(cfg, w, hidden_in, batch, None)
+    forward_sel(cfg, w, hidden_in, batch, &DsaInputs::default())
 }
 
-/// [`forward`] for a DSA model, where a GLM "shared" layer takes `shared` (the selection of the
-/// nearest earlier full layer on the token path) instead of computing one. With `shared = None`
-/// a shared layer runs the borrowed indexer ([`LayerWeights::indexer`]) on its own input: what
-/// single-layer runs on random inputs do, since there is no earlier layer to borrow from.
+/// [`forward`] for a DSA model, where a GLM "shared" layer takes `dsa.shared` (the selection of
+/// the nearest earlier full layer on the token path) instead of computing one. With no shared
+/// selection a shared layer runs the borrowed indexer ([`LayerWeights::indexer`]) on its own
+/// input: what single-layer runs on random inputs do, since there is no earlier layer to borrow
+/// from. `dsa.quant` quantizes the indexer's query and key as the engine did before scoring.
 ///
-/// DSA sites (full layers): `idx_q`, `idx_k`, `idx_weights`, `idx_scores`, `idx_topk`; shared
-/// layers record `idx_topk` only. The attention of each token then runs over its selected keys.
+/// DSA sites (full layers): `idx_q`, `idx_k`, `idx_weights` (unquantized, before RoPE),
+/// `idx_scores`, `idx_topk`; shared layers record `idx_topk` only. The attention of each token
+/// then runs over its selected keys, or over `dsa.attend`'s where it gives some.
 ///
 /// Errors: as [`forward`].
 #[allow(
@@ -278,7 +308,7 @@ pub fn forward_sel(
     w: &LayerWeights,
     hidden_in: &Array2<f64>,
     batch: &Batch,
-    shared: Option<&Selection>,
+    dsa: &DsaInputs<'_>,
 ) -> Result<RefLayer> {
     let t = batch.n_tokens();
     let [n, l, p, r, v] = cfg.dims().nlprv();
@@ -353,10 +383,10 @@ pub fn forward_sel(
     let selection = match (&cfg.indexer, &w.indexer, &q_c_normed_keep) {
         (Some(ix), Some(iw), Some(qcn)) => {
             let full = ix.full.get(layer).copied().unwrap_or(true);
-            let sel = match shared {
+            let sel = match dsa.shared {
                 Some(sel) if !full => sel.clone(),
                 _ => {
-                    let (sel, sites) = reference_indexer(ix, iw, &x, qcn, batch, &inv_freq);
+                    let (sel, sites) = reference_indexer(ix, iw, &x, qcn, batch, &inv_freq, dsa.quant);
                     if full {
                         for (stage, shape, v) in sites {
                             tr.record(Site::new(layer, stage), TraceTensor::f64(shape, v));
@@ -405,7 +435,11 @@ pub fn forward_sel(
         v: &vv,
         kv_c_normed: &kv_c_normed,
     };
-    let (attn_out, attn_latent, lse) = match &selection {
+    let attended = match (&selection, dsa.attend) {
+        (Some(sel), Some(keys)) => Some(keys.over(batch, sel)),
+        _ => None,
+    };
+    let (attn_out, attn_latent, lse) = match attended.as_ref().or(selection.as_ref()) {
         None => attention_causal(cfg, batch, &inputs),
         Some(sel) => attention_selected(cfg, batch, sel, &inputs),
     };
@@ -650,7 +684,8 @@ type StageValues = (Stage, Vec<usize>, Vec<f64>);
 
 /// The indexer of one layer in f64: `idx_q` = `q_b·q_c_normed` [T, N_idx, D_idx], `idx_k` =
 /// `LayerNorm(k·attn_in)` [T, D_idx], `idx_weights` = `proj·attn_in` [T, N_idx]; RoPE on the first
-/// R dims of each head with the indexer's own pairing; scores and the top-k selection
+/// R dims of each head with the indexer's own pairing; with `quant`, the engine's quantization
+/// of the roped query and key ([`indexer::quantize_qk`]); scores and the top-k selection
 /// ([`indexer::scores`], [`indexer::select`]). Returns the selection and the four value sites.
 fn reference_indexer(
     ix: &crate::model::config::IndexerConfig,
@@ -659,6 +694,7 @@ fn reference_indexer(
     q_c_normed: &Array2<f64>,
     batch: &Batch,
     inv_freq: &[f64],
+    quant: Option<&QkQuant>,
 ) -> (Selection, Vec<StageValues>) {
     let t = batch.n_tokens();
     let (ni, d) = (ix.n_head, ix.head_dim);
@@ -682,6 +718,9 @@ fn reference_indexer(
         inv_freq,
         ix.rope_style,
     );
+    if let Some(qk) = quant {
+        indexer::quantize_qk(&mut q_roped, &mut k_roped, d, qk);
+    }
     let wv: Vec<f64> = wts.iter().copied().collect();
     let sc = indexer::scores(ix, batch, &q_roped, &k_roped, &wv);
     let sel = indexer::select(ix.top_k, batch, &sc);
@@ -794,7 +833,21 @@ pub fn reference_layer(
     tp: usize,
     shared: Option<&Selection>,
 ) -> Result<RefOutput> {
-    let r = forward_sel(cfg, w, hidden, batch, shared)?;
+    reference_layer_with(cfg, w, hidden, batch, tp, &DsaInputs::shared(shared))
+}
+
+/// [`reference_layer`] with everything a DSA layer may take from outside ([`DsaInputs`]).
+///
+/// Errors: as [`reference_layer`].
+pub fn reference_layer_with(
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    hidden: &Array2<f64>,
+    batch: &Batch,
+    tp: usize,
+    dsa: &DsaInputs<'_>,
+) -> Result<RefOutput> {
+    let r = forward_sel(cfg, w, hidden, batch, dsa)?;
     with_rank_sites(r, cfg, w, tp)
 }
 
@@ -828,7 +881,22 @@ pub fn reference_layer_full(
     tp: usize,
     shared: Option<&Selection>,
 ) -> Result<RefOutput> {
-    let r = ffn::forward_full_tp(file, cfg, w, hidden, batch, shared, tp)?;
+    reference_layer_full_with(file, cfg, w, hidden, batch, tp, &DsaInputs::shared(shared))
+}
+
+/// [`reference_layer_full`] with everything a DSA layer may take from outside ([`DsaInputs`]).
+///
+/// Errors: as [`reference_layer_full`].
+pub fn reference_layer_full_with(
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    hidden: &Array2<f64>,
+    batch: &Batch,
+    tp: usize,
+    dsa: &DsaInputs<'_>,
+) -> Result<RefOutput> {
+    let r = ffn::forward_full_tp(file, cfg, w, hidden, batch, dsa, tp)?;
     with_rank_sites(r, cfg, w, tp)
 }
 

@@ -10,6 +10,7 @@ pub mod canary;
 pub mod class;
 pub mod dtype;
 pub mod error;
+pub mod fp8;
 pub mod fsio;
 pub mod memory;
 pub mod sci;

@@ -9,14 +9,15 @@ use ndarray::Array2;
 
 use crate::backend::Backend;
 use crate::backend::cuda::compare::{DeviceSite, SplitTrace};
-use crate::compute::indexer::Selection;
+use crate::compute::indexer::{AttendKeys, Selection};
 use crate::compute::paged::{CacheWrite, PagedQuery, PagedSeq, PagedStep};
 use crate::compute::path::PathOptions;
-use crate::compute::reference::RefOutput;
 use crate::compute::reference::context::{ContextSeq, context_partials};
+use crate::compute::reference::{DsaInputs, RefOutput};
 use crate::core::batch::{Batch, SeqSpec};
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
+use crate::core::fp8::QkQuant;
 use crate::core::timing;
 use crate::core::trace::{Site, Stage, TensorData, Trace, TraceTensor};
 use crate::device::context::Device;
@@ -27,7 +28,7 @@ use crate::judge::metrics;
 use crate::judge::report::{DumpSummary, InputSource, ModelSummary, PathResult, RunRecord, RunReport};
 use crate::judge::tolerance::Precision;
 use crate::model::config::MlaConfig;
-use crate::model::dump::{Dump, EngineDtype, StepsDump};
+use crate::model::dump::{Dump, EngineDtype, IndexerQuant, StepsDump};
 use crate::model::gguf::GgufFile;
 use crate::model::weights::{LayerWeights, embed_hidden};
 
@@ -138,7 +139,7 @@ pub fn compare_dump_with(
         let mut fallback_in: Option<Array2<f64>> = None;
         if i == 0 {
             if let Some(tk) = &dump.tokens {
-                let from_tokens = token_derived_input(file, cfg, tk, &dump.batch, layer, &mut prev_sel)?;
+                let from_tokens = token_derived_input(file, cfg, tk, &dump.batch, layer, &mut prev_sel, None)?;
                 fallback_in = Some(from_tokens.clone());
                 expected_in = Some(from_tokens);
             }
@@ -244,7 +245,8 @@ pub fn compare_dump_with(
 
 /// The `hidden_in` of `layer` derived from the dumped token ids `tokens`: the embedding, then
 /// the reference forward of layers `0..layer` whole (MoE FFNs included), keeping `prev_sel`
-/// (the latest full DSA indexer layer's selection) up to date.
+/// (the latest full DSA indexer layer's selection) up to date; `quant`: the DSA indexer's
+/// declared quantization.
 ///
 /// Errors: ids outside the vocabulary, a layer that cannot run; [`Error::Internal`] when a
 /// reference layer returns no `hidden_out`.
@@ -255,17 +257,18 @@ fn token_derived_input(
     batch: &Batch,
     layer: usize,
     prev_sel: &mut Option<Selection>,
+    quant: Option<&QkQuant>,
 ) -> Result<Array2<f64>> {
     let mut h = embed_hidden(file, cfg, tokens)?;
     for k in 0..layer {
-        h = next_layer_input(file, cfg, &h, batch, k, prev_sel)?;
+        h = next_layer_input(file, cfg, &h, batch, k, prev_sel, quant)?;
     }
     Ok(h)
 }
 
 /// The input of layer `k + 1` [T, H] f64: the reference forward of layer `k` whole (its MoE FFN
 /// included) on its input `h` (rows of `batch`), keeping `prev_sel` (the latest full DSA indexer
-/// layer's selection) up to date.
+/// layer's selection) up to date; `quant`: the DSA indexer's declared quantization.
 ///
 /// Errors: a layer that cannot run; [`Error::Internal`] when it returns no `hidden_out`.
 fn next_layer_input(
@@ -275,9 +278,15 @@ fn next_layer_input(
     batch: &Batch,
     k: usize,
     prev_sel: &mut Option<Selection>,
+    quant: Option<&QkQuant>,
 ) -> Result<Array2<f64>> {
     let wk = LayerWeights::load(file, cfg, k)?;
-    let r = crate::compute::reference::forward_full_sel(file, cfg, &wk, h, batch, prev_sel.as_ref())?;
+    let dsa = DsaInputs {
+        shared: prev_sel.as_ref(),
+        attend: None,
+        quant,
+    };
+    let r = crate::compute::reference::forward_full_sel(file, cfg, &wk, h, batch, &dsa)?;
     if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(k) == Some(&true)) {
         *prev_sel = r.selection;
     }
@@ -317,7 +326,8 @@ fn runs_ffn(cfg: &MlaConfig, layer: usize, dumped: &Trace, next_dumped: bool) ->
 /// per-rank sites (`w.*.rank<r>`, `o_proj.rank<r>`) of the engine's `tp` ranks. With `judged`
 /// the GPU reference's sites stay on the device and only those of the stages `judged` come to
 /// the host ([`LayerRef`]); without, every site does. Keeps `prev_sel`, the selection of the
-/// latest full DSA indexer layer that GLM's shared layers borrow, up to date.
+/// latest full DSA indexer layer that GLM's shared layers borrow, up to date. `dsa`: the DSA
+/// indexer's declared quantization and the engine's keys to attend to ([`DumpDsa`]).
 ///
 /// Errors: as [`crate::compute::reference::reference_layer_full`], and CUDA failures.
 #[allow(
@@ -335,18 +345,14 @@ fn layer_reference(
     tp: usize,
     judged: Option<&[Stage]>,
     prev_sel: &mut Option<Selection>,
+    dsa: DumpDsa<'_>,
 ) -> Result<LayerRef> {
-    let (out, device) = backend.reference(
-        file,
-        cfg,
-        w,
-        input,
-        batch,
-        tp,
-        prev_sel.as_ref(),
-        full,
-        judged.is_some(),
-    )?;
+    let inputs = DsaInputs {
+        shared: prev_sel.as_ref(),
+        attend: dsa.attend,
+        quant: dsa.quant,
+    };
+    let (out, device) = backend.reference(file, cfg, w, input, batch, tp, &inputs, full, judged.is_some())?;
     if cfg
         .indexer
         .as_ref()
@@ -355,6 +361,14 @@ fn layer_reference(
         prev_sel.clone_from(&out.selection);
     }
     LayerRef::new(backend, out, device, judged)
+}
+
+/// What a DSA layer's reference takes from a format-2 dump: the indexer's declared quantization
+/// (`header.indexer_quant`) and the keys the engine's attention read (its `idx_topk`).
+#[derive(Debug, Clone, Copy, Default)]
+struct DumpDsa<'a> {
+    quant: Option<&'a QkQuant>,
+    attend: Option<&'a AttendKeys>,
 }
 
 /// A dumped layer's reference as `compare` judges it. The CPU reference is on the host whole.
@@ -503,7 +517,20 @@ fn dumped_layer_reference(
     prev_sel: &mut Option<Selection>,
 ) -> Result<RefOutput> {
     let full = runs_ffn(cfg, w.layer, dumped, next_dumped);
-    layer_reference(backend, file, cfg, w, input, batch, full, tp, None, prev_sel).map(|r| r.out)
+    layer_reference(
+        backend,
+        file,
+        cfg,
+        w,
+        input,
+        batch,
+        full,
+        tp,
+        None,
+        prev_sel,
+        DumpDsa::default(),
+    )
+    .map(|r| r.out)
 }
 
 /// One dumped layer's sites against its reference (the tolerance rows of `precision`), as the
@@ -790,6 +817,9 @@ struct StepState {
     prev: Option<Handover>,
     /// The step's selection of the latest full DSA indexer layer (GLM's shared layers).
     prev_sel: Option<Selection>,
+    /// The engine's selection at the latest full DSA indexer layer of the step (its layer, and
+    /// per new row the kept positions), from the dump's `idx_topk` ([`engine_keys`]).
+    engine_sel: Option<(usize, Vec<Vec<usize>>)>,
 }
 
 /// One reference over the union of several steps' sequences (the steps of `group` that dump
@@ -882,7 +912,19 @@ impl UnionRef {
                 .collect(),
         };
         let r = timing::stage("reference", || {
-            layer_reference(backend, file, cfg, w, &input, &batch, full, tp, judged, &mut None)
+            layer_reference(
+                backend,
+                file,
+                cfg,
+                w,
+                &input,
+                &batch,
+                full,
+                tp,
+                judged,
+                &mut None,
+                DumpDsa::default(),
+            )
         })?;
         let per_token = r
             .shapes()
@@ -1214,6 +1256,13 @@ pub fn compare_steps_with(
         conversions.extend(d.conversions.iter().map(|c| format!("{}: {c}", spec.name)));
     }
     let union_ok = opts.references == StepReferences::Union && cfg.indexer.is_none();
+    let quant = header.indexer_quant.as_ref().map(IndexerQuant::qk);
+    if let Some(q) = &header.indexer_quant {
+        conversions.push(format!("indexer_quant: {}", q.describe()));
+    }
+    // Per DSA layer whose attention ran on the engine's selection: (the selection's layer, the
+    // steps).
+    let mut attended: std::collections::BTreeMap<usize, (usize, Vec<String>)> = std::collections::BTreeMap::new();
     let mut rows = ContextRows::new(steps_dump, file, cfg);
     let mut tally = ReferenceTally::default();
     let mut states: Vec<StepState> = steps_dump.steps.iter().map(|_| StepState::default()).collect();
@@ -1272,6 +1321,16 @@ pub fn compare_steps_with(
                 let t_full = full_batch.n_tokens();
                 let context: Vec<usize> = live.iter().map(|&i| spec.seqs[i].context).collect();
                 let full_in = timing::stage("input", || rows.gather(k, &live, layer, t_full))?;
+                // A DSA layer attends to the keys the engine's indexer kept where the dump holds
+                // them: its attention is judged on its own inputs, its selection on its own.
+                let attend = engine_keys(cfg, layer, dumped, &mut st.engine_sel, &new_rows, t_full);
+                if let Some((_, from)) = &attend {
+                    attended
+                        .entry(layer)
+                        .or_insert((*from, Vec::new()))
+                        .1
+                        .push(spec.name.clone());
+                }
                 let src = match union
                     .as_ref()
                     .and_then(|u| u.rows(spec, &live, &full_in).map(|r| (u, r)))
@@ -1282,6 +1341,10 @@ pub fn compare_steps_with(
                     }
                     None => {
                         tally.per_step += 1;
+                        let dsa = DumpDsa {
+                            quant: quant.as_ref(),
+                            attend: attend.as_ref().map(|a| &a.0),
+                        };
                         StepSource::Own(timing::stage("reference", || {
                             layer_reference(
                                 backend,
@@ -1294,6 +1357,7 @@ pub fn compare_steps_with(
                                 tp,
                                 fetched,
                                 &mut st.prev_sel,
+                                dsa,
                             )
                         })?)
                     }
@@ -1418,7 +1482,10 @@ pub fn compare_steps_with(
                     path: PathLabel::Dump,
                     layer,
                     diffs,
-                    notes: rebuilt_note(spec).into_iter().collect(),
+                    notes: rebuilt_note(spec)
+                        .into_iter()
+                        .chain(attend.as_ref().map(|(_, from)| attend_note(layer, *from)))
+                        .collect(),
                     step: Some(spec.name.clone()),
                     not_run: None,
                 });
@@ -1437,6 +1504,9 @@ pub fn compare_steps_with(
             st.missing
                 .labeled((steps_dump.steps.len() > 1).then_some(spec.name.as_str())),
         );
+    }
+    for (layer, (from, steps)) in attended {
+        conversions.push(format!("{} (steps {})", attend_note(layer, from), steps.join(", ")));
     }
     conversions.extend(
         header
@@ -1861,7 +1931,8 @@ impl<'a> ContextRows<'a> {
                 None => (0, embed_hidden(self.file, self.cfg, ids)?, None),
             };
             while at < layer {
-                h = next_layer_input(self.file, self.cfg, &h, &batch, at, &mut sel)?;
+                let quant = self.sd.header.indexer_quant.as_ref().map(IndexerQuant::qk);
+                h = next_layer_input(self.file, self.cfg, &h, &batch, at, &mut sel, quant.as_ref())?;
                 at += 1;
             }
             self.frontier.insert(i, (layer, sel));
@@ -1871,6 +1942,57 @@ impl<'a> ContextRows<'a> {
             .get(&(i, layer))
             .ok_or_else(|| Error::Internal("rebuilt context rows not kept".into()))
     }
+}
+
+/// The keys the engine's attention read at `layer` of a step of a DSA model, over the step's
+/// full batch (`t_full` rows, the new ones at `new_rows`): at a full indexer layer the dump's
+/// own `idx_topk` of the layer (`dumped`), at a GLM shared layer that of the latest full layer
+/// before it (`carried`, kept here: the engine's shared layers read that layer's top-k
+/// buffer). Returns them with the layer whose selection they are; `None` for a model without an
+/// indexer, or where the dump holds no such `idx_topk` (the attention then runs on the
+/// reference's own selection).
+fn engine_keys(
+    cfg: &MlaConfig,
+    layer: usize,
+    dumped: &Trace,
+    carried: &mut Option<(usize, Vec<Vec<usize>>)>,
+    new_rows: &[usize],
+    t_full: usize,
+) -> Option<(AttendKeys, usize)> {
+    let ix = cfg.indexer.as_ref()?;
+    let is_full = |j: usize| ix.full.get(j).copied().unwrap_or(true);
+    if is_full(layer) {
+        *carried = dumped.get(&Site::new(layer, Stage::IdxTopk)).map(|t| {
+            let k = t.shape.last().copied().unwrap_or(0);
+            (layer, crate::compute::indexer::topk_sets(&t.to_f64(), k))
+        });
+    } else if (0..layer).rev().find(|&j| is_full(j)) != carried.as_ref().map(|c| c.0) {
+        return None;
+    }
+    let (from, sets) = carried.as_ref()?;
+    if sets.len() != new_rows.len() {
+        return None;
+    }
+    let mut rows = vec![None; t_full];
+    for (&r, keys) in new_rows.iter().zip(sets) {
+        if let Some(slot) = rows.get_mut(r) {
+            *slot = Some(keys.clone());
+        }
+    }
+    Some((AttendKeys { rows }, *from))
+}
+
+/// The note on a DSA layer's step results when its attention ran on the engine's selection
+/// ([`engine_keys`]; `from` the layer whose `idx_topk` it is).
+fn attend_note(layer: usize, from: usize) -> String {
+    let whose = if from == layer {
+        format!("L{layer}.idx_topk")
+    } else {
+        format!("L{from}.idx_topk, which the shared layer L{layer} reads")
+    };
+    format!(
+        "L{layer}: attention judged on the engine's selection ({whose}, as dumped); idx_topk judged against the reference's own selection"
+    )
 }
 
 /// The note on step `spec`'s results when its sequences declare `unrecorded` positions:

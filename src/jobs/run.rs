@@ -341,7 +341,7 @@ fn run_inner(
                 &hidden,
                 &rc.batch,
                 layer_tp,
-                shared,
+                &crate::compute::reference::DsaInputs::shared(shared),
                 full,
                 keep_on_device,
             )
@@ -493,7 +493,8 @@ pub fn reference_chain(
     let mut prev_sel: Option<Selection> = None;
     for layer in 0..=last {
         let w = LayerWeights::load(file, cfg, layer)?;
-        let r = reference::forward_full_sel(file, cfg, &w, &hidden, batch, prev_sel.as_ref())?;
+        let dsa = reference::DsaInputs::shared(prev_sel.as_ref());
+        let r = reference::forward_full_sel(file, cfg, &w, &hidden, batch, &dsa)?;
         if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(layer) == Some(&true)) {
             prev_sel = r.selection.clone();
         }

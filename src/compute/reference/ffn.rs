@@ -19,8 +19,7 @@
 use ndarray::{Array2, Axis, s};
 use rayon::prelude::*;
 
-use super::{RefLayer, forward_sel, linear, linear32, record_copy, record_moved, rms_norm, widen_to_f64};
-use crate::compute::indexer::Selection;
+use super::{DsaInputs, RefLayer, forward_sel, linear, linear32, record_copy, record_moved, rms_norm, widen_to_f64};
 use crate::core::batch::Batch;
 use crate::core::error::{Error, Result};
 use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
@@ -166,10 +165,12 @@ pub fn forward_full(
     hidden_in: &Array2<f64>,
     batch: &Batch,
 ) -> Result<RefLayer> {
-    forward_full_sel(file, cfg, w, hidden_in, batch, None)
+    forward_full_sel(file, cfg, w, hidden_in, batch, &DsaInputs::default())
 }
 
-/// [`forward_full`] with a shared-indexer layer's borrowed selection (see [`forward_sel`]).
+/// [`forward_full`] with what a DSA layer takes from outside ([`DsaInputs`]: a shared-indexer
+/// layer's borrowed selection, keys to attend to, the indexer's quantization; see
+/// [`forward_sel`]).
 ///
 /// Errors: as [`forward_full`].
 pub fn forward_full_sel(
@@ -178,9 +179,9 @@ pub fn forward_full_sel(
     w: &LayerWeights,
     hidden_in: &Array2<f64>,
     batch: &Batch,
-    shared: Option<&Selection>,
+    dsa: &DsaInputs<'_>,
 ) -> Result<RefLayer> {
-    forward_full_tp(file, cfg, w, hidden_in, batch, shared, 1)
+    forward_full_tp(file, cfg, w, hidden_in, batch, dsa, 1)
 }
 
 /// [`forward_full_sel`], and for `tp ≥ 2` the shared experts' per-rank sites ([`ffn_rank_sites`]).
@@ -192,10 +193,10 @@ pub(super) fn forward_full_tp(
     w: &LayerWeights,
     hidden_in: &Array2<f64>,
     batch: &Batch,
-    shared: Option<&Selection>,
+    dsa: &DsaInputs<'_>,
     tp: usize,
 ) -> Result<RefLayer> {
-    let mut r = forward_sel(cfg, w, hidden_in, batch, shared)?;
+    let mut r = forward_sel(cfg, w, hidden_in, batch, dsa)?;
     if r.hidden_out.is_some() {
         return Ok(r);
     }

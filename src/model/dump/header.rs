@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use super::dump_error;
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
+use crate::core::fp8::{BlockQuant, InputDtype, QkQuant, ScaleFormat};
 use crate::core::trace::Stage;
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
@@ -252,6 +253,88 @@ pub struct DumpHeader {
     /// The engine's tensor parallelism; see [`TpInfo`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tp: Option<TpInfo>,
+    /// How the engine's DSA indexer quantizes its query and key before scoring; see
+    /// [`IndexerQuant`]. `None`: it scores the values unquantized.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub indexer_quant: Option<IndexerQuant>,
+}
+
+/// The quantization a DSA indexer applies to its query and key before scoring
+/// (`header.indexer_quant`), as vLLM's `Indexer` does (fp8 E4M3, `quant_block_size` 128,
+/// `scale_fmt = "ue8m0"`): the reference's indexer applies the same roundings
+/// ([`IndexerQuant::qk`]), so that its scores and selection are what the engine's arithmetic
+/// gives on exact inputs. Checked when the header is read ([`peek_header`],
+/// [`read`](fn@super::read)), and against the model by the reader.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IndexerQuant {
+    /// The stored type: `fp8_e4m3` (OCP E4M3, finite, ±448; round to nearest even, saturating).
+    pub dtype: String,
+    /// Values per scale along the indexer's head dim `D_idx`, for the query (per token and
+    /// head) and the key (per token): vLLM's `quant_block_size`. Divides `D_idx`.
+    pub block: usize,
+    /// `ue8m0` (`2^⌈log2(max(amax, floor)/448)⌉`) or `f32` (`max(amax, floor)/448` in f32).
+    pub scale: String,
+    /// The dtype the quantizer reads, which the reference rounds its query and key (after RoPE)
+    /// to first: `bf16`, `f16` or `f32`; absent: the reference's own values.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<String>,
+    /// The floor under a query block's largest magnitude; absent: vLLM's 1e-10.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub q_amax_floor: Option<f64>,
+    /// The floor under a key block's largest magnitude; absent: vLLM's 1e-4.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub k_amax_floor: Option<f64>,
+}
+
+/// The largest `indexer_quant.block`: a block is part of one indexer head (128 wide in every
+/// DSA model), so anything larger is a corrupt header.
+pub const MAX_QUANT_BLOCK: usize = 1 << 16;
+
+impl IndexerQuant {
+    /// The query and key quantizations this declares (defaults filled in). A header that passed
+    /// [`peek_header`] holds only the documented values; anything else reads as `ue8m0`
+    /// without input rounding.
+    pub fn qk(&self) -> QkQuant {
+        let scale = if self.scale == "f32" {
+            ScaleFormat::F32
+        } else {
+            ScaleFormat::Ue8m0
+        };
+        let input = match self.input.as_deref() {
+            Some("bf16") => Some(InputDtype::Bf16),
+            Some("f16") => Some(InputDtype::F16),
+            Some("f32") => Some(InputDtype::F32),
+            _ => None,
+        };
+        let side = |floor: f64| BlockQuant {
+            block: self.block.max(1),
+            scale,
+            amax_floor: floor,
+            input,
+        };
+        QkQuant {
+            q: side(self.q_amax_floor.unwrap_or(1e-10)),
+            k: side(self.k_amax_floor.unwrap_or(1e-4)),
+        }
+    }
+
+    /// One line for reports: what the reference's indexer applies.
+    pub fn describe(&self) -> String {
+        let q = self.qk();
+        format!(
+            "indexer scores on {} query and key (blocks of {}, {} scales, amax floors {:e} and {:e}{})",
+            self.dtype,
+            self.block,
+            self.scale,
+            q.q.amax_floor,
+            q.k.amax_floor,
+            self.input
+                .as_deref()
+                .map(|d| format!(", read from {d}"))
+                .unwrap_or_default()
+        )
+    }
 }
 
 /// The tensor parallelism of the engine run a format-2 dump records (`header.tp`): the size the
@@ -382,6 +465,7 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
         }
     }
     check_tp(path, v.get("tp"))?;
+    check_indexer_quant(path, v.get("indexer_quant"))?;
     check_num_kv_splits(path, v.get("steps"))?;
     check_page_sizes(path, v.get("steps"))?;
     check_step_fields(path, v.get("steps"))?;
@@ -759,6 +843,76 @@ fn check_step_fields(path: &Path, steps: Option<&serde_json::Value>) -> Result<(
                     ));
                 }
             }
+        }
+    }
+    Ok(())
+}
+
+/// Checks `header.indexer_quant` (`q` is its value, if any): absent or null, or an object of
+/// exactly the fields of [`IndexerQuant`]: `dtype` `"fp8_e4m3"`, `block` an integer from 1 to
+/// [`MAX_QUANT_BLOCK`], `scale` `"ue8m0"` or `"f32"`, and optionally `input` (`"bf16"`, `"f16"`,
+/// `"f32"` or null), `q_amax_floor` and `k_amax_floor` (positive finite numbers or null).
+///
+/// Errors: [`Error::Safetensors`] naming `__metadata__.header.indexer_quant` or its field.
+fn check_indexer_quant(path: &Path, q: Option<&serde_json::Value>) -> Result<()> {
+    const FIELD: &str = "__metadata__.header.indexer_quant";
+    let obj = match q {
+        None | Some(serde_json::Value::Null) => return Ok(()),
+        Some(serde_json::Value::Object(o)) => o,
+        Some(x) => {
+            return Err(dump_error(
+                path,
+                FIELD,
+                format!(
+                    "{}: expected an object such as {{\"dtype\": \"fp8_e4m3\", \"block\": 128, \"scale\": \"ue8m0\"}}",
+                    short(x)
+                ),
+            ));
+        }
+    };
+    let fail = |key: &str, x: &serde_json::Value, want: &str| {
+        Err(dump_error(
+            path,
+            format!("{FIELD}.{key}"),
+            format!("{}: expected {want}", short(x)),
+        ))
+    };
+    for (key, x) in obj {
+        match key.as_str() {
+            "dtype" if x.as_str() == Some("fp8_e4m3") => {}
+            "dtype" => return fail(key, x, "\"fp8_e4m3\" (the only quantized type the reference applies)"),
+            "block" if x.as_u64().is_some_and(|b| (1..=MAX_QUANT_BLOCK as u64).contains(&b)) => {}
+            "block" => {
+                return fail(
+                    key,
+                    x,
+                    &format!("an integer from 1 to {MAX_QUANT_BLOCK} (values per scale)"),
+                );
+            }
+            "scale" if matches!(x.as_str(), Some("ue8m0" | "f32")) => {}
+            "scale" => return fail(key, x, "\"ue8m0\" or \"f32\""),
+            "input" if x.is_null() || matches!(x.as_str(), Some("bf16" | "f16" | "f32")) => {}
+            "input" => {
+                return fail(
+                    key,
+                    x,
+                    "\"bf16\", \"f16\", \"f32\" or null (the dtype the quantizer reads)",
+                );
+            }
+            "q_amax_floor" | "k_amax_floor" if x.is_null() || x.as_f64().is_some_and(|f| f.is_finite() && f > 0.0) => {}
+            "q_amax_floor" | "k_amax_floor" => return fail(key, x, "a positive finite number or null"),
+            _ => {
+                return Err(dump_error(
+                    path,
+                    format!("{FIELD}.{key}"),
+                    "unknown field: expected dtype, block, scale, input, q_amax_floor, k_amax_floor",
+                ));
+            }
+        }
+    }
+    for key in ["dtype", "block", "scale"] {
+        if !obj.contains_key(key) {
+            return Err(dump_error(path, format!("{FIELD}.{key}"), "missing"));
         }
     }
     Ok(())

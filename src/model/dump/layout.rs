@@ -13,11 +13,20 @@ use super::conventions::Layout;
 use crate::core::trace::Stage;
 use crate::model::config::MlaConfig;
 
-/// The expected shape of `stage` for `t` tokens, `None` for stages without a fixed expectation:
-/// the per-rank sites, and `ffn_gate`/`ffn_up`/`ffn_act` [T, I], whose width I is the dense
-/// FFN's in a dense layer and the shared experts' in an MoE layer (the comparison still checks
-/// them against the reference's shape).
+/// The expected shape of `stage` for `t` tokens of one sequence from position 0 (the DSA sites'
+/// key axis S = T): [`expected_shape_keys`] with `s = t`.
 pub fn expected_shape(stage: Stage, cfg: &MlaConfig, t: usize) -> Option<Vec<usize>> {
+    expected_shape_keys(stage, cfg, t, t)
+}
+
+/// The expected shape of `stage` for `t` tokens whose longest sequence holds `s` positions (its
+/// cached context included: a decode step's one row of a 300-token sequence has `s` = 300),
+/// `None` for stages without a fixed expectation: the per-rank sites, and
+/// `ffn_gate`/`ffn_up`/`ffn_act` [T, I], whose width I is the dense FFN's in a dense layer and
+/// the shared experts' in an MoE layer (the comparison still checks them against the
+/// reference's shape). Only the DSA sites read `s`: `idx_scores` [T, S] and `idx_topk`
+/// [T, min(top_k, S)], as wide as the reference's over the same sequences.
+pub fn expected_shape_keys(stage: Stage, cfg: &MlaConfig, t: usize, s: usize) -> Option<Vec<usize>> {
     let [n, l, p, r, v] = cfg.dims().nlprv();
     let h = cfg.dims().hidden;
     let lq = cfg.q_lora_rank.unwrap_or(0);
@@ -43,15 +52,14 @@ pub fn expected_shape(stage: Stage, cfg: &MlaConfig, t: usize) -> Option<Vec<usi
         Stage::MoeRouterLogits => vec![t, cfg.moe.as_ref()?.n_expert],
         Stage::MoeTopk => vec![t, cfg.moe.as_ref()?.n_expert_used],
         Stage::MoeOut | Stage::SharedOut => vec![t, h],
-        // Dumps hold one sequence, so S = T.
         Stage::IdxQ => {
             let ix = cfg.indexer.as_ref()?;
             vec![t, ix.n_head, ix.head_dim]
         }
         Stage::IdxK => vec![t, cfg.indexer.as_ref()?.head_dim],
         Stage::IdxWeights => vec![t, cfg.indexer.as_ref()?.n_head],
-        Stage::IdxScores => vec![t, t],
-        Stage::IdxTopk => vec![t, cfg.indexer.as_ref()?.top_k.min(t)],
+        Stage::IdxScores => vec![t, s],
+        Stage::IdxTopk => vec![t, cfg.indexer.as_ref()?.top_k.min(s)],
         Stage::FfnGate | Stage::FfnUp | Stage::FfnAct => return None,
         Stage::WRank(..) | Stage::OProjRank(..) | Stage::FfnGateUpRank(..) | Stage::FfnDownRank(..) => return None,
     })

@@ -33,10 +33,11 @@ use crate::core::error::Error;
 
 pub use conventions::{EngineDtype, KvAOrder, Layout, RopeOrder, map_from_metadata};
 pub use header::{
-    Conventions, DumpHeader, FORMAT1, FORMAT2, MAX_CONTEXT_CHUNKS, MAX_PAGE_SIZE, ModelIdentity, Patch, PrefixHit,
-    SeqKernel, Software, StepSeq, StepSpec, TpInfo, check_identity, heads_config, is_per_head, peek_header,
+    Conventions, DumpHeader, FORMAT1, FORMAT2, IndexerQuant, MAX_CONTEXT_CHUNKS, MAX_PAGE_SIZE, MAX_QUANT_BLOCK,
+    ModelIdentity, Patch, PrefixHit, SeqKernel, Software, StepSeq, StepSpec, TpInfo, check_identity, heads_config,
+    is_per_head, peek_header,
 };
-pub use layout::expected_shape;
+pub use layout::{expected_shape, expected_shape_keys};
 pub use map::{Condition, Map, Rename};
 pub use read::{Dump, DumpFile, StepPaging, StepsDump, load, load_bytes, read};
 pub use sites::{SHAPE_DIMS, SiteTemplates, SiteVocabulary, StageRow, stage_inputs, stage_row};

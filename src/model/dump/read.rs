@@ -15,7 +15,7 @@ use safetensors::{Dtype as StDtype, SafeTensors};
 use super::conventions::{DumpConventions, EngineDtype, KvAOrder, Layout, RopeOrder, conventions, map_from_metadata};
 use super::dump_error;
 use super::header::{DumpHeader, FORMAT2, StepSpec, heads_config, parse_header};
-use super::layout::{expected_shape, hf_rope_to_interleaved, kv_a_to_latent_rope, normalize_shape};
+use super::layout::{expected_shape_keys, hf_rope_to_interleaved, kv_a_to_latent_rope, normalize_shape};
 use super::map::Map;
 use crate::core::batch::{Batch, SeqSpec};
 use crate::core::error::{Error, Result};
@@ -215,6 +215,9 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
         Some(h) => Some(heads_config(cfg, h)),
         None => None,
     };
+    if let Some(q) = &header.indexer_quant {
+        check_indexer_quant_model(path, q, cfg)?;
+    }
     // A dump of heads a..b: its per-head sites are read with b − a heads.
     let cfg = heads_cfg.as_ref().unwrap_or(cfg);
     let st = SafeTensors::deserialize(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
@@ -270,7 +273,7 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
         let step_bytes =
             safetensors::serialize(views, Some(meta1)).map_err(|e| dump_error(path, &prefix, e.to_string()))?;
         let label = PathBuf::from(format!("{} [step {k} `{}`]", path.display(), spec.name));
-        let mut d = load_step_bytes(&label, &step_bytes, map, cfg, Some(spec.context_rows()))?;
+        let mut d = load_step_bytes(&label, &step_bytes, map, cfg, Some(StepRows::of(spec)))?;
         d.path = path.to_path_buf();
         if header.conventions.lse_base.as_deref() == Some("2") {
             let ln2 = std::f64::consts::LN_2;
@@ -305,6 +308,32 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
         ignored,
         token_ids,
     })))
+}
+
+/// Checks a declared `indexer_quant` against the model: it has a DSA indexer, and the block
+/// divides the indexer's head width `D_idx` (the query's blocks then never straddle two heads).
+///
+/// Errors: [`Error::Safetensors`] naming `__metadata__.header.indexer_quant` (no indexer) or its
+/// `block`.
+fn check_indexer_quant_model(path: &Path, q: &super::IndexerQuant, cfg: &MlaConfig) -> Result<()> {
+    let Some(ix) = cfg.indexer.as_ref() else {
+        return Err(dump_error(
+            path,
+            "__metadata__.header.indexer_quant",
+            "declared, but the model has no DSA indexer (a deepseek32 or glm-dsa GGUF has one)",
+        ));
+    };
+    if !ix.head_dim.is_multiple_of(q.block) {
+        return Err(dump_error(
+            path,
+            "__metadata__.header.indexer_quant.block",
+            format!(
+                "{} does not divide the indexer's head width {} (D_idx)",
+                q.block, ix.head_dim
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Checks step `k`'s token ids `tokens` (`s{k}.tokens`, the step's rows in sequence order)
@@ -794,14 +823,40 @@ pub fn load_bytes(path: &Path, bytes: &[u8], map: Option<&Map>, cfg: &MlaConfig)
     load_step_bytes(path, bytes, map, cfg, None)
 }
 
-/// [`load_bytes`] of one format-2 step, whose context partial sites
-/// ([`Stage::is_context_partial`]) have `ctx_rows` rows (Tc) where given, T otherwise.
+/// What a format-2 step's sites are as long as, beyond its T new rows.
+#[derive(Debug, Clone, Copy)]
+struct StepRows {
+    /// The rows (Tc) of the context partial sites ([`Stage::is_context_partial`]).
+    context: usize,
+    /// The key axis S of the DSA sites: the step's longest sequence, context included.
+    keys: usize,
+}
+
+impl StepRows {
+    /// The rows of step `spec`: Tc of its context partials, and S its longest sequence with new
+    /// tokens (`context + new`).
+    fn of(spec: &StepSpec) -> StepRows {
+        StepRows {
+            context: spec.context_rows(),
+            keys: spec
+                .seqs
+                .iter()
+                .filter(|q| q.new > 0)
+                .map(|q| q.context + q.new)
+                .max()
+                .unwrap_or(0),
+        }
+    }
+}
+
+/// [`load_bytes`] of one format-2 step, whose context partial sites and DSA key axis are as
+/// `step` says where given; else (format 1) Tc = T and S = the longest sequence of the batch.
 fn load_step_bytes(
     path: &Path,
     bytes: &[u8],
     map: Option<&Map>,
     cfg: &MlaConfig,
-    ctx_rows: Option<usize>,
+    step: Option<StepRows>,
 ) -> Result<Dump> {
     if bytes.starts_with(b"GGUF") {
         return Err(dump_error(
@@ -864,11 +919,15 @@ fn load_step_bytes(
                 ),
             ));
         }
-        let rows = match ctx_rows {
-            Some(tc) if site.stage.is_context_partial() => tc,
+        let rows = match step {
+            Some(st) if site.stage.is_context_partial() => st.context,
             _ => t,
         };
-        let (mut data, shape) = match expected_shape(site.stage, cfg, rows) {
+        let keys = match step {
+            Some(st) => st.keys,
+            None => batch.seqs.iter().map(|q| q.len).max().unwrap_or(t),
+        };
+        let (mut data, shape) = match expected_shape_keys(site.stage, cfg, rows, keys) {
             // A weight held [in, out] where [out, in] is expected: kept as dumped, so that the
             // judge names the transpose (as weights --check names a loaded one).
             Some(want)

@@ -170,7 +170,10 @@ pub const SHAPE_DIMS: &[(&str, &str)] = &[
     ("N_idx", "DSA indexer heads"),
     ("D_idx", "DSA indexer head dim"),
     ("K_idx", "DSA indexer top-k"),
-    ("S", "keys (S = T in a dump)"),
+    (
+        "S",
+        "key positions: the longest sequence's, cached context included (a format-2 step's context + new; T for one sequence from position 0)",
+    ),
     (
         "Tc",
         "rows of a step's prefill sequences with cached context (the MHA prefill over context)",

@@ -9,7 +9,9 @@ in each of its processes (`vllm.plugins.load_general_plugins`); this package's e
 `BaseModelLoader` and each subclass, those defined later included, e.g. vllm-gguf-plugin's), so
 the model a loader returns is armed with `mla_diff_hooks.vllm.arm`, and the process writes its
 format-2 dump (`DIR/dump.safetensors`, `dump.rank<r>.safetensors` under TP) once it has recorded
-the steps asked for, or at exit with what it recorded. Reference (the variables, the commands):
+the steps asked for, or at a normal exit with what it recorded (`vllm serve` kills its engine
+process at shutdown: there nothing is written before the steps asked for have run). Reference
+(the variables, the commands):
 docs/engines.md, "Debugging a vLLM deployment".
 
 Environment: MLA_DIFF_VLLM_DUMP (the dump folder; unset: the plugin is off),

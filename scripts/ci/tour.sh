@@ -65,6 +65,8 @@ ROWS=(
   'export MLA_DIFF_VLLM_DUMP=*|skip|the vLLM plugin'"'"'s settings for `vllm serve` (needs vLLM and a GPU)'
   'vllm serve *|skip|needs vLLM and a GPU (the plugin'"'"'s dump is committed: golden/dumps/*.vllm*)'
   'curl *localhost:8000/v1/completions*|skip|needs the `vllm serve` above'
+  'until curl *localhost:8000/health*|skip|needs the `vllm serve` above'
+  'kill %1|skip|stops the `vllm serve` above'
   'mla-diff compare --model golden/models/fa3-v3-bf16.gguf --dump /tmp/mla/dump.safetensors*|0|'
   'bash scripts/gpu-host/vllm_live_bundle.sh *|skip|needs pip with network to PyPI (the wheel bundle a GPU machine without network installs)'
   'bash scripts/gpu-host/vllm_live_gpu.sh *|skip|runs on the GPU machine (receives and installs the vLLM bundle)'

@@ -1415,9 +1415,10 @@ pub fn compare_steps_with(
                             src.device_rows(dev, split, dumped, &new_rows, t_full, header.heads, cfg)
                         })?;
                         // What the host part holds replaces the reference's own site, as
-                        // `record` does on the host: the handover's hidden_in, the partials.
+                        // `record` does on the host: the handover's hidden_in, the partials;
+                        // beside the sites `device_rows` brought whole (weights).
                         step.device.retain(|d| reference.get(&d.site).is_none());
-                        step.host = std::mem::take(&mut reference);
+                        step.host.extend(std::mem::take(&mut reference));
                         let diffs = timing::stage("judge", || {
                             crate::judge::device::diff_host_candidate(dev, &step, dumped, precision)
                         })?;

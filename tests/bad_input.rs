@@ -255,6 +255,34 @@ fn flags_out_of_range_are_usage_errors_not_crashes() {
     }
 }
 
+/// Numeric flags at their type's maximum: exit 2, one `mla-diff: error:` line naming the flag,
+/// before anything is sized by them (no panic, no capacity overflow).
+#[test]
+fn flags_at_their_types_maximum_are_refused_naming_the_flag() {
+    let max = "18446744073709551615";
+    let gguf = crate::common::repo().join("golden/models/tiny-v3-q8_0.gguf");
+    let gguf = gguf.to_str().unwrap();
+    let layers = format!("0..{max}");
+    let layers_incl = format!("0..={max}");
+    for (args, needle) in [
+        (vec!["run", "--page-size", max], "--page-size"),
+        (vec!["run", "--splits", max], "--splits"),
+        (vec!["run", "--layers", &layers], "--layers"),
+        (vec!["run", "--layers", &layers_incl], "--layers"),
+        (vec!["bench", "--reference", gguf, "--tokens", max], "--tokens"),
+    ] {
+        let (code, err) = embedded(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        let lines: Vec<&str> = err.lines().filter(|l| !l.starts_with("mla-diff: backend")).collect();
+        assert_eq!(lines.len(), 1, "{args:?}: {err}");
+        assert!(
+            lines[0].starts_with("mla-diff: error:") && lines[0].contains(needle),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 /// An `--arch` value that is no compute capability is refused when the flag is read, naming the
 /// flag and the value, before NVRTC is looked for (so it shows on a machine without CUDA).
 #[test]

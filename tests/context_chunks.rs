@@ -355,6 +355,41 @@ fn a_prefix_cache_hit_is_judged_over_the_whole_context() {
     );
 }
 
+/// Token counts that add up to the tensors' rows only by wrapping past 2⁶⁴ (the last step's
+/// two `new` of 2⁶³ + 1 each sum to its true T = 2), or a context near 2⁶⁴: exit 2, one line
+/// naming the file and the field, never a panic or a runaway allocation.
+#[test]
+fn header_token_counts_that_wrap_are_input_errors_naming_the_field() {
+    let (file, cfg, tr) = reference(LENS, 0);
+    type Edit = fn(&mut serde_json::Value);
+    let cases: Vec<(&str, Edit)> = vec![
+        ("steps[2].seqs[1].new", |s| {
+            s["seqs"][0]["new"] = ((1u64 << 63) + 1).into();
+            s["seqs"][1]["new"] = ((1u64 << 63) + 1).into();
+        }),
+        ("steps[2].seqs[0].context", |s| {
+            s["seqs"][0]["context"] = u64::MAX.into()
+        }),
+    ];
+    for (field, edit) in cases {
+        let extra = |k: usize, s: &mut serde_json::Value| {
+            chunked_extra(k, s);
+            if k == 2 {
+                edit(s);
+            }
+        };
+        let (_d, p) = dump(&file, &cfg, &tr, LENS, &chunked_steps(), &extra, &no_plant, None);
+        let (code, out, err, _) = compare_json(&model(), &p, &[]);
+        assert_eq!(code, 2, "{field}: {out}\n{err}");
+        assert!(!err.contains("panicked"), "{field}: {err}");
+        assert!(
+            err.contains("chunked.safetensors") && err.contains(field),
+            "{field}: {err}"
+        );
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
+}
+
 /// A hostile value of each new field: exit 2, one line naming the file and the field.
 #[test]
 fn hostile_context_fields_are_input_errors_naming_the_field() {

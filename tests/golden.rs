@@ -377,3 +377,53 @@ fn cases_that_cannot_be_checked_exit_2_one_as_its_error_several_as_inconclusive(
         "{out}"
     );
 }
+
+/// A manifest's numbers are checked as the command line checks its flags: lengths that add up
+/// only by wrapping past 2^64, an empty layer list, a zero page size, split count or chunk
+/// size, and a negative tolerance are each exit 2, one line naming the manifest and the field —
+/// never a panic, and never a match.
+#[test]
+fn hostile_manifest_numbers_are_errors_naming_the_field() {
+    let case = "embedded-default";
+    type Edit = fn(&mut serde_json::Value);
+    let cases: Vec<(&str, Edit)> = vec![
+        ("run.batch.seqs[0]", |m| {
+            m["run"]["batch"]["seqs"][0]["len"] = (u64::MAX - 2).into()
+        }),
+        ("run.layers", |m| m["run"]["layers"] = serde_json::json!([])),
+        ("run.layers[0]", |m| m["run"]["layers"] = serde_json::json!([u64::MAX])),
+        ("run.path_options.page_size", |m| {
+            m["run"]["path_options"]["page_size"] = 0.into()
+        }),
+        ("run.path_options.page_size", |m| {
+            m["run"]["path_options"]["page_size"] = u64::MAX.into()
+        }),
+        ("run.path_options.num_splits", |m| {
+            m["run"]["path_options"]["num_splits"] = 0.into()
+        }),
+        ("run.path_options.chunk_size", |m| {
+            m["run"]["path_options"]["chunk_size"] = 0.into()
+        }),
+        ("tolerance.golden.rel_l2", |m| {
+            m["tolerance"]["golden"]["rel_l2"] = (-1.0).into()
+        }),
+        ("tolerance.reference_table[0].tolerance.rtol", |m| {
+            m["tolerance"]["reference_table"][0]["tolerance"]["rtol"] = (-0.5).into()
+        }),
+    ];
+    for (field, edit) in cases {
+        let (_t, g) = copy_case(case);
+        let mpath = g.join(case).join("manifest.json");
+        let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+        edit(&mut m);
+        std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+        let (code, out, err) = check(&g, case);
+        assert_eq!(code, 2, "{field}: {out}\n{err}");
+        assert!(!err.contains("panicked"), "{field}: {err}");
+        assert!(
+            err.contains("mla-diff: error:") && err.contains("manifest.json") && err.contains(field),
+            "{field}: {err}"
+        );
+        assert_eq!(err.trim().lines().count(), 1, "{field}: {err}");
+    }
+}

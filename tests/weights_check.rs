@@ -1080,3 +1080,31 @@ fn compare_refuses_a_malformed_loaded_weight() {
         "{err}"
     );
 }
+
+/// A transposed `W_UK_T`/`W_UV` with another head count than the model's (unsharded, or a
+/// shard whose `tp_size` disagrees with its rank suffix) is a shape mismatch naming both
+/// shapes: exit 1, never a panic.
+#[test]
+fn transposed_absorbed_weights_of_another_head_count_are_a_shape_mismatch() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, _) = absorbed("tiny-v3-q8_0.gguf", 1);
+    let [n, l, p, _, v] = cfg.dims().nlprv();
+    for (name, shape, tp, want) in [
+        ("L1.W_UK_T", vec![n - 2, l, p], 1, vec![n, p, l]),
+        ("L1.W_UK_T.rank1", vec![n, l, p], 2, vec![n / 2, p, l]),
+        ("L1.W_UV.rank0", vec![n / 2, v, l], 3, vec![n / 3, l, v]),
+    ] {
+        let len = shape.iter().product();
+        let w = vec![(name.to_string(), shape.clone(), vec![0.01f32; len])];
+        let path = write(dir.path(), "heads.safetensors", &w, tp);
+        let (code, out, err) = check(&path);
+        assert_eq!(code, 1, "{name}: {out}\n{err}");
+        assert!(!err.contains("panicked"), "{name}: {err}");
+        assert!(
+            out.contains(&format!(
+                "finding mismatch at {name}: shape {shape:?}, expected {want:?}"
+            )),
+            "{name}: {out}"
+        );
+    }
+}

@@ -245,6 +245,14 @@ fn cmd_bench_dequant(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Resu
 /// `mla-diff bench --reference FILE`: the table of [`crate::jobs::bench_cpu::reference`].
 fn cmd_bench_reference(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Result<Outcome> {
     refuse_overwrite(a.output.json.as_ref(), a.output.force)?;
+    // Positions 0..T: the bound `run` puts on its positions, checked before T sizes anything.
+    if a.tokens > super::run::MAX_POSITION {
+        return Err(Error::Usage(format!(
+            "--tokens {}: positions must stay below {} (2^31)",
+            a.tokens,
+            super::run::MAX_POSITION
+        )));
+    }
     let file = GgufFile::open(path)?;
     let cfg = MlaConfig::from_gguf(&file)?;
     let threads = crate::jobs::bench_cpu::thread_counts(a.threads.as_deref());

@@ -22,6 +22,7 @@ use crate::jobs::export::ExportRequest;
 use crate::jobs::run;
 use crate::judge::report::{InputMode, RunConfig, RunReport};
 use crate::model::config::MlaConfig;
+use crate::model::dump::{MAX_NUM_KV_SPLITS, MAX_PAGE_SIZE};
 use crate::model::gguf::GgufFile;
 use crate::output::report;
 
@@ -339,9 +340,7 @@ pub fn select_run_backend(a: &RunSpec, settings: &Settings, quiet: bool) -> Resu
 /// `--new-tokens` when not given: the new tokens per sequence of the chunked path.
 pub const DEFAULT_NEW_TOKENS: usize = 5;
 
-/// Largest RoPE position accepted (`--start-pos` plus the sequence length): 2^31, far past any
-/// released context length, and exact in the f64 angle computation.
-pub const MAX_POSITION: usize = 1 << 31;
+pub use crate::core::batch::MAX_POSITION;
 
 /// Rejects injected faults that act on none of the requested paths (a run that "passes" with an
 /// inert fault would read as a detector failure), and notes the paths a fault skips.
@@ -386,11 +385,21 @@ fn check_faults(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig, dtype: crate::
     Ok(())
 }
 
-/// Parses `--layers`: `A..B`, `A..=B`, `all`, or a single number.
-pub fn parse_layers(spec: &str, n_layer: usize) -> Result<Vec<usize>> {
+/// Parses `--layers`: `A..B`, `A..=B`, `all` (the `n_layer` trunk layers), or a single number.
+///
+/// Errors: [`Error::Usage`] for another form, an empty range, or a range past the model's
+/// `block_count` layers.
+pub fn parse_layers(spec: &str, n_layer: usize, block_count: usize) -> Result<Vec<usize>> {
     let bad = || {
         Error::Usage(format!(
             "--layers `{spec}`: expected `A..B` (B excluded), `A..=B`, `all` or a number"
+        ))
+    };
+    // The range's end is checked against the model before the layers are listed, so a bound
+    // near the integer's maximum is refused instead of listed.
+    let past = |b: usize| {
+        Error::Usage(format!(
+            "--layers `{spec}`: layer {b} out of range: the model has {block_count} layers (`block_count`)"
         ))
     };
     let v: Vec<usize> = if spec == "all" {
@@ -400,12 +409,18 @@ pub fn parse_layers(spec: &str, n_layer: usize) -> Result<Vec<usize>> {
             a.parse::<usize>().map_err(|_| bad())?,
             b.parse::<usize>().map_err(|_| bad())?,
         );
+        if b >= block_count {
+            return Err(past(b));
+        }
         (a..=b).collect()
     } else if let Some((a, b)) = spec.split_once("..") {
         let (a, b) = (
             a.parse::<usize>().map_err(|_| bad())?,
             b.parse::<usize>().map_err(|_| bad())?,
         );
+        if b > block_count {
+            return Err(past(b - 1));
+        }
         (a..b).collect()
     } else {
         vec![spec.parse::<usize>().map_err(|_| bad())?]
@@ -425,7 +440,7 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
     let file = crate::model::fixture::open_model(a.model.path())?;
     let cfg = MlaConfig::from_gguf(&file)?;
     let layers = match (&a.layers, a.layer) {
-        (Some(spec), _) => parse_layers(spec, cfg.trunk_layers())?,
+        (Some(spec), _) => parse_layers(spec, cfg.trunk_layers(), cfg.n_layer)?,
         (None, Some(l)) => vec![l],
         (None, None) => vec![0],
     };
@@ -446,6 +461,20 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
         return Err(Error::Usage(
             "--page-size, --splits and --chunk-size must be at least 1".into(),
         ));
+    }
+    // The same bounds a dump header's `page_size` and `num_kv_splits` have: the paged and
+    // split-KV paths allocate per page and per split.
+    if a.page_size > MAX_PAGE_SIZE {
+        return Err(Error::Usage(format!(
+            "--page-size {}: at most {MAX_PAGE_SIZE} tokens per page",
+            a.page_size
+        )));
+    }
+    if a.splits as u64 > MAX_NUM_KV_SPLITS {
+        return Err(Error::Usage(format!(
+            "--splits {}: at most {MAX_NUM_KV_SPLITS} KV splits per decode query",
+            a.splits
+        )));
     }
     let batch = match &a.seqs {
         Some(lens) => {

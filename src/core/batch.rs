@@ -20,6 +20,10 @@ pub struct SeqSpec {
     pub start_pos: usize,
 }
 
+/// Largest RoPE position accepted (a sequence's start position plus its length): 2^31, far
+/// past any released context length, and exact in the f64 angle computation.
+pub const MAX_POSITION: usize = 1 << 31;
+
 /// A batch of sequences, packed token-major.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Batch {

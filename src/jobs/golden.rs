@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
 use crate::backend::cpu::CpuOps;
+use crate::core::batch::MAX_POSITION;
 use crate::core::error::{Error, Result};
 use crate::core::fsio::write_file_atomic;
 use crate::core::trace::{Site, TensorData, Trace, TraceTensor};
@@ -30,6 +31,7 @@ use crate::judge::metrics::{self, SiteDiff, Status};
 use crate::judge::report::{RunConfig, RunRecord, RunReport};
 use crate::judge::tolerance::{GOLDEN_TOLERANCE, TOLERANCES, Tolerance};
 use crate::model::config::MlaConfig;
+use crate::model::dump::{MAX_NUM_KV_SPLITS, MAX_PAGE_SIZE};
 use crate::model::gguf::{GgufFile, sha256_hex};
 
 /// Version of `manifest.json`. Bump on any incompatible change.
@@ -456,6 +458,91 @@ pub fn read_manifest(golden_dir: &Path, case: &str) -> Result<Manifest> {
     Ok(m)
 }
 
+/// Checks the manifest's numbers as the command line checks its flags, before any of them
+/// sizes or indexes anything: at least one layer, each inside the model; at least one sequence,
+/// each of at least one token, positions below [`MAX_POSITION`]; page size, split count, TP
+/// size, chunk size and new tokens at least 1, the page size and split count within the bounds
+/// of a dump header's; every recorded tolerance a finite number ≥ 0.
+///
+/// Errors: [`Error::Golden`] naming the manifest and the field (`run.batch.seqs[1].len`, …).
+fn check_numbers(case: &str, path: &Path, cfg: &MlaConfig, m: &Manifest) -> Result<()> {
+    let bad = |field: String, reason: String| golden_err(case, path, format!("field `{field}`: {reason}"));
+    let r = &m.run;
+    if r.layers.is_empty() {
+        return Err(bad("run.layers".into(), "no layer".into()));
+    }
+    if let Some((i, l)) = r.layers.iter().enumerate().find(|&(_, &l)| l >= cfg.n_layer) {
+        return Err(bad(
+            format!("run.layers[{i}]"),
+            format!("layer {l}: the model has {} layers (`block_count`)", cfg.n_layer),
+        ));
+    }
+    if r.batch.seqs.is_empty() {
+        return Err(bad("run.batch.seqs".into(), "no sequence".into()));
+    }
+    for (i, s) in r.batch.seqs.iter().enumerate() {
+        if s.len == 0 {
+            return Err(bad(
+                format!("run.batch.seqs[{i}].len"),
+                "0: a sequence needs at least one token".into(),
+            ));
+        }
+        if s.start_pos.checked_add(s.len).is_none_or(|p| p > MAX_POSITION) {
+            return Err(bad(
+                format!("run.batch.seqs[{i}]"),
+                format!(
+                    "start_pos {} + len {}: positions must stay below {MAX_POSITION} (2^31)",
+                    s.start_pos, s.len
+                ),
+            ));
+        }
+    }
+    let o = &r.path_options;
+    let splits = usize::try_from(MAX_NUM_KV_SPLITS).unwrap_or(usize::MAX);
+    for (field, v, max) in [
+        ("page_size", o.page_size, Some(MAX_PAGE_SIZE)),
+        ("num_splits", o.num_splits, Some(splits)),
+        ("tp", o.tp, None),
+        ("chunk_size", o.chunk_size, None),
+        ("new_tokens", o.new_tokens, None),
+    ] {
+        if v == 0 || max.is_some_and(|m| v > m) {
+            return Err(bad(
+                format!("run.path_options.{field}"),
+                match max {
+                    Some(m) => format!("{v}: expected an integer from 1 to {m}"),
+                    None => format!("{v}: expected at least 1"),
+                },
+            ));
+        }
+    }
+    let rows = std::iter::once(("tolerance.golden".to_string(), &m.tolerance.golden)).chain(
+        m.tolerance
+            .reference_table
+            .iter()
+            .enumerate()
+            .map(|(i, row)| (format!("tolerance.reference_table[{i}].tolerance"), &row.tolerance)),
+    );
+    for (at, t) in rows {
+        for (field, v) in [
+            ("rel_l2", t.rel_l2),
+            ("cos_diff", t.cos_diff),
+            ("norm_ratio", t.norm_ratio),
+            ("atol_rms", t.atol_rms),
+            ("rtol", t.rtol),
+            ("min_pass_fraction", t.min_pass_fraction),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(bad(
+                    format!("{at}.{field}"),
+                    format!("{v}: expected a finite number ≥ 0"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// An [`Error::Golden`] of `case` naming `path`.
 fn golden_err(case: &str, path: &Path, reason: String) -> Error {
     Error::Golden {
@@ -590,6 +677,7 @@ pub fn check(golden_dir: &Path, case: &str, cuda: CudaFactory<'_>) -> Result<Cas
     let file = open_pinned_gguf(golden_dir, case, &m)?;
     let cfg = MlaConfig::from_gguf(&file)?;
     check_config(case, &case_dir, &cfg, &m)?;
+    check_numbers(case, &case_dir.join(MANIFEST_FILE), &cfg, &m)?;
     let backend = recorded_backend(case, &case_dir, &m, cuda)?;
 
     // The golden tensors.

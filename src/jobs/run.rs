@@ -401,8 +401,23 @@ fn run_inner(
 ///
 /// Errors: [`Error::Usage`]; [`Error::LayerOutOfRange`].
 fn check_run(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<()> {
-    if rc.batch.n_tokens() == 0 || rc.batch.seqs.iter().any(|s| s.len == 0) {
+    if rc.batch.seqs.is_empty() || rc.batch.seqs.iter().any(|s| s.len == 0) {
         return Err(Error::Usage("every sequence needs at least one token".into()));
+    }
+    // T is summed unchecked downstream ([`Batch::n_tokens`]): refuse lengths that wrap.
+    if rc
+        .batch
+        .seqs
+        .iter()
+        .try_fold(0usize, |a, s| a.checked_add(s.len))
+        .is_none()
+    {
+        return Err(Error::Usage(
+            "the sequences' lengths add up past 2^64 − 1 tokens".into(),
+        ));
+    }
+    if rc.layers.is_empty() {
+        return Err(Error::Usage("no layer to run".into()));
     }
     let tp = rc.path_options.tp;
     if tp == 0 || !cfg.n_head.is_multiple_of(tp) {

@@ -372,8 +372,18 @@ pub(super) fn transposed_of(
     fused: bool,
 ) -> Option<(Class, Detection)> {
     let k = exp_shape.len();
-    if !(k >= 2 && shape.len() == k && shape[k - 1] == exp_shape[k - 2] && shape[k - 2] == exp_shape[k - 1])
+    // Every dim but the last two (the heads of a per-head weight) must agree, and each buffer
+    // must be as long as its shape: a tensor with another head count, or an expected shard
+    // sized for other ranks, is no transpose of the expected tensor (and the loop below
+    // indexes both buffers by `exp_shape`).
+    if !(k >= 2
+        && shape.len() == k
+        && shape[k - 1] == exp_shape[k - 2]
+        && shape[k - 2] == exp_shape[k - 1]
+        && shape[..k - 2] == exp_shape[..k - 2])
         || data.len() != exp.len()
+        || shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) != Some(data.len())
+        || exp_shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) != Some(exp.len())
     {
         return None;
     }
@@ -685,4 +695,38 @@ pub fn rank_out_of_range(name: &str, rank: usize, tp: usize, p: &Param) -> Findi
             "shard names must use ranks 0..tp_size (or the file must declare the TP size it was cut for)".into(),
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `exp` ([1, 3, 4], values 0..12) transposed per head: shape [1, 4, 3].
+    fn one_head() -> (Vec<f64>, Vec<f64>) {
+        let exp: Vec<f64> = (0..12u8).map(f64::from).collect();
+        let mut data = vec![0.0; 12];
+        for i in 0..3 {
+            for j in 0..4 {
+                data[j * 3 + i] = exp[i * 4 + j];
+            }
+        }
+        (exp, data)
+    }
+
+    #[test]
+    fn a_transposed_head_is_found() {
+        let (exp, data) = one_head();
+        let (class, _) = transposed_of("W_UK_T", &data, &[1, 4, 3], &exp, &[1, 3, 4], 1e-9, "src", false).unwrap();
+        assert_eq!(class, Class::KvBLayout);
+    }
+
+    /// An expected shape of more heads than its buffer holds (a shard cut for another TP size),
+    /// or a tensor of another head count: no transpose, and no index past either buffer.
+    #[test]
+    fn shapes_that_disagree_with_their_buffers_or_heads_are_no_transpose() {
+        let (exp, data) = one_head();
+        assert!(transposed_of("W_UK_T", &data, &[1, 4, 3], &exp, &[2, 3, 4], 1e-9, "src", false).is_none());
+        assert!(transposed_of("W_UK_T", &data, &[2, 4, 3], &exp, &[1, 3, 4], 1e-9, "src", false).is_none());
+        assert!(transposed_of("W_UV", &data, &[3, 4, 3], &exp, &[1, 3, 4], 1e-9, "src", true).is_none());
+    }
 }

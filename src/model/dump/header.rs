@@ -493,6 +493,7 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
             format!("`{b}`: expected `e` or `2`"),
         ));
     }
+    check_totals(path, &h.steps)?;
     let n = h.steps[0].seqs.len();
     // Each sequence's prefix-cache hit: (the step that declares it first, the hit).
     let mut prefixes: Vec<Option<(usize, PrefixHit)>> = vec![None; n];
@@ -547,6 +548,42 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
         check_step_chunks(path, k, st)?;
     }
     Ok(h)
+}
+
+/// Checks that the token counts of the header add up without overflow, before any reader
+/// sums them: each step's rows T (the sum of its `new`), and, per sequence, the sum over the
+/// steps of its `new`, `context`, `unrecorded` and `prefix.len` — every sum the readers and
+/// `compare` take of them (T, a sequence's tokens before a step, `context + new`, what a
+/// prefix-cache hit may read) is bounded by one of these. Runs before the steps' sequence
+/// counts are compared, so it reads only the sequences each step lists.
+///
+/// Errors: [`Error::Safetensors`] naming `__metadata__.header.steps[k].seqs[i].<field>` where
+/// the sum first exceeds 2⁶⁴ − 1.
+fn check_totals(path: &Path, steps: &[StepSpec]) -> Result<()> {
+    let n = steps.iter().map(|s| s.seqs.len()).max().unwrap_or(0);
+    let mut per_seq = vec![0usize; n];
+    for (k, st) in steps.iter().enumerate() {
+        let mut t = 0usize;
+        for (i, q) in st.seqs.iter().enumerate() {
+            let overflow = |field: &str| {
+                dump_error(
+                    path,
+                    format!("__metadata__.header.steps[{k}].seqs[{i}].{field}"),
+                    "the header's token counts add up past 2⁶⁴ − 1 (the step's new tokens, or the sequence's tokens over the steps)",
+                )
+            };
+            t = t.checked_add(q.new).ok_or_else(|| overflow("new"))?;
+            for (field, x) in [
+                ("new", q.new),
+                ("context", q.context),
+                ("unrecorded", q.unrecorded.unwrap_or(0)),
+                ("prefix", q.prefix.map_or(0, |p| p.len)),
+            ] {
+                per_seq[i] = per_seq[i].checked_add(x).ok_or_else(|| overflow(field))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Checks sequence `i`'s `unrecorded = u` declared in step `k` (whose share is `q`; its steps

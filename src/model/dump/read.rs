@@ -763,7 +763,8 @@ fn dump_batch(
         Some(s) => parse_list(path, "seq_lens", s)?,
         None => vec![t],
     };
-    if seq_lens.iter().sum::<usize>() != t || seq_lens.contains(&0) {
+    let total = seq_lens.iter().try_fold(0usize, |a, &n| a.checked_add(n));
+    if total != Some(t) || seq_lens.contains(&0) {
         return Err(dump_error(
             path,
             "__metadata__.seq_lens",
@@ -787,7 +788,7 @@ fn dump_batch(
     for &len in &seq_lens {
         let start = positions[off];
         for i in 0..len {
-            if positions[off + i] != start + i {
+            if start.checked_add(i) != Some(positions[off + i]) {
                 return Err(dump_error(
                     path,
                     "positions",

@@ -265,7 +265,7 @@ def test_a_dsa_layers_selection_is_recorded_as_idx_topk_where_the_reader_takes_i
     buf = torch.tensor([[0, -1, -1, -1], [1, 0, -1, -1], [2, 0, 1, -1], [9, 9, 9, 9]], dtype=torch.int32)
     cap = _capture_with_step(None, {}, {"L0.hidden_in": np.zeros((3, 2), np.float32)})
     cap.capturing, cap.done, cap.step_sites, cap.keep_sites, cap.repeats = True, False, {}, None, {}
-    cap.steps = []
+    cap.steps, cap.indexer_quant = [], None
     cap._indexer(0, None, (torch.zeros(3, 8),), buf)
     got = cap.t["L0.idx_topk"]
     assert got.dtype == np.float32 and got.tolist() == [

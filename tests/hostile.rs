@@ -39,8 +39,8 @@ use mla_diff::model::weights::{LayerWeights, dequant_tensor};
 /// `System`, counting the bytes currently allocated and the peak since the last reset.
 struct Counting;
 
-static CURRENT: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
+pub(crate) static CURRENT: AtomicUsize = AtomicUsize::new(0);
+pub(crate) static PEAK: AtomicUsize = AtomicUsize::new(0);
 
 fn grew(n: usize) {
     let now = CURRENT.fetch_add(n, Ordering::SeqCst) + n;
@@ -89,11 +89,12 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-/// Serializes the tests of this file: the allocator's counters are process-wide, so a test that
-/// measures them must not share the process with another one that allocates.
+/// Serializes the tests that measure the allocator (this file's and `hostile_dump`'s): its
+/// counters are process-wide, so a test that measures them must not share the process with
+/// another one that allocates.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-fn serial() -> MutexGuard<'static, ()> {
+pub(crate) fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -1143,7 +1144,7 @@ struct InProcess {
     peak: usize,
 }
 
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<String>()
         .cloned()
         .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))

@@ -169,7 +169,7 @@ pub fn read_bytes(path: &Path, bytes: &[u8]) -> Result<TraceFile> {
 
 /// Reads a trace file from disk.
 pub fn read(path: &Path) -> Result<TraceFile> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
+    let bytes = crate::core::fsio::read_regular(path)?;
     read_bytes(path, &bytes)
 }
 

@@ -123,6 +123,7 @@ pub fn compare_dump_with(
     // The reference selection of the latest full DSA indexer layer, for GLM's shared layers.
     let mut prev_sel: Option<Selection> = None;
     let stages_dumped = dumped_stages(dump.layers.values());
+    let mut ignored = dump.ignored.clone();
     let no_context = vec![0; dump.batch.seqs.len()];
     for (i, &layer) in layers.iter().enumerate() {
         let dumped = &dump.layers[&layer];
@@ -202,7 +203,7 @@ pub fn compare_dump_with(
             chunks: &[],
             head_subset: None,
         };
-        let (result, layer_findings) = judge_dumped_layer(
+        let (result, layer_findings, unjudged) = judge_dumped_layer(
             cfg,
             &dump.batch,
             &reference,
@@ -217,6 +218,7 @@ pub fn compare_dump_with(
         if findings.is_empty() {
             findings.extend(layer_findings);
         }
+        ignored.extend(unjudged);
         results.push(result);
         prev = Some(Handover::new(dumped, layer, t, cfg.hidden, ref_out)?);
     }
@@ -227,7 +229,7 @@ pub fn compare_dump_with(
         map: map_name.or_else(|| dump.map.clone()),
         metadata: dump.metadata.clone(),
         conversions: dump.conversions.clone(),
-        ignored: dump.ignored.clone(),
+        ignored,
         not_dumped,
         dtype,
         tolerance_rows: precision,
@@ -553,8 +555,9 @@ fn judge_dumped_layer(
     layer: usize,
     step: Option<String>,
     paged: Option<&PagedStep>,
-) -> (PathResult, Vec<Finding>) {
-    let diffs = timing::stage("judge", || metrics::diff(reference, dumped, precision));
+) -> (PathResult, Vec<Finding>, Vec<String>) {
+    let mut diffs = timing::stage("judge", || metrics::diff(reference, dumped, precision));
+    let unjudged = take_unjudged(&mut diffs, "");
     let findings = timing::stage("diagnose", || {
         diagnose_dumped_layer(cfg, batch, reference, dumped, &diffs, precision, tp, scope, paged)
     });
@@ -566,7 +569,33 @@ fn judge_dumped_layer(
         step,
         not_run: None,
     };
-    (result, findings)
+    (result, findings, unjudged)
+}
+
+/// Takes out of `diffs` the dumped sites the reference has no counterpart of
+/// ([`metrics::Status::NoReference`]): a TP rank's site (`o_proj.rank1`, `w.q_b.rank0`, the
+/// names `run --tp` gives its own) where the reference runs without TP, a stage the model or
+/// layer does not compute (`moe_topk` in a dense layer, `idx_*` without an indexer). Such a
+/// site cannot be judged, so it is no divergence: it is returned as a line of the dump's
+/// ignored list, its name `prefix` + site (`s1.` for a format-2 step) and why.
+fn take_unjudged(diffs: &mut Vec<metrics::SiteDiff>, prefix: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    diffs.retain(|d| {
+        if d.status != metrics::Status::NoReference {
+            return true;
+        }
+        let why = if matches!(
+            d.site.stage,
+            Stage::WRank(..) | Stage::OProjRank(_) | Stage::FfnGateUpRank(_) | Stage::FfnDownRank(_)
+        ) {
+            "a TP rank's site: the reference records ranks only at a TP size above 1 (format 2: the header's `tp`)"
+        } else {
+            "the reference computes no such site for this model and layer"
+        };
+        out.push(format!("{prefix}{} ({why})", d.site));
+        false
+    });
+    out
 }
 
 /// The dump's findings at one dumped layer whose sites `dumped` were judged against
@@ -820,6 +849,9 @@ struct StepState {
     /// The engine's selection at the latest full DSA indexer layer of the step (its layer, and
     /// per new row the kept positions), from the dump's `idx_topk` ([`engine_keys`]).
     engine_sel: Option<(usize, Vec<Vec<usize>>)>,
+    /// The step's dumped sites the reference has no counterpart of, as ignored-list lines
+    /// ([`take_unjudged`]).
+    unjudged: Vec<String>,
 }
 
 /// One reference over the union of several steps' sequences (the steps of `group` that dump
@@ -1394,6 +1426,15 @@ pub fn compare_steps_with(
                     .filter(|h| h.layer + 1 == layer)
                     .and_then(|h| h.dump_out.as_ref().or(h.ref_out.as_ref()))
                     .map(|e| TraceTensor::f64(vec![t_new, cfg.hidden], e.iter().copied().collect()));
+                // Layer 0's input is the embedding: a step that dumps its token ids has its
+                // hidden_in judged against embed(tokens), as format 1 judges its first layer's.
+                let handover_in = match (handover_in, &d.tokens) {
+                    (None, Some(tk)) if layer == 0 && tk.len() == t_new => {
+                        let e = embed_hidden(file, cfg, tk)?;
+                        Some(TraceTensor::f64(vec![t_new, cfg.hidden], e.iter().copied().collect()))
+                    }
+                    (h, _) => h,
+                };
                 let complete = |reference: &mut Trace| {
                     reference.extend(partials.clone());
                     if let Some(x) = &handover_in {
@@ -1427,6 +1468,8 @@ pub fn compare_steps_with(
                     }
                     None => timing::stage("judge", || metrics::diff(&reference, dumped, precision)),
                 };
+                let mut diffs = diffs;
+                st.unjudged.extend(take_unjudged(&mut diffs, &format!("s{k}.")));
                 let mut layer_findings = Vec::new();
                 if metrics::first_divergence(&diffs).is_some() {
                     // A diagnosis reads every stage: the whole reference (downloaded once per
@@ -1496,7 +1539,12 @@ pub fn compare_steps_with(
     let mut results = Vec::new();
     let mut findings = Vec::new();
     let mut not_dumped = Vec::new();
-    for ((spec, _), st) in steps_dump.steps.iter().zip(states) {
+    let mut ignored = steps_dump.ignored.clone();
+    for ((k, (spec, d)), st) in steps_dump.steps.iter().enumerate().zip(states) {
+        // The step's tensors that are no site (a misspelled stage, an unknown name), named as
+        // in the file, then the sites the reference has no counterpart of.
+        ignored.extend(d.ignored.iter().map(|n| format!("s{k}.{n}")));
+        ignored.extend(st.unjudged);
         results.extend(st.results);
         if findings.is_empty() {
             findings = st.findings;
@@ -1536,7 +1584,7 @@ pub fn compare_steps_with(
             map: map_name.or_else(|| first.map.clone()),
             metadata,
             conversions,
-            ignored: steps_dump.ignored.clone(),
+            ignored,
             not_dumped,
             dtype,
             tolerance_rows: precision,

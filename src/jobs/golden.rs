@@ -436,7 +436,7 @@ pub fn list_cases(golden_dir: &Path) -> Result<Vec<String>> {
 /// another schema version or a case name that disagrees with the folder.
 pub fn read_manifest(golden_dir: &Path, case: &str) -> Result<Manifest> {
     let path = golden_dir.join(case).join(MANIFEST_FILE);
-    let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, "read", e))?;
+    let bytes = crate::core::fsio::read_regular(&path)?;
     let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| json_err(&path, e))?;
     if m.schema != GOLDEN_SCHEMA_VERSION {
         return Err(golden_err(

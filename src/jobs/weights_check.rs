@@ -402,22 +402,17 @@ struct WeightsFile {
 /// Errors: an unreadable or malformed file or header, a bad `dtype`, a layer out of range, an
 /// integer dtype.
 fn read_weights_file(cfg: &MlaConfig, path: &Path, map: Option<&Map>) -> Result<WeightsFile> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
+    let bytes = crate::core::fsio::read_regular(path)?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
     let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
     let metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();
     // A format-2 dump carries the weights as `weights.L{n}.{param}` next to its steps, and its
     // engine, dtype, TP size and heads in the header.
-    let header = match metadata.get("format").map(|f| f.trim()) {
-        Some(FORMAT2) => Some(crate::model::dump::peek_header(path)?.ok_or_else(|| {
-            bad(
-                path,
-                "__metadata__.header",
-                format!("unreadable: a `{FORMAT2}` dump needs it"),
-            )
-        })?),
-        _ => None,
-    };
+    let header = crate::model::dump::header_from_metadata(
+        path,
+        metadata.get("format").map(String::as_str),
+        metadata.get("header").map(String::as_str),
+    )?;
     let (dtype_what, dtype_text) = match &header {
         Some(h) => ("__metadata__.header.dtype", h.dtype.clone()),
         None => ("__metadata__.dtype", metadata.get("dtype").cloned()),

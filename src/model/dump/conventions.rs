@@ -226,3 +226,36 @@ pub(super) fn conventions(
         dtype,
     })
 }
+
+/// Checks a format-2 header's `conventions` and `dtype` by the reader's own rules
+/// ([`conventions`]), naming their format-2 fields: `__metadata__.header.conventions.rope_order`,
+/// `….layout`, `….kv_a_order` and `__metadata__.header.dtype` (a format-2 dump has no
+/// `__metadata__.rope_order`).
+///
+/// Errors: [`Error::Safetensors`](crate::core::error::Error::Safetensors) naming the field.
+pub(super) fn check_header_conventions(path: &Path, h: &super::DumpHeader) -> crate::core::error::Result<()> {
+    use crate::core::error::Error;
+    let mut meta = BTreeMap::new();
+    for (key, v) in [
+        ("rope_order", &h.conventions.rope_order),
+        ("layout", &h.conventions.layout),
+        ("kv_a_order", &h.conventions.kv_a_order),
+        ("dtype", &h.dtype),
+    ] {
+        if let Some(v) = v {
+            meta.insert(key.to_string(), v.clone());
+        }
+    }
+    conventions(path, None, &meta).map(|_| ()).map_err(|e| match e {
+        Error::Safetensors { path, what, reason } => {
+            let key = what.trim_start_matches("__metadata__.");
+            let what = if key == "dtype" {
+                "__metadata__.header.dtype".to_string()
+            } else {
+                format!("__metadata__.header.conventions.{key}")
+            };
+            Error::Safetensors { path, what, reason }
+        }
+        other => other,
+    })
+}

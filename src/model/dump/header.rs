@@ -394,7 +394,9 @@ pub fn heads_config(cfg: &MlaConfig, heads: [usize; 2]) -> MlaConfig {
 /// `__metadata__.header` when a format-2 header is not valid JSON of the documented shape.
 pub fn peek_header(path: &Path) -> Result<Option<DumpHeader>> {
     use std::io::Read;
-    let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, "open", e))?;
+    let (f, file_len) = crate::core::fsio::open_regular(path)?;
+    // Never read past the file's length, whatever its first bytes declare.
+    let mut f = f.take(file_len);
     let mut len = [0u8; 8];
     if f.read_exact(&mut len).is_err() {
         return Ok(None);
@@ -402,7 +404,7 @@ pub fn peek_header(path: &Path) -> Result<Option<DumpHeader>> {
     let n = u64::from_le_bytes(len);
     // The safetensors header is small; a huge declared length is not a dump this can peek at
     // (the full read reports it properly).
-    if n > 64 << 20 {
+    if n > 64 << 20 || n > file_len.saturating_sub(8) {
         return Ok(None);
     }
     let mut head = vec![0u8; n as usize];
@@ -413,10 +415,22 @@ pub fn peek_header(path: &Path) -> Result<Option<DumpHeader>> {
         return Ok(None);
     };
     let meta = &v["__metadata__"];
-    if meta["format"].as_str().map(str::trim) != Some(FORMAT2) {
+    header_from_metadata(path, meta["format"].as_str(), meta["header"].as_str())
+}
+
+/// The header of the dump `path` whose `__metadata__` gives `format` and `header`: `None` for
+/// format 1 (any `format` but [`FORMAT2`]), else the header parsed and checked as `compare`'s
+/// reader does. `compare` and `weights --check` both read a format-2 header through here.
+///
+/// Errors: [`Error::Safetensors`] naming the field (`__metadata__.header…`) that is missing or
+/// wrong.
+pub fn header_from_metadata(path: &Path, format: Option<&str>, header: Option<&str>) -> Result<Option<DumpHeader>> {
+    if format.map(str::trim) != Some(FORMAT2) {
         return Ok(None);
     }
-    parse_header(path, meta["header"].as_str()).map(Some)
+    let h = parse_header(path, header)?;
+    super::conventions::check_header_conventions(path, &h)?;
+    Ok(Some(h))
 }
 
 /// The format-2 header `text` (`__metadata__.header`) of the dump `path`, parsed and checked:
@@ -435,8 +449,8 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
             format!("missing: a `{FORMAT2}` dump needs it"),
         )
     })?;
-    let v: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| dump_error(path, "__metadata__.header", e.to_string()))?;
+    let v: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| dump_error(path, "__metadata__.header", format!("not valid JSON: {e}")))?;
     match v.get("kernel_precision") {
         None | Some(serde_json::Value::Null) => {}
         Some(serde_json::Value::String(p)) if p == "bf16" || p == "f32" => {}
@@ -469,8 +483,7 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
     check_num_kv_splits(path, v.get("steps"))?;
     check_page_sizes(path, v.get("steps"))?;
     check_step_fields(path, v.get("steps"))?;
-    let h: DumpHeader =
-        serde_json::from_value(v).map_err(|e| dump_error(path, "__metadata__.header", e.to_string()))?;
+    let h = deserialize_header(path, v)?;
     if h.steps.is_empty() {
         return Err(dump_error(path, "__metadata__.header.steps", "no step"));
     }
@@ -548,6 +561,21 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
         check_step_chunks(path, k, st)?;
     }
     Ok(h)
+}
+
+/// The header JSON `v` as a [`DumpHeader`], through `serde_path_to_error` so that a type error
+/// or a missing field names its path (`__metadata__.header.steps[0].seqs[1].new`), not only the
+/// header.
+///
+/// Errors: [`Error::Safetensors`](crate::core::error::Error::Safetensors) naming the field.
+fn deserialize_header(path: &Path, v: serde_json::Value) -> Result<DumpHeader> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let field = match e.path().to_string() {
+            p if p == "." => "__metadata__.header".to_string(),
+            p => format!("__metadata__.header.{p}"),
+        };
+        dump_error(path, field, e.into_inner().to_string())
+    })
 }
 
 /// Checks that the token counts of the header add up without overflow, before any reader

@@ -201,7 +201,7 @@ impl Map {
                         "--map {path}: not a built-in map (hf, vllm, llama.cpp) and no such file"
                     )));
                 }
-                let bytes = std::fs::read(p).map_err(|e| Error::io(p, "read map", e))?;
+                let bytes = crate::core::fsio::read_regular(p)?;
                 serde_json::from_slice(&bytes).map_err(|e| Error::Json {
                     path: p.to_path_buf(),
                     reason: e.to_string(),

@@ -35,7 +35,7 @@ pub use conventions::{EngineDtype, KvAOrder, Layout, RopeOrder, map_from_metadat
 pub use header::{
     Conventions, DumpHeader, FORMAT1, FORMAT2, IndexerQuant, MAX_CONTEXT_CHUNKS, MAX_NUM_KV_SPLITS, MAX_PAGE_SIZE,
     MAX_QUANT_BLOCK, ModelIdentity, Patch, PrefixHit, SeqKernel, Software, StepSeq, StepSpec, TpInfo, check_identity,
-    heads_config, is_per_head, peek_header,
+    header_from_metadata, heads_config, is_per_head, peek_header,
 };
 pub use layout::{expected_shape, expected_shape_keys};
 pub use map::{Condition, Map, Rename};

@@ -14,11 +14,13 @@ use safetensors::{Dtype as StDtype, SafeTensors};
 
 use super::conventions::{DumpConventions, EngineDtype, KvAOrder, Layout, RopeOrder, conventions, map_from_metadata};
 use super::dump_error;
-use super::header::{DumpHeader, FORMAT2, StepSpec, heads_config, parse_header};
+use super::header::{DumpHeader, StepSpec, header_from_metadata, heads_config};
 use super::layout::{expected_shape_keys, hf_rope_to_interleaved, kv_a_to_latent_rope, normalize_shape};
 use super::map::Map;
 use crate::core::batch::{Batch, SeqSpec};
-use crate::core::error::{Error, Result};
+#[cfg(doc)]
+use crate::core::error::Error;
+use crate::core::error::Result;
 use crate::core::st::header_error;
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::model::config::MlaConfig;
@@ -191,16 +193,20 @@ pub enum DumpFile {
 /// `seq{i}.token_ids` missing for a sequence that declares `unrecorded` positions (the reference
 /// rebuilds them from it) and a step's `s{k}.tokens` that differ from the token ids.
 pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
+    let bytes = crate::core::fsio::read_regular(path)?;
     if bytes.starts_with(b"GGUF") {
         return load_bytes(path, &bytes, map, cfg).map(DumpFile::One);
     }
     let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
     let metadata = meta.metadata().clone().unwrap_or_default();
-    if metadata.get("format").map(|s| s.trim()) != Some(FORMAT2) {
+    let Some(header) = header_from_metadata(
+        path,
+        metadata.get("format").map(String::as_str),
+        metadata.get("header").map(String::as_str),
+    )?
+    else {
         return load_bytes(path, &bytes, map, cfg).map(DumpFile::One);
-    }
-    let header = parse_header(path, metadata.get("header").map(String::as_str))?;
+    };
     let heads_cfg = match header.heads {
         Some([a, b]) if b > cfg.n_head => {
             return Err(dump_error(
@@ -815,7 +821,7 @@ fn dump_batch(
 /// tensors or disagree with T; unknown metadata values; positions that do not increase by one
 /// within a sequence; no site at all.
 pub fn load(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<Dump> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, "read", e))?;
+    let bytes = crate::core::fsio::read_regular(path)?;
     load_bytes(path, &bytes, map, cfg)
 }
 

@@ -283,8 +283,8 @@ impl GgufFile {
         if path.is_dir() {
             return Err(Error::input(path, "open", "is a directory, not a GGUF file"));
         }
-        let file = std::fs::File::open(path).map_err(|e| Error::io(path, "open", e))?;
-        let len = file.metadata().map_err(|e| Error::io(path, "stat", e))?.len();
+        // A device or FIFO would be mapped or read without end: refused before any read.
+        let (file, len) = crate::core::fsio::open_regular(path)?;
         let backing = if len == 0 {
             Backing::Owned(Vec::new())
         } else {

@@ -1003,10 +1003,21 @@ fn format2_steps_are_judged_against_the_cached_context() {
         out.contains("step decode-2") || doc["dump"]["metadata"]["steps"] == "prefill,decode-1,decode-2",
         "{out}"
     );
+    // The header's patches are provenance, listed apart from the conversions, and one line of
+    // the text output names them.
+    assert_eq!(
+        doc["dump"]["patches"],
+        serde_json::json!(["`split-from-format-1`: a test builds the steps from one forward"])
+    );
     let conv = conversions(&doc);
-    assert!(
-        conv.iter().any(|c| c.starts_with("patch `split-from-format-1`")),
-        "{conv:?}"
+    assert!(!conv.iter().any(|c| c.contains("split-from-format-1")), "{conv:?}");
+    let patch_lines: Vec<&str> = out.lines().filter(|l| l.contains("split-from-format-1")).collect();
+    assert_eq!(
+        patch_lines,
+        [
+            "engine patches: 1 (split-from-format-1): the engine ran with them; --json and --report list each with its reason"
+        ],
+        "{out}"
     );
 }
 
@@ -1388,13 +1399,17 @@ fn a_multi_step_dump_lists_its_missing_sites_per_step() {
         "{nd:?}"
     );
     for step in ["decode-1", "decode-2"] {
-        for site in ["L0.w.kv_b", "L0.k_nope", "L0.v"] {
+        for site in ["L0.k_nope", "L0.v"] {
             assert!(
                 nd.contains(&format!("{step}: {site}").as_str()),
                 "{step}: {site} in {nd:?}"
             );
         }
         assert!(!nd.contains(&format!("{step}: L0.lse").as_str()), "{nd:?}");
+        // The weights the prefill holds are the decode steps' too: not missing there.
+        for site in ["L0.w.kv_b", "L0.w.fused_qkv_a"] {
+            assert!(!nd.contains(&format!("{step}: {site}").as_str()), "{nd:?}");
+        }
     }
     assert!(!nd.contains(&"prefill: L0.w.kv_b"), "{nd:?}");
     assert!(
@@ -1402,7 +1417,7 @@ fn a_multi_step_dump_lists_its_missing_sites_per_step() {
         "{out}"
     );
     assert!(
-        out.contains("not dumped in decode-1, decode-2 (not compared): L0.w.fused_qkv_a, L0.w.kv_b,"),
+        out.contains("not dumped in decode-1, decode-2 (not compared): L0.k_nope, L0.v\n"),
         "{out}"
     );
 }

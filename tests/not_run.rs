@@ -130,7 +130,7 @@ fn an_injected_misaligned_cut_is_a_finding_and_its_paths_are_not_run() {
     ]);
     assert_eq!(code, 1, "{out}{err}");
     assert!(
-        out.contains("finding [mha] quant-block-misaligned at L1.w.kv_b"),
+        out.contains("finding [mha, mqa, chunked, mixed] quant-block-misaligned at L1.w.kv_b"),
         "{out}"
     );
     assert!(out.contains("mha: not run (L1: blk.1.attn_v_b.weight"), "{out}");

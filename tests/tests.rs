@@ -1,6 +1,6 @@
 //! The integration tests, one binary (a module per area): one link instead of one per file, and
 //! `tests/common` compiled once. The CUDA tests are their own binary (`tests/cuda.rs`), since
-//! they skip as a whole where no GPU answers.
+//! they need a GPU (ignored unless asked for with `--include-ignored`).
 
 mod common;
 
@@ -19,6 +19,7 @@ mod dtype;
 mod exit_codes;
 mod faults;
 mod ffn;
+mod first_use;
 mod fixtures;
 mod golden;
 mod hf_golden;

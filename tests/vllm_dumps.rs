@@ -83,15 +83,14 @@ fn every_committed_vllm_dump_keeps_its_verdict() {
                 assert_eq!(s["status"], "pass", "{dump}: {s}");
             }
         }
-        let patches: Vec<&str> = doc["dump"]["conversions"]
+        let patches: Vec<&str> = doc["dump"]["patches"]
             .as_array()
             .unwrap()
             .iter()
             .filter_map(|c| c.as_str())
-            .filter(|c| c.starts_with("patch `"))
             .collect();
         assert!(
-            patches.iter().any(|p| p.starts_with("patch `cpu-platform`")),
+            patches.iter().any(|p| p.starts_with("`cpu-platform`: ")),
             "{dump}: {patches:?}"
         );
         match finding {
@@ -163,15 +162,14 @@ fn the_tp_dumps_weights_show_the_merged_column_shard_bug() {
             assert!(out.contains("every rank holds rank 0's slice"), "{out}");
         }
         let (_, _, _, doc) = compare_json(&model, &dump, &[]);
-        let patches: Vec<&str> = doc["dump"]["conversions"]
+        let patches: Vec<&str> = doc["dump"]["patches"]
             .as_array()
             .unwrap()
             .iter()
             .filter_map(|c| c.as_str())
-            .filter(|c| c.starts_with("patch `"))
             .collect();
         assert_eq!(
-            patches.iter().any(|p| p.starts_with("patch `fix-merged-column-rank`")),
+            patches.iter().any(|p| p.starts_with("`fix-merged-column-rank`: ")),
             fixed,
             "{}: {patches:?}",
             dump.display()
@@ -292,15 +290,15 @@ fn every_committed_live_vllm_dump_keeps_its_verdict() {
         if let Some((class, site)) = finding {
             assert_eq!(doc["findings"][0]["class"], class, "{dump}");
             assert_eq!(doc["findings"][0]["site"], site, "{dump}");
-            let conv: Vec<&str> = doc["dump"]["conversions"]
+            let patches: Vec<&str> = doc["dump"]["patches"]
                 .as_array()
                 .unwrap()
                 .iter()
                 .filter_map(|c| c.as_str())
                 .collect();
             assert!(
-                conv.iter().any(|c| c.contains("zero-unloaded-weights")),
-                "{dump}: {conv:?}"
+                patches.iter().any(|c| c.starts_with("`zero-unloaded-weights`: ")),
+                "{dump}: {patches:?}"
             );
         }
     }

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from . import dump_format
-from ._deps import optional
+from ._deps import optional, run_cli
 
 np = optional("numpy", "mla_diff_hooks.hf", "hf")
 
@@ -195,4 +195,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, "python -m mla_diff_hooks.hf", "hf")

@@ -18,7 +18,7 @@ import sys
 import types
 
 from . import dump_format
-from ._deps import optional
+from ._deps import optional, run_cli
 from .dump_format import site, step_tensor
 
 torch = optional("torch", "mla_diff_hooks.kernels", "kernels")
@@ -809,4 +809,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, "python -m mla_diff_hooks.kernels", "kernels")

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from . import dump_format
-from ._deps import optional
+from ._deps import optional, run_cli
 
 np = optional("numpy", "mla_diff_hooks.llama_cpp", "llama-cpp")
 
@@ -368,4 +368,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main, "python -m mla_diff_hooks.llama_cpp", "llama-cpp"))

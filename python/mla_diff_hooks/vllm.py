@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from . import dump_format, st_io
-from ._deps import optional
+from ._deps import optional, require, run_cli
 from .dump_format import site
 
 np = optional("numpy", "mla_diff_hooks.vllm", "vllm")
@@ -1995,7 +1995,9 @@ def _model_name(root) -> str:
 
 def attach(model_or_worker, **kwargs) -> VllmCapture:
     """Hooks on a model (or worker) in this process: `VllmCapture(model_or_worker, **kwargs)`,
-    armed. Run the forwards, then `cap.remove()` and `cap.write_format2(...)` (or write_dump)."""
+    armed. Run the forwards, then `cap.remove()` and `cap.write_format2(...)` (or write_dump).
+    Without numpy, torch or vLLM: ModuleNotFoundError with one line naming the [vllm] extra."""
+    require("mla_diff_hooks.vllm.attach", "vllm", ("numpy", "torch", "vllm"))
     return VllmCapture(model_or_worker, **kwargs).arm()
 
 
@@ -2483,4 +2485,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, "python -m mla_diff_hooks.vllm", "vllm")

@@ -64,6 +64,54 @@ def test_missing_numpy_is_one_line_naming_the_extra(tmp_path):
     )
 
 
+def _extra_line(mod: str, missing: str, extra: str) -> str:
+    return (
+        f"mla-diff-hooks: error: python -m mla_diff_hooks.{mod} needs {missing}, which is not installed; "
+        f"this needs the [{extra}] extra: pip install 'mla-diff[{extra}]'"
+    )
+
+
+def _run_module(mod: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m mla_diff_hooks.MOD ARGS` where numpy, torch and the engines are not installed."""
+    return _py(
+        f"import runpy\nsys.argv = ['{mod}', *sys.argv[1:]]\n"
+        f"runpy.run_module('mla_diff_hooks.{mod}', run_name='__main__', alter_sys=True)",
+        *args,
+    )
+
+
+def test_command_lines_without_their_extra_end_in_one_line_naming_it(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    cases = [
+        ("vllm", ["m.gguf", "--tokens", "1,2", "--dump", str(tmp_path / "d.safetensors")], "vllm", "vllm"),
+        ("hf", [str(tmp_path / "hf"), str(tmp_path / "o.safetensors")], "torch", "hf"),
+        ("llama_cpp", [str(tmp_path / "m.gguf"), str(tmp_path / "o.safetensors")], "gguf", "llama-cpp"),
+    ]
+    for mod, args, missing, extra in cases:
+        r = _run_module(mod, *args)
+        assert (r.returncode, r.stderr.strip()) == (2, _extra_line(mod, missing, extra)), (mod, r.stderr)
+        assert "Traceback" not in r.stderr
+
+
+def test_attach_without_the_vllm_extra_names_it():
+    r = _py("from mla_diff_hooks import vllm\nvllm.attach(None)")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == (
+        "ModuleNotFoundError: mla_diff_hooks.vllm.attach needs numpy, which is not installed; "
+        "this needs the [vllm] extra: pip install 'mla-diff[vllm]'"
+    )
+
+
+def test_a_module_outside_every_extra_is_named_with_its_own_install():
+    deps = hooks_module("_deps")
+    assert deps.missing_message("python -m mla_diff_hooks.vllm", "vllm_gguf_plugin.loader", "vllm") == (
+        "python -m mla_diff_hooks.vllm needs vllm_gguf_plugin, which is not installed; "
+        "pip install vllm-gguf-plugin"
+    )
+
+
 def test_optional_returns_the_module_when_present():
     deps = hooks_module("_deps")
     assert deps.optional("json", "x") is __import__("json")

@@ -48,12 +48,12 @@ for stage in "$@"; do
       step report-cuda-bf16 120 "$B" run --backend cuda --dtype bf16 --layer 1 --seqs 3,17 --page-size 4 --report "$OUT/r-cuda-bf16.md" --force --quiet
       ;;
     tests)
-      step cuda-tests 300 env MLA_DIFF_REPO="$PWD" .gpu/cuda-tests --nocapture --test-threads 1
+      step cuda-tests 300 env MLA_DIFF_REPO="$PWD" .gpu/cuda-tests --include-ignored --nocapture --test-threads 1
       ;;
     nccl)
       # The NCCL all-reduce with one rank on GPU 0 (libnccl.so on LD_LIBRARY_PATH: see
       # docs/gpu-validation.md), alone and as a run's o_proj all-reduce.
-      step nccl-one-rank 120 env MLA_DIFF_REPO="$PWD" .gpu/cuda-tests nccl_one_rank --nocapture --test-threads 1
+      step nccl-one-rank 120 env MLA_DIFF_REPO="$PWD" .gpu/cuda-tests nccl_one_rank --include-ignored --nocapture --test-threads 1
       step nccl-run 120 "$B" run --backend cuda --layer 1 --tp 1 --devices 0
       ;;
     quick)

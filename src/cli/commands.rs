@@ -46,6 +46,7 @@ pub fn cmd_weights(a: &WeightsArgs, out: &mut dyn Write) -> Result<Outcome> {
             "exit_code": if rep.all_pass() { 0 } else { 1 },
         });
         write_json(j, &report::to_json_bytes(&doc), a.output.force, out)?;
+        super::run::wrote(j, false);
     }
     Ok(if rep.all_pass() {
         Outcome::Pass
@@ -103,7 +104,16 @@ pub fn cmd_golden_record(a: &GoldenRecordArgs, settings: &Settings, out: &mut dy
         ),
     };
     TextSink::for_json(o.json.as_ref(), false).write(&text, out)?;
-    super::run::write_report_files(&rep, &file, &backend, o.json.as_ref(), o.report.as_ref(), o.force, out)?;
+    super::run::write_report_files(
+        &rep,
+        &file,
+        &backend,
+        o.json.as_ref(),
+        o.report.as_ref(),
+        o.force,
+        o.quiet,
+        out,
+    )?;
     Ok(Outcome::of(rep.verdict(), || rep.inconclusive_reason()))
 }
 
@@ -238,6 +248,7 @@ fn cmd_bench_dequant(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Resu
     if let Some(j) = &a.output.json {
         let doc = serde_json::json!({"kind": "dequant", "file": path.display().to_string(), "figures": figs});
         write_json(j, &report::to_json_bytes(&doc), a.output.force, out)?;
+        super::run::wrote(j, false);
     }
     Ok(Outcome::Pass)
 }
@@ -284,6 +295,7 @@ fn cmd_bench_reference(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Re
     if let Some(j) = &a.output.json {
         let doc = serde_json::json!({"kind": "reference", "bench": b});
         write_json(j, &report::to_json_bytes(&doc), a.output.force, out)?;
+        super::run::wrote(j, false);
     }
     Ok(Outcome::Pass)
 }
@@ -313,6 +325,7 @@ pub fn cmd_bench(a: &BenchArgs, settings: &Settings, out: &mut dyn Write) -> Res
     TextSink::for_json(a.output.json.as_ref(), false).write(&text, out)?;
     if let Some(j) = &a.output.json {
         write_json(j, &report::to_json_bytes(&figs), a.output.force, out)?;
+        super::run::wrote(j, false);
     }
     Ok(Outcome::Pass)
 }
@@ -428,6 +441,7 @@ pub fn cmd_selftest(a: &SelftestArgs, settings: &Settings, out: &mut dyn Write) 
     TextSink::for_json(a.output.json.as_ref(), false).write(&text, out)?;
     if let Some(j) = &a.output.json {
         write_json(j, &report::to_json_bytes(&rep), a.output.force, out)?;
+        super::run::wrote(j, false);
     }
     Ok(if ok { Outcome::Pass } else { Outcome::Divergence })
 }

@@ -83,13 +83,18 @@ fn finish_report(
         report::terminal_fit(rep, sink.table_width(wide))
     };
     sink.write(&text, out)?;
-    write_report_files(rep, file, backend, json, md, force, out)?;
+    write_report_files(rep, file, backend, json, md, force, quiet, out)?;
     Ok(Outcome::of(rep.verdict(), || rep.inconclusive_reason()))
 }
 
-/// Writes a report's `--json` document (to `out` for `-`) and `--report` Markdown and heat map.
+/// Writes a report's `--json` document (to `out` for `-`) and `--report` Markdown and heat map,
+/// naming each file written on stderr (`wrote PATH`) unless `quiet`.
 ///
 /// Errors: as [`super::outputs::write_json`] and [`crate::output::triage::write`].
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the report and what it needs (file, backend), its two outputs, and how to write them (force, quiet, out)"
+)]
 pub(super) fn write_report_files(
     rep: &RunReport,
     file: &GgufFile,
@@ -97,16 +102,28 @@ pub(super) fn write_report_files(
     json: Option<&PathBuf>,
     md: Option<&PathBuf>,
     force: bool,
+    quiet: bool,
     out: &mut dyn Write,
 ) -> Result<()> {
     if let Some(j) = json {
         super::outputs::write_json(j, &report::to_json_bytes(&report::json(rep)), force, out)?;
+        wrote(j, quiet);
     }
     if let Some(r) = md {
         let env = crate::output::triage::Environment::detect(backend);
         crate::output::triage::write(r, rep, &env, &crate::output::triage::reproduce_command(), file, force)?;
+        wrote(r, quiet);
+        wrote(&crate::output::triage::plot_path(r), quiet);
     }
     Ok(())
+}
+
+/// `wrote PATH` on stderr for a file an output flag wrote (not for `-`, standard output), so a
+/// user sees every file a command left behind; nothing when `quiet`.
+pub(super) fn wrote(path: &std::path::Path, quiet: bool) {
+    if !quiet && !super::outputs::is_stdout(path) {
+        eprintln!("wrote {}", path.display());
+    }
 }
 
 /// `mla-diff compare`.
@@ -376,10 +393,23 @@ fn check_faults(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig, dtype: crate::
                 why.join("; ")
             )));
         }
+        // One note per distinct reason, naming every path it holds for.
+        let mut idle: Vec<(String, Vec<String>)> = Vec::new();
         for (p, v) in verdicts {
             if let Err(e) = v {
-                eprintln!("mla-diff: note: --inject {f} does not act on path {p} ({e})");
+                let e = e.to_string();
+                match idle.iter_mut().find(|(r, _)| *r == e) {
+                    Some((_, ps)) => ps.push(p.to_string()),
+                    None => idle.push((e, vec![p.to_string()])),
+                }
             }
+        }
+        for (e, ps) in idle {
+            let paths = if ps.len() == 1 { "path" } else { "paths" };
+            eprintln!(
+                "mla-diff: note: --inject {f} does not act on {paths} {} ({e})",
+                ps.join(", ")
+            );
         }
     }
     Ok(())

@@ -30,6 +30,11 @@ use crate::model::config::MlaConfig;
 use crate::model::gguf::{GgmlType, GgufFile};
 use crate::model::weights::LayerWeights;
 
+/// The start of a path's note when the path ran but had nothing of its own to act on (the
+/// chunked path with no cached context): its verdict line then says `nothing judged` and why,
+/// instead of only "within tolerance". The rest of the note is the reason.
+pub const NOTHING_JUDGED: &str = "nothing judged: ";
+
 /// Which engine path to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

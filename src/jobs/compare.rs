@@ -222,6 +222,7 @@ pub fn compare_dump_with(
         results.push(result);
         prev = Some(Handover::new(dumped, layer, t, cfg.hidden, ref_out)?);
     }
+    wrong_model_hint(&mut findings, &results, &dump.path, file.path());
     let engine = dump.metadata.get("engine").cloned().unwrap_or_else(|| "unknown".into());
     let summary = DumpSummary {
         path: dump.path.display().to_string(),
@@ -229,6 +230,7 @@ pub fn compare_dump_with(
         map: map_name.or_else(|| dump.map.clone()),
         metadata: dump.metadata.clone(),
         conversions: dump.conversions.clone(),
+        patches: Vec::new(),
         ignored,
         not_dumped,
         dtype,
@@ -1540,11 +1542,22 @@ pub fn compare_steps_with(
     let mut findings = Vec::new();
     let mut not_dumped = Vec::new();
     let mut ignored = steps_dump.ignored.clone();
-    for ((k, (spec, d)), st) in steps_dump.steps.iter().enumerate().zip(states) {
+    // A weight is the same in every step: one that some step dumped is not missing from the
+    // others (listing it would name, in a decode step, the very site a prefill finding is at).
+    let weights_dumped: Vec<Site> = steps_dump
+        .steps
+        .iter()
+        .flat_map(|(_, d)| d.layers.values())
+        .flat_map(|tr| tr.entries().iter().map(|(s, _)| *s))
+        .filter(|s| s.stage.is_weight())
+        .collect();
+    for ((k, (spec, d)), mut st) in steps_dump.steps.iter().enumerate().zip(states) {
         // The step's tensors that are no site (a misspelled stage, an unknown name), named as
         // in the file, then the sites the reference has no counterpart of.
         ignored.extend(d.ignored.iter().map(|n| format!("s{k}.{n}")));
-        ignored.extend(st.unjudged);
+        ignored.extend(std::mem::take(&mut st.unjudged));
+        st.missing.first.retain(|s| !weights_dumped.contains(s));
+        st.missing.rest.retain(|s| !weights_dumped.contains(s));
         results.extend(st.results);
         if findings.is_empty() {
             findings = st.findings;
@@ -1557,12 +1570,11 @@ pub fn compare_steps_with(
     for (layer, (from, steps)) in attended {
         conversions.push(format!("{} (steps {})", attend_note(layer, from), steps.join(", ")));
     }
-    conversions.extend(
-        header
-            .patches
-            .iter()
-            .map(|p| format!("patch `{}`: {}", p.name, p.reason)),
-    );
+    let patches: Vec<String> = header
+        .patches
+        .iter()
+        .map(|p| format!("`{}`: {}", p.name, p.reason))
+        .collect();
     let engine = format!("{} {}", header.engine.name, header.engine.version)
         .trim()
         .to_string();
@@ -1584,6 +1596,7 @@ pub fn compare_steps_with(
             map: map_name.or_else(|| first.map.clone()),
             metadata,
             conversions,
+            patches,
             ignored,
             not_dumped,
             dtype,
@@ -1592,6 +1605,37 @@ pub fn compare_steps_with(
         loaded_weights,
     };
     Ok((report, tally))
+}
+
+/// Adds to a `mismatch` finding at the first layer's `hidden_in` (judged against
+/// `embed(tokens)`, before any engine code ran) that the dump may come from another model, naming
+/// `dump` and `gguf`, when that site differs grossly: rel_l2 or cos_diff at least
+/// [`crate::judge::tolerance::WRONG_MODEL_BAND`].
+fn wrong_model_hint(findings: &mut [Finding], results: &[PathResult], dump: &std::path::Path, gguf: &std::path::Path) {
+    let band = crate::judge::tolerance::WRONG_MODEL_BAND.0;
+    let Some(first) = results.first() else { return };
+    let Some(d) = first.diffs.iter().find(|d| d.site.stage == Stage::HiddenIn) else {
+        return;
+    };
+    let Some(m) = &d.metrics else { return };
+    if !(m.rel_l2 >= band || m.cos_diff >= band || !m.rel_l2.is_finite()) {
+        return;
+    }
+    for f in findings.iter_mut() {
+        if f.class == crate::core::class::Class::Mismatch && f.site() == Some(d.site) {
+            f.hint = format!(
+                "this may be another model's dump: the first site {} is not embed(tokens) of {} \
+                 (rel_l2 {}, cos_diff {}), before any engine code ran; check that {} was made from \
+                 that GGUF (a format-1 dump does not name its model), then {}",
+                d.site,
+                gguf.display(),
+                crate::core::sci::sci(m.rel_l2, 2),
+                crate::core::sci::sci(m.cos_diff, 2),
+                dump.display(),
+                f.hint
+            );
+        }
+    }
 }
 
 /// The layers any step of `steps_dump` holds, ascending, each once.

@@ -319,6 +319,7 @@ fn run_inner(
             tensor_types = w.types.clone();
         }
         let bad = timing::stage("dequant", || w.nonfinite());
+        let zeros = if wanted { w.zero_matrices() } else { Vec::new() };
         file.release_resident_pages();
         findings.extend(nonfinite_weight_findings(file, layer, &bad));
         let hidden = layer_hidden_in(cfg, rc, layer, &mut carried)?;
@@ -368,6 +369,12 @@ fn run_inner(
             )?;
             drop(handed);
             add_path_findings(&mut findings, &res, f);
+            let mut res = res;
+            // Once per layer, on its first path: the sites an all-zero matrix feeds are 0 on
+            // both sides, which "within tolerance" alone does not say.
+            if let (Some(note), Some(r)) = (zero_weights_note(layer, &zeros), res.first_mut()) {
+                r.notes.insert(0, note);
+            }
             results.extend(res);
             if keep_traces || keep_reference {
                 traces.push(LayerTraces {
@@ -394,6 +401,21 @@ fn run_inner(
         loaded_weights: None,
     };
     Ok((report, traces))
+}
+
+/// The note of a layer whose GGUF holds all-zero projection matrices (`zeros`, their GGUF
+/// names, from [`LayerWeights::zero_matrices`]); `None` when there is none.
+fn zero_weights_note(layer: usize, zeros: &[String]) -> Option<String> {
+    if zeros.is_empty() {
+        return None;
+    }
+    let one = zeros.len() == 1;
+    Some(format!(
+        "layer {layer}'s {} {} all zeros in the GGUF: what {} feeds is 0 in the reference and on every path, so it passes without judging anything",
+        zeros.iter().map(|z| format!("`{z}`")).collect::<Vec<_>>().join(", "),
+        if one { "is" } else { "are" },
+        if one { "it" } else { "each" },
+    ))
 }
 
 /// Refuses a run with an empty sequence, a TP size that does not divide the `N` heads, or a

@@ -443,22 +443,33 @@ impl RunReport {
                         detail: why,
                     };
                 }
-                let idle: Vec<String> = ran
+                let idle: Vec<(String, &String)> = ran
                     .iter()
                     .filter_map(|r| {
                         r.notes
                             .iter()
                             .find(|n| n.contains("nothing to act on"))
-                            .map(|n| format!("{}: {n}", r.path))
+                            .map(|n| (r.path.to_string(), n))
                     })
                     .collect();
                 if idle.len() == ran.len() {
-                    let mut idle = idle;
-                    idle.dedup();
+                    // One sentence per distinct note, with every path (and layer) that gave it.
+                    let mut by_note: Vec<(Vec<String>, &String)> = Vec::new();
+                    for (p, n) in idle {
+                        match by_note.iter_mut().find(|(_, m)| *m == n) {
+                            Some((ps, _)) if !ps.contains(&p) => ps.push(p),
+                            Some(_) => {}
+                            None => by_note.push((vec![p], n)),
+                        }
+                    }
+                    let detail: Vec<String> = by_note
+                        .iter()
+                        .map(|(ps, n)| format!("{}: {n}", ps.join(", ")))
+                        .collect();
                     return FaultStatus {
                         fault: f,
                         outcome: FaultOutcome::NotExercised,
-                        detail: idle.join("; "),
+                        detail: detail.join("; "),
                     };
                 }
                 // A path it acts on whose finding lies at or before the fault's own first site.
@@ -585,6 +596,10 @@ pub struct DumpSummary {
     pub metadata: BTreeMap<String, String>,
     /// Conversions applied.
     pub conversions: Vec<String>,
+    /// The patches the engine ran with (format 2's header `patches`, `NAME: REASON` each):
+    /// provenance of the dump, changes to the engine the harness made so that it runs, not
+    /// conversions of what it dumped.
+    pub patches: Vec<String>,
     /// Dump tensors that were not compared (not sites, not renamed).
     pub ignored: Vec<String>,
     /// Reference sites of the dumped layers that the dump lacks.

@@ -406,6 +406,19 @@ pub const RESIDUAL_ALPHA_MARGIN: (f64, &str) = (
      their squares when applied twice",
 );
 
+/// `compare`: the first layer's `hidden_in` judged against `embed(tokens)` that differs by at
+/// least this rel_l2 or cos_diff is grossly wrong, and the finding adds that the dump may come
+/// from another model than the GGUF; the band and its provenance.
+pub const WRONG_MODEL_BAND: (f64, &str) = (
+    0.5,
+    "an embedding lookup copies rows of token_embd, so an engine's hidden_in of the same model \
+     differs from embed(tokens) only by its dtype's rounding (rel_l2 below 1e-2 in bf16, 3e-3 in \
+     f16) or a declared scale; a residual-stream bug has not run yet at the first site. Rows of \
+     another model's embedding are unrelated to these: rel_l2 near 1.4 and cos_diff near 1 for \
+     independent rows of equal norm, and a requantized copy of the same model stays below 0.1 \
+     (tiny-v3-f32's HF dump against tiny-v3-q4_k_m: rel_l2 6.9e-2); 0.5 sits between",
+);
+
 /// `precision`: a replay that does not explain the candidate outright must leave at most this
 /// fraction of the error as is, with its provenance.
 pub const PRECISION_FAR_BELOW: (f64, &str) = (

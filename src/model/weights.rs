@@ -540,6 +540,45 @@ impl LayerWeights {
 }
 
 impl LayerWeights {
+    /// The GGUF names of this layer's projection matrices (q, `kv_a`, kv_b, `o_proj`, the dense
+    /// FFN's gate/up/down) that hold only zeros (±0.0) after dequantization, in load order: what
+    /// such a matrix feeds is zero in the reference and on every path alike, so those sites pass
+    /// without judging anything. Empty arrays (tensors handed over) are not listed.
+    pub fn zero_matrices(&self) -> Vec<String> {
+        fn zero<S: ndarray::Data<Elem = f32>, D: ndarray::Dimension>(a: &ndarray::ArrayBase<S, D>) -> bool {
+            !a.is_empty() && a.iter().all(|&x| x == 0.0)
+        }
+        let n = |t: T| t.name(self.layer);
+        let mut out = Vec::new();
+        let mut check = |t: T, z: bool| {
+            if z {
+                out.push(n(t));
+            }
+        };
+        match &self.q {
+            QWeights::Lora { q_a, q_b, .. } => {
+                check(T::AttnQA, zero(q_a));
+                check(T::AttnQB, zero(q_b));
+            }
+            QWeights::Direct { q } => check(T::AttnQ, zero(q)),
+        }
+        check(T::AttnKvAMqa, zero(&self.kv_a_mqa));
+        match &self.kv_b {
+            KvBWeights::Split { k_b, v_b } => {
+                check(T::AttnKB, zero(k_b));
+                check(T::AttnVB, zero(v_b));
+            }
+            KvBWeights::Fused { kv_b } => check(T::AttnKvB, zero(kv_b)),
+        }
+        check(T::AttnOutput, zero(&self.o_proj));
+        if let Some(f) = &self.ffn {
+            check(T::FfnGate, zero(&f.gate));
+            check(T::FfnUp, zero(&f.up));
+            check(T::FfnDown, zero(&f.down));
+        }
+        out
+    }
+
     /// Tensors of this layer holding NaN or ±Inf after dequantization, in load order.
     pub fn nonfinite(&self) -> Vec<NonFiniteTensor> {
         let n = |t: T| t.name(self.layer);

@@ -178,7 +178,12 @@ pub fn verdict_lines(report: &RunReport) -> Vec<String> {
         match first {
             None if n_sites == 0 && skipped.is_empty() => out.push(format!("{path}: not run")),
             None if n_sites == 0 => out.push(format!("{path}: not run ({})", summarize_not_run(&skipped, false))),
-            None => out.push(format!("{path}: all {n_sites} sites within tolerance{also}")),
+            None => match nothing_judged(&of_path) {
+                Some(why) => out.push(format!(
+                    "{path}: nothing judged ({why}); its {n_sites} sites within tolerance{also}"
+                )),
+                None => out.push(format!("{path}: all {n_sites} sites within tolerance{also}")),
+            },
             Some(d) => {
                 let detail = d
                     .metrics
@@ -215,6 +220,22 @@ pub fn verdict_lines(report: &RunReport) -> Vec<String> {
         out.push(format!("inconclusive: {why}"));
     }
     out
+}
+
+/// Why a path that ran had nothing of its own to act on, when every result of it that ran
+/// says so (a note starting with [`crate::compute::path::NOTHING_JUDGED`]); `None` otherwise.
+fn nothing_judged(of_path: &[&PathResult]) -> Option<String> {
+    let ran: Vec<&PathResult> = of_path.iter().copied().filter(|r| !r.diffs.is_empty()).collect();
+    let whys: Vec<String> = ran
+        .iter()
+        .filter_map(|r| {
+            r.notes
+                .iter()
+                .find_map(|n| n.strip_prefix(crate::compute::path::NOTHING_JUDGED))
+                .map(str::to_string)
+        })
+        .collect();
+    (!ran.is_empty() && whys.len() == ran.len()).then(|| whys[0].clone())
 }
 
 /// A dump's failing loaded weight as the verdict line names it: `loaded weight
@@ -458,6 +479,20 @@ pub fn dump_lines(report: &RunReport) -> Vec<String> {
         }
     }
     let mut out = Vec::new();
+    // The engine's own patches are provenance, not conversions: one line naming them; the
+    // JSON `dump.patches` and the report's "Engine patches" list each with its reason.
+    if !d.patches.is_empty() {
+        let names: Vec<&str> = d
+            .patches
+            .iter()
+            .map(|p| p.split_once(": ").map_or(p.as_str(), |(n, _)| n).trim_matches('`'))
+            .collect();
+        out.push(format!(
+            "engine patches: {} ({}): the engine ran with them; --json and --report list each with its reason",
+            names.len(),
+            names.join(", ")
+        ));
+    }
     for c in &d.conversions {
         out.push(format!("converted {c}"));
     }
@@ -499,22 +534,30 @@ pub fn dump_lines(report: &RunReport) -> Vec<String> {
 }
 
 /// One paragraph per finding: class, site (and, in a dump of several steps, the step it first
-/// diverged in), path, evidence, hint.
+/// diverged in), path, evidence, hint. Findings that say the same thing (class, site, step,
+/// evidence and hint) on several paths share one paragraph naming every path
+/// (`finding [mha, mqa, chunked, mixed] …`), so one bug is printed once.
 pub fn finding_lines(report: &RunReport) -> Vec<String> {
-    report
-        .findings
-        .iter()
-        .map(|f| {
-            format!(
-                "finding [{}] {} at {}{}: {}\n  hint: {}",
-                finding_origin(f),
-                f.class,
-                f.subject,
-                finding_step(report, f).map_or(String::new(), |s| format!(" in {s}")),
-                f.evidence,
-                f.hint
-            )
-        })
+    let mut groups: Vec<(Vec<String>, String)> = Vec::new();
+    for f in &report.findings {
+        let body = format!(
+            "{} at {}{}: {}\n  hint: {}",
+            f.class,
+            f.subject,
+            finding_step(report, f).map_or(String::new(), |s| format!(" in {s}")),
+            f.evidence,
+            f.hint
+        );
+        let origin = finding_origin(f);
+        match groups.iter_mut().find(|(_, b)| *b == body) {
+            Some((origins, _)) if !origins.contains(&origin) => origins.push(origin),
+            Some(_) => {}
+            None => groups.push((vec![origin], body)),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(origins, body)| format!("finding [{}] {body}", origins.join(", ")))
         .collect()
 }
 

@@ -355,20 +355,7 @@ pub fn markdown(rep: &RunReport, env: &Environment, command: &str, file: &GgufFi
     }
     s.push('\n');
 
-    s.push_str("## Error heat map\n\n");
-    let _ = writeln!(
-        s,
-        "![rel_l2 per layer and path (rows) and site (columns), log scale]({plot_name})\n\n\
-         Each cell is a site's `rel_l2` against the reference on a log scale (viridis: purple \
-         exact, teal f32 rounding, yellow order 1); red outlines fail, `1st` marks each row's \
-         first divergence, black cells are non-finite (`NaN`), grey cells were not recorded by \
-         that path.{}\n",
-        if rep.not_run().is_empty() {
-            ""
-        } else {
-            " A row written `not run` is a path that could not run at that layer."
-        }
-    );
+    s.push_str(&heatmap_section(rep, plot_name));
 
     s.push_str("## Per-site tables\n\n");
     for r in &rep.results {
@@ -397,6 +384,34 @@ pub fn markdown(rep: &RunReport, env: &Environment, command: &str, file: &GgufFi
         }
         s.push_str("\n</details>\n\n");
     }
+    s
+}
+
+/// The report's "Error heat map" section: the SVG `plot_name` linked beside the report, its
+/// legend, and the same map as text ([`heatmap_text`]).
+fn heatmap_section(rep: &RunReport, plot_name: &str) -> String {
+    let mut s = String::from("## Error heat map\n\n");
+    let _ = writeln!(
+        s,
+        "![rel_l2 per layer and path (rows) and site (columns), log scale]({plot_name})\n\n\
+         Each cell is a site's `rel_l2` against the reference on a log scale (viridis: purple \
+         exact, teal f32 rounding, yellow order 1); red outlines fail, `1st` marks each row's \
+         first divergence, black cells are non-finite (`NaN`), grey cells were not recorded by \
+         that path.{}\n",
+        if rep.not_run().is_empty() {
+            ""
+        } else {
+            " A row written `not run` is a path that could not run at that layer."
+        }
+    );
+    // The same map as text: the image is a file beside the report, which a report pasted
+    // into an issue loses.
+    let _ = writeln!(
+        s,
+        "As text (`log10(rel_l2)` rounded; `*` fails, `<` first divergence, `.` not recorded):\n\n```text\n{}```\n",
+        heatmap_text(rep)
+    );
+
     s
 }
 
@@ -430,6 +445,9 @@ fn dump_section(rep: &RunReport) -> String {
         }
         s.push('\n');
     };
+    if !d.patches.is_empty() {
+        list(&mut s, "Engine patches (the engine ran with them)", &d.patches, "");
+    }
     list(
         &mut s,
         "Conversions",
@@ -570,12 +588,8 @@ fn draw_legend(legend: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>, h: 
     Ok(())
 }
 
-/// Draws the per-(layer, path) × per-site `log10(rel_l2)` heat map as SVG text: failing cells
-/// outlined in red, the first divergence of each row marked `1st`, non-finite cells black with
-/// `NaN`, absent cells grey, and a row that did not run written `not run`.
-///
-/// Errors: [`Error::Internal`] when plotters fails (it does not for SVG output in memory).
-pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
+/// The heat map's columns: every stage some result recorded, in data-flow order.
+fn heatmap_stages(rep: &RunReport) -> Vec<crate::core::trace::Stage> {
     let mut stages: Vec<crate::core::trace::Stage> = Vec::new();
     for r in &rep.results {
         for d in &r.diffs {
@@ -585,7 +599,76 @@ pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
         }
     }
     stages.sort_by_key(|s| s.order());
-    let rows: Vec<String> = rep.results.iter().map(|r| format!("L{} {}", r.layer, r.path)).collect();
+    stages
+}
+
+/// The heat map's row labels, one per result: `L1 mqa`, and `L0 dump decode-1` for a step of
+/// a format-2 dump.
+fn heatmap_rows(rep: &RunReport) -> Vec<String> {
+    rep.results
+        .iter()
+        .map(|r| match &r.step {
+            Some(k) => format!("L{} {} {k}", r.layer, r.path),
+            None => format!("L{} {}", r.layer, r.path),
+        })
+        .collect()
+}
+
+/// The heat map as text, for where an image does not show (a report pasted into a GitHub
+/// issue drops relative and `data:` images): one row per (layer, path[, step]), one column per
+/// stage numbered in a key below, each cell `log10(rel_l2)` rounded to an integer (−16 exact,
+/// about −7 f32 rounding, 0 order 1), `*` after a failing cell, `<` after the row's first
+/// divergence, `.` not recorded, `NaN` non-finite where the reference is finite.
+pub fn heatmap_text(rep: &RunReport) -> String {
+    let stages = heatmap_stages(rep);
+    let rows = heatmap_rows(rep);
+    let label_w = rows.iter().map(|r| r.chars().count()).max().unwrap_or(0).max(4);
+    let mut s = format!("{:label_w$}", "site");
+    for i in 1..=stages.len() {
+        s.push_str(&format!("{i:>6}"));
+    }
+    s.push('\n');
+    for (r, name) in rep.results.iter().zip(&rows) {
+        s.push_str(&format!("{name:label_w$}"));
+        if r.diffs.is_empty() {
+            s.push_str("  not run\n");
+            continue;
+        }
+        let first = crate::judge::metrics::first_divergence(&r.diffs).map(|d| d.site.stage);
+        for st in &stages {
+            let d = r.diffs.iter().find(|d| d.site.stage == *st);
+            let mut c = match Cell::of(d) {
+                Cell::Absent => ".".to_string(),
+                Cell::NonFinite => "NaN".to_string(),
+                Cell::Value(v) => format!("{}", v.round() as i64),
+            };
+            if d.is_some_and(SiteDiff::is_failure) {
+                c.push('*');
+            }
+            if first == Some(*st) {
+                c.push('<');
+            }
+            s.push_str(&format!("{c:>6}"));
+        }
+        s.push('\n');
+    }
+    let key: Vec<String> = stages
+        .iter()
+        .enumerate()
+        .map(|(i, st)| format!("{} {}", i + 1, st.name()))
+        .collect();
+    s.push_str(&format!("\nsites: {}\n", key.join(", ")));
+    s
+}
+
+/// Draws the per-(layer, path) × per-site `log10(rel_l2)` heat map as SVG text: failing cells
+/// outlined in red, the first divergence of each row marked `1st`, non-finite cells black with
+/// `NaN`, absent cells grey, and a row that did not run written `not run`.
+///
+/// Errors: [`Error::Internal`] when plotters fails (it does not for SVG output in memory).
+pub fn heatmap_svg(rep: &RunReport) -> Result<String> {
+    let stages = heatmap_stages(rep);
+    let rows = heatmap_rows(rep);
     let (nc, nr) = (stages.len().max(1), rows.len().max(1));
     let cell = 30u32;
     // At least wide enough for the caption above the plot, whatever the column count.

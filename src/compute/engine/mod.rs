@@ -352,6 +352,15 @@ fn run_loaded<O: Ops>(
         });
     }
     record_rank_outputs(ops, &mut tr, layer, t, cfg, &mut outs)?;
+    if kind == PathKind::Chunked && chunked_split(input.batch, opts.new_tokens).iter().all(|&(c, _)| c == 0) {
+        // No cached context: the chunk loop never ran, so the path was a plain causal prefill
+        // and its own code (chunks, their merge) was never judged.
+        notes.push(format!(
+            "{}no sequence is longer than --new-tokens {}, so there was no cached context to process in chunks (the path ran as a plain prefill; give a longer sequence)",
+            crate::compute::path::NOTHING_JUDGED,
+            opts.new_tokens
+        ));
+    }
 
     // o_proj is row-parallel: each rank's partial, then the all-reduce the ranks run together
     // (`crate::compute::collective`).

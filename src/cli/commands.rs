@@ -72,6 +72,7 @@ pub fn cmd_golden_record(a: &GoldenRecordArgs, settings: &Settings, out: &mut dy
     }
     let o = &a.output;
     check_outputs(o.json.as_ref(), o.report.as_ref(), o.force)?;
+    crate::core::fsio::check_output_folder(&a.golden_dir.join(&a.case))?;
     let (file, cfg, rc) = build_run(&a.spec)?;
     let backend = select_run_backend(&a.spec, settings, o.quiet)?;
     let (rep, summary) = crate::jobs::golden::record(&crate::jobs::golden::RecordRequest {

@@ -23,6 +23,7 @@ mod fixtures;
 mod golden;
 mod hf_golden;
 mod hostile;
+mod hostile_flags;
 mod json_report;
 mod kernel_inputs;
 mod layering;

@@ -93,17 +93,39 @@ fn an_output_in_a_missing_folder_is_refused_before_the_run() {
     assert_eq!(files_in(tmp.path()), vec!["plain"]);
 }
 
-/// When a file cannot be written after the run, the verdict is on screen first. (`/proc` is a
-/// folder in which no file can be created, even by root.)
+/// When a file cannot be written after the run, the verdict is on screen first. The folder passes
+/// the check before the run (an empty file can be created there); a file-size limit of 1 KiB
+/// (`RLIMIT_FSIZE`, with `SIGXFSZ` ignored so the write fails with `EFBIG`) makes the JSON itself
+/// fail. Nothing is left at the path or beside it.
 #[test]
 fn the_verdict_is_printed_before_the_files_are_written() {
-    if !Path::new("/proc/self").is_dir() {
-        return; // not Linux
+    use std::os::unix::process::CommandExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("r.json");
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_mla-diff"));
+    cmd.args(["run", "--layer", "1", "--json", json.to_str().unwrap()]);
+    // SAFETY: setrlimit and signal are async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 1024,
+                rlim_max: 1024,
+            };
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
     }
-    let (code, out, err) = run_bin(&["run", "--layer", "1", "--json", "/proc/mla-diff-r.json"]);
-    assert_eq!(code, 2, "{out}{err}");
+    let o = cmd.output().unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert_eq!(o.status.code(), Some(2), "{out}{err}");
     assert!(out.contains("mha: all"), "{out}");
-    assert!(err.contains("/proc/mla-diff-r.json"), "{err}");
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("mla-diff: error:")).collect();
+    assert_eq!(errors.len(), 1, "{err}");
+    assert!(errors[0].contains("r.json: write: File too large"), "{err}");
+    assert!(files_in(tmp.path()).is_empty(), "{:?}", files_in(tmp.path()));
 }
 
 /// `--report x.svg` names the file its own heat map goes to: refused with and without --force,
@@ -323,4 +345,69 @@ fn tables_fit_the_terminal_and_keep_every_column_elsewhere() {
     let (code, wide, _) = run_bin(&["run", "--layer", "1", "--path", "mha", "--wide"]);
     assert_eq!(code, 0);
     assert_eq!(wide, out);
+}
+
+/// Output paths that name no writable regular file are refused before the run, in one line:
+/// a folder that takes no files (`/proc`), a trailing `/`, and with `--force` a symlink or FIFO
+/// (the rename would replace the entry itself; the symlink's target is left as it was). A legal
+/// 250-byte name is written: its temporary twin is short whatever the name.
+#[test]
+fn output_paths_are_checked_for_what_the_write_needs() {
+    let d = tempfile::tempdir().unwrap();
+    let target = d.path().join("target.json");
+    std::fs::write(&target, b"keep").unwrap();
+    let link = d.path().join("link.json");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let fifo = d.path().join("fifo.json");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo reads a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let slash = format!("{}/", d.path().join("out.json").display());
+    let cases: Vec<(String, String)> = vec![
+        (
+            "/proc/out.json".into(),
+            "/proc/out.json: cannot create a file in /proc (".into(),
+        ),
+        (slash.clone(), format!("{slash}: ends with `/`")),
+        (
+            link.display().to_string(),
+            format!(
+                "{}: not a regular file (a symbolic link); --force replaces only regular files",
+                link.display()
+            ),
+        ),
+        (
+            fifo.display().to_string(),
+            format!(
+                "{}: not a regular file (a FIFO); --force replaces only regular files",
+                fifo.display()
+            ),
+        ),
+    ];
+    for (path, want) in &cases {
+        for flag in ["--json", "--report"] {
+            let started = std::time::Instant::now();
+            let (code, out, err) = run_bin(&["run", "--quiet", "--path", "mha", flag, path, "--force"]);
+            assert_eq!(code, 2, "{flag} {path}: {out}\n{err}");
+            assert_eq!(err.lines().count(), 1, "{err}");
+            assert!(
+                err.starts_with("mla-diff: error: ") && err.contains(want.as_str()),
+                "{flag} {path}: {err}"
+            );
+            assert!(out.is_empty(), "{flag} {path}: the run ran: {out}");
+            assert!(started.elapsed().as_secs_f64() < 5.0);
+        }
+    }
+    assert_eq!(std::fs::read(&target).unwrap(), b"keep");
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+    // A 250-byte name (its old twin `.<name>.tmp-<pid>` was past 255 bytes) is written.
+    let long = d.path().join(format!("{}.json", "z".repeat(245)));
+    let (code, out, err) = run_bin(&["run", "--quiet", "--path", "mha", "--json", long.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&long).unwrap()).unwrap();
+    assert_eq!(doc["verdict"], "pass");
+    // Nothing is left beside the outputs: no twin.
+    let mut names = files_in(d.path());
+    names.retain(|n| n.starts_with('.'));
+    assert!(names.is_empty(), "{names:?}");
 }

@@ -25,6 +25,7 @@ mod golden;
 mod hf_golden;
 mod hostile;
 mod hostile_dump;
+mod hostile_flags;
 mod json_report;
 mod kernel_inputs;
 mod layering;

@@ -112,6 +112,11 @@ pub struct CompareArgs {
     /// part of it, report).
     #[arg(long)]
     pub stats: bool,
+    /// Memory this command may use (e.g. `24G`, `512M`; K/M/G/T are powers of 1024): a command
+    /// whose estimated peak exceeds it is refused before any work. Default: the smallest of the
+    /// cgroup memory limits of this process and MemTotal.
+    #[arg(long, value_name = "SIZE", value_parser = crate::core::memory::parse_size)]
+    pub max_memory: Option<u64>,
     /// Where the result goes.
     #[command(flatten)]
     pub output: ReportArgs,
@@ -166,6 +171,11 @@ pub struct GoldenRecordArgs {
     /// Where the run's result goes, as for `run`; `--force` also replaces an existing case.
     #[command(flatten)]
     pub output: ReportArgs,
+    /// Memory this command may use (e.g. `24G`, `512M`; K/M/G/T are powers of 1024): a command
+    /// whose estimated peak exceeds it is refused before any work. Default: the smallest of the
+    /// cgroup memory limits of this process and MemTotal.
+    #[arg(long, value_name = "SIZE", value_parser = crate::core::memory::parse_size)]
+    pub max_memory: Option<u64>,
 }
 
 /// Arguments of `mla-diff golden check`.
@@ -186,6 +196,11 @@ pub struct GoldenCheckArgs {
     /// One line per case; for a case that differs, only its differing sites.
     #[arg(long, short)]
     pub quiet: bool,
+    /// Memory this command may use (e.g. `24G`, `512M`; K/M/G/T are powers of 1024): a command
+    /// whose estimated peak exceeds it is refused before any work. Default: the smallest of the
+    /// cgroup memory limits of this process and MemTotal.
+    #[arg(long, value_name = "SIZE", value_parser = crate::core::memory::parse_size)]
+    pub max_memory: Option<u64>,
 }
 
 /// Arguments of `mla-diff bench`.
@@ -208,14 +223,20 @@ pub struct BenchArgs {
     /// Tokens T for --reference (one sequence, positions 0..T).
     #[arg(long, default_value_t = 128, requires = "reference")]
     pub tokens: usize,
-    /// Timed repetitions per figure for --dequant/--reference (after one warm-up); the median
-    /// is reported.
+    /// Timed repetitions per figure for --dequant/--reference (after one warm-up), 1 to
+    /// 1000000; the median is reported.
     #[arg(long, default_value_t = 5)]
     pub repeat: usize,
-    /// Rayon thread counts for --dequant/--reference, e.g. `1,2` (default: 1 and all threads,
-    /// as RAYON_NUM_THREADS or the core count sets them).
+    /// Rayon thread counts for --dequant/--reference, e.g. `1,2`, each 1 to 1024 (default: 1 and
+    /// all threads, as RAYON_NUM_THREADS or the core count sets them).
     #[arg(long, value_delimiter = ',')]
     pub threads: Option<Vec<usize>>,
+    /// Memory this command may use (e.g. `24G`, `512M`; K/M/G/T are powers of 1024): a command
+    /// whose estimated peak exceeds it is refused before any work. Default: the smallest of the
+    /// cgroup memory limits of this process and MemTotal.
+    #[arg(long, value_name = "SIZE", value_parser = crate::core::memory::parse_size)]
+    pub max_memory: Option<u64>,
+
     /// Where the result goes.
     #[command(flatten)]
     pub output: OutputArgs,
@@ -340,7 +361,8 @@ pub struct RunSpec {
     #[arg(long, conflicts_with = "layers")]
     pub layer: Option<usize>,
     /// Layers to check: `A..B` (B excluded), `A..=B`, or `all`.
-    #[arg(long)]
+    // A value starting `-` (`-1..=1`) is a bad range, refused naming --layers, not a flag.
+    #[arg(long, allow_hyphen_values = true)]
     pub layers: Option<String>,
     /// Tokens in the batch (one sequence; see --seqs for several).
     #[arg(long, default_value_t = 19)]

@@ -73,7 +73,9 @@ pub fn cmd_golden_record(a: &GoldenRecordArgs, settings: &Settings, out: &mut dy
     }
     let o = &a.output;
     check_outputs(o.json.as_ref(), o.report.as_ref(), o.force)?;
+    crate::core::fsio::check_output_folder(&a.golden_dir.join(&a.case))?;
     let (file, cfg, rc) = build_run(&a.spec)?;
+    crate::jobs::limits::check(&crate::jobs::limits::run_need(&file, &cfg, &rc, None), a.max_memory)?;
     let backend = select_run_backend(&a.spec, settings, o.quiet)?;
     let (rep, summary) = crate::jobs::golden::record(&crate::jobs::golden::RecordRequest {
         case: &a.case,
@@ -170,7 +172,7 @@ pub fn cmd_golden_check(a: &GoldenCheckArgs, settings: &Settings, out: &mut dyn 
     let mut text = String::new();
     let (mut n_pass, mut n_fail, mut errors) = (0, 0, Vec::<Error>::new());
     for case in &cases {
-        match crate::jobs::golden::check(&dir, case, &cuda) {
+        match crate::jobs::golden::check(&dir, case, &cuda, a.max_memory) {
             Ok(c) => {
                 text.push_str(&crate::jobs::golden::summary(&c, a.quiet));
                 if c.passed() {
@@ -213,11 +215,40 @@ pub fn cmd_golden_check(a: &GoldenCheckArgs, settings: &Settings, out: &mut dyn 
     })
 }
 
+/// The checks of `bench --repeat` and `--threads` before anything runs: 1 to
+/// [`MAX_REPEAT`](crate::jobs::limits::MAX_REPEAT) repetitions, 1 to
+/// [`MAX_THREADS`](crate::jobs::limits::MAX_THREADS) threads per count. Returns the thread counts.
+///
+/// Errors: [`Error::Usage`] naming the flag and the value.
+fn bench_counts(a: &BenchArgs) -> Result<Vec<usize>> {
+    use crate::jobs::limits::{MAX_REPEAT, MAX_THREADS};
+    if a.repeat == 0 || a.repeat > MAX_REPEAT {
+        return Err(Error::Usage(format!(
+            "--repeat {}: expected 1 to {MAX_REPEAT} timed repetitions",
+            a.repeat
+        )));
+    }
+    let threads = crate::jobs::bench_cpu::thread_counts(a.threads.as_deref());
+    if threads.is_empty() {
+        return Err(Error::Usage("--threads: give at least one thread count".into()));
+    }
+    if let Some(t) = threads.iter().find(|&&t| t == 0 || t > MAX_THREADS) {
+        return Err(Error::Usage(format!(
+            "--threads {t}: expected 1 to {MAX_THREADS} threads per count"
+        )));
+    }
+    Ok(threads)
+}
+
 /// `mla-diff bench --dequant FILE`: the table of [`crate::jobs::bench_cpu::dequant_bench`].
 fn cmd_bench_dequant(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Result<Outcome> {
     refuse_overwrite(a.output.json.as_ref(), a.output.force)?;
+    let threads = bench_counts(a)?;
     let file = GgufFile::open(path)?;
-    let threads = crate::jobs::bench_cpu::thread_counts(a.threads.as_deref());
+    crate::jobs::limits::check(
+        &crate::jobs::limits::bench_dequant_need(&file, a.repeat, threads.len()),
+        a.max_memory,
+    )?;
     let figs = crate::jobs::bench_cpu::dequant_bench(&file, a.repeat, &threads)?;
     let mut t = crate::output::table::bordered(&[
         "tensor",
@@ -264,9 +295,20 @@ fn cmd_bench_reference(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Re
             super::run::MAX_POSITION
         )));
     }
+    let threads = bench_counts(a)?;
     let file = GgufFile::open(path)?;
     let cfg = MlaConfig::from_gguf(&file)?;
-    let threads = crate::jobs::bench_cpu::thread_counts(a.threads.as_deref());
+    if a.layer >= cfg.n_layer {
+        return Err(Error::LayerOutOfRange {
+            path: file.path().to_path_buf(),
+            layer: a.layer,
+            n_layers: cfg.n_layer,
+        });
+    }
+    crate::jobs::limits::check(
+        &crate::jobs::limits::bench_reference_need(&file, &cfg, a.layer, a.tokens, a.repeat, threads.len()),
+        a.max_memory,
+    )?;
     let b = crate::jobs::bench_cpu::reference(&file, &cfg, a.layer, a.tokens, a.repeat, &threads)?;
     let mut t = crate::output::table::bordered(&["forward", "layer", "T", "threads", "median", "runs"]);
     for f in &b.figures {

@@ -3,8 +3,8 @@
 //!
 //! Every command that writes files (`--json`, `--report` and its heat map) refuses a bad path
 //! before it starts, so that a long run never ends in "cannot write" with its result lost; the
-//! rules (no folder given as a file, the folder must exist, no overwrite without `--force`, no two
-//! outputs on one file) live here once. `--json -` sends the document to standard output, and the
+//! rules (no folder given as a file, the folder must exist and take files, only a regular file
+//! is replaced and only with `--force`, no two outputs on one file) live here once. `--json -` sends the document to standard output, and the
 //! human text then goes to standard error so that the JSON stays parseable.
 //!
 //! A reader that closes the pipe early (`mla-diff run | head`) ends the human text, not the
@@ -22,14 +22,16 @@ pub fn is_stdout(p: &Path) -> bool {
     p.as_os_str() == "-"
 }
 
-/// Refuses `path` as an output file before any work: a folder (even with `--force`), a file in
-/// a folder that does not exist, or an existing file without `force`. `-` (standard output) is
-/// always accepted.
+/// Refuses `path` as an output file before any work ([`crate::core::fsio::check_output`]): a
+/// trailing `/` or a name longer than a file system takes, a file in a folder that does not
+/// exist or takes no files (the temporary twin the write uses is created and removed there),
+/// anything but a regular file at the path (a folder, device node, FIFO or symlink, even with
+/// `--force`), or an existing file without `force`. `-` (standard output) is always accepted.
 ///
 /// Errors: [`Error::Usage`] naming the file.
 pub fn refuse_overwrite(path: Option<&PathBuf>, force: bool) -> Result<()> {
     match path {
-        Some(p) if !is_stdout(p) => crate::core::fsio::refuse_existing(p, force),
+        Some(p) if !is_stdout(p) => crate::core::fsio::check_output(p, force),
         _ => Ok(()),
     }
 }

@@ -158,6 +158,7 @@ pub fn cmd_compare(a: &CompareArgs, settings: &Settings, out: &mut dyn Write) ->
         .map(|m| m.name.clone().unwrap_or_else(|| a.map.clone().unwrap_or_default()));
     let (dtype, precision) = (a.dtype.map(Into::into), a.precision.map(Into::into));
     let read = timing::stage("read", || dump::read(&a.dump, map.as_ref(), &cfg))?;
+    crate::jobs::limits::check(&crate::jobs::limits::compare_need(&file, &cfg, &read), a.max_memory)?;
     if let DumpFile::Steps(sd) = &read {
         let mut layers: Vec<usize> = sd.steps.iter().flat_map(|(_, d)| d.layers.keys().copied()).collect();
         layers.sort_unstable();
@@ -487,10 +488,14 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
             "--new-tokens must be at least 1 (the tokens each chunked-prefill step adds)".into(),
         ));
     }
-    if a.page_size == 0 || a.splits == 0 || a.chunk_size == 0 {
-        return Err(Error::Usage(
-            "--page-size, --splits and --chunk-size must be at least 1".into(),
-        ));
+    for (flag, v) in [
+        ("--page-size", a.page_size),
+        ("--splits", a.splits),
+        ("--chunk-size", a.chunk_size),
+    ] {
+        if v == 0 {
+            return Err(Error::Usage(format!("{flag} must be at least 1")));
+        }
     }
     // The same bounds a dump header's `page_size` and `num_kv_splits` have: the paged and
     // split-KV paths allocate per page and per split.
@@ -523,22 +528,33 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
         }
         None => Batch::single(a.tokens, a.start_pos),
     };
-    let last_pos = batch
-        .seqs
-        .iter()
-        .map(|s| s.len)
-        .max()
-        .unwrap_or(0)
-        .checked_add(a.start_pos);
-    if last_pos.is_none_or(|p| p > MAX_POSITION) {
+    // Name the flag that puts a position past the bound: a sequence longer than the bound is
+    // --tokens' (or --seqs'), a start past it --start-pos', and otherwise their sum.
+    let longest = batch.seqs.iter().map(|s| s.len).max().unwrap_or(0);
+    let lengths = if a.seqs.is_some() {
+        format!("--seqs (longest {longest})")
+    } else {
+        format!("--tokens {longest}")
+    };
+    if longest > MAX_POSITION {
+        return Err(Error::Usage(format!(
+            "{lengths}: positions must stay below {MAX_POSITION} (2^31)"
+        )));
+    }
+    if a.start_pos >= MAX_POSITION {
         return Err(Error::Usage(format!(
             "--start-pos {}: positions must stay below {MAX_POSITION} (2^31)",
             a.start_pos
         )));
     }
+    if longest.checked_add(a.start_pos).is_none_or(|p| p > MAX_POSITION) {
+        return Err(Error::Usage(format!(
+            "--start-pos {} + {lengths}: positions must stay below {MAX_POSITION} (2^31)",
+            a.start_pos
+        )));
+    }
 
     let paths = a.path.paths();
-    let longest = batch.seqs.iter().map(|s| s.len).max().unwrap_or(0);
     if paths.contains(&PathKind::Chunked)
         && longest <= new_tokens
         && (a.new_tokens.is_some() || a.path == PathChoice::Chunked)
@@ -622,51 +638,6 @@ impl LayerProgress {
     }
 }
 
-/// Refuses a run whose estimated peak memory ([`run::estimate_peak_bytes`], plus twice the
-/// kernel inputs' size with `--export-inputs`: the tensors and the file's image) exceeds the
-/// limit: `--max-memory`, else the cgroup/MemTotal limit ([`crate::core::memory::memory_limit`]).
-fn check_memory(
-    file: &GgufFile,
-    cfg: &MlaConfig,
-    rc: &RunConfig,
-    max_memory: Option<u64>,
-    export_bytes: Option<u64>,
-) -> Result<()> {
-    use crate::core::memory::{MemoryLimit, human, memory_limit};
-    let limit = match max_memory {
-        Some(bytes) => Some(MemoryLimit {
-            bytes,
-            source: "--max-memory".into(),
-        }),
-        None => memory_limit(),
-    };
-    let run_need = run::estimate_peak_bytes(cfg, rc, run::dense_ffn_width(file, cfg, rc));
-    let need = run_need.saturating_add(export_bytes.unwrap_or(0).saturating_mul(2));
-    let export = export_bytes.map_or(String::new(), |b| {
-        format!(
-            "; the run about {}, the --export-inputs file about {} held twice",
-            human(run_need),
-            human(b)
-        )
-    });
-    match limit {
-        Some(lim) if need > lim.bytes => Err(Error::Usage(format!(
-            "{}: this run needs about {} of memory (T={}, N={}, H={}, {} path(s){export}) and the limit is {} ({}): \
-             use fewer --tokens, or {} --max-memory if the limit is wrong",
-            file.path().display(),
-            human(need),
-            rc.batch.n_tokens(),
-            cfg.n_head,
-            cfg.hidden,
-            rc.paths.len(),
-            human(lim.bytes),
-            lim.source,
-            if max_memory.is_some() { "raise" } else { "pass" }
-        ))),
-        _ => Ok(()),
-    }
-}
-
 /// Refuses a GPU run whose estimated peak device memory ([`run::estimate_device_bytes`])
 /// exceeds the device's free memory, before any work: the device answers an allocation past it
 /// with an out-of-memory error halfway through a layer. Nothing for another backend.
@@ -734,7 +705,8 @@ pub fn cmd_run(a: &RunArgs, settings: &Settings, out: &mut dyn Write) -> Result<
         let (lo, hi) = req.heads(cfg.n_head, rc.path_options.tp);
         crate::jobs::export::estimate_bytes(&cfg, &rc, hi - lo)
     });
-    check_memory(&file, &cfg, &rc, a.max_memory, export_bytes)?;
+    let need = crate::jobs::limits::run_need(&file, &cfg, &rc, export_bytes);
+    crate::jobs::limits::check(&need, a.max_memory)?;
     let backend = crate::core::timing::stage("backend", || select_run_backend(&a.spec, settings, a.output.quiet))?;
     check_device_memory(&file, &cfg, &rc, &backend)?;
     let rc = RunConfig {

@@ -144,9 +144,9 @@ impl ExportRequest {
                     d.display()
                 )));
             }
-            return Ok(());
+            return crate::core::fsio::check_output_folder(&self.dir);
         }
-        crate::core::fsio::refuse_existing(&self.path(), self.force)
+        crate::core::fsio::check_output(&self.path(), self.force)
     }
 }
 

@@ -462,7 +462,8 @@ pub fn read_manifest(golden_dir: &Path, case: &str) -> Result<Manifest> {
 /// sizes or indexes anything: at least one layer, each inside the model; at least one sequence,
 /// each of at least one token, positions below [`MAX_POSITION`]; page size, split count, TP
 /// size, chunk size and new tokens at least 1, the page size and split count within the bounds
-/// of a dump header's; every recorded tolerance a finite number ≥ 0.
+/// of a dump header's, the TP size a divisor of the head count; every recorded tolerance a
+/// finite number ≥ 0.
 ///
 /// Errors: [`Error::Golden`] naming the manifest and the field (`run.batch.seqs[1].len`, …).
 fn check_numbers(case: &str, path: &Path, cfg: &MlaConfig, m: &Manifest) -> Result<()> {
@@ -515,6 +516,12 @@ fn check_numbers(case: &str, path: &Path, cfg: &MlaConfig, m: &Manifest) -> Resu
                 },
             ));
         }
+    }
+    if !cfg.n_head.is_multiple_of(o.tp) {
+        return Err(bad(
+            "run.path_options.tp".into(),
+            format!("{}: does not divide the model's {} attention heads", o.tp, cfg.n_head),
+        ));
     }
     let rows = std::iter::once(("tolerance.golden".to_string(), &m.tolerance.golden)).chain(
         m.tolerance
@@ -658,8 +665,10 @@ pub type CudaFactory<'a> = &'a dyn Fn(crate::core::dtype::Dtype, crate::backend:
 /// sha256 differs; the derived `MlaConfig` or the token ids differ from the manifest; a site is
 /// in the golden but not recomputed, or recomputed but not in the golden; a tensor is missing
 /// from `trace.safetensors` or has another shape; the case needs CUDA and `cuda` cannot provide
-/// it; plus the errors of [`read_manifest`] and of the run.
-pub fn check(golden_dir: &Path, case: &str, cuda: CudaFactory<'_>) -> Result<CaseCheck> {
+/// it; plus the errors of [`read_manifest`] and of the run. [`Error::Usage`] when the run the
+/// manifest asks for needs more memory than `max_memory` (else the cgroup/MemTotal limit) allows
+/// ([`crate::jobs::limits::golden_need`]), before the trace is read or anything runs.
+pub fn check(golden_dir: &Path, case: &str, cuda: CudaFactory<'_>, max_memory: Option<u64>) -> Result<CaseCheck> {
     let m = read_manifest(golden_dir, case)?;
     let case_dir = golden_dir.join(case);
     let err = |path: &Path, reason: String| golden_err(case, path, reason);
@@ -678,10 +687,22 @@ pub fn check(golden_dir: &Path, case: &str, cuda: CudaFactory<'_>) -> Result<Cas
     let cfg = MlaConfig::from_gguf(&file)?;
     check_config(case, &case_dir, &cfg, &m)?;
     check_numbers(case, &case_dir.join(MANIFEST_FILE), &cfg, &m)?;
+    let trace_path = case_dir.join(TRACE_FILE);
+    let rc = m.run.config().ok_or_else(|| {
+        err(
+            &case_dir.join(MANIFEST_FILE),
+            "field `run`: records a dump comparison (input or path `dump`), which no run reproduces".into(),
+        )
+    })?;
+    // Before the trace is read or anything runs: the manifest's batch and options size the run.
+    let trace_bytes = std::fs::metadata(&trace_path).map_or(0, |md| md.len());
+    crate::jobs::limits::check(
+        &crate::jobs::limits::golden_need(&file, &cfg, &rc, &case_dir.join(MANIFEST_FILE), trace_bytes),
+        max_memory,
+    )?;
     let backend = recorded_backend(case, &case_dir, &m, cuda)?;
 
     // The golden tensors.
-    let trace_path = case_dir.join(TRACE_FILE);
     let tf = crate::core::st::read(&trace_path)?;
     let mut golden: BTreeMap<(String, String), &GoldenSite> = BTreeMap::new();
     for s in &m.sites {
@@ -693,12 +714,6 @@ pub fn check(golden_dir: &Path, case: &str, cuda: CudaFactory<'_>) -> Result<Cas
         }
     }
 
-    let rc = m.run.config().ok_or_else(|| {
-        err(
-            &case_dir.join(MANIFEST_FILE),
-            "field `run`: records a dump comparison (input or path `dump`), which no run reproduces".into(),
-        )
-    })?;
     let (report, layers) = run::run_with_traces(&backend, &file, &cfg, &rc)?;
     if report.token_ids != m.token_ids {
         return Err(err(

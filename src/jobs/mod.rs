@@ -13,6 +13,7 @@ pub mod export;
 pub mod golden;
 pub mod inspect;
 pub mod kernels;
+pub mod limits;
 pub mod run;
 pub mod selftest;
 pub mod weights_check;

@@ -574,12 +574,12 @@ pub fn dsa_kept_keys(cfg: &MlaConfig, batch: &Batch) -> u64 {
         .map(|s| {
             let len = s.len as u64;
             if len <= k {
-                len * (len + 1) / 2
+                len.saturating_mul(len + 1) / 2
             } else {
-                k * (k + 1) / 2 + (len - k) * k
+                (k * (k + 1) / 2).saturating_add((len - k).saturating_mul(k))
             }
         })
-        .sum()
+        .fold(0u64, u64::saturating_add)
 }
 
 /// The per-layer sizes both memory estimates are built from (element counts unless named
@@ -604,7 +604,7 @@ struct LayerSizes {
 
 impl LayerSizes {
     fn new(cfg: &MlaConfig, rc: &RunConfig, dense_ffn: usize) -> Self {
-        let t = rc.batch.n_tokens() as u64;
+        let t = rc.batch.seqs.iter().map(|x| x.len as u64).fold(0, u64::saturating_add);
         let s = rc.batch.seqs.iter().map(|x| x.len).max().unwrap_or(0) as u64;
         let (h, n, l, p, r, v) = (
             cfg.hidden as u64,
@@ -652,13 +652,17 @@ impl LayerSizes {
         if self.kept == 0 {
             return 0;
         }
-        5 * self.kept * 8 + self.t * self.s * (4 + 8)
+        (5 * self.kept as u128 * 8 + self.t as u128 * self.s as u128 * (4 + 8))
+            .try_into()
+            .unwrap_or(u64::MAX)
     }
 }
 
 /// An upper estimate of a run's peak host memory in bytes, from the dims, T, the paths, the
-/// input mode and `dense_ffn` (the widest dense FFN the run computes, [`dense_ffn_width`]), for
-/// refusing a run the machine cannot hold before any work.
+/// path options (page size, splits), the input mode and `dense_ffn` (the widest dense FFN the
+/// run computes, [`dense_ffn_width`]), for refusing a run the machine cannot hold before any
+/// work ([`crate::jobs::limits`]). Computed in `u128` and saturated, so no size wraps to a small
+/// estimate.
 ///
 /// Per layer, what is live at the peak: the layer's weights in f32 once (attention, indexer,
 /// dense FFN: the CPU paths take over the reference's copy; a GPU run's paths hold theirs on the
@@ -666,27 +670,46 @@ impl LayerSizes {
 /// `w.W_UV`); the reference trace in f64 and one path's trace in f32 (the paths run one at a
 /// time and each trace is dropped once judged), each about `T ·` (the per-token width of every
 /// site, `idx_scores` included: [T, S]); the transient working set of the widest step, the
-/// expanded `[T, N, P+V]` K/V in f64 twice; with a DSA indexer, the selections and the sparse
-/// attention's key indices (five lists of the kept keys, at most T · K_idx entries each, never a
-/// copy of the keys per query) and the engine indexer's scores; the absorbed path's decode
-/// block (128 queries' kept latent rows, `[128, min(K_idx, S), L+R]`). A 25 % margin covers
-/// allocator slack and the smaller temporaries. Token input adds one layer's MoE or dense FFN
-/// and the embedding rows.
+/// expanded `[T, N, P+V]` K/V in f64 twice; the reference attention's score blocks, one
+/// `[64, S]` f64 block and its probabilities per thread; with a DSA indexer, the selections and
+/// the sparse attention's key indices (five lists of the kept keys, at most T · K_idx entries
+/// each, never a copy of the keys per query) and the engine indexer's scores; the absorbed
+/// path's decode block (128 queries' kept latent rows, `[128, min(K_idx, S), L+R]`, each row's
+/// run padded to whole pages under DSA). With a paged path (mqa, mixed, chunked): the paged
+/// latent cache, `(Σ ⌈len/page⌉ + 1) · page · (L+R)` f32, twice (the zeroed vector and the
+/// backend's copy), and with a split-KV decode (mqa, mixed) the splits' partial outputs and LSEs,
+/// `splits · 128 · N · (L+1)` f32, twice (a split fault's host copy). A 25 % margin covers
+/// allocator slack and the smaller temporaries, and [`BASE_BYTES`] the process itself. Token
+/// input adds one layer's MoE or dense FFN and the embedding rows.
 ///
 /// A GPU run whose traces stay on the device holds far less on the host while the layer is
 /// clean, but a divergence downloads the reference and the diverging path's trace for the
 /// diagnosis: the estimate covers that case, so it holds for every backend. The device's own
 /// peak is [`estimate_device_bytes`].
+///
+/// Provenance (peak RSS from `/usr/bin/time -f %M`, `mla-diff run --backend cpu --quiet` on the
+/// embedded tiny-v3 fixture, 2-core VM; estimate from the `--max-memory 1` refusal):
+///
+/// | flags | estimate | measured peak | ratio |
+/// |---|---|---|---|
+/// | (default, T=19) | 21.2 MiB | 14.0 MiB | 1.5 |
+/// | `--page-size 65536` | 161.2 MiB | 125.7 MiB | 1.3 |
+/// | `--seqs 1,…,1` (20 ones) `--page-size 65536` | 1.5 GiB | 1.16 GiB | 1.3 |
+/// | `--splits 4096` | 452.7 MiB | 192.3 MiB | 2.4 |
+/// | `--tokens 4096` | 646.9 MiB | 325.7 MiB | 2.0 |
+/// | `--tokens 8192` | 1.2 GiB | 642.6 MiB | 1.9 |
 pub fn estimate_peak_bytes(cfg: &MlaConfig, rc: &RunConfig, dense_ffn: usize) -> u64 {
+    use crate::compute::path::PathKind;
     let z = LayerSizes::new(cfg, rc, dense_ffn);
-    let t = z.t;
+    let w = |x: usize| x as u128;
+    let t = z.t as u128;
     let (h, n, l, p, r, v) = (
-        cfg.hidden as u64,
-        cfg.n_head as u64,
-        cfg.kv_lora_rank as u64,
-        cfg.qk_nope_head_dim as u64,
-        cfg.qk_rope_head_dim as u64,
-        cfg.v_head_dim as u64,
+        w(cfg.hidden),
+        w(cfg.n_head),
+        w(cfg.kv_lora_rank),
+        w(cfg.qk_nope_head_dim),
+        w(cfg.qk_rope_head_dim),
+        w(cfg.v_head_dim),
     );
     let ffn = if rc.input == InputMode::Tokens {
         // An MoE layer's FFN width is not in the config; bound it by the MoE's shared width, the
@@ -694,23 +717,55 @@ pub fn estimate_peak_bytes(cfg: &MlaConfig, rc: &RunConfig, dense_ffn: usize) ->
         let f = cfg
             .moe
             .as_ref()
-            .map_or(4 * h, |m| (m.n_expert_shared.max(1) * m.expert_ffn) as u64)
+            .map_or(4 * h, |m| w(m.n_expert_shared.max(1)) * w(m.expert_ffn))
             .max(4 * h)
-            .max(dense_ffn as u64);
+            .max(w(dense_ffn));
         3 * h * f * 4 + t * h * 8 * 2
     } else {
         0
     };
-    let decode_block = DECODE_BLOCK_ROWS.min(t) * z.decode_keys.max(1) * (l + r) * 4;
-    let bytes = z.weights * 4
-        + z.weight_sites * 8
-        + t * z.per_token * (8 + 4)
+    let page = w(rc.path_options.page_size.max(1));
+    let rows = DECODE_BLOCK_ROWS.min(z.t) as u128;
+    let paged = rc
+        .paths
+        .iter()
+        .any(|k| matches!(k, PathKind::Mqa | PathKind::Mixed | PathKind::Chunked));
+    let split_kv = rc.paths.iter().any(|k| matches!(k, PathKind::Mqa | PathKind::Mixed));
+    let cache = if paged {
+        let blocks: u128 = rc.batch.seqs.iter().map(|s| w(s.len).div_ceil(page)).sum::<u128>() + 1;
+        2 * blocks * page * (l + r) * 4
+    } else {
+        0
+    };
+    let partials = if split_kv {
+        2 * w(rc.path_options.num_splits.max(1)) * rows * n * (l + 1) * 4
+    } else {
+        0
+    };
+    let padded_keys = z.decode_keys.max(1) as u128 + if cfg.indexer.is_some() { page } else { 0 };
+    let decode_block = rows * padded_keys * ((l + r) * 4 + 8);
+    let scores = w(rayon::current_num_threads()) * REFERENCE_Q_BLOCK * z.s as u128 * 8 * 2;
+    let bytes = z.weights as u128 * 4
+        + z.weight_sites as u128 * 8
+        + t * z.per_token as u128 * (8 + 4)
         + 2 * t * n * (p + v) * 8
-        + z.dsa_host_bytes()
+        + z.dsa_host_bytes() as u128
         + decode_block
+        + cache
+        + partials
+        + scores
         + ffn;
-    bytes.saturating_add(bytes / 4)
+    u64::try_from(BASE_BYTES as u128 + bytes + bytes / 4).unwrap_or(u64::MAX)
 }
+
+/// What the process holds before a run allocates: the binary's pages, the embedded fixture, the
+/// allocator's arenas and thread stacks (`mla-diff sites`: 5.3 MiB peak RSS, `mla-diff inspect`
+/// 6.0 MiB, on the 2-core VM), with room for a model's index.
+pub const BASE_BYTES: u64 = 16 << 20;
+
+/// Query rows per block of the reference attention (`compute::reference`'s `ATTN_Q_BLOCK`):
+/// each thread holds one block's `[64, S]` scores and probabilities.
+const REFERENCE_Q_BLOCK: u128 = 64;
 
 /// Query rows per launch of the absorbed path's decode (`compute::engine`'s `DECODE_ROWS`),
 /// for the estimates.
@@ -729,7 +784,8 @@ const DECODE_BLOCK_ROWS: u64 = 128;
 /// (128 queries' kept latent rows with their bf16 copy and the split partials). With the GPU
 /// reference, its f64 trace, the largest weight widened to f64, its f64 K/V expansion and its
 /// score buffer ([`crate::backend::cuda::reference::SCORE_BYTES`] of heads, or one head's
-/// `[S, S]` when larger). A 25 % margin as on the host.
+/// `[S, S]` when larger). The paged latent cache, pages × page size × (L+R) with its bf16 copy.
+/// A 25 % margin as on the host.
 pub fn estimate_device_bytes(cfg: &MlaConfig, rc: &RunConfig, dense_ffn: usize, gpu_reference: bool) -> u64 {
     let z = LayerSizes::new(cfg, rc, dense_ffn);
     let t = z.t;
@@ -760,6 +816,15 @@ pub fn estimate_device_bytes(cfg: &MlaConfig, rc: &RunConfig, dense_ffn: usize, 
     } else {
         0
     };
-    let bytes = z.weights * 4 + t * z.per_token * 4 + working + reference;
+    // The paged latent cache of the paged paths, f32 with the bf16 copy the kernels read.
+    let page = rc.path_options.page_size.max(1) as u64;
+    let blocks = rc
+        .batch
+        .seqs
+        .iter()
+        .map(|s| (s.len as u64).div_ceil(page))
+        .fold(1u64, u64::saturating_add);
+    let cache = blocks.saturating_mul(page).saturating_mul((l + r) * 6);
+    let bytes = (z.weights * 4 + t * z.per_token * 4 + working + reference).saturating_add(cache);
     bytes.saturating_add(bytes / 4)
 }

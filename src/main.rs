@@ -86,11 +86,30 @@ fn subcommand_path() -> String {
 
 /// One line of clap's rendered usage error: its first line without `error: ` and its tips, then
 /// the command whose `--help` to read.
+///
+/// The lines between the first and `Usage:` belong to the message: the arguments a "required
+/// arguments were not provided:" names, one per line, and `[possible values: …]`; they are
+/// joined onto it.
 fn usage_line(rendered: &str, command: &str) -> String {
     let mut lines = rendered.lines().map(str::trim).filter(|l| !l.is_empty());
     let first = lines.next().unwrap_or("invalid command line");
     let mut msg = first.strip_prefix("error: ").unwrap_or(first).to_string();
-    for tip in lines.filter_map(|l| l.strip_prefix("tip: ")) {
+    let mut tips = Vec::new();
+    let mut listed = Vec::new();
+    for l in lines {
+        if l.starts_with("Usage:") || l.starts_with("For more information") {
+            break;
+        }
+        match l.strip_prefix("tip: ") {
+            Some(tip) => tips.push(tip),
+            None => listed.push(l),
+        }
+    }
+    if !listed.is_empty() {
+        let sep = if msg.ends_with(':') { " " } else { "; " };
+        msg.push_str(&format!("{sep}{}", listed.join(", ")));
+    }
+    for tip in tips {
         msg.push_str(&format!("; {tip}"));
     }
     one_line(&format!("{msg} (see `{command} --help`)"))

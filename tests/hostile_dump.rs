@@ -701,6 +701,91 @@ fn changing_every_token_id_of_a_format2_dump_is_found() {
     assert!(finding.contains("at L0.hidden_in in prefill"), "{out}");
 }
 
+/// Text a dump carries is printed: a step name, a patch name, a metadata value or a tensor name
+/// holding a newline or an escape sequence (which could forge "all sites within tolerance" lines
+/// or hide the verdict) is exit 2 naming the field and the code point, never printed; a
+/// `model.file` that is a path is refused before any file is opened; the token-id change's hint
+/// at layer 0 names the tokens and the embedding, not a previous layer.
+#[test]
+fn dump_text_is_plain_and_model_file_a_bare_name() {
+    let base = St::read(&repo().join(BASE));
+    let forged = "decode-1\n\ndump: all 24 sites within tolerance\u{1b}[8m".to_string();
+    let cases: Vec<(St, &str)> = vec![
+        (
+            base.clone()
+                .map_header(|h| h["steps"][0]["name"] = Value::String(forged.clone())),
+            "__metadata__.header.steps[0].name: holds the control character U+000A",
+        ),
+        (
+            base.clone()
+                .map_header(|h| h["engine"]["name"] = Value::String("vllm\u{1b}[8m".into())),
+            "__metadata__.header.engine.name: holds the control character U+001B",
+        ),
+        (
+            {
+                let mut st = base.clone();
+                st.index["__metadata__"]["note"] = Value::String("a\rb".into());
+                st
+            },
+            "__metadata__.note: holds the control character U+000D",
+        ),
+        (
+            {
+                let q = base.tensor("s1.L0.q");
+                base.clone().add("s1.L0.q\nforged", "F32", &[2, 4, 48], &q)
+            },
+            "tensor \"s1.L0.q\\nforged\": holds the control character U+000A",
+        ),
+    ];
+    for (st, want) in cases {
+        let (code, out, err, _, _d) = compare_st(&st);
+        assert_eq!(code, 2, "{out}\n{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(
+            err.starts_with("mla-diff: error: ") && err.contains(want),
+            "want {want:?}:\n{err}"
+        );
+        assert!(!out.contains("within tolerance"), "{out}");
+    }
+    // model.file names the GGUF beside the dump, as a bare name: a path is refused unopened
+    let d = tempfile::tempdir().unwrap();
+    for file in ["/etc/passwd", "../../../etc/passwd", "models/x.gguf", ".."] {
+        let st = base
+            .clone()
+            .map_header(|h| h["model"]["file"] = Value::String(file.into()));
+        let p = d.path().join("d.safetensors");
+        std::fs::write(&p, st.bytes()).unwrap();
+        let (code, _, err) = crate::common::run_bin(&["compare", "--dump", p.to_str().unwrap()]);
+        assert_eq!(code, 2, "{file}: {err}");
+        assert!(
+            err.contains("__metadata__.header.model.file") && err.contains("bare file name") && !err.contains("root"),
+            "{file}: {err}"
+        );
+    }
+    // the token change's hint speaks of tokens and the embedding
+    let mut st = base.clone();
+    for name in ["s0.tokens", "s1.tokens"] {
+        let o = st.index[name]["data_offsets"].clone();
+        let (a, b) = (o[0].as_u64().unwrap() as usize, o[1].as_u64().unwrap() as usize);
+        for c in st.data[a..b].chunks_mut(8) {
+            let v = i64::from_le_bytes(c.try_into().unwrap());
+            c.copy_from_slice(&((v + 1) % 100).to_le_bytes());
+        }
+    }
+    let (code, out, _, _, _d) = compare_st(&st);
+    assert_eq!(code, 1, "{out}");
+    let hint = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("hint:"))
+        .unwrap_or_default();
+    assert!(
+        hint.contains("layer 0's hidden_in is embed(tokens)")
+            && hint.contains("token_embd")
+            && !hint.contains("previous layer"),
+        "{out}"
+    );
+}
+
 /// A misspelled site inside a step and an unknown step tensor are listed as ignored with their
 /// step; the sites `run --tp` names a rank's partial (`o_proj.rank0`, `ffn_down.rank1`) are listed
 /// as ignored with the reason, not judged against a reference that has none (exit 0).
@@ -830,7 +915,7 @@ fn weights_check_refuses_a_broken_or_foreign_header() {
         (
             base.clone().map_header(|h| h["model"]["index_sha256"] = json!(other)),
             format!(
-                "{ps}: field `header.model.index_sha256`: is {other}, but {} gives {good}: the dump was made from another model (legacy-kvb-q8_0.gguf); pass the GGUF it names",
+                "{ps}: field `header.model.index_sha256`: is {other}, but {} gives {good}: the dump was made from another file of the same name (legacy-kvb-q8_0.gguf): its contents differ; pass the GGUF the dump was made from",
                 model.display()
             ),
         ),

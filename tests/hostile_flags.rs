@@ -416,6 +416,15 @@ fn a_refusal_names_the_flag_at_fault() {
             &["golden", "check", "--nope"],
             "unexpected argument '--nope' found (see `mla-diff golden check --help`)",
         ),
+        // what clap lists under its first line belongs to the one line
+        (
+            &["compare"],
+            "the following required arguments were not provided: --dump <DUMP> (see `mla-diff compare --help`)",
+        ),
+        (
+            &["run", "--path", "xyz"],
+            "invalid value 'xyz' for '--path <PATH>'; [possible values: ",
+        ),
     ];
     for (args, want) in cases {
         let (code, _, err) = crate::common::run_bin(args);
@@ -444,7 +453,7 @@ fn page_size_and_splits_count_in_the_memory_estimate() {
         a.extend_from_slice(extra);
         let (code, _, err) = crate::common::run_bin(&a);
         assert_eq!(code, 2, "{err}");
-        assert!(err.contains("and the limit is 0.0 MiB (--max-memory)"), "{err}");
+        assert!(err.contains("and the limit is 1.0 KiB (--max-memory)"), "{err}");
         let mib = |s: &str| -> f64 {
             let at = s.find("needs about ").unwrap() + "needs about ".len();
             let mut it = s[at..].split_whitespace();

@@ -149,13 +149,17 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
-/// Bytes as `12.3 GiB` / `456.7 MiB`.
+/// Bytes as `12.3 GiB`, `456.7 MiB`, `1.0 KiB` or `12 B`.
 pub fn human(bytes: u64) -> String {
     let b = bytes as f64;
     if b >= (1u64 << 30) as f64 {
         format!("{:.1} GiB", b / (1u64 << 30) as f64)
-    } else {
+    } else if b >= (1u64 << 20) as f64 {
         format!("{:.1} MiB", b / (1u64 << 20) as f64)
+    } else if b >= 1024.0 {
+        format!("{:.1} KiB", b / 1024.0)
+    } else {
+        format!("{bytes} B")
     }
 }
 

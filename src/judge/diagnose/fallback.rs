@@ -318,6 +318,11 @@ pub(super) fn inputs_hint(x: &SiteCtx<'_>) -> String {
         };
         return format!("the weight is built from {from}, which both sides read: compare the engine's loader for it");
     }
+    if st == Stage::HiddenIn && x.site.layer == 0 {
+        return "layer 0's hidden_in is embed(tokens), before any engine code: the token ids the dump records, \
+                or the embedding table (`token_embd`) the engine loaded, differ from what the reference read"
+            .to_string();
+    }
     if st == Stage::HiddenIn {
         return "hidden_in is the previous layer's output: dump that layer (its hidden_out) to see where the stream changed"
             .to_string();

@@ -483,7 +483,9 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
     check_num_kv_splits(path, v.get("steps"))?;
     check_page_sizes(path, v.get("steps"))?;
     check_step_fields(path, v.get("steps"))?;
+    check_plain_json(path, "__metadata__.header", &v)?;
     let h = deserialize_header(path, v)?;
+    check_model_file(path, &h.model.file)?;
     if h.steps.is_empty() {
         return Err(dump_error(path, "__metadata__.header.steps", "no step"));
     }
@@ -561,6 +563,63 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
         check_step_chunks(path, k, st)?;
     }
     Ok(h)
+}
+
+/// Refuses text from a dump that holds a control character (C0, DEL or C1: `char::is_control`).
+/// Step names, patch names, notes and tensor names are printed on the terminal and in reports;
+/// a newline or an escape sequence there could forge lines ("all sites within tolerance") or
+/// hide the real verdict, so such text is an input error, never printed.
+///
+/// Errors: [`Error::Safetensors`] naming `field` and the character's code point.
+pub fn check_plain(path: &Path, field: &str, text: &str) -> Result<()> {
+    match text.chars().find(|c| c.is_control()) {
+        None => Ok(()),
+        Some(c) => Err(dump_error(
+            path,
+            field,
+            format!(
+                "holds the control character U+{:04X}; text a dump carries is printed, so it may hold none",
+                c as u32
+            ),
+        )),
+    }
+}
+
+/// [`check_plain`] on every key and string of the JSON value `v`, naming its path under `base`.
+/// serde_json's parser bounds the nesting depth (128), so the recursion is bounded too.
+///
+/// Errors: as [`check_plain`].
+pub fn check_plain_json(path: &Path, base: &str, v: &serde_json::Value) -> Result<()> {
+    match v {
+        serde_json::Value::String(t) => check_plain(path, base, t),
+        serde_json::Value::Array(a) => a
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, x)| check_plain_json(path, &format!("{base}[{i}]"), x)),
+        serde_json::Value::Object(o) => o.iter().try_for_each(|(k, x)| {
+            let field = format!("{base}.{k}");
+            check_plain(path, &field, k)?;
+            check_plain_json(path, &field, x)
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// `header.model.file` names the GGUF beside the dump that `compare` opens when no `--model` is
+/// given: a bare file name. A path (`/etc/passwd`, `../x.gguf`) would make the dump choose which
+/// file of the machine is read, so it is refused before anything is opened.
+///
+/// Errors: [`Error::Safetensors`] naming `__metadata__.header.model.file`.
+fn check_model_file(path: &Path, file: &str) -> Result<()> {
+    let bare = !file.is_empty() && file != "." && file != ".." && !file.contains(['/', '\\']);
+    if bare {
+        return Ok(());
+    }
+    Err(dump_error(
+        path,
+        "__metadata__.header.model.file",
+        format!("{file:?}: expected the GGUF's bare file name, without folders"),
+    ))
 }
 
 /// The header JSON `v` as a [`DumpHeader`], through `serde_path_to_error` so that a type error
@@ -1084,15 +1143,26 @@ fn check_tp(path: &Path, tp: Option<&serde_json::Value>) -> Result<()> {
 ///
 /// Errors: [`Error::Input`] naming the dump, the field that differs and the GGUF (exit 2).
 pub fn check_identity(dump: &Path, h: &DumpHeader, file: &GgufFile, layers: &[usize]) -> Result<()> {
+    let same_name = file
+        .path()
+        .file_name()
+        .is_some_and(|n| n.to_string_lossy() == h.model.file);
     let refuse = |field: &str, want: &str, got: &str| {
+        let why = if same_name {
+            format!(
+                "the dump was made from another file of the same name ({}): its contents differ; pass the GGUF the dump was made from",
+                h.model.file
+            )
+        } else {
+            format!(
+                "the dump was made from another model ({}); pass the GGUF it names",
+                h.model.file
+            )
+        };
         Error::input(
             dump,
             format!("field `header.model.{field}`"),
-            format!(
-                "is {want}, but {} gives {got}: the dump was made from another model ({}); pass the GGUF it names",
-                file.path().display(),
-                h.model.file
-            ),
+            format!("is {want}, but {} gives {got}: {why}", file.path().display()),
         )
     };
     let idx = file.index_sha256_hex();

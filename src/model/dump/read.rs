@@ -14,7 +14,7 @@ use safetensors::{Dtype as StDtype, SafeTensors};
 
 use super::conventions::{DumpConventions, EngineDtype, KvAOrder, Layout, RopeOrder, conventions, map_from_metadata};
 use super::dump_error;
-use super::header::{DumpHeader, StepSpec, header_from_metadata, heads_config};
+use super::header::{DumpHeader, StepSpec, check_plain, check_plain_json, header_from_metadata, heads_config};
 use super::layout::{expected_shape_keys, hf_rope_to_interleaved, kv_a_to_latent_rope, normalize_shape};
 use super::map::Map;
 use crate::core::batch::{Batch, SeqSpec};
@@ -177,6 +177,36 @@ pub enum DumpFile {
     Steps(Box<StepsDump>),
 }
 
+/// Refuses a dump whose tensor names or `__metadata__` text hold a control character
+/// ([`check_plain`]): every name and string of a dump may reach the terminal or a report. A
+/// value holding JSON is checked string by string once parsed (JSON text may hold newlines
+/// between its tokens); the format-2 `header` is checked where it is parsed.
+///
+/// Returns `metadata`. Errors: [`Error::Safetensors`](crate::core::error::Error::Safetensors)
+/// naming the tensor or the metadata key.
+fn check_printable(
+    path: &Path,
+    bytes: &[u8],
+    metadata: std::collections::HashMap<String, String>,
+) -> Result<std::collections::HashMap<String, String>> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| header_error(path, bytes, &e))?;
+    for name in st.names() {
+        check_plain(path, &format!("tensor {name:?}"), name)?;
+    }
+    for (k, v) in &metadata {
+        let field = format!("__metadata__.{}", k.escape_debug());
+        check_plain(path, &field, k)?;
+        if k == "header" {
+            continue;
+        }
+        match serde_json::from_str::<serde_json::Value>(v) {
+            Ok(json) => check_plain_json(path, &field, &json)?,
+            Err(_) => check_plain(path, &field, v)?,
+        }
+    }
+    Ok(metadata)
+}
+
 /// Reads a dump of either format. Format 2's steps are each read as a format-1 dump of the step's
 /// new tokens (tensors `s{k}.…` without the prefix), with the header's dtype and conventions (a
 /// base-2 `lse` converted to natural log; a declared `residual_scale` divided out of the
@@ -198,7 +228,7 @@ pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile>
         return load_bytes(path, &bytes, map, cfg).map(DumpFile::One);
     }
     let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| header_error(path, &bytes, &e))?;
-    let metadata = meta.metadata().clone().unwrap_or_default();
+    let metadata = check_printable(path, &bytes, meta.metadata().clone().unwrap_or_default())?;
     let Some(header) = header_from_metadata(
         path,
         metadata.get("format").map(String::as_str),

@@ -626,7 +626,7 @@ fn check_model_file(path: &Path, file: &str) -> Result<()> {
 /// or a missing field names its path (`__metadata__.header.steps[0].seqs[1].new`), not only the
 /// header.
 ///
-/// Errors: [`Error::Safetensors`](crate::core::error::Error::Safetensors) naming the field.
+/// Errors: [`Error::Safetensors`] naming the field.
 fn deserialize_header(path: &Path, v: serde_json::Value) -> Result<DumpHeader> {
     serde_path_to_error::deserialize(v).map_err(|e| {
         let field = match e.path().to_string() {

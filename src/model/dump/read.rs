@@ -182,7 +182,7 @@ pub enum DumpFile {
 /// value holding JSON is checked string by string once parsed (JSON text may hold newlines
 /// between its tokens); the format-2 `header` is checked where it is parsed.
 ///
-/// Returns `metadata`. Errors: [`Error::Safetensors`](crate::core::error::Error::Safetensors)
+/// Returns `metadata`. Errors: [`Error::Safetensors`]
 /// naming the tensor or the metadata key.
 fn check_printable(
     path: &Path,

@@ -283,6 +283,43 @@ fn flags_at_their_types_maximum_are_refused_naming_the_flag() {
     }
 }
 
+/// A `--layers` range past the model names the first layer of the range the model lacks, and a
+/// reversed or empty range selects no layer, whatever its bounds.
+#[test]
+fn a_layers_range_names_its_first_missing_layer() {
+    // the embedded fixture has 2 layers
+    for (range, want) in [
+        ("2..5", "--layers `2..5`: layer 2 out of range: the model has 2 layers"),
+        (
+            "1..=7",
+            "--layers `1..=7`: layer 2 out of range: the model has 2 layers",
+        ),
+        ("4..9", "--layers `4..9`: layer 4 out of range: the model has 2 layers"),
+        ("5..3", "--layers `5..3` selects no layer"),
+        ("5..=3", "--layers `5..=3` selects no layer"),
+        ("1..1", "--layers `1..1` selects no layer"),
+    ] {
+        let (code, err) = embedded(&["run", "--layers", range]);
+        assert_eq!(code, 2, "{range}: {err}");
+        let line = err
+            .lines()
+            .find(|l| l.starts_with("mla-diff: error:"))
+            .unwrap_or_default();
+        assert!(line.contains(want), "{range}: {err}");
+    }
+    // refused before the backend is chosen: the error is the only line
+    for args in [
+        &["run", "--layer", "2"][..],
+        &["run", "--tp", "4"],
+        &["run", "--layer", "99999999999"],
+    ] {
+        let (code, err) = embedded(args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(err.starts_with("mla-diff: error:"), "{args:?}: {err}");
+    }
+}
+
 /// An `--arch` value that is no compute capability is refused when the flag is read, naming the
 /// flag and the value, before NVRTC is looked for (so it shows on a machine without CUDA).
 #[test]

@@ -427,7 +427,8 @@ pub fn parse_layers(spec: &str, n_layer: usize, block_count: usize) -> Result<Ve
         ))
     };
     // The range's end is checked against the model before the layers are listed, so a bound
-    // near the integer's maximum is refused instead of listed.
+    // near the integer's maximum is refused instead of listed; the layer named is the first one
+    // of the range the model lacks.
     let past = |b: usize| {
         Error::Usage(format!(
             "--layers `{spec}`: layer {b} out of range: the model has {block_count} layers (`block_count`)"
@@ -440,8 +441,11 @@ pub fn parse_layers(spec: &str, n_layer: usize, block_count: usize) -> Result<Ve
             a.parse::<usize>().map_err(|_| bad())?,
             b.parse::<usize>().map_err(|_| bad())?,
         );
+        if a > b {
+            return Err(Error::Usage(format!("--layers `{spec}` selects no layer")));
+        }
         if b >= block_count {
-            return Err(past(b));
+            return Err(past(a.max(block_count)));
         }
         (a..=b).collect()
     } else if let Some((a, b)) = spec.split_once("..") {
@@ -449,8 +453,11 @@ pub fn parse_layers(spec: &str, n_layer: usize, block_count: usize) -> Result<Ve
             a.parse::<usize>().map_err(|_| bad())?,
             b.parse::<usize>().map_err(|_| bad())?,
         );
+        if a >= b {
+            return Err(Error::Usage(format!("--layers `{spec}` selects no layer")));
+        }
         if b > block_count {
-            return Err(past(b - 1));
+            return Err(past(a.max(block_count)));
         }
         (a..b).collect()
     } else {
@@ -465,8 +472,9 @@ pub fn parse_layers(spec: &str, n_layer: usize, block_count: usize) -> Result<Ve
 /// Validates a [`RunSpec`] and opens its model: the file, its configuration and the run
 /// configuration (with an empty `backend` field).
 ///
-/// Errors: [`Error::Usage`] for zero sizes, empty sequences, positions past [`MAX_POSITION`] and
-/// faults that act on no requested path; model and configuration errors.
+/// Errors: [`Error::Usage`] for zero sizes, empty sequences, positions past [`MAX_POSITION`], a
+/// TP size that does not divide the heads and faults that act on no requested path;
+/// [`Error::LayerOutOfRange`]; model and configuration errors.
 pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
     let file = crate::model::fixture::open_model(a.model.path())?;
     let cfg = MlaConfig::from_gguf(&file)?;
@@ -582,6 +590,9 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
         },
         backend: String::new(),
     };
+    // The layers and the TP size against the model, here and not only when the run starts, so
+    // that a refusal comes before the backend is chosen and named.
+    crate::jobs::run::check_run(&file, &cfg, &rc)?;
     check_faults(&file, &cfg, &rc, a.device.dtype.into())?;
     Ok((file, cfg, rc))
 }

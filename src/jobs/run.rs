@@ -422,7 +422,7 @@ fn zero_weights_note(layer: usize, zeros: &[String]) -> Option<String> {
 /// layer outside the model.
 ///
 /// Errors: [`Error::Usage`]; [`Error::LayerOutOfRange`].
-fn check_run(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<()> {
+pub fn check_run(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig) -> Result<()> {
     if rc.batch.seqs.is_empty() || rc.batch.seqs.iter().any(|s| s.len == 0) {
         return Err(Error::Usage("every sequence needs at least one token".into()));
     }

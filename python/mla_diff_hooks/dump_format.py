@@ -6,7 +6,8 @@ kernel runner (`kernels`) write files that `mla-diff compare` reads, so what the
 with mla-diff's reader is defined here once. `STAGES` is mla-diff's own stage list
 (src/core/trace.rs, `STAGES`) in its data-flow order; python/tests/test_dump_format.py checks it,
 the name templates and the format strings against `mla-diff sites --json`. Importing needs only
-the standard library: the writers need numpy (through st_io), the model identity gguf-py.
+the standard library: the writers need numpy (through st_io), a GGUF's model identity gguf-py
+(an HF checkpoint folder's nothing more).
 """
 
 from __future__ import annotations
@@ -272,10 +273,13 @@ def model_identity(model_path, layers: Iterable[int]) -> dict:
     """`header.model` of a format-2 dump: the GGUF's file name, its size in bytes, the sha256 of
     the bytes before the tensor data (magic, version, metadata, tensor index, padding) and, per
     layer n in `layers`, the sha256 of its raw tensor bytes (every `blk.{n}.*` tensor, in
-    tensor-index order). mla-diff compares them with the GGUF it is given. Needs gguf-py."""
+    tensor-index order). mla-diff compares them with the GGUF it is given. Needs gguf-py. A
+    folder is a Hugging Face checkpoint: hf_model_identity."""
+    path = Path(model_path)
+    if path.is_dir():
+        return hf_model_identity(path, layers)
     import gguf
 
-    path = Path(model_path)
     rd = gguf.GGUFReader(str(path))
     data = rd.data
     ident = {
@@ -289,5 +293,95 @@ def model_identity(model_path, layers: Iterable[int]) -> dict:
         for t in rd.tensors:
             if t.name.startswith(f"blk.{n}."):
                 h.update(data[t.data_offset : t.data_offset + t.n_bytes].tobytes())
+        ident["layer_sha256"][str(n)] = h.hexdigest()
+    return ident
+
+
+HF_FORMAT = "hf-safetensors"
+"""`header.model.format` of a dump made from a Hugging Face checkpoint folder (absent: a GGUF)."""
+HF_CONFIG, HF_INDEX, HF_SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
+
+
+def _safetensors_header(path: Path) -> tuple[bytes, dict, int]:
+    """(the file's first 8 + n bytes, its parsed JSON header, the offset of its data section).
+    Errors: ValueError naming the file for a header that is cut short or not a JSON object."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: shorter than a safetensors header length (8 bytes)")
+        n = int.from_bytes(head, "little")
+        if n > path.stat().st_size - 8:
+            raise ValueError(f"{path}: header length {n} runs past the end of the file")
+        body = f.read(n)
+    meta = json.loads(body)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: the safetensors header is not a JSON object")
+    return head + body, meta, 8 + n
+
+
+def hf_model_identity(folder, layers: Iterable[int]) -> dict:
+    """`header.model` for a Hugging Face checkpoint folder (config.json and safetensors shards,
+    docs/dump-format.md "Format 2", `model.format` = `hf-safetensors`):
+
+    - `file`: the folder's name;
+    - `format`: `hf-safetensors`;
+    - `bytes`: the sum of the sizes of config.json, the index and each distinct shard the index
+      names (a folder without an index: config.json and model.safetensors);
+    - `index_sha256`: sha256 of config.json's bytes followed by the index file's bytes (without
+      an index: followed by model.safetensors's first 8 + n bytes, its header);
+    - `layer_sha256[n]`: sha256 of the raw data bytes (the safetensors `data_offsets` slice) of
+      every tensor whose name starts with `model.layers.{n}.`, in ascending order of the names'
+      UTF-8 bytes, concatenated (weights and their `weight_scale_inv` alike).
+
+    Needs only the standard library. Errors: FileNotFoundError for a folder without config.json
+    or any safetensors; ValueError naming the file for a malformed index or shard header."""
+    folder = Path(folder)
+    config = folder / HF_CONFIG
+    if not config.is_file():
+        raise FileNotFoundError(f"{folder}: no {HF_CONFIG} (not a Hugging Face checkpoint folder)")
+    index = folder / HF_INDEX
+    digest = hashlib.sha256(config.read_bytes())
+    total = config.stat().st_size
+    if index.is_file():
+        raw = index.read_bytes()
+        digest.update(raw)
+        total += len(raw)
+        weight_map = json.loads(raw).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: `weight_map` is not an object of tensor name -> shard file")
+    elif (folder / HF_SINGLE).is_file():
+        head, meta, _ = _safetensors_header(folder / HF_SINGLE)
+        digest.update(head)
+        weight_map = {k: HF_SINGLE for k in meta if k != "__metadata__"}
+    else:
+        raise FileNotFoundError(f"{folder}: neither {HF_INDEX} nor {HF_SINGLE}")
+    headers: dict[str, tuple[dict, int]] = {}
+    for shard in sorted(set(weight_map.values())):
+        p = folder / shard
+        if Path(shard).name != shard or not p.is_file():
+            raise ValueError(f"{index}: shard {shard!r} is not a file of {folder}")
+        _, meta, start = _safetensors_header(p)
+        headers[shard] = (meta, start)
+        total += p.stat().st_size
+    ident = {
+        "file": folder.name,
+        "format": HF_FORMAT,
+        "bytes": int(total),
+        "index_sha256": digest.hexdigest(),
+        "layer_sha256": {},
+    }
+    for n in layers:
+        h = hashlib.sha256()
+        prefix = f"model.layers.{int(n)}."
+        names = sorted((k for k in weight_map if k.startswith(prefix)), key=lambda k: k.encode())
+        for name in names:
+            meta, start = headers[weight_map[name]]
+            entry = meta.get(name)
+            if not isinstance(entry, dict) or len(entry.get("data_offsets", ())) != 2:
+                raise ValueError(f"{folder / weight_map[name]}: no tensor {name} (named by the index)")
+            a, b = (int(x) for x in entry["data_offsets"])
+            with open(folder / weight_map[name], "rb") as f:
+                f.seek(start + a)
+                h.update(f.read(b - a))
         ident["layer_sha256"][str(n)] = h.hexdigest()
     return ident

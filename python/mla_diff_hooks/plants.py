@@ -951,6 +951,78 @@ def _ctx_chunk_unwritten(params: dict[str, str]) -> None:
     cls._compute_prefill_context = _compute_prefill_context
 
 
+# =============================================================================================
+# block-FP8 checkpoints (Fp8LinearMethod)
+# =============================================================================================
+
+# where fp8-scale-transposed planted its scale in this process: [{"layer": prefix, "grid": [a, b],
+# "moved": blocks whose scale changed}], for the runner to check that the plant met its layer
+SCALE_PLANTED: list[dict[str, Any]] = []
+
+
+def transposed_scale_grid(scale):
+    """A block-scale grid `scale` [a, b] as a loader that reads it in the other order holds it:
+    its transpose laid back into the original shape, `scale.t().contiguous().view(a, b)` (for a
+    square grid, the plain transpose). Block (r, c) then gets the scale of flat index r·b + c of
+    the transposed grid, scale[(r·b + c) % a, (r·b + c) // a]."""
+    return scale.t().contiguous().view(scale.shape)
+
+
+def _scale_target(prefix: str, layer: str, param: str) -> bool:
+    """Whether a linear's vLLM prefix (`model.layers.0.self_attn.o_proj`) is decoder layer
+    `layer`'s `param` (`o_proj`, under self_attn, or `mlp.down_proj`, under the layer)."""
+    return prefix.endswith((f"layers.{layer}.self_attn.{param}", f"layers.{layer}.{param}"))
+
+
+@_register(
+    name="fp8-scale-transposed",
+    mechanism="one block-FP8 linear's weight_scale_inv [ceil(out/128), ceil(in/128)] is read in the "
+    "other order: its transpose laid back into the original shape (s.t().contiguous().view(s.shape); "
+    "a square grid: s.t()), so most 128x128 blocks are dequantized with another block's scale",
+    where="Fp8LinearMethod.process_weights_after_loading: after the kernel has processed the layer "
+    "(CUTLASS and Triton keep the checkpoint layout), the weight_scale_inv of decoder layer `layer`'s "
+    "`param` is overwritten in place; MLAAttention's W_UK_T/W_UV, built after every linear, see it "
+    "when `param` is kv_b_proj",
+    reports="vLLM PR #47116 (XPU's load-time transpose of weight_scale_inv read back through a view "
+    "in the checkpoint's order: blocks scaled by other blocks' scales, DeepSeek-V4 GSM8K 96.5% -> "
+    "89%), vLLM PR #50204 / PR #50349 (a transposed block scale reaching MLA's kv_b dequant: shape "
+    "asserts on a non-square grid, silently wrong weights on a square one)",
+    expected="quant-scale-layout",
+    defaults={"layer": "0", "param": "o_proj"},
+    needs="a block-FP8 checkpoint (quantization_config.weight_block_size) whose chosen linear has a "
+    "scale grid the relayout changes (not 1 x b or a x 1, not symmetric): hf-v3-fp8's o_proj [2, 4] "
+    "moves 6 of 8 scales, kv_b_proj [8, 4] 28 of 32",
+)
+def _fp8_scale_transposed(params: dict[str, str]) -> None:
+    layer_n = _int(params, "layer")
+    param = params["param"].strip()
+    if layer_n < 0 or not param:
+        raise ValueError("fp8-scale-transposed: layer must be >= 0 and param a linear's name")
+    from vllm.model_executor.layers.quantization import fp8
+
+    cls = _owner(fp8.Fp8LinearMethod, "process_weights_after_loading")
+    orig = cls.process_weights_after_loading
+
+    def process_weights_after_loading(self, layer, *args, **kwargs):
+        out = orig(self, layer, *args, **kwargs)
+        prefix = str(getattr(layer, "prefix", ""))
+        scale = getattr(layer, "weight_scale_inv", None)
+        if scale is None or not _scale_target(prefix, str(layer_n), param):
+            return out
+        new = transposed_scale_grid(scale.data)
+        moved = int((new != scale.data).sum())
+        if moved == 0:
+            raise ValueError(
+                f"fp8-scale-transposed: {prefix}'s scale grid {list(scale.shape)} is unchanged by "
+                "the relayout; choose a linear whose grid has at least 2 x 2 distinct scales"
+            )
+        scale.data.copy_(new)
+        SCALE_PLANTED.append({"layer": prefix, "grid": list(scale.shape), "moved": moved})
+        return out
+
+    cls.process_weights_after_loading = process_weights_after_loading
+
+
 def describe() -> list[dict[str, str]]:
     """Every plant as a row: name, expected class, parameters, mechanism, where, reports, needs."""
     return [

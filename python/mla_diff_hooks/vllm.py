@@ -555,19 +555,95 @@ def version_note(missing: list[str]) -> str:
     )
 
 
+def block_dequant(weight: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """A block-quantized weight dequantized: `weight` [N, K] (the e4m3 values, widened exactly to
+    float32), `scale` [ceil(N/bn), ceil(K/bk)] float32 (DeepSeek's `weight_scale_inv`: the
+    multiplier of each bn x bk block, the last row or column of blocks cut short where N or K is
+    not a multiple), `block` (bn, bk). Returns float32 [N, K], element (r, c) =
+    weight[r, c] * scale[r // bn, c // bk], one float32 product (what vLLM's scaled_dequantize
+    computes where it accepts the shapes). Errors: ValueError naming both shapes when the grid is
+    not the one the weight's shape and block imply."""
+    bn, bk = (int(x) for x in block)
+    if weight.ndim != 2 or scale.ndim != 2 or bn < 1 or bk < 1:
+        raise ValueError(
+            f"block dequant needs a 2-D weight and scale and a positive block, got "
+            f"{list(weight.shape)}, {list(scale.shape)}, {[bn, bk]}"
+        )
+    n, k = weight.shape
+    grid = (-(-n // bn), -(-k // bk))
+    if tuple(scale.shape) != grid:
+        raise ValueError(
+            f"weight {[n, k]} in {bn}x{bk} blocks has a {list(grid)} scale grid, "
+            f"the scale is {list(scale.shape)}"
+        )
+    full = np.repeat(np.repeat(scale.astype(np.float32), bn, axis=0), bk, axis=1)[:n, :k]
+    return (weight.astype(np.float32) * full).astype(np.float32)
+
+
+def _fp8_block_layer(linear) -> tuple[Any, Any, tuple[int, int], str] | None:
+    """(weight, weight_scale_inv, block, kernel class name) of a linear whose quant method is
+    vLLM's block-quantized Fp8LinearMethod and whose tensors keep the checkpoint's layout after
+    process_weights_after_loading: weight float8 [N, K], weight_scale_inv [ceil(N/bn),
+    ceil(K/bk)], the kernel's process_weights_after_loading being Fp8BlockScaledMMLinearKernel's
+    own (CUTLASS and Triton: on CUDA it replaces both parameters by themselves), neither Marlin
+    (repacked) nor DeepGEMM (scales re-laid out). None otherwise."""
+    qm = getattr(linear, "quant_method", None)
+    if type(qm).__name__ != "Fp8LinearMethod" or not getattr(qm, "block_quant", False):
+        return None
+    if getattr(qm, "use_marlin", False) or getattr(qm, "use_deep_gemm", False):
+        return None
+    kernel = getattr(qm, "fp8_linear", None)
+    owner = next((c for c in type(kernel).__mro__ if "process_weights_after_loading" in c.__dict__), None)
+    if kernel is None or owner is None or owner.__name__ != "Fp8BlockScaledMMLinearKernel":
+        return None
+    w, s = getattr(linear, "weight", None), getattr(linear, "weight_scale_inv", None)
+    block = getattr(linear, "weight_block_size", None) or getattr(qm, "weight_block_size", None)
+    if w is None or s is None or block is None or len(block) != 2 or w.dim() != 2 or s.dim() != 2:
+        return None
+    if "float8" not in str(w.dtype):
+        return None
+    bn, bk = int(block[0]), int(block[1])
+    if tuple(s.shape) != (-(-w.shape[0] // bn), -(-w.shape[1] // bk)):
+        return None
+    return w, s, (bn, bk), type(kernel).__name__
+
+
 def dequant_weight(linear, act_dtype) -> tuple[np.ndarray, str]:
-    """A vLLM linear layer's weight as float32 [out, in], and how it was obtained."""
+    """A vLLM linear layer's weight as float32 [out, in], and how it was obtained: the weight as
+    is (unquantized); else vLLM's own get_and_maybe_dequant_weights (for a block Fp8LinearMethod:
+    float32(weight) x the scale broadcast over its 128x128 blocks); where that refuses the shapes
+    (its scaled_dequantize asserts N and K are whole multiples of the block, so a fused
+    q_a|kv_a of 704 rows in 6 row blocks stops there) and the layer keeps the checkpoint layout
+    (_fp8_block_layer), block_dequant of its `weight` and `weight_scale_inv`, the same product;
+    else the layer applied to an identity matrix through its quant method."""
     torch = _torch()
     qm = getattr(linear, "quant_method", None)
     if qm is None or type(qm).__name__ == "UnquantizedLinearMethod":
         return _np(linear.weight).astype(np.float32), "unquantized"
+    fp8 = _fp8_block_layer(linear)
+    refused = None
     try:
         from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
 
         w = get_and_maybe_dequant_weights(linear, out_dtype=torch.float32)
-        return _np(w).astype(np.float32), f"{type(qm).__name__} via vllm get_and_maybe_dequant_weights"
+        how = f"{type(qm).__name__} via vllm get_and_maybe_dequant_weights"
+        if fp8 is not None:
+            how += f" ({fp8[3]}, block {fp8[2][0]}x{fp8[2][1]})"
+        return _np(w).astype(np.float32), how
     except (ImportError, TypeError):
         pass
+    except (AssertionError, ValueError, RuntimeError) as e:
+        if fp8 is None:
+            raise
+        refused = f"{type(e).__name__}{': ' + str(e) if str(e) else ''}"
+    if fp8 is not None:
+        w, s, block, kernel = fp8
+        out = block_dequant(_np(w), _np(s), block)
+        why = f"; vLLM's get_and_maybe_dequant_weights refused it ({refused})" if refused else ""
+        return out, (
+            f"{type(qm).__name__} ({kernel}, block {block[0]}x{block[1]}): weight x "
+            f"weight_scale_inv[r // {block[0]}, c // {block[1]}] in f32{why}"
+        )
     # older vLLM's MLACommonImpl.process_weights_after_loading method: identity through the quant kernel.
     dev = None
     for name in ("weight", "qweight", "weight_packed"):
@@ -581,6 +657,53 @@ def dequant_weight(linear, act_dtype) -> tuple[np.ndarray, str]:
         _np(out).T.copy().astype(np.float32),
         f"{type(qm).__name__} via quant_method.apply(identity, {_dtype_name(act_dtype)})",
     )
+
+
+def quantization_info(root) -> dict | None:
+    """What the engine's quantized layers run, for `header.engine.quantization`: the linear
+    method and kernel class of the first decoder layer's first quantized attention linear
+    (`linear_method` Fp8LinearMethod, `linear_kernel` CutlassFp8BlockScaledMMKernel, ...),
+    `weight_block_size` [bn, bk] (block FP8), `weight_dtype` (float8_e4m3fn) and `scale_dtype`
+    (float32), and, where an MoE layer has them, `moe_method` and `moe_backend` (its
+    fp8_backend). None when no attention linear is quantized."""
+    info: dict[str, Any] = {}
+    try:
+        layers = find_decoder_layers(root)
+    except RuntimeError:
+        return None
+    for _, layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        for pname in WEIGHT_PARAMS:
+            mod = getattr(attn, pname, None)
+            qm = getattr(mod, "quant_method", None)
+            if qm is None or type(qm).__name__ == "UnquantizedLinearMethod":
+                continue
+            info["linear_method"] = type(qm).__name__
+            kernel = getattr(qm, "fp8_linear", None) or getattr(qm, "kernel", None)
+            if kernel is not None:
+                info["linear_kernel"] = type(kernel).__name__
+            block = getattr(mod, "weight_block_size", None) or getattr(qm, "weight_block_size", None)
+            if block is not None:
+                info["weight_block_size"] = [int(x) for x in block]
+            w = getattr(mod, "weight", None)
+            if w is not None:
+                info["weight_dtype"] = str(w.dtype).replace("torch.", "")
+            s = getattr(mod, "weight_scale_inv", getattr(mod, "weight_scale", None))
+            if s is not None:
+                info["scale_dtype"] = str(s.dtype).replace("torch.", "")
+            break
+        if info:
+            break
+    if not info:
+        return None
+    for _, mod in root.named_modules():
+        qm = getattr(mod, "quant_method", None)
+        backend = getattr(qm, "fp8_backend", None)
+        if backend is not None:
+            info["moe_method"] = type(qm).__name__
+            info["moe_backend"] = str(getattr(backend, "name", backend))
+            break
+    return info
 
 
 def patch_entry(patch) -> dict[str, Any]:
@@ -2059,10 +2182,14 @@ def finish(
                     f"captured prefill tokens {None if got is None else got.tolist()} "
                     f"are not the expected {exp} (prefix caching on? request order?)"
                 )
+        engine = dict(engine_info or backend_names(cap.root))
+        quant = quantization_info(cap.root)
+        if quant is not None:
+            engine.setdefault("quantization", quant)
         cap.write_format2(
             dp,
             model_path=model_path,
-            engine=engine_info or backend_names(cap.root),
+            engine=engine,
             patches=patches,
             weight_sites=weight_sites,
             weights=weights,

@@ -29,12 +29,13 @@ CLASSES = {
     "kv-b-layout",
     "norm-skipped",
     "strided-view",
+    "quant-scale-layout",
 }
 
 
 def test_every_plant_names_its_class_reports_and_docs_row():
     docs = (ROOT / "docs" / "engines.md").read_text()
-    assert len(plants.REGISTRY) == 22
+    assert len(plants.REGISTRY) == 23
     for name, p in plants.REGISTRY.items():
         assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", name), name
         assert p.name == name and p.expected in CLASSES, name

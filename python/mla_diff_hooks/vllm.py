@@ -2512,7 +2512,7 @@ def main() -> None:
         "--decode-steps",
         type=int,
         default=0,
-        help="also record this many decode steps (format 2: .gguf models only)",
+        help="also record this many decode steps (format 2: a local .gguf or HF checkpoint folder)",
     )
     ap.add_argument("--tokens", required=True, help="comma-separated prompt token ids")
     ap.add_argument("--dump", required=True, type=Path, help="activation dump to write")
@@ -2582,8 +2582,11 @@ def main() -> None:
     if args.gpu_memory_utilization:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     gguf = args.model.endswith(".gguf") and Path(args.model).is_file()
-    if (args.decode_steps or args.tp > 1) and not gguf:
-        raise SystemExit("--decode-steps and --tp > 1 write format 2, which needs a local .gguf")
+    local = gguf or (Path(args.model) / "config.json").is_file()  # a GGUF or an HF checkpoint folder
+    if (args.decode_steps or args.tp > 1) and not local:
+        raise SystemExit(
+            "--decode-steps and --tp > 1 write format 2, which needs a local .gguf or HF checkpoint folder"
+        )
     llm = LLM(**kw)
     print(llm.apply_model(functools.partial(hooks.arm, steps=1 + args.decode_steps)))
     llm.generate(
@@ -2599,7 +2602,7 @@ def main() -> None:
             expect_tokens=ids,
             weight_sites=not args.no_weight_sites,
             patches=applied or None,
-            model_path=str(Path(args.model).resolve()) if gguf else None,
+            model_path=str(Path(args.model).resolve()) if local else None,
         )
     )
     if args.tp > 1:

@@ -25,6 +25,20 @@ With `--plant NAME` a bug of mla_diff_hooks.plants is planted in vLLM's code bef
 starts and only the chunked case runs (the plant recorded in the dump's patches as plant:NAME):
 the exit status is then 0 when compare finds it (exit 1).
 
+The model may be a Hugging Face checkpoint folder (config.json and safetensors shards, e.g.
+golden/hf-v3-fp8) instead of a GGUF: vLLM loads it itself (no GGUF plugin, no --config), the
+quantization is read from config.json's `quantization_config`, and for an `fp8` checkpoint the
+runner sets VLLM_USE_DEEP_GEMM=0 before vLLM is imported (recorded as the patch `no-deep-gemm`:
+vLLM then runs Fp8LinearMethod through CutlassFp8BlockScaledMMKernel on sm90, without DeepGEMM's
+minutes of warm-up and JIT). The dump's header names the folder (docs/dump-format.md,
+`model.format` hf-safetensors) and what the quantized layers ran (`engine.quantization`). With
+`--weights` each dump also holds the loaded weights (`weights.*`, dequantized to float32 by
+mla_diff_hooks.vllm.dequant_weight) and a WEIGHTS file is written beside it
+(<dump>.weights.safetensors), which `mla-diff weights --check` judges too. The `single` case is
+one prompt (`--tokens`, 20 ids by default) prefilled in one step, then 3 decode steps, every
+step recorded. `--plant fp8-scale-transposed` (an fp8 checkpoint) fails the run when no layer
+met it.
+
 Usage (from the repository root, vLLM 0.26.0 importable, e.g. after
 scripts/gpu-host/vllm_live_gpu.sh install with PYTHONPATH=$STAGE/site:python):
 
@@ -80,7 +94,11 @@ RECORD = {
     "chunked": {"first": 5, "steps": 4, "heads": (0, 1)},
     "prefix": {"first": 0, "steps": 64, "heads": (0, 1)},
     "batch": {"first": 0, "steps": 64, "heads": (0, 1)},
+    # one short prompt: its prefill and 3 decode steps, every head (the fixtures have 4)
+    "single": {"first": 0, "steps": 4, "heads": None},
 }
+# the single case's prompt (ids below every fixture's vocabulary of 128)
+SINGLE_TOKENS = "3,17,42,5,99,23,7,64,11,80,2,31,58,9,120,44,6,73,15,27"
 # the stages a plant dump keeps: the layer input, the partials and the merge (the chunk loop's
 # bugs are judged on the partials the reference computes from the layer input; the latent cache's
 # rows would add a third to each dump)
@@ -94,6 +112,18 @@ PLANT_SITES = [
 ]
 
 
+def hf_quantization(model: str) -> str | None:
+    """The `quant_method` of a Hugging Face checkpoint folder's config.json `quantization_config`
+    (`fp8` for DeepSeek-V3's block FP8), None for an unquantized folder or a GGUF file."""
+    import json
+
+    cfg = Path(model) / "config.json"
+    if not Path(model).is_dir() or not cfg.is_file():
+        return None
+    q = json.loads(cfg.read_text()).get("quantization_config") or {}
+    return str(q.get("quant_method")) if q.get("quant_method") else None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("backend", help="vLLM attention backend: FLASHMLA, TRITON_MLA, FLASH_ATTN_MLA, ...")
@@ -104,13 +134,32 @@ def main() -> int:
         "--workspace", type=int, default=256, help="chunked-prefill workspace in tokens (0: vLLM's)"
     )
     ap.add_argument(
-        "--cases", default="chunked,prefix,batch", help="comma-separated cases to run (default: all three)"
+        "--cases",
+        default=None,
+        help="comma-separated cases to run: chunked, prefix, batch, single (default: the first three; "
+        "with --plant: chunked)",
+    )
+    ap.add_argument("--tokens", default=SINGLE_TOKENS, help="the single case's prompt ids (comma-separated)")
+    ap.add_argument(
+        "--sites",
+        default=None,
+        help="comma-separated stages every case keeps, or `all` (SITES; default: SITES, with --plant "
+        "PLANT_SITES)",
+    )
+    ap.add_argument(
+        "--kv-cache-dtype", default="auto", help="vLLM kv_cache_dtype (default auto: the model dtype)"
+    )
+    ap.add_argument(
+        "--weights",
+        action="store_true",
+        help="keep the loaded weights in each dump (weights.*) and write <dump>.weights.safetensors, "
+        "which mla-diff weights --check judges",
     )
     ap.add_argument(
         "--plant",
         default=None,
         help="apply this plant of mla_diff_hooks.plants (NAME or NAME:k=v) before vLLM starts and run "
-        "the chunked case only, its dump named <model>.<backend>.plant-<NAME>",
+        "the chunked case unless --cases says otherwise, its dump named <model>.<backend>.plant-<NAME>",
     )
     ap.add_argument(
         "--heads", default=None, help="A:B: keep heads A..B in every case (default: RECORD's per case)"
@@ -126,12 +175,30 @@ def main() -> int:
     heads = tuple(int(x) for x in args.heads.split(":")) if args.heads else None
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # apply_model and the runner in this process
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    hf = Path(args.model).is_dir()
+    quant = hf_quantization(args.model)
+    patches = []
+    if quant == "fp8":
+        # read by vLLM's envs when Fp8LinearMethod is built: set before vLLM is imported
+        os.environ["VLLM_USE_DEEP_GEMM"] = "0"
+        patches.append(
+            (
+                "no-deep-gemm",
+                "VLLM_USE_DEEP_GEMM=0: Fp8LinearMethod takes the CUTLASS block-FP8 kernel "
+                "(CutlassFp8BlockScaledMMKernel on sm90) instead of DeepGEMM, whose warm-up and JIT "
+                "take minutes; the weights keep the checkpoint's layout after loading",
+            )
+        )
     import numpy as np
 
     hooks = __import__("mla_diff_hooks.vllm", fromlist=["arm"])
     model, config = os.path.abspath(args.model), os.path.abspath(args.config)
     args.out.mkdir(parents=True, exist_ok=True)
-    patches = []
+    print(
+        f"[{args.backend}] model {model}: "
+        + (f"HF checkpoint folder, quantization {quant or 'none'}" if hf else "GGUF, config " + config),
+        flush=True,
+    )
     if args.plant:
         from mla_diff_hooks import plants
 
@@ -156,7 +223,8 @@ def main() -> int:
     t0 = time.time()
     llm = LLM(
         model=model,
-        hf_config_path=config,
+        **({} if hf else {"hf_config_path": config}),
+        kv_cache_dtype=args.kv_cache_dtype,
         skip_tokenizer_init=True,
         enforce_eager=True,
         dtype="bfloat16",
@@ -172,6 +240,13 @@ def main() -> int:
         f"[{args.backend}] LLM up in {time.time() - t0:.1f} s; runner watched: {hooks.watch_runner()}",
         flush=True,
     )
+    if args.plant and args.plant.partition(":")[0].strip() == "fp8-scale-transposed":
+        from mla_diff_hooks import plants
+
+        if not plants.SCALE_PLANTED:
+            print(f"[{args.backend}] fp8-scale-transposed met no layer (is the model block FP8?)", flush=True)
+            return 1
+        print(f"[{args.backend}] fp8-scale-transposed planted: {plants.SCALE_PLANTED}", flush=True)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     rng = np.random.default_rng(39)
 
@@ -194,12 +269,21 @@ def main() -> int:
             rate = sum(len(p) + decode for p in bare) / dt
             print(f"[{args.backend}] {name}: without hooks {dt:.3f} s, {rate:.0f} tok/s")
         rec = RECORD[name]
+        sites = (
+            SITES
+            if args.sites == "all"
+            else args.sites.split(",")
+            if args.sites
+            else PLANT_SITES
+            if args.plant
+            else SITES
+        )
         arm = functools.partial(
             hooks.arm,
             forward_index=rec["first"],
             steps=args.steps or rec["steps"],
             layers=[0],
-            sites=PLANT_SITES if args.plant else SITES,
+            sites=sites,
             heads=heads or rec["heads"],
         )
         print(llm.apply_model(arm)[0], flush=True)
@@ -208,30 +292,45 @@ def main() -> int:
             generate(b, decode)
         dt = time.time() - t
         n = sum(len(p) + decode for b in batches for p in b)
-        path = args.out / f"{Path(model).stem}.{args.backend.lower()}.{label or name}.safetensors"
+        stem = f"{Path(model).name if hf else Path(model).stem}.{args.backend.lower()}.{label or name}"
+        path = args.out / f"{stem}.safetensors"
+        wpath = args.out / f"{stem}.weights.safetensors" if args.weights else None
         llm.apply_model(
             functools.partial(
                 hooks.finish,
                 dump_path=str(path),
+                weights_path=None if wpath is None else str(wpath),
                 model_path=model,
                 weight_sites=False,
-                weights=False,
+                weights=args.weights,
                 patches=patches or None,
             )
         )
+        bin_ = os.environ.get("MLA_DIFF_BIN", "target/release/mla-diff")
         r = subprocess.run(
             [
-                os.environ.get("MLA_DIFF_BIN", "target/release/mla-diff"),
+                bin_,
                 "compare",
                 "--model",
                 model,
                 "--dump",
                 str(path),
+                "--json",
+                str(path) + ".json",
+                "--force",
             ],
             capture_output=True,
             text=True,
         )
+        (args.out / f"{stem}.compare.log").write_text(r.stdout + r.stderr)
         worst = max(worst, r.returncode if not args.plant else int(r.returncode != 1))
+        if wpath is not None:
+            rw = subprocess.run(
+                [bin_, "weights", "--model", model, "--check", str(wpath)], capture_output=True, text=True
+            )
+            (args.out / f"{stem}.weights-check.log").write_text(rw.stdout + rw.stderr)
+            worst = max(worst, rw.returncode if not args.plant else int(rw.returncode != 1))
+            print(f"[{args.backend}] {label or name}: weights --check exit {rw.returncode}", flush=True)
         verdict = [
             x
             for x in (r.stdout + r.stderr).splitlines()
@@ -245,7 +344,15 @@ def main() -> int:
             flush=True,
         )
 
-    wanted = ["chunked"] if args.plant else args.cases.split(",")
+    wanted = (
+        args.cases.split(",") if args.cases else ["chunked"] if args.plant else ["chunked", "prefix", "batch"]
+    )
+    unknown = [c for c in wanted if c not in RECORD]
+    if unknown:
+        print(f"unknown case(s) {unknown} (known: {', '.join(RECORD)})", file=sys.stderr)
+        return 2
+    if "single" in wanted:
+        case("single", [[[int(x) for x in args.tokens.split(",") if x.strip()]]], 3)
     if "chunked" in wanted:
         case("chunked", [[toks(960), toks(840)]], 4)
     if "prefix" in wanted:

@@ -30,7 +30,9 @@
 #
 # Environment: STAGE (default /tmp/vllm-live), PYTHON (default python3), MLA_DIFF_BIN (default
 # .gpu/mla-diff, else target/release/mla-diff), MODEL and CONFIG_DIR (default golden/models/fa3-v3-bf16.gguf and the folder
-# golden/models/fa3-v3 holding its config.json), SPLIT_MODEL (default
+# golden/models/fa3-v3 holding its config.json; MODEL may be an HF checkpoint folder such as
+# golden/hf-v3-fp8, which needs no CONFIG_DIR, runs with VLLM_USE_DEEP_GEMM=0 when its
+# quantization_config is fp8, and skips the split-model check), SPLIT_MODEL (default
 # golden/models/fa3-v3-split.gguf, same config), BACKENDS (default "FLASHMLA TRITON_MLA"),
 # TOKENS (comma-separated prompt ids), DECODE_STEPS (default 3), VLLM_TIMEOUT (seconds per vLLM
 # run, default 600).
@@ -151,8 +153,14 @@ EOF
       local name=$1 model=$2 backend=$3 want=$4
       shift 4
       echo "=== vllm_live: $name: $model, attention backend $backend"
-      PYTHONPATH="$STAGE/site:$PWD/python" VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
-        timeout "${VLLM_TIMEOUT:-600}" "$PY" -m mla_diff_hooks.vllm "$model" --hf-config-path "$CONFIG_DIR" \
+      # an HF checkpoint folder carries its config.json; a block-FP8 one runs without DeepGEMM
+      local cfg=(--hf-config-path "$CONFIG_DIR") deep_gemm=${VLLM_USE_DEEP_GEMM:-1}
+      if [[ -d $model ]]; then
+        cfg=()
+        grep -q '"quant_method": *"fp8"' "$model/config.json" && deep_gemm=0
+      fi
+      PYTHONPATH="$STAGE/site:$PWD/python" VLLM_ALLOW_INSECURE_SERIALIZATION=1 VLLM_USE_DEEP_GEMM=$deep_gemm \
+        timeout "${VLLM_TIMEOUT:-600}" "$PY" -m mla_diff_hooks.vllm "$model" "${cfg[@]}" \
         --tokens "$TOKENS" --decode-steps "$DECODE_STEPS" --dtype bfloat16 \
         --attention-backend "$backend" --max-model-len 512 --gpu-memory-utilization 0.3 \
         --dump "$out/$name.safetensors" --force "$@" >"$out/$name.vllm.log" 2>&1
@@ -176,12 +184,12 @@ EOF
     done
     first=${BACKENDS%% *}
     # vLLM stops at load on the split file (kv_b_proj never loaded); --zero-unloaded lets it run
-    # with a zero kv_b_proj, which compare must name.
-    one "live-split-$(echo "$first" | tr 'A-Z_' 'a-z-')" "$SPLIT_MODEL" "$first" 1 --zero-unloaded
+    # with a zero kv_b_proj, which compare must name. A GGUF's check only.
+    [[ -d $MODEL ]] || one "live-split-$(echo "$first" | tr 'A-Z_' 'a-z-')" "$SPLIT_MODEL" "$first" 1 --zero-unloaded
     exit $rc
     ;;
   *)
-    sed -n '2,32p' "$0"
+    sed -n '2,35p' "$0"
     exit 2
     ;;
 esac

@@ -1610,6 +1610,8 @@ class VllmCapture:
         meta = {
             "format": dump_format.VLLM_WEIGHTS,
             "engine": self.engine,
+            # the activation dtype: W_UK_T/W_UV are vLLM's copies in it (weights --check's row)
+            "dtype": _dtype_name(act),
             "tp_size": str(self.tp_size),
             "rank": str(self.tp_rank),
             "pp_size": str(self.pp_size),

@@ -176,3 +176,31 @@ def test_same_seed_same_bytes_and_bad_experts_refused(ckpt, tmp_path):
         assert f.read_bytes() == (tmp_path / "again" / f.name).read_bytes(), f.name
     r = make(tmp_path / "bad", "--experts", "8")
     assert r.returncode != 0 and "--experts must be a multiple of n_group 8 in 16..32" in r.stderr
+
+
+def test_check_only_names_a_changed_byte(ckpt, tmp_path):
+    """--check-only passes on the folder as written and fails, naming the tensor, once one code
+    byte of a filled matrix or of a hole is changed."""
+    import shutil
+
+    r = make(ckpt, "--check-only")
+    assert r.returncode == 0 and "all checks passed" in r.stdout, r.stdout + r.stderr
+    t, _ = read(ckpt)
+    bias = t["model.layers.3.mlp.gate.e_score_correction_bias"][2].view("<f4")
+    filled, hole = int(np.argmax(bias)), int(np.argmin(bias))
+    for name in (
+        f"model.layers.3.mlp.experts.{filled}.up_proj.weight",
+        f"model.layers.3.mlp.experts.{hole}.down_proj.weight",
+        "model.layers.1.self_attn.o_proj.weight",
+    ):
+        copy = tmp_path / name.replace(".", "_")
+        shutil.copytree(ckpt, copy)
+        shard = copy / t[name][3]
+        raw = bytearray(shard.read_bytes())
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8 : 8 + n])
+        at = 8 + n + header[name]["data_offsets"][0] + 5
+        raw[at] ^= 0x41
+        shard.write_bytes(bytes(raw))
+        r = make(copy, "--check-only")
+        assert r.returncode == 1 and f"FAIL: {name}" in r.stdout, (name, r.stdout)

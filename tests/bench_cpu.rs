@@ -35,7 +35,7 @@ fn dequant_bench_covers_every_quantized_tensor_with_the_library_bits() {
     let quantized: Vec<_> = file.tensors().iter().filter(|t| t.ggml_type.is_quantized()).collect();
     assert_eq!(figs.len(), 2 * quantized.len());
     for (t, pair) in quantized.iter().zip(figs.chunks(2)) {
-        let v = dequantize(t.ggml_type, file.tensor_bytes(t), t.n_elements() as usize).unwrap();
+        let v = dequantize(t.ggml_type, &file.tensor_bytes(t), t.n_elements() as usize).unwrap();
         let raw: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
         let digest = sha256_hex(&raw);
         for (f, threads) in pair.iter().zip([1, 2]) {

@@ -32,7 +32,7 @@ macro_rules! every_variant {
 fn every_class() -> Vec<Class> {
     every_variant!(Class:
         WeightNotLoaded, PhantomOutput, UnwrittenRows, ShardOrder, TpRankOrder, TpReduce, KvBLayout,
-        QuantBlockMisaligned, Transposed, NormSkipped, RopeStyle, SoftmaxScale, LseMerge, MoeRouting,
+        QuantBlockMisaligned, QuantScaleLayout, Transposed, NormSkipped, RopeStyle, SoftmaxScale, LseMerge, MoeRouting,
         IndexerRopeStyle, IndexerTopkStale, IndexerSelection, ResidualScale, Precision, Nonfinite, ScaleOnly,
         PathDisagreement, Mismatch, WeightNonfinite,
         StridedView, PagedKv,

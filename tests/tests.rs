@@ -22,6 +22,7 @@ mod ffn;
 mod first_use;
 mod fixtures;
 mod golden;
+mod hf_checkpoint;
 mod hf_golden;
 mod hostile;
 mod hostile_dump;

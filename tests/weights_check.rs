@@ -156,7 +156,7 @@ fn every_rank_holding_rank0_kv_b_is_the_duplication() {
     assert!(!out.contains("load_merged_column_weight"), "{out}");
     // kv_b_proj is rebuilt from both split tensors: the finding names both.
     assert!(
-        out.contains("  GGUF source: blk.1.attn_k_b.weight (Q8_0) + blk.1.attn_v_b.weight (Q8_0)\n"),
+        out.contains("  model source: blk.1.attn_k_b.weight (Q8_0) + blk.1.attn_v_b.weight (Q8_0)\n"),
         "{out}"
     );
     // Only kv_b is named: the other params pass.
@@ -240,7 +240,7 @@ fn absorbed_weights_name_their_gguf_sources() {
     let p = write(dir.path(), "ok.safetensors", &w, 1);
     let (code, out, err) = check(&p);
     assert_eq!(code, 0, "{out}\n{err}");
-    // The table names each tensor's file dtype and its GGUF source with the ggml type.
+    // The table names each tensor's file dtype and its model source with the stored type.
     let row = |name: &str| out.lines().find(|l| l.contains(name)).unwrap_or_default().to_string();
     assert!(
         row("L1.W_UK_T ").contains("F32") && row("L1.W_UK_T ").contains("blk.1.attn_k_b.weight (Q8_0)"),
@@ -270,7 +270,7 @@ fn absorbed_weights_name_their_gguf_sources() {
         .find(|f| f.starts_with("mismatch at L1.W_UK_T"))
         .unwrap();
     assert!(
-        finding.contains("  GGUF source: blk.1.attn_k_b.weight (Q8_0)\n"),
+        finding.contains("  model source: blk.1.attn_k_b.weight (Q8_0)\n"),
         "{finding}"
     );
     assert!(!finding.contains("attn_v_b"), "{finding}");
@@ -303,7 +303,7 @@ fn absorbed_weights_name_their_gguf_sources() {
         hint.contains("hint: W_UV is [N, L, V]; this tensor holds it transposed, [N, V, L], the layout blk.1.attn_v_b.weight (Q8_0) is stored in"),
         "{hint}"
     );
-    assert!(out.contains("  GGUF source: blk.1.attn_v_b.weight (Q8_0)\n"), "{out}");
+    assert!(out.contains("  model source: blk.1.attn_v_b.weight (Q8_0)\n"), "{out}");
 }
 
 #[test]
@@ -319,7 +319,7 @@ fn legacy_kv_b_mismatches_name_attn_kv_b() {
     let (code, out, _) = check_model("legacy-kvb-f32.gguf", &path);
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("finding mismatch at L1.kv_b_proj:"), "{out}");
-    assert!(out.contains("  GGUF source: blk.1.attn_kv_b.weight (F32)\n"), "{out}");
+    assert!(out.contains("  model source: blk.1.attn_kv_b.weight (F32)\n"), "{out}");
     // W_UK_T and W_UV of a legacy file come from attn_kv_b too (and pass here).
     let row = |name: &str| out.lines().find(|x| x.contains(name)).unwrap_or_default().to_string();
     assert!(
@@ -356,7 +356,7 @@ fn weights_header_shows_the_dtype_metadata_string() {
         out.contains("dtype metadata `float16`, judged by the bf16 weight row"),
         "{out}"
     );
-    assert!(out.contains("GGUF source (ggml type)"), "{out}");
+    assert!(out.contains("model source (type)"), "{out}");
 }
 
 #[test]

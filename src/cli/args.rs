@@ -18,7 +18,9 @@ use crate::model::gguf::GgufFile;
 /// `--model`: the GGUF file.
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
-    /// GGUF model file (default: the embedded tiny-v3 Q4_K_M fixture). For `compare` and
+    /// GGUF model file or Hugging Face checkpoint folder (`config.json` with sharded
+    /// safetensors, bf16 or DeepSeek-V3's block-scaled fp8; default: the embedded tiny-v3 Q4_K_M
+    /// fixture). For `compare` and
     /// `weights`, the file the engine loaded: required with a format-1 dump; a format-2 dump
     /// names it, and `compare` and `weights` open it from the dump's folder.
     #[arg(long)]
@@ -33,7 +35,7 @@ impl ModelArgs {
 
     /// Opens `--model`, or the embedded fixture when absent.
     ///
-    /// Errors: as [`GgufFile::open`].
+    /// Errors: as [`crate::model::open`].
     pub fn open(&self) -> Result<GgufFile> {
         crate::model::fixture::open_model(self.model.as_ref())
     }
@@ -264,7 +266,8 @@ pub struct KernelsArgs {
 /// Arguments of `mla-diff selftest`.
 #[derive(Debug, Args)]
 pub struct SelftestArgs {
-    /// Folder of GGUF fixtures (default: `golden/models` of this checkout, else the embedded one).
+    /// Folder of GGUF fixtures, or one Hugging Face checkpoint folder (default: `golden/models` of
+    /// this checkout, else the embedded one).
     #[arg(long)]
     pub models: Option<PathBuf>,
     /// A subset: of the fixtures given, those named tiny-v3-q8_0, yarn-v3-f32, k256-q4_k_m,

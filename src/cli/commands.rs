@@ -296,7 +296,7 @@ fn cmd_bench_reference(a: &BenchArgs, path: &PathBuf, out: &mut dyn Write) -> Re
         )));
     }
     let threads = bench_counts(a)?;
-    let file = GgufFile::open(path)?;
+    let file = crate::model::open(path)?;
     let cfg = MlaConfig::from_gguf(&file)?;
     if a.layer >= cfg.n_layer {
         return Err(Error::LayerOutOfRange {
@@ -402,9 +402,13 @@ pub fn cmd_sites(a: &SitesArgs, out: &mut dyn Write) -> Result<Outcome> {
     Ok(Outcome::Pass)
 }
 
-/// The fixtures selftest uses: every `*.gguf` in `dir`, or in `golden/models` of the current
-/// directory or of this build's source tree; the embedded fixture when none is found.
+/// The fixtures selftest uses: `dir` itself when it is a Hugging Face checkpoint folder, else
+/// every `*.gguf` in `dir`, or in `golden/models` of the current directory or of this build's
+/// source tree; the embedded fixture when none is found.
 pub fn selftest_models(dir: Option<&PathBuf>) -> Result<Vec<ModelSource>> {
+    if let Some(d) = dir.filter(|d| d.is_dir() && crate::model::hf::is_checkpoint(d)) {
+        return Ok(vec![ModelSource::File(d.clone())]);
+    }
     let candidates: Vec<PathBuf> = match dir {
         Some(d) => vec![d.clone()],
         None => vec![

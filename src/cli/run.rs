@@ -137,7 +137,7 @@ pub fn cmd_compare(a: &CompareArgs, settings: &Settings, out: &mut dyn Write) ->
     let (file, cfg) = timing::stage("open", || -> Result<(GgufFile, MlaConfig)> {
         let header = dump::peek_header(&a.dump)?;
         let file = match (a.model.path(), &header) {
-            (Some(m), _) => GgufFile::open(m)?,
+            (Some(m), _) => crate::model::open(m)?,
             (None, Some(h)) => model_beside(&a.dump, h)?,
             // A format-1 dump does not say which file it was made from: judging it against the
             // embedded fixture would report the difference between two models as an engine bug.
@@ -226,7 +226,7 @@ pub fn cmd_compare(a: &CompareArgs, settings: &Settings, out: &mut dyn Write) ->
 /// the GGUF's own errors.
 pub(super) fn model_beside(dump: &Path, h: &crate::model::dump::DumpHeader) -> Result<GgufFile> {
     let beside = dump.parent().unwrap_or(Path::new(".")).join(&h.model.file);
-    if !beside.is_file() {
+    if !beside.exists() {
         return Err(Error::Usage(format!(
             "{}: the dump was made from `{}`, which is not next to it ({}); pass --model",
             dump.display(),
@@ -234,7 +234,7 @@ pub(super) fn model_beside(dump: &Path, h: &crate::model::dump::DumpHeader) -> R
             beside.display()
         )));
     }
-    GgufFile::open(&beside)
+    crate::model::open(&beside)
 }
 
 /// Picks the backend and says which on stderr (unless `quiet`): `auto` takes CUDA when a device

@@ -28,6 +28,10 @@ pub enum Class {
     KvBLayout,
     /// A quantized weight was cut off a quant block boundary.
     QuantBlockMisaligned,
+    /// A block-quantized weight dequantized with other block scales than its own: each block is
+    /// the expected block times a constant, different between blocks (the scale grid read
+    /// transposed, another block's scale, scales rounded).
+    QuantScaleLayout,
     /// A loaded weight holds the expected matrix transposed (`[in, out]` for `[out, in]`).
     Transposed,
     /// An RMSNorm was not applied: the site, or the first compared site after a norm whose
@@ -82,11 +86,11 @@ impl Class {
     /// also fit, and before the merge, whose empty-partial test also holds for rows a wrong
     /// cache read moved. The classes no
     /// site detector names sit where their source decides them: `quant-block-misaligned` (the
-    /// path's weight loader) and `transposed` (`weights --check`) among the weight classes,
+    /// path's weight loader), `quant-scale-layout` and `transposed` (`weights --check`) among the weight classes,
     /// `mismatch` when no detector explains a site, `weight-nonfinite` (a check of the GGUF
     /// itself) last. README.md, docs/faults.md, docs/design.md and docs/run-report.schema.json
     /// list the classes in this order (tests/doc_tables.rs).
-    pub const ALL: [Class; 26] = [
+    pub const ALL: [Class; 27] = [
         Class::WeightNotLoaded,
         Class::PhantomOutput,
         Class::UnwrittenRows,
@@ -95,6 +99,7 @@ impl Class {
         Class::TpReduce,
         Class::KvBLayout,
         Class::QuantBlockMisaligned,
+        Class::QuantScaleLayout,
         Class::Transposed,
         Class::NormSkipped,
         Class::RopeStyle,
@@ -126,6 +131,7 @@ impl Class {
             Class::TpReduce => "tp-reduce",
             Class::KvBLayout => "kv-b-layout",
             Class::QuantBlockMisaligned => "quant-block-misaligned",
+            Class::QuantScaleLayout => "quant-scale-layout",
             Class::Transposed => "transposed",
             Class::NormSkipped => "norm-skipped",
             Class::RopeStyle => "rope-style",

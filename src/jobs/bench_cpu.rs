@@ -167,12 +167,12 @@ pub fn dequant_bench(file: &GgufFile, repeat: usize, threads: &[usize]) -> Resul
             for (pi, p) in pools.iter().enumerate() {
                 let t0 = Instant::now();
                 let out = p
-                    .install(|| dequant::dequantize(t.ggml_type, bytes, n))
+                    .install(|| dequant::dequantize(t.ggml_type, &bytes, n))
                     .map_err(|e| dequant_err(file, &t.name, e))?;
                 let fresh_s = t0.elapsed().as_secs_f64();
                 let buf = &mut bufs[ti];
                 let t0 = Instant::now();
-                p.install(|| dequant::dequantize_into(t.ggml_type, bytes, buf))
+                p.install(|| dequant::dequantize_into(t.ggml_type, &bytes, buf))
                     .map_err(|e| dequant_err(file, &t.name, e))?;
                 let warm_s = t0.elapsed().as_secs_f64();
                 if round == 0 {

@@ -1,4 +1,5 @@
-//! `mla-diff inspect`: what is in a GGUF file, as mla-diff understands it.
+//! `mla-diff inspect`: what is in a model (a GGUF file or a Hugging Face checkpoint), as mla-diff
+//! understands it.
 //!
 //! Before blaming a kernel, an engineer wants to see what the file claims: the metadata, the MLA
 //! configuration derived from it (or the exact key that prevents deriving it), and every tensor's
@@ -57,16 +58,29 @@ fn bytes(n: u64) -> String {
 /// non-layer tensors).
 pub fn inspect(file: &GgufFile, layer: Option<usize>) -> String {
     let mut s = String::new();
-    s.push_str(&format!(
-        "file {}\nGGUF v{}, {} metadata keys, {} tensors, alignment {}, data at byte {}, {}\n\n",
-        file.path().display(),
-        file.version(),
-        file.metadata().len(),
-        file.tensors().len(),
-        file.alignment(),
-        file.data_offset(),
-        bytes(file.file_len())
-    ));
+    if file.is_gguf() {
+        s.push_str(&format!(
+            "file {}\nGGUF v{}, {} metadata keys, {} tensors, alignment {}, data at byte {}, {}\n\n",
+            file.path().display(),
+            file.version(),
+            file.metadata().len(),
+            file.tensors().len(),
+            file.alignment(),
+            file.data_offset(),
+            bytes(file.file_len())
+        ));
+    } else {
+        // A checkpoint folder: its config.json read as the GGUF keys mla-diff derives the MLA
+        // configuration from, its tensors presented under their GGUF names.
+        s.push_str(&format!(
+            "model {}\n{}, {} metadata keys from config.json (as GGUF keys), {} tensors, {}\n\n",
+            file.path().display(),
+            file.kind(),
+            file.metadata().len(),
+            file.tensors().len(),
+            bytes(file.file_len())
+        ));
+    }
 
     let mut meta = crate::output::table::bordered(&["key", "type", "value"]);
     for (k, v) in file.metadata() {
@@ -111,19 +125,44 @@ pub fn inspect(file: &GgufFile, layer: Option<usize>) -> String {
         Err(e) => s.push_str(&format!("MLA config: not derivable: {e}\n\n")),
     }
 
-    let mut tensors = crate::output::table::bordered(&["tensor", "type", "ne (ggml)", "shape (PyTorch)", "bytes"]);
-    for t in file.tensors() {
+    let mut header = vec!["tensor", "type", "ne (ggml)", "shape (PyTorch)", "bytes"];
+    if !file.is_gguf() {
+        header.push("stored as");
+    }
+    let mut tensors = crate::output::table::bordered(&header);
+    let mut rows: Vec<_> = file.tensors().iter().collect();
+    if !file.is_gguf() {
+        // A checkpoint's tensors are presented kind by kind; shown layer by layer as a GGUF's.
+        rows.sort_by_key(|t| crate::model::tensors::layer_of(&t.name).map_or(0, |l| l + 1));
+    }
+    for t in rows {
         let tl = crate::model::tensors::layer_of(&t.name);
         if layer.is_some_and(|want| tl.is_some_and(|got| got != want)) {
             continue;
         }
-        tensors.add_row(vec![
+        let mut row = vec![
             t.name.clone(),
             t.ggml_type.to_string(),
             format!("{:?}", t.ne),
             format!("{:?}", t.shape()),
             bytes(t.n_bytes),
-        ]);
+        ];
+        if !file.is_gguf() {
+            let scales = file
+                .block_scales(t)
+                .map(|b| {
+                    format!(
+                        " × {} {:?} ({}×{} blocks)",
+                        b.name.rsplit('.').next().unwrap_or(""),
+                        b.grid,
+                        b.block[0],
+                        b.block[1]
+                    )
+                })
+                .unwrap_or_default();
+            row.push(format!("{} {}{scales}", file.source_name(t), file.stored_type(t)));
+        }
+        tensors.add_row(row);
     }
     s.push_str("tensors\n");
     s.push_str(&tensors.to_string());

@@ -32,7 +32,7 @@ use crate::model::weights::LayerWeights;
 /// Where the fixtures come from.
 #[derive(Debug, Clone)]
 pub enum ModelSource {
-    /// A GGUF file on disk.
+    /// A GGUF file or a Hugging Face checkpoint folder on disk.
     File(PathBuf),
     /// The embedded default fixture.
     Embedded,
@@ -173,7 +173,7 @@ pub fn selected_models(opts: &SelftestOptions) -> Vec<&ModelSource> {
 pub fn check_layer(opts: &SelftestOptions) -> Result<()> {
     for src in selected_models(opts) {
         let file = match src {
-            ModelSource::File(p) => GgufFile::open(p)?,
+            ModelSource::File(p) => crate::model::open(p)?,
             ModelSource::Embedded => crate::model::fixture::open_model(None)?,
         };
         let n_layers = MlaConfig::from_gguf(&file)?.n_layer;
@@ -199,7 +199,7 @@ pub fn run(backend: &Backend, opts: &SelftestOptions) -> Result<SelftestReport> 
     check_layer(opts)?;
     for src in selected_models(opts) {
         let file = match src {
-            ModelSource::File(p) => GgufFile::open(p)?,
+            ModelSource::File(p) => crate::model::open(p)?,
             ModelSource::Embedded => crate::model::fixture::open_model(None)?,
         };
         let name = fixture_name(src);

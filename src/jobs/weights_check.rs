@@ -67,14 +67,16 @@ fn params(
         let name = t.name(layer);
         match file.tensor(&name) {
             Some(i) => Source {
-                name,
-                ggml_type: i.ggml_type.name().to_string(),
+                name: file.source_name(i),
+                ggml_type: file.stored_type(i),
                 block: i.ggml_type.block_size(),
+                scales: file.block_scales(i),
             },
             None => Source {
                 name,
                 ggml_type: "?".into(),
                 block: 1,
+                scales: None,
             },
         }
     };

@@ -23,10 +23,11 @@ pub static EMBEDDED_GGUF: &[u8] = include_bytes!(concat!(
     "/golden/models/tiny-v3-q4_k_m.gguf"
 ));
 
-/// Opens `--model`, or the embedded fixture when absent.
+/// Opens `--model` (a GGUF file or a Hugging Face checkpoint folder, see [`crate::model::open`]),
+/// or the embedded fixture when absent.
 pub fn open_model(model: Option<&PathBuf>) -> Result<GgufFile> {
     match model {
-        Some(p) => GgufFile::open(p),
+        Some(p) => crate::model::open(p),
         None => GgufFile::from_static(EMBEDDED_NAME, EMBEDDED_GGUF),
     }
 }

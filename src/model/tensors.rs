@@ -663,6 +663,51 @@ impl ModelTensor {
             }
     }
 
+    /// The tensor's name in a Hugging Face checkpoint of the DeepSeek-V2/V3 family (the name
+    /// transformers' `DeepseekV3ForCausalLM` and DeepSeek's own checkpoints use), with `{n}` for
+    /// the layer and `{e}` for the expert of a routed-expert tensor, which such a checkpoint
+    /// stores one per expert (GGUF stacks them). An fp8 matrix has its block scales beside it as
+    /// `<name>_scale_inv`. `None` for the GGUF-only tensors (`attn_k_b`/`attn_v_b`, which
+    /// llama.cpp's converter cuts from `kv_b_proj`; MiniCPM3's `rope_factors_short`) and the DSA
+    /// indexer (whose checkpoints are not read).
+    pub fn hf_name(self) -> Option<&'static str> {
+        use ModelTensor as T;
+        Some(match self {
+            T::TokenEmbd => "model.embed_tokens.weight",
+            T::OutputNorm => "model.norm.weight",
+            T::Output => "lm_head.weight",
+            T::AttnNorm => "model.layers.{n}.input_layernorm.weight",
+            T::AttnQA => "model.layers.{n}.self_attn.q_a_proj.weight",
+            T::AttnQANorm => "model.layers.{n}.self_attn.q_a_layernorm.weight",
+            T::AttnQB => "model.layers.{n}.self_attn.q_b_proj.weight",
+            T::AttnQ => "model.layers.{n}.self_attn.q_proj.weight",
+            T::AttnKvAMqa => "model.layers.{n}.self_attn.kv_a_proj_with_mqa.weight",
+            T::AttnKvANorm => "model.layers.{n}.self_attn.kv_a_layernorm.weight",
+            T::AttnKvB => "model.layers.{n}.self_attn.kv_b_proj.weight",
+            T::AttnOutput => "model.layers.{n}.self_attn.o_proj.weight",
+            T::FfnNorm => "model.layers.{n}.post_attention_layernorm.weight",
+            T::FfnGate => "model.layers.{n}.mlp.gate_proj.weight",
+            T::FfnUp => "model.layers.{n}.mlp.up_proj.weight",
+            T::FfnDown => "model.layers.{n}.mlp.down_proj.weight",
+            T::FfnGateInp => "model.layers.{n}.mlp.gate.weight",
+            T::ExpProbsB => "model.layers.{n}.mlp.gate.e_score_correction_bias",
+            T::FfnGateExps => "model.layers.{n}.mlp.experts.{e}.gate_proj.weight",
+            T::FfnUpExps => "model.layers.{n}.mlp.experts.{e}.up_proj.weight",
+            T::FfnDownExps => "model.layers.{n}.mlp.experts.{e}.down_proj.weight",
+            T::FfnGateShexp => "model.layers.{n}.mlp.shared_experts.gate_proj.weight",
+            T::FfnUpShexp => "model.layers.{n}.mlp.shared_experts.up_proj.weight",
+            T::FfnDownShexp => "model.layers.{n}.mlp.shared_experts.down_proj.weight",
+            T::RopeFactorsShort
+            | T::AttnKB
+            | T::AttnVB
+            | T::IndexerAttnQB
+            | T::IndexerAttnK
+            | T::IndexerKNorm
+            | T::IndexerKNormBias
+            | T::IndexerProj => return None,
+        })
+    }
+
     /// The `kv_b` tensor of `layout` whose input dim (`ne[0]`, along which quant blocks run) is
     /// the latent `L`: `attn_v_b` [N, V, L] in a split file, `attn_kv_b` [N·(P+V), L] in a fused
     /// one. A loader that cuts `kv_b_proj` along `L` cuts this tensor's quant blocks.

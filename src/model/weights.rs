@@ -393,7 +393,7 @@ fn checked<'f>(file: &'f GgufFile, name: &str, expected: &[usize], why: &str) ->
 
 /// Dequantizes a whole tensor to f32 (ggml element order).
 pub fn dequant_tensor(file: &GgufFile, t: &TensorInfo) -> Result<Vec<f32>> {
-    dequant::dequantize(t.ggml_type, file.tensor_bytes(t), t.n_elements() as usize).map_err(|reason| Error::Dequant {
+    dequant::dequantize(t.ggml_type, &file.tensor_bytes(t), t.n_elements() as usize).map_err(|reason| Error::Dequant {
         path: file.path().to_path_buf(),
         tensor: t.name.clone(),
         reason,
@@ -758,7 +758,7 @@ pub fn row_slice<'f>(file: &'f GgufFile, name: &str, rows: std::ops::Range<usize
     Ok(RawSlice {
         tensor: name.to_string(),
         ggml_type: t.ggml_type,
-        bytes: std::borrow::Cow::Borrowed(bytes),
+        bytes,
         rows: rows.len(),
         cols: ne0,
     })
@@ -796,6 +796,7 @@ pub fn col_slice<'f>(file: &'f GgufFile, name: &str, cols: std::ops::Range<usize
     let b0 = cols.start / bs as usize * ts;
     let b1 = cols.end / bs as usize * ts;
     let all = file.tensor_bytes(t);
+    let all = &*all;
     let mut bytes = Vec::with_capacity(n_rows * (b1 - b0));
     for r in 0..n_rows {
         bytes.extend_from_slice(&all[r * rb + b0..r * rb + b1]);

@@ -14,7 +14,7 @@ use crate::output::table;
 /// heads of a one-rank dump, the `dtype` metadata string as written and the weight row it
 /// selects), one row per tensor (its safetensors dtype, shape, expected shape, the GGUF tensors
 /// it is rebuilt from with their ggml type names, status, `rel_l2` and max |Δ|), the tensors
-/// ignored and why, then the findings, each with its GGUF source.
+/// ignored and why, then the findings, each with the model tensors it comes from.
 pub fn terminal(rep: &WeightsReport) -> String {
     terminal_fit(rep, None)
 }
@@ -29,7 +29,7 @@ pub fn tensor_table(rows: &[&TensorCheck], width: Option<usize>) -> String {
         "dtype",
         "shape",
         "expected",
-        "GGUF source (ggml type)",
+        "model source (type)",
         "status",
         "rel_l2",
         "max |Δ|",
@@ -118,7 +118,7 @@ pub fn terminal_fit(rep: &WeightsReport, width: Option<usize>) -> String {
 }
 
 /// A loaded-weight finding as `weights --check` prints it: `finding CLASS at TENSOR: evidence`,
-/// the hint, and the GGUF source line.
+/// the hint, and the line naming the model tensors it comes from.
 pub fn finding_text(f: &Finding) -> String {
     let mut s = format!(
         "finding {} at {}: {}\n  hint: {}\n",
@@ -127,7 +127,7 @@ pub fn finding_text(f: &Finding) -> String {
     if let Subject::Loaded(t) = &f.subject
         && !t.source.is_empty()
     {
-        s.push_str(&format!("  GGUF source: {}\n", t.source.join(" + ")));
+        s.push_str(&format!("  model source: {}\n", t.source.join(" + ")));
     }
     s
 }

@@ -26,17 +26,24 @@ use crate::core::class::Class;
 use crate::core::dtype::Dtype;
 use crate::core::sci::sci;
 use crate::model::config::{KvBLayout, MlaConfig, MlaDims};
+use crate::model::gguf::BlockScales;
 use crate::model::tensors::TpSplit;
 
-/// One GGUF tensor a parameter is built from.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One model tensor a parameter is built from.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Source {
-    /// GGUF tensor name, e.g. `blk.1.attn_k_b.weight`.
+    /// The tensor's name in the model's own format: `blk.1.attn_k_b.weight` in a GGUF file,
+    /// `model.layers.1.self_attn.kv_b_proj.weight` in a Hugging Face checkpoint.
     pub name: String,
-    /// Its ggml type name (`F32`, `Q8_0`, `Q4_K`, …; `?` when the file lacks the tensor).
+    /// The type it is stored in: a ggml type name (`F32`, `Q8_0`, `Q4_K`, …) or a checkpoint
+    /// dtype (`F8_E4M3`, `BF16`); `?` when the model lacks the tensor.
     pub ggml_type: String,
-    /// Its quant block size along ne\[0] (1 for float types).
+    /// Its quant block size along ne\[0] as presented (1 for float types and for fp8, which is
+    /// presented dequantized).
     pub block: u64,
+    /// The block scales of a block-quantized checkpoint matrix (fp8 with `weight_scale_inv`),
+    /// which the scale-layout hypothesis reads; `None` otherwise.
+    pub scales: Option<BlockScales>,
 }
 
 /// One parameter (vLLM name) of the attention or the FFN rebuilt from the GGUF: what a correct
@@ -607,6 +614,157 @@ pub fn quant_block_cut(f: &Failing<'_>) -> Option<Finding> {
         ));
     }
     None
+}
+
+/// A block-quantized matrix dequantized with other block scales than its own: every block of
+/// the file's tensor is the expected block times one constant, and the constants differ between
+/// blocks (a scale grid read transposed, or reshaped after a transpose as
+/// `s.t().contiguous().view(s.shape)` does, a block given its neighbour's scale, scales rounded
+/// to powers of two). Needs the stored scale grid of every source ([`Source::scales`]: an fp8
+/// checkpoint), the whole tensor (no TP shard) and the sources stacked along the rows. The
+/// evidence names what the applied scales are when one layout explains all of them.
+pub fn scale_layout(f: &Failing<'_>) -> Option<Finding> {
+    if f.rank.is_some() || f.shape != f.exp_shape || f.shape.len() != 2 || f.data.len() != f.exp.len() {
+        return None;
+    }
+    let grids: Vec<&BlockScales> = f.p.sources.iter().map(|s| s.scales.as_ref()).collect::<Option<_>>()?;
+    if grids.iter().map(|g| g.shape[0]).sum::<usize>() != f.shape[0]
+        || grids
+            .iter()
+            .any(|g| g.shape[1] != f.shape[1] || g.scale.len() != g.grid[0] * g.grid[1])
+    {
+        return None;
+    }
+    let blocks = block_factors(f, &grids)?;
+    let tol = f.thr.max(1e-3);
+    let off: Vec<&BlockFactor> = blocks.iter().filter(|b| (b.factor - 1.0).abs() > tol).collect();
+    let (lo, hi) = blocks.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), b| {
+        (lo.min(b.factor), hi.max(b.factor))
+    });
+    // One factor for every block is a scale of the whole tensor, not of its blocks.
+    if off.is_empty() || hi - lo <= tol * hi.abs().max(1.0) {
+        return None;
+    }
+    let layout = applied_layout(&blocks, &grids, tol);
+    let (b, g0) = (off[0], grids[off[0].src]);
+    let evidence = format!(
+        "each {}×{} block is the expected block times one factor ({} of {} blocks ≠ 1, from {lo:.4} to {hi:.4}; \
+         first block ({}, {}) of {}: ×{:.4}): the scales applied are {layout}",
+        g0.block[0],
+        g0.block[1],
+        off.len(),
+        blocks.len(),
+        b.at[0],
+        b.at[1],
+        f.p.sources[b.src].name,
+        b.factor
+    );
+    let hint = format!(
+        "dequantize with {}[r / {}, c / {}] as stored (row-major [ceil(out/{}), ceil(in/{})]); check where the \
+         loader or the kernel re-lays the scale grid out",
+        g0.name, g0.block[0], g0.block[1], g0.block[0], g0.block[1]
+    );
+    Some(f.finding(Class::QuantScaleLayout, evidence, hint))
+}
+
+/// One block of a block-scaled source: the least-squares factor of the file's block over the
+/// expected one, and the scale that factor implies was applied (factor × the stored scale).
+struct BlockFactor {
+    /// Index of the source among the param's sources.
+    src: usize,
+    /// The block's `[row, col]` in its source's grid.
+    at: [usize; 2],
+    factor: f64,
+    applied: f64,
+}
+
+/// The factor of every block of `f` with a nonzero expected block, the sources stacked along
+/// the rows; `None` when some block is not its expected block times a constant (within
+/// `f.thr`), so no scale explains the difference.
+fn block_factors(f: &Failing<'_>, grids: &[&BlockScales]) -> Option<Vec<BlockFactor>> {
+    let cols = f.shape[1];
+    let mut blocks = Vec::new();
+    let mut row0 = 0;
+    for (src, g) in grids.iter().enumerate() {
+        for bi in 0..g.grid[0] {
+            for bj in 0..g.grid[1] {
+                let rows = row0 + bi * g.block[0]..(row0 + (bi + 1) * g.block[0]).min(row0 + g.shape[0]);
+                let cs = bj * g.block[1]..((bj + 1) * g.block[1]).min(cols);
+                let at = |r: usize, c: usize| (f.data[r * cols + c], f.exp[r * cols + c]);
+                let pairs = || rows.clone().flat_map(|r| cs.clone().map(move |c| (r, c)));
+                let (de, ee) = pairs().fold((0.0, 0.0), |(de, ee), (r, c)| {
+                    let (d, e) = at(r, c);
+                    (de + d * e, ee + e * e)
+                });
+                if ee == 0.0 {
+                    continue;
+                }
+                let a = de / ee;
+                let res: f64 = pairs()
+                    .map(|(r, c)| {
+                        let (d, e) = at(r, c);
+                        (d - a * e) * (d - a * e)
+                    })
+                    .sum();
+                if !a.is_finite() || (res / ee).sqrt() > f.thr {
+                    return None;
+                }
+                let stored = f64::from(g.scale[bi * g.grid[1] + bj]);
+                blocks.push(BlockFactor {
+                    src,
+                    at: [bi, bj],
+                    factor: a,
+                    applied: a * stored,
+                });
+            }
+        }
+        row0 += g.shape[0];
+    }
+    Some(blocks)
+}
+
+/// What the applied scales of `blocks` are, as text: the stored grid transposed (square grids),
+/// transposed and reshaped to its own shape, powers of two (a UE8M0 conversion of scales that
+/// are not), other blocks' stored scales, or none of those. Scales match within `tol`,
+/// relative.
+fn applied_layout(blocks: &[BlockFactor], grids: &[&BlockScales], tol: f64) -> String {
+    let same = |x: f64, y: f64| (x - y).abs() <= tol * y.abs().max(f64::MIN_POSITIVE);
+    let stored = |b: &BlockFactor, i: usize, j: usize| f64::from(grids[b.src].scale[i * grids[b.src].grid[1] + j]);
+    let all = |h: &dyn Fn(&BlockFactor) -> Option<f64>| blocks.iter().all(|b| h(b).is_some_and(|s| same(b.applied, s)));
+    // s.t().contiguous().view(s.shape): flat position k of the [gr, gc] grid holds s[k % gr, k / gr].
+    let t_view = |b: &BlockFactor| {
+        let [gr, gc] = grids[b.src].grid;
+        let k = b.at[0] * gc + b.at[1];
+        Some(stored(b, k % gr, k / gr))
+    };
+    let transposed = |b: &BlockFactor| {
+        let [gr, gc] = grids[b.src].grid;
+        (gr == gc).then(|| stored(b, b.at[1], b.at[0]))
+    };
+    let pow2 = |x: f64| x > 0.0 && (x.log2() - x.log2().round()).abs() < 1e-5;
+    let g0 = grids[blocks.first().map_or(0, |b| b.src)];
+    if all(&transposed) {
+        format!(
+            "the grid transposed ({} [{}, {}] read as its transpose)",
+            g0.name, g0.grid[0], g0.grid[1]
+        )
+    } else if all(&t_view) {
+        format!(
+            "the grid transposed and reshaped to its own shape ({} [{}, {}] read as s.t().contiguous().view(s.shape))",
+            g0.name, g0.grid[0], g0.grid[1]
+        )
+    } else if blocks.iter().all(|b| pow2(b.applied))
+        && !grids.iter().all(|g| g.scale.iter().all(|&s| pow2(f64::from(s))))
+    {
+        "powers of two: the stored scales rounded (a UE8M0 conversion)".to_string()
+    } else if blocks
+        .iter()
+        .all(|b| grids[b.src].scale.iter().any(|&s| same(b.applied, f64::from(s))))
+    {
+        "stored scales of other blocks".to_string()
+    } else {
+        "not the stored scales".to_string()
+    }
 }
 
 /// Fallback: which rows differ.

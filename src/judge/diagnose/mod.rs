@@ -369,9 +369,10 @@ type LoadedDetector = fn(&loaded::Failing<'_>) -> Option<Finding>;
 /// Every loaded-tensor detector, in precedence order (earlier wins); [`loaded::row_differences`]
 /// answers when none explains the tensor. Findings across ranks ([`loaded::rank_findings`]) are
 /// judged after every tensor.
-const LOADED_DETECTORS: [LoadedDetector; 7] = [
+const LOADED_DETECTORS: [LoadedDetector; 8] = [
     loaded::not_loaded,
     loaded::transposed,
+    loaded::scale_layout,
     loaded::shape_mismatch,
     loaded::shard_order,
     // Before the head order: a grouped split of kv_b matches some heads by accident.
@@ -437,7 +438,8 @@ fn classify(x: &SiteCtx<'_>) -> Finding {
 }
 
 /// Explains one failing tensor of an engine's weights file: the first of `LOADED_DETECTORS`
-/// whose hypothesis holds (never loaded, transposed, a shape no transpose explains, fused shards
+/// whose hypothesis holds (never loaded, transposed, block scales in another layout, a shape no
+/// transpose explains, fused shards
 /// permuted, a kv_b layout, heads in another order, a TP cut inside a quant block), else where
 /// the differences are.
 pub fn explain_loaded(f: &loaded::Failing<'_>) -> Finding {

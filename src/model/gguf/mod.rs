@@ -10,11 +10,17 @@
 //! The container format is ggml's `docs/gguf.md` (versions 2 and 3, little-endian). Metadata arrays
 //! are validated by walking them but kept as byte ranges, so a hostile array count can never size
 //! an allocation.
+//!
+//! A model that is not one GGUF file (a Hugging Face checkpoint, `crate::model::hf`) is presented
+//! through the same type: its reader builds GGUF metadata and a GGUF tensor index and hands the
+//! bytes over through a [`TensorSource`], so every layer above reads one kind of model.
 
 pub mod dequant;
 pub mod types;
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -236,6 +242,64 @@ impl Backing {
     }
 }
 
+/// The tensor data of a model that is not a single GGUF image, behind the GGUF tensor index its
+/// reader built (a Hugging Face checkpoint: several mapped shards, fp8 block-scaled matrices,
+/// experts stored one tensor each).
+///
+/// Tensor `index` is the position in that index. Every range handed in lies within the tensor's
+/// `n_bytes` (checked by [`GgufFile`] before the call), so an implementation never bounds-checks
+/// twice; the bytes it returns are in the layout of the [`TensorInfo`]'s `ggml_type` and `ne`.
+pub trait TensorSource: Send + Sync {
+    /// Bytes `range` of tensor `index`'s data, borrowed from a mapping when they are stored as
+    /// presented, computed otherwise (fp8 times its block scale, in f32).
+    fn bytes(&self, index: usize, range: Range<usize>) -> Cow<'_, [u8]>;
+    /// Where tensor `index` is stored, in the source's own terms (e.g.
+    /// `model.layers.0.self_attn.kv_b_proj.weight F8_E4M3 [1024, 512] × weight_scale_inv [8, 4]
+    /// in model-00001-of-00002.safetensors`).
+    fn origin(&self, index: usize) -> String;
+    /// The name tensor `index` has in the source (`model.layers.0.self_attn.kv_b_proj.weight`;
+    /// for experts stored one tensor each, expert 0's name with `{e}` for the expert).
+    fn source_name(&self, index: usize) -> String;
+    /// What kind of source it is, for the header line of `inspect` (`Hugging Face checkpoint`).
+    fn kind(&self) -> &'static str;
+    /// SHA-256 (hex) of every byte the source holds, in a fixed order.
+    fn sha256_hex(&self) -> String;
+    /// SHA-256 (hex) of the source's structure (configuration and tensor headers), no tensor data.
+    fn index_sha256_hex(&self) -> String;
+    /// SHA-256 (hex) of layer `layer`'s stored tensor data, in the source's own order; `None`
+    /// to hash the presented bytes as for a GGUF file.
+    fn layer_sha256_hex(&self, layer: usize) -> Option<String>;
+    /// Bytes the source occupies (all its files).
+    fn total_bytes(&self) -> u64;
+    /// Bytes read to open it (configuration, index, shard headers).
+    fn header_bytes_read(&self) -> usize;
+    /// Drops resident pages of its mappings (see [`GgufFile::release_resident_pages`]).
+    fn release_resident_pages(&self);
+    /// The stored dtype of tensor `index` in the source's own terms (`F8_E4M3`, `BF16`), where
+    /// it differs from the presented ggml type.
+    fn stored_type(&self, index: usize) -> String;
+    /// The block scales tensor `index` is stored with, for a block-quantized matrix (fp8 with a
+    /// `weight_scale_inv` grid); `None` for a tensor stored as presented.
+    fn block_scales(&self, index: usize) -> Option<BlockScales>;
+}
+
+/// The scale grid of a block-quantized matrix `[rows, cols]` as the checkpoint stores it:
+/// element `(r, c)` is `code(r, c) × scale[(r / block[0]) · grid[1] + c / block[1]]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockScales {
+    /// The scale tensor's name in the checkpoint (`….o_proj.weight_scale_inv`).
+    pub name: String,
+    /// The matrix's shape `[rows, cols]` (PyTorch `[out, in]`).
+    pub shape: [usize; 2],
+    /// Block shape `[rows, cols]` (128 × 128 for DeepSeek-V3's fp8).
+    pub block: [usize; 2],
+    /// Grid shape `[ceil(rows / block[0]), ceil(cols / block[1])]`.
+    pub grid: [usize; 2],
+    /// The scales, f32, row-major in `grid` (DeepSeek's `weight_scale_inv`: the dequantized
+    /// weight is the code times it).
+    pub scale: Vec<f32>,
+}
+
 /// An opened GGUF file: header, metadata and tensor index parsed and validated; data untouched.
 ///
 /// Cheap to clone (the mapping is shared). Errors from every constructor are
@@ -249,6 +313,8 @@ pub struct GgufFile {
 struct Inner {
     path: PathBuf,
     backing: Backing,
+    /// The tensor data when the model is not one GGUF image (`backing` is then empty).
+    source: Option<Box<dyn TensorSource>>,
     /// Bytes the header parser read (the header, metadata and tensor index only).
     header_bytes_read: usize,
     /// Every tensor-data read, in order: (tensor index, byte offset in the file, length).
@@ -332,8 +398,96 @@ impl GgufFile {
                 data_offset: header.data_offset,
                 header_bytes_read: header.bytes_read,
                 data_reads: std::sync::Mutex::new(Vec::new()),
+                source: None,
             }),
         })
+    }
+
+    /// A model presented in GGUF terms by another reader: `metadata` with GGUF keys, `tensors` a
+    /// GGUF tensor index (names, `ne`, type, `n_bytes`; `offset` is the tensor's start in the
+    /// concatenation of all presented data) and `source` serving their bytes.
+    ///
+    /// Errors: [`Error::Input`] when two tensors share a name or a tensor's `n_bytes` is not what
+    /// its type and `ne` need (a reader's bug, refused rather than read past).
+    pub fn from_source(
+        path: impl Into<PathBuf>,
+        metadata: Vec<(String, MetaValue)>,
+        tensors: Vec<TensorInfo>,
+        source: Box<dyn TensorSource>,
+    ) -> Result<Self> {
+        let path = path.into();
+        let mut tensor_index = HashMap::with_capacity(tensors.len());
+        for (i, t) in tensors.iter().enumerate() {
+            if tensor_index.insert(t.name.clone(), i).is_some() {
+                return Err(Error::input(&path, format!("tensor `{}`", t.name), "presented twice"));
+            }
+            let n = t.ne.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+            if n.and_then(|n| t.ggml_type.bytes_for(n)) != Some(t.n_bytes) {
+                return Err(Error::input(
+                    &path,
+                    format!("tensor `{}`", t.name),
+                    format!("{} bytes do not hold {:?} of {}", t.n_bytes, t.ne, t.ggml_type.name()),
+                ));
+            }
+        }
+        Ok(GgufFile {
+            inner: Arc::new(Inner {
+                header_bytes_read: source.header_bytes_read(),
+                path,
+                backing: Backing::Owned(Vec::new()),
+                version: 0,
+                meta_index: metadata.iter().enumerate().map(|(i, (k, _))| (k.clone(), i)).collect(),
+                metadata,
+                tensor_index,
+                tensors,
+                alignment: 1,
+                data_offset: 0,
+                data_reads: std::sync::Mutex::new(Vec::new()),
+                source: Some(source),
+            }),
+        })
+    }
+
+    /// The source's kind and where tensor `t` is stored in it, for a model that is not a GGUF
+    /// file (`None` for a GGUF file, whose tensors are where the index says).
+    pub fn origin(&self, t: &TensorInfo) -> Option<String> {
+        let src = self.inner.source.as_ref()?;
+        self.inner.tensor_index.get(&t.name).map(|&i| src.origin(i))
+    }
+
+    /// The name tensor `t` has in the model's own format: its GGUF name for a GGUF file, the
+    /// checkpoint's name otherwise (see [`TensorSource::source_name`]).
+    pub fn source_name(&self, t: &TensorInfo) -> String {
+        match (&self.inner.source, self.inner.tensor_index.get(&t.name)) {
+            (Some(src), Some(&i)) => src.source_name(i),
+            _ => t.name.clone(),
+        }
+    }
+
+    /// The type tensor `t` is stored in: its ggml type name in a GGUF file, the source's dtype
+    /// otherwise (`F8_E4M3` for an fp8 matrix presented as F32).
+    pub fn stored_type(&self, t: &TensorInfo) -> String {
+        match (&self.inner.source, self.inner.tensor_index.get(&t.name)) {
+            (Some(src), Some(&i)) => src.stored_type(i),
+            _ => t.ggml_type.name().to_string(),
+        }
+    }
+
+    /// The block scales tensor `t` is stored with ([`TensorSource::block_scales`]); `None` for a
+    /// GGUF file, whose quant blocks live inside the tensor data.
+    pub fn block_scales(&self, t: &TensorInfo) -> Option<BlockScales> {
+        let src = self.inner.source.as_ref()?;
+        src.block_scales(*self.inner.tensor_index.get(&t.name)?)
+    }
+
+    /// `GGUF` for a GGUF file, else the source's kind (`Hugging Face checkpoint`).
+    pub fn kind(&self) -> &'static str {
+        self.inner.source.as_ref().map_or("GGUF", |s| s.kind())
+    }
+
+    /// Whether the model is a GGUF file (golden cases and selftest pin GGUF files only).
+    pub fn is_gguf(&self) -> bool {
+        self.inner.source.is_none()
     }
 
     /// How many bytes of the file opening it read: the header, metadata and tensor index, never
@@ -356,13 +510,19 @@ impl GgufFile {
     /// SHA-256 of the whole file as lowercase hex. Reads every byte of the file (golden
     /// manifests pin their GGUF with it; nothing else touches tensor data wholesale).
     pub fn sha256_hex(&self) -> String {
-        sha256_hex(self.inner.backing.bytes())
+        match &self.inner.source {
+            Some(src) => src.sha256_hex(),
+            None => sha256_hex(self.inner.backing.bytes()),
+        }
     }
 
     /// SHA-256 (lowercase hex) of the bytes before the tensor data: magic, version, metadata,
     /// tensor index and alignment padding. Identifies a file's structure without reading its
     /// tensors (format-2 dumps carry it as `model.index_sha256`).
     pub fn index_sha256_hex(&self) -> String {
+        if let Some(src) = &self.inner.source {
+            return src.index_sha256_hex();
+        }
         let all = self.inner.backing.bytes();
         sha256_hex(all.get(..self.inner.data_offset as usize).unwrap_or(all))
     }
@@ -372,10 +532,13 @@ impl GgufFile {
     /// Reads only that layer's tensor data.
     pub fn layer_sha256_hex(&self, layer: usize) -> String {
         use sha2::Digest;
+        if let Some(h) = self.inner.source.as_ref().and_then(|s| s.layer_sha256_hex(layer)) {
+            return h;
+        }
         let prefix = crate::model::tensors::block_prefix(layer);
         let mut h = sha2::Sha256::new();
         for t in self.tensors().iter().filter(|t| t.name.starts_with(&prefix)) {
-            h.update(self.tensor_bytes(t));
+            h.update(&*self.tensor_bytes(t));
         }
         h.finalize().iter().map(|b| format!("{b:02x}")).collect()
     }
@@ -388,6 +551,9 @@ impl GgufFile {
     /// shards and device uploads read them again. A no-op for in-memory images; the advice is
     /// best effort, so an error is ignored (the pages simply stay).
     pub fn release_resident_pages(&self) {
+        if let Some(src) = &self.inner.source {
+            src.release_resident_pages();
+        }
         if let Backing::Mmap(m) = &self.inner.backing {
             // SAFETY: the mapping is a read-only map of a file, so discarding its pages loses no
             // writes: the next access reads the file again, as the first one did.
@@ -400,13 +566,16 @@ impl GgufFile {
         &self.inner.path
     }
 
-    /// GGUF container version (2 or 3).
+    /// GGUF container version (2 or 3; 0 for a model that is not a GGUF file).
     pub fn version(&self) -> u32 {
         self.inner.version
     }
 
     /// Size of the file in bytes.
     pub fn file_len(&self) -> u64 {
+        if let Some(src) = &self.inner.source {
+            return src.total_bytes();
+        }
         self.inner.backing.bytes().len() as u64
     }
 
@@ -451,27 +620,34 @@ impl GgufFile {
     /// The raw bytes of a tensor (validated at open time to lie inside the file).
     ///
     /// This is the only place tensor data is touched; with a mapped file only the pages of this
-    /// tensor are read.
-    pub fn tensor_bytes(&self, t: &TensorInfo) -> &[u8] {
-        let start = (self.inner.data_offset + t.offset) as usize;
-        if let (Some(&i), Ok(mut log)) = (self.inner.tensor_index.get(&t.name), self.inner.data_reads.lock()) {
-            log.push((i, start as u64, t.n_bytes));
-        }
-        &self.inner.backing.bytes()[start..start + t.n_bytes as usize]
+    /// tensor are read. Borrowed from the map for a GGUF file; a [`TensorSource`] may compute
+    /// them (an fp8 matrix times its block scales).
+    pub fn tensor_bytes(&self, t: &TensorInfo) -> Cow<'_, [u8]> {
+        self.read(t, 0..t.n_bytes as usize)
     }
 
     /// Bytes `range` (relative to the start of the tensor's data) of a tensor, logged in
     /// [`GgufFile::data_reads`] as a read of that range only: what reading one expert's rows of
     /// a 3-D expert tensor costs. `None` when the range does not lie within the tensor.
-    pub fn tensor_bytes_range(&self, t: &TensorInfo, range: std::ops::Range<usize>) -> Option<&[u8]> {
+    pub fn tensor_bytes_range(&self, t: &TensorInfo, range: Range<usize>) -> Option<Cow<'_, [u8]>> {
         if range.start > range.end || range.end as u64 > t.n_bytes {
             return None;
         }
+        Some(self.read(t, range))
+    }
+
+    /// `range` of `t`'s data, which the callers checked lies within `t.n_bytes`.
+    fn read(&self, t: &TensorInfo, range: Range<usize>) -> Cow<'_, [u8]> {
         let start = (self.inner.data_offset + t.offset) as usize;
-        if let (Some(&i), Ok(mut log)) = (self.inner.tensor_index.get(&t.name), self.inner.data_reads.lock()) {
+        let index = self.inner.tensor_index.get(&t.name).copied();
+        if let (Some(i), Ok(mut log)) = (index, self.inner.data_reads.lock()) {
             log.push((i, (start + range.start) as u64, range.len() as u64));
         }
-        Some(&self.inner.backing.bytes()[start + range.start..start + range.end])
+        match (&self.inner.source, index) {
+            (Some(src), Some(i)) => src.bytes(i, range),
+            (Some(_), None) => Cow::Owned(Vec::new()),
+            (None, _) => Cow::Borrowed(&self.inner.backing.bytes()[start + range.start..start + range.end]),
+        }
     }
 
     /// Decodes a string-array metadata value (e.g. `tokenizer.ggml.tokens`) up to `max` entries.

@@ -237,7 +237,7 @@ impl CudaOps {
         for tt in &w.types {
             let t = file.require_tensor(&tt.name)?;
             let n = t.n_elements() as usize;
-            let buf = self.dequant(t.ggml_type, file.tensor_bytes(t), n, &t.name)?;
+            let buf = self.dequant(t.ggml_type, &file.tensor_bytes(t), n, &t.name)?;
             self.dev.keep_layer_weight(&t.name, buf);
         }
         Ok(w)

@@ -840,15 +840,57 @@ fn e4m3_table() -> &'static [f32; 256] {
 /// `w[r, c] = f32(e4m3(codes[r, c])) × scale[r / br, c / bc]` for the flat elements `elems` of a
 /// `[rows, cols]` fp8 matrix, as little-endian f32 bytes.
 pub fn dequant_fp8_block(codes: &[u8], scale: &[f32], cols: usize, block: [usize; 2], elems: Range<usize>) -> Vec<u8> {
+    let mut out = vec![0u8; elems.len() * 4];
+    fp8_block_into(codes, scale, cols, block, elems.start, &mut out, |d, x| {
+        d.copy_from_slice(&x.to_le_bytes())
+    });
+    out
+}
+
+/// [`dequant_fp8_block`] of a whole matrix as f32 values: what a whole-tensor read wants,
+/// without the byte copy in between.
+fn fp8_block_values(codes: &[u8], scale: &[f32], cols: usize, block: [usize; 2]) -> Vec<f32> {
+    let mut out = vec![0f32; codes.len()];
+    fp8_block_into(codes, scale, cols, block, 0, &mut out, |d, x| d[0] = x);
+    out
+}
+
+/// Writes element `first + j` of the dequantized matrix into the `j`-th 4-byte group of `out`
+/// (one `f32`, or four `u8`) through `put`. Runs on rayon's pool in chunks of 64 Ki elements: a
+/// real model's matrix is 10⁸ elements, each independent.
+fn fp8_block_into<T: Send>(
+    codes: &[u8],
+    scale: &[f32],
+    cols: usize,
+    block: [usize; 2],
+    first: usize,
+    out: &mut [T],
+    put: impl Fn(&mut [T], f32) + Sync,
+) {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 16;
+    let width = std::mem::size_of::<f32>() / std::mem::size_of::<T>();
     let lut = e4m3_table();
     let grid_cols = cols.div_ceil(block[1]);
-    let mut out = Vec::with_capacity(elems.len() * 4);
-    for i in elems {
-        let (r, c) = (i / cols, i % cols);
-        let s = scale[(r / block[0]) * grid_cols + c / block[1]];
-        out.extend_from_slice(&(lut[codes[i] as usize] * s).to_le_bytes());
-    }
-    out
+    out.par_chunks_mut(CHUNK * width).enumerate().for_each(|(k, dst)| {
+        let base = first + k * CHUNK;
+        let end = base + dst.len() / width;
+        // Segment by segment, a segment being the part of a row inside one block: one scale
+        // lookup (and its divisions) per segment of up to `block[1]` elements.
+        let mut i = base;
+        while i < end {
+            let (r, c) = (i / cols, i % cols);
+            let seg_end = end.min(r * cols + ((c / block[1] + 1) * block[1]).min(cols));
+            let s = scale[(r / block[0]) * grid_cols + c / block[1]];
+            for (d, &code) in dst[(i - base) * width..(seg_end - base) * width]
+                .chunks_exact_mut(width)
+                .zip(&codes[i..seg_end])
+            {
+                put(d, lut[code as usize] * s);
+            }
+            i = seg_end;
+        }
+    });
 }
 
 impl HfSource {
@@ -856,21 +898,29 @@ impl HfSource {
         &self.shards[s.shard].bytes()[s.start..s.start + s.len]
     }
 
+    /// An F32 scale grid's values (its dtype and shape were checked at open).
+    fn scale_values(&self, s: &Stored) -> Vec<f32> {
+        self.stored_bytes(s)
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
+
     fn part_bytes(&self, p: &Presented, range: Range<usize>) -> Cow<'_, [u8]> {
         match p {
             Presented::Plain(s) => Cow::Borrowed(&self.stored_bytes(s)[range]),
             Presented::Fp8 { w, scale, block } => {
                 let codes = self.stored_bytes(w);
-                let scale: Vec<f32> = self
-                    .stored_bytes(scale)
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect();
+                let scale = self.scale_values(scale);
                 let cols = w.shape[1];
                 let (e0, e1) = (range.start / 4, range.end.div_ceil(4));
-                let bytes = dequant_fp8_block(codes, &scale, cols, *block, e0..e1);
+                let mut bytes = dequant_fp8_block(codes, &scale, cols, *block, e0..e1);
                 let skip = range.start - e0 * 4;
-                Cow::Owned(bytes[skip..skip + range.len()].to_vec())
+                // A range on element boundaries (every read but a hostile one) is the buffer.
+                if skip != 0 || bytes.len() != range.len() {
+                    bytes = bytes[skip..skip + range.len()].to_vec();
+                }
+                Cow::Owned(bytes)
             }
             Presented::Stacked { parts, part_bytes } => {
                 let pb = (*part_bytes).max(1);
@@ -944,15 +994,19 @@ impl TensorSource for HfSource {
         self.tensors.get(index).map_or_else(String::new, of)
     }
 
+    fn values_f32(&self, index: usize) -> Option<Vec<f32>> {
+        let Some(Presented::Fp8 { w, scale, block }) = self.tensors.get(index) else {
+            return None;
+        };
+        let scale = self.scale_values(scale);
+        Some(fp8_block_values(self.stored_bytes(w), &scale, w.shape[1], *block))
+    }
+
     fn block_scales(&self, index: usize) -> Option<BlockScales> {
         let Some(Presented::Fp8 { w, scale, block }) = self.tensors.get(index) else {
             return None;
         };
-        let scales = self
-            .stored_bytes(scale)
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
+        let scales = self.scale_values(scale);
         Some(BlockScales {
             name: scale.name.clone(),
             shape: [w.shape[0], w.shape[1]],

@@ -393,6 +393,9 @@ fn checked<'f>(file: &'f GgufFile, name: &str, expected: &[usize], why: &str) ->
 
 /// Dequantizes a whole tensor to f32 (ggml element order).
 pub fn dequant_tensor(file: &GgufFile, t: &TensorInfo) -> Result<Vec<f32>> {
+    if let Some(v) = file.values_f32(t) {
+        return Ok(v);
+    }
     dequant::dequantize(t.ggml_type, &file.tensor_bytes(t), t.n_elements() as usize).map_err(|reason| Error::Dequant {
         path: file.path().to_path_buf(),
         tensor: t.name.clone(),

@@ -80,21 +80,42 @@ pub(super) fn slice_to_load(site: Site, reason: &str, e: SliceError) -> LoadErro
 /// adopts host tensors; a shard, or a tensor no one kept, goes through the backend's
 /// dequantizer on the raw bytes.
 pub(super) fn dequantize_slice<O: Ops>(ops: &O, input: &LayerInput<'_>, raw: &RawSlice<'_>) -> Result<O::Buf> {
-    if let Some(b) = ops.take_dequantized(&raw.tensor, raw.n_elements()) {
+    if let Some(b) = kept(ops, input, &raw.tensor, raw.n_elements())? {
         return Ok(b);
-    }
-    if ops.adopts_host_tensors()
-        && let Some(v) = input.dequantized.and_then(|d| d.take(&raw.tensor, raw.n_elements()))
-    {
-        return ops.adopt(v);
     }
     ops.dequant(raw.ggml_type, &raw.bytes, raw.n_elements(), &raw.tensor)
 }
 
+/// Whole tensor `name` (`n` elements) as already dequantized for this layer (see
+/// [`dequantize_slice`]), or `None`. Asked before the raw bytes are cut: reading them can cost
+/// a dequantization of its own (a checkpoint's fp8 matrix is presented as f32).
+fn kept<O: Ops>(ops: &O, input: &LayerInput<'_>, name: &str, n: usize) -> Result<Option<O::Buf>> {
+    if let Some(b) = ops.take_dequantized(name, n) {
+        return Ok(Some(b));
+    }
+    if ops.adopts_host_tensors()
+        && let Some(v) = input.dequantized.and_then(|d| d.take(name, n))
+    {
+        return ops.adopt(v).map(Some);
+    }
+    Ok(None)
+}
+
+/// Rows `rows` of tensor `name` as a buffer: the kept whole tensor when `rows` is all of it,
+/// else the slice's bytes dequantized.
+fn rows_of<O: Ops>(ops: &O, input: &LayerInput<'_>, name: &str, rows: Range<usize>) -> Result<O::Buf> {
+    let t = input.file.require_tensor(name)?;
+    if rows == (0..t.n_rows() as usize)
+        && let Some(b) = kept(ops, input, name, t.n_elements() as usize)?
+    {
+        return Ok(b);
+    }
+    dequantize_slice(ops, input, &row_slice(input.file, name, rows)?)
+}
+
 pub(super) fn whole<O: Ops>(ops: &O, input: &LayerInput<'_>, name: &str) -> Result<O::Buf> {
-    let file = input.file;
-    let t = file.require_tensor(name)?;
-    dequantize_slice(ops, input, &row_slice(file, name, 0..t.n_rows() as usize)?)
+    let t = input.file.require_tensor(name)?;
+    rows_of(ops, input, name, 0..t.n_rows() as usize)
 }
 
 impl<B> EngineWeights<B> {
@@ -226,23 +247,30 @@ fn load_rank<O: Ops>(
     let [n, _, p, r, v] = input.cfg.dims().nlprv();
     let (file, layer, tp) = (input.file, input.weights.layer, opts.tp);
     let qh = rank_heads(n, tp, shard_source(opts, rank, RankedWeight::QProj));
-    let q_proj = dequantize_slice(
-        ops,
-        input,
-        &row_slice(file, q_tensor, qh.start * (p + r)..qh.end * (p + r))?,
-    )?;
+    let q_proj = rows_of(ops, input, q_tensor, qh.start * (p + r)..qh.end * (p + r))?;
     let kh = rank_heads(n, tp, shard_source(opts, rank, RankedWeight::KvB));
     let kv_b = kv_b_variant(ops, input.cfg, opts, load_kv_b(ops, input, opts, kh.clone())?, kh.len())?;
     let (w_uk_t, w_uv) = absorbed_weights(ops, input, opts, &kv_b, kh.len())?;
     let oh = rank_heads(n, tp, shard_source(opts, rank, RankedWeight::OProj));
-    let o_raw = col_slice(file, &ModelTensor::AttnOutput.name(layer), oh.start * v..oh.end * v).map_err(|e| {
-        slice_to_load(
-            Site::new(layer, Stage::WRank(RankedWeight::OProj, rank as u32)),
-            "o_proj is row-parallel: its input dim N·V is cut by heads",
-            e,
-        )
-    })?;
-    let o_proj = dequantize_slice(ops, input, &o_raw)?;
+    let o_name = ModelTensor::AttnOutput.name(layer);
+    let o_whole = oh.len() == n;
+    let o_proj = match o_whole {
+        true => kept(ops, input, &o_name, file.require_tensor(&o_name)?.n_elements() as usize)?,
+        false => None,
+    };
+    let o_proj = match o_proj {
+        Some(b) => b,
+        None => {
+            let o_raw = col_slice(file, &o_name, oh.start * v..oh.end * v).map_err(|e| {
+                slice_to_load(
+                    Site::new(layer, Stage::WRank(RankedWeight::OProj, rank as u32)),
+                    "o_proj is row-parallel: its input dim N·V is cut by heads",
+                    e,
+                )
+            })?;
+            dequantize_slice(ops, input, &o_raw)?
+        }
+    };
     Ok(RankWeights {
         q_proj: Some(q_proj),
         kv_b,
@@ -260,12 +288,12 @@ fn load_kv_b<O: Ops>(ops: &O, input: &LayerInput<'_>, opts: &PathOptions, kh: Ra
     let (file, layer) = (input.file, input.weights.layer);
     let nh = kh.len();
     if input.cfg.kv_b_layout == KvBLayout::Fused {
-        let rows = row_slice(
-            file,
+        return rows_of(
+            ops,
+            input,
             &ModelTensor::AttnKvB.name(layer),
             kh.start * (p + v)..kh.end * (p + v),
-        )?;
-        return dequantize_slice(ops, input, &rows);
+        );
     }
     // attn_k_b is [N, L, P] (rows of P); attn_v_b is [N, V, L] (rows of L).
     let k_b = dequantize_slice(

@@ -281,6 +281,10 @@ pub trait TensorSource: Send + Sync {
     /// The block scales tensor `index` is stored with, for a block-quantized matrix (fp8 with a
     /// `weight_scale_inv` grid); `None` for a tensor stored as presented.
     fn block_scales(&self, index: usize) -> Option<BlockScales>;
+    /// Tensor `index`'s values as f32 when the source computes them (an fp8 matrix), made
+    /// straight into the vector a whole-tensor read returns; `None` where [`TensorSource::bytes`]
+    /// borrows them.
+    fn values_f32(&self, index: usize) -> Option<Vec<f32>>;
 }
 
 /// The scale grid of a block-quantized matrix `[rows, cols]` as the checkpoint stores it:
@@ -471,6 +475,14 @@ impl GgufFile {
             (Some(src), Some(&i)) => src.stored_type(i),
             _ => t.ggml_type.name().to_string(),
         }
+    }
+
+    /// Tensor `t`'s values as f32 computed by the model's source ([`TensorSource::values_f32`]);
+    /// `None` for a GGUF file and for tensors stored as presented, which are decoded from
+    /// [`GgufFile::tensor_bytes`].
+    pub fn values_f32(&self, t: &TensorInfo) -> Option<Vec<f32>> {
+        let src = self.inner.source.as_ref()?;
+        src.values_f32(*self.inner.tensor_index.get(&t.name)?)
     }
 
     /// The block scales tensor `t` is stored with ([`TensorSource::block_scales`]); `None` for a

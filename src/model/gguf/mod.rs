@@ -482,7 +482,13 @@ impl GgufFile {
     /// [`GgufFile::tensor_bytes`].
     pub fn values_f32(&self, t: &TensorInfo) -> Option<Vec<f32>> {
         let src = self.inner.source.as_ref()?;
-        src.values_f32(*self.inner.tensor_index.get(&t.name)?)
+        let i = *self.inner.tensor_index.get(&t.name)?;
+        let v = src.values_f32(i)?;
+        // Logged as a read of the whole tensor, as `tensor_bytes` logs one.
+        if let Ok(mut log) = self.inner.data_reads.lock() {
+            log.push((i, self.inner.data_offset + t.offset, t.n_bytes));
+        }
+        Some(v)
     }
 
     /// The block scales tensor `t` is stored with ([`TensorSource::block_scales`]); `None` for a

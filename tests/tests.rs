@@ -48,6 +48,7 @@ mod tensor_table;
 mod triage_report;
 mod union_reference;
 mod vllm_cpu_chunked;
+mod vllm_cpu_fp8;
 mod vllm_dumps;
 mod vllm_gpu_live;
 mod weights_check;

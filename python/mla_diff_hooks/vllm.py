@@ -664,8 +664,10 @@ def quantization_info(root) -> dict | None:
     method and kernel class of the first decoder layer's first quantized attention linear
     (`linear_method` Fp8LinearMethod, `linear_kernel` CutlassFp8BlockScaledMMKernel, ...),
     `weight_block_size` [bn, bk] (block FP8), `weight_dtype` (float8_e4m3fn) and `scale_dtype`
-    (float32), and, where an MoE layer has them, `moe_method` and `moe_backend` (its
-    fp8_backend). None when no attention linear is quantized."""
+    (float32), `compute` where the kernel is a stand-in that says its arithmetic
+    (mla_diff_hooks.fp8_cpu: `w8a8-block`, `weight-only`), and, where an MoE layer has them,
+    `moe_method` and `moe_backend` (its fp8_backend). None when no attention linear is
+    quantized."""
     info: dict[str, Any] = {}
     try:
         layers = find_decoder_layers(root)
@@ -682,6 +684,9 @@ def quantization_info(root) -> dict | None:
             kernel = getattr(qm, "fp8_linear", None) or getattr(qm, "kernel", None)
             if kernel is not None:
                 info["linear_kernel"] = type(kernel).__name__
+                # a stand-in's arithmetic (mla_diff_hooks.fp8_cpu: w8a8-block, weight-only)
+                if isinstance(getattr(kernel, "compute", None), str):
+                    info["compute"] = kernel.compute
             block = getattr(mod, "weight_block_size", None) or getattr(qm, "weight_block_size", None)
             if block is not None:
                 info["weight_block_size"] = [int(x) for x in block]

@@ -10,7 +10,10 @@ distributed initialisation); each rank writes a format-2 dump and the driver joi
 scheduled run (--chunk-tokens, --arrivals, --prefix, --workspace-tokens) spreads the requests
 over steps as vLLM's scheduler would, through vLLM's own attention-metadata builder and its
 chunked-context loop and merges, the hooks armed through their vllm.general_plugins entry point
-(SCHEDULE_PATCHES lists what it changes). Every
+(SCHEDULE_PATCHES lists what it changes). A Hugging Face checkpoint folder (--model DIR) is loaded
+by vLLM itself instead, no plugin involved; a block-FP8 one (DeepSeek-V3's fp8) through vLLM's own
+Fp8LinearMethod / Fp8MoEMethod, with the fp8 GEMMs vLLM cannot run on a CPU replaced by the
+recorded torch stand-ins of mla_diff_hooks.fp8_cpu (--fp8-compute w8a8-block or weight-only). Every
 change it makes to vLLM's behaviour is applied from outside vLLM's files, listed in PATCHES (or
 OPTIONAL_PATCHES, opt-in) and recorded in the dump. Subcommands: setup, config, run, test.
 Reference (patches and what fails without each, --zero-unloaded, --tp, the end-to-end test):
@@ -32,6 +35,7 @@ import time
 from pathlib import Path
 
 from . import dump_format
+from .fp8_cpu import MODES as FP8_MODES
 from .vllm import GLM_DSA_NAME_MAP
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -116,6 +120,11 @@ PATCHES = [
     ),
 ]
 
+
+# the PATCHES that act on vllm-gguf-plugin: left out of a run on a Hugging Face folder (--model)
+GGUF_ONLY_PATCHES = ("triton-cuda-check", "unloaded-weights-report")
+# the opt-in patches that change vllm-gguf-plugin (refused with --model)
+GGUF_PLUGIN_PATCHES = ("fix-merged-column-rank", "fix-moe-name-map", "load-split-kv-b", "glm-dsa-name-map")
 
 # blocks of the cache tensor past the BlockPool's, never handed out: a kernel that reads a page
 # with a larger block size than it was written with (the page-size-ignored plant, up to 4x) stays
@@ -204,12 +213,19 @@ def loader_hint(message: str) -> str | None:
     return None
 
 
-def patch_list(optional: list[str] | tuple[str, ...] = (), zeroed: list[str] | tuple[str, ...] = ()) -> list:
-    """The (name, reason) patches a run records, in the order applied: PATCHES, the opt-in
-    `optional` ones (names of OPTIONAL_PATCHES, each once, in the order given), then, when
-    --zero-unloaded zeroed the layers `zeroed`, ZERO_UNLOADED and ("zeroed", their names).
-    Errors: ValueError for a name OPTIONAL_PATCHES lacks."""
-    out = list(PATCHES)
+def patch_list(
+    optional: list[str] | tuple[str, ...] = (),
+    zeroed: list[str] | tuple[str, ...] = (),
+    *,
+    fp8: list[tuple[str, str]] | None = None,
+) -> list:
+    """The (name, reason) patches a run records, in the order applied: PATCHES (without the
+    GGUF-only ones, GGUF_ONLY_PATCHES, when `fp8` is given: a Hugging Face folder that vLLM loads
+    itself), the block-FP8 stand-ins `fp8` (mla_diff_hooks.fp8_cpu.patch_entries; [] for an
+    unquantized folder), the opt-in `optional` ones (names of OPTIONAL_PATCHES, each once, in
+    the order given), then, when --zero-unloaded zeroed the layers `zeroed`, ZERO_UNLOADED and
+    ("zeroed", their names). Errors: ValueError for a name OPTIONAL_PATCHES lacks."""
+    out = list(PATCHES) if fp8 is None else [p for p in PATCHES if p[0] not in GGUF_ONLY_PATCHES] + list(fp8)
     for name in dict.fromkeys(optional):
         if name not in OPTIONAL_PATCHES:
             raise ValueError(f"unknown patch {name!r} (known: {', '.join(OPTIONAL_PATCHES)})")
@@ -453,9 +469,45 @@ def parse_prompts(tokens: str | None, prompts: str | None) -> list[list[int]]:
     return out
 
 
+def check_source(args) -> None:
+    """Exactly one model source: --gguf (through vllm-gguf-plugin) or --model (a Hugging Face
+    checkpoint folder vLLM loads itself), and no GGUF-only option with --model. Errors:
+    SystemExit naming the options."""
+    if (args.gguf is None) == (args.model is None):
+        raise SystemExit(
+            "give one of --gguf FILE (through vllm-gguf-plugin) and --model DIR (a Hugging Face folder)"
+        )
+    if args.model is None:
+        if getattr(args, "fp8_compute", None):
+            raise SystemExit("--fp8-compute: for a block-FP8 Hugging Face folder (--model), not a GGUF")
+        return
+    if not (Path(args.model) / "config.json").is_file():
+        raise SystemExit(f"--model {args.model}: a Hugging Face checkpoint folder with config.json")
+    bad = [f"--patch {p}" for p in args.patch or [] if p in GGUF_PLUGIN_PATCHES]
+    bad += ["--config-dir"] if args.config_dir else []
+    bad += ["--zero-unloaded"] if args.zero_unloaded else []
+    if bad:
+        raise SystemExit(f"{', '.join(bad)}: for a GGUF through vllm-gguf-plugin, not with --model")
+
+
+def hf_quant_method(folder) -> str | None:
+    """config.json's `quantization_config.quant_method` (`fp8` for DeepSeek-V3's block FP8), None
+    for an unquantized folder."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    return (cfg.get("quantization_config") or {}).get("quant_method")
+
+
 def inner_run(args) -> int:
     t_start = time.time()
     tokens = parse_prompts(args.tokens, args.prompts)
+    check_source(args)
+    if args.model is not None:
+        folder = Path(args.model).resolve()
+        if args.cmd == "_rank":
+            return _rank_run(
+                args, tokens, folder, None, t_start, rank=args.rank, port=args.port, out=Path(args.out)
+            )
+        return _run(args, tokens, folder, None, t_start)
     gguf_path = Path(args.gguf).resolve()
     tmpdir = None
     if args.config_dir:
@@ -489,8 +541,9 @@ def _on(name: str) -> bool:
     return name not in os.environ.get("MLA_VLLM_CPU_SKIP", "").split(",")
 
 
-def _apply_patches(sdpa_cls_holder: dict) -> None:
-    """Every patch of PATCHES, in order (attention metadata is built in _step)."""
+def _apply_patches(sdpa_cls_holder: dict, gguf: bool = True) -> None:
+    """Every patch of PATCHES, in order (attention metadata is built in _step); without `gguf`
+    (a Hugging Face folder) those of GGUF_ONLY_PATCHES are left out."""
     import torch
     import vllm.platforms as platforms
     from vllm.platforms.cpu import CpuPlatform
@@ -625,7 +678,7 @@ def _apply_patches(sdpa_cls_holder: dict) -> None:
                 cls.do_kv_cache_update = do_kv_cache_update
 
     # triton-cuda-check
-    if _on("triton-cuda-check"):
+    if gguf and _on("triton-cuda-check"):
         import vllm_gguf_plugin.triton.dequantize.utils as dequant_utils
         import vllm_gguf_plugin.triton.gemm.utils as gemm_utils
 
@@ -825,12 +878,15 @@ def _patch_load_split_kv_b() -> None:
     GGUFWeightsAdapter.prepare_weights = weights
 
 
-def _build_config(gguf_path: Path, config_dir: Path, max_len: int, block_size: int, tp: int = 1):
+def _build_config(model_path: Path, config_dir: Path | None, max_len: int, block_size: int, tp: int = 1):
+    """vLLM's engine config for the GGUF `model_path` with the HF config in `config_dir`, or for
+    the Hugging Face folder `model_path` (config_dir None: its own config.json, its
+    quantization_config included)."""
     from vllm.engine.arg_utils import EngineArgs
 
     ea = EngineArgs(
-        model=str(gguf_path),
-        hf_config_path=str(config_dir),
+        model=str(model_path),
+        hf_config_path=None if config_dir is None else str(config_dir),
         tokenizer=None,
         skip_tokenizer_init=True,
         dtype="float32",
@@ -867,16 +923,8 @@ def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
     procs = []
     for r in range(args.tp):
         argv = [sys.executable, "-m", MODULE, "_rank", *sys.argv[2:]]
-        argv += [
-            "--rank",
-            str(r),
-            "--port",
-            str(port),
-            "--out",
-            str(work / out.name),
-            "--config-dir",
-            str(config_dir),
-        ]
+        argv += ["--rank", str(r), "--port", str(port), "--out", str(work / out.name)]
+        argv += [] if config_dir is None else ["--config-dir", str(config_dir)]
         log = open(work / f"rank{r}.log", "w")
         procs.append((r, subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     failed = None
@@ -921,10 +969,12 @@ def _run(args, tokens, gguf_path, config_dir, t_start) -> int:
 
 
 def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port: int, out: Path) -> int:
-    """One TP rank: vLLM's model built and loaded through the plugin (with the opt-in patches and
-    the plants applied first), the hooks armed with mla_diff_hooks.vllm.arm, every request
-    prefilled in one step and decoded together for --decode-steps steps, and finish writing this
-    rank's dump (`out` at TP 1, `rank_path(out)` at TP > 1)."""
+    """One TP rank: vLLM's model built and loaded through the plugin, or by vLLM itself from a
+    Hugging Face folder (--model; `gguf_path` is then the folder, `config_dir` None, and a
+    block-FP8 checkpoint gets the fp8_cpu stand-ins), with the opt-in patches and the plants
+    applied first, the hooks armed with mla_diff_hooks.vllm.arm, every request prefilled in one
+    step and decoded together for --decode-steps steps, and finish writing this rank's dump
+    (`out` at TP 1, `rank_path(out)` at TP > 1)."""
     import torch
 
     tp = args.tp
@@ -940,20 +990,27 @@ def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port:
         os.environ[vllm_plugin.ENV_LAYERS] = args.layers or ""
         os.environ[vllm_plugin.ENV_SITES] = args.sites or ""
     holder: dict = {}
-    _apply_patches(holder)
+    hf = args.model is not None
+    _apply_patches(holder, gguf=not hf)
     import vllm
 
     if vllm.__version__ != TESTED_VLLM:
         print(
             f"warning: vLLM {vllm.__version__}; this harness was tested with {TESTED_VLLM}", file=sys.stderr
         )
-    import vllm_gguf_plugin
-
-    vllm_gguf_plugin_register = getattr(vllm_gguf_plugin, "register", None)
-    if vllm_gguf_plugin_register is not None:
-        vllm_gguf_plugin_register()
     zeroed: list[str] = []
-    _patch_unloaded(args.zero_unloaded, zeroed)
+    if hf:
+        from . import fp8_cpu
+
+        fp8 = hf_quant_method(gguf_path) == "fp8"
+        args.fp8_patches = fp8_cpu.install(args.fp8_compute or FP8_MODES[0]) if fp8 else []
+    else:
+        import vllm_gguf_plugin
+
+        vllm_gguf_plugin_register = getattr(vllm_gguf_plugin, "register", None)
+        if vllm_gguf_plugin_register is not None:
+            vllm_gguf_plugin_register()
+        _patch_unloaded(args.zero_unloaded, zeroed)
     for name in dict.fromkeys(args.patch or []):
         if name == FIX_MERGED_COLUMN_RANK[0]:
             _patch_fix_merged_column_rank()
@@ -970,6 +1027,7 @@ def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port:
     from . import plants
 
     planted = [plants.apply(spec) for spec in args.plant or []]
+    scale_plant = any(spec.partition(":")[0].strip() == "fp8-scale-transposed" for spec in args.plant or [])
     if scheduled(args):
         _apply_schedule_patches(args.workspace_tokens)
         from vllm.plugins import load_general_plugins
@@ -1006,6 +1064,10 @@ def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port:
             return 3
     model.eval()
     t_load = time.time()
+    if scale_plant:
+        if not plants.SCALE_PLANTED:
+            raise SystemExit("fp8-scale-transposed met no layer: is the model a block-FP8 checkpoint?")
+        print(f"fp8-scale-transposed planted: {plants.SCALE_PLANTED}")
     layer_list = [int(x) for x in args.layers.split(",")] if args.layers else None
     if args.weights_only:
         written = dump_vllm.write_weights(
@@ -1015,12 +1077,14 @@ def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port:
             layers=layer_list,
             extra_meta={
                 "harness": HARNESS,
-                "loader": f"vllm-gguf-plugin {_dist_version('vllm-gguf-plugin')}",
+                "loader": loader_name(args),
                 "patches": "; ".join(
-                    f"{n}: {r}" for n, r in patch_list(args.patch or [], zeroed if args.zero_unloaded else [])
+                    f"{e['name']}: {e['reason']}"
+                    for e in map(dump_vllm.patch_entry, run_patches(args, zeroed) + planted)
                 ),
             },
         )
+        keep_weights(written, args.weights_keep)
         print(f"rank {rank}/{tp}: load {t_load - t_cfg:.1f} s; wrote {written} (weights only)")
         return 0
     layers = _mla_layers(vcfg)
@@ -1088,9 +1152,9 @@ def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port:
                 decode=True,
             )
     t_end = time.time()
-    loader = f"vllm-gguf-plugin {_dist_version('vllm-gguf-plugin')}"
+    loader = loader_name(args)
     out.parent.mkdir(parents=True, exist_ok=True)
-    patches = patch_list(args.patch or [], zeroed if args.zero_unloaded else []) + extra_patches + planted
+    patches = run_patches(args, zeroed) + extra_patches + planted
     if args.format == 2:
         engine = {
             "name": "vllm",
@@ -1114,6 +1178,8 @@ def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port:
             },
         )
         written = [res["dump"]] + ([res["weights"]] if "weights" in res else [])
+        if "weights" in res:
+            keep_weights(res["weights"], args.weights_keep)
     else:
         cap = dump_vllm._ACTIVE
         cap.remove()
@@ -1127,6 +1193,7 @@ def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port:
         written = cap.write_steps(out, extra_meta=extra, weight_sites=weight_sites)
         if args.weights:
             cap.write_weights(args.weights)
+            keep_weights(args.weights, args.weights_keep)
             written.append(Path(args.weights))
     shown = "; ".join(f"{len(t)} prompt tokens, decode {d}" for t, d in zip(prompts, decode_ids))
     print(f"rank {rank}/{tp}: {len(prompts)} request(s): {shown}")
@@ -1138,6 +1205,44 @@ def _rank_run(args, prompts, gguf_path, config_dir, t_start, *, rank: int, port:
     for p in written:
         print(f"wrote {p}")
     return 0
+
+
+def keep_weights(path, params: str | None) -> None:
+    """Rewrite the WEIGHTS file `path` with only the tensors of the comma-separated `params`
+    (`o_proj`, `fused_qkv_a_proj`, `shared_experts.down_proj`, ...: a name `L{n}.{param}` or
+    `L{n}.{param}.rank{r}`), its metadata kept and `kept` added; None keeps every tensor. For a
+    committed file of a few tensors. Errors: SystemExit when no tensor is left."""
+    if not params:
+        return
+    from . import st_io
+
+    want = {p.strip() for p in params.split(",") if p.strip()}
+    tensors, meta = st_io.load(path)
+
+    def param(name: str) -> str:
+        base = name.split(".", 1)[1] if name.startswith("L") and "." in name else name
+        head, _, last = base.rpartition(".")
+        return head if last.startswith("rank") and last[4:].isdigit() else base
+
+    kept = {k: v for k, v in tensors.items() if param(k) in want}
+    if not kept:
+        raise SystemExit(f"--weights-keep {params}: no tensor of {path} is one of them")
+    meta["kept"] = f"only {', '.join(sorted(want))} (--weights-keep); the other tensors left out"
+    st_io.save(kept, Path(path), metadata=meta)
+
+
+def run_patches(args, zeroed: list[str]) -> list:
+    """patch_list for this run: its opt-in patches, the layers --zero-unloaded zeroed, and on a
+    Hugging Face folder the block-FP8 stand-ins installed (args.fp8_patches)."""
+    fp8 = getattr(args, "fp8_patches", []) if args.model is not None else None
+    return patch_list(args.patch or [], zeroed if args.zero_unloaded else [], fp8=fp8)
+
+
+def loader_name(args) -> str:
+    """The dump's `loader`: vllm-gguf-plugin with its version, or vLLM's own safetensors loader."""
+    if args.model is not None:
+        return f"vllm {_dist_version('vllm')} DefaultModelLoader (safetensors)"
+    return f"vllm-gguf-plugin {_dist_version('vllm-gguf-plugin')}"
 
 
 def prefill_keep(prefill_sites: str | None, weight_sites: str | None) -> tuple[dict | None, bool]:
@@ -1649,6 +1754,50 @@ def cmd_test(args) -> int:
         )
         ok &= good
         ok &= compare(g, d, 0 if fixed else 1, "within tolerance" if fixed else "L0.")
+    # 5. the block-FP8 checkpoint golden/hf-v3-fp8 loaded by vLLM itself (--model): every loaded
+    #    weight equals the checkpoint's dequantization in both compute modes, weight-only passes
+    #    compare, and fp8-scale-transposed's relaid o_proj scales are named by weights --check
+    fp8 = ROOT / "golden" / "hf-v3-fp8"
+    for mode in FP8_MODES:
+        dump = out_dir / f"hf-v3-fp8.{mode}.safetensors"
+        wfile = out_dir / f"hf-v3-fp8.{mode}.weights.safetensors"
+        cmd = me + ["run", "--model", str(fp8), "--fp8-compute", mode, "--out", str(dump)]
+        cmd += ["--weights", str(wfile), "--layers", "0", *base]
+        print("$ " + " ".join(cmd), flush=True)
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            _show(r.stdout + r.stderr)
+            ok = False
+            continue
+        w = subprocess.run(
+            [str(exe), "weights", "--model", str(fp8), "--check", str(wfile)], capture_output=True, text=True
+        )
+        good = w.returncode == 0 and "all 10 tensors match" in w.stdout
+        print(f"  {'ok' if good else 'FAIL'}: weights --check exit {w.returncode} (want 0, all 10 tensors)")
+        ok &= good
+        if mode == "weight-only":
+            ok &= compare(fp8, dump, 0, "within tolerance")
+        else:  # judged by the f32 rows, which do not allow for fp8 activations: shown, not checked
+            c = subprocess.run(
+                [str(exe), "compare", "--model", str(fp8), "--dump", str(dump)],
+                capture_output=True,
+                text=True,
+            )
+            _show(c.stdout + c.stderr, 4)
+            print(f"  (shown only) compare exit {c.returncode}")
+    planted = out_dir / "hf-v3-fp8.fp8-scale-transposed.weights.safetensors"
+    cmd = me + ["run", "--model", str(fp8), "--out", str(planted), "--weights-only", "--layers", "0"]
+    cmd += ["--plant", "fp8-scale-transposed", *base]
+    print("$ " + " ".join(cmd), flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    w = subprocess.run(
+        [str(exe), "weights", "--model", str(fp8), "--check", str(planted)], capture_output=True, text=True
+    )
+    good = r.returncode == 0 and w.returncode == 1 and "quant-scale-layout at L0.o_proj" in w.stdout
+    _show("\n".join(ln for ln in w.stdout.splitlines() if ln.startswith("finding")), 2)
+    want = "want 1, quant-scale-layout at L0.o_proj"
+    print(f"  {'ok' if good else 'FAIL'}: weights --check exit {w.returncode} ({want})")
+    ok &= good
     if args.keep:
         print(f"dumps kept in {out_dir}")
     else:
@@ -1677,7 +1826,21 @@ def main() -> int:
     for name in ("run", "_inner", "_rank"):
         r = sub.add_parser(name, help="run vLLM on the CPU and dump" if name == "run" else argparse.SUPPRESS)
         r.add_argument("--venv", default=os.environ.get("MLA_VLLM_VENV", str(ROOT / ".venv-vllm")))
-        r.add_argument("--gguf", required=True)
+        r.add_argument("--gguf", default=None, help="the GGUF file, loaded through vllm-gguf-plugin")
+        r.add_argument(
+            "--model",
+            default=None,
+            help="a Hugging Face checkpoint folder (config.json, safetensors) that vLLM loads itself, "
+            "instead of --gguf; a block-FP8 one (DeepSeek-V3's fp8) runs through the fp8_cpu stand-ins",
+        )
+        r.add_argument(
+            "--fp8-compute",
+            default=None,
+            choices=FP8_MODES,
+            help="--model with a block-FP8 checkpoint: w8a8-block (default) quantizes every GEMM input "
+            "per token in groups of 128 as vLLM's GPU path does; weight-only leaves activations "
+            "unquantized (recorded in engine.quantization.compute and the patches)",
+        )
         r.add_argument(
             "--config-dir",
             default=None,
@@ -1776,6 +1939,12 @@ def main() -> int:
             "--weights",
             default=None,
             help="also write vLLM's loaded weights as a WEIGHTS file (per rank at TP > 1)",
+        )
+        r.add_argument(
+            "--weights-keep",
+            default=None,
+            help="comma-separated params the WEIGHTS file (--weights, --weights-only) keeps, e.g. "
+            "o_proj,fused_qkv_a_proj (default: all); recorded in its metadata as `kept`",
         )
         r.add_argument(
             "--tp",
@@ -2210,7 +2379,7 @@ def _rank_run_scheduled(
     t_end = time.time()
     cap = dump_vllm._ACTIVE
     cap.token_ids = dict(enumerate(seqs))
-    patches = patch_list(args.patch or [], zeroed if args.zero_unloaded else [])
+    patches = run_patches(args, zeroed)
     patches = [x for x in patches if x[0] != "attention-metadata-by-hand"] + SCHEDULE_PATCHES
     patches.append(scheduler_patch(args.chunk_tokens, args.arrival_list, args.decode_steps))
     if args.workspace_tokens:
@@ -2236,7 +2405,7 @@ def _rank_run_scheduled(
         weights_path=args.weights,
         extra_meta={
             "harness": HARNESS,
-            "loader": f"vllm-gguf-plugin {_dist_version('vllm-gguf-plugin')}",
+            "loader": loader_name(args),
             "triton": "TRITON_INTERPRET=1 " + _dist_version("triton"),
         },
     )

@@ -186,3 +186,58 @@ def test_split_kv_b_weights_rebuild_kv_b_per_head():
         rows = kv_b[h * 96 : (h + 1) * 96]
         assert np.array_equal(rows[:32], k_b[h].T) and np.array_equal(rows[32:], v_b[h])
     assert vllm_cpu.split_kv_b_weights(ROOT / "golden" / "models" / "legacy-kvb-f32.gguf") == {}
+
+
+def test_a_hugging_face_run_records_no_gguf_patch_and_the_fp8_stand_ins():
+    fp8 = hooks_module("fp8_cpu").patch_entries("weight-only")
+    got = vllm_cpu.patch_list(fp8=fp8)
+    names = [n for n, _ in got]
+    assert "triton-cuda-check" not in names and "unloaded-weights-report" not in names
+    assert names[: len(names) - 3] == [n for n, _ in vllm_cpu.PATCHES if n not in vllm_cpu.GGUF_ONLY_PATCHES]
+    assert got[-3:] == fp8
+    assert vllm_cpu.patch_list(fp8=[])[-1][0] == "block-pool-history"  # an unquantized folder
+
+
+def _run_args(**kw):
+    import argparse
+
+    base = dict(gguf=None, model=None, patch=[], config_dir=None, zero_unloaded=False, fp8_compute=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_one_model_source_and_no_gguf_option_with_a_folder():
+    fp8 = str(ROOT / "golden" / "hf-v3-fp8")
+    vllm_cpu.check_source(_run_args(model=fp8))
+    vllm_cpu.check_source(_run_args(gguf="x.gguf", patch=["fix-merged-column-rank"]))
+    for bad, msg in (
+        (_run_args(), "give one of --gguf FILE"),
+        (_run_args(gguf="x.gguf", model=fp8), "give one of --gguf FILE"),
+        (_run_args(model=str(ROOT / "golden")), "a Hugging Face checkpoint folder with config.json"),
+        (_run_args(gguf="x.gguf", fp8_compute="weight-only"), "--fp8-compute: for a block-FP8 Hugging"),
+        (
+            _run_args(model=fp8, patch=["load-split-kv-b"], zero_unloaded=True),
+            "--patch load-split-kv-b, --zero-unloaded: for a GGUF through vllm-gguf-plugin",
+        ),
+    ):
+        with pytest.raises(SystemExit, match=msg):
+            vllm_cpu.check_source(bad)
+    assert vllm_cpu.hf_quant_method(fp8) == "fp8"
+    assert vllm_cpu.hf_quant_method(ROOT / "golden" / "hf-v3-bf16") is None
+
+
+def test_weights_keep_leaves_only_the_named_params(tmp_path):
+    st_io = hooks_module("st_io")
+    p = tmp_path / "w.safetensors"
+    names = ["L0.o_proj", "L0.q_b_proj", "L1.o_proj", "L0.shared_experts.down_proj.rank1", "L0.W_UV.rank0"]
+    st_io.save({n: np.full((2, 2), i, np.float32) for i, n in enumerate(names)}, p, metadata={"engine": "e"})
+    vllm_cpu.keep_weights(p, None)
+    assert list(st_io.load(p)[0]) == names
+    vllm_cpu.keep_weights(p, "o_proj, shared_experts.down_proj")
+    t, meta = st_io.load(p)
+    assert list(t) == ["L0.o_proj", "L1.o_proj", "L0.shared_experts.down_proj.rank1"]
+    assert t["L1.o_proj"][0, 0] == 2 and meta["engine"] == "e"
+    assert (
+        meta["kept"] == "only o_proj, shared_experts.down_proj (--weights-keep); the other tensors left out"
+    )
+    with pytest.raises(SystemExit, match="--weights-keep kv_b_proj: no tensor of"):
+        vllm_cpu.keep_weights(p, "kv_b_proj")

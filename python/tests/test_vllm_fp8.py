@@ -223,7 +223,17 @@ def test_quantization_info_names_the_method_kernel_block_and_moe_backend():
         "moe_method": "Fp8MoEMethod",
         "moe_backend": "TRITON",
     }
-    root.model.layers[0].self_attn.fused_qkv_a_proj = torch.nn.Linear(4, 4)
+
+    # a stand-in kernel that says its arithmetic (the CPU harness's, mla_diff_hooks.fp8_cpu)
+    class TorchBlockFp8Kernel(Fp8BlockScaledMMLinearKernel):
+        compute = "weight-only"
+
+    attn = root.model.layers[0].self_attn
+    attn.fused_qkv_a_proj.quant_method = Fp8LinearMethod(TorchBlockFp8Kernel())
+    got = dump_vllm.quantization_info(root)
+    assert got["linear_kernel"] == "TorchBlockFp8Kernel" and got["compute"] == "weight-only"
+    assert dump_vllm._fp8_block_layer(attn.fused_qkv_a_proj)[3] == "TorchBlockFp8Kernel"
+    attn.fused_qkv_a_proj = torch.nn.Linear(4, 4)
     assert dump_vllm.quantization_info(root) is None
 
 

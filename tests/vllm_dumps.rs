@@ -115,7 +115,7 @@ fn every_committed_vllm_dump_keeps_its_verdict() {
         dir.join("legacy-kvb-f32.vllm.safetensors").to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{out}\n{err}");
-    assert!(out.contains("all 16 tensors match the GGUF"), "{out}");
+    assert!(out.contains("all 16 tensors match the model"), "{out}");
 }
 
 /// The MoE fixture's loaded weights at TP 2 (a WEIGHTS file: vLLM's routed experts do not run on

@@ -106,7 +106,7 @@ fn correct_weights_pass() {
     let (code, out, err) = check(&p);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(
-        out.contains(&format!("all {} tensors match the GGUF", w.len())),
+        out.contains(&format!("all {} tensors match the model", w.len())),
         "{out}"
     );
 }
@@ -432,7 +432,7 @@ fn format2_dumps_carry_weights_for_weights_check() {
     let (code, out, err) = check(&p);
     assert_eq!(code, 0, "{out}\n{err}");
     assert!(
-        out.contains(&format!("all {} tensors match the GGUF", w.len())),
+        out.contains(&format!("all {} tensors match the model", w.len())),
         "{out}"
     );
 }
@@ -475,7 +475,7 @@ fn the_weights_table_fits_a_terminal_and_stays_whole_elsewhere() {
     assert_eq!(code, 0, "{err}");
     let doc: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(doc["kind"], "weights");
-    assert!(err.contains("tensors match the GGUF"), "{err}");
+    assert!(err.contains("tensors match the model"), "{err}");
 }
 
 /// An activation dump given to `weights --check` is sent to `compare` (exit 2), not read as
@@ -703,7 +703,7 @@ fn every_rank_holding_rank0_gate_up_is_tp_rank_order() {
         let (code, out, err) = check_model(model, &fixed);
         assert_eq!(code, 0, "{model}: {out}\n{err}");
         assert!(
-            out.contains(&format!("all {} tensors match the GGUF", 2 * tp)),
+            out.contains(&format!("all {} tensors match the model", 2 * tp)),
             "{model}: {out}"
         );
     }
@@ -895,7 +895,7 @@ fn a_file_of_ffn_weights_only_is_checked() {
     let p = write(dir.path(), "ffn.safetensors", &w, 2);
     let (code, out, err) = check(&p);
     assert_eq!(code, 0, "{out}\n{err}");
-    assert!(out.contains("all 4 tensors match the GGUF"), "{out}");
+    assert!(out.contains("all 4 tensors match the model"), "{out}");
     let row = out.lines().find(|l| l.contains("L1.gate_up_proj.rank1 ")).unwrap();
     assert!(
         row.contains("[128, 256]") && row.contains("blk.1.ffn_gate.weight (Q8_0) + blk.1.ffn_up.weight (Q8_0)"),

@@ -710,6 +710,8 @@ def _zero_linear(mod) -> None:
         ),
         requires_grad=False,
     )
+    # The method's own post-load step: on a CPU it picks the GEMM the forward calls (cpu_linear).
+    mod.quant_method.process_weights_after_loading(mod)
 
 
 def _patch_unloaded(zero: bool, found: list) -> None:

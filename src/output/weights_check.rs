@@ -105,7 +105,7 @@ pub fn terminal_fit(rep: &WeightsReport, width: Option<usize>) -> String {
         s.push_str(&format!(
             "{}\n",
             if rep.all_pass() {
-                format!("all {} tensors match the GGUF", rep.tensors.len())
+                format!("all {} tensors match the model", rep.tensors.len())
             } else {
                 "some tensors differ (see the table)".into()
             }

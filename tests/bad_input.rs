@@ -243,7 +243,7 @@ fn flags_out_of_range_are_usage_errors_not_crashes() {
         (&["run", "--start-pos", "4294967296"][..], "2^31"),
         (&["run", "--tp", "0"][..], "--tp must be at least 1"),
         (&["run", "--tokens", "0"][..], "--tokens must be at least 1"),
-        (&["run", "--model", "/"][..], "is a directory"),
+        (&["run", "--model", "/"][..], "a folder without config.json"),
         (&["run", "--inject", "tp-rank-order"][..], "needs --tp ≥ 2"),
         (&["run", "--inject", "no-mscale"][..], "needs a YaRN model"),
         (&["selftest", "--backend", "cpu", "--cross-check"][..], "--cross-check"),

@@ -278,6 +278,29 @@ type Edit = Box<dyn Fn(&Path)>;
 fn hostile_cases() -> Vec<(&'static str, Edit, &'static [&'static str])> {
     vec![
         (
+            "rope_scaling that differs from rope_parameters",
+            Box::new(|d| {
+                edit_json(&d.join("config.json"), |v| {
+                    v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707});
+                })
+            }),
+            &["config.json", "rope_scaling", "differs from rope_parameters"],
+        ),
+        (
+            "RoPE on NeoX halves",
+            Box::new(|d| edit_json(&d.join("config.json"), |v| v["rope_interleave"] = false.into())),
+            &["config.json", "rope_interleave false"],
+        ),
+        (
+            "no model_type",
+            Box::new(|d| {
+                edit_json(&d.join("config.json"), |v| {
+                    _ = v.as_object_mut().unwrap().remove("model_type")
+                })
+            }),
+            &["config.json", "model_type", "missing", "deepseek_v3"],
+        ),
+        (
             "config key missing",
             Box::new(|d| {
                 edit_json(&d.join("config.json"), |v| {
@@ -574,4 +597,89 @@ fn inspect_shows_the_checkpoint_and_where_each_tensor_is_stored() {
     );
     // Layer by layer, as a GGUF file's: no layer-1 tensor with --layer 0.
     assert!(!out.contains("blk.1."), "{out}");
+}
+
+#[test]
+fn a_folder_a_shard_a_weights_file_and_a_golden_case_are_sent_where_they_belong() {
+    // A folder without config.json, and one shard instead of its folder.
+    let (code, lines) = refused(&repo().join("golden"));
+    assert_eq!(code, 2, "{lines:?}");
+    assert!(
+        lines.len() == 1 && lines[0].contains("a folder without config.json"),
+        "{lines:?}"
+    );
+    let (code, lines) = refused(&fp8_dir().join(SHARD1));
+    assert_eq!(code, 2, "{lines:?}");
+    assert!(lines.len() == 1 && lines[0].contains("pass the folder"), "{lines:?}");
+    // A WEIGHTS file handed to compare.
+    let weights = repo().join("golden/dumps/cpu-fp8/hf-v3-fp8.weights.safetensors");
+    let (code, _out, err) = run_bin(&[
+        "compare",
+        "--model",
+        fp8_dir().to_str().unwrap(),
+        "--dump",
+        weights.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("use `mla-diff weights --check`"), "{err}");
+    // A dump of the checkpoint judged against a GGUF file names the model's form.
+    let dump = repo().join("golden/dumps/cpu-fp8/hf-v3-fp8.weight-only.safetensors");
+    let gguf = bf16_dir().join("model.gguf");
+    let (code, _out, err) = run_bin(&[
+        "compare",
+        "--model",
+        gguf.to_str().unwrap(),
+        "--dump",
+        dump.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("header.model.format") && err.contains("Hugging Face checkpoint folder (hf-v3-fp8)"),
+        "{err}"
+    );
+    // A golden case pins a GGUF file.
+    let tmp = tempfile::tempdir().unwrap();
+    let (code, _out, err) = run_bin(&[
+        "golden",
+        "record",
+        "--case",
+        "hf-fp8",
+        "--model",
+        fp8_dir().to_str().unwrap(),
+        "--golden-dir",
+        tmp.path().to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("a golden case pins a GGUF file"), "{err}");
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn exported_kernel_inputs_name_the_checkpoint_as_their_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("k");
+    let (code, o, err) = run_bin(&[
+        "run",
+        "--model",
+        fp8_dir().to_str().unwrap(),
+        "--layer",
+        "0",
+        "--path",
+        "mqa",
+        "--backend",
+        "cpu",
+        "--quiet",
+        "--export-inputs",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{o}{err}");
+    let bytes = std::fs::read(out.join("inputs.safetensors")).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let header: serde_json::Value = serde_json::from_str(&meta.metadata().as_ref().unwrap()["dump_header"]).unwrap();
+    assert_eq!(header["model"]["format"], "hf-safetensors");
+    assert_eq!(header["model"]["file"], "hf-v3-fp8");
+    assert_eq!(
+        header["model"]["index_sha256"],
+        "6fe59ab29594713e3a69603ae4772e43bd3728c6b41aba763e8483c2e970067c"
+    );
 }

@@ -164,7 +164,8 @@ pub struct GoldenRecordArgs {
     /// Case name (folder under the golden folder).
     #[arg(long)]
     pub case: String,
-    /// What to run (the model must lie inside the repository, or be the embedded default).
+    /// What to run (the model must be a GGUF file inside the repository, or the embedded
+    /// default: a case pins the file by its path and sha256).
     #[command(flatten)]
     pub spec: RunSpec,
     /// The golden folder; its parent is the repository root (default: ./golden).
@@ -451,8 +452,8 @@ pub struct RunArgs {
 /// Arguments of `mla-diff inspect`.
 #[derive(Debug, Args)]
 pub struct InspectArgs {
-    /// GGUF model file (the same as --model).
-    #[arg(conflicts_with = "model", value_name = "GGUF")]
+    /// GGUF model file or Hugging Face checkpoint folder (the same as --model).
+    #[arg(conflicts_with = "model", value_name = "MODEL")]
     pub path: Option<PathBuf>,
     /// The model (default: the embedded fixture).
     #[command(flatten)]

@@ -72,18 +72,18 @@ pub struct Cli {
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the reference and the engine paths on a GGUF model and diff every site.
+    /// Run the reference and the engine paths on a model (GGUF or HF checkpoint) and diff every site.
     Run(RunArgs),
-    /// Show a GGUF file's metadata, derived MLA config and per-tensor types.
+    /// Show a model's metadata, derived MLA config and per-tensor types (GGUF or HF checkpoint).
     Inspect(InspectArgs),
     /// List the site names a dump may hold (stages, per-rank templates, formats), with shapes.
     Sites(SitesArgs),
     /// Inject every fault into every path of every fixture, and run every path clean: prove the
     /// detectors find each bug class at its first site and nothing on clean runs.
     Selftest(SelftestArgs),
-    /// Diff an engine's dump (safetensors of our site names) against the reference on the same GGUF.
+    /// Diff an engine's dump (safetensors of our site names) against the reference on the same model.
     Compare(CompareArgs),
-    /// Check an engine's weights as loaded (fused, sharded per TP rank) against the GGUF.
+    /// Check an engine's weights as loaded (fused, sharded per TP rank) against the model's.
     Weights(WeightsArgs),
     /// Record a passing run as a golden case, or check golden cases (the CI gate).
     #[command(subcommand)]

@@ -241,13 +241,17 @@ pub fn dump_header(file: &GgufFile, batch: &Batch, layer: usize, heads: (usize, 
         .iter()
         .map(|s| serde_json::json!({"new": s.len, "context": 0}))
         .collect();
+    let mut model = serde_json::json!({
+        "file": crate::model::fixture::model_file_name(file),
+        "bytes": file.file_len(),
+        "index_sha256": file.index_sha256_hex(),
+        "layer_sha256": {layer.to_string(): file.layer_sha256_hex(layer)},
+    });
+    if !file.is_gguf() {
+        model["format"] = crate::model::dump::HF_SAFETENSORS.into();
+    }
     serde_json::json!({
-        "model": {
-            "file": crate::model::fixture::model_file_name(file),
-            "bytes": file.file_len(),
-            "index_sha256": file.index_sha256_hex(),
-            "layer_sha256": {layer.to_string(): file.layer_sha256_hex(layer)},
-        },
+        "model": model,
         "steps": [{"name": "kernel", "seqs": seqs}],
         "heads": [heads.0, heads.1],
         "conventions": {"lse_base": "e", "layout": "token-major"},

@@ -244,6 +244,15 @@ pub fn record(req: &RecordRequest<'_>) -> Result<(RunReport, Option<RecordSummar
             dir.display()
         )));
     }
+    if !req.file.is_gguf() {
+        return Err(Error::Usage(format!(
+            "{}: a golden case pins a GGUF file (its manifest records the file's path and sha256); a {} is \
+             not one: convert it to GGUF, or check it with `run`",
+            req.model
+                .map_or_else(|| "the model".to_string(), |m| m.display().to_string()),
+            req.file.kind()
+        )));
+    }
     let gguf_path = match req.model {
         Some(m) => relative_model_path(req.golden_dir, m)?,
         None => EMBEDDED_PATH.to_string(),

@@ -117,7 +117,12 @@ pub fn open(path: &Path) -> Result<GgufFile> {
         path: &config_path,
         v: &config,
     };
-    let model_type = cfg.str("model_type")?.unwrap_or("");
+    let Some(model_type) = cfg.str("model_type")? else {
+        return Err(cfg.bad(
+            "model_type",
+            format!("missing (supported: {})", SUPPORTED_MODEL_TYPES.join(", ")),
+        ));
+    };
     if !SUPPORTED_MODEL_TYPES.contains(&model_type) {
         return Err(Error::NotSupported(format!(
             "{}: model_type `{model_type}` is not read from Hugging Face checkpoints (supported: {}); \
@@ -351,10 +356,26 @@ impl Config<'_> {
 
     /// RoPE scaling: transformers 5.x's `rope_parameters`, or the older `rope_scaling`, with the
     /// name of the object it came from.
-    fn rope_object(&self) -> Option<(&'static str, &Value)> {
-        ["rope_parameters", "rope_scaling"]
-            .into_iter()
-            .find_map(|k| self.get(k).filter(|v| v.is_object()).map(|v| (k, v)))
+    /// The RoPE block: `rope_parameters` (transformers 5.x), else `rope_scaling`. Both present
+    /// and different is refused: which one a loader reads differs between versions.
+    fn rope_object(&self) -> Result<Option<(&'static str, &Value)>> {
+        let p = self.get("rope_parameters").filter(|v| v.is_object());
+        let s = self.get("rope_scaling").filter(|v| v.is_object());
+        if let (Some(p), Some(s)) = (p, s) {
+            // rope_theta may live in the former only; every key both hold must agree.
+            let differ = s
+                .as_object()
+                .into_iter()
+                .flatten()
+                .any(|(k, v)| p.get(k).is_none_or(|w| w != v) && k != "rope_theta");
+            if differ {
+                return Err(self.bad(
+                    "rope_scaling",
+                    format!("{s} differs from rope_parameters {p}; keep one of the two"),
+                ));
+            }
+        }
+        Ok(p.map(|v| ("rope_parameters", v)).or(s.map(|v| ("rope_scaling", v))))
     }
 }
 
@@ -501,10 +522,18 @@ fn gguf_metadata(cfg: &Config<'_>) -> Result<(Vec<(String, MetaValue)>, KeyNames
             && freq != 1
         {
             return Err(Error::NotSupported(format!(
-                "{}: moe_layer_freq {freq} (MoE on every {freq}th layer) is not modelled",
+                "{}: moe_layer_freq {freq} (MoE on one layer in {freq}) is not modelled",
                 cfg.path.display()
             )));
         }
+    }
+    // DeepSeek's RoPE rotates adjacent pairs of q_pe/k_pe; `rope_interleave: false` is HF's flag
+    // for the NeoX halves, another model.
+    if cfg.bool("rope_interleave")? == Some(false) {
+        return Err(Error::NotSupported(format!(
+            "{}: rope_interleave false (RoPE on NeoX halves) is not modelled; DeepSeek-V2/V3 rotate adjacent pairs",
+            cfg.path.display()
+        )));
     }
     if let Some(act) = cfg.str("hidden_act")?
         && act != "silu"
@@ -524,7 +553,7 @@ fn rope_metadata(
     put: &mut impl FnMut(&str, &str, MetaValue, &mut Vec<(String, MetaValue)>),
     meta: &mut Vec<(String, MetaValue)>,
 ) -> Result<()> {
-    let rope = cfg.rope_object();
+    let rope = cfg.rope_object()?;
     let theta_key = match rope {
         Some((obj, v)) if v.get("rope_theta").is_some() => format!("{obj}.rope_theta"),
         _ => "rope_theta".to_string(),

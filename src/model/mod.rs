@@ -17,10 +17,26 @@ use std::path::Path;
 pub fn open(path: impl AsRef<Path>) -> crate::core::error::Result<gguf::GgufFile> {
     let path = path.as_ref();
     if hf::is_checkpoint(path) {
-        hf::open(path)
-    } else {
-        gguf::GgufFile::open(path)
+        return hf::open(path);
     }
+    // The two mistakes a GGUF reader would only call a bad magic: a folder that is no
+    // checkpoint, and one shard of a checkpoint.
+    if path.is_dir() {
+        return Err(crate::core::error::Error::Usage(format!(
+            "{}: a folder without {}: a model is a GGUF file or a Hugging Face checkpoint folder ({} and its safetensors shards)",
+            path.display(),
+            hf::CONFIG_FILE,
+            hf::CONFIG_FILE
+        )));
+    }
+    if path.extension().is_some_and(|e| e == "safetensors") {
+        return Err(crate::core::error::Error::Usage(format!(
+            "{}: a safetensors file: a Hugging Face checkpoint is read from its folder ({}, the index and the shards); pass the folder",
+            path.display(),
+            hf::CONFIG_FILE
+        )));
+    }
+    gguf::GgufFile::open(path)
 }
 
 pub mod arch;

@@ -28,10 +28,18 @@ pub const FORMAT1: &str = "mla-diff dump 1";
 /// The `format` metadata value of a format-2 dump.
 pub const FORMAT2: &str = "mla-diff dump 2";
 
+/// `header.model.format` of a dump made from a Hugging Face checkpoint folder.
+pub const HF_SAFETENSORS: &str = "hf-safetensors";
+
 /// The model a format-2 dump was made from (`header.model`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelIdentity {
-    /// The GGUF's file name, no folders.
+    /// The model's form: absent for a GGUF file, [`HF_SAFETENSORS`] for a Hugging Face
+    /// checkpoint folder (whose `file` is the folder's name and whose hashes are the
+    /// checkpoint's own, [`GgufFile::index_sha256_hex`] and [`GgufFile::layer_sha256_hex`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<String>,
+    /// The GGUF's file name (a checkpoint's folder name), no folders.
     pub file: String,
     /// Its size in bytes.
     pub bytes: u64,
@@ -1141,21 +1149,55 @@ fn check_tp(path: &Path, tp: Option<&serde_json::Value>) -> Result<()> {
 /// Checks that `file` is the model a format-2 dump was made from: the header-and-index hash, and
 /// the raw-byte hash of every layer in `layers`.
 ///
-/// Errors: [`Error::Input`] naming the dump, the field that differs and the GGUF (exit 2).
+/// Errors: [`Error::Input`] naming the dump, the field that differs and the model (exit 2); a
+/// dump of a Hugging Face checkpoint judged against a GGUF file, or the other way round, at
+/// `header.model.format`.
 pub fn check_identity(dump: &Path, h: &DumpHeader, file: &GgufFile, layers: &[usize]) -> Result<()> {
     let same_name = file
         .path()
         .file_name()
         .is_some_and(|n| n.to_string_lossy() == h.model.file);
+    if let Some(f) = h.model.format.as_deref()
+        && f != HF_SAFETENSORS
+    {
+        return Err(Error::input(
+            dump,
+            "field `header.model.format`",
+            format!("is `{f}`; known: absent (a GGUF file) or `{HF_SAFETENSORS}`"),
+        ));
+    }
+    let from_hf = h.model.format.as_deref() == Some(HF_SAFETENSORS);
+    let what = if from_hf {
+        "Hugging Face checkpoint folder"
+    } else {
+        "GGUF"
+    };
+    if from_hf == file.is_gguf() {
+        return Err(Error::input(
+            dump,
+            "field `header.model.format`",
+            format!(
+                "says the dump was made from a {what} ({}), but {} is a {}: pass the model the dump names",
+                h.model.file,
+                file.path().display(),
+                if file.is_gguf() {
+                    "GGUF file"
+                } else {
+                    "Hugging Face checkpoint folder"
+                }
+            ),
+        ));
+    }
     let refuse = |field: &str, want: &str, got: &str| {
         let why = if same_name {
             format!(
-                "the dump was made from another file of the same name ({}): its contents differ; pass the GGUF the dump was made from",
+                "the dump was made from another {} of the same name ({}): its contents differ; pass the {what} the dump was made from",
+                if from_hf { "folder" } else { "file" },
                 h.model.file
             )
         } else {
             format!(
-                "the dump was made from another model ({}); pass the GGUF it names",
+                "the dump was made from another model ({}); pass the {what} it names",
                 h.model.file
             )
         };

@@ -183,7 +183,7 @@ pub enum DumpFile {
 /// between its tokens); the format-2 `header` is checked where it is parsed.
 ///
 /// Returns `metadata`. Errors: [`Error::Safetensors`]
-/// naming the tensor or the metadata key.
+/// naming the tensor or the metadata key; a WEIGHTS file ([`refuse_weights_file`]).
 fn check_printable(
     path: &Path,
     bytes: &[u8],
@@ -204,7 +204,28 @@ fn check_printable(
             Err(_) => check_plain(path, &field, v)?,
         }
     }
-    Ok(metadata)
+    refuse_weights_file(path, metadata)
+}
+
+/// The `format` metadata of the WEIGHTS files the hooks write (`mla-diff vllm weights 1`).
+const WEIGHTS_FORMAT_PREFIX: &str = "mla-diff vllm weights";
+
+/// Refuses a WEIGHTS file, the other file the hooks write beside a dump (an engine's loaded
+/// weights), naming the command that reads it; hands any other file's metadata back.
+fn refuse_weights_file(
+    path: &Path,
+    metadata: std::collections::HashMap<String, String>,
+) -> Result<std::collections::HashMap<String, String>> {
+    match metadata.get("format") {
+        Some(f) if f.starts_with(WEIGHTS_FORMAT_PREFIX) => Err(dump_error(
+            path,
+            "__metadata__.format",
+            format!(
+                "`{f}`: this is an engine's loaded weights, not an activation dump: use `mla-diff weights --check`"
+            ),
+        )),
+        _ => Ok(metadata),
+    }
 }
 
 /// Reads a dump of either format. Format 2's steps are each read as a format-1 dump of the step's
@@ -221,7 +242,8 @@ fn check_printable(
 /// `steps[k].page_size` out of range); a `block_table` or `slot_mapping` of a float dtype, a
 /// shape that does not fit the step, or an id out of range names the tensor; so do a
 /// `seq{i}.token_ids` missing for a sequence that declares `unrecorded` positions (the reference
-/// rebuilds them from it) and a step's `s{k}.tokens` that differ from the token ids.
+/// rebuilds them from it) and a step's `s{k}.tokens` that differ from the token ids; a WEIGHTS
+/// file (an engine's loaded weights) is sent to `weights --check`.
 pub fn read(path: &Path, map: Option<&Map>, cfg: &MlaConfig) -> Result<DumpFile> {
     let bytes = crate::core::fsio::read_regular(path)?;
     if bytes.starts_with(b"GGUF") {

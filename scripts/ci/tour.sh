@@ -33,6 +33,9 @@ mkdir -p "$T/k/out" "$T/repo/golden/models"
 cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/d.safetensors"        # mla_diff_hooks.vllm (format 2, with weights)
 cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/vllm.safetensors"     # mla_diff_hooks.vllm_cpu run
 cp "$D/legacy-kvb-f32.vllm.safetensors" "$T/loaded.safetensors"   # an engine's loaded weights
+cp "$D/cpu-fp8/hf-v3-fp8.weight-only.safetensors" "$T/wo.safetensors"   # vllm_cpu run --model golden/hf-v3-fp8
+cp "$D/cpu-fp8/hf-v3-fp8.weights.safetensors" "$T/w.safetensors"        # its WEIGHTS file
+cp "$D/cpu-fp8/hf-v3-fp8.fp8-scale-transposed.weights.safetensors" "$T/planted.safetensors"  # the planted run's
 mkdir -p "$T/mla" && cp "$D/live-gpu/fa3-v3-bf16.triton_mla.serve.safetensors" "$T/mla/dump.safetensors"  # the vLLM plugin's dump under `vllm serve`
 cp "$D/fa3-v3-bf16.kernel-flashmla.safetensors" "$T/k/out/flashmla.safetensors"  # mla_diff_hooks.kernels
 cp "$G/tiny-v3-q8_0.gguf" "$T/repo/golden/models/"                # golden record's repository
@@ -80,6 +83,9 @@ ROWS=(
   'mla-diff compare --model model.gguf --dump /tmp/k/out/*|0|s#model\.gguf#'"$G"'/fa3-v3-bf16.gguf#'
   'mla-diff compare --model model.gguf --dump /tmp/d.safetensors*|0|s#model\.gguf#'"$G"'/legacy-kvb-f32.gguf#'
   'mla-diff compare --model golden/models/legacy-kvb-f32.gguf --dump /tmp/vllm.safetensors*|0|'
+  'mla-diff compare --model golden/hf-v3-fp8 --dump /tmp/wo.safetensors*|0|'
+  'mla-diff weights --model golden/hf-v3-fp8 --check /tmp/w.safetensors*|0|'
+  'mla-diff weights --model golden/hf-v3-fp8 --check /tmp/planted.safetensors*|1|'
   'mla-diff compare --model golden/models/tiny-v3-f32.gguf --dump golden/dumps/tiny-v3-f32.hf-neox.safetensors|1|'
   'mla-diff compare --model golden/models/*.gguf --dump golden/dumps/plants/*|1|'
   'mla-diff compare --model golden/models/legacy-kvb-q8_0.gguf --dump golden/dumps/legacy-kvb-q8_0.vllm-tp?-fixed.safetensors*|0|'

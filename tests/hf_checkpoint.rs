@@ -486,24 +486,8 @@ fn fp8_weights_file(dir: &Path, factor: &ScaleFn) -> PathBuf {
         }
         tensors.push((format!("L0.{param}"), vec![rows, cols], data));
     }
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|t| t.2.iter().flat_map(|x| x.to_le_bytes()).collect())
-        .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|(t, b)| {
-            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, t.1.clone(), b).unwrap();
-            (t.0.clone(), v)
-        })
-        .collect();
-    let meta: std::collections::HashMap<String, String> = [("engine", "test"), ("tp_size", "1"), ("dtype", "f32")]
-        .into_iter()
-        .map(|(k, v)| (k.into(), v.into()))
-        .collect();
     let p = dir.join("weights.safetensors");
-    std::fs::write(&p, safetensors::serialize(views, Some(meta)).unwrap()).unwrap();
+    crate::common::write_f32_safetensors(&p, &tensors, &[("engine", "test"), ("tp_size", "1"), ("dtype", "f32")]);
     p
 }
 

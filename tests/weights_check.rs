@@ -62,28 +62,8 @@ fn write(
     tensors: &[(String, Vec<usize>, Vec<f32>)],
     tp: usize,
 ) -> std::path::PathBuf {
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|t| t.2.iter().flat_map(|x| x.to_le_bytes()).collect())
-        .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|(t, b)| {
-            (
-                t.0.clone(),
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, t.1.clone(), b).unwrap(),
-            )
-        })
-        .collect();
-    let meta: HashMap<String, String> = [
-        ("engine".to_string(), "test".to_string()),
-        ("tp_size".to_string(), tp.to_string()),
-    ]
-    .into_iter()
-    .collect();
     let p = dir.join(name);
-    std::fs::write(&p, safetensors::serialize(views, Some(meta)).unwrap()).unwrap();
+    crate::common::write_f32_safetensors(&p, tensors, &[("engine", "test"), ("tp_size", &tp.to_string())]);
     p
 }
 

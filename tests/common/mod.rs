@@ -322,6 +322,30 @@ pub fn write_temp(bytes: &[u8], name: &str) -> (tempfile::TempDir, PathBuf) {
     (dir, p)
 }
 
+/// Writes `tensors` (name, shape, f32 values) as an F32 safetensors file at `path` with string
+/// metadata `meta`: an engine's WEIGHTS file as the hooks write one.
+pub fn write_f32_safetensors(
+    path: &std::path::Path,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+    meta: &[(&str, &str)],
+) {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|t| t.2.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|(t, b)| {
+            let v = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, t.1.clone(), b).expect("tensor view");
+            (t.0.clone(), v)
+        })
+        .collect();
+    let meta: std::collections::HashMap<String, String> =
+        meta.iter().map(|(k, v)| ((*k).to_string(), (*v).to_string())).collect();
+    std::fs::write(path, safetensors::serialize(views, Some(meta)).expect("serialize")).expect("write safetensors");
+}
+
 /// Runs the `mla-diff` binary; returns (exit code, stdout, stderr).
 pub fn run_bin(args: &[&str]) -> (i32, String, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_mla-diff"))

@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use mla_diff::compute::reference::{DsaInputs, reference_layer_with};
+use mla_diff::compute::reference::{RefInputs, reference_layer_with};
 use mla_diff::core::batch::{Batch, SeqSpec, normal_f32};
 use mla_diff::core::trace::{Site, Stage, Trace};
 use mla_diff::model::config::MlaConfig;
@@ -53,9 +53,9 @@ fn engine(quant: Option<&Value>) -> (Trace, Vec<f32>) {
         seqs: vec![SeqSpec { len: t, start_pos: 0 }],
     };
     let qk = quant.map(|q| serde_json::from_value::<IndexerQuant>(q.clone()).unwrap().qk());
-    let dsa = DsaInputs {
+    let dsa = RefInputs {
         quant: qk.as_ref(),
-        ..DsaInputs::default()
+        ..RefInputs::default()
     };
     let r = reference_layer_with(&cfg, &w, &hidden, &batch, 1, &dsa).unwrap();
     (r.trace, x)

@@ -241,22 +241,6 @@ fn edit_json(path: &Path, f: impl FnOnce(&mut serde_json::Value)) {
     std::fs::write(path, serde_json::to_vec(&v).unwrap()).unwrap();
 }
 
-/// Rewrites one shard's safetensors header through `f` (data kept, offsets unchanged).
-fn edit_header(path: &Path, f: impl FnOnce(&mut serde_json::Value)) {
-    let bytes = std::fs::read(path).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let mut h: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    f(&mut h);
-    let mut hj = serde_json::to_vec(&h).unwrap();
-    while !hj.len().is_multiple_of(8) {
-        hj.push(b' ');
-    }
-    let mut out = (hj.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(&hj);
-    out.extend_from_slice(&bytes[8 + n..]);
-    std::fs::write(path, out).unwrap();
-}
-
 /// Runs `run --model DIR` and returns (exit code, the stderr's error lines).
 fn refused(dir: &Path) -> (i32, Vec<String>) {
     let (code, _out, err) = run_bin(&["run", "--model", dir.to_str().unwrap(), "--backend", "cpu", "--quiet"]);
@@ -364,7 +348,7 @@ fn hostile_shard_cases() -> Vec<(&'static str, Edit, &'static [&'static str])> {
                     "model.layers.0.self_attn.kv_b_proj.weight_scale_inv",
                     "model.layers.0.self_attn.kv_b_proj.weight_scale_gone",
                 );
-                edit_header(&d.join(SHARD1), |h| {
+                crate::common::edit_safetensors_header(&d.join(SHARD1), |h| {
                     let m = h.as_object_mut().unwrap();
                     let v = m.remove(old).unwrap();
                     m.insert(new.into(), v);
@@ -384,7 +368,7 @@ fn hostile_shard_cases() -> Vec<(&'static str, Edit, &'static [&'static str])> {
         (
             "a block scale of the wrong grid",
             Box::new(move |d| {
-                edit_header(&d.join(SHARD1), |h| {
+                crate::common::edit_safetensors_header(&d.join(SHARD1), |h| {
                     h["model.layers.0.self_attn.kv_b_proj.weight_scale_inv"]["shape"] = serde_json::json!([4, 8]);
                 })
             }),
@@ -393,7 +377,7 @@ fn hostile_shard_cases() -> Vec<(&'static str, Edit, &'static [&'static str])> {
         (
             "an unsupported dtype",
             Box::new(move |d| {
-                edit_header(&d.join(SHARD1), |h| {
+                crate::common::edit_safetensors_header(&d.join(SHARD1), |h| {
                     h["model.layers.0.self_attn.kv_b_proj.weight"]["dtype"] = "U8".into();
                 })
             }),
@@ -402,7 +386,7 @@ fn hostile_shard_cases() -> Vec<(&'static str, Edit, &'static [&'static str])> {
         (
             "a shape that overruns its bytes",
             Box::new(move |d| {
-                edit_header(&d.join(SHARD1), |h| {
+                crate::common::edit_safetensors_header(&d.join(SHARD1), |h| {
                     h["model.layers.0.self_attn.o_proj.weight"]["shape"] = serde_json::json!([256, 4096]);
                 })
             }),

@@ -3,10 +3,9 @@
 //! scripts/fixtures/make_cpu_fp8_dumps.py). vLLM's `Fp8LinearMethod` loaded the fp8 weights and
 //! their `weight_scale_inv` grids; the fp8 GEMMs ran through the harness's recorded torch
 //! stand-ins (`mla_diff_hooks.fp8_cpu`), `w8a8-block` (activations quantized per token in groups
-//! of 128, as vLLM's GPU path does) or `weight-only`. The loaded weights and the weight-only
-//! activations must keep their verdicts; the w8a8-block dump is checked for what it records only,
-//! since mla-diff's f32 rows do not allow for fp8 activations (docs/engines.md, "Block-FP8
-//! checkpoints").
+//! of 128, as vLLM's GPU path does) or `weight-only`. The loaded weights and both activation
+//! dumps must keep their verdicts: the w8a8-block dump declares its activation quantization
+//! (`header.act_quant`) and the reference applies it (docs/engines.md, "Block-FP8 checkpoints").
 
 use std::path::{Path, PathBuf};
 
@@ -148,13 +147,19 @@ fn the_weight_only_dump_passes_every_site() {
     assert!(!names.contains(&"triton-cuda-check"), "{names:?}");
 }
 
-/// W8A8-block records its arithmetic and is read as a dump of this checkpoint; its verdict is
-/// not pinned here (the f32 rows do not allow for fp8 activations).
+/// W8A8-block declares its activation quantization (`header.act_quant`, written by the hook from
+/// the loaded `Fp8LinearMethod`), and with it every site of the prefill and both decode steps
+/// passes the f32 rows: the reference quantizes the same GEMM inputs (per token in groups of
+/// 128, f32 scales) and reproduces the stand-in's arithmetic to f32 rounding.
 #[test]
-fn the_w8a8_block_dump_records_its_arithmetic() {
+fn the_w8a8_block_dump_passes_with_its_declared_activation_quantization() {
     let path = file("hf-v3-fp8.w8a8-block.safetensors");
     let h = header(&path);
     assert_eq!(h["engine"]["quantization"]["compute"], "w8a8-block");
+    assert_eq!(
+        h["act_quant"],
+        serde_json::json!({"dtype": "fp8_e4m3", "granularity": "token-group", "group": 128, "input": "f32"})
+    );
     let linear = h["patches"]
         .as_array()
         .unwrap()
@@ -166,6 +171,105 @@ fn the_w8a8_block_dump_records_its_arithmetic() {
             && linear["reason"].as_str().unwrap().contains("per_token_group_quant_fp8"),
         "{linear}"
     );
-    let (code, out, err, _) = compare_json(&model(), &path, &[]);
-    assert_ne!(code, 2, "{out}\n{err}");
+    let (code, out, err, doc) = compare_json(&model(), &path, &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("all 62 sites within tolerance"), "{out}");
+    assert!(
+        crate::common::conversions(&doc)
+            .iter()
+            .any(|c| c.starts_with("act_quant: fp8_e4m3 GEMM inputs, per token in groups of 128 columns")),
+        "{doc}"
+    );
+    // Every GEMM output is judged at f32 precision: q_c within 1e-6 of the reference.
+    let q_c = doc["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["step"] == "prefill" && s["site"] == "L0.q_c")
+        .unwrap();
+    assert!(q_c["metrics"]["rel_l2"].as_f64().unwrap() < 1e-6, "{q_c}");
+}
+
+/// The declaration is what makes the difference: the same dump without `act_quant` diverges at
+/// the first GEMM output (rel_l2 about 2.4e-2, the fp8 rounding of `attn_in`), and one that
+/// declares a per-tensor scale instead diverges there too.
+#[test]
+fn without_or_with_another_activation_quantization_the_w8a8_dump_diverges_at_q_c() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, act) in [
+        ("none", serde_json::Value::Null),
+        (
+            "tensor",
+            serde_json::json!({"dtype": "fp8_e4m3", "granularity": "tensor", "input": "f32"}),
+        ),
+    ] {
+        let p = dir.path().join(format!("{name}.safetensors"));
+        std::fs::copy(file("hf-v3-fp8.w8a8-block.safetensors"), &p).unwrap();
+        crate::common::edit_safetensors_header(&p, |h| {
+            let meta = h["__metadata__"]["header"].as_str().unwrap();
+            let mut hd: serde_json::Value = serde_json::from_str(meta).unwrap();
+            hd["act_quant"] = act.clone();
+            h["__metadata__"]["header"] = serde_json::Value::String(hd.to_string());
+        });
+        // The identity hashes cover the model, not the dump's header: still this model's dump.
+        let (code, out, err, doc) = compare_json(&model(), &p, &[]);
+        assert_eq!(code, 1, "{name}: {out}\n{err}");
+        assert!(out.contains("first divergence at L0.q_c"), "{name}: {out}");
+        let q_c = doc["sites"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["step"] == "prefill" && s["site"] == "L0.q_c")
+            .unwrap();
+        assert!(q_c["metrics"]["rel_l2"].as_f64().unwrap() > 1e-3, "{name}: {q_c}");
+    }
+}
+
+/// A hostile `act_quant` is refused before any work: exit 2, one line naming the file and field.
+#[test]
+fn a_hostile_act_quant_is_refused_naming_its_field() {
+    use serde_json::json;
+    let dir = tempfile::tempdir().unwrap();
+    let base = json!({"dtype": "fp8_e4m3", "granularity": "token-group", "group": 128, "input": "f32"});
+    let with = |key: &str, v: serde_json::Value| {
+        let mut q = base.clone();
+        q[key] = v;
+        q
+    };
+    let mut missing = base.clone();
+    missing.as_object_mut().unwrap().remove("group");
+    let cases = [
+        (json!("fp8"), "act_quant"),
+        (with("dtype", json!("fp8_e5m2")), "act_quant.dtype"),
+        (with("granularity", json!("channel")), "act_quant.granularity"),
+        (with("group", json!(0)), "act_quant.group"),
+        (with("group", json!(1u64 << 40)), "act_quant.group"),
+        (with("group", json!(-128)), "act_quant.group"),
+        (with("input", json!("fp8")), "act_quant.input"),
+        (with("amax_floor", json!(-1.0)), "act_quant.amax_floor"),
+        (with("scale", json!("f32")), "act_quant.scale"),
+        (missing, "act_quant.group"),
+        (
+            json!({"dtype": "fp8_e4m3", "granularity": "tensor", "group": 128}),
+            "act_quant.group",
+        ),
+    ];
+    for (i, (q, field)) in cases.into_iter().enumerate() {
+        let p = dir.path().join(format!("hostile{i}.safetensors"));
+        std::fs::copy(file("hf-v3-fp8.w8a8-block.safetensors"), &p).unwrap();
+        crate::common::edit_safetensors_header(&p, |h| {
+            let mut hd: serde_json::Value =
+                serde_json::from_str(h["__metadata__"]["header"].as_str().unwrap()).unwrap();
+            hd["act_quant"] = q.clone();
+            h["__metadata__"]["header"] = serde_json::Value::String(hd.to_string());
+        });
+        let (code, out, err, _) = compare_json(&model(), &p, &[]);
+        assert_eq!(code, 2, "{q}: {out}\n{err}");
+        let line = err.lines().find(|l| l.contains("error")).unwrap_or(&err);
+        assert!(
+            line.contains(&format!("__metadata__.header.{field}")) && line.contains(p.to_str().unwrap()),
+            "{q}: wants {field}: {err}"
+        );
+        assert!(!err.contains("panick"), "{q}: {err}");
+    }
 }

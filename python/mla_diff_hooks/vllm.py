@@ -711,6 +711,26 @@ def quantization_info(root) -> dict | None:
     return info
 
 
+def act_quant_field(quant: dict | None, dtype: str) -> dict | None:
+    """The format-2 header's `act_quant` for the quantized linears `quantization_info` describes
+    (`quant`), in a dump of activation dtype `dtype`: a block-FP8 `Fp8LinearMethod` whose kernel
+    quantizes its activations (every block kernel vLLM 0.26 picks on a GPU runs
+    `per_token_group_quant_fp8` in groups of the weight's block width first; the CPU stand-in's
+    `w8a8-block` does the same) reads its inputs per token in groups of `weight_block_size[1]`
+    with f32 scales, from `dtype` values. None for unquantized layers, per-tensor or channel
+    scales (not described), and a weight-only kernel (`compute` "weight-only", Marlin)."""
+    if not quant or quant.get("linear_method") != "Fp8LinearMethod":
+        return None
+    block = quant.get("weight_block_size")
+    kernel = str(quant.get("linear_kernel", ""))
+    if not block or len(block) != 2 or quant.get("compute") == "weight-only" or "Marlin" in kernel:
+        return None
+    field: dict[str, Any] = {"dtype": "fp8_e4m3", "granularity": "token-group", "group": int(block[1])}
+    if dtype in ("bf16", "f16", "f32"):
+        field["input"] = dtype
+    return field
+
+
 def patch_entry(patch) -> dict[str, Any]:
     """A header `patches` entry from (name, reason), (name, reason, params) or such a dict:
     `{"name", "reason"}`, plus `"params"` when given (a planted bug's parameters)."""
@@ -2019,6 +2039,9 @@ class VllmCapture:
         }
         if self.indexer_quant is not None:
             header["indexer_quant"] = dict(self.indexer_quant)
+        act_quant = act_quant_field(eng.get("quantization"), header["dtype"])
+        if act_quant is not None:
+            header["act_quant"] = act_quant
         if self.tp_size > 1:
             header["heads"] = list(self.head_range())
             header["tp"] = {"size": self.tp_size, "rank": self.tp_rank}

@@ -237,6 +237,33 @@ def test_quantization_info_names_the_method_kernel_block_and_moe_backend():
     assert dump_vllm.quantization_info(root) is None
 
 
+def test_act_quant_declares_token_groups_of_the_block_width_unless_weight_only():
+    cutlass = {
+        "linear_method": "Fp8LinearMethod",
+        "linear_kernel": "CutlassFp8BlockScaledMMKernel",
+        "weight_block_size": [128, 128],
+    }
+    assert dump_vllm.act_quant_field(cutlass, "bf16") == {
+        "dtype": "fp8_e4m3",
+        "granularity": "token-group",
+        "group": 128,
+        "input": "bf16",
+    }
+    # the group is the block's width along the input dim (weight_block_size [bn, bk])
+    assert dump_vllm.act_quant_field({**cutlass, "weight_block_size": [64, 32]}, "f32")["group"] == 32
+    # the CPU stand-in in its w8a8-block mode quantizes as the GPU kernels do
+    assert dump_vllm.act_quant_field({**cutlass, "compute": "w8a8-block"}, "f32")["input"] == "f32"
+    # weight-only arithmetic, a Marlin kernel, no block size, no fp8 method: nothing declared
+    assert dump_vllm.act_quant_field({**cutlass, "compute": "weight-only"}, "f32") is None
+    marlin = {**cutlass, "linear_kernel": "MarlinFp8ScaledMMLinearKernel"}
+    assert dump_vllm.act_quant_field(marlin, "bf16") is None
+    assert dump_vllm.act_quant_field({"linear_method": "Fp8LinearMethod"}, "bf16") is None
+    assert dump_vllm.act_quant_field({"linear_method": "GGUFLinearMethod"}, "bf16") is None
+    assert dump_vllm.act_quant_field(None, "bf16") is None
+    # a mixed-dtype dump names no input dtype
+    assert "input" not in dump_vllm.act_quant_field(cutlass, "bf16,f32")
+
+
 # ---- model identity -----------------------------------------------------------------------
 
 

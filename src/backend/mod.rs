@@ -14,7 +14,7 @@ pub mod prefill_cfg;
 
 use crate::backend::cuda::compare::DeviceSite;
 use crate::compute::path::{LayerInput, PathKind, PathOptions, PathRun};
-use crate::compute::reference::{DsaInputs, RefOutput, reference_layer_full_with, reference_layer_with};
+use crate::compute::reference::{RefInputs, RefOutput, reference_layer_full_with, reference_layer_with};
 use crate::core::batch::Batch;
 use crate::core::dtype::Dtype;
 use crate::core::error::Result;
@@ -104,7 +104,7 @@ impl Backend {
     /// ([`cuda::reference::supported`]), else on the CPU. `full` runs an MoE layer's FFN too
     /// (token input), with `file` for its experts; `dsa` is what a DSA layer takes from outside
     /// (a GLM shared-indexer layer's borrowed selection, keys to attend to, the indexer's
-    /// quantization: [`DsaInputs`]; DSA layers always run on the CPU).
+    /// quantization: [`RefInputs`]; DSA layers always run on the CPU).
     ///
     /// With `keep_on_device`, the GPU reference leaves its activation sites on the device
     /// (returned second, for [`crate::judge::device`]) and the trace holds the rest; the CPU
@@ -123,12 +123,15 @@ impl Backend {
         hidden: &ndarray::Array2<f64>,
         batch: &Batch,
         tp: usize,
-        dsa: &DsaInputs<'_>,
+        dsa: &RefInputs<'_>,
         full: bool,
         keep_on_device: bool,
     ) -> Result<(RefOutput, Vec<DeviceSite<f64>>)> {
         match self {
-            Backend::Cuda(o) if o.gpu_reference() && cuda::reference::supported(cfg, w.layer, full) => {
+            // The GPU reference computes unquantized projections: fp8 GEMMs run on the host.
+            Backend::Cuda(o)
+                if o.gpu_reference() && dsa.fp8.is_none() && cuda::reference::supported(cfg, w.layer, full) =>
+            {
                 if keep_on_device {
                     cuda::reference::reference_layer_split(o.device(), cfg, w, hidden, batch, tp)
                 } else {

@@ -25,7 +25,7 @@ use rayon::prelude::*;
 use crate::compute::indexer::{self, AttendKeys, Selection};
 use crate::core::batch::Batch;
 use crate::core::error::{Error, Result};
-use crate::core::fp8::QkQuant;
+use crate::core::fp8::{ActQuant, QkQuant};
 use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
@@ -52,7 +52,7 @@ pub struct RefLayer {
 /// What a DSA layer's reference takes besides its input (all optional; the default is a layer
 /// on its own, unquantized, attending to its own selection).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct DsaInputs<'a> {
+pub struct RefInputs<'a> {
     /// The selection a GLM "shared" layer borrows (the nearest earlier full layer's); see
     /// [`forward_sel`].
     pub shared: Option<&'a Selection>,
@@ -64,14 +64,60 @@ pub struct DsaInputs<'a> {
     /// ([`indexer::quantize_qk`]); `idx_scores` and the selection are then those of the
     /// quantized operands.
     pub quant: Option<&'a QkQuant>,
+    /// The engine's fp8 GEMMs: the activation quantization applied at the input of every
+    /// projection ([`Fp8Compute`]); `None`: projections read their inputs as they are.
+    pub fp8: Option<&'a Fp8Compute<'a>>,
 }
 
-impl<'a> DsaInputs<'a> {
+/// An engine's fp8 compute, as the reference applies it: every projection of the layer
+/// (`fused_qkv_a` or `q_proj` and `kv_a`, `q_b`, `kv_b` where attention runs expanded, `o_proj`,
+/// the MLP's `gate_up` and `down`) reads its input quantized by [`ActQuant`]; the weights are the
+/// dequantized ones on both sides (vLLM's block GEMM applies `weight_scale_inv` per block, the
+/// same products in another order of f32 rounding).
+///
+/// vLLM's decode does not run `kv_b_proj` as an fp8 GEMM: `process_weights_after_loading`
+/// dequantizes it into `W_UK_T` and `W_UV`, and the absorbed products read the latent
+/// unquantized. A token whose attention ran absorbed (a decode query, `forward_mqa`) therefore
+/// scores keys whose `k_nope` and `v` come from the unquantized latent, while a prefill token
+/// (`forward_mha`, the chunked context too) scores keys expanded from the quantized latent.
+#[derive(Debug, Clone, Copy)]
+pub struct Fp8Compute<'a> {
+    /// The activation quantization.
+    pub act: ActQuant,
+    /// Ranks of the row-parallel projections (`o_proj`, the MLP's `down`): each rank quantizes
+    /// its own slice of the input columns. 1 without TP.
+    pub tp: usize,
+    /// Per token of the batch (packed order): whether its attention ran absorbed. `None`:
+    /// every token's ran expanded.
+    pub absorbed: Option<&'a [bool]>,
+}
+
+/// `x` [T, K] as a projection reads it: quantized as `fp8` says, its K columns in `parts` rank
+/// slices quantized on their own (see [`ActQuant::quantize`]); `x` itself without fp8 compute.
+pub(crate) fn gemm_input<'x>(
+    x: &'x Array2<f64>,
+    act: Option<&ActQuant>,
+    parts: usize,
+) -> std::borrow::Cow<'x, Array2<f64>> {
+    match act {
+        None => std::borrow::Cow::Borrowed(x),
+        Some(a) => {
+            let k = x.ncols();
+            let mut q = x.as_standard_layout().into_owned();
+            if let Some(v) = q.as_slice_mut() {
+                a.quantize(v, k, parts);
+            }
+            std::borrow::Cow::Owned(q)
+        }
+    }
+}
+
+impl<'a> RefInputs<'a> {
     /// Only a shared layer's borrowed selection.
     pub fn shared(shared: Option<&'a Selection>) -> Self {
-        DsaInputs {
+        RefInputs {
             shared,
-            ..DsaInputs::default()
+            ..RefInputs::default()
         }
     }
 }
@@ -285,7 +331,7 @@ fn record_moved<D: ndarray::Dimension>(trace: &mut Trace, layer: usize, stage: S
 /// Errors: [`Error::Internal`] when `hidden_in` has the wrong shape for `cfg`/`batch` (callers
 /// build it, or check a dump's, to that shape).
 pub fn forward(cfg: &MlaConfig, w: &LayerWeights, hidden_in: &Array2<f64>, batch: &Batch) -> Result<RefLayer> {
-    forward_sel(cfg, w, hidden_in, batch, &DsaInputs::default())
+    forward_sel(cfg, w, hidden_in, batch, &RefInputs::default())
 }
 
 /// [`forward`] for a DSA model, where a GLM "shared" layer takes `dsa.shared` (the selection of
@@ -308,7 +354,7 @@ pub fn forward_sel(
     w: &LayerWeights,
     hidden_in: &Array2<f64>,
     batch: &Batch,
-    dsa: &DsaInputs<'_>,
+    dsa: &RefInputs<'_>,
 ) -> Result<RefLayer> {
     let t = batch.n_tokens();
     let [n, l, p, r, v] = cfg.dims().nlprv();
@@ -321,12 +367,15 @@ pub fn forward_sel(
     }
     let layer = w.layer;
     let eps = cfg.rms_eps;
+    let act = dsa.fp8.map(|f| &f.act);
     let mut tr = Trace::new();
     record_copy(&mut tr, layer, Stage::HiddenIn, hidden_in);
 
     // Step 1: attn_norm.
     let x = rms_norm(hidden_in.view(), w.attn_norm.view(), eps);
     record_copy(&mut tr, layer, Stage::AttnIn, &x);
+    // The fused q_a/kv_a projection (or q_proj and kv_a) reads attn_in once, quantized once.
+    let xq = gemm_input(&x, act, 1);
 
     // Step 2: q path.
     let mut q_c_normed_keep: Option<Array2<f64>> = None;
@@ -337,15 +386,15 @@ pub fn forward_sel(
             let fused = ndarray::concatenate(Axis(0), &[q_a.view(), kv_a_w.view()])
                 .map_err(|e| Error::Internal(e.to_string()))?;
             record_weight(&mut tr, layer, Stage::WFusedQkvA, &fused);
-            let q_c = linear(&x, &q_a);
+            let q_c = linear(&xq, &q_a);
             record_copy(&mut tr, layer, Stage::QC, &q_c);
             let q_c_normed = rms_norm(q_c.view(), q_a_norm.view(), eps);
             record_copy(&mut tr, layer, Stage::QCNormed, &q_c_normed);
-            let q = linear32(&q_c_normed, q_b);
+            let q = linear32(&gemm_input(&q_c_normed, act, 1), q_b);
             q_c_normed_keep = Some(q_c_normed);
             q
         }
-        QWeights::Direct { q } => linear32(&x, q),
+        QWeights::Direct { q } => linear32(&xq, q),
     };
     let q = q_flat
         .into_shape_with_order((t, n, p + r))
@@ -353,7 +402,8 @@ pub fn forward_sel(
     record_copy(&mut tr, layer, Stage::Q, &q);
 
     // Step 3: kv path. kv_c is a view of kv_a; the norm applies to kv_c only.
-    let kv_a = linear32(&x, &w.kv_a_mqa);
+    let kv_a = linear32(&xq, &w.kv_a_mqa);
+    drop(xq);
     record_copy(&mut tr, layer, Stage::KvA, &kv_a);
     let kv_c_normed = rms_norm(kv_a.slice(s![.., ..l]), w.kv_a_norm.view(), eps);
     record_copy(&mut tr, layer, Stage::KvCNormed, &kv_c_normed);
@@ -405,7 +455,7 @@ pub fn forward_sel(
     // Step 5: expanded K/V through kv_b (per-head interleaved rows).
     let kv_b = assemble_kv_b(cfg, &w.kv_b);
     record_weight(&mut tr, layer, Stage::WKvB, &kv_b);
-    let kv = linear(&kv_c_normed, &kv_b)
+    let kv = linear(&gemm_input(&kv_c_normed, act, 1), &kv_b)
         .into_shape_with_order((t, n, p + v))
         .map_err(|e| Error::Internal(e.to_string()))?;
     let k_nope = kv.slice(s![.., .., ..p]).to_owned();
@@ -439,10 +489,35 @@ pub fn forward_sel(
         (Some(sel), Some(keys)) => Some(keys.over(batch, sel)),
         _ => None,
     };
-    let (attn_out, attn_latent, lse) = match attended.as_ref().or(selection.as_ref()) {
-        None => attention_causal(cfg, batch, &inputs),
-        Some(sel) => attention_selected(cfg, batch, sel, &inputs),
+    let attend = |inputs: &AttnInputs<'_>| match attended.as_ref().or(selection.as_ref()) {
+        None => attention_causal(cfg, batch, inputs),
+        Some(sel) => attention_selected(cfg, batch, sel, inputs),
     };
+    let (mut attn_out, mut attn_latent, mut lse) = attend(&inputs);
+    // Absorbed (decode) tokens of an fp8 engine score keys expanded from the unquantized latent.
+    if let (Some(_), Some(absorbed)) = (act, dsa.fp8.and_then(|f| f.absorbed))
+        && absorbed.iter().any(|&a| a)
+    {
+        let kv_u = linear(&kv_c_normed, &kv_b)
+            .into_shape_with_order((t, n, p + v))
+            .map_err(|e| Error::Internal(e.to_string()))?;
+        let (k_u, v_u) = (
+            kv_u.slice(s![.., .., ..p]).to_owned(),
+            kv_u.slice(s![.., .., p..]).to_owned(),
+        );
+        let (o_u, lat_u, lse_u) = attend(&AttnInputs {
+            k_nope: &k_u,
+            v: &v_u,
+            ..inputs
+        });
+        for (ti, _) in absorbed.iter().enumerate().filter(|(ti, a)| **a && *ti < t) {
+            attn_out.slice_mut(s![ti, .., ..]).assign(&o_u.slice(s![ti, .., ..]));
+            attn_latent
+                .slice_mut(s![ti, .., ..])
+                .assign(&lat_u.slice(s![ti, .., ..]));
+            lse.slice_mut(s![ti, ..]).assign(&lse_u.slice(s![ti, ..]));
+        }
+    }
     record_moved(&mut tr, layer, Stage::AttnLatent, attn_latent);
     record_copy(&mut tr, layer, Stage::Lse, &lse);
     record_copy(&mut tr, layer, Stage::AttnOut, &attn_out);
@@ -451,14 +526,15 @@ pub fn forward_sel(
     let attn_flat = attn_out
         .into_shape_with_order((t, n * v))
         .map_err(|e| Error::Internal(e.to_string()))?;
-    let o = linear32(&attn_flat, &w.o_proj);
+    let tp = dsa.fp8.map_or(1, |f| f.tp);
+    let o = linear32(&gemm_input(&attn_flat, act, tp), &w.o_proj);
     record_copy(&mut tr, layer, Stage::OProj, &o);
 
     // Residual and dense SwiGLU FFN (each branch times the residual scale: MiniCPM3).
     let rs = cfg.residual_scale;
     let hidden_out = w.ffn.as_ref().map(|f| {
         let h1 = hidden_in + &(&o * rs);
-        let ffn_out = ffn::dense_ffn(&mut tr, layer, f, &h1, eps);
+        let ffn_out = ffn::dense_ffn(&mut tr, layer, f, &h1, eps, act, tp);
         h1 + ffn_out * rs
     });
     if let Some(ho) = &hidden_out {
@@ -775,7 +851,14 @@ pub fn rank_weight_sites(cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> Trace 
 ///
 /// Returns an empty trace for `tp < 2`. Errors: [`Error::Internal`] for `attn_out` not `T·N·V`
 /// long, or `tp` not dividing N (the run checks `--tp` first).
-pub fn rank_partial_sites(cfg: &MlaConfig, w: &LayerWeights, attn_out: &[f64], t: usize, tp: usize) -> Result<Trace> {
+pub fn rank_partial_sites(
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    attn_out: &[f64],
+    t: usize,
+    tp: usize,
+    act: Option<&ActQuant>,
+) -> Result<Trace> {
     let mut tr = Trace::new();
     if tp < 2 {
         return Ok(tr);
@@ -793,18 +876,25 @@ pub fn rank_partial_sites(cfg: &MlaConfig, w: &LayerWeights, attn_out: &[f64], t
         let cols = rank * nh * v..(rank + 1) * nh * v;
         let xs = x.slice(s![.., cols.clone()]).to_owned();
         let os = w.o_proj.slice(s![.., cols]).to_owned();
-        record_copy(&mut tr, w.layer, Stage::OProjRank(rank as u32), &linear32(&xs, &os));
+        let part = linear32(&gemm_input(&xs, act, 1), &os);
+        record_copy(&mut tr, w.layer, Stage::OProjRank(rank as u32), &part);
     }
     Ok(tr)
 }
 
 /// [`rank_partial_sites`] from the `attn_out` site of the reference trace `trace`; an empty
 /// trace when it lacks that site.
-pub fn rank_partial_sites_of(cfg: &MlaConfig, w: &LayerWeights, trace: &Trace, tp: usize) -> Result<Trace> {
+pub fn rank_partial_sites_of(
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    trace: &Trace,
+    tp: usize,
+    act: Option<&ActQuant>,
+) -> Result<Trace> {
     match trace.get(&Site::new(w.layer, Stage::AttnOut)) {
         Some(a) if tp >= 2 => {
             let t = a.shape.first().copied().unwrap_or(0);
-            rank_partial_sites(cfg, w, &a.to_f64(), t, tp)
+            rank_partial_sites(cfg, w, &a.to_f64(), t, tp, act)
         }
         _ => Ok(Trace::new()),
     }
@@ -833,10 +923,10 @@ pub fn reference_layer(
     tp: usize,
     shared: Option<&Selection>,
 ) -> Result<RefOutput> {
-    reference_layer_with(cfg, w, hidden, batch, tp, &DsaInputs::shared(shared))
+    reference_layer_with(cfg, w, hidden, batch, tp, &RefInputs::shared(shared))
 }
 
-/// [`reference_layer`] with everything a DSA layer may take from outside ([`DsaInputs`]).
+/// [`reference_layer`] with everything a DSA layer may take from outside ([`RefInputs`]).
 ///
 /// Errors: as [`reference_layer`].
 pub fn reference_layer_with(
@@ -845,18 +935,24 @@ pub fn reference_layer_with(
     hidden: &Array2<f64>,
     batch: &Batch,
     tp: usize,
-    dsa: &DsaInputs<'_>,
+    dsa: &RefInputs<'_>,
 ) -> Result<RefOutput> {
     let r = forward_sel(cfg, w, hidden, batch, dsa)?;
-    with_rank_sites(r, cfg, w, tp)
+    with_rank_sites(r, cfg, w, tp, dsa.fp8.map(|f| &f.act))
 }
 
 /// A reference layer's output plus the per-rank weight sites, `o_proj` partials and (a dense
 /// layer's) MLP sites for `tp`.
-fn with_rank_sites(r: RefLayer, cfg: &MlaConfig, w: &LayerWeights, tp: usize) -> Result<RefOutput> {
+fn with_rank_sites(
+    r: RefLayer,
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    tp: usize,
+    act: Option<&ActQuant>,
+) -> Result<RefOutput> {
     let mut trace = r.trace;
-    let partials = rank_partial_sites_of(cfg, w, &trace, tp)?;
-    let ffn_ranks = ffn_rank_sites_of(w, &trace, tp)?;
+    let partials = rank_partial_sites_of(cfg, w, &trace, tp, act)?;
+    let ffn_ranks = ffn_rank_sites_of(w, &trace, tp, act)?;
     trace.extend(rank_weight_sites(cfg, w, tp));
     trace.extend(partials);
     trace.extend(ffn_ranks);
@@ -881,10 +977,10 @@ pub fn reference_layer_full(
     tp: usize,
     shared: Option<&Selection>,
 ) -> Result<RefOutput> {
-    reference_layer_full_with(file, cfg, w, hidden, batch, tp, &DsaInputs::shared(shared))
+    reference_layer_full_with(file, cfg, w, hidden, batch, tp, &RefInputs::shared(shared))
 }
 
-/// [`reference_layer_full`] with everything a DSA layer may take from outside ([`DsaInputs`]).
+/// [`reference_layer_full`] with everything a DSA layer may take from outside ([`RefInputs`]).
 ///
 /// Errors: as [`reference_layer_full`].
 pub fn reference_layer_full_with(
@@ -894,10 +990,10 @@ pub fn reference_layer_full_with(
     hidden: &Array2<f64>,
     batch: &Batch,
     tp: usize,
-    dsa: &DsaInputs<'_>,
+    dsa: &RefInputs<'_>,
 ) -> Result<RefOutput> {
     let r = ffn::forward_full_tp(file, cfg, w, hidden, batch, dsa, tp)?;
-    with_rank_sites(r, cfg, w, tp)
+    with_rank_sites(r, cfg, w, tp, dsa.fp8.map(|f| &f.act))
 }
 
 #[cfg(test)]

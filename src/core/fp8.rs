@@ -132,6 +132,147 @@ impl BlockQuant {
     }
 }
 
+/// Which values share one scale when an engine quantizes a GEMM's activation input to E4M3.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActGranularity {
+    /// One scale per token (row) and run of this many columns, from the row's start: vLLM's
+    /// `per_token_group_quant_fp8` before a block-scaled GEMM (128 for DeepSeek-V3's
+    /// `weight_block_size` [128, 128]). At least 1.
+    TokenGroup(usize),
+    /// One dynamic scale over the whole input `[T, K]`: vLLM's `scaled_fp8_quant` without a
+    /// scale, SGLang's per-tensor fp8 path. Rows outside the batch must not enter its amax.
+    Tensor,
+}
+
+/// How an engine quantizes the activation input of an fp8 GEMM: `x̂ = s·e4m3(x/s)` with
+/// `s = max(amax, amax_floor)/448` in f32 over each [`ActGranularity`] group, `x/s` an f32
+/// division (vLLM 0.26's sm_90 `per_token_group_fp8_quant` and `dynamic_scaled_fp8_quant`), the
+/// weight's own block scales applied in the GEMM. The reference and mla-diff's fp8 paths apply
+/// this at the input of every projection whose weight the engine multiplies in fp8.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ActQuant {
+    /// Which values share a scale.
+    pub granularity: ActGranularity,
+    /// The floor under a group's largest magnitude (vLLM's `eps`, 1e-10).
+    pub amax_floor: f64,
+    /// The dtype the quantizer reads (the reference rounds to it first); `None`: the values as
+    /// they are.
+    pub input: Option<InputDtype>,
+}
+
+impl ActQuant {
+    /// vLLM's block-fp8 activation quantization: per token in groups of 128 columns, f32 scales,
+    /// amax floor 1e-10, reading `input`.
+    pub const fn token_group(group: usize, input: Option<InputDtype>) -> ActQuant {
+        ActQuant {
+            granularity: ActGranularity::TokenGroup(group),
+            amax_floor: 1e-10,
+            input,
+        }
+    }
+
+    /// One dynamic per-tensor scale, amax floor 1e-10, reading `input`.
+    pub const fn tensor(input: Option<InputDtype>) -> ActQuant {
+        ActQuant {
+            granularity: ActGranularity::Tensor,
+            amax_floor: 1e-10,
+            input,
+        }
+    }
+
+    /// The [`BlockQuant`] of one group of `len` values.
+    fn block(&self, len: usize) -> BlockQuant {
+        BlockQuant {
+            block: len.max(1),
+            scale: ScaleFormat::F32,
+            amax_floor: self.amax_floor,
+            input: self.input,
+        }
+    }
+
+    /// Quantizes the row-major input `x` [T, K] (`k` = K columns, ≥ 1) in place to what the
+    /// GEMM reads back, with its columns cut into `parts` equal slices quantized on their own
+    /// (a row-parallel projection under TP: each rank quantizes its own slice of the input;
+    /// `parts` 1 otherwise). Returns the scales, row after row and slice after slice.
+    ///
+    /// A `parts` that does not divide `k` (or 0) is taken as 1.
+    pub fn quantize(&self, x: &mut [f64], k: usize, parts: usize) -> Vec<f64> {
+        let k = k.max(1);
+        let parts = if parts >= 1 && k.is_multiple_of(parts) {
+            parts
+        } else {
+            1
+        };
+        let width = k / parts;
+        match self.granularity {
+            ActGranularity::TokenGroup(g) => {
+                let q = self.block(g);
+                x.chunks_mut(width).flat_map(|slice| q.quantize(slice)).collect()
+            }
+            ActGranularity::Tensor => (0..parts)
+                .map(|p| self.quantize_columns(x, k, p * width..(p + 1) * width, None))
+                .collect(),
+        }
+    }
+
+    /// [`ActGranularity::Tensor`] over columns `cols` of every row of `x` [T, K] with one scale,
+    /// taken over those values and, when `extra_amax` is given, that magnitude too (rows the
+    /// engine's buffer holds beyond the batch, which a correct engine leaves out). Returns the
+    /// scale. Values are first rounded to [`ActQuant::input`].
+    pub fn quantize_columns(
+        &self,
+        x: &mut [f64],
+        k: usize,
+        cols: std::ops::Range<usize>,
+        extra_amax: Option<f64>,
+    ) -> f64 {
+        let k = k.max(1);
+        let mut amax = extra_amax.unwrap_or(0f64);
+        for row in x.chunks_mut(k) {
+            for v in &mut row[cols.clone()] {
+                if let Some(d) = self.input {
+                    *v = d.round(*v);
+                }
+                amax = amax.max(v.abs());
+            }
+        }
+        let q = self.block(1);
+        let s = q.scale_of(amax);
+        for row in x.chunks_mut(k) {
+            for v in &mut row[cols.clone()] {
+                *v = round_e4m3(f64::from(*v as f32 / s as f32)) * s;
+            }
+        }
+        s
+    }
+
+    /// [`ActQuant::quantize`] of f32 values (an engine path's buffer), through f64: each value
+    /// comes back as `f32(s·e4m3(x/s))`, the operand an f32 GEMM reads.
+    pub fn quantize_f32(&self, x: &mut [f32], k: usize, parts: usize) -> Vec<f64> {
+        let mut w: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
+        let scales = self.quantize(&mut w, k, parts);
+        x.iter_mut().zip(&w).for_each(|(d, &v)| *d = v as f32);
+        scales
+    }
+
+    /// One line for reports: what is quantized and how.
+    pub fn describe(&self) -> String {
+        let gran = match self.granularity {
+            ActGranularity::TokenGroup(g) => format!("per token in groups of {g} columns"),
+            ActGranularity::Tensor => "one dynamic scale per tensor".to_string(),
+        };
+        let input = match self.input {
+            Some(InputDtype::Bf16) => ", read from bf16",
+            Some(InputDtype::F16) => ", read from f16",
+            Some(InputDtype::F32) | None => "",
+        };
+        format!(
+            "fp8_e4m3 GEMM inputs, {gran} (f32 scales max(amax, {:e})/448{input})",
+            self.amax_floor
+        )
+    }
+}
+
 /// The fp8 quantization of the two operands of a scoring product `q·k` (a DSA indexer's query
 /// and key; an fp8 KV cache's query and key), each with its own blocks and scale floor.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -307,6 +448,45 @@ mod tests {
         assert_eq!(z, vec![0.0, -0.0]);
         assert_eq!(InputDtype::F16.round(1.0 + 2f64.powi(-12)), 1.0);
         assert_eq!(InputDtype::F32.round(0.1), f64::from(0.1f32));
+    }
+
+    #[test]
+    fn activation_groups_are_per_row_and_per_rank_slice() {
+        // Two rows of 6 columns, groups of 4: each row has its own groups [0..4), [4..6).
+        let q = ActQuant::token_group(4, None);
+        let row = [3.0, -1.3, 0.02, 0.0, 0.5, 0.25];
+        let mut x: Vec<f64> = row
+            .iter()
+            .chain(row.iter().map(|v| v * 2.0).collect::<Vec<_>>().iter())
+            .copied()
+            .collect();
+        let scales = q.quantize(&mut x, 6, 1);
+        let s = |a: f64| f64::from(a as f32 / 448f32);
+        assert_eq!(scales, vec![s(3.0), s(0.5), s(6.0), s(1.0)]);
+        // The group maximum maps to 448 exactly; 0.25/s(0.5) = 224, an E4M3 value.
+        assert_eq!(x[0], 448.0 * s(3.0));
+        assert_eq!(x[4], 448.0 * s(0.5));
+        assert_eq!(x[5], 224.0 * s(0.5));
+        // -1.3/s(3.0) = -194.13...: the E4M3 step in [128, 256) is 16, so -192.
+        assert_eq!(x[1], -192.0 * s(3.0));
+        // Two rank slices of 3 columns with groups of 4: each slice is one group of 3.
+        let mut y = row.to_vec();
+        assert_eq!(q.quantize(&mut y, 6, 2), vec![s(3.0), s(0.5)]);
+        // Per tensor: one scale from the largest magnitude of both rows.
+        let mut z: Vec<f64> = row.iter().chain(row.iter()).copied().collect();
+        assert_eq!(ActQuant::tensor(None).quantize(&mut z, 6, 1), vec![s(3.0)]);
+        assert_eq!(z[4], round_e4m3(f64::from(0.5f32 / s(3.0) as f32)) * s(3.0));
+        // Rows beyond the batch with a larger magnitude coarsen every value: 0.02 flushes to the
+        // smallest subnormal's neighbourhood.
+        let mut p = row.to_vec();
+        let big = ActQuant::tensor(None).quantize_columns(&mut p, 6, 0..6, Some(3000.0));
+        assert_eq!(big, s(3000.0));
+        assert_eq!(p[2], round_e4m3(f64::from(0.02f32 / s(3000.0) as f32)) * s(3000.0));
+        assert!((p[2] - 0.02).abs() > 0.1 * 0.02, "0.02 kept {}", p[2]);
+        // f32 buffers round-trip through the same arithmetic.
+        let mut f: Vec<f32> = row.iter().map(|&v| v as f32).collect();
+        q.quantize_f32(&mut f, 6, 1);
+        assert_eq!(f[1], (-192.0 * s(3.0)) as f32);
     }
 
     #[test]

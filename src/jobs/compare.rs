@@ -12,12 +12,13 @@ use crate::backend::cuda::compare::{DeviceSite, SplitTrace};
 use crate::compute::indexer::{AttendKeys, Selection};
 use crate::compute::paged::{CacheWrite, PagedQuery, PagedSeq, PagedStep};
 use crate::compute::path::PathOptions;
+use crate::compute::reference::Fp8Compute;
 use crate::compute::reference::context::{ContextSeq, context_partials};
-use crate::compute::reference::{DsaInputs, RefOutput};
+use crate::compute::reference::{RefInputs, RefOutput};
 use crate::core::batch::{Batch, SeqSpec};
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
-use crate::core::fp8::QkQuant;
+use crate::core::fp8::{ActQuant, QkQuant};
 use crate::core::timing;
 use crate::core::trace::{Site, Stage, TensorData, Trace, TraceTensor};
 use crate::device::context::Device;
@@ -265,16 +266,21 @@ fn token_derived_input(
 ) -> Result<Array2<f64>> {
     let mut h = embed_hidden(file, cfg, tokens)?;
     for k in 0..layer {
-        h = next_layer_input(file, cfg, &h, batch, k, prev_sel, quant)?;
+        h = next_layer_input(file, cfg, &h, batch, k, prev_sel, quant, None)?;
     }
     Ok(h)
 }
 
 /// The input of layer `k + 1` [T, H] f64: the reference forward of layer `k` whole (its MoE FFN
 /// included) on its input `h` (rows of `batch`), keeping `prev_sel` (the latest full DSA indexer
-/// layer's selection) up to date; `quant`: the DSA indexer's declared quantization.
+/// layer's selection) up to date; `quant`: the DSA indexer's declared quantization; `fp8`: the
+/// engine's fp8 GEMMs (every token of `batch` a prefill token).
 ///
 /// Errors: a layer that cannot run; [`Error::Internal`] when it returns no `hidden_out`.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the model (file, cfg), the rows (h, batch, k) and what the engine declared (the carried selection, the indexer's and the GEMMs' quantization) have different owners"
+)]
 fn next_layer_input(
     file: &GgufFile,
     cfg: &MlaConfig,
@@ -283,12 +289,14 @@ fn next_layer_input(
     k: usize,
     prev_sel: &mut Option<Selection>,
     quant: Option<&QkQuant>,
+    fp8: Option<&Fp8Compute<'_>>,
 ) -> Result<Array2<f64>> {
     let wk = LayerWeights::load(file, cfg, k)?;
-    let dsa = DsaInputs {
+    let dsa = RefInputs {
         shared: prev_sel.as_ref(),
         attend: None,
         quant,
+        fp8,
     };
     let r = crate::compute::reference::forward_full_sel(file, cfg, &wk, h, batch, &dsa)?;
     if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(k) == Some(&true)) {
@@ -351,10 +359,16 @@ fn layer_reference(
     prev_sel: &mut Option<Selection>,
     dsa: DumpDsa<'_>,
 ) -> Result<LayerRef> {
-    let inputs = DsaInputs {
+    let fp8 = dsa.act.map(|&act| Fp8Compute {
+        act,
+        tp,
+        absorbed: dsa.absorbed,
+    });
+    let inputs = RefInputs {
         shared: prev_sel.as_ref(),
         attend: dsa.attend,
         quant: dsa.quant,
+        fp8: fp8.as_ref(),
     };
     let (out, device) = backend.reference(file, cfg, w, input, batch, tp, &inputs, full, judged.is_some())?;
     if cfg
@@ -367,12 +381,29 @@ fn layer_reference(
     LayerRef::new(backend, out, device, judged)
 }
 
-/// What a DSA layer's reference takes from a format-2 dump: the indexer's declared quantization
-/// (`header.indexer_quant`) and the keys the engine's attention read (its `idx_topk`).
+/// What a layer's reference takes from a format-2 dump besides its rows: the DSA indexer's
+/// declared quantization (`header.indexer_quant`), the keys the engine's attention read (its
+/// `idx_topk`), and the fp8 GEMMs' activation quantization (`header.act_quant`) with which of
+/// the batch's tokens ran absorbed ([`StepSeq::runs_absorbed`](crate::model::dump::StepSeq::runs_absorbed)).
 #[derive(Debug, Clone, Copy, Default)]
 struct DumpDsa<'a> {
     quant: Option<&'a QkQuant>,
     attend: Option<&'a AttendKeys>,
+    act: Option<&'a ActQuant>,
+    absorbed: Option<&'a [bool]>,
+}
+
+/// Per row of a step's full batch (each live sequence's context rows, then its new rows, as
+/// [`step_full_batch`] lays them out): whether the row ran absorbed in that step. Context rows
+/// are not the step's queries: `false`.
+fn absorbed_rows(spec: &crate::model::dump::StepSpec, live: &[usize]) -> Vec<bool> {
+    let mut m = Vec::new();
+    for &i in live {
+        let q = &spec.seqs[i];
+        m.extend(std::iter::repeat_n(false, q.context));
+        m.extend(std::iter::repeat_n(q.runs_absorbed(), q.new));
+    }
+    m
 }
 
 /// A dumped layer's reference as `compare` judges it. The CPU reference is on the host whole.
@@ -945,20 +976,28 @@ impl UnionRef {
                 })
                 .collect(),
         };
+        // fp8 GEMMs: each union row ran absorbed or not in the step of the group that computed
+        // it (a row no step of the group computed is not judged here).
+        let act = sd.header.act_quant.as_ref().map(crate::model::dump::ActQuantDecl::act);
+        let absorbed = act.is_some().then(|| {
+            let mut m = vec![false; t];
+            for (i, o) in off.iter().enumerate() {
+                let Some(o) = *o else { continue };
+                for &k in group {
+                    let q = &sd.steps[k].0.seqs[i];
+                    let rows = (o + q.context..o + q.context + q.new).filter(|&r| r < o + extent[i]);
+                    rows.for_each(|r| m[r] = q.runs_absorbed());
+                }
+            }
+            m
+        });
+        let dsa = DumpDsa {
+            act: act.as_ref(),
+            absorbed: absorbed.as_deref(),
+            ..DumpDsa::default()
+        };
         let r = timing::stage("reference", || {
-            layer_reference(
-                backend,
-                file,
-                cfg,
-                w,
-                &input,
-                &batch,
-                full,
-                tp,
-                judged,
-                &mut None,
-                DumpDsa::default(),
-            )
+            layer_reference(backend, file, cfg, w, &input, &batch, full, tp, judged, &mut None, dsa)
         })?;
         let per_token = r
             .shapes()
@@ -1294,6 +1333,13 @@ pub fn compare_steps_with(
     if let Some(q) = &header.indexer_quant {
         conversions.push(format!("indexer_quant: {}", q.describe()));
     }
+    let act = header.act_quant.as_ref().map(crate::model::dump::ActQuantDecl::act);
+    if let Some(a) = &act {
+        conversions.push(format!(
+            "act_quant: {}; kv_b on absorbed (decode) rows reads the latent unquantized",
+            a.describe()
+        ));
+    }
     // Per DSA layer whose attention ran on the engine's selection: (the selection's layer, the
     // steps).
     let mut attended: std::collections::BTreeMap<usize, (usize, Vec<String>)> = std::collections::BTreeMap::new();
@@ -1375,9 +1421,12 @@ pub fn compare_steps_with(
                     }
                     None => {
                         tally.per_step += 1;
+                        let absorbed = act.is_some().then(|| absorbed_rows(spec, &live));
                         let dsa = DumpDsa {
                             quant: quant.as_ref(),
                             attend: attend.as_ref().map(|a| &a.0),
+                            act: act.as_ref(),
+                            absorbed: absorbed.as_deref(),
                         };
                         StepSource::Own(timing::stage("reference", || {
                             layer_reference(
@@ -2025,7 +2074,27 @@ impl<'a> ContextRows<'a> {
             };
             while at < layer {
                 let quant = self.sd.header.indexer_quant.as_ref().map(IndexerQuant::qk);
-                h = next_layer_input(self.file, self.cfg, &h, &batch, at, &mut sel, quant.as_ref())?;
+                let act = self
+                    .sd
+                    .header
+                    .act_quant
+                    .as_ref()
+                    .map(crate::model::dump::ActQuantDecl::act);
+                let fp8 = act.map(|act| Fp8Compute {
+                    act,
+                    tp: 1,
+                    absorbed: None,
+                });
+                h = next_layer_input(
+                    self.file,
+                    self.cfg,
+                    &h,
+                    &batch,
+                    at,
+                    &mut sel,
+                    quant.as_ref(),
+                    fp8.as_ref(),
+                )?;
                 at += 1;
             }
             self.frontier.insert(i, (layer, sel));

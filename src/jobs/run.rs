@@ -342,7 +342,7 @@ fn run_inner(
                 &hidden,
                 &rc.batch,
                 layer_tp,
-                &crate::compute::reference::DsaInputs::shared(shared),
+                &crate::compute::reference::RefInputs::shared(shared),
                 full,
                 keep_on_device,
             )
@@ -530,7 +530,7 @@ pub fn reference_chain(
     let mut prev_sel: Option<Selection> = None;
     for layer in 0..=last {
         let w = LayerWeights::load(file, cfg, layer)?;
-        let dsa = reference::DsaInputs::shared(prev_sel.as_ref());
+        let dsa = reference::RefInputs::shared(prev_sel.as_ref());
         let r = reference::forward_full_sel(file, cfg, &w, &hidden, batch, &dsa)?;
         if cfg.indexer.as_ref().is_some_and(|ix| ix.full.get(layer) == Some(&true)) {
             prev_sel = r.selection.clone();

@@ -300,8 +300,8 @@ impl PageRun<'_> {
         // The reference on the host: selftest judges on the host on every backend.
         let mut r = self.base.clone();
         r.extend(reference::rank_weight_sites(self.cfg, self.w, tp));
-        r.extend(reference::rank_partial_sites_of(self.cfg, self.w, self.base, tp)?);
-        r.extend(reference::ffn_rank_sites_of(self.w, self.base, tp)?);
+        r.extend(reference::rank_partial_sites_of(self.cfg, self.w, self.base, tp, None)?);
+        r.extend(reference::ffn_rank_sites_of(self.w, self.base, tp, None)?);
         let reference = SplitTrace {
             host: r,
             device: Vec::new(),

@@ -634,3 +634,20 @@ pub fn glm_dsa(d: Dims, ix: IndexerDims) -> GgufBuilder {
     }
     g
 }
+
+/// Rewrites a safetensors file's JSON header through `f` (data kept, offsets unchanged; the
+/// header padded to 8 bytes with spaces).
+pub fn edit_safetensors_header(path: &std::path::Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut h: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    f(&mut h);
+    let mut hj = serde_json::to_vec(&h).unwrap();
+    while !hj.len().is_multiple_of(8) {
+        hj.push(b' ');
+    }
+    let mut out = (hj.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&hj);
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(path, out).unwrap();
+}

@@ -618,7 +618,7 @@ fn reference_inner(
 
     // Under TP, the ranks' o_proj partials on the host (a few [T, H] GEMMs).
     let partials = if tp >= 2 {
-        rank_partial_sites(cfg, w, &g.download(&attn_out, t * n * v)?, t, tp)?
+        rank_partial_sites(cfg, w, &g.download(&attn_out, t * n * v)?, t, tp, None)?
     } else {
         Trace::new()
     };
@@ -652,7 +652,7 @@ fn reference_inner(
                         TraceTensor::f64(vec![t, f], g.download(b, t * f)?),
                     );
                 }
-                ffn_ranks = ffn_rank_sites(layer, &ffn.gate, &ffn.up, &ffn.down, &mlp, tp)?;
+                ffn_ranks = ffn_rank_sites(layer, &ffn.gate, &ffn.up, &ffn.down, &mlp, tp, None)?;
             }
             drop((gate, up, xn));
             let down = g.linear_w(&act, t, &name(ModelTensor::FfnDown), &ffn.down)?;

@@ -19,9 +19,12 @@
 use ndarray::{Array2, Axis, s};
 use rayon::prelude::*;
 
-use super::{DsaInputs, RefLayer, forward_sel, linear, linear32, record_copy, record_moved, rms_norm, widen_to_f64};
+use super::{
+    RefInputs, RefLayer, forward_sel, gemm_input, linear, linear32, record_copy, record_moved, rms_norm, widen_to_f64,
+};
 use crate::core::batch::Batch;
 use crate::core::error::{Error, Result};
+use crate::core::fp8::ActQuant;
 use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
 use crate::model::config::{GatingFunc, MlaConfig, MoeConfig};
 use crate::model::gguf::GgufFile;
@@ -39,31 +42,43 @@ fn silu_mul(gate: &Array2<f64>, up: &Array2<f64>) -> Array2<f64> {
 
 /// The layer's SwiGLU MLP on `x` [T, H] (`ffn_in`) with `gate`, `up` [I, H] and `down` [H, I]:
 /// records `ffn_gate`, `ffn_up` and `ffn_act` [T, I] (moved into the trace, not copied) and
-/// returns `down_proj(ffn_act)` [T, H], f64.
+/// returns `down_proj(ffn_act)` [T, H], f64. With `fp8`, both products read their inputs
+/// quantized (`down`'s in `tp` rank slices, a row-parallel projection).
 fn mlp_sites(
     trace: &mut Trace,
     layer: usize,
     x: &Array2<f64>,
-    gate: &Array2<f32>,
-    up: &Array2<f32>,
-    down: &Array2<f32>,
+    [gate, up, down]: [&Array2<f32>; 3],
+    fp8: Option<&ActQuant>,
+    tp: usize,
 ) -> Array2<f64> {
-    let g = linear32(x, gate);
-    let u = linear32(x, up);
+    let xq = gemm_input(x, fp8, 1);
+    let g = linear32(&xq, gate);
+    let u = linear32(&xq, up);
+    drop(xq);
     let act = silu_mul(&g, &u);
     record_moved(trace, layer, Stage::FfnGate, g);
     record_moved(trace, layer, Stage::FfnUp, u);
-    let out = linear32(&act, down);
+    let out = linear32(&gemm_input(&act, fp8, tp), down);
     record_moved(trace, layer, Stage::FfnAct, act);
     out
 }
 
 /// The dense FFN of a layer on `h1` [T, H] (the residual stream after attention): records
 /// `ffn_in` = `RMSNorm(h1)·ffn_norm`, `ffn_gate`, `ffn_up`, `ffn_act` [T, F] and `ffn_out`
-/// [T, H], and returns `ffn_out` (before the residual add and the residual scale), f64.
-pub(super) fn dense_ffn(trace: &mut Trace, layer: usize, ffn: &DenseFfn, h1: &Array2<f64>, eps: f64) -> Array2<f64> {
+/// [T, H], and returns `ffn_out` (before the residual add and the residual scale), f64. `fp8`
+/// and `tp` as [`mlp_sites`] takes them.
+pub(super) fn dense_ffn(
+    trace: &mut Trace,
+    layer: usize,
+    ffn: &DenseFfn,
+    h1: &Array2<f64>,
+    eps: f64,
+    fp8: Option<&ActQuant>,
+    tp: usize,
+) -> Array2<f64> {
     let x = rms_norm(h1.view(), ffn.norm.view(), eps);
-    let out = mlp_sites(trace, layer, &x, &ffn.gate, &ffn.up, &ffn.down);
+    let out = mlp_sites(trace, layer, &x, [&ffn.gate, &ffn.up, &ffn.down], fp8, tp);
     record_moved(trace, layer, Stage::FfnIn, x);
     record_copy(trace, layer, Stage::FfnOut, &out);
     out
@@ -94,6 +109,7 @@ pub fn ffn_rank_sites(
     down: &Array2<f32>,
     trace: &Trace,
     tp: usize,
+    fp8: Option<&ActQuant>,
 ) -> Result<Trace> {
     let mut tr = Trace::new();
     let (i, hd) = gate.dim();
@@ -134,7 +150,8 @@ pub fn ffn_rank_sites(
         let gu = ndarray::concatenate(Axis(1), &[g.slice(s![.., c.clone()]), u.slice(s![.., c.clone()])])
             .map_err(Error::internal)?;
         record_moved(&mut tr, layer, Stage::FfnGateUpRank(rk), gu);
-        let part = linear32(&act.slice(s![.., c]).to_owned(), &down_r);
+        let act_r = act.slice(s![.., c]).to_owned();
+        let part = linear32(&gemm_input(&act_r, fp8, 1), &down_r);
         record_moved(&mut tr, layer, Stage::FfnDownRank(rk), part);
         f32_site(&mut tr, Stage::WRank(RankedWeight::Down, rk), down_r);
     }
@@ -142,12 +159,12 @@ pub fn ffn_rank_sites(
 }
 
 /// [`ffn_rank_sites`] of a dense layer (`w.ffn`) from the sites of its reference trace `trace`;
-/// an empty trace for a layer without a dense FFN.
+/// an empty trace for a layer without a dense FFN. `fp8` as [`ffn_rank_sites`] takes it.
 ///
 /// Errors: as [`ffn_rank_sites`].
-pub fn ffn_rank_sites_of(w: &LayerWeights, trace: &Trace, tp: usize) -> Result<Trace> {
+pub fn ffn_rank_sites_of(w: &LayerWeights, trace: &Trace, tp: usize, fp8: Option<&ActQuant>) -> Result<Trace> {
     match &w.ffn {
-        Some(f) => ffn_rank_sites(w.layer, &f.gate, &f.up, &f.down, trace, tp),
+        Some(f) => ffn_rank_sites(w.layer, &f.gate, &f.up, &f.down, trace, tp, fp8),
         None => Ok(Trace::new()),
     }
 }
@@ -165,10 +182,10 @@ pub fn forward_full(
     hidden_in: &Array2<f64>,
     batch: &Batch,
 ) -> Result<RefLayer> {
-    forward_full_sel(file, cfg, w, hidden_in, batch, &DsaInputs::default())
+    forward_full_sel(file, cfg, w, hidden_in, batch, &RefInputs::default())
 }
 
-/// [`forward_full`] with what a DSA layer takes from outside ([`DsaInputs`]: a shared-indexer
+/// [`forward_full`] with what a DSA layer takes from outside ([`RefInputs`]: a shared-indexer
 /// layer's borrowed selection, keys to attend to, the indexer's quantization; see
 /// [`forward_sel`]).
 ///
@@ -179,7 +196,7 @@ pub fn forward_full_sel(
     w: &LayerWeights,
     hidden_in: &Array2<f64>,
     batch: &Batch,
-    dsa: &DsaInputs<'_>,
+    dsa: &RefInputs<'_>,
 ) -> Result<RefLayer> {
     forward_full_tp(file, cfg, w, hidden_in, batch, dsa, 1)
 }
@@ -193,7 +210,7 @@ pub(super) fn forward_full_tp(
     w: &LayerWeights,
     hidden_in: &Array2<f64>,
     batch: &Batch,
-    dsa: &DsaInputs<'_>,
+    dsa: &RefInputs<'_>,
     tp: usize,
 ) -> Result<RefLayer> {
     let mut r = forward_sel(cfg, w, hidden_in, batch, dsa)?;
@@ -219,7 +236,7 @@ pub(super) fn forward_full_tp(
     let mw = MoeWeights::load(file, cfg, w.layer)?;
     let out = moe_ffn(file, cfg, &mw, &h1, &mut r.trace)?;
     if let Some(sh) = &mw.shared {
-        let ranks = ffn_rank_sites(w.layer, &sh.gate, &sh.up, &sh.down, &r.trace, tp)?;
+        let ranks = ffn_rank_sites(w.layer, &sh.gate, &sh.up, &sh.down, &r.trace, tp, None)?;
         r.trace.extend(ranks);
     }
     r.hidden_out = Some(out.hidden_out);
@@ -392,7 +409,7 @@ pub fn moe_ffn(
     record_copy(trace, layer, Stage::MoeOut, &moe_out);
     let mut hidden_out = h1 + &moe_out;
     if let Some(sh) = &mw.shared {
-        let shared_out = mlp_sites(trace, layer, &x, &sh.gate, &sh.up, &sh.down);
+        let shared_out = mlp_sites(trace, layer, &x, [&sh.gate, &sh.up, &sh.down], None, 1);
         record_copy(trace, layer, Stage::SharedOut, &shared_out);
         hidden_out += &shared_out;
     }
@@ -515,7 +532,7 @@ mod tests {
         let (t, h, i) = (5, 12, 8);
         let (ffn, h1) = dense(t, h, i);
         let mut tr = Trace::new();
-        let out = dense_ffn(&mut tr, 3, &ffn, &h1, 1e-6);
+        let out = dense_ffn(&mut tr, 3, &ffn, &h1, 1e-6, None, 1);
         let (x, g, u, act, o) = (
             site(&tr, Stage::FfnIn),
             site(&tr, Stage::FfnGate),
@@ -554,14 +571,14 @@ mod tests {
         let (t, h, i) = (5, 12, 8);
         let (ffn, h1) = dense(t, h, i);
         let mut tr = Trace::new();
-        dense_ffn(&mut tr, 3, &ffn, &h1, 1e-6);
+        dense_ffn(&mut tr, 3, &ffn, &h1, 1e-6, None, 1);
         let (g, u, o) = (
             site(&tr, Stage::FfnGate),
             site(&tr, Stage::FfnUp),
             site(&tr, Stage::FfnOut),
         );
         for tp in [2, 4] {
-            let ranks = ffn_rank_sites(3, &ffn.gate, &ffn.up, &ffn.down, &tr, tp).unwrap();
+            let ranks = ffn_rank_sites(3, &ffn.gate, &ffn.up, &ffn.down, &tr, tp, None).unwrap();
             let ir = i / tp;
             let mut sum = vec![0f64; t * h];
             for r in 0..tp {
@@ -607,7 +624,7 @@ mod tests {
         // No split: one rank, or a width the ranks cannot share.
         for tp in [1, 3] {
             assert!(
-                ffn_rank_sites(3, &ffn.gate, &ffn.up, &ffn.down, &tr, tp)
+                ffn_rank_sites(3, &ffn.gate, &ffn.up, &ffn.down, &tr, tp, None)
                     .unwrap()
                     .entries()
                     .is_empty()
@@ -615,7 +632,7 @@ mod tests {
         }
         // A layer whose MLP did not run has nothing to cut.
         assert!(
-            ffn_rank_sites(3, &ffn.gate, &ffn.up, &ffn.down, &Trace::new(), 2)
+            ffn_rank_sites(3, &ffn.gate, &ffn.up, &ffn.down, &Trace::new(), 2, None)
                 .unwrap()
                 .entries()
                 .is_empty()

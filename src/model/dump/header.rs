@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use super::dump_error;
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
-use crate::core::fp8::{BlockQuant, InputDtype, QkQuant, ScaleFormat};
+use crate::core::fp8::{ActQuant, BlockQuant, InputDtype, QkQuant, ScaleFormat};
 use crate::core::trace::Stage;
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
@@ -184,6 +184,22 @@ pub struct StepSpec {
     pub context_chunk_tokens: Option<usize>,
 }
 
+impl StepSeq {
+    /// vLLM's MLA sends a sequence's new tokens through the decode (absorbed MQA) kernel when
+    /// they are at most this many (`reorder_batch_threshold`, 1 without speculative decoding).
+    pub const DECODE_THRESHOLD: usize = 1;
+
+    /// Whether the sequence's new rows ran absorbed (the decode kernel): as `kernel` records it,
+    /// else when it has new tokens and at most [`StepSeq::DECODE_THRESHOLD`] of them.
+    pub fn runs_absorbed(&self) -> bool {
+        match self.kernel {
+            Some(SeqKernel::Decode) => true,
+            Some(SeqKernel::Prefill) => false,
+            None => (1..=Self::DECODE_THRESHOLD).contains(&self.new),
+        }
+    }
+}
+
 impl StepSpec {
     /// The sequences (header indices, in header order) whose rows the step's MHA prefill over
     /// cached context computed with context chunks: those listing `context_chunks`, with new
@@ -265,6 +281,57 @@ pub struct DumpHeader {
     /// [`IndexerQuant`]. `None`: it scores the values unquantized.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub indexer_quant: Option<IndexerQuant>,
+    /// How the engine quantizes the inputs of its fp8 GEMMs; see [`ActQuantDecl`]. `None`: its
+    /// projections read their inputs unquantized (bf16/f32 weights, or a weight-only kernel).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub act_quant: Option<ActQuantDecl>,
+}
+
+/// The activation quantization of an engine's fp8 GEMMs (`header.act_quant`), as vLLM's
+/// `Fp8LinearMethod` applies it before a block-scaled GEMM (`per_token_group_quant_fp8`,
+/// groups of 128) or a per-tensor dynamic scale does: the reference quantizes the input of
+/// every projection the same way ([`ActQuantDecl::act`]; which projections, and the
+/// decode/prefill difference of `kv_b`, in
+/// [`Fp8Compute`](crate::compute::reference::Fp8Compute)). Checked when the header is read.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ActQuantDecl {
+    /// The stored type: `fp8_e4m3`.
+    pub dtype: String,
+    /// `token-group` (one scale per token and `group` columns) or `tensor` (one dynamic scale
+    /// over the whole input).
+    pub granularity: String,
+    /// Columns per scale for `token-group` (128 for DeepSeek-V3's block fp8), 1 to
+    /// [`MAX_QUANT_BLOCK`]; absent for `tensor`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<usize>,
+    /// The dtype the quantizer reads (`bf16`, `f16`, `f32`); absent: the reference's values.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<String>,
+    /// The floor under a group's largest magnitude; absent: vLLM's 1e-10.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub amax_floor: Option<f64>,
+}
+
+impl ActQuantDecl {
+    /// The quantization this declares (defaults filled in). A header that passed
+    /// [`peek_header`] holds only documented values.
+    pub fn act(&self) -> ActQuant {
+        let input = match self.input.as_deref() {
+            Some("bf16") => Some(InputDtype::Bf16),
+            Some("f16") => Some(InputDtype::F16),
+            Some("f32") => Some(InputDtype::F32),
+            _ => None,
+        };
+        let mut a = match (self.granularity.as_str(), self.group) {
+            ("tensor", _) => ActQuant::tensor(input),
+            (_, g) => ActQuant::token_group(g.unwrap_or(128).max(1), input),
+        };
+        if let Some(f) = self.amax_floor {
+            a.amax_floor = f;
+        }
+        a
+    }
 }
 
 /// The quantization a DSA indexer applies to its query and key before scoring
@@ -488,6 +555,7 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
     }
     check_tp(path, v.get("tp"))?;
     check_indexer_quant(path, v.get("indexer_quant"))?;
+    check_act_quant(path, v.get("act_quant"))?;
     check_num_kv_splits(path, v.get("steps"))?;
     check_page_sizes(path, v.get("steps"))?;
     check_step_fields(path, v.get("steps"))?;
@@ -1048,6 +1116,89 @@ fn check_indexer_quant(path: &Path, q: Option<&serde_json::Value>) -> Result<()>
         }
     }
     Ok(())
+}
+
+/// Checks `header.act_quant` (`q` is its value, if any): absent or null, or an object of exactly
+/// the fields of [`ActQuantDecl`]: `dtype` `"fp8_e4m3"`, `granularity` `"token-group"` (with
+/// `group` an integer from 1 to [`MAX_QUANT_BLOCK`]) or `"tensor"` (without `group`), and
+/// optionally `input` (`"bf16"`, `"f16"`, `"f32"` or null) and `amax_floor` (a positive finite
+/// number or null).
+///
+/// Errors: [`Error::Safetensors`] naming `__metadata__.header.act_quant` or its field.
+fn check_act_quant(path: &Path, q: Option<&serde_json::Value>) -> Result<()> {
+    const FIELD: &str = "__metadata__.header.act_quant";
+    let obj = match q {
+        None | Some(serde_json::Value::Null) => return Ok(()),
+        Some(serde_json::Value::Object(o)) => o,
+        Some(x) => {
+            return Err(dump_error(
+                path,
+                FIELD,
+                format!(
+                    "{}: expected an object such as {{\"dtype\": \"fp8_e4m3\", \"granularity\": \"token-group\", \"group\": 128}}",
+                    short(x)
+                ),
+            ));
+        }
+    };
+    let fail = |key: &str, x: &serde_json::Value, want: &str| {
+        Err(dump_error(
+            path,
+            format!("{FIELD}.{key}"),
+            format!("{}: expected {want}", short(x)),
+        ))
+    };
+    for (key, x) in obj {
+        match key.as_str() {
+            "dtype" if x.as_str() == Some("fp8_e4m3") => {}
+            "dtype" => return fail(key, x, "\"fp8_e4m3\" (the only quantized type the reference applies)"),
+            "granularity" if matches!(x.as_str(), Some("token-group" | "tensor")) => {}
+            "granularity" => return fail(key, x, "\"token-group\" or \"tensor\""),
+            "group" if x.as_u64().is_some_and(|b| (1..=MAX_QUANT_BLOCK as u64).contains(&b)) => {}
+            "group" => {
+                return fail(
+                    key,
+                    x,
+                    &format!("an integer from 1 to {MAX_QUANT_BLOCK} (columns per scale)"),
+                );
+            }
+            "input" if x.is_null() || matches!(x.as_str(), Some("bf16" | "f16" | "f32")) => {}
+            "input" => {
+                return fail(
+                    key,
+                    x,
+                    "\"bf16\", \"f16\", \"f32\" or null (the dtype the quantizer reads)",
+                );
+            }
+            "amax_floor" if x.is_null() || x.as_f64().is_some_and(|f| f.is_finite() && f > 0.0) => {}
+            "amax_floor" => return fail(key, x, "a positive finite number or null"),
+            _ => {
+                return Err(dump_error(
+                    path,
+                    format!("{FIELD}.{key}"),
+                    "unknown field: expected dtype, granularity, group, input, amax_floor",
+                ));
+            }
+        }
+    }
+    for key in ["dtype", "granularity"] {
+        if !obj.contains_key(key) {
+            return Err(dump_error(path, format!("{FIELD}.{key}"), "missing"));
+        }
+    }
+    match (obj.get("granularity").and_then(|g| g.as_str()), obj.get("group")) {
+        (Some("token-group"), None) => Err(dump_error(
+            path,
+            format!("{FIELD}.group"),
+            "missing (granularity \"token-group\")",
+        )),
+        (Some("tensor"), Some(g)) if !g.is_null() => fail(
+            "group",
+            g,
+            "no group with granularity \"tensor\" (one scale per tensor)",
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// A JSON value as an error quotes it: whole up to 80 characters, else its first 80 and `…`.

@@ -432,7 +432,8 @@ fn runs_of(
         device: Vec::new(),
     };
     let (results, _, runs) =
-        mla_diff::jobs::run::compare_layer(&backend, &file, &cfg, &w, &hidden, &split, &rc, None, None, true).unwrap();
+        mla_diff::jobs::run::compare_layer(&backend, &file, &cfg, &w, &hidden, &split, &rc, None, None, true, &[])
+            .unwrap();
     let runs = runs.into_iter().zip(results.into_iter().map(|r| r.diffs)).collect();
     (cfg, batch, reference, runs)
 }

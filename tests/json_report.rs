@@ -26,6 +26,21 @@ fn produced_files_validate_against_the_schema() {
     let moe = repo().join("golden/models/moe-v3-q8_0.gguf");
     let cases: Vec<(&str, Vec<&str>, i32)> = vec![
         ("clean.json", vec!["--layer", "1"], 0),
+        ("fp8.json", vec!["--layer", "1", "--fp8-compute", "token-group"], 0),
+        (
+            "fp8-tensor.json",
+            vec![
+                "--layer",
+                "1",
+                "--fp8-compute",
+                "tensor",
+                "--path",
+                "mqa",
+                "--dtype",
+                "bf16",
+            ],
+            0,
+        ),
         ("phantom.json", vec!["--layer", "1", "--inject", "phantom-output"], 1),
         (
             "tokens-tp.json",

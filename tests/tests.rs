@@ -21,6 +21,7 @@ mod faults;
 mod ffn;
 mod first_use;
 mod fixtures;
+mod fp8_compute;
 mod golden;
 mod hf_checkpoint;
 mod hf_golden;

@@ -414,6 +414,12 @@ pub struct RunSpec {
     /// Inject a fault from the catalogue into the paths (repeatable).
     #[arg(long, value_parser = values::fault_parser())]
     pub inject: Vec<Fault>,
+    /// fp8 GEMMs, in the paths and the reference alike: every projection reads its input
+    /// quantized to fp8 E4M3 with f32 scales (the weights as dequantized). `token-group`: per
+    /// token in groups of 128 columns, as vLLM's block-FP8 layers; `tensor`: one dynamic scale
+    /// per tensor. A decode (absorbed) token's keys come from the unquantized latent, as in vLLM.
+    #[arg(long, value_enum)]
+    pub fp8_compute: Option<values::Fp8ComputeArg>,
 }
 
 /// Arguments of `mla-diff run`.

@@ -563,6 +563,14 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
     }
 
     let paths = a.path.paths();
+    if a.fp8_compute == Some(super::values::Fp8ComputeArg::Tensor) && paths.contains(&PathKind::Chunked) {
+        return Err(Error::Usage(
+            "--fp8-compute tensor: the chunked path runs kv_b_proj once per context chunk, each call with its own \
+             per-tensor scale, which the reference (one scale per projection over the batch) does not model; \
+             use --path mha, mqa or mixed, or --fp8-compute token-group"
+                .into(),
+        ));
+    }
     if paths.contains(&PathKind::Chunked)
         && longest <= new_tokens
         && (a.new_tokens.is_some() || a.path == PathChoice::Chunked)
@@ -586,6 +594,7 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
             chunk_size: a.chunk_size,
             new_tokens,
             faults: FaultSet(a.inject.clone()),
+            fp8: a.fp8_compute.map(|f| f.act(a.device.dtype.into())),
             ..PathOptions::default()
         },
         backend: String::new(),

@@ -33,6 +33,33 @@ impl From<DtypeArg> for Dtype {
     }
 }
 
+/// `run --fp8-compute`: how the paths' fp8 GEMMs quantize their inputs
+/// ([`crate::core::fp8::ActQuant`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Fp8ComputeArg {
+    /// Per token in groups of 128 columns (vLLM's block-FP8 `Fp8LinearMethod`).
+    TokenGroup,
+    /// One dynamic scale per tensor (vLLM's `scaled_fp8_quant` without a scale, SGLang's
+    /// per-tensor fp8).
+    Tensor,
+}
+
+impl Fp8ComputeArg {
+    /// The quantization, reading values of the paths' compute dtype `d` (bf16 paths quantize
+    /// bf16 activations).
+    pub fn act(self, d: Dtype) -> crate::core::fp8::ActQuant {
+        use crate::core::fp8::{ActQuant, InputDtype};
+        let input = match d {
+            Dtype::F32 => InputDtype::F32,
+            Dtype::Bf16 => InputDtype::Bf16,
+        };
+        match self {
+            Fp8ComputeArg::TokenGroup => ActQuant::token_group(128, Some(input)),
+            Fp8ComputeArg::Tensor => ActQuant::tensor(Some(input)),
+        }
+    }
+}
+
 /// `compare --precision`: what a kernel judged alone read (its outputs are judged by the rows
 /// `run --dtype` applies for that [`Dtype`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

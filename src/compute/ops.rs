@@ -10,6 +10,7 @@
 use crate::compute::collective::{ReduceFault, host_all_reduce_sum};
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
+use crate::core::fp8::ActQuant;
 use crate::core::trace::Site;
 use crate::model::gguf::GgmlType;
 
@@ -151,6 +152,15 @@ pub trait Ops {
     /// A buffer holding `data` (a move on the host backend, an upload elsewhere).
     fn adopt(&self, data: Vec<f32>) -> Result<Self::Buf> {
         self.upload(&data)
+    }
+    /// `x` (rows of `k` values, f32) as an fp8 GEMM reads it: `s·e4m3(x/s)` per group of `q`
+    /// ([`ActQuant::quantize_f32`]), a new buffer. On the host for every backend: engines fuse
+    /// this into a small kernel before the GEMM, and mla-diff's paths run it once per
+    /// projection, so the round trip is not where their time goes.
+    fn fp8_input(&self, x: &Self::Buf, k: usize, q: &ActQuant) -> Result<Self::Buf> {
+        let mut v = self.download(x)?;
+        q.quantize_f32(&mut v, k, 1);
+        self.adopt(v)
     }
     /// Whole tensor `name` (`n` elements) as the backend already dequantized it in its own
     /// memory for this layer, taken over by the caller; `None` (the default) when the backend

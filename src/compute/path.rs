@@ -87,6 +87,11 @@ pub struct PathOptions {
     pub new_tokens: usize,
     /// Faults injected into the path.
     pub faults: FaultSet,
+    /// fp8 GEMMs: every projection reads its input quantized this way (vLLM's block-FP8
+    /// `Fp8LinearMethod`: per token in groups of 128; or one dynamic scale per tensor), through
+    /// [`Ops::fp8_input`](crate::compute::ops::Ops::fp8_input). `None`: inputs as they are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp8: Option<crate::core::fp8::ActQuant>,
 }
 
 impl Default for PathOptions {
@@ -99,6 +104,7 @@ impl Default for PathOptions {
             chunk_size: 8,
             new_tokens: 5,
             faults: FaultSet::default(),
+            fp8: None,
         }
     }
 }

@@ -22,6 +22,7 @@
 //! an independent nearest-value search over all 256 codes.
 
 use float8::F8E4M3;
+use serde::{Deserialize, Serialize};
 
 /// The largest finite E4M3 magnitude: `1.75 · 2^8`.
 pub const E4M3_MAX: f64 = 448.0;
@@ -56,7 +57,8 @@ pub enum ScaleFormat {
 
 /// What a quantizer's input holds before it is scaled: the engine's activation dtype, which the
 /// reference rounds its own f64 values to first.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum InputDtype {
     /// bfloat16 (round to nearest even).
     Bf16,
@@ -133,7 +135,8 @@ impl BlockQuant {
 }
 
 /// Which values share one scale when an engine quantizes a GEMM's activation input to E4M3.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum ActGranularity {
     /// One scale per token (row) and run of this many columns, from the row's start: vLLM's
     /// `per_token_group_quant_fp8` before a block-scaled GEMM (128 for DeepSeek-V3's
@@ -149,7 +152,7 @@ pub enum ActGranularity {
 /// division (vLLM 0.26's sm_90 `per_token_group_fp8_quant` and `dynamic_scaled_fp8_quant`), the
 /// weight's own block scales applied in the GEMM. The reference and mla-diff's fp8 paths apply
 /// this at the input of every projection whose weight the engine multiplies in fp8.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct ActQuant {
     /// Which values share a scale.
     pub granularity: ActGranularity,

@@ -1700,13 +1700,15 @@ fn steps_layers(steps_dump: &StepsDump) -> Vec<usize> {
 /// The tolerance rows of a format-2 comparison, first that applies: `precision` (`compare
 /// --precision`), `dtype` (`compare --dtype`), the header's `kernel_precision`, the header's
 /// `dtype`.
+/// With the header's `act_quant`, their fp8 counterpart ([`Precision::with_fp8`]).
 fn steps_precision(steps_dump: &StepsDump, dtype: Option<EngineDtype>, precision: Option<Dtype>) -> Precision {
-    match (precision, dtype, steps_dump.header.kernel_precision) {
+    let rows = match (precision, dtype, steps_dump.header.kernel_precision) {
         (Some(p), _, _) => Precision::from(p),
         (None, Some(d), _) => d.precision(),
         (None, None, Some(k)) => Precision::from(k),
         (None, None, None) => steps_dump.steps[0].1.dtype.precision(),
-    }
+    };
+    rows.with_fp8(steps_dump.header.act_quant.is_some())
 }
 
 /// What [`DumpScope::full_reference`] holds for a step: `None` when no sequence has cached

@@ -13,7 +13,7 @@ use crate::backend::cuda::compare::SplitTrace;
 use crate::compute::engine::same_for_every_path;
 use crate::compute::indexer::Selection;
 use crate::compute::path::{LayerInput, PathKind, PathRun};
-use crate::compute::reference;
+use crate::compute::reference::{self, Fp8Compute};
 use crate::core::batch::{Batch, SplitMix64, normal_f32};
 use crate::core::error::{Error, Result};
 use crate::core::timing;
@@ -48,6 +48,130 @@ pub fn seeded_tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|_| r.below(vocab.max(1)) as u32).collect()
 }
 
+/// Per path whose attention runs absorbed on some tokens, the fp8 reference those tokens need
+/// (`mqa`: every token; `mixed`: its decode rows, the last token of each of the first ⌈S/2⌉
+/// sequences): their keys expanded from the unquantized latent ([`Fp8Compute`]). Empty without
+/// fp8 compute; `mha` and `chunked` are judged by the layer's reference.
+///
+/// Errors: the reference's own.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the backend, the model (file, cfg, w), the layer's input and run configuration, and how the layer's own reference ran (tp, the borrowed selection, with its FFN or not)"
+)]
+pub(crate) fn absorbed_references(
+    backend: &Backend,
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    hidden: &Array2<f64>,
+    rc: &RunConfig,
+    tp: usize,
+    shared: Option<&Selection>,
+    full: bool,
+) -> Result<Vec<(PathKind, Trace)>> {
+    let Some(act) = rc.path_options.fp8 else {
+        return Ok(Vec::new());
+    };
+    let batch = &rc.batch;
+    let mut out = Vec::new();
+    for &kind in &rc.paths {
+        let mask: Vec<bool> = match kind {
+            PathKind::Mqa => vec![true; batch.n_tokens()],
+            PathKind::Mixed => {
+                let offsets = batch.offsets();
+                let mut m = vec![false; batch.n_tokens()];
+                for si in 0..crate::compute::engine::mixed_decode_seqs(batch).min(batch.seqs.len()) {
+                    if let Some(r) = (offsets[si] + batch.seqs[si].len).checked_sub(1) {
+                        m[r] = true;
+                    }
+                }
+                m
+            }
+            PathKind::Mha | PathKind::Chunked => continue,
+        };
+        let fp8 = Fp8Compute {
+            act,
+            tp,
+            absorbed: Some(&mask),
+        };
+        let inputs = crate::compute::reference::RefInputs {
+            shared,
+            fp8: Some(&fp8),
+            ..Default::default()
+        };
+        let (r, _) = timing::stage("reference", || {
+            backend.reference(file, cfg, w, hidden, batch, tp, &inputs, full, false)
+        })?;
+        out.push((kind, r.trace));
+    }
+    Ok(out)
+}
+
+/// What one layer of a run computes on: its input rows, the TP size, the selection a GLM shared
+/// layer borrows, and whether the layer runs whole (its MoE FFN included).
+struct LayerRun<'a> {
+    hidden: &'a Array2<f64>,
+    tp: usize,
+    shared: Option<&'a Selection>,
+    full: bool,
+}
+
+/// The reference of one layer of a run ([`Backend::reference`]), with the run's fp8 compute
+/// (every token expanded; [`absorbed_references`] has the others).
+///
+/// Errors: the reference's own.
+fn layer_reference(
+    backend: &Backend,
+    file: &GgufFile,
+    cfg: &MlaConfig,
+    w: &LayerWeights,
+    rc: &RunConfig,
+    at: &LayerRun<'_>,
+    keep_on_device: bool,
+) -> Result<(
+    reference::RefOutput,
+    Vec<crate::backend::cuda::compare::DeviceSite<f64>>,
+)> {
+    let fp8 = rc.path_options.fp8.map(|act| Fp8Compute {
+        act,
+        tp: at.tp,
+        absorbed: None,
+    });
+    let inputs = reference::RefInputs {
+        fp8: fp8.as_ref(),
+        ..reference::RefInputs::shared(at.shared)
+    };
+    backend.reference(
+        file,
+        cfg,
+        w,
+        at.hidden,
+        &rc.batch,
+        at.tp,
+        &inputs,
+        at.full,
+        keep_on_device,
+    )
+}
+
+/// The selection a reduced-precision run's paths attend to: the reference's DSA selection of
+/// `layer` (the paths' own is still recorded and judged at `idx_topk`, with the tie band of the
+/// rows), for any rows but f32's; `None` at f32 or without an indexer. DSA layers run the CPU
+/// reference, so the selection is on the host.
+fn forced_selection(
+    reference: &Trace,
+    layer: usize,
+    precision: crate::judge::tolerance::Precision,
+) -> Option<Selection> {
+    if precision == crate::judge::tolerance::Precision::F32 {
+        return None;
+    }
+    let t = reference.get(&Site::new(layer, Stage::IdxTopk))?;
+    Some(Selection {
+        rows: crate::compute::indexer::topk_sets(&t.to_f64(), t.shape.last().copied().unwrap_or(0)),
+    })
+}
+
 /// Runs the requested paths on one layer, compares them with the reference and diagnoses them.
 ///
 /// The paths run one at a time, each compared as soon as it finishes; a path within tolerance
@@ -59,7 +183,8 @@ pub fn seeded_tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
 /// When the reference left sites on the device (the GPU reference, `reference.device` not
 /// empty), each path's sites stay there too and are judged there ([`crate::judge::device`]); a
 /// path that diverges there runs again with its sites downloaded, and the reference is
-/// downloaded, so that diagnosis sees host traces as on every other backend.
+/// downloaded, so that diagnosis sees host traces as on every other backend. `absorbed`: per
+/// path, the reference it is judged by instead (`absorbed_references`; fp8 compute only).
 ///
 /// Errors: input errors of the paths (shapes inconsistent with the configuration), CUDA
 /// failures of the device comparison.
@@ -78,18 +203,13 @@ pub fn compare_layer(
     shared: Option<&Selection>,
     dequantized: Option<&Dequantized>,
     keep_traces: bool,
+    absorbed: &[(PathKind, Trace)],
 ) -> Result<(Vec<PathResult>, Vec<Finding>, Vec<PathRun>)> {
     let hidden32 = timing::stage("input", || hidden.mapv(|x| x as f32));
-    // Reduced precision: the paths' attention runs on the reference's DSA selection (their own
-    // is still recorded and judged at idx_topk, with the tie band of the dtype). DSA layers run
-    // the CPU reference, so the selection is on the host.
     let dtype = backend.dtype();
-    let forced = (dtype != crate::core::dtype::Dtype::F32)
-        .then(|| reference.host.get(&Site::new(w.layer, Stage::IdxTopk)))
-        .flatten()
-        .map(|t| Selection {
-            rows: crate::compute::indexer::topk_sets(&t.to_f64(), t.shape.last().copied().unwrap_or(0)),
-        });
+    let fp8 = rc.path_options.fp8.is_some();
+    let precision = crate::judge::tolerance::Precision::from(dtype).with_fp8(fp8);
+    let forced = forced_selection(&reference.host, w.layer, precision);
     let input = LayerInput {
         file,
         cfg,
@@ -119,11 +239,18 @@ pub fn compare_layer(
             Some(o) => {
                 let sites = o.take_device_sites();
                 timing::stage("compare", || {
-                    device::diff(o.device(), reference, &pr.trace, &sites, dtype)
+                    device::diff(o.device(), reference, &pr.trace, &sites, precision)
                 })?
             }
             None => timing::stage("compare", || {
-                metrics::diff_reusing(&reference.host, &pr.trace, dtype, same_for_every_path, &mut seen)
+                let own = absorbed.iter().find(|(k, _)| *k == pr.kind).map(|(_, t)| t);
+                metrics::diff_reusing(
+                    own.unwrap_or(&reference.host),
+                    &pr.trace,
+                    precision,
+                    same_for_every_path,
+                    &mut seen,
+                )
             }),
         };
         let clean = pr.unservable.is_none() && metrics::first_divergence(&diffs).is_none();
@@ -149,7 +276,7 @@ pub fn compare_layer(
         Some(o) if !again.is_empty() => {
             host_reference = timing::stage("download", || reference.to_host(o.device()))?;
             backend.run_paths(&again, &input, &opts, &mut |pr| {
-                let diffs = timing::stage("compare", || metrics::diff(&host_reference, &pr.trace, dtype));
+                let diffs = timing::stage("compare", || metrics::diff(&host_reference, &pr.trace, precision));
                 if let Some(i) = runs.iter().position(|r| r.kind == pr.kind) {
                     all_diffs[i] = diffs;
                     runs[i] = pr;
@@ -178,7 +305,7 @@ pub fn compare_layer(
                 })
                 .collect(),
             tp: opts.tp,
-            precision: dtype.into(),
+            precision,
             dump: None,
         })
     });
@@ -335,18 +462,19 @@ fn run_inner(
         // the host.
         let keep_on_device = wanted && !keep_traces && !keep_reference;
         let (layer_ref, device_sites) = timing::stage("reference", || {
-            backend.reference(
-                file,
-                cfg,
-                &w,
-                &hidden,
-                &rc.batch,
-                layer_tp,
-                &crate::compute::reference::RefInputs::shared(shared),
+            let what = LayerRun {
+                hidden: &hidden,
+                tp: layer_tp,
+                shared,
                 full,
-                keep_on_device,
-            )
+            };
+            layer_reference(backend, file, cfg, &w, rc, &what, keep_on_device)
         })?;
+        let absorbed = if wanted {
+            absorbed_references(backend, file, cfg, &w, &hidden, rc, layer_tp, shared, full)?
+        } else {
+            Vec::new()
+        };
         findings.extend(nonfinite_weight_findings(file, layer, &layer_ref.moe_nonfinite));
         if wanted {
             let split = SplitTrace {
@@ -366,6 +494,7 @@ fn run_inner(
                 shared,
                 Some(&handed),
                 keep_traces,
+                &absorbed,
             )?;
             drop(handed);
             add_path_findings(&mut findings, &res, f);

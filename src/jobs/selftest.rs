@@ -317,6 +317,7 @@ impl PageRun<'_> {
             None,
             None,
             false,
+            &[],
         )?;
         Ok(findings)
     }

@@ -33,15 +33,27 @@ pub enum Precision {
     /// An engine dump computed in f16 throughout (dump metadata `dtype = f16`).
     #[serde(rename = "engine-f16")]
     EngineF16,
+    /// fp8 GEMMs in f32: mla-diff's f32 paths with `--fp8-compute`, or an f32 engine dump that
+    /// declares `act_quant`. The reference quantizes the same inputs; what remains is a rounding
+    /// of one side's input landing on the other side of an E4M3 midpoint (one step, 6–12 % of
+    /// that value), carried and re-quantized through the layer.
+    #[serde(rename = "fp8")]
+    Fp8,
+    /// fp8 GEMMs in bf16: mla-diff's bf16 paths with `--fp8-compute`, or a bf16 or f16 engine
+    /// dump that declares `act_quant`.
+    #[serde(rename = "bf16-fp8")]
+    Bf16Fp8,
 }
 
 impl Precision {
     /// Every precision, in table order.
-    pub const ALL: [Precision; 4] = [
+    pub const ALL: [Precision; 6] = [
         Precision::F32,
         Precision::Bf16,
         Precision::EngineBf16,
         Precision::EngineF16,
+        Precision::Fp8,
+        Precision::Bf16Fp8,
     ];
 
     /// The name used in reports and JSON (`f32`, `bf16`, `engine-bf16`, `engine-f16`).
@@ -51,6 +63,18 @@ impl Precision {
             Precision::Bf16 => "bf16",
             Precision::EngineBf16 => "engine-bf16",
             Precision::EngineF16 => "engine-f16",
+            Precision::Fp8 => "fp8",
+            Precision::Bf16Fp8 => "bf16-fp8",
+        }
+    }
+
+    /// These rows, or their fp8 counterpart when the GEMMs quantize their inputs to fp8
+    /// (`fp8`): f32 → `fp8`, any 16-bit → `bf16-fp8`.
+    pub fn with_fp8(self, fp8: bool) -> Precision {
+        match (self, fp8) {
+            (p, false) => p,
+            (Precision::F32 | Precision::Fp8, true) => Precision::Fp8,
+            (_, true) => Precision::Bf16Fp8,
         }
     }
 }
@@ -335,6 +359,81 @@ pub const TOLERANCES: &[(StageGroup, Precision, Tolerance, &str)] = &[
          1| 1.8e-4, largest element error 1.9e-3·rms, pass fraction 1.0. Limits: 2.9×, 3.1×, \
          3.3×, atol_rms 2.6× the largest element error",
     ),
+    // fp8 rows. Measured: mla-diff's own paths with `run --fp8-compute` on the CPU backend
+    // against the f64 reference that quantizes the same GEMM inputs: every committed fixture of
+    // golden/models and golden/hf-v3-fp8 (22 models), layer 1, batches `--seqs 1,15,16,17,53`
+    // and `--tokens 390`, `token-group` on every path and `tensor` on mha, mqa and mixed, f32
+    // and bf16 (scripts/bench/fp8_rows.py prints these figures). Not yet measured against an
+    // engine's own fp8 kernels (vLLM's CUTLASS block GEMM, FLASHMLA's fp8 decode on the H200).
+    (StageGroup::Weights, Precision::Fp8, EXACT, FP8_WEIGHTS_WHY),
+    (
+        StageGroup::Activations,
+        Precision::Fp8,
+        Tolerance {
+            rel_l2: 5e-2,
+            cos_diff: 6e-4,
+            norm_ratio: 2.5e-3,
+            atol_rms: 0.1,
+            rtol: 0.1,
+            min_pass_fraction: 0.99,
+        },
+        "measured (scripts/bench/fp8_rows.py, above; 352 runs): worst rel_l2 2.1e-2 (legacy-kvb-q8_0, \
+         tensor, mha ffn_out at T = 102: one flipped q_c element re-quantized through the layer; \
+         token-group at most 8.0e-3), cos_diff 2.3e-4, |norm ratio − 1| 7.9e-4, largest element \
+         error 0.54·rms, worst pass fraction 0.99824 at atol_rms = rtol = 0.1. Limits: 2.4×, \
+         2.7×, 3.1×, and 0.99 allows 5.7× the worst failing fraction. A wrong scale moves whole \
+         blocks or tensors by factors, far outside",
+    ),
+    (
+        StageGroup::Lse,
+        Precision::Fp8,
+        Tolerance {
+            rel_l2: 5e-3,
+            cos_diff: 3e-6,
+            norm_ratio: 1.5e-4,
+            atol_rms: 1e-2,
+            rtol: 1e-2,
+            min_pass_fraction: 0.99,
+        },
+        "measured (scripts/bench/fp8_rows.py, above): worst rel_l2 1.5e-3, cos_diff 1.1e-6, \
+         |norm ratio − 1| 4.3e-5 (legacy-kvb-moe-q8_0, tensor, mha), largest element error \
+         2.2e-2·rms, worst pass fraction 0.99755 (1 of 408) at 1e-2. Limits: 3.4×, 2.8×, 3.5×, \
+         0.99 allows 4× the failing fraction",
+    ),
+    (StageGroup::Weights, Precision::Bf16Fp8, BF16_WEIGHTS, FP8_WEIGHTS_WHY),
+    (
+        StageGroup::Activations,
+        Precision::Bf16Fp8,
+        Tolerance {
+            rel_l2: 0.2,
+            cos_diff: 7e-3,
+            norm_ratio: 1.7e-2,
+            atol_rms: 0.25,
+            rtol: 0.25,
+            min_pass_fraction: 0.99,
+        },
+        "measured (scripts/bench/fp8_rows.py, above): worst rel_l2 7.1e-2 (minicpm3-f32, tensor, \
+         mha ffn_out; token-group 6.8e-2, legacy-kvb-q8_0): a bf16 rounding of an input differs \
+         between the sides far more often than an f32 one, so E4M3 steps flip on about 1 % of \
+         each quantized input; cos_diff 2.5e-3, |norm ratio − 1| 5.6e-3, largest element error \
+         1.04·rms, worst pass fraction 0.99923 at atol_rms = rtol = 0.25. Limits: 2.8×, 2.8×, \
+         3×, 0.99 allows 13× the failing fraction",
+    ),
+    (
+        StageGroup::Lse,
+        Precision::Bf16Fp8,
+        Tolerance {
+            rel_l2: 2.5e-2,
+            cos_diff: 1.2e-4,
+            norm_ratio: 5e-3,
+            atol_rms: 5e-2,
+            rtol: 5e-2,
+            min_pass_fraction: 0.99,
+        },
+        "measured (scripts/bench/fp8_rows.py, above): worst rel_l2 8.9e-3, cos_diff 3.9e-5 \
+         (dsa-v32-f32, tensor, mha), |norm ratio − 1| 1.6e-3, largest element error 8.5e-2·rms \
+         (every element within atol_rms = rtol = 5e-2). Limits: 2.8×, 3.1×, 3.1×",
+    ),
 ];
 
 /// Limits that pass only equal values: every difference limit 0, every element must pass. The
@@ -347,6 +446,21 @@ const EXACT: Tolerance = Tolerance {
     rtol: 0.0,
     min_pass_fraction: 1.0,
 };
+
+/// The bf16 weight row's limits (one bf16 rounding of each weight), shared by the fp8 row of
+/// bf16 paths.
+const BF16_WEIGHTS: Tolerance = Tolerance {
+    rel_l2: 4e-3,
+    cos_diff: 1e-5,
+    norm_ratio: 4e-3,
+    atol_rms: 0.0,
+    rtol: 4e-3,
+    min_pass_fraction: 1.0,
+};
+
+/// Why the fp8 rows' weight sites are judged as the rows without fp8 judge them.
+const FP8_WEIGHTS_WHY: &str = "fp8 compute quantizes activations, not weights: weight sites hold the \
+     dequantized values on both sides, as in the f32 (exact) and bf16 rows";
 
 /// Why id sites are judged [`EXACT`].
 const EXACT_IDS_WHY: &str = "expert ids are compared as a set per token (both sides sorted \
@@ -368,7 +482,7 @@ pub fn selection_tie_band(precision: impl Into<Precision>) -> (f64, &'static str
             1e-2,
             "f16 has 3 more mantissa bits than bf16: a quarter of the bf16 band, rounded up",
         ),
-        Precision::Bf16 | Precision::EngineBf16 => (
+        Precision::Bf16 | Precision::EngineBf16 | Precision::Fp8 | Precision::Bf16Fp8 => (
             4e-2,
             "bf16 engine scores vs the f64 reference on dsa-v32-q8_0 and dsa-glm-f32 (batches              [1,15,16,17,53] and [3,40], layer 1): idx_scores rel_l2 ≤ 5.1e-3, largest error              1.8e-2 at a row maximum of 2.6 (0.7%); both keys of a flipped pair move, so 2×, and              2× margin again: 4e-2 (the flips seen there were all inside 1%)",
         ),

@@ -430,11 +430,13 @@ pub fn run_line(report: &RunReport) -> String {
             starts.join(","),
             d.dtype,
             d.tolerance_rows,
-            // Rows other than the engine dtype's come from a kernel precision (header or flag).
-            if d.tolerance_rows == d.dtype.precision() {
-                ""
-            } else {
-                " (kernel precision)"
+            // Rows other than the engine dtype's come from declared fp8 GEMMs (the header's
+            // act_quant) or a kernel precision (header or flag).
+            match d.tolerance_rows {
+                r if r == d.dtype.precision() => "",
+                crate::judge::tolerance::Precision::Fp8 | crate::judge::tolerance::Precision::Bf16Fp8 =>
+                    " (fp8 GEMMs: act_quant)",
+                _ => " (kernel precision)",
             },
             d.map.as_deref().unwrap_or("none")
         );

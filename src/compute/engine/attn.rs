@@ -46,7 +46,8 @@ impl<O: Ops> RankAttn<'_, O> {
         let [_, l, p, _, v] = self.cfg.dims().nlprv();
         let nh = self.nh;
         let ops = self.ops;
-        let kv = ops.linear(kv_c, rows, l, &self.rw.kv_b, nh * (p + v))?;
+        let kv_q = fp8_in(ops, self.opts, kv_c, l)?;
+        let kv = ops.linear(kv_q.as_ref().unwrap_or(kv_c), rows, l, &self.rw.kv_b, nh * (p + v))?;
         let mut k_nope = ops.canary(rows * nh * p)?;
         let mut vv = ops.canary(rows * nh * v)?;
         if self.opts.faults.has(Fault::KvBGrouped) {

@@ -124,7 +124,7 @@ pub(super) fn ffn_block<O: Ops>(
     ops: &O,
     tr: &mut Trace,
     layer: usize,
-    cfg: &MlaConfig,
+    (cfg, opts): (&MlaConfig, &PathOptions),
     ffn: &Ffn<O::Buf>,
     hidden: &O::Buf,
     o: &O::Buf,
@@ -147,7 +147,8 @@ pub(super) fn ffn_block<O: Ops>(
     let ir = ffn.f / tp;
     let (mut gates, mut ups, mut acts, mut parts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (rank, fr) in ffn.ranks.iter().enumerate() {
-        let gate_up = ops.linear(&xn, t, hd, &fr.gate_up, 2 * ir)?;
+        let xq = fp8_in(ops, opts, &xn, hd)?;
+        let gate_up = ops.linear(xq.as_ref().unwrap_or(&xn), t, hd, &fr.gate_up, 2 * ir)?;
         let mut gate = ops.canary(t * ir)?;
         let mut up = ops.canary(t * ir)?;
         ops.copy2d(&gate_up, &mut gate, copy_rows(t, ir).src(0, 2 * ir).dst(0, ir))?;
@@ -173,7 +174,8 @@ pub(super) fn ffn_block<O: Ops>(
             record_buf_owned(ops, tr, layer, Stage::FfnGateUpRank(rk), &[t, 2 * ir], gate_up)?;
         }
         let act = ops.silu_mul(&gate, &up, t * ir)?;
-        parts.push(ops.linear(&act, t, ir, &fr.down, hd)?);
+        let aq = fp8_in(ops, opts, &act, ir)?;
+        parts.push(ops.linear(aq.as_ref().unwrap_or(&act), t, ir, &fr.down, hd)?);
         gates.push(gate);
         ups.push(up);
         acts.push(act);

@@ -60,6 +60,12 @@ fn rank_heads(n: usize, tp: usize, r: usize) -> Range<usize> {
     r * nh..(r + 1) * nh
 }
 
+/// A projection's input as the path's fp8 GEMM reads it ([`PathOptions::fp8`], rows of `k`
+/// values): `None` without fp8 compute, where the projection reads `x` itself.
+fn fp8_in<O: Ops>(ops: &O, opts: &PathOptions, x: &O::Buf, k: usize) -> Result<Option<O::Buf>> {
+    opts.fp8.as_ref().map(|q| ops.fp8_input(x, k, q)).transpose()
+}
+
 /// Starts a [`Copy2d`] of `rows` rows of `width` elements, one source row per destination row
 /// (`src_row_div` 1); [`Copy2d::src`] and [`Copy2d::dst`] then say where the rows lie.
 fn copy_rows(rows: usize, width: usize) -> Copy2d {
@@ -366,7 +372,8 @@ fn run_loaded<O: Ops>(
     // (`crate::compute::collective`).
     let mut parts = Vec::with_capacity(tp);
     for (rw, ro) in ew.ranks.iter().zip(&outs) {
-        parts.push(ops.linear(&ro.out, t, nh * v, &rw.o_proj, hd)?);
+        let xq = fp8_in(ops, opts, &ro.out, nh * v)?;
+        parts.push(ops.linear(xq.as_ref().unwrap_or(&ro.out), t, nh * v, &rw.o_proj, hd)?);
     }
     drop(outs);
     if tp > 1 {
@@ -388,7 +395,7 @@ fn run_loaded<O: Ops>(
         } else {
             &pro.hidden
         };
-        let out = ffn_block(ops, &mut tr, layer, cfg, ffn, residual, &o, t)?;
+        let out = ffn_block(ops, &mut tr, layer, (cfg, opts), ffn, residual, &o, t)?;
         record_buf(ops, &mut tr, layer, Stage::HiddenOut, &[t, hd], &out)?;
     } else if opts.faults.has(Fault::ResidualScaled) {
         notes.push(format!(

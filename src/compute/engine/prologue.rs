@@ -124,12 +124,23 @@ pub(super) fn prologue<O: Ops>(
     let hidden = ops.upload(&hidden_host)?;
     let attn_in = ops.rms_norm(&hidden, t, 0, hd, hd, &ew.attn_norm, eps)?;
 
+    // fp8 GEMMs: the latent projections read attn_in quantized once; q_b reads q_c_normed
+    // quantized (a model without q_lora_rank: q_proj reads the quantized attn_in).
+    let attn_q = fp8_in(ops, opts, &attn_in, hd)?;
     let LatentProjections {
         q_c: q_c_keep,
         q_in_width,
         kv_a,
-    } = latent_projections(ops, cfg, ew, &attn_in, t)?;
-    let q_input = q_c_keep.as_ref().map_or(&attn_in, |(_, qcn)| qcn);
+    } = latent_projections(ops, cfg, ew, attn_q.as_ref().unwrap_or(&attn_in), t)?;
+    let q_c_q = match &q_c_keep {
+        Some((_, qcn)) => fp8_in(ops, opts, qcn, q_in_width)?,
+        None => None,
+    };
+    let q_input = match (&q_c_keep, &q_c_q, &attn_q) {
+        (Some(_), Some(x), _) | (None, _, Some(x)) => x,
+        (Some((_, qcn)), None, _) => qcn,
+        (None, _, None) => &attn_in,
+    };
     // Column-parallel q projection, per rank.
     let q: Vec<O::Buf> = ew
         .ranks

@@ -33,7 +33,7 @@ fn every_class() -> Vec<Class> {
     every_variant!(Class:
         WeightNotLoaded, PhantomOutput, UnwrittenRows, ShardOrder, TpRankOrder, TpReduce, KvBLayout,
         QuantBlockMisaligned, QuantScaleLayout, Transposed, NormSkipped, RopeStyle, SoftmaxScale, LseMerge, MoeRouting,
-        IndexerRopeStyle, IndexerTopkStale, IndexerSelection, ResidualScale, Precision, Nonfinite, ScaleOnly,
+        IndexerRopeStyle, IndexerTopkStale, IndexerSelection, ResidualScale, Fp8ActScale, Precision, Nonfinite, ScaleOnly,
         PathDisagreement, Mismatch, WeightNonfinite,
         StridedView, PagedKv,
     )
@@ -47,6 +47,7 @@ fn every_fault() -> Vec<Fault> {
         AllReduceReadEarly, PhantomOutputStale, KvNormSkipped, SplitLseBase2, SplitDropped,
         SplitDuplicated, SplitEmptyZero, SplitEmptyFinite, ResidualScaled, Fp16AccumQlNope,
         PagedKvPageSize, PagedKvBlockOffset, SlotMappingOffset, KPeStride, KvBHalvesSwapped, KvBHeadsInterleaved,
+        Fp8ScalePaddedRows,
     )
 }
 

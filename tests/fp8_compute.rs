@@ -138,3 +138,71 @@ fn per_tensor_scales_refuse_the_chunked_path_before_any_work() {
     let (code, out, _) = run_json(&["--fp8-compute", "tensor", "--path", "chunked"]);
     assert_eq!(code, 2, "{out}");
 }
+
+/// `fp8-scale-padded-rows`: attn_in's per-tensor scale taken over a CUDA-graph batch's stale
+/// padded rows is named `fp8-act-scale` at `q_c` on every path it acts on, in both dtypes, with
+/// the factor the stale rows put on the scale (2^16).
+#[test]
+fn a_per_tensor_scale_over_padded_rows_is_named_at_q_c() {
+    let m = fp8_model();
+    for dtype in ["f32", "bf16"] {
+        for path in ["mha", "mqa", "mixed"] {
+            let (code, out, doc) = run_json(&[
+                "--model",
+                m.to_str().unwrap(),
+                "--layer",
+                "1",
+                "--seqs",
+                "1,15,16,17,53",
+                "--fp8-compute",
+                "tensor",
+                "--path",
+                path,
+                "--dtype",
+                dtype,
+                "--inject",
+                "fp8-scale-padded-rows",
+            ]);
+            assert_eq!(code, 1, "{path} {dtype}: {out}");
+            let f = &doc["findings"][0];
+            assert_eq!(f["class"], "fp8-act-scale", "{path} {dtype}: {out}");
+            assert_eq!(f["site"], "L1.q_c", "{out}");
+            assert!(f["evidence"].as_str().unwrap().contains("6.554e4×"), "{f}");
+            assert!(out.contains("the batch of 102 tokens was padded to 104 rows"), "{out}");
+        }
+    }
+}
+
+/// The fault needs per-tensor scales, and a batch that is padded: otherwise it is refused or
+/// said to have had nothing to act on.
+#[test]
+fn the_padded_rows_fault_says_when_it_cannot_act() {
+    let m = fp8_model();
+    let m = m.to_str().unwrap();
+    let base = [
+        "--model",
+        m,
+        "--layer",
+        "1",
+        "--path",
+        "mha",
+        "--inject",
+        "fp8-scale-padded-rows",
+    ];
+    let (code, out, _) = run_json(&base);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("--inject fp8-scale-padded-rows: needs --fp8-compute tensor"),
+        "{out}"
+    );
+    let (code, out, _) = run_json(&[&base[..], &["--fp8-compute", "token-group"]].concat());
+    assert_eq!(code, 2, "{out}");
+    // 16 tokens is a CUDA-graph size: no padded row, so the clean result is inconclusive.
+    let (code, out, _) = run_json(&[&base[..], &["--fp8-compute", "tensor", "--tokens", "16"]].concat());
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("a batch of 16 tokens needs no padding"), "{out}");
+    assert!(
+        out.contains("inconclusive: --inject fp8-scale-padded-rows did not act on this batch"),
+        "{out}"
+    );
+}

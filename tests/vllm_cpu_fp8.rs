@@ -52,6 +52,7 @@ fn every_committed_cpu_fp8_file_is_a_case_here() {
         on_disk,
         [
             "hf-v3-fp8.fp8-scale-transposed.weights.safetensors",
+            "hf-v3-fp8.w8a8-block-moe.safetensors",
             "hf-v3-fp8.w8a8-block.safetensors",
             "hf-v3-fp8.weight-only.safetensors",
             "hf-v3-fp8.weights.safetensors",
@@ -279,5 +280,25 @@ fn a_hostile_act_quant_is_refused_naming_its_field() {
             "{q}: wants {field}: {err}"
         );
         assert!(!err.contains("panick"), "{q}: {err}");
+    }
+}
+
+/// Both layers in W8A8-block: layer 1 is an MoE layer whose routed experts (vLLM's
+/// `Fp8MoEMethod` through the stand-in) and shared expert quantize their inputs too. The
+/// reference quantizes the same expert inputs: `hidden_out` of layer 1, which carries the routed
+/// experts' weighted sum, agrees at f32 precision in every step.
+#[test]
+fn the_w8a8_block_moe_layer_passes_with_its_experts_quantized() {
+    let path = file("hf-v3-fp8.w8a8-block-moe.safetensors");
+    let (code, out, err, doc) = compare_json(&model(), &path, &[]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("all 124 sites within tolerance"), "{out}");
+    let sites = doc["sites"].as_array().unwrap();
+    for step in ["prefill", "decode-1", "decode-2"] {
+        let h = sites
+            .iter()
+            .find(|s| s["step"] == step && s["site"] == "L1.hidden_out")
+            .unwrap();
+        assert!(h["metrics"]["rel_l2"].as_f64().unwrap() < 1e-6, "{step}: {h}");
     }
 }

@@ -370,6 +370,9 @@ fn check_faults(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig, dtype: crate::
         if let Err(e) = f.applies_to_dtype(dtype) {
             return Err(Error::Usage(format!("--inject {f}: {e}")));
         }
+        if let Err(e) = f.applies_to_fp8(rc.path_options.fp8.as_ref()) {
+            return Err(Error::Usage(format!("--inject {f}: {e}")));
+        }
         let verdicts: Vec<(PathKind, std::result::Result<(), &str>)> = rc
             .paths
             .iter()

@@ -104,6 +104,9 @@ pub enum Fault {
     /// The loader concatenates `kv_b_proj`'s heads interleaved by 2 (head order 0, nh/2, 1,
     /// nh/2+1, … within each rank).
     KvBHeadsInterleaved,
+    /// The MLA input's per-tensor fp8 scale is taken over the engine's padded batch: rows past
+    /// the last token hold stale values (SGLang PR #26133). Needs `--fp8-compute tensor`.
+    Fp8ScalePaddedRows,
 }
 
 impl Fault {
@@ -143,6 +146,7 @@ impl Fault {
         Fault::KPeStride,
         Fault::KvBHalvesSwapped,
         Fault::KvBHeadsInterleaved,
+        Fault::Fp8ScalePaddedRows,
     ];
 
     /// The `--inject` name (`fused-shard-swap`).
@@ -182,6 +186,7 @@ impl Fault {
             Fault::KPeStride => "k-pe-stride",
             Fault::KvBHalvesSwapped => "kv-b-halves-swapped",
             Fault::KvBHeadsInterleaved => "kv-b-heads-interleaved",
+            Fault::Fp8ScalePaddedRows => "fp8-scale-padded-rows",
         }
     }
 
@@ -258,6 +263,9 @@ impl Fault {
             Fault::KvBHeadsInterleaved => {
                 "The loader concatenates `kv_b_proj`'s heads interleaved by 2 (head order 0, nh/2, 1, nh/2+1, … within each rank)"
             }
+            Fault::Fp8ScalePaddedRows => {
+                "The MLA input's per-tensor fp8 scale is taken over the engine's padded batch, whose rows past the last token hold stale values (SGLang PR #26133; needs --fp8-compute tensor)"
+            }
         }
     }
 
@@ -290,6 +298,7 @@ impl Fault {
             Fault::Fp16AccumQlNope => Class::Precision,
             Fault::PagedKvPageSize | Fault::PagedKvBlockOffset | Fault::SlotMappingOffset => Class::PagedKv,
             Fault::KvBHalvesSwapped | Fault::KvBHeadsInterleaved => Class::KvBLayout,
+            Fault::Fp8ScalePaddedRows => Class::Fp8ActScale,
         }
     }
 
@@ -334,6 +343,7 @@ impl Fault {
             (f, _) if f.is_split_merge() => vec![Stage::Lse, Stage::AttnOut],
             (Fault::ResidualScaled, _) => vec![Stage::FfnIn, Stage::HiddenOut],
             (Fault::Fp16AccumQlNope, _) => vec![Stage::QlNope],
+            (Fault::Fp8ScalePaddedRows, _) => vec![Stage::QC],
             _ => Vec::new(),
         }
     }
@@ -396,6 +406,12 @@ impl Fault {
             Fault::KvBHeadsInterleaved if cfg.n_head / tp.max(1) < 4 || !(cfg.n_head / tp.max(1)).is_multiple_of(2) => {
                 Err("needs an even number of heads per rank, at least 4 (with 2 the interleave is the identity)")
             }
+            Fault::Fp8ScalePaddedRows if path == PathKind::Chunked => Err(
+                "per-tensor fp8 scales (--fp8-compute tensor) do not judge the chunked path, whose context chunks each get their own",
+            ),
+            Fault::Fp8ScalePaddedRows if cfg.q_lora_rank.is_none() => Err(
+                "no q_lora_rank: the fused q_a/kv_a projection whose input it quantizes is what the detector replays",
+            ),
             _ => Ok(()),
         }
     }
@@ -412,6 +428,31 @@ impl Fault {
             }
             _ => Ok(()),
         }
+    }
+
+    /// Whether the fault can act under the run's fp8 compute `fp8` (`PathOptions::fp8`):
+    /// `fp8-scale-padded-rows` needs per-tensor scales (`--fp8-compute tensor`; a per-token scale
+    /// never sees another row). Every other fault: `Ok`.
+    pub fn applies_to_fp8(self, fp8: Option<&crate::core::fp8::ActQuant>) -> Result<(), &'static str> {
+        use crate::core::fp8::ActGranularity;
+        match (self, fp8.map(|a| a.granularity)) {
+            (Fault::Fp8ScalePaddedRows, Some(ActGranularity::Tensor)) => Ok(()),
+            (Fault::Fp8ScalePaddedRows, _) => Err(
+                "needs --fp8-compute tensor (one dynamic scale over the input: a per-token scale never sees the padding)",
+            ),
+            _ => Ok(()),
+        }
+    }
+
+    /// The fp8 compute a selftest case of the fault runs with: per-tensor scales for
+    /// `fp8-scale-padded-rows`, none for every other fault.
+    pub fn selftest_fp8(self, dtype: crate::core::dtype::Dtype) -> Option<crate::core::fp8::ActQuant> {
+        use crate::core::fp8::{ActQuant, InputDtype};
+        let input = match dtype {
+            crate::core::dtype::Dtype::F32 => InputDtype::F32,
+            crate::core::dtype::Dtype::Bf16 => InputDtype::Bf16,
+        };
+        (self == Fault::Fp8ScalePaddedRows).then_some(ActQuant::tensor(Some(input)))
     }
 
     /// Whether the fault acts on the split-KV decode's merge of its KV splits (the `split-*`
@@ -452,6 +493,27 @@ impl std::fmt::Display for Fault {
         f.write_str(self.name())
     }
 }
+
+/// The rows an engine's CUDA-graph batch of `t` tokens is padded to: vLLM's capture sizes 1, 2, 4
+/// and every multiple of 8 up to 512 (`cudagraph_capture_sizes`), the smallest at least `t`;
+/// beyond 512 a batch runs eagerly, unpadded (`t`).
+pub fn padded_rows(t: usize) -> usize {
+    match t {
+        0..=2 => t,
+        3..=4 => 4,
+        5..=512 => t.div_ceil(8) * 8,
+        _ => t,
+    }
+}
+
+/// How far above the batch's largest |value| the stale rows of `fp8-scale-padded-rows` reach:
+/// memory a padded row never had written holds whatever a kernel left there, often another
+/// tensor's floats orders of magnitude away (a residual stream before its norm) or garbage bits.
+/// E4M3's normal range spans 2^15, so a scale 1024× too large still keeps every value within
+/// 1/28 of the largest at full precision and the bug hides in the rounding; at 2^16 every value
+/// of the batch lands among E4M3's subnormals (at most 448/65536 = 0.0068 after scaling, four
+/// steps of 2^-9), as with the huge stale values behind SGLang PR #26133's gibberish.
+pub const STALE_ROW_FACTOR: f64 = 65536.0;
 
 /// What a `split-*` fault does to the split-KV decode's merge (`compute::engine`, after stage 1
 /// wrote each split's partial output and LSE).

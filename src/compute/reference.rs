@@ -71,7 +71,8 @@ pub struct RefInputs<'a> {
 
 /// An engine's fp8 compute, as the reference applies it: every projection of the layer
 /// (`fused_qkv_a` or `q_proj` and `kv_a`, `q_b`, `kv_b` where attention runs expanded, `o_proj`,
-/// the MLP's `gate_up` and `down`) reads its input quantized by [`ActQuant`]; the weights are the
+/// the MLP's `gate_up` and `down`, an MoE layer's experts: [`moe_ffn`]) reads its input quantized
+/// by [`ActQuant`]; the weights are the
 /// dequantized ones on both sides (vLLM's block GEMM applies `weight_scale_inv` per block, the
 /// same products in another order of f32 rounding).
 ///

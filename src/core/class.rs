@@ -61,6 +61,10 @@ pub enum Class {
     /// The residual stream scaled where a layer adds its branches: `hidden_out` (or `ffn_in`'s
     /// `h1`) is the branches plus α × the residual, α fitted and ≠ 1.
     ResidualScale,
+    /// An fp8 GEMM's input quantized with a per-tensor scale its batch does not give: a replay
+    /// with one scale f× the batch's own (an amax over padded rows or another tensor)
+    /// reproduces the error.
+    Fp8ActScale,
     /// A product computed at lower precision than declared: a replay with inputs and/or the
     /// accumulator rounded to f16 or bf16 reproduces the error.
     Precision,
@@ -90,7 +94,7 @@ impl Class {
     /// `mismatch` when no detector explains a site, `weight-nonfinite` (a check of the GGUF
     /// itself) last. README.md, docs/faults.md, docs/design.md and docs/run-report.schema.json
     /// list the classes in this order (tests/doc_tables.rs).
-    pub const ALL: [Class; 27] = [
+    pub const ALL: [Class; 28] = [
         Class::WeightNotLoaded,
         Class::PhantomOutput,
         Class::UnwrittenRows,
@@ -112,6 +116,7 @@ impl Class {
         Class::IndexerTopkStale,
         Class::IndexerSelection,
         Class::ResidualScale,
+        Class::Fp8ActScale,
         Class::Precision,
         Class::Nonfinite,
         Class::ScaleOnly,
@@ -144,6 +149,7 @@ impl Class {
             Class::IndexerTopkStale => "indexer-topk-stale",
             Class::IndexerSelection => "indexer-selection",
             Class::ResidualScale => "residual-scale",
+            Class::Fp8ActScale => "fp8-act-scale",
             Class::Precision => "precision",
             Class::Nonfinite => "nonfinite",
             Class::ScaleOnly => "scale-only",

@@ -283,6 +283,8 @@ impl PageRun<'_> {
     /// The findings of `paths` at TP size `tp` with `faults` injected, judged on the host
     /// against the reference (selftest judges on the host on every backend).
     fn findings(&self, tp: usize, paths: Vec<PathKind>, faults: Vec<Fault>) -> Result<Vec<Finding>> {
+        // A fault of fp8 compute runs with it, judged against the reference of the same fp8.
+        let fp8 = faults.iter().find_map(|f| f.selftest_fp8(self.backend.dtype()));
         let rc = RunConfig {
             layers: vec![self.layer],
             batch: self.batch.clone(),
@@ -293,15 +295,44 @@ impl PageRun<'_> {
                 page_size: self.page,
                 tp,
                 faults: FaultSet(faults),
+                fp8,
                 ..PathOptions::default()
             },
             backend: self.backend.name().into(),
         };
         // The reference on the host: selftest judges on the host on every backend.
-        let mut r = self.base.clone();
+        let fp8_base = match fp8 {
+            Some(act) => {
+                let f = reference::Fp8Compute {
+                    act,
+                    tp,
+                    absorbed: None,
+                };
+                let inputs = reference::RefInputs {
+                    fp8: Some(&f),
+                    ..Default::default()
+                };
+                Some(reference::forward_sel(self.cfg, self.w, self.hidden, self.batch, &inputs)?.trace)
+            }
+            None => None,
+        };
+        let base = fp8_base.as_ref().unwrap_or(self.base);
+        let act = fp8.as_ref();
+        let mut r = base.clone();
         r.extend(reference::rank_weight_sites(self.cfg, self.w, tp));
-        r.extend(reference::rank_partial_sites_of(self.cfg, self.w, self.base, tp, None)?);
-        r.extend(reference::ffn_rank_sites_of(self.w, self.base, tp, None)?);
+        r.extend(reference::rank_partial_sites_of(self.cfg, self.w, base, tp, act)?);
+        r.extend(reference::ffn_rank_sites_of(self.w, base, tp, act)?);
+        let absorbed = crate::jobs::run::absorbed_references(
+            self.backend,
+            self.file,
+            self.cfg,
+            self.w,
+            self.hidden,
+            &rc,
+            tp,
+            None,
+            false,
+        )?;
         let reference = SplitTrace {
             host: r,
             device: Vec::new(),
@@ -317,7 +348,7 @@ impl PageRun<'_> {
             None,
             None,
             false,
-            &[],
+            &absorbed,
         )?;
         Ok(findings)
     }
@@ -360,6 +391,9 @@ impl PageRun<'_> {
         let works = |tp: usize| {
             servable(tp)
                 && fault.applies_to_dtype(self.backend.dtype()).is_ok()
+                && fault
+                    .applies_to_fp8(fault.selftest_fp8(self.backend.dtype()).as_ref())
+                    .is_ok()
                 && fault.applies_to_layer(self.w, tp).is_ok()
                 && PathKind::ALL.iter().any(|&p| fault.applies(p, cfg, tp, lblock).is_ok())
         };

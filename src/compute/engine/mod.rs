@@ -301,6 +301,28 @@ fn attention_scale(cfg: &MlaConfig, opts: &PathOptions) -> f32 {
     }
 }
 
+/// What `fp8-scale-padded-rows` did to this batch: the rows it was padded to, or that a batch of
+/// a capture size (or past 512 tokens, run eagerly) has no padding to act on. `None` without the
+/// fault.
+fn padded_rows_note(opts: &PathOptions, batch: &Batch) -> Option<String> {
+    if !opts.faults.has(Fault::Fp8ScalePaddedRows) {
+        return None;
+    }
+    let t = batch.n_tokens();
+    let padded = crate::compute::faults::padded_rows(t);
+    Some(if padded > t {
+        format!(
+            "fp8-scale-padded-rows: the batch of {t} tokens was padded to {padded} rows (a CUDA-graph size); attn_in's per-tensor fp8 scale was taken over the {} stale rows too, whose largest |value| is {}× the batch's",
+            padded - t,
+            crate::compute::faults::STALE_ROW_FACTOR
+        )
+    } else {
+        format!(
+            "fp8-scale-padded-rows: a batch of {t} tokens needs no padding (a CUDA-graph size, or more than 512 tokens, run eagerly): the fault had nothing to act on"
+        )
+    })
+}
+
 /// One path on weights already loaded ([`run_paths`]); `notes` starts with the loader's.
 fn run_loaded<O: Ops>(
     ops: &O,
@@ -318,6 +340,7 @@ fn run_loaded<O: Ops>(
     pro.record(ops, ew, input, &mut tr)?;
     let own_sel = engine_indexer(ops, input, opts, kind, pro, &mut tr, &mut notes)?;
     notes.extend(rope_fault_note(opts, input.batch));
+    notes.extend(padded_rows_note(opts, input.batch));
     if kind != PathKind::Mha {
         notes.extend(page_size_fault_note(opts));
     }

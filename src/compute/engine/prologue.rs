@@ -2,6 +2,8 @@
 //! the engine's cos/sin cache, and the DSA indexer's selection.
 
 use super::*;
+use crate::compute::faults::{STALE_ROW_FACTOR, padded_rows};
+use crate::core::fp8::{ActGranularity, ActQuant};
 use crate::model::config::{IndexerConfig, RopeStyle};
 
 /// Inverse RoPE frequencies with YaRN, computed the way vLLM's `DeepseekScalingRotaryEmbedding`
@@ -126,7 +128,12 @@ pub(super) fn prologue<O: Ops>(
 
     // fp8 GEMMs: the latent projections read attn_in quantized once; q_b reads q_c_normed
     // quantized (a model without q_lora_rank: q_proj reads the quantized attn_in).
-    let attn_q = fp8_in(ops, opts, &attn_in, hd)?;
+    let attn_q = match &opts.fp8 {
+        Some(q) if f.has(Fault::Fp8ScalePaddedRows) && q.granularity == ActGranularity::Tensor => {
+            Some(padded_scale_input(ops, &attn_in, t, hd, q)?)
+        }
+        _ => fp8_in(ops, opts, &attn_in, hd)?,
+    };
     let LatentProjections {
         q_c: q_c_keep,
         q_in_width,
@@ -206,6 +213,21 @@ pub(super) fn prologue<O: Ops>(
         kv_a,
         k_pe,
     })
+}
+
+/// `fp8-scale-padded-rows`: `attn_in` [t, hd] quantized with one per-tensor scale taken over the
+/// engine's padded batch ([`padded_rows`]): the stale rows past the last token reach
+/// [`STALE_ROW_FACTOR`] × the batch's largest |value|. A batch that needs no padding is quantized
+/// as it should be.
+fn padded_scale_input<O: Ops>(ops: &O, attn_in: &O::Buf, t: usize, hd: usize, q: &ActQuant) -> Result<O::Buf> {
+    let host = ops.download(attn_in)?;
+    let mut x: Vec<f64> = host.iter().map(|&v| f64::from(v)).collect();
+    let stale = (padded_rows(t) > t).then(|| {
+        let amax = x.iter().fold(0f64, |m, v| m.max(v.abs()));
+        amax * STALE_ROW_FACTOR
+    });
+    q.quantize_columns(&mut x, hd, 0..hd, stale);
+    ops.adopt(x.into_iter().map(|v| v as f32).collect())
 }
 
 /// The engine's DSA lightning indexer for one layer (vLLM's sparse MLA indexer: its own GEMMs on

@@ -234,9 +234,10 @@ pub(super) fn forward_full_tp(
         + &(Array2::from_shape_vec(hidden_in.raw_dim(), o.to_f64()).map_err(|e| Error::Internal(e.to_string()))?
             * cfg.residual_scale);
     let mw = MoeWeights::load(file, cfg, w.layer)?;
-    let out = moe_ffn(file, cfg, &mw, &h1, &mut r.trace)?;
+    let act = dsa.fp8.map(|f| &f.act);
+    let out = moe_ffn(file, cfg, &mw, &h1, &mut r.trace, (act, tp))?;
     if let Some(sh) = &mw.shared {
-        let ranks = ffn_rank_sites(w.layer, &sh.gate, &sh.up, &sh.down, &r.trace, tp, None)?;
+        let ranks = ffn_rank_sites(w.layer, &sh.gate, &sh.up, &sh.down, &r.trace, tp, act)?;
         r.trace.extend(ranks);
     }
     r.hidden_out = Some(out.hidden_out);
@@ -305,11 +306,30 @@ fn top_k(v: &[f64], k: usize) -> Vec<usize> {
     idx
 }
 
-/// `down(silu(gate·x) ⊙ up·x)` for every row of `x` [T, H] → [T, H], f64 accumulation.
-fn swiglu(x: &Array2<f64>, f: &SwiGlu) -> Array2<f64> {
+/// `silu(gate·x) ⊙ up·x` for every row of `x` [T, H] → [T, F_e], f64 accumulation: an expert's
+/// activation, the input of its `down`.
+fn expert_act(x: &Array2<f64>, f: &SwiGlu) -> Array2<f64> {
     let gate = linear(x, &widen_to_f64(&f.gate));
     let up = linear(x, &widen_to_f64(&f.up));
-    linear(&silu_mul(&gate, &up), &widen_to_f64(&f.down))
+    silu_mul(&gate, &up)
+}
+
+/// The experts' `down` inputs under one per-tensor fp8 scale over every expert's rows together
+/// (vLLM's fused MoE quantizes its whole intermediate cache at once). Unchanged without fp8.
+fn quantize_expert_acts(acts: &mut [Array2<f64>], fp8: Option<&ActQuant>) {
+    let Some(q) = fp8 else { return };
+    let amax = acts
+        .iter()
+        .flat_map(|a| a.iter())
+        .fold(0f64, |m, v| m.max(q.input.map_or(*v, |d| d.round(*v)).abs()));
+    for a in acts.iter_mut() {
+        let k = a.ncols();
+        let mut flat = a.as_standard_layout().into_owned();
+        if let Some(v) = flat.as_slice_mut() {
+            q.quantize_columns(v, k, 0..k, Some(amax));
+        }
+        *a = flat;
+    }
 }
 
 /// The MoE FFN of one layer on `h1` [T, H] (the residual stream after attention), recording
@@ -327,12 +347,19 @@ fn swiglu(x: &Array2<f64>, f: &SwiGlu) -> Array2<f64> {
 ///
 /// Errors: [`Error::Internal`] for `h1` of the wrong shape or a file without MoE config (`mw`
 /// exists only for an MoE layer); missing tensors and dequantization errors of the experts.
+///
+/// With `fp8` (an engine's fp8 GEMMs; `tp` its ranks), every expert product reads its input
+/// quantized: `ffn_in` once for the router-selected experts and the shared experts (per token
+/// group, or one scale over every token), each expert's activation for its `down` (per token
+/// group, or one scale over every expert's rows), the shared experts' `down` per rank slice.
+/// The router reads `ffn_in` unquantized (its weight stays bf16/f32 in fp8 checkpoints).
 pub fn moe_ffn(
     file: &GgufFile,
     cfg: &MlaConfig,
     mw: &MoeWeights,
     h1: &Array2<f64>,
     trace: &mut Trace,
+    (fp8, tp): (Option<&ActQuant>, usize),
 ) -> Result<MoeOut> {
     let moe = cfg
         .moe
@@ -387,6 +414,10 @@ pub fn moe_ffn(
             .collect()
     };
     let used: Vec<usize> = (0..moe.n_expert).filter(|&e| !users_of(e).is_empty()).collect();
+    let xq = gemm_input(&x, fp8, 1);
+    // One scale over every expert's activations needs them all before any `down`: that case
+    // keeps the activations and dequantizes each `down` again; otherwise each expert runs whole.
+    let per_tensor = fp8.is_some_and(|q| q.granularity == crate::core::fp8::ActGranularity::Tensor);
     type ExpertRun = (Vec<(usize, f64)>, Array2<f64>, Vec<NonFiniteTensor>);
     let runs: Vec<ExpertRun> = used
         .par_iter()
@@ -394,10 +425,29 @@ pub fn moe_ffn(
             let users = users_of(expert);
             let f = mw.expert(file, expert)?;
             let bad = f.nonfinite(layer, SwiGlu::ROUTED, Some(expert));
-            let xs = Array2::from_shape_fn((users.len(), hd), |(i, c)| x[[users[i].0, c]]);
-            Ok((users, swiglu(&xs, &f), bad))
+            let xs = Array2::from_shape_fn((users.len(), hd), |(i, c)| xq[[users[i].0, c]]);
+            let act = expert_act(&xs, &f);
+            let y = if per_tensor {
+                act
+            } else {
+                linear(&gemm_input(&act, fp8, 1), &widen_to_f64(&f.down))
+            };
+            Ok((users, y, bad))
         })
         .collect::<Result<_>>()?;
+    drop(xq);
+    let runs = if per_tensor {
+        let mut acts: Vec<Array2<f64>> = runs.iter().map(|r| r.1.clone()).collect();
+        quantize_expert_acts(&mut acts, fp8);
+        let outs: Vec<Array2<f64>> = used
+            .par_iter()
+            .zip(&acts)
+            .map(|(&expert, a)| -> Result<Array2<f64>> { Ok(linear(a, &widen_to_f64(&mw.expert(file, expert)?.down))) })
+            .collect::<Result<_>>()?;
+        runs.into_iter().zip(outs).map(|((u, _, b), y)| (u, y, b)).collect()
+    } else {
+        runs
+    };
     let mut moe_out = Array2::<f64>::zeros((t, hd));
     for (users, y, bad) in runs {
         nonfinite.extend(bad);
@@ -409,7 +459,7 @@ pub fn moe_ffn(
     record_copy(trace, layer, Stage::MoeOut, &moe_out);
     let mut hidden_out = h1 + &moe_out;
     if let Some(sh) = &mw.shared {
-        let shared_out = mlp_sites(trace, layer, &x, [&sh.gate, &sh.up, &sh.down], None, 1);
+        let shared_out = mlp_sites(trace, layer, &x, [&sh.gate, &sh.up, &sh.down], fp8, tp);
         record_copy(trace, layer, Stage::SharedOut, &shared_out);
         hidden_out += &shared_out;
     }

@@ -29,6 +29,7 @@ pub mod blocks;
 mod canary;
 mod collective;
 mod fallback;
+mod fp8;
 mod indexer;
 pub mod loaded;
 mod merge;
@@ -324,7 +325,7 @@ type Detector = fn(&SiteCtx<'_>) -> Option<Detection>;
 
 /// Every site detector with the class it names, in precedence order (earlier wins);
 /// [`fallback::mismatch`] answers when none explains the site.
-const DETECTORS: [(Class, Detector); 27] = [
+const DETECTORS: [(Class, Detector); 28] = [
     (Class::WeightNotLoaded, weights::weight_not_loaded),
     (Class::PhantomOutput, canary::phantom_output),
     // The chunked-context family (`merge`), each entry at its class's place: a context partial
@@ -355,6 +356,7 @@ const DETECTORS: [(Class, Detector); 27] = [
     (Class::IndexerTopkStale, indexer::indexer_topk_stale),
     (Class::IndexerSelection, indexer::indexer_selection),
     (Class::ResidualScale, residual::residual_scale),
+    (Class::Fp8ActScale, fp8::act_scale),
     (Class::Precision, precision::precision),
     (Class::Nonfinite, canary::nonfinite),
     (Class::ScaleOnly, fallback::scale_only),

@@ -139,27 +139,27 @@ fn hypotheses(p: Precision) -> Vec<(Narrow, Where)> {
 
 /// A product site: `out[t, g, o] = Σ_k x[t, g, k] · w[g, o, k]` over `groups` groups (heads, or
 /// 1), the inputs as recorded, the weight as a weight site holds it.
-struct Product {
+pub(super) struct Product {
     /// `x` [T, G, K], or [T, 1, K] shared by every group.
-    x: Vec<f64>,
-    x_shared: bool,
+    pub(super) x: Vec<f64>,
+    pub(super) x_shared: bool,
     /// `w` [G, O, K].
-    w: Vec<f64>,
-    groups: usize,
-    k: usize,
-    o: usize,
+    pub(super) w: Vec<f64>,
+    pub(super) groups: usize,
+    pub(super) k: usize,
+    pub(super) o: usize,
     /// What the inputs are, for evidence.
-    from: String,
+    pub(super) from: String,
 }
 
 impl Product {
-    fn tokens(&self) -> usize {
+    pub(super) fn tokens(&self) -> usize {
         let per = if self.x_shared { self.k } else { self.groups * self.k };
         self.x.len() / per.max(1)
     }
 
     /// The operands of output element `(t, g, o)`.
-    fn operands(&self, t: usize, g: usize, o: usize) -> (&[f64], &[f64]) {
+    pub(super) fn operands(&self, t: usize, g: usize, o: usize) -> (&[f64], &[f64]) {
         let xs = if self.x_shared {
             &self.x[t * self.k..(t + 1) * self.k]
         } else {
@@ -202,7 +202,7 @@ fn recorded(x: &SiteCtx<'_>, stage: Stage) -> Option<Vec<f64>> {
 
 /// The product behind the failing site, when the replay knows it and the trace holds its
 /// operands.
-fn product_of(x: &SiteCtx<'_>) -> Option<Product> {
+pub(super) fn product_of(x: &SiteCtx<'_>) -> Option<Product> {
     let cfg = x.input.cfg;
     let [n, l, p, r, v] = cfg.dims().nlprv();
     let hd = cfg.hidden;

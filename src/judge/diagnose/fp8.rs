@@ -1,0 +1,114 @@
+//! `fp8-act-scale`: an fp8 GEMM whose input was quantized with a per-tensor scale its batch does
+//! not give.
+//!
+//! A per-tensor dynamic scale is `amax/448` over the GEMM's input. When the amax also covers
+//! values that are not the batch's (the rows an engine pads a CUDA-graph batch with, which hold
+//! whatever memory held: SGLang PR #26133, gibberish only with padded batches), the scale is too
+//! large and every value loses precision, most of them sinking into E4M3's subnormals. Every
+//! input the candidate recorded is right and the output is wrong by a dense error. The replay
+//! recomputes the failing product from its inputs as recorded, quantized under one per-tensor
+//! scale `f` times the batch's own for `f` from √2 to 2²⁰ (half-octave steps), and names the
+//! class when the best `f` reproduces the candidate far better than the reference does. Only
+//! runs judged by the fp8 rows are tested, and only the products [`super::precision`] knows
+//! (`q_c`, `kv_a`, `k_nope`, `v`, `ql_nope`, the absorbed `attn_out`).
+
+use rayon::prelude::*;
+
+use super::blocks::rel_l2;
+use super::precision::product_of;
+use super::{Detection, SiteCtx};
+use crate::core::fp8::{ActQuant, InputDtype};
+use crate::core::sci::sci;
+use crate::judge::tolerance::{Precision, tolerance};
+
+/// Output elements the replay computes at most per hypothesis.
+const SAMPLE_ELEMENTS: usize = 2048;
+
+/// The candidate must sit at most this fraction of its error as is from the best replay.
+const FAR_NEARER: f64 = 0.25;
+
+/// `fp8-act-scale`: the failing product replayed with its input under each too-large per-tensor
+/// scale (see the module doc).
+pub(super) fn act_scale(x: &SiteCtx<'_>) -> Option<Detection> {
+    let input = match x.input.precision {
+        Precision::Fp8 => InputDtype::F32,
+        Precision::Bf16Fp8 => InputDtype::Bf16,
+        _ => return None,
+    };
+    let m = x.diff.metrics.as_ref()?;
+    if m.nonfinite_mismatch > 0 || m.nonfinite_cand > 0 {
+        return None;
+    }
+    let pr = product_of(x)?;
+    let (t, g, o, k) = (pr.tokens(), pr.groups, pr.o, pr.k);
+    let total = t * g * o;
+    let idx: Vec<usize> = if total <= SAMPLE_ELEMENTS {
+        (0..total).collect()
+    } else {
+        (0..SAMPLE_ELEMENTS)
+            .map(|i| {
+                let row = (i * (t * g) + t * g / 2) / SAMPLE_ELEMENTS;
+                row * o + (i * 97 + 13) % o
+            })
+            .collect()
+    };
+    let at = |i: usize| (i / (g * o), (i / o) % g, i % o);
+    let cand: Vec<f64> = idx.iter().map(|&i| x.cand.get(i)).collect();
+    let refr: Vec<f64> = idx.iter().map(|&i| x.refr.get(i)).collect();
+    let as_is = rel_l2(&cand, &refr);
+    let amax = pr.x.iter().fold(0f64, |a, v| a.max(v.abs()));
+    if !(amax > 0.0 && as_is.is_finite()) {
+        return None;
+    }
+    let q = ActQuant::tensor(Some(input));
+    // The replay under one per-tensor scale covering `cover` (an amax of at least the batch's).
+    let replay = |cover: f64| -> Vec<f64> {
+        let mut xq = pr.x.clone();
+        q.quantize_columns(&mut xq, k, 0..k, Some(cover));
+        idx.par_iter()
+            .map(|&i| {
+                let (ti, gi, oi) = at(i);
+                let xs = if pr.x_shared {
+                    &xq[ti * k..(ti + 1) * k]
+                } else {
+                    &xq[(ti * g + gi) * k..(ti * g + gi + 1) * k]
+                };
+                let (_, ws) = pr.operands(ti, gi, oi);
+                xs.iter().zip(ws).map(|(a, b)| a * b).sum()
+            })
+            .collect()
+    };
+    // The batch's own per-tensor scale must not explain it (a token-group run's rounding, or
+    // no fp8 bug at all).
+    if rel_l2(&cand, &replay(amax)) <= FAR_NEARER * as_is {
+        return None;
+    }
+    let (f, e) = (1..=40)
+        .map(|j| {
+            let f = 2f64.powf(f64::from(j) / 2.0);
+            (f, rel_l2(&cand, &replay(amax * f)))
+        })
+        .min_by(|a, b| a.1.total_cmp(&b.1))?;
+    let row = tolerance(x.site.stage, x.input.precision).0.rel_l2;
+    if !(e <= FAR_NEARER * as_is && e <= row) {
+        return None;
+    }
+    Some(Detection::new(
+        format!(
+            "{} replayed from {} as recorded, the input quantized to fp8 with one per-tensor scale {}× the batch's own \
+             (an amax of {} where the batch's largest |value| is {}): rel_l2 {} vs {} as is ({} sampled elements)",
+            x.site.stage.name(),
+            pr.from,
+            sci(f, 3),
+            sci(amax * f, 3),
+            sci(amax, 3),
+            sci(e, 2),
+            sci(as_is, 2),
+            idx.len(),
+        ),
+        "the per-tensor fp8 scale of this GEMM's input covers values the batch does not hold: an amax taken over a \
+         padded buffer (a CUDA-graph batch's rows past the last token, stale memory: SGLang PR #26133) or over another \
+         tensor; take the amax over the batch's rows only, or zero the padding before the scale is computed"
+            .to_string(),
+    ))
+}

@@ -206,3 +206,69 @@ fn the_padded_rows_fault_says_when_it_cannot_act() {
         "{out}"
     );
 }
+
+/// `--kv-cache-dtype fp8`: the paged latent cache holds E4M3 rows (with a per-tensor scale), the
+/// decode reads them back, and the reference rounds what decode tokens read the same way: mqa's
+/// `attn_latent` agrees to within one flipped E4M3 step (5e-4 here) where a reference reading the
+/// unrounded latent is 3.8e-2 away and fails.
+#[test]
+fn an_fp8_latent_cache_is_judged_with_the_same_rounding() {
+    let m = fp8_model();
+    let m = m.to_str().unwrap();
+    for dtype in ["f32", "bf16"] {
+        for path in ["mqa", "mixed"] {
+            for scale in ["1", "0.0625"] {
+                let args = [
+                    "--model",
+                    m,
+                    "--layer",
+                    "1",
+                    "--seqs",
+                    "1,15,16,17,53",
+                    "--kv-cache-dtype",
+                    "fp8",
+                    "--kv-scale",
+                    scale,
+                    "--path",
+                    path,
+                    "--dtype",
+                    dtype,
+                ];
+                let (code, out, doc) = run_json(&args);
+                assert_eq!(code, 0, "{path} {dtype} {scale}: {out}");
+                let kv = &doc["run"]["path_options"]["kv_cache"];
+                assert_eq!(kv["scale"].as_f64().unwrap(), scale.parse::<f64>().unwrap(), "{kv}");
+                if dtype == "f32" && path == "mqa" {
+                    let lat = metric(&doc, "mqa", "L1.attn_latent", "rel_l2");
+                    assert!(lat < 2e-3, "{scale}: attn_latent rel_l2 {lat}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_fp8_cache_options_are_checked_before_any_work() {
+    for (args, want) in [
+        (
+            vec!["--kv-cache-dtype", "fp8"],
+            "--kv-cache-dtype fp8: the chunked path's new tokens attend to cached context keys",
+        ),
+        (
+            vec!["--kv-scale", "0.5", "--path", "mqa"],
+            "--kv-scale: only with --kv-cache-dtype fp8",
+        ),
+        (
+            vec!["--kv-cache-dtype", "fp8", "--kv-scale", "0", "--path", "mqa"],
+            "--kv-scale 0: expected a positive finite number",
+        ),
+        (
+            vec!["--kv-cache-dtype", "fp8", "--kv-scale", "inf", "--path", "mqa"],
+            "--kv-scale inf: expected a positive finite number",
+        ),
+    ] {
+        let (code, out, _) = run_json(&args);
+        assert_eq!(code, 2, "{args:?}: {out}");
+        assert!(out.contains(want), "{args:?}: {out}");
+    }
+}

@@ -28,6 +28,20 @@ fn produced_files_validate_against_the_schema() {
         ("clean.json", vec!["--layer", "1"], 0),
         ("fp8.json", vec!["--layer", "1", "--fp8-compute", "token-group"], 0),
         (
+            "fp8-kv.json",
+            vec![
+                "--layer",
+                "1",
+                "--kv-cache-dtype",
+                "fp8",
+                "--kv-scale",
+                "0.5",
+                "--path",
+                "mqa",
+            ],
+            0,
+        ),
+        (
             "fp8-tensor.json",
             vec![
                 "--layer",

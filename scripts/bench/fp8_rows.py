@@ -3,12 +3,13 @@
 
 Why
 ---
-With `run --fp8-compute` every projection reads its input quantized to fp8 E4M3 and the
-reference quantizes the same inputs, yet the two sides still differ: wherever one side's value
+With `run --fp8-compute` every projection reads its input quantized to fp8 E4M3 (with
+`--kv-cache-dtype fp8` the latent cache holds E4M3), and the reference applies the same
+roundings, yet the two sides still differ: wherever one side's value
 (an f32 or bf16 rounding away from the other's) lands on the other side of an E4M3 midpoint, its
 quantized value moves by a whole step (6-12 % of it), and the next quantized projection carries
 and re-quantizes that through the layer. How far that goes is measured here, not guessed: every
-committed fixture model, both fp8 modes, both dtypes, two batches. The rows in
+committed fixture model, both activation modes and the fp8 cache, both dtypes, two batches. The rows in
 src/judge/tolerance.rs quote this script's table.
 
 Usage
@@ -38,8 +39,14 @@ ROOT = Path(__file__).resolve().parents[2]
 MODELS = sorted(str(p) for p in (ROOT / "golden" / "models").glob("*.gguf"))
 MODELS.append(str(ROOT / "golden" / "hf-v3-fp8"))
 BATCHES = [["--seqs", "1,15,16,17,53"], ["--tokens", "390"]]
-# `tensor` cannot judge chunked (one scale per context chunk's kv_b call): run refuses the pair
-MODES = {"token-group": ["all"], "tensor": ["mha", "mqa", "mixed"]}
+# mode -> (run arguments, paths). `tensor` cannot judge chunked (one scale per context chunk's
+# kv_b call), nor can an fp8 latent cache (cached and fresh keys in one query): run refuses them
+MODES = {
+    "token-group": (["--fp8-compute", "token-group"], ["all"]),
+    "tensor": (["--fp8-compute", "tensor"], ["mha", "mqa", "mixed"]),
+    "kv-cache": (["--kv-cache-dtype", "fp8"], ["mqa", "mixed"]),
+    "token-group+kv-cache": (["--fp8-compute", "token-group", "--kv-cache-dtype", "fp8"], ["mqa", "mixed"]),
+}
 
 
 def group(site: str) -> str | None:
@@ -58,9 +65,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "r.json"
         cases = itertools.product(MODELS, ["f32", "bf16"], MODES.items(), BATCHES)
-        for model, dtype, (mode, paths), batch in cases:
+        for model, dtype, (mode, (mode_args, paths)), batch in cases:
             for path in paths:
-                cmd = [args.bin, "run", "--model", model, "--backend", "cpu", "--fp8-compute", mode]
+                cmd = [args.bin, "run", "--model", model, "--backend", "cpu", *mode_args]
                 cmd += ["--dtype", dtype, "--path", path, "--layer", args.layer, "--quiet", "--force"]
                 cmd += ["--json", str(report), *batch]
                 r = subprocess.run(cmd, capture_output=True, text=True)

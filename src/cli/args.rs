@@ -420,6 +420,15 @@ pub struct RunSpec {
     /// per tensor. A decode (absorbed) token's keys come from the unquantized latent, as in vLLM.
     #[arg(long, value_enum)]
     pub fp8_compute: Option<values::Fp8ComputeArg>,
+    /// What the paged latent cache stores: `fp8` rounds every row written to it to E4M3 with the
+    /// scale --kv-scale (vLLM's `kv_cache_dtype="fp8"`), which the decode reads back; the
+    /// reference rounds what decode tokens read the same way. Not with the chunked path.
+    #[arg(long, value_enum, default_value_t = values::KvCacheDtypeArg::Auto)]
+    pub kv_cache_dtype: values::KvCacheDtypeArg,
+    /// The fp8 latent cache's per-tensor scale (vLLM's `k_scale`; 1.0 unless a checkpoint
+    /// carries one): a positive finite number.
+    #[arg(long, default_value_t = 1.0)]
+    pub kv_scale: f64,
 }
 
 /// Arguments of `mla-diff run`.

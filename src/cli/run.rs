@@ -472,6 +472,53 @@ pub fn parse_layers(spec: &str, n_layer: usize, block_count: usize) -> Result<Ve
     Ok(v)
 }
 
+/// The fp8 compute and latent cache `a` asks for, checked against each other and the paths:
+/// `--kv-scale` positive, finite and only with an fp8 cache; neither an fp8 cache nor per-tensor
+/// scales with the chunked path (its reference is not modelled for them).
+///
+/// Errors: [`Error::Usage`] naming the flag.
+fn fp8_options(
+    a: &RunSpec,
+    paths: &[PathKind],
+) -> Result<(
+    Option<crate::core::fp8::ActQuant>,
+    Option<crate::core::fp8::KvCacheQuant>,
+)> {
+    let fp8_cache = a.kv_cache_dtype == super::values::KvCacheDtypeArg::Fp8;
+    if !(a.kv_scale.is_finite() && a.kv_scale > 0.0) {
+        return Err(Error::Usage(format!(
+            "--kv-scale {}: expected a positive finite number",
+            a.kv_scale
+        )));
+    }
+    if a.kv_scale != 1.0 && !fp8_cache {
+        return Err(Error::Usage("--kv-scale: only with --kv-cache-dtype fp8".into()));
+    }
+    if fp8_cache && paths.contains(&PathKind::Chunked) {
+        return Err(Error::Usage(
+            "--kv-cache-dtype fp8: the chunked path's new tokens attend to cached context keys (rounded) and to their \
+             own (not), which the reference (one kind of key per query) does not model; use --path mha, mqa or mixed"
+                .into(),
+        ));
+    }
+    if a.fp8_compute == Some(super::values::Fp8ComputeArg::Tensor) && paths.contains(&PathKind::Chunked) {
+        return Err(Error::Usage(
+            "--fp8-compute tensor: the chunked path runs kv_b_proj once per context chunk, each call with its own \
+             per-tensor scale, which the reference (one scale per projection over the batch) does not model; \
+             use --path mha, mqa or mixed, or --fp8-compute token-group"
+                .into(),
+        ));
+    }
+    let dtype = a.device.dtype.into();
+    Ok((
+        a.fp8_compute.map(|f| f.act(dtype)),
+        fp8_cache.then(|| crate::core::fp8::KvCacheQuant {
+            scale: a.kv_scale,
+            input: Some(super::values::Fp8ComputeArg::input(dtype)),
+        }),
+    ))
+}
+
 /// Validates a [`RunSpec`] and opens its model: the file, its configuration and the run
 /// configuration (with an empty `backend` field).
 ///
@@ -566,14 +613,7 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
     }
 
     let paths = a.path.paths();
-    if a.fp8_compute == Some(super::values::Fp8ComputeArg::Tensor) && paths.contains(&PathKind::Chunked) {
-        return Err(Error::Usage(
-            "--fp8-compute tensor: the chunked path runs kv_b_proj once per context chunk, each call with its own \
-             per-tensor scale, which the reference (one scale per projection over the batch) does not model; \
-             use --path mha, mqa or mixed, or --fp8-compute token-group"
-                .into(),
-        ));
-    }
+    let (fp8, kv_cache) = fp8_options(a, &paths)?;
     if paths.contains(&PathKind::Chunked)
         && longest <= new_tokens
         && (a.new_tokens.is_some() || a.path == PathChoice::Chunked)
@@ -597,7 +637,8 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
             chunk_size: a.chunk_size,
             new_tokens,
             faults: FaultSet(a.inject.clone()),
-            fp8: a.fp8_compute.map(|f| f.act(a.device.dtype.into())),
+            fp8,
+            kv_cache,
             ..PathOptions::default()
         },
         backend: String::new(),

@@ -45,19 +45,33 @@ pub enum Fp8ComputeArg {
 }
 
 impl Fp8ComputeArg {
+    /// The dtype an fp8 quantizer of paths computing in `d` reads.
+    pub fn input(d: Dtype) -> crate::core::fp8::InputDtype {
+        match d {
+            Dtype::F32 => crate::core::fp8::InputDtype::F32,
+            Dtype::Bf16 => crate::core::fp8::InputDtype::Bf16,
+        }
+    }
+
     /// The quantization, reading values of the paths' compute dtype `d` (bf16 paths quantize
     /// bf16 activations).
     pub fn act(self, d: Dtype) -> crate::core::fp8::ActQuant {
-        use crate::core::fp8::{ActQuant, InputDtype};
-        let input = match d {
-            Dtype::F32 => InputDtype::F32,
-            Dtype::Bf16 => InputDtype::Bf16,
-        };
+        use crate::core::fp8::ActQuant;
+        let input = Self::input(d);
         match self {
             Fp8ComputeArg::TokenGroup => ActQuant::token_group(128, Some(input)),
             Fp8ComputeArg::Tensor => ActQuant::tensor(Some(input)),
         }
     }
+}
+
+/// `run --kv-cache-dtype`: what the paged latent cache stores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KvCacheDtypeArg {
+    /// The paths' compute dtype (vLLM's `auto`).
+    Auto,
+    /// fp8 E4M3 with one per-tensor scale (`--kv-scale`), as vLLM's `kv_cache_dtype="fp8"`.
+    Fp8,
 }
 
 /// `compare --precision`: what a kernel judged alone read (its outputs are judged by the rows

@@ -10,7 +10,7 @@
 use crate::compute::collective::{ReduceFault, host_all_reduce_sum};
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
-use crate::core::fp8::ActQuant;
+use crate::core::fp8::{ActQuant, KvCacheQuant};
 use crate::core::trace::Site;
 use crate::model::gguf::GgmlType;
 
@@ -161,6 +161,12 @@ pub trait Ops {
         let mut v = self.download(x)?;
         q.quantize_f32(&mut v, k, 1);
         self.adopt(v)
+    }
+    /// Rows bound for an fp8 latent cache as it stores them ([`KvCacheQuant::round`]), a new
+    /// buffer; on the host for every backend, as [`Ops::fp8_input`].
+    fn fp8_cache_rows(&self, x: &Self::Buf, q: &KvCacheQuant) -> Result<Self::Buf> {
+        let v = self.download(x)?;
+        self.adopt(v.into_iter().map(|x| q.round(f64::from(x)) as f32).collect())
     }
     /// Whole tensor `name` (`n` elements) as the backend already dequantized it in its own
     /// memory for this layer, taken over by the caller; `None` (the default) when the backend

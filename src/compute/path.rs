@@ -92,6 +92,11 @@ pub struct PathOptions {
     /// [`Ops::fp8_input`](crate::compute::ops::Ops::fp8_input). `None`: inputs as they are.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fp8: Option<crate::core::fp8::ActQuant>,
+    /// An fp8 latent cache: every row written to the paged cache is rounded as
+    /// [`KvCacheQuant::round`](crate::core::fp8::KvCacheQuant::round) says, and the decode reads
+    /// it back so. `None`: the cache holds the values as they are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache: Option<crate::core::fp8::KvCacheQuant>,
 }
 
 impl Default for PathOptions {
@@ -105,6 +110,7 @@ impl Default for PathOptions {
             new_tokens: 5,
             faults: FaultSet::default(),
             fp8: None,
+            kv_cache: None,
         }
     }
 }

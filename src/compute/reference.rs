@@ -25,7 +25,7 @@ use rayon::prelude::*;
 use crate::compute::indexer::{self, AttendKeys, Selection};
 use crate::core::batch::Batch;
 use crate::core::error::{Error, Result};
-use crate::core::fp8::{ActQuant, QkQuant};
+use crate::core::fp8::{ActQuant, KvCacheQuant, QkQuant};
 use crate::core::trace::{RankedWeight, Site, Stage, Trace, TraceTensor};
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
@@ -81,10 +81,16 @@ pub struct RefInputs<'a> {
 /// unquantized. A token whose attention ran absorbed (a decode query, `forward_mqa`) therefore
 /// scores keys whose `k_nope` and `v` come from the unquantized latent, while a prefill token
 /// (`forward_mha`, the chunked context too) scores keys expanded from the quantized latent.
+///
+/// An fp8 latent cache (`kv_cache`) rounds what the absorbed tokens read: their keys' `kv_c_normed`
+/// and `k_pe` (and so `k_nope`/`v` through `W_UK_T`/`W_UV`) and the latent their attention sums.
+/// Expanded tokens attend over the step's own K/V, as `forward_mha` does.
 #[derive(Debug, Clone, Copy)]
 pub struct Fp8Compute<'a> {
-    /// The activation quantization.
-    pub act: ActQuant,
+    /// The activation quantization; `None`: projections read their inputs as they are.
+    pub act: Option<ActQuant>,
+    /// The latent cache's fp8 rounding; `None`: the cache holds the values as they are.
+    pub kv_cache: Option<KvCacheQuant>,
     /// Ranks of the row-parallel projections (`o_proj`, the MLP's `down`): each rank quantizes
     /// its own slice of the input columns. 1 without TP.
     pub tp: usize,
@@ -368,7 +374,7 @@ pub fn forward_sel(
     }
     let layer = w.layer;
     let eps = cfg.rms_eps;
-    let act = dsa.fp8.map(|f| &f.act);
+    let act = dsa.fp8.and_then(|f| f.act.as_ref());
     let mut tr = Trace::new();
     record_copy(&mut tr, layer, Stage::HiddenIn, hidden_in);
 
@@ -495,11 +501,19 @@ pub fn forward_sel(
         Some(sel) => attention_selected(cfg, batch, sel, inputs),
     };
     let (mut attn_out, mut attn_latent, mut lse) = attend(&inputs);
-    // Absorbed (decode) tokens of an fp8 engine score keys expanded from the unquantized latent.
-    if let (Some(_), Some(absorbed)) = (act, dsa.fp8.and_then(|f| f.absorbed))
+    // Absorbed (decode) tokens of an fp8 engine score keys expanded from the unquantized latent
+    // (W_UK_T/W_UV), read from the cache: rounded when the cache is fp8.
+    let kv_cache = dsa.fp8.and_then(|f| f.kv_cache);
+    if let Some(absorbed) = dsa.fp8.and_then(|f| f.absorbed)
+        && (act.is_some() || kv_cache.is_some())
         && absorbed.iter().any(|&a| a)
     {
-        let kv_u = linear(&kv_c_normed, &kv_b)
+        let cached = |a: &Array2<f64>| match &kv_cache {
+            Some(c) => a.mapv(|x| c.round(x)),
+            None => a.clone(),
+        };
+        let (kv_c_k, k_pe_k) = (cached(&kv_c_normed), cached(&k_pe_roped));
+        let kv_u = linear(&kv_c_k, &kv_b)
             .into_shape_with_order((t, n, p + v))
             .map_err(|e| Error::Internal(e.to_string()))?;
         let (k_u, v_u) = (
@@ -509,6 +523,8 @@ pub fn forward_sel(
         let (o_u, lat_u, lse_u) = attend(&AttnInputs {
             k_nope: &k_u,
             v: &v_u,
+            k_pe_roped: &k_pe_k,
+            kv_c_normed: &kv_c_k,
             ..inputs
         });
         for (ti, _) in absorbed.iter().enumerate().filter(|(ti, a)| **a && *ti < t) {
@@ -939,7 +955,7 @@ pub fn reference_layer_with(
     dsa: &RefInputs<'_>,
 ) -> Result<RefOutput> {
     let r = forward_sel(cfg, w, hidden, batch, dsa)?;
-    with_rank_sites(r, cfg, w, tp, dsa.fp8.map(|f| &f.act))
+    with_rank_sites(r, cfg, w, tp, dsa.fp8.and_then(|f| f.act.as_ref()))
 }
 
 /// A reference layer's output plus the per-rank weight sites, `o_proj` partials and (a dense
@@ -994,7 +1010,7 @@ pub fn reference_layer_full_with(
     dsa: &RefInputs<'_>,
 ) -> Result<RefOutput> {
     let r = ffn::forward_full_tp(file, cfg, w, hidden, batch, dsa, tp)?;
-    with_rank_sites(r, cfg, w, tp, dsa.fp8.map(|f| &f.act))
+    with_rank_sites(r, cfg, w, tp, dsa.fp8.and_then(|f| f.act.as_ref()))
 }
 
 #[cfg(test)]

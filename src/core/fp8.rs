@@ -276,6 +276,33 @@ impl ActQuant {
     }
 }
 
+/// An fp8 latent cache (vLLM's `kv_cache_dtype="fp8"` on MLA): `concat_and_cache_mla` stores
+/// each row of `kv_c_normed ‖ k_pe` as `e4m3(x/scale)` (the division in f32, E4M3 round to
+/// nearest even, saturating) with one per-tensor scale, `k_scale` (1.0 unless the checkpoint
+/// carries one), and the attention reads `scale·e4m3(x/scale)` back.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct KvCacheQuant {
+    /// The per-tensor scale `k_scale` (positive, finite).
+    pub scale: f64,
+    /// The dtype the cache write reads (the reference rounds to it first); `None`: the values
+    /// as they are.
+    pub input: Option<InputDtype>,
+}
+
+impl KvCacheQuant {
+    /// `x` as the cache holds it: `scale·e4m3(f32(x)/f32(scale))`, `x` first rounded to
+    /// [`KvCacheQuant::input`].
+    pub fn round(&self, x: f64) -> f64 {
+        let x = self.input.map_or(x, |d| d.round(x));
+        round_e4m3(f64::from(x as f32 / self.scale as f32)) * f64::from(self.scale as f32)
+    }
+
+    /// One line for reports.
+    pub fn describe(&self) -> String {
+        format!("fp8_e4m3 latent cache, k_scale {}", self.scale)
+    }
+}
+
 /// The fp8 quantization of the two operands of a scoring product `q·k` (a DSA indexer's query
 /// and key; an fp8 KV cache's query and key), each with its own blocks and scale floor.
 #[derive(Debug, Clone, Copy, PartialEq)]

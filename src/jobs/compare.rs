@@ -360,7 +360,8 @@ fn layer_reference(
     dsa: DumpDsa<'_>,
 ) -> Result<LayerRef> {
     let fp8 = dsa.act.map(|&act| Fp8Compute {
-        act,
+        act: Some(act),
+        kv_cache: None,
         tp,
         absorbed: dsa.absorbed,
     });
@@ -2083,7 +2084,8 @@ impl<'a> ContextRows<'a> {
                     .as_ref()
                     .map(crate::model::dump::ActQuantDecl::act);
                 let fp8 = act.map(|act| Fp8Compute {
-                    act,
+                    act: Some(act),
+                    kv_cache: None,
                     tp: 1,
                     absorbed: None,
                 });

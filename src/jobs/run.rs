@@ -69,9 +69,10 @@ pub(crate) fn absorbed_references(
     shared: Option<&Selection>,
     full: bool,
 ) -> Result<Vec<(PathKind, Trace)>> {
-    let Some(act) = rc.path_options.fp8 else {
+    let (act, kv_cache) = (rc.path_options.fp8, rc.path_options.kv_cache);
+    if act.is_none() && kv_cache.is_none() {
         return Ok(Vec::new());
-    };
+    }
     let batch = &rc.batch;
     let mut out = Vec::new();
     for &kind in &rc.paths {
@@ -91,6 +92,7 @@ pub(crate) fn absorbed_references(
         };
         let fp8 = Fp8Compute {
             act,
+            kv_cache,
             tp,
             absorbed: Some(&mask),
         };
@@ -132,8 +134,10 @@ fn layer_reference(
     reference::RefOutput,
     Vec<crate::backend::cuda::compare::DeviceSite<f64>>,
 )> {
-    let fp8 = rc.path_options.fp8.map(|act| Fp8Compute {
-        act,
+    let o = &rc.path_options;
+    let fp8 = (o.fp8.is_some() || o.kv_cache.is_some()).then_some(Fp8Compute {
+        act: o.fp8,
+        kv_cache: o.kv_cache,
         tp: at.tp,
         absorbed: None,
     });
@@ -207,7 +211,7 @@ pub fn compare_layer(
 ) -> Result<(Vec<PathResult>, Vec<Finding>, Vec<PathRun>)> {
     let hidden32 = timing::stage("input", || hidden.mapv(|x| x as f32));
     let dtype = backend.dtype();
-    let fp8 = rc.path_options.fp8.is_some();
+    let fp8 = rc.path_options.fp8.is_some() || rc.path_options.kv_cache.is_some();
     let precision = crate::judge::tolerance::Precision::from(dtype).with_fp8(fp8);
     let forced = forced_selection(&reference.host, w.layer, precision);
     let input = LayerInput {

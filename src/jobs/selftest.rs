@@ -304,7 +304,8 @@ impl PageRun<'_> {
         let fp8_base = match fp8 {
             Some(act) => {
                 let f = reference::Fp8Compute {
-                    act,
+                    act: Some(act),
+                    kv_cache: None,
                     tp,
                     absorbed: None,
                 };

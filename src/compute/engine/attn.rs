@@ -444,8 +444,13 @@ impl<B> CacheState<B> {
             return Ok(());
         }
         let (l, r) = (a.cfg.kv_lora_rank, a.cfg.qk_rope_head_dim);
-        let kv = a.ops.gather_rows(a.kv_c_normed, l, &kept)?;
-        let kp = a.ops.gather_rows(a.k_pe_roped, r, &kept)?;
+        let mut kv = a.ops.gather_rows(a.kv_c_normed, l, &kept)?;
+        let mut kp = a.ops.gather_rows(a.k_pe_roped, r, &kept)?;
+        // An fp8 cache stores what `concat_and_cache_mla` converts: e4m3(x / k_scale).
+        if let Some(q) = &a.opts.kv_cache {
+            kv = a.ops.fp8_cache_rows(&kv, q)?;
+            kp = a.ops.fp8_cache_rows(&kp, q)?;
+        }
         a.ops.cache_write(&mut self.cache, self.width, &kv, &kp, l, r, &slots)
     }
 }

@@ -234,7 +234,7 @@ pub(super) fn forward_full_tp(
         + &(Array2::from_shape_vec(hidden_in.raw_dim(), o.to_f64()).map_err(|e| Error::Internal(e.to_string()))?
             * cfg.residual_scale);
     let mw = MoeWeights::load(file, cfg, w.layer)?;
-    let act = dsa.fp8.map(|f| &f.act);
+    let act = dsa.fp8.and_then(|f| f.act.as_ref());
     let out = moe_ffn(file, cfg, &mw, &h1, &mut r.trace, (act, tp))?;
     if let Some(sh) = &mw.shared {
         let ranks = ffn_rank_sites(w.layer, &sh.gate, &sh.up, &sh.down, &r.trace, tp, act)?;

@@ -216,7 +216,7 @@ fn an_fp8_latent_cache_is_judged_with_the_same_rounding() {
     let m = fp8_model();
     let m = m.to_str().unwrap();
     for dtype in ["f32", "bf16"] {
-        for path in ["mqa", "mixed"] {
+        for path in ["mqa", "mixed", "chunked"] {
             for scale in ["1", "0.0625"] {
                 let args = [
                     "--model",
@@ -250,10 +250,6 @@ fn an_fp8_latent_cache_is_judged_with_the_same_rounding() {
 #[test]
 fn the_fp8_cache_options_are_checked_before_any_work() {
     for (args, want) in [
-        (
-            vec!["--kv-cache-dtype", "fp8"],
-            "--kv-cache-dtype fp8: the chunked path's new tokens attend to cached context keys",
-        ),
         (
             vec!["--kv-scale", "0.5", "--path", "mqa"],
             "--kv-scale: only with --kv-cache-dtype fp8",

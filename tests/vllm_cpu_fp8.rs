@@ -302,3 +302,82 @@ fn the_w8a8_block_moe_layer_passes_with_its_experts_quantized() {
         assert!(h["metrics"]["rel_l2"].as_f64().unwrap() < 1e-6, "{step}: {h}");
     }
 }
+
+/// `kv_cache_quant` declares an fp8 latent cache; the reference then rounds what the decode
+/// rows read. The weight-only dump's engine kept its cache unrounded, so declaring one it did not
+/// use moves its decode steps' attention off the reference (while the prefill, which reads no
+/// cache, stays exact): the declaration is applied where the engine reads the cache, and only
+/// there.
+#[test]
+fn a_declared_fp8_cache_is_applied_to_the_decode_rows_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("kv.safetensors");
+    std::fs::copy(file("hf-v3-fp8.weight-only.safetensors"), &p).unwrap();
+    crate::common::edit_safetensors_header(&p, |h| {
+        let mut hd: serde_json::Value = serde_json::from_str(h["__metadata__"]["header"].as_str().unwrap()).unwrap();
+        hd["kv_cache_quant"] = serde_json::json!({"dtype": "fp8_e4m3", "scale": 1.0, "input": "f32"});
+        h["__metadata__"]["header"] = serde_json::Value::String(hd.to_string());
+    });
+    let (_, out, err, doc) = compare_json(&model(), &p, &[]);
+    assert_eq!(doc["dump"]["tolerance_rows"], "fp8", "{out}\n{err}");
+    let rel = |step: &str, site: &str| {
+        doc["sites"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["step"] == step && s["site"] == site)
+            .unwrap()["metrics"]["rel_l2"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(rel("prefill", "L0.attn_out") < 1e-5, "{out}");
+    for step in ["decode-1", "decode-2"] {
+        let lat = rel(step, "L0.attn_latent");
+        assert!(lat > 1e-3, "{step}: attn_latent rel_l2 {lat}");
+    }
+    assert!(
+        crate::common::conversions(&doc)
+            .iter()
+            .any(|c| c.starts_with("kv_cache_quant: fp8_e4m3 latent cache, k_scale 1")),
+        "{doc}"
+    );
+}
+
+/// A hostile `kv_cache_quant` is refused before any work, naming the field.
+#[test]
+fn a_hostile_kv_cache_quant_is_refused_naming_its_field() {
+    use serde_json::json;
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        (json!(1.0), "kv_cache_quant"),
+        (json!({"dtype": "fp8_e5m2", "scale": 1.0}), "kv_cache_quant.dtype"),
+        (json!({"dtype": "fp8_e4m3", "scale": 0}), "kv_cache_quant.scale"),
+        (json!({"dtype": "fp8_e4m3", "scale": "1"}), "kv_cache_quant.scale"),
+        (json!({"dtype": "fp8_e4m3"}), "kv_cache_quant.scale"),
+        (
+            json!({"dtype": "fp8_e4m3", "scale": 1.0, "input": "fp8"}),
+            "kv_cache_quant.input",
+        ),
+        (
+            json!({"dtype": "fp8_e4m3", "scale": 1.0, "q_scale": 1.0}),
+            "kv_cache_quant.q_scale",
+        ),
+    ];
+    for (i, (q, field)) in cases.into_iter().enumerate() {
+        let p = dir.path().join(format!("hostile{i}.safetensors"));
+        std::fs::copy(file("hf-v3-fp8.weight-only.safetensors"), &p).unwrap();
+        crate::common::edit_safetensors_header(&p, |h| {
+            let mut hd: serde_json::Value =
+                serde_json::from_str(h["__metadata__"]["header"].as_str().unwrap()).unwrap();
+            hd["kv_cache_quant"] = q.clone();
+            h["__metadata__"]["header"] = serde_json::Value::String(hd.to_string());
+        });
+        let (code, out, err, _) = compare_json(&model(), &p, &[]);
+        assert_eq!(code, 2, "{q}: {out}\n{err}");
+        let line = err.lines().find(|l| l.contains("error")).unwrap_or(&err);
+        assert!(
+            line.contains(&format!("__metadata__.header.{field}")) && line.contains(p.to_str().unwrap()),
+            "{q}: wants {field}: {err}"
+        );
+    }
+}

@@ -473,8 +473,8 @@ pub fn parse_layers(spec: &str, n_layer: usize, block_count: usize) -> Result<Ve
 }
 
 /// The fp8 compute and latent cache `a` asks for, checked against each other and the paths:
-/// `--kv-scale` positive, finite and only with an fp8 cache; neither an fp8 cache nor per-tensor
-/// scales with the chunked path (its reference is not modelled for them).
+/// `--kv-scale` positive, finite and only with an fp8 cache; no per-tensor scales with the
+/// chunked path (one scale per context chunk's `kv_b` call, which the reference does not model).
 ///
 /// Errors: [`Error::Usage`] naming the flag.
 fn fp8_options(
@@ -493,13 +493,6 @@ fn fp8_options(
     }
     if a.kv_scale != 1.0 && !fp8_cache {
         return Err(Error::Usage("--kv-scale: only with --kv-cache-dtype fp8".into()));
-    }
-    if fp8_cache && paths.contains(&PathKind::Chunked) {
-        return Err(Error::Usage(
-            "--kv-cache-dtype fp8: the chunked path's new tokens attend to cached context keys (rounded) and to their \
-             own (not), which the reference (one kind of key per query) does not model; use --path mha, mqa or mixed"
-                .into(),
-        ));
     }
     if a.fp8_compute == Some(super::values::Fp8ComputeArg::Tensor) && paths.contains(&PathKind::Chunked) {
         return Err(Error::Usage(

@@ -97,6 +97,24 @@ pub struct Fp8Compute<'a> {
     /// Per token of the batch (packed order): whether its attention ran absorbed. `None`:
     /// every token's ran expanded.
     pub absorbed: Option<&'a [bool]>,
+    /// Per token: whether it is cached context of this step (computed and written to the cache
+    /// by an earlier step). With an fp8 cache, the step's expanded (prefill) tokens read such
+    /// keys back from the cache, rounded (vLLM's `_compute_prefill_context`), and their own new
+    /// keys as computed; context tokens' own outputs are their earlier step's, over fresh keys.
+    /// `None`: no token is context.
+    pub context: Option<&'a [bool]>,
+}
+
+/// An attention's three outputs: `attn_out` [T, N, V], `attn_latent` [T, N, L], `lse` [T, N].
+type AttnOutputs = (Array3<f64>, Array3<f64>, Array2<f64>);
+
+/// Copies the rows `rows` (token indices below T) of `src` into `dst`.
+fn take_token_rows(dst: &mut AttnOutputs, src: &AttnOutputs, rows: impl Iterator<Item = usize>) {
+    for ti in rows {
+        dst.0.slice_mut(s![ti, .., ..]).assign(&src.0.slice(s![ti, .., ..]));
+        dst.1.slice_mut(s![ti, .., ..]).assign(&src.1.slice(s![ti, .., ..]));
+        dst.2.slice_mut(s![ti, ..]).assign(&src.2.slice(s![ti, ..]));
+    }
 }
 
 /// `x` [T, K] as a projection reads it: quantized as `fp8` says, its K columns in `parts` rank
@@ -500,7 +518,7 @@ pub fn forward_sel(
         None => attention_causal(cfg, batch, inputs),
         Some(sel) => attention_selected(cfg, batch, sel, inputs),
     };
-    let (mut attn_out, mut attn_latent, mut lse) = attend(&inputs);
+    let mut outs = attend(&inputs);
     // Absorbed (decode) tokens of an fp8 engine score keys expanded from the unquantized latent
     // (W_UK_T/W_UV), read from the cache: rounded when the cache is fp8.
     let kv_cache = dsa.fp8.and_then(|f| f.kv_cache);
@@ -520,21 +538,46 @@ pub fn forward_sel(
             kv_u.slice(s![.., .., ..p]).to_owned(),
             kv_u.slice(s![.., .., p..]).to_owned(),
         );
-        let (o_u, lat_u, lse_u) = attend(&AttnInputs {
+        let over_cache = attend(&AttnInputs {
             k_nope: &k_u,
             v: &v_u,
             k_pe_roped: &k_pe_k,
             kv_c_normed: &kv_c_k,
             ..inputs
         });
-        for (ti, _) in absorbed.iter().enumerate().filter(|(ti, a)| **a && *ti < t) {
-            attn_out.slice_mut(s![ti, .., ..]).assign(&o_u.slice(s![ti, .., ..]));
-            attn_latent
-                .slice_mut(s![ti, .., ..])
-                .assign(&lat_u.slice(s![ti, .., ..]));
-            lse.slice_mut(s![ti, ..]).assign(&lse_u.slice(s![ti, ..]));
-        }
+        let rows = (0..t.min(absorbed.len())).filter(|&ti| absorbed[ti]);
+        take_token_rows(&mut outs, &over_cache, rows);
     }
+    // With an fp8 cache, the step's expanded tokens read context keys back from it, rounded,
+    // through kv_b_proj (an fp8 GEMM when the engine's are), and their own keys as computed.
+    if let (Some(c), Some(context)) = (&kv_cache, dsa.fp8.and_then(|f| f.context))
+        && context.iter().any(|&x| x)
+    {
+        let (mut kv_c_k, mut k_pe_k) = (kv_c_normed.clone(), k_pe_roped.clone());
+        for ti in (0..t.min(context.len())).filter(|&ti| context[ti]) {
+            kv_c_k.row_mut(ti).mapv_inplace(|x| c.round(x));
+            k_pe_k.row_mut(ti).mapv_inplace(|x| c.round(x));
+        }
+        let kv_x = linear(&gemm_input(&kv_c_k, act, 1), &kv_b)
+            .into_shape_with_order((t, n, p + v))
+            .map_err(|e| Error::Internal(e.to_string()))?;
+        let (k_x, v_x) = (
+            kv_x.slice(s![.., .., ..p]).to_owned(),
+            kv_x.slice(s![.., .., p..]).to_owned(),
+        );
+        let mixed = attend(&AttnInputs {
+            k_nope: &k_x,
+            v: &v_x,
+            k_pe_roped: &k_pe_k,
+            kv_c_normed: &kv_c_k,
+            ..inputs
+        });
+        let absorbed = dsa.fp8.and_then(|f| f.absorbed);
+        let is_absorbed = |ti: usize| absorbed.is_some_and(|a| a.get(ti) == Some(&true));
+        let rows = (0..t.min(context.len())).filter(|&ti| !context[ti] && !is_absorbed(ti));
+        take_token_rows(&mut outs, &mixed, rows);
+    }
+    let (attn_out, attn_latent, lse) = outs;
     record_moved(&mut tr, layer, Stage::AttnLatent, attn_latent);
     record_copy(&mut tr, layer, Stage::Lse, &lse);
     record_copy(&mut tr, layer, Stage::AttnOut, &attn_out);

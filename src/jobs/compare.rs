@@ -18,7 +18,7 @@ use crate::compute::reference::{RefInputs, RefOutput};
 use crate::core::batch::{Batch, SeqSpec};
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
-use crate::core::fp8::{ActQuant, QkQuant};
+use crate::core::fp8::{ActQuant, KvCacheQuant, QkQuant};
 use crate::core::timing;
 use crate::core::trace::{Site, Stage, TensorData, Trace, TraceTensor};
 use crate::device::context::Device;
@@ -359,11 +359,12 @@ fn layer_reference(
     prev_sel: &mut Option<Selection>,
     dsa: DumpDsa<'_>,
 ) -> Result<LayerRef> {
-    let fp8 = dsa.act.map(|&act| Fp8Compute {
-        act: Some(act),
-        kv_cache: None,
+    let fp8 = (dsa.act.is_some() || dsa.kv_cache.is_some()).then(|| Fp8Compute {
+        act: dsa.act.copied(),
+        kv_cache: dsa.kv_cache.copied(),
         tp,
         absorbed: dsa.absorbed,
+        context: dsa.context,
     });
     let inputs = RefInputs {
         shared: prev_sel.as_ref(),
@@ -392,6 +393,20 @@ struct DumpDsa<'a> {
     attend: Option<&'a AttendKeys>,
     act: Option<&'a ActQuant>,
     absorbed: Option<&'a [bool]>,
+    kv_cache: Option<&'a KvCacheQuant>,
+    context: Option<&'a [bool]>,
+}
+
+/// Per row of a step's full batch ([`step_full_batch`]'s layout): whether it is cached context
+/// of the step (an earlier step computed it, or a prefix hit).
+fn context_rows(spec: &crate::model::dump::StepSpec, live: &[usize]) -> Vec<bool> {
+    let mut m = Vec::new();
+    for &i in live {
+        let q = &spec.seqs[i];
+        m.extend(std::iter::repeat_n(true, q.context));
+        m.extend(std::iter::repeat_n(false, q.new));
+    }
+    m
 }
 
 /// Per row of a step's full batch (each live sequence's context rows, then its new rows, as
@@ -1329,10 +1344,22 @@ pub fn compare_steps_with(
     for (spec, d) in &steps_dump.steps {
         conversions.extend(d.conversions.iter().map(|c| format!("{}: {c}", spec.name)));
     }
-    let union_ok = opts.references == StepReferences::Union && cfg.indexer.is_none();
+    // A union row's cached-or-fresh status depends on the step that reads it: an fp8 cache
+    // needs each step's own reference.
+    let union_ok = opts.references == StepReferences::Union && cfg.indexer.is_none() && header.kv_cache_quant.is_none();
     let quant = header.indexer_quant.as_ref().map(IndexerQuant::qk);
     if let Some(q) = &header.indexer_quant {
         conversions.push(format!("indexer_quant: {}", q.describe()));
+    }
+    let kv_cache = header
+        .kv_cache_quant
+        .as_ref()
+        .map(crate::model::dump::KvCacheQuantDecl::quant);
+    if let Some(k) = &kv_cache {
+        conversions.push(format!(
+            "kv_cache_quant: {}; decode rows' keys and prefill rows' cached context keys read it rounded",
+            k.describe()
+        ));
     }
     let act = header.act_quant.as_ref().map(crate::model::dump::ActQuantDecl::act);
     if let Some(a) = &act {
@@ -1422,12 +1449,16 @@ pub fn compare_steps_with(
                     }
                     None => {
                         tally.per_step += 1;
-                        let absorbed = act.is_some().then(|| absorbed_rows(spec, &live));
+                        let fp8 = act.is_some() || kv_cache.is_some();
+                        let absorbed = fp8.then(|| absorbed_rows(spec, &live));
+                        let context = kv_cache.is_some().then(|| context_rows(spec, &live));
                         let dsa = DumpDsa {
                             quant: quant.as_ref(),
                             attend: attend.as_ref().map(|a| &a.0),
                             act: act.as_ref(),
                             absorbed: absorbed.as_deref(),
+                            kv_cache: kv_cache.as_ref(),
+                            context: context.as_deref(),
                         };
                         StepSource::Own(timing::stage("reference", || {
                             layer_reference(
@@ -1701,7 +1732,8 @@ fn steps_layers(steps_dump: &StepsDump) -> Vec<usize> {
 /// The tolerance rows of a format-2 comparison, first that applies: `precision` (`compare
 /// --precision`), `dtype` (`compare --dtype`), the header's `kernel_precision`, the header's
 /// `dtype`.
-/// With the header's `act_quant`, their fp8 counterpart ([`Precision::with_fp8`]).
+/// With the header's `act_quant` or `kv_cache_quant`, their fp8 counterpart
+/// ([`Precision::with_fp8`]).
 fn steps_precision(steps_dump: &StepsDump, dtype: Option<EngineDtype>, precision: Option<Dtype>) -> Precision {
     let rows = match (precision, dtype, steps_dump.header.kernel_precision) {
         (Some(p), _, _) => Precision::from(p),
@@ -1709,7 +1741,8 @@ fn steps_precision(steps_dump: &StepsDump, dtype: Option<EngineDtype>, precision
         (None, None, Some(k)) => Precision::from(k),
         (None, None, None) => steps_dump.steps[0].1.dtype.precision(),
     };
-    rows.with_fp8(steps_dump.header.act_quant.is_some())
+    let h = &steps_dump.header;
+    rows.with_fp8(h.act_quant.is_some() || h.kv_cache_quant.is_some())
 }
 
 /// What [`DumpScope::full_reference`] holds for a step: `None` when no sequence has cached
@@ -2088,6 +2121,7 @@ impl<'a> ContextRows<'a> {
                     kv_cache: None,
                     tp: 1,
                     absorbed: None,
+                    context: None,
                 });
                 h = next_layer_input(
                     self.file,

@@ -50,8 +50,9 @@ pub fn seeded_tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
 
 /// Per path whose attention runs absorbed on some tokens, the fp8 reference those tokens need
 /// (`mqa`: every token; `mixed`: its decode rows, the last token of each of the first ⌈S/2⌉
-/// sequences): their keys expanded from the unquantized latent ([`Fp8Compute`]). Empty without
-/// fp8 compute; `mha` and `chunked` are judged by the layer's reference.
+/// sequences): their keys expanded from the unquantized latent ([`Fp8Compute`]); with an fp8
+/// cache, `chunked` too (its new tokens read their context back from the cache, rounded). Empty
+/// without fp8; `mha` is judged by the layer's reference.
 ///
 /// Errors: the reference's own.
 #[allow(
@@ -74,19 +75,30 @@ pub(crate) fn absorbed_references(
         return Ok(Vec::new());
     }
     let batch = &rc.batch;
+    let t = batch.n_tokens();
+    let offsets = batch.offsets();
     let mut out = Vec::new();
     for &kind in &rc.paths {
-        let mask: Vec<bool> = match kind {
-            PathKind::Mqa => vec![true; batch.n_tokens()],
+        // (absorbed tokens, context tokens) of the path's batch.
+        let (absorbed, context): (Option<Vec<bool>>, Option<Vec<bool>>) = match kind {
+            PathKind::Mqa => (Some(vec![true; t]), None),
             PathKind::Mixed => {
-                let offsets = batch.offsets();
-                let mut m = vec![false; batch.n_tokens()];
+                let mut m = vec![false; t];
                 for si in 0..crate::compute::engine::mixed_decode_seqs(batch).min(batch.seqs.len()) {
                     if let Some(r) = (offsets[si] + batch.seqs[si].len).checked_sub(1) {
                         m[r] = true;
                     }
                 }
-                m
+                (Some(m), None)
+            }
+            // The chunked path's new tokens read their context from the cache.
+            PathKind::Chunked if kv_cache.is_some() => {
+                let mut m = vec![false; t];
+                let split = crate::compute::engine::chunked_split(batch, rc.path_options.new_tokens);
+                for (&(c, _), &off) in split.iter().zip(&offsets) {
+                    m[off..off + c].iter_mut().for_each(|x| *x = true);
+                }
+                (None, Some(m))
             }
             PathKind::Mha | PathKind::Chunked => continue,
         };
@@ -94,7 +106,8 @@ pub(crate) fn absorbed_references(
             act,
             kv_cache,
             tp,
-            absorbed: Some(&mask),
+            absorbed: absorbed.as_deref(),
+            context: context.as_deref(),
         };
         let inputs = crate::compute::reference::RefInputs {
             shared,
@@ -140,6 +153,7 @@ fn layer_reference(
         kv_cache: o.kv_cache,
         tp: at.tp,
         absorbed: None,
+        context: None,
     });
     let inputs = reference::RefInputs {
         fp8: fp8.as_ref(),

@@ -308,6 +308,7 @@ impl PageRun<'_> {
                     kv_cache: None,
                     tp,
                     absorbed: None,
+                    context: None,
                 };
                 let inputs = reference::RefInputs {
                     fp8: Some(&f),

@@ -608,6 +608,7 @@ pub struct DumpSummary {
     pub dtype: EngineDtype,
     /// The tolerance rows applied: `f32`, `engine-bf16` or `engine-f16` (the engine dtype's),
     /// or `bf16` / `f32` chosen by a kernel precision (format 2's `kernel_precision`,
-    /// `compare --precision`); `fp8` / `bf16-fp8` for a dump declaring `act_quant`.
+    /// `compare --precision`); `fp8` / `bf16-fp8` for a dump declaring `act_quant` or
+    /// `kv_cache_quant`.
     pub tolerance_rows: Precision,
 }

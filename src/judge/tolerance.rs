@@ -363,8 +363,8 @@ pub const TOLERANCES: &[(StageGroup, Precision, Tolerance, &str)] = &[
     // against the f64 reference that quantizes the same GEMM inputs: every committed fixture of
     // golden/models and golden/hf-v3-fp8 (22 models), layer 1, batches `--seqs 1,15,16,17,53`
     // and `--tokens 390`, `token-group` on every path, `tensor` on mha, mqa and mixed, an fp8
-    // latent cache (`--kv-cache-dtype fp8`, alone and with token-group) on mqa and mixed, f32 and
-    // bf16: 704 runs (scripts/bench/fp8_rows.py prints these figures; the cache's own worst,
+    // latent cache (`--kv-cache-dtype fp8`) on mqa, chunked and mixed and with `token-group` on
+    // every path, f32 and bf16: 704 runs (scripts/bench/fp8_rows.py prints these figures; the cache's own worst,
     // rel_l2 6.6e-4 in f32 and 2.0e-2 in bf16 at attn_latent, is inside the activations'). Not yet measured against an
     // engine's own fp8 kernels (vLLM's CUTLASS block GEMM, FLASHMLA's fp8 decode on the H200).
     (StageGroup::Weights, Precision::Fp8, EXACT, FP8_WEIGHTS_WHY),

@@ -435,7 +435,7 @@ pub fn run_line(report: &RunReport) -> String {
             match d.tolerance_rows {
                 r if r == d.dtype.precision() => "",
                 crate::judge::tolerance::Precision::Fp8 | crate::judge::tolerance::Precision::Bf16Fp8 =>
-                    " (fp8 GEMMs: act_quant)",
+                    " (declared fp8: act_quant, kv_cache_quant)",
                 _ => " (kernel precision)",
             },
             d.map.as_deref().unwrap_or("none")

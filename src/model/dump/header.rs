@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use super::dump_error;
 use crate::core::dtype::Dtype;
 use crate::core::error::{Error, Result};
-use crate::core::fp8::{ActQuant, BlockQuant, InputDtype, QkQuant, ScaleFormat};
+use crate::core::fp8::{ActQuant, BlockQuant, InputDtype, KvCacheQuant, QkQuant, ScaleFormat};
 use crate::core::trace::Stage;
 use crate::model::config::MlaConfig;
 use crate::model::gguf::GgufFile;
@@ -285,6 +285,43 @@ pub struct DumpHeader {
     /// projections read their inputs unquantized (bf16/f32 weights, or a weight-only kernel).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub act_quant: Option<ActQuantDecl>,
+    /// What the engine's paged latent cache stores; see [`KvCacheQuantDecl`]. `None`: the
+    /// values as computed (the activation dtype).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache_quant: Option<KvCacheQuantDecl>,
+}
+
+/// An fp8 latent cache (`header.kv_cache_quant`), as vLLM's `kv_cache_dtype="fp8"` stores MLA's
+/// `kv_c_normed ‖ k_pe` rows: `e4m3(x / scale)` with one per-tensor scale (`k_scale`). The
+/// reference rounds what the engine read from the cache: every key of a decode (absorbed) row,
+/// and the cached context keys of a prefill row ([`KvCacheQuantDecl::quant`]). Checked when the
+/// header is read.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvCacheQuantDecl {
+    /// The stored type: `fp8_e4m3`.
+    pub dtype: String,
+    /// The per-tensor scale `k_scale` (positive, finite).
+    pub scale: f64,
+    /// The dtype the cache write reads (`bf16`, `f16`, `f32`); absent: the reference's values.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<String>,
+}
+
+impl KvCacheQuantDecl {
+    /// The rounding this declares. A header that passed [`peek_header`] holds only documented
+    /// values.
+    pub fn quant(&self) -> KvCacheQuant {
+        KvCacheQuant {
+            scale: self.scale,
+            input: match self.input.as_deref() {
+                Some("bf16") => Some(InputDtype::Bf16),
+                Some("f16") => Some(InputDtype::F16),
+                Some("f32") => Some(InputDtype::F32),
+                _ => None,
+            },
+        }
+    }
 }
 
 /// The activation quantization of an engine's fp8 GEMMs (`header.act_quant`), as vLLM's
@@ -556,6 +593,7 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
     check_tp(path, v.get("tp"))?;
     check_indexer_quant(path, v.get("indexer_quant"))?;
     check_act_quant(path, v.get("act_quant"))?;
+    check_kv_cache_quant(path, v.get("kv_cache_quant"), v.get("steps"))?;
     check_num_kv_splits(path, v.get("steps"))?;
     check_page_sizes(path, v.get("steps"))?;
     check_step_fields(path, v.get("steps"))?;
@@ -1199,6 +1237,75 @@ fn check_act_quant(path: &Path, q: Option<&serde_json::Value>) -> Result<()> {
         ),
         _ => Ok(()),
     }
+}
+
+/// Checks `header.kv_cache_quant` (`q`, if any) against the fields of [`KvCacheQuantDecl`]:
+/// `dtype` `"fp8_e4m3"`, `scale` a positive finite number, optionally `input` (`"bf16"`, `"f16"`,
+/// `"f32"` or null). A step that lists `context_chunks` is refused with it: the context partial
+/// sites would need the reference's context keys rounded per chunk, which it does not model.
+///
+/// Errors: [`Error::Safetensors`] naming `__metadata__.header.kv_cache_quant` or its field.
+fn check_kv_cache_quant(path: &Path, q: Option<&serde_json::Value>, steps: Option<&serde_json::Value>) -> Result<()> {
+    const FIELD: &str = "__metadata__.header.kv_cache_quant";
+    let obj = match q {
+        None | Some(serde_json::Value::Null) => return Ok(()),
+        Some(serde_json::Value::Object(o)) => o,
+        Some(x) => {
+            return Err(dump_error(
+                path,
+                FIELD,
+                format!(
+                    "{}: expected an object such as {{\"dtype\": \"fp8_e4m3\", \"scale\": 1.0}}",
+                    short(x)
+                ),
+            ));
+        }
+    };
+    let fail = |key: &str, x: &serde_json::Value, want: &str| {
+        Err(dump_error(
+            path,
+            format!("{FIELD}.{key}"),
+            format!("{}: expected {want}", short(x)),
+        ))
+    };
+    for (key, x) in obj {
+        match key.as_str() {
+            "dtype" if x.as_str() == Some("fp8_e4m3") => {}
+            "dtype" => return fail(key, x, "\"fp8_e4m3\""),
+            "scale" if x.as_f64().is_some_and(|f| f.is_finite() && f > 0.0) => {}
+            "scale" => return fail(key, x, "a positive finite number (k_scale)"),
+            "input" if x.is_null() || matches!(x.as_str(), Some("bf16" | "f16" | "f32")) => {}
+            "input" => return fail(key, x, "\"bf16\", \"f16\", \"f32\" or null"),
+            _ => {
+                return Err(dump_error(
+                    path,
+                    format!("{FIELD}.{key}"),
+                    "unknown field: expected dtype, scale, input",
+                ));
+            }
+        }
+    }
+    for key in ["dtype", "scale"] {
+        if !obj.contains_key(key) {
+            return Err(dump_error(path, format!("{FIELD}.{key}"), "missing"));
+        }
+    }
+    let chunked = steps
+        .and_then(|s| s.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|st| st.get("seqs")?.as_array())
+        .flatten()
+        .any(|q| q.get("context_chunks").is_some_and(|c| !c.is_null()));
+    if chunked {
+        return Err(dump_error(
+            path,
+            FIELD,
+            "with context_chunks in a step: the context partials of an fp8 cache are not modelled yet (drop the chunk \
+             sites and context_chunks, or the cache quantization)",
+        ));
+    }
+    Ok(())
 }
 
 /// A JSON value as an error quotes it: whole up to 80 characters, else its first 80 and `…`.

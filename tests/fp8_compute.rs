@@ -255,6 +255,10 @@ fn the_fp8_cache_options_are_checked_before_any_work() {
             "--kv-scale: only with --kv-cache-dtype fp8",
         ),
         (
+            vec!["--kv-scale", "1", "--path", "mqa"],
+            "--kv-scale: only with --kv-cache-dtype fp8",
+        ),
+        (
             vec!["--kv-cache-dtype", "fp8", "--kv-scale", "0", "--path", "mqa"],
             "--kv-scale 0: expected a positive finite number",
         ),

@@ -417,18 +417,21 @@ pub struct RunSpec {
     /// fp8 GEMMs, in the paths and the reference alike: every projection reads its input
     /// quantized to fp8 E4M3 with f32 scales (the weights as dequantized). `token-group`: per
     /// token in groups of 128 columns, as vLLM's block-FP8 layers; `tensor`: one dynamic scale
-    /// per tensor. A decode (absorbed) token's keys come from the unquantized latent, as in vLLM.
+    /// per tensor (not with the chunked path: pick --path mha, mqa or mixed). A decode (absorbed)
+    /// token's keys come from the unquantized latent, as in vLLM. Judged by the fp8 rows.
     #[arg(long, value_enum)]
     pub fp8_compute: Option<values::Fp8ComputeArg>,
     /// What the paged latent cache stores: `fp8` rounds every row written to it to E4M3 with the
-    /// scale --kv-scale (vLLM's `kv_cache_dtype="fp8"`), which the decode reads back; the
-    /// reference rounds what decode tokens read the same way. Not with the chunked path.
+    /// scale --kv-scale (vLLM's `kv_cache_dtype="fp8"`), which the decode and the chunked
+    /// prefill's context read back; the reference rounds what they read the same way. Judged by
+    /// the fp8 rows.
     #[arg(long, value_enum, default_value_t = values::KvCacheDtypeArg::Auto)]
     pub kv_cache_dtype: values::KvCacheDtypeArg,
-    /// The fp8 latent cache's per-tensor scale (vLLM's `k_scale`; 1.0 unless a checkpoint
-    /// carries one): a positive finite number.
-    #[arg(long, default_value_t = 1.0)]
-    pub kv_scale: f64,
+    /// The fp8 latent cache's per-tensor scale, a positive finite number (vLLM's `k_scale`,
+    /// which vLLM takes from the checkpoint when it carries one, else 1.0); default 1.0. Only
+    /// with --kv-cache-dtype fp8.
+    #[arg(long)]
+    pub kv_scale: Option<f64>,
 }
 
 /// Arguments of `mla-diff run`.

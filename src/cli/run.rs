@@ -485,13 +485,13 @@ fn fp8_options(
     Option<crate::core::fp8::KvCacheQuant>,
 )> {
     let fp8_cache = a.kv_cache_dtype == super::values::KvCacheDtypeArg::Fp8;
-    if !(a.kv_scale.is_finite() && a.kv_scale > 0.0) {
+    let kv_scale = a.kv_scale.unwrap_or(1.0);
+    if !(kv_scale.is_finite() && kv_scale > 0.0) {
         return Err(Error::Usage(format!(
-            "--kv-scale {}: expected a positive finite number",
-            a.kv_scale
+            "--kv-scale {kv_scale}: expected a positive finite number"
         )));
     }
-    if a.kv_scale != 1.0 && !fp8_cache {
+    if a.kv_scale.is_some() && !fp8_cache {
         return Err(Error::Usage("--kv-scale: only with --kv-cache-dtype fp8".into()));
     }
     if a.fp8_compute == Some(super::values::Fp8ComputeArg::Tensor) && paths.contains(&PathKind::Chunked) {
@@ -506,7 +506,7 @@ fn fp8_options(
     Ok((
         a.fp8_compute.map(|f| f.act(dtype)),
         fp8_cache.then(|| crate::core::fp8::KvCacheQuant {
-            scale: a.kv_scale,
+            scale: kv_scale,
             input: Some(super::values::Fp8ComputeArg::input(dtype)),
         }),
     ))

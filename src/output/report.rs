@@ -430,12 +430,12 @@ pub fn run_line(report: &RunReport) -> String {
             starts.join(","),
             d.dtype,
             d.tolerance_rows,
-            // Rows other than the engine dtype's come from declared fp8 GEMMs (the header's
-            // act_quant) or a kernel precision (header or flag).
+            // Rows other than the engine dtype's come from declared fp8 (the header's act_quant
+            // or kv_cache_quant, listed among the conversions) or a kernel precision.
             match d.tolerance_rows {
                 r if r == d.dtype.precision() => "",
                 crate::judge::tolerance::Precision::Fp8 | crate::judge::tolerance::Precision::Bf16Fp8 =>
-                    " (declared fp8: act_quant, kv_cache_quant)",
+                    " (the header declares fp8: see the conversions)",
                 _ => " (kernel precision)",
             },
             d.map.as_deref().unwrap_or("none")
@@ -445,8 +445,17 @@ pub fn run_line(report: &RunReport) -> String {
     let lens: Vec<String> = r.batch.seqs.iter().map(|s| s.len.to_string()).collect();
     let start = r.batch.seqs.first().map_or(0, |s| s.start_pos);
     let faults: Vec<&str> = o.faults.0.iter().map(|f| f.name()).collect();
+    let fp8: Vec<String> = [o.fp8.map(|a| a.describe()), o.kv_cache.map(|k| k.describe())]
+        .into_iter()
+        .flatten()
+        .collect();
+    let fp8 = if fp8.is_empty() {
+        String::new()
+    } else {
+        format!(", {} (judged by the fp8 rows)", fp8.join(", "))
+    };
     format!(
-        "input {}, T={} in {} sequence(s) [{}] from position {}, seed {}, dtype {}, page size {}, splits {}, tp {}, chunk {}, new tokens {}{}",
+        "input {}, T={} in {} sequence(s) [{}] from position {}, seed {}, dtype {}, page size {}, splits {}, tp {}, chunk {}, new tokens {}{fp8}{}",
         r.input.name(),
         r.batch.n_tokens(),
         r.batch.seqs.len(),

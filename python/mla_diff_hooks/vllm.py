@@ -731,6 +731,33 @@ def act_quant_field(quant: dict | None, dtype: str) -> dict | None:
     return field
 
 
+# the fp8 latent-cache dtypes `kv_cache_quant` describes: E4M3 with one per-tensor k_scale
+# ("fp8_e5m2" and DeepSeek's tiled "fp8_ds_mla" are other formats)
+FP8_E4M3_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
+
+def kv_cache_quant_field(root, dtype: str) -> dict | None:
+    """The format-2 header's `kv_cache_quant` for the first attention layer under `root` that
+    has a `kv_cache_dtype` and a `_k_scale` (vLLM 0.26's `MLAAttention`): with `kv_cache_dtype`
+    "fp8" or "fp8_e4m3", E4M3 with that layer's `_k_scale_float` (read when the dump is written,
+    so a scale `calculate_kv_scales` computed at the first forward is the one used), read from
+    `dtype` values. None for an unquantized cache and for formats the field does not describe."""
+    for _, mod in root.named_modules():
+        kd = getattr(mod, "kv_cache_dtype", None)
+        if kd is None or not hasattr(mod, "_k_scale"):
+            continue
+        if kd not in FP8_E4M3_CACHE_DTYPES:
+            return None
+        scale = getattr(mod, "_k_scale_float", None)
+        if scale is None:
+            scale = float(mod._k_scale.reshape(-1)[0])
+        field: dict[str, Any] = {"dtype": "fp8_e4m3", "scale": float(scale)}
+        if dtype in ("bf16", "f16", "f32"):
+            field["input"] = dtype
+        return field
+    return None
+
+
 def patch_entry(patch) -> dict[str, Any]:
     """A header `patches` entry from (name, reason), (name, reason, params) or such a dict:
     `{"name", "reason"}`, plus `"params"` when given (a planted bug's parameters)."""
@@ -2042,6 +2069,9 @@ class VllmCapture:
         act_quant = act_quant_field(eng.get("quantization"), header["dtype"])
         if act_quant is not None:
             header["act_quant"] = act_quant
+        kv_quant = kv_cache_quant_field(self.root, header["dtype"])
+        if kv_quant is not None:
+            header["kv_cache_quant"] = kv_quant
         if self.tp_size > 1:
             header["heads"] = list(self.head_range())
             header["tp"] = {"size": self.tp_size, "rank": self.tp_rank}

@@ -264,6 +264,35 @@ def test_act_quant_declares_token_groups_of_the_block_width_unless_weight_only()
     assert "input" not in dump_vllm.act_quant_field(cutlass, "bf16,f32")
 
 
+def test_kv_cache_quant_declares_an_e4m3_cache_with_the_layers_scale():
+    class Mla(torch.nn.Module):
+        def __init__(self, kd, scale):
+            super().__init__()
+            self.kv_cache_dtype = kd
+            self._k_scale = torch.tensor(scale)
+            self._k_scale_float = scale
+
+    root = torch.nn.Module()
+    root.model = torch.nn.Module()
+    root.model.attn = Mla("fp8", 0.0625)
+    assert dump_vllm.kv_cache_quant_field(root, "bf16") == {
+        "dtype": "fp8_e4m3",
+        "scale": 0.0625,
+        "input": "bf16",
+    }
+    root.model.attn = Mla("fp8_e4m3", 1.0)
+    assert dump_vllm.kv_cache_quant_field(root, "f32")["scale"] == 1.0
+    # the tensor when the float mirror is missing
+    del root.model.attn._k_scale_float
+    assert dump_vllm.kv_cache_quant_field(root, "f32")["scale"] == 1.0
+    # an unquantized cache and formats the field does not describe
+    for kd in ("auto", "bfloat16", "fp8_e5m2", "fp8_ds_mla"):
+        root.model.attn = Mla(kd, 1.0)
+        assert dump_vllm.kv_cache_quant_field(root, "bf16") is None, kd
+    root.model.attn = torch.nn.Linear(2, 2)
+    assert dump_vllm.kv_cache_quant_field(root, "bf16") is None
+
+
 # ---- model identity -----------------------------------------------------------------------
 
 

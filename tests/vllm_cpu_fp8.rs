@@ -27,6 +27,15 @@ fn metadata(path: &Path) -> std::collections::HashMap<String, String> {
 }
 
 /// A format-2 dump's `header`.
+/// Sets the format-2 header's field `key` of the dump at `path` to `value` (tensors kept).
+fn set_header_field(path: &Path, key: &str, value: &serde_json::Value) {
+    crate::common::edit_safetensors_header(path, |h| {
+        let mut hd: serde_json::Value = serde_json::from_str(h["__metadata__"]["header"].as_str().unwrap()).unwrap();
+        hd[key] = value.clone();
+        h["__metadata__"]["header"] = serde_json::Value::String(hd.to_string());
+    });
+}
+
 fn header(path: &Path) -> serde_json::Value {
     serde_json::from_str(&metadata(path)["header"]).unwrap()
 }
@@ -208,12 +217,7 @@ fn without_or_with_another_activation_quantization_the_w8a8_dump_diverges() {
     ] {
         let p = dir.path().join(format!("{name}.safetensors"));
         std::fs::copy(file("hf-v3-fp8.w8a8-block.safetensors"), &p).unwrap();
-        crate::common::edit_safetensors_header(&p, |h| {
-            let meta = h["__metadata__"]["header"].as_str().unwrap();
-            let mut hd: serde_json::Value = serde_json::from_str(meta).unwrap();
-            hd["act_quant"] = act.clone();
-            h["__metadata__"]["header"] = serde_json::Value::String(hd.to_string());
-        });
+        set_header_field(&p, "act_quant", &act);
         // The identity hashes cover the model, not the dump's header: still this model's dump.
         let (code, out, err, doc) = compare_json(&model(), &p, &[]);
         assert_eq!(code, 1, "{name}: {out}\n{err}");
@@ -266,12 +270,7 @@ fn a_hostile_act_quant_is_refused_naming_its_field() {
     for (i, (q, field)) in cases.into_iter().enumerate() {
         let p = dir.path().join(format!("hostile{i}.safetensors"));
         std::fs::copy(file("hf-v3-fp8.w8a8-block.safetensors"), &p).unwrap();
-        crate::common::edit_safetensors_header(&p, |h| {
-            let mut hd: serde_json::Value =
-                serde_json::from_str(h["__metadata__"]["header"].as_str().unwrap()).unwrap();
-            hd["act_quant"] = q.clone();
-            h["__metadata__"]["header"] = serde_json::Value::String(hd.to_string());
-        });
+        set_header_field(&p, "act_quant", &q);
         let (code, out, err, _) = compare_json(&model(), &p, &[]);
         assert_eq!(code, 2, "{q}: {out}\n{err}");
         let line = err.lines().find(|l| l.contains("error")).unwrap_or(&err);
@@ -313,11 +312,11 @@ fn a_declared_fp8_cache_is_applied_to_the_decode_rows_only() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("kv.safetensors");
     std::fs::copy(file("hf-v3-fp8.weight-only.safetensors"), &p).unwrap();
-    crate::common::edit_safetensors_header(&p, |h| {
-        let mut hd: serde_json::Value = serde_json::from_str(h["__metadata__"]["header"].as_str().unwrap()).unwrap();
-        hd["kv_cache_quant"] = serde_json::json!({"dtype": "fp8_e4m3", "scale": 1.0, "input": "f32"});
-        h["__metadata__"]["header"] = serde_json::Value::String(hd.to_string());
-    });
+    set_header_field(
+        &p,
+        "kv_cache_quant",
+        &serde_json::json!({"dtype": "fp8_e4m3", "scale": 1.0, "input": "f32"}),
+    );
     let (_, out, err, doc) = compare_json(&model(), &p, &[]);
     assert_eq!(doc["dump"]["tolerance_rows"], "fp8", "{out}\n{err}");
     let rel = |step: &str, site: &str| {
@@ -366,12 +365,7 @@ fn a_hostile_kv_cache_quant_is_refused_naming_its_field() {
     for (i, (q, field)) in cases.into_iter().enumerate() {
         let p = dir.path().join(format!("hostile{i}.safetensors"));
         std::fs::copy(file("hf-v3-fp8.weight-only.safetensors"), &p).unwrap();
-        crate::common::edit_safetensors_header(&p, |h| {
-            let mut hd: serde_json::Value =
-                serde_json::from_str(h["__metadata__"]["header"].as_str().unwrap()).unwrap();
-            hd["kv_cache_quant"] = q.clone();
-            h["__metadata__"]["header"] = serde_json::Value::String(hd.to_string());
-        });
+        set_header_field(&p, "kv_cache_quant", &q);
         let (code, out, err, _) = compare_json(&model(), &p, &[]);
         assert_eq!(code, 2, "{q}: {out}\n{err}");
         let line = err.lines().find(|l| l.contains("error")).unwrap_or(&err);

@@ -205,14 +205,7 @@ pub const TOLERANCES: &[(StageGroup, Precision, Tolerance, &str)] = &[
     (
         StageGroup::Weights,
         Precision::Bf16,
-        Tolerance {
-            rel_l2: 4e-3,
-            cos_diff: 1e-5,
-            norm_ratio: 4e-3,
-            atol_rms: 0.0,
-            rtol: 4e-3,
-            min_pass_fraction: 1.0,
-        },
+        BF16_WEIGHTS,
         "weight sites hold the f32 dequantized values (bf16 rounding happens inside the \
          kernels), so they are exact in practice; the limit allows one bf16 rounding of each \
          weight (relative error at most 2^-8 = 3.9e-3) for backends that record rounded weights",

@@ -40,18 +40,8 @@ pub(super) fn act_scale(x: &SiteCtx<'_>) -> Option<Detection> {
         return None;
     }
     let pr = product_of(x)?;
-    let (t, g, o, k) = (pr.tokens(), pr.groups, pr.o, pr.k);
-    let total = t * g * o;
-    let idx: Vec<usize> = if total <= SAMPLE_ELEMENTS {
-        (0..total).collect()
-    } else {
-        (0..SAMPLE_ELEMENTS)
-            .map(|i| {
-                let row = (i * (t * g) + t * g / 2) / SAMPLE_ELEMENTS;
-                row * o + (i * 97 + 13) % o
-            })
-            .collect()
-    };
+    let (g, o, k) = (pr.groups, pr.o, pr.k);
+    let idx = pr.sample(SAMPLE_ELEMENTS);
     let at = |i: usize| (i / (g * o), (i / o) % g, i % o);
     let cand: Vec<f64> = idx.iter().map(|&i| x.cand.get(i)).collect();
     let refr: Vec<f64> = idx.iter().map(|&i| x.refr.get(i)).collect();

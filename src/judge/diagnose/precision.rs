@@ -153,6 +153,19 @@ pub(super) struct Product {
 }
 
 impl Product {
+    /// Flat indices of at most `n` output elements (`(t·G + g)·O + o`): all of them when there
+    /// are no more, else a spread over the rows, stepping the output column by a stride coprime
+    /// with most widths.
+    pub(super) fn sample(&self, n: usize) -> Vec<usize> {
+        let (rows, o) = (self.tokens() * self.groups, self.o);
+        if rows * o <= n {
+            return (0..rows * o).collect();
+        }
+        (0..n)
+            .map(|i| (i * rows + rows / 2) / n * o + (i * 97 + 13) % o)
+            .collect()
+    }
+
     pub(super) fn tokens(&self) -> usize {
         let per = if self.x_shared { self.k } else { self.groups * self.k };
         self.x.len() / per.max(1)
@@ -301,19 +314,8 @@ pub(super) fn precision(x: &SiteCtx<'_>) -> Option<Detection> {
         return None;
     }
     let pr = product_of(x)?;
-    let (t, g, o) = (pr.tokens(), pr.groups, pr.o);
-    let total = t * g * o;
-    let idx: Vec<usize> = if total <= SAMPLE_ELEMENTS {
-        (0..total).collect()
-    } else {
-        // Spread, stepping the output column by a stride coprime with most widths.
-        (0..SAMPLE_ELEMENTS)
-            .map(|i| {
-                let row = (i * (t * g) + t * g / 2) / SAMPLE_ELEMENTS;
-                row * o + (i * 97 + 13) % o
-            })
-            .collect()
-    };
+    let (g, o) = (pr.groups, pr.o);
+    let idx = pr.sample(SAMPLE_ELEMENTS);
     let at = |i: usize| (i / (g * o), (i / o) % g, i % o);
     let cand: Vec<f64> = idx.iter().map(|&i| x.cand.get(i)).collect();
     let refr: Vec<f64> = idx.iter().map(|&i| x.refr.get(i)).collect();

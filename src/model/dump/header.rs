@@ -1094,27 +1094,16 @@ fn check_step_fields(path: &Path, steps: Option<&serde_json::Value>) -> Result<(
 /// Errors: [`Error::Safetensors`] naming `__metadata__.header.indexer_quant` or its field.
 fn check_indexer_quant(path: &Path, q: Option<&serde_json::Value>) -> Result<()> {
     const FIELD: &str = "__metadata__.header.indexer_quant";
-    let obj = match q {
-        None | Some(serde_json::Value::Null) => return Ok(()),
-        Some(serde_json::Value::Object(o)) => o,
-        Some(x) => {
-            return Err(dump_error(
-                path,
-                FIELD,
-                format!(
-                    "{}: expected an object such as {{\"dtype\": \"fp8_e4m3\", \"block\": 128, \"scale\": \"ue8m0\"}}",
-                    short(x)
-                ),
-            ));
-        }
+    let Some(obj) = header_object(
+        path,
+        FIELD,
+        q,
+        "{\"dtype\": \"fp8_e4m3\", \"block\": 128, \"scale\": \"ue8m0\"}",
+    )?
+    else {
+        return Ok(());
     };
-    let fail = |key: &str, x: &serde_json::Value, want: &str| {
-        Err(dump_error(
-            path,
-            format!("{FIELD}.{key}"),
-            format!("{}: expected {want}", short(x)),
-        ))
-    };
+    let fail = |key: &str, x: &serde_json::Value, want: &str| Err(field_error(path, FIELD, key, x, want));
     for (key, x) in obj {
         match key.as_str() {
             "dtype" if x.as_str() == Some("fp8_e4m3") => {}
@@ -1148,11 +1137,7 @@ fn check_indexer_quant(path: &Path, q: Option<&serde_json::Value>) -> Result<()>
             }
         }
     }
-    for key in ["dtype", "block", "scale"] {
-        if !obj.contains_key(key) {
-            return Err(dump_error(path, format!("{FIELD}.{key}"), "missing"));
-        }
-    }
+    require_keys(path, FIELD, obj, &["dtype", "block", "scale"])?;
     Ok(())
 }
 
@@ -1165,27 +1150,16 @@ fn check_indexer_quant(path: &Path, q: Option<&serde_json::Value>) -> Result<()>
 /// Errors: [`Error::Safetensors`] naming `__metadata__.header.act_quant` or its field.
 fn check_act_quant(path: &Path, q: Option<&serde_json::Value>) -> Result<()> {
     const FIELD: &str = "__metadata__.header.act_quant";
-    let obj = match q {
-        None | Some(serde_json::Value::Null) => return Ok(()),
-        Some(serde_json::Value::Object(o)) => o,
-        Some(x) => {
-            return Err(dump_error(
-                path,
-                FIELD,
-                format!(
-                    "{}: expected an object such as {{\"dtype\": \"fp8_e4m3\", \"granularity\": \"token-group\", \"group\": 128}}",
-                    short(x)
-                ),
-            ));
-        }
+    let Some(obj) = header_object(
+        path,
+        FIELD,
+        q,
+        "{\"dtype\": \"fp8_e4m3\", \"granularity\": \"token-group\", \"group\": 128}",
+    )?
+    else {
+        return Ok(());
     };
-    let fail = |key: &str, x: &serde_json::Value, want: &str| {
-        Err(dump_error(
-            path,
-            format!("{FIELD}.{key}"),
-            format!("{}: expected {want}", short(x)),
-        ))
-    };
+    let fail = |key: &str, x: &serde_json::Value, want: &str| Err(field_error(path, FIELD, key, x, want));
     for (key, x) in obj {
         match key.as_str() {
             "dtype" if x.as_str() == Some("fp8_e4m3") => {}
@@ -1219,11 +1193,7 @@ fn check_act_quant(path: &Path, q: Option<&serde_json::Value>) -> Result<()> {
             }
         }
     }
-    for key in ["dtype", "granularity"] {
-        if !obj.contains_key(key) {
-            return Err(dump_error(path, format!("{FIELD}.{key}"), "missing"));
-        }
-    }
+    require_keys(path, FIELD, obj, &["dtype", "granularity"])?;
     match (obj.get("granularity").and_then(|g| g.as_str()), obj.get("group")) {
         (Some("token-group"), None) => Err(dump_error(
             path,
@@ -1247,27 +1217,10 @@ fn check_act_quant(path: &Path, q: Option<&serde_json::Value>) -> Result<()> {
 /// Errors: [`Error::Safetensors`] naming `__metadata__.header.kv_cache_quant` or its field.
 fn check_kv_cache_quant(path: &Path, q: Option<&serde_json::Value>, steps: Option<&serde_json::Value>) -> Result<()> {
     const FIELD: &str = "__metadata__.header.kv_cache_quant";
-    let obj = match q {
-        None | Some(serde_json::Value::Null) => return Ok(()),
-        Some(serde_json::Value::Object(o)) => o,
-        Some(x) => {
-            return Err(dump_error(
-                path,
-                FIELD,
-                format!(
-                    "{}: expected an object such as {{\"dtype\": \"fp8_e4m3\", \"scale\": 1.0}}",
-                    short(x)
-                ),
-            ));
-        }
+    let Some(obj) = header_object(path, FIELD, q, "{\"dtype\": \"fp8_e4m3\", \"scale\": 1.0}")? else {
+        return Ok(());
     };
-    let fail = |key: &str, x: &serde_json::Value, want: &str| {
-        Err(dump_error(
-            path,
-            format!("{FIELD}.{key}"),
-            format!("{}: expected {want}", short(x)),
-        ))
-    };
+    let fail = |key: &str, x: &serde_json::Value, want: &str| Err(field_error(path, FIELD, key, x, want));
     for (key, x) in obj {
         match key.as_str() {
             "dtype" if x.as_str() == Some("fp8_e4m3") => {}
@@ -1285,11 +1238,7 @@ fn check_kv_cache_quant(path: &Path, q: Option<&serde_json::Value>, steps: Optio
             }
         }
     }
-    for key in ["dtype", "scale"] {
-        if !obj.contains_key(key) {
-            return Err(dump_error(path, format!("{FIELD}.{key}"), "missing"));
-        }
-    }
+    require_keys(path, FIELD, obj, &["dtype", "scale"])?;
     let chunked = steps
         .and_then(|s| s.as_array())
         .into_iter()
@@ -1306,6 +1255,47 @@ fn check_kv_cache_quant(path: &Path, q: Option<&serde_json::Value>, steps: Optio
         ));
     }
     Ok(())
+}
+
+/// The object at header field `field` (`q`, its value if any): `None` when absent or null.
+///
+/// Errors: [`Error::Safetensors`] naming `field` when it is anything else (`example` shows an
+/// object it takes).
+fn header_object<'v>(
+    path: &Path,
+    field: &str,
+    q: Option<&'v serde_json::Value>,
+    example: &str,
+) -> Result<Option<&'v serde_json::Map<String, serde_json::Value>>> {
+    match q {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::Object(o)) => Ok(Some(o)),
+        Some(x) => Err(dump_error(
+            path,
+            field,
+            format!("{}: expected an object such as {example}", short(x)),
+        )),
+    }
+}
+
+/// The error of `field.key` holding `x` where `want` was expected.
+fn field_error(path: &Path, field: &str, key: &str, x: &serde_json::Value, want: &str) -> Error {
+    dump_error(path, format!("{field}.{key}"), format!("{}: expected {want}", short(x)))
+}
+
+/// Checks that `obj` (header field `field`) holds every one of `keys`.
+///
+/// Errors: [`Error::Safetensors`] naming `field.key` for the first missing.
+fn require_keys(
+    path: &Path,
+    field: &str,
+    obj: &serde_json::Map<String, serde_json::Value>,
+    keys: &[&str],
+) -> Result<()> {
+    match keys.iter().find(|k| !obj.contains_key(**k)) {
+        Some(k) => Err(dump_error(path, format!("{field}.{k}"), "missing")),
+        None => Ok(()),
+    }
 }
 
 /// A JSON value as an error quotes it: whole up to 80 characters, else its first 80 and `…`.

@@ -1023,6 +1023,137 @@ def _fp8_scale_transposed(params: dict[str, str]) -> None:
     cls.process_weights_after_loading = process_weights_after_loading
 
 
+# =============================================================================================
+# fp8 compute and the fp8 latent cache
+# =============================================================================================
+
+
+def padded_rows(t: int) -> int:
+    """The rows a CUDA-graph batch of `t` tokens is padded to: vLLM's capture sizes 1, 2, 4 and
+    every multiple of 8 up to 512, the smallest at least `t`; past 512 a batch runs eagerly, `t`."""
+    if t <= 2 or t > 512:
+        return t
+    return 4 if t <= 4 else -(-t // 8) * 8
+
+
+@_register(
+    name="fp8-act-padded-rows",
+    mechanism="one block-FP8 linear's input is quantized with a single dynamic per-tensor scale "
+    "taken over the batch padded to its CUDA-graph size, whose padded rows hold stale values "
+    "`stale` x the batch's largest |value|; the batch's own rows fall among E4M3's subnormals",
+    where="Fp8LinearMethod.apply: decoder layer `layer`'s `param` input is rounded through that "
+    "per-tensor E4M3 scale before vLLM's own per-token-group quantization",
+    reports="SGLang PR #26133 (a per-tensor dynamic activation scale over padded, uninitialized rows "
+    "at the MLA input: gibberish with padded batches only)",
+    expected="fp8-act-scale",
+    defaults={"layer": "0", "param": "fused_qkv_a_proj", "stale": "65536"},
+    needs="a block-FP8 checkpoint; a step whose token count is not a capture size (20 prompt tokens "
+    "pad to 24; a 1-token decode step has nothing padded)",
+)
+def _fp8_act_padded_rows(params: dict[str, str]) -> None:
+    layer_n, param, stale = _int(params, "layer"), params["param"].strip(), _float(params, "stale")
+    if layer_n < 0 or not param or not stale > 1.0:
+        raise ValueError("fp8-act-padded-rows: layer >= 0, param a linear's name, stale > 1")
+    import torch
+    from vllm.model_executor.layers.quantization import fp8
+
+    cls = _owner(fp8.Fp8LinearMethod, "apply")
+    orig = cls.apply
+
+    def apply(self, layer, x, *args, **kwargs):
+        t = int(x.reshape(-1, x.shape[-1]).shape[0])
+        if t and padded_rows(t) > t and _scale_target(str(getattr(layer, "prefix", "")), str(layer_n), param):
+            xf = x.float()
+            scale = (xf.abs().max() * stale).clamp_min(1e-10) / 448.0
+            xq = (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
+            x = xq.to(x.dtype)
+        return orig(self, layer, x, *args, **kwargs)
+
+    cls.apply = apply
+
+
+def _set_kv_scale(layer, scale: float) -> None:
+    """Give an MLAAttention layer the latent cache scale `scale` (k and v, tensor and float
+    mirrors), as a checkpoint's k_scale would."""
+    for kind in ("k", "v"):
+        t = getattr(layer, f"_{kind}_scale", None)
+        if t is not None:
+            t.fill_(scale)
+        if hasattr(layer, f"_{kind}_scale_float"):
+            setattr(layer, f"_{kind}_scale_float", scale)
+        cpu = getattr(layer, f"_{kind}_scale_cpu", None)
+        if cpu is not None:
+            cpu.fill_(scale)
+
+
+@_register(
+    name="kv-cache-scale",
+    mechanism="the latent cache's fp8 scale S (every layer's k_scale, as a checkpoint's) is applied "
+    "twice where rows are written (x/S^2 stored, read back x S: the cache x 1/S) or is missing "
+    "there (x stored, read back x S: the cache x S); mode=none writes correctly (the baseline)",
+    where="vllm._custom_ops.concat_and_cache_mla (the write of kv_c_normed and k_pe into the "
+    "paged cache) gets S^2 or 1.0 for its scale; MLAAttention.process_weights_after_loading "
+    "sets S",
+    reports="vllm#38652 (the fp8 latent cache on FLASHMLA: fine single-turn, '!!!!' multi-turn on "
+    "GLM-4.7-Flash), where a cache's rows are read back through a scale other than the write's",
+    expected="kv-cache-scale",
+    defaults={"scale": "0.5", "mode": "twice"},
+    needs="an fp8 latent cache (kv_cache_dtype fp8); a decode step or a prefill over cached context",
+)
+def _kv_cache_scale(params: dict[str, str]) -> None:
+    scale, mode = _float(params, "scale"), params["mode"].strip()
+    if not (0.0 < scale < math.inf) or scale == 1.0:
+        raise ValueError("kv-cache-scale: scale must be positive, finite and not 1")
+    if mode not in ("twice", "missing", "none"):
+        raise ValueError(f"kv-cache-scale: mode={mode!r} (twice, missing or none)")
+    from vllm import _custom_ops as ops
+
+    _after_weights(lambda layer: _set_kv_scale(layer, scale))
+    if mode == "none":
+        return
+    orig = ops.concat_and_cache_mla
+
+    def concat_and_cache_mla(*args, **kwargs):
+        s = _arg(list(args), kwargs, 5, "scale")
+        if s is not None:
+            new = s * s if mode == "twice" else s.new_ones(s.shape)
+            args, kwargs = list(args), dict(kwargs)
+            _set_arg(args, kwargs, 5, "scale", new)
+        return orig(*args, **kwargs)
+
+    ops.concat_and_cache_mla = concat_and_cache_mla
+
+
+@_register(
+    name="fp8-query-scale",
+    mechanism="the fp8 decode query is quantized with `factor` x the scale the kernel descales it "
+    "with (descale_q), so every score, rope part included, is 1/factor of the true one",
+    where="MLAAttention._decode_concat_quant_fp8_op (ql_nope and q_pe concatenated and quantized "
+    "for FLASHMLA's fp8 kernel) gets q_scale x factor",
+    reports="vllm#38652 (the FLASHMLA fp8-cache decode, the path that quantizes the query)",
+    expected="softmax-scale",
+    defaults={"factor": "2"},
+    needs="an fp8 latent cache on a backend that takes an fp8 query (FLASHMLA), a decode step",
+)
+def _fp8_query_scale(params: dict[str, str]) -> None:
+    factor = _float(params, "factor")
+    if not (0.0 < factor < math.inf) or factor == 1.0:
+        raise ValueError("fp8-query-scale: factor must be positive, finite and not 1")
+
+    def wrap(layer):
+        op = getattr(layer, "_decode_concat_quant_fp8_op", None)
+        if op is None:
+            return
+        orig = op.forward
+
+        def forward(ql_nope, q_pe, scale, *args, **kwargs):
+            return orig(ql_nope, q_pe, scale * factor, *args, **kwargs)
+
+        op.forward = forward
+
+    _after_init(_mla().MLAAttention, wrap)
+
+
 def describe() -> list[dict[str, str]]:
     """Every plant as a row: name, expected class, parameters, mechanism, where, reports, needs."""
     return [

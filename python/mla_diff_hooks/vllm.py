@@ -741,7 +741,11 @@ def kv_cache_quant_field(root, dtype: str) -> dict | None:
     has a `kv_cache_dtype` and a `_k_scale` (vLLM 0.26's `MLAAttention`): with `kv_cache_dtype`
     "fp8" or "fp8_e4m3", E4M3 with that layer's `_k_scale_float` (read when the dump is written,
     so a scale `calculate_kv_scales` computed at the first forward is the one used), read from
-    `dtype` values. None for an unquantized cache and for formats the field does not describe."""
+    `dtype` values. When the layer's backend takes an fp8 decode query
+    (`impl.supports_quant_query_input`: vLLM quantizes `ql_nope ‖ q_pe` with the layer's
+    `_q_scale` before FLASHMLA's fp8 kernel; TRITON_MLA keeps it bf16) the field gains
+    `"query": {"scale": q_scale}`. None for an unquantized cache and for formats the field does
+    not describe."""
     for _, mod in root.named_modules():
         kd = getattr(mod, "kv_cache_dtype", None)
         if kd is None or not hasattr(mod, "_k_scale"):
@@ -754,6 +758,12 @@ def kv_cache_quant_field(root, dtype: str) -> dict | None:
         field: dict[str, Any] = {"dtype": "fp8_e4m3", "scale": float(scale)}
         if dtype in ("bf16", "f16", "f32"):
             field["input"] = dtype
+        impl = getattr(mod, "impl", None)
+        if impl is not None and bool(getattr(impl, "supports_quant_query_input", False)):
+            q_scale = getattr(mod, "_q_scale_float", None)
+            if q_scale is None and hasattr(mod, "_q_scale"):
+                q_scale = float(mod._q_scale.reshape(-1)[0])
+            field["query"] = {"scale": float(1.0 if q_scale is None else q_scale)}
         return field
     return None
 

@@ -30,12 +30,15 @@ CLASSES = {
     "norm-skipped",
     "strided-view",
     "quant-scale-layout",
+    "fp8-act-scale",
+    "kv-cache-scale",
+    "softmax-scale",
 }
 
 
 def test_every_plant_names_its_class_reports_and_docs_row():
     docs = (ROOT / "docs" / "engines.md").read_text()
-    assert len(plants.REGISTRY) == 23
+    assert len(plants.REGISTRY) == 26
     for name, p in plants.REGISTRY.items():
         assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", name), name
         assert p.name == name and p.expected in CLASSES, name
@@ -65,6 +68,31 @@ def test_spec_parsing_fills_defaults_and_refuses_what_it_does_not_know():
     p = plants.REGISTRY["block-id-truncated"]
     reason = p.reason({"bits": "3"})
     assert "bits=3" in reason and "ROCm/ATOM#702" in reason
+
+
+def test_the_fp8_plants_pad_as_vllm_and_refuse_a_scale_that_changes_nothing():
+    # vLLM's CUDA-graph capture sizes: 1, 2, 4, then multiples of 8 up to 512; past it, eager
+    assert [plants.padded_rows(t) for t in (1, 2, 3, 4, 5, 8, 9, 20, 512, 513)] == [
+        1,
+        2,
+        4,
+        4,
+        8,
+        8,
+        16,
+        24,
+        512,
+        513,
+    ]
+    # the parameters are checked before vLLM is imported
+    with pytest.raises(ValueError, match="not 1"):
+        plants.REGISTRY["kv-cache-scale"].apply({"scale": "1", "mode": "twice"})
+    with pytest.raises(ValueError, match="twice, missing or none"):
+        plants.REGISTRY["kv-cache-scale"].apply({"scale": "0.5", "mode": "thrice"})
+    with pytest.raises(ValueError, match="not 1"):
+        plants.REGISTRY["fp8-query-scale"].apply({"factor": "1"})
+    with pytest.raises(ValueError, match="stale > 1"):
+        plants.REGISTRY["fp8-act-padded-rows"].apply({"layer": "0", "param": "fused_qkv_a_proj", "stale": "1"})
 
 
 def test_a_plant_is_recorded_with_its_parameters_and_applied_once(monkeypatch):

@@ -293,6 +293,35 @@ def test_kv_cache_quant_declares_an_e4m3_cache_with_the_layers_scale():
     assert dump_vllm.kv_cache_quant_field(root, "bf16") is None
 
 
+def test_kv_cache_quant_declares_the_fp8_decode_query_where_the_backend_takes_one():
+    class Impl:
+        def __init__(self, takes):
+            self.supports_quant_query_input = takes
+
+    class Mla(torch.nn.Module):
+        def __init__(self, takes, q_scale):
+            super().__init__()
+            self.kv_cache_dtype = "fp8"
+            self._k_scale = torch.tensor(0.5)
+            self._k_scale_float = 0.5
+            self._q_scale = torch.tensor(q_scale)
+            self._q_scale_float = q_scale
+            self.impl = Impl(takes)
+
+    root = torch.nn.Module()
+    root.attn = Mla(True, 0.25)  # FLASHMLA: the query quantized with the layer's q_scale
+    assert dump_vllm.kv_cache_quant_field(root, "bf16") == {
+        "dtype": "fp8_e4m3",
+        "scale": 0.5,
+        "input": "bf16",
+        "query": {"scale": 0.25},
+    }
+    del root.attn._q_scale_float
+    assert dump_vllm.kv_cache_quant_field(root, "bf16")["query"] == {"scale": 0.25}
+    root.attn = Mla(False, 0.25)  # TRITON_MLA: a bf16 query over the fp8 cache
+    assert "query" not in dump_vllm.kv_cache_quant_field(root, "bf16")
+
+
 # ---- model identity -----------------------------------------------------------------------
 
 

@@ -45,7 +45,7 @@ scripts/gpu-host/vllm_live_gpu.sh install with PYTHONPATH=$STAGE/site:python):
     MLA_DIFF_BIN=target/release/mla-diff python3 scripts/gpu-host/vllm_live_cases.py FLASHMLA OUTDIR
 
 writes OUTDIR/fa3-v3-bf16.<backend>.<case>.safetensors (layer 0, the stages of SITES, the heads
-and forwards of RECORD) and
+and forwards of RECORD; `<backend>-kv-<dtype>` with a `--kv-cache-dtype` other than auto) and
 prints, per case, the generate time, tokens/s and the compare verdict. Exit 0 when every compare
 exits 0. Options: --model/--config (default golden/models/fa3-v3-bf16.gguf and its folder
 fa3-v3, the fixture whose head dims FlashMLA accepts), --workspace (default 256 tokens; 0 keeps
@@ -159,7 +159,8 @@ def main() -> int:
         "--plant",
         default=None,
         help="apply this plant of mla_diff_hooks.plants (NAME or NAME:k=v) before vLLM starts and run "
-        "the chunked case unless --cases says otherwise, its dump named <model>.<backend>.plant-<NAME>",
+        "the chunked case unless --cases says otherwise, its dump named "
+        "<model>.<backend>.plant-<SPEC> (the spec, its punctuation as -)",
     )
     ap.add_argument(
         "--heads", default=None, help="A:B: keep heads A..B in every case (default: RECORD's per case)"
@@ -258,7 +259,12 @@ def main() -> int:
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
 
     worst = 0
-    label = f"plant-{args.plant.partition(':')[0]}" if args.plant else None
+    # a plant's dump is named by its spec, so that two settings of one plant do not collide
+    label = (
+        "plant-" + "".join(c if c.isalnum() or c in "-_." else "-" for c in args.plant)
+        if args.plant
+        else None
+    )
 
     def case(name, batches, decode, bare=None):
         nonlocal worst
@@ -292,7 +298,8 @@ def main() -> int:
             generate(b, decode)
         dt = time.time() - t
         n = sum(len(p) + decode for b in batches for p in b)
-        stem = f"{Path(model).name if hf else Path(model).stem}.{args.backend.lower()}.{label or name}"
+        kv = "" if args.kv_cache_dtype == "auto" else f"-kv-{args.kv_cache_dtype}"
+        stem = f"{Path(model).name if hf else Path(model).stem}.{args.backend.lower()}{kv}.{label or name}"
         path = args.out / f"{stem}.safetensors"
         wpath = args.out / f"{stem}.weights.safetensors" if args.weights else None
         llm.apply_model(

@@ -92,7 +92,9 @@ def test_the_fp8_plants_pad_as_vllm_and_refuse_a_scale_that_changes_nothing():
     with pytest.raises(ValueError, match="not 1"):
         plants.REGISTRY["fp8-query-scale"].apply({"factor": "1"})
     with pytest.raises(ValueError, match="stale > 1"):
-        plants.REGISTRY["fp8-act-padded-rows"].apply({"layer": "0", "param": "fused_qkv_a_proj", "stale": "1"})
+        plants.REGISTRY["fp8-act-padded-rows"].apply(
+            {"layer": "0", "param": "fused_qkv_a_proj", "stale": "1"}
+        )
 
 
 def test_a_plant_is_recorded_with_its_parameters_and_applied_once(monkeypatch):

@@ -35,7 +35,7 @@ fn every_class() -> Vec<Class> {
         QuantBlockMisaligned, QuantScaleLayout, Transposed, NormSkipped, RopeStyle, SoftmaxScale, LseMerge, MoeRouting,
         IndexerRopeStyle, IndexerTopkStale, IndexerSelection, ResidualScale, Fp8ActScale, Precision, Nonfinite, ScaleOnly,
         PathDisagreement, Mismatch, WeightNonfinite,
-        StridedView, PagedKv,
+        StridedView, PagedKv, KvCacheScale,
     )
 }
 
@@ -47,7 +47,7 @@ fn every_fault() -> Vec<Fault> {
         AllReduceReadEarly, PhantomOutputStale, KvNormSkipped, SplitLseBase2, SplitDropped,
         SplitDuplicated, SplitEmptyZero, SplitEmptyFinite, ResidualScaled, Fp16AccumQlNope,
         PagedKvPageSize, PagedKvBlockOffset, SlotMappingOffset, KPeStride, KvBHalvesSwapped, KvBHeadsInterleaved,
-        Fp8ScalePaddedRows,
+        Fp8ScalePaddedRows, KvCacheScaleTwice,
     )
 }
 

@@ -247,6 +247,75 @@ fn an_fp8_latent_cache_is_judged_with_the_same_rounding() {
     }
 }
 
+/// `--fp8-query` (FLASHMLA's fp8 decode): each decode row's `ql_nope ‖ q_pe` is rounded to E4M3
+/// too, and the reference scores those rows in the absorbed form with the same query: mqa's
+/// `attn_latent` stays within a few flipped E4M3 steps (2.9e-4 at f32), and the report names
+/// the query's scale.
+#[test]
+fn an_fp8_decode_query_is_judged_in_the_absorbed_form() {
+    let m = fp8_model();
+    let m = m.to_str().unwrap();
+    for path in ["mqa", "mixed"] {
+        let args = [
+            "--model",
+            m,
+            "--layer",
+            "0",
+            "--seqs",
+            "1,15,16,17,53",
+            "--kv-cache-dtype",
+            "fp8",
+            "--kv-scale",
+            "0.5",
+            "--fp8-query",
+            "--path",
+            path,
+        ];
+        let (code, out, doc) = run_json(&args);
+        assert_eq!(code, 0, "{path}: {out}");
+        assert_eq!(
+            doc["run"]["path_options"]["kv_cache"]["query"].as_f64(),
+            Some(1.0),
+            "{out}"
+        );
+        if path == "mqa" {
+            let lat = metric(&doc, "mqa", "L0.attn_latent", "rel_l2");
+            assert!(lat > 1e-5 && lat < 2e-3, "attn_latent rel_l2 {lat}");
+        }
+    }
+}
+
+/// `kv-cache-scale-twice`: the cache holds 1/k_scale × what was written; the replay over the
+/// path's own latent rows names the factor (×2 at k_scale 0.5) and which side of the scale.
+#[test]
+fn a_cache_scale_applied_twice_is_named_with_its_factor() {
+    let m = fp8_model();
+    let args = [
+        "--model",
+        m.to_str().unwrap(),
+        "--layer",
+        "0",
+        "--seqs",
+        "1,15,16,17,53",
+        "--kv-cache-dtype",
+        "fp8",
+        "--kv-scale",
+        "0.5",
+        "--path",
+        "mqa",
+        "--inject",
+        "kv-cache-scale-twice",
+    ];
+    let (code, out, doc) = run_json(&args);
+    assert_eq!(code, 1, "{out}");
+    let f = &doc["findings"][0];
+    assert_eq!(f["class"], "kv-cache-scale", "{f}");
+    assert_eq!(f["site"], "L0.attn_latent", "{f}");
+    let ev = f["evidence"].as_str().unwrap();
+    assert!(ev.contains("read back ×2.000e0"), "{ev}");
+    assert!(f["hint"].as_str().unwrap().contains("applied twice"), "{f}");
+}
+
 #[test]
 fn the_fp8_cache_options_are_checked_before_any_work() {
     for (args, want) in [
@@ -265,6 +334,34 @@ fn the_fp8_cache_options_are_checked_before_any_work() {
         (
             vec!["--kv-cache-dtype", "fp8", "--kv-scale", "inf", "--path", "mqa"],
             "--kv-scale inf: expected a positive finite number",
+        ),
+        (
+            vec!["--fp8-query", "--path", "mqa"],
+            "--fp8-query: only with --kv-cache-dtype fp8",
+        ),
+        (
+            vec![
+                "--kv-cache-dtype",
+                "fp8",
+                "--path",
+                "mqa",
+                "--inject",
+                "kv-cache-scale-twice",
+            ],
+            "--inject kv-cache-scale-twice: needs --kv-cache-dtype fp8 --kv-scale S with S ≠ 1",
+        ),
+        (
+            vec![
+                "--kv-cache-dtype",
+                "fp8",
+                "--kv-scale",
+                "0.5",
+                "--path",
+                "mha",
+                "--inject",
+                "kv-cache-scale-twice",
+            ],
+            "only the absorbed decode (mqa)",
         ),
     ] {
         let (code, out, _) = run_json(&args);

@@ -432,6 +432,12 @@ pub struct RunSpec {
     /// with --kv-cache-dtype fp8.
     #[arg(long)]
     pub kv_scale: Option<f64>,
+    /// The decode kernel takes an fp8 query too, as vLLM's FLASHMLA does over an fp8 cache: the
+    /// absorbed paths quantize each decode row's `ql_nope ‖ q_pe` to E4M3 with q_scale 1.0
+    /// (vLLM's default) before the attention, and the reference scores those rows in the
+    /// absorbed form with the same query. Only with --kv-cache-dtype fp8.
+    #[arg(long)]
+    pub fp8_query: bool,
 }
 
 /// Arguments of `mla-diff run`.

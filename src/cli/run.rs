@@ -370,7 +370,7 @@ fn check_faults(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig, dtype: crate::
         if let Err(e) = f.applies_to_dtype(dtype) {
             return Err(Error::Usage(format!("--inject {f}: {e}")));
         }
-        if let Err(e) = f.applies_to_fp8(rc.path_options.fp8.as_ref()) {
+        if let Err(e) = f.applies_to_fp8(rc.path_options.fp8.as_ref(), rc.path_options.kv_cache.as_ref()) {
             return Err(Error::Usage(format!("--inject {f}: {e}")));
         }
         let verdicts: Vec<(PathKind, std::result::Result<(), &str>)> = rc
@@ -494,6 +494,11 @@ fn fp8_options(
     if a.kv_scale.is_some() && !fp8_cache {
         return Err(Error::Usage("--kv-scale: only with --kv-cache-dtype fp8".into()));
     }
+    if a.fp8_query && !fp8_cache {
+        return Err(Error::Usage(
+            "--fp8-query: only with --kv-cache-dtype fp8 (a kernel takes an fp8 query only over an fp8 cache)".into(),
+        ));
+    }
     if a.fp8_compute == Some(super::values::Fp8ComputeArg::Tensor) && paths.contains(&PathKind::Chunked) {
         return Err(Error::Usage(
             "--fp8-compute tensor: the chunked path runs kv_b_proj once per context chunk, each call with its own \
@@ -508,6 +513,7 @@ fn fp8_options(
         fp8_cache.then(|| crate::core::fp8::KvCacheQuant {
             scale: kv_scale,
             input: Some(super::values::Fp8ComputeArg::input(dtype)),
+            query: a.fp8_query.then_some(1.0),
         }),
     ))
 }

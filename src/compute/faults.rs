@@ -107,6 +107,10 @@ pub enum Fault {
     /// The MLA input's per-tensor fp8 scale is taken over the engine's padded batch: rows past
     /// the last token hold stale values (SGLang PR #26133). Needs `--fp8-compute tensor`.
     Fp8ScalePaddedRows,
+    /// The fp8 latent cache's scale is applied twice where rows are written
+    /// (`e4m3(x/k_scale²)` stored, read back × k_scale): the cache reads back 1/k_scale × what
+    /// was written. Needs `--kv-cache-dtype fp8 --kv-scale S` with S ≠ 1.
+    KvCacheScaleTwice,
 }
 
 impl Fault {
@@ -147,6 +151,7 @@ impl Fault {
         Fault::KvBHalvesSwapped,
         Fault::KvBHeadsInterleaved,
         Fault::Fp8ScalePaddedRows,
+        Fault::KvCacheScaleTwice,
     ];
 
     /// The `--inject` name (`fused-shard-swap`).
@@ -187,6 +192,7 @@ impl Fault {
             Fault::KvBHalvesSwapped => "kv-b-halves-swapped",
             Fault::KvBHeadsInterleaved => "kv-b-heads-interleaved",
             Fault::Fp8ScalePaddedRows => "fp8-scale-padded-rows",
+            Fault::KvCacheScaleTwice => "kv-cache-scale-twice",
         }
     }
 
@@ -266,6 +272,9 @@ impl Fault {
             Fault::Fp8ScalePaddedRows => {
                 "The MLA input's per-tensor fp8 scale is taken over the engine's padded batch, whose rows past the last token hold stale values (SGLang PR #26133; needs --fp8-compute tensor)"
             }
+            Fault::KvCacheScaleTwice => {
+                "The fp8 latent cache's scale is applied twice where rows are written (x/k_scale² stored, read back × k_scale; needs --kv-cache-dtype fp8 --kv-scale S, S ≠ 1)"
+            }
         }
     }
 
@@ -299,6 +308,7 @@ impl Fault {
             Fault::PagedKvPageSize | Fault::PagedKvBlockOffset | Fault::SlotMappingOffset => Class::PagedKv,
             Fault::KvBHalvesSwapped | Fault::KvBHeadsInterleaved => Class::KvBLayout,
             Fault::Fp8ScalePaddedRows => Class::Fp8ActScale,
+            Fault::KvCacheScaleTwice => Class::KvCacheScale,
         }
     }
 
@@ -344,6 +354,7 @@ impl Fault {
             (Fault::ResidualScaled, _) => vec![Stage::FfnIn, Stage::HiddenOut],
             (Fault::Fp16AccumQlNope, _) => vec![Stage::QlNope],
             (Fault::Fp8ScalePaddedRows, _) => vec![Stage::QC],
+            (Fault::KvCacheScaleTwice, _) => vec![Stage::AttnLatent],
             _ => Vec::new(),
         }
     }
@@ -409,6 +420,12 @@ impl Fault {
             Fault::Fp8ScalePaddedRows if path == PathKind::Chunked => Err(
                 "per-tensor fp8 scales (--fp8-compute tensor) do not judge the chunked path, whose context chunks each get their own",
             ),
+            Fault::KvCacheScaleTwice if path != PathKind::Mqa => Err(
+                "only the absorbed decode (mqa) records the latent it reads from the cache (attn_latent), where a scaled cache shows apart from a softmax scale",
+            ),
+            Fault::KvCacheScaleTwice if cfg.indexer.is_some() => {
+                Err("a DSA layer reads the indexer's kept keys: the cache replay acts on dense attention")
+            }
             Fault::Fp8ScalePaddedRows if cfg.q_lora_rank.is_none() => Err(
                 "no q_lora_rank: the fused q_a/kv_a projection whose input it quantizes is what the detector replays",
             ),
@@ -430,18 +447,42 @@ impl Fault {
         }
     }
 
-    /// Whether the fault can act under the run's fp8 compute `fp8` (`PathOptions::fp8`):
-    /// `fp8-scale-padded-rows` needs per-tensor scales (`--fp8-compute tensor`; a per-token scale
-    /// never sees another row). Every other fault: `Ok`.
-    pub fn applies_to_fp8(self, fp8: Option<&crate::core::fp8::ActQuant>) -> Result<(), &'static str> {
+    /// Whether the fault can act under the run's fp8 compute `fp8` (`PathOptions::fp8`) and
+    /// latent cache `kv_cache` (`PathOptions::kv_cache`): `fp8-scale-padded-rows` needs
+    /// per-tensor scales (`--fp8-compute tensor`; a per-token scale never sees another row),
+    /// `kv-cache-scale-twice` an fp8 cache whose scale is not 1 (applied twice, 1 is still 1).
+    /// Every other fault: `Ok`.
+    pub fn applies_to_fp8(
+        self,
+        fp8: Option<&crate::core::fp8::ActQuant>,
+        kv_cache: Option<&crate::core::fp8::KvCacheQuant>,
+    ) -> Result<(), &'static str> {
         use crate::core::fp8::ActGranularity;
         match (self, fp8.map(|a| a.granularity)) {
             (Fault::Fp8ScalePaddedRows, Some(ActGranularity::Tensor)) => Ok(()),
             (Fault::Fp8ScalePaddedRows, _) => Err(
                 "needs --fp8-compute tensor (one dynamic scale over the input: a per-token scale never sees the padding)",
             ),
+            (Fault::KvCacheScaleTwice, _) if kv_cache.is_none_or(|k| k.scale == 1.0) => {
+                Err("needs --kv-cache-dtype fp8 --kv-scale S with S ≠ 1 (a scale of 1 applied twice is still 1)")
+            }
             _ => Ok(()),
         }
+    }
+
+    /// The latent cache a selftest case of the fault runs with: an fp8 cache with k_scale 0.5
+    /// for `kv-cache-scale-twice`, none for every other fault.
+    pub fn selftest_kv_cache(self, dtype: crate::core::dtype::Dtype) -> Option<crate::core::fp8::KvCacheQuant> {
+        use crate::core::fp8::{InputDtype, KvCacheQuant};
+        let input = match dtype {
+            crate::core::dtype::Dtype::F32 => InputDtype::F32,
+            crate::core::dtype::Dtype::Bf16 => InputDtype::Bf16,
+        };
+        (self == Fault::KvCacheScaleTwice).then_some(KvCacheQuant {
+            scale: 0.5,
+            input: Some(input),
+            query: None,
+        })
     }
 
     /// The fp8 compute a selftest case of the fault runs with: per-tensor scales for

@@ -168,6 +168,12 @@ pub trait Ops {
         let v = self.download(x)?;
         self.adopt(v.into_iter().map(|x| q.round(f64::from(x)) as f32).collect())
     }
+    /// Decode queries `[ql_nope ‖ q_pe]` as a kernel that takes an fp8 query reads them
+    /// ([`KvCacheQuant::round_query`]), a new buffer; on the host for every backend.
+    fn fp8_query_rows(&self, x: &Self::Buf, q: &KvCacheQuant) -> Result<Self::Buf> {
+        let v = self.download(x)?;
+        self.adopt(v.into_iter().map(|x| q.round_query(f64::from(x)) as f32).collect())
+    }
     /// Whole tensor `name` (`n` elements) as the backend already dequantized it in its own
     /// memory for this layer, taken over by the caller; `None` (the default) when the backend
     /// keeps no such copy and the caller dequantizes the raw bytes. The CUDA backend keeps what

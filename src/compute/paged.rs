@@ -39,6 +39,10 @@ pub struct PagedStep {
     /// Whether a slot no write reached reads as a zero row for certain (mla-diff's paths zero
     /// their cache; an engine's may hold an earlier request's rows).
     pub zero_filled: bool,
+    /// The fp8 format the cache stores its rows in (the replays read keys back rounded so, and
+    /// a decode row's query rounded when the kernel takes an fp8 one); `None`: the values as
+    /// computed.
+    pub cache_quant: Option<crate::core::fp8::KvCacheQuant>,
 }
 
 /// One sequence of a [`PagedStep`]: position `j` is key row `key_off + j`, for `j < len`.

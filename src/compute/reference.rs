@@ -499,6 +499,12 @@ pub fn forward_sel(
         let qn = q.slice(s![.., h, ..p]);
         gemm_view(qn, w_uk_t.slice(s![h, .., ..]), out.view_mut(), false);
     });
+    // Kept for the absorbed rows of a kernel that takes an fp8 query (below).
+    let ql_keep = dsa
+        .fp8
+        .and_then(|f| f.kv_cache)
+        .is_some_and(|c| c.query.is_some())
+        .then(|| ql_nope.clone());
     record_moved(&mut tr, layer, Stage::QlNope, ql_nope);
 
     // Attention, causal within each sequence, softmax scale of step 7.
@@ -538,13 +544,27 @@ pub fn forward_sel(
             kv_u.slice(s![.., .., ..p]).to_owned(),
             kv_u.slice(s![.., .., p..]).to_owned(),
         );
-        let over_cache = attend(&AttnInputs {
-            k_nope: &k_u,
-            v: &v_u,
-            k_pe_roped: &k_pe_k,
-            kv_c_normed: &kv_c_k,
-            ..inputs
-        });
+        let over_cache = match (kv_cache.filter(|_| selection.is_none()), &ql_keep) {
+            // A kernel that takes an fp8 query scores the rounded `ql_nope ‖ q_pe` against the
+            // latent itself: only the absorbed form can say it (`ql_nope` is L wide, `q_nope` P).
+            (Some(c), Some(ql)) => {
+                let absorbed_q = AbsorbedQuery {
+                    ql_nope: &ql.mapv(|x| c.round_query(x)),
+                    q_pe_roped: &q_pe_roped.mapv(|x| c.round_query(x)),
+                    kv_c: &kv_c_k,
+                    k_pe: &k_pe_k,
+                    w_uv: &w_uv,
+                };
+                attention_absorbed(cfg, batch, absorbed, &absorbed_q)
+            }
+            _ => attend(&AttnInputs {
+                k_nope: &k_u,
+                v: &v_u,
+                k_pe_roped: &k_pe_k,
+                kv_c_normed: &kv_c_k,
+                ..inputs
+            }),
+        };
         let rows = (0..t.min(absorbed.len())).filter(|&ti| absorbed[ti]);
         take_token_rows(&mut outs, &over_cache, rows);
     }
@@ -723,6 +743,97 @@ fn attention_causal(
         lse.slice_mut(s![r, h]).assign(&Array1::from(ls));
     }
     (attn_out, attn_latent, lse)
+}
+
+/// What an absorbed (decode) row's attention reads when its query is rounded: `ql_nope` [T, N, L]
+/// and `q_pe_roped` [T, N, R] as the kernel takes them, the latent `kv_c` [T, L] and `k_pe`
+/// [T, R] as the cache returns them, and `W_UV` [N, L, V].
+struct AbsorbedQuery<'a> {
+    ql_nope: &'a Array3<f64>,
+    q_pe_roped: &'a Array3<f64>,
+    kv_c: &'a Array2<f64>,
+    k_pe: &'a Array2<f64>,
+    w_uv: &'a Array3<f64>,
+}
+
+/// The reference attention of the rows `rows[ti]` in the absorbed form, causal within each
+/// sequence: scores `(ql_nope·kv_cᵀ + q_pe·k_peᵀ)·scale`, softmax in f64, `attn_latent = P·kv_c`,
+/// `attn_out = attn_latent·W_UV[h]`. Per (head, sequence, run of at most [`ATTN_Q_BLOCK`]
+/// consecutive rows to compute), each a few dgemms, so the split never depends on the thread
+/// count. Rows not asked for are left zero. Shapes as [`attention_causal`].
+fn attention_absorbed(cfg: &MlaConfig, batch: &Batch, rows: &[bool], q: &AbsorbedQuery<'_>) -> AttnOutputs {
+    let t = batch.n_tokens();
+    let [n, l, _, _, dv] = cfg.dims().nlprv();
+    let scale = cfg.softmax_scale;
+    let wanted = |ti: usize| rows.get(ti) == Some(&true);
+    let mut items = Vec::new();
+    for (sq, off) in batch.seqs.iter().zip(batch.offsets()) {
+        let mut i = 0;
+        while i < sq.len {
+            if !wanted(off + i) {
+                i += 1;
+                continue;
+            }
+            let mut e = i;
+            while e < sq.len && e - i < ATTN_Q_BLOCK && wanted(off + e) {
+                e += 1;
+            }
+            items.extend((0..n).map(|h| (h, off, i, e - i)));
+            i = e;
+        }
+    }
+    let blocks: Vec<(Array2<f64>, Array2<f64>, Vec<f64>)> = items
+        .par_iter()
+        .map(|&(h, off, q0, nr)| {
+            let nk = q0 + nr;
+            let (qr, kr) = (off + q0..off + q0 + nr, off..off + nk);
+            let mut sc = Array2::<f64>::zeros((nr, nk));
+            gemm_view(
+                q.ql_nope.slice(s![qr.clone(), h, ..]),
+                q.kv_c.slice(s![kr.clone(), ..]).t(),
+                sc.view_mut(),
+                false,
+            );
+            gemm_view(
+                q.q_pe_roped.slice(s![qr, h, ..]),
+                q.k_pe.slice(s![kr.clone(), ..]).t(),
+                sc.view_mut(),
+                true,
+            );
+            let mut lse = Vec::with_capacity(nr);
+            for (i, mut row) in sc.rows_mut().into_iter().enumerate() {
+                let visible = q0 + i + 1;
+                let m = row
+                    .iter()
+                    .take(visible)
+                    .fold(f64::NEG_INFINITY, |a, &z| a.max(z * scale));
+                let mut sum = 0.0;
+                for (j, x) in row.iter_mut().enumerate() {
+                    *x = if j < visible { (*x * scale - m).exp() } else { 0.0 };
+                    sum += *x;
+                }
+                row.mapv_inplace(|x| x / sum);
+                lse.push(m + sum.ln());
+            }
+            let mut lat = Array2::<f64>::zeros((nr, l));
+            gemm_view(sc.view(), q.kv_c.slice(s![kr, ..]), lat.view_mut(), false);
+            let mut out = Array2::<f64>::zeros((nr, dv));
+            gemm_view(lat.view(), q.w_uv.slice(s![h, .., ..]), out.view_mut(), false);
+            (out, lat, lse)
+        })
+        .collect();
+    let mut outs: AttnOutputs = (
+        Array3::<f64>::zeros((t, n, dv)),
+        Array3::<f64>::zeros((t, n, l)),
+        Array2::<f64>::zeros((t, n)),
+    );
+    for (&(h, off, q0, nr), (o, lat, ls)) in items.iter().zip(blocks) {
+        let r = off + q0..off + q0 + nr;
+        outs.0.slice_mut(s![r.clone(), h, ..]).assign(&o);
+        outs.1.slice_mut(s![r.clone(), h, ..]).assign(&lat);
+        outs.2.slice_mut(s![r, h]).assign(&Array1::from(ls));
+    }
+    outs
 }
 
 /// The reference attention when a DSA indexer chose each token's keys: one (token, head) row at

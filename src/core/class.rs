@@ -46,6 +46,10 @@ pub enum Class {
     /// ignores, a block table read off by an entry or another sequence's, a slot mapping off by
     /// a slot or a block.
     PagedKv,
+    /// The paged latent cache read back a constant factor off what was written (an fp8 cache's
+    /// scale applied twice or missing on one side): the replay with the cache times c ≠ 1
+    /// explains the attention output.
+    KvCacheScale,
     /// A constant logit scale explains the attention output.
     SoftmaxScale,
     /// Sentinel or log-base error in an LSE merge.
@@ -94,7 +98,7 @@ impl Class {
     /// `mismatch` when no detector explains a site, `weight-nonfinite` (a check of the GGUF
     /// itself) last. README.md, docs/faults.md, docs/design.md and docs/run-report.schema.json
     /// list the classes in this order (tests/doc_tables.rs).
-    pub const ALL: [Class; 28] = [
+    pub const ALL: [Class; 29] = [
         Class::WeightNotLoaded,
         Class::PhantomOutput,
         Class::UnwrittenRows,
@@ -109,6 +113,7 @@ impl Class {
         Class::RopeStyle,
         Class::StridedView,
         Class::PagedKv,
+        Class::KvCacheScale,
         Class::LseMerge,
         Class::SoftmaxScale,
         Class::MoeRouting,
@@ -144,6 +149,7 @@ impl Class {
             Class::LseMerge => "lse-merge",
             Class::StridedView => "strided-view",
             Class::PagedKv => "paged-kv",
+            Class::KvCacheScale => "kv-cache-scale",
             Class::MoeRouting => "moe-routing",
             Class::IndexerRopeStyle => "indexer-rope-style",
             Class::IndexerTopkStale => "indexer-topk-stale",

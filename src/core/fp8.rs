@@ -287,20 +287,45 @@ pub struct KvCacheQuant {
     /// The dtype the cache write reads (the reference rounds to it first); `None`: the values
     /// as they are.
     pub input: Option<InputDtype>,
+    /// The decode query's per-tensor scale `q_scale` where the attention kernel takes an fp8
+    /// query too (vLLM's FLASHMLA: `ql_nope ‖ q_pe` quantized as `e4m3(x/q_scale)` before
+    /// `flash_mla_with_kvcache_fp8`, which descales by `q_scale`); `None`: the query stays in
+    /// the activation dtype (TRITON_MLA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub query: Option<f64>,
 }
 
 impl KvCacheQuant {
     /// `x` as the cache holds it: `scale·e4m3(f32(x)/f32(scale))`, `x` first rounded to
     /// [`KvCacheQuant::input`].
     pub fn round(&self, x: f64) -> f64 {
-        let x = self.input.map_or(x, |d| d.round(x));
-        round_e4m3(f64::from(x as f32 / self.scale as f32)) * f64::from(self.scale as f32)
+        scaled_e4m3(self.input.map_or(x, |d| d.round(x)), self.scale)
+    }
+
+    /// A decode query element as the kernel reads it: `q_scale·e4m3(f32(x)/f32(q_scale))` after
+    /// the input rounding, or `x` itself when the query is not quantized.
+    pub fn round_query(&self, x: f64) -> f64 {
+        match self.query {
+            Some(s) => scaled_e4m3(self.input.map_or(x, |d| d.round(x)), s),
+            None => x,
+        }
     }
 
     /// One line for reports.
     pub fn describe(&self) -> String {
-        format!("fp8_e4m3 latent cache, k_scale {}", self.scale)
+        match self.query {
+            Some(q) => format!(
+                "fp8_e4m3 latent cache, k_scale {}; fp8_e4m3 decode query, q_scale {q}",
+                self.scale
+            ),
+            None => format!("fp8_e4m3 latent cache, k_scale {}", self.scale),
+        }
     }
+}
+
+/// `scale·e4m3(f32(x)/f32(scale))`: a static per-tensor E4M3 quantization read back.
+fn scaled_e4m3(x: f64, scale: f64) -> f64 {
+    round_e4m3(f64::from(x as f32 / scale as f32)) * f64::from(scale as f32)
 }
 
 /// The fp8 quantization of the two operands of a scoring product `q·k` (a DSA indexer's query

@@ -13,7 +13,7 @@ use crate::compute::indexer::{AttendKeys, Selection};
 use crate::compute::paged::{CacheWrite, PagedQuery, PagedSeq, PagedStep};
 use crate::compute::path::PathOptions;
 use crate::compute::reference::Fp8Compute;
-use crate::compute::reference::context::{ContextSeq, context_partials};
+use crate::compute::reference::context::{ContextCache, ContextSeq, context_partials};
 use crate::compute::reference::{RefInputs, RefOutput};
 use crate::core::batch::{Batch, SeqSpec};
 use crate::core::dtype::Dtype;
@@ -1498,7 +1498,10 @@ pub fn compare_steps_with(
                     )
                 });
                 let (partials, chunks) = match src.full_trace(judged_tr, &full_rows) {
-                    Some(f) => step_context_partials(spec, &live, layer, cfg, f, header.heads),
+                    Some(f) => {
+                        let cache = kv_cache.as_ref().map(|kv| ContextCache { kv, act: act.as_ref() });
+                        step_context_partials(spec, &live, layer, cfg, f, header.heads, cache)
+                    }
                     None => (Trace::new(), Vec::new()),
                 };
                 // The handover from layer n−1: this step's hidden_in against the engine's own
@@ -1587,7 +1590,7 @@ pub fn compare_steps_with(
                             .filter(|hs| header.tp.is_none() && hs[1] - hs[0] < cfg.n_head)
                             .map(|hs| (hs, cfg.n_head)),
                     };
-                    let paged = dump_paged_step(steps_dump, k, &live, layer, cfg, full_tr);
+                    let paged = dump_paged_step(steps_dump, k, &live, layer, cfg, full_tr, kv_cache);
                     layer_findings = timing::stage("diagnose", || {
                         diagnose_dumped_layer(
                             judge_cfg,
@@ -1793,8 +1796,9 @@ fn engine_tp(steps_dump: &StepsDump, cfg: &MlaConfig) -> Result<usize> {
 /// recorded them), and per row of the step how it
 /// read the cache as vLLM splits a batch: a decode row (one new token) reads every position
 /// through the cache, its own included; a prefill row reads its sequence's cached context
-/// through the cache and its new tokens directly. `None` when no row of the step reads the cache
-/// or the layer's latent sites have other shapes.
+/// through the cache and its new tokens directly. `cache_quant`: the cache's declared fp8 format
+/// (`kv_cache_quant`). `None` when no row of the step reads the cache or the layer's latent
+/// sites have other shapes.
 fn dump_paged_step(
     sd: &StepsDump,
     k: usize,
@@ -1802,6 +1806,7 @@ fn dump_paged_step(
     layer: usize,
     cfg: &MlaConfig,
     full_ref: &Trace,
+    cache_quant: Option<KvCacheQuant>,
 ) -> Option<PagedStep> {
     let (l, r) = (cfg.kv_lora_rank, cfg.qk_rope_head_dim);
     let spec = &sd.steps[k].0;
@@ -1900,6 +1905,7 @@ fn dump_paged_step(
         queries,
         keys: Some(keys),
         zero_filled: false,
+        cache_quant,
     })
 }
 
@@ -1931,7 +1937,8 @@ fn step_full_batch(spec: &crate::model::dump::StepSpec, n_seq: usize) -> (Vec<us
 /// ([`context_partials`]), on the rows of the sequences listing `context_chunks`
 /// ([`StepSpec::context_seqs`](crate::model::dump::StepSpec::context_seqs)) and over the chunks
 /// they list, with `heads = [a, b]` sliced to heads `a..b`; `full` is the reference over the
-/// step's full batch of the sequences `live`. Also returns those sequences as the detectors
+/// step's full batch of the sequences `live`; `cache`: the fp8 latent cache the chunks read
+/// their keys back from. Also returns those sequences as the detectors
 /// read them. Empty when no sequence of the step lists chunks, or for a DSA model, whose
 /// attention reads the indexer's keys, not the context chunks'.
 fn step_context_partials(
@@ -1941,6 +1948,7 @@ fn step_context_partials(
     cfg: &MlaConfig,
     full: &Trace,
     heads: Option<[usize; 2]>,
+    cache: Option<ContextCache<'_>>,
 ) -> (Trace, Vec<ContextSeq>) {
     let ctx = spec.context_seqs();
     if ctx.is_empty() || cfg.indexer.is_some() {
@@ -1964,7 +1972,10 @@ fn step_context_partials(
         row += q.new;
     }
     let mut out = Trace::new();
-    for (s, t) in context_partials(cfg, full, layer, &seqs).unwrap_or_default().entries() {
+    for (s, t) in context_partials(cfg, full, layer, &seqs, cache)
+        .unwrap_or_default()
+        .entries()
+    {
         let t = match heads {
             Some(hs) => take_heads(t, s.stage, cfg, hs),
             None => t.clone(),

@@ -285,6 +285,7 @@ impl PageRun<'_> {
     fn findings(&self, tp: usize, paths: Vec<PathKind>, faults: Vec<Fault>) -> Result<Vec<Finding>> {
         // A fault of fp8 compute runs with it, judged against the reference of the same fp8.
         let fp8 = faults.iter().find_map(|f| f.selftest_fp8(self.backend.dtype()));
+        let kv_cache = faults.iter().find_map(|f| f.selftest_kv_cache(self.backend.dtype()));
         let rc = RunConfig {
             layers: vec![self.layer],
             batch: self.batch.clone(),
@@ -296,6 +297,7 @@ impl PageRun<'_> {
                 tp,
                 faults: FaultSet(faults),
                 fp8,
+                kv_cache,
                 ..PathOptions::default()
             },
             backend: self.backend.name().into(),
@@ -394,7 +396,10 @@ impl PageRun<'_> {
             servable(tp)
                 && fault.applies_to_dtype(self.backend.dtype()).is_ok()
                 && fault
-                    .applies_to_fp8(fault.selftest_fp8(self.backend.dtype()).as_ref())
+                    .applies_to_fp8(
+                        fault.selftest_fp8(self.backend.dtype()).as_ref(),
+                        fault.selftest_kv_cache(self.backend.dtype()).as_ref(),
+                    )
                     .is_ok()
                 && fault.applies_to_layer(self.w, tp).is_ok()
                 && PathKind::ALL.iter().any(|&p| fault.applies(p, cfg, tp, lblock).is_ok())

@@ -448,8 +448,27 @@ impl<B> CacheState<B> {
         let mut kp = a.ops.gather_rows(a.k_pe_roped, r, &kept)?;
         // An fp8 cache stores what `concat_and_cache_mla` converts: e4m3(x / k_scale).
         if let Some(q) = &a.opts.kv_cache {
-            kv = a.ops.fp8_cache_rows(&kv, q)?;
-            kp = a.ops.fp8_cache_rows(&kp, q)?;
+            if a.opts.faults.has(Fault::KvCacheScaleTwice) {
+                // Stored e4m3(x/S²), read back × S: the written scale S² as the cache rounds with
+                // it, divided by S.
+                let twice = crate::core::fp8::KvCacheQuant {
+                    scale: q.scale * q.scale,
+                    ..*q
+                };
+                let back = |b: &B| -> Result<B> {
+                    let v = a.ops.download(b)?;
+                    a.ops.adopt(
+                        v.into_iter()
+                            .map(|x| (twice.round(f64::from(x)) / q.scale) as f32)
+                            .collect(),
+                    )
+                };
+                kv = back(&kv)?;
+                kp = back(&kp)?;
+            } else {
+                kv = a.ops.fp8_cache_rows(&kv, q)?;
+                kp = a.ops.fp8_cache_rows(&kp, q)?;
+            }
         }
         a.ops.cache_write(&mut self.cache, self.width, &kv, &kp, l, r, &slots)
     }
@@ -558,5 +577,6 @@ pub fn paged_step(kind: PathKind, batch: &Batch, opts: &PathOptions, cfg: &MlaCo
         queries,
         keys: None,
         zero_filled: true,
+        cache_quant: opts.kv_cache,
     })
 }

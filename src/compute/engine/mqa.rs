@@ -30,7 +30,11 @@ pub(super) fn decode_rows<O: Ops>(
     let splits = a.opts.num_splits.max(1);
     let n = rows.len();
     let local: Vec<usize> = rows.iter().map(|&row| row - q_first).collect();
-    let q = a.ops.gather_rows(qrow, nh * (l + r), &local)?;
+    let mut q = a.ops.gather_rows(qrow, nh * (l + r), &local)?;
+    // A kernel that takes an fp8 query reads `ql_nope ‖ q_pe` rounded with q_scale.
+    if let Some(c) = a.opts.kv_cache.as_ref().filter(|c| c.query.is_some()) {
+        q = a.ops.fp8_query_rows(&q, c)?;
+    }
     // The tables and block size the kernel reads with (a paged-cache fault's, under one).
     let tables: Vec<Vec<usize>> = seqs.iter().zip(ctx).map(|(&s, &c)| cs.read_table(s, c).0).collect();
     let empty_lse = if a.opts.faults.has(Fault::LsePlusInf) {

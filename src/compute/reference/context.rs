@@ -8,8 +8,84 @@
 //! each partial the engine computes, in f64, on the same rows and key ranges: the merge whose
 //! inputs pass and whose output fails is then the one at fault.
 
+use std::collections::HashMap;
+
+use crate::core::fp8::{ActQuant, KvCacheQuant};
 use crate::core::trace::{Site, Stage, Trace, TraceTensor};
 use crate::model::config::MlaConfig;
+
+/// An fp8 latent cache the context chunks are read back from: each context key's
+/// `kv_c_normed ‖ k_pe` rounded as the cache holds it, `k_nope`/`v` expanded from the rounded
+/// latent through `kv_b_proj` (its input quantized by `act`, when the engine's GEMMs are fp8:
+/// per chunk, the rows of every sequence's chunk together, as vLLM's one `kv_b_proj` call per
+/// chunk reads them).
+#[derive(Debug, Clone, Copy)]
+pub struct ContextCache<'a> {
+    /// The cache's rounding.
+    pub kv: &'a KvCacheQuant,
+    /// The quantization of `kv_b_proj`'s input; `None`: read as it is.
+    pub act: Option<&'a ActQuant>,
+}
+
+/// A context key as the chunk read it back: `k_nope` [N·P], `v` [N·V], `k_pe` [R].
+type CachedKey = (Vec<f64>, Vec<f64>, Vec<f64>);
+
+/// Every context key of `seqs` (full-batch rows) as read back from `cache`: needs
+/// `kv_c_normed` [T, L], `k_pe_roped` [T, R] and the weight `w.kv_b` [N·(P+V), L] in `full`.
+fn cached_keys(
+    cfg: &MlaConfig,
+    full: &Trace,
+    layer: usize,
+    seqs: &[ContextSeq],
+    cache: ContextCache<'_>,
+) -> Option<HashMap<usize, CachedKey>> {
+    let [n, l, p, r, dv] = cfg.dims().nlprv();
+    let get = |st: Stage| full.get(&Site::new(layer, st));
+    let (kvc, kpe, kv_b) = (get(Stage::KvCNormed)?, get(Stage::KPeRoped)?, get(Stage::WKvB)?);
+    if kv_b.len() != n * (p + dv) * l {
+        return None;
+    }
+    let n_chunks = seqs.first().map_or(0, |s| s.chunks.len());
+    let mut out = HashMap::new();
+    for c in 0..n_chunks {
+        // The rows of chunk c over every sequence, quantized together (one kv_b call).
+        let rows: Vec<usize> = seqs
+            .iter()
+            .flat_map(|s| {
+                let [c0, c1] = s.chunks[c];
+                (c0..c1.min(s.context)).map(move |j| s.off + j)
+            })
+            .filter(|kj| !out.contains_key(kj))
+            .collect();
+        if rows
+            .iter()
+            .any(|&kj| (kj + 1) * l > kvc.len() || (kj + 1) * r > kpe.len())
+        {
+            return None;
+        }
+        let mut x: Vec<f64> = rows
+            .iter()
+            .flat_map(|&kj| (0..l).map(move |d| cache.kv.round(kvc.get(kj * l + d))))
+            .collect();
+        if let Some(a) = cache.act {
+            a.quantize(&mut x, l, 1);
+        }
+        for (i, &kj) in rows.iter().enumerate() {
+            let xr = &x[i * l..(i + 1) * l];
+            let (mut kn, mut vv) = (Vec::with_capacity(n * p), Vec::with_capacity(n * dv));
+            for h in 0..n {
+                for o in 0..p + dv {
+                    let wr = (h * (p + dv) + o) * l;
+                    let y: f64 = xr.iter().enumerate().map(|(d, &xv)| xv * kv_b.get(wr + d)).sum();
+                    if o < p { kn.push(y) } else { vv.push(y) }
+                }
+            }
+            let kp = (0..r).map(|d| cache.kv.round(kpe.get(kj * r + d))).collect();
+            out.insert(kj, (kn, vv, kp));
+        }
+    }
+    Some(out)
+}
 
 /// One sequence of a step's prefill over cached context, as the reference reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,9 +128,17 @@ fn attend(z: &[f64], keys: std::ops::Range<usize>, v: &dyn Fn(usize, usize) -> f
 /// `seqs`, in order; `full` is the reference over the step's full batch (each sequence from
 /// position 0), whose `q`, `q_pe_roped`, `k_nope`, `k_pe_roped` and `v` it reads (f64, natural
 /// log, the model's softmax scale). Every sequence lists the same number of chunks (checked
-/// with the dump's header). `None` when `full` lacks one of those sites or their rows do not
-/// cover `seqs`.
-pub fn context_partials(cfg: &MlaConfig, full: &Trace, layer: usize, seqs: &[ContextSeq]) -> Option<Trace> {
+/// with the dump's header). With `cache`, the context keys are those read back from an fp8
+/// cache ([`ContextCache`]; `kv_c_normed`, `k_pe_roped` and `w.kv_b` read from `full` too), the
+/// suffix's its own as computed. `None` when `full` lacks one of those sites or their rows do
+/// not cover `seqs`.
+pub fn context_partials(
+    cfg: &MlaConfig,
+    full: &Trace,
+    layer: usize,
+    seqs: &[ContextSeq],
+    cache: Option<ContextCache<'_>>,
+) -> Option<Trace> {
     let [n, _, p, r, dv] = cfg.dims().nlprv();
     let get = |st: Stage| full.get(&Site::new(layer, st));
     let (q, qpe, kn, kpe, vv) = (
@@ -73,6 +157,20 @@ pub fn context_partials(cfg: &MlaConfig, full: &Trace, layer: usize, seqs: &[Con
     if seqs.iter().any(|s| s.chunks.len() != n_chunks) {
         return None;
     }
+    let cached = match cache {
+        Some(c) => Some(cached_keys(cfg, full, layer, seqs, c)?),
+        None => None,
+    };
+    // Key row kj's k_nope[h, d], k_pe[d] and v[h, d]: from the cache for a context key.
+    let from_cache = |kj: usize| cached.as_ref().and_then(|m| m.get(&kj));
+    let k_nope = |kj: usize, h: usize, d: usize| match from_cache(kj) {
+        Some((kn_c, _, _)) => kn_c[h * p + d],
+        None => kn.get((kj * n + h) * p + d),
+    };
+    let k_pe = |kj: usize, d: usize| match from_cache(kj) {
+        Some((_, _, kp)) => kp[d],
+        None => kpe.get(kj * r + d),
+    };
     let tc: usize = seqs.iter().map(|s| s.new).sum();
     let mut chunk_out = vec![vec![0.0; tc * n * dv]; n_chunks];
     let mut chunk_lse = vec![vec![0.0; tc * n]; n_chunks];
@@ -89,15 +187,16 @@ pub fn context_partials(cfg: &MlaConfig, full: &Trace, layer: usize, seqs: &[Con
                     .map(|j| {
                         let kj = s.off + j;
                         let nope: f64 = (0..p)
-                            .map(|d| q.get((qi * n + h) * (p + r) + d) * kn.get((kj * n + h) * p + d))
+                            .map(|d| q.get((qi * n + h) * (p + r) + d) * k_nope(kj, h, d))
                             .sum();
-                        let rope: f64 = (0..r)
-                            .map(|d| qpe.get((qi * n + h) * r + d) * kpe.get(kj * r + d))
-                            .sum();
+                        let rope: f64 = (0..r).map(|d| qpe.get((qi * n + h) * r + d) * k_pe(kj, d)).sum();
                         (nope + rope) * cfg.softmax_scale
                     })
                     .collect();
-                let v = |j: usize, d: usize| vv.get(((s.off + j) * n + h) * dv + d);
+                let v = |j: usize, d: usize| match from_cache(s.off + j) {
+                    Some((_, vc, _)) => vc[h * dv + d],
+                    None => vv.get(((s.off + j) * n + h) * dv + d),
+                };
                 let at = (row * n + h) * dv;
                 for (c, &[c0, c1]) in s.chunks.iter().enumerate() {
                     let (o, l) = attend(&z, c0..c1.min(s.context), &v, dv);

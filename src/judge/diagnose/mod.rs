@@ -325,7 +325,7 @@ type Detector = fn(&SiteCtx<'_>) -> Option<Detection>;
 
 /// Every site detector with the class it names, in precedence order (earlier wins);
 /// [`fallback::mismatch`] answers when none explains the site.
-const DETECTORS: [(Class, Detector); 28] = [
+const DETECTORS: [(Class, Detector); 29] = [
     (Class::WeightNotLoaded, weights::weight_not_loaded),
     (Class::PhantomOutput, canary::phantom_output),
     // The chunked-context family (`merge`), each entry at its class's place: a context partial
@@ -346,6 +346,7 @@ const DETECTORS: [(Class, Detector); 28] = [
     (Class::StridedView, strided::strided_view),
     (Class::StridedView, merge::merge_stride),
     (Class::PagedKv, paged::paged_kv),
+    (Class::KvCacheScale, paged::kv_cache_scale),
     // Before the scale: a base-2 merge also reweights the logits, and a free scale fits part of it.
     (Class::LseMerge, merge::partial_lse),
     (Class::LseMerge, merge::merge_replay),

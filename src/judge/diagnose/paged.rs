@@ -45,6 +45,92 @@ const PAGE_SIZES: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 /// The page sizes tried when a dump recorded none: vLLM's default, token granularity, FlashMLA's.
 const UNRECORDED_PAGE_SIZES: [usize; 3] = [16, 1, 64];
 
+/// The factors a cache read back may be off by: half-octave steps from 2⁻⁸ to 2⁸ (a scale
+/// applied twice or missing multiplies the cache by 1/k_scale or k_scale, and checkpoints'
+/// k_scales are anything), besides the declared scale's own ±1 powers.
+fn cache_factors(ps: &PagedStep) -> Vec<f64> {
+    let mut f: Vec<f64> = (-16..=16)
+        .filter(|&j| j != 0)
+        .map(|j| 2f64.powf(f64::from(j) / 2.0))
+        .collect();
+    if let Some(s) = ps.cache_quant.map(|c| c.scale).filter(|&s| s != 1.0) {
+        for c in [s, 1.0 / s] {
+            if f.iter().all(|&g| (g / c - 1.0).abs() > 1e-6) {
+                f.push(c);
+            }
+        }
+    }
+    f
+}
+
+/// `kv-cache-scale` at an attention output read through a paged latent cache (`attn_latent`,
+/// `attn_out`): every row of the cache read back `c` times what was written (a scale applied
+/// twice where rows are written, or missing where they are read), so the logits and the
+/// weighted latent both scale by `c`. The replay with the recorded metadata, its cache times
+/// each factor of [`cache_factors`], must explain the sampled rows as [`paged_kv`]'s hypotheses
+/// do (its `lse` too, when compared) while the cache as written does not. Not at `lse` alone,
+/// where scaled logits are a softmax scale.
+pub(super) fn kv_cache_scale(x: &SiteCtx<'_>) -> Option<Detection> {
+    if !matches!(x.site.stage, Stage::AttnLatent | Stage::AttnOut) || x.input.cfg.indexer.is_some() {
+        return None;
+    }
+    let ps = x.path.paged?;
+    let m = x.diff.metrics.as_ref()?;
+    if m.nonfinite_cand > 0 || ps.queries.len() != *x.refr.shape.first()? {
+        return None;
+    }
+    let inp = inputs(x, ps)?;
+    let reads = reads_of(&inp, hypotheses(ps).first()?);
+    let mut used: Vec<HashSet<usize>> = vec![HashSet::new(); inp.rows.len()];
+    add_keys(&mut used, &reads);
+    let pre = Precomputed::new(x, &inp, &used);
+    let base = replay(&inp, &pre, &reads);
+    let (c, v) = cache_factors(ps)
+        .into_iter()
+        .filter_map(|c| {
+            let rep = replay(&inp, &pre.scaled(c), &reads);
+            judge(x, &inp, &reads, &rep, &base).map(|v| (c, v))
+        })
+        .min_by(|a, b| a.1.err.total_cmp(&b.1.err))?;
+    let source = if ps.keys.is_some() {
+        "the dump's own kv_c_normed ‖ k_pe_roped rows of this and the earlier steps"
+    } else {
+        "the path's own kv_c_normed ‖ k_pe_roped rows"
+    };
+    let declared = match ps.cache_quant {
+        Some(q) => format!(" (fp8 cache, k_scale {} declared)", q.scale),
+        None => String::new(),
+    };
+    let mut ev = format!(
+        "{} equals the replay of the paged cache read back ×{} of what was written{declared}, rebuilt from {source}, on \
+         {} rows × {} heads: rel_l2 {} vs {} for the cache as written (the candidate against the reference: {})",
+        x.site.stage.name(),
+        sci(c, 3),
+        v.compared,
+        inp.heads.len(),
+        sci(v.err, 2),
+        sci(v.base_err, 2),
+        sci(x.as_is(), 2)
+    );
+    if let Some(e) = v.lse_err {
+        ev.push_str(&format!("; lse rel_l2 {}", sci(e, 2)));
+    }
+    let which = match ps.cache_quant.map(|q| q.scale).filter(|&s| s != 1.0) {
+        Some(s) if (c * s - 1.0).abs() < 1e-6 => "×1/k_scale: the scale was applied twice where the rows were written \
+                                                   (x/k_scale² stored, read back × k_scale), or the reads divide by it"
+            .to_string(),
+        Some(s) if (c / s - 1.0).abs() < 1e-6 => "×k_scale: the write stored x unscaled while the reads multiply by \
+                                                   k_scale (the scale missing on the write), or the reads apply it twice"
+            .to_string(),
+        _ => "a factor no declared scale gives: the write and the reads use different scales".to_string(),
+    };
+    let hint = format!(
+        "the latent cache's fp8 scale differs between concat_and_cache_mla (the write's scale) and the reads (the \
+         decode kernel's k_scale / descale_k, the context gather's scale): {which}; pass the layer's one k_scale to both"
+    );
+    Some(Detection::new(ev, hint))
+}
+
 /// How a hypothesis writes the step's rows into the cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Write {
@@ -204,6 +290,12 @@ fn inputs<'a>(x: &SiteCtx<'_>, ps: &'a PagedStep) -> Option<Inputs<'a>> {
             std::borrow::Cow::Owned(k)
         }
     };
+    // An fp8 cache hands back its rows rounded (a prefill row's own new keys are replayed so
+    // too: one E4M3 step's noise on those rows).
+    let keys = match &ps.cache_quant {
+        Some(c) => std::borrow::Cow::Owned(keys.iter().map(|&k| c.round(k)).collect()),
+        None => keys,
+    };
     let n_keys = keys.len() / (l + r).max(1);
     if ps.seqs.iter().any(|s| s.key_off + s.len > n_keys) {
         return None;
@@ -247,6 +339,12 @@ fn inputs<'a>(x: &SiteCtx<'_>, ps: &'a PagedStep) -> Option<Inputs<'a>> {
                 }
             };
             out.extend((0..r).map(|d| qpe.get((row * n + h) * r + d)));
+            // A decode row (every position read through the cache) of a kernel that takes an
+            // fp8 query reads it rounded.
+            let pq = ps.queries[row];
+            if let Some(c) = ps.cache_quant.filter(|c| c.query.is_some() && pq.cached == pq.upto) {
+                out.iter_mut().for_each(|v| *v = c.round_query(*v));
+            }
             out
         })
         .collect();
@@ -560,6 +658,17 @@ impl Precomputed {
             z,
             vat: all.into_iter().enumerate().map(|(i, k)| (k, i)).collect(),
             vals,
+        }
+    }
+
+    /// The same reads with the cache read back `c` times what was written: every logit (both
+    /// of its products read a cached key) and every value times `c`.
+    fn scaled(&self, c: f64) -> Precomputed {
+        Precomputed {
+            at: self.at.clone(),
+            z: self.z.iter().map(|r| r.iter().map(|v| v * c).collect()).collect(),
+            vat: self.vat.clone(),
+            vals: self.vals.iter().map(|v| v * c).collect(),
         }
     }
 }
@@ -941,6 +1050,7 @@ mod tests {
             queries,
             keys: Some(vec![0.0; 8]),
             zero_filled: true,
+            cache_quant: None,
         }
     }
 

@@ -306,6 +306,20 @@ pub struct KvCacheQuantDecl {
     /// The dtype the cache write reads (`bf16`, `f16`, `f32`); absent: the reference's values.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub input: Option<String>,
+    /// Present when the decode kernel takes an fp8 query too (vLLM's FLASHMLA; TRITON_MLA
+    /// keeps a bf16 query): `{"scale": q_scale}`, the per-tensor scale `ql_nope ‖ q_pe` is
+    /// quantized with. The reference then scores decode rows in the absorbed form with that
+    /// query rounded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub query: Option<KvQueryDecl>,
+}
+
+/// `header.kv_cache_quant.query`: the decode query's fp8 quantization.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvQueryDecl {
+    /// The per-tensor scale `q_scale` (positive, finite; vLLM's `_q_scale`, 1.0 by default).
+    pub scale: f64,
 }
 
 impl KvCacheQuantDecl {
@@ -320,6 +334,7 @@ impl KvCacheQuantDecl {
                 Some("f32") => Some(InputDtype::F32),
                 _ => None,
             },
+            query: self.query.as_ref().map(|q| q.scale),
         }
     }
 }
@@ -593,7 +608,7 @@ pub(super) fn parse_header(path: &Path, text: Option<&str>) -> Result<DumpHeader
     check_tp(path, v.get("tp"))?;
     check_indexer_quant(path, v.get("indexer_quant"))?;
     check_act_quant(path, v.get("act_quant"))?;
-    check_kv_cache_quant(path, v.get("kv_cache_quant"), v.get("steps"))?;
+    check_kv_cache_quant(path, v.get("kv_cache_quant"))?;
     check_num_kv_splits(path, v.get("steps"))?;
     check_page_sizes(path, v.get("steps"))?;
     check_step_fields(path, v.get("steps"))?;
@@ -1211,11 +1226,10 @@ fn check_act_quant(path: &Path, q: Option<&serde_json::Value>) -> Result<()> {
 
 /// Checks `header.kv_cache_quant` (`q`, if any) against the fields of [`KvCacheQuantDecl`]:
 /// `dtype` `"fp8_e4m3"`, `scale` a positive finite number, optionally `input` (`"bf16"`, `"f16"`,
-/// `"f32"` or null). A step that lists `context_chunks` is refused with it: the context partial
-/// sites would need the reference's context keys rounded per chunk, which it does not model.
+/// `"f32"` or null), optionally `query` ([`check_kv_query`]).
 ///
 /// Errors: [`Error::Safetensors`] naming `__metadata__.header.kv_cache_quant` or its field.
-fn check_kv_cache_quant(path: &Path, q: Option<&serde_json::Value>, steps: Option<&serde_json::Value>) -> Result<()> {
+fn check_kv_cache_quant(path: &Path, q: Option<&serde_json::Value>) -> Result<()> {
     const FIELD: &str = "__metadata__.header.kv_cache_quant";
     let Some(obj) = header_object(path, FIELD, q, "{\"dtype\": \"fp8_e4m3\", \"scale\": 1.0}")? else {
         return Ok(());
@@ -1229,32 +1243,42 @@ fn check_kv_cache_quant(path: &Path, q: Option<&serde_json::Value>, steps: Optio
             "scale" => return fail(key, x, "a positive finite number (k_scale)"),
             "input" if x.is_null() || matches!(x.as_str(), Some("bf16" | "f16" | "f32")) => {}
             "input" => return fail(key, x, "\"bf16\", \"f16\", \"f32\" or null"),
+            "query" => check_kv_query(path, x)?,
             _ => {
                 return Err(dump_error(
                     path,
                     format!("{FIELD}.{key}"),
-                    "unknown field: expected dtype, scale, input",
+                    "unknown field: expected dtype, scale, input, query",
                 ));
             }
         }
     }
-    require_keys(path, FIELD, obj, &["dtype", "scale"])?;
-    let chunked = steps
-        .and_then(|s| s.as_array())
-        .into_iter()
-        .flatten()
-        .filter_map(|st| st.get("seqs")?.as_array())
-        .flatten()
-        .any(|q| q.get("context_chunks").is_some_and(|c| !c.is_null()));
-    if chunked {
-        return Err(dump_error(
-            path,
-            FIELD,
-            "with context_chunks in a step: the context partials of an fp8 cache are not modelled yet (drop the chunk \
-             sites and context_chunks, or the cache quantization)",
-        ));
+    require_keys(path, FIELD, obj, &["dtype", "scale"])
+}
+
+/// Checks `header.kv_cache_quant.query` (`x`): null, or an object whose only field `scale` is a
+/// positive finite number.
+///
+/// Errors: [`Error::Safetensors`] naming the field.
+fn check_kv_query(path: &Path, x: &serde_json::Value) -> Result<()> {
+    const FIELD: &str = "__metadata__.header.kv_cache_quant.query";
+    let Some(obj) = header_object(path, FIELD, Some(x), "{\"scale\": 1.0}")? else {
+        return Ok(());
+    };
+    for (key, v) in obj {
+        match key.as_str() {
+            "scale" if v.as_f64().is_some_and(|f| f.is_finite() && f > 0.0) => {}
+            "scale" => return Err(field_error(path, FIELD, key, v, "a positive finite number (q_scale)")),
+            _ => {
+                return Err(dump_error(
+                    path,
+                    format!("{FIELD}.{key}"),
+                    "unknown field: expected scale",
+                ));
+            }
+        }
     }
-    Ok(())
+    require_keys(path, FIELD, obj, &["scale"])
 }
 
 /// The object at header field `field` (`q`, its value if any): `None` when absent or null.

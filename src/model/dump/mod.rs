@@ -34,8 +34,9 @@ use crate::core::error::Error;
 pub use conventions::{EngineDtype, KvAOrder, Layout, RopeOrder, map_from_metadata};
 pub use header::{
     ActQuantDecl, Conventions, DumpHeader, FORMAT1, FORMAT2, HF_SAFETENSORS, IndexerQuant, KvCacheQuantDecl,
-    MAX_CONTEXT_CHUNKS, MAX_NUM_KV_SPLITS, MAX_PAGE_SIZE, MAX_QUANT_BLOCK, ModelIdentity, Patch, PrefixHit, SeqKernel,
-    Software, StepSeq, StepSpec, TpInfo, check_identity, header_from_metadata, heads_config, is_per_head, peek_header,
+    KvQueryDecl, MAX_CONTEXT_CHUNKS, MAX_NUM_KV_SPLITS, MAX_PAGE_SIZE, MAX_QUANT_BLOCK, ModelIdentity, Patch,
+    PrefixHit, SeqKernel, Software, StepSeq, StepSpec, TpInfo, check_identity, header_from_metadata, heads_config,
+    is_per_head, peek_header,
 };
 pub use layout::{expected_shape, expected_shape_keys};
 pub use map::{Condition, Map, Rename};

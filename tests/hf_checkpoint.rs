@@ -257,6 +257,27 @@ const SHARD1: &str = "model-00001-of-00002.safetensors";
 /// An edit of a copy of the fp8 fixture.
 type Edit = Box<dyn Fn(&Path)>;
 
+/// A config.json that holds both RoPE blocks, the older one as transformers writes it before
+/// converting (`type`, no `rope_theta`), is read when they agree: DeepSeek-V3's own YaRN block.
+#[test]
+fn rope_scaling_beside_the_same_rope_parameters_is_read() {
+    let (_tmp, dir) = copy_dir(&fp8_dir());
+    let yarn = serde_json::json!({"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096});
+    edit_json(&dir.join("config.json"), |v| {
+        let mut p = yarn.clone();
+        p["rope_type"] = "yarn".into();
+        p["rope_theta"] = 10000.0.into();
+        v["rope_parameters"] = p;
+        let mut s = yarn.clone();
+        s["type"] = "yarn".into();
+        v["rope_scaling"] = s;
+    });
+    let (code, out, err) = run_bin(&["inspect", "--model", dir.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("yarn") || out.contains("YaRN"), "{out}");
+}
+
 /// Each damaged or hostile config.json: what it is, the edit that makes it, and what the one
 /// error line must name.
 fn hostile_cases() -> Vec<(&'static str, Edit, &'static [&'static str])> {

@@ -51,6 +51,7 @@ mod union_reference;
 mod vllm_cpu_chunked;
 mod vllm_cpu_fp8;
 mod vllm_dumps;
+mod vllm_gpu_fp8;
 mod vllm_gpu_live;
 mod weights_check;
 mod windowed_dumps;

@@ -1127,11 +1127,12 @@ def _kv_cache_scale(params: dict[str, str]) -> None:
 @_register(
     name="fp8-query-scale",
     mechanism="the fp8 decode query is quantized with `factor` x the scale the kernel descales it "
-    "with (descale_q), so every score, rope part included, is 1/factor of the true one",
+    "with (descale_q): the query the kernel reads, and so every score, rope part included, is "
+    "1/factor of the true one",
     where="MLAAttention._decode_concat_quant_fp8_op (ql_nope and q_pe concatenated and quantized "
     "for FLASHMLA's fp8 kernel) gets q_scale x factor",
     reports="vllm#38652 (the FLASHMLA fp8-cache decode, the path that quantizes the query)",
-    expected="softmax-scale",
+    expected="scale-only",
     defaults={"factor": "2"},
     needs="an fp8 latent cache on a backend that takes an fp8 query (FLASHMLA), a decode step",
 )

@@ -1539,7 +1539,10 @@ class VllmCapture:
         """Wraps impl.forward_mqa(q, kv_cache, attn_metadata, layer) -> (o, lse) of layer n.
 
         q is (ql_nope [B, N, L], q_pe [B, N, R]) or their concatenation: ql_nope is
-        q_nope x W_UK_T, computed by MLAAttention.forward_impl; o [B, N, L] is the attention
+        q_nope x W_UK_T, computed by MLAAttention.forward_impl. Over an fp8 cache a backend
+        that takes an fp8 query (FLASHMLA) gets the concatenation in E4M3, quantized with the
+        layer's q_scale: ql_nope is dumped as the kernel reads it, times that q_scale (the
+        layer is forward_mqa's last argument). o [B, N, L] is the attention
         output in the latent space (before W_UV), lse [B, N] its log-sum-exp. B = the decode
         tokens, which vLLM orders first in a batch.
         """
@@ -1549,6 +1552,9 @@ class VllmCapture:
             ql = None
             if on:
                 ql = _np(q[0]) if isinstance(q, (tuple, list)) else _np(q[..., : d.l])
+                if not isinstance(q, (tuple, list)) and "float8" in str(getattr(q, "dtype", "")):
+                    layer = kwargs.get("layer", args[-1] if args else None)
+                    ql = ql * float(getattr(layer, "_q_scale_float", 1.0))
             res = orig(q, *args, **kwargs)
             if on:
                 o, lse = (res[0], res[1]) if isinstance(res, (tuple, list)) else (res, None)

@@ -32,7 +32,7 @@ CLASSES = {
     "quant-scale-layout",
     "fp8-act-scale",
     "kv-cache-scale",
-    "softmax-scale",
+    "scale-only",
 }
 
 

@@ -64,10 +64,15 @@ import sys
 import time
 from pathlib import Path
 
-# The stages every step keeps: the layer's input and output, the latent cache's rows, the
-# absorbed decode's sites, the per-chunk partials of a prefill over cached context, and o_proj.
+# The stages every step keeps: the layer's input and output, the fused q_a/kv_a projection's
+# input and outputs (where an fp8 GEMM's input quantization shows first), the latent cache's
+# rows, the absorbed decode's sites, the per-chunk partials of a prefill over cached context,
+# and o_proj.
 SITES = [
     "hidden_in",
+    "attn_in",
+    "q_c",
+    "kv_a",
     "kv_c_normed",
     "k_pe_roped",
     "q_pe_roped",

@@ -1794,8 +1794,10 @@ fn engine_tp(steps_dump: &StepsDump, cfg: &MlaConfig) -> Result<usize> {
 /// step order at the recorded `slot_mapping` where there is one (positions the dump did not
 /// record, `unrecorded`, first, at the slots the step's recorded block tables give, when it
 /// recorded them), and per row of the step how it
-/// read the cache as vLLM splits a batch: a decode row (one new token) reads every position
-/// through the cache, its own included; a prefill row reads its sequence's cached context
+/// read the cache as vLLM splits a batch: a decode row (a sequence whose new rows ran absorbed,
+/// [`StepSeq::runs_absorbed`](crate::model::dump::StepSeq::runs_absorbed): one new token, or the
+/// decode kernel as the step records it) reads every position through the cache, its own
+/// included; a prefill row reads its sequence's cached context
 /// through the cache and its new tokens directly. `cache_quant`: the cache's declared fp8 format
 /// (`kv_cache_quant`). `None` when no row of the step reads the cache or the layer's latent
 /// sites have other shapes.
@@ -1811,7 +1813,9 @@ fn dump_paged_step(
     let (l, r) = (cfg.kv_lora_rank, cfg.qk_rope_head_dim);
     let spec = &sd.steps[k].0;
     let paging = sd.paging.get(k)?;
-    let reads_cache = live.iter().any(|&i| spec.seqs[i].context > 0 || spec.seqs[i].new == 1);
+    let reads_cache = live
+        .iter()
+        .any(|&i| spec.seqs[i].context > 0 || spec.seqs[i].runs_absorbed());
     if !reads_cache {
         return None;
     }
@@ -1887,7 +1891,7 @@ fn dump_paged_step(
                 let pos = q.context + n;
                 PagedQuery {
                     seq: li,
-                    cached: if q.new == 1 { pos + 1 } else { q.context },
+                    cached: if q.runs_absorbed() { pos + 1 } else { q.context },
                     upto: pos + 1,
                 }
             })

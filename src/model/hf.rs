@@ -354,20 +354,18 @@ impl Config<'_> {
         }
     }
 
-    /// RoPE scaling: transformers 5.x's `rope_parameters`, or the older `rope_scaling`, with the
-    /// name of the object it came from.
-    /// The RoPE block: `rope_parameters` (transformers 5.x), else `rope_scaling`. Both present
-    /// and different is refused: which one a loader reads differs between versions.
+    /// The RoPE block: `rope_parameters` (transformers 5.x), else the older `rope_scaling`, with
+    /// the name of the object it came from. Both present and different is refused: which one a
+    /// loader reads differs between versions. They are compared as transformers converts the
+    /// older one: its `type` is `rope_type`, and `rope_theta` may live in the newer one only.
     fn rope_object(&self) -> Result<Option<(&'static str, &Value)>> {
         let p = self.get("rope_parameters").filter(|v| v.is_object());
         let s = self.get("rope_scaling").filter(|v| v.is_object());
         if let (Some(p), Some(s)) = (p, s) {
-            // rope_theta may live in the former only; every key both hold must agree.
-            let differ = s
-                .as_object()
-                .into_iter()
-                .flatten()
-                .any(|(k, v)| p.get(k).is_none_or(|w| w != v) && k != "rope_theta");
+            let differ = s.as_object().into_iter().flatten().any(|(k, v)| {
+                let key = if k == "type" { "rope_type" } else { k.as_str() };
+                p.get(key).is_none_or(|w| w != v) && k != "rope_theta"
+            });
             if differ {
                 return Err(self.bad(
                     "rope_scaling",

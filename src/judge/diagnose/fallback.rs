@@ -90,10 +90,32 @@ pub(super) fn scale_only(x: &SiteCtx<'_>) -> Option<Detection> {
         (cfg.mscale() * cfg.mscale(), "the YaRN m²"),
         (1.0 / std::f64::consts::LN_2, "1/ln 2 (a base-2 log)"),
     ]);
-    let cause = named
+    let named_cause = named
         .into_iter()
         .find(|(f, _)| (f - 1.0).abs() > 1e-3 && (ratio / f - 1.0).abs() < 2e-3)
-        .map(|(f, s)| format!("the ratio is {f:.4} = {s}"))
+        .map(|(f, s)| format!("the ratio is {f:.4} = {s}"));
+    // The decode query of a kernel that takes it in fp8 is recorded as the kernel reads it
+    // (E4M3 × q_scale): a pure scale there is the quantizer's scale against the kernel's.
+    let fp8_query = x
+        .path
+        .paged
+        .and_then(|p| p.cache_quant)
+        .and_then(|c| c.query)
+        .filter(|_| x.site.stage == Stage::QlNope)
+        .map(|q| {
+            format!(
+                "ql_nope as the fp8 decode kernel reads it (E4M3 × q_scale {q}): the query was quantized with {} the \
+                 scale the kernel descales it by (descale_q), so every logit, the rope part too, is scaled alike: \
+                 quantize and descale with the layer's one q_scale",
+                if ratio < 1.0 {
+                    format!("{:.4}×", 1.0 / ratio)
+                } else {
+                    format!("1/{ratio:.4} of")
+                }
+            )
+        });
+    let cause = named_cause
+        .or(fp8_query)
         .unwrap_or_else(|| "a constant factor multiplies this tensor".into());
     Some(Detection::new(
         format!(

@@ -770,7 +770,15 @@ struct Verdict {
 /// zeroed cache, and on a dump only when they all fit so.
 fn judge(x: &SiteCtx<'_>, inp: &Inputs<'_>, reads: &[RowReads], rep: &Replay, base: &Replay) -> Option<Verdict> {
     let (nh, nc) = (inp.heads.len(), inp.cols.len());
-    let lse_thr = explain_threshold(Stage::Lse, x.input.precision);
+    // The replay rebuilds the engine's own arithmetic from its own rows, an fp8 cache's
+    // rounding included: it is held to the thresholds of the dtype the engine computed in, not
+    // the fp8 rows, which allow for fp8 steps flipped upstream and carried through the layer
+    // (5× them would let an O(1) miss explain).
+    let dtype_rows = x.input.precision.without_fp8();
+    let (site_thr, lse_thr) = (
+        explain_threshold(x.site.stage, dtype_rows),
+        explain_threshold(Stage::Lse, dtype_rows),
+    );
     let unwritten = |ri: usize| reads[ri].as_ref().is_some_and(|r| r.contains(&Src::Unwritten));
     // (candidate, replay, baseline) on the rows `sel`: the output values and the lse.
     let collect = |sel: &[usize]| {
@@ -802,7 +810,7 @@ fn judge(x: &SiteCtx<'_>, inp: &Inputs<'_>, reads: &[RowReads], rep: &Replay, ba
     let scores = |ri: usize| -> [f64; 3] {
         let (c, a, b, cl, al, bl) = collect(&[ri]);
         let unit = |x0: &[f64], y: &[f64], thr: f64| if x0.is_empty() { 0.0 } else { rel_l2(x0, y) / thr };
-        let (vt, lt) = (x.explain, lse_thr);
+        let (vt, lt) = (site_thr, lse_thr);
         [
             unit(&c, &a, vt).max(unit(&cl, &al, lt)),
             unit(&c, &b, vt).max(unit(&cl, &bl, lt)),
@@ -815,7 +823,7 @@ fn judge(x: &SiteCtx<'_>, inp: &Inputs<'_>, reads: &[RowReads], rep: &Replay, ba
     let per_row: Vec<(usize, [f64; 3])> = known.iter().map(|&ri| (ri, scores(ri))).collect();
     let fits = |rows: &[usize]| {
         let (c, a, _, cl, al, _) = collect(rows);
-        (c.is_empty() || rel_l2(&c, &a) <= x.explain) && (cl.is_empty() || rel_l2(&cl, &al) <= lse_thr)
+        (c.is_empty() || rel_l2(&c, &a) <= site_thr) && (cl.is_empty() || rel_l2(&cl, &al) <= lse_thr)
     };
     let zeroed: Vec<usize> = known.iter().copied().filter(|&ri| unwritten(ri)).collect();
     let zero_fit = fits(&zeroed) && per_row.iter().all(|(ri, s)| !unwritten(*ri) || s[0] <= ROW_SLACK);

@@ -35,9 +35,9 @@ const CASES: &[&str] = &[
     // The decode query quantized with 2 × the q_scale FLASHMLA descales it by.
     "flashmla-kv-fp8.plant-fp8-query-scale: scale-only at L0.ql_nope in step-0",
     // The fused q_a/kv_a input rounded through a per-tensor scale over stale padded rows; this
-    // recording holds neither attn_in nor q_c/kv_a, so the first site it has is kv_c_normed,
-    // which no detector replays through the GEMM and the norm.
-    "triton_mla.plant-fp8-act-padded-rows: mismatch at L0.kv_c_normed in step-0",
+    // recording holds neither attn_in nor q_c/kv_a, so it is named at kv_c_normed, replayed
+    // through the GEMM and the latent norm (f = 65536, the plant's stale factor).
+    "triton_mla.plant-fp8-act-padded-rows: fp8-act-scale at L0.kv_c_normed in step-0",
     // o_proj's weight_scale_inv read transposed: its output, with the dump's weights cut out
     // (the WEIGHTS file beside it names the layout).
     "triton_mla.plant-fp8-scale-transposed: mismatch at L0.o_proj in step-1",

@@ -27,7 +27,7 @@ pub struct ContextCache<'a> {
     pub act: Option<&'a ActQuant>,
 }
 
-/// A context key as the chunk read it back: `k_nope` [N·P], `v` [N·V], `k_pe` [R].
+/// A context key as the chunk read it back: `k_nope` \[N·P\], `v` \[N·V\], `k_pe` \[R\].
 type CachedKey = (Vec<f64>, Vec<f64>, Vec<f64>);
 
 /// Every context key of `seqs` (full-batch rows) as read back from `cache`: needs

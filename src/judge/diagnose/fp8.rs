@@ -102,3 +102,138 @@ pub(super) fn act_scale(x: &SiteCtx<'_>) -> Option<Detection> {
             .to_string(),
     ))
 }
+
+/// Token rows [`act_scale_normed`] replays at most (spread over the batch): every hypothesis
+/// moves every row alike, and a row needs the whole GEMM row for its RMS.
+const NORMED_ROWS: usize = 32;
+
+/// `fp8-act-scale` at `kv_c_normed`, for a recording that holds neither the fused q_a/kv_a
+/// projection's input nor its output (vLLM's hooks on `fused_qkv_a_proj` not asked for): the
+/// latent columns of `attn_in · w.fused_qkv_a` replayed with the input under one per-tensor
+/// scale f× the batch's own (as [`act_scale`]), then the latent RMSNorm, whose weight is read
+/// off the reference (each column's from the token where the reference's `kv_a` is largest:
+/// `kv_c_normed · rms(kv_c) / kv_c`). `attn_in` is the path's where recorded, else the
+/// reference's (the layer input passed). Named on the same terms as [`act_scale`], on up to
+/// [`NORMED_ROWS`] whole rows.
+pub(super) fn act_scale_normed(x: &SiteCtx<'_>) -> Option<Detection> {
+    use super::precision::recorded;
+    use crate::core::trace::Stage;
+    if x.site.stage != Stage::KvCNormed {
+        return None;
+    }
+    let input = match x.input.precision {
+        Precision::Fp8 => InputDtype::F32,
+        Precision::Bf16Fp8 => InputDtype::Bf16,
+        _ => return None,
+    };
+    let m = x.diff.metrics.as_ref()?;
+    if m.nonfinite_mismatch > 0 || m.nonfinite_cand > 0 {
+        return None;
+    }
+    let cfg = x.input.cfg;
+    let (hd, l, r, lq) = (
+        cfg.hidden,
+        cfg.kv_lora_rank,
+        cfg.qk_rope_head_dim,
+        cfg.q_lora_rank.unwrap_or(0),
+    );
+    let w = recorded(x, crate::core::trace::Stage::WFusedQkvA).filter(|w| w.len() == (lq + l + r) * hd)?;
+    let xin = recorded(x, Stage::AttnIn)?;
+    let t = xin.len() / hd.max(1);
+    let ref_kva = x
+        .input
+        .reference
+        .get(&crate::core::trace::Site::new(x.site.layer, Stage::KvA))?
+        .to_f64();
+    if t == 0 || xin.len() != t * hd || ref_kva.len() != t * (l + r) || x.refr.len() != t * l || x.cand.len() != t * l {
+        return None;
+    }
+    let eps = cfg.rms_eps;
+    let rms = |row: &[f64]| (row.iter().map(|v| v * v).sum::<f64>() / row.len().max(1) as f64 + eps).sqrt();
+    let lat = |ti: usize| &ref_kva[ti * (l + r)..ti * (l + r) + l];
+    let ref_rms: Vec<f64> = (0..t).map(|ti| rms(lat(ti))).collect();
+    let norm_w: Vec<f64> = (0..l)
+        .map(|j| {
+            let ti = (0..t)
+                .max_by(|&a, &b| lat(a)[j].abs().total_cmp(&lat(b)[j].abs()))
+                .unwrap_or(0);
+            let k = lat(ti)[j];
+            if k == 0.0 {
+                0.0
+            } else {
+                x.refr.get(ti * l + j) * ref_rms[ti] / k
+            }
+        })
+        .collect();
+    let rows: Vec<usize> = if t <= NORMED_ROWS {
+        (0..t).collect()
+    } else {
+        (0..NORMED_ROWS).map(|i| i * t / NORMED_ROWS).collect()
+    };
+    let pick = |v: &dyn Fn(usize) -> f64| -> Vec<f64> {
+        rows.iter()
+            .flat_map(|&ti| (0..l).map(move |j| ti * l + j))
+            .map(v)
+            .collect()
+    };
+    let cand = pick(&|i| x.cand.get(i));
+    let refr = pick(&|i| x.refr.get(i));
+    let as_is = rel_l2(&cand, &refr);
+    let amax = xin.iter().fold(0f64, |a, v| a.max(v.abs()));
+    if !(amax > 0.0 && as_is.is_finite()) {
+        return None;
+    }
+    let q = ActQuant::tensor(Some(input));
+    let replay = |cover: f64| -> Vec<f64> {
+        let mut xq = xin.clone();
+        q.quantize_columns(&mut xq, hd, 0..hd, Some(cover));
+        rows.par_iter()
+            .flat_map_iter(|&ti| {
+                let xs = &xq[ti * hd..(ti + 1) * hd];
+                let y: Vec<f64> = (0..l)
+                    .map(|j| {
+                        xs.iter()
+                            .zip(&w[(lq + j) * hd..(lq + j + 1) * hd])
+                            .map(|(a, b)| a * b)
+                            .sum()
+                    })
+                    .collect();
+                let s = rms(&y);
+                y.into_iter()
+                    .zip(&norm_w)
+                    .map(move |(v, nw)| v / s * nw)
+                    .collect::<Vec<f64>>()
+            })
+            .collect()
+    };
+    if rel_l2(&cand, &replay(amax)) <= FAR_NEARER * as_is {
+        return None;
+    }
+    let (f, e) = (1..=40)
+        .map(|j| {
+            let f = 2f64.powf(f64::from(j) / 2.0);
+            (f, rel_l2(&cand, &replay(amax * f)))
+        })
+        .min_by(|a, b| a.1.total_cmp(&b.1))?;
+    let row = tolerance(x.site.stage, x.input.precision).0.rel_l2;
+    if !(e <= FAR_NEARER * as_is && e <= row) {
+        return None;
+    }
+    Some(Detection::new(
+        format!(
+            "kv_c_normed replayed from attn_in through w.fused_qkv_a's kv_c rows and the latent RMSNorm (its weight read \
+             off the reference), the input quantized to fp8 with one per-tensor scale {}× the batch's own (an amax of {} \
+             where the batch's largest |value| is {}): rel_l2 {} vs {} as is ({} rows)",
+            sci(f, 3),
+            sci(amax * f, 3),
+            sci(amax, 3),
+            sci(e, 2),
+            sci(as_is, 2),
+            rows.len(),
+        ),
+        "the per-tensor fp8 scale of the fused q_a/kv_a projection's input covers values the batch does not hold: an \
+         amax taken over a padded buffer (a CUDA-graph batch's rows past the last token, stale memory: SGLang PR \
+         #26133) or over another tensor; take the amax over the batch's rows only, or zero the padding first"
+            .to_string(),
+    ))
+}

@@ -325,7 +325,7 @@ type Detector = fn(&SiteCtx<'_>) -> Option<Detection>;
 
 /// Every site detector with the class it names, in precedence order (earlier wins);
 /// [`fallback::mismatch`] answers when none explains the site.
-const DETECTORS: [(Class, Detector); 29] = [
+const DETECTORS: [(Class, Detector); 30] = [
     (Class::WeightNotLoaded, weights::weight_not_loaded),
     (Class::PhantomOutput, canary::phantom_output),
     // The chunked-context family (`merge`), each entry at its class's place: a context partial
@@ -358,6 +358,7 @@ const DETECTORS: [(Class, Detector); 29] = [
     (Class::IndexerSelection, indexer::indexer_selection),
     (Class::ResidualScale, residual::residual_scale),
     (Class::Fp8ActScale, fp8::act_scale),
+    (Class::Fp8ActScale, fp8::act_scale_normed),
     (Class::Precision, precision::precision),
     (Class::Nonfinite, canary::nonfinite),
     (Class::ScaleOnly, fallback::scale_only),

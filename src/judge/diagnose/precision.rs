@@ -204,7 +204,7 @@ impl Product {
 
 /// The candidate's tensor at `stage` of the failing layer where it holds one, else the
 /// reference's, as f64.
-fn recorded(x: &SiteCtx<'_>, stage: Stage) -> Option<Vec<f64>> {
+pub(super) fn recorded(x: &SiteCtx<'_>, stage: Stage) -> Option<Vec<f64>> {
     let site = Site::new(x.site.layer, stage);
     x.path
         .trace

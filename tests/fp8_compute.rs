@@ -329,11 +329,19 @@ fn the_fp8_cache_options_are_checked_before_any_work() {
         ),
         (
             vec!["--kv-cache-dtype", "fp8", "--kv-scale", "0", "--path", "mqa"],
-            "--kv-scale 0: expected a positive finite number",
+            "--kv-scale 0e0: expected a positive number within f32's normal range",
         ),
         (
             vec!["--kv-cache-dtype", "fp8", "--kv-scale", "inf", "--path", "mqa"],
-            "--kv-scale inf: expected a positive finite number",
+            "--kv-scale inf: expected a positive number within f32's normal range",
+        ),
+        (
+            vec!["--kv-cache-dtype", "fp8", "--kv-scale", "1e39", "--path", "mqa"],
+            "--kv-scale 1e39: expected a positive number within f32's normal range",
+        ),
+        (
+            vec!["--kv-cache-dtype", "fp8", "--kv-scale", "1e-46", "--path", "mqa"],
+            "--kv-scale 1e-46: expected a positive number within f32's normal range",
         ),
         (
             vec!["--fp8-query", "--path", "mqa"],
@@ -348,7 +356,7 @@ fn the_fp8_cache_options_are_checked_before_any_work() {
                 "--inject",
                 "kv-cache-scale-twice",
             ],
-            "--inject kv-cache-scale-twice: needs --kv-cache-dtype fp8 --kv-scale S with S ≠ 1",
+            "--inject kv-cache-scale-twice: needs an fp8 latent cache with a k_scale other than 1",
         ),
         (
             vec![
@@ -357,7 +365,7 @@ fn the_fp8_cache_options_are_checked_before_any_work() {
                 "--kv-scale",
                 "0.5",
                 "--path",
-                "mha",
+                "chunked",
                 "--inject",
                 "kv-cache-scale-twice",
             ],

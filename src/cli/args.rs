@@ -427,7 +427,7 @@ pub struct RunSpec {
     /// the fp8 rows.
     #[arg(long, value_enum, default_value_t = values::KvCacheDtypeArg::Auto)]
     pub kv_cache_dtype: values::KvCacheDtypeArg,
-    /// The fp8 latent cache's per-tensor scale, a positive finite number (vLLM's `k_scale`,
+    /// The fp8 latent cache's per-tensor scale, a positive number within f32's normal range (vLLM's `k_scale`,
     /// which vLLM takes from the checkpoint when it carries one, else 1.0); default 1.0. Only
     /// with --kv-cache-dtype fp8.
     #[arg(long)]

@@ -486,9 +486,9 @@ fn fp8_options(
 )> {
     let fp8_cache = a.kv_cache_dtype == super::values::KvCacheDtypeArg::Fp8;
     let kv_scale = a.kv_scale.unwrap_or(1.0);
-    if !(kv_scale.is_finite() && kv_scale > 0.0) {
+    if !crate::core::fp8::is_scale(kv_scale) {
         return Err(Error::Usage(format!(
-            "--kv-scale {kv_scale}: expected a positive finite number"
+            "--kv-scale {kv_scale:e}: expected a positive number within f32's normal range (k_scale is an f32)"
         )));
     }
     if a.kv_scale.is_some() && !fp8_cache {
@@ -497,6 +497,18 @@ fn fp8_options(
     if a.fp8_query && !fp8_cache {
         return Err(Error::Usage(
             "--fp8-query: only with --kv-cache-dtype fp8 (a kernel takes an fp8 query only over an fp8 cache)".into(),
+        ));
+    }
+    // Flags that would act on no requested path would read as a clean fp8 run.
+    if fp8_cache && paths.iter().all(|&p| p == PathKind::Mha) {
+        return Err(Error::Usage(
+            "--kv-cache-dtype fp8: the mha path keeps no cache; add --path mqa, chunked or mixed (or all)".into(),
+        ));
+    }
+    if a.fp8_query && !paths.iter().any(|&p| matches!(p, PathKind::Mqa | PathKind::Mixed)) {
+        return Err(Error::Usage(
+            "--fp8-query: only the absorbed decode (mqa, mixed's decode rows) has a decode query; add --path mqa or mixed (or all)"
+                .into(),
         ));
     }
     if a.fp8_compute == Some(super::values::Fp8ComputeArg::Tensor) && paths.contains(&PathKind::Chunked) {

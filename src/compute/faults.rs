@@ -463,9 +463,9 @@ impl Fault {
             (Fault::Fp8ScalePaddedRows, _) => Err(
                 "needs --fp8-compute tensor (one dynamic scale over the input: a per-token scale never sees the padding)",
             ),
-            (Fault::KvCacheScaleTwice, _) if kv_cache.is_none_or(|k| k.scale == 1.0) => {
-                Err("needs --kv-cache-dtype fp8 --kv-scale S with S ≠ 1 (a scale of 1 applied twice is still 1)")
-            }
+            (Fault::KvCacheScaleTwice, _) if kv_cache.is_none_or(|k| k.scale == 1.0) => Err(
+                "needs an fp8 latent cache with a k_scale other than 1 (--kv-cache-dtype fp8 --kv-scale S, S ≠ 1): a scale of 1 applied twice is still 1",
+            ),
             _ => Ok(()),
         }
     }

@@ -323,6 +323,12 @@ impl KvCacheQuant {
     }
 }
 
+/// Whether `s` can be a per-tensor fp8 scale (`k_scale`, `q_scale`): positive, and a normal
+/// f32 (engines hold it as one and divide in f32; past f32's range the division is 0 or ∞).
+pub fn is_scale(s: f64) -> bool {
+    s > 0.0 && (s as f32).is_normal()
+}
+
 /// `scale·e4m3(f32(x)/f32(scale))`: a static per-tensor E4M3 quantization read back.
 fn scaled_e4m3(x: f64, scale: f64) -> f64 {
     round_e4m3(f64::from(x as f32 / scale as f32)) * f64::from(scale as f32)

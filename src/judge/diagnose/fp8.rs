@@ -103,6 +103,29 @@ pub(super) fn act_scale(x: &SiteCtx<'_>) -> Option<Detection> {
     ))
 }
 
+/// The latent RMSNorm's weight \[L\] read off the reference: `kv_c_normed = kv_c / rms(kv_c) · w`,
+/// so each column's `w = kv_c_normed · rms / kv_c` at the token where `|kv_c|` is largest
+/// (`kv_a` [T, L+R] and `kv_c_normed` [T, L] the reference's; `eps` the norm's).
+fn latent_norm_weight(kv_a: &[f64], kv_c_normed: &[f64], t: usize, l: usize, r: usize, eps: f64) -> Vec<f64> {
+    let lat = |ti: usize| &kv_a[ti * (l + r)..ti * (l + r) + l];
+    let rms: Vec<f64> = (0..t)
+        .map(|ti| (lat(ti).iter().map(|v| v * v).sum::<f64>() / l.max(1) as f64 + eps).sqrt())
+        .collect();
+    (0..l)
+        .map(|j| {
+            let ti = (0..t)
+                .max_by(|&a, &b| lat(a)[j].abs().total_cmp(&lat(b)[j].abs()))
+                .unwrap_or(0);
+            let k = lat(ti)[j];
+            if k == 0.0 {
+                0.0
+            } else {
+                kv_c_normed[ti * l + j] * rms[ti] / k
+            }
+        })
+        .collect()
+}
+
 /// Token rows [`act_scale_normed`] replays at most (spread over the batch): every hypothesis
 /// moves every row alike, and a row needs the whole GEMM row for its RMS.
 const NORMED_ROWS: usize = 32;
@@ -139,6 +162,16 @@ pub(super) fn act_scale_normed(x: &SiteCtx<'_>) -> Option<Detection> {
     );
     let w = recorded(x, crate::core::trace::Stage::WFusedQkvA).filter(|w| w.len() == (lq + l + r) * hd)?;
     let xin = recorded(x, Stage::AttnIn)?;
+    let attn_in_from = if x
+        .path
+        .trace
+        .get(&crate::core::trace::Site::new(x.site.layer, Stage::AttnIn))
+        .is_some()
+    {
+        "as recorded"
+    } else {
+        "the reference's: the recording lacks it, and the layer's input passed"
+    };
     let t = xin.len() / hd.max(1);
     let ref_kva = x
         .input
@@ -150,21 +183,7 @@ pub(super) fn act_scale_normed(x: &SiteCtx<'_>) -> Option<Detection> {
     }
     let eps = cfg.rms_eps;
     let rms = |row: &[f64]| (row.iter().map(|v| v * v).sum::<f64>() / row.len().max(1) as f64 + eps).sqrt();
-    let lat = |ti: usize| &ref_kva[ti * (l + r)..ti * (l + r) + l];
-    let ref_rms: Vec<f64> = (0..t).map(|ti| rms(lat(ti))).collect();
-    let norm_w: Vec<f64> = (0..l)
-        .map(|j| {
-            let ti = (0..t)
-                .max_by(|&a, &b| lat(a)[j].abs().total_cmp(&lat(b)[j].abs()))
-                .unwrap_or(0);
-            let k = lat(ti)[j];
-            if k == 0.0 {
-                0.0
-            } else {
-                x.refr.get(ti * l + j) * ref_rms[ti] / k
-            }
-        })
-        .collect();
+    let norm_w = latent_norm_weight(&ref_kva, &x.refr.to_f64(), t, l, r, eps);
     let rows: Vec<usize> = if t <= NORMED_ROWS {
         (0..t).collect()
     } else {
@@ -221,9 +240,10 @@ pub(super) fn act_scale_normed(x: &SiteCtx<'_>) -> Option<Detection> {
     }
     Some(Detection::new(
         format!(
-            "kv_c_normed replayed from attn_in through w.fused_qkv_a's kv_c rows and the latent RMSNorm (its weight read \
-             off the reference), the input quantized to fp8 with one per-tensor scale {}× the batch's own (an amax of {} \
+            "kv_c_normed replayed from attn_in ({}) through w.fused_qkv_a's kv_c rows and the latent RMSNorm (its \
+             weight read off the reference), the input quantized to fp8 with one per-tensor scale {}× the batch's own (an amax of {} \
              where the batch's largest |value| is {}): rel_l2 {} vs {} as is ({} rows)",
+            attn_in_from,
             sci(f, 3),
             sci(amax * f, 3),
             sci(amax, 3),

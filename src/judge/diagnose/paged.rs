@@ -45,6 +45,17 @@ const PAGE_SIZES: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 /// The page sizes tried when a dump recorded none: vLLM's default, token granularity, FlashMLA's.
 const UNRECORDED_PAGE_SIZES: [usize; 3] = [16, 1, 64];
 
+/// `"3 rows × 4 heads"`, singular where one.
+fn rows_heads(rows: usize, heads: usize) -> String {
+    let s = |n: usize| if n == 1 { "" } else { "s" };
+    format!("{rows} row{} × {heads} head{}", s(rows), s(heads))
+}
+
+/// Screened factors of [`kv_cache_scale`] replayed exactly (the cache re-rounded at the written
+/// scale): the nearest few, since neighbouring half octaves are far apart (and the declared
+/// scale's ±1 powers besides).
+const EXACT_REPLAYS: usize = 3;
+
 /// The factors a cache read back may be off by: half-octave steps from 2⁻⁸ to 2⁸ (a scale
 /// applied twice or missing multiplies the cache by 1/k_scale or k_scale, and checkpoints'
 /// k_scales are anything), besides the declared scale's own ±1 powers.
@@ -85,10 +96,51 @@ pub(super) fn kv_cache_scale(x: &SiteCtx<'_>) -> Option<Detection> {
     add_keys(&mut used, &reads);
     let pre = Precomputed::new(x, &inp, &used);
     let base = replay(&inp, &pre, &reads);
-    let (c, v) = cache_factors(ps)
+    // Screened on the cache as written times c; the nearest few then replayed exactly: a
+    // cache written with scale S/c and read with S holds c·round_{S/c}(x), whose E4M3 grid is
+    // round_S's only when c is a power of two (elsewhere one step of rounding apart on every
+    // value, and near E4M3's ends saturated or flushed to zero differently).
+    let mut screened: Vec<(f64, f64)> = cache_factors(ps)
+        .into_iter()
+        .map(|c| {
+            let rep = replay(&inp, &pre.scaled(c), &reads);
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            for (i, v) in rep.vals.iter().enumerate() {
+                if let Some(v) = v {
+                    a.push(inp.cand_vals[i]);
+                    b.push(*v);
+                }
+            }
+            (c, rel_l2(&a, &b))
+        })
+        .filter(|(_, e)| e.is_finite())
+        .collect();
+    screened.sort_by(|a, b| a.1.total_cmp(&b.1));
+    // The declared scale's own powers are always replayed exactly: where E4M3 saturates or
+    // flushes the written values, the screening's grid is far from them.
+    let mut exact: Vec<f64> = screened.iter().take(EXACT_REPLAYS).map(|&(c, _)| c).collect();
+    if let Some(s) = ps.cache_quant.map(|q| q.scale).filter(|&s| s != 1.0) {
+        for c in [s, 1.0 / s] {
+            if !exact.iter().any(|e| (e / c - 1.0).abs() < 1e-9) {
+                exact.push(c);
+            }
+        }
+    }
+    let (c, v) = exact
         .into_iter()
         .filter_map(|c| {
-            let rep = replay(&inp, &pre.scaled(c), &reads);
+            let rep = match ps.cache_quant {
+                Some(q) => {
+                    let written = crate::core::fp8::KvCacheQuant {
+                        scale: q.scale / c,
+                        ..q
+                    };
+                    let read = move |k: f64| c * written.round(k);
+                    let inp_c = inputs_read(x, ps, Some(&read))?;
+                    replay(&inp_c, &Precomputed::new(x, &inp_c, &used), &reads)
+                }
+                None => replay(&inp, &pre.scaled(c), &reads),
+            };
             judge(x, &inp, &reads, &rep, &base).map(|v| (c, v))
         })
         .min_by(|a, b| a.1.err.total_cmp(&b.1.err))?;
@@ -103,11 +155,10 @@ pub(super) fn kv_cache_scale(x: &SiteCtx<'_>) -> Option<Detection> {
     };
     let mut ev = format!(
         "{} equals the replay of the paged cache read back ×{} of what was written{declared}, rebuilt from {source}, on \
-         {} rows × {} heads: rel_l2 {} vs {} for the cache as written (the candidate against the reference: {})",
+         {}: rel_l2 {} vs {} for the cache as written (the candidate against the reference: {})",
         x.site.stage.name(),
         sci(c, 3),
-        v.compared,
-        inp.heads.len(),
+        rows_heads(v.compared, inp.heads.len()),
         sci(v.err, 2),
         sci(v.base_err, 2),
         sci(x.as_is(), 2)
@@ -267,6 +318,12 @@ pub(super) fn paged_kv(x: &SiteCtx<'_>) -> Option<Detection> {
 /// their queries, `W_UV` for `attn_out`, and the candidate's values there. `None` when a site
 /// the replay needs is missing or has another shape.
 fn inputs<'a>(x: &SiteCtx<'_>, ps: &'a PagedStep) -> Option<Inputs<'a>> {
+    let round = ps.cache_quant.map(|c| move |k: f64| c.round(k));
+    inputs_read(x, ps, round.as_ref().map(|f| f as &dyn Fn(f64) -> f64))
+}
+
+/// [`inputs`] with every cached value read back as `read` gives it (`None`: as computed).
+fn inputs_read<'a>(x: &SiteCtx<'_>, ps: &'a PagedStep, read: Option<&dyn Fn(f64) -> f64>) -> Option<Inputs<'a>> {
     let cfg = x.input.cfg;
     let [n, l, p, r, v] = cfg.dims().nlprv();
     let layer = x.site.layer;
@@ -292,8 +349,8 @@ fn inputs<'a>(x: &SiteCtx<'_>, ps: &'a PagedStep) -> Option<Inputs<'a>> {
     };
     // An fp8 cache hands back its rows rounded (a prefill row's own new keys are replayed so
     // too: one E4M3 step's noise on those rows).
-    let keys = match &ps.cache_quant {
-        Some(c) => std::borrow::Cow::Owned(keys.iter().map(|&k| c.round(k)).collect()),
+    let keys = match read {
+        Some(f) => std::borrow::Cow::Owned(keys.iter().map(|&k| f(k)).collect()),
         None => keys,
     };
     let n_keys = keys.len() / (l + r).max(1);
@@ -890,11 +947,10 @@ fn detection(x: &SiteCtx<'_>, inp: &Inputs<'_>, v: &Verdict, h: &Hyp, also: &[Hy
         "the path's own kv_c_normed ‖ k_pe_roped rows"
     };
     let mut ev = format!(
-        "{} equals the replay of the paged cache {what}, rebuilt from {source}, on {} rows × {} heads: rel_l2 {} vs {} \
-         for the replay with the recorded metadata (the dump against the reference: {})",
+        "{} equals the replay of the paged cache {what}, rebuilt from {source}, on {}: rel_l2 {} vs {} for the replay \
+         with the recorded metadata (the dump against the reference: {})",
         x.site.stage.name(),
-        v.compared,
-        inp.heads.len(),
+        rows_heads(v.compared, inp.heads.len()),
         sci(v.err, 2),
         sci(v.base_err, 2),
         sci(x.as_is(), 2)

@@ -1239,8 +1239,8 @@ fn check_kv_cache_quant(path: &Path, q: Option<&serde_json::Value>) -> Result<()
         match key.as_str() {
             "dtype" if x.as_str() == Some("fp8_e4m3") => {}
             "dtype" => return fail(key, x, "\"fp8_e4m3\""),
-            "scale" if x.as_f64().is_some_and(|f| f.is_finite() && f > 0.0) => {}
-            "scale" => return fail(key, x, "a positive finite number (k_scale)"),
+            "scale" if x.as_f64().is_some_and(crate::core::fp8::is_scale) => {}
+            "scale" => return fail(key, x, "a positive number within f32's normal range (k_scale)"),
             "input" if x.is_null() || matches!(x.as_str(), Some("bf16" | "f16" | "f32")) => {}
             "input" => return fail(key, x, "\"bf16\", \"f16\", \"f32\" or null"),
             "query" => check_kv_query(path, x)?,
@@ -1267,8 +1267,16 @@ fn check_kv_query(path: &Path, x: &serde_json::Value) -> Result<()> {
     };
     for (key, v) in obj {
         match key.as_str() {
-            "scale" if v.as_f64().is_some_and(|f| f.is_finite() && f > 0.0) => {}
-            "scale" => return Err(field_error(path, FIELD, key, v, "a positive finite number (q_scale)")),
+            "scale" if v.as_f64().is_some_and(crate::core::fp8::is_scale) => {}
+            "scale" => {
+                return Err(field_error(
+                    path,
+                    FIELD,
+                    key,
+                    v,
+                    "a positive number within f32's normal range (q_scale)",
+                ));
+            }
             _ => {
                 return Err(dump_error(
                     path,

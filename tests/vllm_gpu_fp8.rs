@@ -12,6 +12,7 @@
 
 use crate::common::{repo, run_bin};
 use crate::plant_dumps::{verdict, without_plants};
+use crate::vllm_gpu_live::header as header_of;
 
 /// `<backend>.<case>: <verdict>` for each committed dump `hf-v3-fp8.<backend>.<case>`: `clean`
 /// (exit 0, no finding) or `CLASS at SITE in STEP`, the first finding (exit 1).
@@ -100,12 +101,7 @@ fn every_live_fp8_dump_keeps_its_verdict() {
 #[test]
 fn the_fp8_dumps_declare_what_vllm_ran() {
     let dir = repo().join("golden/dumps/live-gpu-fp8");
-    let header = |name: &str| -> serde_json::Value {
-        let bytes = std::fs::read(dir.join(format!("hf-v3-fp8.{name}.safetensors"))).unwrap();
-        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-        let outer: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-        serde_json::from_str(outer["__metadata__"]["header"].as_str().unwrap()).unwrap()
-    };
+    let header = |name: &str| header_of(&dir.join(format!("hf-v3-fp8.{name}.safetensors")));
     for name in ["flashmla.single", "triton_mla-kv-fp8.chunked"] {
         let h = header(name);
         assert_eq!(h["act_quant"]["granularity"], "token-group", "{name}");

@@ -70,7 +70,7 @@ const MAX_BYTES: u64 = 2 * 1024 * 1024;
 const MAX_TOTAL: u64 = 16 * 1024 * 1024;
 
 /// The format-2 header of a safetensors file.
-fn header(path: &std::path::Path) -> serde_json::Value {
+pub(crate) fn header(path: &std::path::Path) -> serde_json::Value {
     let bytes = std::fs::read(path).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let outer: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();

@@ -537,13 +537,6 @@ pub fn forward_sel(
             None => a.clone(),
         };
         let (kv_c_k, k_pe_k) = (cached(&kv_c_normed), cached(&k_pe_roped));
-        let kv_u = linear(&kv_c_k, &kv_b)
-            .into_shape_with_order((t, n, p + v))
-            .map_err(|e| Error::Internal(e.to_string()))?;
-        let (k_u, v_u) = (
-            kv_u.slice(s![.., .., ..p]).to_owned(),
-            kv_u.slice(s![.., .., p..]).to_owned(),
-        );
         let over_cache = match (kv_cache.filter(|_| selection.is_none()), &ql_keep) {
             // A kernel that takes an fp8 query scores the rounded `ql_nope ‖ q_pe` against the
             // latent itself: only the absorbed form can say it (`ql_nope` is L wide, `q_nope` P).
@@ -557,13 +550,22 @@ pub fn forward_sel(
                 };
                 attention_absorbed(cfg, batch, absorbed, &absorbed_q)
             }
-            _ => attend(&AttnInputs {
-                k_nope: &k_u,
-                v: &v_u,
-                k_pe_roped: &k_pe_k,
-                kv_c_normed: &kv_c_k,
-                ..inputs
-            }),
+            _ => {
+                let kv_u = linear(&kv_c_k, &kv_b)
+                    .into_shape_with_order((t, n, p + v))
+                    .map_err(|e| Error::Internal(e.to_string()))?;
+                let (k_u, v_u) = (
+                    kv_u.slice(s![.., .., ..p]).to_owned(),
+                    kv_u.slice(s![.., .., p..]).to_owned(),
+                );
+                attend(&AttnInputs {
+                    k_nope: &k_u,
+                    v: &v_u,
+                    k_pe_roped: &k_pe_k,
+                    kv_c_normed: &kv_c_k,
+                    ..inputs
+                })
+            }
         };
         let rows = (0..t.min(absorbed.len())).filter(|&ti| absorbed[ti]);
         take_token_rows(&mut outs, &over_cache, rows);
@@ -711,21 +713,7 @@ fn attention_causal(
             let qp = q_pe.slice(s![qr, h, ..]);
             let kp = k_pe.slice(s![kr.clone(), ..]);
             gemm_view(qp, kp.t(), sc.view_mut(), true);
-            let mut lse = Vec::with_capacity(rows);
-            for (i, mut row) in sc.rows_mut().into_iter().enumerate() {
-                let visible = q0 + i + 1;
-                let m = row
-                    .iter()
-                    .take(visible)
-                    .fold(f64::NEG_INFINITY, |a, &z| a.max(z * scale));
-                let mut sum = 0.0;
-                for (j, x) in row.iter_mut().enumerate() {
-                    *x = if j < visible { (*x * scale - m).exp() } else { 0.0 };
-                    sum += *x;
-                }
-                row.mapv_inplace(|x| x / sum);
-                lse.push(m + sum.ln());
-            }
+            let lse = causal_softmax(&mut sc, q0, scale);
             let mut out = Array2::<f64>::zeros((rows, dv));
             gemm_view(sc.view(), v.slice(s![kr.clone(), h, ..]), out.view_mut(), false);
             let mut lat = Array2::<f64>::zeros((rows, l));
@@ -733,16 +721,51 @@ fn attention_causal(
             (out, lat, lse)
         })
         .collect();
-    let mut attn_out = Array3::<f64>::zeros((t, n, dv));
-    let mut attn_latent = Array3::<f64>::zeros((t, n, l));
-    let mut lse = Array2::<f64>::zeros((t, n));
+    scatter_blocks(&items, blocks, [t, n, l, dv])
+}
+
+/// Softmax in place of each row `i` of the block's raw scores `sc` [rows, keys] over its
+/// visible keys `0..=q0 + i` (the rest 0), the scores times `scale`; returns each row's LSE
+/// (natural log).
+fn causal_softmax(sc: &mut Array2<f64>, q0: usize, scale: f64) -> Vec<f64> {
+    let mut lse = Vec::with_capacity(sc.nrows());
+    for (i, mut row) in sc.rows_mut().into_iter().enumerate() {
+        let visible = q0 + i + 1;
+        let m = row
+            .iter()
+            .take(visible)
+            .fold(f64::NEG_INFINITY, |a, &z| a.max(z * scale));
+        let mut sum = 0.0;
+        for (j, x) in row.iter_mut().enumerate() {
+            *x = if j < visible { (*x * scale - m).exp() } else { 0.0 };
+            sum += *x;
+        }
+        row.mapv_inplace(|x| x / sum);
+        lse.push(m + sum.ln());
+    }
+    lse
+}
+
+/// The per-(head, sequence, row block) results `blocks` (`attn_out` [rows, V], `attn_latent`
+/// [rows, L], `lse` \[rows\]) of the work items `items` (head, sequence offset, first row, rows)
+/// laid into [T, N, V], [T, N, L] and [T, N] (`dims` = [T, N, L, V]); rows no item covers stay 0.
+fn scatter_blocks(
+    items: &[(usize, usize, usize, usize)],
+    blocks: Vec<(Array2<f64>, Array2<f64>, Vec<f64>)>,
+    [t, n, l, dv]: [usize; 4],
+) -> AttnOutputs {
+    let mut outs: AttnOutputs = (
+        Array3::<f64>::zeros((t, n, dv)),
+        Array3::<f64>::zeros((t, n, l)),
+        Array2::<f64>::zeros((t, n)),
+    );
     for (&(h, off, q0, rows), (o, lat, ls)) in items.iter().zip(blocks) {
         let r = off + q0..off + q0 + rows;
-        attn_out.slice_mut(s![r.clone(), h, ..]).assign(&o);
-        attn_latent.slice_mut(s![r.clone(), h, ..]).assign(&lat);
-        lse.slice_mut(s![r, h]).assign(&Array1::from(ls));
+        outs.0.slice_mut(s![r.clone(), h, ..]).assign(&o);
+        outs.1.slice_mut(s![r.clone(), h, ..]).assign(&lat);
+        outs.2.slice_mut(s![r, h]).assign(&Array1::from(ls));
     }
-    (attn_out, attn_latent, lse)
+    outs
 }
 
 /// What an absorbed (decode) row's attention reads when its query is rounded: `ql_nope` [T, N, L]
@@ -800,21 +823,7 @@ fn attention_absorbed(cfg: &MlaConfig, batch: &Batch, rows: &[bool], q: &Absorbe
                 sc.view_mut(),
                 true,
             );
-            let mut lse = Vec::with_capacity(nr);
-            for (i, mut row) in sc.rows_mut().into_iter().enumerate() {
-                let visible = q0 + i + 1;
-                let m = row
-                    .iter()
-                    .take(visible)
-                    .fold(f64::NEG_INFINITY, |a, &z| a.max(z * scale));
-                let mut sum = 0.0;
-                for (j, x) in row.iter_mut().enumerate() {
-                    *x = if j < visible { (*x * scale - m).exp() } else { 0.0 };
-                    sum += *x;
-                }
-                row.mapv_inplace(|x| x / sum);
-                lse.push(m + sum.ln());
-            }
+            let lse = causal_softmax(&mut sc, q0, scale);
             let mut lat = Array2::<f64>::zeros((nr, l));
             gemm_view(sc.view(), q.kv_c.slice(s![kr, ..]), lat.view_mut(), false);
             let mut out = Array2::<f64>::zeros((nr, dv));
@@ -822,18 +831,7 @@ fn attention_absorbed(cfg: &MlaConfig, batch: &Batch, rows: &[bool], q: &Absorbe
             (out, lat, lse)
         })
         .collect();
-    let mut outs: AttnOutputs = (
-        Array3::<f64>::zeros((t, n, dv)),
-        Array3::<f64>::zeros((t, n, l)),
-        Array2::<f64>::zeros((t, n)),
-    );
-    for (&(h, off, q0, nr), (o, lat, ls)) in items.iter().zip(blocks) {
-        let r = off + q0..off + q0 + nr;
-        outs.0.slice_mut(s![r.clone(), h, ..]).assign(&o);
-        outs.1.slice_mut(s![r.clone(), h, ..]).assign(&lat);
-        outs.2.slice_mut(s![r, h]).assign(&Array1::from(ls));
-    }
-    outs
+    scatter_blocks(&items, blocks, [t, n, l, dv])
 }
 
 /// The reference attention when a DSA indexer chose each token's keys: one (token, head) row at

@@ -68,21 +68,7 @@ pub(super) fn act_scale(x: &SiteCtx<'_>) -> Option<Detection> {
             })
             .collect()
     };
-    // The batch's own per-tensor scale must not explain it (a token-group run's rounding, or
-    // no fp8 bug at all).
-    if rel_l2(&cand, &replay(amax)) <= FAR_NEARER * as_is {
-        return None;
-    }
-    let (f, e) = (1..=40)
-        .map(|j| {
-            let f = 2f64.powf(f64::from(j) / 2.0);
-            (f, rel_l2(&cand, &replay(amax * f)))
-        })
-        .min_by(|a, b| a.1.total_cmp(&b.1))?;
-    let row = tolerance(x.site.stage, x.input.precision).0.rel_l2;
-    if !(e <= FAR_NEARER * as_is && e <= row) {
-        return None;
-    }
+    let (f, e) = best_cover(x, &cand, as_is, amax, &replay)?;
     Some(Detection::new(
         format!(
             "{} replayed from {} as recorded, the input quantized to fp8 with one per-tensor scale {}× the batch's own \
@@ -124,6 +110,30 @@ fn latent_norm_weight(kv_a: &[f64], kv_c_normed: &[f64], t: usize, l: usize, r: 
             }
         })
         .collect()
+}
+
+/// The per-tensor scale factor f (√2 … 2²⁰ in half octaves) whose `replay(amax·f)` is nearest
+/// the sampled candidate values `cand`, and its rel_l2: named only when it leaves at most
+/// [`FAR_NEARER`] of the error as is (`as_is`) and is within the site's row, while the batch's
+/// own scale (`replay(amax)`: a token-group run's rounding, or no fp8 bug at all) does not.
+fn best_cover(
+    x: &SiteCtx<'_>,
+    cand: &[f64],
+    as_is: f64,
+    amax: f64,
+    replay: &dyn Fn(f64) -> Vec<f64>,
+) -> Option<(f64, f64)> {
+    if rel_l2(cand, &replay(amax)) <= FAR_NEARER * as_is {
+        return None;
+    }
+    let (f, e) = (1..=40)
+        .map(|j| {
+            let f = 2f64.powf(f64::from(j) / 2.0);
+            (f, rel_l2(cand, &replay(amax * f)))
+        })
+        .min_by(|a, b| a.1.total_cmp(&b.1))?;
+    let row = tolerance(x.site.stage, x.input.precision).0.rel_l2;
+    (e <= FAR_NEARER * as_is && e <= row).then_some((f, e))
 }
 
 /// Token rows [`act_scale_normed`] replays at most (spread over the batch): every hypothesis
@@ -225,19 +235,7 @@ pub(super) fn act_scale_normed(x: &SiteCtx<'_>) -> Option<Detection> {
             })
             .collect()
     };
-    if rel_l2(&cand, &replay(amax)) <= FAR_NEARER * as_is {
-        return None;
-    }
-    let (f, e) = (1..=40)
-        .map(|j| {
-            let f = 2f64.powf(f64::from(j) / 2.0);
-            (f, rel_l2(&cand, &replay(amax * f)))
-        })
-        .min_by(|a, b| a.1.total_cmp(&b.1))?;
-    let row = tolerance(x.site.stage, x.input.precision).0.rel_l2;
-    if !(e <= FAR_NEARER * as_is && e <= row) {
-        return None;
-    }
+    let (f, e) = best_cover(x, &cand, as_is, amax, &replay)?;
     Some(Detection::new(
         format!(
             "kv_c_normed replayed from attn_in ({}) through w.fused_qkv_a's kv_c rows and the latent RMSNorm (its \

@@ -85,12 +85,7 @@ pub(super) fn kv_cache_scale(x: &SiteCtx<'_>) -> Option<Detection> {
     if !matches!(x.site.stage, Stage::AttnLatent | Stage::AttnOut) || x.input.cfg.indexer.is_some() {
         return None;
     }
-    let ps = x.path.paged?;
-    let m = x.diff.metrics.as_ref()?;
-    if m.nonfinite_cand > 0 || ps.queries.len() != *x.refr.shape.first()? {
-        return None;
-    }
-    let inp = inputs(x, ps)?;
+    let (ps, inp) = replay_inputs(x)?;
     let reads = reads_of(&inp, hypotheses(ps).first()?);
     let mut used: Vec<HashSet<usize>> = vec![HashSet::new(); inp.rows.len()];
     add_keys(&mut used, &reads);
@@ -144,11 +139,7 @@ pub(super) fn kv_cache_scale(x: &SiteCtx<'_>) -> Option<Detection> {
             judge(x, &inp, &reads, &rep, &base).map(|v| (c, v))
         })
         .min_by(|a, b| a.1.err.total_cmp(&b.1.err))?;
-    let source = if ps.keys.is_some() {
-        "the dump's own kv_c_normed ‖ k_pe_roped rows of this and the earlier steps"
-    } else {
-        "the path's own kv_c_normed ‖ k_pe_roped rows"
-    };
+    let source = key_source(ps);
     let declared = match ps.cache_quant {
         Some(q) => format!(" (fp8 cache, k_scale {} declared)", q.scale),
         None => String::new(),
@@ -264,12 +255,7 @@ pub(super) fn paged_kv(x: &SiteCtx<'_>) -> Option<Detection> {
     if !matches!(x.site.stage, Stage::AttnLatent | Stage::Lse | Stage::AttnOut) || x.input.cfg.indexer.is_some() {
         return None;
     }
-    let ps = x.path.paged?;
-    let m = x.diff.metrics.as_ref()?;
-    if m.nonfinite_cand > 0 || ps.queries.len() != *x.refr.shape.first()? {
-        return None;
-    }
-    let inp = inputs(x, ps)?;
+    let (ps, inp) = replay_inputs(x)?;
     let hyps = hypotheses(ps);
     let base_reads = reads_of(&inp, hyps.first()?);
     // The hypotheses that move a sampled row's reads, and every key any of them reads: the
@@ -312,6 +298,26 @@ pub(super) fn paged_kv(x: &SiteCtx<'_>) -> Option<Detection> {
         .map(|(_, (_, h))| *h)
         .collect();
     Some(detection(x, &inp, v, h, &also))
+}
+
+/// The failing site's paged step and the replay's inputs ([`inputs`]): `None` without a paged
+/// step, with non-finite candidate values, or when the step's rows are not the site's.
+fn replay_inputs<'a>(x: &SiteCtx<'a>) -> Option<(&'a PagedStep, Inputs<'a>)> {
+    let ps = x.path.paged?;
+    let m = x.diff.metrics.as_ref()?;
+    if m.nonfinite_cand > 0 || ps.queries.len() != *x.refr.shape.first()? {
+        return None;
+    }
+    Some((ps, inputs(x, ps)?))
+}
+
+/// Where the replay's latent rows came from, as evidence says it.
+fn key_source(ps: &PagedStep) -> &'static str {
+    if ps.keys.is_some() {
+        "the dump's own kv_c_normed ‖ k_pe_roped rows of this and the earlier steps"
+    } else {
+        "the path's own kv_c_normed ‖ k_pe_roped rows"
+    }
 }
 
 /// Gathers what the replay reads: the latent rows, the sampled rows, heads and columns with
@@ -941,11 +947,7 @@ const ALSO_NAMED: usize = 3;
 /// sampled rows too.
 fn detection(x: &SiteCtx<'_>, inp: &Inputs<'_>, v: &Verdict, h: &Hyp, also: &[Hyp]) -> Detection {
     let (what, hint) = describe(inp.ps, h);
-    let source = if inp.ps.keys.is_some() {
-        "the dump's own kv_c_normed ‖ k_pe_roped rows of this and the earlier steps"
-    } else {
-        "the path's own kv_c_normed ‖ k_pe_roped rows"
-    };
+    let source = key_source(inp.ps);
     let mut ev = format!(
         "{} equals the replay of the paged cache {what}, rebuilt from {source}, on {}: rel_l2 {} vs {} for the replay \
          with the recorded metadata (the dump against the reference: {})",

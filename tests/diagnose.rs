@@ -93,6 +93,7 @@ fn detect(fx: &Fixture, i: usize, class: Class) -> Option<Detection> {
         tp: fx.tp,
         precision: Precision::F32,
         dump: None,
+        model: None,
     };
     assert!(
         metrics::first_divergence(&fx.diffs[i]).is_some(),
@@ -363,6 +364,7 @@ fn mismatch_localises_rows() {
         tp: 1,
         precision: Precision::F32,
         dump: None,
+        model: None,
     };
     let f = diagnose(&input);
     assert_eq!(f.len(), 1);
@@ -450,6 +452,7 @@ fn phantom_at_outputs(model: &str, dtype: Dtype, faults: &[Fault]) -> Vec<(PathK
         tp: 1,
         precision: dtype.into(),
         dump: None,
+        model: None,
     };
     let mut out = Vec::new();
     for (i, (r, _)) in runs.iter().enumerate() {
@@ -524,6 +527,7 @@ fn diagnose_as(fx: &Fixture, precision: Precision) -> Vec<mla_diff::judge::diagn
         tp: fx.tp,
         precision,
         dump: None,
+        model: None,
     })
 }
 
@@ -572,6 +576,7 @@ fn residual_scale_fits_the_residual_factor() {
             tp: 1,
             precision: dtype.into(),
             dump: None,
+            model: None,
         };
         for (i, (run, _)) in runs.iter().enumerate() {
             for st in [Stage::FfnIn, Stage::HiddenOut] {
@@ -663,6 +668,7 @@ fn precision_replays_the_narrow_product() {
         tp: 1,
         precision: Precision::EngineBf16,
         dump: None,
+        model: None,
     };
     let d = mla_diff::judge::diagnose::detect_at_site(&input, 0, Site::new(1, Stage::QlNope), Class::Precision);
     assert!(d.is_none(), "{d:?}");
@@ -709,6 +715,7 @@ fn strided_view_replays_q_pe_cut_with_another_head_stride() {
         tp: 1,
         precision: Precision::F32,
         dump: None,
+        model: None,
     };
     let f = diagnose(&input);
     assert_eq!(

@@ -47,7 +47,7 @@ fn every_fault() -> Vec<Fault> {
         AllReduceReadEarly, PhantomOutputStale, KvNormSkipped, SplitLseBase2, SplitDropped,
         SplitDuplicated, SplitEmptyZero, SplitEmptyFinite, ResidualScaled, Fp16AccumQlNope,
         PagedKvPageSize, PagedKvBlockOffset, SlotMappingOffset, KPeStride, KvBHalvesSwapped, KvBHeadsInterleaved,
-        Fp8ScalePaddedRows, KvCacheScaleTwice,
+        Fp8ScalePaddedRows, KvCacheScaleTwice, Fp8ScaleTransposed, Fp8QueryUnscaled, Fp8ScaleShardRank0,
     )
 }
 

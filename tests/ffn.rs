@@ -105,6 +105,7 @@ fn findings_of(l: &Layer, trace: &Trace, tp: usize) -> Vec<Finding> {
         tp,
         precision: Precision::F32,
         dump: None,
+        model: None,
     })
 }
 

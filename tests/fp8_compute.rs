@@ -316,6 +316,153 @@ fn a_cache_scale_applied_twice_is_named_with_its_factor() {
     assert!(f["hint"].as_str().unwrap().contains("applied twice"), "{f}");
 }
 
+/// `kv-cache-scale-twice` on the paths whose first failing site is `lse` (no `attn_latent`):
+/// the chunked prefill's cached context and the mixed batch's decode rows read the cache back
+/// ×2; judged at `attn_out`, the chunked prefill's new rows replayed as computed.
+#[test]
+fn a_cache_scale_applied_twice_is_named_on_the_chunked_and_mixed_paths() {
+    let m = fp8_model();
+    for path in ["chunked", "mixed"] {
+        let args = [
+            "--model",
+            m.to_str().unwrap(),
+            "--layer",
+            "0",
+            "--kv-cache-dtype",
+            "fp8",
+            "--kv-scale",
+            "0.5",
+            "--path",
+            path,
+            "--inject",
+            "kv-cache-scale-twice",
+        ];
+        let (code, out, doc) = run_json(&args);
+        assert_eq!(code, 1, "{path}: {out}");
+        let f = &doc["findings"][0];
+        assert_eq!(f["class"], "kv-cache-scale", "{path}: {f}");
+        assert_eq!(f["site"], "L0.lse", "{path}: {f}");
+        let ev = f["evidence"].as_str().unwrap();
+        assert!(ev.starts_with("attn_out equals the replay"), "{ev}");
+        assert!(ev.contains("read back ×2.000e0"), "{ev}");
+    }
+}
+
+/// `fp8-query-unscaled` (the decode query cast without ÷q_scale, the kernel descaling by it):
+/// on mqa every row is a decode row and the whole site's logit scale is ×q_scale; on mixed only
+/// the decode rows move, and the paged replay of those rows names it before the split merge's
+/// stale-partial footprint can.
+#[test]
+fn an_unscaled_fp8_query_is_named_as_its_q_scale_on_mqa_and_mixed() {
+    let m = fp8_model();
+    for (path, site, ev_has) in [
+        ("mqa", "L0.attn_latent", "a logit scale of ×"),
+        ("mixed", "L0.lse", "decode row"),
+    ] {
+        let args = [
+            "--model",
+            m.to_str().unwrap(),
+            "--layer",
+            "0",
+            "--kv-cache-dtype",
+            "fp8",
+            "--fp8-query",
+            "--q-scale",
+            "2",
+            "--path",
+            path,
+            "--inject",
+            "fp8-query-unscaled",
+        ];
+        let (code, out, doc) = run_json(&args);
+        assert_eq!(code, 1, "{path}: {out}");
+        let f = &doc["findings"][0];
+        assert_eq!(f["class"], "softmax-scale", "{path}: {f}");
+        assert_eq!(f["site"], site, "{path}: {f}");
+        assert!(f["evidence"].as_str().unwrap().contains(ev_has), "{path}: {f}");
+        assert!(f["hint"].as_str().unwrap().starts_with("×q_scale = 2"), "{path}: {f}");
+    }
+}
+
+/// `fp8-scale-transposed` (o_proj dequantized with its scale grid transposed and reshaped):
+/// every path names `quant-scale-layout` at `o_proj` from the activations, with the fp8 GEMMs
+/// in f32 (the fit reads `attn_out` quantized as the GEMM did); a GGUF model has no grid and
+/// the fault is refused before any work.
+#[test]
+fn a_transposed_scale_grid_is_named_at_o_proj_on_every_path() {
+    let m = fp8_model();
+    let args = [
+        "--model",
+        m.to_str().unwrap(),
+        "--layer",
+        "0",
+        "--fp8-compute",
+        "token-group",
+        "--kv-cache-dtype",
+        "fp8",
+        "--path",
+        "all",
+        "--inject",
+        "fp8-scale-transposed",
+    ];
+    let (code, out, doc) = run_json(&args);
+    assert_eq!(code, 1, "{out}");
+    let findings = doc["findings"].as_array().unwrap();
+    let mut paths = Vec::new();
+    for f in findings {
+        assert_eq!(f["class"], "quant-scale-layout", "{f}");
+        assert_eq!(f["site"], "L0.o_proj", "{f}");
+        let ev = f["evidence"].as_str().unwrap();
+        assert!(ev.contains("s.t().contiguous().view(s.shape)"), "{ev}");
+        assert!(ev.contains("6 of 8 blocks ≠ 1"), "{ev}");
+        paths.push(f["path"].as_str().unwrap().to_string());
+    }
+    paths.sort();
+    assert_eq!(paths, ["chunked", "mha", "mixed", "mqa"], "{findings:?}");
+    let (code, out, _) = run_json(&["--inject", "fp8-scale-transposed"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("needs o_proj stored in fp8 with block scales"), "{out}");
+}
+
+/// `fp8-scale-shard-rank0` (every TP rank's o_proj shard dequantized with rank 0's scale
+/// columns): named at rank 1's shard, the first site that differs, on every path; refused
+/// without TP.
+#[test]
+fn rank_0s_scales_on_every_rank_are_named_at_the_rank_1_shard() {
+    let m = fp8_model();
+    let m = m.to_str().unwrap();
+    let args = [
+        "--model",
+        m,
+        "--layer",
+        "0",
+        "--tp",
+        "2",
+        "--path",
+        "all",
+        "--inject",
+        "fp8-scale-shard-rank0",
+    ];
+    let (code, out, doc) = run_json(&args);
+    assert_eq!(code, 1, "{out}");
+    let findings = doc["findings"].as_array().unwrap();
+    assert_eq!(findings.len(), 4, "{findings:?}");
+    for f in findings {
+        assert_eq!(f["class"], "quant-scale-layout", "{f}");
+        assert_eq!(f["site"], "L0.w.o_proj.rank1", "{f}");
+        assert!(
+            f["evidence"]
+                .as_str()
+                .unwrap()
+                .contains("rank 0's scales on every rank"),
+            "{f}"
+        );
+    }
+    let (code, out, _) = run_json(&["--model", m, "--inject", "fp8-scale-shard-rank0"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("needs --tp ≥ 2"), "{out}");
+}
+
 #[test]
 fn the_fp8_cache_options_are_checked_before_any_work() {
     for (args, want) in [
@@ -359,17 +506,46 @@ fn the_fp8_cache_options_are_checked_before_any_work() {
             "--inject kv-cache-scale-twice: needs an fp8 latent cache with a k_scale other than 1",
         ),
         (
+            vec!["--kv-cache-dtype", "fp8", "--q-scale", "2", "--path", "mqa"],
+            "--q-scale: only with --fp8-query",
+        ),
+        (
             vec![
                 "--kv-cache-dtype",
                 "fp8",
-                "--kv-scale",
-                "0.5",
+                "--fp8-query",
+                "--q-scale",
+                "-1",
+                "--path",
+                "mqa",
+            ],
+            "--q-scale -1e0: expected a positive number within f32's normal range",
+        ),
+        (
+            vec![
+                "--kv-cache-dtype",
+                "fp8",
+                "--fp8-query",
+                "--path",
+                "mqa",
+                "--inject",
+                "fp8-query-unscaled",
+            ],
+            "--inject fp8-query-unscaled: needs an fp8 decode query with a q_scale other than 1",
+        ),
+        (
+            vec![
+                "--kv-cache-dtype",
+                "fp8",
+                "--fp8-query",
+                "--q-scale",
+                "2",
                 "--path",
                 "chunked",
                 "--inject",
-                "kv-cache-scale-twice",
+                "fp8-query-unscaled",
             ],
-            "only the absorbed decode (mqa)",
+            "only the absorbed decode (mqa, mixed's decode rows) has a decode query",
         ),
     ] {
         let (code, out, _) = run_json(&args);

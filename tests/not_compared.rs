@@ -110,6 +110,7 @@ fn finding(l: &Layer, kind: PathKind, trace: &Trace, elsewhere: &[Stage]) -> Fin
             chunks: &[],
             head_subset: None,
         }),
+        model: None,
     });
     assert_eq!(f.len(), 1, "{f:?}");
     f.remove(0)

@@ -81,6 +81,7 @@ fn site_class(
         tp,
         precision: Precision::F32,
         dump: None,
+        model: None,
     });
     f.first().map(|f| f.class)
 }

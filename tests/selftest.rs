@@ -2,15 +2,21 @@
 //! site on every fixture and path, and no finding on any clean run across all fixtures × quant
 //! types × paths × TP sizes dividing the head count (≤ 4) × page sizes {1, 16, 64}.
 
-use crate::common;
-
 use mla_diff::core::dtype::Dtype;
 use mla_diff::jobs::selftest::{self, ModelSource, SelftestOptions};
 
 #[test]
 fn selftest_finds_every_fault_and_nothing_on_clean_runs() {
-    let models = mla_diff::cli::selftest_models(Some(&common::repo().join("golden/models"))).unwrap();
+    // The default set: golden/models' GGUF files and the checkpoint folders beside them (the
+    // block-scale faults need the fp8 one).
+    let models = mla_diff::cli::selftest_models(None).unwrap();
     assert!(models.len() >= 9);
+    assert!(
+        models
+            .iter()
+            .any(|m| matches!(m, ModelSource::File(p) if p.ends_with("hf-v3-fp8"))),
+        "{models:?}"
+    );
     assert!(models.iter().all(|m| matches!(m, ModelSource::File(_))));
     let cpu = mla_diff::backend::Backend::Cpu(mla_diff::backend::cpu::CpuOps::new(Dtype::F32));
     let rep = selftest::run(

@@ -39,9 +39,10 @@ const CASES: &[&str] = &[
     // recording holds neither attn_in nor q_c/kv_a, so it is named at kv_c_normed, replayed
     // through the GEMM and the latent norm (f = 65536, the plant's stale factor).
     "triton_mla.plant-fp8-act-padded-rows: fp8-act-scale at L0.kv_c_normed in step-0",
-    // o_proj's weight_scale_inv read transposed: its output, with the dump's weights cut out
-    // (the WEIGHTS file beside it names the layout).
-    "triton_mla.plant-fp8-scale-transposed: mismatch at L0.o_proj in step-1",
+    // o_proj's weight_scale_inv read transposed, named from the activations alone (the dump's
+    // weights cut out): one factor per 128×128 block fitted from attn_out, the applied scales
+    // the grid transposed and reshaped (the WEIGHTS file beside it names the same layout).
+    "triton_mla.plant-fp8-scale-transposed: quant-scale-layout at L0.o_proj in step-1",
 ];
 
 /// Each dump's size limit, and the folder's.

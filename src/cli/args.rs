@@ -433,11 +433,16 @@ pub struct RunSpec {
     #[arg(long)]
     pub kv_scale: Option<f64>,
     /// The decode kernel takes an fp8 query too, as vLLM's FLASHMLA does over an fp8 cache: the
-    /// absorbed paths quantize each decode row's `ql_nope ‖ q_pe` to E4M3 with q_scale 1.0
-    /// (vLLM's default) before the attention, and the reference scores those rows in the
+    /// absorbed paths quantize each decode row's `ql_nope ‖ q_pe` to E4M3 with q_scale
+    /// (--q-scale, default 1.0 as vLLM's) before the attention, and the reference scores those rows in the
     /// absorbed form with the same query. Only with --kv-cache-dtype fp8.
     #[arg(long)]
     pub fp8_query: bool,
+    /// The fp8 decode query's per-tensor scale, a positive number within f32's normal range
+    /// (vLLM's `q_scale`: 1.0 unless the checkpoint carries one or the engine computes it);
+    /// default 1.0. Only with --fp8-query.
+    #[arg(long)]
+    pub q_scale: Option<f64>,
 }
 
 /// Arguments of `mla-diff run`.

@@ -403,8 +403,10 @@ pub fn cmd_sites(a: &SitesArgs, out: &mut dyn Write) -> Result<Outcome> {
 }
 
 /// The fixtures selftest uses: `dir` itself when it is a Hugging Face checkpoint folder, else
-/// every `*.gguf` in `dir`, or in `golden/models` of the current directory or of this build's
-/// source tree; the embedded fixture when none is found.
+/// every `*.gguf` in `dir`; without `dir`, every `*.gguf` in `golden/models` of the current
+/// directory or of this build's source tree and every Hugging Face checkpoint folder beside it
+/// (`golden/hf-v3-fp8/`: the faults of an fp8 checkpoint's block scales need one); the embedded
+/// fixture when none is found.
 pub fn selftest_models(dir: Option<&PathBuf>) -> Result<Vec<ModelSource>> {
     if let Some(d) = dir.filter(|d| d.is_dir() && crate::model::hf::is_checkpoint(d)) {
         return Ok(vec![ModelSource::File(d.clone())]);
@@ -431,6 +433,17 @@ pub fn selftest_models(dir: Option<&PathBuf>) -> Result<Vec<ModelSource>> {
         v.sort();
         if v.is_empty() && dir.is_some() {
             return Err(Error::Usage(format!("--models {}: no .gguf files", d.display())));
+        }
+        if dir.is_none()
+            && let Some(golden) = d.parent()
+            && let Ok(entries) = std::fs::read_dir(golden)
+        {
+            let mut hf: Vec<PathBuf> = entries
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.is_dir() && crate::model::hf::is_checkpoint(p))
+                .collect();
+            hf.sort();
+            v.extend(hf);
         }
         if !v.is_empty() {
             return Ok(v.into_iter().map(ModelSource::File).collect());

@@ -373,6 +373,13 @@ fn check_faults(file: &GgufFile, cfg: &MlaConfig, rc: &RunConfig, dtype: crate::
         if let Err(e) = f.applies_to_fp8(rc.path_options.fp8.as_ref(), rc.path_options.kv_cache.as_ref()) {
             return Err(Error::Usage(format!("--inject {f}: {e}")));
         }
+        if let Some(e) = rc
+            .layers
+            .iter()
+            .find_map(|&l| f.applies_to_model(file, l, rc.path_options.tp).err())
+        {
+            return Err(Error::Usage(format!("--inject {f}: {e}")));
+        }
         let verdicts: Vec<(PathKind, std::result::Result<(), &str>)> = rc
             .paths
             .iter()
@@ -494,6 +501,15 @@ fn fp8_options(
     if a.kv_scale.is_some() && !fp8_cache {
         return Err(Error::Usage("--kv-scale: only with --kv-cache-dtype fp8".into()));
     }
+    let q_scale = a.q_scale.unwrap_or(1.0);
+    if !crate::core::fp8::is_scale(q_scale) {
+        return Err(Error::Usage(format!(
+            "--q-scale {q_scale:e}: expected a positive number within f32's normal range (q_scale is an f32)"
+        )));
+    }
+    if a.q_scale.is_some() && !a.fp8_query {
+        return Err(Error::Usage("--q-scale: only with --fp8-query".into()));
+    }
     if a.fp8_query && !fp8_cache {
         return Err(Error::Usage(
             "--fp8-query: only with --kv-cache-dtype fp8 (a kernel takes an fp8 query only over an fp8 cache)".into(),
@@ -525,7 +541,7 @@ fn fp8_options(
         fp8_cache.then(|| crate::core::fp8::KvCacheQuant {
             scale: kv_scale,
             input: Some(super::values::Fp8ComputeArg::input(dtype)),
-            query: a.fp8_query.then_some(1.0),
+            query: a.fp8_query.then_some(q_scale),
         }),
     ))
 }

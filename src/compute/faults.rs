@@ -111,6 +111,18 @@ pub enum Fault {
     /// (`e4m3(x/k_scale²)` stored, read back × k_scale): the cache reads back 1/k_scale × what
     /// was written. Needs `--kv-cache-dtype fp8 --kv-scale S` with S ≠ 1.
     KvCacheScaleTwice,
+    /// The loader dequantizes `o_proj`'s fp8 weight with its `weight_scale_inv` grid transposed
+    /// and reshaped to the grid's own shape (`s.t().contiguous().view(s.shape)`): every 128 × 128
+    /// block gets another block's scale. Needs an fp8 block-scaled checkpoint.
+    Fp8ScaleTransposed,
+    /// The decode query reaches a kernel that takes an fp8 query unscaled (cast to E4M3
+    /// without the division by q_scale, or not quantized at all) while the kernel multiplies
+    /// by q_scale: each decode row's logits × q_scale. Needs `--fp8-query --q-scale Q`, Q ≠ 1.
+    Fp8QueryUnscaled,
+    /// Under TP, every rank dequantizes its `o_proj` shard (its heads' input columns) with rank
+    /// 0's columns of the `weight_scale_inv` grid: the scale shard cut at offset 0 instead of the
+    /// rank's. Needs `--tp ≥ 2` and an fp8 block-scaled checkpoint.
+    Fp8ScaleShardRank0,
 }
 
 impl Fault {
@@ -152,6 +164,9 @@ impl Fault {
         Fault::KvBHeadsInterleaved,
         Fault::Fp8ScalePaddedRows,
         Fault::KvCacheScaleTwice,
+        Fault::Fp8ScaleTransposed,
+        Fault::Fp8QueryUnscaled,
+        Fault::Fp8ScaleShardRank0,
     ];
 
     /// The `--inject` name (`fused-shard-swap`).
@@ -193,6 +208,9 @@ impl Fault {
             Fault::KvBHeadsInterleaved => "kv-b-heads-interleaved",
             Fault::Fp8ScalePaddedRows => "fp8-scale-padded-rows",
             Fault::KvCacheScaleTwice => "kv-cache-scale-twice",
+            Fault::Fp8ScaleTransposed => "fp8-scale-transposed",
+            Fault::Fp8QueryUnscaled => "fp8-query-unscaled",
+            Fault::Fp8ScaleShardRank0 => "fp8-scale-shard-rank0",
         }
     }
 
@@ -275,6 +293,15 @@ impl Fault {
             Fault::KvCacheScaleTwice => {
                 "The fp8 latent cache's scale is applied twice where rows are written (x/k_scale² stored, read back × k_scale; needs --kv-cache-dtype fp8 --kv-scale S, S ≠ 1)"
             }
+            Fault::Fp8ScaleTransposed => {
+                "The loader dequantizes o_proj's fp8 weight with its weight_scale_inv grid transposed and reshaped to the grid's shape (s.t().contiguous().view(s.shape); needs an fp8 block-scaled checkpoint)"
+            }
+            Fault::Fp8ScaleShardRank0 => {
+                "Under TP, every rank dequantizes its o_proj shard with rank 0's columns of the weight_scale_inv grid (needs --tp ≥ 2 and an fp8 block-scaled checkpoint)"
+            }
+            Fault::Fp8QueryUnscaled => {
+                "The decode query reaches the fp8 kernel unscaled (cast without ÷q_scale) while the kernel multiplies by q_scale: decode logits × q_scale (needs --fp8-query --q-scale Q, Q ≠ 1)"
+            }
         }
     }
 
@@ -309,6 +336,8 @@ impl Fault {
             Fault::KvBHalvesSwapped | Fault::KvBHeadsInterleaved => Class::KvBLayout,
             Fault::Fp8ScalePaddedRows => Class::Fp8ActScale,
             Fault::KvCacheScaleTwice => Class::KvCacheScale,
+            Fault::Fp8ScaleTransposed | Fault::Fp8ScaleShardRank0 => Class::QuantScaleLayout,
+            Fault::Fp8QueryUnscaled => Class::SoftmaxScale,
         }
     }
 
@@ -354,7 +383,12 @@ impl Fault {
             (Fault::ResidualScaled, _) => vec![Stage::FfnIn, Stage::HiddenOut],
             (Fault::Fp16AccumQlNope, _) => vec![Stage::QlNope],
             (Fault::Fp8ScalePaddedRows, _) => vec![Stage::QC],
-            (Fault::KvCacheScaleTwice, _) => vec![Stage::AttnLatent],
+            (Fault::KvCacheScaleTwice, Mqa) => vec![Stage::AttnLatent],
+            (Fault::KvCacheScaleTwice, _) => vec![Stage::Lse, Stage::AttnOut],
+            (Fault::Fp8ScaleTransposed, _) => vec![Stage::OProj],
+            (Fault::Fp8ScaleShardRank0, _) => vec![Stage::WRank(RankedWeight::OProj, 1), Stage::OProj],
+            (Fault::Fp8QueryUnscaled, Mqa) => vec![Stage::AttnLatent],
+            (Fault::Fp8QueryUnscaled, _) => vec![Stage::Lse, Stage::AttnOut],
             _ => Vec::new(),
         }
     }
@@ -383,7 +417,7 @@ impl Fault {
             Fault::LsePlusInf if !matches!(path, PathKind::Chunked | PathKind::Mqa) => {
                 Err("only chunked prefill and split-KV decode merge partials")
             }
-            Fault::QuantSliceMisaligned if tp < 2 => Err("needs --tp ≥ 2"),
+            Fault::QuantSliceMisaligned | Fault::Fp8ScaleShardRank0 if tp < 2 => Err("needs --tp ≥ 2"),
             Fault::QuantSliceMisaligned if ((cfg.kv_lora_rank / tp) as u64).is_multiple_of(latent_block) => {
                 Err("a cut of L into TP shards lands on quant block boundaries here")
             }
@@ -420,8 +454,12 @@ impl Fault {
             Fault::Fp8ScalePaddedRows if path == PathKind::Chunked => Err(
                 "per-tensor fp8 scales (--fp8-compute tensor) do not judge the chunked path, whose context chunks each get their own",
             ),
-            Fault::KvCacheScaleTwice if path != PathKind::Mqa => Err(
-                "only the absorbed decode (mqa) records the latent it reads from the cache (attn_latent), where a scaled cache shows apart from a softmax scale",
+            Fault::KvCacheScaleTwice if path == PathKind::Mha => Err("mha attends over its own K/V: no paged cache"),
+            Fault::Fp8QueryUnscaled if !matches!(path, PathKind::Mqa | PathKind::Mixed) => {
+                Err("only the absorbed decode (mqa, mixed's decode rows) has a decode query")
+            }
+            Fault::Fp8QueryUnscaled if path == PathKind::Mixed && cfg.indexer.is_some() => Err(
+                "a DSA layer reads the indexer's kept keys: the replay of a mixed batch's decode rows acts on dense attention",
             ),
             Fault::KvCacheScaleTwice if cfg.indexer.is_some() => {
                 Err("a DSA layer reads the indexer's kept keys: the cache replay acts on dense attention")
@@ -466,23 +504,72 @@ impl Fault {
             (Fault::KvCacheScaleTwice, _) if kv_cache.is_none_or(|k| k.scale == 1.0) => Err(
                 "needs an fp8 latent cache with a k_scale other than 1 (--kv-cache-dtype fp8 --kv-scale S, S ≠ 1): a scale of 1 applied twice is still 1",
             ),
+            (Fault::Fp8QueryUnscaled, _) if kv_cache.and_then(|k| k.query).is_none_or(|q| q == 1.0) => Err(
+                "needs an fp8 decode query with a q_scale other than 1 (--kv-cache-dtype fp8 --fp8-query --q-scale Q, Q ≠ 1): an unscaled query is right when q_scale is 1",
+            ),
             _ => Ok(()),
         }
     }
 
+    /// Whether the fault can act on layer `layer` of the model `file` at TP size `tp`, beyond
+    /// [`Fault::applies`]: `fp8-scale-transposed` needs `o_proj` stored with a block-scale grid
+    /// (an fp8 checkpoint's `weight_scale_inv`) that its transposed-and-reshaped read changes (at
+    /// least two blocks each way, not all scales equal); `fp8-scale-shard-rank0` such a grid
+    /// whose rank shards (N·V/tp columns, on block boundaries) hold other scales than rank 0's.
+    /// Every other fault: `Ok`.
+    pub fn applies_to_model(
+        self,
+        file: &crate::model::gguf::GgufFile,
+        layer: usize,
+        tp: usize,
+    ) -> Result<(), &'static str> {
+        // Without TP, `applies` gives the reason ("needs --tp ≥ 2").
+        if !matches!(self, Fault::Fp8ScaleTransposed | Fault::Fp8ScaleShardRank0)
+            || (self == Fault::Fp8ScaleShardRank0 && tp < 2)
+        {
+            return Ok(());
+        }
+        let name = crate::model::tensors::ModelTensor::AttnOutput.name(layer);
+        let Some(g) = file.tensor(&name).and_then(|t| file.block_scales(t)) else {
+            return Err("needs o_proj stored in fp8 with block scales (a Hugging Face fp8 checkpoint as the model)");
+        };
+        let changed = match self {
+            Fault::Fp8ScaleTransposed => transposed_view(&g).is_some_and(|t| t != g.scale),
+            _ => rank0_scale_view(&g, tp).is_some_and(|t| t != g.scale),
+        };
+        match (changed, self) {
+            (true, _) => Ok(()),
+            (false, Fault::Fp8ScaleTransposed) => Err(
+                "o_proj's scale grid reads the same transposed and reshaped (one block row or column, or equal scales)",
+            ),
+            (false, _) => {
+                Err("o_proj's rank shards do not fall on scale-block boundaries, or every rank's scales equal rank 0's")
+            }
+        }
+    }
+
     /// The latent cache a selftest case of the fault runs with: an fp8 cache with k_scale 0.5
-    /// for `kv-cache-scale-twice`, none for every other fault.
+    /// for `kv-cache-scale-twice`, an fp8 cache (k_scale 1) and an fp8 decode query with
+    /// q_scale 2 for `fp8-query-unscaled`, none for every other fault.
     pub fn selftest_kv_cache(self, dtype: crate::core::dtype::Dtype) -> Option<crate::core::fp8::KvCacheQuant> {
         use crate::core::fp8::{InputDtype, KvCacheQuant};
         let input = match dtype {
             crate::core::dtype::Dtype::F32 => InputDtype::F32,
             crate::core::dtype::Dtype::Bf16 => InputDtype::Bf16,
         };
-        (self == Fault::KvCacheScaleTwice).then_some(KvCacheQuant {
-            scale: 0.5,
-            input: Some(input),
-            query: None,
-        })
+        match self {
+            Fault::KvCacheScaleTwice => Some(KvCacheQuant {
+                scale: 0.5,
+                input: Some(input),
+                query: None,
+            }),
+            Fault::Fp8QueryUnscaled => Some(KvCacheQuant {
+                scale: 1.0,
+                input: Some(input),
+                query: Some(2.0),
+            }),
+            _ => None,
+        }
     }
 
     /// The fp8 compute a selftest case of the fault runs with: per-tensor scales for
@@ -545,6 +632,30 @@ pub fn padded_rows(t: usize) -> usize {
         5..=512 => t.div_ceil(8) * 8,
         _ => t,
     }
+}
+
+/// The scale grid `g` as `fp8-scale-transposed`'s loader reads it, row-major in `g.grid`:
+/// `s.t().contiguous().view(s.shape)`, so flat position `k` holds `s[k % rows, k / rows]`.
+/// `None` when the grid holds fewer scales than its shape says.
+pub fn transposed_view(g: &crate::model::gguf::BlockScales) -> Option<Vec<f32>> {
+    let [gr, gc] = g.grid;
+    (g.scale.len() == gr * gc).then(|| (0..gr * gc).map(|k| g.scale[(k % gr) * gc + k / gr]).collect())
+}
+
+/// The scale grid `g` of a row-parallel matrix (`o_proj`: its input columns cut into `tp`
+/// equal rank shards) as `fp8-scale-shard-rank0`'s ranks read it, row-major in `g.grid`: each
+/// rank's columns hold rank 0's columns, `s[i, j mod (cols/tp)]`. `None` when `tp < 2` or the
+/// shards do not cover whole block columns.
+pub fn rank0_scale_view(g: &crate::model::gguf::BlockScales, tp: usize) -> Option<Vec<f32>> {
+    let [gr, gc] = g.grid;
+    let per = gc.checked_div(tp)?;
+    (tp >= 2
+        && per > 0
+        && gc.is_multiple_of(tp)
+        && g.shape[1].is_multiple_of(tp)
+        && (g.shape[1] / tp).is_multiple_of(g.block[1])
+        && g.scale.len() == gr * gc)
+        .then(|| (0..gr * gc).map(|k| g.scale[(k / gc) * gc + (k % gc) % per]).collect())
 }
 
 /// How far above the batch's largest |value| the stale rows of `fp8-scale-padded-rows` reach:

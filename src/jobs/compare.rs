@@ -205,6 +205,7 @@ pub fn compare_dump_with(
             head_subset: None,
         };
         let (result, layer_findings, unjudged) = judge_dumped_layer(
+            file,
             cfg,
             &dump.batch,
             &reference,
@@ -591,9 +592,10 @@ fn dumped_layer_reference(
 /// cache ([`dump_paged_step`]).
 #[allow(
     clippy::too_many_arguments,
-    reason = "the model and batch (cfg, batch), both traces, how to judge them (precision, tp, scope, paged) and where the result belongs (layer, step)"
+    reason = "the model and batch (file, cfg, batch), both traces, how to judge them (precision, tp, scope, paged) and where the result belongs (layer, step)"
 )]
 fn judge_dumped_layer(
+    file: &GgufFile,
     cfg: &MlaConfig,
     batch: &Batch,
     reference: &Trace,
@@ -608,7 +610,7 @@ fn judge_dumped_layer(
     let mut diffs = timing::stage("judge", || metrics::diff(reference, dumped, precision));
     let unjudged = take_unjudged(&mut diffs, "");
     let findings = timing::stage("diagnose", || {
-        diagnose_dumped_layer(cfg, batch, reference, dumped, &diffs, precision, tp, scope, paged)
+        diagnose_dumped_layer(file, cfg, batch, reference, dumped, &diffs, precision, tp, scope, paged)
     });
     let result = PathResult {
         path: PathLabel::Dump,
@@ -648,12 +650,14 @@ fn take_unjudged(diffs: &mut Vec<metrics::SiteDiff>, prefix: &str) -> Vec<String
 }
 
 /// The dump's findings at one dumped layer whose sites `dumped` were judged against
-/// `reference` (`diffs`), as [`judge_dumped_layer`] diagnoses them.
+/// `reference` (`diffs`), as [`judge_dumped_layer`] diagnoses them; `file` is the model, for the
+/// detectors that re-read a stored weight.
 #[allow(
     clippy::too_many_arguments,
-    reason = "the model and batch (cfg, batch), both traces and their diffs, and how to diagnose them (precision, tp, scope, paged)"
+    reason = "the model and batch (file, cfg, batch), both traces and their diffs, and how to diagnose them (precision, tp, scope, paged)"
 )]
 fn diagnose_dumped_layer(
+    file: &GgufFile,
     cfg: &MlaConfig,
     batch: &Batch,
     reference: &Trace,
@@ -679,6 +683,7 @@ fn diagnose_dumped_layer(
         tp,
         precision,
         dump: Some(scope),
+        model: Some(file),
     })
 }
 
@@ -1593,6 +1598,7 @@ pub fn compare_steps_with(
                     let paged = dump_paged_step(steps_dump, k, &live, layer, cfg, full_tr, kv_cache);
                     layer_findings = timing::stage("diagnose", || {
                         diagnose_dumped_layer(
+                            file,
                             judge_cfg,
                             &d.batch,
                             &reference,

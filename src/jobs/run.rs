@@ -122,6 +122,47 @@ pub(crate) fn absorbed_references(
     Ok(out)
 }
 
+/// Diagnoses each path against the reference it was judged by: the paths that share `base`'s
+/// reference together (their disagreement is evidence), each path with an fp8 reference of its
+/// own (`own`, [`absorbed_references`]) on its own. Findings in the order of `runs`.
+fn diagnose_paths(
+    base: &DiagnoseInput<'_>,
+    runs: &[PathRun],
+    diffs: &[Vec<metrics::SiteDiff>],
+    own: &[(PathKind, Trace)],
+) -> Vec<Finding> {
+    let mut groups: Vec<(&Trace, Vec<PathEvidence<'_>>)> = Vec::new();
+    for (pr, d) in runs.iter().zip(diffs) {
+        let ev = PathEvidence {
+            kind: pr.kind.into(),
+            trace: &pr.trace,
+            diffs: d,
+            empty_partial_rows: &pr.empty_partial_rows,
+            unservable: pr.unservable.as_ref(),
+            paged: pr.paged.as_ref(),
+        };
+        match own.iter().find(|(k, _)| *k == pr.kind) {
+            Some((_, t)) => groups.push((t, vec![ev])),
+            None => match groups.iter_mut().find(|(t, _)| std::ptr::eq(*t, base.reference)) {
+                Some((_, g)) => g.push(ev),
+                None => groups.push((base.reference, vec![ev])),
+            },
+        }
+    }
+    let mut found: Vec<Finding> = groups
+        .into_iter()
+        .flat_map(|(reference, paths)| {
+            diagnose::diagnose(&DiagnoseInput {
+                reference,
+                paths,
+                ..base.clone()
+            })
+        })
+        .collect();
+    found.sort_by_key(|f| runs.iter().position(|r| f.path() == Some(r.kind.into())));
+    found
+}
+
 /// What one layer of a run computes on: its input rows, the TP size, the selection a GLM shared
 /// layer borrows, and whether the layer runs whole (its MoE FFN included).
 struct LayerRun<'a> {
@@ -305,27 +346,19 @@ pub fn compare_layer(
         }
         _ => &reference.host,
     };
+    let own = if on_device.is_none() { absorbed } else { &[] };
     let findings = timing::stage("diagnose", || {
-        diagnose::diagnose(&DiagnoseInput {
+        let base = DiagnoseInput {
             cfg,
             batch: &rc.batch,
             reference: reference_trace,
-            paths: runs
-                .iter()
-                .zip(&all_diffs)
-                .map(|(pr, d)| PathEvidence {
-                    kind: pr.kind.into(),
-                    trace: &pr.trace,
-                    diffs: d,
-                    empty_partial_rows: &pr.empty_partial_rows,
-                    unservable: pr.unservable.as_ref(),
-                    paged: pr.paged.as_ref(),
-                })
-                .collect(),
+            paths: Vec::new(),
             tp: opts.tp,
             precision,
             dump: None,
-        })
+            model: Some(file),
+        };
+        diagnose_paths(&base, &runs, &all_diffs, own)
     });
     let results = runs
         .iter()

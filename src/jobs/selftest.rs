@@ -146,7 +146,8 @@ fn fixture_name(src: &ModelSource) -> String {
 }
 
 /// The fixtures a selftest runs: all of `opts.models`, or with `quick` those named
-/// tiny-v3-q8_0, yarn-v3-f32, k256-q4_k_m, dsa-glm-q8_0 or the embedded one (all when none is).
+/// tiny-v3-q8_0, yarn-v3-f32, k256-q4_k_m, dsa-glm-q8_0, hf-v3-fp8 or the embedded one (all when
+/// none is).
 pub fn selected_models(opts: &SelftestOptions) -> Vec<&ModelSource> {
     if !opts.quick {
         return opts.models.iter().collect();
@@ -156,7 +157,15 @@ pub fn selected_models(opts: &SelftestOptions) -> Vec<&ModelSource> {
         .iter()
         .filter(|m| {
             let n = fixture_name(m);
-            ["tiny-v3-q8_0", "yarn-v3-f32", "k256-q4_k_m", "dsa-glm-q8_0", "embedded"].contains(&n.as_str())
+            [
+                "tiny-v3-q8_0",
+                "yarn-v3-f32",
+                "k256-q4_k_m",
+                "dsa-glm-q8_0",
+                "hf-v3-fp8",
+                "embedded",
+            ]
+            .contains(&n.as_str())
         })
         .collect();
     if pick.is_empty() {
@@ -402,6 +411,7 @@ impl PageRun<'_> {
                     )
                     .is_ok()
                 && fault.applies_to_layer(self.w, tp).is_ok()
+                && fault.applies_to_model(file, layer, tp).is_ok()
                 && PathKind::ALL.iter().any(|&p| fault.applies(p, cfg, tp, lblock).is_ok())
         };
         tps.iter()

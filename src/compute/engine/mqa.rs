@@ -2,6 +2,7 @@
 //! attention over the paged latent cache, partials merged by LSE, output through `W_UV`.
 
 use super::*;
+use crate::core::fp8::KvCacheQuant;
 
 /// The decode queries of one launch: `qrow` holds `[ql_nope | q_pe]` [rows, nh, L+R] of the
 /// packed rows `q_first..`, and `rows` names the packed rows to decode (each ≥ `q_first`).
@@ -12,6 +13,15 @@ pub(super) struct DecodeQueries<'q, B> {
     pub(super) q_first: usize,
     /// The packed rows to decode.
     pub(super) rows: &'q [usize],
+}
+
+/// `fp8-query-unscaled`: the decode query cast to E4M3 without the division by q_scale, read by
+/// a kernel that multiplies by q_scale: `Q·e4m3(x)` for each element.
+fn unscaled_query<O: Ops>(ops: &O, q: &O::Buf, c: &KvCacheQuant) -> Result<O::Buf> {
+    let qs = c.query.unwrap_or(1.0);
+    let cast = KvCacheQuant { query: Some(1.0), ..*c };
+    let v = ops.download(&ops.fp8_query_rows(q, &cast)?)?;
+    ops.adopt(v.into_iter().map(|x| (f64::from(x) * qs) as f32).collect())
 }
 
 /// Split-KV absorbed decode of the `queries` rows of sequences `seqs` with context lengths
@@ -33,7 +43,10 @@ pub(super) fn decode_rows<O: Ops>(
     let mut q = a.ops.gather_rows(qrow, nh * (l + r), &local)?;
     // A kernel that takes an fp8 query reads `ql_nope ‖ q_pe` rounded with q_scale.
     if let Some(c) = a.opts.kv_cache.as_ref().filter(|c| c.query.is_some()) {
-        q = a.ops.fp8_query_rows(&q, c)?;
+        q = match a.opts.faults.has(Fault::Fp8QueryUnscaled) {
+            true => unscaled_query(a.ops, &q, c)?,
+            false => a.ops.fp8_query_rows(&q, c)?,
+        };
     }
     // The tables and block size the kernel reads with (a paged-cache fault's, under one).
     let tables: Vec<Vec<usize>> = seqs.iter().zip(ctx).map(|(&s, &c)| cs.read_table(s, c).0).collect();

@@ -3,6 +3,7 @@
 //! in `ffn.rs`), where the weight-loading faults act.
 
 use super::*;
+use crate::compute::faults;
 
 /// One TP rank's shards, as that rank's loader produced them.
 pub(super) struct RankWeights<B> {
@@ -271,6 +272,16 @@ fn load_rank<O: Ops>(
             dequantize_slice(ops, input, &o_raw)?
         }
     };
+    let cols = oh.start * v..oh.end * v;
+    let o_proj = if opts.faults.has(Fault::Fp8ScaleTransposed) {
+        rescale_blocks(ops, input, &o_name, o_proj, cols, faults::transposed_view)?
+    } else if opts.faults.has(Fault::Fp8ScaleShardRank0) {
+        rescale_blocks(ops, input, &o_name, o_proj, cols, |g| {
+            faults::rank0_scale_view(g, opts.tp)
+        })?
+    } else {
+        o_proj
+    };
     Ok(RankWeights {
         q_proj: Some(q_proj),
         kv_b,
@@ -278,6 +289,49 @@ fn load_rank<O: Ops>(
         w_uv,
         o_proj,
     })
+}
+
+/// Columns `cols` of the block-scaled matrix `name` (`[rows, in]`), dequantized as stored in
+/// `w`, as a loader that reads the scale grid as `applied` gives it dequantizes them (the grid
+/// transposed and reshaped, [`faults::transposed_view`]; every rank's shard with rank 0's
+/// scales, [`faults::rank0_scale_view`]): each element is `w × s'[block] / s[block]`. On the
+/// host for every backend (a loader's bug, not a kernel's). A matrix without a block-scale grid,
+/// or one `applied` leaves alone, comes back as it is.
+fn rescale_blocks<O: Ops>(
+    ops: &O,
+    input: &LayerInput<'_>,
+    name: &str,
+    w: O::Buf,
+    cols: Range<usize>,
+    applied: impl Fn(&crate::model::gguf::BlockScales) -> Option<Vec<f32>>,
+) -> Result<O::Buf> {
+    let file = input.file;
+    let Some((g, t)) = file
+        .tensor(name)
+        .and_then(|t| file.block_scales(t))
+        .and_then(|g| applied(&g).map(|t| (g, t)))
+    else {
+        return Ok(w);
+    };
+    let mut v = ops.download(&w)?;
+    let width = cols.len();
+    if width == 0 || v.len() != g.shape[0] * width {
+        return Err(Error::Internal(format!(
+            "{name}: {} values for {} rows of {width} columns",
+            v.len(),
+            g.shape[0]
+        )));
+    }
+    let [br, bc] = g.block;
+    for (i, row) in v.chunks_mut(width).enumerate() {
+        for (j, x) in row.iter_mut().enumerate() {
+            let k = (i / br) * g.grid[1] + (cols.start + j) / bc;
+            if g.scale[k] != 0.0 {
+                *x = (f64::from(*x) * f64::from(t[k]) / f64::from(g.scale[k])) as f32;
+            }
+        }
+    }
+    ops.adopt(v)
 }
 
 /// `kv_b_proj` rows of heads `kh`, `[nh·(P+V), L]` f32: read from `attn_kv_b`, or rebuilt per

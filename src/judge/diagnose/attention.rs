@@ -243,26 +243,40 @@ impl AttnRecompute {
     }
 }
 
-/// `softmax-scale` at `lse`, `attn_latent`, `attn_out`: reference attention recomputed with the
-/// logits times a fitted factor c explains the candidate; names c when it is a known mistake
-/// (the YaRN m² missing, doubled or halved, the absorbed width's (L+R)^-0.5).
-pub(super) fn softmax_scale(x: &SiteCtx<'_>) -> Option<Detection> {
-    if !matches!(x.site.stage, Stage::Lse | Stage::AttnLatent | Stage::AttnOut) {
-        return None;
+/// What a logit scale `c` says of the fp8 decode query the path declares: a kernel that takes an
+/// fp8 query descales its logits by q_scale, so a query that reached it unscaled reads
+/// ×q_scale, one divided twice ×1/q_scale. Within 2 % (the fp8 query's rounding differs
+/// between the two sides); `None` without a declared q_scale other than 1, or for another `c`.
+pub(super) fn query_scale_cause(x: &SiteCtx<'_>, c: f64) -> Option<String> {
+    let q = x
+        .path
+        .paged
+        .and_then(|p| p.cache_quant)
+        .and_then(|q| q.query)
+        .filter(|&q| q != 1.0)?;
+    if (c / q - 1.0).abs() < 2e-2 {
+        Some(format!(
+            "×q_scale = {q}: the fp8 decode query reached the kernel unscaled (cast to fp8 without the division by \
+             q_scale, or not quantized) while the kernel multiplies by q_scale"
+        ))
+    } else if (c * q - 1.0).abs() < 2e-2 {
+        Some(format!(
+            "×1/q_scale (q_scale {q}): the fp8 decode query divided by q_scale and not descaled by the kernel, or \
+             divided twice"
+        ))
+    } else {
+        None
     }
-    let m = x.diff.metrics.as_ref()?;
-    if m.nonfinite_mismatch > 0 {
-        return None;
-    }
-    let recompute = AttnRecompute::build(x)?;
-    if x.cand.len() != x.refr.len() {
-        return None;
-    }
+}
+
+/// The logit scale `c` (from ×0.1 to ×10: a coarse log grid, then golden-section refinement)
+/// whose recomputation is nearest the candidate on `recompute`'s rows, with its rel_l2, when it
+/// explains them (within `x.explain`, below the error as is, `c` ≠ 1).
+fn fitted_scale(x: &SiteCtx<'_>, recompute: &AttnRecompute) -> Option<(f64, f64)> {
     let cand = recompute.sampled(x.cand);
     // The error as is, on the same rows the hypothesis is tested on.
     let as_is = rel_l2(&cand, &recompute.sampled(x.refr));
     let err = |c: f64| rel_l2(&cand, &recompute.eval(c));
-    // Coarse log-spaced grid over ×0.1 … ×10, then golden-section refinement.
     let grid: Vec<f64> = (0..=40)
         .map(|i| (0.1f64.ln() + i as f64 * (100f64.ln() / 40.0)).exp())
         .collect();
@@ -287,9 +301,25 @@ pub(super) fn softmax_scale(x: &SiteCtx<'_>) -> Option<Detection> {
     }
     let c = (a + b) / 2.0;
     let e = err(c);
-    if !(e <= x.explain && e < as_is && (c - 1.0).abs() > 1e-3) {
+    (e <= x.explain && e < as_is && (c - 1.0).abs() > 1e-3).then_some((c, e))
+}
+
+/// `softmax-scale` at `lse`, `attn_latent`, `attn_out`: reference attention recomputed with the
+/// logits times a fitted factor c explains the candidate; names c when it is a known mistake
+/// (the YaRN m² missing, doubled or halved, the absorbed width's (L+R)^-0.5).
+pub(super) fn softmax_scale(x: &SiteCtx<'_>) -> Option<Detection> {
+    if !matches!(x.site.stage, Stage::Lse | Stage::AttnLatent | Stage::AttnOut) {
         return None;
     }
+    let m = x.diff.metrics.as_ref()?;
+    if m.nonfinite_mismatch > 0 {
+        return None;
+    }
+    if x.cand.len() != x.refr.len() {
+        return None;
+    }
+    let recompute = AttnRecompute::build(x)?;
+    let (c, e) = fitted_scale(x, &recompute)?;
     let cfg = x.input.cfg;
     let msq = cfg.mscale() * cfg.mscale();
     let named = [
@@ -310,11 +340,13 @@ pub(super) fn softmax_scale(x: &SiteCtx<'_>) -> Option<Detection> {
             ),
         ),
     ];
+    let query_cause = query_scale_cause(x, c);
     let cause = named
         .iter()
         .filter(|(f, _)| (c / f - 1.0).abs() < 5e-3 && (f - 1.0).abs() > 1e-3)
         .map(|(_, s)| s.clone())
         .next()
+        .or(query_cause)
         .unwrap_or_else(|| format!("the logits are scaled by ×{c:.4} relative to (P+R)^-0.5 · m²"));
     Some(Detection::new(
         format!(

@@ -645,7 +645,7 @@ pub fn scale_layout(f: &Failing<'_>) -> Option<Finding> {
     if off.is_empty() || hi - lo <= tol * hi.abs().max(1.0) {
         return None;
     }
-    let layout = applied_layout(&blocks, &grids, tol);
+    let layout = applied_layout(&blocks, &grids, tol, f.tp);
     let (b, g0) = (off[0], grids[off[0].src]);
     let evidence = format!(
         "each {}×{} block is the expected block times one factor ({} of {} blocks ≠ 1, from {lo:.4} to {hi:.4}; \
@@ -669,13 +669,13 @@ pub fn scale_layout(f: &Failing<'_>) -> Option<Finding> {
 
 /// One block of a block-scaled source: the least-squares factor of the file's block over the
 /// expected one, and the scale that factor implies was applied (factor × the stored scale).
-struct BlockFactor {
+pub(super) struct BlockFactor {
     /// Index of the source among the param's sources.
-    src: usize,
+    pub(super) src: usize,
     /// The block's `[row, col]` in its source's grid.
-    at: [usize; 2],
-    factor: f64,
-    applied: f64,
+    pub(super) at: [usize; 2],
+    pub(super) factor: f64,
+    pub(super) applied: f64,
 }
 
 /// The factor of every block of `f` with a nonzero expected block, the sources stacked along
@@ -724,10 +724,11 @@ fn block_factors(f: &Failing<'_>, grids: &[&BlockScales]) -> Option<Vec<BlockFac
 }
 
 /// What the applied scales of `blocks` are, as text: the stored grid transposed (square grids),
-/// transposed and reshaped to its own shape, powers of two (a UE8M0 conversion of scales that
-/// are not), other blocks' stored scales, or none of those. Scales match within `tol`,
-/// relative.
-fn applied_layout(blocks: &[BlockFactor], grids: &[&BlockScales], tol: f64) -> String {
+/// transposed and reshaped to its own shape, under TP (`tp` ≥ 2, the columns cut into `tp`
+/// equal rank shards as a row-parallel matrix's are) every rank's columns with rank 0's
+/// scales, powers of two (a UE8M0 conversion of scales that are not), other blocks' stored
+/// scales, or none of those. Scales match within `tol`, relative.
+pub(super) fn applied_layout(blocks: &[BlockFactor], grids: &[&BlockScales], tol: f64, tp: usize) -> String {
     let same = |x: f64, y: f64| (x - y).abs() <= tol * y.abs().max(f64::MIN_POSITIVE);
     let stored = |b: &BlockFactor, i: usize, j: usize| f64::from(grids[b.src].scale[i * grids[b.src].grid[1] + j]);
     let all = |h: &dyn Fn(&BlockFactor) -> Option<f64>| blocks.iter().all(|b| h(b).is_some_and(|s| same(b.applied, s)));
@@ -741,6 +742,10 @@ fn applied_layout(blocks: &[BlockFactor], grids: &[&BlockScales], tol: f64) -> S
         let [gr, gc] = grids[b.src].grid;
         (gr == gc).then(|| stored(b, b.at[1], b.at[0]))
     };
+    let rank0 = |b: &BlockFactor| {
+        let per = grids[b.src].grid[1] / tp.max(1);
+        (tp >= 2 && per > 0 && grids[b.src].grid[1].is_multiple_of(tp)).then(|| stored(b, b.at[0], b.at[1] % per))
+    };
     let pow2 = |x: f64| x > 0.0 && (x.log2() - x.log2().round()).abs() < 1e-5;
     let g0 = grids[blocks.first().map_or(0, |b| b.src)];
     if all(&transposed) {
@@ -752,6 +757,13 @@ fn applied_layout(blocks: &[BlockFactor], grids: &[&BlockScales], tol: f64) -> S
         format!(
             "the grid transposed and reshaped to its own shape ({} [{}, {}] read as s.t().contiguous().view(s.shape))",
             g0.name, g0.grid[0], g0.grid[1]
+        )
+    } else if all(&rank0) {
+        format!(
+            "rank 0's scales on every rank: each of the {tp} ranks' {} block columns of {} read with rank 0's (the \
+             scale shard cut at offset 0, not at the rank's)",
+            g0.grid[1] / tp.max(1),
+            g0.name
         )
     } else if blocks.iter().all(|b| pow2(b.applied))
         && !grids.iter().all(|g| g.scale.iter().all(|&s| pow2(f64::from(s))))

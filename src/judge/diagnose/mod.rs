@@ -19,7 +19,8 @@
 //! merge) with `split` (the split-KV decode replay), `merge` (the partials and merges of a
 //! chunked prefill over cached context), `norm` (a skipped RMSNorm), `strided`
 //! (views of fused tensors), `paged` (the paged KV cache's metadata), `moe`, `indexer` (DSA),
-//! `residual` (the residual stream scaled), `precision` (a product computed narrower than
+//! `residual` (the residual stream scaled), `scales` (a block-scaled GEMM's scales in another
+//! layout, fitted from its activations), `precision` (a product computed narrower than
 //! declared), `fallback` (scale, path disagreement, mismatch, and what a hint may say of a
 //! site's inputs) and [`loaded`] (`weights --check`); [`blocks`] is the block-permutation
 //! finder several of them use.
@@ -39,6 +40,7 @@ mod paged;
 mod precision;
 mod residual;
 mod rope;
+mod scales;
 mod split;
 mod strided;
 mod weights;
@@ -221,6 +223,10 @@ pub struct DiagnoseInput<'a> {
     /// What an engine's dump holds around the judged step and layer; `None` for mla-diff's own
     /// paths, whose traces hold every site they record and whose rows attend to no earlier step.
     pub dump: Option<DumpScope<'a>>,
+    /// The model both sides ran, for the detectors that re-read a stored weight (the block-scale
+    /// fit at `o_proj` reads its fp8 weight and `weight_scale_inv` grid); `None` where only the
+    /// traces are at hand, and those detectors stay silent.
+    pub model: Option<&'a crate::model::gguf::GgufFile>,
 }
 
 /// What an engine's dump holds beyond the step and layer being diagnosed, for the hypotheses
@@ -284,7 +290,7 @@ impl Detection {
     }
 }
 
-impl SiteCtx<'_> {
+impl<'a> SiteCtx<'a> {
     fn as_is(&self) -> f64 {
         self.diff.metrics.as_ref().map_or(f64::NAN, |m| m.rel_l2)
     }
@@ -293,6 +299,22 @@ impl SiteCtx<'_> {
     /// states it.
     fn vs_as_is(&self, e: f64) -> String {
         format!("rel_l2 {} vs {} as is", sci(e, 2), sci(self.as_is(), 2))
+    }
+
+    /// The same path's context at `stage` of the failing layer, when that site was compared
+    /// (a detector that needs a later output than the first divergence, as `attn_out` beside a
+    /// failing `lse`).
+    fn at_stage(&self, stage: Stage) -> Option<SiteCtx<'a>> {
+        let site = Site::new(self.site.layer, stage);
+        Some(SiteCtx {
+            input: self.input,
+            path: self.path,
+            site,
+            diff: self.path.diffs.iter().find(|d| d.site == site)?,
+            refr: self.input.reference.get(&site)?,
+            cand: self.path.trace.get(&site)?,
+            explain: explain_threshold(stage, self.input.precision),
+        })
     }
 
     fn ref_site(&self, stage: Stage) -> Option<&TraceTensor> {
@@ -325,7 +347,7 @@ type Detector = fn(&SiteCtx<'_>) -> Option<Detection>;
 
 /// Every site detector with the class it names, in precedence order (earlier wins);
 /// [`fallback::mismatch`] answers when none explains the site.
-const DETECTORS: [(Class, Detector); 30] = [
+const DETECTORS: [(Class, Detector); 33] = [
     (Class::WeightNotLoaded, weights::weight_not_loaded),
     (Class::PhantomOutput, canary::phantom_output),
     // The chunked-context family (`merge`), each entry at its class's place: a context partial
@@ -337,6 +359,8 @@ const DETECTORS: [(Class, Detector); 30] = [
     (Class::TpRankOrder, weights::tp_rank_order),
     (Class::TpReduce, collective::tp_reduce),
     (Class::KvBLayout, weights::kv_b_layout),
+    (Class::QuantScaleLayout, scales::gemm_scale_layout),
+    (Class::QuantScaleLayout, scales::rank_shard_scale_layout),
     (Class::Transposed, weights::transposed),
     (Class::NormSkipped, norm::norm_skipped),
     (Class::RopeStyle, rope::rope_style),
@@ -351,6 +375,9 @@ const DETECTORS: [(Class, Detector); 30] = [
     (Class::LseMerge, merge::partial_lse),
     (Class::LseMerge, merge::merge_replay),
     (Class::LseMerge, attention::lse_merge),
+    // A decode kernel's scale on a mixed batch's decode rows alone (the merge's stale-partial
+    // footprint defers to it), then a scale of the whole site.
+    (Class::SoftmaxScale, paged::decode_logit_scale),
     (Class::SoftmaxScale, attention::softmax_scale),
     (Class::MoeRouting, moe::moe_routing),
     (Class::IndexerRopeStyle, indexer::indexer_rope_style),

@@ -23,7 +23,7 @@ use super::blocks::rel_l2;
 use super::{Detection, SiteCtx, explain_threshold};
 use crate::compute::paged::{PagedStep, table_slot};
 use crate::core::sci::sci;
-use crate::core::trace::{Site, Stage};
+use crate::core::trace::{Site, Stage, TraceTensor};
 use crate::judge::tolerance::tolerance;
 
 /// Token rows the replay reads at most: the rows that differ most from the reference, then
@@ -79,9 +79,13 @@ fn cache_factors(ps: &PagedStep) -> Vec<f64> {
 /// twice where rows are written, or missing where they are read), so the logits and the
 /// weighted latent both scale by `c`. The replay with the recorded metadata, its cache times
 /// each factor of [`cache_factors`], must explain the sampled rows as [`paged_kv`]'s hypotheses
-/// do (its `lse` too, when compared) while the cache as written does not. Not at `lse` alone,
-/// where scaled logits are a softmax scale.
+/// do (its `lse` too, when compared) while the cache as written does not. At a failing `lse`
+/// (chunked prefill, mixed batches: no `attn_latent`), judged at the path's `attn_out`, since at
+/// `lse` alone scaled logits are a softmax scale.
 pub(super) fn kv_cache_scale(x: &SiteCtx<'_>) -> Option<Detection> {
+    if x.site.stage == Stage::Lse {
+        return x.at_stage(Stage::AttnOut).and_then(|y| kv_cache_scale(&y));
+    }
     if !matches!(x.site.stage, Stage::AttnLatent | Stage::AttnOut) || x.input.cfg.indexer.is_some() {
         return None;
     }
@@ -90,7 +94,22 @@ pub(super) fn kv_cache_scale(x: &SiteCtx<'_>) -> Option<Detection> {
     let mut used: Vec<HashSet<usize>> = vec![HashSet::new(); inp.rows.len()];
     add_keys(&mut used, &reads);
     let pre = Precomputed::new(x, &inp, &used);
-    let base = replay(&inp, &pre, &reads);
+    // A row's positions past its cached ones are the step's own new keys, which the attention
+    // reads as computed (a prefill over cached context): neither rounded nor scaled.
+    let fresh_inp = match ps.cache_quant {
+        Some(_)
+            if inp
+                .rows
+                .iter()
+                .any(|&row| ps.queries[row].cached < ps.queries[row].upto) =>
+        {
+            Some(inputs_read(x, ps, None)?)
+        }
+        _ => None,
+    };
+    let fresh_pre = fresh_inp.as_ref().map(|f| Precomputed::new(x, f, &used));
+    let fresh = Some(fresh_pre.as_ref().unwrap_or(&pre));
+    let base = replay(&inp, &pre, &reads, fresh);
     // Screened on the cache as written times c; the nearest few then replayed exactly: a
     // cache written with scale S/c and read with S holds c·round_{S/c}(x), whose E4M3 grid is
     // round_S's only when c is a power of two (elsewhere one step of rounding apart on every
@@ -98,7 +117,7 @@ pub(super) fn kv_cache_scale(x: &SiteCtx<'_>) -> Option<Detection> {
     let mut screened: Vec<(f64, f64)> = cache_factors(ps)
         .into_iter()
         .map(|c| {
-            let rep = replay(&inp, &pre.scaled(c), &reads);
+            let rep = replay(&inp, &pre.scaled(c), &reads, fresh);
             let (mut a, mut b) = (Vec::new(), Vec::new());
             for (i, v) in rep.vals.iter().enumerate() {
                 if let Some(v) = v {
@@ -132,9 +151,9 @@ pub(super) fn kv_cache_scale(x: &SiteCtx<'_>) -> Option<Detection> {
                     };
                     let read = move |k: f64| c * written.round(k);
                     let inp_c = inputs_read(x, ps, Some(&read))?;
-                    replay(&inp_c, &Precomputed::new(x, &inp_c, &used), &reads)
+                    replay(&inp_c, &Precomputed::new(x, &inp_c, &used), &reads, fresh)
                 }
-                None => replay(&inp, &pre.scaled(c), &reads),
+                None => replay(&inp, &pre.scaled(c), &reads, fresh),
             };
             judge(x, &inp, &reads, &rep, &base).map(|v| (c, v))
         })
@@ -245,6 +264,197 @@ struct Inputs<'a> {
     cand_lse: Option<Vec<f64>>,
 }
 
+/// `softmax-scale` on a step's decode rows alone: the logits of every row that reads all its
+/// positions through the paged cache (a decode kernel's rows, the ones an fp8 decode query
+/// reaches) times `c` ≠ 1, while the step's other rows are right. A batch that mixes decode
+/// rows with prefill rows shows a decode kernel's scale bug (its query's q_scale applied on one
+/// side only, its own softmax scale) on the decode rows alone, which no constant scale of the
+/// whole site fits. The replay reads the cache as the engine does (an fp8 cache and query
+/// rounded), `c` screened over quarter octaves from 2⁻⁶ to 2⁶ and the declared q_scale's ±1
+/// powers, then refined; it must explain the sampled rows as [`paged_kv`]'s hypotheses do. At a
+/// failing `lse`, judged at the path's `attn_out`. `None` when every row is a decode row (the
+/// plain `softmax-scale` fit answers) or the other rows are not right.
+pub(super) fn decode_logit_scale(x: &SiteCtx<'_>) -> Option<Detection> {
+    if x.site.stage == Stage::Lse {
+        return x.at_stage(Stage::AttnOut).and_then(|y| decode_logit_scale(&y));
+    }
+    if !matches!(x.site.stage, Stage::AttnLatent | Stage::AttnOut) || x.input.cfg.indexer.is_some() {
+        return None;
+    }
+    let ps = x.path.paged?;
+    let is_decode = |row: usize| ps.queries.get(row).is_some_and(|q| q.cached == q.upto && q.upto > 0);
+    let t = ps.queries.len();
+    let others: Vec<usize> = (0..t).filter(|&row| !is_decode(row)).collect();
+    if others.is_empty() || others.len() == t || x.cand.len() != x.refr.len() || !x.cand.len().is_multiple_of(t) {
+        return None;
+    }
+    // The other rows must be right as they are.
+    let per_row = x.cand.len() / t;
+    let pick = |tt: &TraceTensor| -> Vec<f64> {
+        others
+            .iter()
+            .flat_map(|&row| (row * per_row..(row + 1) * per_row).map(|i| tt.get(i)))
+            .collect()
+    };
+    let others_err = rel_l2(&pick(x.cand), &pick(x.refr));
+    if others_err > x.explain {
+        return None;
+    }
+    let (ps, inp) = replay_inputs(x)?;
+    let decode: Vec<bool> = inp.rows.iter().map(|&row| is_decode(row)).collect();
+    if !decode.contains(&true) {
+        return None;
+    }
+    let reads = reads_of(&inp, hypotheses(ps).first()?);
+    let mut used: Vec<HashSet<usize>> = vec![HashSet::new(); inp.rows.len()];
+    add_keys(&mut used, &reads);
+    let pre = Precomputed::new(x, &inp, &used);
+    let base = replay(&inp, &pre, &reads, None);
+    let query = ps.cache_quant.and_then(|q| q.query).filter(|&q| q != 1.0);
+    let c = screen_logit_scale(&inp, query, &|c| {
+        replay(&inp, &pre.logits_scaled(c, &decode), &reads, None)
+    });
+    // With an fp8 query, each candidate exactly: the query quantized at q_scale/c and read back
+    // × q_scale (an unscaled cast is c = q_scale), so each element is c·round_{Q/c}(x), whose
+    // E4M3 grid differs from c × round_Q(x) among the subnormals and where E4M3 saturates (the
+    // screen is blurred there, so the declared q_scale's ±1 powers are always replayed).
+    let mut tries: Vec<f64> = vec![c];
+    tries.extend(
+        query
+            .into_iter()
+            .flat_map(|q| [q, 1.0 / q])
+            .filter(|p| (p / c - 1.0).abs() > 1e-9),
+    );
+    let exact = |c: f64| -> Option<Replay> {
+        match ps.cache_quant.filter(|q| q.query.is_some()) {
+            Some(kq) => {
+                let at = crate::core::fp8::KvCacheQuant {
+                    query: kq.query.map(|q| q / c),
+                    ..kq
+                };
+                let read = move |v: f64| c * at.round_query(v);
+                let cached = ps.cache_quant.map(|k| move |v: f64| k.round(v));
+                let inp_c = inputs_query(x, ps, cached.as_ref().map(|f| f as &dyn Fn(f64) -> f64), Some(&read))?;
+                Some(replay(&inp_c, &Precomputed::new(x, &inp_c, &used), &reads, None))
+            }
+            None => Some(replay(&inp, &pre.logits_scaled(c, &decode), &reads, None)),
+        }
+    };
+    // Held to the site's own thresholds (the run's rows, fp8 ones included) and far nearer than
+    // the logits as they are: where the path records no ql_nope (a mixed batch), the replay
+    // recomputes it, and an fp8 query's rounding flips on a few elements with the f32/f64
+    // difference.
+    let (c, v) = tries
+        .into_iter()
+        .filter(|c| (c - 1.0).abs() >= 1e-3)
+        .filter_map(|c| scale_verdict(x, &inp, &exact(c)?, &base).map(|v| (c, v)))
+        .min_by(|a, b| a.1.err.total_cmp(&b.1.err))?;
+    let n_dec = (0..t).filter(|&row| is_decode(row)).count();
+    let s = |k: usize| if k == 1 { "" } else { "s" };
+    let mut ev = format!(
+        "{} equals the replay of the paged cache with the logits of the step's {n_dec} decode row{} (every position \
+         read through the cache) ×{}, on {}: rel_l2 {} vs {} with the logits as they are; the {} other row{} right as \
+         they are (rel_l2 {})",
+        x.site.stage.name(),
+        s(n_dec),
+        sci(c, 4),
+        rows_heads(v.compared, inp.heads.len()),
+        sci(v.err, 2),
+        sci(v.base_err, 2),
+        others.len(),
+        s(others.len()),
+        sci(others_err, 2)
+    );
+    if let Some(e) = v.lse_err {
+        ev.push_str(&format!("; lse rel_l2 {}", sci(e, 2)));
+    }
+    let cause = super::attention::query_scale_cause(x, c).unwrap_or_else(|| {
+        format!(
+            "the decode kernel scales its logits ×{} (its softmax scale, or its query's scale)",
+            sci(c, 4)
+        )
+    });
+    let hint = format!(
+        "{cause}; the prefill's attention in the same batch is right, so the decode kernel's scale differs from the \
+         prefill's: check the softmax scale and the query scale it is handed"
+    );
+    Some(Detection::new(ev, hint))
+}
+
+/// The decode rows' logit scale nearest the candidate on the sampled values: screened over
+/// quarter octaves from 2⁻⁶ to 2⁶ and the declared q_scale's ±1 powers (`query`), refined by
+/// golden section; a fit within 1 % of one of those powers is that power (the screen is
+/// blurred by the query's rounding). `replay_at(c)` replays with the logits × c.
+fn screen_logit_scale(inp: &Inputs<'_>, query: Option<f64>, replay_at: &dyn Fn(f64) -> Replay) -> f64 {
+    let screen = |c: f64| {
+        let (a, b): (Vec<f64>, Vec<f64>) = replay_at(c)
+            .vals
+            .iter()
+            .zip(&inp.cand_vals)
+            .filter_map(|(v, c)| v.map(|v| (*c, v)))
+            .unzip();
+        rel_l2(&a, &b)
+    };
+    let mut grid: Vec<f64> = (-24..=24)
+        .filter(|&j| j != 0)
+        .map(|j| 2f64.powf(f64::from(j) / 4.0))
+        .collect();
+    grid.extend(query.into_iter().flat_map(|q| [q, 1.0 / q]));
+    let (mut best, mut best_e) = (1.0, screen(1.0));
+    for c in grid {
+        let e = screen(c);
+        if e < best_e {
+            (best, best_e) = (c, e);
+        }
+    }
+    let (mut a, mut b) = (best / 2f64.powf(0.25), best * 2f64.powf(0.25));
+    let inv_phi = (5f64.sqrt() - 1.0) / 2.0;
+    for _ in 0..30 {
+        let (c1, c2) = (b - inv_phi * (b - a), a + inv_phi * (b - a));
+        if screen(c1) < screen(c2) {
+            b = c2;
+        } else {
+            a = c1;
+        }
+    }
+    let refined = (a + b) / 2.0;
+    let c = if screen(refined) < best_e { refined } else { best };
+    query
+        .into_iter()
+        .flat_map(|q| [q, 1.0 / q])
+        .find(|&p| (c / p - 1.0).abs() < 1e-2)
+        .unwrap_or(c)
+}
+
+/// Whether the replay `rep` explains the sampled rows where `base` does not, for
+/// [`decode_logit_scale`]: the output within the site's explain threshold, the `lse` (when
+/// compared) within `lse`'s, and the output at most a tenth of the baseline's distance.
+fn scale_verdict(x: &SiteCtx<'_>, inp: &Inputs<'_>, rep: &Replay, base: &Replay) -> Option<Verdict> {
+    let pairs = |vals: &[Option<f64>], cand: &[f64]| -> (Vec<f64>, Vec<f64>) {
+        vals.iter().zip(cand).filter_map(|(v, c)| v.map(|v| (*c, v))).unzip()
+    };
+    let (c, r) = pairs(&rep.vals, &inp.cand_vals);
+    let (cb, b) = pairs(&base.vals, &inp.cand_vals);
+    if c.is_empty() {
+        return None;
+    }
+    let (err, base_err) = (rel_l2(&c, &r), rel_l2(&cb, &b));
+    let lse_err = inp.cand_lse.as_ref().map(|cl| {
+        let (c, r) = pairs(&rep.lse, cl);
+        rel_l2(&c, &r)
+    });
+    let lse_ok = lse_err.is_none_or(|e| e <= explain_threshold(Stage::Lse, x.input.precision));
+    let compared = inp.rows.len();
+    (err <= x.explain && err <= 0.1 * base_err && lse_ok).then_some(Verdict {
+        err,
+        lse_err,
+        base_err,
+        compared,
+        left_out: 0,
+        zero_rows: 0,
+    })
+}
+
 /// `paged-kv` at an attention output read through a paged cache (`attn_latent`, `lse`,
 /// `attn_out`): a replay under one hypothesis of the bounded set reproduces the sampled rows
 /// (and `lse` when compared) within the explain threshold, while the metadata as recorded does
@@ -274,12 +484,12 @@ pub(super) fn paged_kv(x: &SiteCtx<'_>) -> Option<Detection> {
         return None;
     }
     let pre = Precomputed::new(x, &inp, &used);
-    let base_rep = replay(&inp, &pre, &base_reads);
+    let base_rep = replay(&inp, &pre, &base_reads, None);
     let explained: Vec<(Verdict, Hyp)> = moving
         .into_iter()
         .filter_map(|h| {
             let r = reads_of(&inp, &h);
-            let rep = replay(&inp, &pre, &r);
+            let rep = replay(&inp, &pre, &r, None);
             judge(x, &inp, &r, &rep, &base_rep).map(|v| (v, h))
         })
         .collect();
@@ -330,6 +540,17 @@ fn inputs<'a>(x: &SiteCtx<'_>, ps: &'a PagedStep) -> Option<Inputs<'a>> {
 
 /// [`inputs`] with every cached value read back as `read` gives it (`None`: as computed).
 fn inputs_read<'a>(x: &SiteCtx<'_>, ps: &'a PagedStep, read: Option<&dyn Fn(f64) -> f64>) -> Option<Inputs<'a>> {
+    inputs_query(x, ps, read, None)
+}
+
+/// [`inputs_read`] with each decode row's query element read as `query` gives it (`None`: as
+/// the step declares, [`crate::core::fp8::KvCacheQuant::round_query`]).
+fn inputs_query<'a>(
+    x: &SiteCtx<'_>,
+    ps: &'a PagedStep,
+    read: Option<&dyn Fn(f64) -> f64>,
+    query: Option<&(dyn Fn(f64) -> f64 + Sync)>,
+) -> Option<Inputs<'a>> {
     let cfg = x.input.cfg;
     let [n, l, p, r, v] = cfg.dims().nlprv();
     let layer = x.site.layer;
@@ -404,10 +625,7 @@ fn inputs_read<'a>(x: &SiteCtx<'_>, ps: &'a PagedStep, read: Option<&dyn Fn(f64)
             out.extend((0..r).map(|d| qpe.get((row * n + h) * r + d)));
             // A decode row (every position read through the cache) of a kernel that takes an
             // fp8 query reads it rounded.
-            let pq = ps.queries[row];
-            if let Some(c) = ps.cache_quant.filter(|c| c.query.is_some() && pq.cached == pq.upto) {
-                out.iter_mut().for_each(|v| *v = c.round_query(*v));
-            }
+            read_query(&mut out, ps, row, query);
             out
         })
         .collect();
@@ -453,6 +671,20 @@ fn inputs_read<'a>(x: &SiteCtx<'_>, ps: &'a PagedStep, read: Option<&dyn Fn(f64)
         cand_vals,
         cand_lse,
     })
+}
+
+/// A decode row's query (every position read through the cache) as the kernel reads it: each
+/// element through `query`, else rounded as the step's fp8 query is; any other row as it is.
+fn read_query(q: &mut [f64], ps: &PagedStep, row: usize, query: Option<&(dyn Fn(f64) -> f64 + Sync)>) {
+    let pq = ps.queries[row];
+    if pq.cached != pq.upto {
+        return;
+    }
+    match (query, ps.cache_quant.filter(|c| c.query.is_some())) {
+        (Some(f), _) => q.iter_mut().for_each(|v| *v = f(*v)),
+        (None, Some(c)) => q.iter_mut().for_each(|v| *v = c.round_query(*v)),
+        (None, None) => {}
+    }
 }
 
 /// Up to `k` of `0..n`, evenly spread.
@@ -724,6 +956,28 @@ impl Precomputed {
         }
     }
 
+    /// The same reads with the logits of the sampled rows flagged in `rows` times `c` (values
+    /// as they are).
+    fn logits_scaled(&self, c: f64, rows: &[bool]) -> Precomputed {
+        Precomputed {
+            at: self.at.clone(),
+            z: self
+                .z
+                .iter()
+                .zip(rows)
+                .map(|(r, &on)| {
+                    if on {
+                        r.iter().map(|v| v * c).collect()
+                    } else {
+                        r.clone()
+                    }
+                })
+                .collect(),
+            vat: self.vat.clone(),
+            vals: self.vals.clone(),
+        }
+    }
+
     /// The same reads with the cache read back `c` times what was written: every logit (both
     /// of its products read a cached key) and every value times `c`.
     fn scaled(&self, c: f64) -> Precomputed {
@@ -748,8 +1002,10 @@ struct Replay {
 
 /// Replays attention (absorbed form, f64) on the sampled rows and heads over the positions
 /// `reads` gives: the softmax of the logits (0 for a slot never written: a zero row), then the
-/// weighted values (`kv_c`, or `kv_c · W_UV` for `attn_out`) on the sampled columns.
-fn replay(inp: &Inputs<'_>, pre: &Precomputed, reads: &[RowReads]) -> Replay {
+/// weighted values (`kv_c`, or `kv_c · W_UV` for `attn_out`) on the sampled columns. With
+/// `fresh` (the same keys and reads, precomputed from the keys as computed), each row's
+/// positions past its cached ones take their logits and values from it.
+fn replay(inp: &Inputs<'_>, pre: &Precomputed, reads: &[RowReads], fresh: Option<&Precomputed>) -> Replay {
     let (nh, nc) = (inp.heads.len(), inp.cols.len());
     let per_row: Vec<(RowValues, RowValues)> = reads
         .par_iter()
@@ -766,12 +1022,18 @@ fn replay(inp: &Inputs<'_>, pre: &Precomputed, reads: &[RowReads]) -> Replay {
                     Src::Unwritten => None,
                 })
                 .collect();
+            let cached = inp.ps.queries[inp.rows[ri]].cached;
+            let from = |j: usize| match fresh {
+                Some(f) if j >= cached => f,
+                _ => pre,
+            };
             let mut lse = Vec::with_capacity(nh);
             let mut vals = Vec::with_capacity(nh * nc);
             for hi in 0..nh {
                 let z: Vec<f64> = idx
                     .iter()
-                    .map(|i| i.map_or(0.0, |(zi, _)| pre.z[ri][zi * nh + hi]))
+                    .enumerate()
+                    .map(|(j, i)| i.map_or(0.0, |(zi, _)| from(j).z[ri][zi * nh + hi]))
                     .collect();
                 let mx = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = z.iter().map(|s| (s - mx).exp()).collect();
@@ -781,9 +1043,9 @@ fn replay(inp: &Inputs<'_>, pre: &Precomputed, reads: &[RowReads]) -> Replay {
                     continue;
                 }
                 let mut o = vec![0f64; nc];
-                for (ej, i) in e.iter().zip(&idx) {
+                for (j, (ej, i)) in e.iter().zip(&idx).enumerate() {
                     if let Some((_, vi)) = i {
-                        let row = &pre.vals[(vi * nh + hi) * nc..(vi * nh + hi + 1) * nc];
+                        let row = &from(j).vals[(vi * nh + hi) * nc..(vi * nh + hi + 1) * nc];
                         for (oc, &vc) in o.iter_mut().zip(row) {
                             *oc += ej / sum * vc;
                         }

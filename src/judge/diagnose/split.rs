@@ -804,6 +804,12 @@ pub(super) fn split_merge(x: &SiteCtx<'_>) -> Option<Detection> {
         ));
     }
     let at = footprint?;
+    // Wrong rows that one logit scale on the decode rows puts right are a decode kernel's scale
+    // (`softmax-scale`, tried after this class), not a stale partial: a batch with few decode
+    // rows may have an empty split on each of them by chance.
+    if super::paged::decode_logit_scale(x).is_some() {
+        return None;
+    }
     let fp = &at.footprint;
     let excess: Vec<f64> = fp.wrong_in_empty.iter().filter_map(|w| w.0).collect();
     let ell: Vec<f64> = fp.wrong_in_empty.iter().filter_map(|w| w.1).collect();

@@ -481,12 +481,14 @@ pub fn parse_layers(spec: &str, n_layer: usize, block_count: usize) -> Result<Ve
 
 /// The fp8 compute and latent cache `a` asks for, checked against each other and the paths:
 /// `--kv-scale` positive, finite and only with an fp8 cache; no per-tensor scales with the
-/// chunked path (one scale per context chunk's `kv_b` call, which the reference does not model).
+/// chunked path (one scale per context chunk's `kv_b` call, which the reference does not model);
+/// no fp8 decode query on a model `cfg` with DSA layers.
 ///
 /// Errors: [`Error::Usage`] naming the flag.
 fn fp8_options(
     a: &RunSpec,
     paths: &[PathKind],
+    cfg: &MlaConfig,
 ) -> Result<(
     Option<crate::core::fp8::ActQuant>,
     Option<crate::core::fp8::KvCacheQuant>,
@@ -509,6 +511,13 @@ fn fp8_options(
     }
     if a.q_scale.is_some() && !a.fp8_query {
         return Err(Error::Usage("--q-scale: only with --fp8-query".into()));
+    }
+    if a.fp8_query && cfg.indexer.is_some() {
+        return Err(Error::Usage(
+            "--fp8-query: this model's DSA layers decode over the indexer's kept keys, where the reference does not \
+             score an fp8 query (only dense attention's absorbed form); drop --fp8-query"
+                .into(),
+        ));
     }
     if a.fp8_query && !fp8_cache {
         return Err(Error::Usage(
@@ -640,7 +649,7 @@ pub fn build_run(a: &RunSpec) -> Result<(GgufFile, MlaConfig, RunConfig)> {
     }
 
     let paths = a.path.paths();
-    let (fp8, kv_cache) = fp8_options(a, &paths)?;
+    let (fp8, kv_cache) = fp8_options(a, &paths, &cfg)?;
     if paths.contains(&PathKind::Chunked)
         && longest <= new_tokens
         && (a.new_tokens.is_some() || a.path == PathChoice::Chunked)

@@ -458,9 +458,9 @@ impl Fault {
             Fault::Fp8QueryUnscaled if !matches!(path, PathKind::Mqa | PathKind::Mixed) => {
                 Err("only the absorbed decode (mqa, mixed's decode rows) has a decode query")
             }
-            Fault::Fp8QueryUnscaled if path == PathKind::Mixed && cfg.indexer.is_some() => Err(
-                "a DSA layer reads the indexer's kept keys: the replay of a mixed batch's decode rows acts on dense attention",
-            ),
+            Fault::Fp8QueryUnscaled if cfg.indexer.is_some() => {
+                Err("a DSA layer decodes over the indexer's kept keys, where the reference does not score an fp8 query")
+            }
             Fault::KvCacheScaleTwice if cfg.indexer.is_some() => {
                 Err("a DSA layer reads the indexer's kept keys: the cache replay acts on dense attention")
             }

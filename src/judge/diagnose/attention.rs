@@ -354,10 +354,17 @@ pub(super) fn softmax_scale(x: &SiteCtx<'_>) -> Option<Detection> {
             x.site.stage.name(),
             x.vs_as_is(e)
         ),
-        format!(
-            "{cause}; the right scale is (P+R)^-0.5 · m² = {:.6}, m = 0.1·mscale_all_dim·ln(factor) + 1 (DeepSeek-V2 with YaRN)",
-            cfg.softmax_scale
-        ),
+        match cfg.yarn {
+            Some(_) => format!(
+                "{cause}; the right scale is (P+R)^-0.5 · m² = {:.6}, m = 0.1·mscale_all_dim·ln(factor) + 1 (DeepSeek-V2 \
+                 with YaRN)",
+                cfg.softmax_scale
+            ),
+            None => format!(
+                "{cause}; the right scale is (P+R)^-0.5 = {:.6} (no YaRN: m = 1)",
+                cfg.softmax_scale
+            ),
+        },
     ))
 }
 

@@ -561,7 +561,55 @@ pub fn diagnose(input: &DiagnoseInput<'_>) -> Vec<Finding> {
             cand,
             explain: explain_threshold(first.site.stage, input.precision),
         };
-        out.push(classify(&x));
+        let f = classify(&x);
+        out.push(match f.class {
+            Class::Mismatch => upstream_cause(input, *path, first).unwrap_or(f),
+            _ => f,
+        });
     }
     out
+}
+
+/// Replays that may name a site before the first divergence, which passed within its rows:
+/// a mechanism whose whole error fits inside loose rows (bf16 with fp8 GEMMs) and shows only
+/// downstream, where no detector explains it. Each must demand an exact replay far nearer the
+/// candidate than the reference, so a clean site never answers.
+const UPSTREAM: [(Class, Detector); 1] = [(Class::QuantScaleLayout, scales::gemm_scale_layout)];
+
+/// When the first divergence `first` of `path` is only a `mismatch`: the first site of the same
+/// layer before it that one of [`UPSTREAM`]'s replays explains, as a finding there whose
+/// evidence says the site passed.
+fn upstream_cause(input: &DiagnoseInput<'_>, path: PathEvidence<'_>, first: &SiteDiff) -> Option<Finding> {
+    path.diffs
+        .iter()
+        .take_while(|d| d.site != first.site)
+        .filter(|d| d.site.layer == first.site.layer && d.status == Status::Pass)
+        .find_map(|d| {
+            let x = SiteCtx {
+                input,
+                path,
+                site: d.site,
+                diff: d,
+                refr: input.reference.get(&d.site)?,
+                cand: path.trace.get(&d.site)?,
+                explain: explain_threshold(d.site.stage, input.precision),
+            };
+            UPSTREAM.iter().find_map(|(class, det)| {
+                det(&x).map(|det| {
+                    let d = Detection::new(
+                        format!(
+                            "{} passed within its {} rows (rel_l2 {}) and the first failing site, {}, has no other \
+                             explanation: {}",
+                            x.site,
+                            input.precision.name(),
+                            sci(x.as_is(), 2),
+                            first.site,
+                            det.evidence
+                        ),
+                        det.hint,
+                    );
+                    Finding::at_site(*class, x.site, Some(path.kind), d)
+                })
+            })
+        })
 }

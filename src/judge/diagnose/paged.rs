@@ -285,7 +285,14 @@ pub(super) fn decode_logit_scale(x: &SiteCtx<'_>) -> Option<Detection> {
     let is_decode = |row: usize| ps.queries.get(row).is_some_and(|q| q.cached == q.upto && q.upto > 0);
     let t = ps.queries.len();
     let others: Vec<usize> = (0..t).filter(|&row| !is_decode(row)).collect();
-    if others.is_empty() || others.len() == t || x.cand.len() != x.refr.len() || !x.cand.len().is_multiple_of(t) {
+    // Every row a decode row: the plain fit of the whole site answers, except over a declared
+    // fp8 query, whose rounding (E4M3 saturation, subnormals) only the exact replay models.
+    let declared = ps.cache_quant.and_then(|q| q.query).is_some_and(|q| q != 1.0);
+    if (others.is_empty() && !declared)
+        || others.len() == t
+        || x.cand.len() != x.refr.len()
+        || !x.cand.len().is_multiple_of(t)
+    {
         return None;
     }
     // The other rows must be right as they are.
@@ -351,19 +358,25 @@ pub(super) fn decode_logit_scale(x: &SiteCtx<'_>) -> Option<Detection> {
         .min_by(|a, b| a.1.err.total_cmp(&b.1.err))?;
     let n_dec = (0..t).filter(|&row| is_decode(row)).count();
     let s = |k: usize| if k == 1 { "" } else { "s" };
+    let rest = if others.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; the {} other row{} right as they are (rel_l2 {})",
+            others.len(),
+            s(others.len()),
+            sci(others_err, 2)
+        )
+    };
     let mut ev = format!(
         "{} equals the replay of the paged cache with the logits of the step's {n_dec} decode row{} (every position \
-         read through the cache) ×{}, on {}: rel_l2 {} vs {} with the logits as they are; the {} other row{} right as \
-         they are (rel_l2 {})",
+         read through the cache) ×{}, on {}: rel_l2 {} vs {} with the logits as they are{rest}",
         x.site.stage.name(),
         s(n_dec),
         sci(c, 4),
         rows_heads(v.compared, inp.heads.len()),
         sci(v.err, 2),
         sci(v.base_err, 2),
-        others.len(),
-        s(others.len()),
-        sci(others_err, 2)
     );
     if let Some(e) = v.lse_err {
         ev.push_str(&format!("; lse rel_l2 {}", sci(e, 2)));
@@ -374,10 +387,14 @@ pub(super) fn decode_logit_scale(x: &SiteCtx<'_>) -> Option<Detection> {
             sci(c, 4)
         )
     });
-    let hint = format!(
-        "{cause}; the prefill's attention in the same batch is right, so the decode kernel's scale differs from the \
-         prefill's: check the softmax scale and the query scale it is handed"
-    );
+    let hint = if others.is_empty() {
+        format!("{cause}; quantize the decode query and descale it with the layer's one q_scale")
+    } else {
+        format!(
+            "{cause}; the prefill's attention in the same batch is right, so the decode kernel's scale differs from \
+             the prefill's: check the softmax scale and the query scale it is handed"
+        )
+    };
     Some(Detection::new(ev, hint))
 }
 
@@ -500,6 +517,12 @@ pub(super) fn paged_kv(x: &SiteCtx<'_>) -> Option<Detection> {
     let pick = explained
         .iter()
         .position(|(v, _)| v.err <= TIE_FACTOR * best + f64::MIN_POSITIVE)?;
+    // Over an fp8 cache, a cache read back × c with the recorded metadata (`kv-cache-scale`, tried
+    // after this class) that explains the site is the more specific answer: in bf16 a wrong
+    // page size can fit the same rows loosely.
+    if ps.cache_quant.is_some() && kv_cache_scale(x).is_some() {
+        return None;
+    }
     let (v, h) = &explained[pick];
     let also: Vec<Hyp> = explained
         .iter()

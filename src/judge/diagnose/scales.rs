@@ -98,7 +98,7 @@ pub(super) fn gemm_scale_layout(x: &SiteCtx<'_>) -> Option<Detection> {
             "o_proj replayed from attn_out as recorded{read} through {} ({} grid [{}, {}] of {}×{} blocks) with one factor \
              per block fitted by least squares ({} sampled elements): rel_l2 {} vs {} as is; {off} of {} blocks ≠ 1 \
              (×{} to ×{}): the scales applied are {layout}",
-            t.name,
+            g.name.strip_suffix("_scale_inv").unwrap_or(&t.name),
             g.name,
             g.grid[0],
             g.grid[1],
@@ -246,21 +246,30 @@ pub(super) fn rank_shard_scale_layout(x: &SiteCtx<'_>) -> Option<Detection> {
     });
     Some(Detection::new(
         format!(
-            "each {br}×{bc} block of rank {rank}'s o_proj shard (block columns {j0}..{} of {}) is the reference's block \
+            "each {br}×{bc} block of rank {rank}'s o_proj shard (block columns {j0} to {} of {}) is the reference's block \
              times one factor ({off} of {} blocks ≠ 1, ×{} to ×{}): the scales applied are {layout}",
-            j0 + w / bc,
+            j0 + w / bc - 1,
             g.name,
             blocks.len(),
             sci(lo, 3),
             sci(hi, 3),
         ),
-        format!(
-            "cut each rank's shard of {} at the rank's own block columns, as its weight's columns are (rank r: block \
-             columns r·{} onward), and dequantize with {}[r / {br}, c / {bc}] as stored",
-            g.name,
-            w / bc,
-            g.name
-        ),
+        if layout.starts_with("rank 0's scales") {
+            format!(
+                "cut each rank's shard of {} at the rank's own block columns, as its weight's columns are (rank r: \
+                 block columns r·{} onward), and dequantize with {}[r / {br}, c / {bc}] as stored",
+                g.name,
+                w / bc,
+                g.name
+            )
+        } else {
+            format!(
+                "dequantize each rank's shard with {}[r / {br}, c / {bc}] of the whole grid as stored; check where the \
+                 loader or the GEMM kernel re-lays the scale grid out (`mla-diff weights --check` on the engine's loaded \
+                 o_proj names the layout from the weight itself)",
+                g.name
+            )
+        },
     ))
 }
 

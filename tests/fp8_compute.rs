@@ -318,12 +318,14 @@ fn a_cache_scale_applied_twice_is_named_with_its_factor() {
 
 /// `kv-cache-scale-twice` on the paths whose first failing site is `lse` (no `attn_latent`):
 /// the chunked prefill's cached context and the mixed batch's decode rows read the cache back
-/// ×2; judged at `attn_out`, the chunked prefill's new rows replayed as computed.
+/// ×2; judged at `attn_out`, the chunked prefill's new rows replayed as computed; with the fp8
+/// GEMMs too (the chunked context's keys expanded through an fp8 kv_b, which the absorbed replay
+/// does not model, judged by the site's own rows).
 #[test]
 fn a_cache_scale_applied_twice_is_named_on_the_chunked_and_mixed_paths() {
     let m = fp8_model();
-    for path in ["chunked", "mixed"] {
-        let args = [
+    for (path, gemms) in [("chunked", "none"), ("mixed", "none"), ("chunked", "token-group")] {
+        let mut args = vec![
             "--model",
             m.to_str().unwrap(),
             "--layer",
@@ -337,6 +339,9 @@ fn a_cache_scale_applied_twice_is_named_on_the_chunked_and_mixed_paths() {
             "--inject",
             "kv-cache-scale-twice",
         ];
+        if gemms != "none" {
+            args.extend(["--fp8-compute", gemms]);
+        }
         let (code, out, doc) = run_json(&args);
         assert_eq!(code, 1, "{path}: {out}");
         let f = &doc["findings"][0];

@@ -155,7 +155,12 @@ pub(super) fn kv_cache_scale(x: &SiteCtx<'_>) -> Option<Detection> {
                 }
                 None => replay(&inp, &pre.scaled(c), &reads, fresh),
             };
-            judge(x, &inp, &reads, &rep, &base).map(|v| (c, v))
+            // A prefill over cached context expands its context keys through kv_b (an fp8
+            // GEMM when the run's are), which the absorbed replay does not model: there the
+            // site's own rows, and a tenth of the cache as written, decide.
+            judge(x, &inp, &reads, &rep, &base)
+                .or_else(|| fresh_inp.as_ref().and_then(|_| scale_verdict(x, &inp, &rep, &base)))
+                .map(|v| (c, v))
         })
         .min_by(|a, b| a.1.err.total_cmp(&b.1.err))?;
     let source = key_source(ps);
